@@ -1,0 +1,32 @@
+# Every target that runs code depends on the venv stamp: the venv is created when missing and
+# reused (only re-synced when pyproject.toml changes).
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/python -m mm_pipeline.demo
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/kv_capacity.py --quick
+	$(VENV)/bin/python benchmarks/text_throughput.py --quick
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,42 @@
+"""Torch references for writing new K/V into pool slots and moving slots between tiers."""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        k_cache[slot_mapping] = k.to(k_cache.dtype)
+        v_cache[slot_mapping] = v.to(v_cache.dtype)
+    else:
+        slots = slot_mapping[keep]
+        k_cache[slots] = k[keep].to(k_cache.dtype)
+        v_cache[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_slots_ref(cache: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``cache[slots]``; rows where ``valid`` is False come back zero (not read)."""
+    if valid is None:
+        return cache[slots].clone()
+    out = cache.new_zeros((slots.shape[0],) + tuple(cache.shape[1:]))
+    out[valid] = cache[slots[valid]]
+    return out
+
+
+def scatter_slots_ref(
+    cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None
+) -> None:
+    """``cache[slots] = rows`` for the rows ``valid`` marks (all when None)."""
+    if valid is None:
+        cache[slots] = rows.to(cache.dtype)
+    else:
+        cache[slots[valid]] = rows[valid].to(cache.dtype)

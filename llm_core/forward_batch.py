@@ -1,0 +1,41 @@
+"""The typed contract between the scheduler/engine and the model for one forward step.
+
+The engine flattens the new tokens of every scheduled request into one sequence of T tokens
+(request order = order of ``query_start_loc``) and tells the model where each token's K/V goes in
+each pool and which pages hold each request's context:
+
+    request b:  tokens [query_start_loc[b], query_start_loc[b+1]) of the flat batch,
+                positions seq_lens[b] - n_b .. seq_lens[b] - 1   (n_b = its new tokens)
+
+Full pool: every logical page of the request is mapped.  SWA pool: only pages that hold keys some
+query may still see are mapped; pages wholly behind the window are -1 (released).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    query_start_loc: torch.Tensor  # [B+1] int64 (CPU), cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int64 (CPU), context length per request after this step
+    full_slot_mapping: torch.Tensor  # [T] int64, Full-pool slot for each new token's K/V
+    swa_slot_mapping: torch.Tensor  # [T] int64, SWA-pool slot for each new token's K/V
+    full_block_table: torch.Tensor  # [B, max_full_pages] int64, -1 padded
+    swa_block_table: torch.Tensor  # [B, max_logical_pages] int64, -1 = released / unmapped
+    page_size: int
+    # Rows of the flat batch whose hidden state must become logits (last token of each request
+    # that samples this step); the model returns hidden states, the engine picks these rows.
+    logits_indices: torch.Tensor  # [R] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
