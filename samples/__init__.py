@@ -1,0 +1,1 @@
+"""Sample data for mmserve: the synthetic caption task generator and a few committed media files."""
