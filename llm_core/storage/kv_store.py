@@ -1,0 +1,64 @@
+"""The store interface every cache tier implements."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+
+MAX_KEY_CHARS = 1024
+
+
+class KeyValueStore(ABC):
+    """A key → bytes store.  Thread-safe.  ``get`` returns ``None`` for a missing, damaged or
+    unreachable entry (damaged entries are removed); ``put`` may drop a value (budget, backend down)
+    — a cache tier is allowed to forget, never to return wrong bytes."""
+
+    name: str = "store"
+
+    def __init__(self) -> None:
+        self._counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value stored under ``key``, or ``None``."""
+
+    @abstractmethod
+    def put(self, key: str, value: bytes) -> bool:
+        """Store ``value`` under ``key`` (replacing any old value); ``False`` when it was dropped."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; ``True`` when something was removed."""
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` when internal bookkeeping is inconsistent."""
+
+    def close(self) -> None:
+        """Release backend resources; the store must not be used afterwards."""
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: hits, misses, puts, dropped, corrupt, errors, evictions (store-specific)."""
+        with self._counter_lock:
+            return dict(self._counters)
+
+    # ---- internal helpers -------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self._counters[name] += n
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
+            raise ValueError(f"store key must be a non-empty str of at most {MAX_KEY_CHARS} chars, "
+                             f"got {key!r:.100}")
+
+    @staticmethod
+    def _check_value(value: bytes) -> None:
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"store value must be bytes, got {type(value).__name__}")

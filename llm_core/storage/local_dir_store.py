@@ -1,0 +1,188 @@
+"""Entries as files in a local directory: the default persistent cache tier.
+
+    root/
+      3f/3fa9…c1.entry        one checksummed entry per key; name = blake3(key) hex,
+      a0/a07b…9e.entry        sharded by its first two hex digits
+      3f/.tmp-<random>        a write in progress (removed at startup if a process died mid-write)
+
+Writes go to a temp file in the target directory and are moved into place with ``os.replace``,
+which is atomic: a reader sees the old entry, the new one, or none — never half of one.  With
+``fsync=True`` the data is flushed before the rename, so entries also survive power loss.  Damaged
+or truncated files (disk errors, a crash without fsync) fail the checksum, read as a miss and are
+deleted.  With ``max_bytes`` the least recently used files are evicted; recency is kept in file
+mtimes so it survives a restart.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import blake3
+
+from llm_core.storage.entry_codec import CorruptEntry, decode_entry, encode_entry
+from llm_core.storage.kv_store import KeyValueStore
+
+_SUFFIX = ".entry"
+_TMP_PREFIX = ".tmp-"
+
+
+class LocalDirStore(KeyValueStore):
+    """Invariant: ``_index`` maps every entry file this process knows to its size, in LRU order,
+    and ``_bytes == sum(_index.values()) <= max_bytes`` (when set) after every ``put``."""
+
+    name = "disk"
+
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int | None = None,
+                 fsync: bool = False) -> None:
+        super().__init__()
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"LocalDirStore.max_bytes must be >= 0 or None, got {max_bytes}")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[Path, int] = OrderedDict()
+        self._bytes = 0
+        self._scan()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        self._check_key(key)
+        path = self._path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            self._forget(path)
+            self._count("misses")
+            return None
+        except OSError:
+            self._count("errors")
+            self._count("misses")
+            return None
+        try:
+            value = decode_entry(raw, key)
+        except CorruptEntry:
+            self._remove(path)
+            self._count("corrupt")
+            self._count("misses")
+            return None
+        self._touch(path, len(raw))
+        self._count("hits")
+        return value
+
+    def put(self, key: str, value: bytes) -> bool:
+        self._check_key(key)
+        self._check_value(value)
+        raw = encode_entry(key, bytes(value))
+        if self.max_bytes is not None and len(raw) > self.max_bytes:
+            self._count("dropped")
+            return False
+        path = self._path(key)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(raw)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError:
+            self._count("errors")
+            self._count("dropped")
+            return False
+        with self._lock:
+            self._bytes += len(raw) - self._index.pop(path, 0)
+            self._index[path] = len(raw)
+            victims = self._pick_victims()
+        for victim in victims:
+            victim.unlink(missing_ok=True)
+        self._count("puts")
+        self._count("evictions", len(victims))
+        return True
+
+    def delete(self, key: str) -> bool:
+        self._check_key(key)
+        return self._remove(self._path(key))
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def check_integrity(self) -> None:
+        """Call when no write is in flight (a write's temp file is briefly visible)."""
+        with self._lock:
+            assert self._bytes == sum(self._index.values()), "byte count drifted from the index"
+            if self.max_bytes is not None:
+                assert self._bytes <= self.max_bytes, f"{self._bytes} bytes over {self.max_bytes}"
+            on_disk = {p: p.stat().st_size for p in self.root.glob(f"??/*{_SUFFIX}")}
+            assert on_disk == dict(self._index), "index and directory disagree"
+            assert not list(self.root.glob(f"??/{_TMP_PREFIX}*")), "temp files left behind"
+
+    # ---- internal helpers -------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        digest = blake3.blake3(key.encode()).hexdigest()
+        return self.root / digest[:2] / f"{digest}{_SUFFIX}"
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory (oldest mtime first) and drop dead temp files."""
+        for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
+            tmp.unlink(missing_ok=True)
+        entries = []
+        for p in self.root.glob(f"??/*{_SUFFIX}"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime_ns, p, st.st_size))
+        for _, p, size in sorted(entries):
+            self._index[p] = size
+            self._bytes += size
+
+    def _pick_victims(self) -> list[Path]:
+        """Pop LRU entries until within budget (caller holds the lock)."""
+        victims: list[Path] = []
+        if self.max_bytes is None:
+            return victims
+        while self._bytes > self.max_bytes and self._index:
+            path, size = self._index.popitem(last=False)
+            self._bytes -= size
+            victims.append(path)
+        return victims
+
+    def _touch(self, path: Path, size: int) -> None:
+        with self._lock:
+            self._bytes += size - self._index.pop(path, 0)
+            self._index[path] = size
+        try:
+            os.utime(path)  # recency survives a restart
+        except OSError:
+            pass
+
+    def _forget(self, path: Path) -> None:
+        with self._lock:
+            self._bytes -= self._index.pop(path, 0)
+
+    def _remove(self, path: Path) -> bool:
+        self._forget(path)
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False

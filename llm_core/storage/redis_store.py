@@ -1,0 +1,98 @@
+"""Entries in Redis: an optional shared tier across servers.
+
+Redis being down, slow or restarted is normal operation for a cache: every failure is a miss (or
+a dropped put), bounded by a short socket timeout, and after a failure the store stops talking to
+Redis for ``retry_after_s`` so a dead server costs one timeout per interval, not one per request.
+Values use the checksummed envelope, so a foreign or damaged value under our key is a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from llm_core.storage.entry_codec import CorruptEntry, decode_entry, encode_entry
+from llm_core.storage.kv_store import KeyValueStore
+
+T = TypeVar("T")
+
+
+class RedisStore(KeyValueStore):
+    name = "redis"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0,
+                 prefix: str = "mmserve:", timeout_s: float = 0.25, ttl_s: int | None = None,
+                 retry_after_s: float = 5.0, client: redis.Redis | None = None) -> None:
+        super().__init__()
+        if timeout_s <= 0 or retry_after_s < 0:
+            raise ValueError(f"RedisStore needs timeout_s > 0 and retry_after_s >= 0, got "
+                             f"{timeout_s}, {retry_after_s}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"RedisStore.ttl_s must be positive or None, got {ttl_s}")
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self._client = client or redis.Redis(
+            host=host, port=port, db=db, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the client's default retries with backoff take seconds
+        )
+        self._down_until = 0.0
+        self._state_lock = threading.Lock()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        self._check_key(key)
+        raw = self._call(lambda c: c.get(self.prefix + key))
+        if raw is None:
+            self._count("misses")
+            return None
+        try:
+            value = decode_entry(raw, key)
+        except CorruptEntry:
+            self._call(lambda c: c.delete(self.prefix + key))
+            self._count("corrupt")
+            self._count("misses")
+            return None
+        self._count("hits")
+        return value
+
+    def put(self, key: str, value: bytes) -> bool:
+        self._check_key(key)
+        self._check_value(value)
+        raw = encode_entry(key, bytes(value))
+        ok = self._call(lambda c: c.set(self.prefix + key, raw, ex=self.ttl_s))
+        self._count("puts" if ok else "dropped")
+        return bool(ok)
+
+    def delete(self, key: str) -> bool:
+        self._check_key(key)
+        return bool(self._call(lambda c: c.delete(self.prefix + key)))
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure."""
+        with self._state_lock:
+            return time.monotonic() >= self._down_until
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ---- internal helpers -------------------------------------------------------------------
+
+    def _call(self, op: Callable[[redis.Redis], T]) -> T | None:
+        if not self.available:
+            self._count("skipped")
+            return None
+        try:
+            return op(self._client)
+        except (redis.RedisError, OSError):
+            with self._state_lock:
+                self._down_until = time.monotonic() + self.retry_after_s
+            self._count("errors")
+            return None

@@ -1,0 +1,234 @@
+"""Encoder output cache: content key → embedding tensor, over tiers of key → bytes stores.
+
+    get(key):  memory ──miss──► disk ──miss──► redis ──miss──► None
+                 ▲  promote ◄──hit─┘   promote ◄──hit─┘
+    put(key):  memory (now) ──► disk, redis (write-behind thread; inline when its queue is full)
+
+Tensors are stored as safetensors bytes, so every hit returns a fresh tensor: a caller that
+modifies its copy cannot damage the cache.  Tensors come back on the CPU.
+
+Keys are content hashes (``content_hash``): a key's value never changes, so a tier that lags
+behind a write-behind copy can only miss, never answer with a different embedding.
+
+Single-flight: concurrent requests for one key run the computation once; the others wait for its
+result.  An exception reaches every waiter and leaves nothing behind (the next request computes
+again).  ``get_or_compute`` is the thread-safe variant, ``aget_or_compute`` the asyncio one (the
+computation runs as its own task: a cancelled waiter does not cancel it for the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import safetensors
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from llm_core.storage import KeyValueStore
+
+_TENSOR_NAME = "embedding"
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+    return st_save({_TENSOR_NAME: tensor.detach().to("cpu").contiguous()})
+
+
+def tensor_from_bytes(blob: bytes) -> torch.Tensor:
+    """Inverse of ``tensor_to_bytes``; raises ``ValueError`` for bytes that are not one."""
+    try:
+        return st_load(blob)[_TENSOR_NAME]
+    except (safetensors.SafetensorError, KeyError, ValueError) as exc:
+        raise ValueError(f"cached value is not a serialised tensor ({exc})") from exc
+
+
+@dataclass
+class _Flight:
+    """One in-progress computation shared by concurrent threads."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    value: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class EncoderCache:
+    """Tiered, write-through embedding cache with single-flight computation."""
+
+    def __init__(self, tiers: Sequence[KeyValueStore], namespace: str = "enc:",
+                 write_behind_queue: int = 256) -> None:
+        if not tiers:
+            raise ValueError("EncoderCache needs at least one tier")
+        if write_behind_queue < 1:
+            raise ValueError(f"write_behind_queue must be >= 1, got {write_behind_queue}")
+        self.tiers = list(tiers)
+        names = [t.name for t in self.tiers]
+        self.tier_names = [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]
+        self.namespace = namespace
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._flights: dict[str, _Flight] = {}
+        self._tasks: dict[str, asyncio.Task[torch.Tensor]] = {}
+        self._writes: queue.Queue[tuple[str, bytes, list[KeyValueStore]] | None] = queue.Queue(
+            write_behind_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="encoder-cache-writer", daemon=True)
+        self._writer.start()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """Look ``key`` up tier by tier; a hit is copied into the tiers above it."""
+        skey = self.namespace + key
+        for i, tier in enumerate(self.tiers):
+            blob = tier.get(skey)
+            if blob is None:
+                continue
+            try:
+                tensor = tensor_from_bytes(blob)
+            except ValueError:
+                tier.delete(skey)  # intact entry, foreign content: drop it, keep looking
+                self._count("bad_values")
+                continue
+            self._count(f"hits.{self.tier_names[i]}")
+            if i > 0:
+                self._store(skey, blob, self.tiers[:i])
+            return tensor
+        self._count("misses")
+        return None
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` to every tier (the first now, the rest write-behind)."""
+        self._store(self.namespace + key, tensor_to_bytes(tensor), self.tiers)
+
+    def get_or_compute(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Cached value, or ``compute()`` run once for all threads asking for ``key`` meanwhile."""
+        with self._lock:
+            flight = self._flights.get(key)
+            leader = flight is None
+            if leader:
+                flight = self._flights[key] = _Flight()
+            else:
+                self._counts["joins"] += 1
+        assert flight is not None
+        if not leader:
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            assert flight.value is not None
+            return flight.value
+        try:
+            flight.value = self._lookup_or_run(key, compute)
+            return flight.value
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._flights[key]
+            flight.done.set()
+
+    async def aget_or_compute(self, key: str,
+                              compute: Callable[[], Awaitable[torch.Tensor]]) -> torch.Tensor:
+        """Async single-flight: one task per key computes; every caller awaits it."""
+        loop = asyncio.get_running_loop()
+        task = self._tasks.get(key)
+        if task is None or task.get_loop() is not loop:
+            task = loop.create_task(self._alookup_or_run(key, compute))
+            self._tasks[key] = task
+            task.add_done_callback(lambda t: self._task_done(key, t))
+        else:
+            self._count("joins")
+        return await asyncio.shield(task)
+
+    def flush(self) -> None:
+        """Block until every write-behind write has reached its tier."""
+        self._writes.join()
+
+    def stats(self) -> dict[str, object]:
+        """``hits`` per tier name, ``misses``, ``computes``, ``joins`` (callers that waited for
+        another's computation), ``compute_errors``, ``bad_values``, ``pending_writes``."""
+        with self._lock:
+            c = dict(self._counts)
+        return {
+            "hits": {n: c.get(f"hits.{n}", 0) for n in self.tier_names},
+            **{k: c.get(k, 0) for k in ("misses", "computes", "joins", "compute_errors", "bad_values")},
+            "pending_writes": self._writes.unfinished_tasks,
+        }
+
+    def check_integrity(self) -> None:
+        """Call when idle: drains write-behind, then checks flights, tasks and every tier."""
+        self.flush()
+        with self._lock:
+            assert not self._flights, f"flights left without a leader: {sorted(self._flights)[:5]}"
+        assert all(not t.done() for t in self._tasks.values()), "finished task still registered"
+        for tier in self.tiers:
+            tier.check_integrity()
+
+    def close(self) -> None:
+        """Finish pending writes and stop the writer thread (the tiers stay open)."""
+        self._writes.put(None)
+        self._writer.join()
+
+    # ---- internal helpers -------------------------------------------------------------------
+
+    def _lookup_or_run(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        self._count("computes")
+        try:
+            value = compute()
+        except BaseException:
+            self._count("compute_errors")
+            raise
+        self.put(key, value)
+        return value
+
+    async def _alookup_or_run(self, key: str,
+                              compute: Callable[[], Awaitable[torch.Tensor]]) -> torch.Tensor:
+        hit = await asyncio.to_thread(self.get, key)  # disk and Redis reads block
+        if hit is not None:
+            return hit
+        self._count("computes")
+        try:
+            value = await compute()
+        except BaseException:
+            self._count("compute_errors")
+            raise
+        await asyncio.to_thread(self.put, key, value)
+        return value
+
+    def _task_done(self, key: str, task: asyncio.Task[torch.Tensor]) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
+        if not task.cancelled():
+            task.exception()  # mark retrieved: waiters that went away must not log a warning
+
+    def _store(self, skey: str, blob: bytes, tiers: list[KeyValueStore]) -> None:
+        tiers[0].put(skey, blob)
+        if len(tiers) > 1:
+            try:
+                self._writes.put_nowait((skey, blob, tiers[1:]))
+            except queue.Full:  # backpressure: the caller pays for the slow tiers itself
+                for tier in tiers[1:]:
+                    tier.put(skey, blob)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._writes.get()
+            try:
+                if job is None:
+                    return
+                skey, blob, tiers = job
+                for tier in tiers:
+                    tier.put(skey, blob)  # stores turn their own failures into dropped writes
+            finally:
+                self._writes.task_done()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1

@@ -1,0 +1,120 @@
+"""Typed values that flow through the media stages.
+
+    MediaSource ──ingest──► MediaItem (raw bytes + sniffed format) ──decode──► Decoded{Image,Video,Audio}
+
+Decoded pixels are uint8 RGB in HWC layout (what PIL and PyAV produce); resizing, normalising and
+patchifying belong to ``encoders.image_processing``.  Decoded audio is mono float32 at the rate the
+caller asked for.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class MediaKind(str, enum.Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+@dataclass(frozen=True)
+class MediaSource:
+    """Where a media item comes from: exactly one of ``data`` (uploaded bytes), ``url`` (``data:``,
+    ``file://``, ``http(s)://``) or ``path`` (a local file).  ``kind`` is what the request declared
+    (e.g. an ``image_url`` part); ``None`` accepts whatever the content sniffs as."""
+
+    data: bytes | None = field(default=None, repr=False)
+    url: str | None = None
+    path: str | None = None
+    kind: MediaKind | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("data", "url", "path") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"MediaSource needs exactly one of data/url/path, got {given or 'none'}")
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One ingested item: raw encoded bytes whose type was sniffed from the content.
+
+    ``format`` is the container/codec family (``"png"``, ``"mp4"``, ``"gif"``...), ``origin`` a short
+    description of where it came from, for error messages and logs."""
+
+    kind: MediaKind
+    format: str
+    data: bytes = field(repr=False)
+    origin: str = "upload"
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedImage:
+    pixels: torch.Tensor  # [H, W, 3] uint8 RGB
+    source_format: str
+
+    def __post_init__(self) -> None:
+        p = self.pixels
+        if p.dtype != torch.uint8 or p.dim() != 3 or p.shape[2] != 3:
+            raise ValueError(f"DecodedImage wants [H, W, 3] uint8, got {tuple(p.shape)} {p.dtype}")
+
+    @property
+    def height(self) -> int:
+        return int(self.pixels.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.pixels.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedVideo:
+    """Sampled frames of a video.  ``frame_indices[k]`` is the source frame (presentation order) that
+    ``frames[k]`` shows and ``timestamps[k]`` its time in seconds; a padded tail repeats the last
+    index and timestamp (see ``video_sampling``)."""
+
+    frames: torch.Tensor  # [T, H, W, 3] uint8 RGB
+    frame_indices: tuple[int, ...]
+    timestamps: tuple[float, ...]
+    video_fps: float
+    total_frames: int
+    source_format: str
+
+    def __post_init__(self) -> None:
+        f = self.frames
+        if f.dtype != torch.uint8 or f.dim() != 4 or f.shape[3] != 3:
+            raise ValueError(f"DecodedVideo wants [T, H, W, 3] uint8, got {tuple(f.shape)} {f.dtype}")
+        if not (f.shape[0] == len(self.frame_indices) == len(self.timestamps)):
+            raise ValueError(
+                f"DecodedVideo: {f.shape[0]} frames, {len(self.frame_indices)} indices, "
+                f"{len(self.timestamps)} timestamps must agree"
+            )
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedAudio:
+    samples: torch.Tensor  # [N] float32 mono
+    sample_rate: int
+    source_format: str
+
+    def __post_init__(self) -> None:
+        s = self.samples
+        if s.dtype != torch.float32 or s.dim() != 1:
+            raise ValueError(f"DecodedAudio wants [N] float32, got {tuple(s.shape)} {s.dtype}")
+        if self.sample_rate <= 0:
+            raise ValueError(f"DecodedAudio sample_rate must be positive, got {self.sample_rate}")
+
+    @property
+    def duration_s(self) -> float:
+        return int(self.samples.shape[0]) / self.sample_rate

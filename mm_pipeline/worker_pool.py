@@ -1,0 +1,125 @@
+"""Bounded off-loop execution of blocking work (decoding, hashing, disk I/O) with backpressure.
+
+``await pool.run(fn, *args)`` runs ``fn`` on one of ``max_workers`` threads.  At most
+``max_workers + max_pending`` calls are admitted at once; further callers wait (FIFO) for a slot,
+so a burst of uploads queues on the event loop as cheap suspended coroutines instead of an
+unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long wait into
+``ServerBusy`` (HTTP 503).
+
+Threads, not processes: PyAV and PIL drop the GIL while decoding, and results (frame tensors)
+stay in-process without pickling.  The pool is usable from any event loop and any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from mm_pipeline.errors import ServerBusy
+
+T = TypeVar("T")
+
+
+class WorkerPool:
+    """Thread pool with an admission limit.
+
+    Invariant (under ``_lock``): ``0 <= _admitted <= capacity``; a waiter is only woken by handing
+    it a slot that stays counted in ``_admitted``."""
+
+    def __init__(self, max_workers: int = 2, max_pending: int = 16, admit_timeout_s: float | None = None,
+                 name: str = "media") -> None:
+        if max_workers < 1 or max_pending < 0:
+            raise ValueError(f"WorkerPool needs max_workers >= 1 and max_pending >= 0, got "
+                             f"{max_workers}, {max_pending}")
+        self.max_workers = max_workers
+        self.capacity = max_workers + max_pending
+        self.admit_timeout_s = admit_timeout_s
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix=f"{name}-worker")
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
+            collections.deque()
+        )
+
+    # ---- public API -------------------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
+        await self._acquire()
+        try:
+            cf: Future[T] = self._executor.submit(fn, *args, **kwargs)
+        except BaseException:
+            self._release()
+            raise
+        cf.add_done_callback(lambda _: self._release())
+        return await asyncio.wrap_future(cf)
+
+    @property
+    def admitted(self) -> int:
+        """Calls running or queued on the executor."""
+        with self._lock:
+            return self._admitted
+
+    @property
+    def waiting(self) -> int:
+        """Callers suspended for admission."""
+        with self._lock:
+            return sum(1 for _, fut in self._waiters if not fut.done())
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            if not 0 <= self._admitted <= self.capacity:
+                raise AssertionError(f"admitted {self._admitted} outside [0, {self.capacity}]")
+
+    # ---- internal helpers -------------------------------------------------------------------
+
+    async def _acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._admitted < self.capacity and not self._waiters:
+                self._admitted += 1
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, fut))
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.admit_timeout_s)
+        except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
+            with self._lock:
+                try:
+                    self._waiters.remove((loop, fut))
+                    queued = True
+                except ValueError:
+                    queued = False  # a slot was handed to us (or is on its way) — give it back
+            if not queued:
+                if fut.done() and not fut.cancelled():
+                    self._release()
+                else:
+                    fut.cancel()  # _grant sees the cancellation and releases the slot
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ServerBusy(f"media worker pool saturated ({self.capacity} calls admitted) for "
+                                 f"{self.admit_timeout_s} s") from None
+            raise
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._waiters:
+                loop, fut = self._waiters.popleft()  # the slot passes to this waiter
+            else:
+                self._admitted -= 1
+                return
+        try:
+            loop.call_soon_threadsafe(self._grant, fut)
+        except RuntimeError:  # the waiter's loop is closed: nobody will take the slot
+            self._release()
+
+    def _grant(self, fut: asyncio.Future[None]) -> None:
+        if fut.done():  # cancelled or timed out after it left the queue
+            self._release()
+        else:
+            fut.set_result(None)

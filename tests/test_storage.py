@@ -1,0 +1,240 @@
+"""llm_core.storage: the key → bytes tiers (memory LRU, local directory, Redis) and the
+checksummed entry format."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_core.storage import (
+    CorruptEntry,
+    KeyValueStore,
+    LocalDirStore,
+    MemoryStore,
+    RedisStore,
+    decode_entry,
+    encode_entry,
+)
+
+keys = st.text(alphabet="abcdef", min_size=1, max_size=3)
+values = st.binary(max_size=64)
+ops = st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), keys, values), max_size=40)
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> KeyValueStore:
+    if request.param == "memory":
+        return MemoryStore(max_bytes=1 << 20)
+    if request.param == "disk":
+        return LocalDirStore(tmp_path / "store")
+    port = request.getfixturevalue("redis_server")
+    return RedisStore(port=port, prefix=f"t-{uuid.uuid4().hex}:")
+
+
+# ---- entry format ---------------------------------------------------------------------------
+
+@given(key=st.text(min_size=1, max_size=20), value=st.binary(max_size=200))
+def test_entry_round_trip(key: str, value: bytes) -> None:
+    assert decode_entry(encode_entry(key, value), key) == value
+
+
+@given(value=st.binary(min_size=1, max_size=100), data=st.data())
+def test_entry_any_byte_flip_or_truncation_is_detected(value: bytes, data: st.DataObject) -> None:
+    raw = encode_entry("k", value)
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    flipped = raw[:pos] + bytes([raw[pos] ^ data.draw(st.integers(1, 255))]) + raw[pos + 1:]
+    with pytest.raises(CorruptEntry):
+        decode_entry(flipped, "k")
+    with pytest.raises(CorruptEntry):
+        decode_entry(raw[: data.draw(st.integers(0, len(raw) - 1))], "k")
+
+
+def test_entry_under_another_key_is_rejected() -> None:
+    with pytest.raises(CorruptEntry, match="key"):
+        decode_entry(encode_entry("a", b"v"), "b")
+
+
+# ---- every store ----------------------------------------------------------------------------
+
+def test_store_round_trip_overwrite_delete(store: KeyValueStore) -> None:
+    assert store.get("k") is None
+    assert store.put("k", b"one")
+    assert store.get("k") == b"one"
+    assert store.put("k", b"two")
+    assert store.get("k") == b"two"
+    assert store.put("empty", b"")
+    assert store.get("empty") == b""
+    assert store.delete("k")
+    assert not store.delete("k")
+    assert store.get("k") is None
+    store.check_integrity()
+    assert store.stats["hits"] == 3
+
+
+def test_store_rejects_bad_keys_and_values(store: KeyValueStore) -> None:
+    with pytest.raises(ValueError, match="key"):
+        store.get("")
+    with pytest.raises(ValueError, match="key"):
+        store.put("x" * 5000, b"v")
+    with pytest.raises(TypeError, match="bytes"):
+        store.put("k", "not bytes")  # type: ignore[arg-type]
+
+
+@settings(max_examples=25, deadline=None)
+@given(sequence=ops)
+def test_store_matches_a_dict_model(sequence: list[tuple[str, str, bytes]], tmp_path_factory) -> None:
+    stores = [MemoryStore(1 << 20), LocalDirStore(tmp_path_factory.mktemp("model"))]
+    for s in stores:
+        model: dict[str, bytes] = {}
+        for op, key, value in sequence:
+            if op == "put":
+                assert s.put(key, value)
+                model[key] = value
+            elif op == "get":
+                assert s.get(key) == model.get(key)
+            else:
+                assert s.delete(key) == (model.pop(key, None) is not None)
+            s.check_integrity()
+        assert all(s.get(k) == v for k, v in model.items())
+
+
+# ---- memory LRU -----------------------------------------------------------------------------
+
+@settings(max_examples=50, deadline=None)
+@given(sequence=st.lists(st.tuples(keys, st.integers(0, 40)), max_size=60), budget=st.integers(0, 100))
+def test_memory_lru_budget_invariants(sequence: list[tuple[str, int]], budget: int) -> None:
+    s = MemoryStore(max_bytes=budget)
+    latest: dict[str, bytes] = {}
+    for i, (key, size) in enumerate(sequence):
+        value = bytes([i % 256]) * size
+        stored = s.put(key, value)
+        assert stored == (size <= budget)
+        if stored:
+            latest[key] = value
+            assert s.keys()[-1] == key  # most recent put is MRU and survives its own eviction pass
+        else:
+            latest.pop(key, None)  # a rejected put also dropped the old value
+            s.delete(key)
+        s.check_integrity()
+        for k in s.keys():
+            assert s.get(k) == latest[k]  # evicted or not, never a stale value
+
+
+def test_memory_lru_evicts_least_recently_used() -> None:
+    s = MemoryStore(max_bytes=30)
+    for k in "abc":
+        s.put(k, b"x" * 10)
+    s.get("a")  # a becomes MRU → b is the LRU victim
+    s.put("d", b"y" * 10)
+    assert s.keys() == ["c", "a", "d"]
+    assert s.stats["evictions"] == 1
+    assert not s.put("huge", b"z" * 31)
+    assert len(s) == 3
+
+
+# ---- local directory ------------------------------------------------------------------------
+
+def _entry_files(root: Path) -> list[Path]:
+    return sorted(root.glob("??/*.entry"))
+
+
+def test_disk_entries_survive_a_new_instance(tmp_path: Path) -> None:
+    LocalDirStore(tmp_path).put("persist", b"payload")
+    again = LocalDirStore(tmp_path)
+    assert again.get("persist") == b"payload"
+    assert len(again) == 1
+    again.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign"])
+def test_disk_damaged_entry_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None:
+    s = LocalDirStore(tmp_path)
+    s.put("k", b"v" * 100)
+    (path,) = _entry_files(tmp_path)
+    raw = path.read_bytes()
+    damaged = {
+        "flip": raw[:-1] + bytes([raw[-1] ^ 1]),
+        "truncate": raw[: len(raw) // 2],
+        "empty": b"",
+        "foreign": encode_entry("other-key", b"v" * 100),  # a name collision can never alias
+    }[damage]
+    path.write_bytes(damaged)
+    fresh = LocalDirStore(tmp_path)
+    assert fresh.get("k") is None
+    assert not path.exists()
+    assert fresh.stats["corrupt"] == 1
+    fresh.check_integrity()
+
+
+def test_disk_startup_removes_dead_temp_files_and_budget_evicts_lru(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path, max_bytes=3 * 200)
+    for i, k in enumerate("abc"):
+        s.put(k, bytes(100))
+        t = time.time() - 100 + i  # distinct mtimes: a < b < c
+        os.utime(s._path(k), (t, t))
+    (tmp_path / "00").mkdir(exist_ok=True)
+    (tmp_path / "00" / ".tmp-dead").write_bytes(b"half a write")
+    s = LocalDirStore(tmp_path, max_bytes=3 * 200)  # restart: recency from mtimes
+    s.check_integrity()
+    assert s.get("a") == bytes(100)  # a becomes MRU → b is the LRU victim
+    s.put("d", bytes(100))
+    assert s.get("b") is None and s.get("a") is not None and s.get("c") is not None
+    s.check_integrity()
+
+
+def test_disk_concurrent_writers_leave_one_intact_value(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path)
+    values = [bytes([i]) * 5000 for i in range(8)]
+    threads = [threading.Thread(target=lambda v=v: [s.put("same", v) for _ in range(10)]) for v in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s.get("same") in values
+    s.check_integrity()
+
+
+# ---- redis ----------------------------------------------------------------------------------
+
+def test_redis_damaged_value_is_a_miss_and_removed(redis_server: int) -> None:
+    import redis
+
+    s = RedisStore(port=redis_server, prefix="dmg:")
+    s.put("k", b"value")
+    client = redis.Redis(port=redis_server)
+    client.set("dmg:k", b"not an entry")
+    assert s.get("k") is None
+    assert client.get("dmg:k") is None
+
+
+def test_redis_unreachable_is_a_fast_miss() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    s = RedisStore(port=port, timeout_s=0.2, retry_after_s=60)
+    t0 = time.perf_counter()
+    assert s.get("k") is None
+    assert not s.put("k", b"v")
+    assert time.perf_counter() - t0 < 1.0
+    assert s.stats["errors"] == 1 and s.stats["skipped"] == 1  # backed off after the first failure
+    assert not s.available
+
+
+def test_redis_silent_server_times_out_as_a_miss() -> None:
+    with socket.socket() as server:  # accepts connections, never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        s = RedisStore(port=server.getsockname()[1], timeout_s=0.2, retry_after_s=0)
+        t0 = time.perf_counter()
+        assert s.get("k") is None
+        elapsed = time.perf_counter() - t0
+    assert 0.15 < elapsed < 1.5
+    assert s.stats["errors"] == 1
