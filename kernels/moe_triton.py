@@ -1,0 +1,190 @@
+"""Triton fused MoE experts: tokens sorted by expert, grouped GEMMs, weighted combine.
+
+Same contract as :func:`kernels.moe_ref.experts_ref` (routing stays in torch: ``moe_ref.route_ref``).
+
+An *entry* is one (token, choice) pair, ``entry = token * top_k + k``. Entries are sorted by expert
+and each expert's run is padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows
+belongs to exactly one expert and one grouped-GEMM program can use a single weight matrix:
+
+    sorted_ids:   | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | e5 -- -- -- | ...     (-- = pad, id N)
+    block_expert: |     0       |      2      |      2      |      5      | ... E (unused block)
+
+Everything is computed on the device without a host sync: the padded length is bounded by
+``N + min(E, N) * (BLOCK_M - 1)`` and blocks past the real end carry expert id E and exit at once.
+
+    gate_up kernel: inter[entry] = silu(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)      [N, I]
+    down kernel:    y[entry]     = w[entry] * inter[entry] @ Wd[e].T                [N, H]
+    combine:        out[tok]     = sum_k y[tok * top_k + k]    (torch sum: deterministic, no atomics)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention_triton import dot_precision
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr, w_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
+    stride_xt, stride_we, stride_wn, stride_it, num_entries, num_experts, hidden, inter_size,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if expert >= num_experts:
+        return
+    ids = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = ids < num_entries
+    tok = (ids // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    rk = tl.arange(0, BLOCK_K)
+    w_expert = w_ptr + expert * stride_we
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (k0 + rk) < hidden
+        a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + rk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        # gate rows are [0, I), up rows [I, 2I) of the fused weight
+        w_tile = w_expert + cols[None, :] * stride_wn + (k0 + rk)[:, None]
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        gate = tl.load(w_tile, mask=w_mask, other=0.0)
+        up = tl.load(w_tile + inter_size * stride_wn, mask=w_mask, other=0.0)
+        acc_gate += tl.dot(a, gate, input_precision=DOT_PRECISION)
+        acc_up += tl.dot(a, up, input_precision=DOT_PRECISION)
+    hidden_act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(inter_ptr + ids.to(tl.int64)[:, None] * stride_it + cols[None, :],
+             hidden_act.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    inter_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+    stride_it, stride_we, stride_wn, stride_yt, num_entries, num_experts, hidden, inter_size,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if expert >= num_experts:
+        return
+    ids = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = ids < num_entries
+    ids64 = ids.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    rk = tl.arange(0, BLOCK_K)
+    w_expert = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_ok = (k0 + rk) < inter_size
+        a = tl.load(inter_ptr + ids64[:, None] * stride_it + (k0 + rk)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_expert + cols[None, :] * stride_wn + (k0 + rk)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+    weight = tl.load(weights_ptr + ids, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + ids64[:, None] * stride_yt + cols[None, :], acc * weight[:, None],
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort entries by expert, pad each run to ``block_m`` -> (sorted_ids [P], block_expert [P // block_m]).
+
+    Pads hold id N (= number of entries); unused trailing blocks hold expert id ``num_experts``.
+    """
+    flat = topk_ids.reshape(-1)
+    num_entries = flat.shape[0]
+    order = flat.argsort(stable=True)
+    # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    raw_start = counts.cumsum(0) - counts
+    expert_sorted = flat[order]
+    rank = torch.arange(num_entries, device=flat.device)
+    # entry at sorted rank r of expert e lands at pad_start[e] + (r - raw_start[e])
+    dest = (pad_end - padded)[expert_sorted] + rank - raw_start[expert_sorted]
+    bound = num_entries + min(num_experts, num_entries) * (block_m - 1)
+    bound = triton.cdiv(bound, block_m) * block_m
+    sorted_ids = torch.full((bound,), num_entries, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, bound, block_m, device=flat.device)
+    block_expert = torch.searchsorted(pad_end, block_starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+def fused_experts_triton(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """Sum_k w_k * down_e(silu(gate_e x) * up_e x) -> [T, H]; drop-in for ``moe_ref.experts_ref``.
+
+    x [T, H]; w_gate_up [E, 2I, H] (gate rows first); w_down [E, H, I]; topk_weights [T, k] float;
+    topk_ids [T, k] int. Block sizes are powers of two >= 16 (tests shrink them to reach tails).
+    """
+    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"x must be [T, H], weights [E, 2I, H] and [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    if two_inter % 2 or w_gate_up.shape[2] != hidden or w_down.shape != (num_experts, hidden, inter):
+        raise ValueError(f"weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not match x [T, {hidden}] "
+                         f"(expected [E, 2I, {hidden}] and [E, {hidden}, I])")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids/topk_weights must both be [{num_tokens}, k], got {tuple(topk_ids.shape)}, "
+                         f"{tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"topk_ids must be int32/int64 and topk_weights float, got {topk_ids.dtype}, "
+                         f"{topk_weights.dtype}")
+    named = (("w_gate_up", w_gate_up), ("w_down", w_down), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
+    for name, t in named:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    for name, b in (("block_n", block_n), ("block_k", block_k), ("block_m", block_m or 16)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {b}")
+    top_k = topk_ids.shape[1]
+    num_entries = num_tokens * top_k
+    if num_entries == 0:
+        return x.new_zeros(num_tokens, hidden)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    # Few entries per expert (decode) waste most of a tall block on padding.
+    block_m = block_m or (16 if num_entries <= 4 * num_experts else 64)
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    precision = dot_precision(x.dtype)
+    inter_act = x.new_empty(num_entries, inter)
+    moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w_gate_up, inter_act, sorted_ids, block_expert,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter_act.stride(0),
+        num_entries, num_experts, hidden, inter,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
+    )
+    y = torch.empty(num_entries, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        inter_act, w_down, y, weights, sorted_ids, block_expert,
+        inter_act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        num_entries, num_experts, hidden, inter,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
+    )
+    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
