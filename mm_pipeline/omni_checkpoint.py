@@ -1,0 +1,149 @@
+"""Tiny random omni checkpoints (MiMo-V2.5 layout) for tests, benchmarks and the demo.
+
+    out_dir/
+      config.json                    model_type "mimo_v2" (hub text spelling) + vision_config,
+                                     audio_config, processor_config, special token ids
+      model-main.safetensors         text weights (llm_core.tiny_checkpoint.write_hub_layout)
+      model-experts.safetensors      routed experts
+      model-encoders.safetensors     visual.* and audio_encoder.*
+      model.safetensors.index.json   weight_map over the three shards
+      tokenizer.json, tokenizer_config.json, chat_template.jinja   (AutoTokenizer loads these)
+
+The tokenizer is byte-level BPE without merges (ids 0..255 = bytes, so any text, "MM:SS" timestamps
+included, encodes), then the special tokens of :class:`SpecialTokens` at 256.., then the
+non-special tags ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from encoders.audio import AudioEncoder
+from encoders.tiny import init_random_, tiny_audio_config, tiny_vision_config
+from encoders.vision import VisionTransformer
+from encoders.weights import save_modules
+from llm_core.tiny_checkpoint import build_tiny_hf_checkpoint, write_hub_layout
+from mm_pipeline.omni_config import STRINGS, SpecialTokens
+
+BYTE_VOCAB = 256
+EXTRA_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+DEFAULT_SYSTEM = "You are MiMo, a helpful AI assistant engineered by Xiaomi."
+
+# Qwen-style turns (notes/model.md §5.2); one pad per media item (PromptLayout expands it). No
+# whitespace-control dashes: the string has no formatting whitespace, and a dash would eat the "\n"s.
+CHAT_TEMPLATE = (
+    "{% macro render(content) %}"
+    "{% if content is string %}{{ content }}"
+    "{% elif content is not none %}{% for part in content %}"
+    "{% if part.type == 'text' %}{{ part.text }}"
+    "{% elif part.type in ['image', 'image_url'] %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part.type in ['video', 'video_url'] %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part.type in ['audio', 'input_audio', 'audio_url'] %}"
+    "<|mimo_audio_start|><|audio_pad|><|mimo_audio_end|>"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{% endmacro %}"
+    "{% if not messages or messages[0].role != 'system' %}"
+    "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "<|im_start|>assistant\n<think>{{ message.reasoning_content or '' }}</think>{{ render(message.content) }}"
+    "<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>tool\n<tool_response>{{ render(message.content) }}</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ render(message.content) }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def tiny_special_tokens() -> SpecialTokens:
+    """Special ids right after the 256 byte tokens, in :data:`STRINGS` order."""
+    return SpecialTokens(**{name: BYTE_VOCAB + i for i, name in enumerate(STRINGS)})
+
+
+def build_tiny_tokenizer(special: SpecialTokens) -> Any:
+    """A transformers fast tokenizer (byte-level BPE, see module doc) with the chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    by_id = sorted((tid, STRINGS[name]) for name, tid in special.as_dict().items())
+    expected = list(range(BYTE_VOCAB, BYTE_VOCAB + len(by_id)))
+    if [tid for tid, _ in by_id] != expected:
+        raise ValueError(f"tiny tokenizer needs special ids {expected[0]}..{expected[-1]}, got {special}")
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for _, s in by_id])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in EXTRA_TAGS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=STRINGS["im_end"], pad_token=STRINGS["pad"], chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=[s for _, s in by_id if s not in (STRINGS["im_end"], STRINGS["pad"])],
+    )
+
+
+def _processor_config(special: SpecialTokens, vision, audio) -> dict[str, Any]:
+    """Small pixel budgets so tiny-model tests stay fast; the real field names and semantics."""
+    return {
+        "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "image_min_pixels": 32 * 32, "image_max_pixels": 128 * 128,
+        "video_min_pixels": 32 * 32, "video_max_pixels": 64 * 64, "video_total_max_pixels": 64 * 64 * 16,
+        "fps": 1.0, "min_frames": 2, "max_frames": 16, "use_video_timestamps": True, "rope_type": "rope",
+        "audio_sampling_rate": audio.sampling_rate, "audio_nfft": audio.n_fft, "audio_window_size": audio.window_size,
+        "audio_hop_length": audio.hop_length, "audio_n_mels": audio.n_mels, "audio_fmin": audio.fmin,
+        "audio_fmax": audio.fmax, "audio_kernel_size": audio.kernel_size, "audio_stride_size": audio.stride_size,
+        "audio_avg_pooler": audio.avg_pooler, "audio_group_size": audio.group_size,
+        "audio_segment_size": audio.segment_size,
+        **{k: v for k, v in special.to_config().items() if k not in ("eos_token_id", "pad_token_id")},
+        "pad_token_id": special.pad,
+    }
+
+
+def build_tiny_omni_checkpoint(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random tiny omni checkpoint (see module doc) into ``out_dir``; returns it.
+
+    ``overrides``: ``vision_config`` / ``audio_config`` (dicts of field overrides for
+    :func:`encoders.tiny.tiny_vision_config` / ``tiny_audio_config``), ``fp8`` (bool, FP8 text
+    weights), anything else goes to the tiny text config (llm_core.tiny_checkpoint).
+    """
+    out = Path(out_dir)
+    vision_over = dict(overrides.pop("vision_config", None) or {})
+    audio_over = dict(overrides.pop("audio_config", None) or {})
+    fp8 = bool(overrides.pop("fp8", False))
+    special = tiny_special_tokens()
+    text_over = {"eos_token_id": special.im_end, "pad_token_id": special.pad, "bos_token_id": None, **overrides}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hub_layout(build_tiny_hf_checkpoint(Path(tmp) / "hf", seed=seed, **text_over), out, fp8=fp8)
+    cfg = json.loads((out / "config.json").read_text())
+    hidden = int(cfg["hidden_size"])
+    vision_cfg = tiny_vision_config(**{"out_hidden_size": hidden, **vision_over})
+    audio_cfg = tiny_audio_config(**{"out_hidden_size": hidden, **audio_over})
+    vision = init_random_(VisionTransformer(vision_cfg), seed + 1)
+    audio = init_random_(AudioEncoder(audio_cfg), seed + 2)
+    shard = "model-encoders.safetensors"
+    save_modules(out / shard, {"visual.": vision, "audio_encoder.": audio})
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({f"visual.{n}": shard for n in vision.state_dict()})
+    index["weight_map"].update({f"audio_encoder.{n}": shard for n in audio.state_dict()})
+    index_path.write_text(json.dumps(index, indent=1))
+
+    cfg.update(special.to_config())
+    cfg.update({
+        "vision_model_type": "mimovl",
+        "vision_config": vision_cfg.to_dict(),
+        "audio_config": audio_cfg.to_dict(),
+        "processor_config": _processor_config(special, vision_cfg, audio_cfg),
+    })
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    build_tiny_tokenizer(special).save_pretrained(str(out))
+    return out
