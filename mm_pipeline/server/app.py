@@ -1,0 +1,219 @@
+"""FastAPI application: a thin layer of pydantic models in, JSON or SSE out.
+
+    create_app(engine, settings) -> FastAPI
+      /v1/chat/completions  /v1/completions       -> ChatService (streams: SSE ending in [DONE])
+      /v1/files ...                                -> FilesStore (uploads streamed to disk)
+      /v1/models  /health  /metrics
+
+Nothing here blocks the event loop: generation is the engine's (its own thread), media work runs
+in the engine's worker pool, disk I/O goes to threads.  A client that disconnects cancels its
+handler, which closes the engine streams (= abort, resources freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import shutil
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+from mm_pipeline.server.choices import ChoiceState
+from mm_pipeline.server.errors import APIError, error_response, install_error_handlers
+from mm_pipeline.server.files_store import FileNotFoundInStore, FileRecord, FilesStore
+from mm_pipeline.server.metrics import ServerMetrics
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, FileObject, ModelCard
+from mm_pipeline.server.settings import ServerSettings
+from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
+from mm_pipeline.server.uploads import receive_upload
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
+
+
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    """Read and validate a JSON body.  A body carrying megabytes of base64 media would hold the
+    event loop for tens of milliseconds in the JSON parser, so big ones are parsed off the loop."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise APIError(413, f"request body is over the {max_bytes}-byte limit")
+    try:
+        if len(raw) > _INLINE_PARSE_BYTES:
+            return await asyncio.to_thread(model.model_validate_json, bytes(raw))
+        return model.model_validate_json(bytes(raw))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+def _file_object(rec: FileRecord) -> FileObject:
+    return FileObject(id=rec.id, bytes=rec.bytes, created_at=rec.created_at, filename=rec.filename,
+                      purpose=rec.purpose)
+
+
+class AuthAndCount:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): API-key check on
+    ``/v1`` routes, in-flight gauge and per-route status counts."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.api_key is not None and path.startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                self.metrics.count_request(path, 401)
+                await error_response(APIError(401, "missing or invalid API key (Authorization: Bearer ...)"))(
+                    scope, receive, send)
+                return
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.in_flight -= 1
+            route = scope.get("route")
+            self.metrics.count_request(getattr(route, "path", "other"), status)
+
+
+def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (an ``OmniEngine`` or anything with its API).
+
+    The app does not own the engine: whoever created it shuts it down."""
+    settings = settings or ServerSettings()
+    model_name = settings.model_name or getattr(engine, "model_name", "mmserve")
+    metrics = ServerMetrics()
+    temp_dir = None if settings.files_dir else tempfile.mkdtemp(prefix="mmserve-files-")
+    store = FilesStore(settings.files_dir or temp_dir, settings.max_upload_bytes, settings.max_files_total_bytes)
+    if hasattr(engine, "set_file_resolver"):
+        engine.set_file_resolver(store.resolve)
+
+    def observe(arrival: float, states: list[ChoiceState]) -> None:
+        end = time.perf_counter()
+        for s in states:
+            metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens)
+
+    service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens), observe)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        metrics.lag_monitor.start()
+        try:
+            yield
+        finally:
+            await metrics.lag_monitor.stop()
+            if temp_dir is not None:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+
+    app = FastAPI(title="mmserve", lifespan=lifespan)
+    app.state.engine, app.state.store, app.state.metrics, app.state.service = engine, store, metrics, service
+    install_error_handlers(app)
+
+    app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics)
+
+    async def respond(request: Request, body: Any, run, run_stream) -> Response:
+        try:
+            if not body.stream:
+                result = await until_disconnected(request, run(body))
+                return JSONResponse(result.model_dump(exclude_none=False))
+            events, close = await until_disconnected(request, run_stream(body))
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
+                                 background=BackgroundTask(close))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, settings.max_request_bytes)
+        return await respond(request, body, service.chat, service.chat_stream)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, settings.max_request_bytes)
+        return await respond(request, body, service.complete, service.complete_stream)
+
+    # ---- files ------------------------------------------------------------------------------
+    def record(file_id: str) -> FileRecord:
+        try:
+            return store.get(file_id)
+        except FileNotFoundInStore:
+            raise APIError(404, f"no file with id {file_id!r}", param="file_id") from None
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request) -> JSONResponse:
+        return JSONResponse(_file_object(await receive_upload(request, store)).model_dump())
+
+    @app.get("/v1/files")
+    async def list_files(purpose: str | None = None) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_file_object(r).model_dump() for r in store.list(purpose)],
+                             "has_more": False})
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(file_id: str) -> JSONResponse:
+        return JSONResponse(_file_object(record(file_id)).model_dump())
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> FileResponse:
+        rec = record(file_id)
+        return FileResponse(store.path(rec.id), filename=rec.filename, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> JSONResponse:
+        record(file_id)
+        try:
+            await asyncio.to_thread(store.delete, file_id)
+        except FileNotFoundInStore:
+            raise APIError(404, f"no file with id {file_id!r}", param="file_id") from None
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    # ---- models, health, metrics --------------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [ModelCard(id=model_name, created=started).model_dump()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse(ModelCard(id=model_name, created=started).model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await asyncio.to_thread(engine.stats)
+        except Exception as exc:
+            return JSONResponse({"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        stats = await asyncio.to_thread(engine.stats)
+        return PlainTextResponse(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,243 @@
+"""Chat and text completions on top of an engine, independent of HTTP (the server and the batch
+runner both use it).
+
+Engine contract used here (``mm_pipeline.omni_engine.OmniEngine``):
+``generate(messages, params, request_id=...)`` / ``generate_prompt(prompt, params, ...)`` return
+async iterators of ``GenerationDelta``; bad media raise ``MediaError`` before the first delta;
+closing an iterator early aborts its request.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from llm_core.sampling import SamplingParams
+from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
+                                        merge_choices, start_all)
+from mm_pipeline.server.errors import APIError
+from mm_pipeline.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                         ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
+                                         CompletionRequest, Delta, SamplingFields, Usage)
+from mm_pipeline.server.sse import DONE, sse_event
+
+Observer = Callable[[float, "list[ChoiceState]"], None]
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model_name: str
+    default_max_tokens: int = 512
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int) -> SamplingParams:
+    """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i so the
+    choices differ yet the whole answer is reproducible."""
+    try:
+        return SamplingParams(
+            max_tokens=req.token_limit if req.token_limit is not None else default_max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            seed=None if req.seed is None else req.seed + choice,
+            stop=tuple(req.stop_list),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def _usage(states: list[ChoiceState]) -> Usage:
+    u = Usage()
+    if states:  # the prompt is counted once however many choices share it
+        u.add(states[0].prompt_tokens, 0, states[0].cached_tokens)
+    for s in states:
+        u.add(0, s.completion_tokens, 0)
+    return u
+
+
+# The engine reports a prompt it cannot serve ("prompt of N tokens leaves no room...") and a crash
+# in a model step ("RuntimeError: ...") the same way; the exception-name prefix tells them apart.
+_CRASH = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+
+
+def _check_finished(states: list[ChoiceState]) -> None:
+    for s in states:
+        if s.finish_reason == "error":
+            message = s.error or "generation failed"
+            raise APIError(500 if s.token_ids or _CRASH.match(message) else 400, message)
+        if s.finish_reason == "abort":
+            raise APIError(503, "request aborted by the server (shutting down?)", retry_after=1.0)
+
+
+class ChatService:
+    """OpenAI chat / text completions over an engine."""
+
+    def __init__(self, engine: Any, config: ServiceConfig, observe: Observer | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokens = TokenStrings(getattr(engine, "tokenizer", None))
+        self._observe = observe
+
+    # ---- chat -------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletion:
+        arrival = time.perf_counter()
+        rid = new_id("chatcmpl")
+        choices = await self._start_chat(req, rid)
+        states = await collect_all(choices)
+        self._finished(arrival, states)
+        _check_finished(states)
+        return ChatCompletion(
+            id=rid, created=int(time.time()), model=self.config.model_name, usage=_usage(states),
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=s.text), finish_reason=s.finish_reason,
+                                logprobs=self.tokens.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs)
+                                if req.logprobs else None)
+                     for i, s in enumerate(states)])
+
+    async def chat_stream(self, req: ChatCompletionRequest) -> tuple[AsyncIterator[str], Callable]:
+        """Start the request (errors raise here, before any byte is sent) and return the SSE event
+        iterator plus an idempotent ``close`` to call when the response ends for any reason."""
+        arrival = time.perf_counter()
+        rid = new_id("chatcmpl")
+        choices = await self._start_chat(req, rid)
+        created, model = int(time.time()), self.config.model_name
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            return sse_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+                                                 usage=None).model_dump(exclude_none=not req.include_usage))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for c in choices:  # OpenAI sends the role first, once per choice
+                    yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
+                async for index, d in merge_choices(choices):
+                    lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [])
+                          if req.logprobs and d.new_token_ids else None)
+                    if d.finished and d.finish_reason in ("error", "abort"):
+                        _check_finished([choices[index].state])
+                    if d.new_text or lp is not None or d.finished:
+                        yield chunk(ChatChunkChoice(index=index, delta=Delta(content=d.new_text or ""), logprobs=lp,
+                                                    finish_reason=d.finish_reason if d.finished else None))
+                states = [c.state for c in choices]
+                self._finished(arrival, states)
+                if req.include_usage:
+                    yield sse_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                                        usage=_usage(states)))
+            except APIError as exc:
+                yield sse_event({"error": {"message": exc.message, "type": "server_error", "code": exc.status}})
+            yield DONE
+
+        async def close() -> None:
+            await close_all(choices)
+
+        return events(), close
+
+    async def _start_chat(self, req: ChatCompletionRequest, rid: str) -> list[ChoiceStream]:
+        self._check_model(req.model)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens),
+                                                        request_id=f"{rid}-{i}"))
+                   for i in range(req.n)]
+        await start_all(choices)
+        return choices
+
+    # ---- text completions -------------------------------------------------------------------
+    async def complete(self, req: CompletionRequest) -> Completion:
+        arrival = time.perf_counter()
+        rid = new_id("cmpl")
+        choices, prompts = await self._start_completion(req, rid)
+        states = await collect_all(choices)
+        self._finished(arrival, states)
+        _check_finished(states)
+        usage = Usage()
+        out = []
+        for p, prompt in enumerate(prompts):
+            group = states[p * req.n:(p + 1) * req.n]
+            part = _usage(group)
+            usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
+            echo = self._prompt_text(prompt) if req.echo else ""
+            for j, s in enumerate(group):
+                lp = (self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=len(echo))
+                      if req.logprobs is not None else None)
+                out.append(CompletionChoice(index=p * req.n + j, text=echo + s.text, logprobs=lp,
+                                            finish_reason=s.finish_reason))
+        return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out, usage=usage)
+
+    async def complete_stream(self, req: CompletionRequest) -> tuple[AsyncIterator[str], Callable]:
+        arrival = time.perf_counter()
+        rid = new_id("cmpl")
+        choices, prompts = await self._start_completion(req, rid)
+        created, model = int(time.time()), self.config.model_name
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if req.echo:
+                    for c in choices:
+                        text = self._prompt_text(prompts[c.index // req.n])
+                        yield sse_event(Completion(id=rid, created=created, model=model,
+                                                   choices=[CompletionChoice(index=c.index, text=text)]))
+                async for index, d in merge_choices(choices):
+                    if d.finished and d.finish_reason in ("error", "abort"):
+                        _check_finished([choices[index].state])
+                    lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
+                                                          d.top_logprobs or [])
+                          if req.logprobs is not None and d.new_token_ids else None)
+                    if d.new_text or lp is not None or d.finished:
+                        yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
+                            index=index, text=d.new_text or "", logprobs=lp,
+                            finish_reason=d.finish_reason if d.finished else None)]))
+                states = [c.state for c in choices]
+                self._finished(arrival, states)
+                if req.include_usage:
+                    usage = Usage()
+                    for p in range(len(prompts)):
+                        part = _usage(states[p * req.n:(p + 1) * req.n])
+                        usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
+                    yield sse_event(Completion(id=rid, created=created, model=model, choices=[], usage=usage))
+            except APIError as exc:
+                yield sse_event({"error": {"message": exc.message, "type": "server_error", "code": exc.status}})
+            yield DONE
+
+        async def close() -> None:
+            await close_all(choices)
+
+        return events(), close
+
+    async def _start_completion(self, req: CompletionRequest, rid: str):
+        self._check_model(req.model)
+        prompts = req.prompts
+        choices = []
+        for p, prompt in enumerate(prompts):
+            for j in range(req.n):
+                i = p * req.n + j
+                params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens)
+                choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}")))
+        await start_all(choices)
+        return choices, prompts
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            raise APIError(400, "echo of a token-id prompt needs a tokenizer; this model has none")
+        return tok.decode(prompt)
+
+    def _finished(self, arrival: float, states: list[ChoiceState]) -> None:
+        if self._observe is not None:
+            self._observe(arrival, states)

@@ -1,0 +1,201 @@
+"""One engine stream per answer choice: prefetch the first delta, accumulate, merge, close.
+
+    client request ──► n ChoiceStreams (engine.generate per choice, request ids <id>-0 .. <id>-n-1)
+                         │ start(): await every first delta  ← media errors surface here, before
+                         │                                     any HTTP status is sent
+                         ├─ collect(): drain to the end (non-streamed answer)
+                         └─ merge_choices(): (index, delta) in arrival order (streamed answer)
+    close(): aclose() every engine iterator — the engine aborts an unfinished request and frees
+             its KV slots and cache locks; called from ``finally`` so cancellation and disconnects
+             take the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from mm_pipeline.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int | str, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None  # time.perf_counter() when the first token reached us
+    error: str | None = None
+
+    def absorb(self, delta: Any) -> None:
+        if delta.new_token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.text += delta.new_text or ""
+        self.token_ids += list(delta.new_token_ids or ())
+        self.logprobs += list(delta.logprobs or ())
+        self.top_logprobs += list(delta.top_logprobs or ())
+        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = delta.completion_tokens or len(self.token_ids)
+        self.cached_tokens = delta.cached_tokens or self.cached_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.error = getattr(delta, "error", None)
+
+
+class ChoiceStream:
+    """One engine generation seen as an async iterator with a prefetched first delta."""
+
+    def __init__(self, index: int, stream: AsyncIterator[Any]) -> None:
+        self.index = index
+        self.state = ChoiceState()
+        self._stream = stream
+        self._first: Any | None = None
+        self._done = False
+
+    async def start(self) -> None:
+        """Wait for the first delta (raises what the engine raises for bad input)."""
+        try:
+            self._first = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+
+    async def deltas(self) -> AsyncIterator[Any]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            self.state.absorb(first)
+            yield first
+            if first.finished:
+                self._done = True
+        while not self._done:
+            try:
+                delta = await self._stream.__anext__()
+            except StopAsyncIteration:
+                self._done = True
+                return
+            self.state.absorb(delta)
+            yield delta
+            if delta.finished:
+                self._done = True
+
+    async def collect(self) -> ChoiceState:
+        async for _ in self.deltas():
+            pass
+        return self.state
+
+    async def close(self) -> None:
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def start_all(choices: Sequence[ChoiceStream]) -> None:
+    """Prefetch every choice's first delta concurrently; on any failure close them all and raise."""
+    try:
+        await asyncio.gather(*(c.start() for c in choices))
+    except BaseException:
+        await close_all(choices)
+        raise
+
+
+async def close_all(choices: Sequence[ChoiceStream]) -> None:
+    # shield: closing must finish even when the caller is being cancelled (client disconnect)
+    await asyncio.shield(asyncio.gather(*(c.close() for c in choices), return_exceptions=True))
+
+
+async def collect_all(choices: Sequence[ChoiceStream]) -> list[ChoiceState]:
+    try:
+        return list(await asyncio.gather(*(c.collect() for c in choices)))
+    finally:
+        await close_all(choices)
+
+
+async def merge_choices(choices: Sequence[ChoiceStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, delta) from every choice as they arrive; closes all streams at the end."""
+    if len(choices) == 1:  # the common case needs no tasks
+        try:
+            async for d in choices[0].deltas():
+                yield choices[0].index, d
+        finally:
+            await close_all(choices)
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(c: ChoiceStream) -> None:
+        try:
+            async for d in c.deltas():
+                await queue.put((c.index, d))
+        except BaseException as exc:  # re-raised in the consumer
+            await queue.put((c.index, exc))
+        finally:
+            await queue.put((c.index, end))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_all(choices)
+
+
+class TokenStrings:
+    """Token id -> text for logprob entries (one tokenizer call per distinct id)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int | str) -> str:
+        if isinstance(token_id, str):  # the engine already turned top-logprob ids into text
+            return token_id
+        s = self._cache.get(token_id)
+        if s is None:
+            if self._tok is None:
+                s = str(token_id)
+            else:
+                s = self._tok.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = s
+        return s
+
+    def chat_logprobs(self, ids: Sequence[int], lps: Sequence[float],
+                      tops: Sequence[dict[int | str, float]]) -> ChatLogprobs:
+        content = []
+        for i, (tid, lp) in enumerate(zip(ids, lps)):
+            top = tops[i] if i < len(tops) and tops[i] else {}
+            s = self(tid)
+            content.append(TokenLogprob(
+                token=s, logprob=lp, bytes=list(s.encode("utf-8")),
+                top_logprobs=[TopLogprob(token=self(t), logprob=v, bytes=list(self(t).encode("utf-8")))
+                              for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int | str, float]],
+                            offset: int = 0) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for i, (tid, lp) in enumerate(zip(ids, lps)):
+            s = self(tid)
+            out.tokens.append(s)
+            out.token_logprobs.append(lp)
+            top = tops[i] if i < len(tops) and tops[i] else {}
+            out.top_logprobs.append({self(t): v for t, v in sorted(top.items(), key=lambda kv: -kv[1])})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out

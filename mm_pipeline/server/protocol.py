@@ -1,0 +1,314 @@
+"""Request and response models of the OpenAI-compatible API (the subset mmserve serves).
+
+Requests validate what the engine needs and ignore unknown fields (clients send ``user``,
+``metadata``...); features we do not implement (penalties, tools, ``best_of`` > ``n``) are rejected
+with a 400 that names them instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llm_core.sampling import MAX_LOGPROBS
+
+MAX_N = 16
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- chat content parts -------------------------------------------------------------------------
+class TextPart(_Loose):
+    type: Literal["text"]
+    text: str
+
+
+class URLRef(_Loose):
+    url: str = Field(min_length=1)
+    detail: str | None = None
+
+
+class ImagePart(_Loose):
+    type: Literal["image_url"]
+    image_url: URLRef
+
+
+class VideoPart(_Loose):
+    type: Literal["video_url"]
+    video_url: URLRef
+
+
+class AudioURLPart(_Loose):
+    type: Literal["audio_url"]
+    audio_url: URLRef
+
+
+class InputAudio(_Loose):
+    data: str = Field(min_length=1, description="base64 of the encoded audio")
+    format: str = Field(min_length=1, description="wav, mp3, flac, ogg... (the content is sniffed anyway)")
+
+
+class AudioPart(_Loose):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class FileRef(_Loose):
+    file_id: str | None = None
+    file_data: str | None = None
+    filename: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "FileRef":
+        if (self.file_id is None) == (self.file_data is None):
+            raise ValueError("a file part needs exactly one of file_id or file_data")
+        return self
+
+
+class FilePart(_Loose):
+    type: Literal["file"]
+    file: FileRef
+
+
+ContentPart = Annotated[
+    Union[TextPart, ImagePart, VideoPart, AudioURLPart, AudioPart, FilePart], Field(discriminator="type")
+]
+
+
+class ChatMessage(_Loose):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+def _check_unsupported(values: dict[str, Any]) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if values.get(name) not in (None, 0, 0.0):
+            raise ValueError(f"{name} is not supported (only 0)")
+    if values.get("logit_bias"):
+        raise ValueError("logit_bias is not supported")
+    if values.get("tools") or values.get("functions"):
+        raise ValueError("tools / function calling are not supported")
+
+
+class SamplingFields(_Loose):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            _check_unsupported(values)
+        return values
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _logprob_pair(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_n(self) -> int | None:
+        """The engine's ``logprobs`` setting: None = off, k = chosen token plus the top k."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- responses ----------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    def add(self, prompt: int, completion: int, cached: int) -> None:
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens_details.cached_tokens += cached
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mmserve"

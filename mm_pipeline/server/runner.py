@@ -1,0 +1,59 @@
+"""Run the app under uvicorn in a background thread (tests, benchmarks, notebooks).
+
+    with ServerThread(create_app(engine)) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="-")
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on ``host:port`` (a free port by default) in a daemon thread."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None,
+                 start_timeout_s: float = 30.0) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.start_timeout_s = start_timeout_s
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="mmserve-uvicorn", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn exited while starting on {self.base_url}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"uvicorn did not start on {self.base_url} in {self.start_timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=15)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,31 @@
+"""Server settings (everything the HTTP layer decides; media and engine limits live in the engine's
+own config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``files_dir``: where uploads are kept (None: a temporary directory removed at shutdown).
+    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``."""
+
+    model_name: str | None = None  # default: the engine's model_name
+    api_key: str | None = None
+    files_dir: str | None = None
+    max_upload_bytes: int = 512 << 20
+    max_files_total_bytes: int = 8 << 30
+    default_max_tokens: int = 512
+    max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
+
+    def __post_init__(self) -> None:
+        if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
+            raise ValueError(f"need 0 < max_upload_bytes <= max_files_total_bytes, got {self.max_upload_bytes}, "
+                             f"{self.max_files_total_bytes}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given")

@@ -1,0 +1,68 @@
+"""Server-sent events and client-disconnect handling.
+
+A streamed answer is ``data: <json>\\n\\n`` events ending with ``data: [DONE]\\n\\n``.  An error after
+the first event can no longer change the HTTP status, so it travels as one ``data: {"error": ...}``
+event before ``[DONE]`` (what OpenAI and vLLM do).
+
+Disconnects: Starlette's ``StreamingResponse`` cancels the body iterator when the client goes away
+(our iterators close their engine streams in ``finally``, which aborts the requests).  Before the
+response starts — non-streamed requests, or a streamed one waiting for its first token —
+``until_disconnected`` watches the ASGI receive channel and cancels the work itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Awaitable, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One SSE ``data:`` event holding ``payload`` as compact JSON."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude_unset=False)
+    else:
+        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read already, so the next message on the channel is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientDisconnected``.
+
+    Cancelling ``work`` runs its ``finally`` blocks, which close the engine streams (abort)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise ClientDisconnected("client disconnected")

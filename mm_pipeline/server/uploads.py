@@ -1,0 +1,123 @@
+"""``POST /v1/files``: a multipart body parsed as it arrives, the file part written straight into
+the ``FilesStore`` (never held whole in memory, never spooled twice), the size cap enforced while
+streaming so an oversized upload is cut off at the cap, not after it has been received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import Request
+
+from mm_pipeline.server.errors import APIError
+from mm_pipeline.server.files_store import FileRecord, FilesStore, UploadTooLarge, UploadWriter
+
+_FIELD_LIMIT = 4096  # bytes of a plain form field (purpose)
+_FLUSH_BYTES = 1 << 20  # disk writes go to a thread in chunks of about this size
+_PURPOSES = {"user_data", "vision", "assistants", "batch", "fine-tune", "evals"}
+
+
+class _Parts:
+    """python-multipart callbacks -> (fields, one file part fed into an UploadWriter)."""
+
+    def __init__(self, store: FilesStore) -> None:
+        self.store = store
+        self.fields: dict[str, str] = {}
+        self.writer: UploadWriter | None = None
+        self.pending: list[bytes] = []  # file bytes parsed but not yet written
+        self.pending_bytes = 0
+        self._hname = b""
+        self._hvalue = b""
+        self._disposition = b""
+        self._name = ""
+        self._is_file = False
+        self._buf = bytearray()
+
+    def callbacks(self) -> dict:
+        return {"on_part_begin": self._part_begin, "on_part_data": self._part_data, "on_part_end": self._part_end,
+                "on_header_field": self._header_field, "on_header_value": self._header_value,
+                "on_header_end": self._header_end, "on_headers_finished": self._headers_finished}
+
+    def _part_begin(self) -> None:
+        self._disposition, self._name, self._is_file, self._buf = b"", "", False, bytearray()
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._hname += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._hvalue += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._hname.lower() == b"content-disposition":
+            self._disposition = self._hvalue
+        self._hname, self._hvalue = b"", b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        if b"name" not in options:
+            raise APIError(400, "multipart part without a name in Content-Disposition")
+        self._name = options[b"name"].decode("utf-8", "replace")
+        if b"filename" in options:
+            if self._name != "file":
+                raise APIError(400, f"unexpected file field {self._name!r} (use 'file')", param=self._name)
+            if self.writer is not None:
+                raise APIError(400, "only one file per upload", param="file")
+            self._is_file = True
+            filename = options[b"filename"].decode("utf-8", "replace")
+            self.writer = self.store.begin_upload(filename, "user_data")
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        chunk = bytes(data[start:end])
+        if self._is_file:
+            self.pending.append(chunk)
+            self.pending_bytes += len(chunk)
+            if self.writer is not None and self.writer.nbytes + self.pending_bytes > self.store.max_file_bytes:
+                raise UploadTooLarge(f"file is larger than the {self.store.max_file_bytes}-byte upload limit")
+        else:
+            self._buf += chunk
+            if len(self._buf) > _FIELD_LIMIT:
+                raise APIError(400, f"form field {self._name!r} is too long", param=self._name)
+
+    def _part_end(self) -> None:
+        if not self._is_file:
+            self.fields[self._name] = self._buf.decode("utf-8", "replace")
+
+    def take_pending(self) -> bytes:
+        data = b"".join(self.pending)
+        self.pending, self.pending_bytes = [], 0
+        return data
+
+
+async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
+    """Parse the upload request and commit its file; raises ``APIError`` (400 / 413 / 415)."""
+    ctype, params = parse_options_header(request.headers.get("content-type", ""))
+    if ctype != b"multipart/form-data" or b"boundary" not in params:
+        raise APIError(415, "upload must be multipart/form-data with a 'file' part and a 'purpose' field")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > store.max_file_bytes + 64 * 1024:
+        raise APIError(413, f"upload of {declared} bytes is over the {store.max_file_bytes}-byte limit")
+    parts = _Parts(store)
+    parser = MultipartParser(params[b"boundary"], parts.callbacks())
+    try:
+        async for chunk in request.stream():
+            parser.write(chunk)
+            if parts.writer is not None and parts.pending_bytes >= _FLUSH_BYTES:
+                await asyncio.to_thread(parts.writer.write, parts.take_pending())
+        parser.finalize()
+        if parts.writer is None:
+            raise APIError(400, "upload has no 'file' part", param="file")
+        if parts.pending:
+            await asyncio.to_thread(parts.writer.write, parts.take_pending())
+        purpose = parts.fields.get("purpose", "user_data") or "user_data"
+        if purpose not in _PURPOSES:
+            raise APIError(400, f"unknown purpose {purpose!r}; expected one of {sorted(_PURPOSES)}", param="purpose")
+        parts.writer.purpose = purpose
+        return await asyncio.to_thread(parts.writer.commit)
+    except UploadTooLarge as exc:
+        raise APIError(413, str(exc), param="file") from None
+    except ValueError as exc:  # python-multipart's parse errors, an empty file
+        raise APIError(400, f"invalid upload: {exc}") from None
+    finally:
+        if parts.writer is not None:
+            parts.writer.discard()  # no-op after a commit (the temp file was moved)

@@ -1,0 +1,160 @@
+"""Files API: the store's invariants under random operation sequences, and the HTTP routes with the
+real openai client (uploads streamed, size-capped, deduplicated by content hash)."""
+
+from __future__ import annotations
+
+import blake3
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from mm_pipeline.server.files_store import FileNotFoundInStore, FilesStore, UploadTooLarge
+
+
+class _StatsOnlyEngine:
+    """The files routes never generate; the app only needs a name and stats()."""
+
+    model_name = "files-test"
+
+    def __init__(self) -> None:
+        self.resolver = None
+
+    def set_file_resolver(self, fn) -> None:
+        self.resolver = fn
+
+    def stats(self) -> dict:
+        return {}
+
+
+# ---- store ----------------------------------------------------------------------------------------
+ops = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.sampled_from([b"a", b"bb", b"ccc", b"a" * 300])),
+    st.tuples(st.just("delete"), st.integers(0, 7)),
+    st.tuples(st.just("reopen"), st.none()),
+), max_size=25)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_store_invariants_under_random_operations(tmp_path_factory, sequence):
+    root = tmp_path_factory.mktemp("store")
+    store = FilesStore(root, max_file_bytes=1000, max_total_bytes=1000)
+    model: dict[str, bytes] = {}
+    ids: list[str] = []
+    for op, arg in sequence:
+        if op == "put":
+            rec = store.put_bytes(arg, "x/y/name.bin")
+            assert rec.filename == "name.bin" and rec.bytes == len(arg)
+            assert rec.content_hash == blake3.blake3(arg).hexdigest()
+            model[rec.id] = arg
+            ids.append(rec.id)
+        elif op == "delete" and ids:
+            fid = ids[arg % len(ids)]
+            if fid in model:
+                store.delete(fid)
+                del model[fid]
+            else:
+                with pytest.raises(FileNotFoundInStore):
+                    store.delete(fid)
+        elif op == "reopen":
+            store = FilesStore(root, max_file_bytes=1000, max_total_bytes=1000)
+        store.check_integrity()
+        assert {r.id for r in store.list()} == set(model)
+        for fid, data in model.items():
+            assert store.path(fid).read_bytes() == data
+        # one blob per distinct content
+        assert len(list((root / "blobs").iterdir())) == len(set(model.values()))
+
+
+def test_store_caps(tmp_path):
+    store = FilesStore(tmp_path, max_file_bytes=10, max_total_bytes=15)
+    with pytest.raises(UploadTooLarge, match="10-byte"):
+        store.put_bytes(b"x" * 11, "big")
+    store.put_bytes(b"y" * 10, "a")
+    with pytest.raises(UploadTooLarge, match="full"):
+        store.put_bytes(b"z" * 10, "b")
+    store.put_bytes(b"y" * 10, "same content takes no space")
+    with pytest.raises(ValueError, match="empty"):
+        store.put_bytes(b"", "empty")
+    store.check_integrity()
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    engine = _StatsOnlyEngine()
+    app = create_app(engine, ServerSettings(api_key="sk-test", files_dir=str(tmp_path_factory.mktemp("files")),
+                                            max_upload_bytes=64 * 1024, max_files_total_bytes=1 << 20))
+    with ServerThread(app) as srv:
+        srv.engine, srv.store = engine, app.state.store
+        yield srv
+
+
+def _client(server, key="sk-test"):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def test_upload_roundtrip_and_resolver(server):
+    c = _client(server)
+    payload = bytes(range(256)) * 100  # 25.6 kB, several parser chunks
+    f = c.files.create(file=("dir/clip.mp4", payload), purpose="user_data")
+    assert f.bytes == len(payload) and f.filename == "clip.mp4" and f.purpose == "user_data"
+    assert f.id in [x.id for x in c.files.list().data]
+    assert c.files.retrieve(f.id).bytes == len(payload)
+    assert c.files.content(f.id).read() == payload
+    path, name = server.engine.resolver(f.id)  # what the engine reads for a {"file": {"file_id"}} part
+    assert path.read_bytes() == payload and name == "clip.mp4"
+    again = c.files.create(file=("copy.mp4", payload), purpose="vision")
+    assert again.id != f.id
+    assert server.store.get(again.id).content_hash == server.store.get(f.id).content_hash
+    assert c.files.delete(f.id).deleted
+    assert c.files.content(again.id).read() == payload  # the shared blob survives one delete
+    with pytest.raises(openai.NotFoundError) as e:
+        c.files.retrieve(f.id)
+    assert f.id in e.value.body["message"]
+    c.files.delete(again.id)
+    server.store.check_integrity()
+
+
+def test_upload_errors(server):
+    c = _client(server)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.files.create(file=("big.bin", b"x" * (64 * 1024 + 1)), purpose="user_data")
+    assert e.value.status_code == 413 and "limit" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        c.files.create(file=("a.bin", b"abc"), purpose="nonsense")
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").files.list()
+    h = {"Authorization": "Bearer sk-test"}
+    r = httpx.post(server.base_url + "/v1/files", headers=h, json={"file": "abc"})
+    assert r.status_code == 415 and r.json()["error"]["type"] == "unsupported_media_type"
+    r = httpx.delete(server.base_url + "/v1/files/file-000000000000000000000000", headers=h)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    server.store.check_integrity()
+
+
+def test_streamed_upload_is_cut_at_the_cap(server):
+    """No Content-Length (chunked): the cap is enforced while the bytes arrive."""
+    boundary = "b0undary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nuser_data\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.bin\"\r\n"
+            f"Content-Type: application/octet-stream\r\n\r\n").encode()
+    sent = 0
+
+    def body():
+        nonlocal sent
+        yield head
+        for _ in range(64):  # 4 MiB offered, cap is 64 KiB
+            sent += 65536
+            yield b"z" * 65536
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    r = httpx.post(server.base_url + "/v1/files", content=body(),
+                   headers={"Authorization": "Bearer sk-test",
+                            "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413
+    assert server.store.list() == [] or all(f.filename != "big.bin" for f in server.store.list())
+    server.store.check_integrity()
