@@ -34,6 +34,7 @@ so it costs one scale of the [B, Dv] output instead of an extra key column.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ _SPAN_BUDGET = 1 << 24
 _BAND_BLOCK = 64
 _PLAN_CACHE_SIZE = 16
 _plan_cache: "OrderedDict[tuple, list[_Chunk]]" = OrderedDict()
+_plan_lock = threading.Lock()  # encoders may run on a worker thread beside other callers
 
 
 @dataclass(frozen=True)
@@ -179,14 +181,16 @@ def _plan(seg_lens: list[int], window: int | None, heads: tuple[int, int, int, i
 
 def _cached_plan(cu: list[int], window, heads, sinks: bool, device) -> list[_Chunk]:
     key = (tuple(cu), window, heads, sinks, str(device))
-    plan = _plan_cache.get(key)
-    if plan is None:
-        plan = _plan([b - a for a, b in zip(cu, cu[1:])], window, heads, sinks, device)
+    with _plan_lock:
+        plan = _plan_cache.get(key)
+        if plan is not None:
+            _plan_cache.move_to_end(key)
+            return plan
+    plan = _plan([b - a for a, b in zip(cu, cu[1:])], window, heads, sinks, device)
+    with _plan_lock:
         _plan_cache[key] = plan
-        if len(_plan_cache) > _PLAN_CACHE_SIZE:
+        while len(_plan_cache) > _PLAN_CACHE_SIZE:
             _plan_cache.popitem(last=False)
-    else:
-        _plan_cache.move_to_end(key)
     return plan
 
 

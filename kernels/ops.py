@@ -1,39 +1,148 @@
 """Dispatch: CUDA tensors take the Triton kernels (when importable), everything else the torch
 references. ``force_triton(True)`` sends every call to Triton (used with TRITON_INTERPRET=1 in tests).
 
-The Triton kernels are filled in by the kernels work (issue G); until a kernel exists its dispatch
-falls back to the reference, so callers never need to know.
+The Triton modules are imported lazily, on the first call that needs them: whether ``triton.jit``
+builds a compiled or an interpreted kernel is decided when the module is imported, so importing them
+here eagerly would freeze that choice for every process that merely imports ``kernels.ops``.
+
+Routing (``route``) stays in torch on every device: it is a few small elementwise/top-k ops.
 """
 
 from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
 
 import torch
 
 from kernels import attention_ref, kv_copy_ref, moe_ref
 
 _FORCE_TRITON = False
+_TRITON_OK: bool | None = None  # None: not probed yet
 
 
 def force_triton(enabled: bool) -> None:
     """Route every op through Triton even for CPU tensors (only meaningful with TRITON_INTERPRET=1)."""
     global _FORCE_TRITON
     _FORCE_TRITON = enabled
+    if enabled and os.environ.get("TRITON_INTERPRET") == "1":
+        patch_triton_interpreter()
 
 
 def use_triton(t: torch.Tensor) -> bool:
     return _FORCE_TRITON or t.is_cuda
 
 
+def _kernels_for(t: torch.Tensor, name: str) -> ModuleType | None:
+    """The Triton module serving tensor ``t`` (None: use the torch reference)."""
+    if not use_triton(t):
+        return None
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("force_triton(True) with CPU tensors needs TRITON_INTERPRET=1 in the environment "
+                           "before the Triton kernels are first imported")
+    return _triton_module(name)
+
+
+def _triton_module(name: str) -> ModuleType | None:
+    """``kernels.<name>``, or None when Triton itself cannot be imported (the reference then serves).
+
+    Only a missing Triton falls back; an error inside a kernel module propagates.
+    """
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+            _TRITON_OK = True
+        except ImportError:
+            _TRITON_OK = False
+    return importlib.import_module(f"kernels.{name}") if _TRITON_OK else None
+
+
+def patch_triton_interpreter() -> None:
+    """Fix two gaps of triton 3.6's CPU interpreter that our kernels hit. Idempotent.
+
+    * numpy >= 2.4 (triton-lang/triton#9171): scalars are 1-element arrays turned into Python ints
+      with ``int(array)``, which numpy 2.4 rejects -- any ``range(lo, hi)`` with a loaded bound fails.
+    * bfloat16 ``tl.dot`` (triton-lang/triton#11584): bf16 is stored as uint16 and the dot multiplies
+      the raw bit patterns. We widen bf16 operands to fp32 first (exact: bf16 is fp32's top half).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_mmserve_fixed", False):
+        return
+
+    def patch_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        bits = h.data.astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    patch_tensor._mmserve_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_tensor
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, page_size, scale,
                     window=None, sinks=None):
-    return attention_ref.paged_attention_ref(
+    """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
+
+    Serves decode, extend and mixed batches; see :mod:`kernels.attention_ref` for the contract.
+    """
+    mod = _kernels_for(q, "paged_attention_triton")
+    if mod is not None:
+        return mod.paged_attention_triton(
+            q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+            page_size=page_size, scale=scale, window=window, sinks=sinks,
+        )
+    # Without Triton: decode rows batched over padded gathers (same results as the reference).
+    from kernels.paged_attention_cpu import paged_attention_cpu
+
+    return paged_attention_cpu(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         page_size=page_size, scale=scale, window=window, sinks=sinks,
     )
 
 
 def store_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
-    kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v)
+    """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped."""
+    mod = _kernels_for(k_cache, "kv_copy_triton")
+    if mod is not None:
+        mod.store_kv_triton(k_cache, v_cache, slot_mapping, k, v)
+    else:
+        kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v)
+
+
+def gather_slots(cache, slots, valid=None):
+    """Rows ``cache[slots]`` as a new tensor; rows ``valid`` marks False come back zero (tier copies).
+
+    Slots must lie in [0, num_slots): the Triton path treats any other slot as invalid (zero row).
+    """
+    mod = _kernels_for(cache, "kv_copy_triton")
+    if mod is not None:
+        return mod.gather_slots_triton(cache, slots, valid)
+    return kv_copy_ref.gather_slots_ref(cache, slots, valid)
+
+
+def scatter_slots(cache, slots, rows, valid=None) -> None:
+    """``cache[slots] = rows`` for the rows ``valid`` marks (all when None); slots in [0, num_slots)."""
+    mod = _kernels_for(cache, "kv_copy_triton")
+    if mod is not None:
+        mod.scatter_slots_triton(cache, slots, rows, valid)
+    else:
+        kv_copy_ref.scatter_slots_ref(cache, slots, rows, valid)
 
 
 def route(router_logits, correction_bias, *, top_k, n_group=1, topk_group=1, renormalize=True,
@@ -45,12 +154,22 @@ def route(router_logits, correction_bias, *, top_k, n_group=1, topk_group=1, ren
 
 
 def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
-    return moe_ref.experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
+    """Sum_k w_k * down_e(silu(gate_e x) * up_e x) over each token's chosen experts -> [T, H]."""
+    mod = _kernels_for(x, "moe_triton")
+    if mod is not None:
+        return mod.fused_experts_triton(x, w_gate_up, w_down, topk_weights, topk_ids)
+    # Without Triton: all experts in two grouped matmuls (same math as the reference's loop).
+    from kernels.moe_cpu import experts_cpu
+
+    return experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def band_attention(q, k, v, cu_seqlens, *, scale, window=None, sinks=None):
     """Bidirectional varlen attention within each [cu_seqlens[i], cu_seqlens[i+1]) segment; with
     ``window`` a token sees only keys within ±window positions; optional per-head sinks."""
+    mod = _kernels_for(q, "band_attention_triton")
+    if mod is not None:
+        return mod.band_attention_triton(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
     from kernels import band_attention_ref
 
     return band_attention_ref.band_attention_ref(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)

@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: the common flags, an aligned text table, and a flat --json dump."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+# Benchmarks run as scripts (python benchmarks/x.py); make the repo root importable.
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """An ArgumentParser with ``--quick`` (finish in < 60 s) and ``--json PATH``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="smaller run that finishes in under a minute")
+    p.add_argument("--json", metavar="PATH", help="also write the results as one flat JSON object")
+    return p
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-2):
+            return f"{v:.3g}"
+        return f"{v:,.2f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print rows under a title with right-aligned, width-fitted columns."""
+    cells = [[_fmt(v) for v in r] for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print(f"\n{title}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+
+
+def write_json(path: str | None, results: dict[str, Any]) -> None:
+    """Write ``results`` (must be flat: str -> number/str/bool) plus host info to ``path``."""
+    if not path:
+        return
+    for k, v in results.items():
+        if isinstance(v, (dict, list, tuple)):
+            raise ValueError(f"--json output must be flat; {k!r} is a {type(v).__name__}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"--json output {k!r} is not finite: {v}")
+    out = dict(results, host_python=platform.python_version(), host_machine=platform.machine())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    print(f"\nwrote {path}")

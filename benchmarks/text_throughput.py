@@ -1,0 +1,128 @@
+"""Prefill and decode tokens/s of our engine vs transformers ``generate``, same model, same run.
+
+Model: a random MiMo-V2-style checkpoint (default: hidden 256, 8 layers, 16 experts top-2, head dims
+32/32, window 64 -- the config of notes/peers.md's vLLM-CPU measurement), fp32, greedy.
+For each batch size B: B prompts of ``--prompt`` tokens; prefill = time to the first token of all B
+(max_tokens=1), decode = (time for ``--gen`` tokens - prefill time) for the remaining gen-1 tokens.
+Ours and transformers alternate ``--repeats`` times and the fastest run of each counts, so load
+from other processes on a shared machine hurts both sides alike.
+transformers runs eager attention over the same prompts (equal lengths: no padding).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import base_parser, print_table, write_json
+
+from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.loader import load_model
+from llm_core.tiny_checkpoint import build_tiny_hf_checkpoint
+
+MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=32, v_head_dim=32, sliding_window=64,
+             moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=2,
+             max_position_embeddings=4096, initializer_range=0.02)
+
+
+def prompts(batch: int, n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(3, vocab, (batch, n), generator=g).tolist()
+
+
+def time_ours(llm: LLM, batch: list[list[int]], gen: int) -> tuple[float, float, list[list[int]]]:
+    """(prefill seconds, full-generation seconds, tokens)."""
+    t0 = time.perf_counter()
+    llm.generate(batch, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    t1 = time.perf_counter()
+    outs = llm.generate(batch, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, [o.token_ids for o in outs]
+
+
+def time_hf(hf, batch: list[list[int]], gen: int) -> tuple[float, float, list[list[int]]]:
+    x = torch.tensor(batch)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        hf.generate(x, max_new_tokens=1, do_sample=False)
+        t1 = time.perf_counter()
+        out = hf.generate(x, max_new_tokens=gen, do_sample=False)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, out[:, x.shape[1]:].tolist()
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per batch, ours and transformers alternating; the fastest counts (shared CPUs)")
+    args = p.parse_args()
+    if args.quick:
+        args.gen = min(args.gen, 16)
+        args.prompt = min(args.prompt, 128)
+        args.repeats = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    ckpt = build_tiny_hf_checkpoint(Path(tempfile.mkdtemp(prefix="mmserve-bench-")) / "m", **MODEL)
+    model = load_model(ckpt, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+    print(f"model {n_params / 1e6:.1f}M params, prompt {args.prompt}, gen {args.gen}, "
+          f"threads {torch.get_num_threads()}")
+    max_b = max(batches)
+    cfg = EngineConfig(page_size=16, num_full_tokens=max_b * (args.prompt + args.gen + 32),
+                       num_swa_tokens=max_b * (64 + args.prompt + 64), max_num_seqs=max_b,
+                       max_num_batched_tokens=max(2048, args.prompt * 8))
+    llm = LLM.from_engine(LLMEngine(model, cfg))
+    time_ours(llm, prompts(1, args.prompt, MODEL["vocab_size"]), 2)  # warm up
+    rows, res = [], {"prompt_tokens": args.prompt, "gen_tokens": args.gen, "params_m": n_params / 1e6}
+    for b in batches:
+        batch = prompts(b, args.prompt, MODEL["vocab_size"])
+        ours_runs, hf_runs = [], []
+        for _ in range(args.repeats):
+            ours_runs.append(time_ours(llm, batch, args.gen))
+            if hf is not None:
+                hf_runs.append(time_hf(hf, batch, args.gen))
+        # fastest prefill and fastest full run, each over the repeats; decode = the difference
+        pf = min(r[0] for r in ours_runs)
+        dec_t = max(min(r[1] for r in ours_runs) - pf, 1e-9)
+        toks = ours_runs[0][2]
+        ours_pf, ours_dec = b * args.prompt / pf, b * (args.gen - 1) / max(dec_t, 1e-9)
+        res[f"ours_prefill_tok_s_b{b}"], res[f"ours_decode_tok_s_b{b}"] = ours_pf, ours_dec
+        row = [b, ours_pf, ours_dec]
+        if hf is not None:
+            hpf = min(r[0] for r in hf_runs)
+            hdec_t = max(min(r[1] for r in hf_runs) - hpf, 1e-9)
+            htoks = hf_runs[0][2]
+            hf_pf, hf_dec = b * args.prompt / hpf, b * (args.gen - 1) / max(hdec_t, 1e-9)
+            same = sum(a == c for a, c in zip(toks, htoks))
+            res.update({f"hf_prefill_tok_s_b{b}": hf_pf, f"hf_decode_tok_s_b{b}": hf_dec,
+                        f"decode_ratio_vs_hf_b{b}": ours_dec / hf_dec,
+                        f"prefill_ratio_vs_hf_b{b}": ours_pf / hf_pf, f"same_tokens_as_hf_b{b}": same / b})
+            row += [hf_pf, hf_dec, ours_pf / hf_pf, ours_dec / hf_dec, f"{same}/{b}"]
+        rows.append(row)
+    cols = ["batch", "ours prefill tok/s", "ours decode tok/s"]
+    if hf is not None:
+        cols += ["hf prefill tok/s", "hf decode tok/s", "prefill x", "decode x", "same tokens"]
+        mid = batches[len(batches) // 2]
+        res["prefill_ratio_vs_hf"] = res[f"prefill_ratio_vs_hf_b{mid}"]
+    print_table("throughput (fp32, greedy)", cols, rows)
+    write_json(args.json, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Offline API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
+
+    from llm_core import LLM, SamplingParams
+    llm = LLM(model_dir, dtype="float32")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=64, temperature=0.0, logprobs=1))
+    outs[0].token_ids, outs[0].text, outs[0].logprobs, outs[0].finish_reason
+
+Prompts are strings (need a tokenizer in the model dir) or token-id lists. A prompt the engine cannot
+serve (too long, unknown ids, empty) comes back with finish_reason "error" and ``.error``; the
+others still finish.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from llm_core.engine import EngineConfig, LLMEngine
+from llm_core.outputs import RequestOutput
+from llm_core.sampling import SamplingParams
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """transformers AutoTokenizer from ``model_dir``, or None when the directory has no tokenizer."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(table)}")
+    return table[dtype]
+
+
+class LLM:
+    """Load a checkpoint, own an engine, run batches of prompts to completion."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        tokenizer=None,
+        **engine_kwargs,
+    ) -> None:
+        """``engine_kwargs`` are :class:`EngineConfig` fields (page_size, num_full_tokens, ...)."""
+        from llm_core.loader import load_model
+
+        model = load_model(model_dir, device=device, dtype=_dtype(dtype))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.engine = LLMEngine(model, EngineConfig(**engine_kwargs), tokenizer=self.tokenizer)
+        self._next_id = 0
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (tests, benchmarks)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer, llm._next_id = engine, engine.tokenizer, 0
+        return llm
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (batched by the engine); outputs in prompt order."""
+        if isinstance(prompts, str) or (len(prompts) > 0 and _is_token_list(prompts)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        token_lists = [self._tokens(p) for p in prompts]  # validate everything before queueing
+        ids = []
+        for tokens, p in zip(token_lists, params):
+            rid = f"llm-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, tokens, p)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompt given but the model directory has no tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.tolist()]
+        return list(prompt)
+
+
+def _is_token_list(x) -> bool:
+    return not isinstance(x, str) and all(isinstance(t, int) for t in x)

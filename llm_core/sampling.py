@@ -1,0 +1,196 @@
+"""Sampling parameters (validated once, frozen) and the batched sampler.
+
+The sampler turns one fp32 logits row per sampling request into a token id, the chosen token's
+logprob and, on request, the top-n logprobs. Logprobs are always those of the model's raw
+distribution (log_softmax of the logits, before temperature / top-k / top-p), so they do not depend
+on how a token was chosen.
+
+Randomness: a request with a ``seed`` owns a ``torch.Generator`` and draws a vocab-sized noise row of
+its own every step, so its tokens do not depend on what else is in the batch. Unseeded requests share
+the engine's generator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    - ``temperature == 0`` is greedy (argmax); ``top_k`` 0 or -1 disables top-k; ``top_p == 1``
+      disables nucleus filtering.
+    - ``max_tokens`` must be >= 1 (a request that may generate nothing is rejected, not silently
+      finished).
+    - ``stop``: strings that end generation; the text is cut before the stop string, the token that
+      completed it stays in ``token_ids``. Needs a tokenizer.
+    - ``stop_token_ids``: extra ids that end generation (kept in the output like EOS).
+    - ``logprobs``: None = none; n >= 0 = the chosen token's logprob plus the top-n per token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists / a single string for convenience, store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A generator seeded with ``seed`` (None when unseeded)."""
+        if self.seed is None:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed)
+        return g
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per sampled row, in row order."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Batched greedy / temperature / top-k / top-p sampling with per-request generators."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits [R, V] (fp32) -> one token per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+            raise ValueError(
+                f"sampler got logits {tuple(logits.shape)} for {len(params)} params / {len(generators)} generators"
+            )
+        logits = logits.float()
+        rows = logits.shape[0]
+        chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            chosen[idx] = logits[idx].argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            chosen[torch.tensor(random_rows, device=logits.device)] = self._sample_random(
+                logits, random_rows, params, generators
+            )
+        token_ids = chosen.tolist()
+        return self._logprobs(logits, token_ids, params)
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _sample_random(self, logits, rows, params, generators) -> torch.Tensor:
+        x = logits[torch.tensor(rows, device=logits.device)]
+        temps = torch.tensor([params[i].temperature for i in rows], device=x.device, dtype=x.dtype)
+        x = x / temps[:, None]
+        needs_filter = any(params[i].top_k > 1 or params[i].top_p < 1.0 for i in rows)
+        if needs_filter:
+            x = self._filter(x, [params[i] for i in rows])
+        probs = torch.softmax(x, dim=-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), samples from p (and p = 0 never wins).
+        noise = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            sj = torch.tensor(shared, device=x.device)
+            noise[sj] = torch.empty(len(shared), probs.shape[1], device=x.device).exponential_(generator=self._shared)
+        for j, i in enumerate(rows):
+            g = generators[i]
+            if g is not None:
+                # drawn on the generator's device (CPU for request seeds), so a seed gives the same
+                # noise whatever device the logits live on
+                noise[j] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g).to(x.device)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Mask logits outside each row's top-k and top-p sets to -inf."""
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        vocab = x.shape[1]
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=x.device)
+        rank = torch.arange(vocab, device=x.device)[None, :]
+        drop = rank >= ks[:, None]
+        ps = torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype)
+        probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass *before* it
+        # already reaches top_p (so the first token always survives).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= ps[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]) -> SamplerOutput:
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        chosen_lp: list[float | None] = [None] * len(params)
+        top: list[dict[int, float] | None] = [None] * len(params)
+        if want:
+            idx = torch.tensor(want, device=logits.device)
+            lp = torch.log_softmax(logits[idx], dim=-1)
+            ids = torch.tensor([token_ids[i] for i in want], device=logits.device)
+            picked = lp.gather(1, ids[:, None])[:, 0].tolist()
+            n_top = max(params[i].logprobs or 0 for i in want)
+            top_vals = top_ids = None
+            if n_top > 0:
+                tv, ti = lp.topk(n_top, dim=-1)
+                top_vals, top_ids = tv.tolist(), ti.tolist()
+            for j, i in enumerate(want):
+                chosen_lp[i] = picked[j]
+                n = params[i].logprobs or 0
+                if n > 0:
+                    top[i] = dict(zip(top_ids[j][:n], top_vals[j][:n]))
+                else:
+                    top[i] = {}
+        return SamplerOutput(token_ids, chosen_lp, top)
