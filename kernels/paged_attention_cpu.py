@@ -10,10 +10,11 @@ batch 32. Here all requests with exactly one new token (decode rows) run as one 
         b=1  L=7   |0 1 2 3 4 5 6|
     slots = table[b, pos // P] * P + pos % P  (invalid cells read slot 0 and are masked out)
 
-GQA without repeat_interleave: q [D, Hq, d] is viewed as [D, Hkv, G, d] so each KV head's keys are
+GQA without repeat_interleave: q [D, Hq, d] is viewed as [Hkv, D, G, d] so each KV head's keys are
 read once for its G query heads. The index grid depends only on the page table, the lengths and the
-window, so it is built once per step and pool and reused by every layer of that kind. Multi-token rows (prefill chunks) go through the reference core one
-request at a time: they are compute-bound, so the loop overhead does not matter there.
+window, so it is built once per step and pool and reused by every layer of that kind.
+Multi-token rows (prefill chunks) go through the reference one request at a time: they are
+compute-bound, so the loop overhead does not matter there.
 """
 
 from __future__ import annotations
@@ -77,23 +78,35 @@ def _decode_plan(table, qsl, seq_lens, decode, *, page_size, window, device) -> 
     return plan
 
 
+def _gather_head_major(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] as [Hkv, D, K, d]. index_select over flat slots is ~10x faster on CPU than
+    advanced indexing with a 2-D index (measured: 0.16 vs 1.5 ms for 32 x 320 slots)."""
+    d_req, kmax = slots.shape
+    rows = cache.index_select(0, slots.reshape(-1)).view(d_req, kmax, cache.shape[1], cache.shape[2])
+    return rows.permute(2, 0, 1, 3).contiguous().float()
+
+
 def _decode_rows(q, k_cache, v_cache, plan: _DecodePlan, *, scale, sinks):
-    """One query per decode request, at position seq_len - 1 -> [D, Hq, Dv]."""
+    """One query per decode request, at position seq_len - 1 -> [D, Hq, Dv].
+
+    Keys are gathered head-major, [Hkv, D, K, d], so both products are plain batched matmuls over
+    (Hkv, D) with no hidden permute-copies (einsum over [D, K, Hkv, d] copied K again per layer).
+    """
     d_req, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    k = k_cache[plan.slots].float()  # [D, K, Hkv, d]
-    v = v_cache[plan.slots].float()  # [D, K, Hkv, dv]
-    qg = q.float().view(d_req, num_kv, group, head_dim)
-    logits = torch.einsum("bhgd,bkhd->bhgk", qg, k) * scale
-    logits = logits.masked_fill(~plan.valid[:, None, None, :], float("-inf"))
+    k = _gather_head_major(k_cache, plan.slots)  # [Hkv, D, K, d]
+    v = _gather_head_major(v_cache, plan.slots)  # [Hkv, D, K, dv]
+    qh = q.float().view(d_req, num_kv, group, head_dim).permute(1, 0, 2, 3)  # [Hkv, D, G, d]
+    logits = torch.matmul(qh, k.transpose(-1, -2)) * scale  # [Hkv, D, G, K]
+    logits = logits.masked_fill(~plan.valid[None, :, None, :], float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(1, num_kv, group, 1).expand(d_req, num_kv, group, 1)
+        sink = sinks.float().view(num_kv, 1, group, 1).expand(num_kv, d_req, group, 1)
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhgk,bkhd->bhgd", probs, v)
-    return out.reshape(d_req, num_heads, v_cache.shape[-1]).to(q.dtype)
+    out = torch.matmul(probs, v)  # [Hkv, D, G, dv]
+    return out.permute(1, 0, 2, 3).reshape(d_req, num_heads, v_cache.shape[-1]).to(q.dtype)
 
 
 def paged_attention_cpu(
