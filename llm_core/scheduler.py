@@ -254,11 +254,16 @@ class Scheduler:
         need_swa = max(0, end_pages - len(req.swa_pages)) if self.pool.has_swa else 0
         return need_full, need_swa
 
-    def _try_allocate(self, req: Request, n: int) -> bool:
+    def _make_room(self, req: Request, n: int) -> None:
+        """Let the prefix cache evict what ``n`` more tokens of ``req`` lack (before anyone is preempted)."""
         need_full, need_swa = self._pages_needed(req, n)
         short_full, short_swa = need_full - self.pool.full.num_free, need_swa - self.pool.swa.num_free
         if short_full > 0 or short_swa > 0:
             self.prefix_cache.make_room(self.pool, max(0, short_full), max(0, short_swa))
+
+    def _try_allocate(self, req: Request, n: int) -> bool:
+        need_full, need_swa = self._pages_needed(req, n)
+        self._make_room(req, n)
         if need_full > self.pool.full.num_free or need_swa > self.pool.swa.num_free:
             return False
         req.full_pages += self.pool.full.allocate(need_full)
@@ -277,6 +282,7 @@ class Scheduler:
             return n
         self.release_all_behind_window()
         while True:
+            self._make_room(req, n)  # cached pages go before the chunk shrinks or anyone is preempted
             fit = self._fit(req, n)
             if fit and self._try_allocate(req, fit):
                 return fit
