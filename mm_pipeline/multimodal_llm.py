@@ -1,0 +1,121 @@
+"""Offline multimodal API: ``MultimodalLLM(model_dir).chat(conversations, SamplingParams(...))``.
+
+    from mm_pipeline.multimodal_llm import MultimodalLLM
+    from llm_core import SamplingParams
+    llm = MultimodalLLM("samples/demo-model")
+    outs = llm.chat([
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/data/cat.png"}},
+                                      {"type": "text", "text": "Describe this image."}]}],
+        [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "file:///data/a.mp4"}},
+                                      {"type": "text", "text": "What happens?"}]}],
+    ], SamplingParams(max_tokens=64, temperature=0.0))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+
+All conversations run concurrently through one OmniEngine (so the engine batches their encoder work
+and their LLM steps). Outputs are llm_core ``RequestOutput`` objects in input order; a conversation
+whose media is broken comes back with ``finish_reason == "error"`` and ``.error`` saying why, the
+others still finish. Local paths are allowed anywhere by default (this is the caller's own machine);
+pass ``allowed_local_dirs`` to restrict them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any, Sequence
+
+from llm_core.outputs import RequestOutput
+from llm_core.sampling import SamplingParams
+from mm_pipeline.chat_request import parse_messages
+from mm_pipeline.errors import MediaError
+from mm_pipeline.omni_engine import OmniEngine
+from mm_pipeline.omni_engine_config import OmniEngineConfig
+
+Conversation = list[dict[str, Any]]
+
+
+class MultimodalLLM:
+    """Own an OmniEngine and an event loop thread; run batches of conversations to completion."""
+
+    def __init__(self, model_dir: str | Path, *, allowed_local_dirs: tuple[str, ...] = ("/",),
+                 engine: OmniEngine | None = None, **config_fields: Any) -> None:
+        """``config_fields`` are :class:`OmniEngineConfig` fields (device, dtype, cache_dir, ...)."""
+        if engine is None:
+            config = OmniEngineConfig(allowed_local_dirs=tuple(allowed_local_dirs), **config_fields)
+            engine = OmniEngine.from_pretrained(model_dir, config)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="multimodal-llm-loop", daemon=True)
+        self._thread.start()
+        self._next_id = 0
+
+    @classmethod
+    def from_engine(cls, engine: OmniEngine) -> "MultimodalLLM":
+        """Wrap an existing engine (tests, benchmarks)."""
+        return cls("", engine=engine)
+
+    # ---- public API -------------------------------------------------------------------------
+    def chat(self, conversations: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer each conversation (OpenAI-format messages); one conversation or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        chats = [parse_messages(c) for c in conversations]  # malformed input raises here, before any work
+        params = self._params(sampling_params, len(chats))
+        return self._run([dict(chat=c, params=p) for c, p in zip(chats, params)])
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Plain completions of text or token-id prompts (no chat template)."""
+        if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = self._params(sampling_params, len(prompts))
+        return self._run([dict(prompt=list(p) if not isinstance(p, str) else p, params=sp)
+                          for p, sp in zip(prompts, params)])
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> "MultimodalLLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internal helpers -------------------------------------------------------------------
+    @staticmethod
+    def _params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        sp = sp if sp is not None else SamplingParams()
+        params = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} inputs")
+        return params
+
+    def _run(self, jobs: list[dict[str, Any]]) -> list[RequestOutput]:
+        ids = []
+        for _ in jobs:
+            ids.append(f"mmllm-{self._next_id}")
+            self._next_id += 1
+
+        async def all_jobs() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(self._one(rid, job) for rid, job in zip(ids, jobs))))
+
+        return asyncio.run_coroutine_threadsafe(all_jobs(), self._loop).result()
+
+    async def _one(self, rid: str, job: dict[str, Any]) -> RequestOutput:
+        last: RequestOutput | None = None
+        try:
+            async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
+                                                    request_id=rid)) as outs:
+                async for out in outs:
+                    last = out
+        except (MediaError, ValueError) as exc:  # this conversation fails; the others go on
+            return RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error",
+                                 error=f"{type(exc).__name__}: {exc}")
+        assert last is not None and last.finished
+        return last
