@@ -10,6 +10,7 @@ random; what the demo shows is the path every request takes and what it costs.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -33,7 +34,20 @@ def _model_dir(tmp: Path) -> tuple[Path, bool]:
     return out, True
 
 
-def _short(text: str | None, width: int = 60) -> str:
+def _expected_captions() -> dict[str, str]:
+    """Ground-truth captions of the committed samples (file name -> caption), from labels.jsonl."""
+    labels = MEDIA / "labels.jsonl"
+    if not labels.is_file():
+        return {}
+    out = {}
+    for line in labels.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            out[Path(rec["path"]).name] = rec["caption"]
+    return out
+
+
+def _short(text: str | None, width: int = 72) -> str:
     # untrained models emit control characters and partial UTF-8: show them as dots
     text = "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in (text or ""))
     return text if len(text) <= width else text[:width - 1] + "…"
@@ -41,7 +55,7 @@ def _short(text: str | None, width: int = 60) -> str:
 
 async def _caption_pass(engine, inputs: list[str], out: Path) -> tuple[list[dict], object]:
     records: list[dict] = []
-    summary = await CaptionJob(engine, CaptionConfig(max_tokens=16, concurrency=16)).run(
+    summary = await CaptionJob(engine, CaptionConfig(max_tokens=48, concurrency=16)).run(
         inputs, out, on_record=records.append)
     order = {p: i for i, p in enumerate(inputs)}
     return sorted(records, key=lambda r: order[r["input"]]), summary
@@ -61,11 +75,21 @@ async def _run(engine, tiny: bool, tmp: Path) -> None:
     print(f"\ncaptioning {len(inputs)} files from {MEDIA.relative_to(ROOT)}/ "
           f"(default prompts: 'Describe this image.' / video / audio)\n")
     records, first = await _caption_pass(engine, inputs, tmp / "captions.jsonl")
-    print(f"{'file':<22} {'modality':<8} {'tokens':>6} {'time s':>7}  caption")
+    expected = _expected_captions()
+    print(f"{'file':<22} {'modality':<8} {'tokens':>6} {'time s':>7}  {'ok':<3} caption")
+    matched = 0
     for r in records:
         cap = r["caption"] if r["error"] is None else f"ERROR {r['error']}"
+        want = expected.get(Path(r["input"]).name)
+        ok = want is not None and r["error"] is None and cap.strip().lower() == want.strip().lower()
+        matched += ok
+        mark = "" if want is None else ("yes" if ok else "NO")
         print(f"{Path(r['input']).name:<22} {r['modality'] or '?':<8} {r['completion_tokens']:>6} "
-              f"{r['timings'].get('total_s', 0):>7.2f}  {_short(cap)}")
+              f"{r['timings'].get('total_s', 0):>7.2f}  {mark:<3} {_short(cap)}")
+        if want is not None and not ok:
+            print(f"{'':<48}expected: {want}")
+    if expected:
+        print(f"exact match with samples/media/labels.jsonl: {matched} of {len(records)}")
     for line in first.lines():
         print(line)
     _, second = await _caption_pass(engine, inputs, tmp / "captions-again.jsonl")
