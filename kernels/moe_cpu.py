@@ -12,6 +12,10 @@ a single ``torch.nn.functional.grouped_mm`` over the jagged groups:
 
 grouped_mm needs 16-byte aligned rows and storage; when a shape or buffer does not allow it (or
 torch lacks the op) the reference runs instead.
+
+A single token (decode at batch 1) skips the sort and the grouping: its k experts run as plain
+matmuls on views of the stacked weights, summed in ascending expert order like the reference, so
+the result is the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def experts_cpu(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) -> [T, H] (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I])."""
+    if x.shape[0] == 1 and topk_ids.numel():
+        return _one_token(x, w_gate_up, w_down, topk_weights, topk_ids)
     if (_GROUPED_MM is None or topk_ids.numel() == 0 or x.dtype != w_gate_up.dtype
             or not _aligned(x, w_gate_up, w_down)):
         return experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
@@ -52,4 +58,16 @@ def experts_cpu(
     y = _GROUPED_MM(hidden, w_down.transpose(1, 2), offs=offs)
     out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y.float() * topk_weights.reshape(-1)[order, None].float())
+    return out.to(x.dtype)
+
+
+def _one_token(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:
+    inter = w_down.shape[2]
+    ids = topk_ids[0].tolist()
+    out = None
+    for j in sorted(range(len(ids)), key=ids.__getitem__):
+        gate_up = F.linear(x, w_gate_up[ids[j]])
+        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[ids[j]])
+        y = y.float() * topk_weights[:, j : j + 1].float()
+        out = y if out is None else out + y
     return out.to(x.dtype)

@@ -96,10 +96,11 @@ def patch_triton_interpreter() -> None:
 
 
 def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, page_size, scale,
-                    window=None, sinks=None):
+                    window=None, sinks=None, plan=None):
     """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
 
     Serves decode, extend and mixed batches; see :mod:`kernels.attention_ref` for the contract.
+    ``plan``: what :func:`attention_plan` returned for this step, pool and window (None: built here).
     """
     mod = _kernels_for(q, "paged_attention_triton")
     if mod is not None:
@@ -107,13 +108,24 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
             q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
             page_size=page_size, scale=scale, window=window, sinks=sinks,
         )
-    # Without Triton: decode rows batched over padded gathers (same results as the reference).
+    # Without Triton: decode rows as one padded batch, index work shared by the step's layers.
     from kernels.paged_attention_cpu import paged_attention_cpu
 
     return paged_attention_cpu(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        page_size=page_size, scale=scale, window=window, sinks=sinks,
+        page_size=page_size, scale=scale, window=window, sinks=sinks, plan=plan,
     )
+
+
+def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, window=None):
+    """The per-step index work of :func:`paged_attention` for one pool and window, to pass as ``plan``
+    to every layer of that kind (None where the device's kernel needs none)."""
+    if use_triton(q):
+        return None
+    from kernels.paged_attention_cpu import AttentionPlan
+
+    return AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
+                               dtype=q.dtype)
 
 
 def store_kv(k_cache, v_cache, slot_mapping, k, v) -> None:

@@ -1,112 +1,147 @@
-"""Paged attention for CPU tensors: batched decode over padded gathers, per-request loop otherwise.
+"""Paged attention for CPU tensors: one fused attention call per step part, index work once per step.
 
-Same contract and results as :func:`kernels.attention_ref.paged_attention_ref`. The reference loops
-over requests in Python (a dozen small ops each, every layer), which dominates a CPU decode step at
-batch 32. Here all requests with exactly one new token (decode rows) run as one padded batch:
+Same contract and results (to fp32 rounding) as :func:`kernels.attention_ref.paged_attention_ref`.
+The reference loops over requests in Python and builds its gather indices in every layer; on a CPU
+decode step that bookkeeping, not the math, is the cost. Here an :class:`AttentionPlan` holds every
+index tensor of one step and one pool (it depends only on the page table, the lengths and the
+window), so it is built once and reused by every layer of that kind:
+
+  decode rows (one new token each) -- one padded batch:
 
     request b, context L_b, first visible key f_b = max(0, L_b - window)  (0 without window)
-    key grid [D, Kmax]:   pos[b, j] = f_b + j,   valid while j < L_b - f_b
-        b=0  L=5   |0 1 2 3 4 . .|         (window None: Kmax = longest context)
-        b=1  L=7   |0 1 2 3 4 5 6|
-    slots = table[b, pos // P] * P + pos % P  (invalid cells read slot 0 and are masked out)
+    key grid [D, Kmax]:   pos[b, j] = f_b + j  while j < L_b - f_b, else L_b - 1 (masked out)
+        b=0  L=5   |0 1 2 3 4 4 4|       padding re-reads the request's own newest key: a slot
+        b=1  L=7   |0 1 2 3 4 5 6|       that is always written, so no NaN/garbage can leak in
+    slots = table[b, pos // P] * P + pos % P,   mask[b, j] = 0 or -inf
 
-GQA without repeat_interleave: q [D, Hq, d] is viewed as [Hkv, D, G, d] so each KV head's keys are
-read once for its G query heads. The index grid depends only on the page table, the lengths and the
-window, so it is built once per step and pool and reused by every layer of that kind.
-Multi-token rows (prefill chunks) go through the reference one request at a time: they are
-compute-bound, so the loop overhead does not matter there.
+  extend rows (a prefill chunk of n tokens) -- one call per request over keys [first, L) with the
+  causal (and window) mask of its n queries.
+
+The attention itself is ATen's CPU flash kernel (GQA-aware, reads K/V through strided views, so the
+gathered [D, K, Hkv, d] rows need no head-major copy). It also returns the log-sum-exp, which gives
+the sinks exactly: a sink logit s joins only the denominator, so
+
+    out_with_sink = out * e^lse / (e^lse + e^s) = out * sigmoid(lse - s)
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
-from kernels.attention_ref import paged_attention_ref
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(frozen=True)
-class _DecodePlan:
-    """Where the decode rows of one batch read their keys in one pool (shared by its layers)."""
+class _Extend:
+    """One multi-token request: its query rows and the keys they may see."""
 
-    requests: torch.Tensor  # [D] batch index of each decode request
-    rows: torch.Tensor  # [D] flat token row of its query
-    slots: torch.Tensor  # [D, Kmax] pool slot of each visible key (0 where invalid)
-    valid: torch.Tensor  # [D, Kmax] bool
-
-
-# One step calls every layer with the same block-table / seq-lens tensor objects; the plan is
-# built once per (pool, window) and reused. Keys hold weak references, so a later step's new
-# tensors never match a stale entry even if Python reuses an id.
-_PLANS: dict[tuple, tuple[tuple, _DecodePlan]] = {}
+    start: int  # first flat query row
+    end: int
+    slots: torch.Tensor  # [K] pool slot of each key position first .. L-1
+    mask: torch.Tensor  # [1, 1, n, K] additive (0 / -inf), causal + window
 
 
-def _plan_key(tensors: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple(weakref.ref(t) for t in tensors)
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Index tensors of one step over one pool (one page table and window); shared by its layers."""
+
+    num_tokens: int
+    decode_rows: torch.Tensor | None  # [D] flat query row of each decode request (None: no decode rows)
+    all_decode: bool  # every flat row is a decode row, in order (no scatter needed)
+    decode_slots: torch.Tensor | None  # [D * Kmax] flat pool slots of the key grid
+    decode_keys: int  # Kmax
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Kmax] additive
+    extends: tuple[_Extend, ...]
+
+    @staticmethod
+    def build(
+        block_table: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        page_size: int,
+        window: int | None,
+        dtype: torch.dtype = torch.float32,
+    ) -> AttentionPlan:
+        """Plan for the batch; raises RuntimeError when a visible key's page was released."""
+        device = block_table.device
+        qsl = query_start_loc.to(torch.long).cpu()
+        lens = seq_lens.to(torch.long).cpu()
+        n_new = qsl[1:] - qsl[:-1]
+        num_tokens = int(qsl[-1])
+        decode = n_new == 1
+        num_decode = int(decode.sum())
+        rows = slots = mask = None
+        kmax = 0
+        if num_decode:
+            requests = torch.nonzero(decode)[:, 0]
+            d_lens = lens[requests]
+            first = torch.zeros_like(d_lens) if window is None else (d_lens - window).clamp(min=0)
+            span = d_lens - first
+            kmax = int(span.max())
+            j = torch.arange(kmax)
+            valid = j[None, :] < span[:, None]
+            pos = torch.minimum(first[:, None] + j[None, :], (d_lens - 1)[:, None]).to(device)
+            pages = block_table[requests.to(device)].gather(1, pos // page_size)
+            _check_mapped(pages, pos)
+            slots = (pages * page_size + pos % page_size).reshape(-1)
+            mask = torch.zeros(num_decode, 1, 1, kmax, dtype=dtype)
+            mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            mask = mask.to(device)
+            rows = qsl[:-1][requests].to(device)
+        extends = []
+        for b in torch.nonzero(n_new > 1)[:, 0].tolist():
+            start, end, seq_len = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+            n = end - start
+            first = 0 if window is None else max(0, seq_len - n - window + 1)
+            pos_k = torch.arange(first, seq_len, device=device)
+            pos_q = torch.arange(seq_len - n, seq_len, device=device)
+            pages = block_table[b][pos_k // page_size]
+            _check_mapped(pages, pos_k)
+            visible = pos_k[None, :] <= pos_q[:, None]
+            if window is not None:
+                visible &= pos_k[None, :] > pos_q[:, None] - window
+            m = torch.zeros(1, 1, n, pos_k.numel(), dtype=dtype, device=device)
+            m.masked_fill_(~visible[None, None], float("-inf"))
+            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m))
+        all_decode = num_decode == num_tokens == n_new.numel()
+        return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
 
-def _same(key: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
-    # Identity only: index tensors are built fresh per step and never written in place (inference
-    # tensors carry no version counter to check).
-    return all(ref() is t for ref, t in zip(key, tensors))
-
-
-def _decode_plan(table, qsl, seq_lens, decode, *, page_size, window, device) -> _DecodePlan:
-    tensors = (table, qsl, seq_lens)
-    slot_key = (id(table), id(qsl), id(seq_lens), window, page_size)
-    hit = _PLANS.get(slot_key)
-    if hit is not None and _same(hit[0], tensors):
-        return hit[1]
-    requests = torch.nonzero(decode)[:, 0]
-    lens = seq_lens.cpu()[requests].to(device)
-    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-    span = lens - first
-    j = torch.arange(int(span.max()), device=device)
-    valid = j[None, :] < span[:, None]
-    pos = torch.where(valid, first[:, None] + j[None, :], torch.zeros_like(j)[None, :])
-    pages = table[requests.to(table.device)].gather(1, pos // page_size)
-    if bool((valid & (pages < 0)).any()):
-        bad = pos[valid & (pages < 0)][0].item()
+def _check_mapped(pages: torch.Tensor, positions: torch.Tensor) -> None:
+    if bool((pages < 0).any()):
+        bad = positions[pages < 0][0].item()
         raise RuntimeError(f"attention reads logical position {bad} whose page was released")
-    slots = torch.where(valid, pages * page_size + pos % page_size, torch.zeros_like(pages))
-    plan = _DecodePlan(requests, qsl.cpu()[:-1][requests].to(device), slots, valid)
-    if len(_PLANS) >= 8:
-        _PLANS.clear()
-    _PLANS[slot_key] = (_plan_key(tensors), plan)
-    return plan
 
 
-def _gather_head_major(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] as [Hkv, D, K, d]. index_select over flat slots is ~10x faster on CPU than
-    advanced indexing with a 2-D index (measured: 0.16 vs 1.5 ms for 32 x 320 slots)."""
-    d_req, kmax = slots.shape
-    rows = cache.index_select(0, slots.reshape(-1)).view(d_req, kmax, cache.shape[1], cache.shape[2])
-    return rows.permute(2, 0, 1, 3).contiguous().float()
-
-
-def _decode_rows(q, k_cache, v_cache, plan: _DecodePlan, *, scale, sinks):
-    """One query per decode request, at position seq_len - 1 -> [D, Hq, Dv].
-
-    Keys are gathered head-major, [Hkv, D, K, d], so both products are plain batched matmuls over
-    (Hkv, D) with no hidden permute-copies (einsum over [D, K, Hkv, d] copied K again per layer).
-    """
-    d_req, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[1]
-    group = num_heads // num_kv
-    k = _gather_head_major(k_cache, plan.slots)  # [Hkv, D, K, d]
-    v = _gather_head_major(v_cache, plan.slots)  # [Hkv, D, K, dv]
-    qh = q.float().view(d_req, num_kv, group, head_dim).permute(1, 0, 2, 3)  # [Hkv, D, G, d]
-    logits = torch.matmul(qh, k.transpose(-1, -2)) * scale  # [Hkv, D, G, K]
-    logits = logits.masked_fill(~plan.valid[None, :, None, :], float("-inf"))
-    if sinks is not None:
-        sink = sinks.float().view(num_kv, 1, group, 1).expand(num_kv, d_req, group, 1)
-        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+def _attend(q, k, v, mask, *, scale, sinks):
+    """q [B, Q, Hq, d], k [B, K, Hkv, d], v [B, K, Hkv, dv], mask [B|1, 1, Q, K] -> [B, Q, Hq, dv]."""
+    dv = v.shape[-1]
+    d = q.shape[-1]
+    if dv != d:  # the flash kernel wants one head size: zero columns change neither q.k nor p@v
+        width = max(d, dv)
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    if _FLASH is not None:
+        out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     else:
-        probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs, v)  # [Hkv, D, G, dv]
-    return out.permute(1, 0, 2, 3).reshape(d_req, num_heads, v_cache.shape[-1]).to(q.dtype)
+        out, lse = _math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+    # out [B, Hq, Q, w], lse [B, Hq, Q]
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])[..., None]
+    return out[..., :dv].transpose(1, 2)
+
+
+def _math_attention(q, k, v, mask, scale):
+    """Fallback with the flash kernel's outputs: q [B, Hq, Q, d], k/v [B, Hkv, K, *]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    logits = torch.matmul(q.float(), k.transpose(-1, -2)) * scale + mask.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.matmul(torch.softmax(logits, dim=-1), v).to(q.dtype), lse
 
 
 def paged_attention_cpu(
@@ -121,26 +156,36 @@ def paged_attention_cpu(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv]."""
-    qsl = query_start_loc.to(torch.long).cpu()
-    n_new = qsl[1:] - qsl[:-1]
-    decode = n_new == 1
-    if not bool(decode.any()):
-        return paged_attention_ref(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                                   page_size=page_size, scale=scale, window=window, sinks=sinks)
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    plan = _decode_plan(block_table, query_start_loc, seq_lens, decode, page_size=page_size, window=window,
-                        device=q.device)
-    out[plan.rows] = _decode_rows(q[plan.rows], k_cache, v_cache, plan, scale=scale, sinks=sinks)
-    rest = torch.nonzero(n_new > 1)[:, 0]
-    if rest.numel():
-        # Re-index the multi-token requests as their own small batch for the reference.
-        counts = n_new[rest]
-        sub_qsl = torch.zeros(rest.numel() + 1, dtype=torch.long)
-        sub_qsl[1:] = counts.cumsum(0)
-        tok = torch.cat([torch.arange(int(qsl[b]), int(qsl[b + 1])) for b in rest.tolist()]).to(q.device)
-        out[tok] = paged_attention_ref(q[tok], k_cache, v_cache, block_table[rest.to(block_table.device)],
-                                       sub_qsl, seq_lens.cpu()[rest], page_size=page_size, scale=scale,
-                                       window=window, sinks=sinks)
+    """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
+
+    ``plan``: the step's :class:`AttentionPlan` for this pool and window (built here when None).
+    """
+    if plan is None:
+        plan = AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
+                                   dtype=q.dtype)
+    if plan.num_tokens != q.shape[0]:
+        raise ValueError(f"attention plan covers {plan.num_tokens} tokens, q has {q.shape[0]}")
+    num_kv, head_dim, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
+    if plan.all_decode:
+        return _decode(q, k_cache, v_cache, plan, scale=scale, sinks=sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale=scale, sinks=sinks)
+    for e in plan.extends:
+        n, kn = e.end - e.start, e.slots.numel()
+        k = k_cache.index_select(0, e.slots).view(1, kn, num_kv, head_dim)
+        v = v_cache.index_select(0, e.slots).view(1, kn, num_kv, dv)
+        out[e.start : e.end] = _attend(q[e.start : e.end].view(1, n, -1, head_dim), k, v, e.mask,
+                                       scale=scale, sinks=sinks)[0]
     return out
+
+
+def _decode(q, k_cache, v_cache, plan: AttentionPlan, *, scale, sinks):
+    """One query per decode request -> [D, Hq, Dv]."""
+    d_req, kmax = q.shape[0], plan.decode_keys
+    k = k_cache.index_select(0, plan.decode_slots).view(d_req, kmax, k_cache.shape[1], k_cache.shape[2])
+    v = v_cache.index_select(0, plan.decode_slots).view(d_req, kmax, v_cache.shape[1], v_cache.shape[2])
+    out = _attend(q.view(d_req, 1, q.shape[1], q.shape[2]), k, v, plan.decode_mask, scale=scale, sinks=sinks)
+    return out.reshape(d_req, q.shape[1], v_cache.shape[2])

@@ -29,7 +29,6 @@ def build_forward_batch(
     model indexes device memory with go to ``device``.
     """
     counts = [e.num_new_tokens for e in entries]
-    starts = [e.start for e in entries]
     qsl = [0]
     for n in counts:
         qsl.append(qsl[-1] + n)
@@ -41,15 +40,17 @@ def build_forward_batch(
     full_table = _table([e.request.full_pages for e in entries], width)
     swa_table = _table([e.request.swa_pages for e in entries], width)
 
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    row = torch.repeat_interleave(torch.arange(len(entries)), counts_t)
-    # position of each flat token: its request's start + its offset inside the request's chunk
-    offset = torch.arange(qsl[-1]) - torch.tensor(qsl[:-1], dtype=torch.long)[row]
-    positions = torch.tensor(starts, dtype=torch.long)[row] + offset
+    if all(n == 1 for n in counts):  # decode only: one token per request at position start
+        positions = torch.tensor([e.start for e in entries], dtype=torch.long)
+        row = torch.arange(len(entries))
+    else:
+        # position of each flat token: its request's start + its offset inside the request's chunk
+        positions = torch.cat([torch.arange(e.start, e.end) for e in entries])
+        row = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(counts, dtype=torch.long))
     page_idx, in_page = positions // page_size, positions % page_size
     full_slots = full_table[row, page_idx] * page_size + in_page
     swa_pages = swa_table[row, page_idx]
-    swa_slots = torch.where(swa_pages >= 0, swa_pages * page_size + in_page, torch.full_like(swa_pages, -1))
+    swa_slots = torch.where(swa_pages >= 0, swa_pages * page_size + in_page, -1)
 
     sample_rows = [qsl[b + 1] - 1 for b, e in enumerate(entries) if e.samples]
     batch = ForwardBatch(

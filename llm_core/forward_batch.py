@@ -13,7 +13,7 @@ query may still see are mapped; pages wholly behind the window are -1 (released)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,10 @@ class ForwardBatch:
     # Rows of the flat batch whose hidden state must become logits (last token of each request
     # that samples this step); the model returns hidden states, the engine picks these rows.
     logits_indices: torch.Tensor  # [R] int64
+    # Per-step memo the model fills lazily with values derived only from the fields above (attention
+    # index plans per pool and window, rotary tables per theta), so every layer of a kind reuses them.
+    # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place.
+    step_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -117,6 +117,8 @@ class Sampler:
                 f"sampler got logits {tuple(logits.shape)} for {len(params)} params / {len(generators)} generators"
             )
         logits = logits.float()
+        if all(p.greedy for p in params):  # the common serving case: one argmax, no index plumbing
+            return self._logprobs(logits, logits.argmax(dim=-1).tolist(), params)
         rows = logits.shape[0]
         chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]

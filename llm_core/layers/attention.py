@@ -43,11 +43,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([spec.q_size, spec.k_size, spec.v_size], dim=-1)
-        q = q.view(t, spec.num_heads, spec.head_dim)
-        k = k.view(t, spec.num_kv_heads, spec.head_dim)
-        v = v.view(t, spec.num_kv_heads, spec.v_head_dim) * self.value_scale
-        q, k = self.rotary(batch.positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads share head_dim and sit side by side in the projection: rotate them together,
+        # in place on the projection's output (no copies of q, k or v).
+        qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
+        if self.value_scale != 1.0:  # x * 1.0 == x: skipping the multiply is exact
+            v.mul_(self.value_scale)
+        cos, sin = self._rotary_tables(batch, x.dtype)
+        self.rotary.apply_(qk, cos, sin)
+        q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
         if self.is_sliding:
             slots, table = batch.swa_slot_mapping, batch.swa_block_table
         else:
@@ -64,8 +69,25 @@ class Attention(nn.Module):
             scale=self.scale,
             window=self.window,
             sinks=self.attention_sink_bias,
+            plan=self._plan(batch, q, table),
         )
         return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
+
+    def _rotary_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / signed-sin tables of this step, shared by the layers with the same rotary setup."""
+        key = ("rope", self.rotary.rotary_dim, self.rotary.theta, dtype)
+        hit = batch.step_cache.get(key)
+        if hit is None:
+            hit = batch.step_cache[key] = self.rotary.tables(batch.positions, dtype)
+        return hit
+
+    def _plan(self, batch: ForwardBatch, q: torch.Tensor, table: torch.Tensor):
+        """The attention index plan of this step for this layer's pool and window (built once)."""
+        key = ("attn", self.is_sliding, self.window, q.dtype)
+        if key not in batch.step_cache:
+            batch.step_cache[key] = ops.attention_plan(q, table, batch.query_start_loc, batch.seq_lens,
+                                                       page_size=batch.page_size, window=self.window)
+        return batch.step_cache[key]
 
     def extra_repr(self) -> str:
         return f"window={self.window}, sinks={self.spec.has_sinks}, value_scale={self.value_scale}"

@@ -3,6 +3,12 @@
     head dims:  [ 0 ........ rotary_dim/2 ........ rotary_dim | rotary_dim ........ head_dim )
                  \\__ x1 __/ \\_______ x2 _______/               \\______ untouched ______/
     pairs (j, j + rotary_dim/2) rotate by angle  pos * theta^(-2j/rotary_dim)
+
+Applied in place on the rotary columns with one swap of the halves and a signed sine table:
+
+    [x1 | x2] * [cos | cos] + [x2 | x1] * [-sin | sin]  =  [x1 cos - x2 sin | x2 cos + x1 sin]
+
+which is bit-for-bit the rotate-half form (negating a factor is exact).
 """
 
 from __future__ import annotations
@@ -30,20 +36,30 @@ class PartialRotary(nn.Module):
             self._inv_freq[device] = 1.0 / (self.theta**exponent)
         return self._inv_freq[device]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rotary_dim == 0:
-            return q, k
-        freqs = positions.float()[:, None] * self.inv_freq(q.device)[None, :]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos [T, 1, R], signed sin [T, 1, R]) for ``positions``; the same for every layer of a step."""
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        sin = emb.sin()
+        sin[:, : self.rotary_dim // 2].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+    def apply_(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first ``rotary_dim`` columns of every head of x [T, H, D] in place (x may be a
+        view into a larger buffer, e.g. the q and k heads of one qkv projection)."""
+        if self.rotary_dim == 0:
+            return x
+        t, h = x.shape[0], x.shape[1]
         half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+        rot = x[..., : self.rotary_dim]
+        swapped = rot.unflatten(-1, (2, half)).flip(-2).reshape(t, h, self.rotary_dim)
+        rot.copy_(rot * cos + swapped * signed_sin)
+        return x
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated copies of q and k."""
+        cos, sin = self.tables(positions, q.dtype)
+        return self.apply_(q.clone(), cos, sin), self.apply_(k.clone(), cos, sin)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, theta={self.theta}"
