@@ -14,20 +14,21 @@ the L3 copy (rate-limited) so hot prefixes do not age out of L3.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import blake3
 import torch
 
 from llm_core.dual_pool import DualKVPool
-from llm_core.host_kv_pool import (HostKVPool, chain_seed, decode_page, encode_page, gather_pages, page_hash,
-                                   row_elements, scatter_layer)
+from llm_core.host_kv_pool import HostKVPool, chain_seed, decode_page, gather_pages, page_hash, row_elements
+from llm_core.kv_tier_threads import KVTierThreads, LayerwiseKV, LoadJob, _store_key
+from llm_core.prefix_cache_factory import build_prefix_cache, weights_fingerprint
 from llm_core.radix_node import RadixNode, page_keys, window_first_page
 from llm_core.storage import KeyValueStore
+
+# Names that lived here before the threads and the factory got their own modules (kept importable).
+__all__ = ["KVTiers", "LayerwiseKV", "LoadJob", "build_prefix_cache", "weights_fingerprint"]
 
 
 @dataclass
@@ -37,35 +38,10 @@ class _TierPage:
     tier: str  # "l2" | "l3"
 
 
-@dataclass
-class LoadJob:
-    """Copies into L1, grouped per layer; ``wait(i)`` returns once layer i is in place."""
-
-    copies: dict[int, list[tuple[list[int], torch.Tensor]]]  # layer -> [(L1 pages, rows)]
-    events: list[threading.Event] = field(default_factory=list)
-    error: BaseException | None = None
-
-    def wait(self, layer: int) -> None:
-        self.events[layer].wait()
-        if self.error is not None:
-            raise RuntimeError(f"loading cached KV into layer {layer} failed: {self.error}") from self.error
-
-
-class LayerwiseKV:
-    """The model's KV buffers while loads are pending: ``layer(i)`` waits for layer i's copies."""
-
-    def __init__(self, pool: DualKVPool, jobs: list[LoadJob]) -> None:
-        self.pool, self.jobs = pool, jobs
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        for job in self.jobs:
-            job.wait(i)
-        return self.pool.layer(i)
-
-
-class KVTiers:
+class KVTiers(KVTierThreads):
     """L2 + L3 behind one ``SWARadixCache`` (see the module docstring); owns the loader and writer
-    threads. Engine-thread methods: extend_match, save, backfill, kv_buffers; the threads only copy."""
+    threads (:class:`KVTierThreads`). Engine-thread methods: extend_match, save, backfill, kv_buffers;
+    the threads only copy."""
 
     def __init__(self, pool: DualKVPool, *, host: HostKVPool | None, store: KeyValueStore | None,
                  model_id: str, touch_interval_s: float = 30.0) -> None:
@@ -83,14 +59,7 @@ class KVTiers:
         self._backfilled: set = set()
         self._touched: OrderedDict[bytes, float] = OrderedDict()
         self._written: OrderedDict[bytes, bool] = OrderedDict()  # hash -> written with SWA (L3 only)
-        self._jobs: list[LoadJob] = []
-        self._loads: queue.Queue = queue.Queue()
-        self._writes: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)]
-        if store is not None:
-            self._threads.append(threading.Thread(target=self._write_loop, name="kv-writer", daemon=True))
-        for t in self._threads:
-            t.start()
+        self._start_threads()
 
     def attach(self, cache) -> None:
         if cache.pool is not self.pool:
@@ -281,62 +250,6 @@ class KVTiers:
             self._touched.popitem(last=False)
         self._writes.put(("touch", h, None, None))
 
-    # ---- loads -----------------------------------------------------------------------------------
-    def _add_copies(self, copies: dict, kind: str, pages: list[int], rows: list[torch.Tensor]) -> None:
-        if not pages:
-            return
-        stacked = torch.stack(rows)
-        for layer, k in enumerate(self.pool.layout.layer_kinds):
-            if k == kind:
-                copies.setdefault(layer, []).append((pages, stacked))
-
-    def _submit(self, copies: dict) -> None:
-        job = LoadJob(copies, [threading.Event() for _ in self.pool.layout.layer_kinds])
-        self._jobs.append(job)
-        self._loads.put(job)
-
-    def kv_buffers(self, pool: DualKVPool):
-        failed = next((j.error for j in self._jobs if j.error is not None), None)
-        if failed is not None:
-            self._jobs = [j for j in self._jobs if j.error is None]
-            raise RuntimeError(f"loading cached KV failed: {failed}") from failed
-        self._jobs = [j for j in self._jobs if not j.events[-1].is_set()]
-        return LayerwiseKV(pool, self._jobs) if self._jobs else pool
-
-    def wait_loads(self) -> None:
-        """Block until every queued load has landed (before L1 pages are read for saving or freed)."""
-        for job in self._jobs:
-            job.events[-1].wait()
-
-    def _load_loop(self) -> None:
-        while (job := self._loads.get()) is not None:
-            try:
-                for layer, event in enumerate(job.events):
-                    for pages, rows in job.copies.get(layer, ()):
-                        scatter_layer(self.pool, layer, pages, rows)
-                    if self.pool.device.type == "cuda":
-                        torch.cuda.current_stream(self.pool.device).synchronize()
-                    event.set()
-            except BaseException as exc:  # the waiting model step reports it
-                job.error = self.broken = exc
-                for event in job.events:
-                    event.set()
-
-    def _write_loop(self) -> None:
-        while (item := self._writes.get()) is not None:
-            op, h, full, swa = item
-            try:
-                if op == "put":
-                    self.store.put(_store_key(h), encode_page(full, swa))
-                    self.counters["l3_puts"] += 1
-                else:
-                    self.store.get(_store_key(h))  # a read refreshes the entry's recency
-                    self.counters["l3_touches"] += 1
-            except Exception:  # a cache tier may forget; the store counts its own errors
-                self.counters["l3_errors"] += 1
-            finally:
-                self._writes.task_done()
-
     # ---- lifecycle ---------------------------------------------------------------------------------
     def flush(self, cache=None) -> None:
         """Copy every L1 tree page down (when ``cache`` is given) and wait for pending L3 writes."""
@@ -347,60 +260,12 @@ class KVTiers:
             self._writes.join()
 
     def close(self, cache=None) -> None:
+        """Flush (see ``flush``), then stop the loader and writer threads and close the store."""
         self.flush(cache)
-        self.wait_loads()
-        self._loads.put(None)
-        if self.store is not None:
-            self._writes.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
-        if self.store is not None:
-            self.store.close()
+        self._stop_threads()
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counters)
         if self.host is not None:
             out.update(l2_entries=len(self.host.entries), l2_evictions=self.host.evictions)
         return out
-
-
-def _store_key(h: bytes) -> str:
-    return "kv/" + h.hex()
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A model id from its config and a sample of every parameter: two checkpoints with one config
-    but different weights never share L3 entries."""
-    h = blake3.blake3(repr(getattr(model, "config", None)).encode())
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        sample = torch.cat([flat[:256], flat[-256:]]).float().cpu()
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
-def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module):
-    """The engine's prefix cache from its EngineConfig: an SWARadixCache, with tiers when configured."""
-    from llm_core.swa_radix_cache import SWARadixCache
-    from llm_core.storage import LocalDirStore, RedisStore
-
-    tiers = None
-    if config.kv_host_bytes or config.kv_store:
-        host = None
-        if config.kv_host_bytes:
-            host = HostKVPool(pool.layout, pool.page_size, pool.dtype, config.kv_host_bytes,
-                              pin=pool.device.type == "cuda")
-        store = None
-        if config.kv_store:
-            if config.kv_store.startswith("redis://"):
-                import urllib.parse
-
-                u = urllib.parse.urlsplit(config.kv_store)
-                store = RedisStore(host=u.hostname or "127.0.0.1", port=u.port or 6379,
-                                   db=int(u.path.strip("/") or 0), prefix="mmserve-kv:")
-            else:
-                store = LocalDirStore(config.kv_store)
-        model_id = config.kv_model_id or weights_fingerprint(model)
-        tiers = KVTiers(pool, host=host, store=store, model_id=model_id)
-    return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)

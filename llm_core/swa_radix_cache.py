@@ -24,28 +24,20 @@ its last window (always including its tail), so ``full_lock >= swa_lock`` on eve
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 
 from llm_core.dual_pool import DualKVPool
-from llm_core.radix_node import (LruHeap, RadixNode, check_tree_integrity, keeps_swa, page_keys,
-                                 window_first_page, window_safe_pages)
+from llm_core.radix_eviction import RadixEviction
+from llm_core.radix_locks import RadixLocks, _Holder
+from llm_core.radix_node import RadixNode, check_tree_integrity, page_keys, window_first_page, window_safe_pages
 from llm_core.request import Request
 from llm_core.scheduler import PrefixCache
 
 
-@dataclass
-class _Holder:
-    """What the tree remembers about a request between match and release."""
+class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
+    """Radix tree of page runs with Full pages, per-page SWA validity, two LRU orders and two locks.
 
-    tail: RadixNode  # deepest node of the request's path (the root when nothing is on the tree)
-    swa_lo: int  # path nodes with end > swa_lo carry one SWA lock of this request
-    prompt_tokens: int  # the window ending at the prompt's last whole page keeps its SWA
-    own_swa: deque = field(default_factory=deque)  # (path page, SWA page) the request gave the tree
-
-
-class SWARadixCache(PrefixCache):
-    """Radix tree of page runs with Full pages, per-page SWA validity, two LRU orders and two locks."""
+    Lock bookkeeping lives in :class:`RadixLocks`, LRU orders and eviction in :class:`RadixEviction`."""
 
     def __init__(self, pool: DualKVPool, *, checkpoint_every: int = 0, tiers=None) -> None:
         """``checkpoint_every``: keep an SWA window every K tokens (0: off; a multiple of the page
@@ -63,9 +55,7 @@ class SWARadixCache(PrefixCache):
         self.root.full_lock = 1  # never evicted, never a leaf candidate
         self._nodes: dict[int, RadixNode] = {}
         self._holders: dict[Request, _Holder] = {}
-        self._clock = 0
-        self._full_lru = LruHeap(lambda n: n.is_leaf and n.full_lock == 0)
-        self._swa_lru = LruHeap(self._swa_evictable)
+        self._init_eviction()
         self.counters: Counter[str] = Counter()
         self.tiers = tiers
         if tiers is not None:
@@ -146,28 +136,7 @@ class SWARadixCache(PrefixCache):
         if self.tiers is not None:
             self.tiers.close(self)
 
-    # ---- public API ---------------------------------------------------------------------------
-    def evict(self, full_tokens: int, swa_tokens: int) -> tuple[int, int]:
-        """Free at least the given tokens of Full and SWA KV if unlocked cache holds that much.
-
-        Full: delete LRU unlocked leaves (with their SWA). SWA: first, in LRU order, tombstone internal
-        nodes and drop leaves' SWA pages before their last window (Full KV stays; every leaf keeps its
-        match point), then delete LRU leaves. A parent left as an unlocked tombstone leaf goes too.
-        Returns the tokens freed (Full, SWA)."""
-        ps = self.page_size
-        need_full, need_swa = -(-full_tokens // ps), -(-swa_tokens // ps)
-        freed_full = freed_swa = 0
-        while freed_full < need_full and (node := self._full_lru.pop()) is not None:
-            f, s = self._delete_leaf(node)
-            freed_full, freed_swa = freed_full + f, freed_swa + s
-        while freed_swa < need_swa and (node := self._swa_lru.pop()) is not None:
-            freed_swa += self._tombstone(node, 0 if node.children else self._leaf_window(node))
-        while freed_swa < need_swa and (node := self._full_lru.pop()) is not None:
-            f, s = self._delete_leaf(node)
-            freed_full, freed_swa = freed_full + f, freed_swa + s
-        self._compact_lru()
-        return freed_full * ps, freed_swa * ps
-
+    # ---- public API (also ``evict`` from RadixEviction) ------------------------------------------
     def clear(self) -> None:
         """Drop every cached page; raises if a request still holds part of the tree."""
         if self._holders:
@@ -236,18 +205,7 @@ class SWARadixCache(PrefixCache):
         request.full_pages, request.swa_pages, request.swa_released_pages = full, swa, first
         self._touch_path(tail)
 
-    def _lock_path(self, holder: _Holder, swa_from: int) -> None:
-        """Full-lock every node up to the tail; SWA-lock those ending after page ``swa_from``."""
-        node = holder.tail
-        holder.swa_lo = node.end
-        while node is not self.root:
-            node.full_lock += 1
-            if node.end > swa_from:
-                node.swa_lock += 1
-                holder.swa_lo = node.start
-            node = node.parent
-
-    # ---- internal helpers: insert and lifecycle ---------------------------------------------------
+    # ---- internal helpers: insert ----------------------------------------------------------------
     def _insert(self, request: Request, holder: _Holder, upto: int) -> None:
         """Put the request's pages [tail.end, upto) on its path, sharing existing nodes."""
         j, node = holder.tail.end, holder.tail
@@ -296,159 +254,8 @@ class SWARadixCache(PrefixCache):
         holder.tail = node
         self._touch(node)
 
-    def _advance_window(self, holder: _Holder) -> None:
-        """Move the SWA lock to the tail's last window; trim own SWA pages that fell behind it."""
-        want = window_first_page(holder.tail.end, self.window, self.page_size)
-        node, new_lo = holder.tail, holder.swa_lo
-        while node is not self.root and node.end > holder.swa_lo:
-            if node.end <= want:
-                node.swa_lock -= 1
-                if node.swa_lock == 0:
-                    self._push(node)
-            else:
-                new_lo = node.start
-            node = node.parent
-        holder.swa_lo = new_lo
-        behind = []
-        while holder.own_swa and holder.own_swa[0][0] < want:
-            behind.append(holder.own_swa.popleft())
-        node = holder.tail
-        for page, phys in reversed(behind):
-            if keeps_swa(page, holder.prompt_tokens, self.checkpoint_every, self.window, self.page_size):
-                continue
-            while node.start > page:
-                node = node.parent
-            i = page - node.start
-            if node.swa[i] == phys and not self._in_other_window(holder, node, page):
-                self._free_swa_page(node, i)
-                self.counters["trimmed_swa_pages"] += 1
-
-    def _in_other_window(self, holder: _Holder, node: RadixNode, page: int) -> bool:
-        """Is path page ``page`` (in ``node``) inside another running request's last window?
-
-        Such a page may be that request's tail; trimming it could leave a tombstone leaf."""
-        if node.swa_lock <= (1 if node.end > holder.swa_lo else 0):
-            return False  # nobody else SWA-locks the node, so no other window covers it
-        for other in self._holders.values():
-            if other is holder or page < window_first_page(other.tail.end, self.window, self.page_size):
-                continue
-            n = other.tail
-            while n.start > node.start:
-                n = n.parent
-            if n is node:
-                return True
-        return False
-
-    def _unlock(self, holder: _Holder) -> None:
-        node = holder.tail
-        while node is not self.root:
-            node.full_lock -= 1
-            if node.end > holder.swa_lo:
-                node.swa_lock -= 1
-            if node.full_lock == 0 or node.swa_lock == 0:
-                self._push(node)
-            node = node.parent
-        tail = holder.tail  # a tombstone that became a leaf while locked goes now (leaf never tombstone)
-        if tail is not self.root and tail.alive and tail.is_leaf and tail.full_lock == 0 and \
-                self.has_swa and tail.is_tombstone:
-            self._delete_leaf(tail)
-
-    # ---- internal helpers: tree surgery and LRU ----------------------------------------------------
-    def _split(self, node: RadixNode, k: int) -> RadixNode:
-        head = node.split(k)
-        self._nodes[head.nid] = head
-        self._push(head)
-        return head
-
-    def _touch(self, node: RadixNode) -> None:
-        self._clock += 1
-        node.last_access = self._clock
-        self._push(node)
-
-    def _touch_path(self, tail: RadixNode) -> None:
-        """Ancestors are touched after descendants' stamps: a parent is never older than a child."""
-        node = tail
-        self._clock += 1
-        while node is not self.root:
-            node.last_access = self._clock
-            self._push(node)
-            node = node.parent
-
-    def _push(self, node: RadixNode) -> None:
-        if node is not self.root and node.alive:
-            self._full_lru.push(node)
-            self._swa_lru.push(node)
-
-    def _compact_lru(self) -> None:
-        if len(self._full_lru) + len(self._swa_lru) > 8 * len(self._nodes) + 512:
-            self._full_lru.rebuild(self._nodes.values())
-            self._swa_lru.rebuild(self._nodes.values())
-
-    def _free_swa_page(self, node: RadixNode, i: int) -> int:
-        """Drop the tree's reference on one SWA page; 1 when that returned it to the free list."""
-        s = node.swa[i]
-        freed = 1 if self.pool.swa.refcount(s) == 1 else 0
-        self.pool.swa.free([s])
-        node.swa[i] = -1
-        return freed
-
-    def _leaf_window(self, node: RadixNode) -> int:
-        """Index in ``node`` of the first page of its last window (pages from there on stay)."""
-        return window_first_page(node.end, self.window, self.page_size) - node.start
-
-    def _swa_evictable(self, node: RadixNode) -> bool:
-        """An internal node with SWA, or a leaf with SWA before its last window; never SWA-locked."""
-        if node.swa_lock or not node.num_swa:
-            return False
-        return bool(node.children) or any(s >= 0 for s in node.swa[:max(0, self._leaf_window(node))])
-
-    def _tombstone(self, node: RadixNode, keep_from: int = 0) -> int:
-        """Free the node's SWA pages before index ``keep_from`` (0 for an internal node: all of them;
-        a leaf keeps its last window). Full KV stays. Returns SWA pages freed."""
-        if self.tiers is not None:
-            self.tiers.save(self, node)
-        upto = len(node.swa) if keep_from <= 0 else keep_from
-        freed = sum(self._free_swa_page(node, i) for i in range(upto) if node.swa[i] >= 0)
-        self.counters["evicted_swa_pages"] += freed
-        self.counters["tombstoned_nodes" if keep_from <= 0 else "trimmed_leaves"] += 1
-        return freed
-
-    def _delete_leaf(self, node: RadixNode) -> tuple[int, int]:
-        """Delete an unlocked leaf, then any parent left as an unlocked tombstone leaf (a leaf is never
-        a tombstone). Returns (Full, SWA) pages freed."""
-        freed_full = freed_swa = 0
-        while True:
-            if self.tiers is not None:
-                self.tiers.save(self, node)
-            freed_full += sum(1 for f in node.full if self.pool.full.refcount(f) == 1)
-            self.pool.full.free(node.full)
-            freed_swa += sum(self._free_swa_page(node, i) for i, s in enumerate(node.swa) if s >= 0)
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.keys[0]]
-            del self._nodes[node.nid]
-            node.alive = False
-            self.counters["deleted_nodes"] += 1
-            if parent is self.root or parent.children:
-                break
-            if self.has_swa and parent.is_tombstone and parent.full_lock == 0:
-                node = parent
-                continue
-            self._push(parent)  # newly a leaf: a Full eviction candidate
-            break
-        self.counters["evicted_full_pages"] += freed_full
-        self.counters["evicted_swa_pages"] += freed_swa
-        return freed_full, freed_swa
-
     # ---- integrity ------------------------------------------------------------------------------------
     def check_integrity(self, requests: list[Request] | None = None) -> None:
         """Raise AssertionError unless every invariant holds. With ``requests`` (every request that
         holds pages), also check each page's reference count == tree references + request references."""
         check_tree_integrity(self, requests)
-
-    def holder_paths(self) -> list[tuple[RadixNode, int]]:
-        """(tail, swa_lo) of every request holding the tree (for the integrity check)."""
-        return [(h.tail, h.swa_lo) for h in self._holders.values()]
-
-    def lru_entries(self) -> tuple[set, set]:
-        return self._full_lru.live_entries(), self._swa_lru.live_entries()

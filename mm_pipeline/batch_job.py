@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 from pydantic import ValidationError
 
+from mm_pipeline.output_resume import done_keys
 from mm_pipeline.progress import Progress
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.errors import error_body, to_api_error
@@ -112,19 +113,6 @@ def _custom_id_of(raw: str) -> str | None:
     return cid if isinstance(cid, str) and cid else None
 
 
-def _custom_ids_done(out_path: Path) -> set[str]:
-    done: set[str] = set()
-    if out_path.exists():
-        for line in out_path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("custom_id"), str):
-                done.add(rec["custom_id"])
-    return done
-
-
 class BatchJob:
     """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
 
@@ -137,7 +125,7 @@ class BatchJob:
 
     async def run(self, in_path: str | Path, out_path: str | Path, progress_stream=None) -> BatchSummary:
         in_path, out_path = Path(in_path), Path(out_path)
-        done = _custom_ids_done(out_path)
+        done = done_keys(out_path, "custom_id")
         total = skipped = 0
         for line in _lines(in_path):  # a cheap first pass for the progress total
             total += 1

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from llm_core.sampling import SamplingParams
 from mm_pipeline.errors import MediaError
 from mm_pipeline.media import MediaKind
+from mm_pipeline.output_resume import done_keys
 from mm_pipeline.progress import Progress
 from mm_pipeline.sniff import sniff
 
@@ -92,17 +93,7 @@ def discover_inputs(specs: list[str]) -> list[str]:
 
 def already_done(out_path: Path) -> set[str]:
     """Inputs with a line in an existing output (a torn last line from a crash is ignored)."""
-    done: set[str] = set()
-    if not out_path.exists():
-        return done
-    for line in out_path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("input"), str):
-            done.add(rec["input"])
-    return done
+    return done_keys(out_path, "input")
 
 
 # ---- the job ------------------------------------------------------------------------------------

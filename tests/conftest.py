@@ -54,3 +54,31 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- Triton kernel tests: deselect, rather than skip, the side this process does not run ----------
+KERNEL_MARKERS = {
+    "triton_kernel": "a Triton kernel test: runs in place on CUDA, else only in the TRITON_INTERPRET=1 child "
+                     "(see tests/test_kernels_support.py)",
+    "interpreter_rerun": "re-runs its test file in a TRITON_INTERPRET=1 child pytest (CPU parent only)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in KERNEL_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Kernel tests run either here or in the interpreter child, never both: the other side is
+    deselected, so a CPU run reports no skips for tests the child ran (and a child failure still
+    fails the parent's ``test_under_interpreter``)."""
+    if not any(item.get_closest_marker(name) for item in items for name in KERNEL_MARKERS):
+        return
+    from test_kernels_support import RUNS_HERE  # imports torch: only when kernel tests were collected
+
+    drop = "interpreter_rerun" if RUNS_HERE else "triton_kernel"
+    keep = [item for item in items if not item.get_closest_marker(drop)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker(drop)])
+        items[:] = keep

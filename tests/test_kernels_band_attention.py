@@ -7,13 +7,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels_support import DEVICE, kernel_test, run_under_interpreter
+from test_kernels_support import DEVICE, interpreter_rerun, kernel_test, run_under_interpreter
 
 from kernels import ops
 from kernels.band_attention_ref import band_attention_ref
 from kernels.band_attention_triton import band_attention_triton
 
 
+@interpreter_rerun
 def test_under_interpreter(request: pytest.FixtureRequest) -> None:
     run_under_interpreter(__file__, request.config)
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_support import DEVICE, IN_CHILD, kernel_test, run_under_interpreter
+from test_kernels_support import DEVICE, IN_CHILD, interpreter_rerun, kernel_test, run_under_interpreter
 
 from kernels import ops
 
 pytest.importorskip("transformers")
 
 
+@interpreter_rerun
 def test_under_interpreter(request: pytest.FixtureRequest) -> None:
     run_under_interpreter(__file__, request.config)
 

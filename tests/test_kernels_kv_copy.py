@@ -7,13 +7,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels_support import DEVICE, kernel_test, run_under_interpreter
+from test_kernels_support import DEVICE, interpreter_rerun, kernel_test, run_under_interpreter
 
 from kernels import ops
 from kernels.kv_copy_ref import gather_slots_ref, scatter_slots_ref, store_kv_ref
 from kernels.kv_copy_triton import gather_slots_triton, scatter_slots_triton, store_kv_triton
 
 
+@interpreter_rerun
 def test_under_interpreter(request: pytest.FixtureRequest) -> None:
     run_under_interpreter(__file__, request.config)
 

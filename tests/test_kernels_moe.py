@@ -8,13 +8,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels_support import DEVICE, kernel_test, run_under_interpreter
+from test_kernels_support import DEVICE, interpreter_rerun, kernel_test, run_under_interpreter
 
 from kernels import ops
 from kernels.moe_ref import experts_ref, route_ref
 from kernels.moe_triton import align_by_expert, fused_experts_triton
 
 
+@interpreter_rerun
 def test_under_interpreter(request: pytest.FixtureRequest) -> None:
     run_under_interpreter(__file__, request.config)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_support import DEVICE, kernel_test, paged_layout, poison_invisible, run_under_interpreter
+from test_kernels_support import (DEVICE, interpreter_rerun, kernel_test, paged_layout, poison_invisible,
+                                  run_under_interpreter)
 
 from kernels import ops
 from kernels.attention_ref import paged_attention_ref
@@ -18,6 +19,7 @@ from kernels.paged_attention_triton import dim_blocks, paged_attention_triton
 ATOL = 1e-4
 
 
+@interpreter_rerun
 def test_under_interpreter(request: pytest.FixtureRequest) -> None:
     run_under_interpreter(__file__, request.config)
 

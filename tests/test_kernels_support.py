@@ -5,9 +5,15 @@ TRITON_INTERPRET=1 in the main pytest process would turn every later kernel into
 interpreter -- including on a GPU machine. So on a machine without CUDA each kernel test file
 re-runs *itself* in a child pytest with TRITON_INTERPRET=1; on CUDA the tests run in place on the GPU:
 
-    parent (no CUDA):  kernel tests skipped here  +  test_under_interpreter -> child pytest <file>
-    child:             kernel tests run on CPU tensors through the interpreter
-    parent (CUDA):     kernel tests run on CUDA tensors; test_under_interpreter skipped
+    parent (no CUDA):  kernel tests deselected here  +  test_under_interpreter -> child pytest <file>
+    child:             kernel tests run on CPU tensors through the interpreter; test_under_interpreter
+                       deselected
+    parent (CUDA):     kernel tests run on CUDA tensors; test_under_interpreter deselected
+
+Two markers say which side a test belongs to, and tests/conftest.py deselects (rather than skips)
+the side this process does not run, so a CPU run shows no skips for tests that did run in the child:
+``kernel_test`` (``triton_kernel``) on kernel tests, ``interpreter_rerun`` on test_under_interpreter.
+A failure in the child fails the parent's test_under_interpreter with the child's output.
 
 Helpers shared by the kernel test files live here too (imported as ``test_kernels_support``).
 """
@@ -28,7 +34,8 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 RUNS_HERE = ON_CUDA or IN_CHILD
 REPO = Path(__file__).resolve().parent.parent
 
-kernel_test = pytest.mark.skipif(not RUNS_HERE, reason="runs in the TRITON_INTERPRET=1 child process")
+kernel_test = pytest.mark.triton_kernel  # runs here when RUNS_HERE, else only in the child
+interpreter_rerun = pytest.mark.interpreter_rerun  # the parent's re-run of a file in the child
 
 if IN_CHILD:
     from kernels import ops
@@ -38,7 +45,7 @@ if IN_CHILD:
 
 def run_under_interpreter(test_file: str, config: pytest.Config, timeout: float = 300.0) -> None:
     """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1; fail with its output on error."""
-    if RUNS_HERE:
+    if RUNS_HERE:  # conftest deselects the caller here; guard against a child starting a child
         pytest.skip("kernel tests already run in this process")
     cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-x", "-p", "no:cacheprovider"]
     markexpr = config.getoption("markexpr", "")
