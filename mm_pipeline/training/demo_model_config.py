@@ -1,0 +1,89 @@
+"""The demo model's shape: MiMo-V2.5 layout at tiny scale, sized for the synthetic caption task.
+
+Token budget per item (what the processor limits below give):
+
+    image   <= 192x192 px        -> <= 12x12 patches -> <= 36 LLM tokens
+    video   fps 2, pairs of frames = 1 group per second; <= 96x96 px per frame (9 tokens / group),
+            and a 245760 px total budget that shrinks 60 s videos to <= 64x64 (4 tokens / group):
+            60 s -> 60 groups x ("MM:SS" 5 + <vs> + 4 pads + <ve>) ~ 660 tokens
+    audio   16 kHz, hop 160 (100 mel frames / s) -> conv stride 2 -> pool 2 -> groups of 2
+            = 12.5 tokens / s (80 ms per token; beeps >= 150 ms, gaps >= 100 ms)
+
+The text model slides a 32-token window over layers 1-2 (well below a 60 s video's ~660 tokens), so
+only the full-attention layers 0 and 3 can carry the first colours of a long video to the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from encoders.config import AudioConfig, VisionConfig
+from mm_pipeline.omni_config import SpecialTokens
+
+HIDDEN = 128
+
+
+@dataclass(frozen=True)
+class DemoModelConfig:
+    """Everything that fixes the demo checkpoint's architecture and preprocessing."""
+
+    text: dict[str, Any] = field(default_factory=lambda: dict(
+        vocab_size=512, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=4,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        num_attention_heads=4, num_key_value_heads=1,  # sliding layers get 2x (HF / hub convention)
+        head_dim=32, v_head_dim=32, sliding_window=32,  # HF counts the query: 32 keys incl. itself
+        moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=2048, initializer_range=0.02, tie_word_embeddings=False,
+        attention_dropout=0.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+        },
+    ))
+    vision: VisionConfig = VisionConfig(
+        depth=4, hidden_size=96, intermediate_size=192, num_heads=4, num_key_value_heads=2, head_dim=24,
+        patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=HIDDEN,
+        fullatt_block_indexes=(0, 3), vit_window_attn_types=(-1, 0, 1, -1), window=16, use_sink=True)
+    audio: AudioConfig = AudioConfig(
+        sampling_rate=16000, n_fft=400, window_size=400, hop_length=160, n_mels=40, fmin=0.0, fmax=8000.0,
+        kernel_size=3, stride_size=2, d_model=64, num_layers=2, num_heads=4, ffn_dim=128,
+        layer_types=("sliding", "full"), attention_window=16, avg_pooler=2, group_size=2, segment_size=3000,
+        projection_hidden_size=128, out_hidden_size=HIDDEN)
+    image_min_pixels: int = 32 * 32
+    image_max_pixels: int = 192 * 192
+    video_min_pixels: int = 32 * 32
+    video_max_pixels: int = 96 * 96
+    video_total_max_pixels: int = 64 * 64 * 60  # x2 / frames: 120 frames -> 64x64 each
+    fps: float = 2.0   # every colour segment (>= 1 s) gets >= 2 sampled frames
+    min_frames: int = 4
+    max_frames: int = 120  # 60 s at fps 2
+
+    def __post_init__(self) -> None:
+        for name in ("vision", "audio"):
+            out = getattr(self, name).out_hidden_size
+            if out != self.text["hidden_size"]:
+                raise ValueError(f"{name} out_hidden_size {out} != text hidden_size {self.text['hidden_size']}")
+        if self.max_frames < 2 or self.fps <= 0:
+            raise ValueError(f"need fps > 0 and max_frames >= 2, got {self.fps}, {self.max_frames}")
+
+    def processor_config(self, special: SpecialTokens) -> dict[str, Any]:
+        """The checkpoint's ``processor_config`` (real MiMo-V2.5 field names)."""
+        v, a = self.vision, self.audio
+        return {
+            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+            "merge_size": v.spatial_merge_size,
+            "image_min_pixels": self.image_min_pixels, "image_max_pixels": self.image_max_pixels,
+            "video_min_pixels": self.video_min_pixels, "video_max_pixels": self.video_max_pixels,
+            "video_total_max_pixels": self.video_total_max_pixels,
+            "fps": self.fps, "min_frames": self.min_frames, "max_frames": self.max_frames,
+            "use_video_timestamps": True, "rope_type": "rope",
+            "audio_sampling_rate": a.sampling_rate, "audio_nfft": a.n_fft, "audio_window_size": a.window_size,
+            "audio_hop_length": a.hop_length, "audio_n_mels": a.n_mels, "audio_fmin": a.fmin,
+            "audio_fmax": a.fmax, "audio_kernel_size": a.kernel_size, "audio_stride_size": a.stride_size,
+            "audio_avg_pooler": a.avg_pooler, "audio_group_size": a.group_size,
+            "audio_segment_size": a.segment_size,
+            **{k: val for k, val in special.to_config().items() if k not in ("eos_token_id", "pad_token_id")},
+            "pad_token_id": special.pad,
+        }

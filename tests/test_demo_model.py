@@ -1,0 +1,143 @@
+"""The embedded demo model (issue F): committed checkpoint + committed samples through the real pipeline,
+and the training-side invariants that make its served math the trained math."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from encoders.audio import AudioEncoder
+from encoders.audio_packing import AudioPackedBatch
+from encoders.packing import VisionPackedBatch
+from encoders.tiny import init_random_, tiny_audio_config, tiny_vision_config
+from encoders.vision import VisionTransformer
+from mm_pipeline.training.train import make_batches
+from mm_pipeline.training.trainable_towers import audio_forward, make_trainable, vision_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "samples" / "demo-model"
+MEDIA = ROOT / "samples" / "media"
+KEY = {"image": "image_url", "video": "video_url", "audio": "audio_url"}
+
+needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="samples/demo-model not built")
+
+
+def _labels() -> list[dict]:
+    return [json.loads(line) for line in (MEDIA / "labels.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _conversation(rec: dict) -> list[dict]:
+    k = KEY[rec["modality"]]
+    return [{"role": "user", "content": [{"type": k, k: {"url": str(MEDIA / rec["path"])}},
+                                         {"type": "text", "text": rec["prompt"]}]}]
+
+
+# ---- the committed model on the committed samples ---------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    """(labels, outputs of a cold run, outputs of a warm rerun, engine prompt ids) -- one engine."""
+    from llm_core.sampling import SamplingParams
+    from mm_pipeline.multimodal_llm import MultimodalLLM
+
+    labels = _labels()
+    with MultimodalLLM(MODEL) as llm:
+        params = SamplingParams(max_tokens=64, temperature=0.0)
+        cold = llm.chat([_conversation(r) for r in labels], params)
+        warm = llm.chat([_conversation(r) for r in labels], params)  # encoder cache now holds every unit
+    return labels, cold, warm
+
+
+@needs_model
+def test_demo_model_is_small():
+    size = sum(p.stat().st_size for p in MODEL.iterdir() if p.is_file())
+    assert size <= 30 * 1024 * 1024, f"demo model is {size / 2**20:.1f} MB"
+
+
+@needs_model
+def test_demo_model_audio_captions_committed_samples(served):
+    """Regression floor of the committed model: 3 of the 4 committed clips exact (held-out: 73 %,
+    seed 12345, n 30). The issue F goal (>= 90 %) is not met yet."""
+    labels, cold, _ = served
+    assert all(o.error is None for o in cold), [o.error for o in cold]
+    audio = [(r["caption"], o.text.strip()) for r, o in zip(labels, cold) if r["modality"] == "audio"]
+    assert sum(want == got for want, got in audio) >= 3, audio
+
+
+@needs_model
+@pytest.mark.xfail(strict=True, reason="issue F open: the committed demo model does not read images or "
+                                       "videos yet (held-out exact match 3 % image, 0 % video)")
+def test_demo_model_vision_captions_committed_samples_exactly(served):
+    labels, cold, _ = served
+    got = {r["path"]: o.text.strip() for r, o in zip(labels, cold) if r["modality"] != "audio"}
+    want = {r["path"]: r["caption"] for r in labels if r["modality"] != "audio"}
+    assert got == want
+
+
+@needs_model
+def test_demo_model_warm_cache_gives_identical_captions(served):
+    _, cold, warm = served
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+
+
+@needs_model
+def test_training_prompts_equal_served_prompts(served):
+    """Training lays out prompts with the server's decode, preprocess and layout code."""
+    from mm_pipeline.training.dataset import ItemPreparer
+    from mm_pipeline.training.demo_model_config import DemoModelConfig
+
+    labels, cold, _ = served
+    prep = ItemPreparer(DemoModelConfig())
+    for rec, out in zip(labels, cold):
+        item = prep.prepare(MEDIA / rec["path"], rec["caption"])
+        assert list(out.prompt_token_ids) == item.input_ids[:item.answer_start].tolist(), rec["path"]
+        assert item.input_ids[-1].item() == prep.special.im_end
+
+
+# ---- training invariants (no model needed) ------------------------------------------------------------
+def test_trainable_vision_twin_matches_served_tower_and_has_gradients():
+    cfg = tiny_vision_config()
+    served_tower = init_random_(VisionTransformer(cfg), 5)
+    twin = make_trainable(init_random_(VisionTransformer(cfg), 5))
+    g = torch.Generator().manual_seed(0)
+    items = [(torch.randn(t * h * w, cfg.patch_dim, generator=g), (t, h, w)) for t, h, w in [(1, 4, 6), (2, 2, 2), (1, 6, 4)]]
+    want = torch.cat(served_tower.encode_items(items))
+    got = vision_forward(twin, VisionPackedBatch.from_items(items, cfg.spatial_merge_size))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    got.square().sum().backward()
+    grads = [p.grad for p in twin.parameters()]
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+
+
+def test_trainable_audio_twin_matches_served_encoder_and_has_gradients():
+    cfg = tiny_audio_config()
+    served_enc = init_random_(AudioEncoder(cfg), 7)
+    twin = make_trainable(init_random_(AudioEncoder(cfg), 7))
+    g = torch.Generator().manual_seed(1)
+    segs = [torch.randn(n, cfg.n_mels, generator=g) for n in (96, 17, 50)]  # unequal: padded rows
+    want = torch.cat(served_enc.encode_segments(segs))
+    got = audio_forward(twin, AudioPackedBatch.build(segs, cfg))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    got.square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in twin.parameters())
+
+
+class _Len:
+    def __init__(self, n: int) -> None:
+        self.num_tokens = n
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 800), min_size=1, max_size=200), st.integers(800, 4000), st.integers(0, 99))
+def test_make_batches_covers_every_item_once_within_budget(lengths, budget, seed):
+    items = [_Len(n) for n in lengths]
+    batches = make_batches(items, random.Random(seed), budget)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(len(items)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(items[i].num_tokens for i in b) <= budget
