@@ -141,3 +141,40 @@ def test_make_batches_covers_every_item_once_within_budget(lengths, budget, seed
     assert flat == list(range(len(items)))
     for b in batches:
         assert len(b) == 1 or len(b) * max(items[i].num_tokens for i in b) <= budget
+
+
+def test_passthrough_vision_init_makes_every_block_the_identity():
+    """``--vision-init passthrough``: zeroed residual outputs, so each ViT block returns its input."""
+    from mm_pipeline.training.omni_trainer import zero_residual_outputs_
+
+    cfg = tiny_vision_config()
+    tower = make_trainable(zero_residual_outputs_(init_random_(VisionTransformer(cfg), 3)))
+    g = torch.Generator().manual_seed(2)
+    items = [(torch.randn(t * h * w, cfg.patch_dim, generator=g), (t, h, w)) for t, h, w in [(1, 4, 4), (2, 2, 4)]]
+    batch = VisionPackedBatch.from_items(items, cfg.spatial_merge_size)
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, args, out: seen.append((args[0], out))) for b in tower.blocks]
+    vision_forward(tower, batch).sum().backward()
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(tower.blocks)
+    for x_in, x_out in seen:
+        torch.testing.assert_close(x_out, x_in)
+    # The zeroed projections still get gradients, so the blocks can grow away from the identity.
+    assert all(b.mlp.down_proj.weight.grad.abs().sum() > 0 for b in tower.blocks)
+
+
+def test_param_groups_cover_every_parameter_once_with_vision_lr_mult():
+    from mm_pipeline.training.demo_model_config import DemoModelConfig
+    from mm_pipeline.training.omni_trainer import OmniTrainModel
+
+    model = OmniTrainModel(DemoModelConfig(), pad_id=0, seed=0, vision_init="passthrough")
+    groups = model.param_groups(0.01, vision_lr_mult=3.0)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    vision = {id(p) for p in model.vision.parameters()}
+    for g in groups:
+        assert g["lr_mult"] == (3.0 if id(g["params"][0]) in vision else 1.0)
+        assert all((id(p) in vision) == (id(g["params"][0]) in vision) for p in g["params"])
+    with pytest.raises(ValueError, match="vision_init"):
+        OmniTrainModel(DemoModelConfig(), pad_id=0, vision_init="zeros")

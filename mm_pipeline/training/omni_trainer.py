@@ -33,6 +33,22 @@ from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.trainable_towers import audio_forward, make_trainable, vision_forward
 
 
+VISION_INITS = ("random", "passthrough")
+
+
+def zero_residual_outputs_(vision: VisionTransformer) -> VisionTransformer:
+    """Zero each block's residual output projections (attn.proj, mlp.down_proj): every block starts
+    as the identity, so the merger first sees the patch embedding itself (colour survives intact
+    instead of being mixed away by 4 random blocks), and the blocks grow from there."""
+    with torch.no_grad():
+        for block in vision.blocks:
+            for lin in (block.attn.proj, block.mlp.down_proj):
+                lin.weight.zero_()
+                if lin.bias is not None:
+                    lin.bias.zero_()
+    return vision
+
+
 @dataclass(frozen=True)
 class BatchLoss:
     loss: torch.Tensor              # mean over answer tokens of the batch
@@ -42,8 +58,11 @@ class BatchLoss:
 class OmniTrainModel(nn.Module):
     """Text model + towers, built from a :class:`DemoModelConfig` with a deterministic init."""
 
-    def __init__(self, config: DemoModelConfig, pad_id: int, seed: int = 0) -> None:
+    def __init__(self, config: DemoModelConfig, pad_id: int, seed: int = 0,
+                 vision_init: str = "random") -> None:
         super().__init__()
+        if vision_init not in VISION_INITS:
+            raise ValueError(f"vision_init must be one of {VISION_INITS}, got {vision_init!r}")
         from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
         torch.manual_seed(seed)
@@ -57,6 +76,8 @@ class OmniTrainModel(nn.Module):
                 elif name.endswith("mlp.gate.weight") and not p.abs().sum():
                     p.normal_(0.0, config.text["initializer_range"])  # zero router: all ties
         self.vision = make_trainable(init_random_(VisionTransformer(config.vision), seed + 1))
+        if vision_init == "passthrough":
+            zero_residual_outputs_(self.vision)
         self.audio = make_trainable(init_random_(AudioEncoder(config.audio), seed + 2))
         self.config = config
         self.pad_id = pad_id
@@ -110,9 +131,13 @@ class OmniTrainModel(nn.Module):
             offset += n
         return BatchLoss(tok_loss.mean(), per)
 
-    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """AdamW groups: no decay on norms, biases, sinks and embeddings-free 1-D params."""
-        decay, no_decay = [], []
+    def param_groups(self, weight_decay: float, vision_lr_mult: float = 1.0) -> list[dict[str, Any]]:
+        """AdamW groups: no decay on norms, biases, sinks and 1-D params; the vision tower (blocks
+        and merger) gets ``lr_mult = vision_lr_mult`` (the trainer scales each group's lr by it)."""
+        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
         for name, p in self.named_parameters():
-            (no_decay if p.dim() < 2 or name.endswith("sinks") else decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            no_decay = p.dim() < 2 or name.endswith("sinks")
+            groups.setdefault((name.startswith("vision."), no_decay), []).append(p)
+        return [{"params": ps, "weight_decay": 0.0 if nd else weight_decay,
+                 "lr_mult": vision_lr_mult if vis else 1.0}
+                for (vis, nd), ps in sorted(groups.items())]

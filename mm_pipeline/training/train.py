@@ -1,6 +1,7 @@
 """Train the demo model on the synthetic caption task and write it as a servable checkpoint.
 
-    python -m mm_pipeline.training.train --out samples/demo-model --seed 0 [--steps N] [--minutes M]
+    python -m mm_pipeline.training.train --out samples/demo-model --seed 0 [--steps N] [--minutes M] \
+        [--vision-init passthrough] [--vision-lr-mult 3] [--vision-first 0.35] [--threads 1]
 
 Data: ``training_refs(seed)`` -- images, audio clips, short videos (<= 12 s) and long videos (<= 60 s)
 from synthetic seeds that evaluation never uses (eval: any seed not in 10_000..10_099), prepared
@@ -11,6 +12,11 @@ items sorted by length under a token budget, so every batch mixes modalities of 
 With ``--steps`` only, the run is deterministic for a seed; ``--minutes`` additionally stops at a
 wall-clock budget and then drives the schedule by elapsed time (documented, not bit-reproducible).
 The checkpoint is exported every ``--save-every`` steps and at the end.
+
+Vision recipe: ``--vision-init passthrough`` starts every ViT block as the identity (residual output
+projections zeroed), ``--vision-lr-mult`` scales the tower's (blocks + merger) learning rate, and
+``--vision-first F`` is a curriculum: for the first fraction F of the run (of steps, or of the time
+budget) batches hold only images and videos; afterwards every modality is mixed.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from mm_pipeline.omni_checkpoint import tiny_special_tokens
 from mm_pipeline.training.dataset import DEFAULT_CACHE, ItemRef, TrainItem, load_item, prepare_items
 from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.export import export_checkpoint
-from mm_pipeline.training.omni_trainer import OmniTrainModel
+from mm_pipeline.training.omni_trainer import VISION_INITS, OmniTrainModel
 
 SEED_BASE = 10_000
 
@@ -86,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--prepare-only", action="store_true")
+    ap.add_argument("--vision-init", choices=VISION_INITS, default="random",
+                    help="passthrough: ViT blocks start as the identity")
+    ap.add_argument("--vision-lr-mult", type=float, default=1.0, help="lr factor for the vision tower")
+    ap.add_argument("--vision-first", type=float, default=0.0,
+                    help="fraction of the run that trains on images + videos only")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -97,8 +108,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     items = [load_item(p) for p in paths]
     rng = random.Random(args.seed)
-    model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad, seed=args.seed)
-    opt = torch.optim.AdamW(model.param_groups(0.01), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    if not 0.0 <= args.vision_first < 1.0:
+        raise SystemExit(f"--vision-first must be in [0, 1), got {args.vision_first}")
+    model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad, seed=args.seed, vision_init=args.vision_init)
+    opt = torch.optim.AdamW(model.param_groups(0.01, args.vision_lr_mult), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    vision_only = [i for i, it in enumerate(items) if it.modality != "audio"]
+    in_curriculum = args.vision_first > 0
     start = time.time()
     budget_s = args.minutes * 60 if args.minutes else None
     batches: list[list[int]] = []
@@ -110,9 +125,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             break
         progress = elapsed / budget_s if budget_s is not None else step / args.steps
         for g in opt.param_groups:
-            g["lr"] = lr_at(progress, args.lr)
+            g["lr"] = lr_at(progress, args.lr) * g["lr_mult"]
+        if in_curriculum and progress >= args.vision_first:
+            in_curriculum, batches = False, []  # curriculum over: next epoch mixes every modality
+            print(f"step {step}: curriculum done, mixing in audio", flush=True)
         if not batches:
-            batches = make_batches(items, rng, args.token_budget)
+            if in_curriculum:
+                sub = [items[i] for i in vision_only]
+                batches = [[vision_only[j] for j in b] for b in make_batches(sub, rng, args.token_budget)]
+            else:
+                batches = make_batches(items, rng, args.token_budget)
         out = model.loss([items[i] for i in batches.pop()])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -139,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _train_info(args: argparse.Namespace, step: int, start: float, loss: float) -> dict:
     return {"demo_training": {"seed": args.seed, "steps": step, "wall_s": round(time.time() - start),
                               "final_batch_loss": round(loss, 5), "lr": args.lr,
-                              "token_budget": args.token_budget}}
+                              "token_budget": args.token_budget, "vision_init": args.vision_init,
+                              "vision_lr_mult": args.vision_lr_mult, "vision_first": args.vision_first}}
 
 
 if __name__ == "__main__":
