@@ -27,6 +27,19 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for modules of tiny-model tests: a second thread only adds sync cost on
+    tiny matmuls, and on a shared 2-core box it makes them ~30x slower. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """Port of a running redis-server bound to 127.0.0.1."""
