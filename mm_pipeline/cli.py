@@ -59,6 +59,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                    help="host (and subdomains) remote media may come from (repeatable)")
     g.add_argument("--encoder-cache-dir", default=None, help="disk tier of the encoder cache")
     g.add_argument("--redis-url", default=None, help="shared Redis tier of the encoder cache")
+    g.add_argument("--no-stream-embeddings", action="store_true",
+                   help="start prefill only after every media unit is encoded (default: stream units into prefill)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +111,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                               "enable_prefix_caching": args.enable_prefix_caching,
                               "allowed_local_dirs": tuple(args.allowed_local_media_path),
                               "allow_http": args.allow_remote_media,
-                              "allowed_domains": tuple(args.allowed_media_domain)}
+                              "allowed_domains": tuple(args.allowed_media_domain),
+                              "stream_embeddings": not args.no_stream_embeddings}
     optional = {"num_full_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
                 "max_model_len": args.max_model_len, "max_queue": args.max_queue,
                 "decode_workers": args.decode_workers, "cache_dir": args.encoder_cache_dir,

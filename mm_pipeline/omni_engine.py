@@ -121,16 +121,32 @@ class OmniEngine:
             if chat is not None:
                 prepared = await rt.prepare_chat(chat)
                 token_ids, plans = prepared.token_ids, prepared.plans
-                stream = EmbeddingStream(len(token_ids), prepared.spans, rt.hidden_size, on_progress=rt.loop.wake)
+                progressed = asyncio.Event()
+
+                def on_progress() -> None:
+                    rt.loop.wake()
+                    loop.call_soon_threadsafe(progressed.set)
+
+                stream = EmbeddingStream(len(token_ids), prepared.spans, rt.hidden_size, on_progress=on_progress)
                 sinks = [[_unit_sink(stream, s, rt, rid) for s in spans] for spans in prepared.spans_of_plan]
             elif token_ids is None:  # a text prompt: tokenize off the event loop
                 token_ids = await rt.pool.run(self._encode_text, prompt)
+            if stream is not None and not self.config.stream_embeddings:
+                # Streaming off: every unit is decoded and encoded before prefill starts.
+                for plan, plan_sinks in zip(plans, sinks):
+                    rt.planner.start(plan, plan_sinks)
+                while not stream.complete and stream.error is None:
+                    await progressed.wait()
+                    progressed.clear()
+                if stream.error is not None:
+                    raise stream.error
             rt.loop.add_request(rid, token_ids, params, stream,
                                 lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
                                 **rt.extra_request_args(stream))
             started = True
-            for plan, plan_sinks in zip(plans, sinks):
-                rt.planner.start(plan, plan_sinks)
+            if stream is None or self.config.stream_embeddings:
+                for plan, plan_sinks in zip(plans, sinks):
+                    rt.planner.start(plan, plan_sinks)
             while True:
                 out = await queue.get()
                 if stream is not None and stream.error is not None and not out.token_ids:

@@ -46,6 +46,9 @@ class OmniEngineConfig:
     # video sampling and streaming granularity
     video_sampling: VideoSamplingParams | None = None  # None: the checkpoint's processor_config
     groups_per_chunk: int = 2
+    # True: the LLM request starts at once and prefill follows the units as they arrive; False:
+    # prefill starts only when every unit of the request is encoded (same tokens, later TTFT).
+    stream_embeddings: bool = True
     # encoder cache tiers: memory (always), disk (when cache_dir is set), Redis (when redis_url is set)
     cache_memory_bytes: int = 1 << 30
     cache_dir: str | None = None

@@ -156,6 +156,25 @@ def test_single_flight_under_concurrency(ckpt):
         engine.shutdown()
 
 
+def test_streaming_off_waits_for_every_unit_and_gives_the_same_tokens(ckpt):
+    """``stream_embeddings=False``: the LLM request starts only when every unit is encoded; the
+    tokens equal the streamed run's, and a broken file still fails just its request."""
+    streamed, unstreamed = make(ckpt), make(ckpt, stream_embeddings=False)
+    try:
+        msgs = [{"role": "user", "content": [video_part(VIDEO), image_part(image_bytes(size=(64, 48))),
+                                             {"type": "text", "text": "Compare."}]}]
+        want, _ = asyncio.run(collect(streamed, msgs))
+        got, deltas = asyncio.run(collect(unstreamed, msgs))
+        assert got == want and len(got) == GREEDY.max_tokens
+        assert unstreamed.stats()["media"]["video_chunks_decoded"] == 4
+        with pytest.raises(UndecodableMediaError):
+            asyncio.run(collect(unstreamed, ask(image_part(image_bytes(size=(64, 64))[:60]))))
+        assert_idle(unstreamed)
+    finally:
+        streamed.shutdown()
+        unstreamed.shutdown()
+
+
 def test_broken_file_fails_only_its_own_request(ckpt):
     engine = make(ckpt)
     good = image_bytes(size=(64, 64))
