@@ -9,17 +9,19 @@
       model.safetensors.index.json   weight_map over the three shards
       tokenizer.json, tokenizer_config.json, chat_template.jinja   (AutoTokenizer loads these)
 
-The tokenizer is byte-level BPE without merges (ids 0..255 = bytes, so any text, "MM:SS" timestamps
-included, encodes), then the special tokens of :class:`SpecialTokens` at 256.., then the
-non-special tags ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``.
+The tokenizer is byte-level BPE (ids 0..255 = bytes, so any text, "MM:SS" timestamps included,
+encodes), then the special tokens of :class:`SpecialTokens` at 256.., then the non-special tags
+``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, then the merged tokens, if any (the
+test checkpoints have none; the demo model's come from :func:`learn_bpe_merges` over its corpus).
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from encoders.audio import AudioEncoder
 from encoders.tiny import init_random_, tiny_audio_config, tiny_vision_config
@@ -69,19 +71,61 @@ def tiny_special_tokens() -> SpecialTokens:
     return SpecialTokens(**{name: BYTE_VOCAB + i for i, name in enumerate(STRINGS)})
 
 
-def build_tiny_tokenizer(special: SpecialTokens) -> Any:
+def learn_bpe_merges(texts: Sequence[str], max_merges: int, min_count: int = 2) -> list[tuple[str, str]]:
+    """Byte-level BPE merges learned from ``texts`` (greedy: most frequent adjacent pair first, ties
+    broken by the pair itself, so the result is a pure function of the corpus)."""
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    counts = Counter(w for t in texts for w, _ in pre.pre_tokenize_str(t))
+    words = {w: list(w) for w in counts}
+    merges: list[tuple[str, str]] = []
+    while len(merges) < max_merges:
+        pairs: Counter = Counter()
+        for w, syms in words.items():
+            for pair in zip(syms, syms[1:]):
+                pairs[pair] += counts[w]
+        if not pairs:
+            break
+        (a, b), n = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        if n < min_count:
+            break
+        merges.append((a, b))
+        for w, syms in words.items():
+            out, i = [], 0
+            while i < len(syms):
+                if i + 1 < len(syms) and syms[i] == a and syms[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(syms[i])
+                    i += 1
+            words[w] = out
+    return merges
+
+
+def build_tiny_tokenizer(special: SpecialTokens, merges: Sequence[tuple[str, str]] = ()) -> Any:
     """A transformers fast tokenizer (byte-level BPE, see module doc) with the chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     by_id = sorted((tid, STRINGS[name]) for name, tid in special.as_dict().items())
     expected = list(range(BYTE_VOCAB, BYTE_VOCAB + len(by_id)))
     if [tid for tid, _ in by_id] != expected:
         raise ValueError(f"tiny tokenizer needs special ids {expected[0]}..{expected[-1]}, got {special}")
+    # Specials and tags sit in the model vocab at fixed ids, so adding them below reuses those ids
+    # and the merged tokens can follow them without shifting any special id.
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({s: tid for tid, s in by_id})
+    vocab.update({t: expected[-1] + 1 + i for i, t in enumerate(EXTRA_TAGS)})
+    for a, b in merges:
+        if a not in vocab or b not in vocab:
+            raise ValueError(f"merge {a!r} + {b!r} uses a token no earlier merge made")
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for _, s in by_id])
     tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in EXTRA_TAGS])
     return PreTrainedTokenizerFast(
