@@ -31,11 +31,12 @@ from mm_pipeline.decode_image import decode_image
 from mm_pipeline.decode_video import decode_range, probe_video
 from mm_pipeline.ingest import IngestConfig, MediaIngestor, MediaLimits
 from mm_pipeline.media import MediaKind, MediaSource
-from mm_pipeline.omni_checkpoint import build_tiny_tokenizer, tiny_special_tokens
+from mm_pipeline.omni_checkpoint import tiny_special_tokens
 from mm_pipeline.omni_config import VideoSampling
 from mm_pipeline.preprocess import Preprocessor
 from mm_pipeline.prompt_layout import MediaSlots, PromptLayout
 from mm_pipeline.training.demo_model_config import DemoModelConfig
+from mm_pipeline.training.demo_tokenizer import demo_merges, demo_tokenizer
 from mm_pipeline.video_sampling import VideoSamplingParams, sample_frames
 
 DEFAULT_CACHE = Path(os.environ.get("MMSERVE_TRAIN_CACHE", Path.home() / ".cache" / "mmserve-train"))
@@ -79,7 +80,7 @@ class ItemPreparer:
 
     def __init__(self, config: DemoModelConfig) -> None:
         self.special = tiny_special_tokens()
-        self.tokenizer = build_tiny_tokenizer(self.special)
+        self.tokenizer = demo_tokenizer()
         processor = config.processor_config(self.special)
         self.image_config = ImageProcessingConfig.from_dict(processor)
         v = VideoSampling.from_dict(processor)
@@ -136,9 +137,11 @@ def compact(item: TrainItem) -> TrainItem:
 
 
 def cache_key(config: DemoModelConfig) -> str:
-    """Digest of everything that changes a prepared item (processor + audio front end + layout)."""
+    """Digest of everything that changes a prepared item (processor + audio front end + tokenizer
+    merges + layout)."""
     blob = json.dumps({"processor": config.processor_config(tiny_special_tokens()),
-                       "audio": asdict(config.audio), "version": 2}, sort_keys=True, default=str)
+                       "audio": asdict(config.audio), "merges": demo_merges(), "version": 3},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

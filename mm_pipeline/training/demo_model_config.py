@@ -9,8 +9,11 @@ Token budget per item (what the processor limits below give):
     audio   16 kHz, hop 160 (100 mel frames / s) -> conv stride 2 -> pool 2 -> groups of 2
             = 12.5 tokens / s (80 ms per token; beeps >= 150 ms, gaps >= 100 ms)
 
-The text model slides a 32-token window over layers 1-2 (well below a 60 s video's ~660 tokens), so
-only the full-attention layers 0 and 3 can carry the first colours of a long video to the answer.
+Text layers: [full, sliding, sliding, full, sliding, full]. The sliding layers see 32 tokens (well
+below a 60 s video's ~660), so only the full-attention layers carry the first colours of a long
+video to the answer. Six layers rather than four because a colour sequence needs three steps in
+order: see a change between neighbouring groups (sliding), count the changes so far (full), and
+fetch "segment j" while the j-th colour is written (full).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ class DemoModelConfig:
     """Everything that fixes the demo checkpoint's architecture and preprocessing."""
 
     text: dict[str, Any] = field(default_factory=lambda: dict(
-        vocab_size=512, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=4,
-        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        vocab_size=512, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=6,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse", "sparse"],
         num_attention_heads=4, num_key_value_heads=1,  # sliding layers get 2x (HF / hub convention)
         head_dim=32, v_head_dim=32, sliding_window=32,  # HF counts the query: 32 keys incl. itself
         moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
@@ -59,6 +63,12 @@ class DemoModelConfig:
     fps: float = 2.0   # every colour segment (>= 1 s) gets >= 2 sampled frames
     min_frames: int = 4
     max_frames: int = 120  # 60 s at fps 2
+    # Text layers whose outputs are asked (training only, mm_pipeline.training.aux_targets) for the
+    # circuit a colour sequence needs: sliding layers 1-2 see a group change colour (change_layer),
+    # full layer 3 counts the changes before each group (ordinal_layer), and full layer 5 fetches
+    # "segment j" while the j-th colour is written.
+    ordinal_layer: int = 3
+    change_layer: int = 2
 
     def __post_init__(self) -> None:
         for name in ("vision", "audio"):

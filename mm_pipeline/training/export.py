@@ -4,7 +4,7 @@
     text   HF save_pretrained (tmp) ─► llm_core.tiny_checkpoint.write_hub_layout (fused qkv, hub config)
     towers save_modules ─► model-encoders.safetensors (visual.*, audio_encoder.*), added to the index
     config + vision_config + audio_config + processor_config + special token ids
-    tokenizer.json / tokenizer_config.json (byte-level BPE + chat template)
+    tokenizer.json / tokenizer_config.json (byte-level BPE with the demo merges + chat template)
 
 Weights stay float32 (the whole checkpoint is a few MB) so the served math is the trained math.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from encoders.weights import save_modules
 from llm_core.tiny_checkpoint import write_hub_layout
-from mm_pipeline.omni_checkpoint import build_tiny_tokenizer, tiny_special_tokens
+from mm_pipeline.omni_checkpoint import tiny_special_tokens
+from mm_pipeline.training.demo_tokenizer import demo_tokenizer
 from mm_pipeline.training.omni_trainer import OmniTrainModel
 
 ENCODER_SHARD = "model-encoders.safetensors"
@@ -50,7 +51,7 @@ def export_checkpoint(model: OmniTrainModel, out_dir: str | Path, extra_config: 
         if extra_config:
             cfg.update(extra_config)
         (staging / "config.json").write_text(json.dumps(cfg, indent=2))
-        build_tiny_tokenizer(special).save_pretrained(str(staging))
+        demo_tokenizer().save_pretrained(str(staging))
         staging.chmod(0o755)  # mkdtemp makes 0700 dirs; safetensors writes 0600 files
         for f in staging.iterdir():
             f.chmod(0o644)

@@ -28,6 +28,9 @@ from encoders.audio_packing import AudioPackedBatch
 from encoders.packing import VisionPackedBatch
 from encoders.tiny import init_random_
 from encoders.vision import VisionTransformer
+from mm_pipeline.training.aux_targets import (
+    CHANGE_CLASSES, COLOUR_CLASSES, EMITTED_CLASSES, IGNORE, INSTANCE_CLASSES, KIND_CLASSES, ORDINAL_CLASSES,
+    PITCH_CLASSES, AuxTargets)
 from mm_pipeline.training.dataset import TrainItem
 from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.trainable_towers import audio_forward, make_trainable, vision_forward
@@ -51,8 +54,33 @@ def zero_residual_outputs_(vision: VisionTransformer) -> VisionTransformer:
 
 @dataclass(frozen=True)
 class BatchLoss:
-    loss: torch.Tensor              # mean over answer tokens of the batch
-    per_modality: dict[str, tuple[float, int]]  # modality -> (summed loss, answer tokens)
+    loss: torch.Tensor              # caption loss (mean over answer tokens) + aux_weight * aux losses
+    per_modality: dict[str, tuple[float, int]]  # modality -> (summed caption loss, answer tokens)
+    aux: dict[str, float]           # aux target -> mean cross-entropy of this batch
+
+
+def _add_ce(out: dict[str, torch.Tensor], name: str, head: nn.Linear, rows: torch.Tensor,
+            target: torch.Tensor) -> None:
+    """``out[name]`` = cross-entropy of ``head`` over the rows whose target is not IGNORE; nothing
+    when there are none (a batch of tiny frames can hold no shape token: a mean over no rows is NaN)."""
+    keep = target != IGNORE
+    if keep.any():
+        out[name] = F.cross_entropy(head(rows[keep]).float(), target[keep])
+
+
+class AuxHeads(nn.Module):
+    """Linear probes for the dense auxiliary targets (:mod:`mm_pipeline.training.aux_targets`).
+    Training-only: export writes text + towers, never these."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.colour = nn.Linear(hidden, COLOUR_CLASSES)
+        self.kind = nn.Linear(hidden, KIND_CLASSES)
+        self.instance = nn.Linear(hidden, INSTANCE_CLASSES)
+        self.pitch = nn.Linear(hidden, PITCH_CLASSES)
+        self.ordinal = nn.Linear(hidden, ORDINAL_CLASSES)
+        self.change = nn.Linear(hidden, CHANGE_CLASSES)
+        self.emitted = nn.Linear(hidden, EMITTED_CLASSES)
 
 
 class OmniTrainModel(nn.Module):
@@ -79,6 +107,7 @@ class OmniTrainModel(nn.Module):
         if vision_init == "passthrough":
             zero_residual_outputs_(self.vision)
         self.audio = make_trainable(init_random_(AudioEncoder(config.audio), seed + 2))
+        self.aux_heads = AuxHeads(config.text["hidden_size"])
         self.config = config
         self.pad_id = pad_id
 
@@ -96,10 +125,15 @@ class OmniTrainModel(nn.Module):
         return batch.split(audio_forward(self.audio, batch))
 
     # ---- loss -------------------------------------------------------------------------------------
-    def loss(self, items: Sequence[TrainItem]) -> BatchLoss:
+    def loss(self, items: Sequence[TrainItem], aux: Sequence[AuxTargets] | None = None,
+             aux_weight: float = 0.0) -> BatchLoss:
+        """Caption loss of a batch; with ``aux`` (one per item) and ``aux_weight > 0`` plus the
+        weighted sum of the auxiliary cross-entropies."""
+        use_aux = aux is not None and aux_weight > 0
         vis_units = [(u.float(), g) for it in items if it.modality != "audio" for u, g in zip(it.units, it.grids)]
         aud_units = [u for it in items if it.modality == "audio" for u in it.units]
-        vis_rows, aud_rows = iter(self._vision_rows(vis_units)), iter(self._audio_rows(aud_units))
+        vis_list, aud_list = self._vision_rows(vis_units), self._audio_rows(aud_units)
+        vis_rows, aud_rows = iter(vis_list), iter(aud_list)
         length = max(it.num_tokens for it in items)
         ids = torch.full((len(items), length), self.pad_id, dtype=torch.long)
         for b, it in enumerate(items):
@@ -112,7 +146,17 @@ class OmniTrainModel(nn.Module):
                 if r.shape[0] != end - start:
                     raise RuntimeError(f"unit gives {r.shape[0]} rows for a span of {end - start}")
                 embeds[b, start:end] = r.to(embeds.dtype)
-        hidden = self.text.model(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        if use_aux:
+            for idx in {self.config.change_layer, self.config.ordinal_layer}:
+                hooks.append(self.text.model.layers[idx].register_forward_hook(
+                    lambda _m, _i, out, idx=idx: captured.__setitem__(idx, out[0] if isinstance(out, tuple) else out)))
+        try:
+            hidden = self.text.model(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        finally:
+            for h in hooks:
+                h.remove()
         # Answer positions: token t is predicted from position t - 1.
         bi, ti = [], []
         for b, it in enumerate(items):
@@ -129,7 +173,51 @@ class OmniTrainModel(nn.Module):
             s, c = per.get(it.modality, (0.0, 0))
             per[it.modality] = (s + float(tok_loss[offset:offset + n].detach().sum()), c + n)
             offset += n
-        return BatchLoss(tok_loss.mean(), per)
+        loss = tok_loss.mean()
+        aux_losses: dict[str, torch.Tensor] = {}
+        if use_aux:
+            assert aux is not None and len(aux) == len(items)
+            aux_losses = self._aux_losses(items, aux, vis_list, aud_list, captured)
+            loss = loss + aux_weight * sum(aux_losses.values())
+        return BatchLoss(loss, per, {k: float(v.detach()) for k, v in aux_losses.items()})
+
+    def tower_loss(self, vision: Sequence[tuple[torch.Tensor, tuple[int, int, int], AuxTargets, int]],
+                   audio: Sequence[tuple[torch.Tensor, AuxTargets]]) -> dict[str, torch.Tensor]:
+        """Tower-only step (no text model): the dense tower targets of ``vision`` units
+        (rows, grid, targets, unit index in the item) and ``audio`` clips (one segment each)."""
+        vis_rows = self._vision_rows([(u.float(), g) for u, g, _, _ in vision])
+        aud_rows = self._audio_rows([u for u, _ in audio])
+        return self._tower_aux([(a, k) for _, _, a, k in vision], vis_rows, [(a, 0) for _, a in audio], aud_rows)
+
+    def _tower_aux(self, vis_targets: Sequence[tuple[AuxTargets, int]], vis_rows: list[torch.Tensor],
+                   aud_targets: Sequence[tuple[AuxTargets, int]], aud_rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        heads = self.aux_heads
+        out: dict[str, torch.Tensor] = {}
+        if vis_rows:
+            rows = torch.cat(vis_rows)
+            for name in ("colour", "kind", "instance"):
+                target = torch.cat([getattr(a, name)[k] for a, k in vis_targets])
+                _add_ce(out, name, getattr(heads, name), rows, target)
+        if aud_rows:
+            target = torch.cat([a.pitch[k] for a, k in aud_targets])
+            _add_ce(out, "pitch", heads.pitch, torch.cat(aud_rows), target)
+        return out
+
+    def _aux_losses(self, items: Sequence[TrainItem], aux: Sequence[AuxTargets], vis_rows: list[torch.Tensor],
+                    aud_rows: list[torch.Tensor], text_hidden: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        heads = self.aux_heads
+        vis_targets = [(a, k) for it, a in zip(items, aux) if it.modality != "audio" for k in range(len(it.units))]
+        aud_targets = [(a, k) for it, a in zip(items, aux) if it.modality == "audio" for k in range(len(it.units))]
+        out = self._tower_aux(vis_targets, vis_rows, aud_targets, aud_rows)
+        layers = {"ordinal": self.config.ordinal_layer, "emitted": self.config.ordinal_layer,
+                  "change": self.config.change_layer}
+        for name, layer in layers.items():
+            hidden = text_hidden[layer]
+            target = torch.full(hidden.shape[:2], IGNORE, dtype=torch.long)
+            for b, (it, a) in enumerate(zip(items, aux)):
+                target[b, :it.num_tokens] = getattr(a, name)
+            _add_ce(out, name, getattr(heads, name), hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1))
+        return out
 
     def param_groups(self, weight_decay: float, vision_lr_mult: float = 1.0) -> list[dict[str, Any]]:
         """AdamW groups: no decay on norms, biases, sinks and 1-D params; the vision tower (blocks

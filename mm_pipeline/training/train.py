@@ -31,10 +31,12 @@ from typing import Sequence
 import torch
 
 from mm_pipeline.omni_checkpoint import tiny_special_tokens
-from mm_pipeline.training.dataset import DEFAULT_CACHE, ItemRef, TrainItem, load_item, prepare_items
+from mm_pipeline.training.aux_targets import aux_targets, separator_ids
+from mm_pipeline.training.dataset import DEFAULT_CACHE, ItemPreparer, ItemRef, TrainItem, load_item, prepare_items
 from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.export import export_checkpoint
 from mm_pipeline.training.omni_trainer import VISION_INITS, OmniTrainModel
+from mm_pipeline.training.tower_pretrain import pretrain_towers
 
 SEED_BASE = 10_000
 
@@ -97,6 +99,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--vision-lr-mult", type=float, default=1.0, help="lr factor for the vision tower")
     ap.add_argument("--vision-first", type=float, default=0.0,
                     help="fraction of the run that trains on images + videos only")
+    ap.add_argument("--aux-weight", type=float, default=1.0,
+                    help="weight of the dense auxiliary targets (0 = caption loss only)")
+    ap.add_argument("--tower-minutes", type=float, default=0.0,
+                    help="phase 1: train only the towers on their dense targets this long (part of --minutes)")
+    ap.add_argument("--tower-steps", type=int, default=None, help="phase 1 by step count instead of time")
+    ap.add_argument("--tower-lr", type=float, default=4e-3)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -107,15 +115,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.prepare_only:
         return
     items = [load_item(p) for p in paths]
+    aux = None
+    if args.aux_weight > 0:
+        preparer = ItemPreparer(config)
+        merge, seps = config.vision.spatial_merge_size, separator_ids(preparer.tokenizer)
+        aux = [aux_targets(r, it, merge, preparer.sampling, seps) for r, it in zip(training_refs(args.seed), items)]
+        print(f"aux targets for {len(aux)} items in {time.time() - t0:.0f} s", flush=True)
     rng = random.Random(args.seed)
     if not 0.0 <= args.vision_first < 1.0:
         raise SystemExit(f"--vision-first must be in [0, 1), got {args.vision_first}")
     model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad, seed=args.seed, vision_init=args.vision_init)
     opt = torch.optim.AdamW(model.param_groups(0.01, args.vision_lr_mult), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    tower_steps = 0
+    if args.tower_minutes > 0 or args.tower_steps:
+        if aux is None:
+            raise SystemExit("--tower-minutes / --tower-steps need the aux targets (--aux-weight > 0)")
+        if args.minutes and args.tower_minutes >= args.minutes:
+            raise SystemExit(f"--tower-minutes {args.tower_minutes} leaves nothing of --minutes {args.minutes}")
+        t1 = time.time()
+        tower_steps = pretrain_towers(model, items, aux, seconds=args.tower_minutes * 60 if args.tower_minutes else None,
+                                      steps=args.tower_steps, lr=args.tower_lr, rng=rng)
+        print(f"tower phase: {tower_steps} steps in {time.time() - t1:.0f} s", flush=True)
     vision_only = [i for i, it in enumerate(items) if it.modality != "audio"]
     in_curriculum = args.vision_first > 0
     start = time.time()
-    budget_s = args.minutes * 60 if args.minutes else None
+    budget_s = (args.minutes - args.tower_minutes) * 60 if args.minutes else None
     batches: list[list[int]] = []
     stats: dict[str, list[float]] = {}
     step, last_loss = 0, float("nan")
@@ -135,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 batches = [[vision_only[j] for j in b] for b in make_batches(sub, rng, args.token_budget)]
             else:
                 batches = make_batches(items, rng, args.token_budget)
-        out = model.loss([items[i] for i in batches.pop()])
+        batch = batches.pop()
+        out = model.loss([items[i] for i in batch], [aux[i] for i in batch] if aux else None, args.aux_weight)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -146,23 +171,29 @@ def main(argv: Sequence[str] | None = None) -> None:
             acc = stats.setdefault(m, [0.0, 0])
             acc[0] += s
             acc[1] += n
+        for name, value in out.aux.items():
+            acc = stats.setdefault("aux_" + name, [0.0, 0])
+            acc[0] += value
+            acc[1] += 1
         if step % 25 == 0:
             per = " ".join(f"{m}={s / max(n, 1):.4f}" for m, (s, n) in sorted(stats.items()))
             print(f"step {step} t={time.time() - start:.0f}s lr={opt.param_groups[0]['lr']:.2e} "
                   f"loss={last_loss:.4f} [{per}]", flush=True)
             stats = {}
         if step % args.save_every == 0:
-            export_checkpoint(model, args.out, _train_info(args, step, start, last_loss))
-    export_checkpoint(model, args.out, _train_info(args, step, start, last_loss))
+            export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
+    export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
     print(f"done: {step} steps in {time.time() - start:.0f} s, final batch loss {last_loss:.4f}; "
           f"wrote {args.out}", flush=True)
 
 
-def _train_info(args: argparse.Namespace, step: int, start: float, loss: float) -> dict:
+def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, tower_steps: int) -> dict:
     return {"demo_training": {"seed": args.seed, "steps": step, "wall_s": round(time.time() - start),
                               "final_batch_loss": round(loss, 5), "lr": args.lr,
                               "token_budget": args.token_budget, "vision_init": args.vision_init,
-                              "vision_lr_mult": args.vision_lr_mult, "vision_first": args.vision_first}}
+                              "vision_lr_mult": args.vision_lr_mult, "vision_first": args.vision_first,
+                              "aux_weight": args.aux_weight, "tower_steps": tower_steps,
+                              "tower_minutes": args.tower_minutes, "tower_lr": args.tower_lr}}
 
 
 if __name__ == "__main__":
