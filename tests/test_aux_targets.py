@@ -195,3 +195,11 @@ def test_tower_pretraining_fits_the_tower_targets_and_leaves_the_text_model_alon
     for k, v in model.text.state_dict().items():
         assert torch.equal(v, text_before[k]), k
     assert any(not torch.equal(p.detach(), b) for p, b in zip(model.vision.parameters(), vision_before))
+
+
+def test_a_shape_smaller_than_a_cell_still_owns_the_cell_holding_it():
+    tiny = ShapeSpec("circle", "red", 37, 70, 10)        # 10 px in 32-px cells: covers < 30 % of any
+    big = ShapeSpec("square", "blue", 0, 0, 64)
+    owner = cell_owner((big, tiny), 128, 128, 4, 4)
+    assert (owner == 1).sum() == 1 and owner[2 * 4 + 1] == 1   # cell (row 2, col 1) holds the circle
+    assert (owner == 0).sum() == 4                          # the square's 2x2 cells

@@ -22,8 +22,9 @@ so it is asked of the text model's hidden state. Kind and instance are asked of 
 (background is the colour target's job), so the rare shape tokens are not drowned out.
 
 Geometry: a merged vision token covers a (merge*patch)^2 cell of the resized frame, which maps
-linearly onto the original (smart_resize never crops); a 4x4 grid of sample points in the cell
-decides which shape (if any) covers it. Audio tokens are 80 ms (hop 10 ms x conv 2 x pool 2 x group 2).
+linearly onto the original (smart_resize never crops); an 8x8 grid of sample points in the cell
+decides which shape (if any) covers it: >= 30 % of the points, or the cell holding most of a shape
+smaller than a cell. Audio tokens are 80 ms (hop 10 ms x conv 2 x pool 2 x group 2).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ SEPARATORS = {"image": " and", "video": " then", "audio": ","}
 _COLOUR_ID = {c: i + 1 for i, c in enumerate(COLOURS)}
 _KIND_ID = {k: i + 1 for i, k in enumerate(SHAPES)}
 _PITCH_ID = {"low": 1, "high": 2}
-_SAMPLES = 4                          # sample points per cell side
+_SAMPLES = 8                          # sample points per cell side (4 px apart in a 32-px cell)
 _COVER = 0.3                          # a cell belongs to a shape covering >= 30 % of its points
 
 
@@ -87,11 +88,22 @@ def cell_owner(shapes: tuple[ShapeSpec, ...], width: int, height: int, rows: int
     x = xs[None, :, None, :].expand(rows, cols, _SAMPLES, _SAMPLES)
     owner = torch.full((rows, cols), -1, dtype=torch.long)
     best = torch.zeros(rows, cols, dtype=torch.float64)
+    covers = []
     for i, shape in enumerate(shapes):
         cover = _inside(shape, x, y).double().mean(dim=(2, 3))
         take = (cover >= _COVER) & (cover > best)
         owner[take], best[take] = i, cover[take]
-    return owner.reshape(-1)
+        covers.append(cover.reshape(-1))
+    owner = owner.reshape(-1)
+    # A shape smaller than a cell (video frames shrink it to ~one 16-px patch: median side 14 px in
+    # 60 s videos) still owns the free cell holding most of it, or it would be taught as background.
+    for i, cover in enumerate(covers):
+        if not (owner == i).any():
+            free = cover.masked_fill(owner >= 0, 0.0)
+            cell = int(free.argmax())
+            if free[cell] > 0:
+                owner[cell] = i
+    return owner
 
 
 def _vision_unit_targets(shapes: tuple[ShapeSpec, ...], colours: tuple[str, ...], width: int, height: int,
