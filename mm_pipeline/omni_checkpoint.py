@@ -134,14 +134,19 @@ def build_tiny_tokenizer(special: SpecialTokens, merges: Sequence[tuple[str, str
     )
 
 
-def _processor_config(special: SpecialTokens, vision, audio) -> dict[str, Any]:
-    """Small pixel budgets so tiny-model tests stay fast; the real field names and semantics."""
+def processor_config(special: SpecialTokens, vision, audio, *, image_pixels: tuple[int, int] = (32 * 32, 128 * 128),
+                     video_pixels: tuple[int, int] = (32 * 32, 64 * 64), video_total_max_pixels: int = 64 * 64 * 16,
+                     fps: float = 1.0, min_frames: int = 2, max_frames: int = 16) -> dict[str, Any]:
+    """A checkpoint's ``processor_config`` (the real MiMo-V2.5 field names and semantics) from the
+    towers' configs and the pixel / frame budgets; the defaults are small so tiny-model tests stay fast."""
     return {
         "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
         "merge_size": vision.spatial_merge_size,
-        "image_min_pixels": 32 * 32, "image_max_pixels": 128 * 128,
-        "video_min_pixels": 32 * 32, "video_max_pixels": 64 * 64, "video_total_max_pixels": 64 * 64 * 16,
-        "fps": 1.0, "min_frames": 2, "max_frames": 16, "use_video_timestamps": True, "rope_type": "rope",
+        "image_min_pixels": image_pixels[0], "image_max_pixels": image_pixels[1],
+        "video_min_pixels": video_pixels[0], "video_max_pixels": video_pixels[1],
+        "video_total_max_pixels": video_total_max_pixels,
+        "fps": fps, "min_frames": min_frames, "max_frames": max_frames, "use_video_timestamps": True,
+        "rope_type": "rope",
         "audio_sampling_rate": audio.sampling_rate, "audio_nfft": audio.n_fft, "audio_window_size": audio.window_size,
         "audio_hop_length": audio.hop_length, "audio_n_mels": audio.n_mels, "audio_fmin": audio.fmin,
         "audio_fmax": audio.fmax, "audio_kernel_size": audio.kernel_size, "audio_stride_size": audio.stride_size,
@@ -186,7 +191,7 @@ def build_tiny_omni_checkpoint(out_dir: str | Path, seed: int = 0, **overrides: 
         "vision_model_type": "mimovl",
         "vision_config": vision_cfg.to_dict(),
         "audio_config": audio_cfg.to_dict(),
-        "processor_config": _processor_config(special, vision_cfg, audio_cfg),
+        "processor_config": processor_config(special, vision_cfg, audio_cfg),
     })
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     build_tiny_tokenizer(special).save_pretrained(str(out))

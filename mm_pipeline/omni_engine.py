@@ -123,10 +123,11 @@ class OmniEngine:
                 token_ids, plans = prepared.token_ids, prepared.plans
                 progressed = asyncio.Event()
 
-                def on_progress() -> None:
+                def wake_and_signal() -> None:  # streaming off: the request waits on the event loop
                     rt.loop.wake()
                     loop.call_soon_threadsafe(progressed.set)
 
+                on_progress = rt.loop.wake if self.config.stream_embeddings else wake_and_signal
                 stream = EmbeddingStream(len(token_ids), prepared.spans, rt.hidden_size, on_progress=on_progress)
                 sinks = [[_unit_sink(stream, s, rt, rid) for s in spans] for spans in prepared.spans_of_plan]
             elif token_ids is None:  # a text prompt: tokenize off the event loop

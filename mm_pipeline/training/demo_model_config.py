@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encoders.config import AudioConfig, VisionConfig
+from mm_pipeline.omni_checkpoint import processor_config
 from mm_pipeline.omni_config import SpecialTokens
 
 HIDDEN = 128
@@ -80,20 +81,8 @@ class DemoModelConfig:
 
     def processor_config(self, special: SpecialTokens) -> dict[str, Any]:
         """The checkpoint's ``processor_config`` (real MiMo-V2.5 field names)."""
-        v, a = self.vision, self.audio
-        return {
-            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
-            "merge_size": v.spatial_merge_size,
-            "image_min_pixels": self.image_min_pixels, "image_max_pixels": self.image_max_pixels,
-            "video_min_pixels": self.video_min_pixels, "video_max_pixels": self.video_max_pixels,
-            "video_total_max_pixels": self.video_total_max_pixels,
-            "fps": self.fps, "min_frames": self.min_frames, "max_frames": self.max_frames,
-            "use_video_timestamps": True, "rope_type": "rope",
-            "audio_sampling_rate": a.sampling_rate, "audio_nfft": a.n_fft, "audio_window_size": a.window_size,
-            "audio_hop_length": a.hop_length, "audio_n_mels": a.n_mels, "audio_fmin": a.fmin,
-            "audio_fmax": a.fmax, "audio_kernel_size": a.kernel_size, "audio_stride_size": a.stride_size,
-            "audio_avg_pooler": a.avg_pooler, "audio_group_size": a.group_size,
-            "audio_segment_size": a.segment_size,
-            **{k: val for k, val in special.to_config().items() if k not in ("eos_token_id", "pad_token_id")},
-            "pad_token_id": special.pad,
-        }
+        return processor_config(special, self.vision, self.audio,
+                                image_pixels=(self.image_min_pixels, self.image_max_pixels),
+                                video_pixels=(self.video_min_pixels, self.video_max_pixels),
+                                video_total_max_pixels=self.video_total_max_pixels, fps=self.fps,
+                                min_frames=self.min_frames, max_frames=self.max_frames)
