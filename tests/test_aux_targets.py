@@ -69,6 +69,10 @@ def test_image_targets_match_the_pixels_and_order_shapes_left_to_right(preparer,
         if (colour > 0).any():
             assert sat[colour > 0].mean() > 40, (ref, item.caption)  # partly covered cells: mixed with gray
         assert sat[colour == 0].mean() < 20, (ref, item.caption)
+        # The text model's ordinal on the image placeholders: shape j (left to right) -> j - 1.
+        s, e = item.spans[0]
+        assert aux.ordinal[s:e].tolist() == torch.where(inst == IGNORE, IGNORE, inst - 1).tolist()
+        assert (aux.ordinal[:s] == IGNORE).all() and (aux.ordinal[e:] == IGNORE).all()
         _, gh, gw = item.grids[0]
         cols = torch.arange(colour.shape[0]) % (gw // 2)
         if (inst == 2).any() and (inst == 1).any():
@@ -99,9 +103,14 @@ def test_video_ordinals_step_through_the_colour_segments(preparer, tmp_path):
         for s, e in item.spans:
             pads[s:e] = True
         assert (aux.ordinal[~pads] == IGNORE).all()
-        for g, (c, _) in enumerate(zip(aux.colour, item.units)):
-            shown = spec.colours[per_group[g]]
-            assert set(c.unique().tolist()) <= {0, ["red", "green", "blue", "yellow"].index(shown) + 1}
+        assert (aux.group_colour[~pads] == IGNORE).all() and (aux.group_kind[~pads] == IGNORE).all()
+        kind = ["circle", "square", "triangle"].index(spec.shape.kind) + 1
+        for g, ((s, e), c) in enumerate(zip(item.spans, aux.colour)):
+            shown = ["red", "green", "blue", "yellow"].index(spec.colours[per_group[g]]) + 1
+            assert set(c.unique().tolist()) <= {0, shown}
+            # Every placeholder of the group is asked the group's colour and kind, shape or not.
+            assert aux.group_colour[s:e].tolist() == [shown] * (e - s)
+            assert aux.group_kind[s:e].tolist() == [kind] * (e - s)
 
 
 def test_audio_targets_follow_the_beeps(preparer, tmp_path):
@@ -140,7 +149,8 @@ def test_aux_losses_train_heads_and_towers_and_stay_out_of_the_export(preparer, 
     plain = model.loss(items)
     out = model.loss(items, aux, aux_weight=0.5)
     assert plain.aux == {}
-    assert set(out.aux) == {"colour", "kind", "instance", "pitch", "ordinal", "change", "emitted"}
+    assert set(out.aux) == {"colour", "kind", "instance", "pitch", "ordinal", "change", "emitted",
+                            "group_colour", "group_kind"}
     assert torch.isclose(out.loss, plain.loss + 0.5 * sum(torch.tensor(v) for v in out.aux.values()), atol=1e-4)
     out.loss.backward()
     for name, p in list(model.aux_heads.named_parameters()) + list(model.vision.named_parameters())[:2]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from encoders.audio_packing import AudioPackedBatch
 from encoders.packing import VisionPackedBatch
 from encoders.tiny import init_random_, tiny_audio_config, tiny_vision_config
 from encoders.vision import VisionTransformer
-from mm_pipeline.training.train import make_batches
+from mm_pipeline.training.train import make_batches, parse_weights
 from mm_pipeline.training.trainable_towers import audio_forward, make_trainable, vision_forward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,25 @@ def served():
 def test_demo_model_is_small():
     size = sum(p.stat().st_size for p in MODEL.iterdir() if p.is_file())
     assert size <= 30 * 1024 * 1024, f"demo model is {size / 2**20:.1f} MB"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([10, 24, 30]), st.floats(0.0, 1.0))
+def test_demo_processor_samples_every_colour_segment_at_least_twice(k, fps, u):
+    """Issue F: the processor's video sampling sees each colour (D / k >= 1 s) in >= 2 frames,
+    for every duration D in [max(2, k), 60] s and every spec frame rate."""
+    from mm_pipeline.omni_checkpoint import tiny_special_tokens
+    from mm_pipeline.omni_config import VideoSampling
+    from mm_pipeline.training.demo_model_config import DemoModelConfig
+    from mm_pipeline.video_sampling import VideoSamplingParams, sample_frames
+
+    v = VideoSampling.from_dict(DemoModelConfig().processor_config(tiny_special_tokens()))
+    params = VideoSamplingParams(fps=v.fps, min_frames=min(v.min_frames, v.max_frames), max_frames=v.max_frames,
+                                 frame_factor=2)
+    lo = max(2, k)
+    n_frames = round((lo + u * (60 - lo)) * fps)
+    seen = Counter(i * k // n_frames for i in sample_frames(n_frames, fps, params).indices)
+    assert all(seen[j] >= 2 for j in range(k)), (k, fps, n_frames, dict(seen))
 
 
 def _exact(served, modality: str) -> tuple[int, list[tuple[str, str]]]:
@@ -145,8 +166,9 @@ def test_trainable_audio_twin_matches_served_encoder_and_has_gradients():
 
 
 class _Len:
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, modality: str = "image") -> None:
         self.num_tokens = n
+        self.modality = modality
 
 
 @settings(max_examples=40, deadline=None)
@@ -158,6 +180,29 @@ def test_make_batches_covers_every_item_once_within_budget(lengths, budget, seed
     assert flat == list(range(len(items)))
     for b in batches:
         assert len(b) == 1 or len(b) * max(items[i].num_tokens for i in b) <= budget
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from(["image", "video", "audio"]), min_size=40, max_size=300), st.integers(0, 99))
+def test_make_batches_weights_repeat_or_thin_a_modality(modalities, seed):
+    items = [_Len(50 + 7 * i % 300, m) for i, m in enumerate(modalities)]
+    batches = make_batches(items, random.Random(seed), 2000, weights={"video": 2.0, "audio": 0.5})
+    seen = Counter(i for b in batches for i in b)
+    for i, it in enumerate(items):
+        want = {"image": {1}, "video": {2}, "audio": {0, 1}}[it.modality]
+        assert seen.get(i, 0) in want, (it.modality, seen.get(i, 0))
+    audio = [seen.get(i, 0) for i, it in enumerate(items) if it.modality == "audio"]
+    if len(audio) >= 30:  # binomial(n, 0.5): far outside 5 sigma would mean the thinning is wrong
+        assert abs(sum(audio) - len(audio) / 2) <= 2.5 * len(audio) ** 0.5
+
+
+def test_parse_weights_names_the_bad_part():
+    from argparse import ArgumentTypeError
+
+    assert parse_weights("video=2, audio=0.5") == {"video": 2.0, "audio": 0.5}
+    for bad, msg in [("text=2", "modality"), ("video", "modality"), ("video=x", "not a number"), ("audio=9", "[0, 8]")]:
+        with pytest.raises(ArgumentTypeError, match=re.escape(msg)):
+            parse_weights(bad)
 
 
 def test_passthrough_vision_init_makes_every_block_the_identity():

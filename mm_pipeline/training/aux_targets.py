@@ -11,8 +11,12 @@ text model which features to build, so the caption loss only has to learn to *re
                     pitch (silence, low, high)                                 audio
     text, layer 2   change: this video group's colour differs from the previous group's / a beep
                     starts at this audio token (the sliding layers see both neighbours)
+    text, layer 2   group colour / group kind: every placeholder of a video group holds the
+                    group's shape colour and kind, not only the one or two tokens the shape
+                    covers, so a later full layer can fetch a segment's colour from any of them
     text, layer 3   ordinal: which colour segment a video group belongs to / how many beeps have
-                    started at an audio token (the full layer counts the changes before it)
+                    started at an audio token (the full layer counts the changes before it) /
+                    which shape (0 = leftmost) an image's shape token belongs to
                     emitted: at answer positions, how many list items (", then" / "," / " and")
                     the answer has already closed -- which item comes next
 
@@ -65,6 +69,8 @@ class AuxTargets:
     ordinal: torch.Tensor             # [num_tokens] long over input_ids, IGNORE where undefined
     change: torch.Tensor              # [num_tokens] long, IGNORE where undefined
     emitted: torch.Tensor             # [num_tokens] long, IGNORE outside the answer positions
+    group_colour: torch.Tensor        # [num_tokens] long: video placeholders, IGNORE elsewhere
+    group_kind: torch.Tensor          # [num_tokens] long: video placeholders, IGNORE elsewhere
 
 
 def _inside(shape: ShapeSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -139,12 +145,18 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
         raise ValueError(f"{ref}: spec caption {spec.caption!r} != prepared caption {item.caption!r}")
     ordinal = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
     change = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
+    group_colour = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
+    group_kind = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
     colour, kind, instance, pitch = [], [], [], []
     if isinstance(spec, ImageSpec):
         shapes = _left_to_right(spec.shapes)
         c, k, i = _vision_unit_targets(shapes, tuple(s.colour for s in shapes), spec.width, spec.height,
                                        item.grids[0], merge)
         colour, kind, instance = [c], [_shape_only(k, c)], [_shape_only(i, c)]
+        # An image's "segments" are its shapes left to right: the same ordinal <-> emitted match
+        # that fetches a video's j-th colour fetches the j-th shape here.
+        start, end = item.spans[0]
+        ordinal[start:end] = torch.where(i > 0, i - 1, IGNORE)
     elif isinstance(spec, VideoSpec):
         group_frames = video_group_frames(spec, len(item.units), sampling)
         previous = 0
@@ -154,6 +166,8 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
                                            item.grids[g], merge)
             colour.append(c), kind.append(_shape_only(k, c)), instance.append(_shape_only(i, c))
             ordinal[start:end] = seg
+            group_colour[start:end] = _COLOUR_ID[spec.colours[seg]]
+            group_kind[start:end] = _KIND_ID[spec.shape.kind]
             change[start:end] = int(g > 0 and seg != previous)
             previous = seg
     elif isinstance(spec, AudioSpec):
@@ -176,7 +190,7 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
     closed = (answer == separator_ids[ref.modality]).long().cumsum(0)
     emitted[item.answer_start - 1] = 0
     emitted[item.answer_start:item.num_tokens - 1] = closed[:-1].clamp(max=EMITTED_CLASSES - 1)
-    return AuxTargets(colour, kind, instance, pitch, ordinal, change, emitted)
+    return AuxTargets(colour, kind, instance, pitch, ordinal, change, emitted, group_colour, group_kind)
 
 
 def _shape_only(target: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,8 @@ class AuxHeads(nn.Module):
         self.ordinal = nn.Linear(hidden, ORDINAL_CLASSES)
         self.change = nn.Linear(hidden, CHANGE_CLASSES)
         self.emitted = nn.Linear(hidden, EMITTED_CLASSES)
+        self.group_colour = nn.Linear(hidden, COLOUR_CLASSES)
+        self.group_kind = nn.Linear(hidden, KIND_CLASSES)
 
 
 class OmniTrainModel(nn.Module):
@@ -210,7 +212,8 @@ class OmniTrainModel(nn.Module):
         aud_targets = [(a, k) for it, a in zip(items, aux) if it.modality == "audio" for k in range(len(it.units))]
         out = self._tower_aux(vis_targets, vis_rows, aud_targets, aud_rows)
         layers = {"ordinal": self.config.ordinal_layer, "emitted": self.config.ordinal_layer,
-                  "change": self.config.change_layer}
+                  "change": self.config.change_layer, "group_colour": self.config.change_layer,
+                  "group_kind": self.config.change_layer}
         for name, layer in layers.items():
             hidden = text_hidden[layer]
             target = torch.full(hidden.shape[:2], IGNORE, dtype=torch.long)

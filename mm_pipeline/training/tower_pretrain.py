@@ -16,22 +16,26 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from mm_pipeline.training.aux_targets import AuxTargets
+from mm_pipeline.training.data_parallel import DataParallel
 from mm_pipeline.training.dataset import TrainItem
 from mm_pipeline.training.omni_trainer import OmniTrainModel
 
 
 def pretrain_towers(model: OmniTrainModel, items: Sequence[TrainItem], aux: Sequence[AuxTargets], *,
                     seconds: float | None, steps: int | None, lr: float, rng: random.Random,
-                    vision_units: int = 24, audio_clips: int = 12, log_every: int = 50) -> int:
+                    vision_units: int = 24, audio_clips: int = 12, log_every: int = 50,
+                    dp: DataParallel | None = None, log: Callable[..., None] = print) -> int:
     """Train ``model.vision``, ``model.audio`` and their aux heads for ``seconds`` (wall clock) or
-    ``steps``; returns the steps run. Warm-up 50 steps, then cosine to 10 % of ``lr``."""
+    ``steps``; returns the steps run. Warm-up 50 steps, then cosine to 10 % of ``lr``. Under data
+    parallelism (``dp``) each rank samples its own units from ``rng`` and the gradients are averaged."""
     if seconds is None and steps is None:
         raise ValueError("pretrain_towers needs a time budget or a step count")
+    dp = dp or DataParallel()
     heads = model.aux_heads
     params = [*model.vision.parameters(), *model.audio.parameters(), *heads.colour.parameters(),
               *heads.kind.parameters(), *heads.instance.parameters(), *heads.pitch.parameters()]
@@ -40,7 +44,7 @@ def pretrain_towers(model: OmniTrainModel, items: Sequence[TrainItem], aux: Sequ
     sound = [i for i, it in enumerate(items) if it.modality == "audio"]
     start, step, sums = time.time(), 0, {}
     while True:
-        elapsed = time.time() - start
+        elapsed = dp.agree(time.time() - start)
         progress = elapsed / seconds if seconds is not None else step / steps
         if progress >= 1.0 or (steps is not None and step >= steps):
             break
@@ -56,6 +60,7 @@ def pretrain_towers(model: OmniTrainModel, items: Sequence[TrainItem], aux: Sequ
         loss = sum(losses.values())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        dp.average_gradients(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
@@ -63,7 +68,7 @@ def pretrain_towers(model: OmniTrainModel, items: Sequence[TrainItem], aux: Sequ
             sums.setdefault(k, []).append(float(v.detach()))
         if step % log_every == 0:
             per = " ".join(f"{k}={sum(v) / len(v):.4f}" for k, v in sorted(sums.items()))
-            print(f"tower step {step} t={time.time() - start:.0f}s lr={opt.param_groups[0]['lr']:.2e} [{per}]",
+            log(f"tower step {step} t={time.time() - start:.0f}s lr={opt.param_groups[0]['lr']:.2e} [{per}]",
                   flush=True)
             sums = {}
     return step

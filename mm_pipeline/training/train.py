@@ -26,12 +26,13 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from mm_pipeline.omni_checkpoint import tiny_special_tokens
 from mm_pipeline.training.aux_targets import aux_targets, separator_ids
+from mm_pipeline.training.data_parallel import DataParallel, free_port
 from mm_pipeline.training.dataset import DEFAULT_CACHE, ItemPreparer, ItemRef, TrainItem, load_item, prepare_items
 from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.export import export_checkpoint
@@ -41,8 +42,8 @@ from mm_pipeline.training.tower_pretrain import pretrain_towers
 SEED_BASE = 10_000
 
 
-def training_refs(seed: int, images: int = 2000, audios: int = 1200, short_videos: int = 700,
-                  long_videos: int = 180) -> list[ItemRef]:
+def training_refs(seed: int, images: int = 2000, audios: int = 1200, short_videos: int = 900,
+                  long_videos: int = 500) -> list[ItemRef]:
     """The training set of run ``seed`` (synthetic seeds 10_000 + 4 * seed + {0, 1, 2, 3})."""
     if not 0 <= seed < 25:
         raise ValueError(f"training seed must be in [0, 25) so synthetic seeds stay in 10_000..10_099, got {seed}")
@@ -53,10 +54,19 @@ def training_refs(seed: int, images: int = 2000, audios: int = 1200, short_video
             + [ItemRef("video", s + 3, i, 60.0) for i in range(long_videos)])
 
 
-def make_batches(items: Sequence[TrainItem], rng: random.Random, token_budget: int, pool: int = 96) -> list[list[int]]:
+def make_batches(items: Sequence[TrainItem], rng: random.Random, token_budget: int, pool: int = 96,
+                 weights: Mapping[str, float] | None = None) -> list[list[int]]:
     """One epoch of batches (indices): shuffle, cut into pools, sort a pool by length, fill batches
-    while ``len(batch) * longest <= token_budget`` (padded size), shuffle the batches."""
-    order = list(range(len(items)))
+    while ``len(batch) * longest <= token_budget`` (padded size), shuffle the batches.
+
+    ``weights`` (modality -> expected copies per epoch, default 1) over- or under-samples a
+    modality: an item of weight w appears floor(w) times plus once more with probability
+    frac(w). The demo spends its steps where the loss is (videos), not on solved audio."""
+    order = []
+    for i, it in enumerate(items):
+        w = 1.0 if weights is None else weights.get(it.modality, 1.0)
+        frac = w - int(w)
+        order += [i] * (int(w) + (frac > 0 and rng.random() < frac))
     rng.shuffle(order)
     batches: list[list[int]] = []
     for p in range(0, len(order), pool):
@@ -74,6 +84,22 @@ def make_batches(items: Sequence[TrainItem], rng: random.Random, token_budget: i
     return batches
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """``"video=2,audio=0.5"`` -> {"video": 2.0, "audio": 0.5}."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in ("image", "video", "audio"):
+            raise argparse.ArgumentTypeError(f"expected modality=weight with modality image/video/audio, got {part!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"weight of {name} is not a number: {value!r}") from None
+        if not 0.0 <= out[name] <= 8.0:
+            raise argparse.ArgumentTypeError(f"weight of {name} must be in [0, 8], got {out[name]}")
+    return out
+
+
 def lr_at(progress: float, peak: float, warmup: float = 0.03, floor: float = 0.1) -> float:
     if progress < warmup:
         return peak * max(progress, 1e-3) / warmup
@@ -88,10 +114,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget (schedule follows time)")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--token-budget", type=int, default=3072, help="padded tokens per batch")
+    ap.add_argument("--token-budget", type=int, default=3072, help="padded tokens per batch (per process)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--workers", type=int, default=2, help="processes preparing items")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per training process")
+    ap.add_argument("--procs", type=int, default=1,
+                    help="data-parallel training processes (gloo on 127.0.0.1); one per core pays, threads do not")
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--vision-init", choices=VISION_INITS, default="random",
@@ -105,37 +133,64 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="phase 1: train only the towers on their dense targets this long (part of --minutes)")
     ap.add_argument("--tower-steps", type=int, default=None, help="phase 1 by step count instead of time")
     ap.add_argument("--tower-lr", type=float, default=4e-3)
+    ap.add_argument("--images", type=int, default=2000, help="training images")
+    ap.add_argument("--audios", type=int, default=1200, help="training audio clips")
+    ap.add_argument("--short-videos", type=int, default=900, help="training videos of <= 12 s")
+    ap.add_argument("--long-videos", type=int, default=500, help="training videos of <= 60 s")
+    ap.add_argument("--modality-weights", type=parse_weights, default={},
+                    help="copies per epoch by modality, e.g. video=2,audio=0.5 (default 1 each)")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.vision_first < 1.0:
+        raise SystemExit(f"--vision-first must be in [0, 1), got {args.vision_first}")
+    if args.minutes and args.tower_minutes >= args.minutes:
+        raise SystemExit(f"--tower-minutes {args.tower_minutes} leaves nothing of --minutes {args.minutes}")
+    if (args.tower_minutes > 0 or args.tower_steps) and args.aux_weight <= 0:
+        raise SystemExit("--tower-minutes / --tower-steps need the aux targets (--aux-weight > 0)")
+    if not 1 <= args.procs <= 8:
+        raise SystemExit(f"--procs must be in [1, 8], got {args.procs}")
 
+    t0 = time.time()
+    refs = _refs(args)
+    prepare_items(refs, DemoModelConfig(), args.cache, args.workers)
+    print(f"prepared {len(refs)} items in {time.time() - t0:.0f} s", flush=True)
+    if args.prepare_only:
+        return
+    if args.procs == 1:
+        _train(0, args, None)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_train, args=(args, free_port()), nprocs=args.procs, join=True)
+
+
+def _train(rank: int, args: argparse.Namespace, port: int | None) -> None:
+    """One training process (rank ``rank`` of ``args.procs``); rank 0 logs and exports."""
+    dp = DataParallel(rank, args.procs, port)
     torch.set_num_threads(args.threads)
     config = DemoModelConfig()
     t0 = time.time()
-    paths = prepare_items(training_refs(args.seed), config, args.cache, args.workers)
-    print(f"prepared {len(paths)} items in {time.time() - t0:.0f} s", flush=True)
-    if args.prepare_only:
-        return
-    items = [load_item(p) for p in paths]
+    refs = _refs(args)
+    items = [load_item(p) for p in prepare_items(refs, config, args.cache, workers=1)]  # all cached
+    log = print if dp.is_main else (lambda *a, **k: None)
     aux = None
     if args.aux_weight > 0:
         preparer = ItemPreparer(config)
         merge, seps = config.vision.spatial_merge_size, separator_ids(preparer.tokenizer)
-        aux = [aux_targets(r, it, merge, preparer.sampling, seps) for r, it in zip(training_refs(args.seed), items)]
-        print(f"aux targets for {len(aux)} items in {time.time() - t0:.0f} s", flush=True)
+        aux = [aux_targets(r, it, merge, preparer.sampling, seps) for r, it in zip(refs, items)]
+        log(f"loaded {len(items)} items and their aux targets in {time.time() - t0:.0f} s", flush=True)
+    # Batches come from one stream every rank draws identically (rank r trains on every world-th
+    # batch); the tower phase samples per rank.
     rng = random.Random(args.seed)
-    if not 0.0 <= args.vision_first < 1.0:
-        raise SystemExit(f"--vision-first must be in [0, 1), got {args.vision_first}")
     model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad, seed=args.seed, vision_init=args.vision_init)
     opt = torch.optim.AdamW(model.param_groups(0.01, args.vision_lr_mult), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     tower_steps = 0
     if args.tower_minutes > 0 or args.tower_steps:
-        if aux is None:
-            raise SystemExit("--tower-minutes / --tower-steps need the aux targets (--aux-weight > 0)")
-        if args.minutes and args.tower_minutes >= args.minutes:
-            raise SystemExit(f"--tower-minutes {args.tower_minutes} leaves nothing of --minutes {args.minutes}")
         t1 = time.time()
+        tower_rng = rng if dp.world == 1 else random.Random(args.seed * 1000 + 1 + rank)
         tower_steps = pretrain_towers(model, items, aux, seconds=args.tower_minutes * 60 if args.tower_minutes else None,
-                                      steps=args.tower_steps, lr=args.tower_lr, rng=rng)
-        print(f"tower phase: {tower_steps} steps in {time.time() - t1:.0f} s", flush=True)
+                                      steps=args.tower_steps, lr=args.tower_lr, rng=tower_rng, dp=dp,
+                                      log=log)
+        log(f"tower phase: {tower_steps} steps in {time.time() - t1:.0f} s", flush=True)
     vision_only = [i for i, it in enumerate(items) if it.modality != "audio"]
     in_curriculum = args.vision_first > 0
     start = time.time()
@@ -144,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     stats: dict[str, list[float]] = {}
     step, last_loss = 0, float("nan")
     while step < args.steps:
-        elapsed = time.time() - start
+        elapsed = dp.agree(time.time() - start)
         if budget_s is not None and elapsed >= budget_s:
             break
         progress = elapsed / budget_s if budget_s is not None else step / args.steps
@@ -152,17 +207,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             g["lr"] = lr_at(progress, args.lr) * g["lr_mult"]
         if in_curriculum and progress >= args.vision_first:
             in_curriculum, batches = False, []  # curriculum over: next epoch mixes every modality
-            print(f"step {step}: curriculum done, mixing in audio", flush=True)
-        if not batches:
+            log(f"step {step}: curriculum done, mixing in audio", flush=True)
+        if len(batches) < dp.world:  # a new epoch (a leftover shorter than one batch per rank is dropped)
             if in_curriculum:
                 sub = [items[i] for i in vision_only]
                 batches = [[vision_only[j] for j in b] for b in make_batches(sub, rng, args.token_budget)]
             else:
-                batches = make_batches(items, rng, args.token_budget)
-        batch = batches.pop()
+                batches = make_batches(items, rng, args.token_budget, weights=args.modality_weights)
+        batch = batches[-1 - rank]
+        del batches[-dp.world:]
         out = model.loss([items[i] for i in batch], [aux[i] for i in batch] if aux else None, args.aux_weight)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
+        dp.average_gradients(model.parameters())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -177,23 +234,33 @@ def main(argv: Sequence[str] | None = None) -> None:
             acc[1] += 1
         if step % 25 == 0:
             per = " ".join(f"{m}={s / max(n, 1):.4f}" for m, (s, n) in sorted(stats.items()))
-            print(f"step {step} t={time.time() - start:.0f}s lr={opt.param_groups[0]['lr']:.2e} "
-                  f"loss={last_loss:.4f} [{per}]", flush=True)
+            log(f"step {step} t={time.time() - start:.0f}s lr={opt.param_groups[0]['lr']:.2e} "
+                f"loss={last_loss:.4f} [{per}]", flush=True)
             stats = {}
-        if step % args.save_every == 0:
+        if step % args.save_every == 0 and dp.is_main:
             export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
-    export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
-    print(f"done: {step} steps in {time.time() - start:.0f} s, final batch loss {last_loss:.4f}; "
-          f"wrote {args.out}", flush=True)
+    if dp.is_main:
+        export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
+    log(f"done: {step} steps in {time.time() - start:.0f} s, final batch loss {last_loss:.4f} (rank 0); "
+        f"wrote {args.out}", flush=True)
+    dp.close()
+
+
+def _refs(args: argparse.Namespace) -> list[ItemRef]:
+    return training_refs(args.seed, args.images, args.audios, args.short_videos, args.long_videos)
 
 
 def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, tower_steps: int) -> dict:
     return {"demo_training": {"seed": args.seed, "steps": step, "wall_s": round(time.time() - start),
                               "final_batch_loss": round(loss, 5), "lr": args.lr,
-                              "token_budget": args.token_budget, "vision_init": args.vision_init,
+                              "token_budget": args.token_budget, "procs": args.procs,
+                              "vision_init": args.vision_init,
                               "vision_lr_mult": args.vision_lr_mult, "vision_first": args.vision_first,
                               "aux_weight": args.aux_weight, "tower_steps": tower_steps,
-                              "tower_minutes": args.tower_minutes, "tower_lr": args.tower_lr}}
+                              "tower_minutes": args.tower_minutes, "tower_lr": args.tower_lr,
+                              "modality_weights": args.modality_weights,
+                              "items": {"images": args.images, "audios": args.audios,
+                                        "short_videos": args.short_videos, "long_videos": args.long_videos}}}
 
 
 if __name__ == "__main__":
