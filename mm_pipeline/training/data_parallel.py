@@ -17,6 +17,7 @@ its all_reduce.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Iterable
 
@@ -41,6 +42,9 @@ class DataParallel:
         if world > 1:
             if port is None:
                 raise ValueError("a multi-process group needs the rendezvous port")
+            # Gloo otherwise picks the interface its hostname resolves to: keep rendezvous *and*
+            # the ranks' all_reduce traffic on the loopback device.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
     @property

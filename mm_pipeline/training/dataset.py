@@ -182,5 +182,8 @@ def prepare_items(refs: Sequence[ItemRef], config: DemoModelConfig, cache_dir: s
 
 
 def load_item(path: str | Path) -> TrainItem:
-    d: dict[str, Any] = torch.load(path, weights_only=False)
+    """A cached item with its tensors memory-mapped from the file: the prepared set (~5 GB) then
+    lives once in the page cache, shared by every data-parallel rank and reclaimable, instead of
+    once per process (measured: 300 long videos, 2.0 GB resident loaded plainly, 9 MB mapped)."""
+    d: dict[str, Any] = torch.load(path, weights_only=False, mmap=True)
     return TrainItem(**d)

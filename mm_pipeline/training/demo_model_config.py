@@ -3,14 +3,14 @@
 Token budget per item (what the processor limits below give):
 
     image   <= 192x192 px        -> <= 12x12 patches -> <= 36 LLM tokens
-    video   fps 2, pairs of frames = 1 group per second; <= 96x96 px per frame (9 tokens / group),
-            and a 245760 px total budget that shrinks 60 s videos to <= 64x64 (4 tokens / group):
-            60 s -> 60 groups x ("MM:SS" 5 + <vs> + 4 pads + <ve>) ~ 660 tokens
+    video   fps 2, pairs of frames = 1 group per second up to 30 s, then <= 60 frames spread over
+            the video; <= 160x160 px per frame (25 tokens / group) at any length:
+            60 s -> 30 groups x ("MM:SS" 5 + <vs> + 25 pads + <ve>) ~ 960 tokens
     audio   16 kHz, hop 160 (100 mel frames / s) -> conv stride 2 -> pool 2 -> groups of 2
             = 12.5 tokens / s (80 ms per token; beeps >= 150 ms, gaps >= 100 ms)
 
 Text layers: [full, sliding, sliding, full, sliding, full]. The sliding layers see 32 tokens (well
-below a 60 s video's ~660), so only the full-attention layers carry the first colours of a long
+below a 60 s video's ~960), so only the full-attention layers carry the first colours of a long
 video to the answer. Six layers rather than four because a colour sequence needs three steps in
 order: see a change between neighbouring groups (sliding), count the changes so far (full), and
 fetch "segment j" while the j-th colour is written (full).
@@ -59,11 +59,14 @@ class DemoModelConfig:
     image_min_pixels: int = 32 * 32
     image_max_pixels: int = 192 * 192
     video_min_pixels: int = 32 * 32
-    video_max_pixels: int = 96 * 96
-    video_total_max_pixels: int = 64 * 64 * 60  # x2 / frames: 120 frames -> 64x64 each
-    fps: float = 2.0   # every colour segment (>= 1 s) gets >= 2 sampled frames
+    video_max_pixels: int = 160 * 160
+    video_total_max_pixels: int = 160 * 160 * 30  # x2 / frames: 60 frames -> 160x160 each
+    # Every colour segment gets >= 2 sampled frames: a segment is D / k >= 1 s long, so fps 2 covers
+    # videos up to 30 s; beyond that 60 frames spread over D give 60 / k >= 15 per segment (k <= 4).
+    # Capping frames (not pixels) keeps a 60 s video at 160x160 frames: the shapes stay >= 2 patches.
+    fps: float = 2.0
     min_frames: int = 4
-    max_frames: int = 120  # 60 s at fps 2
+    max_frames: int = 60
     # Text layers whose outputs are asked (training only, mm_pipeline.training.aux_targets) for the
     # circuit a colour sequence needs: sliding layers 1-2 see a group change colour (change_layer),
     # full layer 3 counts the changes before each group (ordinal_layer), and full layer 5 fetches

@@ -1,7 +1,10 @@
 """Train the demo model on the synthetic caption task and write it as a servable checkpoint.
 
     python -m mm_pipeline.training.train --out samples/demo-model --seed 0 [--steps N] [--minutes M] \
-        [--vision-init passthrough] [--vision-lr-mult 3] [--vision-first 0.35] [--threads 1]
+        [--tower-minutes 12] [--vision-init passthrough] [--vision-lr-mult 0.5] [--vision-first 0.35] \
+        [--modality-weights video=2] [--threads 1] [--procs 2]
+
+(samples/demo-model/TRAINING.md has the exact command of the committed weights.)
 
 Data: ``training_refs(seed)`` -- images, audio clips, short videos (<= 12 s) and long videos (<= 60 s)
 from synthetic seeds that evaluation never uses (eval: any seed not in 10_000..10_099), prepared
@@ -11,7 +14,9 @@ Schedule: AdamW, linear warm-up then cosine decay to 10 %; batches are cut from 
 items sorted by length under a token budget, so every batch mixes modalities of similar length.
 With ``--steps`` only, the run is deterministic for a seed; ``--minutes`` additionally stops at a
 wall-clock budget and then drives the schedule by elapsed time (documented, not bit-reproducible).
-The checkpoint is exported every ``--save-every`` steps and at the end.
+The checkpoint is exported every ``--save-every`` steps and at the end. ``--modality-weights``
+repeats or thins a modality per epoch; ``--procs N`` trains data-parallel, one process per core
+(:mod:`mm_pipeline.training.data_parallel`).
 
 Vision recipe: ``--vision-init passthrough`` starts every ViT block as the identity (residual output
 projections zeroed), ``--vision-lr-mult`` scales the tower's (blocks + merger) learning rate, and
