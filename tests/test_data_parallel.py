@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mm_pipeline.training.data_parallel import DataParallel, free_port
+from mm_pipeline.training.data_parallel import DataParallel, rendezvous_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +34,8 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int | 
     return loss + (model[3](h).sum() * 0.1 if rank in (0, None) else 0.0)
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
-    dp = DataParallel(rank, 2, port)
+def _rank_main(rank: int, rendezvous: str, out: str) -> None:
+    dp = DataParallel(rank, 2, rendezvous)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     x, y = _data()
@@ -54,7 +54,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_average_gradients_and_stay_identical(tmp_path):
-    mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(rendezvous_file(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["params"] == r1["params"]          # the replicas never drift
     assert r0["agreed"] == r1["agreed"] == 100.0  # rank 0's clock on both
@@ -76,8 +76,8 @@ def test_single_process_is_a_no_op_and_bad_ranks_are_named():
     dp.average_gradients([p])
     assert p.grad.tolist() == [3.0, 3.0] and dp.agree(4.5) == 4.5 and dp.is_main
     with pytest.raises(ValueError, match="rank"):
-        DataParallel(2, 2, 1234)
-    with pytest.raises(ValueError, match="port"):
+        DataParallel(2, 2, "/tmp/x")
+    with pytest.raises(ValueError, match="rendezvous"):
         DataParallel(0, 2)
 
 

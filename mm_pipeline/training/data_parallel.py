@@ -1,4 +1,4 @@
-"""Data parallelism for demo training across CPU processes (gloo over 127.0.0.1).
+"""Data parallelism for demo training across CPU processes (gloo on the loopback device).
 
 Why: the demo model's matmuls are small, so a second *thread* buys nothing (measured 0.6 s/step
 with 1 or 2 threads), but a second *process* on the second core runs a second batch at full
@@ -18,34 +18,33 @@ its all_reduce.
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for the rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous_file() -> str:
+    """A fresh path for the ranks' rendezvous (a gloo FileStore: no TCP store server thread, whose
+    teardown at exit aborted rank 0 now and then)."""
+    return os.path.join(tempfile.mkdtemp(prefix="mmserve-dp-"), "rendezvous")
 
 
 class DataParallel:
     """One rank of a ``world``-process group; with ``world == 1`` every method is a no-op."""
 
-    def __init__(self, rank: int = 0, world: int = 1, port: int | None = None) -> None:
+    def __init__(self, rank: int = 0, world: int = 1, rendezvous: str | None = None) -> None:
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"need 0 <= rank < world, got rank {rank} of {world}")
         self.rank, self.world = rank, world
         if world > 1:
-            if port is None:
-                raise ValueError("a multi-process group needs the rendezvous port")
+            if rendezvous is None:
+                raise ValueError("a multi-process group needs the rendezvous file (rendezvous_file())")
             # Gloo otherwise picks the interface its hostname resolves to: keep rendezvous *and*
             # the ranks' all_reduce traffic on the loopback device.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
     @property
     def is_main(self) -> bool:
@@ -79,5 +78,9 @@ class DataParallel:
         return float(t.item())
 
     def close(self) -> None:
+        """Tear the group down together, so no rank destroys the group while the other's gloo
+        threads still talk to it (with a TCP rendezvous and no barrier, rank 0 aborted at exit with
+        "terminate called without an active exception" in ~1 of 10 test runs; 0 of 45 since)."""
         if self.world > 1 and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()

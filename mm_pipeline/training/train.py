@@ -37,7 +37,7 @@ import torch
 
 from mm_pipeline.omni_checkpoint import tiny_special_tokens
 from mm_pipeline.training.aux_targets import aux_targets, separator_ids
-from mm_pipeline.training.data_parallel import DataParallel, free_port
+from mm_pipeline.training.data_parallel import DataParallel, rendezvous_file
 from mm_pipeline.training.dataset import DEFAULT_CACHE, ItemPreparer, ItemRef, TrainItem, load_item, prepare_items
 from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.export import export_checkpoint
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="processes preparing items")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per training process")
     ap.add_argument("--procs", type=int, default=1,
-                    help="data-parallel training processes (gloo on 127.0.0.1); one per core pays, threads do not")
+                    help="data-parallel training processes (gloo on loopback); one per core pays, threads do not")
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--vision-init", choices=VISION_INITS, default="random",
@@ -151,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"--tower-minutes {args.tower_minutes} leaves nothing of --minutes {args.minutes}")
     if (args.tower_minutes > 0 or args.tower_steps) and args.aux_weight <= 0:
         raise SystemExit("--tower-minutes / --tower-steps need the aux targets (--aux-weight > 0)")
+    if all(args.modality_weights.get(m, 1.0) == 0 for m in ("image", "video", "audio")):
+        raise SystemExit("--modality-weights leaves no modality to train on")
     if not 1 <= args.procs <= 8:
         raise SystemExit(f"--procs must be in [1, 8], got {args.procs}")
 
@@ -165,12 +167,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_train, args=(args, free_port()), nprocs=args.procs, join=True)
+        mp.spawn(_train, args=(args, rendezvous_file()), nprocs=args.procs, join=True)
 
 
-def _train(rank: int, args: argparse.Namespace, port: int | None) -> None:
+def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
     """One training process (rank ``rank`` of ``args.procs``); rank 0 logs and exports."""
-    dp = DataParallel(rank, args.procs, port)
+    dp = DataParallel(rank, args.procs, rendezvous)
     torch.set_num_threads(args.threads)
     config = DemoModelConfig()
     t0 = time.time()
@@ -219,6 +221,9 @@ def _train(rank: int, args: argparse.Namespace, port: int | None) -> None:
                 batches = [[vision_only[j] for j in b] for b in make_batches(sub, rng, args.token_budget)]
             else:
                 batches = make_batches(items, rng, args.token_budget, weights=args.modality_weights)
+            if len(batches) < dp.world:
+                raise RuntimeError(f"an epoch gives {len(batches)} batches, fewer than --procs {dp.world}: "
+                                   "use more items or fewer processes")
         batch = batches[-1 - rank]
         del batches[-dp.world:]
         out = model.loss([items[i] for i in batch], [aux[i] for i in batch] if aux else None, args.aux_weight)
