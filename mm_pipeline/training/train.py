@@ -38,7 +38,8 @@ import torch
 from mm_pipeline.omni_checkpoint import tiny_special_tokens
 from mm_pipeline.training.aux_targets import aux_targets, separator_ids
 from mm_pipeline.training.data_parallel import DataParallel, rendezvous_file
-from mm_pipeline.training.dataset import DEFAULT_CACHE, ItemPreparer, ItemRef, TrainItem, load_item, prepare_items
+from mm_pipeline.training.dataset import (DEFAULT_CACHE, PROMPTS, ItemPreparer, ItemRef, TrainItem, load_item,
+                                         prepare_items)
 from mm_pipeline.training.demo_model_config import DemoModelConfig
 from mm_pipeline.training.export import export_checkpoint
 from mm_pipeline.training.omni_trainer import VISION_INITS, OmniTrainModel
@@ -94,8 +95,8 @@ def parse_weights(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
-        if not sep or name not in ("image", "video", "audio"):
-            raise argparse.ArgumentTypeError(f"expected modality=weight with modality image/video/audio, got {part!r}")
+        if not sep or name not in PROMPTS:
+            raise argparse.ArgumentTypeError(f"expected modality=weight with modality {'/'.join(PROMPTS)}, got {part!r}")
         try:
             out[name] = float(value)
         except ValueError:
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"--tower-minutes {args.tower_minutes} leaves nothing of --minutes {args.minutes}")
     if (args.tower_minutes > 0 or args.tower_steps) and args.aux_weight <= 0:
         raise SystemExit("--tower-minutes / --tower-steps need the aux targets (--aux-weight > 0)")
-    if all(args.modality_weights.get(m, 1.0) == 0 for m in ("image", "video", "audio")):
+    if all(args.modality_weights.get(m, 1.0) == 0 for m in PROMPTS):
         raise SystemExit("--modality-weights leaves no modality to train on")
     if not 1 <= args.procs <= 8:
         raise SystemExit(f"--procs must be in [1, 8], got {args.procs}")
