@@ -54,7 +54,9 @@ def _rank_main(rank: int, rendezvous: str, out: str) -> None:
 
 
 def test_two_ranks_average_gradients_and_stay_identical(tmp_path):
-    mp.spawn(_rank_main, args=(rendezvous_file(), str(tmp_path)), nprocs=2, join=True)
+    with rendezvous_file() as rendezvous:
+        mp.spawn(_rank_main, args=(rendezvous, str(tmp_path)), nprocs=2, join=True)
+    assert not Path(rendezvous).parent.exists()  # no rendezvous directory left behind in /tmp
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["params"] == r1["params"]          # the replicas never drift
     assert r0["agreed"] == r1["agreed"] == 100.0  # rank 0's clock on both

@@ -17,18 +17,21 @@ its all_reduce.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 
-def rendezvous_file() -> str:
+@contextlib.contextmanager
+def rendezvous_file() -> Iterator[str]:
     """A fresh path for the ranks' rendezvous (a gloo FileStore: no TCP store server thread, whose
-    teardown at exit aborted rank 0 now and then)."""
-    return os.path.join(tempfile.mkdtemp(prefix="mmserve-dp-"), "rendezvous")
+    teardown at exit aborted rank 0 now and then); its directory is removed when the group is done."""
+    with tempfile.TemporaryDirectory(prefix="mmserve-dp-") as d:
+        yield os.path.join(d, "rendezvous")
 
 
 class DataParallel:
@@ -40,7 +43,7 @@ class DataParallel:
         self.rank, self.world = rank, world
         if world > 1:
             if rendezvous is None:
-                raise ValueError("a multi-process group needs the rendezvous file (rendezvous_file())")
+                raise ValueError("a multi-process group needs a rendezvous file path (see rendezvous_file())")
             # Gloo otherwise picks the interface its hostname resolves to: keep rendezvous *and*
             # the ranks' all_reduce traffic on the loopback device.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -168,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_train, args=(args, rendezvous_file()), nprocs=args.procs, join=True)
+        with rendezvous_file() as rendezvous:
+            mp.spawn(_train, args=(args, rendezvous), nprocs=args.procs, join=True)
 
 
 def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
