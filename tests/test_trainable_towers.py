@@ -74,3 +74,39 @@ def test_chunked_band_path_is_taken_and_exact_on_a_long_segment(monkeypatch):
     torch.testing.assert_close(got, band_attention_ref(q, k, v, cu, scale=0.3, window=16, sinks=sinks),
                                rtol=1e-4, atol=1e-5)
     assert shapes == [((25, 16), (25, 48))]
+
+
+def test_text_sdpa_sinks_attention_equals_eager_logits_and_gradients():
+    """The training text model's attention (SDPA + sink key) against transformers' eager path on a
+    MiMo-V2-Flash layout with sinks, GQA, a sliding window shorter than the sequence and a
+    right-padded batch: same logits, same gradients (sinks included)."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    from mm_pipeline.training.demo_model_config import DemoModelConfig
+    from mm_pipeline.training.text_attention import SDPA_SINKS
+
+    text = dict(DemoModelConfig().text, hidden_size=64, intermediate_size=96, head_dim=16, v_head_dim=16,
+                sliding_window=8, moe_intermediate_size=32, vocab_size=97)
+    models = []
+    for impl in ("eager", SDPA_SINKS):
+        torch.manual_seed(0)
+        cfg = MiMoV2FlashConfig(**text, pad_token_id=0, bos_token_id=None)
+        cfg._attn_implementation = impl
+        m = MiMoV2FlashForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("sinks"):
+                    p.copy_(torch.linspace(-2.0, 2.0, p.numel()))  # non-zero: the sink must count
+        models.append(m)
+    ids = torch.randint(1, 97, (3, 40), generator=torch.Generator().manual_seed(1))
+    ids[1, 25:] = 0
+    outs = []
+    for m in models:
+        logits = m(input_ids=ids, use_cache=False).logits
+        logits.square().mean().backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert ga.keys() == gb.keys() and any(n.endswith("sinks") for n in ga)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-3, atol=1e-5, msg=n)

@@ -33,6 +33,7 @@ from mm_pipeline.training.aux_targets import (
     PITCH_CLASSES, AuxTargets)
 from mm_pipeline.training.dataset import TrainItem
 from mm_pipeline.training.demo_model_config import DemoModelConfig
+from mm_pipeline.training.text_attention import SDPA_SINKS
 from mm_pipeline.training.trainable_towers import audio_forward, make_trainable, vision_forward
 
 
@@ -97,7 +98,8 @@ class OmniTrainModel(nn.Module):
 
         torch.manual_seed(seed)
         hf_cfg = MiMoV2FlashConfig(**config.text, pad_token_id=pad_id, bos_token_id=None)
-        hf_cfg._attn_implementation = "eager"  # sinks + asymmetric head dims: eager is the exact path
+        # Eager's math (sinks + asymmetric head dims) through SDPA: ~2x faster on long-video batches.
+        hf_cfg._attn_implementation = SDPA_SINKS
         self.text = MiMoV2FlashForCausalLM(hf_cfg)
         with torch.no_grad():
             for name, p in self.text.named_parameters():

@@ -27,6 +27,7 @@ from encoders.audio_blocks import AudioEncoderLayer
 from encoders.rotary import apply_rotary
 from encoders.vision import VisionTransformer
 from encoders.vision_blocks import VisionBlock
+from mm_pipeline.training.sink_key import sdpa_with_sinks
 
 
 def _pad_segments(x: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +52,8 @@ def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     the ``3 * window`` keys that can reach it, so its cost is linear in the segment length instead
     of quadratic. Sinks enter as one extra key per head whose logit is the sink itself (q gets a
     constant 1 column, the sink key ``sink / scale`` in it, value 0): it joins the softmax
-    denominator and adds nothing to the output -- the served kernel's definition, exactly.
+    denominator and adds nothing to the output (:mod:`mm_pipeline.training.sink_key`) -- the served
+    kernel's definition, exactly.
     """
     cu = [int(c) for c in cu_seqlens.tolist()]
     qp, valid, _ = _pad_segments(q, cu)               # [S, L, Hq, D]
@@ -97,16 +99,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tens
     # caller, and an all-masked row would put NaN into the backward pass.
     allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
     qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))                 # [B, H, L, D]
-    mask = allowed[:, None]
-    if sinks is not None:
-        b, h, lq, d = qh.shape
-        qh = torch.cat([qh, qh.new_ones(b, h, lq, 1)], dim=-1)
-        kh = torch.cat([kh, kh.new_zeros(b, h, kh.shape[2], 1)], dim=-1)
-        sink_key = torch.cat([kh.new_zeros(h, d), (sinks.float() / scale).view(h, 1)], dim=-1)
-        kh = torch.cat([kh, sink_key.view(1, h, 1, d + 1).expand(b, -1, -1, -1)], dim=2)
-        vh = torch.cat([vh, vh.new_zeros(b, h, 1, vh.shape[-1])], dim=2)
-        mask = torch.cat([mask, mask.new_ones(b, 1, lq, 1)], dim=-1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    out = sdpa_with_sinks(qh, kh, vh, allowed[:, None], scale, sinks)
     return out.transpose(1, 2).to(v.dtype)
 
 
