@@ -76,14 +76,19 @@ def test_chunked_band_path_is_taken_and_exact_on_a_long_segment(monkeypatch):
     assert shapes == [((25, 16), (25, 48))]
 
 
-def test_text_sdpa_sinks_attention_equals_eager_logits_and_gradients():
-    """The training text model's attention (SDPA + sink key) against transformers' eager path on a
-    MiMo-V2-Flash layout with sinks, GQA, a sliding window shorter than the sequence and a
-    right-padded batch: same logits, same gradients (sinks included)."""
+def test_text_sdpa_sinks_attention_equals_eager_logits_and_gradients(monkeypatch):
+    """The training text model's attention (SDPA + sink key; sliding layers on their band only)
+    against transformers' eager path on a MiMo-V2-Flash layout with sinks, GQA, a sliding window
+    shorter than the sequence and a right-padded batch: same logits, same gradients (sinks included)."""
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
+    from mm_pipeline.training import text_attention
     from mm_pipeline.training.demo_model_config import DemoModelConfig
     from mm_pipeline.training.text_attention import SDPA_SINKS
+
+    banded = []
+    real = text_attention._banded
+    monkeypatch.setattr(text_attention, "_banded", lambda *a: banded.append(real(*a)) or banded[-1])
 
     text = dict(DemoModelConfig().text, hidden_size=64, intermediate_size=96, head_dim=16, v_head_dim=16,
                 sliding_window=8, moe_intermediate_size=32, vocab_size=97)
@@ -107,6 +112,7 @@ def test_text_sdpa_sinks_attention_equals_eager_logits_and_gradients():
         outs.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
     (a, ga), (b, gb) = outs
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert len(banded) == 3 and all(o is not None for o in banded)  # the 3 sliding layers took the band path
     assert ga.keys() == gb.keys() and any(n.endswith("sinks") for n in ga)
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=1e-3, atol=1e-5, msg=n)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -35,7 +36,8 @@ def _explicit_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 def sdpa_sinks_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
-                         s_aux: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+                         s_aux: torch.Tensor | None = None, sliding_window: int | None = None,
+                         **_: Any) -> tuple[torch.Tensor, None]:
     """query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D], boolean mask [B, 1, Lq, Lk] (True = attend)
     -> ([B, Lq, Hq, Dv], None)."""
     if dropout:
@@ -49,12 +51,48 @@ def sdpa_sinks_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError(f"{SDPA_SINKS} expects transformers' boolean sdpa mask, got {mask.dtype}")
     if mask is None:
         mask = torch.ones(1, 1, lq, key.shape[2], dtype=torch.bool, device=query.device)
-    elif s_aux is None:
-        # A query row that may see nothing (left padding) would give NaN; eager gives a uniform
-        # row there, which nobody reads. Let it see everything instead.
-        mask = mask | ~mask.any(dim=-1, keepdim=True)
-    out = sdpa_with_sinks(query, key, value, mask, scaling, s_aux)
+    if sliding_window is not None and lq == key.shape[2] and lq > 3 * sliding_window:
+        out = _banded(query, key, value, mask, scaling, s_aux, sliding_window)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+    out = sdpa_with_sinks(query, key, value, _no_empty_rows(mask, s_aux), scaling, s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _no_empty_rows(mask: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A query row that may see nothing (left or chunk padding) would give NaN; eager gives a
+    uniform row there, which nobody reads. Let it see everything instead (a sink row is never empty)."""
+    return mask if sinks is not None else mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def _banded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None, window: int) -> torch.Tensor | None:
+    """A sliding layer's attention computed on its band only: queries in chunks of ``window``
+    rows, each against the ``2 * window`` keys before its end, with transformers' own mask cut
+    into the same blocks -- so a 1019-token video costs 32 chunks x 32 x 64 instead of 1019^2.
+    Returns None (caller goes dense) if the mask lets a query see past the band."""
+    b, h, length, _ = query.shape
+    chunk, n_chunks = window, -(-length // window)
+    padded = n_chunks * chunk
+    span = chunk + window
+    mask = mask.expand(b, -1, -1, -1)[:, 0]                                       # [B, L, L]
+    mask_p = F.pad(mask, (window, padded - length, 0, padded - length))           # [B, P, P + w]
+    cols = torch.arange(n_chunks)[:, None] * chunk + torch.arange(span)[None]       # [C, span]
+    rows = torch.arange(padded).view(n_chunks, chunk)                               # [C, chunk]
+    blocks = mask_p[:, rows[:, :, None], cols[:, None, :]]                          # [B, C, chunk, span]
+    if int(blocks.sum()) != int(mask.sum()):
+        return None
+
+    def keys(x: torch.Tensor) -> torch.Tensor:                                      # [B*C, H, span, D]
+        x = F.pad(x, (0, 0, window, padded - length)).unfold(2, span, chunk)      # [B, H, C, D, span]
+        return x.permute(0, 2, 1, 4, 3).reshape(b * n_chunks, h, span, x.shape[3])
+
+    q = F.pad(query, (0, 0, 0, padded - length)).view(b, h, n_chunks, chunk, -1)
+    q = q.transpose(1, 2).reshape(b * n_chunks, h, chunk, -1)
+    allowed = _no_empty_rows(blocks.reshape(b * n_chunks, 1, chunk, span), sinks)
+    out = sdpa_with_sinks(q, keys(key), keys(value), allowed, scale, sinks)        # [B*C, H, chunk, Dv]
+    out = out.view(b, n_chunks, h, chunk, -1).transpose(1, 2).reshape(b, h, padded, -1)
+    return out[:, :, :length]
 
 
 AttentionInterface.register(SDPA_SINKS, sdpa_sinks_attention)
