@@ -2,7 +2,8 @@
 
 Token budget per item (what the processor limits below give):
 
-    image   <= 192x192 px        -> <= 12x12 patches -> <= 36 LLM tokens
+    image   256x256..320x320 px   -> <= 20x20 patches -> <= 100 LLM tokens (small images are
+            upscaled: a shape is 0.2 x the short side, so a 100x535 image keeps ~25 px shapes)
     video   fps 2, pairs of frames = 1 group per second up to 30 s, then <= 60 frames spread over
             the video; <= 160x160 px per frame (25 tokens / group) at any length:
             60 s -> 30 groups x ("MM:SS" 5 + <vs> + 25 pads + <ve>) ~ 960 tokens
@@ -56,8 +57,10 @@ class DemoModelConfig:
         kernel_size=3, stride_size=2, d_model=64, num_layers=2, num_heads=4, ffn_dim=128,
         layer_types=("sliding", "full"), attention_window=16, avg_pooler=2, group_size=2, segment_size=3000,
         projection_hidden_size=128, out_hidden_size=HIDDEN)
-    image_min_pixels: int = 32 * 32
-    image_max_pixels: int = 192 * 192
+    # Images are brought to about one size: what limits accuracy is the pixel size of the smallest
+    # shape (0.2 x the short side; in a 96x640 image ~0.08 x sqrt(area)), not the token count.
+    image_min_pixels: int = 256 * 256
+    image_max_pixels: int = 320 * 320
     video_min_pixels: int = 32 * 32
     video_max_pixels: int = 160 * 160
     video_total_max_pixels: int = 160 * 160 * 30  # x2 / frames: 60 frames -> 160x160 each
