@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from mm_pipeline.training.band_chunks import chunk_rows, span_rows
 from mm_pipeline.training.sink_key import sdpa_with_sinks
 
 SDPA_SINKS = "mmserve_sink_attention"  # a name with "sdpa" in it would be checked against _supports_sdpa
@@ -74,25 +75,21 @@ def _banded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     b, h, length, _ = query.shape
     chunk, n_chunks = window, -(-length // window)
     padded = n_chunks * chunk
-    span = chunk + window
     mask = mask.expand(b, -1, -1, -1)[:, 0]                                       # [B, L, L]
-    mask_p = F.pad(mask, (window, padded - length, 0, padded - length))           # [B, P, P + w]
-    cols = torch.arange(n_chunks)[:, None] * chunk + torch.arange(span)[None]       # [C, span]
+    mask_p = F.pad(mask, (window, padded - length, 0, padded - length))           # [B, P, w + P]
+    cols = torch.arange(n_chunks)[:, None] * chunk + torch.arange(window + chunk)[None]   # [C, span]
     rows = torch.arange(padded).view(n_chunks, chunk)                               # [C, chunk]
     blocks = mask_p[:, rows[:, :, None], cols[:, None, :]]                          # [B, C, chunk, span]
     if int(blocks.sum()) != int(mask.sum()):
         return None
 
-    def keys(x: torch.Tensor) -> torch.Tensor:                                      # [B*C, H, span, D]
-        x = F.pad(x, (0, 0, window, padded - length)).unfold(2, span, chunk)      # [B, H, C, D, span]
-        return x.permute(0, 2, 1, 4, 3).reshape(b * n_chunks, h, span, x.shape[3])
+    def flat(x: torch.Tensor) -> torch.Tensor:                                      # [B, H, C, n, D] -> [B*C, H, n, D]
+        return x.transpose(1, 2).flatten(0, 1)
 
-    q = F.pad(query, (0, 0, 0, padded - length)).view(b, h, n_chunks, chunk, -1)
-    q = q.transpose(1, 2).reshape(b * n_chunks, h, chunk, -1)
-    allowed = _no_empty_rows(blocks.reshape(b * n_chunks, 1, chunk, span), sinks)
-    out = sdpa_with_sinks(q, keys(key), keys(value), allowed, scale, sinks)        # [B*C, H, chunk, Dv]
-    out = out.view(b, n_chunks, h, chunk, -1).transpose(1, 2).reshape(b, h, padded, -1)
-    return out[:, :, :length]
+    allowed = _no_empty_rows(blocks.flatten(0, 1)[:, None], sinks)
+    out = sdpa_with_sinks(flat(chunk_rows(query, 2, chunk)), flat(span_rows(key, 2, chunk, window, 0)),
+                          flat(span_rows(value, 2, chunk, window, 0)), allowed, scale, sinks)   # [B*C, H, chunk, Dv]
+    return out.unflatten(0, (b, n_chunks)).transpose(1, 2).flatten(2, 3)[:, :, :length]
 
 
 AttentionInterface.register(SDPA_SINKS, sdpa_sinks_attention)

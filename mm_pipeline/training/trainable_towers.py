@@ -27,6 +27,7 @@ from encoders.audio_blocks import AudioEncoderLayer
 from encoders.rotary import apply_rotary
 from encoders.vision import VisionTransformer
 from encoders.vision_blocks import VisionBlock
+from mm_pipeline.training.band_chunks import chunk_rows, span_rows
 from mm_pipeline.training.sink_key import sdpa_with_sinks
 
 
@@ -50,10 +51,9 @@ def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
     A windowed layer only computes the band: queries in chunks of ``window`` rows, each against
     the ``3 * window`` keys that can reach it, so its cost is linear in the segment length instead
-    of quadratic. Sinks enter as one extra key per head whose logit is the sink itself (q gets a
-    constant 1 column, the sink key ``sink / scale`` in it, value 0): it joins the softmax
-    denominator and adds nothing to the output (:mod:`mm_pipeline.training.sink_key`) -- the served
-    kernel's definition, exactly.
+    of quadratic (:mod:`mm_pipeline.training.band_chunks`). Sinks enter as one extra key per head
+    whose logit is the sink itself (:mod:`mm_pipeline.training.sink_key`) -- the served kernel's
+    definition, exactly.
     """
     cu = [int(c) for c in cu_seqlens.tolist()]
     qp, valid, _ = _pad_segments(q, cu)               # [S, L, Hq, D]
@@ -70,26 +70,17 @@ def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
             allowed = allowed & ((keys[:, None] - keys[None, :]).abs() <= window)
         out = _sdpa(qp, kp, vp, allowed, scale, sinks)
         return out[valid]
-    # Chunked band: pad to a multiple of the chunk, give every key row `window` rows of margin.
+    # Chunked band: queries in chunks of `window` rows, each with the keys within `window` of it.
     chunk = window
-    n_chunks = -(-length // chunk)
-    padded = n_chunks * chunk
-    grow = (0, 0, 0, 0, 0, padded - length)
-    qc = F.pad(qp, grow).view(s_ * n_chunks, chunk, *qp.shape[2:])            # [S*C, chunk, H, D]
-    margin = (0, 0, 0, 0, window, padded - length + window)
-    span = chunk + 2 * window
-
-    def around(x: torch.Tensor) -> torch.Tensor:                                # [S*C, span, H, D]
-        return F.pad(x, margin).unfold(1, span, chunk).movedim(-1, 2).reshape(s_ * n_chunks, span, *x.shape[2:])
-
-    key_pos = torch.arange(n_chunks)[:, None] * chunk - window + torch.arange(span)[None]   # [C, span]
+    qc = chunk_rows(qp, 1, chunk)                                              # [S, C, chunk, H, D]
+    n_chunks = qc.shape[1]
+    key_pos = torch.arange(n_chunks)[:, None] * chunk - window + torch.arange(chunk + 2 * window)[None]
     query_pos = torch.arange(n_chunks)[:, None] * chunk + torch.arange(chunk)[None]         # [C, chunk]
-    key_ok = F.pad(valid, (window, padded - length + window))
-    key_ok = key_ok.unfold(1, span, chunk)                                     # [S, C, span]
     near = (query_pos[:, :, None] - key_pos[:, None, :]).abs() <= window       # [C, chunk, span]
-    allowed = (key_ok[:, :, None, :] & near[None]).reshape(s_ * n_chunks, chunk, span)
-    out = _sdpa(qc, around(kp), around(vp), allowed, scale, sinks)
-    return out.reshape(s_, padded, *out.shape[2:])[:, :length][valid]
+    allowed = span_rows(valid, 1, chunk, window, window)[:, :, None, :] & near[None]      # [S, C, chunk, span]
+    kc, vc = (span_rows(x, 1, chunk, window, window) for x in (kp, vp))       # [S, C, span, H, D]
+    out = _sdpa(qc.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), allowed.flatten(0, 1), scale, sinks)
+    return out.unflatten(0, (s_, n_chunks)).flatten(1, 2)[:, :length][valid]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,

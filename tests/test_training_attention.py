@@ -1,6 +1,7 @@
-"""The training twin's attention (mm_pipeline.training.trainable_towers.band_attention): the served
-reference's numbers forward, a plain per-segment softmax's gradients backward, on the dense and on
-the chunked-band path, with and without sinks and GQA."""
+"""Training-side attention. The towers' twin (mm_pipeline.training.trainable_towers.band_attention):
+the served reference's numbers forward, a plain per-segment softmax's gradients backward, on the
+dense and on the chunked-band path, with and without sinks and GQA. The text model's
+(mm_pipeline.training.text_attention): transformers' eager logits and gradients."""
 
 from __future__ import annotations
 
