@@ -2,8 +2,9 @@
 
 Two LRU orders over the tree's nodes, each a lazy heap (stale entries are skipped on pop):
 
-    Full LRU: unlocked leaves            -> delete the leaf (Full + SWA pages), then any parent left
-                                            as an unlocked tombstone leaf (a leaf is never a tombstone)
+    Full LRU: unlocked leaves            -> delete the leaf (Full + SWA pages), then the pages of an
+                                            unlocked parent left as a leaf past its last window-safe
+                                            match point (a leaf is never a tombstone)
     SWA  LRU: SWA-unlocked nodes with    -> internal node: tombstone it (drop all its SWA, keep Full);
               SWA pages they may drop       leaf: drop SWA before its last window (it keeps its match
                                             point)
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 
 from llm_core.dual_pool import DualKVPool
-from llm_core.radix_node import LruHeap, RadixNode, window_first_page
+from llm_core.radix_node import LruHeap, RadixNode, window_first_page, window_safe_pages
 
 
 class RadixEviction:
@@ -45,7 +46,8 @@ class RadixEviction:
 
         Full: delete LRU unlocked leaves (with their SWA). SWA: first, in LRU order, tombstone internal
         nodes and drop leaves' SWA pages before their last window (Full KV stays; every leaf keeps its
-        match point), then delete LRU leaves. A parent left as an unlocked tombstone leaf goes too.
+        match point), then delete LRU leaves. An unlocked parent left as a leaf loses its pages past its
+        last window-safe match point (all of them if it is a tombstone).
         Returns the tokens freed (Full, SWA)."""
         ps = self.page_size
         need_full, need_swa = -(-full_tokens // ps), -(-swa_tokens // ps)
@@ -108,6 +110,16 @@ class RadixEviction:
         """Index in ``node`` of the first page of its last window (pages from there on stay)."""
         return window_first_page(node.end, self.window, self.page_size) - node.start
 
+    def _live_pages(self, leaf: RadixNode) -> int:
+        """How many of ``leaf``'s pages end at or before its path's last window-safe match point."""
+        path = []
+        node = leaf
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        valid = [s >= 0 for n in reversed(path) for s in n.swa]
+        return max(0, window_safe_pages(valid, len(valid), self.window, self.page_size) - leaf.start)
+
     def _swa_evictable(self, node: RadixNode) -> bool:
         """An internal node with SWA, or a leaf with SWA before its last window; never SWA-locked."""
         if node.swa_lock or not node.num_swa:
@@ -126,8 +138,8 @@ class RadixEviction:
         return freed
 
     def _delete_leaf(self, node: RadixNode) -> tuple[int, int]:
-        """Delete an unlocked leaf, then any parent left as an unlocked tombstone leaf (a leaf is never
-        a tombstone). Returns (Full, SWA) pages freed."""
+        """Delete an unlocked leaf, then the dead tail of an unlocked parent left as a leaf (see
+        ``_live_pages``; a leaf is never a tombstone). Returns (Full, SWA) pages freed."""
         freed_full = freed_swa = 0
         while True:
             if self.tiers is not None:
@@ -143,9 +155,17 @@ class RadixEviction:
             self.counters["deleted_nodes"] += 1
             if parent is self.root or parent.children:
                 break
-            if self.has_swa and parent.is_tombstone and parent.full_lock == 0:
-                node = parent
-                continue
+            if self.has_swa and parent.full_lock == 0:
+                # Newly a leaf: pages past its last window-safe match point can never be handed out
+                # again (an internal node may have dropped their SWA while a child still needed
+                # them). Cut them off and delete them too -- all of it if nothing is left, which
+                # covers a tombstone parent; else a later split could leave a tombstone leaf.
+                live = self._live_pages(parent)
+                if live < len(parent.keys):
+                    if live > 0:
+                        self._split(parent, live)  # ``parent`` keeps the dead lower part
+                    node = parent
+                    continue
             self._push(parent)  # newly a leaf: a Full eviction candidate
             break
         self.counters["evicted_full_pages"] += freed_full

@@ -270,3 +270,20 @@ TestTreeUnderPressure = TreeUnderPressure.TestCase
 TestTreeUnderPressure.settings = _settings
 TestTreeVersusNaive = TreeVersusNaive.TestCase
 TestTreeVersusNaive.settings = _settings
+
+
+def test_leaf_left_by_an_eviction_loses_its_pages_past_the_last_match_point():
+    """Found by TreeUnderPressure: a finished prompt's internal node drops the SWA of its last page
+    (a child still covered it); evicting the child leaves it a leaf ending in a tombstoned page,
+    and a later insert that split there left a tombstone leaf. The dead page now goes with the child."""
+    h = Harness(window=2, page=4, full_pages=6, swa_pages=4, checkpoint=8, budget=12, interval=1)
+    h.step()
+    h.add(BASES[0][:20], 1)
+    for _ in range(2):
+        h.step()
+        h.check()
+    h.add(BASES[0][:8], 1)  # needs the child's Full pages: the child is evicted
+    h.step()
+    h.check()
+    leaves = [n for n in h.cache._nodes.values() if n.is_leaf]
+    assert leaves and all(n.swa[-1] >= 0 for n in leaves)
