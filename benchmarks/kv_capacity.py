@@ -1,6 +1,6 @@
 """KV bytes per context token and context tokens per GB: dual pool vs an all-full-attention layout.
 
-Geometry: the real MiMo-V2.5 config.json values (notes/model.md §1.1) through ModelConfig.from_hf; no
+Geometry: the real MiMo-V2.5 config.json values (docs/model.md §1.1) through ModelConfig.from_hf; no
 weights. Pools live on the ``meta`` device, so nothing is allocated but every byte is counted from
 the real buffer shapes. One request is driven through the real Scheduler: chunked prefill to
 ``context - decode`` tokens, then ``decode`` single-token steps. We report the steady decode state
@@ -21,13 +21,13 @@ import time
 import torch
 from _common import base_parser, print_table, write_json
 
-from llm_core.config import ModelConfig
-from llm_core.dual_pool import DualKVPool, KVLayout
-from llm_core.request import Request
-from llm_core.sampling import SamplingParams
-from llm_core.scheduler import Scheduler, SchedulerConfig
+from llm_core.model.config import ModelConfig
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
+from llm_core.engine.request import Request
+from llm_core.engine.sampling import SamplingParams
+from llm_core.engine.scheduler import Scheduler, SchedulerConfig
 
-# notes/model.md §1.1 (attention / layout fields; MoE and rope fields only to pass validation)
+# docs/model.md §1.1 (attention / layout fields; MoE and rope fields only to pass validation)
 MIMO_V25 = {
     "architectures": ["MiMoV2ForCausalLM"], "model_type": "mimo_v2", "vocab_size": 152576,
     "hidden_size": 4096, "intermediate_size": 16384, "moe_intermediate_size": 2048,

@@ -35,18 +35,18 @@ import torch
 
 from _common import base_parser, print_table, write_json
 from encoders.image_processing import ImageProcessingConfig
-from encoders.tiny import init_random_, tiny_vision_config
-from encoders.vision import VisionTransformer
-from llm_core.sampling import SamplingParams
-from mm_pipeline.decode_video import VideoDecoder
-from mm_pipeline.embedding_stream import EmbeddingStream, PlaceholderSpan
-from mm_pipeline.encoder_batcher import BatcherConfig, EncoderBatcher, EncoderJob
-from mm_pipeline.media import DecodedImage, MediaItem, MediaKind
-from mm_pipeline.omni_checkpoint import build_tiny_omni_checkpoint
-from mm_pipeline.omni_engine import OmniEngine, OmniEngineConfig
-from mm_pipeline.preprocess import Preprocessor
-from mm_pipeline.video_sampling import VideoSamplingParams
-from mm_pipeline.worker_pool import WorkerPool
+from samples.checkpoints.tiny_towers import init_random_, tiny_vision_config
+from encoders.vision.tower import VisionTransformer
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.media.decode_video import VideoDecoder
+from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+from mm_pipeline.media.types import DecodedImage, MediaItem, MediaKind
+from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
+from mm_pipeline.encode.preprocess import Preprocessor
+from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.worker_pool import WorkerPool
 
 
 # ---- media ------------------------------------------------------------------------------------
@@ -194,8 +194,8 @@ def sequential_ttft(engine: OmniEngine, video: bytes, question: str) -> float:
                                    rt.pre.video_size(decoded.frames.shape[1], decoded.frames.shape[2],
                                                      decoded.num_frames))
         rows = model.vision.encode_items([(g.rows, g.grid) for g in groups])
-        from mm_pipeline.chat_request import parse_messages
-        from mm_pipeline.prompt_layout import MediaSlots
+        from mm_pipeline.prompt.messages import parse_messages
+        from mm_pipeline.prompt.layout import MediaSlots
 
         chat = parse_messages(ask(data_part("video", video), question))
         slots = MediaSlots("video", tuple(int(r.shape[0]) for r in rows), decoded.timestamps[::2])

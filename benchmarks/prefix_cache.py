@@ -37,15 +37,15 @@ import torch
 from _common import base_parser, print_table, write_json
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
-from llm_core.dual_pool import DualKVPool, KVHeadSpec, KVLayout
-from llm_core.host_kv_pool import HostKVPool, row_elements
-from llm_core.kv_tiers import KVTiers
-from llm_core.loader import load_model
-from llm_core.request import Request
-from llm_core.scheduler import Scheduler, SchedulerConfig
+from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
+from llm_core.kvcache.host_kv_pool import HostKVPool, row_elements
+from llm_core.kvcache.kv_tiers import KVTiers
+from llm_core.model.loader import load_model
+from llm_core.engine.request import Request
+from llm_core.engine.scheduler import Scheduler, SchedulerConfig
 from llm_core.storage import LocalDirStore
-from llm_core.swa_radix_cache import SWARadixCache
-from llm_core.tiny_checkpoint import build_tiny_hf_checkpoint
+from llm_core.kvcache.swa_radix_cache import SWARadixCache
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 GA = {0, 5, 11, 17, 23, 29, 35, 41, 47}
 KINDS = tuple("full" if i in GA else "sliding" for i in range(48))

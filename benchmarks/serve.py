@@ -149,10 +149,10 @@ class HFStyleCaptioner:
         self.hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device).eval()
 
     def _units(self, item) -> tuple[list, tuple[float, ...]]:
-        from mm_pipeline.decode_audio import decode_audio
-        from mm_pipeline.decode_image import decode_image
-        from mm_pipeline.decode_video import decode_range, probe_video
-        from mm_pipeline.video_sampling import sample_frames
+        from mm_pipeline.media.decode_audio import decode_audio
+        from mm_pipeline.media.decode_image import decode_image
+        from mm_pipeline.media.decode_video import decode_range, probe_video
+        from mm_pipeline.media.video_sampling import sample_frames
 
         m = self.model
         if item.kind.value == "image":
@@ -172,10 +172,10 @@ class HFStyleCaptioner:
     def caption(self, path: Path, prompt: str | None, max_tokens: int) -> str:
         from types import SimpleNamespace
 
-        from mm_pipeline.caption_job import DEFAULT_PROMPTS
-        from mm_pipeline.chat_request import parse_messages
-        from mm_pipeline.ingest import IngestConfig, MediaIngestor
-        from mm_pipeline.media import MediaSource
+        from mm_pipeline.jobs.caption import DEFAULT_PROMPTS
+        from mm_pipeline.prompt.messages import parse_messages
+        from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
+        from mm_pipeline.media.types import MediaSource
 
         torch = self.torch
         with torch.inference_mode():
@@ -197,7 +197,7 @@ class HFStyleCaptioner:
 
 
 def caption_comparison(engine, hf_dir: Path, inputs: list[Path], max_tokens: int, device: str, tmp: Path) -> dict:
-    from mm_pipeline.caption_job import CaptionConfig, CaptionJob
+    from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob
 
     job = CaptionJob(engine, CaptionConfig(max_tokens=max_tokens, concurrency=len(inputs)))
     summary = asyncio.run(job.run([str(p) for p in inputs], tmp / "captions.jsonl"))
@@ -221,10 +221,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=None)
     args = p.parse_args()
 
-    from llm_core.tiny_checkpoint import build_tiny_hf_checkpoint
-    from mm_pipeline.omni_checkpoint import build_tiny_omni_checkpoint, tiny_special_tokens
-    from mm_pipeline.omni_engine import OmniEngine
-    from mm_pipeline.omni_engine_config import OmniEngineConfig
+    from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint, tiny_special_tokens
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+    from mm_pipeline.runtime.config import OmniEngineConfig
     from mm_pipeline.server import ServerSettings, ServerThread, create_app
 
     levels = [int(x) for x in args.levels.split(",")] if args.levels else ([1, 8] if args.quick else [1, 4, 16, 32])

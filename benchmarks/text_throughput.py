@@ -1,7 +1,7 @@
 """Prefill and decode tokens/s of our engine vs transformers ``generate``, same model, same run.
 
 Model: a random MiMo-V2-style checkpoint (default: hidden 256, 8 layers, 16 experts top-2, head dims
-32/32, window 64 -- the config of notes/peers.md's vLLM-CPU measurement), fp32, greedy.
+32/32, window 64 -- the config of the vLLM-CPU comparison in the README), fp32, greedy.
 For each batch size B: B prompts of ``--prompt`` tokens, ``--gen`` greedy tokens each, in one run;
 prefill = time until all B have their first token, decode = the rest (B * (gen - 1) tokens).
 transformers is timed the same way through a streamer that stamps each generated token.
@@ -22,8 +22,8 @@ from _common import base_parser, print_table, write_json
 from transformers.generation.streamers import BaseStreamer
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
-from llm_core.loader import load_model
-from llm_core.tiny_checkpoint import build_tiny_hf_checkpoint
+from llm_core.model.loader import load_model
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, head_dim=32, v_head_dim=32, sliding_window=64,

@@ -1,7 +1,7 @@
 """Media encoders: the MiMo-V2.5 vision tower (images and video frame groups), our audio encoder,
 pixel / log-mel preprocessing and packed variable-length batching. Imports only :mod:`kernels`.
 
-Entry points: :class:`encoders.vision.VisionTransformer`, :class:`encoders.audio.AudioEncoder`,
-:mod:`encoders.image_processing`, :mod:`encoders.video`, :class:`encoders.mel.LogMelSpectrogram`,
+Entry points: :class:`encoders.vision.tower.VisionTransformer`, :class:`encoders.audio.encoder.AudioEncoder`,
+:mod:`encoders.image_processing`, :mod:`encoders.video`, :class:`encoders.audio.mel.LogMelSpectrogram`,
 :mod:`encoders.weights` (safetensors by checkpoint name).
 """

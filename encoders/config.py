@@ -22,7 +22,7 @@ def _require(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """MiMo-V2.5 ViT geometry (notes/model.md §1.2, §3). ``window`` is the symmetric band half-width
+    """MiMo-V2.5 ViT geometry (docs/model.md §1.2, §3). ``window`` is the symmetric band half-width
     in patch tokens (``visual_token_window_size``): a windowed block sees ``|i - j| <= window``."""
 
     depth: int = 28
@@ -145,7 +145,7 @@ class AudioConfig:
     """Our audio encoder: log-mel -> conv (k3, then k3 stride 2) -> transformer (per-layer "full" or
     "sliding" ±window band, bidirectional) -> avg pool -> groups of ``group_size`` -> projection MLP.
 
-    Token count per segment of T mel frames (notes/model.md §4):
+    Token count per segment of T mel frames (docs/model.md §4):
         n1 = (T - 1) // stride + 1;  n2 = ceil(n1 / avg_pooler);  tokens = ceil(n2 / group_size)
     """
 

@@ -3,7 +3,7 @@
     frames [T, C, H, W] (0-255) --smart_resize + bilinear--> [T, C, H', W'] --normalise-->
         --patchify--> rows [t*gh*gw, C*2*16*16], grid_thw (t, gh, gw)
 
-Row order of :func:`patchify` (notes/model.md §3): frames outermost, then merge units row-major, then
+Row order of :func:`patchify` (docs/model.md §3): frames outermost, then merge units row-major, then
 the m x m patches of a unit row-major; a row lists (C, temporal, kh, kw) -- the Conv3d weight order.
 
     frame 8x8 patches, merge 2 ->  rows  0..3 = unit (0,0) patches (0,0) (0,1) (1,0) (1,1)

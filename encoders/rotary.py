@@ -2,7 +2,7 @@
 
 Both use NeoX rotate-half over the whole head: pairs (i, i + D/2).
 
-Vision (notes/model.md §3): head_dim D -> D/4 inverse frequencies ``theta^(-2j/(D/2))``; a patch at
+Vision (docs/model.md §3): head_dim D -> D/4 inverse frequencies ``theta^(-2j/(D/2))``; a patch at
 (h, w) gets the angle vector
 
     [ h*f_0 .. h*f_{D/4-1} | w*f_0 .. w*f_{D/4-1} ]   (D/2 angles)  duplicated -> D

@@ -16,13 +16,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from encoders.audio import AudioEncoder
+from encoders.audio.encoder import AudioEncoder
 from encoders.config import AudioConfig, VisionConfig
-from encoders.vision import VisionTransformer
+from encoders.vision.tower import VisionTransformer
 
 VISION_PREFIX = "visual."
 AUDIO_PREFIX = "audio_encoder."
-# The real MiMo-V2.5 audio path (RVQ tokenizer + input local transformer, notes/model.md §4) shares
+# The real MiMo-V2.5 audio path (RVQ tokenizer + input local transformer, docs/model.md §4) shares
 # the audio_encoder.* prefix but not our architecture.
 RVQ_AUDIO_MARKER = "input_local_transformer."
 

@@ -13,7 +13,7 @@ Band semantics (symmetric, counted in tokens, *not* including the query in the c
                \\_______ 2w+1 keys ______/
 
 ``window=None`` means the whole segment. ``sinks[h]`` is a per-q-head logit that joins the softmax
-denominator and carries no value (sink formula of notes/model.md §6).
+denominator and carries no value (sink formula of docs/model.md §6).
 
 Efficiency: the work is cut into *blocks* of queries, each with a contiguous span of keys, gathered
 with index tensors and run as one batched matmul per chunk of blocks -- never an N x N mask:

@@ -1,5 +1,7 @@
-"""Dispatch: CUDA tensors take the Triton kernels (when importable), everything else the torch
-references. ``force_triton(True)`` sends every call to Triton (used with TRITON_INTERPRET=1 in tests).
+"""Dispatch: CUDA tensors take the Triton kernels (when importable); CPU tensors take the CPU paths
+(paged attention: :mod:`kernels.paged_attention_cpu`; experts: :mod:`kernels.moe_cpu`) and, for the
+KV copies and the vision band attention, the torch references. ``force_triton(True)`` sends every call
+to Triton (tests use it with TRITON_INTERPRET=1 to run the kernels on CPU tensors).
 
 The Triton modules are imported lazily, on the first call that needs them: whether ``triton.jit``
 builds a compiled or an interpreted kernel is decided when the module is imported, so importing them
@@ -26,8 +28,6 @@ def force_triton(enabled: bool) -> None:
     """Route every op through Triton even for CPU tensors (only meaningful with TRITON_INTERPRET=1)."""
     global _FORCE_TRITON
     _FORCE_TRITON = enabled
-    if enabled and os.environ.get("TRITON_INTERPRET") == "1":
-        patch_triton_interpreter()
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -57,42 +57,6 @@ def _triton_module(name: str) -> ModuleType | None:
         except ImportError:
             _TRITON_OK = False
     return importlib.import_module(f"kernels.{name}") if _TRITON_OK else None
-
-
-def patch_triton_interpreter() -> None:
-    """Fix two gaps of triton 3.6's CPU interpreter that our kernels hit. Idempotent.
-
-    * numpy >= 2.4 (triton-lang/triton#9171): scalars are 1-element arrays turned into Python ints
-      with ``int(array)``, which numpy 2.4 rejects -- any ``range(lo, hi)`` with a loaded bound fails.
-    * bfloat16 ``tl.dot`` (triton-lang/triton#11584): bf16 is stored as uint16 and the dot multiplies
-      the raw bit patterns. We widen bf16 operands to fp32 first (exact: bf16 is fp32's top half).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_mmserve_fixed", False):
-        return
-
-    def patch_tensor(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widen(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        bits = h.data.astype(np.uint32) << np.uint32(16)
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    patch_tensor._mmserve_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patch_tensor
-    interpreter.InterpreterBuilder.create_dot = create_dot
 
 
 def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, page_size, scale,

@@ -3,13 +3,13 @@
     from llm_core import LLM, SamplingParams
 """
 
-from llm_core.dual_pool import DualKVPool, KVLayout, PageAllocator
-from llm_core.engine import EngineConfig, LLMEngine
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PageAllocator
+from llm_core.engine.llm_engine import EngineConfig, LLMEngine
 from llm_core.llm import LLM
-from llm_core.outputs import RequestOutput
-from llm_core.request import EmbeddingSource, Request
-from llm_core.sampling import Sampler, SamplingParams
-from llm_core.scheduler import NoPrefixCache, PrefixCache, Scheduler, SchedulerConfig
+from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.request import EmbeddingSource, Request
+from llm_core.engine.sampling import Sampler, SamplingParams
+from llm_core.engine.scheduler import NoPrefixCache, PrefixCache, Scheduler, SchedulerConfig
 
 __all__ = [
     "LLM",

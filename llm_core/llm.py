@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-from llm_core.engine import EngineConfig, LLMEngine
-from llm_core.outputs import RequestOutput
-from llm_core.sampling import SamplingParams
+from llm_core.engine.llm_engine import EngineConfig, LLMEngine
+from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.sampling import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -57,7 +57,7 @@ class LLM:
         **engine_kwargs,
     ) -> None:
         """``engine_kwargs`` are :class:`EngineConfig` fields (page_size, num_full_tokens, ...)."""
-        from llm_core.loader import load_model
+        from llm_core.model.loader import load_model
 
         model = load_model(model_dir, device=device, dtype=_dtype(dtype))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)

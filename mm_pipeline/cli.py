@@ -31,7 +31,7 @@ def _model_dir(arg: str | None) -> Path:
             raise UsageError(
                 f"no model given and the default model {DEFAULT_MODEL}/ does not exist.\n"
                 f"  Pass --model DIR (a MiMo-V2.5-style checkpoint directory), or build a tiny test model:\n"
-                f"  python -c \"from mm_pipeline.omni_checkpoint import build_tiny_omni_checkpoint as b; "
+                f"  python -c \"from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint as b; "
                 f"b('{DEFAULT_MODEL}')\"")
         raise UsageError(f"model directory {path} has no config.json")
     return path
@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> Any:
     """``OmniEngineConfig`` from the engine flags (flags left unset keep the config's defaults)."""
-    from mm_pipeline.ingest import MediaLimits
-    from mm_pipeline.omni_engine_config import OmniEngineConfig
+    from mm_pipeline.media.ingest import MediaLimits
+    from mm_pipeline.runtime.config import OmniEngineConfig
 
     device = args.device
     if device is None:
@@ -129,7 +129,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
-    from mm_pipeline.omni_engine import OmniEngine
+    from mm_pipeline.runtime.omni_engine import OmniEngine
 
     print(f"loading {model_dir} ...", file=sys.stderr, flush=True)
     return OmniEngine.from_pretrained(model_dir, engine_config(args))
@@ -157,8 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
-    from mm_pipeline.caption_job import CaptionConfig, CaptionJob, discover_inputs
-    from mm_pipeline.progress import Progress
+    from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob, discover_inputs
+    from mm_pipeline.jobs.progress import Progress
 
     model_dir = _model_dir(args.model)
     try:
@@ -173,7 +173,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     try:
         job = CaptionJob(engine, config)
         out = Path(args.out)
-        from mm_pipeline.caption_job import already_done
+        from mm_pipeline.jobs.caption import already_done
 
         todo = len([p for p in inputs if p not in already_done(out)])
         progress = Progress(todo, "caption")
@@ -188,7 +188,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from mm_pipeline.batch_job import BatchJob
+    from mm_pipeline.jobs.batch import BatchJob
 
     if not Path(args.input).is_file():
         raise UsageError(f"batch input {args.input} does not exist")

@@ -1,10 +1,9 @@
 """``make demo`` / ``python -m mm_pipeline.demo``: the whole pipeline on the committed samples.
 
-Uses ``samples/demo-model/`` when it exists; otherwise builds a tiny random omni checkpoint in a
-temporary directory.  Captions every file in ``samples/media/`` through the real pipeline (sniff,
-decode, preprocess, encoders, streamed prefill, decode), captions them again to show the encoder
-cache, and runs one text-only chat.  With the tiny model the words are noise: its weights are
-random; what the demo shows is the path every request takes and what it costs.
+Captions every file in ``samples/media/`` with the committed demo model ``samples/demo-model/``
+through the real pipeline (sniff, decode, preprocess, encoders, streamed prefill, decode), captions
+them again to show the encoder cache, and runs one text-only chat (the demo model only learned
+captions, so its chat answer is nonsense by design).
 """
 
 from __future__ import annotations
@@ -16,22 +15,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from llm_core.sampling import SamplingParams
-from mm_pipeline.caption_job import CaptionConfig, CaptionJob, discover_inputs
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob, discover_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "samples" / "demo-model"
 MEDIA = ROOT / "samples" / "media"
 
 
-def _model_dir(tmp: Path) -> tuple[Path, bool]:
-    if (DEMO_MODEL / "config.json").is_file():
-        return DEMO_MODEL, False
-    from mm_pipeline.omni_checkpoint import build_tiny_omni_checkpoint
-
-    out = tmp / "tiny-omni"
-    build_tiny_omni_checkpoint(out, seed=0)
-    return out, True
+def _model_dir() -> Path:
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise SystemExit(f"the demo model {DEMO_MODEL}/ is missing: restore it with "
+                         f"`git checkout -- samples/demo-model` (it is part of the repository)")
+    return DEMO_MODEL
 
 
 def _expected_captions() -> dict[str, str]:
@@ -70,7 +66,7 @@ async def _chat(engine, text: str) -> tuple[str, int, float]:
     return answer, n, time.perf_counter() - t0
 
 
-async def _run(engine, tiny: bool, tmp: Path) -> None:
+async def _run(engine, tmp: Path) -> None:
     inputs = discover_inputs([str(MEDIA)])
     print(f"\ncaptioning {len(inputs)} files from {MEDIA.relative_to(ROOT)}/ "
           f"(default prompts: 'Describe this image.' / video / audio)\n")
@@ -98,24 +94,20 @@ async def _run(engine, tiny: bool, tmp: Path) -> None:
         print(line)
     answer, n, dt = await _chat(engine, "Write one sentence about sliding-window attention.")
     print(f"\ntext chat: {n} tokens in {dt:.2f} s: {_short(answer, 100)!r}")
-    if tiny:
-        print("\nnote: these captions and the chat answer come from an UNTRAINED tiny model with random weights,\n"
-              "so the words are meaningless; the demo shows the serving pipeline, not model quality.")
 
 
 def main() -> int:
-    from mm_pipeline.omni_engine import OmniEngine
-    from mm_pipeline.omni_engine_config import OmniEngineConfig
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+    from mm_pipeline.runtime.config import OmniEngineConfig
 
     with tempfile.TemporaryDirectory(prefix="mmserve-demo-") as tmp_s:
         tmp = Path(tmp_s)
         t0 = time.perf_counter()
-        model_dir, tiny = _model_dir(tmp)
+        model_dir = _model_dir()
         engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig(num_full_tokens=16384, num_swa_tokens=8192))
-        print(f"model: {model_dir}{' (tiny random checkpoint built for this demo)' if tiny else ''}; "
-              f"loaded in {time.perf_counter() - t0:.1f} s")
+        print(f"model: {model_dir}; loaded in {time.perf_counter() - t0:.1f} s")
         try:
-            asyncio.run(_run(engine, tiny, tmp))
+            asyncio.run(_run(engine, tmp))
         finally:
             engine.shutdown()
     return 0

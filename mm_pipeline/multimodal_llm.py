@@ -26,12 +26,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Sequence
 
-from llm_core.outputs import RequestOutput
-from llm_core.sampling import SamplingParams
-from mm_pipeline.chat_request import parse_messages
+from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.errors import MediaError
-from mm_pipeline.omni_engine import OmniEngine
-from mm_pipeline.omni_engine_config import OmniEngineConfig
+from mm_pipeline.runtime.omni_engine import OmniEngine
+from mm_pipeline.runtime.config import OmniEngineConfig
 
 Conversation = list[dict[str, Any]]
 

@@ -72,7 +72,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 # ---- Triton kernel tests: deselect, rather than skip, the side this process does not run ----------
 KERNEL_MARKERS = {
     "triton_kernel": "a Triton kernel test: runs in place on CUDA, else only in the TRITON_INTERPRET=1 child "
-                     "(see tests/test_kernels_support.py)",
+                     "(see tests/kernels/test_kernels_support.py)",
     "interpreter_rerun": "re-runs its test file in a TRITON_INTERPRET=1 child pytest (CPU parent only)",
 }
 
@@ -88,7 +88,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fails the parent's ``test_under_interpreter``)."""
     if not any(item.get_closest_marker(name) for item in items for name in KERNEL_MARKERS):
         return
-    from test_kernels_support import RUNS_HERE  # imports torch: only when kernel tests were collected
+    from tests.kernels.test_kernels_support import RUNS_HERE  # imports torch: only when kernel tests were collected
 
     drop = "interpreter_rerun" if RUNS_HERE else "triton_kernel"
     keep = [item for item in items if not item.get_closest_marker(drop)]

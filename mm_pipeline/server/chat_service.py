@@ -1,7 +1,7 @@
 """Chat and text completions on top of an engine, independent of HTTP (the server and the batch
 runner both use it).
 
-Engine contract used here (``mm_pipeline.omni_engine.OmniEngine``):
+Engine contract used here (``mm_pipeline.runtime.omni_engine.OmniEngine``):
 ``generate(messages, params, request_id=...)`` / ``generate_prompt(prompt, params, ...)`` return
 async iterators of ``GenerationDelta``; bad media raise ``MediaError`` before the first delta;
 closing an iterator early aborts its request.
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from llm_core.sampling import SamplingParams
+from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
 from mm_pipeline.server.errors import APIError

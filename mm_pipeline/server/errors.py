@@ -76,7 +76,7 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def _overload_error(exc: BaseException) -> APIError | None:
     try:  # the engine module loads torch and the model code: import it only when needed
-        from mm_pipeline.omni_engine import OverloadedError
+        from mm_pipeline.runtime.omni_engine import OverloadedError
     except ImportError:
         return None
     if not isinstance(exc, OverloadedError):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llm_core.sampling import MAX_LOGPROBS
+from llm_core.engine.sampling import MAX_LOGPROBS
 
 MAX_N = 16
 

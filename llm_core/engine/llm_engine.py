@@ -1,0 +1,314 @@
+"""LLMEngine: requests in, one scheduled model step at a time, RequestOutputs out.
+
+    add_request / abort  (any thread)  -> pending queues (under a lock)
+    step()               (engine thread): drain queues -> Scheduler.schedule -> build ForwardBatch
+                         -> model.forward -> compute_logits on sampling rows -> Sampler
+                         -> append tokens, stop checks -> Scheduler.after_step -> outputs
+
+The engine knows token ids and embedding rows only; text appears only in finished outputs (one
+decode each) and in stop-string checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from llm_core.engine.batch_builder import build_forward_batch
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
+from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.queue_policy import QueuePolicy
+from llm_core.engine.request import EmbeddingSource, Request
+from llm_core.engine.sampling import Sampler, SamplingParams
+from llm_core.engine.scheduler import PrefixCache, ScheduledBatch, Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool sizes come from ``num_full_tokens`` / ``num_swa_tokens`` when given, otherwise from
+    ``memory_fraction`` of the device's free memory (split by :meth:`PoolSizing.from_bytes`)."""
+
+    page_size: int = 16
+    num_full_tokens: int | None = None
+    num_swa_tokens: int | None = None
+    memory_fraction: float = 0.5
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_chunk_tokens: int | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    swa_release_interval: int = 16
+    seed: int = 0
+    # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/kv_tiers.py)
+    enable_prefix_caching: bool = False
+    prefix_checkpoint_every: int = 0  # keep an SWA window every K tokens (a multiple of page_size; 0: off)
+    kv_host_bytes: int = 0  # L2: host-memory KV tier budget in bytes (0: no L2)
+    kv_store: str | None = None  # L3: a directory, or redis://host:port/db (None: no L3)
+    kv_model_id: str | None = None  # L3 key namespace (default: a hash of the model config)
+    queue_policy: str = "fcfs"  # "fcfs" | "fewest_uncached" (llm_core/engine/queue_policy.py)
+    queue_wait_credit: float = 1000.0  # fewest_uncached: tokens of priority gained per second waited
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.scheduler_config  # validates the scheduler fields
+        self.queue  # validates the queue policy
+        if self.kv_host_bytes < 0:
+            raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+
+    @property
+    def queue(self) -> QueuePolicy:
+        return QueuePolicy(self.queue_policy, self.queue_wait_credit)
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            self.max_num_batched_tokens, self.max_num_seqs, self.max_chunk_tokens, self.swa_release_interval
+        )
+
+
+def _is_token(t) -> bool:
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return not isinstance(t, bool)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model and one dual KV pool."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        engine_config: EngineConfig | None = None,
+        *,
+        tokenizer=None,
+        prefix_cache: PrefixCache | None = None,
+        enable_prefix_caching: bool | None = None,
+    ) -> None:
+        """``enable_prefix_caching`` overrides the config's flag; an explicit ``prefix_cache`` wins."""
+        self.model = model
+        self.model_config = model.config
+        self.config = engine_config or EngineConfig()
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, model.model.norm.weight.dtype
+        layout = KVLayout.from_model_config(self.model_config)
+        self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
+                               **self._pool_sizes(layout).__dict__)
+        self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        if enable_prefix_caching is None:
+            enable_prefix_caching = self.config.enable_prefix_caching
+        if prefix_cache is None and enable_prefix_caching:
+            from llm_core.kvcache.kv_tiers import build_prefix_cache
+
+            prefix_cache = build_prefix_cache(self.pool, self.config, model)
+        self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,
+                                   self.config.queue)
+        self.prefix_cache = self.scheduler.prefix_cache
+        self.sampler = Sampler(self.config.seed, self.device)
+        self._lock = threading.Lock()
+        self._pending_add: list[Request] = []
+        self._pending_abort: list[str] = []
+        self._live: dict[str, Request] = {}
+        self._early_outputs: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+
+    # ---- public API -------------------------------------------------------------------------
+    def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> str | None:
+        """Why this prompt cannot be served (None if it can). Placeholder ids may be out of the
+        vocabulary when an embedding source covers them."""
+        if len(prompt_token_ids) == 0:
+            return "empty prompt: at least one token is needed"
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            return (f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within the "
+                    f"context limit of {self.max_model_len} tokens")
+        if not has_embeds:
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt_token_ids if not _is_token(t) or not 0 <= t < vocab]
+            if bad:
+                return f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+        return None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        embeds: EmbeddingSource | None = None,
+        extra_keys: tuple[tuple[int, int, bytes], ...] = (),
+    ) -> None:
+        """Queue a request (thread-safe). A prompt the engine cannot serve does not raise: it comes
+        back from the next step() as an output with finish_reason "error". ``extra_keys``: (start, end,
+        content key) over prompt positions, mixed into the prefix-cache keys of those tokens."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
+                      eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
+                      extra_keys=tuple(extra_keys))
+        problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
+        with self._lock:
+            if req.request_id in self._live:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            if problem is not None:
+                req.status, req.finish_reason, req.error = req.status.FINISHED, "error", problem
+                self._early_outputs.append(self._output(req, []))
+                return
+            self._live[req.request_id] = req
+            self._pending_add.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (thread-safe); its final output (finish_reason "abort") comes from step()."""
+        with self._lock:
+            self._pending_abort.append(str(request_id))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live or self._early_outputs or self._pending_abort)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled model step; returns outputs of requests that progressed or ended."""
+        outputs = self._drain_queues()
+        batch = self.scheduler.schedule()
+        for req in batch.failed:
+            outputs.append(self._finish_output(req, []))
+        if not batch:
+            return outputs
+        try:
+            sampled = self._run_model(batch)
+        except Exception as exc:  # keep serving others; the batch's requests end with the error
+            for e in batch.entries:
+                self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}")
+                outputs.append(self._finish_output(e.request, []))
+            return outputs
+        self.scheduler.after_step(batch)
+        for e, (tok, lp, top) in sampled:
+            req = e.request
+            req.append_token(tok, lp, top)
+            reason = req.check_stop(self.max_model_len, self.tokenizer)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                outputs.append(self._finish_output(req, [tok]))
+            else:
+                outputs.append(self._output(req, [tok]))
+        return outputs
+
+    def stats(self) -> dict:
+        """Pool usage per pool, preemptions, queue sizes and the prefix cache's counters (hit tokens
+        per tier, evictions) as one flat dict."""
+        out = {
+            "full_pages_total": self.pool.full.num_pages, "full_pages_used": self.pool.full.num_used,
+            "full_pages_peak": self.pool.full.peak_used, "swa_pages_total": self.pool.swa.num_pages,
+            "swa_pages_used": self.pool.swa.num_used, "swa_pages_peak": self.pool.swa.peak_used,
+            "page_size": self.pool.page_size, "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        }
+        out.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats().items()})
+        return out
+
+    def close(self) -> None:
+        """Stop background work of the prefix-cache tiers (pending L3 writes are finished first)."""
+        self.prefix_cache.close()
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _pool_sizes(self, layout: KVLayout) -> PoolSizing:
+        c = self.config
+        if c.num_full_tokens is not None:
+            swa = c.num_swa_tokens if c.num_swa_tokens is not None else c.num_full_tokens
+            return PoolSizing(c.num_full_tokens, swa)
+        budget = int(available_memory_bytes(self.device) * c.memory_fraction)
+        return PoolSizing.from_bytes(
+            layout, budget, dtype=self.dtype, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
+            max_chunk_tokens=c.scheduler_config.chunk_cap, swa_release_interval=c.swa_release_interval,
+        )
+
+    def _drain_queues(self) -> list[RequestOutput]:
+        with self._lock:
+            outputs, self._early_outputs = self._early_outputs, []
+            adds, self._pending_add = self._pending_add, []
+            aborts, self._pending_abort = self._pending_abort, []
+        for req in adds:
+            self.scheduler.add(req)
+        for rid in aborts:
+            with self._lock:
+                req = self._live.get(rid)
+            if req is not None and not req.finished:
+                self.scheduler.finish(req, "abort")
+                outputs.append(self._finish_output(req, []))
+        return outputs
+
+    def _run_model(self, batch: ScheduledBatch) -> list[tuple]:
+        fb, input_ids = build_forward_batch(batch.entries, self.pool.page_size, self.device)
+        embeds = self._input_embeds(batch, input_ids)
+        kv = self.prefix_cache.kv_buffers(self.pool)  # the pool, or a view waiting for layer loads
+        if embeds is None:
+            hidden = self.model(input_ids, fb, kv)
+        else:
+            hidden = self.model(None, fb, kv, inputs_embeds=embeds)
+        sampling = [e for e in batch.entries if e.samples]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        out = self.sampler(logits, [e.request.params for e in sampling], [e.request.generator for e in sampling])
+        return list(zip(sampling, zip(out.token_ids, out.logprobs, out.top_logprobs)))
+
+    def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with placeholder rows replaced from each request's EmbeddingSource."""
+        if all(e.request.embeds is None for e in batch.entries):
+            return None
+        ids = input_ids.clone()
+        splices: list[tuple[torch.Tensor, torch.Tensor]] = []
+        offset = 0
+        for e in batch.entries:
+            req = e.request
+            prompt_end = min(e.end, req.num_prompt_tokens)
+            if req.embeds is not None and e.start < prompt_end:
+                mask, rows = req.embeds.rows(e.start, prompt_end)
+                mask = mask.to(torch.bool).cpu()
+                if mask.shape[0] != prompt_end - e.start:
+                    raise ValueError(f"embedding source of {req.request_id} returned a mask of "
+                                     f"{mask.shape[0]} for {prompt_end - e.start} positions")
+                if rows.shape[0] == mask.shape[0]:
+                    rows = rows[mask.to(rows.device)]
+                at = torch.nonzero(mask)[:, 0] + offset
+                ids[at.to(ids.device)] = 0  # placeholder ids may lie outside the vocabulary
+                splices.append((at, rows))
+            offset += e.num_new_tokens
+        x = self.model.embed(ids).clone()
+        for at, rows in splices:
+            x[at.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
+        return x
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        want_lp = req.params.logprobs is not None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            new_token_ids=new,
+            logprobs=list(req.output_logprobs) if want_lp else None,
+            top_logprobs=list(req.output_top_logprobs) if want_lp else None,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def _finish_output(self, req: Request, new: list[int]) -> RequestOutput:
+        with self._lock:
+            self._live.pop(req.request_id, None)
+        out = self._output(req, new)
+        if self.tokenizer is not None and req.output_token_ids:
+            out.text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(
+                req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return out

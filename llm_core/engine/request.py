@@ -1,0 +1,166 @@
+r"""A request carries its own progress: tokens, how many are computed, its page tables, sampling state.
+
+Token timeline of one request (prompt P tokens, then generated ones):
+
+    token_ids:   [p0 p1 ... p(P-1) | g0 g1 ... ]
+                  \___ computed ___/^ num_computed_tokens
+    a step computes token_ids[num_computed : num_computed + n]; when that reaches the last token the
+    step also samples the next one (the request "samples" this step).
+
+Page tables (one logical page index, see llm_core/kvcache/dual_pool.py):
+
+    full_pages[p]  physical Full page of logical page p (all mapped)
+    swa_pages[p]   physical SWA page of logical page p, -1 once released (always a leading run of -1)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from llm_core.kvcache.radix_node import check_extra_keys
+from llm_core.engine.sampling import SamplingParams
+
+
+@runtime_checkable
+class EmbeddingSource(Protocol):
+    """Embeddings for placeholder positions of a prompt, possibly arriving over time.
+
+    - ``ready_until()``: prompt positions ``[0, ready_until())`` have their embeddings (or are plain
+      text); the scheduler never computes a prompt token at or past it. Must never decrease.
+    - ``rows(start, end)``: for prompt positions ``[start, end)`` (all < ready_until()) returns
+      ``(mask, rows)``: ``mask`` bool [end-start], True where the position takes an embedding row
+      instead of its token's embedding; ``rows`` either [mask.sum(), H] (only the masked positions,
+      in order) or [end-start, H] (one per position; unmasked rows ignored). May be called again for
+      the same range (after a preemption the request is recomputed).
+    """
+
+    def ready_until(self) -> int: ...
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and everything the scheduler/engine track about it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_seq: int  # admission order; the largest is the youngest (first to be preempted)
+    eos_token_ids: tuple[int, ...] = ()
+    embeds: EmbeddingSource | None = None
+    # (start, end, content key) over prompt positions: media hashes the prefix cache mixes into the
+    # keys of those tokens, so equal placeholder ids with different media never share KV.
+    extra_keys: tuple[tuple[int, int, bytes], ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)  # for wait-time aware queue orders
+
+    token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens a prefix cache supplied at the last admission
+    full_pages: list[int] = field(default_factory=list)
+    swa_pages: list[int] = field(default_factory=list)
+    swa_released_pages: int = 0  # swa_pages[:swa_released_pages] are all -1
+    tokens_since_swa_release: int = 0
+    swa_peak_pages: int = 0  # high-water mark of live SWA pages (for tests and stats)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
+    error: str | None = None
+    stop_text: str | None = None  # output text cut before a matched stop string
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        check_extra_keys(self.extra_keys, len(self.prompt_token_ids))
+        self.extra_keys = tuple((int(a), int(b), bytes(k)) for a, b, k in self.extra_keys)
+        self.generator = self.params.make_generator()
+
+    # ---- progress -----------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def schedulable_until(self) -> int:
+        """Tokens ``[0, schedulable_until())`` may be computed now (embedding readiness frontier).
+
+        Generated tokens are always ready; a prompt position waits for its embedding row.
+        """
+        if self.embeds is None:
+            return self.num_tokens
+        frontier = self.embeds.ready_until()
+        if frontier >= self.num_prompt_tokens:
+            return self.num_tokens
+        return max(0, frontier)
+
+    @property
+    def num_live_swa_pages(self) -> int:
+        return len(self.swa_pages) - self.swa_released_pages
+
+    # ---- results ------------------------------------------------------------------------------
+    def append_token(self, token_id: int, logprob: float | None, top: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+            self.output_top_logprobs.append(top or {})
+
+    def check_stop(self, max_model_len: int, tokenizer=None) -> str | None:
+        """After a token was appended: the finish reason if the request must stop, else None."""
+        last = self.output_token_ids[-1]
+        p = self.params
+        if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            if tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; this engine has none")
+            text = tokenizer.decode(self.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            cut = _first_stop(text, p.stop)
+            if cut is not None:
+                self.stop_text = text[:cut]
+                return "stop"
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: all KV is dropped; every token (prompt and generated) is computed again."""
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.full_pages = []
+        self.swa_pages = []
+        self.swa_released_pages = 0
+        self.tokens_since_swa_release = 0
+        self.num_preemptions += 1
+        self.status = RequestStatus.WAITING
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

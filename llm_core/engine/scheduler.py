@@ -1,0 +1,352 @@
+"""Phase-free continuous batching over the dual KV pool.
+
+Every step each request gets ``min(ready - num_computed, chunk cap, budget left)`` new tokens, so a
+fresh prompt (chunked prefill), a prefix-cache hit and a decode step share one code path. Running
+requests go first, oldest first; waiting ones are admitted while both pools have room for their
+first chunk (checking only one pool mis-admits). When a running request cannot get pages, the
+youngest running request is preempted (its KV dropped, recomputed later) instead of failing.
+
+SWA pages wholly behind the window are released after every multi-token chunk and every
+``swa_release_interval`` decoded tokens:
+
+    window W = 4, page_size 2, next query at position N = 9 sees keys 6..9
+    logical pages:  [0 1][2 3][4 5][6 7][8 9]
+                    free  free free  keep keep        first needed key = N - W + 1 = 6
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from llm_core.kvcache.dual_pool import DualKVPool
+from llm_core.engine.queue_policy import QueuePolicy
+from llm_core.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits. ``max_chunk_tokens`` caps one request's new tokens per step (None: budget)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_chunk_tokens: int | None = None
+    swa_release_interval: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1 or None, got {self.max_chunk_tokens}")
+        if self.swa_release_interval < 1:
+            raise ValueError(f"swa_release_interval must be >= 1, got {self.swa_release_interval}")
+
+    @property
+    def chunk_cap(self) -> int:
+        return self.max_chunk_tokens or self.max_num_batched_tokens
+
+
+class PrefixCache(ABC):
+    """Seam for a prefix cache (an SWA-aware radix tree plugs in here).
+
+    Contract: ``match`` may fill a page-less request's ``full_pages`` / ``swa_pages`` for its first
+    ``k`` tokens (holding a reference on each page through the pool allocators; SWA pages more than a
+    window behind ``k`` may be -1) and must leave at least one token uncomputed; it returns ``k``.
+    ``on_computed`` sees a request after each step (to insert new full pages); ``release`` gets a
+    finished or preempted request and must drop the request's references (or keep them as tree pages).
+    """
+
+    @abstractmethod
+    def match(self, request: Request, pool: DualKVPool) -> int: ...
+
+    @abstractmethod
+    def on_computed(self, request: Request, pool: DualKVPool) -> None: ...
+
+    @abstractmethod
+    def release(self, request: Request, pool: DualKVPool) -> None: ...
+
+    def make_room(self, pool: DualKVPool, full_pages: int, swa_pages: int) -> None:
+        """An allocation is short by this many pages: evict cached pages (before anyone is preempted)."""
+        return None
+
+    def peek(self, request: Request) -> int:
+        """Tokens ``match`` would supply now, without taking anything (for queue ordering)."""
+        return 0
+
+    def kv_buffers(self, pool: DualKVPool):
+        """What the model reads KV through this step: the pool, or a view whose ``layer(i)`` waits
+        until tier loads of layer i have landed."""
+        return pool
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Stop background work (tier writers); the cache must not be used afterwards."""
+        return None
+
+
+class NoPrefixCache(PrefixCache):
+    """Caches nothing: every page is freed when its request lets go of it."""
+
+    def match(self, request: Request, pool: DualKVPool) -> int:
+        return 0
+
+    def on_computed(self, request: Request, pool: DualKVPool) -> None:
+        return None
+
+    def release(self, request: Request, pool: DualKVPool) -> None:
+        pool.full.free(request.full_pages)
+        pool.swa.free(request.swa_pages)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so the step samples a new one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    entries: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # finished with an error by the scheduler
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and every page a request holds."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: DualKVPool,
+        window: int | None,
+        prefix_cache: PrefixCache | None = None,
+        queue_policy: QueuePolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.queue_policy = queue_policy or QueuePolicy()
+        self.pool = pool
+        self.window = window
+        self.prefix_cache = prefix_cache or NoPrefixCache()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival_seq (oldest first)
+        self.num_preemptions = 0
+
+    # ---- public API -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's requests and token counts; allocate their pages."""
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            n = self._allocate_or_preempt(req, n, batch)
+            if n:
+                batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+            elif self._pool_empty():
+                # It was alone and still does not fit: it never will. Fail it instead of looping.
+                batch.preempted.remove(req)
+                self._fail_unfittable(req, batch)
+        if batch.preempted:
+            return batch  # pools are tight: do not admit new work in the same step
+        order = self.queue_policy.order(self.waiting, self.prefix_cache.peek, time.monotonic())
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not req.full_pages:
+                self._match_prefix(req)
+            n = self._num_new(req, budget)
+            if n == 0:
+                self._unmatch(req)  # waiting requests hold no pages between steps
+                continue  # its embeddings are not ready yet; let younger ready requests pass
+            if not self._try_allocate(req, n):
+                # Alone in the pools, a smaller first chunk may still fit (a tight SWA pool).
+                n = self._fit(req, n) if self._pool_empty() else 0
+                if not (n and self._try_allocate(req, n)):
+                    self._unmatch(req)
+                    if self._pool_empty():
+                        self._fail_unfittable(req, batch)
+                        continue
+                    break  # keep arrival order: do not let a smaller younger request jump the queue
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
+            batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            budget -= n
+        return batch
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance progress of every scheduled request and release SWA pages behind its window."""
+        for e in batch.entries:
+            req = e.request
+            if req.finished:
+                continue
+            req.num_computed_tokens = e.end
+            req.tokens_since_swa_release += e.num_new_tokens
+            # the cache sees the new pages before the request lets go of out-of-window SWA pages
+            self.prefix_cache.on_computed(req, self.pool)
+            if e.num_new_tokens > 1 or req.tokens_since_swa_release >= self.config.swa_release_interval:
+                self._release_behind_window(req)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request (any state) and give back all of its pages."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+
+    def release_all_behind_window(self) -> None:
+        """Release every running request's out-of-window SWA pages now (the interval's slack)."""
+        for req in self.running:
+            self._release_behind_window(req)
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _num_new(self, req: Request, budget: int) -> int:
+        n = req.schedulable_until() - req.num_computed_tokens
+        return max(0, min(n, budget, self.config.chunk_cap))
+
+    def _pages_needed(self, req: Request, n: int) -> tuple[int, int]:
+        ps = self.pool.page_size
+        end_pages = -(-(req.num_computed_tokens + n) // ps)
+        need_full = max(0, end_pages - len(req.full_pages))
+        need_swa = max(0, end_pages - len(req.swa_pages)) if self.pool.has_swa else 0
+        return need_full, need_swa
+
+    def _make_room(self, req: Request, n: int) -> None:
+        """Let the prefix cache evict what ``n`` more tokens of ``req`` lack (before anyone is preempted)."""
+        need_full, need_swa = self._pages_needed(req, n)
+        short_full, short_swa = need_full - self.pool.full.num_free, need_swa - self.pool.swa.num_free
+        if short_full > 0 or short_swa > 0:
+            self.prefix_cache.make_room(self.pool, max(0, short_full), max(0, short_swa))
+
+    def _try_allocate(self, req: Request, n: int) -> bool:
+        need_full, need_swa = self._pages_needed(req, n)
+        self._make_room(req, n)
+        if need_full > self.pool.full.num_free or need_swa > self.pool.swa.num_free:
+            return False
+        req.full_pages += self.pool.full.allocate(need_full)
+        if self.pool.has_swa:
+            req.swa_pages += self.pool.swa.allocate(need_swa)
+        else:
+            req.swa_pages += [-1] * need_full  # keep both tables one logical index long
+        req.swa_peak_pages = max(req.swa_peak_pages, req.num_live_swa_pages if self.pool.has_swa else 0)
+        return True
+
+    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> int:
+        """Allocate for up to ``n`` new tokens of ``req``; returns how many got pages (0: ``req``
+        itself was preempted). On shortage: release SWA slack, then shrink the chunk to what fits,
+        then preempt the youngest running request until at least one token fits."""
+        if self._try_allocate(req, n):
+            return n
+        self.release_all_behind_window()
+        while True:
+            self._make_room(req, n)  # cached pages go before the chunk shrinks or anyone is preempted
+            fit = self._fit(req, n)
+            if fit and self._try_allocate(req, fit):
+                return fit
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return 0
+
+    def _fit(self, req: Request, n: int) -> int:
+        """The most of the next ``n`` tokens whose pages the free pools can hold now (0 if none)."""
+        ps = self.pool.page_size
+        end = (len(req.full_pages) + self.pool.full.num_free) * ps
+        if self.pool.has_swa:
+            end = min(end, (len(req.swa_pages) + self.pool.swa.num_free) * ps)
+        return max(0, min(n, end - req.num_computed_tokens))
+
+    def _pool_empty(self) -> bool:
+        """No request holds pages (a prefix cache may, but it was asked to make room already)."""
+        return not self.running and not any(r.full_pages for r in self.waiting)
+
+    def _fail_unfittable(self, req: Request, batch: ScheduledBatch) -> None:
+        self.finish(req, "error", (
+            f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the KV pools even "
+            f"alone ({self.pool.full.num_pages} Full / {self.pool.swa.num_pages} SWA pages of "
+            f"{self.pool.page_size} tokens)"
+        ))
+        batch.failed.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_pages(req)
+        req.reset_for_recompute()
+        self.waiting.appendleft(req)  # victims come youngest first, so the oldest ends up in front
+        self.num_preemptions += 1
+
+    def _match_prefix(self, req: Request) -> None:
+        k = self.prefix_cache.match(req, self.pool)
+        if k >= req.num_tokens:
+            raise RuntimeError(f"prefix cache matched all {k} tokens of {req.request_id}; one must stay")
+        req.num_computed_tokens = k
+        req.num_cached_tokens = k
+
+    def _unmatch(self, req: Request) -> None:
+        """Give a waiting request's prefix hit back (it is matched again when it is admitted)."""
+        self._release_pages(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+
+    def _release_pages(self, req: Request) -> None:
+        self.prefix_cache.release(req, self.pool)
+        req.full_pages = []
+        req.swa_pages = []
+        req.swa_released_pages = 0
+
+    def _release_behind_window(self, req: Request) -> None:
+        req.tokens_since_swa_release = 0
+        if self.window is None or not self.pool.has_swa:
+            return
+        first_needed = max(0, req.num_computed_tokens - self.window + 1)
+        upto = min(first_needed // self.pool.page_size, len(req.swa_pages))
+        if upto <= req.swa_released_pages:
+            return
+        dead = req.swa_pages[req.swa_released_pages:upto]
+        self.pool.swa.free(dead)
+        req.swa_pages[req.swa_released_pages:upto] = [-1] * len(dead)
+        req.swa_released_pages = upto

@@ -1,0 +1,306 @@
+"""The dual KV pool: a paged Full pool (every token) and a paged SWA pool (only the window).
+
+Both pools share one page size and one *logical* page index per request (the Full index is
+authoritative); a request keeps two page tables of equal length:
+
+    logical page:      0    1    2    3    4    5        (page_size tokens each)
+    full_pages:       [17,   3,  42,   8,  11,  29]      every page mapped
+    swa_pages:        [-1,  -1,  -1,   5,   0,   7]      Full->SWA map; -1 = released (behind window)
+
+Physical layout of each per-layer buffer (kernels/attention_ref.py):
+
+    k_cache[slot] with slot = page * page_size + offset,   k_cache: [num_slots, kv_heads, head_dim]
+
+A layer of kind "full" reads/writes the Full pool, a layer of kind "sliding" the SWA pool, so the
+SWA pool's size is independent of context length. Byte accounting is exact (element size x shape)
+and works on the ``meta`` device, which is how capacity is planned without allocating.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """Raised by :meth:`PageAllocator.allocate` when fewer pages are free than asked for."""
+
+
+@dataclass(frozen=True)
+class KVHeadSpec:
+    """Per-token KV geometry of one attention kind."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    def elements_per_token(self) -> int:
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The hybrid layout as data: one kind per layer plus the KV geometry of each kind.
+
+    ``window`` counts visible keys including the query (transformers semantics); None when the model
+    has no sliding layers.
+    """
+
+    layer_kinds: tuple[str, ...]
+    full: KVHeadSpec
+    sliding: KVHeadSpec
+    window: int | None
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.layer_kinds if k not in ("full", "sliding")]
+        if bad:
+            raise ValueError(f"layer kinds must be 'full' or 'sliding', got {bad[0]!r}")
+        if self.swa_layers and (self.window is None or self.window < 1):
+            raise ValueError(f"a layout with sliding layers needs a window >= 1, got {self.window}")
+
+    @classmethod
+    def from_model_config(cls, config) -> "KVLayout":
+        """Read the layout from a :class:`llm_core.model.config.ModelConfig` (duck-typed)."""
+
+        def spec(a) -> KVHeadSpec:
+            return KVHeadSpec(a.num_kv_heads, a.head_dim, a.v_head_dim)
+
+        kinds = tuple(config.layer_kinds)
+        window = config.sliding_window if "sliding" in kinds else None
+        return cls(kinds, spec(config.full_attn), spec(config.swa_attn), window)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full")
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "sliding")
+
+    def full_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K+V bytes one token costs in the Full pool, over all full layers."""
+        return len(self.full_layers) * self.full.elements_per_token() * _itemsize(dtype)
+
+    def swa_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K+V bytes one token costs in the SWA pool, over all sliding layers."""
+        return len(self.swa_layers) * self.sliding.elements_per_token() * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+class PageAllocator:
+    """Free list of physical pages with reference counts.
+
+    Invariant (checked by :meth:`check_integrity`): a page is on the free list exactly when its
+    reference count is 0. Reference counts above 1 are for a prefix cache sharing pages between a
+    tree node and requests; the engine alone only ever holds one reference.
+    """
+
+    def __init__(self, num_pages: int, name: str) -> None:
+        if num_pages < 0:
+            raise ValueError(f"{name} pool: num_pages must be >= 0, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        # Pop from the end: low page ids are handed out first (easier to read in tests).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._refs: list[int] = [0] * num_pages
+        self.peak_used = 0
+
+    # ---- public API -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages (reference count 1 each)."""
+        if n < 0:
+            raise ValueError(f"{self.name} pool: cannot allocate {n} pages")
+        if n > len(self._free):
+            raise PoolExhausted(f"{self.name} pool: {n} pages wanted, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        """Add one reference to each (already allocated) page, e.g. when a request shares it."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise RuntimeError(f"{self.name} pool: incref of free page {p}")
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference from each page; pages reaching 0 return to the free list.
+
+        Negative entries (released markers in a page table) are skipped.
+        """
+        for p in pages:
+            if p < 0:
+                continue
+            if self._refs[p] <= 0:
+                raise RuntimeError(f"{self.name} pool: double free of page {p}")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def check_integrity(self) -> None:
+        """Raise if the free list and the reference counts disagree."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError(f"{self.name} pool: a page is on the free list twice")
+        for p, r in enumerate(self._refs):
+            if r < 0 or (r == 0) != (p in free):
+                raise AssertionError(f"{self.name} pool: page {p} refcount {r}, on free list: {p in free}")
+
+
+class DualKVPool:
+    """Per-layer K/V buffers of both pools plus their page allocators (the model's ``KVBuffers``).
+
+    ``layer(i)`` returns the (k_cache, v_cache) of the pool layer ``i``'s kind reads. With
+    ``device="meta"`` nothing is allocated but every byte count is the real one.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        num_full_tokens: int,
+        num_swa_tokens: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_full_tokens < page_size:
+            raise ValueError(f"Full pool needs at least one page ({page_size} tokens), got {num_full_tokens}")
+        if layout.swa_layers and num_swa_tokens < page_size:
+            raise ValueError(f"SWA pool needs at least one page ({page_size} tokens), got {num_swa_tokens}")
+        self.layout = layout
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        num_swa_pages = num_swa_tokens // page_size if layout.swa_layers else 0
+        self.full = PageAllocator(num_full_tokens // page_size, "Full")
+        self.swa = PageAllocator(num_swa_pages, "SWA")
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for kind in layout.layer_kinds:
+            spec = layout.full if kind == "full" else layout.sliding
+            slots = (self.full.num_pages if kind == "full" else self.swa.num_pages) * page_size
+            k = torch.zeros(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=self.device)
+            v = torch.zeros(slots, spec.num_kv_heads, spec.v_head_dim, dtype=dtype, device=self.device)
+            self._buffers.append((k, v))
+
+    # ---- public API -------------------------------------------------------------------------
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of layer ``i`` (Full pool for "full" layers, SWA pool for "sliding")."""
+        return self._buffers[i]
+
+    @property
+    def has_swa(self) -> bool:
+        return bool(self.layout.swa_layers)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        return self.layout.full_bytes_per_token(self.dtype)
+
+    @property
+    def swa_bytes_per_token(self) -> int:
+        return self.layout.swa_bytes_per_token(self.dtype)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes held by the Full pool buffers (all full layers, K and V)."""
+        return self._pool_bytes("full")
+
+    @property
+    def swa_bytes(self) -> int:
+        return self._pool_bytes("sliding")
+
+    @property
+    def total_bytes(self) -> int:
+        return self.full_bytes + self.swa_bytes
+
+    def check_integrity(self) -> None:
+        self.full.check_integrity()
+        self.swa.check_integrity()
+
+    def all_free(self) -> bool:
+        return self.full.num_used == 0 and self.swa.num_used == 0
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _pool_bytes(self, kind: str) -> int:
+        total = 0
+        for layer_kind, (k, v) in zip(self.layout.layer_kinds, self._buffers):
+            if layer_kind == kind:
+                total += k.numel() * k.element_size() + v.numel() * v.element_size()
+        return total
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """How many tokens each pool holds."""
+
+    num_full_tokens: int
+    num_swa_tokens: int
+
+    @classmethod
+    def from_bytes(
+        cls,
+        layout: KVLayout,
+        budget_bytes: int,
+        *,
+        dtype: torch.dtype,
+        page_size: int,
+        max_num_seqs: int,
+        max_chunk_tokens: int,
+        swa_release_interval: int,
+    ) -> "PoolSizing":
+        """Split a byte budget: the SWA pool gets what ``max_num_seqs`` requests can hold at once
+        (window + one chunk + release slack + two pages of rounding each), the Full pool the rest.
+        """
+        swa_per_tok = layout.swa_bytes_per_token(dtype)
+        full_per_tok = layout.full_bytes_per_token(dtype)
+        swa_tokens = 0
+        if layout.swa_layers:
+            assert layout.window is not None
+            per_req = layout.window + max(max_chunk_tokens, swa_release_interval) + 2 * page_size
+            swa_tokens = _round_up(max_num_seqs * per_req, page_size)
+        rest = budget_bytes - swa_tokens * swa_per_tok
+        if full_per_tok == 0:
+            full_tokens = page_size
+        else:
+            full_tokens = (rest // full_per_tok) // page_size * page_size
+        if full_tokens < page_size:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes is too small: the SWA pool alone needs "
+                f"{swa_tokens * swa_per_tok} bytes and the Full pool one page of {page_size} tokens"
+            )
+        return cls(full_tokens, swa_tokens)
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory on ``device`` now (CUDA: driver's free; CPU: available physical memory)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    raise ValueError(f"cannot size a KV pool from a memory fraction on device {device}")
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m

@@ -1,0 +1,49 @@
+"""The engine's prefix cache built from its ``EngineConfig``: an ``SWARadixCache``, with ``KVTiers``
+(L2 host memory and/or an L3 store) when the config asks for them, keyed by a model id."""
+
+from __future__ import annotations
+
+import blake3
+import torch
+
+from llm_core.kvcache.dual_pool import DualKVPool
+from llm_core.kvcache.host_kv_pool import HostKVPool
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A model id from its config and a sample of every parameter: two checkpoints with one config
+    but different weights never share L3 entries."""
+    h = blake3.blake3(repr(getattr(model, "config", None)).encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:256], flat[-256:]]).float().cpu()
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module):
+    """The engine's prefix cache from its EngineConfig: an SWARadixCache, with tiers when configured."""
+    from llm_core.kvcache.kv_tiers import KVTiers  # lazy: kv_tiers re-exports this module's names
+    from llm_core.storage import LocalDirStore, RedisStore
+    from llm_core.kvcache.swa_radix_cache import SWARadixCache
+
+    tiers = None
+    if config.kv_host_bytes or config.kv_store:
+        host = None
+        if config.kv_host_bytes:
+            host = HostKVPool(pool.layout, pool.page_size, pool.dtype, config.kv_host_bytes,
+                              pin=pool.device.type == "cuda")
+        store = None
+        if config.kv_store:
+            if config.kv_store.startswith("redis://"):
+                import urllib.parse
+
+                u = urllib.parse.urlsplit(config.kv_store)
+                store = RedisStore(host=u.hostname or "127.0.0.1", port=u.port or 6379,
+                                   db=int(u.path.strip("/") or 0), prefix="mmserve-kv:")
+            else:
+                store = LocalDirStore(config.kv_store)
+        model_id = config.kv_model_id or weights_fingerprint(model)
+        tiers = KVTiers(pool, host=host, store=store, model_id=model_id)
+    return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)

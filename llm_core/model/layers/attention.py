@@ -1,0 +1,93 @@
+"""Self-attention of one layer over its paged KV pool (full or sliding kind).
+
+    x --qkv_proj--> [ q (Hq x D) | k (Hkv x D) | v (Hkv x Dv) ]      rows in this plain order
+    q, k <- partial RoPE(positions);  v <- value_scale * v   (cached already scaled)
+    store k, v at the batch's slots of this kind's pool, then paged attention over the pool
+    (window and per-head sinks for sliding layers) --o_proj--> hidden
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from llm_core.model.config import ModelConfig
+from llm_core.model.forward_batch import ForwardBatch
+from llm_core.model.layers.rope import PartialRotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        spec = config.attn_spec(layer)
+        self.spec = spec
+        self.is_sliding = config.layer_kinds[layer] == "sliding"
+        self.window = config.window_of(layer)
+        self.scale = spec.head_dim**-0.5  # the q/k dim, not the v dim
+        self.value_scale = config.value_scale
+        self.qkv_proj = nn.Linear(config.hidden_size, spec.q_size + spec.k_size + spec.v_size, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * spec.v_head_dim, config.hidden_size, bias=False)
+        if spec.has_sinks:
+            self.attention_sink_bias = nn.Parameter(torch.zeros(spec.num_heads))
+        else:
+            self.register_parameter("attention_sink_bias", None)
+        self.rotary = PartialRotary(spec.rotary_dim, spec.rope_theta)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        spec = self.spec
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k heads share head_dim and sit side by side in the projection: rotate them together,
+        # in place on the projection's output (no copies of q, k or v).
+        qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
+        if self.value_scale != 1.0:  # x * 1.0 == x: skipping the multiply is exact
+            v.mul_(self.value_scale)
+        cos, sin = self._rotary_tables(batch, x.dtype)
+        self.rotary.apply_(qk, cos, sin)
+        q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+        if self.is_sliding:
+            slots, table = batch.swa_slot_mapping, batch.swa_block_table
+        else:
+            slots, table = batch.full_slot_mapping, batch.full_block_table
+        ops.store_kv(k_cache, v_cache, slots, k, v)
+        out = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            batch.query_start_loc,
+            batch.seq_lens,
+            page_size=batch.page_size,
+            scale=self.scale,
+            window=self.window,
+            sinks=self.attention_sink_bias,
+            plan=self._plan(batch, q, table),
+        )
+        return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
+
+    def _rotary_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / signed-sin tables of this step, shared by the layers with the same rotary setup."""
+        key = ("rope", self.rotary.rotary_dim, self.rotary.theta, dtype)
+        hit = batch.step_cache.get(key)
+        if hit is None:
+            hit = batch.step_cache[key] = self.rotary.tables(batch.positions, dtype)
+        return hit
+
+    def _plan(self, batch: ForwardBatch, q: torch.Tensor, table: torch.Tensor):
+        """The attention index plan of this step for this layer's pool and window (built once)."""
+        key = ("attn", self.is_sliding, self.window, q.dtype)
+        if key not in batch.step_cache:
+            batch.step_cache[key] = ops.attention_plan(q, table, batch.query_start_loc, batch.seq_lens,
+                                                       page_size=batch.page_size, window=self.window)
+        return batch.step_cache[key]
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}, sinks={self.spec.has_sinks}, value_scale={self.value_scale}"

@@ -1,0 +1,64 @@
+"""Sigmoid-routed mixture of experts (MiMo-V2 / DeepSeek-V3 "noaux_tc" routing, no shared experts).
+
+Routing runs in fp32 whatever the model dtype (the checkpoint stores the router in fp32):
+  scores = sigmoid(x W_gate^T);  choose top-k of scores + e_score_correction_bias (bias only chooses,
+  optionally inside the best ``topk_group`` of ``n_group`` groups); weights = chosen unbiased scores,
+  renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
+Experts are stacked so one kernel call runs them all: gate_up_proj [E, 2I, H] (gate rows, then up
+rows), down_proj [E, H, I]. Checkpoints store them per expert; the loader stacks them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kernels import ops
+from llm_core.model.config import ModelConfig
+
+
+class Router(nn.Module):
+    """The ``mlp.gate`` module: fp32 weight [E, H] and the fp32 correction bias [E]."""
+
+    FP32 = True  # the loader keeps this module's tensors in fp32 whatever the model dtype
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] in fp32."""
+        return F.linear(x.float(), self.weight.float())
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.renormalize = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.gate = Router(config.num_experts, config.hidden_size)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = ops.route(
+            self.gate(x),
+            self.gate.e_score_correction_bias,
+            top_k=self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            renormalize=self.renormalize,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+        return ops.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)

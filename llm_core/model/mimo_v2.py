@@ -1,0 +1,122 @@
+"""The MiMo-V2 hybrid SWA / MoE text model over the engine's paged KV pools.
+
+Parameter names follow the checkpoints (``model.layers.{i}.self_attn.qkv_proj.weight``,
+``...mlp.experts.gate_up_proj`` ...) so the loader maps tensors by name; see llm_core/model/loader.py for
+the few conversions (split q/k/v -> fused rows, per-expert -> stacked, FP8 -> dtype).
+
+One forward step serves prefill, chunked prefill and decode of a whole flat batch (ForwardBatch):
+
+    x = embed(ids) | inputs_embeds
+    for each layer i:   x += Attn_i(RMSNorm(x))      (KV into pool of kind layer_kinds[i])
+                        x += MLP_i(RMSNorm(x))       (dense or MoE, per mlp_kinds[i])
+    return RMSNorm(x)                                 -> compute_logits picks rows -> lm_head (fp32)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from llm_core.model.config import ModelConfig
+from llm_core.model.forward_batch import ForwardBatch
+from llm_core.model.layers.attention import Attention
+from llm_core.model.layers.mlp import DenseMLP
+from llm_core.model.layers.moe import SparseMoE
+from llm_core.model.layers.norm import RMSNorm
+
+
+class KVBuffers(Protocol):
+    """What the model needs from a KV pool: per layer, the (k_cache, v_cache) of that layer's kind."""
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        if config.mlp_kinds[layer] == "moe":
+            self.mlp: nn.Module = SparseMoE(config)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextBackbone(nn.Module):
+    """``model.*`` of the checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MiMoV2ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = TextBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights_()
+
+    def tie_weights_(self) -> None:
+        """Share the embedding matrix with lm_head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] (the multimodal path splices media rows into these)."""
+        if bool(((input_ids < 0) | (input_ids >= self.config.vocab_size)).any()):
+            bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)][0].item()
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {self.config.vocab_size})")
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv: KVBuffers,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the batch's T new tokens.
+
+        Give exactly one of ``input_ids`` [T] and ``inputs_embeds`` [T, hidden]. Writes each layer's
+        new K/V into ``kv.layer(i)`` at the batch's slot mapping of that layer's kind.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"inputs have shape {tuple(x.shape)}; expected [{batch.num_tokens}, {self.config.hidden_size}]"
+            )
+        x = x.to(self.model.norm.weight.dtype)
+        for i, layer in enumerate(self.model.layers):
+            k_cache, v_cache = kv.layer(i)
+            x = layer(x, batch, k_cache, v_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, vocab] in fp32 for the rows the engine picked (batch.logits_indices)."""
+        return self.lm_head(hidden).float()
+
+    def cast_(self, dtype: torch.dtype) -> MiMoV2ForCausalLM:
+        """Cast floating tensors to ``dtype`` in place, except the router (kept fp32 like the checkpoint)."""
+        for module in self.modules():
+            if getattr(module, "FP32", False):
+                continue
+            for name, p in module.named_parameters(recurse=False):
+                if p.is_floating_point():
+                    setattr(module, name, nn.Parameter(p.data.to(dtype), requires_grad=p.requires_grad))
+        self.tie_weights_()
+        return self

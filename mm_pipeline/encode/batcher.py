@@ -1,0 +1,229 @@
+"""Cross-request encoder batching with single-flight units.
+
+A *unit* is what one encoder call produces for one cache key: an image, one video frame group or
+one audio segment. Its life:
+
+    attach(key, sink) ──first──► claimed: the caller must produce it (decode, preprocess)
+           │                         └─ submit(job) ──► pending[modality] ──run_due()──► forward
+           └──later──► joined: sink waits for the same result                     │
+                                                                                  ▼
+    every sink of the key gets the rows (or the error); on_encoded(key, rows) writes the cache
+
+Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
+groups together, the audio encoder takes segments) and run as one packed forward once the batch
+reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on the
+engine thread, between LLM steps; everything else is thread-safe.
+
+Invariant (under ``_lock``): a key is in ``_sinks`` from its claim until its result or error is
+delivered; a pending job's key is always in ``_sinks``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from mm_pipeline.encode.preprocess import VisionInput
+
+UnitSink = Callable[[torch.Tensor | None, BaseException | None], None]
+VISION_KINDS = ("image", "video")
+
+
+@dataclass(frozen=True, eq=False)
+class EncoderJob:
+    """One unit to encode: vision patch rows + grid, or one audio mel segment."""
+
+    key: str
+    kind: str  # "image" | "video" | "audio"
+    vision: VisionInput | None = None
+    mel: torch.Tensor | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.kind in VISION_KINDS:
+            if self.vision is None or self.mel is not None:
+                raise ValueError(f"{self.kind} job {self.key[:16]} needs vision input only")
+        elif self.kind == "audio":
+            if self.mel is None or self.vision is not None:
+                raise ValueError(f"audio job {self.key[:16]} needs a mel segment only")
+        else:
+            raise ValueError(f"unknown encoder job kind {self.kind!r} (image, video, audio)")
+
+    @property
+    def encoder(self) -> str:
+        return "audio" if self.kind == "audio" else "vision"
+
+    @property
+    def cost(self) -> int:
+        """Budget units: patch rows (vision) or mel frames (audio)."""
+        return self.vision.num_patches if self.vision is not None else int(self.mel.shape[0])  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    vision_budget: int = 16384  # patch rows per vision forward
+    audio_budget: int = 24000  # mel frames per audio forward
+    max_wait_s: float = 0.005  # how long the oldest pending job may wait for company
+
+    def __post_init__(self) -> None:
+        if self.vision_budget < 1 or self.audio_budget < 1 or self.max_wait_s < 0:
+            raise ValueError(f"BatcherConfig needs positive budgets and max_wait_s >= 0, got {self}")
+
+
+class EncoderBatcher:
+    """Owns the pending encoder work of every request and the sinks waiting for each unit."""
+
+    def __init__(self, vision: torch.nn.Module | None, audio: torch.nn.Module | None,
+                 config: BatcherConfig = BatcherConfig(),
+                 on_encoded: Callable[[str, torch.Tensor], None] | None = None,
+                 on_submit: Callable[[], None] | None = None) -> None:
+        self.vision = vision
+        self.audio = audio
+        self.config = config
+        self.on_encoded = on_encoded
+        self.on_submit = on_submit
+        self._lock = threading.Lock()
+        self._sinks: dict[str, list[UnitSink]] = {}
+        self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
+        self._counts: Counter[str] = Counter()
+
+    # ---- claims and sinks -------------------------------------------------------------------
+    def attach(self, key: str, sink: UnitSink) -> bool:
+        """Register ``sink`` for ``key``. True: nobody produces it yet, the caller now must
+        (``submit`` or ``fail``); False: it joined a unit already in flight."""
+        with self._lock:
+            sinks = self._sinks.get(key)
+            if sinks is None:
+                self._sinks[key] = [sink]
+                self._counts["claims"] += 1
+                return True
+            sinks.append(sink)
+            self._counts["joins"] += 1
+            return False
+
+    def detach(self, key: str, sink: UnitSink) -> None:
+        """The sink's request ended; it gets nothing more (the unit itself still completes)."""
+        with self._lock:
+            sinks = self._sinks.get(key)
+            if sinks is not None and sink in sinks:
+                sinks.remove(sink)
+
+    def wanted(self, key: str) -> bool:
+        """Does any request still wait for ``key``? (producers skip work nobody wants)."""
+        with self._lock:
+            return bool(self._sinks.get(key))
+
+    def submit(self, job: EncoderJob) -> None:
+        """Queue a claimed unit for the next batch of its encoder."""
+        if (self.vision if job.encoder == "vision" else self.audio) is None:
+            self.fail(job.key, ValueError(f"this model has no {job.encoder} encoder for a {job.kind} input"))
+            return
+        with self._lock:
+            if job.key not in self._sinks:
+                raise ValueError(f"unit {job.key[:16]} was submitted without being claimed")
+            self._pending[job.encoder].append(job)
+        if self.on_submit is not None:
+            self.on_submit()
+
+    def complete(self, key: str, rows: torch.Tensor) -> None:
+        """The producer of ``key`` found its rows elsewhere (the cache): every sink gets them."""
+        self._deliver(key, rows, None)
+
+    def fail(self, key: str, error: BaseException) -> None:
+        """The producer of ``key`` could not make its input: every sink gets ``error``."""
+        self._deliver(key, None, error)
+
+    # ---- engine-thread side -----------------------------------------------------------------
+    def has_pending(self) -> bool:
+        with self._lock:
+            return any(self._pending.values())
+
+    def next_due(self) -> float | None:
+        """monotonic() time at which the oldest pending job becomes due (None: nothing pending)."""
+        with self._lock:
+            heads = [q[0].submitted_at for q in self._pending.values() if q]
+        return min(heads) + self.config.max_wait_s if heads else None
+
+    def run_due(self, force: bool = False) -> int:
+        """Run one batch of every encoder whose batch is full or whose oldest job is due (every
+        pending job with ``force``); returns the number of units encoded. One batch per encoder
+        per call, so the engine loop interleaves LLM steps: prefill of early frame groups overlaps
+        the encoding of later ones instead of waiting for the encoder queue to drain."""
+        done = 0
+        for encoder in ("vision", "audio"):
+            while True:
+                batch = self._take(encoder, force)
+                if batch:
+                    done += self._run(encoder, batch)
+                if not batch or not force:
+                    break
+        return done
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            c = dict(self._counts)
+            c["pending"] = sum(len(q) for q in self._pending.values())
+            c["in_flight_units"] = len(self._sinks)
+        return c
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            for q in self._pending.values():
+                for job in q:
+                    if job.key not in self._sinks:
+                        raise AssertionError(f"pending job {job.key[:16]} has no claim")
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _budget(self, encoder: str) -> int:
+        return self.config.vision_budget if encoder == "vision" else self.config.audio_budget
+
+    def _take(self, encoder: str, force: bool) -> list[EncoderJob]:
+        with self._lock:
+            q = self._pending[encoder]
+            if not q:
+                return []
+            budget = self._budget(encoder)
+            due = force or time.monotonic() - q[0].submitted_at >= self.config.max_wait_s
+            if not due and sum(j.cost for j in q) < budget:
+                return []  # wait a little for more requests' work
+            batch = [q.popleft()]  # always at least one, even if it alone exceeds the budget
+            used = batch[0].cost
+            while q and used + q[0].cost <= budget:
+                used += q[0].cost
+                batch.append(q.popleft())
+            return batch
+
+    def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
+        try:
+            if encoder == "vision":
+                assert self.vision is not None
+                outs = self.vision.encode_items([(j.vision.rows, j.vision.grid) for j in batch])  # type: ignore[union-attr]
+            else:
+                assert self.audio is not None
+                outs = self.audio.encode_segments([j.mel for j in batch])
+        except Exception as exc:  # one bad batch fails its units, not the engine
+            for job in batch:
+                self._deliver(job.key, None, RuntimeError(f"{encoder} encoder failed: {type(exc).__name__}: {exc}"))
+            return 0
+        with self._lock:
+            self._counts[f"forwards.{encoder}"] += 1
+            for job in batch:
+                self._counts[f"encoded.{job.kind}"] += 1
+        for job, rows in zip(batch, outs):
+            if self.on_encoded is not None:
+                self.on_encoded(job.key, rows)
+            self._deliver(job.key, rows, None)
+        return len(batch)
+
+    def _deliver(self, key: str, rows: torch.Tensor | None, error: BaseException | None) -> None:
+        with self._lock:
+            sinks = self._sinks.pop(key, [])
+            if error is not None:
+                self._counts["failed_units"] += 1
+        for sink in sinks:
+            sink(rows, error)

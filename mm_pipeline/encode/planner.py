@@ -1,0 +1,235 @@
+r"""Media item -> encoder units: layout sizes first, then cache hits, joins or production.
+
+    plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
+                                         └─no─► image/audio: decode + preprocess (sizes from the data)
+                                                video: probe (demux only) ─► sampling ─► sizes
+                 then every unit key is looked up in the cache tiers
+    start(plan, sinks)  cached unit ─► its sink now
+                        unit in flight for another request ─► join it (single flight)
+                        else claim it ─► a producer task: decode ─► preprocess ─► batcher.submit
+
+Concurrent plans of one media key share one planning pass (and its decoded inputs). Production
+(decode, preprocess, submit; video chunk by chunk) is mm_pipeline.encode.unit_producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
+from mm_pipeline.encode.batcher import EncoderBatcher, UnitSink
+from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.prompt.messages import MediaRef
+from mm_pipeline.errors import MediaError, MediaNotFound, UnsupportedMediaType
+from mm_pipeline.media.ingest import MediaIngestor, MediaLimits
+from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
+from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
+from mm_pipeline.encode.unit_producer import UnitProducer
+from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.worker_pool import WorkerPool
+FileResolver = Callable[[str], "tuple[bytes | Path, str | None]"]
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    key: str
+    num_tokens: int
+
+
+@dataclass
+class MediaPlan:
+    """One media item laid out: its units in placeholder order (an image has one, a video one per
+    frame group, an audio clip one per segment), video group timestamps, and cache hits."""
+
+    item: MediaItem = field(repr=False)
+    media_key: str
+    units: tuple[UnitPlan, ...]
+    timestamps: tuple[float, ...] = ()
+    cached: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
+    video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
+
+    @property
+    def kind(self) -> MediaKind:
+        return self.item.kind
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(u.num_tokens for u in self.units)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    limits: MediaLimits = MediaLimits()
+    video_sampling: VideoSamplingParams = VideoSamplingParams()
+    groups_per_chunk: int = 2
+
+    def __post_init__(self) -> None:
+        if self.groups_per_chunk < 1:
+            raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
+
+
+class MediaPlanner:
+    """Turns media references into planned units and produces the units nobody has yet."""
+
+    def __init__(self, preprocessor: Preprocessor, cache: EncoderCache, batcher: EncoderBatcher,
+                 pool: WorkerPool, ingestor: MediaIngestor, encoder_id: str,
+                 config: PlannerConfig = PlannerConfig()) -> None:
+        self.pre = preprocessor
+        self.cache = cache
+        self.batcher = batcher
+        self.pool = pool
+        self.ingestor = ingestor
+        self.encoder_id = encoder_id
+        self.config = config
+        self.file_resolver: FileResolver | None = None
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()  # worker threads count concurrently
+        self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count)
+        self._planning: dict[str, asyncio.Future[MediaPlan]] = {}  # media key -> plan in progress
+
+    # ---- public API -------------------------------------------------------------------------
+    async def load(self, ref: MediaRef) -> MediaItem:
+        """Ingest one media reference (uploaded file ids through the resolver)."""
+        if ref.source is not None:
+            return await self.ingestor.ingest(ref.source)
+        if self.file_resolver is None:
+            raise MediaNotFound(f"file {ref.file_id!r}: this server has no file store")
+        try:
+            data, _name = await self.pool.run(self.file_resolver, ref.file_id)
+        except KeyError:
+            raise MediaNotFound(f"no uploaded file with id {ref.file_id!r}") from None
+        if isinstance(data, Path):
+            data = await self.pool.run(data.read_bytes)
+        return await self.ingestor.ingest(MediaSource(data=bytes(data), kind=ref.kind))
+
+    async def plan(self, item: MediaItem) -> MediaPlan:
+        """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
+        can give the sizes) plus the units the cache already holds."""
+        encoder = self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
+        if encoder is None:
+            raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
+        mkey = await self.pool.run(media_key, item.data, item.kind, self._params(item.kind), self.encoder_id)
+        loop = asyncio.get_running_loop()
+        first = self._planning.get(mkey)
+        if first is not None and first.get_loop() is loop:
+            # another request is planning the same media right now: share its layout and its
+            # preprocessed inputs instead of decoding a second time
+            shared = await asyncio.shield(first)
+            self._count("plan_joins")
+            return MediaPlan(item, mkey, shared.units, shared.timestamps, inputs=shared.inputs, video=shared.video)
+        future: asyncio.Future[MediaPlan] = loop.create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
+        self._planning[mkey] = future
+        try:
+            plan = await self.pool.run(self._plan_sync, item, mkey)
+        except BaseException as exc:
+            future.set_exception(exc if isinstance(exc, Exception) else MediaError("planning was cancelled"))
+            raise
+        finally:
+            if self._planning.get(mkey) is future:
+                del self._planning[mkey]
+        future.set_result(plan)
+        return plan
+
+    def start(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
+        """Deliver cached units, join units in flight, claim and produce the rest (async task)."""
+        if len(sinks) != len(plan.units):
+            raise ValueError(f"{len(sinks)} sinks for {len(plan.units)} units")
+        claimed: list[int] = []
+        for i, (unit, sink) in enumerate(zip(plan.units, sinks)):
+            if i in plan.cached:
+                sink(plan.cached[i], None)
+            elif self.batcher.attach(unit.key, sink):
+                claimed.append(i)
+        plan.cached.clear()  # the sinks own the rows now
+        if claimed:
+            self.producer.start(plan, claimed)
+
+    def detach(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
+        for unit, sink in zip(plan.units, sinks):
+            self.batcher.detach(unit.key, sink)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Work done: probes, images_decoded, audio_decoded, video_chunks_decoded, manifest_hits,
+        unit_hits (units found in the encoder cache)."""
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self._counts[name] += 1
+
+    # ---- planning (worker thread) -----------------------------------------------------------
+    def _plan_sync(self, item: MediaItem, mkey: str) -> MediaPlan:
+        manifest = self.cache.get(_manifest_key(mkey))
+        if manifest is not None:
+            self._count("manifest_hits")
+            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), int(n)) for i, n in
+                          enumerate(manifest[:, 0].tolist()))
+            plan = MediaPlan(item, mkey, units, tuple(manifest[:, 1].tolist()) if item.kind is MediaKind.VIDEO else ())
+        else:
+            plan = self._plan_from_media(item, mkey)
+            table = torch.tensor([[u.num_tokens, t] for u, t in
+                                  zip(plan.units, plan.timestamps or [0.0] * len(plan.units))], dtype=torch.float64)
+            self.cache.put(_manifest_key(mkey), table)
+        found = self.producer.lookup(plan.units)
+        plan.cached.update({i: found[u.key] for i, u in enumerate(plan.units) if u.key in found})
+        return plan
+
+    def _plan_from_media(self, item: MediaItem, mkey: str) -> MediaPlan:
+        if item.kind is MediaKind.IMAGE:
+            vis = self.producer.image_input(item)
+            return MediaPlan(item, mkey, (UnitPlan(mkey, self._vision_tokens(vis)),), inputs={0: vis})
+        if item.kind is MediaKind.AUDIO:
+            mels = self.producer.audio_inputs(item)
+            cfg = self.pre.audio_config
+            assert cfg is not None
+            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), cfg.segment_tokens(int(m.shape[0])))
+                          for i, m in enumerate(mels))
+            return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)))
+        if item.kind is MediaKind.VIDEO:
+            return self._plan_video(item, mkey)
+        raise UnsupportedMediaType(f"media kind {item.kind} is not supported")
+
+    def _plan_video(self, item: MediaItem, mkey: str) -> MediaPlan:
+        info, sampling, size = self.producer.probe_video(item)
+        tp = self.pre.image_config.temporal_patch_size
+        per_group = self.pre.tokens_for_size(*size)
+        units = tuple(UnitPlan(self._unit_key(item.kind, mkey, g), per_group)
+                      for g in range(sampling.num_frames // tp))
+        return MediaPlan(item, mkey, units, tuple(sampling.timestamps[::tp]), video=(info, sampling, size))
+
+    # ---- keys -------------------------------------------------------------------------------
+    def _params(self, kind: MediaKind) -> dict[str, Any]:
+        """Everything besides the bytes and the weights that changes this kind's encoder output."""
+        img = dataclasses.asdict(self.pre.image_config)
+        if kind is MediaKind.IMAGE:
+            return {"image": img}
+        if kind is MediaKind.VIDEO:
+            return {"image": img, "sampling": dataclasses.asdict(self.config.video_sampling)}
+        audio = self.pre.audio_config
+        return {"audio": dataclasses.asdict(audio) if audio is not None else None}
+
+    def _unit_key(self, kind: MediaKind, mkey: str, i: int) -> str:
+        if kind is MediaKind.IMAGE:
+            return mkey
+        if kind is MediaKind.VIDEO:
+            return video_group_key(mkey, self.config.video_sampling, i)
+        return audio_segment_key(mkey, self.pre.audio_config, i)
+
+    def _vision_tokens(self, vis: VisionInput) -> int:
+        return vis.num_patches // (self.pre.image_config.merge_size ** 2)
+
+
+def _manifest_key(mkey: str) -> str:
+    return f"manifest:{mkey}"

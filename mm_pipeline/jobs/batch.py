@@ -1,0 +1,178 @@
+"""``mmserve batch -i requests.jsonl -o results.jsonl``: OpenAI Batch files, run offline.
+
+Input line (OpenAI Batch input format)::
+
+    {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {...chat request...}}
+
+Output line (OpenAI Batch output format)::
+
+    {"id": "batch_req_…", "custom_id": "req-1",
+     "response": {"status_code": 200, "request_id": "chatcmpl-…", "body": {...chat completion...}},
+     "error": null}
+
+A request the server would answer with an HTTP error (bad media, bad field) gets that status and the
+OpenAI error body in ``response``; a line that is not a request at all (bad JSON, missing
+custom_id, unsupported url) gets ``response: null`` and ``error: {code, message}``.  The ``model``
+field of each body is ignored: the batch runs on the loaded model.  Lines already in the output
+(by custom_id) are skipped, so an interrupted run resumes.  ``/v1/completions`` lines work too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from pydantic import ValidationError
+
+from mm_pipeline.jobs.resume import done_keys
+from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+from mm_pipeline.server.errors import error_body, to_api_error
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+@dataclass
+class BatchSummary:
+    total: int = 0
+    skipped: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    elapsed_s: float = 0.0
+    failures: list[tuple[str | None, str]] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        rate = (self.succeeded + self.failed) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        out = [f"batch: {self.succeeded} succeeded, {self.failed} failed of {self.total - self.skipped} "
+               f"requests in {self.elapsed_s:.2f} s ({rate:.2f} req/s)"
+               + (f"; {self.skipped} already in the output were skipped" if self.skipped else "")]
+        out += [f"  {cid}: {msg}" for cid, msg in self.failures[:20]]
+        if len(self.failures) > 20:
+            out.append(f"  ... and {len(self.failures) - 20} more")
+        return out
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    number: int
+    custom_id: str | None
+    request: ChatCompletionRequest | CompletionRequest | None
+    problem: tuple[int | None, str, str] | None  # (HTTP status or None, code, message)
+
+
+def parse_line(number: int, raw: str) -> BatchLine:
+    """Validate one input line; never raises."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return BatchLine(number, None, None, (None, "invalid_json", f"line {number}: not JSON ({exc.msg})"))
+    if not isinstance(obj, dict):
+        return BatchLine(number, None, None, (None, "invalid_request", f"line {number}: not a JSON object"))
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return BatchLine(number, None, None, (None, "missing_custom_id", f"line {number}: no custom_id"))
+    if str(obj.get("method", "POST")).upper() != "POST":
+        return BatchLine(number, cid, None, (None, "invalid_method", f"method {obj.get('method')!r} is not POST"))
+    model_cls = _URLS.get(obj.get("url"))
+    if model_cls is None:
+        return BatchLine(number, cid, None, (None, "invalid_url",
+                                             f"url {obj.get('url')!r} is not one of {sorted(_URLS)}"))
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return BatchLine(number, cid, None, (400, "invalid_request", "body must be a JSON object"))
+    body = {**body, "model": None, "stream": False}
+    try:
+        return BatchLine(number, cid, model_cls.model_validate(body), None)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return BatchLine(number, cid, None, (400, "invalid_request", f"{where}: {first.get('msg')}" if where
+                                             else str(first.get("msg"))))
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """(line number, raw line, custom_id if the line is JSON with one) for non-blank lines."""
+    with path.open(encoding="utf-8") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                yield n, raw, _custom_id_of(raw)
+
+
+def _custom_id_of(raw: str) -> str | None:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and cid else None
+
+
+class BatchJob:
+    """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
+
+    def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int = 512) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.service = ChatService(engine, ServiceConfig(getattr(engine, "model_name", "mmserve"),
+                                                         default_max_tokens))
+        self.concurrency = concurrency
+
+    async def run(self, in_path: str | Path, out_path: str | Path, progress_stream=None) -> BatchSummary:
+        in_path, out_path = Path(in_path), Path(out_path)
+        done = done_keys(out_path, "custom_id")
+        total = skipped = 0
+        for line in _lines(in_path):  # a cheap first pass for the progress total
+            total += 1
+            skipped += int(line[2] is not None and line[2] in done)
+        summary = BatchSummary(total=total, skipped=skipped)
+        progress = Progress(total - skipped, "batch", stream=progress_stream)
+        # lines are parsed as workers take them: only `concurrency` request bodies live at once
+        pending = (parse_line(n, raw) for n, raw, cid in _lines(in_path) if cid is None or cid not in done)
+        start = time.perf_counter()
+        with out_path.open("a", encoding="utf-8") as out:
+            async def worker() -> None:
+                for line in pending:
+                    rec = await self._answer(line)
+                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    out.flush()
+                    ok = rec["error"] is None and rec["response"]["status_code"] == 200
+                    if ok:
+                        summary.succeeded += 1
+                    else:
+                        summary.failed += 1
+                        msg = rec["error"]["message"] if rec["error"] else rec["response"]["body"]["error"]["message"]
+                        summary.failures.append((line.custom_id, msg))
+                    progress.advance(1, failed=int(not ok))
+
+            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+        progress.close()
+        summary.elapsed_s = time.perf_counter() - start
+        return summary
+
+    async def _answer(self, line: BatchLine) -> dict[str, Any]:
+        rec: dict[str, Any] = {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
+                               "response": None, "error": None}
+        if line.problem is not None:
+            status, code, message = line.problem
+            if status is None:
+                rec["error"] = {"code": code, "message": message}
+            else:
+                rec["response"] = {"status_code": status, "request_id": None, "body": error_body(status, message)}
+            return rec
+        try:
+            if isinstance(line.request, ChatCompletionRequest):
+                result = await self.service.chat(line.request)
+            else:
+                result = await self.service.complete(line.request)
+            rec["response"] = {"status_code": 200, "request_id": result.id, "body": result.model_dump()}
+        except Exception as exc:
+            err = to_api_error(exc)
+            rec["response"] = {"status_code": err.status, "request_id": None,
+                               "body": error_body(err.status, err.message, param=err.param, code=err.code)}
+        return rec

@@ -1,0 +1,251 @@
+"""``mmserve caption``: caption many media files with one engine, concurrently, resumably.
+
+    inputs (files, dirs, globs, .txt/.jsonl lists) ─► discover_inputs ─► [paths]
+    CaptionJob.run(paths):  skip paths already in the output (resume)
+        up to ``concurrency`` items in flight ─► read bytes + sniff modality (thread)
+            ─► engine.generate([media part, prompt]) ─► one JSONL line per input (flushed)
+
+Every input gets a line, failures included (``error`` names the problem, ``caption`` is null), so
+a re-run only retries what is missing.  Many items in flight at once is what lets the engine batch
+the encoders and the decode steps; the output order is completion order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.errors import MediaError
+from mm_pipeline.media.types import MediaKind
+from mm_pipeline.jobs.resume import done_keys
+from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.media.sniff import sniff
+
+DEFAULT_PROMPTS = {MediaKind.IMAGE: "Describe this image.", MediaKind.VIDEO: "Describe this video.",
+                   MediaKind.AUDIO: "Describe this audio."}
+LIST_SUFFIXES = {".txt", ".list", ".lst", ".jsonl"}
+# Directory scans skip these: they are metadata next to media (labels, manifests), not media.
+_NOT_MEDIA = {".txt", ".json", ".jsonl", ".md", ".csv", ".tsv", ".yaml", ".yml", ".py"}
+
+
+# ---- input discovery ----------------------------------------------------------------------------
+def _read_list(path: Path) -> list[str]:
+    """Paths named by a text list (one per line, # comments) or JSONL (a string or an object with
+    "input" / "path" / "file" per line); relative paths are relative to the list's directory."""
+    out = []
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            item = obj if isinstance(obj, str) else next(
+                (obj[k] for k in ("input", "path", "file") if isinstance(obj, dict) and k in obj), None)
+            if not isinstance(item, str):
+                raise ValueError(f"{path}:{n}: expected a path string or an object with 'input'/'path'/'file'")
+            line = item
+        p = Path(line).expanduser()
+        out.append(str(p if p.is_absolute() else path.parent / p))
+    return out
+
+
+def _walk(root: Path) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and Path(name).suffix.lower() not in _NOT_MEDIA:
+                found.append(str(Path(dirpath) / name))
+    return found
+
+
+def discover_inputs(specs: list[str]) -> list[str]:
+    """Expand CLI inputs into media paths (order kept, duplicates dropped).  A directory is walked
+    recursively, a ``.txt``/``.jsonl`` file is a list of paths, a pattern with ``*?[`` is a glob;
+    anything else is one input (a missing file still becomes an input, reported as failed)."""
+    seen: dict[str, None] = {}
+    for spec in specs:
+        p = Path(spec).expanduser()
+        if p.is_dir():
+            items = _walk(p)
+        elif p.is_file() and p.suffix.lower() in LIST_SUFFIXES:
+            items = _read_list(p)
+        elif not p.exists() and any(c in spec for c in "*?["):
+            items = sorted(q for q in glob.glob(str(p), recursive=True) if Path(q).is_file())
+            if not items:
+                raise ValueError(f"pattern {spec!r} matches no files")
+        else:
+            items = [str(p)]
+        for item in items:
+            seen.setdefault(item, None)
+    return list(seen)
+
+
+def already_done(out_path: Path) -> set[str]:
+    """Inputs with a line in an existing output (a torn last line from a crash is ignored)."""
+    return done_keys(out_path, "input")
+
+
+# ---- the job ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CaptionConfig:
+    prompt: str | None = None  # None: the default prompt of the detected modality
+    max_tokens: int = 64
+    temperature: float = 0.0
+    concurrency: int = 32
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.max_tokens < 1:
+            raise ValueError(f"concurrency and max_tokens must be >= 1, got {self.concurrency}, {self.max_tokens}")
+
+
+@dataclass
+class CaptionSummary:
+    total: int = 0
+    skipped: int = 0  # already in the output (resumed run)
+    succeeded: int = 0
+    failed: int = 0
+    elapsed_s: float = 0.0
+    completion_tokens: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def items_per_s(self) -> float:
+        return (self.succeeded + self.failed) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"captioned {self.succeeded} of {self.total - self.skipped} inputs in {self.elapsed_s:.2f} s "
+               f"({self.items_per_s:.2f} items/s, {self.completion_tokens} tokens)"
+               + (f"; {self.skipped} already in the output were skipped" if self.skipped else "")]
+        if self.cache:
+            out.append("cache hits: " + ", ".join(f"{k}={v}" for k, v in sorted(self.cache.items())))
+        if self.failures:
+            out.append(f"{self.failed} failed:")
+            out += [f"  {path}: {err}" for path, err in self.failures]
+        return out
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, MediaError):
+        return f"{type(exc).__name__} ({exc.status}): {exc}"
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _read_and_sniff(path: str) -> tuple[bytes, MediaKind]:
+    data = Path(path).read_bytes()
+    return data, sniff(data).primary
+
+
+class CaptionJob:
+    """Captions inputs through an engine with the ``OmniEngine`` API; writes JSONL as it goes."""
+
+    def __init__(self, engine: Any, config: CaptionConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or CaptionConfig()
+        self._media: dict[str, bytes] = {}  # file id -> bytes, for the engine's file resolver
+        engine.set_file_resolver(self._resolve)
+
+    async def run(self, inputs: list[str], out_path: str | Path, progress: Progress | None = None,
+                  on_record: Callable[[dict], None] | None = None) -> CaptionSummary:
+        out_path = Path(out_path)
+        done = already_done(out_path)
+        todo = [p for p in inputs if p not in done]
+        summary = CaptionSummary(total=len(inputs), skipped=len(inputs) - len(todo))
+        cache_before = _cache_hits(self.engine)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
+            with out_path.open("ab") as f:  # a torn last line: start ours on a fresh line
+                f.write(b"\n")
+        start = time.perf_counter()
+        pending = iter(enumerate(todo))  # shared by the workers: at most `concurrency` items in flight
+        with out_path.open("a", encoding="utf-8") as out:
+            async def worker() -> None:
+                for n, path in pending:
+                    rec = await self._caption(n, path)
+                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    out.flush()
+                    if rec["error"] is None:
+                        summary.succeeded += 1
+                        summary.completion_tokens += rec["completion_tokens"]
+                    else:
+                        summary.failed += 1
+                        summary.failures.append((path, rec["error"]))
+                    if progress is not None:
+                        progress.advance(1, failed=int(rec["error"] is not None))
+                    if on_record is not None:
+                        on_record(rec)
+
+            await asyncio.gather(*(worker() for _ in range(min(self.config.concurrency, len(todo)))))
+        summary.elapsed_s = time.perf_counter() - start
+        summary.cache = {k: v - cache_before.get(k, 0) for k, v in _cache_hits(self.engine).items()}
+        return summary
+
+    async def _caption(self, n: int, path: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        rec: dict[str, Any] = {"input": path, "modality": None, "caption": None, "error": None,
+                               "prompt_tokens": 0, "completion_tokens": 0, "timings": {}}
+        file_id = f"caption-{n}"
+        try:
+            data, kind = await asyncio.to_thread(_read_and_sniff, path)
+            rec["modality"] = kind.value
+            self._media[file_id] = data
+            t_read = time.perf_counter()
+            prompt = self.config.prompt or DEFAULT_PROMPTS[kind]
+            messages = [{"role": "user", "content": [{"type": "file", "file": {"file_id": file_id}},
+                                                     {"type": "text", "text": prompt}]}]
+            params = SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature)
+            text, first = "", None
+            async for d in self.engine.generate(messages, params, request_id=f"caption-{n}-{os.getpid()}"):
+                if first is None and d.new_token_ids:
+                    first = time.perf_counter()
+                text += d.new_text or ""
+                rec["prompt_tokens"], rec["completion_tokens"] = d.prompt_tokens, d.completion_tokens
+                if d.finished and d.finish_reason in ("error", "abort"):
+                    raise RuntimeError(getattr(d, "error", None) or f"generation ended with {d.finish_reason}")
+            rec["caption"] = text.strip()
+            rec["timings"] = {"read_s": round(t_read - t0, 4),
+                              "first_token_s": round((first or time.perf_counter()) - t0, 4),
+                              "total_s": round(time.perf_counter() - t0, 4)}
+        except Exception as exc:  # one bad input must not stop the job
+            rec["error"] = _error_text(exc)
+            rec["timings"] = {"total_s": round(time.perf_counter() - t0, 4)}
+        finally:
+            self._media.pop(file_id, None)
+        return rec
+
+    def _resolve(self, file_id: str) -> tuple[bytes, str | None]:
+        try:
+            return self._media[file_id], None
+        except KeyError:
+            raise KeyError(f"caption job has no media for file id {file_id!r}") from None
+
+
+def _cache_hits(engine: Any) -> dict[str, int]:
+    """Flat ``{"<cache>.<tier>": hits}`` from ``engine.stats()`` (whatever caches it reports)."""
+    flat: dict[str, int] = {}
+
+    def walk(v: Any, path: list[str]) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, path + [str(k)])
+        elif isinstance(v, int) and not isinstance(v, bool) and path and "hit" in path[-1]:
+            flat[".".join(path)] = v
+
+    try:
+        walk(engine.stats(), [])
+    except Exception:
+        return {}
+    return flat

@@ -1,0 +1,88 @@
+"""Content keys for the encoder cache and the prefix cache, computed from the raw encoded bytes
+before any decoding, so a repeated item skips decode, preprocessing and the encoder.
+
+A key covers everything that changes the encoder output:
+
+    media_key  = blake3( "mmserve.media.v1" | kind | encoder_id | params | raw bytes )
+    group_key  = blake3( "mmserve.video-group.v1" | media_key | sampling params | group index )
+    segment_key= blake3( "mmserve.audio-segment.v1" | media_key | audio params | segment index )
+
+Every field is length-prefixed (no two field lists serialise to the same byte string) and params
+are canonical JSON (sorted keys, no whitespace), so dict order and float spelling do not matter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Mapping
+
+import blake3
+
+from mm_pipeline.media.types import MediaKind
+
+# Below this size the single-threaded hasher is faster than spinning up blake3's thread pool.
+_PARALLEL_HASH_BYTES = 1 << 22
+
+
+def canonical_params(params: Mapping[str, Any] | Any) -> bytes:
+    """Canonical JSON of a mapping or dataclass of JSON scalars / lists / nested mappings.
+
+    Raises ``TypeError`` for values with no stable encoding (tensors, objects) and ``ValueError``
+    for NaN / infinity, which would make equal configurations hash differently."""
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
+        params = dataclasses.asdict(params)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping or a dataclass instance, got {type(params).__name__}")
+    return json.dumps(_normalise(params), sort_keys=True, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _normalise(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v) for v in value]
+    if isinstance(value, MediaKind):
+        return value.value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"params hold a non-finite float {value!r}")
+        return int(value) if value.is_integer() else value  # 1.0 and 1 configure the same thing
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    raise TypeError(f"params value of type {type(value).__name__} has no canonical encoding")
+
+
+def _digest(domain: str, *fields: bytes) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO if sum(map(len, fields)) > _PARALLEL_HASH_BYTES else 1)
+    for part in (domain.encode(), *fields):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def media_key(data: bytes, kind: MediaKind, params: Mapping[str, Any] | Any, encoder_id: str) -> str:
+    """Key of one media item's encoder output: raw bytes + kind + preprocessing params + the
+    encoder weights id (change the checkpoint → new keys)."""
+    if not encoder_id:
+        raise ValueError("encoder_id must name the encoder weights (e.g. checkpoint hash)")
+    return _digest("mmserve.media.v1", kind.value.encode(), encoder_id.encode(),
+                   canonical_params(params), data)
+
+
+def video_group_key(media: str, sampling: Mapping[str, Any] | Any, group_index: int) -> str:
+    """Key of one temporal group (a pair of sampled frames) of a video."""
+    if group_index < 0:
+        raise ValueError(f"group_index must be >= 0, got {group_index}")
+    return _digest("mmserve.video-group.v1", media.encode(), canonical_params(sampling),
+                   str(group_index).encode())
+
+
+def audio_segment_key(media: str, audio_params: Mapping[str, Any] | Any, segment_index: int) -> str:
+    """Key of one encoder segment of an audio item (e.g. 6000 mel frames each)."""
+    if segment_index < 0:
+        raise ValueError(f"segment_index must be >= 0, got {segment_index}")
+    return _digest("mmserve.audio-segment.v1", media.encode(), canonical_params(audio_params),
+                   str(segment_index).encode())

@@ -1,0 +1,223 @@
+"""Ingest: turn a ``MediaSource`` (uploaded bytes, data URL, allowed local path, allowed remote URL)
+into a ``MediaItem`` — raw bytes with a type sniffed from the content — enforcing byte limits.
+
+Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
+any full decode, from the same ``MediaLimits``.
+
+Security rules:
+  * local files only under ``allowed_local_dirs``, checked after resolving symlinks and ``..``;
+  * remote fetch off by default; when on, only http(s) to hosts on ``allowed_domains`` (exact host or
+    a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import os
+import stat
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import httpx
+
+from mm_pipeline.errors import (
+    InvalidMediaError,
+    MediaAccessDenied,
+    MediaFetchError,
+    MediaFetchTimeout,
+    MediaNotFound,
+    MediaTooLarge,
+    UnsupportedMediaType,
+)
+from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
+from mm_pipeline.media.sniff import sniff
+from mm_pipeline.media.worker_pool import WorkerPool
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_bytes: int = 128 << 20  # encoded size of one item
+    max_pixels: int = 64 << 20  # per image / per video frame, from the header, before decoding
+    max_duration_s: float = 3600.0  # audio and video
+    max_frames: int = 216_000  # source frames of a video (decode cost), 1 h at 60 fps
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MediaLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    allowed_local_dirs: tuple[str, ...] = ()  # empty: no local file access
+    allow_remote: bool = False
+    allowed_domains: tuple[str, ...] = ()  # "example.com" allows it and its subdomains
+    fetch_timeout_s: float = 10.0  # whole fetch, redirects included
+    max_redirects: int = 3
+    limits: MediaLimits = field(default_factory=MediaLimits)
+
+    def __post_init__(self) -> None:
+        if not self.fetch_timeout_s > 0 or self.max_redirects < 0:
+            raise ValueError(f"IngestConfig needs fetch_timeout_s > 0 and max_redirects >= 0, got "
+                             f"{self.fetch_timeout_s}, {self.max_redirects}")
+
+
+class MediaIngestor:
+    """Loads media sources.  ``ingest`` is the async entry point (blocking file reads and probes go
+    to ``pool`` when given); ``ingest_local`` is the synchronous one for everything but http(s)."""
+
+    def __init__(self, config: IngestConfig, pool: WorkerPool | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self._transport = transport
+        self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    async def ingest(self, source: MediaSource) -> MediaItem:
+        if source.url is not None and _scheme(source.url) in ("http", "https"):
+            data = await self._fetch(source.url)
+            return await self._off_loop(self._to_item, data, source.kind, _short(source.url))
+        return await self._off_loop(self.ingest_local, source)
+
+    def ingest_local(self, source: MediaSource) -> MediaItem:
+        if source.data is not None:
+            return self._to_item(source.data, source.kind, "upload")
+        if source.path is not None:
+            return self._to_item(self._read_path(source.path), source.kind, "file")
+        url = source.url or ""
+        scheme = _scheme(url)
+        if scheme == "data":
+            return self._to_item(self._parse_data_url(url), source.kind, "data-url")
+        if scheme == "file":
+            parsed = urllib.parse.urlsplit(url)
+            if parsed.netloc not in ("", "localhost"):
+                raise InvalidMediaError(f"file URL names a remote host {parsed.netloc!r}")
+            path = urllib.request.url2pathname(parsed.path)
+            return self._to_item(self._read_path(path), source.kind, "file")
+        if scheme in ("http", "https"):
+            raise InvalidMediaError("http(s) media must be loaded with the async ingest()")
+        raise InvalidMediaError(f"unsupported media URL scheme {scheme!r} (use data:, file:, http(s):)")
+
+    # ---- internal helpers -------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args) if self.pool is None else await self.pool.run(fn, *args)
+
+    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str) -> MediaItem:
+        self._check_size(len(data))
+        found = sniff(data)
+        if declared is not None and declared not in found.kinds:
+            raise UnsupportedMediaType(
+                f"{origin} content is {found.format} ({', '.join(sorted(k.value for k in found.kinds))}),"
+                f" not usable as {declared.value}"
+            )
+        return MediaItem(kind=declared or found.primary, format=found.format, data=data, origin=origin)
+
+    def _check_size(self, nbytes: int) -> None:
+        if nbytes > self.config.limits.max_bytes:
+            raise MediaTooLarge(f"media is {nbytes} bytes, limit {self.config.limits.max_bytes}")
+
+    def _parse_data_url(self, url: str) -> bytes:
+        #  data:[<mediatype>][;base64],<payload>   — the media type is ignored: we sniff
+        head, sep, payload = url[5:].partition(",")
+        if not sep:
+            raise InvalidMediaError("data URL has no ',' before its payload")
+        if head.lower().endswith(";base64"):
+            self._check_size(len(payload) * 3 // 4 - 2)  # before decoding a huge payload
+            try:
+                return base64.b64decode("".join(payload.split()), validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise InvalidMediaError(f"data URL payload is not valid base64 ({exc})") from exc
+        self._check_size(len(payload) // 3)
+        return urllib.parse.unquote_to_bytes(payload)
+
+    def _read_path(self, raw: str) -> bytes:
+        if not self._roots:
+            raise MediaAccessDenied("local file access is disabled (no allowed_local_dirs)")
+        path = Path(raw)
+        if not path.is_absolute():
+            raise InvalidMediaError(f"local media path must be absolute, got {raw!r}")
+        real = path.resolve()  # follows symlinks and '..' so the check below sees the real target
+        if not any(real.is_relative_to(root) for root in self._roots):
+            raise MediaAccessDenied(f"path {raw!r} is outside the allowed media directories")
+        try:
+            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise MediaNotFound(f"no such media file {raw!r}") from None
+        except OSError as exc:
+            raise MediaAccessDenied(f"cannot open media file {raw!r} ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidMediaError(f"media path {raw!r} is not a regular file")
+            self._check_size(st.st_size)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(self.config.limits.max_bytes + 1)  # the file may grow after fstat
+        finally:
+            os.close(fd)
+        self._check_size(len(data))
+        return data
+
+    async def _fetch(self, url: str) -> bytes:
+        if not self.config.allow_remote:
+            raise MediaAccessDenied("remote media URLs are disabled on this server")
+        try:
+            return await asyncio.wait_for(self._fetch_following(url), self.config.fetch_timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise MediaFetchTimeout(
+                f"fetching {_short(url)} took longer than {self.config.fetch_timeout_s} s") from None
+        except httpx.HTTPError as exc:
+            raise MediaFetchError(f"fetching {_short(url)} failed ({type(exc).__name__})") from None
+
+    async def _fetch_following(self, url: str) -> bytes:
+        limit = self.config.limits.max_bytes
+        async with httpx.AsyncClient(follow_redirects=False, transport=self._transport,
+                                     timeout=self.config.fetch_timeout_s, trust_env=False) as client:
+            for _ in range(self.config.max_redirects + 1):
+                self._check_remote(url)
+                async with client.stream("GET", url) as response:
+                    if response.is_redirect:
+                        location = response.headers.get("location", "")
+                        url = urllib.parse.urljoin(url, location)
+                        continue
+                    if response.status_code >= 400:
+                        raise MediaFetchError(f"{_short(url)} answered HTTP {response.status_code}")
+                    declared = response.headers.get("content-length")
+                    if declared is not None and declared.isdigit() and int(declared) > limit:
+                        raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
+                    body = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        body += chunk
+                        if len(body) > limit:
+                            raise MediaTooLarge(f"{_short(url)} is over the {limit}-byte limit")
+                    return bytes(body)
+        raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
+
+    def _check_remote(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise MediaAccessDenied(f"redirect to a {parts.scheme!r} URL is not allowed")
+        host = (parts.hostname or "").lower().rstrip(".")
+        allowed = any(host == d or host.endswith("." + d)
+                      for d in (d.lower().strip(".") for d in self.config.allowed_domains))
+        if not allowed:
+            raise MediaAccessDenied(f"host {host!r} is not on the media domain allow-list")
+
+
+def _scheme(url: str) -> str:
+    return url.split(":", 1)[0].lower() if ":" in url else ""
+
+
+def _short(url: str) -> str:
+    """A URL for messages: never the payload of a data URL, never a query string."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"[:200]

@@ -1,0 +1,142 @@
+"""Media type detection from content (magic bytes first, a PyAV probe as fallback) — never from a
+file name, URL suffix or declared MIME type, which clients get wrong or forge.
+
+Containers that can hold either audio or video (MP4, Matroska/WebM, Ogg, AVI...) are probed for
+their streams.  ``open_av`` is the one way the media stages open bytes with PyAV: nested protocol
+opens are disabled, so a crafted playlist cannot make FFmpeg read local files or the network.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import av
+
+from mm_pipeline.errors import InvalidMediaError, UnsupportedMediaType
+from mm_pipeline.media.types import MediaKind
+
+IMAGE, VIDEO, AUDIO = MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO
+
+# FFmpeg demuxers we accept after a probe.  Everything else (image2 pipes, tty, playlists, concat
+# lists, raw elementary streams without timestamps) is refused with 415.
+_PROBE_FORMATS = {
+    "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
+    "matroska,webm": "matroska",
+    "ogg": "ogg",
+    "avi": "avi",
+    "mpegts": "mpegts",
+    "mpeg": "mpeg",
+    "flv": "flv",
+    "asf": "asf",
+    "mp3": "mp3",
+    "aac": "aac",
+    "wav": "wav",
+    "w64": "w64",
+    "flac": "flac",
+    "aiff": "aiff",
+    "au": "au",
+    "caf": "caf",
+    "amr": "amr",
+    "ac3": "ac3",
+    "eac3": "eac3",
+}
+_AV_OPTIONS = {"protocol_whitelist": "none"}
+
+
+@dataclass(frozen=True)
+class SniffResult:
+    """``format``: canonical container name.  ``kinds``: what the content can serve as (an MP4 with
+    sound is a video and an audio; a GIF is an image, or a video of its frames).  ``primary``: the
+    kind used when the request did not declare one."""
+
+    format: str
+    primary: MediaKind
+    kinds: frozenset[MediaKind]
+
+    def __post_init__(self) -> None:
+        if self.primary not in self.kinds:
+            raise ValueError(f"SniffResult: primary {self.primary} not in kinds {set(self.kinds)}")
+
+
+def open_av(data: bytes, format: str | None = None) -> av.container.InputContainer:
+    """Open encoded bytes with PyAV, with nested protocol opens disabled."""
+    return av.open(io.BytesIO(data), mode="r", format=format, options=dict(_AV_OPTIONS))
+
+
+def sniff(data: bytes) -> SniffResult:
+    """Detect the media type of ``data``.
+
+    Raises ``InvalidMediaError`` (400) for empty input, ``UnsupportedMediaType`` (415) when neither
+    the magic bytes nor a probe find a supported image, audio or video."""
+    if not data:
+        raise InvalidMediaError("media payload is empty")
+    head = data[:16]
+    image = _sniff_image(head)
+    if image is not None:
+        return image
+    audio = _sniff_plain_audio(head)
+    if audio is not None:
+        return audio
+    return _probe(data)
+
+
+def _sniff_image(head: bytes) -> SniffResult | None:
+    still = frozenset({IMAGE})
+    animated = frozenset({IMAGE, VIDEO})  # first frame as an image, all frames as a video
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return SniffResult("png", IMAGE, still)
+    if head.startswith(b"\xff\xd8\xff"):
+        return SniffResult("jpeg", IMAGE, still)
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return SniffResult("gif", IMAGE, animated)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return SniffResult("webp", IMAGE, animated)
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return SniffResult("tiff", IMAGE, still)
+    if head[:2] == b"BM" and len(head) >= 14 and head[6:10] == b"\x00\x00\x00\x00":
+        return SniffResult("bmp", IMAGE, still)  # BMP reserved fields are zero: a cheap sanity check
+    return None
+
+
+def _sniff_plain_audio(head: bytes) -> SniffResult | None:
+    audio_only = frozenset({AUDIO})
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return SniffResult("wav", AUDIO, audio_only)
+    if head[:4] == b"fLaC":
+        return SniffResult("flac", AUDIO, audio_only)
+    if head[:3] == b"ID3":
+        return SniffResult("mp3", AUDIO, audio_only)
+    if len(head) >= 2 and head[0] == 0xFF:
+        # MPEG audio frame sync: 11 set bits.  ADTS (AAC) has layer bits 00; MP3 (layer III) 01.
+        if head[1] & 0xF6 == 0xF0:
+            return SniffResult("aac", AUDIO, audio_only)
+        if head[1] & 0xE0 == 0xE0 and head[1] & 0x06 != 0:
+            return SniffResult("mp3", AUDIO, audio_only)
+    return None
+
+
+def _probe(data: bytes) -> SniffResult:
+    """Ask FFmpeg which demuxer and streams the bytes hold (containers that may be audio or video,
+    and formats without a magic we check)."""
+    try:
+        with open_av(data) as container:
+            fmt = _PROBE_FORMATS.get(container.format.name)
+            videos = [
+                s
+                for s in container.streams.video
+                if not s.disposition & av.stream.Disposition.attached_pic  # cover art is no video
+                and s.codec_context.width > 0
+            ]
+            audios = [s for s in container.streams.audio if s.codec_context.sample_rate > 0]
+            name = container.format.name
+    except (av.FFmpegError, UnicodeDecodeError, ValueError) as exc:
+        raise UnsupportedMediaType(f"content is not a supported image, audio or video ({exc})") from exc
+    if fmt is None:
+        raise UnsupportedMediaType(f"container format {name!r} is not accepted")
+    if fmt == "matroska" and b"webm" in data[:64]:
+        fmt = "webm"  # the EBML header's DocType says which Matroska profile this is
+    kinds = ({VIDEO} if videos else set()) | ({AUDIO} if audios else set())
+    if not kinds:
+        raise UnsupportedMediaType(f"{fmt} container holds no decodable audio or video stream")
+    return SniffResult(fmt, VIDEO if videos else AUDIO, frozenset(kinds))

@@ -1,0 +1,94 @@
+"""Which source frames of a video the model sees (docs/model.md §3, qwen-vl ``smart_nframes``).
+
+    n_raw = total_frames / video_fps * fps                    (frames at the target rate)
+    n     = floor2( min( max(n_raw, ceil2(min_frames)), floor2(max_frames), total_frames ) )
+
+    indices = unique( int(linspace(0, total_frames - 1, n)) )  (truncation, float64)
+    timestamps = indices / video_fps
+    pad to a multiple of ``frame_factor`` by repeating the last index and timestamp
+
+    e.g. total 20 frames at 10 fps, fps 1, min 8, max 3600:  n_raw = 2 → n = 8
+         linspace(0, 19, 8) = 0, 2.71, 5.43, 8.14, 10.86, 13.57, 16.29, 19 → 0 2 5 8 10 13 16 19
+
+With ``num_frames`` set, n = round2(num_frames) capped by total_frames instead.  Deviation from
+qwen-vl, which raises for a one-frame video: we take that frame and pad it to a pair.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VideoSamplingParams:
+    fps: float = 1.0  # processor_config.fps
+    min_frames: int = 8  # null in the checkpoint → sglang's default 8
+    max_frames: int = 3600
+    num_frames: int | None = None  # fixed frame count instead of fps-based sampling
+    frame_factor: int = 2  # temporal_patch_size: frames come in pairs
+
+    def __post_init__(self) -> None:
+        if not self.fps > 0:
+            raise ValueError(f"VideoSamplingParams.fps must be positive, got {self.fps}")
+        if self.frame_factor < 1:
+            raise ValueError(f"VideoSamplingParams.frame_factor must be >= 1, got {self.frame_factor}")
+        if self.min_frames < 1 or self.max_frames < max(self.min_frames, self.frame_factor):
+            raise ValueError(
+                f"VideoSamplingParams needs 1 <= min_frames <= max_frames and max_frames >= "
+                f"frame_factor, got {self.min_frames}, {self.max_frames}, {self.frame_factor}"
+            )
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"VideoSamplingParams.num_frames must be >= 1, got {self.num_frames}")
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """The sampled source frame indices (ascending, possibly with a repeated padded tail) and
+    their timestamps in seconds."""
+
+    indices: tuple[int, ...]
+    timestamps: tuple[float, ...]
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.indices)
+
+
+def _floor_to(x: float, factor: int) -> int:
+    return int(math.floor(x / factor)) * factor
+
+
+def _ceil_to(x: float, factor: int) -> int:
+    return int(math.ceil(x / factor)) * factor
+
+
+def smart_nframes(total_frames: int, video_fps: float, params: VideoSamplingParams) -> int:
+    """Number of frames to sample before padding (a multiple of ``frame_factor``, at most
+    ``total_frames``; 0 only when the video has fewer than ``frame_factor`` frames)."""
+    if total_frames < 1:
+        raise ValueError(f"video has no frames (total_frames={total_frames})")
+    if not video_fps > 0:
+        raise ValueError(f"video_fps must be positive, got {video_fps}")
+    f = params.frame_factor
+    if params.num_frames is not None:
+        n = min(int(round(params.num_frames / f)) * f, _floor_to(total_frames, f))
+        return max(n, f) if total_frames >= f else 0
+    n_raw = total_frames / video_fps * params.fps
+    lo = _ceil_to(params.min_frames, f)
+    hi = _floor_to(params.max_frames, f)
+    return _floor_to(min(max(n_raw, lo), hi, total_frames), f)
+
+
+def sample_frames(total_frames: int, video_fps: float, params: VideoSamplingParams) -> FrameSampling:
+    """Frame indices and timestamps for a video of ``total_frames`` at ``video_fps``."""
+    n = smart_nframes(total_frames, video_fps, params)
+    if n == 0:
+        indices = list(range(total_frames))  # fewer frames than one temporal patch: take all
+    else:
+        indices = np.unique(np.linspace(0, total_frames - 1, n).astype(np.int64)).tolist()
+    f = params.frame_factor
+    indices += [indices[-1]] * ((-len(indices)) % f)
+    return FrameSampling(tuple(int(i) for i in indices), tuple(i / video_fps for i in indices))

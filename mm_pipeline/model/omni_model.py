@@ -1,0 +1,114 @@
+"""OmniModel: one omni checkpoint directory loaded as its parts.
+
+    config.json ─┬─ text fields            ─► llm_core.model.loader.load_model  (model.*, lm_head.*)
+                 ├─ vision_config          ─► VisionTransformer           (visual.*)
+                 ├─ audio_config           ─► AudioEncoder                (audio_encoder.*)
+                 └─ processor_config       ─► ImageProcessingConfig, token ids, prompt layout
+    tokenizer files                        ─► transformers AutoTokenizer
+
+``encoder_id`` names the encoder weights for content-hash keys: a digest of the config and of every
+shard's safetensors header and size (it changes whenever the checkpoint does, and costs no weight
+reads), so cache entries of another checkpoint can never be served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+
+from encoders.audio.encoder import AudioEncoder
+from encoders.config import AudioConfig
+from encoders.image_processing import ImageProcessingConfig
+from encoders.vision.tower import VisionTransformer
+from encoders.weights import AUDIO_PREFIX, VISION_PREFIX, load_audio_encoder, load_vision_tower
+from llm_core.llm import load_tokenizer
+from llm_core.model.loader import load_model
+from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
+from mm_pipeline.prompt.messages import ChatLayout
+from mm_pipeline.model.config import OmniConfig
+from mm_pipeline.media.video_sampling import VideoSamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def encoder_id_of(model_dir: Path) -> str:
+    """Digest of config.json plus each shard's name, size and safetensors header (tensor names,
+    dtypes, shapes, offsets) -- stable across restarts, different for any other checkpoint."""
+    h = blake3.blake3()
+    h.update((model_dir / "config.json").read_bytes())
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with shard.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = f.read(min(n, 64 << 20))
+        h.update(shard.name.encode())
+        h.update(shard.stat().st_size.to_bytes(8, "little"))
+        h.update(header)
+    return h.hexdigest()[:32]
+
+
+def _has_prefix(model_dir: Path, prefix: str) -> bool:
+    from safetensors import safe_open
+
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            if any(name.startswith(prefix) for name in f.keys()):
+                return True
+    return False
+
+
+@dataclass(eq=False)
+class OmniModel:
+    """The loaded parts; see module doc. ``layout`` renders chats with media into token ids."""
+
+    name: str
+    text: MiMoV2ForCausalLM
+    vision: VisionTransformer | None
+    audio: AudioEncoder | None
+    tokenizer: Any
+    image_config: ImageProcessingConfig
+    audio_config: AudioConfig | None
+    layout: ChatLayout
+    video_sampling: VideoSamplingParams
+    encoder_id: str
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.config.hidden_size
+
+    @property
+    def encoder_device(self) -> torch.device:
+        tower = self.vision if self.vision is not None else self.audio
+        return tower.device if tower is not None else next(self.text.parameters()).device
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype = "float32") -> "OmniModel":
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
+        omni = OmniConfig.from_pretrained(model_dir)  # validates widths, patch geometry, token ids
+        dt = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
+        if dt is None:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        text = load_model(model_dir, device=device, dtype=dt)
+        vision = audio = None
+        if omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
+            vision = load_vision_tower(omni.vision, model_dir, device=device, dtype=dt)
+        if omni.audio is not None and _has_prefix(model_dir, AUDIO_PREFIX):
+            audio = load_audio_encoder(omni.audio, model_dir, device=device, dtype=dt)
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is None:
+            raise FileNotFoundError(f"{model_dir} has no tokenizer files; an omni model needs one")
+        v = omni.video
+        sampling = VideoSamplingParams(fps=v.fps, min_frames=min(v.min_frames, v.max_frames), max_frames=v.max_frames,
+                                       frame_factor=omni.image_processing.temporal_patch_size)
+        return cls(name=model_dir.resolve().name, text=text, vision=vision, audio=audio, tokenizer=tokenizer,
+                   image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
+                   layout=ChatLayout(omni.special, tokenizer), video_sampling=sampling,
+                   encoder_id=encoder_id_of(model_dir))
+
+

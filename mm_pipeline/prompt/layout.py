@@ -1,0 +1,166 @@
+"""Prompt layout (docs/model.md §5): expand each media placeholder of a templated prompt into its
+final token run, sized from media metadata *before* anything is encoded.
+
+The chat template emits one pad per media item; :meth:`PromptLayout.expand` rewrites token ids:
+
+    image:  <vs> <image_pad> <ve>  ->  <vs> <image_pad> x n <ve>
+    video:  <vs> <video_pad> <ve>  ->  <video_start> ("MM:SS" <vs> <video_pad> x n <ve>) per group <video_end>
+    audio:  <as> <audio_pad> <ae>  ->  <as> <audio_pad> x (sum over segments) <ae>
+
+and returns, per media item, one [start, end) span per *unit* (image: 1; video: one per frame group;
+audio: one per segment) -- the rows each unit's embeddings replace:
+
+    ... <video_start> 0 0 : 0 0 <vs> [P P P P] <ve> 0 0 : 0 2 <vs> [P P P P] <ve> <video_end> ...
+                                     \\unit 0/                        \\unit 1/
+
+Placeholders and media items pair up in order and must agree in kind and number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from encoders.config import AudioConfig
+from encoders.video import format_timestamp
+from mm_pipeline.model.config import SpecialTokens
+
+MEDIA_KINDS = ("image", "video", "audio")
+
+
+@dataclass(frozen=True)
+class MediaSlots:
+    """How many placeholder tokens each unit of one media item takes (+ video group timestamps)."""
+
+    kind: str
+    unit_tokens: tuple[int, ...]
+    timestamps: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEDIA_KINDS:
+            raise ValueError(f"unknown media kind {self.kind!r}; expected one of {MEDIA_KINDS}")
+        if not self.unit_tokens or any(n <= 0 for n in self.unit_tokens):
+            raise ValueError(f"{self.kind} needs at least one unit, each with > 0 tokens, got {self.unit_tokens}")
+        if self.kind == "image" and len(self.unit_tokens) != 1:
+            raise ValueError(f"an image is one unit, got {len(self.unit_tokens)}")
+        if self.kind == "video" and len(self.timestamps) != len(self.unit_tokens):
+            raise ValueError(f"video has {len(self.unit_tokens)} groups but {len(self.timestamps)} timestamps")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.unit_tokens)
+
+    @classmethod
+    def image(cls, grid_thw: Sequence[int], merge_size: int) -> "MediaSlots":
+        t, h, w = grid_thw
+        return cls("image", (t * h * w // (merge_size * merge_size),))
+
+    @classmethod
+    def video(cls, grid_hw: Sequence[int], timestamps: Sequence[float], merge_size: int) -> "MediaSlots":
+        """One unit per frame group of a video whose frames resize to ``grid_hw`` patches."""
+        per_group = grid_hw[0] * grid_hw[1] // (merge_size * merge_size)
+        return cls("video", (per_group,) * len(timestamps), tuple(float(t) for t in timestamps))
+
+    @classmethod
+    def audio(cls, mel_frames: int, config: AudioConfig) -> "MediaSlots":
+        """One unit per ``segment_size`` segment of a clip of ``mel_frames`` frames."""
+        if mel_frames <= 0:
+            raise ValueError(f"an audio clip needs at least one mel frame, got {mel_frames}")
+        full, rest = divmod(mel_frames, config.segment_size)
+        sizes = [config.segment_size] * full + ([rest] if rest else [])
+        return cls("audio", tuple(config.segment_tokens(n) for n in sizes))
+
+
+@dataclass(frozen=True)
+class LaidOutPrompt:
+    token_ids: tuple[int, ...]
+    unit_spans: tuple[tuple[tuple[int, int], ...], ...]  # per media item, per unit: [start, end)
+
+
+class PromptLayout:
+    """Expands placeholders with the ids of one checkpoint; ``encode_text`` tokenizes timestamps."""
+
+    def __init__(self, special: SpecialTokens, encode_text: Callable[[str], list[int]]) -> None:
+        self.special = special
+        self.encode_text = encode_text
+
+    @classmethod
+    def from_tokenizer(cls, special: SpecialTokens, tokenizer: Any) -> "PromptLayout":
+        return cls(special, lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
+
+    def expand(self, token_ids: Sequence[int], media: Sequence[MediaSlots]) -> LaidOutPrompt:
+        """Rewrite one-pad placeholders of ``token_ids`` for ``media`` (in order)."""
+        ids = list(token_ids)
+        out: list[int] = []
+        spans: list[tuple[tuple[int, int], ...]] = []
+        i = 0
+        while i < len(ids):
+            kind, end = self._placeholder_at(ids, i)
+            if kind is None:
+                out.append(ids[i])
+                i += 1
+                continue
+            k = len(spans)
+            if k >= len(media):
+                raise ValueError(f"the prompt has more media placeholders than the {len(media)} media items given")
+            item = media[k]
+            if item.kind != kind:
+                raise ValueError(f"placeholder {k} is for {kind} but media item {k} is {item.kind}")
+            spans.append(self._emit(item, out))
+            i = end
+        if len(spans) != len(media):
+            raise ValueError(f"{len(media)} media items but {len(spans)} placeholders in the prompt")
+        return LaidOutPrompt(tuple(out), tuple(spans))
+
+    def render(self, tokenizer: Any, messages: list[dict[str, Any]], media: Sequence[MediaSlots],
+               *, add_generation_prompt: bool = True, **template_kwargs: Any) -> LaidOutPrompt:
+        """Chat template -> token ids -> expanded layout."""
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+        return self.expand(tokenizer.encode(text, add_special_tokens=False), media)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _placeholder_at(self, ids: list[int], i: int) -> tuple[str | None, int]:
+        """(kind, index after the placeholder) when ``ids[i:]`` starts one, else (None, i)."""
+        sp = self.special
+        if ids[i] == sp.vision_start:
+            opener, closer, pads = sp.vision_start, sp.vision_end, {sp.image_pad: "image", sp.video_pad: "video"}
+        elif ids[i] == sp.audio_start:
+            opener, closer, pads = sp.audio_start, sp.audio_end, {sp.audio_pad: "audio"}
+        else:
+            return None, i
+        j = i + 1
+        while j < len(ids) and ids[j] in pads and ids[j] == ids[i + 1]:
+            j += 1
+        if j == i + 1 or j >= len(ids) or ids[j] != closer:
+            raise ValueError(f"malformed media placeholder at token {i}: expected start, one kind of pad, end "
+                             f"(got {ids[i:i + 4]})")
+        return pads[ids[i + 1]], j + 1
+
+    def _emit(self, item: MediaSlots, out: list[int]) -> tuple[tuple[int, int], ...]:
+        sp = self.special
+        spans = []
+        if item.kind == "image":
+            out.append(sp.vision_start)
+            spans.append(self._pads(out, sp.image_pad, item.unit_tokens[0]))
+            out.append(sp.vision_end)
+        elif item.kind == "video":
+            out.append(sp.video_start)
+            for n, ts in zip(item.unit_tokens, item.timestamps):
+                out.extend(self.encode_text(format_timestamp(ts)))
+                out.append(sp.vision_start)
+                spans.append(self._pads(out, sp.video_pad, n))
+                out.append(sp.vision_end)
+            out.append(sp.video_end)
+        else:
+            out.append(sp.audio_start)
+            for n in item.unit_tokens:
+                spans.append(self._pads(out, sp.audio_pad, n))
+            out.append(sp.audio_end)
+        return tuple(spans)
+
+    @staticmethod
+    def _pads(out: list[int], pad: int, n: int) -> tuple[int, int]:
+        start = len(out)
+        out.extend([pad] * n)
+        return start, start + n

@@ -1,0 +1,180 @@
+"""OpenAI-format chat messages -> typed turns of text and media references -> laid-out prompt.
+
+Accepted content parts (``content`` may also be a plain string):
+
+    {"type": "text", "text": ...}
+    {"type": "image_url", "image_url": {"url": data: | file:// | http(s):// | /abs/path}}
+    {"type": "video_url", "video_url": {"url": ...}}          (common extension)
+    {"type": "audio_url", "audio_url": {"url": ...}}          (common extension)
+    {"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" | "mp3" | ...}}
+    {"type": "file", "file": {"file_id": ...} | {"file_data": <base64 or data URL>}}
+    {"type": "image" | "video" | "audio", "image": <url, path or bytes>}   (offline convenience)
+
+Nothing is read or decoded here (that happens off the event loop); this only checks shapes, so a
+malformed message fails fast with HTTP 400 before any work starts. The declared kind of a part
+(image_url -> image) is checked against the sniffed content later; ``file`` parts take whatever
+their content sniffs as.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
+
+from mm_pipeline.errors import InvalidMediaError
+from mm_pipeline.media.types import MediaKind, MediaSource
+from mm_pipeline.model.config import SpecialTokens
+from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
+_PLAIN_PARTS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO, "audio": MediaKind.AUDIO}
+
+
+class InvalidMessageError(InvalidMediaError):
+    """A chat message or content part is malformed (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """A media part before ingest: a source, or an uploaded file id the engine's resolver maps."""
+
+    kind: MediaKind | None
+    source: MediaSource | None = None
+    file_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.source is None) == (self.file_id is None):
+            raise ValueError("MediaRef needs exactly one of source and file_id")
+
+
+Part = Union[str, MediaRef]
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    turns: tuple[ChatTurn, ...]
+
+    @property
+    def media(self) -> list[MediaRef]:
+        """Media references in prompt order."""
+        return [p for t in self.turns for p in t.parts if isinstance(p, MediaRef)]
+
+
+def parse_messages(messages: Any) -> ChatRequest:
+    """Validate OpenAI chat ``messages`` and turn them into a :class:`ChatRequest`."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidMessageError("messages must be a non-empty list of {role, content} objects")
+    turns = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidMessageError(f"messages[{i}] must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise InvalidMessageError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        turns.append(ChatTurn("system" if role == "developer" else role, _parts(msg.get("content"), f"messages[{i}]")))
+    return ChatRequest(tuple(turns))
+
+
+def _parts(content: Any, where: str) -> tuple[Part, ...]:
+    if content is None:
+        return ()
+    if isinstance(content, str):
+        return (content,)
+    if not isinstance(content, (list, tuple)):
+        raise InvalidMessageError(f"{where}.content must be a string or a list of parts")
+    out: list[Part] = []
+    for j, part in enumerate(content):
+        out.append(_part(part, f"{where}.content[{j}]"))
+    return tuple(out)
+
+
+def _part(part: Any, where: str) -> Part:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict) or "type" not in part:
+        raise InvalidMessageError(f"{where} must be an object with a 'type'")
+    kind = part["type"]
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidMessageError(f"{where}.text must be a string")
+        return text
+    if kind in _URL_PARTS:
+        body = part.get(kind)
+        url = body.get("url") if isinstance(body, dict) else body
+        return MediaRef(_URL_PARTS[kind], source=_source_from_url(url, _URL_PARTS[kind], f"{where}.{kind}.url"))
+    if kind == "input_audio":
+        body = part.get("input_audio")
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, str) or not data:
+            raise InvalidMessageError(f"{where}.input_audio.data must be a non-empty base64 string")
+        # the declared format is advisory: the content is sniffed
+        return MediaRef(MediaKind.AUDIO, source=MediaSource(url="data:;base64," + data, kind=MediaKind.AUDIO))
+    if kind == "file":
+        body = part.get("file")
+        if not isinstance(body, dict):
+            raise InvalidMessageError(f"{where}.file must be an object with file_id or file_data")
+        if isinstance(body.get("file_id"), str) and body["file_id"]:
+            return MediaRef(None, file_id=body["file_id"])
+        data = body.get("file_data")
+        if isinstance(data, str) and data:
+            url = data if data.startswith("data:") else "data:;base64," + data
+            return MediaRef(None, source=MediaSource(url=url))
+        raise InvalidMessageError(f"{where}.file needs a file_id or file_data")
+    if kind in _PLAIN_PARTS:
+        value = part.get(kind)
+        media_kind = _PLAIN_PARTS[kind]
+        if isinstance(value, (bytes, bytearray)):
+            return MediaRef(media_kind, source=MediaSource(data=bytes(value), kind=media_kind))
+        return MediaRef(media_kind, source=_source_from_url(value, media_kind, f"{where}.{kind}"))
+    raise InvalidMessageError(f"{where} has unsupported type {kind!r} (text, image_url, video_url, audio_url, "
+                              f"input_audio, file)")
+
+
+def _source_from_url(url: Any, kind: MediaKind, where: str) -> MediaSource:
+    if not isinstance(url, str) or not url:
+        raise InvalidMessageError(f"{where} must be a non-empty string")
+    if url.startswith("/"):
+        return MediaSource(path=url, kind=kind)  # a local path (allowed directories only)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme not in ("data", "file", "http", "https"):
+        raise InvalidMessageError(f"{where}: unsupported URL {url[:40]!r} (data:, file://, http(s)://, or an "
+                                  f"absolute path)")
+    return MediaSource(url=url, kind=kind)
+
+
+class ChatLayout:
+    """Chat turns + planned media -> token ids with one placeholder span per encoder unit.
+
+    The checkpoint's chat template renders each media part as one pad (kind from the *sniffed*
+    media, so ``file`` parts work); :class:`PromptLayout` expands the pads to the sizes the plans
+    found (cache manifest or metadata) -- all before any media is encoded.
+    """
+
+    def __init__(self, special: SpecialTokens, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_layout = PromptLayout.from_tokenizer(special, tokenizer)
+
+    def render(self, chat: ChatRequest, plans: Sequence[Any]) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """(token ids, per plan its unit spans) for a chat whose media planned as ``plans``."""
+        slots = [MediaSlots(p.kind.value, tuple(u.num_tokens for u in p.units), tuple(p.timestamps))
+                 for p in plans]
+        kinds = iter(s.kind for s in slots)
+        messages = []
+        for turn in chat.turns:
+            content = []
+            for part in turn.parts:
+                if isinstance(part, str):
+                    content.append({"type": "text", "text": part})
+                else:
+                    content.append({"type": next(kinds)})
+            messages.append({"role": turn.role, "content": content})
+        laid = self.prompt_layout.render(self.tokenizer, messages, slots)
+        return list(laid.token_ids), [list(spans) for spans in laid.unit_spans]

@@ -1,0 +1,153 @@
+"""OmniRuntime: the parts behind an OmniEngine, wired once.
+
+    OmniModel (text model, vision tower, audio encoder, tokenizer, prompt layout)
+    LLMEngine ◄── EngineLoop (thread) ──► EncoderBatcher ──on_encoded──► EncoderCache tiers
+    WorkerPool ◄── MediaIngestor, MediaPlanner (decode, preprocess, plan units)
+
+``prepare_chat`` turns a parsed chat into token ids with placeholder spans sized before any
+encoding (plans come from the cache manifest or media metadata) -- the one contract streaming
+needs. Everything that blocks runs on the worker pool; this object is used from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_core.engine.llm_engine import LLMEngine
+from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
+from mm_pipeline.prompt.messages import ChatRequest, MediaRef
+from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.encode.batcher import EncoderBatcher
+from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.runtime.engine_loop import EngineLoop
+from mm_pipeline.errors import MediaError
+from mm_pipeline.media.ingest import MediaIngestor
+from mm_pipeline.encode.planner import MediaPlan, MediaPlanner
+from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.model.omni_model import OmniModel
+from mm_pipeline.encode.preprocess import Preprocessor
+from mm_pipeline.media.worker_pool import WorkerPool
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat laid out: token ids, one span per unit (prompt order), and per plan its span indices."""
+
+    token_ids: list[int]
+    spans: list[PlaceholderSpan]
+    plans: list[MediaPlan]
+    spans_of_plan: list[list[int]]
+
+
+def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
+    """Memory LRU, then the local directory (survives restarts), then Redis, as configured."""
+    tiers: list[KeyValueStore] = [MemoryStore(config.cache_memory_bytes)]
+    if config.cache_dir is not None:
+        tiers.append(LocalDirStore(config.cache_dir, max_bytes=config.cache_disk_bytes))
+    if config.redis_url is not None:
+        u = urllib.parse.urlsplit(config.redis_url)
+        db = int(u.path.strip("/") or 0)
+        tiers.append(RedisStore(host=u.hostname or "127.0.0.1", port=u.port or 6379, db=db))
+    return tiers
+
+
+class OmniRuntime:
+    def __init__(self, model: OmniModel, config: OmniEngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.llm = LLMEngine(model.text, config.engine_config, tokenizer=model.tokenizer)
+        self.cache = EncoderCache(build_tiers(config))
+        self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
+        self.loop = EngineLoop(self.llm, self.batcher)
+        self.batcher.on_submit = self.loop.wake
+        self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
+                               name="omni-media")
+        self.ingestor = MediaIngestor(config.ingest_config, self.pool)
+        self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device)
+        self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor,
+                                    model.encoder_id, config.planner_config(model.video_sampling))
+        self._started = False
+        self._closed = False
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: OmniEngineConfig) -> "OmniRuntime":
+        return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype), config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.hidden_size
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def prepare_chat(self, chat: ChatRequest) -> PreparedChat:
+        """Ingest and plan every media item (concurrently), then lay the prompt out."""
+        refs: list[MediaRef] = chat.media
+
+        async def one(k: int, ref: MediaRef) -> MediaPlan:
+            try:
+                return await self.planner.plan(await self.planner.load(ref))
+            except MediaError as exc:  # say which item of the request failed
+                raise type(exc)(f"media item {k + 1} of {len(refs)}: {exc}") from exc
+
+        plans = list(await asyncio.gather(*(one(k, r) for k, r in enumerate(refs))))
+        token_ids, unit_spans = await self.pool.run(self.model.layout.render, chat, plans)  # template + BPE
+        spans, spans_of_plan = [], []
+        for plan, ranges in zip(plans, unit_spans):
+            idx = []
+            for unit, (start, end) in zip(plan.units, ranges):
+                idx.append(len(spans))
+                spans.append(PlaceholderSpan(start, end, unit.key))
+            spans_of_plan.append(idx)
+        order = sorted(range(len(spans)), key=lambda i: spans[i].start)
+        where = {old: new for new, old in enumerate(order)}
+        return PreparedChat(token_ids, [spans[i] for i in order], plans,
+                            [[where[i] for i in idx] for idx in spans_of_plan])
+
+    @staticmethod
+    def extra_request_args(stream: EmbeddingStream | None) -> dict[str, Any]:
+        """Media hashes over placeholder ranges, mixed into the prefix-cache keys of those tokens:
+        equal placeholder ids with other media never match."""
+        return {} if stream is None else {"extra_keys": stream.extra_keys()}
+
+    # ---- lifecycle and stats ----------------------------------------------------------------
+    def start(self) -> None:
+        if not self._started:
+            self.loop.start()
+            self._started = True
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (open requests end with "abort"), the workers and the cache
+        writer; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.stop()
+        self.llm.close()
+        self.pool.shutdown(wait=False)
+        self.cache.close()
+        for tier in self.cache.tiers:
+            tier.close()
+
+    def stats(self) -> dict[str, Any]:
+        sched, pool = self.llm.scheduler, self.llm.pool
+        cache = self.cache.stats()
+        out: dict[str, Any] = {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "queue_depth": len(sched.waiting),
+            "requests": self.loop.num_requests,
+            "kv_pool": {name: {"used_pages": a.num_used, "free_pages": a.num_free, "total_pages": a.num_pages}
+                        for name, a in (("full", pool.full), ("swa", pool.swa))},
+            "encoder_cache": {tier: {"hits": n} for tier, n in cache["hits"].items()},
+            "encoder_cache_misses": cache["misses"],
+            "encoder": self.batcher.stats(),
+            "media": dict(self.planner.counts),
+            "engine_loop": dict(self.loop.counts),
+            "decode_pool": {"admitted": self.pool.admitted, "waiting": self.pool.waiting},
+        }
+        out["prefix_cache"] = self.llm.prefix_cache.stats()
+        out["llm"] = self.llm.stats()
+        return out

@@ -1,0 +1,154 @@
+"""The engine thread: LLM steps and encoder batches, one after the other, off the event loop.
+
+    loop:  clear wake ─► batcher.run_due()            (encoder forwards that are due)
+                     ─► llm.step() if a request can progress   ─► outputs to each request's sink
+                     ─► nothing done? wait for a wake (new request, abort, encoder job, unit
+                        arrival) or the batcher's next due time
+
+A request whose embeddings are not ready cannot progress; the thread then sleeps instead of spinning
+``step()`` (on a 2-core host a spinning engine would steal the decode workers' CPU). Sinks run on
+this thread and must only hand the output over (``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from llm_core.engine.llm_engine import LLMEngine
+from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.request import EmbeddingSource
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.encode.batcher import EncoderBatcher
+
+log = logging.getLogger(__name__)
+OutputSink = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    """Owns the thread that drives ``llm`` and ``batcher``; thread-safe request entry points."""
+
+    def __init__(self, llm: LLMEngine, batcher: EncoderBatcher, idle_wait_s: float = 0.05) -> None:
+        self.llm = llm
+        self.batcher = batcher
+        self.idle_wait_s = idle_wait_s
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._sinks: dict[str, OutputSink] = {}
+        self._news = 0  # adds/aborts not yet seen by a step (they need a step even if nothing runs)
+        self._stop = False
+        self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0}
+        self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
+
+    # ---- public API (any thread) ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    embeds: EmbeddingSource | None, sink: OutputSink, **extra) -> None:
+        """Queue a request; every output for it goes to ``sink`` (on the engine thread)."""
+        with self._lock:
+            if request_id in self._sinks:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._sinks[request_id] = sink
+            self._news += 1
+        try:
+            self.llm.add_request(request_id, prompt_token_ids, params, embeds=embeds, **extra)
+        except BaseException:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            raise
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its sink gets a final output (finish_reason "abort") unless it already
+        finished."""
+        with self._lock:
+            if request_id not in self._sinks:
+                return
+            self._news += 1
+        self.llm.abort(request_id)
+        self._wake.set()
+
+    def detach(self, request_id: str) -> None:
+        """Stop delivering outputs of ``request_id`` (its consumer is gone)."""
+        with self._lock:
+            self._sinks.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; every request still waiting for outputs gets a final "abort"."""
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for rid, sink in sinks.items():
+            sink(RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="abort",
+                               error="the engine was shut down"))
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.clear()  # before checking: a wake that comes after this is not lost
+            try:
+                did = self._step_once()
+            except Exception:  # a bug must not kill serving; it is logged and counted
+                log.exception("engine loop iteration failed")
+                self.counts["loop_errors"] += 1
+                did = False
+                time.sleep(0.01)
+            if not did:
+                self.counts["idle_waits"] += 1
+                self._wake.wait(self._idle_timeout())
+
+    def _step_once(self) -> bool:
+        did = False
+        n = self.batcher.run_due()
+        if n:
+            self.counts["encoder_units"] += n
+            did = True
+        if self._llm_has_work():
+            before = self._progress()
+            outputs = self.llm.step()
+            self.counts["steps"] += 1
+            self._dispatch(outputs)
+            # a step that scheduled nothing (pools full while the running requests wait for their
+            # media) must not make the thread spin
+            did = did or bool(outputs) or self._progress() != before
+        return did
+
+    def _llm_has_work(self) -> bool:
+        with self._lock:
+            news, self._news = self._news, 0
+        if news:
+            return True
+        s = self.llm.scheduler  # read only, from the one thread that mutates it
+        return any(r.schedulable_until() > r.num_computed_tokens for r in (*s.running, *s.waiting))
+
+    def _progress(self) -> tuple[int, int, int]:
+        s = self.llm.scheduler
+        return sum(r.num_computed_tokens for r in s.running), len(s.running), len(s.waiting)
+
+    def _idle_timeout(self) -> float:
+        due = self.batcher.next_due()
+        if due is None:
+            return self.idle_wait_s
+        return max(0.0, min(self.idle_wait_s, due - time.monotonic()))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)

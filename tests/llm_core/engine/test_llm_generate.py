@@ -1,0 +1,278 @@
+"""End to end: LLM.generate over the dual pool == transformers generate; batching, preemption,
+SWA bounds, pool hygiene, streaming embeddings, bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.model.loader import load_model
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 8  # tiny checkpoint: visible keys incl. the query
+PAGE = 4
+CHUNK = 5  # smaller than the window and not aligned to it or to the page
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt, dtype=torch.float32)
+
+
+def engine(model, tokenizer=None, **kw) -> LLM:
+    cfg = dict(page_size=PAGE, max_chunk_tokens=CHUNK, max_num_batched_tokens=16, num_full_tokens=2048,
+               num_swa_tokens=512)
+    return LLM.from_engine(LLMEngine(model, EngineConfig(**{**cfg, **kw}), tokenizer=tokenizer))
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # run the full length; our side uses ignore_eos
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_generate(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    toks = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
+    return toks, lps
+
+
+def test_greedy_matches_transformers_generate(model, hf_model):
+    prompts = [ids(1, 27), ids(2, 41), ids(3, 50)]  # all > 3 windows
+    llm = engine(model)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, logprobs=2, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        ref_toks, ref_lps = hf_generate(hf_model, p, 64)
+        assert out.finish_reason == "length" and out.prompt_token_ids == p
+        assert out.token_ids == ref_toks
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref_lps)) < 1e-3
+        assert all(len(t) == 2 and max(t.values()) == pytest.approx(lp, abs=1e-6) or lp < max(t.values())
+                   for t, lp in zip(out.top_logprobs, out.logprobs))
+        assert out.num_cached_tokens == 0
+    assert llm.engine.pool.all_free()
+
+
+def test_mixed_batch_equals_each_alone(model):
+    lengths = [3, 30, 9, 44, 1, 17, 25, 12]
+    prompts = [ids(10 + i, n) for i, n in enumerate(lengths)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    batched = engine(model).generate(prompts, params)
+    for p, b in zip(prompts, batched):
+        alone = engine(model).generate([p], params)[0]
+        assert b.token_ids == alone.token_ids
+
+
+def test_seeded_sampling_batched_equals_alone(model):
+    prompts = [ids(30 + i, 10 + 7 * i) for i in range(4)]
+    params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
+    batched = engine(model).generate(prompts, params)
+    for p, sp, b in zip(prompts, params, batched):
+        assert b.token_ids == engine(model).generate([p], sp)[0].token_ids
+
+
+def test_swa_high_water_bounded_independent_of_length(model):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    peaks = []
+    for n in (30, 90):
+        llm = engine(model, swa_release_interval=4)
+        llm.generate([ids(n, n)], params)
+        peaks.append(llm.engine.pool.swa.peak_used)
+        assert llm.engine.pool.all_free()
+        llm.engine.pool.check_integrity()
+    bound_tokens = WINDOW + max(CHUNK, 4) + 2 * PAGE  # window + one chunk + page rounding at both ends
+    assert all(p * PAGE <= bound_tokens for p in peaks)
+    assert max(peaks) <= min(peaks) + 1
+
+
+def test_preemption_under_tiny_pool_gives_identical_tokens(model):
+    prompts = [ids(50 + i, 20 + 3 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    roomy = engine(model).generate(prompts, params)
+    tight = engine(model, num_full_tokens=96, num_swa_tokens=64)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert tight.engine.pool.all_free()
+
+
+def test_bad_requests_error_alone_and_others_finish(model):
+    llm = engine(model, max_model_len=64)
+    good = ids(60, 10)
+    outs = llm.generate([good, ids(61, 80), [], [5, 99999, 7], good], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert "context limit of 64" in outs[1].error
+    assert "empty prompt" in outs[2].error
+    assert "99999" in outs[3].error
+    assert outs[0].token_ids and outs[0].error is None
+    assert llm.engine.pool.all_free() and not llm.engine.has_unfinished()
+
+
+def test_generation_stops_at_context_limit(model):
+    llm = engine(model, max_model_len=40)
+    out = llm.generate([ids(62, 30)], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_invalid_params_and_text_without_tokenizer_raise(model):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    llm = engine(model)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(stop=["x"]))
+    assert not llm.engine.has_unfinished()
+
+
+class CharTokenizer:
+    """Token t decodes to chr(ord('a') + t % 26): enough for stop-string tests."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+
+def test_stop_token_ids_and_stop_strings(model):
+    prompt = ids(70, 12)
+    free = engine(model).generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    toks = free.token_ids
+    stop_tok = engine(model).generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                               stop_token_ids=[toks[5]]))[0]
+    first = toks.index(toks[5])
+    assert stop_tok.finish_reason == "stop" and stop_tok.token_ids == toks[: first + 1]
+    text = CharTokenizer().decode(toks)
+    stop_str = text[6:8]
+    cut = text.find(stop_str)
+    out = engine(model, tokenizer=CharTokenizer()).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_str]))[0]
+    assert out.finish_reason == "stop" and out.text == text[:cut]
+    assert out.token_ids == toks[: cut + 2]
+
+
+class StreamingEmbeds:
+    """Embedding rows for positions [2, 9) of a prompt, released a few positions per poll."""
+
+    def __init__(self, table: torch.Tensor, prompt: list[int], step: int) -> None:
+        # embeddings of other tokens (not the prompt's own): the output changes only if spliced
+        self.rows_all = table[(torch.tensor(prompt) * 7 + 11) % table.shape[0]]
+        self.frontier, self.step = 0, step
+
+    def ready_until(self) -> int:
+        self.frontier += self.step
+        return self.frontier
+
+    def rows(self, start, end):
+        mask = torch.tensor([2 <= p < 9 for p in range(start, end)])
+        return mask, self.rows_all[start:end][mask]
+
+
+def test_streamed_embeddings_equal_all_at_once(model):
+    prompt = ids(80, 20)
+    table = model.model.embed_tokens.weight.detach()
+    results = []
+    for step in (100, 1, 3):  # all ready at once, then trickling in
+        llm = engine(model)
+        llm.engine.add_request("m", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                               embeds=StreamingEmbeds(table, prompt, step))
+        final = None
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                final = o if o.finished else final
+        results.append(final.token_ids)
+    assert results[0] == results[1] == results[2]
+    plain = engine(model).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert plain.token_ids != results[0]  # the spliced rows really changed the input
+
+
+def test_abort_from_another_thread_frees_pages(model):
+    llm = engine(model)
+    eng = llm.engine
+    eng.add_request("long", ids(90, 30), SamplingParams(max_tokens=500, ignore_eos=True))
+    eng.add_request("short", ids(91, 5), SamplingParams(max_tokens=3, ignore_eos=True))
+    finals = {}
+    for _ in range(8):
+        for o in eng.step():
+            finals[o.request_id] = o
+    t = threading.Thread(target=eng.abort, args=("long",))
+    t.start()
+    t.join()
+    while eng.has_unfinished():
+        for o in eng.step():
+            finals[o.request_id] = o
+    assert finals["long"].finish_reason == "abort" and finals["short"].finish_reason == "length"
+    assert eng.pool.all_free()
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("x", [5], SamplingParams())
+        eng.add_request("x", [5], SamplingParams())
+
+
+def _save_word_tokenizer(model_dir) -> None:
+    """A word-level tokenizer over the tiny vocab: 'w17' <-> 17 (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # no special tokens: an added "w2" would also match inside "w278"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(model_dir)
+
+
+def test_llm_from_model_dir_with_and_without_tokenizer(ckpt, tmp_path):
+    import shutil
+
+    kw = dict(page_size=PAGE, num_full_tokens=512, num_swa_tokens=256, max_chunk_tokens=CHUNK)
+    bare = LLM(ckpt, dtype="float32", **kw)
+    assert bare.tokenizer is None
+    prompt = ids(100, 30)
+    by_ids = bare.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.generate("w5 w6")
+
+    with_tok = tmp_path / "with_tok"
+    shutil.copytree(ckpt, with_tok)
+    _save_word_tokenizer(with_tok)
+    llm = LLM(with_tok, dtype="float32", **kw)
+    text = " ".join(f"w{t}" for t in prompt)
+    out = llm.generate([text], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == prompt and out.token_ids == by_ids.token_ids
+    assert out.text == " ".join(f"w{t}" for t in by_ids.token_ids)
+    # a stop string through the real tokenizer: cut before it, finish "stop"
+    stop = f"w{by_ids.token_ids[3]}"
+    cut = llm.generate([text], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and out.text.startswith(cut.text)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        LLM(ckpt, dtype="float8")
+
+
+def test_pool_sizes_from_memory_fraction(model, monkeypatch):
+    # Pin "free memory" so the sizing does not depend on what else runs on the machine.
+    free = 8 << 30
+    monkeypatch.setattr("llm_core.engine.llm_engine.available_memory_bytes", lambda device: free)
+    eng = LLMEngine(model, EngineConfig(page_size=PAGE, memory_fraction=1e-4, max_num_seqs=4, max_chunk_tokens=CHUNK))
+
+    assert eng.pool.full.num_pages > 0 and eng.pool.swa.num_pages * PAGE >= 4 * (WINDOW + CHUNK)
+    assert eng.pool.total_bytes <= free * 1e-4
+    assert eng.pool.total_bytes >= free * 1e-4 * 0.9  # the budget is used, not ignored
+    out = LLM.from_engine(eng).generate([ids(101, 20)], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length"

@@ -1,0 +1,131 @@
+"""One deterministic scenario per bug class peers shipped in hybrid-SWA prefix caching (docs/kv_cache.md, "Bug classes").
+
+Each scenario runs on the fingerprinting harness of test_swa_radix_cache (a wrong or freed slot read by
+any step fails there) and checks exact page reference counts after every step.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from llm_core.engine.queue_policy import QueuePolicy
+from llm_core.engine.request import Request
+from llm_core.engine.sampling import SamplingParams
+from tests.llm_core.kvcache.test_swa_radix_cache import BASES, Harness
+
+
+def run(h: Harness, prompt: list[int], max_tokens: int = 4):
+    r = h.add(prompt, max_tokens)
+    h.drain()
+    return r
+
+
+def test_stale_mapping_never_frees_a_live_slot():
+    """SGLang #27586: a tombstoned node kept a stale SWA mapping and later freed a slot someone else
+    owned. Here: tombstone everything, hand every SWA page to a new owner, then release everything the
+    cache knows about; the new owner's pages must keep exactly its one reference."""
+    h = Harness(window=4, page=2, full_pages=64, swa_pages=16, checkpoint=4, budget=6)
+    for n in (20, 14, 26):
+        run(h, BASES[0][:n])
+    assert h.cache.stats()["tree_swa_pages"] > 0
+    h.cache.evict(0, 10_000)  # tombstone / delete every unlocked SWA page
+    assert h.cache.stats()["tree_swa_pages"] == 0
+    owned = h.pool.swa.allocate(h.pool.swa.num_free - 8)  # the new owner takes (most of) the freed pages
+    h.external.append(SimpleNamespace(full_pages=[], swa_pages=owned))
+    again = run(h, BASES[0][:20])  # walks over the tombstones and revives them with its own pages
+    assert again.finish_reason == "length"
+    h.cache.clear()
+    assert all(h.pool.swa.refcount(p) == 1 for p in owned)
+    h.pool.swa.free(owned)
+    assert h.pool.all_free()
+
+
+def test_stale_mapping_after_revival_by_another_request():
+    """A request's trim duty must not free a page that replaced its own contribution (tombstoned and
+    revived with another request's page in between)."""
+    h = Harness(window=2, page=1, full_pages=128, swa_pages=64, interval=50)
+    prompt = BASES[1][:30]
+    a = h.add(prompt, 8)
+    h.step()  # a computes its prompt in chunks of 16 -> pages behind its window are trimmed
+    h.cache.evict(0, 10_000)
+    b = h.add(prompt, 8)  # re-computes what was tombstoned and revives it with its own pages
+    h.drain()
+    assert a.finish_reason == b.finish_reason == "length"
+    h.cache.clear()
+    assert h.pool.all_free()
+
+
+def test_last_leaf_keeps_swa_when_page_larger_than_window():
+    """SGLang #29860: with page_size > window the last leaf was tombstoned, so the finished sequence
+    could never be matched again."""
+    for window, page in ((2, 8), (3, 4), (1, 4)):
+        h = Harness(window=window, page=page, full_pages=64, swa_pages=16)
+        prompt = BASES[2][:29]
+        run(h, prompt)
+        leaves = [n for n in h.cache._nodes.values() if n.is_leaf]
+        assert leaves and all(not n.is_tombstone and n.swa[-1] >= 0 for n in leaves)
+        again = run(h, prompt)  # same prompt: hits up to its last whole page
+        assert again.num_cached_tokens == (len(prompt) - 1) // page * page
+
+
+def test_eviction_tombstones_idle_swa_instead_of_reporting_full():
+    """SGLang #29662: decode failed with "KV full" because eviction ignored SWA held by tombstone-able
+    internal nodes while hundreds of thousands of SWA slots sat idle. Here the SWA pool is full of cached
+    checkpoint windows; new requests must get SWA pages by tombstoning them, keeping the Full KV."""
+    h = Harness(window=4, page=2, full_pages=256, swa_pages=20, checkpoint=4, budget=8, seqs=2)
+    for n in (40, 44, 48):
+        run(h, BASES[0][:n], max_tokens=2)
+    # 16 of 20 SWA pages hold cached windows; the two newcomers need about 2 x 7 pages at once
+    assert h.cache.stats()["tree_swa_pages"] == 16 and h.pool.swa.num_free == 4
+    used_full = h.pool.full.num_used
+    others = [h.add(BASES[1][:30], 8), h.add(BASES[2][:30], 8)]
+    h.drain()
+    assert all(r.finish_reason == "length" for r in others)
+    assert h.sched.num_preemptions == 0
+    stats = h.cache.stats()
+    assert stats["evicted_swa_pages"] > 0 and stats["tombstoned_nodes"] > 0
+    assert stats.get("evicted_full_pages", 0) == 0 and h.pool.full.num_used > used_full
+
+
+def test_unfinished_request_bookkeeping_survives_preemption():
+    """SGLang #30845 / #36909: the evicted-SWA length of an unfinished request was lost when it was
+    re-cached. Here requests are inserted after every chunk and preempted mid-decode with part of their
+    SWA released; what the tree keeps must be exactly the valid pages and the re-admitted request must
+    resume from a window-safe point (the harness checks every visible key)."""
+    h = Harness(window=3, page=2, full_pages=26, swa_pages=24, budget=6, chunk=4, interval=1, seqs=3)
+    reqs = [h.add(BASES[i][:18], 10) for i in range(3)]
+    h.drain()
+    assert h.sched.num_preemptions > 0
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 10 for r in reqs)
+    assert any(r.num_cached_tokens > 0 for r in reqs if r.num_preemptions)
+    h.cache.clear()
+    assert h.pool.all_free()
+
+
+def test_queue_order_prefers_fewer_uncached_tokens_and_nobody_starves():
+    def req(i, n, waited):
+        r = Request(f"q{i}", list(range(1, n + 1)), SamplingParams(), i)
+        r.arrival_time = 100.0 - waited
+        return r
+
+    long_old, short_new, cached_long = req(0, 9000, 0.5), req(1, 1500, 0.0), req(2, 8000, 0.0)
+    hits = {cached_long: 7900}
+    order = QueuePolicy("fewest_uncached", 1000.0).order([long_old, short_new, cached_long], lambda r: hits.get(r, 0),
+                                                         now=100.0)
+    assert order == [cached_long, short_new, long_old]  # 100 uncached < 1500 < 9000 - 500
+    long_old.arrival_time = 100.0 - 8.0  # waited 8 s: 9000 - 8000 = 1000 < 1500
+    order = QueuePolicy("fewest_uncached", 1000.0).order([long_old, short_new, cached_long], lambda r: hits.get(r, 0),
+                                                         now=100.0)
+    assert order == [cached_long, long_old, short_new]
+    assert QueuePolicy("fcfs").order([long_old, short_new], lambda r: 0, 100.0) == [long_old, short_new]
+
+
+def test_fewest_uncached_serves_a_cached_request_first_on_the_engine_path():
+    h = Harness(window=4, page=2, full_pages=256, swa_pages=64, budget=8, seqs=1)
+    h.sched.queue_policy = QueuePolicy("fewest_uncached", 0.0)
+    run(h, BASES[0][:40])
+    fresh, cached = h.add(BASES[1][:20], 2), h.add(BASES[0][:40] + [5, 6, 7], 2)
+    h.step()
+    assert cached.status.value == "running" and fresh.status.value == "waiting"
+    h.drain()
+    assert cached.num_cached_tokens == 40 and fresh.finish_reason == "length"

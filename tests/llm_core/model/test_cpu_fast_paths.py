@@ -1,0 +1,88 @@
+"""CPU fast paths that promise bit-exact results: in-place RoPE == rotate-half, the one-token MoE path
+== the expert loop, and per-step attention plans reused across layers == a fresh plan per call."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.attention_ref import paged_attention_ref
+from kernels.moe_cpu import experts_cpu
+from kernels.moe_ref import experts_ref, route_ref
+from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from llm_core.model.layers.rope import PartialRotary
+
+
+def rotate_half_ref(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """transformers' form: x * cos + rotate_half(x) * sin on the rotary columns."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9), st.sampled_from([(2, 8, 8), (3, 10, 4), (1, 6, 6)]), st.integers(0, 10_000))
+def test_in_place_rope_is_bit_exact(tokens, dims, seed):
+    heads, head_dim, rotary_dim = dims
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, heads, head_dim, generator=g)
+    positions = torch.randint(0, 5000, (tokens,), generator=g)
+    rope = PartialRotary(rotary_dim, 10_000.0)
+    cos, sin = rope.tables(positions, x.dtype)
+    got = rope.apply_(x.clone(), cos, sin)
+    assert torch.equal(got, rotate_half_ref(x, positions, rotary_dim, 10_000.0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(8, 2), (16, 4), (5, 1)]), st.integers(0, 10_000))
+def test_one_token_moe_is_bit_exact(experts, seed):
+    num_experts, top_k = experts
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 32, generator=g)
+    w_gate_up = torch.randn(num_experts, 32, 32, generator=g) * 0.2
+    w_down = torch.randn(num_experts, 32, 16, generator=g) * 0.2
+    weights, ids = route_ref(torch.randn(1, num_experts, generator=g), None, top_k=top_k)
+    assert torch.equal(experts_cpu(x, w_gate_up, w_down, weights, ids),
+                       experts_ref(x, w_gate_up, w_down, weights, ids))
+
+
+def test_one_plan_serves_every_layer_of_a_step():
+    """A plan built once gives each layer (different caches, queries, sinks) the reference result."""
+    g = torch.Generator().manual_seed(0)
+    page, lens, new = 4, [9, 1, 14], [1, 1, 3]
+    table = torch.tensor([[5, 2, 7, -1], [0, -1, -1, -1], [1, 3, 4, 6]])
+    qsl = torch.tensor([0] + new).cumsum(0)
+    seq_lens = torch.tensor(lens)
+    plan = AttentionPlan.build(table, qsl, seq_lens, page_size=page, window=6)
+    for _ in range(3):
+        k = torch.randn(32, 2, 8, generator=g)
+        v = torch.randn(32, 2, 8, generator=g)
+        q = torch.randn(int(qsl[-1]), 4, 8, generator=g)
+        sinks = torch.randn(4, generator=g)
+        kw = dict(page_size=page, scale=8**-0.5, window=6, sinks=sinks)
+        got = paged_attention_cpu(q, k, v, table, qsl, seq_lens, plan=plan, **kw)
+        torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, seq_lens, **kw),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_decode_padding_never_reads_unwritten_slots():
+    """Padding cells of the decode grid re-read a written slot: NaN elsewhere in the pool stays out."""
+    page = 4
+    table = torch.tensor([[1, 2, 4], [3, -1, -1]])  # page 0 (slot 0 included) is never written
+    qsl, seq_lens = torch.tensor([0, 1, 2]), torch.tensor([11, 2])
+    k = torch.full((20, 1, 8), float("nan"))
+    v = torch.full((20, 1, 8), float("nan"))
+    written = torch.tensor(list(range(4, 12)) + [16, 17, 18] + [12, 13])
+    k[written] = torch.randn(13, 1, 8)
+    v[written] = torch.randn(13, 1, 8)
+    q = torch.randn(2, 2, 8)
+    out = paged_attention_cpu(q, k, v, table, qsl, seq_lens, page_size=page, scale=0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, paged_attention_ref(q, k, v, table, qsl, seq_lens, page_size=page, scale=0.3),
+                               rtol=1e-5, atol=1e-5)

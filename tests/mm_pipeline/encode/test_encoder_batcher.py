@@ -1,0 +1,123 @@
+"""Encoder batcher: cross-request batching equals one-by-one encoding, the budget splits batches and
+sets the due time, single flight (join, failure reaches every waiter), a missing encoder, detach."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from encoders.audio.encoder import AudioEncoder
+from encoders.image_processing import ImageProcessingConfig
+from samples.checkpoints.tiny_towers import init_random_, tiny_audio_config, tiny_vision_config
+from encoders.vision.tower import VisionTransformer
+from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+from mm_pipeline.media.types import DecodedImage
+from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
+
+
+@pytest.fixture(scope="module")
+def towers():
+    vision = init_random_(VisionTransformer(tiny_vision_config()), 0).eval()
+    audio = init_random_(AudioEncoder(tiny_audio_config()), 1).eval()
+    return vision, audio
+
+
+def vision_input(seed: int, h: int, w: int) -> VisionInput:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+    pre = Preprocessor(ImageProcessingConfig(min_pixels=32 * 32, max_pixels=128 * 128))
+    return pre.image(DecodedImage(pixels, "png"))
+
+
+class Collector:
+    def __init__(self):
+        self.got: dict[str, list] = {}
+        self.lock = threading.Lock()
+
+    def sink(self, name: str):
+        def f(rows, error):
+            with self.lock:
+                self.got.setdefault(name, []).append(rows if error is None else error)
+        return f
+
+
+def test_batches_across_requests_and_equals_one_by_one(towers):
+    vision, audio = towers
+    encoded = {}
+    b = EncoderBatcher(vision, audio, BatcherConfig(max_wait_s=10.0),
+                       on_encoded=lambda k, r: encoded.__setitem__(k, r))
+    col = Collector()
+    inputs = {f"img{i}": vision_input(i, 40 + 16 * i, 70 - 8 * i) for i in range(3)}
+    mels = {f"aud{i}": torch.randn(30 + 20 * i, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)}
+    for k, v in inputs.items():  # three "requests", one unit each
+        assert b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "image", vision=v))
+    for k, m in mels.items():
+        assert b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "audio", mel=m))
+    assert b.run_due() == 0  # not due yet: waiting for company, budget not reached
+    assert b.run_due(force=True) == 5
+    stats = b.stats()
+    assert stats["forwards.vision"] == 1 and stats["forwards.audio"] == 1  # one forward per encoder
+    for k, v in inputs.items():
+        ref = vision.encode_items([(v.rows, v.grid)])[0]
+        torch.testing.assert_close(col.got[k][0], ref, rtol=1e-5, atol=1e-5)
+        assert encoded[k] is col.got[k][0]
+    for k, m in mels.items():
+        torch.testing.assert_close(col.got[k][0], audio.encode_segments([m])[0], rtol=1e-5, atol=1e-5)
+    assert stats["in_flight_units"] == 0 and not b.has_pending()
+    b.check_integrity()
+
+
+def test_budget_splits_batches_and_due_time(towers):
+    vision, _ = towers
+    v = vision_input(0, 64, 64)  # 16 patch rows
+    b = EncoderBatcher(vision, None, BatcherConfig(vision_budget=2 * v.num_patches, max_wait_s=10.0))
+    col = Collector()
+    for i in range(5):
+        b.attach(f"k{i}", col.sink(f"k{i}"))
+        b.submit(EncoderJob(f"k{i}", "image", vision=v))
+    # budget reached -> due without waiting; 2 jobs fit per forward; one forward per call (the
+    # engine loop runs an LLM step in between), then the last job waits for company
+    assert b.run_due() == 2 and b.run_due() == 2 and b.run_due() == 0
+    assert b.stats()["forwards.vision"] == 2 and b.has_pending()
+    assert b.next_due() is not None
+    assert b.run_due(force=True) == 1 and len(col.got) == 5
+
+
+def test_single_flight_join_and_failure_reaches_everyone(towers):
+    vision, _ = towers
+    b = EncoderBatcher(vision, None)
+    col = Collector()
+    assert b.attach("x", col.sink("a")) is True
+    assert b.attach("x", col.sink("b")) is False  # joined
+    assert b.wanted("x")
+    b.fail("x", ValueError("broken frame"))
+    assert [type(e) for e in col.got["a"] + col.got["b"]] == [ValueError, ValueError]
+    assert not b.wanted("x") and b.stats()["in_flight_units"] == 0
+    assert b.attach("x", col.sink("c")) is True  # nothing poisoned: the next one claims again
+    b.submit(EncoderJob("x", "image", vision=vision_input(1, 32, 32)))
+    b.run_due(force=True)
+    assert isinstance(col.got["c"][0], torch.Tensor)
+    with pytest.raises(ValueError, match="without being claimed"):
+        b.submit(EncoderJob("y", "image", vision=vision_input(1, 32, 32)))
+
+
+def test_missing_encoder_and_detach(towers):
+    vision, _ = towers
+    b = EncoderBatcher(vision, None)
+    col = Collector()
+    b.attach("s", col.sink("s"))
+    b.submit(EncoderJob("s", "audio", mel=torch.zeros(10, 32)))
+    assert "no audio encoder" in str(col.got["s"][0])
+    sink = col.sink("d")
+    b.attach("d", sink)
+    b.detach("d", sink)
+    assert not b.wanted("d")
+    b.submit(EncoderJob("d", "image", vision=vision_input(2, 32, 32)))
+    b.run_due(force=True)
+    assert "d" not in col.got and b.stats()["in_flight_units"] == 0
+    with pytest.raises(ValueError, match="unknown encoder job kind"):
+        EncoderJob("z", "smell", mel=torch.zeros(1, 1))

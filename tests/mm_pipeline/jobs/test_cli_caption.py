@@ -1,0 +1,149 @@
+"""``mmserve caption``: input discovery, progress output, and (with a tiny omni checkpoint) a real
+run over a folder with broken files, resumed."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from mm_pipeline.jobs.caption import already_done, discover_inputs
+from mm_pipeline.jobs.progress import Progress, format_duration
+
+
+# ---- discovery ----------------------------------------------------------------------------------
+def _touch(p: Path, data: bytes = b"x") -> Path:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+    return p
+
+
+def test_discover_dirs_globs_lists(tmp_path):
+    a = _touch(tmp_path / "d" / "a.png")
+    b = _touch(tmp_path / "d" / "sub" / "b.mp4")
+    _touch(tmp_path / "d" / "labels.jsonl", b"{}")  # metadata next to media: skipped in scans
+    _touch(tmp_path / "d" / ".hidden.png")
+    c = _touch(tmp_path / "e" / "c.wav")
+    (tmp_path / "list.txt").write_text(f"# comment\n\n{c}\ne/c.wav\n")
+    (tmp_path / "list.jsonl").write_text(json.dumps({"input": "d/a.png"}) + "\n" + json.dumps("e/c.wav") + "\n")
+    assert discover_inputs([str(tmp_path / "d")]) == [str(a), str(b)]
+    assert discover_inputs([str(tmp_path / "d" / "**" / "*.mp4")]) == [str(b)]
+    # the same file through two specs is one input; order is first appearance
+    assert discover_inputs([str(tmp_path / "list.txt"), str(tmp_path / "e")]) == [str(c)]
+    assert discover_inputs([str(tmp_path / "list.jsonl")]) == [str(a), str(c)]
+    missing = str(tmp_path / "nope.png")
+    assert discover_inputs([missing]) == [missing]  # reported as a failed input, not dropped
+    with pytest.raises(ValueError, match="matches no files"):
+        discover_inputs([str(tmp_path / "*.nothing")])
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        discover_inputs([str(tmp_path / "bad.jsonl")])
+
+
+def test_already_done_ignores_torn_lines(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps({"input": "a"}) + "\n" + json.dumps({"input": "b"}) + "\n" + '{"input": "c"')
+    assert already_done(out) == {"a", "b"}
+
+
+# ---- progress -----------------------------------------------------------------------------------
+def test_progress_plain_and_tty():
+    buf = io.StringIO()
+    p = Progress(4, "cap", stream=buf, is_tty=False, interval_s=0.0)
+    for i in range(4):
+        p.advance(1, failed=int(i == 2))
+    p.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("cap: 4/4 (100%)") and "1 failed" in lines[-1]
+    assert "items/s" in lines[0] and "ETA" in lines[0]
+    tty = io.StringIO()
+    p = Progress(3, "cap", stream=tty, is_tty=True, interval_s=0.0)
+    p.advance()
+    p.close()
+    text = tty.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and "█" in text and "1/3" in text
+    assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
+    assert format_duration(float("inf")) == "?"
+
+
+# ---- a real run (tiny omni checkpoint, CPU) -----------------------------------------------------
+from tests.support.paths import SAMPLE_MEDIA as MEDIA  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
+
+
+def _folder_with_broken_files(root: Path) -> dict[str, str | None]:
+    """Good samples plus broken ones; returns name -> expected modality (None: must fail)."""
+    import shutil
+
+    expect: dict[str, str | None] = {}
+    for name in ("image_000001.png", "video_000000.mp4", "audio_000003.wav", "audio_000001.flac"):
+        shutil.copy(MEDIA / name, root / name)
+        expect[name] = name.split("_")[0]
+    sub = root / "nested" / "deeper"
+    sub.mkdir(parents=True)
+    shutil.copy(MEDIA / "image_000002.jpg", sub / "image_000002.jpg")
+    expect["nested/deeper/image_000002.jpg"] = "image"
+    (root / "truncated.png").write_bytes((MEDIA / "image_000001.png").read_bytes()[:200])
+    (root / "noise.jpg").write_bytes(bytes(range(256)) * 8)
+    (root / "empty.mp4").write_bytes(b"")
+    (root / "text.webm").write_bytes(b"this is not a video at all\n" * 20)
+    for name in ("truncated.png", "noise.jpg", "empty.mp4", "text.webm"):
+        expect[name] = None
+    return expect
+
+
+def test_caption_folder_with_broken_files_and_resume(model_dir, tmp_path, capsys):
+    from mm_pipeline.cli import main
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    expect = _folder_with_broken_files(folder)
+    out = tmp_path / "captions.jsonl"
+    argv = ["caption", str(folder), "--model", str(model_dir), "--out", str(out), "--max-tokens", "4",
+            "--device", "cpu", "--kv-tokens", "4096"]
+    assert main(argv) == 0  # the job ran: failures are reported, not fatal
+    recs = {str(Path(r["input"]).relative_to(folder)): r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == set(expect)
+    for name, modality in expect.items():
+        r = recs[name]
+        if modality is None:
+            assert r["caption"] is None and r["error"], name
+        else:
+            assert r["error"] is None, (name, r["error"])
+            assert r["modality"] == modality and isinstance(r["caption"], str)
+            assert r["completion_tokens"] >= 1 and r["timings"]["total_s"] > 0
+    assert "415" in recs["noise.jpg"]["error"] or "Unsupported" in recs["noise.jpg"]["error"]
+    assert "empty" in recs["empty.mp4"]["error"]
+    err = capsys.readouterr().err
+    assert "captioned 5 of 9 inputs" in err and "4 failed" in err and "truncated.png" in err
+
+    # resume: nothing left to do; then drop two lines and only those are redone
+    assert main(argv) == 0
+    assert len(out.read_text().splitlines()) == 9
+    assert "9 already in the output were skipped" in capsys.readouterr().err
+    kept = [ln for ln in out.read_text().splitlines()
+            if Path(json.loads(ln)["input"]).name not in ("truncated.png", "image_000001.png")]
+    out.write_text("\n".join(kept) + "\n" + '{"input": "torn')  # and a torn last line from a crash
+    assert main(argv) == 0
+    lines = out.read_text().splitlines()
+    redone = [json.loads(ln) for ln in lines[len(kept) + 1:]]
+    assert sorted(Path(r["input"]).name for r in redone) == ["image_000001.png", "truncated.png"]
+    again = next(r for r in redone if r["input"].endswith("image_000001.png"))
+    assert again["caption"] == recs["image_000001.png"]["caption"]  # greedy: same caption as the first run
+
+
+def test_caption_missing_default_model_is_a_clear_usage_error(tmp_path, capsys, monkeypatch):
+    from mm_pipeline.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no samples/demo-model here
+    assert main(["caption", str(MEDIA)]) == 2
+    err = capsys.readouterr().err
+    assert "samples/demo-model" in err and "--model" in err

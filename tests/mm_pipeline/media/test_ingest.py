@@ -1,0 +1,246 @@
+"""mm_pipeline ingest: content sniffing, sources (bytes, data URL, allowed paths, loopback http),
+limits and error statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.support.media_samples import animated_bytes, audio_bytes, image_bytes, video_bytes
+
+from mm_pipeline.errors import (
+    InvalidMediaError,
+    MediaAccessDenied,
+    MediaError,
+    MediaFetchError,
+    MediaFetchTimeout,
+    MediaNotFound,
+    MediaTooLarge,
+    UnsupportedMediaType,
+)
+from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
+from mm_pipeline.media.types import MediaKind, MediaSource
+from mm_pipeline.media.sniff import sniff
+from mm_pipeline.media.worker_pool import WorkerPool
+
+IMAGE, VIDEO, AUDIO = MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO
+PNG = image_bytes("PNG")
+
+SAMPLES = {
+    "png": (lambda: image_bytes("PNG"), "png", IMAGE, {IMAGE}),
+    "jpeg": (lambda: image_bytes("JPEG"), "jpeg", IMAGE, {IMAGE}),
+    "webp": (lambda: image_bytes("WEBP"), "webp", IMAGE, {IMAGE, VIDEO}),
+    "gif": (lambda: animated_bytes("GIF"), "gif", IMAGE, {IMAGE, VIDEO}),
+    "wav": (lambda: audio_bytes("wav", "pcm_s16le"), "wav", AUDIO, {AUDIO}),
+    "flac": (lambda: audio_bytes("flac", "flac"), "flac", AUDIO, {AUDIO}),
+    "mp3": (lambda: audio_bytes("mp3", "libmp3lame"), "mp3", AUDIO, {AUDIO}),
+    "ogg": (lambda: audio_bytes("ogg", "libopus", rate=48000), "ogg", AUDIO, {AUDIO}),
+    "m4a": (lambda: audio_bytes("mp4", "aac", rate=16000), "mp4", AUDIO, {AUDIO}),
+    "mp4": (lambda: video_bytes("mp4", "mpeg4"), "mp4", VIDEO, {VIDEO}),
+    "mp4+audio": (lambda: video_bytes("mp4", "mpeg4", with_audio=True), "mp4", VIDEO, {VIDEO, AUDIO}),
+    "webm": (lambda: video_bytes("webm", "libvpx"), "webm", VIDEO, {VIDEO}),
+}
+
+
+# ---- sniffing -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_sniff_detects_type_from_content(name: str) -> None:
+    make, fmt, primary, kinds = SAMPLES[name]
+    found = sniff(make())
+    assert (found.format, found.primary, set(found.kinds)) == (fmt, primary, kinds)
+
+
+@pytest.mark.parametrize("garbage", [b"hello world " * 50, os.urandom(4096), b"\x00" * 100,
+                                     b"#EXTM3U\n#EXTINF:1,\nfile:///etc/passwd\n"])
+def test_sniff_garbage_is_415(garbage: bytes) -> None:
+    with pytest.raises(UnsupportedMediaType) as info:
+        sniff(garbage)
+    assert info.value.status == 415
+
+
+def test_empty_payload_is_400() -> None:
+    with pytest.raises(InvalidMediaError) as info:
+        MediaIngestor(IngestConfig()).ingest_local(MediaSource(data=b""))
+    assert info.value.status == 400
+
+
+def test_name_and_declared_mime_are_ignored(tmp_path: Path) -> None:
+    (tmp_path / "cat.mp4").write_bytes(PNG)  # a PNG named .mp4
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),)))
+    assert ing.ingest_local(MediaSource(path=str(tmp_path / "cat.mp4"))).format == "png"
+    url = "data:video/mp4;base64," + base64.b64encode(PNG).decode()
+    assert ing.ingest_local(MediaSource(url=url)).format == "png"
+
+
+def test_declared_kind_must_fit_content() -> None:
+    ing = MediaIngestor(IngestConfig())
+    assert ing.ingest_local(MediaSource(data=animated_bytes("GIF"), kind=VIDEO)).kind is VIDEO
+    assert ing.ingest_local(MediaSource(data=SAMPLES["mp4+audio"][0](), kind=AUDIO)).kind is AUDIO
+    with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
+        ing.ingest_local(MediaSource(data=PNG, kind=AUDIO))
+
+
+# ---- sources --------------------------------------------------------------------------------
+
+def test_data_url_base64_and_percent_encoded() -> None:
+    ing = MediaIngestor(IngestConfig())
+    b64 = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    assert ing.ingest_local(MediaSource(url=b64)).data == PNG
+    pct = "data:," + "".join(f"%{b:02x}" for b in PNG)
+    assert ing.ingest_local(MediaSource(url=pct)).data == PNG
+    with pytest.raises(InvalidMediaError, match="base64"):
+        ing.ingest_local(MediaSource(url="data:image/png;base64,@@@"))
+    with pytest.raises(InvalidMediaError, match="','"):
+        ing.ingest_local(MediaSource(url="data:image/png;base64"))
+    with pytest.raises(InvalidMediaError, match="scheme"):
+        ing.ingest_local(MediaSource(url="ftp://x/y.png"))
+
+
+def test_path_allow_list(tmp_path: Path) -> None:
+    allowed, outside = tmp_path / "media", tmp_path / "secret"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "a.png").write_bytes(PNG)
+    (outside / "b.png").write_bytes(PNG)
+    (allowed / "escape.png").symlink_to(outside / "b.png")  # symlink pointing out
+    (allowed / "inner.png").symlink_to(allowed / "a.png")  # symlink staying in
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(allowed),)))
+    assert ing.ingest_local(MediaSource(path=str(allowed / "a.png"))).data == PNG
+    assert ing.ingest_local(MediaSource(path=str(allowed / "inner.png"))).data == PNG
+    assert ing.ingest_local(MediaSource(url=(allowed / "a.png").as_uri())).data == PNG
+    for bad in [outside / "b.png", allowed / "escape.png", allowed / ".." / "secret" / "b.png",
+                Path("/etc/passwd")]:
+        with pytest.raises(MediaAccessDenied) as info:
+            ing.ingest_local(MediaSource(path=str(bad)))
+        assert info.value.status == 403
+    with pytest.raises(MediaNotFound):
+        ing.ingest_local(MediaSource(path=str(allowed / "missing.png")))
+    with pytest.raises(InvalidMediaError, match="regular file"):
+        ing.ingest_local(MediaSource(path=str(allowed)))
+    with pytest.raises(InvalidMediaError, match="absolute"):
+        ing.ingest_local(MediaSource(path="media/a.png"))
+    with pytest.raises(MediaAccessDenied, match="disabled"):
+        MediaIngestor(IngestConfig()).ingest_local(MediaSource(path=str(allowed / "a.png")))
+
+
+def test_byte_limit_on_every_source(tmp_path: Path) -> None:
+    (tmp_path / "a.png").write_bytes(PNG)
+    cfg = IngestConfig(allowed_local_dirs=(str(tmp_path),), limits=MediaLimits(max_bytes=len(PNG) - 1))
+    ing = MediaIngestor(cfg)
+    for source in [MediaSource(data=PNG), MediaSource(path=str(tmp_path / "a.png")),
+                   MediaSource(url="data:;base64," + base64.b64encode(PNG).decode())]:
+        with pytest.raises(MediaTooLarge) as info:
+            ing.ingest_local(source)
+        assert info.value.status == 413
+
+
+def test_media_source_needs_exactly_one_reference() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        MediaSource(data=PNG, url="data:,x")
+    with pytest.raises(ValueError, match="exactly one"):
+        MediaSource()
+
+
+# ---- remote (loopback server only) ----------------------------------------------------------
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        port = self.server.server_address[1]
+        routes = {
+            "/img.png": lambda: self._send(PNG),
+            "/same-host-redirect": lambda: self._redirect("/img.png"),
+            "/other-host-redirect": lambda: self._redirect(f"http://localhost:{port}/img.png"),
+            "/file-redirect": lambda: self._redirect("file:///etc/passwd"),
+            "/loop": lambda: self._redirect("/loop"),
+            "/big": lambda: self._send(b"\x89PNG\r\n\x1a\n" + bytes(5000)),
+            "/big-chunked": lambda: self._send(b"\x89PNG\r\n\x1a\n" + bytes(5000), length=False),
+            "/slow": lambda: (time.sleep(1.5), self._send(PNG)),
+        }
+        routes.get(self.path, lambda: self._send(b"nope", status=404))()
+
+    def _send(self, body: bytes, status: int = 200, length: bool = True) -> None:
+        self.send_response(status)
+        if length:
+            self.send_header("Content-Length", str(len(body)))
+        else:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _redirect(self, location: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.fixture(scope="module")
+def http_base() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _remote(**overrides: object) -> MediaIngestor:
+    cfg = dict(allow_remote=True, allowed_domains=("127.0.0.1",), fetch_timeout_s=5.0,
+               limits=MediaLimits(max_bytes=4096))
+    cfg.update(overrides)
+    return MediaIngestor(IngestConfig(**cfg), pool=WorkerPool(1, 4))  # type: ignore[arg-type]
+
+
+def _ingest(ing: MediaIngestor, url: str) -> object:
+    return asyncio.run(ing.ingest(MediaSource(url=url, kind=IMAGE)))
+
+
+def test_remote_fetch_allowed_host_and_same_host_redirect(http_base: str) -> None:
+    ing = _remote()
+    for path in ["/img.png", "/same-host-redirect"]:
+        item = _ingest(ing, http_base + path)
+        assert item.data == PNG and item.format == "png"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("path", "error", "status"), [
+    ("/other-host-redirect", MediaAccessDenied, 403),  # localhost is not on the allow-list
+    ("/file-redirect", MediaAccessDenied, 403),
+    ("/loop", MediaFetchError, 400),
+    ("/big", MediaTooLarge, 413),  # Content-Length says too big
+    ("/big-chunked", MediaTooLarge, 413),  # no length: cut off while streaming
+    ("/missing", MediaFetchError, 400),
+])
+def test_remote_fetch_refusals(http_base: str, path: str, error: type[MediaError], status: int) -> None:
+    with pytest.raises(error) as info:
+        _ingest(_remote(), http_base + path)
+    assert info.value.status == status
+
+
+def test_remote_fetch_off_by_default_and_domain_list(http_base: str) -> None:
+    with pytest.raises(MediaAccessDenied, match="disabled"):
+        _ingest(MediaIngestor(IngestConfig()), http_base + "/img.png")
+    with pytest.raises(MediaAccessDenied, match="allow-list"):
+        _ingest(_remote(allowed_domains=("example.com",)), http_base + "/img.png")
+
+
+def test_remote_fetch_timeout(http_base: str) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(MediaFetchTimeout) as info:
+        _ingest(_remote(fetch_timeout_s=0.3), http_base + "/slow")
+    assert info.value.status == 408
+    assert time.perf_counter() - t0 < 1.2

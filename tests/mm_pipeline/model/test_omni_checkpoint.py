@@ -1,0 +1,168 @@
+"""Tiny omni checkpoint: config round trip, tokenizer + chat template through AutoTokenizer, encoder
+weights by name, and the prompt layout of docs/model.md §5."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from encoders.audio.encoder import AudioEncoder
+from encoders.config import AudioConfig
+from samples.checkpoints.tiny_towers import init_random_
+from encoders.vision.tower import VisionTransformer
+from encoders.weights import load_audio_encoder, load_vision_tower
+from samples.checkpoints.tiny_omni import DEFAULT_SYSTEM, build_tiny_omni_checkpoint, tiny_special_tokens
+from mm_pipeline.model.config import OmniConfig, SpecialTokens
+from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ckpt))
+
+
+def test_config_round_trip(ckpt):
+    cfg = OmniConfig.from_pretrained(ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    assert raw["model_type"] == "mimo_v2" and raw["architectures"] == ["MiMoV2ForCausalLM"]
+    assert cfg.special == tiny_special_tokens()
+    assert cfg.text.eos_token_ids == (cfg.special.im_end,) and cfg.text.pad_token_id == cfg.special.pad
+    assert cfg.vision.out_hidden_size == cfg.audio.out_hidden_size == cfg.text.hidden_size
+    assert cfg.audio.n_mels == raw["processor_config"]["audio_n_mels"]
+    assert cfg.image_processing.max_pixels == 128 * 128
+    assert set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values()) == {
+        "model-main.safetensors", "model-experts.safetensors", "model-encoders.safetensors"}
+
+
+def test_encoders_load_by_name(ckpt):
+    cfg = OmniConfig.from_pretrained(ckpt)
+    vision = load_vision_tower(cfg.vision, ckpt)
+    audio = load_audio_encoder(cfg.audio, ckpt)
+    fresh_v = init_random_(VisionTransformer(cfg.vision), 3 + 1)
+    fresh_a = init_random_(AudioEncoder(cfg.audio), 3 + 2)
+    for loaded, fresh in ((vision, fresh_v), (audio, fresh_a)):
+        for (name, a), (_, b) in zip(sorted(loaded.state_dict().items()), sorted(fresh.state_dict().items())):
+            assert torch.equal(a, b), name
+    rows = torch.randn(16, cfg.vision.patch_dim)
+    assert vision(rows, [(1, 4, 4)])[0].shape == (4, cfg.text.hidden_size)
+
+
+def test_text_model_loads(ckpt):
+    from llm_core.model.loader import load_model
+
+    model = load_model(ckpt, device="cpu", dtype=torch.float32)
+    assert model.config.vocab_size == OmniConfig.from_pretrained(ckpt).text.vocab_size
+
+
+def test_tokenizer_specials_and_arbitrary_text(tokenizer, ckpt):
+    special = OmniConfig.from_pretrained(ckpt).special
+    for text, tid in special.strings.items():
+        assert tokenizer.encode(text, add_special_tokens=False) == [tid]
+    for text in ("00:00", "12:59 héllo wörld ✓", "a<b>c\n\t", "日本語 🎉"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert max(ids) < 256 and tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == special.im_end and tokenizer.pad_token_id == special.pad
+
+
+def test_chat_template(tokenizer):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "audio"}]},
+            {"role": "assistant", "content": "ok", "reasoning_content": "hm"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
+                    "<|im_start|>user\nLook:<|vision_start|><|image_pad|><|vision_end|>"
+                    "<|mimo_audio_start|><|audio_pad|><|mimo_audio_end|><|im_end|>\n"
+                    "<|im_start|>assistant\n<think>hm</think>ok<|im_end|>\n<|im_start|>assistant\n")
+    no_think = tokenizer.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
+                                             tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert no_think == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think></think>"
+
+
+slot_strategy = st.one_of(
+    st.builds(lambda n: MediaSlots("image", (n,)), st.integers(1, 9)),
+    st.builds(lambda n, g: MediaSlots("video", (n,) * g, tuple(2.0 * i for i in range(g))),
+              st.integers(1, 5), st.integers(1, 4)),
+    st.builds(lambda ns: MediaSlots("audio", tuple(ns)), st.lists(st.integers(1, 6), min_size=1, max_size=3)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(media=st.lists(slot_strategy, max_size=4), text=st.lists(st.integers(0, 255), max_size=5))
+def test_layout_expansion_invariants(media, text):
+    sp = tiny_special_tokens()
+    layout = PromptLayout(sp, lambda s: [ord(c) for c in s])
+    placeholder = {"image": [sp.vision_start, sp.image_pad, sp.vision_end],
+                   "video": [sp.vision_start, sp.video_pad, sp.vision_end],
+                   "audio": [sp.audio_start, sp.audio_pad, sp.audio_end]}
+    ids = list(text)
+    for m in media:
+        ids += placeholder[m.kind] + list(text)
+    out = layout.expand(ids, media).token_ids
+    spans = layout.expand(ids, media).unit_spans
+    pad_of = {"image": sp.image_pad, "video": sp.video_pad, "audio": sp.audio_pad}
+    covered = set()
+    for m, item_spans in zip(media, spans):
+        assert [b - a for a, b in item_spans] == list(m.unit_tokens)
+        for a, b in item_spans:
+            assert set(out[a:b]) == {pad_of[m.kind]}
+            covered.update(range(a, b))
+    # every pad token belongs to exactly one span; text around placeholders is untouched
+    assert covered == {i for i, t in enumerate(out) if t in pad_of.values()}
+    assert sum(m.num_tokens for m in media) == len(covered)
+    assert out[:len(text)] == tuple(text)
+
+
+def test_video_layout_tokens():
+    sp = tiny_special_tokens()
+    layout = PromptLayout(sp, lambda s: [ord(c) for c in s])
+    video = MediaSlots.video((4, 4), [0.0, 62.5], merge_size=2)
+    out = layout.expand([7, sp.vision_start, sp.video_pad, sp.vision_end, 8], [video])
+    ts0, ts1 = [ord(c) for c in "00:00"], [ord(c) for c in "01:02"]
+    block = [sp.vision_start] + [sp.video_pad] * 4 + [sp.vision_end]
+    assert list(out.token_ids) == [7, sp.video_start, *ts0, *block, *ts1, *block, sp.video_end, 8]
+    assert out.unit_spans == (((8, 12), (19, 23)),)
+
+
+def test_audio_slots_follow_segments():
+    cfg = AudioConfig()
+    slots = MediaSlots.audio(cfg.num_mel_frames(75 * cfg.sampling_rate), cfg)
+    assert slots.unit_tokens == (375, 94) and slots.num_tokens == cfg.num_tokens(7501)
+
+
+def test_layout_errors():
+    sp = tiny_special_tokens()
+    layout = PromptLayout(sp, lambda s: [ord(c) for c in s])
+    image = [sp.vision_start, sp.image_pad, sp.vision_end]
+    with pytest.raises(ValueError, match="is for image but media item 0 is audio"):
+        layout.expand(image, [MediaSlots("audio", (3,))])
+    with pytest.raises(ValueError, match="2 media items but 1 placeholders"):
+        layout.expand(image, [MediaSlots("image", (3,)), MediaSlots("image", (3,))])
+    with pytest.raises(ValueError, match="more media placeholders"):
+        layout.expand(image + image, [MediaSlots("image", (3,))])
+    with pytest.raises(ValueError, match="malformed"):
+        layout.expand([sp.vision_start, sp.image_pad, sp.video_pad, sp.vision_end], [MediaSlots("image", (3,))])
+    with pytest.raises(ValueError, match="timestamps"):
+        MediaSlots("video", (3, 3), (0.0,))
+
+
+def test_config_errors(ckpt):
+    raw = json.loads((ckpt / "config.json").read_text())
+    bad = {**raw, "vision_config": {**raw["vision_config"], "out_hidden_size": 7}}
+    with pytest.raises(ValueError, match="out_hidden_size"):
+        OmniConfig.from_hf(bad)
+    with pytest.raises(ValueError, match="share id"):
+        SpecialTokens(image_pad=5, video_pad=5)
+    cfg = OmniConfig.from_hf(raw)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        dataclasses.replace(cfg, special=SpecialTokens())  # real ids do not fit a 512-token vocab

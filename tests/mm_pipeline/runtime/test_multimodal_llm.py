@@ -1,0 +1,84 @@
+"""Offline API: MultimodalLLM.chat over local files of every modality, per-conversation errors,
+plain generate == llm_core.LLM.generate on the same checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llm_core import LLM, RequestOutput, SamplingParams
+from tests.support.media_samples import audio_bytes, image_bytes, video_bytes
+from mm_pipeline.prompt.messages import InvalidMessageError
+from mm_pipeline.multimodal_llm import MultimodalLLM
+from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+ENGINE = dict(page_size=4, num_full_tokens=4096, num_swa_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("media")
+    files = {"image": ("cat.png", image_bytes(size=(70, 50))), "video": ("clip.mp4", video_bytes(n_frames=40)),
+             "audio": ("tone.wav", audio_bytes(seconds=1.5)), "broken": ("bad.jpg", b"\xff\xd8\xff\xe0broken")}
+    out = {}
+    for key, (name, data) in files.items():
+        (d / name).write_bytes(data)
+        out[key] = d / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    with MultimodalLLM(ckpt, **ENGINE) as m:
+        yield m
+
+
+def convo(*parts) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}]
+
+
+def test_chat_every_modality_from_local_paths(llm, media):
+    outs = llm.chat([
+        convo({"type": "image_url", "image_url": {"url": str(media["image"])}}),
+        convo({"type": "video_url", "video_url": {"url": media["video"].as_uri()}}),
+        convo({"type": "audio", "audio": str(media["audio"])}),
+        convo({"type": "image", "image": media["image"].read_bytes()},
+              {"type": "audio_url", "audio_url": {"url": str(media["audio"])}}),
+    ], GREEDY)
+    assert len(outs) == 4
+    for out in outs:
+        assert isinstance(out, RequestOutput)
+        assert out.finished and out.finish_reason == "length", out.error
+        assert len(out.token_ids) == GREEDY.max_tokens and out.prompt_token_ids
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    # identical image, same question, given as path or as bytes -> same prompt and answer
+    again = llm.chat(convo({"type": "image", "image": media["image"].read_bytes()}), GREEDY)[0]
+    assert again.token_ids == outs[0].token_ids and again.prompt_token_ids == outs[0].prompt_token_ids
+    assert llm.engine.stats()["media"]["images_decoded"] == 1  # the repeat came from the cache
+
+
+def test_broken_file_fails_only_its_conversation(llm, media):
+    outs = llm.chat([convo({"type": "image_url", "image_url": {"url": str(media["broken"])}}),
+                     convo({"type": "image_url", "image_url": {"url": str(media["image"])}}),
+                     convo({"type": "image_url", "image_url": {"url": str(media["image"]) + ".missing"}})], GREEDY)
+    assert outs[0].finish_reason == "error"
+    assert "media item 1 of 1: image from file cannot be read" in outs[0].error
+    assert outs[1].finish_reason == "length"
+    assert outs[2].finish_reason == "error" and "no such media file" in outs[2].error
+    with pytest.raises(InvalidMessageError, match="role"):
+        llm.chat([{"role": "wizard", "content": "hi"}], GREEDY)
+
+
+def test_generate_matches_text_only_llm(llm, ckpt):
+    prompts = ["Hello there", [5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 12]]
+    ours = llm.generate(prompts, GREEDY)
+    ref = LLM(ckpt, **ENGINE).generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+    assert [o.prompt_token_ids for o in ours] == [r.prompt_token_ids for r in ref]

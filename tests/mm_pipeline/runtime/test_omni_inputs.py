@@ -1,0 +1,103 @@
+"""Omni request inputs before the engine: preprocessing matches the encoders' reference (image, video
+groups, audio token counts), chat message parsing and its 400 errors, the keyframe-aligned video chunk
+plan, and the incremental detokenizer's deltas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encoders.image_processing import ImageProcessingConfig, preprocess_image
+from samples.checkpoints.tiny_towers import tiny_audio_config
+from mm_pipeline.prompt.messages import InvalidMessageError, MediaRef, parse_messages
+from mm_pipeline.media.types import DecodedImage, MediaKind
+from mm_pipeline.encode.preprocess import Preprocessor
+
+
+# ---- preprocessing -----------------------------------------------------------------------------
+def test_preprocess_matches_encoders_reference_and_metadata_sizes():
+    cfg = ImageProcessingConfig(min_pixels=32 * 32, max_pixels=96 * 96)
+    pre = Preprocessor(cfg, tiny_audio_config())
+    pixels = torch.randint(0, 256, (50, 77, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    got = pre.image(DecodedImage(pixels, "png"))
+    rows, grid = preprocess_image(pixels.permute(2, 0, 1).float(), cfg)
+    torch.testing.assert_close(got.rows, rows)
+    assert got.grid == grid
+    h, w = pre.image_size(50, 77)
+    assert pre.tokens_for_size(h, w) == got.num_patches // 4
+    # video groups: one input per pair of frames, same size for all
+    frames = torch.randint(0, 256, (4, 40, 60, 3), dtype=torch.uint8)
+    size = pre.video_size(40, 60, 4)
+    groups = pre.video_groups(frames, size)
+    assert len(groups) == 2 and all(g.grid == (1, size[0] // 16, size[1] // 16) for g in groups)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        pre.video_groups(frames[:3], size)
+    # audio: per-segment token counts from the sample count alone
+    cfg_a = tiny_audio_config()
+    samples = 240 * 250
+    assert sum(pre.audio_segment_tokens(samples)) == cfg_a.num_tokens(cfg_a.num_mel_frames(samples))
+
+
+# ---- chat parsing ------------------------------------------------------------------------------
+def test_parse_messages_parts_and_errors():
+    chat = parse_messages([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "video_url", "video_url": {"url": "/abs/video.mp4"}},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            {"type": "file", "file": {"file_id": "file-1"}},
+            {"type": "text", "text": "what?"}]},
+    ])
+    media = chat.media
+    assert [m.kind for m in media] == [MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO, None]
+    assert media[1].source.path == "/abs/video.mp4" and media[3].file_id == "file-1"
+    assert chat.turns[1].parts[-1] == "what?"
+    for bad, msg in [([], "non-empty list"), ([{"role": "robot", "content": "x"}], "role"),
+                     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x"}}]}],
+                      "unsupported URL"),
+                     ([{"role": "user", "content": [{"type": "hologram"}]}], "unsupported type"),
+                     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "base64")]:
+        with pytest.raises(InvalidMessageError, match=msg) as info:
+            parse_messages(bad)
+        assert info.value.status == 400
+    with pytest.raises(ValueError):
+        MediaRef(MediaKind.IMAGE)
+
+
+# ---- video chunk plan --------------------------------------------------------------------------
+def test_video_chunks_follow_keyframes():
+    from mm_pipeline.media.video_chunks import plan_chunks
+
+    indices = list(range(0, 40, 2))  # 20 sampled frames -> 10 groups, group g = frames 4g, 4g+2
+    every8 = tuple(range(0, 40, 8))
+    # keyframe every 8 source frames: each chunk of 2 groups (8 frames) starts at its own keyframe
+    assert plan_chunks(range(10), indices, every8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    # one keyframe only: every later chunk would re-decode from frame 0 -> one chunk
+    assert plan_chunks(range(10), indices, (0,), 2, 2) == [list(range(10))]
+    # cached groups (2, 3) leave a gap: the run restarts after it
+    assert plan_chunks([0, 1, 4, 5, 6], indices, every8, 2, 2) == [[0, 1], [4, 5], [6]]
+    # a keyframe a little before each chunk: re-decoding the small overlap beats losing the stream
+    late = (0, 6, 14)  # chunk 1 (frames 8..14) seeks to 6, chunk 2 (16..22) to 14: overlap 1 frame
+    assert plan_chunks(range(6), indices, late, 2, 2) == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="groups_per_chunk"):
+        plan_chunks([0], indices, every8, 2, 0)
+
+
+# ---- incremental detokenizer -------------------------------------------------------------------
+def test_detokenizer_deltas_concatenate_to_the_final_text():
+    from mm_pipeline.runtime.detokenizer import IncrementalDetokenizer
+    from samples.checkpoints.tiny_omni import build_tiny_tokenizer, tiny_special_tokens
+
+    tok = build_tiny_tokenizer(tiny_special_tokens())
+    text = "héllo wörld → ok"
+    ids = tok.encode(text, add_special_tokens=False)  # bytes: 'é', 'ö', '→' span several tokens
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.push([i]) for i in ids]
+    assert "".join(pieces) + d.finish(None) == text
+    assert all("\ufffd" not in p for p in pieces)  # a split character is sent once complete
+    # stop strings: nothing past the stop is ever sent; the engine's cut text settles the end
+    d = IncrementalDetokenizer(tok, stop=("wör",))
+    sent = "".join(d.push([i]) for i in ids[:tok.encode("héllo wö", add_special_tokens=False).__len__()])
+    assert "wö" not in sent and text.startswith(sent)
+    assert sent + d.finish("héllo ") == "héllo "
