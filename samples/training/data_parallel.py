@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from typing import Iterable, Iterator
 
@@ -87,3 +88,18 @@ class DataParallel:
         if self.world > 1 and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    def exit_worker(self) -> None:
+        """End a spawned rank: tear the group down, flush, and leave with ``os._exit(0)``.
+
+        Even after ``destroy_process_group`` a gloo worker thread can still be joinable when the
+        interpreter runs C++ static destructors at a normal exit, and then the process aborts with
+        "terminate called without an active exception" (seen in ~1 of 10 two-rank runs, on either
+        rank). Everything a rank produces is written before this call, so skipping the
+        interpreter's teardown loses nothing. A single process (world 1) returns normally.
+        """
+        self.close()
+        if self.world > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)

@@ -255,7 +255,7 @@ def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
         export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
     log(f"done: {step} steps in {time.time() - start:.0f} s, final batch loss {last_loss:.4f} (rank 0); "
         f"wrote {args.out}", flush=True)
-    dp.close()
+    dp.exit_worker()
 
 
 def _refs(args: argparse.Namespace) -> list[ItemRef]:

@@ -50,7 +50,7 @@ def _rank_main(rank: int, rendezvous: str, out: str) -> None:
     agreed = dp.agree(100.0 + rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "grads": grads, "params": [p.tolist() for p in model.parameters()], "agreed": agreed}))
-    dp.close()
+    dp.exit_worker()
 
 
 def test_two_ranks_average_gradients_and_stay_identical(tmp_path):
