@@ -6,14 +6,8 @@ import argparse
 import json
 import math
 import platform
-import sys
 from pathlib import Path
 from typing import Any, Sequence
-
-# Benchmarks run as scripts (python benchmarks/x.py); make the repo root importable.
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

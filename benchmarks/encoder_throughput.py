@@ -12,28 +12,22 @@ A mid-size tower (hidden 512) is used so that matmuls, not Python, dominate, as 
 
 from __future__ import annotations
 
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
 import argparse
 import json
-import os
 import random
-import sys
 import time
 from typing import Callable, Sequence
 
-# Run as a script, this file's folder leads sys.path and its own name ("encoders") would shadow the
-# encoders package: put the repository root there instead.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import torch
 
-import torch  # noqa: E402
-
-from encoders.audio.encoder import AudioEncoder  # noqa: E402
-from encoders.config import AudioConfig, VisionConfig  # noqa: E402
-from encoders.image_processing import ImageProcessingConfig, preprocess_image  # noqa: E402
-from samples.checkpoints.tiny_towers import init_random_  # noqa: E402
-from encoders.video import preprocess_video  # noqa: E402
-from encoders.vision.tower import VisionTransformer  # noqa: E402
+from encoders.audio.encoder import AudioEncoder
+from encoders.config import AudioConfig, VisionConfig
+from encoders.image_processing import ImageProcessingConfig, preprocess_image
+from samples.checkpoints.tiny_towers import init_random_
+from encoders.video import preprocess_video
+from encoders.vision.tower import VisionTransformer
 
 
 def best_time(fn: Callable[[], object], reps: int) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""Triton kernels vs their torch references and vs the roofline, at MiMo-V2.5 shapes (notes §1.1).
+"""Triton kernels vs their torch references and vs the roofline, at MiMo-V2.5 shapes (docs/model.md §1.1).
 
     decode attention (SWA: 64 q / 8 kv heads, window 128, sinks; GA: 64 / 4, full context)
     prefill attention (GA and SWA, one long request, causal)
@@ -17,6 +17,8 @@ experts; ``--json PATH`` writes a flat record.
 """
 
 from __future__ import annotations
+
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
 import math
 import sys

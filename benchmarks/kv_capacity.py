@@ -16,6 +16,8 @@ and decode releases SWA pages every ``swa_release_interval`` tokens.
 
 from __future__ import annotations
 
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
 import time
 
 import torch

@@ -20,6 +20,8 @@ VideoDecoder (2 parallel ranges) -> preprocess -> one encoder batch -> LLM prefi
 
 from __future__ import annotations
 
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
 import asyncio
 import base64
 import io
@@ -28,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repository root on sys.path)
 import av
 import numpy as np
 import torch

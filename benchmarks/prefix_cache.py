@@ -27,6 +27,8 @@ pools; the tree keeps inserting and evicting and never hits). Runs alternate; th
 
 from __future__ import annotations
 
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
 import random
 import tempfile
 import time

@@ -17,6 +17,8 @@ throughputs, the ratio and how many captions agree. Both sides start with a cold
 
 from __future__ import annotations
 
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
 import asyncio
 import json
 import multiprocessing as mp

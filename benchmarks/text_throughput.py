@@ -12,6 +12,8 @@ transformers runs eager attention over the same prompts (equal lengths: no paddi
 
 from __future__ import annotations
 
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
 import tempfile
 import time
 from pathlib import Path
