@@ -300,7 +300,7 @@ def test_band_attention_rejects_bad_input():
 
 
 def test_real_config_parameter_names_and_shapes():
-    """The full-size tower (built on meta, no memory) has exactly the checkpoint's tensors (notes §2.3)."""
+    """The full-size tower (built on meta, no memory) has exactly the checkpoint's tensors (docs/model.md §2.3)."""
     with torch.device("meta"):
         tower = VisionTransformer(VisionConfig())
     shapes = {name: tuple(t.shape) for name, t in tower.state_dict().items()}

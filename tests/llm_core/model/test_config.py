@@ -52,7 +52,7 @@ def test_mimo_v25_hub_config():
     assert (c.qkv_layout, c.fused_qkv_chunks, c.fp8) == ("fused", 4, Fp8Spec((128, 128)))
     assert (c.routed_scaling_factor, c.rms_norm_eps, c.value_scale) == (1.0, 1e-5, 0.707)
     assert (c.num_experts, c.top_k, c.eos_token_ids, c.pad_token_id) == (256, 8, (151645,), 151643)
-    # fused qkv rows of notes §2.1: GA 13568, SWA 14848
+    # fused qkv rows of docs/model.md §2.1: GA 13568, SWA 14848
     assert c.full_attn.q_size + c.full_attn.k_size + c.full_attn.v_size == 13568
     assert c.swa_attn.q_size + c.swa_attn.k_size + c.swa_attn.v_size == 14848
 

@@ -102,7 +102,7 @@ def test_fp8_scale_errors_are_named(hf_dir, tmp_path):
 
 
 def test_hub_fp8_layout_on_disk(hf_dir, tmp_path):
-    """Hub files: fused qkv + chunk-padded scales (notes §2.1), fp32 router, bf16-kept o_proj, shards."""
+    """Hub files: fused qkv + chunk-padded scales (docs/model.md §2.1), fp32 router, bf16-kept o_proj, shards."""
     hub = write_hub_layout(hf_dir, tmp_path / "hub", fp8=True)
     cfg = json.loads((hub / "config.json").read_text())
     assert cfg["sliding_window_size"] == 7 and cfg["hybrid_layer_pattern"] == [0, 1, 1, 1, 1, 0]
