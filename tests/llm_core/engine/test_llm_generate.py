@@ -1,5 +1,5 @@
 """End to end: LLM.generate over the dual pool == transformers generate; batching, preemption,
-SWA bounds, pool hygiene, streaming embeddings, bad input."""
+SWA bounds, pool hygiene, a failing forward, streaming embeddings, bad input."""
 
 from __future__ import annotations
 
@@ -169,6 +169,42 @@ def test_stop_token_ids_and_stop_strings(model):
         [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_str]))[0]
     assert out.finish_reason == "stop" and out.text == text[:cut]
     assert out.token_ids == toks[: cut + 2]
+
+
+class FailingOnce(torch.nn.Module):
+    """The model, except that its first forward raises."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner, self.failed = model, False
+
+    def forward(self, *args, **kw):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        return self.inner(*args, **kw)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+def test_a_failing_forward_ends_its_batch_and_the_engine_keeps_serving(model):
+    llm = engine(model)
+    eng = llm.engine
+    eng.runner.model = FailingOnce(model)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", ids(73, 9), params)
+    eng.add_request("b", ids(74, 3), params)
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["a"].finish_reason == outs["b"].finish_reason == "error"
+    assert outs["a"].error == "RuntimeError: boom" and not eng.has_unfinished()
+    assert eng.pool.all_free()
+    again = llm.generate([ids(73, 9)], params)[0]
+    alone = engine(model).generate([ids(73, 9)], params)[0]
+    assert again.finish_reason == "length" and again.token_ids == alone.token_ids
 
 
 class StreamingEmbeds:
