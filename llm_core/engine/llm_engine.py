@@ -119,6 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,
                                    self.config.queue)
         self.prefix_cache = self.scheduler.prefix_cache
+        self.last_step_progressed = False
         self._lock = threading.Lock()
         self._pending_add: list[Request] = []
         self._pending_abort: list[str] = []
@@ -180,11 +181,28 @@ class LLMEngine:
         with self._lock:
             return bool(self._live or self._early_outputs or self._pending_abort)
 
+    def has_ready_work(self) -> bool:
+        """Whether step() now has something to do: outputs to hand over (a prompt rejected at
+        add_request), requests to admit or abort, or a request with tokens it may compute (its
+        embeddings are ready past what is computed). False while every request waits for media: a
+        driving loop then sleeps instead of spinning step(). Call it from the thread that calls
+        step() (it reads the scheduler's queues)."""
+        with self._lock:
+            if self._early_outputs or self._pending_add or self._pending_abort:
+                return True
+        s = self.scheduler
+        return any(r.schedulable_until() > r.num_computed_tokens for r in (*s.running, *s.waiting))
+
     @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; returns outputs of requests that progressed or ended."""
-        outputs = self._drain_queues()
+        """Run one scheduled model step; returns outputs of requests that progressed or ended.
+
+        ``last_step_progressed`` then says whether the step changed anything (admitted, ended,
+        preempted or computed): a step with ready work may still schedule nothing when the pools are
+        held by requests that wait for their media."""
+        outputs, drained = self._drain_queues()
         batch = self.scheduler.schedule()
+        self.last_step_progressed = drained or bool(batch) or bool(batch.failed) or bool(batch.preempted)
         for req in batch.failed:
             outputs.append(self._finish_output(req, []))
         if not batch:
@@ -237,11 +255,13 @@ class LLMEngine:
             max_chunk_tokens=c.scheduler_config.chunk_cap, swa_release_interval=c.swa_release_interval,
         )
 
-    def _drain_queues(self) -> list[RequestOutput]:
+    def _drain_queues(self) -> tuple[list[RequestOutput], bool]:
+        """(outputs of early rejections and aborts, whether anything was queued)."""
         with self._lock:
             outputs, self._early_outputs = self._early_outputs, []
             adds, self._pending_add = self._pending_add, []
             aborts, self._pending_abort = self._pending_abort, []
+        drained = bool(outputs or adds or aborts)
         for req in adds:
             self.scheduler.add(req)
         for rid in aborts:
@@ -250,7 +270,7 @@ class LLMEngine:
             if req is not None and not req.finished:
                 self.scheduler.finish(req, "abort")
                 outputs.append(self._finish_output(req, []))
-        return outputs
+        return outputs, drained
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         want_lp = req.params.logprobs is not None

@@ -1,5 +1,5 @@
 """End to end: LLM.generate over the dual pool == transformers generate; batching, preemption,
-SWA bounds, pool hygiene, a failing forward, streaming embeddings, bad input."""
+SWA bounds, pool hygiene, a failing forward, ready work, streaming embeddings, bad input."""
 
 from __future__ import annotations
 
@@ -205,6 +205,27 @@ def test_a_failing_forward_ends_its_batch_and_the_engine_keeps_serving(model):
     again = llm.generate([ids(73, 9)], params)[0]
     alone = engine(model).generate([ids(73, 9)], params)[0]
     assert again.finish_reason == "length" and again.token_ids == alone.token_ids
+
+
+def test_has_ready_work_follows_queues_and_embedding_readiness(model):
+    eng = engine(model, max_model_len=64).engine
+    assert not eng.has_ready_work()
+    eng.add_request("long", ids(75, 80), SamplingParams())  # rejected at once: the output is ready work
+    assert eng.has_ready_work()
+    (out,) = eng.step()
+    assert out.finish_reason == "error" and not eng.has_ready_work()
+    table = model.model.embed_tokens.weight.detach()
+    media = StreamingEmbeds(table, ids(76, 20), step=0)  # nothing ready until the frontier moves
+    eng.add_request("m", ids(76, 20), SamplingParams(max_tokens=2, ignore_eos=True), embeds=media)
+    assert eng.has_ready_work()
+    assert eng.step() == [] and eng.last_step_progressed  # admitted, nothing computable yet
+    assert not eng.has_ready_work()
+    assert eng.step() == [] and not eng.last_step_progressed  # a step now would spin
+    media.frontier = 100
+    assert eng.has_ready_work()
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.has_ready_work() and eng.pool.all_free()
 
 
 class StreamingEmbeds:
