@@ -13,7 +13,8 @@
         -> outputs
 
 The engine itself knows token ids and embedding rows; the model runner knows tensors. Text appears
-only in finished outputs (one decode each) and in stop-string checks.
+only in stop-string checks (incremental, llm_core/engine/detokenizer.py) and in finished outputs
+(one decode each).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
 from llm_core.engine.outputs import RequestOutput
@@ -158,9 +160,10 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens) if params.stop else None
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
-                      extra_keys=tuple(extra_keys))
+                      extra_keys=tuple(extra_keys), stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
         with self._lock:
             if req.request_id in self._live:
@@ -218,7 +221,7 @@ class LLMEngine:
         for s in sampled:
             req = s.entry.request
             req.append_token(s.token_id, s.logprob, s.top_logprobs)
-            reason = req.check_stop(self.max_model_len, self.tokenizer)
+            reason = req.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 outputs.append(self._finish_output(req, [s.token_id]))

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from llm_core.engine.detokenizer import IncrementalDetokenizer
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.prompt.messages import ChatRequest, InvalidMessageError, parse_messages
-from mm_pipeline.runtime.detokenizer import IncrementalDetokenizer
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.components import OmniRuntime
 from mm_pipeline.runtime.media_feed import MediaFeed
