@@ -1,4 +1,6 @@
-"""Turn a ScheduledBatch into the model's ForwardBatch (flat tokens, slot mappings, page tables).
+"""The model runner's input preparation: a ScheduledBatch's entries become the model's ForwardBatch
+(flat tokens, slot mappings, page tables) and, for requests with an EmbeddingSource, input
+embeddings with the placeholder rows spliced in.
 
 Slot of a token at logical position ``pos`` of request b, in either pool:
 
@@ -9,6 +11,8 @@ Slot of a token at logical position ``pos`` of request b, in either pool:
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -65,3 +69,34 @@ def build_forward_batch(
         logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
     )
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def splice_embeds(
+    entries: list[ScheduledRequest], input_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | None:
+    """Token embeddings [T, H] with placeholder rows replaced from each request's EmbeddingSource
+    (None when no entry has one: the model then embeds ``input_ids`` itself)."""
+    if all(e.request.embeds is None for e in entries):
+        return None
+    ids = input_ids.clone()
+    splices: list[tuple[torch.Tensor, torch.Tensor]] = []
+    offset = 0
+    for e in entries:
+        req = e.request
+        prompt_end = min(e.end, req.num_prompt_tokens)
+        if req.embeds is not None and e.start < prompt_end:
+            mask, rows = req.embeds.rows(e.start, prompt_end)
+            mask = mask.to(torch.bool).cpu()
+            if mask.shape[0] != prompt_end - e.start:
+                raise ValueError(f"embedding source of {req.request_id} returned a mask of "
+                                 f"{mask.shape[0]} for {prompt_end - e.start} positions")
+            if rows.shape[0] == mask.shape[0]:
+                rows = rows[mask.to(rows.device)]
+            at = torch.nonzero(mask)[:, 0] + offset
+            ids[at.to(ids.device)] = 0  # placeholder ids may lie outside the vocabulary
+            splices.append((at, rows))
+        offset += e.num_new_tokens
+    x = embed(ids).clone()
+    for at, rows in splices:
+        x[at.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
+    return x

@@ -1,12 +1,20 @@
 """LLMEngine: requests in, one scheduled model step at a time, RequestOutputs out.
 
-    add_request / abort  (any thread)  -> pending queues (under a lock)
-    step()               (engine thread): drain queues -> Scheduler.schedule -> build ForwardBatch
-                         -> model.forward -> compute_logits on sampling rows -> Sampler
-                         -> append tokens, stop checks -> Scheduler.after_step -> outputs
+    add_request / abort  (any thread)  -> pending queues (under a lock); a prompt the engine cannot
+                                          serve becomes an early "error" output right away
+    step()               (engine thread):
+        drain queues: early outputs out, new requests to the Scheduler's waiting queue, aborts end
+        -> Scheduler.schedule (requests it cannot ever fit end with "error")
+        -> ModelRunner.run: input preparation, forward, logits of the sampling rows, Sampler
+           (an exception ends this batch's requests with "error"; the engine keeps serving)
+        -> Scheduler.after_step (progress, prefix-cache inserts, SWA release behind the window)
+        -> per sampled token: append it, then stop checks in Request.check_stop's order
+           (EOS / stop token id, stop string, length); a finished request gives its pages back
+        -> outputs
 
-The engine knows token ids and embedding rows only; text appears only in finished outputs (one
-decode each) and in stop-string checks.
+The engine itself knows token ids and embedding rows; the model runner knows tensors. Text appears
+only in stop-string checks (incremental, llm_core/engine/detokenizer.py) and in finished outputs
+(one decode each).
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_core.engine.batch_builder import build_forward_batch
+from llm_core.engine.detokenizer import StopStringMatcher
+from llm_core.engine.model_runner import ModelRunner
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
-from llm_core.engine.sampling import Sampler, SamplingParams
-from llm_core.engine.scheduler import PrefixCache, ScheduledBatch, Scheduler, SchedulerConfig
+from llm_core.engine.sampling import SamplingParams
+from llm_core.engine.scheduler import PrefixCache, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,11 @@ class LLMEngine:
         enable_prefix_caching: bool | None = None,
     ) -> None:
         """``enable_prefix_caching`` overrides the config's flag; an explicit ``prefix_cache`` wins."""
-        self.model = model
         self.model_config = model.config
         self.config = engine_config or EngineConfig()
         self.tokenizer = tokenizer
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, model.model.norm.weight.dtype
+        self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
+        self.device, self.dtype = self.runner.device, self.runner.dtype
         layout = KVLayout.from_model_config(self.model_config)
         self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
                                **self._pool_sizes(layout).__dict__)
@@ -113,7 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,
                                    self.config.queue)
         self.prefix_cache = self.scheduler.prefix_cache
-        self.sampler = Sampler(self.config.seed, self.device)
+        self.last_step_progressed = False
         self._lock = threading.Lock()
         self._pending_add: list[Request] = []
         self._pending_abort: list[str] = []
@@ -152,9 +160,10 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens) if params.stop else None
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
-                      extra_keys=tuple(extra_keys))
+                      extra_keys=tuple(extra_keys), stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
         with self._lock:
             if req.request_id in self._live:
@@ -175,32 +184,49 @@ class LLMEngine:
         with self._lock:
             return bool(self._live or self._early_outputs or self._pending_abort)
 
-    @torch.inference_mode()
+    def has_ready_work(self) -> bool:
+        """Whether step() now has something to do: outputs to hand over (a prompt rejected at
+        add_request), requests to admit or abort, or a request with tokens it may compute (its
+        embeddings are ready past what is computed). False while every request waits for media: a
+        driving loop then sleeps instead of spinning step(). Call it from the thread that calls
+        step() (it reads the scheduler's queues)."""
+        with self._lock:
+            if self._early_outputs or self._pending_add or self._pending_abort:
+                return True
+        s = self.scheduler
+        return any(r.schedulable_until() > r.num_computed_tokens for r in (*s.running, *s.waiting))
+
+    @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; returns outputs of requests that progressed or ended."""
-        outputs = self._drain_queues()
+        """Run one scheduled model step; returns outputs of requests that progressed or ended.
+
+        ``last_step_progressed`` then says whether the step changed anything (admitted, ended,
+        preempted or computed): a step with ready work may still schedule nothing when the pools are
+        held by requests that wait for their media."""
+        outputs, drained = self._drain_queues()
         batch = self.scheduler.schedule()
+        self.last_step_progressed = drained or bool(batch) or bool(batch.failed) or bool(batch.preempted)
         for req in batch.failed:
             outputs.append(self._finish_output(req, []))
         if not batch:
             return outputs
         try:
-            sampled = self._run_model(batch)
+            sampled = self.runner.run(batch, self.prefix_cache.kv_buffers(self.pool))
         except Exception as exc:  # keep serving others; the batch's requests end with the error
             for e in batch.entries:
                 self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}")
                 outputs.append(self._finish_output(e.request, []))
             return outputs
         self.scheduler.after_step(batch)
-        for e, (tok, lp, top) in sampled:
-            req = e.request
-            req.append_token(tok, lp, top)
-            reason = req.check_stop(self.max_model_len, self.tokenizer)
+        for s in sampled:
+            req = s.entry.request
+            req.append_token(s.token_id, s.logprob, s.top_logprobs)
+            reason = req.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(req, reason)
-                outputs.append(self._finish_output(req, [tok]))
+                outputs.append(self._finish_output(req, [s.token_id]))
             else:
-                outputs.append(self._output(req, [tok]))
+                outputs.append(self._output(req, [s.token_id]))
         return outputs
 
     def stats(self) -> dict:
@@ -232,11 +258,13 @@ class LLMEngine:
             max_chunk_tokens=c.scheduler_config.chunk_cap, swa_release_interval=c.swa_release_interval,
         )
 
-    def _drain_queues(self) -> list[RequestOutput]:
+    def _drain_queues(self) -> tuple[list[RequestOutput], bool]:
+        """(outputs of early rejections and aborts, whether anything was queued)."""
         with self._lock:
             outputs, self._early_outputs = self._early_outputs, []
             adds, self._pending_add = self._pending_add, []
             aborts, self._pending_abort = self._pending_abort, []
+        drained = bool(outputs or adds or aborts)
         for req in adds:
             self.scheduler.add(req)
         for rid in aborts:
@@ -245,49 +273,7 @@ class LLMEngine:
             if req is not None and not req.finished:
                 self.scheduler.finish(req, "abort")
                 outputs.append(self._finish_output(req, []))
-        return outputs
-
-    def _run_model(self, batch: ScheduledBatch) -> list[tuple]:
-        fb, input_ids = build_forward_batch(batch.entries, self.pool.page_size, self.device)
-        embeds = self._input_embeds(batch, input_ids)
-        kv = self.prefix_cache.kv_buffers(self.pool)  # the pool, or a view waiting for layer loads
-        if embeds is None:
-            hidden = self.model(input_ids, fb, kv)
-        else:
-            hidden = self.model(None, fb, kv, inputs_embeds=embeds)
-        sampling = [e for e in batch.entries if e.samples]
-        if not sampling:
-            return []
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
-        out = self.sampler(logits, [e.request.params for e in sampling], [e.request.generator for e in sampling])
-        return list(zip(sampling, zip(out.token_ids, out.logprobs, out.top_logprobs)))
-
-    def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Token embeddings with placeholder rows replaced from each request's EmbeddingSource."""
-        if all(e.request.embeds is None for e in batch.entries):
-            return None
-        ids = input_ids.clone()
-        splices: list[tuple[torch.Tensor, torch.Tensor]] = []
-        offset = 0
-        for e in batch.entries:
-            req = e.request
-            prompt_end = min(e.end, req.num_prompt_tokens)
-            if req.embeds is not None and e.start < prompt_end:
-                mask, rows = req.embeds.rows(e.start, prompt_end)
-                mask = mask.to(torch.bool).cpu()
-                if mask.shape[0] != prompt_end - e.start:
-                    raise ValueError(f"embedding source of {req.request_id} returned a mask of "
-                                     f"{mask.shape[0]} for {prompt_end - e.start} positions")
-                if rows.shape[0] == mask.shape[0]:
-                    rows = rows[mask.to(rows.device)]
-                at = torch.nonzero(mask)[:, 0] + offset
-                ids[at.to(ids.device)] = 0  # placeholder ids may lie outside the vocabulary
-                splices.append((at, rows))
-            offset += e.num_new_tokens
-        x = self.model.embed(ids).clone()
-        for at, rows in splices:
-            x[at.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
-        return x
+        return outputs, drained
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         want_lp = req.params.logprobs is not None

@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.kvcache.radix_node import check_extra_keys
 from llm_core.engine.sampling import SamplingParams
 
@@ -64,6 +65,8 @@ class Request:
     # keys of those tokens, so equal placeholder ids with different media never share KV.
     extra_keys: tuple[tuple[int, int, bytes], ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)  # for wait-time aware queue orders
+    # incremental output text for ``params.stop`` (the engine makes one when it has a tokenizer)
+    stop_matcher: StopStringMatcher | None = None
 
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
@@ -131,19 +134,22 @@ class Request:
             self.output_logprobs.append(logprob)
             self.output_top_logprobs.append(top or {})
 
-    def check_stop(self, max_model_len: int, tokenizer=None) -> str | None:
-        """After a token was appended: the finish reason if the request must stop, else None."""
+    def check_stop(self, max_model_len: int) -> str | None:
+        """After a token was appended: the finish reason if the request must stop, else None.
+
+        In this order: EOS (unless ignored) or a stop token id -> "stop"; a stop string in the output
+        text -> "stop" (``stop_text`` = the text before it); max_tokens or the context limit -> "length".
+        """
         last = self.output_token_ids[-1]
         p = self.params
         if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
             return "stop"
         if p.stop:
-            if tokenizer is None:
+            if self.stop_matcher is None:
                 raise ValueError("stop strings need a tokenizer; this engine has none")
-            text = tokenizer.decode(self.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-            cut = _first_stop(text, p.stop)
+            cut = self.stop_matcher.update(self.output_token_ids)
             if cut is not None:
-                self.stop_text = text[:cut]
+                self.stop_text = cut
                 return "stop"
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
             return "length"
@@ -160,7 +166,3 @@ class Request:
         self.num_preemptions += 1
         self.status = RequestStatus.WAITING
 
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None

@@ -160,9 +160,6 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts; allocate their pages."""
         batch = ScheduledBatch()

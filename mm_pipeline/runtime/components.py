@@ -7,6 +7,8 @@
 ``prepare_chat`` turns a parsed chat into token ids with placeholder spans sized before any
 encoding (plans come from the cache manifest or media metadata) -- the one contract streaming
 needs. Everything that blocks runs on the worker pool; this object is used from the event loop.
+OmniEngine asks it by intent (prepare_chat / tokenize / open_media / submit / abort / detach) and
+never reaches into the parts.
 """
 
 from __future__ import annotations
@@ -15,19 +17,21 @@ import asyncio
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llm_core.engine.llm_engine import LLMEngine
+from llm_core.engine.sampling import SamplingParams
 from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
 from mm_pipeline.prompt.messages import ChatRequest, MediaRef
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
-from mm_pipeline.runtime.engine_loop import EngineLoop
+from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import MediaError
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.encode.planner import MediaPlan, MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.runtime.media_feed import MediaFeed
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -106,11 +110,42 @@ class OmniRuntime:
         return PreparedChat(token_ids, [spans[i] for i in order], plans,
                             [[where[i] for i in idx] for idx in spans_of_plan])
 
-    @staticmethod
-    def extra_request_args(stream: EmbeddingStream | None) -> dict[str, Any]:
-        """Media hashes over placeholder ranges, mixed into the prefix-cache keys of those tokens:
-        equal placeholder ids with other media never match."""
-        return {} if stream is None else {"extra_keys": stream.extra_keys()}
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of a plain text prompt (no chat template), on the worker pool."""
+        return await self.pool.run(self._encode_text, text)
+
+    def open_media(self, prepared: PreparedChat, request_id: str,
+                   on_progress: Callable[[], None] | None = None) -> MediaFeed:
+        """The EmbeddingStream over ``prepared``'s placeholders and the unit sinks that fill it (not
+        started). Every arrival or failure wakes the engine thread, then calls ``on_progress``; a
+        failed unit aborts ``request_id``."""
+        def progressed() -> None:
+            self.loop.wake()
+            if on_progress is not None:
+                on_progress()
+
+        stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed)
+        return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
+                         lambda: self.loop.abort(request_id))
+
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               stream: EmbeddingStream | None, on_output: OutputSink) -> None:
+        """Hand a request to the engine thread; each of its outputs goes to ``on_output`` (called on
+        that thread). The stream's media hashes are mixed into the prefix-cache keys of their
+        placeholder ranges: equal placeholder ids with other media never match."""
+        extra_keys = () if stream is None else stream.extra_keys()
+        self.loop.add_request(request_id, token_ids, params, stream, on_output, extra_keys=extra_keys)
+
+    def abort(self, request_id: str) -> None:
+        """End a request; its final output (finish_reason "abort") still reaches its sink."""
+        self.loop.abort(request_id)
+
+    def detach(self, request_id: str) -> None:
+        """Stop delivering a request's outputs (its consumer is gone)."""
+        self.loop.detach(request_id)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self.model.tokenizer.encode(text, add_special_tokens=False))
 
     # ---- lifecycle and stats ----------------------------------------------------------------
     def start(self) -> None:

@@ -127,10 +127,6 @@ class EmbeddingStream:
         with self._lock:
             return self._error
 
-    def is_filled(self, index: int) -> bool:
-        with self._lock:
-            return self._rows[index] is not None
-
     @property
     def complete(self) -> bool:
         with self._lock:

@@ -1,12 +1,14 @@
 """The engine thread: LLM steps and encoder batches, one after the other, off the event loop.
 
     loop:  clear wake ─► batcher.run_due()            (encoder forwards that are due)
-                     ─► llm.step() if a request can progress   ─► outputs to each request's sink
+                     ─► llm.step() if llm.has_ready_work()   ─► outputs to each request's sink
                      ─► nothing done? wait for a wake (new request, abort, encoder job, unit
                         arrival) or the batcher's next due time
 
-A request whose embeddings are not ready cannot progress; the thread then sleeps instead of spinning
-``step()`` (on a 2-core host a spinning engine would steal the decode workers' CPU). Sinks run on
+A request whose embeddings are not ready cannot progress; the engine then has no ready work and the
+thread sleeps instead of spinning ``step()`` (on a 2-core host a spinning engine would steal the
+decode workers' CPU). The loop asks the engine (``has_ready_work``, ``last_step_progressed``); it
+does not read the scheduler's queues. Sinks run on
 this thread and must only hand the output over (``loop.call_soon_threadsafe``).
 """
 
@@ -37,7 +39,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._sinks: dict[str, OutputSink] = {}
-        self._news = 0  # adds/aborts not yet seen by a step (they need a step even if nothing runs)
         self._stop = False
         self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0}
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
@@ -56,7 +57,6 @@ class EngineLoop:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = sink
-            self._news += 1
         try:
             self.llm.add_request(request_id, prompt_token_ids, params, embeds=embeds, **extra)
         except BaseException:
@@ -71,7 +71,6 @@ class EngineLoop:
         with self._lock:
             if request_id not in self._sinks:
                 return
-            self._news += 1
         self.llm.abort(request_id)
         self._wake.set()
 
@@ -118,27 +117,14 @@ class EngineLoop:
         if n:
             self.counts["encoder_units"] += n
             did = True
-        if self._llm_has_work():
-            before = self._progress()
+        if self.llm.has_ready_work():
             outputs = self.llm.step()
             self.counts["steps"] += 1
             self._dispatch(outputs)
             # a step that scheduled nothing (pools full while the running requests wait for their
             # media) must not make the thread spin
-            did = did or bool(outputs) or self._progress() != before
+            did = did or self.llm.last_step_progressed
         return did
-
-    def _llm_has_work(self) -> bool:
-        with self._lock:
-            news, self._news = self._news, 0
-        if news:
-            return True
-        s = self.llm.scheduler  # read only, from the one thread that mutates it
-        return any(r.schedulable_until() > r.num_computed_tokens for r in (*s.running, *s.waiting))
-
-    def _progress(self) -> tuple[int, int, int]:
-        s = self.llm.scheduler
-        return sum(r.num_computed_tokens for r in s.running), len(s.running), len(s.waiting)
 
     def _idle_timeout(self) -> float:
         due = self.batcher.next_due()

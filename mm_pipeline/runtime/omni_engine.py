@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from llm_core.engine.detokenizer import IncrementalDetokenizer
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.prompt.messages import ChatRequest, InvalidMessageError, parse_messages
-from mm_pipeline.runtime.detokenizer import IncrementalDetokenizer
-from mm_pipeline.runtime.embedding_stream import EmbeddingStream
-from mm_pipeline.encode.batcher import UnitSink
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.components import OmniRuntime
+from mm_pipeline.runtime.media_feed import MediaFeed
 
 
 class OverloadedError(Exception):
@@ -114,40 +113,29 @@ class OmniEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rt = self.runtime
         started = False
-        plans: list = []
-        sinks: list[list[UnitSink]] = []
-        stream: EmbeddingStream | None = None
+        feed: MediaFeed | None = None
         try:
             if chat is not None:
                 prepared = await rt.prepare_chat(chat)
-                token_ids, plans = prepared.token_ids, prepared.plans
-                progressed = asyncio.Event()
-
-                def wake_and_signal() -> None:  # streaming off: the request waits on the event loop
-                    rt.loop.wake()
-                    loop.call_soon_threadsafe(progressed.set)
-
-                on_progress = rt.loop.wake if self.config.stream_embeddings else wake_and_signal
-                stream = EmbeddingStream(len(token_ids), prepared.spans, rt.hidden_size, on_progress=on_progress)
-                sinks = [[_unit_sink(stream, s, rt, rid) for s in spans] for spans in prepared.spans_of_plan]
+                token_ids = prepared.token_ids
+                if self.config.stream_embeddings:
+                    feed = rt.open_media(prepared, rid)
+                else:  # every unit is decoded and encoded before prefill starts
+                    progressed = asyncio.Event()
+                    feed = rt.open_media(prepared, rid, on_progress=lambda: loop.call_soon_threadsafe(progressed.set))
+                    feed.start()
+                    while not feed.stream.complete and feed.stream.error is None:
+                        await progressed.wait()
+                        progressed.clear()
+                    if feed.stream.error is not None:
+                        raise feed.stream.error
             elif token_ids is None:  # a text prompt: tokenize off the event loop
-                token_ids = await rt.pool.run(self._encode_text, prompt)
-            if stream is not None and not self.config.stream_embeddings:
-                # Streaming off: every unit is decoded and encoded before prefill starts.
-                for plan, plan_sinks in zip(plans, sinks):
-                    rt.planner.start(plan, plan_sinks)
-                while not stream.complete and stream.error is None:
-                    await progressed.wait()
-                    progressed.clear()
-                if stream.error is not None:
-                    raise stream.error
-            rt.loop.add_request(rid, token_ids, params, stream,
-                                lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-                                **rt.extra_request_args(stream))
+                token_ids = await rt.tokenize(prompt)
+            stream = None if feed is None else feed.stream
+            rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
             started = True
-            if stream is None or self.config.stream_embeddings:
-                for plan, plan_sinks in zip(plans, sinks):
-                    rt.planner.start(plan, plan_sinks)
+            if feed is not None and self.config.stream_embeddings:
+                feed.start()
             while True:
                 out = await queue.get()
                 if stream is not None and stream.error is not None and not out.token_ids:
@@ -158,12 +146,10 @@ class OmniEngine:
         finally:
             self._in_flight -= 1
             if started:
-                rt.loop.abort(rid)
-                rt.loop.detach(rid)
-            for plan, plan_sinks in zip(plans, sinks):
-                rt.planner.detach(plan, plan_sinks)
-            if stream is not None:
-                stream.release()
+                rt.abort(rid)
+                rt.detach(rid)
+            if feed is not None:
+                feed.close()
 
     def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]]) -> None:
         """``fn(file_id) -> (bytes or path, filename)`` for ``{"type": "file"}`` content parts;
@@ -185,9 +171,6 @@ class OmniEngine:
             raise OverloadedError(f"{self._in_flight} requests in flight (max_queue {self.config.max_queue}); "
                                   f"retry later")
         self._in_flight += 1
-
-    def _encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _deltas(self, outs: AsyncIterator[RequestOutput], params: SamplingParams
                       ) -> AsyncIterator[GenerationDelta]:
@@ -211,16 +194,3 @@ class OmniEngine:
                                   first_token_time, out.error, out.prompt_token_ids if first else None)
             first = False
 
-
-def _unit_sink(stream: EmbeddingStream, span_index: int, rt: OmniRuntime, rid: str) -> UnitSink:
-    """Deliver one unit's rows into its span; an error (or rows that do not fit) fails the request."""
-    def sink(rows, error) -> None:
-        if error is None:
-            try:
-                stream.fill(span_index, rows)
-                return
-            except Exception as exc:  # wrong-sized rows: fail this request, not the deliverer
-                error = exc
-        stream.fail(error)
-        rt.loop.abort(rid)  # its queue then gets the abort output; outputs() raises the error
-    return sink

@@ -1,5 +1,6 @@
 """End to end: LLM.generate over the dual pool == transformers generate; batching, preemption,
-SWA bounds, pool hygiene, streaming embeddings, bad input."""
+SWA bounds, pool hygiene, stop strings (incremental, bounded work per token), a failing forward,
+ready work, streaming embeddings, bad input."""
 
 from __future__ import annotations
 
@@ -169,6 +170,109 @@ def test_stop_token_ids_and_stop_strings(model):
         [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_str]))[0]
     assert out.finish_reason == "stop" and out.text == text[:cut]
     assert out.token_ids == toks[: cut + 2]
+
+
+class ByteTokenizer:
+    """Token t decodes to one UTF-8 byte of a text with 2- and 3-byte characters (replacement
+    characters where bytes do not form one): multi-byte characters split over tokens."""
+
+    BYTES = "héllo wörld → ok ✓ ".encode()
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return bytes(self.BYTES[t % len(self.BYTES)] for t in token_ids).decode("utf-8", errors="replace")
+
+
+class CountingTokenizer(CharTokenizer):
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        self.lengths.append(len(token_ids))
+        return super().decode(token_ids, skip_special_tokens)
+
+
+def test_stop_strings_over_split_characters_equal_a_full_decode_per_token(model):
+    """The engine's incremental stop check stops at the token and cuts the text where decoding the
+    whole output after every token would."""
+    tok = ByteTokenizer()
+    prompt = ids(71, 12)
+    params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    toks = engine(model).generate([prompt], SamplingParams(**params))[0].token_ids
+    text = tok.decode(toks)
+    for stops in ([text[9:11]], [text[20:23], text[30:31]], [text[4:6], "never"]):
+        k = next(k for k in range(1, len(toks) + 1) if any(s in tok.decode(toks[:k]) for s in stops))
+        seen = tok.decode(toks[:k])
+        out = engine(model, tokenizer=tok).generate([prompt], SamplingParams(**params, stop=stops))[0]
+        assert out.finish_reason == "stop" and out.token_ids == toks[:k]
+        assert out.text == seen[:min(seen.find(s) for s in stops if s in seen)]
+
+
+def test_stop_check_decodes_a_bounded_window_per_token(model):
+    """Per step the engine decodes the new token with one token of context, however long the output
+    is; the whole output is decoded once, when the request finishes."""
+    tok = CountingTokenizer()
+    out = engine(model, tokenizer=tok).generate(
+        [ids(72, 10)], SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True, stop=["#never#"]))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 150
+    *steps, final = tok.lengths
+    assert final == 150 and max(steps) <= 2 and len(steps) <= 2 * 150
+
+
+class FailingOnce(torch.nn.Module):
+    """The model, except that its first forward raises."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner, self.failed = model, False
+
+    def forward(self, *args, **kw):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        return self.inner(*args, **kw)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+def test_a_failing_forward_ends_its_batch_and_the_engine_keeps_serving(model):
+    llm = engine(model)
+    eng = llm.engine
+    eng.runner.model = FailingOnce(model)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", ids(73, 9), params)
+    eng.add_request("b", ids(74, 3), params)
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["a"].finish_reason == outs["b"].finish_reason == "error"
+    assert outs["a"].error == "RuntimeError: boom" and not eng.has_unfinished()
+    assert eng.pool.all_free()
+    again = llm.generate([ids(73, 9)], params)[0]
+    alone = engine(model).generate([ids(73, 9)], params)[0]
+    assert again.finish_reason == "length" and again.token_ids == alone.token_ids
+
+
+def test_has_ready_work_follows_queues_and_embedding_readiness(model):
+    eng = engine(model, max_model_len=64).engine
+    assert not eng.has_ready_work()
+    eng.add_request("long", ids(75, 80), SamplingParams())  # rejected at once: the output is ready work
+    assert eng.has_ready_work()
+    (out,) = eng.step()
+    assert out.finish_reason == "error" and not eng.has_ready_work()
+    table = model.model.embed_tokens.weight.detach()
+    media = StreamingEmbeds(table, ids(76, 20), step=0)  # nothing ready until the frontier moves
+    eng.add_request("m", ids(76, 20), SamplingParams(max_tokens=2, ignore_eos=True), embeds=media)
+    assert eng.has_ready_work()
+    assert eng.step() == [] and eng.last_step_progressed  # admitted, nothing computable yet
+    assert not eng.has_ready_work()
+    assert eng.step() == [] and not eng.last_step_progressed  # a step now would spin
+    media.frontier = 100
+    assert eng.has_ready_work()
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.has_ready_work() and eng.pool.all_free()
 
 
 class StreamingEmbeds:

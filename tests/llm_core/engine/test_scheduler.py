@@ -59,7 +59,7 @@ def drive(s: Scheduler, reqs: list[Request], max_steps=10_000) -> list[Scheduled
         s.add(r)
     batches = []
     for _ in range(max_steps):
-        if not s.has_work():
+        if not (s.waiting or s.running):
             return batches
         batch = s.schedule()
         check_invariants(s, batch)

@@ -79,7 +79,7 @@ class Harness:
 
     def drain(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
-            if not self.sched.has_work():
+            if not (self.sched.waiting or self.sched.running):
                 return
             self.step()
             self.check()

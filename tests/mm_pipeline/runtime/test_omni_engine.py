@@ -236,6 +236,25 @@ def test_disconnect_aborts_and_frees(ckpt):
         engine.shutdown()
 
 
+def test_a_prompt_rejected_on_an_idle_engine_is_answered_at_once(ckpt):
+    """The rejection is an output the engine holds from add_request on: the engine thread must step
+    for it although nothing runs (it must not wait for another request to arrive)."""
+    engine = make(ckpt, max_model_len=32)
+    try:
+        time.sleep(0.2)  # the engine thread is idle, waiting for a wake
+
+        async def ask_too_long():
+            return [d async for d in engine.generate_prompt(list(range(5, 45)), GREEDY)]
+
+        t0 = time.monotonic()
+        deltas = asyncio.run(asyncio.wait_for(ask_too_long(), timeout=5))
+        assert time.monotonic() - t0 < 1.0
+        assert [d.finish_reason for d in deltas] == ["error"] and "context limit of 32" in deltas[0].error
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_admission_limit_and_file_resolver(ckpt):
     engine = make(ckpt, max_queue=1)
     img = image_bytes(size=(64, 64))

@@ -1,6 +1,6 @@
 """Omni request inputs before the engine: preprocessing matches the encoders' reference (image, video
-groups, audio token counts), chat message parsing and its 400 errors, the keyframe-aligned video chunk
-plan, and the incremental detokenizer's deltas."""
+groups, audio token counts), chat message parsing and its 400 errors, and the keyframe-aligned video
+chunk plan. (The incremental detokenizer's tests live in tests/llm_core/engine/test_detokenizer.py.)"""
 
 from __future__ import annotations
 
@@ -82,22 +82,3 @@ def test_video_chunks_follow_keyframes():
     assert plan_chunks(range(6), indices, late, 2, 2) == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="groups_per_chunk"):
         plan_chunks([0], indices, every8, 2, 0)
-
-
-# ---- incremental detokenizer -------------------------------------------------------------------
-def test_detokenizer_deltas_concatenate_to_the_final_text():
-    from mm_pipeline.runtime.detokenizer import IncrementalDetokenizer
-    from samples.checkpoints.tiny_omni import build_tiny_tokenizer, tiny_special_tokens
-
-    tok = build_tiny_tokenizer(tiny_special_tokens())
-    text = "héllo wörld → ok"
-    ids = tok.encode(text, add_special_tokens=False)  # bytes: 'é', 'ö', '→' span several tokens
-    d = IncrementalDetokenizer(tok)
-    pieces = [d.push([i]) for i in ids]
-    assert "".join(pieces) + d.finish(None) == text
-    assert all("\ufffd" not in p for p in pieces)  # a split character is sent once complete
-    # stop strings: nothing past the stop is ever sent; the engine's cut text settles the end
-    d = IncrementalDetokenizer(tok, stop=("wör",))
-    sent = "".join(d.push([i]) for i in ids[:tok.encode("héllo wö", add_special_tokens=False).__len__()])
-    assert "wö" not in sent and text.startswith(sent)
-    assert sent + d.finish("héllo ") == "héllo "

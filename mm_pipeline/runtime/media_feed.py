@@ -1,0 +1,53 @@
+"""MediaFeed: the media units of one chat request flowing into its EmbeddingStream.
+
+    MediaPlanner ──rows of unit k──► sink k ──fill──► EmbeddingStream ──on_progress──► engine thread
+                 ──error───────────►        ──fail──► stream.error, and the request is aborted
+
+Opened by ``OmniRuntime.open_media`` once the chat is laid out; ``start`` when the request may take
+rows (right after it was submitted when embeddings stream, before it is submitted otherwise);
+``close`` when the request is over: the batcher forgets the sinks (their unit claims go) and the
+stream drops its rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from mm_pipeline.encode.batcher import UnitSink
+from mm_pipeline.encode.planner import MediaPlan, MediaPlanner
+from mm_pipeline.runtime.embedding_stream import EmbeddingStream
+
+
+class MediaFeed:
+    def __init__(self, stream: EmbeddingStream, plans: list[MediaPlan], spans_of_plan: list[list[int]],
+                 planner: MediaPlanner, abort_request: Callable[[], None]) -> None:
+        """``spans_of_plan[p]``: the stream's span index of each unit of ``plans[p]``;
+        ``abort_request`` ends the request when a unit fails."""
+        self.stream = stream
+        self._plans = plans
+        self._planner = planner
+        self._abort_request = abort_request
+        self._sinks = [[self._unit_sink(span) for span in spans] for spans in spans_of_plan]
+
+    def start(self) -> None:
+        """Deliver cached units and produce the rest (see ``MediaPlanner.start``)."""
+        for plan, sinks in zip(self._plans, self._sinks):
+            self._planner.start(plan, sinks)
+
+    def close(self) -> None:
+        for plan, sinks in zip(self._plans, self._sinks):
+            self._planner.detach(plan, sinks)
+        self.stream.release()
+
+    def _unit_sink(self, span_index: int) -> UnitSink:
+        """Deliver one unit's rows into its span; an error (or rows that do not fit) fails the request."""
+        def sink(rows, error) -> None:
+            if error is None:
+                try:
+                    self.stream.fill(span_index, rows)
+                    return
+                except Exception as exc:  # wrong-sized rows: fail this request, not the deliverer
+                    error = exc
+            self.stream.fail(error)
+            self._abort_request()  # its queue then gets the abort output; outputs() raises the error
+        return sink
