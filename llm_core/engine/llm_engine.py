@@ -24,7 +24,8 @@ from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import Sampler, SamplingParams
-from llm_core.engine.scheduler import PrefixCache, ScheduledBatch, Scheduler, SchedulerConfig
+from llm_core.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llm_core.kvcache.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class LLMEngine:
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
         if prefix_cache is None and enable_prefix_caching:
-            from llm_core.kvcache.kv_tiers import build_prefix_cache
+            from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
             prefix_cache = build_prefix_cache(self.pool, self.config, model)
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,

@@ -7,7 +7,9 @@ import blake3
 import torch
 
 from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.host_kv_pool import HostKVPool
+from llm_core.kvcache.tiers.host_kv_pool import HostKVPool
+from llm_core.kvcache.tiers.kv_tiers import KVTiers
+from llm_core.kvcache.swa_radix_cache import SWARadixCache
 from llm_core.storage import KeyValueStore, LocalDirStore, RedisStore
 
 KV_STORE_PREFIX = "mmserve-kv:"  # Redis key namespace of KV pages (the encoder cache uses "mmserve:")
@@ -33,11 +35,8 @@ def open_kv_store(location: str) -> KeyValueStore:
     return LocalDirStore(location)
 
 
-def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module):
+def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWARadixCache:
     """The engine's prefix cache from its EngineConfig: an SWARadixCache, with tiers when configured."""
-    from llm_core.kvcache.kv_tiers import KVTiers  # lazy: kv_tiers re-exports this module's names
-    from llm_core.kvcache.swa_radix_cache import SWARadixCache
-
     tiers = None
     if config.kv_host_bytes or config.kv_store:
         host = None
