@@ -40,8 +40,8 @@ from _common import base_parser, print_table, write_json
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
-from llm_core.kvcache.host_kv_pool import HostKVPool, row_elements
-from llm_core.kvcache.kv_tiers import KVTiers
+from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
+from llm_core.kvcache.tiers.kv_tiers import KVTiers
 from llm_core.model.loader import load_model
 from llm_core.engine.request import Request
 from llm_core.engine.scheduler import Scheduler, SchedulerConfig

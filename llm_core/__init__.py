@@ -9,7 +9,8 @@ from llm_core.llm import LLM
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import Sampler, SamplingParams
-from llm_core.engine.scheduler import NoPrefixCache, PrefixCache, Scheduler, SchedulerConfig
+from llm_core.engine.scheduler import Scheduler, SchedulerConfig
+from llm_core.kvcache.prefix_cache import NoPrefixCache, PrefixCache
 
 __all__ = [
     "LLM",

@@ -33,7 +33,8 @@ from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import PrefixCache, Scheduler, SchedulerConfig
+from llm_core.engine.scheduler import Scheduler, SchedulerConfig
+from llm_core.kvcache.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     swa_release_interval: int = 16
     seed: int = 0
-    # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/kv_tiers.py)
+    # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
     enable_prefix_caching: bool = False
     prefix_checkpoint_every: int = 0  # keep an SWA window every K tokens (a multiple of page_size; 0: off)
     kv_host_bytes: int = 0  # L2: host-memory KV tier budget in bytes (0: no L2)
@@ -115,7 +116,7 @@ class LLMEngine:
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
         if prefix_cache is None and enable_prefix_caching:
-            from llm_core.kvcache.kv_tiers import build_prefix_cache
+            from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
             prefix_cache = build_prefix_cache(self.pool, self.config, model)
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,

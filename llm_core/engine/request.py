@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
-from llm_core.kvcache.radix_node import check_extra_keys
+from llm_core.kvcache.page_keys import check_extra_keys
 from llm_core.engine.sampling import SamplingParams
 
 

@@ -7,7 +7,12 @@ import blake3
 import torch
 
 from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.host_kv_pool import HostKVPool
+from llm_core.kvcache.tiers.host_kv_pool import HostKVPool
+from llm_core.kvcache.tiers.kv_tiers import KVTiers
+from llm_core.kvcache.swa_radix_cache import SWARadixCache
+from llm_core.storage import KeyValueStore, LocalDirStore, RedisStore
+
+KV_STORE_PREFIX = "mmserve-kv:"  # Redis key namespace of KV pages (the encoder cache uses "mmserve:")
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -22,28 +27,23 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
-def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module):
-    """The engine's prefix cache from its EngineConfig: an SWARadixCache, with tiers when configured."""
-    from llm_core.kvcache.kv_tiers import KVTiers  # lazy: kv_tiers re-exports this module's names
-    from llm_core.storage import LocalDirStore, RedisStore
-    from llm_core.kvcache.swa_radix_cache import SWARadixCache
+def open_kv_store(location: str) -> KeyValueStore:
+    """The L3 store ``kv_store`` names: a ``redis://`` URL or a directory. Anything with a
+    ``scheme://`` is taken for a URL, so a mistyped scheme raises instead of becoming a directory."""
+    if "://" in location:
+        return RedisStore.from_url(location, prefix=KV_STORE_PREFIX)
+    return LocalDirStore(location)
 
+
+def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWARadixCache:
+    """The engine's prefix cache from its EngineConfig: an SWARadixCache, with tiers when configured."""
     tiers = None
     if config.kv_host_bytes or config.kv_store:
         host = None
         if config.kv_host_bytes:
             host = HostKVPool(pool.layout, pool.page_size, pool.dtype, config.kv_host_bytes,
                               pin=pool.device.type == "cuda")
-        store = None
-        if config.kv_store:
-            if config.kv_store.startswith("redis://"):
-                import urllib.parse
-
-                u = urllib.parse.urlsplit(config.kv_store)
-                store = RedisStore(host=u.hostname or "127.0.0.1", port=u.port or 6379,
-                                   db=int(u.path.strip("/") or 0), prefix="mmserve-kv:")
-            else:
-                store = LocalDirStore(config.kv_store)
+        store = open_kv_store(config.kv_store) if config.kv_store else None
         model_id = config.kv_model_id or weights_fingerprint(model)
         tiers = KVTiers(pool, host=host, store=store, model_id=model_id)
     return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)

@@ -4,7 +4,7 @@ Tree pages share physical pages with requests through the allocators' reference 
 one reference per page it lists, every request one per page in its tables. A match therefore only
 copies page ids (and takes references); nothing is ever copied between slots in L1.
 
-Window-safe matching (fake hits under SWA are wrong outputs, not misses):
+Window-safe matching (fake hits under SWA are wrong outputs, not misses; docs/kv_cache.md §3):
 
     W = 4, page_size 2                      tree path for the prompt (S = SWA kept, - = tombstoned)
     pages      0   1   2   3   4   5           Full:  0 1 2 3 4 5   all present
@@ -12,36 +12,42 @@ Window-safe matching (fake hits under SWA are wrong outputs, not misses):
     resume at P = 12 (6 pages): needs pages 4, 5 -> valid -> match 12 tokens
     resume at P = 8  (4 pages): needs pages 2, 3 -> page 3 tombstoned -> not a candidate
 
-Lifecycle: a request's computed pages are inserted after every step (before the scheduler releases the
-request's out-of-window SWA pages, so the tree can keep what it wants); the tree then drops the SWA
-pages this request contributed once they fall behind the request's last window, except checkpoint
-windows (every ``checkpoint_every`` tokens) and the window ending at the prompt's last whole page. A
-finished request thus leaves its Full KV, its last window of SWA KV, its prompt's and its checkpoints.
+Lifecycle (§7): a request's computed pages are inserted after every step (before the scheduler
+releases the request's out-of-window SWA pages, so the tree can keep what it wants); the tree then
+drops the SWA pages this request contributed once they fall behind the request's last window, except
+checkpoint windows (every ``checkpoint_every`` tokens) and the window ending at the prompt's last whole
+page. A finished request thus leaves its Full KV, its last window of SWA KV, its prompt's and its
+checkpoints.
 
-Locks: a request locks Full on its whole path and SWA on the path nodes ending after the first page of
-its last window (always including its tail), so ``full_lock >= swa_lock`` on every node.
+The cache owns three collaborators and wires them together: the node store (``RadixTree``), the
+per-request locks (``LockTable``) and the LRU orders with eviction (``EvictionPolicy``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.radix_eviction import RadixEviction
-from llm_core.kvcache.radix_locks import RadixLocks, _Holder
-from llm_core.kvcache.radix_node import RadixNode, check_tree_integrity, page_keys, window_first_page, window_safe_pages
 from llm_core.engine.request import Request
-from llm_core.engine.scheduler import PrefixCache
+from llm_core.kvcache.dual_pool import DualKVPool
+from llm_core.kvcache.eviction_policy import EvictionPolicy
+from llm_core.kvcache.lock_table import Holder, LockTable
+from llm_core.kvcache.page_keys import PageKey, page_keys
+from llm_core.kvcache.prefix_cache import PrefixCache
+from llm_core.kvcache.radix_node import RadixNode
+from llm_core.kvcache.radix_tree import RadixTree, TreeMatch
+from llm_core.kvcache.swa_window import keeps_swa, window_first_page, window_safe_pages
+
+if TYPE_CHECKING:
+    from llm_core.kvcache.tiers.kv_tiers import KVTiers
 
 
-class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
-    """Radix tree of page runs with Full pages, per-page SWA validity, two LRU orders and two locks.
+class SWARadixCache(PrefixCache):
+    """Radix tree of page runs with Full pages, per-page SWA validity, two locks and two LRU orders."""
 
-    Lock bookkeeping lives in :class:`RadixLocks`, LRU orders and eviction in :class:`RadixEviction`."""
-
-    def __init__(self, pool: DualKVPool, *, checkpoint_every: int = 0, tiers=None) -> None:
+    def __init__(self, pool: DualKVPool, *, checkpoint_every: int = 0, tiers: KVTiers | None = None) -> None:
         """``checkpoint_every``: keep an SWA window every K tokens (0: off; a multiple of the page
-        size). ``tiers``: an optional :class:`llm_core.kvcache.kv_tiers.KVTiers` (L2 host memory + L3 store)."""
+        size). ``tiers``: an optional ``KVTiers`` (L2 host memory + L3 store, tiers/kv_tiers.py)."""
         ps = pool.page_size
         if checkpoint_every < 0 or checkpoint_every % ps:
             raise ValueError(f"checkpoint_every must be 0 or a positive multiple of page_size {ps}, "
@@ -51,12 +57,12 @@ class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
         self.has_swa = pool.has_swa
         self.window = pool.layout.window if self.has_swa else None
         self.checkpoint_every = checkpoint_every
-        self.root = RadixNode(None, 0, [], [], [])
-        self.root.full_lock = 1  # never evicted, never a leaf candidate
-        self._nodes: dict[int, RadixNode] = {}
-        self._holders: dict[Request, _Holder] = {}
-        self._init_eviction()
-        self.counters: Counter[str] = Counter()
+        # The collaborators, each the only writer of its part of a node: structure and page tables
+        # (tree), full_lock / swa_lock (locks), last_access and freeing the tree's pages (eviction).
+        self.tree = RadixTree()
+        self.locks = LockTable(self.tree.root, self.window, ps)
+        self.eviction = EvictionPolicy(self.tree, pool, tiers)
+        self.counters: Counter[str] = Counter()  # queries, query/hit tokens, trimmed SWA pages
         self.tiers = tiers
         if tiers is not None:
             tiers.attach(self)
@@ -66,23 +72,18 @@ class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
         """Lock and hand out the longest window-safe cached prefix of ``request`` (page aligned,
         at least one token left to compute); returns its length in tokens."""
         self._check_pool(pool)
-        if request in self._holders:
+        if request in self.locks:
             raise RuntimeError(f"request {request.request_id} matched twice without release")
-        if request.embeds is not None and not request.extra_keys:
-            return 0  # placeholder ids without content keys cannot tell media apart: bypass the cache
-        if self.tiers is not None and self.tiers.broken is not None:
-            return 0  # a tier load failed: some tree pages may hold garbage, never hand them out
-        limit = (request.num_tokens - 1) // self.page_size
-        keys = page_keys(request.token_ids, request.extra_keys, self.page_size, 0, limit)
-        nodes, valid = self._walk(keys)
-        p = window_safe_pages(valid, len(valid), self.window, self.page_size)
-        tail = self._cut(nodes, p)
-        holder = _Holder(tail, 0, request.num_prompt_tokens)
-        self._holders[request] = holder
-        self._lock_path(holder, window_first_page(p, self.window, self.page_size))
+        if not self._may_match(request):
+            return 0
+        keys = self._match_keys(request)
+        found = self.tree.walk(keys)
+        p = window_safe_pages(found.swa_valid, found.pages, self.window, self.page_size)
+        holder = self.locks.hold(request, self._cut(found, p), request.num_prompt_tokens,
+                                 window_first_page(p, self.window, self.page_size))
         if self.tiers is not None:
-            tail, p = self.tiers.extend_match(self, request, holder, keys, p)
-        self._hand_out(request, tail, p)
+            p = self.tiers.extend_match(self, request, holder, keys, p)
+        self._hand_out(request, holder.tail, p)
         self.counters["queries"] += 1
         self.counters["query_tokens"] += request.num_tokens
         self.counters["hit_tokens"] += p * self.page_size
@@ -90,33 +91,26 @@ class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
 
     def peek(self, request: Request) -> int:
         """Tokens ``match`` would hand out from L1 now (no locks, no tree changes): queue ordering."""
-        if request.embeds is not None and not request.extra_keys or (self.tiers and self.tiers.broken):
+        if not self._may_match(request):
             return 0
-        limit = (request.num_tokens - 1) // self.page_size
-        _, valid = self._walk(page_keys(request.token_ids, request.extra_keys, self.page_size, 0, limit))
-        return window_safe_pages(valid, len(valid), self.window, self.page_size) * self.page_size
+        found = self.tree.walk(self._match_keys(request))
+        return window_safe_pages(found.swa_valid, found.pages, self.window, self.page_size) * self.page_size
 
     def on_computed(self, request: Request, pool: DualKVPool) -> None:
         """Insert newly completed pages; drop this request's SWA contributions behind its window."""
-        holder = self._holders.get(request)
+        holder = self.locks.get(request)
         if holder is None:
             return
-        upto = request.num_computed_tokens // self.page_size
-        if upto > holder.tail.end:
-            self._insert(request, holder, upto)
-        self._advance_window(holder)
+        self._insert_computed(request, holder)
         if self.tiers is not None and request.num_computed_tokens >= request.num_prompt_tokens:
-            self.tiers.on_prefill_end(self, request, holder.tail)
+            self.tiers.on_prefill_end(request, holder.tail)
 
     def release(self, request: Request, pool: DualKVPool) -> None:
         """Finished or preempted: keep its computed pages in the tree (last window + checkpoints of
         SWA), unlock its path and drop the request's own page references."""
-        holder = self._holders.pop(request, None)
+        holder = self.locks.pop(request)
         if holder is not None:
-            upto = request.num_computed_tokens // self.page_size
-            if upto > holder.tail.end:
-                self._insert(request, holder, upto)
-            self._advance_window(holder)
+            self._insert_computed(request, holder)
             self._unlock(holder)
         if self.tiers is not None:
             self.tiers.forget(request)
@@ -134,79 +128,140 @@ class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
     def close(self) -> None:
         """Write the tree down to the tiers and stop their threads (a restart then hits L3)."""
         if self.tiers is not None:
-            self.tiers.close(self)
-
-    # ---- public API (also ``evict`` from RadixEviction) ------------------------------------------
-    def clear(self) -> None:
-        """Drop every cached page; raises if a request still holds part of the tree."""
-        if self._holders:
-            raise RuntimeError(f"cannot clear the prefix cache: {len(self._holders)} requests hold it")
-        self.evict(self.pool.full.num_pages * self.page_size, self.pool.swa.num_pages * self.page_size)
-        if self._nodes:
-            raise AssertionError(f"{len(self._nodes)} nodes survived clear(): an eligible node had no LRU entry")
+            self.tiers.close(self.tree.nodes())
 
     def stats(self) -> dict[str, int]:
         """Counters (queries, hit tokens per tier, evictions, trims) and the tree's current size."""
-        full = sum(len(n.full) for n in self._nodes.values())
-        swa = sum(n.num_swa for n in self._nodes.values())
-        out = dict(self.counters, tree_nodes=len(self._nodes), tree_full_pages=full, tree_swa_pages=swa,
-                   tree_tombstones=sum(1 for n in self._nodes.values() if n.is_tombstone))
+        nodes = self.tree.nodes()
+        out = dict(self.counters, **self.eviction.counters, tree_nodes=len(nodes),
+                   tree_full_pages=sum(len(n.full) for n in nodes), tree_swa_pages=sum(n.num_swa for n in nodes),
+                   tree_tombstones=sum(1 for n in nodes if n.is_tombstone))
         if self.tiers is not None:
             out.update(self.tiers.stats())
         out["hit_tokens_l1"] = out.get("hit_tokens", 0) - out.get("hit_tokens_l2", 0) - out.get("hit_tokens_l3", 0)
         return out
+
+    # ---- public API -----------------------------------------------------------------------------
+    def evict(self, full_tokens: int, swa_tokens: int) -> tuple[int, int]:
+        """Free at least this many tokens of Full and SWA KV held only by the tree, if unlocked nodes
+        hold that much (see ``EvictionPolicy.evict``); returns the tokens freed (Full, SWA)."""
+        return self.eviction.evict(full_tokens, swa_tokens)
+
+    def clear(self) -> None:
+        """Drop every cached page; raises if a request still holds part of the tree."""
+        if len(self.locks):
+            raise RuntimeError(f"cannot clear the prefix cache: {len(self.locks)} requests hold it")
+        self.evict(self.pool.full.num_pages * self.page_size, self.pool.swa.num_pages * self.page_size)
+        if len(self.tree):
+            raise AssertionError(f"{len(self.tree)} nodes survived clear(): an eligible node had no LRU entry")
+
+    # ---- interface for the tiers (tiers/kv_tiers.py) --------------------------------------------
+    def rehold(self, holder: Holder, found: TreeMatch, pages: int, swa_from: int) -> RadixNode:
+        """Move ``holder`` to the path of the first ``pages`` pages of ``found`` (SWA-locking the nodes
+        that end after page ``swa_from``); returns its new tail."""
+        self._unlock(holder)
+        holder.tail = self._cut(found, pages)
+        self.locks.lock_path(holder, swa_from)
+        return holder.tail
+
+    def revive_swa(self, tail: RadixNode, page: int, swa_page: int) -> None:
+        """Give the tombstoned path page ``page`` (on the path ending at ``tail``) the SWA page
+        ``swa_page``; the caller's reference on it passes to the tree."""
+        node, i = tail.locate(page)
+        assert node.swa[i] < 0, f"path page {page} of {node} still has its SWA page"
+        node.swa[i] = swa_page
+        self.eviction.push(node)
+
+    def graft(self, holder: Holder, keys: list[PageKey], full: list[int], swa: list[int],
+              hashes: list[bytes] | None) -> RadixNode:
+        """Add a node below ``holder``'s tail holding these pages (the caller's references pass to the
+        tree); ``holder`` locks it and it becomes the holder's tail."""
+        parent = holder.tail
+        node = self.tree.add(parent, keys, full, swa, hashes)
+        self.eviction.push(parent)  # no longer a leaf: now an SWA (tombstone) candidate
+        self.locks.extend(holder, node)
+        self.eviction.touch(node)
+        return node
+
+    # ---- integrity ------------------------------------------------------------------------------
+    def check_integrity(self, requests: list[Request] | None = None) -> None:
+        """Raise AssertionError unless every invariant holds: the tree's structure (a leaf is never a
+        tombstone, no page listed twice), lock counts recomputed from the holders, an LRU entry for
+        every evictable node, and a reference on every page the tree lists. With ``requests`` (every
+        request that holds pages), each page's reference count must equal tree + request references."""
+        full_pages, swa_pages = self.tree.check_integrity(self.has_swa)
+        self.locks.check_integrity(self.tree.nodes())
+        self.eviction.check_integrity()
+        self.pool.check_integrity()
+        for p in full_pages:
+            assert self.pool.full.refcount(p) >= 1, f"tree lists free Full page {p}"
+        for s in swa_pages:
+            assert self.pool.swa.refcount(s) >= 1, f"tree lists free SWA page {s}"
+        if requests is None:
+            return
+        full_refs, swa_refs = Counter(full_pages), Counter(swa_pages)
+        for r in requests:
+            full_refs.update(r.full_pages)
+            swa_refs.update(s for s in r.swa_pages if s >= 0)
+        for name, alloc, refs in (("Full", self.pool.full, full_refs), ("SWA", self.pool.swa, swa_refs)):
+            for page in range(alloc.num_pages):
+                assert alloc.refcount(page) == refs[page], \
+                    f"{name} page {page}: refcount {alloc.refcount(page)}, owners account for {refs[page]}"
 
     # ---- internal helpers: match ----------------------------------------------------------------
     def _check_pool(self, pool: DualKVPool) -> None:
         if pool is not self.pool:
             raise ValueError("the prefix cache was built for a different DualKVPool")
 
-    def _walk(self, keys: list) -> tuple[list[tuple[RadixNode, int]], list[bool]]:
-        """Nodes along the longest Full match of ``keys`` (with pages matched in each) + SWA validity."""
-        node, j, nodes, valid = self.root, 0, [], []
-        while j < len(keys):
-            child = node.children.get(keys[j])
-            if child is None:
-                break
-            n = 1
-            while n < len(child.keys) and j + n < len(keys) and child.keys[n] == keys[j + n]:
-                n += 1
-            nodes.append((child, n))
-            valid.extend(s >= 0 for s in child.swa[:n])
-            j += n
-            if n < len(child.keys):
-                break
-            node = child
-        return nodes, valid
+    def _may_match(self, request: Request) -> bool:
+        if request.embeds is not None and not request.extra_keys:
+            return False  # placeholder ids without content keys cannot tell media apart: bypass the cache
+        # a tier load failed: some tree pages may hold garbage, never hand them out
+        return self.tiers is None or self.tiers.broken is None
 
-    def _cut(self, nodes: list[tuple[RadixNode, int]], p: int) -> RadixNode:
+    def _match_keys(self, request: Request) -> list[PageKey]:
+        """Keys of the request's whole pages that may come from the cache (one token stays to compute)."""
+        limit = (request.num_tokens - 1) // self.page_size
+        return page_keys(request.token_ids, request.extra_keys, self.page_size, 0, limit)
+
+    def _cut(self, found: TreeMatch, p: int) -> RadixNode:
         """The node ending exactly at path page ``p`` (splitting the one that contains it)."""
         if p == 0:
-            return self.root
-        for node, _ in nodes:
+            return self.tree.root
+        for node, _ in found.nodes:
             if node.start < p <= node.end:
                 if p < node.end:
                     node = self._split(node, p - node.start)
                 return node
         raise AssertionError(f"page {p} is not on the matched path")
 
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        head = self.tree.split(node, k)
+        self.eviction.push(head)
+        return head
+
     def _hand_out(self, request: Request, tail: RadixNode, p: int) -> None:
         """Fill the request's page tables with the tree's first ``p`` pages (one reference each)."""
         full, swa = [0] * p, [-1] * p
-        node = tail
-        while node is not self.root:
+        for node in self.tree.path(tail):
             full[node.start:node.end] = node.full
             swa[node.start:node.end] = node.swa
-            node = node.parent
         first = window_first_page(p, self.window, self.page_size)
         swa[:first] = [-1] * first
         self.pool.full.incref(full)
         self.pool.swa.incref([s for s in swa if s >= 0])
         request.full_pages, request.swa_pages, request.swa_released_pages = full, swa, first
-        self._touch_path(tail)
+        self.eviction.touch_path(tail)
 
-    # ---- internal helpers: insert ----------------------------------------------------------------
-    def _insert(self, request: Request, holder: _Holder, upto: int) -> None:
+    # ---- internal helpers: insert and window --------------------------------------------------------
+    def _insert_computed(self, request: Request, holder: Holder) -> None:
+        """Put the request's newly completed pages on the tree, then move its window."""
+        upto = request.num_computed_tokens // self.page_size
+        if upto > holder.tail.end:
+            self._insert(request, holder, upto)
+        self._advance_window(holder)
+
+    def _insert(self, request: Request, holder: Holder, upto: int) -> None:
         """Put the request's pages [tail.end, upto) on its path, sharing existing nodes."""
         j, node = holder.tail.end, holder.tail
         keys = page_keys(request.token_ids, request.extra_keys, self.page_size, j, upto)
@@ -215,7 +270,7 @@ class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
         while j + k < upto:
             child = node.children.get(keys[k])
             if child is None:
-                self._add_pages(request, holder, node, keys[k:], j + k, upto, hashes)
+                self._add_pages(request, holder, keys[k:], upto, hashes)
                 return
             n = 1
             while n < len(child.keys) and j + k + n < upto and child.keys[n] == keys[k + n]:
@@ -228,34 +283,44 @@ class SWARadixCache(RadixLocks, RadixEviction, PrefixCache):
                     self.pool.swa.incref([s])
                     child.swa[i] = s
                     holder.own_swa.append((child.start + i, s))
-            child.full_lock += 1
-            child.swa_lock += 1
+            self.locks.extend(holder, child)
             node, k = child, k + n
-            holder.tail = node
-            self._touch(node)
+            self.eviction.touch(node)
             if self.tiers is not None:
-                self.tiers.backfill(self, node)
+                self.tiers.backfill(node)
 
-    def _add_pages(self, request: Request, holder: _Holder, parent: RadixNode, keys: list, start: int,
-                   upto: int, hashes: list | None) -> None:
+    def _add_pages(self, request: Request, holder: Holder, keys: list[PageKey], upto: int,
+                   hashes: list[bytes] | None) -> None:
+        start = holder.tail.end
         full = request.full_pages[start:upto]
         swa = request.swa_pages[start:upto]
         self.pool.full.incref(full)
         self.pool.swa.incref([s for s in swa if s >= 0])
         holder.own_swa.extend((start + i, s) for i, s in enumerate(swa) if s >= 0)
-        node_hashes = hashes[start:upto] if hashes is not None else None
         # A new node per step (never growing the tail in place): the SWA lock is per node, and a tail
         # grown over the whole request would pin all of its checkpoint windows while it runs.
-        node = RadixNode(parent, start, list(keys), list(full), list(swa), node_hashes)
-        parent.children[keys[0]] = node
-        self._nodes[node.nid] = node
-        node.full_lock = node.swa_lock = 1
-        self._push(parent)  # no longer a leaf: now an SWA (tombstone) candidate
-        holder.tail = node
-        self._touch(node)
+        self.graft(holder, keys, full, swa, hashes[start:upto] if hashes is not None else None)
 
-    # ---- integrity ------------------------------------------------------------------------------------
-    def check_integrity(self, requests: list[Request] | None = None) -> None:
-        """Raise AssertionError unless every invariant holds. With ``requests`` (every request that
-        holds pages), also check each page's reference count == tree references + request references."""
-        check_tree_integrity(self, requests)
+    def _advance_window(self, holder: Holder) -> None:
+        """Move the SWA locks to the tail's last window; drop the SWA pages this request gave the tree
+        that fell behind it, unless a checkpoint, the prompt's last window or another running
+        request's window keeps them."""
+        for node in self.locks.advance(holder):
+            self.eviction.push(node)
+        want = window_first_page(holder.tail.end, self.window, self.page_size)
+        node = holder.tail
+        for page, phys in reversed(holder.take_own_swa_before(want)):
+            if keeps_swa(page, holder.prompt_tokens, self.checkpoint_every, self.window, self.page_size):
+                continue
+            node, i = node.locate(page)
+            if node.swa[i] == phys and not self.locks.in_other_window(holder, node, page):
+                self.eviction.free_swa_page(node, i)
+                self.counters["trimmed_swa_pages"] += 1
+
+    def _unlock(self, holder: Holder) -> None:
+        for node in self.locks.unlock(holder):
+            self.eviction.push(node)
+        tail = holder.tail  # a tombstone that became a leaf while locked goes now (leaf never tombstone)
+        if tail is not self.tree.root and tail.alive and tail.is_leaf and tail.full_lock == 0 and \
+                self.has_swa and tail.is_tombstone:
+            self.eviction.delete_leaf(tail)

@@ -6,13 +6,14 @@ from llm_core.storage.entry_codec import CorruptEntry, decode_entry, encode_entr
 from llm_core.storage.kv_store import KeyValueStore
 from llm_core.storage.local_dir_store import LocalDirStore
 from llm_core.storage.memory_store import MemoryStore
-from llm_core.storage.redis_store import RedisStore
+from llm_core.storage.redis_store import RedisAddress, RedisStore
 
 __all__ = [
     "CorruptEntry",
     "KeyValueStore",
     "LocalDirStore",
     "MemoryStore",
+    "RedisAddress",
     "RedisStore",
     "decode_entry",
     "encode_entry",

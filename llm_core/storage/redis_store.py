@@ -4,13 +4,18 @@ Redis being down, slow or restarted is normal operation for a cache: every failu
 a dropped put), bounded by a short socket timeout, and after a failure the store stops talking to
 Redis for ``retry_after_s`` so a dead server costs one timeout per interval, not one per request.
 Values use the checksummed envelope, so a foreign or damaged value under our key is a miss.
+
+Every Redis URL in the project (the encoder cache's ``redis_url``, the KV cache's ``kv_store``) is
+parsed here, by :meth:`RedisAddress.from_url`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, TypeVar
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -21,13 +26,65 @@ from llm_core.storage.kv_store import KeyValueStore
 
 T = TypeVar("T")
 
+URL_FORM = "redis://[[user]:password@]host[:port][/db]"
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where a Redis server is and how to log in: what a Redis URL says."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_url(cls, url: str) -> "RedisAddress":
+        """Parse ``redis://[[user]:password@]host[:port][/db]`` (host, port and db default to
+        127.0.0.1, 6379 and 0). Raises ValueError naming what is wrong; the message never shows
+        the password."""
+        if not isinstance(url, str):
+            raise ValueError(f"a Redis URL must be a str of the form {URL_FORM}, got {type(url).__name__}")
+        text = url.strip()
+        parts = urllib.parse.urlsplit(text)
+        shown = _without_password(text, parts)
+        if not text.lower().startswith("redis://"):
+            raise ValueError(f"Redis URL {shown!r} must start with redis:// (form: {URL_FORM})")
+        if parts.query or parts.fragment:
+            raise ValueError(f"Redis URL {shown!r}: query parameters and fragments are not supported")
+        try:
+            port = parts.port
+        except ValueError as exc:  # "Port could not be cast ..." / "Port out of range ..."
+            raise ValueError(f"Redis URL {shown!r}: bad port ({exc})") from None
+        if port == 0:
+            raise ValueError(f"Redis URL {shown!r}: port must be in 1..65535")
+        db_text = parts.path[1:] if parts.path.startswith("/") else parts.path
+        if db_text and not (db_text.isascii() and db_text.isdigit()):
+            raise ValueError(f"Redis URL {shown!r}: the database after the host must be a number >= 0, "
+                             f"got {db_text!r}")
+        unquote = urllib.parse.unquote
+        return cls(host=parts.hostname or cls.host, port=port or cls.port, db=int(db_text or 0),
+                   username=unquote(parts.username) if parts.username else None,
+                   password=unquote(parts.password) if parts.password else None)
+
+
+def _without_password(url: str, parts: urllib.parse.SplitResult) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for error messages."""
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
 
 class RedisStore(KeyValueStore):
     name = "redis"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0,
                  prefix: str = "mmserve:", timeout_s: float = 0.25, ttl_s: int | None = None,
-                 retry_after_s: float = 5.0, client: redis.Redis | None = None) -> None:
+                 retry_after_s: float = 5.0, client: redis.Redis | None = None, *,
+                 username: str | None = None, password: str | None = None) -> None:
         super().__init__()
         if timeout_s <= 0 or retry_after_s < 0:
             raise ValueError(f"RedisStore needs timeout_s > 0 and retry_after_s >= 0, got "
@@ -38,11 +95,21 @@ class RedisStore(KeyValueStore):
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
         self._client = client or redis.Redis(
-            host=host, port=port, db=db, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            host=host, port=port, db=db, username=username, password=password,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # the client's default retries with backoff take seconds
         )
         self._down_until = 0.0
         self._state_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "mmserve:", **options: Any) -> "RedisStore":
+        """A store on the server a ``redis://`` URL names (see ``RedisAddress.from_url``; raises
+        ValueError for a malformed URL). ``prefix`` namespaces the keys; ``options`` as for the
+        constructor (timeout_s, ttl_s, retry_after_s)."""
+        a = RedisAddress.from_url(url)
+        return cls(host=a.host, port=a.port, db=a.db, prefix=prefix, username=a.username, password=a.password,
+                   **options)
 
     # ---- public API -------------------------------------------------------------------------
 

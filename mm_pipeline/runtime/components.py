@@ -14,7 +14,6 @@ never reaches into the parts.
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -53,9 +52,7 @@ def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
     if config.cache_dir is not None:
         tiers.append(LocalDirStore(config.cache_dir, max_bytes=config.cache_disk_bytes))
     if config.redis_url is not None:
-        u = urllib.parse.urlsplit(config.redis_url)
-        db = int(u.path.strip("/") or 0)
-        tiers.append(RedisStore(host=u.hostname or "127.0.0.1", port=u.port or 6379, db=db))
+        tiers.append(RedisStore.from_url(config.redis_url))
     return tiers
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm_core.engine.llm_engine import EngineConfig
+from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.media.ingest import IngestConfig, MediaLimits
 from mm_pipeline.encode.planner import PlannerConfig
@@ -74,8 +75,8 @@ class OmniEngineConfig:
             raise ValueError(f"cache_memory_bytes must be >= 0, got {self.cache_memory_bytes}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.redis_url is not None and not self.redis_url.startswith("redis://"):
-            raise ValueError(f"redis_url must look like redis://host:port/db, got {self.redis_url!r}")
+        if self.redis_url is not None:
+            RedisAddress.from_url(self.redis_url)  # raises ValueError naming what is wrong
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.engine_config, self.ingest_config, self.batcher_config  # validate the parts' configs

@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.radix_node import keeps_swa, page_keys, window_first_page, window_safe_pages
+from llm_core.kvcache.page_keys import page_keys
+from llm_core.kvcache.swa_window import keeps_swa, window_first_page, window_safe_pages
 from llm_core.engine.request import Request
-from llm_core.engine.scheduler import PrefixCache
+from llm_core.kvcache.prefix_cache import PrefixCache
 
 Prefix = tuple
 
@@ -197,7 +198,7 @@ class NaivePrefixCache(PrefixCache):
 def radix_state(cache) -> dict[Prefix, tuple[bool, bool]]:
     """The same view as ``NaivePrefixCache.state`` read from an ``SWARadixCache``."""
     out: dict[Prefix, tuple[bool, bool]] = {}
-    stack = [(cache.root, ())]
+    stack = [(cache.tree.root, ())]
     while stack:
         node, prefix = stack.pop()
         for child in node.children.values():

@@ -62,7 +62,7 @@ def test_last_leaf_keeps_swa_when_page_larger_than_window():
         h = Harness(window=window, page=page, full_pages=64, swa_pages=16)
         prompt = BASES[2][:29]
         run(h, prompt)
-        leaves = [n for n in h.cache._nodes.values() if n.is_leaf]
+        leaves = [n for n in h.cache.tree.nodes() if n.is_leaf]
         assert leaves and all(not n.is_tombstone and n.swa[-1] >= 0 for n in leaves)
         again = run(h, prompt)  # same prompt: hits up to its last whole page
         assert again.num_cached_tokens == (len(prompt) - 1) // page * page

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
-from llm_core.kvcache.host_kv_pool import HostKVPool, row_elements
-from llm_core.kvcache.kv_tiers import KVTiers
+from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
+from llm_core.kvcache.tiers.kv_tiers import KVTiers
 from tests.oracles.naive_prefix_cache import NaivePrefixCache, radix_state
-from llm_core.kvcache.radix_node import token_keys
+from llm_core.kvcache.page_keys import token_keys
 from llm_core.engine.request import Request, RequestStatus
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler, SchedulerConfig
@@ -43,7 +43,7 @@ class Harness:
         self.pool = DualKVPool(layout, num_full_tokens=full_pages * page, num_swa_tokens=max(1, swa_pages) * page,
                                page_size=page)
         self.window = window
-        if cache == "tree":  # tiers: a factory taking the pool (llm_core.kvcache.kv_tiers.KVTiers)
+        if cache == "tree":  # tiers: a factory taking the pool (llm_core.kvcache.tiers.kv_tiers.KVTiers)
             tiers = tiers(self.pool) if tiers is not None else None
             self.cache = SWARadixCache(self.pool, checkpoint_every=checkpoint, tiers=tiers)
         else:
@@ -285,5 +285,5 @@ def test_leaf_left_by_an_eviction_loses_its_pages_past_the_last_match_point():
     h.add(BASES[0][:8], 1)  # needs the child's Full pages: the child is evicted
     h.step()
     h.check()
-    leaves = [n for n in h.cache._nodes.values() if n.is_leaf]
+    leaves = [n for n in h.cache.tree.nodes() if n.is_leaf]
     assert leaves and all(n.swa[-1] >= 0 for n in leaves)

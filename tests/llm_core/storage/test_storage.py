@@ -19,6 +19,7 @@ from llm_core.storage import (
     KeyValueStore,
     LocalDirStore,
     MemoryStore,
+    RedisAddress,
     RedisStore,
     decode_entry,
     encode_entry,
@@ -238,3 +239,49 @@ def test_redis_silent_server_times_out_as_a_miss() -> None:
         elapsed = time.perf_counter() - t0
     assert 0.15 < elapsed < 1.5
     assert s.stats["errors"] == 1
+
+
+# ---- Redis URLs -----------------------------------------------------------------------------
+
+def test_redis_url_parses_host_port_db_and_credentials() -> None:
+    assert RedisAddress.from_url("redis://") == RedisAddress("127.0.0.1", 6379, 0)
+    assert RedisAddress.from_url("redis://cache.local:6380/2") == RedisAddress("cache.local", 6380, 2)
+    assert RedisAddress.from_url(" REDIS://[::1]/15 ") == RedisAddress("::1", 6379, 15)
+    a = RedisAddress.from_url("redis://alice:p%40ss@h:1/3")
+    assert (a.username, a.password, a.host, a.port, a.db) == ("alice", "p@ss", "h", 1, 3)
+    assert "p@ss" not in repr(a)
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("localhost:6379", "must start with redis://"),
+    ("rediss://h:6379/0", "must start with redis://"),
+    ("http://h/0", "must start with redis://"),
+    ("redis://h:port/0", "bad port"),
+    ("redis://h:70000", "bad port"),
+    ("redis://h:0", "port must be in 1..65535"),
+    ("redis://h/x", "database after the host must be a number"),
+    ("redis://h/-1", "database after the host must be a number"),
+    ("redis://h/1/2", "database after the host must be a number"),
+    ("redis://h/0?ssl=true", "query parameters"),
+])
+def test_redis_url_errors_name_the_problem(url: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        RedisAddress.from_url(url)
+    with pytest.raises(ValueError, match=problem):
+        RedisStore.from_url(url)
+
+
+def test_redis_url_error_hides_the_password() -> None:
+    with pytest.raises(ValueError) as err:
+        RedisAddress.from_url("redis://bob:hunter2@h/db0")
+    assert "hunter2" not in str(err.value) and "bob:***@h" in str(err.value)
+
+
+def test_redis_store_from_url_talks_to_that_server(redis_server: int) -> None:
+    a = RedisStore.from_url(f"redis://127.0.0.1:{redis_server}/1", prefix="url:")
+    b = RedisStore(port=redis_server, db=1, prefix="url:")
+    other_db = RedisStore(port=redis_server, db=2, prefix="url:")
+    assert a.put("k", b"v")
+    assert b.get("k") == b"v" and other_db.get("k") is None
+    for s in (a, b, other_db):
+        s.close()

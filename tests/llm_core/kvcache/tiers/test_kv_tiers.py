@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
-from llm_core.kvcache.host_kv_pool import (HostKVPool, chain_seed, decode_page, encode_page, gather_pages, page_hash,
-                                   row_elements, scatter_layer)
-from llm_core.kvcache.kv_tiers import KVTiers, LayerwiseKV, LoadJob
+from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
+from llm_core.kvcache.prefix_cache_factory import open_kv_store
+from llm_core.kvcache.tiers.kv_tiers import KVTiers
+from llm_core.kvcache.tiers.page_format import (chain_seed, decode_page, encode_page, gather_pages, page_hash,
+                                                scatter_layer)
+from llm_core.kvcache.tiers.tier_threads import LayerwiseKV, LoadJob
 from llm_core.storage import LocalDirStore, MemoryStore, RedisStore
 from tests.llm_core.kvcache.test_swa_radix_cache import BASES, Harness
 
@@ -188,9 +191,7 @@ def test_a_failed_load_fails_the_step_and_the_cache_stops_handing_out_pages():
     h = harness(tiers(24, None))
     replay(h, PROMPTS[:6])
     t = h.cache.tiers
-    job = LoadJob({0: [([0], torch.zeros(3, 3))]}, [threading.Event() for _ in range(3)])  # wrong shape
-    t._jobs.append(job)
-    t._loads.put(job)
+    job = t.threads.submit({0: [([0], torch.zeros(3, 3))]})  # rows of the wrong shape
     job.events[-1].wait(5)
     with pytest.raises(RuntimeError, match="loading cached KV failed"):
         h.cache.kv_buffers(h.pool)
@@ -201,3 +202,14 @@ def test_a_failed_load_fails_the_step_and_the_cache_stops_handing_out_pages():
     h.cache.clear()  # evicts every node: nothing from a possibly damaged L1 reaches the tiers
     assert t.counters["pages_saved"] == saved
     t.close()
+
+
+def test_kv_store_location_is_a_directory_or_a_redis_url(tmp_path):
+    assert isinstance(open_kv_store(str(tmp_path / "l3")), LocalDirStore)
+    redis = open_kv_store("redis://127.0.0.1:1/3")
+    assert isinstance(redis, RedisStore) and redis.prefix == "mmserve-kv:"
+    redis.close()
+    with pytest.raises(ValueError, match="must start with redis://"):
+        open_kv_store("s3://bucket/kv")  # a mistyped scheme is not a directory name
+    with pytest.raises(ValueError, match="bad port"):
+        open_kv_store("redis://127.0.0.1:xyz/0")

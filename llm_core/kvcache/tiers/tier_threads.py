@@ -1,13 +1,13 @@
 """The KV tiers' background threads: the layer-wise loader (L2/L3 -> L1) and the L3 writer.
 
     engine thread                      loader thread                    writer thread
-    _submit(copies) ──► _loads ──► layer 0 rows -> L1, set event 0
-                                   layer 1 rows -> L1, set event 1 ...
+    submit(copies) ──► _loads ──► layer 0 rows -> L1, set event 0
+                                  layer 1 rows -> L1, set event 1 ...
     model: kv_buffers(pool).layer(i) waits on event i of every pending job
-    _writes.put(("put" | "touch", ...)) ───────────────────────────► store.put / store.get
+    put(h, ...) / touch(h) ─► _writes ──────────────────────────────► store.put / store.get
 
-A failed load sets every event of its job (so no model step hangs) and marks the tiers ``broken``:
-the waiting step raises, and the prefix cache stops handing out tree pages.
+A failed load sets every event of its job (so no model step hangs) and marks the threads ``broken``:
+the waiting step raises, and the prefix cache stops handing out tree pages (docs/kv_cache.md §8).
 """
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ from dataclasses import dataclass, field
 import torch
 
 from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.host_kv_pool import encode_page, scatter_layer
+from llm_core.kvcache.tiers.page_format import encode_page, scatter_layer, store_key
 from llm_core.storage import KeyValueStore
+
+LayerCopies = dict[int, list[tuple[list[int], torch.Tensor]]]  # layer -> [(L1 pages, rows)]
 
 
 @dataclass
 class LoadJob:
     """Copies into L1, grouped per layer; ``wait(i)`` returns once layer i is in place."""
 
-    copies: dict[int, list[tuple[list[int], torch.Tensor]]]  # layer -> [(L1 pages, rows)]
+    copies: LayerCopies
     events: list[threading.Event] = field(default_factory=list)
     error: BaseException | None = None
 
@@ -50,52 +52,47 @@ class LayerwiseKV:
         return self.pool.layer(i)
 
 
+def add_layer_copies(copies: LayerCopies, pool: DualKVPool, kind: str, pages: list[int],
+                     rows: list[torch.Tensor]) -> None:
+    """Add ``rows`` (one per page, of ``kind``) to every layer of that kind in ``copies``."""
+    if not pages:
+        return
+    stacked = torch.stack(rows)
+    for layer, k in enumerate(pool.layout.layer_kinds):
+        if k == kind:
+            copies.setdefault(layer, []).append((pages, stacked))
+
+
 class KVTierThreads:
-    """Loader and writer threads of ``KVTiers`` (a base of it): queues, load jobs, thread lifecycle.
+    """Loader and writer threads of one ``KVTiers``: queues, pending load jobs, thread lifecycle.
 
-    It reads ``pool``, ``store`` and ``counters`` of the tiers and sets ``broken`` on a failed load."""
+    ``broken`` is the error of the first failed load (None while every load succeeded); ``counters``
+    counts L3 puts, touches and errors."""
 
-    pool: DualKVPool
-    store: KeyValueStore | None
-    counters: Counter[str]
-    broken: BaseException | None
-
-    def _start_threads(self) -> None:
-        self._jobs: list[LoadJob] = []
-        self._loads: queue.Queue = queue.Queue()
+    def __init__(self, pool: DualKVPool, store: KeyValueStore | None) -> None:
+        self.pool = pool
+        self.store = store
+        self.broken: BaseException | None = None
+        self.counters: Counter[str] = Counter()
+        self._jobs: list[LoadJob] = []  # submitted and not yet seen complete (engine thread only)
+        self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)]
-        if self.store is not None:
+        if store is not None:
             self._threads.append(threading.Thread(target=self._write_loop, name="kv-writer", daemon=True))
         for t in self._threads:
             t.start()
 
-    def _stop_threads(self) -> None:
-        """Let queued loads land, stop both threads, then close the store."""
-        self.wait_loads()
-        self._loads.put(None)
-        if self.store is not None:
-            self._writes.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
-        if self.store is not None:
-            self.store.close()
-
-    # ---- loads -----------------------------------------------------------------------------------
-    def _add_copies(self, copies: dict, kind: str, pages: list[int], rows: list[torch.Tensor]) -> None:
-        if not pages:
-            return
-        stacked = torch.stack(rows)
-        for layer, k in enumerate(self.pool.layout.layer_kinds):
-            if k == kind:
-                copies.setdefault(layer, []).append((pages, stacked))
-
-    def _submit(self, copies: dict) -> None:
+    # ---- loads (engine thread) ---------------------------------------------------------------
+    def submit(self, copies: LayerCopies) -> LoadJob:
+        """Queue copies into L1; the returned job's ``wait(i)`` blocks until layer i has landed."""
         job = LoadJob(copies, [threading.Event() for _ in self.pool.layout.layer_kinds])
         self._jobs.append(job)
         self._loads.put(job)
+        return job
 
     def kv_buffers(self, pool: DualKVPool):
+        """The pool, or a ``LayerwiseKV`` view while loads are pending; raises if a load failed."""
         failed = next((j.error for j in self._jobs if j.error is not None), None)
         if failed is not None:
             self._jobs = [j for j in self._jobs if j.error is None]
@@ -108,6 +105,32 @@ class KVTierThreads:
         for job in self._jobs:
             job.events[-1].wait()
 
+    # ---- L3 writes (engine thread) -------------------------------------------------------------
+    def put(self, h: bytes, full: torch.Tensor, swa: torch.Tensor | None) -> None:
+        """Write the page with chain hash ``h`` to L3 in the background."""
+        self._writes.put(("put", h, full, swa))
+
+    def touch(self, h: bytes) -> None:
+        """Read the page back in the background, which refreshes its recency in the store."""
+        self._writes.put(("touch", h, None, None))
+
+    def join_writes(self) -> None:
+        """Block until every queued L3 write is done."""
+        if self.store is not None:
+            self._writes.join()
+
+    def stop(self) -> None:
+        """Let queued loads land, stop both threads, then close the store."""
+        self.wait_loads()
+        self._loads.put(None)
+        if self.store is not None:
+            self._writes.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        if self.store is not None:
+            self.store.close()
+
+    # ---- the threads -------------------------------------------------------------------------
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
             try:
@@ -122,22 +145,18 @@ class KVTierThreads:
                 for event in job.events:
                     event.set()
 
-    # ---- L3 writes -------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        assert self.store is not None
         while (item := self._writes.get()) is not None:
             op, h, full, swa = item
             try:
                 if op == "put":
-                    self.store.put(_store_key(h), encode_page(full, swa))
+                    self.store.put(store_key(h), encode_page(full, swa))
                     self.counters["l3_puts"] += 1
                 else:
-                    self.store.get(_store_key(h))  # a read refreshes the entry's recency
+                    self.store.get(store_key(h))  # a read refreshes the entry's recency
                     self.counters["l3_touches"] += 1
             except Exception:  # a cache tier may forget; the store counts its own errors
                 self.counters["l3_errors"] += 1
             finally:
                 self._writes.task_done()
-
-
-def _store_key(h: bytes) -> str:
-    return "kv/" + h.hex()

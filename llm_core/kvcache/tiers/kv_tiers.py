@@ -9,7 +9,10 @@ holds travel. A match that extends past L1 allocates L1 pages, records them in t
 load job; the model reads KV through ``kv_buffers``, whose ``layer(i)`` waits until layer i of every
 pending job has landed, so layer i computes while later layers are still copying. Consistency: SWA
 that L1 holds and L2 lacks is back-filled at node merges and at prefill end; an L1/L2 hit touches
-the L3 copy (rate-limited) so hot prefixes do not age out of L3.
+the L3 copy (rate-limited) so hot prefixes do not age out of L3. docs/kv_cache.md §8 has the picture.
+
+The tiers change the tree only through the cache's tier interface (``rehold``, ``revive_swa``,
+``graft``, ``evict``) and read it through ``cache.tree``.
 """
 
 from __future__ import annotations
@@ -17,18 +20,24 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from llm_core.engine.request import Request
 from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.host_kv_pool import HostKVPool, chain_seed, decode_page, gather_pages, page_hash, row_elements
-from llm_core.kvcache.kv_tier_threads import KVTierThreads, LayerwiseKV, LoadJob, _store_key
-from llm_core.kvcache.prefix_cache_factory import build_prefix_cache, weights_fingerprint
-from llm_core.kvcache.radix_node import RadixNode, page_keys, window_first_page
+from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
+from llm_core.kvcache.tiers.page_format import chain_seed, decode_page, gather_pages, page_hash, store_key
+from llm_core.kvcache.tiers.tier_threads import KVTierThreads, LayerCopies, add_layer_copies
+from llm_core.kvcache.lock_table import Holder
+from llm_core.kvcache.page_keys import PageKey, page_keys
+from llm_core.kvcache.radix_node import RadixNode
+from llm_core.kvcache.radix_tree import TreeMatch
+from llm_core.kvcache.swa_window import window_first_page
 from llm_core.storage import KeyValueStore
 
-# Names that lived here before the threads and the factory got their own modules (kept importable).
-__all__ = ["KVTiers", "LayerwiseKV", "LoadJob", "build_prefix_cache", "weights_fingerprint"]
+if TYPE_CHECKING:
+    from llm_core.kvcache.swa_radix_cache import SWARadixCache
 
 
 @dataclass
@@ -38,10 +47,10 @@ class _TierPage:
     tier: str  # "l2" | "l3"
 
 
-class KVTiers(KVTierThreads):
+class KVTiers:
     """L2 + L3 behind one ``SWARadixCache`` (see the module docstring); owns the loader and writer
-    threads (:class:`KVTierThreads`). Engine-thread methods: extend_match, save, backfill, kv_buffers;
-    the threads only copy."""
+    threads (``threads``). Engine-thread methods: extend_match, save, backfill, kv_buffers; the
+    threads only copy."""
 
     def __init__(self, pool: DualKVPool, *, host: HostKVPool | None, store: KeyValueStore | None,
                  model_id: str, touch_interval_s: float = 30.0) -> None:
@@ -49,24 +58,29 @@ class KVTiers(KVTierThreads):
             raise ValueError("KVTiers needs an L2 host pool, an L3 store, or both")
         self.pool, self.host, self.store = pool, host, store
         self.ps = pool.page_size
+        self.window = pool.layout.window if pool.has_swa else None
         self.full_elems = row_elements(pool.layout, "full", self.ps)
         self.swa_elems = row_elements(pool.layout, "sliding", self.ps)
         self.seed = chain_seed(model_id, pool.layout, self.ps, pool.dtype)
         self.touch_interval_s = touch_interval_s
-        self.broken: BaseException | None = None  # a load failed: the cache stops trusting the tree
         self.counters: Counter[str] = Counter()
-        self._hashes: dict = {}  # request -> its page hash chain so far
-        self._backfilled: set = set()
+        self.threads = KVTierThreads(pool, store)
+        self._hashes: dict[Request, list[bytes]] = {}  # request -> its page hash chain so far
+        self._backfilled: set[Request] = set()
         self._touched: OrderedDict[bytes, float] = OrderedDict()
         self._written: OrderedDict[bytes, bool] = OrderedDict()  # hash -> written with SWA (L3 only)
-        self._start_threads()
 
-    def attach(self, cache) -> None:
+    @property
+    def broken(self) -> BaseException | None:
+        """The error of a failed load: the cache stops trusting the tree (L1 may hold garbage)."""
+        return self.threads.broken
+
+    def attach(self, cache: SWARadixCache) -> None:
         if cache.pool is not self.pool:
             raise ValueError("KVTiers and the prefix cache must share one DualKVPool")
 
     # ---- hashes ---------------------------------------------------------------------------------
-    def page_hashes(self, request, upto: int) -> list[bytes]:
+    def page_hashes(self, request: Request, upto: int) -> list[bytes]:
         chain = self._hashes.setdefault(request, [])
         if len(chain) < upto:
             prev = chain[-1] if chain else self.seed
@@ -75,18 +89,21 @@ class KVTiers(KVTierThreads):
                 chain.append(prev)
         return chain
 
-    def forget(self, request) -> None:
+    def forget(self, request: Request) -> None:
         self._hashes.pop(request, None)
         self._backfilled.discard(request)
 
     # ---- match past L1 ----------------------------------------------------------------------------
-    def extend_match(self, cache, request, holder, keys: list, p: int) -> tuple[RadixNode, int]:
-        """Extend an L1 window-safe match ``p`` with pages from L2/L3; returns (tail, pages)."""
+    def extend_match(self, cache: SWARadixCache, request: Request, holder: Holder, keys: list[PageKey],
+                     p: int) -> int:
+        """Extend an L1 window-safe match of ``p`` pages with pages from L2/L3; returns the pages
+        matched now (``holder``'s tail ends there)."""
         limit = len(keys)
         if limit == 0:
-            return holder.tail, p
+            return p
         hashes = self.page_hashes(request, limit)
-        nodes, valid = cache._walk(keys)
+        in_l1 = cache.tree.walk(keys)
+        valid = in_l1.swa_valid
         m1, found, memo = len(valid), {}, {}
         while m1 + len(found) < limit:
             page = self._lookup(hashes[m1 + len(found)], memo)
@@ -94,54 +111,44 @@ class KVTiers(KVTierThreads):
                 break
             found[m1 + len(found)] = page
         has_swa = lambda j: (valid[j] if j < m1 else False) or self._swa_of(j, hashes, found, memo)  # noqa: E731
-        w, p2 = cache.window, p
+        p2 = p
         for cand in range(m1 + len(found), p, -1):
-            if all(has_swa(j) for j in range(window_first_page(cand, w, self.ps), cand)):
+            if all(has_swa(j) for j in range(window_first_page(cand, self.window, self.ps), cand)):
                 p2 = cand
                 break
         if p2 == p:
             self._touch_l3(hashes[p - 1] if p else None)
-            return holder.tail, p
-        return self._materialize(cache, holder, keys, hashes, nodes, valid, found, memo, p, p2)
+            return p
+        return self._materialize(cache, holder, keys, hashes, in_l1, found, memo, p, p2)
 
-    def _materialize(self, cache, holder, keys, hashes, nodes, valid, found, memo, p, p2):
-        m1, first = len(valid), window_first_page(p2, cache.window, self.ps)
-        cache._unlock(holder)
-        holder.tail = cache._cut(nodes, min(m1, p2))
+    def _materialize(self, cache: SWARadixCache, holder: Holder, keys: list[PageKey], hashes: list[bytes],
+                     in_l1: TreeMatch, found: dict[int, _TierPage], memo: dict, p: int, p2: int) -> int:
+        valid = in_l1.swa_valid
+        m1, first = len(valid), window_first_page(p2, self.window, self.ps)
         # SWA-lock the L1 match's window too: if loading finds no room we fall back to it
-        cache._lock_path(holder, min(first, window_first_page(p, cache.window, self.ps)))
-        need_swa = [j for j in range(first, p2) if j >= m1 or not valid[j]] if cache.has_swa else []
+        cache.rehold(holder, in_l1, min(m1, p2), min(first, window_first_page(p, self.window, self.ps)))
+        need_swa = [j for j in range(first, p2) if j >= m1 or not valid[j]] if self.pool.has_swa else []
         short_full = max(0, p2 - m1) - self.pool.full.num_free
         short_swa = len(need_swa) - self.pool.swa.num_free
         if short_full > 0 or short_swa > 0:
             cache.evict(max(0, short_full) * self.ps, max(0, short_swa) * self.ps)
         if max(0, p2 - m1) > self.pool.full.num_free or len(need_swa) > self.pool.swa.num_free:
-            cache._unlock(holder)  # no room to load: keep the L1 match
-            holder.tail = cache._cut(cache._walk(keys)[0], p)
-            cache._lock_path(holder, window_first_page(p, cache.window, self.ps))
-            self.counters["load_no_room"] += 1
-            return holder.tail, p
+            cache.rehold(holder, cache.tree.walk(keys), p, window_first_page(p, self.window, self.ps))
+            self.counters["load_no_room"] += 1  # keep the L1 match
+            return p
         full_pages = self.pool.full.allocate(max(0, p2 - m1))
         swa_pages = dict(zip(need_swa, self.pool.swa.allocate(len(need_swa))))
-        copies: dict[int, list] = {}
+        copies: LayerCopies = {}
         for j, s in swa_pages.items():
             if j < m1:  # revive a tombstoned L1 page from the tier
-                node, i = holder.tail.locate(j)
-                node.swa[i] = s
-                cache._push(node)
+                cache.revive_swa(holder.tail, j, s)
         if p2 > m1:
             swa = [swa_pages.get(j, -1) for j in range(m1, p2)]
-            node = RadixNode(holder.tail, m1, list(keys[m1:p2]), full_pages, swa, list(hashes[m1:p2]))
-            holder.tail.children[node.keys[0]] = node
-            cache._nodes[node.nid] = node
-            cache._push(holder.tail)
-            node.full_lock = node.swa_lock = 1
-            holder.tail = node
-            cache._touch(node)
-            self._add_copies(copies, "full", full_pages, [found[j].full for j in range(m1, p2)])
+            cache.graft(holder, list(keys[m1:p2]), full_pages, swa, list(hashes[m1:p2]))
+            add_layer_copies(copies, self.pool, "full", full_pages, [found[j].full for j in range(m1, p2)])
         swa_src = [found[j].swa if j >= m1 else memo[hashes[j]].swa for j in swa_pages]
-        self._add_copies(copies, "sliding", list(swa_pages.values()), swa_src)
-        self._submit(copies)
+        add_layer_copies(copies, self.pool, "sliding", list(swa_pages.values()), swa_src)
+        self.threads.submit(copies)
         for j in range(m1, p2):
             self.counters[f"hit_tokens_{found[j].tier}"] += self.ps
         if min(m1, p2) > p:  # L1 Full pages made usable by SWA windows from the tiers
@@ -149,7 +156,7 @@ class KVTiers(KVTierThreads):
             self.counters[f"hit_tokens_{tier}"] += (min(m1, p2) - p) * self.ps
         self.counters["swa_pages_loaded"] += len(swa_pages)
         self._touch_l3(hashes[p2 - 1])
-        return holder.tail, p2
+        return p2
 
     def _lookup(self, h: bytes, memo: dict) -> _TierPage | None:
         """The page from L2, else from L3 (then also placed in L2); memoized per match."""
@@ -161,7 +168,7 @@ class KVTiers(KVTierThreads):
             swa = self.host.swa_data[entry.swa_row].clone() if entry.swa_row >= 0 else None
             page = _TierPage(self.host.full_data[entry.full_row].clone(), swa, "l2")
         elif self.store is not None:
-            raw = self.store.get(_store_key(h))
+            raw = self.store.get(store_key(h))
             decoded = decode_page(raw, self.pool.dtype, self.full_elems, self.swa_elems) if raw else None
             if decoded is not None:
                 page = _TierPage(decoded[0], decoded[1], "l3")
@@ -172,51 +179,51 @@ class KVTiers(KVTierThreads):
         memo[h] = page
         return page
 
-    def _swa_of(self, j: int, hashes: list, found: dict, memo: dict) -> bool:
+    def _swa_of(self, j: int, hashes: list[bytes], found: dict[int, _TierPage], memo: dict) -> bool:
         page = found.get(j) or self._lookup(hashes[j], memo)
         return page is not None and page.swa is not None
 
     # ---- L1 -> L2 -> L3 -------------------------------------------------------------------------------
-    def save(self, cache, node: RadixNode) -> None:
+    def save(self, node: RadixNode) -> None:
         """Called before L1 frees ``node``'s pages: copy what the tiers lack (Full + valid SWA)."""
         if node.hashes is None or self.broken is not None:  # after a failed load L1 may hold garbage
             return
-        self.wait_loads()
+        self.threads.wait_loads()
         todo = [i for i, h in enumerate(node.hashes) if self._lacks(h, node.swa[i] >= 0)]
         if not todo:
             return
         full = gather_pages(self.pool, "full", [node.full[i] for i in todo])
-        swa = gather_pages(self.pool, "sliding", [node.swa[i] for i in todo]) if cache.has_swa else None
+        swa = gather_pages(self.pool, "sliding", [node.swa[i] for i in todo]) if self.pool.has_swa else None
         for r, i in enumerate(todo):
             row_swa = swa[r] if swa is not None and node.swa[i] >= 0 else None
             self._store(node.hashes[i], full[r], row_swa)
         self.counters["pages_saved"] += len(todo)
 
-    def on_prefill_end(self, cache, request, tail: RadixNode) -> None:
+    def on_prefill_end(self, request: Request, tail: RadixNode) -> None:
         """Once per request: back-fill L2 with the SWA of its last window (L1 has it, L2 may not)."""
         if request in self._backfilled:
             return
         self._backfilled.add(request)
-        first = window_first_page(tail.end, cache.window, self.ps)
+        first = window_first_page(tail.end, self.window, self.ps)
         node = tail
-        while node is not cache.root and node.end > first:
-            self.backfill(cache, node)
+        while node.parent is not None and node.end > first:  # up to, not including, the root
+            self.backfill(node)
             node = node.parent
 
-    def backfill(self, cache, node: RadixNode) -> None:
+    def backfill(self, node: RadixNode) -> None:
         """L1 holds SWA that L2 lacks (node merge, prefill end): copy it down now."""
-        if self.host is None or node.hashes is None or not cache.has_swa or self.broken is not None:
+        if self.host is None or node.hashes is None or not self.pool.has_swa or self.broken is not None:
             return
         todo = [i for i, h in enumerate(node.hashes)
                 if node.swa[i] >= 0 and (e := self.host.entries.get(h)) is not None and e.swa_row < 0]
         if not todo:
             return
-        self.wait_loads()
+        self.threads.wait_loads()
         swa = gather_pages(self.pool, "sliding", [node.swa[i] for i in todo])
         for r, i in enumerate(todo):
             entry = self.host.put(node.hashes[i], None, swa[r])
             if entry is not None and self.store is not None:
-                self._writes.put(("put", node.hashes[i], self.host.full_data[entry.full_row].clone(), swa[r]))
+                self.threads.put(node.hashes[i], self.host.full_data[entry.full_row].clone(), swa[r])
         self.counters["swa_pages_backfilled"] += len(todo)
 
     def _lacks(self, h: bytes, with_swa: bool) -> bool:
@@ -236,7 +243,7 @@ class KVTiers(KVTierThreads):
             self._written.move_to_end(h)
             while len(self._written) > 1_000_000:
                 self._written.popitem(last=False)
-            self._writes.put(("put", h, full, swa))
+            self.threads.put(h, full, swa)
 
     def _touch_l3(self, h: bytes | None) -> None:
         if self.store is None or h is None:
@@ -248,24 +255,27 @@ class KVTiers(KVTierThreads):
         self._touched.move_to_end(h)
         while len(self._touched) > 100_000:
             self._touched.popitem(last=False)
-        self._writes.put(("touch", h, None, None))
+        self.threads.touch(h)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    def flush(self, cache=None) -> None:
-        """Copy every L1 tree page down (when ``cache`` is given) and wait for pending L3 writes."""
-        if cache is not None:
-            for node in list(cache._nodes.values()):
-                self.save(cache, node)
-        if self.store is not None:
-            self._writes.join()
+    def kv_buffers(self, pool: DualKVPool):
+        """The pool, or a view whose ``layer(i)`` waits for pending loads of layer i."""
+        return self.threads.kv_buffers(pool)
 
-    def close(self, cache=None) -> None:
+    def flush(self, nodes: Iterable[RadixNode] = ()) -> None:
+        """Copy the L1 pages of ``nodes`` (the cache passes its whole tree) down, and wait for
+        pending L3 writes."""
+        for node in nodes:
+            self.save(node)
+        self.threads.join_writes()
+
+    def close(self, nodes: Iterable[RadixNode] = ()) -> None:
         """Flush (see ``flush``), then stop the loader and writer threads and close the store."""
-        self.flush(cache)
-        self._stop_threads()
+        self.flush(nodes)
+        self.threads.stop()
 
     def stats(self) -> dict[str, int]:
-        out = dict(self.counters)
+        out = dict(self.counters, **self.threads.counters)
         if self.host is not None:
             out.update(l2_entries=len(self.host.entries), l2_evictions=self.host.evictions)
         return out

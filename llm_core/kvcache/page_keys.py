@@ -1,0 +1,50 @@
+"""Prefix-cache keys: one key per token, one tuple of them per page (docs/kv_cache.md §2).
+
+A token's key is its id, or ``(id, content key)`` inside a media range, so equal placeholder ids
+standing for different images never compare equal:
+
+    token ids     [ 7   9  151 151 151  4 ]      media over [2, 5) with content key b"img-a"
+    token keys    [ 7   9  (151,a) (151,a) (151,a)  4 ]
+    page keys     ( 7, 9) ((151,a), (151,a)) ((151,a), 4)      page_size 2
+
+The radix tree, the naive reference cache and the tiers' hash chain all build keys here, so they
+cannot disagree about what "the same prefix" means.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+PageKey = tuple  # page_size per-token keys: an int token id, or (token id, media key) inside media
+ExtraKey = tuple[int, int, bytes]  # (start, end, content key) over token positions [start, end)
+
+
+def check_extra_keys(extra_keys: Sequence[ExtraKey], num_tokens: int) -> None:
+    """Raise ValueError unless the ranges are well formed, sorted and non-overlapping."""
+    prev_end = 0
+    for item in extra_keys:
+        if len(item) != 3:
+            raise ValueError(f"extra key must be (start, end, bytes), got {item!r:.80}")
+        start, end, key = item
+        if not isinstance(key, (bytes, bytearray)) or not key:
+            raise ValueError(f"extra key over [{start}, {end}) must be non-empty bytes, got {type(key).__name__}")
+        if not (prev_end <= start < end <= num_tokens):
+            raise ValueError(f"extra key range [{start}, {end}) must be sorted, non-overlapping and inside "
+                             f"the {num_tokens}-token prompt")
+        prev_end = end
+
+
+def token_keys(token_ids: Sequence[int], extra_keys: Sequence[ExtraKey], start: int, end: int) -> list:
+    """Keys of positions [start, end): the token id, or (id, content key) inside an extra-key range."""
+    keys: list = list(token_ids[start:end])
+    for lo, hi, key in extra_keys:
+        for pos in range(max(lo, start), min(hi, end)):
+            keys[pos - start] = (keys[pos - start], bytes(key))
+    return keys
+
+
+def page_keys(token_ids: Sequence[int], extra_keys: Sequence[ExtraKey], page_size: int,
+              first_page: int, end_page: int) -> list[PageKey]:
+    """Keys of whole pages [first_page, end_page) (the caller guarantees those pages are complete)."""
+    keys = token_keys(token_ids, extra_keys, first_page * page_size, end_page * page_size)
+    return [tuple(keys[i:i + page_size]) for i in range(0, len(keys), page_size)]
