@@ -242,7 +242,7 @@ def main() -> None:
                                           bos_token_id=None)
         load_media = make_media(tmp / "load-media", seed=1, n=4 if args.quick else 8)
         cap_media = make_media(tmp / "caption-media", seed=2, n=12)
-        config = OmniEngineConfig(device=args.device, num_full_tokens=32768, num_swa_tokens=16384, max_num_seqs=64)
+        config = OmniEngineConfig.from_kwargs(device=args.device, num_full_tokens=32768, num_swa_tokens=16384, max_num_seqs=64)
 
         engine = OmniEngine.from_pretrained(model_dir, config)
         rows = []

@@ -1,14 +1,15 @@
-"""Encoder configs: the vision tower (hub ``vision_config``) and our audio encoder.
+"""Encoder configs: the vision tower (hub ``vision_config``) and our audio encoder, and
+:func:`unit_tokens`, the one rule for how many LLM tokens a media item becomes.
 
-Both are frozen; ``from_dict`` normalises a checkpoint's dict once and validates it, so model code
-never re-derives or second-guesses a field. The per-block attention layout is data
+Both configs are frozen; ``from_dict`` normalises a checkpoint's dict once and validates it, so model
+code never re-derives or second-guesses a field. The per-block attention layout is data
 (``VisionConfig.block_kinds`` / ``AudioConfig.layer_types``), never index arithmetic in model code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 # vit_window_attn_types codes of the hub config -> our block kinds.
 _VISION_KIND_BY_CODE = {-1: "full", 0: "row", 1: "col"}
@@ -210,11 +211,6 @@ class AudioConfig:
         pooled = -(-self.conv_frames(mel_frames) // self.avg_pooler)
         return -(-pooled // self.group_size)
 
-    def num_tokens(self, mel_frames: int) -> int:
-        """Output tokens of a clip of ``mel_frames``, cut into ``segment_size`` segments."""
-        full, rest = divmod(mel_frames, self.segment_size)
-        return full * self.segment_tokens(self.segment_size) + (self.segment_tokens(rest) if rest else 0)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AudioConfig":
         """From our ``audio_config`` dict; the processor-style names (``audio_nfft``, ``audio_n_mels``...)
@@ -273,3 +269,31 @@ class AudioConfig:
             "avg_pooler": self.avg_pooler, "group_size": self.group_size, "segment_size": self.segment_size,
             "projection_hidden_size": self.projection_hidden_size, "out_hidden_size": self.out_hidden_size,
         }
+
+
+def unit_tokens(kind: str, shape: Sequence[int], *, merge_size: int = 2,
+                audio: AudioConfig | None = None) -> tuple[int, ...]:
+    """LLM tokens of each encoder unit of one media item -- exactly the rows its encoder outputs
+    for it, so the prompt layout (sized before anything is encoded), the media planner and the
+    training data all count here (docs/model.md §3-§5).
+
+        "image"  shape (t, gh, gw), the tower's patch grid (t = 1)  -> (t*gh*gw / merge²,)
+        "video"  shape (G, gh, gw): G frame groups of gh x gw patches -> (gh*gw / merge²,) * G
+        "audio"  shape (T,): a clip's log-mel frames, cut into ``segment_size`` segments (+ rest)
+                 -> one count per segment, ``audio.segment_tokens``
+    """
+    if kind in ("image", "video"):
+        _require(len(shape) == 3 and min(shape) > 0, f"{kind} needs a positive (t, gh, gw) grid, got {tuple(shape)}")
+        t, gh, gw = shape
+        _require(gh % merge_size == 0 and gw % merge_size == 0,
+                 f"{kind} grid {gh}x{gw} is not a whole number of {merge_size}x{merge_size} merge units")
+        per_frame = gh * gw // (merge_size * merge_size)  # the tower merges m x m patches into one row
+        return (t * per_frame,) if kind == "image" else (per_frame,) * t
+    if kind == "audio":
+        _require(audio is not None, "audio token counts need the audio encoder's config")
+        _require(len(shape) == 1 and shape[0] > 0, f"an audio clip needs at least one mel frame, got {tuple(shape)}")
+        assert audio is not None
+        full, rest = divmod(shape[0], audio.segment_size)
+        sizes = [audio.segment_size] * full + ([rest] if rest else [])
+        return tuple(audio.segment_tokens(n) for n in sizes)
+    raise ValueError(f"unknown media kind {kind!r} (image, video, audio)")

@@ -59,9 +59,6 @@ class VideoFrameGroups:
         stop = self.num_groups if stop is None else stop
         return [self.group(k) for k in range(start, stop)]
 
-    def timestamp_text(self, k: int) -> str:
-        return format_timestamp(self.timestamps[k])
-
 
 def pad_to_groups(frames: torch.Tensor, timestamps: Sequence[float], temporal: int = 2
                   ) -> tuple[torch.Tensor, list[float]]:

@@ -20,6 +20,7 @@ import torch
 from llm_core.engine.llm_engine import EngineConfig, LLMEngine
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
+from llm_core.model.dtype import parse_dtype
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -32,16 +33,6 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(table)}")
-    return table[dtype]
 
 
 class LLM:
@@ -59,7 +50,7 @@ class LLM:
         """``engine_kwargs`` are :class:`EngineConfig` fields (page_size, num_full_tokens, ...)."""
         from llm_core.model.loader import load_model
 
-        model = load_model(model_dir, device=device, dtype=_dtype(dtype))
+        model = load_model(model_dir, device=device, dtype=parse_dtype(dtype))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.engine = LLMEngine(model, EngineConfig(**engine_kwargs), tokenizer=self.tokenizer)
         self._next_id = 0

@@ -42,8 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     g.add_argument("--model", required=model_required, default=None, help="checkpoint directory"
                    + ("" if model_required else f" (default {DEFAULT_MODEL}/)"))
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--dtype", default=None,  # checked by OmniEngineConfig (llm_core.model.dtype.parse_dtype)
+                   help="model dtype: float32, bfloat16 (bf16) or float16 (fp16); default: bfloat16 on cuda, "
+                        "float32 on cpu")
     g.add_argument("--kv-tokens", type=int, default=None,
                    help="full-attention KV pool size in tokens (default: a fraction of free memory)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
@@ -123,7 +124,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     if args.allow_remote_media and not args.allowed_media_domain:
         raise UsageError("--allow-remote-media needs at least one --allowed-media-domain")
     try:
-        return OmniEngineConfig(**fields)
+        return OmniEngineConfig.from_kwargs(**fields)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

@@ -104,7 +104,7 @@ def main() -> int:
         tmp = Path(tmp_s)
         t0 = time.perf_counter()
         model_dir = _model_dir()
-        engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig(num_full_tokens=16384, num_swa_tokens=8192))
+        engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig.from_kwargs(num_full_tokens=16384, num_swa_tokens=8192))
         print(f"model: {model_dir}; loaded in {time.perf_counter() - t0:.1f} s")
         try:
             asyncio.run(_run(engine, tmp))

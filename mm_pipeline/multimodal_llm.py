@@ -41,9 +41,10 @@ class MultimodalLLM:
 
     def __init__(self, model_dir: str | Path, *, allowed_local_dirs: tuple[str, ...] = ("/",),
                  engine: OmniEngine | None = None, **config_fields: Any) -> None:
-        """``config_fields`` are :class:`OmniEngineConfig` fields (device, dtype, cache_dir, ...)."""
+        """``config_fields`` are :class:`OmniEngineConfig` fields and its engine's ``EngineConfig``
+        fields, by name (device, dtype, num_full_tokens, max_num_seqs, cache_dir, ...)."""
         if engine is None:
-            config = OmniEngineConfig(allowed_local_dirs=tuple(allowed_local_dirs), **config_fields)
+            config = OmniEngineConfig.from_kwargs(allowed_local_dirs=tuple(allowed_local_dirs), **config_fields)
             engine = OmniEngine.from_pretrained(model_dir, config)
         self.engine = engine
         self.tokenizer = engine.tokenizer

@@ -14,8 +14,9 @@ groups together, the audio encoder takes segments) and run as one packed forward
 reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on the
 engine thread, between LLM steps; everything else is thread-safe.
 
-Invariant (under ``_lock``): a key is in ``_sinks`` from its claim until its result or error is
-delivered; a pending job's key is always in ``_sinks``.
+Claims, joins and delivery are one ``SingleFlight`` over unit keys (the same mechanism media
+planning uses). Invariant: a key is claimed in ``_units`` from ``attach`` until its result or error
+is delivered; a pending job's key is always claimed.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from typing import Callable, Sequence
 import torch
 
 from mm_pipeline.encode.preprocess import VisionInput
+from mm_pipeline.encode.single_flight import SingleFlight, Waiter
 
-UnitSink = Callable[[torch.Tensor | None, BaseException | None], None]
+UnitSink = Waiter[torch.Tensor]
 VISION_KINDS = ("image", "video")
 
 
@@ -87,8 +89,8 @@ class EncoderBatcher:
         self.config = config
         self.on_encoded = on_encoded
         self.on_submit = on_submit
-        self._lock = threading.Lock()
-        self._sinks: dict[str, list[UnitSink]] = {}
+        self._lock = threading.Lock()  # guards _pending and _counts
+        self._units: SingleFlight[torch.Tensor] = SingleFlight()
         self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
         self._counts: Counter[str] = Counter()
 
@@ -96,36 +98,27 @@ class EncoderBatcher:
     def attach(self, key: str, sink: UnitSink) -> bool:
         """Register ``sink`` for ``key``. True: nobody produces it yet, the caller now must
         (``submit`` or ``fail``); False: it joined a unit already in flight."""
+        claimed = self._units.join(key, sink)
         with self._lock:
-            sinks = self._sinks.get(key)
-            if sinks is None:
-                self._sinks[key] = [sink]
-                self._counts["claims"] += 1
-                return True
-            sinks.append(sink)
-            self._counts["joins"] += 1
-            return False
+            self._counts["claims" if claimed else "joins"] += 1
+        return claimed
 
     def detach(self, key: str, sink: UnitSink) -> None:
         """The sink's request ended; it gets nothing more (the unit itself still completes)."""
-        with self._lock:
-            sinks = self._sinks.get(key)
-            if sinks is not None and sink in sinks:
-                sinks.remove(sink)
+        self._units.leave(key, sink)
 
     def wanted(self, key: str) -> bool:
-        """Does any request still wait for ``key``? (producers skip work nobody wants)."""
-        with self._lock:
-            return bool(self._sinks.get(key))
+        """Does any request still wait for ``key``? (producers skip work nobody wants)"""
+        return self._units.wanted(key)
 
     def submit(self, job: EncoderJob) -> None:
         """Queue a claimed unit for the next batch of its encoder."""
         if (self.vision if job.encoder == "vision" else self.audio) is None:
             self.fail(job.key, ValueError(f"this model has no {job.encoder} encoder for a {job.kind} input"))
             return
+        if job.key not in self._units:
+            raise ValueError(f"unit {job.key[:16]} was submitted without being claimed")
         with self._lock:
-            if job.key not in self._sinks:
-                raise ValueError(f"unit {job.key[:16]} was submitted without being claimed")
             self._pending[job.encoder].append(job)
         if self.on_submit is not None:
             self.on_submit()
@@ -139,10 +132,6 @@ class EncoderBatcher:
         self._deliver(key, None, error)
 
     # ---- engine-thread side -----------------------------------------------------------------
-    def has_pending(self) -> bool:
-        with self._lock:
-            return any(self._pending.values())
-
     def next_due(self) -> float | None:
         """monotonic() time at which the oldest pending job becomes due (None: nothing pending)."""
         with self._lock:
@@ -168,14 +157,14 @@ class EncoderBatcher:
         with self._lock:
             c = dict(self._counts)
             c["pending"] = sum(len(q) for q in self._pending.values())
-            c["in_flight_units"] = len(self._sinks)
+        c["in_flight_units"] = len(self._units)
         return c
 
     def check_integrity(self) -> None:
         with self._lock:
             for q in self._pending.values():
                 for job in q:
-                    if job.key not in self._sinks:
+                    if job.key not in self._units:
                         raise AssertionError(f"pending job {job.key[:16]} has no claim")
 
     # ---- internal helpers -------------------------------------------------------------------
@@ -221,9 +210,7 @@ class EncoderBatcher:
         return len(batch)
 
     def _deliver(self, key: str, rows: torch.Tensor | None, error: BaseException | None) -> None:
-        with self._lock:
-            sinks = self._sinks.pop(key, [])
-            if error is not None:
+        if error is not None:
+            with self._lock:
                 self._counts["failed_units"] += 1
-        for sink in sinks:
-            sink(rows, error)
+        self._units.finish(key, rows, error)

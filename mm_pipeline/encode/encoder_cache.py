@@ -10,20 +10,16 @@ modifies its copy cannot damage the cache.  Tensors come back on the CPU.
 Keys are content hashes (``content_hash``): a key's value never changes, so a tier that lags
 behind a write-behind copy can only miss, never answer with a different embedding.
 
-Single-flight: concurrent requests for one key run the computation once; the others wait for its
-result.  An exception reaches every waiter and leaves nothing behind (the next request computes
-again).  ``get_or_compute`` is the thread-safe variant, ``aget_or_compute`` the asyncio one (the
-computation runs as its own task: a cancelled waiter does not cancel it for the others).
+The cache only stores: concurrent requests for one uncached unit share one encoding through the
+batcher's single flight (single_flight.py), whose result ``on_encoded`` writes here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import safetensors
 import torch
@@ -47,17 +43,8 @@ def tensor_from_bytes(blob: bytes) -> torch.Tensor:
         raise ValueError(f"cached value is not a serialised tensor ({exc})") from exc
 
 
-@dataclass
-class _Flight:
-    """One in-progress computation shared by concurrent threads."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    value: torch.Tensor | None = None
-    error: BaseException | None = None
-
-
 class EncoderCache:
-    """Tiered, write-through embedding cache with single-flight computation."""
+    """Tiered, write-through embedding cache."""
 
     def __init__(self, tiers: Sequence[KeyValueStore], namespace: str = "enc:",
                  write_behind_queue: int = 256) -> None:
@@ -71,8 +58,6 @@ class EncoderCache:
         self.namespace = namespace
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._flights: dict[str, _Flight] = {}
-        self._tasks: dict[str, asyncio.Task[torch.Tensor]] = {}
         self._writes: queue.Queue[tuple[str, bytes, list[KeyValueStore]] | None] = queue.Queue(
             write_behind_queue)
         self._writer = threading.Thread(target=self._write_loop, name="encoder-cache-writer", daemon=True)
@@ -104,67 +89,23 @@ class EncoderCache:
         """Write ``tensor`` to every tier (the first now, the rest write-behind)."""
         self._store(self.namespace + key, tensor_to_bytes(tensor), self.tiers)
 
-    def get_or_compute(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Cached value, or ``compute()`` run once for all threads asking for ``key`` meanwhile."""
-        with self._lock:
-            flight = self._flights.get(key)
-            leader = flight is None
-            if leader:
-                flight = self._flights[key] = _Flight()
-            else:
-                self._counts["joins"] += 1
-        assert flight is not None
-        if not leader:
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            assert flight.value is not None
-            return flight.value
-        try:
-            flight.value = self._lookup_or_run(key, compute)
-            return flight.value
-        except BaseException as exc:
-            flight.error = exc
-            raise
-        finally:
-            with self._lock:
-                del self._flights[key]
-            flight.done.set()
-
-    async def aget_or_compute(self, key: str,
-                              compute: Callable[[], Awaitable[torch.Tensor]]) -> torch.Tensor:
-        """Async single-flight: one task per key computes; every caller awaits it."""
-        loop = asyncio.get_running_loop()
-        task = self._tasks.get(key)
-        if task is None or task.get_loop() is not loop:
-            task = loop.create_task(self._alookup_or_run(key, compute))
-            self._tasks[key] = task
-            task.add_done_callback(lambda t: self._task_done(key, t))
-        else:
-            self._count("joins")
-        return await asyncio.shield(task)
-
     def flush(self) -> None:
         """Block until every write-behind write has reached its tier."""
         self._writes.join()
 
     def stats(self) -> dict[str, object]:
-        """``hits`` per tier name, ``misses``, ``computes``, ``joins`` (callers that waited for
-        another's computation), ``compute_errors``, ``bad_values``, ``pending_writes``."""
+        """``hits`` per tier name, ``misses``, ``bad_values``, ``pending_writes``."""
         with self._lock:
             c = dict(self._counts)
         return {
             "hits": {n: c.get(f"hits.{n}", 0) for n in self.tier_names},
-            **{k: c.get(k, 0) for k in ("misses", "computes", "joins", "compute_errors", "bad_values")},
+            **{k: c.get(k, 0) for k in ("misses", "bad_values")},
             "pending_writes": self._writes.unfinished_tasks,
         }
 
     def check_integrity(self) -> None:
-        """Call when idle: drains write-behind, then checks flights, tasks and every tier."""
+        """Call when idle: drains write-behind, then checks every tier."""
         self.flush()
-        with self._lock:
-            assert not self._flights, f"flights left without a leader: {sorted(self._flights)[:5]}"
-        assert all(not t.done() for t in self._tasks.values()), "finished task still registered"
         for tier in self.tiers:
             tier.check_integrity()
 
@@ -174,39 +115,6 @@ class EncoderCache:
         self._writer.join()
 
     # ---- internal helpers -------------------------------------------------------------------
-
-    def _lookup_or_run(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        hit = self.get(key)
-        if hit is not None:
-            return hit
-        self._count("computes")
-        try:
-            value = compute()
-        except BaseException:
-            self._count("compute_errors")
-            raise
-        self.put(key, value)
-        return value
-
-    async def _alookup_or_run(self, key: str,
-                              compute: Callable[[], Awaitable[torch.Tensor]]) -> torch.Tensor:
-        hit = await asyncio.to_thread(self.get, key)  # disk and Redis reads block
-        if hit is not None:
-            return hit
-        self._count("computes")
-        try:
-            value = await compute()
-        except BaseException:
-            self._count("compute_errors")
-            raise
-        await asyncio.to_thread(self.put, key, value)
-        return value
-
-    def _task_done(self, key: str, task: asyncio.Task[torch.Tensor]) -> None:
-        if self._tasks.get(key) is task:
-            del self._tasks[key]
-        if not task.cancelled():
-            task.exception()  # mark retrieved: waiters that went away must not log a warning
 
     def _store(self, skey: str, blob: bytes, tiers: list[KeyValueStore]) -> None:
         tiers[0].put(skey, blob)

@@ -3,78 +3,41 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
     plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
                                          └─no─► image/audio: decode + preprocess (sizes from the data)
                                                 video: probe (demux only) ─► sampling ─► sizes
+                 sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers
     start(plan, sinks)  cached unit ─► its sink now
                         unit in flight for another request ─► join it (single flight)
                         else claim it ─► a producer task: decode ─► preprocess ─► batcher.submit
 
-Concurrent plans of one media key share one planning pass (and its decoded inputs). Production
-(decode, preprocess, submit; video chunk by chunk) is mm_pipeline.encode.unit_producer.
+Concurrent plans of one media key share one planning pass and its decoded inputs (a SingleFlight,
+the mechanism the batcher's unit claims use too). Plans are the types of mm_pipeline.encode.plan;
+production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.encode.unit_producer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
 from mm_pipeline.encode.batcher import EncoderBatcher, UnitSink
 from mm_pipeline.encode.encoder_cache import EncoderCache
-from mm_pipeline.prompt.messages import MediaRef
-from mm_pipeline.errors import MediaError, MediaNotFound, UnsupportedMediaType
-from mm_pipeline.media.ingest import MediaIngestor, MediaLimits
-from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
-from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
+from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
+from mm_pipeline.encode.preprocess import Preprocessor
+from mm_pipeline.encode.single_flight import SingleFlight
 from mm_pipeline.encode.unit_producer import UnitProducer
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.errors import MediaError, MediaNotFound, UnsupportedMediaType
+from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
+from mm_pipeline.media.ingest import MediaIngestor
+from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.worker_pool import WorkerPool
+from mm_pipeline.prompt.messages import MediaRef
+
 FileResolver = Callable[[str], "tuple[bytes | Path, str | None]"]
-
-
-@dataclass(frozen=True)
-class UnitPlan:
-    key: str
-    num_tokens: int
-
-
-@dataclass
-class MediaPlan:
-    """One media item laid out: its units in placeholder order (an image has one, a video one per
-    frame group, an audio clip one per segment), video group timestamps, and cache hits."""
-
-    item: MediaItem = field(repr=False)
-    media_key: str
-    units: tuple[UnitPlan, ...]
-    timestamps: tuple[float, ...] = ()
-    cached: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
-    video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
-
-    @property
-    def kind(self) -> MediaKind:
-        return self.item.kind
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(u.num_tokens for u in self.units)
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    limits: MediaLimits = MediaLimits()
-    video_sampling: VideoSamplingParams = VideoSamplingParams()
-    groups_per_chunk: int = 2
-
-    def __post_init__(self) -> None:
-        if self.groups_per_chunk < 1:
-            raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
 
 
 class MediaPlanner:
@@ -94,7 +57,9 @@ class MediaPlanner:
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # worker threads count concurrently
         self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count)
-        self._planning: dict[str, asyncio.Future[MediaPlan]] = {}  # media key -> plan in progress
+        # media key -> the planning pass in progress; a cancelled planner fails its joiners with
+        # a MediaError (their request failed for a reason of this media, not their own cancel)
+        self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
 
     # ---- public API -------------------------------------------------------------------------
     async def load(self, ref: MediaRef) -> MediaItem:
@@ -118,27 +83,14 @@ class MediaPlanner:
         if encoder is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
         mkey = await self.pool.run(media_key, item.data, item.kind, self._params(item.kind), self.encoder_id)
-        loop = asyncio.get_running_loop()
-        first = self._planning.get(mkey)
-        if first is not None and first.get_loop() is loop:
-            # another request is planning the same media right now: share its layout and its
-            # preprocessed inputs instead of decoding a second time
-            shared = await asyncio.shield(first)
-            self._count("plan_joins")
-            return MediaPlan(item, mkey, shared.units, shared.timestamps, inputs=shared.inputs, video=shared.video)
-        future: asyncio.Future[MediaPlan] = loop.create_future()
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" noise
-        self._planning[mkey] = future
-        try:
-            plan = await self.pool.run(self._plan_sync, item, mkey)
-        except BaseException as exc:
-            future.set_exception(exc if isinstance(exc, Exception) else MediaError("planning was cancelled"))
-            raise
-        finally:
-            if self._planning.get(mkey) is future:
-                del self._planning[mkey]
-        future.set_result(plan)
-        return plan
+        plan, planned_here = await self._planning.run(mkey, lambda: self.pool.run(self._plan_sync, item, mkey))
+        if planned_here:
+            return plan
+        # another request planned the same media meanwhile: share its layout and its preprocessed
+        # inputs instead of decoding a second time (its cache hits were handed to its own sinks;
+        # this plan's units find them again when claimed, unit_producer looks before decoding)
+        self._count("plan_joins")
+        return MediaPlan(item, mkey, plan.units, plan.timestamps, inputs=plan.inputs, video=plan.video)
 
     def start(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
         """Deliver cached units, join units in flight, claim and produce the rest (async task)."""
@@ -189,13 +141,14 @@ class MediaPlanner:
     def _plan_from_media(self, item: MediaItem, mkey: str) -> MediaPlan:
         if item.kind is MediaKind.IMAGE:
             vis = self.producer.image_input(item)
-            return MediaPlan(item, mkey, (UnitPlan(mkey, self._vision_tokens(vis)),), inputs={0: vis})
+            (tokens,) = self.pre.unit_tokens("image", vis.grid)
+            return MediaPlan(item, mkey, (UnitPlan(mkey, tokens),), inputs={0: vis})
         if item.kind is MediaKind.AUDIO:
             mels = self.producer.audio_inputs(item)
-            cfg = self.pre.audio_config
-            assert cfg is not None
-            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), cfg.segment_tokens(int(m.shape[0])))
-                          for i, m in enumerate(mels))
+            sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))
+            if len(sizes) != len(mels):
+                raise AssertionError(f"{len(mels)} mel segments but the token rule cuts {len(sizes)}")
+            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), n) for i, n in enumerate(sizes))
             return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)))
         if item.kind is MediaKind.VIDEO:
             return self._plan_video(item, mkey)
@@ -203,11 +156,10 @@ class MediaPlanner:
 
     def _plan_video(self, item: MediaItem, mkey: str) -> MediaPlan:
         info, sampling, size = self.producer.probe_video(item)
-        tp = self.pre.image_config.temporal_patch_size
-        per_group = self.pre.tokens_for_size(*size)
-        units = tuple(UnitPlan(self._unit_key(item.kind, mkey, g), per_group)
-                      for g in range(sampling.num_frames // tp))
-        return MediaPlan(item, mkey, units, tuple(sampling.timestamps[::tp]), video=(info, sampling, size))
+        sizes = self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames))
+        units = tuple(UnitPlan(self._unit_key(item.kind, mkey, g), n) for g, n in enumerate(sizes))
+        stamps = sampling.timestamps[::self.pre.image_config.temporal_patch_size]  # a group's first frame
+        return MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size))
 
     # ---- keys -------------------------------------------------------------------------------
     def _params(self, kind: MediaKind) -> dict[str, Any]:
@@ -226,9 +178,6 @@ class MediaPlanner:
         if kind is MediaKind.VIDEO:
             return video_group_key(mkey, self.config.video_sampling, i)
         return audio_segment_key(mkey, self.pre.audio_config, i)
-
-    def _vision_tokens(self, vis: VisionInput) -> int:
-        return vis.num_patches // (self.pre.image_config.merge_size ** 2)
 
 
 def _manifest_key(mkey: str) -> str:

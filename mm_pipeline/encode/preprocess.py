@@ -7,19 +7,21 @@
     DecodedAudio  [N] float mono  --log-mel on device--> segments of <= segment_size mel frames
                   -> one audio unit per segment
 
-Token counts are functions of metadata only (image size, the video's frame count and size, audio
-sample count), so a prompt can be laid out before any pixel is processed. The uint8 frames travel to
-the device before the float conversion (4x fewer bytes over the bus).
+Sizes are functions of metadata only (image size, the video's frame count and size, audio sample
+count), so a prompt can be laid out before any pixel is processed; the token count of a size is
+``encoders.config.unit_tokens``. The uint8 frames travel to the device before the float conversion
+(4x fewer bytes over the bus).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from encoders.audio.packing import split_segments
-from encoders.config import AudioConfig
+from encoders.config import AudioConfig, unit_tokens
 from encoders.image_processing import ImageProcessingConfig, normalize, patchify, resize_frames, smart_resize
 from encoders.audio.mel import LogMelSpectrogram
 from mm_pipeline.media.types import DecodedAudio, DecodedImage
@@ -57,17 +59,15 @@ class Preprocessor:
         c = self.image_config
         return smart_resize(height, width, c.factor, c.video_min_pixels, c.video_frame_max_pixels(num_frames))
 
-    def tokens_for_size(self, height: int, width: int) -> int:
-        """LLM tokens of one frame group / image at an already resized size."""
+    def video_grid(self, size: tuple[int, int], num_frames: int) -> tuple[int, int, int]:
+        """(frame groups, gh, gw) of a video whose ``num_frames`` sampled frames resize to ``size``."""
         c = self.image_config
-        return (height // c.patch_size) * (width // c.patch_size) // (c.merge_size ** 2)
+        return num_frames // c.temporal_patch_size, size[0] // c.patch_size, size[1] // c.patch_size
 
-    def audio_segment_tokens(self, num_samples: int) -> list[int]:
-        """Tokens of each encoder segment of a clip of ``num_samples`` samples at the model rate."""
-        cfg = self._need_audio()
-        frames = cfg.num_mel_frames(num_samples)
-        full, rest = divmod(frames, cfg.segment_size)
-        return [cfg.segment_tokens(cfg.segment_size)] * full + ([cfg.segment_tokens(rest)] if rest else [])
+    def unit_tokens(self, kind: str, shape: Sequence[int]) -> tuple[int, ...]:
+        """Tokens per unit of a media item (:func:`encoders.config.unit_tokens` with this model's
+        merge size and audio config): ``shape`` is an image/video grid or an audio clip's (mel frames,)."""
+        return unit_tokens(kind, shape, merge_size=self.image_config.merge_size, audio=self.audio_config)
 
     # ---- tensors ----------------------------------------------------------------------------
     def image(self, image: DecodedImage) -> VisionInput:

@@ -13,7 +13,7 @@ worker pool; the coroutines run on the event loop.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from mm_pipeline.media.decode_image import decode_image, probe_animation
 from mm_pipeline.media.decode_video import probe_video
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
 from mm_pipeline.errors import MediaError, UnsupportedMediaType
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
@@ -29,15 +30,12 @@ from mm_pipeline.media.video_chunks import decode_chunk, plan_chunks
 from mm_pipeline.media.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
-if TYPE_CHECKING:
-    from mm_pipeline.encode.planner import MediaPlan, PlannerConfig, UnitPlan
-
 _ANIMATIONS = ("gif", "webp")
 
 
 class UnitProducer:
     def __init__(self, pre: Preprocessor, pool: WorkerPool, batcher: EncoderBatcher, cache: EncoderCache,
-                 config: "PlannerConfig", count: Callable[[str], None]) -> None:
+                 config: PlannerConfig, count: Callable[[str], None]) -> None:
         self.pre = pre
         self.pool = pool
         self.batcher = batcher
@@ -71,7 +69,7 @@ class UnitProducer:
         sampling = sample_frames(total, fps, self.config.video_sampling)
         return info, sampling, self.pre.video_size(h, w, sampling.num_frames)
 
-    def lookup(self, units: Sequence["UnitPlan"]) -> dict[str, torch.Tensor]:
+    def lookup(self, units: Sequence[UnitPlan]) -> dict[str, torch.Tensor]:
         """Rows of the units the encoder cache holds (right size only), by key."""
         found: dict[str, torch.Tensor] = {}
         for unit in units:
@@ -84,13 +82,13 @@ class UnitProducer:
         return found
 
     # ---- production (event loop) ------------------------------------------------------------
-    def start(self, plan: "MediaPlan", claimed: list[int]) -> None:
+    def start(self, plan: MediaPlan, claimed: list[int]) -> None:
         """Produce the ``claimed`` units of ``plan`` in a background task."""
         task = asyncio.get_running_loop().create_task(self._produce(plan, claimed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _produce(self, plan: "MediaPlan", claimed: list[int]) -> None:
+    async def _produce(self, plan: MediaPlan, claimed: list[int]) -> None:
         open_keys = {plan.units[i].key for i in claimed}
         try:
             # A unit may have been encoded (cached, then delivered) between this request's cache
@@ -120,7 +118,7 @@ class UnitProducer:
         finally:
             plan.inputs = {}
 
-    async def _produce_video(self, plan: "MediaPlan", claimed: list[int], open_keys: set[str]) -> None:
+    async def _produce_video(self, plan: MediaPlan, claimed: list[int], open_keys: set[str]) -> None:
         if plan.video is None:  # planned from a manifest: probe again for the decode plan
             plan.video = await self.pool.run(self.probe_video, plan.item)
         info, sampling, size = plan.video
@@ -153,7 +151,7 @@ class UnitProducer:
             return {0: self.image_input(item)}
         return dict(enumerate(self.audio_inputs(item)))
 
-    def _submit(self, plan: "MediaPlan", i: int, inp: Any, open_keys: set[str]) -> None:
+    def _submit(self, plan: MediaPlan, i: int, inp: Any, open_keys: set[str]) -> None:
         key = plan.units[i].key
         if key not in open_keys:
             return  # a repeated unit of this item (same key twice) was already submitted

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class VideoSamplingParams:
-    fps: float = 1.0  # processor_config.fps
-    min_frames: int = 8  # null in the checkpoint → sglang's default 8
+    """The one video-sampling config. Defaults are MiMo-V2.5's processor_config (docs/model.md §1):
+    fps 1.0, max_frames 3600, min_frames null there -> 8 (sglang's fallback). A field a checkpoint
+    leaves out or null keeps its default here (sglang would fall back to fps 2 / max 256 instead;
+    every checkpoint we serve sets both)."""
+
+    fps: float = 1.0
+    min_frames: int = 8
     max_frames: int = 3600
     num_frames: int | None = None  # fixed frame count instead of fps-based sampling
     frame_factor: int = 2  # temporal_patch_size: frames come in pairs
@@ -42,6 +48,21 @@ class VideoSamplingParams:
             )
         if self.num_frames is not None and self.num_frames < 1:
             raise ValueError(f"VideoSamplingParams.num_frames must be >= 1, got {self.num_frames}")
+
+    @classmethod
+    def from_processor_config(cls, d: Mapping[str, Any]) -> "VideoSamplingParams":
+        """From a checkpoint's ``processor_config`` (fps, min_frames, max_frames, num_frames,
+        temporal_patch_size); absent or null fields keep the defaults. A min_frames above
+        max_frames is lowered to it (a small checkpoint may cap max_frames below the default 8)."""
+
+        def get(key: str, default: Any) -> Any:
+            return default if d.get(key) is None else d[key]
+
+        max_frames = int(get("max_frames", cls.max_frames))
+        num_frames = get("num_frames", None)
+        return cls(fps=float(get("fps", cls.fps)), min_frames=min(int(get("min_frames", cls.min_frames)), max_frames),
+                   max_frames=max_frames, num_frames=None if num_frames is None else int(num_frames),
+                   frame_factor=int(get("temporal_patch_size", cls.frame_factor)))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
       ├─ text fields        -> llm_core.model.config.ModelConfig.from_hf
       ├─ vision_config      -> encoders.config.VisionConfig.from_dict
       ├─ audio_config       -> encoders.config.AudioConfig.from_dict (processor audio_* names fill gaps)
-      ├─ processor_config   -> ImageProcessingConfig, video sampling fields, token ids
+      ├─ processor_config   -> ImageProcessingConfig, VideoSamplingParams, use_video_timestamps, token ids
       └─ *_token_id         -> SpecialTokens (top level first, then processor_config)
 
 Defaults are the real MiMo-V2.5 values (docs/model.md §1, §5.1); a tiny checkpoint overrides the ids
@@ -21,6 +21,7 @@ from typing import Any
 from encoders.config import AudioConfig, VisionConfig
 from encoders.image_processing import ImageProcessingConfig
 from llm_core.model.config import ModelConfig
+from mm_pipeline.media.video_sampling import VideoSamplingParams
 
 
 @dataclass(frozen=True)
@@ -99,22 +100,8 @@ def _single_id(value: Any, key: str) -> int:
     return int(value)
 
 
-@dataclass(frozen=True)
-class VideoSampling:
-    """processor_config video fields (sglang fallbacks for nulls: fps 2, min 8, max 256 frames)."""
-
-    fps: float = 1.0
-    min_frames: int = 8
-    max_frames: int = 3600
-    use_video_timestamps: bool = True
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "VideoSampling":
-        def get(key, fallback):
-            return fallback if d.get(key) is None else d[key]
-
-        return cls(fps=float(get("fps", 2.0)), min_frames=int(get("min_frames", 8)),
-                   max_frames=int(get("max_frames", 256)), use_video_timestamps=bool(get("use_video_timestamps", True)))
+def _flag(value: Any, default: bool) -> bool:
+    return default if value is None else bool(value)
 
 
 @dataclass(frozen=True)
@@ -123,8 +110,11 @@ class OmniConfig:
     vision: VisionConfig | None
     audio: AudioConfig | None
     image_processing: ImageProcessingConfig
-    video: VideoSampling
+    video: VideoSamplingParams
     special: SpecialTokens
+    # "MM:SS" of each frame group before its pads in the prompt (processor_config.use_video_timestamps;
+    # MiMo-V2.5 and the demo model were trained with them)
+    use_video_timestamps: bool = True
 
     def __post_init__(self) -> None:
         hidden = self.text.hidden_size
@@ -137,6 +127,9 @@ class OmniConfig:
                                                                            v.spatial_merge_size):
                 raise ValueError(f"processor patch/temporal/merge {(ip.patch_size, ip.temporal_patch_size, ip.merge_size)}"
                                  f" disagree with vision_config {(v.patch_size, v.temporal_patch_size, v.spatial_merge_size)}")
+        if self.video.frame_factor != self.image_processing.temporal_patch_size:
+            raise ValueError(f"video frames are sampled in groups of {self.video.frame_factor} but the "
+                             f"processor's temporal_patch_size is {self.image_processing.temporal_patch_size}")
         if self.audio is not None and self.audio.out_hidden_size != hidden:
             raise ValueError(f"audio_config.out_hidden_size {self.audio.out_hidden_size} != text hidden_size {hidden}")
         too_big = {n: i for n, i in self.special.as_dict().items() if i >= self.text.vocab_size}
@@ -155,8 +148,9 @@ class OmniConfig:
             vision=VisionConfig.from_dict(cfg["vision_config"]) if cfg.get("vision_config") is not None else None,
             audio=audio,
             image_processing=ImageProcessingConfig.from_dict(processor),
-            video=VideoSampling.from_dict(processor),
+            video=VideoSamplingParams.from_processor_config(processor),
             special=SpecialTokens.from_config(cfg),
+            use_video_timestamps=_flag(processor.get("use_video_timestamps"), default=True),
         )
 
     @classmethod

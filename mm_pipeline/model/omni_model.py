@@ -3,7 +3,7 @@
     config.json ─┬─ text fields            ─► llm_core.model.loader.load_model  (model.*, lm_head.*)
                  ├─ vision_config          ─► VisionTransformer           (visual.*)
                  ├─ audio_config           ─► AudioEncoder                (audio_encoder.*)
-                 └─ processor_config       ─► ImageProcessingConfig, token ids, prompt layout
+                 └─ processor_config       ─► ImageProcessingConfig, video sampling, token ids, prompt layout
     tokenizer files                        ─► transformers AutoTokenizer
 
 ``encoder_id`` names the encoder weights for content-hash keys: a digest of the config and of every
@@ -26,13 +26,12 @@ from encoders.image_processing import ImageProcessingConfig
 from encoders.vision.tower import VisionTransformer
 from encoders.weights import AUDIO_PREFIX, VISION_PREFIX, load_audio_encoder, load_vision_tower
 from llm_core.llm import load_tokenizer
+from llm_core.model.dtype import parse_dtype
 from llm_core.model.loader import load_model
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
-from mm_pipeline.prompt.messages import ChatLayout
-from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.media.video_sampling import VideoSamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from mm_pipeline.model.config import OmniConfig
+from mm_pipeline.prompt.layout import ChatLayout
 
 
 def encoder_id_of(model_dir: Path) -> str:
@@ -91,9 +90,7 @@ class OmniModel:
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
         omni = OmniConfig.from_pretrained(model_dir)  # validates widths, patch geometry, token ids
-        dt = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
-        if dt is None:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        dt = parse_dtype(dtype)
         text = load_model(model_dir, device=device, dtype=dt)
         vision = audio = None
         if omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
@@ -103,12 +100,9 @@ class OmniModel:
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise FileNotFoundError(f"{model_dir} has no tokenizer files; an omni model needs one")
-        v = omni.video
-        sampling = VideoSamplingParams(fps=v.fps, min_frames=min(v.min_frames, v.max_frames), max_frames=v.max_frames,
-                                       frame_factor=omni.image_processing.temporal_patch_size)
         return cls(name=model_dir.resolve().name, text=text, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
-                   layout=ChatLayout(omni.special, tokenizer), video_sampling=sampling,
-                   encoder_id=encoder_id_of(model_dir))
+                   layout=ChatLayout(omni.special, tokenizer, omni.use_video_timestamps),
+                   video_sampling=omni.video, encoder_id=encoder_id_of(model_dir))
 
 

@@ -1,5 +1,6 @@
 """Prompt layout (docs/model.md §5): expand each media placeholder of a templated prompt into its
-final token run, sized from media metadata *before* anything is encoded.
+final token run, sized from media metadata *before* anything is encoded (unit sizes are
+``encoders.config.unit_tokens``, counted by the planner; ``ChatLayout`` renders a parsed chat).
 
 The chat template emits one pad per media item; :meth:`PromptLayout.expand` rewrites token ids:
 
@@ -13,17 +14,18 @@ audio: one per segment) -- the rows each unit's embeddings replace:
     ... <video_start> 0 0 : 0 0 <vs> [P P P P] <ve> 0 0 : 0 2 <vs> [P P P P] <ve> <video_end> ...
                                      \\unit 0/                        \\unit 1/
 
+The "MM:SS" text of each group is left out when the checkpoint's ``use_video_timestamps`` is false.
 Placeholders and media items pair up in order and must agree in kind and number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from encoders.config import AudioConfig
 from encoders.video import format_timestamp
 from mm_pipeline.model.config import SpecialTokens
+from mm_pipeline.prompt.messages import ChatRequest
 
 MEDIA_KINDS = ("image", "video", "audio")
 
@@ -50,26 +52,6 @@ class MediaSlots:
     def num_tokens(self) -> int:
         return sum(self.unit_tokens)
 
-    @classmethod
-    def image(cls, grid_thw: Sequence[int], merge_size: int) -> "MediaSlots":
-        t, h, w = grid_thw
-        return cls("image", (t * h * w // (merge_size * merge_size),))
-
-    @classmethod
-    def video(cls, grid_hw: Sequence[int], timestamps: Sequence[float], merge_size: int) -> "MediaSlots":
-        """One unit per frame group of a video whose frames resize to ``grid_hw`` patches."""
-        per_group = grid_hw[0] * grid_hw[1] // (merge_size * merge_size)
-        return cls("video", (per_group,) * len(timestamps), tuple(float(t) for t in timestamps))
-
-    @classmethod
-    def audio(cls, mel_frames: int, config: AudioConfig) -> "MediaSlots":
-        """One unit per ``segment_size`` segment of a clip of ``mel_frames`` frames."""
-        if mel_frames <= 0:
-            raise ValueError(f"an audio clip needs at least one mel frame, got {mel_frames}")
-        full, rest = divmod(mel_frames, config.segment_size)
-        sizes = [config.segment_size] * full + ([rest] if rest else [])
-        return cls("audio", tuple(config.segment_tokens(n) for n in sizes))
-
 
 @dataclass(frozen=True)
 class LaidOutPrompt:
@@ -78,15 +60,19 @@ class LaidOutPrompt:
 
 
 class PromptLayout:
-    """Expands placeholders with the ids of one checkpoint; ``encode_text`` tokenizes timestamps."""
+    """Expands placeholders with the ids of one checkpoint; ``encode_text`` tokenizes timestamps,
+    which precede each video group only with ``video_timestamps`` (processor_config
+    ``use_video_timestamps``)."""
 
-    def __init__(self, special: SpecialTokens, encode_text: Callable[[str], list[int]]) -> None:
+    def __init__(self, special: SpecialTokens, encode_text: Callable[[str], list[int]],
+                 video_timestamps: bool = True) -> None:
         self.special = special
         self.encode_text = encode_text
+        self.video_timestamps = video_timestamps
 
     @classmethod
-    def from_tokenizer(cls, special: SpecialTokens, tokenizer: Any) -> "PromptLayout":
-        return cls(special, lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
+    def from_tokenizer(cls, special: SpecialTokens, tokenizer: Any, video_timestamps: bool = True) -> "PromptLayout":
+        return cls(special, lambda text: list(tokenizer.encode(text, add_special_tokens=False)), video_timestamps)
 
     def expand(self, token_ids: Sequence[int], media: Sequence[MediaSlots]) -> LaidOutPrompt:
         """Rewrite one-pad placeholders of ``token_ids`` for ``media`` (in order)."""
@@ -147,7 +133,8 @@ class PromptLayout:
         elif item.kind == "video":
             out.append(sp.video_start)
             for n, ts in zip(item.unit_tokens, item.timestamps):
-                out.extend(self.encode_text(format_timestamp(ts)))
+                if self.video_timestamps:
+                    out.extend(self.encode_text(format_timestamp(ts)))
                 out.append(sp.vision_start)
                 spans.append(self._pads(out, sp.video_pad, n))
                 out.append(sp.vision_end)
@@ -164,3 +151,40 @@ class PromptLayout:
         start = len(out)
         out.extend([pad] * n)
         return start, start + n
+
+
+class PlannedMedia(Protocol):
+    """What the layout needs of one planned media item (mm_pipeline.encode.plan.MediaPlan)."""
+
+    @property
+    def slots(self) -> MediaSlots: ...
+
+
+class ChatLayout:
+    """Chat turns + planned media -> token ids with one placeholder span per encoder unit.
+
+    The checkpoint's chat template renders each media part as one pad (kind from the *sniffed*
+    media, so ``file`` parts work); :class:`PromptLayout` expands the pads to the sizes the plans
+    found (cache manifest or metadata) -- all before any media is encoded.
+    """
+
+    def __init__(self, special: SpecialTokens, tokenizer: Any, video_timestamps: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_layout = PromptLayout.from_tokenizer(special, tokenizer, video_timestamps)
+
+    def render(self, chat: ChatRequest, plans: Sequence[PlannedMedia]
+               ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """(token ids, per plan its unit spans) for a chat whose media planned as ``plans``."""
+        slots = [p.slots for p in plans]
+        kinds = iter(s.kind for s in slots)
+        messages = []
+        for turn in chat.turns:
+            content = []
+            for part in turn.parts:
+                if isinstance(part, str):
+                    content.append({"type": "text", "text": part})
+                else:
+                    content.append({"type": next(kinds)})
+            messages.append({"role": turn.role, "content": content})
+        laid = self.prompt_layout.render(self.tokenizer, messages, slots)
+        return list(laid.token_ids), [list(spans) for spans in laid.unit_spans]

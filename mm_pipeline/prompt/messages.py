@@ -1,4 +1,4 @@
-"""OpenAI-format chat messages -> typed turns of text and media references -> laid-out prompt.
+"""OpenAI-format chat messages -> typed turns of text and media references (``ChatRequest``).
 
 Accepted content parts (``content`` may also be a plain string):
 
@@ -13,18 +13,17 @@ Accepted content parts (``content`` may also be a plain string):
 Nothing is read or decoded here (that happens off the event loop); this only checks shapes, so a
 malformed message fails fast with HTTP 400 before any work starts. The declared kind of a part
 (image_url -> image) is checked against the sniffed content later; ``file`` parts take whatever
-their content sniffs as.
+their content sniffs as. The turns are all the prompt layout needs later (layout.py ``ChatLayout``):
+a request's messages are parsed once, here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 from mm_pipeline.errors import InvalidMediaError
 from mm_pipeline.media.types import MediaKind, MediaSource
-from mm_pipeline.model.config import SpecialTokens
-from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
@@ -148,33 +147,3 @@ def _source_from_url(url: Any, kind: MediaKind, where: str) -> MediaSource:
         raise InvalidMessageError(f"{where}: unsupported URL {url[:40]!r} (data:, file://, http(s)://, or an "
                                   f"absolute path)")
     return MediaSource(url=url, kind=kind)
-
-
-class ChatLayout:
-    """Chat turns + planned media -> token ids with one placeholder span per encoder unit.
-
-    The checkpoint's chat template renders each media part as one pad (kind from the *sniffed*
-    media, so ``file`` parts work); :class:`PromptLayout` expands the pads to the sizes the plans
-    found (cache manifest or metadata) -- all before any media is encoded.
-    """
-
-    def __init__(self, special: SpecialTokens, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.prompt_layout = PromptLayout.from_tokenizer(special, tokenizer)
-
-    def render(self, chat: ChatRequest, plans: Sequence[Any]) -> tuple[list[int], list[list[tuple[int, int]]]]:
-        """(token ids, per plan its unit spans) for a chat whose media planned as ``plans``."""
-        slots = [MediaSlots(p.kind.value, tuple(u.num_tokens for u in p.units), tuple(p.timestamps))
-                 for p in plans]
-        kinds = iter(s.kind for s in slots)
-        messages = []
-        for turn in chat.turns:
-            content = []
-            for part in turn.parts:
-                if isinstance(part, str):
-                    content.append({"type": "text", "text": part})
-                else:
-                    content.append({"type": next(kinds)})
-            messages.append({"role": turn.role, "content": content})
-        laid = self.prompt_layout.render(self.tokenizer, messages, slots)
-        return list(laid.token_ids), [list(spans) for spans in laid.unit_spans]

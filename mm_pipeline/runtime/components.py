@@ -28,7 +28,8 @@ from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import MediaError
 from mm_pipeline.media.ingest import MediaIngestor
-from mm_pipeline.encode.planner import MediaPlan, MediaPlanner
+from mm_pipeline.encode.plan import MediaPlan
+from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.media_feed import MediaFeed
 from mm_pipeline.model.omni_model import OmniModel
@@ -60,7 +61,7 @@ class OmniRuntime:
     def __init__(self, model: OmniModel, config: OmniEngineConfig) -> None:
         self.model = model
         self.config = config
-        self.llm = LLMEngine(model.text, config.engine_config, tokenizer=model.tokenizer)
+        self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer)
         self.cache = EncoderCache(build_tiers(config))
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
         self.loop = EngineLoop(self.llm, self.batcher)

@@ -1,43 +1,42 @@
 """OmniEngineConfig: every knob of the omni runtime in one frozen dataclass.
 
-Groups: the LLM engine (pools, chunking, prefix cache), media ingest (limits, local dirs, remote
-fetch), video sampling and streaming granularity, the encoder cache tiers, encoder batching,
-admission and the decode worker pool. ``engine_config`` / ``ingest_config`` derive the configs of
-the parts; nothing here is mutated after construction.
+Groups: model placement, the LLM engine (``engine``: an llm_core ``EngineConfig``, every field of it
+settable, none copied here), media ingest (limits, local dirs, remote fetch), video sampling and
+streaming granularity, the encoder cache tiers, encoder batching, admission and the decode worker
+pool. ``ingest_config`` / ``batcher_config`` / ``planner_config`` derive the configs of the other
+parts; nothing here is mutated after construction.
+
+Call sites name fields flat -- ``OmniEngineConfig.from_kwargs(device="cuda", num_full_tokens=8192)``
+-- and engine field names go into ``engine``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from llm_core.engine.llm_engine import EngineConfig
+from llm_core.model.dtype import parse_dtype
 from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
+from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.ingest import IngestConfig, MediaLimits
-from mm_pipeline.encode.planner import PlannerConfig
 from mm_pipeline.media.video_sampling import VideoSamplingParams
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 @dataclass(frozen=True)
 class OmniEngineConfig:
     # model placement
     device: str = "cpu"
-    dtype: str = "float32"
-    # LLM engine (llm_core.EngineConfig fields; prefix cache and its KV tiers included)
-    page_size: int = 16
-    num_full_tokens: int | None = None
-    num_swa_tokens: int | None = None
-    memory_fraction: float = 0.5
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_chunk_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = False
-    prefix_checkpoint_every: int = 0
-    kv_host_bytes: int = 0
-    kv_store: str | None = None
-    queue_policy: str = "fcfs"
-    seed: int = 0
+    dtype: str | torch.dtype = "float32"  # any spelling llm_core.model.dtype.parse_dtype takes ("bf16", ...)
+    # the LLM engine: KV pools, chunking, scheduling, prefix cache and its KV tiers
+    engine: EngineConfig = field(default_factory=EngineConfig)
     # media ingest
     limits: MediaLimits = field(default_factory=MediaLimits)
     allowed_local_dirs: tuple[str, ...] = ()
@@ -73,24 +72,29 @@ class OmniEngineConfig:
                              f"{self.decode_workers}, {self.decode_queue}")
         if self.cache_memory_bytes < 0:
             raise ValueError(f"cache_memory_bytes must be >= 0, got {self.cache_memory_bytes}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        parse_dtype(self.dtype)  # ValueError naming the accepted spellings
         if self.redis_url is not None:
             RedisAddress.from_url(self.redis_url)  # raises ValueError naming what is wrong
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
-        self.engine_config, self.ingest_config, self.batcher_config  # validate the parts' configs
+        self.ingest_config, self.batcher_config  # validate the parts' configs
 
-    @property
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            page_size=self.page_size, num_full_tokens=self.num_full_tokens, num_swa_tokens=self.num_swa_tokens,
-            memory_fraction=self.memory_fraction, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs, max_chunk_tokens=self.max_chunk_tokens,
-            max_model_len=self.max_model_len, seed=self.seed, enable_prefix_caching=self.enable_prefix_caching,
-            prefix_checkpoint_every=self.prefix_checkpoint_every, kv_host_bytes=self.kv_host_bytes,
-            kv_store=self.kv_store, queue_policy=self.queue_policy,
-        )
+    @classmethod
+    def from_kwargs(cls, **fields: Any) -> "OmniEngineConfig":
+        """Flat field names -> the nested configs: ``EngineConfig`` names (page_size, max_num_seqs,
+        kv_model_id...) go into ``engine`` (over an ``engine=`` given too), the rest are this
+        class's own. ``TypeError`` names a field that is neither."""
+        own = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - own - _ENGINE_FIELDS)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(own | _ENGINE_FIELDS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"unknown OmniEngineConfig field {unknown[0]!r}{hint}: neither an "
+                            f"OmniEngineConfig nor an EngineConfig field")
+        engine_fields = {k: v for k, v in fields.items() if k in _ENGINE_FIELDS}
+        rest = {k: v for k, v in fields.items() if k not in _ENGINE_FIELDS}
+        engine = dataclasses.replace(rest.pop("engine", EngineConfig()), **engine_fields)
+        return cls(engine=engine, **rest)
 
     @property
     def ingest_config(self) -> IngestConfig:

@@ -109,10 +109,6 @@ class EmbeddingStream:
         """Deliver the rows of span ``index`` ([span.length, hidden]); filling twice is an error."""
         self._store([index], rows, strict=True)
 
-    def fill_key(self, key: str, rows: torch.Tensor) -> int:
-        """Fill every still-empty span whose unit key is ``key``; returns how many were filled."""
-        return self._store([i for i, s in enumerate(self.spans) if s.key == key], rows, strict=False)
-
     def fail(self, error: BaseException) -> None:
         """Record why the stream can never complete (the owner aborts the request)."""
         with self._lock:

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import blake3
 
-_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
-
 
 class UploadTooLarge(Exception):
     """The upload passed the per-file cap or would overfill the store."""
@@ -186,10 +184,6 @@ class FilesStore:
             meta.write_text(json.dumps(asdict(rec)))
             self._records[rec.id] = rec
         return rec
-
-
-def is_file_id(value: str) -> bool:
-    return bool(_ID_RE.match(value))
 
 
 def _clean_name(name: str) -> str:

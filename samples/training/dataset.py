@@ -32,7 +32,6 @@ from mm_pipeline.media.decode_video import decode_range, probe_video
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
 from mm_pipeline.media.types import MediaKind, MediaSource
 from samples.checkpoints.tiny_omni import tiny_special_tokens
-from mm_pipeline.model.config import VideoSampling
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
 from samples.training.demo_model_config import DemoModelConfig
@@ -83,10 +82,7 @@ class ItemPreparer:
         self.tokenizer = demo_tokenizer()
         processor = config.processor_config(self.special)
         self.image_config = ImageProcessingConfig.from_dict(processor)
-        v = VideoSampling.from_dict(processor)
-        self.sampling = VideoSamplingParams(fps=v.fps, min_frames=min(v.min_frames, v.max_frames),
-                                            max_frames=v.max_frames,
-                                            frame_factor=self.image_config.temporal_patch_size)
+        self.sampling = VideoSamplingParams.from_processor_config(processor)
         self.audio_config = config.audio
         self.pre = Preprocessor(self.image_config, config.audio)
         self.layout = PromptLayout.from_tokenizer(self.special, self.tokenizer)
@@ -100,7 +96,7 @@ class ItemPreparer:
         if item.kind is MediaKind.IMAGE:
             vis = self.pre.image(decode_image(item, self.limits))
             units, grids = [vis.rows], [vis.grid]
-            slots = MediaSlots.image(vis.grid, self.image_config.merge_size)
+            slots = MediaSlots("image", self.pre.unit_tokens("image", vis.grid))
         elif item.kind is MediaKind.VIDEO:
             info = probe_video(item, self.limits)
             sampling = sample_frames(info.total_frames, info.video_fps, self.sampling)
@@ -111,11 +107,11 @@ class ItemPreparer:
             groups = self.pre.video_groups(frames[[row[t] for t in sampling.indices]], size)
             units, grids = [g.rows for g in groups], [g.grid for g in groups]
             tp = self.image_config.temporal_patch_size
-            slots = MediaSlots.video((size[0] // self.image_config.patch_size, size[1] // self.image_config.patch_size),
-                                     sampling.timestamps[::tp], self.image_config.merge_size)
+            slots = MediaSlots("video", self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames)),
+                               tuple(sampling.timestamps[::tp]))
         else:
             units = self.pre.audio_segments(decode_audio(item, self.audio_config.sampling_rate, self.limits))
-            slots = MediaSlots("audio", tuple(self.audio_config.segment_tokens(int(m.shape[0])) for m in units))
+            slots = MediaSlots("audio", self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in units),)))
         messages = [{"role": "user", "content": [{"type": item.kind.value},
                                                  {"type": "text", "text": PROMPTS[item.kind.value]}]}]
         laid = self.layout.render(self.tokenizer, messages, [slots])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from encoders.audio.encoder import AudioEncoder
 from encoders.audio.packing import AudioPackedBatch, split_segments
-from encoders.config import AudioConfig
+from encoders.config import AudioConfig, unit_tokens
 from encoders.audio.mel import LogMelSpectrogram
 from samples.checkpoints.tiny_towers import init_random_, tiny_audio_config
 from encoders.weights import load_audio_encoder, read_prefixed, save_modules
@@ -80,7 +80,7 @@ def test_packed_clips_equal_one_by_one(lengths, seed):
     mels = [torch.randn(n, 32, generator=g) for n in lengths]
     batched = enc(mels)
     for mel, out in zip(mels, batched):
-        assert out.shape == (enc.config.num_tokens(mel.shape[0]), 48)
+        assert out.shape == (sum(unit_tokens("audio", (mel.shape[0],), audio=enc.config)), 48)
         torch.testing.assert_close(out, enc([mel])[0], atol=2e-5, rtol=1e-4)
 
 
@@ -102,10 +102,10 @@ def test_token_counts_match_notes():
     cfg = AudioConfig()
     seconds_to_tokens = {1: 7, 10: 63, 30: 188, 60: 376}
     for s, tokens in seconds_to_tokens.items():
-        assert cfg.num_tokens(cfg.num_mel_frames(s * cfg.sampling_rate)) == tokens
+        assert sum(unit_tokens("audio", (cfg.num_mel_frames(s * cfg.sampling_rate),), audio=cfg)) == tokens
     assert cfg.num_mel_frames(24000) == 101 and cfg.frames_per_second == 100
     # segments: a 6000-frame segment gives 375 tokens, the remainder frame one more
-    assert cfg.num_tokens(6001) == cfg.segment_tokens(6000) + cfg.segment_tokens(1) == 376
+    assert unit_tokens("audio", (6001,), audio=cfg) == (cfg.segment_tokens(6000), cfg.segment_tokens(1)) == (375, 1)
 
 
 def test_log_mel_matches_manual_stft():

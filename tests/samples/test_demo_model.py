@@ -69,13 +69,10 @@ def test_demo_processor_samples_every_colour_segment_at_least_twice(k, fps, u):
     """Issue F: the processor's video sampling sees each colour (D / k >= 1 s) in >= 2 frames,
     for every duration D in [max(2, k), 60] s and every spec frame rate."""
     from samples.checkpoints.tiny_omni import tiny_special_tokens
-    from mm_pipeline.model.config import VideoSampling
     from samples.training.demo_model_config import DemoModelConfig
     from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
 
-    v = VideoSampling.from_dict(DemoModelConfig().processor_config(tiny_special_tokens()))
-    params = VideoSamplingParams(fps=v.fps, min_frames=min(v.min_frames, v.max_frames), max_frames=v.max_frames,
-                                 frame_factor=2)
+    params = VideoSamplingParams.from_processor_config(DemoModelConfig().processor_config(tiny_special_tokens()))
     lo = max(2, k)
     n_frames = round((lo + u * (60 - lo)) * fps)
     seen = Counter(i * k // n_frames for i in sample_frames(n_frames, fps, params).indices)

@@ -1,10 +1,8 @@
-"""mm_pipeline encoder cache: tier promotion, persistence, damaged entries, Redis tier,
-single-flight (threads and asyncio), and the content keys it is addressed by."""
+"""mm_pipeline encoder cache: tier promotion, persistence, damaged entries, Redis tier, and the
+content keys it is addressed by (single flight: test_single_flight.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -189,109 +187,4 @@ def test_unreachable_redis_tier_is_a_miss(tmp_path: Path) -> None:
     cache.flush()
     assert torch.equal(cache.get("k"), _emb(1))  # memory still serves
     assert time.perf_counter() - t0 < 1.0
-    cache.close()
-
-
-# ---- single-flight --------------------------------------------------------------------------
-
-def test_thread_single_flight_computes_once(tmp_path: Path) -> None:
-    cache = _cache(tmp_path)
-    calls = 0
-    gate = threading.Barrier(8)
-
-    def compute() -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        time.sleep(0.1)  # long enough for every thread to join the flight
-        return _emb(5)
-
-    results: list[torch.Tensor] = []
-
-    def worker() -> None:
-        gate.wait()
-        results.append(cache.get_or_compute("k", compute))
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert calls == 1 and len(results) == 8 and all(torch.equal(r, _emb(5)) for r in results)
-    assert cache.stats()["joins"] == 7 and cache.stats()["computes"] == 1
-    assert torch.equal(cache.get_or_compute("k", compute), _emb(5)) and calls == 1  # now cached
-    cache.check_integrity()
-    cache.close()
-
-
-def test_thread_single_flight_error_reaches_all_and_poisons_nothing(tmp_path: Path) -> None:
-    cache = _cache(tmp_path)
-    calls = 0
-    gate = threading.Barrier(6)
-
-    def failing() -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        time.sleep(0.1)
-        raise RuntimeError("encoder exploded")
-
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        gate.wait()
-        try:
-            cache.get_or_compute("k", failing)
-        except RuntimeError as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert calls == 1 and len(errors) == 6 and all("exploded" in str(e) for e in errors)
-    cache.check_integrity()
-    assert cache.get("k") is None
-    assert torch.equal(cache.get_or_compute("k", lambda: _emb(6)), _emb(6))  # retried, not poisoned
-    cache.close()
-
-
-def test_async_single_flight(tmp_path: Path) -> None:
-    cache = _cache(tmp_path)
-    calls = 0
-
-    async def compute() -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        await asyncio.sleep(0.05)
-        return _emb(9)
-
-    async def failing() -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        await asyncio.sleep(0.05)
-        raise RuntimeError("boom")
-
-    async def scenario() -> None:
-        nonlocal calls
-        outs = await asyncio.gather(*(cache.aget_or_compute("a", compute) for _ in range(20)))
-        assert calls == 1 and all(torch.equal(o, _emb(9)) for o in outs)
-
-        calls = 0
-        outs = await asyncio.gather(*(cache.aget_or_compute("b", failing) for _ in range(10)),
-                                    return_exceptions=True)
-        assert calls == 1 and all(isinstance(o, RuntimeError) for o in outs)
-        assert torch.equal(await cache.aget_or_compute("b", compute), _emb(9))  # not poisoned
-
-        calls = 0  # a cancelled waiter does not cancel the computation for the others
-        first = asyncio.create_task(cache.aget_or_compute("c", compute))
-        second = asyncio.create_task(cache.aget_or_compute("c", compute))
-        await asyncio.sleep(0.01)
-        first.cancel()
-        assert torch.equal(await second, _emb(9)) and calls == 1
-        with pytest.raises(asyncio.CancelledError):
-            await first
-
-    asyncio.run(scenario())
-    cache.check_integrity()
-    assert cache.stats()["joins"] == 19 + 9 + 1
     cache.close()

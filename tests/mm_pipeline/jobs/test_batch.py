@@ -48,7 +48,7 @@ def engine(tmp_path_factory):
     from mm_pipeline.runtime.config import OmniEngineConfig
 
     model_dir = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
-    eng = OmniEngine.from_pretrained(model_dir, OmniEngineConfig(num_full_tokens=4096))
+    eng = OmniEngine.from_pretrained(model_dir, OmniEngineConfig.from_kwargs(num_full_tokens=4096))
     yield eng
     eng.shutdown()
 

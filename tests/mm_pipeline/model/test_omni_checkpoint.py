@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from encoders.audio.encoder import AudioEncoder
-from encoders.config import AudioConfig
+from encoders.config import AudioConfig, unit_tokens
 from samples.checkpoints.tiny_towers import init_random_
 from encoders.vision.tower import VisionTransformer
 from encoders.weights import load_audio_encoder, load_vision_tower
 from samples.checkpoints.tiny_omni import DEFAULT_SYSTEM, build_tiny_omni_checkpoint, tiny_special_tokens
+from mm_pipeline.media.video_sampling import VideoSamplingParams
 from mm_pipeline.model.config import OmniConfig, SpecialTokens
 from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
 
@@ -126,18 +127,40 @@ def test_layout_expansion_invariants(media, text):
 def test_video_layout_tokens():
     sp = tiny_special_tokens()
     layout = PromptLayout(sp, lambda s: [ord(c) for c in s])
-    video = MediaSlots.video((4, 4), [0.0, 62.5], merge_size=2)
-    out = layout.expand([7, sp.vision_start, sp.video_pad, sp.vision_end, 8], [video])
+    video = MediaSlots("video", unit_tokens("video", (2, 4, 4), merge_size=2), (0.0, 62.5))
+    prompt = [7, sp.vision_start, sp.video_pad, sp.vision_end, 8]
+    out = layout.expand(prompt, [video])
     ts0, ts1 = [ord(c) for c in "00:00"], [ord(c) for c in "01:02"]
     block = [sp.vision_start] + [sp.video_pad] * 4 + [sp.vision_end]
     assert list(out.token_ids) == [7, sp.video_start, *ts0, *block, *ts1, *block, sp.video_end, 8]
     assert out.unit_spans == (((8, 12), (19, 23)),)
+    # a checkpoint with use_video_timestamps false: the same groups without their "MM:SS"
+    bare = PromptLayout(sp, lambda s: [ord(c) for c in s], video_timestamps=False).expand(prompt, [video])
+    assert list(bare.token_ids) == [7, sp.video_start, *block, *block, sp.video_end, 8]
+    assert bare.unit_spans == (((3, 7), (9, 13)),)
+
+
+def test_checkpoint_video_sampling_and_timestamps(ckpt):
+    raw = json.loads((ckpt / "config.json").read_text())
+    cfg = OmniConfig.from_hf(raw)
+    proc = raw["processor_config"]
+    assert cfg.use_video_timestamps is True
+    assert (cfg.video.fps, cfg.video.min_frames, cfg.video.max_frames, cfg.video.frame_factor) == (
+        proc["fps"], min(proc["min_frames"], proc["max_frames"]), proc["max_frames"], proc["temporal_patch_size"])
+    # absent or null fields keep the one set of defaults (MiMo-V2.5's values, docs/model.md §1)
+    bare = {k: v for k, v in proc.items() if k not in ("fps", "min_frames", "max_frames", "use_video_timestamps")}
+    cfg = OmniConfig.from_hf({**raw, "processor_config": {**bare, "min_frames": None}})
+    assert cfg.video == VideoSamplingParams() and cfg.use_video_timestamps is True
+    off = OmniConfig.from_hf({**raw, "processor_config": {**proc, "use_video_timestamps": False}})
+    assert off.use_video_timestamps is False
 
 
 def test_audio_slots_follow_segments():
     cfg = AudioConfig()
-    slots = MediaSlots.audio(cfg.num_mel_frames(75 * cfg.sampling_rate), cfg)
-    assert slots.unit_tokens == (375, 94) and slots.num_tokens == cfg.num_tokens(7501)
+    assert unit_tokens("audio", (cfg.num_mel_frames(75 * cfg.sampling_rate),), audio=cfg) == (375, 94)
+    assert unit_tokens("audio", (6000,), audio=cfg) == (375,) and unit_tokens("audio", (1501,), audio=cfg) == (94,)
+    with pytest.raises(ValueError, match="audio encoder's config"):
+        unit_tokens("audio", (10,))
 
 
 def test_layout_errors():
@@ -166,3 +189,15 @@ def test_config_errors(ckpt):
     cfg = OmniConfig.from_hf(raw)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         dataclasses.replace(cfg, special=SpecialTokens())  # real ids do not fit a 512-token vocab
+
+
+def test_omni_model_loads_with_any_dtype_spelling(ckpt):
+    from mm_pipeline.model.omni_model import OmniModel
+
+    model = OmniModel.load(ckpt, dtype="bf16")  # the spelling llm_core.LLM takes too (one parser)
+    assert model.text.model.norm.weight.dtype is torch.bfloat16
+    assert model.vision is not None and next(model.vision.parameters()).dtype is torch.bfloat16
+    assert model.video_sampling == OmniConfig.from_pretrained(ckpt).video
+    assert model.layout.prompt_layout.video_timestamps is True
+    with pytest.raises(ValueError, match="unknown dtype"):
+        OmniModel.load(ckpt, dtype="float8")

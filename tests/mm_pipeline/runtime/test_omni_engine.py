@@ -34,7 +34,7 @@ def ckpt(tmp_path_factory) -> Path:
 def make(ckpt, **kw) -> OmniEngine:
     cfg = dict(page_size=4, num_full_tokens=4096, num_swa_tokens=2048, max_chunk_tokens=16,
                max_num_batched_tokens=64, groups_per_chunk=1)
-    return OmniEngine.from_pretrained(ckpt, OmniEngineConfig(**{**cfg, **kw}))
+    return OmniEngine.from_pretrained(ckpt, OmniEngineConfig.from_kwargs(**{**cfg, **kw}))
 
 
 def durl(data: bytes) -> str:

@@ -10,7 +10,7 @@ import torch
 from encoders.image_processing import ImageProcessingConfig, preprocess_image
 from samples.checkpoints.tiny_towers import tiny_audio_config
 from mm_pipeline.prompt.messages import InvalidMessageError, MediaRef, parse_messages
-from mm_pipeline.media.types import DecodedImage, MediaKind
+from mm_pipeline.media.types import DecodedAudio, DecodedImage, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor
 
 
@@ -24,18 +24,21 @@ def test_preprocess_matches_encoders_reference_and_metadata_sizes():
     torch.testing.assert_close(got.rows, rows)
     assert got.grid == grid
     h, w = pre.image_size(50, 77)
-    assert pre.tokens_for_size(h, w) == got.num_patches // 4
+    assert got.grid == (1, h // 16, w // 16) and pre.unit_tokens("image", got.grid) == (got.num_patches // 4,)
     # video groups: one input per pair of frames, same size for all
     frames = torch.randint(0, 256, (4, 40, 60, 3), dtype=torch.uint8)
     size = pre.video_size(40, 60, 4)
     groups = pre.video_groups(frames, size)
     assert len(groups) == 2 and all(g.grid == (1, size[0] // 16, size[1] // 16) for g in groups)
+    assert pre.video_grid(size, 4) == (2, size[0] // 16, size[1] // 16)
     with pytest.raises(ValueError, match="multiple of 2"):
         pre.video_groups(frames[:3], size)
-    # audio: per-segment token counts from the sample count alone
+    # audio: per-segment token counts from the sample count alone, one per mel segment
     cfg_a = tiny_audio_config()
     samples = 240 * 250
-    assert sum(pre.audio_segment_tokens(samples)) == cfg_a.num_tokens(cfg_a.num_mel_frames(samples))
+    mels = pre.audio_segments(DecodedAudio(torch.zeros(samples), cfg_a.sampling_rate, "wav"))
+    sizes = pre.unit_tokens("audio", (cfg_a.num_mel_frames(samples),))
+    assert sizes == tuple(cfg_a.segment_tokens(int(m.shape[0])) for m in mels) and len(mels) > 1
 
 
 # ---- chat parsing ------------------------------------------------------------------------------

@@ -177,7 +177,3 @@ def test_stream_validation():
         EmbeddingStream(4, [PlaceholderSpan(2, 5, "a")], 4)
     with pytest.raises(ValueError, match="start < end"):
         PlaceholderSpan(3, 3, "x")
-    # the same unit key twice (a repeated image) is filled by one delivery
-    twin = EmbeddingStream(10, [PlaceholderSpan(0, 2, "k"), PlaceholderSpan(5, 7, "k")], 4)
-    assert twin.fill_key("k", torch.zeros(2, 4)) == 2 and twin.complete
-    twin.check_integrity()

@@ -50,7 +50,7 @@ def served(model_dir, tmp_path_factory):
     from mm_pipeline.runtime.omni_engine import OmniEngine
     from mm_pipeline.runtime.config import OmniEngineConfig
 
-    config = OmniEngineConfig(num_full_tokens=8192, num_swa_tokens=4096, max_num_seqs=64,
+    config = OmniEngineConfig.from_kwargs(num_full_tokens=8192, num_swa_tokens=4096, max_num_seqs=64,
                               limits=MediaLimits(max_bytes=256 * 1024), allowed_local_dirs=(str(MEDIA),))
     engine = OmniEngine.from_pretrained(model_dir, config)
     app = create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
@@ -277,7 +277,7 @@ def test_overload_is_429_with_retry_after(model_dir, tmp_path):
     from mm_pipeline.runtime.omni_engine import OmniEngine
     from mm_pipeline.runtime.config import OmniEngineConfig
 
-    engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig(num_full_tokens=2048, max_queue=1))
+    engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig.from_kwargs(num_full_tokens=2048, max_queue=1))
     try:
         with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path)))) as server:
             body = {"model": engine.model_name, "stream": True, "max_tokens": 500, "ignore_eos": True,

@@ -1,0 +1,62 @@
+"""What planning produces and production consumes: a media item's units, their keys and sizes.
+
+``MediaPlanner`` (planner.py) makes a :class:`MediaPlan`; ``UnitProducer`` (unit_producer.py) turns
+its claimed units into encoder jobs; the prompt layout sizes placeholders from ``UnitPlan.num_tokens``.
+Both modules import these types from here, so neither imports the other's module for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.types import MediaItem, MediaKind
+from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.prompt.layout import MediaSlots
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    key: str
+    num_tokens: int
+
+
+@dataclass
+class MediaPlan:
+    """One media item laid out: its units in placeholder order (an image has one, a video one per
+    frame group, an audio clip one per segment), video group timestamps, and cache hits."""
+
+    item: MediaItem = field(repr=False)
+    media_key: str
+    units: tuple[UnitPlan, ...]
+    timestamps: tuple[float, ...] = ()
+    cached: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
+    video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
+
+    @property
+    def kind(self) -> MediaKind:
+        return self.item.kind
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(u.num_tokens for u in self.units)
+
+    @property
+    def slots(self) -> MediaSlots:
+        """The placeholder sizes the prompt layout expands for this item."""
+        return MediaSlots(self.kind.value, tuple(u.num_tokens for u in self.units), self.timestamps)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    limits: MediaLimits = MediaLimits()
+    video_sampling: VideoSamplingParams = VideoSamplingParams()
+    groups_per_chunk: int = 2
+
+    def __post_init__(self) -> None:
+        if self.groups_per_chunk < 1:
+            raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")

@@ -1,0 +1,128 @@
+"""SingleFlight: concurrent requests for one content key share one computation.
+
+    join(key, waiter) ──key idle──► True:  the caller now computes, then finish(key, value | error)
+           │                               (nobody else will: the key is claimed until finish)
+           └──key in flight──► False: the waiter is called with the first caller's result
+    finish(key, ...)  removes the key, then calls every waiter still joined: (value, None) or (None, error)
+    leave(key, waiter)  a waiter whose request ended gets nothing (the computation goes on)
+
+Used for encoder units (``EncoderBatcher``: waiters are the requests' stream sinks, called on the
+engine thread) and for media planning (``MediaPlanner`` through :meth:`SingleFlight.run`, the asyncio
+form: the first caller awaits the computation, later callers await its result).
+
+Invariant (under ``_lock``): a key is present from its claim until ``finish``; every waiter of a
+present key is called exactly once, by ``finish``, unless it left first. A key is never left behind:
+``run`` finishes its key on success, on failure and on cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Awaitable, Callable, Generic, Optional, TypeVar
+
+T = TypeVar("T")
+Waiter = Callable[[Optional[T], Optional[BaseException]], None]  # (value, None) or (None, error)
+
+
+class SingleFlight(Generic[T]):
+    """Content key -> the waiters of its one in-flight computation (thread-safe)."""
+
+    def __init__(self, abandoned: Callable[[], Exception] = lambda: RuntimeError("computation was cancelled")
+                 ) -> None:
+        """``abandoned`` makes the error joined waiters get when ``run``'s computing caller is
+        cancelled (a ``CancelledError`` belongs to the cancelled task, not to the others)."""
+        self._abandoned = abandoned
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list[Waiter[T]]] = {}
+
+    # ---- callback form ----------------------------------------------------------------------
+    def join(self, key: str, waiter: Waiter[T]) -> bool:
+        """Register ``waiter`` for ``key``. True: the key was idle and the caller must now compute
+        it and call :meth:`finish`; False: it joined the computation already in flight."""
+        with self._lock:
+            waiters = self._waiters.get(key)
+            if waiters is None:
+                self._waiters[key] = [waiter]
+                return True
+            waiters.append(waiter)
+            return False
+
+    def leave(self, key: str, waiter: Waiter[T]) -> None:
+        """``waiter`` gets nothing more; the computation itself still finishes (the key stays
+        claimed until :meth:`finish`, even with no waiter left)."""
+        with self._lock:
+            waiters = self._waiters.get(key)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+
+    def finish(self, key: str, value: T | None = None, error: BaseException | None = None) -> None:
+        """End ``key``'s computation: release the key, then give every waiter ``value`` or
+        ``error`` (outside the lock: a waiter may join again). Finishing an idle key does nothing."""
+        with self._lock:
+            waiters = self._waiters.pop(key, [])
+        for waiter in waiters:
+            if error is not None:
+                waiter(None, error)
+            else:
+                waiter(value, None)
+
+    def wanted(self, key: str) -> bool:
+        """Does any waiter still wait for ``key``? (a computation nobody wants may stop early)"""
+        with self._lock:
+            return bool(self._waiters.get(key))
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._waiters
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiters)
+
+    # ---- asyncio form -----------------------------------------------------------------------
+    async def run(self, key: str, compute: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+        """``(value, computed)``: the first caller for ``key`` awaits ``compute()`` (``computed``
+        True); callers arriving meanwhile await that result (False) or its exception. A cancelled
+        joiner leaves alone; a cancelled computing caller fails the joiners with ``abandoned()``.
+        Joiners may run on other event loops than the computing caller."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[T] = loop.create_future()
+
+        def settle(value: T | None, error: BaseException | None) -> None:
+            if result.done():  # a joiner cancelled meanwhile has a cancelled future
+                return
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(value)  # type: ignore[arg-type]
+
+        def waiter(value: T | None, error: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # that caller's loop is closed: nobody is left to tell
+                pass
+
+        if not self.join(key, waiter):
+            try:
+                return await result, False
+            except asyncio.CancelledError:
+                self.leave(key, waiter)
+                raise
+        self.leave(key, waiter)  # the computing caller takes its value directly
+        try:
+            value = await compute()
+        except Exception as exc:
+            self.finish(key, error=exc)
+            raise
+        except BaseException:
+            self.finish(key, error=self._abandoned())
+            raise
+        self.finish(key, value)
+        return value, True
+
+    def check_integrity(self) -> None:
+        """Call when idle: no computation is in flight, so no key may be left claimed."""
+        with self._lock:
+            if self._waiters:
+                raise AssertionError(f"keys left in flight: {sorted(self._waiters)[:5]}")

@@ -1,0 +1,65 @@
+"""OmniEngineConfig contains the LLM engine's EngineConfig: every engine field is settable by its flat
+name (from_kwargs, MultimodalLLM kwargs, the CLI), none is declared twice, an unknown name is a
+TypeError that names it, and dtypes go through the one parser."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llm_core.engine.llm_engine import EngineConfig
+from mm_pipeline.cli import UsageError, build_parser, engine_config
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.runtime.config import OmniEngineConfig
+
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_engine_fields_live_in_the_engine_config_only():
+    own = {f.name for f in dataclasses.fields(OmniEngineConfig)}
+    assert not own & ENGINE_FIELDS  # nothing re-declared, so no flat name is ambiguous
+    assert OmniEngineConfig().engine == EngineConfig()
+
+
+def test_from_kwargs_splits_flat_names():
+    cfg = OmniEngineConfig.from_kwargs(device="cpu", dtype="bf16", page_size=8, num_full_tokens=1024,
+                                       swa_release_interval=4, kv_model_id="m@1", queue_wait_credit=5.0,
+                                       queue_policy="fewest_uncached", max_queue=3, limits=MediaLimits(max_bytes=9))
+    assert cfg.engine == EngineConfig(page_size=8, num_full_tokens=1024, swa_release_interval=4, kv_model_id="m@1",
+                                      queue_wait_credit=5.0, queue_policy="fewest_uncached")
+    assert (cfg.device, cfg.dtype, cfg.max_queue, cfg.limits.max_bytes) == ("cpu", "bf16", 3, 9)
+    # flat engine names apply over an engine config given whole
+    over = OmniEngineConfig.from_kwargs(engine=EngineConfig(page_size=32, max_num_seqs=7), max_num_seqs=2)
+    assert (over.engine.page_size, over.engine.max_num_seqs) == (32, 2)
+
+
+def test_every_engine_field_is_settable():
+    for f in dataclasses.fields(EngineConfig):
+        value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        assert getattr(OmniEngineConfig.from_kwargs(**{f.name: value}).engine, f.name) == value
+
+
+def test_unknown_field_and_bad_values():
+    with pytest.raises(TypeError, match="'max_num_seq'.*did you mean 'max_num_seqs'"):
+        OmniEngineConfig.from_kwargs(max_num_seq=4)
+    with pytest.raises(TypeError, match="'colour'"):
+        OmniEngineConfig.from_kwargs(colour="blue")
+    with pytest.raises(ValueError, match="memory_fraction"):
+        OmniEngineConfig.from_kwargs(memory_fraction=2.0)  # EngineConfig validates its own fields
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        OmniEngineConfig(dtype="float8")
+    assert OmniEngineConfig(dtype=torch.bfloat16).dtype is torch.bfloat16
+
+
+def test_cli_flags_build_the_nested_config(tmp_path):
+    args = build_parser().parse_args(["caption", str(tmp_path), "--device", "cpu", "--dtype", "bf16",
+                                      "--kv-tokens", "2048", "--max-num-seqs", "3", "--enable-prefix-caching",
+                                      "--max-queue", "5"])
+    cfg = engine_config(args)
+    assert (cfg.dtype, cfg.max_queue) == ("bf16", 5)
+    assert (cfg.engine.num_full_tokens, cfg.engine.max_num_seqs, cfg.engine.enable_prefix_caching) == (2048, 3, True)
+    bad = build_parser().parse_args(["caption", str(tmp_path), "--device", "cpu", "--dtype", "int4"])
+    with pytest.raises(UsageError, match="unknown dtype 'int4'"):
+        engine_config(bad)
