@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
-from mm_pipeline.errors import InvalidMediaError
+from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.types import MediaKind, MediaSource
 from mm_pipeline.model.config import SpecialTokens
 from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
@@ -29,10 +29,6 @@ from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
 _PLAIN_PARTS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO, "audio": MediaKind.AUDIO}
-
-
-class InvalidMessageError(InvalidMediaError):
-    """A chat message or content part is malformed (HTTP 400)."""
 
 
 @dataclass(frozen=True)
