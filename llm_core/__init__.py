@@ -6,7 +6,7 @@
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PageAllocator
 from llm_core.engine.llm_engine import EngineConfig, LLMEngine
 from llm_core.llm import LLM
-from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import Sampler, SamplingParams
 from llm_core.engine.scheduler import Scheduler, SchedulerConfig
@@ -17,6 +17,7 @@ __all__ = [
     "DualKVPool",
     "EmbeddingSource",
     "EngineConfig",
+    "ErrorKind",
     "KVLayout",
     "LLMEngine",
     "NoPrefixCache",

@@ -6,8 +6,8 @@
     outs[0].token_ids, outs[0].text, outs[0].logprobs, outs[0].finish_reason
 
 Prompts are strings (need a tokenizer in the model dir) or token-id lists. A prompt the engine cannot
-serve (too long, unknown ids, empty) comes back with finish_reason "error" and ``.error``; the
-others still finish.
+serve (too long, unknown ids, empty) comes back with finish_reason "error", ``.error`` saying why and
+``.error_kind`` (``ErrorKind`` context_length or invalid_input); the others still finish.
 """
 
 from __future__ import annotations

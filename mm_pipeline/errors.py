@@ -1,60 +1,123 @@
-"""Errors raised by the media stages, each carrying the HTTP status the server answers with.
+"""The errors the pipeline reports to its callers: one hierarchy, each class with the kind it is.
 
-The server maps any ``MediaError`` to ``status`` and ``str(error)`` without knowing the subclass;
-everything else that escapes a media stage is a bug (HTTP 500).
+A caller (the HTTP server, the batch and caption jobs, the offline API) decides what to do by the
+*type* of the error, never by its message. The kind is the type's short wire name: the text
+engine's kinds (``llm_core.engine.outputs.ErrorKind``) plus the two this layer adds, "media" and
+"overloaded". The HTTP status of each type lives in one table in ``mm_pipeline/server/errors.py``.
 
-    MediaError (400)
-    ├── InvalidMediaError        400  malformed reference (bad data URL, empty payload, bad scheme)
-    ├── UndecodableMediaError    400  the type is known but the content does not decode
-    ├── MediaFetchError          400  a remote fetch failed (connection refused, HTTP error status)
-    │   └── MediaFetchTimeout    408  the remote host was too slow
-    ├── MediaAccessDenied        403  local path outside the allowed dirs; host not on the allow-list
-    ├── MediaNotFound            404  allowed local path that does not exist
-    ├── MediaTooLarge            413  bytes / pixels / duration / frames over a configured limit
-    ├── UnsupportedMediaType     415  content sniffed as no supported type, or not the declared kind
-    └── ServerBusy               503  the decode pool's queue stayed full past the wait limit
+    MMServeError
+    ├── InvalidInputError           invalid_input   the request is malformed
+    │   ├── InvalidMessageError                     a chat message or content part
+    │   └── ContextLengthError      context_length  too long for the model or the KV pools
+    ├── MediaError                  media           a media item is unusable
+    │   ├── InvalidMediaError                       malformed reference (bad data URL, empty payload)
+    │   ├── UndecodableMediaError                   the type is known, the content does not decode
+    │   ├── MediaFetchError                         a remote fetch failed (refused, HTTP error status)
+    │   │   └── MediaFetchTimeout                   the remote host was too slow
+    │   ├── MediaAccessDenied                       local path outside the allowed dirs; host not allowed
+    │   ├── MediaNotFound                           allowed local path or file id that does not exist
+    │   ├── MediaTooLarge                           bytes / pixels / duration / frames over a limit
+    │   └── UnsupportedMediaType                    sniffed as no supported type, or not the declared kind
+    ├── OverloadedError             overloaded      too many requests in flight: retry after ``retry_after``
+    │   └── ServerBusy                              a shared resource stayed saturated (the decode pool),
+    │                                               or the engine shut down under the request
+    └── InternalError               internal        a bug or a device failure (a model step raised)
+
+An engine output that ended in error carries its kind; :func:`generation_error` turns it back into
+the type above, so engine failures and raised errors reach callers the same way.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
 
-class MediaError(Exception):
-    """Base class: a problem with one media item that the client caused or must hear about."""
+from llm_core.engine.outputs import ErrorKind
 
-    status: int = 400
+
+class MMServeError(Exception):
+    """Base class: a failure a caller must hear about, classified by its type."""
+
+    kind: ClassVar[str] = ErrorKind.INTERNAL.value
+
+
+class InvalidInputError(MMServeError):
+    kind = ErrorKind.INVALID_INPUT.value
+
+
+class InvalidMessageError(InvalidInputError):
+    pass
+
+
+class ContextLengthError(InvalidInputError):
+    kind = ErrorKind.CONTEXT_LENGTH.value
+
+
+class MediaError(MMServeError):
+    kind = "media"
 
 
 class InvalidMediaError(MediaError):
-    status = 400
+    pass
 
 
 class UndecodableMediaError(MediaError):
-    status = 400
+    pass
 
 
 class MediaFetchError(MediaError):
-    status = 400
+    pass
 
 
 class MediaFetchTimeout(MediaFetchError):
-    status = 408
+    pass
 
 
 class MediaAccessDenied(MediaError):
-    status = 403
+    pass
 
 
 class MediaNotFound(MediaError):
-    status = 404
+    pass
 
 
 class MediaTooLarge(MediaError):
-    status = 413
+    pass
 
 
 class UnsupportedMediaType(MediaError):
-    status = 415
+    pass
 
 
-class ServerBusy(MediaError):
-    status = 503
+class OverloadedError(MMServeError):
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds a client should wait before trying again
+
+
+class ServerBusy(OverloadedError):
+    pass
+
+
+class InternalError(MMServeError):
+    kind = ErrorKind.INTERNAL.value
+
+
+# The class an engine kind comes back as (every ErrorKind has one; tests check it).
+_OF_ENGINE_KIND: dict[str, type[MMServeError]] = {
+    cls.kind: cls for cls in (InvalidInputError, ContextLengthError, InternalError)
+}
+
+
+def generation_error(finish_reason: str | None, kind: str | None, message: str | None) -> MMServeError | None:
+    """The error a finished generation reports, typed by its kind (None when it did not fail).
+
+    "error" becomes the class of ``kind`` (an unknown or missing kind is internal: the engine did
+    not say the caller was at fault); "abort" without the caller asking means the engine shut
+    down under the request, which a client should retry (``ServerBusy``)."""
+    if finish_reason == "error":
+        return _OF_ENGINE_KIND.get(kind or "", InternalError)(message or "generation failed")
+    if finish_reason == "abort":
+        return ServerBusy(message or "request aborted by the server (shutting down?)")
+    return None

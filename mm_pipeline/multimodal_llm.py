@@ -13,9 +13,10 @@
 
 All conversations run concurrently through one OmniEngine (so the engine batches their encoder work
 and their LLM steps). Outputs are llm_core ``RequestOutput`` objects in input order; a conversation
-whose media is broken comes back with ``finish_reason == "error"`` and ``.error`` saying why, the
-others still finish. Local paths are allowed anywhere by default (this is the caller's own machine);
-pass ``allowed_local_dirs`` to restrict them.
+whose media is broken comes back with ``finish_reason == "error"``, ``.error`` saying why and
+``.error_kind`` ("media", or an ``llm_core.ErrorKind``); the others still finish. Local paths are
+allowed anywhere by default (this is the caller's own machine); pass ``allowed_local_dirs`` to
+restrict them.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Sequence
 
-from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.prompt.messages import parse_messages
-from mm_pipeline.errors import MediaError
+from mm_pipeline.errors import InvalidInputError, MediaError, MMServeError, ServerBusy
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
 
@@ -115,8 +116,11 @@ class MultimodalLLM:
                                                     request_id=rid)) as outs:
                 async for out in outs:
                     last = out
-        except (MediaError, ValueError) as exc:  # this conversation fails; the others go on
+        except (MediaError, InvalidInputError, ServerBusy, ValueError) as exc:
+            # this conversation fails, the others go on (admission overload still raises: the
+            # caller sent more conversations at once than max_queue)
+            kind = exc.kind if isinstance(exc, MMServeError) else ErrorKind.INVALID_INPUT.value
             return RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error",
-                                 error=f"{type(exc).__name__}: {exc}")
+                                 error=f"{type(exc).__name__}: {exc}", error_kind=kind)
         assert last is not None and last.finished
         return last

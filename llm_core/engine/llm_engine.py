@@ -29,7 +29,7 @@ import torch
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
-from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
@@ -131,19 +131,22 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     # ---- public API -------------------------------------------------------------------------
-    def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> str | None:
-        """Why this prompt cannot be served (None if it can). Placeholder ids may be out of the
-        vocabulary when an embedding source covers them."""
+    def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> RequestError | None:
+        """Why this prompt cannot be served (None if it can): too long (``CONTEXT_LENGTH``) or
+        malformed (``INVALID_INPUT``). Placeholder ids may be out of the vocabulary when an
+        embedding source covers them."""
         if len(prompt_token_ids) == 0:
-            return "empty prompt: at least one token is needed"
+            return RequestError(ErrorKind.INVALID_INPUT, "empty prompt: at least one token is needed")
         if len(prompt_token_ids) + 1 > self.max_model_len:
-            return (f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within the "
-                    f"context limit of {self.max_model_len} tokens")
+            return RequestError(ErrorKind.CONTEXT_LENGTH,
+                                f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
+                                f"the context limit of {self.max_model_len} tokens")
         if not has_embeds:
             vocab = self.model_config.vocab_size
             bad = [t for t in prompt_token_ids if not _is_token(t) or not 0 <= t < vocab]
             if bad:
-                return f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+                return RequestError(ErrorKind.INVALID_INPUT,
+                                    f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         return None
 
     def add_request(
@@ -170,7 +173,8 @@ class LLMEngine:
             if req.request_id in self._live:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             if problem is not None:
-                req.status, req.finish_reason, req.error = req.status.FINISHED, "error", problem
+                req.status, req.finish_reason = req.status.FINISHED, "error"
+                req.error, req.error_kind = problem.message, problem.kind
                 self._early_outputs.append(self._output(req, []))
                 return
             self._live[req.request_id] = req
@@ -215,7 +219,7 @@ class LLMEngine:
             sampled = self.runner.run(batch, self.prefix_cache.kv_buffers(self.pool))
         except Exception as exc:  # keep serving others; the batch's requests end with the error
             for e in batch.entries:
-                self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}")
+                self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
                 outputs.append(self._finish_output(e.request, []))
             return outputs
         self.scheduler.after_step(batch)
@@ -288,6 +292,7 @@ class LLMEngine:
             finished=req.finished,
             finish_reason=req.finish_reason,
             error=req.error,
+            error_kind=req.error_kind,
             num_cached_tokens=req.num_cached_tokens,
         )
 

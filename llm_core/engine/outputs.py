@@ -3,6 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ErrorKind(str, Enum):
+    """Why the engine ended a request with finish_reason "error": the failures the text engine can
+    tell apart. The values are the wire names. Layers above add kinds of their own beside these
+    (media, overload), which is why outputs carry the kind as a plain ``str``."""
+
+    INVALID_INPUT = "invalid_input"  # empty prompt, token ids outside the vocabulary
+    CONTEXT_LENGTH = "context_length"  # no room to generate within max_model_len, or too big for the KV pools
+    INTERNAL = "internal"  # a model step raised: a bug or a device failure, not the caller's doing
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A typed reason a request cannot be served (``LLMEngine.check_prompt``)."""
+
+    kind: ErrorKind
+    message: str
 
 
 @dataclass
@@ -10,8 +29,8 @@ class RequestOutput:
     """State of one request after a step (cumulative), plus what this step added.
 
     ``finish_reason``: None while running, else "stop" (EOS, stop token or stop string), "length"
-    (max_tokens or the context limit), "error" (``error`` says why; the pools are left as if the
-    request never came) or "abort".
+    (max_tokens or the context limit), "error" (``error`` says why in words, ``error_kind`` which
+    kind of failure it is; the pools are left as if the request never came) or "abort".
     ``logprobs``: the chosen token's logprob per generated token (None unless requested);
     ``top_logprobs``: per generated token, {token_id: logprob} of the top-n (n = params.logprobs).
     ``text`` is filled only when the request finished and the engine has a tokenizer.
@@ -27,4 +46,5 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: str | None = None  # an ErrorKind value when finish_reason == "error"
     num_cached_tokens: int = 0

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
+from llm_core.engine.outputs import ErrorKind
 from llm_core.kvcache.page_keys import check_extra_keys
 from llm_core.engine.sampling import SamplingParams
 
@@ -83,6 +84,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set with ``error``
     stop_text: str | None = None  # output text cut before a matched stop string
     generator: torch.Generator | None = None
 

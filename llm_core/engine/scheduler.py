@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llm_core.kvcache.dual_pool import DualKVPool
+from llm_core.engine.outputs import ErrorKind
 from llm_core.kvcache.prefix_cache import NoPrefixCache, PrefixCache
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import Request, RequestStatus
@@ -167,7 +168,8 @@ class Scheduler:
             if e.num_new_tokens > 1 or req.tokens_since_swa_release >= self.config.swa_release_interval:
                 self._release_behind_window(req)
 
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+    def finish(self, request: Request, reason: str, error: str | None = None,
+               error_kind: ErrorKind | None = None) -> None:
         """End a request (any state) and give back all of its pages."""
         if request.finished:
             return
@@ -178,7 +180,7 @@ class Scheduler:
         self._release_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.error = error
+        request.error, request.error_kind = error, error_kind
 
     def release_all_behind_window(self) -> None:
         """Release every running request's out-of-window SWA pages now (the interval's slack)."""
@@ -252,7 +254,7 @@ class Scheduler:
             f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the KV pools even "
             f"alone ({self.pool.full.num_pages} Full / {self.pool.swa.num_pages} SWA pages of "
             f"{self.pool.page_size} tokens)"
-        ))
+        ), ErrorKind.CONTEXT_LENGTH)
         batch.failed.append(req)
 
     def _preempt(self, req: Request) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 from pydantic import ValidationError
 
+from mm_pipeline.errors import InvalidInputError
 from mm_pipeline.jobs.resume import done_keys
 from mm_pipeline.jobs.progress import Progress
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
@@ -163,7 +164,9 @@ class BatchJob:
             if status is None:
                 rec["error"] = {"code": code, "message": message}
             else:
-                rec["response"] = {"status_code": status, "request_id": None, "body": error_body(status, message)}
+                # a body that does not validate: what the server answers for it (an invalid input)
+                rec["response"] = {"status_code": status, "request_id": None,
+                                   "body": error_body(status, message, kind=InvalidInputError.kind)}
             return rec
         try:
             if isinstance(line.request, ChatCompletionRequest):
@@ -173,6 +176,5 @@ class BatchJob:
             rec["response"] = {"status_code": 200, "request_id": result.id, "body": result.model_dump()}
         except Exception as exc:
             err = to_api_error(exc)
-            rec["response"] = {"status_code": err.status, "request_id": None,
-                               "body": error_body(err.status, err.message, param=err.param, code=err.code)}
+            rec["response"] = {"status_code": err.status, "request_id": None, "body": err.body()}
         return rec

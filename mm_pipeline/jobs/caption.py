@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.errors import MediaError
+from mm_pipeline.errors import MMServeError, generation_error
 from mm_pipeline.media.types import MediaKind
 from mm_pipeline.jobs.resume import done_keys
 from mm_pipeline.jobs.progress import Progress
@@ -137,8 +137,8 @@ class CaptionSummary:
 
 
 def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, MediaError):
-        return f"{type(exc).__name__} ({exc.status}): {exc}"
+    if isinstance(exc, MMServeError):
+        return f"{type(exc).__name__} ({exc.kind}): {exc}"
     if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {exc.strerror or exc}"
     return f"{type(exc).__name__}: {exc}"
@@ -213,8 +213,9 @@ class CaptionJob:
                     first = time.perf_counter()
                 text += d.new_text or ""
                 rec["prompt_tokens"], rec["completion_tokens"] = d.prompt_tokens, d.completion_tokens
-                if d.finished and d.finish_reason in ("error", "abort"):
-                    raise RuntimeError(getattr(d, "error", None) or f"generation ended with {d.finish_reason}")
+                error = generation_error(d.finish_reason, d.error_kind, d.error) if d.finished else None
+                if error is not None:
+                    raise error
             rec["caption"] = text.strip()
             rec["timings"] = {"read_s": round(t_read - t0, 4),
                               "first_token_s": round((first or time.perf_counter()) - t0, 4),

@@ -22,16 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from mm_pipeline.errors import InvalidMediaError
+from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.types import MediaKind, MediaSource
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
 _PLAIN_PARTS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO, "audio": MediaKind.AUDIO}
-
-
-class InvalidMessageError(InvalidMediaError):
-    """A chat message or content part is malformed (HTTP 400)."""
 
 
 @dataclass(frozen=True)

@@ -25,25 +25,21 @@ from typing import Any, AsyncIterator, Callable
 from llm_core.engine.detokenizer import IncrementalDetokenizer
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.prompt.messages import ChatRequest, InvalidMessageError, parse_messages
+from mm_pipeline.errors import InvalidMessageError, OverloadedError
+from mm_pipeline.prompt.messages import ChatRequest, parse_messages
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.components import OmniRuntime
 from mm_pipeline.runtime.media_feed import MediaFeed
 
 
-class OverloadedError(Exception):
-    """Too many requests in flight (HTTP 429 with Retry-After)."""
-
-    status = 429
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 @dataclass
 class GenerationDelta:
-    """What one engine step added to a request, plus its running totals."""
+    """What one engine step added to a request, plus its running totals.
+
+    A request that ends in error says why in ``error`` and which kind of failure it is in
+    ``error_kind`` (an ``ErrorKind`` of the text engine; ``mm_pipeline.errors.generation_error``
+    makes it a typed error). Media, message and overload errors never arrive as deltas: they
+    raise before the first one."""
 
     request_id: str
     new_token_ids: list[int]
@@ -57,10 +53,11 @@ class GenerationDelta:
     cached_tokens: int
     first_token_time: float | None
     error: str | None = None
+    error_kind: str | None = None
     prompt_token_ids: list[int] | None = field(default=None, repr=False)  # first delta only
 
 
-__all__ = ["GenerationDelta", "OmniEngine", "OmniEngineConfig", "OverloadedError"]
+__all__ = ["GenerationDelta", "OmniEngine", "OmniEngineConfig"]
 
 
 class OmniEngine:
@@ -191,6 +188,7 @@ class OmniEngine:
             sent += len(new)
             yield GenerationDelta(out.request_id, list(new), text, lps, tops, out.finished, out.finish_reason,
                                   len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
-                                  first_token_time, out.error, out.prompt_token_ids if first else None)
+                                  first_token_time, out.error, out.error_kind,
+                                  out.prompt_token_ids if first else None)
             first = False
 

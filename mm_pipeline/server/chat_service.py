@@ -3,22 +3,24 @@ runner both use it).
 
 Engine contract used here (``mm_pipeline.runtime.omni_engine.OmniEngine``):
 ``generate(messages, params, request_id=...)`` / ``generate_prompt(prompt, params, ...)`` return
-async iterators of ``GenerationDelta``; bad media raise ``MediaError`` before the first delta;
-closing an iterator early aborts its request.
+async iterators of ``GenerationDelta``; bad media, malformed messages and overload raise a typed
+``mm_pipeline.errors`` error before the first delta; a request that fails later ends with a delta
+carrying its ``error_kind``, which becomes the same typed error here; closing an iterator early
+aborts its request.
 """
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
-from mm_pipeline.server.errors import APIError
+from mm_pipeline.server.errors import APIError, to_api_error
 from mm_pipeline.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                          ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
                                          CompletionRequest, Delta, SamplingFields, Usage)
@@ -53,7 +55,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             logprobs=logprobs,
         )
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise InvalidInputError(str(exc)) from None
 
 
 def _usage(states: list[ChoiceState]) -> Usage:
@@ -65,18 +67,18 @@ def _usage(states: list[ChoiceState]) -> Usage:
     return u
 
 
-# The engine reports a prompt it cannot serve ("prompt of N tokens leaves no room...") and a crash
-# in a model step ("RuntimeError: ...") the same way; the exception-name prefix tells them apart.
-_CRASH = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
-
-
 def _check_finished(states: list[ChoiceState]) -> None:
+    """Raise the typed error of the first choice that failed (by its kind, see mm_pipeline/errors.py)."""
     for s in states:
-        if s.finish_reason == "error":
-            message = s.error or "generation failed"
-            raise APIError(500 if s.token_ids or _CRASH.match(message) else 400, message)
-        if s.finish_reason == "abort":
-            raise APIError(503, "request aborted by the server (shutting down?)", retry_after=1.0)
+        error = generation_error(s.finish_reason, s.error_kind, s.error)
+        if error is not None:
+            raise error
+
+
+def _error_event(exc: Exception) -> str:
+    """A failure after the stream started can no longer change the HTTP status: it travels as one
+    event with the body the status would have had (its kind included)."""
+    return sse_event(to_api_error(exc).body())
 
 
 class ChatService:
@@ -122,7 +124,7 @@ class ChatService:
                 async for index, d in merge_choices(choices):
                     lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [])
                           if req.logprobs and d.new_token_ids else None)
-                    if d.finished and d.finish_reason in ("error", "abort"):
+                    if d.finished:
                         _check_finished([choices[index].state])
                     if d.new_text or lp is not None or d.finished:
                         yield chunk(ChatChunkChoice(index=index, delta=Delta(content=d.new_text or ""), logprobs=lp,
@@ -132,8 +134,8 @@ class ChatService:
                 if req.include_usage:
                     yield sse_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                                         usage=_usage(states)))
-            except APIError as exc:
-                yield sse_event({"error": {"message": exc.message, "type": "server_error", "code": exc.status}})
+            except Exception as exc:
+                yield _error_event(exc)
             yield DONE
 
         async def close() -> None:
@@ -186,7 +188,7 @@ class ChatService:
                         yield sse_event(Completion(id=rid, created=created, model=model,
                                                    choices=[CompletionChoice(index=c.index, text=text)]))
                 async for index, d in merge_choices(choices):
-                    if d.finished and d.finish_reason in ("error", "abort"):
+                    if d.finished:
                         _check_finished([choices[index].state])
                     lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
                                                           d.top_logprobs or [])
@@ -203,8 +205,8 @@ class ChatService:
                         part = _usage(states[p * req.n:(p + 1) * req.n])
                         usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
                     yield sse_event(Completion(id=rid, created=created, model=model, choices=[], usage=usage))
-            except APIError as exc:
-                yield sse_event({"error": {"message": exc.message, "type": "server_error", "code": exc.status}})
+            except Exception as exc:
+                yield _error_event(exc)
             yield DONE
 
         async def close() -> None:
@@ -235,7 +237,7 @@ class ChatService:
             return prompt
         tok = getattr(self.engine, "tokenizer", None)
         if tok is None:
-            raise APIError(400, "echo of a token-id prompt needs a tokenizer; this model has none")
+            raise InvalidInputError("echo of a token-id prompt needs a tokenizer; this model has none")
         return tok.decode(prompt)
 
     def _finished(self, arrival: float, states: list[ChoiceState]) -> None:

@@ -34,6 +34,7 @@ class ChoiceState:
     cached_tokens: int = 0
     first_token_at: float | None = None  # time.perf_counter() when the first token reached us
     error: str | None = None
+    error_kind: str | None = None  # with finish_reason "error": the engine's ErrorKind
 
     def absorb(self, delta: Any) -> None:
         if delta.new_token_ids and self.first_token_at is None:
@@ -47,7 +48,7 @@ class ChoiceState:
         self.cached_tokens = delta.cached_tokens or self.cached_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason
-            self.error = getattr(delta, "error", None)
+            self.error, self.error_kind = delta.error, delta.error_kind
 
 
 class ChoiceStream:

@@ -1,18 +1,22 @@
-"""OpenAI-shaped error responses and the mapping from exceptions to HTTP statuses.
+"""OpenAI-shaped error responses, and the one table that turns an error type into an HTTP status.
 
-Every error the server answers looks like OpenAI's:
+Every error the server answers looks like OpenAI's, plus the pipeline's error kind when it has one:
 
-    {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": null}}
+    {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": null,
+               "kind": "invalid_input"}}
 
-``APIError`` is what handlers raise on purpose; ``MediaError`` (from the media stages) carries its
-own status; the engine's overload error becomes 429 (queue full) / 503 (shutting down) with a
+``APIError`` is what handlers raise on purpose (auth, unknown model, body too large). A pipeline
+error (``mm_pipeline.errors``) gets its status from ``STATUS_OF`` by its type: the first class of
+its MRO found there, so a subclass without a row answers like its parent. Overload answers carry a
 ``Retry-After`` header; request validation failures become 400 naming the offending field.
-Anything else is a bug: 500 with the exception type, never a traceback.
+Anything else is a bug: 500 with the exception type, never a traceback. Nothing here reads an
+error's message to classify it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mm_pipeline.errors import MediaError
+from mm_pipeline.errors import (ContextLengthError, InternalError, InvalidInputError, MediaAccessDenied,
+                                MediaError, MediaFetchTimeout, MediaNotFound, MediaTooLarge, MMServeError,
+                                OverloadedError, ServerBusy, UnsupportedMediaType)
 
 log = logging.getLogger("mmserve.server")
 
@@ -41,49 +47,79 @@ _TYPES = {
 }
 
 
+@dataclass(frozen=True)
+class HTTPAnswer:
+    """How the server answers one error type: the status and OpenAI's ``code`` (if it has one)."""
+
+    status: int
+    code: str | None = None
+
+
+STATUS_OF: dict[type, HTTPAnswer] = {
+    InvalidInputError: HTTPAnswer(400),
+    ContextLengthError: HTTPAnswer(400, "context_length_exceeded"),  # what OpenAI answers
+    MediaError: HTTPAnswer(400),
+    MediaAccessDenied: HTTPAnswer(403),
+    MediaNotFound: HTTPAnswer(404),
+    MediaFetchTimeout: HTTPAnswer(408),
+    MediaTooLarge: HTTPAnswer(413),
+    UnsupportedMediaType: HTTPAnswer(415),
+    OverloadedError: HTTPAnswer(429),  # this server has no room now; the client may retry
+    ServerBusy: HTTPAnswer(503),
+    InternalError: HTTPAnswer(500),
+    MMServeError: HTTPAnswer(500),
+}
+
+
+def http_answer(error_type: type[MMServeError]) -> HTTPAnswer:
+    """The answer for an error type (by type alone: the message plays no part)."""
+    for cls in error_type.__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    raise TypeError(f"{error_type.__name__} is not an MMServeError")
+
+
 class APIError(Exception):
     """An error the client should see as ``status`` with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of this error (also the payload of a stream's error event)."""
+        return error_body(self.status, self.message, param=self.param, code=self.code, kind=self.kind)
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The JSON body of an OpenAI error."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param,
-                      "code": code}}
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               kind: str | None = None) -> dict[str, Any]:
+    """The JSON body of an OpenAI error (``kind`` added when the error has one)."""
+    error: dict[str, Any] = {"message": message, "type": _TYPES.get(status, "api_error"), "param": param,
+                             "code": code}
+    if kind is not None:
+        error["kind"] = kind
+    return {"error": error}
 
 
 def to_api_error(exc: BaseException) -> APIError:
-    """Map any exception a handler may meet to an ``APIError`` (unknown ones to 500)."""
+    """Map any exception a handler may meet to an ``APIError`` by its type (unknown ones to 500)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, MediaError):
-        return APIError(exc.status, str(exc) or type(exc).__name__,
-                        retry_after=1.0 if exc.status == 503 else None)
-    overload = _overload_error(exc)
-    if overload is not None:
-        return overload
+    if isinstance(exc, MMServeError):
+        answer = http_answer(type(exc))
+        if answer.status >= 500 and not isinstance(exc, OverloadedError):
+            log.error("request failed: %s: %s", type(exc).__name__, exc)
+        retry = exc.retry_after if isinstance(exc, OverloadedError) else None
+        return APIError(answer.status, str(exc) or type(exc).__name__, code=answer.code, retry_after=retry,
+                        kind=exc.kind)
     log.exception("internal error", exc_info=exc)
-    return APIError(500, f"internal server error ({type(exc).__name__})")
-
-
-def _overload_error(exc: BaseException) -> APIError | None:
-    try:  # the engine module loads torch and the model code: import it only when needed
-        from mm_pipeline.runtime.omni_engine import OverloadedError
-    except ImportError:
-        return None
-    if not isinstance(exc, OverloadedError):
-        return None
-    status = int(getattr(exc, "status", 429))
-    retry = float(getattr(exc, "retry_after", 1.0) or 1.0)
-    return APIError(status if status in (429, 503) else 429, str(exc) or "server overloaded", retry_after=retry)
+    return APIError(500, f"internal server error ({type(exc).__name__})", kind=InternalError.kind)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -92,8 +128,7 @@ def error_response(err: APIError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
     if err.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(err.status, err.message, param=err.param, code=err.code),
-                        status_code=err.status, headers=headers)
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -126,14 +161,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
 
-    @app.exception_handler(MediaError)
-    async def _media(_: Request, exc: MediaError) -> JSONResponse:
+    @app.exception_handler(MMServeError)
+    async def _pipeline(_: Request, exc: MMServeError) -> JSONResponse:
         return error_response(to_api_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        return error_response(APIError(400, message, param=param, kind=InvalidInputError.kind))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core import LLM, EngineConfig, ErrorKind, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -127,7 +127,33 @@ def test_bad_requests_error_alone_and_others_finish(model):
     assert "context limit of 64" in outs[1].error
     assert "empty prompt" in outs[2].error
     assert "99999" in outs[3].error
+    assert [o.error_kind for o in outs] == [None, ErrorKind.CONTEXT_LENGTH, ErrorKind.INVALID_INPUT,
+                                            ErrorKind.INVALID_INPUT, None]
     assert outs[0].token_ids and outs[0].error is None
+    assert llm.engine.pool.all_free() and not llm.engine.has_unfinished()
+
+
+def test_a_model_step_that_raises_ends_its_batch_as_internal(model):
+    llm = engine(model)
+    forward, calls = model.forward, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device fell over")
+        return forward(*args, **kwargs)
+
+    model.forward = fails_once
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        failed = llm.generate([ids(70, 6), ids(71, 4)], params)
+        after = llm.generate([ids(70, 6)], params)[0]
+    finally:
+        del model.forward
+    for out in failed:  # both were in the step that raised; neither is blamed on its prompt
+        assert out.finish_reason == "error" and out.error_kind is ErrorKind.INTERNAL
+        assert "RuntimeError: device fell over" in out.error
+    assert after.finish_reason == "length" and after.error_kind is None  # the engine kept serving
     assert llm.engine.pool.all_free() and not llm.engine.has_unfinished()
 
 

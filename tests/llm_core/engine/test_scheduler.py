@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
+from llm_core.engine.outputs import ErrorKind
 from llm_core.engine.request import Request, RequestStatus
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -165,6 +166,7 @@ def test_request_that_can_never_fit_fails_instead_of_looping():
     r = req(40, max_tokens=2)
     batches = drive(s, [r])
     assert r.finish_reason == "error" and "does not fit" in r.error
+    assert r.error_kind is ErrorKind.CONTEXT_LENGTH  # too big for this server, not a crash
     assert any(r in b.failed for b in batches)
     assert s.pool.all_free()
 

@@ -82,7 +82,9 @@ def test_batch_file_roundtrip(engine, tmp_path):
         cmp_["usage"]["completion_tokens"]
     assert by_id["415"]["response"]["status_code"] == 415
     assert by_id["415"]["response"]["body"]["error"]["type"] == "unsupported_media_type"
+    assert by_id["415"]["response"]["body"]["error"]["kind"] == "media"
     assert by_id["400"]["response"]["status_code"] == 400 and "messages" in by_id["400"]["response"]["body"]["error"]["message"]
+    assert by_id["400"]["response"]["body"]["error"]["kind"] == "invalid_input"  # a bad message is not bad media
     assert by_id["url"]["response"] is None and by_id["url"]["error"]["code"] == "invalid_url"
     broken = by_id[None]
     assert broken["response"] is None and broken["error"]["code"] == "invalid_json"

@@ -24,6 +24,7 @@ from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames, smart_nframes
 from mm_pipeline.media.worker_pool import WorkerPool
+from mm_pipeline.server.errors import http_answer
 
 
 def _image(data: bytes, fmt: str = "png") -> MediaItem:
@@ -106,10 +107,10 @@ def test_pixel_limit_before_decoding_and_damaged_image() -> None:
     data = image_bytes("PNG", size=(64, 48))
     with pytest.raises(MediaTooLarge, match="3072 pixels") as info:
         decode_image(_image(data), MediaLimits(max_pixels=3071))
-    assert info.value.status == 413
+    assert http_answer(type(info.value)).status == 413
     with pytest.raises(UndecodableMediaError) as info2:
         decode_image(_image(data[: len(data) // 2]))
-    assert info2.value.status == 400
+    assert http_answer(type(info2.value)).status == 400
 
 
 # ---- audio ----------------------------------------------------------------------------------
@@ -347,7 +348,7 @@ def test_pool_saturation_becomes_503() -> None:
         await asyncio.sleep(0.01)
         with pytest.raises(ServerBusy) as info:
             await pool.run(time.sleep, 0)
-        assert info.value.status == 503
+        assert http_answer(type(info.value)).status == 503
         await slow
         assert await pool.run(lambda: 42) == 42  # the timed-out waiter left no slot behind
 

@@ -9,7 +9,7 @@ import pytest
 
 from llm_core import LLM, RequestOutput, SamplingParams
 from tests.support.media_samples import audio_bytes, image_bytes, video_bytes
-from mm_pipeline.prompt.messages import InvalidMessageError
+from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.multimodal_llm import MultimodalLLM
 from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
 
@@ -68,10 +68,11 @@ def test_broken_file_fails_only_its_conversation(llm, media):
     outs = llm.chat([convo({"type": "image_url", "image_url": {"url": str(media["broken"])}}),
                      convo({"type": "image_url", "image_url": {"url": str(media["image"])}}),
                      convo({"type": "image_url", "image_url": {"url": str(media["image"]) + ".missing"}})], GREEDY)
-    assert outs[0].finish_reason == "error"
+    assert outs[0].finish_reason == "error" and outs[0].error_kind == "media"
     assert "media item 1 of 1: image from file cannot be read" in outs[0].error
-    assert outs[1].finish_reason == "length"
+    assert outs[1].finish_reason == "length" and outs[1].error_kind is None
     assert outs[2].finish_reason == "error" and "no such media file" in outs[2].error
+    assert outs[2].error_kind == "media"
     with pytest.raises(InvalidMessageError, match="role"):
         llm.chat([{"role": "wizard", "content": "hi"}], GREEDY)
 

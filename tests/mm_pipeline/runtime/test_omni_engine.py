@@ -18,10 +18,11 @@ from encoders.video import preprocess_video
 from llm_core import EngineConfig, LLMEngine, SamplingParams
 from mm_pipeline.media.decode_video import VideoDecoder
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
-from mm_pipeline.errors import MediaError, MediaNotFound, UndecodableMediaError
+from mm_pipeline.errors import MediaError, MediaNotFound, OverloadedError, UndecodableMediaError
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
-from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig, OverloadedError
+from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
+from mm_pipeline.server.errors import http_answer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -193,8 +194,8 @@ def test_broken_file_fails_only_its_own_request(ckpt):
 
         ok, bad, junk = asyncio.run(both())
         assert isinstance(ok, list) and len(ok) == GREEDY.max_tokens
-        assert isinstance(bad, UndecodableMediaError) and bad.status == 400 and "png" in str(bad).lower()
-        assert isinstance(junk, MediaError) and junk.status == 415
+        assert isinstance(bad, UndecodableMediaError) and http_answer(type(bad)).status == 400 and "png" in str(bad).lower()
+        assert isinstance(junk, MediaError) and http_answer(type(junk)).status == 415
         assert_idle(engine)
     finally:
         engine.shutdown()
@@ -265,7 +266,7 @@ def test_admission_limit_and_file_resolver(ckpt):
             d = await first.__anext__()
             with pytest.raises(OverloadedError) as info:
                 await engine.generate(ask(image_part(img)), GREEDY).__anext__()
-            assert info.value.status == 429
+            assert http_answer(type(info.value)).status == 429
             rest = [x async for x in first]
             with pytest.raises(MediaNotFound, match="file-2"):
                 await collect(engine, ask({"type": "file", "file": {"file_id": "file-2"}}))

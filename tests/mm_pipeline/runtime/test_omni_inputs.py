@@ -9,7 +9,9 @@ import torch
 
 from encoders.image_processing import ImageProcessingConfig, preprocess_image
 from samples.checkpoints.tiny_towers import tiny_audio_config
-from mm_pipeline.prompt.messages import InvalidMessageError, MediaRef, parse_messages
+from mm_pipeline.errors import InvalidInputError, InvalidMessageError, MediaError
+from mm_pipeline.prompt.messages import MediaRef, parse_messages
+from mm_pipeline.server.errors import http_answer
 from mm_pipeline.media.types import DecodedAudio, DecodedImage, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor
 
@@ -63,7 +65,9 @@ def test_parse_messages_parts_and_errors():
                      ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "base64")]:
         with pytest.raises(InvalidMessageError, match=msg) as info:
             parse_messages(bad)
-        assert info.value.status == 400
+        # a malformed message is the caller's bad input, not a media problem
+        assert isinstance(info.value, InvalidInputError) and not isinstance(info.value, MediaError)
+        assert info.value.kind == "invalid_input" and http_answer(type(info.value)).status == 400
     with pytest.raises(ValueError):
         MediaRef(MediaKind.IMAGE)
 

@@ -187,6 +187,12 @@ def _status(fn) -> tuple[int, str]:
     return e.value.status_code, e.value.body["message"]
 
 
+def _error(fn) -> tuple[int, dict]:
+    with pytest.raises(openai.APIStatusError) as e:
+        fn()
+    return e.value.status_code, e.value.body
+
+
 def test_bad_requests_get_the_right_status(served):
     c = served.client
     img = lambda url: user({"type": "image_url", "image_url": {"url": url}}, text("x"))  # noqa: E731
@@ -208,8 +214,9 @@ def test_bad_requests_get_the_right_status(served):
     assert code == 404 and "other" in msg
     code, msg = _status(lambda: _chat(served, user(text("x")), temperature=3))
     assert code == 400 and "temperature" in msg
-    code, msg = _status(lambda: c.completions.create(model=served.model, prompt=[3] * 5000, max_tokens=2))
-    assert code == 400 and "context" in msg
+    code, err = _error(lambda: c.completions.create(model=served.model, prompt=[3] * 5000, max_tokens=2))
+    assert code == 400 and "context" in err["message"]
+    assert err["code"] == "context_length_exceeded" and err["kind"] == "context_length"
     assert _idle_pools(served.engine)  # nothing leaked by the failures
 
 
