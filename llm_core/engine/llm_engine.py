@@ -4,6 +4,8 @@
     step()               (engine thread): drain queues -> Scheduler.schedule -> build ForwardBatch
                          -> model.forward -> compute_logits on sampling rows -> Sampler
                          -> append tokens, stop checks -> Scheduler.after_step -> outputs
+                         -> publish an EngineStats snapshot (llm_core/engine/stats.py)
+    stats()              (any thread): the last published snapshot
 
 The engine knows token ids and embedding rows only; text appears only in finished outputs (one
 decode each) and in stop-string checks.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +28,11 @@ from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import Sampler, SamplingParams
 from llm_core.engine.scheduler import PrefixCache, ScheduledBatch, Scheduler, SchedulerConfig
+from llm_core.engine.stats import EngineStats
+
+# The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
+# requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
+PREFIX_STATS_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,9 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self._early_outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
+        self._prefix_stats: dict[str, int] = {}
+        self._prefix_stats_at = float("-inf")
+        self._stats: EngineStats = self.publish_stats()
 
     # ---- public API -------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> str | None:
@@ -175,9 +186,28 @@ class LLMEngine:
         with self._lock:
             return bool(self._live or self._early_outputs or self._pending_abort)
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; returns outputs of requests that progressed or ended."""
+        """Run one scheduled model step; returns outputs of requests that progressed or ended.
+        Publishes a new stats snapshot before returning."""
+        outputs = self._step()
+        self.publish_stats(complete=not self.has_unfinished())
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """The last snapshot the engine thread published (any thread: it reads no engine state)."""
+        return self._stats
+
+    def publish_stats(self, complete: bool = True) -> EngineStats:
+        """Build and publish a new snapshot; call on the thread that steps. ``complete=False``
+        re-reads the prefix cache's stats only every PREFIX_STATS_INTERVAL_S."""
+        now = time.monotonic()
+        if complete or now - self._prefix_stats_at >= PREFIX_STATS_INTERVAL_S:
+            self._prefix_stats, self._prefix_stats_at = self.prefix_cache.stats(), now
+        self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now)  # one swap
+        return self._stats
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
         outputs = self._drain_queues()
         batch = self.scheduler.schedule()
         for req in batch.failed:
@@ -202,19 +232,6 @@ class LLMEngine:
             else:
                 outputs.append(self._output(req, [tok]))
         return outputs
-
-    def stats(self) -> dict:
-        """Pool usage per pool, preemptions, queue sizes and the prefix cache's counters (hit tokens
-        per tier, evictions) as one flat dict."""
-        out = {
-            "full_pages_total": self.pool.full.num_pages, "full_pages_used": self.pool.full.num_used,
-            "full_pages_peak": self.pool.full.peak_used, "swa_pages_total": self.pool.swa.num_pages,
-            "swa_pages_used": self.pool.swa.num_used, "swa_pages_peak": self.pool.swa.peak_used,
-            "page_size": self.pool.page_size, "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-        }
-        out.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats().items()})
-        return out
 
     def close(self) -> None:
         """Stop background work of the prefix-cache tiers (pending L3 writes are finished first)."""

@@ -2,6 +2,7 @@
 
     loop:  clear wake ─► batcher.run_due()            (encoder forwards that are due)
                      ─► llm.step() if a request can progress   ─► outputs to each request's sink
+                     ─► publish the stats snapshot (the LLM's, then ``on_stats``: the omni one)
                      ─► nothing done? wait for a wake (new request, abort, encoder job, unit
                         arrival) or the batcher's next due time
 
@@ -40,6 +41,10 @@ class EngineLoop:
         self._news = 0  # adds/aborts not yet seen by a step (they need a step even if nothing runs)
         self._stop = False
         self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0}
+        # Builds and publishes the owner's stats snapshot; called on this thread after every
+        # iteration (set before start()).
+        self.on_stats: Callable[[], None] | None = None
+        self._was_busy = True
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
 
     # ---- public API (any thread) ------------------------------------------------------------
@@ -103,6 +108,7 @@ class EngineLoop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
                 did = self._step_once()
+                self._publish_stats(did)
             except Exception:  # a bug must not kill serving; it is logged and counted
                 log.exception("engine loop iteration failed")
                 self.counts["loop_errors"] += 1
@@ -139,6 +145,15 @@ class EngineLoop:
     def _progress(self) -> tuple[int, int, int]:
         s = self.llm.scheduler
         return sum(r.num_computed_tokens for r in s.running), len(s.running), len(s.waiting)
+
+    def _publish_stats(self, busy: bool) -> None:
+        """A step published the LLM's snapshot already; an idle iteration refreshes it (completely
+        on the first one after work: "idle after the last step"), then the owner's is built."""
+        if not busy:
+            self.llm.publish_stats(complete=self._was_busy)
+        self._was_busy = busy
+        if self.on_stats is not None:
+            self.on_stats()
 
     def _idle_timeout(self) -> float:
         due = self.batcher.next_due()
