@@ -325,6 +325,12 @@ def test_cli_serve_subprocess(model_dir):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+    # start-up says what a user needs, and transformers says nothing about our model type
+    startup = proc.stdout.read()
+    for line in (f"model     tiny-omni ({model_dir})", "device    cpu, float32", "KV pools  Full 2,048 tokens (",
+                 "context   ", "prefix caching off", f"serving   tiny-omni on http://127.0.0.1:{port}/v1"):
+        assert line in startup, (line, startup)
+    assert "model of type" not in startup and "rope_scaling" not in startup, startup
 
 
 def test_models_health_metrics(served):
