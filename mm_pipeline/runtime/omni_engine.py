@@ -174,8 +174,9 @@ class OmniEngine:
         self.runtime.planner.file_resolver = fn
 
     def stats(self) -> OmniStats:
-        """The last snapshot the engine thread published (mm_pipeline/runtime/stats.py). Any
-        thread: it reads no engine or cache structure; up to one idle wake-up (50 ms) old."""
+        """The last snapshot the engine thread published (mm_pipeline/runtime/stats.py): as of its
+        last loop iteration (a step, or an idle wake-up at least every 50 ms). Any thread: it reads
+        no engine or cache structure."""
         return self._stats
 
     def shutdown(self) -> None:
