@@ -225,9 +225,9 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     streamed = OmniEngine.from_pretrained(model_dir, engine_config())
     try:
         asyncio.run(ttft(streamed, ask(data_part("video", warm), question)))
-        before = streamed.stats()["encoder"].get("encoded.video", 0)
+        before = streamed.stats().encoder.get("encoded.video", 0)
         t_stream = [asyncio.run(ttft(streamed, ask(data_part("video", v), question))) for v in videos[:reps]]
-        groups = (streamed.stats()["encoder"].get("encoded.video", 0) - before) // reps
+        groups = (streamed.stats().encoder.get("encoded.video", 0) - before) // reps
     finally:
         streamed.shutdown()
     sequential = OmniEngine.from_pretrained(model_dir, engine_config())
@@ -262,7 +262,7 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
     c, n, p = min(cold), min(new_q), min(same)
     return {"cold_media_ttft_s": c, "repeat_media_ttft_s": n, "same_prefix_ttft_s": p,
             "repeat_media_ttft_ratio": n / c, "same_prefix_ttft_ratio": p / c,
-            "prefix_hit_tokens": stats.get("prefix_cache", {}).get("hit_tokens", 0)}
+            "prefix_hit_tokens": sum(stats.llm.prefix_cache_hit_tokens.values())}
 
 
 def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:

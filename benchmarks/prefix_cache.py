@@ -187,7 +187,7 @@ def overhead(args) -> tuple[float, float, float]:
                 eng.step()
             best[on] = min(best[on], time.perf_counter() - t0)
             if on:
-                assert eng.stats()["prefix_hit_tokens"] == 0
+                assert sum(eng.stats().prefix_cache_hit_tokens.values()) == 0
     return best[False], best[True], best[True] / best[False] - 1
 
 

@@ -129,7 +129,7 @@ def client_level(base_url: str, model: str, requests: list, concurrency: int, ma
 
 
 def encoder_hits(engine) -> int:
-    return sum(t["hits"] for t in engine.stats()["encoder_cache"].values())
+    return sum(engine.stats().encoder_cache_hits.values())
 
 
 # ---- part 2: captions vs a transformers-style loop --------------------------------------------------
@@ -228,6 +228,7 @@ def main() -> None:
     from mm_pipeline.runtime.omni_engine import OmniEngine
     from mm_pipeline.runtime.config import OmniEngineConfig
     from mm_pipeline.server import ServerSettings, ServerThread, create_app
+    from mm_pipeline.server.metrics import histogram_quantile
 
     levels = [int(x) for x in args.levels.split(",")] if args.levels else ([1, 8] if args.quick else [1, 4, 16, 32])
     max_tokens = args.max_tokens or (8 if args.quick else 32)
@@ -260,7 +261,7 @@ def main() -> None:
                                  r["ttft_p99_ms"], r["tpot_p50_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"],
                                  r["encoder_cache_hits"], r["event_loop_lag_max_ms"]])
                     results.update({f"c{c}_{k}": v for k, v in r.items()})
-                results["event_loop_lag_p99_bucket_ms"] = 1e3 * app.state.metrics.loop_lag.quantile(0.99)
+                results["event_loop_lag_p99_bucket_ms"] = 1e3 * histogram_quantile(app.state.metrics.loop_lag, 0.99)
         finally:
             engine.shutdown()
         top = levels[-1]

@@ -12,6 +12,7 @@ serve (too long, unknown ids, empty) comes back with finish_reason "error", ``.e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -32,7 +33,24 @@ def load_tokenizer(model_dir: str | Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), **_tokenizer_config_hint(model_dir))
+
+
+def _tokenizer_config_hint(model_dir: Path) -> dict:
+    """AutoTokenizer reads config.json only to learn the model type. For a type transformers does
+    not know (our checkpoints' ``mimo_v2``) it falls back to a generic config and logs "You are using
+    a model of type `mimo_v2` to instantiate a model of type ``" and a ``rope_scaling`` notice. The
+    fields that fallback gives the tokenizer lookup, handed over up front, skip the parse and both."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return {}
+    from transformers import CONFIG_MAPPING, PreTrainedConfig
+
+    raw = json.loads(path.read_text())
+    if raw.get("model_type") in CONFIG_MAPPING or "auto_map" in raw:
+        return {}  # a config transformers builds itself (no warning), or remote code: let it
+    known = {k: raw[k] for k in ("tokenizer_class", "model_name") if k in raw}
+    return {"config": PreTrainedConfig(name_or_path=str(model_dir), **known)}
 
 
 class LLM:

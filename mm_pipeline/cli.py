@@ -136,6 +136,23 @@ def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
     return OmniEngine.from_pretrained(model_dir, engine_config(args))
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def describe_engine(engine: Any, model_dir: Path) -> list[str]:
+    """What a user of ``serve`` needs once the model is up: model, device, KV pools, context. Read
+    before any request runs (sizes only; they never change)."""
+    llm = engine.runtime.llm
+    pool, page = llm.pool, llm.pool.page_size
+    caching = "on" if llm.config.enable_prefix_caching else "off"
+    return [f"model     {engine.model_name} ({model_dir})",
+            f"device    {llm.device}, {str(llm.dtype).removeprefix('torch.')}",
+            f"KV pools  Full {pool.full.num_pages * page:,} tokens ({_mib(pool.full_bytes)}), "
+            f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}); pages of {page} tokens",
+            f"context   {llm.max_model_len:,} tokens max; prefix caching {caching}"]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -149,7 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = load_engine(args, model_dir)
     try:
         app = create_app(engine, settings)
-        print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        lines = describe_engine(engine, model_dir) + [
+            f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)"]
+        print("\n".join(lines), file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                     timeout_graceful_shutdown=10)
     finally:

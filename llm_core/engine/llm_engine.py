@@ -11,6 +11,8 @@
         -> per sampled token: append it, then stop checks in Request.check_stop's order
            (EOS / stop token id, stop string, length); a finished request gives its pages back
         -> outputs
+    stats()              (any thread): the last EngineStats snapshot the engine thread published at
+                         the end of a step (llm_core/engine/stats.py)
 
 The engine itself knows token ids and embedding rows; the model runner knows tensors. Text appears
 only in stop-string checks (incremental, llm_core/engine/detokenizer.py) and in finished outputs
@@ -22,6 +24,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +37,12 @@ from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler, SchedulerConfig
+from llm_core.engine.stats import EngineStats
 from llm_core.kvcache.prefix_cache import PrefixCache
+
+# The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
+# requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
+PREFIX_STATS_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,9 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self._early_outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
+        self._prefix_stats: dict[str, int] = {}
+        self._prefix_stats_at = float("-inf")
+        self._stats: EngineStats = self.publish_stats()
 
     # ---- public API -------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> RequestError | None:
@@ -201,13 +212,32 @@ class LLMEngine:
         s = self.scheduler
         return any(r.schedulable_until() > r.num_computed_tokens for r in (*s.running, *s.waiting))
 
-    @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; returns outputs of requests that progressed or ended.
+        """Run one scheduled model step; returns outputs of requests that progressed or ended, and
+        publishes a new stats snapshot before returning.
 
         ``last_step_progressed`` then says whether the step changed anything (admitted, ended,
         preempted or computed): a step with ready work may still schedule nothing when the pools are
         held by requests that wait for their media."""
+        outputs = self._step()
+        self.publish_stats(complete=not self.has_unfinished())
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """The last snapshot the engine thread published (any thread: it reads no engine state)."""
+        return self._stats
+
+    def publish_stats(self, complete: bool = True) -> EngineStats:
+        """Build and publish a new snapshot; call on the thread that steps. ``complete=False``
+        re-reads the prefix cache's stats only every PREFIX_STATS_INTERVAL_S."""
+        now = time.monotonic()
+        if complete or now - self._prefix_stats_at >= PREFIX_STATS_INTERVAL_S:
+            self._prefix_stats, self._prefix_stats_at = self.prefix_cache.stats(), now
+        self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now)  # one swap
+        return self._stats
+
+    @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
+    def _step(self) -> list[RequestOutput]:
         outputs, drained = self._drain_queues()
         batch = self.scheduler.schedule()
         self.last_step_progressed = drained or bool(batch) or bool(batch.failed) or bool(batch.preempted)
@@ -233,19 +263,6 @@ class LLMEngine:
             else:
                 outputs.append(self._output(req, [s.token_id]))
         return outputs
-
-    def stats(self) -> dict:
-        """Pool usage per pool, preemptions, queue sizes and the prefix cache's counters (hit tokens
-        per tier, evictions) as one flat dict."""
-        out = {
-            "full_pages_total": self.pool.full.num_pages, "full_pages_used": self.pool.full.num_used,
-            "full_pages_peak": self.pool.full.peak_used, "swa_pages_total": self.pool.swa.num_pages,
-            "swa_pages_used": self.pool.swa.num_used, "swa_pages_peak": self.pool.swa.peak_used,
-            "page_size": self.pool.page_size, "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-        }
-        out.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats().items()})
-        return out
 
     def close(self) -> None:
         """Stop background work of the prefix-cache tiers (pending L3 writes are finished first)."""

@@ -27,6 +27,7 @@ from mm_pipeline.media.types import MediaKind
 from mm_pipeline.jobs.resume import done_keys
 from mm_pipeline.jobs.progress import Progress
 from mm_pipeline.media.sniff import sniff
+from mm_pipeline.runtime.stats import OmniStats
 
 DEFAULT_PROMPTS = {MediaKind.IMAGE: "Describe this image.", MediaKind.VIDEO: "Describe this video.",
                    MediaKind.AUDIO: "Describe this audio."}
@@ -235,18 +236,11 @@ class CaptionJob:
 
 
 def _cache_hits(engine: Any) -> dict[str, int]:
-    """Flat ``{"<cache>.<tier>": hits}`` from ``engine.stats()`` (whatever caches it reports)."""
-    flat: dict[str, int] = {}
-
-    def walk(v: Any, path: list[str]) -> None:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, path + [str(k)])
-        elif isinstance(v, int) and not isinstance(v, bool) and path and "hit" in path[-1]:
-            flat[".".join(path)] = v
-
-    try:
-        walk(engine.stats(), [])
-    except Exception:
+    """``{"<metric>.<tier>": n}`` from the engine's stats snapshot: encoder cache hits and prefix
+    cache hit tokens per tier, under their /metrics names."""
+    s = engine.stats()
+    if not isinstance(s, OmniStats):
         return {}
-    return flat
+    hits = {f"encoder_cache_hits.{tier}": n for tier, n in s.encoder_cache_hits.items()}
+    hits.update({f"prefix_cache_hit_tokens.{tier}": n for tier, n in s.llm.prefix_cache_hit_tokens.items()})
+    return hits

@@ -1,10 +1,11 @@
-"""Progress reporting for long CLI jobs: a redrawn bar on a terminal, plain lines otherwise.
+"""Progress of long CLI jobs through tqdm: a bar on a terminal, plain lines otherwise.
 
-    TTY:      caption [██████████░░░░░░░░░░]  12/40  30%  3.1 items/s  ETA 0:09  2 failed
-    not TTY:  caption: 12/40 (30%) 3.1 items/s ETA 9s, 2 failed        (every interval_s)
+    TTY:      caption:  30%|███       | 12/40 [00:03<00:09,  3.10item/s, 2 failed]
+    not TTY:  caption: 12/40 (30%) 3.10 items/s ETA 00:09, 2 failed        (every interval_s)
 
-Rates are over the whole run (items done / elapsed), which is what ETA needs for a batch job
-whose per-item cost does not drift.
+A log file gets whole lines, not a bar redrawn with carriage returns; both come from tqdm's
+formatter. Rates are over the whole run (items done / elapsed, tqdm's ``smoothing=0``), which is
+what ETA needs for a batch job whose per-item cost does not drift.
 """
 
 from __future__ import annotations
@@ -13,21 +14,17 @@ import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
 
-def format_duration(seconds: float) -> str:
-    if seconds != seconds or seconds == float("inf"):
-        return "?"
-    s = int(round(seconds))
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+PLAIN_FORMAT = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) {rate_noinv_fmt} ETA {remaining}{postfix}"
 
 
 class Progress:
-    """Counts finished items (``advance``) and reports; ``close`` prints the final state."""
+    """Counts finished items (``advance``) and reports; ``close`` prints the final state (nothing
+    when there was nothing to do)."""
 
     def __init__(self, total: int, label: str = "progress", stream: TextIO | None = None,
-                 is_tty: bool | None = None, interval_s: float | None = None, width: int = 24) -> None:
+                 is_tty: bool | None = None, interval_s: float | None = None) -> None:
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
         self.total = total
@@ -35,55 +32,45 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.is_tty = self.stream.isatty() if is_tty is None else is_tty
         self.interval_s = interval_s if interval_s is not None else (0.1 if self.is_tty else 5.0)
-        self.width = width
         self.done = 0
         self.failed = 0
         self.start = time.perf_counter()
-        self._last_report = float("-inf")
+        self._last_line = float("-inf")
         self._closed = False
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.start
-
-    @property
-    def rate(self) -> float:
-        e = self.elapsed_s
-        return self.done / e if e > 0 else 0.0
-
-    @property
-    def eta_s(self) -> float:
-        r = self.rate
-        return (self.total - self.done) / r if r > 0 else float("inf")
+        self._bar = tqdm(total=total, desc=label, unit="item", file=self.stream, mininterval=self.interval_s,
+                         smoothing=0, dynamic_ncols=True) if self.is_tty and total else None
 
     def advance(self, n: int = 1, failed: int = 0) -> None:
         self.done += n
         self.failed += failed
+        if self._bar is not None:
+            if failed:
+                self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.update(n)  # redraws at most every interval_s
+            return
         now = time.perf_counter()
-        if now - self._last_report >= self.interval_s or self.done >= self.total:
-            self._last_report = now
-            self._report(final=False)
+        if now - self._last_line >= self.interval_s or self.done >= self.total:
+            self._last_line = now
+            self._write_line()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._report(final=True)
+        if self._bar is not None:
+            self._bar.close()  # the final state, then a newline
+        elif self.total and (self.done < self.total or self._last_line == float("-inf")):
+            self._write_line()  # unless the last advance already printed the final state
 
     def line(self) -> str:
-        pct = 100.0 * self.done / self.total if self.total else 100.0
-        failed = f", {self.failed} failed" if self.failed else ""
-        if self.is_tty:
-            filled = int(self.width * self.done / self.total) if self.total else self.width
-            bar = "█" * filled + "░" * (self.width - filled)
-            return (f"{self.label} [{bar}] {self.done:>{len(str(self.total))}}/{self.total} {pct:3.0f}%  "
-                    f"{self.rate:.2f} items/s  ETA {format_duration(self.eta_s)}{failed.replace(',', ' ')}")
-        return (f"{self.label}: {self.done}/{self.total} ({pct:.0f}%) {self.rate:.2f} items/s "
-                f"ETA {format_duration(self.eta_s)}{failed}")
+        """The plain (not TTY) report of the current state."""
+        line = tqdm.format_meter(self.done, self.total, time.perf_counter() - self.start, prefix=self.label,
+                                 unit=" items", bar_format=PLAIN_FORMAT, postfix=self._postfix())
+        return " ".join(line.split())  # tqdm pads rates to a fixed width, for bars redrawn in place
 
-    def _report(self, final: bool) -> None:
-        if self.is_tty:
-            self.stream.write("\r\x1b[2K" + self.line() + ("\n" if final else ""))
-        elif not final or self.done < self.total or self._last_report == float("-inf"):
-            self.stream.write(self.line() + "\n")
+    def _postfix(self) -> str:
+        return f"{self.failed} failed" if self.failed else ""
+
+    def _write_line(self) -> None:
+        self.stream.write(self.line() + "\n")
         self.stream.flush()

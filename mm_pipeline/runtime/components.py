@@ -145,7 +145,7 @@ class OmniRuntime:
     def _encode_text(self, text: str) -> list[int]:
         return list(self.model.tokenizer.encode(text, add_special_tokens=False))
 
-    # ---- lifecycle and stats ----------------------------------------------------------------
+    # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._started:
             self.loop.start()
@@ -163,24 +163,3 @@ class OmniRuntime:
         self.cache.close()
         for tier in self.cache.tiers:
             tier.close()
-
-    def stats(self) -> dict[str, Any]:
-        sched, pool = self.llm.scheduler, self.llm.pool
-        cache = self.cache.stats()
-        out: dict[str, Any] = {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "queue_depth": len(sched.waiting),
-            "requests": self.loop.num_requests,
-            "kv_pool": {name: {"used_pages": a.num_used, "free_pages": a.num_free, "total_pages": a.num_pages}
-                        for name, a in (("full", pool.full), ("swa", pool.swa))},
-            "encoder_cache": {tier: {"hits": n} for tier, n in cache["hits"].items()},
-            "encoder_cache_misses": cache["misses"],
-            "encoder": self.batcher.stats(),
-            "media": dict(self.planner.counts),
-            "engine_loop": dict(self.loop.counts),
-            "decode_pool": {"admitted": self.pool.admitted, "waiting": self.pool.waiting},
-        }
-        out["prefix_cache"] = self.llm.prefix_cache.stats()
-        out["llm"] = self.llm.stats()
-        return out

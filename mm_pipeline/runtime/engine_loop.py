@@ -2,6 +2,7 @@
 
     loop:  clear wake ─► batcher.run_due()            (encoder forwards that are due)
                      ─► llm.step() if llm.has_ready_work()   ─► outputs to each request's sink
+                     ─► publish the stats snapshot (the LLM's, then ``on_stats``: the omni one)
                      ─► nothing done? wait for a wake (new request, abort, encoder job, unit
                         arrival) or the batcher's next due time
 
@@ -41,6 +42,10 @@ class EngineLoop:
         self._sinks: dict[str, OutputSink] = {}
         self._stop = False
         self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0}
+        # Builds and publishes the owner's stats snapshot; called on this thread after every
+        # iteration (set before start()).
+        self.on_stats: Callable[[], None] | None = None
+        self._was_busy = True
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
 
     # ---- public API (any thread) ------------------------------------------------------------
@@ -102,6 +107,7 @@ class EngineLoop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
                 did = self._step_once()
+                self._publish_stats(did)
             except Exception:  # a bug must not kill serving; it is logged and counted
                 log.exception("engine loop iteration failed")
                 self.counts["loop_errors"] += 1
@@ -125,6 +131,15 @@ class EngineLoop:
             # media) must not make the thread spin
             did = did or self.llm.last_step_progressed
         return did
+
+    def _publish_stats(self, busy: bool) -> None:
+        """A step published the LLM's snapshot already; an idle iteration refreshes it (completely
+        on the first one after work: "idle after the last step"), then the owner's is built."""
+        if not busy:
+            self.llm.publish_stats(complete=self._was_busy)
+        self._was_busy = busy
+        if self.on_stats is not None:
+            self.on_stats()
 
     def _idle_timeout(self) -> float:
         due = self.batcher.next_due()

@@ -20,7 +20,7 @@ import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from llm_core.engine.detokenizer import IncrementalDetokenizer
 from llm_core.engine.outputs import RequestOutput
@@ -30,6 +30,7 @@ from mm_pipeline.prompt.messages import ChatRequest, parse_messages
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.components import OmniRuntime
 from mm_pipeline.runtime.media_feed import MediaFeed
+from mm_pipeline.runtime.stats import OmniStats
 
 
 @dataclass
@@ -70,6 +71,8 @@ class OmniEngine:
         self.model_name = runtime.model.name
         self._in_flight = 0
         self._ids = itertools.count()
+        self._stats = OmniStats.collect(runtime, 0)
+        runtime.loop.on_stats = self._publish_stats
         self.runtime.start()
 
     @classmethod
@@ -153,11 +156,11 @@ class OmniEngine:
         an unknown id must raise ``KeyError``."""
         self.runtime.planner.file_resolver = fn
 
-    def stats(self) -> dict[str, Any]:
-        """in_flight (admitted requests), running / waiting / queue_depth (scheduler), kv_pool
-        (pages per pool), encoder_cache (hits per tier), encoder (batcher counters), media (decode
-        and cache counters), prefix_cache, engine_loop, decode_pool. Safe from any thread."""
-        return {"in_flight": self._in_flight, **self.runtime.stats()}
+    def stats(self) -> OmniStats:
+        """The last snapshot the engine thread published (mm_pipeline/runtime/stats.py): as of its
+        last loop iteration (a step, or an idle wake-up at least every 50 ms). Any thread: it reads
+        no engine or cache structure."""
+        return self._stats
 
     def shutdown(self) -> None:
         self.runtime.shutdown()
@@ -168,6 +171,10 @@ class OmniEngine:
             raise OverloadedError(f"{self._in_flight} requests in flight (max_queue {self.config.max_queue}); "
                                   f"retry later")
         self._in_flight += 1
+
+    def _publish_stats(self) -> None:
+        """Engine thread, after every loop iteration: one new snapshot, published by one swap."""
+        self._stats = OmniStats.collect(self.runtime, self._in_flight)
 
     async def _deltas(self, outs: AsyncIterator[RequestOutput], params: SamplingParams
                       ) -> AsyncIterator[GenerationDelta]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
@@ -92,11 +92,11 @@ class AuthAndCount:
                 status = message["status"]
             await send(message)
 
-        self.metrics.in_flight += 1
+        self.metrics.http_in_flight.inc()
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            self.metrics.in_flight -= 1
+            self.metrics.http_in_flight.dec()
             route = scope.get("route")
             self.metrics.count_request(getattr(route, "path", "other"), status)
 
@@ -107,7 +107,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     The app does not own the engine: whoever created it shuts it down."""
     settings = settings or ServerSettings()
     model_name = settings.model_name or getattr(engine, "model_name", "mmserve")
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.stats)
     temp_dir = None if settings.files_dir else tempfile.mkdtemp(prefix="mmserve-files-")
     store = FilesStore(settings.files_dir or temp_dir, settings.max_upload_bytes, settings.max_files_total_bytes)
     if hasattr(engine, "set_file_resolver"):
@@ -203,17 +203,21 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
         return JSONResponse(ModelCard(id=model_name, created=started).model_dump())
 
+    # Both read the engine's last published stats snapshot; neither touches engine state.
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
-            await asyncio.to_thread(engine.stats)
+            stats = engine.stats()
         except Exception as exc:
             return JSONResponse({"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        if hasattr(stats, "to_dict"):
+            body["stats"] = stats.to_dict()
+        return JSONResponse(body)
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        stats = await asyncio.to_thread(engine.stats)
-        return PlainTextResponse(metrics.render(stats), media_type="text/plain; version=0.0.4")
+    async def prometheus(request: Request) -> Response:
+        body, content_type = metrics.scrape(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     return app

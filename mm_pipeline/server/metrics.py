@@ -1,94 +1,72 @@
-"""Prometheus text exposition for the server, without a client library.
+"""``/metrics`` through prometheus_client: one registry per app, scraped with its exposition.
 
 Measured here (the HTTP side sees what the client sees):
   * ``mmserve_time_to_first_token_seconds``   histogram, request arrival -> first token sent
   * ``mmserve_time_per_output_token_seconds`` histogram, (last - first token) / (tokens - 1)
   * ``mmserve_e2e_request_latency_seconds``   histogram
-  * ``mmserve_requests_total{endpoint,status}`` counter
+  * ``mmserve_requests_total{endpoint,status}`` counter, ``mmserve_http_requests_in_flight`` gauge
   * ``mmserve_event_loop_lag_seconds``        histogram (+ ``_max`` gauge) from ``LoopLagMonitor``
-Engine state comes from ``engine.stats()`` at scrape time and is rendered by ``render_engine_stats``:
-queue depth, running requests, KV pool usage per pool, prefix / encoder cache hits per tier.
+Engine state is the engine's last published snapshot (mm_pipeline/runtime/stats.py), turned into
+metric families at scrape time by :class:`SnapshotCollector`: queue depth, running requests, KV pool
+pages per pool, prefix / encoder cache hits per tier, decode pool, engine-loop counters.
+
+The registry is the app's own (``CollectorRegistry``), not prometheus_client's global one, so
+several apps in one process (tests, benchmarks) do not clash.
+
+Multiprocess mode (several server processes behind one port), when it is wanted: set
+``PROMETHEUS_MULTIPROC_DIR`` before prometheus_client is first imported; the histograms, counters
+and gauges below then live in files shared by the processes (each gauge already says how to merge
+with ``multiprocess_mode``), and :meth:`ServerMetrics.scrape` must expose a fresh
+``CollectorRegistry()`` fed by ``prometheus_client.multiprocess.MultiProcessCollector`` instead of
+``self.registry``. The snapshot collector reads this process's engine only: with one engine per
+process, add a ``pid`` label to its families (or mirror them into ``livesum`` gauges on publish).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import re
-import threading
 import time
-from collections import defaultdict
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+
+from llm_core.engine.stats import EngineStats
+from mm_pipeline.runtime.stats import OmniStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+PREFIX = "mmserve_"
 
 
-class Histogram:
-    """Cumulative-bucket histogram (Prometheus semantics); thread-safe."""
+def histogram_buckets(h: Histogram) -> list[tuple[float, float]]:
+    """``(upper bound, cumulative count)`` per bucket, ``+Inf`` last, as the histogram exposes them."""
+    return [(float(s.labels["le"]), s.value) for m in h.collect() for s in m.samples if s.name.endswith("_bucket")]
 
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float]) -> None:
-        self.name, self.help = name, help_text
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)  # last slot: +Inf
-        self._sum = 0.0
-        self._lock = threading.Lock()
 
-    def observe(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        with self._lock:
-            self._sum += value
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    self._counts[i] += 1
-                    break
-            else:
-                self._counts[-1] += 1
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return sum(self._counts)
-
-    def quantile(self, q: float) -> float:
-        """Upper bound of the bucket holding the q-quantile (inf when it is in the +Inf bucket)."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantile wants 0 <= q <= 1, got {q}")
-        with self._lock:
-            counts = list(self._counts)
-        total = sum(counts)
-        if total == 0:
-            return 0.0
-        running = 0
-        for b, c in zip(self.buckets + (float("inf"),), counts):
-            running += c
-            if running >= q * total:
-                return b
-        return float("inf")
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for b, c in zip(self.buckets, counts):
-            running += c
-            lines.append(f'{self.name}_bucket{{le="{b}"}} {running}')
-        running += counts[-1]
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {running}', f"{self.name}_sum {total}",
-                  f"{self.name}_count {running}"]
-        return lines
+def histogram_quantile(h: Histogram, q: float) -> float:
+    """Upper bound of the bucket holding the q-quantile (inf when it is in the +Inf bucket; 0.0
+    with no observations) -- what a benchmark can read without a Prometheus server."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile wants 0 <= q <= 1, got {q}")
+    buckets = histogram_buckets(h)
+    total = buckets[-1][1]
+    if total == 0:
+        return 0.0
+    return next(bound for bound, running in buckets if running >= q * total)
 
 
 class LoopLagMonitor:
     """Measures how late the event loop wakes a sleeper: the time any callback blocked it."""
 
-    def __init__(self, histogram: Histogram, interval_s: float = 0.05) -> None:
+    def __init__(self, histogram: Histogram, interval_s: float = 0.05, max_gauge: Gauge | None = None) -> None:
         self.histogram = histogram
         self.interval_s = interval_s
-        self.max_lag_s = 0.0
+        self.max_gauge = max_gauge
+        self.max_lag_s = 0.0  # a benchmark may reset it to measure one phase
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -109,27 +87,37 @@ class LoopLagMonitor:
             lag = max(0.0, time.perf_counter() - t0 - self.interval_s)
             self.max_lag_s = max(self.max_lag_s, lag)
             self.histogram.observe(lag)
+            if self.max_gauge is not None:
+                self.max_gauge.set(self.max_lag_s)
 
 
 class ServerMetrics:
-    """Everything the HTTP layer measures; ``render(engine_stats)`` -> Prometheus text."""
+    """Everything ``/metrics`` exposes, registered in ``self.registry``; ``scrape`` renders it."""
 
-    def __init__(self) -> None:
-        self.ttft = Histogram("mmserve_time_to_first_token_seconds",
-                              "Request arrival to first generated token", LATENCY_BUCKETS)
-        self.tpot = Histogram("mmserve_time_per_output_token_seconds",
-                              "Mean time between output tokens of a request", TOKEN_BUCKETS)
-        self.e2e = Histogram("mmserve_e2e_request_latency_seconds", "Request arrival to last token",
-                             LATENCY_BUCKETS)
-        self.loop_lag = Histogram("mmserve_event_loop_lag_seconds", "Event loop wake-up delay", LAG_BUCKETS)
-        self.lag_monitor = LoopLagMonitor(self.loop_lag)
-        self._requests: dict[tuple[str, int], int] = defaultdict(int)
-        self._lock = threading.Lock()
-        self.in_flight = 0
+    def __init__(self, snapshot: Callable[[], Any] | None = None) -> None:
+        """``snapshot`` returns the engine's last published stats (``OmniEngine.stats``)."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time between output tokens of a request",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram(PREFIX + "event_loop_lag_seconds", "Event loop wake-up delay", buckets=LAG_BUCKETS,
+                                  registry=r)
+        lag_max = Gauge(PREFIX + "event_loop_lag_max_seconds", "Largest event loop lag seen", registry=r,
+                        multiprocess_mode="max")
+        self.lag_monitor = LoopLagMonitor(self.loop_lag, max_gauge=lag_max)
+        self.http_in_flight = Gauge(PREFIX + "http_requests_in_flight", "HTTP requests being handled", registry=r,
+                                    multiprocess_mode="livesum")
+        self.requests = Counter(PREFIX + "requests", "HTTP responses by route and status", ["endpoint", "status"],
+                                registry=r)
+        if snapshot is not None:
+            r.register(SnapshotCollector(snapshot))
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self._requests[(endpoint, status)] += 1
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def observe_request(self, arrival: float, first_token: float | None, end: float, completion_tokens: int) -> None:
         """Record one finished generation (times from ``time.perf_counter``)."""
@@ -139,67 +127,91 @@ class ServerMetrics:
             if completion_tokens > 1:
                 self.tpot.observe((end - first_token) / (completion_tokens - 1))
 
-    def render(self, engine_stats: Mapping[str, Any] | None) -> str:
-        lines: list[str] = []
-        for h in (self.ttft, self.tpot, self.e2e, self.loop_lag):
-            lines += h.render()
-        lines += ["# HELP mmserve_event_loop_lag_max_seconds Largest event loop lag seen",
-                  "# TYPE mmserve_event_loop_lag_max_seconds gauge",
-                  f"mmserve_event_loop_lag_max_seconds {self.lag_monitor.max_lag_s}",
-                  "# TYPE mmserve_http_requests_in_flight gauge",
-                  f"mmserve_http_requests_in_flight {self.in_flight}",
-                  "# TYPE mmserve_requests_total counter"]
-        with self._lock:
-            reqs = sorted(self._requests.items())
-        for (endpoint, status), n in reqs:
-            lines.append(f'mmserve_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        if engine_stats:
-            lines += render_engine_stats(engine_stats)
-        return "\n".join(lines) + "\n"
+    def scrape(self, accept: str | None = None) -> tuple[bytes, str]:
+        """``(body, content type)`` in the format the ``Accept`` header asks for (Prometheus text
+        by default, OpenMetrics on request)."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type
 
 
-_NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
-# Nested stats whose keys are label values, not metric names: {"kv_pool": {"full": {...}, "swa": {...}}}.
-_LABELLED = {"kv_pool": "pool", "kv_pools": "pool", "pools": "pool", "encoder_cache": "tier",
-             "prefix_cache": "tier", "tiers": "tier"}
+class SnapshotCollector:
+    """A custom collector: the engine's last snapshot as metric families, read at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], Any]) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # names depend on the snapshot; nothing to check against the fixed metrics above
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        if isinstance(s, OmniStats):
+            yield from _omni_families(s)
+        elif isinstance(s, EngineStats):
+            yield from _engine_families(s)
 
 
-def _metric_name(parts: list[str]) -> str:
-    return "mmserve_" + "_".join(_NAME_BAD.sub("_", p).strip("_").lower() for p in parts if p)
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    body = ",".join(f'{k}="{str(v).replace(chr(34), "")}"' for k, v in sorted(labels.items()))
-    return "{" + body + "}"
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
-def render_engine_stats(stats: Mapping[str, Any]) -> list[str]:
-    """Flatten ``engine.stats()`` into gauges.  Numbers become samples; a nested mapping under a
-    known grouping key (``kv_pool``, ``encoder_cache``, ``prefix_cache``...) turns its keys into a
-    ``pool`` / ``tier`` label so per-pool and per-tier values share one metric name."""
-    samples: dict[str, list[str]] = defaultdict(list)
+def _labelled(family: type, name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
+    m = family(PREFIX + name, doc, labels=[label])
+    for key, v in sorted(values.items()):
+        m.add_metric([str(key)], v)
+    return m
 
-    def walk(value: Any, path: list[str], labels: dict[str, str]) -> None:
-        if isinstance(value, bool):
-            value = int(value)
-        if isinstance(value, (int, float)):
-            if math.isfinite(value):
-                samples[_metric_name(path)].append(f"{_metric_name(path)}{_labels(labels)} {value}")
-            return
-        if not isinstance(value, Mapping):
-            return  # strings, lists: not metrics
-        label = _LABELLED.get(path[-1]) if path else None
-        for k, v in value.items():
-            if label is not None and label not in labels and isinstance(v, Mapping):
-                walk(v, path, {**labels, label: str(k)})
-            else:
-                walk(v, path + [str(k)], labels)
 
-    walk(stats, [], {})
-    lines: list[str] = []
-    for name in sorted(samples):
-        lines.append(f"# TYPE {name} gauge")
-        lines += samples[name]
-    return lines
+def _counts(group: str, doc: str, counts: Mapping[str, int], family: type = UnknownMetricFamily) -> Iterator[Metric]:
+    """A counter map kept under its owner's key names: ``name`` -> ``<group>_<name>``, and
+    ``name.kind`` -> ``<group>_<name>{kind="kind"}`` (one family per name)."""
+    by_name: dict[str, dict[str, float]] = {}
+    for key, v in counts.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            name, _, kind = key.partition(".")
+            by_name.setdefault(name, {})[kind] = v
+    for name, values in sorted(by_name.items()):
+        full = f"{group}_{name}"
+        if set(values) == {""}:
+            yield family(PREFIX + full, doc, value=values[""])
+        else:
+            yield _labelled(family, full, doc, "kind", {k or "all": v for k, v in values.items()})
+
+
+def _engine_families(s: EngineStats) -> Iterator[Metric]:
+    yield _gauge("running", "Requests the scheduler is computing", s.running)
+    yield _gauge("queue_depth", "Requests waiting to be scheduled", s.queue_depth)
+    yield _counter("preemptions", "Requests preempted for KV pages", s.preemptions)
+    yield _gauge("kv_page_size_tokens", "Tokens per KV page", s.kv_page_size)
+    for field in ("total_pages", "used_pages", "free_pages", "peak_pages"):
+        yield _labelled(GaugeMetricFamily, f"kv_pool_{field}", f"KV pool {field.replace('_', ' ')}", "pool",
+                        {name: getattr(u, field) for name, u in s.kv_pool.items()})
+    yield _labelled(CounterMetricFamily, "prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
+                    "tier", s.prefix_cache_hit_tokens)
+    yield _counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                   s.prefix_cache_query_tokens)
+    yield _labelled(CounterMetricFamily, "prefix_cache_evicted_pages", "KV pages evicted from the prefix cache",
+                    "pool", s.prefix_cache_evicted_pages)
+    yield from _counts("prefix_cache", "Prefix cache count", s.prefix_cache)
+
+
+def _omni_families(s: OmniStats) -> Iterator[Metric]:
+    yield from _engine_families(s.llm)
+    yield _gauge("requests_in_flight", "Requests admitted and not finished", s.requests_in_flight)
+    yield _gauge("requests_in_flight_limit", "Admitted requests beyond which new ones get 429",
+                 s.requests_in_flight_limit)
+    yield _gauge("engine_loop_requests", "Requests the engine loop delivers outputs to", s.engine_loop_requests)
+    yield from _counts("engine_loop", "Engine loop count", s.engine_loop, CounterMetricFamily)
+    yield _labelled(CounterMetricFamily, "encoder_cache_hits", "Encoder cache hits", "tier", s.encoder_cache_hits)
+    yield _counter("encoder_cache_misses", "Encoder cache misses", s.encoder_cache_misses)
+    yield from _counts("encoder_cache", "Encoder cache count", s.encoder_cache)
+    yield from _counts("encoder", "Encoder batcher count", s.encoder)
+    yield from _counts("media", "Media work count", s.media, CounterMetricFamily)
+    yield _gauge("decode_pool_admitted", "Media calls running or queued on the decode workers",
+                 s.decode_pool_admitted)
+    yield _gauge("decode_pool_waiting", "Media calls waiting for a decode worker slot", s.decode_pool_waiting)
+    yield _gauge("stats_age_seconds", "Age of the engine snapshot at scrape time", time.monotonic() - s.taken_at)

@@ -72,7 +72,7 @@ def test_cache_on_equals_off_and_hits(model, reference):
     assert all(c % PAGE == 0 for c in cached)
     llm.engine.prefix_cache.check_integrity()
     stats = llm.engine.stats()
-    assert stats["prefix_hit_tokens"] == sum(cached) and stats["full_pages_used"] > 0
+    assert sum(stats.prefix_cache_hit_tokens.values()) == sum(cached) and stats.kv_pool["full"].used_pages > 0
     llm.engine.prefix_cache.clear()
     assert llm.engine.pool.all_free()
 
@@ -104,7 +104,7 @@ def test_tiny_l1_evicts_and_still_matches(model, reference):
     outs, _ = conversations(llm)
     assert outs == reference
     stats = llm.engine.stats()
-    assert stats["prefix_evicted_full_pages"] > 0 and stats["prefix_evicted_swa_pages"] > 0
+    assert stats.prefix_cache_evicted_pages["full"] > 0 and stats.prefix_cache_evicted_pages["swa"] > 0
     llm.engine.prefix_cache.check_integrity()
     llm.engine.prefix_cache.clear()
     assert llm.engine.pool.all_free()
@@ -143,11 +143,11 @@ def test_l2_and_l3_hits_give_the_same_tokens(model, reference, tmp_path):
     outs, _ = conversations(llm)
     assert outs == reference
     stats = llm.engine.stats()
-    assert stats["prefix_hit_tokens_l2"] > 0 and stats["prefix_pages_saved"] > 0
+    assert stats.prefix_cache_hit_tokens["l2"] > 0 and stats.prefix_cache["pages_saved"] > 0
     llm.engine.close()
     only_l3 = tier_engine(model, kv_host_bytes=0, kv_store=str(tmp_path / "l3b"))
     assert conversations(only_l3)[0] == reference
-    assert only_l3.engine.stats()["prefix_hit_tokens_l3"] > 0
+    assert only_l3.engine.stats().prefix_cache_hit_tokens["l3"] > 0
     only_l3.engine.close()
 
 
@@ -159,7 +159,7 @@ def test_restart_with_the_same_directory_and_damaged_entries(model, reference, t
     second = tier_engine(model, kv_store=store, kv_host_bytes=0)
     outs, cached = conversations(second)
     assert outs == reference and cached[0] > 0  # even the very first request hits after the restart
-    assert second.engine.stats()["prefix_hit_tokens_l3"] > 0
+    assert second.engine.stats().prefix_cache_hit_tokens["l3"] > 0
     second.engine.close()
     for i, f in enumerate(sorted((tmp_path / "l3").glob("??/*.entry"))):
         data = f.read_bytes()

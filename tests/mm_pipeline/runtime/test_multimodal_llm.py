@@ -61,7 +61,7 @@ def test_chat_every_modality_from_local_paths(llm, media):
     # identical image, same question, given as path or as bytes -> same prompt and answer
     again = llm.chat(convo({"type": "image", "image": media["image"].read_bytes()}), GREEDY)[0]
     assert again.token_ids == outs[0].token_ids and again.prompt_token_ids == outs[0].prompt_token_ids
-    assert llm.engine.stats()["media"]["images_decoded"] == 1  # the repeat came from the cache
+    assert llm.engine.stats().media["images_decoded"] == 1  # the repeat came from the cache
 
 
 def test_broken_file_fails_only_its_conversation(llm, media):

@@ -60,16 +60,17 @@ async def collect(engine: OmniEngine, messages, params=GREEDY, **kw):
 
 
 def assert_idle(engine: OmniEngine) -> None:
-    """Pools, requests and unit claims back to empty (aborts reach the engine thread async)."""
+    """Pools, requests and unit claims back to empty (aborts reach the engine thread async, and
+    the stats snapshot it publishes may be one idle wake-up behind)."""
+    def idle(s) -> bool:
+        return (s.engine_loop_requests == 0 and s.llm.running == 0 and s.llm.queue_depth == 0
+                and s.llm.kv_pool["full"].used_pages == 0 and s.llm.kv_pool["swa"].used_pages == 0
+                and s.encoder["in_flight_units"] == 0 and s.encoder["pending"] == 0)
+
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["requests"] == 0 and s["running"] == 0 and s["waiting"] == 0:
-            break
+    while not idle(s := engine.stats()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert s["requests"] == 0 and s["running"] == 0 and s["waiting"] == 0
-    assert s["kv_pool"]["full"]["used_pages"] == 0 and s["kv_pool"]["swa"]["used_pages"] == 0
-    assert s["encoder"]["in_flight_units"] == 0 and s["encoder"]["pending"] == 0
+    assert idle(s), s
     engine.runtime.batcher.check_integrity()
     engine.runtime.cache.check_integrity()
 
@@ -82,7 +83,7 @@ def test_streamed_video_equals_non_streamed_reference(ckpt):
     try:
         tokens, deltas = asyncio.run(collect(engine, ask(video_part(VIDEO))))
         prompt = deltas[0].prompt_token_ids
-        assert engine.stats()["media"]["video_chunks_decoded"] == 4  # streamed group by group
+        assert engine.stats().media["video_chunks_decoded"] == 4  # streamed group by group
         # reference: decode everything, encode everything, then prefill with all rows ready
         model = engine.runtime.model
         item = MediaItem(MediaKind.VIDEO, "mp4", VIDEO)
@@ -121,17 +122,17 @@ def test_repeat_media_skips_decode_and_encode(ckpt):
         img = image_bytes(size=(80, 60))
         cold, _ = asyncio.run(collect(engine, ask(image_part(img))))
         before = engine.stats()
-        assert before["media"]["images_decoded"] == 1 and before["encoder"]["encoded.image"] == 1
+        assert before.media["images_decoded"] == 1 and before.encoder["encoded.image"] == 1
         warm, _ = asyncio.run(collect(engine, ask(image_part(img))))  # same question: cache on == off
         asyncio.run(collect(engine, ask(image_part(img), "Another question?")))
         asyncio.run(collect(engine, ask(video_part(VIDEO))))
         asyncio.run(collect(engine, ask(video_part(VIDEO), "And now?")))
         after = engine.stats()
         assert warm == cold
-        assert after["media"]["images_decoded"] == 1 and after["encoder"]["encoded.image"] == 1
-        assert after["media"]["video_chunks_decoded"] == 4 and after["encoder"]["encoded.video"] == 4
-        assert after["media"]["probes"] == 1  # the manifest gave the layout: no second probe
-        assert after["encoder_cache"]["memory"]["hits"] >= 2 * 2 + 4 * 1 + 1
+        assert after.media["images_decoded"] == 1 and after.encoder["encoded.image"] == 1
+        assert after.media["video_chunks_decoded"] == 4 and after.encoder["encoded.video"] == 4
+        assert after.media["probes"] == 1  # the manifest gave the layout: no second probe
+        assert after.encoder_cache_hits["memory"] >= 2 * 2 + 4 * 1 + 1
         assert_idle(engine)
     finally:
         engine.shutdown()
@@ -149,9 +150,9 @@ def test_single_flight_under_concurrency(ckpt):
         results = asyncio.run(many())
         s = engine.stats()
         assert all(len(toks) == GREEDY.max_tokens for toks, _ in results)
-        assert s["media"]["video_chunks_decoded"] == 4 and s["encoder"]["encoded.video"] == 4
-        assert s["media"]["images_decoded"] == 1 and s["encoder"]["encoded.image"] == 1
-        assert s["encoder"]["joins"] > 0  # requests really waited on units another one was producing
+        assert s.media["video_chunks_decoded"] == 4 and s.encoder["encoded.video"] == 4
+        assert s.media["images_decoded"] == 1 and s.encoder["encoded.image"] == 1
+        assert s.encoder["joins"] > 0  # requests really waited on units another one was producing
         assert_idle(engine)
     finally:
         engine.shutdown()
@@ -167,7 +168,7 @@ def test_streaming_off_waits_for_every_unit_and_gives_the_same_tokens(ckpt):
         want, _ = asyncio.run(collect(streamed, msgs))
         got, deltas = asyncio.run(collect(unstreamed, msgs))
         assert got == want and len(got) == GREEDY.max_tokens
-        assert unstreamed.stats()["media"]["video_chunks_decoded"] == 4
+        assert unstreamed.stats().media["video_chunks_decoded"] == 4
         with pytest.raises(UndecodableMediaError):
             asyncio.run(collect(unstreamed, ask(image_part(image_bytes(size=(64, 64))[:60]))))
         assert_idle(unstreamed)
@@ -214,8 +215,8 @@ def test_disk_tier_survives_restart(ckpt, tmp_path):
         warm, _ = asyncio.run(collect(second, ask(image_part(img))))
         s = second.stats()
         assert warm == cold
-        assert s["encoder_cache"]["disk"]["hits"] >= 2  # the manifest and the image embedding
-        assert s["media"].get("images_decoded", 0) == 0 and s["encoder"].get("encoded.image", 0) == 0
+        assert s.encoder_cache_hits["disk"] >= 2  # the manifest and the image embedding
+        assert s.media.get("images_decoded", 0) == 0 and s.encoder.get("encoded.image", 0) == 0
     finally:
         second.shutdown()
 
@@ -232,7 +233,7 @@ def test_disconnect_aborts_and_frees(ckpt):
         first = asyncio.run(leave_early())
         assert first.new_token_ids
         assert_idle(engine)
-        assert engine.stats()["engine_loop"]["steps"] < 150  # stopped long before 200 tokens
+        assert engine.stats().engine_loop["steps"] < 150  # stopped long before 200 tokens
     finally:
         engine.shutdown()
 
@@ -327,7 +328,7 @@ def test_mid_stream_decode_failure_fails_the_request_and_frees_everything(ckpt, 
         bad, good = asyncio.run(both())
         assert isinstance(bad, UndecodableMediaError) and "frame group 2" in str(bad)
         assert len(good[0]) == GREEDY.max_tokens
-        assert engine.stats()["encoder"].get("failed_units", 0) >= 1
+        assert engine.stats().encoder.get("failed_units", 0) >= 1
         assert_idle(engine)
     finally:
         engine.shutdown()

@@ -1,5 +1,6 @@
-"""Prometheus text from the server: histogram semantics, engine stats with per-pool / per-tier
-labels, and the event-loop lag monitor noticing a blocked loop."""
+"""``/metrics`` through prometheus_client: histogram buckets and the quantile helper, an engine
+snapshot as labelled families, one registry per app, OpenMetrics on request, and the event-loop
+lag monitor noticing a blocked loop."""
 
 from __future__ import annotations
 
@@ -8,49 +9,96 @@ import time
 
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
-from mm_pipeline.server.metrics import Histogram, LoopLagMonitor, ServerMetrics, render_engine_stats
+from llm_core.engine.stats import EngineStats, PoolUsage, frozen_map
+from mm_pipeline.runtime.stats import OmniStats
+from mm_pipeline.server.metrics import LoopLagMonitor, ServerMetrics, histogram_buckets, histogram_quantile
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` of an exposition, through prometheus' own parser."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def a_snapshot(**llm_fields) -> OmniStats:
+    llm = dict(kv_pool=frozen_map({"full": PoolUsage(16, 5, 7), "swa": PoolUsage(8, 2, 3)}), kv_page_size=4,
+               running=3, queue_depth=1, preemptions=2, prefix_cache_hit_tokens=frozen_map({"l1": 64, "l3": 8}),
+               prefix_cache_query_tokens=100, prefix_cache_evicted_pages=frozen_map({"full": 1, "swa": 4}),
+               prefix_cache=frozen_map({"tree_nodes": 9, "queries": 5}), taken_at=time.monotonic())
+    return OmniStats(llm=EngineStats(**{**llm, **llm_fields}), requests_in_flight=4, requests_in_flight_limit=256,
+                     engine_loop_requests=4, engine_loop=frozen_map({"steps": 9, "idle_waits": 1}),
+                     encoder_cache_hits=frozen_map({"memory": 7, "disk": 2}), encoder_cache_misses=3,
+                     encoder_cache=frozen_map({"joins": 1}),
+                     encoder=frozen_map({"encoded.image": 2, "encoded.video": 4, "pending": 0}),
+                     media=frozen_map({"images_decoded": 2}), decode_pool_admitted=1, decode_pool_waiting=0,
+                     taken_at=time.monotonic())
 
 
 @given(st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), max_size=50))
-def test_histogram_buckets_are_cumulative(values):
-    h = Histogram("x_seconds", "test", (0.1, 1.0, 10.0))
+def test_histogram_buckets_and_quantile(values):
+    m = ServerMetrics()
     for v in values:
-        h.observe(v)
-    lines = h.render()
-    counts = [int(ln.split()[-1]) for ln in lines if ln.startswith("x_seconds_bucket")]
-    assert counts == [sum(v <= b for v in values) for b in (0.1, 1.0, 10.0)] + [len(values)]
-    assert f"x_seconds_count {len(values)}" in lines
+        m.e2e.observe(v)
+    got = samples(m.scrape()[0].decode())
+    bounds = [b for b, _ in histogram_buckets(m.e2e)]
+    for b in bounds:  # cumulative counts, as exposed
+        le = "+Inf" if b == float("inf") else str(b)
+        assert got[("mmserve_e2e_request_latency_seconds_bucket", (("le", le),))] == sum(v <= b for v in values)
+    assert got[("mmserve_e2e_request_latency_seconds_count", ())] == len(values)
     if values:
-        q = h.quantile(0.5)
-        below = sum(v <= q for v in values)
-        assert below >= len(values) / 2  # the bucket bound holds at least half of the samples
+        q = histogram_quantile(m.e2e, 0.5)
+        assert sum(v <= q for v in values) >= len(values) / 2  # the bucket bound holds at least half
+    else:
+        assert histogram_quantile(m.e2e, 0.5) == 0.0
 
 
-def test_engine_stats_become_labelled_gauges():
-    stats = {"running": 3, "waiting": 1, "queue_depth": 1, "flag": True, "name": "ignored",
-             "kv_pool": {"full": {"used_pages": 5, "free_pages": 11}, "swa": {"used_pages": 2, "free_pages": 6}},
-             "encoder_cache": {"memory": {"hits": 7}, "disk": {"hits": 2}},
-             "prefix_cache": {"hits": 4, "hit_tokens": 64}, "engine_loop": {"steps": 9}}
-    text = "\n".join(render_engine_stats(stats))
-    for sample in ("mmserve_running 3", "mmserve_queue_depth 1", "mmserve_flag 1",
-                   'mmserve_kv_pool_free_pages{pool="full"} 11', 'mmserve_kv_pool_used_pages{pool="swa"} 2',
-                   'mmserve_encoder_cache_hits{tier="memory"} 7', 'mmserve_encoder_cache_hits{tier="disk"} 2',
-                   "mmserve_prefix_cache_hits 4", "mmserve_engine_loop_steps 9"):
-        assert sample in text, sample
-    assert "ignored" not in text
+def test_snapshot_becomes_labelled_families():
+    m = ServerMetrics(a_snapshot)
+    body, content_type = m.scrape()
+    assert content_type.startswith("text/plain") and "version=0.0.4" in content_type
+    text = body.decode()
+    got = samples(text)
+    for (name, labels), value in {
+        ("mmserve_running", ()): 3, ("mmserve_queue_depth", ()): 1, ("mmserve_preemptions_total", ()): 2,
+        ("mmserve_kv_pool_free_pages", (("pool", "full"),)): 11, ("mmserve_kv_pool_used_pages", (("pool", "swa"),)): 2,
+        ("mmserve_kv_pool_peak_pages", (("pool", "full"),)): 7,
+        ("mmserve_prefix_cache_hit_tokens_total", (("tier", "l3"),)): 8,
+        ("mmserve_prefix_cache_evicted_pages_total", (("pool", "swa"),)): 4, ("mmserve_prefix_cache_tree_nodes", ()): 9,
+        ("mmserve_encoder_cache_hits_total", (("tier", "disk"),)): 2, ("mmserve_encoder_cache_misses_total", ()): 3,
+        ("mmserve_encoder_encoded", (("kind", "video"),)): 4, ("mmserve_media_images_decoded_total", ()): 2,
+        ("mmserve_engine_loop_steps_total", ()): 9, ("mmserve_requests_in_flight", ()): 4,
+    }.items():
+        assert got[(name, labels)] == value, (name, labels)
     assert text.count("# TYPE mmserve_kv_pool_free_pages gauge") == 1  # one family, two labelled samples
+    # an engine that only reports an LLM snapshot still gets its families; anything else, none
+    assert ("mmserve_running", ()) in samples(ServerMetrics(lambda: a_snapshot().llm).scrape()[0].decode())
+    assert not any(n.startswith("mmserve_running") for n, _ in samples(ServerMetrics(dict).scrape()[0].decode()))
+
+
+def test_each_app_has_its_own_registry_and_openmetrics_on_request():
+    a, b = ServerMetrics(a_snapshot), ServerMetrics(a_snapshot)  # the global registry would refuse the 2nd
+    a.count_request("/v1/chat/completions", 200)
+    assert samples(a.scrape()[0].decode())[("mmserve_requests_total", (("endpoint", "/v1/chat/completions"),
+                                                                       ("status", "200")))] == 1
+    assert ("mmserve_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200"))) not in \
+        samples(b.scrape()[0].decode())
+    body, content_type = a.scrape("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
 
 
 def test_ttft_tpot_and_lag_monitor():
     m = ServerMetrics()
     m.observe_request(arrival=0.0, first_token=0.2, end=1.2, completion_tokens=11)  # TPOT 0.1 s
     m.observe_request(arrival=0.0, first_token=None, end=0.5, completion_tokens=0)
-    assert m.ttft.count == 1 and m.tpot.count == 1 and m.e2e.count == 2
-    assert m.tpot.quantile(1.0) == 0.1
+    count = {h: histogram_buckets(h)[-1][1] for h in (m.ttft, m.tpot, m.e2e)}
+    assert count == {m.ttft: 1, m.tpot: 1, m.e2e: 2}
+    assert histogram_quantile(m.tpot, 1.0) == 0.1
 
     async def blocked_loop() -> float:
-        mon = LoopLagMonitor(Histogram("lag", "t", (0.01, 0.1, 1.0)), interval_s=0.01)
+        mon = LoopLagMonitor(Histogram("lag", "t", buckets=(0.01, 0.1, 1.0), registry=None), interval_s=0.01)
         mon.start()
         await asyncio.sleep(0.03)
         time.sleep(0.15)  # a handler that blocks the loop
@@ -59,5 +107,4 @@ def test_ttft_tpot_and_lag_monitor():
         return mon.max_lag_s
 
     assert asyncio.run(blocked_loop()) >= 0.1
-    text = m.render({"running": 0})
-    assert "mmserve_time_to_first_token_seconds_count 1" in text and "mmserve_running 0" in text
+    assert samples(m.scrape()[0].decode())[("mmserve_time_to_first_token_seconds_count", ())] == 1

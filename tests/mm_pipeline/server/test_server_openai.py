@@ -69,8 +69,9 @@ def _idle_pools(engine, timeout_s: float = 15.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         s = engine.stats()
-        if s["in_flight"] == 0 and s["running"] == 0 and s["waiting"] == 0 and s["requests"] == 0:
-            return {k: v["free_pages"] for k, v in s["kv_pool"].items()}
+        if (s.requests_in_flight == 0 and s.llm.running == 0 and s.llm.queue_depth == 0
+                and s.engine_loop_requests == 0):
+            return {k: v.free_pages for k, v in s.llm.kv_pool.items()}
         if time.monotonic() > deadline:
             raise AssertionError(f"engine still busy after {timeout_s} s: {s}")
         time.sleep(0.05)
@@ -81,7 +82,7 @@ def _chat(served, messages, **kw):
 
 
 def _encoder_hits(engine) -> int:
-    return sum(t["hits"] for t in engine.stats()["encoder_cache"].values())
+    return sum(engine.stats().encoder_cache_hits.values())
 
 
 # ---- modalities ---------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def test_disconnect_mid_stream_frees_everything(served):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert served.engine.stats()["requests"] >= 1  # still generating when we hang up
+            assert served.engine.stats().engine_loop_requests >= 1  # still generating when we hang up
     assert _idle_pools(served.engine) == before
 
 
@@ -242,10 +243,10 @@ def test_disconnect_before_the_answer_frees_everything(served):
             "messages": user({"type": "image_url", "image_url": {"url": data_url("image_000001.png")}}, text("go"))}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
-    steps = served.engine.stats()["engine_loop"]["steps"]
+    steps = served.engine.stats().engine_loop["steps"]
     assert _idle_pools(served.engine) == before
     # aborted: it stopped long before 800 decode steps
-    assert served.engine.stats()["engine_loop"]["steps"] - steps < 700
+    assert served.engine.stats().engine_loop["steps"] - steps < 700
 
 
 def test_32_concurrent_clients(served):
@@ -331,16 +332,23 @@ def test_cli_serve_subprocess(model_dir):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+    # start-up says what a user needs, and transformers says nothing about our model type
+    startup = proc.stdout.read()
+    for line in (f"model     tiny-omni ({model_dir})", "device    cpu, float32", "KV pools  Full 2,048 tokens (",
+                 "context   ", "prefix caching off", f"serving   tiny-omni on http://127.0.0.1:{port}/v1"):
+        assert line in startup, (line, startup)
+    assert "model of type" not in startup and "rope_scaling" not in startup, startup
 
 
 def test_models_health_metrics(served):
     assert [m.id for m in served.client.models.list().data] == [served.model]
-    assert httpx.get(served.base_url + "/health").json() == {"status": "ok"}
+    health = httpx.get(served.base_url + "/health").json()
+    assert health["status"] == "ok" and health["stats"]["llm"]["kv_pool"]["full"]["total_pages"] > 0
     text_ = httpx.get(served.base_url + "/metrics").text
     for name in ("mmserve_time_to_first_token_seconds_count", "mmserve_time_per_output_token_seconds_bucket",
                  'mmserve_kv_pool_free_pages{pool="full"}', 'mmserve_kv_pool_free_pages{pool="swa"}',
                  "mmserve_queue_depth", "mmserve_running", "mmserve_event_loop_lag_seconds_bucket",
-                 'mmserve_encoder_cache_hits{tier='):
+                 'mmserve_encoder_cache_hits_total{tier=', 'mmserve_requests_total{endpoint="/health",status="200"}'):
         assert name in text_, name
     ttft_count = [ln for ln in text_.splitlines() if ln.startswith("mmserve_time_to_first_token_seconds_count")]
     assert int(float(ttft_count[0].split()[-1])) > 0

@@ -1,0 +1,98 @@
+"""EngineStats: an immutable snapshot of the LLM engine, built on the engine thread.
+
+The engine thread owns the KV pools, the scheduler's queues and the prefix cache; no other thread
+may read them while it runs (the radix cache's node dict changes under an iterating reader). So
+the engine thread builds one snapshot per step (``LLMEngine.publish_stats``) and publishes it by
+swapping one reference; any thread reads the last one with ``LLMEngine.stats()``:
+
+    engine thread:  step() ─► EngineStats.collect(pool, scheduler, prefix stats) ─► self._stats = s
+    HTTP thread:    engine.stats() ─► s (frozen; its mappings are read-only views)
+
+Field names are the names the server exposes to Prometheus (``mmserve_`` + name; a counter gets
+``_total``). A mapping field is one metric family whose key is the label named in its comment.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+_TIERS = ("l1", "l2", "l3")  # the prefix cache's tiers: device pool, host memory, KV store
+_POOLS = ("full", "swa")
+
+
+def frozen_map(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A read-only copy: a snapshot must not change after it is published."""
+    return MappingProxyType(dict(d))
+
+
+def as_plain(value: Any) -> Any:
+    """JSON-ready copy of a snapshot value (dataclasses and mappings become dicts)."""
+    if hasattr(value, "__dataclass_fields__"):
+        out = {f.name: as_plain(getattr(value, f.name)) for f in fields(value)}
+        out.update({k: getattr(value, k) for k in getattr(value, "_derived", ())})
+        return out
+    if isinstance(value, Mapping):
+        return {k: as_plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """One KV pool, in pages (``EngineStats.kv_page_size`` tokens each)."""
+
+    total_pages: int
+    used_pages: int
+    peak_pages: int  # most pages ever in use at once
+
+    _derived = ("free_pages",)
+
+    @property
+    def free_pages(self) -> int:
+        return self.total_pages - self.used_pages
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The LLM engine at one instant (see the module doc for who builds it and the names)."""
+
+    kv_pool: Mapping[str, PoolUsage]  # label pool: "full", "swa"
+    kv_page_size: int  # tokens per page, both pools
+    running: int  # requests the scheduler is computing (prefill or decode)
+    queue_depth: int  # requests waiting to be admitted (new, or preempted back)
+    preemptions: int  # counter
+    prefix_cache_hit_tokens: Mapping[str, int]  # counter, label tier: l1 (pool), l2 (host), l3 (store)
+    prefix_cache_query_tokens: int  # counter: prompt tokens looked up in the prefix cache
+    prefix_cache_evicted_pages: Mapping[str, int]  # counter, label pool
+    # Everything else the prefix cache reports, under its own names (tree size, tier traffic). Empty
+    # when prefix caching is off.
+    prefix_cache: Mapping[str, int]
+    taken_at: float  # time.monotonic() when built
+
+    @classmethod
+    def collect(cls, pool, scheduler, prefix_stats: Mapping[str, int], now: float | None = None) -> "EngineStats":
+        """Read ``pool`` (a DualKVPool) and ``scheduler``; engine thread only. ``prefix_stats`` is
+        the prefix cache's ``stats()`` dict (read by the caller, which decides how often)."""
+        rest = dict(prefix_stats)
+        rest.pop("hit_tokens", None)  # the sum over the tiers
+        hits = {t: rest.pop(f"hit_tokens_{t}") for t in _TIERS if f"hit_tokens_{t}" in rest}
+        evicted = {p: rest.pop(f"evicted_{p}_pages", 0) for p in _POOLS} if prefix_stats else {}
+        return cls(
+            kv_pool=frozen_map({name: PoolUsage(a.num_pages, a.num_used, a.peak_used)
+                                for name, a in (("full", pool.full), ("swa", pool.swa))}),
+            kv_page_size=pool.page_size,
+            running=len(scheduler.running),
+            queue_depth=len(scheduler.waiting),
+            preemptions=scheduler.num_preemptions,
+            prefix_cache_hit_tokens=frozen_map(hits),
+            prefix_cache_query_tokens=rest.pop("query_tokens", 0),
+            prefix_cache_evicted_pages=frozen_map(evicted),
+            prefix_cache=frozen_map(rest),
+            taken_at=time.monotonic() if now is None else now,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts (for JSON: ``/health``, benchmark reports)."""
+        return as_plain(self)

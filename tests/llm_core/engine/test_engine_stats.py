@@ -1,0 +1,101 @@
+"""EngineStats: built by the thread that steps, read by any other without touching engine state,
+immutable once published, exact when the engine goes idle."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core.engine import llm_engine
+from llm_core.engine.stats import EngineStats
+from llm_core.model.loader import load_model
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
+
+
+def make(model) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=512, num_swa_tokens=256,
+                                         enable_prefix_caching=True))
+
+
+def spy_threads(monkeypatch, engine: LLMEngine) -> dict[str, list[str]]:
+    """Names of the threads that build snapshots and read the prefix cache."""
+    seen: dict[str, list[str]] = {"collect": [], "prefix": []}
+    collect, prefix_stats = EngineStats.collect.__func__, engine.prefix_cache.stats
+
+    def spy_collect(cls, *a, **kw):
+        seen["collect"].append(threading.current_thread().name)
+        return collect(cls, *a, **kw)
+
+    def spy_prefix():
+        seen["prefix"].append(threading.current_thread().name)
+        return prefix_stats()
+
+    monkeypatch.setattr(EngineStats, "collect", classmethod(spy_collect))
+    monkeypatch.setattr(engine.prefix_cache, "stats", spy_prefix)
+    return seen
+
+
+def test_snapshot_is_built_by_the_stepping_thread_and_immutable(model, monkeypatch):
+    engine = make(model)
+    seen = spy_threads(monkeypatch, engine)
+    prompt = list(range(3, 40))
+    read: list[EngineStats] = []
+
+    def engine_thread() -> None:
+        for i in range(3):
+            engine.add_request(f"r{i}", prompt, PARAMS)  # same prompt: later ones hit the prefix cache
+            while engine.has_unfinished():
+                engine.step()
+
+    t = threading.Thread(target=engine_thread, name="the-engine")
+    t.start()
+    while t.is_alive():  # a reader that never waits for the engine
+        read.append(engine.stats())
+        time.sleep(0.0005)
+    t.join()
+    read.append(engine.stats())
+    assert seen["collect"] and set(seen["collect"]) == {"the-engine"}
+    assert set(seen["prefix"]) == {"the-engine"}  # stats() never walked the tree for a reader
+
+    s = read[-1]
+    assert s is engine.stats()  # published once; readers get that same object until the next step
+    assert s.running == s.queue_depth == 0 and s.kv_pool["full"].used_pages > 0  # the tree keeps pages
+    assert sum(s.prefix_cache_hit_tokens.values()) == s.prefix_cache_hit_tokens["l1"] > 0
+    assert s.prefix_cache_query_tokens == 3 * len(prompt) and s.prefix_cache["tree_nodes"] >= 1
+    assert [r.kv_pool["full"].peak_pages for r in read] == sorted(r.kv_pool["full"].peak_pages for r in read)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.running = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.kv_pool["full"].used_pages = 0
+    with pytest.raises(TypeError):
+        s.kv_pool["full"] = None
+    with pytest.raises(TypeError):
+        s.prefix_cache_hit_tokens["l1"] = 0
+    assert s.to_dict()["kv_pool"]["full"]["free_pages"] == s.kv_pool["full"].free_pages
+
+
+def test_busy_steps_read_the_tree_at_most_every_interval(model, monkeypatch):
+    engine = make(model)
+    seen = spy_threads(monkeypatch, engine)
+    monkeypatch.setattr(llm_engine, "PREFIX_STATS_INTERVAL_S", 3600.0)
+    engine.add_request("r", list(range(3, 20)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps > 2 and len(seen["collect"]) == steps
+    assert len(seen["prefix"]) == 1  # the step that left the engine idle; busy ones reused the last read
+    assert engine.stats().prefix_cache_query_tokens == 17
