@@ -106,8 +106,26 @@ class EmbeddingStream:
 
     # ---- producer side ----------------------------------------------------------------------
     def fill(self, index: int, rows: torch.Tensor) -> None:
-        """Deliver the rows of span ``index`` ([span.length, hidden]); filling twice is an error."""
-        self._store([index], rows, strict=True)
+        """Deliver the rows of span ``index`` ([span.length, hidden]); filling twice is an error.
+        Rows arriving after ``release`` (the request ended while its unit was in flight) are dropped."""
+        if not 0 <= index < len(self.spans):
+            raise IndexError(f"span {index} outside [0, {len(self.spans)})")
+        span = self.spans[index]
+        if rows.dim() != 2 or rows.shape[0] != span.length or rows.shape[1] != self.hidden_size:
+            raise ValueError(f"unit {index} needs rows [{span.length}, {self.hidden_size}], "
+                             f"got {tuple(rows.shape)}")
+        with self._lock:
+            if self._released:
+                return
+            if self._rows[index] is not None:
+                raise ValueError(f"span {index} was already filled")
+            self._rows[index] = rows
+            moved = False
+            while self._frontier_span < len(self.spans) and self._rows[self._frontier_span] is not None:
+                self._frontier_span += 1
+                moved = True
+        if moved and self._on_progress is not None:
+            self._on_progress()
 
     def fail(self, error: BaseException) -> None:
         """Record why the stream can never complete (the owner aborts the request)."""
@@ -154,32 +172,5 @@ class EmbeddingStream:
                 raise AssertionError("the frontier span is filled but the frontier did not advance")
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _store(self, indices: list[int], rows: torch.Tensor, strict: bool) -> int:
-        for index in indices:
-            if not 0 <= index < len(self.spans):
-                raise IndexError(f"span {index} outside [0, {len(self.spans)})")
-            span = self.spans[index]
-            if rows.dim() != 2 or rows.shape[0] != span.length or rows.shape[1] != self.hidden_size:
-                raise ValueError(f"unit {index} needs rows [{span.length}, {self.hidden_size}], "
-                                 f"got {tuple(rows.shape)}")
-        stored = 0
-        with self._lock:
-            if self._released:
-                return 0  # the request ended while this unit was in flight
-            for index in indices:
-                if self._rows[index] is not None:
-                    if strict:
-                        raise ValueError(f"span {index} was already filled")
-                    continue
-                self._rows[index] = rows
-                stored += 1
-            moved = False
-            while self._frontier_span < len(self.spans) and self._rows[self._frontier_span] is not None:
-                self._frontier_span += 1
-                moved = True
-        if moved and self._on_progress is not None:
-            self._on_progress()
-        return stored
-
     def _frontier_start(self) -> int:
         return self.prompt_len if self._frontier_span == len(self.spans) else self.spans[self._frontier_span].start

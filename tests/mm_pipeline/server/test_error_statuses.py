@@ -32,10 +32,11 @@ from mm_pipeline.errors import (ContextLengthError, InternalError, InvalidInputE
                                 MediaNotFound, MediaTooLarge, MMServeError, OverloadedError, ServerBusy,
                                 UndecodableMediaError, UnsupportedMediaType, generation_error)
 from mm_pipeline.runtime.omni_engine import GenerationDelta
-from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from mm_pipeline.server import ServerSettings, create_app
 from mm_pipeline.server.errors import STATUS_OF, http_answer, to_api_error
 
 from tests.support.paths import SAMPLE_MEDIA as MEDIA
+from tests.support.served import served_tiny_omni
 
 # Each scripted error says something that, read as text, would point at another kind.
 DECOY = "RuntimeError: prompt of 9000 tokens exceeds the context limit; 429 rate limited; file not found"
@@ -220,21 +221,10 @@ POISON = [301, 302, 303, 304, 305, 306]  # a prompt whose prefill step is made t
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from mm_pipeline.runtime.config import OmniEngineConfig
-    from mm_pipeline.runtime.omni_engine import OmniEngine
-    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
-
-    model_dir = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
     # one running request at a time: a step that raises then holds only the request that caused it
-    config = OmniEngineConfig(num_full_tokens=2048, num_swa_tokens=1024, max_num_seqs=1, max_queue=2,
-                              max_model_len=256, allowed_local_dirs=(str(MEDIA),))
-    engine = OmniEngine.from_pretrained(model_dir, config)
-    try:
-        with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("f"))))) as server:
-            server.engine = engine
-            yield server
-    finally:
-        engine.shutdown()
+    with served_tiny_omni(tmp_path_factory, num_full_tokens=2048, num_swa_tokens=1024, max_num_seqs=1,
+                          max_queue=2, max_model_len=256, allowed_local_dirs=(str(MEDIA),)) as server:
+        yield server
 
 
 def _post(served, path: str, body: dict, **kw) -> httpx.Response:

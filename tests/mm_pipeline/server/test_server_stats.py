@@ -18,27 +18,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llm_core.engine.stats import EngineStats
 from mm_pipeline.runtime.stats import OmniStats
-from mm_pipeline.server import ServerSettings, ServerThread, create_app
 from tests.support.paths import SAMPLE_MEDIA as MEDIA
+from tests.support.served import served_tiny_omni
 
 SCRAPERS = 3
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from mm_pipeline.runtime.config import OmniEngineConfig
-    from mm_pipeline.runtime.omni_engine import OmniEngine
-    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
-
-    model_dir = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
-    engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig(
-        num_full_tokens=8192, num_swa_tokens=4096, max_num_seqs=16, enable_prefix_caching=True))
-    try:
-        with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("f"))))) as server:
-            server.engine = engine
-            yield server
-    finally:
-        engine.shutdown()
+    with served_tiny_omni(tmp_path_factory, num_full_tokens=8192, num_swa_tokens=4096, max_num_seqs=16,
+                          enable_prefix_caching=True) as server:
+        yield server
 
 
 def conversations() -> list[list[dict]]:

@@ -1,0 +1,30 @@
+"""A tiny random omni checkpoint served over HTTP on 127.0.0.1, for server tests that need a real
+engine (``with served_tiny_omni(tmp_path_factory, max_num_seqs=1) as server: ...``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.runtime.omni_engine import OmniEngine
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+
+@contextlib.contextmanager
+def served_tiny_omni(tmp_path_factory: pytest.TempPathFactory, **config: Any) -> Iterator[ServerThread]:
+    """``config``: flat ``OmniEngineConfig.from_kwargs`` fields. The server thread gets the engine
+    as ``server.engine``; both stop when the block ends."""
+    model_dir = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
+    engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig.from_kwargs(**config))
+    try:
+        settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("files")))
+        with ServerThread(create_app(engine, settings)) as server:
+            server.engine = engine
+            yield server
+    finally:
+        engine.shutdown()
