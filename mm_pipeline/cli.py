@@ -50,6 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--prefix-checkpoint-every", type=int, default=None, metavar="N",
+                   help="with --enable-prefix-caching: keep sliding-window KV every N tokens (a multiple of 16) "
+                        "so prompts sharing only a prefix (a new question about the same media) hit too; default 0")
     g.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
     g.add_argument("--decode-workers", type=int, default=None, help="media decode threads")
     g.add_argument("--max-media-mb", type=float, default=None, help="size limit of one media item")
@@ -116,6 +119,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                               "stream_embeddings": not args.no_stream_embeddings}
     optional = {"num_full_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
                 "max_model_len": args.max_model_len, "max_queue": args.max_queue,
+                "prefix_checkpoint_every": args.prefix_checkpoint_every,
                 "decode_workers": args.decode_workers, "cache_dir": args.encoder_cache_dir,
                 "redis_url": args.redis_url}
     fields.update({k: v for k, v in optional.items() if v is not None})
@@ -167,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, settings)
         lines = describe_engine(engine, model_dir) + [
-            f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)"]
+            f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)",
+            f"upload    page: http://{args.host}:{args.port}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                     timeout_graceful_shutdown=10)

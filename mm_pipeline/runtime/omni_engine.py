@@ -56,6 +56,9 @@ class GenerationDelta:
     error: str | None = None
     error_kind: str | None = None
     prompt_token_ids: list[int] | None = field(default=None, repr=False)  # first delta only
+    # encoder units of this request's media found in the encoder cache when it was planned
+    # (not encoded again); the same on every delta, so the first one already says it
+    encoder_cache_hits: int = 0
 
 
 __all__ = ["GenerationDelta", "OmniEngine", "OmniEngineConfig"]
@@ -84,8 +87,10 @@ class OmniEngine:
                        request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream the answer to OpenAI-format chat ``messages`` (see chat_request for the parts)."""
         chat = parse_messages(messages)  # malformed messages fail before admission
-        async with aclosing(self.outputs(params, chat=chat, request_id=request_id)) as outs:
+        hits: list[int] = []
+        async with aclosing(self.outputs(params, chat=chat, request_id=request_id, on_planned=hits.append)) as outs:
             async for delta in self._deltas(outs, params):
+                delta.encoder_cache_hits = sum(hits)
                 yield delta
 
     async def generate_prompt(self, prompt: str | list[int], params: SamplingParams, *,
@@ -97,9 +102,12 @@ class OmniEngine:
 
     async def outputs(self, params: SamplingParams, *, chat: ChatRequest | None = None,
                       prompt: str | list[int] | None = None,
-                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                      request_id: str | None = None,
+                      on_planned: Callable[[int], None] | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative :class:`RequestOutput` after every step of one request (the
-        offline API's view; ``generate`` turns these into deltas). Give ``chat`` or ``prompt``."""
+        offline API's view; ``generate`` turns these into deltas). Give ``chat`` or ``prompt``.
+        ``on_planned(n)``: called once the chat's media is planned, with the number of encoder
+        units found in the encoder cache (before any output)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be llm_core.SamplingParams, got {type(params).__name__}")
         if (chat is None) == (prompt is None):
@@ -118,6 +126,8 @@ class OmniEngine:
             if chat is not None:
                 prepared = await rt.prepare_chat(chat)
                 token_ids = prepared.token_ids
+                if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
+                    on_planned(sum(len(p.cached) for p in prepared.plans))
                 if self.config.stream_embeddings:
                     feed = rt.open_media(prepared, rid)
                 else:  # every unit is decoded and encoded before prefill starts

@@ -4,6 +4,7 @@
       /v1/chat/completions  /v1/completions       -> ChatService (streams: SSE ending in [DONE])
       /v1/files ...                                -> FilesStore (uploads streamed to disk)
       /v1/models  /health  /metrics
+      /  /web/*                                    -> the upload page (web_routes)
 
 Nothing here blocks the event loop: generation is the engine's (its own thread), media work runs
 in the engine's worker pool, disk I/O goes to threads.  A client that disconnects cancels its
@@ -26,6 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
+from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers
@@ -35,6 +37,7 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
 from mm_pipeline.server.uploads import receive_upload
+from mm_pipeline.server.web_routes import install_web_routes
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
@@ -136,16 +139,18 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_error_handlers(app)
 
     app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics)
+    install_web_routes(app)  # GET / : the upload page
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
+        info = AnswerInfo()  # filled before the body starts: its headers go out with a stream too
         try:
             if not body.stream:
-                result = await until_disconnected(request, run(body))
-                return JSONResponse(result.model_dump(exclude_none=False))
-            events, close = await until_disconnected(request, run_stream(body))
+                result = await until_disconnected(request, run(body, info))
+                return JSONResponse(result.model_dump(exclude_none=False), headers=info.headers())
+            events, close = await until_disconnected(request, run_stream(body, info))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
+        return StreamingResponse(events, media_type="text/event-stream", headers={**_SSE_HEADERS, **info.headers()},
                                  background=BackgroundTask(close))
 
     @app.post("/v1/chat/completions")

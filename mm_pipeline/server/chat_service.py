@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
+from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
 from mm_pipeline.server.errors import APIError, to_api_error
@@ -91,10 +92,10 @@ class ChatService:
         self._observe = observe
 
     # ---- chat -------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> ChatCompletion:
+    async def chat(self, req: ChatCompletionRequest, info: AnswerInfo | None = None) -> ChatCompletion:
         arrival = time.perf_counter()
         rid = new_id("chatcmpl")
-        choices = await self._start_chat(req, rid)
+        choices = await self._start_chat(req, rid, info)
         states = await collect_all(choices)
         self._finished(arrival, states)
         _check_finished(states)
@@ -105,12 +106,14 @@ class ChatService:
                                 if req.logprobs else None)
                      for i, s in enumerate(states)])
 
-    async def chat_stream(self, req: ChatCompletionRequest) -> tuple[AsyncIterator[str], Callable]:
-        """Start the request (errors raise here, before any byte is sent) and return the SSE event
-        iterator plus an idempotent ``close`` to call when the response ends for any reason."""
+    async def chat_stream(self, req: ChatCompletionRequest,
+                          info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
+        """Start the request (errors raise here, before any byte is sent; ``info`` is filled) and
+        return the SSE event iterator plus an idempotent ``close`` to call when the response ends
+        for any reason."""
         arrival = time.perf_counter()
         rid = new_id("chatcmpl")
-        choices = await self._start_chat(req, rid)
+        choices = await self._start_chat(req, rid, info)
         created, model = int(time.time()), self.config.model_name
 
         def chunk(choice: ChatChunkChoice) -> str:
@@ -143,17 +146,22 @@ class ChatService:
 
         return events(), close
 
-    async def _start_chat(self, req: ChatCompletionRequest, rid: str) -> list[ChoiceStream]:
+    async def _start_chat(self, req: ChatCompletionRequest, rid: str,
+                          info: AnswerInfo | None = None) -> list[ChoiceStream]:
         self._check_model(req.model)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens),
                                                         request_id=f"{rid}-{i}"))
                    for i in range(req.n)]
         await start_all(choices)
+        if info is not None and choices:
+            info.encoder_cache_hits = choices[0].state.encoder_cache_hits
         return choices
 
     # ---- text completions -------------------------------------------------------------------
-    async def complete(self, req: CompletionRequest) -> Completion:
+    async def complete(self, req: CompletionRequest, info: AnswerInfo | None = None) -> Completion:
+        """``info`` is accepted so chat and text completions share one call shape; a text prompt
+        has no media, so it stays at zero encoder-cache hits."""
         arrival = time.perf_counter()
         rid = new_id("cmpl")
         choices, prompts = await self._start_completion(req, rid)
@@ -174,7 +182,8 @@ class ChatService:
                                             finish_reason=s.finish_reason))
         return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out, usage=usage)
 
-    async def complete_stream(self, req: CompletionRequest) -> tuple[AsyncIterator[str], Callable]:
+    async def complete_stream(self, req: CompletionRequest,
+                              info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
         arrival = time.perf_counter()
         rid = new_id("cmpl")
         choices, prompts = await self._start_completion(req, rid)

@@ -32,6 +32,7 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    encoder_cache_hits: int = 0  # encoder units taken from the cache (known from the first delta)
     first_token_at: float | None = None  # time.perf_counter() when the first token reached us
     error: str | None = None
     error_kind: str | None = None  # with finish_reason "error": the engine's ErrorKind
@@ -46,6 +47,7 @@ class ChoiceState:
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
         self.completion_tokens = delta.completion_tokens or len(self.token_ids)
         self.cached_tokens = delta.cached_tokens or self.cached_tokens
+        self.encoder_cache_hits = getattr(delta, "encoder_cache_hits", 0) or self.encoder_cache_hits
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.error, self.error_kind = delta.error, delta.error_kind
@@ -67,6 +69,9 @@ class ChoiceStream:
             self._first = await self._stream.__anext__()
         except StopAsyncIteration:
             self._done = True
+            return
+        # known before the response starts, so it can go into a response header
+        self.state.encoder_cache_hits = getattr(self._first, "encoder_cache_hits", 0)
 
     async def deltas(self) -> AsyncIterator[Any]:
         if self._first is not None:

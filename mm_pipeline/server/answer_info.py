@@ -1,0 +1,24 @@
+"""Per-answer facts sent as response headers, so the JSON/SSE body keeps OpenAI's exact shape.
+
+    app: info = AnswerInfo() ─► service.chat(req, info) / chat_stream(req, info)
+         the service fills it once the answer has started (first delta in hand), which is before
+         the first byte of the body, so a streamed answer can carry it in its headers too
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENCODER_CACHE_HITS_HEADER = "X-Encoder-Cache-Hits"
+
+
+@dataclass
+class AnswerInfo:
+    """``encoder_cache_hits``: encoder units (an image, a video frame group, an audio segment) of
+    the request's media taken from the encoder cache instead of being encoded for it; with ``n`` >
+    1 choices the first choice's count (the media is the same for all)."""
+
+    encoder_cache_hits: int = 0
+
+    def headers(self) -> dict[str, str]:
+        return {ENCODER_CACHE_HITS_HEADER: str(self.encoder_cache_hits)}
