@@ -166,6 +166,12 @@ class OmniEngine:
         an unknown id must raise ``KeyError``."""
         self.runtime.planner.file_resolver = fn
 
+    @property
+    def requests_in_flight(self) -> int:
+        """Admitted requests not finished yet, live (admission is counted on the event loop, so this
+        is current even while the engine thread is busy in a long step; the stats snapshot is not)."""
+        return self._in_flight
+
     def stats(self) -> OmniStats:
         """The last snapshot the engine thread published (mm_pipeline/runtime/stats.py): as of its
         last loop iteration (a step, or an idle wake-up at least every 50 ms). Any thread: it reads

@@ -242,8 +242,8 @@ def _data_url(raw: bytes) -> str:
 
 def _wait_in_flight(engine, n: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while engine.stats()["in_flight"] != n:
-        assert time.monotonic() < deadline, f"in_flight never reached {n}: {engine.stats()['in_flight']}"
+    while engine.requests_in_flight != n:
+        assert time.monotonic() < deadline, f"in_flight never reached {n}: {engine.requests_in_flight}"
         time.sleep(0.02)
 
 
