@@ -47,7 +47,7 @@ def engine():
     # the demo model's 31-token sliding window a *different* question about the same video reuses
     # the shared prefix only if SWA checkpoints were kept along it -- so both are on here, as the
     # README tells a user who wants to see cached tokens on the page.
-    config = OmniEngineConfig(num_full_tokens=8192, num_swa_tokens=4096, enable_prefix_caching=True,
+    config = OmniEngineConfig.from_kwargs(num_full_tokens=8192, num_swa_tokens=4096, enable_prefix_caching=True,
                               prefix_checkpoint_every=16)
     eng = OmniEngine.from_pretrained(DEMO_MODEL, config)
     yield eng
