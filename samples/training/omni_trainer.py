@@ -33,7 +33,7 @@ from samples.training.aux_targets import (
     PITCH_CLASSES, AuxTargets)
 from samples.training.dataset import TrainItem
 from samples.training.demo_model_config import DemoModelConfig
-from samples.training.text_attention import SDPA_SINKS
+from samples.training.attention.text_attention import SDPA_SINKS
 from samples.training.trainable_towers import audio_forward, make_trainable, vision_forward
 
 

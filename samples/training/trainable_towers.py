@@ -27,8 +27,8 @@ from encoders.audio.blocks import AudioEncoderLayer
 from encoders.rotary import apply_rotary
 from encoders.vision.tower import VisionTransformer
 from encoders.vision.blocks import VisionBlock
-from samples.training.band_chunks import chunk_rows, span_rows
-from samples.training.sink_key import sdpa_with_sinks
+from samples.training.attention.band_chunks import chunk_rows, span_rows
+from samples.training.attention.sink_key import sdpa_with_sinks
 
 
 def _pad_segments(x: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,8 +51,8 @@ def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
     A windowed layer only computes the band: queries in chunks of ``window`` rows, each against
     the ``3 * window`` keys that can reach it, so its cost is linear in the segment length instead
-    of quadratic (:mod:`samples.training.band_chunks`). Sinks enter as one extra key per head
-    whose logit is the sink itself (:mod:`samples.training.sink_key`) -- the served kernel's
+    of quadratic (:mod:`samples.training.attention.band_chunks`). Sinks enter as one extra key per head
+    whose logit is the sink itself (:mod:`samples.training.attention.sink_key`) -- the served kernel's
     definition, exactly.
     """
     cu = [int(c) for c in cu_seqlens.tolist()]

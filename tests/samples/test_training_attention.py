@@ -1,7 +1,7 @@
 """Training-side attention. The towers' twin (samples.training.trainable_towers.band_attention):
 the served reference's numbers forward, a plain per-segment softmax's gradients backward, on the
 dense and on the chunked-band path, with and without sinks and GQA. The text model's
-(samples.training.text_attention): transformers' eager logits and gradients."""
+(samples.training.attention.text_attention): transformers' eager logits and gradients."""
 
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def test_text_sdpa_sinks_attention_equals_eager_logits_and_gradients(monkeypatch
     shorter than the sequence and a right-padded batch: same logits, same gradients (sinks included)."""
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
-    from samples.training import text_attention
+    from samples.training.attention import text_attention
     from samples.training.demo_model_config import DemoModelConfig
-    from samples.training.text_attention import SDPA_SINKS
+    from samples.training.attention.text_attention import SDPA_SINKS
 
     banded = []
     real = text_attention._banded

@@ -5,10 +5,10 @@ Why: HF's ``eager`` is the only built-in path that honours MiMo's attention sink
 [B, H, L, L] float32 logit tensor per layer (plus the mask add, the max-subtract and the softmax
 copies) for backward; a batch of two 60 s videos (2 x 1019 tokens) spends ~60 % of its step there.
 SDPA computes the same softmax without those copies. Sinks enter as one extra key per head whose
-logit is the sink itself (:mod:`samples.training.sink_key`): exactly eager's "append the sink
+logit is the sink itself (:mod:`samples.training.attention.sink_key`): exactly eager's "append the sink
 logit, softmax, drop the column".
 
-    from samples.training.text_attention import SDPA_SINKS   # registers on import
+    from samples.training.attention.text_attention import SDPA_SINKS   # registers on import
     hf_config._attn_implementation = SDPA_SINKS
 
 The mask is transformers' own ``sdpa_mask`` (boolean, causal + sliding window + padding), never
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from samples.training.band_chunks import chunk_rows, span_rows
-from samples.training.sink_key import sdpa_with_sinks
+from samples.training.attention.band_chunks import chunk_rows, span_rows
+from samples.training.attention.sink_key import sdpa_with_sinks
 
 SDPA_SINKS = "mmserve_sink_attention"  # a name with "sdpa" in it would be checked against _supports_sdpa
 
