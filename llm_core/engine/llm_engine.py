@@ -85,6 +85,8 @@ class EngineConfig:
     """Admission order: fcfs or fewest_uncached (prefix-cache aware)."""
     queue_wait_credit: float = 1000.0
     """fewest_uncached: tokens of priority a waiting request gains per second."""
+    kv_store_bytes: int | None = 8 << 30
+    """L3 directory store: byte cap, least recently used pages go first (none: no cap; Redis: its maxmemory)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -95,6 +97,8 @@ class EngineConfig:
         self.queue  # validates the queue policy
         if self.kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if self.kv_store_bytes is not None and self.kv_store_bytes < 0:
+            raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
 
     @property
     def queue(self) -> QueuePolicy:

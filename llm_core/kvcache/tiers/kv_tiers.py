@@ -9,7 +9,8 @@ holds travel. A match that extends past L1 allocates L1 pages, records them in t
 load job; the model reads KV through ``kv_buffers``, whose ``layer(i)`` waits until layer i of every
 pending job has landed, so layer i computes while later layers are still copying. Consistency: SWA
 that L1 holds and L2 lacks is back-filled at node merges and at prefill end; an L1/L2 hit touches
-the L3 copy (rate-limited) so hot prefixes do not age out of L3. docs/kv_cache.md §8 has the picture.
+the L3 copies of the whole matched chain (one batched call, rate-limited) so hot prefixes do not
+age out of L3. docs/kv_cache.md §8 has the picture.
 
 The tiers change the tree only through the cache's tier interface (``rehold``, ``revive_swa``,
 ``graft``, ``evict``) and read it through ``cache.tree``.
@@ -117,7 +118,7 @@ class KVTiers:
                 p2 = cand
                 break
         if p2 == p:
-            self._touch_l3(hashes[p - 1] if p else None)
+            self._touch_l3(hashes[:p])
             return p
         return self._materialize(cache, holder, keys, hashes, in_l1, found, memo, p, p2)
 
@@ -155,7 +156,7 @@ class KVTiers:
             tier = (found.get(p2 - 1) or memo[hashes[p2 - 1]]).tier if p2 - 1 in swa_pages else "l2"
             self.counters[f"hit_tokens_{tier}"] += (min(m1, p2) - p) * self.ps
         self.counters["swa_pages_loaded"] += len(swa_pages)
-        self._touch_l3(hashes[p2 - 1])
+        self._touch_l3(hashes[:p2])
         return p2
 
     def _lookup(self, h: bytes, memo: dict) -> _TierPage | None:
@@ -245,17 +246,19 @@ class KVTiers:
                 self._written.popitem(last=False)
             self.threads.put(h, full, swa)
 
-    def _touch_l3(self, h: bytes | None) -> None:
-        if self.store is None or h is None:
+    def _touch_l3(self, chain: list[bytes]) -> None:
+        """Keep a matched chain alive in L3: every page of it, in one batched store call (an
+        expired early page would break the chain for every later one). Rate-limited per chain."""
+        if self.store is None or not chain:
             return
-        now = time.monotonic()
+        h, now = chain[-1], time.monotonic()
         if now - self._touched.get(h, -1e18) < self.touch_interval_s:
             return
         self._touched[h] = now
         self._touched.move_to_end(h)
         while len(self._touched) > 100_000:
             self._touched.popitem(last=False)
-        self.threads.touch(h)
+        self.threads.touch(list(chain))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def kv_buffers(self, pool: DualKVPool):
