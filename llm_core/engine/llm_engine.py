@@ -87,6 +87,8 @@ class EngineConfig:
     """fewest_uncached: tokens of priority a waiting request gains per second."""
     kv_store_bytes: int | None = 8 << 30
     """L3 directory store: byte cap, least recently used pages go first (none: no cap; Redis: its maxmemory)."""
+    kv_l3_load_timeout_s: float = 1.0
+    """How long a request waits (not scheduled) for its cached prefix from L3 before it goes on with what arrived."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -97,6 +99,8 @@ class EngineConfig:
         self.queue  # validates the queue policy
         if self.kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if not self.kv_l3_load_timeout_s >= 0:
+            raise ValueError(f"kv_l3_load_timeout_s must be >= 0, got {self.kv_l3_load_timeout_s}")
         if self.kv_store_bytes is not None and self.kv_store_bytes < 0:
             raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
 

@@ -46,5 +46,6 @@ def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWAR
                               pin=pool.device.type == "cuda")
         store = open_kv_store(config.kv_store, config.kv_store_bytes) if config.kv_store else None
         model_id = config.kv_model_id or weights_fingerprint(model)
-        tiers = KVTiers(pool, host=host, store=store, model_id=model_id)
+        tiers = KVTiers(pool, host=host, store=store, model_id=model_id,
+                        l3_load_timeout_s=config.kv_l3_load_timeout_s)
     return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)
