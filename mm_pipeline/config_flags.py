@@ -8,6 +8,7 @@ names collide: both have ``max_frames``). A field added to any of them is a flag
     field                              flag                           from the annotation
     max_num_seqs: int = 64             --max-num-seqs N               int (``*_bytes``: 8GiB, 512M ok)
     max_model_len: int | None = None   --max-model-len N              Optional: "none" gives None
+    policy: Literal["a", "b"] = "a"    --policy {a,b}                 the Literal's values only
     enable_prefix_caching: bool        --[no-]enable-prefix-caching   BooleanOptionalAction
     allowed_domains: tuple[str, ...]   --allowed-domains HOST         repeatable, one value per use
 
@@ -60,6 +61,7 @@ class ConfigFlag:
     repeated: bool  # ``tuple[X, ...]``
     default: Any
     doc: str
+    choices: tuple = ()  # a Literal field's values
 
     @property
     def dest(self) -> str:
@@ -74,6 +76,8 @@ class ConfigFlag:
                 value = parse_scalar(self.kind, text, size=self.name.endswith("_bytes"))
             except ValueError as exc:
                 raise argparse.ArgumentTypeError(str(exc)) from None
+        if self.choices and value not in self.choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, self.choices))}, got {text!r}")
         self.check(value)
         return value
 
@@ -139,8 +143,8 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, flags: Sequence[Conf
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(*names, dest=flag.dest, type=flag.convert, default=argparse.SUPPRESS,
-                                action="append" if flag.repeated else "store", metavar=_metavar(flag),
-                                help=help_text)
+                                action="append" if flag.repeated else "store", help=help_text,
+                                metavar="{" + ",".join(map(str, flag.choices)) + "}" if flag.choices else _metavar(flag))
 
 
 def config_values(args: argparse.Namespace, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
@@ -201,12 +205,16 @@ def _flag(owner: type, f: dataclasses.Field, hint: Any, group: str | None, prefi
         if len(args) != 2 or args[1] is not Ellipsis:
             raise TypeError(f"{owner.__name__}.{f.name}: only tuple[X, ...] fields can be flags, got {hint}")
         kind = args[0]
+    choices: tuple = ()
+    if typing.get_origin(kind) is typing.Literal:
+        choices = typing.get_args(kind)
+        kind = type(choices[0])
     if kind not in (int, float, str, bool):
         raise TypeError(f"{owner.__name__}.{f.name}: no flag type for {hint}")
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     return ConfigFlag(owner=owner, name=f.name, group=group, option="--" + (prefix + f.name).replace("_", "-"),
                       kind=kind, optional=optional, repeated=repeated, default=default,
-                      doc=field_docs(owner).get(f.name, ""))
+                      doc=field_docs(owner).get(f.name, ""), choices=choices)
 
 
 def _strip_optional(hint: Any) -> tuple[Any, bool]:

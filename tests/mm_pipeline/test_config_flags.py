@@ -4,14 +4,16 @@ flag with help text, flags round-trip into the config, bad values are usage erro
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+from typing import Literal
 
 import pytest
 
 from llm_core.engine.llm_engine import EngineConfig
 from mm_pipeline import cli
-from mm_pipeline.config_flags import config_flags, field_docs, parse_scalar
+from mm_pipeline.config_flags import add_config_flags, config_flags, config_values, field_docs, parse_scalar
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.video_sampling import VideoSamplingParams
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -143,3 +145,33 @@ def test_sizes_parse_with_binary_suffixes():
         [123, 4096, 8 << 30, 3 << 19, 2 << 20]
     with pytest.raises(ValueError, match="size like 8GiB"):
         parse_scalar(int, "8 parsecs", size=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    mode: Literal["fast", "exact"] = "fast"
+    """How to run."""
+    hosts: tuple[str, ...] = ()
+    """Hosts (repeatable)."""
+    limit: float | None = None
+    """A limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    engine: Part = dataclasses.field(default_factory=Part)
+    """The part (flat names, as OmniEngineConfig.engine)."""
+    verbose: bool = False
+    """Say more."""
+
+
+def test_generated_types_cover_literals_optionals_and_tuples():
+    flags = config_flags(Root)
+    assert [f.option for f in flags] == ["--mode", "--hosts", "--limit", "--verbose"]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_config_flags(p, flags)
+    ns = p.parse_args(["--mode", "exact", "--hosts", "a", "--hosts", "b", "--limit", "none", "--verbose"])
+    assert config_values(ns, flags) == {"mode": "exact", "hosts": ("a", "b"), "limit": None, "verbose": True}
+    assert config_values(p.parse_args([]), flags) == {}  # left out: the dataclass defaults apply
+    with pytest.raises(argparse.ArgumentError, match="expected one of fast, exact"):
+        p.parse_args(["--mode", "slow"])
