@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -117,25 +116,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def engine_config(args: argparse.Namespace) -> Any:
     """``OmniEngineConfig`` from the engine flags (flags left unset keep the config's defaults)."""
     from mm_pipeline.config_flags import config_flags, config_values
-    from mm_pipeline.media.ingest import MediaLimits
     from mm_pipeline.runtime.config import OmniEngineConfig
 
-    try:
-        fields = config_values(args, config_flags())
-    except ValueError as exc:  # a nested config's fields together (each alone was checked by argparse)
-        raise UsageError(str(exc)) from None
+    fields = config_values(args, config_flags())
     if fields.get("device") is None:
         import torch
 
         fields["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     fields.setdefault("dtype", "float32" if fields["device"] == "cpu" else "bfloat16")
     if getattr(args, "max_media_mb", None) is not None:  # the old spelling, in MiB; --media-max-bytes wins
-        limits = fields.get("limits", MediaLimits())
-        if not hasattr(args, next(f.dest for f in config_flags() if f.option == "--media-max-bytes")):
-            try:
-                fields["limits"] = dataclasses.replace(limits, max_bytes=int(args.max_media_mb * (1 << 20)))
-            except ValueError as exc:
-                raise UsageError(f"--max-media-mb: {exc}") from None
+        fields.setdefault("media_max_bytes", int(args.max_media_mb * (1 << 20)))
     if fields.get("allow_http") and not fields.get("allowed_domains"):
         raise UsageError("--allow-http (--allow-remote-media) needs at least one --allowed-domains")
     try:

@@ -1,9 +1,10 @@
 """Command-line flags generated from the config dataclasses, and ``--config FILE``.
 
 One source of truth: every field of ``OmniEngineConfig`` becomes a flag, and so does every field of
-the configs nested in it -- ``EngineConfig`` under its own names (as ``OmniEngineConfig.from_kwargs``
-takes them), ``MediaLimits`` as ``--media-*`` and ``VideoSamplingParams`` as ``--video-*`` (their
-names collide: both have ``max_frames``). A field added to any of them is a flag without further work.
+the configs nested in it -- ``EngineConfig`` under its own names, ``MediaLimits`` as ``--media-*`` and
+``VideoSamplingParams`` as ``--video-*`` -- named as ``OmniEngineConfig.from_kwargs`` takes them
+(``media_max_bytes``), so flags, ``--config`` keys and Python keyword arguments are one set of names.
+A field added to any of them is a flag without further work.
 
     field                              flag                           from the annotation
     max_num_seqs: int = 64             --max-num-seqs N               int (``*_bytes``: 8GiB, 512M ok)
@@ -42,8 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-# nested config field -> its flags' prefix ("" = the nested fields keep their own names)
-NESTED_PREFIXES = {"engine": "", "limits": "media", "video_sampling": "video"}
 _DEST_PREFIX = "config__"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -54,8 +53,7 @@ class ConfigFlag:
 
     owner: type  # the dataclass that declares the field
     name: str  # the field's name in ``owner``
-    group: str | None  # the nested field it lives under ("limits", "video_sampling"), None: flat name
-    option: str  # "--max-num-seqs"
+    flat: str  # its name for OmniEngineConfig.from_kwargs ("max_num_seqs", "media_max_bytes")
     kind: type  # int, float, str or bool
     optional: bool  # ``X | None``
     repeated: bool  # ``tuple[X, ...]``
@@ -64,8 +62,12 @@ class ConfigFlag:
     choices: tuple = ()  # a Literal field's values
 
     @property
+    def option(self) -> str:
+        return "--" + self.flat.replace("_", "-")
+
+    @property
     def dest(self) -> str:
-        return f"{_DEST_PREFIX}{self.group}__{self.name}" if self.group else _DEST_PREFIX + self.name
+        return _DEST_PREFIX + self.flat
 
     def convert(self, text: str) -> Any:
         """One command-line value -> the field's type, checked by the field's dataclass."""
@@ -108,35 +110,36 @@ def parse_scalar(kind: type, text: str, *, size: bool = False) -> Any:
     return text
 
 
-def config_flags(root: type | None = None) -> list[ConfigFlag]:
-    """Every field of ``root`` (default ``OmniEngineConfig``) and of its nested configs, as flags."""
+def config_flags(root: type | None = None, nested: dict[str, str] | None = None) -> list[ConfigFlag]:
+    """Every field of ``root`` and of its nested configs, as flags. ``nested``: field of ``root``
+    holding a config -> the prefix of its fields' flat names ("" = their own names). Default:
+    ``OmniEngineConfig`` with ``engine`` unprefixed and its ``NESTED_CONFIGS`` prefixes."""
     if root is None:
-        from mm_pipeline.runtime.config import OmniEngineConfig
+        from mm_pipeline.runtime.config import NESTED_CONFIGS, OmniEngineConfig
 
         root = OmniEngineConfig
+        nested = {"engine": "", **{group: prefix for group, (prefix, _) in NESTED_CONFIGS.items()}}
+    nested = nested or {}
     flags: list[ConfigFlag] = []
     for f, hint in _fields_with_hints(root):
-        if f.name in NESTED_PREFIXES:
+        if f.name in nested:
             inner = _strip_optional(hint)[0]
-            prefix = NESTED_PREFIXES[f.name]
-            group = f.name if prefix else None
-            for g, ghint in _fields_with_hints(inner):
-                flags.append(_flag(inner, g, ghint, group, f"{prefix}-" if prefix else ""))
+            prefix = f"{nested[f.name]}_" if nested[f.name] else ""
+            flags += [_flag(inner, g, ghint, prefix) for g, ghint in _fields_with_hints(inner)]
         else:
-            flags.append(_flag(root, f, hint, None, ""))
+            flags.append(_flag(root, f, hint, ""))
     return flags
 
 
 def add_config_flags(parser: argparse.ArgumentParser | Any, flags: Sequence[ConfigFlag],
                      aliases: dict[str, Sequence[str]] | None = None,
                      help_notes: dict[str, str] | None = None) -> None:
-    """Add ``flags`` to ``parser`` (or an argument group). ``aliases``: field name -> extra option
-    strings kept for old spellings; ``help_notes``: field name -> text replacing the default shown."""
+    """Add ``flags`` to ``parser`` (or an argument group). ``aliases``: flat name -> extra option
+    strings kept for old spellings; ``help_notes``: flat name -> text replacing the default shown."""
     aliases, help_notes = aliases or {}, help_notes or {}
     for flag in flags:
-        key = flag.name if flag.group is None else f"{flag.group}.{flag.name}"
-        names = [flag.option, *aliases.get(key, ())]
-        note = help_notes.get(key, "" if "default:" in flag.doc else f"default: {_show(flag)}")
+        names = [flag.option, *aliases.get(flag.flat, ())]
+        note = help_notes.get(flag.flat, "" if "default:" in flag.doc else f"default: {_show(flag)}")
         help_text = (f"{flag.doc.rstrip('.')} ({note})" if note else flag.doc).replace("%", "%%")
         if flag.kind is bool and not flag.repeated:
             parser.add_argument(*names, dest=flag.dest, action=argparse.BooleanOptionalAction,
@@ -148,24 +151,9 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, flags: Sequence[Conf
 
 
 def config_values(args: argparse.Namespace, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
-    """The flags given, as ``OmniEngineConfig.from_kwargs`` names; nested groups become their
-    dataclass (``limits=MediaLimits(...)``) with the defaults for what was not given."""
-    flat: dict[str, Any] = {}
-    nested: dict[str, dict[str, Any]] = {}
-    owners: dict[str, type] = {}
-    for flag in flags:
-        if not hasattr(args, flag.dest):
-            continue
-        value = getattr(args, flag.dest)
-        value = tuple(value) if flag.repeated else value
-        if flag.group is None:
-            flat[flag.name] = value
-        else:
-            nested.setdefault(flag.group, {})[flag.name] = value
-            owners[flag.group] = flag.owner
-    for group, values in nested.items():
-        flat[group] = owners[group](**values)
-    return flat
+    """The flags given, by flat name (``OmniEngineConfig.from_kwargs(**values)`` builds the config)."""
+    values = {f.flat: getattr(args, f.dest) for f in flags if hasattr(args, f.dest)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
 # ---- --config FILE -----------------------------------------------------------------------------
@@ -197,7 +185,7 @@ def config_file_args(path: str, parser: argparse.ArgumentParser, explicit: Seque
 
 # ---- internal helpers -------------------------------------------------------------------------
 
-def _flag(owner: type, f: dataclasses.Field, hint: Any, group: str | None, prefix: str) -> ConfigFlag:
+def _flag(owner: type, f: dataclasses.Field, hint: Any, prefix: str) -> ConfigFlag:
     kind, optional = _strip_optional(hint)
     repeated = typing.get_origin(kind) is tuple
     if repeated:
@@ -212,8 +200,7 @@ def _flag(owner: type, f: dataclasses.Field, hint: Any, group: str | None, prefi
     if kind not in (int, float, str, bool):
         raise TypeError(f"{owner.__name__}.{f.name}: no flag type for {hint}")
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return ConfigFlag(owner=owner, name=f.name, group=group, option="--" + (prefix + f.name).replace("_", "-"),
-                      kind=kind, optional=optional, repeated=repeated, default=default,
+    return ConfigFlag(owner=owner, name=f.name, flat=prefix + f.name, kind=kind, optional=optional, repeated=repeated, default=default,
                       doc=field_docs(owner).get(f.name, ""), choices=choices)
 
 

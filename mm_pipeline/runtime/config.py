@@ -28,6 +28,12 @@ from mm_pipeline.media.ingest import IngestConfig, MediaLimits
 from mm_pipeline.media.video_sampling import VideoSamplingParams
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+# OmniEngineConfig's nested configs whose fields also have flat names "<prefix>_<field>" (from_kwargs,
+# CLI flags): MediaLimits and VideoSamplingParams share field names (max_frames), hence the prefixes.
+NESTED_CONFIGS: dict[str, tuple[str, type]] = {"limits": ("media", MediaLimits),
+                                               "video_sampling": ("video", VideoSamplingParams)}
+_FLAT_NESTED = {f"{prefix}_{f.name}": (group, f.name)
+                for group, (prefix, part) in NESTED_CONFIGS.items() for f in dataclasses.fields(part)}
 
 
 @dataclass(frozen=True)
@@ -104,18 +110,25 @@ class OmniEngineConfig:
     @classmethod
     def from_kwargs(cls, **fields: Any) -> "OmniEngineConfig":
         """Flat field names -> the nested configs: ``EngineConfig`` names (page_size, max_num_seqs,
-        kv_model_id...) go into ``engine`` (over an ``engine=`` given too), the rest are this
-        class's own. ``TypeError`` names a field that is neither."""
+        kv_model_id...) go into ``engine`` (over an ``engine=`` given too), ``media_<field>`` into
+        ``limits`` and ``video_<field>`` into ``video_sampling`` (over ``limits=`` /
+        ``video_sampling=``, else over the defaults), the rest are this class's own. These are the
+        CLI's flag names too (mm_pipeline/config_flags.py). ``TypeError`` names an unknown field."""
         own = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - own - _ENGINE_FIELDS)
+        unknown = sorted(set(fields) - own - _ENGINE_FIELDS - set(_FLAT_NESTED))
         if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(own | _ENGINE_FIELDS), n=1)
+            known = sorted(own | _ENGINE_FIELDS | set(_FLAT_NESTED))
+            close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"unknown OmniEngineConfig field {unknown[0]!r}{hint}: neither an "
                             f"OmniEngineConfig nor an EngineConfig field")
         engine_fields = {k: v for k, v in fields.items() if k in _ENGINE_FIELDS}
-        rest = {k: v for k, v in fields.items() if k not in _ENGINE_FIELDS}
+        rest = {k: v for k, v in fields.items() if k not in _ENGINE_FIELDS and k not in _FLAT_NESTED}
         engine = dataclasses.replace(rest.pop("engine", EngineConfig()), **engine_fields)
+        for group, part in NESTED_CONFIGS.items():
+            given = {_FLAT_NESTED[k][1]: v for k, v in fields.items() if _FLAT_NESTED.get(k, ("",))[0] == group}
+            if given:
+                rest[group] = dataclasses.replace(rest.get(group) or part[1](), **given)
         return cls(engine=engine, **rest)
 
     @property

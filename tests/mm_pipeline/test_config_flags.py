@@ -93,6 +93,17 @@ def test_bad_values_are_usage_errors_naming_the_flag(argv, flag, tmp_path, capsy
     assert flag in err and "usage:" in err
 
 
+def test_flags_config_keys_and_python_kwargs_are_one_set_of_names():
+    flat = {f.flat for f in config_flags()}
+    assert "media_max_bytes" in flat and "video_fps" in flat and "max_num_seqs" in flat
+    cfg = OmniEngineConfig.from_kwargs(media_max_pixels=5, video_fps=3.0, video_max_frames=16, max_num_seqs=2,
+                                       limits=MediaLimits(max_bytes=7))
+    assert cfg.limits == MediaLimits(max_bytes=7, max_pixels=5)  # flat names over a config given whole
+    assert cfg.video_sampling == VideoSamplingParams(fps=3.0, max_frames=16)
+    with pytest.raises(TypeError, match="did you mean 'media_max_bytes'"):
+        OmniEngineConfig.from_kwargs(media_max_byte=1)
+
+
 def test_cross_field_errors_are_usage_errors(tmp_path):
     # each value alone is fine; the combination is refused (mmserve exits 2 on a UsageError)
     with pytest.raises(cli.UsageError, match="--allowed-domains"):
@@ -166,7 +177,7 @@ class Root:
 
 
 def test_generated_types_cover_literals_optionals_and_tuples():
-    flags = config_flags(Root)
+    flags = config_flags(Root, {"engine": ""})
     assert [f.option for f in flags] == ["--mode", "--hosts", "--limit", "--verbose"]
     p = argparse.ArgumentParser(exit_on_error=False)
     add_config_flags(p, flags)
