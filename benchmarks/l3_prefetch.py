@@ -26,30 +26,12 @@ from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.kvcache.swa_radix_cache import SWARadixCache
 from llm_core.kvcache.tiers.kv_tiers import KVTiers
 from llm_core.model.loader import load_model
-from llm_core.storage import KeyValueStore, LocalDirStore
+from llm_core.storage import DelayedStore, LocalDirStore
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 MODEL_ID = "l3-prefetch-bench"
 CONFIG = dict(page_size=4, max_chunk_tokens=16, max_num_batched_tokens=64, num_full_tokens=8192,
               num_swa_tokens=2048, prefix_checkpoint_every=16)
-
-
-class DelayedStore(KeyValueStore):
-    """A store behind a fixed delay per read (a far disk or Redis)."""
-
-    def __init__(self, inner: KeyValueStore, delay_s: float) -> None:
-        super().__init__()
-        self.inner, self.delay_s = inner, delay_s
-
-    def get(self, key: str) -> bytes | None:
-        time.sleep(self.delay_s)
-        return self.inner.get(key)
-
-    def put(self, key: str, value: bytes) -> bool:
-        return self.inner.put(key, value)
-
-    def delete(self, key: str) -> bool:
-        return self.inner.delete(key)
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from llm_core.storage import (
     CorruptEntry,
+    DelayedStore,
     KeyValueStore,
     LocalDirStore,
     MemoryStore,
@@ -30,10 +31,12 @@ values = st.binary(max_size=64)
 ops = st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), keys, values), max_size=40)
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture(params=["memory", "disk", "redis", "delayed"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> KeyValueStore:
     if request.param == "memory":
         return MemoryStore(max_bytes=1 << 20)
+    if request.param == "delayed":  # reads 1 ms late, otherwise the directory store
+        return DelayedStore(LocalDirStore(tmp_path / "store"), delay_s=0.001)
     if request.param == "disk":
         return LocalDirStore(tmp_path / "store")
     port = request.getfixturevalue("redis_server")

@@ -16,7 +16,7 @@ from llm_core.engine.request import RequestStatus
 from llm_core.kvcache.swa_radix_cache import SWARadixCache
 from llm_core.kvcache.tiers.kv_tiers import KVTiers
 from llm_core.model.loader import load_model
-from llm_core.storage import KeyValueStore, LocalDirStore
+from llm_core.storage import DelayedStore, LocalDirStore
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,27 +29,16 @@ SHARED = torch.randint(3, 512, (41,), generator=torch.Generator().manual_seed(7)
 OTHER = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(8)).tolist()
 
 
-class SlowStore(KeyValueStore):
-    """Another store behind a fixed delay per read; records which threads read."""
+class SlowStore(DelayedStore):
+    """A DelayedStore that records which threads read."""
 
-    def __init__(self, inner: KeyValueStore, delay_s: float) -> None:
-        super().__init__()
-        self.inner, self.delay_s = inner, delay_s
+    def __init__(self, inner, delay_s: float) -> None:
+        super().__init__(inner, delay_s)
         self.readers: set[int] = set()
 
     def get(self, key: str) -> bytes | None:
         self.readers.add(threading.get_ident())
-        time.sleep(self.delay_s)
-        return self.inner.get(key)
-
-    def put(self, key: str, value: bytes) -> bool:
-        return self.inner.put(key, value)
-
-    def delete(self, key: str) -> bool:
-        return self.inner.delete(key)
-
-    def touch(self, keys: list[str]) -> int:
-        return self.inner.touch(keys)
+        return super().get(key)
 
 
 @pytest.fixture(scope="module")
