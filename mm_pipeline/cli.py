@@ -37,34 +37,29 @@ def _model_dir(arg: str | None) -> Path:
     return path
 
 
+# Spellings from before the flags were generated, kept working (field -> extra option strings).
+FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--allowed-local-media-path"],
+                "allowed_domains": ["--allowed-media-domain"], "allow_http": ["--allow-remote-media"],
+                "cache_dir": ["--encoder-cache-dir"]}
+# What the CLI does when a flag is left out, where it differs from the field's default.
+FLAG_NOTES = {"device": "default: cuda when available, else cpu",
+              "dtype": "default: bfloat16 on cuda, float32 on cpu",
+              "allowed_local_dirs": "default: none", "allowed_domains": "default: none"}
+
+
 def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
-    g = p.add_argument_group("engine")
+    """``--model``, ``--config FILE`` and one flag per config field (mm_pipeline/config_flags.py)."""
+    from mm_pipeline.config_flags import add_config_file_flag, add_config_flags, config_flags
+
+    g = p.add_argument_group("engine", "every OmniEngineConfig / EngineConfig field, named after it; "
+                             "nested configs as --media-* (MediaLimits) and --video-* (VideoSamplingParams; "
+                             "without any --video-* flag the checkpoint's processor_config applies)")
     g.add_argument("--model", required=model_required, default=None, help="checkpoint directory"
                    + ("" if model_required else f" (default {DEFAULT_MODEL}/)"))
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    g.add_argument("--dtype", default=None,  # checked by OmniEngineConfig (llm_core.model.dtype.parse_dtype)
-                   help="model dtype: float32, bfloat16 (bf16) or float16 (fp16); default: bfloat16 on cuda, "
-                        "float32 on cpu")
-    g.add_argument("--kv-tokens", type=int, default=None,
-                   help="full-attention KV pool size in tokens (default: a fraction of free memory)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--prefix-checkpoint-every", type=int, default=None, metavar="N",
-                   help="with --enable-prefix-caching: keep sliding-window KV every N tokens (a multiple of 16) "
-                        "so prompts sharing only a prefix (a new question about the same media) hit too; default 0")
-    g.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
-    g.add_argument("--decode-workers", type=int, default=None, help="media decode threads")
-    g.add_argument("--max-media-mb", type=float, default=None, help="size limit of one media item")
-    g.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
-                   help="directory whose files file:// media URLs may read (repeatable)")
-    g.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) media URLs")
-    g.add_argument("--allowed-media-domain", action="append", default=[], metavar="HOST",
-                   help="host (and subdomains) remote media may come from (repeatable)")
-    g.add_argument("--encoder-cache-dir", default=None, help="disk tier of the encoder cache")
-    g.add_argument("--redis-url", default=None, help="shared Redis tier of the encoder cache")
-    g.add_argument("--no-stream-embeddings", action="store_true",
-                   help="start prefill only after every media unit is encoded (default: stream units into prefill)")
+    add_config_file_flag(g)
+    g.add_argument("--max-media-mb", type=float, default=None,
+                   help="size limit of one media item in MiB (the same as --media-max-bytes)")
+    add_config_flags(g, config_flags(), FLAG_ALIASES, FLAG_NOTES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    # no abbreviations: with one flag per config field, a prefix would often match several
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     _add_engine_args(s, model_required=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -83,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-upload-mb", type=float, default=512.0)
     s.add_argument("--default-max-tokens", type=int, default=512)
 
-    c = sub.add_parser("caption", help="caption media files, one JSONL line per input")
+    c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
     _add_engine_args(c, model_required=False)
     c.add_argument("--prompt", default=None, help="default: 'Describe this image.' / video / audio")
@@ -92,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--concurrency", type=int, default=32, help="inputs in flight (the engine batches them)")
 
-    b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")
+    b = sub.add_parser("batch", help="run an OpenAI Batch input file offline", allow_abbrev=False)
     b.add_argument("-i", "--input", required=True, help="OpenAI Batch input JSONL")
     b.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL (appended; resumable)")
     _add_engine_args(b, model_required=False)
@@ -101,35 +97,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with the entries of ``--config FILE`` as flags the command line does not
+    give itself (explicit flags win)."""
+    from mm_pipeline.config_flags import config_file_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        at = argv.index(args.command) + 1
+        args = parser.parse_args(argv[:at] + config_file_args(args.config, sub.choices[args.command], argv[at:])
+                                 + argv[at:])
+    return args
+
+
 def engine_config(args: argparse.Namespace) -> Any:
     """``OmniEngineConfig`` from the engine flags (flags left unset keep the config's defaults)."""
-    from mm_pipeline.media.ingest import MediaLimits
+    from mm_pipeline.config_flags import config_flags, config_values
     from mm_pipeline.runtime.config import OmniEngineConfig
 
-    device = args.device
-    if device is None:
+    fields = config_values(args, config_flags())
+    if fields.get("device") is None:
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    fields: dict[str, Any] = {"device": device, "dtype": args.dtype or ("float32" if device == "cpu" else "bfloat16"),
-                              "enable_prefix_caching": args.enable_prefix_caching,
-                              "allowed_local_dirs": tuple(args.allowed_local_media_path),
-                              "allow_http": args.allow_remote_media,
-                              "allowed_domains": tuple(args.allowed_media_domain),
-                              "stream_embeddings": not args.no_stream_embeddings}
-    optional = {"num_full_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
-                "max_model_len": args.max_model_len, "max_queue": args.max_queue,
-                "prefix_checkpoint_every": args.prefix_checkpoint_every,
-                "decode_workers": args.decode_workers, "cache_dir": args.encoder_cache_dir,
-                "redis_url": args.redis_url}
-    fields.update({k: v for k, v in optional.items() if v is not None})
-    if args.max_media_mb is not None:
-        fields["limits"] = MediaLimits(max_bytes=int(args.max_media_mb * (1 << 20)))
-    if args.allow_remote_media and not args.allowed_media_domain:
-        raise UsageError("--allow-remote-media needs at least one --allowed-media-domain")
+        fields["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    fields.setdefault("dtype", "float32" if fields["device"] == "cpu" else "bfloat16")
+    if getattr(args, "max_media_mb", None) is not None:  # the old spelling, in MiB; --media-max-bytes wins
+        fields.setdefault("media_max_bytes", int(args.max_media_mb * (1 << 20)))
+    if fields.get("allow_http") and not fields.get("allowed_domains"):
+        raise UsageError("--allow-http (--allow-remote-media) needs at least one --allowed-domains")
     try:
         return OmniEngineConfig.from_kwargs(**fields)
-    except ValueError as exc:
+    except ValueError as exc:  # a combination of fields; each value alone was checked by argparse
         raise UsageError(str(exc)) from None
 
 
@@ -230,7 +231,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {"serve": cmd_serve, "caption": cmd_caption, "batch": cmd_batch}

@@ -51,23 +51,44 @@ class EngineConfig:
     ``memory_fraction`` of the device's free memory (split by :meth:`PoolSizing.from_bytes`)."""
 
     page_size: int = 16
+    """Tokens per KV page (both pools; prefix-cache hits are whole pages)."""
     num_full_tokens: int | None = None
+    """Full-attention KV pool size in tokens (default: from memory_fraction)."""
     num_swa_tokens: int | None = None
+    """Sliding-window KV pool size in tokens (default: with num_full_tokens, the same; else from memory_fraction)."""
     memory_fraction: float = 0.5
+    """Share of the device's free memory the two KV pools take when their sizes are not given."""
     max_num_batched_tokens: int = 2048
+    """Token budget of one model step (prefill chunks and decodes together)."""
     max_num_seqs: int = 64
+    """Requests running (decoded) together."""
     max_chunk_tokens: int | None = None
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    """Most new tokens of one request in one step (chunked prefill; default: the step budget)."""
+    max_model_len: int | None = None
+    """Context limit in tokens (default: the model's max_position_embeddings)."""
     swa_release_interval: int = 16
+    """Decoded tokens between releases of sliding-window pages behind the window."""
     seed: int = 0
+    """Seed of the sampler's generator for requests without their own seed."""
     # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
     enable_prefix_caching: bool = False
-    prefix_checkpoint_every: int = 0  # keep an SWA window every K tokens (a multiple of page_size; 0: off)
-    kv_host_bytes: int = 0  # L2: host-memory KV tier budget in bytes (0: no L2)
-    kv_store: str | None = None  # L3: a directory, or redis://host:port/db (None: no L3)
-    kv_model_id: str | None = None  # L3 key namespace (default: a hash of the model config)
-    queue_policy: str = "fcfs"  # "fcfs" | "fewest_uncached" (llm_core/engine/queue_policy.py)
-    queue_wait_credit: float = 1000.0  # fewest_uncached: tokens of priority gained per second waited
+    """Reuse the KV of earlier prompts' shared prefixes (docs/kv_cache.md)."""
+    prefix_checkpoint_every: int = 0
+    """Keep a sliding-window KV checkpoint every N tokens (a multiple of page_size; 0: off), so prompts sharing only a prefix hit."""
+    kv_host_bytes: int = 0
+    """L2: host-memory KV tier budget in bytes (0: no L2)."""
+    kv_store: str | None = None
+    """L3: a directory, or redis://host:port/db (none: no L3)."""
+    kv_model_id: str | None = None
+    """L3 key namespace (default: a fingerprint of the model's weights)."""
+    queue_policy: str = "fcfs"
+    """Admission order: fcfs or fewest_uncached (prefix-cache aware)."""
+    queue_wait_credit: float = 1000.0
+    """fewest_uncached: tokens of priority a waiting request gains per second."""
+    kv_store_bytes: int | None = 8 << 30
+    """L3 directory store: byte cap, least recently used pages go first (none: no cap; Redis: its maxmemory)."""
+    kv_l3_load_timeout_s: float = 1.0
+    """How long a request waits (not scheduled) for its cached prefix from L3 before it goes on with what arrived."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -78,6 +99,10 @@ class EngineConfig:
         self.queue  # validates the queue policy
         if self.kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if not self.kv_l3_load_timeout_s >= 0:
+            raise ValueError(f"kv_l3_load_timeout_s must be >= 0, got {self.kv_l3_load_timeout_s}")
+        if self.kv_store_bytes is not None and self.kv_store_bytes < 0:
+            raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
 
     @property
     def queue(self) -> QueuePolicy:

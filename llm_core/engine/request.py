@@ -48,6 +48,7 @@ class EmbeddingSource(Protocol):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # waiting, and its cached prefix is being read from L3 (not scheduled meanwhile)
     RUNNING = "running"
     FINISHED = "finished"
 

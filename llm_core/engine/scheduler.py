@@ -134,6 +134,10 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not req.full_pages:
+                if not self.prefix_cache.prefetch(req):
+                    req.status = RequestStatus.LOADING
+                    continue  # its cached prefix is coming from L3 off this thread; others go on
+                req.status = RequestStatus.WAITING
                 self._match_prefix(req)
             n = self._num_new(req, budget)
             if n == 0:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from llm_core.engine.request import RequestStatus
+
 _TIERS = ("l1", "l2", "l3")  # the prefix cache's tiers: device pool, host memory, KV store
 _POOLS = ("full", "swa")
 
@@ -70,6 +72,7 @@ class EngineStats:
     # when prefix caching is off.
     prefix_cache: Mapping[str, int]
     taken_at: float  # time.monotonic() when built
+    kv_l3_loading: int = 0  # waiting requests whose cached prefix is being read from L3 (not scheduled)
 
     @classmethod
     def collect(cls, pool, scheduler, prefix_stats: Mapping[str, int], now: float | None = None) -> "EngineStats":
@@ -91,6 +94,7 @@ class EngineStats:
             prefix_cache_evicted_pages=frozen_map(evicted),
             prefix_cache=frozen_map(rest),
             taken_at=time.monotonic() if now is None else now,
+            kv_l3_loading=sum(1 for r in scheduler.waiting if r.status is RequestStatus.LOADING),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The prefix-cache interface the scheduler drives, and the cache that caches nothing.
 
-Per request the scheduler calls ``match`` once when it admits a page-less request, ``on_computed``
+Per request the scheduler calls ``prefetch`` until it says the request may be matched, ``match`` once
+when it admits a page-less request, ``on_computed``
 after every step it ran in, and ``release`` when it finishes or is preempted; ``make_room`` comes
 before an allocation would fail. ``SWARadixCache`` (swa_radix_cache.py) is the real implementation,
 ``tests/oracles/naive_prefix_cache.py`` a brute-force one for tests.
@@ -36,6 +37,12 @@ class PrefixCache(ABC):
     def make_room(self, pool: DualKVPool, full_pages: int, swa_pages: int) -> None:
         """An allocation is short by this many pages: evict cached pages (before anyone is preempted)."""
         return None
+
+    def prefetch(self, request: Request) -> bool:
+        """Before ``match`` of a page-less request: start loading what slow tiers (L3) hold of its
+        prefix, off the engine thread. False while the request should wait for that load (it is not
+        scheduled; others are); True when ``match`` may run now."""
+        return True
 
     def peek(self, request: Request) -> int:
         """Tokens ``match`` would supply now, without taking anything (for queue ordering)."""

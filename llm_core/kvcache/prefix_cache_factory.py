@@ -27,12 +27,13 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
-def open_kv_store(location: str) -> KeyValueStore:
-    """The L3 store ``kv_store`` names: a ``redis://`` URL or a directory. Anything with a
-    ``scheme://`` is taken for a URL, so a mistyped scheme raises instead of becoming a directory."""
+def open_kv_store(location: str, max_bytes: int | None = None) -> KeyValueStore:
+    """The L3 store ``kv_store`` names: a ``redis://`` URL or a directory (capped at ``max_bytes``,
+    LRU; Redis bounds itself with its maxmemory policy). Anything with a ``scheme://`` is taken for
+    a URL, so a mistyped scheme raises instead of becoming a directory."""
     if "://" in location:
         return RedisStore.from_url(location, prefix=KV_STORE_PREFIX)
-    return LocalDirStore(location)
+    return LocalDirStore(location, max_bytes=max_bytes)
 
 
 def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWARadixCache:
@@ -43,7 +44,8 @@ def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWAR
         if config.kv_host_bytes:
             host = HostKVPool(pool.layout, pool.page_size, pool.dtype, config.kv_host_bytes,
                               pin=pool.device.type == "cuda")
-        store = open_kv_store(config.kv_store) if config.kv_store else None
+        store = open_kv_store(config.kv_store, config.kv_store_bytes) if config.kv_store else None
         model_id = config.kv_model_id or weights_fingerprint(model)
-        tiers = KVTiers(pool, host=host, store=store, model_id=model_id)
+        tiers = KVTiers(pool, host=host, store=store, model_id=model_id,
+                        l3_load_timeout_s=config.kv_l3_load_timeout_s)
     return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)

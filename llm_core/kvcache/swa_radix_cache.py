@@ -89,6 +89,13 @@ class SWARadixCache(PrefixCache):
         self.counters["hit_tokens"] += p * self.page_size
         return p * self.page_size
 
+    def prefetch(self, request: Request) -> bool:
+        """With an L3 tier: start fetching the pages L1 + L2 lack on the tier's fetch thread; False
+        until they arrived or the load timed out (docs/kv_cache.md §8)."""
+        if self.tiers is None or not self._may_match(request):
+            return True
+        return self.tiers.prefetch(self, request, self._match_keys(request))
+
     def peek(self, request: Request) -> int:
         """Tokens ``match`` would hand out from L1 now (no locks, no tree changes): queue ordering."""
         if not self._may_match(request):

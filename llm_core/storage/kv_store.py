@@ -34,6 +34,12 @@ class KeyValueStore(ABC):
     def delete(self, key: str) -> bool:
         """Remove ``key``; ``True`` when something was removed."""
 
+    def touch(self, keys: list[str]) -> int:
+        """Refresh the recency (and any expiry) of every key in one batched call, so the store
+        ages them out last; returns how many exist. This default reads each value back; stores
+        override it with a cheaper batch."""
+        return sum(self.get(k) is not None for k in keys)
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` when internal bookkeeping is inconsistent."""
 

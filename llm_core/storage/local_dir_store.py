@@ -9,8 +9,9 @@ Writes go to a temp file in the target directory and are moved into place with `
 which is atomic: a reader sees the old entry, the new one, or none — never half of one.  With
 ``fsync=True`` the data is flushed before the rename, so entries also survive power loss.  Damaged
 or truncated files (disk errors, a crash without fsync) fail the checksum, read as a miss and are
-deleted.  With ``max_bytes`` the least recently used files are evicted; recency is kept in file
-mtimes so it survives a restart.
+deleted.  With ``max_bytes`` the least recently used files are evicted: every read and ``touch``
+moves an entry to the back of the index and sets its file's mtime, so at startup the index is
+rebuilt from the directory in the same order (recency survives a restart).
 """
 
 from __future__ import annotations
@@ -111,6 +112,21 @@ class LocalDirStore(KeyValueStore):
         self._count("evictions", len(victims))
         return True
 
+    def touch(self, keys: list[str]) -> int:
+        """Mark ``keys`` used now (index order and file mtime) without reading them."""
+        found = 0
+        for key in keys:
+            self._check_key(key)
+            path = self._path(key)
+            try:
+                size = path.stat().st_size
+            except OSError:
+                self._forget(path)
+                continue
+            self._touch(path, size)
+            found += 1
+        return found
+
     def delete(self, key: str) -> bool:
         self._check_key(key)
         return self._remove(self._path(key))
@@ -141,7 +157,8 @@ class LocalDirStore(KeyValueStore):
         return self.root / digest[:2] / f"{digest}{_SUFFIX}"
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory (oldest mtime first) and drop dead temp files."""
+        """Rebuild the index from the directory (oldest mtime first), drop dead temp files and
+        evict down to ``max_bytes``."""
         for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
             tmp.unlink(missing_ok=True)
         entries = []
@@ -154,6 +171,9 @@ class LocalDirStore(KeyValueStore):
         for _, p, size in sorted(entries):
             self._index[p] = size
             self._bytes += size
+        for victim in self._pick_victims():  # reopened with a smaller cap: trim now, oldest first
+            victim.unlink(missing_ok=True)
+            self._count("evictions")
 
     def _pick_victims(self) -> list[Path]:
         """Pop LRU entries until within budget (caller holds the lock)."""

@@ -57,6 +57,15 @@ class MemoryStore(KeyValueStore):
         self._count("evictions", evicted)
         return True
 
+    def touch(self, keys: list[str]) -> int:
+        for key in keys:
+            self._check_key(key)
+        with self._lock:
+            present = [k for k in keys if k in self._items]
+            for k in present:
+                self._items.move_to_end(k)
+        return len(present)
+
     def delete(self, key: str) -> bool:
         self._check_key(key)
         with self._lock:

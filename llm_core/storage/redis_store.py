@@ -137,6 +137,25 @@ class RedisStore(KeyValueStore):
         self._count("puts" if ok else "dropped")
         return bool(ok)
 
+    def touch(self, keys: list[str]) -> int:
+        """One round trip for the whole list: with ``ttl_s`` a pipeline of ``EXPIRE`` (the keys
+        live ``ttl_s`` from now), else ``TOUCH`` (refreshes their idle time for Redis' LRU)."""
+        for key in keys:
+            self._check_key(key)
+        if not keys:
+            return 0
+        names = [self.prefix + k for k in keys]
+
+        def refresh(c: redis.Redis) -> int:
+            if self.ttl_s is None:
+                return int(c.touch(*names))
+            pipe = c.pipeline(transaction=False)
+            for name in names:
+                pipe.expire(name, self.ttl_s)
+            return sum(bool(r) for r in pipe.execute())
+
+        return self._call(refresh) or 0
+
     def delete(self, key: str) -> bool:
         self._check_key(key)
         return bool(self._call(lambda c: c.delete(self.prefix + key)))

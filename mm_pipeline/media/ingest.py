@@ -43,10 +43,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class MediaLimits:
-    max_bytes: int = 128 << 20  # encoded size of one item
-    max_pixels: int = 64 << 20  # per image / per video frame, from the header, before decoding
-    max_duration_s: float = 3600.0  # audio and video
-    max_frames: int = 216_000  # source frames of a video (decode cost), 1 h at 60 fps
+    max_bytes: int = 128 << 20
+    """Encoded size of one media item in bytes."""
+    max_pixels: int = 64 << 20
+    """Pixels of an image or a video frame, read from the header before decoding."""
+    max_duration_s: float = 3600.0
+    """Duration of an audio or video item in seconds."""
+    max_frames: int = 216_000
+    """Source frames of a video (its decode cost; 1 h at 60 fps)."""
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames"):

@@ -31,10 +31,15 @@ class VideoSamplingParams:
     every checkpoint we serve sets both)."""
 
     fps: float = 1.0
+    """Frames sampled per second of video."""
     min_frames: int = 8
+    """Fewest frames sampled from a video."""
     max_frames: int = 3600
-    num_frames: int | None = None  # fixed frame count instead of fps-based sampling
-    frame_factor: int = 2  # temporal_patch_size: frames come in pairs
+    """Most frames sampled from a video."""
+    num_frames: int | None = None
+    """A fixed frame count instead of fps-based sampling."""
+    frame_factor: int = 2
+    """temporal_patch_size: frames come in groups of this many."""
 
     def __post_init__(self) -> None:
         if not self.fps > 0:

@@ -28,41 +28,69 @@ from mm_pipeline.media.ingest import IngestConfig, MediaLimits
 from mm_pipeline.media.video_sampling import VideoSamplingParams
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+# OmniEngineConfig's nested configs whose fields also have flat names "<prefix>_<field>" (from_kwargs,
+# CLI flags): MediaLimits and VideoSamplingParams share field names (max_frames), hence the prefixes.
+NESTED_CONFIGS: dict[str, tuple[str, type]] = {"limits": ("media", MediaLimits),
+                                               "video_sampling": ("video", VideoSamplingParams)}
+_FLAT_NESTED = {f"{prefix}_{f.name}": (group, f.name)
+                for group, (prefix, part) in NESTED_CONFIGS.items() for f in dataclasses.fields(part)}
 
 
 @dataclass(frozen=True)
 class OmniEngineConfig:
     # model placement
     device: str = "cpu"
-    dtype: str | torch.dtype = "float32"  # any spelling llm_core.model.dtype.parse_dtype takes ("bf16", ...)
+    """cpu, cuda, cuda:1 ..."""
+    dtype: str | torch.dtype = "float32"
+    """Model dtype: float32, bfloat16 (bf16) or float16 (fp16) (llm_core.model.dtype.parse_dtype)."""
     # the LLM engine: KV pools, chunking, scheduling, prefix cache and its KV tiers
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """The LLM engine's config (its fields are flags under their own names)."""
     # media ingest
     limits: MediaLimits = field(default_factory=MediaLimits)
+    """Size, pixel, duration and frame limits of one media item (flags --media-*)."""
     allowed_local_dirs: tuple[str, ...] = ()
+    """Directory whose files file:// media URLs may read (repeatable; none: no local files)."""
     allow_http: bool = False
+    """Fetch http(s) media URLs (from allowed_domains only)."""
     allowed_domains: tuple[str, ...] = ()
+    """Host (and its subdomains) remote media may come from (repeatable)."""
     fetch_timeout_s: float = 10.0
+    """Time limit of one remote media fetch, redirects included."""
     # video sampling and streaming granularity
-    video_sampling: VideoSamplingParams | None = None  # None: the checkpoint's processor_config
+    video_sampling: VideoSamplingParams | None = None
+    """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
     groups_per_chunk: int = 2
+    """Video frame groups per streamed encoder unit."""
     # True: the LLM request starts at once and prefill follows the units as they arrive; False:
     # prefill starts only when every unit of the request is encoded (same tokens, later TTFT).
     stream_embeddings: bool = True
+    """Start prefill while media units are still being encoded (same tokens, earlier first token)."""
     # encoder cache tiers: memory (always), disk (when cache_dir is set), Redis (when redis_url is set)
     cache_memory_bytes: int = 1 << 30
+    """Encoder cache: memory tier budget in bytes."""
     cache_dir: str | None = None
-    cache_disk_bytes: int | None = None
+    """Encoder cache: disk tier directory (none: no disk tier)."""
+    cache_disk_bytes: int | None = 8 << 30
+    """Encoder cache: disk tier byte cap, least recently used entries go first (none: no cap)."""
     redis_url: str | None = None
+    """Encoder cache: shared Redis tier, redis://[[user]:password@]host[:port][/db] (none: off)."""
     # encoder batching
     encoder_vision_budget: int = 16384
+    """Vision encoder: patch rows batched into one forward."""
     encoder_audio_budget: int = 24000
+    """Audio encoder: mel frames batched into one forward."""
     encoder_max_wait_ms: float = 5.0
+    """How long the oldest pending encoder job may wait for company, in milliseconds."""
     # admission and decode workers
     max_queue: int = 256
+    """Requests in flight before new ones are refused (HTTP 429)."""
     decode_workers: int = 2
+    """Media decode threads."""
     decode_queue: int = 256
+    """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
     decode_admit_timeout_s: float | None = None
+    """How long a media decode call may wait for a slot before HTTP 503 (none: no limit)."""
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -82,18 +110,25 @@ class OmniEngineConfig:
     @classmethod
     def from_kwargs(cls, **fields: Any) -> "OmniEngineConfig":
         """Flat field names -> the nested configs: ``EngineConfig`` names (page_size, max_num_seqs,
-        kv_model_id...) go into ``engine`` (over an ``engine=`` given too), the rest are this
-        class's own. ``TypeError`` names a field that is neither."""
+        kv_model_id...) go into ``engine`` (over an ``engine=`` given too), ``media_<field>`` into
+        ``limits`` and ``video_<field>`` into ``video_sampling`` (over ``limits=`` /
+        ``video_sampling=``, else over the defaults), the rest are this class's own. These are the
+        CLI's flag names too (mm_pipeline/config_flags.py). ``TypeError`` names an unknown field."""
         own = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - own - _ENGINE_FIELDS)
+        unknown = sorted(set(fields) - own - _ENGINE_FIELDS - set(_FLAT_NESTED))
         if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(own | _ENGINE_FIELDS), n=1)
+            known = sorted(own | _ENGINE_FIELDS | set(_FLAT_NESTED))
+            close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"unknown OmniEngineConfig field {unknown[0]!r}{hint}: neither an "
                             f"OmniEngineConfig nor an EngineConfig field")
         engine_fields = {k: v for k, v in fields.items() if k in _ENGINE_FIELDS}
-        rest = {k: v for k, v in fields.items() if k not in _ENGINE_FIELDS}
+        rest = {k: v for k, v in fields.items() if k not in _ENGINE_FIELDS and k not in _FLAT_NESTED}
         engine = dataclasses.replace(rest.pop("engine", EngineConfig()), **engine_fields)
+        for group, part in NESTED_CONFIGS.items():
+            given = {_FLAT_NESTED[k][1]: v for k, v in fields.items() if _FLAT_NESTED.get(k, ("",))[0] == group}
+            if given:
+                rest[group] = dataclasses.replace(rest.get(group) or part[1](), **given)
         return cls(engine=engine, **rest)
 
     @property

@@ -185,6 +185,7 @@ def _counts(group: str, doc: str, counts: Mapping[str, int], family: type = Unkn
 def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("running", "Requests the scheduler is computing", s.running)
     yield _gauge("queue_depth", "Requests waiting to be scheduled", s.queue_depth)
+    yield _gauge("kv_l3_loading", "Waiting requests whose cached prefix is being read from L3", s.kv_l3_loading)
     yield _counter("preemptions", "Requests preempted for KV pages", s.preemptions)
     yield _gauge("kv_page_size_tokens", "Tokens per KV page", s.kv_page_size)
     for field in ("total_pages", "used_pages", "free_pages", "peak_pages"):

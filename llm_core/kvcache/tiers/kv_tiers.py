@@ -1,15 +1,20 @@
 """L2 (host memory) and L3 (a key -> bytes store) behind the radix tree (L1 = the device pools).
 
     evict from L1 ──save──► L2 (HostKVPool) ──writer thread──► L3 (LocalDirStore / RedisStore)
-    match past L1 ◄──loader thread, layer by layer── L2 ◄── L3
+    match past L1 ◄──loader thread, layer by layer── L2 ◄── staged ◄──fetch thread── L3
+                                                     (before the match, the request waits: prefetch)
 
 Pages are keyed by a hash chain of their contents (tokens + media keys) seeded with the model id, so
-a restarted engine pointing at the same directory hits. Only Full rows and the SWA rows the tree
+a restarted engine pointing at the same directory hits. L3 is never read on the engine thread:
+``prefetch`` (asked by the scheduler before it matches a request) queues the reads of what L1 + L2
+lack on the fetch thread (l3_prefetch.py), and the request is not matched until they are done or
+time out; the match then answers from L1, L2 and the staged pages. Only Full rows and the SWA rows the tree
 holds travel. A match that extends past L1 allocates L1 pages, records them in the tree and queues a
 load job; the model reads KV through ``kv_buffers``, whose ``layer(i)`` waits until layer i of every
 pending job has landed, so layer i computes while later layers are still copying. Consistency: SWA
 that L1 holds and L2 lacks is back-filled at node merges and at prefill end; an L1/L2 hit touches
-the L3 copy (rate-limited) so hot prefixes do not age out of L3. docs/kv_cache.md §8 has the picture.
+the L3 copies of the whole matched chain (one batched call, rate-limited) so hot prefixes do not
+age out of L3. docs/kv_cache.md §8 has the picture.
 
 The tiers change the tree only through the cache's tier interface (``rehold``, ``revive_swa``,
 ``graft``, ``evict``) and read it through ``cache.tree``.
@@ -27,13 +32,14 @@ import torch
 from llm_core.engine.request import Request
 from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
+from llm_core.kvcache.tiers.l3_prefetch import L3Prefetcher
 from llm_core.kvcache.tiers.page_format import chain_seed, decode_page, gather_pages, page_hash, store_key
 from llm_core.kvcache.tiers.tier_threads import KVTierThreads, LayerCopies, add_layer_copies
 from llm_core.kvcache.lock_table import Holder
 from llm_core.kvcache.page_keys import PageKey, page_keys
 from llm_core.kvcache.radix_node import RadixNode
 from llm_core.kvcache.radix_tree import TreeMatch
-from llm_core.kvcache.swa_window import window_first_page
+from llm_core.kvcache.swa_window import window_first_page, window_safe_pages
 from llm_core.storage import KeyValueStore
 
 if TYPE_CHECKING:
@@ -53,7 +59,7 @@ class KVTiers:
     threads only copy."""
 
     def __init__(self, pool: DualKVPool, *, host: HostKVPool | None, store: KeyValueStore | None,
-                 model_id: str, touch_interval_s: float = 30.0) -> None:
+                 model_id: str, touch_interval_s: float = 30.0, l3_load_timeout_s: float = 1.0) -> None:
         if host is None and store is None:
             raise ValueError("KVTiers needs an L2 host pool, an L3 store, or both")
         self.pool, self.host, self.store = pool, host, store
@@ -65,6 +71,7 @@ class KVTiers:
         self.touch_interval_s = touch_interval_s
         self.counters: Counter[str] = Counter()
         self.threads = KVTierThreads(pool, store)
+        self.prefetcher = L3Prefetcher(store, self._decode, l3_load_timeout_s) if store is not None else None
         self._hashes: dict[Request, list[bytes]] = {}  # request -> its page hash chain so far
         self._backfilled: set[Request] = set()
         self._touched: OrderedDict[bytes, float] = OrderedDict()
@@ -92,6 +99,41 @@ class KVTiers:
     def forget(self, request: Request) -> None:
         self._hashes.pop(request, None)
         self._backfilled.discard(request)
+        if self.prefetcher is not None:
+            self.prefetcher.forget(request)
+
+    # ---- L3 reads, before the match (off the engine thread) ---------------------------------------
+    def prefetch(self, cache: SWARadixCache, request: Request, keys: list[PageKey]) -> bool:
+        """Start reading from L3 the pages of ``keys`` that L1 + L2 cannot supply; False while the
+        request should wait for them (l3_prefetch.py)."""
+        if self.prefetcher is None or not keys:
+            return True
+        if not self.prefetcher.started(request):
+            self.prefetcher.start(request, self._l3_wanted(cache, request, keys))
+        return self.prefetcher.ready(request)
+
+    def _l3_wanted(self, cache: SWARadixCache, request: Request, keys: list[PageKey]) -> list[tuple[bytes, bool]]:
+        """(hash, a miss ends the chain) of every page a longer match could use that neither L1, L2
+        nor the staged pages hold: past the L1 match every page, before it the SWA of the pages in
+        the windows of longer matches."""
+        hashes = self.page_hashes(request, len(keys))
+        found = cache.tree.walk(keys)
+        valid, m1 = found.swa_valid, found.pages
+        p = window_safe_pages(valid, m1, self.window, self.ps)
+        first = m1 if self.window is None else window_first_page(p + 1, self.window, self.ps)
+        wanted = []
+        for j in range(first, len(keys)):
+            h = hashes[j]
+            if (j < m1 and valid[j]) or self.prefetcher.has(h):
+                continue
+            entry = self.host.entries.get(h) if self.host is not None else None
+            if entry is not None and (entry.swa_row >= 0 or not self.pool.has_swa):
+                continue
+            wanted.append((h, j >= m1 and entry is None))
+        return wanted
+
+    def _decode(self, raw: bytes):
+        return decode_page(raw, self.pool.dtype, self.full_elems, self.swa_elems)
 
     # ---- match past L1 ----------------------------------------------------------------------------
     def extend_match(self, cache: SWARadixCache, request: Request, holder: Holder, keys: list[PageKey],
@@ -102,6 +144,8 @@ class KVTiers:
         if limit == 0:
             return p
         hashes = self.page_hashes(request, limit)
+        if self.prefetcher is not None:
+            self.prefetcher.take(request)
         in_l1 = cache.tree.walk(keys)
         valid = in_l1.swa_valid
         m1, found, memo = len(valid), {}, {}
@@ -117,7 +161,7 @@ class KVTiers:
                 p2 = cand
                 break
         if p2 == p:
-            self._touch_l3(hashes[p - 1] if p else None)
+            self._touch_l3(hashes[:p])
             return p
         return self._materialize(cache, holder, keys, hashes, in_l1, found, memo, p, p2)
 
@@ -155,11 +199,12 @@ class KVTiers:
             tier = (found.get(p2 - 1) or memo[hashes[p2 - 1]]).tier if p2 - 1 in swa_pages else "l2"
             self.counters[f"hit_tokens_{tier}"] += (min(m1, p2) - p) * self.ps
         self.counters["swa_pages_loaded"] += len(swa_pages)
-        self._touch_l3(hashes[p2 - 1])
+        self._touch_l3(hashes[:p2])
         return p2
 
     def _lookup(self, h: bytes, memo: dict) -> _TierPage | None:
-        """The page from L2, else from L3 (then also placed in L2); memoized per match."""
+        """The page from L2, else from the pages the L3 prefetch staged (then also placed in L2);
+        memoized per match. Never reads L3 itself: that is the fetch thread's job."""
         if h in memo:
             return memo[h]
         page = None
@@ -167,15 +212,12 @@ class KVTiers:
         if entry is not None:
             swa = self.host.swa_data[entry.swa_row].clone() if entry.swa_row >= 0 else None
             page = _TierPage(self.host.full_data[entry.full_row].clone(), swa, "l2")
-        elif self.store is not None:
-            raw = self.store.get(store_key(h))
-            decoded = decode_page(raw, self.pool.dtype, self.full_elems, self.swa_elems) if raw else None
-            if decoded is not None:
-                page = _TierPage(decoded[0], decoded[1], "l3")
-                if self.host is not None:
-                    self.host.put(h, decoded[0], decoded[1])
-            elif raw is not None:
-                self.counters["l3_rejected"] += 1
+            if swa is None and self.prefetcher is not None and (staged := self.prefetcher.get(h)) is not None:
+                page = _TierPage(page.full, staged[1], "l3" if staged[1] is not None else "l2")
+        elif self.prefetcher is not None and (staged := self.prefetcher.get(h)) is not None:
+            page = _TierPage(staged[0], staged[1], "l3")
+            if self.host is not None:
+                self.host.put(h, staged[0], staged[1])
         memo[h] = page
         return page
 
@@ -245,17 +287,19 @@ class KVTiers:
                 self._written.popitem(last=False)
             self.threads.put(h, full, swa)
 
-    def _touch_l3(self, h: bytes | None) -> None:
-        if self.store is None or h is None:
+    def _touch_l3(self, chain: list[bytes]) -> None:
+        """Keep a matched chain alive in L3: every page of it, in one batched store call (an
+        expired early page would break the chain for every later one). Rate-limited per chain."""
+        if self.store is None or not chain:
             return
-        now = time.monotonic()
+        h, now = chain[-1], time.monotonic()
         if now - self._touched.get(h, -1e18) < self.touch_interval_s:
             return
         self._touched[h] = now
         self._touched.move_to_end(h)
         while len(self._touched) > 100_000:
             self._touched.popitem(last=False)
-        self.threads.touch(h)
+        self.threads.touch(list(chain))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def kv_buffers(self, pool: DualKVPool):
@@ -272,10 +316,14 @@ class KVTiers:
     def close(self, nodes: Iterable[RadixNode] = ()) -> None:
         """Flush (see ``flush``), then stop the loader and writer threads and close the store."""
         self.flush(nodes)
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         self.threads.stop()
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counters, **self.threads.counters)
+        if self.prefetcher is not None:
+            out.update(self.prefetcher.counters, l3_loads_in_flight=self.prefetcher.in_flight())
         if self.host is not None:
             out.update(l2_entries=len(self.host.entries), l2_evictions=self.host.evictions)
         return out

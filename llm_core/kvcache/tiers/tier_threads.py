@@ -4,7 +4,7 @@
     submit(copies) ──► _loads ──► layer 0 rows -> L1, set event 0
                                   layer 1 rows -> L1, set event 1 ...
     model: kv_buffers(pool).layer(i) waits on event i of every pending job
-    put(h, ...) / touch(h) ─► _writes ──────────────────────────────► store.put / store.get
+    put(h, ...) / touch(chain) ─► _writes ──────────────────────────► store.put / store.touch
 
 A failed load sets every event of its job (so no model step hangs) and marks the threads ``broken``:
 the waiting step raises, and the prefix cache stops handing out tree pages (docs/kv_cache.md §8).
@@ -110,9 +110,9 @@ class KVTierThreads:
         """Write the page with chain hash ``h`` to L3 in the background."""
         self._writes.put(("put", h, full, swa))
 
-    def touch(self, h: bytes) -> None:
-        """Read the page back in the background, which refreshes its recency in the store."""
-        self._writes.put(("touch", h, None, None))
+    def touch(self, chain: list[bytes]) -> None:
+        """Refresh the store's recency of every page in ``chain`` in the background (one batch)."""
+        self._writes.put(("touch", chain, None, None))
 
     def join_writes(self) -> None:
         """Block until every queued L3 write is done."""
@@ -148,14 +148,15 @@ class KVTierThreads:
     def _write_loop(self) -> None:
         assert self.store is not None
         while (item := self._writes.get()) is not None:
-            op, h, full, swa = item
+            op, what, full, swa = item  # what: a page hash (put) or a chain of them (touch)
             try:
                 if op == "put":
-                    self.store.put(store_key(h), encode_page(full, swa))
+                    self.store.put(store_key(what), encode_page(full, swa))
                     self.counters["l3_puts"] += 1
                 else:
-                    self.store.get(store_key(h))  # a read refreshes the entry's recency
+                    self.store.touch([store_key(h) for h in what])
                     self.counters["l3_touches"] += 1
+                    self.counters["l3_touched_pages"] += len(what)
             except Exception:  # a cache tier may forget; the store counts its own errors
                 self.counters["l3_errors"] += 1
             finally:

@@ -12,6 +12,7 @@ and their cached state after every step.
 from __future__ import annotations
 
 import random
+import time
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -78,11 +79,16 @@ class Harness:
         return batch
 
     def drain(self, max_steps: int = 2000) -> None:
-        for _ in range(max_steps):
+        steps = 0
+        while steps < max_steps:
             if not (self.sched.waiting or self.sched.running):
                 return
-            self.step()
+            batch = self.step()
             self.check()
+            if not batch and any(r.status is RequestStatus.LOADING for r in self.sched.waiting):
+                time.sleep(0.001)  # only L3 reads are pending (their own timeout bounds the wait)
+                continue
+            steps += 1
         raise AssertionError("requests did not finish")
 
     def holders(self) -> list[Request]:
@@ -135,7 +141,8 @@ class Harness:
 
 
 def tier_factory(kind: str | None, host_pages: int):
-    """A KVTiers factory: L2 of ``host_pages`` pages and/or an in-memory L3."""
+    """A KVTiers factory: L2 of ``host_pages`` pages and/or an in-memory L3 ("l3-timeout": its
+    reads time out at once, so matches use whatever pages arrived by then)."""
     if kind is None:
         return None
 
@@ -146,7 +153,8 @@ def tier_factory(kind: str | None, host_pages: int):
                    + row_elements(pool.layout, "sliding", pool.page_size)) * 4
             host = HostKVPool(pool.layout, pool.page_size, pool.dtype, host_pages * row * 2)
         store = MemoryStore(1 << 22) if "l3" in kind else None
-        return KVTiers(pool, host=host, store=store, model_id="test")
+        timeout = 0.0 if "timeout" in kind else 5.0
+        return KVTiers(pool, host=host, store=store, model_id="test", l3_load_timeout_s=timeout)
 
     return make
 
@@ -168,7 +176,7 @@ class TreeUnderPressure(RuleBasedStateMachine):
     @initialize(window=st.integers(2, 8), page=st.sampled_from([1, 2, 4, 8]), full=st.integers(6, 40),
                 swa=st.integers(3, 24), ckpt=st.integers(0, 3), budget=st.integers(4, 24),
                 chunk=st.one_of(st.none(), st.integers(1, 9)), interval=st.integers(1, 5),
-                tiers=st.sampled_from([None, "l2", "l3", "l2+l3"]), host_pages=st.integers(1, 12))
+                tiers=st.sampled_from([None, "l2", "l3", "l2+l3", "l3-timeout"]), host_pages=st.integers(1, 12))
     def setup(self, window, page, full, swa, ckpt, budget, chunk, interval, tiers, host_pages):
         self.h = Harness(window=window, page=page, full_pages=full, swa_pages=swa, checkpoint=ckpt * page * 2,
                          budget=budget, chunk=chunk, interval=interval, tiers=tier_factory(tiers, host_pages))
@@ -193,6 +201,14 @@ class TreeUnderPressure(RuleBasedStateMachine):
     @rule(full=st.integers(0, 16), swa=st.integers(0, 16))
     def evict(self, full, swa):
         self.h.cache.evict(full, swa)
+
+    @precondition(lambda self: self.h.cache.tiers is not None and self.h.cache.tiers.prefetcher is not None)
+    @rule()
+    def settle_l3_reads(self):
+        """Let the fetch threads finish (otherwise steps race them: both orders are exercised)."""
+        deadline = time.monotonic() + 2.0
+        while self.h.cache.tiers.prefetcher.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     @invariant()
     def integrity(self):

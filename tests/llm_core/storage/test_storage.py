@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from llm_core.storage import (
     CorruptEntry,
+    DelayedStore,
     KeyValueStore,
     LocalDirStore,
     MemoryStore,
@@ -30,10 +31,12 @@ values = st.binary(max_size=64)
 ops = st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), keys, values), max_size=40)
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture(params=["memory", "disk", "redis", "delayed"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> KeyValueStore:
     if request.param == "memory":
         return MemoryStore(max_bytes=1 << 20)
+    if request.param == "delayed":  # reads 1 ms late, otherwise the directory store
+        return DelayedStore(LocalDirStore(tmp_path / "store"), delay_s=0.001)
     if request.param == "disk":
         return LocalDirStore(tmp_path / "store")
     port = request.getfixturevalue("redis_server")
@@ -285,3 +288,67 @@ def test_redis_store_from_url_talks_to_that_server(redis_server: int) -> None:
     assert b.get("k") == b"v" and other_db.get("k") is None
     for s in (a, b, other_db):
         s.close()
+
+
+# ---- touch (the L3 keep-alive) and the directory store's cap ---------------------------------
+
+def test_touch_counts_present_keys_and_keeps_them_from_eviction(store: KeyValueStore) -> None:
+    for k in "abc":
+        assert store.put(k, b"v" * 10)
+    assert store.touch(["a", "c", "missing"]) == 2
+    assert store.touch([]) == 0
+    assert store.get("a") == b"v" * 10
+    with pytest.raises(ValueError):
+        store.touch(["a", ""])
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_touched_entries_are_evicted_last(kind: str, tmp_path: Path) -> None:
+    entry = len(encode_entry("k0", bytes(100)))
+    s = MemoryStore(4 * 100) if kind == "memory" else LocalDirStore(tmp_path, max_bytes=4 * entry)
+    for i in range(4):
+        s.put(f"k{i}", bytes(100))
+    assert s.touch(["k0", "k1"]) == 2  # k2, k3 are now the least recently used
+    s.put("k4", bytes(100))
+    s.put("k5", bytes(100))
+    assert [s.get(f"k{i}") is not None for i in range(6)] == [True, True, False, False, True, True]
+    s.check_integrity()
+
+
+def test_disk_cap_holds_under_many_puts_and_restart_keeps_the_lru_order(tmp_path: Path) -> None:
+    entry = len(encode_entry("k00", bytes(300)))
+    s = LocalDirStore(tmp_path, max_bytes=5 * entry)
+    for i in range(20):
+        s.put(f"k{i:02d}", bytes(300))
+        assert s.nbytes <= 5 * entry
+        t = time.time() - 100 + i  # distinct access times, oldest first
+        os.utime(s._path(f"k{i:02d}"), (t, t))
+    assert len(s) == 5 and s.stats["evictions"] == 15
+    assert s.touch(["k15"]) == 1  # k15 becomes the most recent (its mtime is now)
+    s.check_integrity()
+    again = LocalDirStore(tmp_path, max_bytes=5 * entry)  # the index rebuilt from the directory
+    assert (len(again), again.nbytes) == (5, 5 * entry)
+    again.check_integrity()
+    again.put("new", bytes(300))  # evicts the oldest by access time: k16, not the touched k15
+    assert again.get("k16") is None and again.get("k15") is not None and again.get("k17") is not None
+    # reopened with a smaller cap: trimmed at once, oldest first
+    for i, k in enumerate(["k17", "new", "k15", "k18", "k19"]):
+        t = time.time() - 50 + i
+        os.utime(again._path(k), (t, t))
+    small = LocalDirStore(tmp_path, max_bytes=2 * entry)
+    assert len(small) == 2 and small.get("k18") is not None and small.get("k19") is not None
+    small.check_integrity()
+
+
+def test_redis_touch_renews_the_ttl_of_every_key_in_one_call(redis_server: int) -> None:
+    import redis
+
+    s = RedisStore(port=redis_server, prefix=f"t-{uuid.uuid4().hex}:", ttl_s=100)
+    raw = redis.Redis(port=redis_server)
+    for k in "abc":
+        s.put(k, b"x")
+        raw.expire(s.prefix + k, 5)  # about to expire
+    assert s.touch(["a", "b", "c", "gone"]) == 3
+    assert all(raw.ttl(s.prefix + k) > 50 for k in "abc")
+    s.close()
+    raw.close()

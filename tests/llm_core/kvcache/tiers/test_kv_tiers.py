@@ -213,3 +213,43 @@ def test_kv_store_location_is_a_directory_or_a_redis_url(tmp_path):
         open_kv_store("s3://bucket/kv")  # a mistyped scheme is not a directory name
     with pytest.raises(ValueError, match="bad port"):
         open_kv_store("redis://127.0.0.1:xyz/0")
+
+
+class TouchLog(MemoryStore):
+    """A MemoryStore that records every batched ``touch``."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 24)
+        self.calls: list[list[str]] = []
+
+    def touch(self, keys: list[str]) -> int:
+        self.calls.append(list(keys))
+        return super().touch(keys)
+
+
+def test_keep_alive_touches_every_page_of_the_matched_chain_in_one_call():
+    from llm_core.kvcache.tiers.page_format import store_key
+
+    store = TouchLog()
+    h = harness(tiers(None, store), full_pages=40, swa_pages=24)
+    first, again = replay(h, [BASES[0][:30], BASES[0][:30]])
+    assert again.num_cached_tokens >= 20
+    h.cache.tiers.flush()  # the writer thread has run every queued touch
+    chain = [store_key(x) for x in h.cache.tiers.page_hashes(again, again.num_cached_tokens // 2)]
+    assert chain in store.calls  # the whole chain, the first page included, in one batch
+    assert h.cache.stats()["l3_touched_pages"] >= len(chain)
+    h.cache.close()
+
+
+def test_the_l3_directory_store_is_capped_by_default(tmp_path):
+    from llm_core.engine.llm_engine import EngineConfig
+    from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
+
+    pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
+    cache = build_prefix_cache(pool, EngineConfig(kv_store=str(tmp_path), kv_model_id="m"), torch.nn.Linear(1, 1))
+    assert cache.tiers.store.max_bytes == 8 << 30
+    cache.close()
+    small = build_prefix_cache(pool, EngineConfig(kv_store=str(tmp_path), kv_model_id="m", kv_store_bytes=4096),
+                               torch.nn.Linear(1, 1))
+    assert small.tiers.store.max_bytes == 4096
+    small.close()

@@ -1,0 +1,134 @@
+"""L3 reads off the engine thread (llm_core/kvcache/tiers/l3_prefetch.py): with an L3 store that
+takes 200 ms per read, a request whose prefix is in L3 waits in the LOADING state while the others
+keep decoding; it then hits, or after the load timeout goes on with what arrived; its greedy tokens
+equal a run without any cache either way, and the cache's invariants hold after every step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core.engine.request import RequestStatus
+from llm_core.kvcache.swa_radix_cache import SWARadixCache
+from llm_core.kvcache.tiers.kv_tiers import KVTiers
+from llm_core.model.loader import load_model
+from llm_core.storage import DelayedStore, LocalDirStore
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PAGE = 4
+MODEL_ID = "prefetch-test"
+CONFIG = dict(page_size=PAGE, max_chunk_tokens=8, max_num_batched_tokens=32, num_full_tokens=1024,
+              num_swa_tokens=512, prefix_checkpoint_every=8)
+SHARED = torch.randint(3, 512, (41,), generator=torch.Generator().manual_seed(7)).tolist()
+OTHER = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(8)).tolist()
+
+
+class SlowStore(DelayedStore):
+    """A DelayedStore that records which threads read."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        super().__init__(inner, delay_s)
+        self.readers: set[int] = set()
+
+    def get(self, key: str) -> bytes | None:
+        self.readers.add(threading.get_ident())
+        return super().get(key)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def l3_dir(model, tmp_path_factory):
+    """A directory store holding SHARED's KV, written by an engine that served it and closed."""
+    root = tmp_path_factory.mktemp("l3")
+    engine = LLMEngine(model, EngineConfig(**CONFIG, enable_prefix_caching=True, kv_store=str(root),
+                                           kv_model_id=MODEL_ID))
+    run(engine, {"w": (SHARED, 4)})
+    engine.close()
+    return root
+
+
+def run(engine: LLMEngine, prompts: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
+    for rid, (tokens, n) in prompts.items():
+        engine.add_request(rid, tokens, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+    return out
+
+
+def slow_engine(model, root, timeout_s: float) -> tuple[LLMEngine, SlowStore]:
+    engine = LLMEngine(model, EngineConfig(**CONFIG))
+    store = SlowStore(LocalDirStore(root), delay_s=0.2)
+    tiers = KVTiers(engine.pool, host=None, store=store, model_id=MODEL_ID, l3_load_timeout_s=timeout_s)
+    engine.prefix_cache = engine.scheduler.prefix_cache = SWARadixCache(engine.pool, checkpoint_every=8, tiers=tiers)
+    return engine, store
+
+
+def drive(engine: LLMEngine) -> tuple[dict[str, list[int]], int, int, int]:
+    """Decode OTHER alone for a few steps, then add SHARED; step until both finish, checking the
+    cache after every step. Returns (tokens, OTHER's tokens while SHARED was loading, steps while
+    loading, SHARED's cached tokens)."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine.add_request("other", OTHER, params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("shared", SHARED, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    cached = other_tokens_while_loading = loading_steps = 0
+    while engine.has_unfinished():
+        loading = any(r.status is RequestStatus.LOADING for r in engine.scheduler.waiting)
+        loading_steps += loading
+        if loading:
+            assert engine.stats().kv_l3_loading >= 1  # the snapshot /metrics reads (mmserve_kv_l3_loading)
+        for o in engine.step():
+            if o.request_id == "other" and loading:
+                other_tokens_while_loading += len(o.new_token_ids)
+            if o.finished:
+                out[o.request_id] = o.token_ids
+                cached = o.num_cached_tokens if o.request_id == "shared" else cached
+        s = engine.scheduler
+        engine.prefix_cache.check_integrity(list(s.running) + [r for r in s.waiting if r.full_pages])
+        if loading:
+            time.sleep(0.002)  # a tiny model steps in microseconds; let the fetch thread read
+    return out, other_tokens_while_loading, loading_steps, cached
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run(LLMEngine(model, EngineConfig(**CONFIG)), {"other": (OTHER, 60), "shared": (SHARED, 5)})
+
+
+def test_slow_l3_reads_run_off_the_engine_thread_and_others_keep_decoding(model, l3_dir, reference):
+    engine, store = slow_engine(model, l3_dir, timeout_s=30.0)
+    tokens, others, loading_steps, cached = drive(engine)
+    assert tokens == reference  # same greedy tokens as without any cache
+    assert cached >= 24  # SHARED came back from L3 ...
+    assert engine.stats().prefix_cache_hit_tokens.get("l3", 0) >= 24
+    assert threading.get_ident() not in store.readers  # ... read by the fetch thread only
+    assert loading_steps >= 5 and others >= 5  # OTHER decoded while SHARED was loading
+    assert engine.prefix_cache.stats().get("l3_fetch_timeouts", 0) == 0
+    engine.close()
+
+
+def test_a_load_past_its_timeout_goes_on_with_what_arrived(model, l3_dir, reference):
+    engine, store = slow_engine(model, l3_dir, timeout_s=0.3)  # one or two of ten 200 ms reads
+    t0 = time.monotonic()
+    tokens, others, loading_steps, cached = drive(engine)
+    assert tokens == reference
+    assert engine.prefix_cache.stats()["l3_fetch_timeouts"] >= 1  # (OTHER's one read may time out too)
+    assert cached < 24 and loading_steps >= 1
+    assert time.monotonic() - t0 < 1.5  # it did not wait for every read (2 s)
+    assert engine.stats().prefix_cache["l3_loads_in_flight"] == 0
+    engine.close()

@@ -1,0 +1,188 @@
+"""CLI flags generated from the config dataclasses (mm_pipeline/config_flags.py): every field has a
+flag with help text, flags round-trip into the config, bad values are usage errors naming the flag,
+``--config FILE`` (YAML and JSON) gives defaults that explicit flags override."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Literal
+
+import pytest
+
+from llm_core.engine.llm_engine import EngineConfig
+from mm_pipeline import cli
+from mm_pipeline.config_flags import add_config_flags, config_flags, config_values, field_docs, parse_scalar
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.runtime.config import OmniEngineConfig
+
+NESTED = {"engine", "limits", "video_sampling"}
+
+
+def _config(argv: list[str]) -> OmniEngineConfig:
+    return cli.engine_config(cli.parse_args(argv))
+
+
+def _usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_field_of_every_config_has_a_flag_with_help(tmp_path):
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    options = {f.option for f in config_flags()}
+    expected = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineConfig)}
+    expected |= {"--" + f.name.replace("_", "-") for f in dataclasses.fields(OmniEngineConfig) if f.name not in NESTED}
+    expected |= {"--media-" + f.name.replace("_", "-") for f in dataclasses.fields(MediaLimits)}
+    expected |= {"--video-" + f.name.replace("_", "-") for f in dataclasses.fields(VideoSamplingParams)}
+    assert options == expected
+    for cls in (EngineConfig, OmniEngineConfig, MediaLimits, VideoSamplingParams):
+        missing = [f.name for f in dataclasses.fields(cls) if not field_docs(cls).get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+    for flag in config_flags():
+        assert flag.option in help_text
+        assert flag.doc.split()[0] in help_text
+    for sub in ("caption", "batch"):  # the same flags on every command that builds an engine
+        argv = [sub, str(tmp_path)] if sub == "caption" else [sub, "-i", "x", "-o", "y"]
+        assert cli.parse_args(argv + ["--max-num-seqs", "3"]).config__max_num_seqs == 3
+
+
+def test_flags_round_trip_into_the_config(tmp_path):
+    cfg = _config(["caption", str(tmp_path), "--device", "cpu", "--page-size", "8", "--num-swa-tokens", "256",
+                   "--memory-fraction", "0.25", "--max-chunk-tokens", "64", "--swa-release-interval", "4",
+                   "--queue-policy", "fewest_uncached", "--kv-host-bytes", "64MiB", "--kv-store", str(tmp_path),
+                   "--no-stream-embeddings", "--media-max-pixels", "1000", "--media-max-bytes", "2M",
+                   "--video-fps", "2", "--video-max-frames", "16", "--allowed-local-dirs", "/a",
+                   "--allowed-local-media-path", "/b", "--decode-admit-timeout-s", "1.5",
+                   "--max-model-len", "none", "--enable-prefix-caching"])
+    e = cfg.engine
+    assert (e.page_size, e.num_swa_tokens, e.memory_fraction, e.max_chunk_tokens, e.swa_release_interval) == \
+        (8, 256, 0.25, 64, 4)
+    assert (e.queue_policy, e.kv_host_bytes, e.kv_store, e.max_model_len, e.enable_prefix_caching) == \
+        ("fewest_uncached", 64 << 20, str(tmp_path), None, True)
+    assert cfg.limits == MediaLimits(max_pixels=1000, max_bytes=2 << 20)
+    assert cfg.video_sampling == VideoSamplingParams(fps=2.0, max_frames=16)
+    assert (cfg.stream_embeddings, cfg.allowed_local_dirs, cfg.decode_admit_timeout_s) == (False, ("/a", "/b"), 1.5)
+    # flags left out keep the dataclass defaults
+    plain = _config(["caption", str(tmp_path), "--device", "cpu"])
+    assert plain == OmniEngineConfig.from_kwargs(device="cpu", dtype="float32")
+    # the old spellings still work
+    old = _config(["caption", str(tmp_path), "--device", "cpu", "--kv-tokens", "2048", "--max-media-mb", "1",
+                   "--encoder-cache-dir", str(tmp_path), "--allow-remote-media", "--allowed-media-domain", "x.org"])
+    assert (old.engine.num_full_tokens, old.limits.max_bytes, old.cache_dir) == (2048, 1 << 20, str(tmp_path))
+    assert (old.allow_http, old.allowed_domains) == (True, ("x.org",))
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-num-seqs", "many"], "--max-num-seqs"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),  # EngineConfig's own check, through the flag
+    (["--memory-fraction", "2"], "--memory-fraction"),
+    (["--media-max-bytes", "-5"], "--media-max-bytes"),
+    (["--video-fps", "0"], "--video-fps"),
+    (["--queue-policy", "random"], "--queue-policy"),
+    (["--redis-url", "http://x"], "--redis-url"),
+    (["--kv-host-bytes", "lots"], "--kv-host-bytes"),
+    (["--max-num-seq", "4"], "unrecognized arguments: --max-num-seq"),  # no abbreviations either
+])
+def test_bad_values_are_usage_errors_naming_the_flag(argv, flag, tmp_path, capsys):
+    err = _usage_error(["caption", str(tmp_path), *argv], capsys)
+    assert flag in err and "usage:" in err
+
+
+def test_flags_config_keys_and_python_kwargs_are_one_set_of_names():
+    flat = {f.flat for f in config_flags()}
+    assert "media_max_bytes" in flat and "video_fps" in flat and "max_num_seqs" in flat
+    cfg = OmniEngineConfig.from_kwargs(media_max_pixels=5, video_fps=3.0, video_max_frames=16, max_num_seqs=2,
+                                       limits=MediaLimits(max_bytes=7))
+    assert cfg.limits == MediaLimits(max_bytes=7, max_pixels=5)  # flat names over a config given whole
+    assert cfg.video_sampling == VideoSamplingParams(fps=3.0, max_frames=16)
+    with pytest.raises(TypeError, match="did you mean 'media_max_bytes'"):
+        OmniEngineConfig.from_kwargs(media_max_byte=1)
+
+
+def test_cross_field_errors_are_usage_errors(tmp_path):
+    # each value alone is fine; the combination is refused (mmserve exits 2 on a UsageError)
+    with pytest.raises(cli.UsageError, match="--allowed-domains"):
+        _config(["caption", str(tmp_path), "--device", "cpu", "--allow-http"])
+    with pytest.raises(cli.UsageError, match="min_frames"):
+        _config(["caption", str(tmp_path), "--device", "cpu", "--video-min-frames", "9", "--video-max-frames", "8"])
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+def test_config_file_gives_defaults_and_explicit_flags_win(suffix, tmp_path):
+    values = {"max_num_seqs": 5, "max-model-len": 300, "enable_prefix_caching": True, "stream_embeddings": False,
+              "allowed_local_dirs": ["/x", "/y"], "media_max_pixels": 77, "kv_host_bytes": "1GiB",
+              "kv_tokens": 512, "port": 9001, "decode_admit_timeout_s": None}
+    path = tmp_path / f"cfg.{suffix}"
+    if suffix == "json":
+        path.write_text(json.dumps(values))
+    else:
+        import yaml
+
+        path.write_text(yaml.safe_dump(values))
+    args = cli.parse_args(["serve", "--model", "m", "--config", str(path), "--max-num-seqs", "2",
+                           "--allowed-local-dirs", "/z", "--no-enable-prefix-caching"])
+    cfg = cli.engine_config(args)
+    assert args.port == 9001  # command options come from the file too
+    assert (cfg.engine.max_num_seqs, cfg.engine.max_model_len, cfg.engine.enable_prefix_caching) == (2, 300, False)
+    assert (cfg.stream_embeddings, cfg.allowed_local_dirs, cfg.limits.max_pixels) == (False, ("/z",), 77)
+    assert (cfg.engine.kv_host_bytes, cfg.engine.num_full_tokens, cfg.decode_admit_timeout_s) == (1 << 30, 512, None)
+
+
+def test_config_file_errors_name_the_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_num_seq: 4\n")
+    err = _usage_error(["caption", str(tmp_path), "--config", str(bad)], capsys)
+    assert "unknown key 'max_num_seq'" in err and "max_num_seqs" in err
+    bad.write_text("max_num_seqs: lots\n")
+    assert "--max-num-seqs" in _usage_error(["caption", str(tmp_path), "--config", str(bad)], capsys)
+    bad.write_text("enable_prefix_caching: 3\n")
+    assert "'enable_prefix_caching' must be true or false" in _usage_error(
+        ["caption", str(tmp_path), "--config", str(bad)], capsys)
+    bad.write_text("- a list\n")
+    assert "must hold a mapping" in _usage_error(["caption", str(tmp_path), "--config", str(bad)], capsys)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{nope")
+    assert "not valid JSON" in _usage_error(["caption", str(tmp_path), "--config", str(broken)], capsys)
+    assert "config file" in _usage_error(["caption", str(tmp_path), "--config", str(tmp_path / "none.yaml")], capsys)
+
+
+def test_sizes_parse_with_binary_suffixes():
+    assert [parse_scalar(int, t, size=True) for t in ("123", "4K", "8GiB", "1.5M", "2mb")] == \
+        [123, 4096, 8 << 30, 3 << 19, 2 << 20]
+    with pytest.raises(ValueError, match="size like 8GiB"):
+        parse_scalar(int, "8 parsecs", size=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    mode: Literal["fast", "exact"] = "fast"
+    """How to run."""
+    hosts: tuple[str, ...] = ()
+    """Hosts (repeatable)."""
+    limit: float | None = None
+    """A limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    engine: Part = dataclasses.field(default_factory=Part)
+    """The part (flat names, as OmniEngineConfig.engine)."""
+    verbose: bool = False
+    """Say more."""
+
+
+def test_generated_types_cover_literals_optionals_and_tuples():
+    flags = config_flags(Root, {"engine": ""})
+    assert [f.option for f in flags] == ["--mode", "--hosts", "--limit", "--verbose"]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_config_flags(p, flags)
+    ns = p.parse_args(["--mode", "exact", "--hosts", "a", "--hosts", "b", "--limit", "none", "--verbose"])
+    assert config_values(ns, flags) == {"mode": "exact", "hosts": ("a", "b"), "limit": None, "verbose": True}
+    assert config_values(p.parse_args([]), flags) == {}  # left out: the dataclass defaults apply
+    with pytest.raises(argparse.ArgumentError, match="expected one of fast, exact"):
+        p.parse_args(["--mode", "slow"])
