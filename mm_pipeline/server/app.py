@@ -121,7 +121,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         for s in states:
             metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens)
 
-    service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens), observe)
+    service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens,
+                                                settings.max_completion_prompts), observe)
     started = int(time.time())
 
     @asynccontextmanager

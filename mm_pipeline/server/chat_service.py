@@ -34,6 +34,7 @@ Observer = Callable[[float, "list[ChoiceState]"], None]
 class ServiceConfig:
     model_name: str
     default_max_tokens: int = 512
+    max_completion_prompts: int = 32  # ServerSettings.max_completion_prompts
 
 
 def new_id(prefix: str) -> str:
@@ -226,6 +227,9 @@ class ChatService:
     async def _start_completion(self, req: CompletionRequest, rid: str):
         self._check_model(req.model)
         prompts = req.prompts
+        if len(prompts) > self.config.max_completion_prompts:
+            raise InvalidInputError(f"prompt holds {len(prompts)} prompts; this server takes at most "
+                                    f"{self.config.max_completion_prompts} per request (max_completion_prompts)")
         choices = []
         for p, prompt in enumerate(prompts):
             for j in range(req.n):

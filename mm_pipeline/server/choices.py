@@ -5,9 +5,11 @@
                          │                                     any HTTP status is sent
                          ├─ collect(): drain to the end (non-streamed answer)
                          └─ merge_choices(): (index, delta) in arrival order (streamed answer)
-    close(): aclose() every engine iterator — the engine aborts an unfinished request and frees
-             its KV slots and cache locks; called from ``finally`` so cancellation and disconnects
-             take the same path.
+    close(): the one place a choice lets go of its engine stream — cancel a first-delta wait still
+             running (the generator's ``finally`` runs: admission slot, KV pages and cache locks
+             are released), then aclose() the iterator (the same for a suspended one). Called from
+             ``finally`` so admission failure part-way, exceptions, cancellation and disconnects all
+             take this path; ``aclose()`` alone fails on a generator that is still running.
 """
 
 from __future__ import annotations
@@ -62,11 +64,13 @@ class ChoiceStream:
         self._stream = stream
         self._first: Any | None = None
         self._done = False
+        self._starting: asyncio.Task | None = None  # the first-delta wait, owned so close() can end it
 
     async def start(self) -> None:
         """Wait for the first delta (raises what the engine raises for bad input)."""
+        self._starting = asyncio.ensure_future(self._first_delta())
         try:
-            self._first = await self._stream.__anext__()
+            self._first = await self._starting
         except StopAsyncIteration:
             self._done = True
             return
@@ -97,9 +101,18 @@ class ChoiceStream:
         return self.state
 
     async def close(self) -> None:
+        """Release the engine stream (idempotent): see the module doc."""
+        starting = self._starting
+        if starting is not None:
+            if not starting.done():
+                starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)  # its finally has run when this returns
         aclose = getattr(self._stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+    async def _first_delta(self) -> Any:
+        return await self._stream.__anext__()
 
 
 async def start_all(choices: Sequence[ChoiceStream]) -> None:
@@ -112,6 +125,7 @@ async def start_all(choices: Sequence[ChoiceStream]) -> None:
 
 
 async def close_all(choices: Sequence[ChoiceStream]) -> None:
+    """Close every choice; an error closing one never keeps the others open."""
     # shield: closing must finish even when the caller is being cancelled (client disconnect)
     await asyncio.shield(asyncio.gather(*(c.close() for c in choices), return_exceptions=True))
 

@@ -18,6 +18,9 @@ class ServerSettings:
     max_files_total_bytes: int = 8 << 30
     default_max_tokens: int = 512
     max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
+    # prompts in one /v1/completions request: each is admitted as its own engine request (times n),
+    # so a long list would take every admission slot at once
+    max_completion_prompts: int = 32
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
@@ -25,6 +28,8 @@ class ServerSettings:
                              f"{self.max_files_total_bytes}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_completion_prompts < 1:
+            raise ValueError(f"max_completion_prompts must be >= 1, got {self.max_completion_prompts}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key:
