@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from llm_core.engine.sampling import SamplingParams
+from llm_core.engine.sampling import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
@@ -42,15 +42,15 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int) -> SamplingParams:
-    """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i so the
-    choices differ yet the whole answer is reproducible."""
+    """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i (modulo
+    2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible."""
     try:
         return SamplingParams(
             max_tokens=req.token_limit if req.token_limit is not None else default_max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
-            seed=None if req.seed is None else req.seed + choice,
+            seed=None if req.seed is None else (req.seed + choice) % SEED_LIMIT,
             stop=tuple(req.stop_list),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,

@@ -1,7 +1,8 @@
 """One engine stream per answer choice: prefetch the first delta, accumulate, merge, close.
 
     client request ──► n ChoiceStreams (engine.generate per choice, request ids <id>-0 .. <id>-n-1)
-                         │ start(): await every first delta  ← media errors surface here, before
+                         │ start(): await every first delta  ← media errors and requests the engine
+                         │                                     rejects at once surface here, before
                          │                                     any HTTP status is sent
                          ├─ collect(): drain to the end (non-streamed answer)
                          └─ merge_choices(): (index, delta) in arrival order (streamed answer)
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
+from mm_pipeline.errors import generation_error
 from mm_pipeline.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
@@ -76,6 +78,10 @@ class ChoiceStream:
             return
         # known before the response starts, so it can go into a response header
         self.state.encoder_cache_hits = getattr(self._first, "encoder_cache_hits", 0)
+        if self._first.finished:  # rejected by the engine before any token: a status, not a stream event
+            error = generation_error(self._first.finish_reason, self._first.error_kind, self._first.error)
+            if error is not None:
+                raise error
 
     async def deltas(self) -> AsyncIterator[Any]:
         if self._first is not None:

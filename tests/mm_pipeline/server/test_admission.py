@@ -148,3 +148,17 @@ def test_the_prompt_count_of_a_completion_is_bounded(served):
         assert "max_completion_prompts" in r.json()["error"]["message"]
         assert served.engine.requests_in_flight == 0
         assert client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+
+
+def test_an_early_error_is_answered_at_once_on_an_idle_server(served):
+    """A prompt the engine rejects at add_request (over the context limit) is answered within 2 s
+    with nothing else running: the engine loop hands early outputs over without waiting for work."""
+    _wait_idle(served.engine)
+    with httpx.Client(base_url=served.base_url, timeout=30) as client:
+        for body in ({"prompt": [5] * 400, "max_tokens": 4}, {"prompt": [5] * 400, "max_tokens": 4, "stream": True}):
+            t0 = time.monotonic()
+            r = client.post("/v1/completions", json=body)
+            elapsed = time.monotonic() - t0
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert elapsed < 2.0, f"early error took {elapsed:.1f} s"
+    _wait_idle(served.engine)
