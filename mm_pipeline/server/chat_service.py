@@ -21,7 +21,7 @@ from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
-from mm_pipeline.server.errors import APIError, to_api_error
+from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
 from mm_pipeline.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                          ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
                                          CompletionRequest, Delta, SamplingFields, Usage)
@@ -80,7 +80,9 @@ def _check_finished(states: list[ChoiceState]) -> None:
 def _error_event(exc: Exception) -> str:
     """A failure after the stream started can no longer change the HTTP status: it travels as one
     event with the body the status would have had (its kind included)."""
-    return sse_event(to_api_error(exc).body())
+    err = to_api_error(exc)
+    log_rejection(err, "POST", "(stream already started)")
+    return sse_event(err.body())
 
 
 class ChatService:
