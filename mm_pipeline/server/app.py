@@ -147,7 +147,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     model_name = settings.model_name or getattr(engine, "model_name", "mmserve")
     metrics = ServerMetrics(engine.stats)
     temp_dir = None if settings.files_dir else tempfile.mkdtemp(prefix="mmserve-files-")
-    store = FilesStore(settings.files_dir or temp_dir, settings.max_upload_bytes, settings.max_files_total_bytes)
+    store = FilesStore(settings.files_dir or temp_dir, settings.max_upload_bytes, settings.max_files_total_bytes,
+                       settings.max_files)
     if hasattr(engine, "set_file_resolver"):
         engine.set_file_resolver(store.resolve)
 

@@ -16,7 +16,8 @@ class ServerSettings:
     api_key: str | None = None
     files_dir: str | None = None
     max_upload_bytes: int = 512 << 20
-    max_files_total_bytes: int = 8 << 30
+    max_files_total_bytes: int = 8 << 30  # every upload counts, duplicates of stored bytes too
+    max_files: int = 10_000  # file ids kept at once
     default_max_tokens: int = 512
     max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
     # prompts in one /v1/completions request: each is admitted as its own engine request (times n),
@@ -27,6 +28,8 @@ class ServerSettings:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
             raise ValueError(f"need 0 < max_upload_bytes <= max_files_total_bytes, got {self.max_upload_bytes}, "
                              f"{self.max_files_total_bytes}")
+        if self.max_files < 1:
+            raise ValueError(f"max_files must be >= 1, got {self.max_files}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_completion_prompts < 1:
