@@ -34,6 +34,7 @@ from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
 from mm_pipeline.server.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.metrics import ServerMetrics
+from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
@@ -174,6 +175,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.engine, app.state.store, app.state.metrics, app.state.service = engine, store, metrics, service
     install_error_handlers(app)
+    install_openapi(app)
 
     app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics, routes=app.router.routes)
     install_web_routes(app)  # GET / : the upload page

@@ -323,3 +323,17 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mmserve"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    kind: str | None = None  # the pipeline's error kind (mm_pipeline/errors.py), when it has one
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (mm_pipeline/server/errors.py), documented in the OpenAPI schema."""
+
+    error: ErrorDetail
