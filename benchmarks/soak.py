@@ -21,10 +21,8 @@ import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.pat
 
 import asyncio
 import base64
-import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ from typing import Any, Callable
 import httpx
 
 from _common import base_parser, print_table, write_json
+from mm_pipeline.server.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-soak"
@@ -244,12 +243,6 @@ async def _wait_idle(base: str, timeout_s: float) -> tuple[bool, list[str], floa
     return False, problems, time.monotonic() - t0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: Path, port: int, kv_tokens: int, log_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "mm_pipeline.cli", "-v", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--api-key", KEY, "--kv-tokens", str(kv_tokens), "--max-queue", "32",
@@ -274,7 +267,7 @@ async def _wait_up(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 async def soak(args) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkdtemp(prefix="mmserve-soak-")) / "server.log"
     proc = start_server(Path(args.model), port, args.kv_tokens, log_path)

@@ -56,7 +56,8 @@ def build_schema(app: FastAPI) -> dict[str, Any]:
         components[model.__name__] = js
         return {"$ref": _REF.format(model=model.__name__)}
 
-    error = {"description": "an error", "content": {"application/json": {"schema": ref(ErrorResponse, "serialization")}}}
+    error = {"description": "an error",
+             "content": {"application/json": {"schema": ref(ErrorResponse, "serialization")}}}
     for path, item in schema.get("paths", {}).items():
         for method, op in item.items():
             body, answer, streams = _ROUTES.get((method, path), (None, None, False))
