@@ -88,7 +88,7 @@ class APIError(Exception):
     """An error the client should see as ``status`` with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None, kind: str | None = None) -> None:
+                 retry_after: float | None = None, kind: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -96,7 +96,7 @@ class APIError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.kind = kind
-        self.detail: str | None = None  # for the server log only, never sent
+        self.detail = detail  # for the server log only, never sent
 
     def body(self) -> dict[str, Any]:
         """The JSON body of this error (also the payload of a stream's error event)."""
@@ -150,13 +150,11 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, MMServeError):
         answer = http_answer(type(exc))
         retry = exc.retry_after if isinstance(exc, OverloadedError) else None
-        err = APIError(answer.status, public_message(exc), code=answer.code, retry_after=retry, kind=exc.kind)
-        err.detail = f"{type(exc).__name__}: {exc}"  # the whole text, for the log line
-        return err
+        return APIError(answer.status, public_message(exc), code=answer.code, retry_after=retry, kind=exc.kind,
+                        detail=f"{type(exc).__name__}: {exc}")  # the whole text, for the log line
     log.exception("internal error", exc_info=exc)  # a bug: the one traceback
-    err = APIError(500, f"internal server error ({type(exc).__name__})", kind=InternalError.kind)
-    err.detail = "traceback above"
-    return err
+    return APIError(500, f"internal server error ({type(exc).__name__})", kind=InternalError.kind,
+                    detail="traceback above")
 
 
 def log_rejection(err: APIError, method: str, path: str) -> None:
@@ -164,7 +162,8 @@ def log_rejection(err: APIError, method: str, path: str) -> None:
     not read. Overload and client errors are routine (no traceback); server errors are warnings."""
     level = logging.WARNING if err.status >= 500 else logging.INFO
     detail = f" [{err.detail}]" if err.detail and err.detail != err.message else ""
-    log.log(level, "%s %s -> %d %s%s", method, path[:200], err.status, err.message, detail)
+    # the path as a repr: a client's %0a must not start a line of its own in the log
+    log.log(level, "%s %r -> %d %s%s", method, path[:200], err.status, err.message, detail)
 
 
 def error_response(err: APIError) -> JSONResponse:
