@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from mm_pipeline.server.answer_info import AnswerInfo
@@ -128,6 +129,8 @@ class AuthAndCount:
         self.metrics.http_in_flight.inc()
         try:
             await self.app(scope, receive, send_and_note)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing to log
+            status = 499
         except Exception as exc:  # noqa: BLE001 -- no handler took it: answer 500 here, once
             err = to_api_error(exc)
             log_rejection(err, scope["method"], scope["path"])

@@ -6,6 +6,7 @@ A scripted engine (no model) stands behind the app: every check here is about th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import string
@@ -151,3 +152,26 @@ def test_a_seed_at_the_top_of_its_range_with_n_choices_is_served(open_server):
     open_server.engine.raises = None
     r = open_server.post("/v1/chat/completions", json={**CHAT, "seed": 2**63 - 1, "n": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_a_client_gone_while_its_body_is_read_is_not_an_error(open_server, caplog):
+    """Starlette raises ClientDisconnect from the body stream: no 500, no traceback."""
+    app = open_server.app
+    sent: list[dict] = []
+    messages = iter([{"type": "http.request", "body": b'{"messages": [', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}}
+    caplog.set_level(logging.INFO)
+    asyncio.run(app(scope, receive, send))
+    assert not [m for m in sent if m["type"] == "http.response.start" and m["status"] >= 500]
+    assert not [r for r in caplog.records if r.exc_info]
