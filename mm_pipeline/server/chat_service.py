@@ -34,7 +34,7 @@ Observer = Callable[[float, "list[ChoiceState]"], None]
 class ServiceConfig:
     model_name: str
     default_max_tokens: int = 512
-    max_completion_prompts: int = 32  # ServerSettings.max_completion_prompts
+    max_completion_prompts: int = 16  # ServerSettings.max_completion_prompts
 
 
 def new_id(prefix: str) -> str:

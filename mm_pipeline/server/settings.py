@@ -21,8 +21,8 @@ class ServerSettings:
     default_max_tokens: int = 512
     max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
     # prompts in one /v1/completions request: each is admitted as its own engine request (times n),
-    # so a long list would take every admission slot at once
-    max_completion_prompts: int = 32
+    # so a long list would take every admission slot at once; 16 x n <= 16 fits max_queue's 256
+    max_completion_prompts: int = 16
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
