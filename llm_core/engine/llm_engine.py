@@ -6,7 +6,8 @@
         drain queues: early outputs out, new requests to the Scheduler's waiting queue, aborts end
         -> Scheduler.schedule (requests it cannot ever fit end with "error")
         -> ModelRunner.run: input preparation, forward, logits of the sampling rows, Sampler
-           (an exception ends this batch's requests with "error"; the engine keeps serving)
+           (an exception ends only the request it came from with "error": the sampler isolates
+           rows, a failing step is run again without the entries that fail alone)
         -> Scheduler.after_step (progress, prefix-cache inserts, SWA release behind the window)
         -> per sampled token: append it, then stop checks in Request.check_stop's order
            (EOS / stop token id, stop string, length); a finished request gives its pages back
@@ -30,13 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
-from llm_core.engine.model_runner import ModelRunner
+from llm_core.engine.model_runner import ModelRunner, StepResult
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import Scheduler, SchedulerConfig
+from llm_core.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llm_core.engine.stats import EngineStats
 from llm_core.kvcache.prefix_cache import PrefixCache
 
@@ -270,15 +271,12 @@ class LLMEngine:
             outputs.append(self._finish_output(req, []))
         if not batch:
             return outputs
-        try:
-            sampled = self.runner.run(batch, self.prefix_cache.kv_buffers(self.pool))
-        except Exception as exc:  # keep serving others; the batch's requests end with the error
-            for e in batch.entries:
-                self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
-                outputs.append(self._finish_output(e.request, []))
-            return outputs
-        self.scheduler.after_step(batch)
-        for s in sampled:
+        result = self._run_isolated(batch.entries, self.prefix_cache.kv_buffers(self.pool))
+        for e, exc in result.failed:  # only these end; the others go on as if they had run alone
+            self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
+            outputs.append(self._finish_output(e.request, []))
+        self.scheduler.after_step(batch)  # skips the finished ones
+        for s in result.sampled:
             req = s.entry.request
             req.append_token(s.token_id, s.logprob, s.top_logprobs)
             reason = req.check_stop(self.max_model_len)
@@ -294,6 +292,36 @@ class LLMEngine:
         self.prefix_cache.close()
 
     # ---- internal helpers -------------------------------------------------------------------
+    def _run_isolated(self, entries: list[ScheduledRequest], kv) -> StepResult:
+        """Run the step so that one request's exception fails only that request.
+
+        When the step itself raises (input preparation or forward), each entry's forward is run on
+        its own (no sampling, so no random draw is spent) to find those that fail alone; the step is
+        then run again without them, which recomputes the same KV into the same slots. When no entry
+        fails alone the fault is not any request's (a device error): the whole batch ends with it."""
+        try:
+            return self.runner.run(entries, kv)
+        except Exception as exc:  # noqa: BLE001 -- attributed below
+            first = exc
+        failed: list[tuple[ScheduledRequest, Exception]] = []
+        if len(entries) > 1:
+            for e in entries:
+                try:
+                    self.runner.forward([e], kv)
+                except Exception as exc:  # noqa: BLE001 -- this entry's own failure
+                    failed.append((e, exc))
+        if not failed:
+            return StepResult([], [(e, first) for e in entries])
+        culprits = {id(e) for e, _ in failed}
+        rest = [e for e in entries if id(e) not in culprits]
+        if not rest:
+            return StepResult([], failed)
+        try:
+            result = self.runner.run(rest, kv)
+        except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
+            return StepResult([], failed + [(e, exc) for e in rest])
+        return StepResult(result.sampled, failed + result.failed)
+
     def _pool_sizes(self, layout: KVLayout) -> PoolSizing:
         c = self.config
         if c.num_full_tokens is not None:

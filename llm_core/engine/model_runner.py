@@ -6,8 +6,10 @@
                    ─► Sampler ─► one SampledToken per entry that reached its request's last token
 
 The runner knows tensors and the model, nothing of a request's lifecycle (queues, stop checks,
-outputs: llm_core/engine/llm_engine.py). It catches nothing: a failing forward raises to the
-engine, which ends that batch's requests with the error and keeps serving the others.
+outputs: llm_core/engine/llm_engine.py). Sampling is isolated per row: a row that cannot be sampled
+comes back in ``StepResult.failed`` and the others are sampled as if it were not there. A failing
+input preparation or forward raises to the engine, which finds the entries that fail on their own
+(``forward`` of each alone) and runs the others again without them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.sampling import Sampler
-from llm_core.engine.scheduler import ScheduledBatch, ScheduledRequest
+from llm_core.engine.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,16 @@ class SampledToken:
     top_logprobs: dict[int, float] | None
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """A step's sampled tokens, and the entries whose own sampling failed (with the error)."""
+
+    sampled: list[SampledToken]
+    failed: list[tuple[ScheduledRequest, Exception]]
+
+
 class ModelRunner:
-    """Owns the model and the sampler; turns a :class:`ScheduledBatch` into sampled tokens."""
+    """Owns the model and the sampler; turns a batch's entries into sampled tokens."""
 
     def __init__(self, model: torch.nn.Module, page_size: int, seed: int = 0) -> None:
         self.model = model
@@ -42,19 +52,28 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, kv) -> list[SampledToken]:
-        """Compute the batch's new tokens into ``kv`` (the pool, or a prefix-cache view that waits for
-        tier loads per layer) and sample the next token of every entry that ``samples``."""
-        fb, input_ids = build_forward_batch(batch.entries, self.page_size, self.device)
-        embeds = splice_embeds(batch.entries, input_ids, self.model.embed)
+    def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
+        """Compute the entries' new tokens into ``kv`` (the pool, or a prefix-cache view that waits
+        for tier loads per layer) and sample the next token of every entry that ``samples``."""
+        logits = self.forward(entries, kv)
+        sampling = [e for e in entries if e.samples]
+        if not sampling:
+            return StepResult([], [])  # prefill chunks that stop short of the prompt's end
+        out, failed = self.sampler.sample_isolated(logits, [e.request.params for e in sampling],
+                                                   [e.request.generator for e in sampling])
+        return StepResult([SampledToken(e, tok, lp, top) for i, (e, tok, lp, top)
+                           in enumerate(zip(sampling, out.token_ids, out.logprobs, out.top_logprobs))
+                           if i not in failed],
+                          [(sampling[i], exc) for i, exc in failed.items()])
+
+    @torch.inference_mode()
+    def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
+        """Input preparation and forward of ``entries``: the logits of their sampling rows [S, V].
+        Draws no random numbers, so the engine may run it to probe which entry makes a step fail."""
+        fb, input_ids = build_forward_batch(entries, self.page_size, self.device)
+        embeds = splice_embeds(entries, input_ids, self.model.embed)
         if embeds is None:
             hidden = self.model(input_ids, fb, kv)
         else:
             hidden = self.model(None, fb, kv, inputs_embeds=embeds)
-        sampling = [e for e in batch.entries if e.samples]
-        if not sampling:
-            return []  # prefill chunks that stop short of the prompt's end: nothing to sample
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
-        out = self.sampler(logits, [e.request.params for e in sampling], [e.request.generator for e in sampling])
-        return [SampledToken(e, tok, lp, top)
-                for e, tok, lp, top in zip(sampling, out.token_ids, out.logprobs, out.top_logprobs)]
+        return self.model.compute_logits(hidden[fb.logits_indices])

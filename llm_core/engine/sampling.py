@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1  # bound of token counts, top_k and token ids: they become int tensors
+SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63 (torch.Generator.manual_seed takes an int64)
 
 
 def _is_int(x) -> bool:
@@ -56,23 +58,23 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer <= {MAX_INT32}, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not _is_int(t) or not 0 <= t <= MAX_INT32:
+                raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {t!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
@@ -133,6 +135,38 @@ class Sampler:
         token_ids = chosen.tolist()
         return self._logprobs(logits, token_ids, params)
 
+    def sample_isolated(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> tuple[SamplerOutput, dict[int, Exception]]:
+        """Like ``__call__``, but a row that cannot be sampled fails alone: ``(output, {row: error})``,
+        the failed rows holding token -1 in ``output``.
+
+        The batch is tried first; when it raises, each row is sampled on its own. Seeded rows get
+        their generator state back before that retry, so their tokens are those the batch would have
+        given them without the failing row (unseeded rows draw from the shared generator anyway)."""
+        states = [None if g is None else g.get_state() for g in generators]
+        try:
+            return self(logits, params, generators), {}
+        except Exception:  # noqa: BLE001 -- which row failed is found below, row by row
+            pass
+        for g, state in zip(generators, states):
+            if g is not None:
+                g.set_state(state)
+        out = SamplerOutput([-1] * len(params), [None] * len(params), [None] * len(params))
+        failed: dict[int, Exception] = {}
+        for i, (p, g) in enumerate(zip(params, generators)):
+            try:
+                one = self(logits[i:i + 1], [p], [g])
+            except Exception as exc:  # noqa: BLE001 -- the error ends this row's request only
+                failed[i] = exc
+                continue
+            out.token_ids[i], out.logprobs[i] = one.token_ids[0], one.logprobs[0]
+            out.top_logprobs[i] = one.top_logprobs[0]
+        return out, failed
+
     # ---- internal helpers -------------------------------------------------------------------
     def _sample_random(self, logits, rows, params, generators) -> torch.Tensor:
         x = logits[torch.tensor(rows, device=logits.device)]
@@ -161,7 +195,7 @@ class Sampler:
         """Mask logits outside each row's top-k and top-p sets to -inf."""
         sorted_x, order = x.sort(dim=-1, descending=True)
         vocab = x.shape[1]
-        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=x.device)
+        ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=x.device)
         rank = torch.arange(vocab, device=x.device)[None, :]
         drop = rank >= ks[:, None]
         ps = torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype)

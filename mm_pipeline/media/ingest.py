@@ -7,7 +7,12 @@ any full decode, from the same ``MediaLimits``.
 Security rules:
   * local files only under ``allowed_local_dirs``, checked after resolving symlinks and ``..``;
   * remote fetch off by default; when on, only http(s) to hosts on ``allowed_domains`` (exact host or
-    a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap.
+    a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap;
+  * an allowed host must also resolve to public addresses only (no loopback, private, link-local
+    or reserved range: a DNS name on the list pointed at 127.0.0.1 or 169.254.169.254 is refused)
+    unless ``allow_private_hosts``. The client connects by name after the check, so a resolver that
+    answers differently within milliseconds (DNS rebinding) is not covered;
+  * local paths are plain strings: a NUL byte is a 400, not an OS error.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import ipaddress
 import os
+import socket
 import stat
 import urllib.parse
 import urllib.request
@@ -65,6 +72,7 @@ class IngestConfig:
     allowed_domains: tuple[str, ...] = ()  # "example.com" allows it and its subdomains
     fetch_timeout_s: float = 10.0  # whole fetch, redirects included
     max_redirects: int = 3
+    allow_private_hosts: bool = False  # let allowed domains resolve to loopback / private addresses
     limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
@@ -147,6 +155,8 @@ class MediaIngestor:
     def _read_path(self, raw: str) -> bytes:
         if not self._roots:
             raise MediaAccessDenied("local file access is disabled (no allowed_local_dirs)")
+        if "\x00" in raw:
+            raise InvalidMediaError("local media path contains a NUL character")
         path = Path(raw)
         if not path.is_absolute():
             raise InvalidMediaError(f"local media path must be absolute, got {raw!r}")
@@ -188,6 +198,7 @@ class MediaIngestor:
                                      timeout=self.config.fetch_timeout_s, trust_env=False) as client:
             for _ in range(self.config.max_redirects + 1):
                 self._check_remote(url)
+                await self._check_addresses(url)
                 async with client.stream("GET", url) as response:
                     if response.is_redirect:
                         location = response.headers.get("location", "")
@@ -215,6 +226,24 @@ class MediaIngestor:
                       for d in (d.lower().strip(".") for d in self.config.allowed_domains))
         if not allowed:
             raise MediaAccessDenied(f"host {host!r} is not on the media domain allow-list")
+
+    async def _check_addresses(self, url: str) -> None:
+        """Refuse an allowed host that resolves to a non-public address (see the module doc)."""
+        if self.config.allow_private_hosts:
+            return
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, parts.port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            raise MediaFetchError(f"media host {host!r} does not resolve") from None
+        for info in infos:
+            ip = ipaddress.ip_address(info[4][0].split("%", 1)[0])
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                ip = ip.ipv4_mapped
+            if not ip.is_global or ip.is_multicast:
+                raise MediaAccessDenied(f"media host {host!r} resolves to a non-public address")
 
 
 def _scheme(url: str) -> str:

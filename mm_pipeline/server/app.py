@@ -26,13 +26,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
-from mm_pipeline.server.errors import APIError, error_response, install_error_handlers
+from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
 from mm_pipeline.server.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.metrics import ServerMetrics
+from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
@@ -67,37 +70,73 @@ def _file_object(rec: FileRecord) -> FileObject:
                       purpose=rec.purpose)
 
 
-class AuthAndCount:
-    """Pure ASGI middleware (streams and disconnects pass through untouched): API-key check on
-    ``/v1`` routes, in-flight gauge and per-route status counts."""
+# Open without the API key: the liveness probe and the upload page with its static files (the
+# page's own calls go to /v1, which needs the key). Everything else -- /v1, /metrics and the schema
+# and docs pages (/openapi.json, /docs, /redoc) -- needs it when one is set.
+_OPEN_PATHS = ("/health", "/")
+_OPEN_PREFIXES = ("/web/",)
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+def needs_key(path: str) -> bool:
+    return path not in _OPEN_PATHS and not path.startswith(_OPEN_PREFIXES)
+
+
+def route_template(routes: list, scope: dict) -> str:
+    """The path template of the route ``scope`` would reach (``/v1/files/{file_id}``), or
+    ``"other"``: a metric label must not grow with the paths clients make up."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            return getattr(route, "path", "other")
+    return "other"
+
+
+def bearer_matches(headers: list[tuple[bytes, bytes]], key: bytes) -> bool:
+    """``Authorization: Bearer <key>``, compared as bytes (a header may hold any byte)."""
+    given = dict(headers).get(b"authorization", b"")
+    scheme, _, token = given.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+class AuthAndCount:
+    """Pure ASGI middleware (streams and disconnects pass through untouched), the outermost of the
+    app's own: API-key check (``needs_key``), in-flight gauge, per-route status counts, and the
+    answer to an exception no handler took (a bug: one traceback, a 500, nothing re-raised)."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, routes: list) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+        self.key = None if api_key is None else api_key.encode("utf-8")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        if self.api_key is not None and path.startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                self.metrics.count_request(path, 401)
-                await error_response(APIError(401, "missing or invalid API key (Authorization: Bearer ...)"))(
-                    scope, receive, send)
-                return
+        if self.key is not None and needs_key(scope["path"]) and not bearer_matches(scope["headers"], self.key):
+            self.metrics.count_request(route_template(self.routes, scope), 401)
+            err = APIError(401, "missing or invalid API key (Authorization: Bearer ...)")
+            log_rejection(err, scope["method"], scope["path"])
+            await error_response(err)(scope, receive, send)
+            return
         status = 500
+        started = False
 
         async def send_and_note(message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         self.metrics.http_in_flight.inc()
         try:
             await self.app(scope, receive, send_and_note)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing to log
+            status = 499
+        except Exception as exc:  # noqa: BLE001 -- no handler took it: answer 500 here, once
+            err = to_api_error(exc)
+            log_rejection(err, scope["method"], scope["path"])
+            if not started:
+                status = err.status
+                await error_response(err)(scope, receive, send)
         finally:
             self.metrics.http_in_flight.dec()
             route = scope.get("route")
@@ -112,7 +151,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     model_name = settings.model_name or getattr(engine, "model_name", "mmserve")
     metrics = ServerMetrics(engine.stats)
     temp_dir = None if settings.files_dir else tempfile.mkdtemp(prefix="mmserve-files-")
-    store = FilesStore(settings.files_dir or temp_dir, settings.max_upload_bytes, settings.max_files_total_bytes)
+    store = FilesStore(settings.files_dir or temp_dir, settings.max_upload_bytes, settings.max_files_total_bytes,
+                       settings.max_files)
     if hasattr(engine, "set_file_resolver"):
         engine.set_file_resolver(store.resolve)
 
@@ -121,7 +161,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         for s in states:
             metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens)
 
-    service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens), observe)
+    service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens,
+                                                settings.max_completion_prompts), observe)
     started = int(time.time())
 
     @asynccontextmanager
@@ -137,8 +178,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.engine, app.state.store, app.state.metrics, app.state.service = engine, store, metrics, service
     install_error_handlers(app)
+    install_openapi(app)
 
-    app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics)
+    app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics, routes=app.router.routes)
     install_web_routes(app)  # GET / : the upload page
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from llm_core.engine.sampling import SamplingParams
+from llm_core.engine.sampling import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
-from mm_pipeline.server.errors import APIError, to_api_error
+from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
 from mm_pipeline.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                          ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
                                          CompletionRequest, Delta, SamplingFields, Usage)
@@ -34,6 +34,7 @@ Observer = Callable[[float, "list[ChoiceState]"], None]
 class ServiceConfig:
     model_name: str
     default_max_tokens: int = 512
+    max_completion_prompts: int = 16  # ServerSettings.max_completion_prompts
 
 
 def new_id(prefix: str) -> str:
@@ -41,15 +42,15 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int) -> SamplingParams:
-    """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i so the
-    choices differ yet the whole answer is reproducible."""
+    """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i (modulo
+    2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible."""
     try:
         return SamplingParams(
             max_tokens=req.token_limit if req.token_limit is not None else default_max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
-            seed=None if req.seed is None else req.seed + choice,
+            seed=None if req.seed is None else (req.seed + choice) % SEED_LIMIT,
             stop=tuple(req.stop_list),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
@@ -79,7 +80,9 @@ def _check_finished(states: list[ChoiceState]) -> None:
 def _error_event(exc: Exception) -> str:
     """A failure after the stream started can no longer change the HTTP status: it travels as one
     event with the body the status would have had (its kind included)."""
-    return sse_event(to_api_error(exc).body())
+    err = to_api_error(exc)
+    log_rejection(err, "POST", "(stream already started)")
+    return sse_event(err.body())
 
 
 class ChatService:
@@ -226,6 +229,9 @@ class ChatService:
     async def _start_completion(self, req: CompletionRequest, rid: str):
         self._check_model(req.model)
         prompts = req.prompts
+        if len(prompts) > self.config.max_completion_prompts:
+            raise InvalidInputError(f"prompt holds {len(prompts)} prompts; this server takes at most "
+                                    f"{self.config.max_completion_prompts} per request (max_completion_prompts)")
         choices = []
         for p, prompt in enumerate(prompts):
             for j in range(req.n):

@@ -1,13 +1,16 @@
 """One engine stream per answer choice: prefetch the first delta, accumulate, merge, close.
 
     client request ──► n ChoiceStreams (engine.generate per choice, request ids <id>-0 .. <id>-n-1)
-                         │ start(): await every first delta  ← media errors surface here, before
+                         │ start(): await every first delta  ← media errors and requests the engine
+                         │                                     rejects at once surface here, before
                          │                                     any HTTP status is sent
                          ├─ collect(): drain to the end (non-streamed answer)
                          └─ merge_choices(): (index, delta) in arrival order (streamed answer)
-    close(): aclose() every engine iterator — the engine aborts an unfinished request and frees
-             its KV slots and cache locks; called from ``finally`` so cancellation and disconnects
-             take the same path.
+    close(): the one place a choice lets go of its engine stream — cancel a first-delta wait still
+             running (the generator's ``finally`` runs: admission slot, KV pages and cache locks
+             are released), then aclose() the iterator (the same for a suspended one). Called from
+             ``finally`` so admission failure part-way, exceptions, cancellation and disconnects all
+             take this path; ``aclose()`` alone fails on a generator that is still running.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
+from mm_pipeline.errors import generation_error
 from mm_pipeline.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
@@ -62,16 +66,22 @@ class ChoiceStream:
         self._stream = stream
         self._first: Any | None = None
         self._done = False
+        self._starting: asyncio.Task | None = None  # the first-delta wait, owned so close() can end it
 
     async def start(self) -> None:
         """Wait for the first delta (raises what the engine raises for bad input)."""
+        self._starting = asyncio.ensure_future(self._first_delta())
         try:
-            self._first = await self._stream.__anext__()
+            self._first = await self._starting
         except StopAsyncIteration:
             self._done = True
             return
         # known before the response starts, so it can go into a response header
         self.state.encoder_cache_hits = getattr(self._first, "encoder_cache_hits", 0)
+        if self._first.finished:  # rejected by the engine before any token: a status, not a stream event
+            error = generation_error(self._first.finish_reason, self._first.error_kind, self._first.error)
+            if error is not None:
+                raise error
 
     async def deltas(self) -> AsyncIterator[Any]:
         if self._first is not None:
@@ -97,9 +107,18 @@ class ChoiceStream:
         return self.state
 
     async def close(self) -> None:
+        """Release the engine stream (idempotent): see the module doc."""
+        starting = self._starting
+        if starting is not None:
+            if not starting.done():
+                starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)  # its finally has run when this returns
         aclose = getattr(self._stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+    async def _first_delta(self) -> Any:
+        return await self._stream.__anext__()
 
 
 async def start_all(choices: Sequence[ChoiceStream]) -> None:
@@ -112,6 +131,7 @@ async def start_all(choices: Sequence[ChoiceStream]) -> None:
 
 
 async def close_all(choices: Sequence[ChoiceStream]) -> None:
+    """Close every choice; an error closing one never keeps the others open."""
     # shield: closing must finish even when the caller is being cancelled (client disconnect)
     await asyncio.shield(asyncio.gather(*(c.close() for c in choices), return_exceptions=True))
 

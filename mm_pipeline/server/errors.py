@@ -11,6 +11,11 @@ its MRO found there, so a subclass without a row answers like its parent. Overlo
 ``Retry-After`` header; request validation failures become 400 naming the offending field.
 Anything else is a bug: 500 with the exception type, never a traceback. Nothing here reads an
 error's message to classify it.
+
+What the client reads names the problem, never internals: the text an error quotes of its cause
+(codec, PIL or torch messages, ``<_io.BytesIO object at 0x...>``) and the detail of an internal
+failure stay in the server log. Each rejected request is one log line (``log_rejection``); only an
+unexpected exception (a bug) logs a traceback.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class APIError(Exception):
     """An error the client should see as ``status`` with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None, kind: str | None = None) -> None:
+                 retry_after: float | None = None, kind: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -91,6 +96,7 @@ class APIError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.kind = kind
+        self.detail = detail  # for the server log only, never sent
 
     def body(self) -> dict[str, Any]:
         """The JSON body of this error (also the payload of a stream's error event)."""
@@ -107,19 +113,57 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": error}
 
 
+INTERNAL_MESSAGE = "internal error while serving this request (the server log has the details)"
+
+
+def public_message(exc: MMServeError) -> str:
+    """The sentence the client reads: the error's message without the text it quotes of its cause
+    (``raise MediaError(f"... ({exc})") from exc``) and without object reprs. An internal error
+    says only that it happened."""
+    if http_answer(type(exc)) == STATUS_OF[InternalError]:
+        return INTERNAL_MESSAGE
+    message = str(exc) or type(exc).__name__
+    cause = exc.__cause__
+    if isinstance(cause, MMServeError):  # our own error wrapped with context: its sentence, cleaned
+        message = message.replace(str(cause), public_message(cause))
+    elif cause is not None and str(cause):  # a library's text (codec, PIL, torch): log only
+        message = message.replace(f" ({cause})", "").replace(str(cause), "(details in the server log)")
+    return _without_reprs(message)
+
+
+def _without_reprs(text: str) -> str:
+    """``"cannot identify image file <_io.BytesIO object at 0x7f..>"`` -> ``"... image file the data"``."""
+    out, i = [], 0
+    while (at := text.find(" object at 0x", i)) != -1:
+        start, end = text.rfind("<", i, at), text.find(">", at)
+        if start == -1 or end == -1:
+            break
+        out.append(text[i:start] + "the data")
+        i = end + 1
+    return "".join(out) + text[i:]
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception a handler may meet to an ``APIError`` by its type (unknown ones to 500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, MMServeError):
         answer = http_answer(type(exc))
-        if answer.status >= 500 and not isinstance(exc, OverloadedError):
-            log.error("request failed: %s: %s", type(exc).__name__, exc)
         retry = exc.retry_after if isinstance(exc, OverloadedError) else None
-        return APIError(answer.status, str(exc) or type(exc).__name__, code=answer.code, retry_after=retry,
-                        kind=exc.kind)
-    log.exception("internal error", exc_info=exc)
-    return APIError(500, f"internal server error ({type(exc).__name__})", kind=InternalError.kind)
+        return APIError(answer.status, public_message(exc), code=answer.code, retry_after=retry, kind=exc.kind,
+                        detail=f"{type(exc).__name__}: {exc}")  # the whole text, for the log line
+    log.exception("internal error", exc_info=exc)  # a bug: the one traceback
+    return APIError(500, f"internal server error ({type(exc).__name__})", kind=InternalError.kind,
+                    detail="traceback above")
+
+
+def log_rejection(err: APIError, method: str, path: str) -> None:
+    """One line per rejected request: status, route, what the client read, and the detail it did
+    not read. Overload and client errors are routine (no traceback); server errors are warnings."""
+    level = logging.WARNING if err.status >= 500 else logging.INFO
+    detail = f" [{err.detail}]" if err.detail and err.detail != err.message else ""
+    # the path as a repr: a client's %0a must not start a line of its own in the log
+    log.log(level, "%s %r -> %d %s%s", method, path[:200], err.status, err.message, detail)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -157,23 +201,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error leave the app in OpenAI's shape."""
 
+    def reject(request: Request, err: APIError) -> JSONResponse:
+        log_rejection(err, request.method, request.url.path)
+        return error_response(err)
+
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return reject(request, exc)
 
     @app.exception_handler(MMServeError)
-    async def _pipeline(_: Request, exc: MMServeError) -> JSONResponse:
-        return error_response(to_api_error(exc))
+    async def _pipeline(request: Request, exc: MMServeError) -> JSONResponse:
+        return reject(request, to_api_error(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param, kind=InvalidInputError.kind))
+        return reject(request, APIError(400, message, param=param, kind=InvalidInputError.kind))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return reject(request, APIError(exc.status_code, str(exc.detail)))
 
-    @app.exception_handler(Exception)
-    async def _other(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc))
+    # Any other exception (a bug) is answered by the app's outer middleware (app.py AuthAndCount):
+    # a handler registered here for ``Exception`` would answer too, but Starlette then re-raises it
+    # to the server, which logs a second traceback.

@@ -8,6 +8,10 @@
 The content hash is the same blake3 the media stages use on raw bytes, so asking many questions
 about one upload hits the encoder cache after the first (the bytes, hence the media key, are equal).
 Deleting a file removes its metadata, and its blob once no other file id points at it.
+
+Quota: every file id counts its full size against ``max_total_bytes``, duplicates included (one
+blob on disk, but a client must not create records without limit by re-uploading the same bytes),
+and there are at most ``max_files`` ids.
 """
 
 from __future__ import annotations
@@ -81,13 +85,15 @@ class UploadWriter:
 class FilesStore:
     """File ids -> bytes on disk.  Thread-safe; survives restarts when ``root`` is kept."""
 
-    def __init__(self, root: str | Path, max_file_bytes: int = 512 << 20, max_total_bytes: int = 8 << 30) -> None:
-        if max_file_bytes <= 0 or max_total_bytes < max_file_bytes:
-            raise ValueError(f"FilesStore needs 0 < max_file_bytes <= max_total_bytes, got "
-                             f"{max_file_bytes}, {max_total_bytes}")
+    def __init__(self, root: str | Path, max_file_bytes: int = 512 << 20, max_total_bytes: int = 8 << 30,
+                 max_files: int = 10_000) -> None:
+        if max_file_bytes <= 0 or max_total_bytes < max_file_bytes or max_files < 1:
+            raise ValueError(f"FilesStore needs 0 < max_file_bytes <= max_total_bytes and max_files >= 1, got "
+                             f"{max_file_bytes}, {max_total_bytes}, {max_files}")
         self.root = Path(root)
         self.max_file_bytes = max_file_bytes
         self.max_total_bytes = max_total_bytes
+        self.max_files = max_files
         for sub in ("blobs", "meta", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -141,8 +147,9 @@ class FilesStore:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes counted against the quota: every file id's size, duplicates included."""
         with self._lock:
-            return self._stored_bytes()
+            return self._quota_bytes()
 
     def check_integrity(self) -> None:
         """Every record has its blob; every blob has a record; nothing is left in tmp/."""
@@ -165,20 +172,23 @@ class FilesStore:
     def _blob(self, content_hash: str) -> Path:
         return self.root / "blobs" / content_hash
 
-    def _stored_bytes(self) -> int:
-        return sum({r.content_hash: r.bytes for r in self._records.values()}.values())
+    def _quota_bytes(self) -> int:
+        return sum(r.bytes for r in self._records.values())
 
     def _commit(self, tmp: Path, content_hash: str, w: UploadWriter) -> FileRecord:
         rec = FileRecord(id=f"file-{secrets.token_hex(12)}", filename=w.filename, purpose=w.purpose,
                          bytes=w.nbytes, created_at=int(time.time()), content_hash=content_hash)
         with self._lock:
+            if self._quota_bytes() + w.nbytes > self.max_total_bytes:
+                tmp.unlink(missing_ok=True)
+                raise UploadTooLarge(f"the file store is full ({self.max_total_bytes} bytes)")
+            if len(self._records) >= self.max_files:
+                tmp.unlink(missing_ok=True)
+                raise UploadTooLarge(f"the file store is full ({self.max_files} files)")
             blob = self._blob(content_hash)
             if blob.exists():  # same content uploaded before: keep one copy
                 tmp.unlink(missing_ok=True)
             else:
-                if self._stored_bytes() + w.nbytes > self.max_total_bytes:
-                    tmp.unlink(missing_ok=True)
-                    raise UploadTooLarge(f"the file store is full ({self.max_total_bytes} bytes)")
                 os.replace(tmp, blob)
             meta = self.root / "meta" / f"{rec.id}.json"
             meta.write_text(json.dumps(asdict(rec)))

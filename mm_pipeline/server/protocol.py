@@ -11,9 +11,17 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llm_core.engine.sampling import MAX_LOGPROBS
+from llm_core.engine.sampling import MAX_INT32, MAX_LOGPROBS, SEED_LIMIT
 
+# Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
+# generator seed is a 400 naming the field, never an exception inside a shared model step.
 MAX_N = 16
+MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters of one stop sequence: each is matched against the text every token
+MAX_STOP_TOKEN_IDS = 64
+
+TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class _Loose(BaseModel):
@@ -108,13 +116,14 @@ class SamplingFields(_Loose):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    max_tokens: TokenCount | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
+    # any int64 (clients send negative seeds too); the engine seeds with it modulo 2**63
+    seed: int | None = Field(default=None, ge=-SEED_LIMIT, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -131,10 +140,12 @@ class SamplingFields(_Loose):
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @property
@@ -148,7 +159,7 @@ class SamplingFields(_Loose):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -169,10 +180,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -312,3 +323,17 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mmserve"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    kind: str | None = None  # the pipeline's error kind (mm_pipeline/errors.py), when it has one
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (mm_pipeline/server/errors.py), documented in the OpenAPI schema."""
+
+    error: ErrorDetail

@@ -9,22 +9,31 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ServerSettings:
     """``files_dir``: where uploads are kept (None: a temporary directory removed at shutdown).
-    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``."""
+    ``api_key``: when set, every route but ``/health`` and the upload page (``/``, ``/web/*``) needs
+    ``Authorization: Bearer <api_key>``: ``/v1``, ``/metrics``, ``/openapi.json``, ``/docs``, ``/redoc``."""
 
     model_name: str | None = None  # default: the engine's model_name
     api_key: str | None = None
     files_dir: str | None = None
     max_upload_bytes: int = 512 << 20
-    max_files_total_bytes: int = 8 << 30
+    max_files_total_bytes: int = 8 << 30  # every upload counts, duplicates of stored bytes too
+    max_files: int = 10_000  # file ids kept at once
     default_max_tokens: int = 512
     max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
+    # prompts in one /v1/completions request: each is admitted as its own engine request (times n),
+    # so a long list would take every admission slot at once; 16 x n <= 16 fits max_queue's 256
+    max_completion_prompts: int = 16
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
             raise ValueError(f"need 0 < max_upload_bytes <= max_files_total_bytes, got {self.max_upload_bytes}, "
                              f"{self.max_files_total_bytes}")
+        if self.max_files < 1:
+            raise ValueError(f"max_files must be >= 1, got {self.max_files}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_completion_prompts < 1:
+            raise ValueError(f"max_completion_prompts must be >= 1, got {self.max_completion_prompts}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key:

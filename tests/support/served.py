@@ -16,14 +16,15 @@ from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
 
 
 @contextlib.contextmanager
-def served_tiny_omni(tmp_path_factory: pytest.TempPathFactory, **config: Any) -> Iterator[ServerThread]:
-    """``config``: flat ``OmniEngineConfig.from_kwargs`` fields. The server thread gets the engine
-    as ``server.engine``; both stop when the block ends."""
+def served_tiny_omni(tmp_path_factory: pytest.TempPathFactory, settings: dict[str, Any] | None = None,
+                     **config: Any) -> Iterator[ServerThread]:
+    """``config``: flat ``OmniEngineConfig.from_kwargs`` fields; ``settings``: ``ServerSettings``
+    fields. The server thread gets the engine as ``server.engine``; both stop when the block ends."""
     model_dir = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
     engine = OmniEngine.from_pretrained(model_dir, OmniEngineConfig.from_kwargs(**config))
     try:
-        settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("files")))
-        with ServerThread(create_app(engine, settings)) as server:
+        server_settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("files")), **(settings or {}))
+        with ServerThread(create_app(engine, server_settings)) as server:
             server.engine = engine
             yield server
     finally:

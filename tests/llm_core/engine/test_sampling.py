@@ -21,7 +21,13 @@ from llm_core.engine.sampling import Sampler, SamplingParams
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=10**30), "top_k"),
+        (dict(max_tokens=2**31), "max_tokens"),
+        (dict(top_p=True), "top_p"),
         (dict(seed="x"), "seed"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(stop_token_ids=[2**31]), "stop_token_ids"),
         (dict(stop=[""]), "stop strings"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(logprobs=-1), "logprobs"),
@@ -118,3 +124,22 @@ def test_logprobs_are_raw_log_softmax_and_top_n_sorted():
 def test_sampler_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="sampler got logits"):
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [None])
+
+
+def test_top_k_over_the_vocabulary_keeps_every_token():
+    logits = torch.randn(1, 50).repeat(2, 1)
+    params = [SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=1), SamplingParams(temperature=1.0, seed=1)]
+    out = Sampler()(logits, params, [p.make_generator() for p in params])
+    assert out.token_ids[0] == out.token_ids[1]  # same seed, same distribution: top_k beyond V is no filter
+
+
+def test_sample_isolated_fails_only_the_bad_row_and_keeps_seeded_draws():
+    logits = torch.randn(3, 50)
+    good = [SamplingParams(temperature=0.9, seed=5), SamplingParams(temperature=0.9, seed=6)]
+    bad = SamplingParams(temperature=0.9, seed=7)
+    object.__setattr__(bad, "logprobs", 10**6)  # past validation: topk over the vocabulary raises
+    expected = Sampler()(logits[[0, 2]], good, [p.make_generator() for p in good]).token_ids
+    params = [good[0], bad, good[1]]
+    out, failed = Sampler().sample_isolated(logits, params, [p.make_generator() for p in params])
+    assert list(failed) == [1] and isinstance(failed[1], RuntimeError)
+    assert [out.token_ids[0], out.token_ids[2]] == expected and out.token_ids[1] == -1

@@ -201,7 +201,7 @@ def http_base() -> Iterator[str]:
 
 
 def _remote(**overrides: object) -> MediaIngestor:
-    cfg = dict(allow_remote=True, allowed_domains=("127.0.0.1",), fetch_timeout_s=5.0,
+    cfg = dict(allow_remote=True, allowed_domains=("127.0.0.1",), fetch_timeout_s=5.0, allow_private_hosts=True,
                limits=MediaLimits(max_bytes=4096))
     cfg.update(overrides)
     return MediaIngestor(IngestConfig(**cfg), pool=WorkerPool(1, 4))  # type: ignore[arg-type]
@@ -245,3 +245,21 @@ def test_remote_fetch_timeout(http_base: str) -> None:
         _ingest(_remote(fetch_timeout_s=0.3), http_base + "/slow")
     assert http_answer(type(info.value)).status == 408
     assert time.perf_counter() - t0 < 1.2
+
+
+def test_an_allowed_host_resolving_to_a_private_address_is_refused(http_base: str) -> None:
+    """The allow-list names hosts; where they resolve is checked too (localhost, metadata IPs)."""
+    for domains, url in [(("127.0.0.1",), http_base + "/img.png"),
+                         (("localhost",), http_base.replace("127.0.0.1", "localhost") + "/img.png"),
+                         (("169.254.169.254",), "http://169.254.169.254/latest/meta-data/")]:
+        with pytest.raises(MediaAccessDenied, match="non-public address") as info:
+            _ingest(_remote(allowed_domains=domains, allow_private_hosts=False), url)
+        assert http_answer(type(info.value)).status == 403
+
+
+def test_a_nul_in_a_file_url_is_invalid_media(tmp_path: Path) -> None:
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),)))
+    for source in [MediaSource(url=f"file://{tmp_path}/a%00.png"), MediaSource(path=f"{tmp_path}/a\x00.png")]:
+        with pytest.raises(InvalidMediaError, match="NUL") as info:
+            ing.ingest_local(source)
+        assert http_answer(type(info.value)).status == 400

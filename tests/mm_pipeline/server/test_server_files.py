@@ -45,7 +45,10 @@ def test_store_invariants_under_random_operations(tmp_path_factory, sequence):
     model: dict[str, bytes] = {}
     ids: list[str] = []
     for op, arg in sequence:
-        if op == "put":
+        if op == "put" and sum(map(len, model.values())) + len(arg) > 1000:  # duplicates count too
+            with pytest.raises(UploadTooLarge, match="full"):
+                store.put_bytes(arg, "x/y/name.bin")
+        elif op == "put":
             rec = store.put_bytes(arg, "x/y/name.bin")
             assert rec.filename == "name.bin" and rec.bytes == len(arg)
             assert rec.content_hash == blake3.blake3(arg).hexdigest()
@@ -76,9 +79,22 @@ def test_store_caps(tmp_path):
     store.put_bytes(b"y" * 10, "a")
     with pytest.raises(UploadTooLarge, match="full"):
         store.put_bytes(b"z" * 10, "b")
-    store.put_bytes(b"y" * 10, "same content takes no space")
+    with pytest.raises(UploadTooLarge, match="full"):  # one blob on disk, but every id counts
+        store.put_bytes(b"y" * 10, "same content again")
     with pytest.raises(ValueError, match="empty"):
         store.put_bytes(b"", "empty")
+    store.check_integrity()
+    assert len(store.list()) == 1 and store.total_bytes == 10
+
+
+def test_store_caps_the_number_of_files(tmp_path):
+    store = FilesStore(tmp_path, max_file_bytes=10, max_total_bytes=1000, max_files=3)
+    for i in range(3):
+        store.put_bytes(b"same", f"copy{i}")
+    with pytest.raises(UploadTooLarge, match="3 files"):
+        store.put_bytes(b"same", "one more")
+    store.delete(store.list()[0].id)
+    store.put_bytes(b"same", "room again")
     store.check_integrity()
 
 
