@@ -31,7 +31,7 @@ import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner
-from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, default_kv_budget_bytes, swa_tokens_needed
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
@@ -47,13 +47,17 @@ PREFIX_STATS_INTERVAL_S = 1.0
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Pool sizes come from ``num_full_tokens`` / ``num_swa_tokens`` when given, otherwise from
-    ``memory_fraction`` of the device's free memory (split by :meth:`PoolSizing.from_bytes`)."""
+    """Pool sizes (docs/kv_cache.md §1, "Sizing"): the SWA pool gets what ``max_num_seqs`` running
+    requests and ``swa_checkpoint_reserve_windows`` kept windows need (``swa_tokens_needed``), the
+    Full pool the rest of one byte budget -- ``kv_cache_bytes``, or by default a fixed space on CPU
+    and ``memory_fraction`` of free memory on CUDA, there capped at what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use. ``num_full_tokens`` / ``num_swa_tokens`` override either pool;
+    an explicit Full size without an SWA size still sizes SWA by the formula."""
 
     page_size: int = 16
     num_full_tokens: int | None = None
     num_swa_tokens: int | None = None
-    memory_fraction: float = 0.5
+    memory_fraction: float = 0.5  # CUDA, with kv_cache_bytes unset: share of free device memory for KV
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_chunk_tokens: int | None = None
@@ -61,13 +65,19 @@ class EngineConfig:
     swa_release_interval: int = 16
     seed: int = 0
     # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     prefix_checkpoint_every: int = 0  # keep an SWA window every K tokens (a multiple of page_size; 0: off)
     kv_host_bytes: int = 0  # L2: host-memory KV tier budget in bytes (0: no L2)
     kv_store: str | None = None  # L3: a directory, or redis://host:port/db (None: no L3)
     kv_model_id: str | None = None  # L3 key namespace (default: a hash of the model config)
     queue_policy: str = "fcfs"  # "fcfs" | "fewest_uncached" (llm_core/engine/queue_policy.py)
     queue_wait_credit: float = 1000.0  # fewest_uncached: tokens of priority gained per second waited
+    # KV byte budget of both pools (None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, memory_fraction on CUDA,
+    # either capped at max_num_seqs x max_model_len Full tokens); llm_core/kvcache/dual_pool.py
+    kv_cache_bytes: int | None = None
+    # with prefix caching: SWA windows the pool holds beyond the running requests' need, for the
+    # windows the cache keeps (checkpoints, finished prompts); evicted LRU like any cached SWA
+    swa_checkpoint_reserve_windows: int = 128
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -78,6 +88,13 @@ class EngineConfig:
         self.queue  # validates the queue policy
         if self.kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        if self.swa_checkpoint_reserve_windows < 0:
+            raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
+        if self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size:
+            raise ValueError(f"prefix_checkpoint_every must be 0 or a positive multiple of page_size "
+                             f"{self.page_size}, got {self.prefix_checkpoint_every}")
 
     @property
     def queue(self) -> QueuePolicy:
@@ -117,12 +134,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         layout = KVLayout.from_model_config(self.model_config)
-        self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
-                               **self._pool_sizes(layout).__dict__)
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
+        self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
+                               **self._pool_sizes(layout, enable_prefix_caching).__dict__)
         if prefix_cache is None and enable_prefix_caching:
             from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
@@ -167,10 +184,13 @@ class LLMEngine:
         params: SamplingParams,
         embeds: EmbeddingSource | None = None,
         extra_keys: tuple[tuple[int, int, bytes], ...] = (),
+        checkpoints: tuple[int, ...] = (),
     ) -> None:
         """Queue a request (thread-safe). A prompt the engine cannot serve does not raise: it comes
         back from the next step() as an output with finish_reason "error". ``extra_keys``: (start, end,
-        content key) over prompt positions, mixed into the prefix-cache keys of those tokens."""
+        content key) over prompt positions, mixed into the prefix-cache keys of those tokens.
+        ``checkpoints``: prompt positions where the prefix cache keeps a window of SWA KV (the
+        caller's boundaries, e.g. media and message ends; ``Request.checkpoints``)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -178,7 +198,7 @@ class LLMEngine:
         matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens) if params.stop else None
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
-                      extra_keys=tuple(extra_keys), stop_matcher=matcher)
+                      extra_keys=tuple(extra_keys), checkpoints=tuple(checkpoints), stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
         with self._lock:
             if req.request_id in self._live:
@@ -269,16 +289,23 @@ class LLMEngine:
         self.prefix_cache.close()
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _pool_sizes(self, layout: KVLayout) -> PoolSizing:
+    def _pool_sizes(self, layout: KVLayout, prefix_caching: bool) -> PoolSizing:
         c = self.config
+        swa = c.num_swa_tokens
+        if swa is None:
+            swa = swa_tokens_needed(
+                layout, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens, swa_release_interval=c.swa_release_interval,
+                checkpoint_reserve_windows=c.swa_checkpoint_reserve_windows if prefix_caching else 0)
         if c.num_full_tokens is not None:
-            swa = c.num_swa_tokens if c.num_swa_tokens is not None else c.num_full_tokens
             return PoolSizing(c.num_full_tokens, swa)
-        budget = int(available_memory_bytes(self.device) * c.memory_fraction)
-        return PoolSizing.from_bytes(
-            layout, budget, dtype=self.dtype, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
-            max_chunk_tokens=c.scheduler_config.chunk_cap, swa_release_interval=c.swa_release_interval,
-        )
+        if c.kv_cache_bytes is not None:
+            return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=self.dtype, page_size=c.page_size,
+                                         swa_tokens=swa)
+        # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use
+        return PoolSizing.from_bytes(layout, default_kv_budget_bytes(self.device, c.memory_fraction),
+                                     dtype=self.dtype, page_size=c.page_size, swa_tokens=swa,
+                                     max_full_tokens=c.max_num_seqs * self.max_model_len)
 
     def _drain_queues(self) -> tuple[list[RequestOutput], bool]:
         """(outputs of early rejections and aborts, whether anything was queued)."""
