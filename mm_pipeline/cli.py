@@ -13,26 +13,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-DEFAULT_MODEL = Path("samples/demo-model")
+# The committed demo model, found from this package's location (not the working directory), so
+# ``mmserve caption FILE`` works from anywhere; MODEL_ENV overrides it.
+REPO_DEMO_MODEL = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
+MODEL_ENV = "MMSERVE_MODEL"
 
 
 class UsageError(Exception):
     """A problem with the command line: message for the user, exit status 2."""
 
 
+def default_model_dir() -> Path:
+    """``$MMSERVE_MODEL`` when set, else the demo model next to the installed package."""
+    env = os.environ.get(MODEL_ENV)
+    return Path(env) if env else REPO_DEMO_MODEL
+
+
 def _model_dir(arg: str | None) -> Path:
-    path = Path(arg) if arg else DEFAULT_MODEL
+    path = Path(arg) if arg else default_model_dir()
     if not (path / "config.json").is_file():
         if arg is None:
             raise UsageError(
-                f"no model given and the default model {DEFAULT_MODEL}/ does not exist.\n"
-                f"  Pass --model DIR (a MiMo-V2.5-style checkpoint directory), or build a tiny test model:\n"
+                f"no model given and the default model {path}/ does not exist ({MODEL_ENV} or "
+                f"samples/demo-model next to the package).\n"
+                f"  Pass --model DIR (a MiMo-V2.5-style checkpoint directory) or set {MODEL_ENV}, or build a "
+                f"tiny test model:\n"
                 f"  python -c \"from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint as b; "
-                f"b('{DEFAULT_MODEL}')\"")
+                f"b('{path}')\"")
         raise UsageError(f"model directory {path} has no config.json")
     return path
 
@@ -40,19 +52,20 @@ def _model_dir(arg: str | None) -> Path:
 def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=model_required, default=None, help="checkpoint directory"
-                   + ("" if model_required else f" (default {DEFAULT_MODEL}/)"))
+                   + ("" if model_required else f" (default: ${MODEL_ENV}, else the repository's samples/demo-model/)"))
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--dtype", default=None,  # checked by OmniEngineConfig (llm_core.model.dtype.parse_dtype)
                    help="model dtype: float32, bfloat16 (bf16) or float16 (fp16); default: bfloat16 on cuda, "
                         "float32 on cpu")
     g.add_argument("--kv-tokens", type=int, default=None,
-                   help="full-attention KV pool size in tokens (default: a fraction of free memory)")
+                   help="full-attention KV pool size in tokens (default: sized from the model and the KV budget; "
+                        "the SWA pool is sized by its own formula either way)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV of earlier prompts (default: on; windows are kept at media and message ends)")
     g.add_argument("--prefix-checkpoint-every", type=int, default=None, metavar="N",
-                   help="with --enable-prefix-caching: keep sliding-window KV every N tokens (a multiple of 16) "
-                        "so prompts sharing only a prefix (a new question about the same media) hit too; default 0")
+                   help="also keep sliding-window KV every N tokens (a multiple of the page size; 0: off)")
     g.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
     g.add_argument("--decode-workers", type=int, default=None, help="media decode threads")
     g.add_argument("--max-media-mb", type=float, default=None, help="size limit of one media item")
@@ -112,7 +125,6 @@ def engine_config(args: argparse.Namespace) -> Any:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     fields: dict[str, Any] = {"device": device, "dtype": args.dtype or ("float32" if device == "cpu" else "bfloat16"),
-                              "enable_prefix_caching": args.enable_prefix_caching,
                               "allowed_local_dirs": tuple(args.allowed_local_media_path),
                               "allow_http": args.allow_remote_media,
                               "allowed_domains": tuple(args.allowed_media_domain),
@@ -120,6 +132,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     optional = {"num_full_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
                 "max_model_len": args.max_model_len, "max_queue": args.max_queue,
                 "prefix_checkpoint_every": args.prefix_checkpoint_every,
+                "enable_prefix_caching": args.enable_prefix_caching,
                 "decode_workers": args.decode_workers, "cache_dir": args.encoder_cache_dir,
                 "redis_url": args.redis_url}
     fields.update({k: v for k, v in optional.items() if v is not None})
@@ -145,16 +158,26 @@ def _mib(n: int) -> str:
 
 
 def describe_engine(engine: Any, model_dir: Path) -> list[str]:
-    """What a user of ``serve`` needs once the model is up: model, device, KV pools, context. Read
-    before any request runs (sizes only; they never change)."""
+    """What a user of ``serve`` needs once the model is up: model, device, the KV pool split (tokens,
+    bytes, the longest context one request can hold), prefix caching. Read before any request runs
+    (sizes only; they never change)."""
+    from llm_core.kvcache.prefix_cache import NoPrefixCache
+
     llm = engine.runtime.llm
     pool, page = llm.pool, llm.pool.page_size
-    caching = "on" if llm.config.enable_prefix_caching else "off"
+    cfg = llm.config
+    caching = "off"
+    if not isinstance(llm.prefix_cache, NoPrefixCache):
+        every = f", every {cfg.prefix_checkpoint_every} tokens" if cfg.prefix_checkpoint_every else ""
+        caching = f"on (SWA windows kept at media and message ends{every})"
+    full_tokens = pool.full.num_pages * page
     return [f"model     {engine.model_name} ({model_dir})",
             f"device    {llm.device}, {str(llm.dtype).removeprefix('torch.')}",
-            f"KV pools  Full {pool.full.num_pages * page:,} tokens ({_mib(pool.full_bytes)}), "
-            f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}); pages of {page} tokens",
-            f"context   {llm.max_model_len:,} tokens max; prefix caching {caching}"]
+            f"KV pools  Full {full_tokens:,} tokens ({_mib(pool.full_bytes)}), "
+            f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}) for {cfg.max_num_seqs} "
+            f"requests; pages of {page} tokens",
+            f"context   {min(llm.max_model_len, full_tokens):,} tokens max per request "
+            f"(model limit {llm.max_model_len:,}); prefix caching {caching}"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

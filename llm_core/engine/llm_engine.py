@@ -253,7 +253,8 @@ class LLMEngine:
         now = time.monotonic()
         if complete or now - self._prefix_stats_at >= PREFIX_STATS_INTERVAL_S:
             self._prefix_stats, self._prefix_stats_at = self.prefix_cache.stats(), now
-        self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now)  # one swap
+        self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now,  # one swap
+                                          max_model_len=self.max_model_len)
         return self._stats
 
     @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
