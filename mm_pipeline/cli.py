@@ -65,7 +65,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV of earlier prompts (default: on; windows are kept at media and message ends)")
     g.add_argument("--prefix-checkpoint-every", type=int, default=None, metavar="N",
-                   help="also keep sliding-window KV every N tokens (a multiple of the page size; 0: off)")
+                   help="also keep sliding-window KV every N tokens (a multiple of the page size; 0: off; "
+                        "default: every 32 pages)")
     g.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
     g.add_argument("--decode-workers", type=int, default=None, help="media decode threads")
     g.add_argument("--max-media-mb", type=float, default=None, help="size limit of one media item")
@@ -168,7 +169,7 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
     cfg = llm.config
     caching = "off"
     if not isinstance(llm.prefix_cache, NoPrefixCache):
-        every = f", every {cfg.prefix_checkpoint_every} tokens" if cfg.prefix_checkpoint_every else ""
+        every = f" and every {cfg.checkpoint_every} tokens" if cfg.checkpoint_every else ""
         caching = f"on (SWA windows kept at media and message ends{every})"
     full_tokens = pool.full.num_pages * page
     return [f"model     {engine.model_name} ({model_dir})",

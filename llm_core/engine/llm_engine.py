@@ -43,6 +43,12 @@ from llm_core.kvcache.prefix_cache import PrefixCache
 # The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
 # requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
 PREFIX_STATS_INTERVAL_S = 1.0
+# Default periodic checkpoint interval, in pages (512 tokens at page_size 16). Media and message ends are
+# checkpoints already; periodic ones serve prompts that branch inside a long message, whose recompute
+# they bound to one interval, at one kept window per interval. `benchmarks/prefix_cache.py --served`
+# (README, "Prefix caching by default") shows no difference between none, 128 and 512 on its traces
+# (whose branches are all at message or media ends), so the interval is long: little SWA, bounded loss.
+PREFIX_CHECKPOINT_PAGES = 32
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,9 @@ class EngineConfig:
     seed: int = 0
     # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
     enable_prefix_caching: bool = True
-    prefix_checkpoint_every: int = 0  # keep an SWA window every K tokens (a multiple of page_size; 0: off)
+    # keep an SWA window every K tokens besides the caller's checkpoints (a multiple of page_size; 0: off;
+    # None: every PREFIX_CHECKPOINT_PAGES pages, the interval measured in benchmarks/prefix_cache.py)
+    prefix_checkpoint_every: int | None = None
     kv_host_bytes: int = 0  # L2: host-memory KV tier budget in bytes (0: no L2)
     kv_store: str | None = None  # L3: a directory, or redis://host:port/db (None: no L3)
     kv_model_id: str | None = None  # L3 key namespace (default: a hash of the model config)
@@ -92,9 +100,17 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
-        if self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size:
+        if self.prefix_checkpoint_every is not None and (
+                self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size):
             raise ValueError(f"prefix_checkpoint_every must be 0 or a positive multiple of page_size "
                              f"{self.page_size}, got {self.prefix_checkpoint_every}")
+
+    @property
+    def checkpoint_every(self) -> int:
+        """The periodic checkpoint interval in tokens (0: none)."""
+        if self.prefix_checkpoint_every is None:
+            return PREFIX_CHECKPOINT_PAGES * self.page_size
+        return self.prefix_checkpoint_every
 
     @property
     def queue(self) -> QueuePolicy:
@@ -105,6 +121,25 @@ class EngineConfig:
         return SchedulerConfig(
             self.max_num_batched_tokens, self.max_num_seqs, self.max_chunk_tokens, self.swa_release_interval
         )
+
+
+def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
+                max_model_len: int, prefix_caching: bool) -> PoolSizing:
+    """The pool sizes an engine with config ``c`` builds (see ``EngineConfig``; benchmarks/kv_capacity.py
+    reports them for real models): explicit sizes win, SWA gets its need, Full the rest of the budget."""
+    swa = c.num_swa_tokens
+    if swa is None:
+        swa = swa_tokens_needed(
+            layout, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, swa_release_interval=c.swa_release_interval,
+            checkpoint_reserve_windows=c.swa_checkpoint_reserve_windows if prefix_caching else 0)
+    if c.num_full_tokens is not None:
+        return PoolSizing(c.num_full_tokens, swa)
+    if c.kv_cache_bytes is not None:
+        return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=dtype, page_size=c.page_size, swa_tokens=swa)
+    # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use
+    return PoolSizing.from_bytes(layout, default_kv_budget_bytes(device, c.memory_fraction), dtype=dtype,
+                                 page_size=c.page_size, swa_tokens=swa, max_full_tokens=c.max_num_seqs * max_model_len)
 
 
 def _is_token(t) -> bool:
@@ -139,7 +174,9 @@ class LLMEngine:
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
         self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
-                               **self._pool_sizes(layout, enable_prefix_caching).__dict__)
+                               **pool_sizing(self.config, layout, dtype=self.dtype, device=self.device,
+                                             max_model_len=self.max_model_len,
+                                             prefix_caching=enable_prefix_caching).__dict__)
         if prefix_cache is None and enable_prefix_caching:
             from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
@@ -290,24 +327,6 @@ class LLMEngine:
         self.prefix_cache.close()
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _pool_sizes(self, layout: KVLayout, prefix_caching: bool) -> PoolSizing:
-        c = self.config
-        swa = c.num_swa_tokens
-        if swa is None:
-            swa = swa_tokens_needed(
-                layout, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
-                max_num_batched_tokens=c.max_num_batched_tokens, swa_release_interval=c.swa_release_interval,
-                checkpoint_reserve_windows=c.swa_checkpoint_reserve_windows if prefix_caching else 0)
-        if c.num_full_tokens is not None:
-            return PoolSizing(c.num_full_tokens, swa)
-        if c.kv_cache_bytes is not None:
-            return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=self.dtype, page_size=c.page_size,
-                                         swa_tokens=swa)
-        # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use
-        return PoolSizing.from_bytes(layout, default_kv_budget_bytes(self.device, c.memory_fraction),
-                                     dtype=self.dtype, page_size=c.page_size, swa_tokens=swa,
-                                     max_full_tokens=c.max_num_seqs * self.max_model_len)
-
     def _drain_queues(self) -> tuple[list[RequestOutput], bool]:
         """(outputs of early rejections and aborts, whether anything was queued)."""
         with self._lock:

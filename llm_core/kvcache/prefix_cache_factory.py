@@ -46,4 +46,4 @@ def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWAR
         store = open_kv_store(config.kv_store) if config.kv_store else None
         model_id = config.kv_model_id or weights_fingerprint(model)
         tiers = KVTiers(pool, host=host, store=store, model_id=model_id)
-    return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)
+    return SWARadixCache(pool, checkpoint_every=config.checkpoint_every, tiers=tiers)
