@@ -233,7 +233,8 @@ def served(args) -> None:
                 [(pool["total_bytes_swa"], pool["total_bytes_full"], pool["total_bytes_swa"] / pool["total_bytes_full"],
                   rss_start / 2**20, rss_end / 2**20, seconds)])
     write_json(args.json, dict(agent_hit_rate=round(agent["hit_rate"], 4),
-                               media_hit_rate=round(per_media["media_hit_rate"], 4), server_args=" ".join(args.server_arg),
+                               media_hit_rate=round(per_media["media_hit_rate"], 4),
+                               server_args=" ".join(args.server_arg),
                                rss_start_bytes=rss_start, rss_end_bytes=rss_end, seconds=round(seconds, 1),
                                **{f"agent_{k}": v for k, v in agent.items() if k != "hit_rate"},
                                **{f"media_{k}": v for k, v in per_media.items() if k != "media_hit_rate"}, **pool))
@@ -255,7 +256,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--served", action="store_true", help="replay traces through mmserve serve over HTTP")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="with --served: an extra mmserve serve argument, e.g. --server-arg=--prefix-checkpoint-every=64")
+                   help="with --served: an extra mmserve serve argument, e.g. "
+                        "--server-arg=--prefix-checkpoint-every=64")
     p.add_argument("--system-words", type=int, default=220, help="with --served: agent system prompt length")
     args = p.parse_args()
     if args.served:

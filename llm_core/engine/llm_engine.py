@@ -63,7 +63,8 @@ class EngineConfig:
     page_size: int = 16
     num_full_tokens: int | None = None
     num_swa_tokens: int | None = None
-    memory_fraction: float = 0.5  # CUDA, with kv_cache_bytes unset: share of free device memory for KV
+    memory_fraction: float = 0.5
+    """CUDA, with kv_cache_bytes unset: share of the device's free memory the two KV pools take."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_chunk_tokens: int | None = None
@@ -72,20 +73,18 @@ class EngineConfig:
     seed: int = 0
     # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
     enable_prefix_caching: bool = True
-    # keep an SWA window every K tokens besides the caller's checkpoints (a multiple of page_size; 0: off;
-    # None: every PREFIX_CHECKPOINT_PAGES pages, the interval measured in benchmarks/prefix_cache.py)
+    """Reuse the KV of earlier prompts' shared prefixes, kept at media and message ends (docs/kv_cache.md)."""
     prefix_checkpoint_every: int | None = None
+    """Also keep sliding-window KV every N tokens (a multiple of page_size; 0: off; none: every 32 pages)."""
     kv_host_bytes: int = 0  # L2: host-memory KV tier budget in bytes (0: no L2)
     kv_store: str | None = None  # L3: a directory, or redis://host:port/db (None: no L3)
     kv_model_id: str | None = None  # L3 key namespace (default: a hash of the model config)
     queue_policy: str = "fcfs"  # "fcfs" | "fewest_uncached" (llm_core/engine/queue_policy.py)
     queue_wait_credit: float = 1000.0  # fewest_uncached: tokens of priority gained per second waited
-    # KV byte budget of both pools (None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, memory_fraction on CUDA,
-    # either capped at max_num_seqs x max_model_len Full tokens); llm_core/kvcache/dual_pool.py
     kv_cache_bytes: int | None = None
-    # with prefix caching: SWA windows the pool holds beyond the running requests' need, for the
-    # windows the cache keeps (checkpoints, finished prompts); evicted LRU like any cached SWA
+    """KV bytes of both pools (none: 4 GiB on CPU, memory_fraction on CUDA, capped at what the model can use)."""
     swa_checkpoint_reserve_windows: int = 128
+    """With prefix caching: SWA pool room for this many windows the cache keeps (checkpoints; evicted LRU)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -133,8 +132,8 @@ def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device
             layout, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, swa_release_interval=c.swa_release_interval,
             checkpoint_reserve_windows=c.swa_checkpoint_reserve_windows if prefix_caching else 0)
-    if c.num_full_tokens is not None:
-        return PoolSizing(c.num_full_tokens, swa)
+    if c.num_full_tokens is not None:  # SWA pages past the Full pool's could never be mapped
+        return PoolSizing(c.num_full_tokens, swa if c.num_swa_tokens is not None else min(swa, c.num_full_tokens))
     if c.kv_cache_bytes is not None:
         return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=dtype, page_size=c.page_size, swa_tokens=swa)
     # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use

@@ -8,7 +8,8 @@ Measured here (the HTTP side sees what the client sees):
   * ``mmserve_event_loop_lag_seconds``        histogram (+ ``_max`` gauge) from ``LoopLagMonitor``
 Engine state is the engine's last published snapshot (mm_pipeline/runtime/stats.py), turned into
 metric families at scrape time by :class:`SnapshotCollector`: queue depth, running requests, KV pool
-pages, tokens and bytes per pool (the split), the context one request can hold, prefix / encoder cache hits per tier, decode pool, engine-loop counters.
+pages, tokens and bytes per pool (the split), the context one request can hold, prefix / encoder
+cache hits per tier, decode pool, engine-loop counters.
 
 The registry is the app's own (``CollectorRegistry``), not prometheus_client's global one, so
 several apps in one process (tests, benchmarks) do not clash.

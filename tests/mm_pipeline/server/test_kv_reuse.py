@@ -154,5 +154,6 @@ def test_default_pool_split_is_the_formula_and_the_server_starts_small(default_s
     assert metric(default_server, "mmserve_kv_pool_total_bytes", pool="full") == full_bytes
     assert swa_bytes <= full_bytes / 4
     assert metric(default_server, "mmserve_max_context_tokens") == model.max_position_embeddings
-    assert f"SWA {swa_tokens:,} tokens" in default_server.output and f"Full {full_tokens:,} tokens" in default_server.output
+    startup = default_server.output
+    assert f"SWA {swa_tokens:,} tokens" in startup and f"Full {full_tokens:,} tokens" in startup
     assert default_server.rss_at_start < 3 << 30, default_server.rss_at_start
