@@ -9,6 +9,11 @@ the real buffer shapes. One request is driven through the real Scheduler: chunke
 The all-full baseline is the same model whose sliding layers keep every token: the same pools with the
 scheduler's window switched off (nothing is ever released).
 
+Default split: what ``LLMEngine`` builds with no pool flags (``llm_engine.pool_sizing``, the same
+function), for the demo model (float32 on CPU: the fixed default space, capped at what
+``max_num_seqs`` requests of its context can use) and MiMo-V2.5 (bf16 with an example 60 GiB budget,
+80 GB GPU x ``memory_fraction``-style): tokens and bytes per pool, SWA / Full, the longest context.
+
 Theory (blog): dual keeps W = 128 SWA tokens, so ratio = (F + S) L / (F L + S W) = 7.6 / 9.35 / 9.6 at
 4K / 32K / 128K. Measured ratios are a little lower: our window is 129 visible keys, pages round up
 and decode releases SWA pages every ``swa_release_interval`` tokens.
@@ -19,10 +24,12 @@ from __future__ import annotations
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
 import time
+from pathlib import Path
 
 import torch
 from _common import base_parser, print_table, write_json
 
+from llm_core.engine.llm_engine import EngineConfig, pool_sizing
 from llm_core.model.config import ModelConfig
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.request import Request
@@ -45,6 +52,19 @@ MIMO_V25 = {
     "layernorm_epsilon": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False, "eos_token_id": 151645,
 }
 GB = 1e9
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
+
+
+def default_split(name: str, config: ModelConfig, dtype: torch.dtype, device: str, budget: int | None) -> dict:
+    """The pools an engine builds with default EngineConfig sizing (``budget``: kv_cache_bytes)."""
+    cfg = EngineConfig(kv_cache_bytes=budget)
+    layout = KVLayout.from_model_config(config)
+    max_len = config.max_position_embeddings
+    sizes = pool_sizing(cfg, layout, dtype=dtype, device=device, max_model_len=max_len, prefix_caching=True)
+    full_b = sizes.num_full_tokens * layout.full_bytes_per_token(dtype)
+    swa_b = sizes.num_swa_tokens * layout.swa_bytes_per_token(dtype)
+    return dict(model=name, full_tokens=sizes.num_full_tokens, swa_tokens=sizes.num_swa_tokens, full_bytes=full_b,
+                swa_bytes=swa_b, swa_over_full=swa_b / full_b, max_context=min(max_len, sizes.num_full_tokens))
 
 
 def measure(layout: KVLayout, context: int, *, dual: bool, page: int, chunk: int, interval: int,
@@ -110,6 +130,15 @@ def main() -> None:
     print_table("KV per context token, one request at the end of decode",
                 ["context", "dual B/tok", "all-full B/tok", "dual tok/GB", "all-full tok/GB", "ratio",
                  "theory", "dual prefill-peak B/tok"], rows)
+    splits = [default_split("demo-model (cpu, f32, default space)", ModelConfig.from_pretrained(DEMO_MODEL),
+                            torch.float32, "cpu", None),
+              default_split("MiMo-V2.5 (bf16, 60 GiB)", config, torch.bfloat16, "cpu", 60 << 30)]
+    print_table(f"default pool split (EngineConfig defaults: {EngineConfig().max_num_seqs} requests, "
+                f"{EngineConfig().swa_checkpoint_reserve_windows} reserved SWA windows)",
+                ["model", "Full tokens", "SWA tokens", "Full bytes", "SWA bytes", "SWA / Full", "max context"],
+                [list(d.values()) for d in splits])
+    for key, d in zip(("demo", "mimo_60gib"), splits):
+        results.update({f"default_{key}_{k}": v for k, v in d.items() if k != "model"})
     results["wall_s"] = time.perf_counter() - t0
     print(f"\n{results['wall_s']:.1f} s")
     write_json(args.json, results)

@@ -23,6 +23,10 @@ hit rate = 1 - prompt tokens computed / prompt tokens submitted (recomputation a
 
 Overhead: real forwards of a small random model on random prompts, prefix cache off vs on (same
 pools; the tree keeps inserting and evicting and never hits). Runs alternate; the fastest of each counts.
+
+``--served``: instead, start ``mmserve serve --model samples/demo-model`` with default flags (plus any
+``--server-arg``) on 127.0.0.1 and replay an agent trace and a question-per-media trace over HTTP
+(``_served_traces.py``); reports the hit rates a client sees, the server's pool split and its RSS.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ import time
 import zlib
 from dataclasses import dataclass
 
+import httpx
 import torch
 from _common import base_parser, print_table, write_json
+from prometheus_client.parser import text_string_to_metric_families
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
@@ -191,6 +197,49 @@ def overhead(args) -> tuple[float, float, float]:
     return best[False], best[True], best[True] / best[False] - 1
 
 
+def served(args) -> None:
+    """Replay the traces through a default-flag ``mmserve serve`` child process (bounded by its timeouts)."""
+    from _served_traces import agent_trace, question_per_media_trace
+
+    from mm_pipeline.cli import REPO_DEMO_MODEL
+    from mm_pipeline.server.server_process import ServerProcess
+
+    media_dir = REPO_DEMO_MODEL.parent / "media"
+    media = sorted(p for p in media_dir.iterdir() if p.suffix != ".jsonl")
+    conv, turns, questions = (4, (4, 8), 3) if args.quick else (12, (5, 12), 4)
+    with ServerProcess(["--model", str(REPO_DEMO_MODEL), "--device", "cpu", *args.server_arg]) as server:
+        rss_start = server.rss_bytes()
+        t0 = time.perf_counter()
+        agent = agent_trace(server.base_url, conversations=conv, turns=turns, system_words=args.system_words,
+                            concurrency=4, max_tokens=12)
+        per_media = question_per_media_trace(server.base_url, REPO_DEMO_MODEL, media, questions=questions,
+                                             max_tokens=12)
+        seconds = time.perf_counter() - t0
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+        rss_end = server.rss_bytes()
+        startup = [ln for ln in server.output.splitlines() if ln.startswith(("KV pools", "context"))]
+    pool = {}
+    for fam in text_string_to_metric_families(metrics):
+        for smp in fam.samples:
+            if smp.name in ("mmserve_kv_pool_total_tokens", "mmserve_kv_pool_total_bytes"):
+                pool[f"{smp.name.removeprefix('mmserve_kv_pool_')}_{smp.labels['pool']}"] = int(smp.value)
+    print("\n".join(startup))
+    print_table(f"mmserve serve {' '.join(args.server_arg) or '(default flags)'}: hit rates over HTTP",
+                ["trace", "requests", "prompt / media tokens", "cached", "hit rate"],
+                [("agent", agent["requests"], agent["prompt_tokens"], agent["cached_tokens"], agent["hit_rate"]),
+                 ("question per media (follow-ups)", per_media["requests"], per_media["media_tokens"],
+                  per_media["cached_media_tokens"], per_media["media_hit_rate"])])
+    print_table("server", ["SWA bytes", "Full bytes", "SWA / Full", "RSS start MiB", "RSS end MiB", "s"],
+                [(pool["total_bytes_swa"], pool["total_bytes_full"], pool["total_bytes_swa"] / pool["total_bytes_full"],
+                  rss_start / 2**20, rss_end / 2**20, seconds)])
+    write_json(args.json, dict(agent_hit_rate=round(agent["hit_rate"], 4),
+                               media_hit_rate=round(per_media["media_hit_rate"], 4),
+                               server_args=" ".join(args.server_arg),
+                               rss_start_bytes=rss_start, rss_end_bytes=rss_end, seconds=round(seconds, 1),
+                               **{f"agent_{k}": v for k, v in agent.items() if k != "hit_rate"},
+                               **{f"media_{k}": v for k, v in per_media.items() if k != "media_hit_rate"}, **pool))
+
+
 def main() -> None:
     p = base_parser(__doc__.split("\n")[0])
     p.add_argument("--budget-gib", type=float, default=None, help="device KV bytes (default: by --quick)")
@@ -205,7 +254,15 @@ def main() -> None:
     p.add_argument("--tool-steps", type=int, default=40, help="max engine steps a conversation waits per turn")
     p.add_argument("--overhead-prompt", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--served", action="store_true", help="replay traces through mmserve serve over HTTP")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="with --served: an extra mmserve serve argument, e.g. "
+                        "--server-arg=--prefix-checkpoint-every=64")
+    p.add_argument("--system-words", type=int, default=220, help="with --served: agent system prompt length")
     args = p.parse_args()
+    if args.served:
+        served(args)
+        return
     quick = args.quick
     n_conv, system_len, turns = (24, 2560, (6, 16)) if quick else (64, 3000, (5, 20))
     args.concurrency = args.concurrency or (8 if quick else 16)

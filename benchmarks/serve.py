@@ -187,7 +187,8 @@ class HFStyleCaptioner:
                                    units=[SimpleNamespace(num_tokens=int(r.shape[0])) for r in rows])
             chat = parse_messages([{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}},
                                                                 {"type": "text", "text": prompt or DEFAULT_PROMPTS[item.kind]}]}])
-            ids, spans = self.model.layout.render(chat, [plan])
+            laid = self.model.layout.render(chat, [plan])
+            ids, spans = list(laid.token_ids), laid.unit_spans
             dev = self.hf.device
             emb = self.hf.get_input_embeddings()(torch.tensor(ids, device=dev)).clone()
             for (start, end), r in zip(spans[0], rows):

@@ -13,26 +13,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-DEFAULT_MODEL = Path("samples/demo-model")
+# The committed demo model, found from this package's location (not the working directory), so
+# ``mmserve caption FILE`` works from anywhere; MODEL_ENV overrides it.
+REPO_DEMO_MODEL = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
+MODEL_ENV = "MMSERVE_MODEL"
 
 
 class UsageError(Exception):
     """A problem with the command line: message for the user, exit status 2."""
 
 
+def default_model_dir() -> Path:
+    """``$MMSERVE_MODEL`` when set, else the demo model next to the installed package."""
+    env = os.environ.get(MODEL_ENV)
+    return Path(env) if env else REPO_DEMO_MODEL
+
+
 def _model_dir(arg: str | None) -> Path:
-    path = Path(arg) if arg else DEFAULT_MODEL
+    path = Path(arg) if arg else default_model_dir()
     if not (path / "config.json").is_file():
         if arg is None:
             raise UsageError(
-                f"no model given and the default model {DEFAULT_MODEL}/ does not exist.\n"
-                f"  Pass --model DIR (a MiMo-V2.5-style checkpoint directory), or build a tiny test model:\n"
+                f"no model given and the default model {path}/ does not exist ({MODEL_ENV} or "
+                f"samples/demo-model next to the package).\n"
+                f"  Pass --model DIR (a MiMo-V2.5-style checkpoint directory) or set {MODEL_ENV}, or build a "
+                f"tiny test model:\n"
                 f"  python -c \"from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint as b; "
-                f"b('{DEFAULT_MODEL}')\"")
+                f"b('{path}')\"")
         raise UsageError(f"model directory {path} has no config.json")
     return path
 
@@ -55,7 +67,7 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                              "nested configs as --media-* (MediaLimits) and --video-* (VideoSamplingParams; "
                              "without any --video-* flag the checkpoint's processor_config applies)")
     g.add_argument("--model", required=model_required, default=None, help="checkpoint directory"
-                   + ("" if model_required else f" (default {DEFAULT_MODEL}/)"))
+                   + ("" if model_required else f" (default: ${MODEL_ENV}, else the repository's samples/demo-model/)"))
     add_config_file_flag(g)
     g.add_argument("--max-media-mb", type=float, default=None,
                    help="size limit of one media item in MiB (the same as --media-max-bytes)")
@@ -146,16 +158,26 @@ def _mib(n: int) -> str:
 
 
 def describe_engine(engine: Any, model_dir: Path) -> list[str]:
-    """What a user of ``serve`` needs once the model is up: model, device, KV pools, context. Read
-    before any request runs (sizes only; they never change)."""
+    """What a user of ``serve`` needs once the model is up: model, device, the KV pool split (tokens,
+    bytes, the longest context one request can hold), prefix caching. Read before any request runs
+    (sizes only; they never change)."""
+    from llm_core.kvcache.prefix_cache import NoPrefixCache
+
     llm = engine.runtime.llm
     pool, page = llm.pool, llm.pool.page_size
-    caching = "on" if llm.config.enable_prefix_caching else "off"
+    cfg = llm.config
+    caching = "off"
+    if not isinstance(llm.prefix_cache, NoPrefixCache):
+        every = f" and every {cfg.checkpoint_every} tokens" if cfg.checkpoint_every else ""
+        caching = f"on (SWA windows kept at media and message ends{every})"
+    full_tokens = pool.full.num_pages * page
     return [f"model     {engine.model_name} ({model_dir})",
             f"device    {llm.device}, {str(llm.dtype).removeprefix('torch.')}",
-            f"KV pools  Full {pool.full.num_pages * page:,} tokens ({_mib(pool.full_bytes)}), "
-            f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}); pages of {page} tokens",
-            f"context   {llm.max_model_len:,} tokens max; prefix caching {caching}"]
+            f"KV pools  Full {full_tokens:,} tokens ({_mib(pool.full_bytes)}), "
+            f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}) for {cfg.max_num_seqs} "
+            f"requests; pages of {page} tokens",
+            f"context   {min(llm.max_model_len, full_tokens):,} tokens max per request "
+            f"(model limit {llm.max_model_len:,}); prefix caching {caching}"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

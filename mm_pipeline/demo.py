@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.cli import REPO_DEMO_MODEL as DEMO_MODEL
 from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob, discover_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_MODEL = ROOT / "samples" / "demo-model"
 MEDIA = ROOT / "samples" / "media"
 
 

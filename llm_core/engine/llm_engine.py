@@ -32,7 +32,7 @@ import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult
-from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, available_memory_bytes
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, default_kv_budget_bytes, swa_tokens_needed
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
@@ -44,21 +44,31 @@ from llm_core.kvcache.prefix_cache import PrefixCache
 # The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
 # requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
 PREFIX_STATS_INTERVAL_S = 1.0
+# Default periodic checkpoint interval, in pages (512 tokens at page_size 16). Media and message ends are
+# checkpoints already; periodic ones serve prompts that branch inside a long message, whose recompute
+# they bound to one interval, at one kept window per interval. `benchmarks/prefix_cache.py --served`
+# (README, "Prefix caching by default") shows no difference between none, 128 and 512 on its traces
+# (whose branches are all at message or media ends), so the interval is long: little SWA, bounded loss.
+PREFIX_CHECKPOINT_PAGES = 32
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Pool sizes come from ``num_full_tokens`` / ``num_swa_tokens`` when given, otherwise from
-    ``memory_fraction`` of the device's free memory (split by :meth:`PoolSizing.from_bytes`)."""
+    """Pool sizes (docs/kv_cache.md §1, "Sizing"): the SWA pool gets what ``max_num_seqs`` running
+    requests and ``swa_checkpoint_reserve_windows`` kept windows need (``swa_tokens_needed``), the
+    Full pool the rest of one byte budget -- ``kv_cache_bytes``, or by default a fixed space on CPU
+    and ``memory_fraction`` of free memory on CUDA, there capped at what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use. ``num_full_tokens`` / ``num_swa_tokens`` override either pool;
+    an explicit Full size without an SWA size still sizes SWA by the formula."""
 
     page_size: int = 16
     """Tokens per KV page (both pools; prefix-cache hits are whole pages)."""
     num_full_tokens: int | None = None
-    """Full-attention KV pool size in tokens (default: from memory_fraction)."""
+    """Full-attention KV pool size in tokens (default: the rest of the KV byte budget after SWA)."""
     num_swa_tokens: int | None = None
-    """Sliding-window KV pool size in tokens (default: with num_full_tokens, the same; else from memory_fraction)."""
+    """Sliding-window KV pool size in tokens (default: what max_num_seqs requests and the checkpoint reserve need)."""
     memory_fraction: float = 0.5
-    """Share of the device's free memory the two KV pools take when their sizes are not given."""
+    """CUDA, with kv_cache_bytes unset: share of the device's free memory the two KV pools take."""
     max_num_batched_tokens: int = 2048
     """Token budget of one model step (prefill chunks and decodes together)."""
     max_num_seqs: int = 64
@@ -72,10 +82,10 @@ class EngineConfig:
     seed: int = 0
     """Seed of the sampler's generator for requests without their own seed."""
     # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
-    enable_prefix_caching: bool = False
-    """Reuse the KV of earlier prompts' shared prefixes (docs/kv_cache.md)."""
-    prefix_checkpoint_every: int = 0
-    """Keep a sliding-window KV checkpoint every N tokens (a multiple of page_size; 0: off), so prompts sharing only a prefix hit."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of earlier prompts' shared prefixes, kept at media and message ends (docs/kv_cache.md)."""
+    prefix_checkpoint_every: int | None = None
+    """Also keep sliding-window KV every N tokens (a multiple of page_size; 0: off; none: every 32 pages)."""
     kv_host_bytes: int = 0
     """L2: host-memory KV tier budget in bytes (0: no L2)."""
     kv_store: str | None = None
@@ -90,6 +100,10 @@ class EngineConfig:
     """L3 directory store: byte cap, least recently used pages go first (none: no cap; Redis: its maxmemory)."""
     kv_l3_load_timeout_s: float = 1.0
     """How long a request waits (not scheduled) for its cached prefix from L3 before it goes on with what arrived."""
+    kv_cache_bytes: int | None = None
+    """KV bytes of both pools (none: 4 GiB on CPU, memory_fraction on CUDA, capped at what the model can use)."""
+    swa_checkpoint_reserve_windows: int = 128
+    """With prefix caching: SWA pool room for this many windows the cache keeps (checkpoints; evicted LRU)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -104,6 +118,21 @@ class EngineConfig:
             raise ValueError(f"kv_l3_load_timeout_s must be >= 0, got {self.kv_l3_load_timeout_s}")
         if self.kv_store_bytes is not None and self.kv_store_bytes < 0:
             raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        if self.swa_checkpoint_reserve_windows < 0:
+            raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
+        if self.prefix_checkpoint_every is not None and (
+                self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size):
+            raise ValueError(f"prefix_checkpoint_every must be 0 or a positive multiple of page_size "
+                             f"{self.page_size}, got {self.prefix_checkpoint_every}")
+
+    @property
+    def checkpoint_every(self) -> int:
+        """The periodic checkpoint interval in tokens (0: none)."""
+        if self.prefix_checkpoint_every is None:
+            return PREFIX_CHECKPOINT_PAGES * self.page_size
+        return self.prefix_checkpoint_every
 
     @property
     def queue(self) -> QueuePolicy:
@@ -114,6 +143,25 @@ class EngineConfig:
         return SchedulerConfig(
             self.max_num_batched_tokens, self.max_num_seqs, self.max_chunk_tokens, self.swa_release_interval
         )
+
+
+def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
+                max_model_len: int, prefix_caching: bool) -> PoolSizing:
+    """The pool sizes an engine with config ``c`` builds (see ``EngineConfig``; benchmarks/kv_capacity.py
+    reports them for real models): explicit sizes win, SWA gets its need, Full the rest of the budget."""
+    swa = c.num_swa_tokens
+    if swa is None:
+        swa = swa_tokens_needed(
+            layout, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, swa_release_interval=c.swa_release_interval,
+            checkpoint_reserve_windows=c.swa_checkpoint_reserve_windows if prefix_caching else 0)
+    if c.num_full_tokens is not None:  # SWA pages past the Full pool's could never be mapped
+        return PoolSizing(c.num_full_tokens, swa if c.num_swa_tokens is not None else min(swa, c.num_full_tokens))
+    if c.kv_cache_bytes is not None:
+        return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=dtype, page_size=c.page_size, swa_tokens=swa)
+    # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use
+    return PoolSizing.from_bytes(layout, default_kv_budget_bytes(device, c.memory_fraction), dtype=dtype,
+                                 page_size=c.page_size, swa_tokens=swa, max_full_tokens=c.max_num_seqs * max_model_len)
 
 
 def _is_token(t) -> bool:
@@ -143,12 +191,14 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         layout = KVLayout.from_model_config(self.model_config)
-        self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
-                               **self._pool_sizes(layout).__dict__)
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
+        self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
+                               **pool_sizing(self.config, layout, dtype=self.dtype, device=self.device,
+                                             max_model_len=self.max_model_len,
+                                             prefix_caching=enable_prefix_caching).__dict__)
         if prefix_cache is None and enable_prefix_caching:
             from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
@@ -193,10 +243,13 @@ class LLMEngine:
         params: SamplingParams,
         embeds: EmbeddingSource | None = None,
         extra_keys: tuple[tuple[int, int, bytes], ...] = (),
+        checkpoints: tuple[int, ...] = (),
     ) -> None:
         """Queue a request (thread-safe). A prompt the engine cannot serve does not raise: it comes
         back from the next step() as an output with finish_reason "error". ``extra_keys``: (start, end,
-        content key) over prompt positions, mixed into the prefix-cache keys of those tokens."""
+        content key) over prompt positions, mixed into the prefix-cache keys of those tokens.
+        ``checkpoints``: prompt positions where the prefix cache keeps a window of SWA KV (the
+        caller's boundaries, e.g. media and message ends; ``Request.checkpoints``)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -204,7 +257,7 @@ class LLMEngine:
         matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens) if params.stop else None
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
-                      extra_keys=tuple(extra_keys), stop_matcher=matcher)
+                      extra_keys=tuple(extra_keys), checkpoints=tuple(checkpoints), stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
         with self._lock:
             if req.request_id in self._live:
@@ -259,7 +312,8 @@ class LLMEngine:
         now = time.monotonic()
         if complete or now - self._prefix_stats_at >= PREFIX_STATS_INTERVAL_S:
             self._prefix_stats, self._prefix_stats_at = self.prefix_cache.stats(), now
-        self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now)  # one swap
+        self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now,  # one swap
+                                          max_model_len=self.max_model_len)
         return self._stats
 
     @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
@@ -321,17 +375,6 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
             return StepResult([], failed + [(e, exc) for e in rest])
         return StepResult(result.sampled, failed + result.failed)
-
-    def _pool_sizes(self, layout: KVLayout) -> PoolSizing:
-        c = self.config
-        if c.num_full_tokens is not None:
-            swa = c.num_swa_tokens if c.num_swa_tokens is not None else c.num_full_tokens
-            return PoolSizing(c.num_full_tokens, swa)
-        budget = int(available_memory_bytes(self.device) * c.memory_fraction)
-        return PoolSizing.from_bytes(
-            layout, budget, dtype=self.dtype, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
-            max_chunk_tokens=c.scheduler_config.chunk_cap, swa_release_interval=c.swa_release_interval,
-        )
 
     def _drain_queues(self) -> tuple[list[RequestOutput], bool]:
         """(outputs of early rejections and aborts, whether anything was queued)."""

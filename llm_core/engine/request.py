@@ -66,6 +66,10 @@ class Request:
     # (start, end, content key) over prompt positions: media hashes the prefix cache mixes into the
     # keys of those tokens, so equal placeholder ids with different media never share KV.
     extra_keys: tuple[tuple[int, int, bytes], ...] = ()
+    # prompt positions C where the prefix cache keeps a window of SWA KV, so a later prompt that
+    # shares the first C tokens resumes there (the caller's boundaries: media region and message
+    # ends; docs/kv_cache.md §7). Sorted, each in [1, prompt length].
+    checkpoints: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)  # for wait-time aware queue orders
     # incremental output text for ``params.stop`` (the engine makes one when it has a tokenizer)
     stop_matcher: StopStringMatcher | None = None
@@ -94,6 +98,10 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         check_extra_keys(self.extra_keys, len(self.prompt_token_ids))
         self.extra_keys = tuple((int(a), int(b), bytes(k)) for a, b, k in self.extra_keys)
+        self.checkpoints = tuple(sorted({int(c) for c in self.checkpoints}))
+        if self.checkpoints and not 1 <= self.checkpoints[0] <= self.checkpoints[-1] <= len(self.prompt_token_ids):
+            raise ValueError(f"checkpoints must lie in [1, {len(self.prompt_token_ids)}] (the prompt), "
+                             f"got {self.checkpoints[0]}..{self.checkpoints[-1]}")
         self.generator = self.params.make_generator()
 
     # ---- progress -----------------------------------------------------------------------------

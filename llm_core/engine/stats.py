@@ -48,6 +48,7 @@ class PoolUsage:
     total_pages: int
     used_pages: int
     peak_pages: int  # most pages ever in use at once
+    total_bytes: int  # the pool's K/V buffers over all its layers (the split the start-up prints)
 
     _derived = ("free_pages",)
 
@@ -62,6 +63,7 @@ class EngineStats:
 
     kv_pool: Mapping[str, PoolUsage]  # label pool: "full", "swa"
     kv_page_size: int  # tokens per page, both pools
+    max_context_tokens: int  # the longest prompt + output one request can hold (model limit, Full pool)
     running: int  # requests the scheduler is computing (prefill or decode)
     queue_depth: int  # requests waiting to be admitted (new, or preempted back)
     preemptions: int  # counter
@@ -75,7 +77,8 @@ class EngineStats:
     kv_l3_loading: int = 0  # waiting requests whose cached prefix is being read from L3 (not scheduled)
 
     @classmethod
-    def collect(cls, pool, scheduler, prefix_stats: Mapping[str, int], now: float | None = None) -> "EngineStats":
+    def collect(cls, pool, scheduler, prefix_stats: Mapping[str, int], now: float | None = None, *,
+                max_model_len: int) -> "EngineStats":
         """Read ``pool`` (a DualKVPool) and ``scheduler``; engine thread only. ``prefix_stats`` is
         the prefix cache's ``stats()`` dict (read by the caller, which decides how often)."""
         rest = dict(prefix_stats)
@@ -83,9 +86,11 @@ class EngineStats:
         hits = {t: rest.pop(f"hit_tokens_{t}") for t in _TIERS if f"hit_tokens_{t}" in rest}
         evicted = {p: rest.pop(f"evicted_{p}_pages", 0) for p in _POOLS} if prefix_stats else {}
         return cls(
-            kv_pool=frozen_map({name: PoolUsage(a.num_pages, a.num_used, a.peak_used)
-                                for name, a in (("full", pool.full), ("swa", pool.swa))}),
+            kv_pool=frozen_map({name: PoolUsage(a.num_pages, a.num_used, a.peak_used, nbytes)
+                                for name, a, nbytes in (("full", pool.full, pool.full_bytes),
+                                                        ("swa", pool.swa, pool.swa_bytes))}),
             kv_page_size=pool.page_size,
+            max_context_tokens=min(max_model_len, pool.full.num_pages * pool.page_size),
             running=len(scheduler.running),
             queue_depth=len(scheduler.waiting),
             preemptions=scheduler.num_preemptions,

@@ -18,7 +18,6 @@ and works on the ``meta`` device, which is how capacity is planned without alloc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +248,30 @@ class DualKVPool:
         return total
 
 
+# On CPU the KV pools take a fixed space by default, as vLLM-CPU's VLLM_CPU_KVCACHE_SPACE does: a share
+# of all free RAM made a 9 MB demo model start at ~10 GB RSS (docs/kv_cache.md §1, "Sizing").
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+def swa_tokens_needed(layout: KVLayout, *, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                      swa_release_interval: int, checkpoint_reserve_windows: int = 0) -> int:
+    """SWA pool tokens for ``max_num_seqs`` running requests plus a checkpoint reserve (0 without
+    sliding layers):
+
+        per running request   window + swa_release_interval (decode slack) + 2 pages of rounding
+        per step              max_num_batched_tokens (all chunks of one step together; the
+                              scheduler releases a chunk's out-of-window pages right after it)
+        reserve               checkpoint_reserve_windows x (window rounded up to pages + 1 page),
+                              for windows the prefix cache keeps (checkpoints, finished prompts)
+    """
+    if not layout.swa_layers:
+        return 0
+    assert layout.window is not None
+    per_req = layout.window + swa_release_interval + 2 * page_size
+    reserve = checkpoint_reserve_windows * (_round_up(layout.window, page_size) + page_size)
+    return _round_up(max_num_seqs * per_req + max_num_batched_tokens + reserve, page_size)
+
+
 @dataclass(frozen=True)
 class PoolSizing:
     """How many tokens each pool holds."""
@@ -257,32 +280,21 @@ class PoolSizing:
     num_swa_tokens: int
 
     @classmethod
-    def from_bytes(
-        cls,
-        layout: KVLayout,
-        budget_bytes: int,
-        *,
-        dtype: torch.dtype,
-        page_size: int,
-        max_num_seqs: int,
-        max_chunk_tokens: int,
-        swa_release_interval: int,
-    ) -> "PoolSizing":
-        """Split a byte budget: the SWA pool gets what ``max_num_seqs`` requests can hold at once
-        (window + one chunk + release slack + two pages of rounding each), the Full pool the rest.
-        """
+    def from_bytes(cls, layout: KVLayout, budget_bytes: int, *, dtype: torch.dtype, page_size: int,
+                   swa_tokens: int, max_full_tokens: int | None = None) -> "PoolSizing":
+        """Split a byte budget: the SWA pool gets ``swa_tokens`` (``swa_tokens_needed``), the Full pool
+        the rest, at most ``max_full_tokens`` (what the model can use; None: no cap)."""
         swa_per_tok = layout.swa_bytes_per_token(dtype)
         full_per_tok = layout.full_bytes_per_token(dtype)
-        swa_tokens = 0
-        if layout.swa_layers:
-            assert layout.window is not None
-            per_req = layout.window + max(max_chunk_tokens, swa_release_interval) + 2 * page_size
-            swa_tokens = _round_up(max_num_seqs * per_req, page_size)
+        swa_tokens = _round_up(swa_tokens, page_size) if layout.swa_layers else 0
         rest = budget_bytes - swa_tokens * swa_per_tok
         if full_per_tok == 0:
             full_tokens = page_size
         else:
-            full_tokens = (rest // full_per_tok) // page_size * page_size
+            full_tokens = rest // full_per_tok
+            if max_full_tokens is not None:
+                full_tokens = min(full_tokens, _round_up(max_full_tokens, page_size))
+            full_tokens = full_tokens // page_size * page_size
         if full_tokens < page_size:
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes is too small: the SWA pool alone needs "
@@ -291,15 +303,23 @@ class PoolSizing:
         return cls(full_tokens, swa_tokens)
 
 
-def available_memory_bytes(device: torch.device | str) -> int:
-    """Free memory on ``device`` now (CUDA: driver's free; CPU: available physical memory)."""
+def default_kv_budget_bytes(device: torch.device | str, memory_fraction: float) -> int:
+    """The KV budget when none is configured: ``memory_fraction`` of the free memory of a CUDA
+    device (vLLM's gpu_memory_utilization idea), a fixed ``DEFAULT_CPU_KV_CACHE_BYTES`` on CPU."""
     device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
     if device.type == "cpu":
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    raise ValueError(f"cannot size a KV pool from a memory fraction on device {device}")
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    return int(available_memory_bytes(device) * memory_fraction)
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory on a CUDA ``device`` now (the driver's count)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"cannot size a KV pool from a memory fraction on device {device}; "
+                         f"give kv_cache_bytes or num_full_tokens")
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 def _round_up(x: int, m: int) -> int:

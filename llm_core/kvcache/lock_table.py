@@ -33,7 +33,9 @@ class Holder:
 
     tail: RadixNode  # deepest node of the request's path (the root when nothing is on the tree)
     swa_lo: int  # path nodes with end > swa_lo carry one SWA lock of this request
-    prompt_tokens: int  # the window ending at the prompt's last whole page keeps its SWA
+    # page counts whose windows keep their SWA (swa_window.kept_window_ends): the prompt's last
+    # whole page and the request's checkpoints
+    kept_ends: tuple[int, ...]
     # (path page, SWA page) the request gave the tree, oldest first: the request drops these once
     # they fall behind its window (unless a checkpoint or another window keeps them)
     own_swa: deque[tuple[int, int]] = field(default_factory=deque)
@@ -59,9 +61,9 @@ class LockTable:
         self._holders: dict[Request, Holder] = {}  # request -> its holder
 
     # ---- holders ------------------------------------------------------------------------------
-    def hold(self, request: Request, tail: RadixNode, prompt_tokens: int, swa_from: int) -> Holder:
+    def hold(self, request: Request, tail: RadixNode, kept_ends: tuple[int, ...], swa_from: int) -> Holder:
         """Register ``request`` as holding the path ending at ``tail`` (see ``lock_path``)."""
-        holder = self._holders[request] = Holder(tail, 0, prompt_tokens)
+        holder = self._holders[request] = Holder(tail, 0, kept_ends)
         self.lock_path(holder, swa_from)
         return holder
 

@@ -56,6 +56,10 @@ class PrefixCache(ABC):
     def stats(self) -> dict[str, int]:
         return {}
 
+    def clear(self) -> None:
+        """Drop every cached page (no request may hold any); the pools are then as without a cache."""
+        return None
+
     def close(self) -> None:
         """Stop background work (tier writers); the cache must not be used afterwards."""
         return None

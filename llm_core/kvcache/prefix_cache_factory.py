@@ -48,4 +48,4 @@ def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWAR
         model_id = config.kv_model_id or weights_fingerprint(model)
         tiers = KVTiers(pool, host=host, store=store, model_id=model_id,
                         l3_load_timeout_s=config.kv_l3_load_timeout_s)
-    return SWARadixCache(pool, checkpoint_every=config.prefix_checkpoint_every, tiers=tiers)
+    return SWARadixCache(pool, checkpoint_every=config.checkpoint_every, tiers=tiers)

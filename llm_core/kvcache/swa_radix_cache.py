@@ -15,8 +15,9 @@ Window-safe matching (fake hits under SWA are wrong outputs, not misses; docs/kv
 Lifecycle (§7): a request's computed pages are inserted after every step (before the scheduler
 releases the request's out-of-window SWA pages, so the tree can keep what it wants); the tree then
 drops the SWA pages this request contributed once they fall behind the request's last window, except
-checkpoint windows (every ``checkpoint_every`` tokens) and the window ending at the prompt's last whole
-page. A finished request thus leaves its Full KV, its last window of SWA KV, its prompt's and its
+periodic checkpoint windows (every ``checkpoint_every`` tokens), the windows ending at the request's
+own checkpoints (``Request.checkpoints``: media and message ends) and the one ending at the prompt's
+last whole page. A finished request thus leaves its Full KV, its last window of SWA KV, its prompt's and its
 checkpoints.
 
 The cache owns three collaborators and wires them together: the node store (``RadixTree``), the
@@ -36,7 +37,7 @@ from llm_core.kvcache.page_keys import PageKey, page_keys
 from llm_core.kvcache.prefix_cache import PrefixCache
 from llm_core.kvcache.radix_node import RadixNode
 from llm_core.kvcache.radix_tree import RadixTree, TreeMatch
-from llm_core.kvcache.swa_window import keeps_swa, window_first_page, window_safe_pages
+from llm_core.kvcache.swa_window import keeps_swa, kept_window_ends, window_first_page, window_safe_pages
 
 if TYPE_CHECKING:
     from llm_core.kvcache.tiers.kv_tiers import KVTiers
@@ -79,7 +80,8 @@ class SWARadixCache(PrefixCache):
         keys = self._match_keys(request)
         found = self.tree.walk(keys)
         p = window_safe_pages(found.swa_valid, found.pages, self.window, self.page_size)
-        holder = self.locks.hold(request, self._cut(found, p), request.num_prompt_tokens,
+        kept = kept_window_ends(request.num_prompt_tokens, request.checkpoints, self.page_size)
+        holder = self.locks.hold(request, self._cut(found, p), kept,
                                  window_first_page(p, self.window, self.page_size))
         if self.tiers is not None:
             p = self.tiers.extend_match(self, request, holder, keys, p)
@@ -317,7 +319,7 @@ class SWARadixCache(PrefixCache):
         want = window_first_page(holder.tail.end, self.window, self.page_size)
         node = holder.tail
         for page, phys in reversed(holder.take_own_swa_before(want)):
-            if keeps_swa(page, holder.prompt_tokens, self.checkpoint_every, self.window, self.page_size):
+            if keeps_swa(page, holder.kept_ends, self.checkpoint_every, self.window, self.page_size):
                 continue
             node, i = node.locate(page)
             if node.swa[i] == phys and not self.locks.in_other_window(holder, node, page):

@@ -9,6 +9,7 @@ position P sees keys P-W+1 .. P. ``None`` means the model has no sliding layers.
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 
@@ -44,14 +45,30 @@ def window_safe_pages(swa_valid: Sequence[bool], limit: int, window: int | None,
     return best
 
 
-def keeps_swa(page: int, prompt_tokens: int, every: int, window: int | None, page_size: int) -> bool:
+def kept_window_ends(prompt_tokens: int, checkpoints: Sequence[int], page_size: int) -> tuple[int, ...]:
+    """Sorted page counts p at which a request's windows are kept (pages window_first_page(p) .. p-1):
+    the prompt's last whole page, so the same prompt sent again hits up to it, and the page of each
+    checkpoint position the caller named (a media region's or a chat message's end), so a prompt
+    that shares the text up to there hits up to its last whole page (docs/kv_cache.md §7).
+
+        page_size 4, prompt of 23 tokens, checkpoints at 9 and 17:  pages 2, 4 and 5
+    """
+    ends = {(prompt_tokens - 1) // page_size} | {c // page_size for c in checkpoints}
+    return tuple(sorted(p for p in ends if p > 0))
+
+
+def keeps_swa(page: int, kept_ends: Sequence[int], every: int, window: int | None, page_size: int) -> bool:
     """Does the tree keep page ``page``'s SWA KV once its request has moved past it?
 
-    Yes for checkpoint windows and for the window that ends at the prompt's last whole page, so the
-    same prompt sent again (other sampling, a retry) hits up to its last page.
+    Yes inside the window ending at one of ``kept_ends`` (``kept_window_ends``) and inside the
+    periodic checkpoint windows (every ``every`` tokens). ``window_first_page`` never decreases as
+    the end grows, so of the ends after ``page`` the first one has the widest reach back:
+
+        W = 4, page_size 2, kept ends 3 and 6:  end 3 keeps pages 1, 2;  end 6 keeps pages 4, 5
+        page 2 -> first end after it is 3, window_first_page(3) = 1 <= 2 -> kept
     """
-    prompt_pages = (prompt_tokens - 1) // page_size
-    if window_first_page(prompt_pages, window, page_size) <= page < prompt_pages:
+    i = bisect.bisect_right(kept_ends, page)
+    if i < len(kept_ends) and window_first_page(kept_ends[i], window, page_size) <= page:
         return True
     return is_checkpoint_page(page, every, window, page_size)
 

@@ -16,6 +16,16 @@ audio: one per segment) -- the rows each unit's embeddings replace:
 
 The "MM:SS" text of each group is left out when the checkpoint's ``use_video_timestamps`` is false.
 Placeholders and media items pair up in order and must agree in kind and number.
+
+It also names the prompt's *boundaries*: the position after each media item's closing token and
+after each chat message's ``<|im_end|>``. The engine keeps a window of sliding-window KV there
+(``LLMEngine.add_request(checkpoints=...)``, docs/kv_cache.md §7), so a new question about the same
+media, the next turn of a conversation or another chat with the same system prompt resumes at the
+last boundary it shares instead of at the start:
+
+    <im_start>system ...<im_end> <im_start>user <vs>[P P P P]<ve> Describe it.<im_end> <im_start>assistant
+                               ^                              ^                 ^
+                         message end                     media end         message end
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ class MediaSlots:
 class LaidOutPrompt:
     token_ids: tuple[int, ...]
     unit_spans: tuple[tuple[tuple[int, int], ...], ...]  # per media item, per unit: [start, end)
+    boundaries: tuple[int, ...] = ()  # sorted positions after media items and message ends (module doc)
 
 
 class PromptLayout:
@@ -79,12 +90,15 @@ class PromptLayout:
         ids = list(token_ids)
         out: list[int] = []
         spans: list[tuple[tuple[int, int], ...]] = []
+        ends: list[int] = []  # after each message's <im_end> and each media item's closing token
         i = 0
         while i < len(ids):
             kind, end = self._placeholder_at(ids, i)
             if kind is None:
                 out.append(ids[i])
                 i += 1
+                if out[-1] == self.special.im_end:
+                    ends.append(len(out))
                 continue
             k = len(spans)
             if k >= len(media):
@@ -93,10 +107,11 @@ class PromptLayout:
             if item.kind != kind:
                 raise ValueError(f"placeholder {k} is for {kind} but media item {k} is {item.kind}")
             spans.append(self._emit(item, out))
+            ends.append(len(out))
             i = end
         if len(spans) != len(media):
             raise ValueError(f"{len(media)} media items but {len(spans)} placeholders in the prompt")
-        return LaidOutPrompt(tuple(out), tuple(spans))
+        return LaidOutPrompt(tuple(out), tuple(spans), tuple(ends))
 
     def render(self, tokenizer: Any, messages: list[dict[str, Any]], media: Sequence[MediaSlots],
                *, add_generation_prompt: bool = True, **template_kwargs: Any) -> LaidOutPrompt:
@@ -172,9 +187,9 @@ class ChatLayout:
         self.tokenizer = tokenizer
         self.prompt_layout = PromptLayout.from_tokenizer(special, tokenizer, video_timestamps)
 
-    def render(self, chat: ChatRequest, plans: Sequence[PlannedMedia]
-               ) -> tuple[list[int], list[list[tuple[int, int]]]]:
-        """(token ids, per plan its unit spans) for a chat whose media planned as ``plans``."""
+    def render(self, chat: ChatRequest, plans: Sequence[PlannedMedia]) -> LaidOutPrompt:
+        """Token ids, per plan its unit spans, and the boundaries, for a chat whose media planned as
+        ``plans``."""
         slots = [p.slots for p in plans]
         kinds = iter(s.kind for s in slots)
         messages = []
@@ -186,5 +201,4 @@ class ChatLayout:
                 else:
                     content.append({"type": next(kinds)})
             messages.append({"role": turn.role, "content": content})
-        laid = self.prompt_layout.render(self.tokenizer, messages, slots)
-        return list(laid.token_ids), [list(spans) for spans in laid.unit_spans]
+        return self.prompt_layout.render(self.tokenizer, messages, slots)

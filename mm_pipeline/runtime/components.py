@@ -39,12 +39,14 @@ from mm_pipeline.media.worker_pool import WorkerPool
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """A chat laid out: token ids, one span per unit (prompt order), and per plan its span indices."""
+    """A chat laid out: token ids, one span per unit (prompt order), per plan its span indices, and
+    the positions where the prefix cache keeps a window (media and message ends, prompt/layout.py)."""
 
     token_ids: list[int]
     spans: list[PlaceholderSpan]
     plans: list[MediaPlan]
     spans_of_plan: list[list[int]]
+    checkpoints: tuple[int, ...] = ()
 
 
 def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
@@ -95,9 +97,9 @@ class OmniRuntime:
                 raise type(exc)(f"media item {k + 1} of {len(refs)}: {exc}") from exc
 
         plans = list(await asyncio.gather(*(one(k, r) for k, r in enumerate(refs))))
-        token_ids, unit_spans = await self.pool.run(self.model.layout.render, chat, plans)  # template + BPE
+        laid = await self.pool.run(self.model.layout.render, chat, plans)  # template + BPE
         spans, spans_of_plan = [], []
-        for plan, ranges in zip(plans, unit_spans):
+        for plan, ranges in zip(plans, laid.unit_spans):
             idx = []
             for unit, (start, end) in zip(plan.units, ranges):
                 idx.append(len(spans))
@@ -105,8 +107,8 @@ class OmniRuntime:
             spans_of_plan.append(idx)
         order = sorted(range(len(spans)), key=lambda i: spans[i].start)
         where = {old: new for new, old in enumerate(order)}
-        return PreparedChat(token_ids, [spans[i] for i in order], plans,
-                            [[where[i] for i in idx] for idx in spans_of_plan])
+        return PreparedChat(list(laid.token_ids), [spans[i] for i in order], plans,
+                            [[where[i] for i in idx] for idx in spans_of_plan], laid.boundaries)
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of a plain text prompt (no chat template), on the worker pool."""
@@ -127,12 +129,16 @@ class OmniRuntime:
                          lambda: self.loop.abort(request_id))
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-               stream: EmbeddingStream | None, on_output: OutputSink) -> None:
+               stream: EmbeddingStream | None, on_output: OutputSink, checkpoints: tuple[int, ...] = ()) -> None:
         """Hand a request to the engine thread; each of its outputs goes to ``on_output`` (called on
         that thread). The stream's media hashes are mixed into the prefix-cache keys of their
-        placeholder ranges: equal placeholder ids with other media never match."""
+        placeholder ranges: equal placeholder ids with other media never match. ``checkpoints``:
+        where the prefix cache keeps a window (``PreparedChat.checkpoints``)."""
+        if stream is not None and not stream.spans:
+            stream = None  # a chat without media is plain token ids; as such the prefix cache can match it
         extra_keys = () if stream is None else stream.extra_keys()
-        self.loop.add_request(request_id, token_ids, params, stream, on_output, extra_keys=extra_keys)
+        self.loop.add_request(request_id, token_ids, params, stream, on_output, extra_keys=extra_keys,
+                              checkpoints=checkpoints)
 
     def abort(self, request_id: str) -> None:
         """End a request; its final output (finish_reason "abort") still reaches its sink."""

@@ -122,10 +122,11 @@ class OmniEngine:
         rt = self.runtime
         started = False
         feed: MediaFeed | None = None
+        checkpoints: tuple[int, ...] = ()
         try:
             if chat is not None:
                 prepared = await rt.prepare_chat(chat)
-                token_ids = prepared.token_ids
+                token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
                 if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
                     on_planned(sum(len(p.cached) for p in prepared.plans))
                 if self.config.stream_embeddings:
@@ -142,7 +143,8 @@ class OmniEngine:
             elif token_ids is None:  # a text prompt: tokenize off the event loop
                 token_ids = await rt.tokenize(prompt)
             stream = None if feed is None else feed.stream
-            rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+            rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
+                      checkpoints)
             started = True
             if feed is not None and self.config.stream_embeddings:
                 feed.start()

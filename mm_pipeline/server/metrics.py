@@ -8,7 +8,8 @@ Measured here (the HTTP side sees what the client sees):
   * ``mmserve_event_loop_lag_seconds``        histogram (+ ``_max`` gauge) from ``LoopLagMonitor``
 Engine state is the engine's last published snapshot (mm_pipeline/runtime/stats.py), turned into
 metric families at scrape time by :class:`SnapshotCollector`: queue depth, running requests, KV pool
-pages per pool, prefix / encoder cache hits per tier, decode pool, engine-loop counters.
+pages, tokens and bytes per pool (the split), the context one request can hold, prefix / encoder
+cache hits per tier, decode pool, engine-loop counters.
 
 The registry is the app's own (``CollectorRegistry``), not prometheus_client's global one, so
 several apps in one process (tests, benchmarks) do not clash.
@@ -188,9 +189,13 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("kv_l3_loading", "Waiting requests whose cached prefix is being read from L3", s.kv_l3_loading)
     yield _counter("preemptions", "Requests preempted for KV pages", s.preemptions)
     yield _gauge("kv_page_size_tokens", "Tokens per KV page", s.kv_page_size)
-    for field in ("total_pages", "used_pages", "free_pages", "peak_pages"):
+    for field in ("total_pages", "used_pages", "free_pages", "peak_pages", "total_bytes"):
         yield _labelled(GaugeMetricFamily, f"kv_pool_{field}", f"KV pool {field.replace('_', ' ')}", "pool",
                         {name: getattr(u, field) for name, u in s.kv_pool.items()})
+    # the split in tokens, as the start-up prints it (docs/kv_cache.md §1, "Sizing")
+    yield _labelled(GaugeMetricFamily, "kv_pool_total_tokens", "KV pool size in tokens", "pool",
+                    {name: u.total_pages * s.kv_page_size for name, u in s.kv_pool.items()})
+    yield _gauge("max_context_tokens", "Longest prompt + output one request can hold", s.max_context_tokens)
     yield _labelled(CounterMetricFamily, "prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
                     "tier", s.prefix_cache_hit_tokens)
     yield _counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",

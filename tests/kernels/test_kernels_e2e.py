@@ -30,6 +30,7 @@ def generate(model, prompts: list[list[int]], max_tokens: int):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert [o.finish_reason for o in outs] == ["length"] * len(prompts), [o.error for o in outs]
+    llm.engine.prefix_cache.clear()  # on by default; what it keeps must be all it holds
     assert llm.engine.pool.all_free()
     return outs
 

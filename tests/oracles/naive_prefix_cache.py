@@ -9,8 +9,8 @@ answers are easy to trust and slow to compute:
     entries[(k0, k1, k2)] = [42,  5]
 
 Same lifecycle as ``SWARadixCache``: computed pages are inserted after each step; SWA pages a request
-contributed are dropped once behind its last window, unless they are checkpoint pages or inside
-another running request's last window; tombstoned SWA is revived by fresh KV. ``evict`` is a plain
+contributed are dropped once behind its last window, unless they are checkpoint pages (periodic, or
+the request's own ``checkpoints``) or inside another running request's last window; tombstoned SWA is revived by fresh KV. ``evict`` is a plain
 LRU over unlocked pages; ``drop`` lets a test mirror another cache's eviction choices exactly.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.page_keys import page_keys
-from llm_core.kvcache.swa_window import keeps_swa, window_first_page, window_safe_pages
+from llm_core.kvcache.swa_window import is_checkpoint_page, window_first_page, window_safe_pages
 from llm_core.engine.request import Request
 from llm_core.kvcache.prefix_cache import PrefixCache
 
@@ -30,7 +30,7 @@ Prefix = tuple
 @dataclass
 class _Holder:
     keys: list  # page keys of the request's pages on the cache (its path)
-    prompt_tokens: int
+    ends: list[int]  # positions whose windows stay: the prompt's last token and the request's checkpoints
     own: list[tuple[int, int]] = field(default_factory=list)  # (page, SWA page) it contributed
 
 
@@ -56,7 +56,7 @@ class NaivePrefixCache(PrefixCache):
         pool.full.incref(full)
         pool.swa.incref([s for s in swa if s >= 0])
         request.full_pages, request.swa_pages, request.swa_released_pages = full, swa, first
-        self.holders[request] = _Holder(keys[:p], request.num_prompt_tokens)
+        self.holders[request] = _Holder(keys[:p], [request.num_prompt_tokens - 1, *request.checkpoints])
         self._touch(keys[:p])
         return p * self.ps
 
@@ -168,12 +168,21 @@ class NaivePrefixCache(PrefixCache):
                 keep.append((page, phys))
                 continue
             prefix = tuple(holder.keys[:page + 1])
-            if (keeps_swa(page, holder.prompt_tokens, self.checkpoint_every, self.window, self.ps) or prefix in windows
+            if (self._kept(page, holder) or prefix in windows
                     or self.entries[prefix][1] != phys):
                 continue
             self.pool.swa.free([phys])
             self.entries[prefix][1] = -1
         holder.own = keep
+
+    def _kept(self, page: int, holder: _Holder) -> bool:
+        """Brute force: is ``page`` inside the window ending at the page of one of the holder's
+        checkpoint positions, or in a periodic checkpoint window?"""
+        for c in holder.ends:
+            end = c // self.ps
+            if end > 0 and window_first_page(end, self.window, self.ps) <= page < end:
+                return True
+        return is_checkpoint_page(page, self.checkpoint_every, self.window, self.ps)
 
     def _window_prefixes(self, exclude: _Holder | None = None) -> set[Prefix]:
         """Prefixes of the pages in some running request's last window."""

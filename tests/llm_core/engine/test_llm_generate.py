@@ -5,11 +5,13 @@ ready work, streaming embeddings, bad input."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
 from llm_core import LLM, EngineConfig, ErrorKind, LLMEngine, SamplingParams
+from llm_core.kvcache.dual_pool import swa_tokens_needed
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -35,6 +37,12 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(ckpt):
     return load_model(ckpt, dtype=torch.float32)
+
+
+def drained(eng: LLMEngine) -> bool:
+    """Every page free once the prefix cache (on by default) lets go of what it keeps: no leak."""
+    eng.prefix_cache.clear()
+    return eng.pool.all_free()
 
 
 def engine(model, tokenizer=None, **kw) -> LLM:
@@ -72,7 +80,7 @@ def test_greedy_matches_transformers_generate(model, hf_model):
         assert all(len(t) == 2 and max(t.values()) == pytest.approx(lp, abs=1e-6) or lp < max(t.values())
                    for t, lp in zip(out.top_logprobs, out.logprobs))
         assert out.num_cached_tokens == 0
-    assert llm.engine.pool.all_free()
+    assert drained(llm.engine)
 
 
 def test_mixed_batch_equals_each_alone(model):
@@ -98,10 +106,10 @@ def test_swa_high_water_bounded_independent_of_length(model):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     peaks = []
     for n in (30, 90):
-        llm = engine(model, swa_release_interval=4)
+        llm = engine(model, swa_release_interval=4, enable_prefix_caching=False)  # the request alone
         llm.generate([ids(n, n)], params)
         peaks.append(llm.engine.pool.swa.peak_used)
-        assert llm.engine.pool.all_free()
+        assert drained(llm.engine)
         llm.engine.pool.check_integrity()
     bound_tokens = WINDOW + max(CHUNK, 4) + 2 * PAGE  # window + one chunk + page rounding at both ends
     assert all(p * PAGE <= bound_tokens for p in peaks)
@@ -116,7 +124,7 @@ def test_preemption_under_tiny_pool_gives_identical_tokens(model):
     outs = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
-    assert tight.engine.pool.all_free()
+    assert drained(tight.engine)
 
 
 def test_bad_requests_error_alone_and_others_finish(model):
@@ -130,7 +138,7 @@ def test_bad_requests_error_alone_and_others_finish(model):
     assert [o.error_kind for o in outs] == [None, ErrorKind.CONTEXT_LENGTH, ErrorKind.INVALID_INPUT,
                                             ErrorKind.INVALID_INPUT, None]
     assert outs[0].token_ids and outs[0].error is None
-    assert llm.engine.pool.all_free() and not llm.engine.has_unfinished()
+    assert drained(llm.engine) and not llm.engine.has_unfinished()
 
 
 def test_a_model_step_that_raises_ends_its_batch_as_internal(model):
@@ -154,7 +162,7 @@ def test_a_model_step_that_raises_ends_its_batch_as_internal(model):
         assert out.finish_reason == "error" and out.error_kind is ErrorKind.INTERNAL
         assert "RuntimeError: device fell over" in out.error
     assert after.finish_reason == "length" and after.error_kind is None  # the engine kept serving
-    assert llm.engine.pool.all_free() and not llm.engine.has_unfinished()
+    assert drained(llm.engine) and not llm.engine.has_unfinished()
 
 
 def test_generation_stops_at_context_limit(model):
@@ -274,7 +282,7 @@ def test_a_failing_forward_ends_its_batch_and_the_engine_keeps_serving(model):
     outs = {o.request_id: o for o in eng.step()}
     assert outs["a"].finish_reason == outs["b"].finish_reason == "error"
     assert outs["a"].error == "RuntimeError: boom" and not eng.has_unfinished()
-    assert eng.pool.all_free()
+    assert drained(eng)
     again = llm.generate([ids(73, 9)], params)[0]
     alone = engine(model).generate([ids(73, 9)], params)[0]
     assert again.finish_reason == "length" and again.token_ids == alone.token_ids
@@ -298,7 +306,7 @@ def test_has_ready_work_follows_queues_and_embedding_readiness(model):
     assert eng.has_ready_work()
     while eng.has_unfinished():
         eng.step()
-    assert not eng.has_ready_work() and eng.pool.all_free()
+    assert not eng.has_ready_work() and drained(eng)
 
 
 class StreamingEmbeds:
@@ -352,7 +360,7 @@ def test_abort_from_another_thread_frees_pages(model):
         for o in eng.step():
             finals[o.request_id] = o
     assert finals["long"].finish_reason == "abort" and finals["short"].finish_reason == "length"
-    assert eng.pool.all_free()
+    assert drained(eng)
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("x", [5], SamplingParams())
         eng.add_request("x", [5], SamplingParams())
@@ -395,14 +403,34 @@ def test_llm_from_model_dir_with_and_without_tokenizer(ckpt, tmp_path):
         LLM(ckpt, dtype="float8")
 
 
-def test_pool_sizes_from_memory_fraction(model, monkeypatch):
-    # Pin "free memory" so the sizing does not depend on what else runs on the machine.
-    free = 8 << 30
-    monkeypatch.setattr("llm_core.engine.llm_engine.available_memory_bytes", lambda device: free)
-    eng = LLMEngine(model, EngineConfig(page_size=PAGE, memory_fraction=1e-4, max_num_seqs=4, max_chunk_tokens=CHUNK))
+def test_pool_sizes_from_a_byte_budget(model):
+    budget = 64 << 20
+    eng = LLMEngine(model, EngineConfig(page_size=PAGE, kv_cache_bytes=budget, max_num_seqs=4, max_chunk_tokens=CHUNK))
 
     assert eng.pool.full.num_pages > 0 and eng.pool.swa.num_pages * PAGE >= 4 * (WINDOW + CHUNK)
-    assert eng.pool.total_bytes <= free * 1e-4
-    assert eng.pool.total_bytes >= free * 1e-4 * 0.9  # the budget is used, not ignored
+    assert eng.pool.total_bytes <= budget
+    assert eng.pool.total_bytes >= budget * 0.9  # the budget is used, not ignored
     out = LLM.from_engine(eng).generate([ids(101, 20)], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.finish_reason == "length"
+
+
+def test_default_pools_fit_the_model_and_swa_follows_the_formula(model):
+    """No sizes given: on CPU the fixed default space, but never more Full KV than max_num_seqs
+    requests of max_model_len can use; SWA what the running requests and the reserve need."""
+    cfg = EngineConfig(page_size=PAGE, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16,
+                       swa_release_interval=2, swa_checkpoint_reserve_windows=3)
+    eng = LLMEngine(model, cfg)
+    need = swa_tokens_needed(eng.pool.layout, page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16,
+                             swa_release_interval=2, checkpoint_reserve_windows=3)
+    assert need == 4 * (WINDOW + 2 + 2 * PAGE) + 16 + 3 * (WINDOW + PAGE)
+    assert (eng.pool.full.num_pages * PAGE, eng.pool.swa.num_pages * PAGE) == (4 * 64, need)
+    off = LLMEngine(model, replace(cfg, enable_prefix_caching=False))  # no cache: no checkpoint reserve
+    assert off.pool.swa.num_pages * PAGE == need - 3 * (WINDOW + PAGE)
+
+
+def test_explicit_full_size_sizes_swa_by_the_formula_not_as_a_copy(model):
+    eng = LLMEngine(model, EngineConfig(page_size=PAGE, num_full_tokens=4096, max_num_seqs=2))
+    assert eng.pool.full.num_pages * PAGE == 4096
+    assert 0 < eng.pool.swa.num_pages * PAGE < 4096
+    both = LLMEngine(model, EngineConfig(page_size=PAGE, num_full_tokens=4096, num_swa_tokens=64))
+    assert (both.pool.full.num_pages * PAGE, both.pool.swa.num_pages * PAGE) == (4096, 64)

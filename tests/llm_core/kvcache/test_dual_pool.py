@@ -7,7 +7,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout, PageAllocator, PoolExhausted, PoolSizing
+from llm_core.kvcache.dual_pool import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DualKVPool,
+    KVHeadSpec,
+    KVLayout,
+    PageAllocator,
+    PoolExhausted,
+    PoolSizing,
+    available_memory_bytes,
+    default_kv_budget_bytes,
+    swa_tokens_needed,
+)
 
 # MiMo-V2.5 geometry (docs/model.md §1.1): 9 full layers (4 KV heads), 39 sliding (8 KV heads).
 MIMO_KINDS = tuple("full" if i == 0 or (i + 1) % 6 == 0 else "sliding" for i in range(48))
@@ -58,18 +69,39 @@ def test_pool_rejects_sizes_below_one_page():
         DualKVPool(TINY, num_full_tokens=16, num_swa_tokens=0, page_size=4)
 
 
-def test_sizing_from_bytes_fills_budget_and_reserves_swa():
+def test_swa_need_follows_the_formula():
+    need = swa_tokens_needed(MIMO, page_size=64, max_num_seqs=8, max_num_batched_tokens=2048,
+                             swa_release_interval=16, checkpoint_reserve_windows=10)
+    # 8 x (window 128 + 16 decode slack + 2 pages) + one step's 2048 tokens + 10 x (2 pages + 1 page)
+    assert need == 8 * (128 + 16 + 128) + 2048 + 10 * 192
+    assert swa_tokens_needed(TINY, page_size=4, max_num_seqs=3, max_num_batched_tokens=5,
+                             swa_release_interval=2) == 3 * (6 + 2 + 8) + 8  # 5 rounded up to a page
+    no_swa = KVLayout(("full", "full"), KVHeadSpec(1, 2, 2), KVHeadSpec(1, 2, 2), None)
+    assert swa_tokens_needed(no_swa, page_size=4, max_num_seqs=3, max_num_batched_tokens=5,
+                             swa_release_interval=2, checkpoint_reserve_windows=9) == 0
+
+
+def test_sizing_from_bytes_gives_swa_its_need_and_full_the_rest():
     budget = 8 << 30
-    s = PoolSizing.from_bytes(MIMO, budget, dtype=torch.bfloat16, page_size=64, max_num_seqs=8,
-                              max_chunk_tokens=512, swa_release_interval=16)
+    s = PoolSizing.from_bytes(MIMO, budget, dtype=torch.bfloat16, page_size=64, swa_tokens=10_000)
     swa_b = s.num_swa_tokens * MIMO.swa_bytes_per_token(torch.bfloat16)
     full_b = s.num_full_tokens * MIMO.full_bytes_per_token(torch.bfloat16)
-    assert s.num_swa_tokens >= 8 * (128 + 512)
+    assert s.num_swa_tokens == 10_048  # rounded up to whole pages
     assert swa_b + full_b <= budget
     assert budget - (swa_b + full_b) < 64 * MIMO.full_bytes_per_token(torch.bfloat16)  # < one page left
+    capped = PoolSizing.from_bytes(MIMO, budget, dtype=torch.bfloat16, page_size=64, swa_tokens=10_000,
+                                   max_full_tokens=1000)
+    assert (capped.num_full_tokens, capped.num_swa_tokens) == (1024, 10_048)  # the model's use, whole pages
     with pytest.raises(ValueError, match="too small"):
-        PoolSizing.from_bytes(MIMO, 1000, dtype=torch.bfloat16, page_size=64, max_num_seqs=8,
-                              max_chunk_tokens=512, swa_release_interval=16)
+        PoolSizing.from_bytes(MIMO, 1000, dtype=torch.bfloat16, page_size=64, swa_tokens=10_000)
+
+
+def test_default_budget_is_a_fixed_space_on_cpu_and_a_fraction_on_cuda(monkeypatch):
+    assert default_kv_budget_bytes("cpu", 0.5) == DEFAULT_CPU_KV_CACHE_BYTES  # not a share of free RAM
+    monkeypatch.setattr("llm_core.kvcache.dual_pool.available_memory_bytes", lambda device: 10 << 30)
+    assert default_kv_budget_bytes("cuda", 0.25) == (10 << 30) // 4
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        available_memory_bytes("cpu")
 
 
 def test_allocator_errors_name_the_problem():

@@ -57,8 +57,9 @@ class Harness:
         self._seq = 0
 
     # ---- driving --------------------------------------------------------------------------------
-    def add(self, tokens: list[int], max_tokens: int, extra: tuple = ()) -> Request:
-        r = Request(f"r{self._seq}", tokens, SamplingParams(max_tokens=max_tokens), self._seq, extra_keys=extra)
+    def add(self, tokens: list[int], max_tokens: int, extra: tuple = (), checkpoints: tuple = ()) -> Request:
+        r = Request(f"r{self._seq}", tokens, SamplingParams(max_tokens=max_tokens), self._seq, extra_keys=extra,
+                    checkpoints=checkpoints)
         self._seq += 1
         self.requests.append(r)
         self.sched.add(r)
@@ -159,15 +160,18 @@ def tier_factory(kind: str | None, host_pages: int):
     return make
 
 
+# the last element: checkpoint positions anywhere in the prompt (not only multiples of the interval),
+# as a caller puts them at media and message ends
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(1, 48),
-                    st.lists(st.integers(3, 6), max_size=10), st.booleans(), st.sampled_from([b"a", b"b"]))
+                    st.lists(st.integers(3, 6), max_size=10), st.booleans(), st.sampled_from([b"a", b"b"]),
+                    st.lists(st.integers(1, 58), max_size=4))
 
 
-def build_prompt(spec) -> tuple[list[int], tuple]:
-    base, n, suffix, media, key = spec
+def build_prompt(spec) -> tuple[list[int], tuple, tuple]:
+    base, n, suffix, media, key, marks = spec
     tokens = BASES[base][:n] + suffix
     extra = ((n // 2, n // 2 + 3, key),) if media and n >= 8 else ()
-    return tokens, extra
+    return tokens, extra, tuple(c for c in marks if c <= len(tokens))
 
 
 class TreeUnderPressure(RuleBasedStateMachine):
@@ -183,8 +187,8 @@ class TreeUnderPressure(RuleBasedStateMachine):
 
     @rule(spec=prompts, max_tokens=st.integers(1, 6))
     def add(self, spec, max_tokens):
-        tokens, extra = build_prompt(spec)
-        self.h.add(tokens, max_tokens, extra)
+        tokens, extra, marks = build_prompt(spec)
+        self.h.add(tokens, max_tokens, extra, marks)
 
     @rule(n=st.integers(1, 4))
     def step(self, n):
@@ -242,9 +246,9 @@ class TreeVersusNaive(RuleBasedStateMachine):
 
     @rule(spec=prompts, max_tokens=st.integers(1, 6))
     def add(self, spec, max_tokens):
-        tokens, extra = build_prompt(spec)
-        self.tree.add(tokens, max_tokens, extra)
-        self.naive.add(tokens, max_tokens, extra)
+        tokens, extra, marks = build_prompt(spec)
+        self.tree.add(tokens, max_tokens, extra, marks)
+        self.naive.add(tokens, max_tokens, extra, marks)
 
     @rule()
     def step(self):
@@ -303,3 +307,18 @@ def test_leaf_left_by_an_eviction_loses_its_pages_past_the_last_match_point():
     h.check()
     leaves = [n for n in h.cache.tree.nodes() if n.is_leaf]
     assert leaves and all(n.swa[-1] >= 0 for n in leaves)
+
+
+def test_checkpoint_at_an_arbitrary_position_lets_a_branch_resume_there():
+    """A request's own checkpoint (a media or message end, not a multiple of any interval) keeps the
+    window ending at its page; a prompt that shares the tokens up to there hits up to that page,
+    and without the checkpoint it does not."""
+    for marks, expect in (((), 0), ((22,), 20)):
+        h = Harness(window=3, page=4, full_pages=64, swa_pages=64, budget=64, interval=1)
+        h.add(BASES[0][:40], 2, checkpoints=marks)
+        h.drain()
+        branch = h.add(BASES[0][:23] + BASES[1][:10], 1)
+        h.step()
+        h.check()
+        assert branch.num_cached_tokens == expect
+        h.drain()

@@ -149,7 +149,20 @@ def test_caption_folder_with_broken_files_and_resume(model_dir, tmp_path, capsys
 def test_caption_missing_default_model_is_a_clear_usage_error(tmp_path, capsys, monkeypatch):
     from mm_pipeline.cli import main
 
-    monkeypatch.chdir(tmp_path)  # no samples/demo-model here
+    monkeypatch.setenv("MMSERVE_MODEL", str(tmp_path / "nowhere"))
     assert main(["caption", str(MEDIA)]) == 2
     err = capsys.readouterr().err
-    assert "samples/demo-model" in err and "--model" in err
+    assert str(tmp_path / "nowhere") in err and "MMSERVE_MODEL" in err and "--model" in err
+
+
+def test_caption_from_any_directory_finds_the_demo_model(tmp_path, capsys, monkeypatch):
+    """The default model comes from the package's location, not the working directory."""
+    from mm_pipeline.cli import REPO_DEMO_MODEL, main
+
+    if not (REPO_DEMO_MODEL / "config.json").is_file():
+        pytest.skip("samples/demo-model is not in this checkout")
+    monkeypatch.delenv("MMSERVE_MODEL", raising=False)
+    monkeypatch.chdir(tmp_path)  # no samples/ here
+    assert main(["caption", str(MEDIA / "image_000001.png"), "--max-tokens", "4", "--device", "cpu"]) == 0
+    (rec,) = map(json.loads, (tmp_path / "captions.jsonl").read_text().splitlines())
+    assert rec["error"] is None and rec["modality"] == "image" and rec["caption"]

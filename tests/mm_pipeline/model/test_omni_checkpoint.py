@@ -140,6 +140,20 @@ def test_video_layout_tokens():
     assert bare.unit_spans == (((3, 7), (9, 13)),)
 
 
+def test_layout_boundaries_are_after_each_media_item_and_message():
+    """The positions the prefix cache keeps a window at (docs/kv_cache.md §7)."""
+    sp = tiny_special_tokens()
+    layout = PromptLayout(sp, lambda s: [ord(c) for c in s])
+    prompt = [sp.im_start, 5, sp.im_end, sp.im_start, 6, sp.vision_start, sp.image_pad, sp.vision_end, 9,
+              sp.audio_start, sp.audio_pad, sp.audio_end, sp.im_end, sp.im_start, 7]
+    out = layout.expand(prompt, [MediaSlots("image", (4,)), MediaSlots("audio", (2, 3))])
+    ids = list(out.token_ids)
+    image_end = ids.index(sp.vision_end) + 1
+    audio_end = ids.index(sp.audio_end) + 1
+    assert out.boundaries == (3, image_end, audio_end, audio_end + 1)
+    assert ids[out.boundaries[-1] - 1] == sp.im_end and ids[2] == sp.im_end
+
+
 def test_checkpoint_video_sampling_and_timestamps(ckpt):
     raw = json.loads((ckpt / "config.json").read_text())
     cfg = OmniConfig.from_hf(raw)

@@ -60,11 +60,14 @@ async def collect(engine: OmniEngine, messages, params=GREEDY, **kw):
 
 
 def assert_idle(engine: OmniEngine) -> None:
-    """Pools, requests and unit claims back to empty (aborts reach the engine thread async, and
-    the stats snapshot it publishes may be one idle wake-up behind)."""
+    """Requests and unit claims back to empty, and no KV page held but by the prefix cache (on by
+    default; aborts reach the engine thread async, and the stats snapshot it publishes may be one
+    idle wake-up behind)."""
     def idle(s) -> bool:
+        cached = s.llm.prefix_cache
         return (s.engine_loop_requests == 0 and s.llm.running == 0 and s.llm.queue_depth == 0
-                and s.llm.kv_pool["full"].used_pages == 0 and s.llm.kv_pool["swa"].used_pages == 0
+                and s.llm.kv_pool["full"].used_pages == cached.get("tree_full_pages", 0)
+                and s.llm.kv_pool["swa"].used_pages == cached.get("tree_swa_pages", 0)
                 and s.encoder["in_flight_units"] == 0 and s.encoder["pending"] == 0)
 
     deadline = time.monotonic() + 5

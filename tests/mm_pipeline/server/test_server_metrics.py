@@ -24,7 +24,8 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def a_snapshot(**llm_fields) -> OmniStats:
-    llm = dict(kv_pool=frozen_map({"full": PoolUsage(16, 5, 7), "swa": PoolUsage(8, 2, 3)}), kv_page_size=4,
+    llm = dict(kv_pool=frozen_map({"full": PoolUsage(16, 5, 7, 16 * 4 * 96), "swa": PoolUsage(8, 2, 3, 8 * 4 * 192)}),
+               kv_page_size=4, max_context_tokens=64,
                running=3, queue_depth=1, preemptions=2, prefix_cache_hit_tokens=frozen_map({"l1": 64, "l3": 8}),
                prefix_cache_query_tokens=100, prefix_cache_evicted_pages=frozen_map({"full": 1, "swa": 4}),
                prefix_cache=frozen_map({"tree_nodes": 9, "queries": 5}), taken_at=time.monotonic())
@@ -65,6 +66,8 @@ def test_snapshot_becomes_labelled_families():
         ("mmserve_running", ()): 3, ("mmserve_queue_depth", ()): 1, ("mmserve_preemptions_total", ()): 2,
         ("mmserve_kv_pool_free_pages", (("pool", "full"),)): 11, ("mmserve_kv_pool_used_pages", (("pool", "swa"),)): 2,
         ("mmserve_kv_pool_peak_pages", (("pool", "full"),)): 7,
+        ("mmserve_kv_pool_total_tokens", (("pool", "swa"),)): 32, ("mmserve_kv_pool_total_bytes", (("pool", "swa"),)): 6144,
+        ("mmserve_max_context_tokens", ()): 64,
         ("mmserve_prefix_cache_hit_tokens_total", (("tier", "l3"),)): 8,
         ("mmserve_prefix_cache_evicted_pages_total", (("pool", "swa"),)): 4, ("mmserve_prefix_cache_tree_nodes", ()): 9,
         ("mmserve_encoder_cache_hits_total", (("tier", "disk"),)): 2, ("mmserve_encoder_cache_misses_total", ()): 3,
