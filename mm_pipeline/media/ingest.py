@@ -47,9 +47,18 @@ class MediaLimits:
     max_pixels: int = 64 << 20  # per image / per video frame, from the header, before decoding
     max_duration_s: float = 3600.0  # audio and video
     max_frames: int = 216_000  # source frames of a video (decode cost), 1 h at 60 fps
+    # Decoded-memory and decode-time budgets (README "Limits and security"), all checked from
+    # headers before the pixels or samples they bound are decoded.
+    max_media_items: int = 32  # media parts of one request
+    max_request_decoded_bytes: int = 1 << 30  # decoded uint8 pixels + float32 samples of a request
+    max_decoded_bytes_in_flight: int = 2 << 30  # held by all decodes of the server at once
+    max_animation_pixels: int = 1 << 30  # GIF/WebP: canvas pixels x frames composited to reach the last sampled
+    decode_timeout_s: float = 30.0  # one item's decode, probe included
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames"):
+        for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames", "max_media_items",
+                     "max_request_decoded_bytes", "max_decoded_bytes_in_flight", "max_animation_pixels",
+                     "decode_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MediaLimits.{name} must be positive, got {getattr(self, name)}")
 
@@ -149,8 +158,13 @@ class MediaIngestor:
         real = path.resolve()  # follows symlinks and '..' so the check below sees the real target
         if not any(real.is_relative_to(root) for root in self._roots):
             raise MediaAccessDenied(f"path {raw!r} is outside the allowed media directories")
+        # Regular files only, checked before open: opening a FIFO blocks until a writer comes (a
+        # worker stuck for good) and a device never ends. O_NONBLOCK covers a swap between the
+        # stat and the open; the fstat below re-checks what was opened.
         try:
-            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            if not stat.S_ISREG(os.stat(real).st_mode):
+                raise InvalidMediaError(f"media path {raw!r} is not a regular file")
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise MediaNotFound(f"no such media file {raw!r}") from None
         except OSError as exc:

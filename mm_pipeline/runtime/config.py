@@ -106,5 +106,7 @@ class OmniEngineConfig:
     def batcher_config(self) -> BatcherConfig:
         return BatcherConfig(self.encoder_vision_budget, self.encoder_audio_budget, self.encoder_max_wait_ms / 1000)
 
-    def planner_config(self, default_sampling: VideoSamplingParams) -> PlannerConfig:
-        return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk)
+    def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None
+                       ) -> PlannerConfig:
+        return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
+                             max_context_tokens)
