@@ -18,6 +18,7 @@ copy the preprocessor makes stays near the target size (docs/architecture.md, me
 from __future__ import annotations
 
 import io
+import struct
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,10 @@ from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 
 _ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
-_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
+# What PIL's format parsers raise on malformed input (found by tests/mm_pipeline/media/test_fuzz_media.py:
+# a truncated GIF extension is an IndexError or a struct.error, not an OSError)
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError, IndexError, KeyError,
+                  struct.error, ZeroDivisionError)
 
 
 TargetSize = Callable[[int, int], "tuple[int, int]"]  # (h, w) -> the size the encoder resizes to
@@ -172,7 +176,10 @@ def probe_animation(item: MediaItem, limits: MediaLimits = MediaLimits(),
     frames on a 4096² canvas composite 5 G pixels): bounded by ``max_animation_pixels`` from the
     header, before any frame is walked."""
     with _open(item.data, item.origin, limits) as img:
-        n = getattr(img, "n_frames", 1)
+        try:
+            n = getattr(img, "n_frames", 1)  # GIF: a walk over the frame headers
+        except _DECODE_ERRORS as exc:
+            raise UndecodableMediaError(f"animation from {item.origin} is damaged ({exc})") from exc
         if n > limits.max_frames:
             raise MediaTooLarge(f"animation has {n} frames, limit {limits.max_frames}")
         work = img.width * img.height * n

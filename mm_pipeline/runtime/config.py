@@ -62,7 +62,7 @@ class OmniEngineConfig:
     max_queue: int = 256
     decode_workers: int = 2
     decode_queue: int = 256
-    decode_admit_timeout_s: float | None = None
+    decode_admit_timeout_s: float | None = 30.0  # waiting for a media worker slot, then 503 (None: no limit)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
