@@ -61,8 +61,8 @@ def _measured(send):
     return response, seconds, (_status_kb("VmHWM") - before) / 1024
 
 
-def _chat(served, content: list[dict] | str, **body) -> httpx.Response:
-    return httpx.post(served.base_url + "/v1/chat/completions", timeout=120, json={
+def _chat(served, content: list[dict] | str, timeout: float | httpx.Timeout = 120, **body) -> httpx.Response:
+    return httpx.post(served.base_url + "/v1/chat/completions", timeout=timeout, json={
         "model": served.engine.model_name, "max_tokens": 2,
         "messages": [{"role": "user", "content": content}], **body})
 
@@ -221,4 +221,20 @@ def test_text_requests_do_not_wait_for_busy_media_workers(served):
         release.set()
         for t in blockers:
             t.join(10)
+    _assert_idle_and_serving(served)
+
+
+# ---- cancellation: a client that leaves stops the decode at the next frame ----------------------------
+def test_disconnect_stops_the_video_decode(served):
+    data = huge_video(8192, n_frames=24)  # a few seconds of decoding
+    planner = served.engine.runtime.planner
+    before = planner.counts.get("video_chunks_decoded", 0)
+    start = time.perf_counter()
+    with pytest.raises(httpx.TimeoutException):
+        _chat(served, [_video(data)], stream=True, timeout=httpx.Timeout(60, read=0.5))
+    runtime = served.engine.runtime
+    while runtime.pool.admitted or served.engine.requests_in_flight:
+        assert time.perf_counter() - start < 5, "the decode went on after the client left"
+        time.sleep(0.02)
+    assert planner.counts.get("video_chunks_decoded", 0) == before  # no chunk ran to its end
     _assert_idle_and_serving(served)
