@@ -187,10 +187,16 @@ def probe_animation(item: MediaItem, limits: MediaLimits = MediaLimits(),
             raise MediaTooLarge(f"animation of {n} frames on a {img.width}x{img.height} canvas composites "
                                 f"{work} pixels, limit {limits.max_animation_pixels} (max_animation_pixels)")
         durations = []
+        walked = 0  # canvas pixels composited so far (the canvas may grow, see _check_canvas)
         try:
             for k in range(n):
                 check(control)
                 img.seek(k)
+                _check_canvas(img, limits)
+                walked += img.width * img.height
+                if walked > limits.max_animation_pixels:
+                    raise MediaTooLarge(f"animation frames grow the canvas to {img.width}x{img.height}; "
+                                        f"compositing them exceeds max_animation_pixels ({limits.max_animation_pixels})")
                 if img.format == "WEBP":
                     img.load()  # PIL's WebP reader fills info["duration"] only when a frame loads
                 durations.append(max(0.0, float(img.info.get("duration") or 0)) / 1000.0)
@@ -216,6 +222,7 @@ def decode_animation_frames(item: MediaItem, indices: Sequence[int], limits: Med
                 if not out or k != indices[len(out) - 1]:
                     check(control)
                     img.seek(k)  # PIL composes GIF/WebP frames (disposal, blending) on seek
+                    _check_canvas(img, limits)
                     rgba = img.convert("RGBA")
                     if size is not None and rgba.size != (size[1], size[0]):
                         rgba = rgba.resize((size[1], size[0]), Image.Resampling.BILINEAR)
@@ -225,6 +232,14 @@ def decode_animation_frames(item: MediaItem, indices: Sequence[int], limits: Med
             raise UndecodableMediaError(f"animation from {item.origin} is damaged ({exc})") from exc
         h, w = size or (img.height, img.width)
     return torch.from_numpy(np.stack(out)) if out else torch.empty(0, h, w, 3, dtype=torch.uint8)
+
+
+def _check_canvas(img: Image.Image, limits: MediaLimits) -> None:
+    # a GIF frame may reach past the logical screen: PIL then grows the canvas mid-animation, so
+    # the header's size does not bound the frames (found by the fuzz target)
+    if img.width * img.height > limits.max_pixels:
+        raise MediaTooLarge(f"animation frame grows the canvas to {img.width}x{img.height} = "
+                            f"{img.width * img.height} pixels, limit {limits.max_pixels}")
 
 
 def _open(data: bytes, origin: str, limits: MediaLimits) -> Image.Image:

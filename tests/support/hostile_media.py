@@ -29,15 +29,17 @@ def huge_video(side: int = 8192, n_frames: int = 8, fps: int = 10) -> bytes:
     return buf.getvalue()
 
 
-def pixel_frames_gif(n_frames: int = 300, canvas: int = 4096) -> bytes:
+def pixel_frames_gif(n_frames: int = 300, canvas: int = 4096, screen: int | None = None) -> bytes:
     """A GIF with a canvas x canvas logical screen and ``n_frames`` frames of one pixel each (about
     7 KB for 300; every frame a decoder composites costs the whole canvas). Written by hand:
-    PIL's encoder merges such frames."""
-    out = bytearray(b"GIF89a" + struct.pack("<HH", canvas, canvas) + bytes([0xF1, 0, 0]))
+    PIL's encoder merges such frames. ``screen``: a smaller logical screen in the header, with the
+    second frame at the canvas's far corner (decoders grow the canvas there)."""
+    out = bytearray(b"GIF89a" + struct.pack("<HH", screen or canvas, screen or canvas) + bytes([0xF1, 0, 0]))
     out += bytes([0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0, 255])  # 4-colour global table
     for k in range(n_frames):
         out += bytes([0x21, 0xF9, 4, 0x04]) + struct.pack("<H", 4) + bytes([0, 0])  # 40 ms, keep frame
-        out += b"\x2c" + struct.pack("<HHHH", k % canvas, k // canvas, 1, 1) + b"\x00"
+        x, y = (canvas - 1, canvas - 1) if screen is not None and k == 1 else (k % canvas, k // canvas)
+        out += b"\x2c" + struct.pack("<HHHH", x, y, 1, 1) + b"\x00"
         code = 4 | ((1 + k % 3) << 3) | (5 << 6)  # LZW at 3 bits: clear, the pixel, end
         out += bytes([2, 2, code & 0xFF, code >> 8, 0])
     return bytes(out + b"\x3b")

@@ -126,6 +126,12 @@ def test_animation_compositing_work_is_bounded_from_the_header():
     assert time.monotonic() - start < 1
     small = MediaItem(MediaKind.VIDEO, "gif", pixel_frames_gif(20, 64))
     assert probe_animation(small).num_frames == 20
+    # a frame past the logical screen grows the canvas mid-animation: bounded as it grows
+    growing = MediaItem(MediaKind.VIDEO, "gif", pixel_frames_gif(300, 4096, screen=2))
+    with pytest.raises(MediaTooLarge, match="grow"):
+        probe_animation(growing)
+    with pytest.raises(MediaTooLarge, match="grows the canvas"):
+        decode_animation_frames(growing, [0, 1, 2], MediaLimits(max_pixels=1 << 20))
 
 
 def test_animation_frames_come_from_one_forward_pass(monkeypatch):
