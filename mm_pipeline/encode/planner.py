@@ -1,7 +1,8 @@
 r"""Media item -> encoder units: layout sizes first, then cache hits, joins or production.
 
     plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
-                                         └─no─► image/audio: decode + preprocess (sizes from the data)
+                                         └─no─► image: header only (decoded when produced)
+                                                audio: decode (stops at the context) + preprocess
                                                 video: probe (demux only) ─► sampling ─► sizes
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers

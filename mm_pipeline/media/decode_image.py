@@ -12,7 +12,7 @@ Normalisation rules, so the encoder always sees what a viewer would show:
 The pixel limit is checked on the header, before the pixel data is decoded. Given a ``target``
 size rule, a large image is shrunk while still uint8 (JPEG: DCT scaling during decode via
 ``draft``; others: an integer box ``reduce``) to at most twice the target per side, so the float
-copy the preprocessor makes stays near the target size (docs/architecture.md, media budgets).
+copy the preprocessor makes stays near the target size (README "Limits and security").
 """
 
 from __future__ import annotations
