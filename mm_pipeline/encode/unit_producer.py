@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.decode_audio import decode_audio, header_seconds
 from mm_pipeline.media.decode_budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode_image import decode_image, image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode_video import frame_decode_bytes, probe_video
@@ -69,9 +69,13 @@ class UnitProducer:
         if cfg is None:
             raise UnsupportedMediaType("this model has no audio encoder; audio input is not supported")
         limit = self.context_samples()
-        cap = min(int(self.config.limits.max_duration_s * cfg.sampling_rate), limit or 1 << 62)
-        # samples, resampled chunks and their concatenation (float32), and the mel
-        with self.budget.reserve(12 * cap, control, "the audio"):
+        cap = int(self.config.limits.max_duration_s * cfg.sampling_rate)
+        cap = cap if limit is None else min(cap, limit + 1)
+        claimed = header_seconds(item)
+        expected = cap if claimed is None else min(cap, int(claimed * cfg.sampling_rate) + 1)
+        # resampled chunks and their concatenation (float32), and the mel: an estimate from the
+        # header; whatever the header says, the decode itself stops at ``cap`` samples
+        with self.budget.reserve(12 * expected, control, "the audio"):
             self._count("audio_decoded")
             audio = decode_audio(item, cfg.sampling_rate, self.config.limits, control, limit)
             return self.pre.audio_segments(audio)

@@ -14,7 +14,7 @@ import av
 import numpy as np
 import torch
 
-from mm_pipeline.errors import ContextLengthError, MediaTooLarge, UndecodableMediaError
+from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.decode_budget import DecodeControl, check
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import DecodedAudio, MediaItem
@@ -66,6 +66,16 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
         raise UndecodableMediaError(f"{item.format} from {item.origin} holds no audio samples")
     samples = torch.from_numpy(np.concatenate(chunks).astype(np.float32, copy=False))
     return DecodedAudio(samples, sample_rate, item.format)
+
+
+def header_seconds(item: MediaItem) -> float | None:
+    """The duration the container's header claims (None: no claim, or it does not open). Only an
+    estimate for budgets: decoding counts samples itself and never trusts it."""
+    try:
+        with open_av(item.data) as container:
+            return _header_duration(container, container.streams.audio[0]) if container.streams.audio else None
+    except (av.FFmpegError, MediaError):
+        return None
 
 
 def _frames_then_flush(container: av.container.InputContainer,

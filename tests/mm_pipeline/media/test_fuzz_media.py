@@ -30,6 +30,8 @@ from mm_pipeline.media.sniff import sniff
 from mm_pipeline.media.types import MediaItem, MediaKind
 from tests.support.media_samples import animated_bytes, audio_bytes, image_bytes, video_bytes
 
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PIL on corrupt EXIF: expected here
+
 EXAMPLES = int(os.environ.get("MMSERVE_FUZZ_EXAMPLES", "150"))
 DEADLINE_S = 5.0
 LIMITS = MediaLimits(max_pixels=1 << 22, max_duration_s=120.0, max_frames=5000, max_animation_pixels=1 << 26,
