@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.decode_budget import DecodeControl, check
@@ -79,6 +79,10 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 
 
 def _orientation(img: Image.Image) -> int:
+    # PIL's PNG getexif() decodes the whole image to look for an eXIf chunk after the pixel data:
+    # a PNG is oriented by the chunks before its pixels only, so a header probe stays a probe
+    if img.format == "PNG" and "exif" not in img.info:
+        return 1
     try:
         return int(img.getexif().get(0x0112, 1))
     except (ValueError, TypeError, OSError, SyntaxError):
@@ -117,7 +121,8 @@ def _shrunk(img: Image.Image, target: TargetSize) -> Image.Image:
 
 def to_rgb8(img: Image.Image) -> np.ndarray:
     """The current frame of ``img`` as [H, W, 3] uint8 RGB following the rules above."""
-    img = ImageOps.exif_transpose(img) or img
+    method = _TRANSPOSE.get(_orientation(img))  # the rule image_size plans with
+    img = img.transpose(method) if method is not None else img
     mode = img.mode
     if mode.startswith("I;16") or mode == "I":
         arr = np.asarray(img).astype(np.int64)

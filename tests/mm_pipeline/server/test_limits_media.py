@@ -1,11 +1,12 @@
 """Issue 22 rows 1, 4, 6, 7, 8 and 9 through the HTTP app with a real tiny omni engine: each hostile
 input gets a clean 4xx (or a correct 200) within 2 s, the process's peak RSS grows by at most
 512 MB for it, the next normal request is answered, and admission, both worker pools and the
-decoded-bytes budget are back to idle. The hostile files are generated here (tests/support/
-hostile_media.py), small on the wire by construction.
+decoded-bytes budget are back to idle. The hostile files are generated here (samples/synthetic/
+hostile_media.py), small on the wire by construction; benchmarks/hostile_media.py prints the same
+figures against a server of any model.
 
 RSS: VmHWM (peak) after the request minus VmRSS before it, with the peak reset first
-(``/proc/self/clear_refs``); the server runs in this process.
+(``samples.synthetic.hostile_media.measured``); the server runs in this process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import httpx
 import pytest
 
 from mm_pipeline.media.ingest import MediaLimits
-from tests.support.hostile_media import huge_png, huge_video, pixel_frames_gif, png_variant, silent_flac
+from samples.synthetic.hostile_media import (huge_png, huge_video, measured, pixel_frames_gif, png_variant,
+                                             silent_flac)
 from tests.support.media_samples import image_bytes
 from tests.support.served import served_tiny_omni
 
@@ -41,24 +43,12 @@ def served(tmp_path_factory):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
 def _measured(send):
     """(response, seconds, peak RSS growth in MB) of ``send()``."""
     try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        return measured(send)
     except OSError:
         pytest.skip("cannot reset the peak RSS (/proc/self/clear_refs)")
-    before = _status_kb("VmRSS")
-    start = time.perf_counter()
-    response = send()
-    seconds = time.perf_counter() - start
-    return response, seconds, (_status_kb("VmHWM") - before) / 1024
 
 
 def _chat(served, content: list[dict] | str, timeout: float | httpx.Timeout = 120, **body) -> httpx.Response:

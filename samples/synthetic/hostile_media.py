@@ -1,15 +1,21 @@
-"""Hostile media generated in memory for the limit tests (issue 22): files that are tiny on the
-wire and huge, slow or endless once decoded. Never downloaded; each built in about a second."""
+"""Hostile media generated in memory for the limit tests and benchmarks (issue 22): files that are
+tiny on the wire and huge, slow or endless once decoded. Never downloaded; each built in seconds.
+``measured`` runs one request and reports its time and this process's peak RSS growth."""
 
 from __future__ import annotations
 
 import io
 import struct
+import time
 import zlib
+from pathlib import Path
+from typing import Callable, TypeVar
 
 import av
 import numpy as np
 from PIL import Image
+
+T = TypeVar("T")
 
 
 def huge_video(side: int = 8192, n_frames: int = 8, fps: int = 10) -> bytes:
@@ -72,3 +78,22 @@ def silent_flac(seconds: float = 3600.0, rate: int = 8000) -> bytes:
             out.mux(stream.encode(frame))
         out.mux(stream.encode(None))
     return buf.getvalue()
+
+
+def measured(send: Callable[[], T]) -> tuple[T, float, float]:
+    """(``send()``'s result, seconds, growth of this process's peak RSS in MB): the peak (VmHWM)
+    is reset to the current RSS first (``/proc/self/clear_refs``; Linux). Raises ``OSError`` where
+    the peak cannot be reset."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kb("VmRSS")
+    start = time.perf_counter()
+    result = send()
+    seconds = time.perf_counter() - start
+    return result, seconds, (_status_kb("VmHWM") - before) / 1024
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
