@@ -70,7 +70,7 @@ class OmniRuntime:
                                name="omni-media")
         # text tokenization never queues behind media decodes (a slow or hostile file must not
         # stall text-only requests); its work is bounded by the context limit (TextBound)
-        self.text_pool = WorkerPool(1, config.max_queue, config.decode_admit_timeout_s, name="omni-text")
+        self.text_pool = WorkerPool(2, config.max_queue, config.decode_admit_timeout_s, name="omni-text")
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
         self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device)
         self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor, model.encoder_id,
