@@ -52,10 +52,6 @@ class UnitProducer:
         return DecodeControl(self.config.limits.decode_timeout_s, wanted, what=f"{item.kind.value} from {item.origin}")
 
     # ---- decode helpers (worker threads) ----------------------------------------------------
-    def image_size(self, item: MediaItem) -> tuple[int, int]:
-        """(h, w) the encoder resizes ``item`` to, from its header alone."""
-        return self.pre.image_size(*probe_image(item, self.config.limits))
-
     def image_input(self, item: MediaItem, control: DecodeControl | None = None) -> VisionInput:
         h, w = probe_image(item, self.config.limits)
         with self.budget.reserve(image_decode_bytes(h, w), control, "the image"):

@@ -52,7 +52,7 @@ class MediaLimits:
     max_media_items: int = 32  # media parts of one request
     max_request_decoded_bytes: int = 1 << 30  # decoded uint8 pixels + float32 samples of a request
     max_decoded_bytes_in_flight: int = 2 << 30  # held by all decodes of the server at once
-    max_animation_pixels: int = 1 << 30  # GIF/WebP: canvas pixels x frames composited to reach the last sampled
+    max_animation_pixels: int = 1 << 30  # GIF/WebP: canvas pixels x frames composited (the canvas may grow)
     decode_timeout_s: float = 30.0  # one item's decode, probe included
 
     def __post_init__(self) -> None:
