@@ -36,6 +36,7 @@ class MediaPlan:
     cached: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
     video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
+    decoded_bytes: int = 0  # estimated bytes its decode holds (the request's decoded-bytes budget)
 
     @property
     def kind(self) -> MediaKind:
@@ -56,6 +57,7 @@ class PlannerConfig:
     limits: MediaLimits = MediaLimits()
     video_sampling: VideoSamplingParams = VideoSamplingParams()
     groups_per_chunk: int = 2
+    max_context_tokens: int | None = None  # the LLM's context: media that cannot fit fails before decoding
 
     def __post_init__(self) -> None:
         if self.groups_per_chunk < 1:

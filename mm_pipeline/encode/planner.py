@@ -1,7 +1,8 @@
 r"""Media item -> encoder units: layout sizes first, then cache hits, joins or production.
 
     plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
-                                         └─no─► image/audio: decode + preprocess (sizes from the data)
+                                         └─no─► image: header only (decoded when produced)
+                                                audio: decode (stops at the context) + preprocess
                                                 video: probe (demux only) ─► sampling ─► sizes
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers
@@ -16,6 +17,7 @@ production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.enc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 from collections import Counter
@@ -30,7 +32,10 @@ from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.single_flight import SingleFlight
 from mm_pipeline.encode.unit_producer import UnitProducer
-from mm_pipeline.errors import MediaError, MediaNotFound, UnsupportedMediaType
+from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaError, MediaNotFound, MediaTooLarge,
+                                UnsupportedMediaType)
+from mm_pipeline.media.decode_budget import DecodeControl
+from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
 from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
@@ -60,21 +65,39 @@ class MediaPlanner:
         # media key -> the planning pass in progress; a cancelled planner fails its joiners with
         # a MediaError (their request failed for a reason of this media, not their own cancel)
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
+        # file id -> the read in progress: the choices of one request share one copy of the bytes
+        self._loading: SingleFlight[MediaItem] = SingleFlight(lambda: MediaError("loading the file was cancelled"))
 
     # ---- public API -------------------------------------------------------------------------
     async def load(self, ref: MediaRef) -> MediaItem:
-        """Ingest one media reference (uploaded file ids through the resolver)."""
+        """Ingest one media reference (uploaded file ids through the resolver). Concurrent loads
+        of one file id (the n choices of one request) read it once and share the bytes."""
         if ref.source is not None:
             return await self.ingestor.ingest(ref.source)
         if self.file_resolver is None:
             raise MediaNotFound(f"file {ref.file_id!r}: this server has no file store")
-        try:
-            data, _name = await self.pool.run(self.file_resolver, ref.file_id)
-        except KeyError:
-            raise MediaNotFound(f"no uploaded file with id {ref.file_id!r}") from None
-        if isinstance(data, Path):
-            data = await self.pool.run(data.read_bytes)
-        return await self.ingestor.ingest(MediaSource(data=bytes(data), kind=ref.kind))
+        key = f"{ref.file_id}\0{ref.kind.value if ref.kind is not None else ''}"
+        item, _ = await self._loading.run(key, lambda: self._load_file(ref))
+        return item
+
+    def check_request(self, refs: Sequence[MediaRef]) -> None:
+        """Request-level limits known before anything is read: the number of media items."""
+        most = self.config.limits.max_media_items
+        if len(refs) > most:
+            raise InvalidInputError(f"the request has {len(refs)} media items, limit {most} (max_media_items)")
+
+    def check_plans(self, plans: Sequence[MediaPlan]) -> None:
+        """Request-level limits known once every item is planned and before any is produced: the
+        decoded bytes of the request, and media tokens alone over the model's context."""
+        limit = self.config.limits.max_request_decoded_bytes
+        total = sum(p.decoded_bytes for p in plans)
+        if total > limit:
+            raise MediaTooLarge(f"the request's media decode to about {total >> 20} MiB, limit {limit >> 20} MiB "
+                                f"(max_request_decoded_bytes)")
+        context, tokens = self.config.max_context_tokens, sum(p.num_tokens for p in plans)
+        if context is not None and tokens >= context:
+            raise ContextLengthError(f"the request's media take {tokens} tokens, over the context limit of "
+                                     f"{context} tokens")
 
     async def plan(self, item: MediaItem) -> MediaPlan:
         """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
@@ -83,14 +106,21 @@ class MediaPlanner:
         if encoder is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
         mkey = await self.pool.run(media_key, item.data, item.kind, self._params(item.kind), self.encoder_id)
-        plan, planned_here = await self._planning.run(mkey, lambda: self.pool.run(self._plan_sync, item, mkey))
+        control = self.producer.control(item)
+        try:
+            plan, planned_here = await self._planning.run(
+                mkey, lambda: self.pool.run(self._plan_sync, item, mkey, control))
+        except asyncio.CancelledError:
+            control.cancel()  # the request ended: its worker stops at the next frame
+            raise
         if planned_here:
             return plan
         # another request planned the same media meanwhile: share its layout and its preprocessed
         # inputs instead of decoding a second time (its cache hits were handed to its own sinks;
         # this plan's units find them again when claimed, unit_producer looks before decoding)
         self._count("plan_joins")
-        return MediaPlan(item, mkey, plan.units, plan.timestamps, inputs=plan.inputs, video=plan.video)
+        return MediaPlan(item, mkey, plan.units, plan.timestamps, inputs=plan.inputs, video=plan.video,
+                         decoded_bytes=plan.decoded_bytes)
 
     def start(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
         """Deliver cached units, join units in flight, claim and produce the rest (async task)."""
@@ -122,15 +152,37 @@ class MediaPlanner:
             self._counts[name] += 1
 
     # ---- planning (worker thread) -----------------------------------------------------------
-    def _plan_sync(self, item: MediaItem, mkey: str) -> MediaPlan:
+    async def _load_file(self, ref: MediaRef) -> MediaItem:
+        try:
+            data, _name = await self.pool.run(self.file_resolver, ref.file_id)
+        except KeyError:
+            raise MediaNotFound(f"no uploaded file with id {ref.file_id!r}") from None
+        if isinstance(data, Path):
+            data = await self.pool.run(self._read_upload, data, ref.file_id)
+        return await self.ingestor.ingest(MediaSource(data=data if isinstance(data, bytes) else bytes(data),
+                                                      kind=ref.kind))
+
+    def _read_upload(self, path: Path, file_id: str) -> bytes:
+        # the media cap before the read: an upload may be larger than media may be
+        limit = self.config.limits.max_bytes
+        size = path.stat().st_size
+        if size > limit:
+            raise MediaTooLarge(f"uploaded file {file_id!r} is {size} bytes, over the {limit}-byte media limit "
+                                f"(max_bytes)")
+        with path.open("rb") as f:
+            return f.read(limit + 1)
+
+    def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None) -> MediaPlan:
         manifest = self.cache.get(_manifest_key(mkey))
         if manifest is not None:
             self._count("manifest_hits")
             units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), int(n)) for i, n in
                           enumerate(manifest[:, 0].tolist()))
             plan = MediaPlan(item, mkey, units, tuple(manifest[:, 1].tolist()) if item.kind is MediaKind.VIDEO else ())
+            if item.kind is MediaKind.IMAGE:
+                plan.decoded_bytes = image_decode_bytes(*probe_image(item, self.config.limits))
         else:
-            plan = self._plan_from_media(item, mkey)
+            plan = self._plan_from_media(item, mkey, control)
             table = torch.tensor([[u.num_tokens, t] for u, t in
                                   zip(plan.units, plan.timestamps or [0.0] * len(plan.units))], dtype=torch.float64)
             self.cache.put(_manifest_key(mkey), table)
@@ -138,28 +190,34 @@ class MediaPlanner:
         plan.cached.update({i: found[u.key] for i, u in enumerate(plan.units) if u.key in found})
         return plan
 
-    def _plan_from_media(self, item: MediaItem, mkey: str) -> MediaPlan:
+    def _plan_from_media(self, item: MediaItem, mkey: str, control: DecodeControl | None) -> MediaPlan:
         if item.kind is MediaKind.IMAGE:
-            vis = self.producer.image_input(item)
-            (tokens,) = self.pre.unit_tokens("image", vis.grid)
-            return MediaPlan(item, mkey, (UnitPlan(mkey, tokens),), inputs={0: vis})
+            # sizes from the header; the pixels are decoded when the unit is produced, after the
+            # request-level budgets (check_plans) passed
+            h, w = probe_image(item, self.config.limits)
+            size = self.pre.image_size(h, w)
+            grid = (1, size[0] // self.pre.image_config.patch_size, size[1] // self.pre.image_config.patch_size)
+            (tokens,) = self.pre.unit_tokens("image", grid)
+            return MediaPlan(item, mkey, (UnitPlan(mkey, tokens),), decoded_bytes=image_decode_bytes(h, w))
         if item.kind is MediaKind.AUDIO:
-            mels = self.producer.audio_inputs(item)
+            mels = self.producer.audio_inputs(item, control)
             sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))
             if len(sizes) != len(mels):
                 raise AssertionError(f"{len(mels)} mel segments but the token rule cuts {len(sizes)}")
             units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), n) for i, n in enumerate(sizes))
-            return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)))
+            return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)),
+                             decoded_bytes=sum(m.numel() * m.element_size() for m in mels))
         if item.kind is MediaKind.VIDEO:
-            return self._plan_video(item, mkey)
+            return self._plan_video(item, mkey, control)
         raise UnsupportedMediaType(f"media kind {item.kind} is not supported")
 
-    def _plan_video(self, item: MediaItem, mkey: str) -> MediaPlan:
-        info, sampling, size = self.producer.probe_video(item)
+    def _plan_video(self, item: MediaItem, mkey: str, control: DecodeControl | None) -> MediaPlan:
+        info, sampling, size = self.producer.probe_video(item, control)
         sizes = self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames))
         units = tuple(UnitPlan(self._unit_key(item.kind, mkey, g), n) for g, n in enumerate(sizes))
         stamps = sampling.timestamps[::self.pre.image_config.temporal_patch_size]  # a group's first frame
-        return MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size))
+        return MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size),
+                         decoded_bytes=self.producer.chunk_bytes(item, info, sampling.num_frames, size))
 
     # ---- keys -------------------------------------------------------------------------------
     def _params(self, kind: MediaKind) -> dict[str, Any]:

@@ -10,7 +10,9 @@
 Sizes are functions of metadata only (image size, the video's frame count and size, audio sample
 count), so a prompt can be laid out before any pixel is processed; the token count of a size is
 ``encoders.config.unit_tokens``. The uint8 frames travel to the device before the float conversion
-(4x fewer bytes over the bus).
+(4x fewer bytes over the bus). The decoders already scaled them in uint8 (video frames to the
+video's size, large images to at most twice their target), so the float copy made here is of a
+frame near the target size, never of an 8192² source frame.
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ class Preprocessor:
         return unit_tokens(kind, shape, merge_size=self.image_config.merge_size, audio=self.audio_config)
 
     # ---- tensors ----------------------------------------------------------------------------
-    def image(self, image: DecodedImage) -> VisionInput:
+    def image(self, image: DecodedImage, size: tuple[int, int] | None = None) -> VisionInput:
+        """``size``: the resized (h, w) planned from the source's header (the pixels may arrive
+        already shrunk, see decode_image); default: from the pixels' own size."""
         frames = self._frames_chw(image.pixels[None])
-        h, w = self.image_size(frames.shape[-2], frames.shape[-1])
+        h, w = size or self.image_size(frames.shape[-2], frames.shape[-1])
         rows, grid = self._patchify(frames, h, w)
         return VisionInput(rows, grid)
 

@@ -17,9 +17,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mm_pipeline.media.decode_audio import decode_audio
-from mm_pipeline.media.decode_image import decode_image, probe_animation
-from mm_pipeline.media.decode_video import probe_video
+from mm_pipeline.media.decode_audio import decode_audio, header_seconds
+from mm_pipeline.media.decode_budget import DecodeBudget, DecodeControl, check
+from mm_pipeline.media.decode_image import decode_image, image_decode_bytes, probe_animation, probe_image
+from mm_pipeline.media.decode_video import frame_decode_bytes, probe_video
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -43,28 +44,62 @@ class UnitProducer:
         self.config = config
         self._count = count
         self._tasks: set[asyncio.Task[None]] = set()
+        # every decode of the runtime holds its estimated bytes here while it runs
+        self.budget = DecodeBudget(config.limits.max_decoded_bytes_in_flight)
+
+    def control(self, item: MediaItem, wanted: Callable[[], bool] | None = None) -> DecodeControl:
+        """The deadline (``decode_timeout_s``) and cancellation of one item's decode work."""
+        return DecodeControl(self.config.limits.decode_timeout_s, wanted, what=f"{item.kind.value} from {item.origin}")
 
     # ---- decode helpers (worker threads) ----------------------------------------------------
-    def image_input(self, item: MediaItem) -> VisionInput:
-        self._count("images_decoded")
-        return self.pre.image(decode_image(item, self.config.limits))
+    def image_input(self, item: MediaItem, control: DecodeControl | None = None) -> VisionInput:
+        h, w = probe_image(item, self.config.limits)
+        with self.budget.reserve(image_decode_bytes(h, w), control, "the image"):
+            check(control)
+            self._count("images_decoded")
+            image = decode_image(item, self.config.limits, target=self.pre.image_size)
+            return self.pre.image(image, self.pre.image_size(h, w))
 
-    def audio_inputs(self, item: MediaItem) -> list[torch.Tensor]:
+    def audio_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> list[torch.Tensor]:
         cfg = self.pre.audio_config
         if cfg is None:
             raise UnsupportedMediaType("this model has no audio encoder; audio input is not supported")
-        self._count("audio_decoded")
-        return self.pre.audio_segments(decode_audio(item, cfg.sampling_rate, self.config.limits))
+        limit = self.context_samples()
+        cap = int(self.config.limits.max_duration_s * cfg.sampling_rate)
+        cap = cap if limit is None else min(cap, limit + 1)
+        claimed = header_seconds(item)
+        expected = cap if claimed is None else min(cap, int(claimed * cfg.sampling_rate) + 1)
+        # resampled chunks and their concatenation (float32), and the mel: an estimate from the
+        # header; whatever the header says, the decode itself stops at ``cap`` samples
+        with self.budget.reserve(12 * expected, control, "the audio"):
+            self._count("audio_decoded")
+            audio = decode_audio(item, cfg.sampling_rate, self.config.limits, control, limit)
+            return self.pre.audio_segments(audio)
 
-    def probe_video(self, item: MediaItem) -> tuple[Any, Any, tuple[int, int]]:
+    def context_samples(self) -> int | None:
+        """The most audio samples whose tokens fit the model's context (None: no context given)."""
+        cfg, most = self.pre.audio_config, self.config.max_context_tokens
+        if cfg is None or most is None:
+            return None
+        lo, hi = 0, int(self.config.limits.max_duration_s * cfg.sampling_rate) + 1
+        while lo < hi:  # largest s with tokens(s) <= most; tokens grow with s
+            mid = (lo + hi + 1) // 2
+            if sum(self.pre.unit_tokens("audio", (cfg.num_mel_frames(mid),))) <= most:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def probe_video(self, item: MediaItem, control: DecodeControl | None = None
+                    ) -> tuple[Any, Any, tuple[int, int]]:
         """(probe info or None for a GIF/WebP, FrameSampling, resized frame size) -- a demux pass,
         no decoding."""
         self._count("probes")
         if item.format in _ANIMATIONS:
-            anim = probe_animation(item, self.config.limits)
+            anim = probe_animation(item, self.config.limits, control)
             info, total, fps, h, w = None, anim.num_frames, anim.fps, anim.height, anim.width
         else:
-            info = probe_video(item, self.config.limits)
+            info = probe_video(item, self.config.limits, control)
             total, fps, h, w = info.total_frames, info.video_fps, info.height, info.width
         sampling = sample_frames(total, fps, self.config.video_sampling)
         return info, sampling, self.pre.video_size(h, w, sampling.num_frames)
@@ -90,6 +125,9 @@ class UnitProducer:
 
     async def _produce(self, plan: MediaPlan, claimed: list[int]) -> None:
         open_keys = {plan.units[i].key for i in claimed}
+        keys = tuple(open_keys)
+        # a worker stops at its next frame once no request wants these units (or at the deadline)
+        control = self.control(plan.item, wanted=lambda: any(self.batcher.wanted(k) for k in keys))
         try:
             # A unit may have been encoded (cached, then delivered) between this request's cache
             # lookup and its claim: look once more before decoding anything.
@@ -101,10 +139,10 @@ class UnitProducer:
             if not claimed:
                 return
             if plan.kind is MediaKind.VIDEO:
-                await self._produce_video(plan, claimed, open_keys)
+                await self._produce_video(plan, claimed, open_keys, control)
             else:
-                if not all(i in plan.inputs for i in claimed):  # planned from a manifest: decode now
-                    plan.inputs = await self.pool.run(self._decode_inputs, plan.item)
+                if not all(i in plan.inputs for i in claimed):  # planned from metadata: decode now
+                    plan.inputs = await self.pool.run(self._decode_inputs, plan.item, control)
                 for i in claimed:
                     self._submit(plan, i, plan.inputs[i], open_keys)
         except BaseException as exc:
@@ -116,15 +154,19 @@ class UnitProducer:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            control.cancel()  # a chunk still on a worker after a failure stops at its next frame
             plan.inputs = {}
 
-    async def _produce_video(self, plan: MediaPlan, claimed: list[int], open_keys: set[str]) -> None:
+    async def _produce_video(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
+                             control: DecodeControl) -> None:
         if plan.video is None:  # planned from a manifest: probe again for the decode plan
-            plan.video = await self.pool.run(self.probe_video, plan.item)
+            plan.video = await self.pool.run(self.probe_video, plan.item, control)
         info, sampling, size = plan.video
         tp = self.pre.image_config.temporal_patch_size
-        keyframes = info.keyframes if info is not None else (0,)
-        chunks = plan_chunks(claimed, sampling.indices, keyframes, tp, self.config.groups_per_chunk)
+        if info is None:  # GIF/WebP: PIL walks frames forward only, so one pass composites each once
+            chunks = [list(claimed)]
+        else:
+            chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk)
 
         async def one(groups: list[int]) -> None:
             if not any(self.batcher.wanted(plan.units[g].key) for g in groups):
@@ -132,7 +174,8 @@ class UnitProducer:
                     self.batcher.fail(plan.units[g].key, MediaError("no longer wanted"))
                     open_keys.discard(plan.units[g].key)
                 return
-            inputs = await self.pool.run(self._video_chunk, plan.item, info, sampling.indices, groups, size, tp)
+            inputs = await self.pool.run(self._video_chunk, plan.item, info, sampling.indices, groups, size, tp,
+                                         control)
             for g, vis in zip(groups, inputs):
                 self._submit(plan, g, vis, open_keys)
 
@@ -141,15 +184,25 @@ class UnitProducer:
                 group.create_task(one(c))
 
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
-                     size: tuple[int, int], tp: int) -> list[VisionInput]:
-        frames = decode_chunk(item, info, indices, groups, tp, self.config.limits)
-        self._count("video_chunks_decoded")
-        return self.pre.video_groups(frames, size)
+                     size: tuple[int, int], tp: int, control: DecodeControl | None = None) -> list[VisionInput]:
+        with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control, "a video chunk"):
+            frames = decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control)
+            self._count("video_chunks_decoded")
+            return self.pre.video_groups(frames, size)
 
-    def _decode_inputs(self, item: MediaItem) -> dict[int, Any]:
+    def chunk_bytes(self, item: MediaItem, info: Any, num_frames: int, size: tuple[int, int]) -> int:
+        """Estimated peak bytes of decoding ``num_frames`` frames scaled to ``size``: the decoder's
+        own source frames, the uint8 output and its float32 copy in the preprocessor."""
+        out = num_frames * size[0] * size[1] * (3 + 12)
+        if info is None:  # animation: the RGBA canvas and its converted copy
+            h, w = probe_image(item, self.config.limits)
+            return out + 8 * h * w
+        return out + frame_decode_bytes((info.height, info.width))
+
+    def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> dict[int, Any]:
         if item.kind is MediaKind.IMAGE:
-            return {0: self.image_input(item)}
-        return dict(enumerate(self.audio_inputs(item)))
+            return {0: self.image_input(item, control)}
+        return dict(enumerate(self.audio_inputs(item, control)))
 
     def _submit(self, plan: MediaPlan, i: int, inp: Any, open_keys: set[str]) -> None:
         key = plan.units[i].key

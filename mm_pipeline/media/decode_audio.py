@@ -14,17 +14,22 @@ import av
 import numpy as np
 import torch
 
-from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
+from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge, UndecodableMediaError
+from mm_pipeline.media.decode_budget import DecodeControl, check
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import DecodedAudio, MediaItem
 from mm_pipeline.media.sniff import open_av
 
 
-def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaLimits()) -> DecodedAudio:
+def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaLimits(),
+                 control: DecodeControl | None = None, context_samples: int | None = None) -> DecodedAudio:
     """Decode the first audio stream of ``item`` to mono float32 at ``sample_rate`` Hz.
 
     Raises ``MediaTooLarge`` when the header or the decoded length exceeds
-    ``limits.max_duration_s``, ``UndecodableMediaError`` for damaged data or no audio stream."""
+    ``limits.max_duration_s``, ``UndecodableMediaError`` for damaged data or no audio stream,
+    ``ContextLengthError`` as soon as more than ``context_samples`` are decoded (the most the
+    model's context can hold: counted as decoded, never trusting a header's duration, so an hour
+    of silence stops after the first seconds past the limit)."""
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     max_samples = int(limits.max_duration_s * sample_rate)
@@ -40,6 +45,7 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
                 raise MediaTooLarge(f"audio lasts {header_s:.1f} s, limit {limits.max_duration_s} s")
             resampler: av.AudioResampler | None = None
             for frame in _frames_then_flush(container, stream):
+                check(control)
                 if resampler is None and frame is not None:
                     resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
                 if resampler is None:
@@ -50,12 +56,26 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
                     total += planes.shape[1]
                 if total > max_samples:
                     raise MediaTooLarge(f"audio lasts over {limits.max_duration_s} s (decoded)")
+                if context_samples is not None and total > context_samples:
+                    raise ContextLengthError(
+                        f"audio from {item.origin} is longer than the model's context holds "
+                        f"(over {context_samples / sample_rate:.1f} s decoded); send a shorter clip")
     except av.FFmpegError as exc:
         raise UndecodableMediaError(f"{item.format} audio from {item.origin} does not decode ({exc})") from exc
     if total == 0:
         raise UndecodableMediaError(f"{item.format} from {item.origin} holds no audio samples")
     samples = torch.from_numpy(np.concatenate(chunks).astype(np.float32, copy=False))
     return DecodedAudio(samples, sample_rate, item.format)
+
+
+def header_seconds(item: MediaItem) -> float | None:
+    """The duration the container's header claims (None: no claim, or it does not open). Only an
+    estimate for budgets: decoding counts samples itself and never trusts it."""
+    try:
+        with open_av(item.data) as container:
+            return _header_duration(container, container.streams.audio[0]) if container.streams.audio else None
+    except (av.FFmpegError, MediaError):
+        return None
 
 
 def _frames_then_flush(container: av.container.InputContainer,

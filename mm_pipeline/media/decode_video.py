@@ -29,6 +29,7 @@ import av
 import numpy as np
 import torch
 
+from mm_pipeline.media.decode_budget import DecodeControl, check
 from mm_pipeline.media.decode_image import decode_animation_frames, probe_animation
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.ingest import MediaLimits
@@ -58,7 +59,8 @@ class VideoInfo:
         return self.total_frames / self.video_fps
 
 
-def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits()) -> VideoInfo:
+def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
+                control: DecodeControl | None = None) -> VideoInfo:
     """One demux pass over the first video stream; enforces pixel, frame and duration limits."""
     try:
         with open_av(item.data) as container:
@@ -72,6 +74,8 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits()) -> VideoIn
             for packet in container.demux(stream):
                 if packet.size == 0:
                     continue  # demuxer flush marker
+                if len(packets) % 256 == 0:
+                    check(control)
                 if packet.pts is None:
                     raise UndecodableMediaError(f"{item.format} video has packets without timestamps")
                 packets.append((packet.pts, packet.is_keyframe))
@@ -98,11 +102,17 @@ def _fps_from_pts(pts: tuple[int, ...], time_base: Fraction | None) -> float:
     return (len(pts) - 1) / span if len(pts) > 1 and span > 0 else 1.0
 
 
-def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek: bool = True) -> torch.Tensor:
+def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek: bool = True,
+                 size: tuple[int, int] | None = None, control: DecodeControl | None = None) -> torch.Tensor:
     """Frames ``targets`` (ascending, unique) as [T, H, W, 3] uint8; with ``seek`` the decoder
-    starts at the last keyframe at or before ``targets[0]``, else at frame 0."""
+    starts at the last keyframe at or before ``targets[0]``, else at frame 0.
+
+    ``size`` (h, w): frames are scaled to it by swscale as they leave the decoder, in uint8, so a
+    huge source frame never exists as RGB, let alone as float (default: the stream's size).
+    ``control``: checked once per decoded frame (deadline, cancellation)."""
+    h, w = size or (info.height, info.width)
     if not targets:
-        return torch.empty(0, info.height, info.width, 3, dtype=torch.uint8)
+        return torch.empty(0, h, w, 3, dtype=torch.uint8)
     if any(b <= a for a, b in zip(targets, targets[1:])) or targets[0] < 0 or targets[-1] >= info.total_frames:
         raise ValueError(f"decode_range targets must be ascending, unique and in [0, {info.total_frames}), "
                          f"got {list(targets)[:8]}...")
@@ -117,12 +127,13 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
             if start > 0:
                 container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
+                check(control)
                 idx = index_of.get(frame.pts, prev_index + 1)
                 prev_index = idx
                 while len(out) < len(targets) and targets[len(out)] < idx:
-                    out.append(_rgb(prev if prev is not None else frame, info))  # never emitted
+                    out.append(_rgb(prev if prev is not None else frame, h, w))  # never emitted
                 if len(out) < len(targets) and targets[len(out)] == idx:
-                    out.append(_rgb(frame, info))
+                    out.append(_rgb(frame, h, w))
                 prev = frame
                 if len(out) == len(targets):
                     break
@@ -131,13 +142,20 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     if prev is None:
         raise UndecodableMediaError(f"{item.format} video from {item.origin} decoded no frame")
     while len(out) < len(targets):
-        out.append(_rgb(prev, info))
+        out.append(_rgb(prev, h, w))
     return torch.from_numpy(np.stack(out))
 
 
-def _rgb(frame: av.VideoFrame, info: VideoInfo) -> np.ndarray:
-    # Every frame at the stream's declared size, even if the codec changes resolution mid-stream.
-    return frame.to_ndarray(format="rgb24", width=info.width, height=info.height)
+def _rgb(frame: av.VideoFrame, h: int, w: int) -> np.ndarray:
+    # Every frame at one size, even if the codec changes resolution mid-stream.
+    return frame.to_ndarray(format="rgb24", width=w, height=h)
+
+
+def frame_decode_bytes(info_or_size: tuple[int, int]) -> int:
+    """Peak bytes a decoder holds for frames of (h, w): a few planar YUV frames (references,
+    the frame being built) -- the in-flight budget's estimate for one video decoder."""
+    h, w = info_or_size
+    return 4 * h * w * 3 // 2
 
 
 def split_ranges(targets: Sequence[int], info: VideoInfo, num_ranges: int) -> list[list[int]]:

@@ -58,9 +58,23 @@ class MediaLimits:
     """Duration of an audio or video item in seconds."""
     max_frames: int = 216_000
     """Source frames of a video (its decode cost; 1 h at 60 fps)."""
+    # Decoded-memory and decode-time budgets (README "Limits and security"), all checked from
+    # headers before the pixels or samples they bound are decoded.
+    max_media_items: int = 32
+    """Media parts of one request."""
+    max_request_decoded_bytes: int = 1 << 30
+    """Decoded uint8 pixels + float32 samples of one request."""
+    max_decoded_bytes_in_flight: int = 2 << 30
+    """Decoded bytes held by all decodes of the server at once (a decode waits for room until its deadline)."""
+    max_animation_pixels: int = 1 << 30
+    """GIF/WebP: canvas pixels x frames composited (the canvas may grow)."""
+    decode_timeout_s: float = 30.0
+    """One media item's decode deadline in seconds, probe included (then HTTP 413)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames"):
+        for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames", "max_media_items",
+                     "max_request_decoded_bytes", "max_decoded_bytes_in_flight", "max_animation_pixels",
+                     "decode_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MediaLimits.{name} must be positive, got {getattr(self, name)}")
 
@@ -163,8 +177,13 @@ class MediaIngestor:
         real = path.resolve()  # follows symlinks and '..' so the check below sees the real target
         if not any(real.is_relative_to(root) for root in self._roots):
             raise MediaAccessDenied(f"path {raw!r} is outside the allowed media directories")
+        # Regular files only, checked before open: opening a FIFO blocks until a writer comes (a
+        # worker stuck for good) and a device never ends. O_NONBLOCK covers a swap between the
+        # stat and the open; the fstat below re-checks what was opened.
         try:
-            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            if not stat.S_ISREG(os.stat(real).st_mode):
+                raise InvalidMediaError(f"media path {raw!r} is not a regular file")
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise MediaNotFound(f"no such media file {raw!r}") from None
         except OSError as exc:

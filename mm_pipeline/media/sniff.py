@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import av
 
-from mm_pipeline.errors import InvalidMediaError, UnsupportedMediaType
+from mm_pipeline.errors import InvalidMediaError, UndecodableMediaError, UnsupportedMediaType
 from mm_pipeline.media.types import MediaKind
 
 IMAGE, VIDEO, AUDIO = MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO
@@ -61,7 +61,10 @@ class SniffResult:
 
 def open_av(data: bytes, format: str | None = None) -> av.container.InputContainer:
     """Open encoded bytes with PyAV, with nested protocol opens disabled."""
-    return av.open(io.BytesIO(data), mode="r", format=format, options=dict(_AV_OPTIONS))
+    try:
+        return av.open(io.BytesIO(data), mode="r", format=format, options=dict(_AV_OPTIONS))
+    except UnicodeDecodeError as exc:  # PyAV decodes container metadata as UTF-8 while opening
+        raise UndecodableMediaError(f"media container metadata is not valid UTF-8 ({exc.reason})") from None
 
 
 def sniff(data: bytes) -> SniffResult:
@@ -126,9 +129,10 @@ def _probe(data: bytes) -> SniffResult:
                 s
                 for s in container.streams.video
                 if not s.disposition & av.stream.Disposition.attached_pic  # cover art is no video
-                and s.codec_context.width > 0
+                and s.codec_context is not None and s.codec_context.width > 0  # None: no decoder for it
             ]
-            audios = [s for s in container.streams.audio if s.codec_context.sample_rate > 0]
+            audios = [s for s in container.streams.audio
+                      if s.codec_context is not None and s.codec_context.sample_rate > 0]
             name = container.format.name
     except (av.FFmpegError, UnicodeDecodeError, ValueError) as exc:
         raise UnsupportedMediaType(f"content is not a supported image, audio or video ({exc})") from exc

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import decode_animation_frames
 from mm_pipeline.media.decode_video import VideoInfo, decode_range
 from mm_pipeline.media.ingest import MediaLimits
@@ -52,14 +53,15 @@ def plan_chunks(groups: Sequence[int], indices: Sequence[int], keyframes: Sequen
 
 
 def decode_chunk(item: MediaItem, info: VideoInfo | None, indices: Sequence[int], groups: Sequence[int], tp: int,
-                 limits: MediaLimits) -> torch.Tensor:
+                 limits: MediaLimits, size: tuple[int, int] | None = None,
+                 control: DecodeControl | None = None) -> torch.Tensor:
     """Frames [len(groups) * tp, H, W, 3] uint8 of ``groups`` in order (``info`` None: a GIF/WebP
-    animation, decoded with PIL)."""
+    animation, decoded with PIL), scaled to ``size`` (h, w) as they are decoded."""
     wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
     targets = sorted(set(wanted))  # a padded tail repeats its last frame
     if info is None:
-        frames = decode_animation_frames(item, targets, limits)
+        frames = decode_animation_frames(item, targets, limits, size, control)
     else:
-        frames = decode_range(item, info, targets)
+        frames = decode_range(item, info, targets, size=size, control=control)
     row = {t: k for k, t in enumerate(targets)}
     return frames[[row[t] for t in wanted]]

@@ -31,9 +31,10 @@ last boundary it shares instead of at the start:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from encoders.video import format_timestamp
+from mm_pipeline.errors import ContextLengthError
 from mm_pipeline.model.config import SpecialTokens
 from mm_pipeline.prompt.messages import ChatRequest
 
@@ -175,6 +176,58 @@ class PlannedMedia(Protocol):
     def slots(self) -> MediaSlots: ...
 
 
+class TextBound:
+    """Rejects text that cannot fit a token budget before all of it is tokenized.
+
+    Two steps, both bounded by the budget rather than by the text:
+
+        chars > budget x longest token       -> too long at once (a token covers at most that many
+                                                characters), nothing tokenized
+        else tokenize pieces of ~64 K chars,  -> stop at the first piece past budget + one token per
+        counting as it goes                     piece cut (a cut may split what would be one token)
+
+    so 50 MB of text costs a length check, and a text just over the limit costs about the limit."""
+
+    PIECE_CHARS = 1 << 16
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        # byte-level vocabularies spell one byte per character, so this bounds characters per token
+        self.max_token_chars = max((len(t) for t in vocab), default=0) or 64
+
+    def check(self, texts: Sequence[str], max_tokens: int | None) -> None:
+        """``ContextLengthError`` when ``texts`` together surely take more than ``max_tokens``."""
+        if max_tokens is None:
+            return
+        chars = sum(len(t) for t in texts)
+        if chars > max_tokens * self.max_token_chars:
+            raise ContextLengthError(f"the prompt's text is {chars} characters, more than the context limit of "
+                                     f"{max_tokens} tokens can hold")
+        if 4 * chars + len(texts) <= max_tokens:
+            return  # a character is at most 4 UTF-8 bytes, each at most one token: it surely fits
+        counted = cuts = 0
+        for text in texts:
+            for piece in _pieces(text, self.PIECE_CHARS):
+                counted += len(self.tokenizer.encode(piece, add_special_tokens=False))
+                cuts += 1
+                if counted > max_tokens + cuts:
+                    raise ContextLengthError(f"the prompt's text takes over {max_tokens} tokens, the context "
+                                             f"limit (stopped counting at {counted})")
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of about ``size`` characters, cut before a space where there is one."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            space = text.rfind(" ", start + size // 2, end)
+            end = space if space > start else end
+        yield text[start:end]
+        start = end
+
+
 class ChatLayout:
     """Chat turns + planned media -> token ids with one placeholder span per encoder unit.
 
@@ -186,10 +239,15 @@ class ChatLayout:
     def __init__(self, special: SpecialTokens, tokenizer: Any, video_timestamps: bool = True) -> None:
         self.tokenizer = tokenizer
         self.prompt_layout = PromptLayout.from_tokenizer(special, tokenizer, video_timestamps)
+        self.text_bound = TextBound(tokenizer)
 
-    def render(self, chat: ChatRequest, plans: Sequence[PlannedMedia]) -> LaidOutPrompt:
+    def render(self, chat: ChatRequest, plans: Sequence[PlannedMedia], max_tokens: int | None = None
+               ) -> LaidOutPrompt:
         """Token ids, per plan its unit spans, and the boundaries, for a chat whose media planned as
-        ``plans``."""
+        ``plans``. ``max_tokens`` (the context limit): text that cannot fit fails before it is
+        templated and tokenized whole (``TextBound``)."""
+        texts = [part for turn in chat.turns for part in turn.parts if isinstance(part, str)]
+        self.text_bound.check(texts, max_tokens)
         slots = [p.slots for p in plans]
         kinds = iter(s.kind for s in slots)
         messages = []

@@ -26,7 +26,7 @@ from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpa
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
-from mm_pipeline.errors import MediaError
+from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.encode.plan import MediaPlan
 from mm_pipeline.encode.planner import MediaPlanner
@@ -70,10 +70,13 @@ class OmniRuntime:
         self.batcher.on_submit = self.loop.wake
         self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
                                name="omni-media")
+        # text tokenization never queues behind media decodes (a slow or hostile file must not
+        # stall text-only requests); its work is bounded by the context limit (TextBound)
+        self.text_pool = WorkerPool(2, config.max_queue, config.decode_admit_timeout_s, name="omni-text")
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
         self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device)
-        self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor,
-                                    model.encoder_id, config.planner_config(model.video_sampling))
+        self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor, model.encoder_id,
+                                    config.planner_config(model.video_sampling, self.llm.max_model_len))
         self._started = False
         self._closed = False
 
@@ -89,6 +92,7 @@ class OmniRuntime:
     async def prepare_chat(self, chat: ChatRequest) -> PreparedChat:
         """Ingest and plan every media item (concurrently), then lay the prompt out."""
         refs: list[MediaRef] = chat.media
+        self.planner.check_request(refs)
 
         async def one(k: int, ref: MediaRef) -> MediaPlan:
             try:
@@ -97,7 +101,10 @@ class OmniRuntime:
                 raise type(exc)(f"media item {k + 1} of {len(refs)}: {exc}") from exc
 
         plans = list(await asyncio.gather(*(one(k, r) for k, r in enumerate(refs))))
-        laid = await self.pool.run(self.model.layout.render, chat, plans)  # template + BPE
+        self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
+        laid = await self.text_pool.run(self.model.layout.render, chat, plans,
+                                        self.llm.max_model_len)  # template + BPE
+        self._check_context(len(laid.token_ids))
         spans, spans_of_plan = [], []
         for plan, ranges in zip(plans, laid.unit_spans):
             idx = []
@@ -112,7 +119,7 @@ class OmniRuntime:
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of a plain text prompt (no chat template), on the worker pool."""
-        return await self.pool.run(self._encode_text, text)
+        return await self.text_pool.run(self._encode_text, text)
 
     def open_media(self, prepared: PreparedChat, request_id: str,
                    on_progress: Callable[[], None] | None = None) -> MediaFeed:
@@ -149,7 +156,17 @@ class OmniRuntime:
         self.loop.detach(request_id)
 
     def _encode_text(self, text: str) -> list[int]:
-        return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+        self.model.layout.text_bound.check([text], self.llm.max_model_len)
+        ids = list(self.model.tokenizer.encode(text, add_special_tokens=False))
+        self._check_context(len(ids))
+        return ids
+
+    def _check_context(self, num_tokens: int) -> None:
+        # the engine checks too, but only once the request reaches it: failing here means no
+        # media of a prompt that cannot fit is ever produced
+        if num_tokens + 1 > self.llm.max_model_len:
+            raise ContextLengthError(f"the prompt is {num_tokens} tokens; with one generated token it exceeds "
+                                     f"the context limit of {self.llm.max_model_len} tokens")
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +183,7 @@ class OmniRuntime:
         self.loop.stop()
         self.llm.close()
         self.pool.shutdown(wait=False)
+        self.text_pool.shutdown(wait=False)
         self.cache.close()
         for tier in self.cache.tiers:
             tier.close()

@@ -89,7 +89,7 @@ class OmniEngineConfig:
     """Media decode threads."""
     decode_queue: int = 256
     """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
-    decode_admit_timeout_s: float | None = None
+    decode_admit_timeout_s: float | None = 30.0
     """How long a media decode call may wait for a slot before HTTP 503 (none: no limit)."""
 
     def __post_init__(self) -> None:
@@ -141,5 +141,7 @@ class OmniEngineConfig:
     def batcher_config(self) -> BatcherConfig:
         return BatcherConfig(self.encoder_vision_budget, self.encoder_audio_budget, self.encoder_max_wait_ms / 1000)
 
-    def planner_config(self, default_sampling: VideoSamplingParams) -> PlannerConfig:
-        return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk)
+    def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None
+                       ) -> PlannerConfig:
+        return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
+                             max_context_tokens)

@@ -1,0 +1,99 @@
+"""Hostile media generated in memory for the limit tests and benchmarks (issue 22): files that are
+tiny on the wire and huge, slow or endless once decoded. Never downloaded; each built in seconds.
+``measured`` runs one request and reports its time and this process's peak RSS growth."""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import av
+import numpy as np
+from PIL import Image
+
+T = TypeVar("T")
+
+
+def huge_video(side: int = 8192, n_frames: int = 8, fps: int = 10) -> bytes:
+    """An H.264 MP4 of ``n_frames`` flat frames of side x side (8192²: about 200 KB)."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width = stream.height = side
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.options = {"preset": "ultrafast", "g": str(n_frames)}
+        frame = av.VideoFrame.from_ndarray(np.full((side, side, 3), 90, np.uint8), format="rgb24")
+        frame = frame.reformat(format="yuv420p")
+        for k in range(n_frames):
+            frame.pts = k
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def pixel_frames_gif(n_frames: int = 300, canvas: int = 4096, screen: int | None = None) -> bytes:
+    """A GIF with a canvas x canvas logical screen and ``n_frames`` frames of one pixel each (about
+    7 KB for 300; every frame a decoder composites costs the whole canvas). Written by hand:
+    PIL's encoder merges such frames. ``screen``: a smaller logical screen in the header, with the
+    second frame at the canvas's far corner (decoders grow the canvas there)."""
+    out = bytearray(b"GIF89a" + struct.pack("<HH", screen or canvas, screen or canvas) + bytes([0xF1, 0, 0]))
+    out += bytes([0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0, 255])  # 4-colour global table
+    for k in range(n_frames):
+        out += bytes([0x21, 0xF9, 4, 0x04]) + struct.pack("<H", 4) + bytes([0, 0])  # 40 ms, keep frame
+        x, y = (canvas - 1, canvas - 1) if screen is not None and k == 1 else (k % canvas, k // canvas)
+        out += b"\x2c" + struct.pack("<HHHH", x, y, 1, 1) + b"\x00"
+        code = 4 | ((1 + k % 3) << 3) | (5 << 6)  # LZW at 3 bits: clear, the pixel, end
+        out += bytes([2, 2, code & 0xFF, code >> 8, 0])
+    return bytes(out + b"\x3b")
+
+
+def huge_png(side: int = 8192) -> bytes:
+    """A flat side x side grayscale PNG (8192²: about 70 KB)."""
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 128).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def png_variant(png: bytes, seed: int) -> bytes:
+    """``png`` with a tEXt chunk after its header: the same pixels, new content (a new hash)."""
+    body = b"Comment\0" + str(seed).encode()
+    chunk = struct.pack(">I", len(body)) + b"tEXt" + body + struct.pack(">I", zlib.crc32(b"tEXt" + body))
+    ihdr_end = 8 + 4 + 4 + 13 + 4  # signature, then IHDR: length, type, 13 bytes of data, CRC
+    return png[:ihdr_end] + chunk + png[ihdr_end:]
+
+
+def silent_flac(seconds: float = 3600.0, rate: int = 8000) -> bytes:
+    """``seconds`` of digital silence as FLAC (an hour at 8 kHz: a few hundred KB)."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="flac") as out:
+        stream = out.add_stream("flac", rate=rate, layout="mono")
+        block = np.zeros((1, rate * 10), np.int16)
+        for k in range(int(seconds // 10)):
+            frame = av.AudioFrame.from_ndarray(block, format="s16", layout="mono")
+            frame.sample_rate, frame.pts = rate, k * rate * 10
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def measured(send: Callable[[], T]) -> tuple[T, float, float]:
+    """(``send()``'s result, seconds, growth of this process's peak RSS in MB): the peak (VmHWM)
+    is reset to the current RSS first (``/proc/self/clear_refs``; Linux). Raises ``OSError`` where
+    the peak cannot be reset."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kb("VmRSS")
+    start = time.perf_counter()
+    result = send()
+    seconds = time.perf_counter() - start
+    return result, seconds, (_status_kb("VmHWM") - before) / 1024
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
