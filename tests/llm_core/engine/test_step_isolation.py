@@ -53,6 +53,7 @@ def _run(llm, requests) -> dict:
         for out in eng.step():
             if out.finished:
                 final[out.request_id] = out
+    eng.prefix_cache.clear()  # on by default: what it keeps must be all the pools hold
     assert eng.pool.all_free() and not eng.has_unfinished()
     return final
 
