@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from _common import base_parser, print_table, write_json
 
-from llm_core.engine.llm_engine import EngineConfig, pool_sizing
+from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.model.config import ModelConfig
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.request import Request

@@ -4,7 +4,8 @@
 """
 
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PageAllocator
-from llm_core.engine.llm_engine import EngineConfig, LLMEngine
+from llm_core.engine.engine_config import EngineConfig
+from llm_core.engine.llm_engine import LLMEngine
 from llm_core.llm import LLM
 from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.request import EmbeddingSource, Request

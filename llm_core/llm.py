@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-from llm_core.engine.llm_engine import EngineConfig, LLMEngine
+from llm_core.engine.engine_config import EngineConfig
+from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
 from llm_core.model.dtype import parse_dtype

@@ -26,144 +26,23 @@ import itertools
 import operator
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult
-from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, PoolSizing, default_kv_budget_bytes, swa_tokens_needed
+from llm_core.engine.engine_config import EngineConfig, pool_sizing
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
-from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llm_core.engine.scheduler import ScheduledRequest, Scheduler
 from llm_core.engine.stats import EngineStats
 from llm_core.kvcache.prefix_cache import PrefixCache
 
 # The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
 # requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
 PREFIX_STATS_INTERVAL_S = 1.0
-# Default periodic checkpoint interval, in pages (512 tokens at page_size 16). Media and message ends are
-# checkpoints already; periodic ones serve prompts that branch inside a long message, whose recompute
-# they bound to one interval, at one kept window per interval. `benchmarks/prefix_cache.py --served`
-# (README, "Prefix caching by default") shows no difference between none, 128 and 512 on its traces
-# (whose branches are all at message or media ends), so the interval is long: little SWA, bounded loss.
-PREFIX_CHECKPOINT_PAGES = 32
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Pool sizes (docs/kv_cache.md §1, "Sizing"): the SWA pool gets what ``max_num_seqs`` running
-    requests and ``swa_checkpoint_reserve_windows`` kept windows need (``swa_tokens_needed``), the
-    Full pool the rest of one byte budget -- ``kv_cache_bytes``, or by default a fixed space on CPU
-    and ``memory_fraction`` of free memory on CUDA, there capped at what ``max_num_seqs`` requests of
-    ``max_model_len`` tokens can use. ``num_full_tokens`` / ``num_swa_tokens`` override either pool;
-    an explicit Full size without an SWA size still sizes SWA by the formula."""
-
-    page_size: int = 16
-    """Tokens per KV page (both pools; prefix-cache hits are whole pages)."""
-    num_full_tokens: int | None = None
-    """Full-attention KV pool size in tokens (default: the rest of the KV byte budget after SWA)."""
-    num_swa_tokens: int | None = None
-    """Sliding-window KV pool size in tokens (default: what max_num_seqs requests and the checkpoint reserve need)."""
-    memory_fraction: float = 0.5
-    """CUDA, with kv_cache_bytes unset: share of the device's free memory the two KV pools take."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one model step (prefill chunks and decodes together)."""
-    max_num_seqs: int = 64
-    """Requests running (decoded) together."""
-    max_chunk_tokens: int | None = None
-    """Most new tokens of one request in one step (chunked prefill; default: the step budget)."""
-    max_model_len: int | None = None
-    """Context limit in tokens (default: the model's max_position_embeddings)."""
-    swa_release_interval: int = 16
-    """Decoded tokens between releases of sliding-window pages behind the window."""
-    seed: int = 0
-    """Seed of the sampler's generator for requests without their own seed."""
-    # prefix cache (llm_core/kvcache/swa_radix_cache.py) and its tiers (llm_core/kvcache/tiers/, docs/kv_cache.md)
-    enable_prefix_caching: bool = True
-    """Reuse the KV of earlier prompts' shared prefixes, kept at media and message ends (docs/kv_cache.md)."""
-    prefix_checkpoint_every: int | None = None
-    """Also keep sliding-window KV every N tokens (a multiple of page_size; 0: off; none: every 32 pages)."""
-    kv_host_bytes: int = 0
-    """L2: host-memory KV tier budget in bytes (0: no L2)."""
-    kv_store: str | None = None
-    """L3: a directory, or redis://host:port/db (none: no L3)."""
-    kv_model_id: str | None = None
-    """L3 key namespace (default: a fingerprint of the model's weights)."""
-    queue_policy: str = "fcfs"
-    """Admission order: fcfs or fewest_uncached (prefix-cache aware)."""
-    queue_wait_credit: float = 1000.0
-    """fewest_uncached: tokens of priority a waiting request gains per second."""
-    kv_store_bytes: int | None = 8 << 30
-    """L3 directory store: byte cap, least recently used pages go first (none: no cap; Redis: its maxmemory)."""
-    kv_l3_load_timeout_s: float = 1.0
-    """How long a request waits (not scheduled) for its cached prefix from L3 before it goes on with what arrived."""
-    kv_cache_bytes: int | None = None
-    """KV bytes of both pools (none: 4 GiB on CPU, memory_fraction on CUDA, capped at what the model can use)."""
-    swa_checkpoint_reserve_windows: int = 128
-    """With prefix caching: SWA pool room for this many windows the cache keeps (checkpoints; evicted LRU)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        self.scheduler_config  # validates the scheduler fields
-        self.queue  # validates the queue policy
-        if self.kv_host_bytes < 0:
-            raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
-        if not self.kv_l3_load_timeout_s >= 0:
-            raise ValueError(f"kv_l3_load_timeout_s must be >= 0, got {self.kv_l3_load_timeout_s}")
-        if self.kv_store_bytes is not None and self.kv_store_bytes < 0:
-            raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
-        if self.swa_checkpoint_reserve_windows < 0:
-            raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
-        if self.prefix_checkpoint_every is not None and (
-                self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size):
-            raise ValueError(f"prefix_checkpoint_every must be 0 or a positive multiple of page_size "
-                             f"{self.page_size}, got {self.prefix_checkpoint_every}")
-
-    @property
-    def checkpoint_every(self) -> int:
-        """The periodic checkpoint interval in tokens (0: none)."""
-        if self.prefix_checkpoint_every is None:
-            return PREFIX_CHECKPOINT_PAGES * self.page_size
-        return self.prefix_checkpoint_every
-
-    @property
-    def queue(self) -> QueuePolicy:
-        return QueuePolicy(self.queue_policy, self.queue_wait_credit)
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            self.max_num_batched_tokens, self.max_num_seqs, self.max_chunk_tokens, self.swa_release_interval
-        )
-
-
-def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
-                max_model_len: int, prefix_caching: bool) -> PoolSizing:
-    """The pool sizes an engine with config ``c`` builds (see ``EngineConfig``; benchmarks/kv_capacity.py
-    reports them for real models): explicit sizes win, SWA gets its need, Full the rest of the budget."""
-    swa = c.num_swa_tokens
-    if swa is None:
-        swa = swa_tokens_needed(
-            layout, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens, swa_release_interval=c.swa_release_interval,
-            checkpoint_reserve_windows=c.swa_checkpoint_reserve_windows if prefix_caching else 0)
-    if c.num_full_tokens is not None:  # SWA pages past the Full pool's could never be mapped
-        return PoolSizing(c.num_full_tokens, swa if c.num_swa_tokens is not None else min(swa, c.num_full_tokens))
-    if c.kv_cache_bytes is not None:
-        return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=dtype, page_size=c.page_size, swa_tokens=swa)
-    # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use
-    return PoolSizing.from_bytes(layout, default_kv_budget_bytes(device, c.memory_fraction), dtype=dtype,
-                                 page_size=c.page_size, swa_tokens=swa, max_full_tokens=c.max_num_seqs * max_model_len)
-
-
 def _is_token(t) -> bool:
     try:
         operator.index(t)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_core.model.config import layers_of_kind
+
 
 class PoolExhausted(RuntimeError):
     """Raised by :meth:`PageAllocator.allocate` when fewer pages are free than asked for."""
@@ -70,13 +72,8 @@ class KVLayout:
         window = config.sliding_window if "sliding" in kinds else None
         return cls(kinds, spec(config.full_attn), spec(config.swa_attn), window)
 
-    @property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full")
-
-    @property
-    def swa_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "sliding")
+    full_layers = property(lambda self: layers_of_kind(self.layer_kinds, "full"), doc="indices of full layers")
+    swa_layers = property(lambda self: layers_of_kind(self.layer_kinds, "sliding"), doc="indices of sliding layers")
 
     def full_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token costs in the Full pool, over all full layers."""

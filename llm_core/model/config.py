@@ -26,6 +26,11 @@ MLP_KINDS = ("dense", "moe")
 QKV_LAYOUTS = ("split", "fused")
 
 
+def layers_of_kind(layer_kinds: tuple[str, ...], kind: str) -> tuple[int, ...]:
+    """Indices of the layers of one attention kind ("full" / "sliding") in a hybrid layout."""
+    return tuple(i for i, k in enumerate(layer_kinds) if k == kind)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """Head geometry and position encoding of one attention kind (full or sliding)."""
@@ -153,11 +158,11 @@ class ModelConfig:
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full")
+        return layers_of_kind(self.layer_kinds, "full")
 
     @property
     def swa_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "sliding")
+        return layers_of_kind(self.layer_kinds, "sliding")
 
     # ---- construction ----------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from llm_core.engine.llm_engine import EngineConfig
+from llm_core.engine.engine_config import EngineConfig
 from llm_core.model.dtype import parse_dtype
 from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig

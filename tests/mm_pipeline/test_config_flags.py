@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-from llm_core.engine.llm_engine import EngineConfig
+from llm_core.engine.engine_config import EngineConfig
 from mm_pipeline import cli
 from mm_pipeline.config_flags import add_config_flags, config_flags, config_values, field_docs, parse_scalar
 from mm_pipeline.media.ingest import MediaLimits

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from llm_core.engine.llm_engine import EngineConfig
+from llm_core.engine.engine_config import EngineConfig
 from mm_pipeline.cli import UsageError, build_parser, engine_config
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.runtime.config import OmniEngineConfig

@@ -17,7 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from llm_core.engine.llm_engine import EngineConfig
+from llm_core.engine.engine_config import EngineConfig
 from llm_core.kvcache.dual_pool import KVLayout, swa_tokens_needed
 from llm_core.model.config import ModelConfig
 from mm_pipeline.server.server_process import ServerProcess

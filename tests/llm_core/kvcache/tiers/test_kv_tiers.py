@@ -242,7 +242,7 @@ def test_keep_alive_touches_every_page_of_the_matched_chain_in_one_call():
 
 
 def test_the_l3_directory_store_is_capped_by_default(tmp_path):
-    from llm_core.engine.llm_engine import EngineConfig
+    from llm_core.engine.engine_config import EngineConfig
     from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
     pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
