@@ -202,7 +202,7 @@ def served(args) -> None:
     from _served_traces import agent_trace, question_per_media_trace
 
     from mm_pipeline.cli import REPO_DEMO_MODEL
-    from mm_pipeline.server.server_process import ServerProcess
+    from mm_pipeline.server.launch.server_process import ServerProcess
 
     media_dir = REPO_DEMO_MODEL.parent / "media"
     media = sorted(p for p in media_dir.iterdir() if p.suffix != ".jsonl")

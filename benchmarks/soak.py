@@ -35,7 +35,7 @@ from typing import Any, Callable
 import httpx
 
 from _common import base_parser, print_table, write_json
-from mm_pipeline.server.runner import free_port
+from mm_pipeline.server.launch.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-soak"

@@ -33,13 +33,13 @@ from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
-from mm_pipeline.server.files_store import FileNotFoundInStore, FileRecord, FilesStore
+from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.metrics import ServerMetrics
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
-from mm_pipeline.server.uploads import receive_upload
+from mm_pipeline.server.files.uploads import receive_upload
 from mm_pipeline.server.web_routes import install_web_routes
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

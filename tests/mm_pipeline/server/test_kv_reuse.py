@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from llm_core.engine.engine_config import EngineConfig
 from llm_core.kvcache.dual_pool import KVLayout, swa_tokens_needed
 from llm_core.model.config import ModelConfig
-from mm_pipeline.server.server_process import ServerProcess
+from mm_pipeline.server.launch.server_process import ServerProcess
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
-from mm_pipeline.server.files_store import FileNotFoundInStore, FilesStore, UploadTooLarge
+from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore, UploadTooLarge
 
 
 class _StatsOnlyEngine:

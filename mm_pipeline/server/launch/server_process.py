@@ -18,7 +18,7 @@ from typing import Sequence
 
 import httpx
 
-from mm_pipeline.server.runner import free_port
+from mm_pipeline.server.launch.runner import free_port
 
 
 class ServerProcess:

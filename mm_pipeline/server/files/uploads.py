@@ -11,7 +11,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
 from mm_pipeline.server.errors import APIError
-from mm_pipeline.server.files_store import FileRecord, FilesStore, UploadTooLarge, UploadWriter
+from mm_pipeline.server.files.files_store import FileRecord, FilesStore, UploadTooLarge, UploadWriter
 
 _FIELD_LIMIT = 4096  # bytes of a plain form field (purpose)
 _FLUSH_BYTES = 1 << 20  # disk writes go to a thread in chunks of about this size
