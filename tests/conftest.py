@@ -69,6 +69,26 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             proc.wait()
 
 
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[object]:
+    """One local Ray cluster per test session (``num_cpus=2``, loopback only), shared by the Ray Data
+    and Ray Serve tests because ``ray.init`` is process-wide; shut down at the end."""
+    pytest.importorskip("ray")
+    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, shutdown
+
+    ray = connect(RayClusterConfig(num_cpus=2))
+    try:
+        yield ray
+    finally:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - Serve may never have started
+            pass
+        shutdown()
+
+
 # ---- Triton kernel tests: deselect, rather than skip, the side this process does not run ----------
 KERNEL_MARKERS = {
     "triton_kernel": "a Triton kernel test: runs in place on CUDA, else only in the TRITON_INTERPRET=1 child "
