@@ -69,7 +69,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        layout = KVLayout.from_model_config(self.model_config)
+        # this rank's KV heads (all of them in one process; a share under tensor parallelism)
+        layout = model.kv_layout() if hasattr(model, "kv_layout") else KVLayout.from_model_config(self.model_config)
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if enable_prefix_caching is None:
