@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
@@ -222,8 +223,12 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        """Stop background work of the prefix-cache tiers (pending L3 writes are finished first)."""
+        """Stop background work of the prefix-cache tiers (pending L3 writes are finished first) and
+        the other ranks of a parallel model."""
         self.prefix_cache.close()
+        closer = getattr(self.runner.model, "close", None)
+        if closer is not None:
+            closer()
 
     # ---- internal helpers -------------------------------------------------------------------
     def _run_isolated(self, entries: list[ScheduledRequest], kv) -> StepResult:
@@ -235,6 +240,8 @@ class LLMEngine:
         fails alone the fault is not any request's (a device error): the whole batch ends with it."""
         try:
             return self.runner.run(entries, kv)
+        except RankFailure:
+            raise  # a parallel rank is gone: no request's fault, the engine cannot go on
         except Exception as exc:  # noqa: BLE001 -- attributed below
             first = exc
         failed: list[tuple[ScheduledRequest, Exception]] = []
