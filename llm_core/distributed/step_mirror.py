@@ -51,6 +51,13 @@ class MirroredModel:
         self.group.send(ReportOp())
         return self.group.gather_reports(share_report(0, self.local, pool))
 
+    def check_health(self) -> None:
+        """Raise RankFailure when a spawned rank has exited (cheap: exit codes only; an idle server
+        calls it between steps, so a death is noticed without a request)."""
+        dead = self.group.dead_rank()
+        if dead is not None:
+            raise RankFailure(f"tensor/expert-parallel {dead}")
+
     def close(self) -> None:
         self.group.close()
 

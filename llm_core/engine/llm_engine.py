@@ -222,6 +222,12 @@ class LLMEngine:
                 outputs.append(self._output(req, [s.token_id]))
         return outputs
 
+    def check_health(self) -> None:
+        """Raise RankFailure when a rank of a tensor/expert-parallel model is gone (no-op otherwise)."""
+        check = getattr(self.runner.model, "check_health", None)
+        if check is not None:
+            check()
+
     def close(self) -> None:
         """Stop background work of the prefix-cache tiers (pending L3 writes are finished first) and
         the other ranks of a parallel model."""
