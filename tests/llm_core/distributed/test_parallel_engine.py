@@ -88,3 +88,32 @@ def test_a_dead_rank_ends_the_engine_with_an_error(checkpoints):
         llm.close()
         assert time.monotonic() - start < 15
     assert not torch.distributed.is_initialized()
+
+
+TORCHRUN_SCRIPT = """
+import os, sys, torch
+torch.set_num_threads(1)
+from llm_core import LLM, SamplingParams
+with LLM(sys.argv[1], tensor_parallel_size=2, distributed_timeout_s=60) as llm:
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))
+    print("RANK", os.environ["RANK"], out[0].token_ids, flush=True)
+"""
+
+
+def test_torchrun_started_ranks(checkpoints, tmp_path):
+    """Under torchrun nothing is spawned: rank 0 returns from LLM(...) and generates, rank 1 serves
+    rank 0's steps inside LLM(...) and exits when rank 0 closes."""
+    import subprocess
+    import sys
+
+    from llm_core.distributed.rank_group import free_port
+
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with LLM(checkpoints["hf"], **ENGINE) as llm:
+        want = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(script), str(checkpoints["hf"])],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"RANK 0 {want}" in run.stdout and "RANK 1" not in run.stdout
