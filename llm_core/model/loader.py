@@ -13,6 +13,11 @@ tensor (read lazily through safetensors' mmap) is written straight into its slic
 
 The expected tensor names are derived from the config; a missing or unexpected name is an error that
 names it. The router (``mlp.gate``) stays fp32 whatever ``dtype`` is.
+
+Under tensor / expert parallelism (``parallel``) the model is built with this rank's shapes and each
+placement names the rows / columns the rank needs (its heads' qkv rows through the disk permutation,
+its o_proj / down_proj columns, its vocabulary rows, its experts); only those are read from disk
+(llm_core/model/tensor_slices.py; docs/parallelism.md §4).
 """
 
 from __future__ import annotations
