@@ -40,10 +40,16 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
         from llm_core.model.loader import load_model
 
         model = load_model(spec.model_dir, device=group.device, dtype=parse_dtype(spec.dtype), parallel=group.ctx)
+    except Exception as exc:  # noqa: BLE001 -- loading failed: say so; rank 0 sees the exit code
+        print(f"mmserve rank {rank}: loading failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        group.processes = []
+        group.close()
+        sys.exit(1)
+    try:
         group.ready("loading")
         serve_steps(model, group)
-    except Exception as exc:  # noqa: BLE001 -- rank 0 is gone or loading failed: say so and exit
-        print(f"mmserve rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 -- rank 0 (or the group) is gone: nothing to serve
+        print(f"mmserve rank {rank}: lost rank 0, exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
         group.processes = []
