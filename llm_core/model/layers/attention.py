@@ -27,7 +27,7 @@ class Attention(nn.Module):
         # qkv_proj is column-parallel (its q/k/v head rows), o_proj row-parallel (one all-reduce).
         shard = parallel.heads(config.attn_spec(layer), config.layer_kinds[layer])
         spec = shard.local
-        self.spec, self.q_start = spec, shard.q_start
+        self.spec = spec
         self.is_sliding = config.layer_kinds[layer] == "sliding"
         self.window = config.window_of(layer)
         self.scale = spec.head_dim**-0.5  # the q/k dim, not the v dim
