@@ -207,7 +207,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their
         # error already): stop the server as Ctrl-C does, then exit 1 with the reason.
         loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too
+            pass
     finally:
         engine.shutdown()
     if loop.fatal is not None:
