@@ -66,13 +66,32 @@ class LLM:
         tokenizer=None,
         **engine_kwargs,
     ) -> None:
-        """``engine_kwargs`` are :class:`EngineConfig` fields (page_size, num_full_tokens, ...)."""
-        from llm_core.model.loader import load_model
+        """``engine_kwargs`` are :class:`EngineConfig` fields (page_size, num_full_tokens, ...);
+        ``tensor_parallel_size`` / ``expert_parallel_size`` > 1 start one process per rank here."""
+        from llm_core.distributed.launcher import load_text_model
 
-        model = load_model(model_dir, device=device, dtype=parse_dtype(dtype))
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
-        self.engine = LLMEngine(model, EngineConfig(**engine_kwargs), tokenizer=self.tokenizer)
+        config = EngineConfig(**engine_kwargs)
+        model = load_text_model(model_dir, device=device, dtype=parse_dtype(dtype),
+                                tensor_parallel_size=config.tensor_parallel_size,
+                                expert_parallel_size=config.expert_parallel_size,
+                                distributed_timeout_s=config.distributed_timeout_s)
+        try:
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+            self.engine = LLMEngine(model, config, tokenizer=self.tokenizer)
+        except BaseException:
+            getattr(model, "close", lambda: None)()
+            raise
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the engine's background work and, under tensor / expert parallelism, the other ranks."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":

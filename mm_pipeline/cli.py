@@ -171,7 +171,11 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
         every = f" and every {cfg.checkpoint_every} tokens" if cfg.checkpoint_every else ""
         caching = f"on (SWA windows kept at media and message ends{every})"
     full_tokens = pool.full.num_pages * page
-    return [f"model     {engine.model_name} ({model_dir})",
+    parallel = []
+    if cfg.world_size > 1:
+        parallel = [f"parallel  {cfg.world_size} ranks: tensor-parallel {cfg.tensor_parallel_size}, expert-parallel "
+                    f"{cfg.expert_parallel_size}; KV pools below are per rank"]
+    return [f"model     {engine.model_name} ({model_dir})", *parallel,
             f"device    {llm.device}, {str(llm.dtype).removeprefix('torch.')}",
             f"KV pools  Full {full_tokens:,} tokens ({_mib(pool.full_bytes)}), "
             f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}) for {cfg.max_num_seqs} "
@@ -191,16 +195,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               max_files_total_bytes=max(8 << 30, int(args.max_upload_mb * (1 << 20))),
                               default_max_tokens=args.default_max_tokens)
     engine = load_engine(args, model_dir)
+    loop = engine.runtime.loop
     try:
         app = create_app(engine, settings)
         lines = describe_engine(engine, model_dir) + [
             f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)",
             f"upload    page: http://{args.host}:{args.port}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                    timeout_graceful_shutdown=10)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10,
+                                               log_level="info" if args.verbose else "warning"))
+        # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their
+        # error already): stop the server as Ctrl-C does, then exit 1 with the reason.
+        loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too
+            pass
     finally:
         engine.shutdown()
+    if loop.fatal is not None:
+        print(f"mmserve: the engine stopped: {loop.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -73,6 +73,13 @@ class EngineConfig:
     """KV bytes of both pools (none: 4 GiB on CPU, memory_fraction on CUDA, capped at what the model can use)."""
     swa_checkpoint_reserve_windows: int = 128
     """With prefix caching: SWA pool room for this many windows the cache keeps (checkpoints; evicted LRU)."""
+    # parallelism (llm_core/distributed/, docs/parallelism.md): one process per rank, rank 0 schedules
+    tensor_parallel_size: int = 1
+    """Ranks (GPUs) the attention heads, dense MLP and vocabulary are split over (1: one process)."""
+    expert_parallel_size: int = 1
+    """Ranks the MoE experts are partitioned over (1: every rank holds every expert, or its tensor-parallel slice)."""
+    distributed_timeout_s: float = 600.0
+    """Seconds a model collective may wait for the other ranks before the engine fails (a rank gone)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -91,10 +98,30 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
+        self._validate_parallel()
         if self.prefix_checkpoint_every is not None and (
                 self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size):
             raise ValueError(f"prefix_checkpoint_every must be 0 or a positive multiple of page_size "
                              f"{self.page_size}, got {self.prefix_checkpoint_every}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one engine: max(tensor_parallel_size, expert_parallel_size)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def _validate_parallel(self) -> None:
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp < 1 or ep < 1:
+            raise ValueError(f"tensor_parallel_size and expert_parallel_size must be >= 1, got {tp} and {ep}")
+        if tp not in (1, self.world_size) or self.world_size % ep:
+            raise ValueError(f"tensor_parallel_size {tp} with expert_parallel_size {ep}: tp must be 1 or "
+                             f"max(tp, ep), and ep must divide it")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.world_size > 1 and (self.kv_host_bytes or self.kv_store):
+            # tier copies move pages of rank 0's pools only; each rank would need its own tiers
+            raise ValueError("kv_host_bytes / kv_store (KV tiers) are not supported with tensor or expert "
+                             "parallelism yet; leave them unset")
 
     @property
     def checkpoint_every(self) -> int:

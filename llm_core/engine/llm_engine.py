@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
@@ -69,7 +70,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        layout = KVLayout.from_model_config(self.model_config)
+        # this rank's KV heads (all of them in one process; a share under tensor parallelism)
+        layout = model.kv_layout() if hasattr(model, "kv_layout") else KVLayout.from_model_config(self.model_config)
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if enable_prefix_caching is None:
@@ -220,9 +222,19 @@ class LLMEngine:
                 outputs.append(self._output(req, [s.token_id]))
         return outputs
 
+    def check_health(self) -> None:
+        """Raise RankFailure when a rank of a tensor/expert-parallel model is gone (no-op otherwise)."""
+        check = getattr(self.runner.model, "check_health", None)
+        if check is not None:
+            check()
+
     def close(self) -> None:
-        """Stop background work of the prefix-cache tiers (pending L3 writes are finished first)."""
+        """Stop background work of the prefix-cache tiers (pending L3 writes are finished first) and
+        the other ranks of a parallel model."""
         self.prefix_cache.close()
+        closer = getattr(self.runner.model, "close", None)
+        if closer is not None:
+            closer()
 
     # ---- internal helpers -------------------------------------------------------------------
     def _run_isolated(self, entries: list[ScheduledRequest], kv) -> StepResult:
@@ -234,6 +246,8 @@ class LLMEngine:
         fails alone the fault is not any request's (a device error): the whole batch ends with it."""
         try:
             return self.runner.run(entries, kv)
+        except RankFailure:
+            raise  # a parallel rank is gone: no request's fault, the engine cannot go on
         except Exception as exc:  # noqa: BLE001 -- attributed below
             first = exc
         failed: list[tuple[ScheduledRequest, Exception]] = []

@@ -64,13 +64,19 @@ class KVLayout:
     @classmethod
     def from_model_config(cls, config) -> "KVLayout":
         """Read the layout from a :class:`llm_core.model.config.ModelConfig` (duck-typed)."""
+        return cls.from_specs(config, config.full_attn, config.swa_attn)
+
+    @classmethod
+    def from_specs(cls, config, full_attn, swa_attn) -> "KVLayout":
+        """The layout of ``config``'s layers with the given per-kind head specs (one tensor-parallel
+        rank's share: its own KV heads; ``MiMoV2ForCausalLM.kv_layout``)."""
 
         def spec(a) -> KVHeadSpec:
             return KVHeadSpec(a.num_kv_heads, a.head_dim, a.v_head_dim)
 
         kinds = tuple(config.layer_kinds)
         window = config.sliding_window if "sliding" in kinds else None
-        return cls(kinds, spec(config.full_attn), spec(config.swa_attn), window)
+        return cls(kinds, spec(full_attn), spec(swa_attn), window)
 
     full_layers = property(lambda self: layers_of_kind(self.layer_kinds, "full"), doc="indices of full layers")
     swa_layers = property(lambda self: layers_of_kind(self.layer_kinds, "sliding"), doc="indices of sliding layers")

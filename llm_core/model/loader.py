@@ -13,6 +13,11 @@ tensor (read lazily through safetensors' mmap) is written straight into its slic
 
 The expected tensor names are derived from the config; a missing or unexpected name is an error that
 names it. The router (``mlp.gate``) stays fp32 whatever ``dtype`` is.
+
+Under tensor / expert parallelism (``parallel``) the model is built with this rank's shapes and each
+placement names the rows / columns the rank needs (its heads' qkv rows through the disk permutation,
+its o_proj / down_proj columns, its vocabulary rows, its experts); only those are read from disk
+(llm_core/model/tensor_slices.py; docs/parallelism.md §4).
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.model.config import ModelConfig
-from llm_core.model.fp8 import FP8_DTYPE, dequantize_blockwise, dequantize_row_chunks
+from llm_core.model.fp8 import FP8_DTYPE
 from llm_core.model.layers.fused_qkv import chunk_count, disk_rows_of_plain
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
+from llm_core.model.tensor_slices import read_slice
 
 # Tensors of other parts of a MiMo-V2.5 checkpoint (MTP head, vision tower, audio stack): not ours.
 IGNORED_PREFIXES = ("model.mtp.", "visual.", "speech_embeddings.", "audio_encoder.")
@@ -36,49 +43,91 @@ SCALE_SUFFIX = "_scale_inv"
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one checkpoint tensor goes: ``param[index] = tensor[row_perm]``."""
+    """Where one checkpoint tensor goes: ``param[index] = tensor[rows][:, cols]``.
+
+    ``rows`` (checkpoint rows in the order the parameter wants them: a fused qkv's disk permutation,
+    a tensor-parallel rank's head rows) and ``cols`` (a row-parallel rank's input columns) are None
+    for "all"; a rank reads only these parts (llm_core/model/tensor_slices.py)."""
 
     target: str
     index: tuple = ()
-    row_perm: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    cols: tuple[int, int] | None = None
     quant_chunks: int = 1  # FP8 scale row chunks (fused qkv only)
 
 
-def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks") -> dict[str, Placement]:
-    """Every tensor name a checkpoint of ``config`` must hold, with its placement."""
-    plan: dict[str, Placement] = {"model.embed_tokens.weight": Placement("model.embed_tokens.weight")}
-    plan["model.norm.weight"] = Placement("model.norm.weight")
+def _rows(start: int, stop: int, ctx: ParallelContext) -> torch.Tensor | None:
+    """Rows [start, stop), or None (all) when this rank holds the whole tensor."""
+    return None if ctx.world_size == 1 else torch.arange(start, stop)
+
+
+def _attention_plan(plan: dict, config: ModelConfig, i: int, qkv_row_order: str, ctx: ParallelContext) -> None:
+    p = f"model.layers.{i}.self_attn."
+    spec = config.attn_spec(i)
+    shard = ctx.heads(spec, config.layer_kinds[i])
+    local, d, dv = shard.local, spec.head_dim, spec.v_head_dim
+    q0, kv0 = shard.q_start, shard.kv_start
+    lq, lk, lv = local.q_size, local.k_size, local.v_size
+    # this rank's rows of the plain [Q | K | V] order: its q heads, its KV heads' k and v rows
+    q_rows = torch.arange(q0 * d, q0 * d + lq)
+    k_rows = torch.arange(kv0 * d, kv0 * d + lk)
+    v_rows = torch.arange(kv0 * dv, kv0 * dv + lv)
+    o_cols = None if ctx.tp_size == 1 else (q0 * dv, q0 * dv + local.num_heads * dv)
+    plan[p + "o_proj.weight"] = Placement(p + "o_proj.weight", cols=o_cols)
+    qkv = p + "qkv_proj.weight"
+    if config.qkv_layout == "fused":
+        chunks = chunk_count(spec, config.fused_qkv_chunks, qkv_row_order)
+        plain = torch.cat([q_rows, spec.q_size + k_rows, spec.q_size + spec.k_size + v_rows])
+        plan[qkv] = Placement(qkv, rows=disk_rows_of_plain(spec, chunks)[plain], quant_chunks=config.fused_qkv_chunks)
+    else:
+        whole = ctx.tp_size == 1
+        plan[p + "q_proj.weight"] = Placement(qkv, (slice(0, lq),), rows=None if whole else q_rows)
+        plan[p + "k_proj.weight"] = Placement(qkv, (slice(lq, lq + lk),), rows=None if whole else k_rows)
+        plan[p + "v_proj.weight"] = Placement(qkv, (slice(lq + lk, lq + lk + lv),), rows=None if whole else v_rows)
+    if spec.has_sinks:
+        plan[p + "attention_sink_bias"] = Placement(p + "attention_sink_bias",
+                                                    rows=_rows(q0, q0 + local.num_heads, ctx))
+
+
+def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks",
+                     parallel: ParallelContext | None = None) -> dict[str, Placement | None]:
+    """Every tensor name a checkpoint of ``config`` must hold, with its placement on this rank
+    (``parallel``; default one process): None for a tensor another rank holds (other experts)."""
+    ctx = parallel or ParallelContext.single()
+    v0, v1 = ctx.tp_range(config.vocab_size, "vocab_size")
+    plan: dict[str, Placement | None] = {
+        "model.embed_tokens.weight": Placement("model.embed_tokens.weight", rows=_rows(v0, v1, ctx)),
+        "model.norm.weight": Placement("model.norm.weight"),
+    }
     if not config.tie_word_embeddings:
-        plan["lm_head.weight"] = Placement("lm_head.weight")
+        plan["lm_head.weight"] = Placement("lm_head.weight", rows=_rows(v0, v1, ctx))
+    e0, e1 = ctx.expert_range(config.num_experts) if "moe" in config.mlp_kinds else (0, 0)
+    i0, i1 = ctx.moe_inter_range(config.moe_intermediate_size) if "moe" in config.mlp_kinds else (0, 0)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        spec = config.attn_spec(i)
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"):
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             plan[p + name] = Placement(p + name)
-        qkv = p + "self_attn.qkv_proj.weight"
-        if config.qkv_layout == "fused":
-            chunks = chunk_count(spec, config.fused_qkv_chunks, qkv_row_order)
-            perm = disk_rows_of_plain(spec, chunks)
-            plan[qkv] = Placement(qkv, row_perm=perm, quant_chunks=config.fused_qkv_chunks)
-        else:
-            q, k, v = spec.q_size, spec.k_size, spec.v_size
-            plan[p + "self_attn.q_proj.weight"] = Placement(qkv, (slice(0, q),))
-            plan[p + "self_attn.k_proj.weight"] = Placement(qkv, (slice(q, q + k),))
-            plan[p + "self_attn.v_proj.weight"] = Placement(qkv, (slice(q + k, q + k + v),))
-        if spec.has_sinks:
-            plan[p + "self_attn.attention_sink_bias"] = Placement(p + "self_attn.attention_sink_bias")
+        _attention_plan(plan, config, i, qkv_row_order, ctx)
         if config.mlp_kinds[i] == "dense":
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                plan[f"{p}mlp.{name}.weight"] = Placement(f"{p}mlp.{name}.weight")
+            d0, d1 = ctx.tp_range(config.intermediate_size, "intermediate_size")
+            for name in ("gate_proj", "up_proj"):
+                plan[f"{p}mlp.{name}.weight"] = Placement(f"{p}mlp.{name}.weight", rows=_rows(d0, d1, ctx))
+            down = f"{p}mlp.down_proj.weight"
+            plan[down] = Placement(down, cols=None if ctx.tp_size == 1 else (d0, d1))
             continue
         plan[p + "mlp.gate.weight"] = Placement(p + "mlp.gate.weight")
         plan[p + "mlp.gate.e_score_correction_bias"] = Placement(p + "mlp.gate.e_score_correction_bias")
-        inter = config.moe_intermediate_size
+        li = i1 - i0
         gate_up, down = p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"
         for e in range(config.num_experts):
-            plan[f"{p}mlp.experts.{e}.gate_proj.weight"] = Placement(gate_up, (e, slice(0, inter)))
-            plan[f"{p}mlp.experts.{e}.up_proj.weight"] = Placement(gate_up, (e, slice(inter, 2 * inter)))
-            plan[f"{p}mlp.experts.{e}.down_proj.weight"] = Placement(down, (e,))
+            names = [f"{p}mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if not e0 <= e < e1:
+                plan.update(dict.fromkeys(names))  # expected in the checkpoint, read by another rank
+                continue
+            k = e - e0
+            plan[names[0]] = Placement(gate_up, (k, slice(0, li)), rows=_rows(i0, i1, ctx))
+            plan[names[1]] = Placement(gate_up, (k, slice(li, 2 * li)), rows=_rows(i0, i1, ctx))
+            plan[names[2]] = Placement(down, (k,), cols=None if ctx.world_size == 1 else (i0, i1))
     return plan
 
 
@@ -107,6 +156,10 @@ class ShardReader:
     def get(self, name: str) -> torch.Tensor:
         return self._file_of[name].get_tensor(name)
 
+    def handle(self, name: str):
+        """The open safetensors file holding ``name`` (for partial reads through ``get_slice``)."""
+        return self._file_of[name]
+
     def __enter__(self) -> ShardReader:
         return self
 
@@ -132,21 +185,20 @@ def _check_names(plan: dict[str, Placement], present: set[str], config: ModelCon
 
 
 def _read(reader: ShardReader, name: str, place: Placement, config: ModelConfig) -> torch.Tensor:
-    """The checkpoint tensor in our row order, dequantised when it carries a weight_scale_inv."""
-    t = reader.get(name)
+    """This rank's part of the checkpoint tensor in our row order, dequantised when it carries a
+    weight_scale_inv; only that part is read from disk."""
     scale_name = name + SCALE_SUFFIX
-    if scale_name in reader:
-        if config.fp8 is None:
-            raise ValueError(f"{scale_name} present but config.json has no fp8 quantization_config")
-        scale = reader.get(scale_name)
-        block = config.fp8.block_size
-        if place.row_perm is not None:
-            t = dequantize_row_chunks(t, scale, block, place.quant_chunks, name=name)
-        else:
-            t = dequantize_blockwise(t, scale, block, name=name)
-    elif t.dtype == FP8_DTYPE:
-        raise ValueError(f"{name} is FP8 but the checkpoint has no {scale_name}")
-    return t if place.row_perm is None else t[place.row_perm]
+    has_scale = scale_name in reader
+    if has_scale and config.fp8 is None:
+        raise ValueError(f"{scale_name} present but config.json has no fp8 quantization_config")
+    if place.rows is None and place.cols is None and not has_scale:
+        t = reader.get(name)
+        if t.dtype == FP8_DTYPE:
+            raise ValueError(f"{name} is FP8 but the checkpoint has no {scale_name}")
+        return t
+    return read_slice(reader.handle(name), name, place.rows, place.cols,
+                      reader.handle(scale_name) if has_scale else None,
+                      config.fp8.block_size if has_scale else None, place.quant_chunks)
 
 
 def load_model(
@@ -156,27 +208,31 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     qkv_row_order: str = "tp4_chunks",
     ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
+    parallel: ParallelContext | None = None,
 ) -> MiMoV2ForCausalLM:
     """Build the model from ``model_dir/config.json`` and load its safetensors weights.
 
     ``qkv_row_order`` reads a fused hub ``qkv_proj`` as ``"tp4_chunks"`` (sglang) or ``"kv_groups"``
     (vLLM); see llm_core/model/layers/fused_qkv.py. It does not matter for split q/k/v checkpoints.
     Tensor names starting with ``ignore_prefixes`` (MTP, vision, audio parts) are skipped.
+    ``parallel``: build and read only this rank's share (tensor / expert parallelism; default: all).
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
-    plan = expected_tensors(config, qkv_row_order)
+    plan = expected_tensors(config, qkv_row_order, parallel)
     with ShardReader(model_dir) as reader:
         present = {n for n in reader.names() if not n.startswith(ignore_prefixes)}
         _check_names(plan, present, config)
         with torch.device("meta"):
-            model = MiMoV2ForCausalLM(config)
+            model = MiMoV2ForCausalLM(config, parallel)
         model.cast_(dtype)
         model.to_empty(device=device)
         model.tie_weights_()  # to_empty() gives tied parameters separate storage again
         targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
         with torch.no_grad():
             for name, place in plan.items():
+                if place is None:
+                    continue
                 tensor = _read(reader, name, place, config)
                 dest = targets[place.target].data[place.index]
                 if tuple(dest.shape) != tuple(tensor.shape):

@@ -19,6 +19,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llm_core.distributed.parallel_context import ParallelContext
+from llm_core.kvcache.dual_pool import KVLayout
+from llm_core.distributed.parallel_layers import embedding, lm_head
 from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.attention import Attention
@@ -34,13 +37,13 @@ class KVBuffers(Protocol):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, parallel)
         if config.mlp_kinds[layer] == "moe":
-            self.mlp: nn.Module = SparseMoE(config)
+            self.mlp: nn.Module = SparseMoE(config, parallel)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -54,19 +57,21 @@ class DecoderLayer(nn.Module):
 class TextBackbone(nn.Module):
     """``model.*`` of the checkpoint: embeddings, decoder layers, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class MiMoV2ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None) -> None:
+        """``parallel``: this rank's share under tensor / expert parallelism (default: the whole model)."""
         super().__init__()
         self.config = config
-        self.model = TextBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel or ParallelContext.single()
+        self.model = TextBackbone(config, self.parallel)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, self.parallel)
         self.tie_weights_()
 
     def tie_weights_(self) -> None:
@@ -107,8 +112,16 @@ class MiMoV2ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [R, vocab] in fp32 for the rows the engine picked (batch.logits_indices)."""
-        return self.lm_head(hidden).float()
+        """Logits [R, vocab] in fp32 for the rows the engine picked (batch.logits_indices); under
+        tensor parallelism each rank computes its vocabulary slice and the slices are gathered."""
+        return self.parallel.all_gather_tp_last(self.lm_head(hidden).float())
+
+    def kv_layout(self) -> KVLayout:
+        """The KV geometry this rank stores: its own KV heads of each kind (all of them in one process)."""
+        def local(kind: str):
+            return self.parallel.heads(self.config.full_attn if kind == "full" else self.config.swa_attn, kind).local
+
+        return KVLayout.from_specs(self.config, local("full"), local("sliding"))
 
     def cast_(self, dtype: torch.dtype) -> MiMoV2ForCausalLM:
         """Cast floating tensors to ``dtype`` in place, except the router (kept fp32 like the checkpoint)."""

@@ -1,6 +1,6 @@
 """OmniModel: one omni checkpoint directory loaded as its parts.
 
-    config.json ─┬─ text fields            ─► llm_core.model.loader.load_model  (model.*, lm_head.*)
+    config.json ─┬─ text fields            ─► llm_core.distributed.launcher.load_text_model (model.*, lm_head.*; one process or TP/EP ranks)
                  ├─ vision_config          ─► VisionTransformer           (visual.*)
                  ├─ audio_config           ─► AudioEncoder                (audio_encoder.*)
                  └─ processor_config       ─► ImageProcessingConfig, video sampling, token ids, prompt layout
@@ -27,7 +27,7 @@ from encoders.vision.tower import VisionTransformer
 from encoders.weights import AUDIO_PREFIX, VISION_PREFIX, load_audio_encoder, load_vision_tower
 from llm_core.llm import load_tokenizer
 from llm_core.model.dtype import parse_dtype
-from llm_core.model.loader import load_model
+from llm_core.distributed.launcher import load_text_model
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
 from mm_pipeline.media.video_sampling import VideoSamplingParams
 from mm_pipeline.model.config import OmniConfig
@@ -85,18 +85,24 @@ class OmniModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype = "float32") -> "OmniModel":
+             dtype: str | torch.dtype = "float32", tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+             distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None) -> "OmniModel":
+        """The text model goes through ``load_text_model`` (one process, or one per tensor / expert
+        parallel rank); the encoders stay whole (data-parallel, never tensor-parallel) on
+        ``encoder_device`` (default: ``device``)."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
         omni = OmniConfig.from_pretrained(model_dir)  # validates widths, patch geometry, token ids
         dt = parse_dtype(dtype)
-        text = load_model(model_dir, device=device, dtype=dt)
+        text = load_text_model(model_dir, device=device, dtype=dt, tensor_parallel_size=tensor_parallel_size,
+                               expert_parallel_size=expert_parallel_size, distributed_timeout_s=distributed_timeout_s)
+        enc = device if encoder_device is None else encoder_device
         vision = audio = None
         if omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
-            vision = load_vision_tower(omni.vision, model_dir, device=device, dtype=dt)
+            vision = load_vision_tower(omni.vision, model_dir, device=enc, dtype=dt)
         if omni.audio is not None and _has_prefix(model_dir, AUDIO_PREFIX):
-            audio = load_audio_encoder(omni.audio, model_dir, device=device, dtype=dt)
+            audio = load_audio_encoder(omni.audio, model_dir, device=enc, dtype=dt)
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise FileNotFoundError(f"{model_dir} has no tokenizer files; an omni model needs one")

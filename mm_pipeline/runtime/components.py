@@ -82,7 +82,11 @@ class OmniRuntime:
 
     @classmethod
     def load(cls, model_dir: str | Path, config: OmniEngineConfig) -> "OmniRuntime":
-        return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype), config)
+        e = config.engine
+        return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
+                                  tensor_parallel_size=e.tensor_parallel_size, expert_parallel_size=e.expert_parallel_size,
+                                  distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device),
+                   config)
 
     @property
     def hidden_size(self) -> int:
@@ -131,7 +135,8 @@ class OmniRuntime:
             if on_progress is not None:
                 on_progress()
 
-        stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed)
+        stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed,
+                                 device=self.llm.device)
         return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
                          lambda: self.loop.abort(request_id))
 

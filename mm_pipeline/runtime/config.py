@@ -41,6 +41,8 @@ class OmniEngineConfig:
     # model placement
     device: str = "cpu"
     """cpu, cuda, cuda:1 ..."""
+    encoder_device: str | None = None
+    """Device of the vision / audio encoders (none: device); e.g. cuda:2 beside an LLM on cuda:0-1 (tensor-parallel 2)."""
     dtype: str | torch.dtype = "float32"
     """Model dtype: float32, bfloat16 (bf16) or float16 (fp16) (llm_core.model.dtype.parse_dtype)."""
     # the LLM engine: KV pools, chunking, scheduling, prefix cache and its KV tiers

@@ -53,7 +53,9 @@ class EmbeddingStream:
     """
 
     def __init__(self, prompt_len: int, spans: Sequence[PlaceholderSpan], hidden_size: int,
-                 on_progress: Callable[[], None] | None = None) -> None:
+                 on_progress: Callable[[], None] | None = None, device: torch.device | None = None) -> None:
+        """``device``: the LLM's (rank 0's) device; rows encoded elsewhere (an encoder on its own GPU)
+        start their copy there as they arrive, without blocking, long before prefill reads them."""
         spans = list(spans)
         for a, b in zip(spans, spans[1:]):
             if b.start < a.end:
@@ -72,6 +74,7 @@ class EmbeddingStream:
         self._released = False
         self._lock = threading.Lock()
         self._on_progress = on_progress
+        self._device = device
 
     # ---- EmbeddingSource --------------------------------------------------------------------
     def ready_until(self) -> int:
@@ -114,6 +117,8 @@ class EmbeddingStream:
         if rows.dim() != 2 or rows.shape[0] != span.length or rows.shape[1] != self.hidden_size:
             raise ValueError(f"unit {index} needs rows [{span.length}, {self.hidden_size}], "
                              f"got {tuple(rows.shape)}")
+        if self._device is not None and rows.device != self._device:
+            rows = rows.to(self._device, non_blocking=True)  # ordered on the device's stream before use
         with self._lock:
             if self._released:
                 return

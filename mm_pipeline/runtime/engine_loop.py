@@ -20,8 +20,9 @@ import threading
 import time
 from typing import Callable
 
+from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.llm_engine import LLMEngine
-from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.request import EmbeddingSource
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.encode.batcher import EncoderBatcher
@@ -45,6 +46,11 @@ class EngineLoop:
         # Builds and publishes the owner's stats snapshot; called on this thread after every
         # iteration (set before start()).
         self.on_stats: Callable[[], None] | None = None
+        # Called once (on this thread) when the engine cannot go on -- a tensor/expert-parallel rank
+        # died (RankFailure): every open request has ended with an error by then; `mmserve serve`
+        # stops the server with it.
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.fatal: BaseException | None = None
         self._was_busy = True
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
 
@@ -58,6 +64,8 @@ class EngineLoop:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     embeds: EmbeddingSource | None, sink: OutputSink, **extra) -> None:
         """Queue a request; every output for it goes to ``sink`` (on the engine thread)."""
+        if self.fatal is not None:
+            raise RuntimeError(f"the engine stopped: {self.fatal}")
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -106,8 +114,12 @@ class EngineLoop:
         while not self._stop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
+                self.llm.check_health()
                 did = self._step_once()
                 self._publish_stats(did)
+            except RankFailure as exc:
+                self._die(exc)
+                return
             except Exception:  # a bug must not kill serving; it is logged and counted
                 log.exception("engine loop iteration failed")
                 self.counts["loop_errors"] += 1
@@ -116,6 +128,18 @@ class EngineLoop:
             if not did:
                 self.counts["idle_waits"] += 1
                 self._wake.wait(self._idle_timeout())
+
+    def _die(self, exc: RankFailure) -> None:
+        """End every open request with the failure and stop; the owner decides what else stops."""
+        log.critical("the engine stopped: %s", exc)
+        self.fatal, self._stop = exc, True
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for rid, sink in sinks.items():
+            sink(RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error",
+                               error=f"the engine stopped: {exc}", error_kind=ErrorKind.INTERNAL))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _step_once(self) -> bool:
         did = False

@@ -12,22 +12,28 @@ import torch
 from torch import nn
 
 from kernels import ops
+from llm_core.distributed.parallel_context import ParallelContext
+from llm_core.distributed.parallel_layers import column_linear, row_linear
 from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.rope import PartialRotary
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        spec = config.attn_spec(layer)
+        parallel = parallel or ParallelContext.single()
+        # Under tensor parallelism this rank's heads only (llm_core/distributed/parallel_context.py):
+        # qkv_proj is column-parallel (its q/k/v head rows), o_proj row-parallel (one all-reduce).
+        shard = parallel.heads(config.attn_spec(layer), config.layer_kinds[layer])
+        spec = shard.local
         self.spec = spec
         self.is_sliding = config.layer_kinds[layer] == "sliding"
         self.window = config.window_of(layer)
         self.scale = spec.head_dim**-0.5  # the q/k dim, not the v dim
         self.value_scale = config.value_scale
-        self.qkv_proj = nn.Linear(config.hidden_size, spec.q_size + spec.k_size + spec.v_size, bias=False)
-        self.o_proj = nn.Linear(spec.num_heads * spec.v_head_dim, config.hidden_size, bias=False)
+        self.qkv_proj = column_linear(config.hidden_size, spec.q_size + spec.k_size + spec.v_size)
+        self.o_proj = row_linear(spec.num_heads * spec.v_head_dim, config.hidden_size, parallel)
         if spec.has_sinks:
             self.attention_sink_bias = nn.Parameter(torch.zeros(spec.num_heads))
         else:

@@ -1,4 +1,4 @@
-"""Dense SwiGLU MLP: down(silu(gate x) * up x)."""
+"""Dense SwiGLU MLP: down(silu(gate x) * up x); column/row-parallel under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -6,13 +6,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from llm_core.distributed.parallel_context import ParallelContext
+from llm_core.distributed.parallel_layers import column_linear, row_linear
+
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        parallel = parallel or ParallelContext.single()
+        # gate/up column-parallel, down row-parallel: one all-reduce under tensor parallelism
+        i0, i1 = parallel.tp_range(intermediate_size, "intermediate_size")
+        self.gate_proj = column_linear(hidden_size, i1 - i0)
+        self.up_proj = column_linear(hidden_size, i1 - i0)
+        self.down_proj = row_linear(i1 - i0, hidden_size, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

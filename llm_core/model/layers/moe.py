@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import ops
+from llm_core.distributed.expert_parallel import ExpertShard
+from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.model.config import ModelConfig
 
 
@@ -41,15 +43,20 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelContext.single()
+        # Expert placement (which experts, which intermediate slice) and the combine across ranks
+        # belong to the expert-parallel helper; the router stays whole on every rank.
+        self.placement = ExpertShard(config.num_experts, parallel)
+        i0, i1 = parallel.moe_inter_range(config.moe_intermediate_size)
         self.top_k = config.top_k
         self.n_group = config.n_group
         self.topk_group = config.topk_group
         self.renormalize = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = Router(config.num_experts, config.hidden_size)
-        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = StackedExperts(self.placement.num_local, config.hidden_size, i1 - i0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.route(
@@ -61,4 +68,4 @@ class SparseMoE(nn.Module):
             renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor,
         )
-        return ops.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return self.placement(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)

@@ -1,0 +1,53 @@
+"""load_text_model: the one entry point that gives the engine its model -- the whole model in this
+process, or, with ``tensor_parallel_size`` / ``expert_parallel_size`` > 1, rank 0's shard mirrored
+to the other ranks (spawned here, or started by torchrun).
+
+Under torchrun every process runs the same program: rank 0 returns from here and serves; the other
+ranks never return -- they obey rank 0 until it closes the engine, then exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from llm_core.distributed.rank_group import LaunchSpec, RankGroup, free_port, torchrun_rank
+
+
+def load_text_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | str = torch.float32, tensor_parallel_size: int = 1,
+                    expert_parallel_size: int = 1, distributed_timeout_s: float = 600.0):
+    """The model for an engine: ``MiMoV2ForCausalLM`` in one process, else a ``MirroredModel``."""
+    from llm_core.model.dtype import parse_dtype
+    from llm_core.model.loader import load_model
+
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    world = max(tensor_parallel_size, expert_parallel_size)
+    if world == 1 and torchrun_rank() is None:
+        return load_model(model_dir, device=device, dtype=dt)
+    spec = LaunchSpec(model_dir=str(model_dir), device=str(torch.device(device).type), dtype=str(dt).removeprefix("torch."),
+                      tp_size=tensor_parallel_size, ep_size=expert_parallel_size,
+                      init_method="env://" if torchrun_rank() is not None else f"tcp://127.0.0.1:{free_port()}",
+                      timeout_s=distributed_timeout_s, threads=torch.get_num_threads())
+    rank = torchrun_rank()
+    if rank not in (None, 0):
+        from llm_core.distributed.worker import worker_main
+
+        worker_main(rank, spec)  # exits the process when rank 0 closes
+        sys.exit(0)
+    return _start_rank0(spec, load_model, dt)
+
+
+def _start_rank0(spec: LaunchSpec, load_model, dt):
+    from llm_core.distributed.step_mirror import MirroredModel
+
+    group = RankGroup.start(spec)
+    try:
+        local = load_model(spec.model_dir, device=group.device, dtype=dt, parallel=group.ctx)
+        group.ready("the other ranks to load their shards")
+    except BaseException:
+        group.close()
+        raise
+    return MirroredModel(local, group)

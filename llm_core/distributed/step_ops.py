@@ -1,0 +1,76 @@
+"""What rank 0 tells the other ranks each time it calls the model: one small typed message per call,
+broadcast over the control group (llm_core/distributed/step_mirror.py sends, worker.py obeys).
+
+Tensors travel on the CPU (pickled by ``broadcast_object_list``) and each rank moves them to its own
+device: a CUDA tensor pickles with rank 0's device index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from llm_core.model.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class EmbedOp:
+    """``model.embed(ids)`` (the multimodal path embeds text rows, then splices media rows)."""
+
+    input_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ForwardOp:
+    """``model(input_ids | inputs_embeds, batch, kv)``; ``kv_tokens`` = (Full, SWA) slots of rank 0's
+    pools, which every rank's own pools match (the scheduler's page ids are valid on every rank)."""
+
+    batch: dict
+    input_ids: torch.Tensor | None
+    inputs_embeds: torch.Tensor | None
+    kv_tokens: tuple[int, int]
+
+    @staticmethod
+    def batch_fields(fb: ForwardBatch) -> dict:
+        """name -> (value on the CPU, whether it lived on the accelerator): some fields stay on the
+        host by contract (query_start_loc, seq_lens) and must stay there on every rank."""
+        return {f.name: (_cpu(v), isinstance(v, torch.Tensor) and v.device.type != "cpu")
+                for f in dataclasses.fields(fb) if f.name != "step_cache" for v in [getattr(fb, f.name)]}
+
+    def forward_batch(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch(**{k: _to(v, device) if on_device else v for k, (v, on_device) in self.batch.items()})
+
+
+@dataclass(frozen=True)
+class LogitsOp:
+    """``model.compute_logits(hidden[batch.logits_indices])`` of the last forward."""
+
+    rows: int
+
+
+@dataclass(frozen=True)
+class ReportOp:
+    """Every rank reports its weight and KV bytes and its share (all_gather_object)."""
+
+
+@dataclass(frozen=True)
+class StopOp:
+    """Leave the loop: the engine is closing."""
+
+
+def _cpu(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _to(x, device: torch.device):
+    return x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x
+
+
+def to_device(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else _to(x, device)
+
+
+def to_cpu(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else _cpu(x)

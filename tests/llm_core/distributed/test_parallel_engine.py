@@ -1,0 +1,144 @@
+"""Tensor / expert parallelism end to end on CPU: LLM(...) spawns a second rank, the two ranks talk
+over gloo on loopback, and greedy generation equals one process.
+
+Tolerance: the all-reduces sum partial results in another order than one process's matmuls, so fp32
+logprobs may differ by a few ulps (seen: <= 1e-6); greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core import LLM, SamplingParams
+from llm_core.distributed.parallel_context import ParallelContext
+from llm_core.distributed.rank_failure import RankFailure
+from llm_core.model.loader import load_model
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint, write_hub_layout
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOGPROB_TOL = 1e-5
+# explicit pool sizes so every run has the same pages (KV bytes then compare as head shares); a small
+# chunk so long prompts take several prefill steps; prefix caching on (the default)
+ENGINE = dict(num_full_tokens=2048, num_swa_tokens=1024, max_chunk_tokens=24, distributed_timeout_s=60)
+PROMPTS = [list(range(5, 70)), [30, 31, 32], list(range(100, 141))]
+SHARED = list(range(5, 69)) + [400, 401]  # shares PROMPTS[0]'s 4 whole pages (kept: its last whole page)
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    hf = build_tiny_hf_checkpoint(root / "hf", seed=7)
+    return {"hf": hf, "hub_fp8": write_hub_layout(hf, root / "hub_fp8", fp8=True)}
+
+
+class _MediaRows:
+    """An EmbeddingSource: positions [3, 9) of the prompt take fixed random rows (the multimodal
+    path: rank 0 embeds the text rows through every rank, splices these, broadcasts the result)."""
+
+    def __init__(self, prompt_len: int, hidden: int) -> None:
+        self.prompt_len = prompt_len
+        self.values = torch.randn(6, hidden, generator=torch.Generator().manual_seed(5))
+
+    def ready_until(self) -> int:
+        return self.prompt_len
+
+    def rows(self, start: int, end: int):
+        mask = torch.tensor([3 <= p < 9 for p in range(start, end)])
+        return mask, self.values[[p - 3 for p in range(start, end) if 3 <= p < 9]]
+
+
+def _run(llm: LLM):
+    first = llm.generate(PROMPTS, PARAMS)
+    second = llm.generate([SHARED], PARAMS)  # after the first batch finished: a prefix-cache hit
+    prompt = [7] * 3 + [0] * 6 + list(range(200, 230))
+    llm.engine.add_request("media", prompt, PARAMS, embeds=_MediaRows(len(prompt), llm.engine.model_config.hidden_size))
+    media = None
+    while media is None:
+        media = next((o for o in llm.engine.step() if o.finished), None)
+    return first + second + [media]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    out = {}
+    for name, path in checkpoints.items():
+        with LLM(path, **ENGINE) as llm:
+            out[name] = (_run(llm), llm.engine.pool.full_bytes + llm.engine.pool.swa_bytes)
+    return out
+
+
+@pytest.mark.parametrize("layout,tp,ep", [("hf", 2, 1), ("hub_fp8", 1, 2), ("hub_fp8", 2, 2)])
+def test_parallel_generation_equals_one_process(checkpoints, reference, layout, tp, ep):
+    want, kv_bytes_one = reference[layout]
+    with LLM(checkpoints[layout], tensor_parallel_size=tp, expert_parallel_size=ep, **ENGINE) as llm:
+        got = _run(llm)
+        reports = llm.engine.runner.model.reports(llm.engine.pool)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert g.num_cached_tokens == w.num_cached_tokens
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) <= LOGPROB_TOL
+    assert got[-2].num_cached_tokens == 64  # prefix caching works across ranks
+    # each rank holds its share: the weights of its slice, its KV heads of both pools
+    for r, rep in enumerate(reports):
+        shard = load_model(checkpoints[layout], parallel=ParallelContext(tp, ep, r))
+        assert rep["weight_bytes"] == sum(p.numel() * p.element_size() for p in shard.parameters())
+        assert rep["kv_bytes"] == kv_bytes_one // tp
+        assert rep["experts"] == (r * 8 // ep, (r + 1) * 8 // ep) if ep > 1 else rep["experts"] == (0, 8)
+
+
+def test_a_dead_rank_ends_the_engine_with_an_error(checkpoints):
+    """Rank 1 is killed while a long generation runs (mid-step: rank 0 sits in a collective or is
+    sending the next step): generate raises RankFailure naming it within seconds, close() is quick."""
+    import threading
+
+    llm = LLM(checkpoints["hf"], tensor_parallel_size=2, **ENGINE)
+    try:
+        worker = llm.engine.runner.model.group.processes[0]
+        long = SamplingParams(max_tokens=700, temperature=0.0, ignore_eos=True)
+        threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate([list(range(5, 300))] * 4, long)
+        assert time.monotonic() - start < 20
+    finally:
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 15
+    assert not torch.distributed.is_initialized()
+
+
+TORCHRUN_SCRIPT = """
+import os, sys, torch
+torch.set_num_threads(1)
+from llm_core import LLM, SamplingParams
+with LLM(sys.argv[1], tensor_parallel_size=2, distributed_timeout_s=60) as llm:
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))
+    print("RANK", os.environ["RANK"], out[0].token_ids, flush=True)
+"""
+
+
+def test_torchrun_started_ranks(checkpoints, tmp_path):
+    """Under torchrun nothing is spawned: rank 0 returns from LLM(...) and generates, rank 1 serves
+    rank 0's steps inside LLM(...) and exits when rank 0 closes."""
+    import subprocess
+    import sys
+
+    from llm_core.distributed.rank_group import free_port
+
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with LLM(checkpoints["hf"], **ENGINE) as llm:
+        want = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(script), str(checkpoints["hf"])],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"RANK 0 {want}" in run.stdout and "RANK 1" not in run.stdout
