@@ -82,7 +82,8 @@ class OmniRuntime:
 
     @classmethod
     def load(cls, model_dir: str | Path, config: OmniEngineConfig) -> "OmniRuntime":
-        return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype), config)
+        return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
+                                  audio_tokenizer_attention=config.audio_tokenizer_attention), config)
 
     @property
     def hidden_size(self) -> int:
