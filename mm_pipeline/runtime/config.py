@@ -61,6 +61,8 @@ class OmniEngineConfig:
     # video sampling and streaming granularity
     video_sampling: VideoSamplingParams | None = None
     """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
+    video_audio: bool = True
+    """Hear videos: a video's sound track is laid out with its frames, interleaved by time (models with an audio encoder)."""
     groups_per_chunk: int = 2
     """Video frame groups per streamed encoder unit."""
     # True: the LLM request starts at once and prefill follows the units as they arrive; False:
@@ -150,4 +152,4 @@ class OmniEngineConfig:
     def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None
                        ) -> PlannerConfig:
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens)
+                             max_context_tokens, self.video_audio)
