@@ -1,0 +1,54 @@
+"""Beeping videos (the synthetic task with sound in videos): deterministic specs from their own
+stream, a caption naming colours then beeps, an MP4 / WebM with a sound track whose beeps sit at
+their specified times and pitches, and plain videos left as they were."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.types import MediaItem, MediaKind
+from samples.synthetic.generate import generate
+from samples.synthetic.sampler import sample_beeping_video, sample_video
+from samples.synthetic.spec import PITCHES
+
+RATE = 24000
+
+
+def test_specs_are_deterministic_and_plain_videos_unchanged():
+    a, b = sample_beeping_video(5, 3, max_seconds=10), sample_beeping_video(5, 3, max_seconds=10)
+    assert a == b and 1 <= len(a.beeps) <= 4
+    assert a.caption == (f"a {a.shape.kind} that is " + ", then ".join(a.colours)
+                         + "; beeps: " + ", ".join(x.pitch for x in a.beeps))
+    plain = sample_video(5, 3, max_seconds=10)
+    assert plain.beeps == () and ";" not in plain.caption
+    for i in range(20):
+        spec = sample_beeping_video(1, i, max_seconds=60)
+        ends = [x.start_s + x.length_s for x in spec.beeps]
+        assert all(e <= spec.duration_s for e in ends)
+        assert all(nxt.start_s >= e for nxt, e in zip(spec.beeps[1:], ends))
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "webm"])
+def test_files_carry_the_beeps_at_their_times(tmp_path, fmt):
+    labels = generate(7, tmp_path, beeping_videos=2, max_video_seconds=6, video_format=fmt)
+    for record in labels:
+        assert record["modality"] == "video" and record["prompt"] == "Describe this video."
+        assert record["path"].startswith("video_sound_") and "; beeps: " in record["caption"]
+        data = (tmp_path / record["path"]).read_bytes()
+        sound = decode_audio(MediaItem(MediaKind.VIDEO, fmt, data), RATE).samples.numpy()
+        assert abs(len(sound) / RATE - record["duration_s"]) < 0.15
+        for beep in record["beeps"]:
+            a = int((beep["start_s"] + 0.03) * RATE)
+            z = int((beep["start_s"] + beep["length_s"] - 0.03) * RATE)
+            piece = sound[a:z]
+            spectrum = np.abs(np.fft.rfft(piece))
+            peak = np.fft.rfftfreq(len(piece), 1 / RATE)[spectrum.argmax()]
+            assert abs(peak - PITCHES[beep["pitch"]]) < 30, (record["path"], beep)
+            assert np.sqrt(np.mean(piece ** 2)) > 0.1
+        # silence between beeps (codec noise aside)
+        quiet = np.ones(len(sound), dtype=bool)
+        for beep in record["beeps"]:
+            quiet[max(0, int((beep["start_s"] - 0.05) * RATE)):int((beep["start_s"] + beep["length_s"] + 0.05) * RATE)] = False
+        assert np.sqrt(np.mean(sound[quiet] ** 2)) < 0.02
