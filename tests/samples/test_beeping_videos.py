@@ -12,6 +12,7 @@ from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.generate import generate
 from samples.synthetic.sampler import sample_beeping_video, sample_video
 from samples.synthetic.spec import PITCHES
+from tests.support.paths import REPO
 
 RATE = 24000
 
@@ -52,3 +53,51 @@ def test_files_carry_the_beeps_at_their_times(tmp_path, fmt):
         for beep in record["beeps"]:
             quiet[max(0, int((beep["start_s"] - 0.05) * RATE)):int((beep["start_s"] + beep["length_s"] + 0.05) * RATE)] = False
         assert np.sqrt(np.mean(sound[quiet] ** 2)) < 0.02
+
+
+# ---- training on them ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def beeping(tmp_path_factory):
+    out = tmp_path_factory.mktemp("beep")
+    (record,) = generate(11, out, beeping_videos=1, max_video_seconds=5, video_format="mp4")
+    return out / record["path"], record
+
+
+def test_training_prompt_of_a_beeping_video_equals_the_served_prompt(beeping):
+    from llm_core.engine.sampling import SamplingParams
+    from mm_pipeline.multimodal_llm import MultimodalLLM
+    from samples.training.dataset import ItemPreparer
+    from samples.training.demo_model_config import DemoModelConfig
+
+    model = REPO / "samples" / "demo-model"
+    if not (model / "config.json").is_file():
+        pytest.skip("samples/demo-model not built")
+    path, record = beeping
+    item = ItemPreparer(DemoModelConfig()).prepare(path, record["caption"])
+    assert item.sound and item.sound_spans  # the sound is part of the training prompt
+    convo = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{path}"}},
+                                          {"type": "text", "text": record["prompt"]}]}]
+    with MultimodalLLM(model, allowed_local_dirs=(str(path.parent),)) as llm:
+        (out,) = llm.chat([convo], SamplingParams(max_tokens=1, temperature=0.0))
+    assert list(out.prompt_token_ids) == item.input_ids[:item.answer_start].tolist()
+
+
+def test_the_trainer_writes_sound_rows_into_their_slices(beeping):
+    import torch
+
+    from samples.checkpoints.tiny_omni import tiny_special_tokens
+    from samples.training.dataset import ItemPreparer
+    from samples.training.demo_model_config import DemoModelConfig
+    from samples.training.omni_trainer import OmniTrainModel
+
+    path, record = beeping
+    config = DemoModelConfig()
+    item = ItemPreparer(config).prepare(path, record["caption"])
+    covered = sum(end - start for start, end, _, _ in item.sound_spans)
+    assert covered == sum(config.audio.segment_tokens(int(m.shape[0])) for m in item.sound)
+    torch.manual_seed(0)
+    model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad)
+    out = model.loss([item])
+    out.loss.backward()
+    grads = [p.grad for p in model.audio.parameters() if p.grad is not None]
+    assert grads and any(float(g.abs().sum()) > 0 for g in grads)  # the caption loss reaches the audio tower
