@@ -101,3 +101,14 @@ def test_the_trainer_writes_sound_rows_into_their_slices(beeping):
     out.loss.backward()
     grads = [p.grad for p in model.audio.parameters() if p.grad is not None]
     assert grads and any(float(g.abs().sum()) > 0 for g in grads)  # the caption loss reaches the audio tower
+
+
+def test_evaluation_scores_beeping_videos_as_their_own_group():
+    from samples.training.evaluate import score
+
+    labels = [{"path": "a.mp4", "modality": "video", "caption": "x; beeps: low", "duration_s": 40.0,
+               "beeps": [{"pitch": "low"}]},
+              {"path": "b.mp4", "modality": "video", "caption": "y", "duration_s": 40.0}]
+    groups = score(labels, {"a.mp4": {"caption": "x"}, "b.mp4": {"caption": "y"}})
+    assert groups["video+sound"]["n"] == 1 and groups["video+sound"]["correct"] == 0
+    assert groups["video"]["correct"] == 1 and groups["video>=30s"]["n"] == 1
