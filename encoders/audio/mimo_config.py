@@ -32,11 +32,14 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _int_list(value: Any, n: int, name: str) -> tuple[int, ...]:
-    """A per-channel size: a list, or one number (the hub writes ``"1280"`` as a string) for all."""
+    """A per-channel size: a list, a dash-separated string (``"1025-1025-129"``), or one number for
+    all channels (the hub writes ``"1280"``, a string)."""
     if isinstance(value, (list, tuple)):
         out = tuple(int(v) for v in value)
+    elif isinstance(value, str) and "-" in value:
+        out = tuple(int(v) for v in value.split("-"))
     else:
-        out = (int(str(value).split("-")[0]),) * n
+        out = (int(value),) * n
     _require(len(out) == n, f"{name} has {len(out)} entries for {n} channels")
     return out
 

@@ -287,6 +287,8 @@ def test_config_errors_name_the_field():
     real = SpeechInputConfig.from_dict({"audio_channels": 20, "speech_vocab_size": "1280", "input_local_layers": 6,
                                         "out_hidden_size": 4096})
     assert real.speech_vocab_size == (1280,) * 20 and real.projection_hidden_size == 16384
+    dashed = SpeechInputConfig.from_dict({"audio_channels": 3, "speech_vocab_size": "1025-1025-129"})
+    assert dashed.speech_vocab_size == (1025, 1025, 129)
     tok = AudioTokenizerConfig.from_dict({"encoder_attn_window_size": [128, 0], "codebook_size": [1024, 1024, 256]
                                           + [128] * 17, "num_quantizers": 20})
     assert tok.num_quantizers == 20 and tok.window == 128
