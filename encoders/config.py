@@ -197,6 +197,12 @@ class AudioConfig:
     def frames_per_second(self) -> float:
         return self.sampling_rate / self.hop_length
 
+    @property
+    def tokens_per_second(self) -> float:
+        """LLM tokens per second of sound (6.25 for MiMo-V2.5: 100 mel frames/s, stride 2, pool 2,
+        group 4); lays a video's sound out by time (docs/model.md §5.3)."""
+        return self.frames_per_second / (self.stride_size * self.avg_pooler * self.group_size)
+
     def num_mel_frames(self, num_samples: int) -> int:
         """Mel frames of a centred STFT over ``num_samples`` samples."""
         return 1 + num_samples // self.hop_length

@@ -27,15 +27,15 @@ from encoders.rotary import rotary_1d
 
 
 class AudioProjection(nn.Module):
-    """``projection.mlp``: group of rows (group_size*d) -> hidden -> LLM hidden, no biases."""
+    """``projection.mlp``: one group of rows (group_size * width) -> hidden -> LLM hidden, no biases,
+    exact GELU. Shared by our encoder and the reference path (same names and shapes there)."""
 
-    def __init__(self, config: AudioConfig, device=None, dtype=None) -> None:
+    def __init__(self, in_features: int, hidden: int, out_features: int, device=None, dtype=None) -> None:
         super().__init__()
         self.mlp = nn.Sequential(
-            nn.Linear(config.group_size * config.d_model, config.projection_hidden_size, bias=False, device=device,
-                      dtype=dtype),
+            nn.Linear(in_features, hidden, bias=False, device=device, dtype=dtype),
             nn.GELU(),
-            nn.Linear(config.projection_hidden_size, config.out_hidden_size, bias=False, device=device, dtype=dtype),
+            nn.Linear(hidden, out_features, bias=False, device=device, dtype=dtype),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,8 @@ class AudioEncoder(nn.Module):
         self.layers = nn.ModuleList(AudioEncoderLayer(config, device=device, dtype=dtype)
                                     for _ in range(config.num_layers))
         self.layer_norm = nn.LayerNorm(d, eps=config.layer_norm_eps, device=device, dtype=dtype)
-        self.projection = AudioProjection(config, device=device, dtype=dtype)
+        self.projection = AudioProjection(config.group_size * d, config.projection_hidden_size,
+                                          config.out_hidden_size, device=device, dtype=dtype)
 
     @property
     def device(self) -> torch.device:

@@ -26,8 +26,9 @@ class UnitPlan:
 
 @dataclass
 class MediaPlan:
-    """One media item laid out: its units in placeholder order (an image has one, a video one per
-    frame group, an audio clip one per segment), video group timestamps, and cache hits."""
+    """One media item laid out: its units (an image has one, a video one per frame group, an audio
+    clip one per segment; a video with sound its frame groups, then its sound's segments),
+    video group timestamps, and cache hits."""
 
     item: MediaItem = field(repr=False)
     media_key: str
@@ -37,6 +38,12 @@ class MediaPlan:
     inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
     video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
     decoded_bytes: int = 0  # estimated bytes its decode holds (the request's decoded-bytes budget)
+    audio_units: int = 0  # a video with sound: its last ``audio_units`` units are sound segments
+    audio_per_second: float = 0.0  # ... laid out by time at this many tokens per second
+
+    def is_audio_unit(self, i: int) -> bool:
+        """Is unit ``i`` an audio segment (of an audio item, or of a video's sound)?"""
+        return self.kind is MediaKind.AUDIO or i >= len(self.units) - self.audio_units
 
     @property
     def kind(self) -> MediaKind:
@@ -49,7 +56,11 @@ class MediaPlan:
     @property
     def slots(self) -> MediaSlots:
         """The placeholder sizes the prompt layout expands for this item."""
-        return MediaSlots(self.kind.value, tuple(u.num_tokens for u in self.units), self.timestamps)
+        sizes = tuple(u.num_tokens for u in self.units)
+        if not self.audio_units:
+            return MediaSlots(self.kind.value, sizes, self.timestamps)
+        groups = len(sizes) - self.audio_units
+        return MediaSlots(self.kind.value, sizes[:groups], self.timestamps, sizes[groups:], self.audio_per_second)
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class PlannerConfig:
     video_sampling: VideoSamplingParams = VideoSamplingParams()
     groups_per_chunk: int = 2
     max_context_tokens: int | None = None  # the LLM's context: media that cannot fit fails before decoding
+    video_audio: bool = True  # lay a video's sound track out with its frames (when the model hears)
 
     def __post_init__(self) -> None:
         if self.groups_per_chunk < 1:

@@ -3,7 +3,9 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
     plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
                                          └─no─► image: header only (decoded when produced)
                                                 audio: decode (stops at the context) + preprocess
-                                                video: probe (demux only) ─► sampling ─► sizes
+                                                video: probe (demux only) ─► sampling ─► sizes;
+                                                       its sound track (if any, video_audio on):
+                                                       decoded as audio, segments after the groups
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers
     start(plan, sinks)  cached unit ─► its sink now
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from collections import Counter
 from pathlib import Path
@@ -33,7 +36,8 @@ from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.single_flight import SingleFlight
 from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaError, MediaNotFound, MediaTooLarge,
-                                UnsupportedMediaType)
+                                UndecodableMediaError, UnsupportedMediaType)
+from mm_pipeline.media.decode_audio import has_audio_stream
 from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
 from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
@@ -42,6 +46,7 @@ from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.worker_pool import WorkerPool
 from mm_pipeline.prompt.messages import MediaRef
 
+log = logging.getLogger("mmserve.media")
 FileResolver = Callable[[str], "tuple[bytes | Path, str | None]"]
 
 
@@ -120,7 +125,8 @@ class MediaPlanner:
         # this plan's units find them again when claimed, unit_producer looks before decoding)
         self._count("plan_joins")
         return MediaPlan(item, mkey, plan.units, plan.timestamps, inputs=plan.inputs, video=plan.video,
-                         decoded_bytes=plan.decoded_bytes)
+                         decoded_bytes=plan.decoded_bytes, audio_units=plan.audio_units,
+                         audio_per_second=plan.audio_per_second)
 
     def start(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
         """Deliver cached units, join units in flight, claim and produce the rest (async task)."""
@@ -176,15 +182,23 @@ class MediaPlanner:
         manifest = self.cache.get(_manifest_key(mkey))
         if manifest is not None:
             self._count("manifest_hits")
-            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), int(n)) for i, n in
-                          enumerate(manifest[:, 0].tolist()))
-            plan = MediaPlan(item, mkey, units, tuple(manifest[:, 1].tolist()) if item.kind is MediaKind.VIDEO else ())
+            # columns: tokens, timestamp (video groups), 1 for a video's sound segment
+            sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag] if manifest.shape[1] > 2 else []
+            groups = manifest.shape[0] - len(sound)
+            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i) if i < groups else
+                                   self._sound_key(mkey, i - groups), int(n))
+                          for i, n in enumerate(manifest[:, 0].tolist()))
+            stamps = tuple(manifest[:groups, 1].tolist()) if item.kind is MediaKind.VIDEO else ()
+            plan = MediaPlan(item, mkey, units, stamps, audio_units=len(sound),
+                             audio_per_second=self._sound_rate() if sound else 0.0)
             if item.kind is MediaKind.IMAGE:
                 plan.decoded_bytes = image_decode_bytes(*probe_image(item, self.config.limits))
         else:
             plan = self._plan_from_media(item, mkey, control)
-            table = torch.tensor([[u.num_tokens, t] for u, t in
-                                  zip(plan.units, plan.timestamps or [0.0] * len(plan.units))], dtype=torch.float64)
+            groups = len(plan.units) - plan.audio_units
+            stamps = list(plan.timestamps or [0.0] * groups) + [0.0] * plan.audio_units
+            table = torch.tensor([[u.num_tokens, t, float(i >= groups)] for i, (u, t) in
+                                  enumerate(zip(plan.units, stamps))], dtype=torch.float64)
             self.cache.put(_manifest_key(mkey), table)
         found = self.producer.lookup(plan.units)
         plan.cached.update({i: found[u.key] for i, u in enumerate(plan.units) if u.key in found})
@@ -216,8 +230,41 @@ class MediaPlanner:
         sizes = self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames))
         units = tuple(UnitPlan(self._unit_key(item.kind, mkey, g), n) for g, n in enumerate(sizes))
         stamps = sampling.timestamps[::self.pre.image_config.temporal_patch_size]  # a group's first frame
-        return MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size),
+        plan = MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size),
                          decoded_bytes=self.producer.chunk_bytes(item, info, sampling.num_frames, size))
+        mels = self._sound_of(item, control) if self._hears_videos() and info is not None else []
+        if mels:
+            sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))
+            plan.units += tuple(UnitPlan(self._sound_key(mkey, i), n) for i, n in enumerate(sizes))
+            plan.inputs.update({len(units) + i: m for i, m in enumerate(mels)})
+            plan.audio_units, plan.audio_per_second = len(mels), self._sound_rate()
+            plan.decoded_bytes += sum(m.numel() * m.element_size() for m in mels)
+        return plan
+
+    # ---- a video's sound track ---------------------------------------------------------------
+    def _hears_videos(self) -> bool:
+        return self.config.video_audio and self.batcher.audio is not None and self.pre.audio_config is not None
+
+    def _sound_of(self, item: MediaItem, control: DecodeControl | None) -> list[torch.Tensor]:
+        """Log-mel segments of a video's sound track; [] when it has none. A sound track that does
+        not decode leaves the video without sound (its frames are still served, the count
+        ``video_sound_dropped`` says so); the duration and context limits apply as to audio."""
+        if not has_audio_stream(item):
+            return []
+        try:
+            return self.producer.audio_inputs(item, control)
+        except UndecodableMediaError as exc:
+            self._count("video_sound_dropped")
+            log.warning("video from %s: its sound track does not decode, serving the frames alone (%s)",
+                        item.origin, exc)
+            return []
+
+    def _sound_rate(self) -> float:
+        assert self.pre.audio_config is not None
+        return self.pre.audio_config.tokens_per_second
+
+    def _sound_key(self, mkey: str, i: int) -> str:
+        return audio_segment_key(mkey, self.pre.audio_config, i)
 
     # ---- keys -------------------------------------------------------------------------------
     def _params(self, kind: MediaKind) -> dict[str, Any]:
@@ -226,7 +273,8 @@ class MediaPlanner:
         if kind is MediaKind.IMAGE:
             return {"image": img}
         if kind is MediaKind.VIDEO:
-            return {"image": img, "sampling": dataclasses.asdict(self.config.video_sampling)}
+            sound = dataclasses.asdict(self.pre.audio_config) if self._hears_videos() else None
+            return {"image": img, "sampling": dataclasses.asdict(self.config.video_sampling), "sound": sound}
         audio = self.pre.audio_config
         return {"audio": dataclasses.asdict(audio) if audio is not None else None}
 

@@ -2,7 +2,8 @@
 
     claimed units ─► cache re-check ─► image / audio: decode + preprocess (or reuse the planning's)
                                    └─► video: chunks of frame groups (video_chunks), each decoded
-                                       from its own seek point on the worker pool, concurrently
+                                       from its own seek point on the worker pool, concurrently;
+                                       its sound's segments as audio, alongside
                    ─► batcher.submit(EncoderJob) per unit; any failure ─► batcher.fail for the rest
 
 It also owns the decode helpers planning needs when the cache has no manifest (image/audio decode,
@@ -139,14 +140,20 @@ class UnitProducer:
             if not claimed:
                 return
             if plan.kind is MediaKind.VIDEO:
-                await self._produce_video(plan, claimed, open_keys, control)
+                sound = [i for i in claimed if plan.is_audio_unit(i)]
+                frames = [i for i in claimed if not plan.is_audio_unit(i)]
+                async with asyncio.TaskGroup() as group:  # the sound's segments alongside the frames
+                    if sound:
+                        group.create_task(self._produce_sound(plan, sound, open_keys, control))
+                    if frames:
+                        group.create_task(self._produce_video(plan, frames, open_keys, control))
             else:
                 if not all(i in plan.inputs for i in claimed):  # planned from metadata: decode now
                     plan.inputs = await self.pool.run(self._decode_inputs, plan.item, control)
                 for i in claimed:
                     self._submit(plan, i, plan.inputs[i], open_keys)
         except BaseException as exc:
-            if isinstance(exc, BaseExceptionGroup):  # from the chunk task group: report the first
+            while isinstance(exc, BaseExceptionGroup):  # from the task groups: report the first
                 exc = exc.exceptions[0]
             error = exc if isinstance(exc, Exception) else MediaError("media production was cancelled")
             for key in open_keys:
@@ -156,6 +163,19 @@ class UnitProducer:
         finally:
             control.cancel()  # a chunk still on a worker after a failure stops at its next frame
             plan.inputs = {}
+
+    async def _produce_sound(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
+                             control: DecodeControl) -> None:
+        """A video's sound segments: the planning's mels, or the track decoded again (manifest hit)."""
+        if not all(i in plan.inputs for i in claimed):
+            mels = await self.pool.run(self.audio_inputs, plan.item, control)
+            first = len(plan.units) - plan.audio_units
+            if len(mels) != plan.audio_units:
+                raise MediaError(f"the video's sound track decoded to {len(mels)} segments, planned "
+                                 f"{plan.audio_units}")
+            plan.inputs.update({first + k: m for k, m in enumerate(mels)})
+        for i in claimed:
+            self._submit(plan, i, plan.inputs[i], open_keys)
 
     async def _produce_video(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
                              control: DecodeControl) -> None:
@@ -208,7 +228,6 @@ class UnitProducer:
         key = plan.units[i].key
         if key not in open_keys:
             return  # a repeated unit of this item (same key twice) was already submitted
-        kind = plan.kind.value
-        job = EncoderJob(key, kind, mel=inp) if plan.kind is MediaKind.AUDIO else EncoderJob(key, kind, vision=inp)
+        job = EncoderJob(key, "audio", mel=inp) if plan.is_audio_unit(i) else EncoderJob(key, plan.kind.value, vision=inp)
         self.batcher.submit(job)
         open_keys.discard(key)

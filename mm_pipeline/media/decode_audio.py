@@ -68,6 +68,15 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
     return DecodedAudio(samples, sample_rate, item.format)
 
 
+def has_audio_stream(item: MediaItem) -> bool:
+    """Does the container hold an audio stream? (False too when it does not open.)"""
+    try:
+        with open_av(item.data) as container:
+            return bool(container.streams.audio)
+    except (av.FFmpegError, MediaError):
+        return False
+
+
 def header_seconds(item: MediaItem) -> float | None:
     """The duration the container's header claims (None: no claim, or it does not open). Only an
     estimate for budgets: decoding counts samples itself and never trusts it."""

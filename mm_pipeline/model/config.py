@@ -3,7 +3,10 @@
     config.json (model_type "mimo_v2", hub text spelling)
       ├─ text fields        -> llm_core.model.config.ModelConfig.from_hf
       ├─ vision_config      -> encoders.config.VisionConfig.from_dict
-      ├─ audio_config       -> encoders.config.AudioConfig.from_dict (processor audio_* names fill gaps)
+      ├─ audio_config       -> encoders.config.AudioConfig.from_dict (processor audio_* names fill gaps:
+      │                        front end, segments, token counts -- both audio paths); when it
+      │                        describes the MiMo-V2.5 reference path (input local transformer),
+      │                        also -> encoders.audio.mimo_config.SpeechInputConfig (``speech``)
       ├─ processor_config   -> ImageProcessingConfig, VideoSamplingParams, use_video_timestamps, token ids
       └─ *_token_id         -> SpecialTokens (top level first, then processor_config)
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from encoders.audio.mimo_config import SpeechInputConfig
 from encoders.config import AudioConfig, VisionConfig
 from encoders.image_processing import ImageProcessingConfig
 from llm_core.model.config import ModelConfig
@@ -112,6 +116,8 @@ class OmniConfig:
     image_processing: ImageProcessingConfig
     video: VideoSamplingParams
     special: SpecialTokens
+    # the reference audio path's codes -> embeddings part (None: our audio encoder, or no audio)
+    speech: SpeechInputConfig | None = None
     # "MM:SS" of each frame group before its pads in the prompt (processor_config.use_video_timestamps;
     # MiMo-V2.5 and the demo model were trained with them)
     use_video_timestamps: bool = True
@@ -130,6 +136,8 @@ class OmniConfig:
         if self.video.frame_factor != self.image_processing.temporal_patch_size:
             raise ValueError(f"video frames are sampled in groups of {self.video.frame_factor} but the "
                              f"processor's temporal_patch_size is {self.image_processing.temporal_patch_size}")
+        if self.speech is not None and self.speech.out_hidden_size != hidden:
+            raise ValueError(f"audio_config.out_hidden_size {self.speech.out_hidden_size} != text hidden_size {hidden}")
         if self.audio is not None and self.audio.out_hidden_size != hidden:
             raise ValueError(f"audio_config.out_hidden_size {self.audio.out_hidden_size} != text hidden_size {hidden}")
         too_big = {n: i for n, i in self.special.as_dict().items() if i >= self.text.vocab_size}
@@ -139,10 +147,12 @@ class OmniConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "OmniConfig":
         processor = cfg.get("processor_config") or {}
-        audio = None
+        audio = speech = None
         if cfg.get("audio_config") is not None:
             # processor audio_* names fill what audio_config leaves out (front end geometry).
             audio = AudioConfig.from_dict({**processor, **cfg["audio_config"]})
+            if SpeechInputConfig.is_reference(cfg["audio_config"]):
+                speech = SpeechInputConfig.from_dict(cfg["audio_config"])
         return cls(
             text=ModelConfig.from_hf(cfg),
             vision=VisionConfig.from_dict(cfg["vision_config"]) if cfg.get("vision_config") is not None else None,
@@ -150,8 +160,17 @@ class OmniConfig:
             image_processing=ImageProcessingConfig.from_dict(processor),
             video=VideoSamplingParams.from_processor_config(processor),
             special=SpecialTokens.from_config(cfg),
+            speech=speech,
             use_video_timestamps=_flag(processor.get("use_video_timestamps"), default=True),
         )
+
+    @property
+    def audio_path(self) -> str | None:
+        """Which audio encoder the checkpoint selects: "reference" (MiMo-V2.5 RVQ tokenizer + local
+        transformer), "ours" (log-mel transformer, encoders.audio.encoder) or None (no audio)."""
+        if self.audio is None:
+            return None
+        return "reference" if self.speech is not None else "ours"
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "OmniConfig":

@@ -2,7 +2,9 @@
 
     config.json ─┬─ text fields            ─► llm_core.distributed.launcher.load_text_model (model.*, lm_head.*; one process or TP/EP ranks)
                  ├─ vision_config          ─► VisionTransformer           (visual.*)
-                 ├─ audio_config           ─► AudioEncoder                (audio_encoder.*)
+                 ├─ audio_config           ─► AudioEncoder                (audio_encoder.*), or for the
+                 │                            MiMo-V2.5 reference path  MimoAudioEncoder (speech_embeddings.*,
+                 │                            audio_encoder.*, audio_tokenizer/ encoder.*)
                  └─ processor_config       ─► ImageProcessingConfig, video sampling, token ids, prompt layout
     tokenizer files                        ─► transformers AutoTokenizer
 
@@ -24,7 +26,9 @@ from encoders.audio.encoder import AudioEncoder
 from encoders.config import AudioConfig
 from encoders.image_processing import ImageProcessingConfig
 from encoders.vision.tower import VisionTransformer
-from encoders.weights import AUDIO_PREFIX, VISION_PREFIX, load_audio_encoder, load_vision_tower
+from encoders.audio.mimo_audio import MimoAudioEncoder
+from encoders.weights import (AUDIO_PREFIX, TOKENIZER_DIR, VISION_PREFIX, load_audio_encoder,
+                              load_mimo_audio_encoder, load_vision_tower)
 from llm_core.llm import load_tokenizer
 from llm_core.model.dtype import parse_dtype
 from llm_core.distributed.launcher import load_text_model
@@ -39,7 +43,11 @@ def encoder_id_of(model_dir: Path) -> str:
     dtypes, shapes, offsets) -- stable across restarts, different for any other checkpoint."""
     h = blake3.blake3()
     h.update((model_dir / "config.json").read_bytes())
-    for shard in sorted(model_dir.glob("*.safetensors")):
+    tokenizer_config = model_dir / TOKENIZER_DIR / "config.json"
+    if tokenizer_config.is_file():  # the reference audio path's tokenizer is part of the encoder
+        h.update(tokenizer_config.read_bytes())
+    shards = sorted(model_dir.glob("*.safetensors")) + sorted((model_dir / TOKENIZER_DIR).glob("*.safetensors"))
+    for shard in shards:
         with shard.open("rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = f.read(min(n, 64 << 20))
@@ -47,6 +55,15 @@ def encoder_id_of(model_dir: Path) -> str:
         h.update(shard.stat().st_size.to_bytes(8, "little"))
         h.update(header)
     return h.hexdigest()[:32]
+
+
+def _encoder_id(model_dir: Path, omni: OmniConfig, tokenizer_attention: str) -> str:
+    """The weights' id, plus the reference tokenizer's attention reading when it is not the default
+    (it changes the audio rows, so cached rows of one reading never serve the other)."""
+    base = encoder_id_of(model_dir)
+    if omni.audio_path != "reference" or tokenizer_attention == "reference":
+        return base
+    return blake3.blake3(f"{base}:{tokenizer_attention}".encode()).hexdigest()[:32]
 
 
 def _has_prefix(model_dir: Path, prefix: str) -> bool:
@@ -66,7 +83,7 @@ class OmniModel:
     name: str
     text: MiMoV2ForCausalLM
     vision: VisionTransformer | None
-    audio: AudioEncoder | None
+    audio: AudioEncoder | MimoAudioEncoder | None
     tokenizer: Any
     image_config: ImageProcessingConfig
     audio_config: AudioConfig | None
@@ -86,10 +103,13 @@ class OmniModel:
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
              dtype: str | torch.dtype = "float32", tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
-             distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None) -> "OmniModel":
+             distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None,
+             audio_tokenizer_attention: str = "reference") -> "OmniModel":
         """The text model goes through ``load_text_model`` (one process, or one per tensor / expert
         parallel rank); the encoders stay whole (data-parallel, never tensor-parallel) on
-        ``encoder_device`` (default: ``device``)."""
+        ``encoder_device`` (default: ``device``). ``audio_tokenizer_attention``: for the reference
+        audio path, how its tokenizer attends ("reference" or "bidirectional",
+        encoders.audio.mimo_config); ignored otherwise."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
@@ -101,7 +121,10 @@ class OmniModel:
         vision = audio = None
         if omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
             vision = load_vision_tower(omni.vision, model_dir, device=enc, dtype=dt)
-        if omni.audio is not None and _has_prefix(model_dir, AUDIO_PREFIX):
+        if omni.audio_path == "reference":
+            audio = load_mimo_audio_encoder(omni.audio, omni.speech, model_dir, device=enc, dtype=dt,
+                                            tokenizer_attention=audio_tokenizer_attention)
+        elif omni.audio is not None and _has_prefix(model_dir, AUDIO_PREFIX):
             audio = load_audio_encoder(omni.audio, model_dir, device=enc, dtype=dt)
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
@@ -109,6 +132,6 @@ class OmniModel:
         return cls(name=model_dir.resolve().name, text=text, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
                    layout=ChatLayout(omni.special, tokenizer, omni.use_video_timestamps),
-                   video_sampling=omni.video, encoder_id=encoder_id_of(model_dir))
+                   video_sampling=omni.video, encoder_id=_encoder_id(model_dir, omni, audio_tokenizer_attention))
 
 

@@ -6,6 +6,9 @@ The chat template emits one pad per media item; :meth:`PromptLayout.expand` rewr
 
     image:  <vs> <image_pad> <ve>  ->  <vs> <image_pad> x n <ve>
     video:  <vs> <video_pad> <ve>  ->  <video_start> ("MM:SS" <vs> <video_pad> x n <ve>) per group <video_end>
+    video with its sound track (the reference's ``video_audio`` layout, docs/model.md §5.3):
+                                   ->  <video_start> ("MM:SS" <vs> <video_pad> x n <ve> <as> <audio_pad> x L_k <ae>)
+                                       per group k <video_end>
     audio:  <as> <audio_pad> <ae>  ->  <as> <audio_pad> x (sum over segments) <ae>
 
 and returns, per media item, one [start, end) span per *unit* (image: 1; video: one per frame group;
@@ -16,6 +19,13 @@ audio: one per segment) -- the rows each unit's embeddings replace:
 
 The "MM:SS" text of each group is left out when the checkpoint's ``use_video_timestamps`` is false.
 Placeholders and media items pair up in order and must agree in kind and number.
+
+A video's sound is interleaved by time (:func:`audio_slices`): group k takes the audio tokens
+``[int(t_k * r), int(t_{k+1} * r))`` of the whole track (r = audio tokens per second, 6.25 for
+MiMo-V2.5), the last group the rest of the track; a group whose slice is empty gets no audio block.
+The sound's encoder units stay whole segments (cached and encoded as for an audio item), so a slice
+may hold the end of one segment and the start of the next: it is then two spans, one per segment,
+side by side. ``LaidOutPrompt.span_units`` says which unit (and which of its rows) fills each span.
 
 It also names the prompt's *boundaries*: the position after each media item's closing token and
 after each chat message's ``<|im_end|>``. The engine keeps a window of sliding-window KV there
@@ -30,6 +40,7 @@ last boundary it shares instead of at the start:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -41,13 +52,34 @@ from mm_pipeline.prompt.messages import ChatRequest
 MEDIA_KINDS = ("image", "video", "audio")
 
 
+def audio_slices(timestamps: Sequence[float], total: int, per_second: float) -> tuple[int, ...]:
+    """Audio tokens laid after each video frame group: group k covers ``[int(t_k * per_second),
+    int(t_{k+1} * per_second))`` of the track's ``total`` tokens, the last group the rest (module doc)."""
+    if per_second <= 0:
+        raise ValueError(f"audio tokens per second must be positive, got {per_second}")
+    if not timestamps:
+        return ()
+    # the first group starts the track (its first frame is at 0 s in a sampled video), so the
+    # slices cover every token once: they sum to ``total``
+    bounds = [0] + [min(total, max(0, int(t * per_second))) for t in timestamps[1:]] + [total]
+    for i in range(1, len(bounds)):
+        bounds[i] = max(bounds[i], bounds[i - 1])  # repeated (padded) timestamps: an empty slice
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
 @dataclass(frozen=True)
 class MediaSlots:
-    """How many placeholder tokens each unit of one media item takes (+ video group timestamps)."""
+    """How many placeholder tokens each unit of one media item takes (+ video group timestamps).
+
+    A video with sound: ``unit_tokens`` are its frame groups', ``audio_tokens`` its sound segments'
+    (units ``len(unit_tokens)`` onwards) and ``audio_per_second`` the rate that slices the sound by
+    time (:func:`audio_slices`)."""
 
     kind: str
     unit_tokens: tuple[int, ...]
     timestamps: tuple[float, ...] = ()
+    audio_tokens: tuple[int, ...] = ()
+    audio_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in MEDIA_KINDS:
@@ -58,17 +90,28 @@ class MediaSlots:
             raise ValueError(f"an image is one unit, got {len(self.unit_tokens)}")
         if self.kind == "video" and len(self.timestamps) != len(self.unit_tokens):
             raise ValueError(f"video has {len(self.unit_tokens)} groups but {len(self.timestamps)} timestamps")
+        if self.audio_tokens and (self.kind != "video" or self.audio_per_second <= 0
+                                  or any(n <= 0 for n in self.audio_tokens)):
+            raise ValueError("only a video carries a sound track, with > 0 tokens per segment and a positive rate")
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.unit_tokens)
+        return sum(self.unit_tokens) + sum(self.audio_tokens)
 
 
 @dataclass(frozen=True)
 class LaidOutPrompt:
     token_ids: tuple[int, ...]
-    unit_spans: tuple[tuple[tuple[int, int], ...], ...]  # per media item, per unit: [start, end)
+    unit_spans: tuple[tuple[tuple[int, int], ...], ...]  # per media item, per span: [start, end)
     boundaries: tuple[int, ...] = ()  # sorted positions after media items and message ends (module doc)
+    # per media item, per span: (unit index, first row of that unit it takes); empty for an item
+    # whose span i is simply unit i (everything but a video with sound)
+    span_units: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def pieces(self, item: int) -> tuple[tuple[int, int], ...]:
+        """(unit index, first row) of each span of media item ``item``."""
+        own = self.span_units[item] if self.span_units else ()
+        return own or tuple((i, 0) for i in range(len(self.unit_spans[item])))
 
 
 class PromptLayout:
@@ -91,6 +134,7 @@ class PromptLayout:
         ids = list(token_ids)
         out: list[int] = []
         spans: list[tuple[tuple[int, int], ...]] = []
+        units: list[tuple[tuple[int, int], ...]] = []
         ends: list[int] = []  # after each message's <im_end> and each media item's closing token
         i = 0
         while i < len(ids):
@@ -107,12 +151,15 @@ class PromptLayout:
             item = media[k]
             if item.kind != kind:
                 raise ValueError(f"placeholder {k} is for {kind} but media item {k} is {item.kind}")
-            spans.append(self._emit(item, out))
+            item_spans, item_units = self._emit(item, out)
+            spans.append(item_spans)
+            units.append(item_units)
             ends.append(len(out))
             i = end
         if len(spans) != len(media):
             raise ValueError(f"{len(media)} media items but {len(spans)} placeholders in the prompt")
-        return LaidOutPrompt(tuple(out), tuple(spans), tuple(ends))
+        return LaidOutPrompt(tuple(out), tuple(spans), tuple(ends),
+                             tuple(units) if any(units) else ())
 
     def render(self, tokenizer: Any, messages: list[dict[str, Any]], media: Sequence[MediaSlots],
                *, add_generation_prompt: bool = True, **template_kwargs: Any) -> LaidOutPrompt:
@@ -139,7 +186,10 @@ class PromptLayout:
                              f"(got {ids[i:i + 4]})")
         return pads[ids[i + 1]], j + 1
 
-    def _emit(self, item: MediaSlots, out: list[int]) -> tuple[tuple[int, int], ...]:
+    def _emit(self, item: MediaSlots, out: list[int]
+              ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """Append ``item``'s tokens; its spans, and (unit, first row) per span when span i is not
+        simply unit i (a video with sound), else ()."""
         sp = self.special
         spans = []
         if item.kind == "image":
@@ -147,20 +197,41 @@ class PromptLayout:
             spans.append(self._pads(out, sp.image_pad, item.unit_tokens[0]))
             out.append(sp.vision_end)
         elif item.kind == "video":
+            groups = len(item.unit_tokens)
+            slices = (audio_slices(item.timestamps, sum(item.audio_tokens), item.audio_per_second)
+                      if item.audio_tokens else (0,) * groups)
+            # where each sound segment starts in the track's token sequence
+            seg_starts = [0]
+            for n in item.audio_tokens:
+                seg_starts.append(seg_starts[-1] + n)
+            units: list[tuple[int, int]] = []
+            cursor = 0  # next audio token of the track
             out.append(sp.video_start)
-            for n, ts in zip(item.unit_tokens, item.timestamps):
+            for g, (n, ts, take) in enumerate(zip(item.unit_tokens, item.timestamps, slices)):
                 if self.video_timestamps:
                     out.extend(self.encode_text(format_timestamp(ts)))
                 out.append(sp.vision_start)
                 spans.append(self._pads(out, sp.video_pad, n))
+                units.append((g, 0))
                 out.append(sp.vision_end)
+                if take:
+                    out.append(sp.audio_start)
+                    end = cursor + take
+                    while cursor < end:  # one span per sound segment the slice touches
+                        seg = bisect.bisect_right(seg_starts, cursor) - 1
+                        piece = min(end, seg_starts[seg + 1]) - cursor
+                        spans.append(self._pads(out, sp.audio_pad, piece))
+                        units.append((groups + seg, cursor - seg_starts[seg]))
+                        cursor += piece
+                    out.append(sp.audio_end)
             out.append(sp.video_end)
+            return tuple(spans), (tuple(units) if item.audio_tokens else ())
         else:
             out.append(sp.audio_start)
             for n in item.unit_tokens:
                 spans.append(self._pads(out, sp.audio_pad, n))
             out.append(sp.audio_end)
-        return tuple(spans)
+        return tuple(spans), ()
 
     @staticmethod
     def _pads(out: list[int], pad: int, n: int) -> tuple[int, int]:

@@ -45,7 +45,7 @@ class PreparedChat:
     token_ids: list[int]
     spans: list[PlaceholderSpan]
     plans: list[MediaPlan]
-    spans_of_plan: list[list[int]]
+    spans_of_plan: list[list[list[tuple[int, int]]]]  # per plan, per unit: (stream span, first row)
     checkpoints: tuple[int, ...] = ()
 
 
@@ -85,7 +85,8 @@ class OmniRuntime:
         e = config.engine
         return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
                                   tensor_parallel_size=e.tensor_parallel_size, expert_parallel_size=e.expert_parallel_size,
-                                  distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device),
+                                  distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
+                                  audio_tokenizer_attention=config.audio_tokenizer_attention),
                    config)
 
     @property
@@ -109,17 +110,19 @@ class OmniRuntime:
         laid = await self.text_pool.run(self.model.layout.render, chat, plans,
                                         self.llm.max_model_len)  # template + BPE
         self._check_context(len(laid.token_ids))
+        # a unit fills one span, or (a video's sound segment) several spans, each from its own row
         spans, spans_of_plan = [], []
-        for plan, ranges in zip(plans, laid.unit_spans):
-            idx = []
-            for unit, (start, end) in zip(plan.units, ranges):
-                idx.append(len(spans))
-                spans.append(PlaceholderSpan(start, end, unit.key))
-            spans_of_plan.append(idx)
+        for p, (plan, ranges) in enumerate(zip(plans, laid.unit_spans)):
+            pieces: list[list[tuple[int, int]]] = [[] for _ in plan.units]
+            for (start, end), (unit, row) in zip(ranges, laid.pieces(p)):
+                pieces[unit].append((len(spans), row))
+                spans.append(PlaceholderSpan(start, end, plan.units[unit].key))
+            spans_of_plan.append(pieces)
         order = sorted(range(len(spans)), key=lambda i: spans[i].start)
         where = {old: new for new, old in enumerate(order)}
         return PreparedChat(list(laid.token_ids), [spans[i] for i in order], plans,
-                            [[where[i] for i in idx] for idx in spans_of_plan], laid.boundaries)
+                            [[[(where[i], row) for i, row in unit] for unit in pieces] for pieces in spans_of_plan],
+                            laid.boundaries)
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of a plain text prompt (no chat template), on the worker pool."""

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from encoders.audio.mimo_config import TOKENIZER_ATTENTION
 from llm_core.engine.engine_config import EngineConfig
 from llm_core.model.dtype import parse_dtype
 from llm_core.storage import RedisAddress
@@ -62,6 +63,8 @@ class OmniEngineConfig:
     # video sampling and streaming granularity
     video_sampling: VideoSamplingParams | None = None
     """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
+    video_audio: bool = True
+    """Hear videos: a video's sound track is laid out with its frames, interleaved by time (models with an audio encoder)."""
     groups_per_chunk: int = 2
     """Video frame groups per streamed encoder unit."""
     # True: the LLM request starts at once and prefill follows the units as they arrive; False:
@@ -77,6 +80,8 @@ class OmniEngineConfig:
     """Encoder cache: disk tier byte cap, least recently used entries go first (none: no cap)."""
     redis_url: str | None = None
     """Encoder cache: shared Redis tier, redis://[[user]:password@]host[:port][/db] (none: off)."""
+    audio_tokenizer_attention: Literal["reference", "bidirectional"] = "reference"
+    """MiMo-V2.5 audio tokenizer attention: reference (causal, sliding layers see 128 frames back) or bidirectional (sglang's reading: all full)."""
     # encoder batching
     encoder_vision_budget: int = 16384
     """Vision encoder: patch rows batched into one forward."""
@@ -105,6 +110,9 @@ class OmniEngineConfig:
         parse_dtype(self.dtype)  # ValueError naming the accepted spellings
         if self.redis_url is not None:
             RedisAddress.from_url(self.redis_url)  # raises ValueError naming what is wrong
+        if self.audio_tokenizer_attention not in TOKENIZER_ATTENTION:
+            raise ValueError(f"audio_tokenizer_attention must be one of {TOKENIZER_ATTENTION}, got "
+                             f"{self.audio_tokenizer_attention!r}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs
@@ -146,4 +154,4 @@ class OmniEngineConfig:
     def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None
                        ) -> PlannerConfig:
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens)
+                             max_context_tokens, self.video_audio)

@@ -19,15 +19,17 @@ from mm_pipeline.runtime.embedding_stream import EmbeddingStream
 
 
 class MediaFeed:
-    def __init__(self, stream: EmbeddingStream, plans: list[MediaPlan], spans_of_plan: list[list[int]],
-                 planner: MediaPlanner, abort_request: Callable[[], None]) -> None:
-        """``spans_of_plan[p]``: the stream's span index of each unit of ``plans[p]``;
-        ``abort_request`` ends the request when a unit fails."""
+    def __init__(self, stream: EmbeddingStream, plans: list[MediaPlan],
+                 spans_of_plan: list[list[list[tuple[int, int]]]], planner: MediaPlanner,
+                 abort_request: Callable[[], None]) -> None:
+        """``spans_of_plan[p][u]``: the (stream span index, first row) pieces unit ``u`` of
+        ``plans[p]`` fills -- one piece for most units, several for a video's sound segment whose
+        rows are laid out in time slices; ``abort_request`` ends the request when a unit fails."""
         self.stream = stream
         self._plans = plans
         self._planner = planner
         self._abort_request = abort_request
-        self._sinks = [[self._unit_sink(span) for span in spans] for spans in spans_of_plan]
+        self._sinks = [[self._unit_sink(pieces) for pieces in units] for units in spans_of_plan]
 
     def start(self) -> None:
         """Deliver cached units and produce the rest (see ``MediaPlanner.start``)."""
@@ -39,12 +41,19 @@ class MediaFeed:
             self._planner.detach(plan, sinks)
         self.stream.release()
 
-    def _unit_sink(self, span_index: int) -> UnitSink:
-        """Deliver one unit's rows into its span; an error (or rows that do not fit) fails the request."""
+    def _unit_sink(self, pieces: list[tuple[int, int]]) -> UnitSink:
+        """Deliver one unit's rows into its span(s); an error (or rows that do not fit) fails the request."""
         def sink(rows, error) -> None:
             if error is None:
                 try:
-                    self.stream.fill(span_index, rows)
+                    if len(pieces) == 1 and pieces[0][1] == 0:
+                        self.stream.fill(pieces[0][0], rows)
+                    else:
+                        laid = sum(self.stream.spans[span].length for span, _ in pieces)
+                        if rows.shape[0] != laid:
+                            raise ValueError(f"a unit laid out over {laid} positions got {rows.shape[0]} rows")
+                        for span, row in pieces:
+                            self.stream.fill(span, rows[row:row + self.stream.spans[span].length])
                     return
                 except Exception as exc:  # wrong-sized rows: fail this request, not the deliverer
                     error = exc

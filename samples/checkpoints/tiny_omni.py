@@ -5,8 +5,10 @@
                                      audio_config, processor_config, special token ids
       model-main.safetensors         text weights (samples.checkpoints.tiny_text.write_hub_layout)
       model-experts.safetensors      routed experts
-      model-encoders.safetensors     visual.* and audio_encoder.*
+      model-encoders.safetensors     visual.* and audio_encoder.* (+ speech_embeddings.* on the
+                                     reference audio path)
       model.safetensors.index.json   weight_map over the three shards
+      audio_tokenizer/               config.json + model.safetensors (encoder.*), reference path only
       tokenizer.json, tokenizer_config.json, chat_template.jinja   (AutoTokenizer loads these)
 
 The tokenizer is byte-level BPE (ids 0..255 = bytes, so any text, "MM:SS" timestamps included,
@@ -24,7 +26,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from encoders.audio.encoder import AudioEncoder
-from samples.checkpoints.tiny_towers import init_random_, tiny_audio_config, tiny_vision_config
+from encoders.audio.rvq_tokenizer import AudioTokenizerEncoder
+from encoders.audio.speech_input import SpeechInput
+from samples.checkpoints.tiny_towers import (init_random_, tiny_audio_config, tiny_speech_config,
+                                             tiny_tokenizer_config, tiny_vision_config)
 from encoders.vision.tower import VisionTransformer
 from encoders.weights import save_modules
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint, write_hub_layout
@@ -162,12 +167,20 @@ def build_tiny_omni_checkpoint(out_dir: str | Path, seed: int = 0, **overrides: 
 
     ``overrides``: ``vision_config`` / ``audio_config`` (dicts of field overrides for
     :func:`samples.checkpoints.tiny_towers.tiny_vision_config` / ``tiny_audio_config``), ``fp8`` (bool, FP8 text
-    weights), anything else goes to the tiny text config (samples.checkpoints.tiny_text).
+    weights), ``audio_path`` ("ours", default, or "reference": the MiMo-V2.5 RVQ audio path in the real
+    tensor layout, docs/model.md §2.4, scaled down by ``tiny_tokenizer_config`` / ``tiny_speech_config``
+    with ``tokenizer_config`` / ``speech_config`` overrides), anything else goes to the tiny text config
+    (samples.checkpoints.tiny_text).
     """
     out = Path(out_dir)
     vision_over = dict(overrides.pop("vision_config", None) or {})
     audio_over = dict(overrides.pop("audio_config", None) or {})
     fp8 = bool(overrides.pop("fp8", False))
+    audio_path = overrides.pop("audio_path", "ours")
+    tokenizer_over = dict(overrides.pop("tokenizer_config", None) or {})
+    speech_over = dict(overrides.pop("speech_config", None) or {})
+    if audio_path not in ("ours", "reference"):
+        raise ValueError(f"audio_path must be 'ours' or 'reference', got {audio_path!r}")
     special = tiny_special_tokens()
     text_over = {"eos_token_id": special.im_end, "pad_token_id": special.pad, "bos_token_id": None, **overrides}
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,20 +190,35 @@ def build_tiny_omni_checkpoint(out_dir: str | Path, seed: int = 0, **overrides: 
     vision_cfg = tiny_vision_config(**{"out_hidden_size": hidden, **vision_over})
     audio_cfg = tiny_audio_config(**{"out_hidden_size": hidden, **audio_over})
     vision = init_random_(VisionTransformer(vision_cfg), seed + 1)
-    audio = init_random_(AudioEncoder(audio_cfg), seed + 2)
     shard = "model-encoders.safetensors"
-    save_modules(out / shard, {"visual.": vision, "audio_encoder.": audio})
+    modules = {"visual.": vision}
+    if audio_path == "ours":
+        modules["audio_encoder."] = init_random_(AudioEncoder(audio_cfg), seed + 2)
+        audio_config = audio_cfg.to_dict()
+    else:
+        speech_cfg = tiny_speech_config(**{"out_hidden_size": hidden, "group_size": audio_cfg.group_size,
+                                           **speech_over})
+        tok_cfg = tiny_tokenizer_config(**{"n_mels": audio_cfg.n_mels, **tokenizer_over})
+        speech = init_random_(SpeechInput(speech_cfg), seed + 2)
+        modules.update({"speech_embeddings.": speech.speech_embeddings, "audio_encoder.": speech.audio_encoder})
+        (out / "audio_tokenizer").mkdir(parents=True, exist_ok=True)
+        save_modules(out / "audio_tokenizer" / "model.safetensors",
+                     {"encoder.": init_random_(AudioTokenizerEncoder(tok_cfg), seed + 3)})
+        (out / "audio_tokenizer" / "config.json").write_text(json.dumps(tok_cfg.to_dict(), indent=2))
+        # the hub spelling: the speech fields, plus the segment size (front end: processor_config)
+        audio_config = {**speech_cfg.to_dict(), "audio_segment_size": audio_cfg.segment_size}
+    save_modules(out / shard, modules)
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    index["weight_map"].update({f"visual.{n}": shard for n in vision.state_dict()})
-    index["weight_map"].update({f"audio_encoder.{n}": shard for n in audio.state_dict()})
+    for prefix, module in modules.items():
+        index["weight_map"].update({f"{prefix}{n}": shard for n in module.state_dict()})
     index_path.write_text(json.dumps(index, indent=1))
 
     cfg.update(special.to_config())
     cfg.update({
         "vision_model_type": "mimovl",
         "vision_config": vision_cfg.to_dict(),
-        "audio_config": audio_cfg.to_dict(),
+        "audio_config": audio_config,
         "processor_config": processor_config(special, vision_cfg, audio_cfg),
     })
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

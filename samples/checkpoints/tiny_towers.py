@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from encoders.audio.mimo_config import AudioTokenizerConfig, SpeechInputConfig
 from encoders.config import AudioConfig, VisionConfig
 
 
@@ -31,6 +32,25 @@ def tiny_audio_config(**overrides) -> AudioConfig:
     return AudioConfig(**base)
 
 
+def tiny_tokenizer_config(**overrides) -> AudioTokenizerConfig:
+    """The MiMo-V2.5 audio tokenizer scaled down: 4 layers (sliding, full, sliding, full with a
+    3-frame window), skip after layer 2, 4 RVQ stages of mixed sizes like the real [1024, 1024, 256, 128...]."""
+    base = dict(n_mels=32, d_model=32, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=48,
+                encoder_skip_layer_id=2, window=3, codebook_size=(16, 16, 8, 8))
+    base.update(overrides)
+    return AudioTokenizerConfig(**base)
+
+
+def tiny_speech_config(**overrides) -> SpeechInputConfig:
+    """The main checkpoint's audio_config scaled down: 4 channels, vocab 20 (> every codebook), a
+    2-layer local transformer of width 32."""
+    base = dict(audio_channels=4, group_size=4, speech_vocab_size=(20,) * 4, input_local_dim=32,
+                input_local_layers=2, input_local_attn_heads=4, input_local_head_dim=8,
+                input_local_intermediate_size=48, projection_hidden_size=64, out_hidden_size=48)
+    base.update(overrides)
+    return SpeechInputConfig(**base)
+
+
 @torch.no_grad()
 def init_random_(module: nn.Module, seed: int = 0) -> nn.Module:
     """Deterministic in-place init of every parameter (by name order, independent of device)."""
@@ -47,4 +67,7 @@ def init_random_(module: nn.Module, seed: int = 0) -> nn.Module:
             fan_in = math.prod(p.shape[1:])
             value = torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)
         p.copy_(value.to(p.dtype))
+    for name, b in sorted(module.named_buffers()):
+        if name.endswith("_codebook.embed"):  # RVQ codebooks: rows on the scale of normed features
+            b.copy_(torch.randn(b.shape, generator=gen).to(b.dtype))
     return module

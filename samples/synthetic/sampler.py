@@ -10,6 +10,7 @@ unchanged (except the Opus sample rate, which the format pins to 48 kHz).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -21,7 +22,8 @@ from samples.synthetic.spec import (
     VIDEO_SIZE_RANGE, AudioSpec, BeepSpec, ImageSpec, ShapeSpec, VideoSpec,
 )
 
-MODALITY_KEYS: dict[str, int] = {"image": 0, "video": 1, "audio": 2}
+# "beeping_video": videos with a sound track (their own stream, so plain videos are unchanged)
+MODALITY_KEYS: dict[str, int] = {"image": 0, "video": 1, "audio": 2, "beeping_video": 3}
 _CONTENT_STREAM, _FORMAT_STREAM = 0, 1
 _MAX_REJECTIONS = 10_000
 _COLOUR_NAMES = tuple(COLOURS)
@@ -112,10 +114,32 @@ def sample_video(seed: int, index: int, fmt: str | None = None,
     [max(2, k), min(60, max_seconds)] and rounded to the nearest whole frame; the bounds are whole
     seconds and fps is an integer, so rounding never leaves the interval.
     """
+    return _sample_video("video", seed, index, fmt, max_seconds)[0]
+
+
+def sample_beeping_video(seed: int, index: int, fmt: str | None = None,
+                         max_seconds: float = VIDEO_DURATION_MAX_S) -> VideoSpec:
+    """Beeping video item ``index``: a video as :func:`sample_video` draws it (from its own stream)
+    plus 1-4 beeps, one in each of as many equal slots of the duration, at a random offset inside its
+    slot (so a long video beeps across its whole length), lengths 0.15-0.4 s, random pitches."""
+    video, rng = _sample_video("beeping_video", seed, index, fmt, max_seconds)
+    n = int(rng.integers(BEEP_COUNT_RANGE[0], BEEP_COUNT_RANGE[1] + 1))
+    slot = video.duration_s / n
+    beeps = []
+    for i in range(n):
+        length = float(rng.uniform(BEEP_LENGTH_RANGE_S[0], min(BEEP_LENGTH_RANGE_S[1], 0.9 * slot)))
+        start = i * slot + float(rng.uniform(0.0, slot - length))
+        beeps.append(BeepSpec(str(_choose(rng, _PITCH_NAMES)), start, length,
+                              float(rng.uniform(*BEEP_AMPLITUDE_RANGE))))
+    return replace(video, beeps=tuple(beeps))
+
+
+def _sample_video(key: str, seed: int, index: int, fmt: str | None,
+                  max_seconds: float) -> tuple[VideoSpec, np.random.Generator]:
     if max_seconds < 2.0:
         raise ValueError(f"max_seconds must be >= 2 (the shortest video), got {max_seconds}")
     ceiling = min(VIDEO_DURATION_MAX_S, float(max_seconds))
-    rng = item_rng(seed, "video", index)
+    rng = item_rng(seed, key, index)
     half_lo, half_hi = VIDEO_SIZE_RANGE[0] // 2, VIDEO_SIZE_RANGE[1] // 2
     width = 2 * int(rng.integers(half_lo, half_hi + 1))
     height = 2 * int(rng.integers(half_lo, half_hi + 1))
@@ -136,7 +160,7 @@ def sample_video(seed: int, index: int, fmt: str | None = None,
     shape = ShapeSpec(kind, colours[0], x, y, side)
     return VideoSpec(width=width, height=height, fps=fps, n_frames=n_frames, gray=gray, shape=shape,
                      colours=tuple(colours),
-                     format=_pick_format(seed, "video", index, VIDEO_FORMATS, fmt))
+                     format=_pick_format(seed, key, index, VIDEO_FORMATS, fmt)), rng
 
 
 def sample_audio(seed: int, index: int, fmt: str | None = None) -> AudioSpec:

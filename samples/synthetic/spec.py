@@ -149,7 +149,9 @@ class ImageSpec:
 
 @dataclass(frozen=True)
 class VideoSpec:
-    """One fixed shape whose colour steps through ``colours`` in equal segments.
+    """One fixed shape whose colour steps through ``colours`` in equal segments; a *beeping* video
+    also has a sound track (``beeps`` at ``sample_rate``, silence between them), and its caption
+    names the beeps after the colours.
 
     The duration sits on the frame grid (``n_frames = duration_s * fps`` exactly); frame ``i`` shows
     ``colours[i * k // n_frames]``, i.e. the colour whose segment contains the frame's start time::
@@ -166,9 +168,19 @@ class VideoSpec:
     shape: ShapeSpec            # its colour field is colours[0]
     colours: tuple[str, ...]
     format: str
+    beeps: tuple["BeepSpec", ...] = ()
+    sample_rate: int = OPUS_SAMPLE_RATE  # of the sound track (Opus in WebM needs 48 kHz)
 
     def __post_init__(self) -> None:
         _check_choice("video format", self.format, VIDEO_FORMATS)
+        if len(self.beeps) > BEEP_COUNT_RANGE[1]:
+            raise ValueError(f"a video has at most {BEEP_COUNT_RANGE[1]} beeps, got {len(self.beeps)}")
+        for a, b in zip(self.beeps, self.beeps[1:]):
+            if b.start_s < a.start_s + a.length_s:
+                raise ValueError(f"beeps overlap or are out of order: {a} then {b}")
+        if self.beeps and (self.beeps[0].start_s < 0
+                           or self.beeps[-1].start_s + self.beeps[-1].length_s > self.n_frames / self.fps):
+            raise ValueError("beeps must lie inside the video")
         if self.width % 2 or self.height % 2:
             raise ValueError(f"video size must be even, got {self.width}x{self.height}")
         if self.fps not in VIDEO_FPS:
@@ -194,16 +206,19 @@ class VideoSpec:
 
     @property
     def caption(self) -> str:
-        """'a square that is red, then blue, then green'."""
+        """'a square that is red, then blue, then green' (+ '; beeps: low, high' when it beeps)."""
         head = f"a {self.shape.kind} that is {self.colours[0]}"
-        return head + "".join(f", then {c}" for c in self.colours[1:])
+        text = head + "".join(f", then {c}" for c in self.colours[1:])
+        return text + ("; beeps: " + ", ".join(b.pitch for b in self.beeps) if self.beeps else "")
 
     def to_json(self) -> dict[str, Any]:
         shape = self.shape.to_json()
         del shape["colour"]
         return {"width": self.width, "height": self.height, "fps": self.fps,
                 "n_frames": self.n_frames, "duration_s": self.duration_s, "gray": self.gray,
-                "format": self.format, "colours": list(self.colours), **shape}
+                "format": self.format, "colours": list(self.colours), **shape,
+                **({"sample_rate": self.sample_rate, "beeps": [b.to_json() for b in self.beeps]}
+                   if self.beeps else {})}
 
 
 # --- audio items -----------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
     # input_ids[answer_start : t + 1].
     emitted = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
     answer = item.input_ids[item.answer_start:]
-    closed = (answer == separator_ids[ref.modality]).long().cumsum(0)
+    closed = (answer == separator_ids[item.modality]).long().cumsum(0)  # a beeping video is a "video"
     emitted[item.answer_start - 1] = 0
     emitted[item.answer_start:item.num_tokens - 1] = closed[:-1].clamp(max=EMITTED_CLASSES - 1)
     return AuxTargets(colour, kind, instance, pitch, ordinal, change, emitted, group_colour, group_kind)

@@ -4,7 +4,8 @@
         └─ samples.synthetic.generate.write_item   (a real encoded file: png/jpeg/webp, mp4/webm, ...)
         └─ MediaIngestor.ingest_local (sniff) ─► decode_image / probe_video+decode_range / decode_audio
         └─ Preprocessor (smart_resize, normalise, patchify / log-mel) with the demo processor_config
-        └─ PromptLayout.render of the chat template ─► prompt ids + one span per encoder unit
+        └─ PromptLayout.render of the chat template ─► prompt ids + one span per encoder unit (a
+           video's sound: its log-mel segments, each filling the time slices it spans)
         └─ + caption bytes + <|im_end|>  ─► TrainItem, saved as <cache>/<key>/<modality>_<seed>_<index>.pt
 
 The video path repeats MediaPlanner's: ``sample_frames`` on the probed frame count, the resized size
@@ -19,14 +20,14 @@ import json
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from encoders.image_processing import ImageProcessingConfig
-from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.decode_audio import decode_audio, has_audio_stream
 from mm_pipeline.media.decode_image import decode_image
 from mm_pipeline.media.decode_video import decode_range, probe_video
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
@@ -52,8 +53,8 @@ class ItemRef:
     max_video_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.modality not in PROMPTS:
-            raise ValueError(f"modality must be one of {sorted(PROMPTS)}, got {self.modality!r}")
+        if self.modality not in PROMPTS and self.modality != "beeping_video":
+            raise ValueError(f"modality must be one of {sorted(PROMPTS)} or beeping_video, got {self.modality!r}")
 
 
 @dataclass
@@ -68,6 +69,10 @@ class TrainItem:
     units: list[torch.Tensor]                 # vision: patch rows; audio: log-mel segments
     grids: list[tuple[int, int, int]]         # vision units only
     spans: list[tuple[int, int]]
+    # a video's sound track: log-mel segments, and (start, end, segment, first row) per placeholder
+    # span they fill (a segment's rows are laid out over the time slices of the frame groups)
+    sound: list[torch.Tensor] = field(default_factory=list)
+    sound_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -107,8 +112,12 @@ class ItemPreparer:
             groups = self.pre.video_groups(frames[[row[t] for t in sampling.indices]], size)
             units, grids = [g.rows for g in groups], [g.grid for g in groups]
             tp = self.image_config.temporal_patch_size
-            slots = MediaSlots("video", self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames)),
-                               tuple(sampling.timestamps[::tp]))
+            sizes = self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames))
+            sound = (self.pre.audio_segments(decode_audio(item, self.audio_config.sampling_rate, self.limits))
+                     if has_audio_stream(item) else [])  # as the server hears a video (video_audio on)
+            slots = MediaSlots("video", sizes, tuple(sampling.timestamps[::tp]),
+                               self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in sound),)) if sound else (),
+                               self.audio_config.tokens_per_second if sound else 0.0)
         else:
             units = self.pre.audio_segments(decode_audio(item, self.audio_config.sampling_rate, self.limits))
             slots = MediaSlots("audio", self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in units),)))
@@ -117,10 +126,16 @@ class ItemPreparer:
         laid = self.layout.render(self.tokenizer, messages, [slots])
         answer = list(self.tokenizer.encode(caption, add_special_tokens=False)) + [self.special.im_end]
         ids = torch.tensor(list(laid.token_ids) + answer, dtype=torch.long)
-        spans = [tuple(s) for s in laid.unit_spans[0]]
+        spans, sound_spans = [], []
+        for (start, end), (unit, row) in zip(laid.unit_spans[0], laid.pieces(0)):
+            if unit < len(units):
+                spans.append((start, end))
+            else:
+                sound_spans.append((start, end, unit - len(units), row))
         if len(spans) != len(units):
             raise RuntimeError(f"{path}: {len(units)} encoder units but {len(spans)} placeholder spans")
-        return TrainItem(item.kind.value, caption, ids, len(laid.token_ids), units, grids, spans)
+        return TrainItem(item.kind.value, caption, ids, len(laid.token_ids), units, grids, spans,
+                         sound if item.kind is MediaKind.VIDEO else [], sound_spans)
 
 
 def compact(item: TrainItem) -> TrainItem:
@@ -129,7 +144,7 @@ def compact(item: TrainItem) -> TrainItem:
     video's rows along into each group's file)."""
     units = [u.to(torch.float16).clone() if item.modality != "audio" else u.clone() for u in item.units]
     return TrainItem(item.modality, item.caption, item.input_ids.clone(), item.answer_start, units,
-                     item.grids, item.spans)
+                     item.grids, item.spans, [m.clone() for m in item.sound], item.sound_spans)
 
 
 def cache_key(config: DemoModelConfig) -> str:

@@ -67,25 +67,28 @@ def score(labels: list[dict[str, Any]], captions: dict[str, dict[str, Any]]) -> 
         got = rec.get("caption")
         ok = got == lab["caption"]
         miss = None if ok else {"path": lab["path"], "want": lab["caption"], "got": got, "error": rec.get("error")}
-        add(lab["modality"], ok, miss)
-        if lab["modality"] == "video" and lab["duration_s"] >= LONG_VIDEO_S:
+        beeping = lab["modality"] == "video" and bool(lab.get("beeps"))
+        add("video+sound" if beeping else lab["modality"], ok, miss)  # a group of its own
+        if lab["modality"] == "video" and not beeping and lab["duration_s"] >= LONG_VIDEO_S:
             add("video>=30s", ok, miss)
     for g in groups.values():
         g["accuracy"] = g["correct"] / g["n"] if g["n"] else 0.0
     return groups
 
 
-def _reusable_labels(media: Path, seed: int, n: int, max_video_seconds: float) -> list[dict[str, Any]] | None:
+def _reusable_labels(media: Path, seed: int, n: int, max_video_seconds: float,
+                     beeping: int = 0) -> list[dict[str, Any]] | None:
     """The labels of a set an earlier run generated into ``media`` with the same seed and sizes (a
     ``--work`` dir reused across models: generating 60 s videos costs more than captioning them)."""
     path = media / "labels.jsonl"
     if not path.is_file():
         return None
     labels = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    counts = {m: sum(lab["modality"] == m for lab in labels) for m in ("image", "video", "audio")}
+    sounding = sum(bool(lab.get("beeps")) for lab in labels)
+    counts = {m: sum(lab["modality"] == m and not lab.get("beeps") for lab in labels) for m in ("image", "video", "audio")}
     longest = max((lab.get("duration_s", 0.0) for lab in labels if lab["modality"] == "video"), default=0.0)
     if (any(lab["seed"] != seed for lab in labels) or set(counts.values()) != {n}
-            or longest > max_video_seconds or not all((media / lab["path"]).is_file() for lab in labels)):
+            or sounding != beeping or longest > max_video_seconds or not all((media / lab["path"]).is_file() for lab in labels)):
         return None
     return labels
 
@@ -96,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--n", type=int, default=30, help="items per modality")
     ap.add_argument("--max-video-seconds", type=float, default=60.0)
+    ap.add_argument("--beeping-videos", type=int, default=0,
+                    help="also this many videos with a sound track of beeps (group video+sound)")
     ap.add_argument("--warm-check", action="store_true", help="second run on a warm encoder cache")
     ap.add_argument("--stream-check", action="store_true",
                     help="another cold run with embedding streaming off (--no-stream-embeddings)")
@@ -107,10 +112,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="mmserve-eval-"))
     media = work / "media"
-    labels = _reusable_labels(media, args.seed, args.n, args.max_video_seconds)
+    labels = _reusable_labels(media, args.seed, args.n, args.max_video_seconds, args.beeping_videos)
     if labels is None:
         labels = generate(args.seed, media, args.n, args.n, args.n, max_video_seconds=args.max_video_seconds,
-                          workers=2)
+                          workers=2, beeping_videos=args.beeping_videos)
     cold = work / "captions_cold.jsonl"
     cold.unlink(missing_ok=True)
     cache = work / "encoder-cache" if args.warm_check else None

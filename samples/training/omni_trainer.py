@@ -135,7 +135,8 @@ class OmniTrainModel(nn.Module):
         weighted sum of the auxiliary cross-entropies."""
         use_aux = aux is not None and aux_weight > 0
         vis_units = [(u.float(), g) for it in items if it.modality != "audio" for u, g in zip(it.units, it.grids)]
-        aud_units = [u for it in items if it.modality == "audio" for u in it.units]
+        # audio clips' segments and videos' sound segments, in item order (rows are taken back so)
+        aud_units = [u for it in items for u in (it.units if it.modality == "audio" else it.sound)]
         vis_list, aud_list = self._vision_rows(vis_units), self._audio_rows(aud_units)
         vis_rows, aud_rows = iter(vis_list), iter(aud_list)
         length = max(it.num_tokens for it in items)
@@ -150,6 +151,9 @@ class OmniTrainModel(nn.Module):
                 if r.shape[0] != end - start:
                     raise RuntimeError(f"unit gives {r.shape[0]} rows for a span of {end - start}")
                 embeds[b, start:end] = r.to(embeds.dtype)
+            sound = [next(aud_rows) for _ in it.sound] if it.modality != "audio" else []
+            for start, end, seg, row in it.sound_spans:  # a video's sound, sliced by time
+                embeds[b, start:end] = sound[seg][row:row + end - start].to(embeds.dtype)
         captured: dict[int, torch.Tensor] = {}
         hooks = []
         if use_aux:

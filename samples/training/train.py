@@ -49,15 +49,17 @@ SEED_BASE = 10_000
 
 
 def training_refs(seed: int, images: int = 2000, audios: int = 1200, short_videos: int = 900,
-                  long_videos: int = 500) -> list[ItemRef]:
-    """The training set of run ``seed`` (synthetic seeds 10_000 + 4 * seed + {0, 1, 2, 3})."""
+                  long_videos: int = 500, beeping_videos: int = 0) -> list[ItemRef]:
+    """The training set of run ``seed`` (synthetic seeds 10_000 + 4 * seed + {0, 1, 2, 3}; beeping
+    videos of <= 30 s under the short videos' seed, from their own random stream)."""
     if not 0 <= seed < 25:
         raise ValueError(f"training seed must be in [0, 25) so synthetic seeds stay in 10_000..10_099, got {seed}")
     s = SEED_BASE + 4 * seed
     return ([ItemRef("image", s, i) for i in range(images)]
             + [ItemRef("audio", s + 1, i) for i in range(audios)]
             + [ItemRef("video", s + 2, i, 12.0) for i in range(short_videos)]
-            + [ItemRef("video", s + 3, i, 60.0) for i in range(long_videos)])
+            + [ItemRef("video", s + 3, i, 60.0) for i in range(long_videos)]
+            + [ItemRef("beeping_video", s + 2, i, 30.0) for i in range(beeping_videos)])
 
 
 def make_batches(items: Sequence[TrainItem], rng: random.Random, token_budget: int, pool: int = 96,
@@ -143,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--audios", type=int, default=1200, help="training audio clips")
     ap.add_argument("--short-videos", type=int, default=900, help="training videos of <= 12 s")
     ap.add_argument("--long-videos", type=int, default=500, help="training videos of <= 60 s")
+    ap.add_argument("--beeping-videos", type=int, default=0,
+                    help="training videos of <= 30 s with a sound track of beeps (caption: colours; beeps)")
     ap.add_argument("--modality-weights", type=parse_weights, default={},
                     help="copies per epoch by modality, e.g. video=2,audio=0.5 (default 1 each)")
     args = ap.parse_args(argv)
@@ -259,7 +263,8 @@ def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
 
 
 def _refs(args: argparse.Namespace) -> list[ItemRef]:
-    return training_refs(args.seed, args.images, args.audios, args.short_videos, args.long_videos)
+    return training_refs(args.seed, args.images, args.audios, args.short_videos, args.long_videos,
+                         args.beeping_videos)
 
 
 def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, tower_steps: int) -> dict:
@@ -272,7 +277,8 @@ def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, 
                               "tower_minutes": args.tower_minutes, "tower_lr": args.tower_lr,
                               "modality_weights": args.modality_weights,
                               "items": {"images": args.images, "audios": args.audios,
-                                        "short_videos": args.short_videos, "long_videos": args.long_videos}}}
+                                        "short_videos": args.short_videos, "long_videos": args.long_videos,
+                                        "beeping_videos": args.beeping_videos}}}
 
 
 if __name__ == "__main__":

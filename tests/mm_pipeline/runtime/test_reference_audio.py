@@ -1,0 +1,102 @@
+"""The MiMo-V2.5 reference audio path served like ours: a checkpoint in the real layout goes
+through the same planner, encoder cache, cross-request batching and streamed prefill (segments are
+the unit); streamed == unstreamed == a reference that encodes every segment first."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+
+import pytest
+import torch
+from tests.support.media_samples import audio_bytes
+
+from encoders.audio.mimo_audio import MimoAudioEncoder
+from llm_core import EngineConfig, LLMEngine, SamplingParams
+from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.types import MediaItem, MediaKind
+from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
+from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+CLIP = audio_bytes(seconds=3.0, rate=16000, channels=1, freq=300.0)  # 301 mel frames -> 4 segments of <= 96
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("ref") / "m", seed=5, audio_path="reference")
+
+
+def make(ckpt, **kw) -> OmniEngine:
+    cfg = dict(page_size=4, num_full_tokens=4096, num_swa_tokens=2048, max_chunk_tokens=8,
+               max_num_batched_tokens=64)
+    return OmniEngine.from_pretrained(ckpt, OmniEngineConfig.from_kwargs(**{**cfg, **kw}))
+
+
+def ask(data: bytes, text: str = "Describe.") -> list[dict]:
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+
+async def collect(engine: OmniEngine, messages):
+    deltas = [d async for d in engine.generate(messages, GREEDY)]
+    return [t for d in deltas for t in d.new_token_ids], deltas
+
+
+def test_reference_audio_is_served_cached_and_streamed(ckpt):
+    streamed, unstreamed = make(ckpt), make(ckpt, stream_embeddings=False)
+    try:
+        model = streamed.runtime.model
+        assert isinstance(model.audio, MimoAudioEncoder)
+        tokens, deltas = asyncio.run(collect(streamed, ask(CLIP)))
+        prompt = deltas[0].prompt_token_ids
+        s = streamed.stats()
+        assert s.encoder["encoded.audio"] == 4 and len(tokens) == GREEDY.max_tokens
+
+        # reference: decode, cut into segments, encode each one alone, then prefill with all rows
+        audio = decode_audio(MediaItem(MediaKind.AUDIO, "wav", CLIP), model.audio_config.sampling_rate)
+        segments = streamed.runtime.pre.audio_segments(audio)
+        rows = torch.cat([model.audio.encode_segments([seg])[0] for seg in segments])
+        pad = model.layout.prompt_layout.special.audio_pad
+        where = [i for i, t in enumerate(prompt) if t == pad]
+        assert len(where) == rows.shape[0] == where[-1] - where[0] + 1
+        stream = EmbeddingStream(len(prompt), [PlaceholderSpan(where[0], where[-1] + 1, "a")], model.hidden_size)
+        stream.fill(0, rows)
+        llm = LLMEngine(model.text, EngineConfig(page_size=4, num_full_tokens=4096, num_swa_tokens=2048))
+        llm.add_request("ref", prompt, GREEDY, embeds=stream)
+        ref = None
+        while ref is None:
+            ref = next((o for o in llm.step() if o.finished), None)
+        assert tokens == ref.token_ids
+
+        got, _ = asyncio.run(collect(unstreamed, ask(CLIP)))
+        assert got == tokens
+
+        # a new question about the same clip: every segment from the cache, nothing decoded again
+        again, deltas = asyncio.run(collect(streamed, ask(CLIP, "Again?")))
+        after = streamed.stats()
+        assert deltas[0].encoder_cache_hits == 4
+        assert after.encoder["encoded.audio"] == 4 and after.media["audio_decoded"] == 1
+    finally:
+        streamed.shutdown()
+        unstreamed.shutdown()
+
+
+def test_segments_of_concurrent_requests_share_forwards(ckpt):
+    engine = make(ckpt, encoder_max_wait_ms=200.0)
+    try:
+        clips = [audio_bytes(seconds=1.5, rate=16000, channels=1, freq=200.0 + 50 * i) for i in range(3)]
+
+        async def all_three():
+            return await asyncio.gather(*(collect(engine, ask(c)) for c in clips))
+
+        results = asyncio.run(all_three())
+        s = engine.stats()
+        assert all(len(t) == GREEDY.max_tokens for t, _ in results)
+        assert s.encoder["encoded.audio"] == 3 * 2  # 151 mel frames each -> 2 segments
+        assert s.encoder["forwards.audio"] < 6  # batched across requests
+    finally:
+        engine.shutdown()
