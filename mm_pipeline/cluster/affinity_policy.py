@@ -1,0 +1,68 @@
+"""Which LLM replica a request goes to: prefix and media affinity traded against load.
+
+    score(r) = match_weight x matched(r) / prompt  -  load(r) / max load
+
+``matched(r)``: tokens of the request's leading blocks the router already sent to ``r`` (the radix
+tree of dispatched prefixes, mm_pipeline/cluster/router_state.py), media blocks included, so a
+conversation's next turn and a new question about the same video score high where their KV is.
+``load(r)``: queued + running tokens on ``r`` (reported by the replica, or counted by the router).
+Normalising load by the busiest candidate keeps both terms in [0, 1], so ``match_weight`` reads as
+"how many busiest-replica loads a full prefix hit is worth": at 2, a full hit beats an idle replica
+even on the busiest one, a half hit only ties. Ties go to the less loaded replica, then to a hash
+of the request's first block (rendezvous), which spreads new conversations evenly yet sends the
+same first block to the same replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from mm_pipeline.cluster.route_key import RouteKey
+from mm_pipeline.cluster.router_state import PrefixIndex
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    match_weight: float = 2.0
+    # a replica with this many times the mean load is skipped while another is under it, however
+    # good its match: a hot prefix must not pile every request onto one replica
+    max_load_ratio: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.match_weight < 0 or self.max_load_ratio < 1:
+            raise ValueError(f"need match_weight >= 0 and max_load_ratio >= 1, got {self}")
+
+
+def _rendezvous(first: int, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{first}:{replica}".encode(), digest_size=8).digest(), "little")
+
+
+class AffinityPolicy:
+    def __init__(self, index: PrefixIndex, config: AffinityConfig = AffinityConfig()) -> None:
+        self.index, self.config = index, config
+
+    def scores(self, key: RouteKey, loads: Mapping[str, float]) -> dict[str, float]:
+        matched = self.index.match(key.hashes, loads)
+        top = max(loads.values(), default=0.0)
+        total = key.total or 1
+        return {r: self.config.match_weight * key.weight_of(matched[r]) / total - (loads[r] / top if top > 0 else 0.0)
+                for r in loads}
+
+    def rank(self, key: RouteKey, loads: Mapping[str, float]) -> list[str]:
+        """Candidates best first (the router tries them in this order)."""
+        if not loads:
+            return []
+        scores = self.scores(key, loads)
+        mean = sum(loads.values()) / len(loads)
+        limit = self.config.max_load_ratio * max(mean, 1.0)
+        first = key.hashes[0] if key.hashes else 0
+        return sorted(loads, key=lambda r: (loads[r] > limit, -scores[r], loads[r], _rendezvous(first, r)))
+
+    def dispatched(self, replica: str, key: RouteKey) -> None:
+        self.index.record(replica, key.hashes)
+
+    def forget(self, replicas: Sequence[str]) -> None:
+        for r in replicas:
+            self.index.forget(r)
