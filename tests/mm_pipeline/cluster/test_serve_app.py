@@ -1,0 +1,161 @@
+"""``serve --ray`` end to end on a local Ray cluster (the session's ``ray_local``, 127.0.0.1): one Serve
+app for the module, 2 LLM replicas of the demo model (a quarter CPU and one torch thread each) behind
+our FastAPI app as the ingress, asked with the ``openai`` client.
+
+* image, audio, video, an uploaded file and a stream give the answers of one process (greedy);
+* a bad media item is the same 415 as one process (typed errors cross the replica boundary);
+* a conversation's turns land on one replica (each turn's cached tokens cover the previous prompt),
+  and a second question about the same video hits that replica's encoder cache;
+* killing an LLM replica under load loses no request and hangs none; Serve starts a new one.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import socket
+import time
+
+import pytest
+
+from mm_pipeline.runtime.config import OmniEngineConfig
+from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
+
+pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
+              pytest.mark.usefixtures("one_thread")]
+openai = pytest.importorskip("openai")
+
+MEDIA = {"image": "image_000001.png", "audio": "audio_000003.wav", "video": "video_000000.mp4"}
+ENGINE = dict(device="cpu", dtype="float32")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def part(kind: str) -> dict:
+    data = base64.b64encode((SAMPLE_MEDIA / MEDIA[kind]).read_bytes()).decode()
+    if kind == "audio":
+        return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    return {"type": f"{kind}_url", f"{kind}_url": {"url": f"data:application/octet-stream;base64,{data}"}}
+
+
+@pytest.fixture(scope="module")
+def cluster_url(ray_local, tmp_path_factory):
+    from ray import serve
+
+    from mm_pipeline.cluster.serve_app import ServeClusterConfig, start, stop
+    from mm_pipeline.server.settings import ServerSettings
+
+    cluster = ServeClusterConfig(llm_replicas=2, llm_num_cpus=0.25, ingress_num_cpus=0.25, torch_threads=1,
+                                 port=_free_port(), routing_stats_period_s=0.2)
+    settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("ray-files")))
+    start(DEMO_MODEL, OmniEngineConfig.from_kwargs(**ENGINE), settings, cluster)
+    try:
+        yield f"http://127.0.0.1:{cluster.port}"
+    finally:
+        stop(cluster)
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_url(tmp_path_factory):
+    """The same model in this process: the answers the cluster must give."""
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+    from mm_pipeline.server import ServerSettings, ServerThread, create_app
+
+    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(**ENGINE))
+    try:
+        with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))) as s:
+            yield s.base_url
+    finally:
+        engine.shutdown()
+
+
+def client(url: str, **kw) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, **kw)
+
+
+def ask(c, content, max_tokens: int = 10, **kw):
+    return c.chat.completions.with_raw_response.create(
+        model="demo-model", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_openai_answers_equal_one_process(cluster_url, local_url):
+    remote, local = client(cluster_url), client(local_url)
+    for kind in MEDIA:
+        content = [part(kind), {"type": "text", "text": f"Describe this {kind}."}]
+        assert ask(remote, content).parse().choices[0].message.content == \
+            ask(local, content).parse().choices[0].message.content, kind
+    # an upload, asked by file id (the ingress ships the bytes to the replica)
+    payload = (SAMPLE_MEDIA / MEDIA["image"]).read_bytes()
+    answers = []
+    for c in (remote, local):
+        f = c.files.create(file=("pic.png", payload), purpose="user_data")
+        answers.append(ask(c, [{"type": "file", "file": {"file_id": f.id}},
+                               {"type": "text", "text": "What is in the file?"}]).parse().choices[0].message.content)
+    assert answers[0] == answers[1] and answers[0]
+    # a stream, token by token over SSE through Serve's proxy
+    texts = []
+    for c in (remote, local):
+        stream = c.chat.completions.create(model="demo-model", max_tokens=12, temperature=0, stream=True,
+                                           messages=[{"role": "user", "content": "Say something."}])
+        texts.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_bad_media_is_the_same_client_error(cluster_url):
+    with pytest.raises(openai.APIStatusError) as err:
+        ask(client(cluster_url, max_retries=0), [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+    assert err.value.status_code == 415
+
+
+def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url):
+    c = client(cluster_url)
+    history = [{"role": "system", "content": "You are a terse assistant who answers in a few words. " * 6}]
+    prev_prompt = 0
+    for turn in range(4):
+        history.append({"role": "user", "content": f"Turn {turn}: what comes next in the sequence?"})
+        r = c.chat.completions.create(model="demo-model", max_tokens=6, temperature=0, messages=history)
+        if turn:  # the previous prompt's whole pages are cached: the turn went where its KV is
+            assert r.usage.prompt_tokens_details.cached_tokens >= prev_prompt // 16 * 16 - 16, turn
+        prev_prompt = r.usage.prompt_tokens
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+    first = ask(c, [part("video"), {"type": "text", "text": "What happens in the video?"}])
+    second = ask(c, [part("video"), {"type": "text", "text": "Which colours are in it?"}])
+    assert int(second.headers["x-encoder-cache-hits"]) > 0
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    assert first.parse().choices[0].message.content
+
+
+def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
+    ray = ray_local
+    from ray import serve
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if "LLM" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    assert len(names) == 2, names
+    c = client(cluster_url, max_retries=3)  # a 503 after the first token is a retry for the client
+
+    def one(i: int) -> str:
+        return ask(c, f"Request {i}: count to twenty.", max_tokens=24).parse().choices[0].message.content
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        time.sleep(1.0)
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        done, pending = cf.wait(futures, timeout=240)
+    assert not pending, "requests hung after the replica died"
+    assert all(f.result() is not None for f in done)  # raises if any request was lost
+    deadline = time.monotonic() + 120  # Serve replaces the dead replica
+    while time.monotonic() < deadline:
+        status = serve.status().applications["mmserve"].deployments["LLM"]
+        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"the LLM deployment did not recover: {status}")
+    assert ask(c, "Still there?").parse().choices[0].message.content is not None
