@@ -100,13 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per LLM replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs reserved per LLM replica")
     r.add_argument("--replica-threads", type=int, default=None, help="torch threads per LLM replica")
-    r.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
-                   help="LLM replica choice: prefix/media affinity (default) or Ray Serve's power of two choices")
+    r.add_argument("--router", choices=("affinity", "pow2", "round_robin"), default="affinity",
+                   help="LLM replica choice: prefix/media affinity (default), Ray Serve's power of two choices, "
+                        "or replicas in turn")
     r.add_argument("--router-redis-url", default=None,
                    help="keep the router's prefix tree in this Redis (shared by ingress replicas, kept over "
                         "restarts; default: --redis-url when given, else in each ingress)")
-    r.add_argument("--match-weight", type=float, default=2.0,
-                   help="router score = match_weight x prefix match fraction - normalized load")
+    r.add_argument("--match-weight", type=float, default=1.5,
+                   help="router score = (match_weight x matched prefix tokens - queued+running tokens) / prompt tokens")
 
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")

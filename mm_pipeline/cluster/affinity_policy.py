@@ -1,16 +1,19 @@
 """Which LLM replica a request goes to: prefix and media affinity traded against load.
 
-    score(r) = match_weight x matched(r) / prompt  -  load(r) / max load
+    score(r) = match_weight x matched(r) / prompt  -  load(r) / prompt
 
 ``matched(r)``: tokens of the request's leading blocks the router already sent to ``r`` (the radix
 tree of dispatched prefixes, mm_pipeline/cluster/router_state.py), media blocks included, so a
 conversation's next turn and a new question about the same video score high where their KV is.
 ``load(r)``: queued + running tokens on ``r`` (reported by the replica, or counted by the router).
-Normalising load by the busiest candidate keeps both terms in [0, 1], so ``match_weight`` reads as
-"how many busiest-replica loads a full prefix hit is worth": at 2, a full hit beats an idle replica
-even on the busiest one, a half hit only ties. Ties go to the less loaded replica, then to a hash
-of the request's first block (rendezvous), which spreads new conversations evenly yet sends the
-same first block to the same replica.
+Load is normalised by the request's own prompt, so both terms are in the same unit: at
+``match_weight`` 1 the score is minus (tokens to prefill here + tokens queued ahead here), the
+replica that finishes the request first; above 1 a cached token is worth more than a queued one
+(it also saves KV space and keeps the prefix warm). Normalising by the busiest replica instead lets
+a shared system prompt outweigh any queue: every conversation piles onto the first replica
+(benchmarks/router.py measured a 2.0 balance, i.e. one replica idle, before this choice).
+Ties go to the less loaded replica, then to a hash of the request's first block (rendezvous), which
+spreads new conversations evenly yet sends the same first block to the same replica.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from mm_pipeline.cluster.router_state import PrefixIndex
 
 @dataclass(frozen=True)
 class AffinityConfig:
-    match_weight: float = 2.0
+    match_weight: float = 1.5
     # a replica with this many times the mean load is skipped while another is under it, however
     # good its match: a hot prefix must not pile every request onto one replica
     max_load_ratio: float = 4.0
@@ -45,10 +48,8 @@ class AffinityPolicy:
 
     def scores(self, key: RouteKey, loads: Mapping[str, float]) -> dict[str, float]:
         matched = self.index.match(key.hashes, loads)
-        top = max(loads.values(), default=0.0)
         total = key.total or 1
-        return {r: self.config.match_weight * key.weight_of(matched[r]) / total - (loads[r] / top if top > 0 else 0.0)
-                for r in loads}
+        return {r: (self.config.match_weight * key.weight_of(matched[r]) - loads[r]) / total for r in loads}
 
     def rank(self, key: RouteKey, loads: Mapping[str, float]) -> list[str]:
         """Candidates best first (the router tries them in this order)."""

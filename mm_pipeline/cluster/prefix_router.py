@@ -46,7 +46,7 @@ def route_of(pending: Optional[PendingRequest]) -> RouteKey | None:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, redis_url: str | None = None, match_weight: float = 2.0,
+    def initialize_state(self, redis_url: str | None = None, match_weight: float = 1.5,
                          max_load_ratio: float = 4.0, ttl_s: int = 3600, **_: Any) -> None:
         self.policy = AffinityPolicy(index_for(redis_url, ttl_s), AffinityConfig(match_weight, max_load_ratio))
         self._inflight: dict[str, int] = defaultdict(int)  # replica -> tokens this router has on it
@@ -96,3 +96,20 @@ class PrefixAffinityRouter(RequestRouter):
             self.policy.forget(gone)
             for rid in gone:
                 self._inflight.pop(rid, None)
+
+
+class RoundRobinRouter(RequestRouter):
+    """Replicas in turn, whatever the prompt: the baseline the affinity router is measured against
+    (``--router round_robin``; benchmarks/router.py)."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._next = 0
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        if not ordered:
+            return []
+        start = self._next % len(ordered)
+        self._next += 1
+        return [[r] for r in ordered[start:] + ordered[:start]]

@@ -14,7 +14,8 @@ single process serves. Each LLM replica owns a whole OmniEngine; with ``redis_ur
 encoder cache, and with ``kv_store: redis://...`` the KV L3 tier, so a prefix evicted on one replica
 (or computed on another) is loaded instead of recomputed. The LLM deployment's request router is
 :class:`PrefixAffinityRouter` (``router="affinity"``) or Ray Serve's default power-of-two-choices
-(``router="pow2"``, the baseline ``benchmarks/router.py`` measures against).
+(``router="pow2"``) or replicas in turn (``router="round_robin"``): the baselines
+``benchmarks/router.py`` measures against.
 
 Every node that runs a replica needs mmserve importable (installed, or on ``PYTHONPATH``) and the
 model directory at the same path; a local cluster (``--ray`` without an address) gets both from
@@ -35,7 +36,7 @@ from mm_pipeline.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-ROUTERS = ("affinity", "pow2")
+ROUTERS = ("affinity", "pow2", "round_robin")
 LLM_DEPLOYMENT = "LLM"
 INGRESS_DEPLOYMENT = "Ingress"
 
@@ -52,7 +53,7 @@ class ServeClusterConfig:
     torch_threads: int | None = None  # intra-op threads per LLM replica; None: torch's default
     router: str = "affinity"
     router_redis_url: str | None = None  # the router's prefix tree; None: each ingress keeps its own
-    match_weight: float = 2.0
+    match_weight: float = 1.5
     routing_stats_period_s: float = 0.5
     max_ongoing_requests: int = 64  # per LLM replica, what Serve admits before queueing at the router
     retries: int = 2  # resends of a request whose replica died before its first token
@@ -87,6 +88,8 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         router_kwargs = dict(request_router_class="mm_pipeline.cluster.prefix_router.PrefixAffinityRouter",
                              request_router_kwargs={"redis_url": cluster.router_redis_url,
                                                     "match_weight": cluster.match_weight})
+    elif cluster.router == "round_robin":
+        router_kwargs = dict(request_router_class="mm_pipeline.cluster.prefix_router.RoundRobinRouter")
     llm = serve.deployment(LLMReplica, name=LLM_DEPLOYMENT).options(
         num_replicas=cluster.llm_replicas,
         max_ongoing_requests=cluster.max_ongoing_requests,
