@@ -46,16 +46,18 @@ class AffinityPolicy:
     def __init__(self, index: PrefixIndex, config: AffinityConfig = AffinityConfig()) -> None:
         self.index, self.config = index, config
 
-    def scores(self, key: RouteKey, loads: Mapping[str, float]) -> dict[str, float]:
-        matched = self.index.match(key.hashes, loads)
+    def scores(self, key: RouteKey, loads: Mapping[str, float],
+               matched: Mapping[str, int] | None = None) -> dict[str, float]:
+        """``matched``: blocks matched per replica, when the caller already looked them up."""
+        matched = self.index.match(key.hashes, loads) if matched is None else matched
         total = key.total or 1
         return {r: (self.config.match_weight * key.weight_of(matched[r]) - loads[r]) / total for r in loads}
 
-    def rank(self, key: RouteKey, loads: Mapping[str, float]) -> list[str]:
+    def rank(self, key: RouteKey, loads: Mapping[str, float], matched: Mapping[str, int] | None = None) -> list[str]:
         """Candidates best first (the router tries them in this order)."""
         if not loads:
             return []
-        scores = self.scores(key, loads)
+        scores = self.scores(key, loads, matched)
         mean = sum(loads.values()) / len(loads)
         limit = self.config.max_load_ratio * max(mean, 1.0)
         first = key.hashes[0] if key.hashes else 0

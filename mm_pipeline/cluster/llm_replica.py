@@ -66,8 +66,9 @@ class LLMReplica:
                    else self.engine.generate_prompt(payload, params, request_id=request_id))
             try:
                 async for delta in gen:
-                    # queued + running tokens: the prompt until it is computed, then what is left to decode
-                    self._load[call] = delta.prompt_tokens + params.max_tokens - delta.completion_tokens
+                    # tokens still to compute: the prompt is computed once the first delta exists,
+                    # what is left is decode (a cached prefix must not count as work)
+                    self._load[call] = max(0, params.max_tokens - delta.completion_tokens)
                     yield delta
             except MMServeError as exc:
                 yield ReplicaFailure(exc)

@@ -8,10 +8,11 @@ as the ``route`` keyword of the call) and Serve sends the request to the first r
 What each router dispatched goes into the shared prefix index (Redis when ``redis_url`` is given),
 so every ingress replica sees the others' dispatches and a restarted ingress keeps them.
 
-Load of a replica = max(what it last reported -- ``record_routing_stats``: queued + running
-tokens --, what this router has in flight on it). The report covers other ingresses' requests but
-lags by ``request_routing_stats_period_s``; the local count is current for this router's own; the
-max counts the requests both see once.
+Load of a replica = max(what it last reported -- ``record_routing_stats``: tokens still to compute,
+prompts not yet prefilled and tokens not yet decoded --, the prefill this router sent it and has not
+seen finish: the prompt minus what the tree says is cached there). The report covers other
+ingresses' requests but lags by ``request_routing_stats_period_s``; the local count is current for
+this router's own; the max counts the requests both see once.
 
 A replica that dies or leaves (``on_replica_actor_died`` / ``update_replicas``) is forgotten: its
 nodes leave the tree, so nothing is routed to a cache that no longer exists.
@@ -51,6 +52,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.policy = AffinityPolicy(index_for(redis_url, ttl_s), AffinityConfig(match_weight, max_load_ratio))
         self._inflight: dict[str, int] = defaultdict(int)  # replica -> tokens this router has on it
         self._requests: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
+        self._matched: dict[str, dict[str, int]] = {}  # internal request id -> cached tokens per replica
         self._known: set[str] = set()
 
     def _load(self, r: RunningReplica) -> float:
@@ -64,18 +66,27 @@ class PrefixAffinityRouter(RequestRouter):
         key = route_of(pending_request)
         if key is None:  # no prompt to match (stats, health): least loaded first
             return [[by_id[rid]] for rid in sorted(loads, key=loads.get)]
-        return [[by_id[rid]] for rid in self.policy.rank(key, loads)]
+        matched = self.policy.index.match(key.hashes, loads)
+        if pending_request is not None:
+            while len(self._matched) >= 4096:  # requests cancelled before routing never pop theirs
+                self._matched.pop(next(iter(self._matched)))
+            self._matched[pending_request.metadata.internal_request_id] = {
+                rid: key.weight_of(n) for rid, n in matched.items()}
+        return [[by_id[rid]] for rid in self.policy.rank(key, loads, matched)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         key = route_of(pending_request)
         if key is None:
             return
         rid = replica_id.unique_id
+        request = pending_request.metadata.internal_request_id
+        work = key.total - self._matched.pop(request, {}).get(rid, 0)  # the prefill it sends there
         self.policy.dispatched(rid, key)
-        self._inflight[rid] += key.total
-        self._requests[pending_request.metadata.internal_request_id] = (rid, key.total)
+        self._inflight[rid] += work
+        self._requests[request] = (rid, work)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._matched.pop(internal_request_id, None)
         rid, tokens = self._requests.pop(internal_request_id, (None, 0))
         if rid is not None:
             self._inflight[rid] = max(0, self._inflight[rid] - tokens)
