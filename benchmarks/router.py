@@ -275,7 +275,7 @@ def run_served(quick: bool) -> dict:
             continue
         # kill one LLM replica while 16 requests are in flight; every one must still be answered
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("SERVE_REPLICA") and "LLM" in a["name"]]
+                 if a["name"].startswith("SERVE_REPLICA") and "#LLM#" in a["name"]]
 
         def one(i: int) -> bool:
             for _ in range(4):  # what an OpenAI client does with a 503

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on Ray Serve; no ADDRESS starts a local cluster on this machine, an ADDRESS "
                         "(auto, host:6379, ray://host:10001) joins one started with `ray start`")
     r.add_argument("--llm-replicas", type=int, default=2, help="LLM replicas, each with its own engine")
+    r.add_argument("--encoder-replicas", type=int, default=0,
+                   help="encoder replicas (the encoder tier: media routed by consistent hashing of its content; "
+                        "needs --redis-url or a shared --encoder-cache-dir); 0: LLM replicas encode their own")
+    r.add_argument("--encoder-cpus", type=float, default=1.0, help="Ray CPUs reserved per encoder replica")
     r.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP app (the ingress)")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per LLM replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs reserved per LLM replica")
@@ -218,10 +222,14 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     config = engine_config(args)
     try:
         cluster = ServeClusterConfig(
-            llm_replicas=args.llm_replicas, ingress_replicas=args.ingress_replicas, llm_num_cpus=args.replica_cpus,
+            llm_replicas=args.llm_replicas, encoder_replicas=args.encoder_replicas, encoder_num_cpus=args.encoder_cpus,
+            ingress_replicas=args.ingress_replicas, llm_num_cpus=args.replica_cpus,
             llm_num_gpus=args.replica_gpus, torch_threads=args.replica_threads, router=args.router,
             router_redis_url=args.router_redis_url or config.redis_url, match_weight=args.match_weight,
             host=args.host, port=args.port)
+        if cluster.encoder_replicas and not (config.cache_dir or config.redis_url):
+            raise ValueError("--encoder-replicas hands embeddings over through the encoder cache: give --redis-url, "
+                             "or --encoder-cache-dir on a file system every replica sees")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     ray = connect(RayClusterConfig(address=args.ray or None))

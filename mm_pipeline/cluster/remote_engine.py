@@ -12,6 +12,8 @@ same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in 
   (``retries`` times; the router has dropped the dead replica by then), so the client sees nothing;
   after the first token a resend would repeat text, so the request ends with ``ServerBusy``
   (HTTP 503 with Retry-After before a response started; an error event in a started stream);
+* with an encoder tier, each media item is first encoded there (``_encode_on_tier``) into the
+  shared encoder cache, where the LLM replica finds it;
 * ``stats()`` is the last snapshot a replica reported, refreshed in the background, so ``/health``
   and ``/metrics`` never wait on a replica.
 """
@@ -26,7 +28,7 @@ from typing import Any, AsyncIterator, Callable
 
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.llm_replica import ReplicaFailure, SharedFile
-from mm_pipeline.cluster.route_key import RouteKey, key_of_messages, key_of_prompt
+from mm_pipeline.cluster.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
 from mm_pipeline.errors import InternalError, ServerBusy
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,13 @@ def file_ids(messages: list[dict]) -> list[str]:
 
 
 class RemoteEngine:
-    def __init__(self, handle: Any, tokenizer: Any, model_name: str, retries: int = 2) -> None:
+    def __init__(self, handle: Any, tokenizer: Any, model_name: str, retries: int = 2, *,
+                 encoders: Any = None, encoder_timeout_s: float = 120.0) -> None:
         import ray.exceptions
 
         self.handle, self.tokenizer, self.model_name, self.retries = handle, tokenizer, model_name, retries
+        self.encoders, self.encoder_timeout_s = encoders, encoder_timeout_s
+        self.encoder_failures = 0  # encoder-tier calls that failed or timed out (the LLM replica encoded)
         self._replica_gone = (ray.exceptions.RayActorError,)
         self._task_error = ray.exceptions.RayTaskError
         self._resolver: Callable[[str], tuple[bytes | Path, str | None]] | None = None
@@ -64,6 +69,8 @@ class RemoteEngine:
                        request_id: str | None = None) -> AsyncIterator[Any]:
         key = key_of_messages(messages, self._encode)
         files = await self._files(messages)
+        if self.encoders is not None:
+            await self._encode_on_tier(messages, files)
         async for d in self._stream("chat", messages, params, request_id, key, files):
             yield d
 
@@ -120,6 +127,38 @@ class RemoteEngine:
                 data = await asyncio.to_thread(data.read_bytes)
             out[fid] = SharedFile(bytes(data), name)
         return out
+
+    async def _encode_on_tier(self, messages: list[dict], files: dict[str, SharedFile]) -> None:
+        """Each distinct media item to the encoder replica its content key hashes to, all at once;
+        the LLM replica then finds their units in the shared cache. Failures only cost speed: a
+        unit the tier did not deliver is a miss the LLM replica encodes (bad media included, which
+        it reports with the usual typed error)."""
+        parts: dict[str, dict] = {}
+        for m in messages:
+            content = m.get("content")
+            for part in content if isinstance(content, list) else ():
+                key = media_key(part) if isinstance(part, dict) else None
+                if key is not None:
+                    parts.setdefault(key, part)
+        if not parts:
+            return
+        calls = []
+        for key, part in parts.items():
+            fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
+            sent = {fid: files[fid]} if fid in files else None
+            calls.append(asyncio.ensure_future(self._awaited(self.encoders.encode.remote(part, sent, media_key=key))))
+        done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)
+        for c in pending:
+            c.cancel()
+        failed = len(pending) + sum(c.exception() is not None for c in done)
+        if failed:
+            self.encoder_failures += failed
+            log.warning("encoder tier: %d of %d media items not encoded there; the LLM replica encodes them",
+                        failed, len(calls))
+
+    @staticmethod
+    async def _awaited(response: Any) -> Any:
+        return await response
 
     async def _stream(self, kind: str, payload: Any, params: SamplingParams, request_id: str | None,
                       key: RouteKey | None, files: dict[str, SharedFile] | None) -> AsyncIterator[Any]:

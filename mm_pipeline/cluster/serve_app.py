@@ -17,6 +17,11 @@ encoder cache, and with ``kv_store: redis://...`` the KV L3 tier, so a prefix ev
 (``router="pow2"``) or replicas in turn (``router="round_robin"``): the baselines
 ``benchmarks/router.py`` measures against.
 
+With ``encoder_replicas`` the ingress first sends each media item of a chat to an encoder replica
+(mm_pipeline/cluster/encoder_replica.py), chosen by consistent hashing of its content key with
+bounded loads (encoder_router.py); the embeddings reach the LLM replica through the shared encoder
+cache, and anything the tier did not deliver the LLM replica encodes itself.
+
 Every node that runs a replica needs mmserve importable (installed, or on ``PYTHONPATH``) and the
 model directory at the same path; a local cluster (``--ray`` without an address) gets both from
 this process's environment.
@@ -29,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mm_pipeline.cluster.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.llm_replica import LLMReplica
 from mm_pipeline.cluster.remote_engine import RemoteEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -38,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ROUTERS = ("affinity", "pow2", "round_robin")
 LLM_DEPLOYMENT = "LLM"
+ENCODER_DEPLOYMENT = "Encoder"
 INGRESS_DEPLOYMENT = "Ingress"
 
 
@@ -46,10 +53,13 @@ class ServeClusterConfig:
     """How the app is laid out on the cluster (the engine itself is the ``OmniEngineConfig``)."""
 
     llm_replicas: int = 2
+    encoder_replicas: int = 0  # 0: each LLM replica encodes its own media
     ingress_replicas: int = 1
     llm_num_cpus: float = 1.0  # Ray resources per LLM replica (fractions share a node's cores)
     llm_num_gpus: float = 0.0
     ingress_num_cpus: float = 0.25
+    encoder_num_cpus: float = 1.0
+    encoder_timeout_s: float = 120.0  # an encoder call slower than this is left to the LLM replica
     torch_threads: int | None = None  # intra-op threads per LLM replica; None: torch's default
     router: str = "affinity"
     router_redis_url: str | None = None  # the router's prefix tree; None: each ingress keeps its own
@@ -67,7 +77,9 @@ class ServeClusterConfig:
                              f"{self.ingress_replicas}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
-        if self.llm_num_cpus <= 0 or self.ingress_num_cpus <= 0:
+        if self.encoder_replicas < 0:
+            raise ValueError(f"encoder_replicas must be >= 0, got {self.encoder_replicas}")
+        if self.llm_num_cpus <= 0 or self.ingress_num_cpus <= 0 or self.encoder_num_cpus <= 0:
             raise ValueError("replica CPU shares must be positive")
 
 
@@ -80,6 +92,9 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
     from llm_core.llm import load_tokenizer
     from mm_pipeline.server.app import create_app
 
+    if cluster.encoder_replicas and not (engine_config.cache_dir or engine_config.redis_url):
+        raise ValueError("encoder replicas hand embeddings to the LLM replicas through the encoder cache: give "
+                         "--redis-url, or --encoder-cache-dir on a file system every replica sees")
     model_dir = str(Path(model_dir).resolve())
     settings = replace(settings, model_name=settings.model_name or Path(model_dir).name)
 
@@ -99,13 +114,24 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         health_check_period_s=2.0,
     )
 
+    encoders = None
+    if cluster.encoder_replicas:
+        encoders = serve.deployment(EncoderReplica, name=ENCODER_DEPLOYMENT).options(
+            num_replicas=cluster.encoder_replicas, max_ongoing_requests=cluster.max_ongoing_requests,
+            ray_actor_options={"num_cpus": cluster.encoder_num_cpus, "num_gpus": cluster.llm_num_gpus},
+            request_router_config=RequestRouterConfig(
+                request_router_class="mm_pipeline.cluster.encoder_router.ContentHashRouter"),
+            health_check_period_s=2.0,
+        ).bind(model_dir, engine_config, cluster.torch_threads)
+
     @serve.ingress()
     class Ingress:
-        """Our FastAPI app over a RemoteEngine to the LLM deployment."""
+        """Our FastAPI app over a RemoteEngine to the LLM deployment (and the encoder tier)."""
 
-        async def __init__(self, llm_handle: Any) -> None:
+        async def __init__(self, llm_handle: Any, encoder_handle: Any = None) -> None:
             self.engine = RemoteEngine(llm_handle, load_tokenizer(model_dir), settings.model_name,
-                                       retries=cluster.retries)
+                                       retries=cluster.retries, encoders=encoder_handle,
+                                       encoder_timeout_s=cluster.encoder_timeout_s)
             await self.engine.refresh_stats()  # fails the replica's start if no LLM replica answers
 
         def __serve_build_asgi_app__(self) -> Any:
@@ -114,7 +140,7 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=cluster.ingress_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": cluster.ingress_num_cpus})
-    return ingress.bind(llm.bind(model_dir, engine_config, cluster.torch_threads))
+    return ingress.bind(llm.bind(model_dir, engine_config, cluster.torch_threads), encoders)
 
 
 def start(model_dir: str | Path, engine_config: OmniEngineConfig, settings: ServerSettings,

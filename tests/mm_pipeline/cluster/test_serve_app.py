@@ -1,9 +1,11 @@
 """``serve --ray`` end to end on a local Ray cluster (the session's ``ray_local``, 127.0.0.1): one Serve
-app for the module, 2 LLM replicas of the demo model (a quarter CPU and one torch thread each) behind
-our FastAPI app as the ingress, asked with the ``openai`` client.
+app for the module, 2 LLM replicas and 2 encoder replicas of the demo model (a quarter CPU and one torch
+thread each) behind our FastAPI app as the ingress, asked with the ``openai`` client; the encoder tier
+hands embeddings over through an encoder-cache directory all replicas see.
 
 * image, audio, video, an uploaded file and a stream give the answers of one process (greedy);
 * a bad media item is the same 415 as one process (typed errors cross the replica boundary);
+* repeated media goes to the same encoder replica, which finds it cached; different media spread;
 * a conversation's turns land on one replica (each turn's cached tokens cover the previous prompt),
   and a second question about the same video hits that replica's encoder cache;
 * killing an LLM replica under load loses no request and hangs none; Serve starts a new one.
@@ -49,10 +51,11 @@ def cluster_url(ray_local, tmp_path_factory):
     from mm_pipeline.cluster.serve_app import ServeClusterConfig, start, stop
     from mm_pipeline.server.settings import ServerSettings
 
-    cluster = ServeClusterConfig(llm_replicas=2, llm_num_cpus=0.25, ingress_num_cpus=0.25, torch_threads=1,
-                                 port=_free_port(), routing_stats_period_s=0.2)
+    cluster = ServeClusterConfig(llm_replicas=2, encoder_replicas=2, llm_num_cpus=0.25, encoder_num_cpus=0.25,
+                                 ingress_num_cpus=0.25, torch_threads=1, port=_free_port(), routing_stats_period_s=0.2)
     settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("ray-files")))
-    start(DEMO_MODEL, OmniEngineConfig.from_kwargs(**ENGINE), settings, cluster)
+    config = OmniEngineConfig.from_kwargs(cache_dir=str(tmp_path_factory.mktemp("encoder-cache")), **ENGINE)
+    start(DEMO_MODEL, config, settings, cluster)
     try:
         yield f"http://127.0.0.1:{cluster.port}"
     finally:
@@ -113,6 +116,30 @@ def test_bad_media_is_the_same_client_error(cluster_url):
     assert err.value.status_code == 415
 
 
+def test_repeated_media_goes_to_one_encoder_replica(cluster_url):
+    """The encoder deployment's router (consistent hashing of the content key), seen through a
+    handle of the test's own: the same image thrice lands on one replica and hits from the second
+    call on; the nine sample files use both replicas."""
+    from ray import serve
+
+    from mm_pipeline.cluster.route_key import media_key
+
+    encoders = serve.get_deployment_handle("Encoder", app_name="mmserve")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        (SAMPLE_MEDIA / "image_000002.jpg").read_bytes()).decode()}}
+    reports = [encoders.encode.remote(image, media_key=media_key(image)).result(timeout_s=120) for _ in range(3)]
+    assert len({r.replica for r in reports}) == 1
+    assert reports[0].units > 0 and all(r.hits == r.units for r in reports[1:])
+    used = set()
+    for path in sorted(SAMPLE_MEDIA.glob("*_00000*.*")):
+        kind = "audio" if path.name.startswith("audio") else "video" if path.name.startswith("video") else "image"
+        data = base64.b64encode(path.read_bytes()).decode()
+        p = ({"type": "input_audio", "input_audio": {"data": data, "format": path.suffix.lstrip(".")}} if kind == "audio"
+             else {"type": f"{kind}_url", f"{kind}_url": {"url": f"data:application/octet-stream;base64,{data}"}})
+        used.add(encoders.encode.remote(p, media_key=media_key(p)).result(timeout_s=120).replica)
+    assert len(used) == 2
+
+
 def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url):
     c = client(cluster_url)
     history = [{"role": "system", "content": "You are a terse assistant who answers in a few words. " * 6}]
@@ -136,7 +163,7 @@ def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
     from ray import serve
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if "LLM" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+             if "#LLM#" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
     assert len(names) == 2, names
     c = client(cluster_url, max_retries=3)  # a 503 after the first token is a retry for the client
 
