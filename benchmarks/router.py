@@ -199,6 +199,16 @@ def run_simulation(quick: bool, args) -> dict:
         results[f"sim_{trace}_hit_rate_ratio_vs_pow2"] = (
             results[f"sim2_{trace}_affinity_hit_rate"] / results[f"sim2_{trace}_pow2_hit_rate"])
 
+    rows = []  # the same 2-replica agent trace under cache pressure: what round-robin's duplicates cost
+    for cap in (128, 256, 512, 2048):
+        r = {kind: simulate(kind, 2, traces["agent"][0], cap, 16, concurrency=4) for kind in ROUTERS}
+        ratio = r["affinity"]["hit_rate"] / r["round_robin"]["hit_rate"]
+        rows.append((cap * 16, r["affinity"]["hit_rate"], r["round_robin"]["hit_rate"], r["pow2"]["hit_rate"], ratio,
+                     r["affinity"]["throughput"] / r["round_robin"]["throughput"]))
+        results[f"sim2_agent_cache{cap}_hit_rate_ratio_vs_round_robin"] = ratio
+    print_table("2 replicas, agent trace, by prefix-cache size per replica (simulated)",
+                ["cache tokens", "affinity", "round-robin", "pow2", "hit ratio vs RR", "tokens/s ratio vs RR"], rows)
+
     rows = []
     for n in (8, 16, 32, 64):
         sessions = agent_sessions((4 if quick else 8) * n, (5, 12) if not quick else (4, 6), n)
@@ -301,6 +311,8 @@ def run_served(quick: bool) -> dict:
     print(f"\nreplica killed under 16 requests in flight: {results['lost_requests_on_kill']} lost")
     results["router_hit_rate_ratio_vs_round_robin"] = (results["served_agent_affinity_hit_rate"]
                                                         / results["served_agent_round_robin_hit_rate"])
+    results["router_media_hit_rate_ratio_vs_round_robin"] = (results["served_video_affinity_media_hit_rate"]
+                                                              / results["served_video_round_robin_media_hit_rate"])
     results["router_hit_rate_ratio_vs_pow2"] = (results["served_agent_affinity_hit_rate"]
                                                  / results["served_agent_pow2_hit_rate"])
     serve.shutdown()

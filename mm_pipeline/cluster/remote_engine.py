@@ -147,9 +147,12 @@ class RemoteEngine:
             fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
             sent = {fid: files[fid]} if fid in files else None
             calls.append(asyncio.ensure_future(self._awaited(self.encoders.encode.remote(part, sent, media_key=key))))
-        done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)
-        for c in pending:
-            c.cancel()
+        try:
+            done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)
+        finally:  # timed out, or the client left while we waited: stop what is still running
+            for c in calls:
+                if not c.done():
+                    c.cancel()
         failed = len(pending) + sum(c.exception() is not None for c in done)
         if failed:
             self.encoder_failures += failed
