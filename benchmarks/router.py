@@ -7,11 +7,11 @@ Simulation (always; no engines, only the routers and a cache model per replica):
   rate, prefill of the missed tokens plus decode; the router sees each replica's queued + running
   tokens. Two closed-loop traces: a multi-turn agent (shared system prompt, each turn the whole
   history + a tool output + a question) and question-per-video (each video asked several questions,
-  interleaved). Routers: affinity (mm_pipeline/cluster/affinity_policy.py), round-robin, and Ray
+  interleaved). Routers: affinity (mm_pipeline/cluster/serving/affinity_policy.py), round-robin, and Ray
   Serve's default (power of two random choices, the less loaded). Reported: prefix hit rate, prefill
   tokens computed, throughput (tokens / makespan) and balance (busiest replica's work / mean).
 * Encoder replicas: each keeps an LRU encoder cache of ``--encoder-cache-units`` units; every video is
-  ``--units`` units; consistent hashing with bounded loads (mm_pipeline/cluster/consistent_hash.py)
+  ``--units`` units; consistent hashing with bounded loads (mm_pipeline/cluster/serving/consistent_hash.py)
   vs random choice. Reported: encoder-cache hit rate and balance.
 * Scale: the agent trace at 8, 16, 32, 64 replicas (conversations grow with replicas).
 
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 from _common import base_parser, print_table, write_json
 
-from mm_pipeline.cluster.affinity_policy import AffinityPolicy
-from mm_pipeline.cluster.consistent_hash import BoundedLoadRing
-from mm_pipeline.cluster.route_key import RouteKey, key_of_pieces
-from mm_pipeline.cluster.router_state import MemoryPrefixIndex
+from mm_pipeline.cluster.serving.affinity_policy import AffinityPolicy
+from mm_pipeline.cluster.serving.consistent_hash import BoundedLoadRing
+from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_pieces
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex
 
 DECODE_COST = 8  # a decoded token costs this many prefill tokens of replica time (memory-bound steps)
 
@@ -246,7 +246,7 @@ def run_served(quick: bool) -> dict:
     from _served_traces import agent_trace, question_per_media_trace
 
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect
-    from mm_pipeline.cluster.serve_app import ServeClusterConfig, start, stop
+    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
     from mm_pipeline.runtime.config import OmniEngineConfig
     from mm_pipeline.server.settings import ServerSettings
     from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA

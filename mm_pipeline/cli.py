@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-upload-mb", type=float, default=512.0)
     s.add_argument("--default-max-tokens", type=int, default=512)
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
-                             "(mm_pipeline/cluster/serve_app.py); without --ray nothing here applies")
+                             "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run on Ray Serve; no ADDRESS starts a local cluster on this machine, an ADDRESS "
                         "(auto, host:6379, ray://host:10001) joins one started with `ray start`")
@@ -216,7 +216,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     import time
 
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect
-    from mm_pipeline.cluster.serve_app import ServeClusterConfig, start, stop
+    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
 
     model_dir = _model_dir(args.model)
     config = engine_config(args)

@@ -3,7 +3,7 @@
     score(r) = match_weight x matched(r) / prompt  -  load(r) / prompt
 
 ``matched(r)``: tokens of the request's leading blocks the router already sent to ``r`` (the radix
-tree of dispatched prefixes, mm_pipeline/cluster/router_state.py), media blocks included, so a
+tree of dispatched prefixes, mm_pipeline/cluster/serving/router_state.py), media blocks included, so a
 conversation's next turn and a new question about the same video score high where their KV is.
 ``load(r)``: queued + running tokens on ``r`` (reported by the replica, or counted by the router).
 Load is normalised by the request's own prompt, so both terms are in the same unit: at
@@ -22,8 +22,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from mm_pipeline.cluster.route_key import RouteKey
-from mm_pipeline.cluster.router_state import PrefixIndex
+from mm_pipeline.cluster.serving.route_key import RouteKey
+from mm_pipeline.cluster.serving.router_state import PrefixIndex
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Consistent hashing with bounded loads (mm_pipeline/cluster/consistent_hash.py): no replica goes
+"""Consistent hashing with bounded loads (mm_pipeline/cluster/serving/consistent_hash.py): no replica goes
 over the bound whatever the loads, the same key goes to the same replica at equal loads, and removing
 a replica moves only the keys it owned."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mm_pipeline.cluster.consistent_hash import BoundedLoadRing
+from mm_pipeline.cluster.serving.consistent_hash import BoundedLoadRing
 
 names = st.lists(st.text("abcdefgh", min_size=1, max_size=4), min_size=1, max_size=8, unique=True)
 

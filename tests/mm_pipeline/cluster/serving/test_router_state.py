@@ -1,4 +1,4 @@
-"""The radix tree of dispatched prefixes (mm_pipeline/cluster/router_state.py), in memory and in
+"""The radix tree of dispatched prefixes (mm_pipeline/cluster/serving/router_state.py), in memory and in
 Redis, against a naive oracle: each replica's matched depth is the longest common prefix between the
 request and any chain that replica was sent; forgetting a replica removes exactly its entries."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mm_pipeline.cluster.route_key import key_of_pieces
-from mm_pipeline.cluster.router_state import MemoryPrefixIndex, RedisPrefixIndex
+from mm_pipeline.cluster.serving.route_key import key_of_pieces
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex, RedisPrefixIndex
 
 REPLICAS = ["a", "b", "c"]
 # block contents from a small alphabet so that prompts share prefixes often

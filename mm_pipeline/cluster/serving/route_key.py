@@ -6,7 +6,7 @@ token ids cut into ``block_tokens`` runs, each media item as one block named by 
 (what the bytes are, not how they were sent) weighted by ``media_weight`` tokens. Block ``i``'s hash
 covers blocks ``0..i`` (a chain), so two prompts share hash ``i`` exactly when they share the first
 ``i + 1`` blocks: a flat set of chain hashes *is* the radix tree of dispatched prefixes, which is
-what lets its state live in Redis as plain keys (mm_pipeline/cluster/router_state.py).
+what lets its state live in Redis as plain keys (mm_pipeline/cluster/serving/router_state.py).
 
 The ingress builds the key from the parsed messages with the tokenizer only: no media is decoded
 here (that is the encoder's and the LLM replica's work), so routing costs microseconds.

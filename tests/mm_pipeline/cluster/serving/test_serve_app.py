@@ -48,7 +48,7 @@ def part(kind: str) -> dict:
 def cluster_url(ray_local, tmp_path_factory):
     from ray import serve
 
-    from mm_pipeline.cluster.serve_app import ServeClusterConfig, start, stop
+    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
     from mm_pipeline.server.settings import ServerSettings
 
     cluster = ServeClusterConfig(llm_replicas=2, encoder_replicas=2, llm_num_cpus=0.25, encoder_num_cpus=0.25,
@@ -122,7 +122,7 @@ def test_repeated_media_goes_to_one_encoder_replica(cluster_url):
     call on; the nine sample files use both replicas."""
     from ray import serve
 
-    from mm_pipeline.cluster.route_key import media_key
+    from mm_pipeline.cluster.serving.route_key import media_key
 
     encoders = serve.get_deployment_handle("Encoder", app_name="mmserve")
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
@@ -162,8 +162,11 @@ def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
     ray = ray_local
     from ray import serve
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if "#LLM#" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    def llm_replicas() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA") and "#LLM#" in a["name"]]
+
+    names = llm_replicas()
     assert len(names) == 2, names
     c = client(cluster_url, max_retries=3)  # a 503 after the first token is a retry for the client
 
@@ -173,16 +176,19 @@ def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
     with cf.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(16)]
         time.sleep(1.0)
+        in_flight = sum(not f.done() for f in futures)
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
         done, pending = cf.wait(futures, timeout=240)
+    assert in_flight > 0, "the kill came after every request had finished: it tested nothing"
     assert not pending, "requests hung after the replica died"
     assert all(f.result() is not None for f in done)  # raises if any request was lost
-    deadline = time.monotonic() + 120  # Serve replaces the dead replica
+    deadline = time.monotonic() + 120  # Serve replaces the dead replica with a new one
     while time.monotonic() < deadline:
+        now = llm_replicas()
         status = serve.status().applications["mmserve"].deployments["LLM"]
-        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
+        if names[0] not in now and len(now) == 2 and status.replica_states.get("RUNNING", 0) == 2:
             break
         time.sleep(1)
     else:
-        pytest.fail(f"the LLM deployment did not recover: {status}")
+        pytest.fail(f"the LLM deployment did not recover: {now} {status}")
     assert ask(c, "Still there?").parse().choices[0].message.content is not None

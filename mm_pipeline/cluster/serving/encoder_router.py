@@ -1,5 +1,5 @@
 """The encoder deployment's Ray Serve request router: each media item goes to the encoder replica
-its content key hashes to (mm_pipeline/cluster/consistent_hash.py), so repeated media lands where it
+its content key hashes to (mm_pipeline/cluster/serving/consistent_hash.py), so repeated media lands where it
 is cached, with bounded loads so one hot video cannot pile every request onto one replica.
 
 Load = encode calls this router has in flight on each replica. The ring is rebuilt when the set of
@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from mm_pipeline.cluster.consistent_hash import BoundedLoadRing
+from mm_pipeline.cluster.serving.consistent_hash import BoundedLoadRing
 
 KEY_KWARG = "media_key"
 

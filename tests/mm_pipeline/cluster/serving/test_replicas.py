@@ -1,4 +1,4 @@
-"""The replica classes without Ray (mm_pipeline/cluster/llm_replica.py, encoder_replica.py): an encoder
+"""The replica classes without Ray (mm_pipeline/cluster/serving/llm_replica.py, encoder_replica.py): an encoder
 replica's output reaches an LLM replica through the shared encoder cache (the LLM replica plans the
 item and finds every unit), a typed media error travels as an item, uploaded bytes sent with a request
 are served to the planner and released after, and the load the router reads returns to zero."""
@@ -11,8 +11,8 @@ import base64
 import pytest
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.cluster.encoder_replica import EncoderReplica
-from mm_pipeline.cluster.llm_replica import LLMReplica, ReplicaFailure, SharedFile
+from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
+from mm_pipeline.cluster.serving.llm_replica import LLMReplica, ReplicaFailure, SharedFile
 from mm_pipeline.errors import MediaError
 from mm_pipeline.runtime.config import OmniEngineConfig
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA

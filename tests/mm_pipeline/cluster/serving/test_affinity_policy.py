@@ -1,4 +1,4 @@
-"""The LLM router's choice (mm_pipeline/cluster/affinity_policy.py + route_key.py): a conversation's
+"""The LLM router's choice (mm_pipeline/cluster/serving/affinity_policy.py + route_key.py): a conversation's
 next turn and a new question about the same media go where their prefix went; load breaks ties and
 caps a hot prefix; new conversations spread."""
 
@@ -9,9 +9,9 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mm_pipeline.cluster.affinity_policy import AffinityConfig, AffinityPolicy
-from mm_pipeline.cluster.route_key import key_of_messages, media_key
-from mm_pipeline.cluster.router_state import MemoryPrefixIndex
+from mm_pipeline.cluster.serving.affinity_policy import AffinityConfig, AffinityPolicy
+from mm_pipeline.cluster.serving.route_key import key_of_messages, media_key
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex
 
 
 def encode(text: str) -> list[int]:

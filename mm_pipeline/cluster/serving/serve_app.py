@@ -18,7 +18,7 @@ encoder cache, and with ``kv_store: redis://...`` the KV L3 tier, so a prefix ev
 ``benchmarks/router.py`` measures against.
 
 With ``encoder_replicas`` the ingress first sends each media item of a chat to an encoder replica
-(mm_pipeline/cluster/encoder_replica.py), chosen by consistent hashing of its content key with
+(mm_pipeline/cluster/serving/encoder_replica.py), chosen by consistent hashing of its content key with
 bounded loads (encoder_router.py); the embeddings reach the LLM replica through the shared encoder
 cache, and anything the tier did not deliver the LLM replica encodes itself.
 
@@ -34,9 +34,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mm_pipeline.cluster.encoder_replica import EncoderReplica
-from mm_pipeline.cluster.llm_replica import LLMReplica
-from mm_pipeline.cluster.remote_engine import RemoteEngine
+from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
+from mm_pipeline.cluster.serving.llm_replica import LLMReplica
+from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.server.settings import ServerSettings
 
@@ -100,11 +100,11 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
 
     router_kwargs: dict[str, Any] = {}
     if cluster.router == "affinity":
-        router_kwargs = dict(request_router_class="mm_pipeline.cluster.prefix_router.PrefixAffinityRouter",
+        router_kwargs = dict(request_router_class="mm_pipeline.cluster.serving.prefix_router.PrefixAffinityRouter",
                              request_router_kwargs={"redis_url": cluster.router_redis_url,
                                                     "match_weight": cluster.match_weight})
     elif cluster.router == "round_robin":
-        router_kwargs = dict(request_router_class="mm_pipeline.cluster.prefix_router.RoundRobinRouter")
+        router_kwargs = dict(request_router_class="mm_pipeline.cluster.serving.prefix_router.RoundRobinRouter")
     llm = serve.deployment(LLMReplica, name=LLM_DEPLOYMENT).options(
         num_replicas=cluster.llm_replicas,
         max_ongoing_requests=cluster.max_ongoing_requests,
@@ -120,7 +120,7 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
             num_replicas=cluster.encoder_replicas, max_ongoing_requests=cluster.max_ongoing_requests,
             ray_actor_options={"num_cpus": cluster.encoder_num_cpus, "num_gpus": cluster.llm_num_gpus},
             request_router_config=RequestRouterConfig(
-                request_router_class="mm_pipeline.cluster.encoder_router.ContentHashRouter"),
+                request_router_class="mm_pipeline.cluster.serving.encoder_router.ContentHashRouter"),
             health_check_period_s=2.0,
         ).bind(model_dir, engine_config, cluster.torch_threads)
 

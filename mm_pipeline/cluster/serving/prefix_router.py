@@ -26,9 +26,9 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from mm_pipeline.cluster.affinity_policy import AffinityConfig, AffinityPolicy
-from mm_pipeline.cluster.route_key import RouteKey
-from mm_pipeline.cluster.router_state import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from mm_pipeline.cluster.serving.affinity_policy import AffinityConfig, AffinityPolicy
+from mm_pipeline.cluster.serving.route_key import RouteKey
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The router's memory of which replica was sent which prefix: a radix tree of dispatched prefixes.
 
-Prefixes are chains of block hashes (mm_pipeline/cluster/route_key.py): hash ``i`` stands for the
+Prefixes are chains of block hashes (mm_pipeline/cluster/serving/route_key.py): hash ``i`` stands for the
 whole path from the root to block ``i``, so the tree is stored flat, one entry per node naming the
 replicas that were sent that path. A lookup walks the request's chain from the root and stops, per
 replica, at the first node it is missing from: that depth is the replica's matched prefix.

@@ -20,7 +20,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
-from mm_pipeline.cluster.llm_replica import LLMReplica, SharedFile
+from mm_pipeline.cluster.serving.llm_replica import LLMReplica, SharedFile
 from mm_pipeline.prompt.messages import parse_messages
 
 
@@ -35,7 +35,7 @@ class EncoderReplica(LLMReplica):
     async def encode(self, part: dict, files: dict[str, SharedFile] | None = None,
                      media_key: str | None = None) -> EncodeReport:
         """Encode one media content part into the shared cache. ``media_key`` is the router's
-        (mm_pipeline/cluster/encoder_router.py); the replica does not need it."""
+        (mm_pipeline/cluster/serving/encoder_router.py); the replica does not need it."""
         rt = self.engine.runtime
         self._hold(files)
         try:

@@ -1,7 +1,7 @@
 """One LLM replica of the Ray Serve app: its own :class:`OmniEngine` (engine thread, KV pools, prefix
 cache, encoders and media workers), called by the ingress through a ``DeploymentHandle``.
 
-A plain class (mm_pipeline/cluster/serve_app.py makes it a deployment), so nothing here needs Ray.
+A plain class (mm_pipeline/cluster/serving/serve_app.py makes it a deployment), so nothing here needs Ray.
 What crosses the process boundary is picklable and small: the parsed request in, a stream of
 :class:`GenerationDelta` out. A typed pipeline error (bad media, too long, overloaded) raised before
 the first delta travels as a :class:`ReplicaFailure` item rather than as a Ray task error, so the
@@ -56,7 +56,7 @@ class LLMReplica:
     async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,
                        files: dict[str, SharedFile] | None = None, route: Any = None) -> AsyncIterator[Any]:
         """``kind`` "chat" (payload: messages) or "prompt" (text or token ids). ``route`` is the
-        router's key (mm_pipeline/cluster/prefix_router.py); its size is the load until the prompt's
+        router's key (mm_pipeline/cluster/serving/prefix_router.py); its size is the load until the prompt's
         real length is known."""
         call = next(self._calls)
         self._load[call] = (route.total if route is not None else 0) + params.max_tokens
