@@ -171,11 +171,13 @@ def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
     c = client(cluster_url, max_retries=3)  # a 503 after the first token is a retry for the client
 
     def one(i: int) -> str:
-        return ask(c, f"Request {i}: count to twenty.", max_tokens=24).parse().choices[0].message.content
+        return ask(c, f"Request {i}: count to twenty.", max_tokens=48,
+                   extra_body={"ignore_eos": True}).parse().choices[0].message.content
 
     with cf.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, i) for i in range(16)]
-        time.sleep(1.0)
+        futures = [pool.submit(one, i) for i in range(24)]
+        # under load for sure: kill once the first answer is back (8 more are running by then)
+        cf.wait(futures, timeout=120, return_when=cf.FIRST_COMPLETED)
         in_flight = sum(not f.done() for f in futures)
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
         done, pending = cf.wait(futures, timeout=240)
