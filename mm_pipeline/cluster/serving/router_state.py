@@ -82,6 +82,20 @@ class MemoryPrefixIndex:
             for h in self._lru.pop(replica, {}):
                 self._drop(h, replica)
 
+    def check_integrity(self) -> None:
+        """Each node names exactly the replicas whose LRU holds it, no node is empty, no LRU is over
+        the cap. Raises AssertionError naming the first difference."""
+        with self._lock:
+            expect: dict[int, set[str]] = {}
+            for replica, lru in self._lru.items():
+                if self.cap is not None and len(lru) > self.cap:
+                    raise AssertionError(f"replica {replica} holds {len(lru)} blocks, cap {self.cap}")
+                for h in lru:
+                    expect.setdefault(h, set()).add(replica)
+            if expect != self._nodes:
+                bad = next(h for h in set(expect) | set(self._nodes) if expect.get(h) != self._nodes.get(h))
+                raise AssertionError(f"node {bad}: holders {self._nodes.get(bad)}, LRUs say {expect.get(bad)}")
+
     def blocks(self, replica: str) -> int:
         return len(self._lru.get(replica, ()))
 

@@ -41,9 +41,13 @@ def check(index, dispatched, query, gone) -> None:
     for replica, seq in dispatched:
         index.record(replica, chain(seq))
         sent.setdefault(replica, []).append(chain(seq))
+        if hasattr(index, "check_integrity"):
+            index.check_integrity()
     assert index.match(chain(query), REPLICAS) == oracle(sent, chain(query))
     index.forget(gone)
     sent.pop(gone, None)
+    if hasattr(index, "check_integrity"):
+        index.check_integrity()
     after = index.match(chain(query), REPLICAS)
     assert after == oracle(sent, chain(query))
     assert after[gone] == 0
@@ -52,6 +56,18 @@ def check(index, dispatched, query, gone) -> None:
 @given(ops, blocks, st.sampled_from(REPLICAS))
 def test_memory_index_matches_oracle(dispatched, query, gone):
     check(MemoryPrefixIndex(), dispatched, query, gone)
+
+
+@given(ops, blocks, st.integers(1, 8))
+def test_eviction_keeps_integrity_and_only_lowers_matches(dispatched, query, cap):
+    """A capped index (a model of a replica cache evicting) never claims more than it was sent."""
+    index, full = MemoryPrefixIndex(max_blocks_per_replica=cap), MemoryPrefixIndex()
+    for replica, seq in dispatched:
+        index.record(replica, chain(seq))
+        full.record(replica, chain(seq))
+        index.check_integrity()
+    capped, uncapped = index.match(chain(query), REPLICAS), full.match(chain(query), REPLICAS)
+    assert all(capped[r] <= min(uncapped[r], cap) for r in REPLICAS)
 
 
 def test_memory_index_evicts_least_recent_blocks():
