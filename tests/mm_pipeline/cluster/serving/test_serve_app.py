@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import shutil
 import socket
 import time
 
@@ -45,14 +46,21 @@ def part(kind: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster_url(ray_local, tmp_path_factory):
+def cluster_url(ray_local, tmp_path_factory, request):
+    """The router keeps its tree in the session's throwaway Redis when redis-server is installed
+    (as a deployment with several ingresses would), else in the ingress."""
     from ray import serve
 
     from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
     from mm_pipeline.server.settings import ServerSettings
 
+    try:
+        router_redis_url = f"redis://127.0.0.1:{request.getfixturevalue('redis_server')}/0"
+    except pytest.skip.Exception:
+        router_redis_url = None
     cluster = ServeClusterConfig(llm_replicas=2, encoder_replicas=2, llm_num_cpus=0.25, encoder_num_cpus=0.25,
-                                 ingress_num_cpus=0.25, torch_threads=1, port=_free_port(), routing_stats_period_s=0.2)
+                                 ingress_num_cpus=0.25, torch_threads=1, port=_free_port(), routing_stats_period_s=0.2,
+                                 router_redis_url=router_redis_url)
     settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("ray-files")))
     config = OmniEngineConfig.from_kwargs(cache_dir=str(tmp_path_factory.mktemp("encoder-cache")), **ENGINE)
     start(DEMO_MODEL, config, settings, cluster)
@@ -140,7 +148,7 @@ def test_repeated_media_goes_to_one_encoder_replica(cluster_url):
     assert len(used) == 2
 
 
-def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url):
+def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url, request):
     c = client(cluster_url)
     history = [{"role": "system", "content": "You are a terse assistant who answers in a few words. " * 6}]
     prev_prompt = 0
@@ -156,6 +164,11 @@ def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url):
     assert int(second.headers["x-encoder-cache-hits"]) > 0
     assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
     assert first.parse().choices[0].message.content
+    if shutil.which("redis-server"):  # the router's tree is in Redis: nodes under its prefix
+        import redis
+
+        port = request.getfixturevalue("redis_server")
+        assert any(True for _ in redis.Redis(port=port).scan_iter("mmserve:router:b:*", count=1000))
 
 
 def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
