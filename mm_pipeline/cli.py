@@ -1,6 +1,7 @@
 """``mmserve``: serve | caption | batch.
 
     mmserve serve   --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+                    [--ray [ADDRESS] --llm-replicas N --encoder-replicas M --router affinity ...]
     mmserve caption INPUT... [--model DIR] [--prompt TEXT] [--out captions.jsonl]
     mmserve batch   -i requests.jsonl -o results.jsonl [--model DIR]
 
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the router's prefix tree in this Redis (shared by ingress replicas, kept over "
                         "restarts; default: --redis-url when given, else in each ingress)")
     r.add_argument("--match-weight", type=float, default=1.5,
-                   help="router score = (match_weight x matched prefix tokens - queued+running tokens) / prompt tokens")
+                   help="router score = (match_weight x matched prefix tokens - tokens still to compute there) / prompt tokens")
 
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")

@@ -5,7 +5,8 @@
 ``matched(r)``: tokens of the request's leading blocks the router already sent to ``r`` (the radix
 tree of dispatched prefixes, mm_pipeline/cluster/serving/router_state.py), media blocks included, so a
 conversation's next turn and a new question about the same video score high where their KV is.
-``load(r)``: queued + running tokens on ``r`` (reported by the replica, or counted by the router).
+``load(r)``: queued + running work on ``r`` in tokens still to compute (reported by the replica,
+or counted by the router).
 Load is normalised by the request's own prompt, so both terms are in the same unit: at
 ``match_weight`` 1 the score is minus (tokens to prefill here + tokens queued ahead here), the
 replica that finishes the request first; above 1 a cached token is worth more than a queued one

@@ -50,7 +50,7 @@ class LLMReplica:
         self.engine.set_file_resolver(self._resolve)
         self._files: dict[str, tuple[SharedFile, int]] = {}  # file id -> (bytes, requests using it)
         self._files_lock = threading.Lock()  # the planner resolves on its worker threads
-        self._load: dict[int, int] = {}  # call -> queued + running tokens
+        self._load: dict[int, int] = {}  # call -> tokens still to compute (queued + running work)
         self._calls = itertools.count()
 
     async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,

@@ -5,7 +5,7 @@
                                       over RemoteEngine ──handle────┤   encoders, media workers
                                       (route key: tokens + media    └─► engine 1 ...
                                        content keys)  ▲                  │ record_routing_stats:
-                                                      └── PrefixAffinityRouter ◄── queued+running tokens
+                                                      └── PrefixAffinityRouter ◄── tokens still to compute
                                                           radix tree of dispatched prefixes (Redis)
 
 The ingress is our FastAPI app itself (mm_pipeline/server/app.py, built per replica by
