@@ -1,6 +1,7 @@
 """``mmserve``: serve | caption | batch.
 
     mmserve serve   --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+                    [--ray [ADDRESS] --llm-replicas N --encoder-replicas M --router affinity ...]
     mmserve caption INPUT... [--model DIR] [--prompt TEXT] [--out captions.jsonl]
     mmserve batch   -i requests.jsonl -o results.jsonl [--model DIR]
 
@@ -90,6 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
     s.add_argument("--max-upload-mb", type=float, default=512.0)
     s.add_argument("--default-max-tokens", type=int, default=512)
+    r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
+                             "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
+    r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on Ray Serve; no ADDRESS starts a local cluster on this machine, an ADDRESS "
+                        "(auto, host:6379, ray://host:10001) joins one started with `ray start`")
+    r.add_argument("--llm-replicas", type=int, default=2, help="LLM replicas, each with its own engine")
+    r.add_argument("--encoder-replicas", type=int, default=0,
+                   help="encoder replicas (the encoder tier: media routed by consistent hashing of its content; "
+                        "needs --redis-url or a shared --encoder-cache-dir); 0: LLM replicas encode their own")
+    r.add_argument("--encoder-cpus", type=float, default=1.0, help="Ray CPUs reserved per encoder replica")
+    r.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP app (the ingress)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per LLM replica")
+    r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs reserved per LLM replica")
+    r.add_argument("--replica-threads", type=int, default=None, help="torch threads per LLM replica")
+    r.add_argument("--router", choices=("affinity", "pow2", "round_robin"), default="affinity",
+                   help="LLM replica choice: prefix/media affinity (default), Ray Serve's power of two choices, "
+                        "or replicas in turn")
+    r.add_argument("--router-redis-url", default=None,
+                   help="keep the router's prefix tree in this Redis (shared by ingress replicas, kept over "
+                        "restarts; default: --redis-url when given, else in each ingress)")
+    r.add_argument("--match-weight", type=float, default=1.5,
+                   help="router score = (match_weight x matched prefix tokens - tokens still to compute there) / prompt tokens")
 
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
@@ -184,16 +207,63 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
             f"(model limit {llm.max_model_len:,}); prefix caching {caching}"]
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
+    from mm_pipeline.server import ServerSettings
 
-    from mm_pipeline.server import ServerSettings, create_app
+    return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
+                          files_dir=args.files_dir, max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
+                          max_files_total_bytes=max(8 << 30, int(args.max_upload_mb * (1 << 20))),
+                          default_max_tokens=args.default_max_tokens)
+
+
+def cmd_serve_ray(args: argparse.Namespace) -> int:
+    """``serve --ray``: the same app as the ingress of a Ray Serve application (Ray imported here only)."""
+    import time
+
+    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect
+    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
 
     model_dir = _model_dir(args.model)
-    settings = ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
-                              files_dir=args.files_dir, max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
-                              max_files_total_bytes=max(8 << 30, int(args.max_upload_mb * (1 << 20))),
-                              default_max_tokens=args.default_max_tokens)
+    config = engine_config(args)
+    try:
+        cluster = ServeClusterConfig(
+            llm_replicas=args.llm_replicas, encoder_replicas=args.encoder_replicas, encoder_num_cpus=args.encoder_cpus,
+            ingress_replicas=args.ingress_replicas, llm_num_cpus=args.replica_cpus,
+            llm_num_gpus=args.replica_gpus, torch_threads=args.replica_threads, router=args.router,
+            router_redis_url=args.router_redis_url or config.redis_url, match_weight=args.match_weight,
+            host=args.host, port=args.port)
+        if cluster.encoder_replicas and not (config.cache_dir or config.redis_url):
+            raise ValueError("--encoder-replicas hands embeddings over through the encoder cache: give --redis-url, "
+                             "or --encoder-cache-dir on a file system every replica sees")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    ray = connect(RayClusterConfig(address=args.ray or None))
+    print(f"starting {cluster.llm_replicas} LLM replica(s) of {model_dir} on Ray Serve "
+          f"({'local cluster' if not args.ray else args.ray}; router {cluster.router}) ...", file=sys.stderr, flush=True)
+    start(model_dir, config, server_settings(args, model_dir), cluster)
+    print(f"serving   on http://{args.host}:{args.port}/v1 (also /health, /metrics); Ctrl-C stops",
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        stop(cluster)
+        if not args.ray:
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return cmd_serve_ray(args)
+    import uvicorn
+
+    from mm_pipeline.server import create_app
+
+    model_dir = _model_dir(args.model)
+    settings = server_settings(args, model_dir)
     engine = load_engine(args, model_dir)
     loop = engine.runtime.loop
     try:

@@ -1,0 +1,116 @@
+"""One LLM replica of the Ray Serve app: its own :class:`OmniEngine` (engine thread, KV pools, prefix
+cache, encoders and media workers), called by the ingress through a ``DeploymentHandle``.
+
+A plain class (mm_pipeline/cluster/serving/serve_app.py makes it a deployment), so nothing here needs Ray.
+What crosses the process boundary is picklable and small: the parsed request in, a stream of
+:class:`GenerationDelta` out. A typed pipeline error (bad media, too long, overloaded) raised before
+the first delta travels as a :class:`ReplicaFailure` item rather than as a Ray task error, so the
+ingress re-raises the *same* type and the client gets the same 4xx as from one process.
+
+Uploaded files live on the ingress; it sends the bytes of the files a request names with the request
+(``files``), and the replica's file resolver serves them from there while the request runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.errors import MMServeError
+from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.runtime.omni_engine import OmniEngine
+from mm_pipeline.runtime.stats import OmniStats
+
+
+@dataclass(frozen=True)
+class ReplicaFailure:
+    """A typed error the replica raised before the first delta (re-raised by the ingress)."""
+
+    error: MMServeError
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    data: bytes
+    filename: str | None
+
+
+class LLMReplica:
+    def __init__(self, model_dir: str, config: OmniEngineConfig, torch_threads: int | None = None) -> None:
+        if torch_threads is not None:
+            import torch
+
+            # several replicas share a node's cores: each gets its share, not all of them
+            torch.set_num_threads(torch_threads)
+        self.engine = OmniEngine.from_pretrained(Path(model_dir), config)
+        self.engine.set_file_resolver(self._resolve)
+        self._files: dict[str, tuple[SharedFile, int]] = {}  # file id -> (bytes, requests using it)
+        self._files_lock = threading.Lock()  # the planner resolves on its worker threads
+        self._load: dict[int, int] = {}  # call -> tokens still to compute (queued + running work)
+        self._calls = itertools.count()
+
+    async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,
+                       files: dict[str, SharedFile] | None = None, route: Any = None) -> AsyncIterator[Any]:
+        """``kind`` "chat" (payload: messages) or "prompt" (text or token ids). ``route`` is the
+        router's key (mm_pipeline/cluster/serving/prefix_router.py); its size is the load until the prompt's
+        real length is known."""
+        call = next(self._calls)
+        self._load[call] = (route.total if route is not None else 0) + params.max_tokens
+        self._hold(files)
+        try:
+            gen = (self.engine.generate(payload, params, request_id=request_id) if kind == "chat"
+                   else self.engine.generate_prompt(payload, params, request_id=request_id))
+            try:
+                async for delta in gen:
+                    # tokens still to compute: the prompt is computed once the first delta exists,
+                    # what is left is decode (a cached prefix must not count as work)
+                    self._load[call] = max(0, params.max_tokens - delta.completion_tokens)
+                    yield delta
+            except MMServeError as exc:
+                yield ReplicaFailure(exc)
+            finally:
+                await gen.aclose()
+        finally:
+            self._load.pop(call, None)
+            self._release(files)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve polls this for the request router (``RunningReplica.routing_stats``)."""
+        return {"load_tokens": sum(self._load.values())}
+
+    def stats(self) -> OmniStats:
+        return self.engine.stats()
+
+    def describe(self) -> dict[str, Any]:
+        return {"model_name": self.engine.model_name}
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def _resolve(self, file_id: str) -> tuple[bytes, str | None]:
+        with self._files_lock:
+            held = self._files.get(file_id)
+        if held is None:
+            raise KeyError(file_id)
+        return held[0].data, held[0].filename
+
+    def _hold(self, files: dict[str, SharedFile] | None) -> None:
+        with self._files_lock:
+            for fid, f in (files or {}).items():
+                _, n = self._files.get(fid, (f, 0))
+                self._files[fid] = (f, n + 1)
+
+    def _release(self, files: dict[str, SharedFile] | None) -> None:
+        with self._files_lock:
+            for fid in files or {}:
+                f, n = self._files.get(fid, (None, 1))
+                if n <= 1:
+                    self._files.pop(fid, None)
+                else:
+                    self._files[fid] = (f, n - 1)

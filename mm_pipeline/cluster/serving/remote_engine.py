@@ -1,0 +1,193 @@
+"""The engine the ingress's FastAPI app talks to when the LLM runs in Ray Serve replicas.
+
+``create_app(engine, settings)`` (mm_pipeline/server/app.py) takes anything with OmniEngine's API;
+this is that API over a ``DeploymentHandle`` to the LLM deployment, so the ingress serves the very
+same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in other processes:
+
+* ``generate`` / ``generate_prompt`` build the request's :class:`RouteKey` (tokenizer only) and call
+  the LLM deployment with it as ``route=``; the deployment's request router picks the replica;
+* uploaded files the messages name are read here and sent with the request (they live on the
+  ingress's disk, which a replica on another node cannot see);
+* a replica that dies or is unreachable before it produced a token: the request is sent again
+  (``retries`` times; the router has dropped the dead replica by then), so the client sees nothing;
+  after the first token a resend would repeat text, so the request ends with ``ServerBusy``
+  (HTTP 503 with Retry-After before a response started; an error event in a started stream);
+* with an encoder tier, each media item is first encoded there (``_encode_on_tier``) into the
+  shared encoder cache, where the LLM replica finds it;
+* ``stats()`` is the last snapshot a replica reported, refreshed in the background, so ``/health``
+  and ``/metrics`` never wait on a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.cluster.serving.llm_replica import ReplicaFailure, SharedFile
+from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
+from mm_pipeline.errors import InternalError, ServerBusy
+
+log = logging.getLogger(__name__)
+
+STATS_MAX_AGE_S = 1.0
+
+
+def file_ids(messages: list[dict]) -> list[str]:
+    out = []
+    for m in messages:
+        content = m.get("content")
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "file":
+                fid = (part.get("file") or {}).get("file_id")
+                if isinstance(fid, str):
+                    out.append(fid)
+    return out
+
+
+class RemoteEngine:
+    def __init__(self, handle: Any, tokenizer: Any, model_name: str, retries: int = 2, *,
+                 encoders: Any = None, encoder_timeout_s: float = 120.0) -> None:
+        import ray.exceptions
+
+        self.handle, self.tokenizer, self.model_name, self.retries = handle, tokenizer, model_name, retries
+        self.encoders, self.encoder_timeout_s = encoders, encoder_timeout_s
+        self.encoder_failures = 0  # encoder-tier calls that failed or timed out (the LLM replica encoded)
+        self._replica_gone = (ray.exceptions.RayActorError,)
+        self._task_error = ray.exceptions.RayTaskError
+        self._resolver: Callable[[str], tuple[bytes | Path, str | None]] | None = None
+        self._stats: Any = None
+        self._stats_at = 0.0
+        self._refreshing: asyncio.Task | None = None
+        self.resends = 0  # requests sent again after their replica died (tests read it)
+
+    # ---- OmniEngine's API -----------------------------------------------------------------------
+    async def generate(self, messages: list[dict], params: SamplingParams, *,
+                       request_id: str | None = None) -> AsyncIterator[Any]:
+        key = key_of_messages(messages, self._encode)
+        files = await self._files(messages)
+        if self.encoders is not None:
+            await self._encode_on_tier(messages, files)
+        async for d in self._stream("chat", messages, params, request_id, key, files):
+            yield d
+
+    async def generate_prompt(self, prompt: str | list[int], params: SamplingParams, *,
+                              request_id: str | None = None) -> AsyncIterator[Any]:
+        key = key_of_prompt(prompt, self._encode) if self.tokenizer is not None or not isinstance(prompt, str) else None
+        async for d in self._stream("prompt", prompt, params, request_id, key, None):
+            yield d
+
+    def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]]) -> None:
+        self._resolver = fn
+
+    def stats(self) -> Any:
+        if time.monotonic() - self._stats_at > STATS_MAX_AGE_S:
+            self._refresh_soon()
+        if self._stats is None:
+            raise RuntimeError("no LLM replica has reported its stats yet")
+        return self._stats
+
+    async def refresh_stats(self) -> None:
+        self._stats = await self.handle.stats.remote()
+        self._stats_at = time.monotonic()
+
+    def shutdown(self) -> None:
+        """The replicas belong to Ray Serve (``serve.delete`` stops them), not to this proxy."""
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if self.tokenizer is not None else []
+
+    def _refresh_soon(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            async def refresh() -> None:
+                try:
+                    await self.refresh_stats()
+                except Exception as exc:  # noqa: BLE001 - a replica restarting: keep the last snapshot
+                    log.debug("stats refresh failed: %s", exc)
+            self._refreshing = loop.create_task(refresh())
+
+    async def _files(self, messages: list[dict]) -> dict[str, SharedFile]:
+        out: dict[str, SharedFile] = {}
+        if self._resolver is None:
+            return out
+        for fid in set(file_ids(messages)):
+            try:
+                data, name = self._resolver(fid)
+            except KeyError:
+                continue  # the replica's resolver says "not found" with the usual error
+            if isinstance(data, Path):
+                data = await asyncio.to_thread(data.read_bytes)
+            out[fid] = SharedFile(bytes(data), name)
+        return out
+
+    async def _encode_on_tier(self, messages: list[dict], files: dict[str, SharedFile]) -> None:
+        """Each distinct media item to the encoder replica its content key hashes to, all at once;
+        the LLM replica then finds their units in the shared cache. Failures only cost speed: a
+        unit the tier did not deliver is a miss the LLM replica encodes (bad media included, which
+        it reports with the usual typed error)."""
+        parts: dict[str, dict] = {}
+        for m in messages:
+            content = m.get("content")
+            for part in content if isinstance(content, list) else ():
+                key = media_key(part) if isinstance(part, dict) else None
+                if key is not None:
+                    parts.setdefault(key, part)
+        if not parts:
+            return
+        calls = []
+        for key, part in parts.items():
+            fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
+            sent = {fid: files[fid]} if fid in files else None
+            calls.append(asyncio.ensure_future(self._awaited(self.encoders.encode.remote(part, sent, media_key=key))))
+        try:
+            done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)
+        finally:  # timed out, or the client left while we waited: stop what is still running
+            for c in calls:
+                if not c.done():
+                    c.cancel()
+        failed = len(pending) + sum(c.exception() is not None for c in done)
+        if failed:
+            self.encoder_failures += failed
+            log.warning("encoder tier: %d of %d media items not encoded there; the LLM replica encodes them",
+                        failed, len(calls))
+
+    @staticmethod
+    async def _awaited(response: Any) -> Any:
+        return await response
+
+    async def _stream(self, kind: str, payload: Any, params: SamplingParams, request_id: str | None,
+                      key: RouteKey | None, files: dict[str, SharedFile] | None) -> AsyncIterator[Any]:
+        attempt = 0
+        while True:
+            gen = self.handle.options(stream=True).generate.remote(kind, payload, params, request_id, files,
+                                                                   route=key)
+            produced = finished = False
+            try:
+                async for item in gen:
+                    if isinstance(item, ReplicaFailure):
+                        raise item.error
+                    produced = True
+                    finished = item.finished
+                    yield item
+                return
+            except self._replica_gone as exc:
+                if produced or attempt >= self.retries:
+                    raise ServerBusy(f"the LLM replica serving this request died ({type(exc).__name__}); "
+                                     f"retry the request") from None
+                attempt += 1
+                self.resends += 1
+                log.warning("LLM replica died before the first token of %s; sending it again (%d/%d)",
+                            request_id, attempt, self.retries)
+            except self._task_error as exc:
+                raise InternalError(f"LLM replica failed: {exc}") from None
+            finally:
+                if not finished:
+                    gen.cancel()  # client gone or error: abort on the replica, free its KV

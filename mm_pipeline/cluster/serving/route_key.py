@@ -1,0 +1,126 @@
+"""What the LLM router matches on: a request's prompt as a chain of block hashes.
+
+The engine's prefix cache reuses KV page by page from the start of the prompt, and an encoder unit
+is reusable wherever the same media bytes appear. So the router sees a prompt as blocks: text as
+token ids cut into ``block_tokens`` runs, each media item as one block named by its content key
+(what the bytes are, not how they were sent) weighted by ``media_weight`` tokens. Block ``i``'s hash
+covers blocks ``0..i`` (a chain), so two prompts share hash ``i`` exactly when they share the first
+``i + 1`` blocks: a flat set of chain hashes *is* the radix tree of dispatched prefixes, which is
+what lets its state live in Redis as plain keys (mm_pipeline/cluster/serving/router_state.py).
+
+The ingress builds the key from the parsed messages with the tokenizer only: no media is decoded
+here (that is the encoder's and the LLM replica's work), so routing costs microseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+BLOCK_TOKENS = 16  # the engine's page size: a partial page is never cached, so it never matches
+MEDIA_WEIGHT = 64  # token-equivalents of one media block: media prefill dominates a prompt's cost
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """``hashes[i]`` names blocks ``0..i``; ``weights[i]`` is block ``i``'s size in tokens."""
+
+    hashes: tuple[int, ...]
+    weights: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.hashes) != len(self.weights):
+            raise ValueError("RouteKey needs one weight per hash")
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights)
+
+    def weight_of(self, blocks: int) -> int:
+        """Tokens covered by the first ``blocks`` blocks."""
+        return sum(self.weights[:blocks])
+
+
+def _h(prev: int, tag: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(prev.to_bytes(8, "little") + tag, digest_size=8).digest(), "little")
+
+
+def key_of_pieces(pieces: Sequence[tuple[str, Any]], block_tokens: int = BLOCK_TOKENS,
+                  media_weight: int = MEDIA_WEIGHT) -> RouteKey:
+    """``pieces``: ``("tokens", [ids])`` or ``("media", content_key)`` in prompt order. Tokens run
+    across pieces (a page spans a message boundary in the engine too); a media piece flushes the
+    partial run before it, as a placeholder run starts at the media's position."""
+    hashes: list[int] = []
+    weights: list[int] = []
+    prev = 0
+    run: list[int] = []
+
+    def flush_full() -> None:
+        nonlocal prev, run
+        while len(run) >= block_tokens:
+            block, run = run[:block_tokens], run[block_tokens:]
+            prev = _h(prev, b"t" + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block))
+            hashes.append(prev)
+            weights.append(block_tokens)
+
+    for kind, value in pieces:
+        if kind == "tokens":
+            run.extend(int(t) for t in value)
+            flush_full()
+        elif kind == "media":
+            if run:  # the partial run before the media is part of what the media block follows
+                prev = _h(prev, b"p" + b"".join(int(t).to_bytes(4, "little", signed=True) for t in run))
+                hashes.append(prev)
+                weights.append(len(run))
+                run = []
+            prev = _h(prev, b"m" + str(value).encode())
+            hashes.append(prev)
+            weights.append(media_weight)
+        else:
+            raise ValueError(f"unknown route piece kind {kind!r}")
+    return RouteKey(tuple(hashes), tuple(weights))
+
+
+def media_key(part: dict) -> str | None:
+    """The content key of a media content part, from what the request carries: the bytes of a data
+    URL (hashed as sent: the same upload sent twice is the same key), a file id, or a URL. The
+    encoder cache keys on the decoded bytes' blake3; routing only needs the same media to give the
+    same key, which this does without decoding anything."""
+    kind = part.get("type")
+    if kind == "file":
+        f = part.get("file") or {}
+        ref = f.get("file_id") or f.get("file_data") or ""
+    elif kind in ("image_url", "video_url", "audio_url", "input_audio"):
+        inner = part.get(kind) or {}
+        ref = inner.get("url") or inner.get("data") or ""
+    else:
+        return None
+    return hashlib.blake2b(str(ref).encode(), digest_size=16).hexdigest()
+
+
+def key_of_messages(messages: list[dict], encode: Callable[[str], list[int]],
+                    block_tokens: int = BLOCK_TOKENS, media_weight: int = MEDIA_WEIGHT) -> RouteKey:
+    """The route key of OpenAI chat ``messages``: each message's role and text parts as tokens
+    (``encode``: the model's tokenizer), its media parts as content keys."""
+    pieces: list[tuple[str, Any]] = []
+    for m in messages:
+        pieces.append(("tokens", encode(f"<{m.get('role', '')}>")))
+        content = m.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else (content or [])
+        for part in parts:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "text":
+                pieces.append(("tokens", encode(str(part.get("text", "")))))
+            else:
+                key = media_key(part)
+                if key is not None:
+                    pieces.append(("media", key))
+    return key_of_pieces(pieces, block_tokens, media_weight)
+
+
+def key_of_prompt(prompt: str | list[int], encode: Callable[[str], list[int]],
+                  block_tokens: int = BLOCK_TOKENS) -> RouteKey:
+    ids = encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    return key_of_pieces([("tokens", ids)], block_tokens)

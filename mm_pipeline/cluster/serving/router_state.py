@@ -1,0 +1,179 @@
+"""The router's memory of which replica was sent which prefix: a radix tree of dispatched prefixes.
+
+Prefixes are chains of block hashes (mm_pipeline/cluster/serving/route_key.py): hash ``i`` stands for the
+whole path from the root to block ``i``, so the tree is stored flat, one entry per node naming the
+replicas that were sent that path. A lookup walks the request's chain from the root and stops, per
+replica, at the first node it is missing from: that depth is the replica's matched prefix.
+
+Two stores with one contract:
+
+* :class:`MemoryPrefixIndex` -- in the router's process, each replica's nodes in LRU order and
+  capped (``max_blocks_per_replica``), a model of the replica's own cache evicting old prefixes;
+* :class:`RedisPrefixIndex` -- the same nodes as Redis sets (``b:<hash>`` -> replicas, and
+  ``r:<replica>`` -> its hashes so a dead replica can be forgotten), with a TTL standing in for
+  eviction. Several ingress replicas share it and so agree on where a prefix went; a restarted
+  ingress keeps it. Redis being down is a miss (routing falls back to load), never an error, like
+  every other Redis tier in mmserve (llm_core/storage/redis_store.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Iterable, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class PrefixIndex(Protocol):
+    def record(self, replica: str, hashes: Sequence[int]) -> None:
+        """``replica`` was sent the prefix ``hashes`` (all its nodes, root first)."""
+
+    def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """For each of ``replicas``: how many leading blocks of ``hashes`` it was sent."""
+
+    def forget(self, replica: str) -> None:
+        """Drop every node of a replica that died or left."""
+
+
+def walk(hashes: Sequence[int], holders: Sequence[set[str]], replicas: Iterable[str]) -> dict[str, int]:
+    """Depth reached by each replica walking down the chain (``holders[i]``: who holds node i)."""
+    depth = {r: 0 for r in replicas}
+    alive = set(depth)
+    for i, held in enumerate(holders[:len(hashes)]):
+        alive &= held
+        if not alive:
+            break
+        for r in alive:
+            depth[r] = i + 1
+    return depth
+
+
+class MemoryPrefixIndex:
+    """The index in this process (one router, or the benchmark's simulation)."""
+
+    def __init__(self, max_blocks_per_replica: int | None = None) -> None:
+        if max_blocks_per_replica is not None and max_blocks_per_replica < 1:
+            raise ValueError(f"max_blocks_per_replica must be >= 1, got {max_blocks_per_replica}")
+        self.cap = max_blocks_per_replica
+        self._nodes: dict[int, set[str]] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lock = threading.Lock()  # the Serve router calls back from its own loop and threads
+
+    def record(self, replica: str, hashes: Sequence[int]) -> None:
+        with self._lock:
+            lru = self._lru.setdefault(replica, OrderedDict())
+            for h in hashes:
+                self._nodes.setdefault(h, set()).add(replica)
+                lru[h] = None
+                lru.move_to_end(h)
+            while self.cap is not None and len(lru) > self.cap:
+                old, _ = lru.popitem(last=False)
+                self._drop(old, replica)
+
+    def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        with self._lock:
+            return walk(hashes, [self._nodes.get(h, set()) for h in hashes], replicas)
+
+    def forget(self, replica: str) -> None:
+        with self._lock:
+            for h in self._lru.pop(replica, {}):
+                self._drop(h, replica)
+
+    def check_integrity(self) -> None:
+        """Each node names exactly the replicas whose LRU holds it, no node is empty, no LRU is over
+        the cap. Raises AssertionError naming the first difference."""
+        with self._lock:
+            expect: dict[int, set[str]] = {}
+            for replica, lru in self._lru.items():
+                if self.cap is not None and len(lru) > self.cap:
+                    raise AssertionError(f"replica {replica} holds {len(lru)} blocks, cap {self.cap}")
+                for h in lru:
+                    expect.setdefault(h, set()).add(replica)
+            if expect != self._nodes:
+                bad = next(h for h in set(expect) | set(self._nodes) if expect.get(h) != self._nodes.get(h))
+                raise AssertionError(f"node {bad}: holders {self._nodes.get(bad)}, LRUs say {expect.get(bad)}")
+
+    def blocks(self, replica: str) -> int:
+        return len(self._lru.get(replica, ()))
+
+    def _drop(self, h: int, replica: str) -> None:
+        held = self._nodes.get(h)
+        if held is not None:
+            held.discard(replica)
+            if not held:
+                del self._nodes[h]
+
+
+class RedisPrefixIndex:
+    """The index in Redis (see module doc). ``ttl_s``: how long a node lives after it was last sent."""
+
+    def __init__(self, url: str, *, prefix: str = "mmserve:router:", ttl_s: int = 3600,
+                 timeout_s: float = 0.25, retry_after_s: float = 5.0) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from llm_core.storage.redis_store import RedisAddress
+
+        a = RedisAddress.from_url(url)
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
+        self.prefix, self.ttl_s, self.retry_after_s = prefix, ttl_s, retry_after_s
+        self._errors = (redis.RedisError, OSError)
+        self._client = redis.Redis(host=a.host, port=a.port, db=a.db, username=a.username, password=a.password,
+                                   socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._down_until = 0.0
+
+    def record(self, replica: str, hashes: Sequence[int]) -> None:
+        def op(c) -> None:
+            pipe = c.pipeline(transaction=False)
+            for h in hashes:
+                pipe.sadd(self._b(h), replica)
+                pipe.expire(self._b(h), self.ttl_s)
+            if hashes:
+                pipe.sadd(self._r(replica), *[str(h) for h in hashes])
+                pipe.expire(self._r(replica), self.ttl_s)
+            pipe.execute()
+        self._call(op)
+
+    def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        def op(c) -> list[set[str]]:
+            pipe = c.pipeline(transaction=False)
+            for h in hashes:
+                pipe.smembers(self._b(h))
+            return [set(s) for s in pipe.execute()]
+        holders = self._call(op) if hashes else []
+        return walk(hashes, holders or [], replicas)
+
+    def forget(self, replica: str) -> None:
+        def op(c) -> None:
+            members = c.smembers(self._r(replica))
+            pipe = c.pipeline(transaction=False)
+            for h in members:
+                pipe.srem(self._b(int(h)), replica)
+            pipe.delete(self._r(replica))
+            pipe.execute()
+        self._call(op)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _b(self, h: int) -> str:
+        return f"{self.prefix}b:{h}"
+
+    def _r(self, replica: str) -> str:
+        return f"{self.prefix}r:{replica}"
+
+    def _call(self, op):
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            return op(self._client)
+        except self._errors as exc:
+            log.warning("router state in Redis unavailable for %.0fs: %s", self.retry_after_s, exc)
+            self._down_until = time.monotonic() + self.retry_after_s
+            return None

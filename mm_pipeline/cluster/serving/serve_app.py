@@ -1,0 +1,160 @@
+"""``mmserve serve --ray``: the OpenAI-compatible app on Ray Serve, LLM engines in replicas.
+
+    clients ──HTTP──► Serve proxy ──► Ingress replica(s)            LLM replicas (LLMReplica)
+                                      @serve.ingress: create_app()  ┌─► engine 0: KV, prefix cache,
+                                      over RemoteEngine ──handle────┤   encoders, media workers
+                                      (route key: tokens + media    └─► engine 1 ...
+                                       content keys)  ▲                  │ record_routing_stats:
+                                                      └── PrefixAffinityRouter ◄── tokens still to compute
+                                                          radix tree of dispatched prefixes (Redis)
+
+The ingress is our FastAPI app itself (mm_pipeline/server/app.py, built per replica by
+``__serve_build_asgi_app__``), so every endpoint, SSE stream, upload and error status is the one a
+single process serves. Each LLM replica owns a whole OmniEngine; with ``redis_url`` they share the
+encoder cache, and with ``kv_store: redis://...`` the KV L3 tier, so a prefix evicted on one replica
+(or computed on another) is loaded instead of recomputed. The LLM deployment's request router is
+:class:`PrefixAffinityRouter` (``router="affinity"``) or Ray Serve's default power-of-two-choices
+(``router="pow2"``) or replicas in turn (``router="round_robin"``): the baselines
+``benchmarks/router.py`` measures against.
+
+With ``encoder_replicas`` the ingress first sends each media item of a chat to an encoder replica
+(mm_pipeline/cluster/serving/encoder_replica.py), chosen by consistent hashing of its content key with
+bounded loads (encoder_router.py); the embeddings reach the LLM replica through the shared encoder
+cache, and anything the tier did not deliver the LLM replica encodes itself.
+
+Every node that runs a replica needs mmserve importable (installed, or on ``PYTHONPATH``) and the
+model directory at the same path; a local cluster (``--ray`` without an address) gets both from
+this process's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
+from mm_pipeline.cluster.serving.llm_replica import LLMReplica
+from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
+from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+ROUTERS = ("affinity", "pow2", "round_robin")
+LLM_DEPLOYMENT = "LLM"
+ENCODER_DEPLOYMENT = "Encoder"
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+@dataclass(frozen=True)
+class ServeClusterConfig:
+    """How the app is laid out on the cluster (the engine itself is the ``OmniEngineConfig``)."""
+
+    llm_replicas: int = 2
+    encoder_replicas: int = 0  # 0: each LLM replica encodes its own media
+    ingress_replicas: int = 1
+    llm_num_cpus: float = 1.0  # Ray resources per LLM replica (fractions share a node's cores)
+    llm_num_gpus: float = 0.0
+    ingress_num_cpus: float = 0.25
+    encoder_num_cpus: float = 1.0
+    encoder_timeout_s: float = 120.0  # an encoder call slower than this is left to the LLM replica
+    torch_threads: int | None = None  # intra-op threads per LLM replica; None: torch's default
+    router: str = "affinity"
+    router_redis_url: str | None = None  # the router's prefix tree; None: each ingress keeps its own
+    match_weight: float = 1.5
+    routing_stats_period_s: float = 0.5
+    max_ongoing_requests: int = 64  # per LLM replica, what Serve admits before queueing at the router
+    retries: int = 2  # resends of a request whose replica died before its first token
+    host: str = "127.0.0.1"
+    port: int = 8000
+    app_name: str = "mmserve"
+
+    def __post_init__(self) -> None:
+        if self.llm_replicas < 1 or self.ingress_replicas < 1:
+            raise ValueError(f"need at least one LLM and one ingress replica, got {self.llm_replicas}, "
+                             f"{self.ingress_replicas}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.encoder_replicas < 0:
+            raise ValueError(f"encoder_replicas must be >= 0, got {self.encoder_replicas}")
+        if self.llm_num_cpus <= 0 or self.ingress_num_cpus <= 0 or self.encoder_num_cpus <= 0:
+            raise ValueError("replica CPU shares must be positive")
+
+
+def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: ServerSettings,
+              cluster: ServeClusterConfig) -> Any:
+    """The bound Serve application (``serve.run`` it). Imports Ray: only for ``--ray``."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from llm_core.llm import load_tokenizer
+    from mm_pipeline.server.app import create_app
+
+    if cluster.encoder_replicas and not (engine_config.cache_dir or engine_config.redis_url):
+        raise ValueError("encoder replicas hand embeddings to the LLM replicas through the encoder cache: give "
+                         "--redis-url, or --encoder-cache-dir on a file system every replica sees")
+    model_dir = str(Path(model_dir).resolve())
+    settings = replace(settings, model_name=settings.model_name or Path(model_dir).name)
+
+    router_kwargs: dict[str, Any] = {}
+    if cluster.router == "affinity":
+        router_kwargs = dict(request_router_class="mm_pipeline.cluster.serving.prefix_router.PrefixAffinityRouter",
+                             request_router_kwargs={"redis_url": cluster.router_redis_url,
+                                                    "match_weight": cluster.match_weight})
+    elif cluster.router == "round_robin":
+        router_kwargs = dict(request_router_class="mm_pipeline.cluster.serving.prefix_router.RoundRobinRouter")
+    llm = serve.deployment(LLMReplica, name=LLM_DEPLOYMENT).options(
+        num_replicas=cluster.llm_replicas,
+        max_ongoing_requests=cluster.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cluster.llm_num_cpus, "num_gpus": cluster.llm_num_gpus},
+        request_router_config=RequestRouterConfig(request_routing_stats_period_s=cluster.routing_stats_period_s,
+                                                  request_routing_stats_timeout_s=5.0, **router_kwargs),
+        health_check_period_s=2.0,
+    )
+
+    encoders = None
+    if cluster.encoder_replicas:
+        encoders = serve.deployment(EncoderReplica, name=ENCODER_DEPLOYMENT).options(
+            num_replicas=cluster.encoder_replicas, max_ongoing_requests=cluster.max_ongoing_requests,
+            ray_actor_options={"num_cpus": cluster.encoder_num_cpus, "num_gpus": cluster.llm_num_gpus},
+            request_router_config=RequestRouterConfig(
+                request_router_class="mm_pipeline.cluster.serving.encoder_router.ContentHashRouter"),
+            health_check_period_s=2.0,
+        ).bind(model_dir, engine_config, cluster.torch_threads)
+
+    @serve.ingress()
+    class Ingress:
+        """Our FastAPI app over a RemoteEngine to the LLM deployment (and the encoder tier)."""
+
+        async def __init__(self, llm_handle: Any, encoder_handle: Any = None) -> None:
+            self.engine = RemoteEngine(llm_handle, load_tokenizer(model_dir), settings.model_name,
+                                       retries=cluster.retries, encoders=encoder_handle,
+                                       encoder_timeout_s=cluster.encoder_timeout_s)
+            await self.engine.refresh_stats()  # fails the replica's start if no LLM replica answers
+
+        def __serve_build_asgi_app__(self) -> Any:
+            return create_app(self.engine, settings)
+
+    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
+        num_replicas=cluster.ingress_replicas, max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": cluster.ingress_num_cpus})
+    return ingress.bind(llm.bind(model_dir, engine_config, cluster.torch_threads), encoders)
+
+
+def start(model_dir: str | Path, engine_config: OmniEngineConfig, settings: ServerSettings,
+          cluster: ServeClusterConfig, *, blocking: bool = False) -> Any:
+    """Start Serve's HTTP proxy on ``cluster.host:port`` and run the app (Ray must be connected:
+    mm_pipeline/cluster/ray_runtime.py). Returns the ingress handle."""
+    from ray import serve
+
+    serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    return serve.run(build_app(model_dir, engine_config, settings, cluster), name=cluster.app_name,
+                     route_prefix="/", blocking=blocking)
+
+
+def stop(cluster: ServeClusterConfig) -> None:
+    from ray import serve
+
+    serve.delete(cluster.app_name)

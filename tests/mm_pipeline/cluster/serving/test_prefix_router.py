@@ -1,0 +1,69 @@
+"""The Serve-side routers without a cluster (Ray Serve's RequestRouter subclasses driven directly,
+replicas as stand-ins carrying what the router reads): the affinity router ranks the replica that
+was sent the prefix first, counts its own in-flight prefill as load, and forgets a replica that died;
+the encoder router sends one content key to one replica."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray")
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
+from ray.serve.request_router import ReplicaID  # noqa: E402
+
+from mm_pipeline.cluster.serving.encoder_router import ContentHashRouter  # noqa: E402
+from mm_pipeline.cluster.serving.prefix_router import PrefixAffinityRouter  # noqa: E402
+from mm_pipeline.cluster.serving.route_key import key_of_pieces  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="LLM", app_name="test")
+
+
+def replica(uid: str, load: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=ReplicaID(unique_id=uid, deployment_id=DEPLOYMENT),
+                           routing_stats={"load_tokens": load})
+
+
+def request(rid: str, **kwargs) -> SimpleNamespace:
+    return SimpleNamespace(kwargs=kwargs, metadata=SimpleNamespace(internal_request_id=rid))
+
+
+async def first_choice(router, replicas, pending) -> str:
+    ranks = await router.choose_replicas(replicas, pending)
+    return ranks[0][0].replica_id.unique_id
+
+
+def test_affinity_router_follows_the_prefix_and_forgets_the_dead():
+    async def run() -> None:
+        router = PrefixAffinityRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        reps = [replica("a"), replica("b")]
+        key = key_of_pieces([("tokens", list(range(160)))])
+        pending = request("1", route=key)
+        chosen = await first_choice(router, reps, pending)
+        router.on_request_routed(pending, reps[0 if chosen == "a" else 1].replica_id, None)
+        assert router._inflight[chosen] == key.total  # nothing was cached there: the whole prefill
+        router.on_request_completed(reps[0 if chosen == "a" else 1].replica_id, "1")
+        assert router._inflight[chosen] == 0
+        longer = key_of_pieces([("tokens", list(range(200)))])
+        assert await first_choice(router, reps, request("2", route=longer)) == chosen
+        dead = reps[0 if chosen == "a" else 1]
+        router.on_replica_actor_died(dead.replica_id)
+        assert router.policy.index.match(longer.hashes, [chosen])[chosen] == 0
+
+    asyncio.run(run())
+
+
+def test_encoder_router_sends_a_key_to_one_replica():
+    async def run() -> None:
+        router = ContentHashRouter(DeploymentID(name="Encoder", app_name="test"), DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        reps = [replica(f"e{i}") for i in range(4)]
+        picks = {await first_choice(router, reps, request(str(i), media_key="video-1")) for i in range(5)}
+        assert len(picks) == 1  # nothing in flight: the ring's owner every time
+        spread = {await first_choice(router, reps, request(str(i), media_key=f"video-{i}")) for i in range(40)}
+        assert len(spread) == 4
+
+    asyncio.run(run())

@@ -1,0 +1,111 @@
+"""The radix tree of dispatched prefixes (mm_pipeline/cluster/serving/router_state.py), in memory and in
+Redis, against a naive oracle: each replica's matched depth is the longest common prefix between the
+request and any chain that replica was sent; forgetting a replica removes exactly its entries."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mm_pipeline.cluster.serving.route_key import key_of_pieces
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex, RedisPrefixIndex
+
+REPLICAS = ["a", "b", "c"]
+# block contents from a small alphabet so that prompts share prefixes often
+blocks = st.lists(st.integers(0, 3), min_size=0, max_size=6)
+ops = st.lists(st.tuples(st.sampled_from(REPLICAS), blocks), max_size=12)
+
+
+def chain(seq: list[int]) -> tuple[int, ...]:
+    return key_of_pieces([("tokens", [t] * 16) for t in seq]).hashes
+
+
+def lcp(a: tuple, b: tuple) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def oracle(sent: dict[str, list[tuple]], query: tuple) -> dict[str, int]:
+    return {r: max((lcp(query, s) for s in sent.get(r, [])), default=0) for r in REPLICAS}
+
+
+def check(index, dispatched, query, gone) -> None:
+    sent: dict[str, list[tuple]] = {}
+    for replica, seq in dispatched:
+        index.record(replica, chain(seq))
+        sent.setdefault(replica, []).append(chain(seq))
+        if hasattr(index, "check_integrity"):
+            index.check_integrity()
+    assert index.match(chain(query), REPLICAS) == oracle(sent, chain(query))
+    index.forget(gone)
+    sent.pop(gone, None)
+    if hasattr(index, "check_integrity"):
+        index.check_integrity()
+    after = index.match(chain(query), REPLICAS)
+    assert after == oracle(sent, chain(query))
+    assert after[gone] == 0
+
+
+@given(ops, blocks, st.sampled_from(REPLICAS))
+def test_memory_index_matches_oracle(dispatched, query, gone):
+    check(MemoryPrefixIndex(), dispatched, query, gone)
+
+
+@given(ops, blocks, st.integers(1, 8))
+def test_eviction_keeps_integrity_and_only_lowers_matches(dispatched, query, cap):
+    """A capped index (a model of a replica cache evicting) never claims more than it was sent."""
+    index, full = MemoryPrefixIndex(max_blocks_per_replica=cap), MemoryPrefixIndex()
+    for replica, seq in dispatched:
+        index.record(replica, chain(seq))
+        full.record(replica, chain(seq))
+        index.check_integrity()
+    capped, uncapped = index.match(chain(query), REPLICAS), full.match(chain(query), REPLICAS)
+    assert all(capped[r] <= min(uncapped[r], cap) for r in REPLICAS)
+
+
+def test_memory_index_evicts_least_recent_blocks():
+    index = MemoryPrefixIndex(max_blocks_per_replica=3)
+    old, new = chain([1, 1, 1]), chain([2, 2, 2])
+    index.record("a", old)
+    index.record("a", new)
+    assert index.match(old, ["a"]) == {"a": 0} and index.match(new, ["a"]) == {"a": 3}
+    assert index.blocks("a") == 3
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server) -> str:
+    return f"redis://127.0.0.1:{redis_server}/0"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops, blocks, st.sampled_from(REPLICAS))
+def test_redis_index_matches_oracle(redis_url, dispatched, query, gone):
+    index = RedisPrefixIndex(redis_url, prefix=f"t:{uuid.uuid4().hex}:")
+    try:
+        check(index, dispatched, query, gone)
+    finally:
+        index.close()
+
+
+def test_redis_index_is_shared_and_survives_a_new_client(redis_url):
+    """Two ingress routers on one Redis agree; a restarted one (a new client) still knows."""
+    prefix = f"t:{uuid.uuid4().hex}:"
+    first, second = RedisPrefixIndex(redis_url, prefix=prefix), RedisPrefixIndex(redis_url, prefix=prefix)
+    first.record("a", chain([1, 2, 3]))
+    assert second.match(chain([1, 2, 0]), REPLICAS) == {"a": 2, "b": 0, "c": 0}
+    first.close()
+    assert RedisPrefixIndex(redis_url, prefix=prefix).match(chain([1, 2, 3]), ["a"]) == {"a": 3}
+
+
+def test_redis_down_is_a_miss_not_an_error():
+    index = RedisPrefixIndex("redis://127.0.0.1:1/0", timeout_s=0.05)
+    index.record("a", chain([1]))
+    assert index.match(chain([1]), ["a"]) == {"a": 0}
+    index.forget("a")

@@ -1,0 +1,209 @@
+"""``serve --ray`` end to end on a local Ray cluster (the session's ``ray_local``, 127.0.0.1): one Serve
+app for the module, 2 LLM replicas and 2 encoder replicas of the demo model (a quarter CPU and one torch
+thread each) behind our FastAPI app as the ingress, asked with the ``openai`` client; the encoder tier
+hands embeddings over through an encoder-cache directory all replicas see.
+
+* image, audio, video, an uploaded file and a stream give the answers of one process (greedy);
+* a bad media item is the same 415 as one process (typed errors cross the replica boundary);
+* repeated media goes to the same encoder replica, which finds it cached; different media spread;
+* a conversation's turns land on one replica (each turn's cached tokens cover the previous prompt),
+  and a second question about the same video hits that replica's encoder cache;
+* killing an LLM replica under load loses no request and hangs none; Serve starts a new one.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import shutil
+import socket
+import time
+
+import pytest
+
+from mm_pipeline.runtime.config import OmniEngineConfig
+from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
+
+pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
+              pytest.mark.usefixtures("one_thread")]
+openai = pytest.importorskip("openai")
+
+MEDIA = {"image": "image_000001.png", "audio": "audio_000003.wav", "video": "video_000000.mp4"}
+ENGINE = dict(device="cpu", dtype="float32")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def part(kind: str) -> dict:
+    data = base64.b64encode((SAMPLE_MEDIA / MEDIA[kind]).read_bytes()).decode()
+    if kind == "audio":
+        return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    return {"type": f"{kind}_url", f"{kind}_url": {"url": f"data:application/octet-stream;base64,{data}"}}
+
+
+@pytest.fixture(scope="module")
+def cluster_url(ray_local, tmp_path_factory, request):
+    """The router keeps its tree in the session's throwaway Redis when redis-server is installed
+    (as a deployment with several ingresses would), else in the ingress."""
+    from ray import serve
+
+    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
+    from mm_pipeline.server.settings import ServerSettings
+
+    try:
+        router_redis_url = f"redis://127.0.0.1:{request.getfixturevalue('redis_server')}/0"
+    except pytest.skip.Exception:
+        router_redis_url = None
+    cluster = ServeClusterConfig(llm_replicas=2, encoder_replicas=2, llm_num_cpus=0.25, encoder_num_cpus=0.25,
+                                 ingress_num_cpus=0.25, torch_threads=1, port=_free_port(), routing_stats_period_s=0.2,
+                                 router_redis_url=router_redis_url)
+    settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("ray-files")))
+    config = OmniEngineConfig.from_kwargs(cache_dir=str(tmp_path_factory.mktemp("encoder-cache")), **ENGINE)
+    start(DEMO_MODEL, config, settings, cluster)
+    try:
+        yield f"http://127.0.0.1:{cluster.port}"
+    finally:
+        stop(cluster)
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_url(tmp_path_factory):
+    """The same model in this process: the answers the cluster must give."""
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+    from mm_pipeline.server import ServerSettings, ServerThread, create_app
+
+    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(**ENGINE))
+    try:
+        with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))) as s:
+            yield s.base_url
+    finally:
+        engine.shutdown()
+
+
+def client(url: str, **kw) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, **kw)
+
+
+def ask(c, content, max_tokens: int = 10, **kw):
+    return c.chat.completions.with_raw_response.create(
+        model="demo-model", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_openai_answers_equal_one_process(cluster_url, local_url):
+    remote, local = client(cluster_url), client(local_url)
+    for kind in MEDIA:
+        content = [part(kind), {"type": "text", "text": f"Describe this {kind}."}]
+        assert ask(remote, content).parse().choices[0].message.content == \
+            ask(local, content).parse().choices[0].message.content, kind
+    # an upload, asked by file id (the ingress ships the bytes to the replica)
+    payload = (SAMPLE_MEDIA / MEDIA["image"]).read_bytes()
+    answers = []
+    for c in (remote, local):
+        f = c.files.create(file=("pic.png", payload), purpose="user_data")
+        answers.append(ask(c, [{"type": "file", "file": {"file_id": f.id}},
+                               {"type": "text", "text": "What is in the file?"}]).parse().choices[0].message.content)
+    assert answers[0] == answers[1] and answers[0]
+    # a stream, token by token over SSE through Serve's proxy
+    texts = []
+    for c in (remote, local):
+        stream = c.chat.completions.create(model="demo-model", max_tokens=12, temperature=0, stream=True,
+                                           messages=[{"role": "user", "content": "Say something."}])
+        texts.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_bad_media_is_the_same_client_error(cluster_url):
+    with pytest.raises(openai.APIStatusError) as err:
+        ask(client(cluster_url, max_retries=0), [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+    assert err.value.status_code == 415
+
+
+def test_repeated_media_goes_to_one_encoder_replica(cluster_url):
+    """The encoder deployment's router (consistent hashing of the content key), seen through a
+    handle of the test's own: the same image thrice lands on one replica and hits from the second
+    call on; the nine sample files use both replicas."""
+    from ray import serve
+
+    from mm_pipeline.cluster.serving.route_key import media_key
+
+    encoders = serve.get_deployment_handle("Encoder", app_name="mmserve")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        (SAMPLE_MEDIA / "image_000002.jpg").read_bytes()).decode()}}
+    reports = [encoders.encode.remote(image, media_key=media_key(image)).result(timeout_s=120) for _ in range(3)]
+    assert len({r.replica for r in reports}) == 1
+    assert reports[0].units > 0 and all(r.hits == r.units for r in reports[1:])
+    used = set()
+    for path in sorted(SAMPLE_MEDIA.glob("*_00000*.*")):
+        kind = "audio" if path.name.startswith("audio") else "video" if path.name.startswith("video") else "image"
+        data = base64.b64encode(path.read_bytes()).decode()
+        p = ({"type": "input_audio", "input_audio": {"data": data, "format": path.suffix.lstrip(".")}} if kind == "audio"
+             else {"type": f"{kind}_url", f"{kind}_url": {"url": f"data:application/octet-stream;base64,{data}"}})
+        used.add(encoders.encode.remote(p, media_key=media_key(p)).result(timeout_s=120).replica)
+    assert len(used) == 2
+
+
+def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url, request):
+    c = client(cluster_url)
+    history = [{"role": "system", "content": "You are a terse assistant who answers in a few words. " * 6}]
+    prev_prompt = 0
+    for turn in range(4):
+        history.append({"role": "user", "content": f"Turn {turn}: what comes next in the sequence?"})
+        r = c.chat.completions.create(model="demo-model", max_tokens=6, temperature=0, messages=history)
+        if turn:  # the previous prompt's whole pages are cached: the turn went where its KV is
+            assert r.usage.prompt_tokens_details.cached_tokens >= prev_prompt // 16 * 16 - 16, turn
+        prev_prompt = r.usage.prompt_tokens
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+    first = ask(c, [part("video"), {"type": "text", "text": "What happens in the video?"}])
+    second = ask(c, [part("video"), {"type": "text", "text": "Which colours are in it?"}])
+    assert int(second.headers["x-encoder-cache-hits"]) > 0
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    assert first.parse().choices[0].message.content
+    if shutil.which("redis-server"):  # the router's tree is in Redis: nodes under its prefix
+        import redis
+
+        port = request.getfixturevalue("redis_server")
+        assert any(True for _ in redis.Redis(port=port).scan_iter("mmserve:router:b:*", count=1000))
+
+
+def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
+    ray = ray_local
+    from ray import serve
+
+    def llm_replicas() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA") and "#LLM#" in a["name"]]
+
+    names = llm_replicas()
+    assert len(names) == 2, names
+    c = client(cluster_url, max_retries=3)  # a 503 after the first token is a retry for the client
+
+    def one(i: int) -> str:
+        return ask(c, f"Request {i}: count to twenty.", max_tokens=48,
+                   extra_body={"ignore_eos": True}).parse().choices[0].message.content
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(24)]
+        # under load for sure: kill once the first answer is back (8 more are running by then)
+        cf.wait(futures, timeout=120, return_when=cf.FIRST_COMPLETED)
+        in_flight = sum(not f.done() for f in futures)
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        done, pending = cf.wait(futures, timeout=240)
+    assert in_flight > 0, "the kill came after every request had finished: it tested nothing"
+    assert not pending, "requests hung after the replica died"
+    assert all(f.result() is not None for f in done)  # raises if any request was lost
+    deadline = time.monotonic() + 120  # Serve replaces the dead replica with a new one
+    while time.monotonic() < deadline:
+        now = llm_replicas()
+        status = serve.status().applications["mmserve"].deployments["LLM"]
+        if names[0] not in now and len(now) == 2 and status.replica_states.get("RUNNING", 0) == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"the LLM deployment did not recover: {now} {status}")
+    assert ask(c, "Still there?").parse().choices[0].message.content is not None
