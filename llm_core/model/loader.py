@@ -9,6 +9,8 @@ tensor (read lazily through safetensors' mmap) is written straight into its slic
     ...mlp.experts.{e}.gate_proj / up_proj.weight      -> ...mlp.experts.gate_up_proj[e, :I] / [e, I:]
     ...mlp.experts.{e}.down_proj.weight                -> ...mlp.experts.down_proj[e]
     X.weight + X.weight_scale_inv  (FP8 blocks)        -> dequantised (multiply) before placing
+    model.mtp.layers.{j}.*  (when the checkpoint has them) -> model.model.mtp (llm_core/model/mtp.py),
+                                                          the same conversions as a sliding layer
     anything else                                      -> the parameter / buffer of the same name
 
 The expected tensor names are derived from the config; a missing or unexpected name is an error that
@@ -28,9 +30,10 @@ from llm_core.model.config import ModelConfig
 from llm_core.model.fp8 import FP8_DTYPE, dequantize_blockwise, dequantize_row_chunks
 from llm_core.model.layers.fused_qkv import chunk_count, disk_rows_of_plain
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
+from llm_core.model.mtp import MTP_PREFIX, MTPHead, mtp_layer_count, sliding_layer_config
 
-# Tensors of other parts of a MiMo-V2.5 checkpoint (MTP head, vision tower, audio stack): not ours.
-IGNORED_PREFIXES = ("model.mtp.", "visual.", "speech_embeddings.", "audio_encoder.")
+# Tensors of other parts of a MiMo-V2.5 checkpoint (vision tower, audio stack): not ours.
+IGNORED_PREFIXES = ("visual.", "speech_embeddings.", "audio_encoder.")
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -52,21 +55,9 @@ def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks") -> 
         plan["lm_head.weight"] = Placement("lm_head.weight")
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        spec = config.attn_spec(i)
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"):
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             plan[p + name] = Placement(p + name)
-        qkv = p + "self_attn.qkv_proj.weight"
-        if config.qkv_layout == "fused":
-            chunks = chunk_count(spec, config.fused_qkv_chunks, qkv_row_order)
-            perm = disk_rows_of_plain(spec, chunks)
-            plan[qkv] = Placement(qkv, row_perm=perm, quant_chunks=config.fused_qkv_chunks)
-        else:
-            q, k, v = spec.q_size, spec.k_size, spec.v_size
-            plan[p + "self_attn.q_proj.weight"] = Placement(qkv, (slice(0, q),))
-            plan[p + "self_attn.k_proj.weight"] = Placement(qkv, (slice(q, q + k),))
-            plan[p + "self_attn.v_proj.weight"] = Placement(qkv, (slice(q + k, q + k + v),))
-        if spec.has_sinks:
-            plan[p + "self_attn.attention_sink_bias"] = Placement(p + "self_attn.attention_sink_bias")
+        _attention_plan(plan, p, config.attn_spec(i), config, qkv_row_order)
         if config.mlp_kinds[i] == "dense":
             for name in ("gate_proj", "up_proj", "down_proj"):
                 plan[f"{p}mlp.{name}.weight"] = Placement(f"{p}mlp.{name}.weight")
@@ -79,6 +70,40 @@ def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks") -> 
             plan[f"{p}mlp.experts.{e}.gate_proj.weight"] = Placement(gate_up, (e, slice(0, inter)))
             plan[f"{p}mlp.experts.{e}.up_proj.weight"] = Placement(gate_up, (e, slice(inter, 2 * inter)))
             plan[f"{p}mlp.experts.{e}.down_proj.weight"] = Placement(down, (e,))
+    return plan
+
+
+def _attention_plan(plan: dict[str, Placement], p: str, spec, config: ModelConfig, qkv_row_order: str) -> None:
+    """Placements of one attention block under prefix ``p`` (fused or split qkv, o_proj, sinks)."""
+    plan[p + "self_attn.o_proj.weight"] = Placement(p + "self_attn.o_proj.weight")
+    qkv = p + "self_attn.qkv_proj.weight"
+    if config.qkv_layout == "fused":
+        chunks = chunk_count(spec, config.fused_qkv_chunks, qkv_row_order)
+        perm = disk_rows_of_plain(spec, chunks)
+        plan[qkv] = Placement(qkv, row_perm=perm, quant_chunks=config.fused_qkv_chunks)
+    else:
+        q, k, v = spec.q_size, spec.k_size, spec.v_size
+        plan[p + "self_attn.q_proj.weight"] = Placement(qkv, (slice(0, q),))
+        plan[p + "self_attn.k_proj.weight"] = Placement(qkv, (slice(q, q + k),))
+        plan[p + "self_attn.v_proj.weight"] = Placement(qkv, (slice(q + k, q + k + v),))
+    if spec.has_sinks:
+        plan[p + "self_attn.attention_sink_bias"] = Placement(p + "self_attn.attention_sink_bias")
+
+
+def expected_mtp_tensors(config: ModelConfig, num_layers: int, qkv_row_order: str = "tp4_chunks") -> dict[str, Placement]:
+    """Every tensor of ``num_layers`` MTP layers (docs/model.md §2.2). Their attention is a sliding
+    layer's, so its qkv (fused or split, FP8 or not) is read exactly like a main sliding layer's; the
+    split spelling (``q_proj`` / ``k_proj`` / ``v_proj``) is what an HF-layout checkpoint would use
+    (transformers' mimo_v2_flash defines no MTP of its own)."""
+    spec = sliding_layer_config(config).attn_spec(0)
+    plan: dict[str, Placement] = {}
+    for j in range(num_layers):
+        p = f"{MTP_PREFIX}{j}."
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight",
+                     "pre_mlp_layernorm.weight", "final_layernorm.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            plan[p + name] = Placement(p + name)
+        _attention_plan(plan, p, spec, config, qkv_row_order)
     return plan
 
 
@@ -156,21 +181,30 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     qkv_row_order: str = "tp4_chunks",
     ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
+    load_mtp: bool = True,
 ) -> MiMoV2ForCausalLM:
     """Build the model from ``model_dir/config.json`` and load its safetensors weights.
 
     ``qkv_row_order`` reads a fused hub ``qkv_proj`` as ``"tp4_chunks"`` (sglang) or ``"kv_groups"``
     (vLLM); see llm_core/model/layers/fused_qkv.py. It does not matter for split q/k/v checkpoints.
-    Tensor names starting with ``ignore_prefixes`` (MTP, vision, audio parts) are skipped.
+    Tensor names starting with ``ignore_prefixes`` (vision, audio parts) are skipped. MTP layers
+    (``model.mtp.layers.{j}.*``) are loaded into ``model.model.mtp`` when present (``load_mtp=False``
+    skips them); llm_core/engine/speculative/ drafts with them.
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     plan = expected_tensors(config, qkv_row_order)
     with ShardReader(model_dir) as reader:
         present = {n for n in reader.names() if not n.startswith(ignore_prefixes)}
+        num_mtp = mtp_layer_count(present) if load_mtp else 0
+        if not load_mtp:
+            present = {n for n in present if not n.startswith(MTP_PREFIX)}
+        plan |= expected_mtp_tensors(config, num_mtp, qkv_row_order)
         _check_names(plan, present, config)
         with torch.device("meta"):
             model = MiMoV2ForCausalLM(config)
+            if num_mtp:
+                model.model.mtp = MTPHead(config, num_mtp)
         model.cast_(dtype)
         model.to_empty(device=device)
         model.tie_weights_()  # to_empty() gives tied parameters separate storage again
