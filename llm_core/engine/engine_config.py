@@ -73,6 +73,13 @@ class EngineConfig:
     """KV bytes of both pools (none: 4 GiB on CPU, memory_fraction on CUDA, capped at what the model can use)."""
     swa_checkpoint_reserve_windows: int = 128
     """With prefix caching: SWA pool room for this many windows the cache keeps (checkpoints; evicted LRU)."""
+    # speculative decoding with the checkpoint's MTP layers (llm_core/engine/speculative/, docs/speculative.md)
+    speculative_tokens: int | None = None
+    """MTP draft tokens verified per decode step (0: off; none: 3 when the checkpoint has MTP layers)."""
+    speculative_layers: str = "first"
+    """Which MTP layer drafts step s: first (layer 0 every step, as vLLM / sglang) or chain (layer s)."""
+    speculative_adaptive: bool = True
+    """Choose each request's draft tokens from its recent acceptance and the batch size (down to 0)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -89,6 +96,10 @@ class EngineConfig:
             raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens must be in [0, 16] or None, got {self.speculative_tokens}")
+        if self.speculative_layers not in ("first", "chain"):
+            raise ValueError(f"speculative_layers must be first or chain, got {self.speculative_layers!r}")
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
         if self.prefix_checkpoint_every is not None and (
