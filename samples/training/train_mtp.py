@@ -247,11 +247,12 @@ def export(head: MTPHead, config: ModelConfig, model_dir: Path) -> Path:
     save_file(tensors, str(path), metadata={"format": "pt"})
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        raw = index_path.read_text()
+        index = json.loads(raw)
         wm = {n: f for n, f in index["weight_map"].items() if not n.startswith("model.mtp.")}
-        wm.update({n: MTP_FILE for n in tensors})
-        index["weight_map"] = dict(sorted(wm.items()))
-        index_path.write_text(json.dumps(index, indent=1))
+        wm.update({n: MTP_FILE for n in sorted(tensors)})  # appended: the main entries keep their order
+        index["weight_map"] = wm
+        index_path.write_text(json.dumps(index, indent=1 if raw.startswith('{\n "') else 2) + "\n" * raw.endswith("\n"))
     return path
 
 
