@@ -9,7 +9,10 @@ free; at large batches the step is compute-bound and a rejected token costs real
     threshold(B) = min_gain + (B - 1) / (full_batch - 1) * (max_gain - min_gain), clamped
     k = #{ i in 1..max_k : r^i >= threshold(B) }          (0 = plain decoding for that request)
 
-A request at k = 0 tries one draft token every ``probe_every`` steps, so its estimate can recover.
+A request at k = 0 tries one draft token every ``probe_every`` engine steps, so its estimate can
+recover. All such requests probe in the *same* step: a batch that mixes 1-token and multi-token
+requests takes the attention's general (slower) path, so probes spread over steps would slow every
+step of a large batch.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 @dataclass
 class _Track:
     rate: float
-    idle_steps: int = 0
 
 
 class DraftLength:
@@ -33,6 +35,7 @@ class DraftLength:
         self.min_gain, self.max_gain, self.full_batch = min_gain, max_gain, full_batch
         self.decay, self.probe_every = decay, probe_every
         self._tracks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.steps = 0  # engine steps so far (SpeculativeRunner counts them): the probe clock
 
     def threshold(self, batch: int) -> float:
         frac = min(1.0, max(0.0, (batch - 1) / max(1, self.full_batch - 1)))
@@ -47,11 +50,8 @@ class DraftLength:
         k = 0
         while k < self.max_k and rate ** (k + 1) >= t:
             k += 1
-        if k == 0 and track is not None:
-            track.idle_steps += 1
-            if track.idle_steps >= self.probe_every:
-                track.idle_steps = 0
-                return 1
+        if k == 0 and track is not None and self.steps % self.probe_every == 0:
+            return 1
         return k
 
     def update(self, request, drafted: int, accepted: int) -> None:

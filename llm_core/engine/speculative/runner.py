@@ -60,6 +60,7 @@ class SpeculativeRunner:
 
     @torch.inference_mode()
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
+        self.draft_length.steps += 1
         logits, drafts, rows_of, commit = self._forward(entries, kv)
         sampled: list[SampledToken] = []
         failed: list[tuple[ScheduledRequest, Exception]] = []

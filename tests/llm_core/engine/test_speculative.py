@@ -206,3 +206,33 @@ def test_hub_fp8_mtp_layers_load_like_the_hf_layout(model, tmp_path):
         assert torch.allclose(a, b, atol=0.03), name  # FP8 rounding of 0.08-std weights
     assert not hasattr(load_model(hf, load_mtp=False).model, "mtp")
     assert LLMEngine(load_model(hf, load_mtp=False), EngineConfig(page_size=PAGE, num_full_tokens=256)).speculative is None
+
+
+def test_draft_length_adapts_down_to_zero_and_probes_together():
+    from llm_core.engine.speculative.adaptive import DraftLength
+
+    dl = DraftLength(3, probe_every=4)
+    good, bad = object.__new__(type("R", (), {})), object.__new__(type("R", (), {}))
+    assert dl.choose(good, 1) == dl.choose(bad, 1) == 3  # optimistic start
+    for _ in range(6):
+        dl.update(good, 3, 3)
+        dl.update(bad, 3, 0)
+    dl.steps = 1
+    assert dl.choose(good, 1) == 3 and dl.choose(bad, 1) == 0
+    assert dl.threshold(1) < dl.threshold(8) < dl.threshold(32) == dl.threshold(64)
+    dl.update(good, 3, 2)  # rate ~0.9: fine alone, too low for a full batch
+    assert dl.choose(good, 1) == 3 and dl.choose(good, 32) < 3
+    dl.steps = 4
+    assert dl.choose(bad, 1) == 1  # every request at k = 0 probes in the same step
+    assert DraftLength(3, adaptive=False).choose(bad, 64) == 3
+
+
+def test_adaptive_engine_stops_drafting_when_drafts_fail(model):
+    """Random MTP layers: adaptive k falls to 0 after the first verify, then only probes."""
+    prompts = [ids(50 + i, 6) for i in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref, _ = reference_outputs(model, prompts, params)
+    eng = engine(model, speculative_tokens=3)
+    assert_same(ref, generate(eng, prompts, params))
+    s = eng.stats()
+    assert s.spec_draft_tokens < 3 * 3 + 3 * 40 // 8 + 3  # first guesses + one probe per 8 steps
