@@ -10,9 +10,11 @@ free; at large batches the step is compute-bound and a rejected token costs real
     k = #{ i in 1..max_k : r^i >= threshold(B) }          (0 = plain decoding for that request)
 
 A request at k = 0 tries one draft token every ``probe_every`` engine steps, so its estimate can
-recover. All such requests probe in the *same* step: a batch that mixes 1-token and multi-token
-requests takes the attention's general (slower) path, so probes spread over steps would slow every
-step of a large batch.
+recover, but only at batch sizes where one accepted probe can bring it back (``1 - decay`` clears the
+threshold): a probe step costs several plain steps. All such requests probe in the *same* step: a
+batch that mixes 1-token and multi-token requests takes the attention's general (slower) path, so
+probes spread over steps would slow every step. A request at k = 0 for poor acceptance ("idle")
+also skips the MTP extend (proposer.py), so a batch of them runs nearly at plain-decoding cost.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class DraftLength:
     """Per-request draft length; ``adaptive=False`` always proposes ``max_k`` (capped by the caller)."""
 
     def __init__(self, max_k: int, *, adaptive: bool = True, min_gain: float = 0.2, max_gain: float = 0.9,
-                 full_batch: int = 32, decay: float = 0.7, probe_every: int = 8) -> None:
+                 full_batch: int = 32, decay: float = 0.7, probe_every: int = 16) -> None:
         self.max_k, self.adaptive = max_k, adaptive
         self.min_gain, self.max_gain, self.full_batch = min_gain, max_gain, full_batch
         self.decay, self.probe_every = decay, probe_every
@@ -50,9 +52,16 @@ class DraftLength:
         k = 0
         while k < self.max_k and rate ** (k + 1) >= t:
             k += 1
-        if k == 0 and track is not None and self.steps % self.probe_every == 0:
+        # probe only where one accepted probe could bring the request back (rate 0 -> 1 - decay):
+        # at large batches a probe step (every request 2 tokens) costs several plain steps
+        if k == 0 and track is not None and self.steps % self.probe_every == 0 and 1.0 - self.decay >= t:
             return 1
         return k
+
+    def idle(self, request) -> bool:
+        """The request measured so poorly that it drafts only in probe steps (k = 0 at batch 1)."""
+        track = self._tracks.get(request)
+        return self.adaptive and track is not None and track.rate < self.min_gain
 
     def update(self, request, drafted: int, accepted: int) -> None:
         if drafted <= 0:

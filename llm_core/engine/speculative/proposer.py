@@ -57,8 +57,24 @@ class MTPProposer:
 
     # ---- extend: MTP KV for the target's rows ---------------------------------------------------
     def extend(self, entries: list[ScheduledRequest], fb: ForwardBatch, embeds: torch.Tensor,
-               hidden: torch.Tensor, kv) -> list[torch.Tensor]:
-        """Run the MTP layers over the step's rows; returns each layer's outputs [T, H]."""
+               hidden: torch.Tensor, kv, skip: set[int] = frozenset()) -> list[torch.Tensor]:
+        """Run the MTP layers over the step's rows; returns each layer's outputs [T, H].
+
+        Entries whose ``id`` is in ``skip`` (plain decodes of requests the adaptive draft length has
+        at k = 0) are left out: their MTP KV goes stale, which only lowers their later acceptance
+        (and such requests draft poorly anyway), while a large batch of them pays no MTP cost."""
+        if skip and any(id(e) in skip for e in entries):
+            keep = [e for e in entries if id(e) not in skip]
+            outs = [torch.zeros_like(hidden) for _ in range(self.num_layers)]
+            if not keep:
+                return outs
+            qsl = fb.query_start_loc.tolist()
+            rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b, e in enumerate(entries) if id(e) not in skip])
+            rows = rows.to(hidden.device)
+            sub_fb, _ = build_forward_batch(keep, self.page_size, hidden.device)
+            for full, part in zip(outs, self.extend(keep, sub_fb, embeds[rows], hidden[rows], kv)):
+                full[rows] = part
+            return outs
         starts = fb.query_start_loc.tolist()[:-1]
         src, outs = hidden, []
         for l in range(self.num_layers):

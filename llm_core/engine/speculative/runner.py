@@ -109,7 +109,9 @@ class SpeculativeRunner:
             if embeds is None:
                 embeds = model.embed(ids)
             hidden = model(None, fb, kv, inputs_embeds=embeds)
-            outs = proposer.extend(entries, fb, embeds, hidden, kv)
+            idle = {id(e) for e in entries if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
+                    and self.draft_length.idle(e.request)}
+            outs = proposer.extend(entries, fb, embeds, hidden, kv, skip=idle)
         finally:
             for e in spec:
                 del e.request.token_ids[lengths[id(e)]:]

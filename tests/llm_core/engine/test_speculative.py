@@ -224,6 +224,7 @@ def test_draft_length_adapts_down_to_zero_and_probes_together():
     assert dl.choose(good, 1) == 3 and dl.choose(good, 32) < 3
     dl.steps = 4
     assert dl.choose(bad, 1) == 1  # every request at k = 0 probes in the same step
+    assert dl.choose(bad, 32) == 0  # ... unless the batch is too large for one probe to matter
     assert DraftLength(3, adaptive=False).choose(bad, 64) == 3
 
 
@@ -235,4 +236,4 @@ def test_adaptive_engine_stops_drafting_when_drafts_fail(model):
     eng = engine(model, speculative_tokens=3)
     assert_same(ref, generate(eng, prompts, params))
     s = eng.stats()
-    assert s.spec_draft_tokens < 3 * 3 + 3 * 40 // 8 + 3  # first guesses + one probe per 8 steps
+    assert s.spec_draft_tokens < 3 * 3 + 3 * 40 // 16 + 3  # first guesses + one probe per 16 steps
