@@ -80,6 +80,13 @@ class EngineConfig:
     """Ranks the MoE experts are partitioned over (1: every rank holds every expert, or its tensor-parallel slice)."""
     distributed_timeout_s: float = 600.0
     """Seconds a model collective may wait for the other ranks before the engine fails (a rank gone)."""
+    # speculative decoding with the checkpoint's MTP layers (llm_core/engine/speculative/, docs/speculative.md)
+    speculative_tokens: int | None = None
+    """MTP draft tokens verified per decode step (0: off; none: 3 when the checkpoint has MTP layers)."""
+    speculative_layers: str = "first"
+    """Which MTP layer drafts step s: first (layer 0 every step, as vLLM / sglang) or chain (layer s)."""
+    speculative_adaptive: bool = True
+    """Choose each request's draft tokens from its recent acceptance and the batch size (down to 0)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -96,6 +103,10 @@ class EngineConfig:
             raise ValueError(f"kv_store_bytes must be >= 0 or None, got {self.kv_store_bytes}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens must be in [0, 16] or None, got {self.speculative_tokens}")
+        if self.speculative_layers not in ("first", "chain"):
+            raise ValueError(f"speculative_layers must be first or chain, got {self.speculative_layers!r}")
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
         self._validate_parallel()
@@ -122,6 +133,10 @@ class EngineConfig:
             # tier copies move pages of rank 0's pools only; each rank would need its own tiers
             raise ValueError("kv_host_bytes / kv_store (KV tiers) are not supported with tensor or expert "
                              "parallelism yet; leave them unset")
+        if self.world_size > 1 and self.speculative_tokens:
+            # the MTP draft step runs whole on one rank; sharding it across ranks is not built yet
+            raise ValueError("speculative_tokens (MTP) is not supported with tensor or expert parallelism "
+                             "yet; set it to 0 or leave it unset")
 
     @property
     def checkpoint_every(self) -> int:

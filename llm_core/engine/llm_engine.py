@@ -38,6 +38,7 @@ from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import ScheduledRequest, Scheduler
+from llm_core.engine.speculative import build_speculative
 from llm_core.engine.stats import EngineStats
 from llm_core.kvcache.prefix_cache import PrefixCache
 
@@ -72,6 +73,13 @@ class LLMEngine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         # this rank's KV heads (all of them in one process; a share under tensor parallelism)
         layout = model.kv_layout() if hasattr(model, "kv_layout") else KVLayout.from_model_config(self.model_config)
+        # --- speculative decoding hook (llm_core/engine/speculative/): MTP layers keep SWA-pool KV
+        self.speculative = build_speculative(model, self.runner, tokens=self.config.speculative_tokens,
+                                             mode=self.config.speculative_layers,
+                                             adaptive=self.config.speculative_adaptive)
+        if self.speculative is not None:
+            layout = self.speculative.kv_layout(layout)
+        self._stepper = self.speculative or self.runner
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if enable_prefix_caching is None:
@@ -84,8 +92,10 @@ class LLMEngine:
             from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
             prefix_cache = build_prefix_cache(self.pool, self.config, model)
+        drafts = None if self.speculative is None else (
+            lambda req, running: self.speculative.num_draft_tokens(req, running, self.max_model_len))
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,
-                                   self.config.queue)
+                                   self.config.queue, draft_tokens=drafts)
         self.prefix_cache = self.scheduler.prefix_cache
         self.last_step_progressed = False
         self._lock = threading.Lock()
@@ -194,7 +204,8 @@ class LLMEngine:
         if complete or now - self._prefix_stats_at >= PREFIX_STATS_INTERVAL_S:
             self._prefix_stats, self._prefix_stats_at = self.prefix_cache.stats(), now
         self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now,  # one swap
-                                          max_model_len=self.max_model_len)
+                                          max_model_len=self.max_model_len,
+                                          speculative=None if self.speculative is None else self.speculative.stats)
         return self._stats
 
     @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
@@ -210,6 +221,9 @@ class LLMEngine:
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
             self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
             outputs.append(self._finish_output(e.request, []))
+        if self.speculative is not None:
+            outputs.extend(self._settle_speculative(batch, result))
+            return outputs
         self.scheduler.after_step(batch)  # skips the finished ones
         for s in result.sampled:
             req = s.entry.request
@@ -237,6 +251,41 @@ class LLMEngine:
             closer()
 
     # ---- internal helpers -------------------------------------------------------------------
+    def _settle_speculative(self, batch, result: StepResult) -> list[RequestOutput]:
+        """A speculative step's tokens: a verify entry brings 1..k+1 of them, appended in order with
+        the stop checks after each (a stop drops the rest); the scheduler then learns how far each
+        verify entry really computed and rolls its rejected KV back (both pools) before the prefix
+        cache and the SWA release see the request."""
+        by_entry: dict[int, list] = {}
+        for s in result.sampled:
+            by_entry.setdefault(id(s.entry), []).append(s)
+        ends: dict[int, int] = {}
+        done: list[tuple[Request, list[int], str | None]] = []
+        for e in batch.entries:
+            req, toks = e.request, by_entry.get(id(e))
+            if req.finished or not toks:
+                continue
+            new: list[int] = []
+            reason = None
+            for s in toks:
+                req.append_token(s.token_id, s.logprob, s.top_logprobs)
+                new.append(s.token_id)
+                reason = req.check_stop(self.max_model_len)
+                if reason is not None:
+                    break
+            if e.num_draft_tokens:
+                ends[id(e)] = e.start + len(new)  # the target verified every token it emits but the last
+            done.append((req, new, reason))
+        self.scheduler.after_step(batch, ends)
+        outputs = []
+        for req, new, reason in done:
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                outputs.append(self._finish_output(req, new))
+            else:
+                outputs.append(self._output(req, new))
+        return outputs
+
     def _run_isolated(self, entries: list[ScheduledRequest], kv) -> StepResult:
         """Run the step so that one request's exception fails only that request.
 
@@ -245,7 +294,7 @@ class LLMEngine:
         then run again without them, which recomputes the same KV into the same slots. When no entry
         fails alone the fault is not any request's (a device error): the whole batch ends with it."""
         try:
-            return self.runner.run(entries, kv)
+            return self._stepper.run(entries, kv)
         except RankFailure:
             raise  # a parallel rank is gone: no request's fault, the engine cannot go on
         except Exception as exc:  # noqa: BLE001 -- attributed below
@@ -254,7 +303,7 @@ class LLMEngine:
         if len(entries) > 1:
             for e in entries:
                 try:
-                    self.runner.forward([e], kv)
+                    self._stepper.forward([e], kv)
                 except Exception as exc:  # noqa: BLE001 -- this entry's own failure
                     failed.append((e, exc))
         if not failed:
@@ -264,7 +313,7 @@ class LLMEngine:
         if not rest:
             return StepResult([], failed)
         try:
-            result = self.runner.run(rest, kv)
+            result = self._stepper.run(rest, kv)
         except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
             return StepResult([], failed + [(e, exc) for e in rest])
         return StepResult(result.sampled, failed + result.failed)

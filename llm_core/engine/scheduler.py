@@ -20,6 +20,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.engine.outputs import ErrorKind
@@ -57,6 +58,9 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
+    # Speculative decoding: the last num_draft_tokens of the new tokens are drafts the model runner
+    # proposes at step time (llm_core/engine/speculative/); pages are allocated for all of them.
+    num_draft_tokens: int = 0
 
     @property
     def end(self) -> int:
@@ -92,8 +96,12 @@ class Scheduler:
         window: int | None,
         prefix_cache: PrefixCache | None = None,
         queue_policy: QueuePolicy | None = None,
+        draft_tokens: Callable[[Request, int], int] | None = None,
     ) -> None:
+        """``draft_tokens(request, num_running)``: how many draft tokens a decoding request verifies
+        this step (speculative decoding; None: never)."""
         self.config = config
+        self.draft_tokens = draft_tokens
         self.queue_policy = queue_policy or QueuePolicy()
         self.pool = pool
         self.window = window
@@ -118,9 +126,10 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            n = self._allocate_or_preempt(req, n, batch)
+            k = self._drafts(req, n, budget)  # speculative: allocated here or not at all, never preempting
+            n = k + 1 if k else self._allocate_or_preempt(req, n, batch)
             if n:
-                batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n, k))
                 budget -= n
                 i += 1
             elif self._pool_empty():
@@ -159,14 +168,23 @@ class Scheduler:
             budget -= n
         return batch
 
-    def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance progress of every scheduled request and release SWA pages behind its window."""
+    def after_step(self, batch: ScheduledBatch, computed_ends: dict[int, int] | None = None) -> None:
+        """Advance progress of every scheduled request and release SWA pages behind its window.
+
+        ``computed_ends`` (speculative decoding): for an entry (by ``id``) whose drafts were not all
+        accepted, the position its verified tokens end at; the KV past it is rolled back first (its
+        pages freed in both pools), so neither the prefix cache nor the SWA release ever sees it."""
         for e in batch.entries:
             req = e.request
             if req.finished:
                 continue
-            req.num_computed_tokens = e.end
-            req.tokens_since_swa_release += e.num_new_tokens
+            end = e.end if computed_ends is None else computed_ends.get(id(e), e.end)
+            if not e.start < end <= e.end:
+                raise RuntimeError(f"{req.request_id}: computed end {end} outside its step [{e.start}, {e.end}]")
+            req.num_computed_tokens = end
+            if end < e.end:
+                self._rollback(req)
+            req.tokens_since_swa_release += end - e.start
             # the cache sees the new pages before the request lets go of out-of-window SWA pages
             self.prefix_cache.on_computed(req, self.pool)
             if e.num_new_tokens > 1 or req.tokens_since_swa_release >= self.config.swa_release_interval:
@@ -192,6 +210,30 @@ class Scheduler:
             self._release_behind_window(req)
 
     # ---- internal helpers -------------------------------------------------------------------
+    def _drafts(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens for ``req`` this step, with pages for 1 + k tokens allocated (0: none, nothing
+        allocated). Only a decoding request drafts: its one new token is its last sampled one."""
+        if self.draft_tokens is None or n != 1 or req.num_computed_tokens < req.num_prompt_tokens:
+            return 0
+        k = min(self.draft_tokens(req, len(self.running)), budget - 1, self.config.chunk_cap - 1)
+        if k <= 0:
+            return 0
+        need_full, need_swa = self._pages_needed(req, 1 + k)
+        if need_full > self.pool.full.num_free or need_swa > self.pool.swa.num_free:
+            return 0  # drafts never evict cached prefixes nor preempt anybody
+        return k if self._try_allocate(req, 1 + k) else 0
+
+    def _rollback(self, req: Request) -> None:
+        """Free the pages past ``num_computed_tokens`` (they held only rejected drafts' KV), leaving
+        ceil(num_computed / page_size) pages as after any step. Nothing freed here was ever in the
+        prefix cache (it only takes whole pages below num_computed_tokens) nor released as SWA (the
+        release keeps every page from the window of num_computed_tokens on)."""
+        keep = -(-req.num_computed_tokens // self.pool.page_size)
+        self.pool.full.free(req.full_pages[keep:])
+        self.pool.swa.free(req.swa_pages[keep:])  # -1 entries are skipped
+        del req.full_pages[keep:]
+        del req.swa_pages[keep:]
+
     def _num_new(self, req: Request, budget: int) -> int:
         n = req.schedulable_until() - req.num_computed_tokens
         return max(0, min(n, budget, self.config.chunk_cap))

@@ -15,7 +15,7 @@ Field names are the names the server exposes to Prometheus (``mmserve_`` + name;
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -75,12 +75,30 @@ class EngineStats:
     prefix_cache: Mapping[str, int]
     taken_at: float  # time.monotonic() when built
     kv_l3_loading: int = 0  # waiting requests whose cached prefix is being read from L3 (not scheduled)
+    # speculative decoding (MTP), all zero / empty when it is off
+    spec_draft_tokens: int = 0  # counter: draft tokens proposed
+    spec_accepted_tokens: int = 0  # counter: draft tokens the target accepted
+    spec_verify_steps: int = 0  # counter: (request, step) pairs that verified drafts
+    spec_accepted_length: Mapping[str, int] = field(default_factory=lambda: frozen_map({}))  # counter, label accepted: drafts accepted per verify
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_tokens(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the bonus token; 0 before any)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
+    _derived = ("spec_acceptance_rate", "spec_mean_accepted_tokens")
 
     @classmethod
     def collect(cls, pool, scheduler, prefix_stats: Mapping[str, int], now: float | None = None, *,
-                max_model_len: int) -> "EngineStats":
+                max_model_len: int, speculative=None) -> "EngineStats":
         """Read ``pool`` (a DualKVPool) and ``scheduler``; engine thread only. ``prefix_stats`` is
-        the prefix cache's ``stats()`` dict (read by the caller, which decides how often)."""
+        the prefix cache's ``stats()`` dict (read by the caller, which decides how often);
+        ``speculative`` the SpecStats of a speculative engine."""
         rest = dict(prefix_stats)
         rest.pop("hit_tokens", None)  # the sum over the tiers
         hits = {t: rest.pop(f"hit_tokens_{t}") for t in _TIERS if f"hit_tokens_{t}" in rest}
@@ -100,6 +118,10 @@ class EngineStats:
             prefix_cache=frozen_map(rest),
             taken_at=time.monotonic() if now is None else now,
             kv_l3_loading=sum(1 for r in scheduler.waiting if r.status is RequestStatus.LOADING),
+            **({} if speculative is None else dict(
+                spec_draft_tokens=speculative.draft_tokens, spec_accepted_tokens=speculative.accepted_tokens,
+                spec_verify_steps=speculative.verify_steps,
+                spec_accepted_length=frozen_map({str(a): n for a, n in enumerate(speculative.accepted_length)}))),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,8 @@ tensor (read lazily through safetensors' mmap) is written straight into its slic
     ...mlp.experts.{e}.gate_proj / up_proj.weight      -> ...mlp.experts.gate_up_proj[e, :I] / [e, I:]
     ...mlp.experts.{e}.down_proj.weight                -> ...mlp.experts.down_proj[e]
     X.weight + X.weight_scale_inv  (FP8 blocks)        -> dequantised (multiply) before placing
+    model.mtp.layers.{j}.*  (when the checkpoint has them) -> model.model.mtp (llm_core/model/mtp.py),
+                                                          the same conversions as a sliding layer
     anything else                                      -> the parameter / buffer of the same name
 
 The expected tensor names are derived from the config; a missing or unexpected name is an error that
@@ -34,10 +36,11 @@ from llm_core.model.config import ModelConfig
 from llm_core.model.fp8 import FP8_DTYPE
 from llm_core.model.layers.fused_qkv import chunk_count, disk_rows_of_plain
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
+from llm_core.model.mtp import MTP_PREFIX, MTPHead, mtp_layer_count, sliding_layer_config
 from llm_core.model.tensor_slices import read_slice
 
-# Tensors of other parts of a MiMo-V2.5 checkpoint (MTP head, vision tower, audio stack): not ours.
-IGNORED_PREFIXES = ("model.mtp.", "visual.", "speech_embeddings.", "audio_encoder.")
+# Tensors of other parts of a MiMo-V2.5 checkpoint (vision tower, audio stack): not ours.
+IGNORED_PREFIXES = ("visual.", "speech_embeddings.", "audio_encoder.")
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -61,10 +64,12 @@ def _rows(start: int, stop: int, ctx: ParallelContext) -> torch.Tensor | None:
     return None if ctx.world_size == 1 else torch.arange(start, stop)
 
 
-def _attention_plan(plan: dict, config: ModelConfig, i: int, qkv_row_order: str, ctx: ParallelContext) -> None:
-    p = f"model.layers.{i}.self_attn."
-    spec = config.attn_spec(i)
-    shard = ctx.heads(spec, config.layer_kinds[i])
+def _attention_plan(plan: dict, layer: str, spec, kind: str, config: ModelConfig, qkv_row_order: str,
+                    ctx: ParallelContext) -> None:
+    """Placements of one attention block of the layer under prefix ``layer`` (fused or split qkv,
+    o_proj, sinks): this rank's heads of a layer of ``kind`` (all of them in one process)."""
+    p = layer + "self_attn."
+    shard = ctx.heads(spec, kind)
     local, d, dv = shard.local, spec.head_dim, spec.v_head_dim
     q0, kv0 = shard.q_start, shard.kv_start
     lq, lk, lv = local.q_size, local.k_size, local.v_size
@@ -107,7 +112,7 @@ def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks",
         p = f"model.layers.{i}."
         for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             plan[p + name] = Placement(p + name)
-        _attention_plan(plan, config, i, qkv_row_order, ctx)
+        _attention_plan(plan, p, config.attn_spec(i), config.layer_kinds[i], config, qkv_row_order, ctx)
         if config.mlp_kinds[i] == "dense":
             d0, d1 = ctx.tp_range(config.intermediate_size, "intermediate_size")
             for name in ("gate_proj", "up_proj"):
@@ -128,6 +133,23 @@ def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks",
             plan[names[0]] = Placement(gate_up, (k, slice(0, li)), rows=_rows(i0, i1, ctx))
             plan[names[1]] = Placement(gate_up, (k, slice(li, 2 * li)), rows=_rows(i0, i1, ctx))
             plan[names[2]] = Placement(down, (k,), cols=None if ctx.world_size == 1 else (i0, i1))
+    return plan
+
+
+def expected_mtp_tensors(config: ModelConfig, num_layers: int, qkv_row_order: str = "tp4_chunks") -> dict[str, Placement]:
+    """Every tensor of ``num_layers`` MTP layers (docs/model.md §2.2). Their attention is a sliding
+    layer's, so its qkv (fused or split, FP8 or not) is read exactly like a main sliding layer's; the
+    split spelling (``q_proj`` / ``k_proj`` / ``v_proj``) is what an HF-layout checkpoint would use
+    (transformers' mimo_v2_flash defines no MTP of its own)."""
+    spec = sliding_layer_config(config).attn_spec(0)
+    plan: dict[str, Placement] = {}
+    for j in range(num_layers):
+        p = f"{MTP_PREFIX}{j}."
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight",
+                     "pre_mlp_layernorm.weight", "final_layernorm.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            plan[p + name] = Placement(p + name)
+        _attention_plan(plan, p, spec, "sliding", config, qkv_row_order, ParallelContext.single())
     return plan
 
 
@@ -209,22 +231,33 @@ def load_model(
     qkv_row_order: str = "tp4_chunks",
     ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
     parallel: ParallelContext | None = None,
+    load_mtp: bool = True,
 ) -> MiMoV2ForCausalLM:
     """Build the model from ``model_dir/config.json`` and load its safetensors weights.
 
     ``qkv_row_order`` reads a fused hub ``qkv_proj`` as ``"tp4_chunks"`` (sglang) or ``"kv_groups"``
     (vLLM); see llm_core/model/layers/fused_qkv.py. It does not matter for split q/k/v checkpoints.
-    Tensor names starting with ``ignore_prefixes`` (MTP, vision, audio parts) are skipped.
+    Tensor names starting with ``ignore_prefixes`` (vision, audio parts) are skipped. MTP layers
+    (``model.mtp.layers.{j}.*``) are loaded into ``model.model.mtp`` when present (``load_mtp=False``
+    skips them); llm_core/engine/speculative/ drafts with them.
     ``parallel``: build and read only this rank's share (tensor / expert parallelism; default: all).
+    The MTP layers are read in one process only: the draft step is not sharded across ranks yet.
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     plan = expected_tensors(config, qkv_row_order, parallel)
     with ShardReader(model_dir) as reader:
         present = {n for n in reader.names() if not n.startswith(ignore_prefixes)}
+        load_mtp = load_mtp and (parallel is None or parallel.world_size == 1)
+        num_mtp = mtp_layer_count(present) if load_mtp else 0
+        if not load_mtp:
+            present = {n for n in present if not n.startswith(MTP_PREFIX)}
+        plan |= expected_mtp_tensors(config, num_mtp, qkv_row_order)
         _check_names(plan, present, config)
         with torch.device("meta"):
             model = MiMoV2ForCausalLM(config, parallel)
+            if num_mtp:
+                model.model.mtp = MTPHead(config, num_mtp)
         model.cast_(dtype)
         model.to_empty(device=device)
         model.tie_weights_()  # to_empty() gives tied parameters separate storage again

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+                                            UnknownMetricFamily)
 
 from llm_core.engine.stats import EngineStats
 from mm_pipeline.runtime.stats import OmniStats
@@ -203,6 +204,26 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield _labelled(CounterMetricFamily, "prefix_cache_evicted_pages", "KV pages evicted from the prefix cache",
                     "pool", s.prefix_cache_evicted_pages)
     yield from _counts("prefix_cache", "Prefix cache count", s.prefix_cache)
+    yield from _spec_families(s)
+
+
+def _spec_families(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding (MTP): counters, the acceptance rate and the accepted-length histogram
+    (one observation per request per verify step: the draft tokens it accepted)."""
+    yield _counter("spec_draft_tokens", "MTP draft tokens proposed", s.spec_draft_tokens)
+    yield _counter("spec_accepted_tokens", "MTP draft tokens accepted by the target", s.spec_accepted_tokens)
+    yield _counter("spec_verify_steps", "Request steps that verified MTP draft tokens", s.spec_verify_steps)
+    yield _gauge("spec_acceptance_rate", "Accepted / proposed MTP draft tokens since start", s.spec_acceptance_rate)
+    yield _gauge("spec_mean_accepted_tokens", "Tokens emitted per verify step since start (accepted + bonus)",
+                 s.spec_mean_accepted_tokens)
+    counts = sorted((int(a), n) for a, n in s.spec_accepted_length.items())
+    hist = HistogramMetricFamily(PREFIX + "spec_accepted_length", "Draft tokens accepted per verify step")
+    cumulative, buckets = 0, []
+    for a, n in counts:
+        cumulative += n
+        buckets.append((str(float(a)), cumulative))
+    hist.add_metric([], buckets + [("+Inf", cumulative)], sum_value=float(sum(a * n for a, n in counts)))
+    yield hist
 
 
 def _omni_families(s: OmniStats) -> Iterator[Metric]:

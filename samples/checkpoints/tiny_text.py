@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from llm_core.model.config import ModelConfig
 from llm_core.model.fp8 import quantize_blockwise, quantize_row_chunks
 from llm_core.model.layers.fused_qkv import chunk_count, plain_rows_of_disk
+from llm_core.model.mtp import sliding_layer_config
 
 if TYPE_CHECKING:
     import transformers
@@ -65,8 +66,11 @@ def tiny_hf_config(**overrides: Any) -> "transformers.MiMoV2FlashConfig":
     return MiMoV2FlashConfig(**{**TINY_DEFAULTS, **overrides})
 
 
-def build_tiny_hf_checkpoint(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
-    """save_pretrained of a random tiny HF model into ``out_dir``; returns the directory."""
+def build_tiny_hf_checkpoint(out_dir: str | Path, *, seed: int = 0, mtp_layers: int = 0, **overrides: Any) -> Path:
+    """save_pretrained of a random tiny HF model into ``out_dir``; returns the directory.
+
+    ``mtp_layers`` > 0 adds that many random MTP layers (``model.mtp.layers.{j}.*``, split q/k/v as
+    the main layers) in their own file ``model-mtp.safetensors`` (transformers ignores it)."""
     from transformers import MiMoV2FlashForCausalLM
 
     out = Path(out_dir)
@@ -86,6 +90,35 @@ def build_tiny_hf_checkpoint(out_dir: str | Path, *, seed: int = 0, **overrides:
     finally:
         torch.random.set_rng_state(gen_state)
     model.save_pretrained(out)
+    if mtp_layers:
+        save_file(random_mtp_tensors(ModelConfig.from_pretrained(out), mtp_layers, seed=seed + 1),
+                  str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def random_mtp_tensors(config: ModelConfig, num_layers: int, *, seed: int = 0, std: float = 0.08) -> dict[str, torch.Tensor]:
+    """Random MTP layers for ``config`` in the split q/k/v spelling (norms near 1, O(1) sinks)."""
+    from llm_core.model.mtp import MTP_PREFIX, sliding_layer_config
+
+    g = torch.Generator().manual_seed(seed)
+    spec = sliding_layer_config(config).attn_spec(0)
+    h, inter = config.hidden_size, config.intermediate_size
+    shapes = {"enorm.weight": (h,), "hnorm.weight": (h,), "final_layernorm.weight": (h,),
+              "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+              "self_attn.q_proj.weight": (spec.q_size, h), "self_attn.k_proj.weight": (spec.k_size, h),
+              "self_attn.v_proj.weight": (spec.v_size, h), "self_attn.o_proj.weight": (h, spec.num_heads * spec.v_head_dim),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    if spec.has_sinks:
+        shapes["self_attn.attention_sink_bias"] = (spec.num_heads,)
+    out = {}
+    for j in range(num_layers):
+        for name, shape in shapes.items():
+            r = torch.randn(shape, generator=g)
+            if name.endswith("norm.weight"):
+                r = 1.0 + 0.2 * r
+            elif not name.endswith("sink_bias"):
+                r = std * r
+            out[f"{MTP_PREFIX}{j}.{name}"] = r.contiguous()
     return out
 
 
@@ -190,6 +223,12 @@ def write_hub_layout(
         plain = torch.cat([src.pop(p + "q_proj.weight"), src.pop(p + "k_proj.weight"), src.pop(p + "v_proj.weight")])
         inv = plain_rows_of_disk(spec, chunk_count(spec, config.fused_qkv_chunks, qkv_row_order))
         dst[p + "qkv_proj.weight"] = plain[inv].contiguous()
+    mtp_spec = sliding_layer_config(config).attn_spec(0)
+    for p in sorted({n[: n.index("self_attn.") + len("self_attn.")] for n in src
+                     if n.startswith("model.mtp.") and n.endswith("q_proj.weight")}):
+        plain = torch.cat([src.pop(p + "q_proj.weight"), src.pop(p + "k_proj.weight"), src.pop(p + "v_proj.weight")])
+        dst[p + "qkv_proj.weight"] = plain[plain_rows_of_disk(
+            mtp_spec, chunk_count(mtp_spec, config.fused_qkv_chunks, qkv_row_order))].contiguous()
     dst.update(src)
     if fp8:
         for name in [n for n in dst if _is_fp8_target(n)]:
@@ -201,11 +240,15 @@ def write_hub_layout(
             dst[name], dst[name + "_scale_inv"] = q, s
     out.mkdir(parents=True, exist_ok=True)
     # Two shards (experts apart, as the real checkpoint spreads experts over files) plus an index.
-    shards = {"model-experts.safetensors": {}, "model-main.safetensors": {}}
+    # MTP layers, when there are any, in their own file like the real checkpoint's model_mtp.safetensors.
+    shards = {"model-experts.safetensors": {}, "model-main.safetensors": {}, "model-mtp.safetensors": {}}
     for name, t in dst.items():
-        shards["model-experts.safetensors" if ".experts." in name else "model-main.safetensors"][name] = t
+        shards["model-mtp.safetensors" if name.startswith("model.mtp.") else
+               "model-experts.safetensors" if ".experts." in name else "model-main.safetensors"][name] = t
     weight_map = {}
     for fname, tensors in shards.items():
+        if not tensors:
+            continue
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in tensors})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

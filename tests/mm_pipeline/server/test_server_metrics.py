@@ -4,6 +4,7 @@ lag monitor noticing a blocked loop."""
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 import time
 
@@ -111,3 +112,17 @@ def test_ttft_tpot_and_lag_monitor():
 
     assert asyncio.run(blocked_loop()) >= 0.1
     assert samples(m.scrape()[0].decode())[("mmserve_time_to_first_token_seconds_count", ())] == 1
+
+
+def test_speculative_counters_and_accepted_length_histogram():
+    snap = a_snapshot(spec_draft_tokens=30, spec_accepted_tokens=18, spec_verify_steps=10,
+                      spec_accepted_length=frozen_map({"0": 2, "1": 2, "2": 2, "3": 4}))
+    got = samples(ServerMetrics(lambda: snap).scrape()[0].decode())
+    assert got[("mmserve_spec_draft_tokens_total", ())] == 30
+    assert got[("mmserve_spec_accepted_tokens_total", ())] == 18
+    assert got[("mmserve_spec_acceptance_rate", ())] == pytest.approx(0.6)
+    assert got[("mmserve_spec_mean_accepted_tokens", ())] == pytest.approx(2.8)
+    assert [got[("mmserve_spec_accepted_length_bucket", (("le", le),))] for le in ("0.0", "1.0", "2.0", "3.0", "+Inf")] \
+        == [2, 4, 6, 10, 10]
+    assert got[("mmserve_spec_accepted_length_sum", ())] == 18
+    assert snap.to_dict()["llm"]["spec_acceptance_rate"] == pytest.approx(0.6)

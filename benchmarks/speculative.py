@@ -1,0 +1,153 @@
+"""Decode tokens/s with and without MTP speculative decoding on the demo model, same run.
+
+Workloads (greedy):
+- caption: the demo model captioning the 9 committed samples (samples/media). Their prompts (token ids
+  and the media rows the encoders produced) are recorded once through the real pipeline, then replayed
+  straight into the text engine, so only the LLM's prefill and decode are timed;
+- text: chat prompts without media, 32 tokens past EOS (the demo model only learned captions, so
+  this text is nonsense the MTP head never saw: a low-acceptance workload for the adaptive k).
+
+For each batch size B, groups of B requests cycling over the workload's prompts run one after the
+other until every prompt ran (b1: 9 groups, b8: 2, b32: 1 for captions). Decode time = from the step
+where every request of a group has its first token to the group's end; decode tok/s = the tokens
+generated in those windows / their summed time.
+MTP on and off alternate ``--repeats`` times and the fastest run of each counts (a shared machine
+slows both alike). Every greedy output is compared token for token.
+"""
+
+from __future__ import annotations
+
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from _common import base_parser, print_table, write_json
+
+from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core.llm import load_tokenizer
+from llm_core.model.loader import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "samples" / "demo-model"
+TEXT_PROMPTS = ["Tell me about shapes.", "What colour is the sky?", "Count to five.", "Describe a beep."]
+
+
+class Rows:
+    """An EmbeddingSource whose rows are all ready (recorded media + token embeddings)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self._rows = rows
+
+    def ready_until(self) -> int:
+        return self._rows.shape[0]
+
+    def rows(self, start: int, end: int):
+        return torch.ones(end - start, dtype=torch.bool), self._rows[start:end]
+
+
+def caption_prompts(model_dir: Path) -> list[tuple[list[int], torch.Tensor]]:
+    """(prompt ids, input rows) of each sample's captioning request, recorded through the pipeline."""
+    from samples.training.train_mtp import collect_prompts
+
+    return collect_prompts(model_dir, ROOT / "samples" / "media")
+
+
+def text_prompts(model_dir: Path) -> list[list[int]]:
+    tok = load_tokenizer(model_dir)
+    out = []
+    for t in TEXT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def run(model, prompts, batch: int, spec: int, max_tokens: int, ignore_eos: bool) -> tuple[float, list[list[int]], dict]:
+    """Every prompt at least once, in groups of ``batch`` requests: (decode tok/s over all groups,
+    the outputs, speculative stats)."""
+    eng = LLMEngine(model, EngineConfig(speculative_tokens=spec, max_num_seqs=max(batch, 1),
+                                        enable_prefix_caching=False, kv_cache_bytes=256 << 20))
+    n = -(-max(batch, len(prompts)) // batch) * batch
+    tokens, seconds, outs = 0, 0.0, []
+    for g in range(0, n, batch):
+        t, s, o = _group(eng, [prompts[i % len(prompts)] for i in range(g, g + batch)], max_tokens, ignore_eos)
+        tokens, seconds, outs = tokens + t, seconds + s, outs + o
+    stats = eng.stats()
+    return tokens / max(seconds, 1e-9), outs, dict(accepted=stats.spec_mean_accepted_tokens,
+                                                   rate=stats.spec_acceptance_rate)
+
+
+def _group(eng: LLMEngine, group, max_tokens: int, ignore_eos: bool) -> tuple[int, float, list[list[int]]]:
+    """One batch to completion: (tokens generated after every request's first, their seconds, outputs)."""
+    batch = len(group)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    for i, (ids, rows) in enumerate(group):
+        eng.add_request(str(i), ids, params, embeds=None if rows is None else Rows(rows))
+    outs: dict[str, list[int]] = {}
+    first = {}
+    t_decode = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.token_ids:
+                first.setdefault(o.request_id, len(o.token_ids))
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        if t_decode is None and len(first) == batch:
+            t_decode, n_first = time.perf_counter(), sum(first.values())
+    elapsed = time.perf_counter() - t_decode
+    generated = sum(len(v) for v in outs.values()) - n_first
+    return generated, elapsed, [outs[str(i)] for i in range(batch)]
+
+
+def main() -> None:
+    ap = base_parser(__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=DEMO)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--spec-tokens", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    repeats = 1 if args.quick else args.repeats
+    model = load_model(args.model)
+    workloads = {"caption": ([(ids, rows) for ids, rows in caption_prompts(args.model)], 64, False),
+                 "text": ([(ids, None) for ids in text_prompts(args.model)], 32, True)}
+    results: dict[str, float] = {}
+    rows_out = []
+    identical = True
+    accepted_all = []
+    for name, (prompts, max_tokens, ignore_eos) in workloads.items():
+        for b in batches:
+            best = {0: 0.0, args.spec_tokens: 0.0}
+            acc = []
+            outs = {}
+            for _ in range(repeats):
+                for spec in (0, args.spec_tokens):
+                    tps, toks, st = run(model, prompts, b, spec, max_tokens, ignore_eos)
+                    best[spec] = max(best[spec], tps)
+                    outs.setdefault(spec, toks)
+                    if spec:
+                        acc.append(st["accepted"])
+            same = outs[0] == outs[args.spec_tokens]
+            identical &= same
+            speedup = best[args.spec_tokens] / best[0]
+            mean_acc = statistics.median(acc)
+            accepted_all.append(mean_acc)
+            key = f"mtp_decode_speedup_b{b}" if name == "caption" else f"mtp_text_decode_speedup_b{b}"
+            results[key] = round(speedup, 3)
+            results[f"mtp_{name}_accepted_tokens_b{b}"] = round(mean_acc, 3)
+            rows_out.append((name, b, best[0], best[args.spec_tokens], speedup, mean_acc, "yes" if same else "NO"))
+    results["mtp_mean_accepted_tokens"] = round(statistics.mean(
+        results[f"mtp_caption_accepted_tokens_b{b}"] for b in batches), 3)
+    results["mtp_outputs_identical"] = int(identical)
+    print_table(f"MTP speculative decoding, demo model, {args.spec_tokens} draft tokens (adaptive), "
+                f"{args.threads} thread(s), best of {repeats}",
+                ["workload", "batch", "decode tok/s off", "decode tok/s MTP", "speedup", "tokens / verify", "identical"],
+                rows_out)
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""MTP speculative decoding: the checkpoint's own MTP layers draft, the target verifies in one step.
+
+    proposer.py   MTPProposer: MTP KV for every computed row (the "extend"), k greedy draft tokens
+    verify.py     accepted prefix + one bonus token: greedy (exact match) or rejection sampling
+    adaptive.py   DraftLength: k per request from its recent acceptance and the batch size
+    runner.py     SpeculativeRunner: draft -> one target forward over 1 + k tokens -> verify
+    stats.py      SpecStats: drafted / accepted counters and the accepted-length histogram
+
+How a verify step goes, and how rejected KV is rolled back in both pools: docs/speculative.md.
+"""
+
+from llm_core.engine.speculative.runner import SpeculativeRunner, build_speculative
+
+__all__ = ["SpeculativeRunner", "build_speculative"]

@@ -1,0 +1,133 @@
+"""MTPProposer: keeps the MTP layers' KV in step with the target and drafts k tokens per request.
+
+Rows (llm_core/model/mtp.py): MTP layer l's row q takes token t_q and the hidden state of row q - 1
+one level down (level 0 = the target's final-normed hidden, level l + 1 = MTP layer l's output).
+
+**Extend** (after every target forward, over exactly the target's rows, slots and page tables): layer
+l's h_prev is level l shifted down one row inside each request; a request's first row takes the
+*tail* kept from its previous step (level l at position start - 1), or zeros when that is unknown
+(position 0, after a prefix-cache hit or a preemption: only draft quality suffers, never outputs).
+Rows of rejected drafts are written too and simply rewritten by the next extend, like the target's.
+
+**Draft** (before the verify forward, into pages the scheduler already allocated for 1 + k tokens),
+c = position of the pending token t_c, d_0 = t_c:
+
+    mode "first" (default, vLLM's and sglang's EAGLE use of MiMo MTP): layer 0 for every step
+        step s: row c + s  <- (d_s, h_prev = step s - 1's output, or the level-0 tail for s = 0)
+    mode "chain" (DeepSeek-V3's training order: depth s is layer s): step s runs layer s over rows
+        c .. c + s  <- (d_0 .. d_s, h_prev = [level-s tail, step s - 1's outputs]); k <= #layers.
+        Rows c .. c + s - 1 of layer s are what its KV lacks (the extend stops at c - 1).
+    d_{s+1} = argmax lm_head(output at row c + s)
+
+Drafts are greedy (a one-hot proposal), which keeps rejection sampling simple (verify.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from llm_core.engine.batch_builder import build_forward_batch
+from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.model.forward_batch import ForwardBatch
+from llm_core.model.mtp import MTPHead
+
+LAYER_MODES = ("first", "chain")
+
+
+@dataclass
+class _Tail:
+    position: int  # the row these hidden states belong to
+    levels: list[torch.Tensor]  # [H] each: level 0 = target, level l + 1 = MTP layer l
+
+
+class MTPProposer:
+    def __init__(self, model: torch.nn.Module, head: MTPHead, *, mode: str, max_draft: int, page_size: int) -> None:
+        if mode not in LAYER_MODES:
+            raise ValueError(f"speculative layer mode must be one of {LAYER_MODES}, got {mode!r}")
+        self.model, self.head, self.mode, self.page_size = model, head, mode, page_size
+        n = len(head.layers)
+        self.max_draft = max_draft if mode == "first" else min(max_draft, n)
+        self.num_layers = 1 if mode == "first" else self.max_draft  # layers that keep KV
+        self.kv_base = model.config.num_layers  # MTP layer l uses pool layer kv_base + l
+        self.hidden_size = model.config.hidden_size
+        self._tails: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # ---- extend: MTP KV for the target's rows ---------------------------------------------------
+    def extend(self, entries: list[ScheduledRequest], fb: ForwardBatch, embeds: torch.Tensor,
+               hidden: torch.Tensor, kv, skip: set[int] = frozenset()) -> list[torch.Tensor]:
+        """Run the MTP layers over the step's rows; returns each layer's outputs [T, H].
+
+        Entries whose ``id`` is in ``skip`` (plain decodes of requests the adaptive draft length has
+        at k = 0) are left out: their MTP KV goes stale, which only lowers their later acceptance
+        (and such requests draft poorly anyway), while a large batch of them pays no MTP cost."""
+        if skip and any(id(e) in skip for e in entries):
+            keep = [e for e in entries if id(e) not in skip]
+            outs = [torch.zeros_like(hidden) for _ in range(self.num_layers)]
+            if not keep:
+                return outs
+            qsl = fb.query_start_loc.tolist()
+            rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b, e in enumerate(entries) if id(e) not in skip])
+            rows = rows.to(hidden.device)
+            sub_fb, _ = build_forward_batch(keep, self.page_size, hidden.device)
+            for full, part in zip(outs, self.extend(keep, sub_fb, embeds[rows], hidden[rows], kv)):
+                full[rows] = part
+            return outs
+        starts = fb.query_start_loc.tolist()[:-1]
+        src, outs = hidden, []
+        for l in range(self.num_layers):
+            prev = torch.empty_like(src)
+            prev[1:] = src[:-1]
+            for b, e in enumerate(entries):
+                prev[starts[b]] = self._tail(e.request, e.start - 1, l, src)
+            k_cache, v_cache = kv.layer(self.kv_base + l)
+            src = self.head.layers[l](embeds, prev, fb, k_cache, v_cache)
+            outs.append(src)
+        return outs
+
+    def commit(self, request, position: int, row: int, hidden: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        """Keep the hidden states of ``row`` (the request's last computed position) for its next step."""
+        self._tails[request] = _Tail(position, [hidden[row]] + [o[row] for o in outs])
+
+    def _tail(self, request, position: int, level: int, like: torch.Tensor) -> torch.Tensor:
+        tail = self._tails.get(request)
+        if tail is None or tail.position != position or position < 0 or level >= len(tail.levels):
+            return torch.zeros(self.hidden_size, dtype=like.dtype, device=like.device)
+        return tail.levels[level]
+
+    # ---- draft ----------------------------------------------------------------------------------
+    def draft(self, entries: list[ScheduledRequest], kv) -> None:
+        """Append ``e.num_draft_tokens`` greedy draft tokens to each entry's ``request.token_ids``
+        (the caller removes them after the verify forward)."""
+        prev: dict[int, torch.Tensor] = {}
+        for s in range(max((e.num_draft_tokens for e in entries), default=0)):
+            active = [e for e in entries if e.num_draft_tokens > s]
+            layer = 0 if self.mode == "first" else s
+            if self.mode == "first":
+                sub = [ScheduledRequest(e.request, e.start + s, 1) for e in active]
+            else:
+                sub = [ScheduledRequest(e.request, e.start, s + 1) for e in active]
+            fb, ids = build_forward_batch(sub, self.page_size, ids_device(self.model))
+            embeds = self.model.embed(ids)
+            rows = []
+            for e in active:
+                tail = self._tail(e.request, e.start - 1, layer, embeds)[None]
+                if s == 0:
+                    rows.append(tail)
+                elif self.mode == "first":
+                    rows.append(prev[id(e)][-1:])
+                else:
+                    rows.append(torch.cat([tail, prev[id(e)]]))
+            k_cache, v_cache = kv.layer(self.kv_base + layer)
+            out = self.head.layers[layer](embeds, torch.cat(rows), fb, k_cache, v_cache)
+            ends = fb.query_start_loc.tolist()
+            tokens = self.model.compute_logits(out[torch.tensor(ends[1:], device=out.device) - 1]).argmax(-1).tolist()
+            for b, e in enumerate(active):
+                prev[id(e)] = out[ends[b]:ends[b + 1]]
+                e.request.token_ids.append(int(tokens[b]))
+
+
+def ids_device(model: torch.nn.Module) -> torch.device:
+    return model.model.embed_tokens.weight.device

@@ -1,0 +1,153 @@
+"""SpeculativeRunner: one engine step with MTP drafts, in place of ModelRunner.run.
+
+    entries (a decoding entry carries num_draft_tokens = k, its pages allocated for 1 + k tokens)
+      -> MTPProposer.draft: k greedy tokens appended to request.token_ids
+      -> one target forward over every entry's rows (prefill chunks, plain decodes, 1 + k verify rows)
+      -> MTPProposer.extend: the MTP layers' KV for the same rows
+      -> drafts removed from token_ids again (always, even when the step raises)
+      -> sampling: ModelRunner's sampler for plain rows; verify.py for verify rows
+      -> StepResult whose ``sampled`` holds 1..k+1 SampledTokens per verify entry, in order
+
+The engine then appends the tokens with its stop checks and tells the scheduler how many positions
+each verify entry really computed (``Scheduler.after_step(batch, computed_ends)``), which rolls the
+rest back in both pools. Nothing of a rejected token reaches the prefix cache: the cache only ever
+sees positions below ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
+from llm_core.engine.model_runner import ModelRunner, SampledToken, StepResult
+from llm_core.engine.sampling import Sampler
+from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.speculative.adaptive import DraftLength
+from llm_core.engine.speculative.proposer import MTPProposer
+from llm_core.engine.speculative.stats import SpecStats
+from llm_core.engine.speculative.verify import verify_greedy, verify_sampled
+from llm_core.kvcache.dual_pool import KVLayout
+from llm_core.model.mtp import mtp_head_of
+
+DEFAULT_DRAFT_TOKENS = 3  # MiMo-V2.5 ships 3 MTP layers; the demo head is trained for 3 steps
+
+
+class SpeculativeRunner:
+    """Wraps the engine's ModelRunner (its model and sampler); same ``run`` / ``forward`` contract."""
+
+    def __init__(self, runner: ModelRunner, proposer: MTPProposer, draft_length: DraftLength) -> None:
+        self.runner, self.proposer, self.draft_length = runner, proposer, draft_length
+        self.model = runner.model
+        self.stats = SpecStats(proposer.max_draft)
+
+    # ---- what the engine and the scheduler ask ---------------------------------------------------
+    def kv_layout(self, layout: KVLayout) -> KVLayout:
+        """The target's layout plus one sliding layer per MTP layer that keeps KV (SWA pool)."""
+        return KVLayout(layout.layer_kinds + ("sliding",) * self.proposer.num_layers, layout.full,
+                        layout.sliding, layout.window if layout.window is not None else self.model.config.sliding_window)
+
+    def num_draft_tokens(self, request, num_running: int, max_model_len: int) -> int:
+        """k for a decoding request this step (the scheduler caps it by budget and pages)."""
+        k = self.draft_length.choose(request, num_running)
+        room = min(max_model_len - request.num_tokens, request.params.max_tokens - request.num_output_tokens - 1)
+        return max(0, min(k, self.proposer.max_draft, room))
+
+    # ---- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
+        """Drafts, target and MTP forward of ``entries`` without sampling (the engine's fault probe)."""
+        return self._forward(entries, kv)[0]
+
+    @torch.inference_mode()
+    def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
+        self.draft_length.steps += 1
+        logits, drafts, rows_of, commit = self._forward(entries, kv)
+        sampled: list[SampledToken] = []
+        failed: list[tuple[ScheduledRequest, Exception]] = []
+        plain = [e for e in entries if e.samples and not e.num_draft_tokens]
+        if plain:
+            idx = torch.tensor([rows_of[id(e)][-1] for e in plain], device=logits.device)
+            out, bad = self.runner.sampler.sample_isolated(
+                logits[idx], [e.request.params for e in plain], [e.request.generator for e in plain])
+            for i, e in enumerate(plain):
+                if i in bad:
+                    failed.append((e, bad[i]))
+                else:
+                    sampled.append(SampledToken(e, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+        for e in entries:
+            if not e.num_draft_tokens:
+                continue
+            try:
+                tokens = self._verify(e, logits[torch.tensor(rows_of[id(e)], device=logits.device)], drafts[id(e)])
+                commit(e, len(tokens) - 1)
+                sampled.extend(tokens)
+            except Exception as exc:  # noqa: BLE001 -- ends this request only
+                failed.append((e, exc))
+        return StepResult(sampled, failed)
+
+    def _verify(self, e: ScheduledRequest, logits: torch.Tensor, drafts: list[int]) -> list[SampledToken]:
+        req, p = e.request, e.request.params
+        if p.greedy:
+            tokens = verify_greedy(logits, drafts)
+        else:
+            tokens = verify_sampled(logits, drafts, p, req.generator or self.runner.sampler._shared)
+        accepted = len(tokens) - 1
+        self.stats.record(len(drafts), accepted)
+        self.draft_length.update(req, len(drafts), accepted)
+        lp = Sampler._logprobs(logits[: len(tokens)], tokens, [p] * len(tokens))
+        return [SampledToken(e, t, lp.logprobs[i], lp.top_logprobs[i]) for i, t in enumerate(tokens)]
+
+    def _forward(self, entries: list[ScheduledRequest], kv):
+        model, proposer = self.model, self.proposer
+        spec = [e for e in entries if e.num_draft_tokens]
+        lengths = {id(e): len(e.request.token_ids) for e in spec}
+        try:
+            proposer.draft(spec, kv)
+            drafts = {id(e): e.request.token_ids[e.start + 1:e.end] for e in spec}
+            fb, ids = build_forward_batch(entries, self.runner.page_size, self.runner.device)
+            embeds = splice_embeds(entries, ids, model.embed)
+            if embeds is None:
+                embeds = model.embed(ids)
+            hidden = model(None, fb, kv, inputs_embeds=embeds)
+            idle = {id(e) for e in entries if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
+                    and self.draft_length.idle(e.request)}
+            outs = proposer.extend(entries, fb, embeds, hidden, kv, skip=idle)
+        finally:
+            for e in spec:
+                del e.request.token_ids[lengths[id(e)]:]
+        qsl = fb.query_start_loc.tolist()
+        rows_of: dict[int, list[int]] = {}
+        flat: list[int] = []
+        for b, e in enumerate(entries):
+            if e.num_draft_tokens:
+                rows_of[id(e)] = list(range(len(flat), len(flat) + qsl[b + 1] - qsl[b]))
+                flat.extend(range(qsl[b], qsl[b + 1]))
+            elif e.samples:
+                rows_of[id(e)] = [len(flat)]
+                flat.append(qsl[b + 1] - 1)
+        logits = model.compute_logits(hidden[torch.tensor(flat, dtype=torch.long, device=hidden.device)])
+        first_row = {id(e): qsl[b] for b, e in enumerate(entries)}
+
+        def commit(e: ScheduledRequest, accepted: int) -> None:
+            """Keep the request's tail: the hidden states of its last row that counts as computed."""
+            row = first_row[id(e)] + accepted
+            proposer.commit(e.request, e.start + accepted, row, hidden, outs)
+
+        for e in entries:
+            if not e.num_draft_tokens:
+                commit(e, e.num_new_tokens - 1)
+        return logits, drafts, rows_of, commit
+
+
+def build_speculative(model: torch.nn.Module, runner: ModelRunner, *, tokens: int | None, mode: str,
+                      adaptive: bool) -> SpeculativeRunner | None:
+    """The engine's speculative runner, or None: ``tokens`` 0, or no MTP layers in the checkpoint
+    (``tokens`` None = DEFAULT_DRAFT_TOKENS when there are)."""
+    head = mtp_head_of(model)
+    if tokens == 0 or head is None:
+        if tokens and head is None:
+            raise ValueError(f"speculative_tokens={tokens} needs MTP layers (model.mtp.layers.*) in the checkpoint")
+        return None
+    k = DEFAULT_DRAFT_TOKENS if tokens is None else tokens
+    proposer = MTPProposer(model, head, mode=mode, max_draft=k, page_size=runner.page_size)
+    return SpeculativeRunner(runner, proposer, DraftLength(proposer.max_draft, adaptive=adaptive))
