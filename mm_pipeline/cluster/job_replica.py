@@ -56,22 +56,28 @@ class JobReplica(ABC):
     Subclasses give ``answer`` (one input -> its output row) and ``outcome`` (row -> (error, tokens))."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
+        self.replica_id, self.node = self.identity()
+        self.pid = os.getpid()
+        self.output = spec.output
+        self.engine = self.load_engine(spec)
+        # the actor id survives restarts, so a restarted replica appends to its predecessor's shard
+        self.journal = ShardJournal(spec.output.shard_path(self.replica_id))
+        self.index = ShardIndex(spec.output.parts_dir, spec.output.key, self.outcome)
+        self._n = 0
+
+    def identity(self) -> tuple[str, str]:
+        """(replica id, node address): the Ray actor's id, which a restart keeps, and its node."""
         import ray
+
+        return ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}", ray.util.get_node_ip_address()
+
+    def load_engine(self, spec: ReplicaSpec) -> Any:
         import torch
 
         from mm_pipeline.runtime.omni_engine import OmniEngine
 
         torch.set_num_threads(spec.threads)
-        ctx = ray.get_runtime_context()
-        self.replica_id = ctx.get_actor_id() or f"pid{os.getpid()}"
-        self.node = ray.util.get_node_ip_address()
-        self.pid = os.getpid()
-        self.output = spec.output
-        self.engine = OmniEngine.from_pretrained(spec.model_dir, spec.engine_config)
-        # the actor id survives restarts, so a restarted replica appends to its predecessor's shard
-        self.journal = ShardJournal(spec.output.shard_path(self.replica_id))
-        self.index = ShardIndex(spec.output.parts_dir, spec.output.key, self.outcome)
-        self._n = 0
+        return OmniEngine.from_pretrained(spec.model_dir, spec.engine_config)
 
     # ---- subclass interface -----------------------------------------------------------------
     @abstractmethod
@@ -121,8 +127,3 @@ class JobReplica(ABC):
         from mm_pipeline.jobs.caption import cache_hits
 
         return cache_hits(self.engine)
-
-    def __del__(self) -> None:  # Ray Data drops the actors when the dataset is done
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
