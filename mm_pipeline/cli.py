@@ -284,7 +284,8 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
 
     try:
         config = RayJobConfig(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
-                              gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size)
+                              gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
+                              ray_progress=args.verbose)  # else ours is the one progress report
         # --redis-url shares both caches: encoder outputs, and the KV L3 tier unless --kv-store names another
         engine = engine_config(args, device="cuda" if config.gpus_per_replica > 0 else "cpu")
         if engine.redis_url and not engine.engine.kv_store:
@@ -298,10 +299,6 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
     # a cluster this process already joined (tests, a notebook) stays up after the job
     owned = not ray.is_initialized()
     connect(RayClusterConfig(address=args.ray or None, num_cpus=None if args.ray else config.local_cpus))
-    # Ray Data's own progress logs every few seconds to a non-terminal; ours is the job's progress
-    from ray.data import DataContext
-
-    DataContext.get_current().enable_progress_bars = bool(args.verbose)
     return ray, spec, config, owned
 
 

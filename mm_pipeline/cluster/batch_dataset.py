@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mm_pipeline.cluster.batch_replica import BatchReplica
-from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig, run_replicas
+from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig, configure_data, run_replicas
 from mm_pipeline.cluster.job_replica import ReplicaSpec
 from mm_pipeline.jobs.batch import BatchSummary, input_lines
 from mm_pipeline.jobs.progress import Progress
@@ -34,6 +34,7 @@ def run_batch_on_ray(ray: Any, in_path: Path, spec: ReplicaSpec, config: RayJobC
     start = time.perf_counter()
     result = DistributedResult(replicas=[], results=0, duplicate_results=0, journaled=0)
     if todo:
+        configure_data(config)
         result = run_replicas(ray.data.from_items(todo), BatchReplica,
                               {"spec": spec, "default_max_tokens": default_max_tokens}, config,
                               on_result=lambda key, error, tokens: summary.add(key or None, error),

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mm_pipeline.cluster.caption_replica import CaptionReplica
-from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig, run_replicas
+from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig, configure_data, run_replicas
 from mm_pipeline.cluster.job_replica import ReplicaSpec
 from mm_pipeline.jobs.caption import CaptionConfig, CaptionSummary
 from mm_pipeline.jobs.job_output import JobOutput
@@ -51,6 +51,7 @@ def run_caption_on_ray(ray: Any, inputs: list[str], spec: ReplicaSpec, caption: 
     progress = Progress(len(todo), progress_label)
     start = time.perf_counter()
     if todo:
+        configure_data(config)
         # inputs keep the names the user gave (the rows' "input", as without --ray); the read
         # stage opens them by absolute path, valid on every machine that mounts the same paths
         ds = ray.data.from_items([{"input": p, "path": os.path.abspath(p)} for p in todo])

@@ -1,6 +1,6 @@
 """The driver side of a job on Ray Data: replicas over a dataset, results streamed back, the merge.
 
-    dataset of inputs ─► map_batches(ReplicaClass, concurrency=replicas, batch_size,
+    dataset of inputs ─► map_batches(ReplicaClass, ActorPoolStrategy(size=replicas), batch_size,
                                      num_cpus/num_gpus per replica, max_restarts, max_task_retries)
         ─► iter_batches (streaming: replicas keep working while the driver counts)
              per result row: progress, summary.add, ReplicaStats.add_batch (once per batch)
@@ -30,6 +30,8 @@ class RayJobConfig:
     gpus_per_replica: float = 0.0
     batch_size: int = 16  # inputs per batch handed to a replica; several batches run on it at once
     read_cpus: float = 0.25  # Ray CPUs of one read task: reading is mostly waiting on storage
+    start_timeout_s: int = 600  # every replica must be up by then (else the job fails naming the wait)
+    ray_progress: bool = False  # Ray Data's own progress bars / logs besides the job's progress
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.batch_size < 1:
@@ -73,15 +75,30 @@ class DistributedResult:
         return out
 
 
+def configure_data(config: RayJobConfig) -> None:
+    """Ray Data settings of this driver, before the job's datasets are built (they copy them)."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    # Work starts when every replica is up: otherwise the first to load its model takes the whole
+    # queue while the others load (and a replica that cannot be placed fails the job instead of
+    # leaving it to run at a fraction of its size unnoticed).
+    ctx.wait_for_min_actors_s = config.start_timeout_s
+    ctx.enable_progress_bars = config.ray_progress
+
+
 def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any], config: RayJobConfig,
                  on_result: Callable[[str, str | None, int], None], progress: Progress | None = None
                  ) -> DistributedResult:
     """Map ``ds`` through ``replica_cls`` actors and stream the result rows to ``on_result(key,
     error, tokens)``; returns per-replica statistics (the caller merges the output)."""
     spec: ReplicaSpec = constructor_kwargs["spec"]
+    from ray.data import ActorPoolStrategy
+
     out = ds.map_batches(
+        # a fixed pool of `replicas` actors (what `concurrency=N` spelled before Ray 2.51)
         replica_cls, fn_constructor_kwargs=constructor_kwargs, batch_size=config.batch_size,
-        concurrency=config.replicas, num_cpus=config.cpus_per_replica,
+        compute=ActorPoolStrategy(size=config.replicas), num_cpus=config.cpus_per_replica,
         num_gpus=config.gpus_per_replica or None,
         # a dead replica is restarted and its unfinished batches retried there (the journal makes
         # the retry redo only what has no row yet)

@@ -60,15 +60,15 @@ def test_two_replicas_write_the_single_process_rows_and_resume_with_warm_redis(
     assert "captioned 5 of 9 inputs" in err and "4 failed" in err and "each input once" in err
     lines = err.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("replica ") and "cache hits" in ln)
-    per_replica = [ln.split() for ln in lines[at + 1:at + 3]]
-    assert len(per_replica) == 2 and sum(int(r[2]) for r in per_replica) == len(expect), err
+    per_replica = [ln.split() for ln in lines[at + 1:at + 3]]  # both replicas worked: work waits for both
+    assert all(int(r[2]) >= 1 for r in per_replica) and sum(int(r[2]) for r in per_replica) == len(expect), err
 
     # resume: drop a good and a broken row; the re-run redoes only those, the good one from Redis
     # (new replicas start with an empty memory tier: the hit can only come from the shared tier)
     kept = [ln for ln in out.read_text().splitlines()
             if Path(json.loads(ln)["input"]).name not in ("image_000001.png", "noise.jpg")]
     out.write_text("\n".join(kept) + "\n")
-    assert main([*common, "--out", str(out), *RAY, *redis]) == 0
+    assert main([*common, "--out", str(out), "--ray", "--replicas", "1", "--cpus-per-replica", "0.5", *redis]) == 0
     err = capsys.readouterr().err
     assert "captioned 1 of 2 inputs" in err and "7 already in the output were skipped" in err
     assert _rows(out) == _rows(ref)
