@@ -276,7 +276,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
 def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt: str) -> tuple[Any, Any, Any, bool]:
     """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
-    then the cluster joined or started (a local one with room for every replica and a read task)."""
+    then the cluster joined or started (a local one: loopback only, every core a Ray CPU)."""
     from mm_pipeline.cluster.distributed_job import RayJobConfig
     from mm_pipeline.cluster.job_replica import ReplicaSpec
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, import_ray
@@ -298,7 +298,7 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
     ray = import_ray()
     # a cluster this process already joined (tests, a notebook) stays up after the job
     owned = not ray.is_initialized()
-    connect(RayClusterConfig(address=args.ray or None, num_cpus=None if args.ray else config.local_cpus))
+    connect(RayClusterConfig(address=args.ray or None))
     return ray, spec, config, owned
 
 

@@ -55,8 +55,9 @@ def run_caption_on_ray(ray: Any, inputs: list[str], spec: ReplicaSpec, caption: 
         # inputs keep the names the user gave (the rows' "input", as without --ray); the read
         # stage opens them by absolute path, valid on every machine that mounts the same paths
         ds = ray.data.from_items([{"input": p, "path": os.path.abspath(p)} for p in todo])
-        # several read tasks, each a few batches of the replicas' size: reads overlap captioning
-        ds = ds.map_batches(read_batch, batch_size=config.batch_size, num_cpus=config.read_cpus)
+        # reads overlap captioning; they hold no Ray CPU, so they never wait behind the replicas
+        ds = ds.map_batches(read_batch, batch_size=config.batch_size, num_cpus=0,
+                            compute=ray.data.TaskPoolStrategy(size=config.read_tasks))
         result = run_replicas(ds, CaptionReplica, {"spec": spec, "caption": caption}, config,
                               on_result=summary.add, progress=progress)
     else:

@@ -29,30 +29,24 @@ class RayJobConfig:
     cpus_per_replica: float = 1.0  # Ray resources of one replica (fractions are fine: tests use 0.5)
     gpus_per_replica: float = 0.0
     batch_size: int = 16  # inputs per batch handed to a replica; several batches run on it at once
-    read_cpus: float = 0.25  # Ray CPUs of one read task: reading is mostly waiting on storage
+    # Read tasks hold no Ray CPU: replicas that take every CPU (one per core is the natural setting)
+    # would otherwise starve the reads that feed them, and the job would wait forever. They are
+    # capped in number instead (read_tasks at once).
+    read_tasks: int = 4
     start_timeout_s: int = 600  # every replica must be up by then (else the job fails naming the wait)
     ray_progress: bool = False  # Ray Data's own progress bars / logs besides the job's progress
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.batch_size < 1:
             raise ValueError(f"replicas and batch_size must be >= 1, got {self.replicas}, {self.batch_size}")
-        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0 or self.read_cpus <= 0:
-            raise ValueError(f"cpus_per_replica and read_cpus must be > 0 and gpus_per_replica >= 0, got "
-                             f"{self.cpus_per_replica}, {self.read_cpus}, {self.gpus_per_replica}")
+        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0 or self.read_tasks < 1:
+            raise ValueError(f"cpus_per_replica must be > 0, gpus_per_replica >= 0 and read_tasks >= 1, got "
+                             f"{self.cpus_per_replica}, {self.gpus_per_replica}, {self.read_tasks}")
 
     @property
     def threads(self) -> int:
         """torch threads of one replica: its whole CPUs (at least one)."""
         return max(1, int(self.cpus_per_replica))
-
-    @property
-    def local_cpus(self) -> int:
-        """CPUs a local cluster must offer so that every replica and one read task fit at once
-        (a pool that takes every CPU would starve the read tasks that feed it)."""
-        import math
-        import os
-
-        return max(os.cpu_count() or 1, math.ceil(self.replicas * self.cpus_per_replica + self.read_cpus))
 
 
 @dataclass

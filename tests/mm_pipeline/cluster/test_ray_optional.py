@@ -30,7 +30,7 @@ def test_a_plain_caption_run_does_not_import_ray(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--ray", "more.png"], "is not a Ray address"),
     (["--ray", "--replicas", "0"], "replicas and batch_size must be >= 1"),
-    (["--ray", "--cpus-per-replica", "0"], "cpus_per_replica and read_cpus must be > 0"),
+    (["--ray", "--cpus-per-replica", "0"], "cpus_per_replica must be > 0"),
     (["--format", "parquet"], "--format parquet needs --ray"),
 ])
 def test_ray_flags_are_checked_before_anything_starts(argv, message, capsys, monkeypatch):
