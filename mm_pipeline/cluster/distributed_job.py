@@ -17,7 +17,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mm_pipeline.cluster.job_replica import ReplicaSpec
 from mm_pipeline.jobs.job_output import MergeReport
 from mm_pipeline.jobs.progress import Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
@@ -84,9 +83,9 @@ def configure_data(config: RayJobConfig) -> None:
 def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any], config: RayJobConfig,
                  on_result: Callable[[str, str | None, int], None], progress: Progress | None = None
                  ) -> DistributedResult:
-    """Map ``ds`` through ``replica_cls`` actors and stream the result rows to ``on_result(key,
-    error, tokens)``; returns per-replica statistics (the caller merges the output)."""
-    spec: ReplicaSpec = constructor_kwargs["spec"]
+    """Map ``ds`` through ``replica_cls`` actors (built with ``constructor_kwargs``, a ``ReplicaSpec``
+    among them) and stream the result rows to ``on_result(key, error, tokens)``; returns
+    per-replica statistics (the caller merges the output)."""
     from ray.data import ActorPoolStrategy
 
     out = ds.map_batches(
@@ -97,7 +96,6 @@ def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any],
         # a dead replica is restarted and its unfinished batches retried there (the journal makes
         # the retry redo only what has no row yet)
         max_restarts=-1, max_task_retries=-1)
-    del spec  # validated by its constructor; the replicas use it
     # a replica batch's report rides on each of its rows; Ray may split or join blocks on the way,
     # so rows are grouped by (replica, process, batch start) until the end
     batches: dict[tuple[str, int, float], dict[str, Any]] = {}
