@@ -78,10 +78,13 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
 
 
 def _ray_address(text: str) -> str:
-    """``--ray``'s value: ``auto``, ``ray://host:port`` or ``host:port`` (a file name here is a
-    positional input that slipped behind the flag)."""
+    """``--ray``'s value: ``auto``, ``ray://host:port`` or ``host:port``; ``local`` (or ``true``,
+    from a config file's ``ray: true``) and no value start a local cluster (""). A file name here is
+    a positional input that slipped behind the flag."""
     import re
 
+    if text.lower() in ("", "local", "true"):
+        return ""
     if text == "auto" or re.fullmatch(r"(ray://)?[A-Za-z0-9.\-\[\]:]+:\d+", text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is not a Ray address (auto, host:port or ray://host:port); "
@@ -92,8 +95,8 @@ def _add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
     g = p.add_argument_group("ray", "run the job on Ray Data (pip install -e '.[ray]'); every machine needs "
                              "the model directory and the output location at the same path, and Redis (--redis-url) "
                              "reachable for the shared caches")
-    g.add_argument("--ray", nargs="?", const="", default=None, type=lambda t: t if t == "" else _ray_address(t),
-                   metavar="ADDRESS", help="no address: start a local Ray cluster; auto / host:port / "
+    g.add_argument("--ray", nargs="?", const="", default=None, type=_ray_address,
+                   metavar="ADDRESS", help="no address (or local): start a local Ray cluster; auto / host:port / "
                    "ray://host:port: join that cluster")
     g.add_argument("--replicas", type=int, default=1, help="captioning actors, one engine each")
     g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")

@@ -45,3 +45,16 @@ def test_ray_flags_are_checked_before_anything_starts(argv, message, capsys, mon
     except SystemExit as exc:  # argparse's own usage errors
         rc = exc.code
     assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_ray_options_come_from_a_config_file_too(tmp_path):
+    from mm_pipeline.cli import parse_args
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("ray: auto\nreplicas: 3\ncpus-per-replica: 0.5\nformat: parquet\n")
+    a = parse_args(["caption", "x.png", "--config", str(cfg)])
+    assert (a.ray, a.replicas, a.cpus_per_replica, a.format) == ("auto", 3, 0.5, "parquet")
+    cfg.write_text("ray: true\n")  # YAML's boolean: a local cluster, as a bare --ray
+    assert parse_args(["caption", "x.png", "--config", str(cfg)]).ray == ""
+    assert parse_args(["caption", "x.png", "--ray", "10.0.0.5:6379"]).ray == "10.0.0.5:6379"
+    assert parse_args(["caption", "x.png"]).ray is None  # no --ray: the single-process job
