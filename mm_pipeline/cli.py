@@ -2,8 +2,11 @@
 
     mmserve serve   --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
                     [--ray [ADDRESS] --llm-replicas N --encoder-replicas M --router affinity ...]
-    mmserve caption INPUT... [--model DIR] [--prompt TEXT] [--out captions.jsonl]
-    mmserve batch   -i requests.jsonl -o results.jsonl [--model DIR]
+    mmserve caption INPUT... [--model DIR] [--prompt TEXT] [--out captions.jsonl] [--ray [ADDRESS] ...]
+    mmserve batch   -i requests.jsonl -o results.jsonl [--model DIR] [--ray [ADDRESS] ...]
+
+``--ray`` runs serve on Ray Serve and caption / batch on Ray Data (mm_pipeline/cluster/); without it
+Ray is never imported.
 
 Exit status: 0 when the job ran (even if some inputs failed: they are in the output), 2 for usage
 errors (missing model, no inputs), 1 for an unexpected crash.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -75,6 +79,36 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     add_config_flags(g, config_flags(), FLAG_ALIASES, FLAG_NOTES)
 
 
+def _ray_address(text: str) -> str:
+    """``--ray``'s value: ``auto``, ``ray://host:port`` or ``host:port``; ``local`` (or ``true``,
+    from a config file's ``ray: true``) and no value start a local cluster (""). A file name here is
+    a positional input that slipped behind the flag."""
+    import re
+
+    if text.lower() in ("", "local", "true"):
+        return ""
+    if text == "auto" or re.fullmatch(r"(ray://)?[A-Za-z0-9.\-\[\]:]+:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a Ray address (auto, host:port or ray://host:port); "
+                                     f"write inputs before --ray, or --ray=ADDRESS")
+
+
+def _add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
+    g = p.add_argument_group("ray", "run the job on Ray Data (pip install -e '.[ray]'); every machine needs "
+                             "the model directory and the output location at the same path, and Redis (--redis-url) "
+                             "reachable for the shared caches")
+    g.add_argument("--ray", nargs="?", const="", default=None, type=_ray_address,
+                   metavar="ADDRESS", help="no address (or local): start a local Ray cluster; auto / host:port / "
+                   "ray://host:port: join that cluster")
+    g.add_argument("--replicas", type=int, default=1, help="captioning actors, one engine each")
+    g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    g.add_argument("--gpus-per-replica", type=float, default=0.0, help="Ray GPUs per replica (>0: device cuda)")
+    g.add_argument("--batch-size", type=int, default=16, help="inputs per batch sent to a replica")
+    if formats:
+        g.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
+                       help="output format with --ray (the rows of the JSONL output, as Parquet)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmserve", description="Multimodal serving: OpenAI server, "
                                      "captioning and batch jobs over one engine.")
@@ -122,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--concurrency", type=int, default=32, help="inputs in flight (the engine batches them)")
+    _add_ray_args(c, formats=True)
 
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline", allow_abbrev=False)
     b.add_argument("-i", "--input", required=True, help="OpenAI Batch input JSONL")
@@ -129,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(b, model_required=False)
     b.add_argument("--concurrency", type=int, default=32)
     b.add_argument("--default-max-tokens", type=int, default=512)
+    _add_ray_args(b, formats=False)
     return parser
 
 
@@ -148,12 +184,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def engine_config(args: argparse.Namespace) -> Any:
-    """``OmniEngineConfig`` from the engine flags (flags left unset keep the config's defaults)."""
+def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
+    """``OmniEngineConfig`` from the engine flags (flags left unset keep the config's defaults).
+    ``device``: the default when ``--device`` is not given (else: cuda when this machine has one)."""
     from mm_pipeline.config_flags import config_flags, config_values
     from mm_pipeline.runtime.config import OmniEngineConfig
 
     fields = config_values(args, config_flags())
+    if fields.get("device") is None and device is not None:
+        fields["device"] = device
     if fields.get("device") is None:
         import torch
 
@@ -302,6 +341,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if not inputs:
         raise UsageError("no inputs found")
+    if args.ray is not None:
+        return _caption_on_ray(args, model_dir, inputs, config)
+    if args.format != "jsonl":
+        raise UsageError("--format parquet needs --ray (the single-process job appends JSONL lines)")
     engine = load_engine(args, model_dir)
     try:
         job = CaptionJob(engine, config)
@@ -320,12 +363,81 @@ def cmd_caption(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt: str) -> tuple[Any, Any, Any, bool]:
+    """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
+    then the cluster joined or started (a local one: loopback only, every core a Ray CPU)."""
+    from mm_pipeline.cluster.distributed_job import RayJobConfig
+    from mm_pipeline.cluster.job_replica import ReplicaSpec
+    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, import_ray
+    from mm_pipeline.jobs.job_output import JobOutput
+
+    try:
+        config = RayJobConfig(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+                              gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
+                              ray_progress=args.verbose)  # else ours is the one progress report
+        # --redis-url shares both caches: encoder outputs, and the KV L3 tier unless --kv-store names another
+        engine = engine_config(args, device="cuda" if config.gpus_per_replica > 0 else "cpu")
+        if engine.redis_url and not engine.engine.kv_store:
+            engine = dataclasses.replace(engine, engine=dataclasses.replace(engine.engine, kv_store=engine.redis_url))
+        # replicas on other machines resolve these paths themselves: make them absolute here
+        spec = ReplicaSpec(model_dir=str(model_dir.resolve()), engine_config=engine, threads=config.threads,
+                           output=JobOutput(Path(out).resolve(), key=key, format=fmt))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    ray = import_ray()
+    # a cluster this process already joined (tests, a notebook) stays up after the job
+    owned = not ray.is_initialized()
+    connect(RayClusterConfig(address=args.ray or None))
+    return ray, spec, config, owned
+
+
+def _caption_on_ray(args: argparse.Namespace, model_dir: Path, inputs: list[str], caption: Any) -> int:
+    from mm_pipeline.cluster.caption_dataset import run_caption_on_ray
+    from mm_pipeline.cluster.ray_runtime import shutdown
+    from mm_pipeline.jobs.job_output import IncompleteJobError
+
+    ray, spec, config, owned = _ray_job(args, model_dir, args.out, "input", args.format)
+    try:
+        summary, result = run_caption_on_ray(ray, inputs, spec, caption, config)
+    except IncompleteJobError as exc:
+        print(f"mmserve caption: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if owned:
+            shutdown()
+    for line in summary.lines() + result.lines():
+        print(line, file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _batch_on_ray(args: argparse.Namespace, model_dir: Path) -> int:
+    from mm_pipeline.cluster.batch_dataset import run_batch_on_ray
+    from mm_pipeline.cluster.ray_runtime import shutdown
+    from mm_pipeline.jobs.job_output import IncompleteJobError
+
+    ray, spec, config, owned = _ray_job(args, model_dir, args.output, "custom_id", "jsonl")
+    try:
+        summary, result = run_batch_on_ray(ray, Path(args.input), spec, config, args.default_max_tokens)
+    except IncompleteJobError as exc:
+        print(f"mmserve batch: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if owned:
+            shutdown()
+    for line in summary.lines() + result.lines():
+        print(line, file=sys.stderr)
+    return 0
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from mm_pipeline.jobs.batch import BatchJob
 
     if not Path(args.input).is_file():
         raise UsageError(f"batch input {args.input} does not exist")
     model_dir = _model_dir(args.model)
+    if args.ray is not None:
+        return _batch_on_ray(args, model_dir)
     engine = load_engine(args, model_dir)
     try:
         job = BatchJob(engine, concurrency=args.concurrency, default_max_tokens=args.default_max_tokens)

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from mm_pipeline.errors import InvalidInputError
 from mm_pipeline.jobs.resume import done_keys
 from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.errors import error_body, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,16 +48,33 @@ class BatchSummary:
     failed: int = 0
     elapsed_s: float = 0.0
     failures: list[tuple[str | None, str]] = field(default_factory=list)
+    replicas: list[ReplicaStats] = field(default_factory=list)  # the Ray job's replicas (else empty)
+
+    def add(self, custom_id: str | None, error: str | None) -> None:
+        """Count one answered line (``error``: see ``failure_message``)."""
+        if error is None:
+            self.succeeded += 1
+        else:
+            self.failed += 1
+            self.failures.append((custom_id, error))
 
     def lines(self) -> list[str]:
         rate = (self.succeeded + self.failed) / self.elapsed_s if self.elapsed_s > 0 else 0.0
         out = [f"batch: {self.succeeded} succeeded, {self.failed} failed of {self.total - self.skipped} "
                f"requests in {self.elapsed_s:.2f} s ({rate:.2f} req/s)"
                + (f"; {self.skipped} already in the output were skipped" if self.skipped else "")]
+        out += ReplicaStats.table(self.replicas)
         out += [f"  {cid}: {msg}" for cid, msg in self.failures[:20]]
         if len(self.failures) > 20:
             out.append(f"  ... and {len(self.failures) - 20} more")
         return out
+
+
+def failure_message(rec: dict[str, Any]) -> str | None:
+    """None for an answered request (status 200), else the message of its error."""
+    if rec["error"] is None and rec["response"]["status_code"] == 200:
+        return None
+    return rec["error"]["message"] if rec["error"] else rec["response"]["body"]["error"]["message"]
 
 
 @dataclass(frozen=True)
@@ -97,15 +115,15 @@ def parse_line(number: int, raw: str) -> BatchLine:
                                              else str(first.get("msg"))))
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+def input_lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
     """(line number, raw line, custom_id if the line is JSON with one) for non-blank lines."""
     with path.open(encoding="utf-8") as f:
         for n, raw in enumerate(f, 1):
             if raw.strip():
-                yield n, raw, _custom_id_of(raw)
+                yield n, raw, custom_id_of(raw)
 
 
-def _custom_id_of(raw: str) -> str | None:
+def custom_id_of(raw: str) -> str | None:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError:
@@ -128,35 +146,31 @@ class BatchJob:
         in_path, out_path = Path(in_path), Path(out_path)
         done = done_keys(out_path, "custom_id")
         total = skipped = 0
-        for line in _lines(in_path):  # a cheap first pass for the progress total
+        for line in input_lines(in_path):  # a cheap first pass for the progress total
             total += 1
             skipped += int(line[2] is not None and line[2] in done)
         summary = BatchSummary(total=total, skipped=skipped)
         progress = Progress(total - skipped, "batch", stream=progress_stream)
         # lines are parsed as workers take them: only `concurrency` request bodies live at once
-        pending = (parse_line(n, raw) for n, raw, cid in _lines(in_path) if cid is None or cid not in done)
+        pending = (parse_line(n, raw) for n, raw, cid in input_lines(in_path) if cid is None or cid not in done)
         start = time.perf_counter()
         with out_path.open("a", encoding="utf-8") as out:
             async def worker() -> None:
                 for line in pending:
-                    rec = await self._answer(line)
+                    rec = await self.answer(line)
                     out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                     out.flush()
-                    ok = rec["error"] is None and rec["response"]["status_code"] == 200
-                    if ok:
-                        summary.succeeded += 1
-                    else:
-                        summary.failed += 1
-                        msg = rec["error"]["message"] if rec["error"] else rec["response"]["body"]["error"]["message"]
-                        summary.failures.append((line.custom_id, msg))
-                    progress.advance(1, failed=int(not ok))
+                    error = failure_message(rec)
+                    summary.add(line.custom_id, error)
+                    progress.advance(1, failed=int(error is not None))
 
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
         progress.close()
         summary.elapsed_s = time.perf_counter() - start
         return summary
 
-    async def _answer(self, line: BatchLine) -> dict[str, Any]:
+    async def answer(self, line: BatchLine) -> dict[str, Any]:
+        """The output line of one input line (both batch paths: one process, or a Ray replica)."""
         rec: dict[str, Any] = {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
                                "response": None, "error": None}
         if line.problem is not None:

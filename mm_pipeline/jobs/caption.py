@@ -2,8 +2,12 @@
 
     inputs (files, dirs, globs, .txt/.jsonl lists) ─► discover_inputs ─► [paths]
     CaptionJob.run(paths):  skip paths already in the output (resume)
-        up to ``concurrency`` items in flight ─► read bytes + sniff modality (thread)
-            ─► engine.generate([media part, prompt]) ─► one JSONL line per input (flushed)
+        up to ``concurrency`` items in flight ─► read bytes, sniff modality, hash (thread;
+            jobs/media_input.py) ─► CaptionJob.caption_input: engine.generate([media part, prompt])
+            ─► one JSONL line per input (flushed)
+
+``caption_input`` builds the row; the Ray job (mm_pipeline/cluster/) calls it on its replicas, so
+both paths write the same rows.
 
 Every input gets a line, failures included (``error`` names the problem, ``caption`` is null), so
 a re-run only retries what is missing.  Many items in flight at once is what lets the engine batch
@@ -22,11 +26,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.errors import MMServeError, generation_error
-from mm_pipeline.media.types import MediaKind
-from mm_pipeline.jobs.resume import done_keys
+from mm_pipeline.errors import generation_error
+from mm_pipeline.jobs.media_input import MediaInput, error_text, read_media_input
 from mm_pipeline.jobs.progress import Progress
-from mm_pipeline.media.sniff import sniff
+from mm_pipeline.jobs.replica_stats import ReplicaStats
+from mm_pipeline.jobs.resume import done_keys
+from mm_pipeline.media.types import MediaKind
 from mm_pipeline.runtime.stats import OmniStats
 
 DEFAULT_PROMPTS = {MediaKind.IMAGE: "Describe this image.", MediaKind.VIDEO: "Describe this video.",
@@ -120,6 +125,16 @@ class CaptionSummary:
     completion_tokens: int = 0
     failures: list[tuple[str, str]] = field(default_factory=list)
     cache: dict[str, Any] = field(default_factory=dict)
+    replicas: list[ReplicaStats] = field(default_factory=list)  # the Ray job's replicas (else empty)
+
+    def add(self, path: str, error: str | None, completion_tokens: int) -> None:
+        """Count one finished input (both caption paths: one process, or rows from Ray replicas)."""
+        if error is None:
+            self.succeeded += 1
+            self.completion_tokens += completion_tokens
+        else:
+            self.failed += 1
+            self.failures.append((path, error))
 
     @property
     def items_per_s(self) -> float:
@@ -131,23 +146,11 @@ class CaptionSummary:
                + (f"; {self.skipped} already in the output were skipped" if self.skipped else "")]
         if self.cache:
             out.append("cache hits: " + ", ".join(f"{k}={v}" for k, v in sorted(self.cache.items())))
+        out += ReplicaStats.table(self.replicas)
         if self.failures:
             out.append(f"{self.failed} failed:")
             out += [f"  {path}: {err}" for path, err in self.failures]
         return out
-
-
-def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, MMServeError):
-        return f"{type(exc).__name__} ({exc.kind}): {exc}"
-    if isinstance(exc, OSError):
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _read_and_sniff(path: str) -> tuple[bytes, MediaKind]:
-    data = Path(path).read_bytes()
-    return data, sniff(data).primary
 
 
 class CaptionJob:
@@ -165,7 +168,7 @@ class CaptionJob:
         done = already_done(out_path)
         todo = [p for p in inputs if p not in done]
         summary = CaptionSummary(total=len(inputs), skipped=len(inputs) - len(todo))
-        cache_before = _cache_hits(self.engine)
+        cache_before = cache_hits(self.engine)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
             with out_path.open("ab") as f:  # a torn last line: start ours on a fresh line
@@ -178,12 +181,7 @@ class CaptionJob:
                     rec = await self._caption(n, path)
                     out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                     out.flush()
-                    if rec["error"] is None:
-                        summary.succeeded += 1
-                        summary.completion_tokens += rec["completion_tokens"]
-                    else:
-                        summary.failed += 1
-                        summary.failures.append((path, rec["error"]))
+                    summary.add(path, rec["error"], rec["completion_tokens"])
                     if progress is not None:
                         progress.advance(1, failed=int(rec["error"] is not None))
                     if on_record is not None:
@@ -191,20 +189,26 @@ class CaptionJob:
 
             await asyncio.gather(*(worker() for _ in range(min(self.config.concurrency, len(todo)))))
         summary.elapsed_s = time.perf_counter() - start
-        summary.cache = {k: v - cache_before.get(k, 0) for k, v in _cache_hits(self.engine).items()}
+        summary.cache = {k: v - cache_before.get(k, 0) for k, v in cache_hits(self.engine).items()}
         return summary
 
     async def _caption(self, n: int, path: str) -> dict[str, Any]:
+        return await self.caption_input(n, await asyncio.to_thread(read_media_input, path))
+
+    async def caption_input(self, n: int, item: MediaInput) -> dict[str, Any]:
+        """The output row of one read input (``n``: unique among the inputs in flight).  Never
+        raises: an input that cannot be read or captioned gets ``error`` and ``caption: null``."""
         t0 = time.perf_counter()
-        rec: dict[str, Any] = {"input": path, "modality": None, "caption": None, "error": None,
+        rec: dict[str, Any] = {"input": item.path, "modality": item.kind.value if item.kind else None,
+                               "caption": None, "error": item.error, "content_hash": item.content_hash,
                                "prompt_tokens": 0, "completion_tokens": 0, "timings": {}}
+        if item.error is not None:
+            rec["timings"] = {"total_s": round(item.read_s, 4)}
+            return rec
         file_id = f"caption-{n}"
         try:
-            data, kind = await asyncio.to_thread(_read_and_sniff, path)
-            rec["modality"] = kind.value
-            self._media[file_id] = data
-            t_read = time.perf_counter()
-            prompt = self.config.prompt or DEFAULT_PROMPTS[kind]
+            self._media[file_id] = item.data
+            prompt = self.config.prompt or DEFAULT_PROMPTS[item.kind]
             messages = [{"role": "user", "content": [{"type": "file", "file": {"file_id": file_id}},
                                                      {"type": "text", "text": prompt}]}]
             params = SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature)
@@ -218,12 +222,12 @@ class CaptionJob:
                 if error is not None:
                     raise error
             rec["caption"] = text.strip()
-            rec["timings"] = {"read_s": round(t_read - t0, 4),
-                              "first_token_s": round((first or time.perf_counter()) - t0, 4),
-                              "total_s": round(time.perf_counter() - t0, 4)}
+            rec["timings"] = {"read_s": round(item.read_s, 4),
+                              "first_token_s": round((first or time.perf_counter()) - t0 + item.read_s, 4),
+                              "total_s": round(time.perf_counter() - t0 + item.read_s, 4)}
         except Exception as exc:  # one bad input must not stop the job
-            rec["error"] = _error_text(exc)
-            rec["timings"] = {"total_s": round(time.perf_counter() - t0, 4)}
+            rec["error"] = error_text(exc)
+            rec["timings"] = {"total_s": round(time.perf_counter() - t0 + item.read_s, 4)}
         finally:
             self._media.pop(file_id, None)
         return rec
@@ -235,7 +239,7 @@ class CaptionJob:
             raise KeyError(f"caption job has no media for file id {file_id!r}") from None
 
 
-def _cache_hits(engine: Any) -> dict[str, int]:
+def cache_hits(engine: Any) -> dict[str, int]:
     """``{"<metric>.<tier>": n}`` from the engine's stats snapshot: encoder cache hits and prefix
     cache hit tokens per tier, under their /metrics names."""
     s = engine.stats()

@@ -75,6 +75,7 @@ def test_progress_plain_and_tty():
 
 
 # ---- a real run (tiny omni checkpoint, CPU) -----------------------------------------------------
+from tests.support.caption_inputs import folder_with_broken_files  # noqa: E402
 from tests.support.paths import SAMPLE_MEDIA as MEDIA  # noqa: E402
 
 
@@ -85,33 +86,12 @@ def model_dir(tmp_path_factory):
     return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
 
 
-def _folder_with_broken_files(root: Path) -> dict[str, str | None]:
-    """Good samples plus broken ones; returns name -> expected modality (None: must fail)."""
-    import shutil
-
-    expect: dict[str, str | None] = {}
-    for name in ("image_000001.png", "video_000000.mp4", "audio_000003.wav", "audio_000001.flac"):
-        shutil.copy(MEDIA / name, root / name)
-        expect[name] = name.split("_")[0]
-    sub = root / "nested" / "deeper"
-    sub.mkdir(parents=True)
-    shutil.copy(MEDIA / "image_000002.jpg", sub / "image_000002.jpg")
-    expect["nested/deeper/image_000002.jpg"] = "image"
-    (root / "truncated.png").write_bytes((MEDIA / "image_000001.png").read_bytes()[:200])
-    (root / "noise.jpg").write_bytes(bytes(range(256)) * 8)
-    (root / "empty.mp4").write_bytes(b"")
-    (root / "text.webm").write_bytes(b"this is not a video at all\n" * 20)
-    for name in ("truncated.png", "noise.jpg", "empty.mp4", "text.webm"):
-        expect[name] = None
-    return expect
-
-
 def test_caption_folder_with_broken_files_and_resume(model_dir, tmp_path, capsys):
     from mm_pipeline.cli import main
 
     folder = tmp_path / "media"
     folder.mkdir()
-    expect = _folder_with_broken_files(folder)
+    expect = folder_with_broken_files(folder)
     out = tmp_path / "captions.jsonl"
     argv = ["caption", str(folder), "--model", str(model_dir), "--out", str(out), "--max-tokens", "4",
             "--device", "cpu", "--kv-tokens", "4096"]

@@ -1,0 +1,30 @@
+"""The batch replica: one engine per actor answering OpenAI Batch lines with the single-process
+job's own code (``BatchJob.answer``), so ``mmserve batch --ray`` writes the lines ``mmserve batch``
+writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mm_pipeline.cluster.job_replica import JobReplica, ReplicaSpec
+from mm_pipeline.jobs.batch import BatchJob, custom_id_of, failure_message, parse_line
+
+
+class BatchReplica(JobReplica):
+    """Batches of input lines (``number``, ``raw``) -> OpenAI Batch output lines."""
+
+    def __init__(self, spec: ReplicaSpec, default_max_tokens: int) -> None:
+        super().__init__(spec)
+        self.job = BatchJob(self.engine, default_max_tokens=default_max_tokens)
+
+    def keys(self, batch: dict[str, np.ndarray]) -> list[str | None]:
+        return [custom_id_of(str(raw)) for raw in batch["raw"]]
+
+    async def answer(self, batch: dict[str, np.ndarray], i: int, n: int) -> dict[str, Any]:
+        return await self.job.answer(parse_line(int(batch["number"][i]), str(batch["raw"][i])))
+
+    def outcome(self, row: dict[str, Any]) -> tuple[str | None, int]:
+        body = (row.get("response") or {}).get("body") or {}
+        return failure_message(row), int((body.get("usage") or {}).get("completion_tokens") or 0)

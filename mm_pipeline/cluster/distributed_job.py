@@ -1,0 +1,127 @@
+"""The driver side of a job on Ray Data: replicas over a dataset, results streamed back, the merge.
+
+    dataset of inputs ─► map_batches(ReplicaClass, ActorPoolStrategy(size=replicas), batch_size,
+                                     num_cpus/num_gpus per replica, max_restarts, max_task_retries)
+        ─► iter_batches (streaming: replicas keep working while the driver counts)
+             per result row: progress, summary.add, ReplicaStats.add_batch (once per batch)
+    ─► JobOutput.merge(every input): each input once, or IncompleteJobError
+
+Ray Data does the scheduling (actor pool, backpressure, retries); this module only wires it and
+reads the results.  The caption and batch jobs build their input datasets
+(``caption_dataset.py``, ``batch_dataset.py``) and call :func:`run_replicas`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mm_pipeline.jobs.job_output import MergeReport
+from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.jobs.replica_stats import ReplicaStats
+
+
+@dataclass(frozen=True)
+class RayJobConfig:
+    replicas: int = 1  # captioning actors, one engine each
+    cpus_per_replica: float = 1.0  # Ray resources of one replica (fractions are fine: tests use 0.5)
+    gpus_per_replica: float = 0.0
+    batch_size: int = 16  # inputs per batch handed to a replica; several batches run on it at once
+    # Read tasks hold no Ray CPU: replicas that take every CPU (one per core is the natural setting)
+    # would otherwise starve the reads that feed them, and the job would wait forever. They are
+    # capped in number instead (read_tasks at once).
+    read_tasks: int = 4
+    start_timeout_s: int = 600  # every replica must be up by then (else the job fails naming the wait)
+    ray_progress: bool = False  # Ray Data's own progress bars / logs besides the job's progress
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.batch_size < 1:
+            raise ValueError(f"replicas and batch_size must be >= 1, got {self.replicas}, {self.batch_size}")
+        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0 or self.read_tasks < 1:
+            raise ValueError(f"cpus_per_replica must be > 0, gpus_per_replica >= 0 and read_tasks >= 1, got "
+                             f"{self.cpus_per_replica}, {self.gpus_per_replica}, {self.read_tasks}")
+
+    @property
+    def threads(self) -> int:
+        """torch threads of one replica: its whole CPUs (at least one)."""
+        return max(1, int(self.cpus_per_replica))
+
+
+@dataclass
+class DistributedResult:
+    replicas: list[ReplicaStats]
+    results: int  # result rows the driver received (one per input it sent)
+    duplicate_results: int  # keys the driver received twice (0 when exactly once held)
+    journaled: int  # inputs a retried batch found already done (a replica died after writing them)
+    merge: MergeReport | None = None
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.journaled:
+            out.append(f"{self.journaled} inputs finished before a replica died were not redone")
+        if self.merge is not None:
+            m = self.merge
+            out.append(f"merged {m.new_rows} new rows from {m.shards} shards; {m.rows} rows in the output, "
+                       + ("each input once" if not (m.duplicates or self.duplicate_results) else
+                          f"{m.duplicates + self.duplicate_results} duplicates dropped"))
+        return out
+
+
+def configure_data(config: RayJobConfig) -> None:
+    """Ray Data settings of this driver, before the job's datasets are built (they copy them)."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    # Work starts when every replica is up: otherwise the first to load its model takes the whole
+    # queue while the others load (and a replica that cannot be placed fails the job instead of
+    # leaving it to run at a fraction of its size unnoticed).
+    ctx.wait_for_min_actors_s = config.start_timeout_s
+    ctx.enable_progress_bars = config.ray_progress
+
+
+def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any], config: RayJobConfig,
+                 on_result: Callable[[str, str | None, int], None], progress: Progress | None = None
+                 ) -> DistributedResult:
+    """Map ``ds`` through ``replica_cls`` actors (built with ``constructor_kwargs``, a ``ReplicaSpec``
+    among them) and stream the result rows to ``on_result(key, error, tokens)``; returns
+    per-replica statistics (the caller merges the output)."""
+    from ray.data import ActorPoolStrategy
+
+    out = ds.map_batches(
+        # a fixed pool of `replicas` actors (what `concurrency=N` spelled before Ray 2.51)
+        replica_cls, fn_constructor_kwargs=constructor_kwargs, batch_size=config.batch_size,
+        compute=ActorPoolStrategy(size=config.replicas), num_cpus=config.cpus_per_replica,
+        num_gpus=config.gpus_per_replica or None,
+        # a dead replica is restarted and its unfinished batches retried there (the journal makes
+        # the retry redo only what has no row yet)
+        max_restarts=-1, max_task_retries=-1)
+    # a replica batch's report rides on each of its rows; Ray may split or join blocks on the way,
+    # so rows are grouped by (replica, process, batch start) until the end
+    batches: dict[tuple[str, int, float], dict[str, Any]] = {}
+    seen: set[str] = set()
+    result = DistributedResult(replicas=[], results=0, duplicate_results=0, journaled=0)
+    for batch in out.iter_batches(batch_size=None, batch_format="numpy"):
+        for i in range(len(batch["key"])):
+            key, error, tokens = str(batch["key"][i]), str(batch["error"][i]) or None, int(batch["tokens"][i])
+            result.results += 1
+            if key:
+                if key in seen:
+                    result.duplicate_results += 1
+                    continue
+                seen.add(key)
+            result.journaled += int(batch["journaled"][i])
+            on_result(key, error, tokens)
+            b = batches.setdefault((str(batch["replica"][i]), int(batch["pid"][i]), float(batch["batch_start"][i])),
+                                   {"node": str(batch["node"][i]), "end": float(batch["batch_end"][i]),
+                                    "cache": json.loads(str(batch["cache"][i])), "items": 0, "failed": 0})
+            b["items"] += 1
+            b["failed"] += int(error is not None)
+            if progress is not None:
+                progress.advance(1, failed=int(error is not None))
+    replicas: dict[str, ReplicaStats] = {}
+    for (rid, pid, start), b in sorted(batches.items(), key=lambda kv: kv[0][2]):
+        replicas.setdefault(rid, ReplicaStats(rid)).add_batch(node=b["node"], pid=pid, start=start, end=b["end"],
+                                                              items=b["items"], failed=b["failed"], cache=b["cache"])
+    result.replicas = list(replicas.values())
+    return result

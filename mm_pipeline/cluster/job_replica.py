@@ -1,0 +1,129 @@
+"""A Ray Data actor that holds one engine and answers batches of job inputs, exactly once.
+
+Ray Data creates ``concurrency=N`` of these (``map_batches(ReplicaClass, ...)``) and feeds each
+several batches at a time (``__call__`` is a coroutine, so batches overlap on the actor's event
+loop and the engine's cross-request batching stays full while a batch's stragglers finish).
+
+Exactly once, per batch:
+
+    refresh the ShardIndex (rows every replica journaled so far)
+    inputs already journaled -> their outcome from the index (a retried batch after a death)
+    the others, concurrently -> engine -> row -> ShardJournal.append (flushed) as each finishes
+    -> one small result row per input (key, error, tokens) plus this batch's report
+
+When the process dies mid-batch, Ray restarts the actor (``max_restarts``) and retries the batch
+(``max_task_retries``); the new incarnation keeps the actor id, hence the same shard file, and
+redoes only inputs without a journaled row.  The driver never receives the rows themselves: the
+merge reads them from the shards, so object-store traffic is the small result rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mm_pipeline.jobs.job_output import JobOutput
+from mm_pipeline.jobs.shard_journal import ShardIndex, ShardJournal
+
+# the result columns every replica returns (besides nothing else: the rows are in the shards)
+RESULT_COLUMNS = ("key", "error", "tokens", "journaled", "replica", "node", "pid", "batch_start",
+                  "batch_end", "cache")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica needs; pickled to the actors, so paths must be valid on every node."""
+
+    model_dir: str
+    engine_config: Any  # OmniEngineConfig (device, Redis tiers...)
+    output: JobOutput
+    threads: int = 1  # torch intra-op threads: the replica's CPUs (one thread per replica in tests)
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+class JobReplica(ABC):
+    """Base of the caption and batch replicas: engine, journal, index, the batch protocol.
+    Subclasses give ``answer`` (one input -> its output row) and ``outcome`` (row -> (error, tokens))."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.replica_id, self.node = self.identity()
+        self.pid = os.getpid()
+        self.output = spec.output
+        self.engine = self.load_engine(spec)
+        # the actor id survives restarts, so a restarted replica appends to its predecessor's shard
+        self.journal = ShardJournal(spec.output.shard_path(self.replica_id))
+        self.index = ShardIndex(spec.output.parts_dir, spec.output.key, self.outcome)
+        self._n = 0
+
+    def identity(self) -> tuple[str, str]:
+        """(replica id, node address): the Ray actor's id, which a restart keeps, and its node."""
+        import ray
+
+        return ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}", ray.util.get_node_ip_address()
+
+    def load_engine(self, spec: ReplicaSpec) -> Any:
+        import torch
+
+        from mm_pipeline.runtime.omni_engine import OmniEngine
+
+        torch.set_num_threads(spec.threads)
+        return OmniEngine.from_pretrained(spec.model_dir, spec.engine_config)
+
+    # ---- subclass interface -----------------------------------------------------------------
+    @abstractmethod
+    def keys(self, batch: dict[str, np.ndarray]) -> list[str | None]:
+        """The key of each input of ``batch`` (None: an input that cannot be deduplicated)."""
+
+    @abstractmethod
+    async def answer(self, batch: dict[str, np.ndarray], i: int, n: int) -> dict[str, Any]:
+        """The output row of input ``i`` of ``batch`` (``n``: unique in this process); never raises."""
+
+    @abstractmethod
+    def outcome(self, row: dict[str, Any]) -> tuple[str | None, int]:
+        """(error message or None, completion tokens) of an output row."""
+
+    # ---- the batch protocol -----------------------------------------------------------------
+    async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        start = time.time()
+        self.index.refresh()
+        keys = self.keys(batch)
+        results: list[tuple[str | None, int, bool] | None] = [None] * len(keys)  # error, tokens, journaled
+        todo = []
+        for i, key in enumerate(keys):
+            if key is not None and key in self.index.rows:
+                results[i] = (*self.index.rows[key], True)  # a retried batch: done before the death
+            else:
+                todo.append(i)
+
+        async def run(i: int) -> None:
+            self._n += 1
+            row = await self.answer(batch, i, self._n)
+            self.journal.append(row)  # before anything else can fail: this input is done
+            results[i] = (*self.outcome(row), False)
+
+        await asyncio.gather(*(run(i) for i in todo))
+        self.journal.sync()
+        end = time.time()
+        cache = json.dumps(self.cache_counters())
+        return {"key": [k or "" for k in keys],
+                "error": [r[0] or "" for r in results],
+                "tokens": [r[1] for r in results],
+                "journaled": [r[2] for r in results],
+                "replica": [self.replica_id] * len(keys), "node": [self.node] * len(keys),
+                "pid": [self.pid] * len(keys), "batch_start": [start] * len(keys),
+                "batch_end": [end] * len(keys), "cache": [cache] * len(keys)}
+
+    def cache_counters(self) -> dict[str, int]:
+        from mm_pipeline.jobs.caption import cache_hits
+
+        return cache_hits(self.engine)

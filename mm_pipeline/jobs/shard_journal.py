@@ -1,0 +1,95 @@
+"""Shards of a distributed job's output: one append-only JSONL journal per replica, and an index of
+every row all replicas have journaled so far.
+
+    captions.jsonl.parts/
+        shard-<replica id>.jsonl     one row per finished input, flushed as it finishes
+
+A replica appends a row the moment its input finishes, so when its process dies mid-batch the
+finished rows survive and Ray's retry of the batch (on the restarted replica, or any other) finds
+them in the ``ShardIndex`` and redoes only the rest.  The index tails every shard incrementally
+(it remembers how far it read each file and reads only whole lines), so checking a batch costs the
+bytes written since the last check, not the whole output.  Every replica must see the same parts
+directory: on several machines it is a shared filesystem path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+SHARD_GLOB = "shard-*.jsonl"
+
+
+class ShardJournal:
+    """Appends rows to one shard file (created on first use; a torn last line left by a killed
+    predecessor is closed off so the next row starts on a fresh line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("ab")
+        if self._f.tell() and not _ends_with_newline(path):
+            self._f.write(b"\n")
+
+    def append(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+        self._f.flush()  # visible to other processes (and surviving this one's death) at once
+
+    def sync(self) -> None:
+        """Make the rows durable against a machine crash too (once per batch: an fsync per row
+        would cost more than a tiny model's caption)."""
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+class ShardIndex:
+    """``key -> outcome`` of every row in the shards of ``parts_dir``; ``refresh`` reads what was
+    appended since the last call.  ``outcome`` maps a row to what the index keeps (a small value:
+    the index of a million-row job lives in every replica)."""
+
+    def __init__(self, parts_dir: Path, key: str, outcome: Callable[[dict], Any] = lambda row: None) -> None:
+        self.parts_dir = parts_dir
+        self.key = key
+        self.outcome = outcome
+        self.rows: dict[str, Any] = {}
+        self._offsets: dict[Path, int] = {}
+
+    def refresh(self) -> None:
+        if not self.parts_dir.is_dir():
+            return
+        for path in sorted(self.parts_dir.glob(SHARD_GLOB)):
+            start = self._offsets.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(start)
+                chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next refresh
+            self._offsets[path] = start + len(whole)
+            for line in whole.splitlines():
+                row = _parse(line)
+                if row is not None and isinstance(row.get(self.key), str):
+                    self.rows.setdefault(row[self.key], self.outcome(row))
+
+
+def _parse(line: bytes) -> dict | None:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a torn line a killed replica left behind
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The well-formed JSON object lines of a JSONL file (torn or foreign lines skipped)."""
+    if not path.exists():
+        return []
+    return [row for line in path.read_bytes().splitlines() if (row := _parse(line)) is not None]

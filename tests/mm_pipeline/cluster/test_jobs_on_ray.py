@@ -1,0 +1,164 @@
+"""``mmserve caption --ray`` / ``mmserve batch --ray`` on the session's local Ray cluster (2 CPUs,
+loopback; replicas at 0.5 CPU and one torch thread each) with a tiny omni checkpoint:
+
+- 2 replicas write exactly the single-process rows, broken files as error rows, and report per
+  replica; a re-run resumes (only the rows it lacks), with a warm Redis reporting its hits;
+- a replica SIGKILLed mid-run is restarted by Ray and the job ends with every input once;
+- a batch file gives the single-process job's answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.caption_inputs import folder_with_broken_files
+from tests.support.paths import SAMPLE_MEDIA
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ENGINE = ["--device", "cpu", "--kv-tokens", "4096"]
+RAY = ["--ray", "--replicas", "2", "--cpus-per-replica", "0.5", "--batch-size", "2"]
+COMPARED = ("input", "modality", "caption", "error", "content_hash", "prompt_tokens", "completion_tokens")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "tiny-omni", seed=0)
+
+
+def _rows(path: Path) -> dict[str, dict]:
+    return {r["input"]: {k: r[k] for k in COMPARED} for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_two_replicas_write_the_single_process_rows_and_resume_with_warm_redis(
+        ray_local, redis_server, model_dir, tmp_path, capsys):
+    from mm_pipeline.cli import main
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    expect = folder_with_broken_files(folder)
+    common = ["caption", str(folder), "--model", str(model_dir), "--max-tokens", "6", *ENGINE]
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "ray.jsonl"
+    assert main([*common, "--out", str(ref)]) == 0
+    capsys.readouterr()
+    redis = ["--redis-url", f"redis://127.0.0.1:{redis_server}/3"]
+    assert main([*common, "--out", str(out), *RAY, *redis]) == 0
+    err = capsys.readouterr().err
+    assert _rows(out) == _rows(ref)  # the same rows, broken files included
+    assert len(out.read_text().splitlines()) == len(expect) and not out.with_name("ray.jsonl.parts").exists()
+    assert sum(r["error"] is not None for r in _rows(out).values()) == 4
+    assert "captioned 5 of 9 inputs" in err and "4 failed" in err and "each input once" in err
+    lines = err.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("replica ") and "cache hits" in ln)
+    # one line per replica that got work (Ray Data may hand every batch to the first idle replica
+    # when reads are slower than captions), and together they did every input once
+    per_replica = [ln.split() for ln in lines[at + 1:] if len(ln.split()) >= 6 and ln.split()[2].isdigit()]
+    assert 1 <= len(per_replica) <= 2 and sum(int(r[2]) for r in per_replica) == len(expect), err
+
+    # resume: drop a good and a broken row; the re-run redoes only those, the good one from Redis
+    # (new replicas start with an empty memory tier: the hit can only come from the shared tier)
+    kept = [ln for ln in out.read_text().splitlines()
+            if Path(json.loads(ln)["input"]).name not in ("image_000001.png", "noise.jpg")]
+    out.write_text("\n".join(kept) + "\n")
+    assert main([*common, "--out", str(out), "--ray", "--replicas", "1", "--cpus-per-replica", "0.5", *redis]) == 0
+    err = capsys.readouterr().err
+    assert "captioned 1 of 2 inputs" in err and "7 already in the output were skipped" in err
+    assert _rows(out) == _rows(ref)
+    hits = dict(kv.split("=") for kv in err.split("cache hits: ")[1].splitlines()[0].split(", "))
+    assert int(hits["encoder_cache_hits.redis"]) >= 1, err
+
+
+def _kill_first_replica_with_a_row(parts: Path, done: threading.Event, killed: list[int]) -> None:
+    """SIGKILL the process of the first replica whose shard has a row (a crash: Ray restarts it)."""
+    from ray._private import state
+
+    while not done.is_set():
+        for shard in sorted(parts.glob("shard-*.jsonl")) if parts.is_dir() else []:
+            if shard.stat().st_size:
+                pid = state.actors(shard.stem.removeprefix("shard-"))["Pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+        time.sleep(0.05)
+
+
+def test_a_killed_replica_is_restarted_and_every_input_is_written_once(ray_local, model_dir, tmp_path):
+    from mm_pipeline.cli import build_parser, engine_config
+    from mm_pipeline.cluster.caption_dataset import run_caption_on_ray
+    from mm_pipeline.cluster.distributed_job import RayJobConfig
+    from mm_pipeline.cluster.job_replica import ReplicaSpec
+    from mm_pipeline.jobs.caption import CaptionConfig
+    from mm_pipeline.jobs.job_output import JobOutput
+
+    inputs = []
+    for i in range(6):  # distinct names (the same content: later ones hit the encoder cache)
+        for name in ("image_000001.png", "audio_000003.wav"):
+            dst = tmp_path / "in" / f"{i}_{name}"
+            dst.parent.mkdir(exist_ok=True)
+            shutil.copy(SAMPLE_MEDIA / name, dst)
+            inputs.append(str(dst))
+    output = JobOutput(tmp_path / "out.parquet", key="input", format="parquet")
+    args = build_parser().parse_args(["caption", "x", *ENGINE])
+    spec = ReplicaSpec(model_dir=str(model_dir), engine_config=engine_config(args), output=output)
+    done, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_first_replica_with_a_row, args=(output.parts_dir, done, killed))
+    killer.start()
+    try:
+        summary, result = run_caption_on_ray(
+            ray_local, inputs, spec, CaptionConfig(max_tokens=16),
+            RayJobConfig(replicas=2, cpus_per_replica=0.5, batch_size=2))
+    finally:
+        done.set()
+        killer.join()
+    assert killed, "the job finished before a replica wrote a row"
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(output.path).to_pylist()
+    assert sorted(r["input"] for r in rows) == sorted(inputs)  # every input, once
+    assert all(r["error"] is None and r["caption"] is not None for r in rows)
+    assert result.merge.duplicates == 0 and result.duplicate_results == 0  # none written twice
+    assert summary.succeeded == len(inputs) and summary.failed == 0
+    assert sum(r.items for r in result.replicas) == len(inputs)
+
+
+def test_batch_on_ray_answers_like_the_single_process_job(ray_local, model_dir, tmp_path, capsys):
+    from mm_pipeline.cli import main
+
+    def chat(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 5, "temperature": 0}
+
+    lines = [json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat("hi")}),
+             "{not json",
+             json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": [
+                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}}),
+             json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat("bye")})]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    common = ["batch", "-i", str(src), "--model", str(model_dir), *ENGINE]
+    assert main([*common, "-o", str(tmp_path / "ref.jsonl")]) == 0
+    assert main([*common, "-o", str(tmp_path / "ray.jsonl"), "--ray", "--replicas", "1",
+                 "--cpus-per-replica", "0.5"]) == 0
+    assert "each input once" in capsys.readouterr().err
+
+    def answers(path: Path) -> dict:
+        out = {}
+        for rec in map(json.loads, path.read_text().splitlines()):
+            resp = rec["response"] or {}
+            body = resp.get("body") or {}
+            text = body["choices"][0]["message"]["content"] if resp.get("status_code") == 200 else None
+            out[rec["custom_id"]] = (resp.get("status_code"), text, (rec["error"] or {}).get("code"))
+        return out
+
+    ref, ray_out = answers(tmp_path / "ref.jsonl"), answers(tmp_path / "ray.jsonl")
+    assert ray_out == ref and ref["a"][0] == 200 and ref["b"][0] == 415 and ref[None][2] == "invalid_json"

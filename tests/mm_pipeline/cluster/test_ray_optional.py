@@ -1,0 +1,60 @@
+"""Ray is optional: a plain ``mmserve caption`` run never imports it, and ``--ray`` flags are
+checked before any cluster starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import REPO, SAMPLE_MEDIA
+
+
+def test_a_plain_caption_run_does_not_import_ray(tmp_path):
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+    model = build_tiny_omni_checkpoint(tmp_path / "tiny-omni", seed=0)
+    out = tmp_path / "c.jsonl"
+    code = ("import sys, torch; torch.set_num_threads(1)\n"
+            "from mm_pipeline.cli import main\n"
+            f"rc = main(['caption', {str(SAMPLE_MEDIA / 'image_000001.png')!r}, '--model', {str(model)!r}, "
+            f"'--out', {str(out)!r}, '--max-tokens', '2', '--device', 'cpu', '--kv-tokens', '4096'])\n"
+            "print('rc', rc, 'ray' in sys.modules, 'ray.data' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.stdout.strip().splitlines()[-1] == "rc 0 False False", done.stderr[-2000:]
+    assert out.read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ray", "more.png"], "is not a Ray address"),
+    (["--ray", "--replicas", "0"], "replicas and batch_size must be >= 1"),
+    (["--ray", "--cpus-per-replica", "0"], "cpus_per_replica must be > 0"),
+    (["--format", "parquet"], "--format parquet needs --ray"),
+])
+def test_ray_flags_are_checked_before_anything_starts(argv, message, capsys, monkeypatch):
+    from mm_pipeline.cli import main
+    from tests.support.paths import DEMO_MODEL
+
+    if not (DEMO_MODEL / "config.json").is_file():
+        pytest.skip("needs the demo model directory (only its config is read)")
+    monkeypatch.setattr("mm_pipeline.cli.load_engine", lambda *a: pytest.fail("the engine must not load"))
+    try:
+        rc = main(["caption", str(SAMPLE_MEDIA / "image_000001.png"), *argv])
+    except SystemExit as exc:  # argparse's own usage errors
+        rc = exc.code
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_ray_options_come_from_a_config_file_too(tmp_path):
+    from mm_pipeline.cli import parse_args
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("ray: auto\nreplicas: 3\ncpus-per-replica: 0.5\nformat: parquet\n")
+    a = parse_args(["caption", "x.png", "--config", str(cfg)])
+    assert (a.ray, a.replicas, a.cpus_per_replica, a.format) == ("auto", 3, 0.5, "parquet")
+    cfg.write_text("ray: true\n")  # YAML's boolean: a local cluster, as a bare --ray
+    assert parse_args(["caption", "x.png", "--config", str(cfg)]).ray == ""
+    assert parse_args(["caption", "x.png", "--ray", "10.0.0.5:6379"]).ray == "10.0.0.5:6379"
+    assert parse_args(["caption", "x.png"]).ray is None  # no --ray: the single-process job

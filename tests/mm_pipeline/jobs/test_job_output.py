@@ -1,0 +1,84 @@
+"""Sharded job output without Ray: shard journals and their index, resume over the final file and
+the shards, the exactly-once merge (JSONL and Parquet), per-replica statistics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mm_pipeline.jobs.job_output import IncompleteJobError, JobOutput
+from mm_pipeline.jobs.replica_stats import ReplicaStats
+from mm_pipeline.jobs.shard_journal import ShardIndex, ShardJournal
+
+
+def _row(name: str, error: str | None = None) -> dict:
+    return {"input": name, "caption": None if error else f"cap {name}", "error": error,
+            "timings": {"total_s": 0.1} if error else {"read_s": 0.0, "total_s": 0.2}}
+
+
+def test_index_tails_shards_and_skips_torn_lines(tmp_path):
+    out = JobOutput(tmp_path / "o.jsonl", key="input")
+    a = ShardJournal(out.shard_path("a"))
+    index = ShardIndex(out.parts_dir, "input", lambda r: r["error"])
+    a.append(_row("x"))
+    index.refresh()
+    assert index.rows == {"x": None}
+    # a replica killed mid-write leaves half a line: not a row, and the next writer starts afresh
+    with out.shard_path("b").open("w") as f:
+        f.write(json.dumps(_row("y", "bad")) + "\n" + '{"input": "z", "capt')
+    index.refresh()
+    assert index.rows == {"x": None, "y": "bad"}
+    b = ShardJournal(out.shard_path("b"))  # the restarted replica reopens its shard
+    b.append(_row("z"))
+    a.append(_row("w"))
+    index.refresh()  # reads only what was appended since
+    assert index.rows == {"x": None, "y": "bad", "z": None, "w": None}
+    assert out.done_keys() == {"x", "y", "z", "w"}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_merge_is_exactly_once_and_resumable(tmp_path, fmt):
+    out = JobOutput(tmp_path / f"o.{fmt}", key="input", format=fmt)
+    j = ShardJournal(out.shard_path("r1"))
+    for name in ("b", "a"):
+        j.append(_row(name))
+    with pytest.raises(IncompleteJobError, match="1 inputs have no output row.*'c'"):
+        out.merge(["a", "b", "c"])
+    assert out.parts_dir.is_dir() and not out.path.exists()  # nothing lost: the parts stay for a re-run
+    ShardJournal(out.shard_path("r2")).append(_row("c", "UnsupportedMediaType: noise"))
+    ShardJournal(out.shard_path("r3")).append(_row("a"))  # a copy a retried batch wrote again
+    report = out.merge(["a", "b", "c"])
+    assert (report.rows, report.new_rows, report.duplicates, report.shards) == (3, 3, 1, 3)
+    assert not out.parts_dir.exists()
+    rows = out._final_rows()
+    assert [r["input"] for r in rows] == ["a", "b", "c"]  # the inputs' order, not completion order
+    assert rows[2]["error"] and rows[0]["caption"] == "cap a"
+    assert out.done_keys() == {"a", "b", "c"}
+    # a later run adds inputs: the old rows stay first, the new ones follow
+    ShardJournal(out.shard_path("r9")).append(_row("d"))
+    report = out.merge(["a", "b", "c", "d"])
+    assert (report.rows, report.new_rows, report.duplicates) == (4, 1, 0)
+    assert [r["input"] for r in out._final_rows()] == ["a", "b", "c", "d"]
+
+
+def test_parquet_refuses_to_replace_a_jsonl_file(tmp_path):
+    (tmp_path / "o.parquet").write_text(json.dumps(_row("a")) + "\n")
+    with pytest.raises(ValueError, match="not a Parquet file"):
+        JobOutput(tmp_path / "o.parquet", key="input", format="parquet")
+    with pytest.raises(ValueError, match="jsonl or parquet"):
+        JobOutput(tmp_path / "o.csv", key="input", format="csv")  # type: ignore[arg-type]
+
+
+def test_replica_stats_busy_time_restarts_and_cache():
+    r = ReplicaStats("abc")
+    r.add_batch(node="n1", pid=1, start=0.0, end=2.0, items=4, failed=1, cache={"encoder_cache_hits.redis": 3})
+    r.add_batch(node="n1", pid=1, start=1.0, end=3.0, items=4, failed=0, cache={"encoder_cache_hits.redis": 5})
+    r.add_batch(node="n1", pid=2, start=5.0, end=6.0, items=2, failed=0, cache={"encoder_cache_hits.redis": 1})
+    assert r.busy_s == pytest.approx(4.0)  # [0, 3] and [5, 6]: overlapping batches count once
+    assert r.items_per_s == pytest.approx(10 / 4.0)
+    assert r.restarts == 1 and r.cache == {"encoder_cache_hits.redis": 6}  # per process: 5 (max) + 1
+    lines = ReplicaStats.table([r])
+    assert lines[0].split()[:3] == ["replica", "node", "items"]
+    assert lines[1].split()[:6] == ["abc", "n1", "10", "1", "2.50", "1"]
+    assert ReplicaStats.table([]) == []
