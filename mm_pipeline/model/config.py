@@ -121,6 +121,10 @@ class OmniConfig:
     # "MM:SS" of each frame group before its pads in the prompt (processor_config.use_video_timestamps;
     # MiMo-V2.5 and the demo model were trained with them)
     use_video_timestamps: bool = True
+    # a video's sound track laid out with its frames (processor_config.use_audio_in_video, true when
+    # absent as in MiMo-V2.5; a checkpoint never trained on videos with sound sets it false, since sound
+    # tokens it has never seen beside frames disturb its answers about the frames)
+    video_audio: bool = True
 
     def __post_init__(self) -> None:
         hidden = self.text.hidden_size
@@ -162,6 +166,7 @@ class OmniConfig:
             special=SpecialTokens.from_config(cfg),
             speech=speech,
             use_video_timestamps=_flag(processor.get("use_video_timestamps"), default=True),
+            video_audio=_flag(processor.get("use_audio_in_video"), default=True),
         )
 
     @property

@@ -90,6 +90,8 @@ class OmniModel:
     layout: ChatLayout
     video_sampling: VideoSamplingParams
     encoder_id: str
+    # whether the checkpoint was trained to hear a video's sound track (processor_config.use_audio_in_video)
+    video_audio: bool = True
 
     @property
     def hidden_size(self) -> int:
@@ -132,6 +134,7 @@ class OmniModel:
         return cls(name=model_dir.resolve().name, text=text, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
                    layout=ChatLayout(omni.special, tokenizer, omni.use_video_timestamps),
-                   video_sampling=omni.video, encoder_id=_encoder_id(model_dir, omni, audio_tokenizer_attention))
+                   video_sampling=omni.video, encoder_id=_encoder_id(model_dir, omni, audio_tokenizer_attention),
+                   video_audio=omni.video_audio)
 
 

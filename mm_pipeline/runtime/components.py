@@ -76,7 +76,8 @@ class OmniRuntime:
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
         self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device)
         self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor, model.encoder_id,
-                                    config.planner_config(model.video_sampling, self.llm.max_model_len))
+                                    config.planner_config(model.video_sampling, self.llm.max_model_len,
+                                                         default_video_audio=model.video_audio))
         self._started = False
         self._closed = False
 

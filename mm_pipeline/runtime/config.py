@@ -63,8 +63,8 @@ class OmniEngineConfig:
     # video sampling and streaming granularity
     video_sampling: VideoSamplingParams | None = None
     """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
-    video_audio: bool = True
-    """Hear videos: a video's sound track is laid out with its frames, interleaved by time (models with an audio encoder)."""
+    video_audio: bool | None = None
+    """Hear videos: a video's sound track is laid out with its frames, interleaved by time (models with an audio encoder; none: the checkpoint's processor_config.use_audio_in_video, true when absent)."""
     groups_per_chunk: int = 2
     """Video frame groups per streamed encoder unit."""
     # True: the LLM request starts at once and prefill follows the units as they arrive; False:
@@ -151,7 +151,8 @@ class OmniEngineConfig:
     def batcher_config(self) -> BatcherConfig:
         return BatcherConfig(self.encoder_vision_budget, self.encoder_audio_budget, self.encoder_max_wait_ms / 1000)
 
-    def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None
-                       ) -> PlannerConfig:
+    def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None,
+                       default_video_audio: bool = True) -> PlannerConfig:
+        video_audio = default_video_audio if self.video_audio is None else self.video_audio
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens, self.video_audio)
+                             max_context_tokens, video_audio)

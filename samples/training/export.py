@@ -25,7 +25,8 @@ from samples.training.omni_trainer import OmniTrainModel
 ENCODER_SHARD = "model-encoders.safetensors"
 
 
-def export_checkpoint(model: OmniTrainModel, out_dir: str | Path, extra_config: dict | None = None) -> Path:
+def export_checkpoint(model: OmniTrainModel, out_dir: str | Path, extra_config: dict | None = None, *,
+                      hears_video_sound: bool = False) -> Path:
     """Write ``model`` as a servable checkpoint into ``out_dir`` (replaced atomically); returns it."""
     out = Path(out_dir)
     special = tiny_special_tokens()
@@ -46,7 +47,8 @@ def export_checkpoint(model: OmniTrainModel, out_dir: str | Path, extra_config: 
             "vision_model_type": "mimovl",
             "vision_config": model.config.vision.to_dict(),
             "audio_config": model.config.audio.to_dict(),
-            "processor_config": model.config.processor_config(special),
+            # the server lays out a video's sound track only for a model trained on videos with sound
+            "processor_config": {**model.config.processor_config(special), "use_audio_in_video": hears_video_sound},
         })
         if extra_config:
             cfg.update(extra_config)

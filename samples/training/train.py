@@ -254,9 +254,11 @@ def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
                 f"loss={last_loss:.4f} [{per}]", flush=True)
             stats = {}
         if step % args.save_every == 0 and dp.is_main:
-            export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
+            export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps),
+                          hears_video_sound=args.beeping_videos > 0)
     if dp.is_main:
-        export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps))
+        export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps),
+                          hears_video_sound=args.beeping_videos > 0)
     log(f"done: {step} steps in {time.time() - start:.0f} s, final batch loss {last_loss:.4f} (rank 0); "
         f"wrote {args.out}", flush=True)
     dp.exit_worker()

@@ -190,3 +190,18 @@ def _pad_runs(prompt, pads):
         else:
             i += 1
     return runs
+
+
+def test_the_checkpoint_declares_whether_videos_are_heard(ckpt):
+    """processor_config.use_audio_in_video decides the default (true when absent, as MiMo-V2.5); the
+    demo model, never trained on videos with sound, declares false; the engine flag overrides both."""
+    from mm_pipeline.model.config import OmniConfig
+    from tests.support.paths import DEMO_MODEL
+
+    assert OmniConfig.from_pretrained(ckpt).video_audio is True
+    assert OmniConfig.from_pretrained(DEMO_MODEL).video_audio is False
+    sampling = OmniConfig.from_pretrained(ckpt).video
+    assert OmniEngineConfig().planner_config(sampling, default_video_audio=False).video_audio is False
+    assert OmniEngineConfig().planner_config(sampling, default_video_audio=True).video_audio is True
+    assert OmniEngineConfig(video_audio=True).planner_config(sampling, default_video_audio=False).video_audio is True
+    assert OmniEngineConfig(video_audio=False).planner_config(sampling, default_video_audio=True).video_audio is False
