@@ -60,11 +60,13 @@ def _triton_module(name: str) -> ModuleType | None:
 
 
 def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, page_size, scale,
-                    window=None, sinks=None, plan=None):
+                    window=None, sinks=None, plan=None, k_new=None, v_new=None):
     """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
 
     Serves decode, extend and mixed batches; see :mod:`kernels.attention_ref` for the contract.
     ``plan``: what :func:`attention_plan` returned for this step, pool and window (None: built here).
+    ``k_new`` / ``v_new``: this step's keys and values, already stored into the pool; the CPU path
+    reads a fresh prompt chunk's keys from them instead of gathering them back (the result is the same).
     """
     mod = _kernels_for(q, "paged_attention_triton")
     if mod is not None:
@@ -77,7 +79,7 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
 
     return paged_attention_cpu(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        page_size=page_size, scale=scale, window=window, sinks=sinks, plan=plan,
+        page_size=page_size, scale=scale, window=window, sinks=sinks, plan=plan, k_new=k_new, v_new=v_new,
     )
 
 
