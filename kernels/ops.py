@@ -142,6 +142,17 @@ def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
     return experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+def expert_weight_layout(w):
+    """Stacked expert weights [E, N, K] in the memory layout :func:`fused_experts` reads fastest on
+    their device (same shape and values): column-major per expert on CPU (the grouped GEMMs then read
+    a contiguous operand), unchanged for the Triton kernel."""
+    if use_triton(w):
+        return w
+    from kernels.moe_cpu import kernel_layout
+
+    return kernel_layout(w)
+
+
 def band_attention(q, k, v, cu_seqlens, *, scale, window=None, sinks=None):
     """Bidirectional varlen attention within each [cu_seqlens[i], cu_seqlens[i+1]) segment; with
     ``window`` a token sees only keys within ±window positions; optional per-head sinks."""
