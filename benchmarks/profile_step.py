@@ -2,7 +2,7 @@
 
 Same model and prompts as ``text_throughput.py``. Three views, one run:
 
-1. **Stages** (wall clock, exclusive): the script wraps the engine's stage functions with timers --
+1. **Stages** (CPU time of the engine thread, exclusive): the script wraps the engine's stage functions with timers --
    scheduler (schedule + after_step), input preparation (ForwardBatch, embeddings, attention plans,
    rotary tables), attention (projections, KV store, paged attention), MoE (router, experts), dense
    MLP, norms, LM head, sampling, host syncs (``.tolist()`` / ``.item()``: the values the host reads
@@ -12,6 +12,9 @@ Same model and prompts as ``text_throughput.py``. Three views, one run:
    the share of samples inside our Python code vs inside torch's native kernels.
 
 Nothing here changes what runs: the wrappers only time calls. A stage's time includes its Python.
+Times are the engine thread's CPU time (``time.thread_time``): with one intra-op thread (the
+default here) that is all of a step's work, and other processes on a shared machine cannot inflate
+it the way they inflate wall time (``--wall`` uses wall time instead).
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 
 class StageTimer:
-    """Exclusive wall time per stage: a call's time minus the time of stages nested inside it."""
+    """Exclusive time per stage: a call's time minus the time of stages nested inside it."""
+
+    clock = staticmethod(time.thread_time)
 
     def __init__(self) -> None:
         self.total: dict[str, float] = collections.defaultdict(float)
@@ -55,13 +60,13 @@ class StageTimer:
         def timed(*args, **kwargs):
             if not timer.enabled:
                 return original(*args, **kwargs)
-            frame = [time.perf_counter(), 0.0]
+            frame = [timer.clock(), 0.0]
             timer._stack.append(frame)
             try:
                 return original(*args, **kwargs)
             finally:
                 timer._stack.pop()
-                spent = time.perf_counter() - frame[0]
+                spent = timer.clock() - frame[0]
                 timer.total[stage] += spent - frame[1]
                 timer.calls[stage] += 1
                 if timer._stack:
@@ -91,10 +96,7 @@ def instrument(timer: StageTimer) -> None:
 
     timer.wrap(Scheduler, "schedule", "scheduler")
     timer.wrap(Scheduler, "after_step", "scheduler")
-    if hasattr(model_runner, "PersistentBatch"):
-        timer.wrap(model_runner.PersistentBatch, "prepare", "input preparation")
-    else:  # the runner before the persistent batch
-        timer.wrap(model_runner, "build_forward_batch", "input preparation")
+    timer.wrap(model_runner, "build_forward_batch", "input preparation")
     timer.wrap(model_runner, "splice_embeds", "input preparation")
     timer.wrap(attention.Attention, "_plan", "input preparation")
     timer.wrap(attention.Attention, "_rotary_tables", "input preparation")
@@ -111,11 +113,10 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(torch.Tensor, "item", "host syncs (tolist/item)")
 
 
-def make_engine(model, batch: int, prompt: int, gen: int, compile_mode: str) -> LLMEngine:
+def make_engine(model, batch: int, prompt: int, gen: int) -> LLMEngine:
     cfg = EngineConfig(page_size=16, num_full_tokens=batch * (prompt + gen + 32),
                        num_swa_tokens=batch * (64 + prompt + 64), max_num_seqs=batch,
-                       max_num_batched_tokens=max(2048, prompt * 8), enable_prefix_caching=False,
-                       **({"compile": compile_mode} if hasattr(EngineConfig, "compile") else {}))
+                       max_num_batched_tokens=max(2048, prompt * 8), enable_prefix_caching=False)
     return LLMEngine(model, cfg)
 
 
@@ -138,9 +139,9 @@ def run_steps(eng: LLMEngine, timer: StageTimer, batch_prompts, gen: int, *, dec
         profiler.__enter__()
     for _ in range(steps if decode else 1):
         n = len(eng.scheduler.running) if decode else sum(len(p) for p in batch_prompts)
-        t0 = time.perf_counter()
+        t0 = timer.clock()
         eng.step()
-        times.append(time.perf_counter() - t0)
+        times.append(timer.clock() - t0)
         tokens += n
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -171,7 +172,7 @@ def py_spy_share(out_json: dict, args) -> None:
     raw = Path(tempfile.mkdtemp(prefix="mmserve-pyspy-")) / "stacks.txt"
     cmd = [spy, "record", "--native", "-r", "250", "-f", "raw", "-o", str(raw), "--", sys.executable,
            __file__, "--spy-child", "--batch", str(args.batch), "--prompt", str(args.prompt),
-           "--steps", str(args.steps), "--compile", args.compile]
+           "--steps", str(args.steps)]
     if subprocess.run(cmd, capture_output=True, text=True).returncode != 0 or not raw.exists():
         print("\npy-spy: could not sample (ptrace not permitted?), skipped")
         return
@@ -210,7 +211,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", default="none", help="EngineConfig.compile of the profiled engine")
+    p.add_argument("--wall", action="store_true", help="wall time instead of the engine thread's CPU time")
     p.add_argument("--py-spy", action="store_true", help="also sample the decode loop with py-spy --native")
     p.add_argument("--spy-child", action="store_true", help=argparse_hidden())
     args = p.parse_args()
@@ -221,7 +222,7 @@ def main() -> None:
     model = load_model(ckpt, dtype=torch.float32)
     gen = args.steps + 8
     if args.spy_child:
-        eng = make_engine(model, args.batch, args.prompt, gen, args.compile)
+        eng = make_engine(model, args.batch, args.prompt, gen)
         params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
         for i, pr in enumerate(prompts(args.batch, args.prompt, MODEL["vocab_size"])):
             eng.add_request(f"s{i}", pr, params)
@@ -230,18 +231,21 @@ def main() -> None:
         decode_loop(eng, args.steps)
         return
     timer = StageTimer()
+    if args.wall:
+        timer.clock = time.perf_counter
+    clock = "wall" if args.wall else "CPU"
     instrument(timer)
     res: dict = {"batch": args.batch, "prompt_tokens": args.prompt}
     for label, b, decode in (("decode", args.batch, True), ("prefill", 1, False)):
-        eng = make_engine(model, b, args.prompt, gen, args.compile)
+        eng = make_engine(model, b, args.prompt, gen)
         batch_prompts = prompts(b, args.prompt, MODEL["vocab_size"])
-        run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=4)  # warm-up (and compile)
+        run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=4)  # warm-up
         timer.reset()
         times, tokens = run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=args.steps)
         wall, steps = sum(times), len(times)
         rows = stage_rows(timer, wall, steps)
         what = f"one decode step at batch {b}" if decode else f"one prefill chunk of {args.prompt} tokens, batch 1"
-        print_table(f"{what} ({tokens / wall:,.0f} tok/s, compile={args.compile}): exclusive wall time "
+        print_table(f"{what} ({tokens / wall:,.0f} tok/s): exclusive {clock} time "
                     f"per step", ["stage", "ms/step", "%", "calls/step"], rows)
         for stage, ms, _, _ in rows:
             key = f"{label}_ms_" + "".join(c if c.isalnum() else "_" for c in stage.lower()).strip("_")
