@@ -134,8 +134,9 @@ def route(router_logits, correction_bias, *, top_k, n_group=1, topk_group=1, ren
 def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) over each token's chosen experts -> [T, H]."""
     mod = _kernels_for(x, "moe_triton")
-    if mod is not None:
-        return mod.fused_experts_triton(x, w_gate_up, w_down, topk_weights, topk_ids)
+    if mod is not None:  # the Triton kernel reads rows with unit stride: weights a CPU runner
+        # re-laid column-major (expert_weight_layout) go back to row-major (a no-op otherwise)
+        return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
     # Without Triton: all experts in two grouped matmuls (same math as the reference's loop).
     from kernels.moe_cpu import experts_cpu
 
