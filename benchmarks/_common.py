@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: the common flags, an aligned text table, and a flat --json dump."""
+"""Shared benchmark plumbing: the common flags, an aligned text table, a flat --json dump, and the
+measured fp32 matmul peak that MFU figures divide by."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import argparse
 import json
 import math
 import platform
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import torch
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -52,3 +56,25 @@ def write_json(path: str | None, results: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(f"\nwrote {path}")
+
+
+def best_time(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Best (wall seconds, process CPU seconds) over ``reps`` calls. CPU time (all our threads) is
+    what other processes on a shared machine cannot inflate much; wall time is the usual rate."""
+    wall = cpu = float("inf")
+    for _ in range(reps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
+    return wall, cpu
+
+
+def matmul_rate(reps: int) -> tuple[float, float]:
+    """Best fp32 GEMM rate over a few large shapes: (GFLOP per wall s, GFLOP per CPU s)."""
+    best_wall = best_cpu = 0.0
+    for m, k, n in ((2048, 512, 2048), (1024, 1024, 1024), (4096, 512, 1536)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        wall, cpu = best_time(lambda: a @ b, reps)
+        best_wall, best_cpu = max(best_wall, 2 * m * k * n / wall / 1e9), max(best_cpu, 2 * m * k * n / cpu / 1e9)
+    return best_wall, best_cpu

@@ -17,10 +17,10 @@ import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.pat
 import argparse
 import json
 import random
-import time
 from typing import Callable, Sequence
 
 import torch
+from _common import best_time, matmul_rate
 
 from encoders.audio.encoder import AudioEncoder
 from encoders.config import AudioConfig, VisionConfig
@@ -28,28 +28,6 @@ from encoders.image_processing import ImageProcessingConfig, preprocess_image
 from samples.checkpoints.tiny_towers import init_random_
 from encoders.video import preprocess_video
 from encoders.vision.tower import VisionTransformer
-
-
-def best_time(fn: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Best (wall seconds, process CPU seconds) over ``reps`` calls. CPU time (all our threads) is
-    what other processes on a shared machine cannot inflate much; wall time is the usual rate."""
-    wall = cpu = float("inf")
-    for _ in range(reps):
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
-    return wall, cpu
-
-
-def matmul_rate(reps: int) -> tuple[float, float]:
-    """Best fp32 GEMM rate over a few large shapes: (GFLOP per wall s, GFLOP per CPU s)."""
-    best_wall = best_cpu = 0.0
-    for m, k, n in ((2048, 512, 2048), (1024, 1024, 1024), (4096, 512, 1536)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        a @ b
-        wall, cpu = best_time(lambda: a @ b, reps)
-        best_wall, best_cpu = max(best_wall, 2 * m * k * n / wall / 1e9), max(best_cpu, 2 * m * k * n / cpu / 1e9)
-    return best_wall, best_cpu
 
 
 def vision_config(depth: int) -> VisionConfig:

@@ -6,20 +6,31 @@ For each batch size B: B prompts of ``--prompt`` tokens, ``--gen`` greedy tokens
 prefill = time until all B have their first token, decode = the rest (B * (gen - 1) tokens).
 transformers is timed the same way through a streamer that stamps each generated token.
 Ours and transformers alternate ``--repeats`` times and the fastest run of each counts, so load
-from other processes on a shared machine hurts both sides alike.
+from other processes on a shared machine hurts both sides alike. ``--cpu-time`` times with the
+process's CPU time instead of the wall clock: on a machine shared with other jobs that is what they
+cannot inflate (both sides run in this process, on the same threads).
 transformers runs eager attention over the same prompts (equal lengths: no padding).
+
+Decode MFU = achieved decode FLOP/s (every matmul of a decode token, attention over its visible keys,
+at the run's mean context) / the fp32 matmul peak measured in the same run with the same threads.
+``--vllm-python PATH``: also time vLLM (CPU build, installed by you in another environment; this
+project never installs it) on the same checkpoint and prompts through ``_vllm_cpu_runner.py`` under
+that interpreter, as a side-by-side column; without the flag, or when that interpreter cannot import
+vLLM, the column is skipped with a note.
 """
 
 from __future__ import annotations
 
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
+import json
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _common import base_parser, print_table, write_json
+from _common import base_parser, matmul_rate, print_table, write_json
 
 from transformers.generation.streamers import BaseStreamer
 
@@ -33,6 +44,47 @@ MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden
              max_position_embeddings=4096, initializer_range=0.02)
 
 
+CLOCK = [time.perf_counter]  # --cpu-time: time.process_time
+
+
+def decode_flops_per_token(cfg, context: float) -> float:
+    """FLOPs of one decode token at ``context`` keys: projections, attention over the visible keys,
+    dense MLP or the top-k experts (+ router), and the LM head."""
+    flops = 2.0 * cfg.hidden_size * cfg.vocab_size
+    for layer in range(cfg.num_layers):
+        spec = cfg.attn_spec(layer)
+        window = cfg.window_of(layer)
+        keys = context if window is None else min(context, window)
+        flops += 2.0 * cfg.hidden_size * (spec.q_size + spec.k_size + spec.v_size)
+        flops += 2.0 * spec.num_heads * spec.v_head_dim * cfg.hidden_size
+        flops += 2.0 * spec.num_heads * (spec.head_dim + spec.v_head_dim) * keys
+        if cfg.mlp_kinds[layer] == "moe":
+            flops += 2.0 * cfg.hidden_size * cfg.num_experts
+            flops += cfg.top_k * 6.0 * cfg.hidden_size * cfg.moe_intermediate_size
+        else:
+            flops += 6.0 * cfg.hidden_size * cfg.intermediate_size
+    return flops
+
+
+def time_vllm(python: str, ckpt: Path, batches: dict[int, list[list[int]]], gen: int, threads: int,
+              max_model_len: int) -> dict[int, tuple[float, float, list[list[int]]]] | None:
+    """Per batch size (prefill s, decode s, tokens) from vLLM under ``python``; None (with a note)
+    when that interpreter is missing or cannot run vLLM."""
+    if not Path(python).exists():
+        print(f"vLLM: {python} does not exist; column skipped")
+        return None
+    job = {"model": str(ckpt), "batches": {str(b): p for b, p in batches.items()}, "gen": gen,
+           "threads": threads or torch.get_num_threads(), "max_model_len": max_model_len}
+    proc = subprocess.run([python, str(Path(__file__).with_name("_vllm_cpu_runner.py"))], input=json.dumps(job),
+                          capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"vLLM: {python} could not run it ({tail}); column skipped")
+        return None
+    return {int(b): (pf, dec, toks) for b, (pf, dec, toks) in json.loads(line[len("VLLM_RESULT "):]).items()}
+
+
 def prompts(batch: int, n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch)
     return torch.randint(3, vocab, (batch, n), generator=g).tolist()
@@ -42,7 +94,7 @@ def time_ours(llm: LLM, batch: list[list[int]], gen: int) -> tuple[float, float,
     """(prefill seconds = until every request has its first token, decode seconds = the rest, tokens)."""
     eng = llm.engine
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     for i, p in enumerate(batch):
         eng.add_request(f"bench-{i}", p, params)
     first: set[str] = set()
@@ -55,8 +107,8 @@ def time_ours(llm: LLM, batch: list[list[int]], gen: int) -> tuple[float, float,
             if o.finished:
                 final[o.request_id] = o.token_ids
         if t_first is None and len(first) == len(batch):
-            t_first = time.perf_counter()
-    t_end = time.perf_counter()
+            t_first = CLOCK[0]()
+    t_end = CLOCK[0]()
     return t_first - t0, t_end - t_first, [final[f"bench-{i}"] for i in range(len(batch))]
 
 
@@ -67,7 +119,7 @@ class _Stamps(BaseStreamer):
         self.times: list[float] = []
 
     def put(self, value) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(CLOCK[0]())
 
     def end(self) -> None:
         pass
@@ -77,9 +129,9 @@ def time_hf(hf, batch: list[list[int]], gen: int) -> tuple[float, float, list[li
     x = torch.tensor(batch)
     stamps = _Stamps()
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         out = hf.generate(x, max_new_tokens=gen, do_sample=False, streamer=stamps)
-        t_end = time.perf_counter()
+        t_end = CLOCK[0]()
     t_first = stamps.times[1]  # times[0] is the prompt
     return t_first - t0, t_end - t_first, out[:, x.shape[1]:].tolist()
 
@@ -92,7 +144,11 @@ def main() -> None:
     # One intra-op thread by default: on the shared 2-core dev box a second thread mostly adds
     # contention (both engines run with the same setting; 0 = torch's default).
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with process CPU time instead of wall time (a shared, busy machine)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--vllm-python", metavar="PATH",
+                   help="python of an environment with vLLM (CPU build) installed: adds a vLLM column")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per batch, ours and transformers alternating; the fastest counts (shared CPUs)")
     args = p.parse_args()
@@ -102,6 +158,8 @@ def main() -> None:
         args.repeats = 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        CLOCK[0] = time.process_time
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = build_tiny_hf_checkpoint(Path(tempfile.mkdtemp(prefix="mmserve-bench-")) / "m", **MODEL)
     model = load_model(ckpt, dtype=torch.float32)
@@ -115,7 +173,14 @@ def main() -> None:
         hf.generation_config.pad_token_id = 0
     print(f"model {n_params / 1e6:.1f}M params, prompt {args.prompt}, gen {args.gen}, "
           f"threads {torch.get_num_threads()}")
+    peak = matmul_rate(3)[1 if args.cpu_time else 0]  # GFLOP/s, same threads and clock, this run: MFU's denominator
+    print(f"fp32 matmul peak {peak:.1f} GFLOP/s")
+    flops_tok = decode_flops_per_token(model.config, args.prompt + args.gen / 2)
     max_b = max(batches)
+    vllm = None
+    if args.vllm_python:
+        vllm = time_vllm(args.vllm_python, ckpt, {b: prompts(b, args.prompt, MODEL["vocab_size"]) for b in batches},
+                         args.gen, args.threads, args.prompt + args.gen + 16)
     cfg = EngineConfig(page_size=16, num_full_tokens=max_b * (args.prompt + args.gen + 32),
                        num_swa_tokens=max_b * (64 + args.prompt + 64), max_num_seqs=max_b,
                        max_num_batched_tokens=max(2048, args.prompt * 8))
@@ -123,7 +188,8 @@ def main() -> None:
     time_ours(llm, prompts(1, args.prompt, MODEL["vocab_size"]), 3)  # warm up
     if hf is not None:
         time_hf(hf, prompts(1, args.prompt, MODEL["vocab_size"]), 3)
-    rows, res = [], {"prompt_tokens": args.prompt, "gen_tokens": args.gen, "params_m": n_params / 1e6}
+    rows, res = [], {"prompt_tokens": args.prompt, "gen_tokens": args.gen, "params_m": n_params / 1e6,
+                     "matmul_peak_gflops": peak, "decode_gflop_per_token": flops_tok / 1e9}
     for b in batches:
         batch = prompts(b, args.prompt, MODEL["vocab_size"])
         ours_runs, hf_runs = [], []
@@ -134,8 +200,10 @@ def main() -> None:
         pf, dec_t = min(r[0] for r in ours_runs), min(r[1] for r in ours_runs)
         toks = ours_runs[0][2]
         ours_pf, ours_dec = b * args.prompt / pf, b * (args.gen - 1) / max(dec_t, 1e-9)
+        mfu = ours_dec * flops_tok / (peak * 1e9)
         res[f"ours_prefill_tok_s_b{b}"], res[f"ours_decode_tok_s_b{b}"] = ours_pf, ours_dec
-        row = [b, ours_pf, ours_dec]
+        res[f"decode_mfu_b{b}"] = mfu
+        row = [b, ours_pf, ours_dec, mfu]
         if hf is not None:
             hpf, hdec_t = min(r[0] for r in hf_runs), min(r[1] for r in hf_runs)
             htoks = hf_runs[0][2]
@@ -145,13 +213,22 @@ def main() -> None:
                         f"decode_ratio_vs_hf_b{b}": ours_dec / hf_dec,
                         f"prefill_ratio_vs_hf_b{b}": ours_pf / hf_pf, f"same_tokens_as_hf_b{b}": same / b})
             row += [hf_pf, hf_dec, ours_pf / hf_pf, ours_dec / hf_dec, f"{same}/{b}"]
+        if vllm is not None:
+            vpf_t, vdec_t, vtoks = vllm[b]
+            v_pf, v_dec = b * args.prompt / vpf_t, b * (args.gen - 1) / vdec_t
+            same_v = sum(a == c for a, c in zip(toks, vtoks))
+            res.update({f"vllm_prefill_tok_s_b{b}": v_pf, f"vllm_decode_tok_s_b{b}": v_dec,
+                        f"decode_ratio_vs_vllm_b{b}": ours_dec / v_dec, f"same_tokens_as_vllm_b{b}": same_v / b})
+            row += [v_dec, ours_dec / v_dec, f"{same_v}/{b}"]
         rows.append(row)
-    cols = ["batch", "ours prefill tok/s", "ours decode tok/s"]
+    cols = ["batch", "ours prefill tok/s", "ours decode tok/s", "decode MFU"]
     if hf is not None:
         cols += ["hf prefill tok/s", "hf decode tok/s", "prefill x", "decode x", "same tokens"]
+    if vllm is not None:
+        cols += ["vllm decode tok/s", "decode x vllm", "same as vllm"]
         mid = batches[len(batches) // 2]
         res["prefill_ratio_vs_hf"] = res[f"prefill_ratio_vs_hf_b{mid}"]
-    print_table("throughput (fp32, greedy)", cols, rows)
+    print_table(f"throughput (fp32, greedy; {'CPU' if args.cpu_time else 'wall'} time)", cols, rows)
     write_json(args.json, res)
 
 

@@ -14,9 +14,9 @@ def store_kv_ref(
 ) -> None:
     """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped."""
     keep = slot_mapping >= 0
-    if bool(keep.all()):
-        k_cache[slot_mapping] = k.to(k_cache.dtype)
-        v_cache[slot_mapping] = v.to(v_cache.dtype)
+    if bool(keep.all()):  # index_copy_: the same rows written as by indexing, at less dispatch cost
+        k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     else:
         slots = slot_mapping[keep]
         k_cache[slots] = k[keep].to(k_cache.dtype)

@@ -11,7 +11,8 @@ a single ``torch.nn.functional.grouped_mm`` over the jagged groups:
     y       = grouped_mm(hidden,      W_down^T,    offs)  -> * weight -> index_add_ to its token
 
 grouped_mm needs 16-byte aligned rows and storage; when a shape or buffer does not allow it (or
-torch lacks the op) the reference runs instead.
+torch lacks the op) the reference runs instead. The model keeps its stacked expert weights in
+:func:`kernel_layout` on CPU (column-major per expert), so both GEMMs read a contiguous operand.
 
 A single token (decode at batch 1) skips the sort and the grouping: its k experts run as plain
 matmuls on views of the stacked weights, summed in ascending expert order like the reference, so
@@ -53,12 +54,23 @@ def experts_cpu(
     order = flat.argsort(stable=True)
     token_of = order // topk_ids.shape[1]
     offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
-    gate_up = _GROUPED_MM(x[token_of].contiguous(), w_gate_up.transpose(1, 2), offs=offs)
-    hidden = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
-    y = _GROUPED_MM(hidden, w_down.transpose(1, 2), offs=offs)
+    # one gather of the token rows in expert order, two grouped GEMMs, one weighted scatter-add
+    gate_up = _GROUPED_MM(x[token_of], w_gate_up.transpose(1, 2), offs=offs)
+    hidden = F.silu(gate_up[:, :inter])
+    hidden.mul_(gate_up[:, inter:])  # in place on silu's fresh buffer: one [R, I] tensor, not three
+    y = _GROUPED_MM(hidden, w_down.transpose(1, 2), offs=offs).float()
+    y.mul_(topk_weights.reshape(-1)[order, None].float())
     out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, y.float() * topk_weights.reshape(-1)[order, None].float())
+    out.index_add_(0, token_of, y)
     return out.to(x.dtype)
+
+
+def kernel_layout(w: torch.Tensor) -> torch.Tensor:
+    """Stacked expert weights [E, N, K] stored column-major per expert (same shape and values), so
+    the grouped GEMM reads ``w.transpose(1, 2)`` [E, K, N] as a plain contiguous operand instead of
+    a strided view: MKL streams it once, the memory-bound part of a decode step's experts (a no-op
+    for weights already in this layout)."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _one_token(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:

@@ -60,11 +60,13 @@ def _triton_module(name: str) -> ModuleType | None:
 
 
 def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, page_size, scale,
-                    window=None, sinks=None, plan=None):
+                    window=None, sinks=None, plan=None, k_new=None, v_new=None):
     """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
 
     Serves decode, extend and mixed batches; see :mod:`kernels.attention_ref` for the contract.
     ``plan``: what :func:`attention_plan` returned for this step, pool and window (None: built here).
+    ``k_new`` / ``v_new``: this step's keys and values, already stored into the pool; the CPU path
+    reads a fresh prompt chunk's keys from them instead of gathering them back (the result is the same).
     """
     mod = _kernels_for(q, "paged_attention_triton")
     if mod is not None:
@@ -77,7 +79,7 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
 
     return paged_attention_cpu(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        page_size=page_size, scale=scale, window=window, sinks=sinks, plan=plan,
+        page_size=page_size, scale=scale, window=window, sinks=sinks, plan=plan, k_new=k_new, v_new=v_new,
     )
 
 
@@ -132,12 +134,24 @@ def route(router_logits, correction_bias, *, top_k, n_group=1, topk_group=1, ren
 def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) over each token's chosen experts -> [T, H]."""
     mod = _kernels_for(x, "moe_triton")
-    if mod is not None:
-        return mod.fused_experts_triton(x, w_gate_up, w_down, topk_weights, topk_ids)
+    if mod is not None:  # the Triton kernel reads rows with unit stride: weights a CPU runner
+        # re-laid column-major (expert_weight_layout) go back to row-major (a no-op otherwise)
+        return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
     # Without Triton: all experts in two grouped matmuls (same math as the reference's loop).
     from kernels.moe_cpu import experts_cpu
 
     return experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def expert_weight_layout(w):
+    """Stacked expert weights [E, N, K] in the memory layout :func:`fused_experts` reads fastest on
+    their device (same shape and values): column-major per expert on CPU (the grouped GEMMs then read
+    a contiguous operand), unchanged for the Triton kernel."""
+    if use_triton(w):
+        return w
+    from kernels.moe_cpu import kernel_layout
+
+    return kernel_layout(w)
 
 
 def band_attention(q, k, v, cu_seqlens, *, scale, window=None, sinks=None):

@@ -15,7 +15,11 @@ window), so it is built once and reused by every layer of that kind:
     slots = table[b, pos // P] * P + pos % P,   mask[b, j] = 0 or -inf
 
   extend rows (a prefill chunk of n tokens) -- one call per request over keys [first, L) with the
-  causal (and window) mask of its n queries.
+  causal (and window) mask of its n queries. A chunk whose visible keys are all its own new tokens
+  (a fresh prompt's first chunk: no earlier context, or one wholly behind the window) reads them
+  straight from the step's k / v instead of gathering them back from the pool, and when the window
+  hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
+  above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill.
 
 The attention itself is ATen's CPU flash kernel (GQA-aware, reads K/V through strided views, so the
 gathered [D, K, Hkv, d] rows need no head-major copy). It also returns the log-sum-exp, which gives
@@ -41,7 +45,8 @@ class _Extend:
     start: int  # first flat query row
     end: int
     slots: torch.Tensor  # [K] pool slot of each key position first .. L-1
-    mask: torch.Tensor  # [1, 1, n, K] additive (0 / -inf), causal + window
+    mask: torch.Tensor | None  # [1, 1, n, K] additive (0 / -inf), causal + window; None: causal mode
+    fresh: bool  # keys first .. L-1 are exactly this chunk's new tokens (read from k / v, not the pool)
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,15 @@ class AttentionPlan:
             pos_q = torch.arange(seq_len - n, seq_len, device=device)
             pages = block_table[b][pos_k // page_size]
             _check_mapped(pages, pos_k)
-            visible = pos_k[None, :] <= pos_q[:, None]
-            if window is not None:
-                visible &= pos_k[None, :] > pos_q[:, None] - window
-            m = torch.zeros(1, 1, n, pos_k.numel(), dtype=dtype, device=device)
-            m.masked_fill_(~visible[None, None], float("-inf"))
-            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m))
+            fresh = first == seq_len - n
+            m = None
+            if not fresh or (window is not None and window < n):  # else: plain causal over the chunk
+                visible = pos_k[None, :] <= pos_q[:, None]
+                if window is not None:
+                    visible &= pos_k[None, :] > pos_q[:, None] - window
+                m = torch.zeros(1, 1, n, pos_k.numel(), dtype=dtype, device=device)
+                m.masked_fill_(~visible[None, None], float("-inf"))
+            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh))
         all_decode = num_decode == num_tokens == n_new.numel()
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
@@ -118,15 +126,21 @@ def _check_mapped(pages: torch.Tensor, positions: torch.Tensor) -> None:
 
 
 def _attend(q, k, v, mask, *, scale, sinks):
-    """q [B, Q, Hq, d], k [B, K, Hkv, d], v [B, K, Hkv, dv], mask [B|1, 1, Q, K] -> [B, Q, Hq, dv]."""
+    """q [B, Q, Hq, d], k [B, K, Hkv, d], v [B, K, Hkv, dv], mask [B|1, 1, Q, K] -> [B, Q, Hq, dv].
+    ``mask`` None: causal (Q == K)."""
     dv = v.shape[-1]
     d = q.shape[-1]
     if dv != d:  # the flash kernel wants one head size: zero columns change neither q.k nor p@v
         width = max(d, dv)
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if _FLASH is not None:
-        out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+        out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask is None,
+                          attn_mask=mask, scale=scale)
     else:
+        if mask is None:
+            n = q.shape[1]
+            mask = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill_(
+                torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))[None, None]
         out, lse = _math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
     # out [B, Hq, Q, w], lse [B, Hq, Q]
     if sinks is not None:
@@ -157,10 +171,14 @@ def paged_attention_cpu(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
 
     ``plan``: the step's :class:`AttentionPlan` for this pool and window (built here when None).
+    ``k_new`` [T, Hkv, d] / ``v_new`` [T, Hkv, dv]: the step's new keys and values as stored into the
+    pool; chunks that see only their own tokens read them from here (None: always from the pool).
     """
     if plan is None:
         plan = AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
@@ -175,8 +193,11 @@ def paged_attention_cpu(
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale=scale, sinks=sinks)
     for e in plan.extends:
         n, kn = e.end - e.start, e.slots.numel()
-        k = k_cache.index_select(0, e.slots).view(1, kn, num_kv, head_dim)
-        v = v_cache.index_select(0, e.slots).view(1, kn, num_kv, dv)
+        if e.fresh and k_new is not None and v_new is not None:
+            k, v = k_new[e.start : e.end][None], v_new[e.start : e.end][None]
+        else:
+            k = k_cache.index_select(0, e.slots).view(1, kn, num_kv, head_dim)
+            v = v_cache.index_select(0, e.slots).view(1, kn, num_kv, dv)
         out[e.start : e.end] = _attend(q[e.start : e.end].view(1, n, -1, head_dim), k, v, e.mask,
                                        scale=scale, sinks=sinks)[0]
     return out

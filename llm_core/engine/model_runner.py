@@ -21,6 +21,7 @@ import torch
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.model.layers.moe import StackedExperts
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = model.model.norm.weight.dtype  # the KV pools take the activations' dtype
         self.sampler = Sampler(seed, self.device)
+        for module in model.modules():  # expert stacks in the layout the device's MoE kernel streams
+            if isinstance(module, StackedExperts):
+                module.use_kernel_layout_()
 
     @torch.inference_mode()
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:

@@ -31,3 +31,23 @@ def test_no_tokens_gives_empty_output():
     x = torch.zeros(0, 16)
     out = experts_cpu(x, torch.zeros(4, 16, 16), torch.zeros(4, 16, 8), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
     assert out.shape == (0, 16)
+
+
+def test_kernel_layout_keeps_values_and_results():
+    """Column-major expert stacks (what the model runner installs on CPU): same shape and values,
+    the grouped GEMMs read their transposes contiguously, and the experts give the reference result."""
+    from kernels.moe_cpu import kernel_layout
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 32, generator=g)
+    w_gate_up = torch.randn(8, 32, 32, generator=g) * 0.2
+    w_down = torch.randn(8, 32, 16, generator=g) * 0.2
+    weights, ids = route_ref(torch.randn(24, 8, generator=g), None, top_k=2)
+    gu, dn = kernel_layout(w_gate_up), kernel_layout(w_down)
+    assert torch.equal(gu, w_gate_up) and gu.shape == w_gate_up.shape
+    assert gu.transpose(1, 2).is_contiguous() and dn.transpose(1, 2).is_contiguous()
+    assert kernel_layout(gu).data_ptr() == gu.data_ptr()  # idempotent: no second copy
+    torch.testing.assert_close(experts_cpu(x, gu, dn, weights, ids),
+                               experts_ref(x, w_gate_up, w_down, weights, ids), rtol=1e-5, atol=1e-5)
+    assert torch.equal(experts_cpu(x[:1], gu, dn, weights[:1], ids[:1]),
+                       experts_ref(x[:1], gu, dn, weights[:1], ids[:1]))

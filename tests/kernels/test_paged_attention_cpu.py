@@ -59,3 +59,24 @@ def test_reading_a_released_page_raises():
     table[0, 0] = -1
     with pytest.raises(RuntimeError, match="released"):
         paged_attention_cpu(q, k, v, table, qsl, lens, page_size=PAGE, scale=1.0, window=None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=4),
+       st.one_of(st.none(), st.integers(1, 16)), st.booleans(), st.integers(0, 10_000))
+def test_fresh_chunks_read_the_steps_own_keys(reqs, window, sinks, seed):
+    """Prefill chunks given their new keys/values (k_new, v_new) == the reference over the pool:
+    chunks with no earlier context take them from k_new (causal mode when the window hides none),
+    the others (extra context) still gather from the pool."""
+    new_counts = [n for n, _ in reqs]
+    ctx_lens = [n + (extra if extra > 1 else 0) for n, extra in reqs]
+    q, k, v, table, qsl, lens = make_batch(seed, new_counts, ctx_lens, 4, 2, window, False)
+    rows = []
+    for b, (n, length) in enumerate(zip(new_counts, ctx_lens)):
+        pos = torch.arange(length - n, length)
+        rows.append(table[b][pos // PAGE] * PAGE + pos % PAGE)
+    slots = torch.cat(rows)
+    s = torch.randn(4) if sinks else None
+    kw = dict(page_size=PAGE, scale=8**-0.5, window=window, sinks=s)
+    got = paged_attention_cpu(q, k, v, table, qsl, lens, k_new=k[slots], v_new=v[slots], **kw)
+    torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, lens, **kw), rtol=1e-5, atol=1e-5)

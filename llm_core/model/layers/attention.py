@@ -76,6 +76,8 @@ class Attention(nn.Module):
             window=self.window,
             sinks=self.attention_sink_bias,
             plan=self._plan(batch, q, table),
+            k_new=k,
+            v_new=v,
         )
         return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
 

@@ -41,6 +41,13 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def use_kernel_layout_(self) -> None:
+        """Re-lay both stacks in the layout the device's expert kernel reads fastest (same shapes and
+        values; ``kernels.ops.expert_weight_layout``). Called once by the model runner after loading."""
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(self, name)
+            p.data = ops.expert_weight_layout(p.data)
+
 
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None) -> None:

@@ -86,3 +86,18 @@ def test_decode_padding_never_reads_unwritten_slots():
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, paged_attention_ref(q, k, v, table, qsl, seq_lens, page_size=page, scale=0.3),
                                rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 70), st.sampled_from([8, 48, 256]), st.integers(0, 10_000))
+def test_fused_rms_norm_is_bit_exact(tokens, hidden, seed):
+    """RMSNorm's fused ATen kernel == transformers' four-op form, bit for bit."""
+    from llm_core.model.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = torch.randn(hidden, generator=g)
+    x = torch.randn(tokens, hidden, generator=g) * 3
+    h = x.float()
+    want = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    assert torch.equal(norm(x), want)
