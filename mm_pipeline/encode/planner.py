@@ -1,6 +1,8 @@
 r"""Media item -> encoder units: layout sizes first, then cache hits, joins or production.
 
-    plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
+    plan(item)   content key (hashed at ingest, before the sniff) ─► media key ─► manifest in the cache?
+                                         ─yes─► unit keys + sizes + decoded bytes: no sniff (ingest's
+                                                memo), no probe, no decode at all
                                          └─no─► image: header only (decoded when produced)
                                                 audio: decode (stops at the context) + preprocess
                                                 video: probe (demux only) ─► sampling ─► sizes
@@ -36,7 +38,7 @@ from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaErro
                                 UnsupportedMediaType)
 from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
-from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
+from mm_pipeline.media.content_hash import audio_segment_key, content_key, media_key, video_group_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -105,7 +107,8 @@ class MediaPlanner:
         encoder = self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
         if encoder is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
-        mkey = await self.pool.run(media_key, item.data, item.kind, self._params(item.kind), self.encoder_id)
+        content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
+        mkey = media_key(content, item.kind, self._params(item.kind), self.encoder_id)
         control = self.producer.control(item)
         try:
             plan, planned_here = await self._planning.run(
@@ -142,10 +145,11 @@ class MediaPlanner:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Work done: probes, images_decoded, audio_decoded, video_chunks_decoded, manifest_hits,
-        unit_hits (units found in the encoder cache)."""
+        """Work done: probes, images_decoded, audio_decoded, video_chunks_decoded, unit_hits (units
+        found in the encoder cache), plan_joins; per modality (``name.kind``) manifest_hits and
+        manifest_misses, and the ingestor's content_hashes, sniff_probes, sniff_memo_hits."""
         with self._counts_lock:
-            return dict(self._counts)
+            return {**self.ingestor.counts, **self._counts}
 
     def _count(self, name: str) -> None:
         with self._counts_lock:
@@ -174,16 +178,18 @@ class MediaPlanner:
 
     def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None) -> MediaPlan:
         manifest = self.cache.get(_manifest_key(mkey))
-        if manifest is not None:
-            self._count("manifest_hits")
+        if manifest is not None and manifest.ndim == 2 and manifest.shape[1] == 3 and manifest.shape[0] > 0:
+            # rows: tokens, timestamp, decoded bytes (the item's, in every row): the plan without
+            # opening the media at all
+            self._count(f"manifest_hits.{item.kind.value}")
             units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), int(n)) for i, n in
                           enumerate(manifest[:, 0].tolist()))
-            plan = MediaPlan(item, mkey, units, tuple(manifest[:, 1].tolist()) if item.kind is MediaKind.VIDEO else ())
-            if item.kind is MediaKind.IMAGE:
-                plan.decoded_bytes = image_decode_bytes(*probe_image(item, self.config.limits))
+            plan = MediaPlan(item, mkey, units, tuple(manifest[:, 1].tolist()) if item.kind is MediaKind.VIDEO else (),
+                             decoded_bytes=int(manifest[0, 2]))
         else:
+            self._count(f"manifest_misses.{item.kind.value}")
             plan = self._plan_from_media(item, mkey, control)
-            table = torch.tensor([[u.num_tokens, t] for u, t in
+            table = torch.tensor([[u.num_tokens, t, plan.decoded_bytes] for u, t in
                                   zip(plan.units, plan.timestamps or [0.0] * len(plan.units))], dtype=torch.float64)
             self.cache.put(_manifest_key(mkey), table)
         found = self.producer.lookup(plan.units)

@@ -1,6 +1,10 @@
 """Ingest: turn a ``MediaSource`` (uploaded bytes, data URL, allowed local path, allowed remote URL)
 into a ``MediaItem`` — raw bytes with a type sniffed from the content — enforcing byte limits.
 
+Hash first: once the bytes are held, their content key (blake3) is computed before anything looks
+inside them; the sniff answer of a content key seen before comes from a memo, so a repeated
+container is never opened by PyAV again (and planning then finds its manifest by the same key).
+
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
 
@@ -24,8 +28,10 @@ import ipaddress
 import os
 import socket
 import stat
+import threading
 import urllib.parse
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -42,7 +48,8 @@ from mm_pipeline.errors import (
     UnsupportedMediaType,
 )
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
-from mm_pipeline.media.sniff import sniff
+from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.sniff import SniffMemo, sniff
 from mm_pipeline.media.worker_pool import WorkerPool
 
 T = TypeVar("T")
@@ -105,6 +112,16 @@ class MediaIngestor:
         self.pool = pool
         self._transport = transport
         self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
+        self.sniff_memo = SniffMemo()
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Per modality (``name.kind``): content_hashes, sniff_probes (a PyAV open was needed),
+        sniff_memo_hits (the content key answered, nothing opened)."""
+        with self._counts_lock:
+            return dict(self._counts)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -140,13 +157,25 @@ class MediaIngestor:
 
     def _to_item(self, data: bytes, declared: MediaKind | None, origin: str) -> MediaItem:
         self._check_size(len(data))
-        found = sniff(data)
+        key = content_key(data)  # first: nothing has looked inside the bytes yet
+        found = self.sniff_memo.get(key)
+        memo_hit = found is not None
+        if found is None:
+            found = sniff(data)
+            self.sniff_memo.put(key, found)
         if declared is not None and declared not in found.kinds:
             raise UnsupportedMediaType(
                 f"{origin} content is {found.format} ({', '.join(sorted(k.value for k in found.kinds))}),"
                 f" not usable as {declared.value}"
             )
-        return MediaItem(kind=declared or found.primary, format=found.format, data=data, origin=origin)
+        kind = declared or found.primary
+        with self._counts_lock:
+            self._counts[f"content_hashes.{kind.value}"] += 1
+            if memo_hit:
+                self._counts[f"sniff_memo_hits.{kind.value}"] += 1
+            elif found.probed:
+                self._counts[f"sniff_probes.{kind.value}"] += 1
+        return MediaItem(kind=kind, format=found.format, data=data, origin=origin, content_key=key)
 
     def _check_size(self, nbytes: int) -> None:
         if nbytes > self.config.limits.max_bytes:

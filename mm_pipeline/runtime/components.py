@@ -1,7 +1,9 @@
 """OmniRuntime: the parts behind an OmniEngine, wired once.
 
     OmniModel (text model, vision tower, audio encoder, tokenizer, prompt layout)
-    LLMEngine ◄── EngineLoop (thread) ──► EncoderBatcher ──on_encoded──► EncoderCache tiers
+    LLMEngine ◄── EngineLoop (thread)    EncoderWorker (thread) ──► EncoderBatcher ──on_encoded──►
+                                                                    EncoderCache tiers
+              (encoder_worker=False: the EngineLoop runs the EncoderBatcher between steps)
     WorkerPool ◄── MediaIngestor, MediaPlanner (decode, preprocess, plan units)
 
 ``prepare_chat`` turns a parsed chat into token ids with placeholder spans sized before any
@@ -25,6 +27,7 @@ from mm_pipeline.prompt.messages import ChatRequest, MediaRef
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, split_threads
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.ingest import MediaIngestor
@@ -66,8 +69,19 @@ class OmniRuntime:
         self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer)
         self.cache = EncoderCache(build_tiers(config))
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
-        self.loop = EngineLoop(self.llm, self.batcher)
-        self.batcher.on_submit = self.loop.wake
+        self.encoder_worker: EncoderWorker | None = None
+        llm_threads = encoder_threads = None
+        if config.encoder_threads is not None:
+            llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
+        if config.encoder_worker:
+            self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads)
+            if self.encoder_worker.device.type == "cuda":
+                self.batcher.before_deliver = self.encoder_worker.stream_sync
+            self.batcher.on_submit = self.encoder_worker.wake
+            self.loop = EngineLoop(self.llm, None, threads=llm_threads)
+        else:
+            self.loop = EngineLoop(self.llm, self.batcher, threads=llm_threads)
+            self.batcher.on_submit = self.loop.wake
         self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
                                name="omni-media")
         # text tokenization never queues behind media decodes (a slow or hostile file must not
@@ -171,6 +185,8 @@ class OmniRuntime:
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._started:
+            if self.encoder_worker is not None:
+                self.encoder_worker.start()
             self.loop.start()
             self._started = True
 
@@ -180,6 +196,8 @@ class OmniRuntime:
         if self._closed:
             return
         self._closed = True
+        if self.encoder_worker is not None:
+            self.encoder_worker.stop()
         self.loop.stop()
         self.llm.close()
         self.pool.shutdown(wait=False)

@@ -82,6 +82,13 @@ class OmniEngineConfig:
     """Audio encoder: mel frames batched into one forward."""
     encoder_max_wait_ms: float = 5.0
     """How long the oldest pending encoder job may wait for company, in milliseconds."""
+    # The encoder on its own worker (a thread; on CUDA its own stream) so encoding of later frame
+    # groups overlaps prefill of earlier ones; False runs encoder batches on the engine thread
+    # between LLM steps (same tokens). runtime/encoder_worker.py.
+    encoder_worker: bool = True
+    """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
+    encoder_threads: int | None = None
+    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (none: both use torch's setting)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
@@ -103,6 +110,8 @@ class OmniEngineConfig:
         parse_dtype(self.dtype)  # ValueError naming the accepted spellings
         if self.redis_url is not None:
             RedisAddress.from_url(self.redis_url)  # raises ValueError naming what is wrong
+        if self.encoder_threads is not None and self.encoder_threads < 1:
+            raise ValueError(f"encoder_threads must be >= 1 (or none), got {self.encoder_threads}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs

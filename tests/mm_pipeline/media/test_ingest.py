@@ -89,6 +89,40 @@ def test_declared_kind_must_fit_content() -> None:
         ing.ingest_local(MediaSource(data=PNG, kind=AUDIO))
 
 
+def test_hash_first_a_repeated_container_is_not_opened_again(tmp_path: Path, monkeypatch) -> None:
+    """The content key is computed before the sniff; a key seen before answers the sniff, so PyAV
+    never opens the container again (every source that holds bytes: upload, data URL, file)."""
+    import av
+
+    from mm_pipeline.media.content_hash import content_key
+
+    mp4 = SAMPLES["mp4"][0]()
+    (tmp_path / "clip.bin").write_bytes(mp4)
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),)))
+    first = ing.ingest_local(MediaSource(data=mp4))
+    assert first.content_key == content_key(mp4) and first.kind is VIDEO
+    assert ing.counts == {"content_hashes.video": 1, "sniff_probes.video": 1}
+    opens = []
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: opens.append(1) or real_open(*a, **k))
+    again = [ing.ingest_local(MediaSource(url="data:;base64," + base64.b64encode(mp4).decode())),
+             ing.ingest_local(MediaSource(path=str(tmp_path / "clip.bin"))),
+             ing.ingest_local(MediaSource(data=mp4, kind=VIDEO))]
+    assert opens == [] and {(i.format, i.kind, i.content_key) for i in again} == {("mp4", VIDEO, first.content_key)}
+    assert ing.counts["sniff_memo_hits.video"] == 3 and ing.counts["sniff_probes.video"] == 1
+    # the memo answers kinds too: a declared kind the content cannot serve is still refused
+    with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
+        ing.ingest_local(MediaSource(data=mp4, kind=AUDIO))
+    # magic-byte formats need no open at all; an image counts as hashed, never as probed
+    ing.ingest_local(MediaSource(data=PNG))
+    assert ing.counts["content_hashes.image"] == 1 and "sniff_probes.image" not in ing.counts
+    # failures are not remembered: garbage is refused every time, the memo stays bounded
+    for _ in range(2):
+        with pytest.raises(UnsupportedMediaType):
+            ing.ingest_local(MediaSource(data=b"\x00garbage" * 8))
+    assert len(ing.sniff_memo) == 2
+
+
 # ---- sources --------------------------------------------------------------------------------
 
 def test_data_url_base64_and_percent_encoded() -> None:
