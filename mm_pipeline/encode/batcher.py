@@ -93,6 +93,7 @@ class EncoderBatcher:
         # called after a forward and before its rows are delivered: the encoder worker waits for
         # its CUDA stream here, so no consumer on another stream reads rows still being written
         self.before_deliver: Callable[[], None] | None = None
+        self.on_forward_span: Callable[[float, float], None] | None = None  # (start, end): a stage timeline
         self._lock = threading.Lock()  # guards _pending and _counts
         self._units: SingleFlight[torch.Tensor] = SingleFlight()
         self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
@@ -192,6 +193,7 @@ class EncoderBatcher:
             return batch
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
+        t0 = time.monotonic()
         try:
             if encoder == "vision":
                 assert self.vision is not None
@@ -205,6 +207,8 @@ class EncoderBatcher:
             for job in batch:
                 self._deliver(job.key, None, RuntimeError(f"{encoder} encoder failed: {type(exc).__name__}: {exc}"))
             return 0
+        if self.on_forward_span is not None:
+            self.on_forward_span(t0, time.monotonic())
         with self._lock:
             self._counts[f"forwards.{encoder}"] += 1
             for job in batch:

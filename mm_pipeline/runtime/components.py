@@ -35,6 +35,7 @@ from mm_pipeline.encode.plan import MediaPlan
 from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.media_feed import MediaFeed
+from mm_pipeline.runtime.timeline import StageTimeline
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -181,6 +182,15 @@ class OmniRuntime:
         if num_tokens + 1 > self.llm.max_model_len:
             raise ContextLengthError(f"the prompt is {num_tokens} tokens; with one generated token it exceeds "
                                      f"the context limit of {self.llm.max_model_len} tokens")
+
+    def record_timeline(self) -> StageTimeline:
+        """Start recording when each stage runs (video decode chunks, encoder forwards, LLM steps)
+        and return the timeline (benchmarks/pipeline.py prints one request's)."""
+        timeline = StageTimeline()
+        self.planner.producer.on_decode_span = lambda a, b: timeline.add("decode", a, b)
+        self.batcher.on_forward_span = lambda a, b: timeline.add("encode", a, b)
+        self.loop.on_step_span = lambda a, b: timeline.add("prefill", a, b)
+        return timeline
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:

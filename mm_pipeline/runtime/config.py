@@ -94,6 +94,8 @@ class OmniEngineConfig:
     """Requests in flight before new ones are refused (HTTP 429)."""
     decode_workers: int = 2
     """Media decode threads."""
+    decoder_threads: int = 0
+    """FFmpeg's own threads per video decoder, outside the GIL (0: FFmpeg picks by CPU count, 1: none)."""
     decode_queue: int = 256
     """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
     decode_admit_timeout_s: float | None = 30.0
@@ -102,6 +104,8 @@ class OmniEngineConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.decoder_threads < 0:
+            raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")
         if self.decode_workers < 1 or self.decode_queue < 0:
             raise ValueError(f"decode_workers must be >= 1 and decode_queue >= 0, got "
                              f"{self.decode_workers}, {self.decode_queue}")
@@ -153,4 +157,4 @@ class OmniEngineConfig:
     def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None
                        ) -> PlannerConfig:
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens)
+                             max_context_tokens, self.decoder_threads)

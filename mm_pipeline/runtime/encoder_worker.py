@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
 
 import torch
 
@@ -63,8 +62,6 @@ class EncoderWorker:
         self._wake = threading.Event()
         self._stop = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # spans of encoder forwards (monotonic start, end, units) for a stage timeline; None: off
-        self.on_span: Callable[[float, float, int], None] | None = None
         self._thread = threading.Thread(target=self._run, name="omni-encoder", daemon=True)
 
     def start(self) -> None:
@@ -110,12 +107,7 @@ class EncoderWorker:
                 self._wake.wait(wait)
 
     def _run_due(self) -> int:
-        t0 = time.monotonic()
         if self._stream is None:
-            n = self.batcher.run_due()
-        else:
-            with torch.cuda.stream(self._stream):
-                n = self.batcher.run_due()
-        if n and self.on_span is not None:
-            self.on_span(t0, time.monotonic(), n)
-        return n
+            return self.batcher.run_due()
+        with torch.cuda.stream(self._stream):
+            return self.batcher.run_due()

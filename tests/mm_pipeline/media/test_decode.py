@@ -243,6 +243,21 @@ def test_parallel_range_decode_equals_serial(container: str, codec: str, num_ran
     assert torch.equal(asyncio.run(threaded()), serial.frames)
 
 
+@pytest.mark.parametrize(("container", "codec"), CODECS)
+def test_codec_threads_decode_the_same_frames(container: str, codec: str) -> None:
+    """FFmpeg's own frame/slice threads (decoder_threads, default 0 = FFmpeg picks) change only
+    the speed: every range decodes bit-identical frames, seeking or from the start."""
+    item = _video(container, codec, fps=10, n_frames=45, gop=6)
+    plain = VideoDecoder(VideoSamplingParams(fps=4), num_ranges=3)
+    serial = plain.decode_sync(item)
+    for threads in (0, 2):
+        dec = VideoDecoder(VideoSamplingParams(fps=4), num_ranges=3, threads=threads)
+        assert torch.equal(dec.decode_sync(item).frames, serial.frames)
+        assert torch.equal(dec.decode_sync(item, parallel_ranges=True).frames, serial.frames)
+    with pytest.raises(ValueError, match="threads"):
+        VideoDecoder(threads=-1)
+
+
 def test_animated_gif_and_webp_as_video() -> None:
     for fmt in ("GIF", "WEBP"):
         item = MediaItem(MediaKind.VIDEO, fmt.lower(), animated_bytes(fmt, n_frames=6, duration_ms=100))
