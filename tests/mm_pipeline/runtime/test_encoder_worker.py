@@ -87,3 +87,37 @@ def test_worker_switch_and_threads_are_flags() -> None:
     assert OmniEngineConfig().encoder_worker is True
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--no-encoder-worker", "--encoder-threads", "1"]))
     assert cfg.encoder_worker is False and cfg.encoder_threads == 1
+
+
+def test_stage_timeline_summary() -> None:
+    from mm_pipeline.runtime.timeline import StageTimeline
+
+    tl = StageTimeline(max_spans=16)
+    for stage, a, b in (("decode", 0.0, 1.0), ("decode", 0.5, 2.0), ("encode", 1.5, 2.5), ("prefill", 2.2, 3.0),
+                        ("prefill", 9.0, 9.5)):
+        tl.add(stage, 10 + a, 10 + b)
+    s = tl.summary(10.0, 13.0)  # the last prefill span lies outside the window
+    assert s["decode_busy"] == pytest.approx(2.0) and s["decode_first"] == 0.0 and s["decode_last"] == 2.0
+    assert s["encode_busy"] == pytest.approx(1.0) and s["prefill_busy"] == pytest.approx(0.8)
+    assert s["decode_encode_overlap"] == pytest.approx(0.5) and s["encode_prefill_overlap"] == pytest.approx(0.3)
+    assert s["decode_prefill_overlap"] == 0.0
+    with pytest.raises(ValueError, match="stage"):
+        tl.add("upload", 0.0, 1.0)
+
+
+def test_runtime_records_a_video_requests_stages(ckpt, one_thread) -> None:
+    cfg = OmniEngineConfig.from_kwargs(page_size=4, num_full_tokens=4096, num_swa_tokens=2048, max_chunk_tokens=16,
+                                       max_num_batched_tokens=64, groups_per_chunk=1)
+    engine = OmniEngine.from_pretrained(ckpt, cfg)
+    try:
+        timeline = engine.runtime.record_timeline()
+        asyncio.run(_drain(engine, CHATS[0]))
+        stages = [s.stage for s in timeline.spans()]
+        assert stages.count("decode") == 4 and stages.count("encode") >= 1 and stages.count("prefill") >= 1
+    finally:
+        engine.shutdown()
+
+
+async def _drain(engine: OmniEngine, messages) -> None:
+    async for _ in engine.generate(messages, GREEDY):
+        pass
