@@ -354,6 +354,46 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
             "loop_lag_requests": n}
 
 
+def bench_served(seconds: int, reps: int) -> dict[str, float]:
+    """As a user meets it: a fresh ``seconds``-long 720p video through ``mmserve serve`` with the demo
+    model (a new server per request, so every request is cold), streaming on vs
+    ``--no-stream-embeddings``, next to plain PyAV decoding every frame of the same file in the
+    same run. TTFT is measured by the client: request sent -> first streamed token."""
+    import httpx
+
+    from mm_pipeline.server.launch.server_process import ServerProcess
+
+    demo = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
+    video = make_video(seconds, **HD, seed=300)
+    body = {"model": "", "max_tokens": 1, "temperature": 0, "stream": True,
+            "messages": ask(data_part("video", video), "What happens in this video?")}
+    warm = {**body, "messages": ask(data_part("video", make_video(2, **HD, seed=301)), "Warm up.")}
+
+    def first_token(server: ServerProcess, payload: dict) -> float:
+        t0 = time.perf_counter()
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=payload, timeout=300) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    return time.perf_counter() - t0
+        raise RuntimeError("no token streamed")
+
+    times: dict[str, list[float]] = {"streamed": [], "no_stream": [], "pyav": []}
+    for _ in range(reps):
+        for name, flags in (("streamed", []), ("no_stream", ["--no-stream-embeddings"])):
+            with ServerProcess(["--model", str(demo), *flags]) as server:
+                name_of = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+                body["model"] = warm["model"] = name_of
+                first_token(server, warm)  # first-request costs (lazy imports, allocator) are not TTFT
+                times[name].append(first_token(server, body))
+        times["pyav"].append(pyav_decode_all(video))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"served_ttft_streamed_s": med["streamed"], "served_ttft_no_stream_s": med["no_stream"],
+            "served_pyav_all_frames_s": med["pyav"], "served_ttft_over_pyav": med["streamed"] / med["pyav"],
+            "served_stream_gain": med["no_stream"] / med["streamed"]}
+
+
 def run_once(quick: bool) -> dict[str, float]:
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -370,9 +410,17 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run everything N times; report the median of each key and its spread (min, max)")
+    parser.add_argument("--served", action="store_true",
+                        help="only the served check: a fresh 720p video through `mmserve serve` (demo model), "
+                             "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s)")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    if args.served:
+        results = bench_served(seconds=20 if args.quick else 60, reps=args.repeat)
+        print_table(f"served (median of {args.repeat})", ["metric", "value"], sorted(results.items()))
+        write_json(args.json, results)
+        return
     runs = []
     for r in range(args.repeat):
         runs.append(run_once(args.quick))

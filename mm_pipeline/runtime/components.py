@@ -16,6 +16,7 @@ never reaches into the parts.
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -51,6 +52,16 @@ class PreparedChat:
     plans: list[MediaPlan]
     spans_of_plan: list[list[int]]
     checkpoints: tuple[int, ...] = ()
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (model, tokenizer, libraries: ~400k objects) out of the garbage
+    collector's reach. A full (generation 2) collection walks them all: measured 250 ms of CPU on
+    the 2-core host, with every Python thread stopped -- the event-loop stalls of ~100 ms under media
+    load were these collections. Frozen objects are never walked again; later garbage is still
+    collected. Collect first, so no garbage of the start-up is frozen with them."""
+    gc.collect()
+    gc.freeze()
 
 
 def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
@@ -195,6 +206,7 @@ class OmniRuntime:
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._started:
+            freeze_startup_objects()
             if self.encoder_worker is not None:
                 self.encoder_worker.start()
             self.loop.start()
