@@ -204,7 +204,7 @@ class UnitProducer:
         if info is None:  # animation: the RGBA canvas and its converted copy
             h, w = probe_image(item, self.config.limits)
             return out + 8 * h * w
-        return out + frame_decode_bytes((info.height, info.width))
+        return out + frame_decode_bytes((info.height, info.width), self.config.decoder_threads)
 
     def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> dict[int, Any]:
         if item.kind is MediaKind.IMAGE:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -127,9 +128,10 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     try:
         with open_av(item.data) as container:
             stream = container.streams.video[0]
-            if threads != 1:
+            used = codec_threads(threads, info.height * info.width)
+            if used > 1:
                 stream.thread_type = "AUTO"
-                stream.codec_context.thread_count = threads
+                stream.codec_context.thread_count = used
             if start > 0:
                 container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
@@ -157,11 +159,31 @@ def _rgb(frame: av.VideoFrame, h: int, w: int) -> np.ndarray:
     return frame.to_ndarray(format="rgb24", width=w, height=h)
 
 
-def frame_decode_bytes(info_or_size: tuple[int, int]) -> int:
+# Codec threads only up to 4K UHD frames: each frame thread holds frames of its own, and a hostile
+# 8192² stream must not multiply its decoder's memory by the thread count.
+THREADED_MAX_PIXELS = 3840 * 2160
+_MAX_AUTO_THREADS = 16  # FFmpeg's own cap on automatic thread counts
+
+
+def codec_threads(threads: int, pixels: int) -> int:
+    """The codec threads one decoder of ``pixels``-sized frames uses for a ``threads`` setting (0:
+    FFmpeg's automatic count, CPUs + 1; 1: none); 1 above ``THREADED_MAX_PIXELS``."""
+    if threads < 0:
+        raise ValueError(f"codec threads must be >= 0, got {threads}")
+    if pixels > THREADED_MAX_PIXELS:
+        return 1
+    if threads == 0:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(cpus + 1, _MAX_AUTO_THREADS)
+    return threads
+
+
+def frame_decode_bytes(info_or_size: tuple[int, int], threads: int = 1) -> int:
     """Peak bytes a decoder holds for frames of (h, w): a few planar YUV frames (references,
-    the frame being built) -- the in-flight budget's estimate for one video decoder."""
+    the frame being built) plus one per extra codec thread (``threads`` as ``decode_range`` takes
+    it) -- the in-flight budget's estimate for one video decoder."""
     h, w = info_or_size
-    return 4 * h * w * 3 // 2
+    return (4 + codec_threads(threads, h * w) - 1) * h * w * 3 // 2
 
 
 def split_ranges(targets: Sequence[int], info: VideoInfo, num_ranges: int) -> list[list[int]]:
