@@ -7,6 +7,7 @@
 Keys (goals on the 2-core CPU host in brackets):
   long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
   encoder_worker_ttft_ratio  streamed TTFT, encoder on its own worker / inline on the engine thread
+  encoder_split_ttft_ratio   the same with --encoder-threads 1 (the engine thread keeps the rest) / inline
   repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.1]
   same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]
   encoder_batching_speedup   units/s, cross-request batched / one request per forward         [>= 1.5]
@@ -247,10 +248,12 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     inline on the engine thread vs sequential; distinct videos per run so every run is cold. Then
     one more cold request with the stage timeline on (decode / encode / prefill spans)."""
     question = "What happens in this video?"
-    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(3 * reps + 1)]
+    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(4 * reps + 1)]
     warm = make_video(4, **HD, seed=99)
     out: dict[str, float] = {}
-    for name, kw, mine in (("streamed", {}, videos[:reps]), ("inline", {"encoder_worker": False}, videos[reps:2 * reps])):
+    variants = (("streamed", {}, videos[:reps]), ("inline", {"encoder_worker": False}, videos[reps:2 * reps]),
+                ("split", {"encoder_threads": 1}, videos[3 * reps:4 * reps]))
+    for name, kw, mine in variants:
         engine = OmniEngine.from_pretrained(model_dir, engine_config(**kw))
         try:
             asyncio.run(ttft(engine, ask(data_part("video", warm), question)))
@@ -271,6 +274,7 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     out["long_video_ttft_sequential_s"] = min(t_seq)
     out["long_video_ttft_ratio"] = out["long_video_ttft_streamed_s"] / out["long_video_ttft_sequential_s"]
     out["encoder_worker_ttft_ratio"] = out["long_video_ttft_streamed_s"] / out["long_video_ttft_inline_s"]
+    out["encoder_split_ttft_ratio"] = out["long_video_ttft_split_s"] / out["long_video_ttft_inline_s"]
     return out
 
 
