@@ -59,7 +59,8 @@ def freeze_startup_objects() -> None:
     collector's reach. A full (generation 2) collection walks them all: measured 250 ms of CPU on
     the 2-core host, with every Python thread stopped -- the event-loop stalls of ~100 ms under media
     load were these collections. Frozen objects are never walked again; later garbage is still
-    collected. Collect first, so no garbage of the start-up is frozen with them."""
+    collected. Collect first, so no garbage of the start-up is frozen with them; ``shutdown``
+    unfreezes (process-wide), so a stopped runtime's cycles can be collected."""
     gc.collect()
     gc.freeze()
 
@@ -218,6 +219,9 @@ class OmniRuntime:
         if self._closed:
             return
         self._closed = True
+        # give frozen objects back to the collector: this runtime's reference cycles become garbage
+        # now (a runtime started later freezes what is alive then, again)
+        gc.unfreeze()
         if self.encoder_worker is not None:
             self.encoder_worker.stop()
         self.loop.stop()

@@ -136,3 +136,4 @@ def test_start_up_objects_are_out_of_the_collectors_reach(ckpt) -> None:
         assert len(gc.get_objects(generation=2)) < frozen // 4  # what a full collection still walks
     finally:
         engine.shutdown()
+    assert gc.get_freeze_count() == 0  # a stopped runtime's objects can be collected again
