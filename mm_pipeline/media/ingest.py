@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import blake3
 import httpx
 
 from mm_pipeline.errors import (
@@ -127,8 +128,8 @@ class MediaIngestor:
 
     async def ingest(self, source: MediaSource) -> MediaItem:
         if source.url is not None and _scheme(source.url) in ("http", "https"):
-            data = await self._fetch(source.url)
-            return await self._off_loop(self._to_item, data, source.kind, _short(source.url))
+            data, key = await self._fetch(source.url)
+            return await self._off_loop(self._to_item, data, source.kind, _short(source.url), key)
         return await self._off_loop(self.ingest_local, source)
 
     def ingest_local(self, source: MediaSource) -> MediaItem:
@@ -155,9 +156,10 @@ class MediaIngestor:
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args) if self.pool is None else await self.pool.run(fn, *args)
 
-    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str) -> MediaItem:
+    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str, key: str | None = None) -> MediaItem:
+        """``key``: the content key when it was computed while the bytes arrived (http fetch)."""
         self._check_size(len(data))
-        key = content_key(data)  # first: nothing has looked inside the bytes yet
+        key = key or content_key(data)  # first: nothing has looked inside the bytes yet
         found = self.sniff_memo.get(key)
         memo_hit = found is not None
         if found is None:
@@ -229,7 +231,8 @@ class MediaIngestor:
         self._check_size(len(data))
         return data
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str) -> tuple[bytes, str]:
+        """The body and its content key, hashed chunk by chunk as it arrives (no second pass)."""
         if not self.config.allow_remote:
             raise MediaAccessDenied("remote media URLs are disabled on this server")
         try:
@@ -240,7 +243,7 @@ class MediaIngestor:
         except httpx.HTTPError as exc:
             raise MediaFetchError(f"fetching {_short(url)} failed ({type(exc).__name__})") from None
 
-    async def _fetch_following(self, url: str) -> bytes:
+    async def _fetch_following(self, url: str) -> tuple[bytes, str]:
         limit = self.config.limits.max_bytes
         async with httpx.AsyncClient(follow_redirects=False, transport=self._transport,
                                      timeout=self.config.fetch_timeout_s, trust_env=False) as client:
@@ -258,11 +261,13 @@ class MediaIngestor:
                     if declared is not None and declared.isdigit() and int(declared) > limit:
                         raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
                     body = bytearray()
+                    hasher = blake3.blake3()  # content_key's digest, fed as the chunks arrive
                     async for chunk in response.aiter_bytes():
                         body += chunk
                         if len(body) > limit:
                             raise MediaTooLarge(f"{_short(url)} is over the {limit}-byte limit")
-                    return bytes(body)
+                        hasher.update(chunk)
+                    return bytes(body), hasher.hexdigest()
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
     def _check_remote(self, url: str) -> None:

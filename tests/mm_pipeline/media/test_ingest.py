@@ -25,6 +25,7 @@ from mm_pipeline.errors import (
     MediaTooLarge,
     UnsupportedMediaType,
 )
+from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
 from mm_pipeline.media.types import MediaKind, MediaSource
 from mm_pipeline.media.sniff import sniff
@@ -93,8 +94,6 @@ def test_hash_first_a_repeated_container_is_not_opened_again(tmp_path: Path, mon
     """The content key is computed before the sniff; a key seen before answers the sniff, so PyAV
     never opens the container again (every source that holds bytes: upload, data URL, file)."""
     import av
-
-    from mm_pipeline.media.content_hash import content_key
 
     mp4 = SAMPLES["mp4"][0]()
     (tmp_path / "clip.bin").write_bytes(mp4)
@@ -250,6 +249,8 @@ def test_remote_fetch_allowed_host_and_same_host_redirect(http_base: str) -> Non
     for path in ["/img.png", "/same-host-redirect"]:
         item = _ingest(ing, http_base + path)
         assert item.data == PNG and item.format == "png"  # type: ignore[attr-defined]
+        # hashed while the chunks arrived: the same key as hashing the whole body afterwards
+        assert item.content_key == content_key(PNG)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("path", "error", "status"), [
