@@ -21,7 +21,8 @@ pixel budgets; videos are 720p 30 fps MPEG-4 with a keyframe every 2 s, sampled 
 checkpoint's processor config). Every TTFT run uses a video the engine has not seen (cold caches,
 after a warm-up request); times are the best of the repetitions, since noise on a shared host only
 adds time. The sequential baseline runs the same parts one after the other on the same engine:
-VideoDecoder (2 parallel ranges) -> preprocess -> one encoder batch -> LLM prefill.
+VideoDecoder (2 parallel ranges, the engine's codec threads) -> preprocess -> one encoder batch -> LLM
+prefill.
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def sequential_ttft(engine: OmniEngine, video: bytes, question: str) -> float:
     async def run() -> float:
         t0 = time.perf_counter()
         item = MediaItem(MediaKind.VIDEO, "mp4", video, "bench")
-        decoded = await VideoDecoder(rt.planner.config.video_sampling, pool=rt.pool, num_ranges=2).decode(item)
+        decoded = await VideoDecoder(rt.planner.config.video_sampling, pool=rt.pool, num_ranges=2,
+                                     threads=rt.planner.config.decoder_threads).decode(item)
         groups = await rt.pool.run(rt.pre.video_groups, decoded.frames,
                                    rt.pre.video_size(decoded.frames.shape[1], decoded.frames.shape[2],
                                                      decoded.num_frames))
