@@ -321,10 +321,10 @@ def test_mid_stream_decode_failure_fails_the_request_and_frees_everything(ckpt, 
 
     real = producer_module.decode_chunk
 
-    def flaky(item, info, indices, groups, tp, limits, *size_and_control):
+    def flaky(item, info, indices, groups, tp, limits, *size_and_control, **options):
         if 2 in groups:  # the third frame group is damaged
             raise UndecodableMediaError("mp4 video: damaged packet in frame group 2")
-        return real(item, info, indices, groups, tp, limits, *size_and_control)
+        return real(item, info, indices, groups, tp, limits, *size_and_control, **options)
 
     monkeypatch.setattr(producer_module, "decode_chunk", flaky)
     engine = make(ckpt)
