@@ -2,20 +2,27 @@
 
     .venv/bin/python benchmarks/pipeline.py --quick --json /tmp/pipeline.json
 
+    .venv/bin/python benchmarks/pipeline.py --quick --repeat 3   # medians of 3, with min and max
+
 Keys (goals on the 2-core CPU host in brackets):
-  long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.8]
-  repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.2]
-  same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.05]
+  long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
+  encoder_worker_ttft_ratio  streamed TTFT, encoder on its own worker / inline on the engine thread
+  encoder_split_ttft_ratio   the same with --encoder-threads 1 (the engine thread keeps the rest) / inline
+  repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.1]
+  same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]
   encoder_batching_speedup   units/s, cross-request batched / one request per forward         [>= 1.5]
-  parallel_decode_speedup    video decode, 2 workers / 1                                      [>= 1.7]
+  parallel_decode_speedup    720p video decode, 2 worker threads / 1 (_4: 4 / 1)              [>= 1.8]
   max_loop_lag_ms            max event-loop lag under 32 concurrent media requests            [<= 50]
+  timeline_*                 one cold long-video request: per stage (decode, encode, prefill) its
+                             first start, last end and busy seconds, and pairwise overlap seconds
 
 Setup: a small omni checkpoint (ViT hidden 256 x 4 blocks, MoE text model hidden 256) with real-size
 pixel budgets; videos are 720p 30 fps MPEG-4 with a keyframe every 2 s, sampled at 1 frame/s (the
 checkpoint's processor config). Every TTFT run uses a video the engine has not seen (cold caches,
 after a warm-up request); times are the best of the repetitions, since noise on a shared host only
 adds time. The sequential baseline runs the same parts one after the other on the same engine:
-VideoDecoder (2 parallel ranges) -> preprocess -> one encoder batch -> LLM prefill.
+VideoDecoder (2 parallel ranges, the engine's codec threads) -> preprocess -> one encoder batch -> LLM
+prefill.
 """
 
 from __future__ import annotations
@@ -91,25 +98,45 @@ def make_image(seed: int, size: tuple[int, int] = (96, 96)) -> bytes:
 
 # ---- parallel decode --------------------------------------------------------------------------
 def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
+    """Sampled-frame decode of one clip with 1 / 2 / 4 worker threads (one range each), with the
+    codec's own threads off (``_nothreads``, decoder_threads=1) and on (decoder_threads=0, the
+    default), and plain PyAV decoding every frame as the floor. Runs interleave; best of ``reps``."""
     item = MediaItem(MediaKind.VIDEO, "mp4", video, "bench")
     sampling = VideoSamplingParams(fps=2.0, max_frames=3600)
+    variants = [(w, t) for t in (1, 0) for w in (1, 2, 4)]
+    best = {v: float("inf") for v in variants}
 
-    async def decode(workers: int) -> float:
+    async def decode(workers: int, threads: int) -> float:
         pool = WorkerPool(max_workers=workers, max_pending=16)
-        dec = VideoDecoder(sampling, pool=pool, num_ranges=workers)
         try:
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                await dec.decode(item)
-                best = min(best, time.perf_counter() - t0)
-            return best
+            t0 = time.perf_counter()
+            await VideoDecoder(sampling, pool=pool, num_ranges=workers, threads=threads).decode(item)
+            return time.perf_counter() - t0
         finally:
             pool.shutdown()
 
-    one = asyncio.run(decode(1))
-    two = asyncio.run(decode(2))
-    return {"decode_1_worker_s": one, "decode_2_workers_s": two, "parallel_decode_speedup": one / two}
+    floor = float("inf")
+    for _ in range(reps):
+        for v in variants:
+            best[v] = min(best[v], asyncio.run(decode(*v)))
+        floor = min(floor, pyav_decode_all(video))
+    out = {f"decode_{w}_workers{'_nothreads' if t == 1 else ''}_s": s for (w, t), s in best.items()}
+    out["pyav_all_frames_s"] = floor
+    out["parallel_decode_speedup"] = best[1, 1] / best[2, 1]  # workers alone (codec threads off)
+    out["parallel_decode_speedup_4"] = best[1, 1] / best[4, 1]
+    out["decode_default_speedup"] = best[1, 1] / best[2, 0]  # the default (2 workers, codec threads) / 1 plain
+    return out
+
+
+def pyav_decode_all(video: bytes) -> float:
+    """Seconds plain PyAV needs to decode every frame (FFmpeg's own threading on): the floor."""
+    t0 = time.perf_counter()
+    with av.open(io.BytesIO(video)) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for _ in container.decode(stream):
+            pass
+    return time.perf_counter() - t0
 
 
 # ---- encoder batching -------------------------------------------------------------------------
@@ -190,7 +217,8 @@ def sequential_ttft(engine: OmniEngine, video: bytes, question: str) -> float:
     async def run() -> float:
         t0 = time.perf_counter()
         item = MediaItem(MediaKind.VIDEO, "mp4", video, "bench")
-        decoded = await VideoDecoder(rt.planner.config.video_sampling, pool=rt.pool, num_ranges=2).decode(item)
+        decoded = await VideoDecoder(rt.planner.config.video_sampling, pool=rt.pool, num_ranges=2,
+                                     threads=rt.planner.config.decoder_threads).decode(item)
         groups = await rt.pool.run(rt.pre.video_groups, decoded.frames,
                                    rt.pre.video_size(decoded.frames.shape[1], decoded.frames.shape[2],
                                                      decoded.num_frames))
@@ -218,27 +246,59 @@ def sequential_ttft(engine: OmniEngine, video: bytes, question: str) -> float:
 
 
 def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
-    """TTFT of a long video, streamed vs sequential; distinct videos per run so every run is cold."""
+    """TTFT of a long video, streamed (encoder worker on, the default) vs streamed with the encoder
+    inline on the engine thread vs sequential; distinct videos per run so every run is cold. Then
+    one more cold request with the stage timeline on (decode / encode / prefill spans)."""
     question = "What happens in this video?"
-    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(2 * reps)]
+    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(4 * reps + 1)]
     warm = make_video(4, **HD, seed=99)
-    streamed = OmniEngine.from_pretrained(model_dir, engine_config())
-    try:
-        asyncio.run(ttft(streamed, ask(data_part("video", warm), question)))
-        before = streamed.stats().encoder.get("encoded.video", 0)
-        t_stream = [asyncio.run(ttft(streamed, ask(data_part("video", v), question))) for v in videos[:reps]]
-        groups = (streamed.stats().encoder.get("encoded.video", 0) - before) // reps
-    finally:
-        streamed.shutdown()
+    out: dict[str, float] = {}
+    variants = (("streamed", {}, videos[:reps]), ("inline", {"encoder_worker": False}, videos[reps:2 * reps]),
+                ("split", {"encoder_threads": 1}, videos[3 * reps:4 * reps]))
+    for name, kw, mine in variants:
+        engine = OmniEngine.from_pretrained(model_dir, engine_config(**kw))
+        try:
+            asyncio.run(ttft(engine, ask(data_part("video", warm), question)))
+            before = engine.stats().encoder.get("encoded.video", 0)
+            times = [asyncio.run(ttft(engine, ask(data_part("video", v), question))) for v in mine]
+            out["long_video_groups"] = (engine.stats().encoder.get("encoded.video", 0) - before) // reps
+            if name == "streamed":
+                out.update(timeline_of_one(engine, videos[-1], question))
+        finally:
+            engine.shutdown()
+        out[f"long_video_ttft_{name}_s"] = min(times)  # noise on a shared host only ever adds time
     sequential = OmniEngine.from_pretrained(model_dir, engine_config())
     try:
         sequential_ttft(sequential, warm, question)
-        t_seq = [sequential_ttft(sequential, v, question) for v in videos[reps:]]
+        t_seq = [sequential_ttft(sequential, v, question) for v in videos[2 * reps:3 * reps]]
     finally:
         sequential.shutdown()
-    s, q = min(t_stream), min(t_seq)  # noise on a shared host only ever adds time
-    return {"long_video_groups": groups, "long_video_ttft_streamed_s": s, "long_video_ttft_sequential_s": q,
-            "long_video_ttft_ratio": s / q}
+    out["long_video_ttft_sequential_s"] = min(t_seq)
+    out["long_video_ttft_ratio"] = out["long_video_ttft_streamed_s"] / out["long_video_ttft_sequential_s"]
+    out["encoder_worker_ttft_ratio"] = out["long_video_ttft_streamed_s"] / out["long_video_ttft_inline_s"]
+    out["encoder_split_ttft_ratio"] = out["long_video_ttft_split_s"] / out["long_video_ttft_inline_s"]
+    return out
+
+
+def timeline_of_one(engine: OmniEngine, video: bytes, question: str) -> dict[str, float]:
+    """One cold long-video request with the stage timeline on: per stage its first start, end of
+    its last span and busy time, and the time two stages ran together (seconds from arrival)."""
+    timeline = engine.runtime.record_timeline()
+    t0 = time.monotonic()
+    first = asyncio.run(ttft(engine, ask(data_part("video", video), question)))
+    summary = timeline.summary(t0, t0 + first)
+    return {"timeline_ttft_s": first, **{f"timeline_{k}_s": v for k, v in summary.items()}}
+
+
+def print_timeline(results: dict[str, float]) -> None:
+    """The stage table of ``timeline_of_one`` (medians when repeated)."""
+    rows = [(st, results[f"timeline_{st}_first_s"], results[f"timeline_{st}_last_s"], results[f"timeline_{st}_busy_s"])
+            for st in ("decode", "encode", "prefill")]
+    print_table(f"stage timeline of one cold long-video request (first token at {results['timeline_ttft_s']:.2f} s)",
+                ["stage", "first start s", "last end s", "busy s"], rows)
+    pairs = [(k[len("timeline_"):-len("_overlap_s")].replace("_", " + "), v) for k, v in results.items()
+             if k.startswith("timeline_") and k.endswith("_overlap_s")]
+    print_table("stages busy at the same time", ["stages", "overlap s"], pairs)
 
 
 def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
@@ -300,20 +360,85 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
             "loop_lag_requests": n}
 
 
-def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
-    quick = args.quick
+def bench_served(seconds: int, reps: int) -> dict[str, float]:
+    """As a user meets it: a fresh ``seconds``-long 720p video through ``mmserve serve`` with the demo
+    model (a new server per request, so every request is cold), streaming on vs
+    ``--no-stream-embeddings``, next to plain PyAV decoding every frame of the same file in the
+    same run. TTFT is measured by the client: request sent -> first streamed token."""
+    import httpx
+
+    from mm_pipeline.server.launch.server_process import ServerProcess
+
+    demo = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
+    video = make_video(seconds, **HD, seed=300)
+    body = {"model": "", "max_tokens": 1, "temperature": 0, "stream": True,
+            "messages": ask(data_part("video", video), "What happens in this video?")}
+    warm = {**body, "messages": ask(data_part("video", make_video(2, **HD, seed=301)), "Warm up.")}
+
+    def first_token(server: ServerProcess, payload: dict) -> float:
+        t0 = time.perf_counter()
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=payload, timeout=300) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    return time.perf_counter() - t0
+        raise RuntimeError("no token streamed")
+
+    times: dict[str, list[float]] = {"streamed": [], "no_stream": [], "pyav": []}
+    for _ in range(reps):
+        for name, flags in (("streamed", []), ("no_stream", ["--no-stream-embeddings"])):
+            with ServerProcess(["--model", str(demo), *flags]) as server:
+                name_of = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+                body["model"] = warm["model"] = name_of
+                first_token(server, warm)  # first-request costs (lazy imports, allocator) are not TTFT
+                times[name].append(first_token(server, body))
+        times["pyav"].append(pyav_decode_all(video))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"served_ttft_streamed_s": med["streamed"], "served_ttft_no_stream_s": med["no_stream"],
+            "served_pyav_all_frames_s": med["pyav"], "served_ttft_over_pyav": med["streamed"] / med["pyav"],
+            "served_stream_gain": med["no_stream"] / med["streamed"]}
+
+
+def run_once(quick: bool) -> dict[str, float]:
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
         results.update(bench_long_video(model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
         results.update(bench_repeat(model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
         results.update(bench_loop_lag(model_dir, n=32))
-    results.update(bench_parallel_decode(make_video(seconds=20 if quick else 60, fps=30, size=(640, 360)),
-                                         reps=2 if quick else 3))
+    results.update(bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3))
     results.update(bench_encoder_batching(n_requests=16 if quick else 32, reps=2 if quick else 3))
-    print_table("pipeline", ["metric", "value"], sorted(results.items()))
-    write_json(args.json, results)
+    return results
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run everything N times; report the median of each key and its spread (min, max)")
+    parser.add_argument("--served", action="store_true",
+                        help="only the served check: a fresh 720p video through `mmserve serve` (demo model), "
+                             "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s)")
+    args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    if args.served:
+        results = bench_served(seconds=20 if args.quick else 60, reps=args.repeat)
+        print_table(f"served (median of {args.repeat})", ["metric", "value"], sorted(results.items()))
+        write_json(args.json, results)
+        return
+    runs = []
+    for r in range(args.repeat):
+        runs.append(run_once(args.quick))
+        if args.repeat > 1:
+            print(f"run {r + 1}/{args.repeat} done", flush=True)
+    results = {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
+    rows = [(k, results[k], min(run[k] for run in runs), max(run[k] for run in runs)) for k in sorted(results)]
+    print_table(f"pipeline (median of {args.repeat} run{'s' * (args.repeat > 1)})", ["metric", "median", "min", "max"],
+                [r for r in rows if not r[0].startswith("timeline_")])
+    print_timeline(results)
+    spread = {f"{k}_min": lo for k, _, lo, _ in rows} | {f"{k}_max": hi for k, _, _, hi in rows}
+    write_json(args.json, {**results, **(spread if args.repeat > 1 else {}), "repeat": args.repeat})
 
 
 if __name__ == "__main__":

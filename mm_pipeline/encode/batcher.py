@@ -11,8 +11,9 @@ one audio segment. Its life:
 
 Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
-reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on the
-engine thread, between LLM steps; everything else is thread-safe.
+reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on one
+thread at a time -- the encoder worker (runtime/encoder_worker.py) or, with it off, the engine
+thread between LLM steps; everything else is thread-safe.
 
 Claims, joins and delivery are one ``SingleFlight`` over unit keys (the same mechanism media
 planning uses). Invariant: a key is claimed in ``_units`` from ``attach`` until its result or error
@@ -89,6 +90,10 @@ class EncoderBatcher:
         self.config = config
         self.on_encoded = on_encoded
         self.on_submit = on_submit
+        # called after a forward and before its rows are delivered: the encoder worker waits for
+        # its CUDA stream here, so no consumer on another stream reads rows still being written
+        self.before_deliver: Callable[[], None] | None = None
+        self.on_forward_span: Callable[[float, float], None] | None = None  # (start, end): a stage timeline
         self._lock = threading.Lock()  # guards _pending and _counts
         self._units: SingleFlight[torch.Tensor] = SingleFlight()
         self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
@@ -188,6 +193,7 @@ class EncoderBatcher:
             return batch
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
+        t0 = time.monotonic()
         try:
             if encoder == "vision":
                 assert self.vision is not None
@@ -195,10 +201,14 @@ class EncoderBatcher:
             else:
                 assert self.audio is not None
                 outs = self.audio.encode_segments([j.mel for j in batch])
+            if self.before_deliver is not None:
+                self.before_deliver()
         except Exception as exc:  # one bad batch fails its units, not the engine
             for job in batch:
                 self._deliver(job.key, None, RuntimeError(f"{encoder} encoder failed: {type(exc).__name__}: {exc}"))
             return 0
+        if self.on_forward_span is not None:
+            self.on_forward_span(t0, time.monotonic())
         with self._lock:
             self._counts[f"forwards.{encoder}"] += 1
             for job in batch:

@@ -70,7 +70,10 @@ class PlannerConfig:
     groups_per_chunk: int = 2
     max_context_tokens: int | None = None  # the LLM's context: media that cannot fit fails before decoding
     video_audio: bool = True  # lay a video's sound track out with its frames (when the model hears)
+    decoder_threads: int = 0  # FFmpeg's own threads per video decoder (0: FFmpeg picks, 1: none)
 
     def __post_init__(self) -> None:
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
+        if self.decoder_threads < 0:
+            raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")

@@ -1,6 +1,8 @@
 r"""Media item -> encoder units: layout sizes first, then cache hits, joins or production.
 
-    plan(item)   hash raw bytes ─► manifest in the cache? ─yes─► unit keys + sizes, no decode at all
+    plan(item)   content key (hashed at ingest, before the sniff) ─► media key ─► manifest in the cache?
+                                         ─yes─► unit keys + sizes + decoded bytes: no sniff (ingest's
+                                                memo), no probe, no decode at all
                                          └─no─► image: header only (decoded when produced)
                                                 audio: decode (stops at the context) + preprocess
                                                 video: probe (demux only) ─► sampling ─► sizes;
@@ -40,7 +42,7 @@ from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaErro
 from mm_pipeline.media.decode_audio import has_audio_stream
 from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
-from mm_pipeline.media.content_hash import audio_segment_key, media_key, video_group_key
+from mm_pipeline.media.content_hash import audio_segment_key, content_key, media_key, video_group_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -110,7 +112,8 @@ class MediaPlanner:
         encoder = self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
         if encoder is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
-        mkey = await self.pool.run(media_key, item.data, item.kind, self._params(item.kind), self.encoder_id)
+        content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
+        mkey = media_key(content, item.kind, self._params(item.kind), self.encoder_id)
         control = self.producer.control(item)
         try:
             plan, planned_here = await self._planning.run(
@@ -148,10 +151,11 @@ class MediaPlanner:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Work done: probes, images_decoded, audio_decoded, video_chunks_decoded, manifest_hits,
-        unit_hits (units found in the encoder cache)."""
+        """Work done: probes, images_decoded, audio_decoded, video_chunks_decoded, unit_hits (units
+        found in the encoder cache), plan_joins; per modality (``name.kind``) manifest_hits and
+        manifest_misses, and the ingestor's content_hashes, sniff_probes, sniff_memo_hits."""
         with self._counts_lock:
-            return dict(self._counts)
+            return {**self.ingestor.counts, **self._counts}
 
     def _count(self, name: str) -> None:
         with self._counts_lock:
@@ -180,24 +184,25 @@ class MediaPlanner:
 
     def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None) -> MediaPlan:
         manifest = self.cache.get(_manifest_key(mkey))
-        if manifest is not None:
-            self._count("manifest_hits")
-            # columns: tokens, timestamp (video groups), 1 for a video's sound segment
-            sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag] if manifest.shape[1] > 2 else []
+        if manifest is not None and manifest.ndim == 2 and manifest.shape[1] == 4 and manifest.shape[0] > 0:
+            # columns: tokens, timestamp (video groups), 1 for a video's sound segment, decoded bytes
+            # (the item's, in every row): the plan without opening the media at all
+            self._count(f"manifest_hits.{item.kind.value}")
+            sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag]
             groups = manifest.shape[0] - len(sound)
             units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i) if i < groups else
                                    self._sound_key(mkey, i - groups), int(n))
                           for i, n in enumerate(manifest[:, 0].tolist()))
             stamps = tuple(manifest[:groups, 1].tolist()) if item.kind is MediaKind.VIDEO else ()
             plan = MediaPlan(item, mkey, units, stamps, audio_units=len(sound),
-                             audio_per_second=self._sound_rate() if sound else 0.0)
-            if item.kind is MediaKind.IMAGE:
-                plan.decoded_bytes = image_decode_bytes(*probe_image(item, self.config.limits))
+                             audio_per_second=self._sound_rate() if sound else 0.0,
+                             decoded_bytes=int(manifest[0, 3]))
         else:
+            self._count(f"manifest_misses.{item.kind.value}")
             plan = self._plan_from_media(item, mkey, control)
             groups = len(plan.units) - plan.audio_units
             stamps = list(plan.timestamps or [0.0] * groups) + [0.0] * plan.audio_units
-            table = torch.tensor([[u.num_tokens, t, float(i >= groups)] for i, (u, t) in
+            table = torch.tensor([[u.num_tokens, t, float(i >= groups), plan.decoded_bytes] for i, (u, t) in
                                   enumerate(zip(plan.units, stamps))], dtype=torch.float64)
             self.cache.put(_manifest_key(mkey), table)
         found = self.producer.lookup(plan.units)

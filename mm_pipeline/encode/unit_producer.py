@@ -14,6 +14,7 @@ worker pool; the coroutines run on the event loop.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,6 +48,7 @@ class UnitProducer:
         self._tasks: set[asyncio.Task[None]] = set()
         # every decode of the runtime holds its estimated bytes here while it runs
         self.budget = DecodeBudget(config.limits.max_decoded_bytes_in_flight)
+        self.on_decode_span: Callable[[float, float], None] | None = None  # (start, end): a stage timeline
 
     def control(self, item: MediaItem, wanted: Callable[[], bool] | None = None) -> DecodeControl:
         """The deadline (``decode_timeout_s``) and cancellation of one item's decode work."""
@@ -205,10 +207,15 @@ class UnitProducer:
 
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
                      size: tuple[int, int], tp: int, control: DecodeControl | None = None) -> list[VisionInput]:
+        t0 = time.monotonic()
         with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control, "a video chunk"):
-            frames = decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control)
+            frames = decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
+                                  threads=self.config.decoder_threads)
             self._count("video_chunks_decoded")
-            return self.pre.video_groups(frames, size)
+            out = self.pre.video_groups(frames, size)
+        if self.on_decode_span is not None:
+            self.on_decode_span(t0, time.monotonic())
+        return out
 
     def chunk_bytes(self, item: MediaItem, info: Any, num_frames: int, size: tuple[int, int]) -> int:
         """Estimated peak bytes of decoding ``num_frames`` frames scaled to ``size``: the decoder's
@@ -217,7 +224,7 @@ class UnitProducer:
         if info is None:  # animation: the RGBA canvas and its converted copy
             h, w = probe_image(item, self.config.limits)
             return out + 8 * h * w
-        return out + frame_decode_bytes((info.height, info.width))
+        return out + frame_decode_bytes((info.height, info.width), self.config.decoder_threads)
 
     def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> dict[int, Any]:
         if item.kind is MediaKind.IMAGE:

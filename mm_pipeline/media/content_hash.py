@@ -1,9 +1,12 @@
 """Content keys for the encoder cache and the prefix cache, computed from the raw encoded bytes
-before any decoding, so a repeated item skips decode, preprocessing and the encoder.
+before anything else looks at them (sniff, probe, decode), so a repeated item skips all of those,
+preprocessing and the encoder.
 
-A key covers everything that changes the encoder output:
+The raw bytes are hashed exactly once, at ingest; every other key is derived from that digest and
+covers everything that changes the encoder output:
 
-    media_key  = blake3( "mmserve.media.v1" | kind | encoder_id | params | raw bytes )
+    content_key = blake3( raw bytes )                      (plain: equals the upload store's hash)
+    media_key  = blake3( "mmserve.media.v2" | kind | encoder_id | params | content_key )
     group_key  = blake3( "mmserve.video-group.v1" | media_key | sampling params | group index )
     segment_key= blake3( "mmserve.audio-segment.v1" | media_key | audio params | segment index )
 
@@ -63,13 +66,22 @@ def _digest(domain: str, *fields: bytes) -> str:
     return h.hexdigest()
 
 
-def media_key(data: bytes, kind: MediaKind, params: Mapping[str, Any] | Any, encoder_id: str) -> str:
-    """Key of one media item's encoder output: raw bytes + kind + preprocessing params + the
-    encoder weights id (change the checkpoint → new keys)."""
+def content_key(data: bytes | bytearray | memoryview) -> str:
+    """blake3 of the raw encoded bytes (blake3's own threads on large items): the one hash of the
+    bytes; the keys below derive from it."""
+    threads = blake3.blake3.AUTO if len(data) > _PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).hexdigest()
+
+
+def media_key(content: str, kind: MediaKind, params: Mapping[str, Any] | Any, encoder_id: str) -> str:
+    """Key of one media item's encoder output: the bytes' ``content_key`` + kind + preprocessing
+    params + the encoder weights id (change the checkpoint → new keys)."""
     if not encoder_id:
         raise ValueError("encoder_id must name the encoder weights (e.g. checkpoint hash)")
-    return _digest("mmserve.media.v1", kind.value.encode(), encoder_id.encode(),
-                   canonical_params(params), data)
+    if len(content) != 64:
+        raise ValueError(f"media_key wants a content_key (64 hex digits), got {content[:16]!r}...")
+    return _digest("mmserve.media.v2", kind.value.encode(), encoder_id.encode(),
+                   canonical_params(params), content.encode())
 
 
 def video_group_key(media: str, sampling: Mapping[str, Any] | Any, group_index: int) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -103,13 +104,16 @@ def _fps_from_pts(pts: tuple[int, ...], time_base: Fraction | None) -> float:
 
 
 def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek: bool = True,
-                 size: tuple[int, int] | None = None, control: DecodeControl | None = None) -> torch.Tensor:
+                 size: tuple[int, int] | None = None, control: DecodeControl | None = None,
+                 threads: int = 1) -> torch.Tensor:
     """Frames ``targets`` (ascending, unique) as [T, H, W, 3] uint8; with ``seek`` the decoder
     starts at the last keyframe at or before ``targets[0]``, else at frame 0.
 
     ``size`` (h, w): frames are scaled to it by swscale as they leave the decoder, in uint8, so a
     huge source frame never exists as RGB, let alone as float (default: the stream's size).
-    ``control``: checked once per decoded frame (deadline, cancellation)."""
+    ``control``: checked once per decoded frame (deadline, cancellation).
+    ``threads``: the codec's own decoding threads (FFmpeg frame/slice threads, outside the GIL);
+    1: none, 0: FFmpeg picks by the CPU count. Output is bit-identical either way."""
     h, w = size or (info.height, info.width)
     if not targets:
         return torch.empty(0, h, w, 3, dtype=torch.uint8)
@@ -124,6 +128,10 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     try:
         with open_av(item.data) as container:
             stream = container.streams.video[0]
+            used = codec_threads(threads, info.height * info.width)
+            if used > 1:
+                stream.thread_type = "AUTO"
+                stream.codec_context.thread_count = used
             if start > 0:
                 container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
@@ -151,11 +159,31 @@ def _rgb(frame: av.VideoFrame, h: int, w: int) -> np.ndarray:
     return frame.to_ndarray(format="rgb24", width=w, height=h)
 
 
-def frame_decode_bytes(info_or_size: tuple[int, int]) -> int:
+# Codec threads only up to 4K UHD frames: each frame thread holds frames of its own, and a hostile
+# 8192² stream must not multiply its decoder's memory by the thread count.
+THREADED_MAX_PIXELS = 3840 * 2160
+_MAX_AUTO_THREADS = 16  # FFmpeg's own cap on automatic thread counts
+
+
+def codec_threads(threads: int, pixels: int) -> int:
+    """The codec threads one decoder of ``pixels``-sized frames uses for a ``threads`` setting (0:
+    FFmpeg's automatic count, CPUs + 1; 1: none); 1 above ``THREADED_MAX_PIXELS``."""
+    if threads < 0:
+        raise ValueError(f"codec threads must be >= 0, got {threads}")
+    if pixels > THREADED_MAX_PIXELS:
+        return 1
+    if threads == 0:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(cpus + 1, _MAX_AUTO_THREADS)
+    return threads
+
+
+def frame_decode_bytes(info_or_size: tuple[int, int], threads: int = 1) -> int:
     """Peak bytes a decoder holds for frames of (h, w): a few planar YUV frames (references,
-    the frame being built) -- the in-flight budget's estimate for one video decoder."""
+    the frame being built) plus one per extra codec thread (``threads`` as ``decode_range`` takes
+    it) -- the in-flight budget's estimate for one video decoder."""
     h, w = info_or_size
-    return 4 * h * w * 3 // 2
+    return (4 + codec_threads(threads, h * w) - 1) * h * w * 3 // 2
 
 
 def split_ranges(targets: Sequence[int], info: VideoInfo, num_ranges: int) -> list[list[int]]:
@@ -179,13 +207,14 @@ class VideoDecoder:
 
     def __init__(self, sampling: VideoSamplingParams = VideoSamplingParams(),
                  limits: MediaLimits = MediaLimits(), pool: WorkerPool | None = None,
-                 num_ranges: int = 2) -> None:
-        if num_ranges < 1:
-            raise ValueError(f"num_ranges must be >= 1, got {num_ranges}")
+                 num_ranges: int = 2, threads: int = 1) -> None:
+        if num_ranges < 1 or threads < 0:
+            raise ValueError(f"num_ranges must be >= 1 and threads >= 0, got {num_ranges}, {threads}")
         self.sampling = sampling
         self.limits = limits
         self.pool = pool
         self.num_ranges = num_ranges
+        self.threads = threads  # codec threads per range (decode_range)
 
     async def decode(self, item: MediaItem) -> DecodedVideo:
         if self.pool is None:
@@ -196,7 +225,8 @@ class VideoDecoder:
         sampling = sample_frames(info.total_frames, info.video_fps, self.sampling)
         targets = sorted(set(sampling.indices))
         runs = split_ranges(targets, info, self.num_ranges)
-        parts = await asyncio.gather(*(self.pool.run(decode_range, item, info, run) for run in runs))
+        parts = await asyncio.gather(*(self.pool.run(decode_range, item, info, run, threads=self.threads)
+                                       for run in runs))
         return self._assemble(item, info.video_fps, info.total_frames, sampling, targets, list(parts))
 
     def decode_sync(self, item: MediaItem, parallel_ranges: bool = False) -> DecodedVideo:
@@ -212,9 +242,10 @@ class VideoDecoder:
         sampling = sample_frames(info.total_frames, info.video_fps, self.sampling)
         targets = sorted(set(sampling.indices))
         if parallel_ranges:
-            parts = [decode_range(item, info, run) for run in split_ranges(targets, info, self.num_ranges)]
+            parts = [decode_range(item, info, run, threads=self.threads)
+                     for run in split_ranges(targets, info, self.num_ranges)]
         else:
-            parts = [decode_range(item, info, targets, seek=False)]
+            parts = [decode_range(item, info, targets, seek=False, threads=self.threads)]
         return self._assemble(item, info.video_fps, info.total_frames, sampling, targets, parts)
 
     @staticmethod

@@ -1,6 +1,10 @@
 """Ingest: turn a ``MediaSource`` (uploaded bytes, data URL, allowed local path, allowed remote URL)
 into a ``MediaItem`` — raw bytes with a type sniffed from the content — enforcing byte limits.
 
+Hash first: once the bytes are held, their content key (blake3) is computed before anything looks
+inside them; the sniff answer of a content key seen before comes from a memo, so a repeated
+container is never opened by PyAV again (and planning then finds its manifest by the same key).
+
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
 
@@ -24,12 +28,15 @@ import ipaddress
 import os
 import socket
 import stat
+import threading
 import urllib.parse
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import blake3
 import httpx
 
 from mm_pipeline.errors import (
@@ -42,7 +49,8 @@ from mm_pipeline.errors import (
     UnsupportedMediaType,
 )
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
-from mm_pipeline.media.sniff import sniff
+from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.sniff import SniffMemo, sniff
 from mm_pipeline.media.worker_pool import WorkerPool
 
 T = TypeVar("T")
@@ -105,13 +113,23 @@ class MediaIngestor:
         self.pool = pool
         self._transport = transport
         self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
+        self.sniff_memo = SniffMemo()
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Per modality (``name.kind``): content_hashes, sniff_probes (a PyAV open was needed),
+        sniff_memo_hits (the content key answered, nothing opened)."""
+        with self._counts_lock:
+            return dict(self._counts)
 
     # ---- public API -------------------------------------------------------------------------
 
     async def ingest(self, source: MediaSource) -> MediaItem:
         if source.url is not None and _scheme(source.url) in ("http", "https"):
-            data = await self._fetch(source.url)
-            return await self._off_loop(self._to_item, data, source.kind, _short(source.url))
+            data, key = await self._fetch(source.url)
+            return await self._off_loop(self._to_item, data, source.kind, _short(source.url), key)
         return await self._off_loop(self.ingest_local, source)
 
     def ingest_local(self, source: MediaSource) -> MediaItem:
@@ -138,15 +156,28 @@ class MediaIngestor:
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args) if self.pool is None else await self.pool.run(fn, *args)
 
-    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str) -> MediaItem:
+    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str, key: str | None = None) -> MediaItem:
+        """``key``: the content key when it was computed while the bytes arrived (http fetch)."""
         self._check_size(len(data))
-        found = sniff(data)
+        key = key or content_key(data)  # first: nothing has looked inside the bytes yet
+        found = self.sniff_memo.get(key)
+        memo_hit = found is not None
+        if found is None:
+            found = sniff(data)
+            self.sniff_memo.put(key, found)
         if declared is not None and declared not in found.kinds:
             raise UnsupportedMediaType(
                 f"{origin} content is {found.format} ({', '.join(sorted(k.value for k in found.kinds))}),"
                 f" not usable as {declared.value}"
             )
-        return MediaItem(kind=declared or found.primary, format=found.format, data=data, origin=origin)
+        kind = declared or found.primary
+        with self._counts_lock:
+            self._counts[f"content_hashes.{kind.value}"] += 1
+            if memo_hit:
+                self._counts[f"sniff_memo_hits.{kind.value}"] += 1
+            elif found.probed:
+                self._counts[f"sniff_probes.{kind.value}"] += 1
+        return MediaItem(kind=kind, format=found.format, data=data, origin=origin, content_key=key)
 
     def _check_size(self, nbytes: int) -> None:
         if nbytes > self.config.limits.max_bytes:
@@ -200,7 +231,8 @@ class MediaIngestor:
         self._check_size(len(data))
         return data
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str) -> tuple[bytes, str]:
+        """The body and its content key, hashed chunk by chunk as it arrives (no second pass)."""
         if not self.config.allow_remote:
             raise MediaAccessDenied("remote media URLs are disabled on this server")
         try:
@@ -211,7 +243,7 @@ class MediaIngestor:
         except httpx.HTTPError as exc:
             raise MediaFetchError(f"fetching {_short(url)} failed ({type(exc).__name__})") from None
 
-    async def _fetch_following(self, url: str) -> bytes:
+    async def _fetch_following(self, url: str) -> tuple[bytes, str]:
         limit = self.config.limits.max_bytes
         async with httpx.AsyncClient(follow_redirects=False, transport=self._transport,
                                      timeout=self.config.fetch_timeout_s, trust_env=False) as client:
@@ -229,11 +261,13 @@ class MediaIngestor:
                     if declared is not None and declared.isdigit() and int(declared) > limit:
                         raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
                     body = bytearray()
+                    hasher = blake3.blake3()  # content_key's digest, fed as the chunks arrive
                     async for chunk in response.aiter_bytes():
                         body += chunk
                         if len(body) > limit:
                             raise MediaTooLarge(f"{_short(url)} is over the {limit}-byte limit")
-                    return bytes(body)
+                        hasher.update(chunk)
+                    return bytes(body), hasher.hexdigest()
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
     def _check_remote(self, url: str) -> None:

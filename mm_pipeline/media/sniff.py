@@ -9,6 +9,8 @@ opens are disabled, so a crafted playlist cannot make FFmpeg read local files or
 from __future__ import annotations
 
 import io
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import av
@@ -48,11 +50,13 @@ _AV_OPTIONS = {"protocol_whitelist": "none"}
 class SniffResult:
     """``format``: canonical container name.  ``kinds``: what the content can serve as (an MP4 with
     sound is a video and an audio; a GIF is an image, or a video of its frames).  ``primary``: the
-    kind used when the request did not declare one."""
+    kind used when the request did not declare one.  ``probed``: the answer needed a PyAV open (a
+    container), not just magic bytes."""
 
     format: str
     primary: MediaKind
     kinds: frozenset[MediaKind]
+    probed: bool = False
 
     def __post_init__(self) -> None:
         if self.primary not in self.kinds:
@@ -143,4 +147,35 @@ def _probe(data: bytes) -> SniffResult:
     kinds = ({VIDEO} if videos else set()) | ({AUDIO} if audios else set())
     if not kinds:
         raise UnsupportedMediaType(f"{fmt} container holds no decodable audio or video stream")
-    return SniffResult(fmt, VIDEO if videos else AUDIO, frozenset(kinds))
+    return SniffResult(fmt, VIDEO if videos else AUDIO, frozenset(kinds), probed=True)
+
+
+class SniffMemo:
+    """Sniff answers by content key (blake3 of the bytes): a repeated container is not opened
+    and probed again -- ingest hashes first, then asks here. Bounded LRU, thread-safe (ingest
+    runs on the media workers). Bytes decide the answer alone, so an entry never goes stale."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        if max_entries < 0:
+            raise ValueError(f"SniffMemo max_entries must be >= 0, got {max_entries}")
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, SniffResult] = OrderedDict()
+
+    def get(self, content_key: str) -> SniffResult | None:
+        with self._lock:
+            found = self._entries.get(content_key)
+            if found is not None:
+                self._entries.move_to_end(content_key)
+            return found
+
+    def put(self, content_key: str, result: SniffResult) -> None:
+        with self._lock:
+            self._entries[content_key] = result
+            self._entries.move_to_end(content_key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

@@ -49,6 +49,8 @@ class MediaItem:
     format: str
     data: bytes = field(repr=False)
     origin: str = "upload"
+    content_key: str | None = None
+    """blake3 of ``data`` when ingest computed it (before sniffing); None: planning hashes it."""
 
     @property
     def nbytes(self) -> int:

@@ -54,14 +54,15 @@ def plan_chunks(groups: Sequence[int], indices: Sequence[int], keyframes: Sequen
 
 def decode_chunk(item: MediaItem, info: VideoInfo | None, indices: Sequence[int], groups: Sequence[int], tp: int,
                  limits: MediaLimits, size: tuple[int, int] | None = None,
-                 control: DecodeControl | None = None) -> torch.Tensor:
+                 control: DecodeControl | None = None, threads: int = 1) -> torch.Tensor:
     """Frames [len(groups) * tp, H, W, 3] uint8 of ``groups`` in order (``info`` None: a GIF/WebP
-    animation, decoded with PIL), scaled to ``size`` (h, w) as they are decoded."""
+    animation, decoded with PIL), scaled to ``size`` (h, w) as they are decoded; ``threads``: the
+    codec's own threads per decoder (decode_range)."""
     wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
     targets = sorted(set(wanted))  # a padded tail repeats its last frame
     if info is None:
         frames = decode_animation_frames(item, targets, limits, size, control)
     else:
-        frames = decode_range(item, info, targets, size=size, control=control)
+        frames = decode_range(item, info, targets, size=size, control=control, threads=threads)
     row = {t: k for k, t in enumerate(targets)}
     return frames[[row[t] for t in wanted]]

@@ -1,7 +1,9 @@
 """OmniRuntime: the parts behind an OmniEngine, wired once.
 
     OmniModel (text model, vision tower, audio encoder, tokenizer, prompt layout)
-    LLMEngine ◄── EngineLoop (thread) ──► EncoderBatcher ──on_encoded──► EncoderCache tiers
+    LLMEngine ◄── EngineLoop (thread)    EncoderWorker (thread) ──► EncoderBatcher ──on_encoded──►
+                                                                    EncoderCache tiers
+              (encoder_worker=False: the EngineLoop runs the EncoderBatcher between steps)
     WorkerPool ◄── MediaIngestor, MediaPlanner (decode, preprocess, plan units)
 
 ``prepare_chat`` turns a parsed chat into token ids with placeholder spans sized before any
@@ -14,6 +16,7 @@ never reaches into the parts.
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +28,7 @@ from mm_pipeline.prompt.messages import ChatRequest, MediaRef
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, split_threads
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.ingest import MediaIngestor
@@ -32,6 +36,7 @@ from mm_pipeline.encode.plan import MediaPlan
 from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.media_feed import MediaFeed
+from mm_pipeline.runtime.timeline import StageTimeline
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -47,6 +52,17 @@ class PreparedChat:
     plans: list[MediaPlan]
     spans_of_plan: list[list[list[tuple[int, int]]]]  # per plan, per unit: (stream span, first row)
     checkpoints: tuple[int, ...] = ()
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (model, tokenizer, libraries: ~400k objects) out of the garbage
+    collector's reach. A full (generation 2) collection walks them all: measured 250 ms of CPU on
+    the 2-core host, with every Python thread stopped -- the event-loop stalls of ~100 ms under media
+    load were these collections. Frozen objects are never walked again; later garbage is still
+    collected. Collect first, so no garbage of the start-up is frozen with them; ``shutdown``
+    unfreezes (process-wide), so a stopped runtime's cycles can be collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
@@ -66,8 +82,19 @@ class OmniRuntime:
         self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer)
         self.cache = EncoderCache(build_tiers(config))
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
-        self.loop = EngineLoop(self.llm, self.batcher)
-        self.batcher.on_submit = self.loop.wake
+        self.encoder_worker: EncoderWorker | None = None
+        llm_threads = encoder_threads = None
+        if config.encoder_threads is not None:
+            llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
+        if config.encoder_worker:
+            self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads)
+            if self.encoder_worker.device.type == "cuda":
+                self.batcher.before_deliver = self.encoder_worker.stream_sync
+            self.batcher.on_submit = self.encoder_worker.wake
+            self.loop = EngineLoop(self.llm, None, threads=llm_threads)
+        else:
+            self.loop = EngineLoop(self.llm, self.batcher, threads=llm_threads)
+            self.batcher.on_submit = self.loop.wake
         self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
                                name="omni-media")
         # text tokenization never queues behind media decodes (a slow or hostile file must not
@@ -177,9 +204,21 @@ class OmniRuntime:
             raise ContextLengthError(f"the prompt is {num_tokens} tokens; with one generated token it exceeds "
                                      f"the context limit of {self.llm.max_model_len} tokens")
 
+    def record_timeline(self) -> StageTimeline:
+        """Start recording when each stage runs (video decode chunks, encoder forwards, LLM steps)
+        and return the timeline (benchmarks/pipeline.py prints one request's)."""
+        timeline = StageTimeline()
+        self.planner.producer.on_decode_span = lambda a, b: timeline.add("decode", a, b)
+        self.batcher.on_forward_span = lambda a, b: timeline.add("encode", a, b)
+        self.loop.on_step_span = lambda a, b: timeline.add("prefill", a, b)
+        return timeline
+
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._started:
+            freeze_startup_objects()
+            if self.encoder_worker is not None:
+                self.encoder_worker.start()
             self.loop.start()
             self._started = True
 
@@ -189,6 +228,11 @@ class OmniRuntime:
         if self._closed:
             return
         self._closed = True
+        # give frozen objects back to the collector: this runtime's reference cycles become garbage
+        # now (a runtime started later freezes what is alive then, again)
+        gc.unfreeze()
+        if self.encoder_worker is not None:
+            self.encoder_worker.stop()
         self.loop.stop()
         self.llm.close()
         self.pool.shutdown(wait=False)

@@ -89,11 +89,20 @@ class OmniEngineConfig:
     """Audio encoder: mel frames batched into one forward."""
     encoder_max_wait_ms: float = 5.0
     """How long the oldest pending encoder job may wait for company, in milliseconds."""
+    # The encoder on its own worker (a thread; on CUDA its own stream) so encoding of later frame
+    # groups overlaps prefill of earlier ones; False runs encoder batches on the engine thread
+    # between LLM steps (same tokens). runtime/encoder_worker.py.
+    encoder_worker: bool = True
+    """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
+    encoder_threads: int | None = None
+    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (none: both use torch's setting)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
     decode_workers: int = 2
     """Media decode threads."""
+    decoder_threads: int = 0
+    """FFmpeg's own threads per video decoder, outside the GIL (0: FFmpeg picks by CPU count, 1: none)."""
     decode_queue: int = 256
     """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
     decode_admit_timeout_s: float | None = 30.0
@@ -102,6 +111,8 @@ class OmniEngineConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.decoder_threads < 0:
+            raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")
         if self.decode_workers < 1 or self.decode_queue < 0:
             raise ValueError(f"decode_workers must be >= 1 and decode_queue >= 0, got "
                              f"{self.decode_workers}, {self.decode_queue}")
@@ -113,6 +124,8 @@ class OmniEngineConfig:
         if self.audio_tokenizer_attention not in TOKENIZER_ATTENTION:
             raise ValueError(f"audio_tokenizer_attention must be one of {TOKENIZER_ATTENTION}, got "
                              f"{self.audio_tokenizer_attention!r}")
+        if self.encoder_threads is not None and self.encoder_threads < 1:
+            raise ValueError(f"encoder_threads must be >= 1 (or none), got {self.encoder_threads}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs
@@ -155,4 +168,4 @@ class OmniEngineConfig:
                        default_video_audio: bool = True) -> PlannerConfig:
         video_audio = default_video_audio if self.video_audio is None else self.video_audio
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens, video_audio)
+                             max_context_tokens, video_audio, self.decoder_threads)

@@ -1,6 +1,9 @@
-"""The engine thread: LLM steps and encoder batches, one after the other, off the event loop.
+"""The engine thread: LLM steps (and, with the encoder worker off, encoder batches), off the event loop.
 
-    loop:  clear wake ─► batcher.run_due()            (encoder forwards that are due)
+By default the encoder runs beside this thread on its own worker (runtime/encoder_worker.py) and
+``batcher`` is None here; with ``encoder_worker=False`` this thread runs both, one after the other:
+
+    loop:  clear wake ─► batcher.run_due()            (encoder forwards that are due; inline only)
                      ─► llm.step() if llm.has_ready_work()   ─► outputs to each request's sink
                      ─► publish the stats snapshot (the LLM's, then ``on_stats``: the omni one)
                      ─► nothing done? wait for a wake (new request, abort, encoder job, unit
@@ -20,6 +23,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.outputs import ErrorKind, RequestOutput
@@ -34,10 +39,14 @@ OutputSink = Callable[[RequestOutput], None]
 class EngineLoop:
     """Owns the thread that drives ``llm`` and ``batcher``; thread-safe request entry points."""
 
-    def __init__(self, llm: LLMEngine, batcher: EncoderBatcher, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, llm: LLMEngine, batcher: EncoderBatcher | None, idle_wait_s: float = 0.05,
+                 threads: int | None = None) -> None:
         self.llm = llm
-        self.batcher = batcher
+        self.batcher = batcher  # None: the encoder worker runs the batches
         self.idle_wait_s = idle_wait_s
+        self.threads = threads  # this thread's intra-op threads (CPU), set at its start
+        # spans of LLM steps (monotonic start, end) for a stage timeline; None: off
+        self.on_step_span: Callable[[float, float], None] | None = None
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._sinks: dict[str, OutputSink] = {}
@@ -111,6 +120,8 @@ class EngineLoop:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        if self.threads is not None and self.llm.device.type == "cpu":
+            torch.set_num_threads(self.threads)
         while not self._stop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
@@ -143,12 +154,15 @@ class EngineLoop:
 
     def _step_once(self) -> bool:
         did = False
-        n = self.batcher.run_due()
+        n = self.batcher.run_due() if self.batcher is not None else 0
         if n:
             self.counts["encoder_units"] += n
             did = True
         if self.llm.has_ready_work():
+            t0 = time.monotonic()
             outputs = self.llm.step()
+            if self.on_step_span is not None:
+                self.on_step_span(t0, time.monotonic())
             self.counts["steps"] += 1
             self._dispatch(outputs)
             # a step that scheduled nothing (pools full while the running requests wait for their
@@ -166,7 +180,7 @@ class EngineLoop:
             self.on_stats()
 
     def _idle_timeout(self) -> float:
-        due = self.batcher.next_due()
+        due = self.batcher.next_due() if self.batcher is not None else None
         if due is None:
             return self.idle_wait_s
         return max(0.0, min(self.idle_wait_s, due - time.monotonic()))

@@ -26,7 +26,8 @@ class OmniStats:
     requests_in_flight: int  # admitted by OmniEngine and not finished yet
     requests_in_flight_limit: int  # max_queue: one more is refused with 429
     engine_loop_requests: int  # requests the engine loop still delivers outputs to
-    engine_loop: Mapping[str, int]  # counters: steps, idle_waits, encoder_units, loop_errors
+    engine_loop: Mapping[str, int]  # counters: steps, idle_waits, encoder_units, loop_errors (+ the
+    # encoder worker's encoder_runs, encoder_errors when it runs the encoder)
     encoder_cache_hits: Mapping[str, int]  # counter, label tier: memory, disk, redis
     encoder_cache_misses: int  # counter
     encoder_cache: Mapping[str, int]  # the cache's other counts (computes, joins, pending_writes...)
@@ -46,7 +47,7 @@ class OmniStats:
             requests_in_flight=requests_in_flight,
             requests_in_flight_limit=runtime.config.max_queue,
             engine_loop_requests=runtime.loop.num_requests,
-            engine_loop=frozen_map(runtime.loop.counts),
+            engine_loop=frozen_map(_loop_counts(runtime)),
             encoder_cache_hits=frozen_map(cache["hits"]),
             encoder_cache_misses=cache["misses"],
             encoder_cache=frozen_map(rest),
@@ -60,3 +61,14 @@ class OmniStats:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts (for JSON: ``/health``, the caption summary, benchmark reports)."""
         return as_plain(self)
+
+
+def _loop_counts(runtime: Any) -> dict[str, int]:
+    """The engine loop's counters; with the encoder on its own worker, encoder units are counted
+    there (one family either way)."""
+    counts = dict(runtime.loop.counts)
+    worker = getattr(runtime, "encoder_worker", None)
+    if worker is not None:
+        for name, value in worker.counts.items():
+            counts[name] = counts.get(name, 0) + value
+    return counts

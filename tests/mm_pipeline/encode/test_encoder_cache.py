@@ -7,13 +7,15 @@ import time
 import uuid
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_core.storage import LocalDirStore, MemoryStore, RedisStore, encode_entry
-from mm_pipeline.media.content_hash import audio_segment_key, canonical_params, media_key, video_group_key
+from mm_pipeline.media.content_hash import (audio_segment_key, canonical_params, content_key, media_key,
+                                              video_group_key)
 from mm_pipeline.encode.encoder_cache import EncoderCache, tensor_from_bytes, tensor_to_bytes
 from mm_pipeline.media.types import MediaKind
 from mm_pipeline.media.video_sampling import VideoSamplingParams
@@ -30,18 +32,23 @@ def _cache(tmp_path: Path, memory_bytes: int = 1 << 20, *extra: object) -> Encod
 # ---- content keys ---------------------------------------------------------------------------
 
 def test_media_key_is_stable_and_covers_every_input() -> None:
-    base = media_key(b"bytes", MediaKind.IMAGE, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abc")
-    assert base == media_key(b"bytes", MediaKind.IMAGE, {"mean": [0.5, 0.25], "max_pixels": 1024.0}, "vit@abc")
+    base = media_key(content_key(b"bytes"), MediaKind.IMAGE, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abc")
+    assert base == media_key(content_key(b"bytes"), MediaKind.IMAGE, {"mean": [0.5, 0.25], "max_pixels": 1024.0}, "vit@abc")
     # Pinned: persisted caches (disk, Redis) outlive the process, so the key format must not drift
-    # silently.  Changing it is a deliberate version bump of the "mmserve.media.v1" domain tag.
-    assert base == "31743b9b391cc6f7490d173b77a7526b027a1b79bd087ec0cd81fe9e8d503237"
+    # silently.  Changing it is a deliberate version bump of the "mmserve.media.v2" domain tag.
+    assert base == "c08dc364cfcf48421716fc50ddfccab63f155bb7263b5282a6e74c54f413a785"
+    # the content key is plain blake3 of the bytes (what the upload store names its blobs by)
+    assert content_key(b"bytes") == blake3.blake3(b"bytes").hexdigest()
+    assert content_key(bytes(5 << 20)) == blake3.blake3(bytes(5 << 20)).hexdigest()  # threaded path
+    with pytest.raises(ValueError, match="content_key"):
+        media_key("short", MediaKind.IMAGE, {}, "vit")
     assert video_group_key("ab" * 32, {"fps": 1.0}, 3) == (
         "cd6f7ced77fdc190ee736e61ed3c30631b6c7d6a9fbf29efe504e1b6999de751")
     variants = [
-        media_key(b"bytez", MediaKind.IMAGE, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abc"),
-        media_key(b"bytes", MediaKind.VIDEO, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abc"),
-        media_key(b"bytes", MediaKind.IMAGE, {"max_pixels": 1025, "mean": [0.5, 0.25]}, "vit@abc"),
-        media_key(b"bytes", MediaKind.IMAGE, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abd"),
+        media_key(content_key(b"bytez"), MediaKind.IMAGE, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abc"),
+        media_key(content_key(b"bytes"), MediaKind.VIDEO, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abc"),
+        media_key(content_key(b"bytes"), MediaKind.IMAGE, {"max_pixels": 1025, "mean": [0.5, 0.25]}, "vit@abc"),
+        media_key(content_key(b"bytes"), MediaKind.IMAGE, {"max_pixels": 1024, "mean": [0.5, 0.25]}, "vit@abd"),
     ]
     assert len({base, *variants}) == 5
 
@@ -49,12 +56,12 @@ def test_media_key_is_stable_and_covers_every_input() -> None:
 @given(a=st.binary(max_size=40), b=st.binary(max_size=40), pa=st.text(max_size=8), pb=st.text(max_size=8))
 def test_media_key_fields_cannot_be_shifted_into_each_other(a: bytes, b: bytes, pa: str, pb: str) -> None:
     same = (a, pa) == (b, pb)
-    assert (media_key(a, MediaKind.IMAGE, {"p": pa}, "e") == media_key(b, MediaKind.IMAGE, {"p": pb}, "e")) == same
-    assert (media_key(a, MediaKind.IMAGE, {}, "e" + pa) == media_key(b, MediaKind.IMAGE, {}, "e" + pb)) == same
+    assert (media_key(content_key(a), MediaKind.IMAGE, {"p": pa}, "e") == media_key(content_key(b), MediaKind.IMAGE, {"p": pb}, "e")) == same
+    assert (media_key(content_key(a), MediaKind.IMAGE, {}, "e" + pa) == media_key(content_key(b), MediaKind.IMAGE, {}, "e" + pb)) == same
 
 
 def test_group_and_segment_keys() -> None:
-    m = media_key(b"video", MediaKind.VIDEO, {}, "vit")
+    m = media_key(content_key(b"video"), MediaKind.VIDEO, {}, "vit")
     sampling = VideoSamplingParams()
     groups = {video_group_key(m, sampling, g) for g in range(50)}
     assert len(groups) == 50

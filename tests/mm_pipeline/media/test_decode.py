@@ -243,6 +243,32 @@ def test_parallel_range_decode_equals_serial(container: str, codec: str, num_ran
     assert torch.equal(asyncio.run(threaded()), serial.frames)
 
 
+@pytest.mark.parametrize(("container", "codec"), CODECS)
+def test_codec_threads_decode_the_same_frames(container: str, codec: str) -> None:
+    """FFmpeg's own frame/slice threads (decoder_threads, default 0 = FFmpeg picks) change only
+    the speed: every range decodes bit-identical frames, seeking or from the start."""
+    item = _video(container, codec, fps=10, n_frames=45, gop=6)
+    plain = VideoDecoder(VideoSamplingParams(fps=4), num_ranges=3)
+    serial = plain.decode_sync(item)
+    for threads in (0, 2):
+        dec = VideoDecoder(VideoSamplingParams(fps=4), num_ranges=3, threads=threads)
+        assert torch.equal(dec.decode_sync(item).frames, serial.frames)
+        assert torch.equal(dec.decode_sync(item, parallel_ranges=True).frames, serial.frames)
+    with pytest.raises(ValueError, match="threads"):
+        VideoDecoder(threads=-1)
+
+
+def test_codec_threads_are_bounded_and_budgeted() -> None:
+    from mm_pipeline.media.decode_video import THREADED_MAX_PIXELS, codec_threads, frame_decode_bytes
+
+    assert codec_threads(1, 1280 * 720) == 1 and codec_threads(3, 1280 * 720) == 3
+    assert 2 <= codec_threads(0, 1280 * 720) <= 16  # FFmpeg's automatic count: CPUs + 1, capped
+    assert codec_threads(0, THREADED_MAX_PIXELS + 1) == 1  # a hostile 8192² stream gets one decoder thread
+    # every extra codec thread holds a frame of its own: the in-flight budget counts it
+    assert frame_decode_bytes((720, 1280), 3) == frame_decode_bytes((720, 1280)) + 2 * 720 * 1280 * 3 // 2
+    assert frame_decode_bytes((8192, 8192), 0) == frame_decode_bytes((8192, 8192), 1)
+
+
 def test_animated_gif_and_webp_as_video() -> None:
     for fmt in ("GIF", "WEBP"):
         item = MediaItem(MediaKind.VIDEO, fmt.lower(), animated_bytes(fmt, n_frames=6, duration_ms=100))

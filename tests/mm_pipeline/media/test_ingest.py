@@ -25,6 +25,7 @@ from mm_pipeline.errors import (
     MediaTooLarge,
     UnsupportedMediaType,
 )
+from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
 from mm_pipeline.media.types import MediaKind, MediaSource
 from mm_pipeline.media.sniff import sniff
@@ -87,6 +88,38 @@ def test_declared_kind_must_fit_content() -> None:
     assert ing.ingest_local(MediaSource(data=SAMPLES["mp4+audio"][0](), kind=AUDIO)).kind is AUDIO
     with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
         ing.ingest_local(MediaSource(data=PNG, kind=AUDIO))
+
+
+def test_hash_first_a_repeated_container_is_not_opened_again(tmp_path: Path, monkeypatch) -> None:
+    """The content key is computed before the sniff; a key seen before answers the sniff, so PyAV
+    never opens the container again (every source that holds bytes: upload, data URL, file)."""
+    import av
+
+    mp4 = SAMPLES["mp4"][0]()
+    (tmp_path / "clip.bin").write_bytes(mp4)
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),)))
+    first = ing.ingest_local(MediaSource(data=mp4))
+    assert first.content_key == content_key(mp4) and first.kind is VIDEO
+    assert ing.counts == {"content_hashes.video": 1, "sniff_probes.video": 1}
+    opens = []
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: opens.append(1) or real_open(*a, **k))
+    again = [ing.ingest_local(MediaSource(url="data:;base64," + base64.b64encode(mp4).decode())),
+             ing.ingest_local(MediaSource(path=str(tmp_path / "clip.bin"))),
+             ing.ingest_local(MediaSource(data=mp4, kind=VIDEO))]
+    assert opens == [] and {(i.format, i.kind, i.content_key) for i in again} == {("mp4", VIDEO, first.content_key)}
+    assert ing.counts["sniff_memo_hits.video"] == 3 and ing.counts["sniff_probes.video"] == 1
+    # the memo answers kinds too: a declared kind the content cannot serve is still refused
+    with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
+        ing.ingest_local(MediaSource(data=mp4, kind=AUDIO))
+    # magic-byte formats need no open at all; an image counts as hashed, never as probed
+    ing.ingest_local(MediaSource(data=PNG))
+    assert ing.counts["content_hashes.image"] == 1 and "sniff_probes.image" not in ing.counts
+    # failures are not remembered: garbage is refused every time, the memo stays bounded
+    for _ in range(2):
+        with pytest.raises(UnsupportedMediaType):
+            ing.ingest_local(MediaSource(data=b"\x00garbage" * 8))
+    assert len(ing.sniff_memo) == 2
 
 
 # ---- sources --------------------------------------------------------------------------------
@@ -216,6 +249,8 @@ def test_remote_fetch_allowed_host_and_same_host_redirect(http_base: str) -> Non
     for path in ["/img.png", "/same-host-redirect"]:
         item = _ingest(ing, http_base + path)
         assert item.data == PNG and item.format == "png"  # type: ignore[attr-defined]
+        # hashed while the chunks arrived: the same key as hashing the whole body afterwards
+        assert item.content_key == content_key(PNG)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("path", "error", "status"), [

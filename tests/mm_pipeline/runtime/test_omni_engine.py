@@ -135,6 +135,13 @@ def test_repeat_media_skips_decode_and_encode(ckpt):
         assert after.media["images_decoded"] == 1 and after.encoder["encoded.image"] == 1
         assert after.media["video_chunks_decoded"] == 4 and after.encoder["encoded.video"] == 4
         assert after.media["probes"] == 1  # the manifest gave the layout: no second probe
+        # hash first: repeats were hashed, answered by the sniff memo and the manifest, per modality
+        m = after.media
+        assert m["content_hashes.image"] == 3 and m["content_hashes.video"] == 2
+        assert m["sniff_probes.video"] == 1 and m["sniff_memo_hits.video"] == 1  # one PyAV open to sniff
+        assert m["sniff_memo_hits.image"] == 2 and "sniff_probes.image" not in m  # magic bytes
+        assert m["manifest_misses.image"] == 1 and m["manifest_hits.image"] == 2
+        assert m["manifest_misses.video"] == 1 and m["manifest_hits.video"] == 1
         assert after.encoder_cache_hits["memory"] >= 2 * 2 + 4 * 1 + 1
         assert_idle(engine)
     finally:
@@ -314,10 +321,10 @@ def test_mid_stream_decode_failure_fails_the_request_and_frees_everything(ckpt, 
 
     real = producer_module.decode_chunk
 
-    def flaky(item, info, indices, groups, tp, limits, *size_and_control):
+    def flaky(item, info, indices, groups, tp, limits, *size_and_control, **options):
         if 2 in groups:  # the third frame group is damaged
             raise UndecodableMediaError("mp4 video: damaged packet in frame group 2")
-        return real(item, info, indices, groups, tp, limits, *size_and_control)
+        return real(item, info, indices, groups, tp, limits, *size_and_control, **options)
 
     monkeypatch.setattr(producer_module, "decode_chunk", flaky)
     engine = make(ckpt)

@@ -1,0 +1,113 @@
+"""The encoder worker: encoder batches on their own thread, beside the engine thread's LLM steps.
+
+    engine thread   ── step ── step ── step ── step ──►   (prefill of groups 0..k as they land)
+    encoder worker  ─ encode g0 ─ encode g1 ─ encode g2 ─►  (rows -> cache + sinks -> frontier)
+
+With the encoder inline (``encoder_worker=False``) the engine thread alternates the two, so the
+encoding of frame group k+1 waits for the prefill step of group k and vice versa; here each thread
+runs as soon as its own work is ready. Tokens do not change: rows reach the request's
+``EmbeddingStream`` the same way and the scheduler only ever reads rows that have arrived.
+
+Threads (CPU): each thread applies its own intra-op share with ``torch.set_num_threads`` on that
+thread. PyTorch's OpenMP team size is per calling thread, but the value is also stored process-wide
+(a thread that has not set one inherits the last) and MKL's count is process-wide, so the split is a
+share of the cores, not a hard partition: the engine thread sets ``llm_threads`` and this worker
+``encoder_threads``, each once at its start. ``split_threads`` picks the default split.
+
+CUDA: the encoder runs on its own stream; after a forward the worker waits for that stream (only
+this thread blocks) before the rows are delivered, so the LLM's stream never reads half-written rows
+while its prefill kernels keep running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from mm_pipeline.encode.batcher import EncoderBatcher
+
+log = logging.getLogger(__name__)
+
+
+def split_threads(total: int, encoder_threads: int) -> tuple[int, int]:
+    """(llm threads, encoder threads) out of ``total`` intra-op threads. ``encoder_threads`` 0:
+    half each (rounded in the LLM's favour), at least one each; otherwise as given, the LLM keeps
+    the rest (at least one)."""
+    if total < 1 or encoder_threads < 0:
+        raise ValueError(f"split_threads needs total >= 1 and encoder_threads >= 0, got {total}, {encoder_threads}")
+    enc = encoder_threads or max(1, total // 2)
+    return max(1, total - enc), enc
+
+
+def default_threads() -> int:
+    """The intra-op threads the process would use: torch's setting, capped by the CPUs we may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cpus))
+
+
+class EncoderWorker:
+    """Owns the thread that runs ``batcher.run_due()``; ``wake`` on every submit."""
+
+    def __init__(self, batcher: EncoderBatcher, device: torch.device | str = "cpu", threads: int | None = None,
+                 idle_wait_s: float = 0.05) -> None:
+        self.batcher = batcher
+        self.device = torch.device(device)
+        self.threads = threads
+        self.idle_wait_s = idle_wait_s
+        self.counts = {"encoder_units": 0, "encoder_runs": 0, "encoder_errors": 0}
+        self._wake = threading.Event()
+        self._stop = False
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="omni-encoder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def stream_sync(self) -> None:
+        """Wait (this thread only) until the encoder stream's work is done (CUDA)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        if self.threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(self.threads)
+        while not self._stop:
+            self._wake.clear()  # before looking: a submit after this wakes the next wait
+            try:
+                n = self._run_due()
+            except Exception:  # a bug must not kill encoding; the batcher already failed the units
+                log.exception("encoder worker iteration failed")
+                self.counts["encoder_errors"] += 1
+                n = 0
+                time.sleep(0.01)
+            if n:
+                self.counts["encoder_units"] += n
+                self.counts["encoder_runs"] += 1
+                continue
+            due = self.batcher.next_due()
+            wait = self.idle_wait_s if due is None else max(0.0, min(self.idle_wait_s, due - time.monotonic()))
+            if wait > 0:
+                self._wake.wait(wait)
+
+    def _run_due(self) -> int:
+        if self._stream is None:
+            return self.batcher.run_due()
+        with torch.cuda.stream(self._stream):
+            return self.batcher.run_due()

@@ -1,0 +1,139 @@
+"""The encoder on its own worker thread beside the LLM steps (mm_pipeline/runtime/encoder_worker.py):
+greedy tokens equal the serial path (encoder batches inline on the engine thread) for video, image and
+audio requests running together; the worker, not the engine thread, ran the forwards; the thread
+split; the config switch as CLI flags."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+
+import pytest
+from tests.support.media_samples import audio_bytes, image_bytes, video_bytes
+
+from llm_core import SamplingParams
+from mm_pipeline import cli
+from mm_pipeline.runtime.encoder_worker import split_threads
+from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
+from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+VIDEO = video_bytes(n_frames=80, fps=10, size=(64, 48), gop=10)  # 4 frame groups
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
+
+
+def part(kind: str, data: bytes) -> dict:
+    return {"type": f"{kind}_url", f"{kind}_url": {"url": "data:;base64," + base64.b64encode(data).decode()}}
+
+
+CHATS = [
+    [{"role": "user", "content": [part("video", VIDEO), {"type": "text", "text": "What happens?"}]}],
+    [{"role": "user", "content": [part("image", image_bytes(size=(80, 60))), {"type": "text", "text": "Describe."}]}],
+    [{"role": "user", "content": [part("audio", audio_bytes(seconds=1.5)), {"type": "text", "text": "Transcribe."}]}],
+]
+
+
+def run_all(ckpt, **kw) -> tuple[list[list[int]], OmniEngine]:
+    cfg = OmniEngineConfig.from_kwargs(page_size=4, num_full_tokens=4096, num_swa_tokens=2048, max_chunk_tokens=16,
+                                       max_num_batched_tokens=64, groups_per_chunk=1, **kw)
+    engine = OmniEngine.from_pretrained(ckpt, cfg)
+
+    async def one(messages) -> list[int]:
+        return [t async for d in engine.generate(messages, GREEDY) for t in d.new_token_ids]
+
+    async def everything() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(m) for m in CHATS)))
+
+    return asyncio.run(everything()), engine
+
+
+def test_worker_tokens_equal_the_serial_path_and_the_worker_ran_the_encoder(ckpt, one_thread):
+    serial, engine = run_all(ckpt, encoder_worker=False)
+    try:
+        assert engine.runtime.encoder_worker is None
+        assert engine.runtime.loop.counts["encoder_units"] >= 6  # 4 groups + image + audio, inline
+    finally:
+        engine.shutdown()
+    overlapped, engine = run_all(ckpt)  # on by default
+    try:
+        worker = engine.runtime.encoder_worker
+        assert worker is not None and worker.alive
+        assert worker.counts["encoder_units"] >= 6 and engine.runtime.loop.counts["encoder_units"] == 0
+        assert engine.stats().engine_loop["encoder_units"] >= 6  # one family either way
+        assert "omni-encoder" in {t.name for t in threading.enumerate()}
+    finally:
+        engine.shutdown()
+    assert not worker.alive  # shutdown stops the worker thread
+    assert overlapped == serial and all(len(t) == GREEDY.max_tokens for t in serial)
+
+
+def test_thread_split() -> None:
+    assert split_threads(2, 0) == (1, 1)
+    assert split_threads(8, 0) == (4, 4) and split_threads(7, 0) == (4, 3)
+    assert split_threads(8, 2) == (6, 2)
+    assert split_threads(1, 0) == (1, 1) and split_threads(2, 4) == (1, 4)  # each keeps one at least
+    with pytest.raises(ValueError, match="encoder_threads"):
+        split_threads(2, -1)
+    with pytest.raises(ValueError, match="encoder_threads"):
+        OmniEngineConfig(encoder_threads=0)
+
+
+def test_worker_switch_and_threads_are_flags() -> None:
+    assert OmniEngineConfig().encoder_worker is True
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--no-encoder-worker", "--encoder-threads", "1"]))
+    assert cfg.encoder_worker is False and cfg.encoder_threads == 1
+
+
+def test_stage_timeline_summary() -> None:
+    from mm_pipeline.runtime.timeline import StageTimeline
+
+    tl = StageTimeline(max_spans=16)
+    for stage, a, b in (("decode", 0.0, 1.0), ("decode", 0.5, 2.0), ("encode", 1.5, 2.5), ("prefill", 2.2, 3.0),
+                        ("prefill", 9.0, 9.5)):
+        tl.add(stage, 10 + a, 10 + b)
+    s = tl.summary(10.0, 13.0)  # the last prefill span lies outside the window
+    assert s["decode_busy"] == pytest.approx(2.0) and s["decode_first"] == 0.0 and s["decode_last"] == 2.0
+    assert s["encode_busy"] == pytest.approx(1.0) and s["prefill_busy"] == pytest.approx(0.8)
+    assert s["decode_encode_overlap"] == pytest.approx(0.5) and s["encode_prefill_overlap"] == pytest.approx(0.3)
+    assert s["decode_prefill_overlap"] == 0.0
+    with pytest.raises(ValueError, match="stage"):
+        tl.add("upload", 0.0, 1.0)
+
+
+def test_runtime_records_a_video_requests_stages(ckpt, one_thread) -> None:
+    cfg = OmniEngineConfig.from_kwargs(page_size=4, num_full_tokens=4096, num_swa_tokens=2048, max_chunk_tokens=16,
+                                       max_num_batched_tokens=64, groups_per_chunk=1)
+    engine = OmniEngine.from_pretrained(ckpt, cfg)
+    try:
+        timeline = engine.runtime.record_timeline()
+        asyncio.run(_drain(engine, CHATS[0]))
+        stages = [s.stage for s in timeline.spans()]
+        assert stages.count("decode") == 4 and stages.count("encode") >= 1 and stages.count("prefill") >= 1
+    finally:
+        engine.shutdown()
+
+
+async def _drain(engine: OmniEngine, messages) -> None:
+    async for _ in engine.generate(messages, GREEDY):
+        pass
+
+
+def test_start_up_objects_are_out_of_the_collectors_reach(ckpt) -> None:
+    """A full collection would walk the model's and libraries' objects with every thread stopped (the
+    event-loop stalls under media load): the runtime freezes what is alive when it starts."""
+    import gc
+
+    engine = OmniEngine.from_pretrained(ckpt, OmniEngineConfig.from_kwargs(page_size=4, num_full_tokens=1024,
+                                                                            num_swa_tokens=512))
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # torch, the tokenizer, the model's modules...
+        assert len(gc.get_objects(generation=2)) < frozen // 4  # what a full collection still walks
+    finally:
+        engine.shutdown()
+    assert gc.get_freeze_count() == 0  # a stopped runtime's objects can be collected again
