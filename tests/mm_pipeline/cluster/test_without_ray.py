@@ -1,5 +1,5 @@
 """Without ``--ray`` nothing changes and Ray is not imported: ``mmserve serve`` in a child process
-(uvicorn.run replaced by a stub that records the app) loads the engine, builds the app, and leaves
+(uvicorn.Server.run replaced by a stub that records the app) loads the engine, builds the app, and leaves
 ``ray`` out of ``sys.modules``; the ``--ray`` flags parse and a bad value is a usage error."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.support.paths import DEMO_MODEL, REPO
 CHILD = f"""
 import sys, uvicorn
 seen = []
-uvicorn.run = lambda app, **kw: seen.append(app)
+uvicorn.Server.run = lambda self, *a, **kw: seen.append(self.config.app)
 from mm_pipeline.cli import main
 rc = main(["serve", "--model", {str(DEMO_MODEL)!r}, "--device", "cpu"])
 assert rc == 0 and len(seen) == 1, (rc, seen)
