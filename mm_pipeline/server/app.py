@@ -67,7 +67,7 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
 
 def _file_object(rec: FileRecord) -> FileObject:
     return FileObject(id=rec.id, bytes=rec.bytes, created_at=rec.created_at, filename=rec.filename,
-                      purpose=rec.purpose)
+                      purpose=rec.purpose, content_hash=rec.content_hash)
 
 
 # Open without the API key: the liveness probe and the upload page with its static files (the

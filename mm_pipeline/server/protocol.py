@@ -316,6 +316,9 @@ class FileObject(BaseModel):
     filename: str
     purpose: str
     status: Literal["processed"] = "processed"
+    # mmserve extension: blake3 hex of the bytes, the key the media caches use (and the field
+    # `mmserve caption` rows carry), so a client can tell two uploads of one file apart from two files
+    content_hash: str | None = None
 
 
 class ModelCard(BaseModel):

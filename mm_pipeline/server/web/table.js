@@ -66,12 +66,14 @@ export class CaptionTable {
   async caption(row) {
     const kind = kindOf(row.file);
     const record = {input: row.file.name || "pasted file", modality: kind, caption: null, error: null,
-                    prompt_tokens: 0, completion_tokens: 0, timings: {}};
+                    content_hash: null, prompt_tokens: 0, completion_tokens: 0, timings: {}};
     const start = performance.now();
     let fileId = null;
     try {
       this.setStatus(row, "uploading");
-      fileId = (await upload(row.file, (f) => { row.status.textContent = `uploading ${Math.round(f * 100)}%`; })).id;
+      const uploadedFile = await upload(row.file, (f) => { row.status.textContent = `uploading ${Math.round(f * 100)}%`; });
+      fileId = uploadedFile.id;
+      record.content_hash = uploadedFile.content_hash ?? null; // the same blake3 hex `mmserve caption` writes
       const uploaded = performance.now();
       this.setStatus(row, "captioning");
       const res = await ask(fileId, PROMPTS[kind] || OTHER_PROMPT, {
