@@ -94,15 +94,15 @@ def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, wind
                                dtype=q.dtype)
 
 
-def attention_decode_plans(q, block_table, seq_lens, active, *, page_size, window=None):
+def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size, window=None):
     """:func:`attention_plan` of S consecutive all-decode steps over one page table, built at once:
-    step s decodes the requests ``active[s]`` with contexts ``seq_lens[s]`` ([S, B]); None per step
-    where the device's kernel needs no plan."""
+    step s decodes the requests ``active[s]`` (their indices: ``rows[s]``) with contexts
+    ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
     if use_triton(q):
         return [None] * seq_lens.shape[0]
     from kernels.paged_attention_cpu import AttentionPlan
 
-    return AttentionPlan.decode_steps(block_table, seq_lens, active, page_size=page_size, window=window,
+    return AttentionPlan.decode_steps(block_table, seq_lens, active, rows, page_size=page_size, window=window,
                                       dtype=q.dtype)
 
 

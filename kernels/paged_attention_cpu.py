@@ -119,10 +119,11 @@ class AttentionPlan:
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
     @staticmethod
-    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor, *, page_size: int,
-                     window: int | None, dtype: torch.dtype = torch.float32) -> list[AttentionPlan]:
+    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor,
+                     rows: list[list[int]], *, page_size: int, window: int | None,
+                     dtype: torch.dtype = torch.float32) -> list[AttentionPlan]:
         """Plans of S consecutive all-decode steps over the same page table, index work done once
-        (MTP draft steps): step s decodes the requests b with ``active[s, b]``, each with context
+        (MTP draft steps): step s decodes the requests b with ``active[s, b]`` (``rows[s]``, ascending), each with context
         ``seq_lens[s, b]`` ([S, B] CPU tensors; rows ``b`` of ``block_table``, in order). Every step
         uses the widest key grid of the S steps; the extra columns are masked like any padding and
         re-read the step's own newest key, so the outputs are those of ``build`` per step."""
@@ -141,13 +142,13 @@ class AttentionPlan:
         mask.masked_fill_((j >= span[..., None])[:, :, None, None, :], float("-inf"))
         mask = mask.to(device)
         plans = []
-        for s in range(lens.shape[0]):
-            rows = torch.nonzero(active[s])[:, 0]
-            n = int(rows.numel())
+        for s, picked in enumerate(rows):
+            n = len(picked)
             if n == lens.shape[1]:
                 step_slots, step_mask = slots[s], mask[s]
             else:
-                step_slots, step_mask = slots[s][rows.to(device)], mask[s][rows.to(device)]
+                idx = torch.tensor(picked, device=device)
+                step_slots, step_mask = slots[s][idx], mask[s][idx]
             plans.append(AttentionPlan(n, torch.arange(n, device=device), True, step_slots.reshape(-1), kmax,
                                        step_mask, ()))
         return plans

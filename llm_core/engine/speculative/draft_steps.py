@@ -27,13 +27,13 @@ class DraftSteps:
     def __init__(self, entries: list[ScheduledRequest], first: ForwardBatch, attn: Attention,
                  dtype: torch.dtype) -> None:
         """``first``: build_forward_batch of one row per entry at its start (draft step 0)."""
-        ks = torch.tensor([e.num_draft_tokens for e in entries], dtype=torch.long)
-        self.num_steps = int(ks.max())
+        ks = [e.num_draft_tokens for e in entries]
+        self.num_steps = max(ks)
         self.first, self.attn, self.dtype = first, attn, dtype
         device, page = first.positions.device, first.page_size
         step = torch.arange(self.num_steps, dtype=torch.long)
-        self.active = step[:, None] < ks[None, :]  # [S, B]
-        self.rows = [torch.nonzero(a)[:, 0].tolist() for a in self.active]
+        self.rows = [[b for b, k in enumerate(ks) if k > s] for s in range(self.num_steps)]  # who drafts step s
+        self.active = torch.tensor([[k > s for k in ks] for s in range(self.num_steps)])  # [S, B]
         self.lens = first.seq_lens[None, :] + step[:, None]  # [S, B] context after step s
         pos = first.positions[None, :] + step.to(device)[:, None]
         safe = torch.where(self.active.to(device), pos, first.positions[None, :])  # inactive: step 0's row
@@ -45,7 +45,7 @@ class DraftSteps:
         self.swa_slots = torch.where(swa >= 0, swa * page + in_page, -1)
         self.plans = ops.attention_decode_plans(torch.empty(0, dtype=dtype, device=device), first.swa_block_table
                                                 if attn.is_sliding else first.full_block_table, self.lens,
-                                                self.active, page_size=page, window=attn.window)
+                                                self.active, self.rows, page_size=page, window=attn.window)
         cos, sin = attn.rotary.tables(safe.reshape(-1), dtype)
         self.cos, self.sin = cos.view(self.num_steps, -1, *cos.shape[1:]), sin.view(self.num_steps, -1, *sin.shape[1:])
         self._index = [None if len(r) == len(entries) else torch.tensor(r, device=device) for r in self.rows]

@@ -146,7 +146,8 @@ class MTPProposer:
         drafted tokens stay on the device until the last step (one host read for the whole draft)."""
         fb0, ids = build_forward_batch([ScheduledRequest(e.request, e.start, 1) for e in entries], self.page_size,
                                        ids_device(self.model))
-        embeds = self.model.embed(ids)
+        embed = self.model.model.embed_tokens  # sampled or argmax ids: always in the vocabulary
+        embeds = embed(ids)
         layer = self.head.layers[0]
         steps = DraftSteps(entries, fb0, layer.self_attn, embeds.dtype)
         k_cache, v_cache = kv.layer(self.kv_base)
@@ -156,7 +157,7 @@ class MTPProposer:
             if s:
                 keep = steps.kept(s)
                 h_prev, tokens = (out, tokens) if keep is None else (out[keep], tokens[keep])
-                embeds = self.model.model.embed_tokens(tokens)  # argmax ids: always in the vocabulary
+                embeds = embed(tokens)
             out = layer(embeds, h_prev, steps.batch(s), k_cache, v_cache)
             tokens = self.model.compute_logits(out).argmax(-1)
             drafted.append(tokens)
