@@ -94,6 +94,18 @@ def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, wind
                                dtype=q.dtype)
 
 
+def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size, window=None):
+    """:func:`attention_plan` of S consecutive all-decode steps over one page table, built at once:
+    step s decodes the requests ``active[s]`` (their indices: ``rows[s]``) with contexts
+    ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
+    if use_triton(q):
+        return [None] * seq_lens.shape[0]
+    from kernels.paged_attention_cpu import AttentionPlan
+
+    return AttentionPlan.decode_steps(block_table, seq_lens, active, rows, page_size=page_size, window=window,
+                                      dtype=q.dtype)
+
+
 def store_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
     """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped."""
     mod = _kernels_for(k_cache, "kv_copy_triton")

@@ -118,6 +118,41 @@ class AttentionPlan:
         all_decode = num_decode == num_tokens == n_new.numel()
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
+    @staticmethod
+    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor,
+                     rows: list[list[int]], *, page_size: int, window: int | None,
+                     dtype: torch.dtype = torch.float32) -> list[AttentionPlan]:
+        """Plans of S consecutive all-decode steps over the same page table, index work done once
+        (MTP draft steps): step s decodes the requests b with ``active[s, b]`` (``rows[s]``, ascending), each with context
+        ``seq_lens[s, b]`` ([S, B] CPU tensors; rows ``b`` of ``block_table``, in order). Every step
+        uses the widest key grid of the S steps; the extra columns are masked like any padding and
+        re-read the step's own newest key, so the outputs are those of ``build`` per step."""
+        device = block_table.device
+        lens = torch.where(active, seq_lens.to(torch.long), 1)  # inactive: a harmless in-range position
+        first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+        span = lens - first
+        kmax = int(span.max())
+        j = torch.arange(kmax)
+        pos = torch.minimum(first[..., None] + j, (lens - 1)[..., None])  # [S, B, K]
+        pages = block_table.gather(1, (pos // page_size).to(device).permute(1, 0, 2).reshape(lens.shape[1], -1))
+        pages = pages.reshape(lens.shape[1], lens.shape[0], kmax).permute(1, 0, 2)  # [S, B, K]
+        _check_mapped(pages[active.to(device)], pos[active].to(device))
+        slots = pages * page_size + (pos % page_size).to(device)
+        mask = torch.zeros(*lens.shape, 1, 1, kmax, dtype=dtype)
+        mask.masked_fill_((j >= span[..., None])[:, :, None, None, :], float("-inf"))
+        mask = mask.to(device)
+        plans = []
+        for s, picked in enumerate(rows):
+            n = len(picked)
+            if n == lens.shape[1]:
+                step_slots, step_mask = slots[s], mask[s]
+            else:
+                idx = torch.tensor(picked, device=device)
+                step_slots, step_mask = slots[s][idx], mask[s][idx]
+            plans.append(AttentionPlan(n, torch.arange(n, device=device), True, step_slots.reshape(-1), kmax,
+                                       step_mask, ()))
+        return plans
+
 
 def _check_mapped(pages: torch.Tensor, positions: torch.Tensor) -> None:
     if bool((pages < 0).any()):

@@ -1,6 +1,7 @@
 """MTP speculative decoding: the checkpoint's own MTP layers draft, the target verifies in one step.
 
     proposer.py   MTPProposer: MTP KV for every computed row (the "extend"), k greedy draft tokens
+    draft_steps.py DraftSteps: the first mode's k draft steps' inputs (batches, plans, rotary), built once
     verify.py     accepted prefix + one bonus token: greedy (exact match) or rejection sampling
     adaptive.py   DraftLength: k per request from its recent acceptance and the batch size
     runner.py     SpeculativeRunner: draft -> one target forward over 1 + k tokens -> verify

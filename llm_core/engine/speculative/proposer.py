@@ -31,6 +31,7 @@ import torch
 
 from llm_core.engine.batch_builder import build_forward_batch
 from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.speculative.draft_steps import DraftSteps
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.mtp import MTPHead
 
@@ -101,6 +102,15 @@ class MTPProposer:
     def draft(self, entries: list[ScheduledRequest], kv) -> None:
         """Append ``e.num_draft_tokens`` greedy draft tokens to each entry's ``request.token_ids``
         (the caller removes them after the verify forward)."""
+        if not entries:
+            return
+        if self.mode == "first":
+            return self._draft_first(entries, kv)
+        return self._draft_rows(entries, kv)
+
+    def _draft_rows(self, entries: list[ScheduledRequest], kv) -> None:
+        """Either mode, each step's batch built from its rows (build_forward_batch): the chain mode's
+        draft, and the reference the first mode's fast path is tested against."""
         prev: dict[int, torch.Tensor] = {}
         for s in range(max((e.num_draft_tokens for e in entries), default=0)):
             active = [e for e in entries if e.num_draft_tokens > s]
@@ -127,6 +137,34 @@ class MTPProposer:
             for b, e in enumerate(active):
                 prev[id(e)] = out[ends[b]:ends[b + 1]]
                 e.request.token_ids.append(int(tokens[b]))
+
+
+    def _draft_first(self, entries: list[ScheduledRequest], kv) -> None:
+        """Mode "first": every draft step is one row per request still drafting, at the next position,
+        over the same page tables, so the steps' inputs are built once for all k steps (positions,
+        slots, attention plans, rotary tables: draft_steps.py) and each step only slices them. The
+        drafted tokens stay on the device until the last step (one host read for the whole draft)."""
+        fb0, ids = build_forward_batch([ScheduledRequest(e.request, e.start, 1) for e in entries], self.page_size,
+                                       ids_device(self.model))
+        embed = self.model.model.embed_tokens  # sampled or argmax ids: always in the vocabulary
+        embeds = embed(ids)
+        layer = self.head.layers[0]
+        steps = DraftSteps(entries, fb0, layer.self_attn, embeds.dtype)
+        k_cache, v_cache = kv.layer(self.kv_base)
+        h_prev = torch.stack([self._tail(e.request, e.start - 1, 0, embeds) for e in entries])
+        drafted: list[torch.Tensor] = []
+        for s in range(steps.num_steps):
+            if s:
+                keep = steps.kept(s)
+                h_prev, tokens = (out, tokens) if keep is None else (out[keep], tokens[keep])
+                embeds = embed(tokens)
+            out = layer(embeds, h_prev, steps.batch(s), k_cache, v_cache)
+            tokens = self.model.compute_logits(out).argmax(-1)
+            drafted.append(tokens)
+        tokens_in_order = iter(torch.cat(drafted).tolist())  # step-major, like steps.rows
+        for rows in steps.rows:
+            for b in rows:
+                entries[b].request.token_ids.append(next(tokens_in_order))
 
 
 def ids_device(model: torch.nn.Module) -> torch.device:

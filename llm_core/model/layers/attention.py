@@ -81,6 +81,12 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
 
+    def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> None:
+        """Give ``batch`` this layer's attention plan and rotary tables, computed by the caller for
+        several steps at once (MTP draft steps: ops.attention_decode_plans, one rotary.tables call)."""
+        batch.step_cache[("attn", self.is_sliding, self.window, dtype)] = plan
+        batch.step_cache[("rope", self.rotary.rotary_dim, self.rotary.theta, dtype)] = rotary
+
     def _rotary_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / signed-sin tables of this step, shared by the layers with the same rotary setup."""
         key = ("rope", self.rotary.rotary_dim, self.rotary.theta, dtype)

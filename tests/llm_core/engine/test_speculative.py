@@ -117,6 +117,32 @@ def test_real_mtp_drafts_random_weights_still_exact(model):
         assert drained(eng)
 
 
+def test_first_mode_draft_steps_equal_per_step_batches(model):
+    """The first mode's draft (inputs of all k steps built once, draft_steps.py) drafts the tokens
+    the per-step path (build_forward_batch and a fresh attention plan per step) drafts, with requests
+    of different k in one batch (max_tokens caps k near the end) and windows past the SWA release."""
+    prompts = [ids(40 + i, n) for i, n in enumerate((3, 13, 22))]
+    eng = engine(model, speculative_tokens=3, speculative_adaptive=False)
+    proposer, fast, checked = eng.speculative.proposer, eng.speculative.proposer.draft, []
+
+    def draft(entries, kv):
+        lengths = [len(e.request.token_ids) for e in entries]
+        fast(entries, kv)
+        got = [e.request.token_ids[n:] for e, n in zip(entries, lengths)]
+        for e, n in zip(entries, lengths):
+            del e.request.token_ids[n:]
+        proposer._draft_rows(entries, kv)
+        assert [e.request.token_ids[n:] for e, n in zip(entries, lengths)] == got
+        if entries:
+            checked.append(sorted({e.num_draft_tokens for e in entries}))
+
+    proposer.draft = draft
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 17, 24)]
+    outs = LLM.from_engine(eng).generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [30, 17, 24]
+    assert any(len(ks) > 1 for ks in checked) and max(max(ks) for ks in checked) == 3
+
+
 def test_preemption_under_tiny_pools(model):
     prompts = [ids(20 + i, 9) for i in range(4)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)

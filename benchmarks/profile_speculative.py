@@ -1,0 +1,163 @@
+"""Where one MTP speculative decode step's CPU time goes, batch 1, demo model captioning the samples.
+
+Same workload as ``speculative.py`` (caption prompts recorded once, replayed into the text engine,
+greedy, 64 tokens). The engine's stage functions are wrapped with ``profile_step.StageTimer``
+(exclusive CPU time of the engine thread) and the decode steps of every request are summed; each
+stage is reported in ms per engine step, for MTP off and on, plus the tokens per step:
+
+    scheduler        Scheduler.schedule / after_step
+    draft: inputs    the draft steps' ForwardBatch, embeddings, attention plans, rotary tables
+    draft: MTP layer the draft steps' MTP layer forwards (projections, KV store, MLP, norms)
+    draft: attention core   their paged attention
+    draft: LM head   the draft steps' logits + argmax
+    draft: other     the rest of MTPProposer.draft (tails, concatenations, host reads)
+    target: inputs   the target's ForwardBatch, embeddings, plans, rotary tables
+    target forward   the main model's layers
+    extend           MTPProposer.extend (the MTP layer over the target's rows)
+    LM head          the target's logits
+    verify/sample    acceptance (verify.py, logprobs) or the plain sampler
+    settle           the engine appending 1..k+1 tokens with stop checks
+    other            the rest of the step
+
+Nothing here changes what runs: the wrappers only time calls.
+"""
+
+from __future__ import annotations
+
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
+import time
+from pathlib import Path
+
+import torch
+from _common import base_parser, print_table, write_json
+from profile_step import StageTimer
+from speculative import DEMO, Rows, caption_prompts
+
+from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core.model.loader import load_model
+
+
+class Phase:
+    """Tags the time of stages nested in a call (draft / target) with a prefix."""
+
+    def __init__(self) -> None:
+        self.name = "target"
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        original, phase = getattr(owner, attr), self
+
+        def tagged(*args, **kwargs):
+            before, phase.name = phase.name, name
+            try:
+                return original(*args, **kwargs)
+            finally:
+                phase.name = before
+
+        setattr(owner, attr, tagged)
+
+
+def instrument(timer: StageTimer, phase: Phase) -> None:
+    from kernels import ops
+    from llm_core.engine import llm_engine, model_runner
+    from llm_core.engine.sampling import Sampler
+    from llm_core.engine.scheduler import Scheduler
+    from llm_core.engine.speculative import proposer, runner
+    from llm_core.model.layers import attention
+    from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
+    from llm_core.model.mtp import MTPLayer
+
+    def by_phase(owner, attr, stage):  # the stage's time goes to "<phase>: <stage>"
+        original = getattr(owner, attr)
+        wrapped = {}
+
+        def call(*args, **kwargs):
+            key = f"{phase.name}: {stage}"
+            if key not in wrapped:
+                holder = type("H", (), {"f": staticmethod(original)})
+                timer.wrap(holder, "f", key)
+                wrapped[key] = holder.f
+            return wrapped[key](*args, **kwargs)
+
+        setattr(owner, attr, call)
+
+    timer.wrap(Scheduler, "schedule", "scheduler")
+    timer.wrap(Scheduler, "after_step", "scheduler")
+    for mod in (model_runner, runner, proposer):
+        if hasattr(mod, "build_forward_batch"):
+            by_phase(mod, "build_forward_batch", "inputs (batch)")
+    by_phase(runner, "splice_embeds", "inputs (embed)")
+    by_phase(model_runner, "splice_embeds", "inputs (embed)")
+    by_phase(attention.Attention, "_plan", "inputs (attention plan)")
+    by_phase(attention.Attention, "_rotary_tables", "inputs (rotary)")
+    by_phase(MiMoV2ForCausalLM, "embed", "inputs (embed)")
+    by_phase(ops, "paged_attention", "attention core")
+    if hasattr(proposer, "DraftSteps"):  # the draft steps' inputs built once (llm_core/engine/speculative/draft_steps.py)
+        timer.wrap(proposer.DraftSteps, "__init__", "draft: inputs (all steps, once)")
+        timer.wrap(proposer.DraftSteps, "batch", "draft: inputs (batch)")
+    by_phase(MiMoV2ForCausalLM, "compute_logits", "LM head")
+    timer.wrap(MiMoV2ForCausalLM, "forward", "target forward")
+    by_phase(MTPLayer, "forward", "MTP layer")
+    timer.wrap(proposer.MTPProposer, "draft", "draft: other")
+    timer.wrap(proposer.MTPProposer, "extend", "extend")
+    timer.wrap(runner.SpeculativeRunner, "_verify", "verify/sample")
+    timer.wrap(Sampler, "sample_isolated", "verify/sample")
+    timer.wrap(llm_engine.LLMEngine, "_settle_speculative", "settle")
+    timer.wrap(llm_engine.LLMEngine, "_step", "other")
+    phase.wrap(proposer.MTPProposer, "draft", "draft")
+    phase.wrap(proposer.MTPProposer, "extend", "extend")
+
+
+def decode_profile(model, prompts, spec: int, max_tokens: int, timer: StageTimer) -> tuple[dict, int, int]:
+    """(ms per decode step by stage, decode steps, tokens generated in them) over every prompt at batch 1."""
+    eng = LLMEngine(model, EngineConfig(speculative_tokens=spec, max_num_seqs=1, enable_prefix_caching=False,
+                                        kv_cache_bytes=256 << 20))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    steps = tokens = 0
+    timer.reset()
+    for i, (ids, rows) in enumerate(prompts):
+        eng.add_request(str(i), ids, params, embeds=Rows(rows))
+        decoding = False
+        while eng.has_unfinished():
+            timer.enabled = decoding
+            for o in eng.step():
+                if decoding:
+                    tokens += len(o.token_ids) - seen
+                seen = len(o.token_ids)
+                decoding = decoding or bool(o.token_ids)
+            steps += timer.enabled
+        timer.enabled = False
+    return {k: 1e3 * v / max(steps, 1) for k, v in timer.total.items()}, steps, tokens
+
+
+def main() -> None:
+    ap = base_parser(__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=DEMO)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--spec-tokens", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = load_model(args.model)
+    prompts = caption_prompts(args.model)
+    timer, phase = StageTimer(), Phase()
+    instrument(timer, phase)
+    runs: dict[int, list] = {0: [], args.spec_tokens: []}
+    for _ in range(1 if args.quick else args.repeats):  # alternate: a busy machine slows both alike
+        for spec in runs:
+            runs[spec].append(decode_profile(model, prompts, spec, 64, timer))
+    best = {spec: min(rs, key=lambda r: sum(r[0].values())) for spec, rs in runs.items()}
+    stages = sorted({k for r in best.values() for k in r[0]}, key=lambda k: -best[args.spec_tokens][0].get(k, 0))
+    rows = [(k, *(round(best[s][0].get(k, 0.0), 3) for s in runs)) for k in stages]
+    rows.append(("step total", *(round(sum(best[s][0].values()), 3) for s in runs)))
+    per_tok = {s: sum(best[s][0].values()) * best[s][1] / max(best[s][2], 1) for s in runs}
+    rows.append(("tokens per step", *(round(best[s][2] / max(best[s][1], 1), 3) for s in runs)))
+    rows.append(("ms CPU per token", *(round(per_tok[s], 3) for s in runs)))
+    print_table(f"MTP decode step, batch 1, demo model captions, CPU ms per step (lowest-total of "
+                f"{len(runs[0])} alternating runs)", ["stage", "MTP off", f"MTP k={args.spec_tokens}"], rows)
+    write_json(args.json, {"mtp_b1_cpu_ms_per_token_off": round(per_tok[0], 3),
+                           f"mtp_b1_cpu_ms_per_token_k{args.spec_tokens}": round(per_tok[args.spec_tokens], 3),
+                           "mtp_b1_cpu_speedup": round(per_tok[0] / per_tok[args.spec_tokens], 3)})
+
+
+if __name__ == "__main__":
+    main()
