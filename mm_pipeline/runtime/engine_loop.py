@@ -11,6 +11,9 @@ thread sleeps instead of spinning ``step()`` (on a 2-core host a spinning engine
 decode workers' CPU). The loop asks the engine (``has_ready_work``, ``last_step_progressed``); it
 does not read the scheduler's queues. Sinks run on
 this thread and must only hand the output over (``loop.call_soon_threadsafe``).
+
+Without an LLM (``llm`` None: an encoders-only runtime) the thread runs encoder batches only and
+takes no requests.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ OutputSink = Callable[[RequestOutput], None]
 class EngineLoop:
     """Owns the thread that drives ``llm`` and ``batcher``; thread-safe request entry points."""
 
-    def __init__(self, llm: LLMEngine, batcher: EncoderBatcher, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, llm: LLMEngine | None, batcher: EncoderBatcher, idle_wait_s: float = 0.05) -> None:
         self.llm = llm
         self.batcher = batcher
         self.idle_wait_s = idle_wait_s
@@ -66,6 +69,8 @@ class EngineLoop:
         """Queue a request; every output for it goes to ``sink`` (on the engine thread)."""
         if self.fatal is not None:
             raise RuntimeError(f"the engine stopped: {self.fatal}")
+        if self.llm is None:
+            raise RuntimeError("an encoders-only runtime has no LLM and takes no requests")
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -114,7 +119,8 @@ class EngineLoop:
         while not self._stop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
-                self.llm.check_health()
+                if self.llm is not None:
+                    self.llm.check_health()
                 did = self._step_once()
                 self._publish_stats(did)
             except RankFailure as exc:
@@ -147,7 +153,7 @@ class EngineLoop:
         if n:
             self.counts["encoder_units"] += n
             did = True
-        if self.llm.has_ready_work():
+        if self.llm is not None and self.llm.has_ready_work():
             outputs = self.llm.step()
             self.counts["steps"] += 1
             self._dispatch(outputs)
@@ -159,7 +165,7 @@ class EngineLoop:
     def _publish_stats(self, busy: bool) -> None:
         """A step published the LLM's snapshot already; an idle iteration refreshes it (completely
         on the first one after work: "idle after the last step"), then the owner's is built."""
-        if not busy:
+        if not busy and self.llm is not None:
             self.llm.publish_stats(complete=self._was_busy)
         self._was_busy = busy
         if self.on_stats is not None:
