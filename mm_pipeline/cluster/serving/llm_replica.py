@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex
 from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
 from mm_pipeline.errors import MMServeError
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -44,15 +45,24 @@ class LLMReplica:
         self.files = ReplicaFiles()
         self.engine.set_file_resolver(self.files.resolve)
         self._load: dict[int, int] = {}  # call -> tokens still to compute (queued + running work)
+        # the route keys' blocks this replica was sent, at most its Full KV pool's pages (LRU): a
+        # queued prompt's leading blocks found here are (most likely) in its prefix cache, not work
+        pool = self.engine.stats().llm.kv_pool["full"]
+        self._seen = MemoryPrefixIndex(max_blocks_per_replica=max(1, pool.total_pages))
         self._calls = itertools.count()
 
     async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,
                        files: dict[str, SharedFile] | None = None, route: Any = None) -> AsyncIterator[Any]:
         """``kind`` "chat" (payload: messages) or "prompt" (text or token ids). ``route`` is the
-        router's key (mm_pipeline/cluster/serving/prefix_router.py); its size is the load until the prompt's
-        real length is known."""
+        router's key (mm_pipeline/cluster/serving/prefix_router.py); until the first delta the load is
+        its tokens not already sent here (the prefix cache holds the rest), the same measure as the
+        router's own count (prompt - matched)."""
         call = next(self._calls)
-        self._load[call] = (route.total if route is not None else 0) + params.max_tokens
+        uncached = 0
+        if route is not None:
+            uncached = route.total - route.weight_of(self._seen.match(route.hashes, ["self"])["self"])
+            self._seen.record("self", route.hashes)
+        self._load[call] = uncached + params.max_tokens
         self.files.hold(files)
         try:
             gen = (self.engine.generate(payload, params, request_id=request_id) if kind == "chat"

@@ -16,6 +16,7 @@ import pytest
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.serving.llm_replica import LLMReplica, ReplicaFailure
+from mm_pipeline.cluster.serving.route_key import key_of_pieces
 from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.errors import MediaError
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -64,6 +65,27 @@ def test_media_error_is_an_item_and_files_are_released(replicas):
     assert len(llm.files) == 0  # the upload's bytes are not kept past the request
     with pytest.raises(KeyError):
         llm.files.resolve("file-x")
+
+
+def test_load_counts_only_the_prompt_not_sent_here_before(replicas):
+    """A queued prompt whose prefix the replica was sent already is mostly cached: the reported load
+    is its new tokens (+ decode), the same measure as the router's (prompt - matched)."""
+    _, llm = replicas
+    system = ("tokens", list(range(200, 264)))  # 4 blocks
+    first = key_of_pieces([system, ("tokens", list(range(300, 316)))])
+    second = key_of_pieces([system, ("tokens", list(range(400, 432)))])
+
+    async def load_while_queued(key, rid):
+        task = asyncio.ensure_future(collect(llm.generate("prompt", [5, 6, 7], SamplingParams(max_tokens=2),
+                                                          rid, route=key)))
+        await asyncio.sleep(0)  # the call has started; its first delta needs the loop again
+        load = llm.record_routing_stats()["load_tokens"]
+        await task
+        return load
+
+    assert asyncio.run(load_while_queued(first, "q1")) == 80 + 2
+    assert asyncio.run(load_while_queued(second, "q2")) == 32 + 2  # the 64 system tokens were sent here
+    assert llm.record_routing_stats() == {"load_tokens": 0}
 
 
 def n_params(module) -> int:
