@@ -45,12 +45,37 @@ def _text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+def agent_plans(conversations: int, turns: tuple[int, int], system_words: int,
+                seed: int = 0) -> tuple[str, list[list[tuple[str, str]]]]:
+    """The agent trace's system prompt and, per conversation, its turns (tool output, question)."""
+    rng = random.Random(seed)
+    system = "You are a tool-using agent. Tools: " + _text(rng, system_words)
+    return system, [[(_text(rng, rng.randint(6, 22)), _text(rng, rng.randint(1, 3)) + "?")
+                     for _ in range(rng.randint(*turns))] for _ in range(conversations)]
+
+
+def agent_mean_prompt_tokens(model_dir: Path, *, conversations: int, turns: tuple[int, int], system_words: int,
+                             max_tokens: int, seed: int = 0) -> float:
+    """Mean prompt of the agent trace's requests, in tokens, estimated before it runs (every reply
+    ``max_tokens`` long, ~5 template tokens per message): the mean length of a live conversation's
+    prefix, to size the replicas' KV pools against. The run measures the real figure."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    n = lambda text: len(tok.encode(text, add_special_tokens=False).ids) + 5  # noqa: E731 - role + delimiters
+    system, plans = agent_plans(conversations, turns, system_words, seed)
+    prompts = []
+    for plan in plans:
+        history = n(system)
+        for tool, question in plan:
+            history += n(f"Tool output: {tool}\n{question}")
+            prompts.append(history + 3)  # the assistant header
+            history += n("") + max_tokens
+    return sum(prompts) / len(prompts)
+
+
 def agent_trace(base_url: str, *, conversations: int, turns: tuple[int, int], system_words: int,
                 concurrency: int, max_tokens: int, seed: int = 0) -> dict:
-    rng = random.Random(seed)
-    system = {"role": "system", "content": "You are a tool-using agent. Tools: " + _text(rng, system_words)}
-    plans = [[(_text(rng, rng.randint(6, 22)), _text(rng, rng.randint(1, 3)) + "?")
-              for _ in range(rng.randint(*turns))] for _ in range(conversations)]
+    system_text, plans = agent_plans(conversations, turns, system_words, seed)
+    system = {"role": "system", "content": system_text}
 
     def run(plan: list[tuple[str, str]]) -> tuple[int, int, int]:
         messages, prompt, cached, requests = [system], 0, 0, 0

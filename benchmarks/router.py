@@ -18,7 +18,11 @@ Simulation (always; no engines, only the routers and a cache model per replica):
 ``--served``: the same agent and question-per-media traces over HTTP against ``serve --ray`` on a
 local Ray cluster (2 LLM replicas of samples/demo-model, one thread each), affinity vs round-robin vs
 Ray Serve's default; then an LLM replica is killed once the first of 24 requests is answered (the
-rest in flight) and lost requests are counted.
+rest in flight) and lost requests are counted. KV under pressure, as in a real deployment: each
+replica's Full KV pool is sized to a share of the live conversations' prefixes (conversations in
+flight x the trace's mean prompt, estimated from its text before the run; the JSON also gives the
+share measured from the served prompts): ``--served-kv-shares`` 0.5 (the headline: round-robin's
+replicas each see every live conversation, only half fits; affinity's see half of them), 0.75, 1.0.
 
     python benchmarks/router.py [--quick] [--json out.json] [--served]
 """
@@ -40,6 +44,7 @@ from mm_pipeline.cluster.serving.consistent_hash import BoundedLoadRing
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_pieces
 from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex
 
+PAGE = 16  # the engine's KV page, tokens
 DECODE_COST = 8  # a decoded token costs this many prefill tokens of replica time (memory-bound steps)
 
 
@@ -237,14 +242,46 @@ def run_simulation(quick: bool, args) -> dict:
 
 
 # ---- served: serve --ray on a local cluster ------------------------------------------------------------
-def run_served(quick: bool) -> dict:
+def kill_one_replica(ray, url: str) -> dict:
+    """Kill one LLM replica once the first of 24 requests is answered (the rest in flight); count the
+    requests never answered (a client retries a 503 as the ``openai`` client does)."""
     import concurrent.futures as cf
-    import socket
     import time
 
     import httpx
 
-    from _served_traces import agent_trace, question_per_media_trace
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA") and "#LLM#" in a["name"]]
+
+    def one(i: int) -> bool:
+        for _ in range(4):
+            r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "model": "demo-model", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"request {i}: count to twenty"}]})
+            if r.status_code == 200:
+                return True
+            if r.status_code != 503:
+                return False
+            time.sleep(float(r.headers.get("retry-after", 1)))
+        return False
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(24)]
+        cf.wait(futures, timeout=120, return_when=cf.FIRST_COMPLETED)  # under load for sure
+        in_flight = sum(not f.done() for f in futures)
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        done, pending = cf.wait(futures, timeout=300)
+    return {"requests_in_flight_at_kill": in_flight,
+            "lost_requests_on_kill": len(pending) + sum(not f.result() for f in done)}
+
+
+def run_served(quick: bool, kv_shares: list[float]) -> dict:
+    """The agent trace at each KV share (the first is the headline), every router; the media trace and
+    the kill at the first share."""
+    import socket
+    import time
+
+    from _served_traces import agent_mean_prompt_tokens, agent_trace, question_per_media_trace
 
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect
     from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
@@ -262,62 +299,62 @@ def run_served(quick: bool) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     media = sorted(SAMPLE_MEDIA.glob("video_*")) + sorted(SAMPLE_MEDIA.glob("image_*"))
-    results: dict = {}
-    rows = []
-    for router in ROUTERS:
-        cluster = ServeClusterConfig(llm_replicas=2, llm_num_cpus=0.5, torch_threads=1, router=router, port=port,
-                                     routing_stats_period_s=0.2)
-        start(DEMO_MODEL, OmniEngineConfig.from_kwargs(device="cpu", dtype="float32"), ServerSettings(), cluster)
-        t0 = time.perf_counter()
-        # a short system prompt: the conversations' own histories, which only affinity keeps
-        # together, are most of each prompt (with a long shared one every router hits on it)
-        agent = agent_trace(url, conversations=6 if quick else 12, turns=(5, 8) if quick else (5, 12),
-                            system_words=40, concurrency=4, max_tokens=8)
-        t_agent = time.perf_counter() - t0
-        video = question_per_media_trace(url, DEMO_MODEL, media[:3] if quick else media, questions=3, max_tokens=8)
-        rows.append((router, agent["hit_rate"], agent["prompt_tokens"] - agent["cached_tokens"],
-                     agent["requests"] / t_agent, video["media_hit_rate"]))
-        results[f"served_agent_{router}_hit_rate"] = agent["hit_rate"]
-        results[f"served_agent_{router}_prefill_tokens"] = agent["prompt_tokens"] - agent["cached_tokens"]
-        results[f"served_agent_{router}_requests_per_s"] = agent["requests"] / t_agent
-        results[f"served_video_{router}_media_hit_rate"] = video["media_hit_rate"]
-        if router != "affinity":
+    # a short system prompt: the conversations' own histories, which only affinity keeps together,
+    # are most of each prompt (with a long shared one every router hits on it)
+    trace = dict(conversations=16 if quick else 32, turns=(5, 8) if quick else (5, 12), system_words=40, max_tokens=8)
+    concurrency = 8
+    live = concurrency * agent_mean_prompt_tokens(DEMO_MODEL, **trace)  # live conversations' prefixes, tokens
+    results: dict = {"served_concurrent_conversations": concurrency, "served_live_prefix_tokens_estimated": live}
+    print(f"served agent trace: {trace['conversations']} conversations, {concurrency} at once; live prefixes "
+          f"~{live:.0f} tokens (estimated)")
+    rows, media_rows, mean_prompts = [], [], []
+    for n, share in enumerate(kv_shares):
+        kv_tokens = max(PAGE, round(share * live / PAGE) * PAGE)  # one replica's Full KV pool
+        tag = f"served_kv{round(100 * share)}"
+        results[f"{tag}_pool_tokens"] = kv_tokens
+        hit = {}
+        for router in ROUTERS:
+            cluster = ServeClusterConfig(llm_replicas=2, llm_num_cpus=0.5, torch_threads=1, router=router, port=port,
+                                         routing_stats_period_s=0.2)
+            start(DEMO_MODEL, OmniEngineConfig.from_kwargs(device="cpu", dtype="float32", num_full_tokens=kv_tokens),
+                  ServerSettings(), cluster)
+            t0 = time.perf_counter()
+            agent = agent_trace(url, concurrency=concurrency, **trace)
+            t_agent = time.perf_counter() - t0
+            mean_prompts.append(agent["prompt_tokens"] / agent["requests"])
+            hit[router] = agent["hit_rate"]
+            rows.append((share, kv_tokens, router, agent["hit_rate"], agent["prompt_tokens"] - agent["cached_tokens"],
+                         agent["requests"] / t_agent))
+            results[f"{tag}_agent_{router}_hit_rate"] = agent["hit_rate"]
+            results[f"{tag}_agent_{router}_prefill_tokens"] = agent["prompt_tokens"] - agent["cached_tokens"]
+            results[f"{tag}_agent_{router}_requests_per_s"] = agent["requests"] / t_agent
+            if n == 0:
+                video = question_per_media_trace(url, DEMO_MODEL, media[:3] if quick else media, questions=3,
+                                                 max_tokens=8)
+                media_rows.append((router, video["media_hit_rate"]))
+                results[f"served_video_{router}_media_hit_rate"] = video["media_hit_rate"]
+                if router == "affinity":
+                    results.update(kill_one_replica(ray, url))
             stop(cluster)
-            continue
-        # kill one LLM replica while 16 requests are in flight; every one must still be answered
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("SERVE_REPLICA") and "#LLM#" in a["name"]]
-
-        def one(i: int) -> bool:
-            for _ in range(4):  # what an OpenAI client does with a 503
-                r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-                    "model": "demo-model", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": f"request {i}: count to twenty"}]})
-                if r.status_code == 200:
-                    return True
-                if r.status_code != 503:
-                    return False
-                time.sleep(float(r.headers.get("retry-after", 1)))
-            return False
-
-        with cf.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(one, i) for i in range(24)]
-            cf.wait(futures, timeout=120, return_when=cf.FIRST_COMPLETED)  # under load for sure
-            results["requests_in_flight_at_kill"] = sum(not f.done() for f in futures)
-            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-            done, pending = cf.wait(futures, timeout=300)
-        results["lost_requests_on_kill"] = len(pending) + sum(not f.result() for f in done)
-        stop(cluster)
-    print_table("Served: serve --ray, 2 LLM replicas of the demo model (this machine)",
-                ["router", "agent hit rate", "agent prefill tokens", "agent req/s", "video media hit rate"], rows)
+        results[f"{tag}_hit_rate_ratio_vs_round_robin"] = hit["affinity"] / hit["round_robin"]
+        results[f"{tag}_hit_rate_ratio_vs_pow2"] = hit["affinity"] / hit["pow2"]
+        if n == 0:
+            results["router_hit_rate_ratio_vs_round_robin"] = hit["affinity"] / hit["round_robin"]
+            results["router_hit_rate_ratio_vs_pow2"] = hit["affinity"] / hit["pow2"]
+    measured = concurrency * sum(mean_prompts) / len(mean_prompts)
+    results["served_live_prefix_tokens_measured"] = measured
+    for share in kv_shares:
+        tag = f"served_kv{round(100 * share)}"
+        results[f"{tag}_share_measured"] = results[f"{tag}_pool_tokens"] / measured
+    print_table("Served agent trace: serve --ray, 2 LLM replicas of the demo model (this machine); KV share = one "
+                f"replica's Full KV pool / the live conversations' prefixes (measured: {measured:.0f} tokens)",
+                ["KV share", "pool tokens", "router", "hit rate", "prefill tokens", "req/s"],
+                [(f"{r[1] / measured:.2f}",) + r[1:] for r in rows])
+    print_table(f"Served question per media (KV share {kv_shares[0]})", ["router", "media hit rate"], media_rows)
     print(f"\nLLM replica killed with {results['requests_in_flight_at_kill']} of 24 requests in flight: "
           f"{results['lost_requests_on_kill']} lost")
-    results["router_hit_rate_ratio_vs_round_robin"] = (results["served_agent_affinity_hit_rate"]
-                                                        / results["served_agent_round_robin_hit_rate"])
     results["router_media_hit_rate_ratio_vs_round_robin"] = (results["served_video_affinity_media_hit_rate"]
                                                               / results["served_video_round_robin_media_hit_rate"])
-    results["router_hit_rate_ratio_vs_pow2"] = (results["served_agent_affinity_hit_rate"]
-                                                 / results["served_agent_pow2_hit_rate"])
     serve.shutdown()
     ray.shutdown()
     return results
@@ -326,11 +363,14 @@ def run_served(quick: bool) -> dict:
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--served", action="store_true", help="also run the traces against serve --ray (minutes)")
+    p.add_argument("--served-kv-shares", default="0.5,0.75,1.0",
+                   help="--served: one replica's Full KV pool as shares of the live conversations' prefixes, "
+                        "comma-separated; the first is the headline")
     p.add_argument("--cache-blocks", type=int, default=2048, help="prefix-cache blocks per simulated replica")
     args = p.parse_args()
     results = run_simulation(args.quick, args)
     if args.served:
-        results.update(run_served(args.quick))
+        results.update(run_served(args.quick, [float(x) for x in args.served_kv_shares.split(",")]))
     else:  # the simulated 2-replica agent trace stands in for the served one
         results["router_hit_rate_ratio_vs_round_robin"] = results["sim_agent_hit_rate_ratio_vs_round_robin"]
     results.setdefault("lost_requests_on_kill", -1)  # -1: not measured (no --served)

@@ -1,6 +1,7 @@
 """OmniModel: one omni checkpoint directory loaded as its parts.
 
-    config.json ─┬─ text fields            ─► llm_core.distributed.launcher.load_text_model (model.*, lm_head.*; one process or TP/EP ranks)
+    config.json ─┬─ text fields            ─► llm_core.distributed.launcher.load_text_model (model.*, lm_head.*; one process or TP/EP ranks;
+                 │                            skipped with ``with_text=False``: an encoder replica needs only what is below)
                  ├─ vision_config          ─► VisionTransformer           (visual.*)
                  ├─ audio_config           ─► AudioEncoder                (audio_encoder.*), or for the
                  │                            MiMo-V2.5 reference path  MimoAudioEncoder (speech_embeddings.*,
@@ -32,6 +33,7 @@ from encoders.weights import (AUDIO_PREFIX, TOKENIZER_DIR, VISION_PREFIX, load_a
 from llm_core.llm import load_tokenizer
 from llm_core.model.dtype import parse_dtype
 from llm_core.distributed.launcher import load_text_model
+from llm_core.model.config import ModelConfig
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
 from mm_pipeline.media.video_sampling import VideoSamplingParams
 from mm_pipeline.model.config import OmniConfig
@@ -81,7 +83,8 @@ class OmniModel:
     """The loaded parts; see module doc. ``layout`` renders chats with media into token ids."""
 
     name: str
-    text: MiMoV2ForCausalLM
+    text: MiMoV2ForCausalLM | None  # None: loaded encoders-only (with_text=False)
+    text_config: ModelConfig
     vision: VisionTransformer | None
     audio: AudioEncoder | MimoAudioEncoder | None
     tokenizer: Any
@@ -93,32 +96,39 @@ class OmniModel:
     # whether the checkpoint was trained to hear a video's sound track (processor_config.use_audio_in_video)
     video_audio: bool = True
 
+    device: torch.device = torch.device("cpu")  # the text model's (without one: the encoders')
+
     @property
     def hidden_size(self) -> int:
-        return self.text.config.hidden_size
+        return self.text_config.hidden_size
 
     @property
     def encoder_device(self) -> torch.device:
         tower = self.vision if self.vision is not None else self.audio
-        return tower.device if tower is not None else next(self.text.parameters()).device
+        return tower.device if tower is not None else self.device
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
              dtype: str | torch.dtype = "float32", tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
              distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None,
-             audio_tokenizer_attention: str = "reference") -> "OmniModel":
+             audio_tokenizer_attention: str = "reference", with_text: bool = True) -> "OmniModel":
         """The text model goes through ``load_text_model`` (one process, or one per tensor / expert
         parallel rank); the encoders stay whole (data-parallel, never tensor-parallel) on
         ``encoder_device`` (default: ``device``). ``audio_tokenizer_attention``: for the reference
         audio path, how its tokenizer attends ("reference" or "bidirectional",
-        encoders.audio.mimo_config); ignored otherwise."""
+        encoders.audio.mimo_config); ignored otherwise. ``with_text=False``: no text model (no
+        ``model.*`` / ``lm_head.*`` weight is read; ``text`` is None), for a process that only
+        encodes media (an encoder replica, mm_pipeline/cluster/serving/encoder_replica.py)."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
         omni = OmniConfig.from_pretrained(model_dir)  # validates widths, patch geometry, token ids
         dt = parse_dtype(dtype)
-        text = load_text_model(model_dir, device=device, dtype=dt, tensor_parallel_size=tensor_parallel_size,
-                               expert_parallel_size=expert_parallel_size, distributed_timeout_s=distributed_timeout_s)
+        text = None
+        if with_text:
+            text = load_text_model(model_dir, device=device, dtype=dt, tensor_parallel_size=tensor_parallel_size,
+                                   expert_parallel_size=expert_parallel_size,
+                                   distributed_timeout_s=distributed_timeout_s)
         enc = device if encoder_device is None else encoder_device
         vision = audio = None
         if omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
@@ -131,7 +141,8 @@ class OmniModel:
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise FileNotFoundError(f"{model_dir} has no tokenizer files; an omni model needs one")
-        return cls(name=model_dir.resolve().name, text=text, vision=vision, audio=audio, tokenizer=tokenizer,
+        text_device = next(text.parameters()).device if text is not None else torch.device(enc)
+        return cls(name=model_dir.resolve().name, text=text, text_config=omni.text, device=text_device, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
                    layout=ChatLayout(omni.special, tokenizer, omni.use_video_timestamps),
                    video_sampling=omni.video, encoder_id=_encoder_id(model_dir, omni, audio_tokenizer_attention),

@@ -11,6 +11,10 @@ encoding (plans come from the cache manifest or media metadata) -- the one contr
 needs. Everything that blocks runs on the worker pool; this object is used from the event loop.
 OmniEngine asks it by intent (prepare_chat / tokenize / open_media / submit / abort / detach) and
 never reaches into the parts.
+
+Loaded ``encoders_only`` (an encoder replica) there is no text model and no LLMEngine (``llm`` is
+None): the engine thread runs only encoder batches, and prepare_chat / open_media fill the encoder
+cache exactly as with the whole model (same planner, preprocessing, towers and content keys).
 """
 
 from __future__ import annotations
@@ -79,7 +83,11 @@ class OmniRuntime:
     def __init__(self, model: OmniModel, config: OmniEngineConfig) -> None:
         self.model = model
         self.config = config
-        self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer)
+        self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer) if model.text is not None else None
+        # the context limit media budgets are checked against (without an LLM: the configured or model limit)
+        self.max_model_len = (self.llm.max_model_len if self.llm is not None
+                              else min(config.engine.max_model_len or model.text_config.max_position_embeddings,
+                                      model.text_config.max_position_embeddings))
         self.cache = EncoderCache(build_tiers(config))
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
         self.encoder_worker: EncoderWorker | None = None
@@ -103,18 +111,20 @@ class OmniRuntime:
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
         self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device)
         self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor, model.encoder_id,
-                                    config.planner_config(model.video_sampling, self.llm.max_model_len,
+                                    config.planner_config(model.video_sampling, self.max_model_len,
                                                          default_video_audio=model.video_audio))
         self._started = False
         self._closed = False
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: OmniEngineConfig) -> "OmniRuntime":
+    def load(cls, model_dir: str | Path, config: OmniEngineConfig, *, encoders_only: bool = False) -> "OmniRuntime":
+        """``encoders_only``: no text model is loaded (module doc)."""
         e = config.engine
         return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
                                   tensor_parallel_size=e.tensor_parallel_size, expert_parallel_size=e.expert_parallel_size,
                                   distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
-                                  audio_tokenizer_attention=config.audio_tokenizer_attention),
+                                  audio_tokenizer_attention=config.audio_tokenizer_attention,
+                                  with_text=not encoders_only),
                    config)
 
     @property
@@ -136,7 +146,7 @@ class OmniRuntime:
         plans = list(await asyncio.gather(*(one(k, r) for k, r in enumerate(refs))))
         self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
         laid = await self.text_pool.run(self.model.layout.render, chat, plans,
-                                        self.llm.max_model_len)  # template + BPE
+                                        self.max_model_len)  # template + BPE
         self._check_context(len(laid.token_ids))
         # a unit fills one span, or (a video's sound segment) several spans, each from its own row
         spans, spans_of_plan = [], []
@@ -167,7 +177,7 @@ class OmniRuntime:
                 on_progress()
 
         stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed,
-                                 device=self.llm.device)
+                                 device=self.llm.device if self.llm is not None else self.model.device)
         return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
                          lambda: self.loop.abort(request_id))
 
@@ -192,7 +202,7 @@ class OmniRuntime:
         self.loop.detach(request_id)
 
     def _encode_text(self, text: str) -> list[int]:
-        self.model.layout.text_bound.check([text], self.llm.max_model_len)
+        self.model.layout.text_bound.check([text], self.max_model_len)
         ids = list(self.model.tokenizer.encode(text, add_special_tokens=False))
         self._check_context(len(ids))
         return ids
@@ -200,9 +210,9 @@ class OmniRuntime:
     def _check_context(self, num_tokens: int) -> None:
         # the engine checks too, but only once the request reaches it: failing here means no
         # media of a prompt that cannot fit is ever produced
-        if num_tokens + 1 > self.llm.max_model_len:
+        if num_tokens + 1 > self.max_model_len:
             raise ContextLengthError(f"the prompt is {num_tokens} tokens; with one generated token it exceeds "
-                                     f"the context limit of {self.llm.max_model_len} tokens")
+                                     f"the context limit of {self.max_model_len} tokens")
 
     def record_timeline(self) -> StageTimeline:
         """Start recording when each stage runs (video decode chunks, encoder forwards, LLM steps)
@@ -234,7 +244,8 @@ class OmniRuntime:
         if self.encoder_worker is not None:
             self.encoder_worker.stop()
         self.loop.stop()
-        self.llm.close()
+        if self.llm is not None:
+            self.llm.close()
         self.pool.shutdown(wait=False)
         self.text_pool.shutdown(wait=False)
         self.cache.close()

@@ -14,6 +14,9 @@ thread sleeps instead of spinning ``step()`` (on a 2-core host a spinning engine
 decode workers' CPU). The loop asks the engine (``has_ready_work``, ``last_step_progressed``); it
 does not read the scheduler's queues. Sinks run on
 this thread and must only hand the output over (``loop.call_soon_threadsafe``).
+
+Without an LLM (``llm`` None: an encoders-only runtime) the thread runs encoder batches only and
+takes no requests.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ OutputSink = Callable[[RequestOutput], None]
 class EngineLoop:
     """Owns the thread that drives ``llm`` and ``batcher``; thread-safe request entry points."""
 
-    def __init__(self, llm: LLMEngine, batcher: EncoderBatcher | None, idle_wait_s: float = 0.05,
+    def __init__(self, llm: LLMEngine | None, batcher: EncoderBatcher | None, idle_wait_s: float = 0.05,
                  threads: int | None = None) -> None:
         self.llm = llm
         self.batcher = batcher  # None: the encoder worker runs the batches
@@ -75,6 +78,8 @@ class EngineLoop:
         """Queue a request; every output for it goes to ``sink`` (on the engine thread)."""
         if self.fatal is not None:
             raise RuntimeError(f"the engine stopped: {self.fatal}")
+        if self.llm is None:
+            raise RuntimeError("an encoders-only runtime has no LLM and takes no requests")
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,12 +125,13 @@ class EngineLoop:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        if self.threads is not None and self.llm.device.type == "cpu":
+        if self.threads is not None and (self.llm is None or self.llm.device.type == "cpu"):
             torch.set_num_threads(self.threads)
         while not self._stop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
-                self.llm.check_health()
+                if self.llm is not None:
+                    self.llm.check_health()
                 did = self._step_once()
                 self._publish_stats(did)
             except RankFailure as exc:
@@ -158,7 +164,7 @@ class EngineLoop:
         if n:
             self.counts["encoder_units"] += n
             did = True
-        if self.llm.has_ready_work():
+        if self.llm is not None and self.llm.has_ready_work():
             t0 = time.monotonic()
             outputs = self.llm.step()
             if self.on_step_span is not None:
@@ -173,7 +179,7 @@ class EngineLoop:
     def _publish_stats(self, busy: bool) -> None:
         """A step published the LLM's snapshot already; an idle iteration refreshes it (completely
         on the first one after work: "idle after the last step"), then the owner's is built."""
-        if not busy:
+        if not busy and self.llm is not None:
             self.llm.publish_stats(complete=self._was_busy)
         self._was_busy = busy
         if self.on_stats is not None:

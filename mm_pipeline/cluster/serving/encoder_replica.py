@@ -8,10 +8,9 @@ replica that plans the same item next finds every unit there and encodes nothing
 slow, down or wrong, the LLM replica simply misses and encodes locally: correctness never depends on
 the tier, only speed does.
 
-It reuses the LLM replica's engine (media planner, decode workers, encoder batcher and cache are
-parts of the omni runtime, driven by its engine thread) and file hand-over; its LLM weights stay idle.
-Splitting the runtime so an encoder replica loads only the encoders is left for later: for the demo
-model it costs a few MB, for a real checkpoint it is the LLM's memory.
+It loads the omni runtime encoders-only (``OmniRuntime.load(..., encoders_only=True)``): the towers,
+preprocessing, media planner, decode workers, encoder batcher and cache, and no text model, no KV
+pools -- the same parts an LLM replica encodes with, so the rows are the same.
 """
 
 from __future__ import annotations
@@ -19,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
-from mm_pipeline.cluster.serving.llm_replica import LLMReplica, SharedFile
+from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
 from mm_pipeline.prompt.messages import parse_messages
+from mm_pipeline.runtime.components import OmniRuntime
+from mm_pipeline.runtime.config import OmniEngineConfig
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,23 @@ class EncodeReport:
     replica: str  # which encoder replica did it (tests and logs)
 
 
-class EncoderReplica(LLMReplica):
+class EncoderReplica:
+    def __init__(self, model_dir: str, config: OmniEngineConfig, torch_threads: int | None = None) -> None:
+        if torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(torch_threads)  # several replicas share a node's cores
+        self.runtime = OmniRuntime.load(Path(model_dir), config, encoders_only=True)
+        self.files = ReplicaFiles()
+        self.runtime.planner.file_resolver = self.files.resolve
+        self.runtime.start()
+
     async def encode(self, part: dict, files: dict[str, SharedFile] | None = None,
                      media_key: str | None = None) -> EncodeReport:
         """Encode one media content part into the shared cache. ``media_key`` is the router's
         (mm_pipeline/cluster/serving/encoder_router.py); the replica does not need it."""
-        rt = self.engine.runtime
-        self._hold(files)
+        rt = self.runtime
+        self.files.hold(files)
         try:
             prepared = await rt.prepare_chat(parse_messages([{"role": "user", "content": [part]}]))
             units = sum(len(p.units) for p in prepared.plans)
@@ -57,8 +69,16 @@ class EncoderReplica(LLMReplica):
                 feed.close()
             await asyncio.to_thread(rt.cache.flush)  # on disk / in Redis before the LLM replica looks
         finally:
-            self._release(files)
+            self.files.release(files)
         return EncodeReport(units, hits, self._name())
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()
+
+    def __del__(self) -> None:
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None:
+            runtime.shutdown()
 
     @staticmethod
     def _name() -> str:

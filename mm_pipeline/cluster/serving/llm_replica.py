@@ -8,18 +8,19 @@ the first delta travels as a :class:`ReplicaFailure` item rather than as a Ray t
 ingress re-raises the *same* type and the client gets the same 4xx as from one process.
 
 Uploaded files live on the ingress; it sends the bytes of the files a request names with the request
-(``files``), and the replica's file resolver serves them from there while the request runs.
+(``files``), and the replica serves them to its planner while the request runs (shared_files.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex
+from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
 from mm_pipeline.errors import MMServeError
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.omni_engine import OmniEngine
@@ -33,12 +34,6 @@ class ReplicaFailure:
     error: MMServeError
 
 
-@dataclass(frozen=True)
-class SharedFile:
-    data: bytes
-    filename: str | None
-
-
 class LLMReplica:
     def __init__(self, model_dir: str, config: OmniEngineConfig, torch_threads: int | None = None) -> None:
         if torch_threads is not None:
@@ -47,20 +42,28 @@ class LLMReplica:
             # several replicas share a node's cores: each gets its share, not all of them
             torch.set_num_threads(torch_threads)
         self.engine = OmniEngine.from_pretrained(Path(model_dir), config)
-        self.engine.set_file_resolver(self._resolve)
-        self._files: dict[str, tuple[SharedFile, int]] = {}  # file id -> (bytes, requests using it)
-        self._files_lock = threading.Lock()  # the planner resolves on its worker threads
+        self.files = ReplicaFiles()
+        self.engine.set_file_resolver(self.files.resolve)
         self._load: dict[int, int] = {}  # call -> tokens still to compute (queued + running work)
+        # the route keys' blocks this replica was sent, at most its Full KV pool's pages (LRU): a
+        # queued prompt's leading blocks found here are (most likely) in its prefix cache, not work
+        pool = self.engine.stats().llm.kv_pool["full"]
+        self._seen = MemoryPrefixIndex(max_blocks_per_replica=max(1, pool.total_pages))
         self._calls = itertools.count()
 
     async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,
                        files: dict[str, SharedFile] | None = None, route: Any = None) -> AsyncIterator[Any]:
         """``kind`` "chat" (payload: messages) or "prompt" (text or token ids). ``route`` is the
-        router's key (mm_pipeline/cluster/serving/prefix_router.py); its size is the load until the prompt's
-        real length is known."""
+        router's key (mm_pipeline/cluster/serving/prefix_router.py); until the first delta the load is
+        its tokens not already sent here (the prefix cache holds the rest), the same measure as the
+        router's own count (prompt - matched)."""
         call = next(self._calls)
-        self._load[call] = (route.total if route is not None else 0) + params.max_tokens
-        self._hold(files)
+        uncached = 0
+        if route is not None:
+            uncached = route.total - route.weight_of(self._seen.match(route.hashes, ["self"])["self"])
+            self._seen.record("self", route.hashes)
+        self._load[call] = uncached + params.max_tokens
+        self.files.hold(files)
         try:
             gen = (self.engine.generate(payload, params, request_id=request_id) if kind == "chat"
                    else self.engine.generate_prompt(payload, params, request_id=request_id))
@@ -76,7 +79,7 @@ class LLMReplica:
                 await gen.aclose()
         finally:
             self._load.pop(call, None)
-            self._release(files)
+            self.files.release(files)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this for the request router (``RunningReplica.routing_stats``)."""
@@ -92,25 +95,3 @@ class LLMReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-    def _resolve(self, file_id: str) -> tuple[bytes, str | None]:
-        with self._files_lock:
-            held = self._files.get(file_id)
-        if held is None:
-            raise KeyError(file_id)
-        return held[0].data, held[0].filename
-
-    def _hold(self, files: dict[str, SharedFile] | None) -> None:
-        with self._files_lock:
-            for fid, f in (files or {}).items():
-                _, n = self._files.get(fid, (f, 0))
-                self._files[fid] = (f, n + 1)
-
-    def _release(self, files: dict[str, SharedFile] | None) -> None:
-        with self._files_lock:
-            for fid in files or {}:
-                f, n = self._files.get(fid, (None, 1))
-                if n <= 1:
-                    self._files.pop(fid, None)
-                else:
-                    self._files[fid] = (f, n - 1)

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.cluster.serving.llm_replica import ReplicaFailure, SharedFile
+from mm_pipeline.cluster.serving.llm_replica import ReplicaFailure
+from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
 from mm_pipeline.errors import InternalError, ServerBusy
 

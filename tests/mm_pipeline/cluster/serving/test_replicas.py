@@ -1,18 +1,23 @@
 """The replica classes without Ray (mm_pipeline/cluster/serving/llm_replica.py, encoder_replica.py): an encoder
 replica's output reaches an LLM replica through the shared encoder cache (the LLM replica plans the
 item and finds every unit), a typed media error travels as an item, uploaded bytes sent with a request
-are served to the planner and released after, and the load the router reads returns to zero."""
+are served to the planner and released after, and the load the router reads returns to zero. An
+encoder replica loads no text model, and the rows it writes equal those an LLM replica (the whole
+model) encodes itself."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+from pathlib import Path
 
 import pytest
 
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
-from mm_pipeline.cluster.serving.llm_replica import LLMReplica, ReplicaFailure, SharedFile
+from mm_pipeline.cluster.serving.llm_replica import LLMReplica, ReplicaFailure
+from mm_pipeline.cluster.serving.route_key import key_of_pieces
+from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.errors import MediaError
 from mm_pipeline.runtime.config import OmniEngineConfig
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
@@ -27,7 +32,7 @@ def replicas(tmp_path_factory):
                                           cache_dir=str(tmp_path_factory.mktemp("shared-cache")))
     enc, llm = EncoderReplica(str(DEMO_MODEL), config), LLMReplica(str(DEMO_MODEL), config)
     yield enc, llm
-    enc.engine.shutdown()
+    enc.shutdown()
     llm.engine.shutdown()
 
 
@@ -57,6 +62,62 @@ def test_media_error_is_an_item_and_files_are_released(replicas):
     items = asyncio.run(collect(llm.generate("chat", bad, SamplingParams(max_tokens=2), "r2",
                                              files={"file-x": SharedFile(b"not media at all", "x.bin")})))
     assert len(items) == 1 and isinstance(items[0], ReplicaFailure) and isinstance(items[0].error, MediaError)
-    assert llm._files == {}  # the upload's bytes are not kept past the request
+    assert len(llm.files) == 0  # the upload's bytes are not kept past the request
     with pytest.raises(KeyError):
-        llm._resolve("file-x")
+        llm.files.resolve("file-x")
+
+
+def test_load_counts_only_the_prompt_not_sent_here_before(replicas):
+    """A queued prompt whose prefix the replica was sent already is mostly cached: the reported load
+    is its new tokens (+ decode), the same measure as the router's (prompt - matched)."""
+    _, llm = replicas
+    system = ("tokens", list(range(200, 264)))  # 4 blocks
+    first = key_of_pieces([system, ("tokens", list(range(300, 316)))])
+    second = key_of_pieces([system, ("tokens", list(range(400, 432)))])
+
+    async def load_while_queued(key, rid):
+        task = asyncio.ensure_future(collect(llm.generate("prompt", [5, 6, 7], SamplingParams(max_tokens=2),
+                                                          rid, route=key)))
+        await asyncio.sleep(0)  # the call has started; its first delta needs the loop again
+        load = llm.record_routing_stats()["load_tokens"]
+        await task
+        return load
+
+    assert asyncio.run(load_while_queued(first, "q1")) == 80 + 2
+    assert asyncio.run(load_while_queued(second, "q2")) == 32 + 2  # the 64 system tokens were sent here
+    assert llm.record_routing_stats() == {"load_tokens": 0}
+
+
+def n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+def cache_files(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_encoder_replica_loads_no_text_model_and_writes_the_same_rows(replicas, tmp_path):
+    enc, llm = replicas
+    assert enc.runtime.model.text is None and enc.runtime.llm is None  # no text weights, no KV pools
+    whole = llm.engine.runtime.model
+    towers = n_params(whole.vision) + n_params(whole.audio)
+    assert n_params(enc.runtime.model.vision) + n_params(enc.runtime.model.audio) == towers
+    assert towers < n_params(whole.text)  # what the encoder replica no longer holds
+    # the same image encoded by a fresh encoder replica and by an LLM replica on its own (separate
+    # caches): the same cache entries, byte for byte
+    dirs = {name: tmp_path / name for name in ("enc", "llm")}
+    alone_enc = EncoderReplica(str(DEMO_MODEL), OmniEngineConfig.from_kwargs(device="cpu", dtype="float32",
+                                                                             cache_dir=str(dirs["enc"])))
+    alone_llm = LLMReplica(str(DEMO_MODEL), OmniEngineConfig.from_kwargs(device="cpu", dtype="float32",
+                                                                         cache_dir=str(dirs["llm"])))
+    try:
+        assert asyncio.run(alone_enc.encode(image_part())).hits == 0
+        messages = [{"role": "user", "content": [image_part(), {"type": "text", "text": "What is it?"}]}]
+        deltas = asyncio.run(collect(alone_llm.generate("chat", messages, SamplingParams(max_tokens=2), "r3")))
+        assert deltas[0].encoder_cache_hits == 0  # it encoded the image itself
+        alone_llm.engine.runtime.cache.flush()
+        written = cache_files(dirs["enc"])
+        assert written and written == cache_files(dirs["llm"])
+    finally:
+        alone_enc.shutdown()
+        alone_llm.engine.shutdown()
