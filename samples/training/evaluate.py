@@ -7,7 +7,9 @@
    ``n`` audio clips for ``--seed`` (training uses synthetic seeds 10_000..10_099 only).
 2. The real CLI captions the directory: ``python -m mm_pipeline.cli caption DIR --model M --out F``
    (a separate process, so everything the server does -- sniffing, decoding, planning, encoder
-   batching, streaming prefill -- is exercised).
+   batching, streaming prefill -- is exercised). No ``--video-audio`` flag is passed: videos are
+   heard as the checkpoint declares (``processor_config.use_audio_in_video``; printed), so a model
+   trained with ``--beeping-videos`` is scored on ``video+sound`` with the sound track laid out.
 3. Captions are compared to ``labels.jsonl`` (exact string match) per modality; long videos
    (>= 30 s) are also reported on their own. A ``--work`` dir that already holds the same set
    (seed, n) is reused instead of regenerated. ``--warm-check`` runs the job a second time on a warm
@@ -44,6 +46,13 @@ def run_caption(model: Path, media_dir: Path, out: Path, cache_dir: Path | None,
     if proc.returncode != 0:
         raise RuntimeError(f"mmserve caption failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return time.time() - t0
+
+
+def hears_video_sound(model: Path) -> bool:
+    """Whether ``mmserve caption`` (no ``--[no-]video-audio``) serves this checkpoint's videos with
+    their sound track: its ``processor_config.use_audio_in_video``, true when absent."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return bool((cfg.get("processor_config") or {}).get("use_audio_in_video", True))
 
 
 def read_captions(out: Path) -> dict[str, dict[str, Any]]:
@@ -122,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     wall = run_caption(args.model, media, cold, cache)
     caps = read_captions(cold)
     result: dict[str, Any] = {"model": str(args.model), "seed": args.seed, "n_per_modality": args.n,
+                              "video_audio": hears_video_sound(args.model),
                               "caption_wall_s": round(wall, 1), "groups": score(labels, caps)}
     if args.warm_check:
         warm = work / "captions_warm.jsonl"
@@ -135,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         result["nostream_wall_s"] = round(run_caption(args.model, media, off, None, stream=False), 1)
         off_caps = read_captions(off)
         result["nostream_differs"] = sorted(k for k in caps if off_caps.get(k, {}).get("caption") != caps[k]["caption"])
-    print(f"held-out seed {args.seed}, {args.n} per modality, mmserve caption wall {wall:.1f} s")
+    print(f"held-out seed {args.seed}, {args.n} per modality, mmserve caption wall {wall:.1f} s; videos served "
+          f"{'with' if result['video_audio'] else 'without'} their sound (the checkpoint's use_audio_in_video)")
     print(f"{'group':<12} {'n':>4} {'exact':>6} {'accuracy':>9}")
     for name, g in result["groups"].items():
         print(f"{name:<12} {g['n']:>4} {g['correct']:>6} {g['accuracy']:>9.1%}")

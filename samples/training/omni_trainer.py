@@ -216,7 +216,15 @@ class OmniTrainModel(nn.Module):
         heads = self.aux_heads
         vis_targets = [(a, k) for it, a in zip(items, aux) if it.modality != "audio" for k in range(len(it.units))]
         aud_targets = [(a, k) for it, a in zip(items, aux) if it.modality == "audio" for k in range(len(it.units))]
-        out = self._tower_aux(vis_targets, vis_rows, aud_targets, aud_rows)
+        # aud_rows holds audio clips' segments and videos' sound segments in item order; the pitch
+        # targets cover the clips only (a video's beeps have no dense targets)
+        clip_rows, rows = [], iter(aud_rows)
+        for it in items:
+            for _ in (it.units if it.modality == "audio" else it.sound):
+                r = next(rows)
+                if it.modality == "audio":
+                    clip_rows.append(r)
+        out = self._tower_aux(vis_targets, vis_rows, aud_targets, clip_rows)
         layers = {"ordinal": self.config.ordinal_layer, "emitted": self.config.ordinal_layer,
                   "change": self.config.change_layer, "group_colour": self.config.change_layer,
                   "group_kind": self.config.change_layer}

@@ -2,7 +2,7 @@
 
     python -m samples.training.train --out samples/demo-model --seed 0 [--steps N] [--minutes M] \
         [--tower-minutes 12] [--vision-init passthrough] [--vision-lr-mult 0.5] [--vision-first 0.35] \
-        [--modality-weights video=2] [--threads 1] [--procs 2]
+        [--modality-weights video=2] [--threads 1] [--procs 2] [--init-from samples/demo-model]
 
 (samples/demo-model/TRAINING.md has the exact command of the committed weights.)
 
@@ -14,6 +14,9 @@ Schedule: AdamW, linear warm-up then cosine decay to 10 %; batches are cut from 
 items sorted by length under a token budget, so every batch mixes modalities of similar length.
 With ``--steps`` only, the run is deterministic for a seed; ``--minutes`` additionally stops at a
 wall-clock budget and then drives the schedule by elapsed time (documented, not bit-reproducible).
+``--init-from DIR`` fine-tunes: the trainable model starts from the weights of the demo checkpoint
+in DIR (:func:`samples.training.export.load_checkpoint_into`; a name or shape mismatch is an error),
+and the tower phase is skipped unless asked for.
 The checkpoint is exported every ``--save-every`` steps and at the end. ``--modality-weights``
 repeats or thins a modality per epoch; ``--procs N`` trains data-parallel, one process per core
 (:mod:`samples.training.data_parallel`).
@@ -41,7 +44,7 @@ from samples.training.data_parallel import DataParallel, rendezvous_file
 from samples.training.dataset import (DEFAULT_CACHE, PROMPTS, ItemPreparer, ItemRef, TrainItem, load_item,
                                          prepare_items)
 from samples.training.demo_model_config import DemoModelConfig
-from samples.training.export import export_checkpoint
+from samples.training.export import export_checkpoint, load_checkpoint_into
 from samples.training.omni_trainer import VISION_INITS, OmniTrainModel
 from samples.training.tower_pretrain import pretrain_towers
 
@@ -147,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--long-videos", type=int, default=500, help="training videos of <= 60 s")
     ap.add_argument("--beeping-videos", type=int, default=0,
                     help="training videos of <= 30 s with a sound track of beeps (caption: colours; beeps)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="fine-tune: start from this demo checkpoint's weights (text model + towers; names and "
+                         "shapes must match). No tower phase unless --tower-minutes/--tower-steps ask for one")
     ap.add_argument("--modality-weights", type=parse_weights, default={},
                     help="copies per epoch by modality, e.g. video=2,audio=0.5 (default 1 each)")
     args = ap.parse_args(argv)
@@ -158,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("--tower-minutes / --tower-steps need the aux targets (--aux-weight > 0)")
     if all(args.modality_weights.get(m, 1.0) == 0 for m in PROMPTS):
         raise SystemExit("--modality-weights leaves no modality to train on")
+    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+        raise SystemExit(f"--init-from {args.init_from}: no config.json there (not a checkpoint directory)")
     if not 1 <= args.procs <= 8:
         raise SystemExit(f"--procs must be in [1, 8], got {args.procs}")
 
@@ -195,6 +203,9 @@ def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
     # batch); the tower phase samples per rank.
     rng = random.Random(args.seed)
     model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad, seed=args.seed, vision_init=args.vision_init)
+    if args.init_from is not None:
+        load_checkpoint_into(model, args.init_from)  # the same on every rank: no broadcast needed
+        log(f"initialised from {args.init_from}", flush=True)
     opt = torch.optim.AdamW(model.param_groups(0.01, args.vision_lr_mult), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     tower_steps = 0
     if args.tower_minutes > 0 or args.tower_steps:
@@ -274,6 +285,7 @@ def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, 
                               "final_batch_loss": round(loss, 5), "lr": args.lr,
                               "token_budget": args.token_budget, "procs": args.procs,
                               "vision_init": args.vision_init,
+                              "init_from": str(args.init_from) if args.init_from else None,
                               "vision_lr_mult": args.vision_lr_mult, "vision_first": args.vision_first,
                               "aux_weight": args.aux_weight, "tower_steps": tower_steps,
                               "tower_minutes": args.tower_minutes, "tower_lr": args.tower_lr,

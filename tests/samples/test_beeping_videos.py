@@ -105,6 +105,40 @@ def test_the_trainer_writes_sound_rows_into_their_slices(beeping):
     assert grads and any(float(g.abs().sum()) > 0 for g in grads)  # the caption loss reaches the audio tower
 
 
+def test_aux_targets_train_on_batches_with_beeping_videos(beeping, tmp_path):
+    """The pitch targets cover audio clips' rows only: a batch with a video's sound track and no
+    clip, or with both, trains (it used to fail on torch.cat of no targets / misaligned rows)."""
+    import math
+
+    import torch
+
+    from samples.checkpoints.tiny_omni import tiny_special_tokens
+    from samples.synthetic.generate import ItemJob, write_item
+    from samples.training.aux_targets import aux_targets, separator_ids
+    from samples.training.dataset import ItemPreparer, ItemRef
+    from samples.training.demo_model_config import DemoModelConfig
+    from samples.training.omni_trainer import OmniTrainModel
+
+    config = DemoModelConfig()
+    preparer = ItemPreparer(config)
+    refs = [ItemRef("beeping_video", 11, 0, 5.0), ItemRef("audio", 11, 1)]
+    items, aux = [], []
+    for ref in refs:
+        label = write_item(ItemJob(ref.modality, ref.seed, ref.index, None, ref.max_video_seconds), tmp_path)
+        item = preparer.prepare(tmp_path / label["path"], label["caption"])
+        items.append(item)
+        aux.append(aux_targets(ref, item, config.vision.spatial_merge_size, preparer.sampling,
+                               separator_ids(preparer.tokenizer)))
+    assert items[0].sound
+    model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad)
+    alone = model.loss(items[:1], aux[:1], aux_weight=1.0)
+    assert "pitch" not in alone.aux and math.isfinite(float(alone.loss))
+    both = model.loss(items, aux, aux_weight=1.0)
+    assert "pitch" in both.aux and math.isfinite(float(both.loss))
+    torch.testing.assert_close(torch.tensor(both.aux["pitch"]),
+                               torch.tensor(model.loss(items[1:], aux[1:], aux_weight=1.0).aux["pitch"]))
+
+
 def test_evaluation_scores_beeping_videos_as_their_own_group():
     from samples.training.evaluate import score
 
