@@ -139,16 +139,32 @@ def tier_engine(model, **kw) -> LLM:
 
 
 def test_l2_and_l3_hits_give_the_same_tokens(model, reference, tmp_path):
+    # L2 alone: its loads are awaited inside the step, so the schedule (and which tier hits) is
+    # deterministic and L2 must serve pages L1 evicted
+    only_l2 = tier_engine(model)
+    assert conversations(only_l2)[0] == reference
+    stats = only_l2.engine.stats()
+    assert stats.prefix_cache_hit_tokens.get("l2", 0) > 0 and stats.prefix_cache["pages_saved"] > 0
+    only_l2.engine.close()
+    # L2 + L3: L3 reads run on fetch threads while other requests step (RequestStatus.LOADING), so
+    # the order requests are scheduled in -- and hence which tier a page is found in -- follows
+    # thread timing; the tokens must not, and pages must come from below L1
     llm = tier_engine(model, kv_store=str(tmp_path / "l3"))
     outs, _ = conversations(llm)
     assert outs == reference
-    stats = llm.engine.stats()
-    assert stats.prefix_cache_hit_tokens["l2"] > 0 and stats.prefix_cache["pages_saved"] > 0
+    hits = llm.engine.stats().prefix_cache_hit_tokens
+    assert hits.get("l2", 0) + hits.get("l3", 0) > 0, hits
     llm.engine.close()
     only_l3 = tier_engine(model, kv_host_bytes=0, kv_store=str(tmp_path / "l3b"))
     assert conversations(only_l3)[0] == reference
-    assert only_l3.engine.stats().prefix_cache_hit_tokens["l3"] > 0
-    only_l3.engine.close()
+    assert only_l3.engine.stats().prefix_cache["l3_puts"] > 0  # written behind, on the writer thread
+    only_l3.engine.close()  # waits for the pending L3 writes
+    # a fresh engine (empty L1, no L2) over the same store finds the pages in L3 from its first turn;
+    # the generous read timeout only bounds the wait for local-directory reads on a busy machine
+    again = tier_engine(model, kv_host_bytes=0, kv_store=str(tmp_path / "l3b"), kv_l3_load_timeout_s=30.0)
+    assert conversations(again)[0] == reference
+    assert again.engine.stats().prefix_cache_hit_tokens.get("l3", 0) > 0
+    again.engine.close()
 
 
 def test_restart_with_the_same_directory_and_damaged_entries(model, reference, tmp_path):
