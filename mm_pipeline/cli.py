@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=512)
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
                              "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
-    r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+    r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", type=_ray_address,
                    help="run on Ray Serve; no ADDRESS starts a local cluster on this machine, an ADDRESS "
                         "(auto, host:6379, ray://host:10001) joins one started with `ray start`")
     r.add_argument("--llm-replicas", type=int, default=2, help="LLM replicas, each with its own engine")
