@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -39,7 +38,7 @@ def default_model_dir() -> Path:
     return Path(env) if env else REPO_DEMO_MODEL
 
 
-def _model_dir(arg: str | None) -> Path:
+def resolve_model_dir(arg: str | None) -> Path:
     path = Path(arg) if arg else default_model_dir()
     if not (path / "config.json").is_file():
         if arg is None:
@@ -255,53 +254,16 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
                           default_max_tokens=args.default_max_tokens)
 
 
-def cmd_serve_ray(args: argparse.Namespace) -> int:
-    """``serve --ray``: the same app as the ingress of a Ray Serve application (Ray imported here only)."""
-    import time
-
-    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect
-    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
-
-    model_dir = _model_dir(args.model)
-    config = engine_config(args)
-    try:
-        cluster = ServeClusterConfig(
-            llm_replicas=args.llm_replicas, encoder_replicas=args.encoder_replicas, encoder_num_cpus=args.encoder_cpus,
-            ingress_replicas=args.ingress_replicas, llm_num_cpus=args.replica_cpus,
-            llm_num_gpus=args.replica_gpus, torch_threads=args.replica_threads, router=args.router,
-            router_redis_url=args.router_redis_url or config.redis_url, match_weight=args.match_weight,
-            host=args.host, port=args.port)
-        if cluster.encoder_replicas and not (config.cache_dir or config.redis_url):
-            raise ValueError("--encoder-replicas hands embeddings over through the encoder cache: give --redis-url, "
-                             "or --encoder-cache-dir on a file system every replica sees")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    ray = connect(RayClusterConfig(address=args.ray or None))
-    print(f"starting {cluster.llm_replicas} LLM replica(s) of {model_dir} on Ray Serve "
-          f"({'local cluster' if not args.ray else args.ray}; router {cluster.router}) ...", file=sys.stderr, flush=True)
-    start(model_dir, config, server_settings(args, model_dir), cluster)
-    print(f"serving   on http://{args.host}:{args.port}/v1 (also /health, /metrics); Ctrl-C stops",
-          file=sys.stderr, flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    finally:
-        stop(cluster)
-        if not args.ray:
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray is not None:
-        return cmd_serve_ray(args)
+        from mm_pipeline.cluster.ray_commands import serve_on_ray  # Ray is imported only with --ray
+
+        return serve_on_ray(args)
     import uvicorn
 
     from mm_pipeline.server import create_app
 
-    model_dir = _model_dir(args.model)
+    model_dir = resolve_model_dir(args.model)
     settings = server_settings(args, model_dir)
     engine = load_engine(args, model_dir)
     loop = engine.runtime.loop
@@ -332,7 +294,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob, discover_inputs
     from mm_pipeline.jobs.progress import Progress
 
-    model_dir = _model_dir(args.model)
+    model_dir = resolve_model_dir(args.model)
     try:
         inputs = discover_inputs(args.inputs)
         config = CaptionConfig(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -342,7 +304,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if not inputs:
         raise UsageError("no inputs found")
     if args.ray is not None:
-        return _caption_on_ray(args, model_dir, inputs, config)
+        from mm_pipeline.cluster.ray_commands import caption_on_ray
+
+        return caption_on_ray(args, model_dir, inputs, config)
     if args.format != "jsonl":
         raise UsageError("--format parquet needs --ray (the single-process job appends JSONL lines)")
     engine = load_engine(args, model_dir)
@@ -363,81 +327,16 @@ def cmd_caption(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt: str) -> tuple[Any, Any, Any, bool]:
-    """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
-    then the cluster joined or started (a local one: loopback only, every core a Ray CPU)."""
-    from mm_pipeline.cluster.distributed_job import RayJobConfig
-    from mm_pipeline.cluster.job_replica import ReplicaSpec
-    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, import_ray
-    from mm_pipeline.jobs.job_output import JobOutput
-
-    try:
-        config = RayJobConfig(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
-                              gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
-                              ray_progress=args.verbose)  # else ours is the one progress report
-        # --redis-url shares both caches: encoder outputs, and the KV L3 tier unless --kv-store names another
-        engine = engine_config(args, device="cuda" if config.gpus_per_replica > 0 else "cpu")
-        if engine.redis_url and not engine.engine.kv_store:
-            engine = dataclasses.replace(engine, engine=dataclasses.replace(engine.engine, kv_store=engine.redis_url))
-        # replicas on other machines resolve these paths themselves: make them absolute here
-        spec = ReplicaSpec(model_dir=str(model_dir.resolve()), engine_config=engine, threads=config.threads,
-                           output=JobOutput(Path(out).resolve(), key=key, format=fmt))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    ray = import_ray()
-    # a cluster this process already joined (tests, a notebook) stays up after the job
-    owned = not ray.is_initialized()
-    connect(RayClusterConfig(address=args.ray or None))
-    return ray, spec, config, owned
-
-
-def _caption_on_ray(args: argparse.Namespace, model_dir: Path, inputs: list[str], caption: Any) -> int:
-    from mm_pipeline.cluster.caption_dataset import run_caption_on_ray
-    from mm_pipeline.cluster.ray_runtime import shutdown
-    from mm_pipeline.jobs.job_output import IncompleteJobError
-
-    ray, spec, config, owned = _ray_job(args, model_dir, args.out, "input", args.format)
-    try:
-        summary, result = run_caption_on_ray(ray, inputs, spec, caption, config)
-    except IncompleteJobError as exc:
-        print(f"mmserve caption: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if owned:
-            shutdown()
-    for line in summary.lines() + result.lines():
-        print(line, file=sys.stderr)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
-
-
-def _batch_on_ray(args: argparse.Namespace, model_dir: Path) -> int:
-    from mm_pipeline.cluster.batch_dataset import run_batch_on_ray
-    from mm_pipeline.cluster.ray_runtime import shutdown
-    from mm_pipeline.jobs.job_output import IncompleteJobError
-
-    ray, spec, config, owned = _ray_job(args, model_dir, args.output, "custom_id", "jsonl")
-    try:
-        summary, result = run_batch_on_ray(ray, Path(args.input), spec, config, args.default_max_tokens)
-    except IncompleteJobError as exc:
-        print(f"mmserve batch: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if owned:
-            shutdown()
-    for line in summary.lines() + result.lines():
-        print(line, file=sys.stderr)
-    return 0
-
-
 def cmd_batch(args: argparse.Namespace) -> int:
     from mm_pipeline.jobs.batch import BatchJob
 
     if not Path(args.input).is_file():
         raise UsageError(f"batch input {args.input} does not exist")
-    model_dir = _model_dir(args.model)
+    model_dir = resolve_model_dir(args.model)
     if args.ray is not None:
-        return _batch_on_ray(args, model_dir)
+        from mm_pipeline.cluster.ray_commands import batch_on_ray
+
+        return batch_on_ray(args, model_dir)
     engine = load_engine(args, model_dir)
     try:
         job = BatchJob(engine, concurrency=args.concurrency, default_max_tokens=args.default_max_tokens)
