@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoders.audio.blocks import AudioEncoderLayer
-from encoders.audio.packing import AudioPackedBatch, split_segments
+from encoders.audio.packing import AudioPackedBatch, encode_clips
 from encoders.config import AudioConfig
 from encoders.rotary import rotary_1d
 
@@ -91,10 +91,4 @@ class AudioEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, mels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Encode whole clips (log-mels [T, n_mels]); long clips are cut into segments first."""
-        pieces = [split_segments(m, self.config.segment_size) for m in mels]
-        outs = self.encode_segments([s for p in pieces for s in p])
-        result, i = [], 0
-        for p in pieces:
-            result.append(torch.cat(outs[i:i + len(p)]))
-            i += len(p)
-        return result
+        return encode_clips(mels, self.config.segment_size, self.encode_segments)

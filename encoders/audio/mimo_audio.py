@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from encoders.audio.mimo_config import AudioTokenizerConfig, SpeechInputConfig
-from encoders.audio.packing import split_segments
+from encoders.audio.packing import encode_clips
 from encoders.audio.rvq_tokenizer import AudioTokenizerEncoder
 from encoders.audio.speech_input import SpeechInput
 from encoders.config import AudioConfig
@@ -91,10 +91,4 @@ class MimoAudioEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, mels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Whole clips (log-mels [T, n_mels]); long clips are cut into segments first."""
-        pieces = [split_segments(m, self.config.segment_size) for m in mels]
-        outs = self.encode_segments([s for p in pieces for s in p])
-        result, i = [], 0
-        for p in pieces:
-            result.append(torch.cat(outs[i:i + len(p)]))
-            i += len(p)
-        return result
+        return encode_clips(mels, self.config.segment_size, self.encode_segments)

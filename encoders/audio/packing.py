@@ -21,7 +21,7 @@ batch without padding to the longest:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,6 +33,19 @@ def split_segments(mel: torch.Tensor, segment_size: int) -> list[torch.Tensor]:
     if mel.dim() != 2 or mel.shape[0] == 0:
         raise ValueError(f"a log-mel must be [T>0, n_mels], got shape {tuple(mel.shape)}")
     return list(torch.split(mel, segment_size))
+
+
+def encode_clips(mels: Sequence[torch.Tensor], segment_size: int,
+                 encode_segments: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Whole clips through a segment encoder: every clip cut into segments, all segments encoded in
+    one call (one batch across clips), the rows put back together per clip."""
+    pieces = [split_segments(m, segment_size) for m in mels]
+    outs = encode_segments([s for p in pieces for s in p])
+    result, i = [], 0
+    for p in pieces:
+        result.append(torch.cat(outs[i:i + len(p)]))
+        i += len(p)
+    return result
 
 
 def _round_up(x: int, m: int) -> int:
