@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mm_pipeline.cli import UsageError, engine_config, resolve_model_dir, server_settings
 
@@ -80,40 +80,37 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
     return ray, spec, config, owned
 
 
-def caption_on_ray(args: argparse.Namespace, model_dir: Path, inputs: list[str], caption: Any) -> int:
-    from mm_pipeline.cluster.caption_dataset import run_caption_on_ray
+def _report(command: str, owned: bool, run: Callable[[], tuple[Any, Any]], wrote: str | None = None) -> int:
+    """Run a Ray job, print its summary and merge result; 1 when an input has no row (the shards are
+    kept for a re-run); leave a cluster this call started shut down either way."""
     from mm_pipeline.cluster.ray_runtime import shutdown
     from mm_pipeline.jobs.job_output import IncompleteJobError
 
-    ray, spec, config, owned = _ray_job(args, model_dir, args.out, "input", args.format)
     try:
-        summary, result = run_caption_on_ray(ray, inputs, spec, caption, config)
+        summary, result = run()
     except IncompleteJobError as exc:
-        print(f"mmserve caption: {exc}", file=sys.stderr)
+        print(f"mmserve {command}: {exc}", file=sys.stderr)
         return 1
     finally:
         if owned:
             shutdown()
     for line in summary.lines() + result.lines():
         print(line, file=sys.stderr)
-    print(f"wrote {args.out}", file=sys.stderr)
+    if wrote is not None:
+        print(f"wrote {wrote}", file=sys.stderr)
     return 0
+
+
+def caption_on_ray(args: argparse.Namespace, model_dir: Path, inputs: list[str], caption: Any) -> int:
+    from mm_pipeline.cluster.caption_dataset import run_caption_on_ray
+
+    ray, spec, config, owned = _ray_job(args, model_dir, args.out, "input", args.format)
+    return _report("caption", owned, lambda: run_caption_on_ray(ray, inputs, spec, caption, config), wrote=args.out)
 
 
 def batch_on_ray(args: argparse.Namespace, model_dir: Path) -> int:
     from mm_pipeline.cluster.batch_dataset import run_batch_on_ray
-    from mm_pipeline.cluster.ray_runtime import shutdown
-    from mm_pipeline.jobs.job_output import IncompleteJobError
 
     ray, spec, config, owned = _ray_job(args, model_dir, args.output, "custom_id", "jsonl")
-    try:
-        summary, result = run_batch_on_ray(ray, Path(args.input), spec, config, args.default_max_tokens)
-    except IncompleteJobError as exc:
-        print(f"mmserve batch: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if owned:
-            shutdown()
-    for line in summary.lines() + result.lines():
-        print(line, file=sys.stderr)
-    return 0
+    return _report("batch", owned,
+                   lambda: run_batch_on_ray(ray, Path(args.input), spec, config, args.default_max_tokens))
