@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.support.encode_first import encode_first_tokens
 from tests.support.media_samples import image_bytes, video_bytes
 
 from encoders.video import preprocess_video
-from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core import SamplingParams
 from mm_pipeline.media.decode_video import VideoDecoder
-from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.runtime.embedding_stream import PlaceholderSpan
 from mm_pipeline.errors import MediaError, MediaNotFound, OverloadedError, UndecodableMediaError
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
@@ -105,15 +106,7 @@ def test_streamed_video_equals_non_streamed_reference(ckpt):
             else:
                 i += 1
         assert len(spans) == groups.num_groups == 4
-        stream = EmbeddingStream(len(prompt), spans, model.hidden_size)
-        for k, r in enumerate(rows):
-            stream.fill(k, r)
-        llm = LLMEngine(model.text, EngineConfig(page_size=4, num_full_tokens=4096, num_swa_tokens=2048))
-        llm.add_request("ref", prompt, GREEDY, embeds=stream)
-        ref = None
-        while ref is None:
-            ref = next((o for o in llm.step() if o.finished), None)
-        assert tokens == ref.token_ids
+        assert tokens == encode_first_tokens(model.text, prompt, spans, rows, model.hidden_size, GREEDY)
         assert_idle(engine)
     finally:
         engine.shutdown()

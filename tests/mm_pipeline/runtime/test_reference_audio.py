@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.support.encode_first import encode_first_tokens
 from tests.support.media_samples import audio_bytes
 
 from encoders.audio.mimo_audio import MimoAudioEncoder
-from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core import SamplingParams
 from mm_pipeline.media.decode_audio import decode_audio
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.runtime.embedding_stream import PlaceholderSpan
 from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
 from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
 
@@ -63,14 +64,8 @@ def test_reference_audio_is_served_cached_and_streamed(ckpt):
         pad = model.layout.prompt_layout.special.audio_pad
         where = [i for i, t in enumerate(prompt) if t == pad]
         assert len(where) == rows.shape[0] == where[-1] - where[0] + 1
-        stream = EmbeddingStream(len(prompt), [PlaceholderSpan(where[0], where[-1] + 1, "a")], model.hidden_size)
-        stream.fill(0, rows)
-        llm = LLMEngine(model.text, EngineConfig(page_size=4, num_full_tokens=4096, num_swa_tokens=2048))
-        llm.add_request("ref", prompt, GREEDY, embeds=stream)
-        ref = None
-        while ref is None:
-            ref = next((o for o in llm.step() if o.finished), None)
-        assert tokens == ref.token_ids
+        span = PlaceholderSpan(where[0], where[-1] + 1, "a")
+        assert tokens == encode_first_tokens(model.text, prompt, [span], [rows], model.hidden_size, GREEDY)
 
         got, _ = asyncio.run(collect(unstreamed, ask(CLIP)))
         assert got == tokens

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.support.encode_first import encode_first_tokens
 from tests.support.media_samples import video_bytes
 
-from llm_core import EngineConfig, LLMEngine, SamplingParams
+from llm_core import SamplingParams
 from mm_pipeline.model.config import SpecialTokens
 from mm_pipeline.prompt.layout import MediaSlots, PromptLayout, audio_slices
-from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.runtime.embedding_stream import PlaceholderSpan
 from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
 from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
 
@@ -108,15 +109,7 @@ def test_video_with_sound_streams_caches_and_matches_an_encode_first_reference(c
                 fills.append(sound[cursor:cursor + end - start])
                 cursor += end - start
         assert cursor == sound.shape[0] == 51
-        stream = EmbeddingStream(len(prompt), spans, model.hidden_size)
-        for k, r in enumerate(fills):
-            stream.fill(k, r)
-        llm = LLMEngine(model.text, EngineConfig(page_size=4, num_full_tokens=4096, num_swa_tokens=2048))
-        llm.add_request("ref", prompt, GREEDY, embeds=stream)
-        ref = None
-        while ref is None:
-            ref = next((o for o in llm.step() if o.finished), None)
-        assert tokens == ref.token_ids
+        assert tokens == encode_first_tokens(model.text, prompt, spans, fills, model.hidden_size, GREEDY)
 
         # the same video again: every frame group and sound segment from the cache, no decode
         asyncio.run(collect(streamed, ask(MOVIE, "And the sound?")))
