@@ -178,15 +178,17 @@ class DecodeGraphs:
         static["ids"].copy_(ids, non_blocking=True)
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
             static[name].copy_(getattr(fb, name), non_blocking=True)
-        static["seq_lens"].copy_(fb.seq_lens)
+        static["seq_lens"].copy_(fb.seq_lens, non_blocking=True)
         graph.replay()
         return out
 
     def _capture(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV):
-        static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.clone()}
+        # lengths on the device too: the Triton attention then reads them there (no host copy inside
+        # the capture; its host-side length checks and key splitting are skipped)
+        static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.to(self.device), "qsl": fb.query_start_loc.to(self.device)}
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
             static[name] = getattr(fb, name).clone()
-        sfb = ForwardBatch(positions=static["positions"], query_start_loc=fb.query_start_loc,
+        sfb = ForwardBatch(positions=static["positions"], query_start_loc=static["qsl"],
                            seq_lens=static["seq_lens"], full_slot_mapping=static["full_slot_mapping"],
                            swa_slot_mapping=static["swa_slot_mapping"], full_block_table=static["full_block_table"],
                            swa_block_table=static["swa_block_table"], page_size=self.page_size,
