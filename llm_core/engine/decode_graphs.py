@@ -64,7 +64,6 @@ class DecodeGraphs:
         self.buckets = tuple(sorted(set(buckets)))
         self.page_size = pool.page_size
         self.device = pool.device
-        self.window = pool.layout.window
         self.num_layers = len(pool.layout.layer_kinds)
         self.max_keys = -(-max_model_len // self.page_size) * self.page_size
         # one page per pool that padded rows write and read, never a request's (PersistentDecodeBatch)
