@@ -76,7 +76,7 @@ class AttentionPlan:
 
         ``keys``: width of the decode key grid (default: the widest visible span of the batch). A
         fixed width keeps the plan's shapes independent of the lengths (a compiled decode step per
-        batch bucket, llm_core/engine/decode_graphs.py); the extra columns are masked padding."""
+        batch bucket); the extra columns are masked padding."""
         device = block_table.device
         qsl = query_start_loc.to(torch.long).cpu()
         lens = seq_lens.to(torch.long).cpu()

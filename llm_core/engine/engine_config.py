@@ -87,7 +87,7 @@ class EngineConfig:
     """Which MTP layer drafts step s: first (layer 0 every step, as vLLM / sglang) or chain (layer s)."""
     speculative_adaptive: bool = True
     """Choose each request's draft tokens from its recent acceptance and the batch size (down to 0)."""
-    # fixed-shape decode steps per batch bucket (llm_core/engine/decode_graphs.py)
+    # fixed-shape decode steps per batch bucket (llm_core/engine/fixed_decode/decode_graphs.py)
     compile_decode: bool | None = None
     """Decode steps as fixed-shape graphs per batch bucket: torch.compile on CPU, CUDA graphs on CUDA (none: on for CUDA only)."""
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)

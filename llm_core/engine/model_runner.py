@@ -7,7 +7,7 @@
 
 A decode-only batch of at most the largest bucket takes the fixed-shape path instead when it is
 enabled (``enable_decode_graphs``: persistent batch rows, torch.compile or CUDA graphs per bucket,
-llm_core/engine/decode_graphs.py); its logits are the same rows in the same order.
+llm_core/engine/fixed_decode/decode_graphs.py); its logits are the same rows in the same order.
 
 The runner knows tensors and the model, nothing of a request's lifecycle (queues, stop checks,
 outputs: llm_core/engine/llm_engine.py). Sampling is isolated per row: a row that cannot be sampled
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
-from llm_core.engine.decode_graphs import DecodeGraphs
+from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.layers.moe import StackedExperts

@@ -1,4 +1,4 @@
-"""Fixed-shape decode steps per batch bucket (llm_core/engine/decode_graphs.py): the persistent batch
+"""Fixed-shape decode steps per batch bucket (llm_core/engine/fixed_decode/decode_graphs.py): the persistent batch
 keeps its rows right under random joins / leaves / page growth / skipped steps; eager fixed-shape
 steps give the plain path's tokens (prefix hits, preemption, batches crossing buckets) and write no
 KV outside the live requests' new slots and the scratch page; the compiled step gives the same
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
-from llm_core.engine.persistent_batch import PersistentDecodeBatch
+from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
@@ -132,8 +132,10 @@ def test_padded_rows_write_no_real_kv_page(model):
     for i in range(3):
         eng.add_request(f"r{i}", ids(70 + i, 6 + i), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     eng.step()
-    while len(eng.scheduler.running) < 3 or any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.running):
+    running = eng.scheduler.running
+    while len(running) < 3 or any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
         eng.step()  # until every request's next step is a decode step
+        running = eng.scheduler.running
     before = [(k.clone(), v.clone()) for k, v in (eng.pool.layer(i) for i in range(len(eng.pool.layout.layer_kinds)))]
     decoding = [(r, r.num_tokens - 1) for r in eng.scheduler.running]  # the position each one decodes
     graphs = eng.runner.decode_graphs

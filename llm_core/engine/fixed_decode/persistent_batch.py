@@ -78,7 +78,8 @@ class PersistentDecodeBatch:
             state = self._rows[row]
             pages = len(req.full_pages)
             if pages > self.max_pages:
-                raise ValueError(f"request {req.request_id} holds {pages} pages; the decode tables hold {self.max_pages}")
+                raise ValueError(f"request {req.request_id} holds {pages} pages; "
+                                 f"the decode tables hold {self.max_pages}")
             if (state.step != step - 1 or pages < state.pages  # absent last step: lists may be new or cut
                     or (state.pages and self.full_table[row, state.pages - 1] != req.full_pages[state.pages - 1])):
                 self.full_table[row] = -1

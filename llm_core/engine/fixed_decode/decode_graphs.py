@@ -1,9 +1,9 @@
 """Fixed-shape decode steps per batch bucket: eager, torch.compile'd (CPU, inductor) or CUDA graphs.
 
 A decode-only step of n requests runs as a step of B rows, B the smallest bucket >= n (rows of the
-persistent batch, llm_core/engine/persistent_batch.py; the rest is padding). Every tensor of the step
-then has a shape fixed by B alone -- ids, positions, slot maps [B], page tables [B, max_pages] -- and,
-on CPU, the attention key grids [B, K] with K a power of two >= the longest context (masked padding
+persistent batch, persistent_batch.py; the rest is padding). Every tensor of the step then has a
+shape fixed by B alone -- ids, positions, slot maps [B], page tables [B, max_pages] -- and, on
+CPU, the attention key grids [B, K] with K a power of two >= the longest context (masked padding
 past each row's own keys, kernels/paged_attention_cpu.py), so a step's graph never depends on the
 exact lengths:
 
@@ -29,7 +29,7 @@ import time
 import torch
 
 from kernels import ops
-from llm_core.engine.persistent_batch import PersistentDecodeBatch
+from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
@@ -184,7 +184,8 @@ class DecodeGraphs:
     def _capture(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV):
         # lengths on the device too: the Triton attention then reads them there (no host copy inside
         # the capture; its host-side length checks and key splitting are skipped)
-        static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.to(self.device), "qsl": fb.query_start_loc.to(self.device)}
+        static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.to(self.device),
+                  "qsl": fb.query_start_loc.to(self.device)}
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
             static[name] = getattr(fb, name).clone()
         sfb = ForwardBatch(positions=static["positions"], query_start_loc=static["qsl"],
