@@ -11,6 +11,10 @@ Same model and prompts as ``text_throughput.py``. Three views, one run:
 3. **py-spy** (``--py-spy``, when py-spy is installed): the step loop sampled with native frames;
    the share of samples inside our Python code vs inside torch's native kernels.
 
+``--compile``: the decode step runs compiled (``--compile-decode``, bucket = ``--batch``); the stage
+wrappers are then left out (they would split the compiled graphs), so only the step time, the
+profiler's top ops and the ATen calls per step are reported.
+
 Nothing here changes what runs: the wrappers only time calls. A stage's time includes its Python.
 Times are the engine thread's CPU time (``time.thread_time``): with one intra-op thread (the
 default here) that is all of a step's work, and other processes on a shared machine cannot inflate
@@ -113,10 +117,11 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(torch.Tensor, "item", "host syncs (tolist/item)")
 
 
-def make_engine(model, batch: int, prompt: int, gen: int) -> LLMEngine:
+def make_engine(model, batch: int, prompt: int, gen: int, compile_decode: bool = False) -> LLMEngine:
     cfg = EngineConfig(page_size=16, num_full_tokens=batch * (prompt + gen + 32),
                        num_swa_tokens=batch * (64 + prompt + 64), max_num_seqs=batch,
-                       max_num_batched_tokens=max(2048, prompt * 8), enable_prefix_caching=False)
+                       max_num_batched_tokens=max(2048, prompt * 8), enable_prefix_caching=False,
+                       compile_decode=compile_decode, decode_buckets=(batch,))
     return LLMEngine(model, cfg)
 
 
@@ -213,6 +218,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--wall", action="store_true", help="wall time instead of the engine thread's CPU time")
     p.add_argument("--py-spy", action="store_true", help="also sample the decode loop with py-spy --native")
+    p.add_argument("--compile", action="store_true", help="decode through the compiled fixed-shape step "
+                   "(no stage timers: they would split its graphs)")
     p.add_argument("--spy-child", action="store_true", help=argparse_hidden())
     args = p.parse_args()
     if args.quick:
@@ -234,10 +241,11 @@ def main() -> None:
     if args.wall:
         timer.clock = time.perf_counter
     clock = "wall" if args.wall else "CPU"
-    instrument(timer)
-    res: dict = {"batch": args.batch, "prompt_tokens": args.prompt}
+    if not args.compile:
+        instrument(timer)
+    res: dict = {"batch": args.batch, "prompt_tokens": args.prompt, "compiled_decode": args.compile}
     for label, b, decode in (("decode", args.batch, True), ("prefill", 1, False)):
-        eng = make_engine(model, b, args.prompt, gen)
+        eng = make_engine(model, b, args.prompt, gen, compile_decode=args.compile and decode)
         batch_prompts = prompts(b, args.prompt, MODEL["vocab_size"])
         run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=4)  # warm-up
         timer.reset()
@@ -252,10 +260,13 @@ def main() -> None:
             res[key] = ms
         res[f"{label}_tok_s"] = tokens / wall
 
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=min(args.steps, 8))
-        timer.reset()
-        print(f"\ntorch.profiler, {what}: top ATen ops by self CPU time")
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=min(args.steps, 8), profiler=prof)
+        timer.reset()  # the profile covers the timed steps only (not the prompts' prefill or the drain)
+        profiled = min(args.steps, 8) if decode else 1
+        calls = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / profiled
+        res[f"{label}_aten_calls_per_step"] = calls
+        print(f"\ntorch.profiler, {what}: {calls:,.0f} ATen calls per step; top ATen ops by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
         eng.close()
     timer.restore()

@@ -17,12 +17,17 @@ at the run's mean context) / the fp32 matmul peak measured in the same run with 
 project never installs it) on the same checkpoint and prompts through ``_vllm_cpu_runner.py`` under
 that interpreter, as a side-by-side column; without the flag, or when that interpreter cannot import
 vLLM, the column is skipped with a note.
+``--compile``: also our engine with fixed-shape decode steps per batch bucket (the batch sizes given),
+eager and torch.compile'd (``--compile-decode``), timed in the same alternation; the compiled
+engine's start-up compile seconds and the decode tokens it needs to pay them back are reported.
+Each variant runs every batch once untimed first (a new context length may compile a new graph).
 """
 
 from __future__ import annotations
 
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
+import dataclasses
 import json
 import subprocess
 import tempfile
@@ -83,6 +88,17 @@ def time_vllm(python: str, ckpt: Path, batches: dict[int, list[list[int]]], gen:
         print(f"vLLM: {python} could not run it ({tail}); column skipped")
         return None
     return {int(b): (pf, dec, toks) for b, (pf, dec, toks) in json.loads(line[len("VLLM_RESULT "):]).items()}
+
+
+def fixed_shape_engines(model, cfg: EngineConfig, batches: list[int]) -> tuple[dict[str, LLM], float]:
+    """Our engine with fixed-shape decode steps per bucket of ``batches``: eager and compiled, and
+    the compiled one's start-up (warm-up compile) seconds."""
+    fixed = LLMEngine(model, cfg)
+    fixed.runner.enable_decode_graphs(fixed.pool, buckets=tuple(batches), mode="eager",
+                                      max_model_len=fixed.max_model_len)
+    t0 = time.perf_counter()
+    compiled = LLMEngine(model, dataclasses.replace(cfg, compile_decode=True, decode_buckets=tuple(batches)))
+    return {"fixed": LLM.from_engine(fixed), "compiled": LLM.from_engine(compiled)}, time.perf_counter() - t0
 
 
 def prompts(batch: int, n: int, vocab: int) -> list[list[int]]:
@@ -149,6 +165,8 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--vllm-python", metavar="PATH",
                    help="python of an environment with vLLM (CPU build) installed: adds a vLLM column")
+    p.add_argument("--compile", action="store_true",
+                   help="also time fixed-shape decode steps per batch bucket, eager and torch.compile'd")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per batch, ours and transformers alternating; the fastest counts (shared CPUs)")
     args = p.parse_args()
@@ -186,6 +204,7 @@ def main() -> None:
                        max_num_batched_tokens=max(2048, args.prompt * 8))
     llm = LLM.from_engine(LLMEngine(model, cfg))
     time_ours(llm, prompts(1, args.prompt, MODEL["vocab_size"]), 3)  # warm up
+    variants, startup_s = fixed_shape_engines(model, cfg, batches) if args.compile else ({}, 0.0)
     if hf is not None:
         time_hf(hf, prompts(1, args.prompt, MODEL["vocab_size"]), 3)
     rows, res = [], {"prompt_tokens": args.prompt, "gen_tokens": args.gen, "params_m": n_params / 1e6,
@@ -193,8 +212,13 @@ def main() -> None:
     for b in batches:
         batch = prompts(b, args.prompt, MODEL["vocab_size"])
         ours_runs, hf_runs = [], []
+        var_runs: dict[str, list] = {name: [] for name in variants}
+        for v in variants.values():
+            time_ours(v, batch, args.gen)  # untimed: compiles this batch's (bucket, keys) graphs
         for _ in range(args.repeats):
             ours_runs.append(time_ours(llm, batch, args.gen))
+            for name, v in variants.items():
+                var_runs[name].append(time_ours(v, batch, args.gen))
             if hf is not None:
                 hf_runs.append(time_hf(hf, batch, args.gen))
         pf, dec_t = min(r[0] for r in ours_runs), min(r[1] for r in ours_runs)
@@ -213,6 +237,18 @@ def main() -> None:
                         f"decode_ratio_vs_hf_b{b}": ours_dec / hf_dec,
                         f"prefill_ratio_vs_hf_b{b}": ours_pf / hf_pf, f"same_tokens_as_hf_b{b}": same / b})
             row += [hf_pf, hf_dec, ours_pf / hf_pf, ours_dec / hf_dec, f"{same}/{b}"]
+        if variants:
+            fixed, comp = (b * (args.gen - 1) / min(r[1] for r in var_runs[n]) for n in ("fixed", "compiled"))
+            same_c = sum(a == c for a, c in zip(toks, var_runs["compiled"][0][2]))
+            same_f = sum(a == c for a, c in zip(toks, var_runs["fixed"][0][2]))
+            payback = startup_s / (1 / ours_dec - 1 / comp) if comp > ours_dec else float("inf")
+            res.update({f"fixed_decode_tok_s_b{b}": fixed, f"compiled_decode_tok_s_b{b}": comp,
+                        f"compiled_ratio_b{b}": comp / ours_dec, f"same_tokens_compiled_b{b}": same_c / b,
+                        f"same_tokens_fixed_b{b}": same_f / b})
+            if payback != float("inf"):
+                res[f"compile_payback_tokens_b{b}"] = payback
+            row += [fixed, comp, comp / ours_dec, f"{same_f}/{b} {same_c}/{b}",
+                    "never" if payback == float("inf") else f"{payback:.0f}"]
         if vllm is not None:
             vpf_t, vdec_t, vtoks = vllm[b]
             v_pf, v_dec = b * args.prompt / vpf_t, b * (args.gen - 1) / vdec_t
@@ -224,6 +260,13 @@ def main() -> None:
     cols = ["batch", "ours prefill tok/s", "ours decode tok/s", "decode MFU"]
     if hf is not None:
         cols += ["hf prefill tok/s", "hf decode tok/s", "prefill x", "decode x", "same tokens"]
+    if variants:
+        cols += ["fixed eager tok/s", "compiled tok/s", "compiled x", "same fixed/compiled", "payback tokens"]
+        comp_engine = variants["compiled"].engine
+        res["compile_startup_s"] = startup_s
+        res["compile_total_s"] = comp_engine.runner.decode_graphs.compile_seconds
+        print(f"compiled engine: start-up {startup_s:.1f} s (warm-up of buckets {batches}), compile in all "
+              f"{res['compile_total_s']:.1f} s (later shapes included)")
     if vllm is not None:
         cols += ["vllm decode tok/s", "decode x vllm", "same as vllm"]
         mid = batches[len(batches) // 2]

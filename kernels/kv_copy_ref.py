@@ -11,10 +11,13 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
+    all_valid: bool = False,
 ) -> None:
-    """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped."""
+    """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped
+    (``all_valid``: the caller guarantees there are none; no check, so no host sync)."""
     keep = slot_mapping >= 0
-    if bool(keep.all()):  # index_copy_: the same rows written as by indexing, at less dispatch cost
+    if all_valid or bool(keep.all()):  # index_copy_: the same rows written as by indexing, at less dispatch cost
         k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     else:

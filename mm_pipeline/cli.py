@@ -59,6 +59,7 @@ FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--al
                 "cache_dir": ["--encoder-cache-dir"]}
 # What the CLI does when a flag is left out, where it differs from the field's default.
 FLAG_NOTES = {"device": "default: cuda when available, else cpu",
+              "compile_decode": "default: on for cuda, off for cpu",
               "dtype": "default: bfloat16 on cuda, float32 on cpu",
               "allowed_local_dirs": "default: none", "allowed_domains": "default: none"}
 
@@ -76,6 +77,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     g.add_argument("--max-media-mb", type=float, default=None,
                    help="size limit of one media item in MiB (the same as --media-max-bytes)")
     add_config_flags(g, config_flags(), FLAG_ALIASES, FLAG_NOTES)
+    g.add_argument("--enforce-eager", dest="config__compile_decode", action="store_false", default=argparse.SUPPRESS,
+                   help="the same as --no-compile-decode (vLLM's spelling)")
 
 
 def _ray_address(text: str) -> str:

@@ -87,6 +87,11 @@ class EngineConfig:
     """Which MTP layer drafts step s: first (layer 0 every step, as vLLM / sglang) or chain (layer s)."""
     speculative_adaptive: bool = True
     """Choose each request's draft tokens from its recent acceptance and the batch size (down to 0)."""
+    # fixed-shape decode steps per batch bucket (llm_core/engine/fixed_decode/decode_graphs.py)
+    compile_decode: bool | None = None
+    """Decode steps as fixed-shape graphs per batch bucket: torch.compile on CPU, CUDA graphs on CUDA (none: on for CUDA only)."""
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Batch sizes of the fixed-shape decode steps (a batch pads up to the next; larger batches run eagerly)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -110,6 +115,8 @@ class EngineConfig:
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
         self._validate_parallel()
+        if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
+            raise ValueError(f"decode_buckets must be batch sizes >= 1, got {self.decode_buckets}")
         if self.prefix_checkpoint_every is not None and (
                 self.prefix_checkpoint_every < 0 or self.prefix_checkpoint_every % self.page_size):
             raise ValueError(f"prefix_checkpoint_every must be 0 or a positive multiple of page_size "
@@ -137,6 +144,16 @@ class EngineConfig:
             # the MTP draft step runs whole on one rank; sharding it across ranks is not built yet
             raise ValueError("speculative_tokens (MTP) is not supported with tensor or expert parallelism "
                              "yet; set it to 0 or leave it unset")
+
+    def decode_mode(self, device: torch.device | str) -> str | None:
+        """How decode steps run on ``device``: "compile" (CPU) / "cudagraph" (CUDA) when fixed-shape
+        steps are on, None for the plain path. Default: on for CUDA only -- on CPU the compiled step
+        did not pay for its compile time (README, "Compiled decode steps")."""
+        cuda = torch.device(device).type == "cuda"
+        on = self.compile_decode if self.compile_decode is not None else cuda
+        if not on or self.world_size > 1:  # the ranks' mirrored model calls are not captured yet
+            return None
+        return "cudagraph" if cuda else "compile"
 
     @property
     def checkpoint_every(self) -> int:

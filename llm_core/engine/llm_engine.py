@@ -88,6 +88,10 @@ class LLMEngine:
                                **pool_sizing(self.config, layout, dtype=self.dtype, device=self.device,
                                              max_model_len=self.max_model_len,
                                              prefix_caching=enable_prefix_caching).__dict__)
+        # fixed-shape decode steps (not under MTP: its steps run through the speculative runner)
+        mode = self.config.decode_mode(self.device) if self.speculative is None else None
+        self.decode_warmup_s = 0.0 if mode is None else self.runner.enable_decode_graphs(
+            self.pool, buckets=self.config.decode_buckets, mode=mode, max_model_len=self.max_model_len)
         if prefix_cache is None and enable_prefix_caching:
             from llm_core.kvcache.prefix_cache_factory import build_prefix_cache
 
@@ -217,6 +221,7 @@ class LLMEngine:
             outputs.append(self._finish_output(req, []))
         if not batch:
             return outputs
+        self.runner.begin_step()
         result = self._run_isolated(batch.entries, self.prefix_cache.kv_buffers(self.pool))
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
             self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)

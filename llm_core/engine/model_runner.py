@@ -5,6 +5,10 @@
                    ─► model forward over the KV buffers ─► logits of the sampling rows only
                    ─► Sampler ─► one SampledToken per entry that reached its request's last token
 
+A decode-only batch of at most the largest bucket takes the fixed-shape path instead when it is
+enabled (``enable_decode_graphs``: persistent batch rows, torch.compile or CUDA graphs per bucket,
+llm_core/engine/fixed_decode/decode_graphs.py); its logits are the same rows in the same order.
+
 The runner knows tensors and the model, nothing of a request's lifecycle (queues, stop checks,
 outputs: llm_core/engine/llm_engine.py). Sampling is isolated per row: a row that cannot be sampled
 comes back in ``StepResult.failed`` and the others are sampled as if it were not there. A failing
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
+from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.layers.moe import StackedExperts
@@ -54,6 +59,19 @@ class ModelRunner:
         for module in model.modules():  # expert stacks in the layout the device's MoE kernel streams
             if isinstance(module, StackedExperts):
                 module.use_kernel_layout_()
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, pool, *, buckets: tuple[int, ...], mode: str, max_model_len: int) -> float:
+        """Run decode-only steps as fixed-shape steps per batch bucket over ``pool`` (takes one
+        scratch page of each of its pools); compiles / captures every bucket now and returns the
+        seconds that took."""
+        self.decode_graphs = DecodeGraphs(self.model, pool, buckets=buckets, mode=mode, max_model_len=max_model_len)
+        return self.decode_graphs.warm_up(pool)
+
+    def begin_step(self) -> None:
+        """Called by the engine once per step (the persistent batch tells kept rows from stale ones)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.note_step()
 
     @torch.inference_mode()
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
@@ -74,6 +92,11 @@ class ModelRunner:
     def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
         """Input preparation and forward of ``entries``: the logits of their sampling rows [S, V].
         Draws no random numbers, so the engine may run it to probe which entry makes a step fail."""
+        if self.decode_graphs is not None and self.decode_graphs.supports(entries):
+            logits = self.decode_graphs.forward(entries, kv)
+            if all(e.samples for e in entries):
+                return logits
+            return logits[[i for i, e in enumerate(entries) if e.samples]]
         fb, input_ids = build_forward_batch(entries, self.page_size, self.device)
         embeds = splice_embeds(entries, input_ids, self.model.embed)
         if embeds is None:

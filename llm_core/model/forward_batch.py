@@ -31,6 +31,9 @@ class ForwardBatch:
     # Rows of the flat batch whose hidden state must become logits (last token of each request
     # that samples this step); the model returns hidden states, the engine picks these rows.
     logits_indices: torch.Tensor  # [R] int64
+    # True when no slot mapping holds -1 (a fixed-shape decode step: padded rows write a scratch
+    # page), so the KV store needs no check -- a host sync a compiled step cannot hold.
+    slots_all_valid: bool = False
     # Per-step memo the model fills lazily with values derived only from the fields above (attention
     # index plans per pool and window, rotary tables per theta), so every layer of a kind reuses them.
     # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place.

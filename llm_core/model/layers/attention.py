@@ -63,7 +63,7 @@ class Attention(nn.Module):
             slots, table = batch.swa_slot_mapping, batch.swa_block_table
         else:
             slots, table = batch.full_slot_mapping, batch.full_block_table
-        ops.store_kv(k_cache, v_cache, slots, k, v)
+        ops.store_kv(k_cache, v_cache, slots, k, v, all_valid=batch.slots_all_valid)
         out = ops.paged_attention(
             q,
             k_cache,

@@ -1,0 +1,201 @@
+"""Fixed-shape decode steps per batch bucket: eager, torch.compile'd (CPU, inductor) or CUDA graphs.
+
+A decode-only step of n requests runs as a step of B rows, B the smallest bucket >= n (rows of the
+persistent batch, persistent_batch.py; the rest is padding). Every tensor of the step then has a
+shape fixed by B alone -- ids, positions, slot maps [B], page tables [B, max_pages] -- and, on
+CPU, the attention key grids [B, K] with K a power of two >= the longest context (masked padding
+past each row's own keys, kernels/paged_attention_cpu.py), so a step's graph never depends on the
+exact lengths:
+
+    mode        what runs                                   graphs
+    eager       the model on the fixed-shape inputs         none (the "enforce eager" reference)
+    compile     torch.compile(inductor, dynamic=False)      one per (B, K) seen; the B at K_min are
+                                                            compiled at start-up (warm_up)
+    cudagraph   torch.cuda.graph capture per B, replay      one per B (the Triton kernels take the
+                over static buffers (as nano-vllm / vLLM)   lengths as data: no K)
+
+What stays eager inside a compiled step: the experts (data-dependent sort / bincount; ``kernels.ops``
+marks them), so a compiled step is a few graphs per layer joined by eager expert calls. Sampling and
+the input preparation stay outside the graphs. The CUDA-graph path has not been run on a GPU yet
+(no device in its sessions); it is only taken on CUDA and falls back to eager when capture fails.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from kernels import ops
+from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
+from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.model.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+DECODE_MODES = ("eager", "compile", "cudagraph")
+# Each (bucket, keys) shape adds one entry per compiled frame (the step's graphs are joined by eager
+# expert calls, so layers share frames): dynamo's default limit of 8 would turn later shapes eager.
+RECOMPILE_LIMIT = 256
+MIN_KEYS = 256  # the narrowest key grid: shorter contexts share it (and the graphs warm_up compiles)
+
+
+class _LayerKV:
+    """The step's (k_cache, v_cache) per layer, fetched once before the graph (a prefix-cache view
+    may wait for tier loads in ``layer``; that wait must not sit inside a compiled region)."""
+
+    def __init__(self, kv, num_layers: int) -> None:
+        self.buffers = tuple(kv.layer(i) for i in range(num_layers))
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.buffers[i]
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of up to ``max(buckets)`` requests through fixed-shape graphs."""
+
+    def __init__(self, model: torch.nn.Module, pool, *, buckets: tuple[int, ...], mode: str,
+                 max_model_len: int) -> None:
+        if mode not in DECODE_MODES:
+            raise ValueError(f"decode mode {mode!r}; expected one of {DECODE_MODES}")
+        self.model, self.mode = model, mode
+        self.buckets = tuple(sorted(set(buckets)))
+        self.page_size = pool.page_size
+        self.device = pool.device
+        self.num_layers = len(pool.layout.layer_kinds)
+        self.max_keys = -(-max_model_len // self.page_size) * self.page_size
+        # one page per pool that padded rows write and read, never a request's (PersistentDecodeBatch)
+        scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
+        self.batch = PersistentDecodeBatch(self.buckets[-1], self.max_keys // self.page_size + 1,
+                                           self.page_size, scratch)
+        self.steps = 0  # the runner's step counter (every step, eager ones too: see note_step)
+        self.compile_seconds = 0.0
+        self._compiled = torch.compile(self._logits, backend="inductor", dynamic=False) if mode == "compile" else None
+        self._shapes: set[tuple[int, int]] = set()  # (bucket, keys) compiled so far
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+
+    # ---- public API -------------------------------------------------------------------------
+    def note_step(self) -> None:
+        """Count a step of the runner (the persistent batch rewrites rows that missed one)."""
+        self.steps += 1
+
+    def supports(self, entries: list[ScheduledRequest]) -> bool:
+        """Whether ``entries`` is a decode step this runner takes: one new token each, no spliced
+        embedding row, and no more requests than the largest bucket."""
+        return len(entries) <= self.buckets[-1] and all(
+            e.num_new_tokens == 1 and (e.request.embeds is None or e.start >= e.request.num_prompt_tokens)
+            for e in entries)
+
+    @torch.inference_mode()
+    def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
+        """Logits [n, V] of the entries (in entry order), one fixed-shape step of the smallest bucket."""
+        rows = self.batch.update(entries, self.steps)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, len(entries))]
+        logits = self._run(bucket, _LayerKV(kv, self.num_layers))
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def warm_up(self, kv) -> float:
+        """Compile (or capture) every bucket at the narrowest key grid on padding rows only; returns
+        the seconds it took."""
+        if self.mode == "eager":
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b in self.buckets:
+                self._run(b, _LayerKV(kv, self.num_layers))
+        return time.perf_counter() - t0
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _run(self, bucket: int, kv: _LayerKV) -> torch.Tensor:
+        if self.mode == "cudagraph":
+            return self._replay(bucket, kv)
+        ids, fb, keys = self._inputs(bucket)
+        if self._compiled is None:
+            return self._logits(ids, fb, kv)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            if (bucket, keys) in self._shapes:
+                return self._compiled(ids, fb, kv)
+            t0 = time.perf_counter()  # the first call of a shape compiles its graphs
+            out = self._compiled(ids, fb, kv)
+        self._shapes.add((bucket, keys))
+        self.compile_seconds += time.perf_counter() - t0
+        return out
+
+    def _logits(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV) -> torch.Tensor:
+        hidden = self.model(None, fb, kv, inputs_embeds=self.model.model.embed_tokens(ids))
+        return self.model.compute_logits(hidden)
+
+    def _inputs(self, bucket: int) -> tuple[torch.Tensor, ForwardBatch, int]:
+        """The first ``bucket`` rows as (ids, ForwardBatch) with the attention plans of both pools
+        built here, once, at a power-of-two key width (masked past each row's keys)."""
+        b, dev = self.batch, self.device
+        full_slots, swa_slots = b.slot_mappings(bucket)
+        seq_lens = torch.from_numpy(b.seq_lens[:bucket]).clone()
+        fb = ForwardBatch(
+            positions=torch.from_numpy(b.positions[:bucket]).to(dev),
+            query_start_loc=torch.arange(bucket + 1),
+            seq_lens=seq_lens,
+            full_slot_mapping=torch.from_numpy(full_slots).to(dev),
+            swa_slot_mapping=torch.from_numpy(swa_slots).to(dev),
+            full_block_table=torch.from_numpy(b.full_table[:bucket]).to(dev),
+            swa_block_table=torch.from_numpy(b.swa_table[:bucket]).to(dev),
+            page_size=self.page_size,
+            logits_indices=torch.arange(bucket, device=dev),
+            slots_all_valid=True,
+        )
+        keys = min(max(MIN_KEYS, 1 << (int(seq_lens.max()) - 1).bit_length()), self.max_keys)
+        dtype = self.model.model.norm.weight.dtype
+        q = torch.empty(0, dtype=dtype, device=dev)  # the plan reads q's dtype and device only
+        plans, tables = {}, {}
+        for layer in self.model.model.layers:  # every layer's plan and rotary tables set before the
+            attn = layer.self_attn  # graph: the step_cache then looks the same to every layer's guards
+            pk, rk = (attn.is_sliding, attn.window), (attn.rotary.rotary_dim, attn.rotary.theta)
+            if pk not in plans:
+                table = fb.swa_block_table if attn.is_sliding else fb.full_block_table
+                width = keys if attn.window is None else min(keys, attn.window)
+                plans[pk] = ops.attention_plan(q, table, fb.query_start_loc, seq_lens, page_size=self.page_size,
+                                               window=attn.window, keys=width)
+            if rk not in tables:
+                tables[rk] = attn.rotary.tables(fb.positions, dtype)
+            attn.prime(fb, plans[pk], tables[rk], dtype)
+        return torch.from_numpy(b.token_ids[:bucket]).to(dev), fb, keys
+
+    def _replay(self, bucket: int, kv: _LayerKV) -> torch.Tensor:
+        """CUDA: capture the bucket's eager step once over static input buffers, then copy this
+        step's inputs into them and replay. Falls back to eager when capture fails."""
+        ids, fb, _ = self._inputs(bucket)
+        if bucket not in self._graphs:
+            try:
+                self._graphs[bucket] = self._capture(ids, fb, kv)
+            except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be captured: stay eager
+                log.warning("CUDA graph capture of decode bucket %d failed (%s); running it eagerly", bucket, exc)
+                self.mode = "eager"
+                return self._logits(ids, fb, kv)
+        graph, static, out = self._graphs[bucket]
+        static["ids"].copy_(ids, non_blocking=True)
+        for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
+            static[name].copy_(getattr(fb, name), non_blocking=True)
+        static["seq_lens"].copy_(fb.seq_lens, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _capture(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV):
+        # lengths on the device too: the Triton attention then reads them there (no host copy inside
+        # the capture; its host-side length checks and key splitting are skipped)
+        static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.to(self.device),
+                  "qsl": fb.query_start_loc.to(self.device)}
+        for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
+            static[name] = getattr(fb, name).clone()
+        sfb = ForwardBatch(positions=static["positions"], query_start_loc=static["qsl"],
+                           seq_lens=static["seq_lens"], full_slot_mapping=static["full_slot_mapping"],
+                           swa_slot_mapping=static["swa_slot_mapping"], full_block_table=static["full_block_table"],
+                           swa_block_table=static["swa_block_table"], page_size=self.page_size,
+                           logits_indices=fb.logits_indices, slots_all_valid=True)
+        self._logits(static["ids"], sfb, kv)  # warm-up launch outside capture (Triton autotune/JIT)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._logits(static["ids"], sfb, kv)
+        return graph, static, out

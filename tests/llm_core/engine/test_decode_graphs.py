@@ -1,0 +1,187 @@
+"""Fixed-shape decode steps per batch bucket (llm_core/engine/fixed_decode/decode_graphs.py): the persistent batch
+keeps its rows right under random joins / leaves / page growth / skipped steps; eager fixed-shape
+steps give the plain path's tokens (prefix hits, preemption, batches crossing buckets) and write no
+KV outside the live requests' new slots and the scratch page; the compiled step gives the same
+tokens; the switch is reachable from EngineConfig and the CLI."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
+from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.model.loader import load_model
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+
+PAGE = 4
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
+
+
+def engine(model, *, mode: str | None = None, buckets=(1, 2, 4), **kw) -> LLM:
+    cfg = dict(page_size=PAGE, max_chunk_tokens=5, max_num_batched_tokens=16, num_full_tokens=2048,
+               num_swa_tokens=512, compile_decode=False)
+    eng = LLMEngine(model, EngineConfig(**{**cfg, **kw}))
+    if mode is not None:
+        eng.runner.enable_decode_graphs(eng.pool, buckets=buckets, mode=mode, max_model_len=eng.max_model_len)
+    return LLM.from_engine(eng)
+
+
+# ---- the persistent batch ----------------------------------------------------------------------
+
+def _entry(rid: str, tokens: list[int], full: list[int], swa: list[int]) -> ScheduledRequest:
+    req = SimpleNamespace(request_id=rid, token_ids=tokens, full_pages=full, swa_pages=swa, embeds=None,
+                          num_prompt_tokens=1, num_tokens=len(tokens))
+    return ScheduledRequest(req, len(tokens) - 1, 1)
+
+
+def test_persistent_batch_rows_follow_random_joins_leaves_and_skipped_steps():
+    rng = random.Random(0)
+    batch = PersistentDecodeBatch(max_rows=6, max_pages=40, page_size=PAGE, scratch_pages=(0, 0))
+    live: dict[str, SimpleNamespace] = {}
+    next_page, serial = 1, 0
+    for step in range(1, 400):
+        if rng.random() < 0.1:
+            continue  # a step the persistent batch does not see (a mixed or speculative step)
+        for rid in [r for r in live if rng.random() < 0.08]:
+            del live[rid]
+        while len(live) < 6 and rng.random() < 0.3:
+            serial += 1
+            live[f"r{serial}"] = SimpleNamespace(tokens=[rng.randrange(9)], full=[], swa=[])
+        if rng.random() < 0.05 and live:  # preempted and recomputed: new page lists
+            s = rng.choice(list(live.values()))
+            s.full, s.swa = [], []
+        for s in live.values():
+            s.tokens.append(rng.randrange(9))
+            while len(s.full) * PAGE < len(s.tokens):
+                s.full.append(next_page)
+                s.swa.append(next_page + 1000)
+                next_page += 1
+        entries = [_entry(rid, s.tokens, s.full, s.swa) for rid, s in live.items()]
+        rng.shuffle(entries)
+        rows = batch.update(entries, step)
+        batch.check_integrity()
+        assert sorted(rows) == list(range(len(entries)))
+        for e, r in zip(entries, rows):
+            n = len(e.request.full_pages)
+            assert batch.full_table[r, :n].tolist() == e.request.full_pages
+            assert batch.swa_table[r, :n].tolist() == e.request.swa_pages
+            assert (batch.token_ids[r], batch.positions[r], batch.seq_lens[r]) == (e.request.token_ids[-1],
+                                                                                  e.start, e.end)
+        full, _ = batch.slot_mappings(len(entries))
+        for e, r in zip(entries, rows):
+            assert full[r] == e.request.full_pages[e.start // PAGE] * PAGE + e.start % PAGE
+
+
+def test_persistent_batch_refuses_more_rows_or_pages_than_it_holds():
+    batch = PersistentDecodeBatch(max_rows=2, max_pages=2, page_size=PAGE, scratch_pages=(0, 0))
+    with pytest.raises(ValueError, match="holds 2"):
+        batch.update([_entry(f"r{i}", [1], [1], [1]) for i in range(3)], 1)
+    with pytest.raises(ValueError, match="3 pages"):
+        batch.update([_entry("r", [1] * 9, [1, 2, 3], [1, 2, 3])], 1)
+
+
+# ---- eager fixed-shape steps == the plain path -------------------------------------------------
+
+PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True) for n in (20, 7, 13, 3, 16)]
+
+
+def test_fixed_shape_eager_steps_match_the_plain_path(model):
+    """Five requests of different lengths and lengths to go: the batch shrinks 5 -> 4 -> 3 -> 2 -> 1
+    (5 rows runs plain, the rest pads up to buckets 4, 2, 1)."""
+    prompts = [ids(i, n) for i, n in enumerate((9, 30, 17, 3, 22))]
+    plain = engine(model).generate(prompts, PARAMS)
+    llm = engine(model, mode="eager")
+    fixed = llm.generate(prompts, PARAMS)
+    for a, b in zip(plain, fixed):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    llm.engine.runner.decode_graphs.batch.check_integrity()
+    llm.engine.prefix_cache.clear()
+    assert llm.engine.pool.full.num_used == 1 and llm.engine.pool.swa.num_used == 1  # the scratch pages only
+
+
+def test_fixed_shape_eager_under_preemption_and_prefix_hits(model):
+    prompts = [ids(50 + i, 20 + 3 * i) for i in range(6)]
+    shared = ids(99, 24)
+    prompts += [shared + ids(100 + i, 5) for i in range(2)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    roomy = engine(model).generate(prompts, params)
+    tight = engine(model, mode="eager", buckets=(2, 8), num_full_tokens=100, num_swa_tokens=68)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+
+
+def test_padded_rows_write_no_real_kv_page(model):
+    llm = engine(model, mode="eager", buckets=(4,), enable_prefix_caching=False)
+    eng = llm.engine
+    for i in range(3):
+        eng.add_request(f"r{i}", ids(70 + i, 6 + i), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.step()
+    running = eng.scheduler.running
+    while len(running) < 3 or any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
+        eng.step()  # until every request's next step is a decode step
+        running = eng.scheduler.running
+    before = [(k.clone(), v.clone()) for k, v in (eng.pool.layer(i) for i in range(len(eng.pool.layout.layer_kinds)))]
+    decoding = [(r, r.num_tokens - 1) for r in eng.scheduler.running]  # the position each one decodes
+    graphs = eng.runner.decode_graphs
+    scratch_full = set(range(graphs.batch.scratch_full * PAGE, graphs.batch.scratch_full * PAGE + PAGE))
+    scratch_swa = set(range(graphs.batch.scratch_swa * PAGE, graphs.batch.scratch_swa * PAGE + PAGE))
+    eng.step()  # one decode step of 3 requests in bucket 4: one padded row
+    expect_full = {r.full_pages[p // PAGE] * PAGE + p % PAGE for r, p in decoding}
+    expect_swa = {r.swa_pages[p // PAGE] * PAGE + p % PAGE for r, p in decoding}
+    for kind, (k0, v0), (k1, v1) in zip(eng.pool.layout.layer_kinds, before,
+                                         (eng.pool.layer(i) for i in range(len(before)))):
+        changed = set(torch.nonzero((k0 != k1).flatten(1).any(1) | (v0 != v1).flatten(1).any(1))[:, 0].tolist())
+        expect, scratch = (expect_full, scratch_full) if kind == "full" else (expect_swa, scratch_swa)
+        assert changed - scratch == expect
+
+
+# ---- compiled == eager --------------------------------------------------------------------------
+
+def test_compiled_decode_step_gives_the_eager_tokens(tmp_path):
+    """Two layers (one full, one sliding MoE) and one bucket keep the compile short."""
+    model = load_model(build_tiny_hf_checkpoint(tmp_path / "hf", num_hidden_layers=2), dtype=torch.float32)
+    assert set(model.config.layer_kinds) == {"full", "sliding"} and "moe" in model.config.mlp_kinds
+    prompts = [ids(80 + i, n) for i, n in enumerate((11, 6))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = engine(model).generate(prompts, params)
+    llm = engine(model, mode="compile", buckets=(2,))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.engine.runner.decode_graphs.compile_seconds > 0
+
+
+# ---- the switch ---------------------------------------------------------------------------------
+
+def test_decode_mode_defaults_and_flags():
+    assert EngineConfig().decode_mode("cpu") is None
+    assert EngineConfig().decode_mode("cuda") == "cudagraph"
+    assert EngineConfig(compile_decode=True).decode_mode("cpu") == "compile"
+    assert EngineConfig(compile_decode=False).decode_mode("cuda") is None
+    with pytest.raises(ValueError, match="decode_buckets"):
+        EngineConfig(decode_buckets=(0, 4))
+    from mm_pipeline.cli import build_parser
+    from mm_pipeline.runtime.config import OmniEngineConfig
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--compile-decode", "--decode-buckets", "1",
+                                      "--decode-buckets", "8"])
+    from mm_pipeline.config_flags import config_flags, config_values
+
+    cfg = OmniEngineConfig.from_kwargs(**config_values(args, config_flags()))
+    assert cfg.engine.compile_decode is True and cfg.engine.decode_buckets == (1, 8)
+    args = build_parser().parse_args(["serve", "--model", "m", "--enforce-eager"])
+    assert OmniEngineConfig.from_kwargs(**config_values(args, config_flags())).engine.compile_decode is False
