@@ -1,6 +1,7 @@
 """The MiMo-V2.5 reference audio path served like ours: a checkpoint in the real layout goes
 through the same planner, encoder cache, cross-request batching and streamed prefill (segments are
-the unit); streamed == unstreamed == a reference that encodes every segment first."""
+the unit); streamed == unstreamed == a reference that encodes every segment first. Pre-tokenized
+codes (input_audio_codes) give the tokens of the audio they are the codes of, by the same path."""
 
 from __future__ import annotations
 
@@ -95,3 +96,89 @@ def test_segments_of_concurrent_requests_share_forwards(ckpt):
         assert s.encoder["forwards.audio"] < 6  # batched across requests
     finally:
         engine.shutdown()
+
+
+# ---- pre-tokenized audio codes (issue 23): the audio's own segments, through the same machinery --
+def codes_of(engine: OmniEngine, data: bytes) -> torch.Tensor:
+    """The RVQ codes [channels, frames] the checkpoint's tokenizer makes of ``data``, segment by
+    segment (what a client that ran the tokenizer itself would send)."""
+    model = engine.runtime.model
+    audio = decode_audio(MediaItem(MediaKind.AUDIO, "wav", data), model.audio_config.sampling_rate)
+    per_segment = model.audio.tokenize_segments(engine.runtime.pre.audio_segments(audio))
+    return torch.cat(per_segment)[:, :len(model.audio.codebook_sizes)].T
+
+
+def ask_codes(codes, text: str = "Describe.") -> list[dict]:
+    part = {"type": "input_audio_codes", "input_audio_codes": {"codes": codes, "format": "mimo_rvq"}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+
+def test_codes_give_the_tokens_of_their_audio_streamed_unstreamed_and_cached(ckpt):
+    streamed, unstreamed = make(ckpt), make(ckpt, stream_embeddings=False)
+    try:
+        codes = codes_of(streamed, CLIP)
+        assert codes.shape[1] == 3 * 24 + 4  # 3 whole segments of 96 mel frames (24 code frames) + 13 frames
+        audio_tokens, audio_deltas = asyncio.run(collect(streamed, ask(CLIP)))
+        tokens, deltas = asyncio.run(collect(streamed, ask_codes(codes.tolist())))
+        assert deltas[0].prompt_token_ids == audio_deltas[0].prompt_token_ids
+        assert tokens == audio_tokens
+        s = streamed.stats()
+        assert s.encoder["encoded.audio"] == 4 + 4 and s.media["audio_codes"] == 1
+        assert s.media["audio_decoded"] == 1  # the codes decoded nothing
+
+        # the encode-first reference over the codes' own rows
+        model = streamed.runtime.model
+        rows = torch.cat([model.audio.encode_codes(seg.T) for seg in torch.split(codes, 24, dim=1)])
+        pad = model.layout.prompt_layout.special.audio_pad
+        prompt = deltas[0].prompt_token_ids
+        where = [i for i, t in enumerate(prompt) if t == pad]
+        span = PlaceholderSpan(where[0], where[-1] + 1, "a")
+        assert tokens == encode_first_tokens(model.text, prompt, [span], [rows], model.hidden_size, GREEDY)
+
+        assert asyncio.run(collect(unstreamed, ask_codes(codes.tolist())))[0] == tokens
+
+        # the same codes again (as a tensor this time): every segment from the encoder cache
+        again, deltas = asyncio.run(collect(streamed, ask_codes(codes, "Again?")))
+        assert deltas[0].encoder_cache_hits == 4 and streamed.stats().encoder["encoded.audio"] == 8
+    finally:
+        streamed.shutdown()
+        unstreamed.shutdown()
+
+
+def test_codes_and_decoded_audio_share_encoder_batches(ckpt):
+    engine = make(ckpt, encoder_max_wait_ms=1000.0)
+    try:
+        other = audio_bytes(seconds=1.5, rate=16000, channels=1, freq=420.0)
+        codes = codes_of(engine, CLIP).tolist()
+        audio = engine.runtime.model.audio
+        mixed, inner = [], audio.encode_segments_and_codes
+        audio.encode_segments_and_codes = lambda m, c: mixed.append((len(m), len(c))) or inner(m, c)
+
+        async def both():
+            return await asyncio.gather(collect(engine, ask(other)), collect(engine, ask_codes(codes)))
+
+        (_, _), (tokens, _) = asyncio.run(both())
+        s = engine.stats()
+        assert s.encoder["encoded.audio"] == 2 + 4
+        assert (2, 4) in mixed  # both requests' segments in one batch: one tokenizer + one speech forward
+        alone = make(ckpt)
+        try:
+            assert asyncio.run(collect(alone, ask_codes(codes)))[0] == tokens
+        finally:
+            alone.shutdown()
+    finally:
+        engine.shutdown()
+
+
+def test_multimodal_llm_takes_codes_as_a_tensor(ckpt):
+    from mm_pipeline.multimodal_llm import MultimodalLLM
+
+    llm = MultimodalLLM.from_engine(make(ckpt))
+    try:
+        codes = codes_of(llm.engine, CLIP)
+        audio, as_tensor, as_lists, wrong = llm.chat([ask(CLIP), ask_codes(codes.numpy()), ask_codes(codes.tolist()),
+                                                      ask_codes(codes[:3])], GREEDY)
+        assert as_tensor.token_ids == audio.token_ids == as_lists.token_ids
+        assert wrong.finish_reason == "error" and "3 channels" in wrong.error and "4 RVQ stages" in wrong.error
+    finally:
+        llm.close()
