@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.support.audio_codes import tokenizer_codes
 from tests.support.encode_first import encode_first_tokens
 from tests.support.media_samples import audio_bytes
 
@@ -100,12 +101,7 @@ def test_segments_of_concurrent_requests_share_forwards(ckpt):
 
 # ---- pre-tokenized audio codes (issue 23): the audio's own segments, through the same machinery --
 def codes_of(engine: OmniEngine, data: bytes) -> torch.Tensor:
-    """The RVQ codes [channels, frames] the checkpoint's tokenizer makes of ``data``, segment by
-    segment (what a client that ran the tokenizer itself would send)."""
-    model = engine.runtime.model
-    audio = decode_audio(MediaItem(MediaKind.AUDIO, "wav", data), model.audio_config.sampling_rate)
-    per_segment = model.audio.tokenize_segments(engine.runtime.pre.audio_segments(audio))
-    return torch.cat(per_segment)[:, :len(model.audio.codebook_sizes)].T
+    return tokenizer_codes(engine.runtime, data)
 
 
 def ask_codes(codes, text: str = "Describe.") -> list[dict]:
