@@ -49,6 +49,16 @@ async def collect(engine: OmniEngine, messages):
     return [t for d in deltas for t in d.new_token_ids], deltas
 
 
+def encode_first(model, prompt: list[int], rows: torch.Tensor) -> list[int]:
+    """Greedy tokens of ``prompt`` (one audio item) with ``rows`` in its audio placeholders, all
+    present before prefill."""
+    pad = model.layout.prompt_layout.special.audio_pad
+    where = [i for i, t in enumerate(prompt) if t == pad]
+    assert len(where) == rows.shape[0] == where[-1] - where[0] + 1
+    span = PlaceholderSpan(where[0], where[-1] + 1, "a")
+    return encode_first_tokens(model.text, prompt, [span], [rows], model.hidden_size, GREEDY)
+
+
 def test_reference_audio_is_served_cached_and_streamed(ckpt):
     streamed, unstreamed = make(ckpt), make(ckpt, stream_embeddings=False)
     try:
@@ -63,11 +73,7 @@ def test_reference_audio_is_served_cached_and_streamed(ckpt):
         audio = decode_audio(MediaItem(MediaKind.AUDIO, "wav", CLIP), model.audio_config.sampling_rate)
         segments = streamed.runtime.pre.audio_segments(audio)
         rows = torch.cat([model.audio.encode_segments([seg])[0] for seg in segments])
-        pad = model.layout.prompt_layout.special.audio_pad
-        where = [i for i, t in enumerate(prompt) if t == pad]
-        assert len(where) == rows.shape[0] == where[-1] - where[0] + 1
-        span = PlaceholderSpan(where[0], where[-1] + 1, "a")
-        assert tokens == encode_first_tokens(model.text, prompt, [span], [rows], model.hidden_size, GREEDY)
+        assert tokens == encode_first(model, prompt, rows)
 
         got, _ = asyncio.run(collect(unstreamed, ask(CLIP)))
         assert got == tokens
@@ -125,11 +131,7 @@ def test_codes_give_the_tokens_of_their_audio_streamed_unstreamed_and_cached(ckp
         # the encode-first reference over the codes' own rows
         model = streamed.runtime.model
         rows = torch.cat([model.audio.encode_codes(seg.T) for seg in torch.split(codes, 24, dim=1)])
-        pad = model.layout.prompt_layout.special.audio_pad
-        prompt = deltas[0].prompt_token_ids
-        where = [i for i, t in enumerate(prompt) if t == pad]
-        span = PlaceholderSpan(where[0], where[-1] + 1, "a")
-        assert tokens == encode_first_tokens(model.text, prompt, [span], [rows], model.hidden_size, GREEDY)
+        assert tokens == encode_first(model, deltas[0].prompt_token_ids, rows)
 
         assert asyncio.run(collect(unstreamed, ask_codes(codes.tolist())))[0] == tokens
 
