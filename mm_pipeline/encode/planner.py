@@ -158,8 +158,9 @@ class MediaPlanner:
     @property
     def counts(self) -> dict[str, int]:
         """Work done: probes, images_decoded, audio_decoded, audio_codes (pre-tokenized items
-        loaded), video_chunks_decoded, unit_hits (units found in the encoder cache), plan_joins; per modality (``name.kind``) manifest_hits and
-        manifest_misses, and the ingestor's content_hashes, sniff_probes, sniff_memo_hits."""
+        loaded), video_chunks_decoded, unit_hits (units found in the encoder cache), plan_joins;
+        per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
+        content_hashes, sniff_probes, sniff_memo_hits."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 

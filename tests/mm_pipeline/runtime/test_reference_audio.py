@@ -138,6 +138,17 @@ def test_codes_give_the_tokens_of_their_audio_streamed_unstreamed_and_cached(ckp
         # the same codes again (as a tensor this time): every segment from the encoder cache
         again, deltas = asyncio.run(collect(streamed, ask_codes(codes, "Again?")))
         assert deltas[0].encoder_cache_hits == 4 and streamed.stats().encoder["encoded.audio"] == 8
+
+        # units evicted, the manifest kept: planned from the manifest, the segments made again from
+        # the codes' bytes (the path of a restart with a disk cache), the same answer
+        memory = streamed.runtime.cache.tiers[0]
+        for key in memory.keys():
+            if not key.startswith("enc:manifest:"):
+                memory.delete(key)
+        before = streamed.stats().media.get("manifest_hits.audio", 0)
+        assert asyncio.run(collect(streamed, ask_codes(codes)))[0] == tokens
+        s = streamed.stats()
+        assert s.media["manifest_hits.audio"] == before + 1 and s.encoder["encoded.audio"] == 8 + 4
     finally:
         streamed.shutdown()
         unstreamed.shutdown()
