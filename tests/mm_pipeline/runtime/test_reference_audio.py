@@ -17,6 +17,7 @@ from tests.support.media_samples import audio_bytes
 
 from encoders.audio.mimo_audio import MimoAudioEncoder
 from llm_core import SamplingParams
+from mm_pipeline.errors import ContextLengthError
 from mm_pipeline.media.decode_audio import decode_audio
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.runtime.embedding_stream import PlaceholderSpan
@@ -191,3 +192,16 @@ def test_multimodal_llm_takes_codes_as_a_tensor(ckpt):
         assert wrong.finish_reason == "error" and "3 channels" in wrong.error and "4 RVQ stages" in wrong.error
     finally:
         llm.close()
+
+
+def test_codes_over_the_context_are_refused_before_anything_is_encoded(ckpt):
+    engine = make(ckpt, max_model_len=160)
+    try:
+        codes = codes_of(engine, CLIP)  # 19 audio tokens, a 126-token prompt ...
+        long = torch.cat([codes] * 4, dim=1)  # ... 4 times: 76 audio tokens, over the 160-token context
+        with pytest.raises(ContextLengthError, match="context limit of 160"):
+            asyncio.run(collect(engine, ask_codes(long)))
+        assert engine.stats().encoder.get("encoded.audio", 0) == 0
+        assert len(asyncio.run(collect(engine, ask_codes(codes)))[0]) == GREEDY.max_tokens
+    finally:
+        engine.shutdown()
