@@ -6,13 +6,14 @@
 ``codes[c][t]`` is RVQ stage ``c``'s code at frame ``t`` (25 frames per second): one list per stage,
 all of one length. Three checks, from cheap to checkpoint-specific:
 
-    parse_codes   (messages.py / protocol.py, no model needed) integers in int32, a rectangle of
+    value cap     (server, app._validate, before the JSON parse) bounds how many numbers a body
+                  may make the parser build (max_json_values)
+    parse_codes   (protocol.py / messages.py, no model needed) integers in int32, a rectangle of
                   1..MAX_CODE_CHANNELS lists of >= 1 frame -> AudioCodes, stored [frames, channels]
                   int32 (the encoder's layout, 4 bytes a code)
     check_codes   (planner, the loaded model) as many channels as the checkpoint's speech input
                   reads, each code below its stage's codebook size, frames within the duration
                   limit of decoded audio (max_duration_s)
-    the server's JSON value cap (app.parse_body) bounds what a body may make the parser build
 
 The codes then go where decoded audio goes: a MediaItem (kind audio, format ``mimo_rvq``) whose
 bytes are :meth:`AudioCodes.to_bytes`, so the content key hashes the codes themselves and the
