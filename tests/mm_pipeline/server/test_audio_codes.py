@@ -130,6 +130,9 @@ def test_malformed_codes_are_4xx_with_a_message(served, codes):
     assert r.status_code == 400 and "mimo_rvq" in r.json()["error"]["message"]
     r = post(served, body({"type": "input_audio_codes", "input_audio_codes": [codes]}))
     assert r.status_code == 400
+    deep = json.dumps(body(codes_part("X"))).replace('"X"', "[" * 100_000 + "]" * 100_000).encode()
+    r = post(served, deep)  # nesting: the parser's recursion limit, not the interpreter's stack
+    assert r.status_code == 400 and "recursion limit" in r.json()["error"]["message"]
     assert post(served, body(codes_part(codes))).status_code == 200  # and the server goes on
     wait_idle(served)
 
