@@ -81,10 +81,12 @@ class AudioCodes:
         return cls(torch.from_numpy(values))
 
 
-def parse_codes(value: Any, where: str) -> AudioCodes:
+def parse_codes(value: Any, where: str, *, ints_checked: bool = False) -> AudioCodes:
     """``codes`` as a client sends them: one list of integers per RVQ stage ([channels][frames]), or
     (offline API) a 2-D integer tensor / array of that shape, or AudioCodes already parsed. Raises
-    InvalidMessageError naming ``where`` for anything else; work is bounded by the input's size."""
+    InvalidMessageError naming ``where`` for anything else; work is bounded by the input's size.
+    ``ints_checked``: the caller's schema already refused every value that is not an int
+    (protocol.py's strict ints), so the per-value type pass is skipped."""
     if isinstance(value, AudioCodes):
         return value
     if isinstance(value, (torch.Tensor, np.ndarray)):
@@ -101,7 +103,7 @@ def parse_codes(value: Any, where: str) -> AudioCodes:
         if len(row) != len(value[0]):
             raise InvalidMessageError(f"{where} is ragged: channel 0 has {len(value[0])} frames, channel {c} "
                                       f"has {len(row)}")
-        types = set(map(type, row))  # C loops: a float, string, bool (array() takes True as 1)...
+        types = {int} if ints_checked else set(map(type, row))  # C loops; array() takes True as 1
         if types != {int}:
             bad = next(t for t in types if t is not int)
             raise InvalidMessageError(f"{where}[{c}] holds a {bad.__name__}; codes are integers")
@@ -109,8 +111,8 @@ def parse_codes(value: Any, where: str) -> AudioCodes:
             rows.append(array("i", row))
         except OverflowError:
             raise InvalidMessageError(f"{where}[{c}] holds a code outside the 32-bit range") from None
-    stacked = np.frombuffer(b"".join(r.tobytes() for r in rows), dtype=np.int32).reshape(len(rows), -1)
-    return AudioCodes(torch.from_numpy(stacked.T.copy()))
+    stacked = np.stack([np.frombuffer(r, dtype=np.int32) for r in rows])  # one copy, [channels, frames]
+    return AudioCodes(torch.from_numpy(np.ascontiguousarray(stacked.T)))
 
 
 def _from_array(t: torch.Tensor, where: str) -> AudioCodes:

@@ -70,7 +70,7 @@ def _to_codes(rows: list[list[int]]) -> AudioCodes:
     # here, in the request parse (off the event loop for big bodies): the lists become 4 bytes a
     # code once, and the message dump hands the engine this object, never the lists again
     try:
-        return parse_codes(rows, "codes")
+        return parse_codes(rows, "codes", ints_checked=True)  # CodeValue: strict ints
     except InvalidMessageError as exc:
         raise ValueError(str(exc).removeprefix("codes").lstrip()) from None
 

@@ -62,7 +62,7 @@ def test_bytes_round_trip_and_tell_shapes_apart(channels, frames, data):
     codes = AudioCodes(torch.tensor(values, dtype=torch.int32).view(frames, channels))
     again = AudioCodes.from_bytes(codes.to_bytes())
     assert torch.equal(again.codes, codes.codes)
-    if frames > 1 and channels > 1:  # the same values in another shape are other codes
+    if frames > 1 and channels > 1 and frames != channels:  # the same values in another shape: other codes
         other = AudioCodes(codes.codes.reshape(channels, frames))
         assert content_key(other.to_bytes()) != content_key(codes.to_bytes())
 
