@@ -201,7 +201,7 @@ class AudioConfig:
     def tokens_per_second(self) -> float:
         """LLM tokens per second of sound (6.25 for MiMo-V2.5: 100 mel frames/s, stride 2, pool 2,
         group 4); lays a video's sound out by time (docs/model.md §5.3)."""
-        return self.frames_per_second / (self.stride_size * self.avg_pooler * self.group_size)
+        return self.code_frames_per_second / self.group_size
 
     def num_mel_frames(self, num_samples: int) -> int:
         """Mel frames of a centred STFT over ``num_samples`` samples."""
@@ -210,12 +210,31 @@ class AudioConfig:
     def conv_frames(self, mel_frames: int) -> int:
         return (mel_frames - 1) // self.stride_size + 1
 
+    def code_frames(self, mel_frames: int) -> int:
+        """Rows after the pool (the reference path's RVQ code frames, 25 per second) of a segment."""
+        return -(-self.conv_frames(mel_frames) // self.avg_pooler)
+
+    @property
+    def codes_per_segment(self) -> int:
+        """Code frames of one whole ``segment_size`` segment: pre-tokenized codes are cut here, so
+        their segments are the ones the tokenizer made from the audio (1500 for MiMo-V2.5)."""
+        return self.code_frames(self.segment_size)
+
+    @property
+    def code_frames_per_second(self) -> float:
+        return self.frames_per_second / (self.stride_size * self.avg_pooler)
+
     def segment_tokens(self, mel_frames: int) -> int:
         """Output tokens of one segment of ``mel_frames`` (<= segment_size) frames."""
         if mel_frames <= 0:
             raise ValueError(f"an audio segment needs at least one mel frame, got {mel_frames}")
-        pooled = -(-self.conv_frames(mel_frames) // self.avg_pooler)
-        return -(-pooled // self.group_size)
+        return self.code_tokens(self.code_frames(mel_frames))
+
+    def code_tokens(self, code_frames: int) -> int:
+        """Output tokens of one segment of ``code_frames`` (<= codes_per_segment) pooled rows or codes."""
+        if code_frames <= 0:
+            raise ValueError(f"an audio segment needs at least one code frame, got {code_frames}")
+        return -(-code_frames // self.group_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AudioConfig":
@@ -287,6 +306,9 @@ def unit_tokens(kind: str, shape: Sequence[int], *, merge_size: int = 2,
         "video"  shape (G, gh, gw): G frame groups of gh x gw patches -> (gh*gw / merge²,) * G
         "audio"  shape (T,): a clip's log-mel frames, cut into ``segment_size`` segments (+ rest)
                  -> one count per segment, ``audio.segment_tokens``
+        "audio_codes"  shape (T,): pre-tokenized RVQ code frames, cut into ``codes_per_segment``
+                 segments (+ rest) -> one count per segment, ``audio.code_tokens`` (the counts of
+                 the audio whose codes they are)
     """
     if kind in ("image", "video"):
         _require(len(shape) == 3 and min(shape) > 0, f"{kind} needs a positive (t, gh, gw) grid, got {tuple(shape)}")
@@ -295,11 +317,12 @@ def unit_tokens(kind: str, shape: Sequence[int], *, merge_size: int = 2,
                  f"{kind} grid {gh}x{gw} is not a whole number of {merge_size}x{merge_size} merge units")
         per_frame = gh * gw // (merge_size * merge_size)  # the tower merges m x m patches into one row
         return (t * per_frame,) if kind == "image" else (per_frame,) * t
-    if kind == "audio":
+    if kind in ("audio", "audio_codes"):
         _require(audio is not None, "audio token counts need the audio encoder's config")
-        _require(len(shape) == 1 and shape[0] > 0, f"an audio clip needs at least one mel frame, got {tuple(shape)}")
+        _require(len(shape) == 1 and shape[0] > 0, f"an audio clip needs at least one frame, got {tuple(shape)}")
         assert audio is not None
-        full, rest = divmod(shape[0], audio.segment_size)
-        sizes = [audio.segment_size] * full + ([rest] if rest else [])
-        return tuple(audio.segment_tokens(n) for n in sizes)
-    raise ValueError(f"unknown media kind {kind!r} (image, video, audio)")
+        segment, count = ((audio.segment_size, audio.segment_tokens) if kind == "audio" else
+                          (audio.codes_per_segment, audio.code_tokens))
+        full, rest = divmod(shape[0], segment)
+        return tuple(count(n) for n in [segment] * full + ([rest] if rest else []))
+    raise ValueError(f"unknown media kind {kind!r} (image, video, audio, audio_codes)")

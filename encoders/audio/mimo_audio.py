@@ -7,7 +7,7 @@ It offers the interface of our :class:`encoders.audio.encoder.AudioEncoder` (``e
 ``forward``, ``config``, ``device``, ``dtype``), so the encoder batcher, the cache and streaming treat
 both paths alike: the unit is still one ``segment_size`` segment, and its row count is
 ``AudioConfig.segment_tokens`` (docs/model.md §4). Pre-tokenized codes skip the tokenizer:
-:meth:`encode_codes`.
+:meth:`encode_codes`, and a batch may mix both (:meth:`encode_segments_and_codes`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ class MimoAudioEncoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tokenizer.conv1.weight.dtype
 
+    @property
+    def codebook_sizes(self) -> tuple[int, ...]:
+        """Codebook size of each RVQ stage the speech input reads (its ``audio_channels`` first
+        stages): what a pre-tokenized code of each channel must be below."""
+        return self.tokenizer.config.codebook_size[:self.speech.config.audio_channels]
+
     @torch.no_grad()
     def tokenize_segments(self, segments: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Log-mel segments (each <= segment_size frames) -> RVQ codes [n2, num_quantizers] each."""
@@ -87,6 +93,15 @@ class MimoAudioEncoder(nn.Module):
     def encode_segments(self, segments: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Encode mel segments in one tokenizer forward and one speech-input forward -> per segment."""
         return self.encode_codes_batch(self.tokenize_segments([s.to(self.device) for s in segments]))
+
+    @torch.no_grad()
+    def encode_segments_and_codes(self, segments: Sequence[torch.Tensor], codes: Sequence[torch.Tensor]
+                                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Mel segments and pre-tokenized code segments of one batch: the mels through the
+        tokenizer, then all codes through one speech-input forward -> (mel rows, code rows)."""
+        tokenized = self.tokenize_segments([s.to(self.device) for s in segments]) if segments else []
+        out = self.encode_codes_batch(tokenized + list(codes))
+        return out[:len(tokenized)], out[len(tokenized):]
 
     @torch.no_grad()
     def forward(self, mels: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -39,21 +39,23 @@ VISION_KINDS = ("image", "video")
 
 @dataclass(frozen=True, eq=False)
 class EncoderJob:
-    """One unit to encode: vision patch rows + grid, or one audio mel segment."""
+    """One unit to encode: vision patch rows + grid, or one audio segment: a log-mel, or the
+    segment's pre-tokenized RVQ codes [frames, channels] (the reference audio path only)."""
 
     key: str
     kind: str  # "image" | "video" | "audio"
     vision: VisionInput | None = None
     mel: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
     submitted_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if self.kind in VISION_KINDS:
-            if self.vision is None or self.mel is not None:
+            if self.vision is None or self.mel is not None or self.codes is not None:
                 raise ValueError(f"{self.kind} job {self.key[:16]} needs vision input only")
         elif self.kind == "audio":
-            if self.mel is None or self.vision is not None:
-                raise ValueError(f"audio job {self.key[:16]} needs a mel segment only")
+            if (self.mel is None) == (self.codes is None) or self.vision is not None:
+                raise ValueError(f"audio job {self.key[:16]} needs a mel segment or its codes only")
         else:
             raise ValueError(f"unknown encoder job kind {self.kind!r} (image, video, audio)")
 
@@ -63,8 +65,11 @@ class EncoderJob:
 
     @property
     def cost(self) -> int:
-        """Budget units: patch rows (vision) or mel frames (audio)."""
-        return self.vision.num_patches if self.vision is not None else int(self.mel.shape[0])  # type: ignore[union-attr]
+        """Budget units: patch rows (vision), mel frames (audio) or code frames (pre-tokenized
+        audio: no tokenizer forward, a quarter of the frames of its sound)."""
+        if self.vision is not None:
+            return self.vision.num_patches
+        return int((self.mel if self.mel is not None else self.codes).shape[0])  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -199,8 +204,7 @@ class EncoderBatcher:
                 assert self.vision is not None
                 outs = self.vision.encode_items([(j.vision.rows, j.vision.grid) for j in batch])  # type: ignore[union-attr]
             else:
-                assert self.audio is not None
-                outs = self.audio.encode_segments([j.mel for j in batch])
+                outs = self._encode_audio(batch)
             if self.before_deliver is not None:
                 self.before_deliver()
         except Exception as exc:  # one bad batch fails its units, not the engine
@@ -218,6 +222,17 @@ class EncoderBatcher:
                 self.on_encoded(job.key, rows)
             self._deliver(job.key, rows, None)
         return len(batch)
+
+    def _encode_audio(self, batch: Sequence[EncoderJob]) -> list[torch.Tensor]:
+        """Mel segments and code segments of one batch: one call (one speech-input forward)."""
+        assert self.audio is not None
+        mels = [j.mel for j in batch if j.mel is not None]
+        codes = [j.codes for j in batch if j.codes is not None]
+        if not codes:
+            return self.audio.encode_segments(mels)
+        mel_rows, code_rows = self.audio.encode_segments_and_codes(mels, codes)
+        by_mel, by_codes = iter(mel_rows), iter(code_rows)
+        return [next(by_mel) if j.mel is not None else next(by_codes) for j in batch]
 
     def _deliver(self, key: str, rows: torch.Tensor | None, error: BaseException | None) -> None:
         if error is not None:

@@ -1,10 +1,13 @@
 r"""Media item -> encoder units: layout sizes first, then cache hits, joins or production.
 
+    load(ref)    ingest (bytes, sniff); pre-tokenized audio codes: checked against the model, then an
+                 audio item whose bytes are the codes' canonical bytes (media/audio_codes.py)
     plan(item)   content key (hashed at ingest, before the sniff) ─► media key ─► manifest in the cache?
                                          ─yes─► unit keys + sizes + decoded bytes: no sniff (ingest's
                                                 memo), no probe, no decode at all
                                          └─no─► image: header only (decoded when produced)
                                                 audio: decode (stops at the context) + preprocess
+                                                       (codes: cut into the audio's segments)
                                                 video: probe (demux only) ─► sampling ─► sizes;
                                                        its sound track (if any, video_audio on):
                                                        decoded as audio, segments after the groups
@@ -44,6 +47,7 @@ from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
 from mm_pipeline.media.content_hash import audio_segment_key, content_key, media_key, video_group_key
 from mm_pipeline.media.ingest import MediaIngestor
+from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.worker_pool import WorkerPool
 from mm_pipeline.prompt.messages import MediaRef
@@ -79,6 +83,8 @@ class MediaPlanner:
     async def load(self, ref: MediaRef) -> MediaItem:
         """Ingest one media reference (uploaded file ids through the resolver). Concurrent loads
         of one file id (the n choices of one request) read it once and share the bytes."""
+        if ref.codes is not None:
+            return await self.pool.run(self._codes_item, ref.codes)
         if ref.source is not None:
             return await self.ingestor.ingest(ref.source)
         if self.file_resolver is None:
@@ -151,9 +157,10 @@ class MediaPlanner:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Work done: probes, images_decoded, audio_decoded, video_chunks_decoded, unit_hits (units
-        found in the encoder cache), plan_joins; per modality (``name.kind``) manifest_hits and
-        manifest_misses, and the ingestor's content_hashes, sniff_probes, sniff_memo_hits."""
+        """Work done: probes, images_decoded, audio_decoded, audio_codes (pre-tokenized items
+        loaded), video_chunks_decoded, unit_hits (units found in the encoder cache), plan_joins;
+        per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
+        content_hashes, sniff_probes, sniff_memo_hits."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 
@@ -171,6 +178,14 @@ class MediaPlanner:
             data = await self.pool.run(self._read_upload, data, ref.file_id)
         return await self.ingestor.ingest(MediaSource(data=data if isinstance(data, bytes) else bytes(data),
                                                       kind=ref.kind))
+
+    def _codes_item(self, codes: AudioCodes) -> MediaItem:
+        """Pre-tokenized audio as an audio item: checked against the model (every time: a
+        manifest hit must not skip it), its bytes the codes' canonical bytes, hashed here."""
+        self.pre.check_codes(codes, self.config.limits.max_duration_s)
+        self._count("audio_codes")
+        data = codes.to_bytes()
+        return MediaItem(MediaKind.AUDIO, CODES_FORMAT, data, origin="audio codes", content_key=content_key(data))
 
     def _read_upload(self, path: Path, file_id: str) -> bytes:
         # the media cap before the read: an upload may be larger than media may be
@@ -219,8 +234,9 @@ class MediaPlanner:
             (tokens,) = self.pre.unit_tokens("image", grid)
             return MediaPlan(item, mkey, (UnitPlan(mkey, tokens),), decoded_bytes=image_decode_bytes(h, w))
         if item.kind is MediaKind.AUDIO:
-            mels = self.producer.audio_inputs(item, control)
-            sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))
+            mels = self.producer.audio_inputs(item, control)  # log-mels, or codes (the same segments)
+            rule = "audio_codes" if item.format == CODES_FORMAT else "audio"
+            sizes = self.pre.unit_tokens(rule, (sum(int(m.shape[0]) for m in mels),))
             if len(sizes) != len(mels):
                 raise AssertionError(f"{len(mels)} mel segments but the token rule cuts {len(sizes)}")
             units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), n) for i, n in enumerate(sizes))

@@ -6,6 +6,9 @@
                   -> one vision unit per temporal group (2 frames), grid (1, gh, gw) each
     DecodedAudio  [N] float mono  --log-mel on device--> segments of <= segment_size mel frames
                   -> one audio unit per segment
+    AudioCodes    [frames, channels] int32 (pre-tokenized, media/audio_codes.py) --checked against
+                  the model's codebooks--> segments of <= codes_per_segment frames (the audio's own
+                  segments) -> one audio unit per segment
 
 Sizes are functions of metadata only (image size, the video's frame count and size, audio sample
 count), so a prompt can be laid out before any pixel is processed; the token count of a size is
@@ -26,6 +29,8 @@ from encoders.audio.packing import split_segments
 from encoders.config import AudioConfig, unit_tokens
 from encoders.image_processing import ImageProcessingConfig, normalize, patchify, resize_frames, smart_resize
 from encoders.audio.mel import LogMelSpectrogram
+from mm_pipeline.media import audio_codes
+from mm_pipeline.media.audio_codes import AudioCodes
 from mm_pipeline.media.types import DecodedAudio, DecodedImage
 
 
@@ -45,9 +50,12 @@ class Preprocessor:
     """Pixel and audio preprocessing for one omni model (configs + the encoders' device)."""
 
     def __init__(self, image_config: ImageProcessingConfig, audio_config: AudioConfig | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", audio_codebooks: tuple[int, ...] | None = None) -> None:
+        """``audio_codebooks``: per RVQ stage the model reads, its codebook size (the reference
+        audio path, ``MimoAudioEncoder.codebook_sizes``); None: pre-tokenized codes are refused."""
         self.image_config = image_config
         self.audio_config = audio_config
+        self.audio_codebooks = audio_codebooks if audio_config is not None else None
         self.device = torch.device(device)
         self._mel = LogMelSpectrogram(audio_config) if audio_config is not None else None
 
@@ -99,6 +107,16 @@ class Preprocessor:
         assert self._mel is not None
         mel = self._mel(audio.samples.to(self.device), audio.sample_rate)
         return split_segments(mel, cfg.segment_size)
+
+    def check_codes(self, codes: AudioCodes, max_duration_s: float) -> None:
+        """Pre-tokenized codes against this model (channels, codebook ranges, duration limit)."""
+        rate = self.audio_config.code_frames_per_second if self.audio_config is not None else 0.0
+        audio_codes.check_codes(codes, self.audio_codebooks, rate, max_duration_s)
+
+    def code_segments(self, codes: AudioCodes) -> list[torch.Tensor]:
+        """Checked codes cut into the segments the tokenizer made of their audio (CPU int32: the
+        speech input moves them)."""
+        return audio_codes.code_segments(codes, self._need_audio().codes_per_segment)
 
     # ---- internal helpers -------------------------------------------------------------------
     def _frames_chw(self, frames_hwc: torch.Tensor) -> torch.Tensor:

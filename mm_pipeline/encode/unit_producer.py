@@ -27,6 +27,7 @@ from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
 from mm_pipeline.errors import MediaError, UnsupportedMediaType
+from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
 from mm_pipeline.media.video_chunks import decode_chunk, plan_chunks
@@ -64,9 +65,12 @@ class UnitProducer:
             return self.pre.image(image, self.pre.image_size(h, w))
 
     def audio_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> list[torch.Tensor]:
+        """Segments of an audio item: log-mels, or the codes of pre-tokenized audio (no decode)."""
         cfg = self.pre.audio_config
         if cfg is None:
             raise UnsupportedMediaType("this model has no audio encoder; audio input is not supported")
+        if item.format == CODES_FORMAT:
+            return self.pre.code_segments(AudioCodes.from_bytes(item.data))  # checked when loaded
         limit = self.context_samples()
         cap = int(self.config.limits.max_duration_s * cfg.sampling_rate)
         cap = cap if limit is None else min(cap, limit + 1)
@@ -235,6 +239,11 @@ class UnitProducer:
         key = plan.units[i].key
         if key not in open_keys:
             return  # a repeated unit of this item (same key twice) was already submitted
-        job = EncoderJob(key, "audio", mel=inp) if plan.is_audio_unit(i) else EncoderJob(key, plan.kind.value, vision=inp)
+        if not plan.is_audio_unit(i):
+            job = EncoderJob(key, plan.kind.value, vision=inp)
+        elif plan.item.format == CODES_FORMAT:
+            job = EncoderJob(key, "audio", codes=inp)
+        else:
+            job = EncoderJob(key, "audio", mel=inp)
         self.batcher.submit(job)
         open_keys.discard(key)

@@ -103,6 +103,12 @@ class OmniModel:
         return self.text_config.hidden_size
 
     @property
+    def audio_codebooks(self) -> tuple[int, ...] | None:
+        """Codebook sizes of the RVQ stages the reference audio path reads: what pre-tokenized
+        audio codes are checked against (None: the model takes waveforms only)."""
+        return self.audio.codebook_sizes if isinstance(self.audio, MimoAudioEncoder) else None
+
+    @property
     def encoder_device(self) -> torch.device:
         tower = self.vision if self.vision is not None else self.audio
         return tower.device if tower is not None else self.device

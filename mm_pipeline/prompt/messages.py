@@ -8,6 +8,8 @@ Accepted content parts (``content`` may also be a plain string):
     {"type": "audio_url", "audio_url": {"url": ...}}          (common extension)
     {"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" | "mp3" | ...}}
     {"type": "file", "file": {"file_id": ...} | {"file_data": <base64 or data URL>}}
+    {"type": "input_audio_codes", "input_audio_codes": {"codes": [[...], ...], "format": "mimo_rvq"}}
+                                                             (mmserve extension: media/audio_codes.py)
     {"type": "image" | "video" | "audio", "image": <url, path or bytes>}   (offline convenience)
 
 Nothing is read or decoded here (that happens off the event loop); this only checks shapes, so a
@@ -19,10 +21,11 @@ a request's messages are parsed once, here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from mm_pipeline.errors import InvalidMessageError
+from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes, parse_codes
 from mm_pipeline.media.types import MediaKind, MediaSource
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -32,15 +35,17 @@ _PLAIN_PARTS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO, "audio": Med
 
 @dataclass(frozen=True)
 class MediaRef:
-    """A media part before ingest: a source, or an uploaded file id the engine's resolver maps."""
+    """A media part before ingest: a source, an uploaded file id the engine's resolver maps, or
+    pre-tokenized audio codes (already parsed: nothing to read)."""
 
     kind: MediaKind | None
     source: MediaSource | None = None
     file_id: str | None = None
+    codes: AudioCodes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.source is None) == (self.file_id is None):
-            raise ValueError("MediaRef needs exactly one of source and file_id")
+        if sum(x is not None for x in (self.source, self.file_id, self.codes)) != 1:
+            raise ValueError("MediaRef needs exactly one of source, file_id and codes")
 
 
 Part = Union[str, MediaRef]
@@ -123,14 +128,21 @@ def _part(part: Any, where: str) -> Part:
             url = data if data.startswith("data:") else "data:;base64," + data
             return MediaRef(None, source=MediaSource(url=url))
         raise InvalidMessageError(f"{where}.file needs a file_id or file_data")
+    if kind == "input_audio_codes":
+        body = part.get(kind)
+        if not isinstance(body, dict):
+            raise InvalidMessageError(f"{where}.{kind} must be an object with codes and format")
+        if body.get("format", CODES_FORMAT) != CODES_FORMAT:
+            raise InvalidMessageError(f"{where}.{kind}.format must be {CODES_FORMAT!r}, got {str(body['format'])[:40]!r}")
+        return MediaRef(MediaKind.AUDIO, codes=parse_codes(body.get("codes"), f"{where}.{kind}.codes"))
     if kind in _PLAIN_PARTS:
         value = part.get(kind)
         media_kind = _PLAIN_PARTS[kind]
         if isinstance(value, (bytes, bytearray)):
             return MediaRef(media_kind, source=MediaSource(data=bytes(value), kind=media_kind))
         return MediaRef(media_kind, source=_source_from_url(value, media_kind, f"{where}.{kind}"))
-    raise InvalidMessageError(f"{where} has unsupported type {kind!r} (text, image_url, video_url, audio_url, "
-                              f"input_audio, file)")
+    raise InvalidMessageError(f"{where} has unsupported type {str(kind)[:40]!r} (text, image_url, video_url, "
+                              f"audio_url, input_audio, input_audio_codes, file)")
 
 
 def _source_from_url(url: Any, kind: MediaKind, where: str) -> MediaSource:

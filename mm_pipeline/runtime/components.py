@@ -109,7 +109,7 @@ class OmniRuntime:
         # stall text-only requests); its work is bounded by the context limit (TextBound)
         self.text_pool = WorkerPool(2, config.max_queue, config.decode_admit_timeout_s, name="omni-text")
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
-        self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device)
+        self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device, model.audio_codebooks)
         self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor, model.encoder_id,
                                     config.planner_config(model.video_sampling, self.max_model_len,
                                                          default_video_audio=model.video_audio))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
 from llm_core.engine.sampling import MAX_INT32, MAX_LOGPROBS, SEED_LIMIT
+from mm_pipeline.errors import InvalidMessageError
+from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -64,6 +66,37 @@ class AudioPart(_Loose):
     input_audio: InputAudio
 
 
+def _to_codes(rows: list[list[int]]) -> AudioCodes:
+    # here, in the request parse (off the event loop for big bodies): the lists become 4 bytes a
+    # code once, and the message dump hands the engine this object, never the lists again
+    try:
+        return parse_codes(rows, "codes", ints_checked=True)  # CodeValue: strict ints
+    except InvalidMessageError as exc:
+        raise ValueError(str(exc).removeprefix("codes").lstrip()) from None
+
+
+def _codes_out(codes: AudioCodes, info: Any) -> Any:
+    return codes if info.mode == "python" else codes.codes.T.tolist()
+
+
+CodeValue = Annotated[int, Field(strict=True, ge=0, le=MAX_INT32)]  # strict: 1.0, "1" and true are refused
+CodeLists = Annotated[list[list[CodeValue]], Field(min_length=1, max_length=MAX_CODE_CHANNELS),
+                      AfterValidator(_to_codes), PlainSerializer(_codes_out)]
+
+
+class InputAudioCodes(_Loose):
+    codes: CodeLists = Field(description="one list of integer codes per RVQ stage, all of one length "
+                                         "(codes[c][t]: stage c at frame t, 25 frames per second)")
+    format: Literal["mimo_rvq"] = Field(default=CODES_FORMAT, description="the MiMo-V2.5 audio tokenizer's RVQ codes")
+
+
+class AudioCodesPart(_Loose):
+    """mmserve extension: pre-tokenized audio (media/audio_codes.py)."""
+
+    type: Literal["input_audio_codes"]
+    input_audio_codes: InputAudioCodes
+
+
 class FileRef(_Loose):
     file_id: str | None = None
     file_data: str | None = None
@@ -82,7 +115,8 @@ class FilePart(_Loose):
 
 
 ContentPart = Annotated[
-    Union[TextPart, ImagePart, VideoPart, AudioURLPart, AudioPart, FilePart], Field(discriminator="type")
+    Union[TextPart, ImagePart, VideoPart, AudioURLPart, AudioPart, AudioCodesPart, FilePart],
+    Field(discriminator="type")
 ]
 
 

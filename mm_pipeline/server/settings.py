@@ -20,6 +20,9 @@ class ServerSettings:
     max_files: int = 10_000  # file ids kept at once
     default_max_tokens: int = 512
     max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
+    # values (array items, object members) one JSON body may hold: bounds the parser's memory
+    # (app._validate) -- an hour of pre-tokenized audio codes is 20 x 90,000 = 1.8M
+    max_json_values: int = 4_000_000
     # prompts in one /v1/completions request: each is admitted as its own engine request (times n),
     # so a long list would take every admission slot at once; 16 x n <= 16 fits max_queue's 256
     max_completion_prompts: int = 16
@@ -32,6 +35,8 @@ class ServerSettings:
             raise ValueError(f"max_files must be >= 1, got {self.max_files}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_json_values < 1024:
+            raise ValueError(f"max_json_values must be >= 1024, got {self.max_json_values}")
         if self.max_completion_prompts < 1:
             raise ValueError(f"max_completion_prompts must be >= 1, got {self.max_completion_prompts}")
         if self.default_max_tokens < 1:

@@ -18,6 +18,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from mm_pipeline.media.audio_codes import AudioCodes
+
 BLOCK_TOKENS = 16  # the engine's page size: a partial page is never cached, so it never matches
 MEDIA_WEIGHT = 64  # token-equivalents of one media block: media prefill dominates a prompt's cost
 
@@ -86,17 +88,22 @@ def media_key(part: dict) -> str | None:
     """The content key of a media content part, from what the request carries: the bytes of a data
     URL (hashed as sent: the same upload sent twice is the same key), a file id, or a URL. The
     encoder cache keys on the decoded bytes' blake3; routing only needs the same media to give the
-    same key, which this does without decoding anything."""
+    same key, which this does without decoding anything. Pre-tokenized audio codes (parsed by the
+    request model already) are named by their canonical bytes."""
     kind = part.get("type")
+    ref: Any
     if kind == "file":
         f = part.get("file") or {}
         ref = f.get("file_id") or f.get("file_data") or ""
     elif kind in ("image_url", "video_url", "audio_url", "input_audio"):
         inner = part.get(kind) or {}
         ref = inner.get("url") or inner.get("data") or ""
+    elif kind == "input_audio_codes" and isinstance(part.get(kind), dict):
+        codes = part[kind].get("codes")
+        ref = codes.to_bytes() if isinstance(codes, AudioCodes) else codes
     else:
         return None
-    return hashlib.blake2b(str(ref).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(ref if isinstance(ref, bytes) else str(ref).encode(), digest_size=16).hexdigest()
 
 
 def key_of_messages(messages: list[dict], encode: Callable[[str], list[int]],

@@ -25,7 +25,7 @@ from mm_pipeline.media.ingest import MediaLimits
 from samples.synthetic.hostile_media import (huge_png, huge_video, measured, pixel_frames_gif, png_variant,
                                              silent_flac)
 from tests.support.media_samples import image_bytes
-from tests.support.served import served_tiny_omni
+from tests.support.served import served_tiny_omni, wait_idle
 
 MAX_BYTES = 4 << 20  # the media cap of this server (small, so an over-cap upload is cheap to send)
 RSS_BUDGET_MB = 512
@@ -86,17 +86,7 @@ def _bounded(served, send, statuses: set[int], needle: str | None = None, second
 
 def _assert_idle_and_serving(served) -> None:
     assert _chat(served, "hello").status_code == 200
-    runtime = served.engine.runtime
-    deadline = time.monotonic() + 10
-    while True:
-        idle = {"admission": served.engine.requests_in_flight, "media pool": runtime.pool.admitted,
-                "text pool": runtime.text_pool.admitted, "decode bytes": runtime.planner.producer.budget.in_use}
-        if not any(idle.values()):
-            break
-        assert time.monotonic() < deadline, f"not idle: {idle}"
-        time.sleep(0.02)
-    runtime.pool.check_integrity()
-    runtime.planner.producer.budget.check_integrity()
+    wait_idle(served)
 
 
 # ---- row 1: an 8-frame 8192² MP4 ---------------------------------------------------------------------

@@ -58,6 +58,17 @@ def test_media_key_names_content_not_part_type():
     assert media_key({"type": "file", "file": {"file_id": "file-1"}}) != media_key(image("QUJD"))
 
 
+def test_media_key_names_audio_codes_by_their_bytes():
+    from mm_pipeline.media.audio_codes import parse_codes
+
+    def codes(rows):
+        return {"type": "input_audio_codes", "input_audio_codes": {"codes": parse_codes(rows, "codes")}}
+
+    assert media_key(codes([[1, 2], [3, 4]])) == media_key(codes([[1, 2], [3, 4]]))
+    assert media_key(codes([[1, 2], [3, 4]])) != media_key(codes([[1, 2, 3, 4]]))  # same values, other shape
+    assert media_key({"type": "input_audio_codes", "input_audio_codes": {"codes": [[1, 2]]}}) is not None
+
+
 @given(st.integers(2, 8), st.integers(8, 64))
 def test_new_conversations_spread(replicas, conversations):
     policy = AffinityPolicy(MemoryPrefixIndex())
