@@ -1,6 +1,6 @@
 """Media for benchmarks/pipeline.py: 720p test videos and images made with PyAV / numpy, plain PyAV
 decoding of every frame (the floor a served request is compared with), and the decode-scaling
-measurement (1 / 2 / 4 worker threads, with and without FFmpeg's codec threads)."""
+measurement (1 / 2 / 4 workers, thread and process backends, and the default with codec threads)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import time
 import av
 import numpy as np
 
-from mm_pipeline.media.decode_video import VideoDecoder
+from mm_pipeline.media.decode_backend import ProcessDecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode_video import probe_video
+from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.video_chunks import plan_chunks
+from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
 # ---- media ------------------------------------------------------------------------------------
@@ -56,35 +59,69 @@ def make_image(seed: int, size: tuple[int, int] = (96, 96)) -> bytes:
 
 
 # ---- parallel decode --------------------------------------------------------------------------
-def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
-    """Sampled-frame decode of one clip with 1 / 2 / 4 worker threads (one range each), with the
-    codec's own threads off (``_nothreads``, decoder_threads=1) and on (decoder_threads=0, the
-    default), and plain PyAV decoding every frame as the floor. Runs interleave; best of ``reps``."""
-    item = MediaItem(MediaKind.VIDEO, "mp4", video, "bench")
-    sampling = VideoSamplingParams(fps=2.0, max_frames=3600)
-    variants = [(w, t) for t in (1, 0) for w in (1, 2, 4)]
-    best = {v: float("inf") for v in variants}
+DECODE_WORKERS = (1, 2, 4)
 
-    async def decode(workers: int, threads: int) -> float:
-        pool = WorkerPool(max_workers=workers, max_pending=16)
+
+def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
+    """The sampled frames of one clip (2 frames/s) decoded as the server does it: chunks of 2 frame
+    groups (video_chunks.plan_chunks), each from its own seek point, on a WorkerPool of 1 / 2 / 4
+    workers, with the thread backend and with the process backend (frames back through shared
+    memory), codec threads off so the workers are the only parallelism; plus the server's default
+    (2 worker threads, FFmpeg's codec threads on) and plain PyAV decoding every frame as the floor.
+    Runs interleave; medians of ``reps``."""
+    item = MediaItem(MediaKind.VIDEO, "mp4", video, "bench")
+    info = probe_video(item)
+    sampling = sample_frames(info.total_frames, info.video_fps, VideoSamplingParams(fps=2.0, max_frames=3600))
+    tp = 2
+    chunks = plan_chunks(list(range(len(sampling.indices) // tp)), sampling.indices, info.keyframes, tp, 2)
+    size = (info.height, info.width)
+    processes = {w: ProcessDecodeBackend(w) for w in DECODE_WORKERS}
+    variants = [("thread", w, 1) for w in DECODE_WORKERS] + [("process", w, 1) for w in DECODE_WORKERS]
+    variants.append(("default", 2, 0))
+
+    async def decode(kind: str, workers: int, threads: int) -> float:
+        backend = processes[workers] if kind == "process" else ThreadDecodeBackend()
+        pool = WorkerPool(max_workers=workers, max_pending=len(chunks))
         try:
             t0 = time.perf_counter()
-            await VideoDecoder(sampling, pool=pool, num_ranges=workers, threads=threads).decode(item)
+            await asyncio.gather(*(pool.run(backend.decode_chunk, item, info, sampling.indices, c, tp, MediaLimits(),
+                                            size, None, threads) for c in chunks))
             return time.perf_counter() - t0
         finally:
             pool.shutdown()
 
-    floor = float("inf")
-    for _ in range(reps):
-        for v in variants:
-            best[v] = min(best[v], asyncio.run(decode(*v)))
-        floor = min(floor, pyav_decode_all(video))
-    out = {f"decode_{w}_workers{'_nothreads' if t == 1 else ''}_s": s for (w, t), s in best.items()}
-    out["pyav_all_frames_s"] = floor
-    out["parallel_decode_speedup"] = best[1, 1] / best[2, 1]  # workers alone (codec threads off)
-    out["parallel_decode_speedup_4"] = best[1, 1] / best[4, 1]
-    out["decode_default_speedup"] = best[1, 1] / best[2, 0]  # the default (2 workers, codec threads) / 1 plain
+    times: dict[tuple[str, int, int], list[float]] = {v: [] for v in variants}
+    floor = []
+    try:
+        for backend in processes.values():
+            backend.warm()
+        for _ in range(reps):
+            for v in variants:
+                times[v].append(asyncio.run(decode(*v)))
+            floor.append(pyav_decode_all(video))
+    finally:
+        for backend in processes.values():
+            backend.shutdown()
+    med = {v: float(np.median(t)) for v, t in times.items()}
+    out = {f"decode_{k}_{w}_s": s for (k, w, t), s in med.items() if k != "default"}
+    out["decode_default_s"] = med["default", 2, 0]
+    out["pyav_all_frames_s"] = float(np.median(floor))
+    for kind, key in (("thread", "parallel_decode_speedup"), ("process", "process_decode_speedup")):
+        out[key] = med[kind, 1, 1] / med[kind, 2, 1]
+        out[f"{key}_4"] = med[kind, 1, 1] / med[kind, 4, 1]
+    out["process_over_thread_2"] = med["process", 2, 1] / med["thread", 2, 1]  # < 1: processes faster
+    out["decode_default_speedup"] = med["thread", 1, 1] / med["default", 2, 0]
+    out["decode_chunks"] = float(len(chunks))
     return out
+
+
+def decode_table(results: dict[str, float]) -> list[tuple]:
+    """Rows of the 1 / 2 / 4 worker table: workers, thread s, process s, speed-ups over 1 worker."""
+    rows = []
+    for w in DECODE_WORKERS:
+        t, p = results[f"decode_thread_{w}_s"], results[f"decode_process_{w}_s"]
+        rows.append((w, t, p, results["decode_thread_1_s"] / t, results["decode_process_1_s"] / p))
+    return rows
 
 
 def pyav_decode_all(video: bytes) -> float:

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/pipeline.py --quick --json /tmp/pipeline.json
 
     .venv/bin/python benchmarks/pipeline.py --quick --repeat 3   # medians of 3, with min and max
+    .venv/bin/python benchmarks/pipeline.py --decode-only --repeat 3   # the decode-scaling table alone
 
 Keys (goals on the 2-core CPU host in brackets):
   long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
@@ -12,6 +13,8 @@ Keys (goals on the 2-core CPU host in brackets):
   same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]
   encoder_batching_speedup   units/s, cross-request batched / one request per forward         [>= 1.5]
   parallel_decode_speedup    720p video decode, 2 worker threads / 1 (_4: 4 / 1)              [>= 1.8]
+  process_decode_speedup     the same with worker processes (decode_backend process)
+  decode_{thread,process}_N_s  its seconds with N = 1 / 2 / 4 workers; process_over_thread_2 the ratio
   max_loop_lag_ms            max event-loop lag under 32 concurrent media requests            [<= 50]
   timeline_*                 one cold long-video request: per stage (decode, encode, prefill) its
                              first start, last end and busy seconds, and pairwise overlap seconds
@@ -40,7 +43,7 @@ import numpy as np
 import torch
 
 from _common import base_parser, print_table, write_json
-from _pipeline_media import HD, bench_parallel_decode, make_image, make_video, pyav_decode_all
+from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video, pyav_decode_all
 from encoders.image_processing import ImageProcessingConfig
 from samples.checkpoints.tiny_towers import init_random_, tiny_vision_config
 from encoders.vision.tower import VisionTransformer
@@ -315,7 +318,9 @@ def bench_served(seconds: int, reps: int) -> dict[str, float]:
             "served_stream_gain": med["no_stream"] / med["streamed"]}
 
 
-def run_once(quick: bool) -> dict[str, float]:
+def run_once(quick: bool, decode_only: bool = False) -> dict[str, float]:
+    if decode_only:
+        return bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
@@ -334,6 +339,9 @@ def main() -> None:
     parser.add_argument("--served", action="store_true",
                         help="only the served check: a fresh 720p video through `mmserve serve` (demo model), "
                              "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode-scaling table: 1/2/4 workers, threads vs processes (60 s 720p clip; "
+                             "--quick: 20 s)")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
@@ -344,14 +352,17 @@ def main() -> None:
         return
     runs = []
     for r in range(args.repeat):
-        runs.append(run_once(args.quick))
+        runs.append(run_once(args.quick, args.decode_only))
         if args.repeat > 1:
             print(f"run {r + 1}/{args.repeat} done", flush=True)
     results = {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
     rows = [(k, results[k], min(run[k] for run in runs), max(run[k] for run in runs)) for k in sorted(results)]
     print_table(f"pipeline (median of {args.repeat} run{'s' * (args.repeat > 1)})", ["metric", "median", "min", "max"],
                 [r for r in rows if not r[0].startswith("timeline_")])
-    print_timeline(results)
+    print_table("decode scaling (medians; codec threads off)",
+                ["workers", "threads s", "processes s", "threads x", "processes x"], decode_table(results))
+    if not args.decode_only:
+        print_timeline(results)
     spread = {f"{k}_min": lo for k, _, lo, _ in rows} | {f"{k}_max": hi for k, _, _, hi in rows}
     write_json(args.json, {**results, **(spread if args.repeat > 1 else {}), "repeat": args.repeat})
 

@@ -43,6 +43,7 @@ from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaError, MediaNotFound, MediaTooLarge,
                                 UndecodableMediaError, UnsupportedMediaType)
 from mm_pipeline.media.decode_audio import has_audio_stream
+from mm_pipeline.media.decode_backend import DecodeBackend
 from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
 from mm_pipeline.media.content_hash import audio_segment_key, content_key, media_key, video_group_key
@@ -61,7 +62,7 @@ class MediaPlanner:
 
     def __init__(self, preprocessor: Preprocessor, cache: EncoderCache, batcher: EncoderBatcher,
                  pool: WorkerPool, ingestor: MediaIngestor, encoder_id: str,
-                 config: PlannerConfig = PlannerConfig()) -> None:
+                 config: PlannerConfig = PlannerConfig(), decoder: DecodeBackend | None = None) -> None:
         self.pre = preprocessor
         self.cache = cache
         self.batcher = batcher
@@ -72,7 +73,7 @@ class MediaPlanner:
         self.file_resolver: FileResolver | None = None
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # worker threads count concurrently
-        self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count)
+        self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count, decoder)
         # media key -> the planning pass in progress; a cancelled planner fails its joiners with
         # a MediaError (their request failed for a reason of this media, not their own cancel)
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))

@@ -21,7 +21,8 @@ import torch
 
 from mm_pipeline.media.decode_audio import decode_audio, header_seconds
 from mm_pipeline.media.decode_budget import DecodeBudget, DecodeControl, check
-from mm_pipeline.media.decode_image import decode_image, image_decode_bytes, probe_animation, probe_image
+from mm_pipeline.media.decode_backend import DecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode_image import image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode_video import frame_decode_bytes, probe_video
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
@@ -30,7 +31,7 @@ from mm_pipeline.errors import MediaError, UnsupportedMediaType
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
-from mm_pipeline.media.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.video_chunks import plan_chunks
 from mm_pipeline.media.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
@@ -39,8 +40,9 @@ _ANIMATIONS = ("gif", "webp")
 
 class UnitProducer:
     def __init__(self, pre: Preprocessor, pool: WorkerPool, batcher: EncoderBatcher, cache: EncoderCache,
-                 config: PlannerConfig, count: Callable[[str], None]) -> None:
+                 config: PlannerConfig, count: Callable[[str], None], decoder: DecodeBackend | None = None) -> None:
         self.pre = pre
+        self.decoder = decoder or ThreadDecodeBackend()  # where pixels are decoded (decode_backend.py)
         self.pool = pool
         self.batcher = batcher
         self.cache = cache
@@ -61,7 +63,7 @@ class UnitProducer:
         with self.budget.reserve(image_decode_bytes(h, w), control, "the image"):
             check(control)
             self._count("images_decoded")
-            image = decode_image(item, self.config.limits, target=self.pre.image_size)
+            image = self.decoder.decode_image(item, self.config.limits, target=self.pre.image_size(h, w))
             return self.pre.image(image, self.pre.image_size(h, w))
 
     def audio_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> list[torch.Tensor]:
@@ -213,8 +215,8 @@ class UnitProducer:
                      size: tuple[int, int], tp: int, control: DecodeControl | None = None) -> list[VisionInput]:
         t0 = time.monotonic()
         with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control, "a video chunk"):
-            frames = decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
-                                  threads=self.config.decoder_threads)
+            frames = self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
+                                               threads=self.config.decoder_threads)
             self._count("video_chunks_decoded")
             out = self.pre.video_groups(frames, size)
         if self.on_decode_span is not None:

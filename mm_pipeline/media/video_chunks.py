@@ -64,5 +64,7 @@ def decode_chunk(item: MediaItem, info: VideoInfo | None, indices: Sequence[int]
         frames = decode_animation_frames(item, targets, limits, size, control)
     else:
         frames = decode_range(item, info, targets, size=size, control=control, threads=threads)
+    if wanted == targets:
+        return frames  # no padded tail: the rows are in order already (saves a copy of the chunk)
     row = {t: k for k, t in enumerate(targets)}
     return frames[[row[t] for t in wanted]]

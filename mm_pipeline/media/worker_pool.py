@@ -7,7 +7,9 @@ unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long 
 ``ServerBusy`` (HTTP 503).
 
 Threads, not processes: PyAV and PIL drop the GIL while decoding, and results (frame tensors)
-stay in-process without pickling.  The pool is usable from any event loop and any thread.
+stay in-process without pickling; with ``decode_backend="process"`` a worker thread hands video
+chunks and image pixels on to a worker process and waits (decode_backend.py).  The pool is usable
+from any event loop and any thread.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, split_threads
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
+from mm_pipeline.media.decode_backend import make_decode_backend
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.encode.plan import MediaPlan
 from mm_pipeline.encode.planner import MediaPlanner
@@ -108,11 +109,13 @@ class OmniRuntime:
         # text tokenization never queues behind media decodes (a slow or hostile file must not
         # stall text-only requests); its work is bounded by the context limit (TextBound)
         self.text_pool = WorkerPool(2, config.max_queue, config.decode_admit_timeout_s, name="omni-text")
+        self.decoder = make_decode_backend(config.decode_backend, config.decode_workers)
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
         self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device, model.audio_codebooks)
         self.planner = MediaPlanner(self.pre, self.cache, self.batcher, self.pool, self.ingestor, model.encoder_id,
                                     config.planner_config(model.video_sampling, self.max_model_len,
-                                                         default_video_audio=model.video_audio))
+                                                         default_video_audio=model.video_audio),
+                                    self.decoder)
         self._started = False
         self._closed = False
 
@@ -247,6 +250,7 @@ class OmniRuntime:
         if self.llm is not None:
             self.llm.close()
         self.pool.shutdown(wait=False)
+        self.decoder.shutdown()
         self.text_pool.shutdown(wait=False)
         self.cache.close()
         for tier in self.cache.tiers:

@@ -25,6 +25,7 @@ from llm_core.model.dtype import parse_dtype
 from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.encode.plan import PlannerConfig
+from mm_pipeline.media.decode_backend import BACKENDS as DECODE_BACKENDS
 from mm_pipeline.media.ingest import IngestConfig, MediaLimits
 from mm_pipeline.media.video_sampling import VideoSamplingParams
 
@@ -100,7 +101,12 @@ class OmniEngineConfig:
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
     decode_workers: int = 2
-    """Media decode threads."""
+    """Media decode workers: threads, or with decode_backend process as many worker processes."""
+    # thread: decode on the worker threads (PyAV/PIL drop the GIL); process: video chunks and image
+    # pixels decode in worker processes, frames handed back through shared memory
+    # (media/decode_backend.py). The default is the measured winner (README "pipeline").
+    decode_backend: Literal["thread", "process"] = "thread"
+    """Where video chunks and image pixels decode: worker threads or worker processes (shared-memory hand-off)."""
     decoder_threads: int = 0
     """FFmpeg's own threads per video decoder, outside the GIL (0: FFmpeg picks by CPU count, 1: none)."""
     decode_queue: int = 256
@@ -111,6 +117,8 @@ class OmniEngineConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
         if self.decoder_threads < 0:
             raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")
         if self.decode_workers < 1 or self.decode_queue < 0:

@@ -310,16 +310,16 @@ def test_event_loop_stays_responsive_while_videos_decode(ckpt):
 
 
 def test_mid_stream_decode_failure_fails_the_request_and_frees_everything(ckpt, monkeypatch):
-    import mm_pipeline.encode.unit_producer as producer_module
+    import mm_pipeline.media.decode_backend as backend_module  # the thread backend's decode_chunk
 
-    real = producer_module.decode_chunk
+    real = backend_module.decode_chunk
 
     def flaky(item, info, indices, groups, tp, limits, *size_and_control, **options):
         if 2 in groups:  # the third frame group is damaged
             raise UndecodableMediaError("mp4 video: damaged packet in frame group 2")
         return real(item, info, indices, groups, tp, limits, *size_and_control, **options)
 
-    monkeypatch.setattr(producer_module, "decode_chunk", flaky)
+    monkeypatch.setattr(backend_module, "decode_chunk", flaky)
     engine = make(ckpt)
     other = video_bytes(n_frames=40, fps=10, size=(64, 48), gop=10)
     try:

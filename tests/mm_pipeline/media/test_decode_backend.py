@@ -1,0 +1,165 @@
+"""The process decode backend: the same frames bit for bit as the thread backend, limits checked in
+the worker before it allocates, and no shared-memory block left behind after a result, an error, a
+cancellation, a worker crash or a shutdown; a crash fails only the job that causes it."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import threading
+import time
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+from tests.support.media_samples import animated_bytes, image_bytes, video_bytes
+
+from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
+from mm_pipeline.media import decode_backend as db
+from mm_pipeline.media.decode_backend import DecodeWorkerDied, ProcessDecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode_budget import DecodeCancelled, DecodeControl
+from mm_pipeline.media.decode_image import probe_animation
+from mm_pipeline.media.decode_video import probe_video
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.types import MediaItem, MediaKind
+from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+
+LIMITS = MediaLimits()
+VIDEO = MediaItem(MediaKind.VIDEO, "mp4", video_bytes(n_frames=40, size=(96, 64), gop=5), "test")
+LONG = MediaItem(MediaKind.VIDEO, "mp4", video_bytes(n_frames=600, size=(320, 240), gop=600), "test")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = ProcessDecodeBackend(2)
+    b.warm()
+    yield b
+    b.shutdown()
+    assert_no_blocks(b)
+
+
+def assert_no_blocks(b: ProcessDecodeBackend) -> None:
+    assert glob.glob(f"/dev/shm/{b.prefix}*") == []
+
+
+def chunk_args(item: MediaItem, size=(32, 48)):
+    info = probe_video(item, LIMITS)
+    sampling = sample_frames(info.total_frames, info.video_fps, VideoSamplingParams(fps=5.0, max_frames=64))
+    return info, sampling.indices
+
+
+def test_same_frames_as_the_thread_backend(backend):
+    info, indices = chunk_args(VIDEO)
+    for groups in ([0], [1, 2], [len(indices) // 2 - 1]):
+        for size in ((32, 48), (64, 96)):
+            got = backend.decode_chunk(VIDEO, info, indices, groups, 2, LIMITS, size)
+            want = ThreadDecodeBackend().decode_chunk(VIDEO, info, indices, groups, 2, LIMITS, size)
+            assert got.dtype == torch.uint8 and got.shape == want.shape and torch.equal(got, want)
+    gif = MediaItem(MediaKind.VIDEO, "gif", animated_bytes(n_frames=6), "test")
+    anim = probe_animation(gif, LIMITS)
+    idx = list(range(anim.num_frames))
+    assert torch.equal(backend.decode_chunk(gif, None, idx, [0, 1], 2, LIMITS, (24, 32)),
+                       ThreadDecodeBackend().decode_chunk(gif, None, idx, [0, 1], 2, LIMITS, (24, 32)))
+    for fmt, target in (("PNG", None), ("JPEG", (40, 60)), ("PNG", (20, 30))):
+        img = MediaItem(MediaKind.IMAGE, fmt.lower(), image_bytes(fmt, size=(160, 120)), "test")
+        got, want = backend.decode_image(img, LIMITS, target), ThreadDecodeBackend().decode_image(img, LIMITS, target)
+        assert torch.equal(got.pixels, want.pixels) and got.source_format == want.source_format
+    assert_no_blocks(backend)
+
+
+def test_errors_cross_the_process_boundary_without_a_leak(backend):
+    broken = MediaItem(MediaKind.IMAGE, "png", image_bytes(size=(64, 64))[:60], "test")
+    with pytest.raises(UndecodableMediaError, match="png"):
+        backend.decode_image(broken, LIMITS)
+    info, indices = chunk_args(VIDEO)
+    with pytest.raises(MediaTooLarge):  # the worker checks the chunk before it allocates
+        backend.decode_chunk(VIDEO, info, indices, [0, 1], 2, MediaLimits(max_frames=3), (32, 48))
+    with pytest.raises(MediaTooLarge):
+        backend.decode_chunk(VIDEO, info, indices, [0], 2, MediaLimits(max_decoded_bytes_in_flight=1000), (32, 48))
+    assert_no_blocks(backend)
+
+
+def test_worker_refuses_a_huge_declared_frame_before_allocating():
+    info, indices = chunk_args(VIDEO)
+    big = MediaLimits(max_pixels=96 * 64 - 1)  # the source frames are over, whatever the output size
+    name = "mmsd_test_never_created"
+    with pytest.raises(MediaTooLarge):
+        db._chunk_job(name, -1, None, ("unused", 0), VIDEO, info, indices, [0], 2, big, (8, 8), 1)
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+
+
+def test_cancellation_stops_the_worker_and_leaves_no_block(backend):
+    info, indices = chunk_args(LONG)
+    control = DecodeControl(30.0)
+    threading.Timer(0.2, control.cancel).start()
+    t0 = time.monotonic()
+    with pytest.raises(DecodeCancelled):
+        backend.decode_chunk(LONG, info, list(range(600)), list(range(300)), 2, LIMITS, (240, 320), control)
+    assert time.monotonic() - t0 < 20
+    deadline = DecodeControl(0.2)
+    with pytest.raises(MediaTooLarge, match="decode_timeout_s"):
+        backend.decode_chunk(LONG, info, list(range(600)), list(range(300)), 2, LIMITS, (240, 320), deadline)
+    assert_no_blocks(backend)
+
+
+def _crash_job(name: str, *_args) -> tuple[int, ...]:
+    # the worker's block exists, then the worker dies: the parent must still unlink it
+    shared_memory.SharedMemory(name=name, create=True, size=1024).close()
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+def _slow_job(name: str, *_args) -> tuple[int, ...]:
+    time.sleep(1.0)
+    return db._publish(name, torch.full((2, 3), 7, dtype=torch.uint8))
+
+
+def test_worker_crash_fails_only_its_job_and_the_pool_recovers(backend):
+    results: dict[str, object] = {}
+
+    def run(key: str, job) -> None:
+        try:
+            results[key] = backend._call(job, (VIDEO,), None, key)
+        except Exception as exc:  # noqa: BLE001 - the test looks at what came back
+            results[key] = exc
+
+    slow = threading.Thread(target=run, args=("slow", _slow_job))
+    slow.start()
+    time.sleep(0.3)  # the slow job is running when its pool breaks
+    run("crash", _crash_job)
+    slow.join()
+    assert isinstance(results["crash"], DecodeWorkerDied) and "crashes the decoder" in str(results["crash"]), results
+    assert torch.equal(results["slow"], torch.full((2, 3), 7, dtype=torch.uint8))
+    assert backend.restarts >= 2
+    info, indices = chunk_args(VIDEO)  # the pool decodes again
+    assert torch.equal(backend.decode_chunk(VIDEO, info, indices, [0], 2, LIMITS, (32, 48)),
+                       ThreadDecodeBackend().decode_chunk(VIDEO, info, indices, [0], 2, LIMITS, (32, 48)))
+    assert_no_blocks(backend)
+
+
+def test_shutdown_with_jobs_in_flight_leaves_nothing():
+    b = ProcessDecodeBackend(1)
+    board = b._board.name
+    info, _ = chunk_args(LONG)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            b.decode_chunk(LONG, info, list(range(600)), list(range(100)), 2, LIMITS, (240, 320))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    b.shutdown()
+    for t in threads:
+        t.join(30)
+    assert all(not t.is_alive() for t in threads)
+    assert all("shut down" in str(e) for e in errors)
+    assert_no_blocks(b)
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=board)
