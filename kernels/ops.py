@@ -96,8 +96,8 @@ def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, wind
 
 def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size, window=None):
     """:func:`attention_plan` of S consecutive all-decode steps over one page table, built at once:
-    step s decodes the requests ``active[s]`` (their indices: ``rows[s]``) with contexts
-    ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
+    step s decodes the requests ``active[s]`` (their indices: ``rows[s]``; ``active`` None: all of
+    them) with contexts ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
     if use_triton(q):
         return [None] * seq_lens.shape[0]
     from kernels.paged_attention_cpu import AttentionPlan
@@ -106,13 +106,15 @@ def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size,
                                       dtype=q.dtype)
 
 
-def store_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
-    """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped."""
+def store_kv(k_cache, v_cache, slot_mapping, k, v, all_valid=None) -> None:
+    """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped.
+    ``all_valid``: whether no slot is padding, when the caller knows it (the torch path then skips
+    the check; the layers of a step share one slot mapping per pool)."""
     mod = _kernels_for(k_cache, "kv_copy_triton")
     if mod is not None:
         mod.store_kv_triton(k_cache, v_cache, slot_mapping, k, v)
     else:
-        kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v)
+        kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v, all_valid)
 
 
 def gather_slots(cache, slots, valid=None):

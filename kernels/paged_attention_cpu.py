@@ -119,16 +119,19 @@ class AttentionPlan:
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
     @staticmethod
-    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor,
+    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None,
                      rows: list[list[int]], *, page_size: int, window: int | None,
                      dtype: torch.dtype = torch.float32) -> list[AttentionPlan]:
         """Plans of S consecutive all-decode steps over the same page table, index work done once
-        (MTP draft steps): step s decodes the requests b with ``active[s, b]`` (``rows[s]``, ascending), each with context
-        ``seq_lens[s, b]`` ([S, B] CPU tensors; rows ``b`` of ``block_table``, in order). Every step
-        uses the widest key grid of the S steps; the extra columns are masked like any padding and
-        re-read the step's own newest key, so the outputs are those of ``build`` per step."""
+        (MTP draft steps): step s decodes the requests b with ``active[s, b]`` (``rows[s]``, ascending;
+        ``active`` None: every request every step), each with context ``seq_lens[s, b]`` ([S, B] CPU
+        tensors; rows ``b`` of ``block_table``, in order). Every step uses the widest key grid of the
+        S steps; the extra columns are masked like any padding and re-read the step's own newest key,
+        so the outputs are those of ``build`` per step."""
         device = block_table.device
-        lens = torch.where(active, seq_lens.to(torch.long), 1)  # inactive: a harmless in-range position
+        lens = seq_lens.to(torch.long)
+        if active is not None:
+            lens = torch.where(active, lens, 1)  # inactive: a harmless in-range position
         first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
         span = lens - first
         kmax = int(span.max())
@@ -136,12 +139,15 @@ class AttentionPlan:
         pos = torch.minimum(first[..., None] + j, (lens - 1)[..., None])  # [S, B, K]
         pages = block_table.gather(1, (pos // page_size).to(device).permute(1, 0, 2).reshape(lens.shape[1], -1))
         pages = pages.reshape(lens.shape[1], lens.shape[0], kmax).permute(1, 0, 2)  # [S, B, K]
-        _check_mapped(pages[active.to(device)], pos[active].to(device))
+        if active is None:
+            _check_mapped(pages, pos)
+        else:
+            _check_mapped(pages[active.to(device)], pos[active].to(device))
         slots = pages * page_size + (pos % page_size).to(device)
         mask = torch.zeros(*lens.shape, 1, 1, kmax, dtype=dtype)
         mask.masked_fill_((j >= span[..., None])[:, :, None, None, :], float("-inf"))
         mask = mask.to(device)
-        plans = []
+        plans, aranges = [], {}
         for s, picked in enumerate(rows):
             n = len(picked)
             if n == lens.shape[1]:
@@ -149,8 +155,9 @@ class AttentionPlan:
             else:
                 idx = torch.tensor(picked, device=device)
                 step_slots, step_mask = slots[s][idx], mask[s][idx]
-            plans.append(AttentionPlan(n, torch.arange(n, device=device), True, step_slots.reshape(-1), kmax,
-                                       step_mask, ()))
+            if n not in aranges:  # steps with as many rows share one index tensor
+                aranges[n] = torch.arange(n, device=device)
+            plans.append(AttentionPlan(n, aranges[n], True, step_slots.reshape(-1), kmax, step_mask, ()))
         return plans
 
 
@@ -178,8 +185,9 @@ def _attend(q, k, v, mask, *, scale, sinks):
                 torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))[None, None]
         out, lse = _math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
     # out [B, Hq, Q, w], lse [B, Hq, Q]
-    if sinks is not None:
-        out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])[..., None]
+    if sinks is not None:  # in place on the kernel's own outputs: fewer dispatches, the same values
+        gate = lse.sub_(sinks.view(1, -1, 1)).sigmoid_().unsqueeze(-1)
+        out = out.mul_(gate) if out.dtype == gate.dtype else out * gate
     return out[..., :dv].transpose(1, 2)
 
 
@@ -220,22 +228,28 @@ def paged_attention_cpu(
                                    dtype=q.dtype)
     if plan.num_tokens != q.shape[0]:
         raise ValueError(f"attention plan covers {plan.num_tokens} tokens, q has {q.shape[0]}")
-    num_kv, head_dim, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     if plan.all_decode:
         return _decode(q, k_cache, v_cache, plan, scale=scale, sinks=sinks)
-    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    if plan.decode_rows is None and len(plan.extends) == 1:  # one request's rows (an MTP verify step,
+        # a prompt chunk at batch 1): its attention is the whole output, no buffer to scatter into
+        return _extend(q, k_cache, v_cache, plan.extends[0], k_new, v_new, scale=scale, sinks=sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
     if plan.decode_rows is not None:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale=scale, sinks=sinks)
     for e in plan.extends:
-        n, kn = e.end - e.start, e.slots.numel()
-        if e.fresh and k_new is not None and v_new is not None:
-            k, v = k_new[e.start : e.end][None], v_new[e.start : e.end][None]
-        else:
-            k = k_cache.index_select(0, e.slots).view(1, kn, num_kv, head_dim)
-            v = v_cache.index_select(0, e.slots).view(1, kn, num_kv, dv)
-        out[e.start : e.end] = _attend(q[e.start : e.end].view(1, n, -1, head_dim), k, v, e.mask,
-                                       scale=scale, sinks=sinks)[0]
+        out[e.start : e.end] = _extend(q, k_cache, v_cache, e, k_new, v_new, scale=scale, sinks=sinks)
     return out
+
+
+def _extend(q, k_cache, v_cache, e: _Extend, k_new, v_new, *, scale, sinks):
+    """The query rows of one multi-token request -> [n, Hq, Dv]."""
+    n, kn = e.end - e.start, e.slots.numel()
+    if e.fresh and k_new is not None and v_new is not None:
+        k, v = k_new[e.start : e.end][None], v_new[e.start : e.end][None]
+    else:
+        k = k_cache.index_select(0, e.slots).view(1, kn, k_cache.shape[1], k_cache.shape[2])
+        v = v_cache.index_select(0, e.slots).view(1, kn, v_cache.shape[1], v_cache.shape[2])
+    return _attend(q[e.start : e.end].view(1, n, -1, q.shape[2]), k, v, e.mask, scale=scale, sinks=sinks)[0]
 
 
 def _decode(q, k_cache, v_cache, plan: AttentionPlan, *, scale, sinks):
