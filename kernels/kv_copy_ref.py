@@ -18,8 +18,8 @@ def store_kv_ref(
     if all_valid is None:
         all_valid = bool((slot_mapping >= 0).all())
     if all_valid:  # index_copy_: the same rows written as by indexing, at less dispatch cost
-        k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
     else:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]

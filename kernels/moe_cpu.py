@@ -126,8 +126,9 @@ def _dense(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:
     gate_up = torch.matmul(x, w_gate_up.transpose(1, 2))  # [E, T, 2I]
     hidden = F.silu(gate_up[..., :inter])
     hidden.mul_(gate_up[..., inter:])
-    y = torch.bmm(hidden, w_down.transpose(1, 2)).float()  # [E, T, H]
+    y = torch.bmm(hidden, w_down.transpose(1, 2))  # [E, T, H]
     weight = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=torch.float32, device=x.device)
-    weight.scatter_(1, topk_ids, topk_weights.float())
-    y.mul_(weight.T[:, :, None])
-    return y.sum(0).to(x.dtype)
+    weight.scatter_(1, topk_ids, topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float())
+    if y.dtype == torch.float32:  # the weighted sum in fp32, like the reference
+        return y.mul_(weight.T[:, :, None]).sum(0)
+    return (y.float() * weight.T[:, :, None]).sum(0).to(x.dtype)

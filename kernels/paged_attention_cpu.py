@@ -71,51 +71,50 @@ class AttentionPlan:
         window: int | None,
         dtype: torch.dtype = torch.float32,
     ) -> AttentionPlan:
-        """Plan for the batch; raises RuntimeError when a visible key's page was released."""
+        """Plan for the batch; raises RuntimeError when a visible key's page was released.
+
+        The batch's shape (which requests decode, where each starts) is read once into Python ints:
+        per-request decisions on tensors would cost a dispatch and a host read each."""
         device = block_table.device
-        qsl = query_start_loc.to(torch.long).cpu()
-        lens = seq_lens.to(torch.long).cpu()
-        n_new = qsl[1:] - qsl[:-1]
-        num_tokens = int(qsl[-1])
-        decode = n_new == 1
-        num_decode = int(decode.sum())
+        qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+        num_requests, num_tokens = len(lens), qsl[-1]
+        decode = [b for b in range(num_requests) if qsl[b + 1] - qsl[b] == 1]
         rows = slots = mask = None
         kmax = 0
-        if num_decode:
-            requests = torch.nonzero(decode)[:, 0]
-            d_lens = lens[requests]
+        if decode:
+            every = len(decode) == num_requests  # all rows decode: request b is row b, no selection
+            d_lens = torch.tensor([lens[b] for b in decode], dtype=torch.long)
             first = torch.zeros_like(d_lens) if window is None else (d_lens - window).clamp(min=0)
             span = d_lens - first
-            kmax = int(span.max())
+            kmax = max(lens[b] - (0 if window is None else max(0, lens[b] - window)) for b in decode)
             j = torch.arange(kmax)
             valid = j[None, :] < span[:, None]
             pos = torch.minimum(first[:, None] + j[None, :], (d_lens - 1)[:, None]).to(device)
-            pages = block_table[requests.to(device)].gather(1, pos // page_size)
+            table = block_table if every else block_table[torch.tensor(decode, device=device)]
+            pages = table.gather(1, pos // page_size)
             _check_mapped(pages, pos)
             slots = (pages * page_size + pos % page_size).reshape(-1)
-            mask = torch.zeros(num_decode, 1, 1, kmax, dtype=dtype)
+            mask = torch.zeros(len(decode), 1, 1, kmax, dtype=dtype)
             mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
             mask = mask.to(device)
-            rows = qsl[:-1][requests].to(device)
+            rows = torch.arange(len(decode), device=device) if every else torch.tensor([qsl[b] for b in decode],
+                                                                                         device=device)
         extends = []
-        for b in torch.nonzero(n_new > 1)[:, 0].tolist():
-            start, end, seq_len = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        for b in range(num_requests):
+            start, end, seq_len = qsl[b], qsl[b + 1], lens[b]
             n = end - start
+            if n <= 1:
+                continue
             first = 0 if window is None else max(0, seq_len - n - window + 1)
             pos_k = torch.arange(first, seq_len, device=device)
-            pos_q = torch.arange(seq_len - n, seq_len, device=device)
             pages = block_table[b][pos_k // page_size]
             _check_mapped(pages, pos_k)
             fresh = first == seq_len - n
             m = None
             if not fresh or (window is not None and window < n):  # else: plain causal over the chunk
-                visible = pos_k[None, :] <= pos_q[:, None]
-                if window is not None:
-                    visible &= pos_k[None, :] > pos_q[:, None] - window
-                m = torch.zeros(1, 1, n, pos_k.numel(), dtype=dtype, device=device)
-                m.masked_fill_(~visible[None, None], float("-inf"))
+                m = _extend_mask(n, seq_len - first, window, dtype, device)
             extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh))
-        all_decode = num_decode == num_tokens == n_new.numel()
+        all_decode = len(decode) == num_tokens == num_requests
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
     @staticmethod
@@ -161,6 +160,17 @@ class AttentionPlan:
         return plans
 
 
+def _extend_mask(n: int, keys: int, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, n, keys] additive mask of a request's last n positions over its last ``keys`` keys:
+    query i sits at key column c_i = keys - n + i and sees columns j with c_i - window < j <= c_i,
+    i.e. j - i <= keys - n (triu_ above that diagonal is -inf) and, with a window,
+    j - i > keys - n - window (tril_ up to that diagonal is -inf)."""
+    m = torch.full((1, 1, n, keys), float("-inf"), dtype=dtype, device=device).triu_(keys - n + 1)
+    if window is not None:
+        m.add_(torch.full_like(m, float("-inf")).tril_(keys - n - window))
+    return m
+
+
 def _check_mapped(pages: torch.Tensor, positions: torch.Tensor) -> None:
     if bool((pages < 0).any()):
         bad = positions[pages < 0][0].item()
@@ -188,7 +198,7 @@ def _attend(q, k, v, mask, *, scale, sinks):
     if sinks is not None:  # in place on the kernel's own outputs: fewer dispatches, the same values
         gate = lse.sub_(sinks.view(1, -1, 1)).sigmoid_().unsqueeze(-1)
         out = out.mul_(gate) if out.dtype == gate.dtype else out * gate
-    return out[..., :dv].transpose(1, 2)
+    return (out if out.shape[-1] == dv else out[..., :dv]).transpose(1, 2)
 
 
 def _math_attention(q, k, v, mask, scale):
