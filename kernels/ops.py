@@ -83,15 +83,16 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     )
 
 
-def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, window=None):
+def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, window=None, keys=None):
     """The per-step index work of :func:`paged_attention` for one pool and window, to pass as ``plan``
-    to every layer of that kind (None where the device's kernel needs none)."""
+    to every layer of that kind (None where the device's kernel needs none). ``keys``: a fixed
+    decode key-grid width (default: the batch's widest visible span)."""
     if use_triton(q):
         return None
     from kernels.paged_attention_cpu import AttentionPlan
 
     return AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
-                               dtype=q.dtype)
+                               dtype=q.dtype, keys=keys)
 
 
 def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size, window=None):
@@ -106,15 +107,15 @@ def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size,
                                       dtype=q.dtype)
 
 
-def store_kv(k_cache, v_cache, slot_mapping, k, v, all_valid=None) -> None:
+def store_kv(k_cache, v_cache, slot_mapping, k, v, *, all_valid=False) -> None:
     """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped.
-    ``all_valid``: whether no slot is padding, when the caller knows it (the torch path then skips
-    the check; the layers of a step share one slot mapping per pool)."""
+    ``all_valid``: the caller guarantees no slot < 0 (the CPU path then skips its check, a host sync
+    a compiled step cannot hold)."""
     mod = _kernels_for(k_cache, "kv_copy_triton")
     if mod is not None:
         mod.store_kv_triton(k_cache, v_cache, slot_mapping, k, v)
     else:
-        kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v, all_valid)
+        kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v, all_valid=all_valid)
 
 
 def gather_slots(cache, slots, valid=None):

@@ -70,8 +70,13 @@ class AttentionPlan:
         page_size: int,
         window: int | None,
         dtype: torch.dtype = torch.float32,
+        keys: int | None = None,
     ) -> AttentionPlan:
         """Plan for the batch; raises RuntimeError when a visible key's page was released.
+
+        ``keys``: width of the decode key grid (default: the widest visible span of the batch). A
+        fixed width keeps the plan's shapes independent of the lengths (a compiled decode step per
+        batch bucket); the extra columns are masked padding.
 
         The batch's shape (which requests decode, where each starts) is read once into Python ints:
         per-request decisions on tensors would cost a dispatch and a host read each."""
@@ -87,6 +92,10 @@ class AttentionPlan:
             first = torch.zeros_like(d_lens) if window is None else (d_lens - window).clamp(min=0)
             span = d_lens - first
             kmax = max(lens[b] - (0 if window is None else max(0, lens[b] - window)) for b in decode)
+            if keys is not None:
+                if keys < kmax:
+                    raise ValueError(f"decode key grid of {keys} keys is narrower than a visible span of {kmax}")
+                kmax = keys
             j = torch.arange(kmax)
             valid = j[None, :] < span[:, None]
             pos = torch.minimum(first[:, None] + j[None, :], (d_lens - 1)[:, None]).to(device)

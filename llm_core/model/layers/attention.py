@@ -63,7 +63,7 @@ class Attention(nn.Module):
             slots, table = batch.swa_slot_mapping, batch.swa_block_table
         else:
             slots, table = batch.full_slot_mapping, batch.full_block_table
-        ops.store_kv(k_cache, v_cache, slots, k, v, self._slots_valid(batch, slots))
+        ops.store_kv(k_cache, v_cache, slots, k, v, all_valid=self._slots_valid(batch, slots))
         out = ops.paged_attention(
             q,
             k_cache,
@@ -100,7 +100,8 @@ class Attention(nn.Module):
         return hit
 
     def _slots_valid(self, batch: ForwardBatch, slots: torch.Tensor) -> bool:
-        """Whether every slot of this step's mapping for this layer's pool is >= 0 (checked once)."""
+        """Whether every slot of this step's mapping for this layer's pool is >= 0: checked once per
+        step and pool, not in every layer's KV store."""
         key = ("slots_valid", self.is_sliding)
         hit = batch.step_cache.get(key)
         if hit is None:
