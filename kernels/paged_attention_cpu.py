@@ -76,11 +76,10 @@ class AttentionPlan:
 
         ``keys``: width of the decode key grid (default: the widest visible span of the batch). A
         fixed width keeps the plan's shapes independent of the lengths (a compiled decode step per
-        batch bucket); the extra columns are masked padding.
-
-        The batch's shape (which requests decode, where each starts) is read once into Python ints:
-        per-request decisions on tensors would cost a dispatch and a host read each."""
+        batch bucket); the extra columns are masked padding."""
         device = block_table.device
+        # the batch's shape (which requests decode, where each starts) read once into Python ints:
+        # per-request decisions on tensors would cost a dispatch and a host read each
         qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
         num_requests, num_tokens = len(lens), qsl[-1]
         decode = [b for b in range(num_requests) if qsl[b + 1] - qsl[b] == 1]
