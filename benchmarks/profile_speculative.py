@@ -20,13 +20,20 @@ stage is reported in ms per engine step, for MTP off and on, plus the tokens per
     other            the rest of the step
 
 Nothing here changes what runs: the wrappers only time calls.
+
+A second table counts ATen dispatches per decode step with torch.profiler (top-level ops: an op
+called inside another op is not counted again), split into the draft, the target forward, the MTP
+extend and the rest of the step. On this small model a step's cost is mostly per-dispatch overhead,
+and unlike CPU time on a shared machine the count does not swing from run to run.
 """
 
 from __future__ import annotations
 
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
+import contextlib
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -130,6 +137,72 @@ def decode_profile(model, prompts, spec: int, max_tokens: int, timer: StageTimer
     return {k: 1e3 * v / max(steps, 1) for k, v in timer.total.items()}, steps, tokens
 
 
+DISPATCH_PHASES = {"draft": ("llm_core.engine.speculative.proposer", "MTPProposer", "draft"),
+                   "target forward": ("llm_core.model.mimo_v2", "MiMoV2ForCausalLM", "forward"),
+                   "extend": ("llm_core.engine.speculative.proposer", "MTPProposer", "extend"),
+                   "step": ("llm_core.engine.llm_engine", "LLMEngine", "_step")}
+
+
+@contextlib.contextmanager
+def labelled_phases():
+    """Each DISPATCH_PHASES call runs inside a torch.profiler record_function of its name."""
+    import importlib
+
+    saved = []
+    for name, (module, cls, attr) in DISPATCH_PHASES.items():
+        owner = getattr(importlib.import_module(module), cls)
+        original = getattr(owner, attr)
+
+        def labelled(*args, _f=original, _name=name, **kwargs):
+            with torch.profiler.record_function(_name):
+                return _f(*args, **kwargs)
+
+        setattr(owner, attr, labelled)
+        saved.append((owner, attr, original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+
+def dispatch_counts(model, prompts, spec: int, max_tokens: int) -> tuple[dict[str, float], float]:
+    """(top-level ATen ops per decode step by phase, tokens per decode step) over ``prompts`` at batch 1."""
+    eng = LLMEngine(model, EngineConfig(speculative_tokens=spec, max_num_seqs=1, enable_prefix_caching=False,
+                                        kv_cache_bytes=256 << 20))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True)
+    steps = tokens = 0
+    with labelled_phases():
+        for i, (ids, rows) in enumerate(prompts):
+            eng.add_request(str(i), ids, params, embeds=Rows(rows))
+            seen = 0
+            while eng.has_unfinished():
+                if seen:  # decode steps only: the prompt's step is not profiled
+                    prof.start()
+                outs = eng.step()
+                if seen:
+                    prof.stop()
+                    steps += 1
+                for o in outs:
+                    tokens += len(o.token_ids) - seen if seen else 0
+                    seen = len(o.token_ids)
+    counts: Counter = Counter()
+    for ev in prof.events():
+        if ev.name not in DISPATCH_PHASES:
+            continue
+        todo = list(ev.cpu_children)
+        while todo:
+            child = todo.pop()
+            if child.name.startswith("aten::"):
+                counts[ev.name] += 1  # a top-level op; the ops it calls are not counted again
+            else:
+                todo.extend(child.cpu_children)
+    per_step = {k: v / max(steps, 1) for k, v in counts.items()}
+    per_step["other"] = per_step.get("step", 0.0) - sum(v for k, v in per_step.items() if k != "step")
+    return per_step, tokens / max(steps, 1)
+
+
 def main() -> None:
     ap = base_parser(__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEMO)
@@ -154,9 +227,22 @@ def main() -> None:
     rows.append(("ms CPU per token", *(round(per_tok[s], 3) for s in runs)))
     print_table(f"MTP decode step, batch 1, demo model captions, CPU ms per step (lowest-total of "
                 f"{len(runs[0])} alternating runs)", ["stage", "MTP off", f"MTP k={args.spec_tokens}"], rows)
+    timer.restore()
+    ops = {s: dispatch_counts(model, prompts[:3] if args.quick else prompts, s, 64) for s in runs}
+    names = ["draft", "target forward", "extend", "other", "step"]
+    rows = [(n if n != "step" else "step total", *(round(ops[s][0].get(n, 0.0), 1) for s in runs)) for n in names]
+    rows.append(("tokens per step", *(round(ops[s][1], 3) for s in runs)))
+    per_tok_ops = {s: ops[s][0].get("step", 0.0) / max(ops[s][1], 1e-9) for s in runs}
+    rows.append(("dispatches per token", *(round(per_tok_ops[s], 1) for s in runs)))
+    print_table("ATen dispatches per decode step (torch.profiler, top-level ops), batch 1, demo model captions",
+                ["phase", "MTP off", f"MTP k={args.spec_tokens}"], rows)
     write_json(args.json, {"mtp_b1_cpu_ms_per_token_off": round(per_tok[0], 3),
                            f"mtp_b1_cpu_ms_per_token_k{args.spec_tokens}": round(per_tok[args.spec_tokens], 3),
-                           "mtp_b1_cpu_speedup": round(per_tok[0] / per_tok[args.spec_tokens], 3)})
+                           "mtp_b1_cpu_speedup": round(per_tok[0] / per_tok[args.spec_tokens], 3),
+                           "mtp_b1_dispatches_per_step_off": round(ops[0][0].get("step", 0.0), 1),
+                           f"mtp_b1_dispatches_per_step_k{args.spec_tokens}":
+                               round(ops[args.spec_tokens][0].get("step", 0.0), 1),
+                           "mtp_b1_dispatch_ratio": round(per_tok_ops[0] / max(per_tok_ops[args.spec_tokens], 1e-9), 3)})
 
 
 if __name__ == "__main__":

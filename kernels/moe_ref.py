@@ -22,8 +22,8 @@ def route_ref(
     With ``n_group > 1`` a token first keeps its ``topk_group`` best groups (group score = sum of the
     group's two best biased scores) and picks experts inside them.
     """
-    scores = torch.sigmoid(router_logits.float())
-    choice = scores if correction_bias is None else scores + correction_bias.float()[None]
+    scores = torch.sigmoid(router_logits if router_logits.dtype == torch.float32 else router_logits.float())
+    choice = scores if correction_bias is None else scores + correction_bias.float()
     num_tokens, num_experts = choice.shape
     if n_group > 1:
         if num_experts % n_group:

@@ -97,8 +97,8 @@ def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, wind
 
 def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size, window=None):
     """:func:`attention_plan` of S consecutive all-decode steps over one page table, built at once:
-    step s decodes the requests ``active[s]`` (their indices: ``rows[s]``) with contexts
-    ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
+    step s decodes the requests ``active[s]`` (their indices: ``rows[s]``; ``active`` None: all of
+    them) with contexts ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
     if use_triton(q):
         return [None] * seq_lens.shape[0]
     from kernels.paged_attention_cpu import AttentionPlan

@@ -78,20 +78,19 @@ class AttentionPlan:
         fixed width keeps the plan's shapes independent of the lengths (a compiled decode step per
         batch bucket); the extra columns are masked padding."""
         device = block_table.device
-        qsl = query_start_loc.to(torch.long).cpu()
-        lens = seq_lens.to(torch.long).cpu()
-        n_new = qsl[1:] - qsl[:-1]
-        num_tokens = int(qsl[-1])
-        decode = n_new == 1
-        num_decode = int(decode.sum())
+        # the batch's shape (which requests decode, where each starts) read once into Python ints:
+        # per-request decisions on tensors would cost a dispatch and a host read each
+        qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+        num_requests, num_tokens = len(lens), qsl[-1]
+        decode = [b for b in range(num_requests) if qsl[b + 1] - qsl[b] == 1]
         rows = slots = mask = None
         kmax = 0
-        if num_decode:
-            requests = torch.nonzero(decode)[:, 0]
-            d_lens = lens[requests]
+        if decode:
+            every = len(decode) == num_requests  # all rows decode: request b is row b, no selection
+            d_lens = torch.tensor([lens[b] for b in decode], dtype=torch.long)
             first = torch.zeros_like(d_lens) if window is None else (d_lens - window).clamp(min=0)
             span = d_lens - first
-            kmax = int(span.max())
+            kmax = max(lens[b] - (0 if window is None else max(0, lens[b] - window)) for b in decode)
             if keys is not None:
                 if keys < kmax:
                     raise ValueError(f"decode key grid of {keys} keys is narrower than a visible span of {kmax}")
@@ -99,45 +98,47 @@ class AttentionPlan:
             j = torch.arange(kmax)
             valid = j[None, :] < span[:, None]
             pos = torch.minimum(first[:, None] + j[None, :], (d_lens - 1)[:, None]).to(device)
-            pages = block_table[requests.to(device)].gather(1, pos // page_size)
+            table = block_table if every else block_table[torch.tensor(decode, device=device)]
+            pages = table.gather(1, pos // page_size)
             _check_mapped(pages, pos)
             slots = (pages * page_size + pos % page_size).reshape(-1)
-            mask = torch.zeros(num_decode, 1, 1, kmax, dtype=dtype)
+            mask = torch.zeros(len(decode), 1, 1, kmax, dtype=dtype)
             mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
             mask = mask.to(device)
-            rows = qsl[:-1][requests].to(device)
+            rows = torch.arange(len(decode), device=device) if every else torch.tensor([qsl[b] for b in decode],
+                                                                                         device=device)
         extends = []
-        for b in torch.nonzero(n_new > 1)[:, 0].tolist():
-            start, end, seq_len = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        for b in range(num_requests):
+            start, end, seq_len = qsl[b], qsl[b + 1], lens[b]
             n = end - start
+            if n <= 1:
+                continue
             first = 0 if window is None else max(0, seq_len - n - window + 1)
             pos_k = torch.arange(first, seq_len, device=device)
-            pos_q = torch.arange(seq_len - n, seq_len, device=device)
             pages = block_table[b][pos_k // page_size]
             _check_mapped(pages, pos_k)
             fresh = first == seq_len - n
             m = None
             if not fresh or (window is not None and window < n):  # else: plain causal over the chunk
-                visible = pos_k[None, :] <= pos_q[:, None]
-                if window is not None:
-                    visible &= pos_k[None, :] > pos_q[:, None] - window
-                m = torch.zeros(1, 1, n, pos_k.numel(), dtype=dtype, device=device)
-                m.masked_fill_(~visible[None, None], float("-inf"))
+                m = _extend_mask(n, seq_len - first, window, dtype, device)
             extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh))
-        all_decode = num_decode == num_tokens == n_new.numel()
+        all_decode = len(decode) == num_tokens == num_requests
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
 
     @staticmethod
-    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor,
+    def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None,
                      rows: list[list[int]], *, page_size: int, window: int | None,
                      dtype: torch.dtype = torch.float32) -> list[AttentionPlan]:
         """Plans of S consecutive all-decode steps over the same page table, index work done once
-        (MTP draft steps): step s decodes the requests b with ``active[s, b]`` (``rows[s]``, ascending), each with context
-        ``seq_lens[s, b]`` ([S, B] CPU tensors; rows ``b`` of ``block_table``, in order). Every step
-        uses the widest key grid of the S steps; the extra columns are masked like any padding and
-        re-read the step's own newest key, so the outputs are those of ``build`` per step."""
+        (MTP draft steps): step s decodes the requests b with ``active[s, b]`` (``rows[s]``, ascending;
+        ``active`` None: every request every step), each with context ``seq_lens[s, b]`` ([S, B] CPU
+        tensors; rows ``b`` of ``block_table``, in order). Every step uses the widest key grid of the
+        S steps; the extra columns are masked like any padding and re-read the step's own newest key,
+        so the outputs are those of ``build`` per step."""
         device = block_table.device
-        lens = torch.where(active, seq_lens.to(torch.long), 1)  # inactive: a harmless in-range position
+        lens = seq_lens.to(torch.long)
+        if active is not None:
+            lens = torch.where(active, lens, 1)  # inactive: a harmless in-range position
         first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
         span = lens - first
         kmax = int(span.max())
@@ -145,12 +146,15 @@ class AttentionPlan:
         pos = torch.minimum(first[..., None] + j, (lens - 1)[..., None])  # [S, B, K]
         pages = block_table.gather(1, (pos // page_size).to(device).permute(1, 0, 2).reshape(lens.shape[1], -1))
         pages = pages.reshape(lens.shape[1], lens.shape[0], kmax).permute(1, 0, 2)  # [S, B, K]
-        _check_mapped(pages[active.to(device)], pos[active].to(device))
+        if active is None:
+            _check_mapped(pages, pos)
+        else:
+            _check_mapped(pages[active.to(device)], pos[active].to(device))
         slots = pages * page_size + (pos % page_size).to(device)
         mask = torch.zeros(*lens.shape, 1, 1, kmax, dtype=dtype)
         mask.masked_fill_((j >= span[..., None])[:, :, None, None, :], float("-inf"))
         mask = mask.to(device)
-        plans = []
+        plans, aranges = [], {}
         for s, picked in enumerate(rows):
             n = len(picked)
             if n == lens.shape[1]:
@@ -158,9 +162,21 @@ class AttentionPlan:
             else:
                 idx = torch.tensor(picked, device=device)
                 step_slots, step_mask = slots[s][idx], mask[s][idx]
-            plans.append(AttentionPlan(n, torch.arange(n, device=device), True, step_slots.reshape(-1), kmax,
-                                       step_mask, ()))
+            if n not in aranges:  # steps with as many rows share one index tensor
+                aranges[n] = torch.arange(n, device=device)
+            plans.append(AttentionPlan(n, aranges[n], True, step_slots.reshape(-1), kmax, step_mask, ()))
         return plans
+
+
+def _extend_mask(n: int, keys: int, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, n, keys] additive mask of a request's last n positions over its last ``keys`` keys:
+    query i sits at key column c_i = keys - n + i and sees columns j with c_i - window < j <= c_i,
+    i.e. j - i <= keys - n (triu_ above that diagonal is -inf) and, with a window,
+    j - i > keys - n - window (tril_ up to that diagonal is -inf)."""
+    m = torch.full((1, 1, n, keys), float("-inf"), dtype=dtype, device=device).triu_(keys - n + 1)
+    if window is not None:
+        m.add_(torch.full_like(m, float("-inf")).tril_(keys - n - window))
+    return m
 
 
 def _check_mapped(pages: torch.Tensor, positions: torch.Tensor) -> None:
@@ -187,9 +203,10 @@ def _attend(q, k, v, mask, *, scale, sinks):
                 torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))[None, None]
         out, lse = _math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
     # out [B, Hq, Q, w], lse [B, Hq, Q]
-    if sinks is not None:
-        out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])[..., None]
-    return out[..., :dv].transpose(1, 2)
+    if sinks is not None:  # in place on the kernel's own outputs: fewer dispatches, the same values
+        gate = lse.sub_(sinks.view(1, -1, 1)).sigmoid_().unsqueeze(-1)
+        out = out.mul_(gate) if out.dtype == gate.dtype else out * gate
+    return (out if out.shape[-1] == dv else out[..., :dv]).transpose(1, 2)
 
 
 def _math_attention(q, k, v, mask, scale):
@@ -229,22 +246,28 @@ def paged_attention_cpu(
                                    dtype=q.dtype)
     if plan.num_tokens != q.shape[0]:
         raise ValueError(f"attention plan covers {plan.num_tokens} tokens, q has {q.shape[0]}")
-    num_kv, head_dim, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     if plan.all_decode:
         return _decode(q, k_cache, v_cache, plan, scale=scale, sinks=sinks)
-    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    if plan.decode_rows is None and len(plan.extends) == 1:  # one request's rows (an MTP verify step,
+        # a prompt chunk at batch 1): its attention is the whole output, no buffer to scatter into
+        return _extend(q, k_cache, v_cache, plan.extends[0], k_new, v_new, scale=scale, sinks=sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
     if plan.decode_rows is not None:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale=scale, sinks=sinks)
     for e in plan.extends:
-        n, kn = e.end - e.start, e.slots.numel()
-        if e.fresh and k_new is not None and v_new is not None:
-            k, v = k_new[e.start : e.end][None], v_new[e.start : e.end][None]
-        else:
-            k = k_cache.index_select(0, e.slots).view(1, kn, num_kv, head_dim)
-            v = v_cache.index_select(0, e.slots).view(1, kn, num_kv, dv)
-        out[e.start : e.end] = _attend(q[e.start : e.end].view(1, n, -1, head_dim), k, v, e.mask,
-                                       scale=scale, sinks=sinks)[0]
+        out[e.start : e.end] = _extend(q, k_cache, v_cache, e, k_new, v_new, scale=scale, sinks=sinks)
     return out
+
+
+def _extend(q, k_cache, v_cache, e: _Extend, k_new, v_new, *, scale, sinks):
+    """The query rows of one multi-token request -> [n, Hq, Dv]."""
+    n, kn = e.end - e.start, e.slots.numel()
+    if e.fresh and k_new is not None and v_new is not None:
+        k, v = k_new[e.start : e.end][None], v_new[e.start : e.end][None]
+    else:
+        k = k_cache.index_select(0, e.slots).view(1, kn, k_cache.shape[1], k_cache.shape[2])
+        v = v_cache.index_select(0, e.slots).view(1, kn, v_cache.shape[1], v_cache.shape[2])
+    return _attend(q[e.start : e.end].view(1, n, -1, q.shape[2]), k, v, e.mask, scale=scale, sinks=sinks)[0]
 
 
 def _decode(q, k_cache, v_cache, plan: AttentionPlan, *, scale, sinks):

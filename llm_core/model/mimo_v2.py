@@ -114,7 +114,8 @@ class MiMoV2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for the rows the engine picked (batch.logits_indices); under
         tensor parallelism each rank computes its vocabulary slice and the slices are gathered."""
-        return self.parallel.all_gather_tp_last(self.lm_head(hidden).float())
+        logits = self.lm_head(hidden)
+        return self.parallel.all_gather_tp_last(logits if logits.dtype == torch.float32 else logits.float())
 
     def kv_layout(self) -> KVLayout:
         """The KV geometry this rank stores: its own KV heads of each kind (all of them in one process)."""

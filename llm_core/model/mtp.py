@@ -72,7 +72,8 @@ class MTPLayer(nn.Module):
         """Final-normed hidden [T, H] of the batch's rows; writes this layer's K/V at the batch's
         SWA slots. ``embeds`` are the rows' token embeddings (media rows spliced in), ``h_prev`` the
         final-normed hidden of each row's previous position (zeros where unknown)."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h_prev.to(embeds.dtype))], dim=-1))
+        h_prev = h_prev if h_prev.dtype == embeds.dtype else h_prev.to(embeds.dtype)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h_prev)], dim=-1))
         x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
         x = x + self.mlp(self.pre_mlp_layernorm(x))
         return self.final_layernorm(x)

@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import torch
+from contextlib import contextmanager
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.moe_cpu import experts_cpu
+from kernels import moe_cpu
 from kernels.moe_ref import experts_ref, route_ref
+
+
+@contextmanager
+def dense_calls():
+    """Rows of each call of the CPU path's dense branch while the block runs."""
+    calls: list[int] = []
+    original = moe_cpu._dense
+
+    def spy(x, *args):
+        calls.append(x.shape[0])
+        return original(x, *args)
+
+    moe_cpu._dense = spy
+    try:
+        yield calls
+    finally:
+        moe_cpu._dense = original
 
 
 @settings(max_examples=30, deadline=None)
@@ -51,3 +71,43 @@ def test_kernel_layout_keeps_values_and_results():
                                experts_ref(x, w_gate_up, w_down, weights, ids), rtol=1e-5, atol=1e-5)
     assert torch.equal(experts_cpu(x[:1], gu, dn, weights[:1], ids[:1]),
                        experts_ref(x[:1], gu, dn, weights[:1], ids[:1]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 8), st.sampled_from([(4, 2), (8, 2), (16, 4), (5, 1)]), st.floats(0.0, 3.0),
+       st.integers(0, 10_000))
+def test_small_batches_run_dense_and_match_reference(tokens, experts, skew, seed):
+    """2..SMALL_M rows of a small model (an MTP verify step): the dense path serves them, also when
+    skewed routing leaves experts idle (their zero weights must not leak in)."""
+    num_experts, top_k = experts
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 32, generator=g)
+    w_gate_up = torch.randn(num_experts, 32, 32, generator=g) * 0.2
+    w_down = torch.randn(num_experts, 32, 16, generator=g) * 0.2
+    bias = torch.randn(num_experts, generator=g) * skew
+    weights, ids = route_ref(torch.randn(tokens, num_experts, generator=g), bias, top_k=top_k)
+    with dense_calls() as calls:
+        got = experts_cpu(x, w_gate_up, w_down, weights, ids)
+    assert calls == [tokens]
+    torch.testing.assert_close(got, experts_ref(x, w_gate_up, w_down, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_only_while_idle_expert_weights_are_small(monkeypatch):
+    """With a byte budget of one idle expert: a batch using 7 of 8 experts runs dense, one using 2
+    takes the grouped path, and more rows than SMALL_M never run dense."""
+    g = torch.Generator().manual_seed(1)
+    w_gate_up = torch.randn(8, 32, 32, generator=g) * 0.2
+    w_down = torch.randn(8, 32, 16, generator=g) * 0.2
+    per_expert = (32 * 32 + 32 * 16) * 4
+    monkeypatch.setattr(moe_cpu, "DENSE_IDLE_BYTES", per_expert)
+    x = torch.randn(16, 32, generator=g)
+    cases = [(torch.tensor([[0, 1], [2, 3], [4, 5], [6, 0]]), True),  # 7 of 8 used: one idle
+             (torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]), False),  # 6 idle
+             (torch.arange(16).remainder(8).view(8, 2).repeat(2, 1), False)]  # 16 rows > SMALL_M
+    for ids, dense in cases:
+        weights = torch.rand(ids.shape, generator=g)
+        with dense_calls() as calls:
+            got = experts_cpu(x[: ids.shape[0]], w_gate_up, w_down, weights, ids)
+        assert bool(calls) == dense
+        torch.testing.assert_close(got, experts_ref(x[: ids.shape[0]], w_gate_up, w_down, weights, ids),
+                                   rtol=1e-5, atol=1e-5)

@@ -33,22 +33,28 @@ class DraftSteps:
         device, page = first.positions.device, first.page_size
         step = torch.arange(self.num_steps, dtype=torch.long)
         self.rows = [[b for b, k in enumerate(ks) if k > s] for s in range(self.num_steps)]  # who drafts step s
-        self.active = torch.tensor([[k > s for k in ks] for s in range(self.num_steps)])  # [S, B]
+        # every request drafting as many tokens (always so at batch 1): no inactive cells to mask
+        self.active = None if min(ks) == self.num_steps else torch.tensor([[k > s for k in ks]
+                                                                         for s in range(self.num_steps)])  # [S, B]
         self.lens = first.seq_lens[None, :] + step[:, None]  # [S, B] context after step s
         pos = first.positions[None, :] + step.to(device)[:, None]
-        safe = torch.where(self.active.to(device), pos, first.positions[None, :])  # inactive: step 0's row
-        self.positions = safe
-        page_idx, in_page = safe // page, safe % page
+        if self.active is not None:  # inactive: step 0's row (in range, its page is mapped)
+            pos = torch.where(self.active.to(device), pos, first.positions[None, :])
+        self.positions = pos
+        page_idx, in_page = pos // page, pos % page
         full = first.full_block_table.gather(1, page_idx.T).T
         swa = first.swa_block_table.gather(1, page_idx.T).T
         self.full_slots = full * page + in_page
         self.swa_slots = torch.where(swa >= 0, swa * page + in_page, -1)
+        # whether the layer's pool has a page for every row of every step: checked once, not per step
+        self.slots_valid = bool(((self.swa_slots if attn.is_sliding else self.full_slots) >= 0).all())
         self.plans = ops.attention_decode_plans(torch.empty(0, dtype=dtype, device=device), first.swa_block_table
                                                 if attn.is_sliding else first.full_block_table, self.lens,
                                                 self.active, self.rows, page_size=page, window=attn.window)
-        cos, sin = attn.rotary.tables(safe.reshape(-1), dtype)
+        cos, sin = attn.rotary.tables(pos.reshape(-1), dtype)
         self.cos, self.sin = cos.view(self.num_steps, -1, *cos.shape[1:]), sin.view(self.num_steps, -1, *sin.shape[1:])
         self._index = [None if len(r) == len(entries) else torch.tensor(r, device=device) for r in self.rows]
+        self._aranges: dict[int, torch.Tensor] = {}
 
     def kept(self, s: int) -> torch.Tensor | None:
         """Which rows of step s - 1 draft on at step s (None: all of them)."""
@@ -57,7 +63,7 @@ class DraftSteps:
         return torch.tensor([b in set(self.rows[s]) for b in self.rows[s - 1]], device=self.first.positions.device)
 
     def batch(self, s: int) -> ForwardBatch:
-        """Step s's ForwardBatch, primed with its attention plan and rotary tables."""
+        """Step s's ForwardBatch, primed with its attention plan, rotary tables and slot check."""
         idx, f = self._index[s], self.first
 
         def pick(t: torch.Tensor) -> torch.Tensor:
@@ -66,14 +72,23 @@ class DraftSteps:
         n = len(self.rows[s])
         fb = ForwardBatch(
             positions=pick(self.positions[s]),
-            query_start_loc=torch.arange(n + 1, dtype=torch.long),
+            query_start_loc=self._arange(n + 1, torch.device("cpu")),
             seq_lens=pick(self.lens[s]),
             full_slot_mapping=pick(self.full_slots[s]),
             swa_slot_mapping=pick(self.swa_slots[s]),
             full_block_table=pick(f.full_block_table),
             swa_block_table=pick(f.swa_block_table),
             page_size=f.page_size,
-            logits_indices=torch.arange(n, dtype=torch.long, device=f.positions.device),
+            logits_indices=self._arange(n, f.positions.device),
         )
-        self.attn.prime(fb, self.plans[s], (pick(self.cos[s]), pick(self.sin[s])), self.dtype)
+        # a step's rows are a subset of all steps' rows: all valid when all are
+        self.attn.prime(fb, self.plans[s], (pick(self.cos[s]), pick(self.sin[s])), self.dtype,
+                        slots_valid=True if self.slots_valid else None)
         return fb
+
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        """0 .. n - 1, one tensor per length and device for every step (never written in place)."""
+        key = (n, device)
+        if key not in self._aranges:
+            self._aranges[key] = torch.arange(n, dtype=torch.long, device=device)
+        return self._aranges[key]

@@ -63,7 +63,8 @@ class Attention(nn.Module):
             slots, table = batch.swa_slot_mapping, batch.swa_block_table
         else:
             slots, table = batch.full_slot_mapping, batch.full_block_table
-        ops.store_kv(k_cache, v_cache, slots, k, v, all_valid=batch.slots_all_valid)
+        ops.store_kv(k_cache, v_cache, slots, k, v,
+                     all_valid=batch.slots_all_valid or self._slots_valid(batch, slots))
         out = ops.paged_attention(
             q,
             k_cache,
@@ -81,11 +82,15 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
 
-    def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> None:
-        """Give ``batch`` this layer's attention plan and rotary tables, computed by the caller for
-        several steps at once (MTP draft steps: ops.attention_decode_plans, one rotary.tables call)."""
+    def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
+              slots_valid: bool | None = None) -> None:
+        """Give ``batch`` this layer's attention plan and rotary tables (and whether all its slots of
+        this layer's pool are >= 0, when known), computed by the caller for several steps at once (MTP
+        draft steps: ops.attention_decode_plans, one rotary.tables call, one slot check)."""
         batch.step_cache[("attn", self.is_sliding, self.window, dtype)] = plan
         batch.step_cache[("rope", self.rotary.rotary_dim, self.rotary.theta, dtype)] = rotary
+        if slots_valid is not None:
+            batch.step_cache[("slots_valid", self.is_sliding)] = slots_valid
 
     def _rotary_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / signed-sin tables of this step, shared by the layers with the same rotary setup."""
@@ -93,6 +98,15 @@ class Attention(nn.Module):
         hit = batch.step_cache.get(key)
         if hit is None:
             hit = batch.step_cache[key] = self.rotary.tables(batch.positions, dtype)
+        return hit
+
+    def _slots_valid(self, batch: ForwardBatch, slots: torch.Tensor) -> bool:
+        """Whether every slot of this step's mapping for this layer's pool is >= 0: checked once per
+        step and pool, not in every layer's KV store."""
+        key = ("slots_valid", self.is_sliding)
+        hit = batch.step_cache.get(key)
+        if hit is None:
+            hit = batch.step_cache[key] = bool((slots >= 0).all())
         return hit
 
     def _plan(self, batch: ForwardBatch, q: torch.Tensor, table: torch.Tensor):

@@ -32,7 +32,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E] in fp32."""
-        return F.linear(x.float(), self.weight.float())
+        # .float() only where needed: on an fp32 tensor it is still one (no-op) dispatch per layer
+        return F.linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
 
 
 class StackedExperts(nn.Module):

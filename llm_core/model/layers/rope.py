@@ -52,8 +52,9 @@ class PartialRotary(nn.Module):
         t, h = x.shape[0], x.shape[1]
         half = self.rotary_dim // 2
         rot = x[..., : self.rotary_dim]
-        swapped = rot.unflatten(-1, (2, half)).flip(-2).reshape(t, h, self.rotary_dim)
-        rot.copy_(rot * cos + swapped * signed_sin)
+        swapped = rot.unflatten(-1, (2, half)).flip(-2).reshape(t, h, self.rotary_dim)  # a copy (flip)
+        # rot * cos + swapped * sin, the products and the sum as written, in place on rot
+        rot.mul_(cos).add_(swapped.mul_(signed_sin))
         return x
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
