@@ -65,6 +65,7 @@ class EarlyVideoDecode:
         self._kept_bytes = 0
         self._last_pts: int | None = None
         self._stop_pts: int | None = None  # production needs nothing after this pts
+        self._per_byte = 0.0  # frames per byte of the whole GOPs read so far (the "bytes" prediction)
         self._ended = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mmserve-early-decode", daemon=True)
@@ -165,8 +166,13 @@ class EarlyVideoDecode:
             return max(1, round(container.duration / 1e6 * fps))
         expected = self.body.expected_bytes or (self.body.received if self.body.done else None)
         if expected and packet.pos is not None and packet.pos > 0:
+            # frames per byte over whole GOPs (the bytes before a keyframe), so the estimate does
+            # not swing with each big keyframe; within the first GOP, over what has been read
+            if packet.is_keyframe and index > 0:
+                self._per_byte = index / packet.pos
+            per_byte = self._per_byte or (index + 1) / (packet.pos + packet.size)
             self.prediction = "bytes"
-            return max(index + 1, round((index + 1) * expected / (packet.pos + packet.size)))
+            return max(index + 1, round(per_byte * expected))
         return index + 1
 
     def _targets(self, total: int, fps: float) -> set[int]:
