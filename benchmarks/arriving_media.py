@@ -27,7 +27,6 @@ import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.pat
 
 import io
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,10 +37,9 @@ import numpy as np
 from _common import base_parser, print_table, write_json
 from _pipeline_media import HD, pyav_decode_all
 from mm_pipeline.server.launch.server_process import ServerProcess
-from samples.synthetic.throttled_http import ThrottledMediaServer
+from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
 
 DEMO = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
-_MOVFLAGS = {"fragments": "frag_keyframe+empty_moov+default_base_moof", "index": "faststart"}
 
 
 def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
@@ -67,21 +65,6 @@ def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
             out.mux(stream.encode(frame))
         out.mux(stream.encode(None))
     return buf.getvalue()
-
-
-def remux(data: bytes, layout: str) -> bytes:
-    """The same coded frames in another container layout (through a file: faststart rewrites it)."""
-    fmt = "matroska" if layout == "matroska" else "mp4"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"clip.{fmt}"
-        options = {"movflags": _MOVFLAGS[layout]} if layout in _MOVFLAGS else {}
-        with av.open(io.BytesIO(data)) as src, av.open(str(path), "w", format=fmt, options=options) as out:
-            stream = out.add_stream_from_template(src.streams.video[0])
-            for packet in src.demux(src.streams.video[0]):
-                if packet.dts is not None:
-                    packet.stream = stream
-                    out.mux(packet)
-        return path.read_bytes()
 
 
 def first_token(base_url: str, model: str, url: str) -> float:
@@ -112,8 +95,8 @@ def early_counts(base_url: str) -> dict[str, float]:
 
 
 def run(seconds: int, reps: int, rate: float, layout: str) -> dict[str, float]:
-    video = remux(make_camera_video(seconds, seed=400), layout)
-    warm = remux(make_camera_video(2, seed=401), layout)
+    video = remux_layout(make_camera_video(seconds, seed=400), layout)
+    warm = remux_layout(make_camera_video(2, seed=401), layout)
     times: dict[str, list[float]] = {"early": [], "after": [], "pyav": []}
     counts: dict[str, float] = {}
     flags = ["--model", str(DEMO), "--allow-http", "--allowed-domains", "127.0.0.1", "--allow-private-hosts",

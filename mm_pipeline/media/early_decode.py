@@ -67,6 +67,7 @@ class EarlyVideoDecode:
         self._stop_pts: int | None = None  # production needs nothing after this pts
         self._per_byte = 0.0  # frames per byte of the whole GOPs read so far (the "bytes" prediction)
         self._ended = False
+        self._dropped = False  # cancelled: keep nothing more
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mmserve-early-decode", daemon=True)
 
@@ -77,6 +78,7 @@ class EarlyVideoDecode:
         """Stop at the next packet and drop the kept frames (safe from any thread, any number of times)."""
         self.control.cancel()
         with self._cond:
+            self._dropped = True
             self._frames.clear()
             self._kept_bytes = 0
             self._cond.notify_all()
@@ -147,7 +149,8 @@ class EarlyVideoDecode:
                 if total != predicted:
                     predicted, keep = total, self._targets(total, fps)
                 with self._cond:
-                    if index in keep and self._kept_bytes + frame_bytes <= self.max_kept_bytes:
+                    if (index in keep and not self._dropped
+                            and self._kept_bytes + frame_bytes <= self.max_kept_bytes):
                         self._frames[frame.pts] = frame
                         self._kept_bytes += frame_bytes
                     self._last_pts = frame.pts if self._last_pts is None else max(self._last_pts, frame.pts)

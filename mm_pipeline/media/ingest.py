@@ -5,6 +5,10 @@ Hash first: once the bytes are held, their content key (blake3) is computed befo
 inside them; the sniff answer of a content key seen before comes from a memo, so a repeated
 container is never opened by PyAV again (and planning then finds its manifest by the same key).
 
+An http(s) body arrives into one growing buffer (``ArrivingBytes``) that the hash and, for a
+streamable video, an early decoder (``media.early_decode``, started through ``early_video``) read
+while it grows; the body's size cap applies chunk by chunk.
+
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
 

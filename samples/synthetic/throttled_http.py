@@ -1,14 +1,39 @@
 """A loopback HTTP server that sends media at a throttled rate, for the decode-while-receiving
 tests and benchmark (issue 16 item 4): ``with ThrottledMediaServer({"/clip.mp4": data}, rate=30e6)
 as server: server.url("/clip.mp4")``. ``/cut/<name>`` sends half the body and closes the
-connection (a sender that disconnects mid-way); ``/stall/<name>`` sends half and then nothing."""
+connection (a sender that disconnects mid-way); ``/stall/<name>`` sends half and then nothing.
+``remux_layout`` puts a video's coded frames into the container layouts the server streams."""
 
 from __future__ import annotations
 
 import http.server
+import io
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+import av
+
+_MOVFLAGS = {"fragments": "frag_keyframe+empty_moov+default_base_moof", "index": "faststart"}
+
+
+def remux_layout(data: bytes, layout: str) -> bytes:
+    """The same coded video frames (no re-encoding) as ``layout``: ``fragments`` (fragmented MP4,
+    empty moov), ``index`` (MP4, moov first), ``matroska``, ``index-at-end`` (MP4, moov last).
+    Through a file: faststart rewrites it."""
+    fmt = "matroska" if layout == "matroska" else "mp4"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"clip.{fmt}"
+        options = {"movflags": _MOVFLAGS[layout]} if layout in _MOVFLAGS else {}
+        with av.open(io.BytesIO(data)) as src, av.open(str(path), "w", format=fmt, options=options) as out:
+            stream = out.add_stream_from_template(src.streams.video[0])
+            for packet in src.demux(src.streams.video[0]):
+                if packet.dts is not None:  # the muxer's flush packet
+                    packet.stream = stream
+                    out.mux(packet)
+        return path.read_bytes()
 
 
 class ThrottledMediaServer:

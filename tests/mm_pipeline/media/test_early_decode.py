@@ -13,9 +13,7 @@ from __future__ import annotations
 import io
 import threading
 import time
-from pathlib import Path
 
-import av
 import pytest
 import torch
 
@@ -28,32 +26,16 @@ from mm_pipeline.media.sniff import streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.video_chunks import decode_chunk, plan_chunks
 from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from samples.synthetic.throttled_http import remux_layout
 from tests.support.media_samples import image_bytes, video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
 
 
-def remux(data: bytes, tmp: Path, fmt: str, movflags: str = "") -> bytes:
-    """The same coded frames in another container layout (a file: faststart rewrites it)."""
-    path = tmp / f"clip.{fmt}"
-    with av.open(io.BytesIO(data)) as src, av.open(str(path), "w", format=fmt,
-                                                   options={"movflags": movflags} if movflags else {}) as out:
-        stream = out.add_stream_from_template(src.streams.video[0])
-        for packet in src.demux(src.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                out.mux(packet)
-    return path.read_bytes()
-
-
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> dict[str, bytes]:
-    tmp = tmp_path_factory.mktemp("clips")
+def clips() -> dict[str, bytes]:
     base = video_bytes("mp4", fps=10, n_frames=120, size=(96, 64), gop=10)
-    return {"fragments": remux(base, tmp, "mp4", "frag_keyframe+empty_moov+default_base_moof"),
-            "index": remux(base, tmp, "mp4", "faststart"),
-            "matroska": remux(base, tmp, "matroska"),
-            "index-at-end": base}
+    return {layout: remux_layout(base, layout) for layout in ("fragments", "index", "matroska", "index-at-end")}
 
 
 def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0.002,

@@ -3,36 +3,21 @@
 What is proven, with a throttled loopback media host: the answer (greedy tokens; logprobs to float
 tolerance) with --decode-while-receiving equals the one with --no-decode-while-receiving; the early path was taken
 (counters on /metrics: one early decode, bytes still outstanding when it started, frames served
-from it); a sender that disconnects or stalls mid-body gets a 4xx and leaves no decoder thread.
+from it); the same URL again hits the cache, and its early decode is cancelled unused; a sender that disconnects or stalls mid-body gets a 4xx and leaves no decoder thread.
 """
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
-import av
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from samples.synthetic.throttled_http import ThrottledMediaServer
+from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
 from tests.support.media_samples import video_bytes
 from tests.support.served import served_tiny_omni
-
-
-def _fragmented(tmp_path_factory) -> bytes:
-    base = video_bytes("mp4", fps=10, n_frames=100, size=(64, 48), gop=10)
-    path = tmp_path_factory.mktemp("clip") / "clip.mp4"
-    with av.open(io.BytesIO(base)) as src, av.open(str(path), "w", format="mp4", options={
-            "movflags": "frag_keyframe+empty_moov+default_base_moof"}) as out:
-        stream = out.add_stream_from_template(src.streams.video[0])
-        for packet in src.demux(src.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                out.mux(packet)
-    return path.read_bytes()
 
 
 def _ask(server, url: str) -> httpx.Response:
@@ -53,8 +38,8 @@ def _media_metrics(server) -> dict[tuple[str, tuple], float]:
 
 
 @pytest.fixture(scope="module")
-def clip(tmp_path_factory) -> bytes:
-    return _fragmented(tmp_path_factory)
+def clip() -> bytes:
+    return remux_layout(video_bytes("mp4", fps=10, n_frames=100, size=(64, 48), gop=10), "fragments")
 
 
 def _served(tmp_path_factory, on: bool):
@@ -77,7 +62,18 @@ def test_same_answer_with_and_without_and_counters(tmp_path_factory, clip) -> No
                     metrics = _media_metrics(server)
                     assert metrics[("mmserve_media_early_decodes_total", (("kind", "video"),))] == 1
                     assert metrics[("mmserve_media_early_decode_bytes_outstanding_total", ())] > 0
-                    assert media_counts.get("early_frames_used", 0) > 0
+                    used = media_counts.get("early_frames_used", 0)
+                    assert used > 0
+                    # the same bytes again: the cache holds every unit, so the second early decode
+                    # is cancelled when the hash completes and serves nothing
+                    again = _ask(server, media.url("/clip.mp4"))
+                    assert again.json()["choices"][0]["message"]["content"] == choice["message"]["content"]
+                    counts = server.engine.stats().media
+                    assert counts["early_decodes.video"] == 2 and counts["early_frames_used"] == used
+                    deadline = time.monotonic() + 5
+                    while _early_threads() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    assert _early_threads() == []
                 else:
                     assert not any(k.startswith("early_") for k in media_counts)
     (text_on, lp_on), (text_off, lp_off) = answers[True], answers[False]
