@@ -39,7 +39,7 @@ _ANIMATIONS = ("gif", "webp")
 
 class UnitProducer:
     def __init__(self, pre: Preprocessor, pool: WorkerPool, batcher: EncoderBatcher, cache: EncoderCache,
-                 config: PlannerConfig, count: Callable[[str, int], None]) -> None:
+                 config: PlannerConfig, count: Callable[..., None]) -> None:
         self.pre = pre
         self.pool = pool
         self.batcher = batcher

@@ -5,17 +5,18 @@ r"""Decode a video while its bytes still arrive (issue 16 item 4; README "Decodi
                    └─► finish: content key ─► sniff ─► plan (the exact demux on the whole bytes)
                                                    ─► chunks: kept frames, misses decoded as before
 
-Which frames the model sees depends on the exact frame count (``video_sampling``), known only at
-the end, so the early decoder *predicts* it -- exactly from an MP4 index (``stts``), from the
-container's duration (Matroska/WebM), else from the bytes read so far against Content-Length --
-and keeps the frames of the predicted sampling for a few counts around the prediction. Production
-takes a kept frame by its pts (the same frame a decode from its keyframe emits) and decodes only
-the targets that were not kept, so the frames are those of the whole-bytes path whatever the
-prediction was; a wrong prediction costs time, never correctness.
+Which frames the model sees depends on the exact frame count (``video_sampling``), so the early
+decoder needs it up front: exactly from an MP4 sample table (``moov`` before ``mdat``), or from
+the Segment duration of Matroska/WebM (kept for a few counts around it). It keeps the frames of
+that sampling; production takes a kept frame by its pts (the same frame a decode from its keyframe
+emits) and decodes only the targets that were not kept, so the frames are those of the
+whole-bytes path whatever the prediction was; a wrong prediction costs time, never correctness.
 
-Only containers that can be read front to back start one (``streamable_layout``): fragmented MP4,
-MP4 with ``moov`` before ``mdat``, Matroska/WebM, Ogg. An MP4 with its index at the end would block
-the decoder until the last byte, so it is decoded after arrival as before and holds no thread.
+A fragmented MP4 or an Ogg stream states no frame count up front: estimating it from
+Content-Length was tried and measured (README) -- a few frames off, which moves most sampled
+frames, so the early work was wasted and the first token came later -- so they are decoded after
+arrival, as is an MP4 with its index at the end (it would block the decoder until the last byte):
+no thread is started for them.
 Bounds: ``max_kept_bytes`` of kept frames, a deadline, a cap on concurrent early decoders (none
 free: the item is decoded after arrival), and ``cancel`` (a manifest/cache hit, the request
 dropped its item, the body failed) stops the thread at its next packet and frees the frames.
@@ -39,14 +40,15 @@ from mm_pipeline.media.sniff import open_av_stream
 from mm_pipeline.media.types import MediaItem
 from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
 
-_SLACK = {"index": 0, "duration": 2, "bytes": 2}  # frame counts kept either side of the prediction
+_SLACK = {"index": 0, "duration": 2}  # frame counts kept either side of the prediction
+PREDICTABLE = ("index", "matroska")  # layouts (sniff.streamable_layout) whose header gives the frame count
 
 
 class EarlyVideoDecode:
     """One video decoded on its own thread while its bytes arrive; frames kept by pts.
 
-    Invariant (under ``_cond``): every kept frame's pts <= ``_last_pts``; once ``_ended`` the set of
-    kept frames no longer grows."""
+    Invariant (under ``_cond``): every kept frame's pts <= ``_last_pts``; ``_kept_bytes`` =
+    len(``_frames``) x ``_frame_bytes`` <= ``max_kept_bytes``; once ``_ended`` no frame is added."""
 
     def __init__(self, body: ArrivingBytes, layout: str, sampling: VideoSamplingParams, max_kept_bytes: int,
                  timeout_s: float, threads: int = 1, on_end: Callable[[], None] | None = None) -> None:
@@ -58,16 +60,17 @@ class EarlyVideoDecode:
         self.threads = threads
         self.control = DecodeControl(timeout_s, what="an arriving video")
         self.received_at_first_frame: int | None = None  # bytes in when the first frame came out
-        self.prediction = ""  # how the frame count was predicted: index / duration / bytes
+        self.prediction = ""  # how the frame count was known: index / duration ("": not known, no decode)
         self._on_end = on_end
         self._cond = threading.Condition()
         self._frames: dict[int, av.VideoFrame] = {}
         self._kept_bytes = 0
         self._last_pts: int | None = None
         self._stop_pts: int | None = None  # production needs nothing after this pts
-        self._per_byte = 0.0  # frames per byte of the whole GOPs read so far (the "bytes" prediction)
         self._ended = False
         self._dropped = False  # cancelled: keep nothing more
+        self._exact: set[int] | None = None  # pts production wants (retarget), else the prediction
+        self._frame_bytes = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mmserve-early-decode", daemon=True)
 
@@ -87,6 +90,15 @@ class EarlyVideoDecode:
         """Production needs no frame after ``pts``: the decoder stops once it is past it."""
         with self._cond:
             self._stop_pts = pts
+
+    def retarget(self, wanted_pts: Sequence[int]) -> None:
+        """The exact frames production wants (known once the whole body was demuxed): from now on
+        keep these, not the predicted ones, and drop kept frames nobody wants."""
+        with self._cond:
+            self._exact = set(wanted_pts)
+            for pts in [p for p in self._frames if p not in self._exact]:
+                del self._frames[pts]
+                self._kept_bytes -= self._frame_bytes
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
@@ -110,7 +122,9 @@ class EarlyVideoDecode:
             while not self._ended and (self._last_pts is None or self._last_pts < last):
                 self._cond.wait(0.05)
                 check(control)
-            return {p: self._frames.pop(p) for p in wanted if p in self._frames}
+            taken = {p: self._frames.pop(p) for p in wanted if p in self._frames}
+            self._kept_bytes -= len(taken) * self._frame_bytes
+            return taken
 
     # ---- the decoder thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -129,28 +143,25 @@ class EarlyVideoDecode:
 
     def _decode(self, container: av.container.InputContainer, stream: av.VideoStream) -> None:
         fps = float(stream.average_rate or stream.guessed_rate or 0)
-        if not fps > 0:
-            return  # no rate: no prediction (decoded after arrival)
+        total = self._predict(container, stream, fps) if fps > 0 else None
+        if total is None:
+            return  # no frame count known up front (fragmented MP4, Ogg): decoded after arrival
+        keep = self._targets(total, fps)
         width, height = stream.codec_context.width, stream.codec_context.height
-        frame_bytes = width * height * 3 // 2  # a kept frame stays YUV 4:2:0 until production converts it
+        frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
         used = codec_threads(self.threads, width * height)
         if used > 1:  # as decode_range does: FFmpeg's own threads, output bit-identical
             stream.thread_type = "AUTO"
             stream.codec_context.thread_count = used
-        keep: set[int] = set()
-        predicted = -1
         index = 0
         for packet in container.demux(stream):
             check(self.control)
             for frame in packet.decode():
                 if self.received_at_first_frame is None:
                     self.received_at_first_frame = self.body.received
-                total = self._predict(container, stream, fps, index, packet)
-                if total != predicted:
-                    predicted, keep = total, self._targets(total, fps)
                 with self._cond:
-                    if (index in keep and not self._dropped
-                            and self._kept_bytes + frame_bytes <= self.max_kept_bytes):
+                    wanted = index in keep if self._exact is None else frame.pts in self._exact
+                    if wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes:
                         self._frames[frame.pts] = frame
                         self._kept_bytes += frame_bytes
                     self._last_pts = frame.pts if self._last_pts is None else max(self._last_pts, frame.pts)
@@ -159,24 +170,16 @@ class EarlyVideoDecode:
                         return
                 index += 1
 
-    def _predict(self, container: av.container.InputContainer, stream: av.VideoStream, fps: float,
-                 index: int, packet: av.Packet) -> int:
+    def _predict(self, container: av.container.InputContainer, stream: av.VideoStream, fps: float) -> int | None:
+        """The frame count from the container's own header, or None (a Matroska without a
+        duration): then the video is decoded after arrival (module doc)."""
         if self.layout == "index" and stream.frames > 0:  # the MP4 sample table counts them exactly
             self.prediction = "index"
             return stream.frames
         if self.layout == "matroska" and container.duration:  # the Segment's duration (microseconds)
             self.prediction = "duration"
             return max(1, round(container.duration / 1e6 * fps))
-        expected = self.body.expected_bytes or (self.body.received if self.body.done else None)
-        if expected and packet.pos is not None and packet.pos > 0:
-            # frames per byte over whole GOPs (the bytes before a keyframe), so the estimate does
-            # not swing with each big keyframe; within the first GOP, over what has been read
-            if packet.is_keyframe and index > 0:
-                self._per_byte = index / packet.pos
-            per_byte = self._per_byte or (index + 1) / (packet.pos + packet.size)
-            self.prediction = "bytes"
-            return max(index + 1, round(per_byte * expected))
-        return index + 1
+        return None
 
     def _targets(self, total: int, fps: float) -> set[int]:
         slack = _SLACK.get(self.prediction, 2)
@@ -224,7 +227,7 @@ class EarlyDecoders:
         self._slots = threading.BoundedSemaphore(limit)
 
     def start(self, body: ArrivingBytes, layout: str) -> EarlyVideoDecode | None:
-        if not self._slots.acquire(blocking=False):
+        if layout not in PREDICTABLE or not self._slots.acquire(blocking=False):
             return None
         # kept frames: at most half the request's decoded-bytes budget (production converts them
         # under its own reservations, as it does frames it decodes itself)
@@ -238,8 +241,12 @@ def chunks_for_early(early: EarlyVideoDecode, info: VideoInfo, indices: Sequence
                      chunks: Sequence[Sequence[int]], tp: int) -> set[int]:
     """Which ``chunks`` (positions) take the early decoder's frames: all once it has ended, else
     those whose seek point it has reached (a decoder of their own would redo what it is doing);
-    the others decode from their keyframes in parallel. It stops after the last frame it serves
-    (cancelled when it serves none)."""
+    the others decode from their keyframes in parallel. From here on it keeps the exact frames
+    (``retarget``) and stops after the last frame it serves (cancelled when it serves none)."""
+    if early.ended and not early.prediction:
+        early.cancel()  # it never decoded (no frame count up front): decode as after arrival
+        return set()
+    early.retarget([info.pts[t] for t in indices])
     done, last = early.ended, early.last_pts
     chosen: set[int] = set()
     need = -1

@@ -39,7 +39,7 @@ def _media_metrics(server) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture(scope="module")
 def clip() -> bytes:
-    return remux_layout(video_bytes("mp4", fps=10, n_frames=100, size=(64, 48), gop=10), "fragments")
+    return remux_layout(video_bytes("mp4", fps=10, n_frames=100, size=(64, 48), gop=10), "index")
 
 
 def _served(tmp_path_factory, on: bool):
