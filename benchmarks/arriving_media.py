@@ -12,12 +12,12 @@ Keys (prefixed by the layout):
   pyav_all_frames_s             plain PyAV decoding every frame of the same file (the floor)
   early_frames_used / early_frames_decoded_after
                                 sampled frames the early decode had kept / production decoded after
-                                arrival (from /metrics of the early server; a miss = a mispredicted
-                                frame count, see media/early_decode.py)
+                                arrival (from /metrics of the early server, warm-up clip included)
 
 The video: ``make_camera_video`` (720p, 30 fps, keyframe every 2 s, MPEG-4 part 2 at ~6 Mbit/s),
-remuxed without re-encoding into the layout asked for: ``fragments`` (fragmented MP4, empty moov:
-the frame count is predicted from Content-Length), ``index`` (moov first), ``matroska``. A new
+remuxed without re-encoding into the layout asked for: ``index`` (moov first), ``matroska``,
+``fragments`` (fragmented MP4, empty moov: no frame count up front, so it is decoded after arrival
+either way and its ratio shows what the feature costs when it cannot help). A new
 server per variant and repetition, so every timed request is cold (after a short warm-up clip).
 """
 

@@ -34,12 +34,11 @@ class ArrivingBytes:
     """A growing, size-capped body with its incremental content key. ``feed``/``finish``/``fail``
     come from the receiver; any number of ``reader()``s read from other threads."""
 
-    def __init__(self, max_bytes: int, stall_s: float, expected_bytes: int | None = None) -> None:
+    def __init__(self, max_bytes: int, stall_s: float) -> None:
         if max_bytes <= 0 or not stall_s > 0:
             raise ValueError(f"ArrivingBytes needs max_bytes > 0 and stall_s > 0, got {max_bytes}, {stall_s}")
         self.max_bytes = max_bytes
         self.stall_s = stall_s
-        self.expected_bytes = expected_bytes  # Content-Length when the sender gave one
         self._buf = bytearray()
         self._hasher = blake3.blake3()
         self._cond = threading.Condition()

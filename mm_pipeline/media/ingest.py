@@ -294,17 +294,15 @@ class MediaIngestor:
                     declared = response.headers.get("content-length")
                     if declared is not None and declared.isdigit() and int(declared) > limit:
                         raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
-                    expected = int(declared) if declared is not None and declared.isdigit() else None
-                    return await self._receive(response.aiter_bytes(), url, kind, expected)
+                    return await self._receive(response.aiter_bytes(), url, kind)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
-    async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
-                       expected: int | None) -> tuple[bytes, str, Any]:
+    async def _receive(self, chunks: AsyncIterator[bytes], url: str,
+                       kind: MediaKind | None) -> tuple[bytes, str, Any]:
         """Hash the chunks as they arrive into one growing buffer; a streamable video starts
         decoding from that buffer as soon as its layout is known. Any failure (size cap, deadline,
         disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
-        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
-                             expected_bytes=expected)
+        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s)
         early, layout = None, None
         wants_early = (self.early_video is not None and self.config.decode_while_receiving
                        and kind in (None, MediaKind.VIDEO))

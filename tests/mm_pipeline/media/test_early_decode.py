@@ -104,7 +104,7 @@ def test_streamable_layout(clips) -> None:
 
 # ---- early decode --------------------------------------------------------------------------------
 def _early(data: bytes, layout: str, **feed_kw) -> tuple[EarlyVideoDecode, ArrivingBytes, threading.Thread]:
-    body = ArrivingBytes(1 << 24, stall_s=5.0, expected_bytes=len(data))
+    body = ArrivingBytes(1 << 24, stall_s=5.0)
     sender = feed(body, data, **feed_kw)
     while body.received == 0:
         time.sleep(0.001)
