@@ -46,6 +46,7 @@ from mm_pipeline.media.decode_audio import has_audio_stream
 from mm_pipeline.media.decode_backend import DecodeBackend
 from mm_pipeline.media.decode_budget import DecodeControl
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
+from mm_pipeline.media.early_decode import EarlyDecoders
 from mm_pipeline.media.content_hash import audio_segment_key, content_key, media_key, video_group_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
@@ -74,6 +75,9 @@ class MediaPlanner:
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # worker threads count concurrently
         self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count, decoder)
+        # http(s) videos start decoding while their bytes arrive (off: --no-decode-while-receiving)
+        ingestor.early_video = EarlyDecoders(config.video_sampling, config.limits, ingestor.config.fetch_timeout_s,
+                                             config.decoder_threads).start
         # media key -> the planning pass in progress; a cancelled planner fails its joiners with
         # a MediaError (their request failed for a reason of this media, not their own cancel)
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
@@ -151,6 +155,8 @@ class MediaPlanner:
         plan.cached.clear()  # the sinks own the rows now
         if claimed:
             self.producer.start(plan, claimed)
+        elif plan.item.early is not None:
+            plan.item.early.cancel()  # the cache had every unit: stop decoding the arriving copy
 
     def detach(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
         for unit, sink in zip(plan.units, sinks):
@@ -161,13 +167,15 @@ class MediaPlanner:
         """Work done: probes, images_decoded, audio_decoded, audio_codes (pre-tokenized items
         loaded), video_chunks_decoded, unit_hits (units found in the encoder cache), plan_joins;
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
-        content_hashes, sniff_probes, sniff_memo_hits."""
+        content_hashes, sniff_probes, sniff_memo_hits, early_decodes; early_frames_used /
+        early_frames_decoded_after: sampled frames of chunks an early decode served
+        (media.early_decode), kept by it / decoded after arrival."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:
-            self._counts[name] += 1
+            self._counts[name] += n
 
     # ---- planning (worker thread) -----------------------------------------------------------
     async def _load_file(self, ref: MediaRef) -> MediaItem:

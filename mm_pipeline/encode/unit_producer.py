@@ -24,6 +24,7 @@ from mm_pipeline.media.decode_budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode_backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode_image import image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode_video import frame_decode_bytes, probe_video
+from mm_pipeline.media.early_decode import chunks_for_early, decode_chunk_early
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -40,7 +41,7 @@ _ANIMATIONS = ("gif", "webp")
 
 class UnitProducer:
     def __init__(self, pre: Preprocessor, pool: WorkerPool, batcher: EncoderBatcher, cache: EncoderCache,
-                 config: PlannerConfig, count: Callable[[str], None], decoder: DecodeBackend | None = None) -> None:
+                 config: PlannerConfig, count: Callable[..., None], decoder: DecodeBackend | None = None) -> None:
         self.pre = pre
         self.decoder = decoder or ThreadDecodeBackend()  # where pixels are decoded (decode_backend.py)
         self.pool = pool
@@ -171,6 +172,8 @@ class UnitProducer:
         finally:
             control.cancel()  # a chunk still on a worker after a failure stops at its next frame
             plan.inputs = {}
+            if plan.item.early is not None:
+                plan.item.early.cancel()  # its frames were taken or are not needed any more
 
     async def _produce_sound(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
                              control: DecodeControl) -> None:
@@ -195,28 +198,39 @@ class UnitProducer:
             chunks = [list(claimed)]
         else:
             chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk)
+        # decoded while the bytes arrived (media.early_decode): those chunks take its frames
+        early = plan.item.early if info is not None else None
+        from_early = chunks_for_early(early, info, sampling.indices, chunks, tp) if early is not None else set()
 
-        async def one(groups: list[int]) -> None:
+        async def one(groups: list[int], use_early: bool) -> None:
             if not any(self.batcher.wanted(plan.units[g].key) for g in groups):
                 for g in groups:  # every request that wanted these went away
                     self.batcher.fail(plan.units[g].key, MediaError("no longer wanted"))
                     open_keys.discard(plan.units[g].key)
                 return
             inputs = await self.pool.run(self._video_chunk, plan.item, info, sampling.indices, groups, size, tp,
-                                         control)
+                                         control, use_early)
             for g, vis in zip(groups, inputs):
                 self._submit(plan, g, vis, open_keys)
 
         async with asyncio.TaskGroup() as group:  # the first failure cancels the other chunks
-            for c in chunks:
-                group.create_task(one(c))
+            for c, groups in enumerate(chunks):
+                group.create_task(one(groups, c in from_early))
 
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
-                     size: tuple[int, int], tp: int, control: DecodeControl | None = None) -> list[VisionInput]:
+                     size: tuple[int, int], tp: int, control: DecodeControl | None = None,
+                     use_early: bool = False) -> list[VisionInput]:
         t0 = time.monotonic()
         with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control, "a video chunk"):
-            frames = self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
-                                               threads=self.config.decoder_threads)
+            if use_early:
+                frames, used = decode_chunk_early(item.early, item, info, indices, groups, tp, size, control,
+                                                  threads=self.config.decoder_threads)
+                self._count("early_frames_used", used)
+                targets = {indices[g * tp + j] for g in groups for j in range(tp)}
+                self._count("early_frames_decoded_after", len(targets) - used)
+            else:
+                frames = self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size,
+                                                   control, threads=self.config.decoder_threads)
             self._count("video_chunks_decoded")
             out = self.pre.video_groups(frames, size)
         if self.on_decode_span is not None:

@@ -5,6 +5,10 @@ Hash first: once the bytes are held, their content key (blake3) is computed befo
 inside them; the sniff answer of a content key seen before comes from a memo, so a repeated
 container is never opened by PyAV again (and planning then finds its manifest by the same key).
 
+An http(s) body arrives into one growing buffer (``ArrivingBytes``) that the hash and, for a
+streamable video, an early decoder (``media.early_decode``, started through ``early_video``) read
+while it grows; the body's size cap applies chunk by chunk.
+
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -31,12 +36,13 @@ import stat
 import threading
 import urllib.parse
 import urllib.request
+import weakref
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-import blake3
 import httpx
 
 from mm_pipeline.errors import (
@@ -48,12 +54,14 @@ from mm_pipeline.errors import (
     MediaTooLarge,
     UnsupportedMediaType,
 )
+from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.content_hash import content_key
-from mm_pipeline.media.sniff import SniffMemo, sniff
+from mm_pipeline.media.sniff import SniffMemo, sniff, streamable_layout
 from mm_pipeline.media.worker_pool import WorkerPool
 
 T = TypeVar("T")
+_LAYOUT_HEAD = 1 << 20  # bytes of a body streamable_layout looks at, at most
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class IngestConfig:
     fetch_timeout_s: float = 10.0  # whole fetch, redirects included
     max_redirects: int = 3
     allow_private_hosts: bool = False  # let allowed domains resolve to loopback / private addresses
+    decode_while_receiving: bool = True  # http(s) video: decode while the body arrives (media.early_decode)
     limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
@@ -114,13 +123,18 @@ class MediaIngestor:
         self._transport = transport
         self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
         self.sniff_memo = SniffMemo()
+        # (body, layout) -> a started early decode or None: set by the planner, which knows the
+        # sampling and decoder settings (media.early_decode); None: decode after arrival only
+        self.early_video: Callable[[ArrivingBytes, str], Any] | None = None
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
 
     @property
     def counts(self) -> dict[str, int]:
         """Per modality (``name.kind``): content_hashes, sniff_probes (a PyAV open was needed),
-        sniff_memo_hits (the content key answered, nothing opened)."""
+        sniff_memo_hits (the content key answered, nothing opened); early_decodes.video (decoding
+        started while the bytes arrived) and early_decode_bytes_outstanding (bytes still to come
+        then, summed)."""
         with self._counts_lock:
             return dict(self._counts)
 
@@ -128,8 +142,14 @@ class MediaIngestor:
 
     async def ingest(self, source: MediaSource) -> MediaItem:
         if source.url is not None and _scheme(source.url) in ("http", "https"):
-            data, key = await self._fetch(source.url)
-            return await self._off_loop(self._to_item, data, source.kind, _short(source.url), key)
+            data, key, early = await self._fetch(source.url, source.kind)
+            try:
+                item = await self._off_loop(self._to_item, data, source.kind, _short(source.url), key)
+            except BaseException:
+                if early is not None:
+                    early.cancel()
+                raise
+            return self._with_early(item, early)
         return await self._off_loop(self.ingest_local, source)
 
     def ingest_local(self, source: MediaSource) -> MediaItem:
@@ -178,6 +198,19 @@ class MediaIngestor:
             elif found.probed:
                 self._counts[f"sniff_probes.{kind.value}"] += 1
         return MediaItem(kind=kind, format=found.format, data=data, origin=origin, content_key=key)
+
+    def _with_early(self, item: MediaItem, early: Any) -> MediaItem:
+        if early is None:
+            return item
+        if item.kind is not MediaKind.VIDEO:
+            early.cancel()  # a Matroska/Ogg that sniffed as audio, or a declared audio part
+            return item
+        item = dataclasses.replace(item, early=early)
+        weakref.finalize(item, early.cancel)  # the request dropped its item: stop, free the frames
+        with self._counts_lock:
+            self._counts["early_decodes.video"] += 1
+            self._counts["early_decode_bytes_outstanding"] += item.nbytes - early.received_at_start
+        return item
 
     def _check_size(self, nbytes: int) -> None:
         if nbytes > self.config.limits.max_bytes:
@@ -231,19 +264,20 @@ class MediaIngestor:
         self._check_size(len(data))
         return data
 
-    async def _fetch(self, url: str) -> tuple[bytes, str]:
-        """The body and its content key, hashed chunk by chunk as it arrives (no second pass)."""
+    async def _fetch(self, url: str, kind: MediaKind | None = None) -> tuple[bytes, str, Any]:
+        """The body, its content key (hashed chunk by chunk as it arrives, no second pass) and the
+        early decode started on it while it arrived (or None)."""
         if not self.config.allow_remote:
             raise MediaAccessDenied("remote media URLs are disabled on this server")
         try:
-            return await asyncio.wait_for(self._fetch_following(url), self.config.fetch_timeout_s)
+            return await asyncio.wait_for(self._fetch_following(url, kind), self.config.fetch_timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise MediaFetchTimeout(
                 f"fetching {_short(url)} took longer than {self.config.fetch_timeout_s} s") from None
         except httpx.HTTPError as exc:
             raise MediaFetchError(f"fetching {_short(url)} failed ({type(exc).__name__})") from None
 
-    async def _fetch_following(self, url: str) -> tuple[bytes, str]:
+    async def _fetch_following(self, url: str, kind: MediaKind | None) -> tuple[bytes, str, Any]:
         limit = self.config.limits.max_bytes
         async with httpx.AsyncClient(follow_redirects=False, transport=self._transport,
                                      timeout=self.config.fetch_timeout_s, trust_env=False) as client:
@@ -260,15 +294,35 @@ class MediaIngestor:
                     declared = response.headers.get("content-length")
                     if declared is not None and declared.isdigit() and int(declared) > limit:
                         raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
-                    body = bytearray()
-                    hasher = blake3.blake3()  # content_key's digest, fed as the chunks arrive
-                    async for chunk in response.aiter_bytes():
-                        body += chunk
-                        if len(body) > limit:
-                            raise MediaTooLarge(f"{_short(url)} is over the {limit}-byte limit")
-                        hasher.update(chunk)
-                    return bytes(body), hasher.hexdigest()
+                    return await self._receive(response.aiter_bytes(), url, kind)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
+
+    async def _receive(self, chunks: AsyncIterator[bytes], url: str,
+                       kind: MediaKind | None) -> tuple[bytes, str, Any]:
+        """Hash the chunks as they arrive into one growing buffer; a streamable video starts
+        decoding from that buffer as soon as its layout is known. Any failure (size cap, deadline,
+        disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
+        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s)
+        early, layout = None, None
+        wants_early = (self.early_video is not None and self.config.decode_while_receiving
+                       and kind in (None, MediaKind.VIDEO))
+        try:
+            async for chunk in chunks:
+                try:
+                    body.feed(chunk)
+                except MediaTooLarge:
+                    raise MediaTooLarge(f"{_short(url)} is over the {body.max_bytes}-byte limit") from None
+                if wants_early and layout is None:
+                    layout = streamable_layout(body.head(_LAYOUT_HEAD))
+                    if layout:
+                        early = self.early_video(body, layout)  # type: ignore[misc]
+            data, key = body.finish()
+            return data, key, early
+        except BaseException:
+            body.fail()
+            if early is not None:
+                early.cancel()
+            raise
 
     def _check_remote(self, url: str) -> None:
         parts = urllib.parse.urlsplit(url)

@@ -12,6 +12,7 @@ import io
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import av
 
@@ -44,6 +45,7 @@ _PROBE_FORMATS = {
     "eac3": "eac3",
 }
 _AV_OPTIONS = {"protocol_whitelist": "none"}
+_HEAD_LIMIT = 1 << 20  # top-level MP4 boxes before moov/mdat past this: not worth streaming
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,50 @@ def open_av(data: bytes, format: str | None = None) -> av.container.InputContain
         return av.open(io.BytesIO(data), mode="r", format=format, options=dict(_AV_OPTIONS))
     except UnicodeDecodeError as exc:  # PyAV decodes container metadata as UTF-8 while opening
         raise UndecodableMediaError(f"media container metadata is not valid UTF-8 ({exc.reason})") from None
+
+
+def open_av_stream(fileobj: BinaryIO) -> av.container.InputContainer:
+    """``open_av`` for bytes still arriving (``ArrivingReader``). ``ignidx``: the MP4 demuxer
+    stops reading top-level boxes at the first ``mdat``/``moof`` instead of walking every fragment
+    before the first packet (which would wait for the last byte)."""
+    try:
+        return av.open(fileobj, mode="r", options={**_AV_OPTIONS, "fflags": "+ignidx"})
+    except UnicodeDecodeError as exc:
+        raise UndecodableMediaError(f"media container metadata is not valid UTF-8 ({exc.reason})") from None
+
+
+def streamable_layout(head: bytes) -> str | None:
+    """How a container can be decoded front to back as it arrives, from its first bytes:
+    ``"index"`` (MP4 with its whole sample table, ``moov``, before ``mdat``), ``"fragments"``
+    (fragmented MP4), ``"matroska"`` (Matroska/WebM), ``"ogg"``; ``""``: it cannot (``moov``
+    after ``mdat``, anything else); None: the bytes so far do not tell yet."""
+    if len(head) < 12:
+        return None
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML
+        return "matroska"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[4:8] != b"ftyp":
+        return ""
+    pos = 0
+    while pos + 8 <= len(head):  # top-level boxes: size (4, big endian) | type (4)
+        size, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]
+        if size == 1:  # a 64-bit size follows
+            if pos + 16 > len(head):
+                return None
+            size = int.from_bytes(head[pos + 8:pos + 16], "big")
+        if kind == b"mdat":
+            return ""  # samples first, index at the end
+        if kind == b"moof":
+            return "fragments"
+        if kind == b"moov":
+            if pos + size > len(head):
+                return None if len(head) < _HEAD_LIMIT else ""
+            return "fragments" if b"mvex" in head[pos:pos + size] else "index"
+        if size < 8:  # 0: the box runs to the end of the file
+            return ""
+        pos += size
+    return None if len(head) < _HEAD_LIMIT else ""
 
 
 def sniff(data: bytes) -> SniffResult:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,9 @@ class MediaItem:
     origin: str = "upload"
     content_key: str | None = None
     """blake3 of ``data`` when ingest computed it (before sniffing); None: planning hashes it."""
+    early: Any = field(default=None, repr=False, compare=False)
+    """The ``EarlyVideoDecode`` that decoded this video while its bytes arrived (media.early_decode),
+    or None; production takes its frames, a cache hit cancels it."""
 
     @property
     def nbytes(self) -> int:

@@ -61,6 +61,10 @@ class OmniEngineConfig:
     """Host (and its subdomains) remote media may come from (repeatable)."""
     fetch_timeout_s: float = 10.0
     """Time limit of one remote media fetch, redirects included."""
+    allow_private_hosts: bool = False
+    """Let allowed media domains resolve to loopback/private addresses (an internal media host; off: only public addresses)."""
+    decode_while_receiving: bool = True
+    """Decode an http(s) video (fragmented or moov-first MP4, WebM/Matroska, Ogg) while its bytes still arrive."""
     # video sampling and streaming granularity
     video_sampling: VideoSamplingParams | None = None
     """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
@@ -166,7 +170,8 @@ class OmniEngineConfig:
     def ingest_config(self) -> IngestConfig:
         return IngestConfig(allowed_local_dirs=self.allowed_local_dirs, allow_remote=self.allow_http,
                             allowed_domains=self.allowed_domains, fetch_timeout_s=self.fetch_timeout_s,
-                            limits=self.limits)
+                            allow_private_hosts=self.allow_private_hosts,
+                            decode_while_receiving=self.decode_while_receiving, limits=self.limits)
 
     @property
     def batcher_config(self) -> BatcherConfig:

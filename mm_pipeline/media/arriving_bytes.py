@@ -1,0 +1,166 @@
+r"""Bytes that are still arriving (an http(s) body, an upload), readable while they grow.
+
+    receiver (event loop) ── feed(chunk) ──► ArrivingBytes ──► blake3, chunk by chunk (the content key)
+                                                   │
+                                                   └──► ArrivingReader.read / seek (a decoder thread):
+                                                        waits for more bytes or the end
+
+One buffer holds the bytes once: the decoder reads slices of it, and ``finish`` hands the whole body
+on as the media item's ``data`` (the same bytes the hash saw, so the key of a streamed item is the
+key of the same bytes given whole). ``max_bytes`` is enforced as the chunks arrive.
+
+A reader never waits for good: every wait ends at the end of the body, at ``fail`` (the receiver
+gave up: a stalled or disconnected client, a size or time limit), at ``close`` or after
+``stall_s`` seconds without a new byte, and raises ``ArrivalAborted`` in the last three cases. A
+seek past what has arrived waits like a read (an MP4 whose index is at the end is then decoded
+only after arrival; ``streamable_layout`` spots those before a decoder is started at all).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import blake3
+
+from mm_pipeline.errors import MediaError, MediaTooLarge
+
+
+class ArrivalAborted(MediaError):
+    """The bytes stopped arriving before their end (receiver failed, closed, or stalled)."""
+
+
+class ArrivingBytes:
+    """A growing, size-capped body with its incremental content key. ``feed``/``finish``/``fail``
+    come from the receiver; any number of ``reader()``s read from other threads."""
+
+    def __init__(self, max_bytes: int, stall_s: float) -> None:
+        if max_bytes <= 0 or not stall_s > 0:
+            raise ValueError(f"ArrivingBytes needs max_bytes > 0 and stall_s > 0, got {max_bytes}, {stall_s}")
+        self.max_bytes = max_bytes
+        self.stall_s = stall_s
+        self._buf = bytearray()
+        self._hasher = blake3.blake3()
+        self._cond = threading.Condition()
+        self._done = False
+        self._error: BaseException | None = None
+
+    # ---- receiver side ----------------------------------------------------------------------
+    def feed(self, chunk: bytes) -> None:
+        if len(self._buf) + len(chunk) > self.max_bytes:
+            error = MediaTooLarge(f"media is over the {self.max_bytes}-byte limit")
+            self.fail(error)
+            raise error
+        self._hasher.update(chunk)  # the same bytes, in the same order, as the decoder sees
+        with self._cond:
+            if self._done or self._error is not None:
+                raise ValueError("ArrivingBytes.feed after finish/fail")
+            self._buf += chunk
+            self._cond.notify_all()
+
+    def finish(self) -> tuple[bytes, str]:
+        """The whole body and its content key (blake3 hex, as ``content_key`` of the same bytes)."""
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+            return bytes(self._buf), self._hasher.hexdigest()
+
+    def fail(self, error: BaseException | None = None) -> None:
+        """The body will not be completed: wake every reader with ``ArrivalAborted``; frees the buffer."""
+        with self._cond:
+            if self._error is None:
+                self._error = error or ArrivalAborted("the media stopped arriving")
+            self._buf = bytearray()
+            self._cond.notify_all()
+
+    close = fail
+
+    # ---- reader side ------------------------------------------------------------------------
+    @property
+    def received(self) -> int:
+        with self._cond:
+            return len(self._buf)
+
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return self._done
+
+    def head(self, n: int) -> bytes:
+        with self._cond:
+            return bytes(self._buf[:n])
+
+    def reader(self) -> "ArrivingReader":
+        return ArrivingReader(self)
+
+    def wait_for(self, end: int | None) -> int:
+        """Block until ``end`` bytes arrived (None: the whole body) or the body ended; the bytes
+        available then. Raises ``ArrivalAborted`` on ``fail`` or a stall of ``stall_s``."""
+        with self._cond:
+            while not self._done and (end is None or len(self._buf) < end):
+                if self._error is not None:
+                    break
+                before = len(self._buf)
+                self._cond.wait(self.stall_s)
+                if len(self._buf) == before and not self._done and self._error is None:
+                    self._error = ArrivalAborted(f"no media byte arrived for {self.stall_s} s")
+                    self._buf = bytearray()
+            if self._error is not None:
+                raise ArrivalAborted(f"the media stopped arriving ({self._error})")
+            return len(self._buf)
+
+    def slice(self, start: int, stop: int) -> bytes:
+        with self._cond:
+            if self._error is not None:
+                raise ArrivalAborted(f"the media stopped arriving ({self._error})")
+            return bytes(self._buf[start:stop])
+
+
+class ArrivingReader(io.RawIOBase):
+    """A blocking, seekable file object over ``ArrivingBytes`` (what PyAV reads from)."""
+
+    def __init__(self, source: ArrivingBytes) -> None:
+        super().__init__()
+        self._src = source
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        whole = size is None or size < 0
+        # whatever has arrived past the position, at least one byte: the demuxer asks for a block
+        # and takes less, so decoding follows the bytes instead of waiting for a full block
+        available = self._src.wait_for(None if whole else self._pos + 1)
+        data = self._src.slice(self._pos, available if whole else min(self._pos + size, available))
+        self._pos += len(data)
+        return data
+
+    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            target = offset
+        elif whence == io.SEEK_CUR:
+            target = self._pos + offset
+        elif whence == io.SEEK_END:
+            # FFmpeg asks for the size this way (avio_size) all the time: before the end has
+            # arrived the size is unknown (-1: FFmpeg reads on as from a pipe); never wait here
+            if not self._src.done:
+                return -1
+            target = self._src.received + offset
+        else:
+            raise OSError(f"unsupported whence {whence}")
+        if target < 0:
+            raise OSError(f"seek to a negative offset {target}")
+        self._pos = target
+        return target

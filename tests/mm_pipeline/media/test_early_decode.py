@@ -1,0 +1,170 @@
+"""Decoding while the bytes arrive (media.arriving_bytes, media.early_decode, sniff.streamable_layout).
+
+What is proven: the incremental key is the key of the same bytes given whole; a reader waits for
+bytes and never for good (fail / stall end it with ArrivalAborted, the size is unknown until the
+end); the layout answer of each container; an early decode starts before the last byte and its
+frames -- taken by production chunk by chunk, misses decoded as before -- equal the whole-bytes
+decode for fragmented MP4, moov-first MP4 and Matroska; a body that fails mid-way or stalls ends
+the decoder thread; a cancelled decode drops its frames.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+import torch
+
+from mm_pipeline.media.arriving_bytes import ArrivalAborted, ArrivingBytes
+from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.decode_video import probe_video
+from mm_pipeline.media.early_decode import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.sniff import streamable_layout
+from mm_pipeline.media.types import MediaItem, MediaKind
+from mm_pipeline.media.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from samples.synthetic.throttled_http import remux_layout
+from tests.support.media_samples import image_bytes, video_bytes
+
+SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, bytes]:
+    base = video_bytes("mp4", fps=10, n_frames=120, size=(96, 64), gop=10)
+    return {layout: remux_layout(base, layout) for layout in ("fragments", "index", "matroska", "index-at-end")}
+
+
+def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0.002,
+         stop_at: int | None = None) -> threading.Thread:
+    """A throttled sender on its own thread; ``stop_at``: fail the body after that many bytes."""
+    def run() -> None:
+        for i in range(0, len(data), chunk):
+            if stop_at is not None and i >= stop_at:
+                body.fail()
+                return
+            body.feed(data[i:i + chunk])
+            time.sleep(pause_s)
+        body.finish()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+# ---- the growing buffer -------------------------------------------------------------------------
+def test_arriving_bytes_key_reads_and_size() -> None:
+    data = bytes(range(256)) * 40
+    body = ArrivingBytes(1 << 20, stall_s=5.0)
+    reader = body.reader()
+    sender = feed(body, data, chunk=1000)
+    assert reader.seek(0, io.SEEK_END) in (-1, len(data))  # unknown (-1) until the end has arrived
+    got = b"".join(iter(lambda: reader.read(4096), b""))
+    sender.join()
+    assert got == data
+    whole, key = body.finish()
+    assert whole == data and key == content_key(data)
+    assert reader.seek(0, io.SEEK_END) == len(data)
+
+
+def test_arriving_bytes_fail_and_stall_wake_the_reader() -> None:
+    body = ArrivingBytes(1 << 20, stall_s=5.0)
+    body.feed(b"abc")
+    reader = body.reader()
+    assert reader.read(10) == b"abc"
+    threading.Timer(0.1, body.fail).start()
+    t0 = time.monotonic()
+    with pytest.raises(ArrivalAborted):
+        reader.read(10)  # waits for more, then the receiver gives up
+    assert time.monotonic() - t0 < 2.0
+    stalled = ArrivingBytes(1 << 20, stall_s=0.2)
+    with pytest.raises(ArrivalAborted, match="no media byte"):
+        stalled.reader().read(1)
+
+
+def test_arriving_bytes_cap() -> None:
+    body = ArrivingBytes(10, stall_s=1.0)
+    body.feed(b"x" * 10)
+    with pytest.raises(Exception, match="10-byte limit"):
+        body.feed(b"y")
+    with pytest.raises(ArrivalAborted):
+        body.reader().read(1)  # the buffer was freed
+
+
+def test_streamable_layout(clips) -> None:
+    for layout in ("fragments", "index", "matroska"):
+        assert streamable_layout(clips[layout]) == layout
+    assert streamable_layout(clips["index-at-end"]) == ""
+    assert streamable_layout(clips["index"][:20]) is None  # moov not yet complete
+    assert streamable_layout(image_bytes()) == ""
+    assert streamable_layout(b"OggS" + bytes(20)) == "ogg"
+
+
+# ---- early decode --------------------------------------------------------------------------------
+def _early(data: bytes, layout: str, **feed_kw) -> tuple[EarlyVideoDecode, ArrivingBytes, threading.Thread]:
+    body = ArrivingBytes(1 << 24, stall_s=5.0)
+    sender = feed(body, data, **feed_kw)
+    while body.received == 0:
+        time.sleep(0.001)
+    early = EarlyVideoDecode(body, layout, SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0)
+    early.start()
+    return early, body, sender
+
+
+@pytest.mark.parametrize("layout", ["index", "matroska", "fragments"])
+def test_early_frames_equal_whole_decode(clips, layout: str) -> None:
+    data = clips[layout]
+    early, body, sender = _early(data, layout, pause_s=0.02)  # the decoder keeps up with the sender
+    sender.join()
+    item = MediaItem(MediaKind.VIDEO, "mp4", data, early=early)
+    info = probe_video(item)
+    sampling = sample_frames(info.total_frames, info.video_fps, SAMPLING)
+    tp, size = 2, (32, 48)
+    chunks = plan_chunks(list(range(sampling.num_frames // tp)), sampling.indices, info.keyframes, tp, 2)
+    assert early.join(10.0)
+    if layout != "fragments":  # decoding started before the last byte
+        assert early.received_at_first_frame is not None and early.received_at_first_frame < len(data)
+    chosen = chunks_for_early(early, info, sampling.indices, chunks, tp)
+    if layout == "fragments":  # no frame count up front: it decoded nothing, production decodes all
+        assert early.prediction == "" and chosen == set()
+        return
+    assert chosen == set(range(len(chunks)))  # ended: every chunk takes its frames
+    used = 0
+    for groups in chunks:
+        whole = decode_chunk(item, info, sampling.indices, groups, tp, MediaLimits(), size)
+        streamed, n = decode_chunk_early(early, item, info, sampling.indices, groups, tp, size, None)
+        assert torch.equal(streamed, whole)
+        used += n
+    assert used == len(set(sampling.indices)), early.prediction  # the count was known: every target kept
+
+
+def test_body_failing_mid_way_ends_the_decoder(clips) -> None:
+    data = clips["index"]
+    early, body, sender = _early(data, "index", stop_at=len(data) // 2)
+    sender.join()
+    assert early.join(5.0) and early.ended
+    stalled = ArrivingBytes(1 << 24, stall_s=0.3)
+    stalled.feed(data[:len(data) // 3])  # a client that sends a third and then nothing
+    early = EarlyVideoDecode(stalled, "index", SAMPLING, 1 << 26, timeout_s=30.0)
+    early.start()
+    assert early.join(5.0)
+
+
+def test_cancel_and_slots(clips) -> None:
+    data = clips["matroska"]
+    decoders = EarlyDecoders(SAMPLING, MediaLimits(), fetch_timeout_s=5.0, limit=1)
+    body = ArrivingBytes(1 << 24, stall_s=5.0)
+    body.feed(data[:4096])
+    first = decoders.start(body, "matroska")
+    assert first is not None
+    assert decoders.start(ArrivingBytes(1 << 24, stall_s=5.0), "matroska") is None  # no free slot
+    first.cancel()
+    body.fail()
+    assert first.join(5.0)
+    # no frame count up front: no thread at all
+    assert decoders.start(ArrivingBytes(1 << 24, stall_s=5.0), "fragments") is None
+    assert first.frames_until([0]) == {}
+    again = decoders.start(ArrivingBytes(1 << 24, stall_s=0.2), "matroska")  # the slot came back
+    assert again is not None and again.join(5.0)
