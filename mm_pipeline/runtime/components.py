@@ -195,7 +195,8 @@ class OmniRuntime:
                 on_progress()
 
         stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed,
-                                 device=self.llm.device if self.llm is not None else self.model.device)
+                                 device=self.llm.device if self.llm is not None else self.model.device,
+                                 min_advance=self.config.stream_min_tokens)
         return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
                          lambda: self.loop.abort(request_id))
 
