@@ -35,6 +35,7 @@ class MediaPlan:
     units: tuple[UnitPlan, ...]
     timestamps: tuple[float, ...] = ()
     cached: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    delivered: set[int] = field(default_factory=set, repr=False)  # cached units already handed to their sinks
     inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
     video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
     decoded_bytes: int = 0  # estimated bytes its decode holds (the request's decoded-bytes budget)

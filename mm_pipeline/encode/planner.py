@@ -13,7 +13,7 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
                                                        decoded as audio, segments after the groups
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers
-    start(plan, sinks)  cached unit ─► its sink now
+    start(plan, sinks)  cached unit ─► its sink now (or earlier: deliver_cached)
                         unit in flight for another request ─► join it (single flight)
                         else claim it ─► a producer task: decode ─► preprocess ─► batcher.submit
 
@@ -142,17 +142,21 @@ class MediaPlanner:
                          decoded_bytes=plan.decoded_bytes, audio_units=plan.audio_units,
                          audio_per_second=plan.audio_per_second)
 
-    def start(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
-        """Deliver cached units, join units in flight, claim and produce the rest (async task)."""
+    def deliver_cached(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
+        """Hand the units the cache held at planning to their sinks now (``start`` does it too;
+        called first, the rows are in the stream before the request reaches the engine)."""
         if len(sinks) != len(plan.units):
             raise ValueError(f"{len(sinks)} sinks for {len(plan.units)} units")
-        claimed: list[int] = []
-        for i, (unit, sink) in enumerate(zip(plan.units, sinks)):
-            if i in plan.cached:
-                sink(plan.cached[i], None)
-            elif self.batcher.attach(unit.key, sink):
-                claimed.append(i)
+        for i, rows in plan.cached.items():
+            sinks[i](rows, None)
+        plan.delivered.update(plan.cached)
         plan.cached.clear()  # the sinks own the rows now
+
+    def start(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
+        """Deliver cached units, join units in flight, claim and produce the rest (async task)."""
+        self.deliver_cached(plan, sinks)
+        claimed = [i for i, (unit, sink) in enumerate(zip(plan.units, sinks))
+                   if i not in plan.delivered and self.batcher.attach(unit.key, sink)]
         if claimed:
             self.producer.start(plan, claimed)
         elif plan.item.early is not None:

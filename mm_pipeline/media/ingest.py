@@ -34,6 +34,7 @@ import os
 import socket
 import stat
 import threading
+import time
 import urllib.parse
 import urllib.request
 import weakref
@@ -55,9 +56,10 @@ from mm_pipeline.errors import (
     UnsupportedMediaType,
 )
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
+from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.sniff import SniffMemo, sniff, streamable_layout
+from mm_pipeline.media.source_memo import SourceMemo, data_url_id, file_id
 from mm_pipeline.media.worker_pool import WorkerPool
 
 T = TypeVar("T")
@@ -126,15 +128,17 @@ class MediaIngestor:
         # (body, layout) -> a started early decode or None: set by the planner, which knows the
         # sampling and decoder settings (media.early_decode); None: decode after arrival only
         self.early_video: Callable[[ArrivingBytes, str], Any] | None = None
+        self.source_memo = SourceMemo()
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
 
     @property
     def counts(self) -> dict[str, int]:
         """Per modality (``name.kind``): content_hashes, sniff_probes (a PyAV open was needed),
-        sniff_memo_hits (the content key answered, nothing opened); early_decodes.video (decoding
-        started while the bytes arrived) and early_decode_bytes_outstanding (bytes still to come
-        then, summed)."""
+        sniff_memo_hits (the content key answered, nothing opened), source_memo_hits (a data URL or
+        file seen before: neither decoded, read nor hashed -- a DeferredMediaItem); early_decodes.video
+        (decoding started while the bytes arrived) and early_decode_bytes_outstanding (bytes still
+        to come then, summed)."""
         with self._counts_lock:
             return dict(self._counts)
 
@@ -156,17 +160,17 @@ class MediaIngestor:
         if source.data is not None:
             return self._to_item(source.data, source.kind, "upload")
         if source.path is not None:
-            return self._to_item(self._read_path(source.path), source.kind, "file")
+            return self._file_item(source.path, source.kind)
         url = source.url or ""
         scheme = _scheme(url)
         if scheme == "data":
-            return self._to_item(self._parse_data_url(url), source.kind, "data-url")
+            return self._remembered(data_url_id(url), source.kind, "data-url", lambda: self._parse_data_url(url))
         if scheme == "file":
             parsed = urllib.parse.urlsplit(url)
             if parsed.netloc not in ("", "localhost"):
                 raise InvalidMediaError(f"file URL names a remote host {parsed.netloc!r}")
             path = urllib.request.url2pathname(parsed.path)
-            return self._to_item(self._read_path(path), source.kind, "file")
+            return self._file_item(path, source.kind)
         if scheme in ("http", "https"):
             raise InvalidMediaError("http(s) media must be loaded with the async ingest()")
         raise InvalidMediaError(f"unsupported media URL scheme {scheme!r} (use data:, file:, http(s):)")
@@ -212,6 +216,35 @@ class MediaIngestor:
             self._counts["early_decode_bytes_outstanding"] += item.nbytes - early.received_at_start
         return item
 
+    def _remembered(self, source_id: Any, declared: MediaKind | None, origin: str, load: Callable[[], bytes],
+                    verify: bool = False) -> MediaItem:
+        """A source hashed before (SourceMemo) whose sniff answer is memoised too: a DeferredMediaItem,
+        nothing decoded, read or hashed now (``verify``: its deferred load re-hashes the bytes).
+        Otherwise the bytes are loaded, hashed and sniffed, and the source remembered."""
+        key = self.source_memo.get(source_id)
+        found = self.sniff_memo.get(key) if key is not None else None
+        if found is not None and (declared is None or declared in found.kinds):
+            kind = declared or found.primary
+            with self._counts_lock:
+                self._counts[f"source_memo_hits.{kind.value}"] += 1
+            deferred = (lambda: _same_content(load(), key, origin)) if verify else load
+            return DeferredMediaItem(kind=kind, format=found.format, data=deferred, origin=origin, content_key=key)
+        read_at = time.time()
+        item = self._to_item(load(), declared, origin)
+        self.source_memo.put(source_id, item.content_key, read_at)
+        return item
+
+    def _file_item(self, raw: str, declared: MediaKind | None) -> MediaItem:
+        """A local file; its memo id comes from a stat after the path checks (not a regular file:
+        no id, and the read refuses it)."""
+        real = self._allowed_path(raw)
+        try:
+            st = os.stat(real)
+        except OSError:
+            st = None
+        source_id = file_id(str(real), st) if st is not None and stat.S_ISREG(st.st_mode) else None
+        return self._remembered(source_id, declared, "file", lambda: self._read_path(raw), verify=True)
+
     def _check_size(self, nbytes: int) -> None:
         if nbytes > self.config.limits.max_bytes:
             raise MediaTooLarge(f"media is {nbytes} bytes, limit {self.config.limits.max_bytes}")
@@ -230,7 +263,8 @@ class MediaIngestor:
         self._check_size(len(payload) // 3)
         return urllib.parse.unquote_to_bytes(payload)
 
-    def _read_path(self, raw: str) -> bytes:
+    def _allowed_path(self, raw: str) -> Path:
+        """The real path of ``raw`` when it lies inside an allowed directory."""
         if not self._roots:
             raise MediaAccessDenied("local file access is disabled (no allowed_local_dirs)")
         if "\x00" in raw:
@@ -241,6 +275,10 @@ class MediaIngestor:
         real = path.resolve()  # follows symlinks and '..' so the check below sees the real target
         if not any(real.is_relative_to(root) for root in self._roots):
             raise MediaAccessDenied(f"path {raw!r} is outside the allowed media directories")
+        return real
+
+    def _read_path(self, raw: str) -> bytes:
+        real = self._allowed_path(raw)
         # Regular files only, checked before open: opening a FIFO blocks until a writer comes (a
         # worker stuck for good) and a device never ends. O_NONBLOCK covers a swap between the
         # stat and the open; the fstat below re-checks what was opened.
@@ -351,6 +389,13 @@ class MediaIngestor:
                 ip = ip.ipv4_mapped
             if not ip.is_global or ip.is_multicast:
                 raise MediaAccessDenied(f"media host {host!r} resolves to a non-public address")
+
+
+def _same_content(data: bytes, key: str, origin: str) -> bytes:
+    """``data`` when it hashes to ``key``: a remembered file read later must still hold that content."""
+    if content_key(data) != key:
+        raise InvalidMediaError(f"the {origin} changed while it was being served; send the request again")
+    return data
 
 
 def _scheme(url: str) -> str:

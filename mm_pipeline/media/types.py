@@ -10,8 +10,9 @@ caller asked for.
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -59,6 +60,37 @@ class MediaItem:
     @property
     def nbytes(self) -> int:
         return len(self.data)
+
+
+class DeferredMediaItem(MediaItem):
+    """A MediaItem whose bytes are produced on first use of ``data``: ingest knew the content key
+    and the sniffed type from memos (mm_pipeline/media/source_memo.py), so a repeat served from the
+    encoder cache never decodes its data URL or reads its file. Built like a MediaItem with a
+    ``load() -> bytes`` in place of the bytes; ``load`` runs at most once (thread-safe) and must
+    return the bytes ``content_key`` was computed from, or raise a ``MediaError``."""
+
+    @property
+    def data(self) -> bytes:
+        with self._deferred_lock:
+            if self._deferred_bytes is None:
+                self._set("_deferred_bytes", self._deferred_load())
+            return self._deferred_bytes
+
+    @data.setter
+    def data(self, load: Callable[[], bytes]) -> None:  # the dataclass __init__ hands ``load`` here, once
+        if not callable(load):
+            raise TypeError(f"DeferredMediaItem takes a load() callable, got {type(load).__name__}")
+        self._set("_deferred_load", load)
+        self._set("_deferred_bytes", None)
+        self._set("_deferred_lock", threading.Lock())
+
+    @property
+    def loaded(self) -> bool:
+        """Whether ``data`` was needed (and produced)."""
+        return self._deferred_bytes is not None
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # frozen: only these private slots change, and only here
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -57,6 +58,23 @@ class PreparedChat:
     plans: list[MediaPlan]
     spans_of_plan: list[list[list[tuple[int, int]]]]  # per plan, per unit: (stream span, first row)
     checkpoints: tuple[int, ...] = ()
+
+
+# Modules the request path imports on first use, found by diffing ``sys.modules`` around the first
+# image + video request of a started runtime. An import runs with the GIL held (and the import
+# lock): numpy.ma alone (``np.unique`` of frame sampling imports it) held it ~90 ms on the 2-core
+# host, stalling the event loop of a fresh server under its first media burst. Imported at start
+# instead (tests/mm_pipeline/runtime/test_warm_start.py keeps the list complete).
+REQUEST_PATH_MODULES = ("numpy.ma", "PIL.BmpImagePlugin", "PIL.GifImagePlugin", "PIL.ImageChops",
+                        "PIL.ImageSequence", "PIL.JpegImagePlugin", "PIL.PngImagePlugin", "PIL.PpmImagePlugin",
+                        "av.subtitles.stream", "encodings.unicode_escape", "kernels.band_attention_ref",
+                        "kernels.paged_attention_cpu")
+
+
+def import_request_path_modules() -> None:
+    """Import ``REQUEST_PATH_MODULES`` now (before ``freeze_startup_objects``, so they are frozen too)."""
+    for name in REQUEST_PATH_MODULES:
+        importlib.import_module(name)
 
 
 def freeze_startup_objects() -> None:
@@ -180,7 +198,8 @@ class OmniRuntime:
                 on_progress()
 
         stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed,
-                                 device=self.llm.device if self.llm is not None else self.model.device)
+                                 device=self.llm.device if self.llm is not None else self.model.device,
+                                 min_advance=self.config.stream_min_tokens)
         return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
                          lambda: self.loop.abort(request_id))
 
@@ -229,6 +248,7 @@ class OmniRuntime:
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._started:
+            import_request_path_modules()
             freeze_startup_objects()
             if self.encoder_worker is not None:
                 self.encoder_worker.start()

@@ -76,6 +76,8 @@ class OmniEngineConfig:
     # prefill starts only when every unit of the request is encoded (same tokens, later TTFT).
     stream_embeddings: bool = True
     """Start prefill while media units are still being encoded (same tokens, earlier first token)."""
+    stream_min_tokens: int = 256
+    """Streamed prefill waits until at least this many more prompt tokens have their rows (or all have): fewer, larger steps; each step costs a fixed overhead and competes with decoding for the CPU (0: step on every arrival)."""
     # encoder cache tiers: memory (always), disk (when cache_dir is set), Redis (when redis_url is set)
     cache_memory_bytes: int = 1 << 30
     """Encoder cache: memory tier budget in bytes."""
@@ -119,6 +121,8 @@ class OmniEngineConfig:
     """How long a media decode call may wait for a slot before HTTP 503 (none: no limit)."""
 
     def __post_init__(self) -> None:
+        if self.stream_min_tokens < 0:
+            raise ValueError(f"stream_min_tokens must be >= 0, got {self.stream_min_tokens}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.decode_backend not in DECODE_BACKENDS:

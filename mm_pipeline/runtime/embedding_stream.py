@@ -53,9 +53,13 @@ class EmbeddingStream:
     """
 
     def __init__(self, prompt_len: int, spans: Sequence[PlaceholderSpan], hidden_size: int,
-                 on_progress: Callable[[], None] | None = None, device: torch.device | None = None) -> None:
+                 on_progress: Callable[[], None] | None = None, device: torch.device | None = None,
+                 min_advance: int = 0) -> None:
         """``device``: the LLM's (rank 0's) device; rows encoded elsewhere (an encoder on its own GPU)
-        start their copy there as they arrive, without blocking, long before prefill reads them."""
+        start their copy there as they arrive, without blocking, long before prefill reads them.
+        ``min_advance``: ``ready_until`` moves only by at least this many positions, or to the end
+        of the prompt -- the scheduler then prefills in fewer, larger steps (each step has a fixed
+        cost, and on a CPU host it competes with the decoding the first token waits for)."""
         spans = list(spans)
         for a, b in zip(spans, spans[1:]):
             if b.start < a.end:
@@ -75,13 +79,16 @@ class EmbeddingStream:
         self._lock = threading.Lock()
         self._on_progress = on_progress
         self._device = device
+        self._min_advance = min_advance
+        self._reported = 0  # what ready_until last said (monotonic)
 
     # ---- EmbeddingSource --------------------------------------------------------------------
     def ready_until(self) -> int:
         with self._lock:
-            if self._frontier_span == len(self.spans):
-                return self.prompt_len
-            return self.spans[self._frontier_span].start
+            frontier = self._frontier_start()
+            if frontier == self.prompt_len or frontier - self._reported >= self._min_advance:
+                self._reported = frontier
+            return self._reported
 
     def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mask of placeholder positions in ``[start, end)`` and their rows, in position order."""

@@ -3,8 +3,9 @@
     MediaPlanner ──rows of unit k──► sink k ──fill──► EmbeddingStream ──on_progress──► engine thread
                  ──error───────────►        ──fail──► stream.error, and the request is aborted
 
-Opened by ``OmniRuntime.open_media`` once the chat is laid out; ``start`` when the request may take
-rows (right after it was submitted when embeddings stream, before it is submitted otherwise);
+Opened by ``OmniRuntime.open_media`` once the chat is laid out; ``deliver_cached`` before the
+request is submitted; ``start`` when the request may take rows (right after it was submitted when
+embeddings stream -- a unit failing later aborts it --, before it is submitted otherwise);
 ``close`` when the request is over: the batcher forgets the sinks (their unit claims go) and the
 stream drops its rows.
 """
@@ -30,6 +31,13 @@ class MediaFeed:
         self._planner = planner
         self._abort_request = abort_request
         self._sinks = [[self._unit_sink(pieces) for pieces in units] for units in spans_of_plan]
+
+    def deliver_cached(self) -> None:
+        """Fill the spans of units found in the cache at planning, now: before the request is
+        submitted, so its first step already sees them (a repeat prefills in one step, not in one
+        step per wake-up race). A failure here (rows of the wrong size) is ``stream.error``."""
+        for plan, sinks in zip(self._plans, self._sinks):
+            self._planner.deliver_cached(plan, sinks)
 
     def start(self) -> None:
         """Deliver cached units and produce the rest (see ``MediaPlanner.start``)."""

@@ -131,6 +131,9 @@ class OmniEngine:
                     on_planned(sum(len(p.cached) for p in prepared.plans))
                 if self.config.stream_embeddings:
                     feed = rt.open_media(prepared, rid)
+                    feed.deliver_cached()
+                    if feed.stream.error is not None:
+                        raise feed.stream.error
                 else:  # every unit is decoded and encoded before prefill starts
                     progressed = asyncio.Event()
                     feed = rt.open_media(prepared, rid, on_progress=lambda: loop.call_soon_threadsafe(progressed.set))

@@ -128,11 +128,12 @@ def test_repeat_media_skips_decode_and_encode(ckpt):
         assert after.media["images_decoded"] == 1 and after.encoder["encoded.image"] == 1
         assert after.media["video_chunks_decoded"] == 4 and after.encoder["encoded.video"] == 4
         assert after.media["probes"] == 1  # the manifest gave the layout: no second probe
-        # hash first: repeats were hashed, answered by the sniff memo and the manifest, per modality
+        # a repeated data URL is known by its text (source memo): not decoded, hashed or sniffed
+        # again; the manifest gives its layout, per modality
         m = after.media
-        assert m["content_hashes.image"] == 3 and m["content_hashes.video"] == 2
-        assert m["sniff_probes.video"] == 1 and m["sniff_memo_hits.video"] == 1  # one PyAV open to sniff
-        assert m["sniff_memo_hits.image"] == 2 and "sniff_probes.image" not in m  # magic bytes
+        assert m["content_hashes.image"] == 1 and m["content_hashes.video"] == 1
+        assert m["source_memo_hits.image"] == 2 and m["source_memo_hits.video"] == 1
+        assert m["sniff_probes.video"] == 1 and "sniff_probes.image" not in m  # one PyAV open to sniff
         assert m["manifest_misses.image"] == 1 and m["manifest_hits.image"] == 2
         assert m["manifest_misses.video"] == 1 and m["manifest_hits.video"] == 1
         assert after.encoder_cache_hits["memory"] >= 2 * 2 + 4 * 1 + 1

@@ -94,6 +94,32 @@ def test_streamed_equals_all_ready_and_never_passes_frontier(model):
     assert [c for c, _ in trace[:2]] == [5, spans[0].start]
 
 
+def test_min_advance_moves_the_frontier_in_larger_steps_and_keeps_the_tokens(model):
+    """``min_advance``: the frontier the scheduler sees moves by at least that much (or to the end),
+    so the engine steps fewer times while units trickle in; the tokens are the same."""
+    ids, spans, rows = layout(2, n_units=6)
+    arrive = {2 * k: k for k in range(len(rows))}
+    results = {}
+    for advance in (0, 20):
+        stream = EmbeddingStream(len(ids), spans, HIDDEN, min_advance=advance)
+        seen = []
+
+        def deliver(step, stream=stream, seen=seen):
+            if step in arrive:
+                stream.fill(arrive[step], rows[arrive[step]])
+            seen.append(stream.ready_until())
+
+        engine = LLMEngine(model, EngineConfig(page_size=4, max_chunk_tokens=64, max_num_batched_tokens=64,
+                                               num_full_tokens=1024, num_swa_tokens=512))
+        results[advance] = run(engine, ids, stream, deliver), seen
+    ((ref, ref_trace), ref_seen), ((got, trace), seen) = results[0], results[20]
+    assert got == ref
+    moves = [b for a, b in zip(seen, seen[1:]) if b != a]
+    assert all(b - a >= 20 or b == len(ids) for a, b in zip([0, *moves], moves))
+    prefill_steps = lambda tr: len({c for c, _ in tr if c <= len(ids)})  # noqa: E731  (distinct progress)
+    assert prefill_steps(trace) < prefill_steps(ref_trace)
+
+
 def test_unit_never_read_before_it_arrives(model):
     ids, spans, rows = layout(1, n_units=2)
     stream = EmbeddingStream(len(ids), spans, HIDDEN)

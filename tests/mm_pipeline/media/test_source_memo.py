@@ -1,0 +1,101 @@
+"""The source memo: a repeated data URL or unchanged local file is known by its text / stat, so ingest
+neither decodes, reads nor hashes it (a DeferredMediaItem); a changed file is hashed again, a file
+changed after its hit is refused when read, a freshly written file is never trusted."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+import pytest
+from tests.support.media_samples import image_bytes, video_bytes
+
+from mm_pipeline.errors import InvalidMediaError, UnsupportedMediaType
+from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
+from mm_pipeline.media.source_memo import SourceMemo, data_url_id
+from mm_pipeline.media.types import DeferredMediaItem, MediaKind, MediaSource
+
+PNG, OTHER_PNG = image_bytes("PNG"), image_bytes("PNG", size=(48, 64))
+
+
+def durl(data: bytes) -> str:
+    return "data:;base64," + base64.b64encode(data).decode()
+
+
+def test_a_repeated_data_url_is_not_decoded_or_hashed_again(monkeypatch) -> None:
+    ing = MediaIngestor(IngestConfig())
+    first = ing.ingest_local(MediaSource(url=durl(PNG)))
+    decodes = []
+    real = MediaIngestor._parse_data_url
+    monkeypatch.setattr(MediaIngestor, "_parse_data_url", lambda self, url: decodes.append(1) or real(self, url))
+    again = ing.ingest_local(MediaSource(url=durl(PNG)))
+    assert isinstance(again, DeferredMediaItem) and not again.loaded and decodes == []
+    assert (again.kind, again.format, again.content_key) == (first.kind, first.format, content_key(PNG))
+    assert ing.counts == {"content_hashes.image": 1, "source_memo_hits.image": 1}
+    assert again.data == PNG and again.data == PNG and decodes == [1]  # decoded on first use, once
+    # other text, other entry; a declared kind the content cannot serve is still refused
+    assert ing.ingest_local(MediaSource(url=durl(OTHER_PNG))).content_key == content_key(OTHER_PNG)
+    with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
+        ing.ingest_local(MediaSource(url=durl(PNG), kind=MediaKind.AUDIO))
+    assert data_url_id("data:;base64,\u00e9") is None  # never decodes: no memo entry either
+
+
+def _trusting(ing: MediaIngestor) -> MediaIngestor:
+    ing.source_memo = SourceMemo(racy_s=0.0)  # files written by this test are milliseconds old
+    return ing
+
+
+def test_an_unchanged_file_is_not_read_again_a_changed_one_is(tmp_path: Path) -> None:
+    clip = tmp_path / "clip.mp4"
+    mp4 = video_bytes(n_frames=10)
+    clip.write_bytes(mp4)
+    ing = _trusting(MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),))))
+    assert ing.ingest_local(MediaSource(path=str(clip))).content_key == content_key(mp4)
+    hit = ing.ingest_local(MediaSource(url=clip.as_uri()))  # the same file by URL: one real path
+    assert isinstance(hit, DeferredMediaItem) and not hit.loaded and hit.kind is MediaKind.VIDEO
+    assert hit.data == mp4 and ing.counts["content_hashes.video"] == 1
+    # rewritten in place with the same size and the old mtime: ctime moved, so it is hashed again
+    st = clip.stat()
+    changed = bytearray(mp4)
+    changed[len(changed) // 2] ^= 0xFF  # a byte of the frames: the container still opens
+    clip.write_bytes(bytes(changed))
+    os.utime(clip, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fresh = ing.ingest_local(MediaSource(path=str(clip)))
+    assert not isinstance(fresh, DeferredMediaItem) and fresh.content_key == content_key(bytes(changed))
+    assert ing.counts["content_hashes.video"] == 2
+
+
+def test_a_file_changed_after_its_hit_is_refused_when_read(tmp_path: Path) -> None:
+    img = tmp_path / "a.png"
+    img.write_bytes(PNG)
+    ing = _trusting(MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),))))
+    ing.ingest_local(MediaSource(path=str(img)))
+    hit = ing.ingest_local(MediaSource(path=str(img)))
+    assert isinstance(hit, DeferredMediaItem) and not hit.loaded
+    img.write_bytes(OTHER_PNG)  # between the plan (cache keys of PNG) and the decode
+    with pytest.raises(InvalidMediaError, match="changed while it was being served"):
+        hit.data
+
+
+def test_a_file_changed_within_the_racy_window_is_never_trusted(tmp_path: Path) -> None:
+    img = tmp_path / "a.png"
+    img.write_bytes(PNG)
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),)))  # default racy_s
+    for _ in range(2):
+        assert not isinstance(ing.ingest_local(MediaSource(path=str(img))), DeferredMediaItem)
+    assert ing.counts["content_hashes.image"] == 2 and len(ing.source_memo) == 0
+    old = img.stat().st_ctime - 10.0  # as if the file had been written 10 s before its read
+    memo = SourceMemo()
+    assert memo.put(("file", str(img), 0, 0, len(PNG), 0, int(old * 1e9)), "k", read_at=old + 10.0)
+    assert not memo.put(("file", str(img), 0, 0, len(PNG), 0, int(old * 1e9)), "k", read_at=old + 1.0)
+
+
+def test_the_memo_is_bounded() -> None:
+    memo = SourceMemo(max_entries=2)
+    for i in range(3):
+        memo.put(("data", bytes([i])), f"k{i}")
+    assert len(memo) == 2 and memo.get(("data", b"\x00")) is None and memo.get(("data", b"\x02")) == "k2"
+    with pytest.raises(ValueError):
+        SourceMemo(racy_s=-1)
