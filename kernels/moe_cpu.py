@@ -46,8 +46,13 @@ SMALL_M = 8  # up to this many rows a batch may run dense ...
 DENSE_IDLE_BYTES = 1 << 20  # ... when the weights of the experts no row chose are at most this
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    for t in tensors:
+def _aligned(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether grouped_mm takes these operands: 16-byte aligned rows. The weights go in transposed,
+    so both of their dimensions count; the activations go in as a fresh gathered copy ``x[order]``,
+    so only their row width does (an odd token count must not send a step to the per-expert loop)."""
+    if (x.shape[-1] * x.element_size()) % 16:
+        return False
+    for t in weights:
         if t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16 or (t.shape[-2] * t.element_size()) % 16:
             return False
     return True

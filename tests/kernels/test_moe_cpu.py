@@ -111,3 +111,23 @@ def test_dense_only_while_idle_expert_weights_are_small(monkeypatch):
         assert bool(calls) == dense
         torch.testing.assert_close(got, experts_ref(x[: ids.shape[0]], w_gate_up, w_down, weights, ids),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_odd_token_counts_take_the_grouped_path(monkeypatch):
+    """The activations reach grouped_mm as a fresh gathered copy, so an odd number of rows (a
+    same-prefix step of 31 uncached tokens) must not fall back to the per-expert reference loop."""
+    g = torch.Generator().manual_seed(5)
+    w_gate_up = torch.randn(8, 32, 32, generator=g) * 0.2
+    w_down = torch.randn(8, 32, 16, generator=g) * 0.2
+    for tokens in (9, 13, 31):
+        x = torch.randn(tokens, 32, generator=g)
+        weights, ids = route_ref(torch.randn(tokens, 8, generator=g), None, top_k=2)
+        want = experts_ref(x, w_gate_up, w_down, weights, ids)
+
+        def refused(*_args):
+            raise AssertionError(f"{tokens} rows fell back to the reference loop")
+
+        monkeypatch.setattr(moe_cpu, "experts_ref", refused)
+        got = experts_cpu(x, w_gate_up, w_down, weights, ids)
+        monkeypatch.undo()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,104 @@
+"""Audio from any container/codec PyAV reads → mono float32 at the rate the encoder wants
+(docs/model.md §4: resample, then average the channels).
+
+FFmpeg's resampler (swresample) converts rate and sample format per channel; the channels are then
+averaged with equal weights, not down-mixed with swresample's centre/surround gains, so a stereo
+file with one silent channel comes out at half amplitude, as the reference processor does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import av
+import numpy as np
+import torch
+
+from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge, UndecodableMediaError
+from mm_pipeline.media.decode.budget import DecodeControl, check
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.types import DecodedAudio, MediaItem
+from mm_pipeline.media.sniff import open_av
+
+
+def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaLimits(),
+                 control: DecodeControl | None = None, context_samples: int | None = None) -> DecodedAudio:
+    """Decode the first audio stream of ``item`` to mono float32 at ``sample_rate`` Hz.
+
+    Raises ``MediaTooLarge`` when the header or the decoded length exceeds
+    ``limits.max_duration_s``, ``UndecodableMediaError`` for damaged data or no audio stream,
+    ``ContextLengthError`` as soon as more than ``context_samples`` are decoded (the most the
+    model's context can hold: counted as decoded, never trusting a header's duration, so an hour
+    of silence stops after the first seconds past the limit)."""
+    if sample_rate <= 0:
+        raise ValueError(f"sample_rate must be positive, got {sample_rate}")
+    max_samples = int(limits.max_duration_s * sample_rate)
+    chunks: list[np.ndarray] = []
+    total = 0
+    try:
+        with open_av(item.data) as container:
+            if not container.streams.audio:
+                raise UndecodableMediaError(f"{item.format} from {item.origin} has no audio stream")
+            stream = container.streams.audio[0]
+            header_s = _header_duration(container, stream)
+            if header_s is not None and header_s > limits.max_duration_s:
+                raise MediaTooLarge(f"audio lasts {header_s:.1f} s, limit {limits.max_duration_s} s")
+            resampler: av.AudioResampler | None = None
+            for frame in _frames_then_flush(container, stream):
+                check(control)
+                if resampler is None and frame is not None:
+                    resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
+                if resampler is None:
+                    break
+                for out in resampler.resample(frame):
+                    planes = out.to_ndarray()  # [channels, samples] float32 (planar)
+                    chunks.append(planes.mean(axis=0, dtype=np.float32))
+                    total += planes.shape[1]
+                if total > max_samples:
+                    raise MediaTooLarge(f"audio lasts over {limits.max_duration_s} s (decoded)")
+                if context_samples is not None and total > context_samples:
+                    raise ContextLengthError(
+                        f"audio from {item.origin} is longer than the model's context holds "
+                        f"(over {context_samples / sample_rate:.1f} s decoded); send a shorter clip")
+    except av.FFmpegError as exc:
+        raise UndecodableMediaError(f"{item.format} audio from {item.origin} does not decode ({exc})") from exc
+    if total == 0:
+        raise UndecodableMediaError(f"{item.format} from {item.origin} holds no audio samples")
+    samples = torch.from_numpy(np.concatenate(chunks).astype(np.float32, copy=False))
+    return DecodedAudio(samples, sample_rate, item.format)
+
+
+def has_audio_stream(item: MediaItem) -> bool:
+    """Does the container hold an audio stream? (False too when it does not open.)"""
+    try:
+        with open_av(item.data) as container:
+            return bool(container.streams.audio)
+    except (av.FFmpegError, MediaError):
+        return False
+
+
+def header_seconds(item: MediaItem) -> float | None:
+    """The duration the container's header claims (None: no claim, or it does not open). Only an
+    estimate for budgets: decoding counts samples itself and never trusts it."""
+    try:
+        with open_av(item.data) as container:
+            return _header_duration(container, container.streams.audio[0]) if container.streams.audio else None
+    except (av.FFmpegError, MediaError):
+        return None
+
+
+def _frames_then_flush(container: av.container.InputContainer,
+                       stream: av.AudioStream) -> Iterator[av.AudioFrame | None]:
+    """Decoded frames, then ``None`` (the resampler's flush signal)."""
+    for frame in container.decode(stream):
+        frame.pts = None  # timestamps are irrelevant here and odd ones upset the resampler
+        yield frame
+    yield None
+
+
+def _header_duration(container: av.container.InputContainer, stream: av.AudioStream) -> float | None:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / av.time_base
+    return None

@@ -1,0 +1,402 @@
+r"""Where the pixels of a video chunk or an image are decoded: on the calling worker thread
+(``ThreadDecodeBackend``) or in a pool of worker processes (``ProcessDecodeBackend``), whose
+frames come back through one ``multiprocessing.shared_memory`` block per result.
+
+    worker thread (WorkerPool)                         worker process (ProcessPoolExecutor)
+    budget.reserve(bytes) ─► submit(job, block name) ─► limits checked from the header/plan
+                             wait, polling control ──►   (frames x h x w, pixels, bytes) ─► decode
+                             (cancel: flag in board)     ─► create block `name`, copy frames in
+    copy block ─► unlink ◄── result (shape) ◄──────────┘ close (the parent owns the name)
+
+The item's encoded bytes travel the other way in one block per item, shared by the jobs of that
+item in flight (a pipe would carry megabytes per job). The parent names every block before the
+job starts, so it can unlink it whatever happens to the worker: the waiting thread always sees the
+job end (a result, an error, a cancellation it waited out, BrokenProcessPool after a worker died,
+CancelledError at shutdown) and then unlinks the name (a no-op when it took the block already).
+Cancellation reaches a running job through one shared byte per job in a small "cancel board" block
+the workers attach at start; the deadline travels as seconds left.
+
+Threads are the default: the GIL is held for ~4 % of a decode, and on the 2-core host the hand-off
+copies made processes slower (README, "Overlap, measured": the split and the 1/2/4-worker table).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import multiprocessing
+import os
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing import shared_memory
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
+from mm_pipeline.media.decode.budget import DecodeControl
+from mm_pipeline.media.decode.image import decode_image
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.types import DecodedImage, MediaItem
+from mm_pipeline.media.decode.video_chunks import decode_chunk
+
+BACKENDS = ("thread", "process")
+
+
+class DecodeWorkerDied(UndecodableMediaError):
+    """A decode worker process died while decoding this item (twice): the file crashes the decoder."""
+
+
+class DecodeBackend(Protocol):
+    """Decodes video chunks and images; blocking, called on a WorkerPool thread."""
+
+    def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
+                     limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
+                     threads: int = 1) -> torch.Tensor: ...
+
+    def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
+                     ) -> DecodedImage: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ThreadDecodeBackend:
+    """The reference: decode on the calling thread (PyAV and PIL drop the GIL while decoding)."""
+
+    def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
+                     limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
+                     threads: int = 1) -> torch.Tensor:
+        return decode_chunk(item, info, indices, groups, tp, limits, size, control, threads=threads)
+
+    def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
+                     ) -> DecodedImage:
+        return decode_image(item, limits, target=None if target is None else _fixed(target))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_decode_backend(kind: str, workers: int) -> DecodeBackend:
+    """``kind`` "thread" or "process" (``workers`` processes)."""
+    if kind == "thread":
+        return ThreadDecodeBackend()
+    if kind == "process":
+        return ProcessDecodeBackend(workers)
+    raise ValueError(f"decode backend must be one of {BACKENDS}, got {kind!r}")
+
+
+class ProcessDecodeBackend:
+    """``workers`` processes (forkserver: no copy of the server's threads or CUDA state; torch
+    uses one intra-op thread each). A pool broken by a dying worker is replaced, and each job it
+    took down runs once more on the new pool: the job that crashes twice fails with
+    ``DecodeWorkerDied``, the others complete."""
+
+    POLL_S = 0.05  # how often a waiting thread looks at its control (deadline, cancellation)
+    BOARD_SLOTS = 4096  # cancel flags; a job without a free slot still runs (cancelled at its deadline only)
+
+    def __init__(self, workers: int, prefix: str = "mmsd") -> None:
+        if workers < 1:
+            raise ValueError(f"ProcessDecodeBackend needs workers >= 1, got {workers}")
+        self.workers = workers
+        self.prefix = f"{prefix}_{os.getpid()}_{secrets.token_hex(3)}"
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self._retry_lock = threading.Lock()  # jobs run again after a worker died, one at a time
+        self._board = shared_memory.SharedMemory(create=True, size=self.BOARD_SLOTS)
+        self._board.buf[:] = bytes(self.BOARD_SLOTS)
+        self._free_slots = list(range(self.BOARD_SLOTS))
+        self._inputs: dict[int, list] = {}  # id(item.data) -> [block, jobs using it, the bytes]
+        self._closed = False
+        self._executor = self._new_executor()
+        self.restarts = 0  # pools replaced after a worker died
+        self.warm(wait=False)
+
+    # ---- public API -------------------------------------------------------------------------
+    def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
+                     limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
+                     threads: int = 1) -> torch.Tensor:
+        return self._call(_chunk_job, (item, info, list(indices), list(groups), tp, limits, size, threads),
+                          control, f"a {item.format} video chunk from {item.origin}")
+
+    def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
+                     ) -> DecodedImage:
+        pixels = self._call(_image_job, (item, limits, target), None, f"the {item.format} image from {item.origin}")
+        return DecodedImage(pixels, item.format)
+
+    def warm(self, wait: bool = True) -> None:
+        """Start every worker now (each imports torch and PyAV: seconds), not on the first request."""
+        futures = [self._executor.submit(_noop) for _ in range(self.workers)]
+        if wait:
+            cf.wait(futures)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor = self._executor
+        executor.shutdown(wait=True, cancel_futures=True)
+        self._board.close()
+        self._board.unlink()
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _new_executor(self) -> cf.ProcessPoolExecutor:
+        context = multiprocessing.get_context("forkserver")
+        # the fork server imports torch, PyAV and the decoders once; each worker (and each
+        # replacement after a crash) forks from it ready to decode
+        context.set_forkserver_preload([__name__])
+        return cf.ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+                                      initargs=(self._board.name,))
+
+    def _call(self, job: Callable[..., tuple[int, ...]], args: tuple, control: DecodeControl | None,
+              what: str) -> torch.Tensor:
+        try:
+            return self._run_once(self._current(what), job, args, control, what)
+        except _PoolBroke as broke:
+            self._replace(broke.executor)
+        # A worker died and took every job of its pool down. Run them again one at a time: a job
+        # that kills its worker again is the culprit; the others finish on the fresh pool.
+        with self._retry_lock:
+            try:
+                return self._run_once(self._current(what), job, args, control, what)
+            except _PoolBroke as broke:
+                self._replace(broke.executor)
+                raise DecodeWorkerDied(f"the decode worker process died twice while decoding {what}; "
+                                       f"the file crashes the decoder") from None
+
+    def _current(self, what: str) -> cf.ProcessPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise ServerBusy(f"decoding {what}: the decode processes are shut down")
+            return self._executor
+
+    def _run_once(self, executor: cf.ProcessPoolExecutor, job: Callable[..., tuple[int, ...]], args: tuple,
+                  control: DecodeControl | None, what: str) -> torch.Tensor:
+        name = f"{self.prefix}_{next(self._names)}"
+        item: MediaItem = args[0]
+        slot = self._take_slot()
+        timeout_s = control.remaining_s if control is not None else None
+        source = None
+        try:
+            source = self._share_input(item)
+            try:
+                future = executor.submit(job, name, slot, timeout_s, source, dataclasses.replace(item, data=b""),
+                                         *args[1:])
+            except (cf.process.BrokenProcessPool, RuntimeError, OSError):  # broken, or replaced and shut down
+                raise _PoolBroke(executor) from None
+        except BaseException:
+            self._give_slot(slot)
+            if source is not None:
+                self._release_input(item)
+            raise
+        try:
+            shape = self._wait(executor, future, slot, control)
+            return _take(name, shape)
+        except cf.process.BrokenProcessPool:
+            _stop(executor)  # its processes are gone: none can create ``name`` later
+            raise _PoolBroke(executor) from None
+        except cf.CancelledError:
+            raise ServerBusy(f"decoding {what}: the decode processes shut down") from None
+        finally:
+            _unlink(name)  # a no-op when taken; else the job failed, was cancelled or its worker died
+            self._give_slot(slot)
+            self._release_input(item)
+
+    def _wait(self, executor: cf.ProcessPoolExecutor, future: cf.Future, slot: int,
+              control: DecodeControl | None) -> tuple[int, ...]:
+        while True:
+            try:
+                return future.result(timeout=self.POLL_S)
+            except cf.TimeoutError:
+                if _pool_dead(executor):
+                    raise cf.process.BrokenProcessPool("the pool's manager thread ended") from None
+                if control is None:
+                    continue
+                try:
+                    control.check()
+                except BaseException:
+                    self._cancel(slot)
+                    future.cancel()
+                    cf.wait([future])  # the job holds memory (the budget's bytes) until it stops
+                    raise
+
+    def _share_input(self, item: MediaItem) -> tuple[str, int]:
+        """The encoded bytes of ``item`` in a block (one per item while jobs of it run: the chunks
+        of one video share it; a pipe would carry megabytes per job)."""
+        with self._lock:
+            held = self._inputs.get(id(item.data))
+            if held is None:
+                block = shared_memory.SharedMemory(f"{self.prefix}_in{next(self._names)}", create=True,
+                                                   size=max(1, len(item.data)))
+                block.buf[:len(item.data)] = item.data
+                held = self._inputs[id(item.data)] = [block, 0, item.data]
+            held[1] += 1
+            return held[0].name, len(item.data)
+
+    def _release_input(self, item: MediaItem) -> None:
+        with self._lock:
+            held = self._inputs.get(id(item.data))
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] > 0:
+                return
+            del self._inputs[id(item.data)]
+        held[0].close()
+        held[0].unlink()
+
+    def _replace(self, broken: cf.ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._executor is not broken or self._closed:
+                return  # another thread replaced it already
+            self._executor = self._new_executor()
+            self.restarts += 1
+
+    def _take_slot(self) -> int:
+        with self._lock:
+            slot = self._free_slots.pop() if self._free_slots else -1
+        if slot >= 0:
+            self._board.buf[slot] = 0
+        return slot
+
+    def _give_slot(self, slot: int) -> None:
+        if slot >= 0:
+            with self._lock:
+                self._free_slots.append(slot)
+
+    def _cancel(self, slot: int) -> None:
+        if slot >= 0:
+            self._board.buf[slot] = 1
+
+
+def _pool_dead(executor: cf.ProcessPoolExecutor) -> bool:
+    # CPython 3.11 can leave a future pending for ever when a worker dies while the job is being
+    # submitted (the manager thread fails the futures it knows of, then ends): seen in the crash
+    # test, so a pending future whose pool has no manager any more counts as a broken pool.
+    thread = getattr(executor, "_executor_manager_thread", None)
+    return bool(getattr(executor, "_broken", False)) or (thread is not None and not thread.is_alive())
+
+
+def _stop(executor: cf.ProcessPoolExecutor) -> None:
+    """End a broken pool's processes and wait for them (a manager thread that died of an error
+    leaves its workers running)."""
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    for process in processes:
+        process.terminate()
+    executor.shutdown(wait=True, cancel_futures=True)
+    for process in processes:
+        process.join(5)
+
+
+class _PoolBroke(Exception):
+    def __init__(self, executor: cf.ProcessPoolExecutor) -> None:
+        super().__init__("a decode worker process died")
+        self.executor = executor
+
+
+def _fixed(target: tuple[int, int]) -> Callable[[int, int], tuple[int, int]]:
+    # decode_image asks for the target of the oriented (h, w) the caller probed already
+    return lambda _h, _w: target
+
+
+def _take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The receiver's side: copy block ``name`` into a tensor of ``shape`` uint8, then unlink it."""
+    out = torch.empty(shape, dtype=torch.uint8)
+    if out.numel() == 0:
+        return out
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        view = np.ndarray(shape, dtype=np.uint8, buffer=block.buf)
+        out.numpy()[...] = view
+        del view
+    finally:
+        block.close()
+        block.unlink()
+    return out
+
+
+def _unlink(name: str) -> None:
+    try:
+        block = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return  # taken by the receiver, or never created
+    block.close()
+    block.unlink()
+
+
+# ---- worker process side ----------------------------------------------------------------------
+_board: shared_memory.SharedMemory | None = None
+
+
+def _init_worker(board_name: str) -> None:
+    global _board
+    torch.set_num_threads(1)  # the pool's processes are the parallelism
+    _board = shared_memory.SharedMemory(name=board_name)
+
+
+def _noop() -> None:
+    return None
+
+
+def _control(slot: int, timeout_s: float | None, what: str) -> DecodeControl | None:
+    if timeout_s is None and slot < 0:
+        return None
+    board = _board
+    wanted = None if slot < 0 or board is None else (lambda: board.buf[slot] == 0)
+    return DecodeControl(timeout_s if timeout_s is not None else float("inf"), wanted, what=what)
+
+
+_last_input: tuple[str, bytes] = ("", b"")  # the chunks of one video often come in a row
+
+
+def _input(source: tuple[str, int], item: MediaItem) -> MediaItem:
+    global _last_input
+    name, size = source
+    if _last_input[0] != name:
+        block = shared_memory.SharedMemory(name=name)
+        try:
+            _last_input = (name, bytes(block.buf[:size]))
+        finally:
+            block.close()
+    return dataclasses.replace(item, data=_last_input[1])
+
+
+def _chunk_job(name: str, slot: int, timeout_s: float | None, source: tuple[str, int], item: MediaItem,
+               info: Any, indices: list[int],
+               groups: list[int], tp: int, limits: MediaLimits, size: tuple[int, int], threads: int
+               ) -> tuple[int, ...]:
+    # the worker checks what it is about to allocate itself, before any pixel is decoded
+    h, w = size
+    frames = len(groups) * tp
+    if info is not None and info.width * info.height > limits.max_pixels:
+        raise MediaTooLarge(f"video frames are {info.width}x{info.height}, limit {limits.max_pixels} pixels")
+    if h * w > limits.max_pixels or frames > limits.max_frames:
+        raise MediaTooLarge(f"a video chunk of {frames} frames of {w}x{h} is over the limits")
+    if frames * h * w * 3 > limits.max_decoded_bytes_in_flight:
+        raise MediaTooLarge(f"a video chunk of {frames} frames of {w}x{h} is over max_decoded_bytes_in_flight")
+    control = _control(slot, timeout_s, f"a video chunk from {item.origin}")
+    item = _input(source, item)
+    return _publish(name, decode_chunk(item, info, indices, groups, tp, limits, size, control, threads=threads))
+
+
+def _image_job(name: str, slot: int, timeout_s: float | None, source: tuple[str, int], item: MediaItem,
+               limits: MediaLimits, target: tuple[int, int] | None) -> tuple[int, ...]:
+    # decode_image enforces max_pixels on the header before decoding
+    image = decode_image(_input(source, item), limits, target=None if target is None else _fixed(target))
+    return _publish(name, image.pixels)
+
+
+def _publish(name: str, frames: torch.Tensor) -> tuple[int, ...]:
+    """Copy ``frames`` into a new block ``name`` (the parent unlinks it); return the shape."""
+    array = frames.numpy()
+    if array.nbytes == 0:
+        return tuple(array.shape)
+    block = shared_memory.SharedMemory(name=name, create=True, size=array.nbytes)
+    try:
+        np.ndarray(array.shape, dtype=np.uint8, buffer=block.buf)[...] = array
+    finally:
+        block.close()
+    return tuple(array.shape)

@@ -1,0 +1,125 @@
+"""Bounds on decode work: a per-item deadline and cancellation (``DecodeControl``), and the bytes of
+decoded media in flight across the server (``DecodeBudget``).
+
+Decoders run on worker threads, where asyncio cannot interrupt them; they call
+``control.check()`` once per frame (or audio packet) instead, so a decode stops at the next frame
+when its deadline passes or when nobody wants its result any more:
+
+    worker thread:   reserve(bytes) ─► frame ─ check ─► frame ─ check ─► ... ─► release
+                                                   └─ deadline passed / cancelled ─► MediaError
+
+Every decode reserves its estimated peak bytes (from headers, before any pixel is decoded) in the
+one ``DecodeBudget`` of the runtime; a reservation waits (up to the item's deadline) until the
+bytes of other decodes are released, so N concurrent decodes never hold more than the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from mm_pipeline.errors import MediaError, MediaTooLarge
+
+
+class MediaDecodeTimeout(MediaTooLarge):
+    """A decode ran past its deadline: the item costs more than this server spends on one (413)."""
+
+
+class DecodeCancelled(MediaError):
+    """Nobody wants the decode's result any more (the request ended)."""
+
+
+class DecodeControl:
+    """Deadline and cancellation of one item's decode; ``check`` is cheap enough per frame.
+
+    ``wanted``: asked at most every ``poll_s`` seconds; False cancels (e.g. no request still
+    waits for the units a chunk decodes)."""
+
+    def __init__(self, timeout_s: float, wanted: Callable[[], bool] | None = None, poll_s: float = 0.05,
+                 what: str = "media") -> None:
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.what = what
+        self._wanted = wanted
+        self._poll_s = poll_s
+        self._next_poll = 0.0
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def check(self) -> None:
+        """Raise if the decode must stop now."""
+        now = time.monotonic()
+        if self._cancelled.is_set():
+            raise DecodeCancelled(f"decoding {self.what} was cancelled (the request ended)")
+        if now > self.deadline:
+            raise MediaDecodeTimeout(f"decoding {self.what} took over {self.timeout_s:g} s "
+                                     f"(decode_timeout_s); send a smaller or shorter item")
+        if self._wanted is not None and now >= self._next_poll:
+            self._next_poll = now + self._poll_s
+            if not self._wanted():
+                self._cancelled.set()
+                raise DecodeCancelled(f"decoding {self.what} was cancelled (no request wants it)")
+
+
+def check(control: DecodeControl | None) -> None:
+    """``control.check()`` when there is a control (decoders take ``control=None`` in tests)."""
+    if control is not None:
+        control.check()
+
+
+class DecodeBudget:
+    """Bytes of decoded media held by all decodes in flight, at most ``capacity``.
+
+    Invariant (under ``_cond``): ``0 <= _used <= capacity``; every ``reserve`` releases what it took."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"DecodeBudget capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._used
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int, control: DecodeControl | None = None, what: str = "media") -> Iterator[None]:
+        """Hold ``nbytes`` for the block; wait for room until ``control``'s deadline (then 413)."""
+        nbytes = max(0, int(nbytes))
+        if nbytes > self.capacity:
+            raise MediaTooLarge(f"{what} needs about {_mib(nbytes)} of decoded pixels or samples, over the "
+                                f"server's {_mib(self.capacity)} budget (max_decoded_bytes_in_flight)")
+        with self._cond:
+            while self._used + nbytes > self.capacity:
+                wait = None if control is None else control.remaining_s
+                if wait is not None and wait <= 0:
+                    control.check()  # raises the timeout
+                self._cond.wait(timeout=0.05 if wait is None else min(wait, 0.05))
+                if control is not None:
+                    control.check()  # cancelled or past the deadline while waiting
+            self._used += nbytes
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= nbytes
+                self._cond.notify_all()
+
+    def check_integrity(self) -> None:
+        with self._cond:
+            if not 0 <= self._used <= self.capacity:
+                raise AssertionError(f"decode budget in use {self._used} outside [0, {self.capacity}]")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.0f} MiB"

@@ -1,0 +1,263 @@
+r"""Decode a video while its bytes still arrive (issue 16 item 4; README "Decoding while bytes arrive").
+
+    bytes ─► ArrivingBytes ─► early decoder thread: demux + decode front to back, keep the frames
+                   │          sampling will probably pick (decoded YUV, converted later)
+                   └─► finish: content key ─► sniff ─► plan (the exact demux on the whole bytes)
+                                                   ─► chunks: kept frames, misses decoded as before
+
+Which frames the model sees depends on the exact frame count (``video_sampling``), so the early
+decoder needs it up front: exactly from an MP4 sample table (``moov`` before ``mdat``), or from
+the Segment duration of Matroska/WebM (kept for a few counts around it). It keeps the frames of
+that sampling; production takes a kept frame by its pts (the same frame a decode from its keyframe
+emits) and decodes only the targets that were not kept, so the frames are those of the
+whole-bytes path whatever the prediction was; a wrong prediction costs time, never correctness.
+
+A fragmented MP4 or an Ogg stream states no frame count up front: estimating it from
+Content-Length was tried and measured (README) -- a few frames off, which moves most sampled
+frames, so the early work was wasted and the first token came later -- so they are decoded after
+arrival, as is an MP4 with its index at the end (it would block the decoder until the last byte):
+no thread is started for them.
+Bounds: ``max_kept_bytes`` of kept frames, a deadline, a cap on concurrent early decoders (none
+free: the item is decoded after arrival), and ``cancel`` (a manifest/cache hit, the request
+dropped its item, the body failed) stops the thread at its next packet and frees the frames.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Callable
+
+import av
+import numpy as np
+import torch
+
+from mm_pipeline.media.arriving_bytes import ArrivingBytes
+from mm_pipeline.media.decode.budget import DecodeControl, check
+from mm_pipeline.media.decode.video import VideoInfo, codec_threads, decode_range
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.sniff import open_av_stream
+from mm_pipeline.media.types import MediaItem
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
+
+_SLACK = {"index": 0, "duration": 2}  # frame counts kept either side of the prediction
+PREDICTABLE = ("index", "matroska")  # layouts (sniff.streamable_layout) whose header gives the frame count
+
+
+class EarlyVideoDecode:
+    """One video decoded on its own thread while its bytes arrive; frames kept by pts.
+
+    Invariant (under ``_cond``): every kept frame's pts <= ``_last_pts``; ``_kept_bytes`` =
+    len(``_frames``) x ``_frame_bytes`` <= ``max_kept_bytes``; once ``_ended`` no frame is added."""
+
+    def __init__(self, body: ArrivingBytes, layout: str, sampling: VideoSamplingParams, max_kept_bytes: int,
+                 timeout_s: float, threads: int = 1, on_end: Callable[[], None] | None = None) -> None:
+        self.body = body
+        self.layout = layout  # sniff.streamable_layout's answer
+        self.received_at_start = body.received  # bytes in when decoding started (the rest: outstanding)
+        self.sampling = sampling
+        self.max_kept_bytes = max_kept_bytes
+        self.threads = threads
+        self.control = DecodeControl(timeout_s, what="an arriving video")
+        self.received_at_first_frame: int | None = None  # bytes in when the first frame came out
+        self.prediction = ""  # how the frame count was known: index / duration ("": not known, no decode)
+        self._on_end = on_end
+        self._cond = threading.Condition()
+        self._frames: dict[int, av.VideoFrame] = {}
+        self._kept_bytes = 0
+        self._last_pts: int | None = None
+        self._stop_pts: int | None = None  # production needs nothing after this pts
+        self._ended = False
+        self._dropped = False  # cancelled: keep nothing more
+        self._exact: set[int] | None = None  # pts production wants (retarget), else the prediction
+        self._frame_bytes = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mmserve-early-decode", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop at the next packet and drop the kept frames (safe from any thread, any number of times)."""
+        self.control.cancel()
+        with self._cond:
+            self._dropped = True
+            self._frames.clear()
+            self._kept_bytes = 0
+            self._cond.notify_all()
+
+    def stop_after(self, pts: int) -> None:
+        """Production needs no frame after ``pts``: the decoder stops once it is past it."""
+        with self._cond:
+            self._stop_pts = pts
+
+    def retarget(self, wanted_pts: Sequence[int]) -> None:
+        """The exact frames production wants (known once the whole body was demuxed): from now on
+        keep these, not the predicted ones, and drop kept frames nobody wants."""
+        with self._cond:
+            self._exact = set(wanted_pts)
+            for pts in [p for p in self._frames if p not in self._exact]:
+                del self._frames[pts]
+                self._kept_bytes -= self._frame_bytes
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def last_pts(self) -> int | None:
+        with self._cond:
+            return self._last_pts
+
+    @property
+    def ended(self) -> bool:
+        with self._cond:
+            return self._ended
+
+    def frames_until(self, wanted: Sequence[int], control: DecodeControl | None = None) -> dict[int, av.VideoFrame]:
+        """Wait until the decoder is past the last of the ``wanted`` pts (or ended); the kept
+        frames among them (the rest: not kept, decode them)."""
+        last = max(wanted)
+        with self._cond:
+            while not self._ended and (self._last_pts is None or self._last_pts < last):
+                self._cond.wait(0.05)
+                check(control)
+            taken = {p: self._frames.pop(p) for p in wanted if p in self._frames}
+            self._kept_bytes -= len(taken) * self._frame_bytes
+            return taken
+
+    # ---- the decoder thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with open_av_stream(self.body.reader()) as container:
+                if container.streams.video:
+                    self._decode(container, container.streams.video[0])
+        except BaseException as exc:  # a body that failed, a damaged stream, cancel, deadline
+            self._error = exc
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+            if self._on_end is not None:
+                self._on_end()
+
+    def _decode(self, container: av.container.InputContainer, stream: av.VideoStream) -> None:
+        fps = float(stream.average_rate or stream.guessed_rate or 0)
+        total = self._predict(container, stream, fps) if fps > 0 else None
+        if total is None:
+            return  # no frame count known up front (fragmented MP4, Ogg): decoded after arrival
+        keep = self._targets(total, fps)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
+        used = codec_threads(self.threads, width * height)
+        if used > 1:  # as decode_range does: FFmpeg's own threads, output bit-identical
+            stream.thread_type = "AUTO"
+            stream.codec_context.thread_count = used
+        index = 0
+        for packet in container.demux(stream):
+            check(self.control)
+            for frame in packet.decode():
+                if self.received_at_first_frame is None:
+                    self.received_at_first_frame = self.body.received
+                with self._cond:
+                    wanted = index in keep if self._exact is None else frame.pts in self._exact
+                    if wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes:
+                        self._frames[frame.pts] = frame
+                        self._kept_bytes += frame_bytes
+                    self._last_pts = frame.pts if self._last_pts is None else max(self._last_pts, frame.pts)
+                    self._cond.notify_all()
+                    if self._stop_pts is not None and self._last_pts >= self._stop_pts:
+                        return
+                index += 1
+
+    def _predict(self, container: av.container.InputContainer, stream: av.VideoStream, fps: float) -> int | None:
+        """The frame count from the container's own header, or None (a Matroska without a
+        duration): then the video is decoded after arrival (module doc)."""
+        if self.layout == "index" and stream.frames > 0:  # the MP4 sample table counts them exactly
+            self.prediction = "index"
+            return stream.frames
+        if self.layout == "matroska" and container.duration:  # the Segment's duration (microseconds)
+            self.prediction = "duration"
+            return max(1, round(container.duration / 1e6 * fps))
+        return None
+
+    def _targets(self, total: int, fps: float) -> set[int]:
+        slack = _SLACK.get(self.prediction, 2)
+        out: set[int] = set()
+        for n in range(max(1, total - slack), total + slack + 1):
+            out.update(sample_frames(n, fps, self.sampling).indices)
+        return out
+
+
+def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo, indices: Sequence[int],
+                       groups: Sequence[int], tp: int, size: tuple[int, int], control: DecodeControl | None,
+                       threads: int = 1) -> tuple[torch.Tensor, int]:
+    """``video_chunks.decode_chunk`` with the early decoder's frames: (frames, how many targets
+    came from it). Targets it did not keep are decoded from their keyframe as before."""
+    wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
+    targets = sorted(set(wanted))
+    h, w = size
+    kept = early.frames_until([info.pts[t] for t in targets], control)
+    rows: dict[int, np.ndarray] = {}
+    for t in targets:
+        frame = kept.get(info.pts[t])
+        if frame is not None:
+            rows[t] = frame.to_ndarray(format="rgb24", width=w, height=h)  # as decode_video converts
+    missing = [t for t in targets if t not in rows]
+    if missing:
+        decoded = decode_range(item, info, missing, size=size, control=control, threads=threads)
+        rows.update({t: decoded[k].numpy() for k, t in enumerate(missing)})
+    frames = torch.from_numpy(np.stack([rows[t] for t in wanted]))
+    return frames, len(targets) - len(missing)
+
+
+class EarlyDecoders:
+    """Starts the early decodes of one runtime (``MediaIngestor.early_video``): at most ``limit``
+    threads at once (none free: the video is decoded after arrival, as without this feature)."""
+
+    def __init__(self, sampling: VideoSamplingParams, limits: MediaLimits, fetch_timeout_s: float,
+                 threads: int = 1, limit: int = 4) -> None:
+        if limit < 1:
+            raise ValueError(f"EarlyDecoders limit must be >= 1, got {limit}")
+        self.sampling = sampling
+        self.limits = limits
+        # arrival is bounded by the fetch deadline, the decode after it by the decode deadline
+        self.timeout_s = fetch_timeout_s + limits.decode_timeout_s
+        self.threads = threads
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def start(self, body: ArrivingBytes, layout: str) -> EarlyVideoDecode | None:
+        if layout not in PREDICTABLE or not self._slots.acquire(blocking=False):
+            return None
+        # kept frames: at most half the request's decoded-bytes budget (production converts them
+        # under its own reservations, as it does frames it decodes itself)
+        early = EarlyVideoDecode(body, layout, self.sampling, self.limits.max_request_decoded_bytes // 2,
+                                 self.timeout_s, self.threads, on_end=self._slots.release)
+        early.start()
+        return early
+
+
+def chunks_for_early(early: EarlyVideoDecode, info: VideoInfo, indices: Sequence[int],
+                     chunks: Sequence[Sequence[int]], tp: int) -> set[int]:
+    """Which ``chunks`` (positions) take the early decoder's frames: all once it has ended, else
+    those whose seek point it has reached (a decoder of their own would redo what it is doing);
+    the others decode from their keyframes in parallel. From here on it keeps the exact frames
+    (``retarget``) and stops after the last frame it serves (cancelled when it serves none)."""
+    if early.ended and not early.prediction:
+        early.cancel()  # it never decoded (no frame count up front): decode as after arrival
+        return set()
+    early.retarget([info.pts[t] for t in indices])
+    done, last = early.ended, early.last_pts
+    chosen: set[int] = set()
+    need = -1
+    for c, groups in enumerate(chunks):
+        first = indices[groups[0] * tp]
+        seek = max((k for k in info.keyframes if k <= first), default=0)
+        if done or (last is not None and info.pts[seek] <= last):
+            chosen.add(c)
+            need = max(need, info.pts[indices[groups[-1] * tp + tp - 1]])
+    if chosen:
+        early.stop_after(need)
+    else:
+        early.cancel()
+    return chosen

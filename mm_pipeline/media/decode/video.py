@@ -1,0 +1,257 @@
+"""Video → sampled uint8 RGB frames with PyAV, optionally decoded in parallel frame ranges.
+
+Frame numbering comes from one demux pass (no decoding): the presentation timestamps of all
+packets, sorted, give every frame its index, and the keyframe flags give the seek points.
+
+    frames   0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19
+    keys     K         K         K              K
+    sampled  *   *     *   *       *     *        *        *      (video_sampling)
+    ranges   └── range 0 ──┘       └──── range 1 ──────────────┘  (cut at the keyframe nearest
+                                                                   the equal split point)
+    decoder 0: seek K@0, decode 0..6        decoder 1: seek K@10, decode 10..19
+
+Each range gets its own container (PyAV objects are not shared across threads), seeks to the last
+keyframe at or before its first sampled frame and decodes forward; a decoded frame is identified by
+its pts, so a range produces exactly the frames a serial decode from frame 0 produces.  Sampled
+frames the decoder never emits (a damaged or non-displayed tail packet) repeat the latest frame
+decoded before them, in both modes alike.  GIF and WebP animations go through PIL instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import av
+import numpy as np
+import torch
+
+from mm_pipeline.media.decode.budget import DecodeControl, check
+from mm_pipeline.media.decode.image import decode_animation_frames, probe_animation
+from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
+from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.types import DecodedVideo, MediaItem
+from mm_pipeline.media.sniff import open_av
+from mm_pipeline.media.decode.video_sampling import FrameSampling, VideoSamplingParams, sample_frames
+from mm_pipeline.media.worker_pool import WorkerPool
+
+_ANIMATIONS = {"gif", "webp"}
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    width: int
+    height: int
+    video_fps: float
+    pts: tuple[int, ...]  # pts of frame k (ascending) in ``time_base``
+    keyframes: tuple[int, ...]  # frame indices where a decoder may start
+    time_base: Fraction
+
+    @property
+    def total_frames(self) -> int:
+        return len(self.pts)
+
+    @property
+    def duration_s(self) -> float:
+        return self.total_frames / self.video_fps
+
+
+def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
+                control: DecodeControl | None = None) -> VideoInfo:
+    """One demux pass over the first video stream; enforces pixel, frame and duration limits."""
+    try:
+        with open_av(item.data) as container:
+            if not container.streams.video:
+                raise UndecodableMediaError(f"{item.format} from {item.origin} has no video stream")
+            stream = container.streams.video[0]
+            w, h = stream.codec_context.width, stream.codec_context.height
+            if w * h > limits.max_pixels:
+                raise MediaTooLarge(f"video frames are {w}x{h} = {w * h} pixels, limit {limits.max_pixels}")
+            packets: list[tuple[int, bool]] = []
+            for packet in container.demux(stream):
+                if packet.size == 0:
+                    continue  # demuxer flush marker
+                if len(packets) % 256 == 0:
+                    check(control)
+                if packet.pts is None:
+                    raise UndecodableMediaError(f"{item.format} video has packets without timestamps")
+                packets.append((packet.pts, packet.is_keyframe))
+                if len(packets) > limits.max_frames:
+                    raise MediaTooLarge(f"video has over {limits.max_frames} frames")
+            rate = stream.average_rate or stream.guessed_rate
+            time_base = stream.time_base
+    except av.FFmpegError as exc:
+        raise UndecodableMediaError(f"{item.format} video from {item.origin} does not demux ({exc})") from exc
+    if not packets:
+        raise UndecodableMediaError(f"{item.format} video from {item.origin} has no frames")
+    packets.sort()
+    pts = tuple(p for p, _ in packets)
+    fps = float(rate) if rate else _fps_from_pts(pts, time_base)
+    keyframes = tuple(k for k, (_, key) in enumerate(packets) if key) or (0,)
+    info = VideoInfo(w, h, fps, pts, keyframes if keyframes[0] == 0 else (0, *keyframes), time_base)
+    if info.duration_s > limits.max_duration_s:
+        raise MediaTooLarge(f"video lasts {info.duration_s:.1f} s, limit {limits.max_duration_s} s")
+    return info
+
+
+def _fps_from_pts(pts: tuple[int, ...], time_base: Fraction | None) -> float:
+    span = (pts[-1] - pts[0]) * float(time_base or 0)
+    return (len(pts) - 1) / span if len(pts) > 1 and span > 0 else 1.0
+
+
+def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek: bool = True,
+                 size: tuple[int, int] | None = None, control: DecodeControl | None = None,
+                 threads: int = 1) -> torch.Tensor:
+    """Frames ``targets`` (ascending, unique) as [T, H, W, 3] uint8; with ``seek`` the decoder
+    starts at the last keyframe at or before ``targets[0]``, else at frame 0.
+
+    ``size`` (h, w): frames are scaled to it by swscale as they leave the decoder, in uint8, so a
+    huge source frame never exists as RGB, let alone as float (default: the stream's size).
+    ``control``: checked once per decoded frame (deadline, cancellation).
+    ``threads``: the codec's own decoding threads (FFmpeg frame/slice threads, outside the GIL);
+    1: none, 0: FFmpeg picks by the CPU count. Output is bit-identical either way."""
+    h, w = size or (info.height, info.width)
+    if not targets:
+        return torch.empty(0, h, w, 3, dtype=torch.uint8)
+    if any(b <= a for a, b in zip(targets, targets[1:])) or targets[0] < 0 or targets[-1] >= info.total_frames:
+        raise ValueError(f"decode_range targets must be ascending, unique and in [0, {info.total_frames}), "
+                         f"got {list(targets)[:8]}...")
+    index_of = {p: k for k, p in enumerate(info.pts)}
+    start = max((k for k in info.keyframes if k <= targets[0]), default=0) if seek else 0
+    out: list[np.ndarray] = []
+    prev: av.VideoFrame | None = None
+    prev_index = start - 1
+    try:
+        with open_av(item.data) as container:
+            stream = container.streams.video[0]
+            used = codec_threads(threads, info.height * info.width)
+            if used > 1:
+                stream.thread_type = "AUTO"
+                stream.codec_context.thread_count = used
+            if start > 0:
+                container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
+            for frame in container.decode(stream):
+                check(control)
+                idx = index_of.get(frame.pts, prev_index + 1)
+                prev_index = idx
+                while len(out) < len(targets) and targets[len(out)] < idx:
+                    out.append(_rgb(prev if prev is not None else frame, h, w))  # never emitted
+                if len(out) < len(targets) and targets[len(out)] == idx:
+                    out.append(_rgb(frame, h, w))
+                prev = frame
+                if len(out) == len(targets):
+                    break
+    except av.FFmpegError as exc:
+        raise UndecodableMediaError(f"{item.format} video from {item.origin} does not decode ({exc})") from exc
+    if prev is None:
+        raise UndecodableMediaError(f"{item.format} video from {item.origin} decoded no frame")
+    while len(out) < len(targets):
+        out.append(_rgb(prev, h, w))
+    return torch.from_numpy(np.stack(out))
+
+
+def _rgb(frame: av.VideoFrame, h: int, w: int) -> np.ndarray:
+    # Every frame at one size, even if the codec changes resolution mid-stream.
+    return frame.to_ndarray(format="rgb24", width=w, height=h)
+
+
+# Codec threads only up to 4K UHD frames: each frame thread holds frames of its own, and a hostile
+# 8192² stream must not multiply its decoder's memory by the thread count.
+THREADED_MAX_PIXELS = 3840 * 2160
+_MAX_AUTO_THREADS = 16  # FFmpeg's own cap on automatic thread counts
+
+
+def codec_threads(threads: int, pixels: int) -> int:
+    """The codec threads one decoder of ``pixels``-sized frames uses for a ``threads`` setting (0:
+    FFmpeg's automatic count, CPUs + 1; 1: none); 1 above ``THREADED_MAX_PIXELS``."""
+    if threads < 0:
+        raise ValueError(f"codec threads must be >= 0, got {threads}")
+    if pixels > THREADED_MAX_PIXELS:
+        return 1
+    if threads == 0:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(cpus + 1, _MAX_AUTO_THREADS)
+    return threads
+
+
+def frame_decode_bytes(info_or_size: tuple[int, int], threads: int = 1) -> int:
+    """Peak bytes a decoder holds for frames of (h, w): a few planar YUV frames (references,
+    the frame being built) plus one per extra codec thread (``threads`` as ``decode_range`` takes
+    it) -- the in-flight budget's estimate for one video decoder."""
+    h, w = info_or_size
+    return (4 + codec_threads(threads, h * w) - 1) * h * w * 3 // 2
+
+
+def split_ranges(targets: Sequence[int], info: VideoInfo, num_ranges: int) -> list[list[int]]:
+    """Split ascending unique ``targets`` into at most ``num_ranges`` runs.  Run boundaries sit on
+    the keyframes nearest the equal split points, so every run's decoder starts at its own
+    boundary and no frame is decoded by two decoders."""
+    if num_ranges < 1:
+        raise ValueError(f"num_ranges must be >= 1, got {num_ranges}")
+    n = info.total_frames
+    bounds = sorted({min(info.keyframes, key=lambda k: abs(k - n * i / num_ranges))
+                     for i in range(1, num_ranges)} - {0})
+    runs: list[list[int]] = [[] for _ in range(len(bounds) + 1)]
+    for t in targets:
+        runs[bisect.bisect_right(bounds, t)].append(t)
+    return [run for run in runs if run]
+
+
+class VideoDecoder:
+    """Decodes a video item into the frames ``video_sampling`` picks, in ``num_ranges`` parallel
+    ranges on ``pool`` (``decode``) or serially on the calling thread (``decode_sync``)."""
+
+    def __init__(self, sampling: VideoSamplingParams = VideoSamplingParams(),
+                 limits: MediaLimits = MediaLimits(), pool: WorkerPool | None = None,
+                 num_ranges: int = 2, threads: int = 1) -> None:
+        if num_ranges < 1 or threads < 0:
+            raise ValueError(f"num_ranges must be >= 1 and threads >= 0, got {num_ranges}, {threads}")
+        self.sampling = sampling
+        self.limits = limits
+        self.pool = pool
+        self.num_ranges = num_ranges
+        self.threads = threads  # codec threads per range (decode_range)
+
+    async def decode(self, item: MediaItem) -> DecodedVideo:
+        if self.pool is None:
+            raise ValueError("VideoDecoder.decode needs a WorkerPool; use decode_sync without one")
+        if item.format in _ANIMATIONS:
+            return await self.pool.run(self.decode_sync, item)
+        info = await self.pool.run(probe_video, item, self.limits)
+        sampling = sample_frames(info.total_frames, info.video_fps, self.sampling)
+        targets = sorted(set(sampling.indices))
+        runs = split_ranges(targets, info, self.num_ranges)
+        parts = await asyncio.gather(*(self.pool.run(decode_range, item, info, run, threads=self.threads)
+                                       for run in runs))
+        return self._assemble(item, info.video_fps, info.total_frames, sampling, targets, list(parts))
+
+    def decode_sync(self, item: MediaItem, parallel_ranges: bool = False) -> DecodedVideo:
+        """Serial decode; with ``parallel_ranges`` the ranges ``decode`` would use run one after
+        the other (each from its own seek point) — the equivalence tests compare the two."""
+        if item.format in _ANIMATIONS:
+            anim = probe_animation(item, self.limits)
+            sampling = sample_frames(anim.num_frames, anim.fps, self.sampling)
+            frames = decode_animation_frames(item, sampling.indices, self.limits)
+            return DecodedVideo(frames, sampling.indices, sampling.timestamps, anim.fps,
+                                anim.num_frames, item.format)
+        info = probe_video(item, self.limits)
+        sampling = sample_frames(info.total_frames, info.video_fps, self.sampling)
+        targets = sorted(set(sampling.indices))
+        if parallel_ranges:
+            parts = [decode_range(item, info, run, threads=self.threads)
+                     for run in split_ranges(targets, info, self.num_ranges)]
+        else:
+            parts = [decode_range(item, info, targets, seek=False, threads=self.threads)]
+        return self._assemble(item, info.video_fps, info.total_frames, sampling, targets, parts)
+
+    @staticmethod
+    def _assemble(item: MediaItem, fps: float, total: int, sampling: FrameSampling, targets: list[int],
+                  parts: list[torch.Tensor]) -> DecodedVideo:
+        decoded = torch.cat(parts) if len(parts) > 1 else parts[0]
+        row = {t: k for k, t in enumerate(targets)}
+        frames = decoded[[row[i] for i in sampling.indices]]  # padded tail repeats a row
+        return DecodedVideo(frames, sampling.indices, sampling.timestamps, fps, total, item.format)
