@@ -11,12 +11,12 @@ import time
 import av
 import numpy as np
 
-from mm_pipeline.media.decode_backend import ProcessDecodeBackend, ThreadDecodeBackend
-from mm_pipeline.media.decode_video import probe_video
+from mm_pipeline.media.decode.backend import ProcessDecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.video_chunks import plan_chunks
-from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
 # ---- media ------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from encoders.image_processing import ImageProcessingConfig
 from samples.checkpoints.tiny_towers import init_random_, tiny_vision_config
 from encoders.vision.tower import VisionTransformer
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.media.decode_video import VideoDecoder
+from mm_pipeline.media.decode.video import VideoDecoder
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
 from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
 from mm_pipeline.media.types import DecodedImage, MediaItem, MediaKind

@@ -151,10 +151,10 @@ class HFStyleCaptioner:
         self.hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device).eval()
 
     def _units(self, item) -> tuple[list, tuple[float, ...]]:
-        from mm_pipeline.media.decode_audio import decode_audio
-        from mm_pipeline.media.decode_image import decode_image
-        from mm_pipeline.media.decode_video import decode_range, probe_video
-        from mm_pipeline.media.video_sampling import sample_frames
+        from mm_pipeline.media.decode.audio import decode_audio
+        from mm_pipeline.media.decode.image import decode_image
+        from mm_pipeline.media.decode.video import decode_range, probe_video
+        from mm_pipeline.media.decode.video_sampling import sample_frames
 
         m = self.model
         if item.kind.value == "image":

@@ -14,7 +14,7 @@ import torch
 
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.prompt.layout import MediaSlots
 
 

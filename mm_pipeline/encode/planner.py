@@ -42,11 +42,11 @@ from mm_pipeline.encode.single_flight import SingleFlight
 from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaError, MediaNotFound, MediaTooLarge,
                                 UndecodableMediaError, UnsupportedMediaType)
-from mm_pipeline.media.decode_audio import has_audio_stream
-from mm_pipeline.media.decode_backend import DecodeBackend
-from mm_pipeline.media.decode_budget import DecodeControl
-from mm_pipeline.media.decode_image import image_decode_bytes, probe_image
-from mm_pipeline.media.early_decode import EarlyDecoders
+from mm_pipeline.media.decode.audio import has_audio_stream
+from mm_pipeline.media.decode.backend import DecodeBackend
+from mm_pipeline.media.decode.budget import DecodeControl
+from mm_pipeline.media.decode.image import image_decode_bytes, probe_image
+from mm_pipeline.media.decode.early import EarlyDecoders
 from mm_pipeline.media.content_hash import audio_segment_key, content_key, media_key, video_group_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
@@ -173,7 +173,7 @@ class MediaPlanner:
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; early_frames_used /
         early_frames_decoded_after: sampled frames of chunks an early decode served
-        (media.early_decode), kept by it / decoded after arrival."""
+        (media.decode.early), kept by it / decoded after arrival."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 

@@ -19,12 +19,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mm_pipeline.media.decode_audio import decode_audio, header_seconds
-from mm_pipeline.media.decode_budget import DecodeBudget, DecodeControl, check
-from mm_pipeline.media.decode_backend import DecodeBackend, ThreadDecodeBackend
-from mm_pipeline.media.decode_image import image_decode_bytes, probe_animation, probe_image
-from mm_pipeline.media.decode_video import frame_decode_bytes, probe_video
-from mm_pipeline.media.early_decode import chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.audio import decode_audio, header_seconds
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
+from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode.image import image_decode_bytes, probe_animation, probe_image
+from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
+from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -32,8 +32,8 @@ from mm_pipeline.errors import MediaError, UnsupportedMediaType
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
-from mm_pipeline.media.video_chunks import plan_chunks
-from mm_pipeline.media.video_sampling import sample_frames
+from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
 _ANIMATIONS = ("gif", "webp")
@@ -43,7 +43,7 @@ class UnitProducer:
     def __init__(self, pre: Preprocessor, pool: WorkerPool, batcher: EncoderBatcher, cache: EncoderCache,
                  config: PlannerConfig, count: Callable[..., None], decoder: DecodeBackend | None = None) -> None:
         self.pre = pre
-        self.decoder = decoder or ThreadDecodeBackend()  # where pixels are decoded (decode_backend.py)
+        self.decoder = decoder or ThreadDecodeBackend()  # where pixels are decoded (media/decode/backend.py)
         self.pool = pool
         self.batcher = batcher
         self.cache = cache
@@ -198,7 +198,7 @@ class UnitProducer:
             chunks = [list(claimed)]
         else:
             chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk)
-        # decoded while the bytes arrived (media.early_decode): those chunks take its frames
+        # decoded while the bytes arrived (media.decode.early): those chunks take its frames
         early = plan.item.early if info is not None else None
         from_early = chunks_for_early(early, info, sampling.indices, chunks, tp) if early is not None else set()
 

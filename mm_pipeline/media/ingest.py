@@ -6,7 +6,7 @@ inside them; the sniff answer of a content key seen before comes from a memo, so
 container is never opened by PyAV again (and planning then finds its manifest by the same key).
 
 An http(s) body arrives into one growing buffer (``ArrivingBytes``) that the hash and, for a
-streamable video, an early decoder (``media.early_decode``, started through ``early_video``) read
+streamable video, an early decoder (``media.decode.early``, started through ``early_video``) read
 while it grows; the body's size cap applies chunk by chunk.
 
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
@@ -105,7 +105,7 @@ class IngestConfig:
     fetch_timeout_s: float = 10.0  # whole fetch, redirects included
     max_redirects: int = 3
     allow_private_hosts: bool = False  # let allowed domains resolve to loopback / private addresses
-    decode_while_receiving: bool = True  # http(s) video: decode while the body arrives (media.early_decode)
+    decode_while_receiving: bool = True  # http(s) video: decode while the body arrives (media.decode.early)
     limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
@@ -126,7 +126,7 @@ class MediaIngestor:
         self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
         self.sniff_memo = SniffMemo()
         # (body, layout) -> a started early decode or None: set by the planner, which knows the
-        # sampling and decoder settings (media.early_decode); None: decode after arrival only
+        # sampling and decoder settings (media.decode.early); None: decode after arrival only
         self.early_video: Callable[[ArrivingBytes, str], Any] | None = None
         self.source_memo = SourceMemo()
         self._counts: Counter[str] = Counter()

@@ -54,7 +54,7 @@ class MediaItem:
     content_key: str | None = None
     """blake3 of ``data`` when ingest computed it (before sniffing); None: planning hashes it."""
     early: Any = field(default=None, repr=False, compare=False)
-    """The ``EarlyVideoDecode`` that decoded this video while its bytes arrived (media.early_decode),
+    """The ``EarlyVideoDecode`` that decoded this video while its bytes arrived (media.decode.early),
     or None; production takes its frames, a cache hit cancels it."""
 
     @property

@@ -8,7 +8,7 @@ unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long 
 
 Threads, not processes: PyAV and PIL drop the GIL while decoding, and results (frame tensors)
 stay in-process without pickling; with ``decode_backend="process"`` a worker thread hands video
-chunks and image pixels on to a worker process and waits (decode_backend.py).  The pool is usable
+chunks and image pixels on to a worker process and waits (media/decode/backend.py).  The pool is usable
 from any event loop and any thread.
 """
 

@@ -25,7 +25,7 @@ from encoders.audio.mimo_config import SpeechInputConfig
 from encoders.config import AudioConfig, VisionConfig
 from encoders.image_processing import ImageProcessingConfig
 from llm_core.model.config import ModelConfig
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from llm_core.model.dtype import parse_dtype
 from llm_core.distributed.launcher import load_text_model
 from llm_core.model.config import ModelConfig
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.prompt.layout import ChatLayout
 

@@ -25,9 +25,9 @@ from llm_core.model.dtype import parse_dtype
 from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.encode.plan import PlannerConfig
-from mm_pipeline.media.decode_backend import BACKENDS as DECODE_BACKENDS
+from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
 from mm_pipeline.media.ingest import IngestConfig, MediaLimits
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # OmniEngineConfig's nested configs whose fields also have flat names "<prefix>_<field>" (from_kwargs,
@@ -110,7 +110,7 @@ class OmniEngineConfig:
     """Media decode workers: threads, or with decode_backend process as many worker processes."""
     # thread: decode on the worker threads (PyAV/PIL drop the GIL); process: video chunks and image
     # pixels decode in worker processes, frames handed back through shared memory
-    # (media/decode_backend.py). The default is the measured winner (README "pipeline").
+    # (media/decode/backend.py). The default is the measured winner (README "pipeline").
     decode_backend: Literal["thread", "process"] = "thread"
     """Where video chunks and image pixels decode: worker threads or worker processes (shared-memory hand-off)."""
     decoder_threads: int = 0

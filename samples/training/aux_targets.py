@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from samples.training.dataset import ItemRef, TrainItem
-from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from samples.synthetic.generate import ItemJob, sample_spec
 from samples.synthetic.spec import COLOURS, SHAPES, AudioSpec, ImageSpec, ShapeSpec, VideoSpec
 

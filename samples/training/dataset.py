@@ -27,9 +27,9 @@ from typing import Any, Sequence
 import torch
 
 from encoders.image_processing import ImageProcessingConfig
-from mm_pipeline.media.decode_audio import decode_audio, has_audio_stream
-from mm_pipeline.media.decode_image import decode_image
-from mm_pipeline.media.decode_video import decode_range, probe_video
+from mm_pipeline.media.decode.audio import decode_audio, has_audio_stream
+from mm_pipeline.media.decode.image import decode_image
+from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
 from mm_pipeline.media.types import MediaKind, MediaSource
 from samples.checkpoints.tiny_omni import tiny_special_tokens
@@ -37,7 +37,7 @@ from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
 from samples.training.demo_model_config import DemoModelConfig
 from samples.training.demo_tokenizer import demo_merges, demo_tokenizer
-from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
 DEFAULT_CACHE = Path(os.environ.get("MMSERVE_TRAIN_CACHE", Path.home() / ".cache" / "mmserve-train"))
 PROMPTS = {"image": "Describe this image.", "video": "Describe this video.", "audio": "Describe this audio."}

@@ -15,7 +15,7 @@ from llm_core.engine.engine_config import EngineConfig
 from mm_pipeline import cli
 from mm_pipeline.config_flags import add_config_flags, config_flags, config_values, field_docs, parse_scalar
 from mm_pipeline.media.ingest import MediaLimits
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.runtime.config import OmniEngineConfig
 
 NESTED = {"engine", "limits", "video_sampling"}

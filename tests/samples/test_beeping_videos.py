@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.generate import generate
 from samples.synthetic.sampler import sample_beeping_video, sample_video

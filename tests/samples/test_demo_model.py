@@ -70,7 +70,7 @@ def test_demo_processor_samples_every_colour_segment_at_least_twice(k, fps, u):
     for every duration D in [max(2, k), 60] s and every spec frame rate."""
     from samples.checkpoints.tiny_omni import tiny_special_tokens
     from samples.training.demo_model_config import DemoModelConfig
-    from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+    from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
     params = VideoSamplingParams.from_processor_config(DemoModelConfig().processor_config(tiny_special_tokens()))
     lo = max(2, k)

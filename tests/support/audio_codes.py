@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.types import MediaItem, MediaKind
 
 

@@ -18,7 +18,7 @@ from mm_pipeline.media.content_hash import (audio_segment_key, canonical_params,
                                               video_group_key)
 from mm_pipeline.encode.encoder_cache import EncoderCache, tensor_from_bytes, tensor_to_bytes
 from mm_pipeline.media.types import MediaKind
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
 
 def _emb(seed: int, rows: int = 4, dtype: torch.dtype = torch.float32) -> torch.Tensor:

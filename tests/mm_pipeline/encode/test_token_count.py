@@ -22,7 +22,7 @@ from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
 from mm_pipeline.media.types import MediaSource
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.media.worker_pool import WorkerPool
 from mm_pipeline.prompt.layout import PromptLayout
 from samples.checkpoints.tiny_omni import processor_config, tiny_special_tokens

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from tests.support.media_samples import animated_bytes, audio_bytes, frame_level, image_bytes, level_to_frame, video_bytes
 from PIL import Image
 
-from mm_pipeline.media.decode_audio import decode_audio
-from mm_pipeline.media.decode_image import decode_image
-from mm_pipeline.media.decode_video import VideoDecoder, probe_video, split_ranges
+from mm_pipeline.media.decode.audio import decode_audio
+from mm_pipeline.media.decode.image import decode_image
+from mm_pipeline.media.decode.video import VideoDecoder, probe_video, split_ranges
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames, smart_nframes
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames, smart_nframes
 from mm_pipeline.media.worker_pool import WorkerPool
 from mm_pipeline.server.errors import http_answer
 
@@ -259,7 +259,7 @@ def test_codec_threads_decode_the_same_frames(container: str, codec: str) -> Non
 
 
 def test_codec_threads_are_bounded_and_budgeted() -> None:
-    from mm_pipeline.media.decode_video import THREADED_MAX_PIXELS, codec_threads, frame_decode_bytes
+    from mm_pipeline.media.decode.video import THREADED_MAX_PIXELS, codec_threads, frame_decode_bytes
 
     assert codec_threads(1, 1280 * 720) == 1 and codec_threads(3, 1280 * 720) == 3
     assert 2 <= codec_threads(0, 1280 * 720) <= 16  # FFmpeg's automatic count: CPUs + 1, capped

@@ -16,14 +16,14 @@ import torch
 from tests.support.media_samples import animated_bytes, image_bytes, video_bytes
 
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
-from mm_pipeline.media import decode_backend as db
-from mm_pipeline.media.decode_backend import DecodeWorkerDied, ProcessDecodeBackend, ThreadDecodeBackend
-from mm_pipeline.media.decode_budget import DecodeCancelled, DecodeControl
-from mm_pipeline.media.decode_image import probe_animation
-from mm_pipeline.media.decode_video import probe_video
+from mm_pipeline.media.decode import backend as db
+from mm_pipeline.media.decode.backend import DecodeWorkerDied, ProcessDecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode.budget import DecodeCancelled, DecodeControl
+from mm_pipeline.media.decode.image import probe_animation
+from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
 LIMITS = MediaLimits()
 VIDEO = MediaItem(MediaKind.VIDEO, "mp4", video_bytes(n_frames=40, size=(96, 64), gop=5), "test")

@@ -17,10 +17,10 @@ import pytest
 from PIL import GifImagePlugin, Image
 
 from mm_pipeline.errors import ContextLengthError, InvalidMediaError, MediaTooLarge
-from mm_pipeline.media.decode_audio import decode_audio
-from mm_pipeline.media.decode_budget import DecodeBudget, DecodeCancelled, DecodeControl, MediaDecodeTimeout
-from mm_pipeline.media.decode_image import decode_animation_frames, decode_image, probe_animation, probe_image
-from mm_pipeline.media.decode_video import decode_range, probe_video
+from mm_pipeline.media.decode.audio import decode_audio
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, MediaDecodeTimeout
+from mm_pipeline.media.decode.image import decode_animation_frames, decode_image, probe_animation, probe_image
+from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.prompt.layout import TextBound

@@ -1,4 +1,4 @@
-"""Decoding while the bytes arrive (media.arriving_bytes, media.early_decode, sniff.streamable_layout).
+"""Decoding while the bytes arrive (media.arriving_bytes, media.decode.early, sniff.streamable_layout).
 
 What is proven: the incremental key is the key of the same bytes given whole; a reader waits for
 bytes and never for good (fail / stall end it with ArrivalAborted, the size is unknown until the
@@ -19,13 +19,13 @@ import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivalAborted, ArrivingBytes
 from mm_pipeline.media.content_hash import content_key
-from mm_pipeline.media.decode_video import probe_video
-from mm_pipeline.media.early_decode import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.video import probe_video
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.sniff import streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.video_chunks import decode_chunk, plan_chunks
-from mm_pipeline.media.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from samples.synthetic.throttled_http import remux_layout
 from tests.support.media_samples import image_bytes, video_bytes
 

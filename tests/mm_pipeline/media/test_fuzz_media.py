@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from mm_pipeline.errors import MediaError
-from mm_pipeline.media.decode_audio import decode_audio
-from mm_pipeline.media.decode_budget import DecodeControl
-from mm_pipeline.media.decode_image import decode_animation_frames, decode_image, probe_animation, probe_image
-from mm_pipeline.media.decode_video import decode_range, probe_video
+from mm_pipeline.media.decode.audio import decode_audio
+from mm_pipeline.media.decode.budget import DecodeControl
+from mm_pipeline.media.decode.image import decode_animation_frames, decode_image, probe_animation, probe_image
+from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.sniff import sniff
 from mm_pipeline.media.types import MediaItem, MediaKind

@@ -17,7 +17,7 @@ from samples.checkpoints.tiny_towers import init_random_
 from encoders.vision.tower import VisionTransformer
 from encoders.weights import load_audio_encoder, load_vision_tower
 from samples.checkpoints.tiny_omni import DEFAULT_SYSTEM, build_tiny_omni_checkpoint, tiny_special_tokens
-from mm_pipeline.media.video_sampling import VideoSamplingParams
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.model.config import OmniConfig, SpecialTokens
 from mm_pipeline.prompt.layout import MediaSlots, PromptLayout
 

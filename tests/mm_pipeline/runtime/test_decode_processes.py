@@ -12,7 +12,7 @@ from tests.support.media_samples import image_bytes, video_bytes
 
 from mm_pipeline import cli
 from mm_pipeline.errors import UndecodableMediaError
-from mm_pipeline.media.decode_backend import ProcessDecodeBackend, ThreadDecodeBackend
+from mm_pipeline.media.decode.backend import ProcessDecodeBackend, ThreadDecodeBackend
 
 VIDEO = video_bytes(n_frames=80, fps=10, size=(64, 48), gop=10)
 IMAGE = image_bytes(size=(96, 80))

@@ -17,7 +17,7 @@ from tests.support.media_samples import image_bytes, video_bytes
 
 from encoders.video import preprocess_video
 from llm_core import SamplingParams
-from mm_pipeline.media.decode_video import VideoDecoder
+from mm_pipeline.media.decode.video import VideoDecoder
 from mm_pipeline.runtime.embedding_stream import PlaceholderSpan
 from mm_pipeline.errors import MediaError, MediaNotFound, OverloadedError, UndecodableMediaError
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -311,7 +311,7 @@ def test_event_loop_stays_responsive_while_videos_decode(ckpt):
 
 
 def test_mid_stream_decode_failure_fails_the_request_and_frees_everything(ckpt, monkeypatch):
-    import mm_pipeline.media.decode_backend as backend_module  # the thread backend's decode_chunk
+    import mm_pipeline.media.decode.backend as backend_module  # the thread backend's decode_chunk
 
     real = backend_module.decode_chunk
 

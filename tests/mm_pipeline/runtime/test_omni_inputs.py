@@ -74,7 +74,7 @@ def test_parse_messages_parts_and_errors():
 
 # ---- video chunk plan --------------------------------------------------------------------------
 def test_video_chunks_follow_keyframes():
-    from mm_pipeline.media.video_chunks import plan_chunks
+    from mm_pipeline.media.decode.video_chunks import plan_chunks
 
     indices = list(range(0, 40, 2))  # 20 sampled frames -> 10 groups, group g = frames 4g, 4g+2
     every8 = tuple(range(0, 40, 8))

@@ -18,7 +18,7 @@ from tests.support.media_samples import audio_bytes
 from encoders.audio.mimo_audio import MimoAudioEncoder
 from llm_core import SamplingParams
 from mm_pipeline.errors import ContextLengthError
-from mm_pipeline.media.decode_audio import decode_audio
+from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.runtime.embedding_stream import PlaceholderSpan
 from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig

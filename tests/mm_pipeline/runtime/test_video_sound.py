@@ -157,7 +157,7 @@ async def _plan(engine: OmniEngine, data: bytes):
 
 def _encode_all(engine: OmniEngine, plan):
     """Frame groups and sound segments decoded and encoded here, one unit per forward."""
-    from mm_pipeline.media.video_chunks import decode_chunk
+    from mm_pipeline.media.decode.video_chunks import decode_chunk
 
     runtime = engine.runtime
     pre, model = runtime.pre, runtime.model
