@@ -28,6 +28,7 @@ import itertools
 import multiprocessing
 import os
 import secrets
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
@@ -95,6 +96,7 @@ class ProcessDecodeBackend:
     ``DecodeWorkerDied``, the others complete."""
 
     POLL_S = 0.05  # how often a waiting thread looks at its control (deadline, cancellation)
+    MAX_ATTEMPTS = 4  # pools a job may try when pools break under it (two deaths while it runs: the culprit)
     BOARD_SLOTS = 4096  # cancel flags; a job without a free slot still runs (cancelled at its deadline only)
 
     def __init__(self, workers: int, prefix: str = "mmsd") -> None:
@@ -153,19 +155,22 @@ class ProcessDecodeBackend:
 
     def _call(self, job: Callable[..., tuple[int, ...]], args: tuple, control: DecodeControl | None,
               what: str) -> torch.Tensor:
-        try:
-            return self._run_once(self._current(what), job, args, control, what)
-        except _PoolBroke as broke:
-            self._replace(broke.executor)
-        # A worker died and took every job of its pool down. Run them again one at a time: a job
-        # that kills its worker again is the culprit; the others finish on the fresh pool.
-        with self._retry_lock:
-            try:
-                return self._run_once(self._current(what), job, args, control, what)
-            except _PoolBroke as broke:
-                self._replace(broke.executor)
-                raise DecodeWorkerDied(f"the decode worker process died twice while decoding {what}; "
-                                       f"the file crashes the decoder") from None
+        # A worker died and took every job of its pool down: run them again one at a time on a
+        # fresh pool. A job whose worker dies under it twice is the culprit; the others finish. A
+        # pool that broke before the job reached it (CPython 3.11 can fail a submit to a pool that
+        # is being torn down) does not count against the job.
+        deaths = 0
+        for attempt in range(self.MAX_ATTEMPTS):
+            with self._retry_lock if attempt else _NO_LOCK:
+                try:
+                    return self._run_once(self._current(what), job, args, control, what)
+                except _PoolBroke as broke:
+                    self._replace(broke.executor)
+                    deaths += broke.while_running
+                    if deaths >= 2:
+                        raise DecodeWorkerDied(f"the decode worker process died twice while decoding {what}; "
+                                               f"the file crashes the decoder") from None
+        raise DecodeWorkerDied(f"decoding {what}: the decode worker pool broke {self.MAX_ATTEMPTS} times in a row")
 
     def _current(self, what: str) -> cf.ProcessPoolExecutor:
         with self._lock:
@@ -186,18 +191,21 @@ class ProcessDecodeBackend:
                 future = executor.submit(job, name, slot, timeout_s, source, dataclasses.replace(item, data=b""),
                                          *args[1:])
             except (cf.process.BrokenProcessPool, RuntimeError, OSError):  # broken, or replaced and shut down
-                raise _PoolBroke(executor) from None
+                raise _PoolBroke(executor, while_running=False) from None
         except BaseException:
             self._give_slot(slot)
             if source is not None:
                 self._release_input(item)
             raise
         try:
-            shape = self._wait(executor, future, slot, control)
+            try:
+                shape = self._wait(executor, future, slot, control)
+            except OSError as exc:  # CPython 3.11: a job waiting on a pool whose pipes another
+                raise cf.process.BrokenProcessPool(str(exc)) from None  # thread's _stop closed
             return _take(name, shape)
         except cf.process.BrokenProcessPool:
             _stop(executor)  # its processes are gone: none can create ``name`` later
-            raise _PoolBroke(executor) from None
+            raise _PoolBroke(executor, while_running=True) from None
         except cf.CancelledError:
             raise ServerBusy(f"decoding {what}: the decode processes shut down") from None
         finally:
@@ -280,21 +288,36 @@ def _pool_dead(executor: cf.ProcessPoolExecutor) -> bool:
     return bool(getattr(executor, "_broken", False)) or (thread is not None and not thread.is_alive())
 
 
+_STOP_LOCK = threading.Lock()
+
+
 def _stop(executor: cf.ProcessPoolExecutor) -> None:
     """End a broken pool's processes and wait for them (a manager thread that died of an error
-    leaves its workers running)."""
-    processes = list((getattr(executor, "_processes", None) or {}).values())
-    for process in processes:
-        process.terminate()
-    executor.shutdown(wait=True, cancel_futures=True)
-    for process in processes:
-        process.join(5)
+    leaves its workers running). Once per pool: every job of a broken pool comes here, and two
+    concurrent shutdowns of one CPython 3.11 pool close its pipes twice (EBADF)."""
+    with _STOP_LOCK:
+        if getattr(executor, "_mmserve_stopped", False):
+            return
+        executor._mmserve_stopped = True
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        for process in processes:
+            process.terminate()
+        try:
+            executor.shutdown(wait=True, cancel_futures=True)
+        except OSError:  # its manager thread already closed a pipe of the broken pool
+            pass
+        for process in processes:
+            process.join(5)
+
+
+_NO_LOCK = contextlib.nullcontext()
 
 
 class _PoolBroke(Exception):
-    def __init__(self, executor: cf.ProcessPoolExecutor) -> None:
+    def __init__(self, executor: cf.ProcessPoolExecutor, *, while_running: bool) -> None:
         super().__init__("a decode worker process died")
         self.executor = executor
+        self.while_running = while_running  # the job had reached the pool when it broke
 
 
 def _fixed(target: tuple[int, int]) -> Callable[[int, int], tuple[int, int]]:
