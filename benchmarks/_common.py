@@ -78,3 +78,17 @@ def matmul_rate(reps: int) -> tuple[float, float]:
         wall, cpu = best_time(lambda: a @ b, reps)
         best_wall, best_cpu = max(best_wall, 2 * m * k * n / wall / 1e9), max(best_cpu, 2 * m * k * n / cpu / 1e9)
     return best_wall, best_cpu
+
+
+def first_token_s(base_url: str, payload: dict[str, Any]) -> float:
+    """Seconds from sending a streamed chat request to its first content token (client side)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=payload, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token streamed")

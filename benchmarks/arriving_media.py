@@ -26,15 +26,13 @@ from __future__ import annotations
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
 import io
-import json
-import time
 from pathlib import Path
 
 import av
 import httpx
 import numpy as np
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, first_token_s, print_table, write_json
 from _pipeline_media import HD, pyav_decode_all
 from mm_pipeline.server.launch.server_process import ServerProcess
 from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
@@ -68,17 +66,10 @@ def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
 
 
 def first_token(base_url: str, model: str, url: str) -> float:
-    body = {"model": model, "max_tokens": 1, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                      {"type": "text", "text": "What happens in this video?"}]}]}
-    t0 = time.perf_counter()
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=300) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                return time.perf_counter() - t0
-    raise RuntimeError("no token streamed")
+    return first_token_s(base_url, {
+        "model": model, "max_tokens": 1, "temperature": 0, "stream": True,
+        "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                  {"type": "text", "text": "What happens in this video?"}]}]})
 
 
 def early_counts(base_url: str) -> dict[str, float]:

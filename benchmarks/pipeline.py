@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, first_token_s, print_table, write_json
 from _loop_lag import LagControl
 from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video, pyav_decode_all
 from encoders.image_processing import ImageProcessingConfig
@@ -309,24 +309,14 @@ def bench_served(seconds: int, reps: int) -> dict[str, float]:
             "messages": ask(data_part("video", video), "What happens in this video?")}
     warm = {**body, "messages": ask(data_part("video", make_video(2, **HD, seed=301)), "Warm up.")}
 
-    def first_token(server: ServerProcess, payload: dict) -> float:
-        t0 = time.perf_counter()
-        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=payload, timeout=300) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-            for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                    return time.perf_counter() - t0
-        raise RuntimeError("no token streamed")
-
     times: dict[str, list[float]] = {"streamed": [], "no_stream": [], "pyav": []}
     for _ in range(reps):
         for name, flags in (("streamed", []), ("no_stream", ["--no-stream-embeddings"])):
             with ServerProcess(["--model", str(demo), *flags]) as server:
                 name_of = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
                 body["model"] = warm["model"] = name_of
-                first_token(server, warm)  # first-request costs (lazy imports, allocator) are not TTFT
-                times[name].append(first_token(server, body))
+                first_token_s(server.base_url, warm)  # first-request costs (lazy imports, allocator) are not TTFT
+                times[name].append(first_token_s(server.base_url, body))
         times["pyav"].append(pyav_decode_all(video))
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {"served_ttft_streamed_s": med["streamed"], "served_ttft_no_stream_s": med["no_stream"],
