@@ -34,14 +34,14 @@ from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
+from mm_pipeline.errors import ServerBusy, UndecodableMediaError
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_image
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
+from mm_pipeline.media.decode import worker_jobs as jobs
 from mm_pipeline.media.decode.video_chunks import decode_chunk
 
 BACKENDS = ("thread", "process")
@@ -74,7 +74,7 @@ class ThreadDecodeBackend:
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage:
-        return decode_image(item, limits, target=None if target is None else _fixed(target))
+        return decode_image(item, limits, target=None if target is None else jobs.fixed_target(target))
 
     def shutdown(self) -> None:
         pass
@@ -120,17 +120,17 @@ class ProcessDecodeBackend:
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
                      threads: int = 1) -> torch.Tensor:
-        return self._call(_chunk_job, (item, info, list(indices), list(groups), tp, limits, size, threads),
+        return self._call(jobs.chunk_job, (item, info, list(indices), list(groups), tp, limits, size, threads),
                           control, f"a {item.format} video chunk from {item.origin}")
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage:
-        pixels = self._call(_image_job, (item, limits, target), None, f"the {item.format} image from {item.origin}")
+        pixels = self._call(jobs.image_job, (item, limits, target), None, f"the {item.format} image from {item.origin}")
         return DecodedImage(pixels, item.format)
 
     def warm(self, wait: bool = True) -> None:
         """Start every worker now (each imports torch and PyAV: seconds), not on the first request."""
-        futures = [self._executor.submit(_noop) for _ in range(self.workers)]
+        futures = [self._executor.submit(jobs.noop) for _ in range(self.workers)]
         if wait:
             cf.wait(futures)
 
@@ -149,8 +149,8 @@ class ProcessDecodeBackend:
         context = multiprocessing.get_context("forkserver")
         # the fork server imports torch, PyAV and the decoders once; each worker (and each
         # replacement after a crash) forks from it ready to decode
-        context.set_forkserver_preload([__name__])
-        return cf.ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+        context.set_forkserver_preload([jobs.__name__])
+        return cf.ProcessPoolExecutor(self.workers, mp_context=context, initializer=jobs.init_worker,
                                       initargs=(self._board.name,))
 
     def _call(self, job: Callable[..., tuple[int, ...]], args: tuple, control: DecodeControl | None,
@@ -202,14 +202,14 @@ class ProcessDecodeBackend:
                 shape = self._wait(executor, future, slot, control)
             except OSError as exc:  # CPython 3.11: a job waiting on a pool whose pipes another
                 raise cf.process.BrokenProcessPool(str(exc)) from None  # thread's _stop closed
-            return _take(name, shape)
+            return jobs.take_block(name, shape)
         except cf.process.BrokenProcessPool:
             _stop(executor)  # its processes are gone: none can create ``name`` later
             raise _PoolBroke(executor, while_running=True) from None
         except cf.CancelledError:
             raise ServerBusy(f"decoding {what}: the decode processes shut down") from None
         finally:
-            _unlink(name)  # a no-op when taken; else the job failed, was cancelled or its worker died
+            jobs.unlink_block(name)  # a no-op when taken; else the job failed, was cancelled or its worker died
             self._give_slot(slot)
             self._release_input(item)
 
@@ -318,108 +318,3 @@ class _PoolBroke(Exception):
         super().__init__("a decode worker process died")
         self.executor = executor
         self.while_running = while_running  # the job had reached the pool when it broke
-
-
-def _fixed(target: tuple[int, int]) -> Callable[[int, int], tuple[int, int]]:
-    # decode_image asks for the target of the oriented (h, w) the caller probed already
-    return lambda _h, _w: target
-
-
-def _take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The receiver's side: copy block ``name`` into a tensor of ``shape`` uint8, then unlink it."""
-    out = torch.empty(shape, dtype=torch.uint8)
-    if out.numel() == 0:
-        return out
-    block = shared_memory.SharedMemory(name=name)
-    try:
-        view = np.ndarray(shape, dtype=np.uint8, buffer=block.buf)
-        out.numpy()[...] = view
-        del view
-    finally:
-        block.close()
-        block.unlink()
-    return out
-
-
-def _unlink(name: str) -> None:
-    try:
-        block = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return  # taken by the receiver, or never created
-    block.close()
-    block.unlink()
-
-
-# ---- worker process side ----------------------------------------------------------------------
-_board: shared_memory.SharedMemory | None = None
-
-
-def _init_worker(board_name: str) -> None:
-    global _board
-    torch.set_num_threads(1)  # the pool's processes are the parallelism
-    _board = shared_memory.SharedMemory(name=board_name)
-
-
-def _noop() -> None:
-    return None
-
-
-def _control(slot: int, timeout_s: float | None, what: str) -> DecodeControl | None:
-    if timeout_s is None and slot < 0:
-        return None
-    board = _board
-    wanted = None if slot < 0 or board is None else (lambda: board.buf[slot] == 0)
-    return DecodeControl(timeout_s if timeout_s is not None else float("inf"), wanted, what=what)
-
-
-_last_input: tuple[str, bytes] = ("", b"")  # the chunks of one video often come in a row
-
-
-def _input(source: tuple[str, int], item: MediaItem) -> MediaItem:
-    global _last_input
-    name, size = source
-    if _last_input[0] != name:
-        block = shared_memory.SharedMemory(name=name)
-        try:
-            _last_input = (name, bytes(block.buf[:size]))
-        finally:
-            block.close()
-    return dataclasses.replace(item, data=_last_input[1])
-
-
-def _chunk_job(name: str, slot: int, timeout_s: float | None, source: tuple[str, int], item: MediaItem,
-               info: Any, indices: list[int],
-               groups: list[int], tp: int, limits: MediaLimits, size: tuple[int, int], threads: int
-               ) -> tuple[int, ...]:
-    # the worker checks what it is about to allocate itself, before any pixel is decoded
-    h, w = size
-    frames = len(groups) * tp
-    if info is not None and info.width * info.height > limits.max_pixels:
-        raise MediaTooLarge(f"video frames are {info.width}x{info.height}, limit {limits.max_pixels} pixels")
-    if h * w > limits.max_pixels or frames > limits.max_frames:
-        raise MediaTooLarge(f"a video chunk of {frames} frames of {w}x{h} is over the limits")
-    if frames * h * w * 3 > limits.max_decoded_bytes_in_flight:
-        raise MediaTooLarge(f"a video chunk of {frames} frames of {w}x{h} is over max_decoded_bytes_in_flight")
-    control = _control(slot, timeout_s, f"a video chunk from {item.origin}")
-    item = _input(source, item)
-    return _publish(name, decode_chunk(item, info, indices, groups, tp, limits, size, control, threads=threads))
-
-
-def _image_job(name: str, slot: int, timeout_s: float | None, source: tuple[str, int], item: MediaItem,
-               limits: MediaLimits, target: tuple[int, int] | None) -> tuple[int, ...]:
-    # decode_image enforces max_pixels on the header before decoding
-    image = decode_image(_input(source, item), limits, target=None if target is None else _fixed(target))
-    return _publish(name, image.pixels)
-
-
-def _publish(name: str, frames: torch.Tensor) -> tuple[int, ...]:
-    """Copy ``frames`` into a new block ``name`` (the parent unlinks it); return the shape."""
-    array = frames.numpy()
-    if array.nbytes == 0:
-        return tuple(array.shape)
-    block = shared_memory.SharedMemory(name=name, create=True, size=array.nbytes)
-    try:
-        np.ndarray(array.shape, dtype=np.uint8, buffer=block.buf)[...] = array
-    finally:
-        block.close()
-    return tuple(array.shape)

@@ -16,7 +16,7 @@ import torch
 from tests.support.media_samples import animated_bytes, image_bytes, video_bytes
 
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
-from mm_pipeline.media.decode import backend as db
+from mm_pipeline.media.decode import worker_jobs
 from mm_pipeline.media.decode.backend import DecodeWorkerDied, ProcessDecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.budget import DecodeCancelled, DecodeControl
 from mm_pipeline.media.decode.image import probe_animation
@@ -85,7 +85,7 @@ def test_worker_refuses_a_huge_declared_frame_before_allocating():
     big = MediaLimits(max_pixels=96 * 64 - 1)  # the source frames are over, whatever the output size
     name = "mmsd_test_never_created"
     with pytest.raises(MediaTooLarge):
-        db._chunk_job(name, -1, None, ("unused", 0), VIDEO, info, indices, [0], 2, big, (8, 8), 1)
+        worker_jobs.chunk_job(name, -1, None, ("unused", 0), VIDEO, info, indices, [0], 2, big, (8, 8), 1)
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=name)
 
@@ -113,7 +113,7 @@ def _crash_job(name: str, *_args) -> tuple[int, ...]:
 
 def _slow_job(name: str, *_args) -> tuple[int, ...]:
     time.sleep(1.0)
-    return db._publish(name, torch.full((2, 3), 7, dtype=torch.uint8))
+    return worker_jobs.publish(name, torch.full((2, 3), 7, dtype=torch.uint8))
 
 
 def test_worker_crash_fails_only_its_job_and_the_pool_recovers(backend):
