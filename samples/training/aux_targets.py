@@ -8,7 +8,7 @@ linear probe head per target, trained jointly and dropped at export -- tells the
 text model which features to build, so the caption loss only has to learn to *read* them:
 
     tower token     colour (bg + 4), shape kind, instance (leftmost / second)   images, videos
-                    pitch (silence, low, high)                                 audio
+                    pitch (silence, low, high)                                 audio, a video's sound
     text, layer 2   change: this video group's colour differs from the previous group's / a beep
                     starts at this audio token (the sliding layers see both neighbours)
     text, layer 2   group colour / group kind: every placeholder of a video group holds the
@@ -17,8 +17,12 @@ text model which features to build, so the caption loss only has to learn to *re
     text, layer 3   ordinal: which colour segment a video group belongs to / how many beeps have
                     started at an audio token (the full layer counts the changes before it) /
                     which shape (0 = leftmost) an image's shape token belongs to
+                    (a beeping video's sound rows, laid out between its frame groups, get the
+                    audio clip's pitch / change / ordinal by the time each row stands for)
                     emitted: at answer positions, how many list items (", then" / "," / " and")
-                    the answer has already closed -- which item comes next
+                    the answer has already closed -- which item comes next; a beeping video's
+                    answer holds two lists ("red, then blue; beeps: low, high"): the count
+                    restarts at 0 after "beeps:" and counts "," from there
 
 so a full-attention layer after layer 3 only has to match "emitted = j" against "ordinal = j".
 The ordinal is the one quantity the towers cannot compute (a video tower sees one 1-s frame group),
@@ -51,6 +55,7 @@ ORDINAL_CLASSES = 5                   # video: segment 0..3; audio: beeps starte
 CHANGE_CLASSES = 2
 EMITTED_CLASSES = 4                   # list items closed so far: 0..3
 SEPARATORS = {"image": " and", "video": " then", "audio": ","}
+BEEP_LIST = ":"                       # a beeping video's beep list starts after "; beeps:"
 _COLOUR_ID = {c: i + 1 for i, c in enumerate(COLOURS)}
 _KIND_ID = {k: i + 1 for i, k in enumerate(SHAPES)}
 _PITCH_ID = {"low": 1, "high": 2}
@@ -66,6 +71,7 @@ class AuxTargets:
     kind: list[torch.Tensor]
     instance: list[torch.Tensor]
     pitch: list[torch.Tensor]         # audio units: [tokens] long; vision: empty
+    sound_pitch: list[torch.Tensor]   # a video's sound segments: [rows] long; otherwise empty
     ordinal: torch.Tensor             # [num_tokens] long over input_ids, IGNORE where undefined
     change: torch.Tensor              # [num_tokens] long, IGNORE where undefined
     emitted: torch.Tensor             # [num_tokens] long, IGNORE outside the answer positions
@@ -147,7 +153,7 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
     change = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
     group_colour = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
     group_kind = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
-    colour, kind, instance, pitch = [], [], [], []
+    colour, kind, instance, pitch, sound_pitch = [], [], [], [], []
     if isinstance(spec, ImageSpec):
         shapes = _left_to_right(spec.shapes)
         c, k, i = _vision_unit_targets(shapes, tuple(s.colour for s in shapes), spec.width, spec.height,
@@ -170,19 +176,15 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
             group_kind[start:end] = _KIND_ID[spec.shape.kind]
             change[start:end] = int(g > 0 and seg != previous)
             previous = seg
+        sound_pitch = _video_sound_targets(spec, item, audio_token_s, ordinal, change)
     elif isinstance(spec, AudioSpec):
         if len(item.units) != 1:
             raise ValueError(f"{ref}: clips here are one segment, got {len(item.units)}")
         start, end = item.spans[0]
-        centre = (torch.arange(end - start, dtype=torch.float64) + 0.5) * audio_token_s
-        p = torch.zeros(end - start, dtype=torch.long)
-        started = torch.zeros(end - start, dtype=torch.long)
-        for b in spec.beeps:
-            p[(centre >= b.start_s) & (centre < b.start_s + b.length_s)] = _PITCH_ID[b.pitch]
-            started += (centre >= b.start_s).long()
+        p, started, onset = _beep_rows(spec.beeps, (torch.arange(end - start, dtype=torch.float64) + 0.5) * audio_token_s,
+                                       audio_token_s)
         pitch = [p]
-        ordinal[start:end] = started
-        change[start:end] = (started.diff(prepend=started.new_zeros(1)) > 0).long()
+        ordinal[start:end], change[start:end] = started, onset
     # Position t predicts token t + 1: at t, the items closed so far are the separators in
     # input_ids[answer_start : t + 1].
     emitted = torch.full((item.num_tokens,), IGNORE, dtype=torch.long)
@@ -190,7 +192,60 @@ def aux_targets(ref: ItemRef, item: TrainItem, merge: int, sampling: VideoSampli
     closed = (answer == separator_ids[item.modality]).long().cumsum(0)  # a beeping video is a "video"
     emitted[item.answer_start - 1] = 0
     emitted[item.answer_start:item.num_tokens - 1] = closed[:-1].clamp(max=EMITTED_CLASSES - 1)
-    return AuxTargets(colour, kind, instance, pitch, ordinal, change, emitted, group_colour, group_kind)
+    if isinstance(spec, VideoSpec) and spec.beeps:
+        _restart_at_beep_list(emitted, item, separator_ids)
+    return AuxTargets(colour, kind, instance, pitch, sound_pitch, ordinal, change, emitted, group_colour, group_kind)
+
+
+def _beep_rows(beeps, centre: torch.Tensor, token_s: float) -> tuple[torch.Tensor, ...]:
+    """Per audio row (``centre``: the time it stands for, s): pitch (0 = silence), beeps started by
+    then, and 1 where a beep started since the row before (one onset row per beep)."""
+    p = torch.zeros(centre.shape[0], dtype=torch.long)
+    started = torch.zeros(centre.shape[0], dtype=torch.long)
+    before = torch.zeros(centre.shape[0], dtype=torch.long)
+    for b in beeps:
+        p[(centre >= b.start_s) & (centre < b.start_s + b.length_s)] = _PITCH_ID[b.pitch]
+        started += (centre >= b.start_s).long()
+        before += (centre - token_s >= b.start_s).long()
+    return p, started, (started > before).long()
+
+
+def _video_sound_targets(spec: VideoSpec, item: TrainItem, token_s: float, ordinal: torch.Tensor,
+                         change: torch.Tensor) -> list[torch.Tensor]:
+    """Pitch per row of each sound segment (tower targets), and ordinal / change on the sound
+    placeholders; row r of segment s stands for the time after the rows of segments < s."""
+    if not item.sound:
+        return []
+    rows = [0] * len(item.sound)  # every row of a segment is laid out in some span
+    for start, end, seg, row in item.sound_spans:
+        rows[seg] = max(rows[seg], row + end - start)
+    offsets = torch.tensor([0] + rows[:-1]).cumsum(0).tolist()
+    out = []
+    for s, n in enumerate(rows):
+        centre = (offsets[s] + torch.arange(n, dtype=torch.float64) + 0.5) * token_s
+        out.append(_beep_rows(spec.beeps, centre, token_s)[0])
+    for start, end, seg, row in item.sound_spans:
+        centre = (offsets[seg] + row + torch.arange(end - start, dtype=torch.float64) + 0.5) * token_s
+        _, started, onset = _beep_rows(spec.beeps, centre, token_s)
+        ordinal[start:end], change[start:end] = started, onset
+    return out
+
+
+def _restart_at_beep_list(emitted: torch.Tensor, item: TrainItem, separator_ids: dict[str, int]) -> None:
+    """A beeping video's answer: from the position of "beeps:"'s colon on, ``emitted`` counts the
+    beep list's "," separators (as an audio clip's answer does); the positions that write "; beeps"
+    are not asked (neither list's count describes them)."""
+    answer = item.input_ids[item.answer_start:]
+    colon = (answer == separator_ids[BEEP_LIST]).nonzero().flatten()
+    semicolon = (answer == separator_ids[";"]).nonzero().flatten()
+    if not len(colon) or not len(semicolon):
+        raise ValueError(f"a beeping video's caption has no '; beeps:' part: {item.caption!r}")
+    k, j = int(colon[0]), int(semicolon[0])
+    commas = (answer[k + 1:] == separator_ids["audio"]).long().cumsum(0)
+    base = item.answer_start + k  # the position that predicts the first pitch
+    emitted[item.answer_start + j:base] = IGNORE
+    emitted[base] = 0
+    emitted[base + 1:item.num_tokens - 1] = commas[:-1].clamp(max=EMITTED_CLASSES - 1)
 
 
 def _shape_only(target: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
@@ -198,9 +253,10 @@ def _shape_only(target: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:
 
 
 def separator_ids(tokenizer) -> dict[str, int]:
-    """Modality -> the single token id of its list separator under ``tokenizer``."""
+    """Modality -> the single token id of its list separator under ``tokenizer`` (plus ":" and ";",
+    which open and precede a beeping video's beep list)."""
     out = {}
-    for modality, text in SEPARATORS.items():
+    for modality, text in {**SEPARATORS, BEEP_LIST: BEEP_LIST, ";": ";"}.items():
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) != 1:
             raise ValueError(f"separator {text!r} is {len(ids)} tokens under this tokenizer; need one")

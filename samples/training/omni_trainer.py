@@ -195,10 +195,11 @@ class OmniTrainModel(nn.Module):
         (rows, grid, targets, unit index in the item) and ``audio`` clips (one segment each)."""
         vis_rows = self._vision_rows([(u.float(), g) for u, g, _, _ in vision])
         aud_rows = self._audio_rows([u for u, _ in audio])
-        return self._tower_aux([(a, k) for _, _, a, k in vision], vis_rows, [(a, 0) for _, a in audio], aud_rows)
+        return self._tower_aux([(a, k) for _, _, a, k in vision], vis_rows, [a.pitch[0] for _, a in audio], aud_rows)
 
     def _tower_aux(self, vis_targets: Sequence[tuple[AuxTargets, int]], vis_rows: list[torch.Tensor],
-                   aud_targets: Sequence[tuple[AuxTargets, int]], aud_rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+                   aud_pitch: Sequence[torch.Tensor], aud_rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tower-token cross-entropies; ``aud_pitch[i]`` is the pitch target of ``aud_rows[i]``."""
         heads = self.aux_heads
         out: dict[str, torch.Tensor] = {}
         if vis_rows:
@@ -207,24 +208,25 @@ class OmniTrainModel(nn.Module):
                 target = torch.cat([getattr(a, name)[k] for a, k in vis_targets])
                 _add_ce(out, name, getattr(heads, name), rows, target)
         if aud_rows:
-            target = torch.cat([a.pitch[k] for a, k in aud_targets])
-            _add_ce(out, "pitch", heads.pitch, torch.cat(aud_rows), target)
+            _add_ce(out, "pitch", heads.pitch, torch.cat(aud_rows), torch.cat(list(aud_pitch)))
         return out
 
     def _aux_losses(self, items: Sequence[TrainItem], aux: Sequence[AuxTargets], vis_rows: list[torch.Tensor],
                     aud_rows: list[torch.Tensor], text_hidden: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         heads = self.aux_heads
         vis_targets = [(a, k) for it, a in zip(items, aux) if it.modality != "audio" for k in range(len(it.units))]
-        aud_targets = [(a, k) for it, a in zip(items, aux) if it.modality == "audio" for k in range(len(it.units))]
-        # aud_rows holds audio clips' segments and videos' sound segments in item order; the pitch
-        # targets cover the clips only (a video's beeps have no dense targets)
-        clip_rows, rows = [], iter(aud_rows)
-        for it in items:
-            for _ in (it.units if it.modality == "audio" else it.sound):
+        # aud_rows holds audio clips' segments and videos' sound segments in item order; a video
+        # without sound pitch targets (its sound carries no beeps we know of) adds no rows
+        pitch_rows, pitch, rows = [], [], iter(aud_rows)
+        for it, a in zip(items, aux):
+            targets = a.pitch if it.modality == "audio" else a.sound_pitch
+            for k, _ in enumerate(it.units if it.modality == "audio" else it.sound):
                 r = next(rows)
-                if it.modality == "audio":
-                    clip_rows.append(r)
-        out = self._tower_aux(vis_targets, vis_rows, aud_targets, clip_rows)
+                if k < len(targets):
+                    if targets[k].shape[0] != r.shape[0]:
+                        raise RuntimeError(f"{targets[k].shape[0]} pitch targets for {r.shape[0]} audio rows")
+                    pitch_rows.append(r), pitch.append(targets[k])
+        out = self._tower_aux(vis_targets, vis_rows, pitch, pitch_rows)
         layers = {"ordinal": self.config.ordinal_layer, "emitted": self.config.ordinal_layer,
                   "change": self.config.change_layer, "group_colour": self.config.change_layer,
                   "group_kind": self.config.change_layer}

@@ -136,13 +136,48 @@ def test_audio_targets_follow_the_beeps(preparer, tmp_path):
         assert energy[:n][pitch[:n] > 0].mean() > energy[:n][pitch[:n] == 0].mean()
 
 
+def test_a_videos_sound_rows_get_the_beeps_and_its_answer_restarts_the_count_at_the_beep_list(preparer, tmp_path):
+    """A beeping video: its sound segments' rows carry each beep's pitch in order, the sound
+    placeholders (laid out between the frame groups) count the beeps started by their time, and
+    ``emitted`` counts the beep list's "," from "beeps:" on, not the colour list's " then"."""
+    seps = separator_ids(preparer.tokenizer)
+    for index in range(3):
+        ref = ItemRef("beeping_video", 782, index, 8.0)
+        item, aux = _prepared(preparer, tmp_path, ref)
+        spec = sample_spec(ItemJob("beeping_video", 782, index, None, 8.0))
+        assert item.sound and len(aux.sound_pitch) == len(item.sound)
+        pitch = torch.cat(aux.sound_pitch)
+        runs = [int(p) for i, p in enumerate(pitch.tolist()) if p and (i == 0 or pitch[i - 1] != p)]
+        want = [1 if b.pitch == "low" else 2 for b in spec.beeps]
+        def collapse(xs):
+            return [x for i, x in enumerate(xs) if i == 0 or xs[i - 1] != x]
+        assert collapse(runs) == collapse(want)
+        # Sound placeholders in prompt order = time order: the beeps started never go down.
+        sound_pos = torch.cat([torch.arange(s, e) for s, e, _, _ in sorted(item.sound_spans)])
+        started = aux.ordinal[sound_pos]
+        assert (started.diff() >= 0).all() and int(started[-1]) == len(spec.beeps)
+        assert int(aux.change[sound_pos].sum()) == len(spec.beeps)
+        # Each placeholder row's pitch target equals the pitch its own tower row is taught.
+        for s, e, seg, row in item.sound_spans:
+            assert aux.sound_pitch[seg][row:row + e - s].shape[0] == e - s
+        answer = item.input_ids[item.answer_start:].tolist()
+        colon = answer.index(seps[":"])
+        for t in range(item.answer_start + colon, item.num_tokens - 1):
+            closed = sum(1 for tok in answer[colon + 1:t + 1 - item.answer_start] if tok == seps["audio"])
+            assert int(aux.emitted[t]) == min(closed, 3)
+        semicolon = answer.index(seps[";"])
+        assert (aux.emitted[item.answer_start + semicolon:item.answer_start + colon] == IGNORE).all()
+        assert int(aux.emitted[item.answer_start + semicolon - 1]) == min(len(spec.colours) - 1, 3)
+
+
 def test_aux_losses_train_heads_and_towers_and_stay_out_of_the_export(preparer, tmp_path):
     from samples.checkpoints.tiny_omni import tiny_special_tokens
     from samples.training.export import export_checkpoint
     from samples.training.omni_trainer import OmniTrainModel
 
     config = DemoModelConfig()
-    refs = [ItemRef("image", 780, 0), ItemRef("audio", 780, 1), ItemRef("video", 780, 2, 4.0)]
+    refs = [ItemRef("image", 780, 0), ItemRef("audio", 780, 1), ItemRef("video", 780, 2, 4.0),
+            ItemRef("beeping_video", 780, 3, 4.0)]
     pairs = [_prepared(preparer, tmp_path, r) for r in refs]
     items, aux = [p[0] for p in pairs], [p[1] for p in pairs]
     model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad, seed=0)

@@ -106,8 +106,9 @@ def test_the_trainer_writes_sound_rows_into_their_slices(beeping):
 
 
 def test_aux_targets_train_on_batches_with_beeping_videos(beeping, tmp_path):
-    """The pitch targets cover audio clips' rows only: a batch with a video's sound track and no
-    clip, or with both, trains (it used to fail on torch.cat of no targets / misaligned rows)."""
+    """The pitch targets cover audio clips' rows and a video's sound rows: a batch with a video's
+    sound track and no clip, or with both, trains, and each item's rows meet their own targets
+    (the pitch loss of the pair is the row-weighted mean of the two alone)."""
     import math
 
     import torch
@@ -131,12 +132,14 @@ def test_aux_targets_train_on_batches_with_beeping_videos(beeping, tmp_path):
                                separator_ids(preparer.tokenizer)))
     assert items[0].sound
     model = OmniTrainModel(config, pad_id=tiny_special_tokens().pad)
-    alone = model.loss(items[:1], aux[:1], aux_weight=1.0)
-    assert "pitch" not in alone.aux and math.isfinite(float(alone.loss))
+    video = model.loss(items[:1], aux[:1], aux_weight=1.0)
+    assert "pitch" in video.aux and math.isfinite(float(video.loss.detach()))
+    clip = model.loss(items[1:], aux[1:], aux_weight=1.0)
     both = model.loss(items, aux, aux_weight=1.0)
-    assert "pitch" in both.aux and math.isfinite(float(both.loss))
-    torch.testing.assert_close(torch.tensor(both.aux["pitch"]),
-                               torch.tensor(model.loss(items[1:], aux[1:], aux_weight=1.0).aux["pitch"]))
+    n_video = sum(int(t.shape[0]) for t in aux[0].sound_pitch)
+    n_clip = int(aux[1].pitch[0].shape[0])
+    want = (video.aux["pitch"] * n_video + clip.aux["pitch"] * n_clip) / (n_video + n_clip)
+    torch.testing.assert_close(torch.tensor(both.aux["pitch"]), torch.tensor(want), rtol=1e-4, atol=1e-5)
 
 
 def test_evaluation_scores_beeping_videos_as_their_own_group():
