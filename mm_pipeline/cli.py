@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
     s.add_argument("--max-upload-mb", type=float, default=512.0)
     s.add_argument("--default-max-tokens", type=int, default=512)
+    limits = s.add_argument_group("request limits", "what one HTTP request or the upload store may hold "
+                                  "(mm_pipeline/server/settings.py); beyond them the server answers 413")
+    from mm_pipeline.config_flags import add_config_flags
+
+    add_config_flags(limits, server_limit_flags())
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
                              "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", type=_ray_address,
@@ -248,13 +253,31 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
             f"(model limit {llm.max_model_len:,}); prefix caching {caching}"]
 
 
+# ServerSettings fields that are flags under their own names (the others have the older
+# hand-written flags above: --served-model-name, --api-key, --files-dir, --max-upload-mb, ...)
+SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_prompts", "max_files",
+                       "max_files_total_bytes")
+
+
+def server_limit_flags() -> list:
+    from mm_pipeline.config_flags import config_flags
+    from mm_pipeline.server.settings import ServerSettings
+
+    return [f for f in config_flags(ServerSettings) if f.flat in SERVER_LIMIT_FIELDS]
+
+
 def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
+    from mm_pipeline.config_flags import config_values
     from mm_pipeline.server import ServerSettings
 
-    return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
-                          files_dir=args.files_dir, max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
-                          max_files_total_bytes=max(8 << 30, int(args.max_upload_mb * (1 << 20))),
-                          default_max_tokens=args.default_max_tokens)
+    upload = int(args.max_upload_mb * (1 << 20))
+    limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags())}
+    try:
+        return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
+                              files_dir=args.files_dir, max_upload_bytes=upload,
+                              default_max_tokens=args.default_max_tokens, **limits)
+    except ValueError as e:  # a combination no single flag could check (upload > total store)
+        raise UsageError(str(e)) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

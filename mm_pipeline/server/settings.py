@@ -16,16 +16,21 @@ class ServerSettings:
     api_key: str | None = None
     files_dir: str | None = None
     max_upload_bytes: int = 512 << 20
-    max_files_total_bytes: int = 8 << 30  # every upload counts, duplicates of stored bytes too
-    max_files: int = 10_000  # file ids kept at once
+    max_files_total_bytes: int = 8 << 30
+    """Bytes all uploads may hold together (every upload counts, duplicates of stored bytes too)."""
+    max_files: int = 10_000
+    """File ids the upload store keeps at once."""
     default_max_tokens: int = 512
-    max_request_bytes: int = 256 << 20  # a JSON body (base64 media inline)
-    # values (array items, object members) one JSON body may hold: bounds the parser's memory
-    # (app._validate) -- an hour of pre-tokenized audio codes is 20 x 90,000 = 1.8M
+    max_request_bytes: int = 256 << 20
+    """Largest JSON request body (base64 media inline counts); a larger one is 413."""
     max_json_values: int = 4_000_000
-    # prompts in one /v1/completions request: each is admitted as its own engine request (times n),
-    # so a long list would take every admission slot at once; 16 x n <= 16 fits max_queue's 256
+    """Values (array items, object members) one JSON body may hold; more is 413."""
+    # It bounds the parser's memory (app._validate): an hour of pre-tokenized audio codes is
+    # 20 x 90,000 = 1.8M values.
     max_completion_prompts: int = 16
+    """Prompts one /v1/completions request may list."""
+    # Each prompt is admitted as its own engine request (times n), so a long list would take every
+    # admission slot at once; 16 x n <= 16 fits max_queue's 256.
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:

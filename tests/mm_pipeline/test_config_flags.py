@@ -186,3 +186,25 @@ def test_generated_types_cover_literals_optionals_and_tuples():
     assert config_values(p.parse_args([]), flags) == {}  # left out: the dataclass defaults apply
     with pytest.raises(argparse.ArgumentError, match="expected one of fast, exact"):
         p.parse_args(["--mode", "slow"])
+
+
+def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
+    """``mmserve serve``'s request limits (ServerSettings) are flags under their field names, read
+    from ``--config`` too; a bad value is a usage error naming the flag."""
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"max_json_values": 5000, "max_request_bytes": "2MiB", "max_files": 3}))
+    args = cli.parse_args(["serve", "--model", "m", "--config", str(path), "--max-files", "7",
+                           "--max-completion-prompts", "4", "--max-files-total-bytes", "1GiB"])
+    settings = cli.server_settings(args, tmp_path)
+    assert (settings.max_json_values, settings.max_request_bytes, settings.max_files) == (5000, 2 << 20, 7)
+    assert (settings.max_completion_prompts, settings.max_files_total_bytes) == (4, 1 << 30)
+    defaults = cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path)
+    assert (defaults.max_json_values, defaults.max_files_total_bytes) == (4_000_000, 8 << 30)
+    for argv, flag in [(["--max-json-values", "10"], "--max-json-values"),
+                       (["--max-request-bytes", "lots"], "--max-request-bytes"),
+                       (["--max-completion-prompts", "0"], "--max-completion-prompts")]:
+        err = _usage_error(["serve", "--model", "m", *argv], capsys)
+        assert flag in err and "usage:" in err
+    with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # an upload larger than the whole store
+        cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "2048",
+                                            "--max-files-total-bytes", "1GiB"]), tmp_path)
