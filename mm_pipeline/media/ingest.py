@@ -18,8 +18,8 @@ Security rules:
     a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap;
   * an allowed host must also resolve to public addresses only (no loopback, private, link-local
     or reserved range: a DNS name on the list pointed at 127.0.0.1 or 169.254.169.254 is refused)
-    unless ``allow_private_hosts``. The client connects by name after the check, so a resolver that
-    answers differently within milliseconds (DNS rebinding) is not covered;
+    unless ``allow_private_hosts``; the check is made by the connection itself, which connects to
+    the very addresses it checked (``media.public_hosts``: no DNS-rebinding window);
   * local paths are plain strings: a NUL byte is a 400, not an OS error.
 """
 
@@ -29,9 +29,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
-import ipaddress
 import os
-import socket
 import stat
 import threading
 import time
@@ -58,6 +56,7 @@ from mm_pipeline.errors import (
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.public_hosts import PublicHostsTransport
 from mm_pipeline.media.sniff import SniffMemo, sniff, streamable_layout
 from mm_pipeline.media.source_memo import SourceMemo, data_url_id, file_id
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -317,11 +316,13 @@ class MediaIngestor:
 
     async def _fetch_following(self, url: str, kind: MediaKind | None) -> tuple[bytes, str, Any]:
         limit = self.config.limits.max_bytes
-        async with httpx.AsyncClient(follow_redirects=False, transport=self._transport,
+        transport = self._transport
+        if transport is None and not self.config.allow_private_hosts:
+            transport = PublicHostsTransport()  # every connection (redirect hops too) checks its addresses
+        async with httpx.AsyncClient(follow_redirects=False, transport=transport,
                                      timeout=self.config.fetch_timeout_s, trust_env=False) as client:
             for _ in range(self.config.max_redirects + 1):
                 self._check_remote(url)
-                await self._check_addresses(url)
                 async with client.stream("GET", url) as response:
                     if response.is_redirect:
                         location = response.headers.get("location", "")
@@ -371,24 +372,6 @@ class MediaIngestor:
                       for d in (d.lower().strip(".") for d in self.config.allowed_domains))
         if not allowed:
             raise MediaAccessDenied(f"host {host!r} is not on the media domain allow-list")
-
-    async def _check_addresses(self, url: str) -> None:
-        """Refuse an allowed host that resolves to a non-public address (see the module doc)."""
-        if self.config.allow_private_hosts:
-            return
-        parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or ""
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host, parts.port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError):
-            raise MediaFetchError(f"media host {host!r} does not resolve") from None
-        for info in infos:
-            ip = ipaddress.ip_address(info[4][0].split("%", 1)[0])
-            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-                ip = ip.ipv4_mapped
-            if not ip.is_global or ip.is_multicast:
-                raise MediaAccessDenied(f"media host {host!r} resolves to a non-public address")
 
 
 def _same_content(data: bytes, key: str, origin: str) -> bytes:

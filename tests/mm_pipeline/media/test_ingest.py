@@ -298,3 +298,40 @@ def test_a_nul_in_a_file_url_is_invalid_media(tmp_path: Path) -> None:
         with pytest.raises(InvalidMediaError, match="NUL") as info:
             ing.ingest_local(source)
         assert http_answer(type(info.value)).status == 400
+
+
+def test_the_connection_goes_to_the_address_that_was_checked() -> None:
+    """DNS rebinding: a resolver answering a public address to a check and 127.0.0.1 to the
+    connection. The check is made by the connection itself, once per connection, and the socket is
+    opened to exactly the checked address; a non-public answer never reaches a socket."""
+    import httpcore
+
+    from mm_pipeline.media.public_hosts import PublicHostsTransport
+
+    answers = iter([["93.184.216.34"], ["127.0.0.1"], ["93.184.216.34", "::ffff:10.0.0.1"]])
+    resolved, connected = [], []
+
+    async def rebinding(host: str, port: int) -> list[str]:
+        resolved.append(host)
+        return next(answers)
+
+    class Recorder(httpcore.AsyncNetworkBackend):
+        async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+            connected.append((host, port))
+            raise httpcore.ConnectError("no network in tests")
+
+        async def sleep(self, seconds):
+            await asyncio.sleep(seconds)
+
+    def fetch() -> None:
+        ing = MediaIngestor(IngestConfig(allow_remote=True, allowed_domains=("media.example",)),
+                            transport=PublicHostsTransport(rebinding, Recorder()))
+        asyncio.run(ing.ingest(MediaSource(url="http://media.example/a.png", kind=IMAGE)))
+
+    with pytest.raises(MediaFetchError, match="failed"):  # public: the socket goes to that address
+        fetch()
+    assert connected == [("93.184.216.34", 80)] and resolved == ["media.example"]
+    for _ in range(2):  # private alone, or among public ones: refused before any socket
+        with pytest.raises(MediaAccessDenied, match="non-public address"):
+            fetch()
+    assert connected == [("93.184.216.34", 80)] and len(resolved) == 3
