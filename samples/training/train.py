@@ -52,9 +52,11 @@ SEED_BASE = 10_000
 
 
 def training_refs(seed: int, images: int = 2000, audios: int = 1200, short_videos: int = 900,
-                  long_videos: int = 500, beeping_videos: int = 0) -> list[ItemRef]:
+                  long_videos: int = 500, beeping_videos: int = 0, long_beeping_videos: int = 0) -> list[ItemRef]:
     """The training set of run ``seed`` (synthetic seeds 10_000 + 4 * seed + {0, 1, 2, 3}; beeping
-    videos of <= 30 s under the short videos' seed, from their own random stream)."""
+    videos of <= 30 s under the short videos' seed and of <= 60 s under the long videos' seed, from
+    their own random stream). Sound tracks over 30 s span two audio segments: a model trained on
+    the short ones alone misses the beeps of a longer video's second segment."""
     if not 0 <= seed < 25:
         raise ValueError(f"training seed must be in [0, 25) so synthetic seeds stay in 10_000..10_099, got {seed}")
     s = SEED_BASE + 4 * seed
@@ -62,7 +64,8 @@ def training_refs(seed: int, images: int = 2000, audios: int = 1200, short_video
             + [ItemRef("audio", s + 1, i) for i in range(audios)]
             + [ItemRef("video", s + 2, i, 12.0) for i in range(short_videos)]
             + [ItemRef("video", s + 3, i, 60.0) for i in range(long_videos)]
-            + [ItemRef("beeping_video", s + 2, i, 30.0) for i in range(beeping_videos)])
+            + [ItemRef("beeping_video", s + 2, i, 30.0) for i in range(beeping_videos)]
+            + [ItemRef("beeping_video", s + 3, i, 60.0) for i in range(long_beeping_videos)])
 
 
 def make_batches(items: Sequence[TrainItem], rng: random.Random, token_budget: int, pool: int = 96,
@@ -150,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--long-videos", type=int, default=500, help="training videos of <= 60 s")
     ap.add_argument("--beeping-videos", type=int, default=0,
                     help="training videos of <= 30 s with a sound track of beeps (caption: colours; beeps)")
+    ap.add_argument("--long-beeping-videos", type=int, default=0,
+                    help="training videos of <= 60 s with a sound track of beeps")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="fine-tune: start from this demo checkpoint's weights (text model + towers; names and "
                          "shapes must match). No tower phase unless --tower-minutes/--tower-steps ask for one")
@@ -266,10 +271,10 @@ def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
             stats = {}
         if step % args.save_every == 0 and dp.is_main:
             export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps),
-                          hears_video_sound=args.beeping_videos > 0)
+                          hears_video_sound=args.beeping_videos + args.long_beeping_videos > 0)
     if dp.is_main:
         export_checkpoint(model, args.out, _train_info(args, step, start, last_loss, tower_steps),
-                          hears_video_sound=args.beeping_videos > 0)
+                          hears_video_sound=args.beeping_videos + args.long_beeping_videos > 0)
     log(f"done: {step} steps in {time.time() - start:.0f} s, final batch loss {last_loss:.4f} (rank 0); "
         f"wrote {args.out}", flush=True)
     dp.exit_worker()
@@ -277,7 +282,7 @@ def _train(rank: int, args: argparse.Namespace, rendezvous: str | None) -> None:
 
 def _refs(args: argparse.Namespace) -> list[ItemRef]:
     return training_refs(args.seed, args.images, args.audios, args.short_videos, args.long_videos,
-                         args.beeping_videos)
+                         args.beeping_videos, args.long_beeping_videos)
 
 
 def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, tower_steps: int) -> dict:
@@ -292,7 +297,8 @@ def _train_info(args: argparse.Namespace, step: int, start: float, loss: float, 
                               "modality_weights": args.modality_weights,
                               "items": {"images": args.images, "audios": args.audios,
                                         "short_videos": args.short_videos, "long_videos": args.long_videos,
-                                        "beeping_videos": args.beeping_videos}}}
+                                        "beeping_videos": args.beeping_videos,
+                                        "long_beeping_videos": args.long_beeping_videos}}}
 
 
 if __name__ == "__main__":
