@@ -32,6 +32,7 @@ import torch
 from llm_core.engine.batch_builder import build_forward_batch
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.engine.speculative.draft_steps import DraftSteps
+from llm_core.engine.speculative.fused_draft import FusedDraft
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.mtp import MTPHead
 
@@ -55,6 +56,10 @@ class MTPProposer:
         self.kv_base = model.config.num_layers  # MTP layer l uses pool layer kv_base + l
         self.hidden_size = model.config.hidden_size
         self._tails: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # batch 1, mode "first": the draft from folded weights (fused_draft.py); None: the module path
+        self.fused = None
+        if mode == "first" and head.layers[0].self_attn.window is not None:
+            self.fused = FusedDraft(head.layers[0], model.model.embed_tokens, model.lm_head, self.max_draft)
 
     # ---- extend: MTP KV for the target's rows ---------------------------------------------------
     def extend(self, entries: list[ScheduledRequest], fb: ForwardBatch, embeds: torch.Tensor,
@@ -104,6 +109,8 @@ class MTPProposer:
         (the caller removes them after the verify forward)."""
         if not entries:
             return
+        if self.mode == "first" and len(entries) == 1 and self.fused is not None:
+            return self._draft_fused(entries[0], kv)
         if self.mode == "first":
             return self._draft_first(entries, kv)
         return self._draft_rows(entries, kv)
@@ -138,6 +145,13 @@ class MTPProposer:
                 prev[id(e)] = out[ends[b]:ends[b + 1]]
                 e.request.token_ids.append(int(tokens[b]))
 
+    def _draft_fused(self, entry: ScheduledRequest, kv) -> None:
+        """One request drafting (always so at batch 1): the folded-weight path, no ForwardBatch."""
+        req = entry.request
+        h_prev = self._tail(req, entry.start - 1, 0, self.fused.layer.eh_proj.weight)
+        k_cache, v_cache = kv.layer(self.kv_base)
+        req.token_ids.extend(self.fused.draft(req.token_ids[entry.start], entry.start, h_prev, req.swa_pages,
+                                              self.page_size, k_cache, v_cache, entry.num_draft_tokens))
 
     def _draft_first(self, entries: list[ScheduledRequest], kv) -> None:
         """Mode "first": every draft step is one row per request still drafting, at the next position,

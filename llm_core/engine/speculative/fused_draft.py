@@ -1,0 +1,189 @@
+"""FusedDraft: the k draft steps of one request (batch 1, mode "first") in ~20 ATen calls each.
+
+At batch 1 a draft step is one row through one dense layer: its cost is dispatches, not math
+(docs/speculative.md, "What a batch-1 step costs"). The general path (draft_steps.py) runs the
+MTPLayer module over a ForwardBatch -- ~100 ATen calls per step -- and its KV store, paged-attention
+plan and rotary tables. This path runs the same layer from weights folded once per weight version:
+
+    token table  T[t] = eh_proj_e @ enorm(embed[t])       [V, H]: embed + norm + matmul -> 1 lookup
+    W_h          eh_proj_h * hnorm.weight                  hnorm's scale folded into the matmul
+    W_qkv        q rows * attention scale, v rows * value_scale
+    W_gu         [gate; up] in one matmul
+    per draft    R_s [D, D]: RoPE at position c + s as a matrix (q and k heads in one matmul)
+
+    step s:  x = T[d_s] + rms(h) @ W_h^T          (one addmm)
+             qkv = rmsnorm(x) @ W_qkv^T ; [q | k] @ R_s ; k, v -> window buffer row n0 + s
+             attention of 1 query over buffer rows [lo_s, n0 + s], the sink as an extra logit
+             x += o @ W_o^T ; x += down(silu(gate) * up) ; h = final_norm(x) ; d_{s+1} = argmax(lm_head(h))
+
+**KV.** The window buffer starts with the layer's cached keys/values of positions c - W + 1 .. c - 1
+(gathered once, written by the extend) and takes each step's new row; nothing is stored into the
+pool: the extend that follows the verify forward rewrites the MTP KV of positions c .. c + k from the
+target's hidden states anyway (proposer.py), so a draft's own KV rows would be overwritten unread.
+
+**Not bit-identical** to the module path: the folds and the split of ``eh_proj`` into two products
+change fp32 rounding (~1e-6 relative), so a draft token can differ where two logits tie that
+closely. Outputs stay exact whatever the drafts are (verification decides), and acceptance is measured
+by benchmarks/speculative.py; tests/llm_core/engine/test_fused_draft.py pins the hidden states to the
+module path's within 1e-4 and the drafted tokens to be equal on random weights.
+
+The token table is built only while it stays under ``TOKEN_TABLE_MAX_BYTES`` (the demo model's
+512 x 128: 256 KB; MiMo-V2.5's 152k x 4096 would be 1.2 GB): above that, steps embed and normalise the
+token themselves (three calls more).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from llm_core.model.mtp import MTPLayer
+
+TOKEN_TABLE_MAX_BYTES = 64 << 20
+
+
+class FusedDraft:
+    """Folded weights of MTP layer 0 and the scratch buffers of a batch-1 draft (reused every step)."""
+
+    def __init__(self, layer: MTPLayer, embed: torch.nn.Embedding, lm_head: torch.nn.Linear, max_draft: int) -> None:
+        attn = layer.self_attn
+        if attn.window is None:
+            raise ValueError("FusedDraft needs a sliding MTP layer (a bounded window)")
+        self.layer, self.embed, self.lm_head, self.max_draft = layer, embed, lm_head, max_draft
+        spec = attn.spec
+        self.hq, self.hkv, self.d, self.dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+        self.window = attn.window
+        self._stamp: tuple = ()
+
+    # ---- folded weights ---------------------------------------------------------------------------
+    def _sources(self) -> list[torch.Tensor]:
+        l = self.layer
+        mods = (l.enorm, l.hnorm, l.eh_proj, l.input_layernorm, l.self_attn.qkv_proj, l.self_attn.o_proj,
+                l.pre_mlp_layernorm, l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj, l.final_layernorm,
+                self.embed, self.lm_head)
+        out = [m.weight for m in mods]
+        if l.self_attn.attention_sink_bias is not None:
+            out.append(l.self_attn.attention_sink_bias)
+        return out
+
+    def refresh(self) -> None:
+        """(Re)fold the weights when any source parameter was replaced or changed in place."""
+        stamp = tuple((id(p), p._version) for p in self._sources())
+        if stamp != self._stamp:
+            self._fold()
+            self._stamp = stamp
+
+    def _fold(self) -> None:
+        l, attn = self.layer, self.layer.self_attn
+        dtype = l.eh_proj.weight.dtype
+        h = l.eh_proj.weight.shape[0]
+        w = l.eh_proj.weight.float()
+        w_e, w_h = w[:, :h], w[:, h:]
+
+        def mirrored(wt: torch.Tensor) -> torch.Tensor:  # [in, H] -> [in, 2H]: outputs [y, -y]
+            return torch.cat([wt, -wt], dim=1).to(dtype).contiguous()
+
+        def doubled(norm) -> torch.Tensor:
+            return torch.cat([norm.weight, norm.weight]).to(dtype)
+
+        self.eps = l.hnorm.eps  # every norm of an MTPLayer is built with the config's rms_norm_eps
+        vocab = self.embed.weight.shape[0]
+        self.table = None
+        if vocab * 2 * h * self.embed.weight.element_size() <= TOKEN_TABLE_MAX_BYTES:
+            self.table = mirrored(F.linear(l.enorm(self.embed.weight).float(), w_e))  # [V, 2H]
+        self.w_e = mirrored(w_e.t())  # used only without the table
+        self.w_h = mirrored((w_h * l.hnorm.weight.float()[None, :]).t())
+        q, k = attn.spec.q_size, attn.spec.k_size
+        qkv = attn.qkv_proj.weight.float().clone()
+        qkv[:q] *= attn.scale
+        qkv[q + k:] *= attn.value_scale
+        self.w_qkv = qkv.to(dtype).t().contiguous()
+        self.w_o = mirrored(attn.o_proj.weight.float().t())
+        self.inter = l.mlp.gate_proj.weight.shape[0]
+        self.w_gu = torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]).t().contiguous()
+        self.w_down = mirrored(l.mlp.down_proj.weight.float().t())
+        self.norm_in, self.norm_mlp = doubled(l.input_layernorm), doubled(l.pre_mlp_layernorm)
+        self.norm_final = doubled(l.final_layernorm)
+        sinks = attn.attention_sink_bias
+        self.sinks = None if sinks is None else sinks.detach().to(dtype).view(self.hkv, self.hq // self.hkv, 1)
+        dev = self.w_qkv.device
+        rows = self.window - 1 + self.max_draft
+        self.k_buf = torch.empty(rows, self.hkv, self.d, dtype=dtype, device=dev)
+        self.v_buf = torch.empty(rows, self.hkv, self.dv, dtype=dtype, device=dev)
+        self.tokens = torch.empty(self.max_draft, dtype=torch.long, device=dev)
+        # RoPE as a matrix: out = x @ R with R[j, j] = cos_j and R[swap(j), j] = signed sin_j, where
+        # swap pairs column j with j +- rotary_dim / 2 (rope.py's rotate-half); identity past rotary_dim
+        r = attn.rotary.rotary_dim
+        swap = torch.zeros(self.d, self.d, dtype=dtype, device=dev)
+        j = torch.arange(r, device=dev)
+        swap[(j + r // 2) % r, j] = 1.0
+        self.swap = swap
+        self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=dev)
+
+    def _rotations(self, start: int, n: int) -> torch.Tensor:
+        """R [n, D, D] for positions start .. start + n - 1 (cos/sin from the layer's own rotary
+        tables, kept for positions 0 .. 2^m - 1 and grown by doubling)."""
+        end = start + n
+        if end > self._cos.shape[0]:
+            size = 1 << max(end - 1, 63).bit_length()
+            rot = self.layer.self_attn.rotary
+            cos, sin = rot.tables(torch.arange(size, device=self.swap.device), self.swap.dtype)
+            pad = self.d - rot.rotary_dim
+            self._cos = F.pad(cos[:, 0], (0, pad), value=1.0)
+            self._sin = F.pad(sin[:, 0], (0, pad), value=0.0)
+        return torch.diag_embed(self._cos[start:end]).add_(self.swap * self._sin[start:end, None, :])
+
+    # ---- the draft --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, token: int, position: int, h_prev: torch.Tensor, swa_pages: list[int], page_size: int,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, k: int) -> list[int]:
+        """k greedy draft tokens after ``token`` (the pending token, at ``position``), from the final-
+        normed hidden state ``h_prev`` [H] of the position before it; ``swa_pages`` map the request's
+        positions to SWA-pool pages (this layer's cached keys of the last W - 1 positions are read)."""
+        if not 0 < k <= self.max_draft:
+            raise ValueError(f"draft length {k} outside 1..{self.max_draft}")
+        self.refresh()
+        first = max(0, position - self.window + 1)
+        n0 = position - first
+        if n0:
+            slots = []
+            for p in range(first, position):
+                page = swa_pages[p // page_size]
+                if page < 0:
+                    raise RuntimeError(f"MTP draft reads position {p} whose SWA page was released")
+                slots.append(page * page_size + p % page_size)
+            idx = torch.tensor(slots, device=k_cache.device)
+            torch.index_select(k_cache, 0, idx, out=self.k_buf[:n0])
+            torch.index_select(v_cache, 0, idx, out=self.v_buf[:n0])
+        rot = self._rotations(position, k)
+        hq, hkv, d, dv, eps, inter = self.hq, self.hkv, self.d, self.dv, self.eps, self.inter
+        nqk, group = hq + hkv, hq // hkv
+        h = h_prev.to(self.w_h.dtype).view(1, -1)
+        width = 2 * h.shape[1]
+        h = torch.cat([h, -h], dim=1)  # mirrored, like the residual stream (see the module docstring)
+        for s in range(k):
+            if self.table is not None:  # step 0's token is a host int: a slice, not a lookup
+                e = self.table.index_select(0, self.tokens[s - 1:s]) if s else self.table[token:token + 1]
+            else:
+                tok = self.tokens[s - 1:s] if s else torch.tensor([token], device=self.tokens.device)
+                e = torch.mm(self.layer.enorm(self.embed(tok)), self.w_e)
+            half = width // 2
+            x = torch.addmm(e, F.layer_norm(h, (width,), None, None, eps)[:, :half], self.w_h)
+            qkv = torch.mm(F.layer_norm(x, (width,), self.norm_in, None, eps)[:, :half], self.w_qkv)[0]
+            qk = torch.mm(qkv[: nqk * d].view(nqk, d), rot[s])  # q (scaled) and k heads, rotated
+            row = n0 + s
+            self.k_buf[row].copy_(qk[hq:])
+            self.v_buf[row].copy_(qkv[nqk * d:].view(hkv, dv))
+            lo = max(0, position + s - self.window + 1) - first
+            scores = torch.bmm(qk[:hq].view(hkv, group, d), self.k_buf[lo:row + 1].permute(1, 2, 0))
+            if self.sinks is not None:  # a sink joins the softmax's denominator only
+                probs = torch.softmax(torch.cat([self.sinks, scores], -1), -1)[..., 1:]
+            else:
+                probs = torch.softmax(scores, -1)
+            o = torch.bmm(probs, self.v_buf[lo:row + 1].permute(1, 0, 2))  # [Hkv, group, Dv]
+            x = x.addmm_(o.view(1, hq * dv), self.w_o)
+            gu = torch.mm(F.layer_norm(x, (width,), self.norm_mlp, None, eps)[:, :half], self.w_gu)
+            x = x.addmm_(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), self.w_down)
+            h = F.layer_norm(x, (width,), self.norm_final, None, eps)
+            torch.argmax(F.linear(h[:, :half], self.lm_head.weight), -1, out=self.tokens[s:s + 1])
+        return self.tokens[:k].tolist()
