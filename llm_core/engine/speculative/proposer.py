@@ -64,14 +64,18 @@ class MTPProposer:
     # ---- extend: MTP KV for the target's rows ---------------------------------------------------
     def extend(self, entries: list[ScheduledRequest], fb: ForwardBatch, embeds: torch.Tensor,
                hidden: torch.Tensor, kv, skip: set[int] = frozenset()) -> list[torch.Tensor]:
-        """Run the MTP layers over the step's rows; returns each layer's outputs [T, H].
+        """Run the MTP layers over the step's rows: their KV, and the outputs [T, H] of every layer
+        but the last that keeps KV (a list one shorter than ``num_layers``). Nothing reads the last
+        layer's outputs -- a draft step's h_prev at level l comes from layer l - 1 (mode "first": level
+        0, the target's) -- so that layer only writes its K/V (MTPLayer.write_kv): no attention, MLP
+        or final norm, the same KV bit for bit.
 
         Entries whose ``id`` is in ``skip`` (plain decodes of requests the adaptive draft length has
         at k = 0) are left out: their MTP KV goes stale, which only lowers their later acceptance
         (and such requests draft poorly anyway), while a large batch of them pays no MTP cost."""
         if skip and any(id(e) in skip for e in entries):
             keep = [e for e in entries if id(e) not in skip]
-            outs = [torch.zeros_like(hidden) for _ in range(self.num_layers)]
+            outs = [torch.zeros_like(hidden) for _ in range(self.num_layers - 1)]
             if not keep:
                 return outs
             qsl = fb.query_start_loc.tolist()
@@ -89,6 +93,9 @@ class MTPProposer:
             for b, e in enumerate(entries):
                 prev[starts[b]] = self._tail(e.request, e.start - 1, l, src)
             k_cache, v_cache = kv.layer(self.kv_base + l)
+            if l == self.num_layers - 1:
+                self.head.layers[l].write_kv(embeds, prev, fb, k_cache, v_cache)
+                break
             src = self.head.layers[l](embeds, prev, fb, k_cache, v_cache)
             outs.append(src)
         return outs

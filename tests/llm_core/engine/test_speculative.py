@@ -264,3 +264,24 @@ def test_adaptive_engine_stops_drafting_when_drafts_fail(model):
     assert_same(ref, generate(eng, prompts, params))
     s = eng.stats()
     assert s.spec_draft_tokens < 3 * 3 + 3 * 40 // 16 + 3  # first guesses + one probe per 16 steps
+
+
+@pytest.mark.parametrize("mode", ["first", "chain"])
+def test_kv_only_extend_stores_what_the_full_layer_stores(model, monkeypatch, mode):
+    """The extend's last MTP layer only writes its K/V (MTPLayer.write_kv): the same values, bit for
+    bit, as its full forward would store, over prefill chunks and verify rows alike."""
+    from llm_core.model.mtp import MTPLayer
+
+    real, checked = MTPLayer.write_kv, []
+
+    def both(self, embeds, h_prev, batch, k_cache, v_cache):
+        k_full, v_full = k_cache.clone(), v_cache.clone()
+        MTPLayer.forward(self, embeds, h_prev, batch, k_full, v_full)
+        real(self, embeds, h_prev, batch, k_cache, v_cache)
+        assert torch.equal(k_full, k_cache) and torch.equal(v_full, v_cache)
+        checked.append(embeds.shape[0])
+
+    monkeypatch.setattr(MTPLayer, "write_kv", both)
+    eng = engine(model, speculative_tokens=3, speculative_layers=mode, speculative_adaptive=False)
+    generate(eng, [ids(60, 12), ids(61, 3)], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert max(checked) >= 4 and min(checked) >= 1
