@@ -107,10 +107,7 @@ class FusedDraft:
         sinks = attn.attention_sink_bias
         self.sinks = None if sinks is None else sinks.detach().to(dtype).view(self.hkv, self.hq // self.hkv, 1)
         dev = self.w_qkv.device
-        rows = self.window - 1 + self.max_draft
-        self.k_buf = torch.empty(rows, self.hkv, self.d, dtype=dtype, device=dev)
-        self.v_buf = torch.empty(rows, self.hkv, self.dv, dtype=dtype, device=dev)
-        self.tokens = torch.empty(self.max_draft, dtype=torch.long, device=dev)
+        self._batch = 0  # the scratch buffers' batch size (_buffers)
         # RoPE as a matrix: out = x @ R with R[j, j] = cos_j and R[swap(j), j] = signed sin_j, where
         # swap pairs column j with j +- rotary_dim / 2 (rope.py's rotate-half); identity past rotary_dim
         r = attn.rotary.rotary_dim
@@ -120,10 +117,10 @@ class FusedDraft:
         self.swap = swap
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=dev)
 
-    def _rotations(self, start: int, n: int) -> torch.Tensor:
-        """R [n, D, D] for positions start .. start + n - 1 (cos/sin from the layer's own rotary
-        tables, kept for positions 0 .. 2^m - 1 and grown by doubling)."""
-        end = start + n
+    def _rotations(self, positions: list[int], k: int) -> torch.Tensor:
+        """R [k, B, D, D] for positions[b] + s, s < k (cos/sin from the layer's own rotary tables,
+        kept for positions 0 .. 2^m - 1 and grown by doubling)."""
+        end = max(positions) + k
         if end > self._cos.shape[0]:
             size = 1 << max(end - 1, 63).bit_length()
             rot = self.layer.self_attn.rotary
@@ -131,59 +128,102 @@ class FusedDraft:
             pad = self.d - rot.rotary_dim
             self._cos = F.pad(cos[:, 0], (0, pad), value=1.0)
             self._sin = F.pad(sin[:, 0], (0, pad), value=0.0)
-        return torch.diag_embed(self._cos[start:end]).add_(self.swap * self._sin[start:end, None, :])
+        if len(positions) == 1:  # one request: its rows are a slice of the tables
+            c = positions[0]
+            cos, sin = self._cos[c:c + k, None], self._sin[c:c + k, None]
+        else:
+            at = torch.tensor(positions, device=self.swap.device)[None, :] + torch.arange(k, device=self.swap.device)[:, None]
+            cos, sin = self._cos[at], self._sin[at]
+        return torch.diag_embed(cos).add_(self.swap * sin[..., None, :])
+
+    def _buffers(self, batch: int) -> None:
+        """Scratch for ``batch`` requests, kept while the batch size stays (head-major, so a window of
+        every request's heads is one [B * Hkv, n, D] view):
+
+            k_buf[b, :, i]   i = 0 .. W - 2: keys of positions c_b - W + 1 .. c_b - 1 (right-aligned:
+                             a request with fewer cached positions leaves the left end masked)
+                             i = W - 1 + s: draft step s's key (position c_b + s)
+        """
+        if batch == self._batch:
+            return
+        rows, dtype, dev = self.window - 1 + self.max_draft, self.w_qkv.dtype, self.w_qkv.device
+        self.k_buf = torch.empty(batch, self.hkv, rows, self.d, dtype=dtype, device=dev)
+        self.v_buf = torch.empty(batch, self.hkv, rows, self.dv, dtype=dtype, device=dev)
+        self.tokens = torch.empty(self.max_draft, batch, dtype=torch.long, device=dev)
+        self.sinks_b = None if self.sinks is None else self.sinks.repeat(batch, 1, 1)
+        self._batch = batch
 
     # ---- the draft --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, token: int, position: int, h_prev: torch.Tensor, swa_pages: list[int], page_size: int,
-              k_cache: torch.Tensor, v_cache: torch.Tensor, k: int) -> list[int]:
-        """k greedy draft tokens after ``token`` (the pending token, at ``position``), from the final-
-        normed hidden state ``h_prev`` [H] of the position before it; ``swa_pages`` map the request's
-        positions to SWA-pool pages (this layer's cached keys of the last W - 1 positions are read)."""
+    def draft(self, tokens: list[int], positions: list[int], h_prev: torch.Tensor, swa_pages: list[list[int]],
+              page_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k: int) -> list[list[int]]:
+        """k greedy draft tokens for each request b after ``tokens[b]`` (its pending token, at
+        ``positions[b]``), from the final-normed hidden states ``h_prev`` [B, H] of the positions
+        before; ``swa_pages[b]`` map request b's positions to SWA-pool pages (this layer's cached keys
+        of its last W - 1 positions are read)."""
         if not 0 < k <= self.max_draft:
             raise ValueError(f"draft length {k} outside 1..{self.max_draft}")
+        if min(positions) < 1:
+            raise ValueError("a draft needs at least one computed position before the pending token")
         self.refresh()
-        first = max(0, position - self.window + 1)
-        n0 = position - first
-        if n0:
+        batch, w = len(tokens), self.window
+        self._buffers(batch)
+        cached = [min(c, w - 1) for c in positions]  # positions c - W + 1 .. c - 1 that exist
+        most = max(cached)
+        lo = w - 1 - most  # buffer columns left of lo hold nothing for any request
+        if most:
             slots = []
-            for p in range(first, position):
-                page = swa_pages[p // page_size]
-                if page < 0:
-                    raise RuntimeError(f"MTP draft reads position {p} whose SWA page was released")
-                slots.append(page * page_size + p % page_size)
+            for c, n, pages in zip(positions, cached, swa_pages):
+                for p in range(c - most, c):  # p < 0: padding, re-reads position c - 1 (masked)
+                    p = p if p >= c - n else c - 1
+                    page = pages[p // page_size]
+                    if page < 0:
+                        raise RuntimeError(f"MTP draft reads position {p} whose SWA page was released")
+                    slots.append(page * page_size + p % page_size)
             idx = torch.tensor(slots, device=k_cache.device)
-            torch.index_select(k_cache, 0, idx, out=self.k_buf[:n0])
-            torch.index_select(v_cache, 0, idx, out=self.v_buf[:n0])
-        rot = self._rotations(position, k)
+            kk = k_cache.index_select(0, idx).view(batch, most, self.hkv, self.d)
+            vv = v_cache.index_select(0, idx).view(batch, most, self.hkv, self.dv)
+            self.k_buf[:, :, lo:w - 1].copy_(kk.transpose(1, 2))
+            self.v_buf[:, :, lo:w - 1].copy_(vv.transpose(1, 2))
+        mask = None
+        if min(cached) < most:  # [B, 1, columns]: -inf left of each request's first cached column
+            cols = torch.arange(w - 1 + self.max_draft, device=k_cache.device)
+            first = torch.tensor([w - 1 - n for n in cached], device=k_cache.device)
+            mask = torch.zeros(batch, 1, cols.shape[0], dtype=self.w_qkv.dtype, device=k_cache.device)
+            mask.masked_fill_((cols[None, :] < first[:, None])[:, None, :], float("-inf"))
+        rot = self._rotations(positions, k)  # [k, B, D, D]
         hq, hkv, d, dv, eps, inter = self.hq, self.hkv, self.d, self.dv, self.eps, self.inter
         nqk, group = hq + hkv, hq // hkv
-        h = h_prev.to(self.w_h.dtype).view(1, -1)
+        h = h_prev.to(self.w_h.dtype).view(batch, -1)
         width = 2 * h.shape[1]
+        half = width // 2
         h = torch.cat([h, -h], dim=1)  # mirrored, like the residual stream (see the module docstring)
+        first_ids = None if batch == 1 and self.table is not None else torch.tensor(tokens, device=k_cache.device)
         for s in range(k):
-            if self.table is not None:  # step 0's token is a host int: a slice, not a lookup
-                e = self.table.index_select(0, self.tokens[s - 1:s]) if s else self.table[token:token + 1]
+            ids = self.tokens[s - 1] if s else first_ids
+            if self.table is not None:  # one request's first token is a host int: a slice, not a lookup
+                e = self.table.index_select(0, ids) if ids is not None else self.table[tokens[0]:tokens[0] + 1]
             else:
-                tok = self.tokens[s - 1:s] if s else torch.tensor([token], device=self.tokens.device)
-                e = torch.mm(self.layer.enorm(self.embed(tok)), self.w_e)
-            half = width // 2
+                e = torch.mm(self.layer.enorm(self.embed(ids)), self.w_e)
             x = torch.addmm(e, F.layer_norm(h, (width,), None, None, eps)[:, :half], self.w_h)
-            qkv = torch.mm(F.layer_norm(x, (width,), self.norm_in, None, eps)[:, :half], self.w_qkv)[0]
-            qk = torch.mm(qkv[: nqk * d].view(nqk, d), rot[s])  # q (scaled) and k heads, rotated
-            row = n0 + s
-            self.k_buf[row].copy_(qk[hq:])
-            self.v_buf[row].copy_(qkv[nqk * d:].view(hkv, dv))
-            lo = max(0, position + s - self.window + 1) - first
-            scores = torch.bmm(qk[:hq].view(hkv, group, d), self.k_buf[lo:row + 1].permute(1, 2, 0))
-            if self.sinks is not None:  # a sink joins the softmax's denominator only
-                probs = torch.softmax(torch.cat([self.sinks, scores], -1), -1)[..., 1:]
+            qkv = torch.mm(F.layer_norm(x, (width,), self.norm_in, None, eps)[:, :half], self.w_qkv)
+            qk = torch.bmm(qkv[:, : nqk * d].view(batch, nqk, d), rot[s])  # q (scaled) and k heads, rotated
+            col = w - 1 + s
+            self.k_buf[:, :, col].copy_(qk[:, hq:])
+            self.v_buf[:, :, col].copy_(qkv[:, nqk * d:].view(batch, hkv, dv))
+            a = max(s, lo)  # the query at c + s sees columns s .. W - 1 + s
+            keys = self.k_buf[:, :, a:col + 1].reshape(batch * hkv, col + 1 - a, d)  # a view (head-major)
+            scores = torch.bmm(qk[:, :hq].reshape(batch * hkv, group, d), keys.transpose(1, 2))
+            if mask is not None:
+                scores = scores.view(batch, hkv * group, -1).add_(mask[..., a:col + 1]).view(batch * hkv, group, -1)
+            if self.sinks_b is not None:  # a sink joins the softmax's denominator only
+                probs = torch.softmax(torch.cat([self.sinks_b, scores], -1), -1)[..., 1:]
             else:
                 probs = torch.softmax(scores, -1)
-            o = torch.bmm(probs, self.v_buf[lo:row + 1].permute(1, 0, 2))  # [Hkv, group, Dv]
-            x = x.addmm_(o.view(1, hq * dv), self.w_o)
+            o = torch.bmm(probs, self.v_buf[:, :, a:col + 1].reshape(batch * hkv, col + 1 - a, dv))
+            x = x.addmm_(o.view(batch, hq * dv), self.w_o)
             gu = torch.mm(F.layer_norm(x, (width,), self.norm_mlp, None, eps)[:, :half], self.w_gu)
             x = x.addmm_(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), self.w_down)
             h = F.layer_norm(x, (width,), self.norm_final, None, eps)
-            torch.argmax(F.linear(h[:, :half], self.lm_head.weight), -1, out=self.tokens[s:s + 1])
-        return self.tokens[:k].tolist()
+            torch.argmax(F.linear(h[:, :half], self.lm_head.weight), -1, out=self.tokens[s])
+        return self.tokens[:k].T.tolist()

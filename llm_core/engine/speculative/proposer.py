@@ -56,7 +56,7 @@ class MTPProposer:
         self.kv_base = model.config.num_layers  # MTP layer l uses pool layer kv_base + l
         self.hidden_size = model.config.hidden_size
         self._tails: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # batch 1, mode "first": the draft from folded weights (fused_draft.py); None: the module path
+        # mode "first": the draft from folded weights (fused_draft.py); None: DraftSteps + the module
         self.fused = None
         if mode == "first" and head.layers[0].self_attn.window is not None:
             self.fused = FusedDraft(head.layers[0], model.model.embed_tokens, model.lm_head, self.max_draft)
@@ -116,8 +116,8 @@ class MTPProposer:
         (the caller removes them after the verify forward)."""
         if not entries:
             return
-        if self.mode == "first" and len(entries) == 1 and self.fused is not None:
-            return self._draft_fused(entries[0], kv)
+        if self.fused is not None:
+            return self._draft_fused(entries, kv)
         if self.mode == "first":
             return self._draft_first(entries, kv)
         return self._draft_rows(entries, kv)
@@ -152,13 +152,20 @@ class MTPProposer:
                 prev[id(e)] = out[ends[b]:ends[b + 1]]
                 e.request.token_ids.append(int(tokens[b]))
 
-    def _draft_fused(self, entry: ScheduledRequest, kv) -> None:
-        """One request drafting (always so at batch 1): the folded-weight path, no ForwardBatch."""
-        req = entry.request
-        h_prev = self._tail(req, entry.start - 1, 0, self.fused.layer.eh_proj.weight)
+    def _draft_fused(self, entries: list[ScheduledRequest], kv) -> None:
+        """Mode "first" from folded weights (fused_draft.py): every request runs the longest k's
+        steps (rows are nearly free next to the dispatches) and keeps its own first k tokens."""
+        like = self.fused.layer.eh_proj.weight
+        if len(entries) == 1:
+            h_prev = self._tail(entries[0].request, entries[0].start - 1, 0, like)
+        else:
+            h_prev = torch.stack([self._tail(e.request, e.start - 1, 0, like) for e in entries])
         k_cache, v_cache = kv.layer(self.kv_base)
-        req.token_ids.extend(self.fused.draft(req.token_ids[entry.start], entry.start, h_prev, req.swa_pages,
-                                              self.page_size, k_cache, v_cache, entry.num_draft_tokens))
+        drafted = self.fused.draft([e.request.token_ids[e.start] for e in entries], [e.start for e in entries], h_prev,
+                                   [e.request.swa_pages for e in entries], self.page_size, k_cache, v_cache,
+                                   max(e.num_draft_tokens for e in entries))
+        for e, tokens in zip(entries, drafted):
+            e.request.token_ids.extend(tokens[:e.num_draft_tokens])
 
     def _draft_first(self, entries: list[ScheduledRequest], kv) -> None:
         """Mode "first": every draft step is one row per request still drafting, at the next position,

@@ -1,7 +1,8 @@
-"""The batch-1 fused draft (llm_core/engine/speculative/fused_draft.py) against the MTPLayer module
-path it replaces: same drafted tokens on random weights (window 8, q/k head 24 != v head 16, sinks),
-from the first positions (fewer keys than the window) to far past the window; with and without the
-token table; refolded after a weight changes in place; outputs still equal plain decoding."""
+"""The fused draft (llm_core/engine/speculative/fused_draft.py) against the path it replaces
+(DraftSteps + the MTPLayer module): same drafted tokens on random weights (window 8, q/k head 24 != v
+head 16, sinks), from the first positions (fewer keys than the window) to far past the window, one
+request or several with different windows and k; with and without the token table; refolded after a
+weight changes in place; outputs still equal plain decoding."""
 
 from __future__ import annotations
 
@@ -32,22 +33,23 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def compare_with_module_path(eng: LLMEngine) -> list[tuple[int, list[int]]]:
-    """Every batch-1 draft also runs through the module path (_draft_first); the tokens must agree.
-    Returns (position, drafted tokens) of each draft compared."""
+def compare_with_module_path(eng: LLMEngine) -> list[tuple[int, tuple[int, ...], list[int]]]:
+    """Every draft also runs through the module path (_draft_first: DraftSteps + MTPLayer); the tokens
+    must agree. Returns (batch size, each request's k, drafted tokens of request 0) per draft."""
     proposer = eng.speculative.proposer
     real, seen = proposer.draft, []
 
     def draft(entries, kv):
+        if not entries:
+            return
         lengths = [len(e.request.token_ids) for e in entries]
         real(entries, kv)
-        if len(entries) == 1:
-            e, n = entries[0], lengths[0]
-            fused = e.request.token_ids[n:]
+        fused = [e.request.token_ids[n:] for e, n in zip(entries, lengths)]
+        for e, n in zip(entries, lengths):
             del e.request.token_ids[n:]
-            proposer._draft_first(entries, kv)
-            assert e.request.token_ids[n:] == fused, f"position {e.start}"
-            seen.append((e.start, fused))
+        proposer._draft_first(entries, kv)
+        assert [e.request.token_ids[n:] for e, n in zip(entries, lengths)] == fused, [e.start for e in entries]
+        seen.append((len(entries), tuple(e.num_draft_tokens for e in entries), fused[0]))
 
     proposer.draft = draft
     return seen
@@ -56,14 +58,30 @@ def compare_with_module_path(eng: LLMEngine) -> list[tuple[int, list[int]]]:
 def test_fused_draft_tokens_equal_the_module_path(model):
     eng = engine(model)
     assert eng.speculative.proposer.fused is not None
+    positions = []
+    real = eng.speculative.proposer.fused.draft
+    eng.speculative.proposer.fused.draft = lambda *a: positions.extend(a[1]) or real(*a)
     seen = compare_with_module_path(eng)
     prompts = [prompt(1, 2), prompt(2, 19)]
     ref = LLM.from_engine(LLMEngine(model, EngineConfig(page_size=4, speculative_tokens=0))).generate(prompts, GREEDY)
     for p, r in zip(prompts, ref):
         assert LLM.from_engine(eng).generate([p], GREEDY)[0].token_ids == r.token_ids
-    positions = [p for p, _ in seen]
     assert min(positions) < 7 and max(positions) > 40  # windows shorter than 8 keys and far past it
-    assert len({tuple(t) for _, t in seen}) > 5  # the drafts are not one repeated guess
+    assert len({tuple(t) for _, _, t in seen}) > 5  # the drafts are not one repeated guess
+
+
+def test_batched_requests_of_different_windows_and_lengths(model):
+    """Requests drafting together: windows of different fill (masked on the left), different k
+    (max_tokens caps k near the end), and outputs equal to plain decoding."""
+    eng = engine(model)
+    seen = compare_with_module_path(eng)
+    prompts = [prompt(6, 2), prompt(7, 5), prompt(8, 23)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 17, 24)]
+    ref = LLM.from_engine(LLMEngine(model, EngineConfig(page_size=4, speculative_tokens=0))).generate(prompts, params)
+    outs = LLM.from_engine(eng).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert max(b for b, _, _ in seen) == 3
+    assert any(len(set(ks)) > 1 for _, ks, _ in seen)
 
 
 def test_without_the_token_table(model, monkeypatch):
@@ -99,8 +117,10 @@ def test_rope_matrix_equals_partial_rotary(model):
     rot = fused.layer.self_attn.rotary
     assert 0 < rot.rotary_dim < fused.d
     for start in (0, 5, 300):
-        r = fused._rotations(start, 3)
-        x = torch.randn(3, 5, fused.d)
+        r = fused._rotations([start, start + 7], 3)  # [3 steps, 2 requests, D, D]
+        x = torch.randn(3, 2, 5, fused.d)
         want = x.clone()
-        rot.apply_(want, *rot.tables(torch.arange(start, start + 3), torch.float32))
-        torch.testing.assert_close(torch.bmm(x, r), want, rtol=1e-5, atol=1e-6)
+        for b, first in enumerate((start, start + 7)):
+            rot.apply_(want[:, b], *rot.tables(torch.arange(first, first + 3), torch.float32))
+        torch.testing.assert_close(torch.matmul(x, r), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused._rotations([start], 3), r[:, :1])  # one request: table slices
