@@ -1,35 +1,44 @@
-"""FusedDraft: the k draft steps of one request (batch 1, mode "first") in ~20 ATen calls each.
+"""FusedDraft: the k draft steps of mode "first" (MTP layer 0 every step) in ~20 ATen calls each.
 
-At batch 1 a draft step is one row through one dense layer: its cost is dispatches, not math
-(docs/speculative.md, "What a batch-1 step costs"). The general path (draft_steps.py) runs the
-MTPLayer module over a ForwardBatch -- ~100 ATen calls per step -- and its KV store, paged-attention
-plan and rotary tables. This path runs the same layer from weights folded once per weight version:
+A draft step is one row per request through one dense layer: at small batches its cost is
+dispatches, not math (docs/speculative.md, "What a batch-1 step costs"). The module path
+(draft_steps.py) runs the MTPLayer over a ForwardBatch -- ~100 ATen calls per step -- with its KV
+store, paged-attention plan and rotary tables. This path runs the same layer from weights folded once
+per weight version:
 
     token table  T[t] = eh_proj_e @ enorm(embed[t])       [V, H]: embed + norm + matmul -> 1 lookup
     W_h          eh_proj_h * hnorm.weight                  hnorm's scale folded into the matmul
     W_qkv        q rows * attention scale, v rows * value_scale
     W_gu         [gate; up] in one matmul
-    per draft    R_s [D, D]: RoPE at position c + s as a matrix (q and k heads in one matmul)
+    per draft    R [k, B, D, D]: RoPE at position c_b + s as a matrix (q and k heads in one bmm)
 
     step s:  x = T[d_s] + rms(h) @ W_h^T          (one addmm)
-             qkv = rmsnorm(x) @ W_qkv^T ; [q | k] @ R_s ; k, v -> window buffer row n0 + s
-             attention of 1 query over buffer rows [lo_s, n0 + s], the sink as an extra logit
+             qkv = rms(x) @ W_qkv^T ; [q | k] @ R_s ; k, v -> window buffer column W - 1 + s
+             attention of 1 query per request over columns s .. W - 1 + s, the sink as an extra logit
              x += o @ W_o^T ; x += down(silu(gate) * up) ; h = final_norm(x) ; d_{s+1} = argmax(lm_head(h))
 
-**KV.** The window buffer starts with the layer's cached keys/values of positions c - W + 1 .. c - 1
-(gathered once, written by the extend) and takes each step's new row; nothing is stored into the
-pool: the extend that follows the verify forward rewrites the MTP KV of positions c .. c + k from the
-target's hidden states anyway (proposer.py), so a draft's own KV rows would be overwritten unread.
+**RMSNorm as LayerNorm.** ATen's CPU ``rms_norm`` is a composite of ~8 ops (~16 us for one row);
+``layer_norm`` is one kernel (~3 us) and equals it on a vector whose mean is 0. So the residual
+stream is carried *mirrored*, x~ = [x, -x]: every matrix that writes it has its output columns
+doubled with a negated copy, the first half of ``layer_norm(x~, [w; w])`` is ``rms_norm(x) * w``,
+and the next matmul reads that half (a view).
 
-**Not bit-identical** to the module path: the folds and the split of ``eh_proj`` into two products
-change fp32 rounding (~1e-6 relative), so a draft token can differ where two logits tie that
-closely. Outputs stay exact whatever the drafts are (verification decides), and acceptance is measured
-by benchmarks/speculative.py; tests/llm_core/engine/test_fused_draft.py pins the hidden states to the
-module path's within 1e-4 and the drafted tokens to be equal on random weights.
+**KV.** The window buffer starts with the layer's cached keys/values of positions c - W + 1 .. c - 1
+(gathered once, written by the extend; right-aligned, so a request with fewer cached positions has
+its left end masked) and takes each step's new column; nothing is stored into the pool: the extend
+that follows the verify forward rewrites the MTP KV of positions c .. c + k from the target's hidden
+states anyway (proposer.py), so a draft's own KV would be overwritten unread. Requests drafting fewer
+than the longest k run the extra steps too (free next to the dispatches) and keep their first k.
+
+**Not bit-identical** to the module path: the folds, the split of ``eh_proj`` into two products and
+the mirrored mean (0 up to rounding) change fp32 rounding (~1e-6 relative), so a draft token can
+differ where two logits tie that closely. Outputs stay exact whatever the drafts are (verification
+decides); acceptance is measured by benchmarks/speculative.py, and
+tests/llm_core/engine/test_fused_draft.py requires the module path's tokens on random weights.
 
 The token table is built only while it stays under ``TOKEN_TABLE_MAX_BYTES`` (the demo model's
-512 x 128: 256 KB; MiMo-V2.5's 152k x 4096 would be 1.2 GB): above that, steps embed and normalise the
-token themselves (three calls more).
+512 x 2 x 128: 512 KB; MiMo-V2.5's 152k x 2 x 4096 would be 2.5 GB): above that, steps embed and
+normalise the token themselves (three calls more).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ TOKEN_TABLE_MAX_BYTES = 64 << 20
 
 
 class FusedDraft:
-    """Folded weights of MTP layer 0 and the scratch buffers of a batch-1 draft (reused every step)."""
+    """Folded weights of MTP layer 0 and a draft's scratch buffers (kept while the batch size stays)."""
 
     def __init__(self, layer: MTPLayer, embed: torch.nn.Embedding, lm_head: torch.nn.Linear, max_draft: int) -> None:
         attn = layer.self_attn

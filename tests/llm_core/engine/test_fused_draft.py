@@ -13,6 +13,7 @@ from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine.speculative import fused_draft
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+from tests.support.draft_compare import compare_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,35 +34,13 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def compare_with_module_path(eng: LLMEngine) -> list[tuple[int, tuple[int, ...], list[int]]]:
-    """Every draft also runs through the module path (_draft_first: DraftSteps + MTPLayer); the tokens
-    must agree. Returns (batch size, each request's k, drafted tokens of request 0) per draft."""
-    proposer = eng.speculative.proposer
-    real, seen = proposer.draft, []
-
-    def draft(entries, kv):
-        if not entries:
-            return
-        lengths = [len(e.request.token_ids) for e in entries]
-        real(entries, kv)
-        fused = [e.request.token_ids[n:] for e, n in zip(entries, lengths)]
-        for e, n in zip(entries, lengths):
-            del e.request.token_ids[n:]
-        proposer._draft_first(entries, kv)
-        assert [e.request.token_ids[n:] for e, n in zip(entries, lengths)] == fused, [e.start for e in entries]
-        seen.append((len(entries), tuple(e.num_draft_tokens for e in entries), fused[0]))
-
-    proposer.draft = draft
-    return seen
-
-
 def test_fused_draft_tokens_equal_the_module_path(model):
     eng = engine(model)
     assert eng.speculative.proposer.fused is not None
     positions = []
     real = eng.speculative.proposer.fused.draft
     eng.speculative.proposer.fused.draft = lambda *a: positions.extend(a[1]) or real(*a)
-    seen = compare_with_module_path(eng)
+    seen = compare_drafts(eng, "_draft_fused", "_draft_first")
     prompts = [prompt(1, 2), prompt(2, 19)]
     ref = LLM.from_engine(LLMEngine(model, EngineConfig(page_size=4, speculative_tokens=0))).generate(prompts, GREEDY)
     for p, r in zip(prompts, ref):
@@ -74,7 +53,7 @@ def test_batched_requests_of_different_windows_and_lengths(model):
     """Requests drafting together: windows of different fill (masked on the left), different k
     (max_tokens caps k near the end), and outputs equal to plain decoding."""
     eng = engine(model)
-    seen = compare_with_module_path(eng)
+    seen = compare_drafts(eng, "_draft_fused", "_draft_first")
     prompts = [prompt(6, 2), prompt(7, 5), prompt(8, 23)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 17, 24)]
     ref = LLM.from_engine(LLMEngine(model, EngineConfig(page_size=4, speculative_tokens=0))).generate(prompts, params)
@@ -87,14 +66,14 @@ def test_batched_requests_of_different_windows_and_lengths(model):
 def test_without_the_token_table(model, monkeypatch):
     monkeypatch.setattr(fused_draft, "TOKEN_TABLE_MAX_BYTES", 0)
     eng = engine(model)
-    seen = compare_with_module_path(eng)
+    seen = compare_drafts(eng, "_draft_fused", "_draft_first")
     LLM.from_engine(eng).generate([prompt(3, 11)], GREEDY)
     assert eng.speculative.proposer.fused.table is None and len(seen) > 5
 
 
 def test_refolds_after_a_weight_changes_in_place(model):
     eng = engine(model)
-    seen = compare_with_module_path(eng)
+    seen = compare_drafts(eng, "_draft_fused", "_draft_first")
     LLM.from_engine(eng).generate([prompt(4, 9)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     before = len(seen)
     layer = eng.speculative.proposer.fused.layer
