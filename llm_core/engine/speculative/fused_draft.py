@@ -82,6 +82,7 @@ class FusedDraft:
             self._fold()
             self._stamp = stamp
 
+    @torch.no_grad()  # refresh may run outside the engine's inference mode (tests): no autograd graph
     def _fold(self) -> None:
         l, attn = self.layer, self.layer.self_attn
         dtype = l.eh_proj.weight.dtype
