@@ -10,6 +10,7 @@ stage is reported in ms per engine step, for MTP off and on, plus the tokens per
     draft: MTP layer the draft steps' MTP layer forwards (projections, KV store, MLP, norms)
     draft: attention core   their paged attention
     draft: LM head   the draft steps' logits + argmax
+    draft: fused steps   FusedDraft.draft, all k steps (folded weights, fused_draft.py)
     draft: other     the rest of MTPProposer.draft (tails, concatenations, host reads)
     target: inputs   the target's ForwardBatch, embeddings, plans, rotary tables
     target forward   the main model's layers
@@ -102,6 +103,8 @@ def instrument(timer: StageTimer, phase: Phase) -> None:
     if hasattr(proposer, "DraftSteps"):  # the draft steps' inputs built once (llm_core/engine/speculative/draft_steps.py)
         timer.wrap(proposer.DraftSteps, "__init__", "draft: inputs (all steps, once)")
         timer.wrap(proposer.DraftSteps, "batch", "draft: inputs (batch)")
+    if hasattr(proposer, "FusedDraft"):  # mode first: the k draft steps from folded weights (fused_draft.py)
+        timer.wrap(proposer.FusedDraft, "draft", "draft: fused steps (all k)")
     by_phase(MiMoV2ForCausalLM, "compute_logits", "LM head")
     timer.wrap(MiMoV2ForCausalLM, "forward", "target forward")
     by_phase(MTPLayer, "forward", "MTP layer")

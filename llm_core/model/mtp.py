@@ -72,11 +72,21 @@ class MTPLayer(nn.Module):
         """Final-normed hidden [T, H] of the batch's rows; writes this layer's K/V at the batch's
         SWA slots. ``embeds`` are the rows' token embeddings (media rows spliced in), ``h_prev`` the
         final-normed hidden of each row's previous position (zeros where unknown)."""
-        h_prev = h_prev if h_prev.dtype == embeds.dtype else h_prev.to(embeds.dtype)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h_prev)], dim=-1))
+        x = self._input(embeds, h_prev)
         x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
         x = x + self.mlp(self.pre_mlp_layernorm(x))
         return self.final_layernorm(x)
+
+    def write_kv(self, embeds: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Only this layer's K/V of the batch's rows, bit for bit what ``forward`` stores: a layer's
+        K/V depend on its input projection alone, so an extend whose outputs nothing reads (the last
+        MTP layer that keeps KV) skips attention, MLP and final norm (docs/speculative.md)."""
+        self.self_attn.write_kv(self.input_layernorm(self._input(embeds, h_prev)), batch, k_cache, v_cache)
+
+    def _input(self, embeds: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
+        h_prev = h_prev if h_prev.dtype == embeds.dtype else h_prev.to(embeds.dtype)
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h_prev)], dim=-1))
 
 
 class MTPHead(nn.Module):

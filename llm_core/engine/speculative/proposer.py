@@ -32,6 +32,7 @@ import torch
 from llm_core.engine.batch_builder import build_forward_batch
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.engine.speculative.draft_steps import DraftSteps
+from llm_core.engine.speculative.fused_draft import FusedDraft
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.mtp import MTPHead
 
@@ -55,18 +56,26 @@ class MTPProposer:
         self.kv_base = model.config.num_layers  # MTP layer l uses pool layer kv_base + l
         self.hidden_size = model.config.hidden_size
         self._tails: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # mode "first": the draft from folded weights (fused_draft.py); None: DraftSteps + the module
+        self.fused = None
+        if mode == "first" and head.layers[0].self_attn.window is not None:
+            self.fused = FusedDraft(head.layers[0], model.model.embed_tokens, model.lm_head, self.max_draft)
 
     # ---- extend: MTP KV for the target's rows ---------------------------------------------------
     def extend(self, entries: list[ScheduledRequest], fb: ForwardBatch, embeds: torch.Tensor,
                hidden: torch.Tensor, kv, skip: set[int] = frozenset()) -> list[torch.Tensor]:
-        """Run the MTP layers over the step's rows; returns each layer's outputs [T, H].
+        """Run the MTP layers over the step's rows: their KV, and the outputs [T, H] of every layer
+        but the last that keeps KV (a list one shorter than ``num_layers``). Nothing reads the last
+        layer's outputs -- a draft step's h_prev at level l comes from layer l - 1 (mode "first": level
+        0, the target's) -- so that layer only writes its K/V (MTPLayer.write_kv): no attention, MLP
+        or final norm, the same KV bit for bit.
 
         Entries whose ``id`` is in ``skip`` (plain decodes of requests the adaptive draft length has
         at k = 0) are left out: their MTP KV goes stale, which only lowers their later acceptance
         (and such requests draft poorly anyway), while a large batch of them pays no MTP cost."""
         if skip and any(id(e) in skip for e in entries):
             keep = [e for e in entries if id(e) not in skip]
-            outs = [torch.zeros_like(hidden) for _ in range(self.num_layers)]
+            outs = [torch.zeros_like(hidden) for _ in range(self.num_layers - 1)]
             if not keep:
                 return outs
             qsl = fb.query_start_loc.tolist()
@@ -84,6 +93,9 @@ class MTPProposer:
             for b, e in enumerate(entries):
                 prev[starts[b]] = self._tail(e.request, e.start - 1, l, src)
             k_cache, v_cache = kv.layer(self.kv_base + l)
+            if l == self.num_layers - 1:
+                self.head.layers[l].write_kv(embeds, prev, fb, k_cache, v_cache)
+                break
             src = self.head.layers[l](embeds, prev, fb, k_cache, v_cache)
             outs.append(src)
         return outs
@@ -104,6 +116,8 @@ class MTPProposer:
         (the caller removes them after the verify forward)."""
         if not entries:
             return
+        if self.fused is not None:
+            return self._draft_fused(entries, kv)
         if self.mode == "first":
             return self._draft_first(entries, kv)
         return self._draft_rows(entries, kv)
@@ -138,6 +152,20 @@ class MTPProposer:
                 prev[id(e)] = out[ends[b]:ends[b + 1]]
                 e.request.token_ids.append(int(tokens[b]))
 
+    def _draft_fused(self, entries: list[ScheduledRequest], kv) -> None:
+        """Mode "first" from folded weights (fused_draft.py): every request runs the longest k's
+        steps (rows are nearly free next to the dispatches) and keeps its own first k tokens."""
+        like = self.fused.layer.eh_proj.weight
+        if len(entries) == 1:
+            h_prev = self._tail(entries[0].request, entries[0].start - 1, 0, like)
+        else:
+            h_prev = torch.stack([self._tail(e.request, e.start - 1, 0, like) for e in entries])
+        k_cache, v_cache = kv.layer(self.kv_base)
+        drafted = self.fused.draft([e.request.token_ids[e.start] for e in entries], [e.start for e in entries], h_prev,
+                                   [e.request.swa_pages for e in entries], self.page_size, k_cache, v_cache,
+                                   max(e.num_draft_tokens for e in entries))
+        for e, tokens in zip(entries, drafted):
+            e.request.token_ids.extend(tokens[:e.num_draft_tokens])
 
     def _draft_first(self, entries: list[ScheduledRequest], kv) -> None:
         """Mode "first": every draft step is one row per request still drafting, at the next position,

@@ -49,22 +49,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # q and k heads share head_dim and sit side by side in the projection: rotate them together,
-        # in place on the projection's output (no copies of q, k or v).
-        qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
-        v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
-        if self.value_scale != 1.0:  # x * 1.0 == x: skipping the multiply is exact
-            v.mul_(self.value_scale)
-        cos, sin = self._rotary_tables(batch, x.dtype)
-        self.rotary.apply_(qk, cos, sin)
-        q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-        if self.is_sliding:
-            slots, table = batch.swa_slot_mapping, batch.swa_block_table
-        else:
-            slots, table = batch.full_slot_mapping, batch.full_block_table
-        ops.store_kv(k_cache, v_cache, slots, k, v,
-                     all_valid=batch.slots_all_valid or self._slots_valid(batch, slots))
+        q, k, v = self.write_kv(x, batch, k_cache, v_cache)
+        table = batch.swa_block_table if self.is_sliding else batch.full_block_table
         out = ops.paged_attention(
             q,
             k_cache,
@@ -81,6 +67,28 @@ class Attention(nn.Module):
             v_new=v,
         )
         return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
+
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] of x's rows (RoPE applied, v scaled), k and v
+        stored at the batch's slots of this layer's pool. Alone, it is what an MTP extend needs of a
+        layer whose output nothing reads (llm_core/model/mtp.py, MTPLayer.write_kv)."""
+        spec = self.spec
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k heads share head_dim and sit side by side in the projection: rotate them together,
+        # in place on the projection's output (no copies of q, k or v).
+        qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
+        if self.value_scale != 1.0:  # x * 1.0 == x: skipping the multiply is exact
+            v.mul_(self.value_scale)
+        cos, sin = self._rotary_tables(batch, x.dtype)
+        self.rotary.apply_(qk, cos, sin)
+        q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+        slots = batch.swa_slot_mapping if self.is_sliding else batch.full_slot_mapping
+        ops.store_kv(k_cache, v_cache, slots, k, v,
+                     all_valid=batch.slots_all_valid or self._slots_valid(batch, slots))
+        return q, k, v
 
     def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
               slots_valid: bool | None = None) -> None:

@@ -19,6 +19,7 @@ from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine.speculative.verify import target_probs, verify_sampled
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint, write_hub_layout
+from tests.support.draft_compare import compare_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,28 +119,17 @@ def test_real_mtp_drafts_random_weights_still_exact(model):
 
 
 def test_first_mode_draft_steps_equal_per_step_batches(model):
-    """The first mode's draft (inputs of all k steps built once, draft_steps.py) drafts the tokens
-    the per-step path (build_forward_batch and a fresh attention plan per step) drafts, with requests
-    of different k in one batch (max_tokens caps k near the end) and windows past the SWA release."""
+    """The first mode's module-path draft (inputs of all k steps built once, draft_steps.py; the
+    reference the fused draft is tested against, test_fused_draft.py) drafts the tokens the per-step
+    path (build_forward_batch and a fresh attention plan per step) drafts, with requests of different
+    k in one batch (max_tokens caps k near the end) and windows past the SWA release."""
     prompts = [ids(40 + i, n) for i, n in enumerate((3, 13, 22))]
     eng = engine(model, speculative_tokens=3, speculative_adaptive=False)
-    proposer, fast, checked = eng.speculative.proposer, eng.speculative.proposer.draft, []
-
-    def draft(entries, kv):
-        lengths = [len(e.request.token_ids) for e in entries]
-        fast(entries, kv)
-        got = [e.request.token_ids[n:] for e, n in zip(entries, lengths)]
-        for e, n in zip(entries, lengths):
-            del e.request.token_ids[n:]
-        proposer._draft_rows(entries, kv)
-        assert [e.request.token_ids[n:] for e, n in zip(entries, lengths)] == got
-        if entries:
-            checked.append(sorted({e.num_draft_tokens for e in entries}))
-
-    proposer.draft = draft
+    checked = compare_drafts(eng, "_draft_first", "_draft_rows")  # not the engine's own (fused) draft
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 17, 24)]
     outs = LLM.from_engine(eng).generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == [30, 17, 24]
+    checked = [sorted(set(ks)) for _, ks, _ in checked]
     assert any(len(ks) > 1 for ks in checked) and max(max(ks) for ks in checked) == 3
     assert [3] in checked  # steps where every request drafts as many tokens (no inactive cells)
 
@@ -264,3 +254,24 @@ def test_adaptive_engine_stops_drafting_when_drafts_fail(model):
     assert_same(ref, generate(eng, prompts, params))
     s = eng.stats()
     assert s.spec_draft_tokens < 3 * 3 + 3 * 40 // 16 + 3  # first guesses + one probe per 16 steps
+
+
+@pytest.mark.parametrize("mode", ["first", "chain"])
+def test_kv_only_extend_stores_what_the_full_layer_stores(model, monkeypatch, mode):
+    """The extend's last MTP layer only writes its K/V (MTPLayer.write_kv): the same values, bit for
+    bit, as its full forward would store, over prefill chunks and verify rows alike."""
+    from llm_core.model.mtp import MTPLayer
+
+    real, checked = MTPLayer.write_kv, []
+
+    def both(self, embeds, h_prev, batch, k_cache, v_cache):
+        k_full, v_full = k_cache.clone(), v_cache.clone()
+        MTPLayer.forward(self, embeds, h_prev, batch, k_full, v_full)
+        real(self, embeds, h_prev, batch, k_cache, v_cache)
+        assert torch.equal(k_full, k_cache) and torch.equal(v_full, v_cache)
+        checked.append(embeds.shape[0])
+
+    monkeypatch.setattr(MTPLayer, "write_kv", both)
+    eng = engine(model, speculative_tokens=3, speculative_layers=mode, speculative_adaptive=False)
+    generate(eng, [ids(60, 12), ids(61, 3)], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert max(checked) >= 4 and min(checked) >= 1
