@@ -177,7 +177,8 @@ class MediaPlanner:
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; early_frames_used /
         early_frames_decoded_after: sampled frames of chunks an early decode served
-        (media.decode.early), kept by it / decoded after arrival."""
+        (media.decode.early), kept by it / decoded after arrival; early_audio_used: audio items
+        whose samples came from an early decode (media.decode.early_audio)."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 
