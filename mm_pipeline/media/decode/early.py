@@ -48,7 +48,7 @@ from mm_pipeline.media.sniff import fragments_duration, open_av_stream
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
-_SLACK = {"index": 0, "duration": 2}  # frame counts kept either side of the prediction
+_SLACK = {"index": 0, "duration": 2, "fragments": 2}  # frame counts kept either side of the prediction
 PREDICTABLE = ("index", "matroska", "fragments")  # layouts (sniff.streamable_layout) whose header may give the count
 _HEAD = 1 << 20  # bytes a fragmented MP4's stated duration is looked for in (before the first moof)
 
@@ -195,7 +195,8 @@ class EarlyVideoDecode:
 
     def _predict(self, container: av.container.InputContainer, stream: av.VideoStream, fps: float) -> int | None:
         """The frame count from the container's own header, or None (a Matroska without a
-        duration): then the video is decoded after arrival (module doc)."""
+        duration, a fragmented MP4 that states none): then the video is decoded after arrival
+        (module doc)."""
         if self.layout == "index" and stream.frames > 0:  # the MP4 sample table counts them exactly
             self.prediction = "index"
             return stream.frames

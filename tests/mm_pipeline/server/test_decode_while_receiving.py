@@ -116,6 +116,12 @@ def test_audio_decoded_while_it_arrives(tmp_path_factory) -> None:
                 counts = server.engine.stats().media
                 if on:
                     assert counts["early_decodes.audio"] == 1 and counts["early_audio_used"] == 1
+                    # the same bytes again: every unit is cached, the early decode is cancelled unused
+                    again = httpx.post(server.base_url + "/v1/chat/completions",
+                                       json=body(server, media.url("/a.mp3")), timeout=60)
+                    assert again.json()["choices"][0]["message"]["content"] == answers[on]
+                    counts = server.engine.stats().media
+                    assert counts["early_decodes.audio"] == 2 and counts["early_audio_used"] == 1
                 else:
                     assert not any(k.startswith("early_") for k in counts)
                 wait_idle(server)
