@@ -134,9 +134,10 @@ def plain_audio_format(head: bytes) -> str | None:
 
 def fragments_duration(head: bytes) -> float | None:
     """The whole duration (seconds) a fragmented MP4 states before its first ``moof``, or None:
-    ``mehd`` (moov/mvex, in the ``mvhd`` timescale; Bento4, GPAC, Shaka write it) or a leading
-    ``sidx`` with at least two references (FFmpeg's ``global_sidx``, DASH on-demand: the
-    earliest presentation time plus the subsegment durations of every fragment). FFmpeg's own fragmented output states neither
+    ``mehd`` (moov/mvex, in the ``mvhd`` timescale; packagers such as Bento4 and GPAC write it) or
+    a leading ``sidx`` with at least two references (FFmpeg's ``global_sidx``, DASH on-demand: the
+    earliest presentation time plus the subsegment durations of every fragment). FFmpeg's own
+    fragmented output states neither by default
     (``frag_keyframe+empty_moov``: an empty sample table, no ``mehd``, ``trex`` default duration 0;
     without ``empty_moov`` the ``moov`` counts the first fragment only); a ``sidx`` of one
     reference may describe its fragment alone, so it is not taken for the whole."""

@@ -100,7 +100,8 @@ def test_early_audio_is_bit_identical(clips, name: str) -> None:
     item = MediaItem(MediaKind.AUDIO, sniff(data).format, data)
     audio = early.result(item, header_seconds(item))
     whole = decode_audio(item, RATE)
-    assert audio is not None and torch.equal(audio.samples, whole.samples) and audio.source_format == whole.source_format
+    assert audio is not None and torch.equal(audio.samples, whole.samples)
+    assert audio.source_format == whole.source_format
     assert early.received_at_first_chunk is not None and early.received_at_first_chunk < len(data)
     assert budget.early_in_use == early.held == audio.samples.numel() * 4  # the samples, held until used
     early.cancel()
