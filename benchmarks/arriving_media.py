@@ -1,9 +1,11 @@
 """Decoding while the bytes arrive (issue 16 item 4): time to first token of a fresh 720p video
-fetched over http from a throttled loopback host, through ``mmserve serve`` (demo model), with
---decode-while-receiving (the default) and --no-decode-while-receiving, side by side in one run.
+or audio file fetched over http from a throttled loopback host, through ``mmserve serve`` (demo
+model), with --decode-while-receiving (the default) and --no-decode-while-receiving, side by side
+in one run.
 
     .venv/bin/python benchmarks/arriving_media.py --quick --json /tmp/arriving.json
-    .venv/bin/python benchmarks/arriving_media.py --repeat 3 --rate-mb-s 30 --layout index fragments
+    .venv/bin/python benchmarks/arriving_media.py --repeat 3 --rate-mb-s 30 --layout index fragments-sidx
+    .venv/bin/python benchmarks/arriving_media.py --repeat 3 --layout --audio wav opus --audio-rate-kb-s 256
 
 Keys (prefixed by the layout):
   ttft_early_s / ttft_after_s   first streamed token after the request was sent (medians)
@@ -13,12 +15,18 @@ Keys (prefixed by the layout):
   early_frames_used / early_frames_decoded_after
                                 sampled frames the early decode had kept / production decoded after
                                 arrival (from /metrics of the early server, warm-up clip included)
+Audio rows (``audio_<format>_``): the same keys, pyav_decode_s (plain PyAV decoding and resampling
+the file to 16 kHz: what decoding early can hide) and early_audio_used (items whose samples came
+from the early decode).
 
 The video: ``make_camera_video`` (720p, 30 fps, keyframe every 2 s, MPEG-4 part 2 at ~6 Mbit/s),
 remuxed without re-encoding into the layout asked for: ``index`` (moov first), ``matroska``,
 ``fragments`` (fragmented MP4, empty moov: no frame count up front, so it is decoded after arrival
-either way and its ratio shows what the feature costs when it cannot help). A new
-server per variant and repetition, so every timed request is cold (after a short warm-up clip).
+either way and its ratio shows what the feature costs when it cannot help), ``fragments-sidx``
+(FFmpeg's global_sidx: the duration up front). The audio: a mono 16 kHz voice-band noise signal of
+--audio-seconds (the demo model's 2,048-token context holds about 80 s), as WAV, MP3, Ogg/Opus or
+FLAC, sent at --audio-rate-kb-s. A new server per variant and repetition, so every timed request is
+cold (after a short warm-up item).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from __future__ import annotations
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
 import io
+import time
 from pathlib import Path
+from typing import Callable
 
 import av
 import httpx
@@ -65,11 +75,50 @@ def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
     return buf.getvalue()
 
 
-def first_token(base_url: str, model: str, url: str) -> float:
+_AUDIO_CODECS = {"wav": ("wav", "pcm_s16le"), "mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"),
+                 "flac": ("flac", "flac")}
+
+
+def make_audio(seconds: int, seed: int, fmt: str) -> bytes:
+    """Mono noise shaped like speech (bursts of band-limited noise), 16 kHz (Opus: 48 kHz), as ``fmt``."""
+    container, codec = _AUDIO_CODECS[fmt]
+    rate = 48000 if fmt == "opus" else 16000
+    rng = np.random.default_rng(seed)
+    n = seconds * rate
+    envelope = np.repeat(rng.uniform(0.05, 0.6, n // (rate // 5) + 1), rate // 5)[:n]
+    wave = (np.convolve(rng.standard_normal(n), np.ones(8) / 8, mode="same") * envelope).astype(np.float32)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate, layout="mono")
+        fmt_name = stream.codec_context.codec.audio_formats[0].name
+        step = stream.codec_context.frame_size or 1024
+        resampler = av.AudioResampler(format=fmt_name, layout="mono", rate=rate)
+        for start in range(0, n, step):
+            frame = av.AudioFrame.from_ndarray(wave[None, start:start + step].copy(), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = rate, start
+            for piece in resampler.resample(frame):
+                out.mux(stream.encode(piece))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def pyav_decode_audio(data: bytes) -> float:
+    """Seconds plain PyAV needs to decode and resample every sample to 16 kHz."""
+    t0 = time.perf_counter()
+    with av.open(io.BytesIO(data)) as container:
+        resampler = av.AudioResampler(format="fltp", layout="mono", rate=16000)
+        for frame in container.decode(audio=0):
+            frame.pts = None
+            resampler.resample(frame)
+    return time.perf_counter() - t0
+
+
+def first_token(base_url: str, model: str, url: str, part: str = "video_url") -> float:
+    question = "What happens in this video?" if part == "video_url" else "What do you hear?"
     return first_token_s(base_url, {
         "model": model, "max_tokens": 1, "temperature": 0, "stream": True,
-        "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                  {"type": "text", "text": "What happens in this video?"}]}]})
+        "messages": [{"role": "user", "content": [{"type": part, part: {"url": url}},
+                                                  {"type": "text", "text": question}]}]})
 
 
 def early_counts(base_url: str) -> dict[str, float]:
@@ -85,30 +134,50 @@ def early_counts(base_url: str) -> dict[str, float]:
     return out
 
 
-def run(seconds: int, reps: int, rate: float, layout: str) -> dict[str, float]:
-    video = remux_layout(make_camera_video(seconds, seed=400), layout)
-    warm = remux_layout(make_camera_video(2, seed=401), layout)
-    times: dict[str, list[float]] = {"early": [], "after": [], "pyav": []}
+def ttft_pair(media: bytes, warm: bytes, reps: int, rate: float, part: str,
+              floor: Callable[[bytes], float]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """TTFT of ``media`` with and without decode-while-receiving, ``reps`` times each on fresh
+    servers (after ``warm``), and ``floor(media)`` once per repetition; the early server's counters."""
+    times: dict[str, list[float]] = {"early": [], "after": [], "floor": []}
     counts: dict[str, float] = {}
     flags = ["--model", str(DEMO), "--allow-http", "--allowed-domains", "127.0.0.1", "--allow-private-hosts",
              "--fetch-timeout-s", "120"]
-    with ThrottledMediaServer({"/clip": video, "/warm": warm}, rate_bytes_s=rate) as host:
+    with ThrottledMediaServer({"/media": media, "/warm": warm}, rate_bytes_s=rate) as host:
         for _ in range(reps):
             for name, extra in (("early", []), ("after", ["--no-decode-while-receiving"])):
                 with ServerProcess([*flags, *extra]) as server:
                     model = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-                    first_token(server.base_url, model, host.url("/warm"))  # first-request costs
-                    times[name].append(first_token(server.base_url, model, host.url("/clip")))
+                    first_token(server.base_url, model, host.url("/warm"), part)  # first-request costs
+                    times[name].append(first_token(server.base_url, model, host.url("/media"), part))
                     if name == "early":
                         counts = early_counts(server.base_url)
-            times["pyav"].append(pyav_decode_all(video))
+            times["floor"].append(floor(media))
+    return times, counts
+
+
+def _ttft_keys(times: dict[str, list[float]], size: int, rate: float) -> dict[str, float]:
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {"ttft_early_s": med["early"], "ttft_after_s": med["after"], "ttft_ratio": med["early"] / med["after"],
             "ttft_early_spread_s": max(times["early"]) - min(times["early"]),
             "ttft_after_spread_s": max(times["after"]) - min(times["after"]),
-            "arrival_s": len(video) / rate, "video_mb": len(video) / 1e6, "pyav_all_frames_s": med["pyav"],
+            "arrival_s": size / rate, "size_mb": size / 1e6}
+
+
+def run(seconds: int, reps: int, rate: float, layout: str) -> dict[str, float]:
+    video = remux_layout(make_camera_video(seconds, seed=400), layout)
+    warm = remux_layout(make_camera_video(2, seed=401), layout)
+    times, counts = ttft_pair(video, warm, reps, rate, "video_url", pyav_decode_all)
+    return {**_ttft_keys(times, len(video), rate), "pyav_all_frames_s": float(np.median(times["floor"])),
             "early_frames_used": counts.get("early_frames_used", 0.0),
             "early_frames_decoded_after": counts.get("early_frames_decoded_after", 0.0),
+            "early_decode_bytes_outstanding_mb": counts.get("early_decode_bytes_outstanding", 0.0) / 1e6}
+
+
+def run_audio(seconds: int, reps: int, rate: float, fmt: str) -> dict[str, float]:
+    audio, warm = make_audio(seconds, seed=410, fmt=fmt), make_audio(2, seed=411, fmt=fmt)
+    times, counts = ttft_pair(audio, warm, reps, rate, "audio_url", pyav_decode_audio)
+    return {**_ttft_keys(times, len(audio), rate), "pyav_decode_s": float(np.median(times["floor"])),
+            "early_audio_used": counts.get("early_audio_used", 0.0),
             "early_decode_bytes_outstanding_mb": counts.get("early_decode_bytes_outstanding", 0.0) / 1e6}
 
 
@@ -116,9 +185,13 @@ def main() -> None:
     parser = base_parser(__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=None, metavar="N", help="repetitions (medians; default 1 quick, 3 full)")
     parser.add_argument("--rate-mb-s", type=float, default=30.0, help="the media host's send rate in MB/s")
-    parser.add_argument("--layout", choices=["fragments", "index", "matroska"], nargs="+",
-                        default=["index", "fragments"], help="container layouts, each its own rows")
+    parser.add_argument("--layout", choices=["fragments", "fragments-sidx", "index", "matroska"], nargs="*",
+                        default=["index", "fragments"], help="video container layouts, each its own rows")
     parser.add_argument("--seconds", type=int, default=None, help="video length (default 20 quick, 60 full)")
+    parser.add_argument("--audio", choices=sorted(_AUDIO_CODECS), nargs="*", default=["wav"],
+                        help="audio formats, each its own rows")
+    parser.add_argument("--audio-seconds", type=int, default=60, help="audio length (the demo context holds ~80 s)")
+    parser.add_argument("--audio-rate-kb-s", type=float, default=256.0, help="the media host's rate for audio, KB/s")
     args = parser.parse_args()
     reps = args.repeat or (1 if args.quick else 3)
     seconds = args.seconds or (20 if args.quick else 60)
@@ -128,7 +201,13 @@ def main() -> None:
         print_table(f"decode while receiving: {seconds} s 720p, {layout}, at {args.rate_mb_s:g} MB/s "
                     f"(median of {reps})", ["metric", "value"], sorted(one.items()))
         results.update({f"{layout}_{k}": v for k, v in one.items()})
-    write_json(args.json, {**results, "seconds": seconds, "repeat": reps, "rate_mb_s": args.rate_mb_s})
+    for fmt in args.audio:
+        one = run_audio(args.audio_seconds, reps, args.audio_rate_kb_s * 1e3, fmt)
+        print_table(f"decode while receiving: {args.audio_seconds} s audio, {fmt}, at {args.audio_rate_kb_s:g} KB/s "
+                    f"(median of {reps})", ["metric", "value"], sorted(one.items()))
+        results.update({f"audio_{fmt}_{k}": v for k, v in one.items()})
+    write_json(args.json, {**results, "seconds": seconds, "repeat": reps, "rate_mb_s": args.rate_mb_s,
+                           "audio_seconds": args.audio_seconds, "audio_rate_kb_s": args.audio_rate_kb_s})
 
 
 if __name__ == "__main__":

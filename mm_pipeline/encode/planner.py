@@ -75,9 +75,13 @@ class MediaPlanner:
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # worker threads count concurrently
         self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count, decoder)
-        # http(s) videos start decoding while their bytes arrive (off: --no-decode-while-receiving)
-        ingestor.early_video = EarlyDecoders(config.video_sampling, config.limits, ingestor.config.fetch_timeout_s,
-                                             config.decoder_threads).start
+        # http(s) videos and audio start decoding while their bytes arrive (off: --no-decode-while-receiving),
+        # what they keep counted in the producer's decode budget
+        audio = preprocessor.audio_config
+        ingestor.early_decode = EarlyDecoders(
+            config.video_sampling, config.limits, ingestor.config.fetch_timeout_s, config.decoder_threads,
+            budget=self.producer.budget, audio_rate=audio.sampling_rate if audio is not None else None,
+            context_samples=self.producer.context_samples()).start
         # media key -> the planning pass in progress; a cancelled planner fails its joiners with
         # a MediaError (their request failed for a reason of this media, not their own cancel)
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
@@ -173,7 +177,8 @@ class MediaPlanner:
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; early_frames_used /
         early_frames_decoded_after: sampled frames of chunks an early decode served
-        (media.decode.early), kept by it / decoded after arrival."""
+        (media.decode.early), kept by it / decoded after arrival; early_audio_used: audio items
+        whose samples came from an early decode (media.decode.early_audio)."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 

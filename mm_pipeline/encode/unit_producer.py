@@ -25,6 +25,7 @@ from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
 from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.early_audio import EarlyAudioDecode
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -79,12 +80,24 @@ class UnitProducer:
         cap = cap if limit is None else min(cap, limit + 1)
         claimed = header_seconds(item)
         expected = cap if claimed is None else min(cap, int(claimed * cfg.sampling_rate) + 1)
-        # resampled chunks and their concatenation (float32), and the mel: an estimate from the
-        # header; whatever the header says, the decode itself stops at ``cap`` samples
-        with self.budget.reserve(12 * expected, control, "the audio"):
-            self._count("audio_decoded")
-            audio = decode_audio(item, cfg.sampling_rate, self.config.limits, control, limit)
-            return self.pre.audio_segments(audio)
+        # decoded while the bytes arrived (media.decode.early_audio): its samples, held in the
+        # budget already, count toward this reservation; None: decode the whole bytes as before
+        early = item.early if isinstance(item.early, EarlyAudioDecode) else None
+        try:
+            audio = early.result(item, claimed, control) if early is not None else None
+            held = early.held if early is not None and audio is not None else 0
+            # resampled chunks and their concatenation (float32), and the mel: an estimate from the
+            # header; whatever the header says, the decode itself stops at ``cap`` samples
+            with self.budget.reserve(max(0, 12 * expected - held), control, "the audio"):
+                self._count("audio_decoded")
+                if audio is None:
+                    audio = decode_audio(item, cfg.sampling_rate, self.config.limits, control, limit)
+                else:
+                    self._count("early_audio_used")
+                return self.pre.audio_segments(audio)
+        finally:
+            if early is not None:
+                early.cancel()  # its samples were used (or not needed): give their bytes back
 
     def context_samples(self) -> int | None:
         """The most audio samples whose tokens fit the model's context (None: no context given)."""

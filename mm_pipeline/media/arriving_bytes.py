@@ -14,6 +14,13 @@ gave up: a stalled or disconnected client, a size or time limit), at ``close`` o
 ``stall_s`` seconds without a new byte, and raises ``ArrivalAborted`` in the last three cases. A
 seek past what has arrived waits like a read (an MP4 whose index is at the end is then decoded
 only after arrival; ``streamable_layout`` spots those before a decoder is started at all).
+
+Two knobs per reader, because demuxers behave differently on what they are told (both measured,
+README "Decoding while bytes arrive"): ``seekable=False`` makes FFmpeg read as from a pipe (an
+Ogg demuxer that may seek would jump to the last page for the duration and wait for the last
+byte); ``known_size=True`` answers a size query with the declared size (Content-Length) before the
+end has arrived -- the MP3 demuxer trims the encoder's end padding only when it knows the size, so
+without it the last frame's samples differ from a decode of the whole bytes.
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ class ArrivingBytes:
     """A growing, size-capped body with its incremental content key. ``feed``/``finish``/``fail``
     come from the receiver; any number of ``reader()``s read from other threads."""
 
-    def __init__(self, max_bytes: int, stall_s: float) -> None:
+    def __init__(self, max_bytes: int, stall_s: float, declared_size: int | None = None) -> None:
         if max_bytes <= 0 or not stall_s > 0:
             raise ValueError(f"ArrivingBytes needs max_bytes > 0 and stall_s > 0, got {max_bytes}, {stall_s}")
+        if declared_size is not None and not 0 <= declared_size <= max_bytes:
+            raise ValueError(f"ArrivingBytes declared_size must lie in [0, {max_bytes}], got {declared_size}")
         self.max_bytes = max_bytes
         self.stall_s = stall_s
+        self.declared_size = declared_size  # what the sender said it will send (Content-Length), unchecked
         self._buf = bytearray()
         self._hasher = blake3.blake3()
         self._cond = threading.Condition()
@@ -90,8 +100,16 @@ class ArrivingBytes:
         with self._cond:
             return bytes(self._buf[:n])
 
-    def reader(self) -> "ArrivingReader":
-        return ArrivingReader(self)
+    @property
+    def size_as_declared(self) -> bool:
+        """The body ended with exactly ``declared_size`` bytes (what a ``known_size`` reader assumed)."""
+        with self._cond:
+            return self._done and self._error is None and len(self._buf) == self.declared_size
+
+    def reader(self, seekable: bool = True, known_size: bool = False) -> "ArrivingReader":
+        """``seekable``: False reads as from a pipe; ``known_size``: a size query answers
+        ``declared_size`` before the end (module doc)."""
+        return ArrivingReader(self, seekable, known_size and self.declared_size is not None)
 
     def wait_for(self, end: int | None) -> int:
         """Block until ``end`` bytes arrived (None: the whole body) or the body ended; the bytes
@@ -119,16 +137,18 @@ class ArrivingBytes:
 class ArrivingReader(io.RawIOBase):
     """A blocking, seekable file object over ``ArrivingBytes`` (what PyAV reads from)."""
 
-    def __init__(self, source: ArrivingBytes) -> None:
+    def __init__(self, source: ArrivingBytes, seekable: bool = True, known_size: bool = False) -> None:
         super().__init__()
         self._src = source
         self._pos = 0
+        self._seekable = seekable
+        self._known_size = known_size
 
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
-        return True
+        return self._seekable  # PyAV asks once, when it opens: False gives FFmpeg no seek function
 
     def tell(self) -> int:
         return self._pos
@@ -154,10 +174,14 @@ class ArrivingReader(io.RawIOBase):
             target = self._pos + offset
         elif whence == io.SEEK_END:
             # FFmpeg asks for the size this way (avio_size) all the time: before the end has
-            # arrived the size is unknown (-1: FFmpeg reads on as from a pipe); never wait here
-            if not self._src.done:
+            # arrived the size is unknown (-1: FFmpeg reads on as from a pipe) unless the reader
+            # trusts the declared size; never wait here
+            if self._src.done:
+                target = self._src.received + offset
+            elif self._known_size:
+                target = self._src.declared_size + offset  # type: ignore[operator]
+            else:
                 return -1
-            target = self._src.received + offset
         else:
             raise OSError(f"unsupported whence {whence}")
         if target < 0:

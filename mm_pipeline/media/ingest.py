@@ -6,8 +6,8 @@ inside them; the sniff answer of a content key seen before comes from a memo, so
 container is never opened by PyAV again (and planning then finds its manifest by the same key).
 
 An http(s) body arrives into one growing buffer (``ArrivingBytes``) that the hash and, for a
-streamable video, an early decoder (``media.decode.early``, started through ``early_video``) read
-while it grows; the body's size cap applies chunk by chunk.
+streamable video or an audio item, an early decoder (``media.decode.early``, started through
+``early_decode``) read while it grows; the body's size cap applies chunk by chunk.
 
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
@@ -104,7 +104,7 @@ class IngestConfig:
     fetch_timeout_s: float = 10.0  # whole fetch, redirects included
     max_redirects: int = 3
     allow_private_hosts: bool = False  # let allowed domains resolve to loopback / private addresses
-    decode_while_receiving: bool = True  # http(s) video: decode while the body arrives (media.decode.early)
+    decode_while_receiving: bool = True  # http(s) video/audio: decode while the body arrives (media.decode.early)
     limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
@@ -124,9 +124,10 @@ class MediaIngestor:
         self._transport = transport
         self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
         self.sniff_memo = SniffMemo()
-        # (body, layout) -> a started early decode or None: set by the planner, which knows the
-        # sampling and decoder settings (media.decode.early); None: decode after arrival only
-        self.early_video: Callable[[ArrivingBytes, str], Any] | None = None
+        # (body, layout, declared kind, origin) -> a started early decode or None: set by the
+        # planner, which knows the sampling, audio rate and decoder settings (media.decode.early);
+        # None: decode after arrival only
+        self.early_decode: Callable[[ArrivingBytes, str, MediaKind | None, str], Any] | None = None
         self.source_memo = SourceMemo()
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
@@ -136,8 +137,8 @@ class MediaIngestor:
         """Per modality (``name.kind``): content_hashes, sniff_probes (a PyAV open was needed),
         sniff_memo_hits (the content key answered, nothing opened), source_memo_hits (a data URL or
         file seen before: neither decoded, read nor hashed -- a DeferredMediaItem); early_decodes.video
-        (decoding started while the bytes arrived) and early_decode_bytes_outstanding (bytes still
-        to come then, summed)."""
+        and .audio (decoding started while the bytes arrived) and early_decode_bytes_outstanding
+        (bytes still to come then, summed)."""
         with self._counts_lock:
             return dict(self._counts)
 
@@ -205,13 +206,13 @@ class MediaIngestor:
     def _with_early(self, item: MediaItem, early: Any) -> MediaItem:
         if early is None:
             return item
-        if item.kind is not MediaKind.VIDEO:
-            early.cancel()  # a Matroska/Ogg that sniffed as audio, or a declared audio part
+        if item.kind is not early.kind:
+            early.cancel()  # e.g. a Matroska started as a video that sniffed as audio
             return item
         item = dataclasses.replace(item, early=early)
         weakref.finalize(item, early.cancel)  # the request dropped its item: stop, free the frames
         with self._counts_lock:
-            self._counts["early_decodes.video"] += 1
+            self._counts[f"early_decodes.{item.kind.value}"] += 1
             self._counts["early_decode_bytes_outstanding"] += item.nbytes - early.received_at_start
         return item
 
@@ -333,18 +334,22 @@ class MediaIngestor:
                     declared = response.headers.get("content-length")
                     if declared is not None and declared.isdigit() and int(declared) > limit:
                         raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
-                    return await self._receive(response.aiter_bytes(), url, kind)
+                    # the body's size as it will reach us: Content-Length counts encoded bytes
+                    size = (int(declared) if declared is not None and declared.isdigit()
+                            and response.headers.get("content-encoding", "identity") == "identity" else None)
+                    return await self._receive(response.aiter_bytes(), url, kind, size)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
-    async def _receive(self, chunks: AsyncIterator[bytes], url: str,
-                       kind: MediaKind | None) -> tuple[bytes, str, Any]:
-        """Hash the chunks as they arrive into one growing buffer; a streamable video starts
-        decoding from that buffer as soon as its layout is known. Any failure (size cap, deadline,
-        disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
-        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s)
+    async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
+                       declared_size: int | None = None) -> tuple[bytes, str, Any]:
+        """Hash the chunks as they arrive into one growing buffer; a streamable video or an audio
+        item starts decoding from that buffer as soon as its layout is known. Any failure (size
+        cap, deadline, disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
+        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
+                             declared_size=declared_size)
         early, layout = None, None
-        wants_early = (self.early_video is not None and self.config.decode_while_receiving
-                       and kind in (None, MediaKind.VIDEO))
+        wants_early = (self.early_decode is not None and self.config.decode_while_receiving
+                       and kind in (None, MediaKind.VIDEO, MediaKind.AUDIO))
         try:
             async for chunk in chunks:
                 try:
@@ -354,7 +359,7 @@ class MediaIngestor:
                 if wants_early and layout is None:
                     layout = streamable_layout(body.head(_LAYOUT_HEAD))
                     if layout:
-                        early = self.early_video(body, layout)  # type: ignore[misc]
+                        early = self.early_decode(body, layout, kind, _short(url))  # type: ignore[misc]
             data, key = body.finish()
             return data, key, early
         except BaseException:

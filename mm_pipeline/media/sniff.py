@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -86,10 +87,13 @@ def open_av_stream(fileobj: BinaryIO) -> av.container.InputContainer:
 def streamable_layout(head: bytes) -> str | None:
     """How a container can be decoded front to back as it arrives, from its first bytes:
     ``"index"`` (MP4 with its whole sample table, ``moov``, before ``mdat``), ``"fragments"``
-    (fragmented MP4), ``"matroska"`` (Matroska/WebM), ``"ogg"``; ``""``: it cannot (``moov``
-    after ``mdat``, anything else); None: the bytes so far do not tell yet."""
+    (fragmented MP4), ``"matroska"`` (Matroska/WebM), ``"ogg"``, ``"audio"`` (WAV, FLAC, MP3,
+    ADTS: a plain audio stream); ``""``: it cannot (``moov`` after ``mdat``, anything else); None:
+    the bytes so far do not tell yet."""
     if len(head) < 12:
         return None
+    if _sniff_plain_audio(head[:16]) is not None:
+        return "audio"
     if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML
         return "matroska"
     if head[:4] == b"OggS":
@@ -97,24 +101,87 @@ def streamable_layout(head: bytes) -> str | None:
     if head[4:8] != b"ftyp":
         return ""
     pos = 0
-    while pos + 8 <= len(head):  # top-level boxes: size (4, big endian) | type (4)
-        size, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]
+    fragmented = False  # a moov with mvex was seen: answer at the first moof, so that whatever
+    while pos + 8 <= len(head):  # precedes it (a sidx stating the duration) has arrived too
+        size, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]  # size (4) | type (4)
         if size == 1:  # a 64-bit size follows
             if pos + 16 > len(head):
                 return None
             size = int.from_bytes(head[pos + 8:pos + 16], "big")
-        if kind == b"mdat":
-            return ""  # samples first, index at the end
         if kind == b"moof":
             return "fragments"
+        if kind == b"mdat" and not fragmented:
+            return ""  # samples first, index at the end
         if kind == b"moov":
             if pos + size > len(head):
                 return None if len(head) < _HEAD_LIMIT else ""
-            return "fragments" if b"mvex" in head[pos:pos + size] else "index"
+            if b"mvex" not in head[pos:pos + size]:
+                return "index"
+            fragmented = True  # the first fragment's samples (mdat) or a sidx may follow
         if size < 8:  # 0: the box runs to the end of the file
-            return ""
+            return "fragments" if fragmented else ""
         pos += size
-    return None if len(head) < _HEAD_LIMIT else ""
+    if len(head) < _HEAD_LIMIT:
+        return None
+    return "fragments" if fragmented else ""
+
+
+def plain_audio_format(head: bytes) -> str | None:
+    """``"wav"``, ``"flac"``, ``"mp3"`` or ``"aac"`` (ADTS) from the first bytes, else None."""
+    found = _sniff_plain_audio(head[:16])
+    return found.format if found is not None else None
+
+
+def fragments_duration(head: bytes) -> float | None:
+    """The whole duration (seconds) a fragmented MP4 states before its first ``moof``, or None:
+    ``mehd`` (moov/mvex, in the ``mvhd`` timescale; packagers such as Bento4 and GPAC write it) or
+    a leading ``sidx`` with at least two references (FFmpeg's ``global_sidx``, DASH on-demand: the
+    earliest presentation time plus the subsegment durations of every fragment). FFmpeg's own
+    fragmented output states neither by default
+    (``frag_keyframe+empty_moov``: an empty sample table, no ``mehd``, ``trex`` default duration 0;
+    without ``empty_moov`` the ``moov`` counts the first fragment only); a ``sidx`` of one
+    reference may describe its fragment alone, so it is not taken for the whole."""
+    timescale = 0
+    for kind, start, end in _boxes(head, 0, len(head)):
+        if kind == b"moof":
+            return None
+        if kind == b"moov":
+            for inner, s, e in _boxes(head, start, end):
+                if inner == b"mvhd" and e - s >= 24:
+                    timescale = int.from_bytes(head[s + 20:s + 24] if head[s] else head[s + 12:s + 16], "big")
+                elif inner == b"mvex":
+                    for leaf, ls, le in _boxes(head, s, e):
+                        if leaf == b"mehd" and le - ls >= 8 and timescale:
+                            wide = head[ls] == 1
+                            value = int.from_bytes(head[ls + 4:ls + (12 if wide else 8)], "big")
+                            return value / timescale if value else None
+        elif kind == b"sidx" and end - start >= 24:
+            wide = head[start] == 1
+            scale = int.from_bytes(head[start + 8:start + 12], "big")
+            count_at = start + (28 if wide else 20) + 2
+            count = int.from_bytes(head[count_at:count_at + 2], "big")
+            refs = count_at + 2
+            if count < 2 or not scale or refs + 12 * count > end:
+                return None
+            # the end of the last subsegment: its start (after samples the moov itself holds, when
+            # it is not empty) plus every subsegment's duration
+            start_time = int.from_bytes(head[start + 12:start + (20 if wide else 16)], "big")
+            return (start_time + sum(int.from_bytes(head[r + 4:r + 8], "big")
+                                     for r in range(refs, refs + 12 * count, 12))) / scale
+    return None
+
+
+def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(type, payload start, box end) of the complete boxes in ``data[start:end]``."""
+    pos = start
+    while pos + 8 <= end:
+        size, kind, header = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8], 8
+        if size == 1 and pos + 16 <= end:
+            size, header = int.from_bytes(data[pos + 8:pos + 16], "big"), 16
+        if size < header or pos + size > end:
+            return
+        yield kind, pos + header, pos + size
+        pos += size
 
 
 def sniff(data: bytes) -> SniffResult:

@@ -16,13 +16,17 @@ from typing import Any
 
 import av
 
-_MOVFLAGS = {"fragments": "frag_keyframe+empty_moov+default_base_moof", "index": "faststart"}
+_MOVFLAGS = {"fragments": "frag_keyframe+empty_moov+default_base_moof", "index": "faststart",
+             # FFmpeg's global_sidx: the whole duration up front (with absolute fragment offsets
+             # FFmpeg 8 writes a file that does not decode, hence default_base_moof)
+             "fragments-sidx": "frag_keyframe+empty_moov+global_sidx+default_base_moof"}
 
 
 def remux_layout(data: bytes, layout: str) -> bytes:
     """The same coded video frames (no re-encoding) as ``layout``: ``fragments`` (fragmented MP4,
-    empty moov), ``index`` (MP4, moov first), ``matroska``, ``index-at-end`` (MP4, moov last).
-    Through a file: faststart rewrites it."""
+    empty moov), ``fragments-sidx`` (the same with a leading sidx stating the duration), ``index``
+    (MP4, moov first), ``matroska``, ``index-at-end`` (MP4, moov last). Through a file: faststart
+    rewrites it."""
     fmt = "matroska" if layout == "matroska" else "mp4"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"clip.{fmt}"

@@ -8,7 +8,7 @@ file with one silent channel comes out at half amplitude, as the reference proce
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import av
 import numpy as np
@@ -32,40 +32,57 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
     of silence stops after the first seconds past the limit)."""
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
+    try:
+        with open_av(item.data) as container:
+            return decode_audio_from(container, item, sample_rate, limits, control, context_samples)
+    except av.FFmpegError as exc:
+        raise UndecodableMediaError(f"{item.format} audio from {item.origin} does not decode ({exc})") from exc
+
+
+def decode_audio_from(container: av.container.InputContainer, item: MediaItem, sample_rate: int,
+                      limits: MediaLimits, control: DecodeControl | None = None, context_samples: int | None = None,
+                      check_header: bool = True, grow: Callable[[int], None] | None = None) -> DecodedAudio:
+    """``decode_audio`` on an opened container: the whole bytes, or bytes still arriving
+    (``media.decode.early_audio``, which checks the header of the whole bytes itself, and is told
+    of each resampled chunk's bytes through ``grow``, which may raise to stop). Raises
+    ``av.FFmpegError`` as PyAV does."""
     max_samples = int(limits.max_duration_s * sample_rate)
     chunks: list[np.ndarray] = []
     total = 0
-    try:
-        with open_av(item.data) as container:
-            if not container.streams.audio:
-                raise UndecodableMediaError(f"{item.format} from {item.origin} has no audio stream")
-            stream = container.streams.audio[0]
-            header_s = _header_duration(container, stream)
-            if header_s is not None and header_s > limits.max_duration_s:
-                raise MediaTooLarge(f"audio lasts {header_s:.1f} s, limit {limits.max_duration_s} s")
-            resampler: av.AudioResampler | None = None
-            for frame in _frames_then_flush(container, stream):
-                check(control)
-                if resampler is None and frame is not None:
-                    resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
-                if resampler is None:
-                    break
-                for out in resampler.resample(frame):
-                    planes = out.to_ndarray()  # [channels, samples] float32 (planar)
-                    chunks.append(planes.mean(axis=0, dtype=np.float32))
-                    total += planes.shape[1]
-                if total > max_samples:
-                    raise MediaTooLarge(f"audio lasts over {limits.max_duration_s} s (decoded)")
-                if context_samples is not None and total > context_samples:
-                    raise ContextLengthError(
-                        f"audio from {item.origin} is longer than the model's context holds "
-                        f"(over {context_samples / sample_rate:.1f} s decoded); send a shorter clip")
-    except av.FFmpegError as exc:
-        raise UndecodableMediaError(f"{item.format} audio from {item.origin} does not decode ({exc})") from exc
+    if not container.streams.audio:
+        raise UndecodableMediaError(f"{item.format} from {item.origin} has no audio stream")
+    stream = container.streams.audio[0]
+    if check_header:
+        check_header_seconds(_header_duration(container, stream), limits)
+    resampler: av.AudioResampler | None = None
+    for frame in _frames_then_flush(container, stream):
+        check(control)
+        if resampler is None and frame is not None:
+            resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
+        if resampler is None:
+            break
+        for out in resampler.resample(frame):
+            planes = out.to_ndarray()  # [channels, samples] float32 (planar)
+            chunks.append(planes.mean(axis=0, dtype=np.float32))
+            total += planes.shape[1]
+            if grow is not None:
+                grow(chunks[-1].nbytes)
+        if total > max_samples:
+            raise MediaTooLarge(f"audio lasts over {limits.max_duration_s} s (decoded)")
+        if context_samples is not None and total > context_samples:
+            raise ContextLengthError(
+                f"audio from {item.origin} is longer than the model's context holds "
+                f"(over {context_samples / sample_rate:.1f} s decoded); send a shorter clip")
     if total == 0:
         raise UndecodableMediaError(f"{item.format} from {item.origin} holds no audio samples")
     samples = torch.from_numpy(np.concatenate(chunks).astype(np.float32, copy=False))
     return DecodedAudio(samples, sample_rate, item.format)
+
+
+def check_header_seconds(seconds: float | None, limits: MediaLimits) -> None:
+    """The duration a header claims against ``max_duration_s`` (before any sample is decoded)."""
+    if seconds is not None and seconds > limits.max_duration_s:
+        raise MediaTooLarge(f"audio lasts {seconds:.1f} s, limit {limits.max_duration_s} s")
 
 
 def has_audio_stream(item: MediaItem) -> bool:

@@ -11,6 +11,12 @@ when its deadline passes or when nobody wants its result any more:
 Every decode reserves its estimated peak bytes (from headers, before any pixel is decoded) in the
 one ``DecodeBudget`` of the runtime; a reservation waits (up to the item's deadline) until the
 bytes of other decodes are released, so N concurrent decodes never hold more than the budget.
+
+Early decodes (decoding while the bytes arrive, ``media.decode.early``) hold what they keep through
+``take_early``/``release_early`` instead: they grow piece by piece and must never wait (a full
+budget only means they stop keeping and the item is decoded after arrival), and together they
+hold at most half the budget -- what they keep is released only once production takes it, and
+production's own reservations must still find room meanwhile.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class DecodeControl:
         self._cancelled.set()
 
     @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -78,19 +88,47 @@ def check(control: DecodeControl | None) -> None:
 class DecodeBudget:
     """Bytes of decoded media held by all decodes in flight, at most ``capacity``.
 
-    Invariant (under ``_cond``): ``0 <= _used <= capacity``; every ``reserve`` releases what it took."""
+    Invariant (under ``_cond``): ``0 <= _early <= _used <= capacity`` and ``_early <= early_capacity``;
+    every ``reserve`` releases what it took."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"DecodeBudget capacity must be positive, got {capacity}")
         self.capacity = capacity
+        self.early_capacity = capacity // 2  # early decodes together (module doc)
         self._used = 0
+        self._early = 0
         self._cond = threading.Condition()
 
     @property
     def in_use(self) -> int:
         with self._cond:
             return self._used
+
+    @property
+    def early_in_use(self) -> int:
+        with self._cond:
+            return self._early
+
+    def take_early(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` more for an early decode if there is room now (never waits)."""
+        nbytes = max(0, int(nbytes))
+        with self._cond:
+            if self._used + nbytes > self.capacity or self._early + nbytes > self.early_capacity:
+                return False
+            self._used += nbytes
+            self._early += nbytes
+            return True
+
+    def release_early(self, nbytes: int) -> None:
+        """Give back ``nbytes`` an early decode took (the caller tracks what it holds)."""
+        nbytes = max(0, int(nbytes))
+        with self._cond:
+            if nbytes > self._early:
+                raise ValueError(f"release_early({nbytes}) but early decodes hold {self._early}")
+            self._used -= nbytes
+            self._early -= nbytes
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def reserve(self, nbytes: int, control: DecodeControl | None = None, what: str = "media") -> Iterator[None]:
@@ -119,6 +157,9 @@ class DecodeBudget:
         with self._cond:
             if not 0 <= self._used <= self.capacity:
                 raise AssertionError(f"decode budget in use {self._used} outside [0, {self.capacity}]")
+            if not 0 <= self._early <= min(self._used, self.early_capacity):
+                raise AssertionError(f"early decodes hold {self._early} of {self._used} in use "
+                                     f"(their cap {self.early_capacity})")
 
 
 def _mib(nbytes: int) -> str:

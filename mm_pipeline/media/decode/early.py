@@ -6,19 +6,26 @@ r"""Decode a video while its bytes still arrive (issue 16 item 4; README "Decodi
                                                    ─► chunks: kept frames, misses decoded as before
 
 Which frames the model sees depends on the exact frame count (``video_sampling``), so the early
-decoder needs it up front: exactly from an MP4 sample table (``moov`` before ``mdat``), or from
-the Segment duration of Matroska/WebM (kept for a few counts around it). It keeps the frames of
-that sampling; production takes a kept frame by its pts (the same frame a decode from its keyframe
-emits) and decodes only the targets that were not kept, so the frames are those of the
-whole-bytes path whatever the prediction was; a wrong prediction costs time, never correctness.
+decoder needs it up front: exactly from an MP4 sample table (``moov`` before ``mdat``); from the
+Segment duration of Matroska/WebM; from a fragmented MP4's ``mehd`` or leading multi-reference
+``sidx`` (``sniff.fragments_duration``) -- the last two as duration x frame rate, kept for a few
+counts around it. It keeps the frames of that sampling; production takes a kept frame by its pts
+(the same frame a decode from its keyframe emits) and decodes only the targets that were not
+kept, so the frames are those of the whole-bytes path whatever the prediction was; a wrong
+prediction costs time, never correctness, and the decoder stops once it is past the last frame
+the prediction would keep (a wrong count never makes it decode the whole video for nothing).
 
-A fragmented MP4 or an Ogg stream states no frame count up front: estimating it from
-Content-Length was tried and measured (README) -- a few frames off, which moves most sampled
-frames, so the early work was wasted and the first token came later -- so they are decoded after
-arrival, as is an MP4 with its index at the end (it would block the decoder until the last byte):
-no thread is started for them.
-Bounds: ``max_kept_bytes`` of kept frames, a deadline, a cap on concurrent early decoders (none
-free: the item is decoded after arrival), and ``cancel`` (a manifest/cache hit, the request
+A fragmented MP4 that states no duration (FFmpeg's ``frag_keyframe+empty_moov`` and its default
+fragmented form: no ``mehd``, ``trex`` default duration 0, the ``moov`` counting at most the first
+fragment) or an Ogg stream gives no frame count up front: estimating it from Content-Length was
+tried and measured (README) -- a few frames off, which moves most sampled frames, so the early work
+was wasted and the first token came later -- so they are decoded after arrival, as is an MP4 with
+its index at the end (it would block the decoder until the last byte): no thread is started for
+them. Audio items are decoded early by ``early_audio`` (no frame count needed); ``EarlyDecoders``
+starts either.
+Bounds: ``max_kept_bytes`` of kept frames, each also taken from the server's ``DecodeBudget``
+(early share: none left, the frame is not kept), a deadline, a cap on concurrent early decoders
+(none free: the item is decoded after arrival), and ``cancel`` (a manifest/cache hit, the request
 dropped its item, the body failed) stops the thread at its next packet and frees the frames.
 """
 
@@ -33,26 +40,33 @@ import numpy as np
 import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.decode.budget import DecodeControl, check
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
+from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.video import VideoInfo, codec_threads, decode_range
 from mm_pipeline.media.ingest import MediaLimits
-from mm_pipeline.media.sniff import open_av_stream
-from mm_pipeline.media.types import MediaItem
+from mm_pipeline.media.sniff import fragments_duration, open_av_stream
+from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
-_SLACK = {"index": 0, "duration": 2}  # frame counts kept either side of the prediction
-PREDICTABLE = ("index", "matroska")  # layouts (sniff.streamable_layout) whose header gives the frame count
+_SLACK = {"index": 0, "duration": 2, "fragments": 2}  # frame counts kept either side of the prediction
+PREDICTABLE = ("index", "matroska", "fragments")  # layouts (sniff.streamable_layout) whose header may give the count
+_HEAD = 1 << 20  # bytes a fragmented MP4's stated duration is looked for in (before the first moof)
 
 
 class EarlyVideoDecode:
     """One video decoded on its own thread while its bytes arrive; frames kept by pts.
 
     Invariant (under ``_cond``): every kept frame's pts <= ``_last_pts``; ``_kept_bytes`` =
-    len(``_frames``) x ``_frame_bytes`` <= ``max_kept_bytes``; once ``_ended`` no frame is added."""
+    len(``_frames``) x ``_frame_bytes`` <= ``max_kept_bytes``, and it is what this decode holds of
+    ``budget`` (when given); once ``_ended`` no frame is added."""
+
+    kind = MediaKind.VIDEO
 
     def __init__(self, body: ArrivingBytes, layout: str, sampling: VideoSamplingParams, max_kept_bytes: int,
-                 timeout_s: float, threads: int = 1, on_end: Callable[[], None] | None = None) -> None:
+                 timeout_s: float, threads: int = 1, on_end: Callable[[], None] | None = None,
+                 budget: DecodeBudget | None = None) -> None:
         self.body = body
+        self.budget = budget
         self.layout = layout  # sniff.streamable_layout's answer
         self.received_at_start = body.received  # bytes in when decoding started (the rest: outstanding)
         self.sampling = sampling
@@ -60,7 +74,7 @@ class EarlyVideoDecode:
         self.threads = threads
         self.control = DecodeControl(timeout_s, what="an arriving video")
         self.received_at_first_frame: int | None = None  # bytes in when the first frame came out
-        self.prediction = ""  # how the frame count was known: index / duration ("": not known, no decode)
+        self.prediction = ""  # how the frame count was known: index / duration / fragments ("": not known)
         self._on_end = on_end
         self._cond = threading.Condition()
         self._frames: dict[int, av.VideoFrame] = {}
@@ -82,8 +96,7 @@ class EarlyVideoDecode:
         self.control.cancel()
         with self._cond:
             self._dropped = True
-            self._frames.clear()
-            self._kept_bytes = 0
+            self._drop(list(self._frames))
             self._cond.notify_all()
 
     def stop_after(self, pts: int) -> None:
@@ -96,9 +109,7 @@ class EarlyVideoDecode:
         keep these, not the predicted ones, and drop kept frames nobody wants."""
         with self._cond:
             self._exact = set(wanted_pts)
-            for pts in [p for p in self._frames if p not in self._exact]:
-                del self._frames[pts]
-                self._kept_bytes -= self._frame_bytes
+            self._drop([p for p in self._frames if p not in self._exact])
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
@@ -122,9 +133,17 @@ class EarlyVideoDecode:
             while not self._ended and (self._last_pts is None or self._last_pts < last):
                 self._cond.wait(0.05)
                 check(control)
-            taken = {p: self._frames.pop(p) for p in wanted if p in self._frames}
-            self._kept_bytes -= len(taken) * self._frame_bytes
+            taken = {p: self._frames[p] for p in wanted if p in self._frames}
+            self._drop(list(taken))  # production holds them now, under its own reservation
             return taken
+
+    def _drop(self, pts: Sequence[int]) -> None:
+        """Forget the kept frames at ``pts`` and give their bytes back (caller holds ``_cond``)."""
+        for p in pts:
+            del self._frames[p]
+        self._kept_bytes -= len(pts) * self._frame_bytes
+        if self.budget is not None and pts:
+            self.budget.release_early(len(pts) * self._frame_bytes)
 
     # ---- the decoder thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -147,6 +166,7 @@ class EarlyVideoDecode:
         if total is None:
             return  # no frame count known up front (fragmented MP4, Ogg): decoded after arrival
         keep = self._targets(total, fps)
+        last_kept = max(keep)
         width, height = stream.codec_context.width, stream.codec_context.height
         frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
         used = codec_threads(self.threads, width * height)
@@ -161,24 +181,33 @@ class EarlyVideoDecode:
                     self.received_at_first_frame = self.body.received
                 with self._cond:
                     wanted = index in keep if self._exact is None else frame.pts in self._exact
-                    if wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes:
+                    if (wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes
+                            and (self.budget is None or self.budget.take_early(frame_bytes))):
                         self._frames[frame.pts] = frame
                         self._kept_bytes += frame_bytes
                     self._last_pts = frame.pts if self._last_pts is None else max(self._last_pts, frame.pts)
                     self._cond.notify_all()
                     if self._stop_pts is not None and self._last_pts >= self._stop_pts:
                         return
+                    if self._exact is None and index >= last_kept:
+                        return  # past every frame the prediction keeps: the rest would be wasted
                 index += 1
 
     def _predict(self, container: av.container.InputContainer, stream: av.VideoStream, fps: float) -> int | None:
         """The frame count from the container's own header, or None (a Matroska without a
-        duration): then the video is decoded after arrival (module doc)."""
+        duration, a fragmented MP4 that states none): then the video is decoded after arrival
+        (module doc)."""
         if self.layout == "index" and stream.frames > 0:  # the MP4 sample table counts them exactly
             self.prediction = "index"
             return stream.frames
         if self.layout == "matroska" and container.duration:  # the Segment's duration (microseconds)
             self.prediction = "duration"
             return max(1, round(container.duration / 1e6 * fps))
+        if self.layout == "fragments":  # mehd / a global sidx, if any (the demuxer has read past them)
+            seconds = fragments_duration(self.body.head(_HEAD))
+            if seconds:
+                self.prediction = "fragments"
+                return max(1, round(seconds * fps))
         return None
 
     def _targets(self, total: int, fps: float) -> set[int]:
@@ -212,11 +241,14 @@ def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo
 
 
 class EarlyDecoders:
-    """Starts the early decodes of one runtime (``MediaIngestor.early_video``): at most ``limit``
-    threads at once (none free: the video is decoded after arrival, as without this feature)."""
+    """Starts the early decodes of one runtime (``MediaIngestor.early_decode``): a video whose
+    header gives its frame count, or an audio item (``early_audio.audio_reading``); at most
+    ``limit`` threads at once (none free: the item is decoded after arrival, as without this
+    feature). ``audio_rate``: the audio encoder's sample rate (None: no audio decoded early)."""
 
     def __init__(self, sampling: VideoSamplingParams, limits: MediaLimits, fetch_timeout_s: float,
-                 threads: int = 1, limit: int = 4) -> None:
+                 threads: int = 1, limit: int = 4, budget: DecodeBudget | None = None, audio_rate: int | None = None,
+                 context_samples: int | None = None) -> None:
         if limit < 1:
             raise ValueError(f"EarlyDecoders limit must be >= 1, got {limit}")
         self.sampling = sampling
@@ -224,15 +256,30 @@ class EarlyDecoders:
         # arrival is bounded by the fetch deadline, the decode after it by the decode deadline
         self.timeout_s = fetch_timeout_s + limits.decode_timeout_s
         self.threads = threads
+        self.budget = budget or DecodeBudget(limits.max_decoded_bytes_in_flight)
+        self.audio_rate = audio_rate
+        self.context_samples = context_samples
         self._slots = threading.BoundedSemaphore(limit)
 
-    def start(self, body: ArrivingBytes, layout: str) -> EarlyVideoDecode | None:
-        if layout not in PREDICTABLE or not self._slots.acquire(blocking=False):
+    def start(self, body: ArrivingBytes, layout: str, kind: MediaKind | None = None,
+              origin: str = "remote") -> EarlyVideoDecode | EarlyAudioDecode | None:
+        head = body.head(_HEAD)
+        reading = audio_reading(head, layout, kind, body.declared_size) if self.audio_rate else None
+        if reading is None and (kind is MediaKind.AUDIO or layout not in PREDICTABLE
+                                or (layout == "fragments" and not fragments_duration(head))):
+            return None  # nothing to decode early: no frame count up front (module doc)
+        if not self._slots.acquire(blocking=False):
             return None
-        # kept frames: at most half the request's decoded-bytes budget (production converts them
-        # under its own reservations, as it does frames it decodes itself)
-        early = EarlyVideoDecode(body, layout, self.sampling, self.limits.max_request_decoded_bytes // 2,
-                                 self.timeout_s, self.threads, on_end=self._slots.release)
+        early: EarlyVideoDecode | EarlyAudioDecode
+        if reading is not None:
+            assert self.audio_rate is not None
+            early = EarlyAudioDecode(body, self.audio_rate, self.limits, self.context_samples, self.timeout_s,
+                                     self.budget, reading, origin, on_end=self._slots.release)
+        else:
+            # kept frames: at most half the request's decoded-bytes budget (production converts them
+            # under its own reservations, as it does frames it decodes itself)
+            early = EarlyVideoDecode(body, layout, self.sampling, self.limits.max_request_decoded_bytes // 2,
+                                     self.timeout_s, self.threads, on_end=self._slots.release, budget=self.budget)
         early.start()
         return early
 

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
-from tests.support.media_samples import video_bytes
-from tests.support.served import served_tiny_omni
+from tests.support.media_samples import audio_bytes, video_bytes
+from tests.support.served import served_tiny_omni, wait_idle
 
 
 def _ask(server, url: str) -> httpx.Response:
@@ -97,3 +97,32 @@ def test_sender_that_disconnects_or_stalls(tmp_path_factory, clip) -> None:
         assert _early_threads() == []
         # and a whole body still works afterwards (the decoder slots came back)
         assert _ask(server, media.url("/clip.mp4")).status_code == 200
+
+
+def test_audio_decoded_while_it_arrives(tmp_path_factory) -> None:
+    mp3 = audio_bytes("mp3", "libmp3lame", 44100, 4.0)
+    body = lambda server, url: {  # noqa: E731
+        "model": server.engine.model_name, "temperature": 0, "max_tokens": 6,
+        "messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}},
+                                                  {"type": "text", "text": "What do you hear?"}]}]}
+    answers = {}
+    with ThrottledMediaServer({"/a.mp3": mp3}, rate_bytes_s=len(mp3) / 0.5, chunk=2048) as media:
+        for on in (True, False):
+            with _served(tmp_path_factory, on) as server:
+                r = httpx.post(server.base_url + "/v1/chat/completions", json=body(server, media.url("/a.mp3")),
+                               timeout=60)
+                assert r.status_code == 200, r.text
+                answers[on] = r.json()["choices"][0]["message"]["content"]
+                counts = server.engine.stats().media
+                if on:
+                    assert counts["early_decodes.audio"] == 1 and counts["early_audio_used"] == 1
+                    # the same bytes again: every unit is cached, the early decode is cancelled unused
+                    again = httpx.post(server.base_url + "/v1/chat/completions",
+                                       json=body(server, media.url("/a.mp3")), timeout=60)
+                    assert again.json()["choices"][0]["message"]["content"] == answers[on]
+                    counts = server.engine.stats().media
+                    assert counts["early_decodes.audio"] == 2 and counts["early_audio_used"] == 1
+                else:
+                    assert not any(k.startswith("early_") for k in counts)
+                wait_idle(server)
+    assert answers[True] == answers[False]
