@@ -178,7 +178,8 @@ def linear_weight_layout(w):
     """A linear weight [N, K] in the memory layout ``F.linear`` reads fastest on its device (same shape
     and values): column-major on CPU, so MKL reads W^T [K, N] as a plain row-major operand. A decode
     step's GEMMs are skinny (M = batch rows) over weights that do not stay in the cache between steps;
-    read that way they stream faster (the LM head at 32 rows: 3.0 -> 2.5 ms, docs/text_core_profile.md).
+    read that way they stream faster (the LM head at 32 rows: 3.0 -> 2.5 ms; README, "Where a text step's
+    time goes").
     Unchanged on CUDA."""
     if w.is_cuda:
         return w
