@@ -7,6 +7,9 @@ Same model and prompts as ``text_throughput.py``. Three views, one run:
    rotary tables), attention (projections, KV store, paged attention), MoE (router, experts), dense
    MLP, norms, LM head, sampling, host syncs (``.tolist()`` / ``.item()``: the values the host reads
    back) -- and reports the remainder of the step as "engine / Python other".
+   Then transformers' decode step at the same batch (``generate``, eager attention, same weights and
+   prompts) split into the same stages by wrapping its module classes (``_hf_stages.py``; ``--no-hf``
+   skips it), side by side with ours.
 2. **torch.profiler**: the top ATen ops by self CPU time over the same steps.
 3. **py-spy** (``--py-spy``, when py-spy is installed): the step loop sampled with native frames;
    the share of samples inside our Python code vs inside torch's native kernels.
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import torch
 from _common import base_parser, print_table, write_json
+from _hf_stages import hf_decode_stages, side_by_side
 from text_throughput import MODEL, prompts
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
@@ -220,6 +224,7 @@ def main() -> None:
     p.add_argument("--py-spy", action="store_true", help="also sample the decode loop with py-spy --native")
     p.add_argument("--compile", action="store_true", help="decode through the compiled fixed-shape step "
                    "(no stage timers: they would split its graphs)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' decode step split into the same stages")
     p.add_argument("--spy-child", action="store_true", help=argparse_hidden())
     args = p.parse_args()
     if args.quick:
@@ -259,6 +264,16 @@ def main() -> None:
             key = f"{label}_ms_" + "".join(c if c.isalnum() else "_" for c in stage.lower()).strip("_")
             res[key] = ms
         res[f"{label}_tok_s"] = tokens / wall
+        if decode and not args.compile and not args.no_hf:
+            ours = {stage: 1e3 * t / steps for stage, t in timer.total.items()}
+            hf, hf_total = hf_decode_stages(ckpt, batch_prompts, args.steps, timer)
+            table = side_by_side(ours, 1e3 * wall / steps, hf, hf_total)
+            print_table(f"the same decode step at batch {b}, ours vs transformers (eager attention, generate): "
+                        f"exclusive {clock} ms per step", ["stage", "ours", "transformers", "transformers / ours"],
+                        table)
+            for group, o, h, _ in table:
+                key = "".join(c if c.isalnum() else "_" for c in group.lower().split(" (")[0]).strip("_")
+                res[f"hf_decode_ms_{key}"] = h
 
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=min(args.steps, 8), profiler=prof)

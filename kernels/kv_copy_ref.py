@@ -16,11 +16,12 @@ def store_kv_ref(
 ) -> None:
     """k_cache[slot_mapping[t]] = k[t] (same for v); slots < 0 are padding and skipped
     (``all_valid``: the caller guarantees there are none; no check, so no host sync)."""
-    keep = slot_mapping >= 0
-    if all_valid or bool(keep.all()):  # index_copy_: the same rows written as by indexing, at less dispatch cost
-        k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if all_valid or bool((slot_mapping >= 0).all()):  # index_copy_: the same rows written as by
+        # indexing, at less dispatch cost; .to() only when the dtypes differ (a no-op is still a dispatch)
+        k_cache.index_copy_(0, slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
     else:
+        keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         k_cache[slots] = k[keep].to(k_cache.dtype)
         v_cache[slots] = v[keep].to(v_cache.dtype)

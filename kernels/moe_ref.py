@@ -23,7 +23,9 @@ def route_ref(
     group's two best biased scores) and picks experts inside them.
     """
     scores = torch.sigmoid(router_logits if router_logits.dtype == torch.float32 else router_logits.float())
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if correction_bias is not None and correction_bias.dtype != torch.float32:
+        correction_bias = correction_bias.float()
+    choice = scores if correction_bias is None else scores + correction_bias
     num_tokens, num_experts = choice.shape
     if n_group > 1:
         if num_experts % n_group:
@@ -38,6 +40,8 @@ def route_ref(
     weights = scores.gather(1, topk_ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor == 1.0:  # x * 1.0 == x: skipping the multiply (a dispatch per layer) is exact
+        return weights, topk_ids
     return weights * routed_scaling_factor, topk_ids
 
 

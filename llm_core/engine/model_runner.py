@@ -26,7 +26,6 @@ from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.scheduler import ScheduledRequest
-from llm_core.model.layers.moe import StackedExperts
 
 
 @dataclass(frozen=True)
@@ -56,9 +55,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = model.model.norm.weight.dtype  # the KV pools take the activations' dtype
         self.sampler = Sampler(seed, self.device)
-        for module in model.modules():  # expert stacks in the layout the device's MoE kernel streams
-            if isinstance(module, StackedExperts):
-                module.use_kernel_layout_()
+        model.use_kernel_layouts_()  # expert stacks and linear weights as the device's GEMMs stream them
         self.decode_graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, pool, *, buckets: tuple[int, ...], mode: str, max_model_len: int) -> float:

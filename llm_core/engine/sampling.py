@@ -118,7 +118,8 @@ class Sampler:
             raise ValueError(
                 f"sampler got logits {tuple(logits.shape)} for {len(params)} params / {len(generators)} generators"
             )
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # .float() of fp32 logits would still be a dispatch
+            logits = logits.float()
         if all(p.greedy for p in params):  # the common serving case: one argmax, no index plumbing
             return self._logprobs(logits, logits.argmax(dim=-1).tolist(), params)
         rows = logits.shape[0]

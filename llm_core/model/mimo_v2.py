@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kernels import ops
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.kvcache.dual_pool import KVLayout
 from llm_core.distributed.parallel_layers import embedding, lm_head
@@ -26,7 +27,7 @@ from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.attention import Attention
 from llm_core.model.layers.mlp import DenseMLP
-from llm_core.model.layers.moe import SparseMoE
+from llm_core.model.layers.moe import SparseMoE, StackedExperts
 from llm_core.model.layers.norm import RMSNorm
 
 
@@ -78,6 +79,18 @@ class MiMoV2ForCausalLM(nn.Module):
         """Share the embedding matrix with lm_head when the config ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_kernel_layouts_(self) -> None:
+        """Re-lay the weights in the layouts the device's kernels read fastest (same shapes and values):
+        the expert stacks (``kernels.ops.expert_weight_layout``) and every linear weight
+        (``kernels.ops.linear_weight_layout``) except one tied to the embedding, whose lookups gather
+        whole rows. Called once by the model runner after loading; idempotent."""
+        tied = self.model.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, StackedExperts):
+                module.use_kernel_layout_()
+            elif isinstance(module, nn.Linear) and module.weight is not tied:
+                module.weight.data = ops.linear_weight_layout(module.weight.data)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] (the multimodal path splices media rows into these)."""
