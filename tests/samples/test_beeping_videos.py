@@ -77,8 +77,8 @@ def test_training_prompt_of_a_beeping_video_equals_the_served_prompt(beeping):
     assert item.sound and item.sound_spans  # the sound is part of the training prompt
     convo = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{path}"}},
                                           {"type": "text", "text": record["prompt"]}]}]
-    # video_audio=True: the committed demo model declares use_audio_in_video false until it is trained
-    # on sound, and the prompt a retraining learns from must be the one served with sound on
+    # video_audio=True (what the committed demo model declares; explicit so a silent checkpoint passed
+    # here is still checked): the prompt a training run learns from must be the one served with sound on
     with MultimodalLLM(model, allowed_local_dirs=(str(path.parent),), video_audio=True) as llm:
         (out,) = llm.chat([convo], SamplingParams(max_tokens=1, temperature=0.0))
     assert list(out.prompt_token_ids) == item.input_ids[:item.answer_start].tolist()

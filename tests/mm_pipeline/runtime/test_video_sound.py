@@ -187,12 +187,23 @@ def _pad_runs(prompt, pads):
 
 def test_the_checkpoint_declares_whether_videos_are_heard(ckpt):
     """processor_config.use_audio_in_video decides the default (true when absent, as MiMo-V2.5); the
-    demo model, never trained on videos with sound, declares false; the engine flag overrides both."""
+    demo model, trained on videos that beep, declares true; a checkpoint declaring false is heard
+    without sound; the engine flag overrides both."""
     from mm_pipeline.model.config import OmniConfig
     from tests.support.paths import DEMO_MODEL
 
     assert OmniConfig.from_pretrained(ckpt).video_audio is True
-    assert OmniConfig.from_pretrained(DEMO_MODEL).video_audio is False
+    assert OmniConfig.from_pretrained(DEMO_MODEL).video_audio is True
+    import json
+    import shutil
+
+    silent = ckpt.parent / f"{ckpt.name}-silent"
+    if not silent.exists():
+        shutil.copytree(ckpt, silent)
+        cfg = json.loads((silent / "config.json").read_text())
+        cfg.setdefault("processor_config", {})["use_audio_in_video"] = False
+        (silent / "config.json").write_text(json.dumps(cfg))
+    assert OmniConfig.from_pretrained(silent).video_audio is False
     sampling = OmniConfig.from_pretrained(ckpt).video
     assert OmniEngineConfig().planner_config(sampling, default_video_audio=False).video_audio is False
     assert OmniEngineConfig().planner_config(sampling, default_video_audio=True).video_audio is True
