@@ -110,7 +110,7 @@ class SpeculativeRunner:
                 embeds = model.embed(ids)
             hidden = model(None, fb, kv, inputs_embeds=embeds)
             idle = {id(e) for e in entries if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
-                    and self.draft_length.idle(e.request)}
+                    and self.draft_length.idle(e.request, len(entries))}
             outs = proposer.extend(entries, fb, embeds, hidden, kv, skip=idle)
         finally:
             for e in spec:

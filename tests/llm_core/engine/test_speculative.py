@@ -243,6 +243,11 @@ def test_draft_length_adapts_down_to_zero_and_probes_together():
     assert dl.choose(bad, 1) == 1  # every request at k = 0 probes in the same step
     assert dl.choose(bad, 32) == 0  # ... unless the batch is too large for one probe to matter
     assert DraftLength(3, adaptive=False).choose(bad, 64) == 3
+    # idle = skips the MTP extend: poor everywhere, or at k = 0 where no probe can run
+    assert dl.idle(bad, 1) and dl.idle(bad, 32) and not dl.idle(good, 1)
+    dl.update(good, 3, 2)  # rate ~0.83: k = 0 in a full batch, where no probe runs either
+    assert dl.choose(good, 32) == 0 and dl.idle(good, 32) and dl.choose(good, 1) == 3 and not dl.idle(good, 1)
+    assert not DraftLength(3).idle(good, 32)  # never measured: it drafts
 
 
 def test_adaptive_engine_stops_drafting_when_drafts_fail(model):
