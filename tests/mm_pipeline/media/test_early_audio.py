@@ -11,14 +11,9 @@ whole-bytes decode.
 
 from __future__ import annotations
 
-import io
 import struct
-import tempfile
-import threading
 import time
-from pathlib import Path
 
-import av
 import pytest
 import torch
 
@@ -32,22 +27,10 @@ from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.sniff import sniff, streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
+from tests.support.arriving import feed, remux
 from tests.support.media_samples import audio_bytes
 
 RATE = 16000
-
-
-def _remux_audio(data: bytes, fmt: str, movflags: str) -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"a.{fmt}"
-        with av.open(io.BytesIO(data)) as src, av.open(str(path), "w", format=fmt,
-                                                         options={"movflags": movflags}) as out:
-            stream = out.add_stream_from_template(src.streams.audio[0])
-            for packet in src.demux(src.streams.audio[0]):
-                if packet.dts is not None:
-                    packet.stream = stream
-                    out.mux(packet)
-        return path.read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +44,9 @@ def clips() -> dict[str, tuple[bytes, MediaKind | None]]:
         "flac": (audio_bytes("flac", "flac", 44100, 3.0), None),
         "adts": (audio_bytes("adts", "aac", 44100, 3.0), None),
         "webm_opus": (audio_bytes("webm", "libopus", 48000, 3.0), MediaKind.AUDIO),
-        "mp4_faststart": (_remux_audio(aac, "mp4", "faststart"), MediaKind.AUDIO),
-        "mp4_fragments": (_remux_audio(aac, "mp4", "frag_keyframe+empty_moov+default_base_moof"), MediaKind.AUDIO),
+        "mp4_faststart": (remux(aac, "mp4", "faststart", kind="audio"), MediaKind.AUDIO),
+        "mp4_fragments": (remux(aac, "mp4", "frag_keyframe+empty_moov+default_base_moof", kind="audio"), MediaKind.AUDIO),
     }
-
-
-def _send(body: ArrivingBytes, data: bytes, chunk: int = 4096, pause_s: float = 0.002) -> threading.Thread:
-    def run() -> None:
-        for i in range(0, len(data), chunk):
-            body.feed(data[i:i + chunk])
-            time.sleep(pause_s)
-        body.finish()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 def _start(data: bytes, kind: MediaKind | None, declared: bool = True, budget: DecodeBudget | None = None,
@@ -96,7 +68,7 @@ def test_early_audio_is_bit_identical(clips, name: str) -> None:
     budget = DecodeBudget(1 << 30)
     early, body = _start(data, kind, budget=budget)
     assert isinstance(early, EarlyAudioDecode), streamable_layout(data)
-    _send(body, data[4096:]).join()
+    feed(body, data[4096:], chunk=4096).join()
     item = MediaItem(MediaKind.AUDIO, sniff(data).format, data)
     audio = early.result(item, header_seconds(item))
     whole = decode_audio(item, RATE)
@@ -133,7 +105,7 @@ def test_limits_are_those_of_the_whole_bytes(clips) -> None:
     budget = DecodeBudget(1 << 30)
     early, body = _start(liar, None, budget=budget, limits=MediaLimits(max_duration_s=60.0))
     assert early is not None
-    _send(body, liar[4096:]).join()
+    feed(body, liar[4096:], chunk=4096).join()
     item = MediaItem(MediaKind.AUDIO, "wav", liar)
     audio = early.result(item, header_seconds(item))
     assert audio is not None and torch.equal(audio.samples, decode_audio(item, RATE).samples)
@@ -141,7 +113,7 @@ def test_limits_are_those_of_the_whole_bytes(clips) -> None:
     early.cancel()
     limits = MediaLimits(max_duration_s=5.0)  # over the limit: refused with the whole bytes' words
     early, body = _start(wav, None, budget=budget, limits=limits)
-    _send(body, wav[4096:]).join()
+    feed(body, wav[4096:], chunk=4096).join()
     item = MediaItem(MediaKind.AUDIO, "wav", wav)
     with pytest.raises(MediaTooLarge) as whole:
         decode_audio(item, RATE, limits)
@@ -151,7 +123,7 @@ def test_limits_are_those_of_the_whole_bytes(clips) -> None:
     assert early.join(5.0) and budget.in_use == 0  # stopped just past 5 s of samples, freed them
     # the context limit: counted as decoded, the same error as the whole bytes
     early, body = _start(wav, None, budget=budget, context=RATE, origin="http://host/a.wav")
-    _send(body, wav[4096:]).join()
+    feed(body, wav[4096:], chunk=4096).join()
     item = MediaItem(MediaKind.AUDIO, "wav", wav, origin="http://host/a.wav")
     with pytest.raises(ContextLengthError) as whole_ctx:
         decode_audio(item, RATE, context_samples=RATE)
@@ -167,7 +139,7 @@ def test_cancel_and_a_full_budget_fall_back(clips) -> None:
     budget = DecodeBudget(1 << 30)
     early, body = _start(data, None, budget=budget)
     assert early is not None
-    sender = _send(body, data[4096:], chunk=1024, pause_s=0.01)
+    sender = feed(body, data[4096:], chunk=1024, pause_s=0.01)
     time.sleep(0.1)
     early.cancel()  # a cache hit, or the request dropped its item
     assert early.join(5.0)
@@ -176,7 +148,7 @@ def test_cancel_and_a_full_budget_fall_back(clips) -> None:
     assert early.result(item, None) is None and budget.in_use == 0
     tight = DecodeBudget(4096)  # early share 2 KiB: the first chunk does not fit
     early, body = _start(data, None, budget=tight)
-    _send(body, data[4096:]).join()
+    feed(body, data[4096:], chunk=4096).join()
     assert early.join(5.0)
     assert early.result(item, None) is None and tight.in_use == 0  # decoded after arrival instead
     tight.check_integrity()

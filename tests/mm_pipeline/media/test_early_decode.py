@@ -15,18 +15,18 @@ import threading
 import time
 
 import pytest
-import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivalAborted, ArrivingBytes
 from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.sniff import streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from samples.synthetic.throttled_http import remux_layout
+from tests.support.arriving import early_chunks_match_whole, feed
 from tests.support.media_samples import image_bytes, video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -38,23 +38,6 @@ def clips() -> dict[str, bytes]:
     return {layout: remux_layout(base, layout) for layout in ("fragments", "index", "matroska", "index-at-end")}
 
 
-def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0.002,
-         stop_at: int | None = None) -> threading.Thread:
-    """A throttled sender on its own thread; ``stop_at``: fail the body after that many bytes."""
-    def run() -> None:
-        for i in range(0, len(data), chunk):
-            if stop_at is not None and i >= stop_at:
-                body.fail()
-                return
-            body.feed(data[i:i + chunk])
-            time.sleep(pause_s)
-        body.finish()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-# ---- the growing buffer -------------------------------------------------------------------------
 def test_arriving_bytes_key_reads_and_size() -> None:
     data = bytes(range(256)) * 40
     body = ArrivingBytes(1 << 20, stall_s=5.0)
@@ -131,12 +114,7 @@ def test_early_frames_equal_whole_decode(clips, layout: str) -> None:
         assert early.prediction == "" and chosen == set()
         return
     assert chosen == set(range(len(chunks)))  # ended: every chunk takes its frames
-    used = 0
-    for groups in chunks:
-        whole = decode_chunk(item, info, sampling.indices, groups, tp, MediaLimits(), size)
-        streamed, n = decode_chunk_early(early, item, info, sampling.indices, groups, tp, size, None)
-        assert torch.equal(streamed, whole)
-        used += n
+    used = early_chunks_match_whole(early, item, info, sampling.indices, chunks, tp, size)
     assert used == len(set(sampling.indices)), early.prediction  # the count was known: every target kept
 
 

@@ -12,40 +12,24 @@ early decodes never hold more than the budget's early share, and give every byte
 from __future__ import annotations
 
 import io
-import tempfile
-import threading
 import time
-from pathlib import Path
 
 import av
 import pytest
-import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget
-from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
 from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
+from tests.support.arriving import early_chunks_match_whole, feed, remux
 from tests.support.media_samples import video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
-
-
-def _fragmented(data: bytes, movflags: str) -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "clip.mp4"
-        with av.open(io.BytesIO(data)) as src, av.open(str(path), "w", format="mp4",
-                                                         options={"movflags": movflags}) as out:
-            stream = out.add_stream_from_template(src.streams.video[0])
-            for packet in src.demux(src.streams.video[0]):
-                if packet.dts is not None:
-                    packet.stream = stream
-                    out.mux(packet)
-        return path.read_bytes()
 
 
 def _with_mehd(data: bytes, seconds: float) -> bytes:
@@ -63,14 +47,14 @@ def _with_mehd(data: bytes, seconds: float) -> bytes:
 @pytest.fixture(scope="module")
 def clips() -> dict[str, bytes]:
     base = video_bytes("mp4", fps=10, n_frames=120, size=(96, 64), gop=10)  # 12 s
-    plain = _fragmented(base, "frag_keyframe+empty_moov+default_base_moof")
+    plain = remux(base, "mp4", "frag_keyframe+empty_moov+default_base_moof")
     return {
         "empty_moov": plain,
-        "first_fragment_in_moov": _fragmented(base, "frag_keyframe"),
+        "first_fragment_in_moov": remux(base, "mp4", "frag_keyframe"),
         # FFmpeg's global_sidx with absolute fragment offsets writes a file that does not decode
-        "sidx_empty_moov": _fragmented(base, "frag_keyframe+empty_moov+global_sidx+default_base_moof"),
-        "sidx": _fragmented(base, "frag_keyframe+global_sidx+default_base_moof"),
-        "dash": _fragmented(base, "dash+frag_keyframe+empty_moov"),
+        "sidx_empty_moov": remux(base, "mp4", "frag_keyframe+empty_moov+global_sidx+default_base_moof"),
+        "sidx": remux(base, "mp4", "frag_keyframe+global_sidx+default_base_moof"),
+        "dash": remux(base, "mp4", "dash+frag_keyframe+empty_moov"),
         "mehd": _with_mehd(plain, 12.0),
         "mehd_wrong": _with_mehd(plain, 6.0),  # half the real length
     }
@@ -86,22 +70,11 @@ def test_what_ffmpeg_fragments_state_up_front(clips) -> None:
         assert sum(1 for _ in container.decode(video=0)) == 120
 
 
-def _send(body: ArrivingBytes, data: bytes, pause_s: float = 0.01) -> threading.Thread:
-    def run() -> None:
-        for i in range(0, len(data), 2048):
-            body.feed(data[i:i + 2048])
-            time.sleep(pause_s)
-        body.finish()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.parametrize("name", ["sidx_empty_moov", "sidx", "mehd", "mehd_wrong"])
 def test_fragments_with_a_duration_decode_early(clips, name: str) -> None:
     data = clips[name]
     body = ArrivingBytes(1 << 24, stall_s=5.0)
-    sender = _send(body, data)
+    sender = feed(body, data, pause_s=0.01)
     while streamable_layout(body.head(1 << 20)) is None:
         time.sleep(0.002)
     decoders = EarlyDecoders(SAMPLING, MediaLimits(), fetch_timeout_s=10.0)
@@ -118,12 +91,7 @@ def test_fragments_with_a_duration_decode_early(clips, name: str) -> None:
     if name == "mehd_wrong":  # predicted 60 of 120 frames: it stopped past those, not at the end
         assert early.last_pts is not None and early.last_pts < info.pts[-1]
     assert chunks_for_early(early, info, sampling.indices, chunks, tp) == set(range(len(chunks)))
-    used = 0
-    for groups in chunks:
-        whole = decode_chunk(item, info, sampling.indices, groups, tp, MediaLimits(), size)
-        streamed, n = decode_chunk_early(early, item, info, sampling.indices, groups, tp, size, None)
-        assert torch.equal(streamed, whole)
-        used += n
+    used = early_chunks_match_whole(early, item, info, sampling.indices, chunks, tp, size)
     if name != "mehd_wrong":
         assert used == len(set(sampling.indices))  # the count was right: every target kept
 
@@ -134,7 +102,7 @@ def test_early_frames_are_held_in_the_decode_budget(clips) -> None:
     budget = DecodeBudget(12 * frame)  # early share: 6 frames for all decodes together
     decoders = EarlyDecoders(SAMPLING, MediaLimits(), fetch_timeout_s=10.0, limit=4, budget=budget)
     bodies = [ArrivingBytes(1 << 24, stall_s=5.0) for _ in range(4)]
-    senders = [_send(body, data, pause_s=0.002) for body in bodies]
+    senders = [feed(body, data, pause_s=0.002) for body in bodies]
     for body in bodies:
         while streamable_layout(body.head(1 << 20)) is None:
             time.sleep(0.002)
