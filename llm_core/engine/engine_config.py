@@ -92,6 +92,8 @@ class EngineConfig:
     """Decode steps as fixed-shape graphs per batch bucket: torch.compile on CPU, CUDA graphs on CUDA (none: on for CUDA only)."""
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     """Batch sizes of the fixed-shape decode steps (a batch pads up to the next; larger batches run eagerly)."""
+    native_cpu_kernels: bool = True
+    """On CPU: C kernels compiled for this machine on first use where they beat torch (kernels/native/); off: torch only."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:

@@ -41,6 +41,7 @@ from llm_core.engine.scheduler import ScheduledRequest, Scheduler
 from llm_core.engine.speculative import build_speculative
 from llm_core.engine.stats import EngineStats
 from llm_core.kvcache.prefix_cache import PrefixCache
+from kernels import native
 
 # The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
 # requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
@@ -69,6 +70,7 @@ class LLMEngine:
         self.model_config = model.config
         self.config = engine_config or EngineConfig()
         self.tokenizer = tokenizer
+        native.set_enabled(self.config.native_cpu_kernels)  # before the runner lays out the weights
         self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         # this rank's KV heads (all of them in one process; a share under tensor parallelism)
