@@ -41,7 +41,7 @@ when M differs).
 Before all of these, fp32 weights in :func:`kernel_layout` go to the C kernel
 (:mod:`kernels.native.moe_experts`: one call per layer, each chosen expert's weights read once front
 to back) while the experts see at most ``NATIVE_ROWS_PER_EXPERT`` rows each on average: every decode
-batch and MTP verify step, and prefill chunks up to ~128 tokens on the demo model (2,048 on MiMo-V2.5's
+batch and MTP verify step, and prefill chunks up to 64 tokens on the demo model (256 on MiMo-V2.5's
 256 experts, top-8). Past that the GEMMs are no longer weight-bound and MKL's grouped_mm computes
 faster. It returns None (kernels off, no compiler, bf16) and the torch paths below serve.
 """
@@ -55,10 +55,11 @@ from kernels.moe_ref import experts_ref
 from kernels.native.moe_experts import moe_experts
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)
-# Mean (token, expert) rows per expert up to which the C kernel serves. Per layer, demo model (16
-# experts, top-2), weights from memory, CPU ms torch -> C: 32 rows (4 per expert) 1.14 -> 0.68,
-# 128 rows (16) 1.65 -> 1.48, 256 rows (32) 2.50 -> 2.90 (benchmarks/moe_experts.py).
-NATIVE_ROWS_PER_EXPERT = 16
+# Mean (token, expert) rows per expert up to which the C kernel serves. One layer of the demo model
+# (16 experts, top-2), weights from memory, CPU ms torch -> C (benchmarks/moe_experts.py): 32 tokens
+# (4 rows per expert) 1.39 -> 0.73, 128 tokens (16) 1.79 -> 1.55 alone but slower inside a prefill
+# step (experts 9.3 -> 10.7-11.6 ms per 128-token chunk), 256 tokens (32) 2.50 -> 2.90.
+NATIVE_ROWS_PER_EXPERT = 8
 SMALL_M = 8  # up to this many rows a batch may run dense ...
 DENSE_IDLE_BYTES = 1 << 20  # ... when the weights of the experts no row chose are at most this
 

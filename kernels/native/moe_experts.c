@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define L1_FLOATS 4096 /* 16 KB of output rows kept in L1 while b streams past */
+
 /* c [m][n] = a^T b for a few rows m: a given transposed [kdim][m] (the rows' k-th values side by
  * side), b [kdim][n] = W^T as stored. b is read once, two rows at a time, front to back; the m rows
  * of c stay in L1 (m*n floats) and the inner loop vectorises over n:
@@ -37,21 +39,28 @@
  * k, whatever m is: a row's result does not depend on which rows share the call. */
 static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, const float *b, float *c) {
     memset(c, 0, (size_t)(m * n) * sizeof(float));
-    int64_t k = 0;
-    for (; k + 2 <= kdim; k += 2) {
-        const float *b0 = b + k * n, *b1 = b0 + n;
-        for (int64_t r = 0; r < m; r++) {
-            const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r];
-            float *restrict cr = c + r * n;
-            for (int64_t j = 0; j < n; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
+    /* wide outputs (MiMo: n = 4096) go in column blocks whose m rows of c stay in L1 (<= 16 KB);
+       b is then read in runs of >= 1 KB per row, still forward and a page-sized run at a time */
+    int64_t nb = (L1_FLOATS / (m > 0 ? m : 1)) & ~(int64_t)63;
+    if (nb < 256) nb = 256;
+    for (int64_t j0 = 0; j0 < n; j0 += nb) {
+        const int64_t w = n - j0 < nb ? n - j0 : nb;
+        int64_t k = 0;
+        for (; k + 2 <= kdim; k += 2) {
+            const float *b0 = b + k * n + j0, *b1 = b0 + n;
+            for (int64_t r = 0; r < m; r++) {
+                const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r];
+                float *restrict cr = c + r * n + j0;
+                for (int64_t j = 0; j < w; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
+            }
         }
-    }
-    for (; k < kdim; k++) {
-        const float *bk = b + k * n;
-        for (int64_t r = 0; r < m; r++) {
-            const float xr = a[k * m + r];
-            float *restrict cr = c + r * n;
-            for (int64_t j = 0; j < n; j++) cr[j] += xr * bk[j];
+        for (; k < kdim; k++) {
+            const float *bk = b + k * n + j0;
+            for (int64_t r = 0; r < m; r++) {
+                const float xr = a[k * m + r];
+                float *restrict cr = c + r * n + j0;
+                for (int64_t j = 0; j < w; j++) cr[j] += xr * bk[j];
+            }
         }
     }
 }
