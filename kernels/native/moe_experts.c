@@ -23,44 +23,56 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define L1_FLOATS 4096 /* 16 KB of output rows kept in L1 while b streams past */
+#ifndef WIDE
+#define WIDE 1024 /* outputs at least this wide read 4 rows of W^T per pass, narrower ones 2 */
+#endif
+
+/* c[r][:] += sum over the `rows` rows of b from k of a[k'][r] * b[k'][:], in k' order, one multiply-
+ * add each: the rows of b stream past once while the m rows of c are updated. */
+static void pass2(int64_t m, int64_t n, int64_t k, const float *a, const float *b, float *c) {
+    const float *b0 = b + k * n, *b1 = b0 + n;
+    for (int64_t r = 0; r < m; r++) {
+        const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r];
+        float *restrict cr = c + r * n;
+        for (int64_t j = 0; j < n; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
+    }
+}
+
+static void pass4(int64_t m, int64_t n, int64_t k, const float *a, const float *b, float *c) {
+    const float *b0 = b + k * n, *b1 = b0 + n, *b2 = b1 + n, *b3 = b2 + n;
+    for (int64_t r = 0; r < m; r++) {
+        const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r], x2 = a[(k + 2) * m + r], x3 = a[(k + 3) * m + r];
+        float *restrict cr = c + r * n;
+        for (int64_t j = 0; j < n; j++) cr[j] = (((cr[j] + x0 * b0[j]) + x1 * b1[j]) + x2 * b2[j]) + x3 * b3[j];
+    }
+}
 
 /* c [m][n] = a^T b for a few rows m: a given transposed [kdim][m] (the rows' k-th values side by
- * side), b [kdim][n] = W^T as stored. b is read once, two rows at a time, front to back; the m rows
- * of c stay in L1 (m*n floats) and the inner loop vectorises over n:
+ * side), b [kdim][n] = W^T as stored. b is read once, front to back, 2 or 4 rows per pass; the m
+ * rows of c stay in cache and the inner loop vectorises over n:
  *
  *     for k in 0, 2, 4, ...:   c[r][:] = (c[r][:] + a[k][r] * b[k][:]) + a[k+1][r] * b[k+1][:]
  *
- * Measured on the demo model's experts (a 32-row step, weights from memory): walking b as one
- * sequential stream beat register tiles over 32-column stripes of 16-64 rows of b (0.53-0.71 vs
- * 0.99 ms per layer): the stripe walk keeps 16+ streams open and the prefetchers fall behind,
- * while the tiles' arithmetic advantage is lost waiting on memory. Two rows of b per pass halve the
- * trips through c; four streams were slower again. The sum runs k ascending, one multiply-add per
+ * Measured (one thread, weights from memory; benchmarks/moe_experts.py and a C harness): walking b
+ * as one forward stream beat register tiles over 32-column stripes of 16-64 rows of b (demo model,
+ * 32-row step: 0.53 vs 0.99 ms per layer): the stripe walk keeps 16+ streams open, the prefetchers
+ * fall behind, and the tiles' arithmetic advantage is lost waiting on memory. Column blocks that keep
+ * c in L1 for wide outputs were slower too (MiMo-V2.5's n = 4096: 1-8 KB runs per row of b instead
+ * of 16 KB). Rows of b per pass: 2 for narrow outputs (demo n = 256: 4 rows 0.86 vs 0.53 ms), 4 for
+ * wide ones (MiMo, one token: 38 vs 48 ms, 20 GB/s). The sum runs k ascending, one multiply-add per
  * k, whatever m is: a row's result does not depend on which rows share the call. */
 static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, const float *b, float *c) {
     memset(c, 0, (size_t)(m * n) * sizeof(float));
-    /* wide outputs (MiMo: n = 4096) go in column blocks whose m rows of c stay in L1 (<= 16 KB);
-       b is then read in runs of >= 1 KB per row, still forward and a page-sized run at a time */
-    int64_t nb = (L1_FLOATS / (m > 0 ? m : 1)) & ~(int64_t)63;
-    if (nb < 256) nb = 256;
-    for (int64_t j0 = 0; j0 < n; j0 += nb) {
-        const int64_t w = n - j0 < nb ? n - j0 : nb;
-        int64_t k = 0;
-        for (; k + 2 <= kdim; k += 2) {
-            const float *b0 = b + k * n + j0, *b1 = b0 + n;
-            for (int64_t r = 0; r < m; r++) {
-                const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r];
-                float *restrict cr = c + r * n + j0;
-                for (int64_t j = 0; j < w; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
-            }
-        }
-        for (; k < kdim; k++) {
-            const float *bk = b + k * n + j0;
-            for (int64_t r = 0; r < m; r++) {
-                const float xr = a[k * m + r];
-                float *restrict cr = c + r * n + j0;
-                for (int64_t j = 0; j < w; j++) cr[j] += xr * bk[j];
-            }
+    int64_t k = 0;
+    if (n >= WIDE)
+        for (; k + 4 <= kdim; k += 4) pass4(m, n, k, a, b, c);
+    for (; k + 2 <= kdim; k += 2) pass2(m, n, k, a, b, c);
+    for (; k < kdim; k++) {
+        const float *bk = b + k * n;
+        for (int64_t r = 0; r < m; r++) {
+            const float xr = a[k * m + r];
+            float *restrict cr = c + r * n;
+            for (int64_t j = 0; j < n; j++) cr[j] += xr * bk[j];
         }
     }
 }
