@@ -27,8 +27,8 @@
 #define WIDE 1024 /* outputs at least this wide read 4 rows of W^T per pass, narrower ones 2 */
 #endif
 
-/* c[r][:] += sum over the `rows` rows of b from k of a[k'][r] * b[k'][:], in k' order, one multiply-
- * add each: the rows of b stream past once while the m rows of c are updated. */
+/* c[r][:] += a[k'][r] * b[k'][:] for k' = k, k+1 (pass4: to k+3), in that order, one multiply-add
+ * each: those rows of b stream past once while all m rows of c take them in. */
 static void pass2(int64_t m, int64_t n, int64_t k, const float *a, const float *b, float *c) {
     const float *b0 = b + k * n, *b1 = b0 + n;
     for (int64_t r = 0; r < m; r++) {
