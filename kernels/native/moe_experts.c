@@ -59,7 +59,10 @@ static void pass4(int64_t m, int64_t n, int64_t k, const float *a, const float *
  * fall behind, and the tiles' arithmetic advantage is lost waiting on memory. Column blocks that keep
  * c in L1 for wide outputs were slower too (MiMo-V2.5's n = 4096: 1-8 KB runs per row of b instead
  * of 16 KB). Rows of b per pass: 2 for narrow outputs (demo n = 256: 4 rows 0.86 vs 0.53 ms), 4 for
- * wide ones (MiMo, one token: 38 vs 48 ms, 20 GB/s). The sum runs k ascending, one multiply-add per
+ * wide ones (MiMo, one token: 38 vs 48 ms, 20 GB/s). Holding 64 columns of the two rows of b in
+ * registers across all rows of c (instead of re-reading them from L1 per row) was faster with the
+ * weights in cache (0.35 -> 0.27 ms) but slower from memory (0.68 -> 0.80-0.95 ms, with or without
+ * software prefetch): the weights then arrive in bursts, not as a steady stream. The sum runs k ascending, one multiply-add per
  * k, whatever m is: a row's result does not depend on which rows share the call. */
 static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, const float *b, float *c) {
     memset(c, 0, (size_t)(m * n) * sizeof(float));
