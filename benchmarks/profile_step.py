@@ -121,11 +121,12 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(torch.Tensor, "item", "host syncs (tolist/item)")
 
 
-def make_engine(model, batch: int, prompt: int, gen: int, compile_decode: bool = False) -> LLMEngine:
+def make_engine(model, batch: int, prompt: int, gen: int, compile_decode: bool = False,
+                native_kernels: bool = True) -> LLMEngine:
     cfg = EngineConfig(page_size=16, num_full_tokens=batch * (prompt + gen + 32),
                        num_swa_tokens=batch * (64 + prompt + 64), max_num_seqs=batch,
                        max_num_batched_tokens=max(2048, prompt * 8), enable_prefix_caching=False,
-                       compile_decode=compile_decode, decode_buckets=(batch,))
+                       compile_decode=compile_decode, decode_buckets=(batch,), native_cpu_kernels=native_kernels)
     return LLMEngine(model, cfg)
 
 
@@ -181,7 +182,7 @@ def py_spy_share(out_json: dict, args) -> None:
     raw = Path(tempfile.mkdtemp(prefix="mmserve-pyspy-")) / "stacks.txt"
     cmd = [spy, "record", "--native", "-r", "250", "-f", "raw", "-o", str(raw), "--", sys.executable,
            __file__, "--spy-child", "--batch", str(args.batch), "--prompt", str(args.prompt),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), *(["--no-native"] if args.no_native else [])]
     if subprocess.run(cmd, capture_output=True, text=True).returncode != 0 or not raw.exists():
         print("\npy-spy: could not sample (ptrace not permitted?), skipped")
         return
@@ -225,6 +226,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="decode through the compiled fixed-shape step "
                    "(no stage timers: they would split its graphs)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' decode step split into the same stages")
+    p.add_argument("--no-native", action="store_true",
+                   help="torch paths only: the C kernels (kernels/native/) off, for A/B runs")
     p.add_argument("--spy-child", action="store_true", help=argparse_hidden())
     args = p.parse_args()
     if args.quick:
@@ -234,7 +237,7 @@ def main() -> None:
     model = load_model(ckpt, dtype=torch.float32)
     gen = args.steps + 8
     if args.spy_child:
-        eng = make_engine(model, args.batch, args.prompt, gen)
+        eng = make_engine(model, args.batch, args.prompt, gen, native_kernels=not args.no_native)
         params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
         for i, pr in enumerate(prompts(args.batch, args.prompt, MODEL["vocab_size"])):
             eng.add_request(f"s{i}", pr, params)
@@ -248,9 +251,11 @@ def main() -> None:
     clock = "wall" if args.wall else "CPU"
     if not args.compile:
         instrument(timer)
-    res: dict = {"batch": args.batch, "prompt_tokens": args.prompt, "compiled_decode": args.compile}
+    res: dict = {"batch": args.batch, "prompt_tokens": args.prompt, "compiled_decode": args.compile,
+                 "native_kernels": not args.no_native}
     for label, b, decode in (("decode", args.batch, True), ("prefill", 1, False)):
-        eng = make_engine(model, b, args.prompt, gen, compile_decode=args.compile and decode)
+        eng = make_engine(model, b, args.prompt, gen, compile_decode=args.compile and decode,
+                          native_kernels=not args.no_native)
         batch_prompts = prompts(b, args.prompt, MODEL["vocab_size"])
         run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=4)  # warm-up
         timer.reset()

@@ -37,6 +37,13 @@ experts' weights stay under ``DENSE_IDLE_BYTES`` (1 MiB streams in about the 0.1
 dispatches cost): always for a small model, never for MiMo-V2.5's 256 large experts.
 The values equal the reference's to fp32 rounding, not bit for bit (MKL rounds a row differently
 when M differs).
+
+Before all of these, fp32 weights in :func:`kernel_layout` go to the C kernel
+(:mod:`kernels.native.moe_experts`: one call per layer, each chosen expert's weights read once front
+to back) while the experts see at most ``NATIVE_ROWS_PER_EXPERT`` rows each on average: every decode
+batch and MTP verify step, and prefill chunks up to 64 tokens on the demo model (256 on MiMo-V2.5's
+256 experts, top-8). Past that the GEMMs are no longer weight-bound and MKL's grouped_mm computes
+faster. It returns None (kernels off, no compiler, bf16) and the torch paths below serve.
 """
 
 from __future__ import annotations
@@ -45,8 +52,14 @@ import torch
 from torch.nn import functional as F
 
 from kernels.moe_ref import experts_ref
+from kernels.native.moe_experts import moe_experts
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)
+# Mean (token, expert) rows per expert up to which the C kernel serves. One layer of the demo model
+# (16 experts, top-2), weights from memory, CPU ms torch -> C (benchmarks/moe_experts.py): 32 tokens
+# (4 rows per expert) 1.39 -> 0.73, 128 tokens (16) 1.79 -> 1.55 alone but slower inside a prefill
+# step (experts 9.3 -> 10.7-11.6 ms per 128-token chunk), 256 tokens (32) 2.50 -> 2.90.
+NATIVE_ROWS_PER_EXPERT = 8
 SMALL_M = 8  # up to this many rows a batch may run dense ...
 DENSE_IDLE_BYTES = 1 << 20  # ... when the weights of the experts no row chose are at most this
 
@@ -71,6 +84,10 @@ def experts_cpu(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) -> [T, H] (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I])."""
+    if 0 < topk_ids.numel() <= NATIVE_ROWS_PER_EXPERT * w_gate_up.shape[0]:
+        out = moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
+        if out is not None:
+            return out
     if x.shape[0] == 1 and topk_ids.numel():
         return _one_token(x, w_gate_up, w_down, topk_weights, topk_ids)
     if x.dtype == w_gate_up.dtype and _dense_pays(topk_ids, w_gate_up, w_down):

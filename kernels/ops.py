@@ -1,5 +1,6 @@
 """Dispatch: CUDA tensors take the Triton kernels (when importable); CPU tensors take the CPU paths
-(paged attention: :mod:`kernels.paged_attention_cpu`; experts: :mod:`kernels.moe_cpu`) and, for the
+(paged attention: :mod:`kernels.paged_attention_cpu`; experts: :mod:`kernels.moe_cpu`, which hands
+few-rows-per-expert calls to the C kernel :mod:`kernels.native.moe_experts`) and, for the
 KV copies and the vision band attention, the torch references. ``force_triton(True)`` sends every call
 to Triton (tests use it with TRITON_INTERPRET=1 to run the kernels on CPU tensors).
 
@@ -152,7 +153,8 @@ def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
     if mod is not None:  # the Triton kernel reads rows with unit stride: weights a CPU runner
         # re-laid column-major (expert_weight_layout) go back to row-major (a no-op otherwise)
         return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
-    # Without Triton: all experts in two grouped matmuls (same math as the reference's loop).
+    # Without Triton: the C kernel while the experts see a few rows each, else two grouped matmuls
+    # (kernels.moe_cpu; same math as the reference's loop).
     return _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 

@@ -1,16 +1,27 @@
-"""The CPU MoE fast path (grouped matmuls) == the reference expert loop."""
+"""The CPU MoE torch paths (grouped matmuls, dense small batches, one token) == the reference expert
+loop. They serve when the C kernel does not (kernels off, no compiler, bf16, large prefill chunks),
+so this module runs with the C kernels off; test_native_moe_experts.py covers the kernel."""
 
 from __future__ import annotations
 
 import torch
 from contextlib import contextmanager
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.moe_cpu import experts_cpu
-from kernels import moe_cpu
+from kernels import moe_cpu, native
 from kernels.moe_ref import experts_ref, route_ref
+
+
+@pytest.fixture(autouse=True)
+def torch_paths_only():
+    before = native.enabled()
+    native.set_enabled(False)
+    yield
+    native.set_enabled(before)
 
 
 @contextmanager

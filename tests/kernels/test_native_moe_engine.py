@@ -1,0 +1,58 @@
+"""The engine gives the same greedy tokens (and logprobs to fp32 rounding) with the C kernels on and
+off (``EngineConfig.native_cpu_kernels``), at batch 1 and 8, and the on run really used the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import moe_cpu, native
+from kernels.native.moe_experts import available, moe_experts
+from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.model.loader import load_model
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not available(), reason="no C compiler or native kernels off")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
+
+
+@pytest.fixture
+def restore_native():
+    before = native.enabled()
+    yield
+    native.set_enabled(before)
+
+
+def generate(model, prompts, native_on: bool):
+    cfg = EngineConfig(page_size=4, max_chunk_tokens=16, max_num_batched_tokens=64, num_full_tokens=2048,
+                       num_swa_tokens=1024, native_cpu_kernels=native_on)
+    llm = LLM.from_engine(LLMEngine(model, cfg))
+    return llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tokens_equal_with_native_kernels_on_and_off(model, batch, monkeypatch, restore_native):
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 40, (batch,), generator=g)]
+    served = []
+
+    def spy(*args):
+        out = moe_experts(*args)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(moe_cpu, "moe_experts", spy)
+    off = generate(model, prompts, native_on=False)
+    assert not any(served)
+    served.clear()
+    on = generate(model, prompts, native_on=True)
+    assert served and all(served)
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
