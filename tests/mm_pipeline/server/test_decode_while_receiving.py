@@ -126,3 +126,32 @@ def test_audio_decoded_while_it_arrives(tmp_path_factory) -> None:
                     assert not any(k.startswith("early_") for k in counts)
                 wait_idle(server)
     assert answers[True] == answers[False]
+
+
+def test_a_videos_sound_decoded_while_it_arrives(tmp_path_factory) -> None:
+    """A video with a sound track (the tiny model hears videos): the same answer with and without;
+    the sound's samples came from the early decode (early_sound_used), the frames too; the same
+    URL again is a cache hit whose early decodes (frames and sound) are cancelled unused."""
+    clip = remux_layout(video_bytes("mp4", fps=10, n_frames=60, size=(64, 48), gop=10, with_audio=True), "index")
+    answers = {}
+    with ThrottledMediaServer({"/v.mp4": clip}, rate_bytes_s=len(clip) / 0.6, chunk=4096) as media:
+        for on in (True, False):
+            with _served(tmp_path_factory, on) as server:
+                r = _ask(server, media.url("/v.mp4"))
+                assert r.status_code == 200, r.text
+                answers[on] = r.json()["choices"][0]["message"]["content"]
+                counts = server.engine.stats().media
+                if on:
+                    assert counts["early_decodes.video"] == 1 and counts["early_sound_used"] == 1
+                    assert counts.get("early_frames_used", 0) > 0 and "early_audio_used" not in counts
+                    assert _ask(server, media.url("/v.mp4")).json()["choices"][0]["message"]["content"] == answers[on]
+                    counts = server.engine.stats().media
+                    assert counts["early_decodes.video"] == 2 and counts["early_sound_used"] == 1
+                    deadline = time.monotonic() + 5
+                    while _early_threads() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    assert _early_threads() == []
+                else:
+                    assert not any(k.startswith("early_") for k in counts)
+                wait_idle(server)
+    assert answers[True] == answers[False]
