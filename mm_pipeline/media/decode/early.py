@@ -180,10 +180,10 @@ class EarlyVideoDecode:
 
     def _decode(self, container: av.container.InputContainer, stream: av.VideoStream) -> None:
         fps = float(stream.average_rate or stream.guessed_rate or 0)
-        total = self._predict(container, stream, fps) if fps > 0 else None
-        if total is None:
+        totals = self._predict(container, stream, fps) if fps > 0 else None
+        if totals is None:
             return  # no frame count known up front (fragmented MP4, Ogg): decoded after arrival
-        keep = self._targets(total, fps)
+        keep = self._targets(totals, fps)
         last_kept = max(keep)
         width, height = stream.codec_context.width, stream.codec_context.height
         frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
@@ -211,28 +211,33 @@ class EarlyVideoDecode:
                         return  # past every frame the prediction keeps: the rest would be wasted
                 index += 1
 
-    def _predict(self, container: av.container.InputContainer, stream: av.VideoStream, fps: float) -> int | None:
-        """The frame count from the container's own header, or None (a Matroska without a
-        duration, a fragmented MP4 that states none): then the video is decoded after arrival
-        (module doc)."""
+    def _predict(self, container: av.container.InputContainer, stream: av.VideoStream,
+                 fps: float) -> tuple[int, ...] | None:
+        """The frame count from the container's own header (one or two candidates), or None (a
+        Matroska without a duration, a fragmented MP4 that states none): then the video is decoded
+        after arrival (module doc)."""
         if self.layout == "index" and stream.frames > 0:  # the MP4 sample table counts them exactly
             self.prediction = "index"
-            return stream.frames
+            return (stream.frames,)
+        seconds = None
         if self.layout == "matroska" and container.duration:  # the Segment's duration (microseconds)
-            self.prediction = "duration"
-            return max(1, round(container.duration / 1e6 * fps))
-        if self.layout == "fragments":  # mehd / a global sidx, if any (the demuxer has read past them)
+            self.prediction, seconds = "duration", container.duration / 1e6
+        elif self.layout == "fragments":  # mehd / a global sidx, if any (the demuxer has read past them)
             seconds = fragments_duration(self.body.head(_HEAD))
-            if seconds:
-                self.prediction = "fragments"
-                return max(1, round(seconds * fps))
-        return None
+            self.prediction = "fragments" if seconds else ""
+        if not seconds:
+            return None
+        # duration x rate; FFmpeg's average rate of a fragmented MP4 with sound is off (29.62 for a
+        # 30 fps video, measured: 22 frames short over 60 s), its guessed rate is not: both counted
+        rates = {fps, float(stream.guessed_rate or fps)}
+        return tuple(sorted({max(1, round(seconds * r)) for r in rates}))
 
-    def _targets(self, total: int, fps: float) -> set[int]:
+    def _targets(self, totals: Sequence[int], fps: float) -> set[int]:
         slack = _SLACK.get(self.prediction, 2)
         out: set[int] = set()
-        for n in range(max(1, total - slack), total + slack + 1):
-            out.update(sample_frames(n, fps, self.sampling).indices)
+        for total in totals:
+            for n in range(max(1, total - slack), total + slack + 1):
+                out.update(sample_frames(n, fps, self.sampling).indices)
         return out
 
 

@@ -3,7 +3,7 @@
 What is proven, with a throttled loopback media host: the answer (greedy tokens; logprobs to float
 tolerance) with --decode-while-receiving equals the one with --no-decode-while-receiving; the early path was taken
 (counters on /metrics: one early decode, bytes still outstanding when it started, frames served
-from it); the same URL again hits the cache, and its early decode is cancelled unused; a sender that disconnects or stalls mid-body gets a 4xx and leaves no decoder thread.
+from it; a video's sound track from its own early reader); the same URL again hits the cache, and its early decode is cancelled unused; a sender that disconnects or stalls mid-body gets a 4xx and leaves no decoder thread.
 """
 
 from __future__ import annotations
