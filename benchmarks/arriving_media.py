@@ -6,6 +6,7 @@ in one run.
     .venv/bin/python benchmarks/arriving_media.py --quick --json /tmp/arriving.json
     .venv/bin/python benchmarks/arriving_media.py --repeat 3 --rate-mb-s 30 --layout index fragments-sidx
     .venv/bin/python benchmarks/arriving_media.py --repeat 3 --layout --audio wav opus --audio-rate-kb-s 256
+    .venv/bin/python benchmarks/arriving_media.py --repeat 3 --sound --layout index matroska --audio
 
 Keys (prefixed by the layout):
   ttft_early_s / ttft_after_s   first streamed token after the request was sent (medians)
@@ -15,6 +16,10 @@ Keys (prefixed by the layout):
   early_frames_used / early_frames_decoded_after
                                 sampled frames the early decode had kept / production decoded after
                                 arrival (from /metrics of the early server, warm-up clip included)
+With --sound the videos carry a sound track (AAC, 48 kHz stereo, 128 kbit/s: what a phone
+records; the demo model hears videos) and the keys are prefixed ``<layout>_sound_``; besides the
+video keys, pyav_sound_decode_s (plain PyAV decoding and resampling the sound track to 16 kHz)
+and early_sound_used (videos whose sound samples came from the early decode).
 Audio rows (``audio_<format>_``): the same keys, pyav_decode_s (plain PyAV decoding and resampling
 the file to 16 kHz: what decoding early can hide) and early_audio_used (items whose samples came
 from the early decode).
@@ -50,10 +55,11 @@ from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
 DEMO = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
 
 
-def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
+def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0, sound: bool = False) -> bytes:
     """720p 30 fps, a keyframe every 2 s, at about ``mbit_s`` (what a phone sends; the pipeline
     benchmark's clips compress to ~1 Mbit/s and arrive too fast to overlap anything): a static
-    background, per-frame grain from a few noise planes, a moving square."""
+    background, per-frame grain from a few noise planes, a moving square; ``sound``: with an AAC
+    track (48 kHz stereo) of tone bursts, muxed frame by frame so the streams interleave by time."""
     w, h = HD["size"]
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 60, (h, w, 3), dtype=np.uint8)
@@ -64,6 +70,7 @@ def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.bit_rate = int(mbit_s * 1e6)
         stream.codec_context.options = {"g": str(HD["gop"]), "bf": "0"}
+        track = _SoundTrack(out, seconds, seed) if sound else None
         for k in range(seconds * HD["fps"]):
             img = base + grain[k % len(grain)] + np.uint8((k * 3) % 150)
             x = (7 * k) % (w - 32)
@@ -71,8 +78,42 @@ def make_camera_video(seconds: int, seed: int, mbit_s: float = 6.0) -> bytes:
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             frame.pts = k
             out.mux(stream.encode(frame))
+            if track is not None:
+                track.mux_until((k + 1) / HD["fps"])
         out.mux(stream.encode(None))
+        if track is not None:
+            track.close()
     return buf.getvalue()
+
+
+class _SoundTrack:
+    """AAC 48 kHz stereo tone bursts (four a second, random pitch) muxed up to a time."""
+
+    RATE, STEP = 48000, 1024
+
+    def __init__(self, out: av.container.OutputContainer, seconds: int, seed: int) -> None:
+        rng = np.random.default_rng(seed + 1)
+        t = np.arange(seconds * self.RATE) / self.RATE
+        pitch = np.repeat(rng.choice([330.0, 660.0, 1320.0], seconds * 4), self.RATE // 4)[:len(t)]
+        gate = (t * 4 % 1.0) < 0.5
+        self.wave = (0.3 * np.sin(2 * np.pi * pitch * t) * gate).astype(np.float32)
+        self.out = out
+        self.stream = out.add_stream("aac", rate=self.RATE, layout="stereo")
+        self.stream.bit_rate = 128_000
+        self.pos = 0
+
+    def mux_until(self, seconds: float) -> None:
+        end = min(len(self.wave), int(seconds * self.RATE))
+        while self.pos < end:
+            piece = np.ascontiguousarray(np.stack([self.wave[self.pos:self.pos + self.STEP]] * 2))
+            frame = av.AudioFrame.from_ndarray(piece, format="fltp", layout="stereo")
+            frame.sample_rate, frame.pts = self.RATE, self.pos
+            self.out.mux(self.stream.encode(frame))
+            self.pos += self.STEP
+
+    def close(self) -> None:
+        self.mux_until(len(self.wave) / self.RATE)
+        self.out.mux(self.stream.encode(None))
 
 
 _AUDIO_CODECS = {"wav": ("wav", "pcm_s16le"), "mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"),
@@ -163,14 +204,17 @@ def _ttft_keys(times: dict[str, list[float]], size: int, rate: float) -> dict[st
             "arrival_s": size / rate, "size_mb": size / 1e6}
 
 
-def run(seconds: int, reps: int, rate: float, layout: str) -> dict[str, float]:
-    video = remux_layout(make_camera_video(seconds, seed=400), layout)
-    warm = remux_layout(make_camera_video(2, seed=401), layout)
+def run(seconds: int, reps: int, rate: float, layout: str, sound: bool = False) -> dict[str, float]:
+    video = remux_layout(make_camera_video(seconds, seed=400, sound=sound), layout)
+    warm = remux_layout(make_camera_video(2, seed=401, sound=sound), layout)
     times, counts = ttft_pair(video, warm, reps, rate, "video_url", pyav_decode_all)
-    return {**_ttft_keys(times, len(video), rate), "pyav_all_frames_s": float(np.median(times["floor"])),
-            "early_frames_used": counts.get("early_frames_used", 0.0),
-            "early_frames_decoded_after": counts.get("early_frames_decoded_after", 0.0),
-            "early_decode_bytes_outstanding_mb": counts.get("early_decode_bytes_outstanding", 0.0) / 1e6}
+    out = {**_ttft_keys(times, len(video), rate), "pyav_all_frames_s": float(np.median(times["floor"])),
+           "early_frames_used": counts.get("early_frames_used", 0.0),
+           "early_frames_decoded_after": counts.get("early_frames_decoded_after", 0.0),
+           "early_decode_bytes_outstanding_mb": counts.get("early_decode_bytes_outstanding", 0.0) / 1e6}
+    if sound:
+        out.update(pyav_sound_decode_s=pyav_decode_audio(video), early_sound_used=counts.get("early_sound_used", 0.0))
+    return out
 
 
 def run_audio(seconds: int, reps: int, rate: float, fmt: str) -> dict[str, float]:
@@ -188,6 +232,7 @@ def main() -> None:
     parser.add_argument("--layout", choices=["fragments", "fragments-sidx", "index", "matroska"], nargs="*",
                         default=["index", "fragments"], help="video container layouts, each its own rows")
     parser.add_argument("--seconds", type=int, default=None, help="video length (default 20 quick, 60 full)")
+    parser.add_argument("--sound", action="store_true", help="videos with a sound track (keys <layout>_sound_)")
     parser.add_argument("--audio", choices=sorted(_AUDIO_CODECS), nargs="*", default=["wav"],
                         help="audio formats, each its own rows")
     parser.add_argument("--audio-seconds", type=int, default=60, help="audio length (the demo context holds ~80 s)")
@@ -197,16 +242,17 @@ def main() -> None:
     seconds = args.seconds or (20 if args.quick else 60)
     results: dict[str, float] = {}
     for layout in args.layout:
-        one = run(seconds, reps, args.rate_mb_s * 1e6, layout)
-        print_table(f"decode while receiving: {seconds} s 720p, {layout}, at {args.rate_mb_s:g} MB/s "
-                    f"(median of {reps})", ["metric", "value"], sorted(one.items()))
-        results.update({f"{layout}_{k}": v for k, v in one.items()})
+        one = run(seconds, reps, args.rate_mb_s * 1e6, layout, args.sound)
+        name = f"{layout}_sound" if args.sound else layout
+        print_table(f"decode while receiving: {seconds} s 720p{' with sound' if args.sound else ''}, {layout}, "
+                    f"at {args.rate_mb_s:g} MB/s (median of {reps})", ["metric", "value"], sorted(one.items()))
+        results.update({f"{name}_{k}": v for k, v in one.items()})
     for fmt in args.audio:
         one = run_audio(args.audio_seconds, reps, args.audio_rate_kb_s * 1e3, fmt)
         print_table(f"decode while receiving: {args.audio_seconds} s audio, {fmt}, at {args.audio_rate_kb_s:g} KB/s "
                     f"(median of {reps})", ["metric", "value"], sorted(one.items()))
         results.update({f"audio_{fmt}_{k}": v for k, v in one.items()})
-    write_json(args.json, {**results, "seconds": seconds, "repeat": reps, "rate_mb_s": args.rate_mb_s,
+    write_json(args.json, {**results, "seconds": seconds, "repeat": reps, "rate_mb_s": args.rate_mb_s, "sound": args.sound,
                            "audio_seconds": args.audio_seconds, "audio_rate_kb_s": args.audio_rate_kb_s})
 
 

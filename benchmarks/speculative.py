@@ -1,14 +1,14 @@
 """Decode tokens/s with and without MTP speculative decoding on the demo model, same run.
 
 Workloads (greedy):
-- caption: the demo model captioning the 9 committed samples (samples/media). Their prompts (token ids
+- caption: the demo model captioning the 10 committed samples (samples/media). Their prompts (token ids
   and the media rows the encoders produced) are recorded once through the real pipeline, then replayed
   straight into the text engine, so only the LLM's prefill and decode are timed;
 - text: chat prompts without media, 32 tokens past EOS (the demo model only learned captions, so
   this text is nonsense the MTP head never saw: a low-acceptance workload for the adaptive k).
 
 For each batch size B, groups of B requests cycling over the workload's prompts run one after the
-other until every prompt ran (b1: 9 groups, b8: 2, b32: 1 for captions). Decode time = from the step
+other until every prompt ran (b1: 10 groups, b8: 2, b32: 1 for captions). Decode time = from the step
 where every request of a group has its first token to the group's end; decode tok/s = the tokens
 generated in those windows / their summed time.
 MTP on and off alternate ``--repeats`` times and the fastest run of each counts (a shared machine

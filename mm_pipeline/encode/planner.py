@@ -81,7 +81,7 @@ class MediaPlanner:
         ingestor.early_decode = EarlyDecoders(
             config.video_sampling, config.limits, ingestor.config.fetch_timeout_s, config.decoder_threads,
             budget=self.producer.budget, audio_rate=audio.sampling_rate if audio is not None else None,
-            context_samples=self.producer.context_samples()).start
+            context_samples=self.producer.context_samples(), video_sound=self._hears_videos()).start
         # media key -> the planning pass in progress; a cancelled planner fails its joiners with
         # a MediaError (their request failed for a reason of this media, not their own cancel)
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
@@ -178,7 +178,8 @@ class MediaPlanner:
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; early_frames_used /
         early_frames_decoded_after: sampled frames of chunks an early decode served
         (media.decode.early), kept by it / decoded after arrival; early_audio_used: audio items
-        whose samples came from an early decode (media.decode.early_audio)."""
+        whose samples came from an early decode (media.decode.early_audio); early_sound_used: videos
+        whose sound track's samples did."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
 

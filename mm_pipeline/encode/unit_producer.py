@@ -24,8 +24,7 @@ from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
-from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
-from mm_pipeline.media.decode.early_audio import EarlyAudioDecode
+from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early, early_audio_of
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -80,9 +79,10 @@ class UnitProducer:
         cap = cap if limit is None else min(cap, limit + 1)
         claimed = header_seconds(item)
         expected = cap if claimed is None else min(cap, int(claimed * cfg.sampling_rate) + 1)
-        # decoded while the bytes arrived (media.decode.early_audio): its samples, held in the
-        # budget already, count toward this reservation; None: decode the whole bytes as before
-        early = item.early if isinstance(item.early, EarlyAudioDecode) else None
+        # decoded while the bytes arrived (an audio item, or a video's sound track: media.decode.early):
+        # its samples, held in the budget already, count toward this reservation; None: decode the
+        # whole bytes as before
+        early = early_audio_of(item)
         try:
             audio = early.result(item, claimed, control) if early is not None else None
             held = early.held if early is not None and audio is not None else 0
@@ -93,7 +93,7 @@ class UnitProducer:
                 if audio is None:
                     audio = decode_audio(item, cfg.sampling_rate, self.config.limits, control, limit)
                 else:
-                    self._count("early_audio_used")
+                    self._count("early_audio_used" if item.kind is MediaKind.AUDIO else "early_sound_used")
                 return self.pre.audio_segments(audio)
         finally:
             if early is not None:

@@ -387,7 +387,11 @@ def _same_content(data: bytes, key: str, origin: str) -> bytes:
 
 
 def _scheme(url: str) -> str:
-    return url.split(":", 1)[0].lower() if ":" in url else ""
+    # looked for in the first 64 characters only: splitting a data URL copied its megabytes, twice a
+    # request (0.13 ms each for a 12 s clip, seen in a profile of a repeated request); no scheme
+    # is that long
+    end = url.find(":", 0, 64)
+    return url[:end].lower() if end >= 0 else ""
 
 
 def _short(url: str) -> str:

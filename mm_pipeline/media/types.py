@@ -54,8 +54,9 @@ class MediaItem:
     content_key: str | None = None
     """blake3 of ``data`` when ingest computed it (before sniffing); None: planning hashes it."""
     early: Any = field(default=None, repr=False, compare=False)
-    """The ``EarlyVideoDecode`` that decoded this video while its bytes arrived (media.decode.early),
-    or None; production takes its frames, a cache hit cancels it."""
+    """The ``EarlyVideoDecode`` (with its sound track's ``EarlyAudioDecode``) or ``EarlyAudioDecode``
+    that decoded this item while its bytes arrived (media.decode.early), or None; planning takes the
+    samples, production the frames, a cache hit cancels it."""
 
     @property
     def nbytes(self) -> int:

@@ -23,19 +23,21 @@ _MOVFLAGS = {"fragments": "frag_keyframe+empty_moov+default_base_moof", "index":
 
 
 def remux_layout(data: bytes, layout: str) -> bytes:
-    """The same coded video frames (no re-encoding) as ``layout``: ``fragments`` (fragmented MP4,
-    empty moov), ``fragments-sidx`` (the same with a leading sidx stating the duration), ``index``
-    (MP4, moov first), ``matroska``, ``index-at-end`` (MP4, moov last). Through a file: faststart
-    rewrites it."""
+    """The same coded video frames and sound (its first audio stream, if any; no re-encoding) as
+    ``layout``: ``fragments`` (fragmented MP4, empty moov), ``fragments-sidx`` (the same with a
+    leading sidx stating the duration), ``index`` (MP4, moov first), ``matroska``, ``index-at-end``
+    (MP4, moov last). Through a file: faststart rewrites it. Packets are copied in the source's
+    demux order, so the streams come out interleaved by time as the source has them."""
     fmt = "matroska" if layout == "matroska" else "mp4"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"clip.{fmt}"
         options = {"movflags": _MOVFLAGS[layout]} if layout in _MOVFLAGS else {}
         with av.open(io.BytesIO(data)) as src, av.open(str(path), "w", format=fmt, options=options) as out:
-            stream = out.add_stream_from_template(src.streams.video[0])
-            for packet in src.demux(src.streams.video[0]):
+            sources = [src.streams.video[0], *src.streams.audio[:1]]
+            copies = {s.index: out.add_stream_from_template(s) for s in sources}
+            for packet in src.demux(*sources):
                 if packet.dts is not None:  # the muxer's flush packet
-                    packet.stream = stream
+                    packet.stream = copies[packet.stream.index]
                     out.mux(packet)
         return path.read_bytes()
 

@@ -295,8 +295,9 @@ def test_cli_writes_every_modality(tmp_path) -> None:
 
 
 def test_committed_samples_match_their_labels() -> None:
-    """samples/media was written by the CLI (seed 8082, 3/2/4 items, 6 s videos): the labels still
-    follow from the sampler, the files decode to the labelled sizes/rates, and the set stays small."""
+    """samples/media was written by the CLI (seed 8082, 3/2/4 items and 1 beeping video as MP4, 6 s
+    videos): the labels still follow from the sampler, the files decode to the labelled sizes/rates,
+    and the set stays small."""
     from pathlib import Path
 
     from samples.synthetic.generate import ItemJob, label, sample_spec
@@ -305,8 +306,11 @@ def test_committed_samples_match_their_labels() -> None:
     records = read_labels(media)
     assert {r["modality"] for r in records} == {"image", "video", "audio"}
     assert sum(p.stat().st_size for p in media.iterdir()) < 2_000_000
+    assert sum(r["path"].startswith("video_sound_") for r in records) == 1
     for r in records:
-        job = ItemJob(r["modality"], r["seed"], r["index"], r["format"], 6.0)
+        # a beeping video is labelled "video" (what the server sees); its own sampler drew it
+        modality = "beeping_video" if r["path"].startswith("video_sound_") else r["modality"]
+        job = ItemJob(modality, r["seed"], r["index"], r["format"], 6.0)
         assert label(job, sample_spec(job), r["path"]) == r
         with av.open(str(media / r["path"])) as container:
             if r["modality"] == "audio":
@@ -317,3 +321,5 @@ def test_committed_samples_match_their_labels() -> None:
                 assert (stream.codec_context.width, stream.codec_context.height) == (r["width"], r["height"])
                 if r["modality"] == "video":
                     assert sum(1 for _ in container.decode(stream)) == r["n_frames"]
+                if modality == "beeping_video":
+                    assert container.streams.audio[0].rate == r["sample_rate"]

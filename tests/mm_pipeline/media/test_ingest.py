@@ -136,6 +136,11 @@ def test_data_url_base64_and_percent_encoded() -> None:
         ing.ingest_local(MediaSource(url="data:image/png;base64"))
     with pytest.raises(InvalidMediaError, match="scheme"):
         ing.ingest_local(MediaSource(url="ftp://x/y.png"))
+    assert ing.ingest_local(MediaSource(url="DATA" + b64[4:])).data == PNG  # schemes are case-blind
+    # the scheme is read from the first 64 characters (a data URL is never split whole): a colon
+    # further in is no scheme
+    with pytest.raises(InvalidMediaError, match="scheme ''"):
+        ing.ingest_local(MediaSource(url="x" * 100 + ":" + b64))
 
 
 def test_path_allow_list(tmp_path: Path) -> None:

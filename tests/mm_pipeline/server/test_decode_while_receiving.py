@@ -3,7 +3,7 @@
 What is proven, with a throttled loopback media host: the answer (greedy tokens; logprobs to float
 tolerance) with --decode-while-receiving equals the one with --no-decode-while-receiving; the early path was taken
 (counters on /metrics: one early decode, bytes still outstanding when it started, frames served
-from it); the same URL again hits the cache, and its early decode is cancelled unused; a sender that disconnects or stalls mid-body gets a 4xx and leaves no decoder thread.
+from it; a video's sound track from its own early reader); the same URL again hits the cache, and its early decode is cancelled unused; a sender that disconnects or stalls mid-body gets a 4xx and leaves no decoder thread.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ def _early_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "mmserve-early-decode"]
 
 
+def _assert_early_threads_end(seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while _early_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _early_threads() == []
+
+
 def _media_metrics(server) -> dict[tuple[str, tuple], float]:
     text = httpx.get(server.base_url + "/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
@@ -47,35 +54,38 @@ def _served(tmp_path_factory, on: bool):
                             allow_private_hosts=True, fetch_timeout_s=3.0, decode_while_receiving=on)
 
 
-def test_same_answer_with_and_without_and_counters(tmp_path_factory, clip) -> None:
-    answers = {}
-    with ThrottledMediaServer({"/clip.mp4": clip}, rate_bytes_s=len(clip) / 0.6, chunk=4096) as media:
+def _each_mode(tmp_path_factory, name: str, data: bytes):
+    """(on, server, url): decode-while-receiving on, then off; ``data`` sent at ``name`` over ~0.6 s."""
+    with ThrottledMediaServer({name: data}, rate_bytes_s=len(data) / 0.6, chunk=4096) as media:
         for on in (True, False):
             with _served(tmp_path_factory, on) as server:
-                r = _ask(server, media.url("/clip.mp4"))
-                assert r.status_code == 200, r.text
-                choice = r.json()["choices"][0]
-                answers[on] = (choice["message"]["content"],
-                               [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]])
-                media_counts = server.engine.stats().media
-                if on:
-                    metrics = _media_metrics(server)
-                    assert metrics[("mmserve_media_early_decodes_total", (("kind", "video"),))] == 1
-                    assert metrics[("mmserve_media_early_decode_bytes_outstanding_total", ())] > 0
-                    used = media_counts.get("early_frames_used", 0)
-                    assert used > 0
-                    # the same bytes again: the cache holds every unit, so the second early decode
-                    # is cancelled when the hash completes and serves nothing
-                    again = _ask(server, media.url("/clip.mp4"))
-                    assert again.json()["choices"][0]["message"]["content"] == choice["message"]["content"]
-                    counts = server.engine.stats().media
-                    assert counts["early_decodes.video"] == 2 and counts["early_frames_used"] == used
-                    deadline = time.monotonic() + 5
-                    while _early_threads() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    assert _early_threads() == []
-                else:
-                    assert not any(k.startswith("early_") for k in media_counts)
+                yield on, server, media.url(name)
+
+
+def test_same_answer_with_and_without_and_counters(tmp_path_factory, clip) -> None:
+    answers = {}
+    for on, server, url in _each_mode(tmp_path_factory, "/clip.mp4", clip):
+        r = _ask(server, url)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        answers[on] = (choice["message"]["content"],
+                       [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]])
+        media_counts = server.engine.stats().media
+        if on:
+            metrics = _media_metrics(server)
+            assert metrics[("mmserve_media_early_decodes_total", (("kind", "video"),))] == 1
+            assert metrics[("mmserve_media_early_decode_bytes_outstanding_total", ())] > 0
+            used = media_counts.get("early_frames_used", 0)
+            assert used > 0
+            # the same bytes again: the cache holds every unit, so the second early decode
+            # is cancelled when the hash completes and serves nothing
+            again = _ask(server, url)
+            assert again.json()["choices"][0]["message"]["content"] == choice["message"]["content"]
+            counts = server.engine.stats().media
+            assert counts["early_decodes.video"] == 2 and counts["early_frames_used"] == used
+            _assert_early_threads_end()
+        else:
+            assert not any(k.startswith("early_") for k in media_counts)
     (text_on, lp_on), (text_off, lp_off) = answers[True], answers[False]
     assert text_on == text_off and [t for t, _ in lp_on] == [t for t, _ in lp_off]
     # the same frames and tokens; logprobs only to float tolerance (prefill chunk boundaries
@@ -91,10 +101,7 @@ def test_sender_that_disconnects_or_stalls(tmp_path_factory, clip) -> None:
             r = _ask(server, media.url(path))
             assert 400 <= r.status_code < 500, r.text
             assert time.monotonic() - t0 < 15  # the fetch deadline (3 s), not the sender's stall
-        deadline = time.monotonic() + 5
-        while _early_threads() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _early_threads() == []
+        _assert_early_threads_end()
         # and a whole body still works afterwards (the decoder slots came back)
         assert _ask(server, media.url("/clip.mp4")).status_code == 200
 
@@ -125,4 +132,28 @@ def test_audio_decoded_while_it_arrives(tmp_path_factory) -> None:
                 else:
                     assert not any(k.startswith("early_") for k in counts)
                 wait_idle(server)
+    assert answers[True] == answers[False]
+
+
+def test_a_videos_sound_decoded_while_it_arrives(tmp_path_factory) -> None:
+    """A video with a sound track (the tiny model hears videos): the same answer with and without;
+    the sound's samples came from the early decode (early_sound_used), the frames too; the same
+    URL again is a cache hit whose early decodes (frames and sound) are cancelled unused."""
+    clip = remux_layout(video_bytes("mp4", fps=10, n_frames=60, size=(64, 48), gop=10, with_audio=True), "index")
+    answers = {}
+    for on, server, url in _each_mode(tmp_path_factory, "/v.mp4", clip):
+        r = _ask(server, url)
+        assert r.status_code == 200, r.text
+        answers[on] = r.json()["choices"][0]["message"]["content"]
+        counts = server.engine.stats().media
+        if on:
+            assert counts["early_decodes.video"] == 1 and counts["early_sound_used"] == 1
+            assert counts.get("early_frames_used", 0) > 0 and "early_audio_used" not in counts
+            assert _ask(server, url).json()["choices"][0]["message"]["content"] == answers[on]
+            counts = server.engine.stats().media
+            assert counts["early_decodes.video"] == 2 and counts["early_sound_used"] == 1
+            _assert_early_threads_end()
+        else:
+            assert not any(k.startswith("early_") for k in counts)
+        wait_idle(server)
     assert answers[True] == answers[False]

@@ -127,7 +127,7 @@ def test_bad_media_is_the_same_client_error(cluster_url):
 def test_repeated_media_goes_to_one_encoder_replica(cluster_url):
     """The encoder deployment's router (consistent hashing of the content key), seen through a
     handle of the test's own: the same image thrice lands on one replica and hits from the second
-    call on; the nine sample files use both replicas."""
+    call on; the sample files use both replicas."""
     from ray import serve
 
     from mm_pipeline.cluster.serving.route_key import media_key
