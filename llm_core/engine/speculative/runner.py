@@ -16,6 +16,8 @@ sees positions below ``num_computed_tokens``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
@@ -60,7 +62,18 @@ class SpeculativeRunner:
 
     @torch.inference_mode()
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
+        started = time.thread_time()
         self.draft_length.steps += 1
+        result = self._run(entries, kv)
+        # what this step cost feeds the step gate (adaptive.py, step_cost.py): decode-only steps
+        # only, a prefill chunk would dominate the time
+        if all(e.start >= e.request.num_prompt_tokens for e in entries):
+            self.draft_length.cost.record(len(entries), any(e.num_draft_tokens for e in entries),
+                                          time.thread_time() - started)
+        self.draft_length.plan([e.request for e in entries])
+        return result
+
+    def _run(self, entries: list[ScheduledRequest], kv) -> StepResult:
         logits, drafts, rows_of, commit = self._forward(entries, kv)
         sampled: list[SampledToken] = []
         failed: list[tuple[ScheduledRequest, Exception]] = []
