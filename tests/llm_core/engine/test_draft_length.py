@@ -174,7 +174,14 @@ def test_engine_learns_the_prior_from_earlier_requests(model):
     plain = LLM.from_engine(LLMEngine(model, EngineConfig(speculative_tokens=0, **cfg)))
     eng = LLMEngine(model, EngineConfig(speculative_tokens=2, **cfg))
     assert eng.speculative.draft_length.prior.rate == 1.0 and eng.speculative.draft_length.gate_open
-    llm, drafted = LLM.from_engine(eng), []
+    llm, drafted, plain_steps = LLM.from_engine(eng), [], []
+    real_run = eng.speculative.runner.run
+
+    def counted(entries, kv):
+        plain_steps.append(len(entries))
+        return real_run(entries, kv)
+
+    eng.speculative.runner.run = counted  # nothing drafts and every request idles: the plain step
     for prompts in waves:
         before = eng.stats().spec_draft_tokens
         outs = llm.generate(prompts, params)
@@ -184,3 +191,4 @@ def test_engine_learns_the_prior_from_earlier_requests(model):
     assert len(s.spec_accepted_length) == 3  # accepted 0..2: k never above speculative_tokens
     assert eng.speculative.draft_length.prior.rate < 0.5
     assert drafted[1] < drafted[0] and drafted[0] >= 4 * 2  # the first wave starts optimistic
+    assert len(plain_steps) >= 10
