@@ -92,14 +92,14 @@ class DraftLength:
         return k
 
     def idle(self, request, batch: int = 1) -> bool:
-        """The request will not draft soon: measured so poorly that it drafts only in probe steps
-        (k = 0 at batch 1), or at k = 0 (by its rate or the gate) at ``batch`` requests where no
-        probe runs."""
+        """The request will not draft soon: measured so poorly, or held back by the closed gate, that
+        it drafts only in probe steps, or at k = 0 at ``batch`` requests where no probe runs."""
         track = self._tracks.get(request)
         if not self.adaptive or track is None or (track.scout and not track.measured):
             return False
-        at_zero = track.rate < self.threshold(batch) or (track.measured and not self.gate_open)
-        return track.rate < self.min_gain or (at_zero and not self._probes(batch))
+        if track.rate < self.min_gain or (track.measured and not self.gate_open):
+            return True  # drafts only in probe steps: its MTP KV is not worth keeping until then
+        return track.rate < self.threshold(batch) and not self._probes(batch)
 
     def update(self, request, drafted: int, accepted: int) -> None:
         """A verify step of ``request``: ``accepted`` of its ``drafted`` tokens were right."""
