@@ -22,8 +22,8 @@ layer pass per token for nothing (text on the demo model at batch 32: 0.87x plai
 drafts again its MTP KV has the idle positions missing: drafts are worse for a window, outputs exact.
 
 **Where a request starts.** Before its first verify a request's rate is the engine-wide
-``AcceptancePrior`` (acceptance_prior.py: 1.0 on a fresh engine, then an average over recent verify
-steps), so on traffic the MTP head drafts poorly new requests start at a low k, or at 0, instead of
+``AcceptancePrior`` (acceptance_prior.py: 1.0 on a fresh engine, then an average over the first
+verify steps of recent requests), so on traffic the MTP head drafts poorly new requests start at a low k, or at 0, instead of
 paying an optimistic 1 + max_k-row verify each. Its first own verify replaces the prior. A prior that
 fell low would keep every new request at k = 0 at large batches (no probes run there) even after the
 traffic changed, so every ``scout_every``-th request that would start at 0 starts at ``max_k`` (a
@@ -33,8 +33,10 @@ scout): its verify feeds the prior.
 attention path): a drafting step of B requests costs R(B) plain steps, R measured on the engine
 thread. After each step ``plan`` sums the expected extra tokens of the requests that would draft,
 G = sum over requests of r + r^2 + ... + r^k, and the next step drafts only if G >= (R - 1) * B,
-the extra tokens that pay for the extra cost. Otherwise no request drafts (probes and scouts aside),
-and where no probe runs the requests are idle (no MTP extend). This stops a minority of requests with
+the extra tokens that pay for the extra cost. Otherwise no measured request drafts (probes and
+scouts aside; a request that never verified starts from the prior, else a gate closed on priors
+would never see evidence) and the held-back requests are idle. A step where every entry is an idle
+decode runs as a plain step (runner.py). This stops a minority of requests with
 middling rates from turning every step into a drafting step for a few expected tokens (text at batch
 8: 4 of 8 requests drafting 1-2 tokens doubled a step's cost and gained nothing).
 """
