@@ -1,7 +1,9 @@
-"""Where one MTP speculative decode step's CPU time goes, batch 1, demo model captioning the samples.
+"""Where one MTP speculative decode step's CPU time goes, demo model (batch 1 captions unless told).
 
-Same workload as ``speculative.py`` (caption prompts recorded once, replayed into the text engine,
-greedy, 64 tokens). The engine's stage functions are wrapped with ``profile_step.StageTimer``
+Same workloads as ``speculative.py`` (``--workload caption``: caption prompts recorded once, replayed
+into the text engine, greedy, 64 tokens; ``text``: chat prompts, 32 tokens past EOS), ``--batch B``
+requests decoding together (groups cycling over the prompts; a group's decode steps start when every
+request of it has its first token). The engine's stage functions are wrapped with ``profile_step.StageTimer``
 (exclusive CPU time of the engine thread) and the decode steps of every request are summed; each
 stage is reported in ms per engine step, for MTP off and on, plus the tokens per step:
 
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 from _common import base_parser, print_table, write_json
 from profile_step import StageTimer
-from speculative import DEMO, Rows, caption_prompts
+from speculative import DEMO, Rows, caption_prompts, text_prompts
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
@@ -118,24 +120,31 @@ def instrument(timer: StageTimer, phase: Phase) -> None:
     phase.wrap(proposer.MTPProposer, "extend", "extend")
 
 
-def decode_profile(model, prompts, spec: int, max_tokens: int, timer: StageTimer) -> tuple[dict, int, int]:
-    """(ms per decode step by stage, decode steps, tokens generated in them) over every prompt at batch 1."""
-    eng = LLMEngine(model, EngineConfig(speculative_tokens=spec, max_num_seqs=1, enable_prefix_caching=False,
+def decode_profile(model, prompts, spec: int, max_tokens: int, timer: StageTimer, batch: int = 1,
+                   ignore_eos: bool = False) -> tuple[dict, int, int]:
+    """(ms per decode step by stage, decode steps, tokens generated in them) over every prompt, in
+    groups of ``batch`` requests (cycling over the prompts, as speculative.py does). A group's decode
+    steps are those after every request of it has its first token."""
+    eng = LLMEngine(model, EngineConfig(speculative_tokens=spec, max_num_seqs=batch, enable_prefix_caching=False,
                                         kv_cache_bytes=256 << 20))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     steps = tokens = 0
     timer.reset()
-    for i, (ids, rows) in enumerate(prompts):
-        eng.add_request(str(i), ids, params, embeds=Rows(rows))
+    n = -(-max(batch, len(prompts)) // batch) * batch
+    for g in range(0, n, batch):
+        for i in range(g, g + batch):
+            ids, rows = prompts[i % len(prompts)]
+            eng.add_request(str(i), ids, params, embeds=None if rows is None else Rows(rows))
+        seen: dict[str, int] = {}
         decoding = False
         while eng.has_unfinished():
             timer.enabled = decoding
             for o in eng.step():
                 if decoding:
-                    tokens += len(o.token_ids) - seen
-                seen = len(o.token_ids)
-                decoding = decoding or bool(o.token_ids)
+                    tokens += len(o.token_ids) - seen.get(o.request_id, 0)
+                seen[o.request_id] = len(o.token_ids)
             steps += timer.enabled
+            decoding = decoding or (len(seen) == batch and all(seen.values()))
         timer.enabled = False
     return {k: 1e3 * v / max(steps, 1) for k, v in timer.total.items()}, steps, tokens
 
@@ -169,16 +178,16 @@ def labelled_phases():
             setattr(owner, attr, original)
 
 
-def dispatch_counts(model, prompts, spec: int, max_tokens: int) -> tuple[dict[str, float], float]:
+def dispatch_counts(model, prompts, spec: int, max_tokens: int, ignore_eos: bool = False) -> tuple[dict[str, float], float]:
     """(top-level ATen ops per decode step by phase, tokens per decode step) over ``prompts`` at batch 1."""
     eng = LLMEngine(model, EngineConfig(speculative_tokens=spec, max_num_seqs=1, enable_prefix_caching=False,
                                         kv_cache_bytes=256 << 20))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True)
     steps = tokens = 0
     with labelled_phases():
         for i, (ids, rows) in enumerate(prompts):
-            eng.add_request(str(i), ids, params, embeds=Rows(rows))
+            eng.add_request(str(i), ids, params, embeds=None if rows is None else Rows(rows))
             seen = 0
             while eng.has_unfinished():
                 if seen:  # decode steps only: the prompt's step is not profiled
@@ -211,16 +220,25 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=DEMO)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec-tokens", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (the dispatch table stays batch 1)")
+    ap.add_argument("--workload", choices=("caption", "text"), default="caption",
+                    help="speculative.py's workloads: captions of the samples, or text (drafts mostly fail)")
     args = ap.parse_args()
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
     torch.set_num_threads(1)
     model = load_model(args.model)
-    prompts = caption_prompts(args.model)
+    if args.workload == "caption":
+        prompts, max_tokens, ignore_eos = caption_prompts(args.model), 64, False
+    else:
+        prompts, max_tokens, ignore_eos = [(ids, None) for ids in text_prompts(args.model)], 32, True
+    what = f"batch {args.batch}, demo model {args.workload}"
     timer, phase = StageTimer(), Phase()
     instrument(timer, phase)
     runs: dict[int, list] = {0: [], args.spec_tokens: []}
     for _ in range(1 if args.quick else args.repeats):  # alternate: a busy machine slows both alike
         for spec in runs:
-            runs[spec].append(decode_profile(model, prompts, spec, 64, timer))
+            runs[spec].append(decode_profile(model, prompts, spec, max_tokens, timer, args.batch, ignore_eos))
     best = {spec: min(rs, key=lambda r: sum(r[0].values())) for spec, rs in runs.items()}
     stages = sorted({k for r in best.values() for k in r[0]}, key=lambda k: -best[args.spec_tokens][0].get(k, 0))
     rows = [(k, *(round(best[s][0].get(k, 0.0), 3) for s in runs)) for k in stages]
@@ -228,24 +246,26 @@ def main() -> None:
     per_tok = {s: sum(best[s][0].values()) * best[s][1] / max(best[s][2], 1) for s in runs}
     rows.append(("tokens per step", *(round(best[s][2] / max(best[s][1], 1), 3) for s in runs)))
     rows.append(("ms CPU per token", *(round(per_tok[s], 3) for s in runs)))
-    print_table(f"MTP decode step, batch 1, demo model captions, CPU ms per step (lowest-total of "
+    print_table(f"MTP decode step, {what}, CPU ms per step (lowest-total of "
                 f"{len(runs[0])} alternating runs)", ["stage", "MTP off", f"MTP k={args.spec_tokens}"], rows)
     timer.restore()
-    ops = {s: dispatch_counts(model, prompts[:3] if args.quick else prompts, s, 64) for s in runs}
+    ops = {s: dispatch_counts(model, prompts[:3] if args.quick else prompts, s, max_tokens, ignore_eos) for s in runs}
     names = ["draft", "target forward", "extend", "other", "step"]
     rows = [(n if n != "step" else "step total", *(round(ops[s][0].get(n, 0.0), 1) for s in runs)) for n in names]
     rows.append(("tokens per step", *(round(ops[s][1], 3) for s in runs)))
     per_tok_ops = {s: ops[s][0].get("step", 0.0) / max(ops[s][1], 1e-9) for s in runs}
     rows.append(("dispatches per token", *(round(per_tok_ops[s], 1) for s in runs)))
-    print_table("ATen dispatches per decode step (torch.profiler, top-level ops), batch 1, demo model captions",
+    print_table(f"ATen dispatches per decode step (torch.profiler, top-level ops), batch 1, demo model {args.workload}",
                 ["phase", "MTP off", f"MTP k={args.spec_tokens}"], rows)
-    write_json(args.json, {"mtp_b1_cpu_ms_per_token_off": round(per_tok[0], 3),
-                           f"mtp_b1_cpu_ms_per_token_k{args.spec_tokens}": round(per_tok[args.spec_tokens], 3),
-                           "mtp_b1_cpu_speedup": round(per_tok[0] / per_tok[args.spec_tokens], 3),
-                           "mtp_b1_dispatches_per_step_off": round(ops[0][0].get("step", 0.0), 1),
-                           f"mtp_b1_dispatches_per_step_k{args.spec_tokens}":
+    # batch-1 captions keep their historical keys; other runs name their batch and workload
+    key = "mtp_b1" if (args.batch, args.workload) == (1, "caption") else f"mtp_{args.workload}_b{args.batch}"
+    write_json(args.json, {f"{key}_cpu_ms_per_token_off": round(per_tok[0], 3),
+                           f"{key}_cpu_ms_per_token_k{args.spec_tokens}": round(per_tok[args.spec_tokens], 3),
+                           f"{key}_cpu_speedup": round(per_tok[0] / per_tok[args.spec_tokens], 3),
+                           f"{key}_dispatches_per_step_off": round(ops[0][0].get("step", 0.0), 1),
+                           f"{key}_dispatches_per_step_k{args.spec_tokens}":
                                round(ops[args.spec_tokens][0].get("step", 0.0), 1),
-                           "mtp_b1_dispatch_ratio": round(per_tok_ops[0] / max(per_tok_ops[args.spec_tokens], 1e-9), 3)})
+                           f"{key}_dispatch_ratio": round(per_tok_ops[0] / max(per_tok_ops[args.spec_tokens], 1e-9), 3)})
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ class MTPProposer:
         self.fused = None
         if mode == "first" and head.layers[0].self_attn.window is not None:
             self.fused = FusedDraft(head.layers[0], model.model.embed_tokens, model.lm_head, self.max_draft)
+            with torch.inference_mode():
+                self.fused.refresh()  # fold now (~3 ms on the demo model), not in the first request's step
 
     # ---- extend: MTP KV for the target's rows ---------------------------------------------------
     def extend(self, entries: list[ScheduledRequest], fb: ForwardBatch, embeds: torch.Tensor,

@@ -16,6 +16,8 @@ sees positions below ``num_computed_tokens``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
@@ -56,12 +58,29 @@ class SpeculativeRunner:
     @torch.inference_mode()
     def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
         """Drafts, target and MTP forward of ``entries`` without sampling (the engine's fault probe)."""
-        return self._forward(entries, kv)[0]
+        return self._forward(entries, kv, self._idle(entries))[0]
 
     @torch.inference_mode()
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
+        started = time.thread_time()
         self.draft_length.steps += 1
-        logits, drafts, rows_of, commit = self._forward(entries, kv)
+        idle = self._idle(entries)
+        if entries and len(idle) == len(entries):
+            # nothing drafts and no MTP work is due (every entry an idle decode): a plain step, at
+            # exactly plain decoding's cost (the idle requests' tails are not kept: see _forward)
+            result = self.runner.run(entries, kv)
+        else:
+            result = self._run(entries, kv, idle)
+        # what this step cost feeds the step gate (adaptive.py, step_cost.py): decode-only steps
+        # only, a prefill chunk would dominate the time
+        if all(e.start >= e.request.num_prompt_tokens for e in entries):
+            self.draft_length.cost.record(len(entries), any(e.num_draft_tokens for e in entries),
+                                          time.thread_time() - started)
+        self.draft_length.plan([e.request for e in entries])
+        return result
+
+    def _run(self, entries: list[ScheduledRequest], kv, idle: set[int]) -> StepResult:
+        logits, drafts, rows_of, commit = self._forward(entries, kv, idle)
         sampled: list[SampledToken] = []
         failed: list[tuple[ScheduledRequest, Exception]] = []
         plain = [e for e in entries if e.samples and not e.num_draft_tokens]
@@ -97,7 +116,12 @@ class SpeculativeRunner:
         lp = Sampler._logprobs(logits[: len(tokens)], tokens, [p] * len(tokens))
         return [SampledToken(e, t, lp.logprobs[i], lp.top_logprobs[i]) for i, t in enumerate(tokens)]
 
-    def _forward(self, entries: list[ScheduledRequest], kv):
+    def _idle(self, entries: list[ScheduledRequest]) -> set[int]:
+        """``id``s of the plain decodes whose requests the adaptive length has idle (adaptive.py)."""
+        return {id(e) for e in entries if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
+                and self.draft_length.idle(e.request, len(entries))}
+
+    def _forward(self, entries: list[ScheduledRequest], kv, idle: set[int]):
         model, proposer = self.model, self.proposer
         spec = [e for e in entries if e.num_draft_tokens]
         lengths = {id(e): len(e.request.token_ids) for e in spec}
@@ -109,8 +133,6 @@ class SpeculativeRunner:
             if embeds is None:
                 embeds = model.embed(ids)
             hidden = model(None, fb, kv, inputs_embeds=embeds)
-            idle = {id(e) for e in entries if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
-                    and self.draft_length.idle(e.request, len(entries))}
             outs = proposer.extend(entries, fb, embeds, hidden, kv, skip=idle)
         finally:
             for e in spec:
@@ -134,7 +156,9 @@ class SpeculativeRunner:
             proposer.commit(e.request, e.start + accepted, row, hidden, outs)
 
         for e in entries:
-            if not e.num_draft_tokens:
+            # an idle request keeps no tail (one index op each, ~2 % of a batch-32 step): its MTP KV
+            # misses these positions anyway, and a tail of a stale position reads as zeros
+            if not e.num_draft_tokens and id(e) not in idle:
                 commit(e, e.num_new_tokens - 1)
         return logits, drafts, rows_of, commit
 

@@ -225,31 +225,6 @@ def test_hub_fp8_mtp_layers_load_like_the_hf_layout(model, tmp_path):
     assert LLMEngine(load_model(hf, load_mtp=False), EngineConfig(page_size=PAGE, num_full_tokens=256)).speculative is None
 
 
-def test_draft_length_adapts_down_to_zero_and_probes_together():
-    from llm_core.engine.speculative.adaptive import DraftLength
-
-    dl = DraftLength(3, probe_every=4)
-    good, bad = object.__new__(type("R", (), {})), object.__new__(type("R", (), {}))
-    assert dl.choose(good, 1) == dl.choose(bad, 1) == 3  # optimistic start
-    for _ in range(6):
-        dl.update(good, 3, 3)
-        dl.update(bad, 3, 0)
-    dl.steps = 1
-    assert dl.choose(good, 1) == 3 and dl.choose(bad, 1) == 0
-    assert dl.threshold(1) < dl.threshold(8) < dl.threshold(32) == dl.threshold(64)
-    dl.update(good, 3, 2)  # rate ~0.9: fine alone, too low for a full batch
-    assert dl.choose(good, 1) == 3 and dl.choose(good, 32) < 3
-    dl.steps = 4
-    assert dl.choose(bad, 1) == 1  # every request at k = 0 probes in the same step
-    assert dl.choose(bad, 32) == 0  # ... unless the batch is too large for one probe to matter
-    assert DraftLength(3, adaptive=False).choose(bad, 64) == 3
-    # idle = skips the MTP extend: poor everywhere, or at k = 0 where no probe can run
-    assert dl.idle(bad, 1) and dl.idle(bad, 32) and not dl.idle(good, 1)
-    dl.update(good, 3, 2)  # rate ~0.83: k = 0 in a full batch, where no probe runs either
-    assert dl.choose(good, 32) == 0 and dl.idle(good, 32) and dl.choose(good, 1) == 3 and not dl.idle(good, 1)
-    assert not DraftLength(3).idle(good, 32)  # never measured: it drafts
-
-
 def test_adaptive_engine_stops_drafting_when_drafts_fail(model):
     """Random MTP layers: adaptive k falls to 0 after the first verify, then only probes."""
     prompts = [ids(50 + i, 6) for i in range(3)]
