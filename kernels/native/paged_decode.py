@@ -11,6 +11,7 @@ caller keeps its torch path: a non-fp32 dtype, CUDA, strides it does not handle,
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,12 @@ class DecodeRows:
     page_size: int
     window: int | None
 
+    @functools.cached_property
+    def pointers(self) -> tuple[int, int, int, int]:
+        """data_ptr() of table, seq_lens, requests, rows (what the C call takes; read once per step,
+        not per layer)."""
+        return (self.table.data_ptr(), self.seq_lens.data_ptr(), self.requests.data_ptr(), self.rows.data_ptr())
+
     @staticmethod
     def build(table: torch.Tensor, seq_lens: torch.Tensor, requests: list[int], rows: list[int], *,
               num_tokens: int, page_size: int, window: int | None) -> DecodeRows:
@@ -95,11 +102,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if sinks is not None:
         sinks = sinks.detach().contiguous()
     error = (ctypes.c_long * 2)()
+    table, lens, requests, rows = decode.pointers
     status = lib.paged_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-        decode.table.data_ptr(), decode.table.shape[1], decode.seq_lens.data_ptr(), decode.requests.data_ptr(),
-        decode.rows.data_ptr(), decode.rows.shape[0], None if sinks is None else sinks.data_ptr(), out.data_ptr(),
-        hq * dv, hq, hkv, dqk, dv, decode.page_size, decode.window or 0, scale, error)
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table,
+        decode.table.shape[1], lens, requests, rows, decode.rows.shape[0], None if sinks is None else sinks.data_ptr(),
+        out.data_ptr(), hq * dv, hq, hkv, dqk, dv, decode.page_size, decode.window or 0, scale, error)
     if status:
         _raise(status, decode, int(error[0]), int(error[1]), k_cache.shape[0])
     return out
@@ -107,22 +114,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _fits(q, k_cache, v_cache, sinks, decode: DecodeRows) -> bool:
     """The layouts the kernel reads: fp32 CPU tensors, q rows of contiguous heads (the projection's
-    view may have a longer row stride), a contiguous pool, q/k dims equal, whole GQA groups."""
-    tensors = (q, k_cache, v_cache) if sinks is None else (q, k_cache, v_cache, sinks)
-    if any(x.dtype != torch.float32 or x.device.type != "cpu" for x in tensors):
+    view may have a longer row stride), a contiguous pool, q/k dims equal, whole GQA groups. (Runs
+    once per layer call: plain attribute checks, no tensor ops.)"""
+    f32 = torch.float32
+    if q.dtype is not f32 or k_cache.dtype is not f32 or v_cache.dtype is not f32:
         return False
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3 or q.shape[0] != decode.num_tokens:
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu) or q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         return False
-    hq, dqk = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[1]
-    if k_cache.shape[2] != dqk or v_cache.shape[:2] != k_cache.shape[:2] or hkv == 0 or hq % hkv:
+    t, hq, dqk = q.shape
+    slots, hkv, dk = k_cache.shape
+    if t != decode.num_tokens or dk != dqk or v_cache.shape[0] != slots or v_cache.shape[1] != hkv:
         return False
-    if sinks is not None and sinks.numel() != hq:
+    if hkv == 0 or hq % hkv or slots % decode.page_size:
         return False
-    if k_cache.shape[0] % decode.page_size:
+    if sinks is not None and (sinks.dtype is not f32 or not sinks.is_cpu or sinks.numel() != hq):
         return False
-    return (q.stride(2) == 1 and q.stride(1) == dqk and q.stride(0) >= hq * dqk
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
+    qs = q.stride()
+    return qs[2] == 1 and qs[1] == dqk and qs[0] >= hq * dqk and k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
 def _raise(status: int, decode: DecodeRows, row: int, pos: int, num_slots: int) -> None:
