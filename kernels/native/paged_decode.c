@@ -36,6 +36,7 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
 
 /* e^x for x <= 0 to ~2 ulp, written so the compiler vectorizes a loop of it (libm's expf is a
  * scalar call per logit, which at one query per request is most of the arithmetic). x = n ln2 + r,
@@ -144,6 +145,7 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
     for (long j = 0; j < g; j++) {
         float *s = logits + j * BLOCK;
         float mb = m[j];
+#pragma omp simd reduction(max : mb)
         for (long t = 0; t < n; t++) mb = s[t] > mb ? s[t] : mb;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -169,8 +171,12 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
             const float *p = logits + j * BLOCK + t;
             float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
             float *a = acc + j * dv;
-#pragma omp simd
-            for (long d = 0; d < dv; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            long d = 0; /* explicit vectors: a loop the compiler vectorizes itself checks a against v0-v3
+                         * for overlap on every call, which at dv = 32 costs more than the FMAs */
+            for (; d + VL <= dv; d += VL)
+                store(a + d, load(a + d) + p0 * load(v0 + d) + p1 * load(v1 + d) + p2 * load(v2 + d) +
+                                 p3 * load(v3 + d));
+            for (; d < dv; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
         }
     }
 }
