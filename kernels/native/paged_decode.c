@@ -118,16 +118,23 @@ static inline void dot4(const float *q, const float *k0, const float *k1, const 
     }
 }
 
-/* Ask for a block's K and V rows (all KV heads: hkv * d floats from each slot on) before the
- * first head uses them: the loads then overlap instead of waiting one by one on memory (pages lie
- * anywhere in the pool, a pattern the hardware prefetchers follow poorly). */
-static inline void prefetch_slots(const float *k_cache, const float *v_cache, const long *slots, long n,
-                                  long k_row, long v_row) {
-    for (long t = 0; t < n; t++) {
-        const char *k = (const char *)(k_cache + slots[t] * k_row);
-        const char *v = (const char *)(v_cache + slots[t] * v_row);
-        for (long b = 0; b < k_row * 4; b += 64) __builtin_prefetch(k + b);
-        for (long b = 0; b < v_row * 4; b += 64) __builtin_prefetch(v + b);
+/* Ask for the K and V rows (all KV heads of a slot) of logical positions [from, to) through a
+ * block-table row, one cache line at a time, a block ahead of their use: a decode step's K/V come
+ * from memory (the weights streamed since the last layer evicted them), and pages lie anywhere in
+ * the pool, where the hardware prefetchers stop at every 4 KB page. Invalid page ids are skipped
+ * (the attention reports them when it gets there). */
+static void prefetch_positions(const float *k_cache, const float *v_cache, const long *pages, long page_size,
+                               long num_pages, long from, long to, long k_row, long v_row) {
+    while (from < to) {
+        long page = pages[from / page_size], offset = from % page_size;
+        long n = page_size - offset < to - from ? page_size - offset : to - from;
+        if (page >= 0 && page < num_pages) {
+            const char *k = (const char *)(k_cache + (page * page_size + offset) * k_row);
+            const char *v = (const char *)(v_cache + (page * page_size + offset) * v_row);
+            for (long b = 0; b < n * k_row * 4; b += 64) __builtin_prefetch(k + b);
+            for (long b = 0; b < n * v_row * 4; b += 64) __builtin_prefetch(v + b);
+        }
+        from += n;
     }
 }
 
@@ -186,7 +193,8 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
  * the pool (nothing of it read). */
 static long attend_request(const float *qs, const float *k_cache, const float *v_cache, const long *pages,
                            long page_size, long num_pages, long first, long len, long hq, long hkv, long dqk,
-                           long dv, const float *sinks, float *out, float *logits, float *acc, float *m, float *l) {
+                           long dv, const float *sinks, float *out, float *logits, float *acc, float *m, float *l,
+                           const long *next_pages, long next_first, long next_len) {
     long g = hq / hkv;
     for (long j = 0; j < hq; j++) {
         m[j] = -INFINITY;
@@ -207,7 +215,12 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
             }
         }
         for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1]; /* a written row */
-        prefetch_slots(k_cache, v_cache, slots, n, hkv * dqk, hkv * dv);
+        if (start + BLOCK < len) /* the next block while this one computes */
+            prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, start + BLOCK,
+                               start + 2 * BLOCK < len ? start + 2 * BLOCK : len, hkv * dqk, hkv * dv);
+        else if (next_pages) /* the last block: the next request's first */
+            prefetch_positions(k_cache, v_cache, next_pages, page_size, num_pages, next_first,
+                               next_first + BLOCK < next_len ? next_first + BLOCK : next_len, hkv * dqk, hkv * dv);
         for (long h = 0; h < hkv; h++)
             attend_block(qs + h * g * dqk, g, k_cache, v_cache, hkv, h, dqk, dv, slots, n, logits,
                          acc + h * g * dv, m + h * g, l + h * g);
@@ -240,20 +253,35 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
     float *scratch = malloc((size_t)(g * BLOCK + hq * (dv + dqk + 2)) * sizeof(float));
     if (!scratch) return -1;
     float *logits = scratch, *acc = logits + g * BLOCK, *qs = acc + hq * dv, *m = qs + hq * dqk, *l = m + hq;
-    long status = 0;
-    for (long i = 0; i < num_rows; i++) {
+    for (long i = 0; i < num_rows; i++) { /* every length first: the prefetches below trust them */
         long len = seq_lens[req[i]];
         if (len > table_cols * page_size) {
             error[0] = i;
             error[1] = len - 1;
-            status = 2;
-            break;
+            free(scratch);
+            return 2;
         }
+    }
+    long status = 0;
+    for (long i = 0; i < num_rows; i++) {
+        long len = seq_lens[req[i]];
         long first = window > 0 && len > window ? len - window : 0;
+        const long *pages = table + req[i] * table_cols;
+        if (i == 0)
+            prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, first,
+                               first + BLOCK < len ? first + BLOCK : len, hkv * dqk, hkv * dv);
+        const long *next_pages = NULL;
+        long next_first = 0, next_len = 0;
+        if (i + 1 < num_rows) {
+            next_pages = table + req[i + 1] * table_cols;
+            next_len = seq_lens[req[i + 1]];
+            next_first = window > 0 && next_len > window ? next_len - window : 0;
+        }
         const float *qi = q + q_row[i] * q_stride;
         for (long e = 0; e < hq * dqk; e++) qs[e] = qi[e] * scale;
-        long bad = attend_request(qs, k_cache, v_cache, table + req[i] * table_cols, page_size, num_pages, first,
-                                  len, hq, hkv, dqk, dv, sinks, out + q_row[i] * out_stride, logits, acc, m, l);
+        long bad = attend_request(qs, k_cache, v_cache, pages, page_size, num_pages, first, len, hq, hkv, dqk, dv,
+                                  sinks, out + q_row[i] * out_stride, logits, acc, m, l, next_pages, next_first,
+                                  next_len);
         if (bad) {
             error[0] = i;
             error[1] = bad - 1;
