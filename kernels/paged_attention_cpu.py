@@ -21,6 +21,11 @@ window), so it is built once and reused by every layer of that kind:
   hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
   above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill.
 
+Decode rows in fp32 go to the C kernel instead (kernels/native/paged_decode.c, when built and on):
+one call per layer reads each request's keys in place through the block table, so the plan then
+carries the block table, lengths and decode rows (``native``) and no key grid or mask. A compiled
+step keeps the grid (asked for with a fixed ``keys`` width), and so do bf16 and a switched-off build.
+
 The attention itself is ATen's CPU flash kernel (GQA-aware, reads K/V through strided views, so the
 gathered [D, K, Hkv, d] rows need no head-major copy). It also returns the log-sum-exp, which gives
 the sinks exactly: a sink logit s joins only the denominator, so
