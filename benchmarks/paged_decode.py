@@ -110,7 +110,8 @@ def main() -> None:
                          kv_bytes / (c_ms * 1e-3) / 1e9, f"{diff:.1e}"])
             out.update({f"{name}_b{b}_torch_ms": torch_ms, f"{name}_b{b}_native_ms": c_ms,
                         f"{name}_b{b}_speedup": torch_ms / c_ms, f"{name}_b{b}_max_abs_diff": diff})
-    print_table(f"paged decode attention, one layer, CPU ms (medians, 1 thread{', caches evicted' if args.cold else ''})",
+    cold = ", caches emptied before each call" if args.cold else ""
+    print_table(f"paged decode attention, one layer, CPU ms (medians, 1 thread{cold})",
                 ["shape", "batch", "window", "context", "K/V MB read", "torch (gather + flash)", "C in place",
                  "speed-up", "C GB/s of K/V", "max |diff|"], rows)
     write_json(args.json, out)

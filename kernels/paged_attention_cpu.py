@@ -106,9 +106,9 @@ class AttentionPlan:
                                                        page_size=page_size, window=window)
             if native is None or keys is not None:  # the torch path's key grid: it serves this step
                 # (or a compiled one: the C call stays out of traced graphs)
-                slots, kmax, mask = _decode_grid(block_table if every else block_table[torch.tensor(decode, device=device)],
-                                                 [lens[b] for b in decode], page_size=page_size, window=window,
-                                                 keys=keys, dtype=dtype)
+                table = block_table if every else block_table[torch.tensor(decode, device=device)]
+                slots, kmax, mask = _decode_grid(table, [lens[b] for b in decode], page_size=page_size,
+                                                 window=window, keys=keys, dtype=dtype)
             rows = torch.arange(len(decode), device=device) if every else torch.tensor(rows_list, device=device)
         extends = []
         for b in range(num_requests):

@@ -43,7 +43,8 @@ def test_tokens_identical_with_the_c_kernel_on_and_off(ckpt, monkeypatch, batch)
 
     monkeypatch.setattr(paged_decode, "decode_attention", counted)
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (batch,), generator=g)]
+    lengths = torch.randint(5, 30, (batch,), generator=g).tolist()
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
     on = _generate(ckpt, prompts, native=True)
     assert calls and all(calls)  # every layer of every decode step went through the kernel
     calls.clear()
