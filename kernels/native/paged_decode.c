@@ -131,8 +131,10 @@ static void prefetch_positions(const float *k_cache, const float *v_cache, const
         if (page >= 0 && page < num_pages) {
             const char *k = (const char *)(k_cache + (page * page_size + offset) * k_row);
             const char *v = (const char *)(v_cache + (page * page_size + offset) * v_row);
-            for (long b = 0; b < n * k_row * 4; b += 64) __builtin_prefetch(k + b);
-            for (long b = 0; b < n * v_row * 4; b += 64) __builtin_prefetch(v + b);
+            /* into L2 (locality 1), not L1: a block of rows ahead does not fit beside the block in use,
+             * and the L1 prefetch took ~1/3 longer with the caches emptied before the call */
+            for (long b = 0; b < n * k_row * 4; b += 64) __builtin_prefetch(k + b, 0, 1);
+            for (long b = 0; b < n * v_row * 4; b += 64) __builtin_prefetch(v + b, 0, 1);
         }
         from += n;
     }
