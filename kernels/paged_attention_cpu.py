@@ -21,6 +21,11 @@ window), so it is built once and reused by every layer of that kind:
   hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
   above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill.
 
+Decode rows in fp32 go to the C kernel instead (kernels/native/paged_decode.c, when built and on):
+one call per layer reads each request's keys in place through the block table, so the plan then
+carries the block table, lengths and decode rows (``native``) and no key grid or mask. A compiled
+step keeps the grid (asked for with a fixed ``keys`` width), and so do bf16 and a switched-off build.
+
 The attention itself is ATen's CPU flash kernel (GQA-aware, reads K/V through strided views, so the
 gathered [D, K, Hkv, d] rows need no head-major copy). It also returns the log-sum-exp, which gives
 the sinks exactly: a sink logit s joins only the denominator, so
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+
+from kernels.native import paged_decode
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -60,6 +67,10 @@ class AttentionPlan:
     decode_keys: int  # Kmax
     decode_mask: torch.Tensor | None  # [D, 1, 1, Kmax] additive
     extends: tuple[_Extend, ...]
+    # the decode rows as the C kernel reads them (kernels/native/paged_decode.py): keys in place from
+    # the pages, no key grid; None when it cannot serve the step (not fp32 on CPU, kernels off). When
+    # set, decode_slots / decode_mask are None unless a fixed grid width was asked for (a compiled step)
+    native: paged_decode.DecodeRows | None = None
 
     @staticmethod
     def build(
@@ -72,7 +83,8 @@ class AttentionPlan:
         dtype: torch.dtype = torch.float32,
         keys: int | None = None,
     ) -> AttentionPlan:
-        """Plan for the batch; raises RuntimeError when a visible key's page was released.
+        """Plan for the batch; raises RuntimeError when a visible key's page was released (with the
+        C decode kernel: a decode row's page, when the kernel reaches it in the first layer's call).
 
         ``keys``: width of the decode key grid (default: the widest visible span of the batch). A
         fixed width keeps the plan's shapes independent of the lengths (a compiled decode step per
@@ -85,28 +97,19 @@ class AttentionPlan:
         decode = [b for b in range(num_requests) if qsl[b + 1] - qsl[b] == 1]
         rows = slots = mask = None
         kmax = 0
+        native = None
         if decode:
             every = len(decode) == num_requests  # all rows decode: request b is row b, no selection
-            d_lens = torch.tensor([lens[b] for b in decode], dtype=torch.long)
-            first = torch.zeros_like(d_lens) if window is None else (d_lens - window).clamp(min=0)
-            span = d_lens - first
-            kmax = max(lens[b] - (0 if window is None else max(0, lens[b] - window)) for b in decode)
-            if keys is not None:
-                if keys < kmax:
-                    raise ValueError(f"decode key grid of {keys} keys is narrower than a visible span of {kmax}")
-                kmax = keys
-            j = torch.arange(kmax)
-            valid = j[None, :] < span[:, None]
-            pos = torch.minimum(first[:, None] + j[None, :], (d_lens - 1)[:, None]).to(device)
-            table = block_table if every else block_table[torch.tensor(decode, device=device)]
-            pages = table.gather(1, pos // page_size)
-            _check_mapped(pages, pos)
-            slots = (pages * page_size + pos % page_size).reshape(-1)
-            mask = torch.zeros(len(decode), 1, 1, kmax, dtype=dtype)
-            mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
-            mask = mask.to(device)
-            rows = torch.arange(len(decode), device=device) if every else torch.tensor([qsl[b] for b in decode],
-                                                                                         device=device)
+            rows_list = list(range(len(decode))) if every else [qsl[b] for b in decode]
+            if paged_decode.available(dtype, device):
+                native = paged_decode.DecodeRows.build(block_table, seq_lens, decode, rows_list, num_tokens=num_tokens,
+                                                       page_size=page_size, window=window)
+            if native is None or keys is not None:  # the torch path's key grid: it serves this step
+                # (or a compiled one: the C call stays out of traced graphs)
+                table = block_table if every else block_table[torch.tensor(decode, device=device)]
+                slots, kmax, mask = _decode_grid(table, [lens[b] for b in decode], page_size=page_size,
+                                                 window=window, keys=keys, dtype=dtype)
+            rows = torch.arange(len(decode), device=device) if every else torch.tensor(rows_list, device=device)
         extends = []
         for b in range(num_requests):
             start, end, seq_len = qsl[b], qsl[b + 1], lens[b]
@@ -123,7 +126,7 @@ class AttentionPlan:
                 m = _extend_mask(n, seq_len - first, window, dtype, device)
             extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh))
         all_decode = len(decode) == num_tokens == num_requests
-        return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends))
+        return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends), native)
 
     @staticmethod
     def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None,
@@ -139,6 +142,12 @@ class AttentionPlan:
         lens = seq_lens.to(torch.long)
         if active is not None:
             lens = torch.where(active, lens, 1)  # inactive: a harmless in-range position
+        if paged_decode.available(dtype, device):  # the C kernel reads each step's keys in place: no grid
+            return [AttentionPlan(len(picked), torch.arange(len(picked), device=device), True, None, 0, None, (),
+                                  paged_decode.DecodeRows.build(block_table, lens[s], picked, list(range(len(picked))),
+                                                                num_tokens=len(picked), page_size=page_size,
+                                                                window=window))
+                    for s, picked in enumerate(rows)]
         first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
         span = lens - first
         kmax = int(span.max())
@@ -166,6 +175,30 @@ class AttentionPlan:
                 aranges[n] = torch.arange(n, device=device)
             plans.append(AttentionPlan(n, aranges[n], True, step_slots.reshape(-1), kmax, step_mask, ()))
         return plans
+
+
+def _decode_grid(table: torch.Tensor, lens: list[int], *, page_size: int, window: int | None, keys: int | None,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The padded key grid of decode requests with contexts ``lens`` (``table``: their block-table
+    rows): flat pool slots [D * K], the width K, the additive mask [D, 1, 1, K]."""
+    device = table.device
+    d_lens = torch.tensor(lens, dtype=torch.long)
+    first = torch.zeros_like(d_lens) if window is None else (d_lens - window).clamp(min=0)
+    span = d_lens - first
+    kmax = max(n - (0 if window is None else max(0, n - window)) for n in lens)
+    if keys is not None:
+        if keys < kmax:
+            raise ValueError(f"decode key grid of {keys} keys is narrower than a visible span of {kmax}")
+        kmax = keys
+    j = torch.arange(kmax)
+    valid = j[None, :] < span[:, None]
+    pos = torch.minimum(first[:, None] + j[None, :], (d_lens - 1)[:, None]).to(device)
+    pages = table.gather(1, pos // page_size)
+    _check_mapped(pages, pos)
+    slots = (pages * page_size + pos % page_size).reshape(-1)
+    mask = torch.zeros(len(lens), 1, 1, kmax, dtype=dtype)
+    mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    return slots, kmax, mask.to(device)
 
 
 def _extend_mask(n: int, keys: int, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
@@ -253,7 +286,7 @@ def paged_attention_cpu(
         return _extend(q, k_cache, v_cache, plan.extends[0], k_new, v_new, scale=scale, sinks=sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale=scale, sinks=sinks)
+        _decode(q, k_cache, v_cache, plan, scale=scale, sinks=sinks, out=out)
     for e in plan.extends:
         out[e.start : e.end] = _extend(q, k_cache, v_cache, e, k_new, v_new, scale=scale, sinks=sinks)
     return out
@@ -270,10 +303,27 @@ def _extend(q, k_cache, v_cache, e: _Extend, k_new, v_new, *, scale, sinks):
     return _attend(q[e.start : e.end].view(1, n, -1, q.shape[2]), k, v, e.mask, scale=scale, sinks=sinks)[0]
 
 
-def _decode(q, k_cache, v_cache, plan: AttentionPlan, *, scale, sinks):
-    """One query per decode request -> [D, Hq, Dv]."""
-    d_req, kmax = q.shape[0], plan.decode_keys
-    k = k_cache.index_select(0, plan.decode_slots).view(d_req, kmax, k_cache.shape[1], k_cache.shape[2])
-    v = v_cache.index_select(0, plan.decode_slots).view(d_req, kmax, v_cache.shape[1], v_cache.shape[2])
-    out = _attend(q.view(d_req, 1, q.shape[1], q.shape[2]), k, v, plan.decode_mask, scale=scale, sinks=sinks)
-    return out.reshape(d_req, q.shape[1], v_cache.shape[2])
+def _decode(q, k_cache, v_cache, plan: AttentionPlan, *, scale, sinks, out=None):
+    """The decode rows (one query per request) of q [T, Hq, d]: -> [D, Hq, Dv] when every row
+    decodes (``plan.all_decode``), else written into their rows of ``out`` [T, Hq, Dv]."""
+    if plan.native is not None and not torch.compiler.is_compiling():  # a compiled step keeps the
+        # torch path: the C call would split its graph
+        got = paged_decode.decode_attention(q, k_cache, v_cache, plan.native, scale=scale, sinks=sinks, out=out)
+        if got is not None:
+            return got
+    slots, kmax, mask = plan.decode_slots, plan.decode_keys, plan.decode_mask
+    if slots is None:  # the plan was made for the C kernel, which cannot take these tensors
+        n = plan.native
+        slots, kmax, mask = _decode_grid(n.table[n.requests].to(q.device), n.seq_lens[n.requests].tolist(),
+                                         page_size=n.page_size, window=n.window, keys=None, dtype=q.dtype)
+    rows = None if plan.all_decode else plan.decode_rows
+    qd = q if rows is None else q[rows]
+    d_req = qd.shape[0]
+    k = k_cache.index_select(0, slots).view(d_req, kmax, k_cache.shape[1], k_cache.shape[2])
+    v = v_cache.index_select(0, slots).view(d_req, kmax, v_cache.shape[1], v_cache.shape[2])
+    res = _attend(qd.view(d_req, 1, q.shape[1], q.shape[2]), k, v, mask, scale=scale, sinks=sinks)
+    res = res.reshape(d_req, q.shape[1], v_cache.shape[2])
+    if out is None:
+        return res
+    out[rows] = res
+    return out

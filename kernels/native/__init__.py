@@ -16,4 +16,16 @@ its torch path, which is also what the tests compare the C kernels to.
 
 from kernels.native.build import enabled, library, set_enabled
 
-__all__ = ["enabled", "library", "set_enabled"]
+
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) every kernel now, whether each is available. An engine calls it
+    at start so its first decode step does not pay the compile (1-2 s on a fresh machine)."""
+    import torch
+
+    from kernels.native import moe_experts, paged_decode
+
+    return {"moe_experts": moe_experts.available(),
+            "paged_decode": paged_decode.available(torch.float32, torch.device("cpu"))}
+
+
+__all__ = ["build_all", "enabled", "library", "set_enabled"]

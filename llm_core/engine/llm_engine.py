@@ -73,6 +73,8 @@ class LLMEngine:
         native.set_enabled(self.config.native_cpu_kernels)  # before the runner lays out the weights
         self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
         self.device, self.dtype = self.runner.device, self.runner.dtype
+        if self.device.type == "cpu" and self.dtype == torch.float32 and native.enabled():
+            native.build_all()  # compiled (or loaded from the disk cache) now, not in the first step
         # this rank's KV heads (all of them in one process; a share under tensor parallelism)
         layout = model.kv_layout() if hasattr(model, "kv_layout") else KVLayout.from_model_config(self.model_config)
         # --- speculative decoding hook (llm_core/engine/speculative/): MTP layers keep SWA-pool KV

@@ -77,3 +77,23 @@ def test_no_compiler_or_switched_off_gives_none(fresh, monkeypatch):
     monkeypatch.setenv(build.ENV_SWITCH, "0")
     build.set_enabled(True)  # the environment's "0" wins over the config
     assert not build.enabled()
+
+
+
+@needs_cc
+def test_an_engine_builds_its_kernels_when_it_starts_not_in_its_first_step(tmp_path, monkeypatch):
+    import torch
+
+    from llm_core import EngineConfig, LLMEngine
+    from llm_core.model.loader import load_model
+    from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+
+    model = load_model(build_tiny_hf_checkpoint(tmp_path / "hf"), dtype=torch.float32)
+    monkeypatch.setattr(build, "_loaded", {})  # as a fresh process (the disk cache may still hold them)
+    monkeypatch.setattr(build, "_enabled", True)
+    LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=256, num_swa_tokens=256))
+    assert {name for name, *_ in build._loaded} == {"moe_experts", "paged_decode"}
+    assert all(lib is not None for lib in build._loaded.values())
+    monkeypatch.setattr(build, "_loaded", {})
+    LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=256, num_swa_tokens=256, native_cpu_kernels=False))
+    assert build._loaded == {}

@@ -1,0 +1,296 @@
+/* Paged decode attention: one query token per request over its keys, read in place from the pool.
+ *
+ * Contract: kernels/attention_ref.py (paged_attention_ref) restricted to decode rows; the Python
+ * wrapper kernels/native/paged_decode.py checks dtypes, layouts and shapes before the call.
+ *
+ *   k_cache [num_slots, hkv, dqk], v_cache [num_slots, hkv, dv]   slot = page * page_size + offset
+ *   request i: context L = seq_lens[req[i]], visible keys [first, L), first = max(0, L - window)
+ *
+ *     logical pos:  first ............................ L-1
+ *     page:         table[req[i], pos / page_size]   (-1: released -> error, never read)
+ *     slot:         page * page_size + pos % page_size
+ *
+ * Only positions < L are touched, so the unwritten tail of a request's last page (stale values, NaN)
+ * never reaches a logit. A request's keys go by in blocks (their slots worked out once per block, all
+ * KV heads of a slot read together); in a block, the G = hq / hkv query heads of each KV head's group
+ * take its K and V rows together, so each row is read once per KV head; the logits of a block go
+ * through one online-softmax update per query head (running max m, running sum l, fp32), and a
+ * per-head sink logit joins the denominator only: out = acc / (l + e^(sink - m)).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32 /* keys per online-softmax update (a multiple of 4): the logits of a block stay in L1 */
+
+/* Vectors through GCC / Clang vector extensions: the compiler lowers them to the host's registers
+ * (-march=native) and the sums below stay in registers, where a reduction loop the compiler
+ * vectorizes itself spills each lane to the stack. */
+#if defined(__AVX512F__) && !defined(PAGED_DECODE_VL8) /* the 8-lane form: -DPAGED_DECODE_VL8 (tests) */
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
+
+/* e^x for x <= 0 to ~2 ulp, written so the compiler vectorizes a loop of it (libm's expf is a
+ * scalar call per logit, which at one query per request is most of the arithmetic). x = n ln2 + r,
+ * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n through the exponent bits. Below
+ * -87.3 (e^x under FLT_MIN) the result is 0, as for a masked key. */
+static inline float exp_nonpositive(float x) {
+    const float lo = -87.3f;
+    float xc = x < lo ? lo : x;
+    /* round to nearest through the float adder: 1.5 * 2^23 pushes the fraction out (no libm call,
+     * so the loop vectorizes; |x log2 e| < 2^22 here) */
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = xc - n * 0.693145751953125f;   /* ln2, high part (exact product for |n| < 2^10) */
+    r = r - n * 1.428606765330187045e-06f;   /* ln2, low part */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    float y = p * scale.f;
+    return x < lo ? 0.0f : y;
+}
+
+/* The lane sums of a0 .. a3 -> out[0 .. 3]: pairs of vectors folded into one by halves, then the
+ * four lane groups within one vector (log2(VL) shuffle + add steps for four sums, no spill). */
+static inline void lane_sums4(vf a0, vf a1, vf a2, vf a3, float *out) {
+#if VL == 16
+    vf c01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf c23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* lanes: a0 x4 | a1 x4 | a2 x4 | a3 x4 */
+    vf d = __builtin_shufflevector(c01, c23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c01, c23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    vf e = d + __builtin_shufflevector(d, d, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    vf f = e + __builtin_shufflevector(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = f[0];
+    out[1] = f[4];
+    out[2] = f[8];
+    out[3] = f[12];
+#else
+    vf c01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+             __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    vf c23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+             __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* lanes: a0 x2 | a1 x2 | a2 x2 | a3 x2 */
+    vf d = __builtin_shufflevector(c01, c23, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(c01, c23, 2, 3, 6, 7, 10, 11, 14, 15);
+    vf e = d + __builtin_shufflevector(d, d, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] = e[0];
+    out[1] = e[2];
+    out[2] = e[4];
+    out[3] = e[6];
+#endif
+}
+
+/* Four dot products of one query row with four key rows: four independent accumulator chains, the
+ * query loaded once for the four keys; head dims that are not a multiple of VL finish in scalars. */
+static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                        long n, float *out) {
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    long d = 0;
+    for (; d + VL <= n; d += VL) {
+        vf qv = load(q + d);
+        a0 += qv * load(k0 + d);
+        a1 += qv * load(k1 + d);
+        a2 += qv * load(k2 + d);
+        a3 += qv * load(k3 + d);
+    }
+    lane_sums4(a0, a1, a2, a3, out);
+    for (; d < n; d++) {
+        out[0] += q[d] * k0[d];
+        out[1] += q[d] * k1[d];
+        out[2] += q[d] * k2[d];
+        out[3] += q[d] * k3[d];
+    }
+}
+
+/* Ask for the K and V rows (all KV heads of a slot) of logical positions [from, to) through a
+ * block-table row, one cache line at a time, a block ahead of their use: a decode step's K/V come
+ * from memory (the weights streamed since the last layer evicted them), and pages lie anywhere in
+ * the pool, where the hardware prefetchers stop at every 4 KB page. Invalid page ids are skipped
+ * (the attention reports them when it gets there). */
+static void prefetch_positions(const float *k_cache, const float *v_cache, const long *pages, long page_size,
+                               long num_pages, long from, long to, long k_row, long v_row) {
+    while (from < to) {
+        long page = pages[from / page_size], offset = from % page_size;
+        long n = page_size - offset < to - from ? page_size - offset : to - from;
+        if (page >= 0 && page < num_pages) {
+            const char *k = (const char *)(k_cache + (page * page_size + offset) * k_row);
+            const char *v = (const char *)(v_cache + (page * page_size + offset) * v_row);
+            /* into L2 (locality 1), not L1: a block of rows ahead does not fit beside the block in use,
+             * and the L1 prefetch took ~1/3 longer with the caches emptied before the call */
+            for (long b = 0; b < n * k_row * 4; b += 64) __builtin_prefetch(k + b, 0, 1);
+            for (long b = 0; b < n * v_row * 4; b += 64) __builtin_prefetch(v + b, 0, 1);
+        }
+        from += n;
+    }
+}
+
+/* One block of n (<= BLOCK, padded to a multiple of 4 by repeating the last slot) keys for the g
+ * query heads of KV head h: logits, online-softmax update of m / l / acc, acc += p V. */
+static void attend_block(const float *qs, long g, const float *k_cache, const float *v_cache, long hkv, long h,
+                         long dqk, long dv, const long *slots, long n, float *logits, float *acc, float *m,
+                         float *l) {
+    long n4 = (n + 3) / 4 * 4;
+    for (long t = 0; t < n4; t += 4) { /* four K rows, every query head of the group */
+        const float *k0 = k_cache + (slots[t] * hkv + h) * dqk, *k1 = k_cache + (slots[t + 1] * hkv + h) * dqk;
+        const float *k2 = k_cache + (slots[t + 2] * hkv + h) * dqk, *k3 = k_cache + (slots[t + 3] * hkv + h) * dqk;
+        for (long j = 0; j < g; j++) dot4(qs + j * dqk, k0, k1, k2, k3, dqk, logits + j * BLOCK + t);
+    }
+    for (long j = 0; j < g; j++) {
+        float *s = logits + j * BLOCK;
+        float mb = m[j];
+#pragma omp simd reduction(max : mb)
+        for (long t = 0; t < n; t++) mb = s[t] > mb ? s[t] : mb;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (long t = 0; t < n; t++) {
+            s[t] = exp_nonpositive(s[t] - mb);
+            sum += s[t];
+        }
+        for (long t = n; t < n4; t++) s[t] = 0.0f; /* the repeated keys weigh nothing */
+        if (mb != m[j]) { /* a new running max: rescale what was summed under the old one */
+            float alpha = exp_nonpositive(m[j] - mb); /* m = -inf (first block): 0 */
+            l[j] *= alpha;
+            float *a = acc + j * dv;
+#pragma omp simd
+            for (long d = 0; d < dv; d++) a[d] *= alpha;
+            m[j] = mb;
+        }
+        l[j] += sum;
+    }
+    for (long t = 0; t < n4; t += 4) { /* four V rows, every query head: acc read and written once */
+        const float *v0 = v_cache + (slots[t] * hkv + h) * dv, *v1 = v_cache + (slots[t + 1] * hkv + h) * dv;
+        const float *v2 = v_cache + (slots[t + 2] * hkv + h) * dv, *v3 = v_cache + (slots[t + 3] * hkv + h) * dv;
+        for (long j = 0; j < g; j++) {
+            const float *p = logits + j * BLOCK + t;
+            float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+            float *a = acc + j * dv;
+            long d = 0; /* explicit vectors: a loop the compiler vectorizes itself checks a against v0-v3
+                         * for overlap on every call, which at dv = 32 costs more than the FMAs */
+            for (; d + VL <= dv; d += VL)
+                store(a + d, load(a + d) + p0 * load(v0 + d) + p1 * load(v1 + d) + p2 * load(v2 + d) +
+                                 p3 * load(v3 + d));
+            for (; d < dv; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+        }
+    }
+}
+
+/* One request: keys [first, len) through its block-table row ``pages``; q [hq, dqk] (scaled), out
+ * [hq, dv]. Returns 0, or pos + 1 for the first visible position on a released page or one outside
+ * the pool (nothing of it read). */
+static long attend_request(const float *qs, const float *k_cache, const float *v_cache, const long *pages,
+                           long page_size, long num_pages, long first, long len, long hq, long hkv, long dqk,
+                           long dv, const float *sinks, float *out, float *logits, float *acc, float *m, float *l,
+                           const long *next_pages, long next_first, long next_len) {
+    long g = hq / hkv;
+    for (long j = 0; j < hq; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(hq * dv) * sizeof(float));
+    long slots[BLOCK];
+    long page_idx = first / page_size, offset = first % page_size; /* walk pages: no division per key */
+    for (long start = first; start < len; start += BLOCK) {
+        long n = len - start < BLOCK ? len - start : BLOCK;
+        for (long t = 0; t < n; t++) {
+            long page = pages[page_idx];
+            if (page < 0 || page >= num_pages) return start + t + 1; /* released / outside the pool */
+            slots[t] = page * page_size + offset;
+            if (++offset == page_size) {
+                offset = 0;
+                page_idx++;
+            }
+        }
+        for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1]; /* a written row */
+        if (start + BLOCK < len) /* the next block while this one computes */
+            prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, start + BLOCK,
+                               start + 2 * BLOCK < len ? start + 2 * BLOCK : len, hkv * dqk, hkv * dv);
+        else if (next_pages) /* the last block: the next request's first */
+            prefetch_positions(k_cache, v_cache, next_pages, page_size, num_pages, next_first,
+                               next_first + BLOCK < next_len ? next_first + BLOCK : next_len, hkv * dqk, hkv * dv);
+        for (long h = 0; h < hkv; h++)
+            attend_block(qs + h * g * dqk, g, k_cache, v_cache, hkv, h, dqk, dv, slots, n, logits,
+                         acc + h * g * dv, m + h * g, l + h * g);
+    }
+    for (long j = 0; j < hq; j++) {
+        float denom = l[j];
+        if (sinks) denom += expf(sinks[j] - m[j]);
+        float inv = denom > 0.0f ? 1.0f / denom : 0.0f; /* no visible key: zeros, as the reference */
+        float *o = out + j * dv;
+        const float *a = acc + j * dv;
+#pragma omp simd
+        for (long d = 0; d < dv; d++) o[d] = a[d] * inv;
+    }
+    return 0;
+}
+
+/* All decode rows of one layer. Row i: request req[i] (its block-table row and seq_lens entry),
+ * query q[q_row[i]] ([hq, dqk] at q + q_row[i] * q_stride), output out[q_row[i]] ([hq, dv] at
+ * out + q_row[i] * out_stride). window <= 0: no window. sinks: [hq] or NULL.
+ * Returns 0; 1 when a visible position maps to a released page or one outside the pool, 2 when a
+ * context is longer than the block table's row (error[0] = row i, error[1] = position; nothing
+ * further is read); -1 when the scratch memory cannot be allocated. */
+long paged_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+                            long num_slots, const long *table, long table_cols, const long *seq_lens,
+                            const long *req, const long *q_row, long num_rows, const float *sinks, float *out,
+                            long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
+                            float scale, long *error) {
+    long g = hq / hkv;
+    long num_pages = num_slots / page_size;
+    float *scratch = malloc((size_t)(g * BLOCK + hq * (dv + dqk + 2)) * sizeof(float));
+    if (!scratch) return -1;
+    float *logits = scratch, *acc = logits + g * BLOCK, *qs = acc + hq * dv, *m = qs + hq * dqk, *l = m + hq;
+    for (long i = 0; i < num_rows; i++) { /* every length first: the prefetches below trust them */
+        long len = seq_lens[req[i]];
+        if (len > table_cols * page_size) {
+            error[0] = i;
+            error[1] = len - 1;
+            free(scratch);
+            return 2;
+        }
+    }
+    long status = 0;
+    for (long i = 0; i < num_rows; i++) {
+        long len = seq_lens[req[i]];
+        long first = window > 0 && len > window ? len - window : 0;
+        const long *pages = table + req[i] * table_cols;
+        if (i == 0)
+            prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, first,
+                               first + BLOCK < len ? first + BLOCK : len, hkv * dqk, hkv * dv);
+        const long *next_pages = NULL;
+        long next_first = 0, next_len = 0;
+        if (i + 1 < num_rows) {
+            next_pages = table + req[i + 1] * table_cols;
+            next_len = seq_lens[req[i + 1]];
+            next_first = window > 0 && next_len > window ? next_len - window : 0;
+        }
+        const float *qi = q + q_row[i] * q_stride;
+        for (long e = 0; e < hq * dqk; e++) qs[e] = qi[e] * scale;
+        long bad = attend_request(qs, k_cache, v_cache, pages, page_size, num_pages, first, len, hq, hkv, dqk, dv,
+                                  sinks, out + q_row[i] * out_stride, logits, acc, m, l, next_pages, next_first,
+                                  next_len);
+        if (bad) {
+            error[0] = i;
+            error[1] = bad - 1;
+            status = 1;
+            break;
+        }
+    }
+    free(scratch);
+    return status;
+}

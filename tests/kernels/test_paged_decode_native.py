@@ -1,0 +1,171 @@
+"""The C paged decode attention (kernels/native/paged_decode.c) == the torch reference: random decode and
+mixed batches (GQA, q/k dim != v dim, windows, sinks, released pages, pages of 1-8 tokens), both vector
+widths of the source; stale NaN slots never leak; bad page ids and lengths raise; what the kernel cannot
+take falls back to the torch path with the same values."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels.attention_ref import paged_attention_ref
+from kernels.native import build, paged_decode
+from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+
+pytestmark = pytest.mark.skipif(paged_decode._lib() is None, reason="no C compiler: the torch path serves")
+
+
+# the width fixture holds for every generated input of a test (it picks a build, resets nothing)
+KEEP_FIXTURE = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.fixture(params=["native width", "8 lanes"])
+def width(request, monkeypatch):
+    """Each test runs on the host's vector width and on the 8-lane form (AVX2 hosts, other CPUs)."""
+    if request.param == "8 lanes":
+        monkeypatch.setattr(paged_decode, "_lib",
+                            functools.partial(paged_decode._lib, paged_decode.FLAGS + ("-DPAGED_DECODE_VL8",)))
+    return request.param
+
+
+def pool(seed, new_counts, ctx_lens, heads, kv_heads, dims, page, window, release, fill=None):
+    """A pool whose unused slots hold ``fill`` (random when None), each request's pages scattered."""
+    g = torch.Generator().manual_seed(seed)
+    dqk, dv = dims
+    num_pages = sum(-(-n // page) for n in ctx_lens) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = []
+    for b, n in enumerate(ctx_lens):
+        pages = [perm.pop() for _ in range(-(-n // page))]
+        if release and window is not None:  # pages wholly behind the window released, as the engine does
+            first_needed = max(0, n - new_counts[b] - window + 1)
+            pages = [-1 if (i + 1) * page <= first_needed else p for i, p in enumerate(pages)]
+        tables.append(pages)
+    width_ = max(len(t) for t in tables)
+    table = torch.tensor([t + [-1] * (width_ - len(t)) for t in tables])
+    k = torch.randn(num_pages * page, kv_heads, dqk, generator=g)
+    v = torch.randn(num_pages * page, kv_heads, dv, generator=g)
+    if fill is not None:  # only the written positions hold values
+        written = torch.zeros(num_pages * page, dtype=torch.bool)
+        for b, n in enumerate(ctx_lens):
+            pos = torch.arange(n)
+            pages = table[b][pos // page]
+            written[(pages * page + pos % page)[pages >= 0]] = True
+        k[~written], v[~written] = fill, fill
+    qsl = torch.tensor([0] + new_counts).cumsum(0)
+    # q as the projection hands it over: a view with a longer row stride than its heads
+    q = torch.randn(int(qsl[-1]), heads + kv_heads, dqk, generator=g)[:, :heads]
+    return q, k, v, table, qsl, torch.tensor(ctx_lens)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=KEEP_FIXTURE)
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(0, 70)), min_size=1, max_size=6),
+    st.sampled_from([(4, 4), (4, 2), (6, 1), (16, 4), (2, 1)]),
+    st.sampled_from([(8, 6), (32, 32), (24, 16), (20, 20), (3, 5)]),
+    st.sampled_from([1, 4, 8]),
+    st.one_of(st.none(), st.integers(1, 40)),
+    st.booleans(), st.booleans(), st.booleans(), st.integers(0, 10_000),
+)
+def test_matches_reference(width, reqs, heads, dims, page, window, sinks, release, mixed, seed):
+    new_counts = [n if mixed and i % 2 else 1 for i, (n, _) in enumerate(reqs)]
+    ctx_lens = [n + extra for n, (_, extra) in zip(new_counts, reqs)]
+    q, k, v, table, qsl, lens = pool(seed, new_counts, ctx_lens, heads[0], heads[1], dims, page, window, release)
+    s = torch.randn(heads[0]) * 2 if sinks else None
+    kw = dict(page_size=page, scale=dims[0] ** -0.5, window=window, sinks=s)
+    plan = AttentionPlan.build(table, qsl, lens, page_size=page, window=window)
+    assert plan.native is not None and plan.decode_slots is None  # the kernel serves, no key grid built
+    got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)
+    torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, lens, **kw), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=KEEP_FIXTURE)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=5), st.one_of(st.none(), st.integers(1, 20)),
+       st.integers(0, 10_000))
+def test_unwritten_slots_never_leak(width, ctx_lens, window, seed):
+    """Every slot no request has written holds NaN (the tail of each last page, the free pages):
+    the outputs are finite and equal to the reference's."""
+    q, k, v, table, qsl, lens = pool(seed, [1] * len(ctx_lens), ctx_lens, 4, 2, (8, 6), 8, window, True,
+                                     fill=float("nan"))
+    kw = dict(page_size=8, scale=0.3, window=window, sinks=torch.randn(4))
+    got = paged_attention_cpu(q, k, v, table, qsl, lens, **kw)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, lens, **kw), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_pages_and_lengths_raise(width):
+    q, k, v, table, qsl, lens = pool(0, [1, 1], [12, 7], 2, 2, (8, 8), 4, None, False)
+    kw = dict(page_size=4, scale=1.0, window=None)
+    released = table.clone()
+    released[1, 0] = -1
+    with pytest.raises(RuntimeError, match="position 0 whose page was released"):
+        paged_attention_cpu(q, k, v, released, qsl, lens, **kw)
+    outside = table.clone()
+    outside[0, 2] = k.shape[0] // 4  # one past the last page
+    with pytest.raises(ValueError, match="position 8 from page .* outside the pool"):
+        paged_attention_cpu(q, k, v, outside, qsl, lens, **kw)
+    with pytest.raises(ValueError, match="longer than its block table row"):
+        paged_attention_cpu(q, k, v, table, qsl, torch.tensor([12, 13]), **kw)
+    # a windowed row may leave released pages behind its window: not read, no error
+    behind = table.clone()
+    behind[0, 0] = -1
+    got = paged_attention_cpu(q, k, v, behind, qsl, lens, page_size=4, scale=1.0, window=5)
+    torch.testing.assert_close(got, paged_attention_ref(q, k, v, behind, qsl, lens, page_size=4, scale=1.0, window=5))
+
+
+def test_what_the_kernel_cannot_take_keeps_the_torch_path(monkeypatch):
+    q, k, v, table, qsl, lens = pool(1, [1, 1, 1], [5, 17, 9], 4, 2, (8, 6), 4, 6, True)
+    kw = dict(page_size=4, scale=0.4, window=6, sinks=torch.randn(4))
+    ref = paged_attention_ref(q, k, v, table, qsl, lens, **kw)
+    plan = AttentionPlan.build(table, qsl, lens, page_size=4, window=6)
+    # a pool the kernel does not read (heads not contiguous): the key grid is built on demand
+    k_t = k.transpose(0, 1).contiguous().transpose(0, 1)
+    assert paged_decode.decode_attention(q, k_t, v, plan.native, scale=0.4, sinks=kw["sinks"]) is None
+    torch.testing.assert_close(paged_attention_cpu(q, k_t, v, table, qsl, lens, plan=plan, **kw), ref)
+    # bf16: no kernel plan at all
+    bf = AttentionPlan.build(table, qsl, lens, page_size=4, window=6, dtype=torch.bfloat16)
+    assert bf.native is None and bf.decode_slots is not None
+    # kernels switched off (engine config / MMSERVE_NATIVE_KERNELS=0)
+    monkeypatch.setattr(build, "_enabled", False)
+    off = AttentionPlan.build(table, qsl, lens, page_size=4, window=6)
+    assert off.native is None
+    torch.testing.assert_close(paged_attention_cpu(q, k, v, table, qsl, lens, plan=off, **kw), ref)
+
+
+def test_a_compiled_step_keeps_the_torch_path(monkeypatch):
+    """Inside torch.compile the plan's key grid serves (the C call would split the graph)."""
+    q, k, v, table, qsl, lens = pool(2, [1, 1], [9, 3], 4, 2, (8, 8), 4, None, False)
+    plan = AttentionPlan.build(table, qsl, lens, page_size=4, window=None, keys=16)
+    assert plan.native is not None and plan.decode_slots is not None  # a fixed width: both
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(paged_decode, "decode_attention", lambda *a, **k: pytest.fail("C kernel called"))
+    got = paged_attention_cpu(q, k, v, table, qsl, lens, page_size=4, scale=0.3, plan=plan)
+    torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, lens, page_size=4, scale=0.3))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=KEEP_FIXTURE)
+@given(st.integers(1, 5), st.integers(1, 4), st.one_of(st.none(), st.integers(1, 12)), st.integers(0, 10_000))
+def test_draft_step_plans_match_per_step_reference(width, batch, steps, window, seed):
+    """AttentionPlan.decode_steps (MTP draft steps: S steps, some requests idle in some) with the kernel
+    == the reference of each step."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(1, 30, (batch,), generator=g)
+    lens = base[None, :] + torch.arange(steps)[:, None]
+    active = torch.rand(steps, batch, generator=g) < 0.7
+    active[:, 0] = True
+    rows = [torch.nonzero(a)[:, 0].tolist() for a in active]
+    q_all, k, v, table, _, _ = pool(seed, [1] * batch, lens[-1].tolist(), 4, 2, (8, 6), 4, None, False)
+    plans = AttentionPlan.decode_steps(table, lens, active, rows, page_size=4, window=window)
+    for s, picked in enumerate(rows):
+        assert plans[s].native is not None
+        idx = torch.tensor(picked)
+        q = q_all[idx]
+        kw = dict(page_size=4, scale=0.3, window=window, sinks=None)
+        qsl = torch.arange(len(picked) + 1)
+        got = paged_attention_cpu(q, k, v, table[idx], qsl, lens[s][idx], plan=plans[s], **kw)
+        ref = paged_attention_ref(q, k, v, table[idx], qsl, lens[s][idx], **kw)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
