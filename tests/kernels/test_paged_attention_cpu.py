@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import native
 from kernels.attention_ref import paged_attention_ref
 from kernels.paged_attention_cpu import paged_attention_cpu
 
@@ -88,11 +89,17 @@ def test_fresh_chunks_read_the_steps_own_keys(reqs, window, sinks, seed):
 def test_one_request_of_a_few_rows(rows, extra, heads, window, sinks, seed):
     """An MTP verify step at batch 1 (a few query rows of one sequence after its context) takes the
     single-request path: the reference's result, and bit for bit what the same rows get inside a
-    batch that also holds a decode row (the general path)."""
+    batch that also holds a decode row (the torch general path; with the C kernel on, a batch's short
+    requests are its decode rows instead: tests/kernels/test_paged_decode_native.py)."""
     q, k, v, table, qsl, lens = make_batch(seed, [rows, 1], [rows + extra, 5], heads[0], heads[1], window, False)
     s = torch.randn(heads[0]) if sinks else None
     kw = dict(page_size=PAGE, scale=8**-0.5, window=window, sinks=s)
     alone = paged_attention_cpu(q[:rows], k, v, table[:1], qsl[:2], lens[:1], **kw)
     torch.testing.assert_close(alone, paged_attention_ref(q[:rows], k, v, table[:1], qsl[:2], lens[:1], **kw),
                                rtol=1e-5, atol=1e-5)
-    assert torch.equal(alone, paged_attention_cpu(q, k, v, table, qsl, lens, **kw)[:rows])
+    was = native.enabled()
+    native.set_enabled(False)
+    try:
+        assert torch.equal(alone, paged_attention_cpu(q, k, v, table, qsl, lens, **kw)[:rows])
+    finally:
+        native.set_enabled(was)
