@@ -47,8 +47,9 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 # in a batch of several requests go to the C decode kernel as one decode row per query when it serves
 # the step: one call per layer instead of a gather and a flash call per request (MTP at batch 8 on the
 # demo model: 1.21x -> 1.75x over plain decode, medians of 3). Longer chunks keep the flash kernel,
-# and so does a lone request (MTP at batch 1: one flash call reads the keys once for all its rows,
-# where the kernel reads them once per row: 1.82x -> 1.57x measured)
+# and so does a lone request (MTP at batch 1): one flash call reads its keys once for all its rows,
+# where the kernel reads them once per row (measured 1.82x -> 1.57x routed to the kernel, but the
+# same b1 code also swung 1.80 vs 1.60 between runs: the argument, not that figure, decides it)
 NATIVE_SHORT_ROWS = 8
 
 
