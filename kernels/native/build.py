@@ -44,16 +44,24 @@ def enabled() -> bool:
     return _enabled
 
 
-def library(name: str, *, flags: tuple[str, ...] = (), source_dir: Path | None = None) -> ctypes.CDLL | None:
+Signature = tuple[list, type | None]  # a C function's ctypes argtypes and restype
+
+
+def library(name: str, *, flags: tuple[str, ...] = (), source_dir: Path | None = None,
+            signatures: dict[str, Signature] | None = None) -> ctypes.CDLL | None:
     """The compiled ``<source_dir>/<name>.c`` (default: this package's folder), or None when the
     kernels are off, no C compiler is found or the build fails. Built once per process and cached on
-    disk across processes. ``flags``: extra compiler flags of this source (e.g. ``-fopenmp``)."""
+    disk across processes. ``flags``: extra compiler flags of this source (e.g. ``-fopenmp``);
+    ``signatures``: function name -> (argtypes, restype), declared once when the library loads."""
     if not _enabled:
         return None
     key = (name, source_dir or SOURCE_DIR, tuple(flags))
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build_and_load(name, key[1], key[2])
+            lib = _loaded[key] = _build_and_load(name, key[1], key[2])
+            for fn, (argtypes, restype) in (signatures or {}).items():
+                if lib is not None:
+                    getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
         return _loaded[key]
 
 

@@ -20,16 +20,11 @@ _NAME = "moe_experts"
 # its multiply and add stay two roundings, like torch's ``y * w`` then ``index_add_``.
 _FLAGS = ("-ffp-contract=fast",)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_declared: set[int] = set()
+_SIGNATURES = {"moe_experts_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], ctypes.c_int)}
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = native.library(_NAME, flags=_FLAGS)
-    if lib is not None and id(lib) not in _declared:
-        lib.moe_experts_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
-        lib.moe_experts_f32.restype = ctypes.c_int
-        _declared.add(id(lib))
-    return lib
+    return native.library(_NAME, flags=_FLAGS, signatures=_SIGNATURES)
 
 
 def available() -> bool:

@@ -21,7 +21,7 @@ from kernels.native.build import library
 _P = ctypes.c_void_p
 _L = ctypes.c_long
 _ARGTYPES = [_P, _L, _P, _P, _L, _P, _L, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P]
-_configured: set[int] = set()  # id of each CDLL whose argtypes are declared
+_SIGNATURES = {"paged_decode_attention": (_ARGTYPES, ctypes.c_long)}
 
 
 FLAGS = ("-fopenmp-simd", "-ffp-contract=fast")  # omp simd loops; a * b + c as one FMA
@@ -29,12 +29,7 @@ FLAGS = ("-fopenmp-simd", "-ffp-contract=fast")  # omp simd loops; a * b + c as 
 
 def _lib(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """The built kernel (``flags``: the build's; tests add -DPAGED_DECODE_VL8), None when off."""
-    lib = library("paged_decode", flags=flags)
-    if lib is not None and id(lib) not in _configured:
-        lib.paged_decode_attention.argtypes = _ARGTYPES
-        lib.paged_decode_attention.restype = ctypes.c_long
-        _configured.add(id(lib))
-    return lib
+    return library("paged_decode", flags=flags, signatures=_SIGNATURES)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
