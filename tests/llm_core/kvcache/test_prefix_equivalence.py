@@ -148,14 +148,16 @@ def test_l2_and_l3_hits_give_the_same_tokens(model, reference, tmp_path):
     only_l2.engine.close()
     # L2 + L3: L3 reads run on fetch threads while other requests step (RequestStatus.LOADING), so
     # the order requests are scheduled in -- and hence which tier a page is found in -- follows
-    # thread timing; the tokens must not, and pages must come from below L1
-    llm = tier_engine(model, kv_store=str(tmp_path / "l3"))
+    # thread timing; the tokens must not, and pages must come from below L1. A read that outlives
+    # kv_l3_load_timeout_s is given up (a miss, by design), so on a busy machine the default 1 s
+    # could turn every lower-tier hit into a miss: the generous timeout only bounds that wait
+    llm = tier_engine(model, kv_store=str(tmp_path / "l3"), kv_l3_load_timeout_s=30.0)
     outs, _ = conversations(llm)
     assert outs == reference
     hits = llm.engine.stats().prefix_cache_hit_tokens
     assert hits.get("l2", 0) + hits.get("l3", 0) > 0, hits
     llm.engine.close()
-    only_l3 = tier_engine(model, kv_host_bytes=0, kv_store=str(tmp_path / "l3b"))
+    only_l3 = tier_engine(model, kv_host_bytes=0, kv_store=str(tmp_path / "l3b"), kv_l3_load_timeout_s=30.0)
     assert conversations(only_l3)[0] == reference
     assert only_l3.engine.stats().prefix_cache["l3_puts"] > 0  # written behind, on the writer thread
     only_l3.engine.close()  # waits for the pending L3 writes

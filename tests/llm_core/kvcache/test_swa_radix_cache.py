@@ -196,11 +196,14 @@ class TreeUnderPressure(RuleBasedStateMachine):
             self.h.step()
             self.h.check()
 
-    @precondition(lambda self: any(not r.finished for r in self.h.requests))
-    @rule(data=st.data())
-    def abort(self, data):
+    @rule(pick=st.integers(0, 63))
+    def abort(self, pick):
+        # which requests are still live follows the L3 fetch threads' timing, so the draw must not
+        # depend on it (a strategy whose bounds change between replays is "flaky" to hypothesis):
+        # a fixed-range index, taken modulo the live ones, and a no-op when none is live
         live = [r for r in self.h.requests if not r.finished]
-        self.h.sched.finish(data.draw(st.sampled_from(live)), "abort")
+        if live:
+            self.h.sched.finish(live[pick % len(live)], "abort")
 
     @rule(full=st.integers(0, 16), swa=st.integers(0, 16))
     def evict(self, full, swa):
