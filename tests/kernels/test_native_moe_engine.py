@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kernels import moe_cpu, native
-from kernels.native.moe_experts import available, moe_experts
+from kernels.native.moe_experts import available, moe_experts, moe_route_experts
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.model.layers import moe as moe_layer
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -42,12 +43,16 @@ def test_tokens_equal_with_native_kernels_on_and_off(model, batch, monkeypatch, 
                for n in torch.randint(5, 40, (batch,), generator=g)]
     served = []
 
-    def spy(*args):
-        out = moe_experts(*args)
-        served.append(out is not None)
-        return out
+    def spy(kernel):
+        def call(*args, **kwargs):
+            out = kernel(*args, **kwargs)
+            served.append(out is not None)
+            return out
+        return call
 
-    monkeypatch.setattr(moe_cpu, "moe_experts", spy)
+    # the router + experts call serves the layers; a layer it passes on reaches the experts kernel
+    monkeypatch.setattr(moe_cpu, "moe_experts", spy(moe_experts))
+    monkeypatch.setattr(moe_layer, "moe_route_experts", spy(moe_route_experts))
     off = generate(model, prompts, native_on=False)
     assert not any(served)
     served.clear()
