@@ -67,7 +67,7 @@ int attention_front_f32(const float *x, int64_t T, int64_t H, const float *norm_
     float *xt = malloc((size_t)(T * H) * sizeof(float));
     if (!xt) return -2;
     for (int64_t t = 0; t < T; t++) norm_row(x + t * H, H, norm_w, eps, xt + t, T);
-    gemm_tiles(T, N, H, xt, T, w_t, qkv, N);
+    gemm_rows(T, N, H, xt, T, w_t, qkv);
     free(xt);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * N;
@@ -89,7 +89,7 @@ int attention_out_f32(const float *attn, int64_t T, int64_t A, const float *wo_t
     float *at = malloc((size_t)(T * A) * sizeof(float));
     if (!at) return -2;
     for (int64_t t = 0; t < T; t++) norm_row(attn + t * A, A, NULL, 0.0f, at + t, T); /* transpose only */
-    gemm_tiles(T, H, A, at, T, wo_t, x_out, H);
+    gemm_rows(T, H, A, at, T, wo_t, x_out);
     free(at);
     for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + x_out[i]; /* x + (attn W_o^T), as torch adds */
     for (int64_t t = 0; t < T; t++) norm_row(x_out + t * H, H, norm_w, eps, h + t * H, 1);

@@ -72,12 +72,12 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
             const float *xr = x + (rows[r] / K) * H;
             for (int64_t k = 0; k < H; k++) xt[k * m + r] = xr[k];
         }
-        gemm_small_m(m, 2 * I, H, xt, m, w_gate_up + e * H * 2 * I, gu);
+        gemm_rows(m, 2 * I, H, xt, m, w_gate_up + e * H * 2 * I, gu);
         for (int64_t r = 0; r < m; r++) {
             const float *g = gu + r * 2 * I, *u = g + I;
             for (int64_t i = 0; i < I; i++) ht[i * m + r] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        gemm_small_m(m, H, I, ht, m, w_down + e * I * H, y);
+        gemm_rows(m, H, I, ht, m, w_down + e * I * H, y);
         for (int64_t r = 0; r < m; r++) { /* scale, then add: two roundings like torch's y * w, index_add_ */
             const float w = topk_w[rows[r]];
             float *yr = y + r * H, *o = out + (rows[r] / K) * H;
