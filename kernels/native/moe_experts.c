@@ -118,13 +118,14 @@ static int top_k(const float *v, int64_t n, int64_t K, int64_t *best) {
  * moe_experts_f32, in one call: scores = sigmoid(x W_g^T) (W_g [E][H] row-major); top-K of scores +
  * bias (bias NULL: none), inside the best topk_group of n_group groups (group score: the sum of its
  * two best) when n_group > 1; weights = the chosen unbiased scores, divided by their sum + 1e-20
- * when renorm, times scaling. topk_w [T][K] / topk_ids [T][K] receive the choice.
+ * when renorm, times scaling. topk_w [T][K] / topk_ids [T][K] receive the choice. residual [T][H]
+ * (NULL: none) is added last, out = residual + experts, as the decoder layer's x + mlp(h) rounds.
  * Return: 0; 1 when a choice is ambiguous (a tie at the K-th place or between groups: nothing
  * computed, the caller routes in torch); -2 out of memory. */
 int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const float *w_g,
                           const float *bias, int64_t n_group, int64_t topk_group, int renorm, float scaling,
                           const float *w_gate_up, const float *w_down, float *topk_w, int64_t *topk_ids,
-                          float *out) {
+                          const float *residual, float *out) {
     float *score = malloc((size_t)(3 * E) * sizeof(float)), *choice = score + E, *group = choice + E;
     int64_t *keep = malloc((size_t)(n_group > K ? n_group : K) * sizeof(int64_t));
     if (!score || !keep) {
@@ -173,5 +174,9 @@ int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64
     }
     free(score);
     free(keep);
-    return ambiguous ? 1 : moe_experts_f32(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, out);
+    if (ambiguous) return 1;
+    const int rc = moe_experts_f32(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, out);
+    if (rc == 0 && residual)
+        for (int64_t i = 0; i < T * H; i++) out[i] = residual[i] + out[i];
+    return rc;
 }

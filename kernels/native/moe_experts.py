@@ -27,7 +27,7 @@ _FLAGS = ("-ffp-contract=fast",)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {"moe_experts_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], ctypes.c_int),
                "moe_route_experts_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_int,
-                                          ctypes.c_float, _ptr, _ptr, _ptr, _ptr, _ptr], ctypes.c_int)}
+                                          ctypes.c_float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr], ctypes.c_int)}
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -86,10 +86,11 @@ def moe_experts(
 def moe_route_experts(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor | None,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int, n_group: int = 1,
                       topk_group: int = 1, renormalize: bool = True,
-                      routed_scaling_factor: float = 1.0) -> torch.Tensor | None:
-    """route_ref(x W_g^T, ...) then :func:`moe_experts` -> [T, H] fp32, or None (module docstring).
+                      routed_scaling_factor: float = 1.0, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """route_ref(x W_g^T, ...) then :func:`moe_experts` -> [T, H] fp32 (plus ``residual`` [T, H] when
+    given: the decoder layer's residual add in the same call), or None (module docstring).
     router_weight [E, H] row-major fp32; correction_bias [E] fp32 or None."""
-    tensors = (x, router_weight, w_gate_up, w_down) + (() if correction_bias is None else (correction_bias,))
+    tensors = (x, router_weight, w_gate_up, w_down) + tuple(t for t in (correction_bias, residual) if t is not None)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3 or router_weight.dim() != 2:
@@ -101,7 +102,8 @@ def moe_route_experts(x: torch.Tensor, router_weight: torch.Tensor, correction_b
             or (correction_bias is not None and correction_bias.shape != (experts,))):
         return None
     if not (_column_major(w_gate_up) and _column_major(w_down) and router_weight.is_contiguous()
-            and x.is_contiguous() and (correction_bias is None or correction_bias.is_contiguous())):
+            and x.is_contiguous() and (correction_bias is None or correction_bias.is_contiguous())
+            and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))):
         return None
     lib = _lib()
     if lib is None:
@@ -113,7 +115,7 @@ def moe_route_experts(x: torch.Tensor, router_weight: torch.Tensor, correction_b
         x.data_ptr(), tokens, hidden, inter, experts, top_k, router_weight.data_ptr(),
         None if correction_bias is None else correction_bias.data_ptr(), n_group, topk_group, int(renormalize),
         routed_scaling_factor, w_gate_up.data_ptr(), w_down.data_ptr(), weights.data_ptr(), ids.data_ptr(),
-        out.data_ptr())
+        None if residual is None else residual.data_ptr(), out.data_ptr())
     if rc == 1:
         return None
     if rc:

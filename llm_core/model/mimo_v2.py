@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn.attend(x, batch, k_cache, v_cache, norm=self.input_layernorm)
         x, h = self.self_attn.residual_out(attn, x, batch, self.post_attention_layernorm)
-        return x + self.mlp(h)
+        return self.mlp(h, residual=x)
 
 
 class TextBackbone(nn.Module):

@@ -45,6 +45,16 @@ def test_matches_router_then_experts(tokens, routing, renormalize, scaling, bias
     torch.testing.assert_close(got, reference(*args, **kw), rtol=1e-5, atol=1e-5)
 
 
+def test_the_residual_is_added_last_as_the_layer_adds_it():
+    """out = residual + experts: bit for bit what the decoder layer's x + mlp(h) gives."""
+    x, router, bias, w_gate_up, w_down = case(6, 32, 16, 8, seed=7)
+    residual = torch.randn(6, 32)
+    alone = moe_route_experts(x, router, bias, w_gate_up, w_down, top_k=2)
+    assert torch.equal(moe_route_experts(x, router, bias, w_gate_up, w_down, top_k=2, residual=residual),
+                       residual + alone)
+    assert moe_route_experts(x, router, bias, w_gate_up, w_down, top_k=2, residual=residual[:5]) is None
+
+
 def test_no_bias_and_mimo_shaped():
     x, router, _, w_gate_up, w_down = case(8, 256, 128, 64, seed=5)
     got = moe_route_experts(x, router, None, w_gate_up, w_down, top_k=8)

@@ -20,5 +20,7 @@ class DenseMLP(nn.Module):
         self.up_proj = column_linear(hidden_size, i1 - i0)
         self.down_proj = row_linear(i1 - i0, hidden_size, parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate x) * up x), plus ``residual`` when given (the decoder layer's residual add)."""
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if residual is None else residual + out
