@@ -1,10 +1,12 @@
 """The C layer glue of a decode step vs the torch ops it replaces, one layer's calls at a time.
 
-Three calls per layer (kernels/native/decoder_layer.c, kernels/native/moe_experts.c):
+The calls of a layer (kernels/native/decoder_layer.c, kernels/native/moe_experts.c):
 
 * **front**: input RMSNorm -> QKV projection -> RoPE -> value scale -> K/V stored at the rows' slots
   (torch: ``rms_norm``, ``linear``, the rotary's flip / mul / add, two ``index_copy_``);
 * **out**: o_proj -> residual add -> post-attention RMSNorm (torch: ``linear``, add, ``rms_norm``);
+* **MLP** (layer 0 of the demo model): gate / up -> SiLU * up -> down -> residual add (torch: three
+  ``linear``, ``silu``, mul, add);
 * **MoE**: router GEMM -> sigmoid / bias / top-k / renormalise -> experts (torch: the router's ops
   then the same C experts kernel, i.e. what ``main`` ran before the router moved into C).
 
@@ -38,6 +40,9 @@ def layer_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return {"qkv": ops.linear_weight_layout(torch.randn(N, H, generator=gen) * H**-0.5),
             "o": ops.linear_weight_layout(torch.randn(H, HQ * D, generator=gen) * H**-0.5),
             "norm1": torch.rand(H, generator=gen) + 0.5, "norm2": torch.rand(H, generator=gen) + 0.5,
+            "mlp_gate": ops.linear_weight_layout(torch.randn(2 * H, H, generator=gen) * H**-0.5),
+            "mlp_up": ops.linear_weight_layout(torch.randn(2 * H, H, generator=gen) * H**-0.5),
+            "mlp_down": ops.linear_weight_layout(torch.randn(H, 2 * H, generator=gen) * (2 * H)**-0.5),
             "gate": torch.randn(E, H, generator=gen) * H**-0.5, "bias": torch.randn(E, generator=gen) * 0.1,
             "gate_up": kernel_layout(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5),
             "down": kernel_layout(torch.randn(E, H, I, generator=gen) * I**-0.5)}
@@ -66,6 +71,14 @@ def out_torch(x, w, step):
 
 def out_c(x, w, step):
     return torch.cat(decoder_layer.attention_out(step["attn"], w["o"], x, w["norm2"], 1e-6))
+
+
+def mlp_torch(x, w, step):
+    return x + F.linear(F.silu(F.linear(x, w["mlp_gate"])) * F.linear(x, w["mlp_up"]), w["mlp_down"])
+
+
+def mlp_c(x, w, step):
+    return decoder_layer.dense_mlp(x, w["mlp_gate"], w["mlp_up"], w["mlp_down"], x)
 
 
 def moe_torch(x, w, step):
@@ -99,7 +112,7 @@ def case(part: str, fns, rows: int, layers: list[dict], repeats: int, gen: torch
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--layers", type=int, default=48, help="layers' weights cycled (~7 MB each: from memory)")
+    p.add_argument("--layers", type=int, default=40, help="layers' weights cycled (~8.5 MB each: from memory)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not (decoder_layer.available() and moe_experts.available()):
@@ -108,7 +121,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     layers = [layer_weights(gen) for _ in range(12 if args.quick else args.layers)]
     repeats = 3 if args.quick else args.repeats
-    parts = {"front": (front_torch, front_c), "out": (out_torch, out_c), "MoE": (moe_torch, moe_c)}
+    parts = {"front": (front_torch, front_c), "out": (out_torch, out_c), "MLP": (mlp_torch, mlp_c),
+             "MoE": (moe_torch, moe_c)}
     results = [case(part, fns, rows, layers, repeats, gen) for part, fns in parts.items()
                for rows in ((1, 32) if args.quick else (1, 8, 32, 64))]
     columns = list(results[0])

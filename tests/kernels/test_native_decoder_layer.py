@@ -1,6 +1,6 @@
 """The C layer glue (kernels/native/decoder_layer.c) == the torch ops it replaces, to fp32 rounding:
 the attention front (input norm -> QKV -> RoPE -> value scale -> KV store) and the attention output
-(o_proj -> residual add -> post-attention norm); it refuses what it cannot take and rejects slots
+(o_proj -> residual add -> post-attention norm) and the dense MLP; it refuses what it cannot take and rejects slots
 outside the pool before writing anything."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from kernels import native, ops
 from kernels.kv_copy_ref import store_kv_ref
-from kernels.native.decoder_layer import attention_front, attention_out, available
+from kernels.native.decoder_layer import attention_front, attention_out, available, dense_mlp
 from llm_core.model.layers.rope import PartialRotary
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or native kernels off")
@@ -124,3 +124,19 @@ def test_out_matches_torch(t, dims, seed):
     torch.testing.assert_close(got[1], F.rms_norm(want, (hidden,), nw, 1e-6), rtol=1e-5, atol=1e-5)
     assert attention_out(attn, w_o.contiguous() if a != hidden else w_o.t(), x, nw, 1e-6) is None
     assert attention_out(attn.double(), w_o, x, nw, 1e-6) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([(256, 512), (24, 40), (7, 9)]), st.booleans(), st.integers(0, 10_000))
+def test_dense_mlp_matches_torch(t, dims, with_residual, seed):
+    hidden, inter = dims
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(t, hidden, generator=g)
+    w_gate, w_up = (ops.linear_weight_layout(torch.randn(inter, hidden, generator=g) * hidden**-0.5) for _ in range(2))
+    w_down = ops.linear_weight_layout(torch.randn(hidden, inter, generator=g) * inter**-0.5)
+    residual = torch.randn(t, hidden, generator=g) if with_residual else None
+    want = F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    want = want if residual is None else residual + want
+    torch.testing.assert_close(dense_mlp(h, w_gate, w_up, w_down, residual), want, rtol=1e-5, atol=1e-5)
+    assert dense_mlp(h, w_gate.contiguous() if inter != hidden else w_gate.t(), w_up, w_down) is None
+    assert dense_mlp(h.bfloat16(), w_gate, w_up, w_down) is None

@@ -1,6 +1,7 @@
 """The engine gives the same greedy tokens (and logprobs to fp32 rounding) with the C kernels on and
 off (``EngineConfig.native_cpu_kernels``), at batch 1 and 8, and the on run really used the kernels:
-the MoE (router + experts) and the layer glue around the attention (kernels/native/decoder_layer.c)."""
+the MoE (router + experts), the layer glue around the attention and the dense MLP
+(kernels/native/decoder_layer.c)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kernels import moe_cpu, native
 from kernels.native.moe_experts import available, moe_experts, moe_route_experts
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.layers import attention as attention_layer
+from llm_core.model.layers import mlp as mlp_layer
 from llm_core.model.layers import moe as moe_layer
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
@@ -55,8 +57,9 @@ def test_tokens_equal_with_native_kernels_on_and_off(model, batch, monkeypatch, 
     # the router + experts call serves the layers; a layer it passes on reaches the experts kernel
     monkeypatch.setattr(moe_cpu, "moe_experts", spy(moe_experts))
     monkeypatch.setattr(moe_layer, "moe_route_experts", spy(moe_route_experts))
-    for name in ("attention_front", "attention_out"):
-        monkeypatch.setattr(attention_layer, name, spy(getattr(attention_layer, name), glue))
+    for module, name in ((attention_layer, "attention_front"), (attention_layer, "attention_out"),
+                         (mlp_layer, "dense_mlp")):
+        monkeypatch.setattr(module, name, spy(getattr(module, name), glue))
     off = generate(model, prompts, native_on=False)
     assert not any(ok for _, ok in served + glue)
     served.clear()
@@ -64,7 +67,8 @@ def test_tokens_equal_with_native_kernels_on_and_off(model, batch, monkeypatch, 
     on = generate(model, prompts, native_on=True)
     assert served and all(ok for _, ok in served)
     # every decode step's layers went through both glue calls (prompt chunks without decode rows keep torch)
-    assert {name for name, ok in glue if ok} == {"attention_front", "attention_out"} and all(ok for _, ok in glue)
+    assert {name for name, ok in glue if ok} == {"attention_front", "attention_out", "dense_mlp"}
+    assert all(ok for _, ok in glue)
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

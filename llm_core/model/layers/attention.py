@@ -8,7 +8,7 @@
 The steps up to the KV store run as one C call (kernels/native/decoder_layer.c, the layer's input
 norm included), and o_proj with the residual add and the post-attention norm as another
 (``residual_out``), for the rows of a step whose attention the C decode kernel serves, up to
-``FRONT_MAX_ROWS`` rows; otherwise, and when a call cannot take the tensors, the torch ops below.
+``MAX_ROWS`` rows; otherwise, and when a call cannot take the tensors, the torch ops below.
 """
 
 from __future__ import annotations
@@ -17,17 +17,13 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.native.decoder_layer import attention_front, attention_out
+from kernels.native.decoder_layer import MAX_ROWS, attention_front, attention_out
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.distributed.parallel_layers import column_linear, row_linear
 from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.norm import RMSNorm
 from llm_core.model.layers.rope import PartialRotary
-
-# Rows up to which the fused C front serves a step (its register-tiled projection matches MKL at 32
-# rows and saves ~15 dispatches; past a few dozen rows a prefill chunk is compute, MKL's domain).
-FRONT_MAX_ROWS = 64
 
 
 class Attention(nn.Module):
@@ -91,7 +87,8 @@ class Attention(nn.Module):
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + o_proj(attn), norm of that): the residual add and the post-attention norm, in one C call
         (kernels/native/decoder_layer.c) where the C front serves, else in torch."""
-        if self._native_rows(batch, x):
+        if type(self.o_proj) is nn.Linear and self._native_rows(batch, x):  # not under tensor parallelism:
+            # a row-parallel o_proj sums its ranks' partial outputs, which the C call would skip
             fused = attention_out(attn, self.o_proj.weight, x, norm.weight, norm.eps)
             if fused is not None:
                 return fused
@@ -128,7 +125,7 @@ class Attention(nn.Module):
     def _native_front(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       norm: RMSNorm | None, slots: torch.Tensor) -> torch.Tensor | None:
         """The [T, N] projection from the C front (norm, QKV, RoPE, value scale, KV store in one call),
-        or None where the torch path serves: more than FRONT_MAX_ROWS rows, a compiled step (the C
+        or None where the torch path serves: more than MAX_ROWS rows, a compiled step (the C
         call would split its graph), or a step whose attention the C decode kernel does not serve
         (its plan's ``native`` is None: bf16, CUDA, kernels off, a prefill without decode rows)."""
         if not self._native_rows(batch, x):
@@ -142,7 +139,7 @@ class Attention(nn.Module):
 
     def _native_rows(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         """Whether the C layer glue may serve x's rows (see _native_front)."""
-        if x.shape[0] > FRONT_MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
+        if x.shape[0] > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
             return False
         plan = self._plan(batch, x, batch.swa_block_table if self.is_sliding else batch.full_block_table)
         return getattr(plan, "native", None) is not None
