@@ -66,6 +66,7 @@ int attention_front_f32(const float *x, int64_t T, int64_t H, const float *norm_
                         const int64_t *slots, float *qkv) {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -1;
+    if (T == 0) return 0; /* nothing to do (and malloc(0) may return NULL) */
     const int64_t qk = (Hq + Hkv) * D, kv = Hkv * D, vv = Hkv * Dv, N = qk + vv;
     float *xt = malloc((size_t)(T * H) * sizeof(float));
     if (!xt) return -2;
@@ -89,6 +90,7 @@ int attention_front_f32(const float *x, int64_t T, int64_t H, const float *norm_
  * Return 0, -2 out of memory. */
 int attention_out_f32(const float *attn, int64_t T, int64_t A, const float *wo_t, const float *x, int64_t H,
                       const float *norm_w, float eps, float *x_out, float *h) {
+    if (T == 0) return 0;
     float *at = malloc((size_t)(T * A) * sizeof(float));
     if (!at) return -2;
     for (int64_t t = 0; t < T; t++) norm_row(attn + t * A, A, NULL, 0.0f, at + t, T); /* transpose only */
@@ -103,6 +105,7 @@ int attention_out_f32(const float *attn, int64_t T, int64_t A, const float *wo_t
  * is overwritten. silu(g) = g / (1 + e^-g), as torch computes it. Return 0, -2 out of memory. */
 int dense_mlp_f32(const float *h, int64_t T, int64_t H, int64_t I, const float *wg_t, const float *wu_t,
                   const float *wd_t, const float *residual, float *out) {
+    if (T == 0) return 0;
     float *ht = malloc((size_t)(T * (H + 3 * I)) * sizeof(float));
     if (!ht) return -2;
     float *g = ht + T * H, *u = g + T * I, *st = u + T * I;

@@ -96,8 +96,8 @@ static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, int
  * one broadcast shared by 4 vectors and one weight vector shared by MR rows, with no load or store
  * of c inside the k loop. gemm_small_m loads and stores c on every pass (its m rows of c stay in
  * L1, not in registers) and is bound by those loads and stores once the weights are in cache:
- * attention front, 32 rows x 384 x 256, one thread, warm: 145 us there, MKL 73 us, here
- * (benchmarks/fused_decode.py measures the layer calls). Same order of operations per output as
+ * attention front, 32 rows x 384 x 256, one thread, warm (C harness): 145 us there, MKL 73 us,
+ * here 61 us (benchmarks/decoder_layer.py measures the layer calls). Same order of operations per output as
  * gemm_small_m (k ascending, one multiply-add each, from zero), so the two agree bit for bit and a
  * row's result does not depend on the rows beside it. Without AVX-512 it is gemm_small_m. */
 #if defined(__AVX512F__)
@@ -107,6 +107,13 @@ static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, int
 #ifndef TILE_PF
 #define TILE_PF 8 /* rows of b ahead that the first row tile asks for (into L2) */
 #endif
+/* the 4 cache lines of a 64-column stripe pf rows of b ahead (pf 0: none), into L2 */
+static inline void stripe_ahead(const float *bk, int64_t pf, int64_t n) {
+    if (pf)
+        for (int v = 0; v < 4; v++) __builtin_prefetch(bk + pf * n + 16 * v, 0, 2);
+}
+
+/* an edge tile: mr < TILE_MR rows or fewer than 64 columns (the last vector masked by ``last``) */
 static void tile_rows(int64_t mr, int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n,
                       int64_t j0, int64_t nv, __mmask16 last, float *c, int64_t ldc, int64_t pf) {
     __m512 acc[TILE_MR][4];
@@ -114,8 +121,7 @@ static void tile_rows(int64_t mr, int64_t kdim, const float *a, int64_t lda, con
         for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kdim; k++) {
         const float *bk = b + k * n + j0;
-        if (pf)
-            for (int v = 0; v < 4; v++) __builtin_prefetch(bk + pf * n + 16 * v, 0, 2);
+        stripe_ahead(bk, pf, n);
         __m512 bv[4];
         for (int v = 0; v < 4; v++)
             bv[v] = v < nv - 1 ? _mm512_loadu_ps(bk + 16 * v)
@@ -135,16 +141,14 @@ static void tile_rows(int64_t mr, int64_t kdim, const float *a, int64_t lda, con
         }
 }
 
-/* the full tile, every bound a constant: the compiler keeps the 24 accumulators in registers */
+/* the full tile, every bound a constant: the compiler keeps the 24 accumulators in registers (one
+ * generic tile inlined with these constants ran 2.7x slower: its accumulators went to the stack) */
 static void tile_full(int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n, int64_t j0, float *c,
                       int64_t ldc, int64_t pf) {
-    __m512 acc[TILE_MR][4];
-    for (int r = 0; r < TILE_MR; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    __m512 acc[TILE_MR][4] = {0}; /* every accumulator zero */
     for (int64_t k = 0; k < kdim; k++) {
         const float *bk = b + k * n + j0;
-        if (pf)
-            for (int v = 0; v < 4; v++) __builtin_prefetch(bk + pf * n + 16 * v, 0, 2);
+        stripe_ahead(bk, pf, n);
         const __m512 b0 = _mm512_loadu_ps(bk), b1 = _mm512_loadu_ps(bk + 16), b2 = _mm512_loadu_ps(bk + 32),
                      b3 = _mm512_loadu_ps(bk + 48);
         const float *ak = a + k * lda;

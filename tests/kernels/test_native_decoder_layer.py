@@ -77,6 +77,18 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(call(slice(t, t + 1), *pool())[0], batched[t])
 
 
+def test_zero_rows_give_empty_results():
+    x, nw, w, cos, sin, slots = front_case(0, 16, 2, 2, 8, 8, 8, seed=1)
+    k, v = torch.zeros(64, 2, 8), torch.zeros(64, 2, 8)
+    got = attention_front(x, nw, 1e-6, w, num_heads=2, num_kv_heads=2, head_dim=8, v_head_dim=8, cos=cos,
+                          signed_sin=sin, value_scale=1.0, k_cache=k, v_cache=v, slots=slots)
+    assert got.shape == (0, 48) and not k.any()
+    w_o = ops.linear_weight_layout(torch.randn(16, 8))
+    assert [t.shape for t in attention_out(torch.zeros(0, 8), w_o, torch.zeros(0, 16), nw, 1e-6)] == [(0, 16)] * 2
+    w_in = ops.linear_weight_layout(torch.randn(8, 16))
+    assert dense_mlp(torch.zeros(0, 16), w_in, w_in, w_o).shape == (0, 16)
+
+
 def test_front_slot_outside_the_pool_raises_before_writing():
     x, nw, w, cos, sin, slots = front_case(5, 16, 2, 2, 8, 8, 8, seed=1)
     k, v = torch.zeros(64, 2, 8), torch.zeros(64, 2, 8)
