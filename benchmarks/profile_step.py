@@ -110,6 +110,8 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(attention.Attention, "_rotary_tables", "input preparation")
     timer.wrap(MiMoV2ForCausalLM, "embed", "input preparation")
     timer.wrap(attention.Attention, "forward", "attention (proj, rope, store)")
+    timer.wrap(attention.Attention, "attend", "attention (proj, rope, store)")
+    timer.wrap(attention.Attention, "residual_out", "attention (proj, rope, store)")
     timer.wrap(ops, "paged_attention", "attention (core)")
     timer.wrap(moe.SparseMoE, "forward", "MoE (router, topk)")
     timer.wrap(ops, "fused_experts", "MoE (experts)")

@@ -22,9 +22,9 @@ def build_all() -> dict[str, bool]:
     at start so its first decode step does not pay the compile (1-2 s on a fresh machine)."""
     import torch
 
-    from kernels.native import moe_experts, paged_decode
+    from kernels.native import decoder_layer, moe_experts, paged_decode
 
-    return {"moe_experts": moe_experts.available(),
+    return {"decoder_layer": decoder_layer.available(), "moe_experts": moe_experts.available(),
             "paged_decode": paged_decode.available(torch.float32, torch.device("cpu"))}
 
 

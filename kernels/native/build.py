@@ -1,6 +1,6 @@
 """Compile, cache and load the C sources next to this file (``<name>.c`` -> a ctypes library).
 
-The cache key is the source text, the compiler's identity, the flags and the host CPU's feature flags:
+The cache key is the source text (and the headers next to it), the compiler's identity, the flags and the host CPU's feature flags:
 ``-march=native`` code built on one machine may not run on another, so a cache directory shared between
 machines (a home directory on NFS) still never hands one machine another's build. Builds go to a
 temporary file renamed into place, so two processes compiling at once (a server and its test) never
@@ -72,7 +72,8 @@ def _build_and_load(name: str, source_dir: Path, flags: tuple[str, ...]) -> ctyp
         log.warning("native CPU kernels off: no C compiler found (install gcc or set CC); torch paths serve")
         return None
     try:
-        text = source.read_bytes()
+        # the headers next to the source (shared code such as small_gemm.h) are part of what it builds
+        text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_dir.glob("*.h")))
         command = [compiler, *BASE_FLAGS, *flags]
         target = _cache_dir() / f"{name}-{_fingerprint(text, command)}.so"
         if not target.exists():

@@ -23,62 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef WIDE
-#define WIDE 1024 /* outputs at least this wide read 4 rows of W^T per pass, narrower ones 2 */
-#endif
-
-/* c[r][:] += a[k'][r] * b[k'][:] for k' = k, k+1 (pass4: to k+3), in that order, one multiply-add
- * each: those rows of b stream past once while all m rows of c take them in. */
-static void pass2(int64_t m, int64_t n, int64_t k, const float *a, const float *b, float *c) {
-    const float *b0 = b + k * n, *b1 = b0 + n;
-    for (int64_t r = 0; r < m; r++) {
-        const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r];
-        float *restrict cr = c + r * n;
-        for (int64_t j = 0; j < n; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
-    }
-}
-
-static void pass4(int64_t m, int64_t n, int64_t k, const float *a, const float *b, float *c) {
-    const float *b0 = b + k * n, *b1 = b0 + n, *b2 = b1 + n, *b3 = b2 + n;
-    for (int64_t r = 0; r < m; r++) {
-        const float x0 = a[k * m + r], x1 = a[(k + 1) * m + r], x2 = a[(k + 2) * m + r], x3 = a[(k + 3) * m + r];
-        float *restrict cr = c + r * n;
-        for (int64_t j = 0; j < n; j++) cr[j] = (((cr[j] + x0 * b0[j]) + x1 * b1[j]) + x2 * b2[j]) + x3 * b3[j];
-    }
-}
-
-/* c [m][n] = a^T b for a few rows m: a given transposed [kdim][m] (the rows' k-th values side by
- * side), b [kdim][n] = W^T as stored. b is read once, front to back, 2 or 4 rows per pass; the m
- * rows of c stay in cache and the inner loop vectorises over n:
- *
- *     for k in 0, 2, 4, ...:   c[r][:] = (c[r][:] + a[k][r] * b[k][:]) + a[k+1][r] * b[k+1][:]
- *
- * Measured (one thread, weights from memory; benchmarks/moe_experts.py and a C harness): walking b
- * as one forward stream beat register tiles over 32-column stripes of 16-64 rows of b (demo model,
- * 32-row step: 0.53 vs 0.99 ms per layer): the stripe walk keeps 16+ streams open, the prefetchers
- * fall behind, and the tiles' arithmetic advantage is lost waiting on memory. Column blocks that keep
- * c in L1 for wide outputs were slower too (MiMo-V2.5's n = 4096: 1-8 KB runs per row of b instead
- * of 16 KB). Rows of b per pass: 2 for narrow outputs (demo n = 256: 4 rows 0.86 vs 0.53 ms), 4 for
- * wide ones (MiMo, one token: 38 vs 48 ms, 20 GB/s). Holding 64 columns of the two rows of b in
- * registers across all rows of c (instead of re-reading them from L1 per row) was faster with the
- * weights in cache (0.35 -> 0.27 ms) but slower from memory (0.68 -> 0.80-0.95 ms, with or without
- * software prefetch): the weights then arrive in bursts, not as a steady stream. The sum runs k ascending, one multiply-add per
- * k, whatever m is: a row's result does not depend on which rows share the call. */
-static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, const float *b, float *c) {
-    memset(c, 0, (size_t)(m * n) * sizeof(float));
-    int64_t k = 0;
-    if (n >= WIDE)
-        for (; k + 4 <= kdim; k += 4) pass4(m, n, k, a, b, c);
-    for (; k + 2 <= kdim; k += 2) pass2(m, n, k, a, b, c);
-    for (; k < kdim; k++) {
-        const float *bk = b + k * n;
-        for (int64_t r = 0; r < m; r++) {
-            const float xr = a[k * m + r];
-            float *restrict cr = c + r * n;
-            for (int64_t j = 0; j < n; j++) cr[j] += xr * bk[j];
-        }
-    }
-}
+#include "small_gemm.h"
 
 /* x [T][H]; w_gate_up [E][H][2I] and w_down [E][I][H] (each expert's W^T, row-major: the kernel
  * layout of the [E, 2I, H] / [E, H, I] stacks); topk_w [T][K] fp32, topk_ids [T][K] int64;
@@ -127,12 +72,12 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
             const float *xr = x + (rows[r] / K) * H;
             for (int64_t k = 0; k < H; k++) xt[k * m + r] = xr[k];
         }
-        gemm_small_m(m, 2 * I, H, xt, w_gate_up + e * H * 2 * I, gu);
+        gemm_rows(m, 2 * I, H, xt, m, w_gate_up + e * H * 2 * I, gu);
         for (int64_t r = 0; r < m; r++) {
             const float *g = gu + r * 2 * I, *u = g + I;
             for (int64_t i = 0; i < I; i++) ht[i * m + r] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        gemm_small_m(m, H, I, ht, w_down + e * I * H, y);
+        gemm_rows(m, H, I, ht, m, w_down + e * I * H, y);
         for (int64_t r = 0; r < m; r++) { /* scale, then add: two roundings like torch's y * w, index_add_ */
             const float w = topk_w[rows[r]];
             float *yr = y + r * H, *o = out + (rows[r] / K) * H;
@@ -145,4 +90,93 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
     free(fill);
     free(work);
     return 0;
+}
+
+/* best[0..K) = the K largest of v[0..n) (masked entries -INFINITY never chosen), largest first, the
+ * lower index first among equal values. Returns 1 when the choice is ambiguous: the K-th value equals
+ * an unchosen one (torch's topk breaks such ties its own way; the caller then routes in torch). */
+static int top_k(const float *v, int64_t n, int64_t K, int64_t *best) {
+    for (int64_t j = 0; j < K; j++) {
+        int64_t arg = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= best[i] == e;
+            if (!taken && (arg < 0 || v[e] > v[arg])) arg = e;
+        }
+        best[j] = arg;
+    }
+    const float kth = v[best[K - 1]];
+    for (int64_t e = 0; e < n; e++) {
+        int taken = 0;
+        for (int64_t i = 0; i < K; i++) taken |= best[i] == e;
+        if (!taken && v[e] == kth) return 1;
+    }
+    return 0;
+}
+
+/* The router of route_ref (kernels/moe_ref.py) for the rows x [T][H], then the experts as in
+ * moe_experts_f32, in one call: scores = sigmoid(x W_g^T) (W_g [E][H] row-major); top-K of scores +
+ * bias (bias NULL: none), inside the best topk_group of n_group groups (group score: the sum of its
+ * two best) when n_group > 1; weights = the chosen unbiased scores, divided by their sum + 1e-20
+ * when renorm, times scaling. topk_w [T][K] / topk_ids [T][K] receive the choice. residual [T][H]
+ * (NULL: none) is added last, out = residual + experts, as the decoder layer's x + mlp(h) rounds.
+ * Return: 0; 1 when a choice is ambiguous (a tie at the K-th place or between groups: nothing
+ * computed, the caller routes in torch); -2 out of memory. */
+int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const float *w_g,
+                          const float *bias, int64_t n_group, int64_t topk_group, int renorm, float scaling,
+                          const float *w_gate_up, const float *w_down, float *topk_w, int64_t *topk_ids,
+                          const float *residual, float *out) {
+    float *score = malloc((size_t)(3 * E) * sizeof(float)), *choice = score + E, *group = choice + E;
+    int64_t *keep = malloc((size_t)(n_group > K ? n_group : K) * sizeof(int64_t));
+    if (!score || !keep) {
+        free(score);
+        free(keep);
+        return -2;
+    }
+    int ambiguous = 0;
+    const int64_t per_group = E / n_group;
+    for (int64_t t = 0; t < T && !ambiguous; t++) {
+        const float *xr = x + t * H;
+        for (int64_t e = 0; e < E; e++) {
+            const float *wr = w_g + e * H;
+            float lanes[16] = {0}, dot = 0.0f;
+            int64_t k = 0;
+            for (; k + 16 <= H; k += 16)
+                for (int l = 0; l < 16; l++) lanes[l] += xr[k + l] * wr[k + l];
+            for (; k < H; k++) dot += xr[k] * wr[k];
+            for (int l = 0; l < 16; l++) dot += lanes[l];
+            score[e] = 1.0f / (1.0f + expf(-dot));
+            choice[e] = bias ? score[e] + bias[e] : score[e];
+        }
+        if (n_group > 1) {
+            for (int64_t g = 0; g < n_group; g++) {
+                int64_t two[2];
+                const int64_t m = per_group < 2 ? per_group : 2;
+                top_k(choice + g * per_group, per_group, m, two); /* a tie inside a group sums the same */
+                group[g] = choice[g * per_group + two[0]] + (m == 2 ? choice[g * per_group + two[1]] : 0.0f);
+            }
+            ambiguous |= top_k(group, n_group, topk_group, keep);
+            for (int64_t g = 0; g < n_group; g++) {
+                int kept = 0;
+                for (int64_t i = 0; i < topk_group; i++) kept |= keep[i] == g;
+                if (!kept)
+                    for (int64_t e = g * per_group; e < (g + 1) * per_group; e++) choice[e] = -INFINITY;
+            }
+        }
+        int64_t *ids = topk_ids + t * K;
+        ambiguous |= top_k(choice, E, K, ids);
+        float *w = topk_w + t * K, sum = 0.0f;
+        for (int64_t j = 0; j < K; j++) sum += (w[j] = score[ids[j]]);
+        for (int64_t j = 0; j < K; j++) {
+            if (renorm) w[j] = w[j] / (sum + 1e-20f);
+            if (scaling != 1.0f) w[j] *= scaling;
+        }
+    }
+    free(score);
+    free(keep);
+    if (ambiguous) return 1;
+    const int rc = moe_experts_f32(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, out);
+    if (rc == 0 && residual)
+        for (int64_t i = 0; i < T * H; i++) out[i] = residual[i] + out[i];
+    return rc;
 }

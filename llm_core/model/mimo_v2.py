@@ -51,8 +51,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn.attend(x, batch, k_cache, v_cache, norm=self.input_layernorm)
+        x, h = self.self_attn.residual_out(attn, x, batch, self.post_attention_layernorm)
+        return self.mlp(h, residual=x)
 
 
 class TextBackbone(nn.Module):

@@ -59,6 +59,17 @@ def test_a_changed_source_or_flag_builds_a_new_library(fresh):
 
 
 @needs_cc
+def test_a_changed_header_next_to_the_source_builds_a_new_library(fresh):
+    """Shared code lives in headers (small_gemm.h): a change there must not load a stale build."""
+    (fresh / "part.h").write_text("#define SCALE 1.0f\n")
+    (fresh / "adder.c").write_text('#include "part.h"\n' + ADD.replace("a[i] + b[i]", "SCALE * a[i] + b[i]"))
+    assert _call_add(build.library("adder", source_dir=fresh)) == [11.0, 22.0, 33.0]
+    (fresh / "part.h").write_text("#define SCALE 2.0f\n")
+    build._loaded.clear()
+    assert _call_add(build.library("adder", source_dir=fresh)) == [12.0, 24.0, 36.0]
+
+
+@needs_cc
 def test_a_broken_source_gives_none_and_a_warning_not_an_exception(fresh, caplog):
     (fresh / "broken.c").write_text("this is not C\n")
     assert build.library("broken", source_dir=fresh) is None
@@ -92,7 +103,7 @@ def test_an_engine_builds_its_kernels_when_it_starts_not_in_its_first_step(tmp_p
     monkeypatch.setattr(build, "_loaded", {})  # as a fresh process (the disk cache may still hold them)
     monkeypatch.setattr(build, "_enabled", True)
     LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=256, num_swa_tokens=256))
-    assert {name for name, *_ in build._loaded} == {"moe_experts", "paged_decode"}
+    assert {name for name, *_ in build._loaded} == {"decoder_layer", "moe_experts", "paged_decode"}
     assert all(lib is not None for lib in build._loaded.values())
     monkeypatch.setattr(build, "_loaded", {})
     LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=256, num_swa_tokens=256, native_cpu_kernels=False))

@@ -1,5 +1,7 @@
 """The engine gives the same greedy tokens (and logprobs to fp32 rounding) with the C kernels on and
-off (``EngineConfig.native_cpu_kernels``), at batch 1 and 8, and the on run really used the kernel."""
+off (``EngineConfig.native_cpu_kernels``), at batch 1 and 8, and the on run really used the kernels:
+the MoE (router + experts), the layer glue around the attention and the dense MLP
+(kernels/native/decoder_layer.c)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import pytest
 import torch
 
 from kernels import moe_cpu, native
-from kernels.native.moe_experts import available, moe_experts
+from kernels.native.moe_experts import available, moe_experts, moe_route_experts
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.model.layers import attention as attention_layer
+from llm_core.model.layers import mlp as mlp_layer
+from llm_core.model.layers import moe as moe_layer
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -40,19 +45,30 @@ def test_tokens_equal_with_native_kernels_on_and_off(model, batch, monkeypatch, 
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
                for n in torch.randint(5, 40, (batch,), generator=g)]
-    served = []
+    served, glue = [], []
 
-    def spy(*args):
-        out = moe_experts(*args)
-        served.append(out is not None)
-        return out
+    def spy(kernel, calls=served):
+        def call(*args, **kwargs):
+            out = kernel(*args, **kwargs)
+            calls.append((kernel.__name__, out is not None))
+            return out
+        return call
 
-    monkeypatch.setattr(moe_cpu, "moe_experts", spy)
+    # the router + experts call serves the layers; a layer it passes on reaches the experts kernel
+    monkeypatch.setattr(moe_cpu, "moe_experts", spy(moe_experts))
+    monkeypatch.setattr(moe_layer, "moe_route_experts", spy(moe_route_experts))
+    for module, name in ((attention_layer, "attention_front"), (attention_layer, "attention_out"),
+                         (mlp_layer, "dense_mlp")):
+        monkeypatch.setattr(module, name, spy(getattr(module, name), glue))
     off = generate(model, prompts, native_on=False)
-    assert not any(served)
+    assert not any(ok for _, ok in served + glue)
     served.clear()
+    glue.clear()
     on = generate(model, prompts, native_on=True)
-    assert served and all(served)
+    assert served and all(ok for _, ok in served)
+    # every decode step's layers went through both glue calls (prompt chunks without decode rows keep torch)
+    assert {name for name, ok in glue if ok} == {"attention_front", "attention_out", "dense_mlp"}
+    assert all(ok for _, ok in glue)
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

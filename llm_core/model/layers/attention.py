@@ -1,9 +1,14 @@
 """Self-attention of one layer over its paged KV pool (full or sliding kind).
 
-    x --qkv_proj--> [ q (Hq x D) | k (Hkv x D) | v (Hkv x Dv) ]      rows in this plain order
+    [norm] x --qkv_proj--> [ q (Hq x D) | k (Hkv x D) | v (Hkv x Dv) ]      rows in this plain order
     q, k <- partial RoPE(positions);  v <- value_scale * v   (cached already scaled)
     store k, v at the batch's slots of this kind's pool, then paged attention over the pool
     (window and per-head sinks for sliding layers) --o_proj--> hidden
+
+The steps up to the KV store run as one C call (kernels/native/decoder_layer.c, the layer's input
+norm included), and o_proj with the residual add and the post-attention norm as another
+(``residual_out``), for the rows of a step whose attention the C decode kernel serves, up to
+``MAX_ROWS`` rows; otherwise, and when a call cannot take the tensors, the torch ops below.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.native.decoder_layer import MAX_ROWS, attention_front, attention_out
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.distributed.parallel_layers import column_linear, row_linear
 from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
+from llm_core.model.layers.norm import RMSNorm
 from llm_core.model.layers.rope import PartialRotary
 
 
@@ -46,10 +53,18 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        norm: RMSNorm | None = None,
     ) -> torch.Tensor:
+        """o_proj(attention) of x's rows; ``norm``: the layer's input norm, applied to x first (fused
+        into the C front when it serves)."""
+        return self.o_proj(self.attend(x, batch, k_cache, v_cache, norm))
+
+    def attend(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               norm: RMSNorm | None = None) -> torch.Tensor:
+        """The attention of x's rows before o_proj: [T, Hq * Dv]."""
         spec = self.spec
         t = x.shape[0]
-        q, k, v = self.write_kv(x, batch, k_cache, v_cache)
+        q, k, v = self.write_kv(x, batch, k_cache, v_cache, norm)
         table = batch.swa_block_table if self.is_sliding else batch.full_block_table
         out = ops.paged_attention(
             q,
@@ -66,16 +81,34 @@ class Attention(nn.Module):
             k_new=k,
             v_new=v,
         )
-        return self.o_proj(out.reshape(t, spec.num_heads * spec.v_head_dim))
+        return out.reshape(t, spec.num_heads * spec.v_head_dim)
 
-    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] of x's rows (RoPE applied, v scaled), k and v
-        stored at the batch's slots of this layer's pool. Alone, it is what an MTP extend needs of a
-        layer whose output nothing reads (llm_core/model/mtp.py, MTPLayer.write_kv)."""
+    def residual_out(self, attn: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + o_proj(attn), norm of that): the residual add and the post-attention norm, in one C call
+        (kernels/native/decoder_layer.c) where the C front serves, else in torch."""
+        if type(self.o_proj) is nn.Linear and self._native_rows(batch, x):  # not under tensor parallelism:
+            # a row-parallel o_proj sums its ranks' partial outputs, which the C call would skip
+            fused = attention_out(attn, self.o_proj.weight, x, norm.weight, norm.eps)
+            if fused is not None:
+                return fused
+        x = x + self.o_proj(attn)
+        return x, norm(x)
+
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] of x's rows (``norm`` applied first when given,
+        RoPE applied, v scaled), k and v stored at the batch's slots of this layer's pool. Alone, it is
+        what an MTP extend needs of a layer whose output nothing reads (MTPLayer.write_kv)."""
         spec = self.spec
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        slots = batch.swa_slot_mapping if self.is_sliding else batch.full_slot_mapping
+        qkv = self._native_front(x, batch, k_cache, v_cache, norm, slots)
+        if qkv is not None:
+            qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+            v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
+            return qk[:, : spec.num_heads], qk[:, spec.num_heads :], v
+        qkv = self.qkv_proj(x if norm is None else norm(x))
         # q and k heads share head_dim and sit side by side in the projection: rotate them together,
         # in place on the projection's output (no copies of q, k or v).
         qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
@@ -85,10 +118,31 @@ class Attention(nn.Module):
         cos, sin = self._rotary_tables(batch, x.dtype)
         self.rotary.apply_(qk, cos, sin)
         q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-        slots = batch.swa_slot_mapping if self.is_sliding else batch.full_slot_mapping
         ops.store_kv(k_cache, v_cache, slots, k, v,
                      all_valid=batch.slots_all_valid or self._slots_valid(batch, slots))
         return q, k, v
+
+    def _native_front(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      norm: RMSNorm | None, slots: torch.Tensor) -> torch.Tensor | None:
+        """The [T, N] projection from the C front (norm, QKV, RoPE, value scale, KV store in one call),
+        or None where the torch path serves: more than MAX_ROWS rows, a compiled step (the C
+        call would split its graph), or a step whose attention the C decode kernel does not serve
+        (its plan's ``native`` is None: bf16, CUDA, kernels off, a prefill without decode rows)."""
+        if not self._native_rows(batch, x):
+            return None
+        spec = self.spec
+        cos, sin = self._rotary_tables(batch, x.dtype)
+        return attention_front(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                               self.qkv_proj.weight, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                               head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, cos=cos, signed_sin=sin,
+                               value_scale=self.value_scale, k_cache=k_cache, v_cache=v_cache, slots=slots)
+
+    def _native_rows(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
+        """Whether the C layer glue may serve x's rows (see _native_front)."""
+        if x.shape[0] > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
+            return False
+        plan = self._plan(batch, x, batch.swa_block_table if self.is_sliding else batch.full_block_table)
+        return getattr(plan, "native", None) is not None
 
     def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
               slots_valid: bool | None = None) -> None:

@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import ops
+from kernels.moe_cpu import NATIVE_ROWS_PER_EXPERT
+from kernels.native.moe_experts import moe_route_experts
 from llm_core.distributed.expert_parallel import ExpertShard
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.model.config import ModelConfig
@@ -66,7 +68,16 @@ class SparseMoE(nn.Module):
         self.gate = Router(config.num_experts, config.hidden_size)
         self.experts = StackedExperts(self.placement.num_local, config.hidden_size, i1 - i0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' sum for x's rows, plus ``residual`` when given (the decoder layer's residual
+        add, in the same C call when it serves)."""
+        out = self._native(x, residual)
+        if out is not None:
+            return out
+        out = self._torch(x)
+        return out if residual is None else residual + out
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.route(
             self.gate(x),
             self.gate.e_score_correction_bias,
@@ -77,3 +88,15 @@ class SparseMoE(nn.Module):
             routed_scaling_factor=self.routed_scaling_factor,
         )
         return self.placement(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+
+    def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """Router and experts in one C call (kernels/native/moe_experts.c) for the few rows per expert
+        the C experts kernel serves anyway, on one rank, eager; None: the torch router serves."""
+        rows = x.shape[0] * self.top_k
+        if (self.placement.ctx.world_size != 1 or not x.is_cpu or torch.compiler.is_compiling()
+                or not 0 < rows <= NATIVE_ROWS_PER_EXPERT * self.placement.num_local):
+            return None
+        return moe_route_experts(x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.gate_up_proj,
+                                 self.experts.down_proj, top_k=self.top_k, n_group=self.n_group,
+                                 topk_group=self.topk_group, renormalize=self.renormalize,
+                                 routed_scaling_factor=self.routed_scaling_factor, residual=residual)

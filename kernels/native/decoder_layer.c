@@ -1,0 +1,125 @@
+/* The glue of one decoder layer around its attention, for the few rows of a decode step: two calls
+ * per layer instead of ~20 torch dispatches.
+ *
+ * attention_front_f32 (before the attention kernel, paged_decode.c):
+ *   h = RMSNorm(x) * w_norm         (skipped when no norm weight is given)
+ *   [q | k | v] = h W_qkv^T         (W_qkv in kernel layout: W^T [H][N] row-major)
+ *   q, k <- NeoX RoPE over the first R dims of each head (the step's cos / signed-sin tables)
+ *   v <- value_scale * v
+ *   k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t]   (slot < 0: padding, not written)
+ *
+ * attention_out_f32 (after it):
+ *   x_out = x + attn W_o^T          (the residual add)
+ *   h     = RMSNorm(x_out) * w_norm (the post-attention norm: the MLP's input)
+ *
+ * dense_mlp_f32 (a dense layer's MLP; MoE layers: moe_experts.c):
+ *   out = residual + down(silu(gate h) * up h)
+ *
+ * Why: in torch the front alone is ~15 dispatches per layer (norm, linear, the RoPE's flip / mul /
+ * add, two index_copy_) at ~10 us each, for arithmetic of tens of microseconds (hidden 256, 32 rows:
+ * 3 M multiply-adds). Here the projections run as register tiles (small_gemm.h, as fast as MKL at
+ * these shapes) and the rest runs on the rows while they are in cache.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "small_gemm.h"
+
+/* out[k * step] = x[k] * inv_rms(x) * w[k] for k < H (w NULL: x[k], no norm); step 1 writes a row,
+ * step T a column of a transposed [H][T] block (the GEMM's input). */
+static void norm_row(const float *x, int64_t H, const float *w, float eps, float *out, int64_t step) {
+    float inv = 1.0f;
+    if (w) {
+        float lanes[16] = {0}; /* 16 running sums: the loop vectorises (torch sums in lanes too) */
+        int64_t k = 0;
+        for (; k + 16 <= H; k += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += x[k + l] * x[k + l];
+        float ss = 0.0f;
+        for (; k < H; k++) ss += x[k] * x[k];
+        for (int l = 0; l < 16; l++) ss += lanes[l];
+        inv = 1.0f / sqrtf(ss / (float)H + eps);
+    }
+    for (int64_t k = 0; k < H; k++) out[k * step] = w ? (x[k] * inv) * w[k] : x[k];
+}
+
+/* head [D]: its first R dims as [x1 | x2] (halves of R/2) become [x1 c - x2 s | x2 c + x1 s]; the
+ * tables hold cos as [c | c] and the sine signed as [-s | s] (llm_core/model/layers/rope.py). */
+static void rope_head(float *head, int64_t R, const float *cos, const float *ssin) {
+    const int64_t half = R / 2;
+    for (int64_t j = 0; j < half; j++) {
+        const float x1 = head[j], x2 = head[j + half];
+        head[j] = x1 * cos[j] + x2 * ssin[j];
+        head[j + half] = x2 * cos[j + half] + x1 * ssin[j + half];
+    }
+}
+
+/* x [T][H]; norm_w [H] or NULL; w_t [H][N] with N = (Hq + Hkv) * D + Hkv * Dv; cos / ssin [T][R];
+ * k_cache [num_slots][Hkv][D], v_cache [num_slots][Hkv][Dv]; slots [T]; qkv [T][N] is overwritten.
+ * Return 0; -1 when a slot lies at or past num_slots (checked before anything is written); -2 out
+ * of memory. */
+int attention_front_f32(const float *x, int64_t T, int64_t H, const float *norm_w, float eps, const float *w_t,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t R, const float *cos,
+                        const float *ssin, float value_scale, float *k_cache, float *v_cache, int64_t num_slots,
+                        const int64_t *slots, float *qkv) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    if (T == 0) return 0; /* nothing to do (and malloc(0) may return NULL) */
+    const int64_t qk = (Hq + Hkv) * D, kv = Hkv * D, vv = Hkv * Dv, N = qk + vv;
+    float *xt = malloc((size_t)(T * H) * sizeof(float));
+    if (!xt) return -2;
+    for (int64_t t = 0; t < T; t++) norm_row(x + t * H, H, norm_w, eps, xt + t, T);
+    gemm_rows(T, N, H, xt, T, w_t, qkv);
+    free(xt);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * N;
+        if (R > 0)
+            for (int64_t h = 0; h < Hq + Hkv; h++) rope_head(row + h * D, R, cos + t * R, ssin + t * R);
+        if (value_scale != 1.0f) /* x * 1.0 == x: the torch path skips it too */
+            for (int64_t j = qk; j < N; j++) row[j] *= value_scale;
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * kv, row + Hq * D, (size_t)kv * sizeof(float));
+        memcpy(v_cache + slots[t] * vv, row + qk, (size_t)vv * sizeof(float));
+    }
+    return 0;
+}
+
+/* attn [T][A], x [T][H], wo_t [A][H], norm_w [H]; x_out and h [T][H] are overwritten.
+ * Return 0, -2 out of memory. */
+int attention_out_f32(const float *attn, int64_t T, int64_t A, const float *wo_t, const float *x, int64_t H,
+                      const float *norm_w, float eps, float *x_out, float *h) {
+    if (T == 0) return 0;
+    float *at = malloc((size_t)(T * A) * sizeof(float));
+    if (!at) return -2;
+    for (int64_t t = 0; t < T; t++) norm_row(attn + t * A, A, NULL, 0.0f, at + t, T); /* transpose only */
+    gemm_rows(T, H, A, at, T, wo_t, x_out);
+    free(at);
+    for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + x_out[i]; /* x + (attn W_o^T), as torch adds */
+    for (int64_t t = 0; t < T; t++) norm_row(x_out + t * H, H, norm_w, eps, h + t * H, 1);
+    return 0;
+}
+
+/* h [T][H]; wg_t, wu_t [H][I] and wd_t [I][H] (kernel layout); residual [T][H] or NULL; out [T][H]
+ * is overwritten. silu(g) = g / (1 + e^-g), as torch computes it. Return 0, -2 out of memory. */
+int dense_mlp_f32(const float *h, int64_t T, int64_t H, int64_t I, const float *wg_t, const float *wu_t,
+                  const float *wd_t, const float *residual, float *out) {
+    if (T == 0) return 0;
+    float *ht = malloc((size_t)(T * (H + 3 * I)) * sizeof(float));
+    if (!ht) return -2;
+    float *g = ht + T * H, *u = g + T * I, *st = u + T * I;
+    for (int64_t t = 0; t < T; t++) norm_row(h + t * H, H, NULL, 0.0f, ht + t, T); /* transpose only */
+    gemm_rows(T, I, H, ht, T, wg_t, g);
+    gemm_rows(T, I, H, ht, T, wu_t, u);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float gi = g[t * I + i];
+            st[i * T + t] = gi / (1.0f + expf(-gi)) * u[t * I + i];
+        }
+    gemm_rows(T, H, I, st, T, wd_t, out);
+    free(ht);
+    if (residual)
+        for (int64_t i = 0; i < T * H; i++) out[i] = residual[i] + out[i];
+    return 0;
+}

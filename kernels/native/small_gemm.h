@@ -1,0 +1,202 @@
+/* c = a^T b for a few rows: the weight-streaming GEMM of the C kernels (moe_experts.c,
+ * attention_front.c, ...). Included, not linked: each kernel is its own shared object, and build.py
+ * hashes the headers next to a source into its cache key.
+ *
+ *   a: the rows' activations transposed, a[k * lda + r] (the rows' k-th values side by side)
+ *   b: W^T [kdim][n] row-major, as the kernel layout stores a weight (column-major W [n][kdim])
+ *   c: [m][n], overwritten
+ */
+
+#ifndef MMSERVE_SMALL_GEMM_H
+#define MMSERVE_SMALL_GEMM_H
+
+#include <stdint.h>
+#include <string.h>
+
+#ifndef WIDE
+#define WIDE 1024 /* outputs at least this wide read 4 rows of W^T per pass, narrower ones 2 */
+#endif
+#ifndef AHEAD
+#define AHEAD 8192 /* bytes of b asked for ahead of the rows a pass reads (into L2) */
+#endif
+
+/* Ask for b's bytes [from, from + bytes) into L2. Prefetches never fault, so a range running past
+ * the end of b is harmless (it reaches the next expert's weights, which the MoE kernel reads next). */
+static inline void prefetch_l2(const float *from, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)from + o, 0, 2);
+}
+
+/* c[r][:] += a[k'][r] * b[k'][:] for k' = k, k+1 (pass4: to k+3), in that order, one multiply-add
+ * each: those rows of b stream past once while all m rows of c take them in. */
+static void pass2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b, float *c) {
+    const float *b0 = b + k * n, *b1 = b0 + n;
+    for (int64_t r = 0; r < m; r++) {
+        const float x0 = a[k * lda + r], x1 = a[(k + 1) * lda + r];
+        float *restrict cr = c + r * n;
+        for (int64_t j = 0; j < n; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
+    }
+}
+
+static void pass4(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b, float *c) {
+    const float *b0 = b + k * n, *b1 = b0 + n, *b2 = b1 + n, *b3 = b2 + n;
+    for (int64_t r = 0; r < m; r++) {
+        const float x0 = a[k * lda + r], x1 = a[(k + 1) * lda + r], x2 = a[(k + 2) * lda + r],
+                    x3 = a[(k + 3) * lda + r];
+        float *restrict cr = c + r * n;
+        for (int64_t j = 0; j < n; j++) cr[j] = (((cr[j] + x0 * b0[j]) + x1 * b1[j]) + x2 * b2[j]) + x3 * b3[j];
+    }
+}
+
+/* c [m][n] = a^T b. b is read once, front to back, 2 or 4 rows per pass; the m rows of c stay in
+ * cache and the inner loop vectorises over n:
+ *
+ *     for k in 0, 2, 4, ...:   c[r][:] = (c[r][:] + a[k][r] * b[k][:]) + a[k+1][r] * b[k+1][:]
+ *
+ * Measured (one thread, weights from memory; benchmarks/moe_experts.py and a C harness): walking b
+ * as one forward stream beat register tiles over 32-column stripes of 16-64 rows of b (demo model,
+ * 32-row step: 0.53 vs 0.99 ms per layer): the stripe walk keeps 16+ streams open, the prefetchers
+ * fall behind, and the tiles' arithmetic advantage is lost waiting on memory. Column blocks that keep
+ * c in L1 for wide outputs were slower too (MiMo-V2.5's n = 4096: 1-8 KB runs per row of b instead
+ * of 16 KB). Rows of b per pass: 2 for narrow outputs (demo n = 256: 4 rows 0.86 vs 0.53 ms), 4 for
+ * wide ones (MiMo, one token: 38 vs 48 ms, 20 GB/s). Holding 64 columns of the two rows of b in
+ * registers across all rows of c (instead of re-reading them from L1 per row) was faster with the
+ * weights in cache (0.35 -> 0.27 ms) but slower from memory (0.68 -> 0.80-0.95 ms, with or without
+ * software prefetch): the weights then arrive in bursts, not as a steady stream. Each pass asks
+ * for the bytes AHEAD (8 KB) past its rows into L2 (__builtin_prefetch, locality 2): from memory
+ * (256 KB weights cycled through 64 MB; 256 x 256, C harness) 1 row 32 -> 14 us, 4 rows 47 -> 16 us,
+ * 8 rows 57 -> 23 us; into L1 instead, or 16-32 KB ahead, was slower. The sum runs k
+ * ascending, one multiply-add per k, whatever m is: a row's result does not depend on which rows
+ * share the call. */
+static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b,
+                         float *c) {
+    memset(c, 0, (size_t)(m * n) * sizeof(float));
+    int64_t k = 0;
+    const int64_t row = n * (int64_t)sizeof(float);
+    if (n >= WIDE)
+        for (; k + 4 <= kdim; k += 4) {
+            prefetch_l2(b + k * n + AHEAD / sizeof(float), 4 * row);
+            pass4(m, n, k, a, lda, b, c);
+        }
+    for (; k + 2 <= kdim; k += 2) {
+        prefetch_l2(b + k * n + AHEAD / sizeof(float), 2 * row);
+        pass2(m, n, k, a, lda, b, c);
+    }
+    for (; k < kdim; k++) {
+        const float *bk = b + k * n;
+        for (int64_t r = 0; r < m; r++) {
+            const float xr = a[k * lda + r];
+            float *restrict cr = c + r * n;
+            for (int64_t j = 0; j < n; j++) cr[j] += xr * bk[j];
+        }
+    }
+}
+
+/* c [m][ldc] (its first n columns) = a^T b, register tiles: MR rows x 64 columns of c stay in
+ * registers (MR x 4 AVX-512 vectors) while k runs over all of b's rows, so each multiply-add costs
+ * one broadcast shared by 4 vectors and one weight vector shared by MR rows, with no load or store
+ * of c inside the k loop. gemm_small_m loads and stores c on every pass (its m rows of c stay in
+ * L1, not in registers) and is bound by those loads and stores once the weights are in cache:
+ * attention front, 32 rows x 384 x 256, one thread, warm (C harness): 145 us there, MKL 73 us,
+ * here 61 us (benchmarks/decoder_layer.py measures the layer calls). Same order of operations per output as
+ * gemm_small_m (k ascending, one multiply-add each, from zero), so the two agree bit for bit and a
+ * row's result does not depend on the rows beside it. Without AVX-512 it is gemm_small_m. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define TILE_MR 6
+#ifndef TILE_PF
+#define TILE_PF 8 /* rows of b ahead that the first row tile asks for (into L2) */
+#endif
+/* the 4 cache lines of a 64-column stripe pf rows of b ahead (pf 0: none), into L2 */
+static inline void stripe_ahead(const float *bk, int64_t pf, int64_t n) {
+    if (pf)
+        for (int v = 0; v < 4; v++) __builtin_prefetch(bk + pf * n + 16 * v, 0, 2);
+}
+
+/* an edge tile: mr < TILE_MR rows or fewer than 64 columns (the last vector masked by ``last``) */
+static void tile_rows(int64_t mr, int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n,
+                      int64_t j0, int64_t nv, __mmask16 last, float *c, int64_t ldc, int64_t pf) {
+    __m512 acc[TILE_MR][4];
+    for (int r = 0; r < TILE_MR; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kdim; k++) {
+        const float *bk = b + k * n + j0;
+        stripe_ahead(bk, pf, n);
+        __m512 bv[4];
+        for (int v = 0; v < 4; v++)
+            bv[v] = v < nv - 1 ? _mm512_loadu_ps(bk + 16 * v)
+                  : v == nv - 1 ? _mm512_maskz_loadu_ps(last, bk + 16 * v) : _mm512_setzero_ps();
+        const float *ak = a + k * lda;
+        for (int r = 0; r < TILE_MR; r++) {
+            if (r >= mr) break;
+            const __m512 ar = _mm512_set1_ps(ak[r]);
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < TILE_MR && r < mr; r++)
+        for (int v = 0; v < nv; v++) {
+            float *cr = c + r * ldc + j0 + 16 * v;
+            if (v < nv - 1) _mm512_storeu_ps(cr, acc[r][v]);
+            else _mm512_mask_storeu_ps(cr, last, acc[r][v]);
+        }
+}
+
+/* the full tile, every bound a constant: the compiler keeps the 24 accumulators in registers (one
+ * generic tile inlined with these constants ran 2.7x slower: its accumulators went to the stack) */
+static void tile_full(int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n, int64_t j0, float *c,
+                      int64_t ldc, int64_t pf) {
+    __m512 acc[TILE_MR][4] = {0}; /* every accumulator zero */
+    for (int64_t k = 0; k < kdim; k++) {
+        const float *bk = b + k * n + j0;
+        stripe_ahead(bk, pf, n);
+        const __m512 b0 = _mm512_loadu_ps(bk), b1 = _mm512_loadu_ps(bk + 16), b2 = _mm512_loadu_ps(bk + 32),
+                     b3 = _mm512_loadu_ps(bk + 48);
+        const float *ak = a + k * lda;
+        for (int r = 0; r < TILE_MR; r++) {
+            const __m512 ar = _mm512_set1_ps(ak[r]);
+            acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(ar, b2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(ar, b3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < TILE_MR; r++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(c + r * ldc + j0 + 16 * v, acc[r][v]);
+}
+
+static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
+                       int64_t ldc) {
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        const int64_t cols = n - j0 < 64 ? n - j0 : 64;
+        const int64_t nv = (cols + 15) / 16;
+        const __mmask16 last = (__mmask16)((1u << (cols - 16 * (nv - 1))) - 1u);
+        for (int64_t r0 = 0; r0 < m; r0 += TILE_MR) {
+            const int64_t mr = m - r0 < TILE_MR ? m - r0 : TILE_MR;
+            const int64_t pf = r0 == 0 ? TILE_PF : 0; /* the first rows' walk brings the stripe in */
+            if (mr == TILE_MR && cols == 64) tile_full(kdim, a + r0, lda, b, n, j0, c + r0 * ldc, ldc, pf);
+            else tile_rows(mr, kdim, a + r0, lda, b, n, j0, nv, last, c + r0 * ldc, ldc, pf);
+        }
+    }
+}
+#else
+static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
+                       int64_t ldc) {
+    if (ldc == n) {
+        gemm_small_m(m, n, kdim, a, lda, b, c);
+        return;
+    }
+    for (int64_t r = 0; r < m; r++) gemm_small_m(1, n, kdim, a + r, lda, b, c + r * ldc);
+}
+#endif
+
+/* c [m][n] = a^T b by whichever of the two is faster for m rows of c: the stream (gemm_small_m)
+ * while c stays small in L1, register tiles past that. Both give the same bits (same order of
+ * multiply-adds), so the switch cannot change a row's result. Measured from memory (C harness, one
+ * thread, 256 KB weights cycled through 64 MB, n = 256): m = 4: 20 vs 51 us, 8: 22 vs 36, 16: 42 vs
+ * 51, 24: 53 vs 52, 32: 68 vs 63; n = 384, m = 32: 178 vs 95. */
+static void gemm_rows(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c) {
+    if (m <= 4 || m * n <= 4096) gemm_small_m(m, n, kdim, a, lda, b, c);
+    else gemm_tiles(m, n, kdim, a, lda, b, c, n);
+}
+
+#endif
