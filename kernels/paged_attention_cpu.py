@@ -43,13 +43,14 @@ from torch.nn import functional as F
 from kernels.native import paged_decode
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk)
-# in a batch of several requests go to the C decode kernel as one decode row per query when it serves
-# the step: one call per layer instead of a gather and a flash call per request (MTP at batch 8 on the
-# demo model: 1.21x -> 1.75x over plain decode, medians of 3). Longer chunks keep the flash kernel,
-# and so does a lone request (MTP at batch 1): one flash call reads its keys once for all its rows,
-# where the kernel reads them once per row (measured 1.82x -> 1.57x routed to the kernel, but the
-# same b1 code also swung 1.80 vs 1.60 between runs: the argument, not that figure, decides it)
+# multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk) go
+# to the C decode kernel as one decode row per query when it serves the step: one call per layer
+# instead of a gather and a flash call per request (MTP at batch 8 on the demo model: 1.21x -> 1.75x
+# over plain decode, medians of 3). A lone request too (MTP at batch 1): the kernel reads its keys once
+# per row where one flash call reads them once, but the flash call's fixed cost (gather, mask, a
+# padded head size) is larger up to 8 rows: demo-model shapes, plan + 3 layers per pool, 4 rows over
+# 400 keys 0.22 vs 0.35 ms full attention, 0.10 vs 0.31 ms windowed; 8 rows over 2000 keys 1.05 vs
+# 1.15 ms full (docs/speculative.md). Longer chunks keep the flash kernel
 NATIVE_SHORT_ROWS = 8
 
 
@@ -107,7 +108,7 @@ class AttentionPlan:
         kmax = 0
         native = None
         short = []
-        if keys is None and num_requests > 1 and paged_decode.available(dtype, device):
+        if keys is None and paged_decode.available(dtype, device):
             short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= NATIVE_SHORT_ROWS]
         if short:
             # query row i of an n-row request is a decode row whose context ends at its own position
