@@ -310,8 +310,9 @@ def paged_attention_cpu(
         raise ValueError(f"attention plan covers {plan.num_tokens} tokens, q has {q.shape[0]}")
     if plan.all_decode:
         return _decode(q, k_cache, v_cache, plan, scale=scale, sinks=sinks)
-    if plan.decode_rows is None and len(plan.extends) == 1:  # one request's rows (an MTP verify step,
-        # a prompt chunk at batch 1): its attention is the whole output, no buffer to scatter into
+    if plan.decode_rows is None and len(plan.extends) == 1:  # one request's rows (a prompt chunk at
+        # batch 1, an MTP verify step with the C kernel off): its attention is the whole output, no
+        # buffer to scatter into
         return _extend(q, k_cache, v_cache, plan.extends[0], k_new, v_new, scale=scale, sinks=sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
     if plan.decode_rows is not None:
