@@ -2,8 +2,9 @@
 
     python -m samples.training.train_mtp --model samples/demo-model --minutes 6 --seed 0
 
-1. Data: fresh synthetic media (``samples.synthetic``, seed ``--data-seed``) captioned by the demo
-   model itself through the real serving path (MultimodalLLM, greedy, one request at a time, no
+1. Data: fresh synthetic media (``samples.synthetic``, seed ``--data-seed``; images, videos, audio
+   clips and videos with a beeping sound track) captioned by the demo model itself through the real
+   serving path (MultimodalLLM, greedy, one request at a time, no
    prefix cache, no speculation). A forward hook on the text model records, for every position, the
    model's input row (token embedding or media row) and its final-normed hidden state.
 2. Targets: the main model's *own* greedy continuation (prompt + generated caption), not the
