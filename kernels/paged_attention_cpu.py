@@ -43,13 +43,14 @@ from torch.nn import functional as F
 from kernels.native import paged_decode
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk)
-# in a batch of several requests go to the C decode kernel as one decode row per query when it serves
-# the step: one call per layer instead of a gather and a flash call per request (MTP at batch 8 on the
-# demo model: 1.21x -> 1.75x over plain decode, medians of 3). Longer chunks keep the flash kernel,
-# and so does a lone request (MTP at batch 1): one flash call reads its keys once for all its rows,
-# where the kernel reads them once per row (measured 1.82x -> 1.57x routed to the kernel, but the
-# same b1 code also swung 1.80 vs 1.60 between runs: the argument, not that figure, decides it)
+# multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk) go
+# to the C decode kernel as one decode row per query when it serves the step: one call per layer
+# instead of a gather and a flash call per request (MTP at batch 8 on the demo model: 1.21x -> 1.75x
+# over plain decode, medians of 3). A lone request too (MTP at batch 1): the kernel reads its keys once
+# per row where one flash call reads them once, but the flash call's fixed cost (gather, mask, a
+# padded head size) is larger up to 8 rows: demo-model shapes, plan + 3 layers per pool, 4 rows over
+# 400 keys 0.22 vs 0.35 ms full attention, 0.10 vs 0.31 ms windowed; 8 rows over 2000 keys 1.05 vs
+# 1.15 ms full (docs/speculative.md). Longer chunks keep the flash kernel
 NATIVE_SHORT_ROWS = 8
 
 
@@ -107,7 +108,7 @@ class AttentionPlan:
         kmax = 0
         native = None
         short = []
-        if keys is None and num_requests > 1 and paged_decode.available(dtype, device):
+        if keys is None and paged_decode.available(dtype, device):
             short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= NATIVE_SHORT_ROWS]
         if short:
             # query row i of an n-row request is a decode row whose context ends at its own position
@@ -309,8 +310,9 @@ def paged_attention_cpu(
         raise ValueError(f"attention plan covers {plan.num_tokens} tokens, q has {q.shape[0]}")
     if plan.all_decode:
         return _decode(q, k_cache, v_cache, plan, scale=scale, sinks=sinks)
-    if plan.decode_rows is None and len(plan.extends) == 1:  # one request's rows (an MTP verify step,
-        # a prompt chunk at batch 1): its attention is the whole output, no buffer to scatter into
+    if plan.decode_rows is None and len(plan.extends) == 1:  # one request's rows (a prompt chunk at
+        # batch 1, an MTP verify step with the C kernel off): its attention is the whole output, no
+        # buffer to scatter into
         return _extend(q, k_cache, v_cache, plan.extends[0], k_new, v_new, scale=scale, sinks=sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
     if plan.decode_rows is not None:

@@ -2,8 +2,9 @@
 
     python -m samples.training.train_mtp --model samples/demo-model --minutes 6 --seed 0
 
-1. Data: fresh synthetic media (``samples.synthetic``, seed ``--data-seed``) captioned by the demo
-   model itself through the real serving path (MultimodalLLM, greedy, one request at a time, no
+1. Data: fresh synthetic media (``samples.synthetic``, seed ``--data-seed``; images, videos, audio
+   clips and videos with a beeping sound track) captioned by the demo model itself through the real
+   serving path (MultimodalLLM, greedy, one request at a time, no
    prefix cache, no speculation). A forward hook on the text model records, for every position, the
    model's input row (token embedding or media row) and its final-normed hidden state.
 2. Targets: the main model's *own* greedy continuation (prompt + generated caption), not the
@@ -45,11 +46,15 @@ DRAFT_STEPS = 3
 
 
 # ---- 1. data: the model's own captions and hidden states -------------------------------------------
-def collect(model_dir: Path, media_dir: Path, seed: int, images: int, videos: int, audios: int) -> list[dict]:
-    """Generate the synthetic media and record the model captioning each item (see ``record``)."""
+def collect(model_dir: Path, media_dir: Path, seed: int, images: int, videos: int, audios: int,
+            beeping_videos: int = 0) -> list[dict]:
+    """Generate the synthetic media and record the model captioning each item (see ``record``).
+    Beeping videos are captioned with their sound (the checkpoint's ``use_audio_in_video``), so the
+    head also learns the hidden states of the caption's "beeps: ..." half."""
     from samples.synthetic.generate import generate
 
-    labels = generate(seed, media_dir, images=images, videos=videos, audios=audios, max_video_seconds=6)
+    labels = generate(seed, media_dir, images=images, videos=videos, audios=audios, max_video_seconds=6,
+                      beeping_videos=beeping_videos)
     return record(model_dir, media_dir, labels)
 
 
@@ -293,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images", type=int, default=60)
     ap.add_argument("--videos", type=int, default=30)
     ap.add_argument("--audios", type=int, default=40)
+    ap.add_argument("--beeping-videos", type=int, default=30, help="videos with a beeping sound track")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("/tmp/mmserve-train-mtp"))
@@ -300,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.monotonic()
-    data = collect(args.model, args.work / f"media-{args.data_seed}", args.data_seed, args.images, args.videos, args.audios)
+    data = collect(args.model, args.work / f"media-{args.data_seed}", args.data_seed, args.images, args.videos,
+                   args.audios, args.beeping_videos)
     print(f"collected {len(data)} sequences ({sum(d['embeds'].shape[0] for d in data)} rows) in "
           f"{time.monotonic() - t0:.0f} s", flush=True)
     from llm_core.model.loader import load_model

@@ -87,19 +87,20 @@ def test_fresh_chunks_read_the_steps_own_keys(reqs, window, sinks, seed):
 @given(st.integers(2, 8), st.integers(0, 40), st.sampled_from([(4, 4), (4, 2), (6, 1)]),
        st.one_of(st.none(), st.integers(1, 12)), st.booleans(), st.integers(0, 10_000))
 def test_one_request_of_a_few_rows(rows, extra, heads, window, sinks, seed):
-    """An MTP verify step at batch 1 (a few query rows of one sequence after its context) takes the
-    single-request path: the reference's result, and bit for bit what the same rows get inside a
-    batch that also holds a decode row (the torch general path; with the C kernel on, a batch's short
-    requests are its decode rows instead: tests/kernels/test_paged_decode_native.py)."""
+    """An MTP verify step at batch 1 (a few query rows of one sequence after its context): the
+    reference's result, and bit for bit what the same rows get inside a batch that also holds a decode
+    row -- with the C kernel on (one kernel row per query, alone and in the batch) and off (the flash
+    single-request path vs the torch general path)."""
     q, k, v, table, qsl, lens = make_batch(seed, [rows, 1], [rows + extra, 5], heads[0], heads[1], window, False)
     s = torch.randn(heads[0]) if sinks else None
     kw = dict(page_size=PAGE, scale=8**-0.5, window=window, sinks=s)
-    alone = paged_attention_cpu(q[:rows], k, v, table[:1], qsl[:2], lens[:1], **kw)
-    torch.testing.assert_close(alone, paged_attention_ref(q[:rows], k, v, table[:1], qsl[:2], lens[:1], **kw),
-                               rtol=1e-5, atol=1e-5)
+    want = paged_attention_ref(q[:rows], k, v, table[:1], qsl[:2], lens[:1], **kw)
     was = native.enabled()
-    native.set_enabled(False)
     try:
-        assert torch.equal(alone, paged_attention_cpu(q, k, v, table, qsl, lens, **kw)[:rows])
+        for on in (True, False):
+            native.set_enabled(on)
+            alone = paged_attention_cpu(q[:rows], k, v, table[:1], qsl[:2], lens[:1], **kw)
+            torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(alone, paged_attention_cpu(q, k, v, table, qsl, lens, **kw)[:rows])
     finally:
         native.set_enabled(was)

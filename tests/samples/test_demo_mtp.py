@@ -57,7 +57,9 @@ def test_captions_identical_with_mtp_on_and_off(runs):
 
 
 def test_acceptance_floor(runs):
+    """The committed head accepts 0.81 of its draft tokens, 3.42 tokens per verify step (the beeping
+    video included: a head trained without videos with sound gave 0.69 / 3.0 on the same samples)."""
     stats = runs[2]
     assert stats.spec_verify_steps > 0
-    assert stats.spec_acceptance_rate >= 0.5, stats.to_dict()
-    assert stats.spec_mean_accepted_tokens >= 2.0, stats.to_dict()
+    assert stats.spec_acceptance_rate >= 0.7, stats.to_dict()
+    assert stats.spec_mean_accepted_tokens >= 3.1, stats.to_dict()

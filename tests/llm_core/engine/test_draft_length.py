@@ -192,3 +192,42 @@ def test_engine_learns_the_prior_from_earlier_requests(model):
     assert eng.speculative.draft_length.prior.rate < 0.5
     assert drafted[1] < drafted[0] and drafted[0] >= 4 * 2  # the first wave starts optimistic
     assert len(plain_steps) >= 10
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_step_where_no_request_drafts_makes_the_plain_steps_aten_calls(model, monkeypatch, batch):
+    """k = 0 for every request (the adaptive length has them all idle): a decode step dispatches
+    exactly the ATen calls of the same step without MTP -- no MTP extend, no draft, no extra sampling."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = dict(page_size=4, max_num_batched_tokens=64, num_full_tokens=2048, num_swa_tokens=512)
+    plain = LLMEngine(model, EngineConfig(speculative_tokens=0, **cfg))
+    spec = LLMEngine(model, EngineConfig(speculative_tokens=3, **cfg))
+    monkeypatch.setattr(spec.speculative.draft_length, "choose", lambda request, batch: 0)
+    monkeypatch.setattr(spec.speculative.draft_length, "idle", lambda request, batch=1: True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for eng in (plain, spec):
+        for i in range(batch):
+            eng.add_request(str(i), [5 + i, 9, 17, 3 + i, 8], params)
+        eng.step()  # the prompts (their MTP extend runs: the KV a later draft reads)
+    decode_steps = 0
+    while plain.has_unfinished():
+        counts = []
+        for eng in (plain, spec):
+            with Count() as c:
+                outs = eng.step()
+            counts.append((c.ops, [(o.request_id, o.token_ids) for o in outs]))
+        assert counts[0] == counts[1]
+        decode_steps += 1
+    assert decode_steps == 5 and not spec.has_unfinished() and spec.stats().spec_draft_tokens == 0

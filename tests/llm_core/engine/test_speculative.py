@@ -255,3 +255,33 @@ def test_kv_only_extend_stores_what_the_full_layer_stores(model, monkeypatch, mo
     eng = engine(model, speculative_tokens=3, speculative_layers=mode, speculative_adaptive=False)
     generate(eng, [ids(60, 12), ids(61, 3)], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert max(checked) >= 4 and min(checked) >= 1
+
+
+@pytest.mark.parametrize("mode", ["first", "chain"])
+def test_lone_request_verify_rows_through_the_c_kernel_equal_flash(model, monkeypatch, mode):
+    """Batch 1: a verify step's 1 + k rows go to the C decode kernel, one decode row per query
+    (kernels/paged_attention_cpu.py); the tokens equal the flash path's (kernels off) and plain decoding's."""
+    from kernels.native import build, paged_decode
+
+    if paged_decode._lib() is None:
+        pytest.skip("no C compiler: the flash path serves")
+    monkeypatch.setattr(build, "_enabled", build.enabled())  # the engines flip the process switch: restore it
+    rows, real = [], paged_decode.decode_attention
+
+    def counted(q, k_cache, v_cache, decode, **kw):
+        rows.append(decode.rows.numel())
+        return real(q, k_cache, v_cache, decode, **kw)
+
+    monkeypatch.setattr(paged_decode, "decode_attention", counted)
+    prompts = [ids(70, 9), ids(71, 23)]
+    ref, table = reference_outputs(model, prompts, max_num_seqs=1)
+    outs = {}
+    for native in (True, False):
+        rows.clear()
+        eng = with_oracle(engine(model, speculative_tokens=3, speculative_layers=mode, speculative_adaptive=False,
+                                 max_num_seqs=1, native_cpu_kernels=native), table, corrupt=0.3, seed=1)
+        outs[native] = generate(eng, prompts, GREEDY)
+        assert (4 in rows) == native  # the 4 verify rows of one request: one kernel call per layer
+        assert drained(eng)
+    assert_same(ref, outs[True])
+    assert_same(outs[False], outs[True])
