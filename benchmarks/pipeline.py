@@ -114,7 +114,7 @@ def build_model(root: Path) -> Path:
 
 def engine_config(**kw) -> OmniEngineConfig:
     base = dict(page_size=16, num_full_tokens=1 << 16, num_swa_tokens=1 << 14, max_num_batched_tokens=512,
-                max_num_seqs=64, groups_per_chunk=2)
+                max_num_seqs=64)
     return OmniEngineConfig.from_kwargs(**{**base, **kw})
 
 
