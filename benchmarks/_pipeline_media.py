@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import io
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import av
 import numpy as np
@@ -74,34 +76,38 @@ def process_cpu_s(pid: int) -> float:
 
 
 class WorkerCpu:
-    """CPU seconds each decode worker spent on its chunks, to tell whether N workers split the work
-    N ways whatever else holds the cores: a pool thread's own CPU time around each call
-    (``time.thread_time``; codec threads off, so the decode runs on that thread) and, for the
-    process backend, each worker process's CPU time. ``critical_s`` is the busiest worker's
-    share: the wall time the decode would take with a free core per worker."""
+    """The wall time ``workers`` workers would take on a free core each, from the CPU time each
+    chunk cost in this run: each chunk's cost, then the pool's own FIFO hand-out replayed on
+    dedicated cores (a chunk goes to the worker that frees first). Per chunk: the pool thread's
+    CPU time around the call (``time.thread_time``; codec threads off, so the decode runs on that
+    thread) and, for the process backend, the worker processes' CPU time, shared among the chunks
+    by their sampled frames (a process cannot say which chunk it spent it on). Replaying the
+    hand-out, rather than taking the busiest worker's CPU, keeps a worker that the host starved
+    (so the other took more chunks) from showing as poor scaling."""
 
-    def __init__(self, backend: object) -> None:
+    def __init__(self, backend: object, weights: Sequence[int]) -> None:
         self._pids = backend.worker_pids() if isinstance(backend, ProcessDecodeBackend) else []
-        self._lock = threading.Lock()
-        self._threads: dict[int, float] = {}
+        self._weights = list(weights)
+        self._spent = [0.0] * len(weights)
         self._start = {pid: process_cpu_s(pid) for pid in self._pids}
 
-    def timed(self, fn):
+    def timed(self, k: int, fn):
         def call(*args):
             t0 = time.thread_time()
             try:
                 return fn(*args)
             finally:
-                spent, me = time.thread_time() - t0, threading.get_ident()
-                with self._lock:
-                    self._threads[me] = self._threads.get(me, 0.0) + spent
+                self._spent[k] += time.thread_time() - t0
         return call
 
-    def critical_s(self) -> float:
-        """The busiest pool thread, plus the busiest worker process (the process backend: the
-        parent's thread copies the frames out after the process decoded them)."""
-        threads = max(self._threads.values(), default=0.0)
-        return threads + max((process_cpu_s(p) - c for p, c in self._start.items()), default=0.0)
+    def makespan_s(self, workers: int) -> float:
+        children = sum(process_cpu_s(p) - c for p, c in self._start.items())
+        total = sum(self._weights)
+        costs = [t + children * w / total for t, w in zip(self._spent, self._weights)]
+        free = [0.0] * workers  # when each worker is free again
+        for c in costs:
+            heapq.heapreplace(free, free[0] + c)
+        return max(free)
 
 
 def control_speedup(seconds: float = 0.15) -> float:
@@ -138,8 +144,8 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
     (2 worker threads, FFmpeg's codec threads on) and plain PyAV decoding every frame as the floor.
     Runs interleave; medians of ``reps``.
 
-    Two speed-ups per backend: from CPU time (one worker's CPU over the busiest worker's, see
-    ``WorkerCpu``: does the work split, whatever else runs on the host) and from wall time (what
+    Two speed-ups per backend: from CPU time (one worker's CPU over the wall time N workers would
+    take on a free core each, see ``WorkerCpu``: does the work split, whatever else runs on the host) and from wall time (what
     this host gave at that moment, next to ``control_speedup``: a busy second core makes two
     workers no faster than one, ~1.1x at nice 10 beside a nice-0 job, and that is the host)."""
     item = MediaItem(MediaKind.VIDEO, "mp4", video, "bench")
@@ -156,13 +162,12 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
         backend = processes[workers] if kind == "process" else ThreadDecodeBackend()
         pool = WorkerPool(max_workers=workers, max_pending=len(chunks))
         await asyncio.gather(*(pool.run(time.sleep, 0) for _ in range(workers)))  # threads started before the clock
-        cpu = WorkerCpu(backend)
-        chunk = cpu.timed(backend.decode_chunk)
+        cpu = WorkerCpu(backend, [len(c) for c in chunks])
         try:
             t0 = time.perf_counter()
-            await asyncio.gather(*(pool.run(chunk, item, info, sampling.indices, c, tp, MediaLimits(), size, None,
-                                            threads) for c in chunks))
-            return time.perf_counter() - t0, cpu.critical_s()
+            await asyncio.gather(*(pool.run(cpu.timed(k, backend.decode_chunk), item, info, sampling.indices, c, tp,
+                                            MediaLimits(), size, None, threads) for k, c in enumerate(chunks)))
+            return time.perf_counter() - t0, cpu.makespan_s(workers)
         finally:
             pool.shutdown()
 
@@ -203,8 +208,8 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
 
 
 def decode_table(results: dict[str, float]) -> list[tuple]:
-    """Rows of the 1 / 2 / 4 worker table: workers, then per backend wall s, busiest worker's CPU
-    s, and the speed-ups over 1 worker from each."""
+    """Rows of the 1 / 2 / 4 worker table: workers, then per backend wall s, that time from CPU
+    time, and the speed-ups over 1 worker from each."""
     rows = []
     for w in DECODE_WORKERS:
         row: list = [w]
