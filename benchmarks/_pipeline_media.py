@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import av
 import numpy as np
 
+from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import ProcessDecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.ingest import MediaLimits
@@ -137,8 +138,8 @@ def control_speedup(seconds: float = 0.15) -> float:
 
 
 def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
-    """The sampled frames of one clip (2 frames/s) decoded as the server does it: chunks of 2 frame
-    groups (video_chunks.plan_chunks), each from its own seek point, on a WorkerPool of 1 / 2 / 4
+    """The sampled frames of one clip (2 frames/s) decoded as the server does it: chunks as the
+    engine's default cuts them (video_chunks.plan_chunks: one per GOP here), each from its own seek point, on a WorkerPool of 1 / 2 / 4
     workers, with the thread backend and with the process backend (frames back through shared
     memory), codec threads off so the workers are the only parallelism; plus the server's default
     (2 worker threads, FFmpeg's codec threads on) and plain PyAV decoding every frame as the floor.
@@ -152,7 +153,8 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
     info = probe_video(item)
     sampling = sample_frames(info.total_frames, info.video_fps, VideoSamplingParams(fps=2.0, max_frames=3600))
     tp = 2
-    chunks = plan_chunks(list(range(len(sampling.indices) // tp)), sampling.indices, info.keyframes, tp, 2)
+    chunks = plan_chunks(list(range(len(sampling.indices) // tp)), sampling.indices, info.keyframes, tp,
+                         PlannerConfig().groups_per_chunk)
     size = (info.height, info.width)
     processes = {w: ProcessDecodeBackend(w) for w in DECODE_WORKERS}
     variants = [("thread", w, 1) for w in DECODE_WORKERS] + [("process", w, 1) for w in DECODE_WORKERS]
