@@ -68,7 +68,7 @@ class MediaPlan:
 class PlannerConfig:
     limits: MediaLimits = MediaLimits()
     video_sampling: VideoSamplingParams = VideoSamplingParams()
-    groups_per_chunk: int = 2
+    groups_per_chunk: int = 1  # see OmniEngineConfig.groups_per_chunk
     max_context_tokens: int | None = None  # the LLM's context: media that cannot fit fails before decoding
     video_audio: bool = True  # lay a video's sound track out with its frames (when the model hears)
     decoder_threads: int = 0  # FFmpeg's own threads per video decoder (0: FFmpeg picks, 1: none)

@@ -70,8 +70,8 @@ class OmniEngineConfig:
     """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
     video_audio: bool | None = None
     """Hear videos: a video's sound track is laid out with its frames, interleaved by time (models with an audio encoder; none: the checkpoint's processor_config.use_audio_in_video, true when absent)."""
-    groups_per_chunk: int = 2
-    """Video frame groups per streamed encoder unit."""
+    groups_per_chunk: int = 1
+    """Video frame groups one decoder decodes before they go to the encoder; a chunk takes in more when the next one would decode at least its own frames again from its seek point (1: the encoder starts as soon as the first group is decoded)."""
     # True: the LLM request starts at once and prefill follows the units as they arrive; False:
     # prefill starts only when every unit of the request is encoded (same tokens, later TTFT).
     stream_embeddings: bool = True

@@ -134,6 +134,11 @@ class ProcessDecodeBackend:
         if wait:
             cf.wait(futures)
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current pool's workers (benchmarks read their CPU time)."""
+        with self._lock:
+            return sorted(getattr(self._executor, "_processes", None) or {})
+
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:

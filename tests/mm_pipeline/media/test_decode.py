@@ -18,7 +18,7 @@ from PIL import Image
 
 from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.decode.image import decode_image
-from mm_pipeline.media.decode.video import VideoDecoder, probe_video, split_ranges
+from mm_pipeline.media.decode.video import VideoDecoder, decode_range, decode_runs, probe_video, split_ranges
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
 from mm_pipeline.media.ingest import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -241,6 +241,44 @@ def test_parallel_range_decode_equals_serial(container: str, codec: str, num_ran
             pool.shutdown()
 
     assert torch.equal(asyncio.run(threaded()), serial.frames)
+
+
+class _FrameCounter:
+    """A decode control that counts the frames a decoder produced (``check`` runs once per frame)."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def check(self) -> None:
+        self.frames += 1
+
+
+@pytest.mark.parametrize(("container", "codec"), CODECS)
+@pytest.mark.parametrize("threads", [1, 0])
+def test_sparse_targets_skip_the_frames_between_keyframes(container: str, codec: str, threads: int) -> None:
+    """Sampled frames far apart (1 a second from 10 fps, a keyframe every 4 frames): the decoder
+    seeks over the frames between two targets that a keyframe separates -- the same frames as a
+    decode of every frame from the start, from fewer decoded frames."""
+    item = _video(container, codec, fps=10, n_frames=60, gop=4)
+    info = probe_video(item)
+    targets = [1, 11, 12, 25, 47, 59]
+    runs = decode_runs(targets, info.keyframes, 0)
+    assert len(runs) >= 3 and runs[0][0] == 0 and runs[-1][1] == len(targets)
+    for (start, _), (_, done) in zip(runs[1:], runs):  # a run starts at its first target's keyframe
+        first = targets[done]
+        assert start in info.keyframes and start == max(k for k in info.keyframes if k <= first)
+        assert start > targets[done - 1] + 1  # ... past the previous target: frames in between skipped
+    straight, seeking = _FrameCounter(), _FrameCounter()
+    ref = decode_range(item, info, targets, seek=False, control=straight, threads=threads)
+    out = decode_range(item, info, targets, control=seeking, threads=threads)
+    assert torch.equal(out, ref)
+    assert [level_to_frame(float(f[30, 5, 0]), i) for f, i in zip(out, targets)] == targets
+    starts = [start for start, _ in runs]
+    ends = [targets[done - 1] for _, done in runs]
+    assert straight.frames >= 60 and seeking.frames <= sum(b - a + 1 for a, b in zip(starts, ends)) < 60
+    # targets on consecutive frames, or no keyframe between them: one run, nothing skipped
+    assert decode_runs([0, 1, 2, 3], info.keyframes, 0) == [(0, 4)]
+    assert decode_runs([5, 7], info.keyframes, 4) == [(4, 2)]
 
 
 @pytest.mark.parametrize(("container", "codec"), CODECS)
