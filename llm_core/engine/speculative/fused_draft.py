@@ -46,6 +46,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from kernels import native
+from kernels.native.mtp_draft import DraftKernel
 from llm_core.model.mtp import MTPLayer
 
 TOKEN_TABLE_MAX_BYTES = 64 << 20
@@ -126,11 +128,30 @@ class FusedDraft:
         swap[(j + r // 2) % r, j] = 1.0
         self.swap = swap
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=dev)
+        self._kernel: DraftKernel | None = None  # the C layouts of this weight version, built on first use
+        self._kernel_built = False
 
-    def _rotations(self, positions: list[int], k: int) -> torch.Tensor:
-        """R [k, B, D, D] for positions[b] + s, s < k (cos/sin from the layer's own rotary tables,
-        kept for positions 0 .. 2^m - 1 and grown by doubling)."""
-        end = max(positions) + k
+    def _native_kernel(self) -> DraftKernel | None:
+        """This weight version in the C kernel's layout (kernels/native/mtp_draft.py: un-mirrored, no
+        torch dispatch per step), or None where the torch steps serve: kernels off, not fp32 CPU, or
+        no token table (the C steps look tokens up in it)."""
+        if not native.enabled() or self.table is None or self.w_qkv.dtype is not torch.float32 or not self.w_qkv.is_cpu:
+            return None
+        if not self._kernel_built:
+            h, attn = self.table.shape[1] // 2, self.layer.self_attn
+            kernel = DraftKernel(
+                {"table": self.table[:, :h], "w_h": self.w_h[:, :h], "norm_in": self.norm_in[:h], "w_qkv": self.w_qkv,
+                 "w_o": self.w_o[:, :h], "norm_mlp": self.norm_mlp[:h], "w_gu": self.w_gu, "w_down": self.w_down[:, :h],
+                 "norm_final": self.norm_final[:h], "lm_head": self.lm_head.weight.detach().t(),
+                 "sinks": None if self.sinks is None else self.sinks.reshape(-1)},
+                num_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d, v_head_dim=self.dv,
+                rotary_dim=attn.rotary.rotary_dim, window=self.window, eps=self.eps)
+            self._kernel, self._kernel_built = (kernel if kernel.fits else None), True
+        return self._kernel
+
+    def _grow_tables(self, end: int) -> None:
+        """cos / signed sin [P, D] of the layer's own rotary tables for positions 0 .. P - 1 >= end - 1
+        (P = 2^m, grown by doubling; padded past rotary_dim with cos 1, sin 0)."""
         if end > self._cos.shape[0]:
             size = 1 << max(end - 1, 63).bit_length()
             rot = self.layer.self_attn.rotary
@@ -138,6 +159,10 @@ class FusedDraft:
             pad = self.d - rot.rotary_dim
             self._cos = F.pad(cos[:, 0], (0, pad), value=1.0)
             self._sin = F.pad(sin[:, 0], (0, pad), value=0.0)
+
+    def _rotations(self, positions: list[int], k: int) -> torch.Tensor:
+        """R [k, B, D, D] for positions[b] + s, s < k (cos/sin from :meth:`_grow_tables`)."""
+        self._grow_tables(max(positions) + k)
         if len(positions) == 1:  # one request: its rows are a slice of the tables
             c = positions[0]
             cos, sin = self._cos[c:c + k, None], self._sin[c:c + k, None]
@@ -178,6 +203,13 @@ class FusedDraft:
         self.refresh()
         batch, w = len(tokens), self.window
         self._buffers(batch)
+        kernel = self._native_kernel()
+        if kernel is not None:  # all k steps in one C call (kernels/native/mtp_draft.c)
+            self._grow_tables(max(positions) + k)
+            drafted = kernel.draft(tokens, positions, h_prev.reshape(batch, -1).contiguous(), swa_pages, page_size,
+                                   k_cache, v_cache, self._cos, self._sin, self.k_buf, self.v_buf, k)
+            if drafted is not None:
+                return drafted
         cached = [min(c, w - 1) for c in positions]  # positions c - W + 1 .. c - 1 that exist
         most = max(cached)
         lo = w - 1 - most  # buffer columns left of lo hold nothing for any request
