@@ -120,7 +120,8 @@ int mtp_draft_f32(const DraftShape *shape, const DraftWeights *w, const float *h
             const int64_t slot = pages[page_off[b] + p / page_size - page0[b]] * page_size + p % page_size;
             const int64_t i = W - 1 - (positions[b] - p);
             for (int64_t g = 0; g < Hkv; g++) {
-                memcpy(k_buf + ((b * Hkv + g) * rows + i) * D, k_cache + (slot * Hkv + g) * D, (size_t)D * sizeof(float));
+                memcpy(k_buf + ((b * Hkv + g) * rows + i) * D, k_cache + (slot * Hkv + g) * D,
+                       (size_t)D * sizeof(float));
                 memcpy(v_buf + ((b * Hkv + g) * rows + i) * Dv, v_cache + (slot * Hkv + g) * Dv,
                        (size_t)Dv * sizeof(float));
             }
@@ -149,7 +150,8 @@ int mtp_draft_f32(const DraftShape *shape, const DraftWeights *w, const float *h
                 float *keys = k_buf + (b * Hkv + g) * rows * D, *vals = v_buf + (b * Hkv + g) * rows * Dv;
                 memcpy(keys + col * D, row + (Hq + g) * D, (size_t)D * sizeof(float));
                 memcpy(vals + col * Dv, row + qk + g * Dv, (size_t)Dv * sizeof(float));
-                const int64_t first = W - 1 - cached[b], a = s > first ? s : first; /* the query at c + s sees columns s .. W - 1 + s */
+                /* the query at c + s sees columns s .. W - 1 + s, those holding a key of request b */
+                const int64_t first = W - 1 - cached[b], a = s > first ? s : first;
                 for (int64_t i = 0; i < group; i++) {
                     const int64_t hd = g * group + i;
                     attend(row + hd * D, keys, vals, a, col, D, Dv, w->sinks ? w->sinks + hd : NULL, scores,
