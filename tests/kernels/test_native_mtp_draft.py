@@ -1,5 +1,5 @@
 """The C draft steps (kernels/native/mtp_draft.c) draft the tokens of the torch FusedDraft steps
-(llm_core/engine/speculative/fused_draft.py) on random weights: batch 1 to 5, k 1 to 3, windows 3 to
+(llm_core/engine/speculative/fused_draft.py) on random weights: batch 1 to 12, k 1 to 3, windows 3 to
 8, with and without the attention sinks, requests with fewer cached positions than W - 1 beside ones
 far past the window; inputs the kernel cannot take go to the torch path; a released page under the
 window and a token outside the vocabulary raise instead of reading past a buffer."""
@@ -96,7 +96,7 @@ def test_c_draft_tokens_equal_the_torch_steps(model, window, sinks):
         fused = fused_for(model, window)
         drafts = set()
         for seed, positions in enumerate([[1], [2], [window + 30], [1, 2, window - 1, 57, 300],
-                                          [window, 3], [9, 2, 1]]):
+                                          [window, 3], [9, 2, 1], list(range(1, 25, 2))]):  # 12: register tiles
             for k in (1, 2, 3):
                 got, want, served = both(fused, case(fused, positions, seed * 10 + k), k)
                 assert got == want, f"positions {positions}, k {k}"
