@@ -91,6 +91,7 @@ class FusedDraft:
         if stamp != self._stamp:
             self._fold()
             self._stamp = stamp
+            self._native_kernel()  # the C layouts now too (the proposer refreshes at engine start)
 
     @torch.no_grad()  # refresh may run outside the engine's inference mode (tests): no autograd graph
     def _fold(self) -> None:
