@@ -12,7 +12,8 @@ stage is reported in ms per engine step, for MTP off and on, plus the tokens per
     draft: MTP layer the draft steps' MTP layer forwards (projections, KV store, MLP, norms)
     draft: attention core   their paged attention
     draft: LM head   the draft steps' logits + argmax
-    draft: fused steps   FusedDraft.draft, all k steps (folded weights, fused_draft.py)
+    draft: fused steps   FusedDraft.draft, all k steps (folded weights, fused_draft.py; one C call,
+                     kernels/native/mtp_draft.c, with the native kernels on)
     draft: other     the rest of MTPProposer.draft (tails, concatenations, host reads)
     target: inputs   the target's ForwardBatch, embeddings, plans, rotary tables
     target forward   the main model's layers
