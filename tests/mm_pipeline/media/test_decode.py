@@ -1,10 +1,10 @@
-"""mm_pipeline decoders: image normalisation, audio resampling, video sampling and parallel decode,
-and the event loop staying responsive while the worker pool decodes."""
+"""mm_pipeline video decoders: frame sampling, parallel and sparse (keyframe-seeking) range decode, codec
+threads, limits, and the event loop staying responsive while the worker pool decodes (still images and
+sound: test_decode_image_audio.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import math
 import time
 
@@ -13,11 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.support.media_samples import animated_bytes, audio_bytes, frame_level, image_bytes, level_to_frame, video_bytes
-from PIL import Image
+from tests.support.media_samples import animated_bytes, frame_level, level_to_frame, video_bytes
 
-from mm_pipeline.media.decode.audio import decode_audio
-from mm_pipeline.media.decode.image import decode_image
 from mm_pipeline.media.decode.video import VideoDecoder, decode_range, decode_runs, probe_video, split_ranges
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
 from mm_pipeline.media.ingest import MediaLimits
@@ -25,136 +22,6 @@ from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames, smart_nframes
 from mm_pipeline.media.worker_pool import WorkerPool
 from mm_pipeline.server.errors import http_answer
-
-
-def _image(data: bytes, fmt: str = "png") -> MediaItem:
-    return MediaItem(MediaKind.IMAGE, fmt, data)
-
-
-def _png(img: Image.Image, **save: object) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG", **save)
-    return buf.getvalue()
-
-
-# ---- images ---------------------------------------------------------------------------------
-
-def test_exif_orientation_is_applied() -> None:
-    rgb = np.full((20, 30, 3), 255, dtype=np.uint8)
-    rgb[:5, :5] = (255, 0, 0)  # red mark top-left as stored
-    exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90° clockwise to display"
-    out = decode_image(_image(_png(Image.fromarray(rgb), exif=exif))).pixels.numpy()
-    assert out.shape == (30, 20, 3)
-    assert np.array_equal(out, np.rot90(rgb, k=-1))  # mark now top-right
-
-
-def test_alpha_is_composited_on_white() -> None:
-    rgba = np.zeros((2, 3, 4), dtype=np.uint8)
-    rgba[..., :3] = (200, 100, 0)
-    rgba[..., 3] = [[0, 255, 128], [64, 0, 255]]
-    out = decode_image(_image(_png(Image.fromarray(rgba, "RGBA")))).pixels.numpy().astype(int)
-    a = rgba[..., 3:4].astype(int)
-    expect = (rgba[..., :3].astype(int) * a + 255 * (255 - a) + 127) // 255
-    assert np.array_equal(out, expect)
-    assert (out[0, 0] == 255).all()
-    la = decode_image(_image(image_bytes("PNG", mode="LA"))).pixels
-    assert torch.equal(la[..., 0], la[..., 1])
-
-
-def test_palette_with_and_without_transparency() -> None:
-    p = Image.fromarray(np.arange(12, dtype=np.uint8).reshape(3, 4), "P")
-    p.putpalette([v for i in range(256) for v in (i * 3 % 256, i * 5 % 256, i * 7 % 256)])
-    plain = decode_image(_image(_png(p))).pixels.numpy()
-    assert np.array_equal(plain, np.asarray(p.convert("RGB")))
-    transparent = decode_image(_image(_png(p, transparency=5))).pixels.numpy()
-    assert (transparent[1, 1] == 255).all()  # palette index 5 sits at row 1, col 1
-    assert np.array_equal(np.delete(transparent.reshape(-1, 3), 5, 0), np.delete(plain.reshape(-1, 3), 5, 0))
-
-
-@pytest.mark.parametrize("fmt", ["JPEG", "TIFF"])
-def test_cmyk_becomes_rgb(fmt: str) -> None:
-    cmyk = Image.new("CMYK", (8, 8), (255, 0, 0, 0))  # pure cyan ink
-    buf = io.BytesIO()
-    cmyk.save(buf, format=fmt)
-    out = decode_image(_image(buf.getvalue(), fmt.lower())).pixels.numpy().astype(int)
-    assert np.abs(out - np.array([0, 255, 255])).max() <= 3
-
-
-def test_sixteen_bit_gray_keeps_the_high_byte() -> None:
-    gray = (np.arange(48 * 64).reshape(48, 64) * 21).astype(np.uint16)
-    img = Image.fromarray(gray)
-    assert img.mode.startswith("I;16")
-    out = decode_image(_image(_png(img))).pixels.numpy()
-    assert np.array_equal(out[..., 0], (gray >> 8).astype(np.uint8))
-    assert np.array_equal(out[..., 0], out[..., 2])
-
-
-@pytest.mark.parametrize("mode", ["L", "1"])
-def test_gray_modes_become_rgb(mode: str) -> None:
-    data = image_bytes("PNG", mode=mode)
-    out = decode_image(_image(data)).pixels.numpy()
-    ref = np.asarray(Image.open(io.BytesIO(data)).convert("L"))
-    assert all(np.array_equal(out[..., c], ref) for c in range(3))
-
-
-def test_animated_gif_as_image_is_its_first_frame() -> None:
-    out = decode_image(_image(animated_bytes("GIF"), "gif")).pixels
-    assert (out.float() - frame_level(0)).abs().max() <= 2
-
-
-def test_pixel_limit_before_decoding_and_damaged_image() -> None:
-    data = image_bytes("PNG", size=(64, 48))
-    with pytest.raises(MediaTooLarge, match="3072 pixels") as info:
-        decode_image(_image(data), MediaLimits(max_pixels=3071))
-    assert http_answer(type(info.value)).status == 413
-    with pytest.raises(UndecodableMediaError) as info2:
-        decode_image(_image(data[: len(data) // 2]))
-    assert http_answer(type(info2.value)).status == 400
-
-
-# ---- audio ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("container", "codec", "rate"), [
-    ("wav", "pcm_s16le", 22050), ("flac", "flac", 44100), ("mp3", "libmp3lame", 44100),
-    ("ogg", "libopus", 48000), ("mp4", "aac", 8000),
-])
-@pytest.mark.parametrize("target", [16000, 24000])
-def test_audio_is_mono_float_at_the_requested_rate(container: str, codec: str, rate: int, target: int) -> None:
-    item = MediaItem(MediaKind.AUDIO, container, audio_bytes(container, codec, rate=rate, seconds=1.0))
-    out = decode_audio(item, target)
-    s = out.samples.numpy()
-    assert out.sample_rate == target and out.samples.dtype == torch.float32 and s.ndim == 1
-    assert abs(out.duration_s - 1.0) < 0.08  # codec priming/padding only
-    peak_hz = np.argmax(np.abs(np.fft.rfft(s))) * target / len(s)
-    assert abs(peak_hz - 440) < 3
-    assert 0.4 < np.abs(s[len(s) // 4: -len(s) // 4]).max() < 0.6
-
-
-def test_audio_channels_are_averaged() -> None:
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as out:  # left: tone, right: silence
-        stream = out.add_stream("pcm_f32le", rate=16000, layout="stereo")
-        tone = (0.8 * np.sin(np.arange(16000) * 2 * math.pi * 300 / 16000)).astype(np.float32)
-        frame = av.AudioFrame.from_ndarray(np.stack([tone, np.zeros_like(tone)]), format="fltp", layout="stereo")
-        frame.sample_rate = 16000
-        for f in av.AudioResampler(format="flt", layout="stereo", rate=16000).resample(frame):
-            out.mux(stream.encode(f))
-        out.mux(stream.encode(None))
-    s = decode_audio(MediaItem(MediaKind.AUDIO, "wav", buf.getvalue()), 16000).samples.numpy()
-    assert np.allclose(s, tone / 2, atol=1e-6)
-
-
-def test_audio_duration_limit_and_garbage() -> None:
-    item = MediaItem(MediaKind.AUDIO, "wav", audio_bytes(seconds=2.0))
-    with pytest.raises(MediaTooLarge, match="limit"):
-        decode_audio(item, 16000, MediaLimits(max_duration_s=1.0))
-    with pytest.raises(UndecodableMediaError):
-        decode_audio(MediaItem(MediaKind.AUDIO, "wav", b"RIFF\x00\x00\x00\x00WAVEjunkjunk"), 16000)
-    movie = MediaItem(MediaKind.AUDIO, "mp4", video_bytes(with_audio=True, n_frames=20, fps=10))
-    assert abs(decode_audio(movie, 16000).duration_s - 2.0) < 0.1  # the audio track of a video
 
 
 # ---- video sampling -------------------------------------------------------------------------
