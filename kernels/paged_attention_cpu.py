@@ -19,7 +19,9 @@ window), so it is built once and reused by every layer of that kind:
   (a fresh prompt's first chunk: no earlier context, or one wholly behind the window) reads them
   straight from the step's k / v instead of gathering them back from the pool, and when the window
   hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
-  above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill.
+  above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill. A chunk
+  longer than a block of a sliding layer runs as query blocks, each over the keys its rows can
+  reach (kernels/sliding_prefill_cpu.py): W keys per query, not the whole chunk.
 
 Decode rows in fp32 go to the C kernel instead (kernels/native/paged_decode.c, when built and on):
 one call per layer reads each request's keys in place through the block table, so the plan then
@@ -41,6 +43,7 @@ import torch
 from torch.nn import functional as F
 
 from kernels.native import paged_decode
+from kernels.sliding_prefill_cpu import SlidingBand
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk) go
@@ -63,6 +66,7 @@ class _Extend:
     slots: torch.Tensor  # [K] pool slot of each key position first .. L-1
     mask: torch.Tensor | None  # [1, 1, n, K] additive (0 / -inf), causal + window; None: causal mode
     fresh: bool  # keys first .. L-1 are exactly this chunk's new tokens (read from k / v, not the pool)
+    band: SlidingBand | None = None  # a long chunk of a sliding layer: query blocks over their own keys
 
 
 @dataclass(frozen=True)
@@ -150,10 +154,12 @@ class AttentionPlan:
             pages = block_table[b][pos_k // page_size]
             _check_mapped(pages, pos_k)
             fresh = first == seq_len - n
-            m = None
-            if not fresh or (window is not None and window < n):  # else: plain causal over the chunk
+            m = band = None
+            if window is not None:
+                band = SlidingBand.plan(n, seq_len - first, window, dtype, device)
+            if band is None and (not fresh or (window is not None and window < n)):  # else: plain causal
                 m = _extend_mask(n, seq_len - first, window, dtype, device)
-            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh))
+            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh, band))
         all_decode = not short and len(decode) == num_tokens == num_requests
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends), native)
 
@@ -330,6 +336,9 @@ def _extend(q, k_cache, v_cache, e: _Extend, k_new, v_new, *, scale, sinks):
     else:
         k = k_cache.index_select(0, e.slots).view(1, kn, k_cache.shape[1], k_cache.shape[2])
         v = v_cache.index_select(0, e.slots).view(1, kn, v_cache.shape[1], v_cache.shape[2])
+    if e.band is not None:
+        return e.band.attend(q[e.start : e.end], k[0], v[0],
+                             lambda qb, kb, vb, mask: _attend(qb, kb, vb, mask, scale=scale, sinks=sinks))
     return _attend(q[e.start : e.end].view(1, n, -1, q.shape[2]), k, v, e.mask, scale=scale, sinks=sinks)[0]
 
 

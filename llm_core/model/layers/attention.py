@@ -7,8 +7,9 @@
 
 The steps up to the KV store run as one C call (kernels/native/decoder_layer.c, the layer's input
 norm included), and o_proj with the residual add and the post-attention norm as another
-(``residual_out``), for the rows of a step whose attention the C decode kernel serves, up to
-``MAX_ROWS`` rows; otherwise, and when a call cannot take the tensors, the torch ops below.
+(``residual_out``), for steps of up to ``MAX_ROWS`` rows (decode batches and short prefills such as
+a question after a prefix-cache hit); otherwise, and when a call cannot take the tensors, the torch
+ops below.
 """
 
 from __future__ import annotations
@@ -126,8 +127,7 @@ class Attention(nn.Module):
                       norm: RMSNorm | None, slots: torch.Tensor) -> torch.Tensor | None:
         """The [T, N] projection from the C front (norm, QKV, RoPE, value scale, KV store in one call),
         or None where the torch path serves: more than MAX_ROWS rows, a compiled step (the C
-        call would split its graph), or a step whose attention the C decode kernel does not serve
-        (its plan's ``native`` is None: bf16, CUDA, kernels off, a prefill without decode rows)."""
+        call would split its graph), bf16, CUDA or the kernels off."""
         if not self._native_rows(batch, x):
             return None
         spec = self.spec
@@ -138,11 +138,12 @@ class Attention(nn.Module):
                                value_scale=self.value_scale, k_cache=k_cache, v_cache=v_cache, slots=slots)
 
     def _native_rows(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
-        """Whether the C layer glue may serve x's rows (see _native_front)."""
-        if x.shape[0] > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
-            return False
-        plan = self._plan(batch, x, batch.swa_block_table if self.is_sliding else batch.full_block_table)
-        return getattr(plan, "native", None) is not None
+        """Whether the C layer glue may serve x's rows (see _native_front). Any step of at most
+        MAX_ROWS rows, decode or prefill: the glue does not depend on how attention runs, and a
+        short prefill (a question after a prefix-cache hit) is the same few rows of GEMM, norm and
+        RoPE as a decode batch. The calls themselves return None where they cannot serve (bf16,
+        CUDA, kernels off)."""
+        return x.shape[0] <= MAX_ROWS and x.is_cpu and not torch.compiler.is_compiling()
 
     def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
               slots_valid: bool | None = None) -> None:
