@@ -55,6 +55,12 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 # 400 keys 0.22 vs 0.35 ms full attention, 0.10 vs 0.31 ms windowed; 8 rows over 2000 keys 1.05 vs
 # 1.15 ms full (docs/speculative.md). Longer chunks keep the flash kernel
 NATIVE_SHORT_ROWS = 8
+# The same for a sliding layer, whose rows each read at most W keys: up to 64 rows (a question after a
+# prefix-cache hit). CPU ms per layer, flash -> C rows, 27 rows after 393 cached tokens: W = 8, demo
+# heads 0.144 -> 0.058; W = 128, demo heads 0.227 -> 0.286; W = 128, MiMo-V2.5's 64 heads of 192
+# over 2000 keys 4.82 -> 3.06 (full attention there 47.8 -> 43.2, but 0.467 -> 0.747 on demo heads,
+# so full layers keep the lower limit)
+NATIVE_SHORT_ROWS_SLIDING = 64
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,8 @@ class AttentionPlan:
         native = None
         short = []
         if keys is None and paged_decode.available(dtype, device):
-            short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= NATIVE_SHORT_ROWS]
+            limit = NATIVE_SHORT_ROWS if window is None else NATIVE_SHORT_ROWS_SLIDING
+            short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= limit]
         if short:
             # query row i of an n-row request is a decode row whose context ends at its own position
             # (length L - n + 1 + i): the C kernel's causal and window limits per row are exactly the

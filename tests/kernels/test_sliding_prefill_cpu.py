@@ -1,5 +1,6 @@
-"""Sliding-layer prefill chunks as query blocks over their own key band (kernels/sliding_prefill_cpu.py)
-== the torch reference, for any block size, window, earlier context and batch mix."""
+"""Sliding-layer prefill chunks as query blocks over their own key band (kernels/sliding_prefill_cpu.py),
+or as C decode rows up to NATIVE_SHORT_ROWS_SLIDING rows, == the torch reference, for any block size,
+window, earlier context and batch mix."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernels.paged_attention_cpu as paged_attention_cpu_module
 import kernels.sliding_prefill_cpu as sliding
 from kernels.attention_ref import paged_attention_ref
 from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
@@ -21,9 +23,10 @@ from tests.kernels.test_paged_attention_cpu import PAGE, make_batch
     st.integers(1, 14),  # window
     st.booleans(),  # sinks
     st.booleans(),  # give the step's own keys (k_new / v_new)
+    st.booleans(),  # chunks of up to NATIVE_SHORT_ROWS_SLIDING rows as C decode rows (when built)
     st.integers(0, 10_000),
 )
-def test_blocks_match_the_reference(block, reqs, window, sinks, own_keys, seed):
+def test_blocks_match_the_reference(block, reqs, window, sinks, own_keys, c_rows, seed):
     new_counts = [n for n, _ in reqs]
     ctx_lens = [n + extra for n, extra in reqs]
     q, k, v, table, qsl, lens = make_batch(seed, new_counts, ctx_lens, 4, 2, window, False)
@@ -40,7 +43,12 @@ def test_blocks_match_the_reference(block, reqs, window, sinks, own_keys, seed):
     ref = paged_attention_ref(q, k, v, table, qsl, lens, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sliding, "BLOCK", block)
-        got = paged_attention_cpu(q, k, v, table, qsl, lens, **kw, **extra)
+        if not c_rows:
+            mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 1)  # chunks stay extends
+        plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=window)
+        if not c_rows:
+            assert any(e.band is not None for e in plan.extends) == any(n > block for n in new_counts)
+        got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw, **extra)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -48,7 +56,9 @@ def test_long_sliding_chunks_take_the_band_and_short_ones_do_not():
     """A chunk longer than a block of a sliding layer is planned as blocks (each over block + W - 1
     keys); a short chunk, or a full-attention layer, keeps one call."""
     q, k, v, table, qsl, lens = make_batch(0, [80, 20], [90, 20], 4, 2, 8, False)
-    plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=8)
+    with pytest.MonkeyPatch.context() as mp:  # 20 rows: not C decode rows here, a short flash chunk
+        mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 8)
+        plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=8)
     long, short = plan.extends
     assert long.band is not None and short.band is None
     assert long.band.blocks == -(-80 // sliding.BLOCK) and long.band.front_pad == 0  # 10 earlier keys >= W - 1
