@@ -84,6 +84,23 @@ class Attention(nn.Module):
         )
         return out.reshape(t, spec.num_heads * spec.v_head_dim)
 
+    def attend_rows(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    rows: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """K/V of all of x's rows into the pool, then the attention of ``rows`` alone before o_proj:
+        [R, Hq * Dv]. Each of those rows is the last new token of its request, so it attends as a
+        decode row of ``batch.logits_batch()`` over the pool (which now holds the step's keys)."""
+        spec = self.spec
+        q, _, _ = self.write_kv(x, batch, k_cache, v_cache, norm)
+        if rows.shape[0] == 0:
+            return q.new_empty(0, spec.num_heads * spec.v_head_dim)
+        sub = batch.logits_batch()
+        q = q.index_select(0, rows)
+        table = sub.swa_block_table if self.is_sliding else sub.full_block_table
+        out = ops.paged_attention(q, k_cache, v_cache, table, sub.query_start_loc, sub.seq_lens,
+                                  page_size=sub.page_size, scale=self.scale, window=self.window,
+                                  sinks=self.attention_sink_bias, plan=self._plan(sub, q, table))
+        return out.reshape(rows.shape[0], spec.num_heads * spec.v_head_dim)
+
     def residual_out(self, attn: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + o_proj(attn), norm of that): the residual add and the post-attention norm, in one C call
