@@ -4,6 +4,7 @@
 
     .venv/bin/python benchmarks/pipeline.py --quick --repeat 3   # medians of 3, with min and max
     .venv/bin/python benchmarks/pipeline.py --decode-only --repeat 3   # the decode-scaling table alone
+    .venv/bin/python benchmarks/pipeline.py --repeat-only --quick --repeat 3   # cached-media TTFTs alone
 
 Keys (goals on the 2-core CPU host in brackets):
   long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
@@ -328,9 +329,12 @@ def bench_served(seconds: int, reps: int) -> dict[str, float]:
             "served_stream_gain": med["no_stream"] / med["streamed"]}
 
 
-def run_once(quick: bool, decode_only: bool = False) -> dict[str, float]:
+def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False) -> dict[str, float]:
     if decode_only:
         return bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3)
+    if repeat_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            return bench_repeat(build_model(Path(tmp)), seconds=12 if quick else 32, reps=2 if quick else 3)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
@@ -352,6 +356,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the decode-scaling table: 1/2/4 workers, threads vs processes (60 s 720p clip; "
                              "--quick: 20 s)")
+    parser.add_argument("--repeat-only", action="store_true",
+                        help="only the cached-media TTFTs (cold, new question, same prefix) and their ratios")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
@@ -362,13 +368,16 @@ def main() -> None:
         return
     runs = []
     for r in range(args.repeat):
-        runs.append(run_once(args.quick, args.decode_only))
+        runs.append(run_once(args.quick, args.decode_only, args.repeat_only))
         if args.repeat > 1:
             print(f"run {r + 1}/{args.repeat} done", flush=True)
     results = {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
     rows = [(k, results[k], min(run[k] for run in runs), max(run[k] for run in runs)) for k in sorted(results)]
     print_table(f"pipeline (median of {args.repeat} run{'s' * (args.repeat > 1)})", ["metric", "median", "min", "max"],
                 [r for r in rows if not r[0].startswith("timeline_")])
+    if args.repeat_only:
+        write_json(args.json, {**results, "repeat": args.repeat})
+        return
     print_table(f"decode scaling (medians; codec threads off; wall s, s from CPU time, speed-ups from each; "
                 f"host's free cores by the control: {results['decode_control_speedup']:.2f}x)",
                 ["workers", "threads s", "cpu s", "x wall", "x cpu", "processes s", "cpu s", "x wall", "x cpu"],

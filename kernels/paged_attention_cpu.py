@@ -19,7 +19,9 @@ window), so it is built once and reused by every layer of that kind:
   (a fresh prompt's first chunk: no earlier context, or one wholly behind the window) reads them
   straight from the step's k / v instead of gathering them back from the pool, and when the window
   hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
-  above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill.
+  above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill. A chunk
+  longer than a block of a sliding layer runs as query blocks, each over the keys its rows can
+  reach (kernels/sliding_prefill_cpu.py): W keys per query, not the whole chunk.
 
 Decode rows in fp32 go to the C kernel instead (kernels/native/paged_decode.c, when built and on):
 one call per layer reads each request's keys in place through the block table, so the plan then
@@ -41,6 +43,7 @@ import torch
 from torch.nn import functional as F
 
 from kernels.native import paged_decode
+from kernels.sliding_prefill_cpu import SlidingBand
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk) go
@@ -52,6 +55,12 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 # 400 keys 0.22 vs 0.35 ms full attention, 0.10 vs 0.31 ms windowed; 8 rows over 2000 keys 1.05 vs
 # 1.15 ms full (docs/speculative.md). Longer chunks keep the flash kernel
 NATIVE_SHORT_ROWS = 8
+# The same for a sliding layer, whose rows each read at most W keys: up to 64 rows (a question after a
+# prefix-cache hit). CPU ms per layer, flash -> C rows, 27 rows after 393 cached tokens: W = 8, demo
+# heads 0.144 -> 0.058; W = 128, demo heads 0.227 -> 0.286; W = 128, MiMo-V2.5's 64 heads of 192
+# over 2000 keys 4.82 -> 3.06 (full attention there 47.8 -> 43.2, but 0.467 -> 0.747 on demo heads,
+# so full layers keep the lower limit)
+NATIVE_SHORT_ROWS_SLIDING = 64
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class _Extend:
     slots: torch.Tensor  # [K] pool slot of each key position first .. L-1
     mask: torch.Tensor | None  # [1, 1, n, K] additive (0 / -inf), causal + window; None: causal mode
     fresh: bool  # keys first .. L-1 are exactly this chunk's new tokens (read from k / v, not the pool)
+    band: SlidingBand | None = None  # a long chunk of a sliding layer: query blocks over their own keys
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,8 @@ class AttentionPlan:
         native = None
         short = []
         if keys is None and paged_decode.available(dtype, device):
-            short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= NATIVE_SHORT_ROWS]
+            limit = NATIVE_SHORT_ROWS if window is None else NATIVE_SHORT_ROWS_SLIDING
+            short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= limit]
         if short:
             # query row i of an n-row request is a decode row whose context ends at its own position
             # (length L - n + 1 + i): the C kernel's causal and window limits per row are exactly the
@@ -150,10 +161,12 @@ class AttentionPlan:
             pages = block_table[b][pos_k // page_size]
             _check_mapped(pages, pos_k)
             fresh = first == seq_len - n
-            m = None
-            if not fresh or (window is not None and window < n):  # else: plain causal over the chunk
+            m = band = None
+            if window is not None:
+                band = SlidingBand.plan(n, seq_len - first, window, dtype, device)
+            if band is None and (not fresh or (window is not None and window < n)):  # else: plain causal
                 m = _extend_mask(n, seq_len - first, window, dtype, device)
-            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh))
+            extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh, band))
         all_decode = not short and len(decode) == num_tokens == num_requests
         return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends), native)
 
@@ -330,6 +343,9 @@ def _extend(q, k_cache, v_cache, e: _Extend, k_new, v_new, *, scale, sinks):
     else:
         k = k_cache.index_select(0, e.slots).view(1, kn, k_cache.shape[1], k_cache.shape[2])
         v = v_cache.index_select(0, e.slots).view(1, kn, v_cache.shape[1], v_cache.shape[2])
+    if e.band is not None:
+        return e.band.attend(q[e.start : e.end], k[0], v[0],
+                             lambda qb, kb, vb, mask: _attend(qb, kb, vb, mask, scale=scale, sinks=sinks))
     return _attend(q[e.start : e.end].view(1, n, -1, q.shape[2]), k, v, e.mask, scale=scale, sinks=sinks)[0]
 
 

@@ -45,7 +45,7 @@ class ForwardOp:
 
 @dataclass(frozen=True)
 class LogitsOp:
-    """``model.compute_logits(hidden[batch.logits_indices])`` of the last forward."""
+    """``model.compute_logits(batch.logits_hidden(hidden))`` of the last forward."""
 
     rows: int
 

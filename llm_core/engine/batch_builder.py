@@ -25,9 +25,11 @@ def _table(rows: list[list[int]], width: int) -> torch.Tensor:
 
 
 def build_forward_batch(
-    entries: list[ScheduledRequest], page_size: int, device: torch.device
+    entries: list[ScheduledRequest], page_size: int, device: torch.device, logits_only: bool = False
 ) -> tuple[ForwardBatch, torch.Tensor]:
-    """(ForwardBatch, input_ids [T]) for the scheduled entries, in entry order.
+    """(ForwardBatch, input_ids [T]) for the scheduled entries, in entry order. ``logits_only``: the
+    caller needs the hidden states of the sampling rows only (``ForwardBatch.logits_only``; set
+    when they are fewer than the rows).
 
     Index tensors stay on the CPU where the contract says so (query_start_loc, seq_lens); the ones the
     model indexes device memory with go to ``device``.
@@ -67,6 +69,7 @@ def build_forward_batch(
         swa_block_table=swa_table.to(device),
         page_size=page_size,
         logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        logits_only=logits_only and len(sample_rows) < len(ids),
     )
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
 

@@ -55,6 +55,8 @@ class EngineConfig:
     """Reuse the KV of earlier prompts' shared prefixes, kept at media and message ends (docs/kv_cache.md)."""
     prefix_checkpoint_every: int | None = None
     """Also keep sliding-window KV every N tokens (a multiple of page_size; 0: off; none: every 32 pages)."""
+    prefix_checkpoints_per_request: int = 32
+    """Most media / message ends of one prompt where the prefix cache keeps a window: the first and the last ones (0: none)."""
     kv_host_bytes: int = 0
     """L2: host-memory KV tier budget in bytes (0: no L2)."""
     kv_store: str | None = None
@@ -114,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens must be in [0, 16] or None, got {self.speculative_tokens}")
         if self.speculative_layers not in ("first", "chain"):
             raise ValueError(f"speculative_layers must be first or chain, got {self.speculative_layers!r}")
+        if self.prefix_checkpoints_per_request < 0:
+            raise ValueError(f"prefix_checkpoints_per_request must be >= 0, got {self.prefix_checkpoints_per_request}")
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
         self._validate_parallel()

@@ -35,7 +35,7 @@ from llm_core.engine.model_runner import ModelRunner, StepResult
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
-from llm_core.engine.request import EmbeddingSource, Request
+from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import ScheduledRequest, Scheduler
 from llm_core.engine.speculative import build_speculative
@@ -148,7 +148,8 @@ class LLMEngine:
         back from the next step() as an output with finish_reason "error". ``extra_keys``: (start, end,
         content key) over prompt positions, mixed into the prefix-cache keys of those tokens.
         ``checkpoints``: prompt positions where the prefix cache keeps a window of SWA KV (the
-        caller's boundaries, e.g. media and message ends; ``Request.checkpoints``)."""
+        caller's boundaries, e.g. media and message ends; ``Request.checkpoints``), at most
+        ``prefix_checkpoints_per_request`` of them kept (``cap_checkpoints``)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -156,7 +157,9 @@ class LLMEngine:
         matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens) if params.stop else None
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
-                      extra_keys=tuple(extra_keys), checkpoints=tuple(checkpoints), stop_matcher=matcher)
+                      extra_keys=tuple(extra_keys),
+                      checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
+                      stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
         with self._lock:
             if req.request_id in self._live:

@@ -2,7 +2,8 @@
 
     ScheduledBatch ─► build_forward_batch (flat ids, positions, slot maps, page tables)
                    ─► splice_embeds (placeholder rows of requests with an EmbeddingSource)
-                   ─► model forward over the KV buffers ─► logits of the sampling rows only
+                   ─► model forward over the KV buffers (its last layer past the KV store for the
+                      sampling rows only: ForwardBatch.logits_only) ─► logits of the sampling rows
                    ─► Sampler ─► one SampledToken per entry that reached its request's last token
 
 A decode-only batch of at most the largest bucket takes the fixed-shape path instead when it is
@@ -94,10 +95,11 @@ class ModelRunner:
             if all(e.samples for e in entries):
                 return logits
             return logits[[i for i, e in enumerate(entries) if e.samples]]
-        fb, input_ids = build_forward_batch(entries, self.page_size, self.device)
+        # logits_only: the last layer runs the sampling rows alone (a prompt chunk's one row of T)
+        fb, input_ids = build_forward_batch(entries, self.page_size, self.device, logits_only=True)
         embeds = splice_embeds(entries, input_ids, self.model.embed)
         if embeds is None:
             hidden = self.model(input_ids, fb, kv)
         else:
             hidden = self.model(None, fb, kv, inputs_embeds=embeds)
-        return self.model.compute_logits(hidden[fb.logits_indices])
+        return self.model.compute_logits(fb.logits_hidden(hidden))

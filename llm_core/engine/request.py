@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -68,7 +68,8 @@ class Request:
     extra_keys: tuple[tuple[int, int, bytes], ...] = ()
     # prompt positions C where the prefix cache keeps a window of SWA KV, so a later prompt that
     # shares the first C tokens resumes there (the caller's boundaries: media region and message
-    # ends; docs/kv_cache.md §7). Sorted, each in [1, prompt length].
+    # ends; docs/kv_cache.md §7). Sorted, each in [1, prompt length]; the engine keeps at most
+    # ``EngineConfig.prefix_checkpoints_per_request`` of them (``cap_checkpoints``).
     checkpoints: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)  # for wait-time aware queue orders
     # incremental output text for ``params.stop`` (the engine makes one when it has a tokenizer)
@@ -176,4 +177,23 @@ class Request:
         self.tokens_since_swa_release = 0
         self.num_preemptions += 1
         self.status = RequestStatus.WAITING
+
+
+def cap_checkpoints(checkpoints: Sequence[int], limit: int) -> tuple[int, ...]:
+    """At most ``limit`` of a request's checkpoint positions (sorted, duplicates dropped): the first
+    (the end of the system prompt or first message, where other chats branch) and the last
+    ``limit - 1`` (the latest media and message ends, where the next turn or another question about
+    the same media branches). Each kept checkpoint can keep a window of SWA KV per sliding layer in
+    the prefix cache, so a prompt with 1000 media items must not ask for 1000 windows:
+
+        limit 4, checkpoints 10 20 30 40 50 60  ->  10 40 50 60
+    """
+    if limit < 0:
+        raise ValueError(f"the checkpoint limit must be >= 0, got {limit}")
+    ordered = sorted({int(c) for c in checkpoints})
+    if len(ordered) <= limit:
+        return tuple(ordered)
+    if limit == 0:
+        return ()
+    return (ordered[0], *ordered[len(ordered) - limit + 1:])
 

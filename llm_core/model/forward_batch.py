@@ -34,10 +34,39 @@ class ForwardBatch:
     # True when no slot mapping holds -1 (a fixed-shape decode step: padded rows write a scratch
     # page), so the KV store needs no check -- a host sync a compiled step cannot hold.
     slots_all_valid: bool = False
+    # True: the caller wants the hidden states of the logits rows only. The last layer then stores
+    # every row's K/V (later steps read them) but computes attention, MLP and the final norm for the
+    # logits rows alone, and the model returns [R, hidden] in logits_indices order (logits_hidden).
+    # In a prompt chunk that is one row of T: ~1/L of the step saved for an L-layer model.
+    logits_only: bool = False
     # Per-step memo the model fills lazily with values derived only from the fields above (attention
     # index plans per pool and window, rotary tables per theta), so every layer of a kind reuses them.
     # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place.
     step_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def logits_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits rows of the model's output (already those rows alone when ``logits_only``)."""
+        return hidden if self.logits_only else hidden[self.logits_indices]
+
+    def logits_batch(self) -> ForwardBatch:
+        """The logits rows as a batch of their own: one decode row per request that samples, at its
+        last new token, over the same pages (its K/V is in the pool once the layer stored it). Memoised.
+
+            flat rows   [a0 a1 a2 a3 | b0 | c0 c1 c2]   logits_indices [3, 4, 7]
+            requests      0            1    2          -> rows of requests 0, 1, 2, each 1 new token
+        """
+        hit = self.step_cache.get("logits_batch")
+        if hit is None:
+            rows = self.logits_indices
+            requests = torch.searchsorted(self.query_start_loc[1:], rows.cpu(), right=True)
+            on_device = requests.to(self.full_block_table.device)
+            hit = self.step_cache["logits_batch"] = ForwardBatch(
+                positions=self.positions[rows], query_start_loc=torch.arange(rows.shape[0] + 1),
+                seq_lens=self.seq_lens[requests], full_slot_mapping=self.full_slot_mapping[rows],
+                swa_slot_mapping=self.swa_slot_mapping[rows], full_block_table=self.full_block_table[on_device],
+                swa_block_table=self.swa_block_table[on_device], page_size=self.page_size,
+                logits_indices=torch.arange(rows.shape[0], device=rows.device), slots_all_valid=self.slots_all_valid)
+        return hit
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,19 @@ class DecoderLayer(nn.Module):
         x, h = self.self_attn.residual_out(attn, x, batch, self.post_attention_layernorm)
         return self.mlp(h, residual=x)
 
+    def forward_logits_rows(
+        self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """The last layer under ``batch.logits_only``: every row's K/V into the pool, then the rest of
+        the layer for the logits rows alone -> [R, hidden] (the other rows' outputs feed nothing)."""
+        rows = batch.logits_indices
+        attn = self.self_attn.attend_rows(x, batch, k_cache, v_cache, rows, norm=self.input_layernorm)
+        if rows.shape[0] == 0:  # a prompt chunk that samples nothing: only its K/V was needed
+            return x[:0]
+        sub = batch.logits_batch()
+        x, h = self.self_attn.residual_out(attn, x.index_select(0, rows), sub, self.post_attention_layernorm)
+        return self.mlp(h, residual=x)
+
 
 class TextBackbone(nn.Module):
     """``model.*`` of the checkpoint: embeddings, decoder layers, final norm."""
@@ -107,7 +120,8 @@ class MiMoV2ForCausalLM(nn.Module):
         kv: KVBuffers,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of the batch's T new tokens.
+        """Final-normed hidden states [T, hidden] of the batch's T new tokens ([R, hidden] of its
+        logits rows when ``batch.logits_only``: see ``ForwardBatch.logits_hidden``).
 
         Give exactly one of ``input_ids`` [T] and ``inputs_embeds`` [T, hidden]. Writes each layer's
         new K/V into ``kv.layer(i)`` at the batch's slot mapping of that layer's kind.
@@ -120,9 +134,13 @@ class MiMoV2ForCausalLM(nn.Module):
                 f"inputs have shape {tuple(x.shape)}; expected [{batch.num_tokens}, {self.config.hidden_size}]"
             )
         x = x.to(self.model.norm.weight.dtype)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv.layer(i)
-            x = layer(x, batch, k_cache, v_cache)
+            if i == last and batch.logits_only:
+                x = layer.forward_logits_rows(x, batch, k_cache, v_cache)
+            else:
+                x = layer(x, batch, k_cache, v_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

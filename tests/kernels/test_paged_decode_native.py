@@ -85,15 +85,17 @@ def test_matches_reference(width, reqs, heads, dims, page, window, sinks, releas
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_short_multi_row_requests_are_decode_rows_of_the_kernel_long_chunks_keep_flash(width, window):
-    """An MTP verify step's 1 + k rows (<= NATIVE_SHORT_ROWS) become one kernel row per query, each
-    with the context up to its own position; a 12-row chunk stays an extend on the flash kernel."""
-    from kernels.paged_attention_cpu import NATIVE_SHORT_ROWS
+    """An MTP verify step's 1 + k rows (<= NATIVE_SHORT_ROWS; NATIVE_SHORT_ROWS_SLIDING on a sliding
+    layer) become one kernel row per query, each with the context up to its own position; a longer
+    chunk stays an extend on the flash kernel."""
+    from kernels.paged_attention_cpu import NATIVE_SHORT_ROWS, NATIVE_SHORT_ROWS_SLIDING
 
-    new_counts, ctx_lens = [1, 4, 12, NATIVE_SHORT_ROWS], [30, 21, 40, 9]
+    long = (NATIVE_SHORT_ROWS if window is None else NATIVE_SHORT_ROWS_SLIDING) + 4
+    new_counts, ctx_lens = [1, 4, long, NATIVE_SHORT_ROWS], [30, 21, long + 28, 9]
     q, k, v, table, qsl, lens = pool(7, new_counts, ctx_lens, 4, 2, (8, 6), 4, window, True)
     plan = AttentionPlan.build(table, qsl, lens, page_size=4, window=window)
-    assert [(e.start, e.end) for e in plan.extends] == [(5, 17)]
-    assert plan.decode_rows.tolist() == [0, 1, 2, 3, 4, *range(17, 17 + NATIVE_SHORT_ROWS)]
+    assert [(e.start, e.end) for e in plan.extends] == [(5, 5 + long)]
+    assert plan.decode_rows.tolist() == [0, 1, 2, 3, 4, *range(5 + long, 5 + long + NATIVE_SHORT_ROWS)]
     assert plan.native.seq_lens.tolist() == [30, 18, 19, 20, 21, *range(9 - NATIVE_SHORT_ROWS + 1, 10)]
     kw = dict(page_size=4, scale=0.3, window=window, sinks=torch.randn(4))
     got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)

@@ -7,8 +7,9 @@
 
 The steps up to the KV store run as one C call (kernels/native/decoder_layer.c, the layer's input
 norm included), and o_proj with the residual add and the post-attention norm as another
-(``residual_out``), for the rows of a step whose attention the C decode kernel serves, up to
-``MAX_ROWS`` rows; otherwise, and when a call cannot take the tensors, the torch ops below.
+(``residual_out``), for steps of up to ``MAX_ROWS`` rows (decode batches and short prefills such as
+a question after a prefix-cache hit); otherwise, and when a call cannot take the tensors, the torch
+ops below.
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ class Attention(nn.Module):
         )
         return out.reshape(t, spec.num_heads * spec.v_head_dim)
 
+    def attend_rows(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    rows: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """K/V of all of x's rows into the pool, then the attention of ``rows`` alone before o_proj:
+        [R, Hq * Dv]. Each of those rows is the last new token of its request, so it attends as a
+        decode row of ``batch.logits_batch()`` over the pool (which now holds the step's keys)."""
+        spec = self.spec
+        q, _, _ = self.write_kv(x, batch, k_cache, v_cache, norm)
+        if rows.shape[0] == 0:
+            return q.new_empty(0, spec.num_heads * spec.v_head_dim)
+        sub = batch.logits_batch()
+        q = q.index_select(0, rows)
+        table = sub.swa_block_table if self.is_sliding else sub.full_block_table
+        out = ops.paged_attention(q, k_cache, v_cache, table, sub.query_start_loc, sub.seq_lens,
+                                  page_size=sub.page_size, scale=self.scale, window=self.window,
+                                  sinks=self.attention_sink_bias, plan=self._plan(sub, q, table))
+        return out.reshape(rows.shape[0], spec.num_heads * spec.v_head_dim)
+
     def residual_out(self, attn: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + o_proj(attn), norm of that): the residual add and the post-attention norm, in one C call
@@ -126,8 +144,7 @@ class Attention(nn.Module):
                       norm: RMSNorm | None, slots: torch.Tensor) -> torch.Tensor | None:
         """The [T, N] projection from the C front (norm, QKV, RoPE, value scale, KV store in one call),
         or None where the torch path serves: more than MAX_ROWS rows, a compiled step (the C
-        call would split its graph), or a step whose attention the C decode kernel does not serve
-        (its plan's ``native`` is None: bf16, CUDA, kernels off, a prefill without decode rows)."""
+        call would split its graph), bf16, CUDA or the kernels off."""
         if not self._native_rows(batch, x):
             return None
         spec = self.spec
@@ -138,11 +155,12 @@ class Attention(nn.Module):
                                value_scale=self.value_scale, k_cache=k_cache, v_cache=v_cache, slots=slots)
 
     def _native_rows(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
-        """Whether the C layer glue may serve x's rows (see _native_front)."""
-        if x.shape[0] > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
-            return False
-        plan = self._plan(batch, x, batch.swa_block_table if self.is_sliding else batch.full_block_table)
-        return getattr(plan, "native", None) is not None
+        """Whether the C layer glue may serve x's rows (see _native_front). Any step of at most
+        MAX_ROWS rows, decode or prefill: the glue does not depend on how attention runs, and a
+        short prefill (a question after a prefix-cache hit) is the same few rows of GEMM, norm and
+        RoPE as a decode batch. The calls themselves return None where they cannot serve (bf16,
+        CUDA, kernels off)."""
+        return x.shape[0] <= MAX_ROWS and x.is_cpu and not torch.compiler.is_compiling()
 
     def prime(self, batch: ForwardBatch, plan, rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
               slots_valid: bool | None = None) -> None:
