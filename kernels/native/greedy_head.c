@@ -15,8 +15,10 @@
  *      (columns go by in ascending order, so a lane keeps the first column holding its maximum)
  *      end:            best over lanes; among lanes equal to it, the lowest idx
  *
- * Each logit is the sum over k ascending of one multiply-add each from zero: the same order as the
- * register tiles of small_gemm.h, so a row's id does not depend on the rows beside it. NaN never
+ * One or two rows (STREAM_ROWS) read W^T front to back instead (small_gemm.h's gemm_small_m) into a
+ * scratch of their logits, scanned the same way. Each logit is the sum over k ascending of one
+ * multiply-add each from zero in both paths (small_gemm.h's order), so a row's id does not depend on
+ * the rows beside it. NaN never
  * wins a strict ">" comparison, so a NaN logit is reported instead (return 1): torch.argmax takes
  * the first NaN, and the caller computes that step's logits in torch.
  *
@@ -27,10 +29,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* bytes of W^T the stream of a row or two asks for ahead (small_gemm.h's default, 8 KB, suits its
+ * 1 KB rows; the head's are 32 KB: one row from memory 0.52 ms at 8 KB, 0.46 ms at 128 KB) */
+#define AHEAD (128 * 1024)
+#include "small_gemm.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define PF_ROWS 8 /* rows of W^T ahead that the first row tile of a stripe asks for (into L2) */
+#ifndef STREAM_ROWS
+#define STREAM_ROWS 2 /* up to this many rows: W^T read front to back, the logits in a scratch row */
+#endif
 
 /* The running (max, first index) of each row's lanes, and whether a lane saw NaN. */
 typedef struct {
@@ -93,6 +103,36 @@ DEFINE_TILE(4)
 DEFINE_TILE(2)
 DEFINE_TILE(1)
 
+/* which lanes of the 4 vectors of columns j0 .. j0+63 lie inside the vocabulary */
+static void column_masks(int64_t n, int64_t j0, __mmask16 valid[4]) {
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = n - j0 - 16 * v;
+        valid[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+}
+
+/* Each row's id from its lanes (the maximum; among lanes holding it, the lowest column), then the
+ * scratch freed (``a`` and the running state's arrays). Returns 1 when a row saw a NaN, else 0. */
+static int finish(const Running *s, int64_t m, int64_t n, int64_t *ids, float *a) {
+    int status = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const float *best = s->best + r * 16;
+        const int32_t *idx = s->idx + r * 16;
+        if (s->nan[r]) status = 1;
+        float top = best[0];
+        for (int l = 1; l < 16; l++) top = best[l] > top ? best[l] : top;
+        int64_t first = n;
+        for (int l = 0; l < 16; l++)
+            if (best[l] == top && idx[l] < first) first = idx[l];
+        ids[r] = first < n ? first : 0;
+    }
+    free(a);
+    free(s->best);
+    free(s->idx);
+    free(s->nan);
+    return status;
+}
+
 int greedy_head_supported(void) { return 1; }
 
 int lm_head_argmax_f32(const float *h, int64_t m, int64_t kdim, const float *wt, int64_t n, int64_t *ids) {
@@ -116,13 +156,36 @@ int lm_head_argmax_f32(const float *h, int64_t m, int64_t kdim, const float *wt,
         idx[e] = 0;
     }
     const Running s = {best, idx, nan};
+    if (m <= STREAM_ROWS) {
+        /* A row or two: the stripes' walk (rows of W^T 4 * n bytes apart, a new page each) waits on
+         * memory with too little arithmetic to hide it (2 rows, 8k x 256 head: 0.87 ms, streamed 0.55-0.71).
+         * gemm_small_m streams W^T front to back instead, its sums in the same order as the tiles'
+         * (k ascending, one multiply-add each, from zero: the same bits), into [m][n] logits that
+         * stay in L1 / L2 (32 KB per row of an 8k vocabulary), then scanned 64 columns at a time. */
+        float *c = malloc((size_t)(m * n) * sizeof(float));
+        if (!c) {
+            free(a);
+            free(best);
+            free(idx);
+            free(nan);
+            return -2;
+        }
+        gemm_small_m(m, n, kdim, a, m, wt, c);
+        float chunk[STREAM_ROWS * 64] __attribute__((aligned(64)));
+        for (int64_t j0 = 0; j0 < n; j0 += 64) {
+            __mmask16 valid[4];
+            column_masks(n, j0, valid);
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = 0; j < 64 && j0 + j < n; j++) chunk[r * 64 + j] = c[r * n + j0 + j];
+            update_rows(&s, 0, (int)m, chunk, j0, valid);
+        }
+        free(c);
+        return finish(&s, m, n, ids, a);
+    }
     float logits[6 * 64] __attribute__((aligned(64))); /* one tile's logits */
     for (int64_t j0 = 0; j0 < n; j0 += 64) {
         __mmask16 valid[4];
-        for (int v = 0; v < 4; v++) {
-            const int64_t left = n - j0 - 16 * v;
-            valid[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-        }
+        column_masks(n, j0, valid);
         int64_t r0 = 0;
         /* the first tile of a stripe walks it from memory and asks PF_ROWS rows ahead; the tiles after
          * it find the stripe (K x 256 bytes) in L1/L2 */
@@ -143,21 +206,7 @@ int lm_head_argmax_f32(const float *h, int64_t m, int64_t kdim, const float *wt,
             update_rows(&s, r0, 1, logits, j0, valid);
         }
     }
-    int status = 0;
-    for (int64_t r = 0; r < m; r++) {
-        if (nan[r]) status = 1;
-        float top = best[r * 16];
-        for (int l = 1; l < 16; l++) top = best[r * 16 + l] > top ? best[r * 16 + l] : top;
-        int64_t first = n; /* lanes that hold the maximum: the lowest column among them */
-        for (int l = 0; l < 16; l++)
-            if (best[r * 16 + l] == top && idx[r * 16 + l] < first) first = idx[r * 16 + l];
-        ids[r] = first < n ? first : 0;
-    }
-    free(a);
-    free(best);
-    free(idx);
-    free(nan);
-    return status;
+    return finish(&s, m, n, ids, a);
 }
 #else
 int greedy_head_supported(void) { return 0; }

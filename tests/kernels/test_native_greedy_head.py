@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import native, ops
-from kernels.native.greedy_head import MAX_ROWS, available, lm_head_argmax
+from kernels.native.greedy_head import MAX_ROWS, MIN_ROWS, available, lm_head_argmax
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model import mimo_v2
 from llm_core.model.loader import load_model
@@ -33,6 +33,15 @@ def test_integer_logits_ties_to_the_lowest_id(rows, k, n, seed):
     g = torch.Generator().manual_seed(seed)
     w = head(n, k, g, integer=True)
     h = torch.randint(-2, 3, (rows, k), generator=g).float()
+    assert lm_head_argmax(h, w) == (h @ w.t()).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("n,k", [(1031, 7), (4096, 64), (1500, 257)])
+def test_integer_logits_of_wide_heads(rows, n, k):
+    # 1-2 rows stream W^T front to back (4 rows of it per pass past 1024 columns), 3 take the tiles
+    g = torch.Generator().manual_seed(rows * n + k)
+    w, h = head(n, k, g, integer=True), torch.randint(-2, 3, (rows, k), generator=g).float()
     assert lm_head_argmax(h, w) == (h @ w.t()).argmax(-1).tolist()
 
 
@@ -115,7 +124,7 @@ def _generate(model, prompts, params):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 2, 8])
 def test_engine_tokens_equal_with_and_without_the_fused_head(tiny_model, batch, monkeypatch):
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (batch,), generator=g)]
@@ -131,7 +140,10 @@ def test_engine_tokens_equal_with_and_without_the_fused_head(tiny_model, batch, 
     ref = _generate(tiny_model, prompts, SamplingParams(max_tokens=20, temperature=0.0, logprobs=0, ignore_eos=True))
     assert not calls
     fused = _generate(tiny_model, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    assert len(calls) >= 19 and all(calls)  # every step that samples (the prompt's last chunk and the decodes)
+    if batch < MIN_ROWS:
+        assert not calls  # one row: MKL's GEMV and the sampler
+    else:  # every step that samples 2+ rows (the prompts' last chunks and the decodes)
+        assert len(calls) >= 19 and all(calls)
     assert [o.token_ids for o in fused] == [o.token_ids for o in ref]
     assert all(o.logprobs is None for o in fused)
 
@@ -140,12 +152,13 @@ def test_engine_tokens_equal_with_and_without_the_fused_head(tiny_model, batch, 
 def test_a_random_row_in_the_step_keeps_the_sampler(tiny_model, monkeypatch):
     calls = []
     monkeypatch.setattr(mimo_v2, "lm_head_argmax", lambda h, w: calls.append(1) or lm_head_argmax(h, w))
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    alone = _generate(tiny_model, prompts[:1], greedy)
+    alone = _generate(tiny_model, prompts[:2], greedy)
     n_alone = len(calls)
     calls.clear()
     llm = LLM.from_engine(LLMEngine(tiny_model, EngineConfig(page_size=4, num_full_tokens=2048, num_swa_tokens=1024)))
-    mixed = llm.generate(prompts, [greedy, SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)])
-    assert n_alone == 6 and not calls  # the two requests share every step, so none is all-greedy
-    assert mixed[0].token_ids == alone[0].token_ids
+    mixed = llm.generate(prompts, [greedy, greedy, SamplingParams(max_tokens=6, temperature=1.0, seed=3,
+                                                                  ignore_eos=True)])
+    assert n_alone == 6 and not calls  # the three requests share every step, so none is all-greedy
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
