@@ -118,6 +118,7 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(mlp.DenseMLP, "forward", "dense MLP")
     timer.wrap(norm.RMSNorm, "forward", "norms")
     timer.wrap(MiMoV2ForCausalLM, "compute_logits", "LM head")
+    timer.wrap(MiMoV2ForCausalLM, "greedy_ids", "LM head")
     timer.wrap(Sampler, "sample_isolated", "sampling")
     timer.wrap(torch.Tensor, "tolist", "host syncs (tolist/item)")
     timer.wrap(torch.Tensor, "item", "host syncs (tolist/item)")

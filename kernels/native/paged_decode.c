@@ -24,6 +24,9 @@
 #include <string.h>
 
 #define BLOCK 32 /* keys per online-softmax update (a multiple of 4): the logits of a block stay in L1 */
+#ifndef WHOLE_AHEAD
+#define WHOLE_AHEAD (128 * 1024) /* bytes of K/V up to which the next request is asked for whole */
+#endif
 
 /* Vectors through GCC / Clang vector extensions: the compiler lowers them to the host's registers
  * (-march=native) and the sums below stay in registers, where a reduction loop the compiler
@@ -278,6 +281,13 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
             next_pages = table + req[i + 1] * table_cols;
             next_len = seq_lens[req[i + 1]];
             next_first = window > 0 && next_len > window ? next_len - window : 0;
+            if ((next_len - next_first) * hkv * (dqk + dv) * (long)sizeof(float) <= WHOLE_AHEAD) {
+                /* a short context: all of the next request's rows now, a whole request of compute ahead
+                 * of their use (a block ahead left the K/V of a decode step waiting on memory) */
+                prefetch_positions(k_cache, v_cache, next_pages, page_size, num_pages, next_first, next_len,
+                                   hkv * dqk, hkv * dv);
+                next_pages = NULL;
+            }
         }
         const float *qi = q + q_row[i] * q_stride;
         for (long e = 0; e < hq * dqk; e++) qs[e] = qi[e] * scale;

@@ -46,6 +46,10 @@ class MirroredModel:
         self.group.send(LogitsOp(int(hidden.shape[0])))
         return self._run("logits", self.local.compute_logits, hidden)
 
+    def greedy_ids(self, hidden: torch.Tensor) -> None:
+        """Never: every rank runs ``compute_logits`` with rank 0, so the runner takes that path."""
+        return None
+
     def reports(self, pool) -> list[dict]:
         """Every rank's weight / KV bytes and share, rank 0's from ``pool`` (the engine's pools)."""
         self.group.send(ReportOp())

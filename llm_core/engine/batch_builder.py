@@ -24,6 +24,32 @@ def _table(rows: list[list[int]], width: int) -> torch.Tensor:
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
+def decode_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, full slots, SWA slots) [B] of a decode-only batch: one token per entry at position
+    ``start``; a slot is page * page_size + offset, -1 on a released SWA page. Worked out in Python (a
+    few dozen ints: cheaper than the ~10 tensor ops of :func:`chunk_slots`, the same values)."""
+    full, swa = [], []
+    for e in entries:
+        page, offset = divmod(e.start, page_size)
+        full.append(e.request.full_pages[page] * page_size + offset)
+        swa_page = e.request.swa_pages[page]
+        swa.append(swa_page * page_size + offset if swa_page >= 0 else -1)
+    return (torch.tensor([e.start for e in entries], dtype=torch.long), torch.tensor(full, dtype=torch.long),
+            torch.tensor(swa, dtype=torch.long))
+
+
+def chunk_slots(entries: list[ScheduledRequest], counts: list[int], full_table: torch.Tensor,
+                swa_table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, full slots, SWA slots) [T] of every new token of the entries (any chunk sizes)."""
+    # position of each flat token: its request's start + its offset inside the request's chunk
+    positions = torch.cat([torch.arange(e.start, e.end) for e in entries])
+    row = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(counts, dtype=torch.long))
+    page_idx, in_page = positions // page_size, positions % page_size
+    full_slots = full_table[row, page_idx] * page_size + in_page
+    swa_pages = swa_table[row, page_idx]
+    return positions, full_slots, torch.where(swa_pages >= 0, swa_pages * page_size + in_page, -1)
+
+
 def build_forward_batch(
     entries: list[ScheduledRequest], page_size: int, device: torch.device, logits_only: bool = False
 ) -> tuple[ForwardBatch, torch.Tensor]:
@@ -46,17 +72,10 @@ def build_forward_batch(
     full_table = _table([e.request.full_pages for e in entries], width)
     swa_table = _table([e.request.swa_pages for e in entries], width)
 
-    if all(n == 1 for n in counts):  # decode only: one token per request at position start
-        positions = torch.tensor([e.start for e in entries], dtype=torch.long)
-        row = torch.arange(len(entries))
+    if all(n == 1 for n in counts):
+        positions, full_slots, swa_slots = decode_slots(entries, page_size)
     else:
-        # position of each flat token: its request's start + its offset inside the request's chunk
-        positions = torch.cat([torch.arange(e.start, e.end) for e in entries])
-        row = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(counts, dtype=torch.long))
-    page_idx, in_page = positions // page_size, positions % page_size
-    full_slots = full_table[row, page_idx] * page_size + in_page
-    swa_pages = swa_table[row, page_idx]
-    swa_slots = torch.where(swa_pages >= 0, swa_pages * page_size + in_page, -1)
+        positions, full_slots, swa_slots = chunk_slots(entries, counts, full_table, swa_table, page_size)
 
     sample_rows = [qsl[b + 1] - 1 for b, e in enumerate(entries) if e.samples]
     batch = ForwardBatch(

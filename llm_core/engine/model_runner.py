@@ -6,6 +6,10 @@
                       sampling rows only: ForwardBatch.logits_only) ─► logits of the sampling rows
                    ─► Sampler ─► one SampledToken per entry that reached its request's last token
 
+When every sampling row is greedy without logprobs (``Sampler.argmax_suffices``), the model gives the
+ids straight from its LM head (``greedy_ids``: no logits written) where it can; the logits and the
+sampler serve every other step.
+
 A decode-only batch of at most the largest bucket takes the fixed-shape path instead when it is
 enabled (``enable_decode_graphs``: persistent batch rows, torch.compile or CUDA graphs per bucket,
 llm_core/engine/fixed_decode/decode_graphs.py); its logits are the same rows in the same order.
@@ -75,12 +79,20 @@ class ModelRunner:
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
         """Compute the entries' new tokens into ``kv`` (the pool, or a prefix-cache view that waits
         for tier loads per layer) and sample the next token of every entry that ``samples``."""
-        logits = self.forward(entries, kv)
         sampling = [e for e in entries if e.samples]
+        params = [e.request.params for e in sampling]
+        if sampling and Sampler.argmax_suffices(params) and not self._fixed_shape(entries):
+            # greedy without logprobs: the ids straight from the LM head when the model can (no logits)
+            hidden = self._sampling_hidden(entries, kv)
+            ids = self.model.greedy_ids(hidden)
+            if ids is not None:
+                return StepResult([SampledToken(e, tok, None, None) for e, tok in zip(sampling, ids)], [])
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.forward(entries, kv)
         if not sampling:
             return StepResult([], [])  # prefill chunks that stop short of the prompt's end
-        out, failed = self.sampler.sample_isolated(logits, [e.request.params for e in sampling],
-                                                   [e.request.generator for e in sampling])
+        out, failed = self.sampler.sample_isolated(logits, params, [e.request.generator for e in sampling])
         return StepResult([SampledToken(e, tok, lp, top) for i, (e, tok, lp, top)
                            in enumerate(zip(sampling, out.token_ids, out.logprobs, out.top_logprobs))
                            if i not in failed],
@@ -90,11 +102,21 @@ class ModelRunner:
     def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
         """Input preparation and forward of ``entries``: the logits of their sampling rows [S, V].
         Draws no random numbers, so the engine may run it to probe which entry makes a step fail."""
-        if self.decode_graphs is not None and self.decode_graphs.supports(entries):
+        if self._fixed_shape(entries):
             logits = self.decode_graphs.forward(entries, kv)
             if all(e.samples for e in entries):
                 return logits
             return logits[[i for i, e in enumerate(entries) if e.samples]]
+        return self.model.compute_logits(self._sampling_hidden(entries, kv))
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _fixed_shape(self, entries: list[ScheduledRequest]) -> bool:
+        """Whether the fixed-shape decode path (compiled / captured buckets) takes these entries."""
+        return self.decode_graphs is not None and self.decode_graphs.supports(entries)
+
+    def _sampling_hidden(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
+        """Input preparation and the model's layers: the final-normed hidden rows of the sampling
+        entries [S, hidden], the LM head's input."""
         # logits_only: the last layer runs the sampling rows alone (a prompt chunk's one row of T)
         fb, input_ids = build_forward_batch(entries, self.page_size, self.device, logits_only=True)
         embeds = splice_embeds(entries, input_ids, self.model.embed)
@@ -102,4 +124,4 @@ class ModelRunner:
             hidden = self.model(input_ids, fb, kv)
         else:
             hidden = self.model(None, fb, kv, inputs_embeds=embeds)
-        return self.model.compute_logits(fb.logits_hidden(hidden))
+        return fb.logits_hidden(hidden)

@@ -136,6 +136,13 @@ class Sampler:
         token_ids = chosen.tolist()
         return self._logprobs(logits, token_ids, params)
 
+    @staticmethod
+    def argmax_suffices(params: list[SamplingParams]) -> bool:
+        """Whether this sampler would take each row's argmax and nothing else from the logits: every
+        row greedy and none asking for logprobs. The runner then asks the model for the ids alone
+        (``greedy_ids``) and never builds the logits."""
+        return all(p.greedy and p.logprobs is None for p in params)
+
     def sample_isolated(
         self,
         logits: torch.Tensor,

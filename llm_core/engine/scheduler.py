@@ -254,6 +254,8 @@ class Scheduler:
 
     def _try_allocate(self, req: Request, n: int) -> bool:
         need_full, need_swa = self._pages_needed(req, n)
+        if not need_full and not need_swa:
+            return True  # most decode steps: the token lands on a page the request holds
         self._make_room(req, n)
         if need_full > self.pool.full.num_free or need_swa > self.pool.swa.num_free:
             return False

@@ -18,6 +18,7 @@ and works on the ``meta`` device, which is how capacity is planned without alloc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,16 @@ class KVLayout:
         window = config.sliding_window if "sliding" in kinds else None
         return cls(kinds, spec(full_attn), spec(swa_attn), window)
 
-    full_layers = property(lambda self: layers_of_kind(self.layer_kinds, "full"), doc="indices of full layers")
-    swa_layers = property(lambda self: layers_of_kind(self.layer_kinds, "sliding"), doc="indices of sliding layers")
+    # derived once (the scheduler asks ``has_swa`` several times per request and step)
+    @functools.cached_property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full layers."""
+        return layers_of_kind(self.layer_kinds, "full")
+
+    @functools.cached_property
+    def swa_layers(self) -> tuple[int, ...]:
+        """Indices of the sliding layers."""
+        return layers_of_kind(self.layer_kinds, "sliding")
 
     def full_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token costs in the Full pool, over all full layers."""

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.native import greedy_head
+from kernels.native.greedy_head import lm_head_argmax
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.kvcache.dual_pool import KVLayout
 from llm_core.distributed.parallel_layers import embedding, lm_head
@@ -148,6 +150,17 @@ class MiMoV2ForCausalLM(nn.Module):
         tensor parallelism each rank computes its vocabulary slice and the slices are gathered."""
         logits = self.lm_head(hidden)
         return self.parallel.all_gather_tp_last(logits if logits.dtype == torch.float32 else logits.float())
+
+    def greedy_ids(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax token of each row's logits, ``compute_logits(hidden).argmax(-1)``, without writing
+        the logits (kernels/native/greedy_head.c: the LM head's GEMM with a running argmax per row);
+        None when that kernel cannot serve the call (kernels off, not fp32 CPU, a tied or row-major
+        head, a NaN logit), for a single row (MKL's GEMV is as fast: ``greedy_head.MIN_ROWS``) or when
+        the vocabulary is split across tensor-parallel ranks. The runner asks for it only when every
+        sampling row is greedy without logprobs."""
+        if self.parallel.tp_size != 1 or hidden.shape[0] < greedy_head.MIN_ROWS:
+            return None
+        return lm_head_argmax(hidden, self.lm_head.weight)
 
     def kv_layout(self) -> KVLayout:
         """The KV geometry this rank stores: its own KV heads of each kind (all of them in one process)."""
