@@ -26,6 +26,7 @@ from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
+from mm_pipeline.media.decode.video import shared_codec_threads
 from mm_pipeline.media.ingest import IngestConfig, MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
@@ -114,7 +115,7 @@ class OmniEngineConfig:
     decode_backend: Literal["thread", "process"] = "thread"
     """Where video chunks and image pixels decode: worker threads or worker processes (shared-memory hand-off)."""
     decoder_threads: int = 0
-    """FFmpeg's own threads per video decoder, outside the GIL (0: FFmpeg picks by CPU count, 1: none)."""
+    """FFmpeg's own threads per video decoder, outside the GIL (0: the CPUs shared out among the decode workers, 1: none)."""
     decode_queue: int = 256
     """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
     decode_admit_timeout_s: float | None = 30.0
@@ -185,4 +186,10 @@ class OmniEngineConfig:
                        default_video_audio: bool = True) -> PlannerConfig:
         video_audio = default_video_audio if self.video_audio is None else self.video_audio
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens, video_audio, self.decoder_threads)
+                             max_context_tokens, video_audio, self.resolved_decoder_threads)
+
+    @property
+    def resolved_decoder_threads(self) -> int:
+        """``decoder_threads``, with 0 resolved to the CPUs per decode worker (media/decode/video.py
+        ``shared_codec_threads``: 1, i.e. none, with two workers on two CPUs)."""
+        return self.decoder_threads or shared_codec_threads(self.decode_workers)
