@@ -103,7 +103,7 @@ class OmniEngineConfig:
     encoder_worker: bool = True
     """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
     encoder_threads: int | None = None
-    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (none: both use torch's setting)."""
+    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (0: the CPUs the busy decode workers leave, re-read per batch; none: both use torch's setting)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
@@ -141,8 +141,8 @@ class OmniEngineConfig:
         if self.audio_tokenizer_attention not in TOKENIZER_ATTENTION:
             raise ValueError(f"audio_tokenizer_attention must be one of {TOKENIZER_ATTENTION}, got "
                              f"{self.audio_tokenizer_attention!r}")
-        if self.encoder_threads is not None and self.encoder_threads < 1:
-            raise ValueError(f"encoder_threads must be >= 1 (or none), got {self.encoder_threads}")
+        if self.encoder_threads is not None and self.encoder_threads < 0:
+            raise ValueError(f"encoder_threads must be >= 0 (or none), got {self.encoder_threads}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs
