@@ -9,6 +9,8 @@ Keys (goals on the 2-core CPU host in brackets):
   long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
   encoder_worker_ttft_ratio  streamed TTFT, encoder on its own worker / inline on the engine thread
   encoder_split_ttft_ratio   the same with --encoder-threads 1 (the engine thread keeps the rest) / inline
+  encoder_follow_ttft_ratio  streamed TTFT with --encoder-threads 0 (the encoder takes the CPUs the busy
+                             decode workers leave, per batch) / the default (torch's setting)
   no_stream_ttft_ratio       streamed TTFT / --no-stream-embeddings (every unit encoded before prefill)
   repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.1]
   same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]

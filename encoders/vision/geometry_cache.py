@@ -97,6 +97,11 @@ class GeometryCache:
                     self._bytes -= old.nbytes
         return geometry
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     def __len__(self) -> int:
         return len(self._entries)
 

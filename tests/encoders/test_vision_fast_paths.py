@@ -93,6 +93,9 @@ def test_geometry_cache_stays_within_its_byte_bound():
     big = cache.get([(1, 64, 64)], torch.device("cpu"))  # larger than the whole bound: served, not kept
     assert big.template.num_tokens == 4096 and all(g.template.num_tokens < 4096 for g in cache._entries.values())
     cache.check_integrity()
+    cache.clear()
+    assert len(cache) == 0
+    cache.check_integrity()
 
 
 def test_tower_counts_one_miss_per_video_grid():
