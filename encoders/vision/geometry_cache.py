@@ -3,7 +3,8 @@
 A packed batch's index tensors (``cu_seqlens``, unit permutations, patch coordinates) and the 2-D
 RoPE tables depend only on the items' grids, never on pixel values. A video's frame groups all
 share one grid, and the encoder worker runs them one group per forward, so without a cache every
-forward rebuilt the same tensors (~0.5 ms of a ~7 ms forward on the demo model's 6x12 groups):
+forward rebuilt the same tensors (~0.3 ms of a ~6 ms forward on the demo model's 6x12 groups,
+benchmarks/frame_group.py):
 
     grids ((1, 10, 18),)  --miss--> VisionPackedBatch.build (empty rows) + cos/sin, row and column order
                           --hit---> the same tensors; only the rows are new
@@ -23,7 +24,7 @@ from typing import Sequence
 import torch
 
 from encoders.rotary import vision_rotary
-from encoders.vision.packing import Grid, VisionPackedBatch, validate_grid
+from encoders.vision.packing import VisionPackedBatch, validate_grid
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin) [N, head_dim]
 
