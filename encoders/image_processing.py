@@ -115,6 +115,19 @@ def normalize(frames: torch.Tensor, mean=CLIP_MEAN, std=CLIP_STD) -> torch.Tenso
     return (frames.float() - m) / s
 
 
+def normalize_rows(rows: torch.Tensor, mean=CLIP_MEAN, std=CLIP_STD) -> torch.Tensor:
+    """:func:`normalize` applied after :func:`patchify`: float rows [N, C*tp*p*p] of 0-255 values,
+    normalised in place (channel outermost in a row) and returned. Same float32 arithmetic as
+    ``patchify(normalize(frames))``, so the same bits; it lets the pixels be reordered while they
+    are still uint8 (a quarter of the bytes) and needs no full-frame float temporaries."""
+    if rows.dim() != 2 or rows.shape[-1] % len(mean):
+        raise ValueError(f"rows must be [N, C*tp*p*p] with C = {len(mean)}, got shape {tuple(rows.shape)}")
+    per = rows.shape[-1] // len(mean)
+    m = (torch.tensor(mean, dtype=torch.float32, device=rows.device) * 255.0).repeat_interleave(per)
+    s = (torch.tensor(std, dtype=torch.float32, device=rows.device) * 255.0).repeat_interleave(per)
+    return rows.sub_(m).div_(s)
+
+
 def patchify(frames: torch.Tensor, patch_size: int = 16, temporal_patch_size: int = 2,
              merge_size: int = 2) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Frames [T, C, H, W] -> (rows [t*gh*gw, C*tp*p*p], grid_thw). An odd frame count is padded by

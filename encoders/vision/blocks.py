@@ -38,10 +38,13 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(x)
+        # q and k sit side by side in the fused projection: one rotary pass over their Hq + Hkv heads
+        # (views into its result) instead of one per tensor; the arithmetic per head is the same.
+        qk = apply_rotary(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim),
+                          cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         out = ops.band_attention(q, k, v, cu_seqlens, scale=self.scale, window=window, sinks=self.sinks)
         return self.proj(out.reshape(n, q_size))
 

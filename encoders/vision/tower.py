@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from encoders.config import VisionConfig
+from encoders.vision.blocks import VisionBlock
+from encoders.vision.geometry_cache import GeometryCache
 from encoders.vision.merger import PatchMerger
 from encoders.vision.packing import VisionPackedBatch
-from encoders.rotary import vision_rotary
-from encoders.vision.blocks import VisionBlock
 
 
 class PatchEmbed(nn.Module):
@@ -56,6 +56,7 @@ class VisionTransformer(nn.Module):
             for b in range(config.depth)
         )
         self.merger = PatchMerger(config, device=device, dtype=dtype)
+        self.geometry = GeometryCache(config.spatial_merge_size, config.head_dim, config.rope_theta)
 
     @property
     def device(self) -> torch.device:
@@ -66,8 +67,9 @@ class VisionTransformer(nn.Module):
         return self.patch_embed.proj.weight.dtype
 
     def pack(self, rows: torch.Tensor, grid_thw: Sequence[Sequence[int]]) -> VisionPackedBatch:
-        """Pack concatenated patch rows (moved to the tower's device) with their grids."""
-        return VisionPackedBatch.build(rows.to(self.device), grid_thw, self.config.spatial_merge_size)
+        """Pack concatenated patch rows (moved to the tower's device) with their grids; the index
+        tensors come from the geometry cache (a video's groups share one grid)."""
+        return self.geometry.get(grid_thw, self.device).batch(rows.to(self.device))
 
     @torch.no_grad()
     def forward(self, rows: torch.Tensor, grid_thw: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -80,25 +82,22 @@ class VisionTransformer(nn.Module):
         """Encode a list of (rows, grid_thw) items in one packed forward."""
         if not items:
             return []
-        return self.forward(torch.cat([r.to(self.device) for r, _ in items]), [g for _, g in items])
+        rows = [r.to(self.device) for r, _ in items]
+        return self.forward(rows[0] if len(rows) == 1 else torch.cat(rows), [g for _, g in items])
 
     @torch.no_grad()
     def forward_packed(self, batch: VisionPackedBatch) -> torch.Tensor:
         """Run a packed batch -> [total units, out_hidden] in item order (row-major units)."""
         cfg = self.config
         x = self.patch_embed(batch.rows)
-        cos_row, sin_row = vision_rotary(batch.coords, cfg.head_dim, cfg.rope_theta)
-        rope = {"row": (cos_row, sin_row)}
+        geometry = self.geometry.get(batch.grids, batch.rows.device)
         order = "row"
         for block, kind in zip(self.blocks, cfg.block_kinds):
             need = "col" if kind == "col" else "row"
             if need != order:
-                index = batch.col_index if need == "col" else batch.row_index
-                x = batch.permute_units(x, index)
+                x = batch.permute_units(x, batch.col_index if need == "col" else batch.row_index)
                 order = need
-                if need not in rope:
-                    rope[need] = (batch.permute_units(cos_row, index), batch.permute_units(sin_row, index))
-            cos, sin = rope[order]
+            cos, sin = geometry.rope(order)
             window = None if kind == "full" else cfg.window
             x = block(x, cos, sin, batch.cu_seqlens, window)
         if order != "row":

@@ -27,7 +27,8 @@ import torch
 
 from encoders.audio.packing import split_segments
 from encoders.config import AudioConfig, unit_tokens
-from encoders.image_processing import ImageProcessingConfig, normalize, patchify, resize_frames, smart_resize
+from encoders.image_processing import (ImageProcessingConfig, normalize, normalize_rows, patchify, resize_frames,
+                                       smart_resize)
 from encoders.audio.mel import LogMelSpectrogram
 from mm_pipeline.media import audio_codes
 from mm_pipeline.media.audio_codes import AudioCodes
@@ -122,11 +123,17 @@ class Preprocessor:
     def _frames_chw(self, frames_hwc: torch.Tensor) -> torch.Tensor:
         if frames_hwc.dtype != torch.uint8 or frames_hwc.dim() != 4 or frames_hwc.shape[-1] != 3:
             raise ValueError(f"frames must be [T, H, W, 3] uint8, got {tuple(frames_hwc.shape)} {frames_hwc.dtype}")
-        return frames_hwc.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
+        return frames_hwc.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
 
     def _patchify(self, frames: torch.Tensor, h: int, w: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """uint8 frames [T, C, H, W] -> normalised float rows. Frames already at (h, w) (every video
+        frame, small images) are patchified as uint8 and normalised as rows: one byte-sized reorder
+        and one float copy instead of float frames, two normalise temporaries and a float reorder."""
         c = self.image_config
-        x = normalize(resize_frames(frames, h, w), c.mean, c.std)
+        if tuple(frames.shape[-2:]) == (h, w):
+            rows, grid = patchify(frames, c.patch_size, c.temporal_patch_size, c.merge_size)
+            return normalize_rows(rows.float(), c.mean, c.std), grid
+        x = normalize(resize_frames(frames.float(), h, w), c.mean, c.std)
         rows, grid = patchify(x, c.patch_size, c.temporal_patch_size, c.merge_size)
         return rows.contiguous(), grid
 

@@ -33,7 +33,7 @@ from mm_pipeline.prompt.messages import ChatRequest, MediaRef
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
-from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, split_threads
+from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads, split_threads
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.decode.backend import make_decode_backend
@@ -110,8 +110,14 @@ class OmniRuntime:
         self.cache = EncoderCache(build_tiers(config))
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
         self.encoder_worker: EncoderWorker | None = None
-        llm_threads = encoder_threads = None
-        if config.encoder_threads is not None:
+        self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
+                               name="omni-media")
+        llm_threads = None
+        encoder_threads: int | Callable[[], int] | None = None
+        if config.encoder_threads == 0:  # follow the decoders: the CPUs their busy workers leave
+            pool = self.pool
+            encoder_threads = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
+        elif config.encoder_threads is not None:
             llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
         if config.encoder_worker:
             self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads)
@@ -122,8 +128,6 @@ class OmniRuntime:
         else:
             self.loop = EngineLoop(self.llm, self.batcher, threads=llm_threads)
             self.batcher.on_submit = self.loop.wake
-        self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
-                               name="omni-media")
         # text tokenization never queues behind media decodes (a slow or hostile file must not
         # stall text-only requests); its work is bounded by the context limit (TextBound)
         self.text_pool = WorkerPool(2, config.max_queue, config.decode_admit_timeout_s, name="omni-text")

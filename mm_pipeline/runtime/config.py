@@ -26,6 +26,7 @@ from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
+from mm_pipeline.media.decode.video import shared_codec_threads
 from mm_pipeline.media.ingest import IngestConfig, MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
@@ -102,7 +103,7 @@ class OmniEngineConfig:
     encoder_worker: bool = True
     """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
     encoder_threads: int | None = None
-    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (none: both use torch's setting)."""
+    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (0: the CPUs the busy decode workers leave, re-read per batch; none: both use torch's setting)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
@@ -114,7 +115,7 @@ class OmniEngineConfig:
     decode_backend: Literal["thread", "process"] = "thread"
     """Where video chunks and image pixels decode: worker threads or worker processes (shared-memory hand-off)."""
     decoder_threads: int = 0
-    """FFmpeg's own threads per video decoder, outside the GIL (0: FFmpeg picks by CPU count, 1: none)."""
+    """FFmpeg's own threads per video decoder, outside the GIL (0: the CPUs shared out among the decode workers, 1: none)."""
     decode_queue: int = 256
     """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
     decode_admit_timeout_s: float | None = 30.0
@@ -140,8 +141,8 @@ class OmniEngineConfig:
         if self.audio_tokenizer_attention not in TOKENIZER_ATTENTION:
             raise ValueError(f"audio_tokenizer_attention must be one of {TOKENIZER_ATTENTION}, got "
                              f"{self.audio_tokenizer_attention!r}")
-        if self.encoder_threads is not None and self.encoder_threads < 1:
-            raise ValueError(f"encoder_threads must be >= 1 (or none), got {self.encoder_threads}")
+        if self.encoder_threads is not None and self.encoder_threads < 0:
+            raise ValueError(f"encoder_threads must be >= 0 (or none), got {self.encoder_threads}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs
@@ -185,4 +186,10 @@ class OmniEngineConfig:
                        default_video_audio: bool = True) -> PlannerConfig:
         video_audio = default_video_audio if self.video_audio is None else self.video_audio
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens, video_audio, self.decoder_threads)
+                             max_context_tokens, video_audio, self.resolved_decoder_threads)
+
+    @property
+    def resolved_decoder_threads(self) -> int:
+        """``decoder_threads``, with 0 resolved to the CPUs per decode worker (media/decode/video.py
+        ``shared_codec_threads``: 1, i.e. none, with two workers on two CPUs)."""
+        return self.decoder_threads or shared_codec_threads(self.decode_workers)

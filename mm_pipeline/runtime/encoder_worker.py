@@ -12,7 +12,13 @@ Threads (CPU): each thread applies its own intra-op share with ``torch.set_num_t
 thread. PyTorch's OpenMP team size is per calling thread, but the value is also stored process-wide
 (a thread that has not set one inherits the last) and MKL's count is process-wide, so the split is a
 share of the cores, not a hard partition: the engine thread sets ``llm_threads`` and this worker
-``encoder_threads``, each once at its start. ``split_threads`` picks the default split.
+``encoder_threads``, each once at its start (``split_threads``). Or the worker follows the decoders
+(``threads`` a callable, ``encoder_threads`` 0): before every batch it takes the CPUs the busy
+decode workers leave free, so it stays out of their way while a video decodes and the encoding
+left when decoding ends (the critical path of a long video) gets every core:
+
+    decode workers busy   2 2 2 2 2 2 1 0 0
+    encoder threads       1 1 1 1 1 1 1 2 2     (2 CPUs)
 
 CUDA: the encoder runs on its own stream; after a forward the worker waits for that stream (only
 this thread blocks) before the rows are delivered, so the LLM's stream never reads half-written rows
@@ -25,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -43,6 +50,14 @@ def split_threads(total: int, encoder_threads: int) -> tuple[int, int]:
     return max(1, total - enc), enc
 
 
+def free_cpu_threads(total: int, busy: Callable[[], int]) -> Callable[[], int]:
+    """The encoder's share when it follows the decoders: ``total`` minus the ``busy()`` decode
+    workers, at least 1."""
+    if total < 1:
+        raise ValueError(f"free_cpu_threads needs total >= 1, got {total}")
+    return lambda: max(1, total - busy())
+
+
 def default_threads() -> int:
     """The intra-op threads the process would use: torch's setting, capped by the CPUs we may run on."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -52,13 +67,17 @@ def default_threads() -> int:
 class EncoderWorker:
     """Owns the thread that runs ``batcher.run_due()``; ``wake`` on every submit."""
 
-    def __init__(self, batcher: EncoderBatcher, device: torch.device | str = "cpu", threads: int | None = None,
-                 idle_wait_s: float = 0.05) -> None:
+    def __init__(self, batcher: EncoderBatcher, device: torch.device | str = "cpu",
+                 threads: int | Callable[[], int] | None = None, idle_wait_s: float = 0.05) -> None:
+        """``threads`` (CPU): a fixed intra-op count set once, a callable read before every batch
+        (``free_cpu_threads``), or None (torch's setting)."""
         self.batcher = batcher
         self.device = torch.device(device)
         self.threads = threads
         self.idle_wait_s = idle_wait_s
-        self.counts = {"encoder_units": 0, "encoder_runs": 0, "encoder_errors": 0}
+        # thread_changes: how often a followed share changed
+        self.counts = {"encoder_units": 0, "encoder_runs": 0, "encoder_errors": 0, "thread_changes": 0}
+        self.threads_used: int | None = None  # the intra-op count this thread last set
         self._wake = threading.Event()
         self._stop = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -86,8 +105,8 @@ class EncoderWorker:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        if self.threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(self.threads)
+        if isinstance(self.threads, int) and self.device.type == "cpu":
+            self._set_threads(self.threads)
         while not self._stop:
             self._wake.clear()  # before looking: a submit after this wakes the next wait
             try:
@@ -106,7 +125,16 @@ class EncoderWorker:
             if wait > 0:
                 self._wake.wait(wait)
 
+    def _set_threads(self, n: int) -> None:
+        if n != self.threads_used:
+            torch.set_num_threads(n)  # this thread's OpenMP team; cheap, and only on a change
+            if self.threads_used is not None:
+                self.counts["thread_changes"] += 1
+            self.threads_used = n
+
     def _run_due(self) -> int:
+        if callable(self.threads) and self.device.type == "cpu" and self.batcher.next_due() is not None:
+            self._set_threads(self.threads())
         if self._stream is None:
             return self.batcher.run_due()
         with torch.cuda.stream(self._stream):

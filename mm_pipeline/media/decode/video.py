@@ -209,6 +209,20 @@ def codec_threads(threads: int, pixels: int) -> int:
     return threads
 
 
+def shared_codec_threads(workers: int) -> int:
+    """Codec threads per decoder when ``workers`` decoders run at once (the runtime's setting for
+    ``decoder_threads`` 0): the CPUs shared out among them, at least 1 (= none). A streamed video
+    keeps every decode worker busy with a chunk, so on a host with no more CPUs than workers the
+    parallelism is already there and frame threads only add work: each chunk's decoder starts,
+    flushes and runs ahead of its last frame with them (30 one-group chunks of a 60 s 720p clip,
+    two workers: 1.48 s of CPU with FFmpeg's automatic count vs 0.94 s with none; README
+    "pipeline")."""
+    if workers < 1:
+        raise ValueError(f"decode workers must be >= 1, got {workers}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // workers)
+
+
 def frame_decode_bytes(info_or_size: tuple[int, int], threads: int = 1) -> int:
     """Peak bytes a decoder holds for frames of (h, w): a few planar YUV frames (references,
     the frame being built) plus one per extra codec thread (``threads`` as ``decode_range`` takes

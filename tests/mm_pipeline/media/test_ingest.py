@@ -132,6 +132,14 @@ def test_data_url_base64_and_percent_encoded() -> None:
     assert ing.ingest_local(MediaSource(url=pct)).data == PNG
     with pytest.raises(InvalidMediaError, match="base64"):
         ing.ingest_local(MediaSource(url="data:image/png;base64,@@@"))
+    # line-wrapped payloads decode; characters outside the alphabet, misplaced padding and data
+    # after the padding are refused, with or without whitespace around them
+    text = base64.b64encode(PNG).decode()
+    wrapped = "data:;base64," + "\r\n".join(text[i:i + 76] for i in range(0, len(text), 76)) + "\n"
+    assert MediaIngestor(IngestConfig()).ingest_local(MediaSource(url=wrapped)).data == PNG
+    for bad in (text[:8] + "*" + text[8:], text[:8] + " *" + text[8:], "QQ==QQ==", "QQ=\n=QQ", text[:-1] + "!"):
+        with pytest.raises(InvalidMediaError, match="not valid base64"):
+            MediaIngestor(IngestConfig()).ingest_local(MediaSource(url="data:;base64," + bad))
     with pytest.raises(InvalidMediaError, match="','"):
         ing.ingest_local(MediaSource(url="data:image/png;base64"))
     with pytest.raises(InvalidMediaError, match="scheme"):

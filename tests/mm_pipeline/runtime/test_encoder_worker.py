@@ -80,13 +80,53 @@ def test_thread_split() -> None:
     with pytest.raises(ValueError, match="encoder_threads"):
         split_threads(2, -1)
     with pytest.raises(ValueError, match="encoder_threads"):
-        OmniEngineConfig(encoder_threads=0)
+        OmniEngineConfig(encoder_threads=-1)
+
+
+def test_worker_following_the_decoders_takes_the_cpus_they_leave() -> None:
+    """``encoder_threads`` 0: before each batch the worker sets total - busy decode workers (at
+    least 1) intra-op threads; the forwards run with exactly that many."""
+    import time
+
+    import torch
+
+    from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+    from mm_pipeline.encode.preprocess import VisionInput
+    from mm_pipeline.runtime.encoder_worker import EncoderWorker, free_cpu_threads
+
+    seen: list[int] = []
+
+    class Tower(torch.nn.Module):
+        def encode_items(self, items):
+            seen.append(torch.get_num_threads())
+            return [torch.zeros(1, 4) for _ in items]
+
+    busy = [3]
+    batcher = EncoderBatcher(Tower(), None, BatcherConfig(max_wait_s=0.0))
+    worker = EncoderWorker(batcher, threads=free_cpu_threads(4, lambda: busy[0]))
+    batcher.on_submit = worker.wake
+    worker.start()
+    try:
+        for k, b in enumerate((3, 3, 1, 0, 9)):
+            busy[0] = b
+            batcher.attach(f"u{k}", lambda rows, err: None)
+            batcher.submit(EncoderJob(f"u{k}", "image", vision=VisionInput(torch.zeros(4, 8), (1, 2, 2))))
+            deadline = time.monotonic() + 10
+            while len(seen) <= k and time.monotonic() < deadline:
+                time.sleep(0.002)
+    finally:
+        worker.stop()
+    assert seen == [1, 1, 3, 4, 1] and worker.counts["thread_changes"] == 3
+    with pytest.raises(ValueError, match="total"):
+        free_cpu_threads(0, lambda: 0)
 
 
 def test_worker_switch_and_threads_are_flags() -> None:
     assert OmniEngineConfig().encoder_worker is True
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--no-encoder-worker", "--encoder-threads", "1"]))
     assert cfg.encoder_worker is False and cfg.encoder_threads == 1
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-threads", "none"]))
+    assert cfg.encoder_threads is None
 
 
 def test_stage_timeline_summary() -> None:

@@ -65,3 +65,21 @@ def test_cli_flags_build_the_nested_config(tmp_path):
     both = build_parser().parse_args(["caption", str(tmp_path), "--allow-remote-media"])
     with pytest.raises(UsageError, match="allowed-domains"):  # fields checked together
         engine_config(both)
+
+
+def test_decoder_threads_zero_shares_the_cpus_among_the_decode_workers(monkeypatch):
+    """0 resolves per host: CPUs // decode workers, at least 1 (no codec threads when every CPU
+    already runs a decode worker); an explicit count is kept, and it is what the planner gets."""
+    import os
+
+    from mm_pipeline.media.decode.video import shared_codec_threads
+    from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
+
+    for cpus, workers, want in ((2, 2, 1), (2, 1, 2), (16, 2, 8), (3, 4, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        cfg = OmniEngineConfig(decode_workers=workers)
+        assert shared_codec_threads(workers) == cfg.resolved_decoder_threads == want
+        assert cfg.planner_config(VideoSamplingParams()).decoder_threads == want
+        assert OmniEngineConfig(decode_workers=workers, decoder_threads=3).resolved_decoder_threads == 3
+    with pytest.raises(ValueError, match="decode workers"):
+        shared_codec_threads(0)
