@@ -7,7 +7,7 @@
  *   moe_route_experts_f32    (moe_experts.c) or dense_mlp_f32 (decoder_layer.c)      -> out = x1 + mlp(h)
  *
  * Why: between those calls the Python side spent ~100 us per layer on argument checks, views and
- * ctypes conversions of the same pointers (docs/text_core.md). The kernels are called through the
+ * ctypes conversions of the same pointers (benchmarks/profile_step.py). The kernels are called through the
  * addresses of their own built libraries (passed in ``layer``), so each runs exactly the machine
  * code it runs when Python calls it: tokens and logprobs stay bit-identical.
  *

@@ -36,6 +36,11 @@ def _lib() -> ctypes.CDLL | None:
     return library("decode_layer", signatures=_SIGNATURES)
 
 
+def available() -> bool:
+    """Whether the C kernel is on and built on this machine (builds it on first use)."""
+    return _lib() is not None
+
+
 def _address(lib: ctypes.CDLL | None, name: str) -> int | None:
     return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 

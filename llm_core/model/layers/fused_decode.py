@@ -37,6 +37,10 @@ class FusedDecode:
             (isinstance(mlp, SparseMoE) and mlp.placement.ctx.world_size == 1)
             or (isinstance(mlp, DenseMLP) and type(mlp.down_proj) is nn.Linear))
 
+    def __getstate__(self) -> dict:
+        # the packed pointers (ctypes arrays) belong to this process: a copy or pickle rebuilds them
+        return {**self.__dict__, "_consts": None, "_key": None}
+
     def run(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor | None:
         """x + attention + mlp of x's rows, or None where the part-by-part path serves."""
