@@ -99,7 +99,7 @@ def instrument(timer: StageTimer) -> None:
     from llm_core.engine import model_runner
     from llm_core.engine.sampling import Sampler
     from llm_core.engine.scheduler import Scheduler
-    from llm_core.model.layers import attention, mlp, moe, norm
+    from llm_core.model.layers import attention, fused_decode, mlp, moe, norm
     from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
 
     timer.wrap(Scheduler, "schedule", "scheduler")
@@ -109,6 +109,8 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(attention.Attention, "_plan", "input preparation")
     timer.wrap(attention.Attention, "_rotary_tables", "input preparation")
     timer.wrap(MiMoV2ForCausalLM, "embed", "input preparation")
+    # an all-decode step's layers: one C call each (attention + MLP: not split into the stages below)
+    timer.wrap(fused_decode.FusedDecode, "run", "decoder layer (one C call)")
     timer.wrap(attention.Attention, "forward", "attention (proj, rope, store)")
     timer.wrap(attention.Attention, "attend", "attention (proj, rope, store)")
     timer.wrap(attention.Attention, "residual_out", "attention (proj, rope, store)")

@@ -28,6 +28,7 @@ from llm_core.distributed.parallel_layers import embedding, lm_head
 from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.attention import Attention
+from llm_core.model.layers.fused_decode import FusedDecode
 from llm_core.model.layers.mlp import DenseMLP
 from llm_core.model.layers.moe import SparseMoE, StackedExperts
 from llm_core.model.layers.norm import RMSNorm
@@ -49,10 +50,15 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # an all-decode step's layer as one C call where every part would run its own C kernel
+        self.fused_decode = FusedDecode(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
+        fused = self.fused_decode.run(x, batch, k_cache, v_cache)
+        if fused is not None:
+            return fused
         attn = self.self_attn.attend(x, batch, k_cache, v_cache, norm=self.input_layernorm)
         x, h = self.self_attn.residual_out(attn, x, batch, self.post_attention_layernorm)
         return self.mlp(h, residual=x)
