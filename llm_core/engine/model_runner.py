@@ -62,6 +62,9 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         model.use_kernel_layouts_()  # expert stacks and linear weights as the device's GEMMs stream them
         self.decode_graphs: DecodeGraphs | None = None
+        # True: the model's output holds every row's final hidden state (a forward hook recording
+        # them, e.g. MTP training data); False: its last layer runs the sampling rows only.
+        self.every_row_hidden = False
 
     def enable_decode_graphs(self, pool, *, buckets: tuple[int, ...], mode: str, max_model_len: int) -> float:
         """Run decode-only steps as fixed-shape steps per batch bucket over ``pool`` (takes one
@@ -118,7 +121,8 @@ class ModelRunner:
         """Input preparation and the model's layers: the final-normed hidden rows of the sampling
         entries [S, hidden], the LM head's input."""
         # logits_only: the last layer runs the sampling rows alone (a prompt chunk's one row of T)
-        fb, input_ids = build_forward_batch(entries, self.page_size, self.device, logits_only=True)
+        fb, input_ids = build_forward_batch(entries, self.page_size, self.device,
+                                            logits_only=not self.every_row_hidden)
         embeds = splice_embeds(entries, input_ids, self.model.embed)
         if embeds is None:
             hidden = self.model(input_ids, fb, kv)

@@ -75,7 +75,9 @@ def record(model_dir: Path, media_dir: Path, labels: list[dict]) -> list[dict]:
     from mm_pipeline.multimodal_llm import MultimodalLLM
 
     llm = MultimodalLLM(model_dir, speculative_tokens=0, enable_prefix_caching=False, max_num_seqs=1)
-    text = llm.engine.runtime.llm.runner.model
+    runner = llm.engine.runtime.llm.runner
+    runner.every_row_hidden = True  # the hook below records every position, not only the sampled ones
+    text = runner.model
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def hook(module, args, kwargs, output):

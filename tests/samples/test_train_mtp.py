@@ -44,3 +44,21 @@ def test_dense_forward_matches_engine_and_export_round_trips(tmp_path, hub):
     assert check_against_engine(out, item) < 1e-4
     passes = first_mode_passes(head.layers[0], item["embeds"], item["hidden"], model.config.sliding_window, 3)
     assert len(passes) == 3 and all(torch.isfinite(p).all() for p in passes)
+
+
+def test_record_keeps_every_position_hidden_state():
+    """MTP training data needs the final hidden state of every position, while the engine's last
+    layer runs the sampling rows only by default: ``record`` asks the runner for every row, so the
+    recorded rows cover the sequence once, and each generated position's row gives its greedy token."""
+    from samples.synthetic.generate import read_labels
+    from samples.training.train_mtp import record
+    from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
+
+    labels = [lab for lab in read_labels(SAMPLE_MEDIA / "labels.jsonl") if lab["modality"] == "image"][:1]
+    (item,) = record(DEMO_MODEL, SAMPLE_MEDIA, labels)
+    n, p = len(item["tokens"]) - 1, item["prompt_len"]
+    assert item["hidden"].shape[0] == item["embeds"].shape[0] == n > p
+    model = load_model(DEMO_MODEL).float().eval()
+    with torch.inference_mode():
+        greedy = model.compute_logits(item["hidden"][p - 1:]).argmax(-1)
+    assert torch.equal(greedy, item["tokens"][p:])
