@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.prompt.layout import MediaSlots

@@ -27,7 +27,7 @@ from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
 from mm_pipeline.media.decode.video import shared_codec_threads
-from mm_pipeline.media.ingest import IngestConfig, MediaLimits
+from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))

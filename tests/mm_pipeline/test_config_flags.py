@@ -14,7 +14,7 @@ import pytest
 from llm_core.engine.engine_config import EngineConfig
 from mm_pipeline import cli
 from mm_pipeline.config_flags import add_config_flags, config_flags, config_values, field_docs, parse_scalar
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.runtime.config import OmniEngineConfig
 

@@ -16,7 +16,7 @@ import torch
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.early import decode_chunk_early
 from mm_pipeline.media.decode.video_chunks import decode_chunk
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 
 
 def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0.002,

@@ -16,7 +16,7 @@ import torch
 
 from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.decode.budget import DecodeControl, check
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedAudio, MediaItem
 from mm_pipeline.media.sniff import open_av
 

@@ -39,7 +39,7 @@ import torch
 from mm_pipeline.errors import ServerBusy, UndecodableMediaError
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_image
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 from mm_pipeline.media.decode import worker_jobs as jobs
 from mm_pipeline.media.decode.video_chunks import decode_chunk

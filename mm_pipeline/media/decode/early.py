@@ -53,7 +53,7 @@ from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.video import VideoInfo, codec_threads, decode_range
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, open_av_stream
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames

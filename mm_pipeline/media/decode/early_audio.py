@@ -31,7 +31,7 @@ from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.audio import check_header_seconds, decode_audio_from
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, MediaDecodeTimeout, check
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import open_av_stream, plain_audio_format
 from mm_pipeline.media.types import DecodedAudio, MediaItem, MediaKind
 

@@ -29,7 +29,7 @@ from PIL import Image
 
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.decode.budget import DecodeControl, check
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 
 _ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}

@@ -33,7 +33,7 @@ import torch
 from mm_pipeline.media.decode.budget import DecodeControl, check
 from mm_pipeline.media.decode.image import decode_animation_frames, probe_animation
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedVideo, MediaItem
 from mm_pipeline.media.sniff import open_av
 from mm_pipeline.media.decode.video_sampling import FrameSampling, VideoSamplingParams, sample_frames

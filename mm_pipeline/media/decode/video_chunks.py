@@ -26,7 +26,7 @@ import torch
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_animation_frames
 from mm_pipeline.media.decode.video import VideoInfo, decode_range
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem
 
 

@@ -19,7 +19,7 @@ from mm_pipeline.errors import MediaTooLarge
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_image
 from mm_pipeline.media.decode.video_chunks import decode_chunk
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem
 
 

@@ -17,7 +17,7 @@ from tests.support.media_samples import animated_bytes, frame_level, level_to_fr
 
 from mm_pipeline.media.decode.video import VideoDecoder, decode_range, decode_runs, probe_video, split_ranges
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames, smart_nframes
 from mm_pipeline.media.worker_pool import WorkerPool

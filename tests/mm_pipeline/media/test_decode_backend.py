@@ -21,7 +21,7 @@ from mm_pipeline.media.decode.backend import DecodeWorkerDied, ProcessDecodeBack
 from mm_pipeline.media.decode.budget import DecodeCancelled, DecodeControl
 from mm_pipeline.media.decode.image import probe_animation
 from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 

@@ -15,7 +15,7 @@ from PIL import Image
 from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.decode.image import decode_image
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.server.errors import http_answer
 

@@ -24,7 +24,7 @@ from mm_pipeline.media.decode.budget import DecodeBudget
 from mm_pipeline.media.decode.early import EarlyDecoders
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import sniff, streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
 from tests.support.arriving import feed, remux

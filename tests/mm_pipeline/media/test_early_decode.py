@@ -20,7 +20,7 @@ from mm_pipeline.media.arriving_bytes import ArrivalAborted, ArrivingBytes
 from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_chunks import plan_chunks

@@ -23,7 +23,7 @@ from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chun
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
 from tests.support.arriving import early_chunks_match_whole, feed, remux

@@ -25,7 +25,7 @@ from mm_pipeline.media.decode.early_audio import EarlyAudioDecode
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import sniff, streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.throttled_http import remux_layout

@@ -25,7 +25,7 @@ from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_animation_frames, decode_image, probe_animation, probe_image
 from mm_pipeline.media.decode.video import decode_range, probe_video
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import sniff
 from mm_pipeline.media.types import MediaItem, MediaKind
 from tests.support.media_samples import animated_bytes, audio_bytes, image_bytes, video_bytes

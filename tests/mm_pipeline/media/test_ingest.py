@@ -26,7 +26,8 @@ from mm_pipeline.errors import (
     UnsupportedMediaType,
 )
 from mm_pipeline.media.content_hash import content_key
-from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
+from mm_pipeline.media.ingest import MediaIngestor
+from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.types import MediaKind, MediaSource
 from mm_pipeline.media.sniff import sniff
 from mm_pipeline.media.worker_pool import WorkerPool

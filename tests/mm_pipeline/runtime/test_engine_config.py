@@ -11,7 +11,7 @@ import torch
 
 from llm_core.engine.engine_config import EngineConfig
 from mm_pipeline.cli import UsageError, build_parser, engine_config
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.runtime.config import OmniEngineConfig
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mm_pipeline.jobs.batch import BatchJob
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from samples.synthetic.hostile_media import measured
 from tests.support.audio_codes import tokenizer_codes
 from tests.support.media_samples import audio_bytes

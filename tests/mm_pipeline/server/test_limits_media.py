@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from samples.synthetic.hostile_media import (huge_png, huge_video, measured, pixel_frames_gif, png_variant,
                                              silent_flac)
 from tests.support.media_samples import image_bytes

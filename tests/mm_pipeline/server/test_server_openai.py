@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
 
 from tests.support.paths import SAMPLE_MEDIA as MEDIA  # noqa: E402
