@@ -22,9 +22,9 @@ def build_all() -> dict[str, bool]:
     at start so its first decode step does not pay the compile (1-2 s on a fresh machine)."""
     import torch
 
-    from kernels.native import decode_layer, decoder_layer, greedy_head, moe_experts, mtp_draft, paged_decode
+    from kernels.native import decoder_layer, fused_layer, greedy_head, moe_experts, mtp_draft, paged_decode
 
-    return {"decode_layer": decode_layer.available(), "decoder_layer": decoder_layer.available(), "greedy_head": greedy_head.available(),
+    return {"fused_layer": fused_layer.available(), "decoder_layer": decoder_layer.available(), "greedy_head": greedy_head.available(),
             "moe_experts": moe_experts.available(),
             "mtp_draft": mtp_draft.available(), "paged_decode": paged_decode.available(torch.float32, torch.device("cpu"))}
 

@@ -103,7 +103,7 @@ def test_an_engine_builds_its_kernels_when_it_starts_not_in_its_first_step(tmp_p
     monkeypatch.setattr(build, "_loaded", {})  # as a fresh process (the disk cache may still hold them)
     monkeypatch.setattr(build, "_enabled", True)
     LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=256, num_swa_tokens=256))
-    assert {name for name, *_ in build._loaded} == {"decode_layer", "decoder_layer", "greedy_head", "moe_experts",
+    assert {name for name, *_ in build._loaded} == {"fused_layer", "decoder_layer", "greedy_head", "moe_experts",
                                                        "mtp_draft", "paged_decode"}
     assert all(lib is not None for lib in build._loaded.values())
     monkeypatch.setattr(build, "_loaded", {})

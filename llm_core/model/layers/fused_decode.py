@@ -1,4 +1,4 @@
-"""A decoder layer of an all-decode step as one C call (kernels/native/decode_layer.c).
+"""A decoder layer of an all-decode step as one C call (kernels/native/fused_layer.c).
 
 Serves exactly the steps where each of the layer's parts would already run its own C kernel
 (attention front and out, paged decode attention, the MoE router + experts or the dense MLP) and
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kernels.moe_cpu import NATIVE_ROWS_PER_EXPERT
-from kernels.native import decode_layer as native
+from kernels.native import fused_layer as native
 from kernels.native.decoder_layer import MAX_ROWS
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.attention import Attention

@@ -14,7 +14,7 @@
  * ``layer``: the layer's constants (weights, shapes, kernel addresses), built once per layer;
  * ``step``: the step's decode metadata for this layer's pool (rotary tables, slots, block table),
  * built once per step and pool. Both are int64 arrays indexed by the enums below, which
- * kernels/native/decode_layer.py mirrors.
+ * kernels/native/fused_layer.py mirrors.
  */
 
 #include <stdint.h>

@@ -1,4 +1,4 @@
-"""A decoder layer of an all-decode step in one C call (kernels/native/decode_layer.c) decodes the same
+"""A decoder layer of an all-decode step in one C call (kernels/native/fused_layer.c) decodes the same
 tokens with the same logprobs, bit for bit, as the layer run part by part (each part its own C call),
 at batch 1 and 8 on the tiny model (dense and MoE layers, full and sliding, sinks); it served the
 decode steps' layers; a routing tie still defers to the torch router; a slot outside the pool raises."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.native import build, decode_layer
+from kernels.native import build, fused_layer
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.layers.fused_decode import FusedDecode
 from llm_core.model.layers.moe import SparseMoE
@@ -16,7 +16,7 @@ from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(decode_layer._lib() is None, reason="no C compiler: the torch path serves")]
+              pytest.mark.skipif(fused_layer._lib() is None, reason="no C compiler: the torch path serves")]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _prompts(batch):
 def test_same_tokens_and_logprobs_as_the_layer_part_by_part(ckpt, monkeypatch, batch, tie_router):
     monkeypatch.setattr(build, "_enabled", build.enabled())  # the engines flip the process switch: restore it
     served, ties = [], []
-    real_run, real_call = FusedDecode.run, decode_layer.decode_layer
+    real_run, real_call = FusedDecode.run, fused_layer.decode_layer
 
     def counted_call(*args, **kwargs):
         got = real_call(*args, **kwargs)
@@ -60,7 +60,7 @@ def test_same_tokens_and_logprobs_as_the_layer_part_by_part(ckpt, monkeypatch, b
         return out
 
     monkeypatch.setattr(FusedDecode, "run", counted)
-    monkeypatch.setattr(decode_layer, "decode_layer", counted_call)
+    monkeypatch.setattr(fused_layer, "decode_layer", counted_call)
     prompts = _prompts(batch)
     fused = _generate(ckpt, prompts, tie_router=tie_router)
     assert sum(served) >= 11  # the decode steps' layers (but the last: logits rows only) went through it
@@ -75,12 +75,12 @@ def test_same_tokens_and_logprobs_as_the_layer_part_by_part(ckpt, monkeypatch, b
 def test_a_slot_outside_the_pool_raises_before_writing(ckpt, monkeypatch):
     monkeypatch.setattr(build, "_enabled", build.enabled())
     calls = []
-    real = decode_layer.decode_layer
+    real = fused_layer.decode_layer
 
     def bad_slots(consts, step, x, k_cache, v_cache, decode):
         step = type(step)(*step)
         slots = torch.full((decode.num_tokens,), k_cache.shape[0], dtype=torch.int64)
-        step[decode_layer._STEP.index("slots")] = slots.data_ptr()
+        step[fused_layer._STEP.index("slots")] = slots.data_ptr()
         before = k_cache.clone()
         with pytest.raises(ValueError, match="outside the pool"):
             real(consts, step, x, k_cache, v_cache, decode)
@@ -88,6 +88,6 @@ def test_a_slot_outside_the_pool_raises_before_writing(ckpt, monkeypatch):
         calls.append(1)
         return None  # the part-by-part path serves the step
 
-    monkeypatch.setattr(decode_layer, "decode_layer", bad_slots)
+    monkeypatch.setattr(fused_layer, "decode_layer", bad_slots)
     _generate(ckpt, _prompts(2))
     assert calls

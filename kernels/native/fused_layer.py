@@ -1,4 +1,4 @@
-"""Wrapper of ``decode_layer.c``: a whole decoder layer of an all-decode step in one C call.
+"""Wrapper of ``fused_layer.c``: a whole decoder layer of an all-decode step in one C call.
 
 The call chains the kernels the layer's own wrappers call one by one (``decoder_layer.attention_front``,
 ``paged_decode.decode_attention``, ``decoder_layer.attention_out``, ``moe_experts.moe_route_experts`` /
@@ -25,7 +25,7 @@ from kernels.native.build import library
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {"decode_layer_f32": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr], ctypes.c_int)}
 
-# Field order of the ``layer`` / ``f`` / ``step`` arrays: the enums of decode_layer.c.
+# Field order of the ``layer`` / ``f`` / ``step`` arrays: the enums of fused_layer.c.
 _LAYER = ("front attn out mlp moe h hq hkv d dv r norm_in wqkv sinks wo norm_post i e k w1 w2 w3 bias ngroup "
           "topkgroup renorm").split()
 _STEP = "t cos sin slots table table_cols lens reqs rows page window".split()
@@ -33,7 +33,7 @@ _F32 = torch.float32
 
 
 def _lib() -> ctypes.CDLL | None:
-    return library("decode_layer", signatures=_SIGNATURES)
+    return library("fused_layer", signatures=_SIGNATURES)
 
 
 def available() -> bool:
@@ -47,7 +47,7 @@ def _address(lib: ctypes.CDLL | None, name: str) -> int | None:
 
 @dataclass(frozen=True)
 class LayerConstants:
-    """One layer's weights and shapes as decode_layer.c reads them. ``tensors`` keeps the pointed-to
+    """One layer's weights and shapes as fused_layer.c reads them. ``tensors`` keeps the pointed-to
     tensors alive; ``key`` (their data_ptr()s) tells the layer when its weights were replaced."""
 
     ints: ctypes.Array
