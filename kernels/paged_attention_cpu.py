@@ -21,7 +21,8 @@ window), so it is built once and reused by every layer of that kind:
   hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
   above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill. A chunk
   longer than a block of a sliding layer runs as query blocks, each over the keys its rows can
-  reach (kernels/sliding_prefill_cpu.py): W keys per query, not the whole chunk.
+  reach (kernels/sliding_prefill_cpu.py): W keys per query, not the whole chunk -- or, with a small
+  window and the C kernel built, as C decode rows (below, NATIVE_ANY_ROWS_WINDOW).
 
 Decode rows in fp32 go to the C kernel instead (kernels/native/paged_decode.c, when built and on):
 one call per layer reads each request's keys in place through the block table, so the plan then
@@ -61,6 +62,14 @@ NATIVE_SHORT_ROWS = 8
 # over 2000 keys 4.82 -> 3.06 (full attention there 47.8 -> 43.2, but 0.467 -> 0.747 on demo heads,
 # so full layers keep the lower limit)
 NATIVE_SHORT_ROWS_SLIDING = 64
+# A sliding layer whose window is at most this sends every row of any chunk to the C kernel: each row
+# reads its W keys in place, where the flash band (kernels/sliding_prefill_cpu.py) computes BLOCK + W - 1
+# logits per row at the flash call's fixed cost. Plan + 4 layers, one thread, CPU ms, band -> C rows
+# (benchmarks/sliding_rows.py): 376 fresh rows at W = 8 on the pipeline benchmark's heads (8 / 8 of 24)
+# 5.40 -> 2.02, on the demo model's (4 / 2 of 32) 1.83 -> 0.94; at W = 32 (the demo model) 4.79 -> 4.16
+# and 2.31 -> 1.36; 120 rows after 300 at W = 32 1.08 -> 0.51. At W = 128 the band wins (8.30 -> 14.12,
+# 4.08 -> 4.61), so larger windows keep the row limit above.
+NATIVE_ANY_ROWS_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ class AttentionPlan:
         native = None
         short = []
         if keys is None and paged_decode.available(dtype, device):
-            limit = NATIVE_SHORT_ROWS if window is None else NATIVE_SHORT_ROWS_SLIDING
+            limit = (NATIVE_SHORT_ROWS if window is None else num_tokens if window <= NATIVE_ANY_ROWS_WINDOW
+                     else NATIVE_SHORT_ROWS_SLIDING)
             short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= limit]
         if short:
             # query row i of an n-row request is a decode row whose context ends at its own position

@@ -106,3 +106,46 @@ int dense_mlp_f32(const float *h, int64_t T, int64_t H, int64_t I, const float *
         for (int64_t i = 0; i < T * H; i++) out[i] = residual[i] + out[i];
     return 0;
 }
+
+/* ---- a long prefill step's glue around MKL's projections ------------------------------------------
+ * Past MAX_ROWS rows the projections are compute (MKL's GEMMs, called from torch); what is left between
+ * them is per-row arithmetic that torch spreads over ~10 dispatches per layer on strided views (RoPE's
+ * roll / mul / add, the value scale, two index_copy_, the residual add, the norm's pow / sum / div /
+ * mul). These two calls do it in one pass over the rows each. */
+
+/* qkv [T][N] (row stride ld >= N) from the QKV projection, N = (Hq + Hkv) * D + Hkv * Dv: RoPE on the q
+ * and k heads, value scale on v, in place; k and v stored at slots (< 0: padding, not written). Return 0;
+ * -1 when a slot lies at or past num_slots (checked before anything is written). */
+int rope_store_f32(float *qkv, int64_t T, int64_t ld, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t R,
+                   const float *cos, const float *ssin, float value_scale, float *k_cache, float *v_cache,
+                   int64_t num_slots, const int64_t *slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    const int64_t qk = (Hq + Hkv) * D, kv = Hkv * D, vv = Hkv * Dv, N = qk + vv;
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * ld;
+        if (R > 0)
+            for (int64_t h = 0; h < Hq + Hkv; h++) rope_head(row + h * D, R, cos + t * R, ssin + t * R);
+        if (value_scale != 1.0f)
+            for (int64_t j = qk; j < N; j++) row[j] *= value_scale;
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * kv, row + Hq * D, (size_t)kv * sizeof(float));
+        memcpy(v_cache + slots[t] * vv, row + qk, (size_t)vv * sizeof(float));
+    }
+    return 0;
+}
+
+/* x, delta [T][H] (delta NULL: no add); sum_out [T][H] = x + delta (unused without delta), h [T][H] =
+ * RMSNorm(x + delta) * norm_w. */
+void add_rms_norm_f32(const float *x, const float *delta, int64_t T, int64_t H, const float *norm_w, float eps,
+                      float *sum_out, float *h) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = x + t * H;
+        if (delta) {
+            float *s = sum_out + t * H;
+            for (int64_t k = 0; k < H; k++) s[k] = row[k] + delta[t * H + k];
+            row = s;
+        }
+        rms_row(row, H, norm_w, eps, h + t * H, 1);
+    }
+}

@@ -10,6 +10,10 @@ ValueError before anything is written, as the torch path's ``index_copy_`` raise
 :func:`attention_out` (o_proj -> residual add -> post-attention RMSNorm) returns (x + o_proj(attn),
 the norm of that), or None likewise; :func:`dense_mlp` (a dense layer's SwiGLU MLP plus the residual)
 the MLP's output, or None.
+
+Past ``MAX_ROWS`` rows (a prefill step) MKL runs the projections and two calls do the per-row glue between
+them: :func:`rope_store` (RoPE, value scale, KV store on the projection, in place) and
+:func:`add_rms_norm` (the residual add and the RMSNorm), each None where it cannot take the call.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {"attention_front_f32": ([_ptr, _i64, _i64, _ptr, _f32, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
                                         _ptr, _f32, _ptr, _ptr, _i64, _ptr, _ptr], ctypes.c_int),
                "attention_out_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr], ctypes.c_int),
-               "dense_mlp_f32": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], ctypes.c_int)}
+               "dense_mlp_f32": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], ctypes.c_int),
+               "rope_store_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr,
+                                   _i64, _ptr], ctypes.c_int),
+               "add_rms_norm_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _f32, _ptr, _ptr], None)}
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -128,3 +135,54 @@ def dense_mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
                          None if residual is None else residual.data_ptr(), out.data_ptr()):
         raise MemoryError(f"dense_mlp: no memory for the intermediate rows of {t} x {inter}")
     return out
+
+
+def rope_store(qkv: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+               cos: torch.Tensor, signed_sin: torch.Tensor, value_scale: float, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """The rest of :func:`attention_front` after its projection, on a projection [T, N] torch computed
+    (rows of stride >= N, unit column stride): q and k rotated and v scaled in place, k and v stored at
+    ``slots``. False (nothing done) when the C kernel cannot take the call; raises ValueError for a slot
+    past the pool before anything is written."""
+    if not _f32_cpu(qkv, cos, signed_sin, k_cache, v_cache) or slots.dtype is not torch.int64 or not slots.is_cpu:
+        return False
+    if qkv.dim() != 2 or k_cache.dim() != 3 or v_cache.dim() != 3 or cos.dim() != 3:
+        return False
+    t, rot = qkv.shape[0], cos.shape[-1]
+    n = (num_heads + num_kv_heads) * head_dim + num_kv_heads * v_head_dim
+    if (qkv.shape[1] != n or qkv.stride(1) != 1 or qkv.stride(0) < n or cos.shape != (t, 1, rot)
+            or signed_sin.shape != cos.shape or rot > head_dim or rot % 2 or slots.shape != (t,)
+            or k_cache.shape[1:] != (num_kv_heads, head_dim)
+            or v_cache.shape != (k_cache.shape[0], num_kv_heads, v_head_dim)):
+        return False
+    if not (cos.is_contiguous() and signed_sin.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and slots.is_contiguous()):
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    if lib.rope_store_f32(qkv.data_ptr(), t, qkv.stride(0), num_heads, num_kv_heads, head_dim, v_head_dim, rot,
+                          cos.data_ptr(), signed_sin.data_ptr(), value_scale, k_cache.data_ptr(), v_cache.data_ptr(),
+                          k_cache.shape[0], slots.data_ptr()):
+        raise ValueError(f"a KV slot lies outside the pool of {k_cache.shape[0]} slots")
+    return True
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x [T, H], delta [T, H] or None, norm_weight [H] -> (x + delta, RMSNorm of it * weight); without
+    delta (x, the norm of x). None when the C kernel cannot take the call."""
+    tensors = (x, norm_weight) + (() if delta is None else (delta,))
+    if not _f32_cpu(*tensors) or x.dim() != 2 or norm_weight.shape != (x.shape[1],):
+        return None
+    if not (x.is_contiguous() and norm_weight.is_contiguous()) or (
+            delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    total = x if delta is None else torch.empty_like(x)
+    h = torch.empty_like(x)
+    lib.add_rms_norm_f32(x.data_ptr(), None if delta is None else delta.data_ptr(), x.shape[0], x.shape[1],
+                         norm_weight.data_ptr(), eps, total.data_ptr(), h.data_ptr())
+    return total, h

@@ -1,7 +1,8 @@
 """The C layer glue (kernels/native/decoder_layer.c) == the torch ops it replaces, to fp32 rounding:
 the attention front (input norm -> QKV -> RoPE -> value scale -> KV store) and the attention output
-(o_proj -> residual add -> post-attention norm) and the dense MLP; it refuses what it cannot take and rejects slots
-outside the pool before writing anything."""
+(o_proj -> residual add -> post-attention norm) and the dense MLP, and a long step's glue around torch's
+projections (RoPE + value scale + KV store on the projection; residual add + norm); it refuses what it
+cannot take and rejects slots outside the pool before writing anything."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch.nn import functional as F
 
 from kernels import native, ops
 from kernels.kv_copy_ref import store_kv_ref
-from kernels.native.decoder_layer import attention_front, attention_out, available, dense_mlp
+from kernels.native.decoder_layer import (add_rms_norm, attention_front, attention_out, available, dense_mlp,
+                                          rope_store)
 from llm_core.model.layers.rope import PartialRotary
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or native kernels off")
@@ -152,3 +154,56 @@ def test_dense_mlp_matches_torch(t, dims, with_residual, seed):
     torch.testing.assert_close(dense_mlp(h, w_gate, w_up, w_down, residual), want, rtol=1e-5, atol=1e-5)
     assert dense_mlp(h, w_gate.contiguous() if inter != hidden else w_gate.t(), w_up, w_down) is None
     assert dense_mlp(h.bfloat16(), w_gate, w_up, w_down) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 300), st.sampled_from([(256, 8, 2, 32, 32, 10), (48, 4, 4, 16, 8, 16), (20, 3, 1, 6, 5, 0),
+                                             (256, 8, 8, 24, 16, 8)]),
+       st.sampled_from([1.0, 0.707]), st.booleans(), st.integers(0, 10_000))
+def test_rope_store_on_a_torch_projection_matches_torch(t, dims, value_scale, norm, seed):
+    """Any row count (a prompt's): the projection torch computed, rotated / scaled in place and stored
+    exactly where the torch path stores it; padding slots (-1) untouched."""
+    hidden, hq, hkv, d, dv, rot = dims
+    x, nw, w, cos, sin, slots = front_case(t, hidden, hq, hkv, d, dv, rot, seed=seed, norm=norm, slots_pool=512)
+    pools = [(torch.full((512, hkv, d), float("nan")), torch.full((512, hkv, dv), float("nan"))) for _ in range(2)]
+    want = front_ref(x, nw, w, cos, sin, slots, hq, hkv, d, dv, rot, value_scale, *pools[0])
+    h = x if nw is None else add_rms_norm(x, None, nw, 1e-6)[1]
+    qkv = F.linear(h, w)
+    assert rope_store(qkv, num_heads=hq, num_kv_heads=hkv, head_dim=d, v_head_dim=dv, cos=cos, signed_sin=sin,
+                      value_scale=value_scale, k_cache=pools[1][0], v_cache=pools[1][1], slots=slots)
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-5)
+    for ref, ours in zip(pools[0], pools[1]):
+        assert torch.equal(ref.isnan(), ours.isnan())
+        torch.testing.assert_close(ours.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_store_refuses_what_it_cannot_take_and_bad_slots_raise_before_writing():
+    x, nw, w, cos, sin, slots = front_case(5, 16, 2, 2, 8, 8, 8, seed=1)
+    k, v = torch.zeros(64, 2, 8), torch.zeros(64, 2, 8)
+    qkv = F.linear(x, w)
+    kw = dict(num_heads=2, num_kv_heads=2, head_dim=8, v_head_dim=8, cos=cos, signed_sin=sin, value_scale=1.0,
+              k_cache=k, v_cache=v)
+    assert not rope_store(qkv.double(), **kw, slots=slots)
+    assert not rope_store(qkv, **kw, slots=slots.int())
+    assert not rope_store(qkv.t().contiguous().t(), **kw, slots=slots)  # column-major rows
+    assert not rope_store(qkv[:, :40], **kw, slots=slots)  # not the heads' width
+    bad = slots.clone()
+    bad[3] = 64
+    before = qkv.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        rope_store(qkv, **kw, slots=bad)
+    assert not k.any() and not v.any() and torch.equal(qkv, before)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 300), st.sampled_from([256, 24, 7]), st.booleans(), st.integers(0, 10_000))
+def test_add_rms_norm_matches_torch(t, hidden, with_delta, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, delta = torch.randn(t, hidden, generator=g), torch.randn(t, hidden, generator=g)
+    nw = torch.rand(hidden, generator=g) + 0.5
+    total, h = add_rms_norm(x, delta if with_delta else None, nw, 1e-6)
+    want = x + delta if with_delta else x
+    assert torch.equal(total, want)  # one fp32 add: exact
+    torch.testing.assert_close(h, F.rms_norm(want, (hidden,), nw, 1e-6), rtol=1e-5, atol=1e-5)
+    assert add_rms_norm(x.double(), None, nw.double(), 1e-6) is None
+    assert add_rms_norm(x, delta.t() if t > 1 and hidden > 1 and t != hidden else delta[:, :0], nw, 1e-6) is None

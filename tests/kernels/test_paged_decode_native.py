@@ -84,12 +84,14 @@ def test_matches_reference(width, reqs, heads, dims, page, window, sinks, releas
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_short_multi_row_requests_are_decode_rows_of_the_kernel_long_chunks_keep_flash(width, window):
+def test_short_multi_row_requests_are_decode_rows_of_the_kernel_long_chunks_keep_flash(width, window, monkeypatch):
     """An MTP verify step's 1 + k rows (<= NATIVE_SHORT_ROWS; NATIVE_SHORT_ROWS_SLIDING on a sliding
-    layer) become one kernel row per query, each with the context up to its own position; a longer
-    chunk stays an extend on the flash kernel."""
+    layer whose window is over NATIVE_ANY_ROWS_WINDOW) become one kernel row per query, each with the
+    context up to its own position; a longer chunk stays an extend on the flash kernel."""
+    import kernels.paged_attention_cpu as pac
     from kernels.paged_attention_cpu import NATIVE_SHORT_ROWS, NATIVE_SHORT_ROWS_SLIDING
 
+    monkeypatch.setattr(pac, "NATIVE_ANY_ROWS_WINDOW", 0)  # window 5 counts as a large one here
     long = (NATIVE_SHORT_ROWS if window is None else NATIVE_SHORT_ROWS_SLIDING) + 4
     new_counts, ctx_lens = [1, 4, long, NATIVE_SHORT_ROWS], [30, 21, long + 28, 9]
     q, k, v, table, qsl, lens = pool(7, new_counts, ctx_lens, 4, 2, (8, 6), 4, window, True)
@@ -100,6 +102,25 @@ def test_short_multi_row_requests_are_decode_rows_of_the_kernel_long_chunks_keep
     kw = dict(page_size=4, scale=0.3, window=window, sinks=torch.randn(4))
     got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)
     torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, lens, **kw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 32])
+def test_small_window_sends_every_row_of_a_long_chunk_to_the_kernel(width, window):
+    """A sliding layer with a window of at most NATIVE_ANY_ROWS_WINDOW: every row of a chunk of any
+    length (a whole prompt, earlier context or none) is a kernel row; no extend, no flash band."""
+    from kernels.paged_attention_cpu import NATIVE_ANY_ROWS_WINDOW, NATIVE_SHORT_ROWS_SLIDING
+
+    assert window <= NATIVE_ANY_ROWS_WINDOW
+    long = NATIVE_SHORT_ROWS_SLIDING * 3 + 5
+    new_counts, ctx_lens = [long, 1, long + 40], [long, 50, long + 100]
+    q, k, v, table, qsl, lens = pool(3, new_counts, ctx_lens, 4, 2, (8, 6), 4, window, False)
+    plan = AttentionPlan.build(table, qsl, lens, page_size=4, window=window)
+    assert plan.extends == () and plan.decode_rows.tolist() == list(range(int(qsl[-1])))
+    kw = dict(page_size=4, scale=0.3, window=window, sinks=torch.randn(4))
+    got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)
+    torch.testing.assert_close(got, paged_attention_ref(q, k, v, table, qsl, lens, **kw), rtol=1e-5, atol=1e-5)
+    full = AttentionPlan.build(table, qsl, lens, page_size=4, window=None)  # full layers keep their limit
+    assert [(e.start, e.end) for e in full.extends] == [(0, long), (long + 1, 2 * long + 41)]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=KEEP_FIXTURE)

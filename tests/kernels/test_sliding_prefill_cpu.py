@@ -1,5 +1,5 @@
 """Sliding-layer prefill chunks as query blocks over their own key band (kernels/sliding_prefill_cpu.py),
-or as C decode rows up to NATIVE_SHORT_ROWS_SLIDING rows, == the torch reference, for any block size,
+or as C decode rows (up to NATIVE_SHORT_ROWS_SLIDING rows, any number with a small window), == the torch reference, for any block size,
 window, earlier context and batch mix."""
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def test_blocks_match_the_reference(block, reqs, window, sinks, own_keys, c_rows
     ref = paged_attention_ref(q, k, v, table, qsl, lens, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sliding, "BLOCK", block)
-        if not c_rows:
-            mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 1)  # chunks stay extends
+        if not c_rows:  # chunks stay extends, whatever the window
+            mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 1)
+            mp.setattr(paged_attention_cpu_module, "NATIVE_ANY_ROWS_WINDOW", 0)
         plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=window)
         if not c_rows:
             assert any(e.band is not None for e in plan.extends) == any(n > block for n in new_counts)
@@ -58,6 +59,7 @@ def test_long_sliding_chunks_take_the_band_and_short_ones_do_not():
     q, k, v, table, qsl, lens = make_batch(0, [80, 20], [90, 20], 4, 2, 8, False)
     with pytest.MonkeyPatch.context() as mp:  # 20 rows: not C decode rows here, a short flash chunk
         mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 8)
+        mp.setattr(paged_attention_cpu_module, "NATIVE_ANY_ROWS_WINDOW", 0)  # W = 8: else all C rows
         plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=8)
     long, short = plan.extends
     assert long.band is not None and short.band is None

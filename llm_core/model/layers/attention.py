@@ -8,8 +8,9 @@
 The steps up to the KV store run as one C call (kernels/native/decoder_layer.c, the layer's input
 norm included), and o_proj with the residual add and the post-attention norm as another
 (``residual_out``), for steps of up to ``MAX_ROWS`` rows (decode batches and short prefills such as
-a question after a prefix-cache hit); otherwise, and when a call cannot take the tensors, the torch
-ops below.
+a question after a prefix-cache hit). Longer steps (a prompt) keep MKL's projections and do the glue
+between them in C too: RoPE + value scale + KV store in one call, the norms and the residual add in
+another (``rope_store`` / ``add_rms_norm``). Where a call cannot take the tensors, the torch ops below.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.native.decoder_layer import MAX_ROWS, attention_front, attention_out
+from kernels.native.decoder_layer import MAX_ROWS, add_rms_norm, attention_front, attention_out, rope_store
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.distributed.parallel_layers import column_linear, row_linear
 from llm_core.model.config import ModelConfig
@@ -110,7 +111,12 @@ class Attention(nn.Module):
             fused = attention_out(attn, self.o_proj.weight, x, norm.weight, norm.eps)
             if fused is not None:
                 return fused
-        x = x + self.o_proj(attn)
+        delta = self.o_proj(attn)
+        if x.is_cpu and not torch.compiler.is_compiling():  # a long step: the add and the norm in one C pass
+            fused = add_rms_norm(x, delta, norm.weight, norm.eps)
+            if fused is not None:
+                return fused
+        x = x + delta
         return x, norm(x)
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -126,14 +132,20 @@ class Attention(nn.Module):
             qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
             v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
             return qk[:, : spec.num_heads], qk[:, spec.num_heads :], v
-        qkv = self.qkv_proj(x if norm is None else norm(x))
+        glue = x.is_cpu and not torch.compiler.is_compiling()  # the long step's C glue (module doc) may serve
+        normed = None if norm is None or not glue else add_rms_norm(x, None, norm.weight, norm.eps)
+        qkv = self.qkv_proj(x if norm is None else norm(x) if normed is None else normed[1])
         # q and k heads share head_dim and sit side by side in the projection: rotate them together,
         # in place on the projection's output (no copies of q, k or v).
         qk = qkv[:, : spec.q_size + spec.k_size].view(t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
         v = qkv[:, spec.q_size + spec.k_size :].view(t, spec.num_kv_heads, spec.v_head_dim)
+        cos, sin = self._rotary_tables(batch, x.dtype)
+        if glue and rope_store(qkv, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                               v_head_dim=spec.v_head_dim, cos=cos, signed_sin=sin, value_scale=self.value_scale,
+                               k_cache=k_cache, v_cache=v_cache, slots=slots):
+            return qk[:, : spec.num_heads], qk[:, spec.num_heads :], v
         if self.value_scale != 1.0:  # x * 1.0 == x: skipping the multiply is exact
             v.mul_(self.value_scale)
-        cos, sin = self._rotary_tables(batch, x.dtype)
         self.rotary.apply_(qk, cos, sin)
         q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
         ops.store_kv(k_cache, v_cache, slots, k, v,
