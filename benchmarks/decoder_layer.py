@@ -8,7 +8,10 @@ The calls of a layer (kernels/native/decoder_layer.c, kernels/native/moe_experts
 * **MLP** (layer 0 of the demo model): gate / up -> SiLU * up -> down -> residual add (torch: three
   ``linear``, ``silu``, mul, add);
 * **MoE**: router GEMM -> sigmoid / bias / top-k / renormalise -> experts (torch: the router's ops
-  then the same C experts kernel, i.e. what ``main`` ran before the router moved into C).
+  then the same C experts kernel, i.e. what ``main`` ran before the router moved into C);
+* **LM head** (greedy): the head's GEMM with a running argmax per row (kernels/native/greedy_head.c;
+  torch: ``linear`` then ``argmax``), over 4 heads of 8 MB cycled; the difference column counts the
+  rows whose ids differ.
 
 Rows = decode requests of the step. Shapes: the ``text_throughput.py`` demo model. The calls cycle over
 ``--layers`` layers' weights (more bytes than the last-level cache, so they come from memory as in a
@@ -29,11 +32,12 @@ from torch.nn import functional as F
 
 from kernels import ops
 from kernels.moe_cpu import kernel_layout
-from kernels.native import decoder_layer, moe_experts
+from kernels.native import decoder_layer, greedy_head, moe_experts
 from llm_core.model.layers.rope import PartialRotary
 
 H, HQ, HKV, D, ROT, E, I, TOP_K = 256, 8, 2, 32, 10, 16, 128, 2
 N = (HQ + 2 * HKV) * D
+VOCAB = 8192
 
 
 def layer_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -90,6 +94,14 @@ def moe_c(x, w, step):
     return moe_experts.moe_route_experts(x, w["gate"], w["bias"], w["gate_up"], w["down"], top_k=TOP_K)
 
 
+def head_torch(x, w, step):
+    return F.linear(x, w["head"]).argmax(-1)
+
+
+def head_c(x, w, step):
+    return torch.tensor(greedy_head.lm_head_argmax(x, w["head"]))
+
+
 def case(part: str, fns, rows: int, layers: list[dict], repeats: int, gen: torch.Generator) -> dict:
     x = torch.randn(rows, H, generator=gen)
     cos, sin = PartialRotary(ROT, 10_000.0).tables(torch.randint(0, 4000, (rows,), generator=gen), torch.float32)
@@ -125,6 +137,10 @@ def main() -> None:
              "MoE": (moe_torch, moe_c)}
     results = [case(part, fns, rows, layers, repeats, gen) for part, fns in parts.items()
                for rows in ((1, 32) if args.quick else (1, 8, 32, 64))]
+    if greedy_head.available():  # AVX-512 builds only; from 2 rows (one row stays on MKL's GEMV)
+        heads = [{"head": ops.linear_weight_layout(torch.randn(VOCAB, H, generator=gen) * H**-0.5)} for _ in range(4)]
+        results += [case("LM head", (head_torch, head_c), rows, heads, repeats, gen)
+                    for rows in ((8, 32) if args.quick else (2, 8, 32, 64)) if rows <= greedy_head.MAX_ROWS]
     columns = list(results[0])
     print_table(f"one layer's glue, CPU us per call (median of {repeats}, 1 thread, {len(layers)} layers' "
                 "weights cycled)", columns, [[r[c] for c in columns] for r in results])

@@ -75,7 +75,8 @@ static __attribute__((noinline)) void update_rows(const Running *s, int64_t r0, 
  * accumulators stay in registers (MR = 6: 24 of the 32 vector registers). */
 #define DEFINE_TILE(MR)                                                                                         \
     static void tile_##MR(int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n, int64_t j0,      \
-                          const __mmask16 valid[4], int64_t pf, float *logits) {                                 \
+                          const __mmask16 valid[4], int64_t pf, const float *next, int64_t line0,               \
+                          float *logits) {                                                                      \
         __m512 acc[MR][4] = {0};                                                                                \
         /* pf 0: the stripe is already in cache and the prefetches hit the rows being read */                   \
         const int64_t ahead = pf * n;                                                                           \
@@ -83,6 +84,7 @@ static __attribute__((noinline)) void update_rows(const Running *s, int64_t r0, 
         for (int64_t k = 0; k < kdim; k++) {                                                                    \
             const float *bk = b + k * n + j0;                                                                   \
             for (int v = 0; v < 4; v++) __builtin_prefetch(bk + ahead + 16 * v, 0, 2);                         \
+            next_stripe_line(next, line0 + k, n); /* the tiles after the first: the next stripe */              \
             const __m512 b0 = _mm512_maskz_loadu_ps(m0, bk), b1 = _mm512_maskz_loadu_ps(m1, bk + 16),            \
                          b2 = _mm512_maskz_loadu_ps(m2, bk + 32), b3 = _mm512_maskz_loadu_ps(m3, bk + 48);       \
             const float *ak = a + k * lda;                                                                      \
@@ -186,23 +188,25 @@ int lm_head_argmax_f32(const float *h, int64_t m, int64_t kdim, const float *wt,
     for (int64_t j0 = 0; j0 < n; j0 += 64) {
         __mmask16 valid[4];
         column_masks(n, j0, valid);
-        int64_t r0 = 0;
+        /* small_gemm.h's next_stripe_line: the tiles after the first ask for the next stripe */
+        const float *next = j0 + 64 < n ? wt + j0 + 64 : NULL;
+        int64_t r0 = 0, t = 0;
         /* the first tile of a stripe walks it from memory and asks PF_ROWS rows ahead; the tiles after
          * it find the stripe (K x 256 bytes) in L1/L2 */
-        for (; r0 + 6 <= m; r0 += 6) {
-            tile_6(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, logits);
+        for (; r0 + 6 <= m; r0 += 6, t++) {
+            tile_6(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, next_stripe_for(t, next), (t - 1) * kdim, logits);
             update_rows(&s, r0, 6, logits, j0, valid);
         }
-        for (; r0 + 4 <= m; r0 += 4) {
-            tile_4(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, logits);
+        for (; r0 + 4 <= m; r0 += 4, t++) {
+            tile_4(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, next_stripe_for(t, next), (t - 1) * kdim, logits);
             update_rows(&s, r0, 4, logits, j0, valid);
         }
-        for (; r0 + 2 <= m; r0 += 2) {
-            tile_2(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, logits);
+        for (; r0 + 2 <= m; r0 += 2, t++) {
+            tile_2(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, next_stripe_for(t, next), (t - 1) * kdim, logits);
             update_rows(&s, r0, 2, logits, j0, valid);
         }
-        for (; r0 < m; r0++) {
-            tile_1(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, logits);
+        for (; r0 < m; r0++, t++) {
+            tile_1(kdim, a + r0, m, wt, n, j0, valid, r0 ? 0 : PF_ROWS, next_stripe_for(t, next), (t - 1) * kdim, logits);
             update_rows(&s, r0, 1, logits, j0, valid);
         }
     }
