@@ -2,10 +2,13 @@
 
 Serves exactly the steps where each of the layer's parts would already run its own C kernel
 (attention front and out, paged decode attention, the MoE router + experts or the dense MLP) and
-every row decodes: the same kernels run on the same inputs, chained in C, so tokens and logprobs
-are unchanged. Anywhere else (a prefill row, more than MAX_ROWS rows, tensor / expert parallelism,
-bf16, CUDA, a compiled step, the kernels off) :meth:`FusedDecode.run` returns None and the layer
-runs part by part. An ambiguous routing choice still defers to the torch router, as SparseMoE does.
+every row is a C decode row: a decode, or a row of a short multi-token request (an MTP verify
+step's 1 + k rows; ``AttentionPlan.native_every_row``), which the attention plan already serves as
+decode rows with their own causal lengths. The same kernels run on the same inputs, chained in C,
+so tokens and logprobs are unchanged. Anywhere else (a longer prefill chunk, more than MAX_ROWS
+rows, tensor / expert parallelism, bf16, CUDA, a compiled step, the kernels off)
+:meth:`FusedDecode.run` returns None and the layer runs part by part. An ambiguous routing choice
+still defers to the torch router, as SparseMoE does.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class FusedDecode:
         attn = self.attn
         table = batch.swa_block_table if attn.is_sliding else batch.full_block_table
         plan = attn._plan(batch, x, table)
-        if plan is None or not plan.all_decode or plan.native is None:
+        # every row a C decode row: an all-decode step, or decodes with short multi-token requests
+        # (an MTP verify step's 1 + k rows, each a decode row with its own causal length)
+        if plan is None or not plan.native_every_row:
             return None
         consts = self._constants()
         if consts is None:
