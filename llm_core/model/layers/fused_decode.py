@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe_cpu import NATIVE_ROWS_PER_EXPERT
+from kernels.moe_cpu import native_serves
 from kernels.native import fused_layer as native
 from kernels.native.decoder_layer import MAX_ROWS
 from llm_core.model.forward_batch import ForwardBatch
@@ -51,7 +51,7 @@ class FusedDecode:
         if not self._eligible or t > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
             return None
         mlp = self.mlp
-        if isinstance(mlp, SparseMoE) and not 0 < t * mlp.top_k <= NATIVE_ROWS_PER_EXPERT * mlp.placement.num_local:
+        if isinstance(mlp, SparseMoE) and not native_serves(t, mlp.top_k, mlp.placement.num_local):
             return None
         attn = self.attn
         table = batch.swa_block_table if attn.is_sliding else batch.full_block_table
