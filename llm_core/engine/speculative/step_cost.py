@@ -15,29 +15,33 @@ Batch sizes are bucketed by powers of two; each (bucket, K) keeps an exponential
 
 **Before a level is measured** R is estimated. Once any drafting level of the bucket and its plain
 steps are measured, the others follow that level's measured overhead, scaled by the default's shape in
-K. On a fresh bucket the default is the demo model's shape on the current code (one-call decode layer
-for plain and verify steps, C draft; text, K = 1 / 2 / 3, thread CPU ms per request, plain vs
-drafting step): b1 about 2.1 at K = 3 (0.91 -> 1.48 text, 1.31 -> 2.80 captions), b8 2.4-4.1 (1.1-1.6
-ms plain steps against 3.6-4.7), b32 2.75 / 3.9 / 4.5:
+K. On a fresh bucket the default is the demo model's shape on the current code (text, K = 1 / 2 / 3,
+thread CPU ms per request, plain vs drafting step, single runs on the shared box): b1 about 1.6-2.1
+at K = 3, b8 2.4-4.1, b32 2.75 / 3.9 / 4.5 -- the jump past K = 1 at b32 is the verify leaving the
+one-call layer (more than MAX_ROWS = 64 rows):
 
-    R_default(B, K) = 1 + s(B) * (overhead + per_token * K),   s(B) = min(1 + log2(B) / 3, scale_cap)
+    R_default(B, K) = 1 + s(B) * per_token * K * (past_rows if B * (1 + K) > MAX_ROWS else 1)
+    s(B) = min(1 + 0.4 * log2(B), 3)
 
-so a fresh engine does not open a 128-row verify step at batch 32 on an optimistic prior (the step the
-old flat default of 2.0 let through first), yet drafts at batch 1 right away.
+It is a little optimistic on purpose, so that a fresh engine tries K = 1 at any batch size on an
+optimistic prior and measures it (one step; captions at b32 gain from it), while K = 2-3 at b32 (96-128
+rows part by part) stays shut on the prior alone -- the costly first verify the old flat default of
+2.0 let through at every batch size.
 """
 
 from __future__ import annotations
 
 import math
 
+from kernels.native.decoder_layer import MAX_ROWS
+
 
 class StepCost:
-    def __init__(self, *, overhead: float = 0.5, per_token: float = 0.25, scale_cap: float = 2.7,
-                 decay: float = 0.8) -> None:
-        if overhead < 0.0 or per_token < 0.0 or scale_cap < 1.0:
-            raise ValueError(f"step cost defaults must be >= 0 (scale cap >= 1), got overhead={overhead}, "
-                             f"per_token={per_token}, scale_cap={scale_cap}")
-        self.overhead, self.per_token, self.scale_cap, self.decay = overhead, per_token, scale_cap, decay
+    def __init__(self, *, per_token: float = 0.3, past_rows: float = 1.6, decay: float = 0.8) -> None:
+        if per_token < 0.0 or past_rows < 1.0:
+            raise ValueError(f"step cost defaults: per_token must be >= 0 and past_rows >= 1, got {per_token}, "
+                             f"{past_rows}")
+        self.per_token, self.past_rows, self.decay = per_token, past_rows, decay
         self._per_request: dict[tuple[int, int], float] = {}  # (bucket, K; 0 = plain) -> seconds per request
 
     @staticmethod
@@ -72,14 +76,14 @@ class StepCost:
             if levels:  # the nearest measured level's overhead, scaled by the default's shape in K
                 k = min(levels, key=lambda k: (abs(k - draft), k))
                 extra = max(0.0, self._per_request[(b, k)] / plain - 1.0)
-                shape = self._shape(k)
-                return 1.0 + extra * (self._shape(draft) / shape if shape > 0.0 else 1.0)
+                return 1.0 + extra * self._shape(batch, draft) / self._shape(batch, k)
         return self.default(batch, draft)
 
     def default(self, batch: int, draft: int) -> float:
         """R_default(batch, draft) (module docstring)."""
-        scale = min(1.0 + math.log2(max(1, batch)) / 3.0, self.scale_cap)
-        return 1.0 + scale * self._shape(draft)
+        scale = min(1.0 + 0.4 * math.log2(max(1, batch)), 3.0)
+        return 1.0 + scale * self.per_token * self._shape(batch, draft)
 
-    def _shape(self, draft: int) -> float:
-        return self.overhead + self.per_token * draft
+    def _shape(self, batch: int, draft: int) -> float:
+        """The default's extra cost in K, up to a factor (> 0 for K >= 1)."""
+        return draft * (self.past_rows if batch * (1 + draft) > MAX_ROWS else 1.0)
