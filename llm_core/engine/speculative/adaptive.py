@@ -39,10 +39,10 @@ that gives the most tokens per cost:
     K* = argmax tokens(K) / R(B, K), the smallest K on a tie
 
 and the next step's requests draft at most K* tokens (``step_cap``; the gate is open when K* > 0).
-Requests that never verified count with the prior and are capped like the others: at batch 32 a
-fresh engine does not open a 128-row verify step for every new request on an optimistic prior. A
-level that was never measured is estimated (StepCost's default, or the bucket's measured level
-rescaled), so it is tried only where the estimate says it pays, and then measured. Scouts and probes
+Requests that never verified count with the prior and are capped like the others (once the
+traffic taught the prior that drafts fail, new requests do not open drafting steps). A level that
+was never measured is estimated (StepCost's default, or the bucket's measured level rescaled), so it
+is tried only where the estimate says it pays, and then measured. Scouts and probes
 are not capped (rare, and the only way a low estimate can recover). Otherwise the held-back requests
 are idle, and a step where every entry is an idle decode runs as a plain step (runner.py). This stops
 a minority of requests with middling rates from turning every step into a drafting step for a few

@@ -14,34 +14,23 @@ not inflate) for every step whose entries are all decodes (a prefill chunk would
 Batch sizes are bucketed by powers of two; each (bucket, K) keeps an exponential moving average.
 
 **Before a level is measured** R is estimated. Once any drafting level of the bucket and its plain
-steps are measured, the others follow that level's measured overhead, scaled by the default's shape in
-K. On a fresh bucket the default is the demo model's shape on the current code (text, K = 1 / 2 / 3,
-thread CPU ms per request, plain vs drafting step, single runs on the shared box): b1 about 1.6-2.1
-at K = 3, b8 2.4-4.1, b32 2.75 / 3.9 / 4.5 -- the jump past K = 1 at b32 is the verify leaving the
-one-call layer (more than MAX_ROWS = 64 rows):
-
-    R_default(B, K) = 1 + s(B) * per_token * K * (past_rows if B * (1 + K) > MAX_ROWS else 1)
-    s(B) = min(1 + 0.4 * log2(B), 3)
-
-It is a little optimistic on purpose, so that a fresh engine tries K = 1 at any batch size on an
-optimistic prior and measures it (one step; captions at b32 gain from it), while K = 2-3 at b32 (96-128
-rows part by part) stays shut on the prior alone -- the costly first verify the old flat default of
-2.0 let through at every batch size.
+steps are measured, the others follow that level's measured overhead, in proportion to K. On a fresh
+bucket the default is R_default(K) = 1 + per_token * K (2.0 at K = 3, the old flat default), the same
+at every batch size: an optimistic start that lets the first steps of a fresh engine draft and so
+measure. A pessimistic default that grew with the batch (R_default(32, 3) ~ 5, shaped on text) was
+tried and lost captions at b32 (1.69x -> 1.0x, medians of 4): their long media contexts make a plain
+step dear, so a 19-request step drafting 3 tokens measured only ~2.5 plain steps there, while on text
+at b32 the gate had already shut before the decode steps (the prior learned from the first verify).
 """
 
 from __future__ import annotations
 
-import math
-
-from kernels.native.decoder_layer import MAX_ROWS
-
 
 class StepCost:
-    def __init__(self, *, per_token: float = 0.3, past_rows: float = 1.6, decay: float = 0.8) -> None:
-        if per_token < 0.0 or past_rows < 1.0:
-            raise ValueError(f"step cost defaults: per_token must be >= 0 and past_rows >= 1, got {per_token}, "
-                             f"{past_rows}")
-        self.per_token, self.past_rows, self.decay = per_token, past_rows, decay
+    def __init__(self, *, per_token: float = 1.0 / 3.0, decay: float = 0.8) -> None:
+        if per_token < 0.0:
+            raise ValueError(f"step cost default per draft token must be >= 0, got {per_token}")
+        self.per_token, self.decay = per_token, decay
         self._per_request: dict[tuple[int, int], float] = {}  # (bucket, K; 0 = plain) -> seconds per request
 
     @staticmethod
@@ -73,17 +62,12 @@ class StepCost:
             if (b, draft) in self._per_request:
                 return max(1.0, self._per_request[(b, draft)] / plain)
             levels = [k for (bb, k) in self._per_request if bb == b and k > 0]
-            if levels:  # the nearest measured level's overhead, scaled by the default's shape in K
+            if levels:  # the nearest measured level's overhead, in proportion to K
                 k = min(levels, key=lambda k: (abs(k - draft), k))
                 extra = max(0.0, self._per_request[(b, k)] / plain - 1.0)
-                return 1.0 + extra * self._shape(batch, draft) / self._shape(batch, k)
+                return 1.0 + extra * draft / k
         return self.default(batch, draft)
 
     def default(self, batch: int, draft: int) -> float:
-        """R_default(batch, draft) (module docstring)."""
-        scale = min(1.0 + 0.4 * math.log2(max(1, batch)), 3.0)
-        return 1.0 + scale * self.per_token * self._shape(batch, draft)
-
-    def _shape(self, batch: int, draft: int) -> float:
-        """The default's extra cost in K, up to a factor (> 0 for K >= 1)."""
-        return draft * (self.past_rows if batch * (1 + draft) > MAX_ROWS else 1.0)
+        """R_default(draft) (module docstring; the same at every batch size)."""
+        return 1.0 + self.per_token * max(0, draft)
