@@ -136,19 +136,28 @@ class DraftLength:
         if not self.adaptive or not requests:
             return
         batch = len(requests)
-        # per request: the expected extra tokens of its first j drafts, j = 1 .. k_i
+        # per request: the expected extra tokens of its first j drafts, j = 1 .. k_i; requests share
+        # few distinct rates (the prior, 0 / 1 after a probe), so each is worked out once (a b32
+        # step's bookkeeping is ~0.1 ms of Python, ~3 % of its plain step)
+        by_rate: dict[float, list[float]] = {}
         gains = []
         for request in requests:
             track = self._tracks.get(request)
             rate = self.prior.rate if track is None else track.rate
-            gains.append([rate ** i for i in range(1, self._k(rate, batch) + 1)])
+            g = by_rate.get(rate)
+            if g is None:
+                g = by_rate[rate] = [rate ** i for i in range(1, self._k(rate, batch) + 1)]
+            gains.append(g)
         self.step_cap = self.best_cap(batch, gains)
 
     def best_cap(self, batch: int, gains: list[list[float]]) -> int:
         """argmax over K of (batch + sum of the first K entries of each request's gains) / R(batch, K)."""
+        counts: dict[int, list] = {}  # the same list object for requests of the same rate: summed once
+        for g in gains:
+            counts.setdefault(id(g), [g, 0])[1] += 1
         best, best_value = 0, 1.0  # K = 0: batch tokens at the cost of one plain step, per request
         for cap in range(1, self.max_k + 1):
-            tokens = batch + sum(sum(g[:cap]) for g in gains)
+            tokens = batch + sum(n * sum(g[:cap]) for g, n in counts.values())
             value = tokens / (batch * self.cost.ratio(batch, cap))
             if value > best_value + 1e-9:
                 best, best_value = cap, value
