@@ -63,9 +63,9 @@ NATIVE_ROWS_PER_EXPERT = 8
 # Tokens up to which the C kernel serves however few experts share them (the layer glue's MAX_ROWS: a
 # decode batch, an MTP verify step's R x (1 + k) rows, a short chunk). With few experts the mean above
 # is passed early, yet the weights are small and read once either way: the committed demo model's 4
-# experts, top-2, one layer, 1 thread, warm caches, CPU ms torch -> C (median of 30): 32 tokens (16 rows per
-# expert) 0.43 -> 0.15, 64 tokens (32) 0.52 -> 0.23, 128 tokens 1.12 -> 0.43. Models with 16 or
-# more experts (top-2) are already under the mean at 64 tokens.
+# experts, top-2, one layer, 1 thread, warm caches, CPU ms torch -> C (median of 30): 32 tokens (16
+# rows per expert) 0.43 -> 0.15, 64 tokens (32) 0.52 -> 0.23, 128 tokens 1.12 -> 0.43. Models with 16
+# or more experts (top-2) are already under the mean at 64 tokens.
 NATIVE_TOKENS = 64
 
 SMALL_M = 8  # up to this many rows a batch may run dense ...
