@@ -99,6 +99,10 @@ class AttentionPlan:
     # the pages, no key grid; None when it cannot serve the step (not fp32 on CPU, kernels off). When
     # set, decode_slots / decode_mask are None unless a fixed grid width was asked for (a compiled step)
     native: paged_decode.DecodeRows | None = None
+    # ``native`` holds every flat row, in order (row i is its row i): an all-decode step, or one whose
+    # requests are all decodes and short multi-token requests (an MTP verify step) -- what a decoder
+    # layer's one C call (llm_core/model/layers/fused_decode.py) can serve
+    native_every_row: bool = False
 
     @staticmethod
     def build(
@@ -178,7 +182,9 @@ class AttentionPlan:
                 m = _extend_mask(n, seq_len - first, window, dtype, device)
             extends.append(_Extend(start, end, pages * page_size + pos_k % page_size, m, fresh, band))
         all_decode = not short and len(decode) == num_tokens == num_requests
-        return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends), native)
+        # the rows were listed in request order, each request's rows ascending: all of them is 0 .. T-1
+        every_row = native is not None and native.rows.shape[0] == num_tokens
+        return AttentionPlan(num_tokens, rows, all_decode, slots, kmax, mask, tuple(extends), native, every_row)
 
     @staticmethod
     def decode_steps(block_table: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None,
@@ -198,7 +204,7 @@ class AttentionPlan:
             return [AttentionPlan(len(picked), torch.arange(len(picked), device=device), True, None, 0, None, (),
                                   paged_decode.DecodeRows.build(block_table, lens[s], picked, list(range(len(picked))),
                                                                 num_tokens=len(picked), page_size=page_size,
-                                                                window=window))
+                                                                window=window), True)
                     for s, picked in enumerate(rows)]
         first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
         span = lens - first

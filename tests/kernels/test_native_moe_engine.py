@@ -14,6 +14,8 @@ from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.layers import attention as attention_layer
 from llm_core.model.layers import mlp as mlp_layer
 from llm_core.model.layers import moe as moe_layer
+from llm_core.model.layers.fused_decode import FusedDecode
+from llm_core.model.layers.mlp import DenseMLP
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -60,14 +62,24 @@ def test_tokens_equal_with_native_kernels_on_and_off(model, batch, monkeypatch, 
     for module, name in ((attention_layer, "attention_front"), (attention_layer, "attention_out"),
                          (mlp_layer, "dense_mlp")):
         monkeypatch.setattr(module, name, spy(getattr(module, name), glue))
+    fused, real_run = [], FusedDecode.run
+
+    def fused_run(self, *args):
+        out = real_run(self, *args)
+        if out is not None:  # the layer's parts ran in C inside the one call
+            fused.extend(("attention_front", "attention_out") + (("dense_mlp",) if isinstance(self.mlp, DenseMLP) else ()))
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run", fused_run)
     off = generate(model, prompts, native_on=False)
-    assert not any(ok for _, ok in served + glue)
+    assert not any(ok for _, ok in served + glue) and not fused
     served.clear()
     glue.clear()
     on = generate(model, prompts, native_on=True)
     assert served and all(ok for _, ok in served)
-    # every decode step's layers went through both glue calls (prompt chunks without decode rows keep torch)
-    assert {name for name, ok in glue if ok} == {"attention_front", "attention_out", "dense_mlp"}
+    # every layer's glue and dense MLP ran in C: in their own calls (prompt chunks past the C attention's
+    # short rows) or inside a decoder layer's one call (decode steps, short chunks)
+    assert {name for name, ok in glue if ok} | set(fused) == {"attention_front", "attention_out", "dense_mlp"}
     assert all(ok for _, ok in glue)
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids

@@ -87,8 +87,9 @@ def test_bad_expert_ids_and_shapes_raise():
 
 
 def test_experts_cpu_routes_few_rows_per_expert_to_the_kernel(monkeypatch):
-    """experts_cpu takes the C kernel up to NATIVE_ROWS_PER_EXPERT rows per expert on average and
-    grouped_mm past it; both give the reference's values."""
+    """experts_cpu takes the C kernel up to NATIVE_ROWS_PER_EXPERT rows per expert on average, or up to
+    NATIVE_TOKENS tokens however few experts share them, and grouped_mm past both; both give the
+    reference's values."""
     served = []
 
     def spy(*args):
@@ -96,8 +97,16 @@ def test_experts_cpu_routes_few_rows_per_expert_to_the_kernel(monkeypatch):
         return moe_experts(*args)
 
     monkeypatch.setattr(moe_cpu, "moe_experts", spy)
-    limit = moe_cpu.NATIVE_ROWS_PER_EXPERT * 8 // 2  # tokens at the limit: 8 experts, top-2
+    tokens_limit = moe_cpu.NATIVE_TOKENS
+    limit = moe_cpu.NATIVE_ROWS_PER_EXPERT * 32 // 2  # tokens at the mean's limit: 32 experts, top-2
+    assert limit > tokens_limit
     for tokens in (1, 5, limit, limit + 1):
-        args = case(tokens, 32, 16, 8, 2, seed=tokens)
+        args = case(tokens, 32, 16, 32, 2, seed=tokens)
         torch.testing.assert_close(experts_cpu(*args), experts_ref(*args), rtol=1e-5, atol=1e-5)
     assert served == [1, 5, limit]
+    served.clear()
+    assert moe_cpu.NATIVE_ROWS_PER_EXPERT * 4 // 2 < tokens_limit  # 4 experts: the token limit is the larger
+    for tokens in (tokens_limit, tokens_limit + 1):
+        args = case(tokens, 32, 16, 4, 2, seed=tokens)
+        torch.testing.assert_close(experts_cpu(*args), experts_ref(*args), rtol=1e-5, atol=1e-5)
+    assert served == [tokens_limit]

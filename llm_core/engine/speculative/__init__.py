@@ -5,7 +5,7 @@
     verify.py     accepted prefix + one bonus token: greedy (exact match) or rejection sampling
     adaptive.py   DraftLength: k per request from its recent acceptance and the batch size; the step gate
     acceptance_prior.py  AcceptancePrior: the engine-wide acceptance a new request starts from
-    step_cost.py  StepCost: a drafting step's measured cost in plain steps, per batch size
+    step_cost.py  StepCost: a drafting step's measured cost in plain steps, per batch size and draft cap
     runner.py     SpeculativeRunner: draft -> one target forward over 1 + k tokens -> verify
     stats.py      SpecStats: drafted / accepted counters and the accepted-length histogram
 

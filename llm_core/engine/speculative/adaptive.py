@@ -29,16 +29,26 @@ fell low would keep every new request at k = 0 at large batches (no probes run t
 traffic changed, so every ``scout_every``-th request that would start at 0 starts at ``max_k`` (a
 scout): its verify feeds the prior.
 
-**The step gate.** Drafting costs mostly per step (step_cost.py: draft, extend, the target's mixed
-attention path): a drafting step of B requests costs R(B) plain steps, R measured on the engine
-thread. After each step ``plan`` sums the expected extra tokens of the requests that would draft,
-G = sum over requests of r + r^2 + ... + r^k, and the next step drafts only if G >= (R - 1) * B,
-the extra tokens that pay for the extra cost. Otherwise no measured request drafts (probes and
-scouts aside; a request that never verified starts from the prior, else a gate closed on priors
-would never see evidence) and the held-back requests are idle. A step where every entry is an idle
-decode runs as a plain step (runner.py). This stops a minority of requests with
-middling rates from turning every step into a drafting step for a few expected tokens (text at batch
-8: 4 of 8 requests drafting 1-2 tokens doubled a step's cost and gained nothing).
+**The step gate.** Drafting costs mostly per step (step_cost.py: draft, extend, verify rows), and
+how much depends on K, the step's largest draft length: a step of B requests drafting up to K tokens
+costs R(B, K) plain steps, measured on the engine thread per (batch-size bucket, K). After each step
+``plan`` takes the requests of that step, each with the k its rate allows (k_i), and picks the cap K
+that gives the most tokens per cost:
+
+    tokens(K) = B + sum over requests of (r + r^2 + ... + r^min(K, k_i))      (K = 0: B, cost 1)
+    K* = argmax tokens(K) / R(B, K), the smallest K on a tie
+
+and the next step's requests draft at most K* tokens (``step_cap``; the gate is open when K* > 0).
+Requests that never verified count with the prior and are capped like the others (once the
+traffic taught the prior that drafts fail, new requests do not open drafting steps). A level that
+was never measured is estimated (StepCost's default, or the bucket's measured level rescaled), so it
+is tried only where the estimate says it pays, and then measured. Scouts and probes
+are not capped (rare, and the only way a low estimate can recover). Otherwise the held-back requests
+are idle, and a step where every entry is an idle decode runs as a plain step (runner.py). This stops
+a minority of requests with middling rates from turning every step into a drafting step for a few
+expected tokens (text at batch 8: 4 of 8 requests drafting 1-2 tokens doubled a step's cost and
+gained nothing), and a batch whose drafts pay at K = 1 (64 rows, one C call per layer) from paying
+for K = 3 (128 rows, part by part).
 """
 
 from __future__ import annotations
@@ -70,7 +80,7 @@ class DraftLength:
         self.cost = cost if cost is not None else StepCost()
         self._tracks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.steps = 0  # engine steps so far (SpeculativeRunner counts them): the probe clock
-        self.gate_open = True  # the step gate (``plan``); open on a fresh engine
+        self.step_cap = max_k  # the step gate (``plan``): the most tokens a request drafts next step
         self._zero_starts = 0  # requests that started at k = 0 (every scout_every-th one scouts)
 
     def threshold(self, batch: int) -> float:
@@ -84,9 +94,7 @@ class DraftLength:
         track = self._track(request, batch)
         if track.scout and not track.measured:
             return self.max_k
-        # the gate holds back measured requests only: one that has never verified starts from the prior
-        # and measures itself, else a gate closed on priors would never see evidence to reopen
-        k = self._k(track.rate, batch) if self.gate_open or not track.measured else 0
+        k = min(self._k(track.rate, batch), self.step_cap)
         # probe only where one accepted probe could bring the request back (rate 0 -> 1 - decay):
         # at large batches a probe step (every request 2 tokens) costs several plain steps
         if k == 0 and track.measured and self.steps % self.probe_every == 0 and self._probes(batch):
@@ -99,7 +107,7 @@ class DraftLength:
         track = self._tracks.get(request)
         if not self.adaptive or track is None or (track.scout and not track.measured):
             return False
-        if track.rate < self.min_gain or (track.measured and not self.gate_open):
+        if track.rate < self.min_gain or not self.gate_open:
             return True  # drafts only in probe steps: its MTP KV is not worth keeping until then
         return track.rate < self.threshold(batch) and not self._probes(batch)
 
@@ -118,18 +126,42 @@ class DraftLength:
         else:
             track.rate = self.decay * track.rate + (1.0 - self.decay) * sample
 
+    @property
+    def gate_open(self) -> bool:
+        return self.step_cap > 0
+
     def plan(self, requests: list) -> None:
-        """Open or close the step gate for the next step from the requests of this one: drafting pays
-        when their expected extra tokens reach (R - 1) plain steps' worth of tokens."""
+        """Set the step gate for the next step from the requests of this one: the draft cap K that
+        gives the most expected tokens per measured (or estimated) step cost (module docstring)."""
         if not self.adaptive or not requests:
             return
         batch = len(requests)
-        gain = 0.0
+        # per request: the expected extra tokens of its first j drafts, j = 1 .. k_i; requests share
+        # few distinct rates (the prior, 0 / 1 after a probe), so each is worked out once (a b32
+        # step's bookkeeping is ~0.1 ms of Python, ~3 % of its plain step)
+        by_rate: dict[float, list[float]] = {}
+        gains = []
         for request in requests:
             track = self._tracks.get(request)
             rate = self.prior.rate if track is None else track.rate
-            gain += sum(rate ** i for i in range(1, self._k(rate, batch) + 1))
-        self.gate_open = gain >= (self.cost.ratio(batch) - 1.0) * batch
+            g = by_rate.get(rate)
+            if g is None:
+                g = by_rate[rate] = [rate ** i for i in range(1, self._k(rate, batch) + 1)]
+            gains.append(g)
+        self.step_cap = self.best_cap(batch, gains)
+
+    def best_cap(self, batch: int, gains: list[list[float]]) -> int:
+        """argmax over K of (batch + sum of the first K entries of each request's gains) / R(batch, K)."""
+        counts: dict[int, list] = {}  # the same list object for requests of the same rate: summed once
+        for g in gains:
+            counts.setdefault(id(g), [g, 0])[1] += 1
+        best, best_value = 0, 1.0  # K = 0: batch tokens at the cost of one plain step, per request
+        for cap in range(1, self.max_k + 1):
+            tokens = batch + sum(n * sum(g[:cap]) for g, n in counts.values())
+            value = tokens / (batch * self.cost.ratio(batch, cap))
+            if value > best_value + 1e-9:
+                best, best_value = cap, value
+        return best
 
     def rate(self, request) -> float | None:
         """The request's own measured rate (None before its first verify)."""

@@ -74,7 +74,7 @@ class SpeculativeRunner:
         # what this step cost feeds the step gate (adaptive.py, step_cost.py): decode-only steps
         # only, a prefill chunk would dominate the time
         if all(e.start >= e.request.num_prompt_tokens for e in entries):
-            self.draft_length.cost.record(len(entries), any(e.num_draft_tokens for e in entries),
+            self.draft_length.cost.record(len(entries), max((e.num_draft_tokens for e in entries), default=0),
                                           time.thread_time() - started)
         self.draft_length.plan([e.request for e in entries])
         return result

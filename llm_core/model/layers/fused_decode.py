@@ -2,10 +2,13 @@
 
 Serves exactly the steps where each of the layer's parts would already run its own C kernel
 (attention front and out, paged decode attention, the MoE router + experts or the dense MLP) and
-every row decodes: the same kernels run on the same inputs, chained in C, so tokens and logprobs
-are unchanged. Anywhere else (a prefill row, more than MAX_ROWS rows, tensor / expert parallelism,
-bf16, CUDA, a compiled step, the kernels off) :meth:`FusedDecode.run` returns None and the layer
-runs part by part. An ambiguous routing choice still defers to the torch router, as SparseMoE does.
+every row is a C decode row: a decode, or a row of a short multi-token request (an MTP verify
+step's 1 + k rows; ``AttentionPlan.native_every_row``), which the attention plan already serves as
+decode rows with their own causal lengths. The same kernels run on the same inputs, chained in C,
+so tokens and logprobs are unchanged. Anywhere else (a longer prefill chunk, more than MAX_ROWS
+rows, tensor / expert parallelism, bf16, CUDA, a compiled step, the kernels off)
+:meth:`FusedDecode.run` returns None and the layer runs part by part. An ambiguous routing choice
+still defers to the torch router, as SparseMoE does.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe_cpu import NATIVE_ROWS_PER_EXPERT
+from kernels.moe_cpu import native_serves
 from kernels.native import fused_layer as native
 from kernels.native.decoder_layer import MAX_ROWS
 from llm_core.model.forward_batch import ForwardBatch
@@ -48,12 +51,14 @@ class FusedDecode:
         if not self._eligible or t > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
             return None
         mlp = self.mlp
-        if isinstance(mlp, SparseMoE) and not 0 < t * mlp.top_k <= NATIVE_ROWS_PER_EXPERT * mlp.placement.num_local:
+        if isinstance(mlp, SparseMoE) and not native_serves(t, mlp.top_k, mlp.placement.num_local):
             return None
         attn = self.attn
         table = batch.swa_block_table if attn.is_sliding else batch.full_block_table
         plan = attn._plan(batch, x, table)
-        if plan is None or not plan.all_decode or plan.native is None:
+        # every row a C decode row: an all-decode step, or decodes with short multi-token requests
+        # (an MTP verify step's 1 + k rows, each a decode row with its own causal length)
+        if plan is None or not plan.native_every_row:
             return None
         consts = self._constants()
         if consts is None:

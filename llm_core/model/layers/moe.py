@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import ops
-from kernels.moe_cpu import NATIVE_ROWS_PER_EXPERT
+from kernels.moe_cpu import native_serves
 from kernels.native.moe_experts import moe_route_experts
 from llm_core.distributed.expert_parallel import ExpertShard
 from llm_core.distributed.parallel_context import ParallelContext
@@ -92,9 +92,8 @@ class SparseMoE(nn.Module):
     def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """Router and experts in one C call (kernels/native/moe_experts.c) for the few rows per expert
         the C experts kernel serves anyway, on one rank, eager; None: the torch router serves."""
-        rows = x.shape[0] * self.top_k
         if (self.placement.ctx.world_size != 1 or not x.is_cpu or torch.compiler.is_compiling()
-                or not 0 < rows <= NATIVE_ROWS_PER_EXPERT * self.placement.num_local):
+                or not native_serves(x.shape[0], self.top_k, self.placement.num_local)):
             return None
         return moe_route_experts(x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.gate_up_proj,
                                  self.experts.down_proj, top_k=self.top_k, n_group=self.n_group,

@@ -22,11 +22,12 @@ class Req:
     """A request stand-in (DraftLength only keys weak references by it)."""
 
 
-def measured_cost(ratio: float, *batches: int) -> StepCost:
+def measured_cost(ratio: float, *batches: int, draft: int = 3) -> StepCost:
+    """Steps drafting up to ``draft`` tokens measured at ``ratio`` plain steps (other levels estimated)."""
     cost = StepCost()
     for b in batches:
-        cost.record(b, False, 0.001 * b)
-        cost.record(b, True, 0.001 * b * ratio)
+        cost.record(b, 0, 0.001 * b)
+        cost.record(b, draft, 0.001 * b * ratio)
     return cost
 
 
@@ -92,7 +93,7 @@ def test_new_requests_start_from_the_prior():
 
 def test_step_gate_closes_for_a_few_middling_requests_and_opens_for_good_ones():
     dl = DraftLength(3, cost=measured_cost(2.0, 8))
-    assert dl.cost.ratio(8) == pytest.approx(2.0) and dl.cost.ratio(1) == dl.cost.default_ratio
+    assert dl.cost.ratio(8, 3) == pytest.approx(2.0) and dl.cost.ratio(1, 3) == dl.cost.default(1, 3)
     batch = [Req() for _ in range(8)]
     for i, r in enumerate(batch):
         dl.update(r, 3, 2 if i < 4 else 0)  # half of them 2 of 3, the rest nothing
@@ -107,9 +108,9 @@ def test_step_gate_closes_for_a_few_middling_requests_and_opens_for_good_ones():
     assert dl.gate_open and all(dl.choose(r, 8) >= 1 for r in batch) and not any(dl.idle(r, 8) for r in batch)
     cheap = DraftLength(3, cost=measured_cost(1.0, 8))  # drafting costs nothing extra: never gated
     for i, r in enumerate(batch):
-        cheap.update(r, 3, 1 if i < 2 else 0)
+        cheap.update(r, 3, 2 if i < 2 else 0)
     cheap.plan(batch)
-    assert cheap.gate_open
+    assert cheap.gate_open and cheap.step_cap == 2  # the 2-of-3 requests' k at batch 8
 
 
 def test_scouts_keep_a_low_prior_learning_at_large_batches():
@@ -127,20 +128,91 @@ def test_scouts_keep_a_low_prior_learning_at_large_batches():
     assert dl.prior.rate > low and dl.choose(scout, 32) == 3
 
 
-def test_step_cost_is_per_request_and_bucketed():
-    cost = StepCost(default_ratio=1.5)
-    assert cost.ratio(8) == 1.5
-    cost.record(8, False, 0.008)
-    assert cost.ratio(8) == 1.5  # only plain steps seen
-    cost.record(12, True, 0.024)  # 12 requests: same bucket as 8, 2 ms each against 1 ms
-    assert cost.ratio(8) == pytest.approx(2.0) and cost.ratio(32) == 1.5
-    cost.record(8, True, 0.004)  # cheaper than plain (noise): never below 1
-    cost.record(8, True, 0.004)
-    cost.record(8, True, 0.004)
-    assert cost.ratio(8) >= 1.0
-    cost.record(8, True, 0.0)  # a zero-time sample (clock resolution) is not a measurement
-    with pytest.raises(ValueError, match="ratio"):
-        StepCost(default_ratio=0.5)
+def test_step_cost_is_per_request_bucketed_and_per_draft_cap():
+    cost = StepCost()
+    assert cost.ratio(8, 0) == 1.0 and cost.ratio(8, 2) == cost.default(8, 2)
+    assert cost.default(8, 3) == pytest.approx(2.0) and cost.default(8, 1) < cost.default(8, 3)
+    cost.record(8, 0, 0.008)
+    assert cost.ratio(8, 3) == cost.default(8, 3) and not cost.measured(8, 3)  # only plain steps seen
+    cost.record(12, 3, 0.036)  # 12 requests: same bucket as 8, 3 ms each against 1 ms
+    assert cost.measured(8, 3) and cost.ratio(8, 3) == pytest.approx(3.0) and cost.ratio(32, 3) == cost.default(32, 3)
+    assert cost.ratio(8, 1) == pytest.approx(1.0 + 2.0 / 3)  # unmeasured: the measured level's overhead per K
+    cost.record(8, 1, 0.012)
+    assert cost.ratio(8, 1) == pytest.approx(1.5) and cost.ratio(8, 3) == pytest.approx(3.0)
+    assert cost.ratio(8, 2) == pytest.approx(2.0)  # the nearest level, the smaller on a tie
+    for _ in range(4):
+        cost.record(8, 3, 0.004)  # cheaper than plain (noise): never below 1
+    assert cost.ratio(8, 3) >= 1.0
+    cost.record(8, 3, 0.0)  # a zero-time sample (clock resolution) is not a measurement
+    with pytest.raises(ValueError, match="step cost"):
+        StepCost(per_token=-1.0)
+
+
+def test_gate_on_a_fresh_engine_drafts_to_measure():
+    """Defaults only, the optimistic prior (rate 1): every batch size drafts all 3 tokens (4 tokens for
+    an estimated 2 plain steps), so the first steps measure what drafting costs."""
+    for batch in (1, 8, 32):
+        dl = DraftLength(3)
+        reqs = [Req() for _ in range(batch)]
+        dl.plan(reqs)
+        assert dl.step_cap == 3 and [dl.choose(r, batch) for r in reqs] == [3] * batch
+
+
+def test_gate_picks_the_cap_with_the_most_tokens_per_measured_cost():
+    """Batch 32, rate 0.95: K = 1 (64 verify rows, one C call per layer) measured at 1.8 plain steps,
+    K = 3 (128 rows, part by part) at 4.5: the gate tries K = 2 (estimated from K = 1 at 2.6 for 2.85
+    tokens), measures it dear and settles on K = 1, then shuts when K = 1 gets dearer than its 1.95
+    tokens; batch 8 likewise from K = 1 alone."""
+    cost = StepCost()
+    for k, ratio in ((0, 1.0), (1, 1.8), (3, 4.5)):
+        cost.record(32, k, 0.032 * ratio)
+    dl = DraftLength(3, cost=cost)
+    reqs = [Req() for _ in range(32)]
+    for r in reqs:
+        dl.update(r, 20, 19)  # rate 0.95: k_i = 2 at batch 32 (0.95^3 < threshold 0.9)
+    assert dl._k(0.95, 32) == 2
+    dl.plan(reqs)
+    assert dl.step_cap == 2 and not cost.measured(32, 2)  # estimated from K = 1 at 2.6: worth a try
+    cost.record(32, 2, 0.032 * 3.5)
+    dl.plan(reqs)
+    assert dl.step_cap == 1 and [dl.choose(r, 32) for r in reqs] == [1] * 32
+    for _ in range(3):
+        cost.record(32, 1, 0.032 * 2.5)
+    dl.plan(reqs)
+    assert dl.step_cap == 0 and all(dl.idle(r, 32) for r in reqs)
+
+    cost = StepCost()
+    cost.record(8, 0, 0.008)
+    cost.record(8, 1, 0.008 * 1.3)
+    dl = DraftLength(3, cost=cost)
+    reqs = reqs[:8]
+    for r in reqs:
+        dl.update(r, 20, 19)
+    dl.plan(reqs)
+    assert dl.step_cap == 3 and not cost.measured(8, 3)  # estimated 1.9 for 3.7 tokens: worth a step
+    cost.record(8, 3, 0.008 * 3.5)
+    dl.plan(reqs)
+    assert dl.step_cap == 2  # measured dear; K = 2, estimated from K = 1 (1.6), gives the most per cost
+
+
+def test_gate_closes_on_low_acceptance_and_reopens_at_batch_1_through_probes():
+    """Text-like traffic (rate ~0.3) at batch 1 with measured costs: the gate closes; the requests then
+    probe one token every probe_every steps, and good probes reopen it."""
+    cost = StepCost()
+    for k, ratio in ((0, 1.0), (1, 1.4), (2, 1.6), (3, 1.8)):
+        cost.record(1, k, 0.001 * ratio)
+    dl = DraftLength(3, cost=cost, probe_every=4)
+    r = Req()
+    dl.update(r, 3, 1)  # rate 0.33: 1.33 tokens for 1.4 plain steps' cost
+    dl.plan([r])
+    dl.steps = 1  # not a probe step
+    assert dl.step_cap == 0 and dl.choose(r, 1) == 0 and dl.idle(r, 1)
+    dl.steps = 4
+    assert dl.choose(r, 1) == 1  # a probe
+    for _ in range(4):
+        dl.update(r, 1, 1)
+    dl.plan([r])
+    assert dl.step_cap == 3 and dl.choose(r, 1) == 3
 
 
 @settings(max_examples=60, deadline=None)

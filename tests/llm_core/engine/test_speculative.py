@@ -260,19 +260,25 @@ def test_kv_only_extend_stores_what_the_full_layer_stores(model, monkeypatch, mo
 @pytest.mark.parametrize("mode", ["first", "chain"])
 def test_lone_request_verify_rows_through_the_c_kernel_equal_flash(model, monkeypatch, mode):
     """Batch 1: a verify step's 1 + k rows go to the C decode kernel, one decode row per query
-    (kernels/paged_attention_cpu.py); the tokens equal the flash path's (kernels off) and plain decoding's."""
-    from kernels.native import build, paged_decode
+    (kernels/paged_attention_cpu.py; inside the one-call layer, kernels/native/fused_layer.c, or the
+    layer's own attention call); the tokens equal the flash path's (kernels off) and plain decoding's."""
+    from kernels.native import build, fused_layer, paged_decode
 
     if paged_decode._lib() is None:
         pytest.skip("no C compiler: the flash path serves")
     monkeypatch.setattr(build, "_enabled", build.enabled())  # the engines flip the process switch: restore it
-    rows, real = [], paged_decode.decode_attention
+    rows, real, real_layer = [], paged_decode.decode_attention, fused_layer.decode_layer
 
     def counted(q, k_cache, v_cache, decode, **kw):
         rows.append(decode.rows.numel())
         return real(q, k_cache, v_cache, decode, **kw)
 
+    def counted_layer(consts, step, x, k_cache, v_cache, decode):
+        rows.append(decode.rows.numel())
+        return real_layer(consts, step, x, k_cache, v_cache, decode)
+
     monkeypatch.setattr(paged_decode, "decode_attention", counted)
+    monkeypatch.setattr(fused_layer, "decode_layer", counted_layer)
     prompts = [ids(70, 9), ids(71, 23)]
     ref, table = reference_outputs(model, prompts, max_num_seqs=1)
     outs = {}
