@@ -54,7 +54,7 @@ class EmbeddingStream:
 
     def __init__(self, prompt_len: int, spans: Sequence[PlaceholderSpan], hidden_size: int,
                  on_progress: Callable[[], None] | None = None, device: torch.device | None = None,
-                 min_advance: int = 0) -> None:
+                 min_advance: int = 0, encoder_busy: Callable[[], bool] | None = None) -> None:
         """``device``: the LLM's (rank 0's) device; rows encoded elsewhere (an encoder on its own GPU)
         start their copy there as they arrive, without blocking, long before prefill reads them.
         ``min_advance``: ``ready_until`` moves only by at least this many positions, or to the end
@@ -63,7 +63,9 @@ class EmbeddingStream:
         fewer placeholder rows than that are still missing, the bar drops to what is missing: the
         rows held back would otherwise all land in the last step, after the last unit arrives,
         where they add to the time to first token instead of overlapping the encoder (see
-        ``ready_until``)."""
+        ``ready_until``) -- unless ``encoder_busy()`` says encoder work is queued: then the
+        encoder, not the prefill, is what the first token waits for, and an early step would only
+        take CPU from it."""
         spans = list(spans)
         for a, b in zip(spans, spans[1:]):
             if b.start < a.end:
@@ -86,6 +88,7 @@ class EmbeddingStream:
         self._min_advance = min_advance
         self._reported = 0  # what ready_until last said (monotonic)
         self._missing_rows = sum(s.length for s in spans)  # rows of the spans not filled yet
+        self._encoder_busy = encoder_busy
 
     # ---- EmbeddingSource --------------------------------------------------------------------
     def ready_until(self) -> int:
@@ -97,10 +100,14 @@ class EmbeddingStream:
             late:    25 rows missing,  25 ready past the last report -> report: the step that runs
                      after the last group arrives (the one the first token waits for) then carries
                      that group and the text after it, not up to 255 rows held back as well
+
+        With encoder work queued the bar stays ``min_advance`` (see ``__init__``). No wake-up is
+        lost: every forward ends by filling spans, which calls ``on_progress``.
         """
-        with self._lock:
+        busy = self._encoder_busy is not None and self._encoder_busy()  # outside _lock: the batcher
+        with self._lock:                                                  # fills under its own locks
             frontier = self._frontier_start()
-            bar = min(self._min_advance, self._missing_rows)
+            bar = self._min_advance if busy else min(self._min_advance, self._missing_rows)
             if frontier == self.prompt_len or frontier - self._reported >= bar:
                 self._reported = frontier
             return self._reported

@@ -101,9 +101,11 @@ def test_a_job_closing_its_item_makes_the_batch_due_at_once(towers):
     b.submit(EncoderJob("k0", "video", vision=v))
     b.submit(EncoderJob("k1", "video", vision=v))
     assert b.run_due() == 0 and b.next_due() > time.monotonic() + 9.0  # waiting for company (10 s)
+    assert b.has_pending()
     b.submit(EncoderJob("k2", "video", vision=v, closes_item=True))
     assert b.next_due() <= time.monotonic()
     assert b.run_due() == 3 and b.stats()["forwards.vision"] == 1 and sorted(col.got) == ["k0", "k1", "k2"]
+    assert not b.has_pending()
     b.check_integrity()
 
 

@@ -124,7 +124,8 @@ def test_min_advance_moves_the_frontier_in_larger_steps_and_keeps_the_tokens(mod
 
 def test_min_advance_drops_to_the_rows_still_missing():
     """Near the end of the media the bar is what is still missing, not ``min_advance``: rows held
-    back then would all go into the step after the last unit, the one the first token waits for."""
+    back then would all go into the step after the last unit, the one the first token waits for
+    (unless encoder work is queued)."""
     spans = [PlaceholderSpan(2 + 10 * k, 12 + 10 * k, f"g{k}") for k in range(6)]  # [2, 12) ... [52, 62)
     rows = torch.zeros(10, HIDDEN)
 
@@ -137,6 +138,9 @@ def test_min_advance_drops_to_the_rows_still_missing():
     # the last step (after the last unit) computes 64 - 52 = 12 rows; a fixed bar of 25 would have
     # held 32 -> 52 back for it too (32 rows)
     assert reports(EmbeddingStream(64, spans, HIDDEN, min_advance=0)) == [12, 22, 32, 42, 52, 64]
+    # encoder work queued: the encoder is what the first token waits for; the bar stays 25
+    busy = EmbeddingStream(64, spans, HIDDEN, min_advance=25, encoder_busy=lambda: True)
+    assert reports(busy) == [0, 0, 32, 32, 32, 64]
 
 
 def test_unit_never_read_before_it_arrives(model):
