@@ -12,9 +12,9 @@ one audio segment. Its life:
 Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
 reaches its token budget, its oldest job has waited ``max_wait_s`` or a job that closes its media
-item (the item's last unit) is there. ``run_due`` runs on one
-thread at a time -- the encoder worker (runtime/encoder_worker.py) or, with it off, the engine
-thread between LLM steps; everything else is thread-safe.
+item (the item's last unit) is there. ``run_due`` runs on one thread at a time -- the encoder
+worker (runtime/encoder_worker.py) or, with it off, the engine thread between LLM steps; everything
+else is thread-safe.
 
 Claims, joins and delivery are one ``SingleFlight`` over unit keys (the same mechanism media
 planning uses). Invariant: a key is claimed in ``_units`` from ``attach`` until its result or error

@@ -101,8 +101,9 @@ class EmbeddingStream:
                      after the last group arrives (the one the first token waits for) then carries
                      that group and the text after it, not up to 255 rows held back as well
 
-        With encoder work queued the bar stays ``min_advance`` (see ``__init__``). No wake-up is
-        lost: every forward ends by filling spans, which calls ``on_progress``.
+        With encoder work queued the bar stays ``min_advance`` (see ``__init__``). The bar only
+        decides when to step early: the last unit's arrival always reports the end of the prompt
+        (and wakes the engine), so no request waits on the encoder's state.
         """
         busy = self._encoder_busy is not None and self._encoder_busy()  # outside _lock: the batcher
         with self._lock:                                                  # fills under its own locks
