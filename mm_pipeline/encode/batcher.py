@@ -11,10 +11,9 @@ one audio segment. Its life:
 
 Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
-reaches its token budget, its oldest job has waited ``max_wait_s`` or a job that closes its media
-item (the item's last unit) is there. ``run_due`` runs on one thread at a time -- the encoder
-worker (runtime/encoder_worker.py) or, with it off, the engine thread between LLM steps; everything
-else is thread-safe.
+reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on one
+thread at a time -- the encoder worker (runtime/encoder_worker.py) or, with it off, the engine
+thread between LLM steps; everything else is thread-safe.
 
 Claims, joins and delivery are one ``SingleFlight`` over unit keys (the same mechanism media
 planning uses). Invariant: a key is claimed in ``_units`` from ``attach`` until its result or error
@@ -49,9 +48,6 @@ class EncoderJob:
     mel: torch.Tensor | None = None
     codes: torch.Tensor | None = None
     submitted_at: float = field(default_factory=time.monotonic)
-    # The last unit its media item submits: no more of the item is coming, so its batch is due at
-    # once -- waiting for company would only delay the request's last rows (its first token).
-    closes_item: bool = False
 
     def __post_init__(self) -> None:
         if self.kind in VISION_KINDS:
@@ -149,8 +145,8 @@ class EncoderBatcher:
     def next_due(self) -> float | None:
         """monotonic() time at which the oldest pending job becomes due (None: nothing pending)."""
         with self._lock:
-            heads = [self._due_at(q) for q in self._pending.values() if q]
-        return min(heads) if heads else None
+            heads = [q[0].submitted_at for q in self._pending.values() if q]
+        return min(heads) + self.config.max_wait_s if heads else None
 
     def run_due(self, force: bool = False) -> int:
         """Run one batch of every encoder whose batch is full or whose oldest job is due (every
@@ -190,19 +186,13 @@ class EncoderBatcher:
     def _budget(self, encoder: str) -> int:
         return self.config.vision_budget if encoder == "vision" else self.config.audio_budget
 
-    def _due_at(self, q: deque[EncoderJob]) -> float:
-        """When the batch of queue ``q`` (not empty; under ``_lock``) is due: the oldest job's wait
-        for company is over, or a job that closes its media item is there."""
-        closing = [j.submitted_at for j in q if j.closes_item]
-        return min(closing) if closing else q[0].submitted_at + self.config.max_wait_s
-
     def _take(self, encoder: str, force: bool) -> list[EncoderJob]:
         with self._lock:
             q = self._pending[encoder]
             if not q:
                 return []
             budget = self._budget(encoder)
-            due = force or time.monotonic() >= self._due_at(q)
+            due = force or time.monotonic() - q[0].submitted_at >= self.config.max_wait_s
             if not due and sum(j.cost for j in q) < budget:
                 return []  # wait a little for more requests' work
             batch = [q.popleft()]  # always at least one, even if it alone exceeds the budget

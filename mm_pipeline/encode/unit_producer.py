@@ -268,12 +268,11 @@ class UnitProducer:
         key = plan.units[i].key
         if key not in open_keys:
             return  # a repeated unit of this item (same key twice) was already submitted
-        last = open_keys == {key}  # the item's last unit: its batch runs without waiting for company
         if not plan.is_audio_unit(i):
-            job = EncoderJob(key, plan.kind.value, vision=inp, closes_item=last)
+            job = EncoderJob(key, plan.kind.value, vision=inp)
         elif plan.item.format == CODES_FORMAT:
-            job = EncoderJob(key, "audio", codes=inp, closes_item=last)
+            job = EncoderJob(key, "audio", codes=inp)
         else:
-            job = EncoderJob(key, "audio", mel=inp, closes_item=last)
+            job = EncoderJob(key, "audio", mel=inp)
         self.batcher.submit(job)
         open_keys.discard(key)
