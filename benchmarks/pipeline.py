@@ -30,7 +30,12 @@ Keys (goals on the 2-core CPU host in brackets):
                              is the machine's CPU starvation, not this process (_loop_lag.py)
   loop_lag_gc_max_pause_ms   longest garbage collection of this process in that window
   timeline_*                 one cold long-video request: per stage (decode, encode, prefill) its
-                             first start, last end and busy seconds, and pairwise overlap seconds
+                             first start, last end, busy seconds and spans (prefill: LLM steps),
+                             and pairwise overlap seconds; no_stream_timeline_* the same request
+                             with --no-stream-embeddings
+  timeline_tail_s            first token - end of the last decoded chunk: what streaming can shorten
+                             (the decode before it is the same work either way); stream_tail_ratio:
+                             streamed tail / --no-stream-embeddings tail
 
 Setup: a small omni checkpoint (ViT hidden 256 x 4 blocks, MoE text model hidden 256) with real-size
 pixel budgets; videos are 720p 30 fps MPEG-4 with a keyframe every 2 s, sampled at 1 frame/s (the
@@ -184,7 +189,7 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     per round, so a burst of load on the shared host hits every variant alike. Then one more cold
     request with the stage timeline on (decode / encode / prefill spans)."""
     question = "What happens in this video?"
-    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(6 * reps + 1)]
+    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(6 * reps + 2)]
     warm = make_video(4, **HD, seed=99)
     out: dict[str, float] = {}
     # name -> (config, its slice of the videos: videos[slot * reps:(slot + 1) * reps]; slot 2 is the sequential's)
@@ -208,6 +213,9 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
             times["sequential"].append(sequential_ttft(sequential, videos[2 * reps + r], question))
         out["long_video_groups"] = (engines["streamed"].stats().encoder.get("encoded.video", 0) - before) // reps
         out.update(timeline_of_one(engines["streamed"], videos[-1], question))
+        no_stream = timeline_of_one(engines["no_stream"], videos[-2], question)
+        out.update({f"no_stream_{k}": v for k, v in no_stream.items()})
+        out["stream_tail_ratio"] = out["timeline_tail_s"] / out["no_stream_timeline_tail_s"]
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -228,18 +236,23 @@ def timeline_of_one(engine: OmniEngine, video: bytes, question: str) -> dict[str
     t0 = time.monotonic()
     first = asyncio.run(ttft(engine, ask(data_part("video", video), question)))
     summary = timeline.summary(t0, t0 + first)
-    return {"timeline_ttft_s": first, **{f"timeline_{k}_s": v for k, v in summary.items()}}
+    return {"timeline_ttft_s": first, "timeline_tail_s": first - summary["decode_last"],
+            **{f"timeline_{k}" if k.endswith("_spans") else f"timeline_{k}_s": v for k, v in summary.items()}}
 
 
 def print_timeline(results: dict[str, float]) -> None:
-    """The stage table of ``timeline_of_one`` (medians when repeated)."""
-    rows = [(st, results[f"timeline_{st}_first_s"], results[f"timeline_{st}_last_s"], results[f"timeline_{st}_busy_s"])
-            for st in ("decode", "encode", "prefill")]
-    print_table(f"stage timeline of one cold long-video request (first token at {results['timeline_ttft_s']:.2f} s)",
-                ["stage", "first start s", "last end s", "busy s"], rows)
-    pairs = [(k[len("timeline_"):-len("_overlap_s")].replace("_", " + "), v) for k, v in results.items()
-             if k.startswith("timeline_") and k.endswith("_overlap_s")]
-    print_table("stages busy at the same time", ["stages", "overlap s"], pairs)
+    """The stage tables of ``timeline_of_one``, streamed and --no-stream-embeddings (medians when
+    repeated)."""
+    for mode, p in (("streamed", "timeline_"), ("--no-stream-embeddings", "no_stream_timeline_")):
+        rows = [(st, results[f"{p}{st}_first_s"], results[f"{p}{st}_last_s"], results[f"{p}{st}_busy_s"],
+                 results[f"{p}{st}_spans"]) for st in ("decode", "encode", "prefill")]
+        print_table(f"stage timeline of one cold long-video request, {mode} (first token at "
+                    f"{results[p + 'ttft_s']:.2f} s, {results[p + 'tail_s'] * 1000:.0f} ms after the last "
+                    f"decoded chunk)",
+                    ["stage", "first start s", "last end s", "busy s", "spans"], rows)
+    pairs = [(k[len("timeline_"):-len("_overlap_s")].replace("_", " + "), v, results[f"no_stream_{k}"])
+             for k, v in results.items() if k.startswith("timeline_") and k.endswith("_overlap_s")]
+    print_table("stages busy at the same time", ["stages", "streamed s", "no-stream s"], pairs)
 
 
 def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
@@ -377,7 +390,7 @@ def main() -> None:
     results = {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
     rows = [(k, results[k], min(run[k] for run in runs), max(run[k] for run in runs)) for k in sorted(results)]
     print_table(f"pipeline (median of {args.repeat} run{'s' * (args.repeat > 1)})", ["metric", "median", "min", "max"],
-                [r for r in rows if not r[0].startswith("timeline_")])
+                [r for r in rows if "timeline_" not in r[0]])
     if args.repeat_only:
         write_json(args.json, {**results, "repeat": args.repeat})
         return

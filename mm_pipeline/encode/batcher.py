@@ -163,6 +163,11 @@ class EncoderBatcher:
                     break
         return done
 
+    def has_pending(self) -> bool:
+        """Some job waits for a forward (one may be running besides)."""
+        with self._lock:
+            return any(self._pending.values())
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             c = dict(self._counts)

@@ -203,7 +203,7 @@ class OmniRuntime:
 
         stream = EmbeddingStream(len(prepared.token_ids), prepared.spans, self.hidden_size, on_progress=progressed,
                                  device=self.llm.device if self.llm is not None else self.model.device,
-                                 min_advance=self.config.stream_min_tokens)
+                                 min_advance=self.config.stream_min_tokens, encoder_busy=self.batcher.has_pending)
         return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
                          lambda: self.loop.abort(request_id))
 

@@ -78,7 +78,7 @@ class OmniEngineConfig:
     stream_embeddings: bool = True
     """Start prefill while media units are still being encoded (same tokens, earlier first token)."""
     stream_min_tokens: int = 256
-    """Streamed prefill waits until at least this many more prompt tokens have their rows (or all have): fewer, larger steps; each step costs a fixed overhead and competes with decoding for the CPU (0: step on every arrival)."""
+    """Streamed prefill waits until at least this many more prompt tokens have their rows (or all have; once fewer rows are still missing, until that many): fewer, larger steps; each step costs a fixed overhead and competes with decoding for the CPU, while rows held back at the end land in the step the first token waits for (0: step on every arrival)."""
     # encoder cache tiers: memory (always), disk (when cache_dir is set), Redis (when redis_url is set)
     cache_memory_bytes: int = 1 << 30
     """Encoder cache: memory tier budget in bytes."""

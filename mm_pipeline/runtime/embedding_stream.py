@@ -54,12 +54,18 @@ class EmbeddingStream:
 
     def __init__(self, prompt_len: int, spans: Sequence[PlaceholderSpan], hidden_size: int,
                  on_progress: Callable[[], None] | None = None, device: torch.device | None = None,
-                 min_advance: int = 0) -> None:
+                 min_advance: int = 0, encoder_busy: Callable[[], bool] | None = None) -> None:
         """``device``: the LLM's (rank 0's) device; rows encoded elsewhere (an encoder on its own GPU)
         start their copy there as they arrive, without blocking, long before prefill reads them.
         ``min_advance``: ``ready_until`` moves only by at least this many positions, or to the end
         of the prompt -- the scheduler then prefills in fewer, larger steps (each step has a fixed
-        cost, and on a CPU host it competes with the decoding the first token waits for)."""
+        cost, and on a CPU host it competes with the decoding the first token waits for). Once
+        fewer placeholder rows than that are still missing, the bar drops to what is missing: the
+        rows held back would otherwise all land in the last step, after the last unit arrives,
+        where they add to the time to first token instead of overlapping the encoder (see
+        ``ready_until``) -- unless ``encoder_busy()`` says encoder work is queued: then the
+        encoder, not the prefill, is what the first token waits for, and an early step would only
+        take CPU from it."""
         spans = list(spans)
         for a, b in zip(spans, spans[1:]):
             if b.start < a.end:
@@ -81,12 +87,29 @@ class EmbeddingStream:
         self._device = device
         self._min_advance = min_advance
         self._reported = 0  # what ready_until last said (monotonic)
+        self._missing_rows = sum(s.length for s in spans)  # rows of the spans not filled yet
+        self._encoder_busy = encoder_busy
 
     # ---- EmbeddingSource --------------------------------------------------------------------
     def ready_until(self) -> int:
-        with self._lock:
+        """The readiness frontier, reported in moves of at least ``min(min_advance, rows still
+        missing)`` (or to the end of the prompt). The second bound is for the end of a video:
+
+            min_advance 256, frame groups of 25 rows
+            early: 1000 rows missing, 230 ready past the last report -> hold (a step per 256 rows)
+            late:    25 rows missing,  25 ready past the last report -> report: the step that runs
+                     after the last group arrives (the one the first token waits for) then carries
+                     that group and the text after it, not up to 255 rows held back as well
+
+        With encoder work queued the bar stays ``min_advance`` (see ``__init__``). The bar only
+        decides when to step early: the last unit's arrival always reports the end of the prompt
+        (and wakes the engine), so no request waits on the encoder's state.
+        """
+        busy = self._encoder_busy is not None and self._encoder_busy()  # outside _lock: the batcher
+        with self._lock:                                                  # fills under its own locks
             frontier = self._frontier_start()
-            if frontier == self.prompt_len or frontier - self._reported >= self._min_advance:
+            bar = self._min_advance if busy else min(self._min_advance, self._missing_rows)
+            if frontier == self.prompt_len or frontier - self._reported >= bar:
                 self._reported = frontier
             return self._reported
 
@@ -132,6 +155,7 @@ class EmbeddingStream:
             if self._rows[index] is not None:
                 raise ValueError(f"span {index} was already filled")
             self._rows[index] = rows
+            self._missing_rows -= span.length
             moved = False
             while self._frontier_span < len(self.spans) and self._rows[self._frontier_span] is not None:
                 self._frontier_span += 1

@@ -167,7 +167,7 @@ class EngineLoop:
         if self.llm is not None and self.llm.has_ready_work():
             t0 = time.monotonic()
             outputs = self.llm.step()
-            if self.on_step_span is not None:
+            if self.on_step_span is not None and self.llm.last_step_progressed:  # not a step that found nothing
                 self.on_step_span(t0, time.monotonic())
             self.counts["steps"] += 1
             self._dispatch(outputs)

@@ -51,8 +51,9 @@ class StageTimeline:
 
     def summary(self, start: float, end: float) -> dict[str, float]:
         """Per stage over [start, end] (seconds from ``start``): ``<stage>_first``, ``<stage>_last``
-        (end of its last span), ``<stage>_busy`` (union of its spans); per pair ``<a>_<b>_overlap``
-        (both busy at once)."""
+        (end of its last span), ``<stage>_busy`` (union of its spans), ``<stage>_spans`` (how many:
+        LLM steps, encoder forwards, decoded chunks); per pair ``<a>_<b>_overlap`` (both busy at
+        once)."""
         spans = self.spans(start, end)
         unions = {st: _union((s.start, s.end) for s in spans if s.stage == st) for st in STAGES}
         out: dict[str, float] = {}
@@ -60,6 +61,7 @@ class StageTimeline:
             out[f"{st}_busy"] = sum(b - a for a, b in runs)
             out[f"{st}_first"] = runs[0][0] - start if runs else 0.0
             out[f"{st}_last"] = runs[-1][1] - start if runs else 0.0
+            out[f"{st}_spans"] = float(sum(1 for s in spans if s.stage == st))
         for i, a in enumerate(STAGES):
             for b in STAGES[i + 1:]:
                 out[f"{a}_{b}_overlap"] = _intersection(unions[a], unions[b])

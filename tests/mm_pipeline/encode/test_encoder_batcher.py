@@ -1,5 +1,6 @@
 """Encoder batcher: cross-request batching equals one-by-one encoding, the budget splits batches and
-sets the due time, single flight (join, failure reaches every waiter), a missing encoder, detach."""
+sets the due time, pending work is visible, single flight (join, failure reaches every waiter), a
+missing encoder, detach."""
 
 from __future__ import annotations
 
@@ -85,6 +86,21 @@ def test_budget_splits_batches_and_due_time(towers):
     assert b.stats()["forwards.vision"] == 2 and b.stats()["pending"] == 1
     assert b.next_due() is not None
     assert b.run_due(force=True) == 1 and len(col.got) == 5
+
+
+def test_has_pending_until_the_jobs_run(towers):
+    """``has_pending`` (the streamed prefill's "encoder work queued" signal) holds from submit until
+    the jobs are taken for a forward."""
+    vision, _ = towers
+    v = vision_input(0, 64, 64)
+    b = EncoderBatcher(vision, None, BatcherConfig(max_wait_s=10.0))
+    col = Collector()
+    assert not b.has_pending()
+    for i in range(2):
+        b.attach(f"k{i}", col.sink(f"k{i}"))
+        b.submit(EncoderJob(f"k{i}", "video", vision=v))
+    assert b.run_due() == 0 and b.has_pending()  # waiting for company (10 s)
+    assert b.run_due(force=True) == 2 and not b.has_pending() and sorted(col.got) == ["k0", "k1"]
 
 
 def test_single_flight_join_and_failure_reaches_everyone(towers):

@@ -141,6 +141,7 @@ def test_stage_timeline_summary() -> None:
     assert s["encode_busy"] == pytest.approx(1.0) and s["prefill_busy"] == pytest.approx(0.8)
     assert s["decode_encode_overlap"] == pytest.approx(0.5) and s["encode_prefill_overlap"] == pytest.approx(0.3)
     assert s["decode_prefill_overlap"] == 0.0
+    assert (s["decode_spans"], s["encode_spans"], s["prefill_spans"]) == (2, 1, 1)
     with pytest.raises(ValueError, match="stage"):
         tl.add("upload", 0.0, 1.0)
 

@@ -107,17 +107,40 @@ def test_min_advance_moves_the_frontier_in_larger_steps_and_keeps_the_tokens(mod
         def deliver(step, stream=stream, seen=seen):
             if step in arrive:
                 stream.fill(arrive[step], rows[arrive[step]])
-            seen.append(stream.ready_until())
+            seen.append((stream.ready_until(), sum(spans[i].length for i in stream.missing())))
 
         engine = LLMEngine(model, EngineConfig(page_size=4, max_chunk_tokens=64, max_num_batched_tokens=64,
                                                num_full_tokens=1024, num_swa_tokens=512))
         results[advance] = run(engine, ids, stream, deliver), seen
     ((ref, ref_trace), ref_seen), ((got, trace), seen) = results[0], results[20]
     assert got == ref
-    moves = [b for a, b in zip(seen, seen[1:]) if b != a]
-    assert all(b - a >= 20 or b == len(ids) for a, b in zip([0, *moves], moves))
+    # a move is >= 20, or >= the rows still missing once fewer than 20 are (see the next test), or to the end
+    moves = [(b, missing) for (a, _), (b, missing) in zip(seen, seen[1:]) if b != a]
+    starts = [0, *(b for b, _ in moves)]
+    assert all(b - a >= min(20, missing) or b == len(ids) for a, (b, missing) in zip(starts, moves))
     prefill_steps = lambda tr: len({c for c, _ in tr if c <= len(ids)})  # noqa: E731  (distinct progress)
     assert prefill_steps(trace) < prefill_steps(ref_trace)
+
+
+def test_min_advance_drops_to_the_rows_still_missing():
+    """Near the end of the media the bar is what is still missing, not ``min_advance``: rows held
+    back then would all go into the step after the last unit, the one the first token waits for
+    (unless encoder work is queued)."""
+    spans = [PlaceholderSpan(2 + 10 * k, 12 + 10 * k, f"g{k}") for k in range(6)]  # [2, 12) ... [52, 62)
+    rows = torch.zeros(10, HIDDEN)
+
+    def reports(stream: EmbeddingStream) -> list[int]:
+        return [stream.fill(k, rows) or stream.ready_until() for k in range(len(spans))]
+
+    # missing after each unit: 50 40 30 20 10 0 rows; frontier 12 22 32 42 52 64 (the end)
+    # bar min(25, missing): 25 25 25 20 10 -> moves at 32 (>= 25 past 0) and 52 (>= 10 past 32)
+    assert reports(EmbeddingStream(64, spans, HIDDEN, min_advance=25)) == [0, 0, 32, 32, 52, 64]
+    # the last step (after the last unit) computes 64 - 52 = 12 rows; a fixed bar of 25 would have
+    # held 32 -> 52 back for it too (32 rows)
+    assert reports(EmbeddingStream(64, spans, HIDDEN, min_advance=0)) == [12, 22, 32, 42, 52, 64]
+    # encoder work queued: the encoder is what the first token waits for; the bar stays 25
+    busy = EmbeddingStream(64, spans, HIDDEN, min_advance=25, encoder_busy=lambda: True)
+    assert reports(busy) == [0, 0, 32, 32, 32, 64]
 
 
 def test_unit_never_read_before_it_arrives(model):
