@@ -62,6 +62,7 @@ import torch
 
 from _common import base_parser, first_token_s, print_table, write_json
 from _loop_lag import LagControl
+from _timeline_tables import print_timeline
 from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video, pyav_decode_all
 from encoders.image_processing import ImageProcessingConfig
 from samples.checkpoints.tiny_towers import init_random_, tiny_vision_config
@@ -238,21 +239,6 @@ def timeline_of_one(engine: OmniEngine, video: bytes, question: str) -> dict[str
     summary = timeline.summary(t0, t0 + first)
     return {"timeline_ttft_s": first, "timeline_tail_s": first - summary["decode_last"],
             **{f"timeline_{k}" if k.endswith("_spans") else f"timeline_{k}_s": v for k, v in summary.items()}}
-
-
-def print_timeline(results: dict[str, float]) -> None:
-    """The stage tables of ``timeline_of_one``, streamed and --no-stream-embeddings (medians when
-    repeated)."""
-    for mode, p in (("streamed", "timeline_"), ("--no-stream-embeddings", "no_stream_timeline_")):
-        rows = [(st, results[f"{p}{st}_first_s"], results[f"{p}{st}_last_s"], results[f"{p}{st}_busy_s"],
-                 results[f"{p}{st}_spans"]) for st in ("decode", "encode", "prefill")]
-        print_table(f"stage timeline of one cold long-video request, {mode} (first token at "
-                    f"{results[p + 'ttft_s']:.2f} s, {results[p + 'tail_s'] * 1000:.0f} ms after the last "
-                    f"decoded chunk)",
-                    ["stage", "first start s", "last end s", "busy s", "spans"], rows)
-    pairs = [(k[len("timeline_"):-len("_overlap_s")].replace("_", " + "), v, results[f"no_stream_{k}"])
-             for k, v in results.items() if k.startswith("timeline_") and k.endswith("_overlap_s")]
-    print_table("stages busy at the same time", ["stages", "streamed s", "no-stream s"], pairs)
 
 
 def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
