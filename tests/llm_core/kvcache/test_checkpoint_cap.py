@@ -11,8 +11,6 @@ from hypothesis import strategies as st
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine.request import cap_checkpoints
-from llm_core.model.loader import load_model
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,11 +34,6 @@ def test_cap_rejects_a_negative_limit():
         cap_checkpoints((1, 2), -1)
     with pytest.raises(ValueError, match="prefix_checkpoints_per_request"):
         EngineConfig(prefix_checkpoints_per_request=-1)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
 
 
 def engine(model, **kw) -> LLMEngine:

@@ -29,11 +29,6 @@ def ids(seed: int, n: int) -> list[int]:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
-
-
 def make(model, **kw) -> LLM:
     cfg = dict(page_size=PAGE, max_chunk_tokens=7, max_num_batched_tokens=24, num_full_tokens=1024,
                num_swa_tokens=256)

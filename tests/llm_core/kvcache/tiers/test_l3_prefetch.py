@@ -15,9 +15,7 @@ from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine.request import RequestStatus
 from llm_core.kvcache.swa_radix_cache import SWARadixCache
 from llm_core.kvcache.tiers.kv_tiers import KVTiers
-from llm_core.model.loader import load_model
 from llm_core.storage import DelayedStore, LocalDirStore
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,11 +37,6 @@ class SlowStore(DelayedStore):
     def get(self, key: str) -> bytes | None:
         self.readers.add(threading.get_ident())
         return super().get(key)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf"), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
