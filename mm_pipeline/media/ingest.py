@@ -107,6 +107,11 @@ class MediaIngestor:
             return self._with_early(item, early)
         return await self._off_loop(self.ingest_local, source)
 
+    def ingests_locally(self, source: MediaSource) -> bool:
+        """Whether ``ingest_local`` takes ``source``: everything but an http(s) URL (fetched by
+        ``ingest`` on the event loop)."""
+        return source.url is None or _scheme(source.url) not in ("http", "https")
+
     def ingest_local(self, source: MediaSource) -> MediaItem:
         if source.data is not None:
             return self._to_item(source.data, source.kind, "upload")
