@@ -25,7 +25,6 @@ production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.enc
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -352,15 +351,15 @@ class MediaPlanner:
 
     # ---- keys -------------------------------------------------------------------------------
     def _params(self, kind: MediaKind) -> dict[str, Any]:
-        """Everything besides the bytes and the weights that changes this kind's encoder output."""
-        img = dataclasses.asdict(self.pre.image_config)
+        """Everything besides the bytes and the weights that changes this kind's encoder output (the
+        config objects themselves: canonical_params reads them as their asdict and remembers that)."""
+        img = self.pre.image_config
         if kind is MediaKind.IMAGE:
             return {"image": img}
         if kind is MediaKind.VIDEO:
-            sound = dataclasses.asdict(self.pre.audio_config) if self._hears_videos() else None
-            return {"image": img, "sampling": dataclasses.asdict(self.config.video_sampling), "sound": sound}
-        audio = self.pre.audio_config
-        return {"audio": dataclasses.asdict(audio) if audio is not None else None}
+            return {"image": img, "sampling": self.config.video_sampling,
+                    "sound": self.pre.audio_config if self._hears_videos() else None}
+        return {"audio": self.pre.audio_config}
 
     def _unit_key(self, kind: MediaKind, mkey: str, i: int) -> str:
         if kind is MediaKind.IMAGE:
