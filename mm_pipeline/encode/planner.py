@@ -13,6 +13,8 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
                                                        decoded as audio, segments after the groups
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers
+    plan_warm(ref)  worker thread: load + plan in one job when the manifest is cached and nobody
+                 is planning the same media (a repeat, a new question); else the usual two steps
     start(plan, sinks)  cached unit ─► its sink now (or earlier: deliver_cached)
                         unit in flight for another request ─► join it (single flight)
                         else claim it ─► a producer task: decode ─► preprocess ─► batcher.submit
