@@ -13,6 +13,8 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
                                                        decoded as audio, segments after the groups
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
                  then every unit key is looked up in the cache tiers
+    plan_warm(ref)  worker thread: load + plan in one job when the manifest is cached and nobody
+                 is planning the same media (a repeat, a new question); else the usual two steps
     start(plan, sinks)  cached unit ─► its sink now (or earlier: deliver_cached)
                         unit in flight for another request ─► join it (single flight)
                         else claim it ─► a producer task: decode ─► preprocess ─► batcher.submit
@@ -25,7 +27,6 @@ production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.enc
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -121,14 +122,36 @@ class MediaPlanner:
             raise ContextLengthError(f"the request's media take {tokens} tokens, over the context limit of "
                                      f"{context} tokens")
 
+    def plan_warm(self, ref: MediaRef) -> tuple[MediaItem | None, MediaPlan | None]:
+        """Worker thread: load and plan in one hop off the event loop (runtime/components.py). A
+        source ``ingest_local`` takes (upload bytes, data URL, local file) is ingested; when the
+        cache holds the item's manifest and no other request is planning the same media now, it
+        is planned from that manifest too, exactly as ``plan`` would (a repeat, a new question
+        about the same media). ``(item, plan)``; plan None: ``plan(item)`` plans it as usual (a
+        manifest miss opens the media, and concurrent cold plans share one pass there -- the
+        manifest is then read a second time, a dict lookup in the memory tier); (None, None): a
+        source only ``load`` takes (http(s), an uploaded file id, audio codes)."""
+        if ref.source is None or not self.ingestor.ingests_locally(ref.source):
+            return None, None
+        item = self.ingestor.ingest_local(ref.source)
+        if self._encoder_of(item) is None or item.content_key is None:
+            return item, None  # plan() says why, or hashes the bytes
+        mkey = self._media_key(item.content_key, item)
+        if mkey in self._planning:
+            return item, None  # join that pass (it may be decoding: its inputs are shared)
+        manifest = self._manifest(mkey)
+        if manifest is None:
+            return item, None
+        self._count(f"plans_one_hop.{item.kind.value}")
+        return item, self._with_cached(self._plan_from_manifest(item, mkey, manifest))
+
     async def plan(self, item: MediaItem) -> MediaPlan:
         """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
         can give the sizes) plus the units the cache already holds."""
-        encoder = self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
-        if encoder is None:
+        if self._encoder_of(item) is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
         content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
-        mkey = media_key(content, item.kind, self._params(item.kind), self.encoder_id)
+        mkey = self._media_key(content, item)
         control = self.producer.control(item)
         try:
             plan, planned_here = await self._planning.run(
@@ -175,7 +198,8 @@ class MediaPlanner:
         """Work done: probes, images_decoded, audio_decoded, audio_codes (pre-tokenized items
         loaded), video_chunks_decoded, unit_hits (units found in the encoder cache), plan_joins;
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
-        content_hashes, sniff_probes, sniff_memo_hits, early_decodes; early_frames_used /
+        content_hashes, sniff_probes, sniff_memo_hits, early_decodes; plans_one_hop (planned from the
+        manifest in ``plan_warm``, in the hop that ingested them); early_frames_used /
         early_frames_decoded_after: sampled frames of chunks an early decode served
         (media.decode.early), kept by it / decoded after arrival; early_audio_used: audio items
         whose samples came from an early decode (media.decode.early_audio); early_sound_used: videos
@@ -216,21 +240,44 @@ class MediaPlanner:
         with path.open("rb") as f:
             return f.read(limit + 1)
 
-    def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None) -> MediaPlan:
+    def _encoder_of(self, item: MediaItem):
+        return self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
+
+    def _media_key(self, content: str, item: MediaItem) -> str:
+        return media_key(content, item.kind, self._params(item.kind), self.encoder_id)
+
+    def _manifest(self, mkey: str) -> torch.Tensor | None:
+        """The cached manifest of ``mkey`` when it has the manifest's shape, else None (a missing or
+        malformed entry: the media is planned from its bytes and the manifest written again)."""
         manifest = self.cache.get(_manifest_key(mkey))
         if manifest is not None and manifest.ndim == 2 and manifest.shape[1] == 4 and manifest.shape[0] > 0:
-            # columns: tokens, timestamp (video groups), 1 for a video's sound segment, decoded bytes
-            # (the item's, in every row): the plan without opening the media at all
-            self._count(f"manifest_hits.{item.kind.value}")
-            sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag]
-            groups = manifest.shape[0] - len(sound)
-            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i) if i < groups else
-                                   self._sound_key(mkey, i - groups), int(n))
-                          for i, n in enumerate(manifest[:, 0].tolist()))
-            stamps = tuple(manifest[:groups, 1].tolist()) if item.kind is MediaKind.VIDEO else ()
-            plan = MediaPlan(item, mkey, units, stamps, audio_units=len(sound),
-                             audio_per_second=self._sound_rate() if sound else 0.0,
-                             decoded_bytes=int(manifest[0, 3]))
+            return manifest
+        return None
+
+    def _plan_from_manifest(self, item: MediaItem, mkey: str, manifest: torch.Tensor) -> MediaPlan:
+        # columns: tokens, timestamp (video groups), 1 for a video's sound segment, decoded bytes
+        # (the item's, in every row): the plan without opening the media at all
+        self._count(f"manifest_hits.{item.kind.value}")
+        sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag]
+        groups = manifest.shape[0] - len(sound)
+        units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i) if i < groups else
+                               self._sound_key(mkey, i - groups), int(n))
+                      for i, n in enumerate(manifest[:, 0].tolist()))
+        stamps = tuple(manifest[:groups, 1].tolist()) if item.kind is MediaKind.VIDEO else ()
+        return MediaPlan(item, mkey, units, stamps, audio_units=len(sound),
+                         audio_per_second=self._sound_rate() if sound else 0.0,
+                         decoded_bytes=int(manifest[0, 3]))
+
+    def _with_cached(self, plan: MediaPlan) -> MediaPlan:
+        """``plan`` with the rows of its units the cache holds now."""
+        found = self.producer.lookup(plan.units)
+        plan.cached.update({i: found[u.key] for i, u in enumerate(plan.units) if u.key in found})
+        return plan
+
+    def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None) -> MediaPlan:
+        manifest = self._manifest(mkey)
+        if manifest is not None:
+            plan = self._plan_from_manifest(item, mkey, manifest)
         else:
             self._count(f"manifest_misses.{item.kind.value}")
             plan = self._plan_from_media(item, mkey, control)
@@ -239,9 +286,7 @@ class MediaPlanner:
             table = torch.tensor([[u.num_tokens, t, float(i >= groups), plan.decoded_bytes] for i, (u, t) in
                                   enumerate(zip(plan.units, stamps))], dtype=torch.float64)
             self.cache.put(_manifest_key(mkey), table)
-        found = self.producer.lookup(plan.units)
-        plan.cached.update({i: found[u.key] for i, u in enumerate(plan.units) if u.key in found})
-        return plan
+        return self._with_cached(plan)
 
     def _plan_from_media(self, item: MediaItem, mkey: str, control: DecodeControl | None) -> MediaPlan:
         if item.kind is MediaKind.IMAGE:
@@ -308,15 +353,15 @@ class MediaPlanner:
 
     # ---- keys -------------------------------------------------------------------------------
     def _params(self, kind: MediaKind) -> dict[str, Any]:
-        """Everything besides the bytes and the weights that changes this kind's encoder output."""
-        img = dataclasses.asdict(self.pre.image_config)
+        """Everything besides the bytes and the weights that changes this kind's encoder output (the
+        config objects themselves: canonical_params reads them as their asdict and remembers that)."""
+        img = self.pre.image_config
         if kind is MediaKind.IMAGE:
             return {"image": img}
         if kind is MediaKind.VIDEO:
-            sound = dataclasses.asdict(self.pre.audio_config) if self._hears_videos() else None
-            return {"image": img, "sampling": dataclasses.asdict(self.config.video_sampling), "sound": sound}
-        audio = self.pre.audio_config
-        return {"audio": dataclasses.asdict(audio) if audio is not None else None}
+            return {"image": img, "sampling": self.config.video_sampling,
+                    "sound": self.pre.audio_config if self._hears_videos() else None}
+        return {"audio": self.pre.audio_config}
 
     def _unit_key(self, kind: MediaKind, mkey: str, i: int) -> str:
         if kind is MediaKind.IMAGE:

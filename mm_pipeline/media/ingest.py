@@ -57,7 +57,7 @@ from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.public_hosts import PublicHostsTransport
 from mm_pipeline.media.sniff import SniffMemo, sniff, streamable_layout
-from mm_pipeline.media.source_memo import SourceMemo, data_url_id, file_id
+from mm_pipeline.media.source_memo import DataUrlIds, SourceMemo, file_id
 from mm_pipeline.media.worker_pool import WorkerPool
 
 T = TypeVar("T")
@@ -80,6 +80,7 @@ class MediaIngestor:
         # None: decode after arrival only
         self.early_decode: Callable[[ArrivingBytes, str, MediaKind | None, str], Any] | None = None
         self.source_memo = SourceMemo()
+        self.data_url_ids = DataUrlIds()  # a repeated data URL's memo id without hashing its text again
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
 
@@ -107,6 +108,11 @@ class MediaIngestor:
             return self._with_early(item, early)
         return await self._off_loop(self.ingest_local, source)
 
+    def ingests_locally(self, source: MediaSource) -> bool:
+        """Whether ``ingest_local`` takes ``source``: everything but an http(s) URL (fetched by
+        ``ingest`` on the event loop)."""
+        return source.url is None or _scheme(source.url) not in ("http", "https")
+
     def ingest_local(self, source: MediaSource) -> MediaItem:
         if source.data is not None:
             return self._to_item(source.data, source.kind, "upload")
@@ -115,7 +121,7 @@ class MediaIngestor:
         url = source.url or ""
         scheme = _scheme(url)
         if scheme == "data":
-            return self._remembered(data_url_id(url), source.kind, "data-url", lambda: self._parse_data_url(url))
+            return self._remembered(self.data_url_ids(url), source.kind, "data-url", lambda: self._parse_data_url(url))
         if scheme == "file":
             parsed = urllib.parse.urlsplit(url)
             if parsed.netloc not in ("", "localhost"):

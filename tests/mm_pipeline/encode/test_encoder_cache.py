@@ -81,6 +81,38 @@ def test_canonical_params_rejects_unstable_values() -> None:
         canonical_params({"x": torch.zeros(1)})
 
 
+def test_config_objects_give_the_keys_their_asdict_gives_and_are_remembered_only_while_immutable() -> None:
+    # keys persist in the disk and Redis tiers: passing the config objects (remembered by identity)
+    # must give byte for byte what their asdict gave
+    from dataclasses import asdict, dataclass, field
+
+    from encoders.config import AudioConfig
+    from encoders.image_processing import ImageProcessingConfig
+    from mm_pipeline.media import content_hash
+
+    img, sampling, audio = ImageProcessingConfig(), VideoSamplingParams(fps=1.5), AudioConfig()
+    objects = {"image": img, "sampling": sampling, "sound": audio}
+    dicts = {"image": asdict(img), "sampling": asdict(sampling), "sound": asdict(audio)}
+    for _ in range(2):  # computed, then remembered
+        assert canonical_params(objects) == canonical_params(dicts)
+        assert canonical_params(sampling) == canonical_params(asdict(sampling))
+        assert media_key(content_key(b"v"), MediaKind.VIDEO, objects, "e") == \
+            media_key(content_key(b"v"), MediaKind.VIDEO, dicts, "e")
+    assert content_hash._remembered[id(sampling)][0] is sampling
+    # an equal but distinct object is its own entry; a changed config is a new object: a new key
+    assert canonical_params(VideoSamplingParams(fps=1.5)) == canonical_params(sampling)
+    assert canonical_params(VideoSamplingParams(fps=2.0)) != canonical_params(sampling)
+
+    @dataclass
+    class Mutable:  # unhashable: computed every time, never remembered
+        sizes: list = field(default_factory=lambda: [1])
+
+    m = Mutable()
+    before = canonical_params(m)
+    m.sizes.append(2)
+    assert canonical_params(m) != before and id(m) not in content_hash._remembered
+
+
 # ---- tiers ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -14,7 +14,7 @@ from tests.support.media_samples import image_bytes, video_bytes
 from mm_pipeline.errors import InvalidMediaError, UnsupportedMediaType
 from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
-from mm_pipeline.media.source_memo import SourceMemo, data_url_id
+from mm_pipeline.media.source_memo import DataUrlIds, SourceMemo, data_url_id
 from mm_pipeline.media.types import DeferredMediaItem, MediaKind, MediaSource
 
 PNG, OTHER_PNG = image_bytes("PNG"), image_bytes("PNG", size=(48, 64))
@@ -40,6 +40,29 @@ def test_a_repeated_data_url_is_not_decoded_or_hashed_again(monkeypatch) -> None
     with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
         ing.ingest_local(MediaSource(url=durl(PNG), kind=MediaKind.AUDIO))
     assert data_url_id("data:;base64,\u00e9") is None  # never decodes: no memo entry either
+
+
+def test_data_url_ids_answer_a_kept_text_by_comparison_and_only_an_equal_one(monkeypatch) -> None:
+    from mm_pipeline.media import source_memo
+
+    hashed = []
+    real = source_memo.data_url_id
+    monkeypatch.setattr(source_memo, "data_url_id", lambda url: hashed.append(url) or real(url))
+    ids = DataUrlIds(max_chars=3 * len(durl(PNG)))
+    a, b = durl(PNG), durl(OTHER_PNG)
+    assert ids(a) == real(a) and len(hashed) == 1
+    copy = "".join([a[:5], a[5:]])  # equal text, another object (a new JSON parse of the same body)
+    assert copy is not a and ids(copy) == real(a) and ids(a) == real(a) and len(hashed) == 1
+    # the same length and ends but another middle: compared unequal, hashed, not given a's id
+    middle = a[:ids.ENDS + 1] + ("A" if a[ids.ENDS + 1] != "A" else "B") + a[ids.ENDS + 2:]
+    assert len(middle) == len(a) and ids(middle) == real(middle) != real(a) and len(hashed) == 2
+    assert ids(a) == real(a) and len(hashed) == 3  # the entry was replaced by the other text: hashed again
+    # bounded: a third text evicts the oldest; a text over the bound is hashed and not kept
+    ids(b)
+    assert ids.chars <= ids.max_chars
+    tiny = DataUrlIds(max_chars=10)
+    assert tiny(a) == real(a) and tiny.chars == 0
+    assert ids("data:;base64,\u00e9") is None and tiny("data:;base64,\u00e9") is None  # not ASCII: never decodes
 
 
 def _trusting(ing: MediaIngestor) -> MediaIngestor:

@@ -140,6 +140,43 @@ def test_video_layout_tokens():
     assert bare.unit_spans == (((3, 7), (9, 13)),)
 
 
+def test_remembered_media_runs_lay_out_what_a_fresh_layout_does():
+    """PromptLayout remembers each media item's token run (keyed by its MediaSlots and the timestamp
+    setting): a hit gives the fresh layout's tokens and spans at whatever offset the item sits; a
+    run whose tokenization failed is not remembered."""
+    sp = tiny_special_tokens()
+    calls = []
+
+    def encode(text: str) -> list[int]:
+        calls.append(text)
+        if text == "00:09":
+            raise RuntimeError("tokenizer down")
+        return [ord(c) for c in text]
+
+    video = MediaSlots("video", (4, 4), (0.0, 62.5))
+    image = MediaSlots("image", (3,))
+    vid, img = [sp.vision_start, sp.video_pad, sp.vision_end], [sp.vision_start, sp.image_pad, sp.vision_end]
+    layout = PromptLayout(sp, encode)
+    first = layout.expand([7, *vid, 8], [video])
+    assert len(calls) == 2
+    # the same video again, now after an image and twice in one prompt: no tokenizer call, and the
+    # spans follow the run to its new offsets
+    again = layout.expand([5, 5, *img, *vid, 9, *vid], [image, video, video])
+    fresh = PromptLayout(sp, lambda t: [ord(c) for c in t]).expand([5, 5, *img, *vid, 9, *vid], [image, video, video])
+    assert len(calls) == 2 and again == fresh and first == layout.expand([7, *vid, 8], [video])
+    # the timestamp setting is part of the key
+    layout.video_timestamps = False
+    assert layout.expand([7, *vid, 8], [video]) == PromptLayout(sp, encode, video_timestamps=False).expand(
+        [7, *vid, 8], [video])
+    layout.video_timestamps = True
+    # a failed run is not kept: the next expand tries the tokenizer again
+    broken = MediaSlots("video", (4,), (9.0,))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="tokenizer down"):
+            layout.expand([7, *vid, 8], [broken])
+    assert calls.count("00:09") == 2
+
+
 def test_layout_boundaries_are_after_each_media_item_and_message():
     """The positions the prefix cache keeps a window at (docs/kv_cache.md §7)."""
     sp = tiny_special_tokens()

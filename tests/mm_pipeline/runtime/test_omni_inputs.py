@@ -61,6 +61,9 @@ def test_parse_messages_parts_and_errors():
     for bad, msg in [([], "non-empty list"), ([{"role": "robot", "content": "x"}], "role"),
                      ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x"}}]}],
                       "unsupported URL"),
+                     # the scheme is read from the first 64 characters only: a longer one is none
+                     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "h" * 70 + "://x"}}]}],
+                      "unsupported URL"),
                      ([{"role": "user", "content": [{"type": "hologram"}]}], "unsupported type"),
                      ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "base64")]:
         with pytest.raises(InvalidMessageError, match=msg) as info:

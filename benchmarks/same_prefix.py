@@ -1,0 +1,127 @@
+"""Where a same-prefix request's time goes: the same video and the same prompt prefix with another
+ending (encoder cache + prefix cache hit; only the ~30 rows after the media's last page are
+prefilled), part by part, medians over many requests (issue 16's ``same_prefix_ttft_ratio``).
+
+    .venv/bin/python benchmarks/same_prefix.py --requests 60 --json /tmp/same_prefix.json
+
+Same model, engine settings and clip as ``pipeline.py --repeat-only --quick`` (a cold request, then
+a new question, then the same-prefix requests, each with an ending of its own). Each part is timed
+by wrapping the runtime's method that does it: start and end in ms after the request's clock
+started (wall) and the thread CPU it used; the step's time covers the LLM step until its outputs are
+built (its stats snapshot included). Parts a version does not have are left out.
+"""
+
+from __future__ import annotations
+
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
+import asyncio
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from _common import base_parser, print_table, write_json
+from _pipeline_media import HD, make_video
+from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
+
+# (owner attribute path, method, label): the request path in the order it runs
+PARTS = (("runtime", "prepare_chat", "prepare_chat (event loop: hops included)"),
+         ("runtime", "_prepare_one_hop", "  one hop: ingest + plan + layout (worker)"),
+         ("runtime.ingestor", "ingest_local", "  ingest (data-URL id, memo hit)"),
+         ("runtime.planner", "_plan_sync", "  plan (worker, usual path)"),
+         ("runtime.producer_lookup", "lookup", "  encoder-cache lookups"),
+         ("runtime.model.layout", "render", "  layout: template, BPE, placeholders"),
+         ("runtime", "open_media", "open_media + cached rows"),
+         ("runtime", "submit", "submit to the engine thread"),
+         ("runtime.llm", "step", "LLM step (engine thread)"))
+
+
+def _owner(engine: OmniEngine, path: str):
+    if path == "runtime.producer_lookup":
+        return engine.runtime.planner.producer
+    obj = engine
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _wrap(obj, name: str, label: str, spans: list) -> None:
+    fn = getattr(obj, name)
+    if asyncio.iscoroutinefunction(fn):
+        async def timed_async(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                spans.append((label, t0, time.perf_counter(), None))
+        setattr(obj, name, timed_async)
+        return
+
+    def timed(*args, **kwargs):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spans.append((label, t0, time.perf_counter(), time.thread_time() - c0))
+    setattr(obj, name, timed)
+
+
+def run(requests: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = OmniEngine.from_pretrained(build_model(Path(tmp)), engine_config(enable_prefix_caching=True,
+                                                                                   prefix_checkpoint_every=64))
+        try:
+            asyncio.run(ttft(engine, ask(data_part("video", make_video(4, **HD, seed=98)), "warm up")))
+            part = data_part("video", make_video(12, **HD, seed=200))
+            cold = asyncio.run(ttft(engine, ask(part, "Describe the video in detail.")))
+            asyncio.run(ttft(engine, [{"role": "user", "content": [
+                {"type": "text", "text": "Question 0: how many squares are there?"}, part]}]))
+            spans: list = []
+            for path, name, label in PARTS:
+                owner = _owner(engine, path)
+                if hasattr(owner, name):
+                    _wrap(owner, name, label, spans)
+            per_part: dict[str, list[tuple[float, float, float | None]]] = defaultdict(list)
+            firsts = []
+            for i in range(requests):
+                spans.clear()
+                t0 = time.perf_counter()
+                firsts.append(asyncio.run(ttft(engine, ask(part, f"Describe the video in detail, but briefly ({i})."))))
+                for label, a, b, cpu in spans:
+                    per_part[label].append(((a - t0) * 1e3, (b - t0) * 1e3, None if cpu is None else cpu * 1e3))
+        finally:
+            engine.shutdown()
+    out = {"cold_ttft_ms": cold * 1e3, "same_prefix_ttft_ms": statistics.median(firsts) * 1e3,
+           "same_prefix_ttft_min_ms": min(firsts) * 1e3, "requests": requests}
+    for label, rows in per_part.items():
+        key = label.strip().split(" ")[0].replace("+", "").replace(":", "")
+        out[f"{key}_start_ms"] = statistics.median(r[0] for r in rows)
+        out[f"{key}_end_ms"] = statistics.median(r[1] for r in rows)
+        cpus = [r[2] for r in rows if r[2] is not None]
+        if cpus:
+            out[f"{key}_cpu_ms"] = statistics.median(cpus)
+    out["_rows"] = [(label, statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows),
+                     statistics.median(r[2] for r in rows) if rows[0][2] is not None else float("nan"))
+                    for label, rows in sorted(per_part.items(), key=lambda kv: statistics.median(r[0] for r in kv[1]))]
+    return out
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=60, help="same-prefix requests to take medians over "
+                                                                   "(--quick: 20)")
+    args = parser.parse_args()
+    if args.requests < 1:
+        parser.error("--requests must be >= 1")
+    out = run(20 if args.quick else args.requests)
+    rows = out.pop("_rows")
+    print_table(f"same-prefix request, medians of {out['requests']} (ms after its clock started; cold "
+                f"{out['cold_ttft_ms']:.0f} ms)", ["part", "start", "end", "thread cpu"],
+                [*rows, ("first token", 0.0, out["same_prefix_ttft_ms"], float("nan"))])
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
