@@ -15,6 +15,7 @@ Keys (goals on the 2-core CPU host in brackets):
   no_stream_ttft_ratio       streamed TTFT / --no-stream-embeddings (every unit encoded before prefill)
   repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.1]
   same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]
+  repeat_*_ms, repeat_steps  the fastest repeat's parts: before its first step, its steps, after (_repeat_parts.py)
   encoder_batching_speedup   units/s, cross-request batched / one request per forward         [>= 1.5]
   parallel_decode_speedup    720p video decode, 2 worker threads / 1 (_4: 4 / 1), from CPU time:
                              one worker's CPU / two workers' time on a free core each (each
@@ -62,6 +63,7 @@ import torch
 
 from _common import base_parser, first_token_s, print_table, write_json
 from _loop_lag import LagControl
+from _repeat_parts import StepRecorder
 from _timeline_tables import print_timeline
 from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video, pyav_decode_all
 from encoders.image_processing import ImageProcessingConfig
@@ -139,8 +141,9 @@ def data_part(kind: str, data: bytes) -> dict:
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-async def ttft(engine: OmniEngine, messages: list[dict]) -> float:
+async def ttft(engine: OmniEngine, messages: list[dict], starts: list[float] | None = None) -> float:
     t0 = time.perf_counter()
+    if starts is not None: starts.append(t0)  # noqa: E701  (when the clock started: bench_repeat's parts)
     async for d in engine.generate(messages, ONE_TOKEN):
         if d.new_token_ids:
             return time.perf_counter() - t0
@@ -247,14 +250,16 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
     distinct videos."""
     engine = OmniEngine.from_pretrained(model_dir, engine_config(enable_prefix_caching=True,
                                                                  prefix_checkpoint_every=64))
-    cold, new_q, same = [], [], []
+    cold, new_q, same, parts, start = [], [], [], [], []
     try:
         asyncio.run(ttft(engine, ask(data_part("video", make_video(4, **HD, seed=98)), "warm up")))
         for k in range(reps):
             part = data_part("video", make_video(seconds, **HD, seed=200 + k))
             cold.append(asyncio.run(ttft(engine, ask(part, "Describe the video in detail."))))
-            new_q.append(asyncio.run(ttft(engine, [{"role": "user", "content": [
-                {"type": "text", "text": f"Question {k}: how many squares are there?"}, part]}])))
+            with StepRecorder(engine) as steps:  # the repeat request's parts (_repeat_parts.py)
+                new_q.append(asyncio.run(ttft(engine, [{"role": "user", "content": [
+                    {"type": "text", "text": f"Question {k}: how many squares are there?"}, part]}], start)))
+            parts.append(steps.parts(start[-1], new_q[-1]))
             same.append(asyncio.run(ttft(engine, ask(part, "Describe the video in detail, but briefly."))))
         stats = engine.stats()
     finally:
@@ -262,7 +267,7 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
     c, n, p = min(cold), min(new_q), min(same)
     return {"cold_media_ttft_s": c, "repeat_media_ttft_s": n, "same_prefix_ttft_s": p,
             "repeat_media_ttft_ratio": n / c, "same_prefix_ttft_ratio": p / c,
-            "prefix_hit_tokens": sum(stats.llm.prefix_cache_hit_tokens.values())}
+            "prefix_hit_tokens": sum(stats.llm.prefix_cache_hit_tokens.values()), **parts[new_q.index(n)]}
 
 
 def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:

@@ -1,0 +1,103 @@
+"""The repeat request's prefill step at one intra-op thread and at all of them, alternating.
+
+    .venv/bin/python benchmarks/repeat_step.py --quick --json /tmp/repeat_step.json
+
+The pipeline benchmark's repeat request (``pipeline.py --repeat-only``: cached video, a new question
+placed before it) is one prefill step of every media row. Whether its intra-op threads pay depends on
+whether the host gives the second thread a core, which a run on a shared box cannot tell a quiet one
+about. This script builds the same model, sends the same cold and repeat requests through the
+engine, then runs the repeat request's step again in place (same entries, same KV slots: the step
+rewrites the values it wrote) at 1 and at N threads in turn, and reports per count the median wall,
+the engine thread's CPU and the process's CPU over the wall (cores used), with the load average.
+"""
+
+from __future__ import annotations
+
+import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from _common import base_parser, print_table, write_json
+from _pipeline_media import HD, make_video
+from llm_core.engine.model_runner import ModelRunner
+from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
+
+
+def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
+    """Run the repeat request through a fresh engine; during its step (on the engine thread, while
+    the request still holds its pages) run that step again ``pairs`` times per thread count."""
+    found: dict[str, object] = {}
+    run = ModelRunner.run
+
+    def alternate(self, entries, kv) -> None:
+        base = torch.get_num_threads()
+        times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in threads}
+        try:
+            for _ in range(pairs + 1):  # the first round warms each count up and is dropped
+                for n in threads:
+                    torch.set_num_threads(n)
+                    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+                    run(self, entries, kv)
+                    times[n].append((time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0))
+        finally:
+            torch.set_num_threads(base)
+        found.update(times=times, rows=sum(e.num_new_tokens for e in entries))
+
+    def measured(self, entries, kv):  # the repeat's one step: the only step after the cold request
+        out = run(self, entries, kv)
+        if found.pop("wanted", False):
+            alternate(self, entries, kv)
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = OmniEngine.from_pretrained(build_model(Path(tmp)), engine_config(enable_prefix_caching=True,
+                                                                                   prefix_checkpoint_every=64))
+        load0 = os.getloadavg()[0]
+        ModelRunner.run = measured
+        try:
+            part = data_part("video", make_video(12, **HD, seed=200))
+            asyncio.run(ttft(engine, ask(part, "Describe the video in detail.")))
+            found["wanted"] = True
+            asyncio.run(ttft(engine, [{"role": "user", "content": [
+                {"type": "text", "text": "Question 0: how many squares are there?"}, part]}]))
+        finally:
+            ModelRunner.run = run
+            engine.shutdown()
+    if "times" not in found:
+        raise RuntimeError("the repeat request ran no model step")
+    out = {"step_rows": float(found["rows"]), "load_start": load0, "load_end": os.getloadavg()[0],
+           "pairs": float(pairs)}
+    for n, t in found["times"].items():
+        wall, cpu, proc = (statistics.median(x[i] for x in t[1:]) for i in range(3))
+        out.update({f"threads_{n}_wall_ms": wall * 1e3, f"threads_{n}_thread_cpu_ms": cpu * 1e3,
+                    f"threads_{n}_cores": proc / wall})
+    return out
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the count compared with one thread (default: torch's setting)")
+    args = parser.parse_args()
+    n = args.threads or torch.get_num_threads()
+    if n < 1:
+        parser.error("--threads must be >= 1")
+    threads = (1,) if n == 1 else (1, n)
+    res = rerun_step(threads, pairs=10 if args.quick else 30)
+    print_table(f"repeat request's step ({res['step_rows']:.0f} rows), medians of {res['pairs']:.0f} alternating "
+                f"runs, load {res['load_start']:.2f} -> {res['load_end']:.2f}",
+                ["intra-op threads", "wall ms", "engine thread CPU ms", "cores used"],
+                [(t, res[f"threads_{t}_wall_ms"], res[f"threads_{t}_thread_cpu_ms"], res[f"threads_{t}_cores"])
+                 for t in threads])
+    write_json(args.json, res)
+
+
+if __name__ == "__main__":
+    main()
