@@ -143,15 +143,18 @@ static void prefetch_positions(const float *k_cache, const float *v_cache, const
     }
 }
 
-/* The next request's K/V asked for a few lines at a time from inside this request's loops, so the
- * fetch runs while this request computes. Asked for all at once (as before; -DPAGED_DECODE_BURST_AHEAD
+/* The next request's K/V (a short context: asked for whole), or the next block of keys / the next
+ * request's first block (a long one), asked for a few lines at a time from inside the loops over
+ * this request's (this block's) keys, so the fetch runs while they compute. Asked for all at once (as before; -DPAGED_DECODE_BURST_AHEAD
  * builds that, for the tests' bit-for-bit comparison), the prefetches stall on full miss buffers
  * until nearly all of them are under way -- the core waits ~ the fetch time -- and then the request
  * computes with memory idle: fetch and compute took turns. ``per_call`` lines per call, spread
  * evenly over the calls this request makes (one per 4 keys and KV head in each of its K and V
  * loops); positions on invalid pages are skipped. Only prefetches differ: the same bits. Measured
  * (benchmarks/paged_decode.py's shapes, 32 requests, caches emptied before each call, medians of
- * 31 alternating): text_throughput model, full layer 488 -> 230 us, sliding layer 340 -> 173 us. */
+ * 31 alternating): text_throughput model, full layer 488 -> 230 us, sliding layer 340 -> 173 us;
+ * the long contexts' blocks spread too (25 alternating, load ~8): MiMo-V2.5 full 4k, 4 requests
+ * 12.0 -> 9.3 ms, sliding, 32 requests 4.8 -> 3.7 ms. */
 #ifndef AHEAD_LOCALITY
 #define AHEAD_LOCALITY 3 /* into L1 (and L2); 0 (non-temporal) measured the same, 1-2 (L2) ~1.2x slower */
 #endif
@@ -209,13 +212,14 @@ static inline void ahead_lines(Ahead *a) {
  * query heads of KV head h: logits, online-softmax update of m / l / acc, acc += p V. */
 static void attend_block(const float *qs, long g, const float *k_cache, const float *v_cache, long hkv, long h,
                          long dqk, long dv, const long *slots, long n, float *logits, float *acc, float *m,
-                         float *l, Ahead *ahead) {
+                         float *l, Ahead *ahead, Ahead *block_ahead) {
     long n4 = (n + 3) / 4 * 4;
     for (long t = 0; t < n4; t += 4) { /* four K rows, every query head of the group */
         const float *k0 = k_cache + (slots[t] * hkv + h) * dqk, *k1 = k_cache + (slots[t + 1] * hkv + h) * dqk;
         const float *k2 = k_cache + (slots[t + 2] * hkv + h) * dqk, *k3 = k_cache + (slots[t + 3] * hkv + h) * dqk;
         for (long j = 0; j < g; j++) dot4(qs + j * dqk, k0, k1, k2, k3, dqk, logits + j * BLOCK + t);
         ahead_lines(ahead);
+        ahead_lines(block_ahead);
     }
     for (long j = 0; j < g; j++) {
         float *s = logits + j * BLOCK;
@@ -254,6 +258,7 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
             for (; d < dv; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
         }
         ahead_lines(ahead);
+        ahead_lines(block_ahead);
     }
 }
 
@@ -263,7 +268,7 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
 static long attend_request(const float *qs, const float *k_cache, const float *v_cache, const long *pages,
                            long page_size, long num_pages, long first, long len, long hq, long hkv, long dqk,
                            long dv, const float *sinks, float *out, float *logits, float *acc, float *m, float *l,
-                           const long *next_pages, long next_first, long next_len, Ahead *ahead) {
+                           const long *next_pages, long next_first, long next_len, Ahead *ahead, int whole) {
     long g = hq / hkv;
     for (long j = 0; j < hq; j++) {
         m[j] = -INFINITY;
@@ -284,15 +289,33 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
             }
         }
         for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1]; /* a written row */
+#ifdef PAGED_DECODE_BURST_AHEAD
+        Ahead *block_ahead = NULL;
+        (void)whole;
         if (start + BLOCK < len) /* the next block while this one computes */
             prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, start + BLOCK,
                                start + 2 * BLOCK < len ? start + 2 * BLOCK : len, hkv * dqk, hkv * dv);
         else if (next_pages) /* the last block: the next request's first */
             prefetch_positions(k_cache, v_cache, next_pages, page_size, num_pages, next_first,
                                next_first + BLOCK < next_len ? next_first + BLOCK : next_len, hkv * dqk, hkv * dv);
+#else
+        /* the next block while this one computes (not for a request asked for whole: already on its
+         * way), or at the last block the next request's first, spread over this block's loops */
+        Ahead block, *block_ahead = NULL;
+        const long calls = 2 * hkv * ((n + 3) / 4); /* this block's ahead_lines calls */
+        if (start + BLOCK < len && !whole) {
+            ahead_init(&block, k_cache, v_cache, pages, page_size, num_pages, start + BLOCK,
+                       start + 2 * BLOCK < len ? start + 2 * BLOCK : len, hkv * dqk, hkv * dv, calls);
+            block_ahead = &block;
+        } else if (start + BLOCK >= len && next_pages) {
+            ahead_init(&block, k_cache, v_cache, next_pages, page_size, num_pages, next_first,
+                       next_first + BLOCK < next_len ? next_first + BLOCK : next_len, hkv * dqk, hkv * dv, calls);
+            block_ahead = &block;
+        }
+#endif
         for (long h = 0; h < hkv; h++)
             attend_block(qs + h * g * dqk, g, k_cache, v_cache, hkv, h, dqk, dv, slots, n, logits,
-                         acc + h * g * dv, m + h * g, l + h * g, ahead);
+                         acc + h * g * dv, m + h * g, l + h * g, ahead, block_ahead);
     }
     for (long j = 0; j < hq; j++) {
         float denom = l[j];
@@ -332,6 +355,7 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
         }
     }
     long status = 0;
+    int whole = 0; /* this request's K/V asked for whole while the one before computed */
     for (long i = 0; i < num_rows; i++) {
         long len = seq_lens[req[i]];
         long first = window > 0 && len > window ? len - window : 0;
@@ -366,7 +390,8 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
         for (long e = 0; e < hq * dqk; e++) qs[e] = qi[e] * scale;
         long bad = attend_request(qs, k_cache, v_cache, pages, page_size, num_pages, first, len, hq, hkv, dqk, dv,
                                   sinks, out + q_row[i] * out_stride, logits, acc, m, l, next_pages, next_first,
-                                  next_len, use_ahead ? &ahead : NULL);
+                                  next_len, use_ahead ? &ahead : NULL, whole);
+        whole = use_ahead;
         if (bad) {
             error[0] = i;
             error[1] = bad - 1;

@@ -213,10 +213,12 @@ def test_draft_step_plans_match_per_step_reference(width, batch, steps, window, 
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=KEEP_FIXTURE)
-@given(st.lists(st.integers(1, 90), min_size=2, max_size=9), st.sampled_from([(4, 2), (8, 4), (2, 1)]),
+@given(st.lists(st.integers(1, 90) | st.integers(500, 700), min_size=2, max_size=9),
+       st.sampled_from([(4, 2), (8, 4), (2, 1)]),
        st.sampled_from([1, 4, 16]), st.one_of(st.none(), st.integers(1, 40)), st.booleans(), st.integers(0, 10_000))
 def test_next_request_asked_for_in_slices_is_bit_identical_to_at_once(ctx_lens, heads, page, window, release, seed):
-    """The next request's K/V asked for a few lines per 4 keys (the default) or all at once
+    """The next request's K/V (short contexts) or next block (500+ keys at 4 KV heads: past the
+    128 KB asked for whole) asked for a few lines per 4 keys (the default) or all at once
     (-DPAGED_DECODE_BURST_AHEAD, the earlier build): only prefetches differ, so the outputs are equal
     bit for bit -- released pages (skipped by the prefetch) and windows included."""
     q, k, v, table, qsl, lens = pool(seed, [1] * len(ctx_lens), ctx_lens, heads[0], heads[1], (32, 32), page, window,
