@@ -238,12 +238,13 @@ class DualKVPool:
     def swa_bytes_per_token(self) -> int:
         return self.layout.swa_bytes_per_token(self.dtype)
 
-    @property
+    @functools.cached_property
     def full_bytes(self) -> int:
-        """Bytes held by the Full pool buffers (all full layers, K and V)."""
+        """Bytes held by the Full pool buffers (all full layers, K and V; fixed at construction:
+        computed once, the engine's stats read it every step)."""
         return self._pool_bytes("full")
 
-    @property
+    @functools.cached_property
     def swa_bytes(self) -> int:
         return self._pool_bytes("sliding")
 
