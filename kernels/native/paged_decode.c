@@ -145,10 +145,10 @@ static void prefetch_positions(const float *k_cache, const float *v_cache, const
 
 /* The next request's K/V (a short context: asked for whole), or the next block of keys / the next
  * request's first block (a long one), asked for a few lines at a time from inside the loops over
- * this request's (this block's) keys, so the fetch runs while they compute. Asked for all at once (as before; -DPAGED_DECODE_BURST_AHEAD
- * builds that, for the tests' bit-for-bit comparison), the prefetches stall on full miss buffers
- * until nearly all of them are under way -- the core waits ~ the fetch time -- and then the request
- * computes with memory idle: fetch and compute took turns. ``per_call`` lines per call, spread
+ * this request's (this block's) keys, so the fetch runs while they compute. Asked for all at once
+ * (as before; -DPAGED_DECODE_BURST_AHEAD builds that, for the tests' bit-for-bit comparison), the
+ * prefetches stall on full miss buffers until nearly all of them are under way -- the core waits
+ * ~ the fetch time -- and then the request computes with memory idle: fetch and compute took turns. ``per_call`` lines per call, spread
  * evenly over the calls this request makes (one per 4 keys and KV head in each of its K and V
  * loops); positions on invalid pages are skipped. Only prefetches differ: the same bits. Measured
  * (benchmarks/paged_decode.py's shapes, 32 requests, caches emptied before each call, medians of
@@ -169,19 +169,9 @@ typedef struct {
 
 static void ahead_init(Ahead *a, const float *k_cache, const float *v_cache, const long *pages, long page_size,
                        long num_pages, long from, long to, long k_row, long v_row, long calls) {
-    a->k_cache = (const char *)k_cache;
-    a->v_cache = (const char *)v_cache;
-    a->pages = pages;
-    a->page_size = page_size;
-    a->num_pages = num_pages;
-    a->pos = from;
-    a->to = to;
-    a->k_bytes = k_row * 4;
-    a->v_bytes = v_row * 4;
-    a->byte = 0;
-    a->k = a->v = NULL;
-    const long lines = (to - from) * ((a->k_bytes + 63) / 64 + (a->v_bytes + 63) / 64);
-    a->per_call = calls > 0 ? (lines + calls - 1) / calls : lines;
+    const long lines = (to - from) * ((k_row * 4 + 63) / 64 + (v_row * 4 + 63) / 64);
+    *a = (Ahead){(const char *)k_cache, (const char *)v_cache, pages, page_size, num_pages, from, to, k_row * 4,
+                 v_row * 4, 0, NULL, NULL, calls > 0 ? (lines + calls - 1) / calls : lines};
 }
 
 static inline void ahead_lines(Ahead *a) {
