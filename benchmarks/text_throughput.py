@@ -167,6 +167,8 @@ def main() -> None:
                    help="python of an environment with vLLM (CPU build) installed: adds a vLLM column")
     p.add_argument("--compile", action="store_true",
                    help="also time fixed-shape decode steps per batch bucket, eager and torch.compile'd")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="our weights and KV pool on 4 KB pages (EngineConfig.huge_pages off)")
     p.add_argument("--no-native", action="store_true",
                    help="torch paths only: the C kernels (kernels/native/) off, for A/B runs")
     p.add_argument("--repeats", type=int, default=2,
@@ -203,13 +205,15 @@ def main() -> None:
                          args.gen, args.threads, args.prompt + args.gen + 16)
     cfg = EngineConfig(page_size=16, num_full_tokens=max_b * (args.prompt + args.gen + 32),
                        num_swa_tokens=max_b * (64 + args.prompt + 64), max_num_seqs=max_b,
-                       max_num_batched_tokens=max(2048, args.prompt * 8), native_cpu_kernels=not args.no_native)
+                       max_num_batched_tokens=max(2048, args.prompt * 8), native_cpu_kernels=not args.no_native,
+                       huge_pages=not args.no_huge_pages)
     llm = LLM.from_engine(LLMEngine(model, cfg))
     time_ours(llm, prompts(1, args.prompt, MODEL["vocab_size"]), 3)  # warm up
     variants, startup_s = fixed_shape_engines(model, cfg, batches) if args.compile else ({}, 0.0)
     if hf is not None:
         time_hf(hf, prompts(1, args.prompt, MODEL["vocab_size"]), 3)
-    rows, res = [], {"native_kernels": not args.no_native, "prompt_tokens": args.prompt, "gen_tokens": args.gen,
+    rows, res = [], {"native_kernels": not args.no_native, "huge_pages": not args.no_huge_pages,
+                     "prompt_tokens": args.prompt, "gen_tokens": args.gen,
                      "params_m": n_params / 1e6, "matmul_peak_gflops": peak, "decode_gflop_per_token": flops_tok / 1e9}
     for b in batches:
         batch = prompts(b, args.prompt, MODEL["vocab_size"])

@@ -56,6 +56,8 @@ def library(name: str, *, flags: tuple[str, ...] = (), source_dir: Path | None =
     if not _enabled:
         return None
     key = (name, source_dir or SOURCE_DIR, tuple(flags))
+    if key in _loaded:  # built: no lock (a dict read is atomic), the wrappers ask on every layer call
+        return _loaded[key]
     with _lock:
         if key not in _loaded:
             lib = _loaded[key] = _build_and_load(name, key[1], key[2])

@@ -89,6 +89,8 @@ def build_forward_batch(
         page_size=page_size,
         logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
         logits_only=logits_only and len(sample_rows) < len(ids),
+        # one sampling row per flat row, ascending: they are 0 .. T-1
+        logits_every_row=len(sample_rows) == len(ids),
     )
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
 

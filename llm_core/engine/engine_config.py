@@ -96,6 +96,8 @@ class EngineConfig:
     """Batch sizes of the fixed-shape decode steps (a batch pads up to the next; larger batches run eagerly)."""
     native_cpu_kernels: bool = True
     """On CPU: C kernels compiled for this machine on first use where they beat torch (kernels/native/); off: torch only."""
+    huge_pages: bool = True
+    """On CPU: the weights and the KV pool on 2 MB transparent huge pages (kernels/huge_pages.py; fewer TLB misses when a step streams them)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:

@@ -71,7 +71,7 @@ class LLMEngine:
         self.config = engine_config or EngineConfig()
         self.tokenizer = tokenizer
         native.set_enabled(self.config.native_cpu_kernels)  # before the runner lays out the weights
-        self.runner = ModelRunner(model, self.config.page_size, self.config.seed)
+        self.runner = ModelRunner(model, self.config.page_size, self.config.seed, huge_pages=self.config.huge_pages)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         if self.device.type == "cpu" and self.dtype == torch.float32 and native.enabled():
             native.build_all()  # compiled (or loaded from the disk cache) now, not in the first step
@@ -89,6 +89,7 @@ class LLMEngine:
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
         self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,
+                               huge_pages=self.config.huge_pages,
                                **pool_sizing(self.config, layout, dtype=self.dtype, device=self.device,
                                              max_model_len=self.max_model_len,
                                              prefix_caching=enable_prefix_caching).__dict__)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import huge_pages as huge_page_memory
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 from llm_core.engine.sampling import Sampler
@@ -54,13 +55,17 @@ class StepResult:
 class ModelRunner:
     """Owns the model and the sampler; turns a batch's entries into sampled tokens."""
 
-    def __init__(self, model: torch.nn.Module, page_size: int, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, page_size: int, seed: int = 0, huge_pages: bool = False) -> None:
+        """``huge_pages``: move the CPU weights onto huge-page-advised memory once laid out
+        (kernels/huge_pages.py: a decode step streams them from memory; same values and strides)."""
         self.model = model
         self.page_size = page_size
         self.device = next(model.parameters()).device
         self.dtype = model.model.norm.weight.dtype  # the KV pools take the activations' dtype
         self.sampler = Sampler(seed, self.device)
         model.use_kernel_layouts_()  # expert stacks and linear weights as the device's GEMMs stream them
+        if huge_pages:
+            huge_page_memory.move_module_(model)  # after the re-layout: its copies are what the kernels read
         self.decode_graphs: DecodeGraphs | None = None
         # True: the model's output holds every row's final hidden state (a forward hook recording
         # them, e.g. MTP training data); False: its last layer runs the sampling rows only.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import huge_pages as huge_page_memory
 from llm_core.model.config import layers_of_kind
 
 
@@ -192,7 +193,10 @@ class DualKVPool:
         page_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        huge_pages: bool = False,
     ) -> None:
+        """``huge_pages``: on CPU, the K/V buffers live on huge-page-advised memory
+        (kernels/huge_pages.py: a decode step streams them from memory; fewer TLB misses)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_full_tokens < page_size:
@@ -206,13 +210,16 @@ class DualKVPool:
         num_swa_pages = num_swa_tokens // page_size if layout.swa_layers else 0
         self.full = PageAllocator(num_full_tokens // page_size, "Full")
         self.swa = PageAllocator(num_swa_pages, "SWA")
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        shapes = []
         for kind in layout.layer_kinds:
             spec = layout.full if kind == "full" else layout.sliding
             slots = (self.full.num_pages if kind == "full" else self.swa.num_pages) * page_size
-            k = torch.zeros(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=self.device)
-            v = torch.zeros(slots, spec.num_kv_heads, spec.v_head_dim, dtype=dtype, device=self.device)
-            self._buffers.append((k, v))
+            shapes += [(slots, spec.num_kv_heads, spec.head_dim), (slots, spec.num_kv_heads, spec.v_head_dim)]
+        if huge_pages and self.device.type == "cpu" and huge_page_memory.supported():
+            kv = huge_page_memory.zeros(shapes, dtype)
+        else:
+            kv = [torch.zeros(shape, dtype=dtype, device=self.device) for shape in shapes]
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(kv[0::2], kv[1::2]))
 
     # ---- public API -------------------------------------------------------------------------
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,12 +238,13 @@ class DualKVPool:
     def swa_bytes_per_token(self) -> int:
         return self.layout.swa_bytes_per_token(self.dtype)
 
-    @property
+    @functools.cached_property
     def full_bytes(self) -> int:
-        """Bytes held by the Full pool buffers (all full layers, K and V)."""
+        """Bytes held by the Full pool buffers (all full layers, K and V; fixed at construction:
+        computed once, the engine's stats read it every step)."""
         return self._pool_bytes("full")
 
-    @property
+    @functools.cached_property
     def swa_bytes(self) -> int:
         return self._pool_bytes("sliding")
 

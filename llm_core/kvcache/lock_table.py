@@ -39,6 +39,9 @@ class Holder:
     # (path page, SWA page) the request gave the tree, oldest first: the request drops these once
     # they fall behind its window (unless a checkpoint or another window keeps them)
     own_swa: deque[tuple[int, int]] = field(default_factory=deque)
+    # (tail, tail.end, swa_lo, tree splits) after the last window advance: while it holds, another
+    # advance finds nothing to move (SWARadixCache._advance_window skips it)
+    advanced: tuple | None = None
 
     def take_own_swa_before(self, page: int) -> list[tuple[int, int]]:
         """Remove and return the contributions on path pages < ``page`` (oldest first)."""

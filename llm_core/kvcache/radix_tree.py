@@ -32,6 +32,9 @@ class RadixTree:
         self.root = RadixNode(None, 0, [], [], [])
         self.root.full_lock = 1  # never evicted, never a leaf candidate
         self._nodes: dict[int, RadixNode] = {}  # nid -> node, every node but the root
+        # splits so far: the only edit that changes a locked path between its root and its tail
+        # (what SWARadixCache._advance_window's no-op check relies on)
+        self.splits = 0
 
     # ---- queries ----------------------------------------------------------------------------------
     def walk(self, keys: list[PageKey]) -> TreeMatch:
@@ -75,6 +78,7 @@ class RadixTree:
         """Cut ``node`` after ``k`` pages (see ``RadixNode.split``); returns the new upper node."""
         head = node.split(k)
         self._nodes[head.nid] = head
+        self.splits += 1
         return head
 
     def add(self, parent: RadixNode, keys: list[PageKey], full: list[int], swa: list[int],

@@ -39,6 +39,9 @@ class ForwardBatch:
     # logits rows alone, and the model returns [R, hidden] in logits_indices order (logits_hidden).
     # In a prompt chunk that is one row of T: ~1/L of the step saved for an L-layer model.
     logits_only: bool = False
+    # True: logits_indices is exactly 0 .. T-1 (every row samples, e.g. an all-decode step), so
+    # logits_hidden hands the hidden states over as they are instead of gathering every row.
+    logits_every_row: bool = False
     # Per-step memo the model fills lazily with values derived only from the fields above (attention
     # index plans per pool and window, rotary tables per theta), so every layer of a kind reuses them.
     # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place.
@@ -46,7 +49,7 @@ class ForwardBatch:
 
     def logits_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits rows of the model's output (already those rows alone when ``logits_only``)."""
-        return hidden if self.logits_only else hidden[self.logits_indices]
+        return hidden if self.logits_only or self.logits_every_row else hidden[self.logits_indices]
 
     def logits_batch(self) -> ForwardBatch:
         """The logits rows as a batch of their own: one decode row per request that samples, at its

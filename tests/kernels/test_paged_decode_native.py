@@ -6,6 +6,7 @@ take falls back to the torch path with the same values."""
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -209,3 +210,25 @@ def test_draft_step_plans_match_per_step_reference(width, batch, steps, window, 
         got = paged_attention_cpu(q, k, v, table[idx], qsl, lens[s][idx], plan=plans[s], **kw)
         ref = paged_attention_ref(q, k, v, table[idx], qsl, lens[s][idx], **kw)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=KEEP_FIXTURE)
+@given(st.lists(st.integers(1, 90) | st.integers(500, 700), min_size=2, max_size=9),
+       st.sampled_from([(4, 2), (8, 4), (2, 1)]),
+       st.sampled_from([1, 4, 16]), st.one_of(st.none(), st.integers(1, 40)), st.booleans(), st.integers(0, 10_000))
+def test_next_request_asked_for_in_slices_is_bit_identical_to_at_once(ctx_lens, heads, page, window, release, seed):
+    """The next request's K/V (short contexts) or next block (500+ keys at 4 KV heads: past the
+    128 KB asked for whole) asked for a few lines per 4 keys (the default) or all at once
+    (-DPAGED_DECODE_BURST_AHEAD, the earlier build): only prefetches differ, so the outputs are equal
+    bit for bit -- released pages (skipped by the prefetch) and windows included."""
+    q, k, v, table, qsl, lens = pool(seed, [1] * len(ctx_lens), ctx_lens, heads[0], heads[1], (32, 32), page, window,
+                                     release)
+    plan = AttentionPlan.build(table, qsl, lens, page_size=page, window=window)
+    sinks = torch.randn(heads[0])
+    spread = paged_decode.decode_attention(q, k, v, plan.native, scale=0.2, sinks=sinks)
+    burst_lib = paged_decode._lib(paged_decode.FLAGS + ("-DPAGED_DECODE_BURST_AHEAD",))
+    assert burst_lib is not None and burst_lib is not paged_decode._lib()  # really two builds
+    with mock.patch.object(paged_decode, "_lib", lambda flags=paged_decode.FLAGS: burst_lib):
+        burst = paged_decode.decode_attention(q, k, v, plan.native, scale=0.2, sinks=sinks)
+    assert spread is not None and burst is not None
+    assert torch.equal(spread, burst)

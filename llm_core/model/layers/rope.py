@@ -17,6 +17,10 @@ import torch
 from torch import nn
 
 
+# positions whose rotary rows PartialRotary keeps on CPU (16k x R x 8 bytes: 2 MB at R = 32)
+MEMO_POSITIONS = 16384
+
+
 class PartialRotary(nn.Module):
     """Applies RoPE to q [T, Hq, D] and k [T, Hk, D] at absolute ``positions`` [T]."""
 
@@ -29,6 +33,7 @@ class PartialRotary(nn.Module):
         # Frequencies are recomputed per device on first use instead of being a buffer: the model is
         # built on the meta device and a non-persistent buffer would stay meta after loading.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._memo: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # CPU tables by position
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
@@ -37,7 +42,24 @@ class PartialRotary(nn.Module):
         return self._inv_freq[device]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos [T, 1, R], signed sin [T, 1, R]) for ``positions``; the same for every layer of a step."""
+        """(cos [T, 1, R], signed sin [T, 1, R]) for ``positions``; the same for every layer of a step.
+
+        On CPU (outside a compiled graph) the rows come from a memo of every position below the
+        largest seen so far (up to MEMO_POSITIONS): two row gathers instead of seven ops, each of
+        which costs ~25 us with the caches cold in a decode step. A row of the memo holds the same
+        bits as the row computed for a step: every op is elementwise per position (a test pins it)."""
+        if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+            memo = self._memo.get(dtype)
+            top = int(positions.max())
+            if top >= MEMO_POSITIONS:
+                return self._compute(positions, dtype)
+            if memo is None or top >= memo[0].shape[0]:
+                size = min(MEMO_POSITIONS, max(1024, 1 << top.bit_length()))
+                memo = self._memo[dtype] = self._compute(torch.arange(size), dtype)
+            return memo[0].index_select(0, positions), memo[1].index_select(0, positions)
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         sin = emb.sin()

@@ -201,3 +201,36 @@ def test_other_weights_never_share_l3_entries(tmp_path, reference, model):
     assert llm.engine.stats().prefix_cache_hit_tokens.get("l3", 0) == 0
     assert conversations(llm)[0] == conversations(make(other))[0]
     llm.engine.close()
+
+
+def test_window_advance_skip_changes_nothing(model, reference, monkeypatch):
+    """SWARadixCache._advance_window skips a call whose tail, window and path are those of the last
+    advance. Forced to advance every time instead, the same conversations (tiny L1: evictions,
+    tombstones and splits) give the same tokens, hits, trimmed pages and free pages."""
+    from llm_core.kvcache import swa_radix_cache
+
+    skips = []
+
+    def run(skip: bool):
+        real = swa_radix_cache.SWARadixCache._advance_window
+
+        def wrapped(self, holder):
+            if skip:  # count the calls the check skips
+                skips.append(holder.advanced == (holder.tail, holder.tail.end, holder.swa_lo, self.tree.splits))
+            else:
+                holder.advanced = None
+            return real(self, holder)
+
+        monkeypatch.setattr(swa_radix_cache.SWARadixCache, "_advance_window", wrapped)
+        llm = make(model, enable_prefix_caching=True, num_full_tokens=96, num_swa_tokens=64,
+                   prefix_checkpoint_every=8)
+        outs, cached = conversations(llm, turns=4)
+        cache = llm.engine.prefix_cache
+        cache.check_integrity()
+        monkeypatch.undo()
+        return outs, cached, dict(cache.counters), llm.engine.pool.full.num_free, llm.engine.pool.swa.num_free
+
+    skipped, always_ = run(True), run(False)
+    assert any(skips) and not all(skips)  # both kinds of call happened
+    assert skipped[0][:9] == reference
+    assert skipped == always_

@@ -102,3 +102,23 @@ def test_fused_rms_norm_is_bit_exact(tokens, hidden, seed):
     h = x.float()
     want = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
     assert torch.equal(norm(x), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 20_000), min_size=1, max_size=70), st.sampled_from([(32, 1e4), (24, 1e6), (6, 5e6)]),
+       st.booleans())
+def test_rotary_tables_from_the_memo_are_bit_exact(positions, setup, grow_first):
+    """PartialRotary.tables' CPU memo (rows of every position below the largest seen, up to
+    MEMO_POSITIONS; past it computed directly) gives the bits computed for the step itself."""
+    from llm_core.model.layers import rope
+
+    rot = PartialRotary(*setup)
+    if grow_first:
+        rot.tables(torch.tensor([3]), torch.float32)  # a small memo first: the batch below may grow it
+    pos = torch.tensor(positions)
+    got = rot.tables(pos, torch.float32)
+    want = rot._compute(pos, torch.float32)
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, want))
+    memo = rot._memo.get(torch.float32)
+    if max(positions) < rope.MEMO_POSITIONS:  # served from the memo, which covers them
+        assert memo is not None and max(positions) < memo[0].shape[0] <= rope.MEMO_POSITIONS
