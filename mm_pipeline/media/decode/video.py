@@ -29,6 +29,7 @@ from fractions import Fraction
 import av
 import numpy as np
 import torch
+from av.video.reformatter import VideoReformatter
 
 from mm_pipeline.media.decode.budget import DecodeControl, check
 from mm_pipeline.media.decode.image import decode_animation_frames, probe_animation
@@ -126,6 +127,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     first = max((k for k in info.keyframes if k <= targets[0]), default=0) if seek else 0
     out: list[np.ndarray] = []
     prev: av.VideoFrame | None = None
+    rgb = FrameToRgb(h, w)
     try:
         with open_av(item.data) as container:
             stream = container.streams.video[0]
@@ -144,9 +146,9 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
                     idx = index_of.get(frame.pts, prev_index + 1)
                     prev_index = idx
                     while len(out) < until and targets[len(out)] < idx:
-                        out.append(_rgb(prev if prev is not None else frame, h, w))  # never emitted
+                        out.append(rgb(prev if prev is not None else frame))  # never emitted
                     if len(out) < until and targets[len(out)] == idx:
-                        out.append(_rgb(frame, h, w))
+                        out.append(rgb(frame))
                     prev = frame
                     if len(out) == until:
                         break
@@ -155,7 +157,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     if prev is None:
         raise UndecodableMediaError(f"{item.format} video from {item.origin} decoded no frame")
     while len(out) < len(targets):
-        out.append(_rgb(prev, h, w))
+        out.append(rgb(prev))
     return torch.from_numpy(np.stack(out))
 
 
@@ -185,9 +187,21 @@ def decode_runs(targets: Sequence[int], keyframes: Sequence[int], first: int) ->
     return runs
 
 
-def _rgb(frame: av.VideoFrame, h: int, w: int) -> np.ndarray:
-    # Every frame at one size, even if the codec changes resolution mid-stream.
-    return frame.to_ndarray(format="rgb24", width=w, height=h)
+class FrameToRgb:
+    """Decoded frames -> [h, w, 3] uint8 RGB at one size (even if the codec changes resolution
+    mid-stream), scaled by swscale as PyAV's ``to_ndarray(format="rgb24", width=w, height=h)`` does
+    (bilinear) -- bit-identical (tested) -- but with one scaler for all of a decoder's frames and
+    swscale's own threads off. ``to_ndarray`` sets up a new scaler per frame with swscale's
+    automatic thread count, i.e. a thread pool started per frame: a 720p frame scaled to the demo
+    model's 192x96 took 0.85-1.7 ms of CPU (up to 3.7 ms wall under load) that way and 0.8-1.05 ms
+    (wall = CPU) this way. One instance per decoder thread (a scaler is not thread-safe)."""
+
+    def __init__(self, h: int, w: int) -> None:
+        self.h, self.w = h, w
+        self._scaler = VideoReformatter()
+
+    def __call__(self, frame: av.VideoFrame) -> np.ndarray:
+        return self._scaler.reformat(frame, format="rgb24", width=self.w, height=self.h, threads=1).to_ndarray()
 
 
 # Codec threads only up to 4K UHD frames: each frame thread holds frames of its own, and a hostile

@@ -286,3 +286,28 @@ def test_pool_saturation_becomes_503() -> None:
     asyncio.run(scenario())
     assert pool.admitted == 0
     pool.shutdown()
+
+
+@pytest.mark.parametrize(("container", "codec"), CODECS)
+def test_one_scaler_per_decoder_converts_like_pyav(container: str, codec: str) -> None:
+    """``FrameToRgb`` (one swscale context for every frame, swscale threads off) gives the pixels
+    of PyAV's per-frame ``to_ndarray`` bit for bit: for a real stream at its own and at a scaled
+    size, and for frames whose size and format change from one frame to the next."""
+    import av
+
+    from mm_pipeline.media.decode.video import FrameToRgb
+    from mm_pipeline.media.sniff import open_av
+
+    item = _video(container, codec, fps=10, n_frames=12, gop=4)
+    for h, w in ((48, 64), (32, 96), (97, 31)):
+        rgb = FrameToRgb(h, w)
+        with open_av(item.data) as c:
+            for frame in c.decode(video=0):
+                assert np.array_equal(rgb(frame), frame.to_ndarray(format="rgb24", width=w, height=h))
+    rng = np.random.default_rng(0)
+    rgb = FrameToRgb(40, 56)
+    for (fh, fw), fmt in [((120, 160), "yuv420p"), ((72, 128), "yuv420p"), ((120, 160), "yuvj420p"),
+                          ((64, 64), "gray"), ((120, 160), "yuv420p")]:
+        frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (fh, fw, 3), dtype=np.uint8), format="rgb24")
+        frame = frame.reformat(format=fmt)
+        assert np.array_equal(rgb(frame), frame.to_ndarray(format="rgb24", width=56, height=40))
