@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -106,7 +106,7 @@ def _fps_from_pts(pts: tuple[int, ...], time_base: Fraction | None) -> float:
 
 def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek: bool = True,
                  size: tuple[int, int] | None = None, control: DecodeControl | None = None,
-                 threads: int = 1) -> torch.Tensor:
+                 threads: int = 1, on_row: Callable[[int, np.ndarray], None] | None = None) -> torch.Tensor:
     """Frames ``targets`` (ascending, unique) as [T, H, W, 3] uint8; with ``seek`` the decoder
     starts at the last keyframe at or before ``targets[0]`` and jumps over the frames between two
     targets when a keyframe lies between them (``decode_runs``), else it decodes every frame from
@@ -116,7 +116,9 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     huge source frame never exists as RGB, let alone as float (default: the stream's size).
     ``control``: checked once per decoded frame (deadline, cancellation).
     ``threads``: the codec's own decoding threads (FFmpeg frame/slice threads, outside the GIL);
-    1: none, 0: FFmpeg picks by the CPU count. Output is bit-identical either way."""
+    1: none, 0: FFmpeg picks by the CPU count. Output is bit-identical either way.
+    ``on_row(k, rgb)``: called on the decoding thread as row k of the result is ready (in order),
+    so a caller can hand on the first frames while later ones still decode."""
     h, w = size or (info.height, info.width)
     if not targets:
         return torch.empty(0, h, w, 3, dtype=torch.uint8)
@@ -128,6 +130,12 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     out: list[np.ndarray] = []
     prev: av.VideoFrame | None = None
     rgb = FrameToRgb(h, w)
+
+    def put(frame: av.VideoFrame) -> None:
+        out.append(rgb(frame))
+        if on_row is not None:
+            on_row(len(out) - 1, out[-1])
+
     try:
         with open_av(item.data) as container:
             stream = container.streams.video[0]
@@ -146,9 +154,9 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
                     idx = index_of.get(frame.pts, prev_index + 1)
                     prev_index = idx
                     while len(out) < until and targets[len(out)] < idx:
-                        out.append(rgb(prev if prev is not None else frame))  # never emitted
+                        put(prev if prev is not None else frame)  # never emitted
                     if len(out) < until and targets[len(out)] == idx:
-                        out.append(rgb(frame))
+                        put(frame)
                     prev = frame
                     if len(out) == until:
                         break
@@ -157,7 +165,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     if prev is None:
         raise UndecodableMediaError(f"{item.format} video from {item.origin} decoded no frame")
     while len(out) < len(targets):
-        out.append(rgb(prev))
+        put(prev)
     return torch.from_numpy(np.stack(out))
 
 
