@@ -154,7 +154,7 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
     sampling = sample_frames(info.total_frames, info.video_fps, VideoSamplingParams(fps=2.0, max_frames=3600))
     tp = 2
     chunks = plan_chunks(list(range(len(sampling.indices) // tp)), sampling.indices, info.keyframes, tp,
-                         PlannerConfig().groups_per_chunk, PlannerConfig().decode_workers)
+                         PlannerConfig().groups_per_chunk)
     size = (info.height, info.width)
     processes = {w: ProcessDecodeBackend(w) for w in DECODE_WORKERS}
     variants = [("thread", w, 1) for w in DECODE_WORKERS] + [("process", w, 1) for w in DECODE_WORKERS]
