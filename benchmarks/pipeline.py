@@ -36,6 +36,9 @@ Keys (goals on the 2-core CPU host in brackets):
   timeline_tail_s            first token - end of the last decoded chunk: what streaming can shorten
                              (the decode before it is the same work either way); stream_tail_ratio:
                              streamed tail / --no-stream-embeddings tail
+  served_*                   --served: TTFT and server-process CPU through `mmserve serve`, each
+                             request paired with a plain-PyAV decode timed just before it
+                             (benchmarks/_served_ttft.py)
 
 Setup: a small omni checkpoint (ViT hidden 256 x 4 blocks, MoE text model hidden 256) with real-size
 pixel budgets; videos are 720p 30 fps MPEG-4 with a keyframe every 2 s, sampled at 1 frame/s (the
