@@ -37,6 +37,9 @@ Keys (goals on the 2-core CPU host in brackets):
   timeline_tail_s            first token - end of the last decoded chunk: what streaming can shorten
                              (the decode before it is the same work either way); stream_tail_ratio:
                              streamed tail / --no-stream-embeddings tail
+  served_*                   --served: TTFT and server-process CPU through `mmserve serve`, each
+                             request paired with a plain-PyAV decode timed just before it
+                             (benchmarks/_served_ttft.py)
 
 Setup: a small omni checkpoint (ViT hidden 256 x 4 blocks, MoE text model hidden 256) with real-size
 pixel budgets; videos are 720p 30 fps MPEG-4 with a keyframe every 2 s, sampled at 1 frame/s (the
@@ -61,11 +64,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import base_parser, first_token_s, print_table, write_json
+from _common import base_parser, print_table, write_json
 from _loop_lag import LagControl
 from _repeat_parts import StepRecorder
 from _timeline_tables import print_timeline
-from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video, pyav_decode_all
+from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video
+from _served_ttft import bench_served
 from encoders.image_processing import ImageProcessingConfig
 from samples.checkpoints.tiny_towers import init_random_, tiny_vision_config
 from encoders.vision.tower import VisionTransformer
@@ -306,36 +310,6 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
             "loop_lag_requests": n, **{f"loop_lag_{k}": v for k, v in control.result().items()}}
 
 
-def bench_served(seconds: int, reps: int) -> dict[str, float]:
-    """As a user meets it: a fresh ``seconds``-long 720p video through ``mmserve serve`` with the demo
-    model (a new server per request, so every request is cold), streaming on vs
-    ``--no-stream-embeddings``, next to plain PyAV decoding every frame of the same file in the
-    same run. TTFT is measured by the client: request sent -> first streamed token."""
-    import httpx
-
-    from mm_pipeline.server.launch.server_process import ServerProcess
-
-    demo = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
-    video = make_video(seconds, **HD, seed=300)
-    body = {"model": "", "max_tokens": 1, "temperature": 0, "stream": True,
-            "messages": ask(data_part("video", video), "What happens in this video?")}
-    warm = {**body, "messages": ask(data_part("video", make_video(2, **HD, seed=301)), "Warm up.")}
-
-    times: dict[str, list[float]] = {"streamed": [], "no_stream": [], "pyav": []}
-    for _ in range(reps):
-        for name, flags in (("streamed", []), ("no_stream", ["--no-stream-embeddings"])):
-            with ServerProcess(["--model", str(demo), *flags]) as server:
-                name_of = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-                body["model"] = warm["model"] = name_of
-                first_token_s(server.base_url, warm)  # first-request costs (lazy imports, allocator) are not TTFT
-                times[name].append(first_token_s(server.base_url, body))
-        times["pyav"].append(pyav_decode_all(video))
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    return {"served_ttft_streamed_s": med["streamed"], "served_ttft_no_stream_s": med["no_stream"],
-            "served_pyav_all_frames_s": med["pyav"], "served_ttft_over_pyav": med["streamed"] / med["pyav"],
-            "served_stream_gain": med["no_stream"] / med["streamed"]}
-
-
 def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False) -> dict[str, float]:
     if decode_only:
         return bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3)
@@ -370,7 +344,8 @@ def main() -> None:
         parser.error("--repeat must be >= 1")
     if args.served:
         results = bench_served(seconds=20 if args.quick else 60, reps=args.repeat)
-        print_table(f"served (median of {args.repeat})", ["metric", "value"], sorted(results.items()))
+        print_table(f"served (medians of {args.repeat}; pair k: streamed TTFT / the PyAV decode timed just before it)",
+                    ["metric", "value"], sorted(results.items()))
         write_json(args.json, results)
         return
     runs = []

@@ -72,9 +72,11 @@ class PlannerConfig:
     max_context_tokens: int | None = None  # the LLM's context: media that cannot fit fails before decoding
     video_audio: bool = True  # lay a video's sound track out with its frames (when the model hears)
     decoder_threads: int = 0  # FFmpeg's own threads per video decoder (0: FFmpeg picks, 1: none)
+    decode_workers: int = 2  # workers a video's chunks share (video_chunks.plan_chunks)
 
     def __post_init__(self) -> None:
-        if self.groups_per_chunk < 1:
-            raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
+        if self.groups_per_chunk < 1 or self.decode_workers < 1:
+            raise ValueError(f"groups_per_chunk and decode_workers must be >= 1, got {self.groups_per_chunk}, "
+                             f"{self.decode_workers}")
         if self.decoder_threads < 0:
             raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")

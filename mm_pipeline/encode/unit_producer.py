@@ -180,6 +180,7 @@ class UnitProducer:
             error = exc if isinstance(exc, Exception) else MediaError("media production was cancelled")
             for key in open_keys:
                 self.batcher.fail(key, error)
+            open_keys.clear()  # a group a decode worker hands on after this is not submitted
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -207,13 +208,16 @@ class UnitProducer:
             plan.video = await self.pool.run(self.probe_video, plan.item, control)
         info, sampling, size = plan.video
         tp = self.pre.image_config.temporal_patch_size
-        if info is None:  # GIF/WebP: PIL walks frames forward only, so one pass composites each once
-            chunks = [list(claimed)]
-        else:
-            chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk)
         # decoded while the bytes arrived (media.decode.early): those chunks take its frames
         early = plan.item.early if info is not None else None
+        if info is None:  # GIF/WebP: PIL walks frames forward only, so one pass composites each once
+            chunks = [list(claimed)]
+        else:  # a decoder that hands groups on as they decode can take whole GOPs: nothing decoded twice
+            streams = self.decoder.streams_groups and early is None
+            chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk,
+                                 2 * self.config.decode_workers if streams else 0)
         from_early = chunks_for_early(early, info, sampling.indices, chunks, tp) if early is not None else set()
+        loop = asyncio.get_running_loop()
 
         async def one(groups: list[int], use_early: bool) -> None:
             if not any(self.batcher.wanted(plan.units[g].key) for g in groups):
@@ -221,8 +225,20 @@ class UnitProducer:
                     self.batcher.fail(plan.units[g].key, MediaError("no longer wanted"))
                     open_keys.discard(plan.units[g].key)
                 return
+            failed: list[Exception] = []
+
+            def submit(g: int, vis: VisionInput) -> None:  # on the loop, as each group is decoded
+                try:
+                    self._submit(plan, g, vis, open_keys)
+                except Exception as exc:  # raised below, once the chunk is done
+                    failed.append(exc)
+
+            # the worker's calls run on the loop before the chunk's own result is delivered
+            deliver = lambda g, vis: loop.call_soon_threadsafe(submit, g, vis)  # noqa: E731
             inputs = await self.pool.run(self._video_chunk, plan.item, info, sampling.indices, groups, size, tp,
-                                         control, use_early)
+                                         control, use_early, deliver)
+            if failed:
+                raise failed[0]
             for g, vis in zip(groups, inputs):
                 self._submit(plan, g, vis, open_keys)
 
@@ -232,7 +248,10 @@ class UnitProducer:
 
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
                      size: tuple[int, int], tp: int, control: DecodeControl | None = None,
-                     use_early: bool = False) -> list[VisionInput]:
+                     use_early: bool = False, deliver: Callable[[int, VisionInput], None] | None = None
+                     ) -> list[VisionInput]:
+        """The chunk's inputs, one per group; with ``deliver`` (not for early frames) each group
+        goes to ``deliver(g, input)`` as soon as it is decoded and nothing is returned."""
         t0 = time.monotonic()
         with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control, "a video chunk"):
             if use_early:
@@ -241,11 +260,17 @@ class UnitProducer:
                 self._count("early_frames_used", used)
                 targets = {indices[g * tp + j] for g in groups for j in range(tp)}
                 self._count("early_frames_decoded_after", len(targets) - used)
+                out = self.pre.video_groups(frames, size)
+            elif deliver is None:
+                out = self.pre.video_groups(self.decoder.decode_chunk(
+                    item, info, indices, groups, tp, self.config.limits, size, control,
+                    threads=self.config.decoder_threads), size)
             else:
-                frames = self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size,
-                                                   control, threads=self.config.decoder_threads)
+                self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
+                                          threads=self.config.decoder_threads,
+                                          on_group=lambda g, frames: deliver(g, self.pre.video_groups(frames, size)[0]))
+                out = []
             self._count("video_chunks_decoded")
-            out = self.pre.video_groups(frames, size)
         if self.on_decode_span is not None:
             self.on_decode_span(t0, time.monotonic())
         return out

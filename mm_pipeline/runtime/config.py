@@ -186,7 +186,7 @@ class OmniEngineConfig:
                        default_video_audio: bool = True) -> PlannerConfig:
         video_audio = default_video_audio if self.video_audio is None else self.video_audio
         return PlannerConfig(self.limits, self.video_sampling or default_sampling, self.groups_per_chunk,
-                             max_context_tokens, video_audio, self.resolved_decoder_threads)
+                             max_context_tokens, video_audio, self.resolved_decoder_threads, self.decode_workers)
 
     @property
     def resolved_decoder_threads(self) -> int:

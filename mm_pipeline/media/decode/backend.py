@@ -42,7 +42,7 @@ from mm_pipeline.media.decode.image import decode_image
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 from mm_pipeline.media.decode import worker_jobs as jobs
-from mm_pipeline.media.decode.video_chunks import decode_chunk
+from mm_pipeline.media.decode.video_chunks import decode_chunk, emit_groups
 
 BACKENDS = ("thread", "process")
 
@@ -52,11 +52,16 @@ class DecodeWorkerDied(UndecodableMediaError):
 
 
 class DecodeBackend(Protocol):
-    """Decodes video chunks and images; blocking, called on a WorkerPool thread."""
+    """Decodes video chunks and images; blocking, called on a WorkerPool thread. ``on_group``
+    (video_chunks.decode_chunk) gets each group's frames; ``streams_groups``: while the chunk still
+    decodes (else once it is done), which lets a chunk span GOPs without holding the encoder back."""
+
+    streams_groups: bool
 
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
-                     threads: int = 1) -> torch.Tensor: ...
+                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None
+                     ) -> torch.Tensor: ...
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage: ...
@@ -67,10 +72,14 @@ class DecodeBackend(Protocol):
 class ThreadDecodeBackend:
     """The reference: decode on the calling thread (PyAV and PIL drop the GIL while decoding)."""
 
+    streams_groups = True
+
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
-                     threads: int = 1) -> torch.Tensor:
-        return decode_chunk(item, info, indices, groups, tp, limits, size, control, threads=threads)
+                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None
+                     ) -> torch.Tensor:
+        return decode_chunk(item, info, indices, groups, tp, limits, size, control, threads=threads,
+                            on_group=on_group)
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage:
@@ -117,11 +126,17 @@ class ProcessDecodeBackend:
         self.warm(wait=False)
 
     # ---- public API -------------------------------------------------------------------------
+    streams_groups = False  # the frames come back in one block per chunk
+
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
-                     threads: int = 1) -> torch.Tensor:
-        return self._call(jobs.chunk_job, (item, info, list(indices), list(groups), tp, limits, size, threads),
-                          control, f"a {item.format} video chunk from {item.origin}")
+                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None
+                     ) -> torch.Tensor:
+        frames = self._call(jobs.chunk_job, (item, info, list(indices), list(groups), tp, limits, size, threads),
+                            control, f"a {item.format} video chunk from {item.origin}")
+        if on_group is not None:
+            emit_groups(frames, groups, tp, on_group)
+        return frames
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage:

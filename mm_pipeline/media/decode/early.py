@@ -52,7 +52,7 @@ import torch
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
-from mm_pipeline.media.decode.video import VideoInfo, codec_threads, decode_range
+from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, open_av_stream
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -251,10 +251,11 @@ def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo
     h, w = size
     kept = early.frames_until([info.pts[t] for t in targets], control)
     rows: dict[int, np.ndarray] = {}
+    rgb = FrameToRgb(h, w)  # as decode_range converts
     for t in targets:
         frame = kept.get(info.pts[t])
         if frame is not None:
-            rows[t] = frame.to_ndarray(format="rgb24", width=w, height=h)  # as decode_video converts
+            rows[t] = rgb(frame)
     missing = [t for t in targets if t not in rows]
     if missing:
         decoded = decode_range(item, info, missing, size=size, control=control, threads=threads)

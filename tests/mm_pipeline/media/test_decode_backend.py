@@ -163,3 +163,34 @@ def test_shutdown_with_jobs_in_flight_leaves_nothing():
     assert_no_blocks(b)
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=board)
+
+
+class _FrameCount:
+    """A decode control that counts decoded frames (``check`` runs once per frame)."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def check(self) -> None:
+        self.frames += 1
+
+
+def test_groups_are_handed_on_as_they_decode(backend):
+    """``on_group`` gets each group's frames, in order, equal to the chunk's rows; the thread
+    backend calls it while the chunk still decodes (the first group long before the last frame),
+    the process backend once the chunk is back. A padded tail (a repeated last frame) included."""
+    info, indices = chunk_args(VIDEO)
+    groups = list(range(len(indices) // 2))
+    padded = [*indices[:-1], indices[-2]]  # the last group repeats a frame, as a padded tail does
+    for idx in (list(indices), padded):
+        want = ThreadDecodeBackend().decode_chunk(VIDEO, info, idx, groups, 2, LIMITS, (32, 48))
+        for b in (ThreadDecodeBackend(), backend):
+            count = _FrameCount() if b.streams_groups else None  # a process takes no such control
+            seen = []
+            whole = b.decode_chunk(VIDEO, info, idx, groups, 2, LIMITS, (32, 48), count,
+                                   on_group=lambda g, f: seen.append((g, f.clone(), count and count.frames)))
+            assert [g for g, _, _ in seen] == groups
+            assert torch.equal(torch.cat([f for _, f, _ in seen]), whole) and torch.equal(whole, want)
+            if b.streams_groups:
+                assert seen[0][2] < seen[-1][2]  # the first group left before the last one decoded
+    assert_no_blocks(backend)

@@ -92,3 +92,49 @@ def test_video_chunks_follow_keyframes():
     assert plan_chunks(range(6), indices, late, 2, 2) == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="groups_per_chunk"):
         plan_chunks([0], indices, every8, 2, 0)
+
+
+def _frames_decoded(chunks, indices, keyframes, tp):
+    """Per source frame, how many chunks decode it (each from its seek point, skipping the gaps
+    ``decode_runs`` jumps over)."""
+    from mm_pipeline.media.decode.video import decode_runs
+
+    count: dict[int, int] = {}
+    for groups in chunks:
+        targets = sorted({indices[g * tp + j] for g in groups for j in range(tp)})
+        first = max(k for k in keyframes if k <= targets[0])
+        runs = decode_runs(targets, keyframes, first)
+        for (start, until) in runs:
+            for f in range(start, targets[until - 1] + 1):
+                count[f] = count.get(f, 0) + 1
+    return count
+
+
+def test_streamed_chunks_decode_each_frame_once():
+    """The served 20 s clip's sampling: 30 fps, 40 frames sampled (2 groups per 2 s GOP). Chunks
+    whose groups reach the encoder only at their end (min_chunks 0) re-decode a GOP's first 16
+    frames for its second group; when the decoder streams groups (min_chunks = 2 per worker), a
+    group joins the chunk its seek point lies in: one chunk per GOP, no frame decoded twice."""
+    import numpy as np
+
+    from mm_pipeline.media.decode.video_chunks import plan_chunks
+
+    indices = np.linspace(0, 599, 40).astype(int).tolist()
+    keys = tuple(range(0, 600, 60))
+    old = plan_chunks(range(20), indices, keys, 2, 1)
+    new = plan_chunks(range(20), indices, keys, 2, 1, min_chunks=4)
+    seeks = [max(k for k in keys if k <= indices[c[0] * 2]) for c in new]
+    assert len(new) == 10 and seeks == list(keys)  # one chunk per GOP
+    assert [g for c in new for g in c] == list(range(20))
+    assert max(_frames_decoded(new, indices, keys, 2).values()) == 1
+    assert max(_frames_decoded(old, indices, keys, 2).values()) == 2  # the waste this removes
+    assert sum(_frames_decoded(new, indices, keys, 2).values()) < sum(_frames_decoded(old, indices, keys, 2).values())
+    # the workers still share the work: a chunk stops growing at 1/min_chunks of the groups and
+    # re-decodes the small overlap instead (keyframes at 0 and 6 only: every overlap is 1 frame)
+    small = list(range(0, 80, 4))  # 10 groups of frames (8g, 8g + 4)
+    capped = plan_chunks(range(10), small, (0, 6), 2, 1, min_chunks=4)
+    assert capped == plan_chunks(range(10), small, (0, 6), 2, 1)  # overlap >= own: joined either way
+    every = plan_chunks(range(12), list(range(0, 48, 2)), (0, *range(2, 48, 4)), 2, 1, min_chunks=4)
+    assert [len(c) for c in every] == [3, 3, 3, 3]  # overlap 1 < own 3 each time: cut at the cap
+    with pytest.raises(ValueError, match="min_chunks"):
+        plan_chunks([0], small, (0,), 2, 1, min_chunks=-1)
