@@ -47,6 +47,7 @@ class DecodeBatchState:
         self._host: list[list[int]] = []
         self.advanced = 0  # steps served by the advance (tests and benchmarks read them)
         self.rebuilt = 0
+        self.rows_rewritten = 0  # rows of advanced steps rewritten from their page lists
 
     def build(self, entries: list[ScheduledRequest], device: torch.device, step: int,
               logits_only: bool = False) -> tuple[ForwardBatch, torch.Tensor]:
@@ -98,6 +99,7 @@ class DecodeBatchState:
             swa_table[at] = _table([entries[b].request.swa_pages for b in changed], width).to(device)
             for b, key in zip(changed, keys):
                 rows[b] = key
+            self.rows_rewritten += len(changed)
         self._host = [pos, full, swa]
         self._batch = ForwardBatch(
             positions=torch.tensor(pos, dtype=torch.long, device=device), query_start_loc=base.query_start_loc,

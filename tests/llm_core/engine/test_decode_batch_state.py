@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine import decode_batch_state
 from llm_core.engine.batch_builder import build_forward_batch
+from llm_core.engine.request import Request
+from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -45,6 +47,45 @@ def checked(monkeypatch):
         return fb, ids
 
     monkeypatch.setattr(decode_batch_state.DecodeBatchState, "build", build)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4)), min_size=1, max_size=60), st.booleans(),
+       st.integers(1, 5))
+def test_state_alone_over_random_steps(checked, events, has_swa, page):
+    """The state without an engine: requests join (0), leave (1), get preempted (2: new page lists,
+    absent a step), have SWA pages released (3) or just decode (4); no SWA pool: every SWA page -1."""
+    live: list[Request] = []
+    serial, next_page = 0, 1
+    state = decode_batch_state.DecodeBatchState(page)
+    for step, (pick, kind) in enumerate(events, start=1):
+        skip = False
+        if kind == 0 or not live:
+            serial += 1
+            live.insert(pick % (len(live) + 1), Request(f"r{serial}", list(range(pick + 1)), SamplingParams(), 0))
+        elif kind == 1:
+            live.pop(pick % len(live))
+        elif kind == 2:
+            req = live[pick % len(live)]
+            req.full_pages, req.swa_pages, req.swa_released_pages = [], [], 0
+            skip = True  # its prompt is recomputed in a step of its own
+        elif kind == 3:
+            req = live[pick % len(live)]
+            upto = min(len(req.swa_pages) - 1, req.swa_released_pages + 1)
+            if has_swa and upto > req.swa_released_pages:
+                req.swa_pages[req.swa_released_pages:upto] = [-1] * (upto - req.swa_released_pages)
+                req.swa_released_pages = upto
+        for req in live:
+            req.token_ids.append(step % 7)
+            while len(req.full_pages) * page < len(req.token_ids):
+                req.full_pages.append(next_page)
+                req.swa_pages.append(next_page + 5000 if has_swa else -1)
+                next_page += 1
+        entries = [ScheduledRequest(r, len(r.token_ids) - 1, 1) for r in live]
+        if skip or not entries:
+            continue  # a step without decodes does not reach the runner's input preparation
+        state.build(entries, torch.device("cpu"), step)  # ``checked`` compares it with the rebuild
+    assert state.advanced + state.rebuilt > 0
 
 
 def run(model, schedule, *, on: bool, **kw) -> tuple[dict, LLMEngine]:
@@ -93,16 +134,25 @@ def test_random_joins_finishes_aborts_and_preemption_match_the_rebuild(model, ch
     assert eng.runner.decode_state.rebuilt > 0
 
 
-def test_long_decode_advances_across_pages_and_swa_releases(model, checked):
-    """Three requests decode 40 tokens in lockstep: most steps advance, a page boundary or an SWA
-    release rebuilds, and SWA pages behind the window (8) are released on the way."""
+def test_long_decode_advances_across_pages_and_swa_releases(model, checked, monkeypatch):
+    """Three requests of different lengths decode 40 tokens together: most steps advance, rows that
+    start a page or lose SWA pages behind the window (8) are rewritten alone."""
     schedule = [(0, "add", (f"r{i}", list(range(5 + i, 12 + 2 * i)), 40, True)) for i in range(3)]
     off, _ = run(model, schedule, on=False)
+    released = []
+    advance = decode_batch_state.DecodeBatchState._advance
+
+    def watch(self, entries, device, step):
+        released.extend(e.request.swa_released_pages for e in entries if e.request.swa_released_pages)
+        return advance(self, entries, device, step)
+
+    monkeypatch.setattr(decode_batch_state.DecodeBatchState, "_advance", watch)
     on, eng = run(model, schedule, on=True)
     assert on == off
     state = eng.runner.decode_state
     assert state.advanced > state.rebuilt > 3
-    assert eng.runner.decode_state is not None
+    assert state.rows_rewritten > 0  # rows that started a page or had SWA pages released, patched alone
+    assert released  # SWA pages were released behind the window while the rows advanced
 
 
 def test_switch_from_config_and_cli(model):
