@@ -96,7 +96,7 @@ class StageTimer:
 def instrument(timer: StageTimer) -> None:
     """Wrap the stage functions of the text core (class attributes: every instance is timed)."""
     from kernels import ops
-    from llm_core.engine import model_runner
+    from llm_core.engine import decode_batch_state, model_runner
     from llm_core.engine.sampling import Sampler
     from llm_core.engine.scheduler import Scheduler
     from llm_core.model.layers import attention, fused_decode, mlp, moe, norm
@@ -105,6 +105,7 @@ def instrument(timer: StageTimer) -> None:
     timer.wrap(Scheduler, "schedule", "scheduler")
     timer.wrap(Scheduler, "after_step", "scheduler")
     timer.wrap(model_runner, "build_forward_batch", "input preparation")
+    timer.wrap(decode_batch_state.DecodeBatchState, "build", "input preparation")
     timer.wrap(model_runner, "splice_embeds", "input preparation")
     timer.wrap(attention.Attention, "_plan", "input preparation")
     timer.wrap(attention.Attention, "_rotary_tables", "input preparation")
@@ -127,11 +128,12 @@ def instrument(timer: StageTimer) -> None:
 
 
 def make_engine(model, batch: int, prompt: int, gen: int, compile_decode: bool = False,
-                native_kernels: bool = True) -> LLMEngine:
+                native_kernels: bool = True, persistent_batch: bool = True) -> LLMEngine:
     cfg = EngineConfig(page_size=16, num_full_tokens=batch * (prompt + gen + 32),
                        num_swa_tokens=batch * (64 + prompt + 64), max_num_seqs=batch,
                        max_num_batched_tokens=max(2048, prompt * 8), enable_prefix_caching=False,
-                       compile_decode=compile_decode, decode_buckets=(batch,), native_cpu_kernels=native_kernels)
+                       compile_decode=compile_decode, decode_buckets=(batch,), native_cpu_kernels=native_kernels,
+                       persistent_decode_batch=persistent_batch)
     return LLMEngine(model, cfg)
 
 
@@ -230,6 +232,8 @@ def main() -> None:
     p.add_argument("--py-spy", action="store_true", help="also sample the decode loop with py-spy --native")
     p.add_argument("--compile", action="store_true", help="decode through the compiled fixed-shape step "
                    "(no stage timers: they would split its graphs)")
+    p.add_argument("--no-persistent-batch", action="store_true",
+                   help="rebuild every decode step's inputs (EngineConfig.persistent_decode_batch off)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' decode step split into the same stages")
     p.add_argument("--no-native", action="store_true",
                    help="torch paths only: the C kernels (kernels/native/) off, for A/B runs")
@@ -257,10 +261,10 @@ def main() -> None:
     if not args.compile:
         instrument(timer)
     res: dict = {"batch": args.batch, "prompt_tokens": args.prompt, "compiled_decode": args.compile,
-                 "native_kernels": not args.no_native}
+                 "native_kernels": not args.no_native, "persistent_decode_batch": not args.no_persistent_batch}
     for label, b, decode in (("decode", args.batch, True), ("prefill", 1, False)):
         eng = make_engine(model, b, args.prompt, gen, compile_decode=args.compile and decode,
-                          native_kernels=not args.no_native)
+                          native_kernels=not args.no_native, persistent_batch=not args.no_persistent_batch)
         batch_prompts = prompts(b, args.prompt, MODEL["vocab_size"])
         run_steps(eng, timer, batch_prompts, gen, decode=decode, steps=4)  # warm-up
         timer.reset()

@@ -171,6 +171,8 @@ def main() -> None:
                    help="our weights and KV pool on 4 KB pages (EngineConfig.huge_pages off)")
     p.add_argument("--no-native", action="store_true",
                    help="torch paths only: the C kernels (kernels/native/) off, for A/B runs")
+    p.add_argument("--no-persistent-batch", action="store_true",
+                   help="rebuild every decode step's inputs (EngineConfig.persistent_decode_batch off)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per batch, ours and transformers alternating; the fastest counts (shared CPUs)")
     args = p.parse_args()
@@ -206,13 +208,14 @@ def main() -> None:
     cfg = EngineConfig(page_size=16, num_full_tokens=max_b * (args.prompt + args.gen + 32),
                        num_swa_tokens=max_b * (64 + args.prompt + 64), max_num_seqs=max_b,
                        max_num_batched_tokens=max(2048, args.prompt * 8), native_cpu_kernels=not args.no_native,
-                       huge_pages=not args.no_huge_pages)
+                       huge_pages=not args.no_huge_pages, persistent_decode_batch=not args.no_persistent_batch)
     llm = LLM.from_engine(LLMEngine(model, cfg))
     time_ours(llm, prompts(1, args.prompt, MODEL["vocab_size"]), 3)  # warm up
     variants, startup_s = fixed_shape_engines(model, cfg, batches) if args.compile else ({}, 0.0)
     if hf is not None:
         time_hf(hf, prompts(1, args.prompt, MODEL["vocab_size"]), 3)
     rows, res = [], {"native_kernels": not args.no_native, "huge_pages": not args.no_huge_pages,
+                     "persistent_decode_batch": not args.no_persistent_batch,
                      "prompt_tokens": args.prompt, "gen_tokens": args.gen,
                      "params_m": n_params / 1e6, "matmul_peak_gflops": peak, "decode_gflop_per_token": flops_tok / 1e9}
     for b in batches:

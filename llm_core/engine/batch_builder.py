@@ -24,16 +24,23 @@ def _table(rows: list[list[int]], width: int) -> torch.Tensor:
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def decode_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions, full slots, SWA slots) [B] of a decode-only batch: one token per entry at position
-    ``start``; a slot is page * page_size + offset, -1 on a released SWA page. Worked out in Python (a
-    few dozen ints: cheaper than the ~10 tensor ops of :func:`chunk_slots`, the same values)."""
+def decode_slot_values(entries: list[ScheduledRequest], page_size: int) -> tuple[list[int], list[int]]:
+    """(Full slots, SWA slots) as Python ints of entries decoding one token each at ``start``; a
+    slot is page * page_size + offset, -1 on a released SWA page."""
     full, swa = [], []
     for e in entries:
         page, offset = divmod(e.start, page_size)
         full.append(e.request.full_pages[page] * page_size + offset)
         swa_page = e.request.swa_pages[page]
         swa.append(swa_page * page_size + offset if swa_page >= 0 else -1)
+    return full, swa
+
+
+def decode_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, full slots, SWA slots) [B] of a decode-only batch: one token per entry at position
+    ``start`` (:func:`decode_slot_values`). Worked out in Python (a few dozen ints: cheaper than the
+    ~10 tensor ops of :func:`chunk_slots`, the same values)."""
+    full, swa = decode_slot_values(entries, page_size)
     return (torch.tensor([e.start for e in entries], dtype=torch.long), torch.tensor(full, dtype=torch.long),
             torch.tensor(swa, dtype=torch.long))
 

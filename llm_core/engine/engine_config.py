@@ -98,6 +98,8 @@ class EngineConfig:
     """On CPU: C kernels compiled for this machine on first use where they beat torch (kernels/native/); off: torch only."""
     huge_pages: bool = True
     """On CPU: the weights and the KV pool on 2 MB transparent huge pages (kernels/huge_pages.py; fewer TLB misses when a step streams them)."""
+    persistent_decode_batch: bool = True
+    """Advance last decode step's inputs by one token when the step's requests are unchanged instead of rebuilding them (llm_core/engine/decode_batch_state.py)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:

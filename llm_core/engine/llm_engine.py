@@ -71,7 +71,8 @@ class LLMEngine:
         self.config = engine_config or EngineConfig()
         self.tokenizer = tokenizer
         native.set_enabled(self.config.native_cpu_kernels)  # before the runner lays out the weights
-        self.runner = ModelRunner(model, self.config.page_size, self.config.seed, huge_pages=self.config.huge_pages)
+        self.runner = ModelRunner(model, self.config.page_size, self.config.seed, huge_pages=self.config.huge_pages,
+                                  persistent_decode_batch=self.config.persistent_decode_batch)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         if self.device.type == "cpu" and self.dtype == torch.float32 and native.enabled():
             native.build_all()  # compiled (or loaded from the disk cache) now, not in the first step

@@ -29,6 +29,7 @@ import torch
 
 from kernels import huge_pages as huge_page_memory
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
+from llm_core.engine.decode_batch_state import DecodeBatchState
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.scheduler import ScheduledRequest
@@ -55,9 +56,12 @@ class StepResult:
 class ModelRunner:
     """Owns the model and the sampler; turns a batch's entries into sampled tokens."""
 
-    def __init__(self, model: torch.nn.Module, page_size: int, seed: int = 0, huge_pages: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, page_size: int, seed: int = 0, huge_pages: bool = False,
+                 persistent_decode_batch: bool = False) -> None:
         """``huge_pages``: move the CPU weights onto huge-page-advised memory once laid out
-        (kernels/huge_pages.py: a decode step streams them from memory; same values and strides)."""
+        (kernels/huge_pages.py: a decode step streams them from memory; same values and strides).
+        ``persistent_decode_batch``: a decode step of last step's requests advances last step's
+        inputs instead of rebuilding them (decode_batch_state.py; the same tensors)."""
         self.model = model
         self.page_size = page_size
         self.device = next(model.parameters()).device
@@ -67,6 +71,8 @@ class ModelRunner:
         if huge_pages:
             huge_page_memory.move_module_(model)  # after the re-layout: its copies are what the kernels read
         self.decode_graphs: DecodeGraphs | None = None
+        self.decode_state = DecodeBatchState(page_size) if persistent_decode_batch else None
+        self.steps = 0  # engine steps begun (the decode state advances only from the previous one)
         # True: the model's output holds every row's final hidden state (a forward hook recording
         # them, e.g. MTP training data); False: its last layer runs the sampling rows only.
         self.every_row_hidden = False
@@ -80,6 +86,7 @@ class ModelRunner:
 
     def begin_step(self) -> None:
         """Called by the engine once per step (the persistent batch tells kept rows from stale ones)."""
+        self.steps += 1
         if self.decode_graphs is not None:
             self.decode_graphs.note_step()
 
@@ -126,8 +133,12 @@ class ModelRunner:
         """Input preparation and the model's layers: the final-normed hidden rows of the sampling
         entries [S, hidden], the LM head's input."""
         # logits_only: the last layer runs the sampling rows alone (a prompt chunk's one row of T)
-        fb, input_ids = build_forward_batch(entries, self.page_size, self.device,
-                                            logits_only=not self.every_row_hidden)
+        if self.decode_state is not None:
+            fb, input_ids = self.decode_state.build(entries, self.device, self.steps,
+                                                    logits_only=not self.every_row_hidden)
+        else:
+            fb, input_ids = build_forward_batch(entries, self.page_size, self.device,
+                                                logits_only=not self.every_row_hidden)
         embeds = splice_embeds(entries, input_ids, self.model.embed)
         if embeds is None:
             hidden = self.model(input_ids, fb, kv)
