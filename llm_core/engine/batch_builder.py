@@ -20,7 +20,8 @@ from llm_core.model.forward_batch import ForwardBatch
 from llm_core.engine.scheduler import ScheduledRequest
 
 
-def _table(rows: list[list[int]], width: int) -> torch.Tensor:
+def page_table(rows: list[list[int]], width: int) -> torch.Tensor:
+    """Page lists as one [rows, width] table, padded with -1 (no page)."""
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
@@ -76,8 +77,8 @@ def build_forward_batch(
         ids.extend(e.request.token_ids[e.start : e.end])
 
     width = max(len(e.request.full_pages) for e in entries)
-    full_table = _table([e.request.full_pages for e in entries], width)
-    swa_table = _table([e.request.swa_pages for e in entries], width)
+    full_table = page_table([e.request.full_pages for e in entries], width)
+    swa_table = page_table([e.request.swa_pages for e in entries], width)
 
     if all(n == 1 for n in counts):
         positions, full_slots, swa_slots = decode_slots(entries, page_size)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_core.engine.batch_builder import _table, build_forward_batch, decode_slot_values
+from llm_core.engine.batch_builder import page_table, build_forward_batch, decode_slot_values
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
@@ -95,8 +95,8 @@ class DecodeBatchState:
                 full[b], swa[b] = f, w
             at = torch.tensor(changed, dtype=torch.long, device=device)
             full_table, swa_table = full_table.clone(), swa_table.clone()  # last step's keep their own
-            full_table[at] = _table([entries[b].request.full_pages for b in changed], width).to(device)
-            swa_table[at] = _table([entries[b].request.swa_pages for b in changed], width).to(device)
+            full_table[at] = page_table([entries[b].request.full_pages for b in changed], width).to(device)
+            swa_table[at] = page_table([entries[b].request.swa_pages for b in changed], width).to(device)
             for b, key in zip(changed, keys):
                 rows[b] = key
             self.rows_rewritten += len(changed)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_core.engine.batch_builder import _table, build_forward_batch, chunk_slots, decode_slots
+from llm_core.engine.batch_builder import page_table, build_forward_batch, chunk_slots, decode_slots
 from llm_core.engine.request import Request
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import ScheduledRequest
@@ -34,8 +34,8 @@ def decode_entries(draw):
 def test_decode_slots_equal_the_general_path(case):
     entries, page = case
     width = max(len(e.request.full_pages) for e in entries)
-    full = _table([e.request.full_pages for e in entries], width)
-    swa = _table([e.request.swa_pages for e in entries], width)
+    full = page_table([e.request.full_pages for e in entries], width)
+    swa = page_table([e.request.swa_pages for e in entries], width)
     fast = decode_slots(entries, page)
     ref = chunk_slots(entries, [1] * len(entries), full, swa, page)
     for a, b in zip(fast, ref):
