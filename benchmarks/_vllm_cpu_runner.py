@@ -17,15 +17,21 @@ import time
 
 def main() -> None:
     job = json.load(sys.stdin)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+    # no core pinning, like our side ("nobind"; vLLM-CPU 0.32 takes "auto", "nobind" or CPU lists and
+    # refuses the older "all")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(job["threads"]))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     max_b = max(len(p) for p in job["batches"].values())
     # the benchmark checkpoints have no tokenizer: token ids in, token ids out
+    # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves (0.92 by
+    # default, which it refuses to start with when other processes hold a few GB); a tiny
+    # checkpoint's KV cache needs a small fraction of it
     llm = LLM(model=job["model"], dtype="float32", max_num_seqs=max_b, enforce_eager=False,
-              max_model_len=job["max_model_len"], seed=0, skip_tokenizer_init=True)
+              max_model_len=job["max_model_len"], seed=0, skip_tokenizer_init=True,
+              gpu_memory_utilization=float(os.environ.get("MMSERVE_VLLM_MEMORY_SHARE", "0.1")))
 
     def run(prompts, n):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)

@@ -41,7 +41,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+from llm_core.model.config import ModelConfig
+from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint, hub_config_dict
 
 MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, head_dim=32, v_head_dim=32, sliding_window=64,
@@ -71,6 +72,24 @@ def decode_flops_per_token(cfg, context: float) -> float:
     return flops
 
 
+def vllm_checkpoint(ckpt: Path) -> Path:
+    """The same weights with the hub config spelling beside them (``<ckpt>-vllm``): vLLM's MiMo-V2
+    model reads the hub fields (``hybrid_layer_pattern``, ``moe_layer_freq``, ``swa_*``, the hub's
+    window of previous tokens), not transformers' ``layer_types``; the weights keep separate q/k/v
+    projections, as the MiMo-V2-Flash hub checkpoint has them."""
+    out = ckpt.with_name(ckpt.name + "-vllm")
+    out.mkdir(exist_ok=True)
+    hf_cfg = json.loads((ckpt / "config.json").read_text())
+    hub = hub_config_dict(ModelConfig.from_hf(hf_cfg), hf_cfg, fp8_block=None)
+    hub.pop("attention_projection_layout")  # fused qkv is the V2.5 layout; these weights are split
+    hub.update(architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash")
+    (out / "config.json").write_text(json.dumps(hub, indent=1))
+    for f in ckpt.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
 def time_vllm(python: str, ckpt: Path, batches: dict[int, list[list[int]]], gen: int, threads: int,
               max_model_len: int) -> dict[int, tuple[float, float, list[list[int]]]] | None:
     """Per batch size (prefill s, decode s, tokens) from vLLM under ``python``; None (with a note)
@@ -78,7 +97,7 @@ def time_vllm(python: str, ckpt: Path, batches: dict[int, list[list[int]]], gen:
     if not Path(python).exists():
         print(f"vLLM: {python} does not exist; column skipped")
         return None
-    job = {"model": str(ckpt), "batches": {str(b): p for b, p in batches.items()}, "gen": gen,
+    job = {"model": str(vllm_checkpoint(ckpt)), "batches": {str(b): p for b, p in batches.items()}, "gen": gen,
            "threads": threads or torch.get_num_threads(), "max_model_len": max_model_len}
     proc = subprocess.run([python, str(Path(__file__).with_name("_vllm_cpu_runner.py"))], input=json.dumps(job),
                           capture_output=True, text=True)
@@ -269,6 +288,7 @@ def main() -> None:
     cols = ["batch", "ours prefill tok/s", "ours decode tok/s", "decode MFU"]
     if hf is not None:
         cols += ["hf prefill tok/s", "hf decode tok/s", "prefill x", "decode x", "same tokens"]
+        res["prefill_ratio_vs_hf"] = res[f"prefill_ratio_vs_hf_b{batches[len(batches) // 2]}"]
     if variants:
         cols += ["fixed eager tok/s", "compiled tok/s", "compiled x", "same fixed/compiled", "payback tokens"]
         comp_engine = variants["compiled"].engine
@@ -278,8 +298,6 @@ def main() -> None:
               f"{res['compile_total_s']:.1f} s (later shapes included)")
     if vllm is not None:
         cols += ["vllm decode tok/s", "decode x vllm", "same as vllm"]
-        mid = batches[len(batches) // 2]
-        res["prefill_ratio_vs_hf"] = res[f"prefill_ratio_vs_hf_b{mid}"]
     print_table(f"throughput (fp32, greedy; {'CPU' if args.cpu_time else 'wall'} time)", cols, rows)
     write_json(args.json, res)
 
