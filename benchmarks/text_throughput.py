@@ -80,8 +80,14 @@ def vllm_checkpoint(ckpt: Path) -> Path:
     out = ckpt.with_name(ckpt.name + "-vllm")
     out.mkdir(exist_ok=True)
     hf_cfg = json.loads((ckpt / "config.json").read_text())
-    hub = hub_config_dict(ModelConfig.from_hf(hf_cfg), hf_cfg, fp8_block=None)
+    config = ModelConfig.from_hf(hf_cfg)
+    hub = hub_config_dict(config, hf_cfg, fp8_block=None)
     hub.pop("attention_projection_layout")  # fused qkv is the V2.5 layout; these weights are split
+    # vLLM reads the hub's window field as visible keys, the query's own included, where the hub
+    # (and transformers, sglang, we) count previous tokens (docs/model.md, the open point on the
+    # window): give it our visible count so both run the same model -- with the hub's value vLLM saw
+    # one key fewer and its greedy tokens left ours once prompts outgrew the window
+    hub["sliding_window"] = hub["sliding_window_size"] = config.sliding_window
     hub.update(architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash")
     (out / "config.json").write_text(json.dumps(hub, indent=1))
     for f in ckpt.iterdir():
