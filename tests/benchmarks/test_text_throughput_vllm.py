@@ -41,6 +41,10 @@ def test_vllm_checkpoint_has_the_hub_fields_and_the_same_weights(text_throughput
     assert cfg["hybrid_layer_pattern"] == [kinds[k] for k in hf["layer_types"]]
     assert cfg["moe_layer_freq"] == [int(k == "sparse") for k in hf["mlp_layer_types"]]
     assert "attention_projection_layout" not in cfg  # the weights keep q/k/v apart
+    from llm_core.model.config import ModelConfig
+
+    # vLLM reads the window field as visible keys: it gets ours, not the hub's previous-token count
+    assert cfg["sliding_window_size"] == cfg["sliding_window"] == ModelConfig.from_hf(hf).sliding_window
     weights = sorted(p.name for p in checkpoint.glob("*.safetensors"))
     assert weights and all((out / w).resolve() == (checkpoint / w).resolve() for w in weights)
     assert text_throughput.vllm_checkpoint(checkpoint) == out  # a second call reuses the copy
