@@ -181,6 +181,11 @@ def _plan(seg_lens: list[int], window: int | None, heads: tuple[int, int, int, i
         span = _BAND_BLOCK + 2 * window
         chunks += _make_chunks(*band, _BAND_BLOCK, span, window, per_block(_BAND_BLOCK, span), device, fold)
     for padded, segs in sorted(dense.items()):
+        lengths = {seg_lens[s] for s in segs}
+        if len(lengths) == 1:
+            # One length in the bucket (a video's frames, a lone image): no padding is needed to batch
+            # them, so no mask and -- for adjacent segments -- slices instead of gathers.
+            padded = lengths.pop()
         block = max(16, min(padded, _SPAN_BUDGET // padded))
         s_list, n_list, q_list = [], [], []
         for s in segs:
