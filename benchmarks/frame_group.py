@@ -9,7 +9,9 @@ Keys (per frame group, one intra-op thread, CPU ms from ``time.thread_time``):
   {bench,demo}_tower_{cached,uncached}_ms  the tower with its per-grid geometry cache / with the
                                    cache emptied before each call (index tensors and RoPE tables
                                    built once per forward, as before the cache)
-  {bench,demo}_*_speedup           the second / the first
+  {bench,demo}_tower_explicit_sinks_ms  the cached tower with the windowed blocks' sink attention on
+                                   explicit fp32 logits (before the fused flash path, FUSED_SINKS off)
+  {bench,demo}_*_speedup           the second / the first (sinks: explicit / fused)
   decode_{shared,ffmpeg}_{wall,cpu}_s  the chunks of a 720p clip (one frame group each, the demo
                                    model's sampling) on two worker threads, codec threads as the
                                    runtime resolves ``--decoder-threads 0`` now (CPUs // workers) /
@@ -36,6 +38,7 @@ from _common import base_parser, print_table, write_json
 from _pipeline_media import HD, make_video
 from encoders.image_processing import normalize, patchify
 from encoders.vision.geometry_cache import GeometryCache
+from kernels import band_attention_ref
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.decode.video import codec_threads, probe_video, shared_codec_threads
 from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
@@ -83,16 +86,25 @@ def bench_group(name: str, model_dir: Path, reps: int, n: int) -> dict[str, floa
         finally:
             tower.geometry = cached
 
+    def run_explicit_sinks() -> float:
+        band_attention_ref.FUSED_SINKS = False
+        try:
+            return run_tower(cached)
+        finally:
+            band_attention_ref.FUSED_SINKS = True
+
     runs: dict[str, list[float]] = {k: [] for k in ("preprocess_rows", "preprocess_float", "tower_cached",
-                                                     "tower_uncached")}
+                                                     "tower_uncached", "tower_explicit_sinks")}
     for _ in range(reps):
         runs["preprocess_rows"].append(cpu_ms(lambda: pre.video_groups(frames, size), n))
         runs["preprocess_float"].append(cpu_ms(float_rows, n))
         runs["tower_cached"].append(run_tower(cached))
         runs["tower_uncached"].append(run_tower(uncached))
+        runs["tower_explicit_sinks"].append(run_explicit_sinks())
     out = {f"{name}_{k}_ms": statistics.median(v) for k, v in runs.items()}
     out[f"{name}_preprocess_speedup"] = out[f"{name}_preprocess_float_ms"] / out[f"{name}_preprocess_rows_ms"]
     out[f"{name}_tower_speedup"] = out[f"{name}_tower_uncached_ms"] / out[f"{name}_tower_cached_ms"]
+    out[f"{name}_tower_sinks_speedup"] = out[f"{name}_tower_explicit_sinks_ms"] / out[f"{name}_tower_cached_ms"]
     return out
 
 

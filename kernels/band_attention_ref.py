@@ -51,6 +51,9 @@ _BAND_BLOCK = 64
 _PLAN_CACHE_SIZE = 16
 _plan_cache: "OrderedDict[tuple, list[_Chunk]]" = OrderedDict()
 _plan_lock = threading.Lock()  # encoders may run on a worker thread beside other callers
+# Sinks on CPU run through torch's fused flash kernel (see _attend_with_sinks_flash); False keeps the
+# explicit-logits path (benchmarks and the equivalence test compare the two).
+FUSED_SINKS = True
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class _Chunk:
     # segments, e.g. the frames of a video) the gather becomes a free slice: first row, else None.
     q_run: int | None
     k_run: int | None
+    # Sinks on CPU: ``mask`` as an additive fp32 bias, repeated for the G q heads that share a kv
+    # head ([n, 1, G * block, span], 0 / -inf), so one fused flash call serves a whole kv head.
+    sink_bias: torch.Tensor | None = None
 
 
 def _validate(q, k, v, cu_seqlens, window, sinks) -> None:
@@ -101,8 +107,10 @@ def _bucket_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def _make_chunks(starts, lens, q0, key0, block: int, span: int, window, per_block: int, device) -> list[_Chunk]:
-    """Blocks b: queries start[b] + q0[b] + [0, block), keys start[b] + key0[b] + [0, span)."""
+def _make_chunks(starts, lens, q0, key0, block: int, span: int, window, per_block: int, device,
+                 sink_group: int = 0) -> list[_Chunk]:
+    """Blocks b: queries start[b] + q0[b] + [0, block), keys start[b] + key0[b] + [0, span).
+    ``sink_group`` > 0 (sinks, CPU) also builds the chunk's folded additive bias."""
     chunks = []
     step = max(1, _CHUNK_BUDGET // per_block)
     for c0 in range(0, len(starts), step):
@@ -122,10 +130,14 @@ def _make_chunks(starts, lens, q0, key0, block: int, span: int, window, per_bloc
         q_rows = (st + torch.where(q_valid, q_local, 0)).reshape(-1)
         keep = None if bool(q_valid.all()) else q_valid.reshape(-1).nonzero().squeeze(1)
         k_rows = (st + torch.where(k_valid, k_local, 0)).reshape(-1)
+        sink_bias = None
+        if sink_group and mask is not None:
+            sink_bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+            sink_bias = sink_bias.repeat(1, 1, sink_group, 1)
         chunks.append(_Chunk(
             n=int(st.shape[0]), block=block, span=span, q_rows=q_rows, k_rows=k_rows, mask=mask, keep=keep,
             out_rows=q_rows if keep is None else q_rows[keep],
-            q_run=_run_start(q_rows) if keep is None else None, k_run=_run_start(k_rows),
+            q_run=_run_start(q_rows) if keep is None else None, k_run=_run_start(k_rows), sink_bias=sink_bias,
         ))
     return chunks
 
@@ -162,11 +174,18 @@ def _plan(seg_lens: list[int], window: int | None, heads: tuple[int, int, int, i
                     lst.append(val)
         else:
             dense.setdefault(_bucket_length(n), []).append(s)
+    # torch's flash kernel needs one head size for q, k and v
+    fold = num_heads // num_kv if sinks and d == dv and _flash_sinks_ok(device) else 0
     chunks = []
     if band[0]:
         span = _BAND_BLOCK + 2 * window
-        chunks += _make_chunks(*band, _BAND_BLOCK, span, window, per_block(_BAND_BLOCK, span), device)
+        chunks += _make_chunks(*band, _BAND_BLOCK, span, window, per_block(_BAND_BLOCK, span), device, fold)
     for padded, segs in sorted(dense.items()):
+        lengths = {seg_lens[s] for s in segs}
+        if len(lengths) == 1:
+            # One length in the bucket (a video's frames, a lone image): no padding is needed to batch
+            # them, so no mask and -- for adjacent segments -- slices instead of gathers.
+            padded = lengths.pop()
         block = max(16, min(padded, _SPAN_BUDGET // padded))
         s_list, n_list, q_list = [], [], []
         for s in segs:
@@ -175,7 +194,7 @@ def _plan(seg_lens: list[int], window: int | None, heads: tuple[int, int, int, i
                 n_list.append(seg_lens[s])
                 q_list.append(q0)
         chunks += _make_chunks(s_list, n_list, q_list, [0] * len(s_list), block, padded, window,
-                               per_block(block, padded), device)
+                               per_block(block, padded), device, fold)
     return chunks
 
 
@@ -192,6 +211,27 @@ def _cached_plan(cu: list[int], window, heads, sinks: bool, device) -> list[_Chu
         while len(_plan_cache) > _PLAN_CACHE_SIZE:
             _plan_cache.popitem(last=False)
     return plan
+
+
+def _flash_sinks_ok(device) -> bool:
+    """torch's fused CPU flash kernel returns the logsumexp the sink gate needs."""
+    return FUSED_SINKS and torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _attend_with_sinks_flash(qb, kb, vb, c: _Chunk, scale, sinks):
+    """Same result as :func:`_attend_with_sinks` in one fused kernel (no fp32 logits tensor, no
+    separate exp / normalise passes): the G q heads of a kv head are folded onto the query axis
+    ([n, Hkv, G * B, D]) so K/V are read once, and the gate uses the kernel's logsumexp."""
+    n, num_heads, block, d = qb.shape
+    num_kv = kb.shape[1]
+    group = num_heads // num_kv
+    bias = c.sink_bias
+    if bias is not None and bias.dtype != qb.dtype:
+        bias = bias.to(qb.dtype)
+    ob, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb.reshape(n, num_kv, group * block, d), kb, vb, 0.0, False, attn_mask=bias, scale=scale)
+    gate = torch.sigmoid(lse.reshape(n, num_kv, group, block) - sinks.float().view(1, num_kv, group, 1))
+    return ob.reshape(n, num_heads, block, -1) * gate.reshape(n, num_heads, block, 1).to(ob.dtype)
 
 
 def _attend_with_sinks(qb, kb, vb, mask, scale, sinks):
@@ -228,6 +268,8 @@ def _run_chunk(q, k, v, c: _Chunk, out, scale, sinks) -> None:
     vb = v_rows.reshape(c.n, c.span, num_kv, dv).transpose(1, 2)
     if sinks is None:
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=c.mask, scale=scale, enable_gqa=True)
+    elif dv == d and (c.sink_bias is not None or c.mask is None) and _flash_sinks_ok(q.device):
+        ob = _attend_with_sinks_flash(qb, kb, vb, c, scale, sinks)
     else:
         ob = _attend_with_sinks(qb, kb, vb, c.mask, scale, sinks)
     ob = ob.transpose(1, 2).reshape(c.n * c.block, num_heads, dv)
