@@ -145,13 +145,20 @@ def test_l2_and_l3_hits_give_the_same_tokens(model, reference, tmp_path):
     # the order requests are scheduled in -- and hence which tier a page is found in -- follows
     # thread timing; the tokens must not, and pages must come from below L1. A read that outlives
     # kv_l3_load_timeout_s is given up (a miss, by design), so on a busy machine the default 1 s
-    # could turn every lower-tier hit into a miss: the generous timeout only bounds that wait
-    llm = tier_engine(model, kv_store=str(tmp_path / "l3"), kv_l3_load_timeout_s=30.0)
-    outs, _ = conversations(llm)
-    assert outs == reference
-    hits = llm.engine.stats().prefix_cache_hit_tokens
-    assert hits.get("l2", 0) + hits.get("l3", 0) > 0, hits
-    llm.engine.close()
+    # could turn every lower-tier hit into a miss: the generous timeout only bounds that wait. Under
+    # load a schedule can also keep every needed page in L1 (all hits "l1"): the tokens are checked
+    # every time, and up to three fresh stores get the chance to show a hit from below L1
+    seen = []
+    for attempt in range(3):
+        llm = tier_engine(model, kv_store=str(tmp_path / f"l3-{attempt}"), kv_l3_load_timeout_s=30.0)
+        outs, _ = conversations(llm)
+        assert outs == reference
+        hits = dict(llm.engine.stats().prefix_cache_hit_tokens)
+        llm.engine.close()
+        seen.append(hits)
+        if hits.get("l2", 0) + hits.get("l3", 0) > 0:
+            break
+    assert hits.get("l2", 0) + hits.get("l3", 0) > 0, seen
     only_l3 = tier_engine(model, kv_host_bytes=0, kv_store=str(tmp_path / "l3b"), kv_l3_load_timeout_s=30.0)
     assert conversations(only_l3)[0] == reference
     assert only_l3.engine.stats().prefix_cache["l3_puts"] > 0  # written behind, on the writer thread
