@@ -11,7 +11,6 @@ from torch import nn
 from kernels import huge_pages
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 needs_thp = pytest.mark.skipif(not huge_pages.supported(), reason="no transparent huge pages on this host")
 
@@ -72,11 +71,6 @@ def test_unsupported_host_moves_nothing(monkeypatch):
     m = nn.Linear(4, 4)
     ptr = m.weight.data_ptr()
     assert huge_pages.move_module_(m) == 0 and m.weight.data_ptr() == ptr
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
 
 
 def _generate(ckpt, prompts: list[list[int]], huge: bool):

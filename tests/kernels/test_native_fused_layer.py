@@ -13,15 +13,9 @@ from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.layers.fused_decode import FusedDecode
 from llm_core.model.layers.moe import SparseMoE
 from llm_core.model.loader import load_model
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(fused_layer._lib() is None, reason="no C compiler: the torch path serves")]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
 
 
 def _generate(ckpt, prompts, *, tie_router: bool = False):

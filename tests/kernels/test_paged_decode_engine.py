@@ -11,15 +11,9 @@ import torch
 from kernels.native import build, paged_decode
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(paged_decode._lib() is None, reason="no C compiler: the torch path serves")]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
 
 
 def _generate(ckpt, prompts: list[list[int]], native: bool):
