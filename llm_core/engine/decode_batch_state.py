@@ -107,6 +107,9 @@ class DecodeBatchState:
             full_slot_mapping=torch.tensor(full, dtype=torch.long, device=device),
             swa_slot_mapping=torch.tensor(swa, dtype=torch.long, device=device), full_block_table=full_table,
             swa_block_table=swa_table, page_size=ps, logits_indices=base.logits_indices,
+            # every row of an advanced step samples one token, so a rebuild would give logits_only
+            # False and logits_every_row True whatever the caller's flag (build_forward_batch): the
+            # base's flags are the rebuild's
             slots_all_valid=base.slots_all_valid, logits_only=base.logits_only,
             logits_every_row=base.logits_every_row)
         self._step, self._age = step, age

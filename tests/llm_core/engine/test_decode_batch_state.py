@@ -84,7 +84,9 @@ def test_state_alone_over_random_steps(checked, events, has_swa, page):
         entries = [ScheduledRequest(r, len(r.token_ids) - 1, 1) for r in live]
         if skip or not entries:
             continue  # a step without decodes does not reach the runner's input preparation
-        state.build(entries, torch.device("cpu"), step)  # ``checked`` compares it with the rebuild
+        # the caller's logits_only flag changes between steps (as a runner whose every_row_hidden
+        # were toggled would pass it): an advance must still equal the rebuild with this step's flag
+        state.build(entries, torch.device("cpu"), step, logits_only=bool(pick % 2))  # ``checked``: == rebuild
     assert state.advanced + state.rebuilt > 0
 
 
