@@ -180,6 +180,9 @@ class OmniRuntime:
         else:  # none: torch's setting here (as for the encoder above)
             llm_threads = total
         self.probes = [p for p in (llm_threads, encoder_threads) if isinstance(p, ProbedThreads)]
+        barrier = threading.Barrier(len(self.probes)) if self.probes else None
+        for p in self.probes:
+            p.barrier = barrier
         return llm_threads, encoder_threads
 
     def thread_counts(self) -> dict[str, int]:

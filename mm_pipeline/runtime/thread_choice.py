@@ -16,8 +16,11 @@ once, at start, on the thread that will run the work (README "Overlap, measured"
     encoder thread:  a frame group through the vision tower                at 1, N, 1, N ...
                      -> the count with the lower median, fewer threads unless N wins by PREFER_FEWER
 
-The two probes never run at the same time (a shared lock), and neither runs per step: a switch of
-``torch.set_num_threads`` costs ~1.8 ms, so each thread sets its count once and keeps it.
+Each thread first starts its N-thread team and waits for the other probe to have started its own,
+so both measure with every team the process keeps (a team stays once started: the process is then
+in the parking mode it will run in); then the probes take turns (a shared lock), each timing the
+second of two runs per count (the first after a switch of ``torch.set_num_threads`` pays ~1.8 ms
+that a thread keeping its count never pays). Nothing runs per step: each thread sets its count once.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import torch
 log = logging.getLogger(__name__)
 
 PREFER_FEWER = 0.05  # more threads must be this much faster (median) to be chosen: they cost CPU others could use
-ROUNDS = 5  # timed rounds per count at most (each count once more untimed first) ...
-BUDGET_S = 0.6  # ... or fewer once a probe has taken this long (at least one timed round each)
+ROUNDS = 3  # timed runs per count at most (each after an untimed one at the same count) ...
+BUDGET_S = 0.5  # ... or fewer once a probe has taken this long (at least one round)
+BARRIER_TIMEOUT_S = 30.0  # how long a probe waits for the others to start their teams
 PROBE_ROWS = 256  # the LLM probe's prompt: one streamed prefill step (stream_min_tokens' default)
 
 
@@ -47,22 +51,24 @@ class ThreadChoice:
     threads: int | None
     how: str
     medians_ms: Mapping[int, float] = field(default_factory=dict)
+    seconds: float = 0.0  # how long the measuring took
 
     def describe(self) -> str:
         count = "torch's setting" if self.threads is None else str(self.threads)
         if not self.medians_ms:
             return f"{count} ({self.how})"
         timed = ", ".join(f"{n}: {ms:.1f} ms" for n, ms in sorted(self.medians_ms.items()))
-        return f"{count} (measured: {timed})"
+        return f"{count} (measured in {self.seconds:.2f} s: {timed})"
 
 
 def measure_threads(work: Callable[[], object], candidates: tuple[int, ...], *, rounds: int = ROUNDS,
                     budget_s: float = BUDGET_S, prefer_fewer: float = PREFER_FEWER,
                     clock: Callable[[], float] = time.perf_counter) -> ThreadChoice:
     """Time ``work`` on the calling thread at each count of ``candidates`` (ascending, distinct),
-    alternating, and leave the thread at the chosen one. Each count runs once untimed first (its
-    team starts, caches fill). A count with more threads is chosen only when its median is more
-    than ``prefer_fewer`` below that of the best count with fewer."""
+    taking turns, and leave the thread at the chosen one. Every turn runs ``work`` twice and times
+    the second run: the first pays the switch (the team wakes, caches fill). A count with more
+    threads is chosen only when its median is more than ``prefer_fewer`` below that of the best
+    count with fewer. Rounds stop early once ``budget_s`` is spent (after the first)."""
     if not candidates or list(candidates) != sorted(set(candidates)) or candidates[0] < 1:
         raise ValueError(f"candidates must be distinct, ascending and >= 1, got {candidates}")
     if rounds < 1:
@@ -72,14 +78,14 @@ def measure_threads(work: Callable[[], object], candidates: tuple[int, ...], *, 
         return ThreadChoice(candidates[0], "fixed")
     times: dict[int, list[float]] = {n: [] for n in candidates}
     start = clock()
-    for r in range(rounds + 1):
+    for _ in range(rounds):
         for n in candidates:
             torch.set_num_threads(n)
+            work()  # untimed: the first ops after a switch pay ~1.8 ms that a thread keeping its count never pays
             t0 = clock()
             work()
-            if r:
-                times[n].append(clock() - t0)
-        if r and clock() - start > budget_s:
+            times[n].append(clock() - t0)
+        if clock() - start > budget_s:
             break
     medians = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
     best = candidates[0]
@@ -87,7 +93,7 @@ def measure_threads(work: Callable[[], object], candidates: tuple[int, ...], *, 
         if medians[n] < medians[best] * (1 - prefer_fewer):
             best = n
     torch.set_num_threads(best)
-    return ThreadChoice(best, "measured", medians)
+    return ThreadChoice(best, "measured", medians, clock() - start)
 
 
 class ProbedThreads:
@@ -105,9 +111,11 @@ class ProbedThreads:
         self.fallback = fallback
         self.choice: ThreadChoice | None = None
         self.ready = threading.Event()
+        self.barrier: threading.Barrier | None = None  # shared by a runtime's probes (_meet)
 
     def __call__(self) -> int:
         if self.choice is None:
+            self._meet()
             with self.lock:
                 try:
                     with torch.inference_mode():
@@ -124,6 +132,24 @@ class ProbedThreads:
                     self.ready.set()
         assert self.choice.threads is not None
         return self.choice.threads
+
+    def _meet(self) -> None:
+        """Start this thread's OpenMP team (one untimed run at the most threads), then wait for the
+        runtime's other probes to have started theirs: every probe then measures with all the teams
+        the process will keep -- whether libgomp spins or parks idle team threads depends on how
+        many OpenMP threads the whole process holds (module doc), and a team, once started, stays."""
+        if self.barrier is None:
+            return
+        try:
+            torch.set_num_threads(self.candidates[-1])
+            with torch.inference_mode():
+                self.work()
+        except Exception:  # measure_threads meets it again and reports it
+            pass
+        try:
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            log.warning("the %s measures its threads without the other probes' teams", self.name)
 
 
 class ProbeUnavailable(RuntimeError):

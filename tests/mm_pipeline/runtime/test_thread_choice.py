@@ -53,14 +53,15 @@ def test_the_faster_count_wins_and_the_thread_keeps_it(cost, chosen):
                                                           clock=clock))
     assert choice.threads == chosen and left_at == chosen and choice.how == "measured"
     assert choice.medians_ms == pytest.approx({n: c * 1e3 for n, c in cost.items()})
-    assert all(c == 4 for c in clock.calls.values())  # one untimed run each, then 3 alternating rounds
-    assert choice.describe().startswith(f"{chosen} (measured: 1: ")
+    assert all(c == 6 for c in clock.calls.values())  # 3 rounds: per count an untimed run, then a timed one
+    assert choice.seconds == pytest.approx(6 * sum(cost.values()))  # every run counts, untimed ones too
+    assert choice.describe().startswith(f"{chosen} (measured in ")
 
 
 def test_the_budget_ends_the_rounds_early():
     clock = FakeClock({1: 0.2, 2: 0.3})
     choice, _ = on_a_thread(lambda: measure_threads(clock.work, (1, 2), rounds=5, budget_s=0.6, clock=clock))
-    assert clock.calls == {1: 2, 2: 2} and choice.threads == 1  # one timed round each, then past the budget
+    assert clock.calls == {1: 2, 2: 2} and choice.threads == 1  # one round (1 s), then past the budget
 
 
 def test_bad_candidates():
