@@ -190,8 +190,11 @@ class OmniRuntime:
         counts = {}
         if self.loop.threads_used is not None:
             counts["engine"] = self.loop.threads_used
-        if self.encoder_worker is not None and self.encoder_worker.threads_used is not None:
-            counts["encoder"] = self.encoder_worker.threads_used
+        worker = self.encoder_worker
+        if worker is not None and worker.threads_used is not None:
+            counts["encoder"] = worker.threads_used
+        elif worker is not None and isinstance(worker.threads, ProbedThreads) and worker.threads.choice is not None:
+            counts["encoder"] = worker.threads.choice.threads  # chosen; the worker sets it right after
         return counts
 
     @classmethod
