@@ -137,7 +137,7 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
 
     ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
     before = torch.get_num_threads()
-    runs, counts = {}, {}
+    runs, counts, said = {}, {}, {}
     try:
         for name, kw in {"serial": dict(encoder_worker=False, llm_threads=1), "one": dict(llm_threads=1, encoder_threads=1),
                          "two": dict(llm_threads=2, encoder_threads=2), "auto": {}}.items():
@@ -145,6 +145,7 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
             runs[name], engine = run_all(ckpt, **kw)
             try:
                 counts[name] = dict(engine.stats().intra_op_threads)
+                said[name] = engine.runtime.describe_threads()
                 if name == "auto":
                     probes = {p.name: p.choice for p in engine.runtime.probes}
             finally:
@@ -156,3 +157,5 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
     assert counts["one"] == {"engine": 1, "encoder": 1} and counts["two"] == {"engine": 2, "encoder": 2}
     assert set(probes) == {"engine thread", "encoder"} and all(c.how == "measured" for c in probes.values())
     assert counts["auto"] == {"engine": probes["engine thread"].threads, "encoder": probes["encoder"].threads}
+    assert said["one"] == "engine thread 1; encoder 1" and said["serial"] == "engine thread 1"
+    assert said["auto"].startswith("engine thread ") and "; encoder " in said["auto"] and "measured in" in said["auto"]
