@@ -259,7 +259,7 @@ class LLMEngine:
         the pages or the step would not run in this process alone (tensor/expert parallel, MTP)."""
         if num_tokens < 1:
             raise ValueError(f"probe_prefill needs num_tokens >= 1, got {num_tokens}")
-        if self.speculative is not None or hasattr(self.runner.model, "check_health"):
+        if self.speculative is not None or self.config.world_size > 1:
             return False
         num_tokens = min(num_tokens, self.max_model_len - 1)
         pages = -(-num_tokens // self.config.page_size)
