@@ -16,6 +16,7 @@ Keys (goals on the 2-core CPU host in brackets):
   repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.1]
   same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]
   repeat_*_ms, repeat_steps  the fastest repeat's parts: before its first step, its steps, after (_repeat_parts.py)
+  repeat_{engine,encoder}_threads  the intra-op threads each thread ran at (measured at start by default)
   encoder_batching_speedup   units/s, cross-request batched / one request per forward         [>= 1.5]
   parallel_decode_speedup    720p video decode, 2 worker threads / 1 (_4: 4 / 1), from CPU time:
                              one worker's CPU / two workers' time on a free core each (each
@@ -271,7 +272,9 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
     c, n, p = min(cold), min(new_q), min(same)
     return {"cold_media_ttft_s": c, "repeat_media_ttft_s": n, "same_prefix_ttft_s": p,
             "repeat_media_ttft_ratio": n / c, "same_prefix_ttft_ratio": p / c,
-            "prefix_hit_tokens": sum(stats.llm.prefix_cache_hit_tokens.values()), **parts[new_q.index(n)]}
+            "prefix_hit_tokens": sum(stats.llm.prefix_cache_hit_tokens.values()), **parts[new_q.index(n)],
+            # the intra-op threads the engine thread and the encoder ran at (--llm-threads / --encoder-threads auto)
+            **{f"repeat_{k}_threads": float(v) for k, v in stats.intra_op_threads.items()}}
 
 
 def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:

@@ -228,8 +228,8 @@ def _mib(n: int) -> str:
 
 def describe_engine(engine: Any, model_dir: Path) -> list[str]:
     """What a user of ``serve`` needs once the model is up: model, device, the KV pool split (tokens,
-    bytes, the longest context one request can hold), prefix caching. Read before any request runs
-    (sizes only; they never change)."""
+    bytes, the longest context one request can hold), prefix caching, the threads' intra-op counts.
+    Read before any request runs (sizes and counts only; they never change)."""
     from llm_core.kvcache.prefix_cache import NoPrefixCache
 
     llm = engine.runtime.llm
@@ -250,7 +250,9 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
             f"SWA {pool.swa.num_pages * page:,} tokens ({_mib(pool.swa_bytes)}) for {cfg.max_num_seqs} "
             f"requests; pages of {page} tokens",
             f"context   {min(llm.max_model_len, full_tokens):,} tokens max per request "
-            f"(model limit {llm.max_model_len:,}); prefix caching {caching}"]
+            f"(model limit {llm.max_model_len:,}); prefix caching {caching}",
+            *([f"threads   {threads} (intra-op; --llm-threads, --encoder-threads)"]
+              if (threads := engine.runtime.describe_threads()) else [])]
 
 
 # ServerSettings fields that are flags under their own names (the others have the older

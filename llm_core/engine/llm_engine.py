@@ -250,6 +250,36 @@ class LLMEngine:
                 outputs.append(self._output(req, [s.token_id]))
         return outputs
 
+    def probe_prefill(self, num_tokens: int) -> bool:
+        """Run the model once over a scratch prompt of ``num_tokens`` tokens, as a prefill step
+        would (input preparation, every layer, the last row's hidden state), and give its pages
+        back: a representative step to time (mm_pipeline/runtime/thread_choice.py times it at
+        different intra-op thread counts). Touches no request, queue, prefix cache or counter; on
+        the thread that runs steps, between steps. False (nothing ran) when the pools cannot spare
+        the pages or the step would not run in this process alone (tensor/expert parallel, MTP)."""
+        if num_tokens < 1:
+            raise ValueError(f"probe_prefill needs num_tokens >= 1, got {num_tokens}")
+        if self.speculative is not None or self.config.world_size > 1:
+            return False
+        num_tokens = min(num_tokens, self.max_model_len - 1)
+        pages = -(-num_tokens // self.config.page_size)
+        if pages > self.pool.full.num_free or (self.pool.has_swa and pages > self.pool.swa.num_free):
+            return False
+        vocab = self.model_config.vocab_size
+        # distinct, non-trivial ids (a constant prompt could take shortcuts no real prompt takes)
+        ids = [(7 + 31 * i) % vocab for i in range(num_tokens)]
+        req = Request("probe", ids, SamplingParams(max_tokens=1, temperature=0.0), -1)
+        peaks = self.pool.full.peak_used, self.pool.swa.peak_used
+        req.full_pages = self.pool.full.allocate(pages)
+        req.swa_pages = self.pool.swa.allocate(pages) if self.pool.has_swa else [-1] * pages
+        try:
+            self.runner.forward([ScheduledRequest(req, 0, num_tokens)], self.pool)
+        finally:
+            self.pool.full.free(req.full_pages)
+            self.pool.swa.free(req.swa_pages)
+            self.pool.full.peak_used, self.pool.swa.peak_used = peaks  # a probe is no use of the pools
+        return True
+
     def check_health(self) -> None:
         """Raise RankFailure when a rank of a tensor/expert-parallel model is gone (no-op otherwise)."""
         check = getattr(self.runner.model, "check_health", None)

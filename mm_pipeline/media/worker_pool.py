@@ -20,9 +20,18 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+import torch
+
 from mm_pipeline.errors import ServerBusy
 
 T = TypeVar("T")
+
+
+def _one_intra_op_thread() -> None:
+    """A worker runs its torch ops (preprocessing, hashing) at one intra-op thread: the workers are
+    the parallelism. At torch's setting each would start an OpenMP team of its own, more threads
+    than cores beside the engine and encoder threads (runtime/thread_choice.py)."""
+    torch.set_num_threads(1)
 
 
 class WorkerPool:
@@ -39,7 +48,8 @@ class WorkerPool:
         self.max_workers = max_workers
         self.capacity = max_workers + max_pending
         self.admit_timeout_s = admit_timeout_s
-        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix=f"{name}-worker")
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix=f"{name}-worker",
+                                            initializer=_one_intra_op_thread)
         self._lock = threading.Lock()
         self._admitted = 0
         self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +38,7 @@ from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpa
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads, split_threads
+from mm_pipeline.runtime.thread_choice import ProbedThreads, llm_probe, vision_probe
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.decode.backend import make_decode_backend
@@ -48,6 +51,8 @@ from mm_pipeline.runtime.timeline import StageTimeline
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,13 +124,7 @@ class OmniRuntime:
         self.encoder_worker: EncoderWorker | None = None
         self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
                                name="omni-media")
-        llm_threads = None
-        encoder_threads: int | Callable[[], int] | None = None
-        if config.encoder_threads == 0:  # follow the decoders: the CPUs their busy workers leave
-            pool = self.pool
-            encoder_threads = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
-        elif config.encoder_threads is not None:
-            llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
+        llm_threads, encoder_threads = self._thread_plan(model, config)
         if config.encoder_worker:
             self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads)
             if self.encoder_worker.device.type == "cuda":
@@ -147,6 +146,56 @@ class OmniRuntime:
                                     self.decoder)
         self._started = False
         self._closed = False
+
+    def _thread_plan(self, model: OmniModel, config: OmniEngineConfig
+                     ) -> tuple[int | ProbedThreads | None, int | Callable[[], int] | None]:
+        """(engine thread, encoder worker) intra-op threads: a count (none: torch's setting on this
+        thread), a probe measured on that thread at its start ("auto": runtime/thread_choice.py),
+        or the encoder's follower of the decode workers (0). Probes are kept in ``self.probes``."""
+        total = default_threads()
+        self.probes: list[ProbedThreads] = []
+        lock = threading.Lock()
+        llm_threads: int | ProbedThreads | None = None
+        encoder_threads: int | Callable[[], int] | None = None
+        enc = config.encoder_threads
+        if enc == 0:  # follow the decoders: the CPUs their busy workers leave
+            pool = self.pool
+            encoder_threads = free_cpu_threads(total, lambda: min(pool.admitted, pool.max_workers))
+        elif isinstance(enc, int):
+            encoder_threads = split_threads(total, enc)[1]
+        elif enc == "auto" and config.encoder_worker and model.vision is not None and model.encoder_device.type == "cpu":
+            encoder_threads = 1 if total == 1 else ProbedThreads("encoder", vision_probe(model.vision), (1, total),
+                                                                 lock, fallback=total)
+        else:  # none (or auto without a vision tower): torch's setting here, set on the thread itself, for
+            # a thread that sets none takes whatever count another thread set last (ATen keeps one value)
+            encoder_threads = total
+        if isinstance(config.llm_threads, int):
+            llm_threads = config.llm_threads
+        elif config.llm_threads == "auto" and self.llm is not None and self.llm.device.type == "cpu":
+            if isinstance(enc, int) and enc > 0:  # --encoder-threads N: the engine thread keeps the rest
+                llm_threads = split_threads(total, enc)[0]
+            else:
+                llm_threads = 1 if total == 1 else ProbedThreads("engine thread", llm_probe(self.llm), (1, total),
+                                                                 lock, fallback=total)
+        else:  # none: torch's setting here (as for the encoder above)
+            llm_threads = total
+        self.probes = [p for p in (llm_threads, encoder_threads) if isinstance(p, ProbedThreads)]
+        barrier = threading.Barrier(len(self.probes)) if self.probes else None
+        for p in self.probes:
+            p.barrier = barrier
+        return llm_threads, encoder_threads
+
+    def thread_counts(self) -> dict[str, int]:
+        """The intra-op threads the engine thread and the encoder worker run at (those that set one)."""
+        counts = {}
+        if self.loop.threads_used is not None:
+            counts["engine"] = self.loop.threads_used
+        worker = self.encoder_worker
+        if worker is not None and worker.threads_used is not None:
+            counts["encoder"] = worker.threads_used
+        elif worker is not None and isinstance(worker.threads, ProbedThreads) and worker.threads.choice is not None:
+            counts["encoder"] = worker.threads.choice.threads  # chosen; the worker sets it right after
+        return counts
 
     @classmethod
     def load(cls, model_dir: str | Path, config: OmniEngineConfig, *, encoders_only: bool = False) -> "OmniRuntime":
@@ -297,6 +346,32 @@ class OmniRuntime:
                 self.encoder_worker.start()
             self.loop.start()
             self._started = True
+            self._await_thread_choices()
+
+    def _await_thread_choices(self, timeout_s: float = 30.0) -> None:
+        """Wait for the threads' probes (so no request races them for the CPU) and log the counts."""
+        for probe in self.probes:
+            if not probe.ready.wait(timeout_s):
+                log.warning("the %s's thread probe is still running after %.0f s", probe.name, timeout_s)
+        if self.probes:
+            log.info("intra-op threads: %s", self.describe_threads())
+
+    def describe_threads(self) -> str:
+        """The engine thread's and the encoder worker's intra-op threads and how they were chosen
+        (`mmserve serve` prints it at start), e.g. "engine thread 1 (measured in 0.29 s: 1: 20.7
+        ms, 2: 26.2 ms); encoder 1 (...)"."""
+        parts = []
+        engine_cpu = self.llm is None or self.llm.device.type == "cpu"
+        worker = self.encoder_worker
+        for name, threads in (("engine thread", self.loop.threads if engine_cpu else None),
+                              ("encoder", worker.threads if worker is not None and worker.device.type == "cpu" else None)):
+            if isinstance(threads, ProbedThreads) and threads.choice is not None:
+                parts.append(f"{name} {threads.choice.describe()}")
+            elif isinstance(threads, int):
+                parts.append(f"{name} {threads}")
+            elif callable(threads):
+                parts.append(f"{name} follows the decode workers")
+        return "; ".join(parts)
 
     def shutdown(self) -> None:
         """Stop the engine thread (open requests end with "abort"), the workers and the cache

@@ -39,6 +39,17 @@ _FLAT_NESTED = {f"{prefix}_{f.name}": (group, f.name)
                 for group, (prefix, part) in NESTED_CONFIGS.items() for f in dataclasses.fields(part)}
 
 
+def _thread_count(name: str, value: int | str | None, least: int) -> int | str | None:
+    """An intra-op thread setting: "auto", None, or a count >= ``least`` (int, or its digits)."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be auto, none or an integer >= {least}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class OmniEngineConfig:
     # model placement
@@ -102,8 +113,10 @@ class OmniEngineConfig:
     # between LLM steps (same tokens). runtime/encoder_worker.py.
     encoder_worker: bool = True
     """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
-    encoder_threads: int | None = None
-    """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (0: the CPUs the busy decode workers leave, re-read per batch; none: both use torch's setting)."""
+    encoder_threads: int | str | None = "auto"
+    """CPU intra-op threads of the encoder worker: auto (measured at start: 1 or every CPU, whichever runs a frame group through the vision tower faster), N (with llm_threads auto the engine thread keeps the rest), 0 (the CPUs the busy decode workers leave, re-read per batch) or none (torch's setting)."""
+    llm_threads: int | str | None = "auto"
+    """CPU intra-op threads of the engine thread (LLM steps): auto (measured at start: 1 or every CPU, whichever runs a prefill probe faster), N, or none (torch's setting)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
@@ -141,8 +154,9 @@ class OmniEngineConfig:
         if self.audio_tokenizer_attention not in TOKENIZER_ATTENTION:
             raise ValueError(f"audio_tokenizer_attention must be one of {TOKENIZER_ATTENTION}, got "
                              f"{self.audio_tokenizer_attention!r}")
-        if self.encoder_threads is not None and self.encoder_threads < 0:
-            raise ValueError(f"encoder_threads must be >= 0 (or none), got {self.encoder_threads}")
+        # the command line spells a count as text ("2"); the field holds the int
+        object.__setattr__(self, "encoder_threads", _thread_count("encoder_threads", self.encoder_threads, 0))
+        object.__setattr__(self, "llm_threads", _thread_count("llm_threads", self.llm_threads, 1))
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs

@@ -105,8 +105,8 @@ class EncoderWorker:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        if isinstance(self.threads, int) and self.device.type == "cpu":
-            self._set_threads(self.threads)
+        if self.threads is not None and self.device.type == "cpu":  # a callable is asked once now too
+            self._set_threads(self.threads() if callable(self.threads) else self.threads)
         while not self._stop:
             self._wake.clear()  # before looking: a submit after this wakes the next wait
             try:

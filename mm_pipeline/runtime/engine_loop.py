@@ -43,11 +43,14 @@ class EngineLoop:
     """Owns the thread that drives ``llm`` and ``batcher``; thread-safe request entry points."""
 
     def __init__(self, llm: LLMEngine | None, batcher: EncoderBatcher | None, idle_wait_s: float = 0.05,
-                 threads: int | None = None) -> None:
+                 threads: int | Callable[[], int] | None = None) -> None:
         self.llm = llm
         self.batcher = batcher  # None: the encoder worker runs the batches
         self.idle_wait_s = idle_wait_s
-        self.threads = threads  # this thread's intra-op threads (CPU), set at its start
+        # this thread's intra-op threads (CPU), set once at its start: a count, or a callable asked
+        # then (runtime/thread_choice.py: measured on this thread); None: torch's setting
+        self.threads = threads
+        self.threads_used: int | None = None  # the count set at start
         # spans of LLM steps (monotonic start, end) for a stage timeline; None: off
         self.on_step_span: Callable[[float, float], None] | None = None
         self._wake = threading.Event()
@@ -126,7 +129,8 @@ class EngineLoop:
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         if self.threads is not None and (self.llm is None or self.llm.device.type == "cpu"):
-            torch.set_num_threads(self.threads)
+            self.threads_used = self.threads() if callable(self.threads) else self.threads
+            torch.set_num_threads(self.threads_used)
         while not self._stop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:

@@ -14,7 +14,7 @@ key names; a key ``a.b`` is family ``a`` with label ``kind="b"`` (mm_pipeline/se
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from llm_core.engine.stats import EngineStats, as_plain, frozen_map
@@ -36,6 +36,9 @@ class OmniStats:
     decode_pool_admitted: int  # media calls running or queued on the decode workers
     decode_pool_waiting: int  # media calls waiting for a worker slot
     taken_at: float  # time.monotonic() when built
+    # gauge, label thread: engine, encoder -- the intra-op threads each runs at (those that set a
+    # count: configured or measured at start, runtime/thread_choice.py)
+    intra_op_threads: Mapping[str, int] = field(default_factory=lambda: frozen_map({}))
 
     @classmethod
     def collect(cls, runtime: Any, requests_in_flight: int) -> "OmniStats":
@@ -56,6 +59,7 @@ class OmniStats:
             decode_pool_admitted=runtime.pool.admitted,
             decode_pool_waiting=runtime.pool.waiting,
             taken_at=time.monotonic(),
+            intra_op_threads=frozen_map(runtime.thread_counts()),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -241,4 +241,6 @@ def _omni_families(s: OmniStats) -> Iterator[Metric]:
     yield _gauge("decode_pool_admitted", "Media calls running or queued on the decode workers",
                  s.decode_pool_admitted)
     yield _gauge("decode_pool_waiting", "Media calls waiting for a decode worker slot", s.decode_pool_waiting)
+    yield _labelled(GaugeMetricFamily, "intra_op_threads", "Intra-op threads a thread runs at", "thread",
+                    s.intra_op_threads)
     yield _gauge("stats_age_seconds", "Age of the engine snapshot at scrape time", time.monotonic() - s.taken_at)

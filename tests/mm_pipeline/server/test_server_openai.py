@@ -342,7 +342,8 @@ def test_cli_serve_subprocess(model_dir):
     # start-up says what a user needs, and transformers says nothing about our model type
     startup = proc.stdout.read()
     for line in (f"model     tiny-omni ({model_dir})", "device    cpu, float32", "KV pools  Full 2,048 tokens (",
-                 "context   ", "prefix caching on (", f"serving   tiny-omni on http://127.0.0.1:{port}/v1"):
+                 "context   ", "prefix caching on (", "threads   engine thread ",
+                 f"serving   tiny-omni on http://127.0.0.1:{port}/v1"):
         assert line in startup, (line, startup)
     assert "model of type" not in startup and "rope_scaling" not in startup, startup
 

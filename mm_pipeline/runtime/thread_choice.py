@@ -1,0 +1,175 @@
+"""Intra-op thread counts chosen by measurement (CPU): the engine thread's and the encoder's.
+
+Why measure instead of taking every core: a second intra-op thread pays only when the OpenMP team's
+threads meet at each op's barrier without waiting, and inside this process they often do not.
+libgomp gives every thread that runs a parallel region its own team (the engine thread, the encoder
+thread, the loading thread...), and once the process holds more OpenMP threads than CPUs it stops
+spinning between regions and parks them on a futex: every op then pays a wake-up. On the 2-core
+host that made the repeat request's 376-row prefill step slower at 2 threads than at 1 (31 -> 37
+ms) while the same ops ran 1.6-1.9x faster at 2 in a process with a single team, and the vision
+tower's frame group likewise (22 -> 29 ms). With a single team (spinning) a busy neighbour is worse
+still: a barrier spins while its partner waits for the core (steps of 50-1000 ms at 2 threads, load
+3-4). Whether N threads pay is thus a property of the host and of the process, so it is measured
+once, at start, on the thread that will run the work (README "Overlap, measured"):
+
+    engine thread:   probe_prefill (a scratch prompt through every layer)  at 1, N, 1, N ...
+    encoder thread:  a frame group through the vision tower                at 1, N, 1, N ...
+                     -> the count with the lower median, fewer threads unless N wins by PREFER_FEWER
+
+Each thread first starts its N-thread team and waits for the other probe to have started its own,
+so both measure with every team the process keeps (a team stays once started: the process is then
+in the parking mode it will run in); then the probes take turns (a shared lock), each timing the
+second of two runs per count (the first after a switch of ``torch.set_num_threads`` pays ~1.8 ms
+that a thread keeping its count never pays). Nothing runs per step: each thread sets its count once.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PREFER_FEWER = 0.05  # more threads must be this much faster (median) to be chosen: they cost CPU others could use
+ROUNDS = 3  # timed runs per count at most (each after an untimed one at the same count) ...
+BUDGET_S = 0.5  # ... or fewer once a probe has taken this long (at least one round)
+BARRIER_TIMEOUT_S = 30.0  # how long a probe waits for the others to start their teams
+PROBE_ROWS = 256  # the LLM probe's prompt: one streamed prefill step (stream_min_tokens' default)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """A thread's intra-op count and how it was reached: ``how`` "measured" (``medians_ms`` per
+    count tried), "fixed" (configured), "follow" (re-read per batch) or "torch" (torch's setting)."""
+
+    threads: int | None
+    how: str
+    medians_ms: Mapping[int, float] = field(default_factory=dict)
+    seconds: float = 0.0  # how long the measuring took
+
+    def describe(self) -> str:
+        count = "torch's setting" if self.threads is None else str(self.threads)
+        if not self.medians_ms:
+            return f"{count} ({self.how})"
+        timed = ", ".join(f"{n}: {ms:.1f} ms" for n, ms in sorted(self.medians_ms.items()))
+        return f"{count} (measured in {self.seconds:.2f} s: {timed})"
+
+
+def measure_threads(work: Callable[[], object], candidates: tuple[int, ...], *, rounds: int = ROUNDS,
+                    budget_s: float = BUDGET_S, prefer_fewer: float = PREFER_FEWER,
+                    clock: Callable[[], float] = time.perf_counter) -> ThreadChoice:
+    """Time ``work`` on the calling thread at each count of ``candidates`` (ascending, distinct),
+    taking turns, and leave the thread at the chosen one. Every turn runs ``work`` twice and times
+    the second run: the first pays the switch (the team wakes, caches fill). A count with more
+    threads is chosen only when its median is more than ``prefer_fewer`` below that of the best
+    count with fewer. Rounds stop early once ``budget_s`` is spent (after the first)."""
+    if not candidates or list(candidates) != sorted(set(candidates)) or candidates[0] < 1:
+        raise ValueError(f"candidates must be distinct, ascending and >= 1, got {candidates}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if len(candidates) == 1:
+        torch.set_num_threads(candidates[0])
+        return ThreadChoice(candidates[0], "fixed")
+    times: dict[int, list[float]] = {n: [] for n in candidates}
+    start = clock()
+    for _ in range(rounds):
+        for n in candidates:
+            torch.set_num_threads(n)
+            work()  # untimed: the first ops after a switch pay ~1.8 ms that a thread keeping its count never pays
+            t0 = clock()
+            work()
+            times[n].append(clock() - t0)
+        if clock() - start > budget_s:
+            break
+    medians = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
+    best = candidates[0]
+    for n in candidates[1:]:
+        if medians[n] < medians[best] * (1 - prefer_fewer):
+            best = n
+    torch.set_num_threads(best)
+    return ThreadChoice(best, "measured", medians, clock() - start)
+
+
+class ProbedThreads:
+    """A thread's intra-op count measured the first time it is asked for (on the asking thread,
+    i.e. the engine thread or the encoder worker at their start), the same count ever after.
+    ``work`` is the probe; ``lock`` is shared by a runtime's probes so they never overlap. A probe
+    that fails leaves the thread at ``fallback`` (logged); ``ready`` is set once chosen."""
+
+    def __init__(self, name: str, work: Callable[[], object], candidates: tuple[int, ...], lock: threading.Lock,
+                 fallback: int) -> None:
+        self.name = name
+        self.work = work
+        self.candidates = candidates
+        self.lock = lock
+        self.fallback = fallback
+        self.choice: ThreadChoice | None = None
+        self.ready = threading.Event()
+        self.barrier: threading.Barrier | None = None  # shared by a runtime's probes (_meet)
+
+    def __call__(self) -> int:
+        if self.choice is None:
+            self._meet()
+            with self.lock:
+                try:
+                    with torch.inference_mode():
+                        self.choice = measure_threads(self.work, self.candidates)
+                except ProbeUnavailable as exc:
+                    log.info("the %s keeps %d intra-op threads: %s", self.name, self.fallback, exc)
+                    torch.set_num_threads(self.fallback)
+                    self.choice = ThreadChoice(self.fallback, "fixed")
+                except Exception:  # a probe must never stop the thread it runs on
+                    log.exception("measuring the %s's intra-op threads failed; using %d", self.name, self.fallback)
+                    torch.set_num_threads(self.fallback)
+                    self.choice = ThreadChoice(self.fallback, "fixed")
+                finally:
+                    self.ready.set()
+        assert self.choice.threads is not None
+        return self.choice.threads
+
+    def _meet(self) -> None:
+        """Start this thread's OpenMP team (one untimed run at the most threads), then wait for the
+        runtime's other probes to have started theirs: every probe then measures with all the teams
+        the process will keep -- whether libgomp spins or parks idle team threads depends on how
+        many OpenMP threads the whole process holds (module doc), and a team, once started, stays."""
+        if self.barrier is None:
+            return
+        try:
+            torch.set_num_threads(self.candidates[-1])
+            with torch.inference_mode():
+                self.work()
+        except Exception:  # measure_threads meets it again and reports it
+            pass
+        try:
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            log.warning("the %s measures its threads without the other probes' teams", self.name)
+
+
+class ProbeUnavailable(RuntimeError):
+    """The probe cannot run here (e.g. the KV pools cannot spare its pages): keep the fallback."""
+
+
+def llm_probe(llm, rows: int = PROBE_ROWS) -> Callable[[], None]:
+    """One prefill step of ``rows`` scratch tokens through ``llm`` (an LLMEngine; probe_prefill)."""
+    def work() -> None:
+        if not llm.probe_prefill(rows):
+            raise ProbeUnavailable("the engine cannot run a scratch prefill here")
+    return work
+
+
+def vision_probe(vision) -> Callable[[], object]:
+    """One video frame group through the vision tower ``vision``: one temporal patch of 5 x 9 merge
+    units (180 patch rows at merge size 2: a 160 x 288 frame pair, the pipeline benchmark's)."""
+    cfg = vision.config
+    m = cfg.spatial_merge_size
+    grid = (1, 5 * m, 9 * m)
+    rows = torch.randn(grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=torch.Generator().manual_seed(0))
+    rows = rows.to(device=vision.device, dtype=vision.dtype)
+    return lambda: vision.encode_items([(rows, grid)])

@@ -1,0 +1,161 @@
+"""Intra-op thread counts chosen by measurement (mm_pipeline/runtime/thread_choice.py): the faster
+count wins (more threads only by a margin), on the measuring thread and once; a probe that cannot
+run or fails keeps the fallback; the config and flags (``--llm-threads``, ``--encoder-threads``);
+the runtime's plan per setting; media worker threads run torch at one thread; and greedy tokens do
+not depend on the counts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from mm_pipeline import cli
+from mm_pipeline.media.worker_pool import WorkerPool
+from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.runtime.thread_choice import ProbedThreads, ProbeUnavailable, ThreadChoice, measure_threads
+
+
+class FakeClock:
+    """Time that passes only while ``work`` runs: ``cost[n]`` per call at n intra-op threads."""
+
+    def __init__(self, cost: dict[int, float]) -> None:
+        self.cost, self.now, self.calls = cost, 0.0, {n: 0 for n in cost}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self) -> None:
+        n = torch.get_num_threads()
+        self.calls[n] += 1
+        self.now += self.cost[n]
+
+
+def on_a_thread(fn):
+    """Run ``fn`` on a fresh thread (its intra-op count is its own) and return what it returned
+    and the count the thread was left at."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append((fn(), torch.get_num_threads())))
+    t.start()
+    t.join()
+    return out[0]
+
+
+@pytest.mark.parametrize("cost, chosen", [({1: 0.010, 2: 0.006}, 2),   # 2 clearly faster
+                                          ({1: 0.010, 2: 0.0098}, 1),  # within the margin: fewer threads
+                                          ({1: 0.010, 2: 0.014}, 1),   # 2 slower (the 2-core host)
+                                          ({1: 0.010, 2: 0.009, 4: 0.005}, 4)])
+def test_the_faster_count_wins_and_the_thread_keeps_it(cost, chosen):
+    clock = FakeClock(cost)
+    choice, left_at = on_a_thread(lambda: measure_threads(clock.work, tuple(cost), rounds=3, budget_s=10,
+                                                          clock=clock))
+    assert choice.threads == chosen and left_at == chosen and choice.how == "measured"
+    assert choice.medians_ms == pytest.approx({n: c * 1e3 for n, c in cost.items()})
+    assert all(c == 6 for c in clock.calls.values())  # 3 rounds: per count an untimed run, then a timed one
+    assert choice.seconds == pytest.approx(6 * sum(cost.values()))  # every run counts, untimed ones too
+    assert choice.describe().startswith(f"{chosen} (measured in ")
+
+
+def test_the_budget_ends_the_rounds_early():
+    clock = FakeClock({1: 0.2, 2: 0.3})
+    choice, _ = on_a_thread(lambda: measure_threads(clock.work, (1, 2), rounds=5, budget_s=0.6, clock=clock))
+    assert clock.calls == {1: 2, 2: 2} and choice.threads == 1  # one round (1 s), then past the budget
+
+
+def test_bad_candidates():
+    with pytest.raises(ValueError, match="candidates"):
+        measure_threads(lambda: None, (2, 1))
+    with pytest.raises(ValueError, match="candidates"):
+        measure_threads(lambda: None, (0, 1))
+    with pytest.raises(ValueError, match="rounds"):
+        measure_threads(lambda: None, (1, 2), rounds=0)
+
+
+def test_a_probe_measures_once_and_a_failing_one_keeps_the_fallback():
+    clock = FakeClock({1: 0.010, 2: 0.005})
+    lock = threading.Lock()
+    probe = ProbedThreads("engine thread", clock.work, (1, 2), lock, fallback=1)
+    probe_clock = measure_threads.__kwdefaults__["clock"]
+    measure_threads.__kwdefaults__["clock"] = clock  # the probe times with the fake clock
+    try:
+        assert on_a_thread(probe) == (2, 2) and probe.ready.is_set() and probe.choice.how == "measured"
+        runs = dict(clock.calls)
+        assert on_a_thread(probe) == (2, 2) and clock.calls == runs  # asked again: not measured again
+    finally:
+        measure_threads.__kwdefaults__["clock"] = probe_clock
+
+    def unavailable():
+        raise ProbeUnavailable("no pages")
+
+    def broken():
+        raise RuntimeError("boom")
+
+    for work in (unavailable, broken):
+        p = ProbedThreads("encoder", work, (1, 2), lock, fallback=2)
+        assert on_a_thread(p) == (2, 2) and p.choice == ThreadChoice(2, "fixed") and p.ready.is_set()
+
+
+def test_config_values_and_flags():
+    cfg = OmniEngineConfig()
+    assert cfg.llm_threads == "auto" and cfg.encoder_threads == "auto"
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--llm-threads", "2", "--encoder-threads", "1"]))
+    assert cfg.llm_threads == 2 and cfg.encoder_threads == 1
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--llm-threads", "none", "--encoder-threads", "0"]))
+    assert cfg.llm_threads is None and cfg.encoder_threads == 0
+    assert OmniEngineConfig(llm_threads="3").llm_threads == 3  # the digits of a count are that count
+    for bad in ({"llm_threads": 0}, {"llm_threads": "many"}, {"encoder_threads": -1}, {"encoder_threads": 1.5},
+                {"llm_threads": True}):
+        with pytest.raises(ValueError, match="threads must be auto, none or an integer"):
+            OmniEngineConfig(**bad)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--model", "m", "--llm-threads", "zero"])
+
+
+def test_media_worker_threads_run_torch_at_one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    pool = WorkerPool(2, 4)
+    try:
+        async def four() -> list[int]:
+            return list(await asyncio.gather(*(pool.run(torch.get_num_threads) for _ in range(4))))
+
+        counts = asyncio.run(asyncio.wait_for(four(), 30))
+    finally:
+        pool.shutdown()
+        torch.set_num_threads(before)
+    assert counts == [1, 1, 1, 1]
+
+
+def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
+    """The serial path at one thread vs the encoder worker with each thread at 1, at 2, and measured
+    ("auto", torch at 2 threads so both probes run): the same greedy tokens; the stats show the
+    counts the threads run at."""
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+    from tests.mm_pipeline.runtime.test_encoder_worker import run_all
+
+    ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
+    before = torch.get_num_threads()
+    runs, counts, said = {}, {}, {}
+    try:
+        for name, kw in {"serial": dict(encoder_worker=False, llm_threads=1), "one": dict(llm_threads=1, encoder_threads=1),
+                         "two": dict(llm_threads=2, encoder_threads=2), "auto": {}}.items():
+            torch.set_num_threads(2)
+            runs[name], engine = run_all(ckpt, **kw)
+            try:
+                counts[name] = dict(engine.stats().intra_op_threads)
+                said[name] = engine.runtime.describe_threads()
+                if name == "auto":
+                    probes = {p.name: p.choice for p in engine.runtime.probes}
+            finally:
+                engine.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    assert runs["one"] == runs["serial"] and runs["two"] == runs["serial"] and runs["auto"] == runs["serial"]
+    assert counts["serial"] == {"engine": 1}
+    assert counts["one"] == {"engine": 1, "encoder": 1} and counts["two"] == {"engine": 2, "encoder": 2}
+    assert set(probes) == {"engine thread", "encoder"} and all(c.how == "measured" for c in probes.values())
+    assert counts["auto"] == {"engine": probes["engine thread"].threads, "encoder": probes["encoder"].threads}
+    assert said["one"] == "engine thread 1; encoder 1" and said["serial"] == "engine thread 1"
+    assert said["auto"].startswith("engine thread ") and "; encoder " in said["auto"] and "measured in" in said["auto"]
