@@ -126,8 +126,13 @@ class OmniRuntime:
             encoder_threads = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
         elif config.encoder_threads is not None:
             llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
+        if config.encoder_worker and config.encoder_lanes > 1 and llm_threads is None:
+            # lanes set their own count (torch.set_num_threads); torch hands the last count set to
+            # any thread that has not set one, so the engine thread keeps torch's setting by name
+            llm_threads = default_threads()
         if config.encoder_worker:
-            self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads)
+            self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads,
+                                                lanes=config.encoder_lanes)
             if self.encoder_worker.device.type == "cuda":
                 self.batcher.before_deliver = self.encoder_worker.stream_sync
             self.batcher.on_submit = self.encoder_worker.wake

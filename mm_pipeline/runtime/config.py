@@ -104,6 +104,8 @@ class OmniEngineConfig:
     """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
     encoder_threads: int | None = None
     """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (0: the CPUs the busy decode workers leave, re-read per batch; none: both use torch's setting)."""
+    encoder_lanes: int = 2
+    """Encoder worker threads running batches side by side on a CPU encoder, the encoder's intra-op share (encoder_threads, or torch's setting) divided among them, each taking its share of the queue: the frame groups left when decoding ends encode on every core at once (a CUDA encoder has one, its own stream)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
@@ -143,6 +145,8 @@ class OmniEngineConfig:
                              f"{self.audio_tokenizer_attention!r}")
         if self.encoder_threads is not None and self.encoder_threads < 0:
             raise ValueError(f"encoder_threads must be >= 0 (or none), got {self.encoder_threads}")
+        if self.encoder_lanes < 1:
+            raise ValueError(f"encoder_lanes must be >= 1, got {self.encoder_lanes}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs
