@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
@@ -121,12 +123,19 @@ class OmniRuntime:
                                name="omni-media")
         llm_threads = None
         encoder_threads: int | Callable[[], int] | None = None
+        lanes = (config.encoder_worker and config.encoder_lanes > 1
+                 and torch.device(model.encoder_device).type == "cpu")
         if config.encoder_threads == 0:  # follow the decoders: the CPUs their busy workers leave
             pool = self.pool
             encoder_threads = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
         elif config.encoder_threads is not None:
             llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
-        if config.encoder_worker and config.encoder_lanes > 1 and llm_threads is None:
+        elif lanes:
+            # lanes split the cores with the LLM, half each (2 cores: one lane-thread each, the LLM
+            # one): measured, lanes beside an LLM at every core cost the request more CPU than they
+            # saved (oversubscribed OpenMP teams; README "Overlap, measured")
+            llm_threads, encoder_threads = split_threads(default_threads(), 0)
+        if lanes and llm_threads is None:
             # lanes set their own count (torch.set_num_threads); torch hands the last count set to
             # any thread that has not set one, so the engine thread keeps torch's setting by name
             llm_threads = default_threads()

@@ -197,9 +197,9 @@ def test_worker_switch_and_threads_are_flags() -> None:
     assert cfg.encoder_worker is False and cfg.encoder_threads == 1
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-threads", "none"]))
     assert cfg.encoder_threads is None
-    assert OmniEngineConfig().encoder_lanes == 2
-    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-lanes", "1"]))
-    assert cfg.encoder_lanes == 1
+    assert OmniEngineConfig().encoder_lanes == 1
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-lanes", "2"]))
+    assert cfg.encoder_lanes == 2
     with pytest.raises(ValueError, match="encoder_lanes"):
         OmniEngineConfig(encoder_lanes=0)
 
