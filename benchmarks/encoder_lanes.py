@@ -10,11 +10,14 @@ left when decoding ends and the last prefill step add), when decoding and encodi
 prefill step, encoder forwards and prefill steps per request, and the process CPU per request split
 by thread (decode workers, encoder lane(s), engine thread, and the rest: OpenMP team workers).
 
-Variants (``OmniEngineConfig`` fields):
-  one_lane      the default: one encoder thread, it and the LLM at torch's intra-op setting
-  split         --encoder-threads 1: one encoder thread at 1 intra-op thread, the LLM the rest
-  lanes         --encoder-lanes 2: two encoder threads, the LLM and the lanes half the CPUs each
-  lanes_llm_all --encoder-lanes 2 --encoder-threads 0: the lanes beside an LLM at torch's setting
+Variants (``OmniEngineConfig`` fields; ratios are to one_lane):
+  one_lane      --encoder-lanes 1: one encoder thread, it and the LLM at torch's intra-op setting
+  split         --encoder-lanes 1 --encoder-threads 1: one encoder thread at 1 intra-op thread, the
+                LLM the rest
+  lanes         the default (--encoder-lanes 2): two encoder threads, the second only while a decode
+                worker leaves it a CPU; the LLM and the lanes half the CPUs each
+  lanes_llm_all --encoder-threads 0: the lanes beside an LLM at torch's setting (each lane at the CPUs
+                the decoders leave, halved)
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from _common import base_parser, print_table, write_json
 from _pipeline_media import HD, make_video
 from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
 
-VARIANTS = {"one_lane": {}, "split": {"encoder_threads": 1}, "lanes": {"encoder_lanes": 2},
-            "lanes_llm_all": {"encoder_lanes": 2, "encoder_threads": 0}}
+VARIANTS = {"one_lane": {"encoder_lanes": 1}, "split": {"encoder_lanes": 1, "encoder_threads": 1},
+            "lanes": {}, "lanes_llm_all": {"encoder_threads": 0}}
 THREAD_GROUPS = ("omni-media", "omni-encoder", "omni-engine")
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -131,17 +131,19 @@ class OmniRuntime:
         elif config.encoder_threads is not None:
             llm_threads, encoder_threads = split_threads(default_threads(), config.encoder_threads)
         elif lanes:
-            # lanes split the cores with the LLM, half each (2 cores: one lane-thread each, the LLM
-            # one): measured, lanes beside an LLM at every core cost the request more CPU than they
-            # saved (oversubscribed OpenMP teams; README "Overlap, measured")
+            # lanes split the cores with the LLM, half each (2 cores: one thread per lane, the LLM
+            # one): lanes beside an LLM at every core cost the request more CPU than they saved
+            # (oversubscribed OpenMP teams; README "Overlap, measured")
             llm_threads, encoder_threads = split_threads(default_threads(), 0)
         if lanes and llm_threads is None:
             # lanes set their own count (torch.set_num_threads); torch hands the last count set to
             # any thread that has not set one, so the engine thread keeps torch's setting by name
             llm_threads = default_threads()
         if config.encoder_worker:
+            pool = self.pool  # lanes beyond the first wait while the decode workers fill the CPUs
+            spare = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
             self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads,
-                                                lanes=config.encoder_lanes)
+                                                lanes=config.encoder_lanes, spare=spare)
             if self.encoder_worker.device.type == "cuda":
                 self.batcher.before_deliver = self.encoder_worker.stream_sync
             self.batcher.on_submit = self.encoder_worker.wake

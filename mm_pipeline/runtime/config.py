@@ -104,8 +104,8 @@ class OmniEngineConfig:
     """Run the encoder on its own worker thread (CUDA: its own stream) beside the LLM steps."""
     encoder_threads: int | None = None
     """CPU intra-op threads of the encoder worker; the engine thread keeps the rest (0: the CPUs the busy decode workers leave, re-read per batch; none: both use torch's setting)."""
-    encoder_lanes: int = 1
-    """Encoder worker threads running batches side by side on a CPU encoder, each taking its share of the queue, the encoder's intra-op share divided among them (without encoder_threads the LLM and the lanes get half the CPUs each): the frame groups left when decoding ends encode on every core at once (a CUDA encoder has one, its own stream)."""
+    encoder_lanes: int = 2
+    """Encoder worker threads running batches side by side on a CPU encoder, each taking its share of the queue, lanes beyond the first only while the decode workers leave them a CPU; the encoder's intra-op share is divided among them (without encoder_threads the LLM and the lanes get half the CPUs each): the frame groups left when decoding ends encode on every core at once (1: one encoder thread; a CUDA encoder has one, its own stream)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""

@@ -22,12 +22,14 @@ left when decoding ends (the critical path of a long video) gets every core:
 
 Lanes (CPU, ``lanes`` > 1): several encoder threads run batches side by side, the encoder's thread
 share divided among them (on 2 cores: two lanes at one intra-op thread each, the most efficient
-GEMMs on that host, scaling like two processes). Each takes at most its share of the queue
-(``EncoderBatcher.run_due(lanes=...)``), so the frame groups left when decoding ends are encoded on
-every core at once instead of by one thread while the engine thread waits for their rows:
+GEMMs on that host). Each takes at most its share of the queue (``EncoderBatcher.run_due(lanes=...)``),
+and lane k > 0 only while the decode workers leave it a CPU (``spare``: k < CPUs - busy decode
+workers), so while a video decodes one lane encodes (in larger batches, out of the decoders' way:
+they are the critical path then) and the frame groups left when decoding ends are encoded on every
+core at once instead of by one thread while the engine thread waits for their rows:
 
-    one lane    ─ g6 g7 ─►            two lanes  ─ g6 ─►
-                                                 ─ g7 ─►      (the first token comes sooner)
+    decode workers busy   2 2 2 2 2 1 0 0
+    lanes encoding        1 1 1 1 1 1 2 2     (2 CPUs)
 
 A job leaves the queue under the batcher's lock, so no unit is encoded twice. A CUDA encoder always
 has one lane (its one stream).
@@ -86,10 +88,12 @@ class EncoderWorker:
 
     def __init__(self, batcher: EncoderBatcher, device: torch.device | str = "cpu",
                  threads: int | Callable[[], int] | None = None, idle_wait_s: float = 0.05,
-                 lanes: int = 1) -> None:
+                 lanes: int = 1, spare: Callable[[], int] | None = None, spare_poll_s: float = 0.003) -> None:
         """``threads`` (CPU): the encoder's intra-op share -- a fixed count set once, a callable read
         before every batch (``free_cpu_threads``), or None (torch's setting) -- divided among
-        ``lanes`` threads (module doc; a CUDA encoder has one lane)."""
+        ``lanes`` threads (module doc; a CUDA encoder has one lane). ``spare``: the CPUs the busy
+        decode workers leave (None: every lane always runs); a lane held back looks again every
+        ``spare_poll_s`` while work is queued (a decode worker finishing wakes nobody)."""
         if lanes < 1:
             raise ValueError(f"EncoderWorker needs lanes >= 1, got {lanes}")
         self.batcher = batcher
@@ -97,6 +101,9 @@ class EncoderWorker:
         self.threads = threads
         self.idle_wait_s = idle_wait_s
         self.lanes = lanes if self.device.type == "cpu" else 1
+        # lane k > 0 takes work only while k < spare()
+        self.spare = spare if self.lanes > 1 else None
+        self.spare_poll_s = spare_poll_s
         # the count each lane sets at its start (None: none set); read here, on the constructing
         # thread: a new thread's torch.get_num_threads() is the last count any thread set
         share = threads if isinstance(threads, int) else default_threads() if threads is None and self.lanes > 1 else None
@@ -157,6 +164,8 @@ class EncoderWorker:
                 continue
             due = self.batcher.next_due()
             wait = self.idle_wait_s if due is None else max(0.0, min(self.idle_wait_s, due - time.monotonic()))
+            if n is None:  # held back while the decoders are busy: nothing wakes it when they finish
+                wait = self.spare_poll_s
             if wait > 0:
                 wake.wait(wait)
 
@@ -172,7 +181,10 @@ class EncoderWorker:
                 self._count(thread_changes=1)
             self._lane_threads[lane] = self.threads_used = n
 
-    def _run_due(self, lane: int) -> int:
+    def _run_due(self, lane: int) -> int | None:
+        """Units encoded; None: this lane is held back (the decoders leave it no CPU)."""
+        if self.spare is not None and lane > 0 and self.batcher.next_due() is not None and lane >= self.spare():
+            return None
         if callable(self.threads) and self.device.type == "cpu" and self.batcher.next_due() is not None:
             self._set_threads(lane, lane_threads(self.threads(), self.lanes))
         if self._stream is None:

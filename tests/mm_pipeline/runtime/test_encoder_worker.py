@@ -191,15 +191,70 @@ def test_worker_following_the_decoders_takes_the_cpus_they_leave() -> None:
         free_cpu_threads(0, lambda: 0)
 
 
+def test_a_second_lane_waits_for_a_cpu_the_decoders_leave() -> None:
+    """``spare`` (the CPUs the busy decode workers leave) 1: only the first lane encodes, taking the
+    whole queue; once it says 2 the second lane joins within its poll (nothing wakes it)."""
+    import time
+
+    import torch
+
+    from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+    from mm_pipeline.encode.preprocess import VisionInput
+    from mm_pipeline.runtime.encoder_worker import EncoderWorker
+
+    spare = [1]
+    gate = threading.Event()
+    calls: list[tuple[str, int]] = []
+
+    class Tower(torch.nn.Module):
+        def encode_items(self, items):
+            calls.append((threading.current_thread().name, len(items)))
+            gate.wait(10)  # the first lane stays busy until the test lets it go
+            return [rows[:1].clone() for rows, _ in items]
+
+    got: dict[str, object] = {}
+    batcher = EncoderBatcher(Tower(), None, BatcherConfig(max_wait_s=0.0))
+    worker = EncoderWorker(batcher, lanes=2, spare=lambda: spare[0])
+    batcher.on_submit = worker.wake
+
+    def submit(k: int) -> None:
+        batcher.attach(f"u{k}", lambda rows, err, k=k: got.__setitem__(f"u{k}", err or rows))
+        batcher.submit(EncoderJob(f"u{k}", "video", vision=VisionInput(torch.full((4, 8), float(k)), (1, 2, 2))))
+
+    def wait_until(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    worker.start()
+    try:
+        submit(0)
+        wait_until(lambda: len(calls) == 1)  # the first lane is busy with u0
+        submit(1)
+        submit(2)
+        time.sleep(0.05)  # the second lane had many polls to take them, and may not
+        assert len(calls) == 1 and batcher.stats()["pending"] == 2
+        spare[0] = 2  # the decoders finished
+        wait_until(lambda: len(calls) == 2)
+        assert calls[1] == ("omni-encoder-1", 1)  # its share: half the queue
+        gate.set()
+        wait_until(lambda: len(got) == 3)
+    finally:
+        gate.set()
+        worker.stop()
+    assert sorted(got) == ["u0", "u1", "u2"] and worker.counts["encoder_units"] == 3
+    batcher.check_integrity()
+
+
 def test_worker_switch_and_threads_are_flags() -> None:
     assert OmniEngineConfig().encoder_worker is True
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--no-encoder-worker", "--encoder-threads", "1"]))
     assert cfg.encoder_worker is False and cfg.encoder_threads == 1
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-threads", "none"]))
     assert cfg.encoder_threads is None
-    assert OmniEngineConfig().encoder_lanes == 1
-    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-lanes", "2"]))
-    assert cfg.encoder_lanes == 2
+    assert OmniEngineConfig().encoder_lanes == 2
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-lanes", "1"]))
+    assert cfg.encoder_lanes == 1
     with pytest.raises(ValueError, match="encoder_lanes"):
         OmniEngineConfig(encoder_lanes=0)
 
