@@ -12,7 +12,8 @@ Keys (goals on the 2-core CPU host in brackets):
   encoder_worker_ttft_ratio  streamed TTFT, encoder on its own worker / inline on the engine thread
   encoder_split_ttft_ratio   the same with --encoder-threads 1 (the engine thread keeps the rest) / inline
   encoder_follow_ttft_ratio  streamed TTFT with --encoder-threads 0 (the encoder takes the CPUs the busy
-                             decode workers leave, per batch) / the default (torch's setting)
+                             decode workers leave, per batch, divided among its lanes; the LLM keeps
+                             torch's setting) / the default
   encoder_lanes_ttft_ratio   streamed TTFT, the default (--encoder-lanes 2: two encoder threads at one
                              intra-op thread each on 2 cores, the second while a decode worker is idle,
                              the LLM the other half) / --encoder-lanes 1 (one encoder thread, it and the
