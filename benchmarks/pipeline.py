@@ -5,13 +5,19 @@
     .venv/bin/python benchmarks/pipeline.py --quick --repeat 3   # medians of 3, with min and max
     .venv/bin/python benchmarks/pipeline.py --decode-only --repeat 3   # the decode-scaling table alone
     .venv/bin/python benchmarks/pipeline.py --repeat-only --quick --repeat 3   # cached-media TTFTs alone
+    .venv/bin/python benchmarks/pipeline.py --long-video-only --quick --repeat 3   # cold long-video TTFTs alone
 
 Keys (goals on the 2-core CPU host in brackets):
   long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
   encoder_worker_ttft_ratio  streamed TTFT, encoder on its own worker / inline on the engine thread
   encoder_split_ttft_ratio   the same with --encoder-threads 1 (the engine thread keeps the rest) / inline
   encoder_follow_ttft_ratio  streamed TTFT with --encoder-threads 0 (the encoder takes the CPUs the busy
-                             decode workers leave, per batch) / the default (torch's setting)
+                             decode workers leave, per batch, divided among its lanes; the LLM keeps
+                             torch's setting) / the default
+  encoder_lanes_ttft_ratio   streamed TTFT, the default (--encoder-lanes 2: two encoder threads at one
+                             intra-op thread each on 2 cores, the second while a decode worker is idle,
+                             the LLM the other half) / --encoder-lanes 1 (one encoder thread, it and the
+                             LLM at torch's setting); one_lane_timeline_tail_s: that variant's tail
   no_stream_ttft_ratio       streamed TTFT / --no-stream-embeddings (every unit encoded before prefill)
   repeat_media_ttft_ratio    TTFT, cached media + new question / cold                         [<= 0.1]
   same_prefix_ttft_ratio     TTFT, same media and same prompt prefix / cold                   [<= 0.03]
@@ -198,12 +204,13 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     per round, so a burst of load on the shared host hits every variant alike. Then one more cold
     request with the stage timeline on (decode / encode / prefill spans)."""
     question = "What happens in this video?"
-    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(6 * reps + 2)]
+    videos = [make_video(seconds, **HD, seed=100 + k) for k in range(7 * reps + 3)]
     warm = make_video(4, **HD, seed=99)
     out: dict[str, float] = {}
     # name -> (config, its slice of the videos: videos[slot * reps:(slot + 1) * reps]; slot 2 is the sequential's)
     variants = {"streamed": ({}, 0), "inline": ({"encoder_worker": False}, 1), "split": ({"encoder_threads": 1}, 3),
-                "no_stream": ({"stream_embeddings": False}, 4), "follow": ({"encoder_threads": 0}, 5)}
+                "no_stream": ({"stream_embeddings": False}, 4), "follow": ({"encoder_threads": 0}, 5),
+                "one_lane": ({"encoder_lanes": 1}, 6)}
     engines: dict[str, OmniEngine] = {}
     times: dict[str, list[float]] = {name: [] for name in [*variants, "sequential"]}
     try:
@@ -223,6 +230,7 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
         out["long_video_groups"] = (engines["streamed"].stats().encoder.get("encoded.video", 0) - before) // reps
         out.update(timeline_of_one(engines["streamed"], videos[-1], question))
         no_stream = timeline_of_one(engines["no_stream"], videos[-2], question)
+        out["one_lane_timeline_tail_s"] = timeline_of_one(engines["one_lane"], videos[-3], question)["timeline_tail_s"]
         out.update({f"no_stream_{k}": v for k, v in no_stream.items()})
         out["stream_tail_ratio"] = out["timeline_tail_s"] / out["no_stream_timeline_tail_s"]
     finally:
@@ -235,6 +243,7 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     out["encoder_split_ttft_ratio"] = out["long_video_ttft_split_s"] / out["long_video_ttft_inline_s"]
     out["no_stream_ttft_ratio"] = out["long_video_ttft_streamed_s"] / out["long_video_ttft_no_stream_s"]
     out["encoder_follow_ttft_ratio"] = out["long_video_ttft_follow_s"] / out["long_video_ttft_streamed_s"]
+    out["encoder_lanes_ttft_ratio"] = out["long_video_ttft_streamed_s"] / out["long_video_ttft_one_lane_s"]
     return out
 
 
@@ -313,7 +322,11 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
             "loop_lag_requests": n, **{f"loop_lag_{k}": v for k, v in control.result().items()}}
 
 
-def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False) -> dict[str, float]:
+def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False,
+             long_video_only: bool = False) -> dict[str, float]:
+    if long_video_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            return bench_long_video(build_model(Path(tmp)), seconds=16 if quick else 48, reps=2 if quick else 3)
     if decode_only:
         return bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3)
     if repeat_only:
@@ -342,6 +355,9 @@ def main() -> None:
                              "--quick: 20 s)")
     parser.add_argument("--repeat-only", action="store_true",
                         help="only the cached-media TTFTs (cold, new question, same prefix) and their ratios")
+    parser.add_argument("--long-video-only", action="store_true",
+                        help="only the cold long-video TTFTs (streamed variants, no-stream, sequential) and "
+                             "the stage timelines")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
@@ -353,7 +369,7 @@ def main() -> None:
         return
     runs = []
     for r in range(args.repeat):
-        runs.append(run_once(args.quick, args.decode_only, args.repeat_only))
+        runs.append(run_once(args.quick, args.decode_only, args.repeat_only, args.long_video_only))
         if args.repeat > 1:
             print(f"run {r + 1}/{args.repeat} done", flush=True)
     results = {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
@@ -363,10 +379,11 @@ def main() -> None:
     if args.repeat_only:
         write_json(args.json, {**results, "repeat": args.repeat})
         return
-    print_table(f"decode scaling (medians; codec threads off; wall s, s from CPU time, speed-ups from each; "
-                f"host's free cores by the control: {results['decode_control_speedup']:.2f}x)",
-                ["workers", "threads s", "cpu s", "x wall", "x cpu", "processes s", "cpu s", "x wall", "x cpu"],
-                decode_table(results))
+    if not args.long_video_only:
+        print_table(f"decode scaling (medians; codec threads off; wall s, s from CPU time, speed-ups from each; "
+                    f"host's free cores by the control: {results['decode_control_speedup']:.2f}x)",
+                    ["workers", "threads s", "cpu s", "x wall", "x cpu", "processes s", "cpu s", "x wall", "x cpu"],
+                    decode_table(results))
     if not args.decode_only:
         print_timeline(results)
     spread = {f"{k}_min": lo for k, _, lo, _ in rows} | {f"{k}_max": hi for k, _, _, hi in rows}

@@ -11,9 +11,11 @@ one audio segment. Its life:
 
 Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
-reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on one
-thread at a time -- the encoder worker (runtime/encoder_worker.py) or, with it off, the engine
-thread between LLM steps; everything else is thread-safe.
+reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on the
+encoder worker's lanes (runtime/encoder_worker.py: one thread, or several side by side, each taking
+its share of the queue) or, with the worker off, on the engine thread between LLM steps; a job
+leaves the queue under the lock, so each is encoded by exactly one caller. Everything is
+thread-safe.
 
 Claims, joins and delivery are one ``SingleFlight`` over unit keys (the same mechanism media
 planning uses). Invariant: a key is claimed in ``_units`` from ``attach`` until its result or error
@@ -148,15 +150,23 @@ class EncoderBatcher:
             heads = [q[0].submitted_at for q in self._pending.values() if q]
         return min(heads) + self.config.max_wait_s if heads else None
 
-    def run_due(self, force: bool = False) -> int:
+    def run_due(self, force: bool = False, lanes: int = 1) -> int:
         """Run one batch of every encoder whose batch is full or whose oldest job is due (every
         pending job with ``force``); returns the number of units encoded. One batch per encoder
         per call, so the engine loop interleaves LLM steps: prefill of early frame groups overlaps
-        the encoding of later ones instead of waiting for the encoder queue to drain."""
+        the encoding of later ones instead of waiting for the encoder queue to drain.
+
+        ``lanes``: the caller is one of that many threads running batches side by side; its batch
+        takes at most its share of the queue (``ceil(pending / lanes)`` jobs), so when the last
+        frame groups of a video arrive together each lane encodes some of them at once instead of
+        one lane taking all while the other idles (items never attend to each other in a packed
+        forward; how the queue splits into batches already depends on timing)."""
+        if lanes < 1:
+            raise ValueError(f"run_due needs lanes >= 1, got {lanes}")
         done = 0
         for encoder in ("vision", "audio"):
             while True:
-                batch = self._take(encoder, force)
+                batch = self._take(encoder, force, lanes)
                 if batch:
                     done += self._run(encoder, batch)
                 if not batch or not force:
@@ -186,7 +196,7 @@ class EncoderBatcher:
     def _budget(self, encoder: str) -> int:
         return self.config.vision_budget if encoder == "vision" else self.config.audio_budget
 
-    def _take(self, encoder: str, force: bool) -> list[EncoderJob]:
+    def _take(self, encoder: str, force: bool, lanes: int = 1) -> list[EncoderJob]:
         with self._lock:
             q = self._pending[encoder]
             if not q:
@@ -195,9 +205,10 @@ class EncoderBatcher:
             due = force or time.monotonic() - q[0].submitted_at >= self.config.max_wait_s
             if not due and sum(j.cost for j in q) < budget:
                 return []  # wait a little for more requests' work
+            share = -(-len(q) // lanes)  # ceil: this lane's part of the queue
             batch = [q.popleft()]  # always at least one, even if it alone exceeds the budget
             used = batch[0].cost
-            while q and used + q[0].cost <= budget:
+            while q and len(batch) < share and used + q[0].cost <= budget:
                 used += q[0].cost
                 batch.append(q.popleft())
             return batch

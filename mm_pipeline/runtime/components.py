@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
@@ -126,7 +128,10 @@ class OmniRuntime:
                                name="omni-media")
         llm_threads, encoder_threads = self._thread_plan(model, config)
         if config.encoder_worker:
-            self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads)
+            pool = self.pool  # lanes beyond the first wait while the decode workers fill the CPUs
+            spare = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
+            self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads,
+                                                lanes=config.encoder_lanes, spare=spare)
             if self.encoder_worker.device.type == "cuda":
                 self.batcher.before_deliver = self.encoder_worker.stream_sync
             self.batcher.on_submit = self.encoder_worker.wake
@@ -371,6 +376,9 @@ class OmniRuntime:
                 parts.append(f"{name} {threads}")
             elif callable(threads):
                 parts.append(f"{name} follows the decode workers")
+        if worker is not None and worker.lanes > 1:  # the encoder's share is divided among its lanes
+            each = f" at {worker.threads_used} each" if worker.threads_used is not None else ""
+            parts.append(f"{worker.lanes} encoder lanes{each}")
         return "; ".join(parts)
 
     def shutdown(self) -> None:

@@ -117,6 +117,8 @@ class OmniEngineConfig:
     """CPU intra-op threads of the encoder worker: auto (measured at start: 1 or every CPU, whichever runs a frame group through the vision tower faster), N (with llm_threads auto the engine thread keeps the rest), 0 (the CPUs the busy decode workers leave, re-read per batch) or none (torch's setting)."""
     llm_threads: int | str | None = "auto"
     """CPU intra-op threads of the engine thread (LLM steps): auto (measured at start: 1 or every CPU, whichever runs a prefill probe faster), N, or none (torch's setting)."""
+    encoder_lanes: int = 2
+    """Encoder worker threads running batches side by side on a CPU encoder, each taking its share of the queue, lanes beyond the first only while the decode workers leave them a CPU; the encoder's intra-op share (encoder_threads; auto: measured on the first lane) is divided among them: the frame groups left when decoding ends encode on every core at once (1: one encoder thread; a CUDA encoder has one, its own stream)."""
     # admission and decode workers
     max_queue: int = 256
     """Requests in flight before new ones are refused (HTTP 429)."""
@@ -157,6 +159,8 @@ class OmniEngineConfig:
         # the command line spells a count as text ("2"); the field holds the int
         object.__setattr__(self, "encoder_threads", _thread_count("encoder_threads", self.encoder_threads, 0))
         object.__setattr__(self, "llm_threads", _thread_count("llm_threads", self.llm_threads, 1))
+        if self.encoder_lanes < 1:
+            raise ValueError(f"encoder_lanes must be >= 1, got {self.encoder_lanes}")
         if self.groups_per_chunk < 1:
             raise ValueError(f"groups_per_chunk must be >= 1, got {self.groups_per_chunk}")
         self.ingest_config, self.batcher_config  # validate the parts' configs

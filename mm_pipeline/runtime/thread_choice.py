@@ -112,8 +112,15 @@ class ProbedThreads:
         self.choice: ThreadChoice | None = None
         self.ready = threading.Event()
         self.barrier: threading.Barrier | None = None  # shared by a runtime's probes (_meet)
+        self._claim = threading.Lock()
+        self._measuring = False  # one caller measures (encoder lanes all ask); the others wait for it
 
     def __call__(self) -> int:
+        if self.choice is None:
+            with self._claim:
+                first, self._measuring = not self._measuring, True
+            if not first:
+                self.ready.wait()
         if self.choice is None:
             self._meet()
             with self.lock:

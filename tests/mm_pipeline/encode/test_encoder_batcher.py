@@ -88,6 +88,26 @@ def test_budget_splits_batches_and_due_time(towers):
     assert b.run_due(force=True) == 1 and len(col.got) == 5
 
 
+def test_a_lane_takes_its_share_of_the_queue(towers):
+    """``run_due(lanes=n)``: one of n encoder lanes takes at most ceil(pending / n) jobs (within the
+    budget), so the other lanes find work; every job is taken once and the rows equal one-by-one."""
+    vision, _ = towers
+    inputs = {f"k{i}": vision_input(i, 48 + 16 * (i % 2), 64) for i in range(5)}
+    b = EncoderBatcher(vision, None, BatcherConfig(max_wait_s=0.0))
+    col = Collector()
+    for k, v in inputs.items():
+        b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "video", vision=v))
+    assert b.run_due(lanes=2) == 3  # ceil(5 / 2)
+    assert b.run_due(lanes=2) == 1 and b.run_due(lanes=2) == 1  # ceil(2 / 2), then the last one
+    assert b.run_due(lanes=2) == 0 and b.stats()["forwards.vision"] == 3
+    for k, v in inputs.items():
+        assert len(col.got[k]) == 1
+        torch.testing.assert_close(col.got[k][0], vision.encode_items([(v.rows, v.grid)])[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="lanes"):
+        b.run_due(lanes=0)
+
+
 def test_has_pending_until_the_jobs_run(towers):
     """``has_pending`` (the streamed prefill's "encoder work queued" signal) holds from submit until
     the jobs are taken for a forward."""

@@ -1,7 +1,8 @@
 """The encoder on its own worker thread beside the LLM steps (mm_pipeline/runtime/encoder_worker.py):
 greedy tokens equal the serial path (encoder batches inline on the engine thread) for video, image and
-audio requests running together; the worker, not the engine thread, ran the forwards; the thread
-split; the config switch as CLI flags."""
+audio requests running together, with one encoder lane and with two; the worker, not the engine
+thread, ran the forwards; lanes run side by side, each unit once, a failing batch fails only its
+units; the thread split; the config switches as CLI flags."""
 
 from __future__ import annotations
 
@@ -59,17 +60,86 @@ def test_worker_tokens_equal_the_serial_path_and_the_worker_ran_the_encoder(ckpt
         assert engine.runtime.loop.counts["encoder_units"] >= 6  # 4 groups + image + audio, inline
     finally:
         engine.shutdown()
-    overlapped, engine = run_all(ckpt)  # on by default
+    for lanes in (1, 2):
+        overlapped, engine = run_all(ckpt, encoder_lanes=lanes)  # the worker is on by default
+        try:
+            worker = engine.runtime.encoder_worker
+            assert worker is not None and worker.alive and worker.lanes == lanes
+            assert worker.counts["encoder_units"] >= 6 and engine.runtime.loop.counts["encoder_units"] == 0
+            assert engine.stats().engine_loop["encoder_units"] >= 6  # one family either way
+            names = {t.name for t in threading.enumerate()}
+            assert "omni-encoder" in names and ("omni-encoder-1" in names) == (lanes == 2)
+        finally:
+            engine.shutdown()
+        assert not worker.alive  # shutdown stops the worker's threads
+        assert overlapped == serial and all(len(t) == GREEDY.max_tokens for t in serial)
+
+
+def test_lanes_encode_side_by_side_each_unit_once() -> None:
+    """Two lanes: two forwards run at the same time (each waits at a barrier for the other), each
+    lane at its share of the intra-op threads; every unit is encoded exactly once; a failing forward
+    fails its own unit only, the lanes go on; stop ends both lanes."""
+    import time
+
+    import torch
+
+    from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+    from mm_pipeline.encode.preprocess import VisionInput
+    from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, lane_threads
+
+    barrier = threading.Barrier(2, timeout=10)
+    calls: list[tuple[str, int, int]] = []  # (lane thread, its intra-op threads, units)
+    encoded: list[float] = []
+
+    class Tower(torch.nn.Module):
+        def encode_items(self, items):
+            calls.append((threading.current_thread().name, torch.get_num_threads(), len(items)))
+            if any(rows[0, 0] < 0 for rows, _ in items):
+                raise RuntimeError("bad unit")
+            if len(calls) <= 2:
+                barrier.wait()  # the first two forwards overlap, or this times out
+            encoded.extend(float(rows[0, 0]) for rows, _ in items)
+            return [rows[:1].clone() for rows, _ in items]
+
+    got: dict[str, object] = {}
+    batcher = EncoderBatcher(Tower(), None, BatcherConfig(max_wait_s=0.0))
+    worker = EncoderWorker(batcher, lanes=2)
+    batcher.on_submit = worker.wake
+    share = lane_threads(default_threads(), 2)
+
+    def submit(k: int, value: float) -> None:
+        batcher.attach(f"u{k}", lambda rows, err, k=k: got.__setitem__(f"u{k}", rows if err is None else err))
+        batcher.submit(EncoderJob(f"u{k}", "video", vision=VisionInput(torch.full((4, 8), value), (1, 2, 2))))
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 15
+        while len(got) < n and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    worker.start()
     try:
-        worker = engine.runtime.encoder_worker
-        assert worker is not None and worker.alive
-        assert worker.counts["encoder_units"] >= 6 and engine.runtime.loop.counts["encoder_units"] == 0
-        assert engine.stats().engine_loop["encoder_units"] >= 6  # one family either way
-        assert "omni-encoder" in {t.name for t in threading.enumerate()}
+        for k in range(2):  # a lane takes ceil(pending / 2): one each, the two forwards meet
+            submit(k, float(k))
+        wait_for(2)
+        submit(2, -1.0)  # alone: a failing forward fails the units of its batch
+        wait_for(3)
+        for k in (3, 4):
+            submit(k, float(k))
+        wait_for(5)
     finally:
-        engine.shutdown()
-    assert not worker.alive  # shutdown stops the worker thread
-    assert overlapped == serial and all(len(t) == GREEDY.max_tokens for t in serial)
+        worker.stop()
+    assert not worker.alive
+    assert {name for name, _, _ in calls[:2]} == {"omni-encoder", "omni-encoder-1"}
+    assert all(threads == share for _, threads, _ in calls)
+    assert sorted(encoded) == [0.0, 1.0, 3.0, 4.0]  # each good unit once
+    assert isinstance(got["u2"], RuntimeError) and "bad unit" in str(got["u2"])
+    assert all(float(got[f"u{k}"][0, 0]) == v for k, v in ((0, 0.0), (1, 1.0), (3, 3.0), (4, 4.0)))
+    assert batcher.stats()["in_flight_units"] == 0 and worker.counts["encoder_units"] == 4
+    batcher.check_integrity()
+    # a non-CPU encoder keeps one lane (CUDA: its one stream); lanes < 1 is an error
+    assert EncoderWorker(batcher, device="meta", lanes=2).lanes == 1
+    with pytest.raises(ValueError, match="lanes"):
+        EncoderWorker(batcher, lanes=0)
 
 
 def test_thread_split() -> None:
@@ -121,12 +191,72 @@ def test_worker_following_the_decoders_takes_the_cpus_they_leave() -> None:
         free_cpu_threads(0, lambda: 0)
 
 
+def test_a_second_lane_waits_for_a_cpu_the_decoders_leave() -> None:
+    """``spare`` (the CPUs the busy decode workers leave) 1: only the first lane encodes, taking the
+    whole queue; once it says 2 the second lane joins within its poll (nothing wakes it)."""
+    import time
+
+    import torch
+
+    from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+    from mm_pipeline.encode.preprocess import VisionInput
+    from mm_pipeline.runtime.encoder_worker import EncoderWorker
+
+    spare = [1]
+    gate = threading.Event()
+    calls: list[tuple[str, int]] = []
+
+    class Tower(torch.nn.Module):
+        def encode_items(self, items):
+            calls.append((threading.current_thread().name, len(items)))
+            gate.wait(10)  # the first lane stays busy until the test lets it go
+            return [rows[:1].clone() for rows, _ in items]
+
+    got: dict[str, object] = {}
+    batcher = EncoderBatcher(Tower(), None, BatcherConfig(max_wait_s=0.0))
+    worker = EncoderWorker(batcher, lanes=2, spare=lambda: spare[0])
+    batcher.on_submit = worker.wake
+
+    def submit(k: int) -> None:
+        batcher.attach(f"u{k}", lambda rows, err, k=k: got.__setitem__(f"u{k}", err or rows))
+        batcher.submit(EncoderJob(f"u{k}", "video", vision=VisionInput(torch.full((4, 8), float(k)), (1, 2, 2))))
+
+    def wait_until(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    worker.start()
+    try:
+        submit(0)
+        wait_until(lambda: len(calls) == 1)  # the first lane is busy with u0
+        submit(1)
+        submit(2)
+        time.sleep(0.05)  # the second lane had many polls to take them, and may not
+        assert len(calls) == 1 and batcher.stats()["pending"] == 2
+        spare[0] = 2  # the decoders finished
+        wait_until(lambda: len(calls) == 2)
+        assert calls[1] == ("omni-encoder-1", 1)  # its share: half the queue
+        gate.set()
+        wait_until(lambda: len(got) == 3)
+    finally:
+        gate.set()
+        worker.stop()
+    assert sorted(got) == ["u0", "u1", "u2"] and worker.counts["encoder_units"] == 3
+    batcher.check_integrity()
+
+
 def test_worker_switch_and_threads_are_flags() -> None:
     assert OmniEngineConfig().encoder_worker is True
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--no-encoder-worker", "--encoder-threads", "1"]))
     assert cfg.encoder_worker is False and cfg.encoder_threads == 1
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-threads", "none"]))
     assert cfg.encoder_threads is None
+    assert OmniEngineConfig().encoder_lanes == 2
+    cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--encoder-lanes", "1"]))
+    assert cfg.encoder_lanes == 1
+    with pytest.raises(ValueError, match="encoder_lanes"):
+        OmniEngineConfig(encoder_lanes=0)
 
 
 def test_stage_timeline_summary() -> None:

@@ -181,8 +181,9 @@ def test_streaming_off_waits_for_every_unit_and_gives_the_same_tokens(ckpt):
         unstreamed.shutdown()
 
 
-def test_broken_file_fails_only_its_own_request(ckpt):
-    engine = make(ckpt)
+@pytest.mark.parametrize("lanes", [1, 2])  # --encoder-lanes: one encoder thread or two side by side
+def test_broken_file_fails_only_its_own_request(ckpt, lanes):
+    engine = make(ckpt, encoder_lanes=lanes)
     good = image_bytes(size=(64, 64))
     broken = image_bytes(size=(64, 64))[:60]  # a PNG header, then nothing
 
@@ -225,8 +226,9 @@ def test_disk_tier_survives_restart(ckpt, tmp_path):
         second.shutdown()
 
 
-def test_disconnect_aborts_and_frees(ckpt):
-    engine = make(ckpt)
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_disconnect_aborts_and_frees(ckpt, lanes):
+    engine = make(ckpt, encoder_lanes=lanes)
     try:
         async def leave_early():
             agen = engine.generate(ask(video_part(VIDEO)), SamplingParams(max_tokens=200, ignore_eos=True))
@@ -238,6 +240,33 @@ def test_disconnect_aborts_and_frees(ckpt):
         assert first.new_token_ids
         assert_idle(engine)
         assert engine.stats().engine_loop["steps"] < 150  # stopped long before 200 tokens
+    finally:
+        engine.shutdown()
+
+
+def test_cancelled_while_encoding_on_two_lanes_frees_everything(ckpt):
+    """A request cancelled before its first token, while its frame groups decode and encode on two
+    encoder lanes: claims, pending units, requests and KV pages all come back."""
+    engine = make(ckpt, encoder_lanes=2)
+    try:
+        async def cancel_early(video: bytes, delay: float) -> bool:
+            agen = engine.generate(ask(video_part(video)), GREEDY)
+            try:
+                await asyncio.wait_for(agen.__anext__(), timeout=delay)
+                cancelled = False  # a fast host may answer in time: still freed
+            except asyncio.TimeoutError:
+                cancelled = True
+            await agen.aclose()
+            return cancelled
+
+        cancelled = 0
+        for k, delay in enumerate((0.005, 0.02, 0.05)):  # a new video each time: cold, nothing cached
+            cancelled += asyncio.run(cancel_early(video_bytes(n_frames=90 + 10 * k, fps=10, size=(64, 48), gop=10),
+                                                  delay))
+            assert_idle(engine)
+        assert cancelled >= 1  # 5 ms: no host decodes, encodes and prefills a video that fast
+        tokens, _ = asyncio.run(collect(engine, ask(video_part(VIDEO))))  # the engine still serves
+        assert len(tokens) == GREEDY.max_tokens
     finally:
         engine.shutdown()
 

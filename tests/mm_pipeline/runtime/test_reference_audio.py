@@ -156,7 +156,8 @@ def test_codes_give_the_tokens_of_their_audio_streamed_unstreamed_and_cached(ckp
 
 
 def test_codes_and_decoded_audio_share_encoder_batches(ckpt):
-    engine = make(ckpt, encoder_max_wait_ms=1000.0)
+    # one encoder lane: with two, each lane takes half the queue (test_encoder_worker.py's lanes test)
+    engine = make(ckpt, encoder_max_wait_ms=1000.0, encoder_lanes=1)
     try:
         other = audio_bytes(seconds=1.5, rate=16000, channels=1, freq=420.0)
         codes = codes_of(engine, CLIP).tolist()

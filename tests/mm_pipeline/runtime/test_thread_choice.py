@@ -133,14 +133,15 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
     ("auto", torch at 2 threads so both probes run): the same greedy tokens; the stats show the
     counts the threads run at."""
     from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+    from mm_pipeline.runtime.encoder_worker import lane_threads
     from tests.mm_pipeline.runtime.test_encoder_worker import run_all
 
     ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
     before = torch.get_num_threads()
     runs, counts, said = {}, {}, {}
     try:
-        for name, kw in {"serial": dict(encoder_worker=False, llm_threads=1), "one": dict(llm_threads=1, encoder_threads=1),
-                         "two": dict(llm_threads=2, encoder_threads=2), "auto": {}}.items():
+        for name, kw in {"serial": dict(encoder_worker=False, llm_threads=1), "one": dict(llm_threads=1, encoder_threads=1, encoder_lanes=1),
+                         "two": dict(llm_threads=2, encoder_threads=2, encoder_lanes=1), "auto": {}}.items():
             torch.set_num_threads(2)
             runs[name], engine = run_all(ckpt, **kw)
             try:
@@ -156,6 +157,9 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
     assert counts["serial"] == {"engine": 1}
     assert counts["one"] == {"engine": 1, "encoder": 1} and counts["two"] == {"engine": 2, "encoder": 2}
     assert set(probes) == {"engine thread", "encoder"} and all(c.how == "measured" for c in probes.values())
-    assert counts["auto"] == {"engine": probes["engine thread"].threads, "encoder": probes["encoder"].threads}
+    # "auto" runs the default two encoder lanes: the encoder's measured share divided between them
+    assert counts["auto"] == {"engine": probes["engine thread"].threads,
+                              "encoder": lane_threads(probes["encoder"].threads, 2)}
     assert said["one"] == "engine thread 1; encoder 1" and said["serial"] == "engine thread 1"
-    assert said["auto"].startswith("engine thread ") and "; encoder " in said["auto"] and "measured in" in said["auto"]
+    assert said["auto"].startswith("engine thread ") and "; encoder " in said["auto"] and "measured in" in said["auto"] \
+        and said["auto"].endswith(f"; 2 encoder lanes at {lane_threads(probes['encoder'].threads, 2)} each")
