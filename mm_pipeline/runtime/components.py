@@ -23,7 +23,6 @@ import asyncio
 import gc
 import importlib
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,8 +38,8 @@ from mm_pipeline.prompt.messages import ChatRequest, MediaRef
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
-from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads, split_threads
-from mm_pipeline.runtime.thread_choice import ProbedThreads, llm_probe, vision_probe
+from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads
+from mm_pipeline.runtime.thread_choice import ProbedThreads, plan_threads
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.decode.backend import make_decode_backend
@@ -126,7 +125,9 @@ class OmniRuntime:
         self.encoder_worker: EncoderWorker | None = None
         self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
                                name="omni-media")
-        llm_threads, encoder_threads = self._thread_plan(model, config)
+        llm_threads, encoder_threads, self.probes = plan_threads(
+            config.llm_threads, config.encoder_threads, self.llm, model.vision if config.encoder_worker else None,
+            model.encoder_device, self.pool)
         if config.encoder_worker:
             pool = self.pool  # lanes beyond the first wait while the decode workers fill the CPUs
             spare = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
@@ -151,44 +152,6 @@ class OmniRuntime:
                                     self.decoder)
         self._started = False
         self._closed = False
-
-    def _thread_plan(self, model: OmniModel, config: OmniEngineConfig
-                     ) -> tuple[int | ProbedThreads | None, int | Callable[[], int] | None]:
-        """(engine thread, encoder worker) intra-op threads: a count (none: torch's setting on this
-        thread), a probe measured on that thread at its start ("auto": runtime/thread_choice.py),
-        or the encoder's follower of the decode workers (0). Probes are kept in ``self.probes``."""
-        total = default_threads()
-        self.probes: list[ProbedThreads] = []
-        lock = threading.Lock()
-        llm_threads: int | ProbedThreads | None = None
-        encoder_threads: int | Callable[[], int] | None = None
-        enc = config.encoder_threads
-        if enc == 0:  # follow the decoders: the CPUs their busy workers leave
-            pool = self.pool
-            encoder_threads = free_cpu_threads(total, lambda: min(pool.admitted, pool.max_workers))
-        elif isinstance(enc, int):
-            encoder_threads = split_threads(total, enc)[1]
-        elif enc == "auto" and config.encoder_worker and model.vision is not None and model.encoder_device.type == "cpu":
-            encoder_threads = 1 if total == 1 else ProbedThreads("encoder", vision_probe(model.vision), (1, total),
-                                                                 lock, fallback=total)
-        else:  # none (or auto without a vision tower): torch's setting here, set on the thread itself, for
-            # a thread that sets none takes whatever count another thread set last (ATen keeps one value)
-            encoder_threads = total
-        if isinstance(config.llm_threads, int):
-            llm_threads = config.llm_threads
-        elif config.llm_threads == "auto" and self.llm is not None and self.llm.device.type == "cpu":
-            if isinstance(enc, int) and enc > 0:  # --encoder-threads N: the engine thread keeps the rest
-                llm_threads = split_threads(total, enc)[0]
-            else:
-                llm_threads = 1 if total == 1 else ProbedThreads("engine thread", llm_probe(self.llm), (1, total),
-                                                                 lock, fallback=total)
-        else:  # none: torch's setting here (as for the encoder above)
-            llm_threads = total
-        self.probes = [p for p in (llm_threads, encoder_threads) if isinstance(p, ProbedThreads)]
-        barrier = threading.Barrier(len(self.probes)) if self.probes else None
-        for p in self.probes:
-            p.barrier = barrier
-        return llm_threads, encoder_threads
 
     def thread_counts(self) -> dict[str, int]:
         """The intra-op threads the engine thread and the encoder worker run at (those that set one)."""

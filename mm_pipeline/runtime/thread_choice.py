@@ -34,6 +34,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from mm_pipeline.runtime.encoder_worker import default_threads, free_cpu_threads, split_threads
+
 log = logging.getLogger(__name__)
 
 PREFER_FEWER = 0.05  # more threads must be this much faster (median) to be chosen: they cost CPU others could use
@@ -180,3 +182,42 @@ def vision_probe(vision) -> Callable[[], object]:
     rows = torch.randn(grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=torch.Generator().manual_seed(0))
     rows = rows.to(device=vision.device, dtype=vision.dtype)
     return lambda: vision.encode_items([(rows, grid)])
+
+
+def plan_threads(llm_threads: int | str | None, encoder_threads: int | str | None, llm, vision,
+                 encoder_device: torch.device, pool
+                 ) -> tuple[int | ProbedThreads, int | Callable[[], int], list[ProbedThreads]]:
+    """(engine thread, encoder worker, probes): each thread's intra-op count -- a count (none:
+    torch's setting on the constructing thread), a probe measured on that thread at its start
+    ("auto"), or the encoder's follower of ``pool``'s busy decode workers (0) -- from the configured
+    values (OmniEngineConfig.llm_threads / encoder_threads). ``vision``: the tower the encoder
+    worker runs (None: no worker or no tower); ``llm``: the LLMEngine (None: encoders only)."""
+    total = default_threads()
+    lock = threading.Lock()
+    llm_share: int | ProbedThreads
+    enc_share: int | Callable[[], int]
+    enc = encoder_threads
+    if enc == 0:  # follow the decoders: the CPUs their busy workers leave
+        enc_share = free_cpu_threads(total, lambda: min(pool.admitted, pool.max_workers))
+    elif isinstance(enc, int):
+        enc_share = split_threads(total, enc)[1]
+    elif enc == "auto" and vision is not None and torch.device(encoder_device).type == "cpu":
+        enc_share = 1 if total == 1 else ProbedThreads("encoder", vision_probe(vision), (1, total), lock, fallback=total)
+    else:  # none (or auto without a vision tower): torch's setting here, set on the thread itself, for
+        # a thread that sets none takes whatever count another thread set last (ATen keeps one value)
+        enc_share = total
+    if isinstance(llm_threads, int):
+        llm_share = llm_threads
+    elif llm_threads == "auto" and llm is not None and llm.device.type == "cpu":
+        if isinstance(enc, int) and enc > 0:  # --encoder-threads N: the engine thread keeps the rest
+            llm_share = split_threads(total, enc)[0]
+        else:
+            llm_share = 1 if total == 1 else ProbedThreads("engine thread", llm_probe(llm), (1, total), lock,
+                                                           fallback=total)
+    else:  # none: torch's setting here (as for the encoder above)
+        llm_share = total
+    probes = [p for p in (llm_share, enc_share) if isinstance(p, ProbedThreads)]
+    barrier = threading.Barrier(len(probes)) if probes else None
+    for p in probes:
+        p.barrier = barrier
+    return llm_share, enc_share, probes
