@@ -251,23 +251,18 @@ class LLMEngine:
         return outputs
 
     def probe_prefill(self, num_tokens: int) -> bool:
-        """Run the model once over a scratch prompt of ``num_tokens`` tokens, as a prefill step
-        would (input preparation, every layer, the last row's hidden state), and give its pages
-        back: a representative step to time (mm_pipeline/runtime/thread_choice.py times it at
-        different intra-op thread counts). Touches no request, queue, prefix cache or counter; on
-        the thread that runs steps, between steps. False (nothing ran) when the pools cannot spare
-        the pages or the step would not run in this process alone (tensor/expert parallel, MTP)."""
+        """One prefill step over a scratch prompt of ``num_tokens`` tokens, pages given back, to time at
+        several intra-op thread counts; touches no request, queue, prefix cache or counter (stepping
+        thread, between steps). False (nothing ran): the pools cannot spare the pages, or other ranks/MTP."""
         if num_tokens < 1:
             raise ValueError(f"probe_prefill needs num_tokens >= 1, got {num_tokens}")
-        if self.speculative is not None or self.config.world_size > 1:
-            return False
         num_tokens = min(num_tokens, self.max_model_len - 1)
         pages = -(-num_tokens // self.config.page_size)
-        if pages > self.pool.full.num_free or (self.pool.has_swa and pages > self.pool.swa.num_free):
+        if (self.speculative is not None or self.config.world_size > 1 or pages > self.pool.full.num_free
+                or (self.pool.has_swa and pages > self.pool.swa.num_free)):
             return False
-        vocab = self.model_config.vocab_size
         # distinct, non-trivial ids (a constant prompt could take shortcuts no real prompt takes)
-        ids = [(7 + 31 * i) % vocab for i in range(num_tokens)]
+        ids = [(7 + 31 * i) % self.model_config.vocab_size for i in range(num_tokens)]
         req = Request("probe", ids, SamplingParams(max_tokens=1, temperature=0.0), -1)
         peaks = self.pool.full.peak_used, self.pool.swa.peak_used
         req.full_pages = self.pool.full.allocate(pages)
