@@ -55,13 +55,21 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
     if check_header:
         check_header_seconds(_header_duration(container, stream), limits)
     resampler: av.AudioResampler | None = None
+    setup = None  # (sample format, layout, rate) of the frames the resampler was made for
     for frame in _frames_then_flush(container, stream):
         check(control)
-        if resampler is None and frame is not None:
+        outs = []
+        if frame is not None and (frame.format.name, frame.layout.name, frame.sample_rate) != setup:
+            # the first frame, or a stream whose rate / layout / format changes midway (concatenated
+            # files, a damaged one): the old resampler's tail first, then one for the new frames --
+            # PyAV's resampler takes only frames like its first (ValueError otherwise)
+            if resampler is not None:
+                outs += _resample(resampler, None, item)
             resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
+            setup = (frame.format.name, frame.layout.name, frame.sample_rate)
         if resampler is None:
             break
-        for out in resampler.resample(frame):
+        for out in outs + _resample(resampler, frame, item):
             planes = out.to_ndarray()  # [channels, samples] float32 (planar)
             chunks.append(planes.mean(axis=0, dtype=np.float32))
             total += planes.shape[1]
@@ -77,6 +85,14 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
         raise UndecodableMediaError(f"{item.format} from {item.origin} holds no audio samples")
     samples = torch.from_numpy(np.concatenate(chunks).astype(np.float32, copy=False))
     return DecodedAudio(samples, sample_rate, item.format)
+
+
+def _resample(resampler: av.AudioResampler, frame: av.AudioFrame | None, item: MediaItem) -> list[av.AudioFrame]:
+    """``resampler.resample(frame)`` (None: flush); a frame it cannot take is the file's fault."""
+    try:
+        return resampler.resample(frame)
+    except ValueError as exc:
+        raise UndecodableMediaError(f"{item.format} audio from {item.origin} does not decode ({exc})") from exc
 
 
 def check_header_seconds(seconds: float | None, limits: MediaLimits) -> None:

@@ -148,3 +148,19 @@ def test_audio_duration_limit_and_garbage() -> None:
         decode_audio(MediaItem(MediaKind.AUDIO, "wav", b"RIFF\x00\x00\x00\x00WAVEjunkjunk"), 16000)
     movie = MediaItem(MediaKind.AUDIO, "mp4", video_bytes(with_audio=True, n_frames=20, fps=10))
     assert abs(decode_audio(movie, 16000).duration_s - 2.0) < 0.1  # the audio track of a video
+
+
+def test_audio_whose_rate_and_layout_change_midway_decodes_every_part() -> None:
+    """Two AAC (ADTS) streams back to back (8 kHz mono, then 22.05 kHz stereo): the decoder's frames
+    change rate and layout midway, which PyAV's resampler refuses (ValueError); both parts come out,
+    at the requested rate, and a frame nothing can take is an UndecodableMediaError, never a bare
+    ValueError (found by the media fuzz test)."""
+    import av
+
+    data = (audio_bytes("adts", "aac", rate=8000, seconds=0.5, channels=1)
+            + audio_bytes("adts", "aac", rate=22050, seconds=0.5, channels=2))
+    with av.open(io.BytesIO(data)) as c:
+        setups = {(f.layout.name, f.sample_rate) for f in c.decode(audio=0)}
+    assert setups == {("mono", 8000), ("stereo", 22050)}  # the premise: the frames change setup midway
+    out = decode_audio(MediaItem(MediaKind.AUDIO, "aac", data), 16000)
+    assert out.sample_rate == 16000 and 0.9 < out.duration_s < 1.4  # both parts (AAC priming included)
