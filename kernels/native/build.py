@@ -11,6 +11,7 @@ fall back to torch, they never see a compiler error.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -32,6 +33,22 @@ BUILD_TIMEOUT_S = 120.0
 _enabled = os.environ.get(ENV_SWITCH, "1") != "0"
 _loaded: dict[tuple[str, Path, tuple[str, ...]], ctypes.CDLL | None] = {}
 _lock = threading.Lock()
+
+
+@functools.cache  # the wrappers ask on every call; /proc/self/maps takes ~0.4 ms to read
+def openmp_flags() -> tuple[str, ...]:
+    """``("-fopenmp",)`` when torch's OpenMP runtime (libgomp) is loaded in this process, else ``()``.
+    A library built with it names ``libgomp.so.1``, which the loader resolves to the copy already
+    mapped (one runtime, so a kernel's parallel region is the calling thread's own team -- the
+    engine thread's on a wide step, none at one thread); where torch uses another runtime or none
+    the kernels stay serial rather than bring a second OpenMP runtime into the process."""
+    if os.environ.get("MMSERVE_NATIVE_OPENMP", "1") == "0":
+        return ()
+    try:
+        with open("/proc/self/maps") as f:
+            return ("-fopenmp",) if any("/libgomp" in line for line in f) else ()
+    except OSError:
+        return ()
 
 
 def set_enabled(on: bool) -> None:

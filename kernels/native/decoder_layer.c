@@ -27,6 +27,10 @@
 #include <string.h>
 
 #include "row_ops.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#define PARALLEL_ROWS 64 /* rows from which a glue call on a wide thread splits them among its team */
 #include "small_gemm.h"
 
 /* out[k * step] = x[k] * inv_rms(x) * w[k] for k < H (w NULL: x[k], no norm); step 1 writes a row,
@@ -113,16 +117,12 @@ int dense_mlp_f32(const float *h, int64_t T, int64_t H, int64_t I, const float *
  * roll / mul / add, the value scale, two index_copy_, the residual add, the norm's pow / sum / div /
  * mul). These two calls do it in one pass over the rows each. */
 
-/* qkv [T][N] (row stride ld >= N) from the QKV projection, N = (Hq + Hkv) * D + Hkv * Dv: RoPE on the q
- * and k heads, value scale on v, in place; k and v stored at slots (< 0: padding, not written). Return 0;
- * -1 when a slot lies at or past num_slots (checked before anything is written). */
-int rope_store_f32(float *qkv, int64_t T, int64_t ld, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t R,
-                   const float *cos, const float *ssin, float value_scale, float *k_cache, float *v_cache,
-                   int64_t num_slots, const int64_t *slots) {
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= num_slots) return -1;
+/* The rows [lo, hi) of rope_store_f32 (slots already checked). */
+static void rope_store_rows(float *qkv, int64_t lo, int64_t hi, int64_t ld, int64_t Hq, int64_t Hkv, int64_t D,
+                            int64_t Dv, int64_t R, const float *cos, const float *ssin, float value_scale,
+                            float *k_cache, float *v_cache, const int64_t *slots) {
     const int64_t qk = (Hq + Hkv) * D, kv = Hkv * D, vv = Hkv * Dv, N = qk + vv;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = lo; t < hi; t++) {
         float *row = qkv + t * ld;
         if (R > 0)
             for (int64_t h = 0; h < Hq + Hkv; h++) rope_head(row + h * D, R, cos + t * R, ssin + t * R);
@@ -132,14 +132,47 @@ int rope_store_f32(float *qkv, int64_t T, int64_t ld, int64_t Hq, int64_t Hkv, i
         memcpy(k_cache + slots[t] * kv, row + Hq * D, (size_t)kv * sizeof(float));
         memcpy(v_cache + slots[t] * vv, row + qk, (size_t)vv * sizeof(float));
     }
+}
+
+/* Whether a glue call of T rows splits them among the calling thread's team: a long step on a wide
+ * thread (the engine thread's team; rows are independent, so the result is the same bit for bit;
+ * each thread runs one contiguous range through the same row function as the serial call). */
+static int split_rows(int64_t T) {
+#ifdef _OPENMP
+    return T >= PARALLEL_ROWS && omp_get_max_threads() > 1;
+#else
+    (void)T;
+    return 0;
+#endif
+}
+
+/* qkv [T][N] (row stride ld >= N) from the QKV projection, N = (Hq + Hkv) * D + Hkv * Dv: RoPE on the q
+ * and k heads, value scale on v, in place; k and v stored at slots (< 0: padding, not written). Return 0;
+ * -1 when a slot lies at or past num_slots (checked before anything is written). */
+int rope_store_f32(float *qkv, int64_t T, int64_t ld, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t R,
+                   const float *cos, const float *ssin, float value_scale, float *k_cache, float *v_cache,
+                   int64_t num_slots, const int64_t *slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    if (!split_rows(T)) {
+        rope_store_rows(qkv, 0, T, ld, Hq, Hkv, D, Dv, R, cos, ssin, value_scale, k_cache, v_cache, slots);
+        return 0;
+    }
+#ifdef _OPENMP
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        rope_store_rows(qkv, T * me / nt, T * (me + 1) / nt, ld, Hq, Hkv, D, Dv, R, cos, ssin, value_scale, k_cache,
+                        v_cache, slots);
+    }
+#endif
     return 0;
 }
 
-/* x, delta [T][H] (delta NULL: no add); sum_out [T][H] = x + delta (unused without delta), h [T][H] =
- * RMSNorm(x + delta) * norm_w. */
-void add_rms_norm_f32(const float *x, const float *delta, int64_t T, int64_t H, const float *norm_w, float eps,
-                      float *sum_out, float *h) {
-    for (int64_t t = 0; t < T; t++) {
+/* The rows [lo, hi) of add_rms_norm_f32. */
+static void add_rms_rows(const float *x, const float *delta, int64_t lo, int64_t hi, int64_t H, const float *norm_w,
+                         float eps, float *sum_out, float *h) {
+    for (int64_t t = lo; t < hi; t++) {
         const float *row = x + t * H;
         if (delta) {
             float *s = sum_out + t * H;
@@ -148,4 +181,21 @@ void add_rms_norm_f32(const float *x, const float *delta, int64_t T, int64_t H, 
         }
         rms_row(row, H, norm_w, eps, h + t * H, 1);
     }
+}
+
+/* x, delta [T][H] (delta NULL: no add); sum_out [T][H] = x + delta (unused without delta), h [T][H] =
+ * RMSNorm(x + delta) * norm_w. */
+void add_rms_norm_f32(const float *x, const float *delta, int64_t T, int64_t H, const float *norm_w, float eps,
+                      float *sum_out, float *h) {
+    if (!split_rows(T)) {
+        add_rms_rows(x, delta, 0, T, H, norm_w, eps, sum_out, h);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        add_rms_rows(x, delta, T * me / nt, T * (me + 1) / nt, H, norm_w, eps, sum_out, h);
+    }
+#endif
 }

@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from kernels.native.build import library
+from kernels.native.build import library, openmp_flags
 
 # Rows up to which the model sends a step to these calls (llm_core/model/layers: attention, mlp): the
 # register-tiled projections match MKL at 32 rows and save ~20 dispatches per layer; past a few dozen
@@ -42,7 +42,9 @@ _SIGNATURES = {"attention_front_f32": ([_ptr, _i64, _i64, _ptr, _f32, _ptr, _i64
 
 
 def _lib() -> ctypes.CDLL | None:
-    return library(_NAME, flags=_FLAGS, signatures=_SIGNATURES)
+    # OpenMP where torch's runtime is loaded: rope_store / add_rms_norm split a long step's rows
+    # among the calling thread's team (the engine thread's wide step; serial at one thread)
+    return library(_NAME, flags=_FLAGS + openmp_flags(), signatures=_SIGNATURES)
 
 
 def available() -> bool:

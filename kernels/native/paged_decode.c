@@ -22,7 +22,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
+#define PARALLEL_ROWS 64 /* rows from which a call on a wide thread splits them among its team */
 #define BLOCK 32 /* keys per online-softmax update (a multiple of 4): the logits of a block stay in L1 */
 #ifndef WHOLE_AHEAD
 #define WHOLE_AHEAD (128 * 1024) /* bytes of K/V up to which the next request is asked for whole */
@@ -319,45 +323,32 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
     return 0;
 }
 
-/* All decode rows of one layer. Row i: request req[i] (its block-table row and seq_lens entry),
- * query q[q_row[i]] ([hq, dqk] at q + q_row[i] * q_stride), output out[q_row[i]] ([hq, dv] at
- * out + q_row[i] * out_stride). window <= 0: no window. sinks: [hq] or NULL.
- * Returns 0; 1 when a visible position maps to a released page or one outside the pool, 2 when a
- * context is longer than the block table's row (error[0] = row i, error[1] = position; nothing
- * further is read); -1 when the scratch memory cannot be allocated. */
-long paged_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
-                            long num_slots, const long *table, long table_cols, const long *seq_lens,
-                            const long *req, const long *q_row, long num_rows, const float *sinks, float *out,
-                            long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
-                            float scale, long *error) {
+/* Rows [lo, hi) of paged_decode_attention, one after the other with their own scratch (the
+ * prefetches chain from row to row); same statuses, error[0] a row index of the whole call. */
+static long decode_range(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+                         long num_slots, const long *table, long table_cols, const long *seq_lens,
+                         const long *req, const long *q_row, long lo, long hi, const float *sinks, float *out,
+                         long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
+                         float scale, long *error) {
     long g = hq / hkv;
     long num_pages = num_slots / page_size;
     float *scratch = malloc((size_t)(g * BLOCK + hq * (dv + dqk + 2)) * sizeof(float));
     if (!scratch) return -1;
     float *logits = scratch, *acc = logits + g * BLOCK, *qs = acc + hq * dv, *m = qs + hq * dqk, *l = m + hq;
-    for (long i = 0; i < num_rows; i++) { /* every length first: the prefetches below trust them */
-        long len = seq_lens[req[i]];
-        if (len > table_cols * page_size) {
-            error[0] = i;
-            error[1] = len - 1;
-            free(scratch);
-            return 2;
-        }
-    }
     long status = 0;
     int whole = 0; /* this request's K/V asked for whole while the one before computed */
-    for (long i = 0; i < num_rows; i++) {
+    for (long i = lo; i < hi; i++) {
         long len = seq_lens[req[i]];
         long first = window > 0 && len > window ? len - window : 0;
         const long *pages = table + req[i] * table_cols;
-        if (i == 0)
+        if (i == lo)
             prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, first,
                                first + BLOCK < len ? first + BLOCK : len, hkv * dqk, hkv * dv);
         const long *next_pages = NULL;
         long next_first = 0, next_len = 0;
         Ahead ahead;
         int use_ahead = 0;
-        if (i + 1 < num_rows) {
+        if (i + 1 < hi) {
             next_pages = table + req[i + 1] * table_cols;
             next_len = seq_lens[req[i + 1]];
             next_first = window > 0 && next_len > window ? next_len - window : 0;
@@ -391,4 +382,60 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
     }
     free(scratch);
     return status;
+}
+
+/* All decode rows of one layer. Row i: request req[i] (its block-table row and seq_lens entry),
+ * query q[q_row[i]] ([hq, dqk] at q + q_row[i] * q_stride), output out[q_row[i]] ([hq, dv] at
+ * out + q_row[i] * out_stride). window <= 0: no window. sinks: [hq] or NULL.
+ * Returns 0; 1 when a visible position maps to a released page or one outside the pool, 2 when a
+ * context is longer than the block table's row (error[0] = row i, error[1] = position; nothing
+ * further is read); -1 when the scratch memory cannot be allocated.
+ * Built with OpenMP (the runtime torch loaded: kernels/native/build.py), a call of at least
+ * PARALLEL_ROWS rows on a thread whose OpenMP count is above one (the engine thread's wide prefill
+ * step) splits the rows into one contiguous range per team thread: every row is computed exactly
+ * as alone, so the output is the same bit for bit; a failing row reported is the lowest of the
+ * ranges' first failures. */
+long paged_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+                            long num_slots, const long *table, long table_cols, const long *seq_lens,
+                            const long *req, const long *q_row, long num_rows, const float *sinks, float *out,
+                            long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
+                            float scale, long *error) {
+    for (long i = 0; i < num_rows; i++) { /* every length first: the prefetches below trust them */
+        long len = seq_lens[req[i]];
+        if (len > table_cols * page_size) {
+            error[0] = i;
+            error[1] = len - 1;
+            return 2;
+        }
+    }
+#ifdef _OPENMP
+    if (num_rows >= PARALLEL_ROWS && omp_get_max_threads() > 1) {
+        long status = 0, bad_row = num_rows, bad_pos = 0;
+#pragma omp parallel
+        {
+            long nt = omp_get_num_threads(), me = omp_get_thread_num(), e[2] = {0, 0};
+            long st = decode_range(q, q_stride, k_cache, v_cache, num_slots, table, table_cols, seq_lens, req, q_row,
+                                   num_rows * me / nt, num_rows * (me + 1) / nt, sinks, out, out_stride, hq, hkv,
+                                   dqk, dv, page_size, window, scale, e);
+            if (st) {
+#pragma omp critical(paged_decode_status)
+                {
+                    if (st < 0) status = -1;
+                    else if (status >= 0 && e[0] < bad_row) {
+                        status = st;
+                        bad_row = e[0];
+                        bad_pos = e[1];
+                    }
+                }
+            }
+        }
+        if (status > 0) {
+            error[0] = bad_row;
+            error[1] = bad_pos;
+        }
+        return status;
+    }
+#endif
+    return decode_range(q, q_stride, k_cache, v_cache, num_slots, table, table_cols, seq_lens, req, q_row, 0,
+                        num_rows, sinks, out, out_stride, hq, hkv, dqk, dv, page_size, window, scale, error);
 }

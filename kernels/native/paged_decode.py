@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.native.build import library
+from kernels.native.build import library, openmp_flags
 
 _P = ctypes.c_void_p
 _L = ctypes.c_long
@@ -27,9 +27,10 @@ _SIGNATURES = {"paged_decode_attention": (_ARGTYPES, ctypes.c_long)}
 FLAGS = ("-fopenmp-simd", "-ffp-contract=fast")  # omp simd loops; a * b + c as one FMA
 
 
-def _lib(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    """The built kernel (``flags``: the build's; tests add -DPAGED_DECODE_VL8), None when off."""
-    return library("paged_decode", flags=flags, signatures=_SIGNATURES)
+def _lib(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """The built kernel (``flags``: the build's, default FLAGS and OpenMP where torch's runtime is
+    loaded: a long call on a wide thread splits its rows; tests add -DPAGED_DECODE_VL8), None when off."""
+    return library("paged_decode", flags=FLAGS + openmp_flags() if flags is None else flags, signatures=_SIGNATURES)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -207,3 +207,43 @@ def test_add_rms_norm_matches_torch(t, hidden, with_delta, seed):
     torch.testing.assert_close(h, F.rms_norm(want, (hidden,), nw, 1e-6), rtol=1e-5, atol=1e-5)
     assert add_rms_norm(x.double(), None, nw.double(), 1e-6) is None
     assert add_rms_norm(x, delta.t() if t > 1 and hidden > 1 and t != hidden else delta[:, :0], nw, 1e-6) is None
+
+
+def on_threads(n, fn):
+    """``fn()`` on a fresh thread whose own intra-op count is ``n`` (OpenMP and MKL, that thread only)."""
+    import threading
+
+    from mm_pipeline.runtime.intra_op import set_local_threads
+
+    out = []
+
+    def run():
+        set_local_threads(n)
+        out.append(fn())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(64, 400), st.booleans(), st.integers(0, 10_000))
+def test_a_wide_thread_splits_a_long_glue_call_with_the_same_bits(t, with_delta, seed):
+    """On a thread at 2 intra-op threads (the engine thread's wide step) rope_store and add_rms_norm
+    split their rows among its team (kernels/native/build.py: OpenMP with torch's runtime): the
+    results equal those of one thread bit for bit."""
+    hidden, hq, hkv, d, dv, rot = 256, 8, 2, 32, 32, 10
+    x, nw, w, cos, sin, slots = front_case(t, hidden, hq, hkv, d, dv, rot, seed=seed, norm=True, slots_pool=512)
+    delta = torch.randn_like(x)
+    qkv = F.linear(x, w)
+
+    def glue():
+        pools = (torch.full((512, hkv, d), float("nan")), torch.full((512, hkv, dv), float("nan")))
+        q = qkv.clone()
+        assert rope_store(q, num_heads=hq, num_kv_heads=hkv, head_dim=d, v_head_dim=dv, cos=cos, signed_sin=sin,
+                          value_scale=0.707, k_cache=pools[0], v_cache=pools[1], slots=slots)
+        return (q, *pools, *add_rms_norm(x, delta if with_delta else None, nw, 1e-6))
+
+    for one, two in zip(on_threads(1, glue), on_threads(2, glue)):
+        assert torch.equal(one.nan_to_num(), two.nan_to_num()) and torch.equal(one.isnan(), two.isnan())

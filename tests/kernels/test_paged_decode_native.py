@@ -232,3 +232,43 @@ def test_next_request_asked_for_in_slices_is_bit_identical_to_at_once(ctx_lens, 
         burst = paged_decode.decode_attention(q, k, v, plan.native, scale=0.2, sinks=sinks)
     assert spread is not None and burst is not None
     assert torch.equal(spread, burst)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(64, 300), st.sampled_from([5, 8, 32]), st.integers(0, 10_000))
+def test_a_wide_thread_splits_the_rows_with_the_same_bits(rows, window, seed):
+    """A long chunk of a sliding layer (every row a kernel row) on a thread at 2 intra-op threads (the
+    engine thread's wide step): the rows split among its team give the one-thread output bit for
+    bit; a released page inside a window is still the lowest failing row's error."""
+    import threading
+
+    from mm_pipeline.runtime.intra_op import set_local_threads
+
+    new_counts, ctx_lens = [rows, 1, rows], [rows, 40, rows + 30]
+    q, k, v, table, qsl, lens = pool(seed, new_counts, ctx_lens, 4, 2, (8, 6), 4, window, False)
+    plan = AttentionPlan.build(table, qsl, lens, page_size=4, window=window)
+    kw = dict(page_size=4, scale=0.3, window=window, sinks=torch.randn(4))
+    broken = table.clone()
+    broken[2, -1] = -1  # the last request's newest page: every one of its rows sees it
+
+    def on(n):
+        out = []
+
+        def run():
+            set_local_threads(n)
+            got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)
+            try:
+                paged_attention_cpu(q, k, v, broken, qsl, lens, **kw)
+                err = None
+            except RuntimeError as exc:
+                err = str(exc)
+            out.append((got, err))
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out[0]
+
+    (one, err1), (two, err2) = on(1), on(2)
+    assert torch.equal(one, two)
+    assert err1 is not None and err1 == err2
