@@ -24,6 +24,7 @@ input preparation or forward raises to the engine, which finds the entries that 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -76,6 +77,9 @@ class ModelRunner:
         # True: the model's output holds every row's final hidden state (a forward hook recording
         # them, e.g. MTP training data); False: its last layer runs the sampling rows only.
         self.every_row_hidden = False
+        # called with a step's row count before its forward: the owner's per-step settings (CPU:
+        # its intra-op threads, e.g. the whole team only for a long step on free cores)
+        self.before_step: Callable[[int], None] | None = None
 
     def enable_decode_graphs(self, pool, *, buckets: tuple[int, ...], mode: str, max_model_len: int) -> float:
         """Run decode-only steps as fixed-shape steps per batch bucket over ``pool`` (takes one
@@ -94,6 +98,8 @@ class ModelRunner:
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
         """Compute the entries' new tokens into ``kv`` (the pool, or a prefix-cache view that waits
         for tier loads per layer) and sample the next token of every entry that ``samples``."""
+        if self.before_step is not None:
+            self.before_step(sum(e.num_new_tokens for e in entries))
         sampling = [e for e in entries if e.samples]
         params = [e.request.params for e in sampling]
         if sampling and Sampler.argmax_suffices(params) and not self._fixed_shape(entries):

@@ -39,7 +39,9 @@ from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpa
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads
-from mm_pipeline.runtime.thread_choice import ProbedThreads, plan_threads
+from mm_pipeline.runtime.host_cpu import HostCpu
+from mm_pipeline.runtime.intra_op import set_local_threads, set_process_default
+from mm_pipeline.runtime.thread_choice import WARM_UP_MAX_ROWS, ProbedThreads, StepThreads, plan_threads, run_on_thread
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, MediaError
 from mm_pipeline.media.decode.backend import make_decode_backend
@@ -128,17 +130,27 @@ class OmniRuntime:
         llm_threads, encoder_threads, self.probes = plan_threads(
             config.llm_threads, config.encoder_threads, self.llm, model.vision if config.encoder_worker else None,
             model.encoder_device, self.pool)
+        pool = self.pool
+        decoding = lambda: min(pool.admitted, pool.max_workers)  # noqa: E731  (busy decode workers)
         if config.encoder_worker:
-            pool = self.pool  # lanes beyond the first wait while the decode workers fill the CPUs
-            spare = free_cpu_threads(default_threads(), lambda: min(pool.admitted, pool.max_workers))
+            # lanes beyond the first wait while the decode workers fill the CPUs
+            spare = free_cpu_threads(default_threads(), decoding)
             self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads,
                                                 lanes=config.encoder_lanes, spare=spare)
             if self.encoder_worker.device.type == "cuda":
                 self.batcher.before_deliver = self.encoder_worker.stream_sync
             self.batcher.on_submit = self.encoder_worker.wake
-            self.loop = EngineLoop(self.llm, None, threads=llm_threads)
-        else:
-            self.loop = EngineLoop(self.llm, self.batcher, threads=llm_threads)
+        cpu_llm = self.llm is not None and self.llm.device.type == "cpu"
+        worker = self.encoder_worker
+        step_threads = None
+        if cpu_llm and config.llm_threads == "auto":  # the team only for long steps on free cores
+            step_threads = StepThreads(default_threads(), lambda: decoding() + (worker.busy_lanes if worker else 0),
+                                       HostCpu())
+        self.loop = EngineLoop(self.llm, None if worker is not None else self.batcher, threads=llm_threads,
+                               step_threads=step_threads,
+                               warm_up_rows=min(config.engine.max_num_batched_tokens, WARM_UP_MAX_ROWS)
+                               if cpu_llm and config.warm_up else 0)
+        if worker is None:
             self.batcher.on_submit = self.loop.wake
         # text tokenization never queues behind media decodes (a slow or hostile file must not
         # stall text-only requests); its work is bounded by the context limit (TextBound)
@@ -169,12 +181,20 @@ class OmniRuntime:
     def load(cls, model_dir: str | Path, config: OmniEngineConfig, *, encoders_only: bool = False) -> "OmniRuntime":
         """``encoders_only``: no text model is loaded (module doc)."""
         e = config.engine
-        return cls(OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
-                                  tensor_parallel_size=e.tensor_parallel_size, expert_parallel_size=e.expert_parallel_size,
-                                  distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
-                                  audio_tokenizer_attention=config.audio_tokenizer_attention,
-                                  with_text=not encoders_only),
-                   config)
+        # on a thread of its own: the OpenMP team its torch ops start ends with it (thread_choice.py);
+        # at the caller's intra-op count, which the runtime plans its threads from (default_threads)
+        threads = torch.get_num_threads()
+
+        def build() -> OmniRuntime:
+            set_local_threads(threads)
+            model = OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
+                                   tensor_parallel_size=e.tensor_parallel_size,
+                                   expert_parallel_size=e.expert_parallel_size,
+                                   distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
+                                   audio_tokenizer_attention=config.audio_tokenizer_attention,
+                                   with_text=not encoders_only)
+            return cls(model, config)
+        return run_on_thread(build, "omni-load")
 
     @property
     def hidden_size(self) -> int:
@@ -308,6 +328,10 @@ class OmniRuntime:
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._started:
+            if self.loop.step_threads is not None:
+                # the engine thread owns the one wide team: every thread that sets no count of its
+                # own (this one, the event loop's, KV tier and cache writers) runs at one (intra_op.py)
+                set_process_default(1)
             import_request_path_modules()
             freeze_startup_objects()
             if self.encoder_worker is not None:
@@ -317,7 +341,10 @@ class OmniRuntime:
             self._await_thread_choices()
 
     def _await_thread_choices(self, timeout_s: float = 30.0) -> None:
-        """Wait for the threads' probes (so no request races them for the CPU) and log the counts."""
+        """Wait for the engine thread's start-up work (warm-up step, thread probe) and the threads'
+        probes, so no request races them for the CPU (or shows up in a forward hook), and log the counts."""
+        if not self.loop.ready.wait(timeout_s):
+            log.warning("the engine thread's start-up is still running after %.0f s", timeout_s)
         for probe in self.probes:
             if not probe.ready.wait(timeout_s):
                 log.warning("the %s's thread probe is still running after %.0f s", probe.name, timeout_s)
@@ -339,6 +366,9 @@ class OmniRuntime:
                 parts.append(f"{name} {threads}")
             elif callable(threads):
                 parts.append(f"{name} follows the decode workers")
+        steps = self.loop.step_threads
+        if parts and parts[0].startswith("engine thread") and steps is not None and steps.wide > 1:
+            parts[0] += f" for steps of >= {steps.min_rows} rows on free cores, 1 otherwise"
         if worker is not None and worker.lanes > 1:  # the encoder's share is divided among its lanes
             each = f" at {worker.threads_used} each" if worker.threads_used is not None else ""
             parts.append(f"{worker.lanes} encoder lanes{each}")

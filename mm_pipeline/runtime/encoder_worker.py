@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 
 from mm_pipeline.encode.batcher import EncoderBatcher
+from mm_pipeline.runtime.intra_op import set_local_threads
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class EncoderWorker:
         self.counts = {"encoder_units": 0, "encoder_runs": 0, "encoder_errors": 0, "thread_changes": 0}
         self._counts_lock = threading.Lock()  # lanes count side by side
         self.threads_used: int | None = None  # the intra-op count a lane last set
+        self.busy_lanes = 0  # lanes inside a batch now (the engine thread's StepThreads reads it)
         self._lane_threads: list[int | None] = [None] * self.lanes
         self._wakes = [threading.Event() for _ in range(self.lanes)]
         self._stop = False
@@ -180,7 +182,7 @@ class EncoderWorker:
 
     def _set_threads(self, lane: int, n: int) -> None:
         if n != self._lane_threads[lane]:
-            torch.set_num_threads(n)  # this thread's OpenMP team; cheap, and only on a change
+            set_local_threads(n)  # this thread's OpenMP team and MKL count alone; cheap, and only on a change
             if self._lane_threads[lane] is not None:
                 self._count(thread_changes=1)
             self._lane_threads[lane] = self.threads_used = n
@@ -191,7 +193,15 @@ class EncoderWorker:
             return None
         if callable(self.threads) and self.device.type == "cpu" and self.batcher.next_due() is not None:
             self._set_threads(lane, lane_threads(self.threads(), self.lanes))
-        if self._stream is None:
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                return self.batcher.run_due()
+        self._count_busy(1)
+        try:
             return self.batcher.run_due(lanes=self.lanes)
-        with torch.cuda.stream(self._stream):
-            return self.batcher.run_due()
+        finally:
+            self._count_busy(-1)
+
+    def _count_busy(self, d: int) -> None:
+        with self._counts_lock:
+            self.busy_lanes += d

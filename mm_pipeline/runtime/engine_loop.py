@@ -34,6 +34,8 @@ from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.request import EmbeddingSource
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.encode.batcher import EncoderBatcher
+from mm_pipeline.runtime.intra_op import set_local_threads
+from mm_pipeline.runtime.thread_choice import StepThreads
 
 log = logging.getLogger(__name__)
 OutputSink = Callable[[RequestOutput], None]
@@ -43,7 +45,8 @@ class EngineLoop:
     """Owns the thread that drives ``llm`` and ``batcher``; thread-safe request entry points."""
 
     def __init__(self, llm: LLMEngine | None, batcher: EncoderBatcher | None, idle_wait_s: float = 0.05,
-                 threads: int | Callable[[], int] | None = None) -> None:
+                 threads: int | Callable[[], int] | None = None, step_threads: StepThreads | None = None,
+                 warm_up_rows: int = 0) -> None:
         self.llm = llm
         self.batcher = batcher  # None: the encoder worker runs the batches
         self.idle_wait_s = idle_wait_s
@@ -51,6 +54,13 @@ class EngineLoop:
         # then (runtime/thread_choice.py: measured on this thread); None: torch's setting
         self.threads = threads
         self.threads_used: int | None = None  # the count set at start
+        # with a policy, that count is the team a long step on free cores gets; other steps run at 1
+        self.step_threads = step_threads
+        # a scratch prefill of this many rows first thing on the thread (CPU): the allocator's heap
+        # grows to the largest step once, at start, not inside the first long request (page faults:
+        # 15-30 ms of a 376-row step's first run on the 2-core host)
+        self.warm_up_rows = warm_up_rows
+        self.ready = threading.Event()  # set once the thread's start-up (warm-up, thread count) is done
         # spans of LLM steps (monotonic start, end) for a stage timeline; None: off
         self.on_step_span: Callable[[float, float], None] | None = None
         self._wake = threading.Event()
@@ -128,9 +138,11 @@ class EngineLoop:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        if self.threads is not None and (self.llm is None or self.llm.device.type == "cpu"):
-            self.threads_used = self.threads() if callable(self.threads) else self.threads
-            torch.set_num_threads(self.threads_used)
+        try:
+            if self.llm is None or self.llm.device.type == "cpu":
+                self._start_threads()
+        finally:
+            self.ready.set()
         while not self._stop:
             self._wake.clear()  # before checking: a wake that comes after this is not lost
             try:
@@ -149,6 +161,24 @@ class EngineLoop:
             if not did:
                 self.counts["idle_waits"] += 1
                 self._wake.wait(self._idle_timeout())
+
+    def _start_threads(self) -> None:
+        """Warm the heap up, then set (or measure) this thread's count; with a step policy the
+        runner asks it per step from now on and the thread idles at one."""
+        if self.warm_up_rows and self.llm is not None:
+            try:
+                with torch.inference_mode():
+                    self.llm.probe_prefill(self.warm_up_rows)
+            except Exception:  # a warm-up must never stop the engine
+                log.exception("the engine's warm-up step failed")
+        if self.threads is None:
+            return
+        self.threads_used = self.threads() if callable(self.threads) else self.threads
+        set_local_threads(self.threads_used)
+        if self.step_threads is not None and self.llm is not None and self.threads_used > 1:
+            self.step_threads.wide = self.threads_used
+            self.llm.runner.before_step = self.step_threads.apply
+            set_local_threads(1)
 
     def _die(self, exc: RankFailure) -> None:
         """End every open request with the failure and stop; the owner decides what else stops."""

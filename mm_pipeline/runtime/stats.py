@@ -71,6 +71,9 @@ def _loop_counts(runtime: Any) -> dict[str, int]:
     """The engine loop's counters; with the encoder on its own worker, encoder units are counted
     there (one family either way)."""
     counts = dict(runtime.loop.counts)
+    steps = getattr(runtime.loop, "step_threads", None)
+    if steps is not None:  # long steps at the engine's team / kept at one thread (thread_choice.StepThreads)
+        counts.update(steps.counts)
     worker = getattr(runtime, "encoder_worker", None)
     if worker is not None:
         for name, value in worker.counts.items():

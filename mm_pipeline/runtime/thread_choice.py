@@ -14,19 +14,29 @@ once, at start, on the thread that will run the work (README "Overlap, measured"
 
     engine thread:   probe_prefill (a scratch prompt through every layer)  at 1, N, 1, N ...
     encoder thread:  a frame group through the vision tower                at 1, N, 1, N ...
-                     -> the count with the lower median, fewer threads unless N wins by PREFER_FEWER
+                     -> the count with the lower best time, fewer threads unless N wins by PREFER_FEWER
 
 Each thread first starts its N-thread team and waits for the other probe to have started its own,
 so both measure with every team the process keeps (a team stays once started: the process is then
 in the parking mode it will run in); then the probes take turns (a shared lock), each timing the
 second of two runs per count (the first after a switch of ``torch.set_num_threads`` pays ~1.8 ms
-that a thread keeping its count never pays). Nothing runs per step: each thread sets its count once.
+that a thread keeping its count never pays).
+
+The engine thread owns the process's one wide team (wave 2 session 11). libgomp parks idle team
+threads only while the process holds more OpenMP threads than CPUs; so on a CPU LLM the encoder
+lanes run at one thread each (no team), the model loads on a short-lived thread (its team dies with
+it: ``run_on_thread``), the media and text workers run at one thread, and the engine thread's team
+(its measured count) is the only one: its threads spin between ops and a long step on free cores
+scales (the repeat request's 376-row step: 29 -> 20 ms on 2 cores, against 26 -> 29 ms with the
+teams parked). A spinning team is fast only while its threads have cores, so the count is chosen
+per step (``StepThreads``): the team for a step of at least ``WIDE_MIN_ROWS`` rows while the
+process's other CPU work (busy decode workers, encoder lanes) and other processes (host_cpu.py)
+leave the cores free; one thread otherwise (a decode step, a prefill beside a video decode).
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,31 +45,40 @@ from typing import Callable, Mapping
 import torch
 
 from mm_pipeline.runtime.encoder_worker import default_threads, free_cpu_threads, split_threads
+from mm_pipeline.runtime.host_cpu import HostCpu
+from mm_pipeline.runtime.intra_op import set_local_threads
 
 log = logging.getLogger(__name__)
 
-PREFER_FEWER = 0.05  # more threads must be this much faster (median) to be chosen: they cost CPU others could use
-ROUNDS = 3  # timed runs per count at most (each after an untimed one at the same count) ...
+PREFER_FEWER = 0.05  # more threads must be this much faster (best time) to be chosen: they cost CPU others could use
+ROUNDS = 4  # timed runs per count at most (each after an untimed one at the same count) ...
 BUDGET_S = 0.5  # ... or fewer once a probe has taken this long (at least one round)
 BARRIER_TIMEOUT_S = 30.0  # how long a probe waits for the others to start their teams
 PROBE_ROWS = 256  # the LLM probe's prompt: one streamed prefill step (stream_min_tokens' default)
+# A step of fewer rows runs at one thread: a decode batch's ops are too small for a barrier per op
+# to pay (the probe's 256 rows gained 1.3-1.5x at 2 threads; a 32-row decode step loses).
+WIDE_MIN_ROWS = 128
+# The engine thread's warm-up step (EngineLoop.warm_up_rows): max_num_batched_tokens rows, at most
+# this many -- a streamed prefill step's and a cached-media repeat's size; a 2048-row scratch step
+# took ~0.5 s of every start of a tiny test model, for steps that long prompts alone reach.
+WARM_UP_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
 class ThreadChoice:
-    """A thread's intra-op count and how it was reached: ``how`` "measured" (``medians_ms`` per
+    """A thread's intra-op count and how it was reached: ``how`` "measured" (``best_ms``: the fastest run per
     count tried), "fixed" (configured), "follow" (re-read per batch) or "torch" (torch's setting)."""
 
     threads: int | None
     how: str
-    medians_ms: Mapping[int, float] = field(default_factory=dict)
+    best_ms: Mapping[int, float] = field(default_factory=dict)
     seconds: float = 0.0  # how long the measuring took
 
     def describe(self) -> str:
         count = "torch's setting" if self.threads is None else str(self.threads)
-        if not self.medians_ms:
+        if not self.best_ms:
             return f"{count} ({self.how})"
-        timed = ", ".join(f"{n}: {ms:.1f} ms" for n, ms in sorted(self.medians_ms.items()))
+        timed = ", ".join(f"{n}: {ms:.1f} ms" for n, ms in sorted(self.best_ms.items()))
         return f"{count} (measured in {self.seconds:.2f} s: {timed})"
 
 
@@ -69,33 +88,35 @@ def measure_threads(work: Callable[[], object], candidates: tuple[int, ...], *, 
     """Time ``work`` on the calling thread at each count of ``candidates`` (ascending, distinct),
     taking turns, and leave the thread at the chosen one. Every turn runs ``work`` twice and times
     the second run: the first pays the switch (the team wakes, caches fill). A count with more
-    threads is chosen only when its median is more than ``prefer_fewer`` below that of the best
+    threads is chosen only when its fastest run is more than ``prefer_fewer`` below that of the best
     count with fewer. Rounds stop early once ``budget_s`` is spent (after the first)."""
     if not candidates or list(candidates) != sorted(set(candidates)) or candidates[0] < 1:
         raise ValueError(f"candidates must be distinct, ascending and >= 1, got {candidates}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if len(candidates) == 1:
-        torch.set_num_threads(candidates[0])
+        set_local_threads(candidates[0])
         return ThreadChoice(candidates[0], "fixed")
     times: dict[int, list[float]] = {n: [] for n in candidates}
     start = clock()
     for _ in range(rounds):
         for n in candidates:
-            torch.set_num_threads(n)
+            set_local_threads(n)
             work()  # untimed: the first ops after a switch pay ~1.8 ms that a thread keeping its count never pays
             t0 = clock()
             work()
             times[n].append(clock() - t0)
         if clock() - start > budget_s:
             break
-    medians = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
-    best = candidates[0]
+    # the fastest run: a busy moment of the host only ever adds time, and what is asked is what the
+    # count does on free cores (StepThreads keeps a step at one thread when they are not free)
+    best = {n: min(ts) * 1e3 for n, ts in times.items()}
+    chosen = candidates[0]
     for n in candidates[1:]:
-        if medians[n] < medians[best] * (1 - prefer_fewer):
-            best = n
-    torch.set_num_threads(best)
-    return ThreadChoice(best, "measured", medians, clock() - start)
+        if best[n] < best[chosen] * (1 - prefer_fewer):
+            chosen = n
+    set_local_threads(chosen)
+    return ThreadChoice(chosen, "measured", best, clock() - start)
 
 
 class ProbedThreads:
@@ -131,11 +152,11 @@ class ProbedThreads:
                         self.choice = measure_threads(self.work, self.candidates)
                 except ProbeUnavailable as exc:
                     log.info("the %s keeps %d intra-op threads: %s", self.name, self.fallback, exc)
-                    torch.set_num_threads(self.fallback)
+                    set_local_threads(self.fallback)
                     self.choice = ThreadChoice(self.fallback, "fixed")
                 except Exception:  # a probe must never stop the thread it runs on
                     log.exception("measuring the %s's intra-op threads failed; using %d", self.name, self.fallback)
-                    torch.set_num_threads(self.fallback)
+                    set_local_threads(self.fallback)
                     self.choice = ThreadChoice(self.fallback, "fixed")
                 finally:
                     self.ready.set()
@@ -150,7 +171,7 @@ class ProbedThreads:
         if self.barrier is None:
             return
         try:
-            torch.set_num_threads(self.candidates[-1])
+            set_local_threads(self.candidates[-1])
             with torch.inference_mode():
                 self.work()
         except Exception:  # measure_threads meets it again and reports it
@@ -159,6 +180,64 @@ class ProbedThreads:
             self.barrier.wait(BARRIER_TIMEOUT_S)
         except threading.BrokenBarrierError:
             log.warning("the %s measures its threads without the other probes' teams", self.name)
+
+
+class StepThreads:
+    """The engine thread's intra-op count per step (CPU): ``wide`` (its team, measured or configured
+    at its start) for a step of at least ``min_rows`` rows while the cores are free, else one.
+
+    Free: ``cpus`` minus the CPUs this process's other work holds (``busy()``: busy decode workers
+    and encoder lanes) minus other processes' recent use (``host``, rounded) leaves ``wide``; a step
+    gets fewer threads than that never (a partner waiting for a taken core stalls every op's
+    barrier). Counts ``wide_steps`` and ``narrowed_steps`` (long steps kept at one thread)."""
+
+    def __init__(self, cpus: int, busy: Callable[[], int], host: HostCpu | None = None,
+                 min_rows: int = WIDE_MIN_ROWS) -> None:
+        if cpus < 1 or min_rows < 1:
+            raise ValueError(f"StepThreads needs cpus >= 1 and min_rows >= 1, got {cpus}, {min_rows}")
+        self.cpus = cpus
+        self.busy = busy
+        self.host = host
+        self.min_rows = min_rows
+        self.wide = 1  # set by the engine thread at its start (EngineLoop)
+        self.counts = {"wide_steps": 0, "narrowed_steps": 0}
+
+    def apply(self, rows: int) -> None:
+        """Set the calling (engine) thread's count for a step of ``rows`` rows: ModelRunner's
+        ``before_step`` hook. Only this thread's count changes (intra_op.set_local_threads)."""
+        n = self(rows)
+        if n != torch.get_num_threads():
+            set_local_threads(n)
+
+    def __call__(self, rows: int) -> int:
+        if self.wide <= 1 or rows < self.min_rows:
+            return 1
+        taken = self.busy() + (round(self.host.others()) if self.host is not None else 0)
+        if self.cpus - taken < self.wide:
+            self.counts["narrowed_steps"] += 1
+            return 1
+        self.counts["wide_steps"] += 1
+        return self.wide
+
+
+def run_on_thread(fn: Callable[[], object], name: str) -> object:
+    """``fn()`` on a new thread, joined; its result or its exception. The OpenMP team its torch ops
+    start ends with the thread (libgomp frees a thread's pool when it exits), so loading a model
+    this way leaves no idle team behind to make the engine's team park (module doc)."""
+    out: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=target, name=name)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")
 
 
 class ProbeUnavailable(RuntimeError):
@@ -202,7 +281,11 @@ def plan_threads(llm_threads: int | str | None, encoder_threads: int | str | Non
     elif isinstance(enc, int):
         enc_share = split_threads(total, enc)[1]
     elif enc == "auto" and vision is not None and torch.device(encoder_device).type == "cpu":
-        enc_share = 1 if total == 1 else ProbedThreads("encoder", vision_probe(vision), (1, total), lock, fallback=total)
+        if llm is not None and llm.device.type == "cpu" and llm_threads == "auto":
+            enc_share = 1  # the engine thread owns the one wide team (module doc): the lanes run at one each
+        else:
+            enc_share = 1 if total == 1 else ProbedThreads("encoder", vision_probe(vision), (1, total), lock,
+                                                           fallback=total)
     else:  # none (or auto without a vision tower): torch's setting here, set on the thread itself, for
         # a thread that sets none takes whatever count another thread set last (ATen keeps one value)
         enc_share = total

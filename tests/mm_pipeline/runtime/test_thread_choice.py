@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_the_faster_count_wins_and_the_thread_keeps_it(cost, chosen):
     choice, left_at = on_a_thread(lambda: measure_threads(clock.work, tuple(cost), rounds=3, budget_s=10,
                                                           clock=clock))
     assert choice.threads == chosen and left_at == chosen and choice.how == "measured"
-    assert choice.medians_ms == pytest.approx({n: c * 1e3 for n, c in cost.items()})
+    assert choice.best_ms == pytest.approx({n: c * 1e3 for n, c in cost.items()})
     assert all(c == 6 for c in clock.calls.values())  # 3 rounds: per count an untimed run, then a timed one
     assert choice.seconds == pytest.approx(6 * sum(cost.values()))  # every run counts, untimed ones too
     assert choice.describe().startswith(f"{chosen} (measured in ")
@@ -82,7 +83,9 @@ def test_a_probe_measures_once_and_a_failing_one_keeps_the_fallback():
     try:
         assert on_a_thread(probe) == (2, 2) and probe.ready.is_set() and probe.choice.how == "measured"
         runs = dict(clock.calls)
-        assert on_a_thread(probe) == (2, 2) and clock.calls == runs  # asked again: not measured again
+        # asked again (on another thread): the same count, not measured again; only the measuring
+        # thread's own count was set (intra_op.set_local_threads), the asker sets its own
+        assert on_a_thread(probe)[0] == 2 and clock.calls == runs
     finally:
         measure_threads.__kwdefaults__["clock"] = probe_clock
 
@@ -111,6 +114,8 @@ def test_config_values_and_flags():
             OmniEngineConfig(**bad)
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", "--model", "m", "--llm-threads", "zero"])
+    assert OmniEngineConfig().warm_up  # on by default; --no-warm-up turns it off
+    assert not cli.engine_config(cli.parse_args(["serve", "--model", "m", "--no-warm-up"])).warm_up
 
 
 def test_media_worker_threads_run_torch_at_one_thread():
@@ -156,10 +161,118 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
     assert runs["one"] == runs["serial"] and runs["two"] == runs["serial"] and runs["auto"] == runs["serial"]
     assert counts["serial"] == {"engine": 1}
     assert counts["one"] == {"engine": 1, "encoder": 1} and counts["two"] == {"engine": 2, "encoder": 2}
-    assert set(probes) == {"engine thread", "encoder"} and all(c.how == "measured" for c in probes.values())
-    # "auto" runs the default two encoder lanes: the encoder's measured share divided between them
-    assert counts["auto"] == {"engine": probes["engine thread"].threads,
-                              "encoder": lane_threads(probes["encoder"].threads, 2)}
+    # beside a CPU LLM on "auto" the engine thread owns the one wide team: only it measures, and the
+    # default two encoder lanes run at one thread each
+    assert set(probes) == {"engine thread"} and probes["engine thread"].how == "measured"
+    assert counts["auto"] == {"engine": probes["engine thread"].threads, "encoder": 1}
     assert said["one"] == "engine thread 1; encoder 1" and said["serial"] == "engine thread 1"
-    assert said["auto"].startswith("engine thread ") and "; encoder " in said["auto"] and "measured in" in said["auto"] \
-        and said["auto"].endswith(f"; 2 encoder lanes at {lane_threads(probes['encoder'].threads, 2)} each")
+    assert said["auto"].startswith("engine thread ") and "; encoder 1" in said["auto"] and "measured in" in said["auto"] \
+        and said["auto"].endswith("; 2 encoder lanes at 1 each")
+
+
+# ---- the engine thread's count per step (StepThreads) and the loader thread -------------------------------
+class FakeHostCpu:
+    def __init__(self, others: float) -> None:
+        self.value = others
+
+    def others(self) -> float:
+        return self.value
+
+
+def test_a_long_step_on_free_cores_gets_the_team_and_anything_else_one_thread():
+    from mm_pipeline.runtime.thread_choice import StepThreads
+
+    busy = [0]
+    host = FakeHostCpu(0.0)
+    steps = StepThreads(2, lambda: busy[0], host, min_rows=128)
+    assert steps(4096) == 1  # wide not set yet (the engine thread sets it after its probe)
+    steps.wide = 2
+    assert steps(127) == 1 and steps(128) == 2 and steps(4096) == 2  # a decode step stays at one
+    busy[0] = 1  # a decode worker or an encoder lane holds a core
+    assert steps(512) == 1
+    busy[0] = 0
+    host.value = 0.6  # another process used most of a core lately
+    assert steps(512) == 1
+    host.value = 0.4
+    assert steps(512) == 2
+    assert steps.counts == {"wide_steps": 3, "narrowed_steps": 2}
+    many = StepThreads(16, lambda: 3, None, min_rows=1)
+    many.wide = 8
+    assert many(64) == 8  # 16 - 3 leaves the team its cores
+    with pytest.raises(ValueError, match="cpus >= 1"):
+        StepThreads(0, lambda: 0)
+
+
+def test_run_on_thread_returns_raises_and_its_team_ends_with_it():
+    import os
+
+    from mm_pipeline.runtime.thread_choice import run_on_thread
+
+    assert run_on_thread(lambda: 41 + 1, "t") == 42
+    with pytest.raises(KeyError, match="boom"):
+        run_on_thread(lambda: {}["boom"], "t")
+    if not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs Linux /proc and 2 CPUs")
+
+    def wide_ops() -> int:
+        torch.set_num_threads(2)
+        torch.nn.functional.silu(torch.randn(2000, 2000))  # 4M elements: a parallel op at 2 threads
+        return len(os.listdir("/proc/self/task"))
+
+    def settled() -> int:  # a thread leaves the task list shortly after it ends: wait for a steady count
+        deadline, last = time.monotonic() + 5.0, -1
+        while time.monotonic() < deadline:
+            n = len(os.listdir("/proc/self/task"))
+            if n == last:
+                return n
+            last = n
+            time.sleep(0.05)
+        return last
+
+    run_on_thread(wide_ops, "t")  # once first: torch starts a thread of its own on first use
+    before = settled()
+    assert run_on_thread(wide_ops, "t") > before + 1  # the thread and its team's second thread
+    assert settled() == before  # both gone: no idle team left behind
+
+
+def test_wide_steps_and_the_warm_up_leave_the_tokens_unchanged(tmp_path_factory, monkeypatch):
+    """The engine thread's team on long steps (forced: measured 2, every step long enough, nothing
+    busy) gives the serial path's greedy tokens; the warm-up scratch step ran once, at the engine's
+    max_num_batched_tokens, and left the pools as they were."""
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+    from llm_core.engine.llm_engine import LLMEngine
+    from mm_pipeline.runtime import thread_choice
+    from tests.mm_pipeline.runtime.test_encoder_worker import run_all
+
+    ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
+    before = torch.get_num_threads()
+    warmed = []
+    probe = LLMEngine.probe_prefill
+    monkeypatch.setattr(LLMEngine, "probe_prefill", lambda self, n: warmed.append(n) or probe(self, n))
+    monkeypatch.setattr(thread_choice, "measure_threads",
+                        lambda work, candidates, **kw: ThreadChoice(2, "measured", {1: 2.0, 2: 1.0}))
+    try:
+        torch.set_num_threads(1)
+        serial, engine = run_all(ckpt, encoder_worker=False, llm_threads=1, warm_up=False)
+        engine.shutdown()
+        assert warmed == []
+        torch.set_num_threads(2)
+        original = thread_choice.StepThreads.__call__
+
+        def every_step_wide(self, rows):  # the policy's rule with nothing busy and no row minimum
+            self.busy, self.host, self.min_rows = (lambda: 0), None, 1
+            return original(self, rows)
+
+        monkeypatch.setattr(thread_choice.StepThreads, "__call__", every_step_wide)
+        wide, engine = run_all(ckpt)
+        try:
+            stats = engine.stats()
+            assert stats.engine_loop["wide_steps"] > 0 and stats.intra_op_threads["engine"] == 2
+            assert warmed[0] == 64  # run_all's max_num_batched_tokens (under WARM_UP_MAX_ROWS), before the probe's runs
+            assert engine.runtime.llm.pool.full.num_free == engine.runtime.llm.pool.full.num_pages or stats.llm
+            assert "for steps of >= 1 rows on free cores" in engine.runtime.describe_threads()
+        finally:
+            engine.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    assert wide == serial
