@@ -1,5 +1,5 @@
-"""Shared benchmark plumbing: the common flags, an aligned text table, a flat --json dump, and the
-measured fp32 matmul peak that MFU figures divide by."""
+"""Shared benchmark plumbing: the common flags, an aligned text table, a flat --json dump, the
+measured fp32 matmul peak that MFU figures divide by, and work on a short-lived thread."""
 
 from __future__ import annotations
 
@@ -100,3 +100,32 @@ def first_token_s(base_url: str, payload: dict[str, Any]) -> float:
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                     return time.perf_counter() - t0
     raise RuntimeError("no token streamed")
+
+
+THREADS = torch.get_num_threads()  # the process's count, read when the first benchmark module loads
+
+
+def fresh_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` on a short-lived thread at the process's intra-op count: the OpenMP team
+    its torch ops start ends with it, so the benchmark's main thread holds none -- as in `mmserve
+    serve`, where the engine thread's team is the only one and spins (runtime/thread_choice.py)."""
+    from mm_pipeline.runtime.intra_op import set_local_threads
+    from mm_pipeline.runtime.thread_choice import run_on_thread
+
+    def call() -> Any:
+        set_local_threads(THREADS)
+        return fn(*args, **kw)
+    return run_on_thread(call, "bench")
+
+
+def new_engine(model_dir: Any, config: Any) -> Any:
+    """An OmniEngine built and started on a short-lived thread at the process's intra-op count (it
+    plans its threads from that count), the calling thread -- the one that runs the requests' event
+    loop -- then at one, as `mmserve serve` runs its loop: the engine thread's team stays the only
+    one in the process (runtime/thread_choice.py)."""
+    from mm_pipeline.runtime.intra_op import set_local_threads
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+
+    engine = fresh_thread(OmniEngine.from_pretrained, model_dir, config)
+    set_local_threads(1)
+    return engine

@@ -51,3 +51,16 @@ class StepRecorder:
                 "repeat_step_thread_cpu_ms": sum(s[2] for s in steps) * 1e3,
                 "repeat_step_cores": sum(s[3] for s in steps) / wall,
                 "repeat_after_step_ms": (start + ttft - steps[-1][1]) * 1e3}
+
+
+def settled_stats(engine, timeout_s: float = 2.0):
+    """``engine``'s stats once the snapshot stops changing: the engine thread publishes it after the
+    step that delivered the last first token, so a read right after may miss that request's counts."""
+    last, deadline = engine.stats(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = engine.stats()
+        if now.llm.prefix_cache_hit_tokens == last.llm.prefix_cache_hit_tokens:
+            return now
+        last = now
+    return last

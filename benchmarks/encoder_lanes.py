@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
 from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
 
@@ -90,7 +90,7 @@ def main() -> None:
         model_dir = build_model(Path(tmp))
         try:
             for name, kw in VARIANTS.items():
-                engines[name] = OmniEngine.from_pretrained(model_dir, engine_config(**kw))
+                engines[name] = new_engine(model_dir, engine_config(**kw))
                 asyncio.run(ttft(engines[name], ask(data_part("video", make_video(4, **HD, seed=99)), question)))
             k = 0
             for r in range(rounds):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
 from llm_core import SamplingParams
 from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
@@ -121,8 +121,8 @@ def bench_engines(rounds: int, batch: int) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
-        long_e = {n: OmniEngine.from_pretrained(model_dir, engine_config(**kw)) for n, kw in VARIANTS.items()}
-        rep_e = {n: OmniEngine.from_pretrained(model_dir, engine_config(enable_prefix_caching=True,
+        long_e = {n: new_engine(model_dir, engine_config(**kw)) for n, kw in VARIANTS.items()}
+        rep_e = {n: new_engine(model_dir, engine_config(enable_prefix_caching=True,
                                                                          prefix_checkpoint_every=64, **kw))
                  for n, kw in VARIANTS.items()}
         try:

@@ -71,9 +71,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, fresh_thread, new_engine, print_table, write_json
 from _loop_lag import LagControl
-from _repeat_parts import StepRecorder
+from _repeat_parts import StepRecorder, settled_stats
 from _timeline_tables import print_timeline
 from _pipeline_media import HD, bench_parallel_decode, decode_table, make_image, make_video
 from _served_ttft import bench_served
@@ -194,7 +194,7 @@ def sequential_ttft(engine: OmniEngine, video: bytes, question: str) -> float:
                 return time.perf_counter() - t0
 
     engine.runtime.loop.stop()  # the baseline drives the LLM itself
-    return asyncio.run(run())
+    return fresh_thread(asyncio.run, run())  # its team ends with the call: the engines' teams keep spinning
 
 
 def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
@@ -215,11 +215,11 @@ def bench_long_video(model_dir: Path, seconds: int, reps: int) -> dict[str, floa
     times: dict[str, list[float]] = {name: [] for name in [*variants, "sequential"]}
     try:
         for name, (kw, _) in variants.items():
-            engines[name] = OmniEngine.from_pretrained(model_dir, engine_config(**kw))
+            engines[name] = new_engine(model_dir, engine_config(**kw))
             asyncio.run(ttft(engines[name], ask(data_part("video", warm), question)))
         # the baseline takes its turn in every round too: measured after the variants, a burst of
         # load on the shared host inflated it alone (a ratio of 0.09 where a quiet host gives ~0.8)
-        sequential = engines["sequential"] = OmniEngine.from_pretrained(model_dir, engine_config())
+        sequential = engines["sequential"] = new_engine(model_dir, engine_config())
         sequential_ttft(sequential, warm, question)
         before = engines["streamed"].stats().encoder.get("encoded.video", 0)
         for r in range(reps):
@@ -262,7 +262,7 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
     """Cold request; the same media with a new question (encoder cache); the same media and the
     same prompt prefix with another ending (encoder cache + prefix cache). Medians over ``reps``
     distinct videos."""
-    engine = OmniEngine.from_pretrained(model_dir, engine_config(enable_prefix_caching=True,
+    engine = new_engine(model_dir, engine_config(enable_prefix_caching=True,
                                                                  prefix_checkpoint_every=64))
     cold, new_q, same, parts, start = [], [], [], [], []
     try:
@@ -275,7 +275,7 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
                     {"type": "text", "text": f"Question {k}: how many squares are there?"}, part]}], start)))
             parts.append(steps.parts(start[-1], new_q[-1]))
             same.append(asyncio.run(ttft(engine, ask(part, "Describe the video in detail, but briefly."))))
-        stats = engine.stats()
+        stats = settled_stats(engine)
     finally:
         engine.shutdown()
     c, n, p = min(cold), min(new_q), min(same)
@@ -288,7 +288,7 @@ def bench_repeat(model_dir: Path, seconds: int, reps: int) -> dict[str, float]:
 
 def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
     """Max event-loop lag while ``n`` media requests (images and short videos) run concurrently."""
-    engine = OmniEngine.from_pretrained(model_dir, engine_config())
+    engine = new_engine(model_dir, engine_config())
     media = [data_part("image", make_image(i, (160 + 16 * (i % 4), 120))) if i % 2 else
              data_part("video", make_video(seconds=4 + i % 3, fps=10, size=(160, 120))) for i in range(n)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -324,22 +324,28 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
 
 def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False,
              long_video_only: bool = False) -> dict[str, float]:
+    return fresh_thread(_run_once, quick, decode_only, repeat_only, long_video_only)
+
+
+def _run_once(quick: bool, decode_only: bool, repeat_only: bool, long_video_only: bool) -> dict[str, float]:
     if long_video_only:
         with tempfile.TemporaryDirectory() as tmp:
-            return bench_long_video(build_model(Path(tmp)), seconds=16 if quick else 48, reps=2 if quick else 3)
+            model_dir = fresh_thread(build_model, Path(tmp))
+            return fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3)
     if decode_only:
         return bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3)
     if repeat_only:
         with tempfile.TemporaryDirectory() as tmp:
-            return bench_repeat(build_model(Path(tmp)), seconds=12 if quick else 32, reps=2 if quick else 3)
+            model_dir = fresh_thread(build_model, Path(tmp))
+            return fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp))
-        results.update(bench_long_video(model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
-        results.update(bench_repeat(model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
-        results.update(bench_loop_lag(model_dir, n=32))
+        model_dir = fresh_thread(build_model, Path(tmp))
+        results.update(fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
+        results.update(fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
+        results.update(fresh_thread(bench_loop_lag, model_dir, n=32))
     results.update(bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3))
-    results.update(bench_encoder_batching(n_requests=16 if quick else 32, reps=2 if quick else 3))
+    results.update(fresh_thread(bench_encoder_batching, n_requests=16 if quick else 32, reps=2 if quick else 3))
     return results
 
 

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, fresh_thread, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
 from llm_core.engine.model_runner import ModelRunner
-from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
+from mm_pipeline.runtime.intra_op import set_local_threads
+from pipeline import ask, build_model, data_part, engine_config, ttft
 
 
 def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
@@ -39,15 +40,17 @@ def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
     def alternate(self, entries, kv) -> None:
         base = torch.get_num_threads()
         times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in threads}
+        policy, self.before_step = self.before_step, None  # the counts below, not the engine's per-step choice
         try:
             for _ in range(pairs + 1):  # the first round warms each count up and is dropped
                 for n in threads:
-                    torch.set_num_threads(n)
+                    set_local_threads(n)
                     t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
                     run(self, entries, kv)
                     times[n].append((time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0))
         finally:
-            torch.set_num_threads(base)
+            set_local_threads(base)
+            self.before_step = policy
         found.update(times=times, rows=sum(e.num_new_tokens for e in entries))
 
     def measured(self, entries, kv):  # the repeat's one step: the only step after the cold request
@@ -57,7 +60,7 @@ def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
         return out
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine = OmniEngine.from_pretrained(build_model(Path(tmp)), engine_config(enable_prefix_caching=True,
+        engine = new_engine(fresh_thread(build_model, Path(tmp)), engine_config(enable_prefix_caching=True,
                                                                                    prefix_checkpoint_every=64))
         load0 = os.getloadavg()[0]
         ModelRunner.run = measured

@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from _common import base_parser, print_table, write_json
+from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
 from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
 
@@ -70,7 +70,7 @@ def _wrap(obj, name: str, label: str, spans: list) -> None:
 
 def run(requests: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        engine = OmniEngine.from_pretrained(build_model(Path(tmp)), engine_config(enable_prefix_caching=True,
+        engine = new_engine(build_model(Path(tmp)), engine_config(enable_prefix_caching=True,
                                                                                    prefix_checkpoint_every=64))
         try:
             asyncio.run(ttft(engine, ask(data_part("video", make_video(4, **HD, seed=98)), "warm up")))
