@@ -8,11 +8,13 @@ encoding of frame group k+1 waits for the prefill step of group k and vice versa
 runs as soon as its own work is ready. Tokens do not change: rows reach the request's
 ``EmbeddingStream`` the same way and the scheduler only ever reads rows that have arrived.
 
-Threads (CPU): each thread applies its own intra-op share with ``torch.set_num_threads`` on that
-thread. PyTorch's OpenMP team size is per calling thread, but the value is also stored process-wide
-(a thread that has not set one inherits the last) and MKL's count is process-wide, so the split is a
-share of the cores, not a hard partition: the engine thread sets ``llm_threads`` and this worker
-``encoder_threads``, each once at its start (``split_threads``). Or the worker follows the decoders
+Threads (CPU): each thread applies its own intra-op share on that thread alone
+(``intra_op.set_local_threads``: OpenMP's per-thread count and MKL's thread-local one; torch's
+``set_num_threads`` would also hand the value to every thread that has not run a parallel op yet).
+The split is a share of the cores, not a hard partition: the engine thread sets ``llm_threads`` and
+this worker ``encoder_threads``, each once at its start (``split_threads``); beside a CPU LLM on
+``auto`` the lanes run at one each (the engine thread's team is the process's one: thread_choice.py).
+Or the worker follows the decoders
 (``threads`` a callable, ``encoder_threads`` 0): before every batch it takes the CPUs the busy
 decode workers leave free, so it stays out of their way while a video decodes and the encoding
 left when decoding ends (the critical path of a long video) gets every core:
