@@ -63,6 +63,17 @@ class SpeculativeRunner:
     @torch.inference_mode()
     def run(self, entries: list[ScheduledRequest], kv) -> StepResult:
         started = time.thread_time()
+        hook = self.runner.before_step  # the owner's per-step settings (intra-op threads), as a plain step has them
+        if hook is None:
+            return self._step(entries, kv, started)
+        hook(sum(e.num_new_tokens for e in entries))
+        self.runner.before_step = None  # asked once per step: not again by the plain step inside
+        try:
+            return self._step(entries, kv, started)
+        finally:
+            self.runner.before_step = hook
+
+    def _step(self, entries: list[ScheduledRequest], kv, started: float) -> StepResult:
         self.draft_length.steps += 1
         idle = self._idle(entries)
         if entries and len(idle) == len(entries):

@@ -291,3 +291,26 @@ def test_lone_request_verify_rows_through_the_c_kernel_equal_flash(model, monkey
         assert drained(eng)
     assert_same(ref, outs[True])
     assert_same(outs[False], outs[True])
+
+
+def test_the_owners_per_step_hook_is_asked_once_per_speculative_step(model):
+    """ModelRunner.before_step (the omni runtime's intra-op threads per step) is asked once per step
+    with its rows on the speculative path too -- prefill chunks run the MTP work outside the plain
+    runner -- and never twice (a plain step inside the speculative one asks no second time)."""
+    prompts = [ids(40 + i, n) for i, n in enumerate((5, 30))]
+    ref, _ = reference_outputs(model, prompts)
+    eng = engine(model, speculative_tokens=2, speculative_adaptive=False)
+    asked: list[int] = []
+    eng.runner.before_step = asked.append
+    steps = []
+    step = eng.step
+
+    def counted():
+        out = step()
+        steps.append(eng.last_step_progressed)
+        return out
+
+    eng.step = counted
+    assert_same(ref, generate(eng, prompts, GREEDY))
+    assert len(asked) == sum(steps) and max(asked) > 1  # one ask per step that ran; prefill rows seen
+    assert eng.runner.before_step == asked.append  # left in place
