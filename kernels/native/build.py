@@ -35,6 +35,21 @@ _loaded: dict[tuple[str, Path, tuple[str, ...]], ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
 
+def loaded_library(fragment: str) -> str | None:
+    """The path of a shared object this process has mapped whose file name contains ``fragment``
+    (``/proc/self/maps``; None when none is, or off Linux). Used to find torch's own OpenMP runtime
+    and MKL (here, and mm_pipeline/runtime/intra_op.py)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if path.startswith("/") and fragment in os.path.basename(path):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
 @functools.cache  # the wrappers ask on every call; /proc/self/maps takes ~0.4 ms to read
 def openmp_flags() -> tuple[str, ...]:
     """``("-fopenmp",)`` when torch's OpenMP runtime (libgomp) is loaded in this process, else ``()``.
@@ -44,11 +59,7 @@ def openmp_flags() -> tuple[str, ...]:
     the kernels stay serial rather than bring a second OpenMP runtime into the process."""
     if os.environ.get("MMSERVE_NATIVE_OPENMP", "1") == "0":
         return ()
-    try:
-        with open("/proc/self/maps") as f:
-            return ("-fopenmp",) if any("/libgomp" in line for line in f) else ()
-    except OSError:
-        return ()
+    return ("-fopenmp",) if loaded_library("libgomp") else ()
 
 
 def set_enabled(on: bool) -> None:

@@ -23,26 +23,14 @@ shows both, and the leak with torch.set_num_threads).
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import torch
 
+from kernels.native.build import loaded_library
+
 _lock = threading.Lock()
 _libs: tuple[ctypes.CDLL | None, ctypes.CDLL | None] | None = None
-
-
-def _loaded(fragment: str) -> str | None:
-    """The path of a shared object this process has mapped whose name contains ``fragment``."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if fragment in os.path.basename(path) and path.startswith("/"):
-                    return path
-    except OSError:
-        return None
-    return None
 
 
 def _libraries() -> tuple[ctypes.CDLL | None, ctypes.CDLL | None]:
@@ -51,7 +39,7 @@ def _libraries() -> tuple[ctypes.CDLL | None, ctypes.CDLL | None]:
     with _lock:
         if _libs is None:
             omp = mkl = None
-            gomp_path, torch_path = _loaded("libgomp"), _loaded("libtorch_cpu")
+            gomp_path, torch_path = loaded_library("libgomp"), loaded_library("libtorch_cpu")
             try:
                 omp = ctypes.CDLL(gomp_path) if gomp_path else None
                 if omp is not None and not hasattr(omp, "omp_set_num_threads"):
