@@ -40,10 +40,15 @@ when M differs).
 
 Before all of these, fp32 weights in :func:`kernel_layout` go to the C kernel
 (:mod:`kernels.native.moe_experts`: one call per layer, each chosen expert's weights read once front
-to back) while the experts see at most ``NATIVE_ROWS_PER_EXPERT`` rows each on average, or the step
-has at most ``NATIVE_TOKENS`` tokens: every decode batch and MTP verify step of up to 64 rows, and
-prefill chunks up to 64 tokens (256 on MiMo-V2.5's 256 experts, top-8). Past that the GEMMs are no
-longer weight-bound and MKL's grouped_mm computes faster. It returns None (kernels off, no compiler, bf16) and the torch paths below serve.
+to back, register tiles once an expert has a few rows; on a wide thread -- the engine thread's team
+during a long step -- the experts' rows split among the team) for any step whose (token, expert) rows
+hold at most ``NATIVE_MAX_BYTES`` of activations. It was first limited to a few rows per expert, where
+it streams the weights better than MKL; with the register tiles it computes faster than grouped_mm at
+every size measured (benchmarks/moe_experts.py, one thread: 1.9-3.5x from 1 to 512 tokens on the demo
+shape, 1.5x at 64 and 256 rows per expert on H 1024), and it also saves the sort, the gathers and the
+scatter. Past the byte cap (a long prefill chunk of a MiMo-sized model, whose rows' outputs the kernel
+holds until its combine) and when it returns None (kernels off, no compiler, bf16) the torch paths
+below serve.
 """
 
 from __future__ import annotations
@@ -55,28 +60,20 @@ from kernels.moe_ref import experts_ref
 from kernels.native.moe_experts import moe_experts
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)
-# Mean (token, expert) rows per expert up to which the C kernel serves. One layer of the demo model
-# (16 experts, top-2), weights from memory, CPU ms torch -> C (benchmarks/moe_experts.py): 32 tokens
-# (4 rows per expert) 1.39 -> 0.73, 128 tokens (16) 1.79 -> 1.55 alone but slower inside a prefill
-# step (experts 9.3 -> 10.7-11.6 ms per 128-token chunk), 256 tokens (32) 2.50 -> 2.90.
-NATIVE_ROWS_PER_EXPERT = 8
-# Tokens up to which the C kernel serves however few experts share them (the layer glue's MAX_ROWS: a
-# decode batch, an MTP verify step's R x (1 + k) rows, a short chunk). With few experts the mean above
-# is passed early, yet the weights are small and read once either way: the committed demo model's 4
-# experts, top-2, one layer, 1 thread, warm caches, CPU ms torch -> C (median of 30): 32 tokens (16
-# rows per expert) 0.43 -> 0.15, 64 tokens (32) 0.52 -> 0.23, 128 tokens 1.12 -> 0.43. Models with 16
-# or more experts (top-2) are already under the mean at 64 tokens.
-NATIVE_TOKENS = 64
+# Bytes of (token, expert) rows' activations (rows x hidden x 4) up to which the C kernel serves: a
+# whole 8192-token chunk of a hidden-256 model at top-2 is 16 MiB; MiMo-V2.5 (hidden 4096, top-8) stays
+# on it up to 512 tokens a step.
+NATIVE_MAX_BYTES = 64 << 20
 
 SMALL_M = 8  # up to this many rows a batch may run dense ...
 DENSE_IDLE_BYTES = 1 << 20  # ... when the weights of the experts no row chose are at most this
 
 
-def native_serves(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether the C experts kernel takes ``tokens`` x ``top_k`` assignments over ``num_experts``
-    experts (the one rule experts_cpu, SparseMoE and the one-call decode layer share)."""
+def native_serves(tokens: int, top_k: int, hidden: int) -> bool:
+    """Whether the C experts kernel takes ``tokens`` x ``top_k`` (token, expert) rows of width
+    ``hidden`` (the one rule experts_cpu, SparseMoE and the one-call decode layer share)."""
     rows = tokens * top_k
-    return 0 < rows and (rows <= NATIVE_ROWS_PER_EXPERT * num_experts or tokens <= NATIVE_TOKENS)
+    return 0 < rows and rows * hidden * 4 <= NATIVE_MAX_BYTES
 
 
 def _aligned(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -99,7 +96,7 @@ def experts_cpu(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) -> [T, H] (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I])."""
-    if topk_ids.dim() == 2 and native_serves(topk_ids.shape[0], topk_ids.shape[1], w_gate_up.shape[0]):
+    if topk_ids.dim() == 2 and native_serves(topk_ids.shape[0], topk_ids.shape[1], x.shape[-1]):
         out = moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
         if out is not None:
             return out

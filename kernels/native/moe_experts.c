@@ -23,7 +23,127 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include "small_gemm.h"
+
+/* Tokens from which a call on a wide thread (the engine thread's team during a long step) splits its
+ * work among the team; below it a call stays on the calling thread (the step policy keeps short
+ * steps at one thread anyway). */
+#define PARALLEL_TOKENS 64
+/* Rows of one expert per work item of a split call: small enough that 2 threads balance over a few
+ * experts, a multiple of the register tile's 6 rows. */
+#define CHUNK_ROWS 48
+/* The split call keeps every (token, k) row's output until the combine: at most this many bytes of
+ * them, else the call stays serial (whose scratch is one expert's rows). */
+#define SPLIT_MAX_BYTES ((int64_t)64 << 20)
+
+/* One expert's rows rows[0..m) (indices into the [T][K] choice) -> y [m][H], each row scaled by its
+ * weight: y = w * down(silu(gate x) * up x). Scratch xt [H][m], gu [m][2I], ht [I][m]. A row's result
+ * does not depend on the rows beside it (small_gemm.h), so any split of an expert's rows gives the
+ * same bits. */
+static void expert_rows(const float *x, const int64_t *rows, int64_t m, int64_t H, int64_t I, int64_t K,
+                        const float *w_gate_up, const float *w_down, const float *topk_w, float *xt, float *gu,
+                        float *ht, float *y) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + (rows[r] / K) * H;
+        for (int64_t k = 0; k < H; k++) xt[k * m + r] = xr[k];
+    }
+    gemm_rows(m, 2 * I, H, xt, m, w_gate_up, gu);
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i++) ht[i * m + r] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    gemm_rows(m, H, I, ht, m, w_down, y);
+    for (int64_t r = 0; r < m; r++) { /* scale here, add in the combine: two roundings like torch's y * w, index_add_ */
+        const float w = topk_w[rows[r]];
+        float *yr = y + r * H;
+        for (int64_t n = 0; n < H; n++) yr[n] *= w;
+    }
+}
+
+/* Whether a call of T tokens splits among the calling thread's team. */
+static int split_call(int64_t T) {
+#ifdef _OPENMP
+    return T >= PARALLEL_TOKENS && omp_get_max_threads() > 1;
+#else
+    (void)T;
+    return 0;
+#endif
+}
+
+/* The split call: work items of up to CHUNK_ROWS rows of one expert, taken by the team's threads as
+ * they free up, each writing its rows' scaled outputs y at their sorted positions; then the tokens,
+ * split among the team, each add their K rows in ascending expert order (k ascending within an
+ * expert) -- the order of the serial loop, so out is the serial call's bit for bit. */
+static int experts_split(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K,
+                         const float *w_gate_up, const float *w_down, const float *topk_w, const int64_t *topk_ids,
+                         const int64_t *start, const int64_t *order, float *out) {
+    const int64_t R = T * K;
+    int64_t items = 0;
+    for (int64_t e = 0; e < E; e++) items += (start[e + 1] - start[e] + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    float *y = malloc((size_t)(R * H) * sizeof(float));
+    int64_t *item_e = malloc((size_t)items * 2 * sizeof(int64_t)), *pos = malloc((size_t)R * sizeof(int64_t));
+    if (!y || !item_e || !pos) {
+        free(y);
+        free(item_e);
+        free(pos);
+        return -2;
+    }
+    int64_t *item_r = item_e + items;
+    for (int64_t e = 0, j = 0; e < E; e++)
+        for (int64_t r = start[e]; r < start[e + 1]; r += CHUNK_ROWS, j++) item_e[j] = e, item_r[j] = r;
+    for (int64_t p = 0; p < R; p++) pos[order[p]] = p;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+        float *ws = malloc((size_t)(CHUNK_ROWS * (H + 3 * I)) * sizeof(float));
+        if (!ws) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t j = 0; j < items; j++) {
+            if (!ws) continue;
+            const int64_t e = item_e[j], p = item_r[j];
+            const int64_t m = start[e + 1] - p < CHUNK_ROWS ? start[e + 1] - p : CHUNK_ROWS;
+            expert_rows(x, order + p, m, H, I, K, w_gate_up + e * H * 2 * I, w_down + e * I * H, topk_w, ws,
+                        ws + CHUNK_ROWS * H, ws + CHUNK_ROWS * (H + 2 * I), y + p * H);
+        }
+        free(ws);
+        if (!failed) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t *ids = topk_ids + t * K;
+                float *o = out + t * H;
+                /* the token's rows in ascending (expert, k): selection by the smallest pair not yet added */
+                for (int64_t done = 0, last_e = -1, last_k = -1; done < K; done++) {
+                    int64_t best = -1;
+                    for (int64_t k = 0; k < K; k++) {
+                        const int after = ids[k] > last_e || (ids[k] == last_e && k > last_k);
+                        if (after && (best < 0 || ids[k] < ids[best])) best = k;
+                    }
+                    const float *yr = y + pos[t * K + best] * H;
+                    for (int64_t n = 0; n < H; n++) o[n] += yr[n];
+                    last_e = ids[best], last_k = best;
+                }
+            }
+        }
+    }
+    free(y);
+    free(item_e);
+    free(pos);
+    return failed ? -2 : 0;
+}
 
 /* x [T][H]; w_gate_up [E][H][2I] and w_down [E][I][H] (each expert's W^T, row-major: the kernel
  * layout of the [E, 2I, H] / [E, H, I] stacks); topk_w [T][K] fp32, topk_ids [T][K] int64;
@@ -39,9 +159,11 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
 
     int64_t *start = calloc((size_t)E + 1, sizeof(int64_t)); /* counting sort: rows of expert e are */
     int64_t *order = malloc((size_t)R * sizeof(int64_t));    /* order[start[e] : start[e+1]]       */
-    if (!start || !order) {
+    int64_t *fill = malloc((size_t)E * sizeof(int64_t));
+    if (!start || !order || !fill) {
         free(start);
         free(order);
+        free(fill);
         return -2;
     }
     for (int64_t i = 0; i < R; i++) start[topk_ids[i] + 1]++;
@@ -50,46 +172,34 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
         if (start[e + 1] > busiest) busiest = start[e + 1];
         start[e + 1] += start[e];
     }
-    int64_t *fill = malloc((size_t)E * sizeof(int64_t));
-    /* per expert: its rows' x transposed [H][m], gate_up [m][2I], hidden transposed [I][m], y [m][H] */
-    float *work = malloc((size_t)(busiest * (2 * H + 3 * I)) * sizeof(float));
-    if (!fill || !work) {
-        free(start);
-        free(order);
-        free(fill);
-        free(work);
-        return -2;
-    }
     memcpy(fill, start, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < R; i++) order[fill[topk_ids[i]]++] = i; /* stable: token order per expert */
+    free(fill);
 
-    float *xt = work, *gu = xt + busiest * H, *ht = gu + busiest * 2 * I, *y = ht + busiest * I;
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t m = start[e + 1] - start[e];
-        if (m == 0) continue;
-        const int64_t *rows = order + start[e];
-        for (int64_t r = 0; r < m; r++) {
-            const float *xr = x + (rows[r] / K) * H;
-            for (int64_t k = 0; k < H; k++) xt[k * m + r] = xr[k];
+    int rc = 0;
+    if (split_call(T) && R * H * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
+        rc = experts_split(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, start, order, out);
+    } else {
+        /* per expert: its rows' x transposed [H][m], gate_up [m][2I], hidden transposed [I][m], y [m][H] */
+        float *work = malloc((size_t)(busiest * (2 * H + 3 * I)) * sizeof(float));
+        if (!work) rc = -2;
+        float *xt = work, *gu = xt + busiest * H, *ht = gu + busiest * 2 * I, *y = ht + busiest * I;
+        for (int64_t e = 0; e < E && work; e++) {
+            const int64_t m = start[e + 1] - start[e];
+            if (m == 0) continue;
+            const int64_t *rows = order + start[e];
+            expert_rows(x, rows, m, H, I, K, w_gate_up + e * H * 2 * I, w_down + e * I * H, topk_w, xt, gu, ht, y);
+            for (int64_t r = 0; r < m; r++) {
+                const float *yr = y + r * H;
+                float *o = out + (rows[r] / K) * H;
+                for (int64_t n = 0; n < H; n++) o[n] += yr[n];
+            }
         }
-        gemm_rows(m, 2 * I, H, xt, m, w_gate_up + e * H * 2 * I, gu);
-        for (int64_t r = 0; r < m; r++) {
-            const float *g = gu + r * 2 * I, *u = g + I;
-            for (int64_t i = 0; i < I; i++) ht[i * m + r] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
-        gemm_rows(m, H, I, ht, m, w_down + e * I * H, y);
-        for (int64_t r = 0; r < m; r++) { /* scale, then add: two roundings like torch's y * w, index_add_ */
-            const float w = topk_w[rows[r]];
-            float *yr = y + r * H, *o = out + (rows[r] / K) * H;
-            for (int64_t n = 0; n < H; n++) yr[n] *= w;
-            for (int64_t n = 0; n < H; n++) o[n] += yr[n];
-        }
+        free(work);
     }
     free(start);
     free(order);
-    free(fill);
-    free(work);
-    return 0;
+    return rc;
 }
 
 /* best[0..K) = the K largest of v[0..n) (masked entries -INFINITY never chosen), largest first, the
@@ -114,18 +224,11 @@ static int top_k(const float *v, int64_t n, int64_t K, int64_t *best) {
     return 0;
 }
 
-/* The router of route_ref (kernels/moe_ref.py) for the rows x [T][H], then the experts as in
- * moe_experts_f32, in one call: scores = sigmoid(x W_g^T) (W_g [E][H] row-major); top-K of scores +
- * bias (bias NULL: none), inside the best topk_group of n_group groups (group score: the sum of its
- * two best) when n_group > 1; weights = the chosen unbiased scores, divided by their sum + 1e-20
- * when renorm, times scaling. topk_w [T][K] / topk_ids [T][K] receive the choice. residual [T][H]
- * (NULL: none) is added last, out = residual + experts, as the decoder layer's x + mlp(h) rounds.
- * Return: 0; 1 when a choice is ambiguous (a tie at the K-th place or between groups: nothing
- * computed, the caller routes in torch); -2 out of memory. */
-int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const float *w_g,
-                          const float *bias, int64_t n_group, int64_t topk_group, int renorm, float scaling,
-                          const float *w_gate_up, const float *w_down, float *topk_w, int64_t *topk_ids,
-                          const float *residual, float *out) {
+/* The router of moe_route_experts_f32 for the tokens [lo, hi): 0, 1 when a choice is ambiguous (it
+ * stops there), -2 out of memory. */
+static int route_rows(const float *x, int64_t lo, int64_t hi, int64_t H, int64_t E, int64_t K, const float *w_g,
+                      const float *bias, int64_t n_group, int64_t topk_group, int renorm, float scaling,
+                      float *topk_w, int64_t *topk_ids) {
     float *score = malloc((size_t)(3 * E) * sizeof(float)), *choice = score + E, *group = choice + E;
     int64_t *keep = malloc((size_t)(n_group > K ? n_group : K) * sizeof(int64_t));
     if (!score || !keep) {
@@ -135,7 +238,7 @@ int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64
     }
     int ambiguous = 0;
     const int64_t per_group = E / n_group;
-    for (int64_t t = 0; t < T && !ambiguous; t++) {
+    for (int64_t t = lo; t < hi && !ambiguous; t++) {
         const float *xr = x + t * H;
         for (int64_t e = 0; e < E; e++) {
             const float *wr = w_g + e * H;
@@ -174,6 +277,38 @@ int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64
     }
     free(score);
     free(keep);
+    return ambiguous;
+}
+
+/* The router of route_ref (kernels/moe_ref.py) for the rows x [T][H], then the experts as in
+ * moe_experts_f32, in one call: scores = sigmoid(x W_g^T) (W_g [E][H] row-major); top-K of scores +
+ * bias (bias NULL: none), inside the best topk_group of n_group groups (group score: the sum of its
+ * two best) when n_group > 1; weights = the chosen unbiased scores, divided by their sum + 1e-20
+ * when renorm, times scaling. topk_w [T][K] / topk_ids [T][K] receive the choice. residual [T][H]
+ * (NULL: none) is added last, out = residual + experts, as the decoder layer's x + mlp(h) rounds.
+ * A call of many tokens on a wide thread routes them split among its team (each token on its own).
+ * Return: 0; 1 when a choice is ambiguous (a tie at the K-th place or between groups: nothing
+ * computed, the caller routes in torch); -2 out of memory. */
+int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const float *w_g,
+                          const float *bias, int64_t n_group, int64_t topk_group, int renorm, float scaling,
+                          const float *w_gate_up, const float *w_down, float *topk_w, int64_t *topk_ids,
+                          const float *residual, float *out) {
+    int ambiguous = 0, failed = 0;
+    if (!split_call(T)) {
+        const int got = route_rows(x, 0, T, H, E, K, w_g, bias, n_group, topk_group, renorm, scaling, topk_w, topk_ids);
+        ambiguous = got == 1, failed = got == -2;
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel reduction(| : ambiguous, failed)
+        {
+            const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+            const int got = route_rows(x, T * me / nt, T * (me + 1) / nt, H, E, K, w_g, bias, n_group, topk_group,
+                                       renorm, scaling, topk_w, topk_ids);
+            ambiguous = got == 1, failed = got == -2;
+        }
+#endif
+    }
+    if (failed) return -2;
     if (ambiguous) return 1;
     const int rc = moe_experts_f32(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, out);
     if (rc == 0 && residual)

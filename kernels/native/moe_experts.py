@@ -19,6 +19,7 @@ import ctypes
 import torch
 
 from kernels import native
+from kernels.native.build import openmp_flags
 
 _NAME = "moe_experts"
 # FMA in the tiles (one rounding per k, like MKL's kernels); the combine is written as two loops so
@@ -31,7 +32,7 @@ _SIGNATURES = {"moe_experts_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _p
 
 
 def _lib() -> ctypes.CDLL | None:
-    return native.library(_NAME, flags=_FLAGS, signatures=_SIGNATURES)
+    return native.library(_NAME, flags=_FLAGS + openmp_flags(), signatures=_SIGNATURES)
 
 
 def available() -> bool:

@@ -17,6 +17,7 @@ from kernels.kv_copy_ref import store_kv_ref
 from kernels.native.decoder_layer import (add_rms_norm, attention_front, attention_out, available, dense_mlp,
                                           rope_store)
 from llm_core.model.layers.rope import PartialRotary
+from tests.support.intra_op import on_threads
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or native kernels off")
 
@@ -207,24 +208,6 @@ def test_add_rms_norm_matches_torch(t, hidden, with_delta, seed):
     torch.testing.assert_close(h, F.rms_norm(want, (hidden,), nw, 1e-6), rtol=1e-5, atol=1e-5)
     assert add_rms_norm(x.double(), None, nw.double(), 1e-6) is None
     assert add_rms_norm(x, delta.t() if t > 1 and hidden > 1 and t != hidden else delta[:, :0], nw, 1e-6) is None
-
-
-def on_threads(n, fn):
-    """``fn()`` on a fresh thread whose own intra-op count is ``n`` (OpenMP and MKL, that thread only)."""
-    import threading
-
-    from mm_pipeline.runtime.intra_op import set_local_threads
-
-    out = []
-
-    def run():
-        set_local_threads(n)
-        out.append(fn())
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return out[0]
 
 
 @settings(max_examples=10, deadline=None)

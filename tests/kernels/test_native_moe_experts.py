@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kernels import moe_cpu, native
 from kernels.moe_cpu import experts_cpu, kernel_layout
 from kernels.moe_ref import experts_ref, route_ref
-from kernels.native.moe_experts import available, moe_experts
+from kernels.native.moe_experts import available, moe_experts, moe_route_experts
+from tests.support.intra_op import on_threads
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or native kernels off")
 
@@ -86,10 +87,10 @@ def test_bad_expert_ids_and_shapes_raise():
         moe_experts(x, w_gate_up, w_down, weights[:3], ids[:3])
 
 
-def test_experts_cpu_routes_few_rows_per_expert_to_the_kernel(monkeypatch):
-    """experts_cpu takes the C kernel up to NATIVE_ROWS_PER_EXPERT rows per expert on average, or up to
-    NATIVE_TOKENS tokens however few experts share them, and grouped_mm past both; both give the
-    reference's values."""
+def test_experts_cpu_routes_every_step_under_the_byte_cap_to_the_kernel(monkeypatch):
+    """experts_cpu takes the C kernel for any step whose (token, expert) rows hold at most
+    NATIVE_MAX_BYTES of activations -- a few rows per expert and a long prefill chunk alike -- and
+    grouped_mm past the cap; both give the reference's values."""
     served = []
 
     def spy(*args):
@@ -97,16 +98,42 @@ def test_experts_cpu_routes_few_rows_per_expert_to_the_kernel(monkeypatch):
         return moe_experts(*args)
 
     monkeypatch.setattr(moe_cpu, "moe_experts", spy)
-    tokens_limit = moe_cpu.NATIVE_TOKENS
-    limit = moe_cpu.NATIVE_ROWS_PER_EXPERT * 32 // 2  # tokens at the mean's limit: 32 experts, top-2
-    assert limit > tokens_limit
-    for tokens in (1, 5, limit, limit + 1):
-        args = case(tokens, 32, 16, 32, 2, seed=tokens)
+    hidden, top_k = 32, 2
+    for tokens in (1, 5, 300):  # 300 tokens over 4 experts: 150 rows per expert
+        args = case(tokens, hidden, 16, 4, top_k, seed=tokens)
         torch.testing.assert_close(experts_cpu(*args), experts_ref(*args), rtol=1e-5, atol=1e-5)
-    assert served == [1, 5, limit]
+    assert served == [1, 5, 300]
     served.clear()
-    assert moe_cpu.NATIVE_ROWS_PER_EXPERT * 4 // 2 < tokens_limit  # 4 experts: the token limit is the larger
-    for tokens in (tokens_limit, tokens_limit + 1):
-        args = case(tokens, 32, 16, 4, 2, seed=tokens)
+    cap = moe_cpu.NATIVE_MAX_BYTES // (top_k * hidden * 4)  # tokens at the cap
+    monkeypatch.setattr(moe_cpu, "NATIVE_MAX_BYTES", 40 * top_k * hidden * 4)  # a cap this test can reach
+    assert cap > 300 and moe_cpu.native_serves(40, top_k, hidden) and not moe_cpu.native_serves(41, top_k, hidden)
+    for tokens in (40, 41):
+        args = case(tokens, hidden, 16, 4, top_k, seed=tokens)
         torch.testing.assert_close(experts_cpu(*args), experts_ref(*args), rtol=1e-5, atol=1e-5)
-    assert served == [tokens_limit]
+    assert served == [40]
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(64, 400), st.sampled_from([(8, 2), (4, 2), (16, 4), (3, 3)]), st.floats(0.0, 3.0),
+       st.integers(0, 10_000))
+def test_a_wide_thread_splits_a_long_call_with_the_same_bits(tokens, experts, skew, seed):
+    """On a thread at 2 intra-op threads (the engine thread's wide step) a call of >= 64 tokens splits
+    its experts' rows among the team and combines each token's rows in expert order: the output, and
+    the router's split over tokens with it, equal one thread's bit for bit -- skewed routing gives one expert
+    most rows (several work items of one expert), top-3 of 3 experts every token every expert."""
+    (num_experts, top_k) = experts
+    x, w_gate_up, w_down, weights, ids = case(tokens, 48, 20, num_experts, top_k, seed=seed, skew=skew)
+    gate = torch.randn(num_experts, 48, generator=torch.Generator().manual_seed(seed)) * 0.3
+    bias = torch.zeros(num_experts)
+
+    def run():
+        return (moe_experts(x, w_gate_up, w_down, weights, ids),
+                moe_route_experts(x, gate, bias, w_gate_up, w_down, top_k=top_k, n_group=1, topk_group=1,
+                                  renormalize=True, routed_scaling_factor=1.0, residual=x))
+
+    (one, routed_one), (two, routed_two) = on_threads(1, run), on_threads(2, run)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, experts_ref(x, w_gate_up, w_down, weights, ids), rtol=1e-5, atol=1e-5)
+    assert (routed_one is None) == (routed_two is None)
+    if routed_one is not None:
+        assert torch.equal(routed_one, routed_two)

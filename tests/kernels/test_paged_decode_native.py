@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kernels.attention_ref import paged_attention_ref
 from kernels.native import build, paged_decode
 from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from tests.support.intra_op import on_threads
 
 pytestmark = pytest.mark.skipif(paged_decode._lib() is None, reason="no C compiler: the torch path serves")
 
@@ -240,10 +241,6 @@ def test_a_wide_thread_splits_the_rows_with_the_same_bits(rows, window, seed):
     """A long chunk of a sliding layer (every row a kernel row) on a thread at 2 intra-op threads (the
     engine thread's wide step): the rows split among its team give the one-thread output bit for
     bit; a released page inside a window is still the lowest failing row's error."""
-    import threading
-
-    from mm_pipeline.runtime.intra_op import set_local_threads
-
     new_counts, ctx_lens = [rows, 1, rows], [rows, 40, rows + 30]
     q, k, v, table, qsl, lens = pool(seed, new_counts, ctx_lens, 4, 2, (8, 6), 4, window, False)
     plan = AttentionPlan.build(table, qsl, lens, page_size=4, window=window)
@@ -251,23 +248,17 @@ def test_a_wide_thread_splits_the_rows_with_the_same_bits(rows, window, seed):
     broken = table.clone()
     broken[2, -1] = -1  # the last request's newest page: every one of its rows sees it
 
+    def run():
+        got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)
+        try:
+            paged_attention_cpu(q, k, v, broken, qsl, lens, **kw)
+            err = None
+        except RuntimeError as exc:
+            err = str(exc)
+        return got, err
+
     def on(n):
-        out = []
-
-        def run():
-            set_local_threads(n)
-            got = paged_attention_cpu(q, k, v, table, qsl, lens, plan=plan, **kw)
-            try:
-                paged_attention_cpu(q, k, v, broken, qsl, lens, **kw)
-                err = None
-            except RuntimeError as exc:
-                err = str(exc)
-            out.append((got, err))
-
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-        return out[0]
+        return on_threads(n, run)
 
     (one, err1), (two, err2) = on(1), on(2)
     assert torch.equal(one, two)

@@ -51,7 +51,7 @@ class FusedDecode:
         if not self._eligible or t > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
             return None
         mlp = self.mlp
-        if isinstance(mlp, SparseMoE) and not native_serves(t, mlp.top_k, mlp.placement.num_local):
+        if isinstance(mlp, SparseMoE) and not native_serves(t, mlp.top_k, x.shape[-1]):
             return None
         attn = self.attn
         table = batch.swa_block_table if attn.is_sliding else batch.full_block_table

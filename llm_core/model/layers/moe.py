@@ -90,10 +90,10 @@ class SparseMoE(nn.Module):
         return self.placement(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
 
     def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """Router and experts in one C call (kernels/native/moe_experts.c) for the few rows per expert
-        the C experts kernel serves anyway, on one rank, eager; None: the torch router serves."""
+        """Router and experts in one C call (kernels/native/moe_experts.c) for the steps the C experts
+        kernel serves anyway, on one rank, eager; None: the torch router serves."""
         if (self.placement.ctx.world_size != 1 or not x.is_cpu or torch.compiler.is_compiling()
-                or not native_serves(x.shape[0], self.top_k, self.placement.num_local)):
+                or not native_serves(x.shape[0], self.top_k, x.shape[-1])):
             return None
         return moe_route_experts(x, self.gate.weight, self.gate.e_score_correction_bias, self.experts.gate_up_proj,
                                  self.experts.down_proj, top_k=self.top_k, n_group=self.n_group,
