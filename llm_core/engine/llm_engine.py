@@ -253,12 +253,15 @@ class LLMEngine:
     def probe_prefill(self, num_tokens: int) -> bool:
         """One prefill step over a scratch prompt of ``num_tokens`` tokens, pages given back, to time at
         several intra-op thread counts; touches no request, queue, prefix cache or counter (stepping
-        thread, between steps). False (nothing ran): the pools cannot spare the pages, or other ranks/MTP."""
+        thread, between steps). Under MTP the step is what a prompt chunk costs there: the target and
+        the MTP layers' KV (the speculative runner's forward; the tail it keeps is keyed weakly by the
+        scratch request and goes with it). False (nothing ran): the pools cannot spare the pages, or
+        the model spans ranks (their processes choose their own threads)."""
         if num_tokens < 1:
             raise ValueError(f"probe_prefill needs num_tokens >= 1, got {num_tokens}")
         num_tokens = min(num_tokens, self.max_model_len - 1)
         pages = -(-num_tokens // self.config.page_size)
-        if (self.speculative is not None or self.config.world_size > 1 or pages > self.pool.full.num_free
+        if (self.config.world_size > 1 or pages > self.pool.full.num_free
                 or (self.pool.has_swa and pages > self.pool.swa.num_free)):
             return False
         # distinct, non-trivial ids (a constant prompt could take shortcuts no real prompt takes)
@@ -268,7 +271,7 @@ class LLMEngine:
         req.full_pages = self.pool.full.allocate(pages)
         req.swa_pages = self.pool.swa.allocate(pages) if self.pool.has_swa else [-1] * pages
         try:
-            self.runner.forward([ScheduledRequest(req, 0, num_tokens)], self.pool)
+            self._stepper.forward([ScheduledRequest(req, 0, num_tokens)], self.pool)
         finally:
             self.pool.full.free(req.full_pages)
             self.pool.swa.free(req.swa_pages)
