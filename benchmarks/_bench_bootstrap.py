@@ -26,3 +26,7 @@ def _same(entry: str) -> bool:
 
 
 sys.path[:] = [ROOT] + [p for p in sys.path if not _same(p)]
+
+# mmserve's OpenMP defaults, set before a benchmark imports torch, so benchmarks run as `mmserve`
+# does (mm_pipeline/openmp_env.py; a value already in the environment is kept).
+import mm_pipeline  # noqa: E402,F401

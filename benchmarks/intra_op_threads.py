@@ -7,9 +7,12 @@ Two tables.
 1. OpenMP teams (the cause; runtime/thread_choice.py): 80 parallel ops (20 x a 376x256 by 256x1024
    GEMM, silu, add, mul) on one thread at 1 and 2 intra-op threads, alone and while another thread
    of the process holds an idle team of 2 (libgomp then parks idle team threads instead of spinning:
-   every op pays a wake-up), and while another thread has run at 1 thread (no team). Configurations
-   take turns; each row runs in a fresh process per ``OMP_WAIT_POLICY`` (default, PASSIVE, ACTIVE:
-   read once, when the OpenMP runtime loads). Medians and maxima in ms.
+   every op pays a wake-up), and while another thread has run at 1 thread (no team); and the CPU the
+   process burns in the 50 ms after the 2-thread ops end (the idle team spinning: a core taken from
+   whatever runs next). Configurations take turns; each row runs in a fresh process per OpenMP
+   setting (read once, when the runtime loads): mmserve's (``GOMP_SPINCOUNT`` 20,000,
+   mm_pipeline/openmp_env.py), libgomp's default spin (300,000), ``OMP_WAIT_POLICY`` PASSIVE and
+   ACTIVE. Medians and maxima in ms.
 2. Engines side by side in one process, taking turns: "torch" (``--llm-threads none
    --encoder-threads none``: both threads at torch's setting, the default before) and "auto" (each
    thread measures its count at start, the default): a cold 16 s 720p video's TTFT and the process
@@ -40,8 +43,12 @@ from _pipeline_media import HD, make_video
 from llm_core import SamplingParams
 from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
 
-POLICIES = ("default", "PASSIVE", "ACTIVE")
+# the OpenMP settings of table 1's rows: the child's environment on top of this one's (without either
+# variable; the child's mm_pipeline import then sets mmserve's spin count unless the row sets its own)
+SETTINGS = {"mmserve": {}, "libgomp": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "active": {"OMP_WAIT_POLICY": "ACTIVE"}}
 TEAM_CONFIGS = ("1 thread", "2 threads, one team", "2 threads + idle team", "2 threads + 1-thread neighbour")
+IDLE = "CPU in 50 ms after"  # table 1's last column: the process's CPU while its threads idle
 VARIANTS = {"torch": dict(llm_threads=None, encoder_threads=None), "auto": {}}
 
 
@@ -61,7 +68,7 @@ def teams_child(rounds: int) -> dict[str, list[float]]:
         torch.randn(1000, 1000).add_(1)  # one parallel op: at n > 1 this thread's team starts and stays
         done.wait()
 
-    times: dict[str, list[float]] = {c: [] for c in TEAM_CONFIGS}
+    times: dict[str, list[float]] = {c: [] for c in (*TEAM_CONFIGS, IDLE)}
     for _ in range(rounds):
         for config in TEAM_CONFIGS:
             done, others = threading.Event(), []
@@ -78,21 +85,25 @@ def teams_child(rounds: int) -> dict[str, list[float]]:
             done.set()
             for t in others:
                 t.join()
+            if config == "2 threads, one team":  # the team idles now: what does it still burn?
+                for _ in range(3):
+                    work()
+                    c0 = time.process_time()
+                    time.sleep(0.05)
+                    times[IDLE].append((time.process_time() - c0) * 1e3)
     return times
 
 
 def bench_teams(rounds: int) -> dict[str, float]:
     out: dict[str, float] = {}
-    for policy in POLICIES:
-        env = dict(os.environ)
-        env.pop("OMP_WAIT_POLICY", None)
-        if policy != "default":
-            env["OMP_WAIT_POLICY"] = policy
+    for policy, setting in SETTINGS.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env.update(setting)
         done = subprocess.run([sys.executable, __file__, "--teams-child", str(rounds)], env=env, check=True,
                               capture_output=True, text=True)
         times = json.loads(done.stdout.strip().splitlines()[-1])
         for config, ts in times.items():
-            key = f"teams_{policy.lower()}_{config.replace(' ', '_').replace(',', '').replace('+', 'with')}"
+            key = f"teams_{policy}_{config.replace(' ', '_').replace(',', '').replace('+', 'with')}"
             out[key + "_ms"], out[key + "_max_ms"] = statistics.median(ts), max(ts)
     return out
 
@@ -175,11 +186,11 @@ def main() -> None:
     res.update(bench_engines(rounds, args.batch))
     res.update(load_start=load0, load_end=os.getloadavg()[0], rounds=float(rounds))
     if not args.skip_teams:
-        print_table(f"80 parallel ops, ms (median / max), one process per OMP_WAIT_POLICY, load {load0:.2f}",
-                    ["OMP_WAIT_POLICY", *TEAM_CONFIGS],
+        print_table(f"80 parallel ops, ms (median / max), one process per OpenMP setting, load {load0:.2f}",
+                    ["OpenMP setting", *TEAM_CONFIGS, IDLE],
                     [(p, *(f"{res[k + '_ms']:.1f} / {res[k + '_max_ms']:.0f}" for k in
-                           (f"teams_{p.lower()}_{c.replace(' ', '_').replace(',', '').replace('+', 'with')}"
-                            for c in TEAM_CONFIGS))) for p in POLICIES])
+                           (f"teams_{p}_{c.replace(' ', '_').replace(',', '').replace('+', 'with')}"
+                            for c in (*TEAM_CONFIGS, IDLE)))) for p in SETTINGS])
     print_table(f"engines side by side, {rounds} rounds taking turns, medians (min), load {load0:.2f} -> "
                 f"{res['load_end']:.2f}",
                 ["variant", "threads engine/encoder", "long-video TTFT s", "its process CPU s", "repeat ms",
