@@ -27,11 +27,8 @@
 #include <string.h>
 
 #include "row_ops.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#define PARALLEL_ROWS 64 /* rows from which a glue call on a wide thread splits them among its team */
 #include "small_gemm.h"
+#include "team.h"
 
 /* out[k * step] = x[k] * inv_rms(x) * w[k] for k < H (w NULL: x[k], no norm); step 1 writes a row,
  * step T a column of a transposed [H][T] block (the GEMM's input). */
@@ -134,18 +131,6 @@ static void rope_store_rows(float *qkv, int64_t lo, int64_t hi, int64_t ld, int6
     }
 }
 
-/* Whether a glue call of T rows splits them among the calling thread's team: a long step on a wide
- * thread (the engine thread's team; rows are independent, so the result is the same bit for bit;
- * each thread runs one contiguous range through the same row function as the serial call). */
-static int split_rows(int64_t T) {
-#ifdef _OPENMP
-    return T >= PARALLEL_ROWS && omp_get_max_threads() > 1;
-#else
-    (void)T;
-    return 0;
-#endif
-}
-
 /* qkv [T][N] (row stride ld >= N) from the QKV projection, N = (Hq + Hkv) * D + Hkv * Dv: RoPE on the q
  * and k heads, value scale on v, in place; k and v stored at slots (< 0: padding, not written). Return 0;
  * -1 when a slot lies at or past num_slots (checked before anything is written). */
@@ -154,7 +139,7 @@ int rope_store_f32(float *qkv, int64_t T, int64_t ld, int64_t Hq, int64_t Hkv, i
                    int64_t num_slots, const int64_t *slots) {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -1;
-    if (!split_rows(T)) {
+    if (!split_on_team(T)) {
         rope_store_rows(qkv, 0, T, ld, Hq, Hkv, D, Dv, R, cos, ssin, value_scale, k_cache, v_cache, slots);
         return 0;
     }
@@ -187,7 +172,7 @@ static void add_rms_rows(const float *x, const float *delta, int64_t lo, int64_t
  * RMSNorm(x + delta) * norm_w. */
 void add_rms_norm_f32(const float *x, const float *delta, int64_t T, int64_t H, const float *norm_w, float eps,
                       float *sum_out, float *h) {
-    if (!split_rows(T)) {
+    if (!split_on_team(T)) {
         add_rms_rows(x, delta, 0, T, H, norm_w, eps, sum_out, h);
         return;
     }

@@ -23,15 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "small_gemm.h"
+#include "team.h"
 
-/* Tokens from which a call on a wide thread (the engine thread's team during a long step) splits its
- * work among the team; below it a call stays on the calling thread (the step policy keeps short
- * steps at one thread anyway). */
-#define PARALLEL_TOKENS 64
 /* Rows of one expert per work item of a split call: small enough that 2 threads balance over a few
  * experts, a multiple of the register tile's 6 rows. */
 #define CHUNK_ROWS 48
@@ -61,16 +55,6 @@ static void expert_rows(const float *x, const int64_t *rows, int64_t m, int64_t 
         float *yr = y + r * H;
         for (int64_t n = 0; n < H; n++) yr[n] *= w;
     }
-}
-
-/* Whether a call of T tokens splits among the calling thread's team. */
-static int split_call(int64_t T) {
-#ifdef _OPENMP
-    return T >= PARALLEL_TOKENS && omp_get_max_threads() > 1;
-#else
-    (void)T;
-    return 0;
-#endif
 }
 
 /* The split call: work items of up to CHUNK_ROWS rows of one expert, taken by the team's threads as
@@ -177,7 +161,7 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
     free(fill);
 
     int rc = 0;
-    if (split_call(T) && R * H * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
+    if (split_on_team(T) && R * H * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
         rc = experts_split(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, start, order, out);
     } else {
         /* per expert: its rows' x transposed [H][m], gate_up [m][2I], hidden transposed [I][m], y [m][H] */
@@ -294,7 +278,7 @@ int moe_route_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64
                           const float *w_gate_up, const float *w_down, float *topk_w, int64_t *topk_ids,
                           const float *residual, float *out) {
     int ambiguous = 0, failed = 0;
-    if (!split_call(T)) {
+    if (!split_on_team(T)) {
         const int got = route_rows(x, 0, T, H, E, K, w_g, bias, n_group, topk_group, renorm, scaling, topk_w, topk_ids);
         ambiguous = got == 1, failed = got == -2;
     } else {

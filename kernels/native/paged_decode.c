@@ -22,11 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "team.h"
 
-#define PARALLEL_ROWS 64 /* rows from which a call on a wide thread splits them among its team */
 #define BLOCK 32 /* keys per online-softmax update (a multiple of 4): the logits of a block stay in L1 */
 #ifndef WHOLE_AHEAD
 #define WHOLE_AHEAD (128 * 1024) /* bytes of K/V up to which the next request is asked for whole */
@@ -409,7 +406,7 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
         }
     }
 #ifdef _OPENMP
-    if (num_rows >= PARALLEL_ROWS && omp_get_max_threads() > 1) {
+    if (split_on_team(num_rows)) {
         long status = 0, bad_row = num_rows, bad_pos = 0;
 #pragma omp parallel
         {

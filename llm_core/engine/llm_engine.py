@@ -251,12 +251,9 @@ class LLMEngine:
         return outputs
 
     def probe_prefill(self, num_tokens: int) -> bool:
-        """One prefill step over a scratch prompt of ``num_tokens`` tokens, pages given back, to time at
-        several intra-op thread counts; touches no request, queue, prefix cache or counter (stepping
-        thread, between steps). Under MTP the step is what a prompt chunk costs there: the target and
-        the MTP layers' KV (the speculative runner's forward; the tail it keeps is keyed weakly by the
-        scratch request and goes with it). False (nothing ran): the pools cannot spare the pages, or
-        the model spans ranks (their processes choose their own threads)."""
+        """A scratch prefill of ``num_tokens`` tokens (pages given back; no request, queue, prefix cache or
+        counter touched; under MTP the MTP layers' KV too, as in a prompt chunk) to time thread counts
+        on the stepping thread. False (nothing ran): no pages to spare, or the model spans ranks."""
         if num_tokens < 1:
             raise ValueError(f"probe_prefill needs num_tokens >= 1, got {num_tokens}")
         num_tokens = min(num_tokens, self.max_model_len - 1)
