@@ -30,7 +30,7 @@
  * experts, a multiple of the register tile's 6 rows. */
 #define CHUNK_ROWS 48
 /* The split call keeps every (token, k) row's output until the combine: at most this many bytes of
- * them, else the call stays serial (whose scratch is one expert's rows). */
+ * them, else the call stays serial (whose scratch is one work item's rows). */
 #define SPLIT_MAX_BYTES ((int64_t)64 << 20)
 
 /* One expert's rows rows[0..m) (indices into the [T][K] choice) -> y [m][H], each row scaled by its
@@ -151,11 +151,7 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
         return -2;
     }
     for (int64_t i = 0; i < R; i++) start[topk_ids[i] + 1]++;
-    int64_t busiest = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (start[e + 1] > busiest) busiest = start[e + 1];
-        start[e + 1] += start[e];
-    }
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
     memcpy(fill, start, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < R; i++) order[fill[topk_ids[i]]++] = i; /* stable: token order per expert */
     free(fill);
@@ -164,22 +160,26 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
     if (split_on_team(T) && R * H * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
         rc = experts_split(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, start, order, out);
     } else {
-        /* per expert: its rows' x transposed [H][m], gate_up [m][2I], hidden transposed [I][m], y [m][H] */
-        float *work = malloc((size_t)(busiest * (2 * H + 3 * I)) * sizeof(float));
-        if (!work) rc = -2;
-        float *xt = work, *gu = xt + busiest * H, *ht = gu + busiest * 2 * I, *y = ht + busiest * I;
-        for (int64_t e = 0; e < E && work; e++) {
-            const int64_t m = start[e + 1] - start[e];
-            if (m == 0) continue;
-            const int64_t *rows = order + start[e];
-            expert_rows(x, rows, m, H, I, K, w_gate_up + e * H * 2 * I, w_down + e * I * H, topk_w, xt, gu, ht, y);
-            for (int64_t r = 0; r < m; r++) {
-                const float *yr = y + r * H;
-                float *o = out + (rows[r] / K) * H;
-                for (int64_t n = 0; n < H; n++) o[n] += yr[n];
+        /* one work item's scratch (as a split call's thread has): its rows' x transposed [H][m],
+         * gate_up [m][2I], hidden transposed [I][m], y [m][H] -- bounded whatever one expert gets.
+         * Items in expert order, rows ascending: the same order of additions into out as the split
+         * call's combine, and a row's result does not depend on which rows share its item. */
+        float *ws = malloc((size_t)(CHUNK_ROWS * (2 * H + 3 * I)) * sizeof(float));
+        if (!ws) rc = -2;
+        float *y = ws + CHUNK_ROWS * (H + 3 * I);
+        for (int64_t e = 0; e < E && ws; e++)
+            for (int64_t p = start[e]; p < start[e + 1]; p += CHUNK_ROWS) {
+                const int64_t m = start[e + 1] - p < CHUNK_ROWS ? start[e + 1] - p : CHUNK_ROWS;
+                const int64_t *rows = order + p;
+                expert_rows(x, rows, m, H, I, K, w_gate_up + e * H * 2 * I, w_down + e * I * H, topk_w, ws,
+                            ws + CHUNK_ROWS * H, ws + CHUNK_ROWS * (H + 2 * I), y);
+                for (int64_t r = 0; r < m; r++) {
+                    const float *yr = y + r * H;
+                    float *o = out + (rows[r] / K) * H;
+                    for (int64_t n = 0; n < H; n++) o[n] += yr[n];
+                }
             }
-        }
-        free(work);
+        free(ws);
     }
     free(start);
     free(order);
