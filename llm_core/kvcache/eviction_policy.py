@@ -90,7 +90,7 @@ class EvictionPolicy:
         s = node.swa[i]
         freed = 1 if self.pool.swa.refcount(s) == 1 else 0
         self.pool.swa.free([s])
-        node.swa[i] = -1
+        self.tree.set_swa(node, i, -1)
         return freed
 
     def delete_leaf(self, node: RadixNode) -> tuple[int, int]:

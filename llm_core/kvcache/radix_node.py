@@ -28,7 +28,7 @@ class RadixNode:
     """One edge of the tree. Invariants (checked by ``SWARadixCache.check_integrity``) sit next to the
     fields below."""
 
-    __slots__ = ("nid", "parent", "children", "keys", "full", "swa", "start", "full_lock", "swa_lock",
+    __slots__ = ("nid", "parent", "children", "keys", "full", "swa", "swa_held", "start", "full_lock", "swa_lock",
                  "last_access", "alive", "hashes")
 
     def __init__(self, parent: "RadixNode | None", start: int, keys: list[PageKey], full: list[int],
@@ -44,6 +44,9 @@ class RadixNode:
         self.keys = keys
         self.full = full
         self.swa = swa
+        # the SWA pages held (entries >= 0): written with ``swa`` (RadixTree.set_swa, split), so a node's
+        # and the tree's counts are O(1) to read (the stats snapshot after every request read them)
+        self.swa_held = sum(1 for s in swa if s >= 0)
         self.start = start  # path position (in pages) of keys[0]
         # full_lock >= swa_lock >= 0, each the number of requests holding the node that way
         # (lock_table.py); full_lock > 0 means the node lies on a running request's path
@@ -63,11 +66,11 @@ class RadixNode:
 
     @property
     def is_tombstone(self) -> bool:
-        return all(s < 0 for s in self.swa)
+        return self.swa_held == 0
 
     @property
     def num_swa(self) -> int:
-        return sum(1 for s in self.swa if s >= 0)
+        return self.swa_held
 
     def last_window_index(self, window: int | None, page_size: int) -> int:
         """Index in this node of the first page of the window that ends at this node's end (may be
@@ -94,6 +97,7 @@ class RadixNode:
         head.children[self.keys[k]] = self
         self.parent = head
         self.keys, self.full, self.swa = self.keys[k:], self.full[k:], self.swa[k:]
+        self.swa_held -= head.swa_held
         if self.hashes is not None:
             self.hashes = self.hashes[k:]
         self.start += k

@@ -141,10 +141,9 @@ class SWARadixCache(PrefixCache):
 
     def stats(self) -> dict[str, int]:
         """Counters (queries, hit tokens per tier, evictions, trims) and the tree's current size."""
-        nodes = self.tree.nodes()
-        out = dict(self.counters, **self.eviction.counters, tree_nodes=len(nodes),
-                   tree_full_pages=sum(len(n.full) for n in nodes), tree_swa_pages=sum(n.num_swa for n in nodes),
-                   tree_tombstones=sum(1 for n in nodes if n.is_tombstone))
+        tree = self.tree
+        out = dict(self.counters, **self.eviction.counters, tree_nodes=len(tree), tree_full_pages=tree.full_pages,
+                   tree_swa_pages=tree.swa_pages, tree_tombstones=tree.tombstones)
         if self.tiers is not None:
             out.update(self.tiers.stats())
         out["hit_tokens_l1"] = out.get("hit_tokens", 0) - out.get("hit_tokens_l2", 0) - out.get("hit_tokens_l3", 0)
@@ -178,7 +177,7 @@ class SWARadixCache(PrefixCache):
         ``swa_page``; the caller's reference on it passes to the tree."""
         node, i = tail.locate(page)
         assert node.swa[i] < 0, f"path page {page} of {node} still has its SWA page"
-        node.swa[i] = swa_page
+        self.tree.set_swa(node, i, swa_page)
         self.eviction.push(node)
 
     def graft(self, holder: Holder, keys: list[PageKey], full: list[int], swa: list[int],
@@ -290,7 +289,7 @@ class SWARadixCache(PrefixCache):
                 s = request.swa_pages[child.start + i]
                 if child.swa[i] < 0 and s >= 0:
                     self.pool.swa.incref([s])
-                    child.swa[i] = s
+                    self.tree.set_swa(child, i, s)
                     holder.own_swa.append((child.start + i, s))
             self.locks.extend(holder, child)
             node, k = child, k + n
