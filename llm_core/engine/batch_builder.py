@@ -37,12 +37,28 @@ def decode_slot_values(entries: list[ScheduledRequest], page_size: int) -> tuple
     return full, swa
 
 
-def decode_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions, full slots, SWA slots) [B] of a decode-only batch: one token per entry at position
-    ``start`` (:func:`decode_slot_values`). Worked out in Python (a few dozen ints: cheaper than the
-    ~10 tensor ops of :func:`chunk_slots`, the same values)."""
-    full, swa = decode_slot_values(entries, page_size)
-    return (torch.tensor([e.start for e in entries], dtype=torch.long), torch.tensor(full, dtype=torch.long),
+# Up to this many new tokens a step's slots are worked out in Python ints (a few per token), beyond it
+# by the ~10 tensor ops of :func:`chunk_slots`, whose fixed cost a short step does not repay: a decode
+# batch, an MTP verify step, or the ~30 rows a prefix-cache hit leaves to prefill (each op's dispatch
+# there runs with the caches cold, ~20-100 us apiece on the 2-core host, against ~0.3 us a token here)
+PYTHON_SLOTS_MAX_TOKENS = 256
+
+
+def token_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, full slots, SWA slots) [T] of every new token of the entries, worked out in Python
+    (the values of :func:`chunk_slots`; the caller keeps this to short steps: PYTHON_SLOTS_MAX_TOKENS)."""
+    positions: list[int] = []
+    full: list[int] = []
+    swa: list[int] = []
+    for e in entries:
+        full_pages, swa_pages = e.request.full_pages, e.request.swa_pages
+        for pos in range(e.start, e.end):
+            page, offset = divmod(pos, page_size)
+            full.append(full_pages[page] * page_size + offset)
+            swa_page = swa_pages[page]
+            swa.append(swa_page * page_size + offset if swa_page >= 0 else -1)
+        positions.extend(range(e.start, e.end))
+    return (torch.tensor(positions, dtype=torch.long), torch.tensor(full, dtype=torch.long),
             torch.tensor(swa, dtype=torch.long))
 
 
@@ -80,8 +96,8 @@ def build_forward_batch(
     full_table = page_table([e.request.full_pages for e in entries], width)
     swa_table = page_table([e.request.swa_pages for e in entries], width)
 
-    if all(n == 1 for n in counts):
-        positions, full_slots, swa_slots = decode_slots(entries, page_size)
+    if len(ids) <= PYTHON_SLOTS_MAX_TOKENS:
+        positions, full_slots, swa_slots = token_slots(entries, page_size)
     else:
         positions, full_slots, swa_slots = chunk_slots(entries, counts, full_table, swa_table, page_size)
 
@@ -107,7 +123,7 @@ def splice_embeds(
     entries: list[ScheduledRequest], input_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor | None:
     """Token embeddings [T, H] with placeholder rows replaced from each request's EmbeddingSource
-    (None when no entry has one: the model then embeds ``input_ids`` itself)."""
+    (None when no entry's chunk holds a placeholder: the model then embeds ``input_ids`` itself)."""
     if all(e.request.embeds is None for e in entries):
         return None
     ids = input_ids.clone()
@@ -119,6 +135,9 @@ def splice_embeds(
         if req.embeds is not None and e.start < prompt_end:
             mask, rows = req.embeds.rows(e.start, prompt_end)
             mask = mask.to(torch.bool).cpu()
+            if rows.shape[0] == 0 and not bool(mask.any()):  # no placeholder in the chunk (text after the media)
+                offset += e.num_new_tokens
+                continue
             if mask.shape[0] != prompt_end - e.start:
                 raise ValueError(f"embedding source of {req.request_id} returned a mask of "
                                  f"{mask.shape[0]} for {prompt_end - e.start} positions")
@@ -128,6 +147,8 @@ def splice_embeds(
             ids[at.to(ids.device)] = 0  # placeholder ids may lie outside the vocabulary
             splices.append((at, rows))
         offset += e.num_new_tokens
+    if not splices:  # every chunk is text: the model embeds the ids itself, as without a source
+        return None
     x = embed(ids).clone()
     for at, rows in splices:
         x[at.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
