@@ -116,15 +116,16 @@ def content_key(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data, max_threads=threads).hexdigest()
 
 
-def media_key(content: str, kind: MediaKind, params: Mapping[str, Any] | Any, encoder_id: str) -> str:
+def media_key(content: str, kind: MediaKind, params: Mapping[str, Any] | Any | bytes, encoder_id: str) -> str:
     """Key of one media item's encoder output: the bytes' ``content_key`` + kind + preprocessing
-    params + the encoder weights id (change the checkpoint → new keys)."""
+    params + the encoder weights id (change the checkpoint → new keys). ``params`` may be given as
+    its ``canonical_params`` bytes, computed once by a caller that keys every item with the same."""
     if not encoder_id:
         raise ValueError("encoder_id must name the encoder weights (e.g. checkpoint hash)")
     if len(content) != 64:
         raise ValueError(f"media_key wants a content_key (64 hex digits), got {content[:16]!r}...")
-    return _digest("mmserve.media.v2", kind.value.encode(), encoder_id.encode(),
-                   canonical_params(params), content.encode())
+    form = params if isinstance(params, bytes) else canonical_params(params)
+    return _digest("mmserve.media.v2", kind.value.encode(), encoder_id.encode(), form, content.encode())
 
 
 def video_group_key(media: str, sampling: Mapping[str, Any] | Any, group_index: int) -> str:

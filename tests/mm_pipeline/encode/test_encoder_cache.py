@@ -37,6 +37,9 @@ def test_media_key_is_stable_and_covers_every_input() -> None:
     # Pinned: persisted caches (disk, Redis) outlive the process, so the key format must not drift
     # silently.  Changing it is a deliberate version bump of the "mmserve.media.v2" domain tag.
     assert base == "c08dc364cfcf48421716fc50ddfccab63f155bb7263b5282a6e74c54f413a785"
+    # the params' canonical bytes (computed once by the planner) key the same
+    assert base == media_key(content_key(b"bytes"), MediaKind.IMAGE,
+                             canonical_params({"max_pixels": 1024, "mean": [0.5, 0.25]}), "vit@abc")
     # the content key is plain blake3 of the bytes (what the upload store names its blobs by)
     assert content_key(b"bytes") == blake3.blake3(b"bytes").hexdigest()
     assert content_key(bytes(5 << 20)) == blake3.blake3(bytes(5 << 20)).hexdigest()  # threaded path
