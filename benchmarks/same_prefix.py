@@ -35,7 +35,10 @@ PARTS = (("runtime", "prepare_chat", "prepare_chat (event loop: hops included)")
          ("runtime.model.layout", "render", "  layout: template, BPE, placeholders"),
          ("runtime", "open_media", "open_media + cached rows"),
          ("runtime", "submit", "submit to the engine thread"),
-         ("runtime.llm", "step", "LLM step (engine thread)"))
+         ("runtime.llm", "step", "LLM step (engine thread)"),
+         ("runtime.llm.scheduler", "schedule", "  schedule (prefix match, pages)"),
+         ("runtime.llm.runner", "_sampling_hidden", "  forward (input preparation + layers)"),
+         ("runtime.llm.runner.decode_state", "build", "    input preparation"))
 
 
 def _owner(engine: OmniEngine, path: str):
@@ -43,7 +46,7 @@ def _owner(engine: OmniEngine, path: str):
         return engine.runtime.planner.producer
     obj = engine
     for name in path.split("."):
-        obj = getattr(obj, name)
+        obj = getattr(obj, name, None)  # None: a part this engine does not have (left out)
     return obj
 
 
