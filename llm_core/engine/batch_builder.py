@@ -135,12 +135,12 @@ def splice_embeds(
         if req.embeds is not None and e.start < prompt_end:
             mask, rows = req.embeds.rows(e.start, prompt_end)
             mask = mask.to(torch.bool).cpu()
-            if rows.shape[0] == 0 and not bool(mask.any()):  # no placeholder in the chunk (text after the media)
-                offset += e.num_new_tokens
-                continue
             if mask.shape[0] != prompt_end - e.start:
                 raise ValueError(f"embedding source of {req.request_id} returned a mask of "
                                  f"{mask.shape[0]} for {prompt_end - e.start} positions")
+            if rows.shape[0] == 0 and not bool(mask.any()):  # no placeholder in the chunk (text after the media)
+                offset += e.num_new_tokens
+                continue
             if rows.shape[0] == mask.shape[0]:
                 rows = rows[mask.to(rows.device)]
             at = torch.nonzero(mask)[:, 0] + offset
