@@ -25,18 +25,6 @@ def page_table(rows: list[list[int]], width: int) -> torch.Tensor:
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def decode_slot_values(entries: list[ScheduledRequest], page_size: int) -> tuple[list[int], list[int]]:
-    """(Full slots, SWA slots) as Python ints of entries decoding one token each at ``start``; a
-    slot is page * page_size + offset, -1 on a released SWA page."""
-    full, swa = [], []
-    for e in entries:
-        page, offset = divmod(e.start, page_size)
-        full.append(e.request.full_pages[page] * page_size + offset)
-        swa_page = e.request.swa_pages[page]
-        swa.append(swa_page * page_size + offset if swa_page >= 0 else -1)
-    return full, swa
-
-
 # Up to this many new tokens a step's slots are worked out in Python ints (a few per token), beyond it
 # by the ~10 tensor ops of :func:`chunk_slots`, whose fixed cost a short step does not repay: a decode
 # batch, an MTP verify step, or the ~30 rows a prefix-cache hit leaves to prefill (each op's dispatch
@@ -44,9 +32,9 @@ def decode_slot_values(entries: list[ScheduledRequest], page_size: int) -> tuple
 PYTHON_SLOTS_MAX_TOKENS = 256
 
 
-def token_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions, full slots, SWA slots) [T] of every new token of the entries, worked out in Python
-    (the values of :func:`chunk_slots`; the caller keeps this to short steps: PYTHON_SLOTS_MAX_TOKENS)."""
+def slot_values(entries: list[ScheduledRequest], page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """(positions, Full slots, SWA slots) as Python ints of every new token of the entries; a slot is
+    page * page_size + offset, -1 on a released SWA page (the values of :func:`chunk_slots`)."""
     positions: list[int] = []
     full: list[int] = []
     swa: list[int] = []
@@ -58,8 +46,12 @@ def token_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.
             swa_page = swa_pages[page]
             swa.append(swa_page * page_size + offset if swa_page >= 0 else -1)
         positions.extend(range(e.start, e.end))
-    return (torch.tensor(positions, dtype=torch.long), torch.tensor(full, dtype=torch.long),
-            torch.tensor(swa, dtype=torch.long))
+    return positions, full, swa
+
+
+def token_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`slot_values` as tensors (the caller keeps this to short steps: PYTHON_SLOTS_MAX_TOKENS)."""
+    return tuple(torch.tensor(v, dtype=torch.long) for v in slot_values(entries, page_size))
 
 
 def chunk_slots(entries: list[ScheduledRequest], counts: list[int], full_table: torch.Tensor,

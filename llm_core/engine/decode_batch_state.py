@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_core.engine.batch_builder import page_table, build_forward_batch, decode_slot_values
+from llm_core.engine.batch_builder import page_table, build_forward_batch, slot_values
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
@@ -91,7 +91,7 @@ class DecodeBatchState:
         swa = [w + 1 if w >= 0 else w for w in swa]
         full_table, swa_table = base.full_block_table, base.swa_block_table
         if changed:
-            for b, f, w in zip(changed, *decode_slot_values([entries[b] for b in changed], ps)):
+            for b, f, w in zip(changed, *slot_values([entries[b] for b in changed], ps)[1:]):
                 full[b], swa[b] = f, w
             at = torch.tensor(changed, dtype=torch.long, device=device)
             full_table, swa_table = full_table.clone(), swa_table.clone()  # last step's keep their own
@@ -124,6 +124,6 @@ class DecodeBatchState:
             self._starts = [e.start for e in entries]
             self._batch, self._step, self._age = batch, step, 0
             # the host values the advance works on (from the entries: no read back from the device)
-            self._host = [[e.start for e in entries], *decode_slot_values(entries, self.page_size)]
+            self._host = list(slot_values(entries, self.page_size))
         else:
             self._batch, self._rows, self._starts, self._step = None, [], [], -2
