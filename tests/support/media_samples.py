@@ -75,16 +75,18 @@ def _to_format(frame: av.AudioFrame, fmt: str, layout: str, rate: int) -> list[a
 
 
 def video_bytes(container: str = "mp4", codec: str = "mpeg4", fps: int = 10, n_frames: int = 20,
-                size: tuple[int, int] = (64, 48), gop: int = 5, with_audio: bool = False) -> bytes:
+                size: tuple[int, int] = (64, 48), gop: int = 5, with_audio: bool = False,
+                bframes: int = 0) -> bytes:
     """A video whose frame k is filled with ``frame_level(k)`` (plus a small moving square so the
-    encoder has motion to code); keyframe every ``gop`` frames."""
+    encoder has motion to code); keyframe every ``gop`` frames. ``bframes``: MPEG-4 part 2's
+    consecutive B-frames (x264 uses its own default, B-frames with a pyramid, whatever this says)."""
     buf = io.BytesIO()
     w, h = size
     with av.open(buf, mode="w", format=container) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.codec_context.gop_size = gop
-        stream.codec_context.options = {"g": str(gop), "bf": "0"} if codec == "mpeg4" else {"g": str(gop)}
+        stream.codec_context.options = {"g": str(gop), "bf": str(bframes)} if codec == "mpeg4" else {"g": str(gop)}
         astream = out.add_stream("aac", rate=16000, layout="mono") if with_audio else None
         for k in range(n_frames):
             img = np.full((h, w, 3), frame_level(k), dtype=np.uint8)

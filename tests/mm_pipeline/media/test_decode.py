@@ -5,6 +5,7 @@ sound: test_decode_image_audio.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.support.media_samples import animated_bytes, frame_level, level_to_frame, video_bytes
 
+from mm_pipeline.media.decode import video as video_module
 from mm_pipeline.media.decode.video import VideoDecoder, decode_range, decode_runs, probe_video, split_ranges
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
@@ -120,6 +122,48 @@ class _FrameCounter:
         self.frames += 1
 
 
+@pytest.mark.parametrize(("codec", "bframes"), [("libx264", 0), ("mpeg4", 2)])
+@pytest.mark.parametrize("threads", [1, 0])
+def test_unsampled_nonreference_frames_are_not_decoded(codec: str, bframes: int, threads: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """H.264 (x264's B-pyramid) and MPEG-4 part 2 with B-frames: the frames no other frame is
+    predicted from are dropped unless sampled -- the same frames as a decode of every frame, from
+    fewer decoded frames; with dropping off, the seeking decode produces every one of them."""
+    item = _video("mp4", codec, fps=10, n_frames=60, gop=30, bframes=bframes)
+    info = probe_video(item)
+    targets = list(range(0, 60, 5)) + [59]
+    full, dropping, keeping = _FrameCounter(), _FrameCounter(), _FrameCounter()
+    ref = decode_range(item, info, targets, seek=False, control=full, threads=threads)
+    out = decode_range(item, info, targets, control=dropping, threads=threads)
+    monkeypatch.setattr(video_module, "SKIP_NONREF_CODECS", frozenset())
+    kept = decode_range(item, info, targets, control=keeping, threads=threads)
+    assert torch.equal(out, ref) and torch.equal(kept, ref)
+    if codec == "libx264":  # (MPEG-4's B-frames are coded too coarsely to tell the levels apart)
+        assert [level_to_frame(float(f[30, 5, 0]), i) for f, i in zip(out, targets)] == targets
+    # x264: 39 of 58 frames decoded; MPEG-4 (a keyframe at most scene cuts): 22 of 28
+    assert full.frames == 60 and dropping.frames <= keeping.frames - 6
+
+
+def test_a_target_lost_while_dropping_frames_decodes_as_a_full_decode_would() -> None:
+    """A sampled frame the decoder never emits under its timestamp (here: the probe's timestamp does
+    not match its packet's, as in a damaged stream) while non-reference frames are dropped: the run
+    is decoded again without dropping, so the frame standing in for it is the one a full decode
+    gives."""
+    item = _video("mp4", "libx264", fps=10, n_frames=40, gop=40)
+    info = probe_video(item)
+    pts = list(info.pts)
+    lost = 17
+    pts[lost] += 1  # still ascending (the clip's timestamps are steps of several units), matched by no frame
+    assert pts[lost] < pts[lost + 1]
+    info = dataclasses.replace(info, pts=tuple(pts))
+    targets = [3, lost, 30]
+    counter = _FrameCounter()
+    out = decode_range(item, info, targets, control=counter)
+    ref = decode_range(item, info, targets, seek=False)
+    assert torch.equal(out, ref)
+    assert counter.frames > 31  # the run was decoded again
+
+
 @pytest.mark.parametrize(("container", "codec"), CODECS)
 @pytest.mark.parametrize("threads", [1, 0])
 def test_sparse_targets_skip_the_frames_between_keyframes(container: str, codec: str, threads: int) -> None:
@@ -197,7 +241,9 @@ def test_video_limits() -> None:
 
 def test_event_loop_stays_responsive_while_the_pool_decodes() -> None:
     """Decoding 4 videos inline blocks the loop for the whole decode; through the pool the loop
-    keeps ticking (measured: 190-470 ms inline vs 20-48 ms pooled on the shared 2-core machine)."""
+    keeps ticking (measured: 190-470 ms inline vs 3-4 ms pooled on the shared 2-core machine; it
+    was 55-240 ms pooled while the frames were stacked under the GIL -- ``np.stack`` in the worker,
+    the assembly on the loop)."""
     items = [_video("mp4", "libx264", fps=30, n_frames=90, size=(640, 480), gop=30) for _ in range(4)]
     sampling = VideoSamplingParams(fps=10)
 
@@ -227,7 +273,7 @@ def test_event_loop_stays_responsive_while_the_pool_decodes() -> None:
 
     inline, offloaded = asyncio.run(max_lag(False)), asyncio.run(max_lag(True))
     print(f"event loop max lag: inline {inline * 1e3:.1f} ms, worker pool {offloaded * 1e3:.1f} ms")
-    assert offloaded < 0.1 and offloaded < inline / 2
+    assert offloaded < 0.05 and offloaded < inline / 4
 
 
 # ---- worker pool ----------------------------------------------------------------------------
