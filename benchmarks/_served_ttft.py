@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from _common import first_token_s
-from _pipeline_media import HD, make_video, process_cpu_s, pyav_decode_all_cpu
+from _pipeline_media import HD, make_h264, make_video, process_cpu_s, pyav_decode_all_cpu
 
 DEMO = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
 VARIANTS = (("streamed", ()), ("no_stream", ("--no-stream-embeddings",)))
@@ -59,17 +59,18 @@ def served_request(server, body: dict) -> tuple[float, float]:
 
 
 def bench_served(seconds: int, reps: int, server_factory: Callable[[list[str]], object] | None = None,
-                 label: str = "") -> dict[str, float]:
+                 label: str = "", h264: bool = False) -> dict[str, float]:
     """``reps`` rounds; per round and variant a new server (every request cold: no disk cache by
     default), warmed up, then PyAV and the served request back to back. ``server_factory(args)`` makes the
     (context-managed) server; default ``ServerProcess`` of this checkout. ``label`` prefixes the
-    progress lines."""
+    progress lines. ``h264``: the clips are H.264 with B-frames (``make_h264``), not MPEG-4 part 2."""
     from mm_pipeline.server.launch.server_process import ServerProcess
 
     make = server_factory or ServerProcess
-    video = make_video(seconds, **HD, seed=300)
+    clip = (lambda s, seed: make_h264(s, seed=seed)) if h264 else (lambda s, seed: make_video(s, **HD, seed=seed))
+    video = clip(seconds, 300)
     body = _video_body(video, "What happens in this video?")
-    warm_clip = make_video(2, **HD, seed=301)
+    warm_clip = clip(2, 301)
     warm = _video_body(warm_clip, "Warm up.")
     pyav_decode_all_cpu(warm_clip)  # this process's first decode pays PyAV's own set-up
     runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in VARIANTS}

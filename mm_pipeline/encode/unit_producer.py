@@ -33,6 +33,7 @@ from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
 from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_containers import VideoContainers
 from mm_pipeline.media.decode.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
@@ -217,6 +218,8 @@ class UnitProducer:
             chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk,
                                  2 * self.config.decode_workers if streams else 0)
         from_early = chunks_for_early(early, info, sampling.indices, chunks, tp) if early is not None else set()
+        # the chunks reuse each other's open containers (an H.264 open probes ~10 ms of frames)
+        containers = VideoContainers(plan.item) if info is not None else None
         loop = asyncio.get_running_loop()
 
         async def one(groups: list[int], use_early: bool) -> None:
@@ -236,20 +239,25 @@ class UnitProducer:
             # the worker's calls run on the loop before the chunk's own result is delivered
             deliver = lambda g, vis: loop.call_soon_threadsafe(submit, g, vis)  # noqa: E731
             inputs = await self.pool.run(self._video_chunk, plan.item, info, sampling.indices, groups, size, tp,
-                                         control, use_early, deliver)
+                                         control, use_early, deliver, containers)
             if failed:
                 raise failed[0]
             for g, vis in zip(groups, inputs):
                 self._submit(plan, g, vis, open_keys)
 
-        async with asyncio.TaskGroup() as group:  # the first failure cancels the other chunks
-            for c, groups in enumerate(chunks):
-                group.create_task(one(groups, c in from_early))
+        try:
+            async with asyncio.TaskGroup() as group:  # the first failure cancels the other chunks
+                for c, groups in enumerate(chunks):
+                    group.create_task(one(groups, c in from_early))
+        finally:
+            if containers is not None:
+                containers.close()
+                self._count("video_containers_opened", containers.opened)
 
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
                      size: tuple[int, int], tp: int, control: DecodeControl | None = None,
-                     use_early: bool = False, deliver: Callable[[int, VisionInput], None] | None = None
-                     ) -> list[VisionInput]:
+                     use_early: bool = False, deliver: Callable[[int, VisionInput], None] | None = None,
+                     containers: VideoContainers | None = None) -> list[VisionInput]:
         """The chunk's inputs, one per group; with ``deliver`` (not for early frames) each group
         goes to ``deliver(g, input)`` as soon as it is decoded and nothing is returned."""
         t0 = time.monotonic()
@@ -264,11 +272,12 @@ class UnitProducer:
             elif deliver is None:
                 out = self.pre.video_groups(self.decoder.decode_chunk(
                     item, info, indices, groups, tp, self.config.limits, size, control,
-                    threads=self.config.decoder_threads), size)
+                    threads=self.config.decoder_threads, containers=containers), size)
             else:
                 self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
                                           threads=self.config.decoder_threads,
-                                          on_group=lambda g, frames: deliver(g, self.pre.video_groups(frames, size)[0]))
+                                          on_group=lambda g, frames: deliver(g, self.pre.video_groups(frames, size)[0]),
+                                          containers=containers)
                 out = []
             self._count("video_chunks_decoded")
         if self.on_decode_span is not None:

@@ -43,6 +43,7 @@ from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 from mm_pipeline.media.decode import worker_jobs as jobs
 from mm_pipeline.media.decode.video_chunks import decode_chunk, emit_groups
+from mm_pipeline.media.decode.video_containers import VideoContainers
 
 BACKENDS = ("thread", "process")
 
@@ -54,14 +55,15 @@ class DecodeWorkerDied(UndecodableMediaError):
 class DecodeBackend(Protocol):
     """Decodes video chunks and images; blocking, called on a WorkerPool thread. ``on_group``
     (video_chunks.decode_chunk) gets each group's frames; ``streams_groups``: while the chunk still
-    decodes (else once it is done), which lets a chunk span GOPs without holding the encoder back."""
+    decodes (else once it is done), which lets a chunk span GOPs without holding the encoder back.
+    ``containers``: the video's open containers a chunk may borrow (video_containers.py)."""
 
     streams_groups: bool
 
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
-                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None
-                     ) -> torch.Tensor: ...
+                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None,
+                     containers: VideoContainers | None = None) -> torch.Tensor: ...
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage: ...
@@ -76,10 +78,10 @@ class ThreadDecodeBackend:
 
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
-                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None
-                     ) -> torch.Tensor:
+                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None,
+                     containers: VideoContainers | None = None) -> torch.Tensor:
         return decode_chunk(item, info, indices, groups, tp, limits, size, control, threads=threads,
-                            on_group=on_group)
+                            on_group=on_group, containers=containers)
 
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage:
@@ -130,8 +132,9 @@ class ProcessDecodeBackend:
 
     def decode_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: Sequence[int], tp: int,
                      limits: MediaLimits, size: tuple[int, int], control: DecodeControl | None = None,
-                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None
-                     ) -> torch.Tensor:
+                     threads: int = 1, on_group: Callable[[int, torch.Tensor], None] | None = None,
+                     containers: VideoContainers | None = None) -> torch.Tensor:
+        # (``containers`` stay here: a worker process opens the bytes it was sent)
         frames = self._call(jobs.chunk_job, (item, info, list(indices), list(groups), tp, limits, size, threads),
                             control, f"a {item.format} video chunk from {item.origin}")
         if on_group is not None:

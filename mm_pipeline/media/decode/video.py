@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -37,6 +38,7 @@ from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedVideo, MediaItem
 from mm_pipeline.media.sniff import open_av
+from mm_pipeline.media.decode.video_containers import VideoContainers
 from mm_pipeline.media.decode.video_sampling import FrameSampling, VideoSamplingParams, sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
@@ -106,11 +108,13 @@ def _fps_from_pts(pts: tuple[int, ...], time_base: Fraction | None) -> float:
 
 def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek: bool = True,
                  size: tuple[int, int] | None = None, control: DecodeControl | None = None,
-                 threads: int = 1, on_row: Callable[[int, np.ndarray], None] | None = None) -> torch.Tensor:
+                 threads: int = 1, on_row: Callable[[int, np.ndarray], None] | None = None,
+                 drop_nonref: bool = True, containers: VideoContainers | None = None) -> torch.Tensor:
     """Frames ``targets`` (ascending, unique) as [T, H, W, 3] uint8; with ``seek`` the decoder
     starts at the last keyframe at or before ``targets[0]``, jumps over the frames between two
-    targets when a keyframe lies between them (``decode_runs``) and drops the unsampled frames no
-    other frame is predicted from (``skips_nonref``); else it decodes every frame from frame 0.
+    targets when a keyframe lies between them (``decode_runs``) and, with ``drop_nonref``, drops
+    the unsampled frames no other frame is predicted from (``skips_nonref``); else it decodes every
+    frame from frame 0.
 
     ``size`` (h, w): frames are scaled to it by swscale as they leave the decoder, in uint8, so a
     huge source frame never exists as RGB, let alone as float (default: the stream's size).
@@ -118,7 +122,9 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     ``threads``: the codec's own decoding threads (FFmpeg frame/slice threads, outside the GIL);
     1: none, 0: FFmpeg picks by the CPU count. Output is bit-identical either way.
     ``on_row(k, rgb)``: called on the decoding thread as row k of the result is ready (in order),
-    so a caller can hand on the first frames while later ones still decode."""
+    so a caller can hand on the first frames while later ones still decode.
+    ``containers``: borrow an open container of ``item`` from there instead of opening one
+    (video_containers.py: the chunks of one video)."""
     h, w = size or (info.height, info.width)
     if not targets:
         return torch.empty(0, h, w, 3, dtype=torch.uint8)
@@ -149,6 +155,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
         the run again without dropping, so what stands in for it is what a full decode gives."""
         nonlocal prev
         cc = stream.codec_context
+        cc.skip_frame = "DEFAULT"  # (a borrowed container's decoder may have been left dropping)
         prev_index = start - 1
         for packet in container.demux(stream):
             if wanted is not None:
@@ -170,18 +177,19 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
         return wanted is None or len(out) == until
 
     try:
-        with open_av(item.data) as container:
+        with (containers.lend() if containers is not None else _opened(item)) as (container, fresh):
             stream = container.streams.video[0]
             used = codec_threads(threads, info.height * info.width)
-            if used > 1:
+            if used > 1 and fresh:
                 stream.thread_type = "AUTO"
                 stream.codec_context.thread_count = used
             # without ``seek`` (the serial reference) the decoder walks every frame from frame 0
             runs = decode_runs(targets, info.keyframes, first) if seek else [(0, len(targets))]
-            wanted = frozenset(info.pts[t] for t in targets) if seek and skips_nonref(stream) else None
+            wanted = frozenset(info.pts[t] for t in targets) if seek and drop_nonref and skips_nonref(stream) else None
             for start, until in runs:
-                if start > 0:  # the seek flushes the decoder: no frame of the skipped gap comes out
+                if start > 0 or not fresh:  # the seek flushes the decoder: no frame of the skipped gap comes out
                     container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
+                    fresh = True
                 if not walk(container, stream, start, until, wanted):
                     stream.codec_context.skip_frame = "DEFAULT"
                     container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
@@ -210,6 +218,13 @@ def skips_nonref(stream: av.VideoStream) -> bool:
     H.264 clip (x264 veryfast, a keyframe every 2 s, 1 frame sampled a second) 769 instead of 945
     decoded frames, 0.92 s instead of 1.19 s (README "pipeline")."""
     return stream.codec_context.name in SKIP_NONREF_CODECS
+
+
+@contextmanager
+def _opened(item: MediaItem) -> Iterator[tuple[av.container.InputContainer, bool]]:
+    """A container of ``item`` of its own (``VideoContainers.lend``'s shape), closed after."""
+    with open_av(item.data) as container:
+        yield container, True
 
 
 def decode_runs(targets: Sequence[int], keyframes: Sequence[int], first: int) -> list[tuple[int, int]]:

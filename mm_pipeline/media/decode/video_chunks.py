@@ -35,6 +35,7 @@ import torch
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_animation_frames
 from mm_pipeline.media.decode.video import VideoInfo, decode_range
+from mm_pipeline.media.decode.video_containers import VideoContainers
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem
 
@@ -66,12 +67,14 @@ def plan_chunks(groups: Sequence[int], indices: Sequence[int], keyframes: Sequen
 def decode_chunk(item: MediaItem, info: VideoInfo | None, indices: Sequence[int], groups: Sequence[int], tp: int,
                  limits: MediaLimits, size: tuple[int, int] | None = None,
                  control: DecodeControl | None = None, threads: int = 1,
-                 on_group: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                 on_group: Callable[[int, torch.Tensor], None] | None = None,
+                 containers: VideoContainers | None = None) -> torch.Tensor:
     """Frames [len(groups) * tp, H, W, 3] uint8 of ``groups`` in order (``info`` None: a GIF/WebP
     animation, decoded with PIL), scaled to ``size`` (h, w) as they are decoded; ``threads``: the
     codec's own threads per decoder (decode_range). ``on_group(g, frames)``: called on this thread
     for each group in order with its [tp, H, W, 3] frames -- for a video as soon as the group's last
-    frame is decoded, while the chunk's later groups still decode."""
+    frame is decoded, while the chunk's later groups still decode. ``containers``: the video's open
+    containers to borrow from (video_containers.py)."""
     wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
     targets = sorted(set(wanted))  # a padded tail repeats its last frame
     if info is None:
@@ -79,7 +82,8 @@ def decode_chunk(item: MediaItem, info: VideoInfo | None, indices: Sequence[int]
         relay = None
     else:
         relay = None if on_group is None else _GroupRelay(groups, wanted, targets, tp, on_group)
-        frames = decode_range(item, info, targets, size=size, control=control, threads=threads, on_row=relay)
+        frames = decode_range(item, info, targets, size=size, control=control, threads=threads, on_row=relay,
+                              containers=containers)
     if wanted != targets:
         row = {t: k for k, t in enumerate(targets)}
         frames = frames[[row[t] for t in wanted]]

@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.support.media_samples import animated_bytes, frame_level, level_to_frame, video_bytes
 
-from mm_pipeline.media.decode import video as video_module
-from mm_pipeline.media.decode.video import VideoDecoder, decode_range, decode_runs, probe_video, split_ranges
+from mm_pipeline.media.decode.video import (VideoDecoder, decode_range, decode_runs, probe_video, skips_nonref,
+                                            split_ranges)
+from mm_pipeline.media.sniff import open_av
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -124,8 +125,7 @@ class _FrameCounter:
 
 @pytest.mark.parametrize(("codec", "bframes"), [("libx264", 0), ("mpeg4", 2)])
 @pytest.mark.parametrize("threads", [1, 0])
-def test_unsampled_nonreference_frames_are_not_decoded(codec: str, bframes: int, threads: int,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsampled_nonreference_frames_are_not_decoded(codec: str, bframes: int, threads: int) -> None:
     """H.264 (x264's B-pyramid) and MPEG-4 part 2 with B-frames: the frames no other frame is
     predicted from are dropped unless sampled -- the same frames as a decode of every frame, from
     fewer decoded frames; with dropping off, the seeking decode produces every one of them."""
@@ -135,13 +135,19 @@ def test_unsampled_nonreference_frames_are_not_decoded(codec: str, bframes: int,
     full, dropping, keeping = _FrameCounter(), _FrameCounter(), _FrameCounter()
     ref = decode_range(item, info, targets, seek=False, control=full, threads=threads)
     out = decode_range(item, info, targets, control=dropping, threads=threads)
-    monkeypatch.setattr(video_module, "SKIP_NONREF_CODECS", frozenset())
-    kept = decode_range(item, info, targets, control=keeping, threads=threads)
+    kept = decode_range(item, info, targets, control=keeping, threads=threads, drop_nonref=False)
     assert torch.equal(out, ref) and torch.equal(kept, ref)
     if codec == "libx264":  # (MPEG-4's B-frames are coded too coarsely to tell the levels apart)
         assert [level_to_frame(float(f[30, 5, 0]), i) for f, i in zip(out, targets)] == targets
     # x264: 39 of 58 frames decoded; MPEG-4 (a keyframe at most scene cuts): 22 of 28
     assert full.frames == 60 and dropping.frames <= keeping.frames - 6
+
+
+@pytest.mark.parametrize(("container", "codec"), CODECS)
+def test_frames_are_dropped_only_where_no_frame_refers_to_them(container: str, codec: str) -> None:
+    """H.264 and MPEG-4 part 2 drop unsampled non-reference frames; VP8/VP9 keep decoding all."""
+    with open_av(_video(container, codec).data) as c:
+        assert skips_nonref(c.streams.video[0]) == (codec in ("libx264", "mpeg4"))
 
 
 def test_a_target_lost_while_dropping_frames_decodes_as_a_full_decode_would() -> None:
