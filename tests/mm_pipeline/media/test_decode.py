@@ -18,6 +18,7 @@ from tests.support.media_samples import animated_bytes, frame_level, level_to_fr
 
 from mm_pipeline.media.decode.video import (VideoDecoder, decode_range, decode_runs, probe_video, skips_nonref,
                                             split_ranges)
+from mm_pipeline.media.decode.video_containers import VideoContainers
 from mm_pipeline.media.sniff import open_av
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
@@ -141,6 +142,37 @@ def test_unsampled_nonreference_frames_are_not_decoded(codec: str, bframes: int,
         assert [level_to_frame(float(f[30, 5, 0]), i) for f, i in zip(out, targets)] == targets
     # x264: 39 of 58 frames decoded; MPEG-4 (a keyframe at most scene cuts): 22 of 28
     assert full.frames == 60 and dropping.frames <= keeping.frames - 6
+
+
+_BFRAME_CLIPS: dict[str, tuple[MediaItem, torch.Tensor]] = {}
+
+
+def _bframe_clip(codec: str) -> tuple[MediaItem, torch.Tensor]:
+    """A B-frame clip (keyframes every 16 frames, a scene cut or two more) and every frame of it
+    from a full decode (the reference), made once per test session."""
+    if codec not in _BFRAME_CLIPS:
+        item = _video("mp4", codec, fps=10, n_frames=64, gop=16, bframes=2)
+        info = probe_video(item)
+        _BFRAME_CLIPS[codec] = item, decode_range(item, info, list(range(info.total_frames)), seek=False)
+    return _BFRAME_CLIPS[codec]
+
+
+@settings(max_examples=25, deadline=None)
+@given(codec=st.sampled_from(["libx264", "mpeg4"]), picks=st.sets(st.integers(0, 63), min_size=1, max_size=20),
+       split=st.integers(0, 3))
+def test_any_targets_decode_as_the_full_decode_does(codec: str, picks: set[int], split: int) -> None:
+    """Whatever frames are sampled, cut into whatever ranges (each from its own seek point, non-
+    reference frames dropped, sharing one set of open containers), they are the full decode's."""
+    item, every = _bframe_clip(codec)
+    info = probe_video(item)
+    targets = sorted(picks)
+    shared = VideoContainers(item)
+    try:
+        cut = max(1, len(targets) // (split + 1))
+        parts = [decode_range(item, info, targets[k:k + cut], containers=shared) for k in range(0, len(targets), cut)]
+    finally:
+        shared.close()
+    assert torch.equal(torch.cat(parts), every[targets])
 
 
 @pytest.mark.parametrize(("container", "codec"), CODECS)
@@ -348,7 +380,6 @@ def test_one_scaler_per_decoder_converts_like_pyav(container: str, codec: str) -
     import av
 
     from mm_pipeline.media.decode.video import FrameToRgb
-    from mm_pipeline.media.sniff import open_av
 
     item = _video(container, codec, fps=10, n_frames=12, gop=4)
     for h, w in ((48, 64), (32, 96), (97, 31)):
