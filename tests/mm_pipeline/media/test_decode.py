@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.support.media_samples import animated_bytes, frame_level, level_to_frame, video_bytes
 
-from mm_pipeline.media.decode.video import (VideoDecoder, decode_range, decode_runs, probe_video, skips_nonref,
-                                            split_ranges)
+from mm_pipeline.media.decode.video import (VideoDecoder, decode_range, decode_runs, hevc_single_sublayer, probe_video,
+                                            skips_nonref, split_ranges)
 from mm_pipeline.media.decode.video_containers import VideoContainers
 from mm_pipeline.media.sniff import open_av
 from mm_pipeline.errors import MediaTooLarge, ServerBusy, UndecodableMediaError
@@ -180,6 +180,29 @@ def test_frames_are_dropped_only_where_no_frame_refers_to_them(container: str, c
     """H.264 and MPEG-4 part 2 drop unsampled non-reference frames; VP8/VP9 keep decoding all."""
     with open_av(_video(container, codec).data) as c:
         assert skips_nonref(c.streams.video[0]) == (codec in ("libx264", "mpeg4"))
+
+
+def test_hevc_drops_frames_only_with_one_temporal_sublayer() -> None:
+    """x265 in MP4 declares one temporal sub-layer (hvcC): its unsampled non-reference pictures are
+    dropped and the sampled frames are the full decode's; a record declaring two sub-layers, none,
+    or Annex B start codes (MPEG-TS) keeps every frame decoded."""
+    item = _video("mp4", "libx265", fps=10, n_frames=60, gop=30)
+    info = probe_video(item)
+    with open_av(item.data) as c:
+        extradata = c.streams.video[0].codec_context.extradata
+        assert skips_nonref(c.streams.video[0])
+    targets = list(range(0, 60, 5)) + [59]
+    full, dropping = _FrameCounter(), _FrameCounter()
+    ref = decode_range(item, info, targets, seek=False, control=full)
+    assert torch.equal(decode_range(item, info, targets, control=dropping), ref)
+    assert full.frames == 60 and dropping.frames < 50
+    two = bytearray(extradata)
+    two[21] = (two[21] & ~0x38) | (2 << 3)
+    unknown = bytearray(extradata)
+    unknown[21] &= ~0x38
+    assert hevc_single_sublayer(extradata)
+    assert not hevc_single_sublayer(bytes(two)) and not hevc_single_sublayer(bytes(unknown))
+    assert not hevc_single_sublayer(b"\x00\x00\x00\x01\x40\x01\x0c\x01" * 4) and not hevc_single_sublayer(None)
 
 
 def test_a_target_lost_while_dropping_frames_decodes_as_a_full_decode_would() -> None:
