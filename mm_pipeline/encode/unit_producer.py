@@ -218,8 +218,10 @@ class UnitProducer:
             chunks = plan_chunks(claimed, sampling.indices, info.keyframes, tp, self.config.groups_per_chunk,
                                  2 * self.config.decode_workers if streams else 0)
         from_early = chunks_for_early(early, info, sampling.indices, chunks, tp) if early is not None else set()
-        # the chunks reuse each other's open containers (an H.264 open probes ~10 ms of frames)
-        containers = VideoContainers(plan.item) if info is not None else None
+        # the chunks reuse each other's open containers (an H.264 open probes ~10 ms of frames), an
+        # idle one holding its decoder's frames in the budget
+        containers = None if info is None else VideoContainers(
+            plan.item, self.budget, frame_decode_bytes((info.height, info.width), self.config.decoder_threads))
         loop = asyncio.get_running_loop()
 
         async def one(groups: list[int], use_early: bool) -> None:

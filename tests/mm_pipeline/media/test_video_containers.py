@@ -11,7 +11,7 @@ import torch
 from tests.support.media_samples import video_bytes
 
 from mm_pipeline.encode.plan import PlannerConfig
-from mm_pipeline.media.decode.budget import DecodeCancelled
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled
 from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
 from mm_pipeline.media.decode.video_containers import VideoContainers
@@ -102,3 +102,23 @@ def test_a_failed_decode_closes_its_container_and_close_leaves_none_open() -> No
     # after close a borrower still gets a working container of its own
     assert torch.equal(decode_chunk(item, info, indices, chunks[2], 2, MediaLimits(), containers=shared), ok)
     assert not shared._free
+
+
+def test_an_idle_container_holds_its_bytes_in_the_budget_or_is_closed() -> None:
+    """Kept idle only while the budget's non-waiting share has room for its decoder's frames; every
+    byte is given back when it is borrowed again or closed."""
+    item, info, indices, chunks = _chunks("libx264")
+    budget = DecodeBudget(1000)  # early share: 500
+    roomy = VideoContainers(item, budget, idle_bytes=400)
+    decode_chunk(item, info, indices, chunks[0], 2, MediaLimits(), containers=roomy)
+    assert budget.early_in_use == budget.in_use == 400 and len(roomy._free) == 1
+    with roomy.lend() as (_, fresh):  # borrowed: its bytes go back while a chunk decodes with it
+        assert not fresh and budget.early_in_use == 0
+    crowded = VideoContainers(item, budget, idle_bytes=200)  # 400 + 200 > the 500 share: not kept
+    for c in chunks[:3]:
+        decode_chunk(item, info, indices, c, 2, MediaLimits(), containers=crowded)
+    assert crowded.opened == 3 and not crowded._free and budget.early_in_use == 400
+    roomy.close()
+    crowded.close()
+    assert budget.in_use == budget.early_in_use == 0
+    budget.check_integrity()
