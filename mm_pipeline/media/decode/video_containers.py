@@ -40,7 +40,7 @@ class VideoContainers:
         self.item = item
         self.budget = budget
         self.idle_bytes = idle_bytes
-        self.opened = 0  # containers opened so far (tests, benchmarks)
+        self.opened = 0  # containers opened so far (the counter video_containers_opened)
         self._free: list[av.container.InputContainer] = []
         self._lock = threading.Lock()
         self._closed = False
