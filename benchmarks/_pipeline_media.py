@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import av
 import numpy as np
 
+from _common import print_table
+
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import ProcessDecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.video import decode_range, probe_video
@@ -268,6 +270,19 @@ def bench_nonref_decode(video: bytes, reps: int) -> dict[str, float]:
             "h264_nonref_drop_speedup": keep_s / drop_s, "h264_frames_decoded_drop": float(frames[True]),
             "h264_frames_decoded_keep": float(frames[False]), "h264_frames_total": float(info.total_frames),
             "h264_sampled_frames": float(len(targets)), "h264_pyav_all_frames_cpu_s": float(np.median(floor))}
+
+
+def bench_decode(quick: bool) -> dict[str, float]:
+    """Both decode measurements, on 60 s 720p clips (``quick``: 20 s, 2 repetitions instead of 3)."""
+    seconds, reps = (20, 2) if quick else (60, 3)
+    return {**bench_parallel_decode(make_video(seconds, **HD), reps), **bench_nonref_decode(make_h264(seconds), reps)}
+
+
+def print_decode_table(results: dict[str, float]) -> None:
+    print_table(f"decode scaling (medians; codec threads off; wall s, s from CPU time, speed-ups from each; "
+                f"host's free cores by the control: {results['decode_control_speedup']:.2f}x)",
+                ["workers", "threads s", "cpu s", "x wall", "x cpu", "processes s", "cpu s", "x wall", "x cpu"],
+                decode_table(results))
 
 
 def decode_table(results: dict[str, float]) -> list[tuple]:

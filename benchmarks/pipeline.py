@@ -33,9 +33,8 @@ Keys (goals on the 2-core CPU host in brackets):
   process_decode_speedup     the same with worker processes (decode_backend process; _wall too)
   decode_{thread,process}_N_s  wall seconds with N = 1 / 2 / 4 workers (_cpu_s: that time from
                              CPU time, as above); process_over_thread_2 the wall ratio
-  h264_nonref_drop_speedup   sampled decode (1 frame/s) of a 720p H.264 clip with B-frames, one
-                             decoder's CPU: unsampled non-reference frames decoded / dropped (the
-                             default); h264_frames_decoded_{drop,keep} the frames each produced
+  h264_nonref_drop_speedup   one decoder's CPU for a 720p H.264 clip's sampled frames, non-reference frames
+                             decoded / dropped (the default); h264_frames_decoded_{drop,keep} the frames
   max_loop_lag_ms            max event-loop lag under 32 concurrent media requests            [<= 50]
   loop_lag_control_max_lag_ms  the same window in another process (a bare 5 ms sleeper): lag there
                              is the machine's CPU starvation, not this process (_loop_lag.py)
@@ -78,8 +77,7 @@ from _common import base_parser, fresh_thread, new_engine, print_table, write_js
 from _loop_lag import LagControl
 from _repeat_parts import StepRecorder, settled_stats
 from _timeline_tables import print_timeline
-from _pipeline_media import (HD, bench_nonref_decode, bench_parallel_decode, decode_table, make_h264, make_image,
-                             make_video)
+from _pipeline_media import HD, bench_decode, make_image, make_video, print_decode_table
 from _served_ttft import bench_served
 from encoders.image_processing import ImageProcessingConfig
 from samples.checkpoints.tiny_towers import init_random_, tiny_vision_config
@@ -337,8 +335,7 @@ def _run_once(quick: bool, decode_only: bool, repeat_only: bool, long_video_only
             model_dir = fresh_thread(build_model, Path(tmp))
             return fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3)
     if decode_only:
-        return {**bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3),
-                **bench_nonref_decode(make_h264(seconds=20 if quick else 60), reps=2 if quick else 3)}
+        return bench_decode(quick)
     if repeat_only:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = fresh_thread(build_model, Path(tmp))
@@ -349,8 +346,7 @@ def _run_once(quick: bool, decode_only: bool, repeat_only: bool, long_video_only
         results.update(fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
         results.update(fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
         results.update(fresh_thread(bench_loop_lag, model_dir, n=32))
-    results.update(bench_parallel_decode(make_video(seconds=20 if quick else 60, **HD), reps=2 if quick else 3))
-    results.update(bench_nonref_decode(make_h264(seconds=20 if quick else 60), reps=2 if quick else 3))
+    results.update(bench_decode(quick))
     results.update(fresh_thread(bench_encoder_batching, n_requests=16 if quick else 32, reps=2 if quick else 3))
     return results
 
@@ -362,12 +358,10 @@ def main() -> None:
     parser.add_argument("--served", action="store_true",
                         help="only the served check: a fresh 720p video through `mmserve serve` (demo model), "
                              "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s)")
-    parser.add_argument("--h264", action="store_true",
-                        help="with --served: the clips are H.264 with B-frames (x264) instead of MPEG-4 part 2")
+    parser.add_argument("--h264", action="store_true", help="with --served: H.264 clips with B-frames, not MPEG-4")
     parser.add_argument("--decode-only", action="store_true",
-                        help="only the decode tables: 1/2/4 workers, threads vs processes, and H.264 with non-reference "
-                             "frames dropped vs decoded (60 s 720p clips; "
-                             "--quick: 20 s)")
+                        help="only the decode tables: 1/2/4 workers, threads vs processes; H.264 non-reference frames "
+                             "dropped vs decoded (60 s 720p clips; --quick: 20 s)")
     parser.add_argument("--repeat-only", action="store_true",
                         help="only the cached-media TTFTs (cold, new question, same prefix) and their ratios")
     parser.add_argument("--long-video-only", action="store_true",
@@ -395,10 +389,7 @@ def main() -> None:
         write_json(args.json, {**results, "repeat": args.repeat})
         return
     if not args.long_video_only:
-        print_table(f"decode scaling (medians; codec threads off; wall s, s from CPU time, speed-ups from each; "
-                    f"host's free cores by the control: {results['decode_control_speedup']:.2f}x)",
-                    ["workers", "threads s", "cpu s", "x wall", "x cpu", "processes s", "cpu s", "x wall", "x cpu"],
-                    decode_table(results))
+        print_decode_table(results)
     if not args.decode_only:
         print_timeline(results)
     spread = {f"{k}_min": lo for k, _, lo, _ in rows} | {f"{k}_max": hi for k, _, _, hi in rows}

@@ -106,3 +106,13 @@ def video_bytes(container: str = "mp4", codec: str = "mpeg4", fps: int = 10, n_f
                 out.mux(astream.encode(f))
             out.mux(astream.encode(None))
     return buf.getvalue()
+
+
+class FrameCounter:
+    """A decode control that counts the frames a decoder produced (``check`` runs once per frame)."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def check(self) -> None:
+        self.frames += 1
