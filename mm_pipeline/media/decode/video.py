@@ -155,11 +155,12 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
         the run again without dropping, so what stands in for it is what a full decode gives."""
         nonlocal prev
         cc = stream.codec_context
-        cc.skip_frame = "DEFAULT"  # (a borrowed container's decoder may have been left dropping)
+        mode = cc.skip_frame = "DEFAULT"  # (a borrowed container's decoder may have been left dropping)
         prev_index = start - 1
         for packet in container.demux(stream):
-            if wanted is not None:
-                cc.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in wanted else "NONREF"
+            if wanted is not None and mode != (want := "DEFAULT" if packet.pts is None or packet.pts in wanted
+                                               else "NONREF"):
+                mode = cc.skip_frame = want  # set on a change only: the setter looks the name up
             for frame in cc.decode(packet):
                 check(control)
                 idx = index_of.get(frame.pts, prev_index + 1)
@@ -191,7 +192,6 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
                     container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
                     fresh = True
                 if not walk(container, stream, start, until, wanted):
-                    stream.codec_context.skip_frame = "DEFAULT"
                     container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
                     walk(container, stream, start, until, None)
     except av.FFmpegError as exc:
