@@ -7,6 +7,7 @@ in one run.
     .venv/bin/python benchmarks/arriving_media.py --repeat 3 --rate-mb-s 30 --layout index fragments-sidx
     .venv/bin/python benchmarks/arriving_media.py --repeat 3 --layout --audio wav opus --audio-rate-kb-s 256
     .venv/bin/python benchmarks/arriving_media.py --repeat 3 --sound --layout index matroska --audio
+    .venv/bin/python benchmarks/arriving_media.py --repeat 3 --h264 --layout index --audio --rate-mb-s 4
 
 Keys (prefixed by the layout):
   ttft_early_s / ttft_after_s   first streamed token after the request was sent (medians)
@@ -16,6 +17,8 @@ Keys (prefixed by the layout):
   early_frames_used / early_frames_decoded_after
                                 sampled frames the early decode had kept / production decoded after
                                 arrival (from /metrics of the early server, warm-up clip included)
+With --h264 the video is ``make_h264`` (x264 veryfast, B-frames, a camera pan; keys ``<layout>_h264_``):
+what the early decoder's dropping of unkept non-reference frames acts on.
 With --sound the videos carry a sound track (AAC, 48 kHz stereo, 128 kbit/s: what a phone
 records; the demo model hears videos) and the keys are prefixed ``<layout>_sound_``; besides the
 video keys, pyav_sound_decode_s (plain PyAV decoding and resampling the sound track to 16 kHz)
@@ -48,7 +51,7 @@ import httpx
 import numpy as np
 
 from _common import base_parser, first_token_s, print_table, write_json
-from _pipeline_media import HD, pyav_decode_all
+from _pipeline_media import HD, make_h264, pyav_decode_all
 from mm_pipeline.server.launch.server_process import ServerProcess
 from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
 
@@ -204,9 +207,10 @@ def _ttft_keys(times: dict[str, list[float]], size: int, rate: float) -> dict[st
             "arrival_s": size / rate, "size_mb": size / 1e6}
 
 
-def run(seconds: int, reps: int, rate: float, layout: str, sound: bool = False) -> dict[str, float]:
-    video = remux_layout(make_camera_video(seconds, seed=400, sound=sound), layout)
-    warm = remux_layout(make_camera_video(2, seed=401, sound=sound), layout)
+def run(seconds: int, reps: int, rate: float, layout: str, sound: bool = False, h264: bool = False) -> dict[str, float]:
+    make = (lambda s, seed: make_h264(s, seed=seed)) if h264 else (lambda s, seed: make_camera_video(s, seed, sound=sound))
+    video = remux_layout(make(seconds, 400), layout)
+    warm = remux_layout(make(2, 401), layout)
     times, counts = ttft_pair(video, warm, reps, rate, "video_url", pyav_decode_all)
     out = {**_ttft_keys(times, len(video), rate), "pyav_all_frames_s": float(np.median(times["floor"])),
            "early_frames_used": counts.get("early_frames_used", 0.0),
@@ -233,6 +237,8 @@ def main() -> None:
                         default=["index", "fragments"], help="video container layouts, each its own rows")
     parser.add_argument("--seconds", type=int, default=None, help="video length (default 20 quick, 60 full)")
     parser.add_argument("--sound", action="store_true", help="videos with a sound track (keys <layout>_sound_)")
+    parser.add_argument("--h264", action="store_true", help="the video is H.264 with B-frames, a camera pan "
+                        "(pipeline.py's make_h264; keys <layout>_h264_), not MPEG-4 part 2 without B-frames")
     parser.add_argument("--audio", choices=sorted(_AUDIO_CODECS), nargs="*", default=["wav"],
                         help="audio formats, each its own rows")
     parser.add_argument("--audio-seconds", type=int, default=60, help="audio length (the demo context holds ~80 s)")
@@ -241,10 +247,13 @@ def main() -> None:
     reps = args.repeat or (1 if args.quick else 3)
     seconds = args.seconds or (20 if args.quick else 60)
     results: dict[str, float] = {}
+    if args.h264 and args.sound:
+        parser.error("--h264 clips have no sound track")
     for layout in args.layout:
-        one = run(seconds, reps, args.rate_mb_s * 1e6, layout, args.sound)
-        name = f"{layout}_sound" if args.sound else layout
-        print_table(f"decode while receiving: {seconds} s 720p{' with sound' if args.sound else ''}, {layout}, "
+        one = run(seconds, reps, args.rate_mb_s * 1e6, layout, args.sound, args.h264)
+        name = f"{layout}_sound" if args.sound else f"{layout}_h264" if args.h264 else layout
+        print_table(f"decode while receiving: {seconds} s 720p{' with sound' if args.sound else ''}"
+                    f"{' H.264' if args.h264 else ''}, {layout}, "
                     f"at {args.rate_mb_s:g} MB/s (median of {reps})", ["metric", "value"], sorted(one.items()))
         results.update({f"{name}_{k}": v for k, v in one.items()})
     for fmt in args.audio:

@@ -14,6 +14,10 @@ counts around it. It keeps the frames of that sampling; production takes a kept 
 kept, so the frames are those of the whole-bytes path whatever the prediction was; a wrong
 prediction costs time, never correctness, and the decoder stops once it is past the last frame
 the prediction would keep (a wrong count never makes it decode the whole video for nothing).
+Like ``decode_range`` it does not decode the frames no other frame is predicted from
+(``skips_nonref``: H.264, MPEG-1/2/4 B-frames) unless it keeps them: which ones it keeps is known
+by presentation index, and before a packet is decoded its index is its rank among the pts demuxed
+so far (``PresentationRanks``); once production has said which pts it wants (``retarget``), by pts.
 
 A fragmented MP4 that states no duration (FFmpeg's ``frag_keyframe+empty_moov`` and its default
 fragmented form: no ``mehd``, ``trex`` default duration 0, the ``moov`` counting at most the first
@@ -41,6 +45,7 @@ dropped its item, the body failed) stops the thread at its next packet and frees
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from typing import Callable
@@ -52,7 +57,7 @@ import torch
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
-from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range
+from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, open_av_stream
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -85,6 +90,7 @@ class EarlyVideoDecode:
         self.threads = threads
         self.control = DecodeControl(timeout_s, what="an arriving video")
         self.received_at_first_frame: int | None = None  # bytes in when the first frame came out
+        self.frames_decoded = 0  # frames that came out of the decoder (unkept non-reference ones are not decoded)
         self.prediction = ""  # how the frame count was known: index / duration / fragments ("": not known)
         self._on_end = on_end
         self._cond = threading.Condition()
@@ -188,13 +194,27 @@ class EarlyVideoDecode:
         width, height = stream.codec_context.width, stream.codec_context.height
         frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
         used = codec_threads(self.threads, width * height)
+        cc = stream.codec_context
         if used > 1:  # as decode_range does: FFmpeg's own threads, output bit-identical
             stream.thread_type = "AUTO"
-            stream.codec_context.thread_count = used
+            cc.thread_count = used
+        # dropping unkept non-reference frames (as decode_range does) needs each packet's place in
+        # presentation order before it is decoded: its rank among the pts demuxed so far (module doc)
+        ranks = PresentationRanks() if skips_nonref(stream) else None
+        mode = cc.skip_frame = "DEFAULT"
         index = 0
         for packet in container.demux(stream):
             check(self.control)
-            for frame in packet.decode():
+            if ranks is not None and packet.pts is not None:
+                rank = ranks.add(packet.pts)
+                exact = self._exact  # (retarget swaps the set whole; reading it is atomic)
+                need = rank in keep if exact is None else packet.pts in exact
+                if mode != (want := "DEFAULT" if need else "NONREF"):
+                    mode = cc.skip_frame = want
+            for frame in cc.decode(packet):
+                self.frames_decoded += 1
+                if ranks is not None and frame.pts is not None:
+                    index = ranks.rank(frame.pts)
                 if self.received_at_first_frame is None:
                     self.received_at_first_frame = self.body.received
                 with self._cond:
@@ -209,7 +229,7 @@ class EarlyVideoDecode:
                         return
                     if self._exact is None and index >= last_kept:
                         return  # past every frame the prediction keeps: the rest would be wasted
-                index += 1
+                index += 1  # (with ranks: replaced by the next frame's rank)
 
     def _predict(self, container: av.container.InputContainer, stream: av.VideoStream,
                  fps: float) -> tuple[int, ...] | None:
@@ -239,6 +259,27 @@ class EarlyVideoDecode:
             for n in range(max(1, total - slack), total + slack + 1):
                 out.update(sample_frames(n, fps, self.sampling).indices)
         return out
+
+
+class PresentationRanks:
+    """Where each frame stands in presentation order, told from the packets demuxed so far: the
+    rank of a pts is how many smaller pts were seen. For a decoded frame that is exact (a frame
+    leaves the decoder after every frame shown before it was demuxed); for a packet about to be
+    decoded it is exact whenever no frame shown earlier comes later in decode order -- what B-frame
+    encoders write (x264's pyramid, MPEG-4 B-frames: tests). A wrong guess costs time, never
+    correctness: a frame decoded for nothing, or a kept one dropped that production then decodes."""
+
+    def __init__(self) -> None:
+        self._seen: list[int] = []  # ascending; packets arrive nearly sorted, so inserts are at the end
+
+    def add(self, pts: int) -> int:
+        """Record a demuxed packet's pts; its rank so far."""
+        k = bisect.bisect_left(self._seen, pts)
+        self._seen.insert(k, pts)
+        return k
+
+    def rank(self, pts: int) -> int:
+        return bisect.bisect_left(self._seen, pts)
 
 
 def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo, indices: Sequence[int],
