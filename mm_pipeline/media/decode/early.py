@@ -45,6 +45,7 @@ dropped its item, the body failed) stops the thread at its next packet and frees
 
 from __future__ import annotations
 
+import array
 import bisect
 import threading
 from collections.abc import Sequence
@@ -198,8 +199,7 @@ class EarlyVideoDecode:
         if used > 1:  # as decode_range does: FFmpeg's own threads, output bit-identical
             stream.thread_type = "AUTO"
             cc.thread_count = used
-        # dropping unkept non-reference frames (as decode_range does) needs each packet's place in
-        # presentation order before it is decoded: its rank among the pts demuxed so far (module doc)
+        # dropping unkept non-reference frames as decode_range does (module doc)
         ranks = PresentationRanks() if skips_nonref(stream) else None
         mode = cc.skip_frame = "DEFAULT"
         index = 0
@@ -270,7 +270,9 @@ class PresentationRanks:
     correctness: a frame decoded for nothing, or a kept one dropped that production then decodes."""
 
     def __init__(self) -> None:
-        self._seen: list[int] = []  # ascending; packets arrive nearly sorted, so inserts are at the end
+        # ascending (inserts land near the end); 8 bytes a packet, a third of FFmpeg's own index
+        # per sample, and the decode deadline bounds the inserts' time (a hostile header)
+        self._seen = array.array("q")
 
     def add(self, pts: int) -> int:
         """Record a demuxed packet's pts; its rank so far."""
