@@ -207,15 +207,18 @@ class MediaIngestor:
             raise MediaTooLarge(f"media is {nbytes} bytes, limit {self.config.limits.max_bytes}")
 
     def _parse_data_url(self, url: str) -> bytes:
-        #  data:[<mediatype>][;base64],<payload>   — the media type is ignored: we sniff
-        head, sep, payload = url[5:].partition(",")
-        if not sep:
+        #  data:[<mediatype>][;base64],<payload>   — the media type is ignored: we sniff.
+        # One copy of the text (the payload's slice; ``url[5:].partition`` made two): a copy of
+        # megabytes is fresh memory, and on the 2-core host its page faults cost more than the copy
+        comma = url.find(",", 5)
+        if comma < 0:
             raise InvalidMediaError("data URL has no ',' before its payload")
-        if head.lower().endswith(";base64"):
-            self._check_size(len(payload) * 3 // 4 - 2)  # before decoding a huge payload
-            return _strict_base64(payload)
-        self._check_size(len(payload) // 3)
-        return urllib.parse.unquote_to_bytes(payload)
+        size = len(url) - comma - 1
+        if url[max(5, comma - 7):comma].lower() == ";base64":
+            self._check_size(size * 3 // 4 - 2)  # before decoding a huge payload
+            return _strict_base64(url[comma + 1:])
+        self._check_size(size // 3)
+        return urllib.parse.unquote_to_bytes(url[comma + 1:])
 
     def _allowed_path(self, raw: str) -> Path:
         """The real path of ``raw`` when it lies inside an allowed directory."""

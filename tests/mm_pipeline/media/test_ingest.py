@@ -143,6 +143,11 @@ def test_data_url_base64_and_percent_encoded() -> None:
             MediaIngestor(IngestConfig()).ingest_local(MediaSource(url="data:;base64," + bad))
     with pytest.raises(InvalidMediaError, match="','"):
         ing.ingest_local(MediaSource(url="data:image/png;base64"))
+    # the media type's ";base64" is case-blind and must end the head; a head too short for it is plain
+    assert ing.ingest_local(MediaSource(url="data:image/png;BASE64," + text)).data == PNG
+    assert ing.ingest_local(MediaSource(url="data:x," + "".join(f"%{b:02x}" for b in PNG))).data == PNG
+    with pytest.raises(UnsupportedMediaType):  # ";base64" not at the end: the payload is read as plain text
+        ing.ingest_local(MediaSource(url="data:;base64;x=1," + text))
     with pytest.raises(InvalidMediaError, match="scheme"):
         ing.ingest_local(MediaSource(url="ftp://x/y.png"))
     assert ing.ingest_local(MediaSource(url="DATA" + b64[4:])).data == PNG  # schemes are case-blind

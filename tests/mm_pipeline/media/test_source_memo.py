@@ -8,6 +8,7 @@ import base64
 import os
 from pathlib import Path
 
+import blake3
 import pytest
 from tests.support.media_samples import image_bytes, video_bytes
 
@@ -40,6 +41,8 @@ def test_a_repeated_data_url_is_not_decoded_or_hashed_again(monkeypatch) -> None
     with pytest.raises(UnsupportedMediaType, match="not usable as audio"):
         ing.ingest_local(MediaSource(url=durl(PNG), kind=MediaKind.AUDIO))
     assert data_url_id("data:;base64,\u00e9") is None  # never decodes: no memo entry either
+    long = durl(bytes(range(256)) * 1000)  # hashed in pieces: the id is blake3 of the whole text
+    assert data_url_id(long) == ("data", blake3.blake3(long.encode("ascii")).digest())
 
 
 def test_data_url_ids_answer_a_kept_text_by_comparison_and_only_an_equal_one(monkeypatch) -> None:
