@@ -38,8 +38,17 @@ def token_keys(token_ids: Sequence[int], extra_keys: Sequence[ExtraKey], start: 
     """Keys of positions [start, end): the token id, or (id, content key) inside an extra-key range."""
     keys: list = list(token_ids[start:end])
     for lo, hi, key in extra_keys:
-        for pos in range(max(lo, start), min(hi, end)):
-            keys[pos - start] = (keys[pos - start], bytes(key))
+        key = bytes(key)
+        # one tuple per distinct id of the range (a media item is mostly one placeholder id), not
+        # one per token: a 60 s video's ~1,200 fresh tuples per match set off a GC pass on the
+        # request path (0.2-0.9 ms, measured); equal keys either way
+        pairs: dict[int, tuple[int, bytes]] = {}
+        for pos in range(max(lo, start) - start, min(hi, end) - start):
+            tid = keys[pos]
+            pair = pairs.get(tid)
+            if pair is None:
+                pair = pairs[tid] = (tid, key)
+            keys[pos] = pair
     return keys
 
 
