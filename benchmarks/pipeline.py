@@ -39,6 +39,7 @@ Keys (goals on the 2-core CPU host in brackets):
   loop_lag_control_max_lag_ms  the same window in another process (a bare 5 ms sleeper): lag there
                              is the machine's CPU starvation, not this process (_loop_lag.py)
   loop_lag_gc_max_pause_ms   longest garbage collection of this process in that window
+  loop_lag_stalls_over_goal  stalls over 50 ms; each is printed with where every thread was during it
   timeline_*                 one cold long-video request: per stage (decode, encode, prefill) its
                              first start, last end, busy seconds and spans (prefill: LLM steps),
                              and pairwise overlap seconds; no_stream_timeline_* the same request
@@ -302,6 +303,7 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
         async def ticker() -> None:
             while not done.is_set():
                 t0 = time.perf_counter()
+                control.tick()  # the stall sampler's clock (_loop_lag.py)
                 await asyncio.sleep(0.005)
                 lags.append(time.perf_counter() - t0 - 0.005)
 
@@ -330,21 +332,17 @@ def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False,
 
 
 def _run_once(quick: bool, decode_only: bool, repeat_only: bool, long_video_only: bool) -> dict[str, float]:
-    if long_video_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = fresh_thread(build_model, Path(tmp))
-            return fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3)
     if decode_only:
         return bench_decode(quick)
-    if repeat_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = fresh_thread(build_model, Path(tmp))
-            return fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = fresh_thread(build_model, Path(tmp))
-        results.update(fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
-        results.update(fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
+        if not repeat_only:
+            results.update(fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
+        if not long_video_only:
+            results.update(fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
+        if repeat_only or long_video_only:
+            return results
         results.update(fresh_thread(bench_loop_lag, model_dir, n=32))
     results.update(bench_decode(quick))
     results.update(fresh_thread(bench_encoder_batching, n_requests=16 if quick else 32, reps=2 if quick else 3))
