@@ -205,10 +205,11 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
     try:
         for backend in processes.values():
             backend.warm()
-        # round 0 warms up and is not counted; each round starts at another variant. A fixed order
-        # let the 1-worker variant, always first, run in a process just left by the process
-        # backends' rounds: its chunks cost up to 2x their CPU there for a round or two (0.66-0.80
-        # vs 0.35 s for a 20 s clip, 2 workers barely affected), which read as a 2.4-3.2x speed-up
+        # round 0 warms up and is not counted; each round starts at another variant. In a fixed
+        # order the 1-worker variant ran first, right after the process backends started (later:
+        # after the process variants and the PyAV floor), and its chunks cost up to 2x their CPU
+        # there (20 s clip: 0.66-0.80 vs 0.35 s when run again; 2 workers barely affected), which
+        # read as a 2.4-3.2x speed-up
         for r in range(reps + 1):
             for v in variants[r % len(variants):] + variants[:r % len(variants)]:
                 w, c = asyncio.run(decode(*v))
