@@ -181,7 +181,10 @@ def bench_parallel_decode(video: bytes, reps: int) -> dict[str, float]:
     tp = 2
     chunks = plan_chunks(list(range(len(sampling.indices) // tp)), sampling.indices, info.keyframes, tp,
                          PlannerConfig().groups_per_chunk)
-    size = (info.height, info.width)
+    # frames leave swscale at the size the server asks for with pipeline.py's checkpoint (a 720p
+    # clip: 160x288). Full-size RGB (2.7 MB a frame) made the table measure page faults: ~27k
+    # per 20 s pass, their cost swinging the process backend's 1-worker time 0.75-1.0 s
+    size = (160, 288)
     processes = {w: ProcessDecodeBackend(w) for w in DECODE_WORKERS}
     variants = [("thread", w, 1) for w in DECODE_WORKERS] + [("process", w, 1) for w in DECODE_WORKERS]
     variants.append(("default", 2, 0))
