@@ -248,9 +248,12 @@ class UnitProducer:
                 self._submit(plan, g, vis, open_keys)
 
         try:
-            async with asyncio.TaskGroup() as group:  # the first failure cancels the other chunks
-                for c, groups in enumerate(chunks):
-                    group.create_task(one(groups, c in from_early))
+            # the process backend's copy of the bytes lasts for all the chunks, also those that do
+            # not overlap; entering and leaving the hold copy and free nothing on the loop
+            with self.decoder.hold(plan.item):
+                async with asyncio.TaskGroup() as group:  # the first failure cancels the other chunks
+                    for c, groups in enumerate(chunks):
+                        group.create_task(one(groups, c in from_early))
         finally:
             if containers is not None:
                 containers.close()

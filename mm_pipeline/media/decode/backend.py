@@ -9,21 +9,22 @@ frames come back through one ``multiprocessing.shared_memory`` block per result.
     copy block ─► unlink ◄── result (shape) ◄──────────┘ close (the parent owns the name)
 
 The item's encoded bytes travel the other way in one block per item, shared by the jobs of that
-item in flight (a pipe would carry megabytes per job). The parent names every block before the
+item in flight and kept across its chunks by ``hold`` (input_blocks.py; a pipe would carry
+megabytes per job). The parent names every block before the
 job starts, so it can unlink it whatever happens to the worker: the waiting thread always sees the
 job end (a result, an error, a cancellation it waited out, BrokenProcessPool after a worker died,
 CancelledError at shutdown) and then unlinks the name (a no-op when it took the block already).
 Cancellation reaches a running job through one shared byte per job in a small "cancel board" block
 the workers attach at start; the deadline travels as seconds left.
 
-Threads are the default: the GIL is held for ~4 % of a decode, and on the 2-core host the hand-off
-copies made processes slower (README, "Overlap, measured": the split and the 1/2/4-worker table).
+Threads are the default: the GIL is held for ~4 % of a decode, and on the 2-core host processes
+are slower in wall time at every worker count (README, "Overlap, measured": the 1/2/4-worker
+table; docs/pipeline_measurements.md: the split).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -39,6 +40,7 @@ import torch
 from mm_pipeline.errors import ServerBusy, UndecodableMediaError
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import decode_image
+from mm_pipeline.media.decode.input_blocks import InputBlocks
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 from mm_pipeline.media.decode import worker_jobs as jobs
@@ -68,6 +70,12 @@ class DecodeBackend(Protocol):
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage: ...
 
+    def hold(self, item: MediaItem) -> contextlib.AbstractContextManager[None]:
+        """While the block runs, what the backend keeps per item for its jobs (the process backend's
+        copy of the encoded bytes) outlives each job: a video's chunks decoded one after another
+        share it. Entering and leaving copy, load and free nothing: fit for the event loop."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -86,6 +94,9 @@ class ThreadDecodeBackend:
     def decode_image(self, item: MediaItem, limits: MediaLimits, target: tuple[int, int] | None = None
                      ) -> DecodedImage:
         return decode_image(item, limits, target=None if target is None else jobs.fixed_target(target))
+
+    def hold(self, item: MediaItem) -> contextlib.AbstractContextManager[None]:
+        return _NO_LOCK  # nothing is kept per item
 
     def shutdown(self) -> None:
         pass
@@ -121,7 +132,7 @@ class ProcessDecodeBackend:
         self._board = shared_memory.SharedMemory(create=True, size=self.BOARD_SLOTS)
         self._board.buf[:] = bytes(self.BOARD_SLOTS)
         self._free_slots = list(range(self.BOARD_SLOTS))
-        self._inputs: dict[int, list] = {}  # id(item.data) -> [block, jobs using it, the bytes]
+        self._inputs = InputBlocks(self.prefix, self._names)
         self._closed = False
         self._executor = self._new_executor()
         self.restarts = 0  # pools replaced after a worker died
@@ -146,6 +157,9 @@ class ProcessDecodeBackend:
         pixels = self._call(jobs.image_job, (item, limits, target), None, f"the {item.format} image from {item.origin}")
         return DecodedImage(pixels, item.format)
 
+    def hold(self, item: MediaItem) -> contextlib.AbstractContextManager[None]:
+        return self._inputs.hold(item)
+
     def warm(self, wait: bool = True) -> None:
         """Start every worker now (each imports torch and PyAV: seconds), not on the first request."""
         futures = [self._executor.submit(jobs.noop) for _ in range(self.workers)]
@@ -166,6 +180,7 @@ class ProcessDecodeBackend:
         executor.shutdown(wait=True, cancel_futures=True)
         self._board.close()
         self._board.unlink()
+        self._inputs.close()
 
     # ---- internal helpers -------------------------------------------------------------------
     def _new_executor(self) -> cf.ProcessPoolExecutor:
@@ -209,16 +224,15 @@ class ProcessDecodeBackend:
         timeout_s = control.remaining_s if control is not None else None
         source = None
         try:
-            source = self._share_input(item)
+            source = self._inputs.share(item)
             try:
-                future = executor.submit(job, name, slot, timeout_s, source, dataclasses.replace(item, data=b""),
-                                         *args[1:])
+                future = executor.submit(job, name, slot, timeout_s, source, _without_bytes(item), *args[1:])
             except (cf.process.BrokenProcessPool, RuntimeError, OSError):  # broken, or replaced and shut down
                 raise _PoolBroke(executor, while_running=False) from None
         except BaseException:
             self._give_slot(slot)
             if source is not None:
-                self._release_input(item)
+                self._inputs.release(item)
             raise
         try:
             try:
@@ -234,7 +248,7 @@ class ProcessDecodeBackend:
         finally:
             jobs.unlink_block(name)  # a no-op when taken; else the job failed, was cancelled or its worker died
             self._give_slot(slot)
-            self._release_input(item)
+            self._inputs.release(item)
 
     def _wait(self, executor: cf.ProcessPoolExecutor, future: cf.Future, slot: int,
               control: DecodeControl | None) -> tuple[int, ...]:
@@ -253,31 +267,6 @@ class ProcessDecodeBackend:
                     future.cancel()
                     cf.wait([future])  # the job holds memory (the budget's bytes) until it stops
                     raise
-
-    def _share_input(self, item: MediaItem) -> tuple[str, int]:
-        """The encoded bytes of ``item`` in a block (one per item while jobs of it run: the chunks
-        of one video share it; a pipe would carry megabytes per job)."""
-        with self._lock:
-            held = self._inputs.get(id(item.data))
-            if held is None:
-                block = shared_memory.SharedMemory(f"{self.prefix}_in{next(self._names)}", create=True,
-                                                   size=max(1, len(item.data)))
-                block.buf[:len(item.data)] = item.data
-                held = self._inputs[id(item.data)] = [block, 0, item.data]
-            held[1] += 1
-            return held[0].name, len(item.data)
-
-    def _release_input(self, item: MediaItem) -> None:
-        with self._lock:
-            held = self._inputs.get(id(item.data))
-            if held is None:
-                return
-            held[1] -= 1
-            if held[1] > 0:
-                return
-            del self._inputs[id(item.data)]
-        held[0].close()
-        held[0].unlink()
 
     def _replace(self, broken: cf.ProcessPoolExecutor) -> None:
         with self._lock:
@@ -334,6 +323,14 @@ def _stop(executor: cf.ProcessPoolExecutor) -> None:
 
 
 _NO_LOCK = contextlib.nullcontext()
+
+
+def _without_bytes(item: MediaItem) -> MediaItem:
+    """What a job carries of ``item``: a plain MediaItem without the bytes (they go through its
+    block) and without the early decode (an object of this process). ``dataclasses.replace`` kept
+    the class: a DeferredMediaItem (a repeated data URL or file whose units had left the encoder
+    cache) refused bytes for its loader, and the request failed with a TypeError."""
+    return MediaItem(item.kind, item.format, b"", item.origin, item.content_key)
 
 
 class _PoolBroke(Exception):

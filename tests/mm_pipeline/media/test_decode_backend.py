@@ -4,6 +4,7 @@ cancellation, a worker crash or a shutdown; a crash fails only the job that caus
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import signal
@@ -16,13 +17,14 @@ import torch
 from tests.support.media_samples import animated_bytes, image_bytes, video_bytes
 
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
+from mm_pipeline.media.decode import input_blocks
 from mm_pipeline.media.decode import worker_jobs
 from mm_pipeline.media.decode.backend import DecodeWorkerDied, ProcessDecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.budget import DecodeCancelled, DecodeControl
 from mm_pipeline.media.decode.image import probe_animation
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.types import MediaItem, MediaKind
+from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
 LIMITS = MediaLimits()
@@ -193,4 +195,99 @@ def test_groups_are_handed_on_as_they_decode(backend):
             assert torch.equal(torch.cat([f for _, f, _ in seen]), whole) and torch.equal(whole, want)
             if b.streams_groups:
                 assert seen[0][2] < seen[-1][2]  # the first group left before the last one decoded
+    assert_no_blocks(backend)
+
+
+def input_blocks_of(b: ProcessDecodeBackend) -> list[str]:
+    return sorted(glob.glob(f"/dev/shm/{b.prefix}_in*"))
+
+
+def test_a_hold_keeps_one_copy_of_the_bytes_for_chunks_that_do_not_overlap(backend, monkeypatch):
+    """Without a hold, each job that finds no other job of its item in flight copies the bytes into
+    a new block (and the worker copies them out again); under ``hold`` the chunks of one video
+    decoded one after another share the first job's block, and leaving the hold removes it."""
+    info, indices = chunk_args(VIDEO)
+    chunks = [[0], [1, 2], [len(indices) // 2 - 1]]
+    want = [ThreadDecodeBackend().decode_chunk(VIDEO, info, indices, g, 2, LIMITS, (32, 48)) for g in chunks]
+    made = []
+    real = shared_memory.SharedMemory
+
+    def counting(*args, **kwargs):
+        block = real(*args, **kwargs)
+        if kwargs.get("create") and "_in" in block.name:
+            made.append(block.name)
+        return block
+
+    monkeypatch.setattr(shared_memory, "SharedMemory", counting)  # the parent's blocks (the backend's module)
+    freed_on = []
+    real_free = input_blocks._free
+    monkeypatch.setattr(input_blocks, "_free", lambda block: (freed_on.append(threading.current_thread()),
+                                                              real_free(block)))
+    for g, w in zip(chunks, want):  # no hold: a block per chunk
+        assert torch.equal(backend.decode_chunk(VIDEO, info, indices, g, 2, LIMITS, (32, 48)), w)
+        assert input_blocks_of(backend) == []
+    assert len(made) == len(chunks)
+    made.clear()
+    with backend.hold(VIDEO):
+        assert input_blocks_of(backend) == []  # nothing is copied before a job needs it
+        seen = []
+        for g, w in zip(chunks, want):
+            assert torch.equal(backend.decode_chunk(VIDEO, info, indices, g, 2, LIMITS, (32, 48)), w)
+            seen.append(input_blocks_of(backend))
+        assert len(made) == 1 and all(s == [f"/dev/shm/{made[0]}"] for s in seen)
+    deadline = time.monotonic() + 10  # leaving the hold frees the block on a thread of its own
+    while input_blocks_of(backend) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_no_blocks(backend)
+    # a job frees its block on its own (worker) thread, here the caller's; leaving the hold, which
+    # the producer does on the event loop, frees it on another thread
+    assert freed_on[:len(chunks)] == [threading.current_thread()] * len(chunks)
+    assert len(freed_on) == len(chunks) + 1 and freed_on[-1] is not threading.current_thread()
+    with ThreadDecodeBackend().hold(VIDEO):  # the thread backend keeps nothing
+        pass
+
+
+def test_shutdown_with_a_hold_open_leaves_nothing():
+    b = ProcessDecodeBackend(1)
+    info, indices = chunk_args(VIDEO)
+    hold = b.hold(VIDEO)
+    hold.__enter__()
+    b.decode_chunk(VIDEO, info, indices, [0], 2, LIMITS, (32, 48))
+    assert len(input_blocks_of(b)) == 1
+    b.shutdown()
+    assert_no_blocks(b)
+    hold.__exit__(None, None, None)  # the hold ends after the backend: nothing left to remove, no error
+    assert_no_blocks(b)
+
+
+def test_a_hold_loads_nothing_on_the_callers_thread(backend):
+    """The producer enters and leaves its hold on the event loop: a deferred item's bytes (a data URL
+    to decode, a file to read) load on the worker thread of the first job, not there."""
+    loaded_on = []
+    item = DeferredMediaItem(MediaKind.VIDEO, "mp4", lambda: loaded_on.append(threading.current_thread()) or VIDEO.data,
+                             "test")
+    info, indices = chunk_args(VIDEO)
+    with backend.hold(item):
+        assert not item.loaded
+        got = []
+        worker = threading.Thread(target=lambda: got.extend(
+            backend.decode_chunk(item, info, indices, [g], 2, LIMITS, (32, 48)) for g in (0, 1)))
+        worker.start()
+        worker.join(60)
+        assert loaded_on == [worker] and len(input_blocks_of(backend)) == 1
+        want = [ThreadDecodeBackend().decode_chunk(VIDEO, info, indices, [g], 2, LIMITS, (32, 48)) for g in (0, 1)]
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+    deadline = time.monotonic() + 10
+    while input_blocks_of(backend) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_no_blocks(backend)
+
+
+def test_a_job_carries_neither_the_bytes_nor_the_early_decode(backend):
+    """An item decoded while its bytes arrived keeps that decoder (threads, locks) in ``early``; its
+    remaining chunks still go to the processes, which get a plain item without it."""
+    item = dataclasses.replace(VIDEO, early=threading.Lock())  # an object of this process, not picklable
+    info, indices = chunk_args(VIDEO)
+    assert torch.equal(backend.decode_chunk(item, info, indices, [1], 2, LIMITS, (32, 48)),
+                       ThreadDecodeBackend().decode_chunk(VIDEO, info, indices, [1], 2, LIMITS, (32, 48)))
     assert_no_blocks(backend)

@@ -50,3 +50,20 @@ def test_process_backend_gives_the_thread_backends_tokens(ckpt):
     video, image, broken = answers["process"]
     assert [video, image] == answers["thread"][:2] and len(video) == GREEDY.max_tokens
     assert isinstance(broken, UndecodableMediaError) and "png" in str(broken).lower()
+
+
+def test_a_repeat_whose_units_left_the_cache_decodes_in_a_process(ckpt):
+    """A repeated data URL is ingested without decoding it (a DeferredMediaItem from the source
+    memo); when its units are no longer in the encoder cache (a 1-byte memory tier here), its
+    chunks go to the worker processes like any other: same tokens both times, not a TypeError."""
+    engine = make(ckpt, decode_backend="process", cache_memory_bytes=1)
+    try:
+        part = video_part(VIDEO)
+        first = asyncio.run(collect(engine, ask(part)))[0]
+        again = asyncio.run(collect(engine, ask(part)))[0]
+        media = engine.stats().media
+    finally:
+        engine.shutdown()
+    assert first == again and len(first) == GREEDY.max_tokens
+    assert media["source_memo_hits.video"] == 1 and media["video_chunks_decoded"] == 8
+    assert glob.glob(f"/dev/shm/{engine.runtime.decoder.prefix}*") == []
