@@ -10,9 +10,8 @@ frames come back through one ``multiprocessing.shared_memory`` block per result.
 
 The item's encoded bytes travel the other way in one block per item, shared by the jobs of that
 item in flight and kept across its chunks by ``hold`` (input_blocks.py; a pipe would carry
-megabytes per job). The parent names every block before the
-job starts, so it can unlink it whatever happens to the worker: the waiting thread always sees the
-job end (a result, an error, a cancellation it waited out, BrokenProcessPool after a worker died,
+megabytes per job). The parent names every block before the job starts, so it can unlink it
+whatever happens to the worker: the waiting thread always sees the job end (a result, an error, a cancellation it waited out, BrokenProcessPool after a worker died,
 CancelledError at shutdown) and then unlinks the name (a no-op when it took the block already).
 Cancellation reaches a running job through one shared byte per job in a small "cancel board" block
 the workers attach at start; the deadline travels as seconds left.
