@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/pipeline.py --decode-only --repeat 3   # the decode-scaling table alone
     .venv/bin/python benchmarks/pipeline.py --repeat-only --quick --repeat 3   # cached-media TTFTs alone
     .venv/bin/python benchmarks/pipeline.py --long-video-only --quick --repeat 3   # cold long-video TTFTs alone
+    .venv/bin/python benchmarks/pipeline.py --loop-lag-only --repeat 50   # event-loop lag alone, worst of 50 runs
 
 Keys (goals on the 2-core CPU host in brackets):
   long_video_ttft_ratio      streamed TTFT / sequential (decode all -> encode all -> prefill)  [<= 0.6]
@@ -326,27 +327,37 @@ def bench_loop_lag(model_dir: Path, n: int) -> dict[str, float]:
             "loop_lag_requests": n, **{f"loop_lag_{k}": v for k, v in control.result().items()}}
 
 
-def run_once(quick: bool, decode_only: bool = False, repeat_only: bool = False,
-             long_video_only: bool = False) -> dict[str, float]:
-    return fresh_thread(_run_once, quick, decode_only, repeat_only, long_video_only)
+def run_once(quick: bool, only: str | None = None) -> dict[str, float]:
+    return fresh_thread(_run_once, quick, only)
 
 
-def _run_once(quick: bool, decode_only: bool, repeat_only: bool, long_video_only: bool) -> dict[str, float]:
-    if decode_only:
+def _run_once(quick: bool, only: str | None) -> dict[str, float]:
+    """One run of every part, or of ``only`` (one of ONLY)."""
+    if only == "decode":
         return bench_decode(quick)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = fresh_thread(build_model, Path(tmp))
-        if not repeat_only:
+        if only in (None, "long-video"):
             results.update(fresh_thread(bench_long_video, model_dir, seconds=16 if quick else 48, reps=2 if quick else 3))
-        if not long_video_only:
+        if only in (None, "repeat"):
             results.update(fresh_thread(bench_repeat, model_dir, seconds=12 if quick else 32, reps=2 if quick else 3))
-        if repeat_only or long_video_only:
-            return results
-        results.update(fresh_thread(bench_loop_lag, model_dir, n=32))
-    results.update(bench_decode(quick))
-    results.update(fresh_thread(bench_encoder_batching, n_requests=16 if quick else 32, reps=2 if quick else 3))
+        if only in (None, "loop-lag"):
+            results.update(fresh_thread(bench_loop_lag, model_dir, n=32))
+    if only is None:
+        results.update(bench_decode(quick))
+        results.update(fresh_thread(bench_encoder_batching, n_requests=16 if quick else 32, reps=2 if quick else 3))
     return results
+
+
+# --<part>-only flags: run one part alone (its keys only)
+ONLY = {"decode": "only the decode tables: 1/2/4 workers, threads vs processes; H.264 non-reference frames "
+                  "dropped vs decoded (60 s 720p clips; --quick: 20 s)",
+        "repeat": "only the cached-media TTFTs (cold, new question, same prefix) and their ratios",
+        "long-video": "only the cold long-video TTFTs (streamed variants, no-stream, sequential) and the stage "
+                      "timelines",
+        "loop-lag": "only the event-loop lag under 32 concurrent media requests (with --repeat N: the max column "
+                    "is the worst of N runs)"}
 
 
 def main() -> None:
@@ -357,17 +368,15 @@ def main() -> None:
                         help="only the served check: a fresh 720p video through `mmserve serve` (demo model), "
                              "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s)")
     parser.add_argument("--h264", action="store_true", help="with --served: H.264 clips with B-frames, not MPEG-4")
-    parser.add_argument("--decode-only", action="store_true",
-                        help="only the decode tables: 1/2/4 workers, threads vs processes; H.264 non-reference frames "
-                             "dropped vs decoded (60 s 720p clips; --quick: 20 s)")
-    parser.add_argument("--repeat-only", action="store_true",
-                        help="only the cached-media TTFTs (cold, new question, same prefix) and their ratios")
-    parser.add_argument("--long-video-only", action="store_true",
-                        help="only the cold long-video TTFTs (streamed variants, no-stream, sequential) and "
-                             "the stage timelines")
+    for part, text in ONLY.items():
+        parser.add_argument(f"--{part}-only", action="store_true", help=text)
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    chosen = [part for part in ONLY if getattr(args, f"{part.replace('-', '_')}_only")]
+    if len(chosen) > 1:
+        parser.error("give at most one --<part>-only flag")
+    only = chosen[0] if chosen else None
     if args.served:
         results = bench_served(seconds=20 if args.quick else 60, reps=args.repeat, h264=args.h264)
         print_table(f"served (medians of {args.repeat}; pair k: streamed TTFT / the PyAV decode timed just before it)",
@@ -376,19 +385,16 @@ def main() -> None:
         return
     runs = []
     for r in range(args.repeat):
-        runs.append(run_once(args.quick, args.decode_only, args.repeat_only, args.long_video_only))
+        runs.append(run_once(args.quick, only))
         if args.repeat > 1:
             print(f"run {r + 1}/{args.repeat} done", flush=True)
     results = {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
     rows = [(k, results[k], min(run[k] for run in runs), max(run[k] for run in runs)) for k in sorted(results)]
     print_table(f"pipeline (median of {args.repeat} run{'s' * (args.repeat > 1)})", ["metric", "median", "min", "max"],
                 [r for r in rows if "timeline_" not in r[0]])
-    if args.repeat_only:
-        write_json(args.json, {**results, "repeat": args.repeat})
-        return
-    if not args.long_video_only:
+    if only in (None, "decode"):
         print_decode_table(results)
-    if not args.decode_only:
+    if only in (None, "long-video"):
         print_timeline(results)
     spread = {f"{k}_min": lo for k, _, lo, _ in rows} | {f"{k}_max": hi for k, _, _, hi in rows}
     write_json(args.json, {**results, **(spread if args.repeat > 1 else {}), "repeat": args.repeat})
