@@ -47,7 +47,7 @@ class LagControl:
         self._gc_start = 0.0
         self._proc: subprocess.Popen | None = None
         self._out = ""
-        self._last_tick = time.perf_counter()
+        self._last_tick: float | None = None  # no stall before the measured loop's first tick
         self._loop_thread = 0
         self._stalls: list[tuple[float, list[dict[str, str]]]] = []  # (length s, samples of every thread)
         self._stop = threading.Event()
@@ -84,6 +84,8 @@ class LagControl:
         stall_of, samples = None, []
         while not self._stop.wait(SAMPLE_EVERY_S / 5):
             last = self._last_tick
+            if last is None:  # the measured loop has not started: its set-up is no stall
+                continue
             overdue = time.perf_counter() - last
             if stall_of is not None and last != stall_of:  # the loop woke up: the stall is over
                 self._stalls.append((samples[-1]["_overdue"], samples))
