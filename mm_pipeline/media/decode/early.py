@@ -18,6 +18,8 @@ Like ``decode_range`` it does not decode the frames no other frame is predicted 
 (``skips_nonref``: H.264, MPEG-1/2/4 B-frames) unless it keeps them: which ones it keeps is known
 by presentation index, and before a packet is decoded its index is its rank among the pts demuxed
 so far (``PresentationRanks``); once production has said which pts it wants (``retarget``), by pts.
+Nor, while frames come in order, the tail of a keyframe span after its last kept frame: those
+packets are held and dropped at the next keyframe (``KeyframeSkip``, early_packets.py).
 
 A fragmented MP4 that states no duration (FFmpeg's ``frag_keyframe+empty_moov`` and its default
 fragmented form: no ``mehd``, ``trex`` default duration 0, the ``moov`` counting at most the first
@@ -45,8 +47,6 @@ dropped its item, the body failed) stops the thread at its next packet and frees
 
 from __future__ import annotations
 
-import array
-import bisect
 import threading
 from collections.abc import Sequence
 from typing import Callable
@@ -58,6 +58,7 @@ import torch
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
+from mm_pipeline.media.decode.early_packets import KeyframeSkip, PresentationRanks
 from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, open_av_stream
@@ -92,6 +93,7 @@ class EarlyVideoDecode:
         self.control = DecodeControl(timeout_s, what="an arriving video")
         self.received_at_first_frame: int | None = None  # bytes in when the first frame came out
         self.frames_decoded = 0  # frames that came out of the decoder (unkept non-reference ones are not decoded)
+        self.skip = KeyframeSkip()  # span tails dropped undecoded (``skip.skipped``), when it applies
         self.prediction = ""  # how the frame count was known: index / duration / fragments ("": not known)
         self._on_end = on_end
         self._cond = threading.Condition()
@@ -199,37 +201,58 @@ class EarlyVideoDecode:
         if used > 1:  # as decode_range does: FFmpeg's own threads, output bit-identical
             stream.thread_type = "AUTO"
             cc.thread_count = used
-        # dropping unkept non-reference frames as decode_range does (module doc)
+        # unkept non-reference frames dropped as decode_range does; span tails too (module doc) with
+        # one decoder thread (frame threads would hold a kept frame back until later packets come)
         ranks = PresentationRanks() if skips_nonref(stream) else None
+        skip = self.skip if ranks is not None and used == 1 else None
         mode = cc.skip_frame = "DEFAULT"
         index = 0
         for packet in container.demux(stream):
             check(self.control)
+            need, rank = True, None
             if ranks is not None and packet.pts is not None:
                 rank = ranks.add(packet.pts)
                 exact = self._exact  # (retarget swaps the set whole; reading it is atomic)
                 need = rank in keep if exact is None else packet.pts in exact
-                if mode != (want := "DEFAULT" if need else "NONREF"):
-                    mode = cc.skip_frame = want
-            for frame in cc.decode(packet):
-                self.frames_decoded += 1
-                if ranks is not None and frame.pts is not None:
-                    index = ranks.rank(frame.pts)
-                if self.received_at_first_frame is None:
-                    self.received_at_first_frame = self.body.received
+            batch = [(packet, need)] if skip is None else skip.feed(packet, need)
+            if batch is None:
+                return  # out of order after a dropped span: production decodes the rest
+            if not batch:  # held: no kept frame is in it, so production may count it as passed
                 with self._cond:
-                    wanted = index in keep if self._exact is None else frame.pts in self._exact
-                    if (wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes
-                            and (self.budget is None or self.budget.take_early(frame_bytes))):
-                        self._frames[frame.pts] = frame
-                        self._kept_bytes += frame_bytes
-                    self._last_pts = frame.pts if self._last_pts is None else max(self._last_pts, frame.pts)
-                    self._cond.notify_all()
-                    if self._stop_pts is not None and self._last_pts >= self._stop_pts:
+                    if self._pass(packet.pts, rank, last_kept):
                         return
-                    if self._exact is None and index >= last_kept:
-                        return  # past every frame the prediction keeps: the rest would be wasted
-                index += 1  # (with ranks: replaced by the next frame's rank)
+                continue
+            refs = {p.pts for p, _ in batch if p is not packet}  # held ones, decoded as references: never kept
+            for pkt, pkt_need in batch:
+                if ranks is not None and pkt.pts is not None and mode != (want := "DEFAULT" if pkt_need else "NONREF"):
+                    mode = cc.skip_frame = want
+                for frame in cc.decode(pkt):
+                    self.frames_decoded += 1
+                    if ranks is not None and frame.pts is not None:
+                        index = ranks.rank(frame.pts)
+                    if self.received_at_first_frame is None:
+                        self.received_at_first_frame = self.body.received
+                    with self._cond:
+                        wanted = (frame.pts not in refs
+                                  and (index in keep if self._exact is None else frame.pts in self._exact))
+                        if (wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes
+                                and (self.budget is None or self.budget.take_early(frame_bytes))):
+                            self._frames[frame.pts] = frame
+                            self._kept_bytes += frame_bytes
+                        if self._pass(frame.pts, index, last_kept):
+                            return
+                    index += 1  # (with ranks: replaced by the next frame's rank)
+
+    def _pass(self, pts: int | None, index: int | None, last_kept: int) -> bool:
+        """Past ``pts`` (a decoded frame, or a held packet: never kept): wake waiting chunks; True
+        when past everything it serves (stop). Caller holds ``_cond``."""
+        if pts is not None:
+            self._last_pts = pts if self._last_pts is None else max(self._last_pts, pts)
+        self._cond.notify_all()
+        if self._stop_pts is not None and self._last_pts is not None and self._last_pts >= self._stop_pts:
+            return True
+        # past every frame the prediction keeps: the rest would be wasted
+        return self._exact is None and index is not None and index >= last_kept
 
     def _predict(self, container: av.container.InputContainer, stream: av.VideoStream,
                  fps: float) -> tuple[int, ...] | None:
@@ -259,29 +282,6 @@ class EarlyVideoDecode:
             for n in range(max(1, total - slack), total + slack + 1):
                 out.update(sample_frames(n, fps, self.sampling).indices)
         return out
-
-
-class PresentationRanks:
-    """Where each frame stands in presentation order, told from the packets demuxed so far: the
-    rank of a pts is how many smaller pts were seen. For a decoded frame that is exact (a frame
-    leaves the decoder after every frame shown before it was demuxed); for a packet about to be
-    decoded it is exact whenever no frame shown earlier comes later in decode order -- what B-frame
-    encoders write (x264's pyramid, MPEG-4 B-frames: tests). A wrong guess costs time, never
-    correctness: a frame decoded for nothing, or a kept one dropped that production then decodes."""
-
-    def __init__(self) -> None:
-        # ascending (inserts land near the end); 8 bytes a packet, a third of FFmpeg's own index
-        # per sample, and the decode deadline bounds the inserts' time (a hostile header)
-        self._seen = array.array("q")
-
-    def add(self, pts: int) -> int:
-        """Record a demuxed packet's pts; its rank so far."""
-        k = bisect.bisect_left(self._seen, pts)
-        self._seen.insert(k, pts)
-        return k
-
-    def rank(self, pts: int) -> int:
-        return bisect.bisect_left(self._seen, pts)
 
 
 def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo, indices: Sequence[int],
