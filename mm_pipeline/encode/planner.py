@@ -203,7 +203,9 @@ class MediaPlanner:
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; plans_one_hop (planned from the
         manifest in ``plan_warm``, in the hop that ingested them); early_frames_used /
         early_frames_decoded_after: sampled frames of chunks an early decode served
-        (media.decode.early), kept by it / decoded after arrival; early_audio_used: audio items
+        (media.decode.early), kept by it / decoded after arrival; early_frames_decoded /
+        early_packets_skipped: frames that early decode decoded / packets it dropped undecoded
+        (the tails of keyframe spans, early_packets.KeyframeSkip); early_audio_used: audio items
         whose samples came from an early decode (media.decode.early_audio); early_sound_used: videos
         whose sound track's samples did."""
         with self._counts_lock:

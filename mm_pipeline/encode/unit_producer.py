@@ -258,6 +258,9 @@ class UnitProducer:
             if containers is not None:
                 containers.close()
                 self._count("video_containers_opened", containers.opened)
+            if from_early:  # what the early decoder decoded and dropped (so far: it may still be ending)
+                self._count("early_frames_decoded", early.frames_decoded)
+                self._count("early_packets_skipped", early.skip.skipped)
 
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
                      size: tuple[int, int], tp: int, control: DecodeControl | None = None,

@@ -77,6 +77,9 @@ def test_same_answer_with_and_without_and_counters(tmp_path_factory, clip) -> No
             assert metrics[("mmserve_media_early_decode_bytes_outstanding_total", ())] > 0
             used = media_counts.get("early_frames_used", 0)
             assert used > 0
+            # the tails of keyframe spans after their last sampled frame were never decoded
+            assert metrics[("mmserve_media_early_packets_skipped_total", ())] > 0
+            assert 0 < media_counts["early_frames_decoded"] < 100
             # the same bytes again: the cache holds every unit, so the second early decode
             # is cancelled when the hash completes and serves nothing
             again = _ask(server, url)
