@@ -17,6 +17,9 @@ Keys (prefixed by the layout):
   early_frames_used / early_frames_decoded_after
                                 sampled frames the early decode had kept / production decoded after
                                 arrival (from /metrics of the early server, warm-up clip included)
+  early_frames_decoded / early_packets_skipped
+                                frames the early decoder decoded / packets it dropped undecoded (the
+                                tails of keyframe spans after their last sampled frame; same server)
 With --h264 the video is ``make_h264`` (x264 veryfast, B-frames, a camera pan; keys ``<layout>_h264_``):
 what the early decoder's dropping of unkept non-reference frames acts on.
 With --sound the videos carry a sound track (AAC, 48 kHz stereo, 128 kbit/s: what a phone
@@ -215,6 +218,8 @@ def run(seconds: int, reps: int, rate: float, layout: str, sound: bool = False, 
     out = {**_ttft_keys(times, len(video), rate), "pyav_all_frames_s": float(np.median(times["floor"])),
            "early_frames_used": counts.get("early_frames_used", 0.0),
            "early_frames_decoded_after": counts.get("early_frames_decoded_after", 0.0),
+           "early_frames_decoded": counts.get("early_frames_decoded", 0.0),
+           "early_packets_skipped": counts.get("early_packets_skipped", 0.0),
            "early_decode_bytes_outstanding_mb": counts.get("early_decode_bytes_outstanding", 0.0) / 1e6}
     if sound:
         out.update(pyav_sound_decode_s=pyav_decode_audio(video), early_sound_used=counts.get("early_sound_used", 0.0))

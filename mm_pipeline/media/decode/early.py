@@ -24,21 +24,21 @@ packets are held and dropped at the next keyframe (``KeyframeSkip``, early_packe
 A fragmented MP4 that states no duration (FFmpeg's ``frag_keyframe+empty_moov`` and its default
 fragmented form: no ``mehd``, ``trex`` default duration 0, the ``moov`` counting at most the first
 fragment) or an Ogg stream gives no frame count up front: estimating it from Content-Length was
-tried and measured (README) -- a few frames off, which moves most sampled frames, so the early work
-was wasted and the first token came later -- so they are decoded after arrival, as is an MP4 with
-its index at the end (it would block the decoder until the last byte): no thread is started for
-them. Audio items are decoded early by ``early_audio`` (no frame count needed); ``EarlyDecoders``
-starts either.
+tried and measured (docs/pipeline_measurements.md) -- a few frames off, which moves most sampled
+frames, so the early work was wasted and the first token came later -- so they are decoded after
+arrival, as is an MP4 with its index at the end (it would block the decoder until the last byte): no
+thread is started for them. Audio items are decoded early by ``early_audio`` (no frame count
+needed); ``EarlyDecoders`` starts either.
 
 A video's sound track (when the model hears videos) is decoded alongside the frames by an
 ``EarlyAudioDecode`` on a reader of its own over the same bytes (``EarlyVideoDecode.sound``), not in
-the frames' demux loop: measured on a 60 s 720p MP4 with AAC sound at 30 MB/s (README), the sound
-of a second reader is done with the last byte, while in one shared loop it waits behind the frame
-decode, which lags the arrival; the second demux costs ~17 ms of CPU. It reads seekable (the MP4
-demuxer follows its sample table, whatever the interleaving) without the declared size (with it a
-fragmented MP4's demuxer looks for an index at the end and waits for the last byte); its samples are
-those of ``decode_audio`` on the whole bytes (tests), and the planner takes them as it takes an
-audio item's (``early_audio_of``).
+the frames' demux loop: measured on a 60 s 720p MP4 with AAC sound at 30 MB/s
+(docs/pipeline_measurements.md), the sound of a second reader is done with the last byte, while in
+one shared loop it waits behind the frame decode, which lags the arrival; the second demux costs ~17
+ms of CPU. It reads seekable (the MP4 demuxer follows its sample table, whatever the interleaving)
+without the declared size (with it a fragmented MP4's demuxer looks for an index at the end and
+waits for the last byte); its samples are those of ``decode_audio`` on the whole bytes (tests), and
+the planner takes them as it takes an audio item's (``early_audio_of``).
 Bounds: ``max_kept_bytes`` of kept frames, each also taken from the server's ``DecodeBudget``
 (early share: none left, the frame is not kept), a deadline, a cap on concurrent early decoders
 (none free: the item is decoded after arrival), and ``cancel`` (a manifest/cache hit, the request
