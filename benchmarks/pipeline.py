@@ -331,8 +331,7 @@ def run_once(quick: bool, only: str | None = None) -> dict[str, float]:
     return fresh_thread(_run_once, quick, only)
 
 
-def _run_once(quick: bool, only: str | None) -> dict[str, float]:
-    """One run of every part, or of ``only`` (one of ONLY)."""
+def _run_once(quick: bool, only: str | None) -> dict[str, float]:  # every part, or ``only`` (one of ONLY)
     if only == "decode":
         return bench_decode(quick)
     results: dict[str, float] = {}
@@ -351,13 +350,10 @@ def _run_once(quick: bool, only: str | None) -> dict[str, float]:
 
 
 # --<part>-only flags: run one part alone (its keys only)
-ONLY = {"decode": "only the decode tables: 1/2/4 workers, threads vs processes; H.264 non-reference frames "
-                  "dropped vs decoded (60 s 720p clips; --quick: 20 s)",
+ONLY = {"decode": "only the decode tables (1/2/4 workers, threads vs processes, H.264 non-reference frames)",
         "repeat": "only the cached-media TTFTs (cold, new question, same prefix) and their ratios",
-        "long-video": "only the cold long-video TTFTs (streamed variants, no-stream, sequential) and the stage "
-                      "timelines",
-        "loop-lag": "only the event-loop lag under 32 concurrent media requests (with --repeat N: the max column "
-                    "is the worst of N runs)"}
+        "long-video": "only the cold long-video TTFTs (streamed variants, no-stream, sequential), timelines",
+        "loop-lag": "only the event-loop lag (32 concurrent media requests; --repeat N: max = the worst run)"}
 
 
 def main() -> None:
