@@ -8,13 +8,14 @@ frames come back through one ``multiprocessing.shared_memory`` block per result.
                              (cancel: flag in board)     ─► create block `name`, copy frames in
     copy block ─► unlink ◄── result (shape) ◄──────────┘ close (the parent owns the name)
 
-The item's encoded bytes travel the other way in one block per item, shared by the jobs of that
-item in flight and kept across its chunks by ``hold`` (input_blocks.py; a pipe would carry
-megabytes per job). The parent names every block before the job starts, so it can unlink it
-whatever happens to the worker: the waiting thread always sees the job end (a result, an error, a cancellation it waited out, BrokenProcessPool after a worker died,
-CancelledError at shutdown) and then unlinks the name (a no-op when it took the block already).
-Cancellation reaches a running job through one shared byte per job in a small "cancel board" block
-the workers attach at start; the deadline travels as seconds left.
+The item's encoded bytes travel the other way in one block per item, shared by the jobs of that item
+in flight and kept across its chunks by ``hold`` (input_blocks.py; a pipe would carry megabytes per
+job). The parent names every block before the job starts, so it can unlink it whatever happens to
+the worker: the waiting thread always sees the job end (a result, an error, a cancellation it waited
+out, BrokenProcessPool after a worker died, CancelledError at shutdown) and then unlinks the name (a
+no-op when it took the block already). Cancellation reaches a running job through one shared byte
+per job in a small "cancel board" block the workers attach at start; the deadline travels as seconds
+left.
 
 Threads are the default: the GIL is held for ~4 % of a decode, and on the 2-core host processes
 are slower in wall time at every worker count (README, "Overlap, measured": the 1/2/4-worker
