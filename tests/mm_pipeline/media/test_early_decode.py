@@ -1,8 +1,7 @@
-"""Decoding while the bytes arrive (media.arriving_bytes, media.decode.early, sniff.streamable_layout).
+"""Decoding while the bytes arrive (media.decode.early, sniff.streamable_layout; the buffer itself:
+test_arriving_bytes.py).
 
-What is proven: the incremental key is the key of the same bytes given whole; a reader waits for
-bytes and never for good (fail / stall end it with ArrivalAborted, the size is unknown until the
-end); the layout answer of each container; an early decode starts before the last byte and its
+What is proven: the layout answer of each container; an early decode starts before the last byte and its
 frames -- taken by production chunk by chunk, misses decoded as before -- equal the whole-bytes
 decode for fragmented MP4, moov-first MP4 and Matroska; a body that fails mid-way or stalls ends
 the decoder thread; a cancelled decode drops its frames.
@@ -10,14 +9,12 @@ the decoder thread; a cancelled decode drops its frames.
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
 import pytest
 
-from mm_pipeline.media.arriving_bytes import ArrivalAborted, ArrivingBytes
-from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
 from mm_pipeline.media.ingest_config import MediaLimits
@@ -36,44 +33,6 @@ SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
 def clips() -> dict[str, bytes]:
     base = video_bytes("mp4", fps=10, n_frames=120, size=(96, 64), gop=10)
     return {layout: remux_layout(base, layout) for layout in ("fragments", "index", "matroska", "index-at-end")}
-
-
-def test_arriving_bytes_key_reads_and_size() -> None:
-    data = bytes(range(256)) * 40
-    body = ArrivingBytes(1 << 20, stall_s=5.0)
-    reader = body.reader()
-    sender = feed(body, data, chunk=1000)
-    assert reader.seek(0, io.SEEK_END) in (-1, len(data))  # unknown (-1) until the end has arrived
-    got = b"".join(iter(lambda: reader.read(4096), b""))
-    sender.join()
-    assert got == data
-    whole, key = body.finish()
-    assert whole == data and key == content_key(data)
-    assert reader.seek(0, io.SEEK_END) == len(data)
-
-
-def test_arriving_bytes_fail_and_stall_wake_the_reader() -> None:
-    body = ArrivingBytes(1 << 20, stall_s=5.0)
-    body.feed(b"abc")
-    reader = body.reader()
-    assert reader.read(10) == b"abc"
-    threading.Timer(0.1, body.fail).start()
-    t0 = time.monotonic()
-    with pytest.raises(ArrivalAborted):
-        reader.read(10)  # waits for more, then the receiver gives up
-    assert time.monotonic() - t0 < 2.0
-    stalled = ArrivingBytes(1 << 20, stall_s=0.2)
-    with pytest.raises(ArrivalAborted, match="no media byte"):
-        stalled.reader().read(1)
-
-
-def test_arriving_bytes_cap() -> None:
-    body = ArrivingBytes(10, stall_s=1.0)
-    body.feed(b"x" * 10)
-    with pytest.raises(Exception, match="10-byte limit"):
-        body.feed(b"y")
-    with pytest.raises(ArrivalAborted):
-        body.reader().read(1)  # the buffer was freed
 
 
 def test_streamable_layout(clips) -> None:
