@@ -32,8 +32,7 @@ from mm_pipeline.errors import MediaError, UnsupportedMediaType
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
-from mm_pipeline.media.decode.video_chunks import plan_chunks
-from mm_pipeline.media.decode.video_containers import VideoContainers
+from mm_pipeline.media.decode.video_chunks import VideoContainers, plan_chunks
 from mm_pipeline.media.decode.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 

@@ -44,8 +44,7 @@ from mm_pipeline.media.decode.input_blocks import InputBlocks
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedImage, MediaItem
 from mm_pipeline.media.decode import worker_jobs as jobs
-from mm_pipeline.media.decode.video_chunks import decode_chunk, emit_groups
-from mm_pipeline.media.decode.video_containers import VideoContainers
+from mm_pipeline.media.decode.video_chunks import VideoContainers, decode_chunk, emit_groups
 
 BACKENDS = ("thread", "process")
 
@@ -58,7 +57,7 @@ class DecodeBackend(Protocol):
     """Decodes video chunks and images; blocking, called on a WorkerPool thread. ``on_group``
     (video_chunks.decode_chunk) gets each group's frames; ``streams_groups``: while the chunk still
     decodes (else once it is done), which lets a chunk span GOPs without holding the encoder back.
-    ``containers``: the video's open containers a chunk may borrow (video_containers.py)."""
+    ``containers``: the video's open containers a chunk may borrow (video_chunks.VideoContainers)."""
 
     streams_groups: bool
 

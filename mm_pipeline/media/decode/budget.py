@@ -17,7 +17,7 @@ Early decodes (decoding while the bytes arrive, ``media.decode.early``) hold wha
 budget only means they stop keeping and the item is decoded after arrival), and together they
 hold at most half the budget -- what they keep is released only once production takes it, and
 production's own reservations must still find room meanwhile. A video's idle open containers
-(``media.decode.video_containers``: their decoders' frames) take from the same share, and are
+(``video_chunks.VideoContainers``: their decoders' frames) take from the same share, and are
 closed when it has no room.
 """
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import av
 import numpy as np
@@ -38,9 +39,11 @@ from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedVideo, MediaItem
 from mm_pipeline.media.sniff import open_av
-from mm_pipeline.media.decode.video_containers import VideoContainers
 from mm_pipeline.media.decode.video_sampling import FrameSampling, VideoSamplingParams, sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
+
+if TYPE_CHECKING:  # video_chunks imports this module (its chunks decode through decode_range)
+    from mm_pipeline.media.decode.video_chunks import VideoContainers
 
 _ANIMATIONS = {"gif", "webp"}
 
@@ -114,17 +117,14 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
     starts at the last keyframe at or before ``targets[0]``, jumps over the frames between two
     targets when a keyframe lies between them (``decode_runs``) and, with ``drop_nonref``, drops
     the unsampled frames no other frame is predicted from (``skips_nonref``); else it decodes every
-    frame from frame 0.
-
-    ``size`` (h, w): frames are scaled to it by swscale as they leave the decoder, in uint8, so a
-    huge source frame never exists as RGB, let alone as float (default: the stream's size).
-    ``control``: checked once per decoded frame (deadline, cancellation).
+    frame from frame 0. ``size`` (h, w): frames are scaled to it by swscale as they leave the
+    decoder, in uint8, so a huge source frame never exists as RGB, let alone as float (default: the
+    stream's size). ``control``: checked once per decoded frame (deadline, cancellation).
     ``threads``: the codec's own decoding threads (FFmpeg frame/slice threads, outside the GIL);
     1: none, 0: FFmpeg picks by the CPU count. Output is bit-identical either way.
     ``on_row(k, rgb)``: called on the decoding thread as row k of the result is ready (in order),
-    so a caller can hand on the first frames while later ones still decode.
-    ``containers``: borrow an open container of ``item`` from there instead of opening one
-    (video_containers.py: the chunks of one video)."""
+    so a caller can hand on the first frames while later ones still decode. ``containers``: borrow
+    an open container of ``item`` there instead of opening one (video_chunks.VideoContainers)."""
     h, w = size or (info.height, info.width)
     if not targets:
         return torch.empty(0, h, w, 3, dtype=torch.uint8)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.support.media_samples import FrameCounter, level_to_frame, video_bytes
 
 from mm_pipeline.media.decode.video import decode_range, hevc_single_sublayer, probe_video, skips_nonref
-from mm_pipeline.media.decode.video_containers import VideoContainers
+from mm_pipeline.media.decode.video_chunks import VideoContainers
 from mm_pipeline.media.sniff import open_av
 from mm_pipeline.media.types import MediaItem, MediaKind
 

@@ -13,8 +13,7 @@ from tests.support.media_samples import video_bytes
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled
 from mm_pipeline.media.decode.video import decode_range, probe_video
-from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
-from mm_pipeline.media.decode.video_containers import VideoContainers
+from mm_pipeline.media.decode.video_chunks import VideoContainers, decode_chunk, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
