@@ -17,6 +17,9 @@ Keys (prefixed by the layout):
   early_frames_used / early_frames_decoded_after
                                 sampled frames the early decode had kept / production decoded after
                                 arrival (from /metrics of the early server, warm-up clip included)
+  loop_lag_max_early_ms / loop_lag_max_after_ms
+                                the servers' largest event-loop lag (/metrics' max gauge: start-up,
+                                warm-up and timed request), worst of the repetitions
   early_frames_decoded / early_packets_skipped
                                 frames the early decoder decoded / packets it dropped undecoded (the
                                 tails of keyframe spans after their last sampled frame; same server)
@@ -168,13 +171,17 @@ def first_token(base_url: str, model: str, url: str, part: str = "video_url") ->
                                                   {"type": "text", "text": question}]}]})
 
 
-def early_counts(base_url: str) -> dict[str, float]:
+def server_counts(base_url: str) -> dict[str, float]:
+    """The early-decode counters of a server (``early_*``) and its largest event-loop lag so far
+    (``loop_lag_max_s``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base_url + "/metrics", timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name.startswith("mmserve_media_early"):
+        if family.name == "mmserve_event_loop_lag_max_seconds":
+            out["loop_lag_max_s"] = max(s.value for s in family.samples)
+        elif family.name.startswith("mmserve_media_early"):
             for s in family.samples:
                 key = s.name.removeprefix("mmserve_media_").removesuffix("_total")
                 out[key] = out.get(key, 0.0) + s.value
@@ -184,8 +191,10 @@ def early_counts(base_url: str) -> dict[str, float]:
 def ttft_pair(media: bytes, warm: bytes, reps: int, rate: float, part: str,
               floor: Callable[[bytes], float]) -> tuple[dict[str, list[float]], dict[str, float]]:
     """TTFT of ``media`` with and without decode-while-receiving, ``reps`` times each on fresh
-    servers (after ``warm``), and ``floor(media)`` once per repetition; the early server's counters."""
-    times: dict[str, list[float]] = {"early": [], "after": [], "floor": []}
+    servers (after ``warm``), and ``floor(media)`` once per repetition; the early server's counters,
+    and each variant's worst event-loop lag (``lag_<name>``: the servers' max gauges, start-up and
+    the warm-up request included)."""
+    times: dict[str, list[float]] = {"early": [], "after": [], "floor": [], "lag_early": [], "lag_after": []}
     counts: dict[str, float] = {}
     flags = ["--model", str(DEMO), "--allow-http", "--allowed-domains", "127.0.0.1", "--allow-private-hosts",
              "--fetch-timeout-s", "120"]
@@ -196,8 +205,10 @@ def ttft_pair(media: bytes, warm: bytes, reps: int, rate: float, part: str,
                     model = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
                     first_token(server.base_url, model, host.url("/warm"), part)  # first-request costs
                     times[name].append(first_token(server.base_url, model, host.url("/media"), part))
+                    seen = server_counts(server.base_url)
+                    times[f"lag_{name}"].append(seen.pop("loop_lag_max_s", float("nan")))
                     if name == "early":
-                        counts = early_counts(server.base_url)
+                        counts = seen
             times["floor"].append(floor(media))
     return times, counts
 
@@ -205,6 +216,7 @@ def ttft_pair(media: bytes, warm: bytes, reps: int, rate: float, part: str,
 def _ttft_keys(times: dict[str, list[float]], size: int, rate: float) -> dict[str, float]:
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {"ttft_early_s": med["early"], "ttft_after_s": med["after"], "ttft_ratio": med["early"] / med["after"],
+            "loop_lag_max_early_ms": 1e3 * max(times["lag_early"]), "loop_lag_max_after_ms": 1e3 * max(times["lag_after"]),
             "ttft_early_spread_s": max(times["early"]) - min(times["early"]),
             "ttft_after_spread_s": max(times["after"]) - min(times["after"]),
             "arrival_s": size / rate, "size_mb": size / 1e6}
