@@ -37,10 +37,12 @@ The video: ``make_camera_video`` (720p, 30 fps, keyframe every 2 s, MPEG-4 part 
 remuxed without re-encoding into the layout asked for: ``index`` (moov first), ``matroska``,
 ``fragments`` (fragmented MP4, empty moov: no frame count up front, so it is decoded after arrival
 either way and its ratio shows what the feature costs when it cannot help), ``fragments-sidx``
-(FFmpeg's global_sidx: the duration up front). The audio: a mono 16 kHz voice-band noise signal of
---audio-seconds (the demo model's 2,048-token context holds about 80 s), as WAV, MP3, Ogg/Opus or
-FLAC, sent at --audio-rate-kb-s. A new server per variant and repetition, so every timed request is
-cold (after a short warm-up item).
+(FFmpeg's global_sidx: the duration up front), ``index-at-end`` (moov after mdat, FFmpeg's
+default MP4: the early server fetches the moov by a range request first; the host answers
+ranges). The audio: a mono 16 kHz voice-band noise signal of --audio-seconds (the demo model's
+2,048-token context holds about 80 s), as WAV, MP3, Ogg/Opus or FLAC, sent at --audio-rate-kb-s.
+A new server per variant and repetition, so every timed request is cold (after a short warm-up
+item).
 """
 
 from __future__ import annotations
@@ -250,7 +252,7 @@ def main() -> None:
     parser = base_parser(__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=None, metavar="N", help="repetitions (medians; default 1 quick, 3 full)")
     parser.add_argument("--rate-mb-s", type=float, default=30.0, help="the media host's send rate in MB/s")
-    parser.add_argument("--layout", choices=["fragments", "fragments-sidx", "index", "matroska"], nargs="*",
+    parser.add_argument("--layout", choices=["fragments", "fragments-sidx", "index", "index-at-end", "matroska"], nargs="*",
                         default=["index", "fragments"], help="video container layouts, each its own rows")
     parser.add_argument("--seconds", type=int, default=None, help="video length (default 20 quick, 60 full)")
     parser.add_argument("--sound", action="store_true", help="videos with a sound track (keys <layout>_sound_)")

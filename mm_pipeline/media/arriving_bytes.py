@@ -18,8 +18,15 @@ that grow the buffer, so none outlives the lock), or from the finished bytes onc
 A reader never waits for good: every wait ends at the end of the body, at ``fail`` (the receiver
 gave up: a stalled or disconnected client, a size or time limit), at ``close`` or after
 ``stall_s`` seconds without a new byte, and raises ``ArrivalAborted`` in the last three cases. A
-seek past what has arrived waits like a read (an MP4 whose index is at the end is then decoded
-only after arrival; ``streamable_layout`` spots those before a decoder is started at all).
+seek past what has arrived waits like a read (an MP4 whose index is at the end would wait for it:
+``streamable_layout`` spots those before a decoder is started, and one starts only once that
+index is in, below).
+
+The end of the body may be put in early (``put_tail``: an MP4 whose index follows its samples,
+fetched with an HTTP range while the samples still arrive, media.index_from_end): a read at or past its
+offset is answered from it at once, and a size query answers the declared size. The tail is only
+trusted once the body has arrived: ``finish`` compares it with the body's own end
+(``tail_mismatch``: the decoder that read it must drop what it decoded) and lets it go.
 
 Two knobs per reader, because demuxers behave differently on what they are told (both measured,
 README "Decoding while bytes arrive"): ``seekable=False`` makes FFmpeg read as from a pipe (an
@@ -59,6 +66,9 @@ class ArrivingBytes:
         self._buf = io.BytesIO()  # written at its end only (module doc)
         self._size = 0
         self._whole: bytes | None = None  # the body, once finished
+        self._tail: bytes | None = None  # the body's end from ``_tail_at`` on, fetched on its own (put_tail)
+        self._tail_at = 0
+        self.tail_mismatch = False  # set by finish: the tail put in was not the body's end
         self._hasher = blake3.blake3()
         self._cond = threading.Condition()
         self._done = False
@@ -85,8 +95,34 @@ class ArrivingBytes:
                 raise ArrivalAborted(f"the media stopped arriving ({self._error})")
             self._done = True
             self._whole = self._buf.getvalue()  # no copy (module doc)
+            if self._tail is not None:
+                self.tail_mismatch = self._whole[self._tail_at:] != self._tail
+                self._tail = None
             self._cond.notify_all()
             return self._whole, self._hasher.hexdigest()
+
+    def put_tail(self, offset: int, tail: bytes) -> None:
+        """The body's bytes from ``offset`` to its declared end, received on their own (module doc)."""
+        if self.declared_size is None or offset < 0 or offset + len(tail) != self.declared_size:
+            raise ValueError(f"a tail must end at the declared size {self.declared_size}, got "
+                             f"{len(tail)} bytes at {offset}")
+        with self._cond:
+            if not self._done and self._error is None:
+                self._tail, self._tail_at = tail, offset
+                self._cond.notify_all()
+
+    def tail_slice(self, start: int, size: int) -> bytes | None:
+        """Up to ``size`` bytes at ``start`` from the tail, or None: no tail, or it does not hold
+        ``start`` (a read waits for the body then)."""
+        with self._cond:
+            if self._tail is None or start < self._tail_at or self._error is not None:
+                return None
+            return self._tail[start - self._tail_at:start - self._tail_at + size]
+
+    @property
+    def has_tail(self) -> bool:
+        with self._cond:
+            return self._tail is not None
 
     def fail(self, error: BaseException | None = None) -> None:
         """The body will not be completed: wake every reader with ``ArrivalAborted``; frees the buffer."""
@@ -99,7 +135,7 @@ class ArrivingBytes:
     close = fail
 
     def _drop(self) -> None:
-        self._buf, self._size, self._whole = io.BytesIO(), 0, None
+        self._buf, self._size, self._whole, self._tail = io.BytesIO(), 0, None, None
 
     # ---- reader side ------------------------------------------------------------------------
     @property
@@ -177,6 +213,9 @@ class ArrivingReader(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         whole = size is None or size < 0
+        if not whole and (early := self._src.tail_slice(self._pos, size)) is not None:
+            self._pos += len(early)
+            return early
         # whatever has arrived past the position, at least one byte: the demuxer asks for a block
         # and takes less, so decoding follows the bytes instead of waiting for a full block
         available = self._src.wait_for(None if whole else self._pos + 1)
@@ -200,7 +239,7 @@ class ArrivingReader(io.RawIOBase):
             # trusts the declared size; never wait here
             if self._src.done:
                 target = self._src.received + offset
-            elif self._known_size:
+            elif self._known_size or self._src.has_tail:  # (a tail ends at the declared size)
                 target = self._src.declared_size + offset  # type: ignore[operator]
             else:
                 return -1

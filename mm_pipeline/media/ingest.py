@@ -7,7 +7,8 @@ container is never opened by PyAV again (and planning then finds its manifest by
 
 An http(s) body arrives into one growing buffer (``ArrivingBytes``) that the hash and, for a
 streamable video or an audio item, an early decoder (``media.decode.early``, started through
-``early_decode``) read while it grows; the body's size cap applies chunk by chunk.
+``early_decode``) read while it grows; the body's size cap applies chunk by chunk. An MP4 whose
+index follows its samples has the index fetched from its end first (``media.index_from_end``).
 
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
@@ -54,6 +55,7 @@ from mm_pipeline.errors import (
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.content_hash import content_key
+from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.public_hosts import PublicHostsTransport
 from mm_pipeline.media.sniff import SniffMemo, sniff, streamable_layout
@@ -90,9 +92,15 @@ class MediaIngestor:
         sniff_memo_hits (the content key answered, nothing opened), source_memo_hits (a data URL or
         file seen before: neither decoded, read nor hashed -- a DeferredMediaItem); early_decodes.video
         and .audio (decoding started while the bytes arrived) and early_decode_bytes_outstanding
-        (bytes still to come then, summed)."""
+        (bytes still to come then, summed); index_from_end (MP4s decoded early once their index was
+        fetched from the end) and index_from_end_mismatches (that index was not the body's end: the
+        early decode was dropped)."""
         with self._counts_lock:
             return dict(self._counts)
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self._counts[name] += 1
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -294,17 +302,20 @@ class MediaIngestor:
                     # the body's size as it will reach us: Content-Length counts encoded bytes
                     size = (int(declared) if declared is not None and declared.isdigit()
                             and response.headers.get("content-encoding", "identity") == "identity" else None)
-                    return await self._receive(response.aiter_bytes(), url, kind, size)
+                    fetch_tail = lambda offset, total, url=url: fetch_range(client, url, offset, total)  # noqa: E731
+                    return await self._receive(response.aiter_bytes(), url, kind, size, fetch_tail)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
     async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
-                       declared_size: int | None = None) -> tuple[bytes, str, Any]:
+                       declared_size: int | None = None,
+                       fetch_tail: Callable[[int, int], Any] | None = None) -> tuple[bytes, str, Any]:
         """Hash the chunks as they arrive into one growing buffer; a streamable video or an audio
-        item starts decoding from that buffer as soon as its layout is known. Any failure (size
+        item starts decoding from that buffer as soon as its layout is known, an MP4 with its index
+        at the end once ``fetch_tail`` has fetched it (media.index_from_end). Any failure (size
         cap, deadline, disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
         body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
                              declared_size=declared_size)
-        early, layout = None, None
+        early, layout, tail = None, None, None
         wants_early = (self.early_decode is not None and self.config.decode_while_receiving
                        and kind in (None, MediaKind.VIDEO, MediaKind.AUDIO))
         try:
@@ -317,13 +328,26 @@ class MediaIngestor:
                     layout = streamable_layout(body.head(_LAYOUT_HEAD))
                     if layout:
                         early = self.early_decode(body, layout, kind, _short(url))  # type: ignore[misc]
+                    elif layout == "" and fetch_tail is not None and self.config.fetch_index_from_end:
+                        tail = IndexFromEnd.start(body, fetch_tail)
+                if tail is not None and early is None and tail.ready():
+                    early = self.early_decode(body, "index", kind, _short(url))  # type: ignore[misc]
+                    if early is not None:
+                        self._count("index_from_end")
             data, key = body.finish()
+            if body.tail_mismatch and early is not None:
+                early.cancel()  # the index fetched was not this body's: nothing it decoded is used
+                early = None
+                self._count("index_from_end_mismatches")
             return data, key, early
         except BaseException:
             body.fail()
             if early is not None:
                 early.cancel()
             raise
+        finally:
+            if tail is not None:
+                await tail.close()
 
     def _check_remote(self, url: str) -> None:
         parts = urllib.parse.urlsplit(url)

@@ -49,6 +49,7 @@ class IngestConfig:
     max_redirects: int = 3
     allow_private_hosts: bool = False  # let allowed domains resolve to loopback / private addresses
     decode_while_receiving: bool = True  # http(s) video/audio: decode while the body arrives (media.decode.early)
+    fetch_index_from_end: bool = True  # an MP4 with its index last: fetch it by a range first (media.index_from_end)
     limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:

@@ -126,6 +126,30 @@ def streamable_layout(head: bytes) -> str | None:
     return "fragments" if fragmented else ""
 
 
+def index_after_samples(head: bytes, size: int) -> int | None:
+    """Where the rest of an MP4 that put its samples (``mdat``) before its index begins: the end of
+    that first ``mdat``, from the first bytes of a ``size``-byte file; None when the file is not
+    such an MP4 (``streamable_layout`` answers for the others), the ``mdat`` runs to the end of the
+    file (size 0) or its header has not arrived yet. What lies after it -- the ``moov``, in what
+    FFmpeg's default MP4 output and most cameras write -- can be fetched on its own (an HTTP range)
+    and decoding then follows the samples as they arrive (media.ingest)."""
+    if len(head) < 12 or head[4:8] != b"ftyp":
+        return None
+    pos = 0
+    while pos + 8 <= len(head):
+        box, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]
+        if box == 1:
+            if pos + 16 > len(head):
+                return None
+            box = int.from_bytes(head[pos + 8:pos + 16], "big")
+        if box < 8 or kind in (b"moov", b"moof"):
+            return None
+        if kind == b"mdat":
+            return pos + box if pos + box < size else None
+        pos += box
+    return None
+
+
 def plain_audio_format(head: bytes) -> str | None:
     """``"wav"``, ``"flac"``, ``"mp3"`` or ``"aac"`` (ADTS) from the first bytes, else None."""
     found = _sniff_plain_audio(head[:16])

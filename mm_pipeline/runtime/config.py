@@ -77,6 +77,8 @@ class OmniEngineConfig:
     """Let allowed media domains resolve to loopback/private addresses (an internal media host; off: only public addresses)."""
     decode_while_receiving: bool = True
     """Decode an http(s) video (fragmented or moov-first MP4, WebM/Matroska, Ogg) while its bytes still arrive."""
+    fetch_index_from_end: bool = True
+    """Decode an http(s) MP4 whose index (moov) follows its samples while it arrives too: the index is fetched first by an HTTP range request for the end of the file (a host that does not answer it exactly: decoded after arrival)."""
     # video sampling and streaming granularity
     video_sampling: VideoSamplingParams | None = None
     """Video frame sampling (flags --video-*; default: the checkpoint's processor_config)."""
@@ -196,7 +198,8 @@ class OmniEngineConfig:
         return IngestConfig(allowed_local_dirs=self.allowed_local_dirs, allow_remote=self.allow_http,
                             allowed_domains=self.allowed_domains, fetch_timeout_s=self.fetch_timeout_s,
                             allow_private_hosts=self.allow_private_hosts,
-                            decode_while_receiving=self.decode_while_receiving, limits=self.limits)
+                            decode_while_receiving=self.decode_while_receiving,
+                            fetch_index_from_end=self.fetch_index_from_end, limits=self.limits)
 
     @property
     def batcher_config(self) -> BatcherConfig:

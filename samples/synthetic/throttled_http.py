@@ -2,6 +2,10 @@
 tests and benchmark (issue 16 item 4): ``with ThrottledMediaServer({"/clip.mp4": data}, rate=30e6)
 as server: server.url("/clip.mp4")``. ``/cut/<name>`` sends half the body and closes the
 connection (a sender that disconnects mid-way); ``/stall/<name>`` sends half and then nothing.
+A ``Range: bytes=a-`` / ``bytes=a-b`` request gets 206 and those bytes at the same rate (as web
+servers and object stores answer), unless ``ranges`` is False (200 and the whole body, as a host
+without range support does); ``range_files`` answers ranges of a path from other bytes of the same
+size (a file that changed between two requests).
 ``remux_layout`` puts a video's coded frames into the container layouts the server streams."""
 
 from __future__ import annotations
@@ -44,13 +48,16 @@ def remux_layout(data: bytes, layout: str) -> bytes:
 
 class ThrottledMediaServer:
     def __init__(self, files: dict[str, bytes], rate_bytes_s: float = 30e6, chunk: int = 64 * 1024,
-                 stall_s: float = 30.0) -> None:
+                 stall_s: float = 30.0, ranges: bool = True, range_files: dict[str, bytes] | None = None) -> None:
         if not rate_bytes_s > 0 or chunk < 1:
             raise ValueError(f"ThrottledMediaServer needs rate > 0 and chunk >= 1, got {rate_bytes_s}, {chunk}")
         self.files = files
         self.rate = rate_bytes_s
         self.chunk = chunk
         self.stall_s = stall_s
+        self.ranges = ranges
+        self.range_files = range_files or {}
+        self.range_requests = 0  # range requests answered with 206
         self._stop = threading.Event()
         owner = self
 
@@ -87,8 +94,18 @@ class ThrottledMediaServer:
             handler.send_header("Content-Length", "0")
             handler.end_headers()
             return
-        handler.send_response(200)
+        asked = _byte_range(handler.headers.get("Range"), len(body)) if self.ranges else None
+        if asked is not None:
+            first, last = asked
+            size = len(body)
+            body = self.range_files.get(name if name.startswith("/") else "/" + name, body)[first:last + 1]
+            handler.send_response(206)
+            handler.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.range_requests += 1
+        else:
+            handler.send_response(200)
         handler.send_header("Content-Type", "application/octet-stream")
+        handler.send_header("Accept-Ranges", "bytes" if self.ranges else "none")
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         end = len(body) // 2 if mode else len(body)
@@ -105,3 +122,14 @@ class ThrottledMediaServer:
         except (BrokenPipeError, ConnectionResetError):
             pass
         handler.close_connection = True
+
+
+def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(first, last) of a single ``bytes=a-`` / ``bytes=a-b`` range within ``size``, else None."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    a, _, b = header[len("bytes="):].partition("-")
+    if not a.isdigit() or (b and not b.isdigit()):
+        return None
+    first, last = int(a), min(int(b) if b else size - 1, size - 1)
+    return (first, last) if first <= last else None

@@ -160,3 +160,28 @@ def test_a_videos_sound_decoded_while_it_arrives(tmp_path_factory) -> None:
             assert not any(k.startswith("early_") for k in counts)
         wait_idle(server)
     assert answers[True] == answers[False]
+
+
+def test_index_at_the_end_fetched_first(tmp_path_factory) -> None:
+    """moov after mdat (FFmpeg's default MP4): with the index fetched from the end (the default)
+    the early decoder serves frames and the answer equals --no-fetch-index-from-end's."""
+    clip = remux_layout(video_bytes("mp4", fps=10, n_frames=100, size=(320, 240), gop=10), "index-at-end")
+    answers = {}
+    with ThrottledMediaServer({"/end.mp4": clip}, rate_bytes_s=len(clip) / 0.6, chunk=4096) as media:
+        for on in (True, False):
+            with served_tiny_omni(tmp_path_factory, allow_http=True, allowed_domains=("127.0.0.1",),
+                                  allow_private_hosts=True, fetch_timeout_s=3.0, fetch_index_from_end=on) as server:
+                r = _ask(server, media.url("/end.mp4"))
+                assert r.status_code == 200, r.text
+                answers[on] = r.json()["choices"][0]["message"]["content"]
+                counts = server.engine.stats().media
+                if on:
+                    assert counts["index_from_end"] == 1 and counts["early_decodes.video"] == 1
+                    assert counts.get("early_frames_used", 0) > 0 and "index_from_end_mismatches" not in counts
+                    _assert_early_threads_end()
+                else:
+                    assert not any(k.startswith(("early_", "index_from_end")) for k in counts)
+                wait_idle(server)
+        assert media.range_requests == 1
+    assert answers[True] == answers[False]
+

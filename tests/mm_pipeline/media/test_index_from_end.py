@@ -1,0 +1,123 @@
+"""An MP4 with its index after its samples, decoded while it arrives (media.index_from_end).
+
+What is proven: where the index begins is read from the first bytes (and nothing is claimed for
+other layouts, a truncated head or an mdat that runs to the end); a tail put into an arriving body
+answers reads at and after its offset before the body gets there, and the size; ``finish`` tells a
+tail that was not the body's end; through ``MediaIngestor`` and a throttled loopback host that
+honours ranges, the early decoder starts before the last byte and every chunk's frames equal the
+whole-bytes decode; a host without ranges, or one whose range gives other bytes (the file changed),
+gets the video decoded after arrival with nothing of the early decode used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from mm_pipeline.media.arriving_bytes import ArrivingBytes
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.video import probe_video
+from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.ingest import MediaIngestor
+from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
+from mm_pipeline.media.sniff import index_after_samples
+from mm_pipeline.media.types import MediaKind, MediaSource
+from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
+from tests.support.arriving import early_chunks_match_whole
+from tests.support.media_samples import video_bytes
+
+SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, bytes]:
+    # samples over 64 KB: FFmpeg reads through a shorter mdat to the index instead of seeking past it
+    base = video_bytes("mp4", fps=10, n_frames=120, size=(320, 240), gop=10)
+    return {layout: remux_layout(base, layout) for layout in ("index-at-end", "index", "fragments", "matroska")}
+
+
+def _moov_at(data: bytes) -> int:
+    pos = 0
+    while data[pos + 4:pos + 8] != b"moov":
+        pos += int.from_bytes(data[pos:pos + 4], "big")
+    return pos
+
+
+def test_where_the_index_begins(clips) -> None:
+    at_end = clips["index-at-end"]
+    assert index_after_samples(at_end[:64], len(at_end)) == _moov_at(at_end)
+    for layout in ("index", "fragments", "matroska"):
+        assert index_after_samples(clips[layout][:64], len(clips[layout])) is None
+    assert index_after_samples(at_end[:30], len(at_end)) is None  # the mdat header not in yet
+    assert index_after_samples(at_end[:64], _moov_at(at_end)) is None  # nothing after the samples
+    runs_to_end = at_end[:36] + bytes(4) + at_end[40:64]  # an mdat of size 0 runs to the end of the file
+    assert index_after_samples(runs_to_end, len(at_end)) is None
+
+
+def test_a_tail_answers_before_the_body_gets_there(clips) -> None:
+    data = clips["index-at-end"]
+    at = _moov_at(data)
+    body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
+    body.feed(data[:100])
+    reader = body.reader()
+    assert reader.seek(0, io.SEEK_END) == -1  # no tail yet: the size is not known
+    with pytest.raises(ValueError, match="declared size"):
+        body.put_tail(at, data[at:-1])
+    body.put_tail(at, data[at:])
+    assert reader.seek(0, io.SEEK_END) == len(data)
+    reader.seek(at)
+    assert reader.read(16) == data[at:at + 16]  # at once: the body holds 100 bytes
+    body.feed(data[100:])
+    whole, _ = body.finish()
+    assert whole == data and not body.tail_mismatch and not body.has_tail
+    reader.seek(at)
+    assert reader.read(16) == data[at:at + 16]  # now from the body itself
+    other = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
+    other.feed(data[:100])
+    other.put_tail(at, data[at:-1] + b"\0")
+    other.feed(data[100:])
+    other.finish()
+    assert other.tail_mismatch
+
+
+def _ingest(data: bytes, **host) -> tuple[object, dict[str, int], int]:
+    """Ingest ``data`` from a throttled loopback host (~0.6 s) with early decodes on: the item, the
+    ingestor's counts and the range requests the host answered."""
+    ingestor = MediaIngestor(IngestConfig(allow_remote=True, allowed_domains=("127.0.0.1",),
+                                          allow_private_hosts=True, fetch_timeout_s=10.0))
+    decoders = EarlyDecoders(SAMPLING, MediaLimits(), fetch_timeout_s=10.0)
+    ingestor.early_decode = lambda body, layout, kind, origin: decoders.start(body, layout, kind, origin)
+    with ThrottledMediaServer({"/v.mp4": data}, rate_bytes_s=len(data) / 0.6, chunk=2048, **host) as media:
+        item = asyncio.run(ingestor.ingest(MediaSource(url=media.url("/v.mp4"), kind=MediaKind.VIDEO)))
+        return item, ingestor.counts, media.range_requests
+
+
+def test_decoded_while_it_arrives_once_the_index_is_fetched(clips) -> None:
+    data = clips["index-at-end"]
+    item, counts, ranges = _ingest(data)
+    early = item.early
+    assert isinstance(early, EarlyVideoDecode) and ranges == 1 and counts["index_from_end"] == 1
+    assert early.received_at_start < len(data)  # started before the last byte
+    assert early.join(10.0)
+    assert early.received_at_first_frame is not None and early.received_at_first_frame < len(data)
+    info = probe_video(item)
+    sampling = sample_frames(info.total_frames, info.video_fps, SAMPLING)
+    tp, size = 2, (32, 48)
+    chunks = plan_chunks(list(range(sampling.num_frames // tp)), sampling.indices, info.keyframes, tp, 2)
+    assert chunks_for_early(early, info, sampling.indices, chunks, tp) == set(range(len(chunks)))
+    used = early_chunks_match_whole(early, item, info, sampling.indices, chunks, tp, size)
+    assert used == len(set(sampling.indices))  # every sampled frame came from the early decoder
+
+
+def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
+    data = clips["index-at-end"]
+    item, counts, ranges = _ingest(data, ranges=False)
+    assert item.early is None and ranges == 0 and "index_from_end" not in counts
+    at = _moov_at(data)
+    changed = data[:at + 40] + bytes([data[at + 40] ^ 0xFF]) + data[at + 41:]
+    item, counts, ranges = _ingest(data, range_files={"/v.mp4": changed})
+    assert ranges == 1 and counts["index_from_end"] == 1 and counts["index_from_end_mismatches"] == 1
+    assert item.early is None and item.data == data  # nothing decoded from the other index is used
