@@ -49,22 +49,23 @@ def clip() -> bytes:
     return remux_layout(video_bytes("mp4", fps=10, n_frames=100, size=(64, 48), gop=10), "index")
 
 
-def _served(tmp_path_factory, on: bool):
+def _served(tmp_path_factory, on: bool, knob: str = "decode_while_receiving"):
     return served_tiny_omni(tmp_path_factory, allow_http=True, allowed_domains=("127.0.0.1",),
-                            allow_private_hosts=True, fetch_timeout_s=3.0, decode_while_receiving=on)
+                            allow_private_hosts=True, fetch_timeout_s=3.0, **{knob: on})
 
 
-def _each_mode(tmp_path_factory, name: str, data: bytes):
-    """(on, server, url): decode-while-receiving on, then off; ``data`` sent at ``name`` over ~0.6 s."""
+def _each_mode(tmp_path_factory, name: str, data: bytes, knob: str = "decode_while_receiving"):
+    """(on, server, url, host): the config field ``knob`` on, then off; ``data`` sent at ``name``
+    over ~0.6 s by ``host``."""
     with ThrottledMediaServer({name: data}, rate_bytes_s=len(data) / 0.6, chunk=4096) as media:
         for on in (True, False):
-            with _served(tmp_path_factory, on) as server:
-                yield on, server, media.url(name)
+            with _served(tmp_path_factory, on, knob) as server:
+                yield on, server, media.url(name), media
 
 
 def test_same_answer_with_and_without_and_counters(tmp_path_factory, clip) -> None:
     answers = {}
-    for on, server, url in _each_mode(tmp_path_factory, "/clip.mp4", clip):
+    for on, server, url, _ in _each_mode(tmp_path_factory, "/clip.mp4", clip):
         r = _ask(server, url)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -144,7 +145,7 @@ def test_a_videos_sound_decoded_while_it_arrives(tmp_path_factory) -> None:
     URL again is a cache hit whose early decodes (frames and sound) are cancelled unused."""
     clip = remux_layout(video_bytes("mp4", fps=10, n_frames=60, size=(64, 48), gop=10, with_audio=True), "index")
     answers = {}
-    for on, server, url in _each_mode(tmp_path_factory, "/v.mp4", clip):
+    for on, server, url, _ in _each_mode(tmp_path_factory, "/v.mp4", clip):
         r = _ask(server, url)
         assert r.status_code == 200, r.text
         answers[on] = r.json()["choices"][0]["message"]["content"]
@@ -166,22 +167,19 @@ def test_index_at_the_end_fetched_first(tmp_path_factory) -> None:
     """moov after mdat (FFmpeg's default MP4): with the index fetched from the end (the default)
     the early decoder serves frames and the answer equals --no-fetch-index-from-end's."""
     clip = remux_layout(video_bytes("mp4", fps=10, n_frames=100, size=(320, 240), gop=10), "index-at-end")
-    answers = {}
-    with ThrottledMediaServer({"/end.mp4": clip}, rate_bytes_s=len(clip) / 0.6, chunk=4096) as media:
-        for on in (True, False):
-            with served_tiny_omni(tmp_path_factory, allow_http=True, allowed_domains=("127.0.0.1",),
-                                  allow_private_hosts=True, fetch_timeout_s=3.0, fetch_index_from_end=on) as server:
-                r = _ask(server, media.url("/end.mp4"))
-                assert r.status_code == 200, r.text
-                answers[on] = r.json()["choices"][0]["message"]["content"]
-                counts = server.engine.stats().media
-                if on:
-                    assert counts["index_from_end"] == 1 and counts["early_decodes.video"] == 1
-                    assert counts.get("early_frames_used", 0) > 0 and "index_from_end_mismatches" not in counts
-                    _assert_early_threads_end()
-                else:
-                    assert not any(k.startswith(("early_", "index_from_end")) for k in counts)
-                wait_idle(server)
-        assert media.range_requests == 1
+    answers, ranges = {}, {}
+    for on, server, url, media in _each_mode(tmp_path_factory, "/end.mp4", clip, "fetch_index_from_end"):
+        r = _ask(server, url)
+        assert r.status_code == 200, r.text
+        answers[on], ranges[on] = r.json()["choices"][0]["message"]["content"], media.range_requests
+        counts = server.engine.stats().media
+        if on:
+            assert counts["index_from_end"] == 1 and counts["early_decodes.video"] == 1
+            assert counts.get("early_frames_used", 0) > 0 and "index_from_end_mismatches" not in counts
+            _assert_early_threads_end()
+        else:
+            assert not any(k.startswith(("early_", "index_from_end")) for k in counts)
+        wait_idle(server)
+    assert ranges == {True: 1, False: 1}  # one range request, by the server with the feature on
     assert answers[True] == answers[False]
 
