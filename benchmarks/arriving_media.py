@@ -40,9 +40,9 @@ either way and its ratio shows what the feature costs when it cannot help), ``fr
 (FFmpeg's global_sidx: the duration up front), ``index-at-end`` (moov after mdat, FFmpeg's
 default MP4: the early server fetches the moov by a range request first; the host answers
 ranges). The audio: a mono 16 kHz voice-band noise signal of --audio-seconds (the demo model's
-2,048-token context holds about 80 s), as WAV, MP3, Ogg/Opus or FLAC, sent at --audio-rate-kb-s.
-A new server per variant and repetition, so every timed request is cold (after a short warm-up
-item).
+2,048-token context holds about 80 s), as WAV, MP3, Ogg/Opus, FLAC or M4A (AAC, moov last), sent
+at --audio-rate-kb-s. A new server per variant and repetition, so every timed request is cold
+(after a short warm-up item).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class _SoundTrack:
 
 
 _AUDIO_CODECS = {"wav": ("wav", "pcm_s16le"), "mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"),
-                 "flac": ("flac", "flac")}
+                 "flac": ("flac", "flac"), "m4a": ("mp4", "aac")}  # m4a: AAC in MP4, its moov last (a voice memo)
 
 
 def make_audio(seconds: int, seed: int, fmt: str) -> bytes:

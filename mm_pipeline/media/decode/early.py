@@ -333,7 +333,7 @@ class EarlyDecoders:
     def start(self, body: ArrivingBytes, layout: str, kind: MediaKind | None = None,
               origin: str = "remote") -> EarlyVideoDecode | EarlyAudioDecode | None:
         head = body.head(_HEAD)
-        reading = audio_reading(head, layout, kind, body.declared_size) if self.audio_rate else None
+        reading = audio_reading(head, layout, kind, body.declared_size, body.has_tail) if self.audio_rate else None
         if reading is None and (kind is MediaKind.AUDIO or layout not in PREDICTABLE
                                 or (layout == "fragments" and not fragments_duration(head))):
             return None  # nothing to decode early: no frame count up front (module doc)

@@ -40,12 +40,14 @@ class _NoRoom(MediaError):
     """The budget's early share is full: stop, the item is decoded after arrival."""
 
 
-def audio_reading(head: bytes, layout: str, kind: MediaKind | None, declared_size: int | None
-                  ) -> tuple[bool, bool] | None:
+def audio_reading(head: bytes, layout: str, kind: MediaKind | None, declared_size: int | None,
+                  tail: bool = False) -> tuple[bool, bool] | None:
     """How to read an arriving body as audio -- (seekable, known_size) for ``ArrivingBytes.reader``
     -- or None when it is not decoded early as audio: a declared video, a container that may hold
     a video and was not declared audio (decoded early as a video, ``media.decode.early``), an
-    Ogg with a Theora stream, an MP3 without a declared size (module doc)."""
+    Ogg with a Theora stream, an MP3 without a declared size (module doc). ``tail``: the body's end
+    is in already (an MP4 whose index follows its samples, media.index_from_end): read seekable,
+    so the demuxer jumps to that index and back, as it does for a video's sound track."""
     if kind is MediaKind.VIDEO:
         return None
     ogg_audio = layout == "ogg" and b"\x80theora" not in head  # every stream's first page leads an Ogg
@@ -54,7 +56,7 @@ def audio_reading(head: bytes, layout: str, kind: MediaKind | None, declared_siz
         return None
     if plain_audio_format(head) == "mp3":
         return (True, True) if declared_size is not None else None
-    return False, False
+    return (tail and layout == "index"), False
 
 
 class EarlyAudioDecode:

@@ -6,7 +6,9 @@ answers reads at and after its offset before the body gets there, and the size; 
 tail that was not the body's end; through ``MediaIngestor`` and a throttled loopback host that
 honours ranges, the early decoder starts before the last byte and every chunk's frames equal the
 whole-bytes decode; a host without ranges, or one whose range gives other bytes (the file changed),
-gets the video decoded after arrival with nothing of the early decode used.
+gets the video decoded after arrival with nothing of the early decode used; an audio-only MP4 (a
+voice memo) with its index last, once the index is in, decodes to samples bit-identical to the
+whole bytes'.
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ import asyncio
 import io
 
 import pytest
+import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
+from mm_pipeline.media.decode.audio import decode_audio, header_seconds
 from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.early_audio import EarlyAudioDecode
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.sniff import index_after_samples
-from mm_pipeline.media.types import MediaKind, MediaSource
+from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
-from tests.support.arriving import early_chunks_match_whole
-from tests.support.media_samples import video_bytes
+from tests.support.arriving import early_chunks_match_whole, feed
+from tests.support.media_samples import audio_bytes, video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
 
@@ -121,3 +126,23 @@ def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
     item, counts, ranges = _ingest(data, range_files={"/v.mp4": changed})
     assert ranges == 1 and counts["index_from_end"] == 1 and counts["index_from_end_mismatches"] == 1
     assert item.early is None and item.data == data  # nothing decoded from the other index is used
+
+
+def test_audio_with_its_index_last() -> None:
+    data = audio_bytes("mp4", "aac", 44100, 12.0)  # FFmpeg writes the moov last (over 64 KB of samples)
+    at = index_after_samples(data[:64], len(data))
+    assert at == _moov_at(data) and at > 1 << 16
+    body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
+    body.feed(data[:4096])
+    body.put_tail(at, data[at:])
+    decoders = EarlyDecoders(VideoSamplingParams(), MediaLimits(), fetch_timeout_s=10.0, audio_rate=16000)
+    early = decoders.start(body, "index", MediaKind.AUDIO)
+    assert isinstance(early, EarlyAudioDecode)
+    feed(body, data[4096:], chunk=4096).join()
+    assert not body.tail_mismatch
+    item = MediaItem(MediaKind.AUDIO, "mp4", data)
+    audio = early.result(item, header_seconds(item))
+    assert audio is not None and torch.equal(audio.samples, decode_audio(item, 16000).samples)
+    assert early.received_at_first_chunk is not None and early.received_at_first_chunk < len(data)
+    early.cancel()
+
