@@ -7,8 +7,8 @@ tail that was not the body's end; through ``MediaIngestor`` and a throttled loop
 honours ranges, the early decoder starts before the last byte and every chunk's frames equal the
 whole-bytes decode; a host without ranges, or one whose range gives other bytes (the file changed),
 gets the video decoded after arrival with nothing of the early decode used; an audio-only MP4 (a
-voice memo) with its index last, once the index is in, decodes to samples bit-identical to the
-whole bytes'.
+voice memo) with its index last, and a video's sound track, once the index is in, decode to
+samples bit-identical to the whole bytes'.
 """
 
 from __future__ import annotations
@@ -128,21 +128,36 @@ def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
     assert item.early is None and item.data == data  # nothing decoded from the other index is used
 
 
-def test_audio_with_its_index_last() -> None:
-    data = audio_bytes("mp4", "aac", 44100, 12.0)  # FFmpeg writes the moov last (over 64 KB of samples)
+def _with_tail(data: bytes, kind: MediaKind | None, **decoders) -> tuple[object, ArrivingBytes]:
+    """An early decode started on the first 4 KiB of ``data`` once its index is put in, then the rest fed."""
     at = index_after_samples(data[:64], len(data))
-    assert at == _moov_at(data) and at > 1 << 16
+    assert at == _moov_at(data) and at > 1 << 16  # over 64 KB of samples: FFmpeg seeks past them
     body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
     body.feed(data[:4096])
     body.put_tail(at, data[at:])
-    decoders = EarlyDecoders(VideoSamplingParams(), MediaLimits(), fetch_timeout_s=10.0, audio_rate=16000)
-    early = decoders.start(body, "index", MediaKind.AUDIO)
-    assert isinstance(early, EarlyAudioDecode)
+    early = EarlyDecoders(SAMPLING, MediaLimits(), fetch_timeout_s=10.0, audio_rate=16000, **decoders).start(
+        body, "index", kind)
     feed(body, data[4096:], chunk=4096).join()
     assert not body.tail_mismatch
-    item = MediaItem(MediaKind.AUDIO, "mp4", data)
-    audio = early.result(item, header_seconds(item))
-    assert audio is not None and torch.equal(audio.samples, decode_audio(item, 16000).samples)
-    assert early.received_at_first_chunk is not None and early.received_at_first_chunk < len(data)
-    early.cancel()
+    return early, body
 
+
+@pytest.mark.parametrize("what", ["audio", "sound"])
+def test_audio_and_sound_with_the_index_last(what: str) -> None:
+    """A voice memo (AAC in MP4, FFmpeg writes its moov last) as an audio item, and the sound track
+    of a video with its index last: samples bit-identical to decoding the whole bytes."""
+    if what == "audio":
+        data = audio_bytes("mp4", "aac", 44100, 12.0)
+        early, _ = _with_tail(data, MediaKind.AUDIO)
+        item, sound = MediaItem(MediaKind.AUDIO, "mp4", data), early
+    else:
+        data = remux_layout(video_bytes("mp4", fps=10, n_frames=120, size=(320, 240), gop=10, with_audio=True),
+                            "index-at-end")
+        early, _ = _with_tail(data, None, video_sound=True)
+        assert isinstance(early, EarlyVideoDecode)
+        item, sound = MediaItem(MediaKind.VIDEO, "mp4", data), early.sound
+    assert isinstance(sound, EarlyAudioDecode)
+    audio = sound.result(item, header_seconds(item))
+    assert audio is not None and torch.equal(audio.samples, decode_audio(item, 16000).samples)
+    assert sound.received_at_first_chunk is not None and sound.received_at_first_chunk < len(data)
+    early.cancel()
