@@ -132,7 +132,7 @@ def index_after_samples(head: bytes, size: int) -> int | None:
     such an MP4 (``streamable_layout`` answers for the others), the ``mdat`` runs to the end of the
     file (size 0) or its header has not arrived yet. What lies after it -- the ``moov``, in what
     FFmpeg's default MP4 output and most cameras write -- can be fetched on its own (an HTTP range)
-    and decoding then follows the samples as they arrive (media.ingest)."""
+    and decoding then follows the samples as they arrive (media.index_from_end)."""
     if len(head) < 12 or head[4:8] != b"ftyp":
         return None
     pos = 0
