@@ -96,7 +96,7 @@ class ArrivingBytes:
             self._done = True
             self._whole = self._buf.getvalue()  # no copy (module doc)
             if self._tail is not None:
-                self.tail_mismatch = self._whole[self._tail_at:] != self._tail
+                self.tail_mismatch = memoryview(self._whole)[self._tail_at:] != self._tail  # (no copy)
                 self._tail = None
             self._cond.notify_all()
             return self._whole, self._hasher.hexdigest()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 import dataclasses
+import functools
 import os
 import stat
 import threading
@@ -302,8 +303,8 @@ class MediaIngestor:
                     # the body's size as it will reach us: Content-Length counts encoded bytes
                     size = (int(declared) if declared is not None and declared.isdigit()
                             and response.headers.get("content-encoding", "identity") == "identity" else None)
-                    fetch_tail = lambda offset, total, url=url: fetch_range(client, url, offset, total)  # noqa: E731
-                    return await self._receive(response.aiter_bytes(), url, kind, size, fetch_tail)
+                    return await self._receive(response.aiter_bytes(), url, kind, size,
+                                               functools.partial(fetch_range, client, url))
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
     async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
