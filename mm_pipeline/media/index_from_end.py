@@ -36,7 +36,6 @@ from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.sniff import index_after_samples
 
 MAX_BYTES = 16 << 20  # the most bytes fetched from the end (a 60 s 720p clip's moov: ~30 KB)
-_HEAD = 64  # enough for ftyp, a free box and the mdat header
 
 
 async def fetch_range(client: httpx.AsyncClient, url: str, offset: int, size: int) -> bytes | None:
@@ -67,11 +66,14 @@ class IndexFromEnd:
         self._taken = False
 
     @classmethod
-    def start(cls, body: ArrivingBytes, fetch: Callable[[int, int], Awaitable[bytes | None]]) -> "IndexFromEnd | None":
+    def start(cls, body: ArrivingBytes, head: bytes,
+              fetch: Callable[[int, int], Awaitable[bytes | None]]) -> "IndexFromEnd | None":
         """Fetch the rest of ``body`` after its ``mdat`` with ``fetch(offset, size)``, or None: not
-        such an MP4, no declared size, or too much to fetch."""
+        such an MP4, no declared size, or too much to fetch. ``head``: the first bytes that told the
+        layout (``sniff.streamable_layout``), so the ``mdat`` header is in it however many boxes
+        precede it (a camera's metadata ``uuid`` or a reserved ``free`` box run to kilobytes)."""
         size = body.declared_size
-        offset = index_after_samples(body.head(_HEAD), size) if size else None
+        offset = index_after_samples(head, size) if size else None
         if offset is None or size is None or size - offset > MAX_BYTES:
             return None
         return cls(body, offset, asyncio.ensure_future(fetch(offset, size)))

@@ -326,11 +326,12 @@ class MediaIngestor:
                 except MediaTooLarge:
                     raise MediaTooLarge(f"{_short(url)} is over the {body.max_bytes}-byte limit") from None
                 if wants_early and layout is None:
-                    layout = streamable_layout(body.head(_LAYOUT_HEAD))
+                    head = body.head(_LAYOUT_HEAD)
+                    layout = streamable_layout(head)
                     if layout:
                         early = self.early_decode(body, layout, kind, _short(url))  # type: ignore[misc]
                     elif layout == "" and fetch_tail is not None and self.config.fetch_index_from_end:
-                        tail = IndexFromEnd.start(body, fetch_tail)
+                        tail = IndexFromEnd.start(body, head, fetch_tail)
                 if tail is not None and early is None and tail.ready():
                     early = self.early_decode(body, "index", kind, _short(url))  # type: ignore[misc]
                     if early is not None:

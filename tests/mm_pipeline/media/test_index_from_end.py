@@ -5,7 +5,7 @@ other layouts, a truncated head or an mdat that runs to the end); a tail put int
 answers reads at and after its offset before the body gets there, and the size; ``finish`` tells a
 tail that was not the body's end; through ``MediaIngestor`` and a throttled loopback host that
 honours ranges, the early decoder starts before the last byte and every chunk's frames equal the
-whole-bytes decode; a host without ranges, or one whose range gives other bytes (the file changed),
+whole-bytes decode (also with kilobytes of camera metadata before the samples); a host without ranges, or one whose range gives other bytes (the file changed),
 gets the video decoded after arrival with nothing of the early decode used; an audio-only MP4 (a
 voice memo) with its index last, and a video's sound track, once the index is in, decode to
 samples bit-identical to the whole bytes'.
@@ -44,27 +44,49 @@ def clips() -> dict[str, bytes]:
     return {layout: remux_layout(base, layout) for layout in ("index-at-end", "index", "fragments", "matroska")}
 
 
-def _moov_at(data: bytes) -> int:
+def _box_at(data: bytes, kind: bytes = b"moov") -> int:
     pos = 0
-    while data[pos + 4:pos + 8] != b"moov":
+    while data[pos + 4:pos + 8] != kind:
         pos += int.from_bytes(data[pos:pos + 4], "big")
     return pos
 
 
 def test_where_the_index_begins(clips) -> None:
     at_end = clips["index-at-end"]
-    assert index_after_samples(at_end[:64], len(at_end)) == _moov_at(at_end)
+    assert index_after_samples(at_end[:64], len(at_end)) == _box_at(at_end)
     for layout in ("index", "fragments", "matroska"):
         assert index_after_samples(clips[layout][:64], len(clips[layout])) is None
     assert index_after_samples(at_end[:30], len(at_end)) is None  # the mdat header not in yet
-    assert index_after_samples(at_end[:64], _moov_at(at_end)) is None  # nothing after the samples
+    assert index_after_samples(at_end[:64], _box_at(at_end)) is None  # nothing after the samples
     runs_to_end = at_end[:36] + bytes(4) + at_end[40:64]  # an mdat of size 0 runs to the end of the file
     assert index_after_samples(runs_to_end, len(at_end)) is None
 
 
+def _box_before_samples(data: bytes, box: bytes) -> bytes:
+    """``data`` (index last) with ``box`` just before its ``mdat`` and every chunk offset of its
+    index moved past it: what cameras write (metadata boxes of kilobytes before the samples)."""
+    mdat, at = _box_at(data, b"mdat"), _box_at(data)
+    moov = bytearray(data[at:])
+
+    def shift(start: int, end: int) -> None:
+        pos = start
+        while pos + 8 <= end:
+            size, kind = int.from_bytes(moov[pos:pos + 4], "big"), bytes(moov[pos + 4:pos + 8])
+            if kind in (b"moov", b"trak", b"mdia", b"minf", b"stbl"):
+                shift(pos + 8, pos + size)
+            elif kind in (b"stco", b"co64"):
+                width = 4 if kind == b"stco" else 8
+                for i in range(pos + 16, pos + 16 + int.from_bytes(moov[pos + 12:pos + 16], "big") * width, width):
+                    moov[i:i + width] = (int.from_bytes(moov[i:i + width], "big") + len(box)).to_bytes(width, "big")
+            pos += size
+
+    shift(0, len(moov))
+    return data[:mdat] + box + data[mdat:at] + bytes(moov)
+
+
 def test_a_tail_answers_before_the_body_gets_there(clips) -> None:
     data = clips["index-at-end"]
-    at = _moov_at(data)
+    at = _box_at(data)
     body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
     body.feed(data[:100])
     reader = body.reader()
@@ -100,8 +122,9 @@ def _ingest(data: bytes, **host) -> tuple[object, dict[str, int], int]:
         return item, ingestor.counts, media.range_requests
 
 
-def test_decoded_while_it_arrives_once_the_index_is_fetched(clips) -> None:
-    data = clips["index-at-end"]
+def _decoded_early(data: bytes) -> None:
+    """Through the ingestor: the index fetched once, the early decoder started before the last
+    byte, and every sampled frame taken from it equal to the whole-bytes decode."""
     item, counts, ranges = _ingest(data)
     early = item.early
     assert isinstance(early, EarlyVideoDecode) and ranges == 1 and counts["index_from_end"] == 1
@@ -117,11 +140,24 @@ def test_decoded_while_it_arrives_once_the_index_is_fetched(clips) -> None:
     assert used == len(set(sampling.indices))  # every sampled frame came from the early decoder
 
 
+def test_decoded_while_it_arrives_once_the_index_is_fetched(clips) -> None:
+    _decoded_early(clips["index-at-end"])
+
+
+def test_metadata_before_the_samples(clips) -> None:
+    """8 KiB of camera metadata between ``ftyp`` and ``mdat``: the index is still found from the first
+    bytes that told the layout."""
+    box = (8 + 16 + 8192).to_bytes(4, "big") + b"uuid" + bytes(range(16)) + bytes(8192)
+    data = _box_before_samples(clips["index-at-end"], box)
+    assert index_after_samples(data[:64], len(data)) is None  # the mdat header is past byte 64
+    _decoded_early(data)
+
+
 def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
     data = clips["index-at-end"]
     item, counts, ranges = _ingest(data, ranges=False)
     assert item.early is None and ranges == 0 and "index_from_end" not in counts
-    at = _moov_at(data)
+    at = _box_at(data)
     changed = data[:at + 40] + bytes([data[at + 40] ^ 0xFF]) + data[at + 41:]
     item, counts, ranges = _ingest(data, range_files={"/v.mp4": changed})
     assert ranges == 1 and counts["index_from_end"] == 1 and counts["index_from_end_mismatches"] == 1
@@ -131,7 +167,7 @@ def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
 def _with_tail(data: bytes, kind: MediaKind | None, **decoders) -> tuple[object, ArrivingBytes]:
     """An early decode started on the first 4 KiB of ``data`` once its index is put in, then the rest fed."""
     at = index_after_samples(data[:64], len(data))
-    assert at == _moov_at(data) and at > 1 << 16  # over 64 KB of samples: FFmpeg seeks past them
+    assert at == _box_at(data) and at > 1 << 16  # over 64 KB of samples: FFmpeg seeks past them
     body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
     body.feed(data[:4096])
     body.put_tail(at, data[at:])
