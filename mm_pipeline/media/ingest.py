@@ -5,31 +5,23 @@ Hash first: once the bytes are held, their content key (blake3) is computed befo
 inside them; the sniff answer of a content key seen before comes from a memo, so a repeated
 container is never opened by PyAV again (and planning then finds its manifest by the same key).
 
-An http(s) body arrives into one growing buffer (``ArrivingBytes``) that the hash and, for a
-streamable video or an audio item, an early decoder (``media.decode.early``, started through
-``early_decode``) read while it grows; the body's size cap applies chunk by chunk. An MP4 whose
-index follows its samples has the index fetched from its end first (``media.index_from_end``).
+An http(s) body is fetched by ``media.remote_fetch`` (its own security rules: allow-list, public
+addresses only, redirects, deadline), hashed while it arrives and, for a streamable video or an
+audio item, decoded while it arrives by the early decoder set in ``early_decode``.
 
 Pixel, duration and frame limits need the media headers and are enforced by the decoders, before
 any full decode, from the same ``MediaLimits``.
 
-Security rules:
+Security rules for local sources:
   * local files only under ``allowed_local_dirs``, checked after resolving symlinks and ``..``;
-  * remote fetch off by default; when on, only http(s) to hosts on ``allowed_domains`` (exact host or
-    a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap;
-  * an allowed host must also resolve to public addresses only (no loopback, private, link-local
-    or reserved range: a DNS name on the list pointed at 127.0.0.1 or 169.254.169.254 is refused)
-    unless ``allow_private_hosts``; the check is made by the connection itself, which connects to
-    the very addresses it checked (``media.public_hosts``: no DNS-rebinding window);
+    regular files only (a FIFO or a device is refused before it is opened);
   * local paths are plain strings: a NUL byte is a 400, not an OS error.
 """
 
 from __future__ import annotations
 
-import asyncio
 import binascii
 import dataclasses
-import functools
 import os
 import stat
 import threading
@@ -38,7 +30,6 @@ import urllib.parse
 import urllib.request
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -47,24 +38,19 @@ import httpx
 from mm_pipeline.errors import (
     InvalidMediaError,
     MediaAccessDenied,
-    MediaFetchError,
-    MediaFetchTimeout,
     MediaNotFound,
     MediaTooLarge,
     UnsupportedMediaType,
 )
-from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.content_hash import content_key
-from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
-from mm_pipeline.media.public_hosts import PublicHostsTransport
-from mm_pipeline.media.sniff import SniffMemo, sniff, streamable_layout
+from mm_pipeline.media.remote_fetch import EarlyDecode, RemoteFetch, short_url
+from mm_pipeline.media.sniff import SniffMemo, sniff
+from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.source_memo import DataUrlIds, SourceMemo, file_id
 from mm_pipeline.media.worker_pool import WorkerPool
 
 T = TypeVar("T")
-_LAYOUT_HEAD = 1 << 20  # bytes of a body streamable_layout looks at, at most
 
 
 class MediaIngestor:
@@ -75,17 +61,17 @@ class MediaIngestor:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
         self.pool = pool
-        self._transport = transport
         self._roots = tuple(Path(d).resolve() for d in config.allowed_local_dirs)
         self.sniff_memo = SniffMemo()
         # (body, layout, declared kind, origin) -> a started early decode or None: set by the
         # planner, which knows the sampling, audio rate and decoder settings (media.decode.early);
         # None: decode after arrival only
-        self.early_decode: Callable[[ArrivingBytes, str, MediaKind | None, str], Any] | None = None
+        self.early_decode: EarlyDecode | None = None
         self.source_memo = SourceMemo()
         self.data_url_ids = DataUrlIds()  # a repeated data URL's memo id without hashing its text again
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+        self.remote = RemoteFetch(config, self._count, transport)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -107,9 +93,9 @@ class MediaIngestor:
 
     async def ingest(self, source: MediaSource) -> MediaItem:
         if source.url is not None and _scheme(source.url) in ("http", "https"):
-            data, key, early = await self._fetch(source.url, source.kind)
+            data, key, early = await self.remote.fetch(source.url, source.kind, self.early_decode)
             try:
-                item = await self._off_loop(self._to_item, data, source.kind, _short(source.url), key)
+                item = await self._off_loop(self._to_item, data, source.kind, short_url(source.url), key)
             except BaseException:
                 if early is not None:
                     early.cancel()
@@ -268,99 +254,6 @@ class MediaIngestor:
         self._check_size(len(data))
         return data
 
-    async def _fetch(self, url: str, kind: MediaKind | None = None) -> tuple[bytes, str, Any]:
-        """The body, its content key (hashed chunk by chunk as it arrives, no second pass) and the
-        early decode started on it while it arrived (or None)."""
-        if not self.config.allow_remote:
-            raise MediaAccessDenied("remote media URLs are disabled on this server")
-        try:
-            return await asyncio.wait_for(self._fetch_following(url, kind), self.config.fetch_timeout_s)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise MediaFetchTimeout(
-                f"fetching {_short(url)} took longer than {self.config.fetch_timeout_s} s") from None
-        except httpx.HTTPError as exc:
-            raise MediaFetchError(f"fetching {_short(url)} failed ({type(exc).__name__})") from None
-
-    async def _fetch_following(self, url: str, kind: MediaKind | None) -> tuple[bytes, str, Any]:
-        limit = self.config.limits.max_bytes
-        transport = self._transport
-        if transport is None and not self.config.allow_private_hosts:
-            transport = PublicHostsTransport()  # every connection (redirect hops too) checks its addresses
-        async with httpx.AsyncClient(follow_redirects=False, transport=transport,
-                                     timeout=self.config.fetch_timeout_s, trust_env=False) as client:
-            for _ in range(self.config.max_redirects + 1):
-                self._check_remote(url)
-                async with client.stream("GET", url) as response:
-                    if response.is_redirect:
-                        location = response.headers.get("location", "")
-                        url = urllib.parse.urljoin(url, location)
-                        continue
-                    if response.status_code >= 400:
-                        raise MediaFetchError(f"{_short(url)} answered HTTP {response.status_code}")
-                    declared = response.headers.get("content-length")
-                    if declared is not None and declared.isdigit() and int(declared) > limit:
-                        raise MediaTooLarge(f"{_short(url)} is {declared} bytes, limit {limit}")
-                    # the body's size as it will reach us: Content-Length counts encoded bytes
-                    size = (int(declared) if declared is not None and declared.isdigit()
-                            and response.headers.get("content-encoding", "identity") == "identity" else None)
-                    return await self._receive(response.aiter_bytes(), url, kind, size,
-                                               functools.partial(fetch_range, client, url))
-        raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
-
-    async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
-                       declared_size: int | None = None,
-                       fetch_tail: Callable[[int, int], Any] | None = None) -> tuple[bytes, str, Any]:
-        """Hash the chunks as they arrive into one growing buffer; a streamable video or an audio
-        item starts decoding from that buffer as soon as its layout is known, an MP4 with its index
-        at the end once ``fetch_tail`` has fetched it (media.index_from_end). Any failure (size
-        cap, deadline, disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
-        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
-                             declared_size=declared_size)
-        early, layout, tail = None, None, None
-        wants_early = (self.early_decode is not None and self.config.decode_while_receiving
-                       and kind in (None, MediaKind.VIDEO, MediaKind.AUDIO))
-        try:
-            async for chunk in chunks:
-                try:
-                    body.feed(chunk)
-                except MediaTooLarge:
-                    raise MediaTooLarge(f"{_short(url)} is over the {body.max_bytes}-byte limit") from None
-                if wants_early and layout is None:
-                    head = body.head(_LAYOUT_HEAD)
-                    layout = streamable_layout(head)
-                    if layout:
-                        early = self.early_decode(body, layout, kind, _short(url))  # type: ignore[misc]
-                    elif layout == "" and fetch_tail is not None and self.config.fetch_index_from_end:
-                        tail = IndexFromEnd.start(body, head, fetch_tail)
-                if tail is not None and early is None and tail.ready():
-                    early = self.early_decode(body, "index", kind, _short(url))  # type: ignore[misc]
-                    if early is not None:
-                        self._count("index_from_end")
-            data, key = body.finish()
-            if body.tail_mismatch and early is not None:
-                early.cancel()  # the index fetched was not this body's: nothing it decoded is used
-                early = None
-                self._count("index_from_end_mismatches")
-            return data, key, early
-        except BaseException:
-            body.fail()
-            if early is not None:
-                early.cancel()
-            raise
-        finally:
-            if tail is not None:
-                await tail.close()
-
-    def _check_remote(self, url: str) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https"):
-            raise MediaAccessDenied(f"redirect to a {parts.scheme!r} URL is not allowed")
-        host = (parts.hostname or "").lower().rstrip(".")
-        allowed = any(host == d or host.endswith("." + d)
-                      for d in (d.lower().strip(".") for d in self.config.allowed_domains))
-        if not allowed:
-            raise MediaAccessDenied(f"host {host!r} is not on the media domain allow-list")
-
 
 def _same_content(data: bytes, key: str, origin: str) -> bytes:
     """``data`` when it hashes to ``key``: a remembered file read later must still hold that content."""
@@ -393,9 +286,3 @@ def _scheme(url: str) -> str:
     # is that long
     end = url.find(":", 0, 64)
     return url[:end].lower() if end >= 0 else ""
-
-
-def _short(url: str) -> str:
-    """A URL for messages: never the payload of a data URL, never a query string."""
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"[:200]

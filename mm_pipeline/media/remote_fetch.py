@@ -1,0 +1,150 @@
+"""Fetching an http(s) media body: the remote half of ingest (``media.ingest``).
+
+The body arrives into one growing buffer (``ArrivingBytes``) that the content hash and, for a
+streamable video or an audio item, an early decoder (``media.decode.early``) read while it grows;
+the size cap applies chunk by chunk. An MP4 whose index follows its samples has the index fetched
+from its end first (``media.index_from_end``).
+
+Security rules:
+  * remote fetch off by default; when on, only http(s) to hosts on ``allowed_domains`` (exact host or
+    a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap;
+  * an allowed host must also resolve to public addresses only (no loopback, private, link-local
+    or reserved range: a DNS name on the list pointed at 127.0.0.1 or 169.254.169.254 is refused)
+    unless ``allow_private_hosts``; the check is made by the connection itself, which connects to
+    the very addresses it checked (``media.public_hosts``: no DNS-rebinding window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Any, Callable
+
+import httpx
+
+from mm_pipeline.errors import MediaAccessDenied, MediaFetchError, MediaFetchTimeout, MediaTooLarge
+from mm_pipeline.media.arriving_bytes import ArrivingBytes
+from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
+from mm_pipeline.media.ingest_config import IngestConfig
+from mm_pipeline.media.public_hosts import PublicHostsTransport
+from mm_pipeline.media.sniff import streamable_layout
+from mm_pipeline.media.types import MediaKind
+
+_LAYOUT_HEAD = 1 << 20  # bytes of a body streamable_layout looks at, at most
+
+# (body, layout, declared kind, origin) -> a started early decode, or None (media.decode.early)
+EarlyDecode = Callable[[ArrivingBytes, str, MediaKind | None, str], Any]
+
+
+class RemoteFetch:
+    """Fetches http(s) bodies under one ``IngestConfig``; ``count`` is told each early start from a
+    fetched index (``index_from_end``) and each index that was not the body's end."""
+
+    def __init__(self, config: IngestConfig, count: Callable[[str], None],
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self._count = count
+        self._transport = transport
+
+    async def fetch(self, url: str, kind: MediaKind | None = None,
+                    early_decode: EarlyDecode | None = None) -> tuple[bytes, str, Any]:
+        """The body, its content key (hashed chunk by chunk as it arrives, no second pass) and the
+        early decode ``early_decode`` started on it while it arrived (or None)."""
+        if not self.config.allow_remote:
+            raise MediaAccessDenied("remote media URLs are disabled on this server")
+        try:
+            return await asyncio.wait_for(self._follow(url, kind, early_decode), self.config.fetch_timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise MediaFetchTimeout(
+                f"fetching {short_url(url)} took longer than {self.config.fetch_timeout_s} s") from None
+        except httpx.HTTPError as exc:
+            raise MediaFetchError(f"fetching {short_url(url)} failed ({type(exc).__name__})") from None
+
+    async def _follow(self, url: str, kind: MediaKind | None,
+                      early_decode: EarlyDecode | None) -> tuple[bytes, str, Any]:
+        limit = self.config.limits.max_bytes
+        transport = self._transport
+        if transport is None and not self.config.allow_private_hosts:
+            transport = PublicHostsTransport()  # every connection (redirect hops too) checks its addresses
+        async with httpx.AsyncClient(follow_redirects=False, transport=transport,
+                                     timeout=self.config.fetch_timeout_s, trust_env=False) as client:
+            for _ in range(self.config.max_redirects + 1):
+                self._check_host(url)
+                async with client.stream("GET", url) as response:
+                    if response.is_redirect:
+                        location = response.headers.get("location", "")
+                        url = urllib.parse.urljoin(url, location)
+                        continue
+                    if response.status_code >= 400:
+                        raise MediaFetchError(f"{short_url(url)} answered HTTP {response.status_code}")
+                    declared = response.headers.get("content-length")
+                    if declared is not None and declared.isdigit() and int(declared) > limit:
+                        raise MediaTooLarge(f"{short_url(url)} is {declared} bytes, limit {limit}")
+                    # the body's size as it will reach us: Content-Length counts encoded bytes
+                    size = (int(declared) if declared is not None and declared.isdigit()
+                            and response.headers.get("content-encoding", "identity") == "identity" else None)
+                    return await self._receive(response.aiter_bytes(), url, kind, early_decode, size,
+                                               functools.partial(fetch_range, client, url))
+        raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
+
+    async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
+                       early_decode: EarlyDecode | None, declared_size: int | None,
+                       fetch_tail: Callable[[int, int], Any]) -> tuple[bytes, str, Any]:
+        """Hash the chunks as they arrive into one growing buffer; a streamable video or an audio
+        item starts decoding from that buffer as soon as its layout is known, an MP4 with its index
+        at the end once ``fetch_tail`` has fetched it (media.index_from_end). Any failure (size
+        cap, deadline, disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
+        body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
+                             declared_size=declared_size)
+        early, layout, tail = None, None, None
+        wants_early = (early_decode is not None and self.config.decode_while_receiving
+                       and kind in (None, MediaKind.VIDEO, MediaKind.AUDIO))
+        try:
+            async for chunk in chunks:
+                try:
+                    body.feed(chunk)
+                except MediaTooLarge:
+                    raise MediaTooLarge(f"{short_url(url)} is over the {body.max_bytes}-byte limit") from None
+                if wants_early and layout is None:
+                    head = body.head(_LAYOUT_HEAD)
+                    layout = streamable_layout(head)
+                    if layout:
+                        early = early_decode(body, layout, kind, short_url(url))  # type: ignore[misc]
+                    elif layout == "" and self.config.fetch_index_from_end:
+                        tail = IndexFromEnd.start(body, head, fetch_tail)
+                if tail is not None and early is None and tail.ready():
+                    early = early_decode(body, "index", kind, short_url(url))  # type: ignore[misc]
+                    if early is not None:
+                        self._count("index_from_end")
+            data, key = body.finish()
+            if body.tail_mismatch and early is not None:
+                early.cancel()  # the index fetched was not this body's: nothing it decoded is used
+                early = None
+                self._count("index_from_end_mismatches")
+            return data, key, early
+        except BaseException:
+            body.fail()
+            if early is not None:
+                early.cancel()
+            raise
+        finally:
+            if tail is not None:
+                await tail.close()
+
+    def _check_host(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise MediaAccessDenied(f"redirect to a {parts.scheme!r} URL is not allowed")
+        host = (parts.hostname or "").lower().rstrip(".")
+        allowed = any(host == d or host.endswith("." + d)
+                      for d in (d.lower().strip(".") for d in self.config.allowed_domains))
+        if not allowed:
+            raise MediaAccessDenied(f"host {host!r} is not on the media domain allow-list")
+
+
+def short_url(url: str) -> str:
+    """A URL for messages: never the payload of a data URL, never a query string."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"[:200]
