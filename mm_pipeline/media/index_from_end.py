@@ -13,8 +13,8 @@ follows the samples as they arrive:
                                                     (reads at/after the offset come from the tail)
 
 Only when the host honours the range exactly (206 with ``Content-Range: bytes a-b/size`` of the
-size the body declared, no content encoding) and the rest of the file is at most ``MAX_BYTES``
-(a multi-hour video's index; more: decoded after arrival); any other answer, an error or a tail
+size the body declared, no content encoding) and the rest of the file is at most
+``sniff.MAX_INDEX_BYTES`` (16 MiB; more: decoded after arrival); any other answer, an error or a tail
 still missing when the body has arrived changes nothing but the early start. The tail is trusted
 only once the body is whole: ``ArrivingBytes.finish`` compares it with the body's own end, and a
 mismatch (the file changed between the two requests) cancels the early decode, whose frames are
@@ -33,9 +33,7 @@ from typing import Awaitable, Callable
 import httpx
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.sniff import index_after_samples
-
-MAX_BYTES = 16 << 20  # the most bytes fetched from the end (a 60 s 720p clip's moov: ~30 KB)
+from mm_pipeline.media.sniff import MAX_INDEX_BYTES, index_after_samples
 
 
 async def fetch_range(client: httpx.AsyncClient, url: str, offset: int, size: int) -> bytes | None:
@@ -74,7 +72,7 @@ class IndexFromEnd:
         precede it (a camera's metadata ``uuid`` or a reserved ``free`` box run to kilobytes)."""
         size = body.declared_size
         offset = index_after_samples(head, size) if size else None
-        if offset is None or size is None or size - offset > MAX_BYTES:
+        if offset is None or size is None or size - offset > MAX_INDEX_BYTES:
             return None
         return cls(body, offset, asyncio.ensure_future(fetch(offset, size)))
 

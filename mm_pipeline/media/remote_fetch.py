@@ -29,10 +29,10 @@ from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
 from mm_pipeline.media.ingest_config import IngestConfig
 from mm_pipeline.media.public_hosts import PublicHostsTransport
-from mm_pipeline.media.sniff import streamable_layout
+from mm_pipeline.media.sniff import layout_and_need
 from mm_pipeline.media.types import MediaKind
 
-_LAYOUT_HEAD = 1 << 20  # bytes of a body streamable_layout looks at, at most
+_FIRST_LOOK = 1 << 16  # the bytes the layout is first looked for in (most files tell from their first 100)
 
 # (body, layout, declared kind, origin) -> a started early decode, or None (media.decode.early)
 EarlyDecode = Callable[[ArrivingBytes, str, MediaKind | None, str], Any]
@@ -99,6 +99,7 @@ class RemoteFetch:
         body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
                              declared_size=declared_size)
         early, layout, tail = None, None, None
+        need = 0  # the first bytes the layout can be told from (sniff.layout_and_need)
         wants_early = (early_decode is not None and self.config.decode_while_receiving
                        and kind in (None, MediaKind.VIDEO, MediaKind.AUDIO))
         try:
@@ -107,9 +108,9 @@ class RemoteFetch:
                     body.feed(chunk)
                 except MediaTooLarge:
                     raise MediaTooLarge(f"{short_url(url)} is over the {body.max_bytes}-byte limit") from None
-                if wants_early and layout is None:
-                    head = body.head(_LAYOUT_HEAD)
-                    layout = streamable_layout(head)
+                while wants_early and layout is None and body.received >= need:
+                    head = body.head(max(need, _FIRST_LOOK))
+                    layout, need = layout_and_need(head)  # need > len(head) while it cannot tell
                     if layout:
                         early = early_decode(body, layout, kind, short_url(url))  # type: ignore[misc]
                     elif layout == "" and self.config.fetch_index_from_end:

@@ -47,6 +47,10 @@ _PROBE_FORMATS = {
 }
 _AV_OPTIONS = {"protocol_whitelist": "none"}
 _HEAD_LIMIT = 1 << 20  # top-level MP4 boxes before moov/mdat past this: not worth streaming
+# The largest MP4 index (moov) waited for to decode while the rest arrives, at the start of a file
+# or fetched from its end (media.index_from_end). An hour of video at 30 fps with its sound has
+# ~260k samples, 2-3 MB of sample tables; a 128 MiB limit allows such a low-bitrate lecture.
+MAX_INDEX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -89,41 +93,53 @@ def streamable_layout(head: bytes) -> str | None:
     ``"index"`` (MP4 with its whole sample table, ``moov``, before ``mdat``), ``"fragments"``
     (fragmented MP4), ``"matroska"`` (Matroska/WebM), ``"ogg"``, ``"audio"`` (WAV, FLAC, MP3,
     ADTS: a plain audio stream); ``""``: it cannot (``moov`` after ``mdat``, anything else); None:
-    the bytes so far do not tell yet."""
+    the bytes so far do not tell yet (``layout_and_need`` says how many will)."""
+    return _layout(head)[0]
+
+
+def layout_and_need(head: bytes) -> tuple[str | None, int]:
+    """``streamable_layout(head)`` and, where it is None, how many first bytes it needs to answer
+    (more than ``len(head)``: the end of the box it stopped in; ``len(head)`` once answered). A
+    caller with bytes still arriving looks again only then, so a long video's index of megabytes
+    is read once when whole, not copied again with every chunk before it."""
+    return _layout(head)
+
+
+def _layout(head: bytes) -> tuple[str | None, int]:
     if len(head) < 12:
-        return None
+        return None, 12
     if _sniff_plain_audio(head[:16]) is not None:
-        return "audio"
+        return "audio", len(head)
     if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML
-        return "matroska"
+        return "matroska", len(head)
     if head[:4] == b"OggS":
-        return "ogg"
+        return "ogg", len(head)
     if head[4:8] != b"ftyp":
-        return ""
+        return "", len(head)
     pos = 0
     fragmented = False  # a moov with mvex was seen: answer at the first moof, so that whatever
     while pos + 8 <= len(head):  # precedes it (a sidx stating the duration) has arrived too
         size, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]  # size (4) | type (4)
         if size == 1:  # a 64-bit size follows
             if pos + 16 > len(head):
-                return None
+                return None, pos + 16
             size = int.from_bytes(head[pos + 8:pos + 16], "big")
         if kind == b"moof":
-            return "fragments"
+            return "fragments", len(head)
         if kind == b"mdat" and not fragmented:
-            return ""  # samples first, index at the end
+            return "", len(head)  # samples first, index at the end
         if kind == b"moov":
-            if pos + size > len(head):
-                return None if len(head) < _HEAD_LIMIT else ""
+            if pos + size > len(head):  # wait for the whole index, up to a long video's
+                return (None, pos + size) if pos + size <= MAX_INDEX_BYTES else ("", len(head))
             if b"mvex" not in head[pos:pos + size]:
-                return "index"
+                return "index", len(head)
             fragmented = True  # the first fragment's samples (mdat) or a sidx may follow
         if size < 8:  # 0: the box runs to the end of the file
-            return "fragments" if fragmented else ""
+            return "fragments" if fragmented else "", len(head)
         pos += size
-    if len(head) < _HEAD_LIMIT:
-        return None
-    return "fragments" if fragmented else ""
+    if pos + 8 <= _HEAD_LIMIT:
+        return None, pos + 8
+    return "fragments" if fragmented else "", len(head)
 
 
 def index_after_samples(head: bytes, size: int) -> int | None:

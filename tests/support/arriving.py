@@ -1,9 +1,11 @@
 """Helpers for the decode-while-arriving tests: a throttled sender into an ``ArrivingBytes``, a
-PyAV remux into another container (fragmented MP4 and the like), and the check that an early
-decode's frames equal the whole-bytes decode chunk by chunk."""
+PyAV remux into another container (fragmented MP4 and the like), an ingest from a throttled
+loopback host with early decodes on, and the check that an early decode's frames equal the
+whole-bytes decode chunk by chunk."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tempfile
 import threading
@@ -14,9 +16,14 @@ import av
 import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.decode.early import decode_chunk_early
-from mm_pipeline.media.decode.video_chunks import decode_chunk
-from mm_pipeline.media.ingest_config import MediaLimits
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.video import probe_video
+from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.ingest import MediaIngestor
+from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
+from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
+from samples.synthetic.throttled_http import ThrottledMediaServer
 
 
 def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0.002,
@@ -61,3 +68,34 @@ def early_chunks_match_whole(early, item, info, indices, chunks, tp: int, size) 
         assert torch.equal(streamed, whole)
         used += n
     return used
+
+
+def ingest_throttled(data: bytes, sampling: VideoSamplingParams, seconds: float = 0.6,
+                     **host) -> tuple[MediaItem, dict[str, int], int]:
+    """``data`` ingested as a video from a throttled loopback host (sent in ``seconds``, 2 KiB
+    chunks) with early decodes on: the item, the ingestor's counts and the range requests the
+    host answered."""
+    ingestor = MediaIngestor(IngestConfig(allow_remote=True, allowed_domains=("127.0.0.1",),
+                                          allow_private_hosts=True, fetch_timeout_s=10.0))
+    decoders = EarlyDecoders(sampling, MediaLimits(), fetch_timeout_s=10.0)
+    ingestor.early_decode = lambda body, layout, kind, origin: decoders.start(body, layout, kind, origin)
+    with ThrottledMediaServer({"/v.mp4": data}, rate_bytes_s=len(data) / seconds, chunk=2048, **host) as media:
+        item = asyncio.run(ingestor.ingest(MediaSource(url=media.url("/v.mp4"), kind=MediaKind.VIDEO)))
+        return item, ingestor.counts, media.range_requests
+
+
+def early_covers_whole(item: MediaItem, sampling: VideoSamplingParams) -> None:
+    """``item``'s early decode started before the last byte, and every sampled frame came from it,
+    equal to the whole-bytes decode."""
+    early = item.early
+    assert isinstance(early, EarlyVideoDecode)
+    assert early.received_at_start < item.nbytes  # started before the last byte
+    assert early.join(10.0)
+    assert early.received_at_first_frame is not None and early.received_at_first_frame < item.nbytes
+    info = probe_video(item)
+    sampled = sample_frames(info.total_frames, info.video_fps, sampling)
+    tp, size = 2, (32, 48)
+    chunks = plan_chunks(list(range(sampled.num_frames // tp)), sampled.indices, info.keyframes, tp, 2)
+    assert chunks_for_early(early, info, sampled.indices, chunks, tp) == set(range(len(chunks)))
+    used = early_chunks_match_whole(early, item, info, sampled.indices, chunks, tp, size)
+    assert used == len(set(sampled.indices))

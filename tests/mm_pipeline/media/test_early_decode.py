@@ -1,7 +1,8 @@
 """Decoding while the bytes arrive (media.decode.early, sniff.streamable_layout; the buffer itself:
 test_arriving_bytes.py).
 
-What is proven: the layout answer of each container; an early decode starts before the last byte and its
+What is proven: the layout answer of each container, and the bytes it needs where the first do
+not tell (an index of megabytes is read once, when whole, and decoded while the rest arrives); an early decode starts before the last byte and its
 frames -- taken by production chunk by chunk, misses decoded as before -- equal the whole-bytes
 decode for fragmented MP4, moov-first MP4 and Matroska; a body that fails mid-way or stalls ends
 the decoder thread; a cancelled decode drops its frames.
@@ -13,17 +14,20 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.sniff import streamable_layout
+from mm_pipeline.media.sniff import MAX_INDEX_BYTES, layout_and_need, streamable_layout
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from samples.synthetic.throttled_http import remux_layout
-from tests.support.arriving import early_chunks_match_whole, feed
+from tests.support.arriving import early_chunks_match_whole, early_covers_whole, feed, ingest_throttled
+from tests.support.mp4_boxes import box_at, with_bigger_index, with_box_before_samples
 from tests.support.media_samples import image_bytes, video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -42,6 +46,64 @@ def test_streamable_layout(clips) -> None:
     assert streamable_layout(clips["index"][:20]) is None  # moov not yet complete
     assert streamable_layout(image_bytes()) == ""
     assert streamable_layout(b"OggS" + bytes(20)) == "ogg"
+
+
+def test_the_bytes_a_layout_needs(clips) -> None:
+    """Where the first bytes do not tell, ``layout_and_need`` names the end of the box it stopped
+    in: looking again with that many answers (an index of megabytes included); an index past
+    ``MAX_INDEX_BYTES`` is not waited for."""
+    assert layout_and_need(b"") == (None, 12)
+    data = with_bigger_index(clips["index"], 3 << 20)
+    moov_end = box_at(data) + int.from_bytes(data[box_at(data):box_at(data) + 4], "big")
+    assert moov_end > 3 << 20
+    head, steps = data[:64], 0
+    while (answer := layout_and_need(head))[0] is None:
+        assert answer[1] > len(head)
+        head, steps = data[:answer[1]], steps + 1
+    assert answer == ("index", moov_end) and steps <= 3
+    huge = data[:box_at(data)] + (MAX_INDEX_BYTES + 1).to_bytes(4, "big") + b"moov"
+    assert layout_and_need(huge) == ("", len(huge))
+
+
+@pytest.fixture(scope="module")
+def variants(clips) -> dict[str, bytes]:
+    """The clips and two reshaped MP4s: a 3 MiB index first, 9 KB of camera metadata before the samples."""
+    return {**clips, "big-index": with_bigger_index(clips["index"], 3 << 20),
+            "camera": with_box_before_samples(clips["index-at-end"], b"uuid", bytes(9000))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(which=st.sampled_from(["index", "fragments", "matroska", "index-at-end", "big-index", "camera"]),
+       cuts=st.lists(st.integers(1, 1 << 16), min_size=1, max_size=40))
+def test_looking_again_when_the_needed_bytes_are_in(variants, which: str, cuts: list[int]) -> None:
+    """However the bytes arrive, looking again only once ``need`` bytes are in (as the fetch does)
+    gives the whole file's answer, and ``need`` always asks for more than it was shown."""
+    data = variants[which]
+    received, need, answer = 0, 0, None
+    for cut in [*cuts, len(data)]:
+        received = min(len(data), received + cut)
+        while answer is None and received >= need:
+            head = data[:min(received, max(need, 1 << 16))]
+            answer, need = layout_and_need(head)
+            assert answer is not None or need > len(head)
+    assert answer == streamable_layout(data)
+
+
+def test_an_index_of_megabytes_is_read_once_and_decoded_while_arriving(monkeypatch) -> None:
+    """A moov-first MP4 whose index is 2 MiB (a long video's sample tables): decoded while it
+    arrives, every sampled frame equal to the whole-bytes decode; the first bytes are copied out
+    a few times, not again with each 2 KiB chunk before the index is whole (~1,000 of them)."""
+    copied = []
+    head = ArrivingBytes.head
+    monkeypatch.setattr(ArrivingBytes, "head", lambda self, n: copied.append(got := head(self, n)) or got)
+    # 110 KB of samples after the index: they arrive after the decoder started
+    base = video_bytes("mp4", fps=10, n_frames=120, size=(320, 240), gop=10)
+    data = with_bigger_index(remux_layout(base, "index"), 2 << 20)
+    item, counts, _ = ingest_throttled(data, SAMPLING, seconds=2.0)  # the samples: the last ~0.1 s
+    assert counts["early_decodes.video"] == 1
+    early_covers_whole(item, SAMPLING)
+    layout_copies = [len(c) for c in copied if len(c) > 1 << 16]
+    assert 1 <= len(layout_copies) <= 2 and sum(layout_copies) < 2 * len(data), layout_copies
 
 
 # ---- early decode --------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ samples bit-identical to the whole bytes'.
 
 from __future__ import annotations
 
-import asyncio
 import io
 
 import pytest
@@ -21,17 +20,15 @@ import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
-from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode
-from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.decode.video_chunks import plan_chunks
-from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
-from mm_pipeline.media.ingest import MediaIngestor
-from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import index_after_samples
-from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
-from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
-from tests.support.arriving import early_chunks_match_whole, feed
+from mm_pipeline.media.types import MediaItem, MediaKind
+from samples.synthetic.throttled_http import remux_layout
+from tests.support.arriving import early_covers_whole, feed, ingest_throttled
+from tests.support.mp4_boxes import box_at, with_box_before_samples
 from tests.support.media_samples import audio_bytes, video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -44,49 +41,20 @@ def clips() -> dict[str, bytes]:
     return {layout: remux_layout(base, layout) for layout in ("index-at-end", "index", "fragments", "matroska")}
 
 
-def _box_at(data: bytes, kind: bytes = b"moov") -> int:
-    pos = 0
-    while data[pos + 4:pos + 8] != kind:
-        pos += int.from_bytes(data[pos:pos + 4], "big")
-    return pos
-
-
 def test_where_the_index_begins(clips) -> None:
     at_end = clips["index-at-end"]
-    assert index_after_samples(at_end[:64], len(at_end)) == _box_at(at_end)
+    assert index_after_samples(at_end[:64], len(at_end)) == box_at(at_end)
     for layout in ("index", "fragments", "matroska"):
         assert index_after_samples(clips[layout][:64], len(clips[layout])) is None
     assert index_after_samples(at_end[:30], len(at_end)) is None  # the mdat header not in yet
-    assert index_after_samples(at_end[:64], _box_at(at_end)) is None  # nothing after the samples
+    assert index_after_samples(at_end[:64], box_at(at_end)) is None  # nothing after the samples
     runs_to_end = at_end[:36] + bytes(4) + at_end[40:64]  # an mdat of size 0 runs to the end of the file
     assert index_after_samples(runs_to_end, len(at_end)) is None
 
 
-def _box_before_samples(data: bytes, box: bytes) -> bytes:
-    """``data`` (index last) with ``box`` just before its ``mdat`` and every chunk offset of its
-    index moved past it: what cameras write (metadata boxes of kilobytes before the samples)."""
-    mdat, at = _box_at(data, b"mdat"), _box_at(data)
-    moov = bytearray(data[at:])
-
-    def shift(start: int, end: int) -> None:
-        pos = start
-        while pos + 8 <= end:
-            size, kind = int.from_bytes(moov[pos:pos + 4], "big"), bytes(moov[pos + 4:pos + 8])
-            if kind in (b"moov", b"trak", b"mdia", b"minf", b"stbl"):
-                shift(pos + 8, pos + size)
-            elif kind in (b"stco", b"co64"):
-                width = 4 if kind == b"stco" else 8
-                for i in range(pos + 16, pos + 16 + int.from_bytes(moov[pos + 12:pos + 16], "big") * width, width):
-                    moov[i:i + width] = (int.from_bytes(moov[i:i + width], "big") + len(box)).to_bytes(width, "big")
-            pos += size
-
-    shift(0, len(moov))
-    return data[:mdat] + box + data[mdat:at] + bytes(moov)
-
-
 def test_a_tail_answers_before_the_body_gets_there(clips) -> None:
     data = clips["index-at-end"]
-    at = _box_at(data)
+    at = box_at(data)
     body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
     body.feed(data[:100])
     reader = body.reader()
@@ -110,34 +78,11 @@ def test_a_tail_answers_before_the_body_gets_there(clips) -> None:
     assert other.tail_mismatch
 
 
-def _ingest(data: bytes, **host) -> tuple[object, dict[str, int], int]:
-    """Ingest ``data`` from a throttled loopback host (~0.6 s) with early decodes on: the item, the
-    ingestor's counts and the range requests the host answered."""
-    ingestor = MediaIngestor(IngestConfig(allow_remote=True, allowed_domains=("127.0.0.1",),
-                                          allow_private_hosts=True, fetch_timeout_s=10.0))
-    decoders = EarlyDecoders(SAMPLING, MediaLimits(), fetch_timeout_s=10.0)
-    ingestor.early_decode = lambda body, layout, kind, origin: decoders.start(body, layout, kind, origin)
-    with ThrottledMediaServer({"/v.mp4": data}, rate_bytes_s=len(data) / 0.6, chunk=2048, **host) as media:
-        item = asyncio.run(ingestor.ingest(MediaSource(url=media.url("/v.mp4"), kind=MediaKind.VIDEO)))
-        return item, ingestor.counts, media.range_requests
-
-
 def _decoded_early(data: bytes) -> None:
-    """Through the ingestor: the index fetched once, the early decoder started before the last
-    byte, and every sampled frame taken from it equal to the whole-bytes decode."""
-    item, counts, ranges = _ingest(data)
-    early = item.early
-    assert isinstance(early, EarlyVideoDecode) and ranges == 1 and counts["index_from_end"] == 1
-    assert early.received_at_start < len(data)  # started before the last byte
-    assert early.join(10.0)
-    assert early.received_at_first_frame is not None and early.received_at_first_frame < len(data)
-    info = probe_video(item)
-    sampling = sample_frames(info.total_frames, info.video_fps, SAMPLING)
-    tp, size = 2, (32, 48)
-    chunks = plan_chunks(list(range(sampling.num_frames // tp)), sampling.indices, info.keyframes, tp, 2)
-    assert chunks_for_early(early, info, sampling.indices, chunks, tp) == set(range(len(chunks)))
-    used = early_chunks_match_whole(early, item, info, sampling.indices, chunks, tp, size)
-    assert used == len(set(sampling.indices))  # every sampled frame came from the early decoder
+    """Through the ingestor: the index fetched by one range request, then decoded while it arrives."""
+    item, counts, ranges = ingest_throttled(data, SAMPLING)
+    assert ranges == 1 and counts["index_from_end"] == 1
+    early_covers_whole(item, SAMPLING)
 
 
 def test_decoded_while_it_arrives_once_the_index_is_fetched(clips) -> None:
@@ -147,19 +92,18 @@ def test_decoded_while_it_arrives_once_the_index_is_fetched(clips) -> None:
 def test_metadata_before_the_samples(clips) -> None:
     """8 KiB of camera metadata between ``ftyp`` and ``mdat``: the index is still found from the first
     bytes that told the layout."""
-    box = (8 + 16 + 8192).to_bytes(4, "big") + b"uuid" + bytes(range(16)) + bytes(8192)
-    data = _box_before_samples(clips["index-at-end"], box)
+    data = with_box_before_samples(clips["index-at-end"], b"uuid", bytes(range(16)) + bytes(8192))
     assert index_after_samples(data[:64], len(data)) is None  # the mdat header is past byte 64
     _decoded_early(data)
 
 
 def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
     data = clips["index-at-end"]
-    item, counts, ranges = _ingest(data, ranges=False)
+    item, counts, ranges = ingest_throttled(data, SAMPLING, ranges=False)
     assert item.early is None and ranges == 0 and "index_from_end" not in counts
-    at = _box_at(data)
+    at = box_at(data)
     changed = data[:at + 40] + bytes([data[at + 40] ^ 0xFF]) + data[at + 41:]
-    item, counts, ranges = _ingest(data, range_files={"/v.mp4": changed})
+    item, counts, ranges = ingest_throttled(data, SAMPLING, range_files={"/v.mp4": changed})
     assert ranges == 1 and counts["index_from_end"] == 1 and counts["index_from_end_mismatches"] == 1
     assert item.early is None and item.data == data  # nothing decoded from the other index is used
 
@@ -167,7 +111,7 @@ def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
 def _with_tail(data: bytes, kind: MediaKind | None, **decoders) -> tuple[object, ArrivingBytes]:
     """An early decode started on the first 4 KiB of ``data`` once its index is put in, then the rest fed."""
     at = index_after_samples(data[:64], len(data))
-    assert at == _box_at(data) and at > 1 << 16  # over 64 KB of samples: FFmpeg seeks past them
+    assert at == box_at(data) and at > 1 << 16  # over 64 KB of samples: FFmpeg seeks past them
     body = ArrivingBytes(1 << 24, stall_s=5.0, declared_size=len(data))
     body.feed(data[:4096])
     body.put_tail(at, data[at:])
