@@ -28,6 +28,7 @@ nothing, and loses nothing.
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Awaitable, Callable
 
 import httpx
@@ -44,12 +45,12 @@ async def fetch_range(client: httpx.AsyncClient, url: str, offset: int, size: in
         if (r.status_code != 206 or r.headers.get("content-range") != expect
                 or r.headers.get("content-encoding", "identity") != "identity"):
             return None
-        got = bytearray()
+        got = io.BytesIO()  # getvalue hands its bytes on without a copy (ArrivingBytes does the same)
         async for chunk in r.aiter_bytes():
-            got += chunk
-            if len(got) > size - offset:
+            got.write(chunk)
+            if got.tell() > size - offset:
                 return None
-    return bytes(got) if len(got) == size - offset else None
+    return got.getvalue() if got.tell() == size - offset else None
 
 
 class IndexFromEnd:
