@@ -131,7 +131,7 @@ def _layout(head: bytes) -> tuple[str | None, int]:
         if kind == b"moov":
             if pos + size > len(head):  # wait for the whole index, up to a long video's
                 return (None, pos + size) if pos + size <= MAX_INDEX_BYTES else ("", len(head))
-            if b"mvex" not in head[pos:pos + size]:
+            if head.find(b"mvex", pos, pos + size) < 0:  # (no slice: an index can be megabytes)
                 return "index", len(head)
             fragmented = True  # the first fragment's samples (mdat) or a sidx may follow
         if size < 8:  # 0: the box runs to the end of the file
