@@ -85,17 +85,21 @@ class RemoteFetch:
                     # the body's size as it will reach us: Content-Length counts encoded bytes
                     size = (int(declared) if declared is not None and declared.isdigit()
                             and response.headers.get("content-encoding", "identity") == "identity" else None)
+                    # a host that says it has no ranges is not asked for the end (one that does
+                    # not say may still have them: asked, as a browser does)
+                    ranges = response.headers.get("accept-ranges", "").strip().lower() != "none"
                     return await self._receive(response.aiter_bytes(), url, kind, early_decode, size,
-                                               functools.partial(fetch_range, client, url))
+                                               functools.partial(fetch_range, client, url) if ranges else None)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
     async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
                        early_decode: EarlyDecode | None, declared_size: int | None,
-                       fetch_tail: Callable[[int, int], Any]) -> tuple[bytes, str, Any]:
+                       fetch_tail: Callable[[int, int], Any] | None) -> tuple[bytes, str, Any]:
         """Hash the chunks as they arrive into one growing buffer; a streamable video or an audio
         item starts decoding from that buffer as soon as its layout is known, an MP4 with its index
-        at the end once ``fetch_tail`` has fetched it (media.index_from_end). Any failure (size
-        cap, deadline, disconnect, cancel) fails the buffer, which stops the decoder at its next read."""
+        at the end once ``fetch_tail`` (None: the host has no ranges) has fetched it
+        (media.index_from_end). Any failure (size cap, deadline, disconnect, cancel) fails the
+        buffer, which stops the decoder at its next read."""
         body = ArrivingBytes(self.config.limits.max_bytes, stall_s=self.config.fetch_timeout_s,
                              declared_size=declared_size)
         early, layout, tail = None, None, None
@@ -113,7 +117,7 @@ class RemoteFetch:
                     layout, need = layout_and_need(head)  # need > len(head) while it cannot tell
                     if layout:
                         early = early_decode(body, layout, kind, short_url(url))  # type: ignore[misc]
-                    elif layout == "" and self.config.fetch_index_from_end:
+                    elif layout == "" and fetch_tail is not None and self.config.fetch_index_from_end:
                         tail = IndexFromEnd.start(body, head, fetch_tail)
                 if tail is not None and early is None and tail.ready():
                     early = early_decode(body, "index", kind, short_url(url))  # type: ignore[misc]

@@ -48,7 +48,8 @@ def remux_layout(data: bytes, layout: str) -> bytes:
 
 class ThrottledMediaServer:
     def __init__(self, files: dict[str, bytes], rate_bytes_s: float = 30e6, chunk: int = 64 * 1024,
-                 stall_s: float = 30.0, ranges: bool = True, range_files: dict[str, bytes] | None = None) -> None:
+                 stall_s: float = 30.0, ranges: bool = True, range_files: dict[str, bytes] | None = None,
+                 advertise_ranges: bool = True) -> None:
         if not rate_bytes_s > 0 or chunk < 1:
             raise ValueError(f"ThrottledMediaServer needs rate > 0 and chunk >= 1, got {rate_bytes_s}, {chunk}")
         self.files = files
@@ -57,7 +58,9 @@ class ThrottledMediaServer:
         self.stall_s = stall_s
         self.ranges = ranges
         self.range_files = range_files or {}
+        self.advertise_ranges = advertise_ranges  # False: no Accept-Ranges header (ranges or not)
         self.range_requests = 0  # range requests answered with 206
+        self.range_asks = 0  # requests that asked for a range, however answered
         self._stop = threading.Event()
         owner = self
 
@@ -94,6 +97,7 @@ class ThrottledMediaServer:
             handler.send_header("Content-Length", "0")
             handler.end_headers()
             return
+        self.range_asks += handler.headers.get("Range") is not None
         asked = _byte_range(handler.headers.get("Range"), len(body)) if self.ranges else None
         if asked is not None:
             first, last = asked
@@ -105,7 +109,8 @@ class ThrottledMediaServer:
         else:
             handler.send_response(200)
         handler.send_header("Content-Type", "application/octet-stream")
-        handler.send_header("Accept-Ranges", "bytes" if self.ranges else "none")
+        if self.advertise_ranges:
+            handler.send_header("Accept-Ranges", "bytes" if self.ranges else "none")
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         end = len(body) // 2 if mode else len(body)

@@ -71,17 +71,17 @@ def early_chunks_match_whole(early, item, info, indices, chunks, tp: int, size) 
 
 
 def ingest_throttled(data: bytes, sampling: VideoSamplingParams, seconds: float = 0.6,
-                     **host) -> tuple[MediaItem, dict[str, int], int]:
+                     **host) -> tuple[MediaItem, dict[str, int], ThrottledMediaServer]:
     """``data`` ingested as a video from a throttled loopback host (sent in ``seconds``, 2 KiB
-    chunks) with early decodes on: the item, the ingestor's counts and the range requests the
-    host answered."""
+    chunks) with early decodes on: the item, the ingestor's counts and the host (closed; its
+    ``range_requests`` / ``range_asks`` say what was asked of it)."""
     ingestor = MediaIngestor(IngestConfig(allow_remote=True, allowed_domains=("127.0.0.1",),
                                           allow_private_hosts=True, fetch_timeout_s=10.0))
     decoders = EarlyDecoders(sampling, MediaLimits(), fetch_timeout_s=10.0)
     ingestor.early_decode = lambda body, layout, kind, origin: decoders.start(body, layout, kind, origin)
     with ThrottledMediaServer({"/v.mp4": data}, rate_bytes_s=len(data) / seconds, chunk=2048, **host) as media:
         item = asyncio.run(ingestor.ingest(MediaSource(url=media.url("/v.mp4"), kind=MediaKind.VIDEO)))
-        return item, ingestor.counts, media.range_requests
+    return item, ingestor.counts, media
 
 
 def early_covers_whole(item: MediaItem, sampling: VideoSamplingParams) -> None:

@@ -5,8 +5,10 @@ other layouts, a truncated head or an mdat that runs to the end); a tail put int
 answers reads at and after its offset before the body gets there, and the size; ``finish`` tells a
 tail that was not the body's end; through ``MediaIngestor`` and a throttled loopback host that
 honours ranges, the early decoder starts before the last byte and every chunk's frames equal the
-whole-bytes decode (also with kilobytes of camera metadata before the samples); a host without ranges, or one whose range gives other bytes (the file changed),
-gets the video decoded after arrival with nothing of the early decode used; an audio-only MP4 (a
+whole-bytes decode (also with kilobytes of camera metadata before the samples); a host that says
+it has no ranges is not asked, one that does not say is asked once; a host without ranges, or one
+whose range gives other bytes (the file changed), gets the video decoded after arrival with
+nothing of the early decode used; an audio-only MP4 (a
 voice memo) with its index last, and a video's sound track, once the index is in, decode to
 samples bit-identical to the whole bytes'.
 """
@@ -80,8 +82,8 @@ def test_a_tail_answers_before_the_body_gets_there(clips) -> None:
 
 def _decoded_early(data: bytes) -> None:
     """Through the ingestor: the index fetched by one range request, then decoded while it arrives."""
-    item, counts, ranges = ingest_throttled(data, SAMPLING)
-    assert ranges == 1 and counts["index_from_end"] == 1
+    item, counts, host = ingest_throttled(data, SAMPLING)
+    assert host.range_requests == 1 and counts["index_from_end"] == 1
     early_covers_whole(item, SAMPLING)
 
 
@@ -98,13 +100,21 @@ def test_metadata_before_the_samples(clips) -> None:
 
 
 def test_no_ranges_or_another_file_decodes_after_arrival(clips) -> None:
+    """A host that says it has no ranges is not asked; one that does not say is asked once and its
+    whole-body answer dropped; one whose range gives other bytes (the file changed) has the early
+    decode dropped. Each: decoded after arrival, the body's own bytes."""
     data = clips["index-at-end"]
-    item, counts, ranges = ingest_throttled(data, SAMPLING, ranges=False)
-    assert item.early is None and ranges == 0 and "index_from_end" not in counts
+    item, counts, host = ingest_throttled(data, SAMPLING, ranges=False)
+    # "Accept-Ranges: none" on the body: no range request is even sent
+    assert item.early is None and host.range_asks == 0 and "index_from_end" not in counts
+    item, counts, host = ingest_throttled(data, SAMPLING, ranges=False, advertise_ranges=False)
+    # a host that does not say: asked once, its whole-body answer dropped unread
+    assert item.early is None and host.range_asks == 1 and host.range_requests == 0
+    assert "index_from_end" not in counts and item.data == data
     at = box_at(data)
     changed = data[:at + 40] + bytes([data[at + 40] ^ 0xFF]) + data[at + 41:]
-    item, counts, ranges = ingest_throttled(data, SAMPLING, range_files={"/v.mp4": changed})
-    assert ranges == 1 and counts["index_from_end"] == 1 and counts["index_from_end_mismatches"] == 1
+    item, counts, host = ingest_throttled(data, SAMPLING, range_files={"/v.mp4": changed})
+    assert host.range_requests == 1 and counts["index_from_end"] == 1 and counts["index_from_end_mismatches"] == 1
     assert item.early is None and item.data == data  # nothing decoded from the other index is used
 
 
