@@ -10,39 +10,32 @@ decoder needs it up front: exactly from an MP4 sample table (``moov`` before ``m
 Segment duration of Matroska/WebM; from a fragmented MP4's ``mehd`` or leading multi-reference
 ``sidx`` (``sniff.fragments_duration``) -- the last two as duration x frame rate, kept for a few
 counts around it. It keeps the frames of that sampling; production takes a kept frame by its pts
-(the same frame a decode from its keyframe emits) and decodes only the targets that were not
-kept, so the frames are those of the whole-bytes path whatever the prediction was; a wrong
-prediction costs time, never correctness, and the decoder stops once it is past the last frame
-the prediction would keep (a wrong count never makes it decode the whole video for nothing).
-Like ``decode_range`` it does not decode the frames no other frame is predicted from
-(``skips_nonref``: H.264, MPEG-1/2/4 B-frames) unless it keeps them: which ones it keeps is known
-by presentation index, and before a packet is decoded its index is its rank among the pts demuxed
-so far (``PresentationRanks``); once production has said which pts it wants (``retarget``), by pts.
-Nor, while frames come in order, the tail of a keyframe span after its last kept frame: those
-packets are held and dropped at the next keyframe (``KeyframeSkip``, early_packets.py).
+and decodes the targets not kept, so the frames are the whole-bytes path's whatever the
+prediction was (a wrong one costs time, never correctness; the decoder stops past the last frame
+the prediction keeps).
+Like ``decode_range`` it skips the unkept frames no other frame is predicted from (``skips_nonref``;
+which are kept is known by presentation rank among the pts demuxed so far, ``PresentationRanks``,
+or by pts once production said which it wants, ``retarget``) and, while frames come in order, the
+tail of a keyframe span after its last kept frame (``KeyframeSkip``, early_packets.py).
 
-A fragmented MP4 that states no duration (FFmpeg's ``frag_keyframe+empty_moov`` and its default
-fragmented form: no ``mehd``, ``trex`` default duration 0, the ``moov`` counting at most the first
-fragment) or an Ogg stream gives no frame count up front: estimating it from Content-Length was
-tried and measured (docs/pipeline_measurements.md) -- a few frames off, which moves most sampled
-frames, so the early work was wasted and the first token came later -- so they are decoded after
-arrival, as is an MP4 with its index at the end (it would block the decoder until the last byte): no
-thread is started for them. Audio items are decoded early by ``early_audio`` (no frame count
-needed); ``EarlyDecoders`` starts either.
+A fragmented MP4 that states no duration (FFmpeg's own fragmented forms) or an Ogg stream gives no
+frame count up front (an estimate from Content-Length was measured to move most sampled frames:
+docs/pipeline_measurements.md), so they are decoded after arrival, as is an MP4 with its index at
+the end unless that index was fetched first (media.index_from_end): no thread is started for them. Audio items are decoded early by
+``early_audio``; ``EarlyDecoders`` starts either.
 
-A video's sound track (when the model hears videos) is decoded alongside the frames by an
-``EarlyAudioDecode`` on a reader of its own over the same bytes (``EarlyVideoDecode.sound``), not in
-the frames' demux loop: measured on a 60 s 720p MP4 with AAC sound at 30 MB/s
-(docs/pipeline_measurements.md), the sound of a second reader is done with the last byte, while in
-one shared loop it waits behind the frame decode, which lags the arrival; the second demux costs ~17
-ms of CPU. It reads seekable (the MP4 demuxer follows its sample table, whatever the interleaving)
-without the declared size (with it a fragmented MP4's demuxer looks for an index at the end and
-waits for the last byte); its samples are those of ``decode_audio`` on the whole bytes (tests), and
-the planner takes them as it takes an audio item's (``early_audio_of``).
-Bounds: ``max_kept_bytes`` of kept frames, each also taken from the server's ``DecodeBudget``
-(early share: none left, the frame is not kept), a deadline, a cap on concurrent early decoders
-(none free: the item is decoded after arrival), and ``cancel`` (a manifest/cache hit, the request
-dropped its item, the body failed) stops the thread at its next packet and frees the frames.
+A video's sound track (when the model hears videos) is decoded by an ``EarlyAudioDecode`` on a
+reader of its own over the same bytes (``EarlyVideoDecode.sound``): in the frames' demux loop it
+would wait behind the frame decode, which lags the arrival (measured: docs/pipeline_measurements.md;
+the second demux costs ~17 ms of CPU). It reads seekable without the declared size (with it a
+fragmented MP4's demuxer looks for an index at the end); its samples are ``decode_audio``'s on the
+whole bytes (tests), taken by the planner as an audio item's (``early_audio_of``).
+
+Bounds: the header limits of ``probe_video`` (pixels, frames, duration: over one, nothing is
+decoded here; the whole-bytes path answers 413 after arrival), ``max_kept_bytes`` of kept frames,
+each also taken from the server's ``DecodeBudget`` (none left: not kept), a deadline, a cap on
+concurrent early decoders, and ``cancel`` (a manifest/cache hit, the item dropped, the body
+failed), which stops the thread at its next packet and frees the frames.
 """
 
 from __future__ import annotations
@@ -81,8 +74,10 @@ class EarlyVideoDecode:
 
     def __init__(self, body: ArrivingBytes, layout: str, sampling: VideoSamplingParams, max_kept_bytes: int,
                  timeout_s: float, threads: int = 1, on_end: Callable[[], None] | None = None,
-                 budget: DecodeBudget | None = None, sound: EarlyAudioDecode | None = None) -> None:
+                 budget: DecodeBudget | None = None, sound: EarlyAudioDecode | None = None,
+                 limits: MediaLimits = MediaLimits()) -> None:
         self.body = body
+        self.limits, self.over_limits = limits, False  # over_limits: the header broke one (module doc)
         self.sound = sound  # the sound track, decoded on its own reader (module doc); None: after arrival
         self.budget = budget
         self.layout = layout  # sniff.streamable_layout's answer
@@ -189,12 +184,15 @@ class EarlyVideoDecode:
 
     def _decode(self, container: av.container.InputContainer, stream: av.VideoStream) -> None:
         fps = float(stream.average_rate or stream.guessed_rate or 0)
-        totals = self._predict(container, stream, fps) if fps > 0 else None
-        if totals is None:
-            return  # no frame count known up front (fragmented MP4, Ogg): decoded after arrival
+        width, height = stream.codec_context.width, stream.codec_context.height
+        lim = self.limits  # as probe_video's: a small file can declare huge frames, or days of them
+        totals = self._predict(container, stream, fps) if fps > 0 and width * height <= lim.max_pixels else None
+        self.over_limits = width * height > lim.max_pixels or (
+            totals is not None and max(totals) > min(lim.max_frames, lim.max_duration_s * fps))
+        if totals is None or self.over_limits:
+            return  # over a limit, or no frame count known up front (fragmented MP4, Ogg): after arrival
         keep = self._targets(totals, fps)
         last_kept = max(keep)
-        width, height = stream.codec_context.width, stream.codec_context.height
         frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
         used = codec_threads(self.threads, width * height)
         cc = stream.codec_context
@@ -349,7 +347,7 @@ class EarlyDecoders:
             # under its own reservations, as it does frames it decodes itself)
             early = EarlyVideoDecode(body, layout, self.sampling, self.limits.max_request_decoded_bytes // 2,
                                      self.timeout_s, self.threads, on_end=self._slots.release, budget=self.budget,
-                                     sound=self._sound_track(body, origin))
+                                     sound=self._sound_track(body, origin), limits=self.limits)
         early.start()
         return early
 

@@ -2,7 +2,8 @@
 test_arriving_bytes.py).
 
 What is proven: the layout answer of each container, and the bytes it needs where the first do
-not tell (an index of megabytes is read once, when whole, and decoded while the rest arrives); an early decode starts before the last byte and its
+not tell (an index of megabytes is read once, when whole, and decoded while the rest arrives); a
+header over a limit gets nothing decoded early; an early decode starts before the last byte and its
 frames -- taken by production chunk by chunk, misses decoded as before -- equal the whole-bytes
 decode for fragmented MP4, moov-first MP4 and Matroska; a body that fails mid-way or stalls ends
 the decoder thread; a cancelled decode drops its frames.
@@ -115,6 +116,19 @@ def _early(data: bytes, layout: str, **feed_kw) -> tuple[EarlyVideoDecode, Arriv
     early = EarlyVideoDecode(body, layout, SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0)
     early.start()
     return early, body, sender
+
+
+@pytest.mark.parametrize("limit", [{}, {"max_pixels": 96 * 64 - 1}, {"max_frames": 119}, {"max_duration_s": 11.0}])
+def test_over_a_header_limit_nothing_is_decoded(clips, limit: dict) -> None:
+    """A header over ``probe_video``'s limits (pixels, frames, duration: 96x64, 120 frames, 12 s
+    here) gets no frame decoded early -- the whole-bytes path refuses it after arrival."""
+    body = ArrivingBytes(1 << 24, stall_s=5.0)
+    body.feed(clips["index"][:4096])
+    early = EarlyDecoders(SAMPLING, MediaLimits(**limit), fetch_timeout_s=10.0).start(body, "index", MediaKind.VIDEO)
+    assert isinstance(early, EarlyVideoDecode)
+    feed(body, clips["index"][4096:]).join()
+    assert early.join(10.0)
+    assert early.over_limits == bool(limit) and (early.frames_decoded == 0) == bool(limit)
 
 
 @pytest.mark.parametrize("layout", ["index", "matroska", "fragments"])
