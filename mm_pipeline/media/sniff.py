@@ -47,6 +47,11 @@ _PROBE_FORMATS = {
 }
 _AV_OPTIONS = {"protocol_whitelist": "none"}
 _HEAD_LIMIT = 1 << 20  # top-level MP4 boxes before moov/mdat past this: not worth streaming
+# Top-level MP4 boxes walked before an answer, at most. Real files have a handful before their
+# moov / mdat / moof (ftyp, free, wide, uuid, sidx); a file of 8-byte boxes would otherwise make
+# each look at an arriving body a walk of up to 131k boxes on the event loop (~85 ms), again with
+# every chunk. Past it: not streamed early, decoded after arrival.
+_MAX_LEADING_BOXES = 64
 # The largest MP4 index (moov) waited for to decode while the rest arrives, at the start of a file
 # or fetched from its end (media.index_from_end). An hour of video at 30 fps with its sound has
 # ~260k samples, 2-3 MB of sample tables; a 128 MiB limit allows such a low-bitrate lecture.
@@ -116,9 +121,11 @@ def _layout(head: bytes) -> tuple[str | None, int]:
         return "ogg", len(head)
     if head[4:8] != b"ftyp":
         return "", len(head)
-    pos = 0
+    pos = boxes = 0
     fragmented = False  # a moov with mvex was seen: answer at the first moof, so that whatever
     while pos + 8 <= len(head):  # precedes it (a sidx stating the duration) has arrived too
+        if (boxes := boxes + 1) > _MAX_LEADING_BOXES:
+            return "fragments" if fragmented else "", len(head)
         size, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]  # size (4) | type (4)
         if size == 1:  # a 64-bit size follows
             if pos + 16 > len(head):
@@ -152,7 +159,9 @@ def index_after_samples(head: bytes, size: int) -> int | None:
     if len(head) < 12 or head[4:8] != b"ftyp":
         return None
     pos = 0
-    while pos + 8 <= len(head):
+    for _ in range(_MAX_LEADING_BOXES):
+        if pos + 8 > len(head):
+            return None
         box, kind = int.from_bytes(head[pos:pos + 4], "big"), head[pos + 4:pos + 8]
         if box == 1:
             if pos + 16 > len(head):
@@ -212,9 +221,12 @@ def fragments_duration(head: bytes) -> float | None:
 
 
 def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
-    """(type, payload start, box end) of the complete boxes in ``data[start:end]``."""
+    """(type, payload start, box end) of the complete boxes in ``data[start:end]``, the first
+    ``_MAX_LEADING_BOXES`` of them (a walk the sender cannot make long: it runs on the event loop)."""
     pos = start
-    while pos + 8 <= end:
+    for _ in range(_MAX_LEADING_BOXES):
+        if pos + 8 > end:
+            return
         size, kind, header = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8], 8
         if size == 1 and pos + 16 <= end:
             size, header = int.from_bytes(data[pos + 8:pos + 16], "big"), 16

@@ -22,7 +22,8 @@ from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.sniff import MAX_INDEX_BYTES, layout_and_need, streamable_layout
+from mm_pipeline.media.sniff import (MAX_INDEX_BYTES, fragments_duration, index_after_samples, layout_and_need,
+                                     streamable_layout)
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
@@ -64,6 +65,16 @@ def test_the_bytes_a_layout_needs(clips) -> None:
     assert answer == ("index", moov_end) and steps <= 3
     huge = data[:box_at(data)] + (MAX_INDEX_BYTES + 1).to_bytes(4, "big") + b"moov"
     assert layout_and_need(huge) == ("", len(huge))
+
+
+def test_a_head_of_tiny_boxes_is_not_walked_to_its_end(clips) -> None:
+    """A sender's 1 MiB of 8-byte boxes after ``ftyp``: the walks stop after a bounded number of
+    boxes (each look at an arriving body runs on the event loop) and answer "not early"."""
+    data = clips["index"]  # ftyp, moov, mdat
+    head = data[:box_at(data)] + (bytes([0, 0, 0, 8]) + b"free") * (1 << 17) + data[box_at(data):]
+    assert layout_and_need(head) == ("", len(head))  # not None: more bytes would not be looked at
+    assert index_after_samples(head, len(head) + 100) is None
+    assert fragments_duration(head) is None
 
 
 @pytest.fixture(scope="module")
