@@ -21,8 +21,8 @@ tail of a keyframe span after its last kept frame (``KeyframeSkip``, early_packe
 A fragmented MP4 that states no duration (FFmpeg's own fragmented forms) or an Ogg stream gives no
 frame count up front (an estimate from Content-Length was measured to move most sampled frames:
 docs/pipeline_measurements.md), so they are decoded after arrival, as is an MP4 with its index at
-the end unless that index was fetched first (media.index_from_end): no thread is started for them. Audio items are decoded early by
-``early_audio``; ``EarlyDecoders`` starts either.
+the end unless that index was fetched first (media.index_from_end): no thread is started for them.
+Audio items are decoded early by ``early_audio``; ``EarlyDecoders`` starts either.
 
 A video's sound track (when the model hears videos) is decoded by an ``EarlyAudioDecode`` on a
 reader of its own over the same bytes (``EarlyVideoDecode.sound``): in the frames' demux loop it
