@@ -23,7 +23,15 @@ from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
-from samples.synthetic.throttled_http import ThrottledMediaServer
+from samples.synthetic.throttled_http import ThrottledMediaServer, remux_layout
+from tests.support.media_samples import video_bytes
+
+
+def layout_clips(size: tuple[int, int], layouts: tuple[str, ...]) -> dict[str, bytes]:
+    """One 12 s MPEG-4 clip of ``size`` (10 fps, a keyframe every second) remuxed into each of
+    ``layouts`` (``remux_layout``'s names)."""
+    base = video_bytes("mp4", fps=10, n_frames=120, size=size, gop=10)
+    return {layout: remux_layout(base, layout) for layout in layouts}
 
 
 def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0.002,

@@ -27,18 +27,17 @@ from mm_pipeline.media.sniff import (MAX_INDEX_BYTES, fragments_duration, index_
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
-from samples.synthetic.throttled_http import remux_layout
-from tests.support.arriving import early_chunks_match_whole, early_covers_whole, feed, ingest_throttled
+from tests.support.arriving import (early_chunks_match_whole, early_covers_whole, feed, ingest_throttled,
+                                    layout_clips)
 from tests.support.mp4_boxes import box_at, with_bigger_index, with_box_before_samples
-from tests.support.media_samples import image_bytes, video_bytes
+from tests.support.media_samples import image_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
 
 
 @pytest.fixture(scope="module")
 def clips() -> dict[str, bytes]:
-    base = video_bytes("mp4", fps=10, n_frames=120, size=(96, 64), gop=10)
-    return {layout: remux_layout(base, layout) for layout in ("fragments", "index", "matroska", "index-at-end")}
+    return layout_clips((96, 64), ("fragments", "index", "matroska", "index-at-end"))
 
 
 def test_streamable_layout(clips) -> None:
@@ -109,8 +108,7 @@ def test_an_index_of_megabytes_is_read_once_and_decoded_while_arriving(monkeypat
     head = ArrivingBytes.head
     monkeypatch.setattr(ArrivingBytes, "head", lambda self, n: copied.append(got := head(self, n)) or got)
     # 110 KB of samples after the index: they arrive after the decoder started
-    base = video_bytes("mp4", fps=10, n_frames=120, size=(320, 240), gop=10)
-    data = with_bigger_index(remux_layout(base, "index"), 2 << 20)
+    data = with_bigger_index(layout_clips((320, 240), ("index",))["index"], 2 << 20)
     item, counts, _ = ingest_throttled(data, SAMPLING, seconds=2.0)  # the samples: the last ~0.1 s
     assert counts["early_decodes.video"] == 1
     early_covers_whole(item, SAMPLING)

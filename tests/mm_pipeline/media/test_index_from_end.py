@@ -29,7 +29,7 @@ from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import index_after_samples
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.throttled_http import remux_layout
-from tests.support.arriving import early_covers_whole, feed, ingest_throttled
+from tests.support.arriving import early_covers_whole, feed, ingest_throttled, layout_clips
 from tests.support.mp4_boxes import box_at, with_box_before_samples
 from tests.support.media_samples import audio_bytes, video_bytes
 
@@ -39,8 +39,7 @@ SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
 @pytest.fixture(scope="module")
 def clips() -> dict[str, bytes]:
     # samples over 64 KB: FFmpeg reads through a shorter mdat to the index instead of seeking past it
-    base = video_bytes("mp4", fps=10, n_frames=120, size=(320, 240), gop=10)
-    return {layout: remux_layout(base, layout) for layout in ("index-at-end", "index", "fragments", "matroska")}
+    return layout_clips((320, 240), ("index-at-end", "index", "fragments", "matroska"))
 
 
 def test_where_the_index_begins(clips) -> None:
