@@ -5,7 +5,9 @@ connection (a sender that disconnects mid-way); ``/stall/<name>`` sends half and
 A ``Range: bytes=a-`` / ``bytes=a-b`` request gets 206 and those bytes at the same rate (as web
 servers and object stores answer), unless ``ranges`` is False (200 and the whole body, as a host
 without range support does); ``range_files`` answers ranges of a path from other bytes of the same
-size (a file that changed between two requests).
+size (a file that changed between two requests). ``Accept-Ranges`` says which (``bytes`` /
+``none``), unless ``advertise_ranges`` is False (no header, as many hosts send); ``range_requests``
+counts the 206 answers, ``range_asks`` every request that asked for a range.
 ``remux_layout`` puts a video's coded frames into the container layouts the server streams."""
 
 from __future__ import annotations
