@@ -113,6 +113,10 @@ class MediaIngestor:
             return self._to_item(source.data, source.kind, "upload")
         if source.path is not None:
             return self._file_item(source.path, source.kind)
+        if source.base64 is not None:
+            payload = source.base64
+            return self._remembered(self.data_url_ids(payload, "base64"), source.kind, "base64 data",
+                                    lambda: self._decode_base64(payload))
         url = source.url or ""
         scheme = _scheme(url)
         if scheme == "data":
@@ -208,12 +212,14 @@ class MediaIngestor:
         comma = url.find(",", 5)
         if comma < 0:
             raise InvalidMediaError("data URL has no ',' before its payload")
-        size = len(url) - comma - 1
         if url[max(5, comma - 7):comma].lower() == ";base64":
-            self._check_size(size * 3 // 4 - 2)  # before decoding a huge payload
-            return _strict_base64(url[comma + 1:])
-        self._check_size(size // 3)
+            return self._decode_base64(url[comma + 1:])
+        self._check_size((len(url) - comma - 1) // 3)
         return urllib.parse.unquote_to_bytes(url[comma + 1:])
+
+    def _decode_base64(self, payload: str) -> bytes:
+        self._check_size(len(payload) * 3 // 4 - 2)  # before decoding a huge payload
+        return _strict_base64(payload)
 
     def _allowed_path(self, raw: str) -> Path:
         """The real path of ``raw`` when it lies inside an allowed directory."""

@@ -35,9 +35,10 @@ RACY_S = 2.0  # coarser than any file system's timestamp tick (ext4/xfs: ~4 ms j
 _PIECE = 1 << 16  # characters hashed at a time: below malloc's mmap threshold, so the pieces reuse one block
 
 
-def data_url_id(url: str) -> tuple[str, bytes] | None:
+def data_url_id(url: str, scheme: str = "data") -> tuple[str, bytes] | None:
     """The memo id of a ``data:`` URL: blake3 of its text (None when it is not ASCII, which never
-    decodes anyway). 0.5 ms for the 2.4 MB text of a 12 s 720p clip, against 10+ ms to decode it.
+    decodes anyway); ``scheme="base64"`` for a bare base64 payload (``MediaSource.base64``), whose
+    ids never meet a data URL's: the same text is a valid source as one and not as the other. 0.5 ms for the 2.4 MB text of a 12 s 720p clip, against 10+ ms to decode it.
     Hashed piece by piece, never encoded whole: a copy of a 5.5 MB text is fresh memory, and on the
     2-core host its page faults took the id from ~1 ms to 3-8 ms of the request's CPU (measured in
     the engine)."""
@@ -46,7 +47,7 @@ def data_url_id(url: str) -> tuple[str, bytes] | None:
     digest = blake3.blake3()
     for start in range(0, len(url), _PIECE):
         digest.update(url[start:start + _PIECE].encode("ascii"))
-    return ("data", digest.digest())
+    return (scheme, digest.digest())
 
 
 class DataUrlIds:
@@ -63,11 +64,12 @@ class DataUrlIds:
             raise ValueError(f"DataUrlIds needs max_chars >= 0, got {max_chars}")
         self.max_chars = max_chars
         self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple[int, str, str], tuple[str, tuple[str, bytes]]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, int, str, str], tuple[str, tuple[str, bytes]]] = OrderedDict()
         self._chars = 0
 
-    def __call__(self, url: str) -> tuple[str, bytes] | None:
-        where = (len(url), url[:self.ENDS], url[-self.ENDS:])
+    def __call__(self, url: str, scheme: str = "data") -> tuple[str, bytes] | None:
+        """``url``'s id (``data_url_id(url, scheme)``)."""
+        where = (scheme, len(url), url[:self.ENDS], url[-self.ENDS:])
         with self._lock:
             kept = self._kept.get(where)
         if kept is not None and (kept[0] is url or kept[0] == url):  # compared outside the lock
@@ -75,7 +77,7 @@ class DataUrlIds:
                 if where in self._kept:
                     self._kept.move_to_end(where)
             return kept[1]
-        found = data_url_id(url)
+        found = data_url_id(url, scheme)
         if found is not None and len(url) <= self.max_chars:
             with self._lock:
                 old = self._kept.pop(where, None)

@@ -157,6 +157,28 @@ def test_data_url_base64_and_percent_encoded() -> None:
         ing.ingest_local(MediaSource(url="x" * 100 + ":" + b64))
 
 
+def test_bare_base64_payloads_decode_like_data_urls_with_ids_of_their_own() -> None:
+    """``MediaSource.base64`` (an input_audio part's data, a file part's file_data): the same strict
+    decoding, size check and memo as a data URL's payload, but never the memo entry of a data URL
+    whose text is the same string (that text is no valid base64)."""
+    ing = MediaIngestor(IngestConfig(limits=MediaLimits(max_bytes=len(PNG) + 64)))
+    text = base64.b64encode(PNG).decode()
+    first = ing.ingest_local(MediaSource(base64=text))
+    assert first.data == PNG and first.content_key == content_key(PNG)
+    again = ing.ingest_local(MediaSource(base64=text))  # memo: nothing decoded until asked
+    assert ing.counts["source_memo_hits.image"] == 1 and again.data == PNG
+    with pytest.raises(InvalidMediaError, match="not valid base64"):
+        ing.ingest_local(MediaSource(base64=text[:8] + "*" + text[8:]))
+    with pytest.raises(MediaTooLarge):
+        ing.ingest_local(MediaSource(base64=base64.b64encode(PNG + bytes(128)).decode()))
+    url = "data:;base64," + text
+    assert ing.ingest_local(MediaSource(url=url)).data == PNG
+    with pytest.raises(InvalidMediaError, match="not valid base64"):  # the URL's memo entry is not its
+        ing.ingest_local(MediaSource(base64=url))
+    with pytest.raises(ValueError, match="exactly one"):
+        MediaSource(base64=text, url=url)
+
+
 def test_path_allow_list(tmp_path: Path) -> None:
     allowed, outside = tmp_path / "media", tmp_path / "secret"
     allowed.mkdir()

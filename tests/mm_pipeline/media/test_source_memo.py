@@ -50,7 +50,7 @@ def test_data_url_ids_answer_a_kept_text_by_comparison_and_only_an_equal_one(mon
 
     hashed = []
     real = source_memo.data_url_id
-    monkeypatch.setattr(source_memo, "data_url_id", lambda url: hashed.append(url) or real(url))
+    monkeypatch.setattr(source_memo, "data_url_id", lambda url, scheme="data": hashed.append(url) or real(url, scheme))
     ids = DataUrlIds(max_chars=3 * len(durl(PNG)))
     a, b = durl(PNG), durl(OTHER_PNG)
     assert ids(a) == real(a) and len(hashed) == 1
@@ -66,6 +66,10 @@ def test_data_url_ids_answer_a_kept_text_by_comparison_and_only_an_equal_one(mon
     tiny = DataUrlIds(max_chars=10)
     assert tiny(a) == real(a) and tiny.chars == 0
     assert ids("data:;base64,\u00e9") is None and tiny("data:;base64,\u00e9") is None  # not ASCII: never decodes
+    # a bare base64 payload's id is kept apart: the same text under the other scheme is hashed anew
+    n = len(hashed)
+    assert ids(a, "base64") == ("base64", real(a)[1]) != real(a) and len(hashed) == n + 1
+    assert ids(a, "base64") == ("base64", real(a)[1]) and len(hashed) == n + 1
 
 
 def _trusting(ing: MediaIngestor) -> MediaIngestor:

@@ -57,6 +57,13 @@ def test_parse_messages_parts_and_errors():
     media = chat.media
     assert [m.kind for m in media] == [MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO, None]
     assert media[1].source.path == "/abs/video.mp4" and media[3].file_id == "file-1"
+    # a bare base64 payload is kept as the very string that came (no data-URL copy on the loop)
+    payload = "UklGRg==" * 4096
+    part = {"type": "input_audio", "input_audio": {"data": payload, "format": "wav"}}
+    assert parse_messages([{"role": "user", "content": [part]}]).media[0].source.base64 is payload
+    files = parse_messages([{"role": "user", "content": [{"type": "file", "file": {"file_data": payload}},
+                                                         {"type": "file", "file": {"file_data": "data:;base64,AA"}}]}])
+    assert files.media[0].source.base64 is payload and files.media[1].source.url == "data:;base64,AA"
     assert chat.turns[1].parts[-1] == "what?"
     for bad, msg in [([], "non-empty list"), ([{"role": "robot", "content": "x"}], "role"),
                      ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x"}}]}],
