@@ -9,7 +9,9 @@ encoder-cache hits.
 
 Part 2 — captions: CaptionJob (all inputs in flight, engine batching, streamed prefill) vs one item
 at a time: decode -> preprocess -> encoder forward -> transformers
-``MiMoV2FlashForCausalLM.generate(inputs_embeds=...)``, greedy, same prompts. Reports both
+``MiMoV2FlashForCausalLM.generate(inputs_embeds=...)``, greedy, same prompts; pixels decoded as the
+server decodes them (images shrunk while decoded, video frames scaled by swscale), so the captions
+agree token for token. Reports both
 throughputs, the ratio and how many captions agree. Both sides start with a cold encoder cache.
 
     python benchmarks/serve.py [--quick] [--json out.json] [--model DIR] [--device cpu|cuda]
@@ -152,13 +154,14 @@ class HFStyleCaptioner:
 
     def _units(self, item) -> tuple[list, tuple[float, ...]]:
         from mm_pipeline.media.decode.audio import decode_audio
-        from mm_pipeline.media.decode.image import decode_image
+        from mm_pipeline.media.decode.image import decode_image, probe_image
         from mm_pipeline.media.decode.video import decode_range, probe_video
         from mm_pipeline.media.decode.video_sampling import sample_frames
 
         m = self.model
-        if item.kind.value == "image":
-            vis = self.pre.image(decode_image(item, self.limits))
+        if item.kind.value == "image":  # pixels as the server gets them: shrunk while decoded (decode_image)
+            size = self.pre.image_size(*probe_image(item, self.limits))
+            vis = self.pre.image(decode_image(item, self.limits, target=self.pre.image_size), size)
             return m.vision.encode_items([(vis.rows, vis.grid)]), ()
         if item.kind.value == "audio":
             segs = self.pre.audio_segments(decode_audio(item, m.audio_config.sampling_rate, self.limits))
@@ -166,8 +169,9 @@ class HFStyleCaptioner:
         info = probe_video(item, self.limits)
         s = sample_frames(info.total_frames, info.video_fps, self.sampling)
         targets = sorted(set(s.indices))
-        frames = decode_range(item, info, targets)[[targets.index(i) for i in s.indices]]
-        groups = self.pre.video_groups(frames, self.pre.video_size(info.height, info.width, s.num_frames))
+        size = self.pre.video_size(info.height, info.width, s.num_frames)  # frames scaled as decoded, as served
+        frames = decode_range(item, info, targets, size=size)[[targets.index(i) for i in s.indices]]
+        groups = self.pre.video_groups(frames, size)
         tp = self.pre.image_config.temporal_patch_size
         return m.vision.encode_items([(g.rows, g.grid) for g in groups]), tuple(s.timestamps[::tp])
 
@@ -178,13 +182,13 @@ class HFStyleCaptioner:
         from mm_pipeline.prompt.messages import parse_messages
         from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
         from mm_pipeline.media.types import MediaSource
+        from mm_pipeline.prompt.layout import MediaSlots
 
         torch = self.torch
         with torch.inference_mode():
             item = MediaIngestor(IngestConfig()).ingest_local(MediaSource(data=path.read_bytes()))
             rows, stamps = self._units(item)
-            plan = SimpleNamespace(kind=item.kind, timestamps=stamps,
-                                   units=[SimpleNamespace(num_tokens=int(r.shape[0])) for r in rows])
+            plan = SimpleNamespace(slots=MediaSlots(item.kind.value, tuple(int(r.shape[0]) for r in rows), stamps))
             chat = parse_messages([{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}},
                                                                 {"type": "text", "text": prompt or DEFAULT_PROMPTS[item.kind]}]}])
             laid = self.model.layout.render(chat, [plan])
@@ -211,6 +215,7 @@ def caption_comparison(engine, hf_dir: Path, inputs: list[Path], max_tokens: int
     theirs = {str(p): hf.caption(p, None, max_tokens) for p in inputs}
     hf_s = time.perf_counter() - t0
     same = sum(ours[k]["caption"] == v for k, v in theirs.items())
+
     return {"caption_items": len(inputs), "caption_failed": summary.failed, "caption_s": summary.elapsed_s,
             "caption_items_per_s": summary.items_per_s, "hf_caption_s": hf_s,
             "hf_items_per_s": len(inputs) / hf_s, "caption_throughput_ratio_vs_hf": hf_s / summary.elapsed_s,
