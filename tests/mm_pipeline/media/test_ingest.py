@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import http.server
 import os
 import threading
@@ -13,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.support.media_samples import animated_bytes, audio_bytes, image_bytes, video_bytes
 
 from mm_pipeline.errors import (
@@ -155,6 +158,29 @@ def test_data_url_base64_and_percent_encoded() -> None:
     # further in is no scheme
     with pytest.raises(InvalidMediaError, match="scheme ''"):
         ing.ingest_local(MediaSource(url="x" * 100 + ":" + b64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(st.text(alphabet="AQgw+/=*", max_size=40),
+                      st.binary(max_size=30).map(lambda b: base64.b64encode(b).decode()),
+                      # valid encodings glued together: padding in the middle, at piece bounds too
+                      st.lists(st.binary(max_size=5).map(lambda b: base64.b64encode(b).decode()),
+                               max_size=6).map("".join)),
+       piece=st.sampled_from([4, 8, 12]))
+def test_base64_decoded_in_pieces_is_the_whole_strict_decode(text: str, piece: int) -> None:
+    """Decoding a payload a piece at a time (so no call holds the GIL for a whole 100 MB payload)
+    accepts exactly what one strict call over the whole text accepts, with the same bytes."""
+    from mm_pipeline.media.ingest import _a2b_pieces
+
+    try:
+        whole = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        whole = None
+    try:
+        pieces = _a2b_pieces(text, piece)
+    except (binascii.Error, ValueError):
+        pieces = None
+    assert pieces == whole
 
 
 def test_bare_base64_payloads_decode_like_data_urls_with_ids_of_their_own() -> None:
