@@ -6,9 +6,12 @@ The server runs in this process (``ServerThread``) so its RSS is ours; the peak 
 request (``samples.synthetic.hostile_media.measured``). Inputs are generated in memory
 (``samples/synthetic/hostile_media.py``). Rows: 1 (8192² / 4096² MP4), 4 (50 MB of text), 6 (GIF of
 300 one-pixel frames on a 4096² canvas), 7 (8 distinct 8192² PNGs; an hour of silent FLAC), 8 (an
-upload over the media cap, n=8), 9 (a FIFO in an allowed directory), and an ``input_audio`` part of 100 MB of base64 (``--quick``:
-20 MB) over the media cap. Beside each: the server's largest event-loop lag while it ran (the
-``/metrics`` max gauge's monitor, reset before the request; goal <= 50 ms).
+upload over the media cap, n=8), 9 (a FIFO in an allowed directory), and an ``input_audio`` part
+of 100 MB of base64 (``--quick``: 24 MB) over the media cap. Two rows fetch from a throttled
+loopback host (30 MB/s), as http(s) media is decoded while it arrives: the 4096² MP4, and an MP4
+with 1 MiB of 8-byte boxes after its ``ftyp`` (the layout is looked for on the event loop as the
+bytes come). Beside each row: the server's largest event-loop lag while it ran (the ``/metrics``
+max gauge's monitor, reset before the request; goal <= 50 ms).
 
     python benchmarks/hostile_media.py [--model samples/demo-model] [--quick] [--json out.json]
 """
@@ -32,7 +35,9 @@ from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
 from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
-from samples.synthetic.hostile_media import huge_png, huge_video, measured, pixel_frames_gif, png_variant, silent_flac
+from samples.synthetic.hostile_media import (huge_png, huge_video, measured, pixel_frames_gif, png_variant, silent_flac,
+                                             tiny_boxes_mp4)
+from samples.synthetic.throttled_http import ThrottledMediaServer
 
 
 def _url(raw: bytes, mime: str) -> str:
@@ -51,7 +56,11 @@ def main() -> None:
     cap = int(args.max_media_mb * (1 << 20))
     engine = OmniEngine.from_pretrained(model, OmniEngineConfig.from_kwargs(
         num_full_tokens=8192, num_swa_tokens=2048, max_num_seqs=4, allowed_local_dirs=(str(local),),
-        limits=MediaLimits(max_bytes=cap)))
+        limits=MediaLimits(max_bytes=cap), allow_http=True, allowed_domains=("127.0.0.1",),
+        allow_private_hosts=True))
+    clip = huge_video(4096)
+    host = ThrottledMediaServer({"/clip.mp4": clip, "/boxes.mp4": tiny_boxes_mp4(clip)}, rate_bytes_s=30e6)
+    host.__enter__()
     app = create_app(engine, ServerSettings(files_dir=str(work / "files")))
     server = ServerThread(app).start()
     name = engine.model_name
@@ -76,7 +85,7 @@ def main() -> None:
                         data={"purpose": "vision"}, timeout=300).json()["id"]
     os.mkfifo(local / "pipe.png")
     text = "ab " * ((5 if args.quick else 50) * (1 << 20) // 3)
-    audio_b64 = "AAAA" * ((20 if args.quick else 100) * (1 << 20) // 4)
+    audio_b64 = "AAAA" * ((24 if args.quick else 100) * (1 << 20) // 4)
     cases = [
         ("1", "MP4 8 frames 4096²", chat([video(huge_video(4096))])),
         ("4", f"{len(text) >> 20} MB of text", chat(text)),
@@ -92,6 +101,9 @@ def main() -> None:
             "url": (local / "pipe.png").as_uri()}}])),
         ("—", f"input_audio of {len(audio_b64) >> 20} MB base64 (over the cap)", chat([{
             "type": "input_audio", "input_audio": {"data": audio_b64, "format": "wav"}}])),
+        ("—", "http: MP4 8 frames 4096²", chat([{"type": "video_url", "video_url": {"url": host.url("/clip.mp4")}}])),
+        ("—", "http: MP4, 1 MiB of 8-byte boxes first", chat([{"type": "video_url", "video_url": {
+            "url": host.url("/boxes.mp4")}}])),
     ]
     if not args.quick:
         cases.insert(0, ("1", "MP4 8 frames 8192²", chat([video(huge_video(8192))])))
@@ -111,6 +123,7 @@ def main() -> None:
     finally:
         server.stop()
         engine.shutdown()
+        host.__exit__(None, None, None)
     print_table(f"hostile inputs against {name} (peak RSS growth of the server process)",
                 ["row", "input", "status", "seconds", "peak RSS +MB", "loop lag ms", "idle after"], rows)
     write_json(args.json, results)

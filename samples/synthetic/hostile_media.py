@@ -35,6 +35,14 @@ def huge_video(side: int = 8192, n_frames: int = 8, fps: int = 10) -> bytes:
     return buf.getvalue()
 
 
+def tiny_boxes_mp4(video: bytes, nbytes: int = 1 << 20) -> bytes:
+    """``video`` (an MP4) with ``nbytes`` of 8-byte empty ``free`` boxes after its ``ftyp``: a head a
+    reader walking the boxes to find the layout would walk 131,072 times for 1 MiB (the chunk
+    offsets are not moved: the file need not decode, only be looked at while it arrives)."""
+    ftyp = int.from_bytes(video[:4], "big")
+    return video[:ftyp] + (bytes([0, 0, 0, 8]) + b"free") * (nbytes // 8) + video[ftyp:]
+
+
 def pixel_frames_gif(n_frames: int = 300, canvas: int = 4096, screen: int | None = None) -> bytes:
     """A GIF with a canvas x canvas logical screen and ``n_frames`` frames of one pixel each (about
     7 KB for 300; every frame a decoder composites costs the whole canvas). Written by hand:
