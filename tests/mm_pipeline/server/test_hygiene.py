@@ -179,22 +179,22 @@ def test_a_client_gone_while_its_body_is_read_is_not_an_error(open_server, caplo
 
 def test_a_big_body_is_parsed_off_the_event_loop_without_a_copy_on_it(open_server, monkeypatch):
     """A body of megabytes of base64 media is parsed on a worker thread, and the receive buffer goes
-    there as it is: ``bytes(buffer)`` on the loop was a copy of the whole body (~65 ms at 160 MB)."""
+    there as it is: ``bytes(buffer)`` on the loop was a copy of the whole body (~65 ms at 160 MB).
+    A small body is parsed on the loop, where nothing hands the GIL away."""
     import threading
 
     from mm_pipeline.server import app as app_module
 
     seen = []
-    parse = app_module._validate
-
-    def watched(model, raw, *rest):
-        seen.append((threading.get_ident(), type(raw)))
-        return parse(model, raw, *rest)
-
-    monkeypatch.setattr(app_module, "_validate", watched)
+    off_loop, parse = app_module._validate_off_loop, app_module._validate
+    monkeypatch.setattr(app_module, "_validate_off_loop", lambda model, raw, *rest: seen.append(
+        ("off", threading.get_ident(), type(raw))) or off_loop(model, raw, *rest))
+    monkeypatch.setattr(app_module, "_validate", lambda model, raw, *rest: seen.append(
+        ("parse", threading.get_ident(), type(raw))) or parse(model, raw, *rest))
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * (app_module._INLINE_PARSE_BYTES + 1)}]}
-    assert open_server.post("/v1/chat/completions", json=CHAT).status_code == 200  # small: on the loop
+    assert open_server.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert open_server.post("/v1/chat/completions", json=big).status_code == 200
-    (loop_thread, small_type), (big_thread, big_type) = seen
-    assert big_thread != loop_thread
-    assert small_type is bytearray and big_type is bytearray  # the buffer, never a copy of it
+    (small, loop_thread, small_type), (off, off_thread, buffer_type), (parse_big, parse_thread, _) = seen
+    assert (small, off, parse_big) == ("parse", "off", "parse") and small_type is bytes
+    assert off_thread != loop_thread and parse_thread == off_thread
+    assert buffer_type is bytearray  # the receive buffer, not a copy of it made on the loop
