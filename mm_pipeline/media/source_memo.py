@@ -38,10 +38,10 @@ _PIECE = 1 << 16  # characters hashed at a time: below malloc's mmap threshold, 
 def data_url_id(url: str, scheme: str = "data") -> tuple[str, bytes] | None:
     """The memo id of a ``data:`` URL: blake3 of its text (None when it is not ASCII, which never
     decodes anyway); ``scheme="base64"`` for a bare base64 payload (``MediaSource.base64``), whose
-    ids never meet a data URL's: the same text is a valid source as one and not as the other. 0.5 ms for the 2.4 MB text of a 12 s 720p clip, against 10+ ms to decode it.
-    Hashed piece by piece, never encoded whole: a copy of a 5.5 MB text is fresh memory, and on the
-    2-core host its page faults took the id from ~1 ms to 3-8 ms of the request's CPU (measured in
-    the engine)."""
+    ids never meet a data URL's: the same text is a valid source as one and not as the other.
+    0.5 ms for the 2.4 MB text of a 12 s 720p clip, against 10+ ms to decode it. Hashed piece by
+    piece, never encoded whole: a copy of a 5.5 MB text is fresh memory, and on the 2-core host its
+    page faults took the id from ~1 ms to 3-8 ms of the request's CPU (measured in the engine)."""
     if not url.isascii():  # (O(1): a str knows whether it is ASCII)
         return None
     digest = blake3.blake3()

@@ -49,26 +49,30 @@ _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, max_values: int) -> Any:
     """Read and validate a JSON body.  A body carrying megabytes of base64 media would hold the
     event loop for tens of milliseconds in the JSON parser, so big ones are parsed off the loop;
-    the parser still holds the GIL while it runs (~0.9 ms a MB, which the loop waits out), the
+    the parser still holds the GIL while it runs (~1 ms a MB, which the loop waits out), the
     reason big media is better sent as an upload (/v1/files) or a URL."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit")
     raw = bytearray()
-    values = 0
+    values = None  # counted once the body is longer than max_values bytes (each value takes one)
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > max_bytes:
             raise APIError(413, f"request body is over the {max_bytes}-byte limit")
         # counted as it arrives, a piece at a time: over the whole body at the end, the three
         # passes held the GIL for ~80 ms at 100 MB in one go; and a body over the cap stops here
-        values += json_values_bound(chunk)
-        _check_values(values, max_values)
+        if values is not None:
+            values += json_values_bound(chunk)
+        elif len(raw) > max_values:
+            values = json_values_bound(raw)
+        if values is not None:
+            _check_values(values, max_values)
     try:
         if len(raw) > _INLINE_PARSE_BYTES:
             # the buffer itself goes to the thread: bytes(raw) is a copy, ~65 ms on the loop for 160 MB
-            return await asyncio.to_thread(_validate_off_loop, model, raw, max_values, values)
-        return _validate(model, bytes(raw), max_values, values)
+            return await asyncio.to_thread(_validate_off_loop, model, raw, max_values, values or 0)
+        return _validate(model, bytes(raw), max_values, values or 0)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
 

@@ -198,3 +198,37 @@ def test_a_big_body_is_parsed_off_the_event_loop_without_a_copy_on_it(open_serve
     assert (small, off, parse_big) == ("parse", "off", "parse") and small_type is bytes
     assert off_thread != loop_thread and parse_thread == off_thread
     assert buffer_type is bytearray  # the receive buffer, not a copy of it made on the loop
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 1 << 20])
+def test_the_value_bound_is_counted_as_the_body_arrives_whatever_its_pieces(piece):
+    """The JSON value bound is counted chunk by chunk once the body is longer than the cap (each value
+    takes a byte): the same answer for any chunking -- a body of cap + 1 values is refused with the
+    count, one of cap values is parsed -- and a refused body is not read to its end."""
+    import json
+
+    from mm_pipeline.server.app import APIError, parse_body
+    from mm_pipeline.server.protocol import CompletionRequest
+
+    cap = 40
+
+    class Arriving:
+        headers: dict = {}
+
+        def __init__(self, body: bytes) -> None:
+            self.body, self.sent = body, 0
+
+        async def stream(self):
+            for start in range(0, len(self.body), piece):
+                self.sent = start + piece
+                yield self.body[start:start + piece]
+
+    def body(ids: int) -> bytes:  # 1 object + its 3 members + the ids: a bound of ids + 3
+        return json.dumps({"model": "m", "prompt": list(range(ids)), "max_tokens": 1}).encode()
+
+    fits = Arriving(body(cap - 3))
+    assert asyncio.run(parse_body(fits, CompletionRequest, 1 << 20, cap)).prompt == list(range(cap - 3))
+    over = Arriving(body(cap - 2) + b" " * 4096)
+    with pytest.raises(APIError, match=f"up to {cap + 1} JSON values"):
+        asyncio.run(parse_body(over, CompletionRequest, 1 << 20, cap))
+    assert piece >= len(over.body) or over.sent < len(over.body)
