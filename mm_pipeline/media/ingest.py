@@ -297,11 +297,10 @@ def _a2b_pieces(text: str, piece: int = B64_PIECE) -> bytes:
     so padding anywhere but in the last piece is refused here, as the whole-text call refuses it."""
     if len(text) <= piece:
         return binascii.a2b_base64(text, strict_mode=True)
-    last = len(text) - (len(text) - 1) % piece - 1  # where the last piece starts
     parts = []
     for start in range(0, len(text), piece):
         chars = text[start:start + piece]
-        if start != last and "=" in chars:
+        if start + piece < len(text) and "=" in chars:  # not the last piece
             raise binascii.Error("padding before the end of the data")
         parts.append(binascii.a2b_base64(chars, strict_mode=True))
     return b"".join(parts)

@@ -99,7 +99,7 @@ def streamable_layout(head: bytes) -> str | None:
     (fragmented MP4), ``"matroska"`` (Matroska/WebM), ``"ogg"``, ``"audio"`` (WAV, FLAC, MP3,
     ADTS: a plain audio stream); ``""``: it cannot (``moov`` after ``mdat``, anything else); None:
     the bytes so far do not tell yet (``layout_and_need`` says how many will)."""
-    return _layout(head)[0]
+    return layout_and_need(head)[0]
 
 
 def layout_and_need(head: bytes) -> tuple[str | None, int]:
@@ -107,10 +107,6 @@ def layout_and_need(head: bytes) -> tuple[str | None, int]:
     (more than ``len(head)``: the end of the box it stopped in; ``len(head)`` once answered). A
     caller with bytes still arriving looks again only then, so a long video's index of megabytes
     is read once when whole, not copied again with every chunk before it."""
-    return _layout(head)
-
-
-def _layout(head: bytes) -> tuple[str | None, int]:
     if len(head) < 12:
         return None, 12
     if _sniff_plain_audio(head[:16]) is not None:

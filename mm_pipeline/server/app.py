@@ -62,11 +62,8 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, m
             raise APIError(413, f"request body is over the {max_bytes}-byte limit")
         # counted as it arrives, a piece at a time: over the whole body at the end, the three
         # passes held the GIL for ~80 ms at 100 MB in one go; and a body over the cap stops here
-        if values is not None:
-            values += json_values_bound(chunk)
-        elif len(raw) > max_values:
-            values = json_values_bound(raw)
-        if values is not None:
+        if len(raw) > max_values:
+            values = _json_values_bound(raw) if values is None else values + _json_values_bound(chunk)
             _check_values(values, max_values)
     try:
         if len(raw) > _INLINE_PARSE_BYTES:
@@ -77,7 +74,7 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, m
         raise RequestValidationError(exc.errors()) from None
 
 
-def json_values_bound(raw: bytes | bytearray) -> int:
+def _json_values_bound(raw: bytes | bytearray) -> int:
     """An upper bound on the JSON values in ``raw``: every array item and object member but the
     first follows a comma, the first a bracket (commas inside strings only make it looser). Adds
     up over the pieces of a body."""
@@ -91,12 +88,12 @@ def _check_values(values: int, max_values: int) -> None:
 
 
 def _validate(model: type[BaseModel], raw: bytes, max_values: int, values: int | None = None) -> Any:
-    """``values``: ``json_values_bound(raw)`` when the caller counted it already."""
+    """``values``: ``_json_values_bound(raw)`` when the caller counted it already."""
     # The parser builds every value before any field check runs, at ~100 bytes of memory a number
     # (an array of ints: ~20x the body), so the bound is checked first, ~1 ms a MB, before anything
     # is built. Every value takes at least a byte: a body no longer than the cap needs no count.
     if values is None:
-        values = json_values_bound(raw) if len(raw) > max_values else 0
+        values = _json_values_bound(raw) if len(raw) > max_values else 0
     _check_values(values, max_values)
     return model.model_validate_json(raw)
 

@@ -186,9 +186,10 @@ class EarlyVideoDecode:
         fps = float(stream.average_rate or stream.guessed_rate or 0)
         width, height = stream.codec_context.width, stream.codec_context.height
         lim = self.limits  # as probe_video's: a small file can declare huge frames, or days of them
-        totals = self._predict(container, stream, fps) if fps > 0 and width * height <= lim.max_pixels else None
-        self.over_limits = width * height > lim.max_pixels or (
-            totals is not None and max(totals) > min(lim.max_frames, lim.max_duration_s * fps))
+        too_big = width * height > lim.max_pixels
+        totals = self._predict(container, stream, fps) if fps > 0 and not too_big else None
+        most = min(lim.max_frames, lim.max_duration_s * fps)
+        self.over_limits = too_big or (totals is not None and max(totals) > most)
         if totals is None or self.over_limits:
             return  # over a limit, or no frame count known up front (fragmented MP4, Ogg): after arrival
         keep = self._targets(totals, fps)

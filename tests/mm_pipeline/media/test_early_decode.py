@@ -30,6 +30,7 @@ from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_
 from tests.support.arriving import (early_chunks_match_whole, early_covers_whole, feed, ingest_throttled,
                                     layout_clips)
 from tests.support.mp4_boxes import box_at, with_bigger_index, with_box_before_samples
+from samples.synthetic.hostile_media import tiny_boxes_mp4
 from tests.support.media_samples import image_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -69,8 +70,7 @@ def test_the_bytes_a_layout_needs(clips) -> None:
 def test_a_head_of_tiny_boxes_is_not_walked_to_its_end(clips) -> None:
     """A sender's 1 MiB of 8-byte boxes after ``ftyp``: the walks stop after a bounded number of
     boxes (each look at an arriving body runs on the event loop) and answer "not early"."""
-    data = clips["index"]  # ftyp, moov, mdat
-    head = data[:box_at(data)] + (bytes([0, 0, 0, 8]) + b"free") * (1 << 17) + data[box_at(data):]
+    head = tiny_boxes_mp4(clips["index"])  # ftyp, 1 MiB of 8-byte boxes, moov, mdat
     assert layout_and_need(head) == ("", len(head))  # not None: more bytes would not be looked at
     assert index_after_samples(head, len(head) + 100) is None
     assert fragments_duration(head) is None
