@@ -14,6 +14,9 @@ from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FileRecord, FilesStore, UploadTooLarge, UploadWriter
 
 _FIELD_LIMIT = 4096  # bytes of a plain form field (purpose)
+_MAX_FIELDS = 16  # plain form fields per upload (only 'purpose' is read): each is held in memory
+_MAX_BOUNDARY = 70
+_BODY_SLACK = 64 * 1024  # multipart headers, boundaries and fields on top of the file's own bytes
 _FLUSH_BYTES = 1 << 20  # disk writes go to a thread in chunks of about this size
 _PURPOSES = {"user_data", "vision", "assistants", "batch", "fine-tune", "evals"}
 
@@ -33,11 +36,16 @@ class _Parts:
         self._name = ""
         self._is_file = False
         self._buf = bytearray()
+        self.ended = False  # the closing boundary arrived: a body cut short never sets it
 
     def callbacks(self) -> dict:
         return {"on_part_begin": self._part_begin, "on_part_data": self._part_data, "on_part_end": self._part_end,
                 "on_header_field": self._header_field, "on_header_value": self._header_value,
-                "on_header_end": self._header_end, "on_headers_finished": self._headers_finished}
+                "on_header_end": self._header_end, "on_headers_finished": self._headers_finished,
+                "on_end": self._end}
+
+    def _end(self) -> None:
+        self.ended = True
 
     def _part_begin(self) -> None:
         self._disposition, self._name, self._is_file, self._buf = b"", "", False, bytearray()
@@ -81,6 +89,8 @@ class _Parts:
 
     def _part_end(self) -> None:
         if not self._is_file:
+            if self._name not in self.fields and len(self.fields) >= _MAX_FIELDS:
+                raise APIError(400, f"upload has more than {_MAX_FIELDS} form fields")
             self.fields[self._name] = self._buf.decode("utf-8", "replace")
 
     def take_pending(self) -> bytes:
@@ -94,17 +104,27 @@ async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise APIError(415, "upload must be multipart/form-data with a 'file' part and a 'purpose' field")
+    boundary = params[b"boundary"]
+    if not 1 <= len(boundary) <= _MAX_BOUNDARY:  # RFC 2046: 1 to 70 characters
+        raise APIError(400, f"multipart boundary must be 1 to {_MAX_BOUNDARY} characters, got {len(boundary)}")
+    body_cap = store.max_file_bytes + _BODY_SLACK
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > store.max_file_bytes + 64 * 1024:
+    if declared is not None and declared.isdigit() and int(declared) > body_cap:
         raise APIError(413, f"upload of {declared} bytes is over the {store.max_file_bytes}-byte limit")
     parts = _Parts(store)
-    parser = MultipartParser(params[b"boundary"], parts.callbacks())
+    received = 0
     try:
+        parser = MultipartParser(boundary, parts.callbacks())
         async for chunk in request.stream():
+            received += len(chunk)
+            if received > body_cap:  # a chunked body declares no length: counted as it comes
+                raise UploadTooLarge(f"upload is over the {store.max_file_bytes}-byte limit")
             parser.write(chunk)
             if parts.writer is not None and parts.pending_bytes >= _FLUSH_BYTES:
                 await asyncio.to_thread(parts.writer.write, parts.take_pending())
         parser.finalize()
+        if not parts.ended:  # python-multipart's finalize does not check the closing boundary
+            raise APIError(400, "upload is truncated: the multipart body ends before its closing boundary")
         if parts.writer is None:
             raise APIError(400, "upload has no 'file' part", param="file")
         if parts.pending:

@@ -174,3 +174,49 @@ def test_streamed_upload_is_cut_at_the_cap(server):
     assert r.status_code == 413
     assert server.store.list() == [] or all(f.filename != "big.bin" for f in server.store.list())
     server.store.check_integrity()
+
+
+def _multipart(boundary: bytes, data: bytes, close: bool = True) -> bytes:
+    body = b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="a.bin"\r\n\r\n' + data
+    return body + (b"\r\n--" + boundary + b"--\r\n" if close else b"")
+
+
+def _post_raw(server, body, boundary: bytes) -> httpx.Response:
+    return httpx.post(server.base_url + "/v1/files", content=body,
+                      headers={"Authorization": "Bearer sk-test",
+                               "Content-Type": "multipart/form-data; boundary=" + boundary.decode()})
+
+
+def test_malformed_multipart_is_a_400_and_stores_nothing(server):
+    """A boundary outside RFC 2046's 1-70 characters is refused (python-multipart raised a bare
+    FormParserError, a 500, past 256); a body that ends before its closing boundary is a truncated
+    upload, not a file of the bytes that came (python-multipart's finalize does not check)."""
+    before = server.store.list()
+    r = _post_raw(server, _multipart(b"b" * 257, b"hello"), b"b" * 257)
+    assert r.status_code == 400 and "boundary" in r.json()["error"]["message"]
+    r = _post_raw(server, _multipart(b"b" * 71, b"hello"), b"b" * 71)
+    assert r.status_code == 400
+    full = _multipart(b"bb", b"hello world, the whole file")
+    for cut in (full[:full.index(b"whole")], _multipart(b"bb", b"no closing boundary", close=False)):
+        r = _post_raw(server, cut, b"bb")
+        assert r.status_code == 400 and "truncated" in r.json()["error"]["message"], r.text
+    assert server.store.list() == before
+    server.store.check_integrity()
+
+
+def test_form_fields_and_chunked_bodies_are_bounded(server):
+    """Plain fields are held in memory: their number is capped, and a chunked body (no
+    Content-Length) is counted against the upload cap as it arrives even when no byte of it is file."""
+    fields = b"".join(b'--bb\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nv\r\n' % i for i in range(40))
+    r = _post_raw(server, fields + _multipart(b"bb", b"abc"), b"bb")
+    assert r.status_code == 400 and "form fields" in r.json()["error"]["message"]
+
+    def many_fields():  # 2 MiB of one field sent again and again, cap 64 KiB: refused at the cap
+        for _ in range(64):
+            yield b"".join(b'--bb\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n%s\r\n' % (b"v" * 100)
+                           for _ in range(200))
+        yield b"--bb--\r\n"
+
+    r = _post_raw(server, many_fields(), b"bb")
+    assert r.status_code == 413, r.text
+    server.store.check_integrity()
