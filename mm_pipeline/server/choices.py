@@ -137,10 +137,25 @@ async def close_all(choices: Sequence[ChoiceStream]) -> None:
 
 
 async def collect_all(choices: Sequence[ChoiceStream]) -> list[ChoiceState]:
+    """Drain every choice (a non-streamed answer). The answer is an error once one choice fails
+    (it raises, or ends with an error), so the others stop then -- their tasks are cancelled
+    before their streams are closed (``aclose`` fails on a generator a task still iterates) --
+    instead of generating to ``max_tokens`` while holding their admission slots and KV."""
+    tasks = [asyncio.ensure_future(c.collect()) for c in choices]
     try:
-        return list(await asyncio.gather(*(c.collect() for c in choices)))
+        for done in asyncio.as_completed(tasks):
+            if (await done).error is not None:
+                break
+        return [c.state for c in choices]
     finally:
-        await close_all(choices)
+        for t in tasks:
+            t.cancel()
+        await asyncio.shield(_stop(tasks, choices))  # runs to the end even if we are cancelled now
+
+
+async def _stop(tasks: Sequence[asyncio.Future], choices: Sequence[ChoiceStream]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await close_all(choices)
 
 
 async def merge_choices(choices: Sequence[ChoiceStream]) -> AsyncIterator[tuple[int, Any]]:
