@@ -24,6 +24,7 @@ is delivered; a pending job's key is always claimed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -35,6 +36,7 @@ import torch
 from mm_pipeline.encode.preprocess import VisionInput
 from mm_pipeline.encode.single_flight import SingleFlight, Waiter
 
+log = logging.getLogger(__name__)
 UnitSink = Waiter[torch.Tensor]
 VISION_KINDS = ("image", "video")
 
@@ -235,7 +237,10 @@ class EncoderBatcher:
                 self._counts[f"encoded.{job.kind}"] += 1
         for job, rows in zip(batch, outs):
             if self.on_encoded is not None:
-                self.on_encoded(job.key, rows)
+                try:
+                    self.on_encoded(job.key, rows)
+                except Exception:  # the cache missed a write; the units of the batch are delivered all the same
+                    log.exception("storing encoder unit %s failed", job.key[:16])
             self._deliver(job.key, rows, None)
         return len(batch)
 

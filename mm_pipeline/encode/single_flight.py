@@ -11,16 +11,19 @@ engine thread) and for media planning (``MediaPlanner`` through :meth:`SingleFli
 form: the first caller awaits the computation, later callers await its result).
 
 Invariant (under ``_lock``): a key is present from its claim until ``finish``; every waiter of a
-present key is called exactly once, by ``finish``, unless it left first. A key is never left behind:
+present key is called exactly once, by ``finish``, unless it left first (a waiter that raises is
+logged; the others are still called). A key is never left behind:
 ``run`` finishes its key on success, on failure and on cancellation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Awaitable, Callable, Generic, Optional, TypeVar
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Waiter = Callable[[Optional[T], Optional[BaseException]], None]  # (value, None) or (None, error)
 
@@ -62,10 +65,10 @@ class SingleFlight(Generic[T]):
         with self._lock:
             waiters = self._waiters.pop(key, [])
         for waiter in waiters:
-            if error is not None:
-                waiter(None, error)
-            else:
-                waiter(value, None)
+            try:
+                waiter(None, error) if error is not None else waiter(value, None)
+            except Exception:  # one waiter's failure (its event loop closed) must not starve the rest
+                log.exception("a waiter of %s failed", key[:16])
 
     def wanted(self, key: str) -> bool:
         """Does any waiter still wait for ``key``? (a computation nobody wants may stop early)"""

@@ -67,7 +67,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._sinks: dict[str, OutputSink] = {}
         self._stop = False
-        self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0}
+        self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0, "sink_errors": 0}
         # Builds and publishes the owner's stats snapshot; called on this thread after every
         # iteration (set before start()).
         self.on_stats: Callable[[], None] | None = None
@@ -133,8 +133,8 @@ class EngineLoop:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
-            sink(RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="abort",
-                               error="the engine was shut down"))
+            self._hand_over(sink, RequestOutput(request_id=rid, prompt_token_ids=[], finished=True,
+                                                finish_reason="abort", error="the engine was shut down"))
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -187,8 +187,9 @@ class EngineLoop:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
-            sink(RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error",
-                               error=f"the engine stopped: {exc}", error_kind=ErrorKind.INTERNAL))
+            self._hand_over(sink, RequestOutput(request_id=rid, prompt_token_ids=[], finished=True,
+                                                finish_reason="error", error=f"the engine stopped: {exc}",
+                                                error_kind=ErrorKind.INTERNAL))
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
@@ -229,5 +230,17 @@ class EngineLoop:
         for out in outputs:
             with self._lock:
                 sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-            if sink is not None:
-                sink(out)
+            if sink is not None and not self._hand_over(sink, out) and not out.finished:
+                self.detach(out.request_id)  # nobody can take its outputs: stop generating them
+                self.llm.abort(out.request_id)
+
+    def _hand_over(self, sink: OutputSink, out: RequestOutput) -> bool:
+        """Give ``out`` to its sink. One that raises (its consumer's event loop is already closed)
+        costs that request alone: the outputs after it in the step still reach their requests."""
+        try:
+            sink(out)
+            return True
+        except Exception:
+            log.exception("the output sink of request %s failed", out.request_id)
+            self.counts["sink_errors"] += 1
+            return False
