@@ -35,6 +35,32 @@ def huge_video(side: int = 8192, n_frames: int = 8, fps: int = 10) -> bytes:
     return buf.getvalue()
 
 
+def resizing_webm(big: int = 4096, n_frames: int = 8, small: int = 64, pix_fmt: str = "yuv420p",
+                  codec: str = "libvpx") -> bytes:
+    """A WebM (VP8; ``codec`` "libvpx-vp9" for other pixel formats) whose header and first keyframe
+    say ``small``², every later keyframe ``big``²: the size check before decoding sees only the
+    header. Solid frames compress to almost nothing: big=4096 with 20 frames is about 0.5 MB."""
+    import fractions
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="webm") as out:
+        stream = out.add_stream(codec, rate=1)
+        stream.width, stream.height, stream.pix_fmt = small, small, pix_fmt
+        stream.time_base = fractions.Fraction(1, 1000)
+        for k in range(n_frames):
+            side = small if k == 0 else big
+            enc = av.CodecContext.create(codec, "w")  # one encoder per size: a keyframe each
+            enc.width, enc.height, enc.pix_fmt = side, side, pix_fmt
+            enc.time_base = enc.framerate = fractions.Fraction(1, 1)
+            enc.options = {"deadline": "realtime", "cpu-used": "8"}
+            frame = av.VideoFrame.from_ndarray(np.full((side, side, 3), 40 + k, np.uint8), format="rgb24")
+            frame = frame.reformat(format=pix_fmt)
+            frame.pts, frame.time_base = 0, enc.time_base
+            for packet in [*enc.encode(frame), *enc.encode(None)]:
+                packet.stream, packet.pts, packet.dts, packet.time_base = stream, k * 1000, k * 1000, stream.time_base
+                out.mux(packet)
+    return buf.getvalue()
+
+
 def tiny_boxes_mp4(video: bytes, nbytes: int = 1 << 20) -> bytes:
     """``video`` (an MP4) with ``nbytes`` of 8-byte empty ``free`` boxes after its ``ftyp``: a head a
     reader walking the boxes to find the layout would walk 131,072 times for 1 MiB (the chunk

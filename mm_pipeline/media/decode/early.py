@@ -52,7 +52,8 @@ from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.early_packets import KeyframeSkip, PresentationRanks
-from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
+from mm_pipeline.media.decode.video import (FrameToRgb, VideoInfo, check_frame_size, codec_threads, decode_range,
+                                            frame_nbytes, skips_nonref)
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, open_av_stream
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -66,9 +67,10 @@ _HEAD = 1 << 20  # bytes a fragmented MP4's stated duration is looked for in (be
 class EarlyVideoDecode:
     """One video decoded on its own thread while its bytes arrive; frames kept by pts.
 
-    Invariant (under ``_cond``): every kept frame's pts <= ``_last_pts``; ``_kept_bytes`` =
-    len(``_frames``) x ``_frame_bytes`` <= ``max_kept_bytes``, and it is what this decode holds of
-    ``budget`` (when given); once ``_ended`` no frame is added."""
+    Invariant (under ``_cond``): every kept frame's pts <= ``_last_pts``; ``_kept_bytes`` = the sum
+    of ``_sizes`` (each kept frame's own planes, as decoded: its size and pixel format, not the
+    header's) <= ``max_kept_bytes``, and it is what this decode holds of ``budget`` (when given);
+    once ``_ended`` no frame is added."""
 
     kind = MediaKind.VIDEO
 
@@ -99,7 +101,7 @@ class EarlyVideoDecode:
         self._ended = False
         self._dropped = False  # cancelled: keep nothing more
         self._exact: set[int] | None = None  # pts production wants (retarget), else the prediction
-        self._frame_bytes = 0
+        self._sizes: dict[int, int] = {}  # pts -> bytes of that kept frame
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mmserve-early-decode", daemon=True)
 
@@ -161,11 +163,13 @@ class EarlyVideoDecode:
 
     def _drop(self, pts: Sequence[int]) -> None:
         """Forget the kept frames at ``pts`` and give their bytes back (caller holds ``_cond``)."""
+        freed = 0
         for p in pts:
             del self._frames[p]
-        self._kept_bytes -= len(pts) * self._frame_bytes
-        if self.budget is not None and pts:
-            self.budget.release_early(len(pts) * self._frame_bytes)
+            freed += self._sizes.pop(p)
+        self._kept_bytes -= freed
+        if self.budget is not None and freed:
+            self.budget.release_early(freed)
 
     # ---- the decoder thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -194,7 +198,6 @@ class EarlyVideoDecode:
             return  # over a limit, or no frame count known up front (fragmented MP4, Ogg): after arrival
         keep = self._targets(totals, fps)
         last_kept = max(keep)
-        frame_bytes = self._frame_bytes = width * height * 3 // 2  # kept frames stay YUV 4:2:0 until used
         used = codec_threads(self.threads, width * height)
         cc = stream.codec_context
         if used > 1:  # as decode_range does: FFmpeg's own threads, output bit-identical
@@ -231,13 +234,16 @@ class EarlyVideoDecode:
                         index = ranks.rank(frame.pts)
                     if self.received_at_first_frame is None:
                         self.received_at_first_frame = self.body.received
+                    check_frame_size(frame, width, height, "an arriving video")
+                    nbytes = frame_nbytes(frame)  # kept frames stay as decoded (YUV) until used
                     with self._cond:
-                        wanted = (frame.pts not in refs
+                        wanted = (frame.pts not in refs and frame.pts not in self._frames
                                   and (index in keep if self._exact is None else frame.pts in self._exact))
-                        if (wanted and not self._dropped and self._kept_bytes + frame_bytes <= self.max_kept_bytes
-                                and (self.budget is None or self.budget.take_early(frame_bytes))):
+                        if (wanted and not self._dropped and self._kept_bytes + nbytes <= self.max_kept_bytes
+                                and (self.budget is None or self.budget.take_early(nbytes))):
                             self._frames[frame.pts] = frame
-                            self._kept_bytes += frame_bytes
+                            self._sizes[frame.pts] = nbytes
+                            self._kept_bytes += nbytes
                         if self._pass(frame.pts, index, last_kept):
                             return
                     index += 1  # (with ranks: replaced by the next frame's rank)

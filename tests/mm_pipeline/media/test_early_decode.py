@@ -19,7 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.decode.video import probe_video
+from mm_pipeline.errors import MediaTooLarge
+from mm_pipeline.media.decode.budget import DecodeBudget
+from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import (MAX_INDEX_BYTES, fragments_duration, index_after_samples, layout_and_need,
@@ -30,7 +32,7 @@ from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_
 from tests.support.arriving import (early_chunks_match_whole, early_covers_whole, feed, ingest_throttled,
                                     layout_clips)
 from tests.support.mp4_boxes import box_at, with_bigger_index, with_box_before_samples
-from samples.synthetic.hostile_media import tiny_boxes_mp4
+from samples.synthetic.hostile_media import resizing_webm, tiny_boxes_mp4
 from tests.support.media_samples import image_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -190,3 +192,43 @@ def test_cancel_and_slots(clips) -> None:
     assert first.frames_until([0]) == {}
     again = decoders.start(ArrivingBytes(1 << 24, stall_s=0.2), "matroska")  # the slot came back
     assert again is not None and again.join(5.0)
+
+
+def test_frames_that_grow_past_their_header_are_refused() -> None:
+    """A VP8 WebM declaring 64x64 whose later keyframes are 1024x1024: the pixel limit and the
+    decode budget only ever saw the header. Before, the arriving-bytes decoder kept the big frames
+    while counting 64x64 each (thousands of times less), and the whole-bytes decoder ran them
+    through. Both now stop with a 413 naming the growth, and nothing stays counted."""
+    data = resizing_webm(big=1024, n_frames=6)
+    budget = DecodeBudget(1 << 30)
+    body = ArrivingBytes(len(data) + 1, stall_s=5.0, declared_size=len(data))
+    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 28, timeout_s=30.0, budget=budget)
+    early.start()
+    feed(body, data, chunk=4096).join()
+    early.join(30)
+    assert isinstance(early._error, MediaTooLarge) and "64x64" in str(early._error)
+    early.cancel()
+    assert budget.early_in_use == 0
+    item = MediaItem(MediaKind.VIDEO, "webm", data, "test")
+    info = probe_video(item)
+    with pytest.raises(MediaTooLarge, match="grow mid-stream from 64x64 .* to 1024x1024"):
+        decode_range(item, info, list(range(info.total_frames)), size=(32, 32))
+
+
+def test_kept_frames_count_their_own_planes() -> None:
+    """Kept frames are charged what they hold as decoded, not 8-bit 4:2:0 at the header's size:
+    4:4:4 is twice 4:2:0."""
+    data = resizing_webm(big=64, n_frames=6, pix_fmt="yuv444p", codec="libvpx-vp9")
+    budget = DecodeBudget(1 << 30)
+    body = ArrivingBytes(len(data) + 1, stall_s=5.0, declared_size=len(data))
+    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 28, timeout_s=30.0, budget=budget)
+    early.start()
+    feed(body, data, chunk=4096).join()
+    early.join(30)
+    kept = dict(early._frames)
+    assert kept and early._error is None
+    assert all(f.format.name == "yuv444p" for f in kept.values())
+    assert early._kept_bytes == budget.early_in_use == sum(p.buffer_size for f in kept.values() for p in f.planes)
+    assert early._kept_bytes >= len(kept) * 64 * 64 * 3
+    early.cancel()
+    assert budget.early_in_use == 0
