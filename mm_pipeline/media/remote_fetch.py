@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import httpx
 
-from mm_pipeline.errors import MediaAccessDenied, MediaFetchError, MediaFetchTimeout, MediaTooLarge
+from mm_pipeline.errors import InvalidMediaError, MediaAccessDenied, MediaFetchError, MediaFetchTimeout, MediaTooLarge
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
 from mm_pipeline.media.ingest_config import IngestConfig
@@ -54,16 +54,26 @@ class RemoteFetch:
         early decode ``early_decode`` started on it while it arrived (or None)."""
         if not self.config.allow_remote:
             raise MediaAccessDenied("remote media URLs are disabled on this server")
+        # the early decode once started: the body can be complete and the decode running when a
+        # cancel or the deadline lands on the awaits after it (closing the response, the client),
+        # and then nobody else would ever stop it or give back what it holds of the decode budget
+        started: list[Any] = []
         try:
-            return await asyncio.wait_for(self._follow(url, kind, early_decode), self.config.fetch_timeout_s)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise MediaFetchTimeout(
-                f"fetching {short_url(url)} took longer than {self.config.fetch_timeout_s} s") from None
-        except httpx.HTTPError as exc:
-            raise MediaFetchError(f"fetching {short_url(url)} failed ({type(exc).__name__})") from None
+            return await asyncio.wait_for(self._follow(url, kind, early_decode, started), self.config.fetch_timeout_s)
+        except BaseException as exc:
+            for early in started:
+                early.cancel()
+            if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)):
+                raise MediaFetchTimeout(
+                    f"fetching {short_url(url)} took longer than {self.config.fetch_timeout_s} s") from None
+            if isinstance(exc, httpx.HTTPError):
+                raise MediaFetchError(f"fetching {short_url(url)} failed ({type(exc).__name__})") from None
+            if isinstance(exc, (httpx.InvalidURL, OverflowError)):  # one httpx cannot connect to
+                raise InvalidMediaError(f"media URL {short_url(url)} is not a valid http(s) URL ({exc})") from None
+            raise
 
-    async def _follow(self, url: str, kind: MediaKind | None,
-                      early_decode: EarlyDecode | None) -> tuple[bytes, str, Any]:
+    async def _follow(self, url: str, kind: MediaKind | None, early_decode: EarlyDecode | None,
+                      started: list[Any]) -> tuple[bytes, str, Any]:
         limit = self.config.limits.max_bytes
         transport = self._transport
         if transport is None and not self.config.allow_private_hosts:
@@ -75,7 +85,10 @@ class RemoteFetch:
                 async with client.stream("GET", url) as response:
                     if response.is_redirect:
                         location = response.headers.get("location", "")
-                        url = urllib.parse.urljoin(url, location)
+                        try:
+                            url = urllib.parse.urljoin(url, location)
+                        except ValueError:
+                            raise MediaFetchError(f"{short_url(url)} redirects to an invalid URL") from None
                         continue
                     if response.status_code >= 400:
                         raise MediaFetchError(f"{short_url(url)} answered HTTP {response.status_code}")
@@ -89,12 +102,13 @@ class RemoteFetch:
                     # not say may still have them: asked, as a browser does)
                     ranges = response.headers.get("accept-ranges", "").strip().lower() != "none"
                     return await self._receive(response.aiter_bytes(), url, kind, early_decode, size,
-                                               functools.partial(fetch_range, client, url) if ranges else None)
+                                               functools.partial(fetch_range, client, url) if ranges else None,
+                                               started)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
 
     async def _receive(self, chunks: AsyncIterator[bytes], url: str, kind: MediaKind | None,
                        early_decode: EarlyDecode | None, declared_size: int | None,
-                       fetch_tail: Callable[[int, int], Any] | None) -> tuple[bytes, str, Any]:
+                       fetch_tail: Callable[[int, int], Any] | None, started: list[Any]) -> tuple[bytes, str, Any]:
         """Hash the chunks as they arrive into one growing buffer; a streamable video or an audio
         item starts decoding from that buffer as soon as its layout is known, an MP4 with its index
         at the end once ``fetch_tail`` (None: the host has no ranges) has fetched it
@@ -117,11 +131,14 @@ class RemoteFetch:
                     layout, need = layout_and_need(head)  # need > len(head) while it cannot tell
                     if layout:
                         early = early_decode(body, layout, kind, short_url(url))  # type: ignore[misc]
+                        if early is not None:
+                            started.append(early)
                     elif layout == "" and fetch_tail is not None and self.config.fetch_index_from_end:
                         tail = IndexFromEnd.start(body, head, fetch_tail)
                 if tail is not None and early is None and tail.ready():
                     early = early_decode(body, "index", kind, short_url(url))  # type: ignore[misc]
                     if early is not None:
+                        started.append(early)
                         self._count("index_from_end")
             data, key = body.finish()
             if body.tail_mismatch and early is not None:
@@ -139,7 +156,12 @@ class RemoteFetch:
                 await tail.close()
 
     def _check_host(self, url: str) -> None:
-        parts = urllib.parse.urlsplit(url)
+        try:  # what urllib and httpx both refuse: a bad IPv6 literal or port, control characters
+            parts = urllib.parse.urlsplit(url)
+            parts.port
+            httpx.URL(url)
+        except (ValueError, httpx.InvalidURL) as exc:
+            raise InvalidMediaError(f"media URL {short_url(url)} is not a valid http(s) URL ({exc})") from None
         if parts.scheme not in ("http", "https"):
             raise MediaAccessDenied(f"redirect to a {parts.scheme!r} URL is not allowed")
         host = (parts.hostname or "").lower().rstrip(".")
@@ -151,5 +173,8 @@ class RemoteFetch:
 
 def short_url(url: str) -> str:
     """A URL for messages: never the payload of a data URL, never a query string."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # one urllib cannot split (a bad IPv6 literal): cut at its query
+        return url.split("?", 1)[0][:200]
     return f"{parts.scheme}://{parts.netloc}{parts.path}"[:200]
