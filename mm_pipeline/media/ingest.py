@@ -173,10 +173,11 @@ class MediaIngestor:
         return item
 
     def _remembered(self, source_id: Any, declared: MediaKind | None, origin: str, load: Callable[[], bytes],
-                    verify: bool = False) -> MediaItem:
+                    verify: bool = False, loaded_id: Callable[[], Any] | None = None) -> MediaItem:
         """A source hashed before (SourceMemo) whose sniff answer is memoised too: a DeferredMediaItem,
         nothing decoded, read or hashed now (``verify``: its deferred load re-hashes the bytes).
-        Otherwise the bytes are loaded, hashed and sniffed, and the source remembered."""
+        Otherwise the bytes are loaded, hashed and sniffed, and the source remembered -- under
+        ``source_id`` only if ``loaded_id()`` (the id of what ``load`` actually read) is that id."""
         key = self.source_memo.get(source_id)
         found = self.sniff_memo.get(key) if key is not None else None
         if found is not None and (declared is None or declared in found.kinds):
@@ -187,19 +188,29 @@ class MediaIngestor:
             return DeferredMediaItem(kind=kind, format=found.format, data=deferred, origin=origin, content_key=key)
         read_at = time.time()
         item = self._to_item(load(), declared, origin)
-        self.source_memo.put(source_id, item.content_key, read_at)
+        if loaded_id is None or loaded_id() == source_id:
+            self.source_memo.put(source_id, item.content_key, read_at)
         return item
 
     def _file_item(self, raw: str, declared: MediaKind | None) -> MediaItem:
         """A local file; its memo id comes from a stat after the path checks (not a regular file:
-        no id, and the read refuses it)."""
+        no id, and the read refuses it). The read opens that very path (not ``raw`` resolved
+        again: a symlink flipped in between would read another file) and the memo learns the
+        content only under the id of the file it read, taken after reading: a file replaced or
+        rewritten between the stat and the read never leaves its content under the old id."""
         real = self._allowed_path(raw)
         try:
             st = os.stat(real)
         except OSError:
             st = None
         source_id = file_id(str(real), st) if st is not None and stat.S_ISREG(st.st_mode) else None
-        return self._remembered(source_id, declared, "file", lambda: self._read_path(raw), verify=True)
+        read: list[Any] = []
+
+        def load() -> bytes:
+            data, after = self._read_file(real, raw)
+            read.append(file_id(str(real), after))
+            return data
+        return self._remembered(source_id, declared, "file", load, verify=True, loaded_id=lambda: read[-1])
 
     def _check_size(self, nbytes: int) -> None:
         if nbytes > self.config.limits.max_bytes:
@@ -235,8 +246,8 @@ class MediaIngestor:
             raise MediaAccessDenied(f"path {raw!r} is outside the allowed media directories")
         return real
 
-    def _read_path(self, raw: str) -> bytes:
-        real = self._allowed_path(raw)
+    def _read_file(self, real: Path, raw: str) -> tuple[bytes, os.stat_result]:
+        """The bytes of ``real`` (``raw`` after the path checks) and its fstat once they are read."""
         # Regular files only, checked before open: opening a FIFO blocks until a writer comes (a
         # worker stuck for good) and a device never ends. O_NONBLOCK covers a swap between the
         # stat and the open; the fstat below re-checks what was opened.
@@ -255,10 +266,11 @@ class MediaIngestor:
             self._check_size(st.st_size)
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(self.config.limits.max_bytes + 1)  # the file may grow after fstat
+            after = os.fstat(fd)
         finally:
             os.close(fd)
         self._check_size(len(data))
-        return data
+        return data, after
 
 
 def _same_content(data: bytes, key: str, origin: str) -> bytes:

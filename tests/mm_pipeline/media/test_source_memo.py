@@ -129,3 +129,37 @@ def test_the_memo_is_bounded() -> None:
     assert len(memo) == 2 and memo.get(("data", b"\x00")) is None and memo.get(("data", b"\x02")) == "k2"
     with pytest.raises(ValueError):
         SourceMemo(racy_s=-1)
+
+
+@pytest.mark.parametrize("swap", ["symlink flipped", "file replaced"])
+def test_a_swap_between_the_stat_and_the_read_leaves_no_wrong_memo(tmp_path: Path, monkeypatch, swap: str) -> None:
+    """The memo id comes from a stat, the content from a read just after. A deploy flipping a
+    ``latest -> vN`` symlink, or renaming a new file over the old one, in between must never leave
+    one file's content key under another file's id: before, v1.wav's id got v2's key (served v2's
+    cached rows, or a 400 "changed while it was being served" forever)."""
+    v1, v2, link = tmp_path / "v1.png", tmp_path / "v2.png", tmp_path / "latest.png"
+    v1.write_bytes(PNG)
+    v2.write_bytes(OTHER_PNG)
+    link.symlink_to(v1)
+    ing = _trusting(MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),))))
+    read = MediaIngestor._read_file
+    target = link if swap == "symlink flipped" else v1
+
+    def racing(self, real, raw):
+        if not racing.done:
+            racing.done = True
+            new = tmp_path / "new"
+            if swap == "symlink flipped":
+                new.symlink_to(v2)
+            else:
+                new.write_bytes(OTHER_PNG)
+            os.replace(new, target)
+        return read(self, real, raw)
+    racing.done = False
+    monkeypatch.setattr(MediaIngestor, "_read_file", racing)
+    first = ing.ingest_local(MediaSource(path=str(target)))
+    if swap == "symlink flipped":  # the file that was checked is the one read
+        assert first.content_key == content_key(PNG)
+    for path, data in ((v1, v1.read_bytes()), (target, target.read_bytes())):
+        again = ing.ingest_local(MediaSource(path=str(path)))
+        assert again.content_key == content_key(data) and again.data == data
