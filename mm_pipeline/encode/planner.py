@@ -26,7 +26,6 @@ production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.enc
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections import Counter
@@ -83,8 +82,7 @@ class MediaPlanner:
             config.video_sampling, config.limits, ingestor.config.fetch_timeout_s, config.decoder_threads,
             budget=self.producer.budget, audio_rate=audio.sampling_rate if audio is not None else None,
             context_samples=self.producer.context_samples(), video_sound=self._hears_videos()).start
-        # media key -> the planning pass in progress; a cancelled planner fails its joiners with
-        # a MediaError (their request failed for a reason of this media, not their own cancel)
+        # media key -> the planning pass in progress, going on while any request still wants it
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
         # file id -> the read in progress: the choices of one request share one copy of the bytes
         self._loading: SingleFlight[MediaItem] = SingleFlight(lambda: MediaError("loading the file was cancelled"))
@@ -154,12 +152,9 @@ class MediaPlanner:
         content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
         mkey = self._media_key(content, item)
         control = self.producer.control(item)
-        try:
-            plan, planned_here = await self._planning.run(
-                mkey, lambda: self.pool.run(self._plan_sync, item, mkey, control))
-        except asyncio.CancelledError:
-            control.cancel()  # the request ended: its worker stops at the next frame
-            raise
+        # every request that wanted this plan ended: its worker stops at the next frame
+        plan, planned_here = await self._planning.run(
+            mkey, lambda: self.pool.run(self._plan_sync, item, mkey, control), abandon=control.cancel)
         if planned_here:
             return plan
         # another request planned the same media meanwhile: share its layout and its preprocessed

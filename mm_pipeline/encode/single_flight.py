@@ -8,12 +8,13 @@
 
 Used for encoder units (``EncoderBatcher``: waiters are the requests' stream sinks, called on the
 engine thread) and for media planning (``MediaPlanner`` through :meth:`SingleFlight.run`, the asyncio
-form: the first caller awaits the computation, later callers await its result).
+form: the first caller starts the computation as a task of its own, and every caller awaits its
+result; it is cancelled only once no caller waits any more).
 
 Invariant (under ``_lock``): a key is present from its claim until ``finish``; every waiter of a
 present key is called exactly once, by ``finish``, unless it left first (a waiter that raises is
 logged; the others are still called). A key is never left behind:
-``run`` finishes its key on success, on failure and on cancellation.
+``run``'s computation finishes its key on success, on failure and on cancellation.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SingleFlight(Generic[T]):
         self._abandoned = abandoned
         self._lock = threading.Lock()
         self._waiters: dict[str, list[Waiter[T]]] = {}
+        self._tasks: dict[str, tuple[asyncio.Task, Callable[[], None] | None]] = {}  # run(): key -> computation
 
     # ---- callback form ----------------------------------------------------------------------
     def join(self, key: str, waiter: Waiter[T]) -> bool:
@@ -84,16 +86,19 @@ class SingleFlight(Generic[T]):
             return len(self._waiters)
 
     # ---- asyncio form -----------------------------------------------------------------------
-    async def run(self, key: str, compute: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
-        """``(value, computed)``: the first caller for ``key`` awaits ``compute()`` (``computed``
-        True); callers arriving meanwhile await that result (False) or its exception. A cancelled
-        joiner leaves alone; a cancelled computing caller fails the joiners with ``abandoned()``.
-        Joiners may run on other event loops than the computing caller."""
+    async def run(self, key: str, compute: Callable[[], Awaitable[T]],
+                  abandon: Callable[[], None] | None = None) -> tuple[T, bool]:
+        """``(value, computed)``: the first caller for ``key`` starts ``compute()`` (``computed``
+        True); callers arriving meanwhile await that result (False) or its exception. The
+        computation is a task of its own, not a part of the first caller: any caller cancelled
+        (its client went away) leaves alone, and only when the last one has left is the task
+        cancelled and ``abandon()`` called (e.g. stop a worker thread's decode); joiners then
+        get ``abandoned()``. Joiners may run on other event loops than the computing caller."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future[T] = loop.create_future()
 
         def settle(value: T | None, error: BaseException | None) -> None:
-            if result.done():  # a joiner cancelled meanwhile has a cancelled future
+            if result.done():  # a caller cancelled meanwhile has a cancelled future
                 return
             if error is not None:
                 result.set_exception(error)
@@ -106,26 +111,43 @@ class SingleFlight(Generic[T]):
             except RuntimeError:  # that caller's loop is closed: nobody is left to tell
                 pass
 
-        if not self.join(key, waiter):
-            try:
-                return await result, False
-            except asyncio.CancelledError:
-                self.leave(key, waiter)
-                raise
-        self.leave(key, waiter)  # the computing caller takes its value directly
+        computing = self.join(key, waiter)
+        if computing:
+            task = loop.create_task(compute())
+            with self._lock:
+                self._tasks[key] = (task, abandon)
+            task.add_done_callback(lambda t: self._computed(key, t))
         try:
-            value = await compute()
-        except Exception as exc:
-            self.finish(key, error=exc)
+            return await result, computing
+        except asyncio.CancelledError:
+            self.leave(key, waiter)
+            self._stop_if_unwanted(key)
             raise
-        except BaseException:
+
+    def _computed(self, key: str, task: asyncio.Task) -> None:
+        with self._lock:
+            self._tasks.pop(key, None)
+        if task.cancelled():
             self.finish(key, error=self._abandoned())
-            raise
-        self.finish(key, value)
-        return value, True
+        elif task.exception() is not None:
+            self.finish(key, error=task.exception())
+        else:
+            self.finish(key, task.result())
+
+    def _stop_if_unwanted(self, key: str) -> None:
+        """Cancel ``key``'s computation once no caller waits for it any more."""
+        with self._lock:
+            if self._waiters.get(key):
+                return
+            task, abandon = self._tasks.pop(key, (None, None))
+        if task is None:
+            return
+        task.get_loop().call_soon_threadsafe(task.cancel)
+        if abandon is not None:
+            abandon()
 
     def check_integrity(self) -> None:
         """Call when idle: no computation is in flight, so no key may be left claimed."""
         with self._lock:
-            if self._waiters:
-                raise AssertionError(f"keys left in flight: {sorted(self._waiters)[:5]}")
+            if self._waiters or self._tasks:
+                raise AssertionError(f"keys left in flight: {sorted({*self._waiters, *self._tasks})[:5]}")

@@ -112,16 +112,27 @@ def test_async_single_flight() -> None:
         with pytest.raises(asyncio.CancelledError):
             await second
 
-        calls = 0  # a cancelled computing caller fails its joiners with the abandoned error
+        calls = 0  # the computing caller cancelled (its client left): the others still get the value
         first = asyncio.create_task(sf.run("d", compute))
         second = asyncio.create_task(sf.run("d", compute))
         await asyncio.sleep(0.01)
         first.cancel()
-        with pytest.raises(Abandoned):
-            await second
+        assert await second == (9, False) and calls == 1
         with pytest.raises(asyncio.CancelledError):
             await first
-        assert calls == 1 and await sf.run("d", compute) == (9, True)
+
+        calls, abandoned = 0, []  # every caller gone: the computation is cancelled, abandon() called
+        first = asyncio.create_task(sf.run("e", compute, abandon=lambda: abandoned.append(1)))
+        second = asyncio.create_task(sf.run("e", compute))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        await asyncio.sleep(0.01)
+        assert not abandoned  # one still waits
+        second.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        await asyncio.sleep(0)  # the computation's own cancellation runs
+        assert abandoned == [1] and "e" not in sf
+        assert calls == 1 and await sf.run("e", compute) == (9, True)  # not poisoned
 
     asyncio.run(scenario())
     sf.check_integrity()
@@ -210,9 +221,10 @@ def test_callback_form_matches_a_model(ops) -> None:
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 6), fail=st.booleans(), cancel=st.sets(st.integers(0, 5)))
 def test_async_form_outcomes(n, fail, cancel) -> None:
-    """``n`` callers of one key (caller 0 computes); some are cancelled mid-flight."""
+    """``n`` callers of one key (caller 0 starts the computation); some are cancelled mid-flight.
+    The others get the computation's outcome whoever left; it is abandoned only when all left."""
     sf: SingleFlight[int] = SingleFlight(lambda: Abandoned("gone"))
-    calls = 0
+    calls, abandoned = 0, []
 
     async def scenario() -> list[object]:
         gate = asyncio.Event()
@@ -225,21 +237,23 @@ def test_async_form_outcomes(n, fail, cancel) -> None:
                 raise RuntimeError("boom")
             return 3
 
-        tasks = [asyncio.create_task(sf.run("k", compute)) for _ in range(n)]
+        tasks = [asyncio.create_task(sf.run("k", compute, abandon=lambda: abandoned.append(1))) for _ in range(n)]
         await asyncio.sleep(0)  # every caller has joined (or claimed)
+        await asyncio.sleep(0)  # the computation started
         for i in cancel & set(range(n)):
             tasks[i].cancel()
         gate.set()
-        return await asyncio.gather(*tasks, return_exceptions=True)
+        outs = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # a cancelled computation's own end
+        return outs
 
     outs = asyncio.run(scenario())
     assert calls == 1
     sf.check_integrity()
+    assert abandoned == ([1] if set(range(n)) <= cancel else [])
     for i, out in enumerate(outs):
         if i in cancel:
             assert isinstance(out, asyncio.CancelledError)
-        elif 0 in cancel:
-            assert isinstance(out, Abandoned)
         elif fail:
             assert isinstance(out, RuntimeError) and str(out) == "boom"
         else:

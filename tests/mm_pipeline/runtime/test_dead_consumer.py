@@ -116,3 +116,39 @@ def test_batch_mates_are_delivered_and_their_keys_released(ckpt):
         assert batcher.stats()["in_flight_units"] == 0
     finally:
         engine.shutdown()
+
+
+def test_a_client_leaving_during_planning_does_not_fail_the_other(ckpt, monkeypatch):
+    """Two requests for one cold video share one planning pass. The one that started it is
+    cancelled (its client hung up) while it runs: before, the other got a 400 "planning was
+    cancelled" for a valid video; the pass now goes on while any request still wants it."""
+    from mm_pipeline.encode.planner import MediaPlanner
+    from tests.support.media_samples import video_bytes
+
+    real = MediaPlanner._plan_sync
+
+    def slow_plan(self, *args, **kwargs):  # a slow probe: the window in which the first client leaves
+        time.sleep(0.3)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(MediaPlanner, "_plan_sync", slow_plan)
+    engine = _engine(ckpt)
+    video = video_bytes(n_frames=40, fps=10, size=(64, 48), gop=10)
+    url = "data:;base64," + base64.b64encode(video).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "Describe."}]}]
+
+    async def main():
+        async def client() -> int:
+            return sum([len(d.new_token_ids) async for d in engine.generate(messages, GREEDY)])
+        first = asyncio.create_task(client())
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(client())
+        await asyncio.sleep(0.05)
+        first.cancel()
+        return await asyncio.gather(first, second, return_exceptions=True)
+    try:
+        first, second = asyncio.run(asyncio.wait_for(main(), 30))
+        assert isinstance(first, asyncio.CancelledError) and second == 4
+        assert engine.runtime.planner.counts["plan_joins"] == 1
+    finally:
+        engine.shutdown()
