@@ -193,18 +193,24 @@ class ChatService:
         created, model = int(time.time()), self.config.model_name
 
         async def events() -> AsyncIterator[str]:
+            # each choice's text_offset goes on across its chunks (after the echoed prompt), as
+            # in the answer that is not streamed
+            offsets = [0] * len(choices)
             try:
                 if req.echo:
                     for c in choices:
                         text = self._prompt_text(prompts[c.index // req.n])
+                        offsets[c.index] = len(text)
                         yield sse_event(Completion(id=rid, created=created, model=model,
                                                    choices=[CompletionChoice(index=c.index, text=text)]))
                 async for index, d in merge_choices(choices):
                     if d.finished:
                         _check_finished([choices[index].state])
                     lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
-                                                          d.top_logprobs or [])
+                                                          d.top_logprobs or [], offset=offsets[index])
                           if req.logprobs is not None and d.new_token_ids else None)
+                    if lp is not None and lp.tokens:
+                        offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
                     if d.new_text or lp is not None or d.finished:
                         yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
                             index=index, text=d.new_text or "", logprobs=lp,

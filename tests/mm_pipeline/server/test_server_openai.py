@@ -173,6 +173,16 @@ def test_logprobs_chat_and_completions(served):
     assert comp.usage.prompt_tokens == 4 and comp.usage.completion_tokens == 4
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert lp.text_offset == sorted(lp.text_offset) and all(v <= 0 for v in lp.token_logprobs)
+    # streamed, the offsets go on across chunks (after the echoed prompt) as in the whole answer
+    kw = dict(model=served.model, prompt="hello there", max_tokens=4, temperature=0, logprobs=1, echo=True,
+              n=2, extra_body={"ignore_eos": True})
+    whole = served.client.completions.create(**kw)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in served.client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.logprobs.text_offset if c.logprobs else []
+    assert [streamed[c.index] for c in whole.choices] == [c.logprobs.text_offset for c in whole.choices]
+    assert whole.choices[0].logprobs.text_offset[0] == len("hello there")
     text_prompt = served.client.completions.create(model=served.model, prompt=["hello", "world"], max_tokens=2,
                                                    temperature=0, n=2)
     assert [c.index for c in text_prompt.choices] == [0, 1, 2, 3]
