@@ -14,6 +14,7 @@ handler, which closes the engine streams (= abort, resources freed).
 from __future__ import annotations
 
 import asyncio
+import os
 import hmac
 import shutil
 import tempfile
@@ -272,7 +273,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
         rec = record(file_id)
-        return FileResponse(store.path(rec.id), filename=rec.filename, media_type="application/octet-stream")
+        path = store.path(rec.id)
+        try:  # stat here: a delete racing the download is a 404, not FileResponse's own stat failing (500)
+            st = await asyncio.to_thread(os.stat, path)
+        except FileNotFoundError:
+            raise APIError(404, f"no file with id {file_id!r}", param="file_id") from None
+        return FileResponse(path, filename=rec.filename, media_type="application/octet-stream", stat_result=st)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> JSONResponse:

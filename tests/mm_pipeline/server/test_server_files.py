@@ -220,3 +220,14 @@ def test_form_fields_and_chunked_bodies_are_bounded(server):
     r = _post_raw(server, many_fields(), b"bb")
     assert r.status_code == 413, r.text
     server.store.check_integrity()
+
+
+def test_content_of_a_file_deleted_while_it_is_asked_for_is_a_404(server):
+    """The record was found, then a concurrent delete removed the blob before the download read it:
+    a 404 (FileResponse's own stat raised RuntimeError, a 500)."""
+    rec = server.store.put_bytes(b"soon gone", "gone.bin")
+    server.store.path(rec.id).unlink()  # what the racing DELETE did between the lookup and the read
+    r = httpx.get(server.base_url + f"/v1/files/{rec.id}/content", headers={"Authorization": "Bearer sk-test"})
+    assert r.status_code == 404 and rec.id in r.json()["error"]["message"]
+    server.store.delete(rec.id)
+    server.store.check_integrity()
