@@ -193,7 +193,8 @@ class MediaPlanner:
     def counts(self) -> dict[str, int]:
         """Work done: probes, images_decoded, audio_decoded, audio_codes (pre-tokenized items
         loaded), video_chunks_decoded, video_containers_opened (the chunks of a video share open containers:
-        media.decode.video_chunks.VideoContainers), unit_hits (units found in the encoder cache), plan_joins;
+        media.decode.video_chunks.VideoContainers), unit_hits (units found in the encoder cache), plan_joins,
+        productions_restarted (units dropped as unwanted just as a request joined them, produced again);
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; plans_one_hop (planned from the
         manifest in ``plan_warm``, in the hop that ingested them); early_frames_used /

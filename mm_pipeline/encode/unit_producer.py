@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
-from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, check
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
@@ -149,6 +149,7 @@ class UnitProducer:
     async def _produce(self, plan: MediaPlan, claimed: list[int]) -> None:
         open_keys = {plan.units[i].key for i in claimed}
         keys = tuple(open_keys)
+        again: set[str] = set()  # keys to produce once more (see the except clause)
         # a worker stops at its next frame once no request wants these units (or at the deadline)
         control = self.control(plan.item, wanted=lambda: any(self.batcher.wanted(k) for k in keys))
         try:
@@ -178,7 +179,11 @@ class UnitProducer:
             while isinstance(exc, BaseExceptionGroup):  # from the task groups: report the first
                 exc = exc.exceptions[0]
             error = exc if isinstance(exc, Exception) else MediaError("media production was cancelled")
-            for key in open_keys:
+            if isinstance(exc, DecodeCancelled):
+                # stopped because nobody wanted these units, but a request may have joined one
+                # since the worker looked (its key was still claimed): that one is produced again
+                again = {k for k in open_keys if self.batcher.wanted(k)}
+            for key in open_keys - again:
                 self.batcher.fail(key, error)
             open_keys.clear()  # a group a decode worker hands on after this is not submitted
             if not isinstance(exc, Exception):
@@ -188,6 +193,9 @@ class UnitProducer:
             plan.inputs = {}
             if plan.item.early is not None:
                 plan.item.early.cancel()  # its frames were taken or are not needed any more
+        if again:
+            self._count("productions_restarted")
+            self.start(plan, [i for i in claimed if plan.units[i].key in again])
 
     async def _produce_sound(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
                              control: DecodeControl) -> None:

@@ -152,3 +152,53 @@ def test_a_client_leaving_during_planning_does_not_fail_the_other(ckpt, monkeypa
         assert engine.runtime.planner.counts["plan_joins"] == 1
     finally:
         engine.shutdown()
+
+
+def test_a_request_joining_a_decode_that_is_being_dropped_gets_its_units(ckpt, monkeypatch):
+    """A's client leaves while its video decodes; the decode worker sees that nobody wants the
+    units and stops. B asks for the same video right then, before the producer has failed the
+    units, so B joins their claims: before, B failed with "decoding ... was cancelled (no request
+    wants it)"; the units B wants are now produced again."""
+    import threading
+
+    import mm_pipeline.media.decode.backend as backend_module
+    from mm_pipeline.media.decode.budget import DecodeCancelled
+    from tests.support.media_samples import video_bytes
+
+    real, stopping, first = backend_module.decode_chunk, threading.Event(), [True]
+
+    def decode_chunk(item, info, indices, groups, tp, limits, size=None, control=None, **opts):
+        if first[0]:  # the first chunk decodes until nobody wants it, and unwinds slowly
+            first[0] = False
+            try:
+                for _ in range(300):
+                    control.check()
+                    time.sleep(0.01)
+            except DecodeCancelled:
+                stopping.set()
+                time.sleep(0.3)
+                raise
+        return real(item, info, indices, groups, tp, limits, size, control, **opts)
+    monkeypatch.setattr(backend_module, "decode_chunk", decode_chunk)
+    engine = _engine(ckpt)
+    video = video_bytes(n_frames=20, fps=10, size=(64, 48), gop=10)
+    url = "data:;base64," + base64.b64encode(video).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "Describe."}]}]
+
+    async def main():
+        async def client() -> int:
+            return sum([len(d.new_token_ids) async for d in engine.generate(messages, GREEDY)])
+        a = asyncio.create_task(client())
+        await asyncio.sleep(0.3)
+        a.cancel()
+        while not stopping.is_set():
+            await asyncio.sleep(0.001)
+        b = asyncio.create_task(client())
+        return await asyncio.gather(a, b, return_exceptions=True)
+    try:
+        a, b = asyncio.run(asyncio.wait_for(main(), 30))
+        assert isinstance(a, asyncio.CancelledError) and b == 4
+        assert engine.runtime.planner.counts["productions_restarted"] == 1
+    finally:
+        engine.shutdown()
