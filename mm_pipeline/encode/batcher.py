@@ -225,9 +225,12 @@ class EncoderBatcher:
                 outs = self._encode_audio(batch)
             if self.before_deliver is not None:
                 self.before_deliver()
-        except Exception as exc:  # one bad batch fails its units, not the engine
-            for job in batch:
-                self._deliver(job.key, None, RuntimeError(f"{encoder} encoder failed: {type(exc).__name__}: {exc}"))
+        except Exception as exc:  # a failed forward fails its own units only, never the engine
+            if len(batch) > 1:  # which unit? each alone: the others of the batch are delivered
+                log.warning("a packed %s forward of %d units failed (%s); encoding them one by one",
+                            encoder, len(batch), exc)
+                return sum(self._run(encoder, [job]) for job in batch)
+            self._deliver(batch[0].key, None, RuntimeError(f"{encoder} encoder failed: {type(exc).__name__}: {exc}"))
             return 0
         if self.on_forward_span is not None:
             self.on_forward_span(t0, time.monotonic())

@@ -157,3 +157,35 @@ def test_missing_encoder_and_detach(towers):
     assert "d" not in col.got and b.stats()["in_flight_units"] == 0
     with pytest.raises(ValueError, match="unknown encoder job kind"):
         EncoderJob("z", "smell", mel=torch.zeros(1, 1))
+
+
+def test_a_forward_that_fails_fails_only_the_unit_that_broke_it(towers):
+    """Three requests' images packed into one forward; the tower raises on one of them. Before,
+    every unit of the batch failed; now the batch is encoded again one unit at a time and only
+    the culprit fails, the others get the rows a forward of their own gives."""
+    vision, _ = towers
+    inputs = {f"img{i}": vision_input(i, 40 + 16 * i, 70 - 8 * i) for i in range(3)}
+    bad = inputs["img1"].rows
+
+    class Fragile:
+        def __init__(self):
+            self.calls = []
+
+        def encode_items(self, items):
+            self.calls.append(len(items))
+            if any(rows is bad for rows, _ in items):
+                raise RuntimeError("kernel fault")
+            return vision.encode_items(items)
+    fragile = Fragile()
+    b = EncoderBatcher(fragile, None, BatcherConfig(max_wait_s=10.0))
+    col = Collector()
+    for k, v in inputs.items():
+        assert b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "image", vision=v))
+    assert b.run_due(force=True) == 2, fragile.calls
+    assert fragile.calls == [3, 1, 1, 1]
+    assert "kernel fault" in str(col.got["img1"][0])
+    for k in ("img0", "img2"):
+        (alone,) = vision.encode_items([(inputs[k].rows, inputs[k].grid)])
+        assert torch.equal(col.got[k][0], alone)
+    assert b.stats()["in_flight_units"] == 0 and b.stats()["failed_units"] == 1
