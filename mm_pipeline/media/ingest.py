@@ -309,13 +309,31 @@ def _a2b_pieces(text: str, piece: int = B64_PIECE) -> bytes:
     so padding anywhere but in the last piece is refused here, as the whole-text call refuses it."""
     if len(text) <= piece:
         return binascii.a2b_base64(text, strict_mode=True)
+    starts = list(range(0, len(text), piece))
+    data_end = len(text) - _trailing_padding(text)
+    while len(starts) > 1 and starts[-1] >= data_end:
+        # pieces of bare padding at the end: alone, strict mode refuses them as leading padding,
+        # while the whole text takes them as excess after complete groups ("AAAAAAAA=" is 6
+        # bytes): they go with the last piece that holds data
+        starts.pop()
     parts = []
-    for start in range(0, len(text), piece):
-        chars = text[start:start + piece]
-        if start + piece < len(text) and "=" in chars:  # not the last piece
+    for start, end in zip(starts, [*starts[1:], len(text)]):
+        chars = text[start:end]
+        if end < len(text) and "=" in chars:  # not the last piece
             raise binascii.Error("padding before the end of the data")
         parts.append(binascii.a2b_base64(chars, strict_mode=True))
     return b"".join(parts)
+
+
+def _trailing_padding(text: str) -> int:
+    """How many "=" end ``text``, looking at growing tails (``text.rstrip`` would copy it whole)."""
+    k = 64
+    while True:
+        tail = text[-k:]
+        data = tail.rstrip("=")
+        if data or k >= len(text):
+            return len(tail) - len(data)
+        k *= 4
 
 
 def _scheme(url: str) -> str:

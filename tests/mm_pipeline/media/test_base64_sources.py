@@ -26,7 +26,10 @@ PNG = image_bytes("PNG")
                       st.binary(max_size=30).map(lambda b: base64.b64encode(b).decode()),
                       # valid encodings glued together: padding in the middle, at piece bounds too
                       st.lists(st.binary(max_size=5).map(lambda b: base64.b64encode(b).decode()),
-                               max_size=6).map("".join)),
+                               max_size=6).map("".join),
+                      # excess padding after the data, over piece bounds ("AAAAAAAA=" is 6 bytes)
+                      st.tuples(st.binary(max_size=12), st.integers(1, 14)).map(
+                          lambda bn: base64.b64encode(bn[0]).decode() + "=" * bn[1])),
        piece=st.sampled_from([4, 8, 12]))
 def test_base64_decoded_in_pieces_is_the_whole_strict_decode(text: str, piece: int) -> None:
     """Decoding a payload a piece at a time (so no call holds the GIL for a whole 100 MB payload)
