@@ -23,6 +23,7 @@ only in stop-string checks (incremental, llm_core/engine/detokenizer.py) and in 
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import threading
 import time
@@ -31,7 +32,7 @@ import torch
 
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.detokenizer import StopStringMatcher
-from llm_core.engine.model_runner import ModelRunner, StepResult
+from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
@@ -46,6 +47,9 @@ from kernels import native
 # The prefix cache's stats walk its whole tree, too slow for every step of a big cache: while
 # requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
 PREFIX_STATS_INTERVAL_S = 1.0
+log = logging.getLogger(__name__)
+
+
 def _is_token(t) -> bool:
     try:
         operator.index(t)
@@ -231,7 +235,14 @@ class LLMEngine:
         if not batch:
             return outputs
         self.runner.begin_step()
-        result = self._run_isolated(batch.entries, self.prefix_cache.kv_buffers(self.pool))
+        try:  # a tier load that already failed raises here: the batch's matched KV never landed
+            kv = self.prefix_cache.kv_buffers(self.pool)
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- every entry of the batch ends with it, none runs on bad KV
+            result = StepResult([], [(e, exc) for e in batch.entries])
+        else:
+            result = run_isolated(self._stepper, batch.entries, kv)
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
             self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
             outputs.append(self._finish_output(e.request, []))
@@ -241,14 +252,27 @@ class LLMEngine:
         self.scheduler.after_step(batch)  # skips the finished ones
         for s in result.sampled:
             req = s.entry.request
-            req.append_token(s.token_id, s.logprob, s.top_logprobs)
-            reason = req.check_stop(self.max_model_len)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                outputs.append(self._finish_output(req, [s.token_id]))
-            else:
-                outputs.append(self._output(req, [s.token_id]))
+            try:  # the stop check and the final text use the tokenizer: its error ends this request only
+                req.append_token(s.token_id, s.logprob, s.top_logprobs)
+                reason = req.check_stop(self.max_model_len)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    outputs.append(self._finish_output(req, [s.token_id]))
+                else:
+                    outputs.append(self._output(req, [s.token_id]))
+            except Exception as exc:  # noqa: BLE001 -- the other requests of the step go on
+                outputs.append(self._failed_output(req, exc))
         return outputs
+
+    def _failed_output(self, req: Request, exc: Exception) -> RequestOutput:
+        """End ``req`` with an internal error raised while its step's token was handed out (its
+        text is not decoded again: the tokenizer may be what failed)."""
+        log.exception("request %s failed after its step", req.request_id)
+        self.scheduler.finish(req, "error")  # pages back (a no-op when its stop already ended it)
+        req.finish_reason, req.error, req.error_kind = "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL
+        with self._lock:
+            self._live.pop(req.request_id, None)
+        return self._output(req, [])
 
     def probe_prefill(self, num_tokens: int) -> bool:
         """A scratch prefill of ``num_tokens`` tokens (pages given back; no request, queue, prefix cache or
@@ -300,62 +324,38 @@ class LLMEngine:
             by_entry.setdefault(id(s.entry), []).append(s)
         ends: dict[int, int] = {}
         done: list[tuple[Request, list[int], str | None]] = []
+        failed: list[RequestOutput] = []
         for e in batch.entries:
             req, toks = e.request, by_entry.get(id(e))
             if req.finished or not toks:
                 continue
             new: list[int] = []
             reason = None
-            for s in toks:
-                req.append_token(s.token_id, s.logprob, s.top_logprobs)
-                new.append(s.token_id)
-                reason = req.check_stop(self.max_model_len)
-                if reason is not None:
-                    break
+            try:
+                for s in toks:
+                    req.append_token(s.token_id, s.logprob, s.top_logprobs)
+                    new.append(s.token_id)
+                    reason = req.check_stop(self.max_model_len)
+                    if reason is not None:
+                        break
+            except Exception as exc:  # noqa: BLE001 -- ends this request only (after_step skips it)
+                failed.append(self._failed_output(req, exc))
+                continue
             if e.num_draft_tokens:
                 ends[id(e)] = e.start + len(new)  # the target verified every token it emits but the last
             done.append((req, new, reason))
         self.scheduler.after_step(batch, ends)
-        outputs = []
+        outputs = failed
         for req, new, reason in done:
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                outputs.append(self._finish_output(req, new))
-            else:
-                outputs.append(self._output(req, new))
+            try:
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    outputs.append(self._finish_output(req, new))
+                else:
+                    outputs.append(self._output(req, new))
+            except Exception as exc:  # noqa: BLE001 -- the final text's decode: this request only
+                outputs.append(self._failed_output(req, exc))
         return outputs
-
-    def _run_isolated(self, entries: list[ScheduledRequest], kv) -> StepResult:
-        """Run the step so that one request's exception fails only that request.
-
-        When the step itself raises (input preparation or forward), each entry's forward is run on
-        its own (no sampling, so no random draw is spent) to find those that fail alone; the step is
-        then run again without them, which recomputes the same KV into the same slots. When no entry
-        fails alone the fault is not any request's (a device error): the whole batch ends with it."""
-        try:
-            return self._stepper.run(entries, kv)
-        except RankFailure:
-            raise  # a parallel rank is gone: no request's fault, the engine cannot go on
-        except Exception as exc:  # noqa: BLE001 -- attributed below
-            first = exc
-        failed: list[tuple[ScheduledRequest, Exception]] = []
-        if len(entries) > 1:
-            for e in entries:
-                try:
-                    self._stepper.forward([e], kv)
-                except Exception as exc:  # noqa: BLE001 -- this entry's own failure
-                    failed.append((e, exc))
-        if not failed:
-            return StepResult([], [(e, first) for e in entries])
-        culprits = {id(e) for e, _ in failed}
-        rest = [e for e in entries if id(e) not in culprits]
-        if not rest:
-            return StepResult([], failed)
-        try:
-            result = self._stepper.run(rest, kv)
-        except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
-            return StepResult([], failed + [(e, exc) for e in rest])
-        return StepResult(result.sampled, failed + result.failed)
 
     def _drain_queues(self) -> tuple[list[RequestOutput], bool]:
         """(outputs of early rejections and aborts, whether anything was queued)."""

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from kernels import huge_pages as huge_page_memory
+from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.decode_batch_state import DecodeBatchState
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
@@ -151,3 +152,37 @@ class ModelRunner:
         else:
             hidden = self.model(None, fb, kv, inputs_embeds=embeds)
         return fb.logits_hidden(hidden)
+
+
+def run_isolated(stepper, entries: list[ScheduledRequest], kv) -> StepResult:
+    """Run the step on ``stepper`` (a ModelRunner, or the speculative runner over it) so that one
+    request's exception fails only that request.
+
+    When the step itself raises (input preparation or forward), each entry's forward is run on
+    its own (no sampling, so no random draw is spent) to find those that fail alone; the step is
+    then run again without them, which recomputes the same KV into the same slots. When no entry
+    fails alone the fault is not any request's (a device error): the whole batch ends with it."""
+    try:
+        return stepper.run(entries, kv)
+    except RankFailure:
+        raise  # a parallel rank is gone: no request's fault, the engine cannot go on
+    except Exception as exc:  # noqa: BLE001 -- attributed below
+        first = exc
+    failed: list[tuple[ScheduledRequest, Exception]] = []
+    if len(entries) > 1:
+        for e in entries:
+            try:
+                stepper.forward([e], kv)
+            except Exception as exc:  # noqa: BLE001 -- this entry's own failure
+                failed.append((e, exc))
+    if not failed:
+        return StepResult([], [(e, first) for e in entries])
+    culprits = {id(e) for e, _ in failed}
+    rest = [e for e in entries if id(e) not in culprits]
+    if not rest:
+        return StepResult([], failed)
+    try:
+        result = stepper.run(rest, kv)
+    except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
+        return StepResult([], failed + [(e, exc) for e in rest])
+    return StepResult(result.sampled, failed + result.failed)

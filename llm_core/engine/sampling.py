@@ -26,12 +26,16 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampling epsilon)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    - ``temperature == 0`` is greedy (argmax); ``top_k`` 0 or -1 disables top-k; ``top_p == 1``
-      disables nucleus filtering.
+    - ``temperature`` below ``GREEDY_BELOW`` (1e-5, 0 included) is greedy (argmax): dividing fp32
+      logits by a smaller one overflows, and the NaN softmax picked token 0; ``top_k`` 0 or -1
+      disables top-k; ``top_p == 1`` disables nucleus filtering.
     - ``max_tokens`` must be >= 1 (a request that may generate nothing is rejected, not silently
       finished).
     - ``stop``: strings that end generation; the text is cut before the stop string, the token that
@@ -80,7 +84,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A generator seeded with ``seed`` (None when unseeded)."""

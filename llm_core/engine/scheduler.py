@@ -154,7 +154,7 @@ class Scheduler:
                 continue  # its embeddings are not ready yet; let younger ready requests pass
             if not self._try_allocate(req, n):
                 # Alone in the pools, a smaller first chunk may still fit (a tight SWA pool).
-                n = self._fit(req, n) if self._pool_empty() else 0
+                n = self._fit(req, n) if self._pool_empty(but=req) else 0  # (its own matched pages aside)
                 if not (n and self._try_allocate(req, n)):
                     self._unmatch(req)
                     if self._pool_empty():
@@ -293,9 +293,10 @@ class Scheduler:
             end = min(end, (len(req.swa_pages) + self.pool.swa.num_free) * ps)
         return max(0, min(n, end - req.num_computed_tokens))
 
-    def _pool_empty(self) -> bool:
-        """No request holds pages (a prefix cache may, but it was asked to make room already)."""
-        return not self.running and not any(r.full_pages for r in self.waiting)
+    def _pool_empty(self, but: Request | None = None) -> bool:
+        """No request (``but`` aside: the one being admitted holds its matched prefix's pages) holds
+        pages (a prefix cache may, but it was asked to make room already)."""
+        return not self.running and not any(r.full_pages for r in self.waiting if r is not but)
 
     def _fail_unfittable(self, req: Request, batch: ScheduledBatch) -> None:
         self.finish(req, "error", (

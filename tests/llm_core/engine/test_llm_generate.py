@@ -329,3 +329,21 @@ def test_llm_from_model_dir_with_and_without_tokenizer(ckpt, tmp_path):
     assert cut.finish_reason == "stop" and stop not in cut.text and out.text.startswith(cut.text)
     with pytest.raises(ValueError, match="unknown dtype"):
         LLM(ckpt, dtype="float8")
+
+
+def test_a_prefix_hit_does_not_make_a_tight_pool_refuse_what_fits_without_it(model):
+    """A small SWA pool (32 tokens) fits a 60-token prompt only in smaller first chunks. With a
+    20-token prefix cached, the request held its matched pages while the scheduler asked whether
+    the pools were empty, so the smaller-chunk fallback was skipped and it failed "does not fit
+    even alone" -- a request the same engine serves without the cache."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefix = ids(1, 20)
+    answers = []
+    for caching in (False, True):
+        llm = engine(model, max_chunk_tokens=None, max_num_batched_tokens=64, num_swa_tokens=32,
+                     enable_prefix_caching=caching)
+        llm.generate([prefix], params)
+        out = llm.generate([prefix + ids(2, 40)], params)[0]
+        assert out.finish_reason == "length", out.error
+        answers.append(out.token_ids)
+    assert answers[0] == answers[1]

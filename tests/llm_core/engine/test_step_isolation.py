@@ -97,3 +97,69 @@ def test_a_step_failing_for_no_request_ends_the_batch_and_the_engine_keeps_servi
     outs = _run(llm, [("a", ids(70, 6), params, None), ("b", ids(71, 4), params, None)])
     assert all(o.error == "RuntimeError: device fell over" for o in outs.values())
     assert _run(llm, [("c", ids(70, 6), params, None)])["c"].finish_reason == "length"
+
+
+class _PickyTokenizer:
+    """A tokenizer that cannot decode some ids the model can sample (a vocabulary padded past it)."""
+
+    def __init__(self, bad: set[int]) -> None:
+        self.bad = bad
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        if self.bad & set(token_ids):
+            raise KeyError("id not in the tokenizer's vocabulary")
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+
+def test_a_token_the_tokenizer_cannot_decode_fails_its_request_alone(model):
+    """The final text is decoded after the scheduler already advanced every entry of the step:
+    the exception used to leave the loop, so the requests after it never got their token and sat
+    RUNNING with nothing left to compute -- no error, no progress, for good."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first = _run(engine(model), [("x", ids(1, 8), params, None)])["x"].token_ids[0]
+    llm = engine(model, tokenizer=_PickyTokenizer({first}))
+    outs = _run(llm, [("x", ids(1, 8), params, None),
+                      ("y", ids(1234, 8), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), None)])
+    assert outs["x"].finish_reason == "error" and outs["x"].error_kind is ErrorKind.INTERNAL
+    assert "KeyError" in outs["x"].error
+    assert outs["y"].finish_reason == "length" and len(outs["y"].token_ids) == 6
+
+
+def test_a_tier_load_that_failed_before_the_step_ends_its_batch_not_on_stale_kv(model, monkeypatch):
+    """A prefix reloaded from the host tier whose copy already failed when the step asked for its
+    buffers: the step raised before its isolation, the request stayed RUNNING on pages whose KV
+    never landed and the next step decoded garbage. Now the batch ends with the error."""
+    import llm_core.kvcache.tiers.tier_threads as tier_threads
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefix = ids(5, 40)
+    llm = engine(model, kv_host_bytes=2_000_000, kv_model_id="m")
+    eng = llm.engine
+    eng.add_request("a", prefix, params)
+    while eng.has_unfinished():
+        eng.step()
+    eng.prefix_cache.evict(10**6, 10**6)  # L1 -> the host tier
+    assert eng.pool.full.num_used == 0
+    submit = tier_threads.KVTierThreads.submit
+
+    def failing_fast(self, copies):  # the copy fails, and before the engine asks for the buffers
+        job = submit(self, copies)
+        job.events[-1].wait(5)
+        return job
+    monkeypatch.setattr(tier_threads, "scatter_layer", lambda *a: (_ for _ in ()).throw(RuntimeError("copy failed")))
+    monkeypatch.setattr(tier_threads.KVTierThreads, "submit", failing_fast)
+    eng.add_request("q", prefix + ids(6, 3), params)
+    outs = {o.request_id: o for o in eng.step() if o.finished}
+    assert outs["q"].finish_reason == "error" and "copy failed" in outs["q"].error
+    assert not eng.has_unfinished()
+
+
+def test_a_tiny_temperature_is_greedy():
+    """Dividing fp32 logits by 1e-40 overflows: the NaN softmax always picked token 0."""
+    from llm_core.engine.sampling import Sampler
+
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    for t in (1e-6, 1e-30, 1e-40):
+        params = SamplingParams(temperature=t)
+        assert params.greedy
+        assert Sampler()(logits, [params], [None]).token_ids == [int(logits.argmax())]
