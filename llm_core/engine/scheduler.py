@@ -163,6 +163,7 @@ class Scheduler:
                     break  # keep arrival order: do not let a smaller younger request jump the queue
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            self.prefix_cache.admitted(req)  # its lookup counts once, not once per step it waited
             bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
             batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
             budget -= n

@@ -34,6 +34,13 @@ class PrefixCache(ABC):
     @abstractmethod
     def release(self, request: Request, pool: DualKVPool) -> None: ...
 
+    def admitted(self, request: Request) -> None:
+        """``request`` was scheduled with the prefix its last ``match`` gave (its
+        ``num_cached_tokens``): the lookup counts now. A request matched and given back because it
+        cannot run yet (embeddings not arrived, no room) is matched again every step it waits, and
+        those lookups must not count as queries or hits."""
+        return None
+
     def make_room(self, pool: DualKVPool, full_pages: int, swa_pages: int) -> None:
         """An allocation is short by this many pages: evict cached pages (before anyone is preempted)."""
         return None

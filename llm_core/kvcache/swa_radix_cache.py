@@ -86,10 +86,12 @@ class SWARadixCache(PrefixCache):
         if self.tiers is not None:
             p = self.tiers.extend_match(self, request, holder, keys, p)
         self._hand_out(request, holder.tail, p)
+        return p * self.page_size
+
+    def admitted(self, request: Request) -> None:
         self.counters["queries"] += 1
         self.counters["query_tokens"] += request.num_tokens
-        self.counters["hit_tokens"] += p * self.page_size
-        return p * self.page_size
+        self.counters["hit_tokens"] += request.num_cached_tokens
 
     def prefetch(self, request: Request) -> bool:
         """With an L3 tier: start fetching the pages L1 + L2 lack on the tier's fetch thread; False

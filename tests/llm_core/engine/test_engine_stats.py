@@ -99,3 +99,35 @@ def test_busy_steps_read_the_tree_at_most_every_interval(model, monkeypatch):
     assert steps > 2 and len(seen["collect"]) == steps
     assert len(seen["prefix"]) == 1  # the step that left the engine idle; busy ones reused the last read
     assert engine.stats().prefix_cache_query_tokens == 17
+
+
+class _NotReady:
+    """Media rows that have not arrived: the request cannot run yet."""
+
+    def ready_until(self) -> int:
+        return 0
+
+    def rows(self, start, end):
+        raise AssertionError("no row is ready")
+
+
+def test_a_request_waiting_for_its_media_is_one_prefix_query_not_one_per_step(model):
+    """A waiting request is matched and given back every step until it can run; each of those
+    lookups used to count as a query and its hit tokens as hits (a waiting video inflated the
+    hit-rate metrics step after step)."""
+    engine = make(model)
+    prompt = list(range(5, 29))
+    engine.add_request("warm", prompt, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    before = engine.publish_stats()
+    engine.add_request("m", prompt + [7] * 4, PARAMS, embeds=_NotReady(), extra_keys=((24, 28, b"img"),))
+    for _ in range(10):
+        engine.step()
+    waiting = engine.publish_stats()
+    assert waiting.prefix_cache["queries"] == before.prefix_cache["queries"] == 1
+    assert waiting.prefix_cache_query_tokens == before.prefix_cache_query_tokens
+    assert waiting.prefix_cache_hit_tokens == before.prefix_cache_hit_tokens
+    engine.abort("m")
+    engine.step()
+    assert not engine.has_unfinished()
