@@ -21,7 +21,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
 
     model_dir = resolve_model_dir(args.model)
-    config = engine_config(args)
+    # the replicas run where their GPUs are: the device follows --replica-gpus, not this (driver) machine
+    config = engine_config(args, device="cuda" if args.replica_gpus > 0 else "cpu")
     try:
         cluster = ServeClusterConfig(
             llm_replicas=args.llm_replicas, encoder_replicas=args.encoder_replicas, encoder_num_cpus=args.encoder_cpus,

@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mm_pipeline.cluster.serving.consistent_hash import BoundedLoadRing
+from mm_pipeline.cluster.serving.router_state import InflightWork
 
 KEY_KWARG = "media_key"
 
@@ -21,8 +22,7 @@ class ContentHashRouter(RequestRouter):
     def initialize_state(self, epsilon: float = 0.25, vnodes: int = 64, **_: Any) -> None:
         self.epsilon, self.vnodes = epsilon, vnodes
         self._ring: BoundedLoadRing | None = None
-        self._inflight: dict[str, int] = {}
-        self._requests: dict[str, str] = {}
+        self._inflight = InflightWork()  # encode calls this router has on each replica
 
     def _ring_for(self, ids: list[str]) -> BoundedLoadRing:
         if self._ring is None or self._ring.replicas != sorted(ids):
@@ -35,18 +35,14 @@ class ContentHashRouter(RequestRouter):
         if not by_id:
             return []
         key = (pending_request.kwargs or {}).get(KEY_KWARG) if pending_request is not None else None
-        rest = sorted(by_id, key=lambda rid: self._inflight.get(rid, 0))
+        rest = sorted(by_id, key=self._inflight.get)
         if not isinstance(key, str):
             return [[by_id[rid]] for rid in rest]
-        first = self._ring_for(list(by_id)).choose(key, self._inflight)
+        first = self._ring_for(list(by_id)).choose(key, self._inflight.by_replica)
         return [[by_id[first]]] + [[by_id[rid]] for rid in rest if rid != first]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        rid = replica_id.unique_id
-        self._inflight[rid] = self._inflight.get(rid, 0) + 1
-        self._requests[pending_request.metadata.internal_request_id] = rid
+        self._inflight.routed(pending_request.metadata.internal_request_id, replica_id.unique_id, 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = self._requests.pop(internal_request_id, None)
-        if rid is not None:
-            self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+        self._inflight.completed(internal_request_id)

@@ -21,14 +21,13 @@ nodes leave the tree, so nothing is routed to a cache that no longer exists.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mm_pipeline.cluster.serving.affinity_policy import AffinityConfig, AffinityPolicy
 from mm_pipeline.cluster.serving.route_key import RouteKey
-from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from mm_pipeline.cluster.serving.router_state import InflightWork, MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +49,13 @@ class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, redis_url: str | None = None, match_weight: float = 1.5,
                          max_load_ratio: float = 4.0, ttl_s: int = 3600, **_: Any) -> None:
         self.policy = AffinityPolicy(index_for(redis_url, ttl_s), AffinityConfig(match_weight, max_load_ratio))
-        self._inflight: dict[str, int] = defaultdict(int)  # replica -> tokens this router has on it
-        self._requests: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
+        self._inflight = InflightWork()  # prefill tokens this router has on each replica
         self._matched: dict[str, dict[str, int]] = {}  # internal request id -> cached tokens per replica
         self._known: set[str] = set()
 
     def _load(self, r: RunningReplica) -> float:
         reported = (r.routing_stats or {}).get("load_tokens", 0)
-        return float(max(reported, self._inflight.get(r.replica_id.unique_id, 0)))
+        return float(max(reported, self._inflight.get(r.replica_id.unique_id)))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -82,14 +80,11 @@ class PrefixAffinityRouter(RequestRouter):
         request = pending_request.metadata.internal_request_id
         work = key.total - self._matched.pop(request, {}).get(rid, 0)  # the prefill it sends there
         self.policy.dispatched(rid, key)
-        self._inflight[rid] += work
-        self._requests[request] = (rid, work)
+        self._inflight.routed(request, rid, work)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._matched.pop(internal_request_id, None)
-        rid, tokens = self._requests.pop(internal_request_id, (None, 0))
-        if rid is not None:
-            self._inflight[rid] = max(0, self._inflight[rid] - tokens)
+        self._inflight.completed(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -105,8 +100,7 @@ class PrefixAffinityRouter(RequestRouter):
         if gone:
             log.info("router forgets replicas %s", gone)
             self.policy.forget(gone)
-            for rid in gone:
-                self._inflight.pop(rid, None)
+            self._inflight.forget(gone)
 
 
 class RoundRobinRouter(RequestRouter):

@@ -10,10 +10,15 @@ Two stores with one contract:
 * :class:`MemoryPrefixIndex` -- in the router's process, each replica's nodes in LRU order and
   capped (``max_blocks_per_replica``), a model of the replica's own cache evicting old prefixes;
 * :class:`RedisPrefixIndex` -- the same nodes as Redis sets (``b:<hash>`` -> replicas, and
-  ``r:<replica>`` -> its hashes so a dead replica can be forgotten), with a TTL standing in for
-  eviction. Several ingress replicas share it and so agree on where a prefix went; a restarted
+  ``t:<replica>`` -> its hashes, a sorted set scored by when each was last sent, so a dead replica
+  can be forgotten), with a TTL standing in for eviction: a node expires ``ttl_s`` after it was
+  last sent, and each record trims the replica's hashes older than that (a plain set of them, whose
+  TTL every request renewed, grew for the replica's whole life). Several ingress replicas share it and so agree on where a prefix went; a restarted
   ingress keeps it. Redis being down is a miss (routing falls back to load), never an error, like
   every other Redis tier in mmserve (llm_core/storage/redis_store.py).
+
+And :class:`InflightWork`, the work each router (this one and the encoders') has sent to each
+replica and not yet seen finish.
 """
 
 from __future__ import annotations
@@ -130,12 +135,14 @@ class RedisPrefixIndex:
 
     def record(self, replica: str, hashes: Sequence[int]) -> None:
         def op(c) -> None:
+            now = time.time()
             pipe = c.pipeline(transaction=False)
             for h in hashes:
                 pipe.sadd(self._b(h), replica)
                 pipe.expire(self._b(h), self.ttl_s)
             if hashes:
-                pipe.sadd(self._r(replica), *[str(h) for h in hashes])
+                pipe.zadd(self._r(replica), {str(h): now for h in hashes})
+                pipe.zremrangebyscore(self._r(replica), "-inf", now - self.ttl_s)  # their nodes expired
                 pipe.expire(self._r(replica), self.ttl_s)
             pipe.execute()
         self._call(op)
@@ -151,7 +158,7 @@ class RedisPrefixIndex:
 
     def forget(self, replica: str) -> None:
         def op(c) -> None:
-            members = c.smembers(self._r(replica))
+            members = c.zrange(self._r(replica), 0, -1)
             pipe = c.pipeline(transaction=False)
             for h in members:
                 pipe.srem(self._b(int(h)), replica)
@@ -166,7 +173,7 @@ class RedisPrefixIndex:
         return f"{self.prefix}b:{h}"
 
     def _r(self, replica: str) -> str:
-        return f"{self.prefix}r:{replica}"
+        return f"{self.prefix}t:{replica}"
 
     def _call(self, op):
         if time.monotonic() < self._down_until:
@@ -177,3 +184,48 @@ class RedisPrefixIndex:
             log.warning("router state in Redis unavailable for %.0fs: %s", self.retry_after_s, exc)
             self._down_until = time.monotonic() + self.retry_after_s
             return None
+
+
+class InflightWork:
+    """Work sent to each replica and not seen finish, by request id (tokens of prefill, or 1 per call).
+
+    Ray Serve may report a request completed before it reports it routed: its done-callback is set
+    before it waits for the replica to accept, and both reach the router through the event loop
+    (a request refused at once, a one-token answer). A completion for a request not routed yet is
+    remembered (the last ``max_early``), and that request's routing then adds nothing -- else its
+    work stayed counted on the replica for good and the replica looked busier with every such one.
+    """
+
+    def __init__(self, max_early: int = 4096) -> None:
+        self.by_replica: dict[str, int] = {}
+        self._requests: dict[str, tuple[str, int]] = {}
+        self._early: OrderedDict[str, None] = OrderedDict()
+        self._max_early = max_early
+
+    def get(self, replica: str) -> int:
+        return self.by_replica.get(replica, 0)
+
+    def routed(self, request: str, replica: str, work: int) -> None:
+        if request in self._early:
+            del self._early[request]
+            return
+        self.by_replica[replica] = self.get(replica) + work
+        self._requests[request] = (replica, work)
+
+    def completed(self, request: str) -> None:
+        found = self._requests.pop(request, None)
+        if found is None:
+            self._early[request] = None
+            while len(self._early) > self._max_early:
+                self._early.popitem(last=False)
+            return
+        replica, work = found
+        self.by_replica[replica] = max(0, self.get(replica) - work)
+
+    def forget(self, replicas: Iterable[str]) -> None:
+        """Replicas that are gone: their counts and their requests' entries."""
+        gone = set(replicas)
+        for replica in gone:
+            self.by_replica.pop(replica, None)
+        for request in [q for q, (replica, _) in self._requests.items() if replica in gone]:
+            del self._requests[request]
