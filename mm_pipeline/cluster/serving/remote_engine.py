@@ -143,17 +143,21 @@ class RemoteEngine:
                     parts.setdefault(key, part)
         if not parts:
             return
-        calls = []
+        calls, responses = [], []
         for key, part in parts.items():
             fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
             sent = {fid: files[fid]} if fid in files else None
-            calls.append(asyncio.ensure_future(self._awaited(self.encoders.encode.remote(part, sent, media_key=key))))
+            responses.append(self.encoders.encode.remote(part, sent, media_key=key))
+            calls.append(asyncio.ensure_future(self._awaited(responses[-1])))
         try:
             done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)
-        finally:  # timed out, or the client left while we waited: stop what is still running
-            for c in calls:
+        finally:  # timed out, or the client left while we waited: stop what is still running --
+            # on the encoder replica too (cancelling the wait alone leaves a call Serve already
+            # assigned running there, holding its slot while this replica encodes the same media)
+            for c, response in zip(calls, responses):
                 if not c.done():
                     c.cancel()
+                    response.cancel()
         failed = len(pending) + sum(c.exception() is not None for c in done)
         if failed:
             self.encoder_failures += failed

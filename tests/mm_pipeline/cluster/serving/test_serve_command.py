@@ -1,4 +1,5 @@
-"""``mmserve serve --ray``'s engine config follows the replicas' resources, not the driver's machine."""
+"""``mmserve serve --ray``: the engine config follows the replicas' resources, not the driver's machine;
+an encoder-tier call the ingress gives up on is cancelled on the encoder replica too."""
 
 from __future__ import annotations
 
@@ -35,3 +36,27 @@ def test_replica_gpus_decide_the_replicas_device(monkeypatch, gpus, device):
         serve_on_ray(args)
     assert seen["config"].device == device
     assert seen["config"].dtype == ("bfloat16" if device == "cuda" else "float32")
+
+
+def test_an_encoder_call_that_times_out_is_cancelled_on_the_encoder_replica():
+    """Cancelling the ingress's wait left a call Serve had already assigned running on the
+    encoder replica (holding its slot) while the LLM replica encoded the same media itself."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
+
+    class Response:  # a DeploymentResponse that never answers
+        cancelled = 0
+
+        def __await__(self):
+            return asyncio.get_running_loop().create_future().__await__()
+
+        def cancel(self):
+            Response.cancelled += 1
+
+    encoders = SimpleNamespace(encode=SimpleNamespace(remote=lambda *a, **kw: Response()))
+    engine = RemoteEngine(None, None, "m", encoders=encoders, encoder_timeout_s=0.05)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    asyncio.run(engine._encode_on_tier([{"role": "user", "content": [part]}], {}))
+    assert Response.cancelled == 1 and engine.encoder_failures == 1
