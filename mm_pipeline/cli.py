@@ -15,7 +15,6 @@ errors (missing model, no inputs), 1 for an unexpected crash.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -155,22 +154,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--match-weight", type=float, default=1.5,
                    help="router score = (match_weight x matched prefix tokens - tokens still to compute there) / prompt tokens")
 
+    # the jobs' settings are checked as argparse reads them, by their config dataclasses: a bad
+    # one would otherwise fail every input once the model is up, and a resumed job skip them all
+    from mm_pipeline.config_flags import field_type
+    from mm_pipeline.jobs.batch import BatchConfig
+    from mm_pipeline.jobs.caption import CaptionConfig
+
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
     _add_engine_args(c, model_required=False)
     c.add_argument("--prompt", default=None, help="default: 'Describe this image.' / video / audio")
     c.add_argument("--out", default="captions.jsonl", help="output JSONL (appended; inputs in it are skipped)")
-    c.add_argument("--max-tokens", type=int, default=64)
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--concurrency", type=int, default=32, help="inputs in flight (the engine batches them)")
+    c.add_argument("--max-tokens", type=field_type(CaptionConfig, "max_tokens"), default=64)
+    c.add_argument("--temperature", type=field_type(CaptionConfig, "temperature"), default=0.0)
+    c.add_argument("--concurrency", type=field_type(CaptionConfig, "concurrency"), default=32,
+                   help="inputs in flight (the engine batches them)")
     _add_ray_args(c, formats=True)
 
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline", allow_abbrev=False)
     b.add_argument("-i", "--input", required=True, help="OpenAI Batch input JSONL")
     b.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL (appended; resumable)")
     _add_engine_args(b, model_required=False)
-    b.add_argument("--concurrency", type=int, default=32)
-    b.add_argument("--default-max-tokens", type=int, default=512)
+    b.add_argument("--concurrency", type=field_type(BatchConfig, "concurrency"), default=32)
+    b.add_argument("--default-max-tokens", type=field_type(BatchConfig, "default_max_tokens"), default=512)
     _add_ray_args(b, formats=False)
     return parser
 
@@ -182,13 +188,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "config", None):
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        at = argv.index(args.command) + 1
-        args = parser.parse_args(argv[:at] + config_file_args(args.config, sub.choices[args.command], argv[at:])
-                                 + argv[at:])
-    return args
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    # the file is found before the command line is parsed: it may give what the command requires
+    # (batch's input and output), which a first full parse would refuse as missing
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    pre.add_argument("--config", default=None)
+    try:
+        path = pre.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # "--config" without a file: the full parse below says so
+        path = None
+    at = next((i + 1 for i, tok in enumerate(argv) if tok in sub.choices), None)
+    if path and at is not None:
+        argv = argv[:at] + config_file_args(path, sub.choices[argv[at - 1]], argv[at:]) + argv[at:]
+    return parser.parse_args(argv)
 
 
 def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
@@ -318,72 +330,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_caption(args: argparse.Namespace) -> int:
-    from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob, discover_inputs
-    from mm_pipeline.jobs.progress import Progress
-
-    model_dir = resolve_model_dir(args.model)
-    try:
-        inputs = discover_inputs(args.inputs)
-        config = CaptionConfig(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                               concurrency=args.concurrency)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if not inputs:
-        raise UsageError("no inputs found")
-    if args.ray is not None:
-        from mm_pipeline.cluster.ray_commands import caption_on_ray
-
-        return caption_on_ray(args, model_dir, inputs, config)
-    if args.format != "jsonl":
-        raise UsageError("--format parquet needs --ray (the single-process job appends JSONL lines)")
-    engine = load_engine(args, model_dir)
-    try:
-        job = CaptionJob(engine, config)
-        out = Path(args.out)
-        from mm_pipeline.jobs.caption import already_done
-
-        todo = len([p for p in inputs if p not in already_done(out)])
-        progress = Progress(todo, "caption")
-        summary = asyncio.run(job.run(inputs, out, progress))
-        progress.close()
-    finally:
-        engine.shutdown()
-    for line in summary.lines():
-        print(line, file=sys.stderr)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    from mm_pipeline.jobs.batch import BatchJob
-
-    if not Path(args.input).is_file():
-        raise UsageError(f"batch input {args.input} does not exist")
-    model_dir = resolve_model_dir(args.model)
-    if args.ray is not None:
-        from mm_pipeline.cluster.ray_commands import batch_on_ray
-
-        return batch_on_ray(args, model_dir)
-    engine = load_engine(args, model_dir)
-    try:
-        job = BatchJob(engine, concurrency=args.concurrency, default_max_tokens=args.default_max_tokens)
-        summary = asyncio.run(job.run(args.input, args.output))
-    finally:
-        engine.shutdown()
-    for line in summary.lines():
-        print(line, file=sys.stderr)
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mm_pipeline.jobs.commands import cmd_batch, cmd_caption
+    from mm_pipeline.jobs.resume import OutputFileError
+
     commands = {"serve": cmd_serve, "caption": cmd_caption, "batch": cmd_batch}
     try:
         return commands[args.command](args)
-    except UsageError as exc:
+    except (UsageError, OutputFileError) as exc:  # OutputFileError: a job's output the user named
         print(f"mmserve {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

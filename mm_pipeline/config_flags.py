@@ -41,7 +41,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _DEST_PREFIX = "config__"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -148,6 +148,14 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, flags: Sequence[Conf
             parser.add_argument(*names, dest=flag.dest, type=flag.convert, default=argparse.SUPPRESS,
                                 action="append" if flag.repeated else "store", help=help_text,
                                 metavar="{" + ",".join(map(str, flag.choices)) + "}" if flag.choices else _metavar(flag))
+
+
+def field_type(owner: type, name: str) -> Callable[[str], Any]:
+    """An argparse ``type`` for a hand-written flag that sets the field ``name`` of the dataclass
+    ``owner``: the value is parsed and checked as a generated flag's is, so a bad one is a usage
+    error naming the flag, not a failure once the job runs."""
+    f, hint = next((f, hint) for f, hint in _fields_with_hints(owner) if f.name == name)
+    return _flag(owner, f, hint, "").convert
 
 
 def config_values(args: argparse.Namespace, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
@@ -299,6 +307,8 @@ def _as_argv(action: argparse.Action, key: Any, value: Any, path: str, parser: a
             parser.error(f"config file {path}: {key!r} must be true or false, got {value!r}")
         if isinstance(action, argparse.BooleanOptionalAction):
             return [opt if value else "--no-" + opt[2:]]
+        return [opt] if value else []
+    if action.nargs == "?" and isinstance(value, bool):  # --ray [ADDRESS]: true is the bare flag
         return [opt] if value else []
     if isinstance(value, list):
         if isinstance(action, argparse._AppendAction):

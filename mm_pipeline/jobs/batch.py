@@ -15,6 +15,8 @@ OpenAI error body in ``response``; a line that is not a request at all (bad JSON
 custom_id, unsupported url) gets ``response: null`` and ``error: {code, message}``.  The ``model``
 field of each body is ignored: the batch runs on the loaded model.  Lines already in the output
 (by custom_id) are skipped, so an interrupted run resumes.  ``/v1/completions`` lines work too.
+Lines are decoded one at a time: a line that is not UTF-8, or JSON nested too deeply to parse, is an
+``invalid_json`` error line like any other broken line, and the rest of the file runs.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any, Iterator
 
 from pydantic import ValidationError
 
+from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidInputError
-from mm_pipeline.jobs.resume import done_keys
+from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.jobs.progress import Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
@@ -85,12 +88,18 @@ class BatchLine:
     problem: tuple[int | None, str, str] | None  # (HTTP status or None, code, message)
 
 
-def parse_line(number: int, raw: str) -> BatchLine:
-    """Validate one input line; never raises."""
+def parse_line(number: int, raw: str | bytes) -> BatchLine:
+    """Validate one input line (``bytes``: a line that is not UTF-8, from ``input_lines``); never raises."""
     try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        return BatchLine(number, None, None, (None, "invalid_json", f"line {number}: not JSON ({exc.msg})"))
+        obj = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except UnicodeDecodeError as exc:
+        return BatchLine(number, None, None, (None, "invalid_json",
+                                              f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})"))
+    except RecursionError:
+        return BatchLine(number, None, None, (None, "invalid_json", f"line {number}: not JSON (nested too deeply)"))
+    except ValueError as exc:  # JSONDecodeError, or an integer longer than int() takes
+        return BatchLine(number, None, None, (None, "invalid_json",
+                                              f"line {number}: not JSON ({getattr(exc, 'msg', exc)})"))
     if not isinstance(obj, dict):
         return BatchLine(number, None, None, (None, "invalid_request", f"line {number}: not a JSON object"))
     cid = obj.get("custom_id")
@@ -115,46 +124,67 @@ def parse_line(number: int, raw: str) -> BatchLine:
                                              else str(first.get("msg"))))
 
 
-def input_lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
-    """(line number, raw line, custom_id if the line is JSON with one) for non-blank lines."""
-    with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(f, 1):
+def input_lines(path: Path) -> Iterator[tuple[int, str | bytes, str | None]]:
+    """(line number, raw line, custom_id if the line is JSON with one) for non-blank lines.  The raw
+    line is text, or its bytes when it is not UTF-8 (decoding the file whole would stop at it)."""
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                raw: str | bytes = line.decode("utf-8")
+            except UnicodeDecodeError:
+                raw = line
             if raw.strip():
                 yield n, raw, custom_id_of(raw)
 
 
-def custom_id_of(raw: str) -> str | None:
+def custom_id_of(raw: str | bytes) -> str | None:
+    if isinstance(raw, bytes):
+        return None
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # parse_line makes the line's error row
         return None
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
     return cid if isinstance(cid, str) and cid else None
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    concurrency: int = 32  # lines in flight (the engine batches them)
+    default_max_tokens: int = 512  # of a request without max_tokens
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        try:  # the engine's rule, checked now: a bad default would fail every line without max_tokens
+            SamplingParams(max_tokens=self.default_max_tokens)
+        except ValueError as exc:
+            raise ValueError(f"default_{exc}") from None  # "max_tokens must be ..." names the field
 
 
 class BatchJob:
     """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
 
     def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int = 512) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        config = BatchConfig(concurrency, default_max_tokens)
         self.service = ChatService(engine, ServiceConfig(getattr(engine, "model_name", "mmserve"),
-                                                         default_max_tokens))
-        self.concurrency = concurrency
+                                                         config.default_max_tokens))
+        self.concurrency = config.concurrency
 
     async def run(self, in_path: str | Path, out_path: str | Path, progress_stream=None) -> BatchSummary:
         in_path, out_path = Path(in_path), Path(out_path)
-        done = done_keys(out_path, "custom_id")
-        total = skipped = 0
-        for line in input_lines(in_path):  # a cheap first pass for the progress total
-            total += 1
-            skipped += int(line[2] is not None and line[2] in done)
-        summary = BatchSummary(total=total, skipped=skipped)
-        progress = Progress(total - skipped, "batch", stream=progress_stream)
-        # lines are parsed as workers take them: only `concurrency` request bodies live at once
-        pending = (parse_line(n, raw) for n, raw, cid in input_lines(in_path) if cid is None or cid not in done)
-        start = time.perf_counter()
-        with out_path.open("a", encoding="utf-8") as out:
+        with open_output(out_path) as out:  # locked for the run: done lines are read under the lock
+            done = done_keys(out_path, "custom_id")
+            total = skipped = 0
+            for line in input_lines(in_path):  # a cheap first pass for the progress total
+                total += 1
+                skipped += int(line[2] is not None and line[2] in done)
+            summary = BatchSummary(total=total, skipped=skipped)
+            progress = Progress(total - skipped, "batch", stream=progress_stream)
+            # lines are parsed as workers take them: only `concurrency` request bodies live at once
+            pending = (parse_line(n, raw) for n, raw, cid in input_lines(in_path) if cid is None or cid not in done)
+            start = time.perf_counter()
+
             async def worker() -> None:
                 for line in pending:
                     rec = await self.answer(line)

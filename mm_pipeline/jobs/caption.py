@@ -30,7 +30,7 @@ from mm_pipeline.errors import generation_error
 from mm_pipeline.jobs.media_input import MediaInput, error_text, read_media_input
 from mm_pipeline.jobs.progress import Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
-from mm_pipeline.jobs.resume import done_keys
+from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.media.types import MediaKind
 from mm_pipeline.runtime.stats import OmniStats
 
@@ -50,7 +50,7 @@ def _read_list(path: Path) -> list[str]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -78,7 +78,8 @@ def _walk(root: Path) -> list[str]:
 def discover_inputs(specs: list[str]) -> list[str]:
     """Expand CLI inputs into media paths (order kept, duplicates dropped).  A directory is walked
     recursively, a ``.txt``/``.jsonl`` file is a list of paths, a pattern with ``*?[`` is a glob;
-    anything else is one input (a missing file still becomes an input, reported as failed)."""
+    anything else is one input (a missing file still becomes an input, reported as failed, and so
+    does a pattern that matches no file: it may be a missing file whose name has ``[``)."""
     seen: dict[str, None] = {}
     for spec in specs:
         p = Path(spec).expanduser()
@@ -87,9 +88,7 @@ def discover_inputs(specs: list[str]) -> list[str]:
         elif p.is_file() and p.suffix.lower() in LIST_SUFFIXES:
             items = _read_list(p)
         elif not p.exists() and any(c in spec for c in "*?["):
-            items = sorted(q for q in glob.glob(str(p), recursive=True) if Path(q).is_file())
-            if not items:
-                raise ValueError(f"pattern {spec!r} matches no files")
+            items = sorted(q for q in glob.glob(str(p), recursive=True) if Path(q).is_file()) or [str(p)]
         else:
             items = [str(p)]
         for item in items:
@@ -111,8 +110,11 @@ class CaptionConfig:
     concurrency: int = 32
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.max_tokens < 1:
-            raise ValueError(f"concurrency and max_tokens must be >= 1, got {self.concurrency}, {self.max_tokens}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        # the engine's rules for max_tokens and temperature, checked now: a bad value would fail
+        # every input, and the resumed job would then skip them all
+        SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature)
 
 
 @dataclass
@@ -160,22 +162,22 @@ class CaptionJob:
         self.engine = engine
         self.config = config or CaptionConfig()
         self._media: dict[str, bytes] = {}  # file id -> bytes, for the engine's file resolver
+        # the engine's byte limit of one media item (--media-max-bytes): a bigger input is refused
+        # before it is read, not read whole and then refused by the engine
+        self._max_bytes = getattr(getattr(getattr(engine, "config", None), "limits", None), "max_bytes", None)
         engine.set_file_resolver(self._resolve)
 
     async def run(self, inputs: list[str], out_path: str | Path, progress: Progress | None = None,
                   on_record: Callable[[dict], None] | None = None) -> CaptionSummary:
         out_path = Path(out_path)
-        done = already_done(out_path)
-        todo = [p for p in inputs if p not in done]
-        summary = CaptionSummary(total=len(inputs), skipped=len(inputs) - len(todo))
-        cache_before = cache_hits(self.engine)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
-            with out_path.open("ab") as f:  # a torn last line: start ours on a fresh line
-                f.write(b"\n")
-        start = time.perf_counter()
-        pending = iter(enumerate(todo))  # shared by the workers: at most `concurrency` items in flight
-        with out_path.open("a", encoding="utf-8") as out:
+        with open_output(out_path) as out:  # locked for the run: done rows are read under the lock
+            done = already_done(out_path)
+            todo = [p for p in inputs if p not in done]
+            summary = CaptionSummary(total=len(inputs), skipped=len(inputs) - len(todo))
+            cache_before = cache_hits(self.engine)
+            start = time.perf_counter()
+            pending = iter(enumerate(todo))  # shared by the workers: at most `concurrency` items in flight
+
             async def worker() -> None:
                 for n, path in pending:
                     rec = await self._caption(n, path)
@@ -193,7 +195,7 @@ class CaptionJob:
         return summary
 
     async def _caption(self, n: int, path: str) -> dict[str, Any]:
-        return await self.caption_input(n, await asyncio.to_thread(read_media_input, path))
+        return await self.caption_input(n, await asyncio.to_thread(read_media_input, path, max_bytes=self._max_bytes))
 
     async def caption_input(self, n: int, item: MediaInput) -> dict[str, Any]:
         """The output row of one read input (``n``: unique among the inputs in flight).  Never

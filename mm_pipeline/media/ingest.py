@@ -213,8 +213,7 @@ class MediaIngestor:
         return self._remembered(source_id, declared, "file", load, verify=True, loaded_id=lambda: read[-1])
 
     def _check_size(self, nbytes: int) -> None:
-        if nbytes > self.config.limits.max_bytes:
-            raise MediaTooLarge(f"media is {nbytes} bytes, limit {self.config.limits.max_bytes}")
+        _check_bytes(nbytes, self.config.limits.max_bytes)
 
     def _parse_data_url(self, url: str) -> bytes:
         #  data:[<mediatype>][;base64],<payload>   — the media type is ignored: we sniff.
@@ -248,29 +247,44 @@ class MediaIngestor:
 
     def _read_file(self, real: Path, raw: str) -> tuple[bytes, os.stat_result]:
         """The bytes of ``real`` (``raw`` after the path checks) and its fstat once they are read."""
-        # Regular files only, checked before open: opening a FIFO blocks until a writer comes (a
-        # worker stuck for good) and a device never ends. O_NONBLOCK covers a swap between the
-        # stat and the open; the fstat below re-checks what was opened.
-        try:
-            if not stat.S_ISREG(os.stat(real).st_mode):
-                raise InvalidMediaError(f"media path {raw!r} is not a regular file")
-            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            raise MediaNotFound(f"no such media file {raw!r}") from None
-        except OSError as exc:
-            raise MediaAccessDenied(f"cannot open media file {raw!r} ({exc.strerror})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidMediaError(f"media path {raw!r} is not a regular file")
-            self._check_size(st.st_size)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(self.config.limits.max_bytes + 1)  # the file may grow after fstat
-            after = os.fstat(fd)
-        finally:
-            os.close(fd)
-        self._check_size(len(data))
-        return data, after
+        return read_regular_file(real, self.config.limits.max_bytes, raw, nofollow=True)
+
+
+def read_regular_file(path: str | Path, max_bytes: int | None, shown: str | None = None,
+                      nofollow: bool = False) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file ``path`` (at most ``max_bytes``) and its fstat taken after
+    reading; typed errors (``shown``: the path as the caller named it) before any byte is read.
+    The one safe read of a local media file, for ingest and the caption job alike."""
+    shown = str(path) if shown is None else shown
+    # Regular files only, checked before open: opening a FIFO blocks until a writer comes (a
+    # worker stuck for good, deaf to Ctrl-C) and a device never ends. O_NONBLOCK covers a swap
+    # between the stat and the open; the fstat below re-checks what was opened.
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise InvalidMediaError(f"media path {shown!r} is not a regular file")
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise MediaNotFound(f"no such media file {shown!r}") from None
+    except OSError as exc:
+        raise MediaAccessDenied(f"cannot open media file {shown!r} ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidMediaError(f"media path {shown!r} is not a regular file")
+        _check_bytes(st.st_size, max_bytes)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)  # it may grow after fstat
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _check_bytes(len(data), max_bytes)
+    return data, after
+
+
+def _check_bytes(nbytes: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and nbytes > max_bytes:
+        raise MediaTooLarge(f"media is {nbytes} bytes, limit {max_bytes}")
 
 
 def _same_content(data: bytes, key: str, origin: str) -> bytes:

@@ -151,6 +151,21 @@ def test_config_file_errors_name_the_key(tmp_path, capsys):
     assert "config file" in _usage_error(["caption", str(tmp_path), "--config", str(tmp_path / "none.yaml")], capsys)
 
 
+def test_config_file_gives_required_options_and_ray_false(tmp_path, capsys):
+    """batch's required --input/--output may come from the file alone (they were refused as missing
+    before the file was read); ``ray: false`` leaves --ray off (it was "'False' is not a Ray address")."""
+    path = tmp_path / "job.yaml"
+    path.write_text("input: in.jsonl\noutput: out.jsonl\nray: false\nconcurrency: 4\n")
+    args = cli.parse_args(["batch", "--config", str(path), "-o", "mine.jsonl"])
+    assert (args.input, args.output, args.ray, args.concurrency) == ("in.jsonl", "mine.jsonl", None, 4)
+    path.write_text("ray: false\n")
+    assert cli.parse_args(["caption", "x.png", "--config", str(path)]).ray is None
+    assert "required: -i/--input, -o/--output" in _usage_error(["batch", "--config", str(path)], capsys)
+    path.write_text("concurrency: 0\n")  # the job settings' checks hold for the file's values too
+    assert "argument --concurrency: concurrency must be >= 1" in _usage_error(
+        ["batch", "-i", "a", "-o", "b", "--config", str(path)], capsys)
+
+
 def test_sizes_parse_with_binary_suffixes():
     assert [parse_scalar(int, t, size=True) for t in ("123", "4K", "8GiB", "1.5M", "2mb")] == \
         [123, 4096, 8 << 30, 3 << 19, 2 << 20]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_pipeline.jobs.batch import BatchJob, parse_line
+from mm_pipeline.jobs.batch import BatchConfig, BatchJob, custom_id_of, input_lines, parse_line
 
 from tests.support.paths import SAMPLE_MEDIA as MEDIA  # noqa: E402
 
@@ -39,6 +39,32 @@ def test_parse_line_classifies_without_raising():
     assert bad.problem[0] == 400 and "temperature" in bad.problem[2]
     ok = parse_line(6, _line("c", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}))
     assert ok.problem is None and ok.request.model is None  # the model field is ignored offline
+
+
+DEEP = '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+def test_lines_that_are_not_utf8_or_too_deep_are_error_rows_not_a_crash(tmp_path):
+    bad = _line("caf\u00e9", {}).encode().replace("caf\\u00e9".encode(), b"caf\xe9")
+    assert bad.count(b"\xe9") == 1
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\n".join([_line("a", {}).encode(), bad, DEEP.encode(), b"1" * 5000, _line("b", {}).encode()]))
+    lines = list(input_lines(src))  # decoded a line at a time: the bad byte does not end the file
+    assert [(n, cid) for n, _, cid in lines] == [(1, "a"), (2, None), (3, None), (4, None), (5, "b")]
+    assert lines[1][1] == bad + b"\n" and custom_id_of(DEEP) is None
+    problems = [parse_line(n, raw).problem for n, raw, _ in lines[1:4]]
+    assert [p[1] for p in problems] == ["invalid_json"] * 3
+    assert "line 2: not UTF-8" in problems[0][2] and "nested too deeply" in problems[1][2]
+    assert "line 4: not JSON" in problems[2][2]  # an integer longer than int() takes
+
+
+def test_batch_config_checks_its_values():
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        BatchConfig(concurrency=0)
+    with pytest.raises(ValueError, match="default_max_tokens must be an integer"):
+        BatchConfig(default_max_tokens=0)
+    with pytest.raises(ValueError, match="concurrency"):
+        BatchJob(object(), concurrency=0)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +129,24 @@ def test_batch_file_roundtrip(engine, tmp_path):
     assert len(out.read_text().splitlines()) == 8
 
 
+def test_batch_resume_after_a_torn_line_and_bad_lines(engine, tmp_path):
+    """A crash left a torn last line: the next row starts on a line of its own (it was glued onto
+    it, so lost while reported done); a line that is not UTF-8 or too deep is an error row."""
+    ok = [_line(c, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) for c in ("a", "b")]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes("\n".join([ok[0], ok[1], DEEP]).encode() + b"\n{\"custom_id\": \"\xff\"}\n")
+    out.write_text('{"id": "x", "custom_id": "a", "response": {"status_c')
+    summary = asyncio.run(BatchJob(engine, concurrency=2).run(src, out))
+    assert (summary.total, summary.succeeded, summary.failed) == (4, 2, 2)
+    torn, *rows = out.read_text().splitlines()
+    recs = [json.loads(r) for r in rows]  # every row after the torn line is whole
+    assert sorted(str(r["custom_id"]) for r in recs) == ["None", "None", "a", "b"]
+    assert sorted(r["error"]["message"] for r in recs if r["error"]) == ["line 3: not JSON (nested too deeply)",
+                                                                         "line 4: not UTF-8 (invalid start byte at byte 15)"]
+    again = asyncio.run(BatchJob(engine).run(src, out))
+    assert again.skipped == 2 and again.succeeded == 0  # a and b are done
+
+
 def test_batch_cli(engine, tmp_path, capsys, monkeypatch):
     from mm_pipeline import cli
 
@@ -117,6 +161,37 @@ def test_batch_cli(engine, tmp_path, capsys, monkeypatch):
     assert rec["custom_id"] == "t" and rec["response"]["status_code"] == 200
     assert "1 succeeded" in capsys.readouterr().err
     assert cli.main(["batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(out)]) == 2
+    new = tmp_path / "new" / "dir" / "out.jsonl"  # its directory is made, as caption makes its --out's
+    assert cli.main(["batch", "-i", str(src), "-o", str(new), "--model", str(model)]) == 0
+    assert json.loads(new.read_text())["custom_id"] == "t"
+
+
+def test_batch_cli_usage_errors_come_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from mm_pipeline import cli
+    from mm_pipeline.jobs.resume import open_output
+
+    monkeypatch.setattr(cli, "load_engine", lambda *a: pytest.fail("the model must not load"))
+    src, model = tmp_path / "in.jsonl", tmp_path / "m"
+    src.write_text(_line("t", {"messages": []}) + "\n")
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["batch", "-i", str(src), "--model", str(model)]
+
+    def rc(*argv: str) -> int:
+        try:
+            return cli.main([*base, *argv])
+        except SystemExit as exc:  # argparse's usage errors
+            return exc.code
+
+    assert rc("-o", "o.jsonl", "--concurrency", "0") == 2
+    assert "argument --concurrency: concurrency must be >= 1" in capsys.readouterr().err
+    assert rc("-o", "o.jsonl", "--default-max-tokens", "0") == 2  # else every line without max_tokens fails
+    assert "argument --default-max-tokens: default_max_tokens must be" in capsys.readouterr().err
+    assert rc("-o", str(tmp_path)) == 2 and "Is a directory" in capsys.readouterr().err
+    assert rc("-o", str(src)) == 2 and "the output is the input file" in capsys.readouterr().err
+    with open_output(tmp_path / "busy.jsonl"):  # another job writes it
+        assert rc("-o", str(tmp_path / "busy.jsonl")) == 2
+    assert "being written by another job" in capsys.readouterr().err
 
 
 class _Borrowed:

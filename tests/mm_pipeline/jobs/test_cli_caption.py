@@ -35,8 +35,10 @@ def test_discover_dirs_globs_lists(tmp_path):
     assert discover_inputs([str(tmp_path / "list.jsonl")]) == [str(a), str(c)]
     missing = str(tmp_path / "nope.png")
     assert discover_inputs([missing]) == [missing]  # reported as a failed input, not dropped
-    with pytest.raises(ValueError, match="matches no files"):
-        discover_inputs([str(tmp_path / "*.nothing")])
+    # a name with glob characters that matches nothing is a missing input too, not the job's end
+    assert discover_inputs([str(tmp_path / "photo[1].png"), str(c)]) == [str(tmp_path / "photo[1].png"), str(c)]
+    (tmp_path / "LIST.JSONL").write_text(json.dumps({"input": "e/c.wav"}) + "\n")  # the suffix in any case
+    assert discover_inputs([str(tmp_path / "LIST.JSONL")]) == [str(c)]
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         discover_inputs([str(tmp_path / "bad.jsonl")])
@@ -124,6 +126,35 @@ def test_caption_folder_with_broken_files_and_resume(model_dir, tmp_path, capsys
     assert sorted(Path(r["input"]).name for r in redone) == ["image_000001.png", "truncated.png"]
     again = next(r for r in redone if r["input"].endswith("image_000001.png"))
     assert again["caption"] == recs["image_000001.png"]["caption"]  # greedy: same caption as the first run
+
+
+def test_caption_usage_errors_come_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A bad setting fails every input (and a resumed job would skip them all), a directory or a
+    busy file cannot take the rows: each is exit 2 with a message, and the model never loads."""
+    from mm_pipeline import cli
+    from mm_pipeline.jobs.resume import open_output
+
+    monkeypatch.setattr(cli, "load_engine", lambda *a: pytest.fail("the model must not load"))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def rc(*argv: str) -> int:
+        try:
+            return cli.main(["caption", str(MEDIA / "image_000001.png"), "--model", str(model), *argv])
+        except SystemExit as exc:  # argparse's usage errors
+            return exc.code
+
+    for flag, value, message in [("--temperature", "-1", "temperature must be a finite number >= 0"),
+                                 ("--temperature", "nan", "temperature must be a finite number >= 0"),
+                                 ("--max-tokens", "0", "max_tokens must be an integer in [1, "),
+                                 ("--concurrency", "0", "concurrency must be >= 1")]:
+        assert rc("--out", str(tmp_path / "o.jsonl"), flag, value) == 2
+        assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert rc("--out", str(tmp_path)) == 2 and "Is a directory" in capsys.readouterr().err
+    with open_output(tmp_path / "busy.jsonl"):
+        assert rc("--out", str(tmp_path / "busy.jsonl")) == 2
+    assert "being written by another job" in capsys.readouterr().err
 
 
 def test_caption_missing_default_model_is_a_clear_usage_error(tmp_path, capsys, monkeypatch):

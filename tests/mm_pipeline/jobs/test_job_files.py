@@ -1,0 +1,120 @@
+"""The files a job reads and writes, without a model: the output opened for appending
+(jobs/resume.py: a torn last line ended, the parent made, one job at a time, any row writable) and
+a caption input read (jobs/media_input.py: only regular files, never more than the byte limit)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mm_pipeline.jobs.caption import CaptionJob
+from mm_pipeline.jobs.media_input import read_media_input
+from mm_pipeline.jobs.resume import OutputFileError, done_keys, open_output
+from mm_pipeline.media.ingest_config import MediaLimits
+
+
+# ---- the output -----------------------------------------------------------------------------------
+def test_open_output_ends_a_torn_line_and_makes_the_parent(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"custom_id": "a"}) + "\n" + '{"custom_id": "to')  # a crash mid-row
+    with open_output(out) as f:
+        f.write(json.dumps({"custom_id": "b"}) + "\n")
+    assert out.read_text().splitlines()[1:] == ['{"custom_id": "to', '{"custom_id": "b"}']
+    assert done_keys(out, "custom_id") == {"a", "b"}  # the row after the torn line is not lost
+    with open_output(out) as f:  # a whole last line is left as it is
+        f.write("{}\n")
+    assert out.read_text().endswith('{"custom_id": "b"}\n{}\n')
+    deep = tmp_path / "new" / "dir" / "out.jsonl"
+    open_output(deep).close()
+    assert deep.is_file()
+
+
+def test_open_output_is_one_job_at_a_time_and_refuses_a_directory(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with open_output(out):
+        with pytest.raises(OutputFileError, match="another job"):
+            open_output(out)
+    open_output(out).close()  # the lock ends with the job
+    with pytest.raises(OutputFileError, match="Is a directory"):
+        open_output(tmp_path)
+
+
+def test_open_output_writes_a_lone_surrogate_as_its_json_escape(tmp_path):
+    # a file name that is not UTF-8 comes from os.walk with surrogates: its row must still be written
+    out = tmp_path / "out.jsonl"
+    name = os.fsdecode(b"caf\xe9.png")
+    with open_output(out) as f:
+        f.write(json.dumps({"input": name}, ensure_ascii=False) + "\n")
+    assert done_keys(out, "input") == {name}  # and read back as the same name when resuming
+
+
+# ---- caption inputs ---------------------------------------------------------------------------------
+def _fifo(path: Path, unblock_after_s: float = 5.0) -> Path:
+    """A FIFO, and a writer that comes and goes later: a reader stuck opening it (the bug) then goes
+    on and the test fails, instead of hanging for good."""
+    os.mkfifo(path)
+
+    def unblock() -> None:
+        time.sleep(unblock_after_s)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader waiting: nothing to unblock
+            pass
+
+    threading.Thread(target=unblock, daemon=True).start()
+    return path
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = _fifo(tmp_path / "pipe.png")
+    got = []
+    reader = threading.Thread(target=lambda: got.append(read_media_input(str(fifo))), daemon=True)
+    reader.start()
+    reader.join(4)
+    assert not reader.is_alive(), "reading a FIFO blocked"
+    assert got[0].data is None and "not a regular file" in got[0].error
+
+
+def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path):
+    big = tmp_path / "big.png"
+    with big.open("wb") as f:
+        f.truncate(3 << 30)  # sparse: 3 GiB that a whole read would hold in memory
+    item = read_media_input(str(big), max_bytes=1000)
+    assert item.data is None and item.error == "MediaTooLarge (media): media is 3221225472 bytes, limit 1000"
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 1000)
+    assert read_media_input(str(small), max_bytes=1000).error.startswith("UnsupportedMediaType")  # read, sniffed
+    assert "not a regular file" in read_media_input(str(tmp_path)).error
+
+
+class _NoModel:
+    """Just enough engine for inputs that fail before generation (a model is never asked)."""
+
+    config = SimpleNamespace(limits=MediaLimits(max_bytes=1000))
+
+    def set_file_resolver(self, fn) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("no input here reaches the model")
+
+
+def test_caption_job_refuses_fifos_and_inputs_over_the_engines_byte_limit(tmp_path):
+    _fifo(tmp_path / "pipe.png")
+    (tmp_path / "big.png").write_bytes(b"\x89PNG" + b"\0" * 2000)
+    inputs = [str(tmp_path / "pipe.png"), str(tmp_path / "big.png")]
+    summary = asyncio.run(CaptionJob(_NoModel()).run(inputs, tmp_path / "o.jsonl"))
+    rows = {Path(r["input"]).name: r["error"] for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}
+    assert summary.failed == 2
+    assert "not a regular file" in rows["pipe.png"]
+    assert rows["big.png"] == "MediaTooLarge (media): media is 2004 bytes, limit 1000"
