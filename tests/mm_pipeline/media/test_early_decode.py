@@ -194,18 +194,24 @@ def test_cancel_and_slots(clips) -> None:
     assert again is not None and again.join(5.0)
 
 
+def _early_to_the_end(webm: bytes) -> tuple[EarlyVideoDecode, DecodeBudget]:
+    """A WebM decoded early while it arrives in 4 KiB pieces, until the decoder ends."""
+    budget = DecodeBudget(1 << 30)
+    body = ArrivingBytes(len(webm) + 1, stall_s=5.0, declared_size=len(webm))
+    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 28, timeout_s=30.0, budget=budget)
+    early.start()
+    feed(body, webm, chunk=4096).join()
+    early.join(30)
+    return early, budget
+
+
 def test_frames_that_grow_past_their_header_are_refused() -> None:
     """A VP8 WebM declaring 64x64 whose later keyframes are 1024x1024: the pixel limit and the
     decode budget only ever saw the header. Before, the arriving-bytes decoder kept the big frames
     while counting 64x64 each (thousands of times less), and the whole-bytes decoder ran them
     through. Both now stop with a 413 naming the growth, and nothing stays counted."""
     data = resizing_webm(big=1024, n_frames=6)
-    budget = DecodeBudget(1 << 30)
-    body = ArrivingBytes(len(data) + 1, stall_s=5.0, declared_size=len(data))
-    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 28, timeout_s=30.0, budget=budget)
-    early.start()
-    feed(body, data, chunk=4096).join()
-    early.join(30)
+    early, budget = _early_to_the_end(data)
     assert isinstance(early._error, MediaTooLarge) and "64x64" in str(early._error)
     early.cancel()
     assert budget.early_in_use == 0
@@ -218,13 +224,7 @@ def test_frames_that_grow_past_their_header_are_refused() -> None:
 def test_kept_frames_count_their_own_planes() -> None:
     """Kept frames are charged what they hold as decoded, not 8-bit 4:2:0 at the header's size:
     4:4:4 is twice 4:2:0."""
-    data = resizing_webm(big=64, n_frames=6, pix_fmt="yuv444p", codec="libvpx-vp9")
-    budget = DecodeBudget(1 << 30)
-    body = ArrivingBytes(len(data) + 1, stall_s=5.0, declared_size=len(data))
-    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 28, timeout_s=30.0, budget=budget)
-    early.start()
-    feed(body, data, chunk=4096).join()
-    early.join(30)
+    early, budget = _early_to_the_end(resizing_webm(big=64, n_frames=6, pix_fmt="yuv444p", codec="libvpx-vp9"))
     kept = dict(early._frames)
     assert kept and early._error is None
     assert all(f.format.name == "yuv444p" for f in kept.values())

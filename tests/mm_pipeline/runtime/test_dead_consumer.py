@@ -37,17 +37,18 @@ def _engine(ckpt, **kw) -> OmniEngine:
     return OmniEngine.from_pretrained(ckpt, OmniEngineConfig.from_kwargs(**{**cfg, **kw}))
 
 
-def _ask(data: bytes) -> list[dict]:
+def _ask(data: bytes, part: str = "image_url") -> list[dict]:
     url = "data:;base64," + base64.b64encode(data).decode()
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "Describe."}]}]
+    return [{"role": "user", "content": [{"type": part, part: {"url": url}}, {"type": "text", "text": "Describe."}]}]
+
+
+async def _tokens(engine: OmniEngine, messages: list[dict]) -> int:
+    return sum([len(d.new_token_ids) async for d in engine.generate(messages, GREEDY)])
 
 
 def _served(engine: OmniEngine, messages: list[dict], timeout_s: float = 20.0) -> int:
     """Tokens of one request run to its end on a fresh loop (TimeoutError: it hung)."""
-    async def run() -> int:
-        return sum([len(d.new_token_ids) async for d in engine.generate(messages, GREEDY)])
-    return asyncio.run(asyncio.wait_for(run(), timeout_s))
+    return asyncio.run(asyncio.wait_for(_tokens(engine, messages), timeout_s))
 
 
 def _abandon_when(agen_first, ready) -> None:
@@ -132,17 +133,12 @@ def test_a_client_leaving_during_planning_does_not_fail_the_other(ckpt, monkeypa
         return real(self, *args, **kwargs)
     monkeypatch.setattr(MediaPlanner, "_plan_sync", slow_plan)
     engine = _engine(ckpt)
-    video = video_bytes(n_frames=40, fps=10, size=(64, 48), gop=10)
-    url = "data:;base64," + base64.b64encode(video).decode()
-    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                             {"type": "text", "text": "Describe."}]}]
+    messages = _ask(video_bytes(n_frames=40, fps=10, size=(64, 48), gop=10), "video_url")
 
     async def main():
-        async def client() -> int:
-            return sum([len(d.new_token_ids) async for d in engine.generate(messages, GREEDY)])
-        first = asyncio.create_task(client())
+        first = asyncio.create_task(_tokens(engine, messages))
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(client())
+        second = asyncio.create_task(_tokens(engine, messages))
         await asyncio.sleep(0.05)
         first.cancel()
         return await asyncio.gather(first, second, return_exceptions=True)
@@ -181,20 +177,15 @@ def test_a_request_joining_a_decode_that_is_being_dropped_gets_its_units(ckpt, m
         return real(item, info, indices, groups, tp, limits, size, control, **opts)
     monkeypatch.setattr(backend_module, "decode_chunk", decode_chunk)
     engine = _engine(ckpt)
-    video = video_bytes(n_frames=20, fps=10, size=(64, 48), gop=10)
-    url = "data:;base64," + base64.b64encode(video).decode()
-    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                             {"type": "text", "text": "Describe."}]}]
+    messages = _ask(video_bytes(n_frames=20, fps=10, size=(64, 48), gop=10), "video_url")
 
     async def main():
-        async def client() -> int:
-            return sum([len(d.new_token_ids) async for d in engine.generate(messages, GREEDY)])
-        a = asyncio.create_task(client())
+        a = asyncio.create_task(_tokens(engine, messages))
         await asyncio.sleep(0.3)
         a.cancel()
         while not stopping.is_set():
             await asyncio.sleep(0.001)
-        b = asyncio.create_task(client())
+        b = asyncio.create_task(_tokens(engine, messages))
         return await asyncio.gather(a, b, return_exceptions=True)
     try:
         a, b = asyncio.run(asyncio.wait_for(main(), 30))
