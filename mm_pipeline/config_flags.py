@@ -308,8 +308,8 @@ def _as_argv(action: argparse.Action, key: Any, value: Any, path: str, parser: a
         if isinstance(action, argparse.BooleanOptionalAction):
             return [opt if value else "--no-" + opt[2:]]
         return [opt] if value else []
-    if action.nargs == "?" and isinstance(value, bool):  # --ray [ADDRESS]: true is the bare flag
-        return [opt] if value else []
+    if action.nargs == "?" and isinstance(value, bool):  # --ray [ADDRESS]: true is the bare flag,
+        return [opt + "="] if value else []              # spelled "--ray=": no positional can follow as its value
     if isinstance(value, list):
         if isinstance(action, argparse._AppendAction):
             return [t for v in value for t in (opt, _text(v))]
