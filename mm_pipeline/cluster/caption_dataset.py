@@ -28,9 +28,10 @@ from mm_pipeline.jobs.media_input import read_media_input
 from mm_pipeline.jobs.progress import Progress
 
 
-def read_batch(batch: dict[str, np.ndarray]) -> dict[str, list]:
-    """The read stage: one Ray task reads a batch of paths (never raises; see MediaInput)."""
-    items = [read_media_input(str(name), str(path)) for name, path in zip(batch["input"], batch["path"])]
+def read_batch(batch: dict[str, np.ndarray], max_bytes: int | None = None) -> dict[str, list]:
+    """The read stage: one Ray task reads a batch of paths (never raises; see MediaInput); a file
+    over ``max_bytes`` (the engine's media byte limit) is refused before it is read."""
+    items = [read_media_input(str(name), str(path), max_bytes) for name, path in zip(batch["input"], batch["path"])]
     return {"input": [m.path for m in items],
             "data": [m.data or b"" for m in items],
             "kind": [m.kind.value if m.kind else "" for m in items],
@@ -57,6 +58,7 @@ def run_caption_on_ray(ray: Any, inputs: list[str], spec: ReplicaSpec, caption: 
         ds = ray.data.from_items([{"input": p, "path": os.path.abspath(p)} for p in todo])
         # reads overlap captioning; they hold no Ray CPU, so they never wait behind the replicas
         ds = ds.map_batches(read_batch, batch_size=config.batch_size, num_cpus=0,
+                            fn_kwargs={"max_bytes": spec.engine_config.limits.max_bytes},
                             compute=ray.data.TaskPoolStrategy(size=config.read_tasks))
         result = run_replicas(ds, CaptionReplica, {"spec": spec, "caption": caption}, config,
                               on_result=summary.add, progress=progress)

@@ -55,6 +55,8 @@ def _read_list(path: Path) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            except RecursionError:  # nested deeper than the parser goes: no list line is that
+                raise ValueError(f"{path}:{n}: not JSON (nested too deeply)") from None
             item = obj if isinstance(obj, str) else next(
                 (obj[k] for k in ("input", "path", "file") if isinstance(obj, dict) and k in obj), None)
             if not isinstance(item, str):

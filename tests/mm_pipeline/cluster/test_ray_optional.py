@@ -58,3 +58,18 @@ def test_ray_options_come_from_a_config_file_too(tmp_path):
     assert parse_args(["caption", "x.png", "--config", str(cfg)]).ray == ""
     assert parse_args(["caption", "x.png", "--ray", "10.0.0.5:6379"]).ray == "10.0.0.5:6379"
     assert parse_args(["caption", "x.png"]).ray is None  # no --ray: the single-process job
+
+
+def test_the_ray_read_stage_refuses_a_file_over_the_byte_limit_before_reading_it(tmp_path):
+    """``caption --ray`` read every input whole in its read tasks (a 3 GiB file, 3 GiB of memory)
+    before the engine's byte limit could refuse it; the limit now reaches the read stage."""
+    pytest.importorskip("ray")
+    import numpy as np
+
+    from mm_pipeline.cluster.caption_dataset import read_batch
+
+    big = tmp_path / "big.mp4"
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)  # sparse: nothing is written, a read would fault in 3 GiB
+    out = read_batch({"input": np.array(["big.mp4"]), "path": np.array([str(big)])}, max_bytes=1000)
+    assert out["data"] == [b""] and "MediaTooLarge" in out["read_error"][0] and "limit 1000" in out["read_error"][0]

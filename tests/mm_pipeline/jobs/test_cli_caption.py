@@ -42,6 +42,9 @@ def test_discover_dirs_globs_lists(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         discover_inputs([str(tmp_path / "bad.jsonl")])
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")  # a RecursionError traceback before
+    with pytest.raises(ValueError, match="deep.jsonl:1: not JSON"):
+        discover_inputs([str(tmp_path / "deep.jsonl")])
 
 
 def test_already_done_ignores_torn_lines(tmp_path):
