@@ -24,7 +24,8 @@ from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, Decod
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_animation, probe_image
 from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
-from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early, early_audio_of
+from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.early_audio import early_audio_of
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan

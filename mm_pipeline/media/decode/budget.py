@@ -19,6 +19,9 @@ hold at most half the budget -- what they keep is released only once production 
 production's own reservations must still find room meanwhile. A video's idle open containers
 (``video_chunks.VideoContainers``: their decoders' frames) take from the same share, and are
 closed when it has no room.
+
+Every estimate comes from headers, so a decoded frame is checked against its header's size
+(``check_frame_size``) and kept frames are charged their own planes (``frame_nbytes``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+
+import av
 
 from mm_pipeline.errors import MediaError, MediaTooLarge
 
@@ -166,3 +171,21 @@ class DecodeBudget:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.0f} MiB"
+
+
+def check_frame_size(frame: av.VideoFrame, width: int, height: int, what: str) -> None:
+    """Refuse a frame with more pixels than its stream's header declares (``width`` x ``height``).
+    The header is all that is known before decoding: the pixel limit is checked on it and the
+    decode budget reserved from it, and VP8/VP9 keyframes or an in-band H.264 SPS may change the
+    size mid-stream -- a 0.5 MB file declaring 64x64 can switch to 4096x4096 frames, and its
+    decoder would hold thousands of times what was counted. (A header without a size, 0 x 0, was
+    counted as nothing either way: it bounds nothing here.)"""
+    declared = width * height
+    if declared and frame.width * frame.height > declared:
+        raise MediaTooLarge(f"{what}: frames grow mid-stream from {width}x{height} (its header) to "
+                            f"{frame.width}x{frame.height}; re-encode it at one size")
+
+
+def frame_nbytes(frame: av.VideoFrame) -> int:
+    """Bytes a decoded frame holds: its planes as decoded (a 10-bit 4:4:4 frame is 4x an 8-bit 4:2:0 one)."""
+    return sum(p.buffer_size for p in frame.planes)

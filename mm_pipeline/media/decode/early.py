@@ -29,7 +29,7 @@ reader of its own over the same bytes (``EarlyVideoDecode.sound``): in the frame
 would wait behind the frame decode, which lags the arrival (measured: docs/pipeline_measurements.md;
 the second demux costs ~17 ms of CPU). It reads seekable without the declared size (with it a
 fragmented MP4's demuxer looks for an index at the end); its samples are ``decode_audio``'s on the
-whole bytes (tests), taken by the planner as an audio item's (``early_audio_of``).
+whole bytes (tests), taken by the planner as an audio item's (``early_audio.early_audio_of``).
 
 Bounds: the header limits of ``probe_video`` (pixels, frames, duration: over one, nothing is
 decoded here; the whole-bytes path answers 413 after arrival), ``max_kept_bytes`` of kept frames,
@@ -49,11 +49,10 @@ import numpy as np
 import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check, check_frame_size, frame_nbytes
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.early_packets import KeyframeSkip, PresentationRanks
-from mm_pipeline.media.decode.video import (FrameToRgb, VideoInfo, check_frame_size, codec_threads, decode_range,
-                                            frame_nbytes, skips_nonref)
+from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, open_av_stream
 from mm_pipeline.media.types import MediaItem, MediaKind
@@ -369,14 +368,6 @@ class EarlyDecoders:
                                  self.budget, (True, False), origin, on_end=self._slots.release)
         sound.start()
         return sound
-
-
-def early_audio_of(item: MediaItem) -> EarlyAudioDecode | None:
-    """The early decode holding ``item``'s samples: an audio item's own, a video's sound track's,
-    or None (decode the whole bytes)."""
-    if isinstance(item.early, EarlyAudioDecode):
-        return item.early
-    return item.early.sound if isinstance(item.early, EarlyVideoDecode) else None
 
 
 def chunks_for_early(early: EarlyVideoDecode, info: VideoInfo, indices: Sequence[int],

@@ -174,3 +174,11 @@ class EarlyAudioDecode:
         nbytes = min(nbytes, self._held)
         self._held -= nbytes
         self.budget.release_early(nbytes)
+
+
+def early_audio_of(item: MediaItem) -> EarlyAudioDecode | None:
+    """The early decode holding ``item``'s samples: an audio item's own, a video's sound track's
+    (its early video decode's ``sound``), or None (decode the whole bytes)."""
+    if isinstance(item.early, EarlyAudioDecode):
+        return item.early
+    return getattr(item.early, "sound", None)

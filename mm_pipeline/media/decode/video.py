@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from av.video.reformatter import VideoReformatter
 
-from mm_pipeline.media.decode.budget import DecodeControl, check
+from mm_pipeline.media.decode.budget import DecodeControl, check, check_frame_size
 from mm_pipeline.media.decode.image import decode_animation_frames, probe_animation
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
@@ -164,8 +164,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
             for frame in cc.decode(packet):
                 check(control)
                 check_frame_size(frame, info.width, info.height, f"{item.format} video from {item.origin}")
-                idx = index_of.get(frame.pts, prev_index + 1)
-                prev_index = idx
+                idx = prev_index = index_of.get(frame.pts, prev_index + 1)
                 if len(out) < until and targets[len(out)] < idx:
                     if wanted is not None:
                         return False
@@ -265,24 +264,6 @@ def decode_runs(targets: Sequence[int], keyframes: Sequence[int], first: int) ->
         last = t
     runs.append((start, len(targets)))
     return runs
-
-
-def check_frame_size(frame: av.VideoFrame, width: int, height: int, what: str) -> None:
-    """Refuse a frame with more pixels than its stream's header declares (``width`` x ``height``).
-    The header is all that is known before decoding: the pixel limit is checked on it and the
-    decode budget reserved from it, and VP8/VP9 keyframes or an in-band H.264 SPS may change the
-    size mid-stream -- a 0.5 MB file declaring 64x64 can switch to 4096x4096 frames, and its
-    decoder would hold thousands of times what was counted. (A header without a size, 0 x 0, was
-    counted as nothing either way: it bounds nothing here.)"""
-    declared = width * height
-    if declared and frame.width * frame.height > declared:
-        raise MediaTooLarge(f"{what}: frames grow mid-stream from {width}x{height} (its header) to "
-                            f"{frame.width}x{frame.height}; re-encode it at one size")
-
-
-def frame_nbytes(frame: av.VideoFrame) -> int:
-    """Bytes a decoded frame holds: its planes as decoded (a 10-bit 4:4:4 frame is 4x an 8-bit 4:2:0 one)."""
-    return sum(p.buffer_size for p in frame.planes)
 
 
 class FrameToRgb:
