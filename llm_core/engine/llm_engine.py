@@ -30,7 +30,6 @@ import time
 
 import torch
 
-from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
@@ -235,14 +234,7 @@ class LLMEngine:
         if not batch:
             return outputs
         self.runner.begin_step()
-        try:  # a tier load that already failed raises here: the batch's matched KV never landed
-            kv = self.prefix_cache.kv_buffers(self.pool)
-        except RankFailure:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- every entry of the batch ends with it, none runs on bad KV
-            result = StepResult([], [(e, exc) for e in batch.entries])
-        else:
-            result = run_isolated(self._stepper, batch.entries, kv)
+        result = run_isolated(self._stepper, batch.entries, lambda: self.prefix_cache.kv_buffers(self.pool))
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
             self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
             outputs.append(self._finish_output(e.request, []))

@@ -24,7 +24,7 @@ input preparation or forward raises to the engine, which finds the entries that 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -154,15 +154,18 @@ class ModelRunner:
         return fb.logits_hidden(hidden)
 
 
-def run_isolated(stepper, entries: list[ScheduledRequest], kv) -> StepResult:
-    """Run the step on ``stepper`` (a ModelRunner, or the speculative runner over it) so that one
-    request's exception fails only that request.
+def run_isolated(stepper, entries: list[ScheduledRequest], kv_buffers: Callable[[], Any]) -> StepResult:
+    """Run the step on ``stepper`` (a ModelRunner, or the speculative runner over it) over the KV
+    ``kv_buffers()`` gives so that one request's exception fails only that request.
 
     When the step itself raises (input preparation or forward), each entry's forward is run on
     its own (no sampling, so no random draw is spent) to find those that fail alone; the step is
     then run again without them, which recomputes the same KV into the same slots. When no entry
-    fails alone the fault is not any request's (a device error): the whole batch ends with it."""
+    fails alone the fault is not any request's (a device error): the whole batch ends with it --
+    as when the KV cannot be had at all (a prefix reload from a slower tier that already failed:
+    no entry may run on pages whose KV never landed)."""
     try:
+        kv = kv_buffers()
         return stepper.run(entries, kv)
     except RankFailure:
         raise  # a parallel rank is gone: no request's fault, the engine cannot go on

@@ -68,7 +68,10 @@ class SingleFlight(Generic[T]):
             waiters = self._waiters.pop(key, [])
         for waiter in waiters:
             try:
-                waiter(None, error) if error is not None else waiter(value, None)
+                if error is not None:
+                    waiter(None, error)
+                else:
+                    waiter(value, None)
             except Exception:  # one waiter's failure (its event loop closed) must not starve the rest
                 log.exception("a waiter of %s failed", key[:16])
 

@@ -147,9 +147,7 @@ class RemoteFetch:
                 self._count("index_from_end_mismatches")
             return data, key, early
         except BaseException:
-            body.fail()
-            if early is not None:
-                early.cancel()
+            body.fail()  # (fetch cancels every early decode started here)
             raise
         finally:
             if tail is not None:

@@ -14,8 +14,8 @@ handler, which closes the engine streams (= abort, resources freed).
 from __future__ import annotations
 
 import asyncio
-import os
 import hmac
+import os
 import shutil
 import tempfile
 import time
