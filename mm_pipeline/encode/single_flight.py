@@ -14,7 +14,8 @@ result; it is cancelled only once no caller waits any more).
 Invariant (under ``_lock``): a key is present from its claim until ``finish``; every waiter of a
 present key is called exactly once, by ``finish``, unless it left first (a waiter that raises is
 logged; the others are still called). A key is never left behind:
-``run``'s computation finishes its key on success, on failure and on cancellation.
+``run``'s computation finishes its key on success and on failure; one cancelled because nobody
+waits any more released its key when it was cancelled (so a new caller never joins a dying one).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class SingleFlight(Generic[T]):
 
     def _computed(self, key: str, task: asyncio.Task) -> None:
         with self._lock:
-            self._tasks.pop(key, None)
+            if self._tasks.get(key, (None,))[0] is not task:
+                return  # stopped as unwanted: its key was released then, and may be another's now
+            del self._tasks[key]
         if task.cancelled():
             self.finish(key, error=self._abandoned())
         elif task.exception() is not None:
@@ -138,13 +141,14 @@ class SingleFlight(Generic[T]):
             self.finish(key, task.result())
 
     def _stop_if_unwanted(self, key: str) -> None:
-        """Cancel ``key``'s computation once no caller waits for it any more."""
+        """Cancel ``key``'s computation once no caller waits for it any more, and release the key
+        at once: a caller arriving while the cancellation is under way starts a computation of its
+        own, where joining the dying one would hand it the ``abandoned()`` error."""
         with self._lock:
-            if self._waiters.get(key):
+            if self._waiters.get(key) or key not in self._tasks:
                 return
-            task, abandon = self._tasks.pop(key, (None, None))
-        if task is None:
-            return
+            task, abandon = self._tasks.pop(key)
+            del self._waiters[key]  # empty: nobody waits on the cancelled computation
         task.get_loop().call_soon_threadsafe(task.cancel)
         if abandon is not None:
             abandon()

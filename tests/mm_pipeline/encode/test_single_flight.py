@@ -138,6 +138,41 @@ def test_async_single_flight() -> None:
     sf.check_integrity()
 
 
+def test_a_caller_arriving_as_the_computation_is_abandoned_computes_afresh() -> None:
+    """The last caller leaves: the computation is cancelled, but its cancellation runs later on the
+    loop. A caller arriving in between starts a computation of its own -- joining the dying one
+    would hand it the abandoned() error for a request that never went away."""
+    sf: SingleFlight[int] = SingleFlight(lambda: Abandoned("gone"))
+    calls, abandoned = 0, []
+
+    async def scenario() -> tuple[int, bool]:
+        gate = asyncio.Event()
+
+        async def compute() -> int:
+            nonlocal calls
+            calls += 1
+            mine = calls
+            await gate.wait()
+            return mine
+
+        first = asyncio.create_task(sf.run("k", compute, abandon=lambda: abandoned.append(1)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the first computation is running
+        first.cancel()  # its handler leaves and cancels the computation (the cancel itself is queued)
+        second = asyncio.create_task(sf.run("k", compute))  # runs before the queued cancel
+        await asyncio.sleep(0)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        out = await second
+        await asyncio.sleep(0)  # the first computation's own end
+        return out
+
+    assert asyncio.run(scenario()) == (2, True)
+    assert calls == 2 and abandoned == [1]
+    sf.check_integrity()
+
+
 def test_joiners_on_another_event_loop() -> None:
     sf: SingleFlight[int] = SingleFlight()
     started, release = threading.Event(), threading.Event()
