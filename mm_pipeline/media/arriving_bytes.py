@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from contextlib import AbstractContextManager, nullcontext
 
 import blake3
@@ -71,6 +72,7 @@ class ArrivingBytes:
         self.tail_mismatch = False  # set by finish: the tail put in was not the body's end
         self._hasher = blake3.blake3()
         self._cond = threading.Condition()
+        self._last_arrival = time.monotonic()  # when the last byte came (stall_s is timed from it)
         self._done = False
         self._error: BaseException | None = None
 
@@ -86,6 +88,7 @@ class ArrivingBytes:
                 raise ValueError("ArrivingBytes.feed after finish/fail")
             self._buf.write(chunk)
             self._size += len(chunk)
+            self._last_arrival = time.monotonic()
             self._cond.notify_all()
 
     def finish(self) -> tuple[bytes, str]:
@@ -171,11 +174,14 @@ class ArrivingBytes:
             while not self._done and (end is None or self._size < end):
                 if self._error is not None:
                     break
-                before = self._size
-                self._cond.wait(self.stall_s)
-                if self._size == before and not self._done and self._error is None:
+                # the stall is timed from the last byte, not from this wake-up: other news (a
+                # tail put in) wakes the readers too without any byte having arrived
+                left = self._last_arrival + self.stall_s - time.monotonic()
+                if left <= 0:
                     self._error = ArrivalAborted(f"no media byte arrived for {self.stall_s} s")
                     self._drop()
+                    break
+                self._cond.wait(left)
             if self._error is not None:
                 raise ArrivalAborted(f"the media stopped arriving ({self._error})")
             return self._size

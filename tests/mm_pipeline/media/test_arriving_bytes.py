@@ -54,6 +54,30 @@ def test_arriving_bytes_fail_and_stall_wake_the_reader() -> None:
         stalled.reader().read(1)
 
 
+def test_a_tail_put_in_does_not_count_as_a_stall() -> None:
+    """``put_tail`` wakes the waiting readers without a byte arriving: the stall is timed from the
+    last byte, so the reader waits on for the body (it took the wake-up for a stall before)."""
+    body = ArrivingBytes(1 << 20, stall_s=2.0, declared_size=8)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(body.reader().read(4)))
+    reader.start()
+    time.sleep(0.1)
+    body.put_tail(6, b"gh")
+    time.sleep(0.1)
+    body.feed(b"abcdef")
+    reader.join(5)
+    assert got == [b"abcd"]
+    stalled = ArrivingBytes(1 << 20, stall_s=0.3)  # and a reader coming late to a silent sender
+    stalled.feed(b"ab")
+    late = stalled.reader()
+    assert late.read(3) == b"ab"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(ArrivalAborted, match="no media byte"):
+        late.read(1)
+    assert time.monotonic() - t0 < 0.2  # the sender was silent for stall_s already
+
+
 def test_arriving_bytes_cap() -> None:
     body = ArrivingBytes(10, stall_s=1.0)
     body.feed(b"x" * 10)
