@@ -6,6 +6,7 @@
     encoder_replica  the encoder tier: encodes media into the shared encoder cache
     route_key        a request as a chain of block hashes (tokens + media content keys)
     router_state     the radix tree of dispatched prefixes (memory or Redis)
+    write_behind     the Redis index's writer thread (ordered, bounded, off the event loop)
     affinity_policy  the LLM router's score and ranking
     prefix_router    that policy behind Ray Serve's RequestRouter (+ a round-robin baseline)
     consistent_hash  consistent hashing with bounded loads

@@ -49,7 +49,8 @@ class AffinityPolicy:
 
     def scores(self, key: RouteKey, loads: Mapping[str, float],
                matched: Mapping[str, int] | None = None) -> dict[str, float]:
-        """``matched``: blocks matched per replica, when the caller already looked them up."""
+        """``matched``: blocks matched per replica, when the caller already looked them up (the
+        router, with the awaited ``index.lookup``); else ``index.match`` now, which may wait on I/O."""
         matched = self.index.match(key.hashes, loads) if matched is None else matched
         total = key.total or 1
         return {r: (self.config.match_weight * key.weight_of(matched[r]) - loads[r]) / total for r in loads}

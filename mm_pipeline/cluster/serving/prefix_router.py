@@ -6,7 +6,11 @@ this one ranks the live replicas by the affinity score for the request's :class:
 as the ``route`` keyword of the call) and Serve sends the request to the first rank with room
 (``max_ongoing_requests``), probing queue lengths and backing off as it does for its own routers.
 What each router dispatched goes into the shared prefix index (Redis when ``redis_url`` is given),
-so every ingress replica sees the others' dispatches and a restarted ingress keeps them.
+so every ingress replica sees the others' dispatches and a restarted ingress keeps them. Serve runs
+this router on the handle's event loop, so no Redis round trip is made here: the lookup is awaited
+on the index's reader thread (bounded; a timeout is a miss, routing by load), and the writes from the
+sync callbacks (``on_request_routed``, a replica gone) are queued for its writer thread
+(mm_pipeline/cluster/serving/router_state.py).
 
 Load of a replica = max(what it last reported -- ``record_routing_stats``: tokens still to compute,
 prompts not yet prefilled and tokens not yet decoded --, the prefill this router sent it and has not
@@ -64,7 +68,7 @@ class PrefixAffinityRouter(RequestRouter):
         key = route_of(pending_request)
         if key is None:  # no prompt to match (stats, health): least loaded first
             return [[by_id[rid]] for rid in sorted(loads, key=loads.get)]
-        matched = self.policy.index.match(key.hashes, loads)
+        matched = await self.policy.index.lookup(key.hashes, loads)  # off this loop; a timeout is a miss
         if pending_request is not None:
             while len(self._matched) >= 4096:  # requests cancelled before routing never pop theirs
                 self._matched.pop(next(iter(self._matched)))

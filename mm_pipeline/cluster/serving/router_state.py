@@ -17,30 +17,57 @@ Two stores with one contract:
   ingress keeps it. Redis being down is a miss (routing falls back to load), never an error, like
   every other Redis tier in mmserve (llm_core/storage/redis_store.py).
 
+The router calls the index on its asyncio event loop (Ray Serve runs routers on the handle's loop),
+where one Redis round trip -- up to the 0.25 s socket timeout when Redis is slow -- would stall
+every request routed through that ingress. So the loop uses ``lookup`` (awaited) and never ``match``:
+the Redis index runs it on its own reader thread, waits at most ``lookup_timeout_s`` and takes a
+timeout as a miss; ``record`` and ``forget`` only queue the write for one writer thread
+(mm_pipeline/cluster/serving/write_behind.py: in order, bounded, the oldest dropped when full).
+A write is seen by lookups once the writer ran it (``flush`` waits for that): well before a
+conversation's next turn, and a dropped one only costs a later miss. The memory index answers
+``lookup`` inline and applies writes when made: there is no I/O to wait on, so no thread hop either.
+
 And :class:`InflightWork`, the work each router (this one and the encoders') has sent to each
 replica and not yet seen finish.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Iterable, Protocol, Sequence
+
+from mm_pipeline.cluster.serving.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
 
 class PrefixIndex(Protocol):
     def record(self, replica: str, hashes: Sequence[int]) -> None:
-        """``replica`` was sent the prefix ``hashes`` (all its nodes, root first)."""
+        """``replica`` was sent the prefix ``hashes`` (all its nodes, root first). Never waits on I/O:
+        a remote index queues the write (see ``flush``)."""
 
     def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
-        """For each of ``replicas``: how many leading blocks of ``hashes`` it was sent."""
+        """For each of ``replicas``: how many leading blocks of ``hashes`` it was sent. May wait on
+        I/O: not for an event loop (use ``lookup``)."""
+
+    async def lookup(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """``match`` for an event loop: never blocks it, bounded in time; a timeout is a miss."""
 
     def forget(self, replica: str) -> None:
-        """Drop every node of a replica that died or left."""
+        """Drop every node of a replica that died or left. Never waits on I/O, and is applied after
+        every ``record`` made before it."""
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the writes made so far are applied (or dropped); False on timeout."""
+
+    def close(self) -> None:
+        """Stop the index's threads, if it has any."""
 
 
 def walk(hashes: Sequence[int], holders: Sequence[set[str]], replicas: Iterable[str]) -> dict[str, int]:
@@ -82,10 +109,19 @@ class MemoryPrefixIndex:
         with self._lock:
             return walk(hashes, [self._nodes.get(h, set()) for h in hashes], replicas)
 
+    async def lookup(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        return self.match(hashes, replicas)  # no I/O: inline, without suspending the caller
+
     def forget(self, replica: str) -> None:
         with self._lock:
             for h in self._lru.pop(replica, {}):
                 self._drop(h, replica)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True  # writes are applied when made
+
+    def close(self) -> None:
+        pass
 
     def check_integrity(self) -> None:
         """Each node names exactly the replicas whose LRU holds it, no node is empty, no LRU is over
@@ -113,10 +149,13 @@ class MemoryPrefixIndex:
 
 
 class RedisPrefixIndex:
-    """The index in Redis (see module doc). ``ttl_s``: how long a node lives after it was last sent."""
+    """The index in Redis (see module doc). ``ttl_s``: how long a node lives after it was last sent;
+    ``timeout_s``: each socket operation's; ``lookup_timeout_s`` (default ``timeout_s``): the most a
+    ``lookup`` waits; ``max_pending_writes``: the writer's queue."""
 
     def __init__(self, url: str, *, prefix: str = "mmserve:router:", ttl_s: int = 3600,
-                 timeout_s: float = 0.25, retry_after_s: float = 5.0) -> None:
+                 timeout_s: float = 0.25, retry_after_s: float = 5.0, lookup_timeout_s: float | None = None,
+                 max_pending_writes: int = 4096) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -127,47 +166,84 @@ class RedisPrefixIndex:
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
         self.prefix, self.ttl_s, self.retry_after_s = prefix, ttl_s, retry_after_s
+        self.lookup_timeout_s = timeout_s if lookup_timeout_s is None else lookup_timeout_s
+        self.lookup_timeouts = 0  # lookups that gave up waiting (each a miss)
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis(host=a.host, port=a.port, db=a.db, username=a.username, password=a.password,
                                    socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                    retry=Retry(NoBackoff(), 0), decode_responses=True)
         self._down_until = 0.0
+        self._closed = False
+        # one reader thread: a slow Redis then holds one connection, and lookups queued behind it
+        # time out on the caller's side and are cancelled before they start
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-index-read")
+        self._writer = WriteBehind("prefix-index-write", max_pending_writes)
+
+    @property
+    def dropped_writes(self) -> int:
+        return self._writer.dropped
 
     def record(self, replica: str, hashes: Sequence[int]) -> None:
-        def op(c) -> None:
-            now = time.time()
-            pipe = c.pipeline(transaction=False)
-            for h in hashes:
-                pipe.sadd(self._b(h), replica)
-                pipe.expire(self._b(h), self.ttl_s)
-            if hashes:
-                pipe.zadd(self._r(replica), {str(h): now for h in hashes})
-                pipe.zremrangebyscore(self._r(replica), "-inf", now - self.ttl_s)  # their nodes expired
-                pipe.expire(self._r(replica), self.ttl_s)
-            pipe.execute()
-        self._call(op)
-
-    def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
-        def op(c) -> list[set[str]]:
-            pipe = c.pipeline(transaction=False)
-            for h in hashes:
-                pipe.smembers(self._b(h))
-            return [set(s) for s in pipe.execute()]
-        holders = self._call(op) if hashes else []
-        return walk(hashes, holders or [], replicas)
+        if hashes:
+            self._writer.submit(partial(self._call, self._record_now, replica, tuple(hashes)))
 
     def forget(self, replica: str) -> None:
-        def op(c) -> None:
-            members = c.zrange(self._r(replica), 0, -1)
-            pipe = c.pipeline(transaction=False)
-            for h in members:
-                pipe.srem(self._b(int(h)), replica)
-            pipe.delete(self._r(replica))
-            pipe.execute()
-        self._call(op)
+        self._writer.submit(partial(self._call, self._forget_now, replica))
 
-    def close(self) -> None:
+    def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        holders = self._call(self._holders_now, hashes) if hashes else []
+        return walk(hashes, holders or [], replicas)
+
+    async def lookup(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        replicas = list(replicas)  # the caller's mapping may change while the reader works
+        if not hashes or self._closed or time.monotonic() < self._down_until:
+            return walk(hashes, [], replicas)  # known down: a miss without a thread hop
+        try:
+            job = self._reader.submit(self._call, self._holders_now, tuple(hashes))
+        except RuntimeError:  # closed meanwhile
+            return walk(hashes, [], replicas)
+        try:
+            # cancelling the wrapper on timeout cancels the job too, if it has not started
+            holders = await asyncio.wait_for(asyncio.wrap_future(job), self.lookup_timeout_s)
+        except asyncio.TimeoutError:
+            self.lookup_timeouts += 1
+            holders = None
+        return walk(hashes, holders or [], replicas)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return self._writer.flush(timeout_s)
+
+    def close(self, drain_s: float = 1.0) -> None:
+        """Apply the queued writes for up to ``drain_s``, stop both threads, close the connections."""
+        self._closed = True
+        self._writer.close(drain_s)
+        self._reader.shutdown(wait=True, cancel_futures=True)  # a read in flight ends by its socket timeout
         self._client.close()
+
+    def _record_now(self, c, replica: str, hashes: tuple[int, ...]) -> None:
+        now = time.time()
+        pipe = c.pipeline(transaction=False)
+        for h in hashes:
+            pipe.sadd(self._b(h), replica)
+            pipe.expire(self._b(h), self.ttl_s)
+        pipe.zadd(self._r(replica), {str(h): now for h in hashes})
+        pipe.zremrangebyscore(self._r(replica), "-inf", now - self.ttl_s)  # their nodes expired
+        pipe.expire(self._r(replica), self.ttl_s)
+        pipe.execute()
+
+    def _holders_now(self, c, hashes: Sequence[int]) -> list[set[str]]:
+        pipe = c.pipeline(transaction=False)
+        for h in hashes:
+            pipe.smembers(self._b(h))
+        return [set(s) for s in pipe.execute()]
+
+    def _forget_now(self, c, replica: str) -> None:
+        members = c.zrange(self._r(replica), 0, -1)
+        pipe = c.pipeline(transaction=False)
+        for h in members:
+            pipe.srem(self._b(int(h)), replica)
+        pipe.delete(self._r(replica))
+        pipe.execute()
 
     def _b(self, h: int) -> str:
         return f"{self.prefix}b:{h}"
@@ -175,11 +251,12 @@ class RedisPrefixIndex:
     def _r(self, replica: str) -> str:
         return f"{self.prefix}t:{replica}"
 
-    def _call(self, op):
+    def _call(self, op, *args):
+        """``op(client, *args)``, or None while Redis is down (then for ``retry_after_s``)."""
         if time.monotonic() < self._down_until:
             return None
         try:
-            return op(self._client)
+            return op(self._client, *args)
         except self._errors as exc:
             log.warning("router state in Redis unavailable for %.0fs: %s", self.retry_after_s, exc)
             self._down_until = time.monotonic() + self.retry_after_s

@@ -56,6 +56,32 @@ def test_affinity_router_follows_the_prefix_and_forgets_the_dead():
     asyncio.run(run())
 
 
+def test_a_silent_redis_does_not_stall_the_routers_loop(silent_redis_url, max_loop_lag):
+    """Serve runs the router on the handle's event loop, and the router's Redis calls ran on it: with
+    a Redis that never answers, choose_replicas held the loop for the 0.25 s socket timeout, and
+    with it every request routed through that ingress. The lookup now waits off the loop (a miss:
+    routing by load) and the writes of on_request_routed and of a replica's death are queued."""
+    async def run() -> float:
+        router = PrefixAffinityRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(redis_url=silent_redis_url)
+        reps = [replica("a", load=1000), replica("b")]
+
+        async def work() -> None:
+            for i in range(3):
+                pending = request(str(i), route=key_of_pieces([("tokens", list(range(i, i + 160)))]))
+                assert await first_choice(router, reps, pending) == "b"  # a miss: the less loaded
+                router.on_request_routed(pending, reps[1].replica_id, None)
+            router.on_replica_actor_died(reps[0].replica_id)
+
+        try:
+            return await max_loop_lag(work)
+        finally:
+            router.policy.index.close(drain_s=0.1)
+
+    lag = asyncio.run(run())
+    assert lag < 0.1, f"the router's loop stalled {lag * 1000:.0f} ms"
+
+
 def test_encoder_router_sends_a_key_to_one_replica():
     async def run() -> None:
         router = ContentHashRouter(DeploymentID(name="Encoder", app_name="test"), DeploymentHandleSource.UNKNOWN)

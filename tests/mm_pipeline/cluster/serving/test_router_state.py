@@ -4,6 +4,7 @@ request and any chain that replica was sent; forgetting a replica removes exactl
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -43,8 +44,10 @@ def check(index, dispatched, query, gone) -> None:
         sent.setdefault(replica, []).append(chain(seq))
         if hasattr(index, "check_integrity"):
             index.check_integrity()
+    assert index.flush(5.0)  # Redis writes are queued for a background thread
     assert index.match(chain(query), REPLICAS) == oracle(sent, chain(query))
     index.forget(gone)
+    assert index.flush(5.0)
     sent.pop(gone, None)
     if hasattr(index, "check_integrity"):
         index.check_integrity()
@@ -99,9 +102,13 @@ def test_redis_index_is_shared_and_survives_a_new_client(redis_url):
     prefix = f"t:{uuid.uuid4().hex}:"
     first, second = RedisPrefixIndex(redis_url, prefix=prefix), RedisPrefixIndex(redis_url, prefix=prefix)
     first.record("a", chain([1, 2, 3]))
+    assert first.flush(5.0)
     assert second.match(chain([1, 2, 0]), REPLICAS) == {"a": 2, "b": 0, "c": 0}
     first.close()
-    assert RedisPrefixIndex(redis_url, prefix=prefix).match(chain([1, 2, 3]), ["a"]) == {"a": 3}
+    second.close()
+    third = RedisPrefixIndex(redis_url, prefix=prefix)
+    assert third.match(chain([1, 2, 3]), ["a"]) == {"a": 3}
+    third.close()
 
 
 def test_a_busy_replicas_list_of_hashes_keeps_only_live_ones(redis_url):
@@ -116,10 +123,13 @@ def test_a_busy_replicas_list_of_hashes_keeps_only_live_ones(redis_url):
     index = RedisPrefixIndex(redis_url, prefix=prefix, ttl_s=1)
     try:
         index.record("a", chain(range(1, 101)))
+        assert index.flush(5.0)
         time.sleep(1.2)  # those nodes expire
         index.record("a", chain(range(1000, 1100)))
+        assert index.flush(5.0)
         assert redis.Redis.from_url(redis_url).zcard(f"{prefix}t:a") == 100
         index.forget("a")
+        assert index.flush(5.0)
         assert index.match(chain(range(1000, 1100)), ["a"]) == {"a": 0}
     finally:
         index.close()
@@ -127,9 +137,14 @@ def test_a_busy_replicas_list_of_hashes_keeps_only_live_ones(redis_url):
 
 def test_redis_down_is_a_miss_not_an_error():
     index = RedisPrefixIndex("redis://127.0.0.1:1/0", timeout_s=0.05)
-    index.record("a", chain([1]))
-    assert index.match(chain([1]), ["a"]) == {"a": 0}
-    index.forget("a")
+    try:
+        index.record("a", chain([1]))
+        assert index.flush(5.0)
+        assert index.match(chain([1]), ["a"]) == {"a": 0}
+        assert asyncio.run(index.lookup(chain([1]), ["a"])) == {"a": 0}
+        index.forget("a")
+    finally:
+        index.close()
 
 
 @settings(max_examples=100, deadline=None)
