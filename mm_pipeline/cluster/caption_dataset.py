@@ -5,6 +5,7 @@
       ─► map_batches(read_batch)      IO tasks: read bytes, sniff, blake3  (jobs/media_input.py)
       ─► map_batches(CaptionReplica)  actors, one engine each, rows journaled to shards
       ─► driver: progress, summary, per-replica stats ─► JobOutput.merge (each input once)
+    the output's lock (JobOutput.lock) held from the done keys to the merge
 
 A file that cannot be read travels as an error (``read_error``) and becomes the same error row
 the single-process job writes; nothing in a batch can fail the job.  The replicas are the
@@ -44,31 +45,35 @@ def run_caption_on_ray(ray: Any, inputs: list[str], spec: ReplicaSpec, caption: 
                        config: RayJobConfig, progress_label: str = "caption"
                        ) -> tuple[CaptionSummary, DistributedResult]:
     """Caption ``inputs`` (resuming ``spec.output``) on the connected Ray cluster; merges the output
-    (raises ``IncompleteJobError`` if an input has no row, which a re-run finishes)."""
+    (raises ``IncompleteJobError`` if an input has no row, which a re-run finishes, and
+    ``OutputFileError`` if another job holds the output's lock)."""
     output: JobOutput = spec.output
-    done = output.done_keys()
-    todo = [p for p in inputs if p not in done]
-    summary = CaptionSummary(total=len(inputs), skipped=len(inputs) - len(todo))
-    progress = Progress(len(todo), progress_label)
-    start = time.perf_counter()
-    if todo:
-        configure_data(config)
-        # inputs keep the names the user gave (the rows' "input", as without --ray); the read
-        # stage opens them by absolute path, valid on every machine that mounts the same paths
-        ds = ray.data.from_items([{"input": p, "path": os.path.abspath(p)} for p in todo])
-        # reads overlap captioning; they hold no Ray CPU, so they never wait behind the replicas
-        ds = ds.map_batches(read_batch, batch_size=config.batch_size, num_cpus=0,
-                            fn_kwargs={"max_bytes": spec.engine_config.limits.max_bytes},
-                            compute=ray.data.TaskPoolStrategy(size=config.read_tasks))
-        result = run_replicas(ds, CaptionReplica, {"spec": spec, "caption": caption}, config,
-                              on_result=summary.add, progress=progress)
-    else:
-        result = DistributedResult(replicas=[], results=0, duplicate_results=0, journaled=0)
-    progress.close()
-    summary.elapsed_s = time.perf_counter() - start
-    summary.replicas = result.replicas
-    for r in result.replicas:
-        for k, v in r.cache.items():
-            summary.cache[k] = summary.cache.get(k, 0) + v
-    result.merge = output.merge(inputs)
+    # the output's lock for the whole run, as the single-process job holds it: a second job on the
+    # same output fails here, before it reads the done keys or starts a replica
+    with output.lock():
+        done = output.done_keys()
+        todo = [p for p in inputs if p not in done]
+        summary = CaptionSummary(total=len(inputs), skipped=len(inputs) - len(todo))
+        progress = Progress(len(todo), progress_label)
+        start = time.perf_counter()
+        if todo:
+            configure_data(config)
+            # inputs keep the names the user gave (the rows' "input", as without --ray); the read
+            # stage opens them by absolute path, valid on every machine that mounts the same paths
+            ds = ray.data.from_items([{"input": p, "path": os.path.abspath(p)} for p in todo])
+            # reads overlap captioning; they hold no Ray CPU, so they never wait behind the replicas
+            ds = ds.map_batches(read_batch, batch_size=config.batch_size, num_cpus=0,
+                                fn_kwargs={"max_bytes": spec.engine_config.limits.max_bytes},
+                                compute=ray.data.TaskPoolStrategy(size=config.read_tasks))
+            result = run_replicas(ds, CaptionReplica, {"spec": spec, "caption": caption}, config,
+                                  on_result=summary.add, progress=progress)
+        else:
+            result = DistributedResult(replicas=[], results=0, duplicate_results=0, journaled=0)
+        progress.close()
+        summary.elapsed_s = time.perf_counter() - start
+        summary.replicas = result.replicas
+        for r in result.replicas:
+            for k, v in r.cache.items():
+                summary.cache[k] = summary.cache.get(k, 0) + v
+        result.merge = output.merge(inputs)
     return summary, result

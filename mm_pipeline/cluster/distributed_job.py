@@ -4,7 +4,8 @@
                                      num_cpus/num_gpus per replica, max_restarts, max_task_retries)
         ─► iter_batches (streaming: replicas keep working while the driver counts)
              per result row: progress, summary.add, ReplicaStats.add_batch (once per batch)
-    ─► JobOutput.merge(every input): each input once, or IncompleteJobError
+    ─► JobOutput.merge(every input): each input once, or IncompleteJobError; streamed, and under
+       the output's lock (JobOutput.lock), which the job holds from its done keys to here
 
 Ray Data does the scheduling (actor pool, backpressure, retries); this module only wires it and
 reads the results.  The caption and batch jobs build their input datasets

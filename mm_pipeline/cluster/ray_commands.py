@@ -74,6 +74,9 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
                            output=JobOutput(Path(out).resolve(), key=key, format=fmt))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    # the output's checks (a directory, another job's file: OutputFileError, a usage error) before a
+    # cluster starts; the job holds the lock itself from its done keys to its merge
+    spec.output.lock().close()
     ray = import_ray()
     # a cluster this process already joined (tests, a notebook) stays up after the job
     owned = not ray.is_initialized()

@@ -44,26 +44,30 @@ _NOT_MEDIA = {".txt", ".json", ".jsonl", ".md", ".csv", ".tsv", ".yaml", ".yml",
 # ---- input discovery ----------------------------------------------------------------------------
 def _read_list(path: Path) -> list[str]:
     """Paths named by a text list (one per line, # comments) or JSONL (a string or an object with
-    "input" / "path" / "file" per line); relative paths are relative to the list's directory."""
+    "input" / "path" / "file" per line); relative paths are relative to the list's directory.
+    Read a line at a time, split on "\n" only ("\r\n" works, a last line may lack its newline):
+    U+2028 or U+0085 belong to a name (or a JSON string), where ``str.splitlines`` would cut the line."""
     out = []
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if path.suffix.lower() == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-            except RecursionError:  # nested deeper than the parser goes: no list line is that
-                raise ValueError(f"{path}:{n}: not JSON (nested too deeply)") from None
-            item = obj if isinstance(obj, str) else next(
-                (obj[k] for k in ("input", "path", "file") if isinstance(obj, dict) and k in obj), None)
-            if not isinstance(item, str):
-                raise ValueError(f"{path}:{n}: expected a path string or an object with 'input'/'path'/'file'")
-            line = item
-        p = Path(line).expanduser()
-        out.append(str(p if p.is_absolute() else path.parent / p))
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):  # binary-mode iteration splits on b"\n" only
+            # bytes that are not UTF-8 decode as os.fsdecode does: the name os.walk would give the file
+            line = raw.decode("utf-8", "surrogateescape").strip()
+            if not line or line.startswith("#"):
+                continue
+            if path.suffix.lower() == ".jsonl":
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+                except RecursionError:  # nested deeper than the parser goes: no list line is that
+                    raise ValueError(f"{path}:{n}: not JSON (nested too deeply)") from None
+                item = obj if isinstance(obj, str) else next(
+                    (obj[k] for k in ("input", "path", "file") if isinstance(obj, dict) and k in obj), None)
+                if not isinstance(item, str):
+                    raise ValueError(f"{path}:{n}: expected a path string or an object with 'input'/'path'/'file'")
+                line = item
+            p = Path(line).expanduser()
+            out.append(str(p if p.is_absolute() else path.parent / p))
     return out
 
 

@@ -54,13 +54,14 @@ def cmd_caption(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     if not Path(args.input).is_file():
         raise UsageError(f"batch input {args.input} does not exist")
+    # checked for --ray too: its merge would replace the input with the answers
+    if Path(args.output).exists() and Path(args.output).samefile(args.input):
+        raise UsageError("the output is the input file: its answers would be read as requests")
     model_dir = resolve_model_dir(args.model)
     if args.ray is not None:
         from mm_pipeline.cluster.ray_commands import batch_on_ray
 
         return batch_on_ray(args, model_dir)
-    if Path(args.output).exists() and Path(args.output).samefile(args.input):
-        raise UsageError("the output is the input file: its answers would be read as requests")
     check_output(Path(args.output))  # a directory, or a file another job writes: said before the model loads
     engine = cli.load_engine(args, model_dir)  # through the module: tests lend their engine
     try:

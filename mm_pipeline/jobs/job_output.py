@@ -10,19 +10,27 @@ file's rows, then the shards' rows, keeps the first row of each key (a later cop
 ``duplicates``), refuses to finish while an expected key has no row (the parts stay for a re-run),
 and replaces the final file atomically.  Rows without a key (batch lines with no custom_id) cannot
 be deduplicated and are all kept, as the single-process batch job keeps them.
+
+Everything here streams rows (``resume.iter_lines``): a job's driver holds its keys (and where each
+new row lies in its shard), never its rows.  The merge reads the keys first, then writes the rows,
+each read again from its file when its turn comes.  A job holds the final file's lock (``lock``)
+from before it reads the done keys until the merge has replaced the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Iterator, Literal, TextIO
 
 from mm_pipeline.jobs.resume import done_keys as jsonl_done_keys
-from mm_pipeline.jobs.shard_journal import SHARD_GLOB, read_rows
+from mm_pipeline.jobs.resume import iter_lines, iter_rows, open_output, parse_row
+from mm_pipeline.jobs.shard_journal import SHARD_GLOB
 
 OutputFormat = Literal["jsonl", "parquet"]
 
@@ -63,9 +71,16 @@ class JobOutput:
     def shard_paths(self) -> list[Path]:
         return sorted(self.parts_dir.glob(SHARD_GLOB)) if self.parts_dir.is_dir() else []
 
+    def lock(self) -> TextIO:
+        """The final file opened (created when missing) and locked until closed: ``resume.open_output``,
+        the lock a single-process job holds, so two jobs writing one output fail the second with the
+        same ``OutputFileError``.  Nothing is written through it: the merge replaces the file whole,
+        the new file locked before it takes the name (see ``merge``)."""
+        return open_output(self.path, end_torn_line=False)
+
     def done_keys(self) -> set[str]:
         """Keys with a row in the final file or in any shard."""
-        done = self._final_keys()
+        done = {k for k in self._final_keys() if isinstance(k, str)}
         for shard in self.shard_paths():
             done |= jsonl_done_keys(shard, self.key)
         return done
@@ -74,60 +89,144 @@ class JobOutput:
         """Final rows + shard rows -> the final file, each key once, new rows in ``expected``'s order.
         Raises ``IncompleteJobError`` naming the keys of ``expected`` that have no row."""
         order = {k: i for i, k in enumerate(expected)}
-        old = self._final_rows()
         shards = self.shard_paths()
-        new = [row for shard in shards for row in read_rows(shard)]
-        seen: set[str] = set()
-        kept: list[dict] = []
-        duplicates = 0
-        for row in old + sorted(new, key=lambda r: order.get(r.get(self.key), len(order))):
-            k = row.get(self.key)
+        # pass 1, keys only: which final rows stay, and where the first shard row of each new key is
+        old: set[str] = set()
+        old_rows = duplicates = 0
+        for k in self._final_keys():
             if isinstance(k, str):
-                if k in seen:
+                if k in old:
                     duplicates += 1
                     continue
-                seen.add(k)
-            kept.append(row)
-        missing = [k for k in order if k not in seen]
+                old.add(k)
+            old_rows += 1
+        first: dict[str, tuple[int, int]] = {}  # key -> (shard number, offset of its line)
+        for i, shard in enumerate(shards):
+            for offset, row in _shard_rows(shard):
+                k = row.get(self.key)
+                if isinstance(k, str):
+                    if k in old or k in first:
+                        duplicates += 1
+                    else:
+                        first[k] = (i, offset)
+        missing = [k for k in order if k not in old and k not in first]
         if missing:
             raise IncompleteJobError(f"{len(missing)} inputs have no output row (first: {missing[0]!r}); "
                                      f"the rows so far stay in {self.parts_dir}: run the job again to finish")
-        self._write(kept)
-        if self.parts_dir.is_dir():
-            shutil.rmtree(self.parts_dir)
-        return MergeReport(rows=len(kept), new_rows=len(kept) - len(old), duplicates=duplicates,
-                           shards=len(shards))
+        # pass 2: the rows, streamed into a new file that then takes the final file's name
+        rows = self._write(lambda: self._merged_rows(shards, order, first))
+        tmp = self._tmp_path()
+        with tmp.open("rb") as held:
+            # the new file is locked before it takes the name: the job's lock (on the old file)
+            # passes to it with no moment where another job could take the output
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            os.replace(tmp, self.path)  # readers see the old file or the merged one, never half of it
+            if self.parts_dir.is_dir():
+                shutil.rmtree(self.parts_dir)
+        return MergeReport(rows=rows, new_rows=rows - old_rows, duplicates=duplicates, shards=len(shards))
 
-    # ---- the final file -----------------------------------------------------------------------
-    def _final_keys(self) -> set[str]:
+    def final_rows(self) -> Iterator[dict]:
+        """The final file's rows, streamed (torn or foreign JSONL lines skipped)."""
         if self.format == "jsonl":
-            return jsonl_done_keys(self.path, self.key)
-        if not self.path.exists():
-            return set()
-        import pyarrow.parquet as pq
-
-        return {k for k in pq.read_table(self.path, columns=[self.key]).column(self.key).to_pylist()
-                if isinstance(k, str)}
-
-    def _final_rows(self) -> list[dict]:
-        if self.format == "jsonl":
-            return read_rows(self.path)
-        if not self.path.exists():
-            return []
-        import pyarrow.parquet as pq
-
-        return pq.read_table(self.path).to_pylist()
-
-    def _write(self, rows: list[dict]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.merging")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.format == "jsonl":
-            with tmp.open("w", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        else:
-            import pyarrow as pa
+            yield from iter_rows(self.path)
+        elif self._has_parquet():
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, self.path)  # readers see the old file or the merged one, never half of it
+            for batch in pq.ParquetFile(self.path).iter_batches(batch_size=_CHUNK):
+                yield from batch.to_pylist()
+
+    # ---- the merge's pieces -------------------------------------------------------------------
+    def _final_keys(self) -> Iterator[object]:
+        """The key of each final row (None or a non-string where it has none)."""
+        if self.format == "jsonl":
+            yield from (row.get(self.key) for row in iter_rows(self.path))
+        elif self._has_parquet():
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(self.path).iter_batches(batch_size=_CHUNK * 8, columns=[self.key]):
+                yield from batch.column(0).to_pylist()
+
+    def _has_parquet(self) -> bool:
+        # empty: created by ``lock`` before any merge wrote it
+        return self.path.exists() and self.path.stat().st_size > 0
+
+    def _merged_rows(self, shards: list[Path], order: dict[str, int],
+                     first: dict[str, tuple[int, int]]) -> Iterator[dict]:
+        """The merged file's rows: the final file's (first of each key), then the new keys' rows in
+        ``order``, then shard rows of no expected key (keyless ones, all kept) in shard order."""
+        seen: set[str] = set()
+        for row in self.final_rows():
+            k = row.get(self.key)
+            if isinstance(k, str):
+                if k in seen:
+                    continue
+                seen.add(k)
+            yield row
+        del seen
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(shard.open("rb")) for shard in shards]
+            for k in order:
+                if (at := first.get(k)) is not None:
+                    files[at[0]].seek(at[1])
+                    _, line = next(iter_lines(files[at[0]]))
+                    yield parse_row(line)
+            for i, f in enumerate(files):
+                f.seek(0)
+                for offset, line in iter_lines(f):
+                    if (row := parse_row(line)) is None:
+                        continue
+                    k = row.get(self.key)
+                    if not isinstance(k, str) or (k not in order and first.get(k) == (i, offset)):
+                        yield row
+
+    def _tmp_path(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.merging")
+
+    def _write(self, rows: Callable[[], Iterator[dict]]) -> int:
+        """Write ``rows()`` to the merge's temporary file; the number of rows.  Parquet takes two
+        passes: the schema of all rows (a column null in early rows and set later, a timings struct
+        with more fields later), then the rows, a chunk at a time."""
+        tmp = self._tmp_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        n = 0
+        if self.format == "jsonl":
+            with tmp.open("wb") as f:
+                for row in rows():
+                    # backslashreplace: a lone surrogate (a name that is not UTF-8) as open_output writes it
+                    f.write(json.dumps(row, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n")
+                    n += 1
+            return n
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = None
+        for chunk in _chunks(rows()):
+            got = pa.Table.from_pylist(chunk).schema
+            schema = got if schema is None else pa.unify_schemas([schema, got], promote_options="permissive")
+        with pq.ParquetWriter(tmp, schema if schema is not None else pa.schema([])) as writer:
+            for chunk in _chunks(rows()):
+                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                n += len(chunk)
+        return n
+
+
+_CHUNK = 8192  # Parquet rows converted at once (one row group each; a caption row is ~1 KB)
+
+
+def _chunks(rows: Iterator[dict]) -> Iterator[list[dict]]:
+    chunk: list[dict] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == _CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _shard_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    """(offset, row) of each well-formed line of a shard, streamed."""
+    with path.open("rb") as f:
+        for offset, line in iter_lines(f):
+            if (row := parse_row(line)) is not None:
+                yield offset, row

@@ -7,9 +7,10 @@ every row all replicas have journaled so far.
 A replica appends a row the moment its input finishes, so when its process dies mid-batch the
 finished rows survive and Ray's retry of the batch (on the restarted replica, or any other) finds
 them in the ``ShardIndex`` and redoes only the rest.  The index tails every shard incrementally
-(it remembers how far it read each file and reads only whole lines), so checking a batch costs the
-bytes written since the last check, not the whole output.  Every replica must see the same parts
-directory: on several machines it is a shared filesystem path.
+(it remembers how far it read each file and reads only whole lines, one at a time), so checking a
+batch costs the bytes written since the last check, not the whole output, and its memory is the
+index's.  Every replica must see the same parts directory: on several machines it is a shared
+filesystem path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Callable
+
+from mm_pipeline.jobs.resume import iter_lines, parse_row
 
 SHARD_GLOB = "shard-*.jsonl"
 
@@ -68,28 +71,14 @@ class ShardIndex:
         if not self.parts_dir.is_dir():
             return
         for path in sorted(self.parts_dir.glob(SHARD_GLOB)):
-            start = self._offsets.get(path, 0)
             with path.open("rb") as f:
-                f.seek(start)
-                chunk = f.read()
-            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next refresh
-            self._offsets[path] = start + len(whole)
-            for line in whole.splitlines():
-                row = _parse(line)
-                if row is not None and isinstance(row.get(self.key), str):
-                    self.rows.setdefault(row[self.key], self.outcome(row))
-
-
-def _parse(line: bytes) -> dict | None:
-    try:
-        row = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):  # a torn line a killed replica left behind
-        return None
-    return row if isinstance(row, dict) else None
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The well-formed JSON object lines of a JSONL file (torn or foreign lines skipped)."""
-    if not path.exists():
-        return []
-    return [row for line in path.read_bytes().splitlines() if (row := _parse(line)) is not None]
+                f.seek(self._offsets.get(path, 0))
+                # a line at a time (resume.iter_lines): memory for the index, not for the shards
+                for _, line in iter_lines(f):
+                    if line is not None and not line.endswith(b"\n"):
+                        break  # a line still being written waits for the next refresh
+                    # (a line over MAX_ROW_BYTES is None: not a row, passed over like a torn one)
+                    self._offsets[path] = f.tell()
+                    row = parse_row(line)
+                    if row is not None and isinstance(row.get(self.key), str):
+                        self.rows.setdefault(row[self.key], self.outcome(row))

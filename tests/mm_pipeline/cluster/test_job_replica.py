@@ -64,3 +64,56 @@ def test_a_retried_batch_redoes_only_unfinished_inputs(tmp_path, retried_on):
     rows = [json.loads(ln) for shard in output.shard_paths() for ln in shard.read_text().splitlines()]
     assert sorted(r["input"] for r in rows) == ["a", "b", "c"]  # each once across the shards
     assert output.merge(["a", "b", "c"]).duplicates == 0
+
+
+class _Dataset(list):
+    """Stands for a Ray dataset: the items the job hands to Ray Data."""
+
+    def map_batches(self, *args, **kwargs) -> "_Dataset":
+        return self
+
+
+def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypatch):
+    """``--ray`` jobs took no lock: two of them (or one and a single-process job) on one output each
+    ran nearly every input again and merged over each other.  Ray Data is replaced by a stand-in
+    that journals a row per input, as the replicas do."""
+    from mm_pipeline.cluster import batch_dataset, caption_dataset
+    from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig
+    from mm_pipeline.jobs.caption import CaptionConfig
+    from mm_pipeline.jobs.resume import OutputFileError, open_output
+    from mm_pipeline.jobs.shard_journal import ShardJournal
+
+    def run_replicas(ds, replica_cls, kwargs, config, on_result, progress=None):
+        output = kwargs["spec"].output
+        with pytest.raises(OutputFileError, match="being written by another job"):
+            open_output(output.path)  # a second job on the output, while this one runs
+        journal = ShardJournal(output.shard_path("r1"))
+        for item in ds:
+            key = item.get("input") or json.loads(item["raw"])["custom_id"]
+            journal.append({output.key: key, "error": None})
+            on_result(key, None, 0)
+        return DistributedResult(replicas=[], results=len(ds), duplicate_results=0, journaled=0)
+
+    ray = SimpleNamespace(data=SimpleNamespace(from_items=_Dataset, TaskPoolStrategy=lambda size: None))
+    for module in (caption_dataset, batch_dataset):
+        monkeypatch.setattr(module, "run_replicas", run_replicas)
+        monkeypatch.setattr(module, "configure_data", lambda config: None)
+    engine = SimpleNamespace(limits=SimpleNamespace(max_bytes=None))
+    config = RayJobConfig()
+
+    spec = ReplicaSpec(model_dir="unused", engine_config=engine, output=JobOutput(tmp_path / "c.jsonl", key="input"))
+    summary, result = caption_dataset.run_caption_on_ray(ray, ["a", "b"], spec, CaptionConfig(), config)
+    assert summary.succeeded == 2 and result.merge.rows == 2
+    with open_output(spec.output.path):  # the output is another job's: refused before Ray is asked
+        with pytest.raises(OutputFileError, match="being written by another job"):
+            caption_dataset.run_caption_on_ray(None, ["a", "b", "c"], spec, CaptionConfig(), config)
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": c}) + "\n" for c in ("x", "y")))
+    spec = ReplicaSpec(model_dir="unused", engine_config=engine, output=JobOutput(tmp_path / "b.jsonl", key="custom_id"))
+    summary, result = batch_dataset.run_batch_on_ray(ray, src, spec, config)
+    assert summary.succeeded == 2 and result.merge.rows == 2
+    with open_output(spec.output.path):
+        with pytest.raises(OutputFileError, match="being written by another job"):
+            batch_dataset.run_batch_on_ray(None, src, spec, config)
+    open_output(spec.output.path).close()  # each job let the lock go when it ended

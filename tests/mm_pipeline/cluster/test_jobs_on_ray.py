@@ -3,8 +3,10 @@ loopback; replicas at 0.5 CPU and one torch thread each) with a tiny omni checkp
 
 - 2 replicas write exactly the single-process rows, broken files as error rows, and report per
   replica; a re-run resumes (only the rows it lacks), with a warm Redis reporting its hits;
-- a replica SIGKILLed mid-run is restarted by Ray and the job ends with every input once;
-- a batch file gives the single-process job's answers.
+- a replica SIGKILLed mid-run is restarted by Ray and the job ends with every input once; the job
+  holds its output's lock while it runs;
+- a batch file (CRLF line ends, U+2028 inside strings) gives the single-process job's answers, and a
+  re-run skips every custom_id.
 """
 
 from __future__ import annotations
@@ -78,13 +80,22 @@ def test_two_replicas_write_the_single_process_rows_and_resume_with_warm_redis(
     assert int(hits["encoder_cache_hits.redis"]) >= 1, err
 
 
-def _kill_first_replica_with_a_row(parts: Path, done: threading.Event, killed: list[int]) -> None:
-    """SIGKILL the process of the first replica whose shard has a row (a crash: Ray restarts it)."""
+def _kill_first_replica_with_a_row(parts: Path, done: threading.Event, killed: list[int],
+                                   locked: list[bool]) -> None:
+    """SIGKILL the process of the first replica whose shard has a row (a crash: Ray restarts it);
+    first, try the output's lock as a second job would (``locked``: whether the job held it)."""
     from ray._private import state
+
+    from mm_pipeline.jobs.resume import OutputFileError, open_output
 
     while not done.is_set():
         for shard in sorted(parts.glob("shard-*.jsonl")) if parts.is_dir() else []:
             if shard.stat().st_size:
+                try:
+                    open_output(parts.with_name(parts.name.removesuffix(".parts")), end_torn_line=False).close()
+                    locked.append(False)
+                except OutputFileError:
+                    locked.append(True)
                 pid = state.actors(shard.stem.removeprefix("shard-"))["Pid"]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -110,8 +121,8 @@ def test_a_killed_replica_is_restarted_and_every_input_is_written_once(ray_local
     output = JobOutput(tmp_path / "out.parquet", key="input", format="parquet")
     args = build_parser().parse_args(["caption", "x", *ENGINE])
     spec = ReplicaSpec(model_dir=str(model_dir), engine_config=engine_config(args), output=output)
-    done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_first_replica_with_a_row, args=(output.parts_dir, done, killed))
+    done, killed, locked = threading.Event(), [], []
+    killer = threading.Thread(target=_kill_first_replica_with_a_row, args=(output.parts_dir, done, killed, locked))
     killer.start()
     try:
         summary, result = run_caption_on_ray(
@@ -121,6 +132,7 @@ def test_a_killed_replica_is_restarted_and_every_input_is_written_once(ray_local
         done.set()
         killer.join()
     assert killed, "the job finished before a replica wrote a row"
+    assert locked == [True]  # a second job on this output would have been refused while it ran
     import pyarrow.parquet as pq
 
     rows = pq.read_table(output.path).to_pylist()
@@ -142,18 +154,21 @@ def test_batch_on_ray_answers_like_the_single_process_job(ray_local, model_dir, 
              json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"messages": [{"role": "user", "content": [
                              {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}}),
-             json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat("bye")})]
+             json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat("bye")}),
+             # U+2028 inside JSON strings, written raw: neither the input nor the output splits there
+             json.dumps({"custom_id": "d\u2028e", "method": "POST", "url": "/v1/chat/completions",
+                         "body": chat("x\u2028y")}, ensure_ascii=False)]
     src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_bytes("\r\n".join(lines).encode())  # CRLF, and no newline after the last line
     common = ["batch", "-i", str(src), "--model", str(model_dir), *ENGINE]
+    ray = ["--ray", "--replicas", "1", "--cpus-per-replica", "0.5"]
     assert main([*common, "-o", str(tmp_path / "ref.jsonl")]) == 0
-    assert main([*common, "-o", str(tmp_path / "ray.jsonl"), "--ray", "--replicas", "1",
-                 "--cpus-per-replica", "0.5"]) == 0
+    assert main([*common, "-o", str(tmp_path / "ray.jsonl"), *ray]) == 0
     assert "each input once" in capsys.readouterr().err
 
     def answers(path: Path) -> dict:
         out = {}
-        for rec in map(json.loads, path.read_text().splitlines()):
+        for rec in (json.loads(ln) for ln in path.read_bytes().split(b"\n") if ln):
             resp = rec["response"] or {}
             body = resp.get("body") or {}
             text = body["choices"][0]["message"]["content"] if resp.get("status_code") == 200 else None
@@ -162,3 +177,10 @@ def test_batch_on_ray_answers_like_the_single_process_job(ray_local, model_dir, 
 
     ref, ray_out = answers(tmp_path / "ref.jsonl"), answers(tmp_path / "ray.jsonl")
     assert ray_out == ref and ref["a"][0] == 200 and ref["b"][0] == 415 and ref[None][2] == "invalid_json"
+    assert ref["d\u2028e"][0] == 200
+    # a re-run resumes: every custom_id is done (the one with U+2028 included); the line without one
+    # cannot be told done and runs again, as without --ray
+    assert main([*common, "-o", str(tmp_path / "ray.jsonl"), *ray]) == 0
+    err = capsys.readouterr().err
+    assert "0 succeeded, 1 failed of 1 requests" in err and "4 already in the output were skipped" in err, err
+    assert answers(tmp_path / "ray.jsonl") == ref

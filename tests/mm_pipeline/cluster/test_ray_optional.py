@@ -73,3 +73,24 @@ def test_the_ray_read_stage_refuses_a_file_over_the_byte_limit_before_reading_it
         f.truncate(3 << 30)  # sparse: nothing is written, a read would fault in 3 GiB
     out = read_batch({"input": np.array(["big.mp4"]), "path": np.array([str(big)])}, max_bytes=1000)
     assert out["data"] == [b""] and "MediaTooLarge" in out["read_error"][0] and "limit 1000" in out["read_error"][0]
+
+
+@pytest.mark.parametrize("command", ["caption", "batch"])
+def test_a_ray_job_on_an_output_another_job_writes_fails_before_a_cluster_starts(command, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """``--ray`` took no lock on its output: it now fails up front, with the single-process job's message."""
+    from mm_pipeline.cli import main
+    from mm_pipeline.jobs.resume import open_output
+    from tests.support.paths import DEMO_MODEL
+
+    if not (DEMO_MODEL / "config.json").is_file():
+        pytest.skip("needs the demo model directory (only its config is read)")
+    monkeypatch.setattr("mm_pipeline.cluster.ray_runtime.connect", lambda *a: pytest.fail("no cluster may start"))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a"}\n')
+    out = tmp_path / "busy.jsonl"
+    argv = ([str(SAMPLE_MEDIA / "image_000001.png"), "--out", str(out)] if command == "caption"
+            else ["-i", str(src), "-o", str(out)])
+    with open_output(out):  # a single-process job (or another --ray job) writes it
+        assert main([command, *argv, "--model", str(DEMO_MODEL), "--ray"]) == 2
+    assert "is being written by another job (it holds the file's lock)" in capsys.readouterr().err

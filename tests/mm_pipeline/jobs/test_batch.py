@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from pathlib import Path
 
 import pytest
 
@@ -56,6 +55,21 @@ def test_lines_that_are_not_utf8_or_too_deep_are_error_rows_not_a_crash(tmp_path
     assert [p[1] for p in problems] == ["invalid_json"] * 3
     assert "line 2: not UTF-8" in problems[0][2] and "nested too deeply" in problems[1][2]
     assert "line 4: not JSON" in problems[2][2]  # an integer longer than int() takes
+
+
+def test_input_lines_split_on_newlines_only(tmp_path):
+    """CRLF line ends and a last line without its newline are lines like any other; U+2028 and U+0085
+    inside a JSON string (written raw, as ensure_ascii=False writes them) do not end a line."""
+    body = {"messages": [{"role": "user", "content": "one\u2028two\x85three"}]}
+    lines = [json.dumps({"custom_id": "a\u2028b", "method": "POST", "url": "/v1/chat/completions", "body": body},
+                        ensure_ascii=False), "", _line("c", body)]
+    src = tmp_path / "in.jsonl"
+    src.write_bytes("\r\n".join(lines).encode())
+    got = list(input_lines(src))
+    assert [(n, cid) for n, _, cid in got] == [(1, "a\u2028b"), (3, "c")]
+    parsed = [parse_line(n, raw) for n, raw, _ in got]
+    assert all(p.problem is None for p in parsed)
+    assert parsed[0].request.messages[0].content == "one\u2028two\x85three"
 
 
 def test_batch_config_checks_its_values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,21 @@ def test_discover_dirs_globs_lists(tmp_path):
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")  # a RecursionError traceback before
     with pytest.raises(ValueError, match="deep.jsonl:1: not JSON"):
         discover_inputs([str(tmp_path / "deep.jsonl")])
+
+
+def test_lists_split_on_newlines_only(tmp_path):
+    """A list was read with str.splitlines: a name (or a JSON string) holding U+2028 or U+0085 was cut
+    in two (a wrong path, or "not JSON" for the whole run).  CRLF and a last line without its newline
+    work, and a name that is not UTF-8 is the file os.walk would name."""
+    names = ["a\u2028b.png", "c\x85d.png", "e.png"]
+    (tmp_path / "list.txt").write_bytes("\r\n".join(["# comment", *names]).encode())
+    (tmp_path / "list.jsonl").write_bytes("\r\n".join(json.dumps({"input": n}, ensure_ascii=False)
+                                                       for n in names).encode())
+    expect = [str(tmp_path / n) for n in names]
+    assert discover_inputs([str(tmp_path / "list.txt")]) == expect
+    assert discover_inputs([str(tmp_path / "list.jsonl")]) == expect
+    (tmp_path / "raw.txt").write_bytes(b"caf\xe9.png\n")
+    assert discover_inputs([str(tmp_path / "raw.txt")]) == [str(tmp_path / os.fsdecode(b"caf\xe9.png"))]
 
 
 def test_already_done_ignores_torn_lines(tmp_path):

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,6 +54,43 @@ def test_open_output_writes_a_lone_surrogate_as_its_json_escape(tmp_path):
     with open_output(out) as f:
         f.write(json.dumps({"input": name}, ensure_ascii=False) + "\n")
     assert done_keys(out, "input") == {name}  # and read back as the same name when resuming
+
+
+def _peak_bytes(fn):
+    """(fn(), the peak of Python allocations while it ran)."""
+    tracemalloc.start()
+    try:
+        return fn(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_done_keys_streams_the_file_and_skips_an_over_long_line_unread(tmp_path):
+    """done_keys read the whole file (and split it with str.splitlines): memory grew with the output,
+    a hostile line was held whole, and a row whose caption held U+2028 or U+0085 was cut in two."""
+    out = tmp_path / "out.jsonl"
+    with out.open("wb") as f:
+        f.write(json.dumps({"custom_id": "a"}).encode() + b"\r\n")  # a row ended by CRLF still counts
+        f.write(b"x" * (50 << 20) + b"\n")  # 50 MB of garbage on one line
+        f.write(json.dumps({"custom_id": "b\u2028c\x85d", "text": "e\u2028f"}, ensure_ascii=False).encode() + b"\n")
+        f.write(b"[" * 100_000 + b"\n")  # a RecursionError in json before
+        f.write(b'{"custom_id": "\xff", "x": 1}\n')  # not UTF-8: decoded with U+FFFD, still a row
+        f.write(b'{"custom_id": "torn')
+    keys, peak = _peak_bytes(lambda: done_keys(out, "custom_id", max_bytes=1 << 20))
+    assert keys == {"a", "b\u2028c\x85d", "\ufffd"}
+    assert peak < 8 << 20, peak  # the 50 MB line was never held whole: about the 1 MiB cap of it
+    assert done_keys(tmp_path / "missing.jsonl", "custom_id") == set()
+
+
+def test_done_keys_memory_is_for_the_keys_not_the_rows(tmp_path):
+    out = tmp_path / "out.jsonl"
+    row = {"input": "", "caption": "word " * 400, "error": None}
+    with out.open("w") as f:
+        for i in range(10_000):  # 20 MB of rows
+            f.write(json.dumps({**row, "input": f"in/{i:06d}.png"}) + "\n")
+    keys, peak = _peak_bytes(lambda: done_keys(out, "input"))
+    assert len(keys) == 10_000
+    assert peak < 4 << 20, peak  # the keys (~1.5 MB with the set), not the 20 MB file
 
 
 # ---- caption inputs ---------------------------------------------------------------------------------

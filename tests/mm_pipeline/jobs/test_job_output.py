@@ -4,6 +4,7 @@ the shards, the exactly-once merge (JSONL and Parquet), per-replica statistics."
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_merge_is_exactly_once_and_resumable(tmp_path, fmt):
     report = out.merge(["a", "b", "c"])
     assert (report.rows, report.new_rows, report.duplicates, report.shards) == (3, 3, 1, 3)
     assert not out.parts_dir.exists()
-    rows = out._final_rows()
+    rows = list(out.final_rows())
     assert [r["input"] for r in rows] == ["a", "b", "c"]  # the inputs' order, not completion order
     assert rows[2]["error"] and rows[0]["caption"] == "cap a"
     assert out.done_keys() == {"a", "b", "c"}
@@ -59,7 +60,7 @@ def test_merge_is_exactly_once_and_resumable(tmp_path, fmt):
     ShardJournal(out.shard_path("r9")).append(_row("d"))
     report = out.merge(["a", "b", "c", "d"])
     assert (report.rows, report.new_rows, report.duplicates) == (4, 1, 0)
-    assert [r["input"] for r in out._final_rows()] == ["a", "b", "c", "d"]
+    assert [r["input"] for r in list(out.final_rows())] == ["a", "b", "c", "d"]
 
 
 def test_parquet_refuses_to_replace_a_jsonl_file(tmp_path):
@@ -82,3 +83,75 @@ def test_replica_stats_busy_time_restarts_and_cache():
     assert lines[0].split()[:3] == ["replica", "node", "items"]
     assert lines[1].split()[:6] == ["abc", "n1", "10", "1", "2.50", "1"]
     assert ReplicaStats.table([]) == []
+
+
+def test_merge_streams_rows_and_hands_the_lock_to_the_new_file(tmp_path, monkeypatch):
+    """The merge held every row of the final file and of the shards at once (memory grew with the
+    output); it now holds keys and shard offsets, and reads each row again when it is written."""
+    import tracemalloc
+
+    from mm_pipeline.jobs import job_output
+    from mm_pipeline.jobs.resume import OutputFileError, open_output
+
+    out = JobOutput(tmp_path / "o.jsonl", key="input")
+    pad = "word " * 400  # ~2 KB rows: 10 MB of them in all
+    odd = os.fsdecode(b"caf\xe9.png")  # a name that is not UTF-8: written as its \udce9 escape
+    with open_output(out.path) as f:  # an earlier run's rows, as the single-process job writes them
+        for i in range(2500):
+            f.write(json.dumps({**_row(f"old{i:05d}"), "caption": pad}) + "\n")
+        f.write(json.dumps(_row(odd), ensure_ascii=False) + "\n" + '{"input": "torn')
+    shards = [ShardJournal(out.shard_path(f"r{j}")) for j in range(2)]
+    new = [f"new{i:05d}" for i in range(2500)]
+    for i, name in enumerate(reversed(new)):  # completion order: the reverse of the inputs'
+        shards[i % 2].append({**_row(name), "caption": pad})
+    shards[0].append({"input": None, "caption": "a row without a key"})
+    shards[1].append({**_row("new00007"), "caption": "a retried copy"})
+    shards[1].append(_row("not-expected"))
+    expected = [f"old{i:05d}" for i in range(2500)] + [odd] + new
+
+    def rmtree(path):  # the moment between the new file taking the name and the parts going
+        with pytest.raises(OutputFileError, match="another job"):
+            open_output(out.path)
+        real_rmtree(path)
+
+    real_rmtree = job_output.shutil.rmtree
+    monkeypatch.setattr(job_output.shutil, "rmtree", rmtree)
+    tracemalloc.start()
+    try:
+        report = out.merge(expected)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 << 20, peak  # keys and offsets (~1 MB), never the 10 MB of rows
+    assert (report.rows, report.new_rows, report.duplicates) == (5003, 2502, 1)
+    rows = list(out.final_rows())
+    assert [r["input"] for r in rows] == expected + [None, "not-expected"]  # old, new in input order, the rest
+    assert rows[2500]["input"] == odd and rows[2501 + 7]["caption"] == pad  # the first copy of new00007
+    assert not out.parts_dir.exists()
+    open_output(out.path).close()  # the lock went with the merge
+
+
+def test_parquet_merge_writes_in_chunks_with_one_schema(tmp_path, monkeypatch):
+    from mm_pipeline.jobs import job_output
+
+    monkeypatch.setattr(job_output, "_CHUNK", 2)  # chunks of 2 rows: the schema must cover them all
+    out = JobOutput(tmp_path / "o.parquet", key="input", format="parquet")
+    out.lock().close()  # a --ray job creates the (empty) file to lock it: not a Parquet file yet
+    assert out.done_keys() == set() and list(out.final_rows()) == []
+    j = ShardJournal(out.shard_path("r1"))
+    names = [f"in{i}" for i in range(5)]
+    for name in names[:3]:  # caption null and timings {total_s} in the first chunk only
+        j.append(_row(name, "UnsupportedMediaType: noise"))
+    for name in names[3:]:
+        j.append(_row(name))
+    assert out.merge(names).rows == 5
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(out.path).metadata.num_row_groups == 3
+    rows = list(out.final_rows())
+    assert [r["input"] for r in rows] == names
+    assert rows[0]["caption"] is None and rows[4]["caption"] == "cap in4"
+    assert rows[0]["timings"] == {"total_s": 0.1, "read_s": None} and rows[4]["timings"]["read_s"] == 0.0
+    ShardJournal(out.shard_path("r2")).append(_row("in5"))  # a later run: old rows read back in chunks
+    assert out.merge(names + ["in5"]).new_rows == 1
+    assert [r["input"] for r in out.final_rows()] == names + ["in5"]
