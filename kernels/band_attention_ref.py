@@ -48,8 +48,14 @@ _CHUNK_BUDGET = 1 << 24
 _SPAN_BUDGET = 1 << 24
 # Query block of the banded path.
 _BAND_BLOCK = 64
+# Plans are kept by count *and* by bytes: with sinks on CPU a plan holds an fp32 bias per query block
+# (x G q heads), ~50 MiB for one 16k-patch image at MiMo-V2.5's heads, so sixteen big images would pin
+# ~0.8 GB long after their requests. A plan over the byte budget is used once and not kept -- building
+# it is cheap next to the forward that needs it.
 _PLAN_CACHE_SIZE = 16
-_plan_cache: "OrderedDict[tuple, list[_Chunk]]" = OrderedDict()
+_PLAN_CACHE_BYTES = 64 << 20
+_plan_cache: "OrderedDict[tuple, tuple[list[_Chunk], int]]" = OrderedDict()
+_plan_cache_bytes = 0
 _plan_lock = threading.Lock()  # encoders may run on a worker thread beside other callers
 # Sinks on CPU run through torch's fused flash kernel (see _attend_with_sinks_flash); False keeps the
 # explicit-logits path (benchmarks and the equivalence test compare the two).
@@ -198,18 +204,30 @@ def _plan(seg_lens: list[int], window: int | None, heads: tuple[int, int, int, i
     return chunks
 
 
+def _plan_bytes(plan: list[_Chunk]) -> int:
+    tensors = [t for c in plan for t in (c.q_rows, c.k_rows, c.out_rows, c.mask, c.keep, c.sink_bias)
+               if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _cached_plan(cu: list[int], window, heads, sinks: bool, device) -> list[_Chunk]:
+    global _plan_cache_bytes
     key = (tuple(cu), window, heads, sinks, str(device))
     with _plan_lock:
-        plan = _plan_cache.get(key)
-        if plan is not None:
+        entry = _plan_cache.get(key)
+        if entry is not None:
             _plan_cache.move_to_end(key)
-            return plan
+            return entry[0]
     plan = _plan([b - a for a, b in zip(cu, cu[1:])], window, heads, sinks, device)
+    size = _plan_bytes(plan)
+    if size > _PLAN_CACHE_BYTES:
+        return plan
     with _plan_lock:
-        _plan_cache[key] = plan
-        while len(_plan_cache) > _PLAN_CACHE_SIZE:
-            _plan_cache.popitem(last=False)
+        if key not in _plan_cache:  # another thread may have planned the same geometry meanwhile
+            _plan_cache[key] = (plan, size)
+            _plan_cache_bytes += size
+        while len(_plan_cache) > _PLAN_CACHE_SIZE or _plan_cache_bytes > _PLAN_CACHE_BYTES:
+            _plan_cache_bytes -= _plan_cache.popitem(last=False)[1][1]
     return plan
 
 
