@@ -12,6 +12,12 @@ or truncated files (disk errors, a crash without fsync) fail the checksum, read 
 deleted.  With ``max_bytes`` the least recently used files are evicted: every read and ``touch``
 moves an entry to the back of the index and sets its file's mtime, so at startup the index is
 rebuilt from the directory in the same order (recency survives a restart).
+
+Several processes may share one directory (replicas on one node, a restarted server beside a
+draining one). Each keeps its own index, so with ``max_bytes`` each rescans the directory after
+writing an eighth of the cap: the cap then holds for the directory, give or take what the others
+wrote since their last rescan. A starting process removes only temp files older than an hour -- a
+live write takes seconds, and deleting another process's would fail its ``put``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -29,11 +36,15 @@ from llm_core.storage.kv_store import KeyValueStore
 
 _SUFFIX = ".entry"
 _TMP_PREFIX = ".tmp-"
+_DEAD_TMP_AGE_S = 3600.0
+_RESCAN_FRACTION = 8  # rescan after writing max_bytes / this
 
 
 class LocalDirStore(KeyValueStore):
     """Invariant: ``_index`` maps every entry file this process knows to its size, in LRU order,
-    and ``_bytes == sum(_index.values()) <= max_bytes`` (when set) after every ``put``."""
+    and ``_bytes == sum(_index.values()) <= max_bytes`` (when set) after every ``put``. Renames,
+    evictions and index updates happen under one lock, so (within this process) the index never
+    lists a file that is gone."""
 
     name = "disk"
 
@@ -49,7 +60,12 @@ class LocalDirStore(KeyValueStore):
         self._lock = threading.Lock()
         self._index: OrderedDict[Path, int] = OrderedDict()
         self._bytes = 0
-        self._scan()
+        self._written_since_scan = 0
+        self._remove_dead_temp_files()
+        with self._lock:
+            self._rescan()
+            victims = self._evict()  # reopened with a smaller cap: trim now, oldest first
+        self._count("evictions", len(victims))
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -94,7 +110,14 @@ class LocalDirStore(KeyValueStore):
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
-                os.replace(tmp, path)
+                with self._lock:
+                    os.replace(tmp, path)
+                    self._bytes += len(raw) - self._index.pop(path, 0)
+                    self._index[path] = len(raw)
+                    self._written_since_scan += len(raw)
+                    if self._rescan_due():
+                        self._rescan()
+                    victims = self._evict()
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
@@ -102,12 +125,6 @@ class LocalDirStore(KeyValueStore):
             self._count("errors")
             self._count("dropped")
             return False
-        with self._lock:
-            self._bytes += len(raw) - self._index.pop(path, 0)
-            self._index[path] = len(raw)
-            victims = self._pick_victims()
-        for victim in victims:
-            victim.unlink(missing_ok=True)
         self._count("puts")
         self._count("evictions", len(victims))
         return True
@@ -156,44 +173,65 @@ class LocalDirStore(KeyValueStore):
         digest = blake3.blake3(key.encode()).hexdigest()
         return self.root / digest[:2] / f"{digest}{_SUFFIX}"
 
-    def _scan(self) -> None:
-        """Rebuild the index from the directory (oldest mtime first), drop dead temp files and
-        evict down to ``max_bytes``."""
+    def _remove_dead_temp_files(self) -> None:
+        """Temp files of writes that died with their process; a recent one may be another live
+        process's write in progress."""
+        cutoff = time.time() - _DEAD_TMP_AGE_S
         for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
-            tmp.unlink(missing_ok=True)
-        entries = []
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    def _rescan_due(self) -> bool:
+        return self.max_bytes is not None and self._written_since_scan * _RESCAN_FRACTION >= self.max_bytes
+
+    def _rescan(self) -> None:
+        """Refresh the index from the directory (caller holds the lock): files gone are forgotten,
+        files this process did not know (another process's writes, or all of them at startup) join
+        as most recently used, oldest mtime first. Known files keep their order: this process saw
+        their use, and mtimes may tie at the filesystem's timestamp granularity."""
+        on_disk: dict[Path, tuple[int, int]] = {}
         for p in self.root.glob(f"??/*{_SUFFIX}"):
             try:
                 st = p.stat()
             except FileNotFoundError:
                 continue
-            entries.append((st.st_mtime_ns, p, st.st_size))
-        for _, p, size in sorted(entries):
-            self._index[p] = size
-            self._bytes += size
-        for victim in self._pick_victims():  # reopened with a smaller cap: trim now, oldest first
-            victim.unlink(missing_ok=True)
-            self._count("evictions")
+            on_disk[p] = (st.st_mtime_ns, st.st_size)
+        for p in [p for p in self._index if p not in on_disk]:
+            del self._index[p]
+        for p in self._index:
+            self._index[p] = on_disk[p][1]
+        for mtime, p in sorted((m, p) for p, (m, _) in on_disk.items() if p not in self._index):
+            self._index[p] = on_disk[p][1]
+        self._bytes = sum(self._index.values())
+        self._written_since_scan = 0
 
-    def _pick_victims(self) -> list[Path]:
-        """Pop LRU entries until within budget (caller holds the lock)."""
+    def _evict(self) -> list[Path]:
+        """Remove LRU entries until within budget (caller holds the lock, so no reader re-adds a
+        file between its removal from the index and from the disk)."""
         victims: list[Path] = []
         if self.max_bytes is None:
             return victims
         while self._bytes > self.max_bytes and self._index:
             path, size = self._index.popitem(last=False)
             self._bytes -= size
+            path.unlink(missing_ok=True)
             victims.append(path)
         return victims
 
     def _touch(self, path: Path, size: int) -> None:
         with self._lock:
+            try:
+                os.utime(path)  # recency survives a restart
+            except FileNotFoundError:  # evicted (by us or a process sharing the directory) since read
+                self._bytes -= self._index.pop(path, 0)
+                return
+            except OSError:
+                pass
             self._bytes += size - self._index.pop(path, 0)
             self._index[path] = size
-        try:
-            os.utime(path)  # recency survives a restart
-        except OSError:
-            pass
 
     def _forget(self, path: Path) -> None:
         with self._lock:

@@ -4,10 +4,13 @@ checksummed entry format."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -185,8 +188,14 @@ def test_disk_startup_removes_dead_temp_files_and_budget_evicts_lru(tmp_path: Pa
         t = time.time() - 100 + i  # distinct mtimes: a < b < c
         os.utime(s._path(k), (t, t))
     (tmp_path / "00").mkdir(exist_ok=True)
-    (tmp_path / "00" / ".tmp-dead").write_bytes(b"half a write")
+    dead, live = tmp_path / "00" / ".tmp-dead", tmp_path / "00" / ".tmp-live"
+    dead.write_bytes(b"half a write")
+    old = time.time() - 2 * 3600
+    os.utime(dead, (old, old))
+    live.write_bytes(b"another process writing now")
     s = LocalDirStore(tmp_path, max_bytes=3 * 200)  # restart: recency from mtimes
+    assert not dead.exists() and live.exists()  # a fresh temp file may be a live write elsewhere
+    live.unlink()
     s.check_integrity()
     assert s.get("a") == bytes(100)  # a becomes MRU → b is the LRU victim
     s.put("d", bytes(100))
@@ -217,6 +226,71 @@ def test_redis_damaged_value_is_a_miss_and_removed(redis_server: int) -> None:
     client.set("dmg:k", b"not an entry")
     assert s.get("k") is None
     assert client.get("dmg:k") is None
+
+
+@pytest.fixture(scope="module")
+def full_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """Port of a redis-server of its own with a tiny ``maxmemory`` and the ``noeviction`` policy (Redis'
+    default): once full it answers every write with OOM and keeps serving reads."""
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("full-redis")), "--maxmemory", "3mb",
+                             "--maxmemory-policy", "noeviction"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client, deadline = redis.Redis(port=port), time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"redis-server did not start on port {port} (exit code {proc.poll()})")
+                time.sleep(0.05)
+        client.close()
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_redis_at_maxmemory_fails_the_write_and_keeps_serving_reads(full_redis: int) -> None:
+    import redis
+
+    s = RedisStore(port=full_redis, prefix="full:", retry_after_s=60)
+    assert s.put("kept", b"v" * 100)
+    client = redis.Redis(port=full_redis)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        for i in range(10_000):  # other data fills it
+            client.set(f"filler:{i}", b"x" * 65536)
+    assert not s.put("more", b"v" * 100)  # OOM fails this write...
+    assert s.available  # ...from a server that answers: no back-off
+    assert s.get("kept") == b"v" * 100  # the reads go on
+    assert s.stats["errors"] == 1 and s.stats.get("skipped", 0) == 0
+    s.close()
+    client.close()
+
+
+def test_redis_command_error_fails_only_that_command(redis_server: int) -> None:
+    import redis
+
+    prefix = f"t-{uuid.uuid4().hex}:"
+    s = RedisStore(port=redis_server, prefix=prefix, retry_after_s=60)
+    assert s.put("ok", b"value")
+    redis.Redis(port=redis_server).lpush(prefix + "list", b"x")  # a foreign list under one of our keys
+    assert s.get("list") is None  # WRONGTYPE: a miss...
+    assert s.available and s.get("ok") == b"value"  # ...and the next command is served
+    assert s.stats["errors"] == 1 and s.stats.get("skipped", 0) == 0
 
 
 def test_redis_unreachable_is_a_fast_miss() -> None:
@@ -352,3 +426,64 @@ def test_redis_touch_renews_the_ttl_of_every_key_in_one_call(redis_server: int) 
     assert all(raw.ttl(s.prefix + k) > 50 for k in "abc")
     s.close()
     raw.close()
+
+
+def test_disk_processes_sharing_a_directory_keep_its_cap(tmp_path: Path) -> None:
+    """Two stores on one directory (replicas on one node): each rescans after writing an eighth of
+    the cap, so the directory stays within the cap plus what one wrote since its last rescan."""
+    entry = len(encode_entry("a0", bytes(1000)))
+    cap = 40 * entry
+    a, b = LocalDirStore(tmp_path, max_bytes=cap), LocalDirStore(tmp_path, max_bytes=cap)
+    for i in range(200):
+        a.put(f"a{i}", bytes(1000))
+        b.put(f"b{i}", bytes(1000))
+        on_disk = sum(p.stat().st_size for p in tmp_path.glob("??/*.entry"))
+        assert on_disk <= cap + cap // 8 + entry, (i, on_disk)
+    # the latest writes of both survive; a rescan forgets what the other one evicted
+    a._rescan()
+    assert all(p.exists() for p in a._index)
+    assert a.get("a199") is not None and b.get("b199") is not None
+
+
+def test_disk_a_starting_process_keeps_another_ones_writes(tmp_path: Path) -> None:
+    a = LocalDirStore(tmp_path)
+    stop = threading.Event()
+    failures = []
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            if not a.put(f"p{i % 20}", bytes(1 << 20)):
+                failures.append(i)
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            LocalDirStore(tmp_path)  # another process starting on the directory
+    finally:
+        stop.set()
+        t.join(10)
+    assert failures == [] and a.stats.get("errors", 0) == 0
+
+
+def test_disk_a_read_racing_an_eviction_leaves_no_phantom_entry(tmp_path: Path, monkeypatch) -> None:
+    """The writer thread evicts (unlinks) a file between a reader's read and its recency update:
+    the index must not list the file again."""
+    s = LocalDirStore(tmp_path, max_bytes=10_000)
+    s.put("k", bytes(100))
+    target = s._path("k")
+    real_read = Path.read_bytes
+
+    def read_then_evicted(self: Path) -> bytes:
+        raw = real_read(self)
+        if self == target:
+            s.delete("k")  # what an eviction on another thread does meanwhile
+        return raw
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_evicted)
+    assert s.get("k") == bytes(100)  # the bytes read are still a valid answer
+    assert len(s) == 0 and s.nbytes == 0
+    s.check_integrity()
