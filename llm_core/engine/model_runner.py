@@ -166,6 +166,11 @@ def run_isolated(stepper, entries: list[ScheduledRequest], kv_buffers: Callable[
     no entry may run on pages whose KV never landed)."""
     try:
         kv = kv_buffers()
+    except RankFailure:
+        raise  # as below: the engine cannot go on
+    except Exception as exc:  # noqa: BLE001 -- no KV to run any entry on, alone or not
+        return StepResult([], [(e, exc) for e in entries])
+    try:
         return stepper.run(entries, kv)
     except RankFailure:
         raise  # a parallel rank is gone: no request's fault, the engine cannot go on

@@ -16,15 +16,26 @@ KV_STORE_PREFIX = "mmserve-kv:"  # Redis key namespace of KV pages (the encoder 
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A model id from its config and a sample of every parameter: two checkpoints with one config
-    but different weights never share L3 entries."""
-    h = blake3.blake3(repr(getattr(model, "config", None)).encode())
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        sample = torch.cat([flat[:256], flat[-256:]]).float().cpu()
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
-        h.update(sample.numpy().tobytes())
+    """A model id from its config and every byte of every parameter and buffer (with its name, shape
+    and dtype): two checkpoints that differ in any one element never share L3 entries. A sample is
+    not enough -- a fine-tune of k_proj sits in the middle of the fused qkv_proj. Computed once per
+    engine (``build_prefix_cache``); ``kv_model_id`` skips it."""
+    h = blake3.blake3(repr(getattr(model, "config", None)).encode(), max_threads=blake3.blake3.AUTO)
+    for kind, tensors in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in tensors:  # module registration order: the same for every load of one config
+            h.update(f"{kind}|{name}|{tuple(t.shape)}|{t.dtype}".encode())
+            h.update(_tensor_bytes(t))
     return h.hexdigest()[:32]
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` in row-major order, read in place when it is a contiguous CPU tensor;
+    otherwise from a host copy of this one tensor only, so the whole model is never copied at once."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # uint8 view: numpy has no bfloat16 / float8, and the hash wants the stored bytes, not values
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def open_kv_store(location: str, max_bytes: int | None = None) -> KeyValueStore:
