@@ -10,6 +10,13 @@ while the request waits (not scheduled) and every other request keeps stepping.
 
 Nothing here touches the tree or the pools; KVTiers decides which pages to fetch and uses them.
 A page that arrives after the timeout is still staged for the next request with that prefix.
+
+Staging keeps a chain usable: a job stages its pages in chain order and, when the next one would
+only fit by evicting the job's own earlier pages, stops there (a chain past L1 is only usable up to
+its first gap, so evicting its head for its tail would leave nothing). Other jobs' pages go first,
+least recently used first. ``take`` hands the rows over to the staged area and the job keeps none:
+the match copies them into L1 right after, so a running request holds no host rows for its decode
+and what the prefetcher holds is what ``staged_bytes`` bounds (plus pages still arriving).
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ class FetchJob:
 
     wanted: list[tuple[bytes, bool]]
     started: float
-    pages: dict[bytes, DecodedPage | None] = field(default_factory=dict)
+    pages: dict[bytes, DecodedPage | None] = field(default_factory=dict)  # arrived, not staged yet
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+    staged: set[bytes] = field(default_factory=set)  # its pages in the staged area: never evicted for its own
+    full: bool = False  # the staged area had no room for its next page: later ones would follow a gap
 
 
 class L3Prefetcher:
@@ -94,7 +103,8 @@ class L3Prefetcher:
         return True
 
     def take(self, request: Request) -> None:
-        """Stage what ``request``'s job brought so far (called by the match)."""
+        """Stage what ``request``'s job brought so far (called by the match, which loads the staged
+        rows into L1); the job lets go of them."""
         job = self._jobs.get(request)
         if job is not None:
             self._stage_job(job)
@@ -104,16 +114,6 @@ class L3Prefetcher:
         if page is not None:
             self._staged.move_to_end(h)
         return page
-
-    def stage(self, h: bytes, page: DecodedPage) -> None:
-        if h in self._staged:
-            return
-        size = sum(t.numel() * t.element_size() for t in page if t is not None)
-        self._staged[h] = page
-        self._staged_nbytes += size
-        while self._staged_nbytes > self.staged_bytes and self._staged:
-            _, old = self._staged.popitem(last=False)
-            self._staged_nbytes -= sum(t.numel() * t.element_size() for t in old if t is not None)
 
     def forget(self, request: Request) -> None:
         """The request let go of its match (finished, preempted, or unmatched): stop its job."""
@@ -127,9 +127,37 @@ class L3Prefetcher:
         return sum(1 for j in self._jobs.values() if not (j.done.is_set() or j.cancelled))
 
     def _stage_job(self, job: FetchJob) -> None:
-        for h, page in list(job.pages.items()):  # the thread may still be adding to it
-            if page is not None:
-                self.stage(h, page)
+        """Move the job's arrived pages, in chain order, into the staged area, up to the first that
+        does not fit beside the job's earlier ones; the job keeps no rows either way."""
+        job.staged.intersection_update(self._staged)  # other jobs may have evicted some since the last time
+        kept = sum(_nbytes(self._staged[h]) for h in job.staged)
+        for h in list(job.pages):  # the thread may still be adding to it (after a timeout)
+            page = job.pages.pop(h)
+            if page is None or job.full:
+                continue
+            size = _nbytes(self._staged.get(h, page))
+            if kept + size > self.staged_bytes:
+                job.full = job.cancelled = True  # the rest of its chain would follow a gap: stop reading
+                self.counters["l3_staging_full"] += 1
+                continue
+            self._stage(h, page, size, job.staged)
+            job.staged.add(h)
+            kept += size
+
+    def _stage(self, h: bytes, page: DecodedPage, size: int, keep: set[bytes]) -> None:
+        """Stage ``page`` as the most recently used, evicting the least recently used pages not in
+        ``keep`` (the caller checked that ``keep`` and ``page`` fit)."""
+        if h in self._staged:
+            self._staged.move_to_end(h)
+            return
+        while self._staged_nbytes + size > self.staged_bytes:
+            old = next(iter(self._staged))
+            if old in keep:
+                self._staged.move_to_end(old)  # in chain order, so the chain stays in order too
+            else:
+                self._staged_nbytes -= _nbytes(self._staged.pop(old))
+        self._staged[h] = page
+        self._staged_nbytes += size
 
     def stop(self) -> None:
         for job in self._jobs.values():
@@ -159,3 +187,7 @@ class L3Prefetcher:
                     self.counters["l3_fetch_errors"] += 1
             finally:
                 job.done.set()
+
+
+def _nbytes(page: DecodedPage) -> int:
+    return sum(t.numel() * t.element_size() for t in page if t is not None)

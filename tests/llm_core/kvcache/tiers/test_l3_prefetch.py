@@ -5,6 +5,7 @@ equal a run without any cache either way, and the cache's invariants hold after 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -15,7 +16,9 @@ from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine.request import RequestStatus
 from llm_core.kvcache.swa_radix_cache import SWARadixCache
 from llm_core.kvcache.tiers.kv_tiers import KVTiers
-from llm_core.storage import DelayedStore, LocalDirStore
+from llm_core.kvcache.tiers.l3_prefetch import L3Prefetcher
+from llm_core.kvcache.tiers.page_format import store_key
+from llm_core.storage import DelayedStore, LocalDirStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,3 +128,82 @@ def test_a_load_past_its_timeout_goes_on_with_what_arrived(model, l3_dir, refere
     assert time.monotonic() - t0 < 1.5  # it did not wait for every read (2 s)
     assert engine.stats().prefix_cache["l3_loads_in_flight"] == 0
     engine.close()
+
+
+# ---- the staged area: bounded without breaking a chain, and the only holder of the rows ----------
+def fresh_l3_dir(model, tmp_path) -> str:
+    """A directory store holding SHARED's KV with every page's SWA row, this test's own (an
+    L3-only engine that closes writes its tree back, and the tree keeps SWA for fewer pages)."""
+    engine = LLMEngine(model, EngineConfig(**CONFIG, kv_store=str(tmp_path), kv_model_id=MODEL_ID))
+    run(engine, {"w": (SHARED, 4)})
+    engine.close()
+    return str(tmp_path)
+
+
+def l3_engine(model, root: str, staged_pages: int | None = None) -> LLMEngine:
+    """An engine on ``root`` whose staged area holds ``staged_pages`` pages with their SWA rows."""
+    engine = LLMEngine(model, EngineConfig(**CONFIG, kv_store=root, kv_model_id=MODEL_ID))
+    tiers = engine.prefix_cache.tiers
+    if staged_pages is not None:
+        tiers.prefetcher.staged_bytes = staged_pages * (tiers.full_elems + tiers.swa_elems) * 4
+    return engine
+
+
+def test_a_chain_longer_than_the_staged_area_hits_the_prefix_that_fits(model, tmp_path):
+    root = fresh_l3_dir(model, tmp_path)
+    engine = l3_engine(model, root, staged_pages=6)  # SHARED has 10 whole pages in L3
+    cache_off = run(LLMEngine(model, EngineConfig(**CONFIG)), {"shared": (SHARED, 5)})
+    assert run(engine, {"shared": (SHARED, 5)}) == cache_off
+    stats = engine.prefix_cache.stats()
+    assert stats.get("hit_tokens_l3", 0) == 6 * PAGE  # not 0: its tail did not evict its head
+    assert stats["l3_staging_full"] == 1  # and it stopped reading past what fits
+    prefetcher = engine.prefix_cache.tiers.prefetcher
+    assert prefetcher._staged_nbytes <= prefetcher.staged_bytes
+    engine.close()
+
+
+def test_a_matched_job_keeps_no_rows_while_its_request_decodes(model, tmp_path):
+    root = fresh_l3_dir(model, tmp_path)
+    engine = l3_engine(model, root)
+    prefetcher = engine.prefix_cache.tiers.prefetcher
+    engine.add_request("shared", SHARED, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(tokens) < 3 and time.monotonic() < deadline:  # until the prefill is done and it decodes
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+        time.sleep(0.002)
+    assert engine.prefix_cache.stats().get("hit_tokens_l3", 0) >= 24
+    (job,) = prefetcher._jobs.values()  # the job lives until the request is released ...
+    assert len(job.pages) == 0  # ... but its rows went to the staged area, the one bounded holder
+    held = {id(t): t for page in prefetcher._staged.values() for t in page if t is not None}
+    assert prefetcher._staged_nbytes == sum(t.numel() * t.element_size() for t in held.values())
+    engine.close()
+
+
+class _Request:
+    """A stand-in for Request: the prefetcher only uses it as a key."""
+
+
+def _pages(n: int, tag: bytes) -> list[bytes]:
+    return [hashlib.sha256(tag + bytes([i])).digest() for i in range(n)]
+
+
+def test_staging_evicts_other_jobs_pages_first_and_stops_before_its_own():
+    page = 1000  # bytes per page
+    store = MemoryStore(1 << 20)
+    a, b = _pages(2, b"a"), _pages(4, b"b")
+    for h in a + b:
+        store.put(store_key(h), bytes(page))
+    prefetcher = L3Prefetcher(store, lambda raw: (torch.frombuffer(bytearray(raw), dtype=torch.uint8), None),
+                              timeout_s=30.0, staged_bytes=3 * page, num_threads=1)
+    jobs = []
+    for hashes in (a, b):
+        request = _Request()
+        prefetcher.start(request, [(h, True) for h in hashes])
+        jobs.append(prefetcher._jobs[request])
+        jobs[-1].done.wait(10)
+        prefetcher.take(request)
+    assert list(prefetcher._staged) == b[:3]  # a's pages went for b's; b's 4th did not evict b's 1st
+    assert prefetcher._staged_nbytes == 3 * page and prefetcher.counters["l3_staging_full"] == 1
+    assert all(len(job.pages) == 0 for job in jobs)  # the staged area holds the rows, the jobs none
+    prefetcher.stop()
