@@ -68,7 +68,10 @@ class AudioEncoder(nn.Module):
         """Run a packed batch -> [sum of tokens, out_hidden] in segment order."""
         cfg = self.config
         x = F.gelu(self.conv1(batch.mel.to(self.dtype)[None]))[0]  # [d, L]
-        x = x * batch.gap_mask.to(x.dtype)  # zero the gaps: they are the next conv's padding
+        # Zero the gaps: they are the next conv's padding. masked_fill, not a multiply by the mask:
+        # NaN * 0 is NaN, so one segment with a non-finite frame would leak it through the gap into
+        # its neighbours' conv2 taps -- other requests' audio in the same packed batch.
+        x = x.masked_fill(~batch.gap_mask, 0.0)
         x = F.gelu(self.conv2(x[None]))[0]  # [d, L / stride]
         x = x.transpose(0, 1)[batch.conv_index]  # [N, d]
         cos, sin = rotary_1d(batch.positions, cfg.head_dim, cfg.rope_theta)

@@ -128,10 +128,11 @@ class AudioTokenizerEncoder(nn.Module):
             mel[i, :, :s.shape[0]] = s.t().to(device, dtype)
         # Segments are right-padded with zeros: a conv tap past a segment's end reads zeros, which
         # is the conv's own zero padding for that segment alone; GELU(bias) != 0 in the padding
-        # after conv1, so it is zeroed again before conv2.
+        # after conv1, so it is zeroed again before conv2 -- by masked_fill, not by multiplying with
+        # the mask: NaN * 0 is NaN, and the pad must hold zeros whatever the segment holds.
         x = F.gelu(self.conv1(mel))
         frame = torch.arange(t_max, device=device)
-        x = x * (frame[None, :] < torch.tensor(lengths, device=device)[:, None]).to(dtype)[:, None, :]
+        x = x.masked_fill((frame[None, :] >= torch.tensor(lengths, device=device)[:, None])[:, None, :], 0.0)
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # [S, L, d]
         n1 = torch.tensor([self.conv_frames(n) for n in lengths], device=device)
         length = x.shape[1]
@@ -148,7 +149,7 @@ class AudioTokenizerEncoder(nn.Module):
                 skip = x
         if skip is not None:
             x = x + skip
-        x = self.layer_norm(x) * valid[..., None].to(dtype)  # rows past a segment's end: the zero pad
+        x = self.layer_norm(x).masked_fill(~valid[..., None], 0.0)  # rows past a segment's end: the zero pad
         extra = -length % cfg.avg_pooler
         if extra:
             x = F.pad(x, (0, 0, 0, extra))

@@ -35,6 +35,7 @@ import torch
 
 from mm_pipeline.encode.preprocess import VisionInput
 from mm_pipeline.encode.single_flight import SingleFlight, Waiter
+from mm_pipeline.errors import UndecodableMediaError
 
 log = logging.getLogger(__name__)
 UnitSink = Waiter[torch.Tensor]
@@ -234,18 +235,32 @@ class EncoderBatcher:
             return 0
         if self.on_forward_span is not None:
             self.on_forward_span(t0, time.monotonic())
+        # NaN / Inf rows would poison the request's prefill and, cached, every later request with
+        # the same media: never cached, never delivered. One flag per unit, read in one sync.
+        finite = torch.stack([torch.isfinite(rows).all() for rows in outs]).tolist()
         with self._lock:
             self._counts[f"forwards.{encoder}"] += 1
-            for job in batch:
-                self._counts[f"encoded.{job.kind}"] += 1
-        for job, rows in zip(batch, outs):
+            for job, ok in zip(batch, finite):
+                self._counts[f"encoded.{job.kind}"] += ok
+        retry = []
+        for job, rows, ok in zip(batch, outs, finite):
+            if not ok:
+                if len(batch) > 1:
+                    retry.append(job)  # alone, so a neighbour in the packed forward cannot be the cause
+                else:
+                    self._deliver(job.key, None, _non_finite_error(encoder, job))
+                continue
             if self.on_encoded is not None:
                 try:
                     self.on_encoded(job.key, rows)
                 except Exception:  # the cache missed a write; the units of the batch are delivered all the same
                     log.exception("storing encoder unit %s failed", job.key[:16])
             self._deliver(job.key, rows, None)
-        return len(batch)
+        if retry:
+            log.warning("a packed %s forward of %d units gave non-finite rows for %d; encoding those one by one",
+                        encoder, len(batch), len(retry))
+            return len(batch) - len(retry) + sum(self._run(encoder, [job]) for job in retry)
+        return len(batch) - sum(not ok for ok in finite)
 
     def _encode_audio(self, batch: Sequence[EncoderJob]) -> list[torch.Tensor]:
         """Mel segments and code segments of one batch: one call (one speech-input forward)."""
@@ -263,3 +278,15 @@ class EncoderBatcher:
             with self._lock:
                 self._counts["failed_units"] += 1
         self._units.finish(key, rows, error)
+
+
+def _non_finite_error(encoder: str, job: EncoderJob) -> Exception:
+    """The error of a unit whose rows came out NaN / Inf: the media's fault (HTTP 400) when its
+    input already was not finite (a float stream decode let through, samples so loud the log-mel
+    overflows), an encoder failure otherwise (an overflow inside the model)."""
+    data = job.vision.rows if job.vision is not None else job.mel if job.mel is not None else job.codes
+    if data is not None and data.is_floating_point() and not bool(torch.isfinite(data).all()):
+        what = "patch rows" if job.vision is not None else "log-mel"
+        return UndecodableMediaError(f"{job.kind} input holds non-finite values (NaN or Inf) in its {what}, "
+                                     f"so its {encoder} encoding is not finite; send finite media")
+    return RuntimeError(f"{encoder} encoder failed: its output for a {job.kind} unit is not finite (NaN or Inf)")

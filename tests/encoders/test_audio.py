@@ -84,6 +84,27 @@ def test_packed_clips_equal_one_by_one(lengths, seed):
         torch.testing.assert_close(out, enc([mel])[0], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_segment_does_not_leak_into_its_neighbours(bad):
+    """Segments of other requests packed around one whose log-mel holds NaN / Inf (a float WAV with
+    a NaN sample, or samples so loud the mel overflows) come out as they do alone. The gaps between
+    segments used to be zeroed by multiplying with a 0/1 mask after conv1, and NaN * 0 is NaN: the
+    bad segment's conv1 spill into the gap reached its neighbours' conv2 taps."""
+    enc = make_encoder(seed=4)
+    g = torch.Generator().manual_seed(5)
+    healthy = [torch.randn(n, 32, generator=g) for n in (37, 50, 96, 1)]
+    alone = [enc.encode_segments([m])[0] for m in healthy]
+    poisoned = torch.randn(40, 32, generator=g)
+    poisoned[0, 3] = poisoned[-1, 7] = bad  # first and last frame: both gaps around it
+    for where in range(len(healthy) + 1):
+        segments = healthy[:where] + [poisoned] + healthy[where:]
+        outs = enc.encode_segments(segments)
+        rest = outs[:where] + outs[where + 1:]
+        for ref, out in zip(alone, rest):
+            assert torch.isfinite(out).all(), where
+            assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), where
+
+
 def test_long_audio_is_segments_encoded_independently():
     enc = make_encoder(seed=2)
     mel = torch.randn(96 * 3 + 41, 32, generator=torch.Generator().manual_seed(3))

@@ -29,7 +29,8 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
     ``limits.max_duration_s``, ``UndecodableMediaError`` for damaged data or no audio stream,
     ``ContextLengthError`` as soon as more than ``context_samples`` are decoded (the most the
     model's context can hold: counted as decoded, never trusting a header's duration, so an hour
-    of silence stops after the first seconds past the limit)."""
+    of silence stops after the first seconds past the limit), ``UndecodableMediaError`` too for a
+    float stream holding NaN / Inf samples."""
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     try:
@@ -72,6 +73,13 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
         for out in outs + _resample(resampler, frame, item):
             planes = out.to_ndarray()  # [channels, samples] float32 (planar)
             chunks.append(planes.mean(axis=0, dtype=np.float32))
+            if not np.isfinite(chunks[-1]).all():
+                # float sample formats (float WAV, AIFF-C, CAF...) can carry NaN / Inf and the
+                # resampler passes them on; the encoder cannot make anything of them, so the
+                # request is refused here rather than encoded into NaN embeddings
+                raise UndecodableMediaError(
+                    f"{item.format} audio from {item.origin} holds non-finite samples (NaN or Inf); "
+                    f"send finite audio")
             total += planes.shape[1]
             if grow is not None:
                 grow(chunks[-1].nbytes)

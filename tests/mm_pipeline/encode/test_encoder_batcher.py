@@ -14,8 +14,10 @@ from encoders.image_processing import ImageProcessingConfig
 from samples.checkpoints.tiny_towers import init_random_, tiny_audio_config, tiny_vision_config
 from encoders.vision.tower import VisionTransformer
 from mm_pipeline.encode.batcher import BatcherConfig, EncoderBatcher, EncoderJob
+from mm_pipeline.errors import UndecodableMediaError
 from mm_pipeline.media.types import DecodedImage
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
+from mm_pipeline.server.errors import http_answer
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +191,68 @@ def test_a_forward_that_fails_fails_only_the_unit_that_broke_it(towers):
         (alone,) = vision.encode_items([(inputs[k].rows, inputs[k].grid)])
         assert torch.equal(col.got[k][0], alone)
     assert b.stats()["in_flight_units"] == 0 and b.stats()["failed_units"] == 1
+
+
+def test_non_finite_rows_fail_their_own_unit_and_are_never_cached(towers):
+    """Three requests' audio segments in one packed forward, the middle one's log-mel holding NaN
+    (a float WAV with a NaN sample). Only that unit fails, as bad media (HTTP 400) naming the
+    problem; its NaN rows never reach the encoder cache, and its neighbours get the rows they get
+    alone. Before, the NaN unit was cached and delivered, and its NaN leaked into the neighbours."""
+    _, audio = towers
+    g = torch.Generator().manual_seed(7)
+    mels = {"a": torch.randn(37, 32, generator=g), "bad": torch.randn(40, 32, generator=g),
+            "c": torch.randn(50, 32, generator=g)}
+    mels["bad"][0, 0] = mels["bad"][-1, 5] = float("nan")
+    cached = {}
+    b = EncoderBatcher(None, audio, BatcherConfig(max_wait_s=10.0), on_encoded=cached.__setitem__)
+    col = Collector()
+    for k, m in mels.items():
+        assert b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "audio", mel=m))
+    assert b.run_due(force=True) == 2
+    err = col.got["bad"][0]
+    assert isinstance(err, UndecodableMediaError) and "non-finite" in str(err)
+    assert http_answer(type(err)).status == 400
+    assert set(cached) == {"a", "c"}
+    assert all(torch.isfinite(rows).all() for rows in cached.values())
+    for k in ("a", "c"):
+        assert torch.allclose(col.got[k][0], audio.encode_segments([mels[k]])[0], atol=1e-5, rtol=1e-5)
+    stats = b.stats()
+    assert stats["failed_units"] == 1 and stats["encoded.audio"] == 2 and stats["in_flight_units"] == 0
+
+
+def test_a_unit_spoilt_by_its_batch_is_encoded_again_alone(towers):
+    """Defence in depth: should a packed forward ever give NaN rows to a unit whose input is finite
+    (a leak between items, an overflow), those rows are not cached or delivered; the unit is
+    encoded again alone and gets those rows. A unit that is non-finite alone with a finite input
+    fails as an encoder failure, still uncached."""
+    vision, _ = towers
+    inputs = {f"img{i}": vision_input(i, 40 + 16 * i, 70 - 8 * i) for i in range(3)}
+    victim, broken = inputs["img1"].rows, inputs["img2"].rows
+
+    class Leaky:
+        def __init__(self):
+            self.calls = []
+
+        def encode_items(self, items):
+            self.calls.append(len(items))
+            outs = vision.encode_items(items)
+            for (rows, _), out in zip(items, outs):
+                if rows is broken or (rows is victim and len(items) > 1):
+                    out[0, 0] = float("nan")
+            return outs
+    leaky = Leaky()
+    cached = {}
+    b = EncoderBatcher(leaky, None, BatcherConfig(max_wait_s=10.0), on_encoded=cached.__setitem__)
+    col = Collector()
+    for k, v in inputs.items():
+        assert b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "image", vision=v))
+    assert b.run_due(force=True) == 2
+    assert leaky.calls == [3, 1, 1]  # the packed forward, then img1 and img2 alone
+    assert set(cached) == {"img0", "img1"}
+    (alone,) = vision.encode_items([(victim, inputs["img1"].grid)])
+    assert torch.equal(col.got["img1"][0], alone) and cached["img1"] is col.got["img1"][0]
+    err = col.got["img2"][0]
+    assert isinstance(err, RuntimeError) and "not finite" in str(err)
+    assert b.stats()["failed_units"] == 1 and b.stats()["in_flight_units"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -164,3 +165,34 @@ def test_audio_whose_rate_and_layout_change_midway_decodes_every_part() -> None:
     assert setups == {("mono", 8000), ("stereo", 22050)}  # the premise: the frames change setup midway
     out = decode_audio(MediaItem(MediaKind.AUDIO, "aac", data), 16000)
     assert out.sample_rate == 16000 and 0.9 < out.duration_s < 1.4  # both parts (AAC priming included)
+
+
+def _float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    """A WAVE_FORMAT_IEEE_FLOAT file (format 3, 32-bit), written by hand: it carries any float bit
+    pattern, NaN and Inf included, as such files in the wild do."""
+    data = np.ascontiguousarray(samples, dtype="<f4").tobytes()
+    channels = 1 if samples.ndim == 1 else samples.shape[1]
+    fmt = struct.pack("<HHIIHH", 3, channels, rate, rate * 4 * channels, 4 * channels, 32)
+    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE"
+            + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", ["first", "last", "one channel"])
+def test_float_audio_with_non_finite_samples_is_refused(bad: float, where: str) -> None:
+    """A float WAV with a NaN / Inf sample is a bad-media error (HTTP 400) naming the problem, never
+    samples handed to the encoder: its NaN would come out as NaN embeddings (and, before the encoder
+    masked its gaps with masked_fill, leaked into other requests' audio in the same batch)."""
+    rng = np.random.default_rng(0)
+    clean = (0.1 * rng.standard_normal((16000 * 2, 2))).astype(np.float32)
+    assert decode_audio(MediaItem(MediaKind.AUDIO, "wav", _float_wav(clean)), 16000).samples.isfinite().all()
+    samples = clean.copy()
+    if where == "first":
+        samples[0, :] = bad
+    elif where == "last":
+        samples[-1, :] = bad
+    else:
+        samples[len(samples) // 2, 1] = bad  # one channel only: the channel average must not hide it
+    with pytest.raises(UndecodableMediaError, match="non-finite samples") as info:
+        decode_audio(MediaItem(MediaKind.AUDIO, "wav", _float_wav(samples)), 16000)
+    assert http_answer(type(info.value)).status == 400
