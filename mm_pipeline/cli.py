@@ -228,10 +228,15 @@ def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
 
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
+    from mm_pipeline.runtime.config import CheckpointMismatchError
     from mm_pipeline.runtime.omni_engine import OmniEngine
 
     print(f"loading {model_dir} ...", file=sys.stderr, flush=True)
-    return OmniEngine.from_pretrained(model_dir, engine_config(args))
+    config = engine_config(args)
+    try:
+        return OmniEngine.from_pretrained(model_dir, config)
+    except CheckpointMismatchError as exc:  # a flag this checkpoint cannot run with (--video-frame-factor)
+        raise UsageError(str(exc)) from None
 
 
 def _mib(n: int) -> str:

@@ -51,6 +51,7 @@ from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.media_feed import MediaFeed
 from mm_pipeline.runtime.timeline import StageTimeline
+from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -115,6 +116,7 @@ def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
 
 class OmniRuntime:
     def __init__(self, model: OmniModel, config: OmniEngineConfig) -> None:
+        config.check_checkpoint(model.image_config.temporal_patch_size)  # before anything is allocated
         self.model = model
         self.config = config
         self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer) if model.text is not None else None
@@ -184,6 +186,9 @@ class OmniRuntime:
         # on a thread of its own: the OpenMP team its torch ops start ends with it (thread_choice.py);
         # at the caller's intra-op count, which the runtime plans its threads from (default_threads)
         threads = torch.get_num_threads()
+        if (Path(model_dir) / "config.json").is_file():  # else OmniModel.load says what is missing
+            # the settings against the checkpoint's config before minutes of weight loading
+            config.check_checkpoint(OmniConfig.from_pretrained(model_dir).image_processing.temporal_patch_size)
 
         def build() -> OmniRuntime:
             set_local_threads(threads)

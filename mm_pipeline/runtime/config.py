@@ -50,6 +50,11 @@ def _thread_count(name: str, value: int | str | None, least: int) -> int | str |
     return value
 
 
+class CheckpointMismatchError(ValueError):
+    """An engine setting the checkpoint cannot run with, known only once its config is read (the
+    settings alone were fine): the CLI reports it as it reports a bad flag."""
+
+
 @dataclass(frozen=True)
 class OmniEngineConfig:
     # model placement
@@ -204,6 +209,19 @@ class OmniEngineConfig:
     @property
     def batcher_config(self) -> BatcherConfig:
         return BatcherConfig(self.encoder_vision_budget, self.encoder_audio_budget, self.encoder_max_wait_ms / 1000)
+
+    def check_checkpoint(self, temporal_patch_size: int) -> None:
+        """Raise ``CheckpointMismatchError`` for settings the checkpoint cannot run with. Frames are
+        sampled in groups of ``video_sampling.frame_factor`` and patchified in groups of the vision
+        tower's ``temporal_patch_size``: a factor that is not a multiple of it plans too few groups
+        (a one-frame video with factor 1 on a temporal-patch-2 tower plans none, and its request
+        fails) or silently drops frames. The checkpoint's own processor_config is checked by
+        OmniConfig; this is the override (--video-frame-factor)."""
+        if self.video_sampling is not None and self.video_sampling.frame_factor % temporal_patch_size:
+            raise CheckpointMismatchError(
+                f"video_frame_factor (--video-frame-factor) {self.video_sampling.frame_factor} is not a positive "
+                f"multiple of the checkpoint's vision temporal_patch_size {temporal_patch_size}: frames are "
+                f"encoded in groups of {temporal_patch_size}")
 
     def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None,
                        default_video_audio: bool = True) -> PlannerConfig:

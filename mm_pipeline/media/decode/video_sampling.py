@@ -39,7 +39,7 @@ class VideoSamplingParams:
     num_frames: int | None = None
     """A fixed frame count instead of fps-based sampling."""
     frame_factor: int = 2
-    """temporal_patch_size: frames come in groups of this many."""
+    """Frames come in groups of this many: a positive multiple of the checkpoint's temporal_patch_size (checked when the engine is built)."""
 
     def __post_init__(self) -> None:
         if not self.fps > 0:

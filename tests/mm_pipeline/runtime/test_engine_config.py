@@ -83,3 +83,40 @@ def test_decoder_threads_zero_shares_the_cpus_among_the_decode_workers(monkeypat
         assert OmniEngineConfig(decode_workers=workers, decoder_threads=3).resolved_decoder_threads == 3
     with pytest.raises(ValueError, match="decode workers"):
         shared_codec_threads(0)
+
+
+def test_video_frame_factor_must_be_a_multiple_of_the_temporal_patch(tmp_path, capsys):
+    """--video-frame-factor (video_sampling.frame_factor) against the checkpoint's vision
+    temporal_patch_size (2 here). Before, a factor of 1 was taken: a one-frame video then planned no
+    frame group and its request failed (HTTP 500), an odd frame count silently lost a frame. Now
+    constructing the engine refuses it naming both numbers, before any weight is read (the CLI: a
+    usage error, exit 2, as a bad flag); a multiple of the patch still runs."""
+    from mm_pipeline import cli
+    from mm_pipeline.multimodal_llm import MultimodalLLM
+    from mm_pipeline.model.omni_model import OmniModel
+    from mm_pipeline.runtime.components import OmniRuntime
+    from mm_pipeline.runtime.config import CheckpointMismatchError
+    from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
+    from tests.support.media_samples import video_bytes
+    from llm_core import SamplingParams
+
+    ckpt = build_tiny_omni_checkpoint(tmp_path / "m")
+    engine = dict(page_size=4, num_full_tokens=4096, num_swa_tokens=2048)
+    for bad in (1, 3):
+        with pytest.raises(ValueError, match=rf"video_frame_factor \(--video-frame-factor\) {bad} is not a positive "
+                                             rf"multiple of the checkpoint's vision temporal_patch_size 2"):
+            MultimodalLLM(ckpt, video_frame_factor=bad, **engine)
+    # a runtime built on a loaded model checks too, before it allocates anything (KV pools, threads)
+    model = OmniModel.load(ckpt)
+    with pytest.raises(CheckpointMismatchError, match="temporal_patch_size 2"):
+        OmniRuntime(model, OmniEngineConfig.from_kwargs(video_frame_factor=1, **engine))
+    assert cli.main(["serve", "--model", str(ckpt), "--device", "cpu", "--video-frame-factor", "1"]) == 2
+    assert "--video-frame-factor) 1 is not a positive multiple" in capsys.readouterr().err
+    # the checkpoint's own factor and its multiples run; a one-frame video is padded to a whole group
+    (tmp_path / "one.mp4").write_bytes(video_bytes(n_frames=1))
+    conv = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": (tmp_path / "one.mp4").as_uri()}},
+                                         {"type": "text", "text": "Describe."}]}]
+    for good in (2, 4):
+        with MultimodalLLM(ckpt, video_frame_factor=good, allowed_local_dirs=(str(tmp_path),), **engine) as llm:
+            (out,) = llm.chat([conv], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            assert out.error is None and out.finish_reason == "length", (good, out.error)
