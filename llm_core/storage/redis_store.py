@@ -1,8 +1,10 @@
 """Entries in Redis: an optional shared tier across servers.
 
 Redis being down, slow or restarted is normal operation for a cache: every failure is a miss (or
-a dropped put), bounded by a short socket timeout, and after a failure the store stops talking to
-Redis for ``retry_after_s`` so a dead server costs one timeout per interval, not one per request.
+a dropped put), bounded by a short socket timeout, and after a failure to reach Redis the store stops
+talking to it for ``retry_after_s`` so a dead server costs one timeout per interval, not one per
+request. An error Redis answers with (OOM at ``maxmemory`` under ``noeviction``, WRONGTYPE, READONLY)
+fails only that command: the server is up, and a full Redis still serves reads.
 Values use the checksummed envelope, so a foreign or damaged value under our key is a miss.
 
 Every Redis URL in the project (the encoder cache's ``redis_url``, the KV cache's ``kv_store``) is
@@ -27,6 +29,13 @@ from llm_core.storage.kv_store import KeyValueStore
 T = TypeVar("T")
 
 URL_FORM = "redis://[[user]:password@]host[:port][/db]"
+
+# Failures that say Redis cannot be reached or cannot serve at all (not one command's error): refused or
+# reset connections, timeouts, a peer that does not speak Redis, a server still loading or whose master is
+# down. Everything else a RedisError reports (ResponseError: OOM, WRONGTYPE, READONLY, ...) came from a
+# server that answers, so backing off would only turn its working reads into misses.
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse,
+                redis.exceptions.ClusterDownError, OSError)
 
 
 @dataclass(frozen=True)
@@ -162,7 +171,7 @@ class RedisStore(KeyValueStore):
 
     @property
     def available(self) -> bool:
-        """False while backing off after a failure."""
+        """False while backing off after failing to reach Redis (a command error does not count)."""
         with self._state_lock:
             return time.monotonic() >= self._down_until
 
@@ -172,13 +181,19 @@ class RedisStore(KeyValueStore):
     # ---- internal helpers -------------------------------------------------------------------
 
     def _call(self, op: Callable[[redis.Redis], T]) -> T | None:
+        """``op``'s result, or None (counted in ``errors``) when it failed; only a failure to reach
+        Redis (``_UNREACHABLE``) starts the back-off."""
         if not self.available:
             self._count("skipped")
             return None
         try:
             return op(self._client)
-        except (redis.RedisError, OSError):
+        except _UNREACHABLE:
             with self._state_lock:
                 self._down_until = time.monotonic() + self.retry_after_s
             self._count("errors")
             return None
+        except redis.RedisError:  # Redis answered, with an error for this command: no back-off
+            self._count("errors")
+            return None
+

@@ -18,10 +18,16 @@ age out of L3. docs/kv_cache.md §8 has the picture.
 
 The tiers change the tree only through the cache's tier interface (``rehold``, ``revive_swa``,
 ``graft``, ``evict``) and read it through ``cache.tree``.
+
+Without L2, what L3 holds is remembered per page (``_written``) so a page evicted again is not
+rewritten: a page counts as written only once the store confirmed the put (the writer thread
+reports it), and is forgotten when a match looks for it and it is not there (Redis restarted,
+flushed, or aged it out), so a dropped or lost write is retried at the page's next eviction.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -34,7 +40,7 @@ from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
 from llm_core.kvcache.tiers.l3_prefetch import L3Prefetcher
 from llm_core.kvcache.tiers.page_format import chain_seed, decode_page, gather_pages, page_hash, store_key
-from llm_core.kvcache.tiers.tier_threads import KVTierThreads, LayerCopies, add_layer_copies
+from llm_core.kvcache.tiers.tier_threads import WRITE_QUEUE_BYTES, KVTierThreads, LayerCopies, add_layer_copies
 from llm_core.kvcache.lock_table import Holder
 from llm_core.kvcache.page_keys import PageKey, page_keys
 from llm_core.kvcache.radix_node import RadixNode
@@ -59,7 +65,10 @@ class KVTiers:
     threads only copy."""
 
     def __init__(self, pool: DualKVPool, *, host: HostKVPool | None, store: KeyValueStore | None,
-                 model_id: str, touch_interval_s: float = 30.0, l3_load_timeout_s: float = 1.0) -> None:
+                 model_id: str, touch_interval_s: float = 30.0, l3_load_timeout_s: float = 1.0,
+                 write_queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
+        """``write_queue_bytes``: rows of evicted pages waiting for the L3 writer, at most (past it
+        a write is dropped, see tier_threads.py)."""
         if host is None and store is None:
             raise ValueError("KVTiers needs an L2 host pool, an L3 store, or both")
         self.pool, self.host, self.store = pool, host, store
@@ -70,12 +79,14 @@ class KVTiers:
         self.seed = chain_seed(model_id, pool.layout, self.ps, pool.dtype)
         self.touch_interval_s = touch_interval_s
         self.counters: Counter[str] = Counter()
-        self.threads = KVTierThreads(pool, store)
+        self.threads = KVTierThreads(pool, store, on_written=self._mark_written,
+                                     write_queue_bytes=write_queue_bytes)
         self.prefetcher = L3Prefetcher(store, self._decode, l3_load_timeout_s) if store is not None else None
         self._hashes: dict[Request, list[bytes]] = {}  # request -> its page hash chain so far
         self._backfilled: set[Request] = set()
         self._touched: OrderedDict[bytes, float] = OrderedDict()
-        self._written: OrderedDict[bytes, bool] = OrderedDict()  # hash -> written with SWA (L3 only)
+        self._written: OrderedDict[bytes, bool] = OrderedDict()  # hash -> the store kept it, with SWA? (L3 only)
+        self._written_lock = threading.Lock()  # the writer thread marks, the engine thread reads and forgets
 
     @property
     def broken(self) -> BaseException | None:
@@ -154,6 +165,7 @@ class KVTiers:
             if page is None or page.full is None:
                 break
             found[m1 + len(found)] = page
+        self._forget_written(hashes[m1 + len(found):limit])  # past a missing page L3 is no use: rewrite all
         has_swa = lambda j: (valid[j] if j < m1 else False) or self._swa_of(j, hashes, found, memo)  # noqa: E731
         p2 = p
         for cand in range(m1 + len(found), p, -1):
@@ -218,6 +230,8 @@ class KVTiers:
             page = _TierPage(staged[0], staged[1], "l3")
             if self.host is not None:
                 self.host.put(h, staged[0], staged[1])
+        if page is None:  # not in L3 either (or not read in time): write it again at its next eviction
+            self._forget_written([h])
         memo[h] = page
         return page
 
@@ -272,7 +286,8 @@ class KVTiers:
         if self.host is not None:
             e = self.host.entries.get(h)
             return e is None or (with_swa and e.swa_row < 0)
-        had = self._written.get(h)
+        with self._written_lock:
+            had = self._written.get(h)
         return had is None or (with_swa and not had)
 
     def _store(self, h: bytes, full: torch.Tensor, swa: torch.Tensor | None) -> None:
@@ -281,11 +296,23 @@ class KVTiers:
             if entry is not None and swa is None and entry.swa_row >= 0:
                 swa = self.host.swa_data[entry.swa_row].clone()
         if self.store is not None:
-            self._written[h] = swa is not None
+            self.threads.put(h, full, swa)  # marked written by the writer thread once the store kept it
+
+    def _mark_written(self, h: bytes, with_swa: bool) -> None:
+        """Writer thread: the store kept page ``h`` (the latest put of a page is what the store holds)."""
+        with self._written_lock:
+            self._written[h] = with_swa
             self._written.move_to_end(h)
             while len(self._written) > 1_000_000:
                 self._written.popitem(last=False)
-            self.threads.put(h, full, swa)
+
+    def _forget_written(self, hashes: list[bytes]) -> None:
+        """A lookup did not find these pages: L3 may have lost them, so their next eviction writes them."""
+        if self.store is None or not hashes:
+            return
+        with self._written_lock:
+            for h in hashes:
+                self._written.pop(h, None)
 
     def _touch_l3(self, chain: list[bytes]) -> None:
         """Keep a matched chain alive in L3: every page of it, in one batched store call (an
@@ -314,14 +341,16 @@ class KVTiers:
         self.threads.join_writes()
 
     def close(self, nodes: Iterable[RadixNode] = ()) -> None:
-        """Flush (see ``flush``), then stop the loader and writer threads and close the store."""
-        self.flush(nodes)
+        """Copy the L1 pages of ``nodes`` down, then stop the loader and writer threads (pending L3
+        writes get ``CLOSE_TIMEOUT_S``, see tier_threads.py) and close the store."""
+        for node in nodes:
+            self.save(node)
         if self.prefetcher is not None:
             self.prefetcher.stop()
         self.threads.stop()
 
     def stats(self) -> dict[str, int]:
-        out = dict(self.counters, **self.threads.counters)
+        out = dict(self.counters, **self.threads.stats())
         if self.prefetcher is not None:
             out.update(self.prefetcher.counters, l3_loads_in_flight=self.prefetcher.in_flight())
         if self.host is not None:

@@ -5,17 +5,28 @@
                                   layer 1 rows -> L1, set event 1 ...
     model: kv_buffers(pool).layer(i) waits on event i of every pending job
     put(h, ...) / touch(chain) ─► _writes ──────────────────────────► store.put / store.touch
+                                  (at most write_queue_bytes;         on_written(h, ...) once the
+                                   past that a write is dropped)      store kept the page
 
 A failed load sets every event of its job (so no model step hangs) and marks the threads ``broken``:
 the waiting step raises, and the prefix cache stops handing out tree pages (docs/kv_cache.md §8).
+
+The write queue holds rows of evicted pages until the store has them; a store slower than eviction
+must not grow it without bound nor make the engine thread wait, so a write that would take it past
+``write_queue_bytes`` is dropped (counted). Only a write the store confirmed calls ``on_written``: a
+dropped or failed one leaves the page unmarked, to be written again at its next eviction. ``stop``
+gives the queued writes ``close_timeout_s``, then abandons the rest (counted, logged) so a hung
+store cannot hang shutdown.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -23,7 +34,11 @@ from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.tiers.page_format import encode_page, scatter_layer, store_key
 from llm_core.storage import KeyValueStore
 
+log = logging.getLogger(__name__)
+
 LayerCopies = dict[int, list[tuple[list[int], torch.Tensor]]]  # layer -> [(L1 pages, rows)]
+WRITE_QUEUE_BYTES = 256 << 20  # rows waiting for the L3 writer at most; past it writes are dropped
+CLOSE_TIMEOUT_S = 5.0  # how long stop() waits for queued L3 writes before abandoning them
 
 
 @dataclass
@@ -66,22 +81,36 @@ def add_layer_copies(copies: LayerCopies, pool: DualKVPool, kind: str, pages: li
 class KVTierThreads:
     """Loader and writer threads of one ``KVTiers``: queues, pending load jobs, thread lifecycle.
 
-    ``broken`` is the error of the first failed load (None while every load succeeded); ``counters``
-    counts L3 puts, touches and errors."""
+    ``broken`` is the error of the first failed load (None while every load succeeded); ``stats()``
+    counts L3 puts (kept by the store), failed puts, touches, errors, writes dropped because the queue
+    was full and writes abandoned at ``stop``, and the bytes queued now. ``on_written(h, with_swa)``
+    is called on the writer thread after the store kept page ``h``."""
 
-    def __init__(self, pool: DualKVPool, store: KeyValueStore | None) -> None:
+    def __init__(self, pool: DualKVPool, store: KeyValueStore | None, *,
+                 on_written: Callable[[bytes, bool], None] | None = None,
+                 write_queue_bytes: int = WRITE_QUEUE_BYTES, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        if write_queue_bytes < 0 or close_timeout_s < 0:
+            raise ValueError(f"KVTierThreads needs write_queue_bytes >= 0 and close_timeout_s >= 0, got "
+                             f"{write_queue_bytes}, {close_timeout_s}")
         self.pool = pool
         self.store = store
+        self.on_written = on_written
+        self.write_queue_bytes, self.close_timeout_s = write_queue_bytes, close_timeout_s
         self.broken: BaseException | None = None
         self.counters: Counter[str] = Counter()
+        self._count_lock = threading.Lock()  # the engine thread (drops) and the writer both count
         self._jobs: list[LoadJob] = []  # submitted and not yet seen complete (engine thread only)
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
-        self._writes: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)]
-        if store is not None:
-            self._threads.append(threading.Thread(target=self._write_loop, name="kv-writer", daemon=True))
-        for t in self._threads:
-            t.start()
+        self._writes: queue.Queue = queue.Queue()  # bounded in bytes by _enqueue, not in items
+        self._queue_state = threading.Condition()  # guards the two below; notified when a write is done
+        self._queued_bytes = 0
+        self._queued_items = 0  # queued and not yet done
+        self._loader = threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)
+        self._writer = (threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
+                        if store is not None else None)
+        for t in (self._loader, self._writer):
+            if t is not None:
+                t.start()
 
     # ---- loads (engine thread) ---------------------------------------------------------------
     def submit(self, copies: LayerCopies) -> LoadJob:
@@ -106,29 +135,85 @@ class KVTierThreads:
             job.events[-1].wait()
 
     # ---- L3 writes (engine thread) -------------------------------------------------------------
-    def put(self, h: bytes, full: torch.Tensor, swa: torch.Tensor | None) -> None:
-        """Write the page with chain hash ``h`` to L3 in the background."""
-        self._writes.put(("put", h, full, swa))
+    def put(self, h: bytes, full: torch.Tensor, swa: torch.Tensor | None) -> bool:
+        """Write the page with chain hash ``h`` to L3 in the background; False when the queue is full
+        (dropped, counted in ``l3_puts_dropped``; ``on_written`` is never called for it)."""
+        size = full.numel() * full.element_size() + (0 if swa is None else swa.numel() * swa.element_size())
+        return self._enqueue(("put", h, full, swa), size, "l3_puts_dropped")
 
-    def touch(self, chain: list[bytes]) -> None:
-        """Refresh the store's recency of every page in ``chain`` in the background (one batch)."""
-        self._writes.put(("touch", chain, None, None))
+    def touch(self, chain: list[bytes]) -> bool:
+        """Refresh the store's recency of every page in ``chain`` in the background (one batch); False
+        when the queue is full (dropped, counted in ``l3_touches_dropped``)."""
+        return self._enqueue(("touch", chain, None, None), sum(len(h) for h in chain), "l3_touches_dropped")
 
-    def join_writes(self) -> None:
-        """Block until every queued L3 write is done."""
-        if self.store is not None:
-            self._writes.join()
+    def join_writes(self, timeout_s: float | None = None) -> bool:
+        """Block until every queued L3 write is done, or ``timeout_s`` passed; True when they are."""
+        if self.store is None:
+            return True
+        with self._queue_state:
+            return self._queue_state.wait_for(lambda: self._queued_items == 0, timeout_s)
 
     def stop(self) -> None:
-        """Let queued loads land, stop both threads, then close the store."""
+        """Let queued loads land, give queued L3 writes ``close_timeout_s`` (then abandon the rest),
+        stop both threads, then close the store."""
         self.wait_loads()
         self._loads.put(None)
-        if self.store is not None:
+        if self._writer is not None:
+            if not self.join_writes(self.close_timeout_s):
+                self._abandon_writes()
             self._writes.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
+        self._loader.join(timeout=10)
+        if self._writer is not None:
+            self._writer.join(timeout=1.0)  # idle unless abandoned inside a hung store call (a daemon)
         if self.store is not None:
             self.store.close()
+
+    def stats(self) -> dict[str, int]:
+        """The counters (see the class docstring) and, with a store, ``l3_write_queue_bytes``."""
+        with self._count_lock:
+            out = dict(self.counters)
+        if self.store is not None:
+            out["l3_write_queue_bytes"] = self._queued_bytes
+        return out
+
+    def _enqueue(self, item: tuple, size: int, dropped: str) -> bool:
+        """Queue ``item`` unless its ``size`` would take the queue past ``write_queue_bytes``: then
+        count it under ``dropped`` and return False at once (the engine thread never waits on L3)."""
+        with self._queue_state:
+            fits = self._queued_bytes + size <= self.write_queue_bytes
+            if fits:
+                self._queued_bytes += size
+                self._queued_items += 1
+        if not fits:
+            self._count(dropped)
+            return False
+        self._writes.put((item, size))
+        return True
+
+    def _abandon_writes(self) -> None:
+        """Drop every write still queued after ``close_timeout_s``: their pages stay out of L3."""
+        abandoned = 0
+        while True:
+            try:
+                _, size = self._writes.get_nowait()
+            except queue.Empty:
+                break
+            self._write_done(size)
+            abandoned += 1
+        self._count("l3_writes_abandoned", abandoned)
+        log.warning("KV tiers closing: the L3 store did not finish the queued writes within %.1f s; "
+                    "abandoned %d (plus %d in progress); those pages are not in L3",
+                    self.close_timeout_s, abandoned, self._queued_items)
+
+    def _write_done(self, size: int) -> None:
+        with self._queue_state:
+            self._queued_bytes -= size
+            self._queued_items -= 1
+            self._queue_state.notify_all()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self.counters[name] += n
 
     # ---- the threads -------------------------------------------------------------------------
     def _load_loop(self) -> None:
@@ -147,17 +232,27 @@ class KVTierThreads:
 
     def _write_loop(self) -> None:
         assert self.store is not None
-        while (item := self._writes.get()) is not None:
-            op, what, full, swa = item  # what: a page hash (put) or a chain of them (touch)
+        while (entry := self._writes.get()) is not None:
+            (op, what, full, swa), size = entry  # what: a page hash (put) or a chain of them (touch)
             try:
                 if op == "put":
-                    self.store.put(store_key(what), encode_page(full, swa))
-                    self.counters["l3_puts"] += 1
+                    self._put(what, full, swa)
                 else:
                     self.store.touch([store_key(h) for h in what])
-                    self.counters["l3_touches"] += 1
-                    self.counters["l3_touched_pages"] += len(what)
+                    self._count("l3_touches")
+                    self._count("l3_touched_pages", len(what))
             except Exception:  # a cache tier may forget; the store counts its own errors
-                self.counters["l3_errors"] += 1
+                self._count("l3_errors")
             finally:
-                self._writes.task_done()
+                self._write_done(size)
+
+    def _put(self, h: bytes, full: torch.Tensor, swa: torch.Tensor | None) -> None:
+        """One page to the store; only a put the store kept marks the page written (a dropped one --
+        store down, full, over its budget -- is retried at the page's next eviction)."""
+        assert self.store is not None
+        if not self.store.put(store_key(h), encode_page(full, swa)):
+            self._count("l3_puts_failed")
+            return
+        self._count("l3_puts")
+        if self.on_written is not None:
+            self.on_written(h, swa is not None)
