@@ -22,8 +22,8 @@ class DelayedStore(KeyValueStore):
         time.sleep(self.delay_s)
         return self.inner.get(key)
 
-    def put(self, key: str, value: bytes) -> bool:
-        return self.inner.put(key, value)
+    def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
+        return self.inner.put(key, value, keep_existing=keep_existing)
 
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)

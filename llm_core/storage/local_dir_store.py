@@ -93,14 +93,17 @@ class LocalDirStore(KeyValueStore):
         self._count("hits")
         return value
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
         self._check_key(key)
         self._check_value(value)
+        path = self._path(key)
+        if keep_existing and self._keep(path):
+            return True
         raw = encode_entry(key, bytes(value))
         if self.max_bytes is not None and len(raw) > self.max_bytes:
             self._count("dropped")
             return False
-        path = self._path(key)
+        kept = False
         try:
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
@@ -111,13 +114,19 @@ class LocalDirStore(KeyValueStore):
                         f.flush()
                         os.fsync(f.fileno())
                 with self._lock:
-                    os.replace(tmp, path)
-                    self._bytes += len(raw) - self._index.pop(path, 0)
-                    self._index[path] = len(raw)
-                    self._written_since_scan += len(raw)
-                    if self._rescan_due():
-                        self._rescan()
-                    victims = self._evict()
+                    # written meanwhile by this process or another (a process sharing the directory
+                    # could still land between this check and the rename: a rare, harmless overwrite)
+                    kept = keep_existing and path.exists()
+                    if not kept:
+                        os.replace(tmp, path)
+                        self._bytes += len(raw) - self._index.pop(path, 0)
+                        self._index[path] = len(raw)
+                        self._written_since_scan += len(raw)
+                        if self._rescan_due():
+                            self._rescan()
+                        victims = self._evict()
+                if kept:
+                    Path(tmp).unlink(missing_ok=True)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
@@ -125,6 +134,8 @@ class LocalDirStore(KeyValueStore):
             self._count("errors")
             self._count("dropped")
             return False
+        if kept:
+            return self._keep(path) or self.put(key, value, keep_existing=True)
         self._count("puts")
         self._count("evictions", len(victims))
         return True
@@ -220,6 +231,17 @@ class LocalDirStore(KeyValueStore):
             path.unlink(missing_ok=True)
             victims.append(path)
         return victims
+
+    def _keep(self, path: Path) -> bool:
+        """``keep_existing``: when ``path`` holds an entry, mark it used (index order, mtime), count
+        it kept and keep it."""
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return False
+        self._touch(path, size)
+        self._count("kept")
+        return True
 
     def _touch(self, path: Path, size: int) -> None:
         with self._lock:

@@ -35,9 +35,17 @@ class MemoryStore(KeyValueStore):
         self._count("hits" if value is not None else "misses")
         return value
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
         self._check_key(key)
         self._check_value(value)
+        if keep_existing:
+            with self._lock:
+                kept = key in self._items
+                if kept:
+                    self._items.move_to_end(key)
+            if kept:
+                self._count("kept")
+                return True
         value = bytes(value)
         if len(value) > self.max_bytes:
             self._count("dropped")

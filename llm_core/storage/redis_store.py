@@ -138,13 +138,32 @@ class RedisStore(KeyValueStore):
         self._count("hits")
         return value
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
         self._check_key(key)
         self._check_value(value)
         raw = encode_entry(key, bytes(value))
+        if keep_existing:
+            return self._put_unless_present(self.prefix + key, raw)
         ok = self._call(lambda c: c.set(self.prefix + key, raw, ex=self.ttl_s))
         self._count("puts" if ok else "dropped")
         return bool(ok)
+
+    def _put_unless_present(self, name: str, raw: bytes) -> bool:
+        """``SET NX`` (atomic against every client of the server); a key already there gets its
+        expiry refreshed in the same round trip, as a plain put would."""
+        def op(c: redis.Redis):
+            pipe = c.pipeline(transaction=False)
+            pipe.set(name, raw, ex=self.ttl_s, nx=True)
+            if self.ttl_s:
+                pipe.expire(name, self.ttl_s)
+            return pipe.execute()
+
+        done = self._call(op)
+        if done is None:
+            self._count("dropped")
+            return False
+        self._count("puts" if done[0] else "kept")
+        return True
 
     def touch(self, keys: list[str]) -> int:
         """One round trip for the whole list: with ``ttl_s`` a pipeline of ``EXPIRE`` (the keys

@@ -250,7 +250,10 @@ class KVTierThreads:
         """One page to the store; only a put the store kept marks the page written (a dropped one --
         store down, full, over its budget -- is retried at the page's next eviction)."""
         assert self.store is not None
-        if not self.store.put(store_key(h), encode_page(full, swa)):
+        # A page without its SWA row never replaces one stored with it (another engine, or this one
+        # before L2 forgot the page, saved it while its window was still held): the content is fixed
+        # by the hash, so the entry there is at least as good.
+        if not self.store.put(store_key(h), encode_page(full, swa), keep_existing=swa is None):
             self._count("l3_puts_failed")
             return
         self._count("l3_puts")

@@ -489,3 +489,12 @@ def test_disk_a_read_racing_an_eviction_leaves_no_phantom_entry(tmp_path: Path, 
     assert s.get("k") == bytes(100)  # the bytes read are still a valid answer
     assert len(s) == 0 and s.nbytes == 0
     s.check_integrity()
+
+
+def test_keep_existing_never_replaces_a_stored_value(store: KeyValueStore) -> None:
+    assert store.put("page", b"with its window", keep_existing=True)  # absent: stored
+    assert store.put("page", b"without", keep_existing=True)  # present: kept
+    assert store.get("page") == b"with its window"
+    assert store.stats.get("kept") == 1
+    assert store.put("page", b"replaced")  # a plain put still replaces
+    assert store.get("page") == b"replaced"

@@ -265,11 +265,11 @@ class Refusing(MemoryStore):
         super().__init__(1 << 24)
         self.refuse = False
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, **kw) -> bool:
         if self.refuse:
             self._count("dropped")
             return False
-        return super().put(key, value)
+        return super().put(key, value, **kw)
 
 
 @pytest.mark.parametrize("how", ["the store drops it", "the write queue is full"])
@@ -323,10 +323,10 @@ class Hung(MemoryStore):
         super().__init__(1 << 24)
         self.gate, self.entered = threading.Event(), threading.Event()
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes, **kw) -> bool:
         self.entered.set()
         self.gate.wait()
-        return super().put(key, value)
+        return super().put(key, value, **kw)
 
 
 def test_the_l3_write_queue_is_bounded_in_bytes_and_close_does_not_wait_for_a_hung_store(caplog):

@@ -207,3 +207,31 @@ def test_staging_evicts_other_jobs_pages_first_and_stops_before_its_own():
     assert prefetcher._staged_nbytes == 3 * page and prefetcher.counters["l3_staging_full"] == 1
     assert all(len(job.pages) == 0 for job in jobs)  # the staged area holds the rows, the jobs none
     prefetcher.stop()
+
+
+# ---- a page saved without its SWA row never replaces one stored with it --------------------------
+def test_a_page_saved_without_its_swa_row_keeps_the_stored_one_with_it(model, tmp_path):
+    """Engine A serves X and stores X's last window with SWA rows. Engine B serves X + more (it did
+    not wait for L3) and, having dropped the SWA behind its window, saves X's pages Full-only. X's
+    L3 hit must survive B: it did not when B's puts replaced A's entries."""
+    config = dict(CONFIG, prefix_checkpoint_every=0, kv_store=str(tmp_path), kv_model_id=MODEL_ID)
+    longer = SHARED + OTHER * 4
+
+    def x_hit() -> int:
+        engine = LLMEngine(model, EngineConfig(**config))
+        run(engine, {"x": (SHARED, 2)})
+        hit = engine.prefix_cache.stats().get("hit_tokens_l3", 0)
+        engine.close()
+        return hit
+
+    a = LLMEngine(model, EngineConfig(**config))
+    run(a, {"x": (SHARED, 2)})
+    a.close()
+    before = x_hit()
+    assert before >= len(SHARED) - PAGE
+    b = LLMEngine(model, EngineConfig(**config, kv_l3_load_timeout_s=0.0))
+    run(b, {"y": (longer, 2)})
+    b.prefix_cache.evict(10**9, 10**9)
+    b.prefix_cache.tiers.threads.join_writes()
+    b.close()
+    assert x_hit() == before
