@@ -103,7 +103,7 @@ def plain_features(enc: AudioTokenizerEncoder, mel: torch.Tensor, mode: str) -> 
 def test_tokenizer_features_match_plain_reference(mode):
     enc = tokenizer(tokenizer_attention=mode)
     mels = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (37, 16, 5)]
-    batched = enc.features(mels)  # one padded forward
+    batched = enc.features(mels)  # one packed forward
     for mel, got in zip(mels, batched):
         ref = plain_features(enc, mel, mode)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
