@@ -7,7 +7,8 @@
 
 Prompts are strings (need a tokenizer in the model dir) or token-id lists. A prompt the engine cannot
 serve (too long, unknown ids, empty) comes back with finish_reason "error", ``.error`` saying why and
-``.error_kind`` (``ErrorKind`` context_length or invalid_input); the others still finish.
+``.error_kind`` (``ErrorKind`` context_length or invalid_input); the others still finish. ``.text``
+is the output text with a tokenizer, None without one (not decoded).
 """
 
 from __future__ import annotations
@@ -115,17 +116,31 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         token_lists = [self._tokens(p) for p in prompts]  # validate everything before queueing
         ids = []
-        for tokens, p in zip(token_lists, params):
-            rid = f"llm-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, tokens, p)
-            ids.append(rid)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            for tokens, p in zip(token_lists, params):
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, tokens, p)  # raises on bad params (e.g. stop without a tokenizer)
+                ids.append(rid)
+        except Exception:
+            # the prompts queued before it would run on, unseen, inside the next call: abort them and
+            # take their final outputs, so the engine is left as before the call
+            for rid in ids:
+                self.engine.abort(rid)
+            self._run_until_finished(ids)
+            raise
+        final = self._run_until_finished(ids)
         return [final[r] for r in ids]
+
+    def _run_until_finished(self, ids: list[str]) -> dict[str, RequestOutput]:
+        """Step the engine until every request of ``ids`` finished; their final outputs by id."""
+        left, final = set(ids), {}
+        while left:
+            for out in self.engine.step():
+                if out.finished and out.request_id in left:
+                    final[out.request_id] = out
+                    left.discard(out.request_id)
+        return final
 
     def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -120,7 +120,7 @@ class MultimodalLLM:
             # this conversation fails, the others go on (admission overload still raises: the
             # caller sent more conversations at once than max_queue)
             kind = exc.kind if isinstance(exc, MMServeError) else ErrorKind.INVALID_INPUT.value
-            return RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error",
+            return RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error", text="",
                                  error=f"{type(exc).__name__}: {exc}", error_kind=kind)
         assert last is not None and last.finished
         return last

@@ -4,14 +4,14 @@
                                           serve becomes an early "error" output right away
     step()               (engine thread):
         drain queues: early outputs out, new requests to the Scheduler's waiting queue, aborts end
-        -> Scheduler.schedule (requests it cannot ever fit end with "error")
+        -> Scheduler.schedule (a request the SWA pool cannot hold even alone ends with "error")
         -> ModelRunner.run: input preparation, forward, logits of the sampling rows, Sampler
            (an exception ends only the request it came from with "error": the sampler isolates
            rows, a failing step is run again without the entries that fail alone)
         -> Scheduler.after_step (progress, prefix-cache inserts, SWA release behind the window)
         -> per sampled token: append it, then stop checks in Request.check_stop's order
            (EOS / stop token id, stop string, length); a finished request gives its pages back
-        -> outputs
+        -> outputs (a final text's decode that raises ends only its request with "error", text "")
     stats()              (any thread): the last EngineStats snapshot the engine thread published at
                          the end of a step (llm_core/engine/stats.py)
 
@@ -97,6 +97,11 @@ class LLMEngine:
                                **pool_sizing(self.config, layout, dtype=self.dtype, device=self.device,
                                              max_model_len=self.max_model_len,
                                              prefix_caching=enable_prefix_caching).__dict__)
+        # The longest prompt + output one request can hold: a lone request gets the whole Full pool
+        # and no more (vLLM refuses to start with a pool below max_model_len; this engine caps the
+        # context instead). A longer prompt is refused at add_request and generation that reaches
+        # it ends with "length", as at max_model_len -- never a preemption or an "error" part-way.
+        self.max_context_tokens = min(self.max_model_len, self.pool.full.num_pages * self.config.page_size)
         # fixed-shape decode steps (not under MTP: its steps run through the speculative runner)
         mode = self.config.decode_mode(self.device) if self.speculative is None else None
         self.decode_warmup_s = 0.0 if mode is None else self.runner.enable_decode_graphs(
@@ -106,7 +111,7 @@ class LLMEngine:
 
             prefix_cache = build_prefix_cache(self.pool, self.config, model)
         drafts = None if self.speculative is None else (
-            lambda req, running: self.speculative.num_draft_tokens(req, running, self.max_model_len))
+            lambda req, running: self.speculative.num_draft_tokens(req, running, self.max_context_tokens))
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,
                                    self.config.queue, draft_tokens=drafts)
         self.prefix_cache = self.scheduler.prefix_cache
@@ -123,15 +128,17 @@ class LLMEngine:
 
     # ---- public API -------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> RequestError | None:
-        """Why this prompt cannot be served (None if it can): too long (``CONTEXT_LENGTH``) or
-        malformed (``INVALID_INPUT``). Placeholder ids may be out of the vocabulary when an
-        embedding source covers them."""
+        """Why this prompt cannot be served (None if it can): too long for ``max_context_tokens``
+        (``CONTEXT_LENGTH``) or malformed (``INVALID_INPUT``). Placeholder ids may be out of the
+        vocabulary when an embedding source covers them."""
         if len(prompt_token_ids) == 0:
             return RequestError(ErrorKind.INVALID_INPUT, "empty prompt: at least one token is needed")
-        if len(prompt_token_ids) + 1 > self.max_model_len:
+        if len(prompt_token_ids) + 1 > self.max_context_tokens:
+            why = "" if self.max_context_tokens == self.max_model_len else (
+                f" (what the KV pool holds for one request; max_model_len is {self.max_model_len})")
             return RequestError(ErrorKind.CONTEXT_LENGTH,
                                 f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
-                                f"the context limit of {self.max_model_len} tokens")
+                                f"the context limit of {self.max_context_tokens} tokens{why}")
         if not has_embeds:
             vocab = self.model_config.vocab_size
             bad = [t for t in prompt_token_ids if not _is_token(t) or not 0 <= t < vocab]
@@ -172,7 +179,9 @@ class LLMEngine:
             if problem is not None:
                 req.status, req.finish_reason = req.status.FINISHED, "error"
                 req.error, req.error_kind = problem.message, problem.kind
-                self._early_outputs.append(self._output(req, []))
+                out = self._output(req, [])
+                out.text = self._final_text(req)  # "" (no output) with a tokenizer: no decode runs
+                self._early_outputs.append(out)
                 return
             self._live[req.request_id] = req
             self._pending_add.append(req)
@@ -230,14 +239,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.last_step_progressed = drained or bool(batch) or bool(batch.failed) or bool(batch.preempted)
         for req in batch.failed:
-            outputs.append(self._finish_output(req, []))
+            outputs.append(self._final_output(req, []))
         if not batch:
             return outputs
         self.runner.begin_step()
         result = run_isolated(self._stepper, batch.entries, lambda: self.prefix_cache.kv_buffers(self.pool))
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
             self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
-            outputs.append(self._finish_output(e.request, []))
+            outputs.append(self._final_output(e.request, []))
         if self.speculative is not None:
             outputs.extend(self._settle_speculative(batch, result))
             return outputs
@@ -246,7 +255,7 @@ class LLMEngine:
             req = s.entry.request
             try:  # the stop check and the final text use the tokenizer: its error ends this request only
                 req.append_token(s.token_id, s.logprob, s.top_logprobs)
-                reason = req.check_stop(self.max_model_len)
+                reason = req.check_stop(self.max_context_tokens)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
                     outputs.append(self._finish_output(req, [s.token_id]))
@@ -257,14 +266,19 @@ class LLMEngine:
         return outputs
 
     def _failed_output(self, req: Request, exc: Exception) -> RequestOutput:
-        """End ``req`` with an internal error raised while its step's token was handed out (its
-        text is not decoded again: the tokenizer may be what failed)."""
+        """End ``req`` with an internal error raised while its step's token or its final text was
+        handed out. Its text is "" (not decoded again: the tokenizer may be what failed); a request
+        that already ended in error keeps that error (the client learns why it really ended)."""
         log.exception("request %s failed after its step", req.request_id)
         self.scheduler.finish(req, "error")  # pages back (a no-op when its stop already ended it)
-        req.finish_reason, req.error, req.error_kind = "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL
+        if req.finish_reason != "error":
+            req.finish_reason, req.error = "error", f"{type(exc).__name__}: {exc}"
+            req.error_kind = ErrorKind.INTERNAL
         with self._lock:
             self._live.pop(req.request_id, None)
-        return self._output(req, [])
+        out = self._output(req, [])
+        out.text = None if self.tokenizer is None else ""
+        return out
 
     def probe_prefill(self, num_tokens: int) -> bool:
         """A scratch prefill of ``num_tokens`` tokens (pages given back; no request, queue, prefix cache or
@@ -327,7 +341,7 @@ class LLMEngine:
                 for s in toks:
                     req.append_token(s.token_id, s.logprob, s.top_logprobs)
                     new.append(s.token_id)
-                    reason = req.check_stop(self.max_model_len)
+                    reason = req.check_stop(self.max_context_tokens)
                     if reason is not None:
                         break
             except Exception as exc:  # noqa: BLE001 -- ends this request only (after_step skips it)
@@ -363,7 +377,7 @@ class LLMEngine:
                 req = self._live.get(rid)
             if req is not None and not req.finished:
                 self.scheduler.finish(req, "abort")
-                outputs.append(self._finish_output(req, []))
+                outputs.append(self._final_output(req, []))
         return outputs, drained
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
@@ -379,14 +393,33 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             error=req.error,
             error_kind=req.error_kind,
-            num_cached_tokens=req.num_cached_tokens,
+            num_cached_tokens=self.scheduler.cached_prompt_tokens(req),
         )
 
     def _finish_output(self, req: Request, new: list[int]) -> RequestOutput:
+        """A finished request's last output, with its final text (the decode may raise)."""
         with self._lock:
             self._live.pop(req.request_id, None)
         out = self._output(req, new)
-        if self.tokenizer is not None and req.output_token_ids:
-            out.text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(
-                req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        out.text = self._final_text(req)
         return out
+
+    def _final_output(self, req: Request, new: list[int]) -> RequestOutput:
+        """``_finish_output`` where nothing else guards it (aborts, scheduler failures, failed
+        entries): a decode that raises ends this request with "error", and the step's other outputs
+        are still handed out (a lost output leaves its client waiting for ever)."""
+        try:
+            return self._finish_output(req, new)
+        except Exception as exc:  # noqa: BLE001 -- this request only
+            return self._failed_output(req, exc)
+
+    def _final_text(self, req: Request) -> str | None:
+        """The finished request's text (RequestOutput.text): None without a tokenizer, else its
+        output cut before the stop string it matched, or all of its output ("" when there is none)."""
+        if self.tokenizer is None:
+            return None
+        if req.stop_text is not None:
+            return req.stop_text
+        if not req.output_token_ids:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)

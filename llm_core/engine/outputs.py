@@ -33,14 +33,20 @@ class RequestOutput:
     kind of failure it is; the pools are left as if the request never came) or "abort".
     ``logprobs``: the chosen token's logprob per generated token (None unless requested);
     ``top_logprobs``: per generated token, {token_id: logprob} of the top-n (n = params.logprobs).
-    ``text`` is filled only when the request finished and the engine has a tokenizer.
+    ``text``: the final output text (cut before a matched stop string), set once the request finished
+    on an engine with a tokenizer -- "" is real text (nothing before the stop string, no output, or a
+    decode that failed); None means it was not decoded (still running, or no tokenizer), and a
+    consumer decodes the tokens itself.
+    ``num_cached_tokens``: prompt tokens the prefix cache supplied when the request was first
+    admitted (vLLM's meaning, reported as usage.prompt_tokens_details.cached_tokens): never more than
+    the prompt, and a re-admission after a preemption does not change it.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str | None = None  # None: not decoded (see above)
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     finished: bool = False

@@ -4,7 +4,10 @@ Every step each request gets ``min(ready - num_computed, chunk cap, budget left)
 fresh prompt (chunked prefill), a prefix-cache hit and a decode step share one code path. Running
 requests go first, oldest first; waiting ones are admitted while both pools have room for their
 first chunk (checking only one pool mis-admits). When a running request cannot get pages, the
-youngest running request is preempted (its KV dropped, recomputed later) instead of failing.
+youngest running request is preempted (its KV dropped, recomputed later) instead of failing. A
+request that does not fit even alone ends with "error" (not counted as a preemption); the engine
+caps each request's context at the Full pool (``LLMEngine.max_context_tokens``), so only an SWA pool
+too small for one request's window and chunk gets there.
 
 SWA pages wholly behind the window are released after every multi-token chunk and every
 ``swa_release_interval`` decoded tokens:
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -109,11 +113,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_seq (oldest first)
         self.num_preemptions = 0
+        # Prompt tokens the prefix cache supplied at each request's first admission: what its outputs
+        # report (cached_prompt_tokens). Request.num_cached_tokens is the last admission's hit, which
+        # the prefix cache counts in its stats; after a preemption that hit covers the request's own
+        # generated tokens too and would report more cached tokens than the prompt has.
+        self._first_hits: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     # ---- public API -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def cached_prompt_tokens(self, request: Request) -> int:
+        """Prompt tokens the prefix cache supplied when ``request`` was first admitted (vLLM's
+        ``num_cached_tokens``; 0 before that): at most the prompt, and kept over preemptions."""
+        return self._first_hits.get(request, 0)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts; allocate their pages."""
@@ -132,9 +146,8 @@ class Scheduler:
                 batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n, k))
                 budget -= n
                 i += 1
-            elif self._pool_empty():
-                # It was alone and still does not fit: it never will. Fail it instead of looping.
-                batch.preempted.remove(req)
+            elif req.status is RequestStatus.RUNNING:
+                # Alone and still no room: it never will fit. Fail it instead of looping.
                 self._fail_unfittable(req, batch)
         if batch.preempted:
             return batch  # pools are tight: do not admit new work in the same step
@@ -164,6 +177,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.prefix_cache.admitted(req)  # its lookup counts once, not once per step it waited
+            self._first_hits.setdefault(req, min(req.num_cached_tokens, req.num_prompt_tokens))
             bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
             batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
             budget -= n
@@ -270,8 +284,9 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> int:
         """Allocate for up to ``n`` new tokens of ``req``; returns how many got pages (0: ``req``
-        itself was preempted). On shortage: release SWA slack, then shrink the chunk to what fits,
-        then preempt the youngest running request until at least one token fits."""
+        itself was preempted, or it is alone and does not fit: it stays RUNNING for the caller to
+        fail). On shortage: release SWA slack, then shrink the chunk to what fits, then preempt the
+        youngest running request until at least one token fits."""
         if self._try_allocate(req, n):
             return n
         self.release_all_behind_window()
@@ -281,6 +296,8 @@ class Scheduler:
             if fit and self._try_allocate(req, fit):
                 return fit
             victim = self.running[-1]
+            if victim is req and self._alone(req):
+                return 0  # preempting it would free only its own pages: a failure, not a preemption
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is req:
@@ -298,6 +315,10 @@ class Scheduler:
         """No request (``but`` aside: the one being admitted holds its matched prefix's pages) holds
         pages (a prefix cache may, but it was asked to make room already)."""
         return not self.running and not any(r.full_pages for r in self.waiting if r is not but)
+
+    def _alone(self, req: Request) -> bool:
+        """``req`` is the only running request and no other request holds pages."""
+        return self.running == [req] and not any(r.full_pages for r in self.waiting)
 
     def _fail_unfittable(self, req: Request, batch: ScheduledBatch) -> None:
         self.finish(req, "error", (

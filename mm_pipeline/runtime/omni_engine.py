@@ -207,7 +207,12 @@ class OmniEngine:
             new = out.new_token_ids
             if new and first_token_time is None:
                 first_token_time = time.time()
-            text = detok.finish(out.text or None) if out.finished else detok.push(new)
+            if not out.finished:
+                text = detok.push(new)
+            elif out.text is not None:  # the engine's final text, "" too: a stop string with nothing
+                text = detok.finish(out.text)  # before it -- its held-back start must not be sent
+            else:  # not decoded by the engine: decode here, this output's tokens included
+                text = detok.push(new) + detok.finish(None)
             lps = tops = None
             if out.logprobs is not None and out.top_logprobs is not None:
                 lps = out.logprobs[sent:sent + len(new)]

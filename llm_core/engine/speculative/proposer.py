@@ -42,7 +42,7 @@ LAYER_MODES = ("first", "chain")
 @dataclass
 class _Tail:
     position: int  # the row these hidden states belong to
-    levels: list[torch.Tensor]  # [H] each: level 0 = target, level l + 1 = MTP layer l
+    levels: torch.Tensor  # [L, H], its own storage: level 0 = target, level l + 1 = MTP layer l
 
 
 class MTPProposer:
@@ -103,8 +103,10 @@ class MTPProposer:
         return outs
 
     def commit(self, request, position: int, row: int, hidden: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        """Keep the hidden states of ``row`` (the request's last computed position) for its next step."""
-        self._tails[request] = _Tail(position, [hidden[row]] + [o[row] for o in outs])
+        """Keep the hidden states of ``row`` (the request's last computed position) for its next step.
+        Copied (one stack): a view of ``hidden[row]`` would keep the whole step's [T, H] tensors
+        alive -- a prefill step's, for as long as an idle request (which commits no newer tail) runs."""
+        self._tails[request] = _Tail(position, torch.stack([hidden[row], *(o[row] for o in outs)]))
 
     def _tail(self, request, position: int, level: int, like: torch.Tensor) -> torch.Tensor:
         tail = self._tails.get(request)
