@@ -116,12 +116,6 @@ class IncrementalDetokenizer:
         self._unsent = final[len(sent):]
         return self._emit(len(self._unsent))
 
-    def token_text(self, token_id: int) -> str:
-        """One token as text (for top-logprob maps)."""
-        if self.tokenizer is None:
-            return str(token_id)
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _emit(self, upto: int) -> str:
         if upto <= 0:
             return ""

@@ -46,7 +46,9 @@ class GenerationDelta:
     new_token_ids: list[int]
     new_text: str
     logprobs: list[float] | None
-    top_logprobs: list[dict[str, float]] | None
+    # by token id: distinct tokens may decode to the same text (byte tokens of a multi-byte
+    # character all read U+FFFD), so the response builder turns ids into text per entry
+    top_logprobs: list[dict[int, float]] | None
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
@@ -216,8 +218,7 @@ class OmniEngine:
             lps = tops = None
             if out.logprobs is not None and out.top_logprobs is not None:
                 lps = out.logprobs[sent:sent + len(new)]
-                tops = [{detok.token_text(t): lp for t, lp in d.items()}
-                        for d in out.top_logprobs[sent:sent + len(new)]]
+                tops = [dict(d) for d in out.top_logprobs[sent:sent + len(new)]]
             sent += len(new)
             yield GenerationDelta(out.request_id, list(new), text, lps, tops, out.finished, out.finish_reason,
                                   len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,

@@ -31,7 +31,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int | str, float]] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -204,9 +204,7 @@ class TokenStrings:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
 
-    def __call__(self, token_id: int | str) -> str:
-        if isinstance(token_id, str):  # the engine already turned top-logprob ids into text
-            return token_id
+    def __call__(self, token_id: int) -> str:
         s = self._cache.get(token_id)
         if s is None:
             if self._tok is None:
@@ -217,7 +215,7 @@ class TokenStrings:
         return s
 
     def chat_logprobs(self, ids: Sequence[int], lps: Sequence[float],
-                      tops: Sequence[dict[int | str, float]]) -> ChatLogprobs:
+                      tops: Sequence[dict[int, float]]) -> ChatLogprobs:
         content = []
         for i, (tid, lp) in enumerate(zip(ids, lps)):
             top = tops[i] if i < len(tops) and tops[i] else {}
@@ -228,7 +226,7 @@ class TokenStrings:
                               for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
         return ChatLogprobs(content=content)
 
-    def completion_logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int | str, float]],
+    def completion_logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int, float]],
                             offset: int = 0) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for i, (tid, lp) in enumerate(zip(ids, lps)):
@@ -236,7 +234,11 @@ class TokenStrings:
             out.tokens.append(s)
             out.token_logprobs.append(lp)
             top = tops[i] if i < len(tops) and tops[i] else {}
-            out.top_logprobs.append({self(t): v for t, v in sorted(top.items(), key=lambda kv: -kv[1])})
+            # the legacy format keys by text: tokens reading alike keep the most likely one's logprob
+            by_text: dict[str, float] = {}
+            for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
+                by_text.setdefault(self(t), v)
+            out.top_logprobs.append(by_text)
             out.text_offset.append(offset)
             offset += len(s)
         return out

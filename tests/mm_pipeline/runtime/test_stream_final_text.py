@@ -50,3 +50,35 @@ def test_stop_string_after_text_sends_only_the_text_before_it():
 def test_output_the_engine_did_not_decode_is_decoded_whole():
     params = SamplingParams(max_tokens=3, stop=["zz"])  # holds one character back while streaming
     assert "".join(streamed(steps([0, 1, 2], None, "length"), params)) == "abc"
+
+
+class ByteTokenizer:
+    """Ids >= 200 are byte tokens of multi-byte characters: alone each reads U+FFFD, as in a
+    byte-level BPE vocabulary."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join("\ufffd" if t >= 200 else chr(ord("a") + t % 26) for t in token_ids)
+
+
+def test_top_logprobs_of_tokens_that_read_alike_keep_every_entry():
+    from mm_pipeline.server.choices import TokenStrings
+
+    eng = OmniEngine.__new__(OmniEngine)
+    eng.tokenizer = ByteTokenizer()
+    top = {0: -0.1, 201: -2.0, 202: -3.0, 203: -4.0}
+    out = RequestOutput("r", [1], token_ids=[0], new_token_ids=[0], logprobs=[-0.1], top_logprobs=[top],
+                        finished=True, finish_reason="length", text="a")
+
+    async def deltas():
+        async def outs():
+            yield out
+        return [d async for d in eng._deltas(outs(), SamplingParams(max_tokens=1, logprobs=4))]
+
+    (delta,) = asyncio.run(deltas())
+    strings = TokenStrings(ByteTokenizer())
+    chat = strings.chat_logprobs(delta.new_token_ids, delta.logprobs, delta.top_logprobs).content[0]
+    assert [(t.token, t.logprob) for t in chat.top_logprobs] == [
+        ("a", -0.1), ("\ufffd", -2.0), ("\ufffd", -3.0), ("\ufffd", -4.0)]
+    # the legacy completions format keys by text: the most likely of the alike tokens is kept
+    legacy = strings.completion_logprobs(delta.new_token_ids, delta.logprobs, delta.top_logprobs)
+    assert legacy.top_logprobs == [{"a": -0.1, "\ufffd": -2.0}]
