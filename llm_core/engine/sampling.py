@@ -6,8 +6,9 @@ distribution (log_softmax of the logits, before temperature / top-k / top-p), so
 on how a token was chosen.
 
 Randomness: a request with a ``seed`` owns a ``torch.Generator`` and draws a vocab-sized noise row of
-its own every step, so its tokens do not depend on what else is in the batch. Unseeded requests share
-the engine's generator.
+its own for every token it emits (``noise_row``), so its tokens do not depend on what else is in the
+batch -- nor on speculative decoding, whose verification emits each token from the same row
+(speculative/verify.py). Unseeded requests share the engine's generator.
 """
 
 from __future__ import annotations
@@ -182,12 +183,7 @@ class Sampler:
     # ---- internal helpers -------------------------------------------------------------------
     def _sample_random(self, logits, rows, params, generators) -> torch.Tensor:
         x = logits[torch.tensor(rows, device=logits.device)]
-        temps = torch.tensor([params[i].temperature for i in rows], device=x.device, dtype=x.dtype)
-        x = x / temps[:, None]
-        needs_filter = any(params[i].top_k > 1 or params[i].top_p < 1.0 for i in rows)
-        if needs_filter:
-            x = self._filter(x, [params[i] for i in rows])
-        probs = torch.softmax(x, dim=-1)
+        probs = self.probs(x, [params[i] for i in rows])
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from p (and p = 0 never wins).
         noise = torch.empty_like(probs)
         shared = [j for j, i in enumerate(rows) if generators[i] is None]
@@ -197,10 +193,31 @@ class Sampler:
         for j, i in enumerate(rows):
             g = generators[i]
             if g is not None:
-                # drawn on the generator's device (CPU for request seeds), so a seed gives the same
-                # noise whatever device the logits live on
-                noise[j] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g).to(x.device)
+                noise[j] = self.noise_row(g, probs.shape[1], x.device)
         return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """[R, V] fp32 logits -> the distributions the random rows draw from: temperature, then
+        top-k / top-p (``_filter``), then softmax. Row-wise, so a row's result does not depend on the
+        others (speculative verification uses it for a request's verify rows)."""
+        temps = torch.tensor([p.temperature for p in params], device=x.device, dtype=x.dtype)
+        x = x / temps[:, None]
+        if any(p.top_k > 1 or p.top_p < 1.0 for p in params):
+            x = Sampler._filter(x, params)
+        return torch.softmax(x, dim=-1)
+
+    def noise_row(self, generator: torch.Generator | None, vocab: int, device: torch.device | str) -> torch.Tensor:
+        """The next Exp(1) noise row [V] of one emitted token, on ``device``.
+
+        A seeded request's row is drawn on its generator's device (CPU for request seeds), one call
+        per emitted token, so a seed gives the same noise whatever device the logits live on and
+        whoever else is in the batch; speculative verification draws through here too, one row per
+        token it emits, so a seed's stream is that of plain decoding. ``None``: the shared generator,
+        on ``device`` (the sampler's own device, as in ``__call__``)."""
+        if generator is None:
+            return torch.empty(vocab, device=device).exponential_(generator=self._shared)
+        return torch.empty(vocab, device=generator.device).exponential_(generator=generator).to(device)
 
     @staticmethod
     def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
     proposer.py   MTPProposer: MTP KV for every computed row (the "extend"), k greedy draft tokens
     draft_steps.py DraftSteps: the first mode's k draft steps' inputs (batches, plans, rotary), built once
-    verify.py     accepted prefix + one bonus token: greedy (exact match) or rejection sampling
+    verify.py     accepted prefix + one bonus token: greedy (exact match) or the plain sampler's draws
     adaptive.py   DraftLength: k per request from its recent acceptance and the batch size; the step gate
     acceptance_prior.py  AcceptancePrior: the engine-wide acceptance a new request starts from
     step_cost.py  StepCost: a drafting step's measured cost in plain steps, per batch size and draft cap

@@ -19,7 +19,8 @@ c = position of the pending token t_c, d_0 = t_c:
         Rows c .. c + s - 1 of layer s are what its KV lacks (the extend stops at c - 1).
     d_{s+1} = argmax lm_head(output at row c + s)
 
-Drafts are greedy (a one-hot proposal), which keeps rejection sampling simple (verify.py).
+Drafts are greedy (a one-hot proposal): verification then only asks whether the plain sampler,
+with its own noise row, would emit the draft (verify.py) -- exact, and a seed reproduces.
 """
 
 from __future__ import annotations

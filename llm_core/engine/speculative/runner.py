@@ -120,7 +120,7 @@ class SpeculativeRunner:
         if p.greedy:
             tokens = verify_greedy(logits, drafts)
         else:
-            tokens = verify_sampled(logits, drafts, p, req.generator or self.runner.sampler._shared)
+            tokens = verify_sampled(logits, drafts, p, req.generator, self.runner.sampler)
         accepted = len(tokens) - 1
         self.stats.record(len(drafts), accepted)
         self.draft_length.update(req, len(drafts), accepted)

@@ -1,7 +1,7 @@
 """MTP speculative decoding on a tiny random checkpoint with MTP layers: greedy outputs (tokens and
 logprobs) equal non-speculative decoding under chunked prefill, prefix caching, preemption, stop
 conditions and both layer modes; rejected KV is rolled back in both pools (every page free at the end,
-the prefix cache's invariants hold); rejection sampling keeps the target distribution.
+the prefix cache's invariants hold); sampled verification keeps the target distribution.
 
 Random MTP layers almost never guess right, so most tests swap the drafted tokens for an *oracle*:
 the non-speculative continuation with random corruptions. The real draft still runs first (its KV
@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.engine.sampling import Sampler
 from llm_core.engine.speculative.verify import target_probs, verify_sampled
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint, write_hub_layout
@@ -194,10 +195,10 @@ def test_seeded_sampling_is_reproducible(model):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
-def test_rejection_sampling_preserves_the_target_distribution():
+def test_sampled_verification_preserves_the_target_distribution():
     """Small vocabulary: draft token d with target p. The first emitted token must follow p whatever d
     is; given d was accepted, the second must follow the second row's p (chi-square, 3 dof)."""
-    g = torch.Generator().manual_seed(0)
+    g, sampler = torch.Generator().manual_seed(0), Sampler()
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 1.5, 0.2, 0.9], [1.0, 1.0, 1.0, 1.0]])
     params = SamplingParams(temperature=0.9)
     p = target_probs(logits, params)
@@ -205,7 +206,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
     for drafts in ([0, 1], [3, 1], [2, 0]):
         first, second = torch.zeros(4), torch.zeros(4)
         for _ in range(n):
-            out = verify_sampled(logits, drafts, params, g)
+            out = verify_sampled(logits, drafts, params, g, sampler)
             first[out[0]] += 1
             if out[0] == drafts[0]:
                 second[out[1]] += 1
