@@ -11,6 +11,18 @@ Accepted content parts (``content`` may also be a plain string):
     {"type": "input_audio_codes", "input_audio_codes": {"codes": [[...], ...], "format": "mimo_rvq"}}
                                                              (mmserve extension: media/audio_codes.py)
     {"type": "image" | "video" | "audio", "image": <url, path or bytes>}   (offline convenience)
+    {"type": "refusal", "refusal": ...}                       (assistant messages: rendered as text)
+
+Roles are ``ROLES`` (the server's request model takes its list from here): ``developer`` is read as
+``system`` (OpenAI's newer name for it); a ``tool`` message is a tool's answer (the chat template
+wraps it in ``<tool_response>``; its ``tool_call_id`` is not rendered, as by the template itself).
+An assistant message's ``refusal`` is what it said, kept as text as its refusal parts are.
+
+Message fields the prompt layout does not hand to the chat template are refused by name rather than
+dropped, since dropping them changes the prompt the client asked for (``UNRENDERED``): assistant
+``tool_calls`` / ``function_call`` (the template has no place for them) and ``reasoning_content``
+(the template would render it as ``<think>...</think>``, but ``ChatLayout`` passes each message's
+role and content only). Empty values are what leaving the field out renders, and are accepted.
 
 Nothing is read or decoded here (that happens off the event loop); this only checks shapes, so a
 malformed message fails fast with HTTP 400 before any work starts. The declared kind of a part
@@ -29,6 +41,13 @@ from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes, parse_codes
 from mm_pipeline.media.types import MediaKind, MediaSource
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# message field -> why it cannot be honoured (module doc); reasoning: vLLM's newer name for reasoning_content
+UNRENDERED = {
+    "tool_calls": "tool calls are not supported (the chat template does not render them)",
+    "function_call": "function calls are not supported (the chat template does not render them)",
+    "reasoning_content": "an assistant's reasoning is not rendered into the prompt by this server",
+    "reasoning": "an assistant's reasoning is not rendered into the prompt by this server",
+}
 _URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
 _PLAIN_PARTS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO, "audio": MediaKind.AUDIO}
 
@@ -67,8 +86,29 @@ class ChatRequest:
         return [p for t in self.turns for p in t.parts if isinstance(p, MediaRef)]
 
 
+class ParsedMessages(tuple):
+    """Message dicts together with their parse: ``parse_messages`` hands back ``chat`` instead of
+    parsing again. The server parses a long conversation on a worker thread (chat_service.py) and
+    passes this on as the messages, so the engine's own ``parse_messages`` (on the event loop) costs
+    nothing, while an engine that reads the dicts (the cluster's RemoteEngine) still can. The dicts
+    must not change afterwards; pickled, it is a plain tuple (another process parses it again)."""
+
+    chat: ChatRequest
+
+    def __new__(cls, messages: Any) -> "ParsedMessages":
+        chat = parse_messages(messages)
+        self = super().__new__(cls, messages)
+        self.chat = chat
+        return self
+
+    def __reduce__(self) -> tuple:
+        return tuple, (tuple(self),)
+
+
 def parse_messages(messages: Any) -> ChatRequest:
     """Validate OpenAI chat ``messages`` and turn them into a :class:`ChatRequest`."""
+    if isinstance(messages, ParsedMessages):
+        return messages.chat
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidMessageError("messages must be a non-empty list of {role, content} objects")
     turns = []
@@ -78,11 +118,21 @@ def parse_messages(messages: Any) -> ChatRequest:
         role = msg.get("role")
         if role not in ROLES:
             raise InvalidMessageError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        turns.append(ChatTurn("system" if role == "developer" else role, _parts(msg.get("content"), f"messages[{i}]")))
+        where = f"messages[{i}]"
+        for name, why in UNRENDERED.items():
+            if msg.get(name):  # None, "" and [] render as the field left out
+                raise InvalidMessageError(f"{where}.{name}: {why}")
+        parts = _parts(msg.get("content"), where, role)
+        refusal = msg.get("refusal")
+        if refusal is not None:
+            if role != "assistant" or not isinstance(refusal, str):
+                raise InvalidMessageError(f"{where}.refusal must be a string, in an assistant message")
+            parts += (refusal,)
+        turns.append(ChatTurn("system" if role == "developer" else role, parts))
     return ChatRequest(tuple(turns))
 
 
-def _parts(content: Any, where: str) -> tuple[Part, ...]:
+def _parts(content: Any, where: str, role: str) -> tuple[Part, ...]:
     if content is None:
         return ()
     if isinstance(content, str):
@@ -91,11 +141,11 @@ def _parts(content: Any, where: str) -> tuple[Part, ...]:
         raise InvalidMessageError(f"{where}.content must be a string or a list of parts")
     out: list[Part] = []
     for j, part in enumerate(content):
-        out.append(_part(part, f"{where}.content[{j}]"))
+        out.append(_part(part, f"{where}.content[{j}]", role))
     return tuple(out)
 
 
-def _part(part: Any, where: str) -> Part:
+def _part(part: Any, where: str, role: str) -> Part:
     if isinstance(part, str):
         return part
     if not isinstance(part, dict) or "type" not in part:
@@ -105,6 +155,11 @@ def _part(part: Any, where: str) -> Part:
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidMessageError(f"{where}.text must be a string")
+        return text
+    if kind == "refusal":  # OpenAI allows it in assistant messages only; the template takes it as text
+        text = part.get("refusal")
+        if role != "assistant" or not isinstance(text, str):
+            raise InvalidMessageError(f"{where}: a refusal part needs a string refusal, in an assistant message")
         return text
     if kind in _URL_PARTS:
         body = part.get(kind)
@@ -143,7 +198,7 @@ def _part(part: Any, where: str) -> Part:
             return MediaRef(media_kind, source=MediaSource(data=bytes(value), kind=media_kind))
         return MediaRef(media_kind, source=_source_from_url(value, media_kind, f"{where}.{kind}"))
     raise InvalidMessageError(f"{where} has unsupported type {str(kind)[:40]!r} (text, image_url, video_url, "
-                              f"audio_url, input_audio, input_audio_codes, file)")
+                              f"audio_url, input_audio, input_audio_codes, file, refusal)")
 
 
 def _source_from_url(url: Any, kind: MediaKind, where: str) -> MediaSource:

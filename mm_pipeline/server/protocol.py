@@ -1,19 +1,24 @@
 """Request and response models of the OpenAI-compatible API (the subset mmserve serves).
 
-Requests validate what the engine needs and ignore unknown fields (clients send ``user``,
-``metadata``...); features we do not implement (penalties, tools, ``best_of`` > ``n``) are rejected
-with a 400 that names them instead of being silently ignored.
+Requests validate what the engine needs. A field that would change the answer in a way we do not
+implement (penalties, tools, ``response_format`` json, ``best_of`` > ``n``, chat-template options...:
+``_NOT_IMPLEMENTED``) is rejected with a 400 that names it instead of being silently ignored,
+unless it holds its no-op value. Other unknown fields are ignored, as vLLM ignores them: metadata
+that does not change the answer (``user``, ``metadata``, ``store``, ``service_tier``,
+``prompt_cache_key``, ``safety_identifier``, ``prediction``, ``parallel_tool_calls``, ``priority``...).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_serializer,
+                      model_validator)
 
 from llm_core.engine.sampling import MAX_INT32, MAX_LOGPROBS, SEED_LIMIT
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
+from mm_pipeline.prompt.messages import ROLES
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -114,16 +119,32 @@ class FilePart(_Loose):
     file: FileRef
 
 
+class RefusalPart(_Loose):
+    """In assistant messages (prompt/messages.py checks the role): rendered as text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 ContentPart = Annotated[
-    Union[TextPart, ImagePart, VideoPart, AudioURLPart, AudioPart, AudioCodesPart, FilePart],
+    Union[TextPart, ImagePart, VideoPart, AudioURLPart, AudioPart, AudioCodesPart, FilePart, RefusalPart],
     Field(discriminator="type")
 ]
 
 
 class ChatMessage(_Loose):
-    role: Literal["system", "developer", "user", "assistant"]
+    # the roles and what each message field means are prompt/messages.py's (parse_messages): the
+    # fields it refuses (UNRENDERED: tool calls, reasoning) are declared here so that they reach it
+    # instead of being dropped by this model as unknown
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, description="accepted; the chat template does not render it")
+    tool_call_id: str | None = Field(default=None, description="accepted; the chat template does not render it")
+    refusal: str | None = Field(default=None, description="an assistant's refusal, rendered as text")
+    tool_calls: list[Any] | None = Field(default=None, description="rejected unless empty: not rendered")
+    function_call: Any = Field(default=None, description="rejected: not rendered")
+    reasoning_content: str | None = Field(default=None, description="rejected unless empty: not rendered")
+    reasoning: str | None = Field(default=None, description="rejected unless empty: not rendered")
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
@@ -134,16 +155,40 @@ class ChatMessage(_Loose):
 
 class StreamOptions(_Loose):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = Field(default=False, description="vLLM's usage in every chunk: "
+                                                                             "not supported")
 
 
-def _check_unsupported(values: dict[str, Any]) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if values.get(name) not in (None, 0, 0.0):
-            raise ValueError(f"{name} is not supported (only 0)")
-    if values.get("logit_bias"):
-        raise ValueError("logit_bias is not supported")
-    if values.get("tools") or values.get("functions"):
-        raise ValueError("tools / function calling are not supported")
+# field -> the values that leave the answer as if the field were absent (None always does). Any other
+# value is a 400 naming the field: each would change the answer in a way this server does not do.
+_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),  # json_object / json_schema: no constrained decoding here
+    "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+    # vLLM's extensions (their no-op values are vLLM's defaults)
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "length_penalty": (1,),
+    "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
+    "prompt_logprobs": (), "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
+}
+# chat only: what the prompt layout cannot do yet (ChatLayout renders the template with the
+# generation prompt and no template arguments; README "Serving (OpenAI-compatible)")
+_NOT_IMPLEMENTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template_kwargs": ({},),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": ({},), "echo": (False,),
+    "add_special_tokens": (False,),
+}
+
+
+def _check_unsupported(values: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+    for name, no_op in table.items():
+        value = values.get(name)
+        if value is not None and value not in no_op:
+            shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+            accepted = f"; accepted: {' or '.join(map(repr, no_op))}" if no_op else ""
+            raise ValueError(f"{name} is not supported by this server (got {shown}{accepted})")
 
 
 class SamplingFields(_Loose):
@@ -159,15 +204,18 @@ class SamplingFields(_Loose):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    # unsupported fields are looked for before the fields are validated: a 400 naming them, however
+    # the rest of the request looks
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, values: Any) -> Any:
         if isinstance(values, dict):
-            _check_unsupported(values)
+            _check_unsupported(values, _NOT_IMPLEMENTED)
         return values
 
     @field_validator("stop")
@@ -196,6 +244,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported_chat(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            _check_unsupported(values, _NOT_IMPLEMENTED_CHAT)
+        return values
 
     @model_validator(mode="after")
     def _logprob_pair(self) -> "ChatCompletionRequest":
@@ -301,6 +356,14 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _role_once(self, handler: Any) -> Any:
+        # OpenAI names the role in a choice's first delta only; later deltas leave the key out
+        out = handler(self)
+        if self.role is None and isinstance(out, dict):
+            out.pop("role", None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):

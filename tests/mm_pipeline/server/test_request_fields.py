@@ -1,0 +1,212 @@
+"""Every chat request field is honoured or refused by name (protocol.py, prompt/messages.py).
+
+A scripted engine (no model) stands behind the app and records what reaches it: fields that change
+the answer in a way the server does not implement are a 400 naming them, their no-op values are
+served; the roles the request model takes are the parser's; tool turns and refusals reach the
+chat template as it renders them (checked against ``apply_chat_template`` of the demo checkpoint);
+assistant tool calls and reasoning are refused rather than dropped. Streamed chunks have OpenAI's
+shape with and without ``include_usage``, and a long conversation is parsed off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import typing
+from typing import Any, AsyncIterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mm_pipeline.prompt.messages import ROLES, ChatTurn, ParsedMessages, parse_messages
+from mm_pipeline.server import ServerSettings, create_app
+from mm_pipeline.server import chat_service
+from mm_pipeline.server.protocol import ChatCompletionRequest, ChatMessage
+
+from tests.mm_pipeline.server.test_error_statuses import CHAT, ScriptedEngine, _sse_events
+from tests.support.paths import DEMO_MODEL
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted engine, keeping each chat's parse, its sampling params and the thread the
+    event loop runs on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chats: list[Any] = []
+        self.params: list[Any] = []
+        self.loop_thread: int | None = None
+
+    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None
+                       ) -> AsyncIterator[Any]:
+        self.loop_thread = threading.get_ident()
+        self.chats.append(parse_messages(messages))  # as OmniEngine.generate does
+        self.params.append(params)
+        async for delta in super().generate(messages, params, request_id=request_id):
+            yield delta
+
+
+@pytest.fixture()
+def app(tmp_path):
+    engine = RecordingEngine()
+    with TestClient(create_app(engine, ServerSettings(files_dir=str(tmp_path))),
+                    raise_server_exceptions=False) as client:
+        client.engine = engine
+        yield client
+
+
+def _post(app, **fields) -> Any:
+    return app.post("/v1/chat/completions", json={**CHAT, **fields})
+
+
+# ---- request fields ------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("continue_final_message", True),
+    ("add_generation_prompt", False),
+    ("tool_choice", "required"),
+    ("reasoning_effort", "low"),
+    ("modalities", ["text", "audio"]),
+    ("min_p", 0.1),
+    ("repetition_penalty", 1.2),
+    ("guided_json", {"type": "object"}),
+    ("include_stop_str_in_output", True),
+    ("echo", True),
+])
+def test_a_field_that_changes_the_answer_is_a_400_naming_it(app, field, value):
+    r = _post(app, **{field: value})
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+    assert app.engine.chats == []  # refused before anything started
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "none"}, {"presence_penalty": 0},
+    {"chat_template_kwargs": {}, "continue_final_message": False, "add_generation_prompt": True},
+    {"modalities": ["text"]},
+    # metadata that does not change the answer is ignored, as by vLLM
+    {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
+])
+def test_no_op_values_and_metadata_are_served(app, fields):
+    assert _post(app, **fields).status_code == 200
+
+
+def test_skip_special_tokens_reaches_the_engine(app):
+    assert _post(app, skip_special_tokens=False).status_code == 200
+    assert _post(app).status_code == 200
+    assert [p.skip_special_tokens for p in app.engine.params] == [False, True]
+
+
+# ---- roles and message fields --------------------------------------------------------------------
+def test_the_request_model_takes_the_parsers_roles():
+    assert typing.get_args(ChatMessage.model_fields["role"].annotation) == ROLES
+
+
+def test_tool_turns_and_refusals_reach_the_template(app):
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no."}]},
+                {"role": "assistant", "content": None, "refusal": "still no."},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert _post(app, messages=messages).status_code == 200
+    assert app.engine.chats[-1].turns == (ChatTurn("user", ("q",)), ChatTurn("assistant", ("no.",)),
+                                          ChatTurn("assistant", ("still no.",)), ChatTurn("tool", ("42",)))
+
+
+@pytest.mark.parametrize("message,field", [
+    ({"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
+    ({"role": "assistant", "content": "a", "reasoning_content": "because"}, "reasoning_content"),
+    ({"role": "assistant", "content": "a", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
+    ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}, "refusal"),
+])
+def test_what_the_template_cannot_render_is_refused_by_name(app, message, field):
+    r = _post(app, messages=[{"role": "user", "content": "q"}, message, {"role": "user", "content": "q2"}])
+    assert r.status_code == 400, r.text
+    assert "messages[1]" in r.json()["error"]["message"] and field in r.json()["error"]["message"]
+
+
+def test_empty_tool_calls_and_reasoning_render_as_left_out(app):
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "tool_calls": [], "reasoning_content": ""}]
+    assert _post(app, messages=messages).status_code == 200
+    assert app.engine.chats[-1].turns[1] == ChatTurn("assistant", ("a",))
+
+
+@pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")
+def test_tool_and_refusal_turns_render_as_the_chat_template_does():
+    from llm_core.llm import load_tokenizer
+    from mm_pipeline.model.config import OmniConfig
+    from mm_pipeline.prompt.layout import ChatLayout
+
+    tok = load_tokenizer(DEMO_MODEL)
+    omni = OmniConfig.from_pretrained(DEMO_MODEL)
+    layout = ChatLayout(omni.special, tok, omni.use_video_timestamps)
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "calling"},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no."}]}]
+    # what the template makes of a refusal: the text it is
+    reference = [*messages[:3], {"role": "assistant", "content": [{"type": "text", "text": "no."}]}]
+    req = ChatCompletionRequest(messages=messages)
+    ours = layout.render(chat_service._parsed_messages(req).chat, []).token_ids
+    expected = tok.apply_chat_template(reference, tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>42</tool_response>" in expected
+    assert list(ours) == tok.encode(expected, add_special_tokens=False)
+
+
+# ---- streamed chunks -----------------------------------------------------------------------------
+def _chunks(app, **fields) -> list[dict]:
+    r = _post(app, stream=True, n=2, **fields)
+    assert r.status_code == 200
+    events = _sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunks_have_openais_shape(app, include_usage):
+    chunks = _chunks(app, stream_options={"include_usage": include_usage})
+    with_choices = [c for c in chunks if c["choices"]]
+    seen_role: set[int] = set()
+    for c in with_choices:
+        (choice,) = c["choices"]
+        assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}  # nulls sent, not left out
+        first = choice["index"] not in seen_role
+        seen_role.add(choice["index"])
+        expected = {"role": "assistant", "content": ""} if first else {"content": choice["delta"]["content"]}
+        assert choice["delta"] == expected
+    assert seen_role == {0, 1}
+    assert sorted(c["choices"][0]["finish_reason"] for c in with_choices if c["choices"][0]["finish_reason"]) \
+        == ["length", "length"]
+    if include_usage:  # null in every chunk but the last, which has no choices
+        assert all("usage" in c and c["usage"] is None for c in with_choices)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    else:
+        assert all("usage" not in c for c in chunks)
+
+
+# ---- parsing off the event loop -----------------------------------------------------------------
+@pytest.mark.parametrize("messages,off_loop", [(1, False), (chat_service._INLINE_PARTS + 1, True)])
+def test_a_long_conversation_is_parsed_off_the_event_loop(app, monkeypatch, messages, off_loop):
+    parsed_on: list[int] = []
+    original = chat_service._parsed_messages
+
+    def parse(req):
+        parsed_on.append(threading.get_ident())
+        return original(req)
+
+    monkeypatch.setattr(chat_service, "_parsed_messages", parse)
+    r = _post(app, messages=[{"role": "user", "content": "q"}] * messages)
+    assert r.status_code == 200
+    assert (parsed_on == [app.engine.loop_thread]) is not off_loop and len(parsed_on) == 1
+    assert len(app.engine.chats[-1].turns) == messages  # the engine took that parse, not its own
+
+
+def test_parsed_messages_keep_their_parse_but_not_in_a_pickle():
+    msgs = ParsedMessages([{"role": "user", "content": "q"}])
+    assert parse_messages(msgs) is msgs.chat and msgs[0]["content"] == "q"
+    copy = pickle.loads(pickle.dumps(msgs))
+    assert type(copy) is tuple and copy == ({"role": "user", "content": "q"},)
+    assert json.dumps(msgs) == '[{"role": "user", "content": "q"}]'
