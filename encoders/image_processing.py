@@ -24,6 +24,14 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 
 
+class AspectRatioError(ValueError):
+    """An image or video frame longer than ``MAX_ASPECT_RATIO`` times its width (or the reverse).
+
+    A property of the input, not a bug: its own type so a server can answer it as the client's
+    error (mm_pipeline/encode/preprocess.py maps it to a media error) without reading messages,
+    and a ``ValueError`` as before for everyone else."""
+
+
 @dataclass(frozen=True)
 class ImageProcessingConfig:
     """Processor geometry (hub ``processor_config`` names in :meth:`from_dict`)."""
@@ -68,7 +76,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels] where
     possible, aspect ratio kept as well as rounding allows.
 
-    Errors: non-positive sizes, min_pixels > max_pixels, aspect ratio above 200.
+    Errors (``ValueError``): non-positive sizes, min_pixels > max_pixels; ``AspectRatioError`` for an
+    aspect ratio above 200.
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
@@ -77,8 +86,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     if min_pixels > max_pixels:
         raise ValueError(f"min_pixels {min_pixels} > max_pixels {max_pixels}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got "
-                         f"{max(height, width) / min(height, width):.1f} ({height}x{width})")
+        raise AspectRatioError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got "
+                               f"{max(height, width) / min(height, width):.1f} ({height}x{width})")
     if min(height, width) < factor:
         # Too thin for one merge unit: scale up so the short side is one unit.
         scale = factor / min(height, width)

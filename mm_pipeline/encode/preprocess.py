@@ -27,9 +27,10 @@ import torch
 
 from encoders.audio.packing import split_segments
 from encoders.config import AudioConfig, unit_tokens
-from encoders.image_processing import (ImageProcessingConfig, normalize, normalize_rows, patchify, resize_frames,
-                                       smart_resize)
+from encoders.image_processing import (MAX_ASPECT_RATIO, AspectRatioError, ImageProcessingConfig, normalize,
+                                       normalize_rows, patchify, resize_frames, smart_resize)
 from encoders.audio.mel import LogMelSpectrogram
+from mm_pipeline.errors import InvalidMediaError
 from mm_pipeline.media import audio_codes
 from mm_pipeline.media.audio_codes import AudioCodes
 from mm_pipeline.media.types import DecodedAudio, DecodedImage
@@ -61,14 +62,22 @@ class Preprocessor:
         self._mel = LogMelSpectrogram(audio_config) if audio_config is not None else None
 
     # ---- sizes from metadata ----------------------------------------------------------------
+    # The planner asks these with the size a header or a demux pass reported, before any pixel is
+    # decoded: a shape the vision tower cannot take fails there, as the client's media error.
     def image_size(self, height: int, width: int) -> tuple[int, int]:
         c = self.image_config
-        return smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels)
+        try:
+            return smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels)
+        except AspectRatioError as exc:
+            raise _too_thin("image", height, width) from exc
 
     def video_size(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
         """Resized frame size of a video of ``num_frames`` sampled frames (padded count)."""
         c = self.image_config
-        return smart_resize(height, width, c.factor, c.video_min_pixels, c.video_frame_max_pixels(num_frames))
+        try:
+            return smart_resize(height, width, c.factor, c.video_min_pixels, c.video_frame_max_pixels(num_frames))
+        except AspectRatioError as exc:
+            raise _too_thin("video", height, width) from exc
 
     def video_grid(self, size: tuple[int, int], num_frames: int) -> tuple[int, int, int]:
         """(frame groups, gh, gw) of a video whose ``num_frames`` sampled frames resize to ``size``."""
@@ -141,3 +150,10 @@ class Preprocessor:
         if self.audio_config is None:
             raise ValueError("this model has no audio encoder")
         return self.audio_config
+
+
+def _too_thin(what: str, height: int, width: int) -> InvalidMediaError:
+    # our own sentence (the client reads it; the encoder's text stays in the log with the cause)
+    return InvalidMediaError(f"the {what} is {width}x{height} pixels: an aspect ratio of "
+                             f"{max(height, width) / min(height, width):.1f}, over the {MAX_ASPECT_RATIO} "
+                             f"the vision encoder takes")

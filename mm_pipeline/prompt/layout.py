@@ -36,6 +36,13 @@ last boundary it shares instead of at the start:
     <im_start>system ...<im_end> <im_start>user <vs>[P P P P]<ve> Describe it.<im_end> <im_start>assistant
                                ^                              ^                 ^
                          message end                     media end         message end
+
+The text of messages is plain text (:class:`ChatTemplate`): a special token spelled in it
+("<|vision_start|>", "<|im_end|>") is tokenized as the characters it is, so a client can neither
+forge a media placeholder or a turn nor break one; only the chat template's own markup yields
+special tokens. And a chat that cannot fit the context limit fails before it is templated
+(:meth:`ChatLayout.check_markup`, :class:`TextBound`): every message costs at least the special
+tokens of its markup, measured from the template once.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from encoders.video import format_timestamp
 from mm_pipeline.errors import ContextLengthError
 from mm_pipeline.model.config import SpecialTokens
+from mm_pipeline.prompt.chat_template import ChatTemplate
 from mm_pipeline.prompt.messages import ChatRequest
 
 MEDIA_KINDS = ("image", "video", "audio")
@@ -133,6 +141,7 @@ class PromptLayout:
         self.video_timestamps = video_timestamps
         self._runs: OrderedDict[tuple[MediaSlots, bool], tuple[tuple[int, ...], tuple, tuple]] = OrderedDict()
         self._runs_lock = threading.Lock()  # layouts run on several worker threads
+        self._template: ChatTemplate | None = None  # of the tokenizer ``render`` was given last
 
     @classmethod
     def from_tokenizer(cls, special: SpecialTokens, tokenizer: Any, video_timestamps: bool = True) -> "PromptLayout":
@@ -172,19 +181,21 @@ class PromptLayout:
 
     def render(self, tokenizer: Any, messages: list[dict[str, Any]], media: Sequence[MediaSlots],
                *, add_generation_prompt: bool = True, **template_kwargs: Any) -> LaidOutPrompt:
-        """Chat template -> token ids -> expanded layout."""
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
-        return self.expand(tokenizer.encode(text, add_special_tokens=False), media)
+        """Chat template -> token ids (message text literal, :class:`ChatTemplate`) -> expanded layout."""
+        template = self._template
+        if template is None or template.tokenizer is not tokenizer:
+            template = self._template = ChatTemplate(tokenizer)
+        return self.expand(template.token_ids(messages, add_generation_prompt=add_generation_prompt,
+                                              **template_kwargs), media)
 
     # ---- internals -------------------------------------------------------------------------------
     def _placeholder_at(self, ids: list[int], i: int) -> tuple[str | None, int]:
         """(kind, index after the placeholder) when ``ids[i:]`` starts one, else (None, i)."""
         sp = self.special
         if ids[i] == sp.vision_start:
-            opener, closer, pads = sp.vision_start, sp.vision_end, {sp.image_pad: "image", sp.video_pad: "video"}
+            closer, pads = sp.vision_end, {sp.image_pad: "image", sp.video_pad: "video"}
         elif ids[i] == sp.audio_start:
-            opener, closer, pads = sp.audio_start, sp.audio_end, {sp.audio_pad: "audio"}
+            closer, pads = sp.audio_end, {sp.audio_pad: "audio"}
         else:
             return None, i
         j = i + 1
@@ -299,24 +310,27 @@ class TextBound:
         # byte-level vocabularies spell one byte per character, so this bounds characters per token
         self.max_token_chars = max((len(t) for t in vocab), default=0) or 64
 
-    def check(self, texts: Sequence[str], max_tokens: int | None) -> None:
-        """``ContextLengthError`` when ``texts`` together surely take more than ``max_tokens``."""
+    def check(self, texts: Sequence[str], max_tokens: int | None, reserved: int = 0) -> None:
+        """``ContextLengthError`` when ``texts`` together surely take more than ``max_tokens`` less
+        ``reserved`` (tokens the rest of the prompt surely takes: markup, media)."""
         if max_tokens is None:
             return
+        budget = max_tokens - reserved
+        rest = f" beside the {reserved} tokens its markup and media take at least" if reserved else ""
         chars = sum(len(t) for t in texts)
-        if chars > max_tokens * self.max_token_chars:
+        if chars > budget * self.max_token_chars:
             raise ContextLengthError(f"the prompt's text is {chars} characters, more than the context limit of "
-                                     f"{max_tokens} tokens can hold")
-        if 4 * chars + len(texts) <= max_tokens:
+                                     f"{max_tokens} tokens can hold{rest}")
+        if 4 * chars + len(texts) <= budget:
             return  # a character is at most 4 UTF-8 bytes, each at most one token: it surely fits
         counted = cuts = 0
         for text in texts:
             for piece in _pieces(text, self.PIECE_CHARS):
                 counted += len(self.tokenizer.encode(piece, add_special_tokens=False))
                 cuts += 1
-                if counted > max_tokens + cuts:
-                    raise ContextLengthError(f"the prompt's text takes over {max_tokens} tokens, the context "
-                                             f"limit (stopped counting at {counted})")
+                if counted > budget + cuts:
+                    raise ContextLengthError(f"the prompt's text takes over {budget} tokens, more than the context "
+                                             f"limit of {max_tokens} leaves{rest} (stopped counting at {counted})")
 
 
 def _pieces(text: str, size: int) -> Iterator[str]:
@@ -342,24 +356,44 @@ class ChatLayout:
     def __init__(self, special: SpecialTokens, tokenizer: Any, video_timestamps: bool = True) -> None:
         self.tokenizer = tokenizer
         self.prompt_layout = PromptLayout.from_tokenizer(special, tokenizer, video_timestamps)
+        self.template = ChatTemplate(tokenizer)
+        self.prompt_layout._template = self.template  # one template (its probes) for both entry points
         self.text_bound = TextBound(tokenizer)
+
+    def check_markup(self, turns: int, max_tokens: int | None, media_tokens: int = 0) -> int:
+        """``ContextLengthError`` when ``turns`` messages (and ``media_tokens`` of media) surely do
+        not fit ``max_tokens`` with one generated token, as the runtime's exact check after layout
+        would find: costs nothing, so a chat of a million empty messages fails before it is
+        templated (seconds and gigabytes, measured). Returns the least tokens they take."""
+        if max_tokens is None:
+            return 0
+        least = self.template.min_tokens(turns) + media_tokens
+        if least + 1 > max_tokens:
+            media = f" and {media_tokens} of media" if media_tokens else ""
+            raise ContextLengthError(f"the chat's {turns} messages take at least {least} tokens of chat markup"
+                                     f"{media}; with one generated token that exceeds the context limit of "
+                                     f"{max_tokens} tokens")
+        return least
 
     def render(self, chat: ChatRequest, plans: Sequence[PlannedMedia], max_tokens: int | None = None
                ) -> LaidOutPrompt:
         """Token ids, per plan its unit spans, and the boundaries, for a chat whose media planned as
-        ``plans``. ``max_tokens`` (the context limit): text that cannot fit fails before it is
-        templated and tokenized whole (``TextBound``)."""
-        texts = [part for turn in chat.turns for part in turn.parts if isinstance(part, str)]
-        self.text_bound.check(texts, max_tokens)
+        ``plans``. ``max_tokens`` (the context limit): a chat that cannot fit fails before it is
+        templated and tokenized whole (``check_markup``, then ``TextBound`` for its text)."""
         slots = [p.slots for p in plans]
+        least = self.check_markup(len(chat.turns), max_tokens, sum(s.num_tokens for s in slots))
+        texts = [part for turn in chat.turns for part in turn.parts if isinstance(part, str)]
+        self.text_bound.check(texts, max_tokens, least)
+        keep_empty = not self.template.drops_empty_text  # else they render as nothing: left out
         kinds = iter(s.kind for s in slots)
         messages = []
         for turn in chat.turns:
             content = []
             for part in turn.parts:
                 if isinstance(part, str):
-                    content.append({"type": "text", "text": part})
+                    if part or keep_empty:
+                        content.append({"type": "text", "text": part})
                 else:
                     content.append({"type": next(kinds)})
             messages.append({"role": turn.role, "content": content})
-        return self.prompt_layout.render(self.tokenizer, messages, slots)
+        return self.prompt_layout.expand(self.template.token_ids(messages), slots)

@@ -214,6 +214,9 @@ class OmniRuntime:
         question about cached media thus pays one hand-off instead of three (ingest, plan, layout:
         each a worker wake-up and a return to the loop, ~0.3 ms apiece on the 2-core host, measured
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
+        # a chat of more messages than the context limit can hold fails first, before its media is
+        # fetched or a part of it walked (O(1): each message's markup costs at least its special tokens)
+        self.model.layout.check_markup(len(chat.turns), self.max_model_len)
         refs: list[MediaRef] = chat.media
         self.planner.check_request(refs)
         if len(refs) == 1:
