@@ -120,8 +120,10 @@ class OmniRuntime:
         self.model = model
         self.config = config
         self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer) if model.text is not None else None
-        # the context limit media budgets are checked against (without an LLM: the configured or model limit)
-        self.max_model_len = (self.llm.max_model_len if self.llm is not None
+        # the context limit media budgets are checked against: the engine's, capped at its Full pool
+        # (a chat over it fails here, before its media is decoded); without an LLM the configured or
+        # model limit
+        self.max_model_len = (self.llm.max_context_tokens if self.llm is not None
                               else min(config.engine.max_model_len or model.text_config.max_position_embeddings,
                                       model.text_config.max_position_embeddings))
         self.cache = EncoderCache(build_tiers(config))
