@@ -20,6 +20,12 @@ thread-safe.
 Claims, joins and delivery are one ``SingleFlight`` over unit keys (the same mechanism media
 planning uses). Invariant: a key is claimed in ``_units`` from ``attach`` until its result or error
 is delivered; a pending job's key is always claimed.
+
+A job's input may still be counted in the decode budget (``EncoderJob.release``, see
+media/decode/budget.py): the batcher calls it exactly once, when it is done with the job -- after
+the job's batch is through its forward (rows delivered, an error, the units of a failing or
+non-finite pack encoded again one by one), or when ``submit`` refuses the job. So decoders wait for
+the encoder instead of queueing rows beyond the budget.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class EncoderJob:
     mel: torch.Tensor | None = None
     codes: torch.Tensor | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    # gives the decode budget back the bytes of this input (None: not counted there)
+    release: Callable[[], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind in VISION_KINDS:
@@ -127,11 +135,14 @@ class EncoderBatcher:
         return self._units.wanted(key)
 
     def submit(self, job: EncoderJob) -> None:
-        """Queue a claimed unit for the next batch of its encoder."""
+        """Queue a claimed unit for the next batch of its encoder (the job's ``release`` is the
+        batcher's to call from here on)."""
         if (self.vision if job.encoder == "vision" else self.audio) is None:
+            _release([job])
             self.fail(job.key, ValueError(f"this model has no {job.encoder} encoder for a {job.kind} input"))
             return
         if job.key not in self._units:
+            _release([job])
             raise ValueError(f"unit {job.key[:16]} was submitted without being claimed")
         with self._lock:
             self._pending[job.encoder].append(job)
@@ -217,6 +228,14 @@ class EncoderBatcher:
             return batch
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
+        """Encode a batch taken off the queue, then give back the decode budget its inputs held
+        -- once, however the forward went (``_forward`` may encode units again one by one)."""
+        try:
+            return self._forward(encoder, batch)
+        finally:
+            _release(batch)
+
+    def _forward(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
         t0 = time.monotonic()
         try:
             if encoder == "vision":
@@ -230,7 +249,7 @@ class EncoderBatcher:
             if len(batch) > 1:  # which unit? each alone: the others of the batch are delivered
                 log.warning("a packed %s forward of %d units failed (%s); encoding them one by one",
                             encoder, len(batch), exc)
-                return sum(self._run(encoder, [job]) for job in batch)
+                return sum(self._forward(encoder, [job]) for job in batch)
             self._deliver(batch[0].key, None, RuntimeError(f"{encoder} encoder failed: {type(exc).__name__}: {exc}"))
             return 0
         if self.on_forward_span is not None:
@@ -259,7 +278,7 @@ class EncoderBatcher:
         if retry:
             log.warning("a packed %s forward of %d units gave non-finite rows for %d; encoding those one by one",
                         encoder, len(batch), len(retry))
-            return len(batch) - len(retry) + sum(self._run(encoder, [job]) for job in retry)
+            return len(batch) - len(retry) + sum(self._forward(encoder, [job]) for job in retry)
         return len(batch) - sum(not ok for ok in finite)
 
     def _encode_audio(self, batch: Sequence[EncoderJob]) -> list[torch.Tensor]:
@@ -278,6 +297,16 @@ class EncoderBatcher:
             with self._lock:
                 self._counts["failed_units"] += 1
         self._units.finish(key, rows, error)
+
+
+def _release(jobs: Sequence[EncoderJob]) -> None:
+    """The batcher is done with ``jobs``: their inputs' bytes go back to the decode budget."""
+    for job in jobs:
+        if job.release is not None:
+            try:
+                job.release()
+            except Exception:  # a release that fails must not lose the others' (nor the rows' delivery)
+                log.exception("releasing the decode budget of unit %s failed", job.key[:16])
 
 
 def _non_finite_error(encoder: str, job: EncoderJob) -> Exception:

@@ -9,20 +9,30 @@
 It also owns the decode helpers planning needs when the cache has no manifest (image/audio decode,
 video probe), so every decode of the runtime is counted in one place. Blocking work runs on the
 worker pool; the coroutines run on the event loop.
+
+The inputs a production decodes stay counted in the decode budget until the encoder is done with
+them: each decode moves the bytes of its patch rows / log-mels out of its reservation
+(``_hand_on``) into the production's ``HeldInputs``, ``_submit`` gives each unit's share to its
+``EncoderJob`` (the batcher releases it after the forward), and whatever no job took (a failure,
+a cancelled production, a repeated unit) is released when the production ends. So a decode waits
+for the encoder to catch up instead of queueing rows beyond ``max_decoded_bytes_in_flight``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from encoders.config import AudioConfig
+from encoders.image_processing import ImageProcessingConfig
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
-from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, check
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, Reservation, check
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
-from mm_pipeline.media.decode.image import image_decode_bytes, probe_animation, probe_image
+from mm_pipeline.media.decode.image import decode_image_peak, probe_animation, probe_image
 from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
 from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
 from mm_pipeline.media.decode.early_audio import early_audio_of
@@ -38,6 +48,39 @@ from mm_pipeline.media.decode.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
 _ANIMATIONS = ("gif", "webp")
+
+
+class HeldInputs:
+    """Budget releases of one production's decoded inputs by unit index, from the worker that
+    decoded an input until ``take`` hands its release to the unit's encoder job; ``close`` (the
+    production ended) releases what no job took, and from then on ``put`` releases at once (a
+    chunk still decoding on a worker after a failure)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_unit: dict[int, Callable[[], None]] = {}
+        self._closed = False
+
+    def put(self, i: int, release: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                drop: Callable[[], None] | None = release
+            else:  # (a unit is decoded once per production; a second put replaces the first)
+                drop = self._by_unit.get(i)
+                self._by_unit[i] = release
+        if drop is not None:
+            drop()
+
+    def take(self, i: int) -> Callable[[], None] | None:
+        with self._lock:
+            return self._by_unit.pop(i, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            left, self._by_unit = list(self._by_unit.values()), {}
+        for release in left:
+            release()
 
 
 class UnitProducer:
@@ -60,16 +103,31 @@ class UnitProducer:
         return DecodeControl(self.config.limits.decode_timeout_s, wanted, what=f"{item.kind.value} from {item.origin}")
 
     # ---- decode helpers (worker threads) ----------------------------------------------------
-    def image_input(self, item: MediaItem, control: DecodeControl | None = None) -> VisionInput:
+    def image_input(self, item: MediaItem, control: DecodeControl | None = None,
+                    held: HeldInputs | None = None) -> VisionInput:
+        """The image's patch rows; with ``held``, their bytes stay counted there (unit 0)."""
         h, w = probe_image(item, self.config.limits)
-        with self.budget.reserve(image_decode_bytes(h, w), control, "the image"):
+        size = self.pre.image_size(h, w)
+        with self.budget.reserve(self.image_bytes(h, w, size), control, "the image") as reservation:
             check(control)
             self._count("images_decoded")
-            image = self.decoder.decode_image(item, self.config.limits, target=self.pre.image_size(h, w))
-            return self.pre.image(image, self.pre.image_size(h, w))
+            image = self.decoder.decode_image(item, self.config.limits, target=size)
+            vis = self.pre.image(image, size)
+            if held is not None:
+                _hand_on(reservation, [(0, vis.rows)], held)
+            return vis
 
-    def audio_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> list[torch.Tensor]:
-        """Segments of an audio item: log-mels, or the codes of pre-tokenized audio (no decode)."""
+    def image_bytes(self, h: int, w: int, size: tuple[int, int]) -> int:
+        """Peak bytes of ``image_input`` for an (h, w) image resized to ``size``: the decode
+        (``decode_image_peak``), then -- the decoder's objects freed -- the preprocessor's float
+        tensors beside the uint8 pixels (``preprocess_image_bytes``)."""
+        peak, pixels = decode_image_peak(h, w, size)
+        return max(peak, preprocess_image_bytes(pixels, size, self.pre.image_config, same_size=(h, w) == tuple(size)))
+
+    def audio_inputs(self, item: MediaItem, control: DecodeControl | None = None,
+                     held: HeldInputs | None = None, first: int = 0) -> list[torch.Tensor]:
+        """Segments of an audio item: log-mels, or the codes of pre-tokenized audio (no decode).
+        With ``held``, the log-mels' bytes stay counted there (units ``first``, ``first + 1``...)."""
         cfg = self.pre.audio_config
         if cfg is None:
             raise UnsupportedMediaType("this model has no audio encoder; audio input is not supported")
@@ -86,16 +144,19 @@ class UnitProducer:
         early = early_audio_of(item)
         try:
             audio = early.result(item, claimed, control) if early is not None else None
-            held = early.held if early is not None and audio is not None else 0
-            # resampled chunks and their concatenation (float32), and the mel: an estimate from the
-            # header; whatever the header says, the decode itself stops at ``cap`` samples
-            with self.budget.reserve(max(0, 12 * expected - held), control, "the audio"):
+            kept = early.held if early is not None and audio is not None else 0
+            # the decode and the log-mel (audio_bytes): an estimate from the header; whatever the
+            # header says, the decode itself stops at ``cap`` samples
+            with self.budget.reserve(max(0, audio_bytes(expected, cfg) - kept), control, "the audio") as reservation:
                 self._count("audio_decoded")
                 if audio is None:
                     audio = decode_audio(item, cfg.sampling_rate, self.config.limits, control, limit)
                 else:
                     self._count("early_audio_used" if item.kind is MediaKind.AUDIO else "early_sound_used")
-                return self.pre.audio_segments(audio)
+                mels = self.pre.audio_segments(audio)
+                if held is not None:
+                    _hand_on(reservation, enumerate(mels, first), held)
+                return mels
         finally:
             if early is not None:
                 early.cancel()  # its samples were used (or not needed): give their bytes back
@@ -151,6 +212,7 @@ class UnitProducer:
         open_keys = {plan.units[i].key for i in claimed}
         keys = tuple(open_keys)
         again: set[str] = set()  # keys to produce once more (see the except clause)
+        held = HeldInputs()  # the decode budget's share of the inputs decoded here, until submitted
         # a worker stops at its next frame once no request wants these units (or at the deadline)
         control = self.control(plan.item, wanted=lambda: any(self.batcher.wanted(k) for k in keys))
         try:
@@ -168,14 +230,14 @@ class UnitProducer:
                 frames = [i for i in claimed if not plan.is_audio_unit(i)]
                 async with asyncio.TaskGroup() as group:  # the sound's segments alongside the frames
                     if sound:
-                        group.create_task(self._produce_sound(plan, sound, open_keys, control))
+                        group.create_task(self._produce_sound(plan, sound, open_keys, control, held))
                     if frames:
-                        group.create_task(self._produce_video(plan, frames, open_keys, control))
+                        group.create_task(self._produce_video(plan, frames, open_keys, control, held))
             else:
                 if not all(i in plan.inputs for i in claimed):  # planned from metadata: decode now
-                    plan.inputs = await self.pool.run(self._decode_inputs, plan.item, control)
+                    plan.inputs = await self.pool.run(self._decode_inputs, plan.item, control, held)
                 for i in claimed:
-                    self._submit(plan, i, plan.inputs[i], open_keys)
+                    self._submit(plan, i, plan.inputs[i], open_keys, held)
         except BaseException as exc:
             while isinstance(exc, BaseExceptionGroup):  # from the task groups: report the first
                 exc = exc.exceptions[0]
@@ -191,6 +253,7 @@ class UnitProducer:
                 raise
         finally:
             control.cancel()  # a chunk still on a worker after a failure stops at its next frame
+            held.close()  # inputs no job took (a failure, a repeated unit) give their bytes back
             plan.inputs = {}
             if plan.item.early is not None:
                 plan.item.early.cancel()  # its frames were taken or are not needed any more
@@ -199,20 +262,20 @@ class UnitProducer:
             self.start(plan, [i for i in claimed if plan.units[i].key in again])
 
     async def _produce_sound(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
-                             control: DecodeControl) -> None:
+                             control: DecodeControl, held: HeldInputs) -> None:
         """A video's sound segments: the planning's mels, or the track decoded again (manifest hit)."""
         if not all(i in plan.inputs for i in claimed):
-            mels = await self.pool.run(self.audio_inputs, plan.item, control)
             first = len(plan.units) - plan.audio_units
+            mels = await self.pool.run(self.audio_inputs, plan.item, control, held, first)
             if len(mels) != plan.audio_units:
                 raise MediaError(f"the video's sound track decoded to {len(mels)} segments, planned "
                                  f"{plan.audio_units}")
             plan.inputs.update({first + k: m for k, m in enumerate(mels)})
         for i in claimed:
-            self._submit(plan, i, plan.inputs[i], open_keys)
+            self._submit(plan, i, plan.inputs[i], open_keys, held)
 
     async def _produce_video(self, plan: MediaPlan, claimed: list[int], open_keys: set[str],
-                             control: DecodeControl) -> None:
+                             control: DecodeControl, held: HeldInputs) -> None:
         if plan.video is None:  # planned from a manifest: probe again for the decode plan
             plan.video = await self.pool.run(self.probe_video, plan.item, control)
         info, sampling, size = plan.video
@@ -242,18 +305,18 @@ class UnitProducer:
 
             def submit(g: int, vis: VisionInput) -> None:  # on the loop, as each group is decoded
                 try:
-                    self._submit(plan, g, vis, open_keys)
+                    self._submit(plan, g, vis, open_keys, held)
                 except Exception as exc:  # raised below, once the chunk is done
                     failed.append(exc)
 
             # the worker's calls run on the loop before the chunk's own result is delivered
             deliver = lambda g, vis: loop.call_soon_threadsafe(submit, g, vis)  # noqa: E731
             inputs = await self.pool.run(self._video_chunk, plan.item, info, sampling.indices, groups, size, tp,
-                                         control, use_early, deliver, containers)
+                                         control, use_early, deliver, containers, held)
             if failed:
                 raise failed[0]
             for g, vis in zip(groups, inputs):
-                self._submit(plan, g, vis, open_keys)
+                self._submit(plan, g, vis, open_keys, held)
 
         try:
             # the process backend's copy of the bytes lasts for all the chunks, also those that do
@@ -273,26 +336,35 @@ class UnitProducer:
     def _video_chunk(self, item: MediaItem, info: Any, indices: Sequence[int], groups: list[int],
                      size: tuple[int, int], tp: int, control: DecodeControl | None = None,
                      use_early: bool = False, deliver: Callable[[int, VisionInput], None] | None = None,
-                     containers: VideoContainers | None = None) -> list[VisionInput]:
+                     containers: VideoContainers | None = None, held: HeldInputs | None = None) -> list[VisionInput]:
         """The chunk's inputs, one per group; with ``deliver`` (not for early frames) each group
-        goes to ``deliver(g, input)`` as soon as it is decoded and nothing is returned."""
+        goes to ``deliver(g, input)`` as soon as it is decoded and nothing is returned. With
+        ``held``, the groups' patch rows stay counted there until their jobs are encoded."""
         t0 = time.monotonic()
-        with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control, "a video chunk"):
+        with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control,
+                                 "a video chunk") as reservation:
+            def ready(out: list[VisionInput], of: Sequence[int]) -> list[VisionInput]:
+                if held is not None:
+                    _hand_on(reservation, [(g, vis.rows) for g, vis in zip(of, out)], held)
+                return out
+
+            def group_ready(g: int, frames: torch.Tensor) -> None:
+                deliver(g, ready(self.pre.video_groups(frames, size), [g])[0])
+
             if use_early:
                 frames, used = decode_chunk_early(item.early, item, info, indices, groups, tp, size, control,
                                                   threads=self.config.decoder_threads)
                 self._count("early_frames_used", used)
                 targets = {indices[g * tp + j] for g in groups for j in range(tp)}
                 self._count("early_frames_decoded_after", len(targets) - used)
-                out = self.pre.video_groups(frames, size)
+                out = ready(self.pre.video_groups(frames, size), groups)
             elif deliver is None:
-                out = self.pre.video_groups(self.decoder.decode_chunk(
+                out = ready(self.pre.video_groups(self.decoder.decode_chunk(
                     item, info, indices, groups, tp, self.config.limits, size, control,
-                    threads=self.config.decoder_threads, containers=containers), size)
+                    threads=self.config.decoder_threads, containers=containers), size), groups)
             else:
                 self.decoder.decode_chunk(item, info, indices, groups, tp, self.config.limits, size, control,
-                                          threads=self.config.decoder_threads,
-                                          on_group=lambda g, frames: deliver(g, self.pre.video_groups(frames, size)[0]),
+                                          threads=self.config.decoder_threads, on_group=group_ready,
                                           containers=containers)
                 out = []
             self._count("video_chunks_decoded")
@@ -309,20 +381,86 @@ class UnitProducer:
             return out + 8 * h * w
         return out + frame_decode_bytes((info.height, info.width), self.config.decoder_threads)
 
-    def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None) -> dict[int, Any]:
+    def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None,
+                       held: HeldInputs | None = None) -> dict[int, Any]:
         if item.kind is MediaKind.IMAGE:
-            return {0: self.image_input(item, control)}
-        return dict(enumerate(self.audio_inputs(item, control)))
+            return {0: self.image_input(item, control, held)}
+        return dict(enumerate(self.audio_inputs(item, control, held)))
 
-    def _submit(self, plan: MediaPlan, i: int, inp: Any, open_keys: set[str]) -> None:
+    def _submit(self, plan: MediaPlan, i: int, inp: Any, open_keys: set[str], held: HeldInputs | None = None) -> None:
         key = plan.units[i].key
+        release = held.take(i) if held is not None else None  # the budget's share of the input, if counted
         if key not in open_keys:
+            if release is not None:
+                release()
             return  # a repeated unit of this item (same key twice) was already submitted
-        if not plan.is_audio_unit(i):
-            job = EncoderJob(key, plan.kind.value, vision=inp)
-        elif plan.item.format == CODES_FORMAT:
-            job = EncoderJob(key, "audio", codes=inp)
-        else:
-            job = EncoderJob(key, "audio", mel=inp)
-        self.batcher.submit(job)
+        try:
+            if not plan.is_audio_unit(i):
+                job = EncoderJob(key, plan.kind.value, vision=inp, release=release)
+            elif plan.item.format == CODES_FORMAT:
+                job = EncoderJob(key, "audio", codes=inp, release=release)
+            else:
+                job = EncoderJob(key, "audio", mel=inp, release=release)
+            self.batcher.submit(job)  # the batcher releases the job's share once it is done with it
+        except BaseException:
+            if release is not None:
+                release()  # (a part counts once: harmless where submit released it already)
+            raise
         open_keys.discard(key)
+
+
+def _hand_on(reservation: Reservation, inputs: Iterable[tuple[int, torch.Tensor]], held: HeldInputs) -> None:
+    """Keep the bytes of decoded inputs (unit index, tensor) counted in the budget after their
+    decode's block ends: moved out of ``reservation`` into ``held``, one release per unit. Inputs
+    that are views of one tensor (a chunk's frame groups, a clip's mel segments) share its memory,
+    freed only with the last of them: one hold of its storage, split among them."""
+    by_storage: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in inputs:
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((i, t))
+    for views in by_storage.values():
+        hold = reservation.hand_on(views[0][1].untyped_storage().nbytes())
+        for (i, _), release in zip(views, hold.parts(len(views))):
+            held.put(i, release)
+
+
+def preprocess_image_bytes(pixels: int, size: tuple[int, int], config: ImageProcessingConfig,
+                           same_size: bool = False) -> int:
+    """Peak bytes of ``Preprocessor.image`` on ``pixels`` decoded uint8 RGB pixels (3 B each, held
+    throughout) resized to ``size`` (T pixels), an image repeated to ``tp`` frames (the temporal
+    patch) -- the tensors it holds at once (``Preprocessor._patchify``):
+
+        resized:    the float copy of the pixels (12 B/px) + the resized frame (12 B/T)
+                    then the resized frame + (x - mean) + its / std (3 x 12 B/T)
+                    then the normalised frame (12 B/T) + patchify's temporal pad (tp frames:
+                    12 tp B/T) + the reordered rows (12 tp B/T)
+        same size:  the padded uint8 frames (3 tp B/T) + their reorder (3 tp B/T), then the
+                    reorder + its float rows (12 tp B/T), normalised in place by a mean and a
+                    std row (4 B per row value each, made from 3 channel values)
+
+    The rows it returns are 12 tp B/T (24 at MiMo's tp 2)."""
+    t, tp = size[0] * size[1], config.temporal_patch_size
+    pad = tp if tp > 1 else 0  # frames patchify's padding copies (none for a one-frame patch)
+    if same_size:
+        mean_std = 2 * 4 * 3 * (tp * config.patch_size ** 2 + 1)
+        return 3 * pixels + max(3 * pad * t + 3 * tp * t, 3 * tp * t + 12 * tp * t + mean_std)
+    return 3 * pixels + max(12 * pixels + 12 * t, 36 * t, 12 * t + 12 * pad * t + 12 * tp * t)
+
+
+def audio_bytes(samples: int, cfg: AudioConfig) -> int:
+    """Peak bytes of decoding ``samples`` mono float32 samples and taking their log-mel
+    (``Preprocessor.audio_segments``: the front end's centred STFT, then its magnitude), with
+    F = 1 + samples // hop frames of B = n_fft // 2 + 1 bins:
+
+        decode:     the resampled chunks (4 B/sample) + their concatenation (4 B/sample)
+        STFT:       beside the waveform (4 B/sample), its reflect-padded copy (n_fft more samples),
+                    the windowed frames [F, n_fft] float32 and their spectrum [F, B] complex64
+        magnitude:  beside the waveform, the spectrum [F, B] complex64, the complex64 temporary
+                    torch's CPU ``abs`` of a complex tensor makes, and the magnitude [F, B] float32
+                    (the padded copy and the frames are gone); the mel after it is smaller
+
+    At 24 kHz, n_fft 960, hop 240: 4 + 4 + 16 + 16 = 40 B/sample in the STFT, 4 + 16 + 16 + 8 = 44
+    in the magnitude (the measured peak), where 12 B/sample were reserved before."""
+    frames, bins = 1 + samples // cfg.hop_length, cfg.n_fft // 2 + 1
+    stft = 4 * (samples + 2 * (cfg.n_fft // 2)) + frames * (4 * cfg.n_fft + 8 * bins)
+    magnitude = frames * bins * (8 + 8 + 4)
+    return max(8 * samples, 4 * samples + max(stft, magnitude))

@@ -12,6 +12,15 @@ Every decode reserves its estimated peak bytes (from headers, before any pixel i
 one ``DecodeBudget`` of the runtime; a reservation waits (up to the item's deadline) until the
 bytes of other decodes are released, so N concurrent decodes never hold more than the budget.
 
+What a decode hands on stays counted: the float32 patch rows (or log-mels) it made wait in the
+encoder queue, so the block moves their bytes out of its reservation into a ``Hold``
+(``Reservation.hand_on``: no waiting, the total unchanged) that the encoder batcher releases once
+it is done with the unit (encoded, failed or dropped). While the encoder is slower than the
+decoders, new decodes wait for those bytes instead of piling rows up beside the budget:
+
+    worker:  reserve(peak) ─► decode ─► rows ─► hand_on(rows' bytes) ─► block ends: the rest released
+    encoder:                                     queue ─► forward ─► Hold.release
+
 Early decodes (decoding while the bytes arrive, ``media.decode.early``) hold what they keep through
 ``take_early``/``release_early`` instead: they grow piece by piece and must never wait (a full
 budget only means they stop keeping and the item is decoded after arrival), and together they
@@ -92,11 +101,66 @@ def check(control: DecodeControl | None) -> None:
         control.check()
 
 
+class Hold:
+    """Bytes of a ``DecodeBudget`` that outlive the ``reserve`` block that took them: decoded data
+    handed on (a unit's patch rows waiting in the encoder queue), counted until ``release``.
+    Releasing again does nothing, so every path that drops the data may release it."""
+
+    def __init__(self, budget: DecodeBudget, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._budget = budget
+        self._released = False
+
+    def release(self) -> None:
+        self._budget._give_back(self)
+
+    def parts(self, n: int) -> list[Callable[[], None]]:
+        """``n`` release functions for ``n`` holders of these bytes (the frame groups of one chunk
+        are views of one tensor: its memory goes only with the last of them): each counts once
+        however often it is called, and the last one releases the hold."""
+        lock, left = threading.Lock(), [n]
+
+        def part() -> Callable[[], None]:
+            done = [False]
+
+            def release() -> None:
+                with lock:
+                    if done[0]:
+                        return
+                    done[0] = True
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    self.release()
+            return release
+        return [part() for _ in range(n)]
+
+
+class Reservation:
+    """What one ``reserve`` block holds; ``hand_on`` moves part of it past the block."""
+
+    def __init__(self, budget: DecodeBudget, nbytes: int) -> None:
+        self.nbytes = nbytes  # still held by the block (released when it ends)
+        self._budget = budget
+        self._ended = False
+
+    def hand_on(self, nbytes: int) -> Hold:
+        """Move ``nbytes`` of this reservation into a ``Hold`` that stays counted after the block
+        ends -- at most what the block still holds (its estimate covered the data handed on), so
+        the budget's total does not change and nothing waits."""
+        with self._budget._cond:
+            if self._ended:
+                raise RuntimeError("hand_on after the reserve block ended: its bytes were released")
+            n = min(max(0, int(nbytes)), self.nbytes)
+            self.nbytes -= n
+        return Hold(self._budget, n)
+
+
 class DecodeBudget:
     """Bytes of decoded media held by all decodes in flight, at most ``capacity``.
 
     Invariant (under ``_cond``): ``0 <= _early <= _used <= capacity`` and ``_early <= early_capacity``;
-    every ``reserve`` releases what it took."""
+    every ``reserve`` releases what it took and did not hand on; every ``Hold`` is released once."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -138,8 +202,10 @@ class DecodeBudget:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def reserve(self, nbytes: int, control: DecodeControl | None = None, what: str = "media") -> Iterator[None]:
-        """Hold ``nbytes`` for the block; wait for room until ``control``'s deadline (then 413)."""
+    def reserve(self, nbytes: int, control: DecodeControl | None = None, what: str = "media"
+                ) -> Iterator[Reservation]:
+        """Hold ``nbytes`` for the block; wait for room until ``control``'s deadline (then 413).
+        The block may hand part of it on (``Reservation.hand_on``); the rest is released at its end."""
         nbytes = max(0, int(nbytes))
         if nbytes > self.capacity:
             raise MediaTooLarge(f"{what} needs about {_mib(nbytes)} of decoded pixels or samples, over the "
@@ -153,12 +219,22 @@ class DecodeBudget:
                 if control is not None:
                     control.check()  # cancelled or past the deadline while waiting
             self._used += nbytes
+        reservation = Reservation(self, nbytes)
         try:
-            yield
+            yield reservation
         finally:
             with self._cond:
-                self._used -= nbytes
+                reservation._ended = True
+                self._used -= reservation.nbytes
                 self._cond.notify_all()
+
+    def _give_back(self, hold: Hold) -> None:
+        with self._cond:
+            if hold._released:
+                return
+            hold._released = True
+            self._used -= hold.nbytes
+            self._cond.notify_all()
 
     def check_integrity(self) -> None:
         with self._cond:

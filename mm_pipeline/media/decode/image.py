@@ -62,8 +62,43 @@ def probe_image(item: MediaItem, limits: MediaLimits = MediaLimits()) -> tuple[i
 
 
 def image_decode_bytes(h: int, w: int) -> int:
-    """Peak bytes decoding an (h, w) image holds: the RGBA decode plus one RGB copy."""
+    """Decoded bytes of an (h, w) image as a request's decoded-bytes budget counts them (the
+    RGBA decode plus one RGB copy) -- not the peak a decode holds: ``decode_image_peak``."""
     return 7 * h * w
+
+
+def decode_image_peak(h: int, w: int, target: tuple[int, int]) -> tuple[int, int]:
+    """(peak bytes, decoded pixels at most) of ``decode_image`` for an (h, w) image (its header's
+    size, as shown) given the size ``target`` it will be resized to -- what the decode budget
+    reserves for it. Every PIL image holds 4 B/px but for 1, L, P (1) and I;16 (2); per stage:
+
+        load            the image (4 B/px); a progressive JPEG's coefficients (up to 8 B/px)
+        shrink (_shrunk, a source over twice the target per side): the source and a converted
+                        copy (4 + 4 B/px), the reduced image and its oriented copy (4 + 4 B per
+                        reduced pixel); to_rgb8 then runs on the reduced image beside the source
+        to_rgb8         see ``_to_rgb8_bytes``
+    """
+    s = h * w
+    factor = min(w // max(target[1], 1), h // max(target[0], 1))  # _shrunk's, from the header
+    if factor < 2:
+        return 4 * s + max(8 * s, _to_rgb8_bytes(s, w, oriented=True)), s
+    # reduced by the factor, or (a JPEG's DCT scaling: a power of two) by at least 2 per side
+    d = -(-h // 2) * -(-w // 2)
+    shrink = 4 * s + 4 * s + 4 * d + 4 * d
+    return max(4 * s + 8 * s, shrink, 4 * s + 4 * d + _to_rgb8_bytes(d, -(-w // 2), oriented=False)), d
+
+
+def _to_rgb8_bytes(pixels: int, width: int, oriented: bool) -> int:
+    """Bytes ``to_rgb8`` holds beside the image it is given, of ``pixels`` pixels:
+
+        oriented        the EXIF-transposed copy (4 B/px)
+        then either     a converted copy (4 B/px) and ``tobytes``' chunks and their join (4 + 4)
+        or              the array of those bytes (4), the output (gray 1 + RGB 3, or RGB 3) and
+                        one band's temporaries (_on_white, _gray8: at most 24 B per band pixel)
+    """
+    band = min(pixels, max(_BAND_PIXELS, width))
+    oriented_copy = 4 * pixels if oriented else 0
+    return oriented_copy + max(4 * pixels + 8 * pixels, 4 * pixels + 4 * pixels + 24 * band)
 
 
 def image_size(img: Image.Image) -> tuple[int, int]:
@@ -125,35 +160,55 @@ def to_rgb8(img: Image.Image) -> np.ndarray:
     img = img.transpose(method) if method is not None else img
     mode = img.mode
     if mode.startswith("I;16") or mode == "I":
-        arr = np.asarray(img).astype(np.int64)
-        gray = (np.clip(arr, 0, 65535) >> 8).astype(np.uint8)
-        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
+        return _gray8(np.asarray(img), lambda v: (np.clip(v.astype(np.int64), 0, 65535) >> 8).astype(np.uint8))
     if mode == "F":
         arr = np.asarray(img, dtype=np.float32)
-        if arr.size and np.nanmin(arr) >= 0.0 and np.nanmax(arr) <= 1.0:
-            arr = arr * 255.0
-        gray = np.clip(np.nan_to_num(arr), 0, 255).round().astype(np.uint8)
-        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
+        scale = 255.0 if arr.size and np.nanmin(arr) >= 0.0 and np.nanmax(arr) <= 1.0 else 1.0
+        return _gray8(arr, lambda v: np.clip(np.nan_to_num(v * scale if scale != 1.0 else v), 0, 255)
+                      .round().astype(np.uint8))
     if mode == "P":
         mode = "RGBA" if "transparency" in img.info else "RGB"
         img = img.convert(mode)
     if mode in _ALPHA_MODES:
-        return _on_white(np.asarray(img.convert("RGBA")))
+        # (converting to its own mode would copy the image once more for nothing)
+        return _on_white(np.asarray(img if mode == "RGBA" else img.convert("RGBA")))
     if mode != "RGB":
         img = img.convert("RGB")
     return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy shares it
 
 
+# Pixels per band of the banded conversions below: their temporaries (at most 24 B per band
+# pixel) stay a few MiB whatever the image (decode_image_peak counts one band)
+_BAND_PIXELS = 1 << 18
+
+
+def _band_rows(width: int) -> int:
+    return max(1, _BAND_PIXELS // max(1, width))
+
+
 def _on_white(rgba: np.ndarray) -> np.ndarray:
     # out = rgb·a + 255·(1 − a), in integers with rounding: (rgb·a + 255·(255 − a) + 127) // 255;
-    # in bands of rows so the uint32 temporaries stay small for a huge canvas
+    # in bands of rows, in place, so the uint32 temporaries stay small for a huge canvas
     out = np.empty(rgba.shape[:2] + (3,), dtype=np.uint8)
-    band = max(1, (1 << 20) // max(1, rgba.shape[1]))
-    for r in range(0, rgba.shape[0], band):
-        rgb = rgba[r:r + band, :, :3].astype(np.uint32)
-        a = rgba[r:r + band, :, 3:4].astype(np.uint32)
-        out[r:r + band] = (rgb * a + 255 * (255 - a) + 127) // 255
+    step = _band_rows(rgba.shape[1])
+    for r in range(0, rgba.shape[0], step):
+        rgb = rgba[r:r + step, :, :3].astype(np.uint32)
+        a = rgba[r:r + step, :, 3:4].astype(np.uint32)
+        rgb *= a
+        rgb += 255 * (255 - a) + 127
+        rgb //= 255
+        out[r:r + step] = rgb
     return out
+
+
+def _gray8(arr: np.ndarray, to_uint8: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """[H, W, 3] uint8 of a one-band array, ``to_uint8`` applied band by band (elementwise, so
+    the same values as on the whole array, without full-size int64 / float temporaries)."""
+    gray = np.empty(arr.shape, dtype=np.uint8)
+    step = _band_rows(arr.shape[1])
+    for r in range(0, arr.shape[0], step):
+        gray[r:r + step] = to_uint8(arr[r:r + step])
+    return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
 
 
 @dataclass(frozen=True)
