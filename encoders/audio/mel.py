@@ -3,6 +3,12 @@
 waveform [samples] or [channels, samples] at any rate -> mono at ``sampling_rate`` -> magnitude mel
 (power 1, centred reflect-padded STFT, Hann window, HTK scale, no norm) -> log(clamp(mel, 1e-7))
 -> [T_mel, n_mels] with T_mel = 1 + samples // hop_length.
+
+Long audio runs in blocks of frames: the waveform is reflect-padded once and each block's frames
+are cut from it (``center=False``), so a frame sees exactly the samples it sees in one whole-clip
+STFT, and only one block's spectrum (complex64, ~16 B/sample, plus ``abs``'s complex temporary) is
+alive at a time. Whole-clip peak was ~44 B/sample; blocked it is the padded copy and the output
+(~6 B/sample at MiMo-V2.5's settings) plus a fixed block.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import torchaudio
 from encoders.config import AudioConfig
 
 LOG_FLOOR = 1e-7
+# STFT frames per block (~2 min of 24 kHz audio at hop 240): the block's spectrum and magnitude are
+# ~100 MB at n_fft 960, against ~4 GB for an hour in one piece.
+BLOCK_FRAMES = 1 << 15
 
 
 class LogMelSpectrogram:
@@ -55,7 +64,24 @@ class LogMelSpectrogram:
             frames = 1 + num // self.config.hop_length
         else:
             frames = None
-        mel = self._transform(waveform.device)(waveform)  # [n_mels, T]
+        mel = self._blocked(waveform)  # [T, n_mels]
         if frames is not None:
-            mel = mel[:, :frames]
-        return torch.log(torch.clamp(mel, min=LOG_FLOOR)).transpose(0, 1).contiguous()
+            mel = mel[:frames]
+        return mel
+
+    def _blocked(self, waveform: torch.Tensor) -> torch.Tensor:
+        """The transform's centred STFT -> magnitude -> mel -> log, a block of frames at a time."""
+        c, transform = self.config, self._transform(waveform.device)
+        spec = transform.spectrogram
+        half = c.n_fft // 2
+        padded = torch.nn.functional.pad(waveform[None], (half, half), mode="reflect")[0]
+        total = 1 + waveform.numel() // c.hop_length
+        out = torch.empty(total, c.n_mels, device=waveform.device)
+        for f0 in range(0, total, BLOCK_FRAMES):
+            f1 = min(total, f0 + BLOCK_FRAMES)
+            piece = padded[f0 * c.hop_length:(f1 - 1) * c.hop_length + c.n_fft]
+            mag = torch.stft(piece, n_fft=c.n_fft, hop_length=c.hop_length, win_length=spec.win_length,
+                             window=spec.window, center=False, return_complex=True).abs()  # [bins, f1 - f0]
+            mel = transform.mel_scale(mag)  # [n_mels, f1 - f0]
+            out[f0:f1] = torch.log(torch.clamp(mel, min=LOG_FLOOR)).transpose(0, 1)
+        return out

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from encoders.audio.mel import BLOCK_FRAMES
 from encoders.config import AudioConfig
 from encoders.image_processing import ImageProcessingConfig
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
@@ -448,19 +449,18 @@ def preprocess_image_bytes(pixels: int, size: tuple[int, int], config: ImageProc
 
 def audio_bytes(samples: int, cfg: AudioConfig) -> int:
     """Peak bytes of decoding ``samples`` mono float32 samples and taking their log-mel
-    (``Preprocessor.audio_segments``: the front end's centred STFT, then its magnitude), with
-    F = 1 + samples // hop frames of B = n_fft // 2 + 1 bins:
+    (``Preprocessor.audio_segments``), with F = 1 + samples // hop frames of B = n_fft // 2 + 1
+    bins, the front end running a block of at most ``BLOCK_FRAMES`` frames at a time:
 
-        decode:     the resampled chunks (4 B/sample) + their concatenation (4 B/sample)
-        STFT:       beside the waveform (4 B/sample), its reflect-padded copy (n_fft more samples),
-                    the windowed frames [F, n_fft] float32 and their spectrum [F, B] complex64
-        magnitude:  beside the waveform, the spectrum [F, B] complex64, the complex64 temporary
-                    torch's CPU ``abs`` of a complex tensor makes, and the magnitude [F, B] float32
-                    (the padded copy and the frames are gone); the mel after it is smaller
+        decode:  the resampled chunks (4 B/sample) + their concatenation (4 B/sample)
+        log-mel: the waveform (4 B/sample), its reflect-padded copy (n_fft more samples), the output
+                 [F, n_mels] float32, and one block: its windowed frames [f, n_fft] float32, the
+                 spectrum [B, f] complex64 and the complex temporary of its ``abs``, the magnitude
+                 [B, f] float32 and the mel, its clamp and log [n_mels, f] float32
 
-    At 24 kHz, n_fft 960, hop 240: 4 + 4 + 16 + 16 = 40 B/sample in the STFT, 4 + 16 + 16 + 8 = 44
-    in the magnitude (the measured peak), where 12 B/sample were reserved before."""
+    At 24 kHz, n_fft 960, hop 240, 128 mels: ~10 B/sample plus ~200 MB of block (a whole-clip
+    STFT peaked at 44 B/sample)."""
     frames, bins = 1 + samples // cfg.hop_length, cfg.n_fft // 2 + 1
-    stft = 4 * (samples + 2 * (cfg.n_fft // 2)) + frames * (4 * cfg.n_fft + 8 * bins)
-    magnitude = frames * bins * (8 + 8 + 4)
-    return max(8 * samples, 4 * samples + max(stft, magnitude))
+    block = min(frames, BLOCK_FRAMES) * (4 * cfg.n_fft + (8 + 8 + 4) * bins + 3 * 4 * cfg.n_mels)
+    log_mel = 4 * samples + 4 * (samples + 2 * (cfg.n_fft // 2)) + 4 * frames * cfg.n_mels + block
+    return max(8 * samples, log_mel)

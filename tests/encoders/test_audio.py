@@ -190,3 +190,21 @@ def test_real_rvq_audio_checkpoint_is_refused_clearly(tmp_path):
                "audio_encoder.projection.mlp.0.weight": torch.ones(4, 4)}, str(path))
     with pytest.raises(UnsupportedAudioCheckpoint, match="RVQ audio path"):
         load_audio_encoder(tiny_audio_config(), path)
+
+
+@pytest.mark.parametrize("samples", [1, 481, 482, 2400, 2401, 24000 * 3 + 17])
+def test_log_mel_in_blocks_equals_the_whole_clip_stft(samples, monkeypatch):
+    """The front end cuts a long clip's STFT into blocks of frames from one reflect-padded copy:
+    every frame sees the samples it sees in torchaudio's centred whole-clip transform."""
+    from encoders.audio import mel as mel_module
+
+    cfg = AudioConfig()
+    front = mel_module.LogMelSpectrogram(cfg)
+    wave = torch.randn(samples, generator=torch.Generator().manual_seed(samples)) * 0.3
+    padded = torch.nn.functional.pad(wave, (0, max(0, cfg.n_fft // 2 + 1 - samples)))
+    whole = front._transform(wave.device)(padded)[:, :1 + samples // cfg.hop_length]
+    expected = torch.log(torch.clamp(whole, min=mel_module.LOG_FLOOR)).transpose(0, 1)
+    monkeypatch.setattr(mel_module, "BLOCK_FRAMES", 7)
+    got = front(wave)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
