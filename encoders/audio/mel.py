@@ -19,9 +19,9 @@ import torchaudio
 from encoders.config import AudioConfig
 
 LOG_FLOOR = 1e-7
-# STFT frames per block (~2 min of 24 kHz audio at hop 240): the block's spectrum and magnitude are
-# ~100 MB at n_fft 960, against ~4 GB for an hour in one piece.
-BLOCK_FRAMES = 1 << 15
+# STFT frames per block (~8 s of 24 kHz audio at hop 240): the block's frames, spectrum, abs
+# temporary and magnitude are ~120 MB at n_fft 960, against ~4 GB for an hour in one piece.
+BLOCK_FRAMES = 1 << 13
 
 
 class LogMelSpectrogram:

@@ -458,7 +458,7 @@ def audio_bytes(samples: int, cfg: AudioConfig) -> int:
                  spectrum [B, f] complex64 and the complex temporary of its ``abs``, the magnitude
                  [B, f] float32 and the mel, its clamp and log [n_mels, f] float32
 
-    At 24 kHz, n_fft 960, hop 240, 128 mels: ~10 B/sample plus ~200 MB of block (a whole-clip
+    At 24 kHz, n_fft 960, hop 240, 128 mels: ~10 B/sample plus ~120 MB of block (a whole-clip
     STFT peaked at 44 B/sample)."""
     frames, bins = 1 + samples // cfg.hop_length, cfg.n_fft // 2 + 1
     block = min(frames, BLOCK_FRAMES) * (4 * cfg.n_fft + (8 + 8 + 4) * bins + 3 * 4 * cfg.n_mels)
