@@ -39,7 +39,7 @@ from llm_core.engine.request import Request
 from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
 from llm_core.kvcache.tiers.l3_prefetch import L3Prefetcher
-from llm_core.kvcache.tiers.page_format import chain_seed, decode_page, gather_pages, page_hash, store_key
+from llm_core.kvcache.tiers.page_format import chain_seed, decode_page, gather_pages, page_hash
 from llm_core.kvcache.tiers.tier_threads import WRITE_QUEUE_BYTES, KVTierThreads, LayerCopies, add_layer_copies
 from llm_core.kvcache.lock_table import Holder
 from llm_core.kvcache.page_keys import PageKey, page_keys
