@@ -3,11 +3,13 @@ one per test session; tests that need it skip when ``redis-server`` is not insta
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -40,17 +42,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """Port of a running redis-server bound to 127.0.0.1."""
+@contextlib.contextmanager
+def running_redis(workdir: Path, *extra: str) -> Iterator[int]:
+    """A redis-server of the test's own on 127.0.0.1 (``extra``: more server options); its port."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
+         "--dir", str(workdir), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -67,6 +68,13 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """Port of a running redis-server bound to 127.0.0.1."""
+    with running_redis(tmp_path_factory.mktemp("redis")) as port:
+        yield port
 
 
 @pytest.fixture(scope="session")

@@ -13,28 +13,12 @@ import random
 import pytest
 import torch
 
-from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core import LLM, LLMEngine, SamplingParams
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.speculative.verify import verify_sampled
-from llm_core.model.loader import load_model
-from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
+from tests.llm_core.engine.test_speculative import engine, ids, model  # noqa: F401 -- model: a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("mtp") / "hf", mtp_layers=3))
-
-
-def engine(model, **kw) -> LLMEngine:
-    cfg = dict(page_size=4, max_chunk_tokens=5, max_num_batched_tokens=32, num_full_tokens=2048,
-               num_swa_tokens=512)
-    return LLMEngine(model, EngineConfig(**{**cfg, **kw}))
 
 
 def generate(eng: LLMEngine, prompts, params):

@@ -4,9 +4,7 @@ checksummed entry format."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -28,6 +26,7 @@ from llm_core.storage import (
     decode_entry,
     encode_entry,
 )
+from tests.conftest import running_redis
 
 keys = st.text(alphabet="abcdef", min_size=1, max_size=3)
 values = st.binary(max_size=64)
@@ -232,37 +231,9 @@ def test_redis_damaged_value_is_a_miss_and_removed(redis_server: int) -> None:
 def full_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """Port of a redis-server of its own with a tiny ``maxmemory`` and the ``noeviction`` policy (Redis'
     default): once full it answers every write with OOM and keeps serving reads."""
-    import redis
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("full-redis")), "--maxmemory", "3mb",
-                             "--maxmemory-policy", "noeviction"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client, deadline = redis.Redis(port=port), time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"redis-server did not start on port {port} (exit code {proc.poll()})")
-                time.sleep(0.05)
-        client.close()
+    with running_redis(tmp_path_factory.mktemp("full-redis"), "--maxmemory", "3mb",
+                       "--maxmemory-policy", "noeviction") as port:
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_redis_at_maxmemory_fails_the_write_and_keeps_serving_reads(full_redis: int) -> None:
