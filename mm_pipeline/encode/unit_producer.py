@@ -21,23 +21,21 @@ for the encoder to catch up instead of queueing rows beyond ``max_decoded_bytes_
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from encoders.audio.mel import BLOCK_FRAMES
-from encoders.config import AudioConfig
-from encoders.image_processing import ImageProcessingConfig
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
-from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, Reservation, check
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, check
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.image import decode_image_peak, probe_animation, probe_image
 from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
 from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
 from mm_pipeline.media.decode.early_audio import early_audio_of
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
+from mm_pipeline.encode.decode_peaks import audio_bytes, preprocess_image_bytes
+from mm_pipeline.encode.held_inputs import HeldInputs, hand_on
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
 from mm_pipeline.errors import MediaError, UnsupportedMediaType
@@ -49,39 +47,6 @@ from mm_pipeline.media.decode.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
 _ANIMATIONS = ("gif", "webp")
-
-
-class HeldInputs:
-    """Budget releases of one production's decoded inputs by unit index, from the worker that
-    decoded an input until ``take`` hands its release to the unit's encoder job; ``close`` (the
-    production ended) releases what no job took, and from then on ``put`` releases at once (a
-    chunk still decoding on a worker after a failure)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_unit: dict[int, Callable[[], None]] = {}
-        self._closed = False
-
-    def put(self, i: int, release: Callable[[], None]) -> None:
-        with self._lock:
-            if self._closed:
-                drop: Callable[[], None] | None = release
-            else:  # (a unit is decoded once per production; a second put replaces the first)
-                drop = self._by_unit.get(i)
-                self._by_unit[i] = release
-        if drop is not None:
-            drop()
-
-    def take(self, i: int) -> Callable[[], None] | None:
-        with self._lock:
-            return self._by_unit.pop(i, None)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            left, self._by_unit = list(self._by_unit.values()), {}
-        for release in left:
-            release()
 
 
 class UnitProducer:
@@ -115,7 +80,7 @@ class UnitProducer:
             image = self.decoder.decode_image(item, self.config.limits, target=size)
             vis = self.pre.image(image, size)
             if held is not None:
-                _hand_on(reservation, [(0, vis.rows)], held)
+                hand_on(reservation, [(0, vis.rows)], held)
             return vis
 
     def image_bytes(self, h: int, w: int, size: tuple[int, int]) -> int:
@@ -156,7 +121,7 @@ class UnitProducer:
                     self._count("early_audio_used" if item.kind is MediaKind.AUDIO else "early_sound_used")
                 mels = self.pre.audio_segments(audio)
                 if held is not None:
-                    _hand_on(reservation, enumerate(mels, first), held)
+                    hand_on(reservation, enumerate(mels, first), held)
                 return mels
         finally:
             if early is not None:
@@ -346,7 +311,7 @@ class UnitProducer:
                                  "a video chunk") as reservation:
             def ready(out: list[VisionInput], of: Sequence[int]) -> list[VisionInput]:
                 if held is not None:
-                    _hand_on(reservation, [(g, vis.rows) for g, vis in zip(of, out)], held)
+                    hand_on(reservation, [(g, vis.rows) for g, vis in zip(of, out)], held)
                 return out
 
             def group_ready(g: int, frames: torch.Tensor) -> None:
@@ -408,59 +373,3 @@ class UnitProducer:
                 release()  # (a part counts once: harmless where submit released it already)
             raise
         open_keys.discard(key)
-
-
-def _hand_on(reservation: Reservation, inputs: Iterable[tuple[int, torch.Tensor]], held: HeldInputs) -> None:
-    """Keep the bytes of decoded inputs (unit index, tensor) counted in the budget after their
-    decode's block ends: moved out of ``reservation`` into ``held``, one release per unit. Inputs
-    that are views of one tensor (a chunk's frame groups, a clip's mel segments) share its memory,
-    freed only with the last of them: one hold of its storage, split among them."""
-    by_storage: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    for i, t in inputs:
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((i, t))
-    for views in by_storage.values():
-        hold = reservation.hand_on(views[0][1].untyped_storage().nbytes())
-        for (i, _), release in zip(views, hold.parts(len(views))):
-            held.put(i, release)
-
-
-def preprocess_image_bytes(pixels: int, size: tuple[int, int], config: ImageProcessingConfig,
-                           same_size: bool = False) -> int:
-    """Peak bytes of ``Preprocessor.image`` on ``pixels`` decoded uint8 RGB pixels (3 B each, held
-    throughout) resized to ``size`` (T pixels), an image repeated to ``tp`` frames (the temporal
-    patch) -- the tensors it holds at once (``Preprocessor._patchify``):
-
-        resized:    the float copy of the pixels (12 B/px) + the resized frame (12 B/T)
-                    then the resized frame + (x - mean) + its / std (3 x 12 B/T)
-                    then the normalised frame (12 B/T) + patchify's temporal pad (tp frames:
-                    12 tp B/T) + the reordered rows (12 tp B/T)
-        same size:  the padded uint8 frames (3 tp B/T) + their reorder (3 tp B/T), then the
-                    reorder + its float rows (12 tp B/T), normalised in place by a mean and a
-                    std row (4 B per row value each, made from 3 channel values)
-
-    The rows it returns are 12 tp B/T (24 at MiMo's tp 2)."""
-    t, tp = size[0] * size[1], config.temporal_patch_size
-    pad = tp if tp > 1 else 0  # frames patchify's padding copies (none for a one-frame patch)
-    if same_size:
-        mean_std = 2 * 4 * 3 * (tp * config.patch_size ** 2 + 1)
-        return 3 * pixels + max(3 * pad * t + 3 * tp * t, 3 * tp * t + 12 * tp * t + mean_std)
-    return 3 * pixels + max(12 * pixels + 12 * t, 36 * t, 12 * t + 12 * pad * t + 12 * tp * t)
-
-
-def audio_bytes(samples: int, cfg: AudioConfig) -> int:
-    """Peak bytes of decoding ``samples`` mono float32 samples and taking their log-mel
-    (``Preprocessor.audio_segments``), with F = 1 + samples // hop frames of B = n_fft // 2 + 1
-    bins, the front end running a block of at most ``BLOCK_FRAMES`` frames at a time:
-
-        decode:  the resampled chunks (4 B/sample) + their concatenation (4 B/sample)
-        log-mel: the waveform (4 B/sample), its reflect-padded copy (n_fft more samples), the output
-                 [F, n_mels] float32, and one block: its windowed frames [f, n_fft] float32, the
-                 spectrum [B, f] complex64 and the complex temporary of its ``abs``, the magnitude
-                 [B, f] float32 and the mel, its clamp and log [n_mels, f] float32
-
-    At 24 kHz, n_fft 960, hop 240, 128 mels: ~10 B/sample plus ~120 MB of block (a whole-clip
-    STFT peaked at 44 B/sample)."""
-    frames, bins = 1 + samples // cfg.hop_length, cfg.n_fft // 2 + 1
-    block = min(frames, BLOCK_FRAMES) * (4 * cfg.n_fft + (8 + 8 + 4) * bins + 3 * 4 * cfg.n_mels)
-    log_mel = 4 * samples + 4 * (samples + 2 * (cfg.n_fft // 2)) + 4 * frames * cfg.n_mels + block
-    return max(8 * samples, log_mel)

@@ -39,7 +39,7 @@ from encoders.image_processing import ImageProcessingConfig
 from llm_core.storage import MemoryStore
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
-from mm_pipeline.encode import unit_producer
+from mm_pipeline.encode import decode_peaks
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.unit_producer import UnitProducer
@@ -130,7 +130,7 @@ def test_audio_reservation_covers_the_decode_and_log_mel_peak(pool, monkeypatch,
     One block for the whole clip holds ~40 B/sample; blocks of 512 frames far less. Before: 12
     B/sample reserved."""
     monkeypatch.setattr(mel_module, "BLOCK_FRAMES", block_frames)
-    monkeypatch.setattr(unit_producer, "BLOCK_FRAMES", block_frames)
+    monkeypatch.setattr(decode_peaks, "BLOCK_FRAMES", block_frames)
     cfg = AudioConfig()
     producer, reserved = _producer(pool, audio=cfg)
     item = MediaItem(MediaKind.AUDIO, "wav", audio_bytes(rate=cfg.sampling_rate, seconds=60.0, channels=1))
