@@ -37,7 +37,8 @@ from mm_pipeline.server.errors import APIError, error_response, install_error_ha
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.metrics import ServerMetrics
 from mm_pipeline.server.openapi_doc import install_openapi
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, FileObject, ModelCard
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+from mm_pipeline.server.responses import FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
 from mm_pipeline.server.files.uploads import receive_upload

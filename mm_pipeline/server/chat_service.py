@@ -24,9 +24,9 @@ from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
 from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
-from mm_pipeline.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                         ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
-                                         CompletionRequest, Delta, SamplingFields, Usage)
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                          ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
 
 Observer = Callable[[float, "list[ChoiceState]"], None]

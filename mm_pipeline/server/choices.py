@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from mm_pipeline.errors import generation_error
-from mm_pipeline.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 @dataclass

@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from mm_pipeline.server.protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
-                                         ErrorResponse, FileObject, ModelCard)
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+from mm_pipeline.server.responses import ChatCompletion, Completion, ErrorResponse, FileObject, ModelCard
 
 _REF = "#/components/schemas/{model}"
 # OpenAPI before 3.2: the schema of an event-stream describes one event (sse.py: ``data:`` lines

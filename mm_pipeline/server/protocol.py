@@ -1,4 +1,4 @@
-"""Request and response models of the OpenAI-compatible API (the subset mmserve serves).
+"""Request models of the OpenAI-compatible API (the subset mmserve serves; responses: responses.py).
 
 Requests validate what the engine needs. A field that would change the answer in a way we do not
 implement (penalties, tools, ``response_format`` json, ``best_of`` > ``n``, chat-template options...:
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_serializer,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator,
                       model_validator)
 
 from llm_core.engine.sampling import MAX_INT32, MAX_LOGPROBS, SEED_LIMIT
@@ -298,142 +298,3 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
-
-
-# ---- responses ----------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-    def add(self, prompt: int, completion: int, cached: int) -> None:
-        self.prompt_tokens += prompt
-        self.completion_tokens += completion
-        self.total_tokens = self.prompt_tokens + self.completion_tokens
-        self.prompt_tokens_details.cached_tokens += cached
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] = Field(default_factory=list)
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str = ""
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _role_once(self, handler: Any) -> Any:
-        # OpenAI names the role in a choice's first delta only; later deltas leave the key out
-        out = handler(self)
-        if self.role is None and isinstance(out, dict):
-            out.pop("role", None)
-        return out
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class FileObject(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str
-    status: Literal["processed"] = "processed"
-    # mmserve extension: blake3 hex of the bytes, the key the media caches use (and the field
-    # `mmserve caption` rows carry), so a client can tell two uploads of one file apart from two files
-    content_hash: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "mmserve"
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-    kind: str | None = None  # the pipeline's error kind (mm_pipeline/errors.py), when it has one
-
-
-class ErrorResponse(BaseModel):
-    """Every error body (mm_pipeline/server/errors.py), documented in the OpenAPI schema."""
-
-    error: ErrorDetail
