@@ -180,7 +180,7 @@ class LLMEngine:
                 req.status, req.finish_reason = req.status.FINISHED, "error"
                 req.error, req.error_kind = problem.message, problem.kind
                 out = self._output(req, [])
-                out.text = self._final_text(req)  # "" (no output) with a tokenizer: no decode runs
+                out.text = req.final_text(self.tokenizer)  # "" (no output) with a tokenizer: no decode runs
                 self._early_outputs.append(out)
                 return
             self._live[req.request_id] = req
@@ -381,27 +381,14 @@ class LLMEngine:
         return outputs, drained
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        want_lp = req.params.logprobs is not None
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            new_token_ids=new,
-            logprobs=list(req.output_logprobs) if want_lp else None,
-            top_logprobs=list(req.output_top_logprobs) if want_lp else None,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            error_kind=req.error_kind,
-            num_cached_tokens=self.scheduler.cached_prompt_tokens(req),
-        )
+        return req.output(new, self.scheduler.cached_prompt_tokens(req))
 
     def _finish_output(self, req: Request, new: list[int]) -> RequestOutput:
         """A finished request's last output, with its final text (the decode may raise)."""
         with self._lock:
             self._live.pop(req.request_id, None)
         out = self._output(req, new)
-        out.text = self._final_text(req)
+        out.text = req.final_text(self.tokenizer)
         return out
 
     def _final_output(self, req: Request, new: list[int]) -> RequestOutput:
@@ -412,14 +399,3 @@ class LLMEngine:
             return self._finish_output(req, new)
         except Exception as exc:  # noqa: BLE001 -- this request only
             return self._failed_output(req, exc)
-
-    def _final_text(self, req: Request) -> str | None:
-        """The finished request's text (RequestOutput.text): None without a tokenizer, else its
-        output cut before the stop string it matched, or all of its output ("" when there is none)."""
-        if self.tokenizer is None:
-            return None
-        if req.stop_text is not None:
-            return req.stop_text
-        if not req.output_token_ids:
-            return ""
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
-from llm_core.engine.outputs import ErrorKind
+from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.kvcache.page_keys import check_extra_keys
 from llm_core.engine.sampling import SamplingParams
 
@@ -166,6 +166,36 @@ class Request:
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
+
+    def output(self, new: list[int], num_cached_tokens: int) -> RequestOutput:
+        """This request's state as a RequestOutput (cumulative), ``new``: the tokens this step added;
+        ``num_cached_tokens``: what the prefix cache supplied at first admission (the scheduler knows)."""
+        want_lp = self.params.logprobs is not None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids),
+            new_token_ids=new,
+            logprobs=list(self.output_logprobs) if want_lp else None,
+            top_logprobs=list(self.output_top_logprobs) if want_lp else None,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            error_kind=self.error_kind,
+            num_cached_tokens=num_cached_tokens,
+        )
+
+    def final_text(self, tokenizer) -> str | None:
+        """The finished request's text (RequestOutput.text): None without a tokenizer, else its
+        output cut before the stop string it matched, or all of its output ("" when there is none).
+        The decode may raise: the engine ends only this request then."""
+        if tokenizer is None:
+            return None
+        if self.stop_text is not None:
+            return self.stop_text
+        if not self.output_token_ids:
+            return ""
+        return tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def reset_for_recompute(self) -> None:
         """Preempted: all KV is dropped; every token (prompt and generated) is computed again."""
