@@ -1,14 +1,21 @@
 """A tokenizer's chat template with the text of messages kept literal: only the template's own
-markup becomes special tokens (see :class:`ChatTemplate`)."""
+markup becomes special tokens (see :class:`ChatTemplate`); a parsed chat as the message dicts it
+takes (:func:`chat_messages`)."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import re
 import threading
-from typing import Any
+from typing import Any, Iterator, Mapping
+
+import jinja2
+import jinja2.meta
 
 from mm_pipeline.errors import InvalidMessageError
+from mm_pipeline.prompt.messages import ChatRequest
+from mm_pipeline.prompt.template_options import RESERVED_NAMES, TemplateOptions, template_strings
 
 # the roles of a parsed chat (mm_pipeline/prompt/messages.py; "developer" arrives as "system")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -45,6 +52,10 @@ class ChatTemplate:
     through verbatim (it trims or splits it), or a tokenizer without a fast backend, cannot keep a
     special token's spelling literal: such a chat is refused (``InvalidMessageError``, HTTP 400).
 
+    An assistant's ``reasoning_content`` is message text too, kept literal the same way.
+    ``chat_template_kwargs`` are checked against the template (:meth:`check_kwargs`, see
+    prompt/template_options.py): the variables it reads are found once, from its source.
+
     It also measures, once, what the markup of a message costs at least (:meth:`min_tokens`) and
     whether an empty text part renders as nothing (``drops_empty_text``)."""
 
@@ -67,29 +78,67 @@ class ChatTemplate:
         self._edge_chars = max((len(n) for n in names), default=1) - 1
         self._literal: Any = None  # the backend tokenizer with special-token parsing off (made on first need)
         self._literal_lock = threading.Lock()
-        self._first_turn, self._per_turn = self._measure_turns()
+        # per add_generation_prompt: (least special tokens of the first message, of each further one)
+        self._turns = {prompt: self._measure_turns(prompt) for prompt in (True, False)}
         self.drops_empty_text = self._measure_empty_text()
+        self.variables, self.reserved = self._template_names()
 
     # ---- rendering --------------------------------------------------------------------------
     def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **template_kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+        except (jinja2.TemplateError, ValueError) as exc:  # the template's raise_exception, transformers' checks
+            # the chat, its options or its kwargs are what the template refused: the client's to fix
+            raise InvalidMessageError(f"the chat template cannot render this chat: {str(exc)[:300]}") from None
 
     def token_ids(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                  **template_kwargs: Any) -> list[int]:
-        """The chat templated and tokenized; message text literal (class doc)."""
+                  continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+        """The chat templated and tokenized; message text literal (class doc). ``continue_final_message``:
+        transformers' own cut, after the final message's last text part (:func:`chat_messages` gives
+        the final message one); ``template_kwargs``: checked first (:meth:`check_kwargs`)."""
+        self.check_kwargs(template_kwargs)
+        if continue_final_message:
+            template_kwargs = {**template_kwargs, "continue_final_message": True}
         text = self.render_text(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         texts = _message_texts(messages)
         if not self._spells_special(texts):
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         return self._literal_ids(messages, texts, text, add_generation_prompt, template_kwargs)
 
-    def min_tokens(self, turns: int) -> int:
+    def min_tokens(self, turns: int, options: TemplateOptions | None = None) -> int:
         """Tokens a chat of ``turns`` messages takes at least, whatever they hold: the special tokens
         of their markup. Those only: a text token of the markup ("user", "\n") may merge with the
-        message text beside it, a special token never does (and message text cannot remove one)."""
-        return 0 if turns <= 0 else self._first_turn + (turns - 1) * self._per_turn
+        message text beside it, a special token never does (and message text cannot remove one).
+        ``options``: how it is templated (None: the least over all options). A continued final
+        message is cut before its closing markup: it is counted as nothing."""
+        if options is None or options.continue_final_message:
+            turns -= 1
+        first, per = self._turns[options is not None and options.add_generation_prompt]
+        return 0 if turns <= 0 else first + (turns - 1) * per
+
+    def check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+        """``InvalidMessageError`` (400) naming the first of ``chat_template_kwargs`` this template
+        would not honour: one the server passes itself (``reserved``: prompt/template_options.py's
+        names, this tokenizer's special-token variables and keyword arguments, the sandbox's
+        globals), one the template never reads (vLLM drops those silently; here a field is honoured
+        or refused), a string that holds or could join into a special token (a variable is rendered
+        as the template writes it: unlike message text, it cannot be kept literal)."""
+        for key, value in kwargs.items():
+            if key in self.reserved:
+                raise InvalidMessageError(f"chat_template_kwargs.{key} is set by the server itself when it renders "
+                                          f"the chat template and cannot be overridden")
+            if self.variables is None:
+                raise InvalidMessageError(f"chat_template_kwargs.{key}: this model's chat template could not be "
+                                          f"read for the variables it takes, so none can be passed")
+            if key not in self.variables:
+                reads = sorted(self.variables - self.reserved)
+                raise InvalidMessageError(f"chat_template_kwargs.{key} is not read by this model's chat template, "
+                                          f"so it would change nothing (it reads: {', '.join(reads) or 'none'})")
+            if any(self._spells_special([s]) for s in template_strings(value)):
+                raise InvalidMessageError(f"chat_template_kwargs.{key} holds text that is, or could join into, a "
+                                          f"special token of this model ({self._spelled(template_strings(value))})")
 
     # ---- internals -------------------------------------------------------------------------
     def _spells_special(self, texts: list[str]) -> bool:
@@ -172,26 +221,51 @@ class ChatTemplate:
         found = self._special_re.search("".join(texts)) if self._special_re is not None else None
         return repr(found.group()) if found else "text that joins into a special token"
 
-    def _count_specials(self, messages: list[dict[str, Any]]) -> int | None:
+    def _count_specials(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int | None:
         """Special tokens of ``messages`` rendered (None: the template refuses them)."""
         try:
-            text = self.render_text(messages)
+            text = self.render_text(messages, add_generation_prompt=add_generation_prompt)
         except Exception:  # noqa: BLE001  (any template error: nothing is measured)
             return None
         return sum(1 for _ in self._special_re.finditer(text)) if self._special_re is not None else 0
 
-    def _measure_turns(self) -> tuple[int, int]:
+    def _template_names(self) -> tuple[frozenset[str] | None, frozenset[str]]:
+        """(the variables the template reads, None when its source cannot be parsed; the names the
+        server binds itself). Parsed as transformers compiles it (its sandbox, its ``generation``
+        tag), with Jinja's ``find_undeclared_variables``: every name looked up from the context."""
+        tok = self.tokenizer
+        reserved = set(RESERVED_NAMES) | set(getattr(tok, "special_tokens_map", None) or {})
+        try:
+            reserved |= {p.name for p in inspect.signature(tok.apply_chat_template).parameters.values()
+                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        except (TypeError, ValueError):
+            pass
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            source = tok.get_chat_template()
+            env = _compile_jinja_template(source).environment
+            reserved |= set(env.globals)
+            variables: frozenset[str] | None = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+        except Exception:  # noqa: BLE001  (no template, another transformers: no kwargs can be vouched for)
+            variables = None
+        return variables, frozenset(reserved)
+
+    def _measure_turns(self, add_generation_prompt: bool) -> tuple[int, int]:
         """(special tokens of the cheapest one-message chat, least a further message adds): empty
         messages of every role, appended once and twice. Unknown (a template that refuses a probe,
         or markup that shrinks): 0, which bounds nothing."""
         def chat(*roles: str) -> list[dict[str, Any]]:
             return [{"role": r, "content": []} for r in roles]
 
-        firsts = [self._count_specials(chat(r)) for r in CHAT_ROLES]
+        def count(messages: list[dict[str, Any]]) -> int | None:
+            return self._count_specials(messages, add_generation_prompt)
+
+        firsts = [count(chat(r)) for r in CHAT_ROLES]
         adds = []
-        base = self._count_specials(chat("user"))
+        base = count(chat("user"))
         for r in CHAT_ROLES:
-            one, two = self._count_specials(chat("user", r)), self._count_specials(chat("user", r, r))
+            one, two = count(chat("user", r)), count(chat("user", r, r))
             adds += [None if base is None or one is None else one - base,
                      None if one is None or two is None else two - one]
         first = 0 if None in firsts else max(0, min(firsts))  # type: ignore[type-var]
@@ -218,11 +292,38 @@ class ChatTemplate:
         return True
 
 
+def chat_messages(chat: ChatRequest, kinds: Iterator[str], keep_empty: bool) -> list[dict[str, Any]]:
+    """``chat``'s turns as the message dicts a template takes: text parts, one ``{"type": kind}``
+    per media part (``kinds``: the planned media's, in order), an assistant's ``reasoning_content``.
+    ``keep_empty``: keep empty text parts (else they render as nothing: left out). A final message
+    to continue ends with a text part, empty if need be, where transformers cuts the render (after
+    its last text part: a media part after it would be cut off)."""
+    messages = []
+    for turn in chat.turns:
+        content: list[dict[str, Any]] = []
+        for part in turn.parts:
+            if isinstance(part, str):
+                if part or keep_empty:
+                    content.append({"type": "text", "text": part})
+            else:
+                content.append({"type": next(kinds)})
+        message: dict[str, Any] = {"role": turn.role, "content": content}
+        if turn.reasoning is not None:
+            message["reasoning_content"] = turn.reasoning
+        messages.append(message)
+    if chat.options.continue_final_message and (not messages[-1]["content"]
+                                                or messages[-1]["content"][-1]["type"] != "text"):
+        messages[-1]["content"].append({"type": "text", "text": ""})
+    return messages
+
+
 def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
-    """The text of ``messages`` in order: string contents and text parts (what ChatLayout hands a
-    template; other fields are the template's business)."""
+    """The text of ``messages`` in order: an assistant's reasoning, string contents and text parts
+    (what ChatLayout hands a template; other fields are the template's business)."""
     texts = []
     for message in messages:
+        if isinstance(message.get("reasoning_content"), str):
+            texts.append(message["reasoning_content"])
         content = message.get("content")
         if isinstance(content, str):
             texts.append(content)
@@ -241,6 +342,9 @@ def _with_markers(messages: list[dict[str, Any]], marker: str) -> list[dict[str,
 
     out = []
     for message in messages:
+        marked = dict(message)
+        if isinstance(message.get("reasoning_content"), str):  # first: _message_texts' order
+            marked["reasoning_content"] = mark()
         content = message.get("content")
         if isinstance(content, str):
             content = mark()
@@ -248,5 +352,6 @@ def _with_markers(messages: list[dict[str, Any]], marker: str) -> list[dict[str,
             content = [{**p, "text": mark()}
                        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) else p
                        for p in content]
-        out.append({**message, "content": content})
+        marked["content"] = content
+        out.append(marked)
     return out

@@ -56,8 +56,9 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from encoders.video import format_timestamp
 from mm_pipeline.errors import ContextLengthError
 from mm_pipeline.model.config import SpecialTokens
-from mm_pipeline.prompt.chat_template import ChatTemplate
+from mm_pipeline.prompt.chat_template import ChatTemplate, chat_messages
 from mm_pipeline.prompt.messages import ChatRequest
+from mm_pipeline.prompt.template_options import TemplateOptions
 
 MEDIA_KINDS = ("image", "video", "audio")
 
@@ -360,14 +361,16 @@ class ChatLayout:
         self.prompt_layout._template = self.template  # one template (its probes) for both entry points
         self.text_bound = TextBound(tokenizer)
 
-    def check_markup(self, turns: int, max_tokens: int | None, media_tokens: int = 0) -> int:
+    def check_markup(self, turns: int, max_tokens: int | None, media_tokens: int = 0,
+                     options: TemplateOptions | None = None) -> int:
         """``ContextLengthError`` when ``turns`` messages (and ``media_tokens`` of media) surely do
         not fit ``max_tokens`` with one generated token, as the runtime's exact check after layout
         would find: costs nothing, so a chat of a million empty messages fails before it is
-        templated (seconds and gigabytes, measured). Returns the least tokens they take."""
+        templated (seconds and gigabytes, measured). Returns the least tokens they take, templated
+        with ``options`` (None: the least over every option)."""
         if max_tokens is None:
             return 0
-        least = self.template.min_tokens(turns) + media_tokens
+        least = self.template.min_tokens(turns, options) + media_tokens
         if least + 1 > max_tokens:
             media = f" and {media_tokens} of media" if media_tokens else ""
             raise ContextLengthError(f"the chat's {turns} messages take at least {least} tokens of chat markup"
@@ -379,21 +382,15 @@ class ChatLayout:
                ) -> LaidOutPrompt:
         """Token ids, per plan its unit spans, and the boundaries, for a chat whose media planned as
         ``plans``. ``max_tokens`` (the context limit): a chat that cannot fit fails before it is
-        templated and tokenized whole (``check_markup``, then ``TextBound`` for its text)."""
+        templated and tokenized whole (``check_markup``, then ``TextBound`` for its text, reasoning
+        included). The chat's ``TemplateOptions`` say how it is templated; its
+        ``chat_template_kwargs`` are checked against the template first (``check_kwargs``)."""
+        options = chat.options
+        self.template.check_kwargs(options.kwargs)
         slots = [p.slots for p in plans]
-        least = self.check_markup(len(chat.turns), max_tokens, sum(s.num_tokens for s in slots))
-        texts = [part for turn in chat.turns for part in turn.parts if isinstance(part, str)]
-        self.text_bound.check(texts, max_tokens, least)
-        keep_empty = not self.template.drops_empty_text  # else they render as nothing: left out
-        kinds = iter(s.kind for s in slots)
-        messages = []
-        for turn in chat.turns:
-            content = []
-            for part in turn.parts:
-                if isinstance(part, str):
-                    if part or keep_empty:
-                        content.append({"type": "text", "text": part})
-                else:
-                    content.append({"type": next(kinds)})
-            messages.append({"role": turn.role, "content": content})
-        return self.prompt_layout.expand(self.template.token_ids(messages), slots)
+        least = self.check_markup(len(chat.turns), max_tokens, sum(s.num_tokens for s in slots), options)
+        self.text_bound.check(chat.texts, max_tokens, least)
+        messages = chat_messages(chat, iter(s.kind for s in slots), keep_empty=not self.template.drops_empty_text)
+        ids = self.template.token_ids(messages, add_generation_prompt=options.add_generation_prompt,
+                                      continue_final_message=options.continue_final_message, **options.kwargs)
+        return self.prompt_layout.expand(ids, slots)

@@ -18,11 +18,17 @@ Roles are ``ROLES`` (the server's request model takes its list from here): ``dev
 wraps it in ``<tool_response>``; its ``tool_call_id`` is not rendered, as by the template itself).
 An assistant message's ``refusal`` is what it said, kept as text as its refusal parts are.
 
-Message fields the prompt layout does not hand to the chat template are refused by name rather than
-dropped, since dropping them changes the prompt the client asked for (``UNRENDERED``): assistant
-``tool_calls`` / ``function_call`` (the template has no place for them) and ``reasoning_content``
-(the template would render it as ``<think>...</think>``, but ``ChatLayout`` passes each message's
-role and content only). Empty values are what leaving the field out renders, and are accepted.
+An assistant message's ``reasoning_content`` (or ``reasoning``, vLLM's newer name for the same
+text; both given must agree) reaches the chat template as ``reasoning_content``, which the MiMo
+template renders as ``<think>...</think>``; its text is kept literal as the content is
+(prompt/chat_template.py). Message fields the prompt layout does not hand to the chat template are
+refused by name rather than dropped, since dropping them changes the prompt the client asked for
+(``UNRENDERED``): assistant ``tool_calls`` / ``function_call`` (the template has no place for them).
+Empty values are what leaving the field out renders, and are accepted.
+
+How the chat is templated (the generation prompt, continuing the final message,
+``chat_template_kwargs``) is the request's ``TemplateOptions`` (prompt/template_options.py), carried
+on the ``ChatRequest``: ``continue_final_message`` needs the final message to be an assistant's.
 
 Nothing is read or decoded here (that happens off the event loop); this only checks shapes, so a
 malformed message fails fast with HTTP 400 before any work starts. The declared kind of a part
@@ -39,15 +45,16 @@ from typing import Any, Union
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes, parse_codes
 from mm_pipeline.media.types import MediaKind, MediaSource
+from mm_pipeline.prompt.template_options import DEFAULT_OPTIONS, TemplateOptions
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-# message field -> why it cannot be honoured (module doc); reasoning: vLLM's newer name for reasoning_content
+# message field -> why it cannot be honoured (module doc)
 UNRENDERED = {
     "tool_calls": "tool calls are not supported (the chat template does not render them)",
     "function_call": "function calls are not supported (the chat template does not render them)",
-    "reasoning_content": "an assistant's reasoning is not rendered into the prompt by this server",
-    "reasoning": "an assistant's reasoning is not rendered into the prompt by this server",
 }
+# an assistant's reasoning under its two names (vLLM's newer one last); the template reads the first
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 _URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
 _PLAIN_PARTS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO, "audio": MediaKind.AUDIO}
 
@@ -74,41 +81,55 @@ Part = Union[str, MediaRef]
 class ChatTurn:
     role: str
     parts: tuple[Part, ...]
+    reasoning: str | None = None  # an assistant's reasoning_content (module doc)
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     turns: tuple[ChatTurn, ...]
+    options: TemplateOptions = DEFAULT_OPTIONS
 
     @property
     def media(self) -> list[MediaRef]:
         """Media references in prompt order."""
         return [p for t in self.turns for p in t.parts if isinstance(p, MediaRef)]
 
+    @property
+    def texts(self) -> list[str]:
+        """Every text the chat template renders from the messages: text parts and reasoning."""
+        return [s for t in self.turns
+                for s in ((t.reasoning,) if t.reasoning is not None else ()) + t.parts if isinstance(s, str)]
+
 
 class ParsedMessages(tuple):
-    """Message dicts together with their parse: ``parse_messages`` hands back ``chat`` instead of
-    parsing again. The server parses a long conversation on a worker thread (chat_service.py) and
-    passes this on as the messages, so the engine's own ``parse_messages`` (on the event loop) costs
-    nothing, while an engine that reads the dicts (the cluster's RemoteEngine) still can. The dicts
-    must not change afterwards; pickled, it is a plain tuple (another process parses it again)."""
+    """Message dicts together with their parse (and the request's template options, which the
+    parse carries): ``parse_messages`` hands back ``chat`` instead of parsing again. The server
+    parses a long conversation on a worker thread (chat_service.py) and passes this on as the
+    messages, so the engine's own ``parse_messages`` (on the event loop) costs nothing, while an
+    engine that reads the dicts (the cluster's RemoteEngine) still can. The dicts must not change
+    afterwards; pickled, it is a plain tuple (another process parses it again), or with options other
+    than the defaults a ParsedMessages again, so that the options reach the other process too."""
 
     chat: ChatRequest
 
-    def __new__(cls, messages: Any) -> "ParsedMessages":
-        chat = parse_messages(messages)
+    def __new__(cls, messages: Any, options: TemplateOptions = DEFAULT_OPTIONS) -> "ParsedMessages":
+        chat = parse_messages(messages, options)
         self = super().__new__(cls, messages)
         self.chat = chat
         return self
 
     def __reduce__(self) -> tuple:
-        return tuple, (tuple(self),)
+        if self.chat.options.is_default:
+            return tuple, (tuple(self),)
+        return ParsedMessages, (tuple(self), self.chat.options)
 
 
-def parse_messages(messages: Any) -> ChatRequest:
-    """Validate OpenAI chat ``messages`` and turn them into a :class:`ChatRequest`."""
-    if isinstance(messages, ParsedMessages):
+def parse_messages(messages: Any, options: TemplateOptions | None = None) -> ChatRequest:
+    """Validate OpenAI chat ``messages`` and turn them into a :class:`ChatRequest` templated with
+    ``options`` (None: the defaults; a ``ParsedMessages`` keeps its own)."""
+    if isinstance(messages, ParsedMessages) and options is None:
         return messages.chat
+    options = DEFAULT_OPTIONS if options is None else options
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidMessageError("messages must be a non-empty list of {role, content} objects")
     turns = []
@@ -128,8 +149,26 @@ def parse_messages(messages: Any) -> ChatRequest:
             if role != "assistant" or not isinstance(refusal, str):
                 raise InvalidMessageError(f"{where}.refusal must be a string, in an assistant message")
             parts += (refusal,)
-        turns.append(ChatTurn("system" if role == "developer" else role, parts))
-    return ChatRequest(tuple(turns))
+        turns.append(ChatTurn("system" if role == "developer" else role, parts, _reasoning(msg, where, role)))
+    if options.continue_final_message and turns[-1].role != "assistant":
+        raise InvalidMessageError(f"continue_final_message needs the final message to be an assistant message to "
+                                  f"continue; messages[{len(turns) - 1}] is a {messages[-1]['role']} message")
+    return ChatRequest(tuple(turns), options)
+
+
+def _reasoning(msg: dict, where: str, role: str) -> str | None:
+    """The message's reasoning (module doc): None when absent or empty (what leaving it out renders)."""
+    given = {name: msg[name] for name in REASONING_FIELDS if msg.get(name)}
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise InvalidMessageError(f"{where}.{name} must be a string")
+        if role != "assistant":
+            raise InvalidMessageError(f"{where}.{name}: only an assistant message carries reasoning (the chat "
+                                      f"template renders it for assistant messages only)")
+    if len(set(given.values())) > 1:
+        raise InvalidMessageError(f"{where}: reasoning and reasoning_content differ; they are two names for the same "
+                                  f"text (send one of them)")
+    return next(iter(given.values()), None)
 
 
 def _parts(content: Any, where: str, role: str) -> tuple[Part, ...]:

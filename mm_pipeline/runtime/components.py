@@ -218,7 +218,8 @@ class OmniRuntime:
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
         # a chat of more messages than the context limit can hold fails first, before its media is
         # fetched or a part of it walked (O(1): each message's markup costs at least its special tokens)
-        self.model.layout.check_markup(len(chat.turns), self.max_model_len)
+        self.model.layout.check_markup(len(chat.turns), self.max_model_len, options=chat.options)
+        self.model.layout.template.check_kwargs(chat.options.kwargs)  # a 400 before any media work
         refs: list[MediaRef] = chat.media
         self.planner.check_request(refs)
         if len(refs) == 1:

@@ -85,8 +85,9 @@ def _parts_over(req: ChatCompletionRequest, limit: int) -> bool:
 
 def _parsed_messages(req: ChatCompletionRequest) -> ParsedMessages:
     """The messages as the engine takes them (dicts), parsed once here: a malformed one is a 400
-    now, and the engine's own ``parse_messages`` returns this parse (prompt/messages.py)."""
-    return ParsedMessages([m.model_dump(exclude_none=True) for m in req.messages])
+    now, and the engine's own ``parse_messages`` returns this parse (prompt/messages.py), which
+    carries the request's chat-template options to the prompt layout."""
+    return ParsedMessages([m.model_dump(exclude_none=True) for m in req.messages], req.template_options)
 
 
 def _usage(states: list[ChoiceState]) -> Usage:

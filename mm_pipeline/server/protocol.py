@@ -1,11 +1,14 @@
 """Request models of the OpenAI-compatible API (the subset mmserve serves; responses: responses.py).
 
 Requests validate what the engine needs. A field that would change the answer in a way we do not
-implement (penalties, tools, ``response_format`` json, ``best_of`` > ``n``, chat-template options...:
+implement (penalties, tools, ``response_format`` json, ``best_of`` > ``n``, ``chat_template``...:
 ``_NOT_IMPLEMENTED``) is rejected with a 400 that names it instead of being silently ignored,
-unless it holds its no-op value. Other unknown fields are ignored, as vLLM ignores them: metadata
-that does not change the answer (``user``, ``metadata``, ``store``, ``service_tier``,
-``prompt_cache_key``, ``safety_identifier``, ``prediction``, ``parallel_tool_calls``, ``priority``...).
+unless it holds its no-op value. vLLM's chat-template fields ``add_generation_prompt``,
+``continue_final_message`` and ``chat_template_kwargs`` are honoured (``TemplateOptions``,
+prompt/template_options.py, carried to the prompt layout on the parsed chat). Other unknown fields
+are ignored, as vLLM ignores them: metadata that does not change the answer (``user``,
+``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+``prediction``, ``parallel_tool_calls``, ``priority``...).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from llm_core.engine.sampling import MAX_INT32, MAX_LOGPROBS, SEED_LIMIT
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
+from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -134,8 +138,8 @@ ContentPart = Annotated[
 
 class ChatMessage(_Loose):
     # the roles and what each message field means are prompt/messages.py's (parse_messages): the
-    # fields it refuses (UNRENDERED: tool calls, reasoning) are declared here so that they reach it
-    # instead of being dropped by this model as unknown
+    # fields it refuses (UNRENDERED: tool calls) or checks (reasoning) are declared here so that they
+    # reach it instead of being dropped by this model as unknown
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, description="accepted; the chat template does not render it")
@@ -143,8 +147,10 @@ class ChatMessage(_Loose):
     refusal: str | None = Field(default=None, description="an assistant's refusal, rendered as text")
     tool_calls: list[Any] | None = Field(default=None, description="rejected unless empty: not rendered")
     function_call: Any = Field(default=None, description="rejected: not rendered")
-    reasoning_content: str | None = Field(default=None, description="rejected unless empty: not rendered")
-    reasoning: str | None = Field(default=None, description="rejected unless empty: not rendered")
+    reasoning_content: str | None = Field(default=None, description="an assistant's reasoning, rendered by the "
+                                                                    "chat template (<think>...</think>)")
+    reasoning: str | None = Field(default=None, description="vLLM's newer name for reasoning_content (the two "
+                                                            "must agree when both are given)")
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
@@ -173,10 +179,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
 }
-# chat only: what the prompt layout cannot do yet (ChatLayout renders the template with the
-# generation prompt and no template arguments; README "Serving (OpenAI-compatible)")
+# chat only: what the prompt layout cannot do (README "Serving (OpenAI-compatible)"): a template of
+# the client's, RAG documents (the server passes none: ChatTemplate reserves the name), processor
+# arguments, echo. add_generation_prompt, continue_final_message and chat_template_kwargs are
+# ChatCompletionRequest fields (TemplateOptions)
 _NOT_IMPLEMENTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template_kwargs": ({},),
     "chat_template": (), "documents": (), "mm_processor_kwargs": ({},), "echo": (False,),
     "add_special_tokens": (False,),
 }
@@ -244,6 +251,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat-template fields, with vLLM's defaults (prompt/template_options.py)
+    add_generation_prompt: bool = Field(default=True, description="end the prompt with the assistant header")
+    continue_final_message: bool = Field(default=False, description=(
+        "the final message is an assistant message the model goes on writing (needs add_generation_prompt: false)"))
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
+        "variables for the chat template (e.g. enable_thinking); a key it does not read, or one the server "
+        "sets itself, is a 400"))
 
     @model_validator(mode="before")
     @classmethod
@@ -252,11 +266,33 @@ class ChatCompletionRequest(SamplingFields):
             _check_unsupported(values, _NOT_IMPLEMENTED_CHAT)
         return values
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            return None if v is None else check_template_kwargs(v)
+        except InvalidMessageError as exc:  # a 400 naming the key, as for any other field
+            raise ValueError(str(exc).removeprefix("chat_template_kwargs").lstrip(" .:")) from None
+
     @model_validator(mode="after")
     def _logprob_pair(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _template_flags(self) -> "ChatCompletionRequest":
+        # continue_final_message with add_generation_prompt (true by default): a 400 here, as in vLLM
+        try:
+            self.template_options  # noqa: B018  (built for its checks)
+        except InvalidMessageError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def template_options(self) -> TemplateOptions:
+        """How the prompt layout templates this chat (its kwargs checked again: microseconds)."""
+        return TemplateOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     @property
     def token_limit(self) -> int | None:

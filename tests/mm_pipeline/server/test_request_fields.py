@@ -4,7 +4,8 @@ A scripted engine (no model) stands behind the app and records what reaches it: 
 the answer in a way the server does not implement are a 400 naming them, their no-op values are
 served; the roles the request model takes are the parser's; tool turns and refusals reach the
 chat template as it renders them (checked against ``apply_chat_template`` of the demo checkpoint);
-assistant tool calls and reasoning are refused rather than dropped. Streamed chunks have OpenAI's
+assistant tool calls are refused rather than dropped (reasoning and the chat-template fields:
+test_template_options.py). Streamed chunks have OpenAI's
 shape with and without ``include_usage``, and a long conversation is parsed off the event loop.
 """
 
@@ -64,9 +65,8 @@ def _post(app, **fields) -> Any:
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("chat_template_kwargs", {"enable_thinking": False}),
-    ("continue_final_message", True),
-    ("add_generation_prompt", False),
+    ("chat_template", "{{ messages }}"),
+    ("documents", [{"title": "t", "text": "x"}]),
     ("tool_choice", "required"),
     ("reasoning_effort", "low"),
     ("modalities", ["text", "audio"]),
@@ -118,7 +118,6 @@ def test_tool_turns_and_refusals_reach_the_template(app):
 @pytest.mark.parametrize("message,field", [
     ({"role": "assistant", "content": None,
       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
-    ({"role": "assistant", "content": "a", "reasoning_content": "because"}, "reasoning_content"),
     ({"role": "assistant", "content": "a", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
     ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}, "refusal"),
 ])
