@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.prompt.messages import parse_messages
+from mm_pipeline.prompt.template_options import TemplateOptions
 from mm_pipeline.errors import InvalidInputError, MediaError, MMServeError, ServerBusy
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -61,11 +62,18 @@ class MultimodalLLM:
 
     # ---- public API -------------------------------------------------------------------------
     def chat(self, conversations: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Answer each conversation (OpenAI-format messages); one conversation or a list of them."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Answer each conversation (OpenAI-format messages); one conversation or a list of them.
+        The keyword arguments are vLLM's ``LLM.chat`` ones, applied to every conversation, with the
+        server's rules (prompt/template_options.py): e.g. ``chat_template_kwargs={"enable_thinking":
+        False}``; a key the model's template does not read fails that conversation, naming it."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        chats = [parse_messages(c) for c in conversations]  # malformed input raises here, before any work
+        options = TemplateOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        # malformed input raises here, before any work
+        chats = [parse_messages(c, options) for c in conversations]
         params = self._params(sampling_params, len(chats))
         return self._run([dict(chat=c, params=p) for c, p in zip(chats, params)])
 

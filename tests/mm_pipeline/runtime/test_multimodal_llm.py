@@ -83,3 +83,28 @@ def test_generate_matches_text_only_llm(llm, ckpt):
     ref = LLM(ckpt, **ENGINE).generate(prompts, GREEDY)
     assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
     assert [o.prompt_token_ids for o in ours] == [r.prompt_token_ids for r in ref]
+
+
+def test_chat_takes_vllms_template_arguments(llm, media):
+    """``chat(..., chat_template_kwargs=, add_generation_prompt=, continue_final_message=)`` as vLLM's
+    LLM.chat: the prompt is what transformers' apply_chat_template makes of them; a kwarg the
+    template does not read fails its conversation, naming it, before the media is read."""
+    text = [{"role": "user", "content": "Describe."}]
+    cont = [*text, {"role": "assistant", "content": "It is"}]
+    cases = [(text, dict(chat_template_kwargs={"enable_thinking": False})),
+             (text, dict(add_generation_prompt=False)),
+             (cont, dict(add_generation_prompt=False, continue_final_message=True))]
+    for messages, kw in cases:
+        out = llm.chat(messages, GREEDY, **kw)[0]
+        assert out.finish_reason == "length", out.error
+        ref = llm.tokenizer.apply_chat_template(  # transformers' add_generation_prompt defaults to false
+            messages, tokenize=True, return_dict=False, add_generation_prompt=kw.get("add_generation_prompt", True),
+            continue_final_message=kw.get("continue_final_message", False), **kw.get("chat_template_kwargs", {}))
+        assert out.prompt_token_ids == ref, kw
+    decodes = llm.engine.stats().media["images_decoded"]
+    bad = llm.chat(convo({"type": "image_url", "image_url": {"url": str(media["image"]) + ".other"}}), GREEDY,
+                   chat_template_kwargs={"thinking_budget": 5})[0]
+    assert bad.finish_reason == "error" and "chat_template_kwargs.thinking_budget is not read" in bad.error
+    assert llm.engine.stats().media["images_decoded"] == decodes
+    with pytest.raises(InvalidMessageError, match="cannot both be true"):
+        llm.chat(cont, GREEDY, continue_final_message=True)
