@@ -27,9 +27,39 @@ def preprocess_image_bytes(pixels: int, size: tuple[int, int], config: ImageProc
     t, tp = size[0] * size[1], config.temporal_patch_size
     pad = tp if tp > 1 else 0  # frames patchify's padding copies (none for a one-frame patch)
     if same_size:
-        mean_std = 2 * 4 * 3 * (tp * config.patch_size ** 2 + 1)
-        return 3 * pixels + max(3 * pad * t + 3 * tp * t, 3 * tp * t + 12 * tp * t + mean_std)
+        return 3 * pixels + max(3 * pad * t + 3 * tp * t, 3 * tp * t + 12 * tp * t + _mean_std_bytes(config))
     return 3 * pixels + max(12 * pixels + 12 * t, 36 * t, 12 * t + 12 * pad * t + 12 * tp * t)
+
+
+def video_chunk_bytes(frames: int, size: tuple[int, int], config: ImageProcessingConfig,
+                      streamed: bool = False, repeats: int = 0) -> int:
+    """Peak bytes of a video chunk's ``frames`` sampled frames (its groups x tp), uint8 RGB at
+    ``size`` (T pixels each), turned into patch rows (``Preprocessor.video_groups``: frames already
+    at the video's size take the uint8 path) -- beside the decoder's own frames, which
+    ``frame_decode_bytes`` counts. ``repeats``: sampled frames that repeat an earlier one (a padded
+    tail), decoded once (U = frames - repeats unique rows):
+
+        whole chunk:  its frames (3 B/T each) + patchify's uint8 reorder (3) + its float rows (12):
+                      18 B/T per frame (before: a padded tail's repeated rows, copied from the
+                      decoded ones, 3 U + 3 frames)
+        streamed:     (groups handed on as they decode, ``deliver``) the decoded rows (3 U), the
+                      float rows of the groups handed on so far (12 per frame), and the last
+                      group's stacked copy, reorder and float rows (3 + 3 + 12 per frame of the
+                      group): 3 U + 12 frames + 6 tp; with a padded tail, the chunk's repeated
+                      rows copied once every group is out (3 frames) instead
+
+    A one-group chunk streams at 21 B/T per frame; the 15 reserved before held neither the uint8
+    reorder nor, streamed, the group's stacked copy."""
+    t, tp = size[0] * size[1], config.temporal_patch_size
+    if not streamed:
+        return 18 * frames * t + _mean_std_bytes(config)
+    unique = frames - repeats
+    return (3 * unique + 12 * frames + max(6 * tp, 3 * frames if repeats else 0)) * t + _mean_std_bytes(config)
+
+
+def _mean_std_bytes(config: ImageProcessingConfig) -> int:
+    """``normalize_rows``' mean and std rows: float32 per row value, made from 3 channel values."""
+    return 2 * 4 * 3 * (config.temporal_patch_size * config.patch_size ** 2 + 1)
 
 
 def audio_bytes(samples: int, cfg: AudioConfig) -> int:

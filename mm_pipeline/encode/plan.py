@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mm_pipeline.encode.held_inputs import HeldInputs
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
@@ -37,6 +38,9 @@ class MediaPlan:
     cached: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     delivered: set[int] = field(default_factory=set, repr=False)  # cached units already handed to their sinks
     inputs: dict[int, Any] = field(default_factory=dict, repr=False)  # preprocessed on the miss path
+    # the decode budget's share of ``inputs`` (log-mels decoded at planning), until their jobs are
+    # encoded or the tensors dropped (held_inputs module doc); shared by joined plans, as ``inputs``
+    held: HeldInputs | None = field(default=None, repr=False)
     video: Any = None  # (probe info or None for animations, FrameSampling, resized size)
     decoded_bytes: int = 0  # estimated bytes its decode holds (the request's decoded-bytes budget)
     audio_units: int = 0  # a video with sound: its last ``audio_units`` units are sound segments

@@ -7,7 +7,9 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
                                                 memo), no probe, no decode at all
                                          └─no─► image: header only (decoded when produced)
                                                 audio: decode (stops at the context) + preprocess
-                                                       (codes: cut into the audio's segments)
+                                                       (codes: cut into the audio's segments); the
+                                                       log-mels stay counted in the decode budget
+                                                       until encoded or dropped (plan.held)
                                                 video: probe (demux only) ─► sampling ─► sizes;
                                                        its sound track (if any, video_audio on):
                                                        decoded as audio, segments after the groups
@@ -36,6 +38,7 @@ import torch
 
 from mm_pipeline.encode.batcher import EncoderBatcher, UnitSink
 from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.encode.held_inputs import HeldInputs
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.single_flight import SingleFlight
@@ -161,8 +164,8 @@ class MediaPlanner:
         # inputs instead of decoding a second time (its cache hits were handed to its own sinks;
         # this plan's units find them again when claimed, unit_producer looks before decoding)
         self._count("plan_joins")
-        return MediaPlan(item, mkey, plan.units, plan.timestamps, inputs=plan.inputs, video=plan.video,
-                         decoded_bytes=plan.decoded_bytes, audio_units=plan.audio_units,
+        return MediaPlan(item, mkey, plan.units, plan.timestamps, inputs=plan.inputs, held=plan.held,
+                         video=plan.video, decoded_bytes=plan.decoded_bytes, audio_units=plan.audio_units,
                          audio_per_second=plan.audio_per_second)
 
     def deliver_cached(self, plan: MediaPlan, sinks: Sequence[UnitSink]) -> None:
@@ -303,13 +306,15 @@ class MediaPlanner:
             (tokens,) = self.pre.unit_tokens("image", grid)
             return MediaPlan(item, mkey, (UnitPlan(mkey, tokens),), decoded_bytes=image_decode_bytes(h, w))
         if item.kind is MediaKind.AUDIO:
-            mels = self.producer.audio_inputs(item, control)  # log-mels, or codes (the same segments)
+            # log-mels (counted in the decode budget until encoded or dropped), or codes (the same segments)
+            held = HeldInputs(until_dropped=True)
+            mels = self.producer.audio_inputs(item, control, held)
             rule = "audio_codes" if item.format == CODES_FORMAT else "audio"
             sizes = self.pre.unit_tokens(rule, (sum(int(m.shape[0]) for m in mels),))
             if len(sizes) != len(mels):
                 raise AssertionError(f"{len(mels)} mel segments but the token rule cuts {len(sizes)}")
             units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), n) for i, n in enumerate(sizes))
-            return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)),
+            return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)), held=held,
                              decoded_bytes=sum(m.numel() * m.element_size() for m in mels))
         if item.kind is MediaKind.VIDEO:
             return self._plan_video(item, mkey, control)
@@ -322,8 +327,10 @@ class MediaPlanner:
         stamps = sampling.timestamps[::self.pre.image_config.temporal_patch_size]  # a group's first frame
         plan = MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size),
                          decoded_bytes=self.producer.chunk_bytes(item, info, sampling.num_frames, size))
-        mels = self._sound_of(item, control) if self._hears_videos() and info is not None else []
+        held = HeldInputs(until_dropped=True)
+        mels = self._sound_of(item, control, held, len(units)) if self._hears_videos() and info is not None else []
         if mels:
+            plan.held = held
             sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))
             plan.units += tuple(UnitPlan(self._sound_key(mkey, i), n) for i, n in enumerate(sizes))
             plan.inputs.update({len(units) + i: m for i, m in enumerate(mels)})
@@ -335,14 +342,16 @@ class MediaPlanner:
     def _hears_videos(self) -> bool:
         return self.config.video_audio and self.batcher.audio is not None and self.pre.audio_config is not None
 
-    def _sound_of(self, item: MediaItem, control: DecodeControl | None) -> list[torch.Tensor]:
-        """Log-mel segments of a video's sound track; [] when it has none. A sound track that does
-        not decode leaves the video without sound (its frames are still served, the count
-        ``video_sound_dropped`` says so); the duration and context limits apply as to audio."""
+    def _sound_of(self, item: MediaItem, control: DecodeControl | None, held: HeldInputs, first: int
+                  ) -> list[torch.Tensor]:
+        """Log-mel segments of a video's sound track (units ``first``...: their bytes held in
+        ``held``); [] when it has none. A sound track that does not decode leaves the video without
+        sound (its frames are still served, the count ``video_sound_dropped`` says so); the duration
+        and context limits apply as to audio."""
         if not has_audio_stream(item):
             return []
         try:
-            return self.producer.audio_inputs(item, control)
+            return self.producer.audio_inputs(item, control, held, first)
         except UndecodableMediaError as exc:
             self._count("video_sound_dropped")
             log.warning("video from %s: its sound track does not decode, serving the frames alone (%s)",

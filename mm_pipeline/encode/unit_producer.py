@@ -34,7 +34,7 @@ from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
 from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
 from mm_pipeline.media.decode.early_audio import early_audio_of
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
-from mm_pipeline.encode.decode_peaks import audio_bytes, preprocess_image_bytes
+from mm_pipeline.encode.decode_peaks import audio_bytes, preprocess_image_bytes, video_chunk_bytes
 from mm_pipeline.encode.held_inputs import HeldInputs, hand_on
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -307,8 +307,10 @@ class UnitProducer:
         goes to ``deliver(g, input)`` as soon as it is decoded and nothing is returned. With
         ``held``, the groups' patch rows stay counted there until their jobs are encoded."""
         t0 = time.monotonic()
-        with self.budget.reserve(self.chunk_bytes(item, info, len(groups) * tp, size), control,
-                                 "a video chunk") as reservation:
+        wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
+        peak = self.chunk_bytes(item, info, len(wanted), size, streamed=deliver is not None and not use_early,
+                                repeats=len(wanted) - len(set(wanted)))
+        with self.budget.reserve(peak, control, "a video chunk") as reservation:
             def ready(out: list[VisionInput], of: Sequence[int]) -> list[VisionInput]:
                 if held is not None:
                     hand_on(reservation, [(g, vis.rows) for g, vis in zip(of, out)], held)
@@ -338,10 +340,13 @@ class UnitProducer:
             self.on_decode_span(t0, time.monotonic())
         return out
 
-    def chunk_bytes(self, item: MediaItem, info: Any, num_frames: int, size: tuple[int, int]) -> int:
-        """Estimated peak bytes of decoding ``num_frames`` frames scaled to ``size``: the decoder's
-        own source frames, the uint8 output and its float32 copy in the preprocessor."""
-        out = num_frames * size[0] * size[1] * (3 + 12)
+    def chunk_bytes(self, item: MediaItem, info: Any, num_frames: int, size: tuple[int, int],
+                    streamed: bool = False, repeats: int = 0) -> int:
+        """Estimated peak bytes of decoding ``num_frames`` frames scaled to ``size`` and making
+        their patch rows: the decoder's own source frames, and the uint8 frames beside their
+        reorder and float rows (``video_chunk_bytes``; ``streamed``: groups handed on as they
+        decode, ``repeats``: frames of a padded tail)."""
+        out = video_chunk_bytes(num_frames, size, self.pre.image_config, streamed, repeats)
         if info is None:  # animation: the RGBA canvas and its converted copy
             h, w = probe_image(item, self.config.limits)
             return out + 8 * h * w
@@ -356,6 +361,8 @@ class UnitProducer:
     def _submit(self, plan: MediaPlan, i: int, inp: Any, open_keys: set[str], held: HeldInputs | None = None) -> None:
         key = plan.units[i].key
         release = held.take(i) if held is not None else None  # the budget's share of the input, if counted
+        if release is None and plan.held is not None:  # an input decoded at planning
+            release = plan.held.take(i)
         if key not in open_keys:
             if release is not None:
                 release()

@@ -6,6 +6,10 @@ so a burst of uploads queues on the event loop as cheap suspended coroutines ins
 unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long wait into
 ``ServerBusy`` (HTTP 503).
 
+``busy``: the workers using a CPU now -- running a call and not inside ``blocked()`` (a decode
+waiting for room in the decode budget). The encoder's intra-op share follows it: a worker parked
+on the budget leaves its core to the encoder, whose progress is what frees the budget.
+
 Threads, not processes: PyAV and PIL drop the GIL while decoding, and results (frame tensors)
 stay in-process without pickling; with ``decode_backend="process"`` a worker thread hands video
 chunks and image pixels on to a worker process and waits (media/decode/backend.py).  The pool is usable
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -25,6 +31,8 @@ import torch
 from mm_pipeline.errors import ServerBusy
 
 T = TypeVar("T")
+
+_worker = threading.local()  # .pool: the WorkerPool whose call this thread runs now (else unset/None)
 
 
 def _one_intra_op_thread() -> None:
@@ -38,7 +46,7 @@ class WorkerPool:
     """Thread pool with an admission limit.
 
     Invariant (under ``_lock``): ``0 <= _admitted <= capacity``; a waiter is only woken by handing
-    it a slot that stays counted in ``_admitted``."""
+    it a slot that stays counted in ``_admitted``; ``0 <= _blocked <= _running <= max_workers``."""
 
     def __init__(self, max_workers: int = 2, max_pending: int = 16, admit_timeout_s: float | None = None,
                  name: str = "media") -> None:
@@ -52,6 +60,8 @@ class WorkerPool:
                                             initializer=_one_intra_op_thread)
         self._lock = threading.Lock()
         self._admitted = 0
+        self._running = 0  # calls executing on a worker thread (admitted ones may still be queued)
+        self._blocked = 0  # of those, inside ``blocked()``: waiting, using no CPU
         self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
             collections.deque()
         )
@@ -62,7 +72,7 @@ class WorkerPool:
         """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
         await self._acquire()
         try:
-            cf: Future[T] = self._executor.submit(fn, *args, **kwargs)
+            cf: Future[T] = self._executor.submit(self._call, fn, args, kwargs)
         except BaseException:
             self._release()
             raise
@@ -74,6 +84,13 @@ class WorkerPool:
         """Calls running or queued on the executor."""
         with self._lock:
             return self._admitted
+
+    @property
+    def busy(self) -> int:
+        """Workers using a CPU now: running a call, not blocked (module doc). ``admitted`` counts
+        a worker waiting for the decode budget too, and queued calls."""
+        with self._lock:
+            return self._running - self._blocked
 
     @property
     def waiting(self) -> int:
@@ -88,8 +105,24 @@ class WorkerPool:
         with self._lock:
             if not 0 <= self._admitted <= self.capacity:
                 raise AssertionError(f"admitted {self._admitted} outside [0, {self.capacity}]")
+            if not 0 <= self._blocked <= self._running <= self.max_workers:
+                raise AssertionError(f"{self._blocked} blocked of {self._running} running workers "
+                                     f"(at most {self.max_workers})")
 
     # ---- internal helpers -------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        """On a worker thread: ``fn`` counted as running, the thread marked as this pool's worker
+        (``blocked()`` finds the pool there)."""
+        with self._lock:
+            self._running += 1
+        _worker.pool = self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _worker.pool = None
+            with self._lock:
+                self._running -= 1
 
     async def _acquire(self) -> None:
         loop = asyncio.get_running_loop()
@@ -135,3 +168,21 @@ class WorkerPool:
             self._release()
         else:
             fut.set_result(None)
+
+
+@contextlib.contextmanager
+def blocked() -> Iterator[None]:
+    """The calling thread waits, using no CPU, for the block (a decode waiting for room in the
+    decode budget): if it runs a WorkerPool's call, that pool's ``busy`` leaves it out meanwhile.
+    Elsewhere (a test's thread, the event loop) it does nothing."""
+    pool: WorkerPool | None = getattr(_worker, "pool", None)
+    if pool is None:
+        yield
+        return
+    with pool._lock:
+        pool._blocked += 1
+    try:
+        yield
+    finally:
+        with pool._lock:
+            pool._blocked -= 1

@@ -135,7 +135,7 @@ class OmniRuntime:
             config.llm_threads, config.encoder_threads, self.llm, model.vision if config.encoder_worker else None,
             model.encoder_device, self.pool)
         pool = self.pool
-        decoding = lambda: min(pool.admitted, pool.max_workers)  # noqa: E731  (busy decode workers)
+        decoding = lambda: pool.busy  # noqa: E731  (decode workers using a CPU: not those waiting on the budget)
         if config.encoder_worker:
             # lanes beyond the first wait while the decode workers fill the CPUs
             spare = free_cpu_threads(default_threads(), decoding)

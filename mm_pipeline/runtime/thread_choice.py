@@ -277,7 +277,7 @@ def plan_threads(llm_threads: int | str | None, encoder_threads: int | str | Non
     enc_share: int | Callable[[], int]
     enc = encoder_threads
     if enc == 0:  # follow the decoders: the CPUs their busy workers leave
-        enc_share = free_cpu_threads(total, lambda: min(pool.admitted, pool.max_workers))
+        enc_share = free_cpu_threads(total, lambda: pool.busy)
     elif isinstance(enc, int):
         enc_share = split_threads(total, enc)[1]
     elif enc == "auto" and vision is not None and torch.device(encoder_device).type == "cpu":

@@ -26,8 +26,17 @@ Early decodes (decoding while the bytes arrive, ``media.decode.early``) hold wha
 budget only means they stop keeping and the item is decoded after arrival), and together they
 hold at most half the budget -- what they keep is released only once production takes it, and
 production's own reservations must still find room meanwhile. A video's idle open containers
-(``video_chunks.VideoContainers``: their decoders' frames) take from the same share, and are
-closed when it has no room.
+(``video_chunks.VideoContainers``: their decoders' frames) take from the same share
+(``take_idle``), and are closed when it has no room. Idle bytes are a cache nobody uses, so a
+reservation that must wait first has every registered idle holder (``add_idle_holder``) let go of
+them, and nothing new is kept idle while it waits. Before, an idle container gave its bytes back
+only when a chunk borrowed it -- and a chunk reserves before it borrows: a chunk that fitted the
+budget but not beside its own video's idle container waited out its deadline.
+
+    reserve(n) ─ room? ─no─► idle holders release (outside the lock) ─ room? ─no─► wait, and again
+
+A worker thread waiting here is ``worker_pool.blocked()``: it uses no CPU, so it leaves its core
+to the encoder (whose progress is what frees the bytes).
 
 Every estimate comes from headers, so a decoded frame is checked against its header's size
 (``check_frame_size``) and kept frames are charged their own planes (``frame_nbytes``).
@@ -38,11 +47,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import av
 
 from mm_pipeline.errors import MediaError, MediaTooLarge
+from mm_pipeline.media.worker_pool import blocked
 
 
 class MediaDecodeTimeout(MediaTooLarge):
@@ -156,6 +168,14 @@ class Reservation:
         return Hold(self._budget, n)
 
 
+class IdleHolder(Protocol):
+    """Something that keeps budget bytes for data nobody uses now (a cache) and can drop it."""
+
+    def release_idle(self) -> None:
+        """Drop what is idle and give its bytes back (``release_early``)."""
+        ...
+
+
 class DecodeBudget:
     """Bytes of decoded media held by all decodes in flight, at most ``capacity``.
 
@@ -169,6 +189,9 @@ class DecodeBudget:
         self.early_capacity = capacity // 2  # early decodes together (module doc)
         self._used = 0
         self._early = 0
+        self._waiting = 0  # reservations waiting for room now
+        # idle holders, weakly: one its owner forgot to remove holds nothing once it is gone
+        self._idle_holders: weakref.WeakSet[IdleHolder] = weakref.WeakSet()
         self._cond = threading.Condition()
 
     @property
@@ -181,15 +204,40 @@ class DecodeBudget:
         with self._cond:
             return self._early
 
+    @property
+    def waiting(self) -> int:
+        """Reservations waiting for room now."""
+        with self._cond:
+            return self._waiting
+
+    def add_idle_holder(self, holder: IdleHolder) -> None:
+        """A waiting reservation asks ``holder`` to release what it keeps idle (module doc)."""
+        with self._cond:
+            self._idle_holders.add(holder)
+
+    def remove_idle_holder(self, holder: IdleHolder) -> None:
+        with self._cond:
+            self._idle_holders.discard(holder)
+
+    def take_idle(self, nbytes: int) -> bool:
+        """``take_early`` for bytes kept idle (a cache), refused while a reservation waits: they
+        would only be taken back from the holder at once. Given back with ``release_early``."""
+        nbytes = max(0, int(nbytes))
+        with self._cond:
+            return not self._waiting and self._take_early(nbytes)
+
     def take_early(self, nbytes: int) -> bool:
         """Hold ``nbytes`` more for an early decode if there is room now (never waits)."""
         nbytes = max(0, int(nbytes))
         with self._cond:
-            if self._used + nbytes > self.capacity or self._early + nbytes > self.early_capacity:
-                return False
-            self._used += nbytes
-            self._early += nbytes
-            return True
+            return self._take_early(nbytes)
+
+    def _take_early(self, nbytes: int) -> bool:
+        if self._used + nbytes > self.capacity or self._early + nbytes > self.early_capacity:
+            return False
+        self._used += nbytes
+        self._early += nbytes
+        return True
 
     def release_early(self, nbytes: int) -> None:
         """Give back ``nbytes`` an early decode took (the caller tracks what it holds)."""
@@ -211,14 +259,11 @@ class DecodeBudget:
             raise MediaTooLarge(f"{what} needs about {_mib(nbytes)} of decoded pixels or samples, over the "
                                 f"server's {_mib(self.capacity)} budget (max_decoded_bytes_in_flight)")
         with self._cond:
-            while self._used + nbytes > self.capacity:
-                wait = None if control is None else control.remaining_s
-                if wait is not None and wait <= 0:
-                    control.check()  # raises the timeout
-                self._cond.wait(timeout=0.05 if wait is None else min(wait, 0.05))
-                if control is not None:
-                    control.check()  # cancelled or past the deadline while waiting
-            self._used += nbytes
+            room = self._used + nbytes <= self.capacity
+            if room:
+                self._used += nbytes
+        if not room:
+            self._wait_and_take(nbytes, control)
         reservation = Reservation(self, nbytes)
         try:
             yield reservation
@@ -227,6 +272,36 @@ class DecodeBudget:
                 reservation._ended = True
                 self._used -= reservation.nbytes
                 self._cond.notify_all()
+
+    def _wait_and_take(self, nbytes: int, control: DecodeControl | None) -> None:
+        """Take ``nbytes`` once there is room: idle holders release first, then wait for releases
+        (until ``control``'s deadline). The worker thread is ``blocked()`` meanwhile."""
+        with blocked():
+            with self._cond:
+                self._waiting += 1  # from here no new bytes are kept idle (take_idle)
+            try:
+                while True:
+                    self._reclaim_idle()
+                    with self._cond:
+                        if self._used + nbytes <= self.capacity:
+                            self._used += nbytes
+                            return
+                        wait = None if control is None else control.remaining_s
+                        if control is not None and wait is not None and wait <= 0:
+                            control.check()  # raises the timeout
+                        self._cond.wait(timeout=0.05 if wait is None else min(wait, 0.05))
+                    if control is not None:
+                        control.check()  # cancelled or past the deadline while waiting
+            finally:
+                with self._cond:
+                    self._waiting -= 1
+
+    def _reclaim_idle(self) -> None:
+        # outside ``_cond``: a holder takes its own lock, then the budget's (VideoContainers.lend)
+        with self._cond:
+            holders = list(self._idle_holders)
+        for holder in holders:
+            holder.release_idle()
 
     def _give_back(self, hold: Hold) -> None:
         with self._cond:
@@ -243,6 +318,8 @@ class DecodeBudget:
             if not 0 <= self._early <= min(self._used, self.early_capacity):
                 raise AssertionError(f"early decodes hold {self._early} of {self._used} in use "
                                      f"(their cap {self.early_capacity})")
+            if self._waiting < 0:
+                raise AssertionError(f"{self._waiting} reservations waiting")
 
 
 def _mib(nbytes: int) -> str:

@@ -36,8 +36,10 @@ fresh open.
 
 At most as many containers are open as chunks decode at once (the decode workers). An idle one
 holds its decoder's frames, so it is kept only while the decode budget's non-waiting share has room
-for them (``DecodeBudget.take_early``, the share early decodes use): a server decoding many videos
-at once closes containers as before rather than hold decoder memory outside the budget. The owner
+for them (``DecodeBudget.take_idle``, from the share early decodes use) and no reservation waits:
+a server decoding many videos at once closes containers as before rather than hold decoder memory
+outside the budget. A reservation that must wait has the idle ones closed (``release_idle``): the
+next chunk of the same video may need their bytes, and reserves before it can borrow one. The owner
 (the video's production) calls ``close`` when the video is done, whatever happened; a container
 lent at that moment is closed when it comes back.
 """
@@ -152,6 +154,8 @@ class VideoContainers:
         self._free: list[av.container.InputContainer] = []
         self._lock = threading.Lock()
         self._closed = False
+        if budget is not None:
+            budget.add_idle_holder(self)  # a waiting reservation closes the idle ones (module doc)
 
     @contextmanager
     def lend(self) -> Iterator[tuple[av.container.InputContainer, bool]]:
@@ -172,7 +176,7 @@ class VideoContainers:
             done = True
         finally:
             with self._lock:
-                keep = done and not self._closed and (self.budget is None or self.budget.take_early(self.idle_bytes))
+                keep = done and not self._closed and (self.budget is None or self.budget.take_idle(self.idle_bytes))
                 if keep:
                     self._free.append(container)
             if not keep:
@@ -181,6 +185,14 @@ class VideoContainers:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+        if self.budget is not None:
+            self.budget.remove_idle_holder(self)
+        self.release_idle()
+
+    def release_idle(self) -> None:
+        """Close the idle containers and give their bytes back (a waiting reservation of the
+        ``DecodeBudget`` asks, and ``close``). Lent ones come back later as usual."""
+        with self._lock:
             free, self._free = self._free, []
         for container in free:
             container.close()

@@ -272,9 +272,8 @@ def test_long_video_under_a_small_budget_finishes_while_the_encoder_runs(vision,
     """The encoder consumes queued groups whatever the decoders do, so a video whose rows are many
     times the budget streams through it: decodes wait for the encoder, never for each other."""
     # 64 groups of rows, 1.9 MiB each, through 12 MiB. (The largest chunk, 6 frames, reserves
-    # 7.7 MiB and must find room beside the video's idle open containers, 1.3 MiB: idle ones are
-    # not closed to make room for a waiting chunk, so a budget under 9 MiB waits out the deadline
-    # -- as before the rows were held)
+    # ~8.6 MiB; the video's idle open containers beside it are closed when it waits for their room:
+    # test_budget_holders.py)
     budget = 12 * MIB
     planner = _planner(vision, pool, budget, max_frames=128)
     stop, most = threading.Event(), [0]

@@ -39,14 +39,16 @@ from encoders.image_processing import ImageProcessingConfig
 from llm_core.storage import MemoryStore
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
+from mm_pipeline.encode.held_inputs import HeldInputs
 from mm_pipeline.encode import decode_peaks
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.media.decode import image as image_mod
+from mm_pipeline.media.decode.video import frame_decode_bytes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.worker_pool import WorkerPool
-from tests.support.media_samples import audio_bytes
+from tests.support.media_samples import audio_bytes, video_bytes
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -185,6 +187,49 @@ def test_image_reservation_covers_the_preprocess_peak(pool, size, config, save):
         vis = producer.image_input(item)
     assert len(reserved) == 1 and vis.num_patches > 0
     assert reserved[0] >= tensors.peak, f"reserved {reserved[0]}, held {tensors.peak}"
+
+
+# ---- video chunks: the frames and their patch rows -------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_video_chunk_reservation_is_the_frames_and_rows_peak(pool, groups, streamed, padded):
+    """A chunk's decoded uint8 frames beside patchify's uint8 reorder and the float rows (18 B per
+    frame pixel), streamed: beside the rows of the groups handed on and the last group's stacked
+    copy (21 B/px for one group). Before: 15 B/px reserved whatever the path. The handed-on rows
+    stay alive here (an encoder that has not caught up), as they stay counted in the budget; the
+    decoder's own frames (``frame_decode_bytes``) are outside tensors."""
+    producer, reserved = _producer(pool)
+    item = MediaItem(MediaKind.VIDEO, "mp4", video_bytes("mp4", "mpeg4", fps=10, n_frames=80, size=(320, 240), gop=10))
+    info, sampling, size = producer.probe_video(item)
+    indices = list(sampling.indices)
+    tp = producer.pre.image_config.temporal_patch_size
+    if padded:  # the last group repeats its first frame, as a padded tail does
+        indices[-1] = indices[-2]
+    chosen = list(range(len(indices) // tp))[-groups:]
+    assert len(chosen) == groups
+    kept: list[object] = []
+    deliver = (lambda g, vis: kept.append(vis)) if streamed else None
+
+    def chunk() -> int:
+        held = HeldInputs()
+        out = producer._video_chunk(item, info, indices, chosen, size, tp, deliver=deliver, held=held)
+        n = len(kept) if streamed else len(out)
+        held.close()
+        return n
+
+    chunk()  # warm
+    kept.clear()
+    reserved.clear()
+    with NewTensorPeak() as tensors:
+        made = chunk()
+    assert made == groups and len(reserved) == 1
+    frames_and_rows = reserved[0] - frame_decode_bytes((info.height, info.width), producer.config.decoder_threads)
+    px = groups * tp * size[0] * size[1]
+    assert frames_and_rows >= tensors.peak, f"reserved {frames_and_rows / px:.2f} B/px, held {tensors.peak / px:.2f}"
+    # the bound is the peak (within one frame's RGB conversion), not a guess above it
+    assert frames_and_rows - tensors.peak <= 3 * size[0] * size[1], (
+        f"reserved {frames_and_rows / px:.2f} B/px, held {tensors.peak / px:.2f}")
 
 
 # ---- whole decodes, as a process's peak RSS -------------------------------------------------------

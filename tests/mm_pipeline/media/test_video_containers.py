@@ -5,13 +5,14 @@ nothing open."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 from tests.support.media_samples import video_bytes
 
 from mm_pipeline.encode.plan import PlannerConfig
-from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled
+from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl
 from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.decode.video_chunks import VideoContainers, decode_chunk, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
@@ -120,4 +121,59 @@ def test_an_idle_container_holds_its_bytes_in_the_budget_or_is_closed() -> None:
     roomy.close()
     crowded.close()
     assert budget.in_use == budget.early_in_use == 0
+    budget.check_integrity()
+
+
+def _until(condition, what: str, limit_s: float = 30.0) -> None:
+    """Until ``condition()`` holds (a state another thread reaches), failing after ``limit_s``."""
+    end = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < end, f"never: {what}"
+        time.sleep(0.001)
+
+
+def test_a_waiting_reservation_closes_the_idle_containers_it_needs_the_bytes_of() -> None:
+    """The next chunk of a video needs the bytes its idle container holds: that container goes back
+    only when a chunk borrows it, and a chunk reserves before it borrows. Before, the reservation
+    waited out its deadline (MediaDecodeTimeout here after 5 s, in production the decode deadline)
+    beside bytes nobody used; now it has the idle container closed and goes on at once."""
+    item, info, indices, chunks = _chunks("libx264")
+    budget = DecodeBudget(1000)  # early share: 500
+    shared = VideoContainers(item, budget, idle_bytes=400)
+    with budget.reserve(300):
+        decode_chunk(item, info, indices, chunks[0], 2, MediaLimits(), containers=shared)
+    assert budget.in_use == budget.early_in_use == 400 and len(shared._free) == 1
+    with budget.reserve(700, DecodeControl(5.0, what="the next chunk")):  # 700 + the idle 400 > 1000
+        assert budget.early_in_use == 0 and not shared._free
+        decode_chunk(item, info, indices, chunks[1], 2, MediaLimits(), containers=shared)
+        assert not shared._free  # no room to keep it idle beside this reservation
+    assert shared.opened == 2 and budget.in_use == 0
+    shared.close()
+    budget.check_integrity()
+
+
+def test_no_container_is_kept_idle_while_a_reservation_waits() -> None:
+    """Room for an idle container's bytes, but a reservation waits for room: the container is
+    closed as it comes back rather than kept (it would only be taken back from it at once)."""
+    item, info, indices, chunks = _chunks("libx264")
+    budget = DecodeBudget(1000)
+    shared = VideoContainers(item, budget, idle_bytes=100)
+    got: list[int] = []
+
+    def waiter() -> None:
+        with budget.reserve(300, DecodeControl(30.0)):
+            got.append(budget.in_use)
+
+    with budget.reserve(800):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        _until(lambda: budget.waiting == 1, "the second reservation waits")
+        decode_chunk(item, info, indices, chunks[0], 2, MediaLimits(), containers=shared)  # 800 + 100 fit
+        assert not shared._free and budget.early_in_use == 0
+    thread.join(30)
+    assert got == [300] and budget.waiting == 0
+    decode_chunk(item, info, indices, chunks[1], 2, MediaLimits(), containers=shared)  # nobody waits: kept
+    assert len(shared._free) == 1 and budget.early_in_use == 100
+    shared.close()
+    assert budget.in_use == 0
     budget.check_integrity()
