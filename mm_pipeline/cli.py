@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mm_pipeline.config_flags import add_config_flags
 
     add_config_flags(limits, server_limit_flags())
+    add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))  # --reasoning-parser {auto,qwen3,none}
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
                              "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", type=_ray_address,
@@ -276,13 +277,18 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
 # hand-written flags above: --served-model-name, --api-key, --files-dir, --max-upload-mb, ...)
 SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_prompts", "max_files",
                        "max_files_total_bytes")
+SERVER_ANSWER_FIELDS = ("reasoning_parser",)  # how answers are shaped
 
 
-def server_limit_flags() -> list:
+def server_flags(fields: Sequence[str]) -> list:
     from mm_pipeline.config_flags import config_flags
     from mm_pipeline.server.settings import ServerSettings
 
-    return [f for f in config_flags(ServerSettings) if f.flat in SERVER_LIMIT_FIELDS]
+    return [f for f in config_flags(ServerSettings) if f.flat in fields]
+
+
+def server_limit_flags() -> list:
+    return server_flags(SERVER_LIMIT_FIELDS)
 
 
 def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
@@ -290,7 +296,8 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     from mm_pipeline.server import ServerSettings
 
     upload = int(args.max_upload_mb * (1 << 20))
-    limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags())}
+    limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags()),
+              **config_values(args, server_flags(SERVER_ANSWER_FIELDS))}
     try:
         return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
                               files_dir=args.files_dir, max_upload_bytes=upload,
@@ -307,6 +314,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mm_pipeline.server import create_app
+    from mm_pipeline.server.reasoning import describe_reasoning, resolve_reasoning
 
     model_dir = resolve_model_dir(args.model)
     settings = server_settings(args, model_dir)
@@ -314,7 +322,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop = engine.runtime.loop
     try:
         app = create_app(engine, settings)
+        reasoning = resolve_reasoning(settings.reasoning_parser, engine.tokenizer)  # as create_app resolves it
         lines = describe_engine(engine, model_dir) + [
+            f"reasoning {describe_reasoning(settings.reasoning_parser, reasoning)}",
             f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)",
             f"upload    page: http://{args.host}:{args.port}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord
 from mm_pipeline.server.metrics import ServerMetrics
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+from mm_pipeline.server.reasoning import resolve_reasoning
 from mm_pipeline.server.responses import FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
@@ -206,8 +207,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         for s in states:
             metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens)
 
+    # --reasoning-parser against this model's vocabulary (auto: on for a model with <think> tokens)
+    reasoning = resolve_reasoning(settings.reasoning_parser, getattr(engine, "tokenizer", None))
     service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens,
-                                                settings.max_completion_prompts), observe)
+                                                settings.max_completion_prompts, reasoning=reasoning), observe)
     started = int(time.time())
 
     @asynccontextmanager

@@ -25,6 +25,7 @@ from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings,
                                         merge_choices, start_all)
 from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mm_pipeline.server.reasoning import ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
@@ -37,6 +38,9 @@ class ServiceConfig:
     model_name: str
     default_max_tokens: int = 512
     max_completion_prompts: int = 16  # ServerSettings.max_completion_prompts
+    # ServerSettings.reasoning_parser resolved for the model (server/reasoning.py); None: off.
+    # Chat answers only: a text completion is the raw continuation of a prompt, as in vLLM.
+    reasoning: ThinkSyntax | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -90,6 +94,10 @@ def _parsed_messages(req: ChatCompletionRequest) -> ParsedMessages:
     return ParsedMessages([m.model_dump(exclude_none=True) for m in req.messages], req.template_options)
 
 
+def _message(answer: ReasoningSplit) -> AssistantMessage:
+    return AssistantMessage(content=answer.content, reasoning_content=answer.reasoning or None)
+
+
 def _usage(states: list[ChoiceState]) -> Usage:
     u = Usage()
     if states:  # the prompt is counted once however many choices share it
@@ -134,10 +142,10 @@ class ChatService:
         _check_finished(states)
         return ChatCompletion(
             id=rid, created=int(time.time()), model=self.config.model_name, usage=_usage(states),
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=s.text), finish_reason=s.finish_reason,
+            choices=[ChatChoice(index=i, message=_message(c.answer()), finish_reason=s.finish_reason,
                                 logprobs=self.tokens.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs)
                                 if req.logprobs else None)
-                     for i, s in enumerate(states)])
+                     for i, (c, s) in enumerate(zip(choices, states))])
 
     async def chat_stream(self, req: ChatCompletionRequest,
                           info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
@@ -167,9 +175,10 @@ class ChatService:
                           if req.logprobs and d.new_token_ids else None)
                     if d.finished:
                         _check_finished([choices[index].state])
-                    if d.new_text or lp is not None or d.finished:
-                        yield chunk(ChatChunkChoice(index=index, delta=Delta(content=d.new_text or ""), logprobs=lp,
-                                                    finish_reason=d.finish_reason if d.finished else None))
+                    part = choices[index].split(d)  # every delta, in order: the parser holds state
+                    if part.reasoning or part.content or lp is not None or d.finished:
+                        yield chunk(ChatChunkChoice(index=index, delta=Delta.of_text(part.reasoning, part.content),
+                                                    logprobs=lp, finish_reason=d.finish_reason if d.finished else None))
                 states = [c.state for c in choices]
                 self._finished(arrival, states)
                 if req.include_usage:
@@ -192,7 +201,7 @@ class ChatService:
         else:
             messages = _parsed_messages(req)
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens),
-                                                        request_id=f"{rid}-{i}"))
+                                                        request_id=f"{rid}-{i}"), self.config.reasoning)
                    for i in range(req.n)]
         await start_all(choices)
         if info is not None and choices:

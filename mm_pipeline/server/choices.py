@@ -6,6 +6,11 @@
                          │                                     any HTTP status is sent
                          ├─ collect(): drain to the end (non-streamed answer)
                          └─ merge_choices(): (index, delta) in arrival order (streamed answer)
+    reasoning (chat only, ``reasoning=ThinkSyntax``): each choice parses its own text -- the answer
+             that is not streamed splits the whole text once (answer()), a streamed one delta by
+             delta (split(), called by the consumer in the choice's order); both are one parser
+             (server/reasoning.py), so they agree. The start state comes from the first delta's
+             prompt ids: a prompt that opened <think> puts the output inside the thinking.
     close(): the one place a choice lets go of its engine stream — cancel a first-delta wait still
              running (the generator's ``finally`` runs: admission slot, KV pages and cache locks
              are released), then aclose() the iterator (the same for a suspended one). Called from
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from mm_pipeline.errors import generation_error
+from mm_pipeline.server.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
@@ -60,13 +66,16 @@ class ChoiceState:
 class ChoiceStream:
     """One engine generation seen as an async iterator with a prefetched first delta."""
 
-    def __init__(self, index: int, stream: AsyncIterator[Any]) -> None:
+    def __init__(self, index: int, stream: AsyncIterator[Any], reasoning: ThinkSyntax | None = None) -> None:
         self.index = index
         self.state = ChoiceState()
         self._stream = stream
         self._first: Any | None = None
         self._done = False
         self._starting: asyncio.Task | None = None  # the first-delta wait, owned so close() can end it
+        self._reasoning = reasoning
+        self._opened = False  # the prompt ends inside <think> (told by the first delta's prompt ids)
+        self._parser: ReasoningParser | None = None  # split()'s, made on its first call
 
     async def start(self) -> None:
         """Wait for the first delta (raises what the engine raises for bad input)."""
@@ -78,6 +87,8 @@ class ChoiceStream:
             return
         # known before the response starts, so it can go into a response header
         self.state.encoder_cache_hits = getattr(self._first, "encoder_cache_hits", 0)
+        if self._reasoning is not None:
+            self._opened = self._reasoning.prompt_opens_thinking(getattr(self._first, "prompt_token_ids", None))
         if self._first.finished:  # rejected by the engine before any token: a status, not a stream event
             error = generation_error(self._first.finish_reason, self._first.error_kind, self._first.error)
             if error is not None:
@@ -105,6 +116,25 @@ class ChoiceStream:
         async for _ in self.deltas():
             pass
         return self.state
+
+    def answer(self) -> ReasoningSplit:
+        """The text so far as (reasoning, content): a non-streamed answer, once collected."""
+        if self._reasoning is None:
+            return ReasoningSplit(content=self.state.text)
+        return self._reasoning.parser(self._opened).parse(self.state.text)
+
+    def split(self, delta: Any) -> ReasoningSplit:
+        """``delta``'s text as (reasoning, content), for a streamed answer: call it once for each
+        delta of this choice, in their order (the parser keeps state across them); the finished
+        delta also releases what was held back (a possible tag's beginning). The engine ends every
+        stream with a finished delta, so nothing stays held."""
+        text = delta.new_text or ""
+        if self._reasoning is None:
+            return ReasoningSplit(content=text)
+        if self._parser is None:
+            self._parser = self._reasoning.parser(self._opened)
+        part = self._parser.feed(text)
+        return part + self._parser.finish() if delta.finished else part
 
     async def close(self) -> None:
         """Release the engine stream (idempotent): see the module doc."""

@@ -40,6 +40,9 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str = ""
+    # the answer's thinking (server/reasoning.py, --reasoning-parser); null when it has none or the
+    # parser is off, as vLLM answers
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -61,13 +64,27 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+
+    @classmethod
+    def of_text(cls, reasoning: str, content: str) -> "Delta":
+        """A chunk's text, thinking and answer (server/reasoning.py): a chunk of thinking only has
+        no ``content`` key, as vLLM's; any other has it, "" when empty (a chunk that carries only
+        logprobs or the finish_reason), as before there was a reasoning parser."""
+        if reasoning and not content:
+            return cls(reasoning_content=reasoning)
+        return cls(content=content, reasoning_content=reasoning or None)
 
     @model_serializer(mode="wrap")
-    def _role_once(self, handler: Any) -> Any:
-        # OpenAI names the role in a choice's first delta only; later deltas leave the key out
+    def _leave_out_unset(self, handler: Any) -> Any:
+        # OpenAI names the role in a choice's first delta only; later deltas leave the key out. A
+        # delta without thinking has no reasoning_content key (none at all with the parser off: the
+        # chunks are as before), one of thinking only no content key.
         out = handler(self)
-        if self.role is None and isinstance(out, dict):
-            out.pop("role", None)
+        if isinstance(out, dict):
+            for key in ("role", "content", "reasoning_content"):
+                if getattr(self, key) is None:
+                    out.pop(key, None)
         return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mm_pipeline.server.reasoning import REASONING_PARSERS, ReasoningParserName
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -31,6 +33,12 @@ class ServerSettings:
     """Prompts one /v1/completions request may list."""
     # Each prompt is admitted as its own engine request (times n), so a long list would take every
     # admission slot at once; 16 x n <= 16 fits max_queue's 256.
+    reasoning_parser: ReasoningParserName = "auto"
+    """Chat answers' <think>...</think> go to message.reasoning_content (qwen3 semantics); auto: when
+    the model's vocabulary has both tags as tokens."""
+    # auto, not off, by default: a MiMo user expects the thinking apart from the answer, as SGLang
+    # and vLLM serve MiMo-V2-Flash with --reasoning-parser qwen3; a model without the tag tokens
+    # is left alone. create_app resolves it against the model's tokenizer (reasoning.py).
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
@@ -46,5 +54,8 @@ class ServerSettings:
             raise ValueError(f"max_completion_prompts must be >= 1, got {self.max_completion_prompts}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
