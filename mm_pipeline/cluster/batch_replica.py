@@ -9,21 +9,28 @@ from typing import Any
 import numpy as np
 
 from mm_pipeline.cluster.job_replica import JobReplica, ReplicaSpec
-from mm_pipeline.jobs.batch import BatchJob, custom_id_of, failure_message, parse_line
+from mm_pipeline.jobs.batch import BatchJob, custom_id_of, decode_line, failure_message, parse_line
+
+
+def line_of(raw: Any) -> str | bytes:
+    """An input line as the read stage sends it (its bytes) -> what ``input_lines`` gives for it:
+    text, or the bytes of a line that is not UTF-8 (``parse_line`` makes that an error line)."""
+    line = decode_line(bytes(raw))
+    return "" if line is None else line  # never blank: the read stage passes blank lines over
 
 
 class BatchReplica(JobReplica):
-    """Batches of input lines (``number``, ``raw``) -> OpenAI Batch output lines."""
+    """Batches of input lines (``number``, ``raw``: the line's bytes) -> OpenAI Batch output lines."""
 
     def __init__(self, spec: ReplicaSpec, default_max_tokens: int) -> None:
         super().__init__(spec)
         self.job = BatchJob(self.engine, default_max_tokens=default_max_tokens)
 
     def keys(self, batch: dict[str, np.ndarray]) -> list[str | None]:
-        return [custom_id_of(str(raw)) for raw in batch["raw"]]
+        return [custom_id_of(line_of(raw)) for raw in batch["raw"]]
 
     async def answer(self, batch: dict[str, np.ndarray], i: int, n: int) -> dict[str, Any]:
-        return await self.job.answer(parse_line(int(batch["number"][i]), str(batch["raw"][i])))
+        return await self.job.answer(parse_line(int(batch["number"][i]), line_of(batch["raw"][i])))
 
     def outcome(self, row: dict[str, Any]) -> tuple[str | None, int]:
         body = (row.get("response") or {}).get("body") or {}

@@ -3,7 +3,7 @@
     dataset of inputs ─► map_batches(ReplicaClass, ActorPoolStrategy(size=replicas), batch_size,
                                      num_cpus/num_gpus per replica, max_restarts, max_task_retries)
         ─► iter_batches (streaming: replicas keep working while the driver counts)
-             per result row: progress, summary.add, ReplicaStats.add_batch (once per batch)
+             per result row: progress, summary.add; per batch report: ReplicaStats.add_batch
     ─► JobOutput.merge(every input): each input once, or IncompleteJobError; streamed, and under
        the output's lock (JobOutput.lock), which the job holds from its done keys to here
 
@@ -69,8 +69,10 @@ class DistributedResult:
         return out
 
 
-def configure_data(config: RayJobConfig) -> None:
-    """Ray Data settings of this driver, before the job's datasets are built (they copy them)."""
+def configure_data(config: RayJobConfig, object_store_bytes: int | None = None) -> None:
+    """Ray Data settings of this driver, before the job's datasets are built (they copy them).
+    ``object_store_bytes``: the most job data Ray Data may hold in the object store, inputs read
+    ahead of the replicas included (None: Ray Data's own limit, a share of the object store)."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
@@ -79,6 +81,12 @@ def configure_data(config: RayJobConfig) -> None:
     # leaving it to run at a fraction of its size unnoticed).
     ctx.wait_for_min_actors_s = config.start_timeout_s
     ctx.enable_progress_bars = config.ray_progress
+    # Ray Data's backpressure with a byte limit: a read task starts only while the job's objects fit
+    # (one still runs when a single block is bigger, so the job never stalls).  Set every time: the
+    # context is the process's, and a job must not inherit the last one's limit.
+    limits = ctx.execution_options.resource_limits
+    ctx.execution_options.resource_limits = limits.copy(
+        object_store_memory=float("inf") if object_store_bytes is None else object_store_bytes)
 
 
 def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any], config: RayJobConfig,
@@ -97,12 +105,15 @@ def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any],
         # a dead replica is restarted and its unfinished batches retried there (the journal makes
         # the retry redo only what has no row yet)
         max_restarts=-1, max_task_retries=-1)
-    # a replica batch's report rides on each of its rows; Ray may split or join blocks on the way,
-    # so rows are grouped by (replica, process, batch start) until the end
-    batches: dict[tuple[str, int, float], dict[str, Any]] = {}
+    # A replica batch's report rides on each of its rows.  It is folded into that replica's stats
+    # block by block as results arrive: per batch the driver keeps only its timeline span, not a
+    # record with its decoded cache counters until the end (~1 KB each; a 10M-line job has 600K
+    # batches).  Ray may join batches into one block (grouped here) or split one (add_batch adds pieces).
+    replicas: dict[str, ReplicaStats] = {}
     seen: set[str] = set()
     result = DistributedResult(replicas=[], results=0, duplicate_results=0, journaled=0)
     for batch in out.iter_batches(batch_size=None, batch_format="numpy"):
+        groups: dict[tuple[str, int, float], list[int]] = {}  # (replica, pid, start) -> [items, failed, a row]
         for i in range(len(batch["key"])):
             key, error, tokens = str(batch["key"][i]), str(batch["error"][i]) or None, int(batch["tokens"][i])
             result.results += 1
@@ -113,16 +124,15 @@ def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any],
                 seen.add(key)
             result.journaled += int(batch["journaled"][i])
             on_result(key, error, tokens)
-            b = batches.setdefault((str(batch["replica"][i]), int(batch["pid"][i]), float(batch["batch_start"][i])),
-                                   {"node": str(batch["node"][i]), "end": float(batch["batch_end"][i]),
-                                    "cache": json.loads(str(batch["cache"][i])), "items": 0, "failed": 0})
-            b["items"] += 1
-            b["failed"] += int(error is not None)
+            g = groups.setdefault((str(batch["replica"][i]), int(batch["pid"][i]), float(batch["batch_start"][i])),
+                                  [0, 0, i])
+            g[0] += 1
+            g[1] += int(error is not None)
             if progress is not None:
                 progress.advance(1, failed=int(error is not None))
-    replicas: dict[str, ReplicaStats] = {}
-    for (rid, pid, start), b in sorted(batches.items(), key=lambda kv: kv[0][2]):
-        replicas.setdefault(rid, ReplicaStats(rid)).add_batch(node=b["node"], pid=pid, start=start, end=b["end"],
-                                                              items=b["items"], failed=b["failed"], cache=b["cache"])
+        for (rid, pid, start), (items, failed, i) in groups.items():
+            replicas.setdefault(rid, ReplicaStats(rid)).add_batch(
+                node=str(batch["node"][i]), pid=pid, start=start, end=float(batch["batch_end"][i]),
+                items=items, failed=failed, cache=json.loads(str(batch["cache"][i])))
     result.replicas = list(replicas.values())
     return result

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidInputError
 from mm_pipeline.jobs.resume import done_keys, open_output
-from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.errors import error_body, to_api_error
@@ -50,16 +50,18 @@ class BatchSummary:
     succeeded: int = 0
     failed: int = 0
     elapsed_s: float = 0.0
-    failures: list[tuple[str | None, str]] = field(default_factory=list)
+    failures: list[tuple[str | None, str]] = field(default_factory=list)  # the first FAILURES_SHOWN
     replicas: list[ReplicaStats] = field(default_factory=list)  # the Ray job's replicas (else empty)
 
     def add(self, custom_id: str | None, error: str | None) -> None:
-        """Count one answered line (``error``: see ``failure_message``)."""
+        """Count one answered line (``error``: see ``failure_message``).  Only the failures the
+        summary names are kept: a file of millions of failing lines must not keep them all."""
         if error is None:
             self.succeeded += 1
         else:
             self.failed += 1
-            self.failures.append((custom_id, error))
+            if len(self.failures) < FAILURES_SHOWN:
+                self.failures.append((custom_id, error))
 
     def lines(self) -> list[str]:
         rate = (self.succeeded + self.failed) / self.elapsed_s if self.elapsed_s > 0 else 0.0
@@ -67,9 +69,9 @@ class BatchSummary:
                f"requests in {self.elapsed_s:.2f} s ({rate:.2f} req/s)"
                + (f"; {self.skipped} already in the output were skipped" if self.skipped else "")]
         out += ReplicaStats.table(self.replicas)
-        out += [f"  {cid}: {msg}" for cid, msg in self.failures[:20]]
-        if len(self.failures) > 20:
-            out.append(f"  ... and {len(self.failures) - 20} more")
+        out += [f"  {cid}: {msg}" for cid, msg in self.failures]
+        if self.failed > len(self.failures):
+            out.append(f"  ... and {self.failed - len(self.failures)} more")
         return out
 
 
@@ -124,16 +126,23 @@ def parse_line(number: int, raw: str | bytes) -> BatchLine:
                                              else str(first.get("msg"))))
 
 
+def decode_line(line: bytes) -> str | bytes | None:
+    """One line of the input file as the jobs take it: text, or its bytes when it is not UTF-8
+    (decoding the file whole would stop at it); None for a blank line, which is not a request.
+    The one rule for both batch paths, so ``--ray``'s readers skip and number what this one does."""
+    try:
+        raw: str | bytes = line.decode("utf-8")
+    except UnicodeDecodeError:
+        raw = line
+    return raw if raw.strip() else None
+
+
 def input_lines(path: Path) -> Iterator[tuple[int, str | bytes, str | None]]:
-    """(line number, raw line, custom_id if the line is JSON with one) for non-blank lines.  The raw
-    line is text, or its bytes when it is not UTF-8 (decoding the file whole would stop at it)."""
+    """(line number, raw line, custom_id if the line is JSON with one) for non-blank lines
+    (``decode_line``), read a line at a time."""
     with path.open("rb") as f:
         for n, line in enumerate(f, 1):
-            try:
-                raw: str | bytes = line.decode("utf-8")
-            except UnicodeDecodeError:
-                raw = line
-            if raw.strip():
+            if (raw := decode_line(line)) is not None:
                 yield n, raw, custom_id_of(raw)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import generation_error
 from mm_pipeline.jobs.media_input import MediaInput, error_text, read_media_input
-from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.media.types import MediaKind
@@ -131,7 +131,7 @@ class CaptionSummary:
     failed: int = 0
     elapsed_s: float = 0.0
     completion_tokens: int = 0
-    failures: list[tuple[str, str]] = field(default_factory=list)
+    failures: list[tuple[str, str]] = field(default_factory=list)  # the first FAILURES_SHOWN
     cache: dict[str, Any] = field(default_factory=dict)
     replicas: list[ReplicaStats] = field(default_factory=list)  # the Ray job's replicas (else empty)
 
@@ -142,7 +142,8 @@ class CaptionSummary:
             self.completion_tokens += completion_tokens
         else:
             self.failed += 1
-            self.failures.append((path, error))
+            if len(self.failures) < FAILURES_SHOWN:  # the ones the summary names; the rest are counted
+                self.failures.append((path, error))
 
     @property
     def items_per_s(self) -> float:
@@ -158,6 +159,8 @@ class CaptionSummary:
         if self.failures:
             out.append(f"{self.failed} failed:")
             out += [f"  {path}: {err}" for path, err in self.failures]
+            if self.failed > len(self.failures):
+                out.append(f"  ... and {self.failed - len(self.failures)} more")
         return out
 
 

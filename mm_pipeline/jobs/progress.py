@@ -17,6 +17,9 @@ from typing import TextIO
 from tqdm import tqdm
 
 PLAIN_FORMAT = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) {rate_noinv_fmt} ETA {remaining}{postfix}"
+# Failures a job summary names (the rest are counted): the output file has every one, and a summary
+# that kept them all would hold a message per failed input for the whole run.
+FAILURES_SHOWN = 20
 
 
 class Progress:

@@ -26,10 +26,15 @@ class ReplicaStats:
     # cumulative counters per incarnation (pid): counters restart from 0 with the process
     cache_by_pid: dict[int, dict[str, int]] = field(default_factory=dict)
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, items) per batch
+    latest_start: float = float("-inf")  # of the batches added: ``node`` is where the latest ran
 
     def add_batch(self, *, node: str, pid: int, start: float, end: float, items: int, failed: int,
                   cache: Mapping[str, int]) -> None:
-        self.node = node
+        """Count one batch report.  Reports may come in any order (the driver adds them as they
+        arrive), and one batch may come in pieces (rows Ray Data split across blocks): the counts
+        add up either way, and a piece's span repeats its batch's, which ``busy_s`` counts once."""
+        if start >= self.latest_start:  # a restarted replica may run on another node: the newest wins
+            self.node, self.latest_start = node, start
         self.items += items
         self.failed += failed
         self.pids.add(pid)

@@ -67,10 +67,16 @@ def test_a_retried_batch_redoes_only_unfinished_inputs(tmp_path, retried_on):
 
 
 class _Dataset(list):
-    """Stands for a Ray dataset: the items the job hands to Ray Data."""
+    """Stands for a Ray dataset: the items the job hands to Ray Data, through its read stage."""
 
-    def map_batches(self, *args, **kwargs) -> "_Dataset":
-        return self
+    @classmethod
+    def from_items(cls, items: list[dict], override_num_blocks: int | None = None) -> "_Dataset":
+        return cls(items)
+
+    def map_batches(self, fn, *args, fn_kwargs=None, **kwargs) -> "_Dataset":
+        columns = {k: np.array([item[k] for item in self], dtype=object) for k in self[0]}
+        out = fn(columns, **(fn_kwargs or {}))
+        return _Dataset(dict(zip(out, row)) for row in zip(*out.values()))
 
 
 def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypatch):
@@ -88,16 +94,17 @@ def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypat
         with pytest.raises(OutputFileError, match="being written by another job"):
             open_output(output.path)  # a second job on the output, while this one runs
         journal = ShardJournal(output.shard_path("r1"))
-        for item in ds:
+        for item in ds:  # a caption input, or a batch line (its bytes, from the read stage)
             key = item.get("input") or json.loads(item["raw"])["custom_id"]
             journal.append({output.key: key, "error": None})
             on_result(key, None, 0)
         return DistributedResult(replicas=[], results=len(ds), duplicate_results=0, journaled=0)
 
-    ray = SimpleNamespace(data=SimpleNamespace(from_items=_Dataset, TaskPoolStrategy=lambda size: None))
+    ray = SimpleNamespace(data=SimpleNamespace(from_items=_Dataset.from_items,
+                                               TaskPoolStrategy=lambda size: None))
     for module in (caption_dataset, batch_dataset):
         monkeypatch.setattr(module, "run_replicas", run_replicas)
-        monkeypatch.setattr(module, "configure_data", lambda config: None)
+        monkeypatch.setattr(module, "configure_data", lambda config, object_store_bytes=None: None)
     engine = SimpleNamespace(limits=SimpleNamespace(max_bytes=None))
     config = RayJobConfig()
 

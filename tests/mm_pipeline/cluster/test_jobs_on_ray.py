@@ -6,7 +6,9 @@ loopback; replicas at 0.5 CPU and one torch thread each) with a tiny omni checkp
 - a replica SIGKILLed mid-run is restarted by Ray and the job ends with every input once; the job
   holds its output's lock while it runs;
 - a batch file (CRLF line ends, U+2028 inside strings) gives the single-process job's answers, and a
-  re-run skips every custom_id.
+  re-run skips every custom_id;
+- a 16 MB batch file costs the driver its keys, not its lines (read tasks read them, under the
+  job's object-store window), and a run on an output missing three lines answers only those.
 """
 
 from __future__ import annotations
@@ -184,3 +186,60 @@ def test_batch_on_ray_answers_like_the_single_process_job(ray_local, model_dir, 
     err = capsys.readouterr().err
     assert "0 succeeded, 1 failed of 1 requests" in err and "4 already in the output were skipped" in err, err
     assert answers(tmp_path / "ray.jsonl") == ref
+
+
+def test_batch_on_ray_streams_its_input_and_resumes(ray_local, model_dir, tmp_path):
+    """The Ray batch job kept every line still to answer in the driver (a list for
+    ``ray.data.from_items``) until the job ended: its memory grew with the input file.  The driver
+    now holds custom_ids and chunk ranges; read tasks read the lines.  16 MB of lines (a wrong url
+    each: an error line with no model call, so the test stays cheap) cost the driver ~2 MB, mostly
+    Ray Data's own.  The first run resumes an output that has all but three lines."""
+    import tracemalloc
+
+    from ray.data import DataContext
+
+    from mm_pipeline.cli import build_parser, engine_config
+    from mm_pipeline.cluster.batch_dataset import run_batch_on_ray
+    from mm_pipeline.cluster.distributed_job import RayJobConfig
+    from mm_pipeline.cluster.job_replica import ReplicaSpec
+    from mm_pipeline.jobs.job_output import JobOutput
+
+    n, pad = 500, "x" * 32000
+    src = tmp_path / "in.jsonl"
+    with src.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"custom_id": f"r{i:05d}", "method": "POST", "url": "/v1/nope",
+                                "body": {"messages": [{"role": "user", "content": pad}]}}) + "\n")
+    engine = engine_config(build_parser().parse_args(["batch", "-i", "x", "-o", "y", *ENGINE]))
+    config = RayJobConfig(replicas=1, cpus_per_replica=0.5, batch_size=16)
+
+    def run(out: Path) -> tuple:
+        spec = ReplicaSpec(model_dir=str(model_dir), engine_config=engine, output=JobOutput(out, key="custom_id"))
+        return run_batch_on_ray(ray_local, src, spec, config)
+
+    # resume (and the warm-up of Ray Data's code paths, so the measured run below counts the job)
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text("".join(json.dumps({"custom_id": f"r{i:05d}", "response": None, "error": {"code": "earlier"}})
+                               + "\n" for i in range(n) if i not in (0, 277, n - 1)))
+    summary, result = run(resumed)
+    assert (summary.total, summary.skipped, summary.failed, result.merge.new_rows) == (n, n - 3, 3, 3)
+    rows = [json.loads(ln) for ln in resumed.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == [f"r{i:05d}" for i in range(n)]  # each once
+    redone = {r["custom_id"] for r in rows if r["error"]["code"] == "invalid_url"}
+    assert redone == {"r00000", "r00277", f"r{n - 1:05d}"}
+
+    fresh = tmp_path / "fresh.jsonl"
+    tracemalloc.start()
+    try:
+        summary, result = run(fresh)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert src.stat().st_size > 15 << 20 and peak < 6 << 20, peak  # not the 16 MB of lines
+    assert (summary.failed, result.merge.rows, result.duplicate_results) == (n, n, 0)
+    assert [json.loads(ln)["custom_id"] for ln in fresh.read_text().splitlines()] == [f"r{i:05d}" for i in range(n)]
+    # the reads ran under the job's window (Ray Data's default would let them fill the object store)
+    from mm_pipeline.cluster.batch_dataset import CHUNK_BYTES, CHUNKS_IN_FLIGHT
+
+    window = DataContext.get_current().execution_options.resource_limits.object_store_memory
+    assert window == config.replicas * CHUNKS_IN_FLIGHT * CHUNK_BYTES
