@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mm_pipeline.config_flags import field_type
     from mm_pipeline.jobs.batch import BatchConfig
     from mm_pipeline.jobs.caption import CaptionConfig
+    from mm_pipeline.server.reasoning import REASONING_PARSERS
 
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
@@ -178,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(b, model_required=False)
     b.add_argument("--concurrency", type=field_type(BatchConfig, "concurrency"), default=32)
     b.add_argument("--default-max-tokens", type=field_type(BatchConfig, "default_max_tokens"), default=512)
+    b.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                   help="chat answers' <think>...</think> in reasoning_content, as `serve --reasoning-parser`")
     _add_ray_args(b, formats=False)
     return parser
 

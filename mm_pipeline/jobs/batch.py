@@ -37,6 +37,7 @@ from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+from mm_pipeline.server.reasoning import REASONING_PARSERS, resolve_reasoning
 from mm_pipeline.server.errors import error_body, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -161,6 +162,9 @@ def custom_id_of(raw: str | bytes) -> str | None:
 class BatchConfig:
     concurrency: int = 32  # lines in flight (the engine batches them)
     default_max_tokens: int = 512  # of a request without max_tokens
+    # as `mmserve serve --reasoning-parser` (server/reasoning.py): a batch line's chat answer is the
+    # one the server would give for it
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -169,15 +173,20 @@ class BatchConfig:
             SamplingParams(max_tokens=self.default_max_tokens)
         except ValueError as exc:
             raise ValueError(f"default_{exc}") from None  # "max_tokens must be ..." names the field
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
 
 
 class BatchJob:
     """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
 
-    def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int = 512) -> None:
-        config = BatchConfig(concurrency, default_max_tokens)
+    def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int = 512,
+                 reasoning_parser: str = "auto") -> None:
+        config = BatchConfig(concurrency, default_max_tokens, reasoning_parser)
+        reasoning = resolve_reasoning(config.reasoning_parser, getattr(engine, "tokenizer", None))
         self.service = ChatService(engine, ServiceConfig(getattr(engine, "model_name", "mmserve"),
-                                                         config.default_max_tokens))
+                                                         config.default_max_tokens, reasoning=reasoning))
         self.concurrency = config.concurrency
 
     async def run(self, in_path: str | Path, out_path: str | Path, progress_stream=None) -> BatchSummary:

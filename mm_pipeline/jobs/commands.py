@@ -65,7 +65,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     check_output(Path(args.output))  # a directory, or a file another job writes: said before the model loads
     engine = cli.load_engine(args, model_dir)  # through the module: tests lend their engine
     try:
-        job = BatchJob(engine, concurrency=args.concurrency, default_max_tokens=args.default_max_tokens)
+        job = BatchJob(engine, concurrency=args.concurrency, default_max_tokens=args.default_max_tokens,
+                       reasoning_parser=args.reasoning_parser)
         summary = asyncio.run(job.run(args.input, args.output))
     finally:
         engine.shutdown()

@@ -201,3 +201,20 @@ def test_auto_leaves_a_model_without_the_tag_tokens_alone(serve):
                                                   "reasoning_content": None}
     forced = serve([THINKS], reasoning_parser="qwen3", engine_tokenizer=tokenizer)
     assert chat(forced)["choices"][0]["message"]["reasoning_content"] == "\nThe user asks 2+2."
+
+
+def test_a_batch_lines_chat_answer_is_split_as_the_server_splits_it(tokenizer, tmp_path):
+    """``mmserve batch`` answers a line as the server would: ``--reasoning-parser`` (BatchConfig's
+    ``reasoning_parser``, default auto) applies to its chat answers too."""
+    from mm_pipeline.jobs.batch import BatchJob
+
+    src, body = tmp_path / "in.jsonl", {"messages": [{"role": "user", "content": "What is 2+2?"}]}
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
+    engine = ThinkingEngine(tokenizer, [THINKS], GENERATION_PROMPT, tokenizer)
+    for parser, reasoning, content in (("auto", "\nThe user asks 2+2.", "It is 4."), ("none", None, RAW["thinks"])):
+        out = tmp_path / f"out-{parser}.jsonl"
+        asyncio.run(BatchJob(engine, reasoning_parser=parser).run(src, out))
+        message = json.loads(out.read_text())["response"]["body"]["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        BatchJob(engine, reasoning_parser="deepseek")
