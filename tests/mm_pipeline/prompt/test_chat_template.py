@@ -9,28 +9,10 @@ import random
 
 import pytest
 
-from llm_core.llm import load_tokenizer
 from mm_pipeline.errors import ContextLengthError, InvalidMessageError
-from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.prompt import chat_template as layout_module
-from mm_pipeline.prompt.layout import ChatLayout, MediaSlots
+from mm_pipeline.prompt.layout import MediaSlots
 from mm_pipeline.prompt.messages import parse_messages
-from tests.support.paths import DEMO_MODEL
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
-def special():
-    return OmniConfig.from_pretrained(DEMO_MODEL).special
-
-
-@pytest.fixture()
-def layout(tokenizer, special):
-    return ChatLayout(special, tokenizer)
 
 
 class Planned:

@@ -13,10 +13,8 @@ import pickle
 
 import pytest
 
-from llm_core.llm import load_tokenizer
 from mm_pipeline.errors import ContextLengthError, InvalidMessageError
-from mm_pipeline.model.config import OmniConfig
-from mm_pipeline.prompt.layout import ChatLayout, MediaSlots
+from mm_pipeline.prompt.layout import MediaSlots
 from mm_pipeline.prompt.messages import ChatTurn, ParsedMessages, parse_messages
 from mm_pipeline.prompt.template_options import (MAX_KWARGS, MAX_KWARGS_BYTES, MAX_KWARGS_DEPTH, TemplateOptions,
                                                  check_template_kwargs)
@@ -27,21 +25,6 @@ pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reas
 NO_PROMPT = TemplateOptions(add_generation_prompt=False)
 CONTINUE = TemplateOptions(add_generation_prompt=False, continue_final_message=True)
 USER = {"role": "user", "content": "Tell me a story."}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
-def special():
-    return OmniConfig.from_pretrained(DEMO_MODEL).special
-
-
-@pytest.fixture(scope="module")
-def layout(tokenizer, special):
-    return ChatLayout(special, tokenizer)
 
 
 def transformers_ids(tokenizer, messages, **options) -> list[int]:
