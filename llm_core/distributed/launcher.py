@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import LaunchSpec, RankGroup, free_port, torchrun_rank
 
 
@@ -45,9 +46,27 @@ def _start_rank0(spec: LaunchSpec, load_model, dt):
 
     group = RankGroup.start(spec)
     try:
-        local = load_model(spec.model_dir, device=group.device, dtype=dt, parallel=group.ctx)
-        group.ready("the other ranks to load their shards")
+        try:
+            local = load_model(spec.model_dir, device=group.device, dtype=dt, parallel=group.ctx)
+        except Exception as exc:
+            if not group.processes:
+                # torchrun's ranks are not ours to terminate: the handshake tells them to exit
+                _tell_failure(group, f"{type(exc).__name__}: {exc}")
+            raise
+        errors = group.ready(None)
+        for rank, error in enumerate(errors):
+            if error is not None:
+                raise RankFailure(f"tensor/expert-parallel rank {rank} failed to load its shard: {error}")
     except BaseException:
-        group.close()
+        group.close()  # not serving: terminates the spawned ranks (no StopOp: they are not listening)
         raise
     return MirroredModel(local, group)
+
+
+def _tell_failure(group: RankGroup, error: str) -> None:
+    """Rank 0 failed to load: the other ranks learn it in the ready handshake (bounded: they may
+    still be loading) and exit; rank 0's own error is what the caller sees."""
+    try:
+        group.ready(error, timeout_s=group.spec.timeout_s)
+    except Exception:  # noqa: BLE001 -- a rank already gone: nothing to tell it
+        pass

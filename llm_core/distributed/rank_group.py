@@ -9,9 +9,13 @@ between them.
         └─ control group  (always gloo, on the CPU): one message per model call from rank 0
            (step_ops.py); it waits as long as the server idles, so its timeout is long
 
-A rank that dies is noticed two ways: rank 0 checks its children's exit codes before every message
-and while it waits on one, and a collective with a dead peer fails (gloo closes the connection, NCCL
-times out); both become :class:`RankFailure` naming the rank.
+A rank that dies is noticed two ways: rank 0 checks its children's exit codes while they join,
+before every message and while it waits on one, and a collective with a dead peer fails (gloo
+closes the connection, NCCL times out); both become :class:`RankFailure` naming the rank.
+
+Rank 0 marks the group ``broken`` from each message until its own half of that call has returned
+(``settle``): when the call raises instead, the other ranks may sit in a collective rank 0 will never
+make, so the group is not used again and ``close`` terminates the children instead of telling them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from llm_core.distributed.rank_failure import RankFailure
 # The control group's timeout: a worker waits on it for the next step while the server is idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 POLL_S = 0.005
+# Each rank's load outcome in the ready handshake: a flag byte, then the error text (truncated)
+READY_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -83,17 +89,54 @@ class RankGroup:
         self.spec, self.rank = spec, rank
         self.processes = processes or []  # index k holds rank k + 1
         self.device = spec.device_of(rank)
+        self._closed = False
+        self.serving = False  # every rank loaded its shard (ready): only then may close() send StopOp
+        self.broken: str | None = None  # rank 0: why the ranks may be out of step (see the module doc)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         world = spec.world_size
         if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != world:
             raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; tensor_parallel_size "
                              f"{spec.tp_size} and expert_parallel_size {spec.ep_size} need {world}")
-        dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=world, rank=rank,
-                                timeout=timedelta(seconds=spec.timeout_s))
-        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self._rendezvous()
         self.ctx = ParallelContext(spec.tp_size, spec.ep_size, rank, group=dist.group.WORLD)
-        self._closed = False
+
+    def _rendezvous(self) -> None:
+        """Join the default and control groups. Spawned ranks meet on rank 0's TCP store and each
+        checks in there first, so that rank 0 can wait for them while it watches their processes: a
+        child that dies before joining (no such device, an import error, killed for memory) would
+        otherwise leave rank 0 in init_process_group for the whole timeout, with an error naming no
+        rank. Under torchrun (env://) its agent watches the processes."""
+        spec = self.spec
+        timeout = timedelta(seconds=spec.timeout_s)
+        if spec.init_method.startswith("tcp://"):
+            host, port = spec.init_method.removeprefix("tcp://").rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), spec.world_size, is_master=self.rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
+            if self.rank == 0:
+                self._await_ranks(store)
+            else:
+                store.set(f"mmserve/joined/{self.rank}", "1")
+            dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=self.rank,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=spec.world_size,
+                                    rank=self.rank, timeout=timeout)
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+    def _await_ranks(self, store) -> None:
+        """Rank 0: wait until every other rank has checked in at the store (at most the timeout)."""
+        keys = [f"mmserve/joined/{r}" for r in range(1, self.spec.world_size)]
+        deadline = time.monotonic() + self.spec.timeout_s
+        while not store.check(keys):
+            dead = self.dead_rank()
+            if dead is not None:
+                raise RankFailure(f"tensor/expert-parallel {dead} before joining the group")
+            if time.monotonic() > deadline:
+                missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+                raise RankFailure(f"tensor/expert-parallel rank(s) {', '.join(missing)} did not join the group "
+                                  f"within {self.spec.timeout_s:g} s (distributed_timeout_s)")
+            time.sleep(0.05)
 
     # ---- rank 0 ------------------------------------------------------------------------------
     @classmethod
@@ -111,18 +154,27 @@ class RankGroup:
         try:
             group = cls(spec, 0, procs)
         except BaseException:
-            _end(procs)
+            _end(procs, 0.0)
             raise
         atexit.register(group.close)
         return group
 
     def send(self, op: object) -> None:
         """Rank 0: broadcast one message to every rank (pickled, as broadcast_object_list does, but
-        asynchronously so that rank 0 can watch its children while the message goes out)."""
+        asynchronously so that rank 0 can watch its children while the message goes out). Each wait
+        is bounded by distributed_timeout_s: a rank that stopped receiving must not hang rank 0."""
+        name = type(op).__name__
+        if self.broken is not None:
+            raise RankFailure(f"tensor/expert-parallel ranks out of step since {self.broken}; the engine "
+                              f"must be closed")
+        self.broken = f"{name} was cut short"  # cleared by settle() once rank 0's half returned
         data = torch.frombuffer(bytearray(pickle.dumps(op)), dtype=torch.uint8)
-        self.wait(dist.broadcast(torch.tensor([data.numel()]), src=0, group=self.control, async_op=True),
-                  type(op).__name__)
-        self.wait(dist.broadcast(data, src=0, group=self.control, async_op=True), type(op).__name__)
+        for tensor in (torch.tensor([data.numel()]), data):
+            self.wait(dist.broadcast(tensor, src=0, group=self.control, async_op=True), name, self.spec.timeout_s)
+
+    def settle(self) -> None:
+        """Rank 0: the call of the last message returned on rank 0, so every rank met its collectives."""
+        self.broken = None
 
     def receive(self) -> object:
         """Ranks > 0: the next message from rank 0 (blocks as long as rank 0 has nothing to say)."""
@@ -132,12 +184,27 @@ class RankGroup:
         dist.broadcast(data, src=0, group=self.control)
         return pickle.loads(data.numpy().tobytes())
 
-    def ready(self, what: str) -> None:
-        """Barrier after loading (every rank calls it); rank 0 watches the others while it waits."""
+    def ready(self, error: str | None, timeout_s: float | None = None) -> list[str | None]:
+        """The load handshake: every rank calls it once after loading, with None or its error text,
+        and gets every rank's, in rank order -- so rank 0 can name a worker's load error and a worker
+        knows to exit when another rank failed. Rank 0 watches the others while it waits (at most
+        ``timeout_s``). With every rank loaded the group is serving."""
+        mine = torch.zeros(READY_BYTES, dtype=torch.uint8)
+        if error is not None:
+            mine[0] = 1
+            text = error.encode()[:READY_BYTES - 1]
+            if text:
+                mine[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.spec.world_size)]
+        work = dist.all_gather(parts, mine, group=self.control, async_op=True)
         if self.rank == 0:
-            self.wait(dist.barrier(group=self.control, async_op=True), what)
+            self.wait(work, "the other ranks to load their shards", timeout_s)
         else:
-            dist.barrier(group=self.control)
+            work.wait()
+        out = [None if int(p[0]) == 0 else bytes(p[1:].numpy()).rstrip(b"\0").decode(errors="replace") or "?"
+               for p in parts]
+        self.serving = all(e is None for e in out)
+        return out
 
     def gather_reports(self, report: dict) -> list[dict]:
         """Every rank's report, in rank order (all ranks call it)."""
@@ -152,14 +219,18 @@ class RankGroup:
                 return f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
-    def wait(self, work, what: str) -> None:
+    def wait(self, work, what: str, timeout_s: float | None = None) -> None:
         """Wait for an async collective of rank 0 while watching the other ranks' processes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             delay = 0.0  # a step's messages complete in microseconds: back off from a spin, not a 5 ms nap
             while not work.is_completed():
                 dead = self.dead_rank()
                 if dead is not None:
                     raise RankFailure(f"tensor/expert-parallel {dead} while rank 0 waited for {what}")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RankFailure(f"tensor/expert-parallel ranks did not answer within {timeout_s:g} s "
+                                      f"(distributed_timeout_s) while rank 0 waited for {what}")
                 time.sleep(delay)
                 delay = min(POLL_S, 2 * delay + 5e-5)
             work.wait()
@@ -169,35 +240,58 @@ class RankGroup:
             raise self.failure(what, exc) from exc
 
     def failure(self, what: str, exc: BaseException) -> RankFailure:
-        """The RankFailure for a failed collective, naming a dead rank when there is one."""
+        """The RankFailure for a failed call, naming a dead rank when there is one; marks the group
+        broken (rank 0 no longer knows which collective each rank is in)."""
+        self.broken = f"{what} failed ({type(exc).__name__})"
+        dead = self.dead_rank()
+        if dead is None and not _is_collective_error(exc):  # rank 0's own error, e.g. out of memory
+            return RankFailure(f"tensor/expert-parallel rank 0 failed during {what} (the other ranks are "
+                               f"left inside that call): {type(exc).__name__}: {exc}")
         deadline = time.monotonic() + 2.0  # the peer's exit may trail its closed socket a little
-        while (dead := self.dead_rank()) is None and self.processes and time.monotonic() < deadline:
+        while dead is None and self.processes and time.monotonic() < deadline:
             time.sleep(0.05)
+            dead = self.dead_rank()
         who = dead or "a rank stopped answering"
         return RankFailure(f"tensor/expert-parallel {who} during {what}: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        """Tell the other ranks to stop (rank 0), wait for them briefly, leave the process group."""
+        """Leave the group. Rank 0 of a serving, in-step group tells the others to stop and waits for
+        them briefly; one that never reached serving, or whose ranks may be out of step (broken),
+        terminates its children instead: a StopOp would meet them inside another collective and wait
+        there until the control group's timeout."""
         if self._closed:
             return
         self._closed = True
-        if self.rank == 0 and self.dead_rank() is None:
+        orderly = self.rank == 0 and self.serving and self.broken is None and self.dead_rank() is None
+        if orderly:
             from llm_core.distributed.step_ops import StopOp
 
             try:
                 self.send(StopOp())
-            except Exception:  # noqa: BLE001 -- a rank is gone already: nothing to tell it
-                pass
-        _end(self.processes)
+            except Exception:  # noqa: BLE001 -- a rank is gone or stuck: terminated below
+                orderly = False
+        _end(self.processes, 10.0 if orderly else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _is_collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a collective (a peer gone or stuck) rather than rank 0's own code."""
+    dist_error = getattr(dist, "DistError", ())
+    text = str(exc).lower()
+    return isinstance(exc, (RankFailure, dist_error)) or "gloo" in text or "nccl" in text
+
+
 def _end(procs: list, timeout_s: float = 10.0) -> None:
+    """Join the processes for up to ``timeout_s``, then terminate (and at last kill) the rest."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
             p.join(2.0)

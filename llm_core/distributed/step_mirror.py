@@ -10,15 +10,25 @@ first tells the other ranks to make the same call (step_ops.py) so that their co
     sampler on the gathered fp32 logits (rank 0 only)
 
 So one scheduler decides for all ranks and the step is broadcast; the engine and runner are unchanged.
+
+Failure: once a message is out, the other ranks are inside that call; if rank 0's half then raises,
+rank 0 cannot tell which collective each rank waits in, so any exception there is the group's
+failure (RankFailure; a KeyboardInterrupt stays one) and the group is not used again. Checks that
+fail one request's input (a token id outside the vocabulary, inputs of the wrong shape) therefore
+run here, before the message, and fail only that request.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
+from kernels import huge_pages as huge_page_memory
+from kernels import native
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import RankGroup
-from llm_core.distributed.step_ops import EmbedOp, ForwardOp, LogitsOp, ReportOp, to_cpu
+from llm_core.distributed.step_ops import EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, to_cpu
 from llm_core.distributed.worker import share_report
 
 
@@ -33,18 +43,35 @@ class MirroredModel:
         # config, model, parameters(), kv_layout(), parallel ...: the local shard answers
         return getattr(self.__dict__["local"], name)
 
+    def prepare_weights_(self, huge_pages: bool) -> None:
+        """The model runner's one-time preparation after loading, on every rank with rank 0's
+        settings: the C kernels' switch (set by the engine just before), the kernel layouts, huge pages."""
+        def local() -> None:
+            self.local.use_kernel_layouts_()
+            if huge_pages:
+                huge_page_memory.move_module_(self.local)
+
+        self._mirror(LayoutOp(native.enabled(), huge_pages), "weight preparation", local)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.group.send(EmbedOp(to_cpu(input_ids)))
-        return self._run("embed", self.local.embed, input_ids)
+        _check_ids(input_ids, self.local.config.vocab_size)
+        return self._mirror(EmbedOp(to_cpu(input_ids)), "embed", self.local.embed, input_ids)
 
     def __call__(self, input_ids, batch, kv, inputs_embeds=None) -> torch.Tensor:
-        self.group.send(ForwardOp(ForwardOp.batch_fields(batch), to_cpu(input_ids), to_cpu(inputs_embeds),
-                                  _kv_tokens(kv, self.local.config.layer_kinds)))
-        return self._run("forward", self.local, input_ids, batch, kv, inputs_embeds=inputs_embeds)
+        config = self.local.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            _check_ids(input_ids, config.vocab_size)
+        shape = (*input_ids.shape, config.hidden_size) if input_ids is not None else tuple(inputs_embeds.shape)
+        if shape != (batch.num_tokens, config.hidden_size):  # the model's own check, as the ids' embedding
+            raise ValueError(f"inputs have shape {shape}; expected [{batch.num_tokens}, {config.hidden_size}]")
+        op = ForwardOp(ForwardOp.batch_fields(batch), to_cpu(input_ids), to_cpu(inputs_embeds),
+                       _kv_tokens(kv, config.layer_kinds))
+        return self._mirror(op, "forward", self.local, input_ids, batch, kv, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.send(LogitsOp(int(hidden.shape[0])))
-        return self._run("logits", self.local.compute_logits, hidden)
+        return self._mirror(LogitsOp(int(hidden.shape[0])), "logits", self.local.compute_logits, hidden)
 
     def greedy_ids(self, hidden: torch.Tensor) -> None:
         """Never: every rank runs ``compute_logits`` with rank 0, so the runner takes that path."""
@@ -52,33 +79,40 @@ class MirroredModel:
 
     def reports(self, pool) -> list[dict]:
         """Every rank's weight / KV bytes and share, rank 0's from ``pool`` (the engine's pools)."""
-        self.group.send(ReportOp())
-        return self.group.gather_reports(share_report(0, self.local, pool))
+        return self._mirror(ReportOp(), "reports", self.group.gather_reports, share_report(0, self.local, pool))
 
     def check_health(self) -> None:
-        """Raise RankFailure when a spawned rank has exited (cheap: exit codes only; an idle server
-        calls it between steps, so a death is noticed without a request)."""
+        """Raise RankFailure when a spawned rank has exited or the ranks are out of step (cheap: exit
+        codes only; an idle server calls it between steps, so a death is noticed without a request)."""
         dead = self.group.dead_rank()
         if dead is not None:
             raise RankFailure(f"tensor/expert-parallel {dead}")
+        if self.group.broken is not None:
+            raise RankFailure(f"tensor/expert-parallel ranks out of step since {self.group.broken}")
 
     def close(self) -> None:
         self.group.close()
 
-    def _run(self, what: str, fn, *args, **kwargs):
+    def _mirror(self, op: object, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Send ``op``, then make rank 0's half of the call."""
+        self.group.send(op)
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except Exception as exc:
-            # A dead rank makes any collective fail: that is the group's failure, not the request's.
-            # Other errors (e.g. a bad input) hit every rank alike before any collective.
-            if self.group.dead_rank() is not None or _is_collective_error(exc):
-                raise self.group.failure(what, exc) from exc
+            raise self.group.failure(what, exc) from exc
+        except BaseException as exc:  # Ctrl-C mid-call: still itself, and the group stays broken
+            self.group.broken = f"{type(exc).__name__} during {what}"
             raise
+        self.group.settle()
+        return out
 
 
-def _is_collective_error(exc: Exception) -> bool:
-    dist_error = getattr(torch.distributed, "DistError", ())
-    return isinstance(exc, (RankFailure, dist_error)) or "gloo" in str(exc).lower() or "nccl" in str(exc).lower()
+def _check_ids(input_ids: torch.Tensor, vocab: int) -> None:
+    """The model's vocabulary check (MiMoV2ForCausalLM.embed), made before any rank starts the call."""
+    lo, hi = torch.aminmax(input_ids) if input_ids.numel() else (0, 0)
+    if int(lo) < 0 or int(hi) >= vocab:
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab)][0].item()
+        raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab})")
 
 
 def _kv_tokens(kv, layer_kinds: tuple[str, ...]) -> tuple[int, int]:

@@ -16,6 +16,16 @@ from llm_core.model.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
+class LayoutOp:
+    """Prepare the weights as rank 0's model runner does, once after loading: the C kernels on or off
+    (rank 0's effective ``native_cpu_kernels``), the kernel layouts, and huge pages for the weights
+    and the KV pool (``huge_pages``)."""
+
+    native_cpu_kernels: bool
+    huge_pages: bool
+
+
+@dataclass(frozen=True)
 class EmbedOp:
     """``model.embed(ids)`` (the multimodal path embeds text rows, then splices media rows)."""
 

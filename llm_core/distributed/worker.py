@@ -3,17 +3,25 @@ makes (step_ops.py), on its own shard and its own share of the KV pools, until t
 
 The worker keeps no scheduler: rank 0 decides each step and sends the batch (slot mappings and page
 tables are the same on every rank, since every rank's pools have the same pages, only fewer heads).
+
+A call that fails here is not retried and not hidden: rank 0 is then waiting in a collective this
+rank will never make, so the worker logs the error with its traceback and exits 1; rank 0 sees the
+closed connection or the exit code and raises RankFailure naming this rank.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch
 
+from kernels import huge_pages as huge_page_memory
+from kernels import native
 from llm_core.distributed.rank_group import LaunchSpec, RankGroup
-from llm_core.distributed.step_ops import EmbedOp, ForwardOp, LogitsOp, ReportOp, StopOp, to_device
+from llm_core.distributed.step_ops import (EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, StopOp,
+                                           to_device)
 from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.model.dtype import parse_dtype
 
@@ -21,60 +29,78 @@ log = logging.getLogger("mmserve.rank")
 
 
 def share_report(rank: int, model, pool: DualKVPool | None) -> dict:
-    """This rank's weight bytes, KV bytes and share (what tests and start-up logs check)."""
-    params = {id(p): p for p in model.parameters()}.values()
+    """This rank's weight bytes, KV bytes and share, and how its weights were prepared (what tests
+    and start-up logs check)."""
+    params = list({id(p): p for p in model.parameters()}.values())
     kv = 0 if pool is None else pool.full_bytes + pool.swa_bytes
     moe = [m for m in model.modules() if hasattr(m, "placement")]
     experts = (moe[0].placement.lo, moe[0].placement.hi) if moe else None
     layout = model.kv_layout()
     return {"rank": rank, "weight_bytes": sum(p.numel() * p.element_size() for p in params), "kv_bytes": kv,
-            "experts": experts, "kv_heads": (layout.full.num_kv_heads, layout.sliding.num_kv_heads)}
+            "experts": experts, "kv_heads": (layout.full.num_kv_heads, layout.sliding.num_kv_heads),
+            "native_cpu_kernels": native.enabled(),
+            # weights re-laid column-major by use_kernel_layouts_ (the same count on every rank)
+            "relaid_weights": sum(1 for p in params if p.dim() >= 2 and not p.is_contiguous())}
 
 
 def worker_main(rank: int, spec: LaunchSpec) -> None:
-    """Process entry of ranks 1..W-1 (spawned by RankGroup.start)."""
+    """Process entry of ranks 1..W-1 (spawned by RankGroup.start). An error while joining the group
+    ends the process with its traceback (exit 1), which rank 0 watches for during the rendezvous."""
+    if not logging.getLogger().handlers:  # a spawned process has no logging set up: errors must show
+        logging.basicConfig(format=f"%(asctime)s mmserve rank {rank} %(levelname)s %(message)s")
     torch.set_num_threads(spec.threads)
     group = RankGroup(spec, rank)
-    code = 0
+    code = 1
     try:
-        from llm_core.model.loader import load_model
+        model, error = None, None
+        try:
+            from llm_core.model.loader import load_model
 
-        model = load_model(spec.model_dir, device=group.device, dtype=parse_dtype(spec.dtype), parallel=group.ctx)
-    except Exception as exc:  # noqa: BLE001 -- loading failed: say so; rank 0 sees the exit code
-        print(f"mmserve rank {rank}: loading failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        group.processes = []
-        group.close()
-        sys.exit(1)
-    try:
-        group.ready("loading")
-        serve_steps(model, group)
-    except Exception as exc:  # noqa: BLE001 -- rank 0 (or the group) is gone: nothing to serve
-        print(f"mmserve rank {rank}: lost rank 0, exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        code = 1
+            model = load_model(spec.model_dir, device=group.device, dtype=parse_dtype(spec.dtype), parallel=group.ctx)
+        except Exception as exc:  # noqa: BLE001 -- told to every rank in the handshake below
+            log.error("loading this rank's shard failed", exc_info=True)
+            error = f"{type(exc).__name__}: {exc}"
+        errors = group.ready(error)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None and r != rank]
+        if failed:
+            log.error("leaving: another rank failed to load (%s)", "; ".join(failed))
+        elif model is not None:
+            code = serve_steps(model, group)
+            if code:
+                # rank 0 sits in a collective with this rank: exit now, so that the exit code (which
+                # names this rank there) follows the closed connection at once, not after a teardown
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                sys.stderr.flush()
+                os._exit(code)
+    except Exception:  # noqa: BLE001 -- rank 0 (or the group) is gone: nothing to serve
+        log.error("lost rank 0, exiting", exc_info=True)
     finally:
-        group.processes = []
         group.close()
     sys.exit(code)
 
 
-def serve_steps(model, group: RankGroup) -> None:
-    """Obey rank 0's messages until StopOp."""
+def serve_steps(model, group: RankGroup) -> int:
+    """Obey rank 0's messages until StopOp (0), or until a call fails here (1, after logging it)."""
     pool: DualKVPool | None = None
     hidden, batch = None, None
+    huge_pages = False
     while True:
         op = group.receive()
         if isinstance(op, StopOp):
-            return
-        if isinstance(op, ReportOp):
-            group.gather_reports(share_report(group.rank, model, pool))
-            continue
+            return 0
         try:
             with torch.inference_mode():
-                if isinstance(op, EmbedOp):
+                if isinstance(op, ReportOp):
+                    group.gather_reports(share_report(group.rank, model, pool))
+                elif isinstance(op, LayoutOp):
+                    huge_pages = op.huge_pages
+                    prepare_weights(model, op, group.device)
+                elif isinstance(op, EmbedOp):
                     model.embed(to_device(op.input_ids, group.device))
                 elif isinstance(op, ForwardOp):
                     batch = op.forward_batch(group.device)
-                    pool = _pool(pool, model, op.kv_tokens, batch.page_size, group.device)
+                    pool = _pool(pool, model, op.kv_tokens, batch.page_size, group.device, huge_pages)
                     hidden = None
                     hidden = model(to_device(op.input_ids, group.device), batch, pool,
                                    inputs_embeds=to_device(op.inputs_embeds, group.device))
@@ -85,15 +111,26 @@ def serve_steps(model, group: RankGroup) -> None:
                     model.compute_logits(rows)
                 else:
                     raise TypeError(f"unknown message {type(op).__name__}")
-        except Exception as exc:  # noqa: BLE001 -- rank 0 meets the same error on the same inputs
-            log.debug("rank %d: %s failed: %s", group.rank, type(op).__name__, exc)
+        except Exception:  # noqa: BLE001 -- rank 0 waits in a collective this rank will not make
+            log.error("%s failed; leaving the group so that rank 0 stops waiting", type(op).__name__, exc_info=True)
+            return 1
 
 
-def _pool(pool, model, kv_tokens: tuple[int, int], page_size: int, device) -> DualKVPool:
+def prepare_weights(model, op: LayoutOp, device: torch.device) -> None:
+    """What LLMEngine and ModelRunner do on rank 0 after loading, with rank 0's settings."""
+    native.set_enabled(op.native_cpu_kernels)  # before the re-layout, as on rank 0
+    model.use_kernel_layouts_()
+    if op.huge_pages:
+        huge_page_memory.move_module_(model)
+    if device.type == "cpu" and model.model.norm.weight.dtype == torch.float32 and native.enabled():
+        native.build_all()  # now, not in the first step (rank 0's collectives would wait for the compile)
+
+
+def _pool(pool, model, kv_tokens: tuple[int, int], page_size: int, device, huge_pages: bool) -> DualKVPool:
     """This rank's share of the dual pool, with rank 0's page counts (allocated once)."""
     full, swa = kv_tokens
     if pool is not None and (pool.full.num_pages * page_size, pool.swa.num_pages * page_size) == (full, swa):
         return pool
     dtype = model.model.norm.weight.dtype
     return DualKVPool(model.kv_layout(), num_full_tokens=full, num_swa_tokens=swa, page_size=page_size,
-                      dtype=dtype, device=device)
+                      dtype=dtype, device=device, huge_pages=huge_pages)

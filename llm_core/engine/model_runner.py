@@ -69,9 +69,13 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = model.model.norm.weight.dtype  # the KV pools take the activations' dtype
         self.sampler = Sampler(seed, self.device)
-        model.use_kernel_layouts_()  # expert stacks and linear weights as the device's GEMMs stream them
-        if huge_pages:
-            huge_page_memory.move_module_(model)  # after the re-layout: its copies are what the kernels read
+        prepare = getattr(model, "prepare_weights_", None)
+        if prepare is not None:  # a MirroredModel: every rank prepares its shard so, with this rank's settings
+            prepare(huge_pages)
+        else:
+            model.use_kernel_layouts_()  # expert stacks and linear weights as the device's GEMMs stream them
+            if huge_pages:
+                huge_page_memory.move_module_(model)  # after the re-layout: its copies are what the kernels read
         self.decode_graphs: DecodeGraphs | None = None
         self.decode_state = DecodeBatchState(page_size) if persistent_decode_batch else None
         self.steps = 0  # engine steps begun (the decode state advances only from the previous one)
@@ -181,6 +185,8 @@ def run_isolated(stepper, entries: list[ScheduledRequest], kv_buffers: Callable[
         for e in entries:
             try:
                 stepper.forward([e], kv)
+            except RankFailure:
+                raise  # a rank went during the probes: still no request's fault
             except Exception as exc:  # noqa: BLE001 -- this entry's own failure
                 failed.append((e, exc))
     if not failed:
@@ -191,6 +197,8 @@ def run_isolated(stepper, entries: list[ScheduledRequest], kv_buffers: Callable[
         return StepResult([], failed)
     try:
         result = stepper.run(rest, kv)
+    except RankFailure:
+        raise
     except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
         return StepResult([], failed + [(e, exc) for e in rest])
     return StepResult(result.sampled, failed + result.failed)
