@@ -79,7 +79,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[object]:
-    """One local Ray cluster per test session (``num_cpus=2``, loopback only), shared by the Ray Data
+    """One local Ray cluster per test session (``num_cpus=2``, no dashboard), shared by the Ray Data
     and Ray Serve tests because ``ray.init`` is process-wide; shut down at the end."""
     pytest.importorskip("ray")
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, shutdown

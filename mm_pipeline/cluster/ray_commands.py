@@ -55,7 +55,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
 
 def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt: str) -> tuple[Any, Any, Any, bool]:
     """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
-    then the cluster joined or started (a local one: loopback only, every core a Ray CPU)."""
+    then the cluster joined or started (a local one: no dashboard, every core a Ray CPU)."""
     from mm_pipeline.cluster.distributed_job import RayJobConfig
     from mm_pipeline.cluster.job_replica import ReplicaSpec
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, import_ray

@@ -4,14 +4,26 @@
 No address starts a local cluster on this machine (what a user trying ``--ray`` on a laptop expects);
 an address (``auto``, ``ray://host:10001`` or ``host:6379``) joins a cluster started with ``ray start``.
 Ray is an optional dependency, so a missing install is a clear error naming the extra, not an
-ImportError from deep inside a job."""
+ImportError from deep inside a job.
+
+A local cluster is *not* loopback-only: its GCS, raylet, object manager and worker processes listen
+on all interfaces, and Ray (2.60) has no setting to change that -- ``ray.init`` turns a node address
+of 127.0.0.1 into this machine's routable one. What keeps other machines out is Ray's token
+authentication, which Ray turns on for a new local cluster unless ``RAY_AUTH_MODE`` says otherwise
+(the token lands in ``~/.ray/auth_token``), and a firewall on the host; ``RAY_AUTH_MODE=disabled``
+leaves anyone who reaches the ports able to run code here, so connect() warns about it. The
+dashboard is not started; Serve's HTTP proxy binds the ``--host`` it is given (127.0.0.1 by default)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
 from mm_pipeline.errors import MMServeError
+
+log = logging.getLogger(__name__)
 
 
 class RayUnavailable(MMServeError):
@@ -44,10 +56,12 @@ def connect(config: RayClusterConfig) -> ModuleType:
     if config.address:
         ray.init(address=config.address, namespace=config.namespace, log_to_driver=True)
     else:
-        # A local cluster binds to loopback only and skips the dashboard: nothing listens beyond
-        # this machine unless the user started a cluster with `ray start` themselves.
-        ray.init(num_cpus=config.num_cpus, namespace=config.namespace, include_dashboard=False,
-                 _node_ip_address="127.0.0.1")
+        # No dashboard (a job API that runs code). Not loopback-only: Ray's ports listen on every
+        # interface whatever node address is given (module doc), so token auth is what guards them.
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            log.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports listen on all interfaces "
+                        "without authentication; anyone who can reach this machine can run code on it")
+        ray.init(num_cpus=config.num_cpus, namespace=config.namespace, include_dashboard=False)
     return ray
 
 

@@ -26,6 +26,7 @@ process, add a ``pid`` label to its families (or mirror them into ``livesum`` ga
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any, Callable, Iterator, Mapping
@@ -37,6 +38,8 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
 
 from llm_core.engine.stats import EngineStats
 from mm_pipeline.runtime.stats import OmniStats
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -146,7 +149,16 @@ class SnapshotCollector:
         return []  # names depend on the snapshot; nothing to check against the fixed metrics above
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot()
+        # a snapshot that cannot be had (a Ray ingress whose replicas stopped answering: /health is
+        # 503 then) leaves the engine's families out of the scrape, not the whole scrape failing:
+        # the server's own metrics are what tell an operator what happened
+        try:
+            s = self.snapshot()
+        except Exception as exc:  # noqa: BLE001 -- any failure: reported by the gauge and a log line
+            log.debug("engine stats unavailable at scrape: %s", exc)
+            yield _gauge("engine_stats_available", "1 when the engine's statistics could be read at this scrape", 0)
+            return
+        yield _gauge("engine_stats_available", "1 when the engine's statistics could be read at this scrape", 1)
         if isinstance(s, OmniStats):
             yield from _omni_families(s)
         elif isinstance(s, EngineStats):

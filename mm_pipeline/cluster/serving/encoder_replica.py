@@ -11,6 +11,10 @@ the tier, only speed does.
 It loads the omni runtime encoders-only (``OmniRuntime.load(..., encoders_only=True)``): the towers,
 preprocessing, media planner, decode workers, encoder batcher and cache, and no text model, no KV
 pools -- the same parts an LLM replica encodes with, so the rows are the same.
+
+A replica whose encoder threads are gone would take every item its content keys hash to and answer
+none (the ingress waits ``encoder_timeout_s`` for each): ``check_health`` raises then, so Ray Serve
+replaces it, and ``encode`` fails at once instead of waiting for an encoder that never runs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from mm_pipeline.cluster.serving.llm_replica import replica_name
 from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.runtime.components import OmniRuntime
@@ -48,6 +53,7 @@ class EncoderReplica:
                      media_key: str | None = None) -> EncodeReport:
         """Encode one media content part into the shared cache. ``media_key`` is the router's
         (mm_pipeline/cluster/serving/encoder_router.py); the replica does not need it."""
+        self.check_health()
         rt = self.runtime
         self.files.hold(files)
         try:
@@ -70,7 +76,15 @@ class EncoderReplica:
             await asyncio.to_thread(rt.cache.flush)  # on disk / in Redis before the LLM replica looks
         finally:
             self.files.release(files)
-        return EncodeReport(units, hits, self._name())
+        return EncodeReport(units, hits, replica_name())
+
+    def check_health(self) -> None:
+        """Ray Serve calls this every ``health_check_period_s``; raising has the replica replaced."""
+        rt = self.runtime
+        if rt.loop.fatal is not None:
+            raise RuntimeError(f"the encoder replica's engine loop stopped: {rt.loop.fatal}")
+        if rt.encoder_worker is not None and not rt.encoder_worker.alive:
+            raise RuntimeError("the encoder replica's encoder threads are gone")
 
     def shutdown(self) -> None:
         self.runtime.shutdown()
@@ -79,12 +93,3 @@ class EncoderReplica:
         runtime = getattr(self, "runtime", None)
         if runtime is not None:
             runtime.shutdown()
-
-    @staticmethod
-    def _name() -> str:
-        try:
-            from ray import serve
-
-            return serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Serve (unit use): no replica name
-            return "local"

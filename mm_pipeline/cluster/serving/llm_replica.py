@@ -7,6 +7,13 @@ What crosses the process boundary is picklable and small: the parsed request in,
 the first delta travels as a :class:`ReplicaFailure` item rather than as a Ray task error, so the
 ingress re-raises the *same* type and the client gets the same 4xx as from one process.
 
+A replica whose engine stopped for good (a tensor/expert-parallel rank died: the engine loop's
+``fatal``) is alive as an actor but can serve nothing, so it says so everywhere Ray Serve and the
+ingress look: ``check_health`` raises (Serve replaces the replica), ``record_routing_stats`` reports
+it unusable (the routers skip it until then), and every request it gets ends with
+:class:`EngineStopped` as a ``ReplicaFailure`` item, which the ingress treats like a dead replica:
+it resends the request elsewhere (before the first token) or ends it with a 503.
+
 Uploaded files live on the ingress; it sends the bytes of the files a request names with the request
 (``files``), and the replica serves them to its planner while the request runs (shared_files.py).
 """
@@ -14,6 +21,7 @@ Uploaded files live on the ingress; it sends the bytes of the files a request na
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -21,7 +29,7 @@ from typing import Any, AsyncIterator
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.router_state import MemoryPrefixIndex
 from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
-from mm_pipeline.errors import MMServeError
+from mm_pipeline.errors import MMServeError, ServerBusy
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.stats import OmniStats
@@ -29,9 +37,32 @@ from mm_pipeline.runtime.stats import OmniStats
 
 @dataclass(frozen=True)
 class ReplicaFailure:
-    """A typed error the replica raised before the first delta (re-raised by the ingress)."""
+    """A typed error the replica raised before the first delta (re-raised by the ingress), or
+    :class:`EngineStopped` at any point of the stream."""
 
     error: MMServeError
+
+
+class EngineStopped(ServerBusy):
+    """The replica's engine stopped for good; ``replica`` names the replica (Serve's unique id) so the
+    ingress can ask the router to send the request elsewhere. A 503 if it ever reaches a client."""
+
+    def __init__(self, message: str, replica: str = "") -> None:
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (str(self), self.replica)  # crosses to the ingress pickled: keep ``replica``
+
+
+def replica_name() -> str:
+    """This replica's Serve id (what the routers see as ``replica_id.unique_id``); "local" outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit use): no replica name
+        return "local"
 
 
 class LLMReplica:
@@ -52,11 +83,17 @@ class LLMReplica:
         self._calls = itertools.count()
 
     async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,
-                       files: dict[str, SharedFile] | None = None, route: Any = None) -> AsyncIterator[Any]:
+                       files: dict[str, SharedFile] | None = None, route: Any = None,
+                       avoid: tuple[str, ...] = ()) -> AsyncIterator[Any]:
         """``kind`` "chat" (payload: messages) or "prompt" (text or token ids). ``route`` is the
         router's key (mm_pipeline/cluster/serving/prefix_router.py); until the first delta the load is
         its tokens not already sent here (the prefix cache holds the rest), the same measure as the
-        router's own count (prompt - matched)."""
+        router's own count (prompt - matched). ``avoid``: replicas the router must skip (read by the
+        router only)."""
+        stopped = self._stopped()
+        if stopped is not None:  # Serve has not replaced this replica yet: send the request back
+            yield ReplicaFailure(stopped)
+            return
         call = next(self._calls)
         uncached = 0
         if route is not None:
@@ -69,12 +106,21 @@ class LLMReplica:
                    else self.engine.generate_prompt(payload, params, request_id=request_id))
             try:
                 async for delta in gen:
+                    stopped = self._stopped() if delta.finish_reason == "error" else None
+                    if stopped is not None:  # ended by the engine's death, not by this request
+                        yield ReplicaFailure(stopped)
+                        return
                     # tokens still to compute: the prompt is computed once the first delta exists,
                     # what is left is decode (a cached prefix must not count as work)
                     self._load[call] = max(0, params.max_tokens - delta.completion_tokens)
                     yield delta
             except MMServeError as exc:
                 yield ReplicaFailure(exc)
+            except RuntimeError:  # the engine refuses new requests once it stopped
+                stopped = self._stopped()
+                if stopped is None:
+                    raise
+                yield ReplicaFailure(stopped)
             finally:
                 await gen.aclose()
         finally:
@@ -82,14 +128,36 @@ class LLMReplica:
             self.files.release(files)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve polls this for the request router (``RunningReplica.routing_stats``)."""
+        """Ray Serve polls this for the request router (``RunningReplica.routing_stats``). A stopped
+        engine has no load left, and 0 would make it every router's favourite: infinite instead."""
+        if self._stopped() is not None:
+            return {"load_tokens": math.inf, "engine_stopped": True}
         return {"load_tokens": sum(self._load.values())}
 
+    def check_health(self) -> None:
+        """Ray Serve calls this every ``health_check_period_s`` (only because it is defined); raising
+        marks the replica unhealthy and Serve replaces it. Without it a replica whose engine died
+        stays in rotation for good: the actor itself is alive."""
+        stopped = self._stopped()
+        if stopped is not None:
+            raise stopped
+
     def stats(self) -> OmniStats:
+        """Raises once the engine stopped: its last snapshot would tell the ingress's /health that
+        all is well."""
+        stopped = self._stopped()
+        if stopped is not None:
+            raise stopped
         return self.engine.stats()
 
     def describe(self) -> dict[str, Any]:
         return {"model_name": self.engine.model_name}
+
+    def _stopped(self) -> EngineStopped | None:
+        fatal = self.engine.runtime.loop.fatal
+        if fatal is None:
+            return None
+        return EngineStopped(f"the LLM replica's engine stopped: {fatal}", replica_name())
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -19,12 +19,17 @@ ingresses' requests but lags by ``request_routing_stats_period_s``; the local co
 this router's own; the max counts the requests both see once.
 
 A replica that dies or leaves (``on_replica_actor_died`` / ``update_replicas``) is forgotten: its
-nodes leave the tree, so nothing is routed to a cache that no longer exists.
+nodes leave the tree, so nothing is routed to a cache that no longer exists. A replica whose engine
+stopped is still alive as an actor until Serve's health check replaces it; it reports itself
+unusable (``engine_stopped``, infinite load) and a resend names it in ``avoid``: both routers skip
+such a replica while another one is left (its prefix match would otherwise send the resend straight
+back to it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -36,6 +41,7 @@ from mm_pipeline.cluster.serving.router_state import InflightWork, MemoryPrefixI
 log = logging.getLogger(__name__)
 
 ROUTE_KWARG = "route"
+AVOID_KWARG = "avoid"
 
 
 def index_for(redis_url: str | None, ttl_s: int = 3600) -> PrefixIndex:
@@ -47,6 +53,18 @@ def route_of(pending: Optional[PendingRequest]) -> RouteKey | None:
         return None
     key = (pending.kwargs or {}).get(ROUTE_KWARG)
     return key if isinstance(key, RouteKey) else None
+
+
+def usable(candidates: List[RunningReplica], pending: Optional[PendingRequest]) -> List[RunningReplica]:
+    """The candidates that can serve: not stopped (as last reported), not named in the request's
+    ``avoid``; all of them when none is left (the request then fails fast and the ingress says 503)."""
+    avoid = set((pending.kwargs or {}).get(AVOID_KWARG) or ()) if pending is not None else set()
+
+    def ok(r: RunningReplica) -> bool:
+        stats = r.routing_stats or {}
+        return (r.replica_id.unique_id not in avoid and not stats.get("engine_stopped")
+                and math.isfinite(stats.get("load_tokens", 0)))
+    return [r for r in candidates if ok(r)] or candidates
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -63,7 +81,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_id = {r.replica_id.unique_id: r for r in usable(candidate_replicas, pending_request)}
         loads = {rid: self._load(r) for rid, r in by_id.items()}
         key = route_of(pending_request)
         if key is None:  # no prompt to match (stats, health): least loaded first
@@ -116,7 +134,7 @@ class RoundRobinRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(usable(candidate_replicas, pending_request), key=lambda r: r.replica_id.unique_id)
         if not ordered:
             return []
         start = self._next % len(ordered)

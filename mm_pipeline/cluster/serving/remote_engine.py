@@ -4,18 +4,24 @@
 this is that API over a ``DeploymentHandle`` to the LLM deployment, so the ingress serves the very
 same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in other processes:
 
-* ``generate`` / ``generate_prompt`` build the request's :class:`RouteKey` (tokenizer only) and call
-  the LLM deployment with it as ``route=``; the deployment's request router picks the replica;
+* ``generate`` / ``generate_prompt`` build the request's :class:`RouteKey` (tokenizer only, on a
+  worker thread: a long prompt must not freeze every other request and /health of this ingress)
+  and call the LLM deployment with it as ``route=``; the deployment's request router picks the
+  replica;
 * uploaded files the messages name are read here and sent with the request (they live on the
   ingress's disk, which a replica on another node cannot see);
-* a replica that dies or is unreachable before it produced a token: the request is sent again
-  (``retries`` times; the router has dropped the dead replica by then), so the client sees nothing;
-  after the first token a resend would repeat text, so the request ends with ``ServerBusy``
-  (HTTP 503 with Retry-After before a response started; an error event in a started stream);
+* a replica that dies or is unreachable before it produced a token, or whose engine stopped
+  (:class:`EngineStopped`): the request is sent again (``retries`` times; the router has dropped a
+  dead replica by then, and is told to skip a stopped one), so the client sees nothing; after the
+  first token a resend would repeat text, so the request ends with ``ServerBusy`` (HTTP 503 with
+  Retry-After before a response started; an error event in a started stream);
 * with an encoder tier, each media item is first encoded there (``_encode_on_tier``) into the
   shared encoder cache, where the LLM replica finds it;
 * ``stats()`` is the last snapshot a replica reported, refreshed in the background, so ``/health``
-  and ``/metrics`` never wait on a replica.
+  and ``/metrics`` never wait on a replica; a refresh waits at most ``STATS_TIMEOUT_S``, and once no
+  replica has answered for ``STATS_STALE_S`` ``stats()`` raises (``/health`` answers 503) instead of
+  serving an old snapshot of replicas that may all be gone. Not on the first failed refresh: with
+  several replicas one may fail while Serve replaces it, and /health must not flap meanwhile.
 """
 
 from __future__ import annotations
@@ -27,14 +33,16 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.cluster.serving.llm_replica import ReplicaFailure
+from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailure
 from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
 from mm_pipeline.errors import InternalError, ServerBusy
 
 log = logging.getLogger(__name__)
 
-STATS_MAX_AGE_S = 1.0
+STATS_MAX_AGE_S = 1.0  # a snapshot older than this is refreshed in the background
+STATS_STALE_S = 10 * STATS_MAX_AGE_S  # no replica answered for this long: unhealthy
+STATS_TIMEOUT_S = 5.0  # a refresh that waits longer failed (a stuck replica must not pin it)
 
 
 def file_ids(messages: list[dict]) -> list[str]:
@@ -47,6 +55,18 @@ def file_ids(messages: list[dict]) -> list[str]:
                 if isinstance(fid, str):
                     out.append(fid)
     return out
+
+
+def media_parts(messages: list[dict]) -> dict[str, dict]:
+    """Each distinct media part of ``messages`` by its content key, first occurrence."""
+    parts: dict[str, dict] = {}
+    for m in messages:
+        content = m.get("content")
+        for part in content if isinstance(content, list) else ():
+            key = media_key(part) if isinstance(part, dict) else None
+            if key is not None:
+                parts.setdefault(key, part)
+    return parts
 
 
 class RemoteEngine:
@@ -62,13 +82,14 @@ class RemoteEngine:
         self._resolver: Callable[[str], tuple[bytes | Path, str | None]] | None = None
         self._stats: Any = None
         self._stats_at = 0.0
+        self._stats_error: str | None = None  # why the last refresh failed; None once one succeeds
         self._refreshing: asyncio.Task | None = None
         self.resends = 0  # requests sent again after their replica died (tests read it)
 
     # ---- OmniEngine's API -----------------------------------------------------------------------
     async def generate(self, messages: list[dict], params: SamplingParams, *,
                        request_id: str | None = None) -> AsyncIterator[Any]:
-        key = key_of_messages(messages, self._encode)
+        key = await asyncio.to_thread(key_of_messages, messages, self._encode)
         files = await self._files(messages)
         if self.encoders is not None:
             await self._encode_on_tier(messages, files)
@@ -77,7 +98,9 @@ class RemoteEngine:
 
     async def generate_prompt(self, prompt: str | list[int], params: SamplingParams, *,
                               request_id: str | None = None) -> AsyncIterator[Any]:
-        key = key_of_prompt(prompt, self._encode) if self.tokenizer is not None or not isinstance(prompt, str) else None
+        key = None
+        if self.tokenizer is not None or not isinstance(prompt, str):
+            key = await asyncio.to_thread(key_of_prompt, prompt, self._encode)
         async for d in self._stream("prompt", prompt, params, request_id, key, None):
             yield d
 
@@ -85,10 +108,14 @@ class RemoteEngine:
         self._resolver = fn
 
     def stats(self) -> Any:
-        if time.monotonic() - self._stats_at > STATS_MAX_AGE_S:
+        age = time.monotonic() - self._stats_at
+        if age > STATS_MAX_AGE_S:
             self._refresh_soon()
         if self._stats is None:
             raise RuntimeError("no LLM replica has reported its stats yet")
+        if age > STATS_STALE_S:
+            raise RuntimeError(f"no LLM replica has answered for {age:.0f} s "
+                               f"(last error: {self._stats_error or 'none yet, still waiting'})")
         return self._stats
 
     async def refresh_stats(self) -> None:
@@ -110,9 +137,14 @@ class RemoteEngine:
         if self._refreshing is None or self._refreshing.done():
             async def refresh() -> None:
                 try:
-                    await self.refresh_stats()
-                except Exception as exc:  # noqa: BLE001 - a replica restarting: keep the last snapshot
-                    log.debug("stats refresh failed: %s", exc)
+                    await asyncio.wait_for(self.refresh_stats(), STATS_TIMEOUT_S)
+                    self._stats_error = None
+                except Exception as exc:  # noqa: BLE001 - a replica restarting: the snapshot ages (stats())
+                    first = self._stats_error is None
+                    self._stats_error = f"{type(exc).__name__}: {exc}"
+                    # once per outage: /health polls this every second or so while it lasts
+                    log.log(logging.WARNING if first else logging.DEBUG, "LLM replica stats refresh failed: %s",
+                            self._stats_error)
             self._refreshing = loop.create_task(refresh())
 
     async def _files(self, messages: list[dict]) -> dict[str, SharedFile]:
@@ -134,13 +166,7 @@ class RemoteEngine:
         the LLM replica then finds their units in the shared cache. Failures only cost speed: a
         unit the tier did not deliver is a miss the LLM replica encodes (bad media included, which
         it reports with the usual typed error)."""
-        parts: dict[str, dict] = {}
-        for m in messages:
-            content = m.get("content")
-            for part in content if isinstance(content, list) else ():
-                key = media_key(part) if isinstance(part, dict) else None
-                if key is not None:
-                    parts.setdefault(key, part)
+        parts = await asyncio.to_thread(media_parts, messages)  # hashes data URLs: megabytes
         if not parts:
             return
         calls, responses = [], []
@@ -171,28 +197,35 @@ class RemoteEngine:
     async def _stream(self, kind: str, payload: Any, params: SamplingParams, request_id: str | None,
                       key: RouteKey | None, files: dict[str, SharedFile] | None) -> AsyncIterator[Any]:
         attempt = 0
+        avoid: list[str] = []  # replicas whose engine stopped: the router skips them on a resend
         while True:
             gen = self.handle.options(stream=True).generate.remote(kind, payload, params, request_id, files,
-                                                                   route=key)
+                                                                   route=key, avoid=tuple(avoid))
             produced = finished = False
             try:
-                async for item in gen:
-                    if isinstance(item, ReplicaFailure):
-                        raise item.error
-                    produced = True
-                    finished = item.finished
-                    yield item
-                return
-            except self._replica_gone as exc:
+                try:
+                    async for item in gen:
+                        if isinstance(item, ReplicaFailure):
+                            raise item.error
+                        produced = True
+                        finished = item.finished
+                        yield item
+                    return
+                except EngineStopped as exc:  # alive but useless until Serve replaces it: as if gone
+                    if exc.replica and exc.replica not in avoid:
+                        avoid.append(exc.replica)
+                    gone: Exception = exc
+                except self._replica_gone as exc:
+                    gone = exc
+                except self._task_error as exc:
+                    raise InternalError(f"LLM replica failed: {exc}") from None
                 if produced or attempt >= self.retries:
-                    raise ServerBusy(f"the LLM replica serving this request died ({type(exc).__name__}); "
+                    raise ServerBusy(f"the LLM replica serving this request died ({type(gone).__name__}); "
                                      f"retry the request") from None
                 attempt += 1
                 self.resends += 1
-                log.warning("LLM replica died before the first token of %s; sending it again (%d/%d)",
-                            request_id, attempt, self.retries)
-            except self._task_error as exc:
-                raise InternalError(f"LLM replica failed: {exc}") from None
+                log.warning("LLM replica died before the first token of %s (%s); sending it again (%d/%d)",
+                            request_id, type(gone).__name__, attempt, self.retries)
             finally:
                 if not finished:
                     gen.cancel()  # client gone or error: abort on the replica, free its KV

@@ -9,7 +9,13 @@ covers blocks ``0..i`` (a chain), so two prompts share hash ``i`` exactly when t
 what lets its state live in Redis as plain keys (mm_pipeline/cluster/serving/router_state.py).
 
 The ingress builds the key from the parsed messages with the tokenizer only: no media is decoded
-here (that is the encoder's and the LLM replica's work), so routing costs microseconds.
+here (that is the encoder's and the LLM replica's work). It does so off its event loop (tokenizing
+is CPU work proportional to the prompt), and the work is bounded: a key covers at most
+``MAX_KEY_TOKENS`` token-equivalents from the start of the prompt, and no more of a text is
+tokenized than that needs. A prefix key loses nothing by it: the router matches leading blocks, a
+conversation longer than the cap keeps its key (so it stays where its KV is), and a prompt that long
+is beyond most models' context anyway -- while a multi-megabyte prompt no longer costs the ingress
+seconds of tokenizing before the replica rejects it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from mm_pipeline.media.audio_codes import AudioCodes
 
 BLOCK_TOKENS = 16  # the engine's page size: a partial page is never cached, so it never matches
 MEDIA_WEIGHT = 64  # token-equivalents of one media block: media prefill dominates a prompt's cost
+MAX_KEY_TOKENS = 1 << 16  # token-equivalents a key covers at most (4,096 blocks; module doc)
+MAX_CHARS_PER_TOKEN = 16  # characters a key reads per token of its cap at most: long-token text is cut there
 
 
 @dataclass(frozen=True)
@@ -48,31 +56,33 @@ def _h(prev: int, tag: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(prev.to_bytes(8, "little") + tag, digest_size=8).digest(), "little")
 
 
+def _block_tag(kind: bytes, tokens: Sequence[int]) -> bytes:
+    return kind + b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
+
+
 def key_of_pieces(pieces: Sequence[tuple[str, Any]], block_tokens: int = BLOCK_TOKENS,
                   media_weight: int = MEDIA_WEIGHT) -> RouteKey:
     """``pieces``: ``("tokens", [ids])`` or ``("media", content_key)`` in prompt order. Tokens run
     across pieces (a page spans a message boundary in the engine too); a media piece flushes the
-    partial run before it, as a placeholder run starts at the media's position."""
+    partial run before it, as a placeholder run starts at the media's position. Linear in the
+    tokens: full blocks are read by index, only the partial tail (< ``block_tokens``) is carried."""
     hashes: list[int] = []
     weights: list[int] = []
     prev = 0
-    run: list[int] = []
-
-    def flush_full() -> None:
-        nonlocal prev, run
-        while len(run) >= block_tokens:
-            block, run = run[:block_tokens], run[block_tokens:]
-            prev = _h(prev, b"t" + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block))
-            hashes.append(prev)
-            weights.append(block_tokens)
+    run: list[int] = []  # the partial block the next piece continues
 
     for kind, value in pieces:
         if kind == "tokens":
-            run.extend(int(t) for t in value)
-            flush_full()
+            ids = run + [int(t) for t in value]
+            full = len(ids) - len(ids) % block_tokens
+            for start in range(0, full, block_tokens):
+                prev = _h(prev, _block_tag(b"t", ids[start:start + block_tokens]))
+                hashes.append(prev)
+                weights.append(block_tokens)
+            run = ids[full:]
         elif kind == "media":
             if run:  # the partial run before the media is part of what the media block follows
-                prev = _h(prev, b"p" + b"".join(int(t).to_bytes(4, "little", signed=True) for t in run))
+                prev = _h(prev, _block_tag(b"p", run))
                 hashes.append(prev)
                 weights.append(len(run))
                 run = []
@@ -82,6 +92,26 @@ def key_of_pieces(pieces: Sequence[tuple[str, Any]], block_tokens: int = BLOCK_T
         else:
             raise ValueError(f"unknown route piece kind {kind!r}")
     return RouteKey(tuple(hashes), tuple(weights))
+
+
+def encode_capped(text: str, encode: Callable[[str], list[int]], max_tokens: int,
+                  max_chars: int | None = None) -> tuple[list[int], int]:
+    """The first ``max_tokens`` tokens of ``text`` (fewer if it ends first) and the characters read
+    for them, reading only a prefix of it: chunks of twice the characters still needed (a token is
+    at least one character in the common case, so dense text needs one chunk and typical text a
+    few halving ones), at most ``max_chars`` in all (default ``MAX_CHARS_PER_TOKEN`` per token). A
+    text under the first chunk -- nearly every message -- is tokenized whole, as before. The cuts
+    depend only on the text before them, so prompts that share a prefix get the same tokens for it."""
+    chars_left = max_tokens * MAX_CHARS_PER_TOKEN if max_chars is None else max_chars
+    ids: list[int] = []
+    pos = 0
+    while pos < len(text) and len(ids) < max_tokens and chars_left > 0:
+        size = min(max(2 * (max_tokens - len(ids)), 256), chars_left)
+        ids.extend(encode(text[pos:pos + size]))
+        read = min(size, len(text) - pos)
+        pos += read
+        chars_left -= read
+    return ids[:max_tokens], pos
 
 
 def media_key(part: dict) -> str | None:
@@ -107,27 +137,43 @@ def media_key(part: dict) -> str | None:
 
 
 def key_of_messages(messages: list[dict], encode: Callable[[str], list[int]],
-                    block_tokens: int = BLOCK_TOKENS, media_weight: int = MEDIA_WEIGHT) -> RouteKey:
+                    block_tokens: int = BLOCK_TOKENS, media_weight: int = MEDIA_WEIGHT,
+                    max_tokens: int = MAX_KEY_TOKENS) -> RouteKey:
     """The route key of OpenAI chat ``messages``: each message's role and text parts as tokens
-    (``encode``: the model's tokenizer), its media parts as content keys."""
+    (``encode``: the model's tokenizer), its media parts as content keys; the first ``max_tokens``
+    token-equivalents of them (a media part counts ``media_weight``), reading at most
+    ``MAX_CHARS_PER_TOKEN`` characters per token in all, however many messages there are."""
     pieces: list[tuple[str, Any]] = []
+    left, chars_left = max_tokens, max_tokens * MAX_CHARS_PER_TOKEN
+
+    def text(t: str) -> None:
+        nonlocal left, chars_left
+        ids, read = encode_capped(t, encode, left, chars_left)
+        left, chars_left = left - len(ids), chars_left - read
+        pieces.append(("tokens", ids))
+
     for m in messages:
-        pieces.append(("tokens", encode(f"<{m.get('role', '')}>")))
+        if left <= 0 or chars_left <= 0:
+            break
+        text(f"<{m.get('role', '')}>")
         content = m.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else (content or [])
         for part in parts:
+            if left <= 0 or chars_left <= 0:
+                break
             if not isinstance(part, dict):
                 continue
             if part.get("type") == "text":
-                pieces.append(("tokens", encode(str(part.get("text", "")))))
+                text(str(part.get("text", "")))
             else:
                 key = media_key(part)
                 if key is not None:
                     pieces.append(("media", key))
+                    left -= media_weight
     return key_of_pieces(pieces, block_tokens, media_weight)
 
 
 def key_of_prompt(prompt: str | list[int], encode: Callable[[str], list[int]],
-                  block_tokens: int = BLOCK_TOKENS) -> RouteKey:
-    ids = encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+                  block_tokens: int = BLOCK_TOKENS, max_tokens: int = MAX_KEY_TOKENS) -> RouteKey:
+    ids = encode_capped(prompt, encode, max_tokens)[0] if isinstance(prompt, str) else list(prompt[:max_tokens])
     return key_of_pieces([("tokens", ids)], block_tokens)

@@ -59,6 +59,10 @@ class ServeClusterConfig:
     llm_num_gpus: float = 0.0
     ingress_num_cpus: float = 0.25
     encoder_num_cpus: float = 1.0
+    # GPUs per encoder replica; None: one when the LLM replicas use GPUs (their share when under one),
+    # else none. An encoder replica holds only the towers on one device (encoder_device), so it must
+    # not reserve what a tensor-parallel LLM replica does (8 for TP-8: most of a node, idle)
+    encoder_num_gpus: float | None = None
     encoder_timeout_s: float = 120.0  # an encoder call slower than this is left to the LLM replica
     torch_threads: int | None = None  # intra-op threads per LLM replica; None: torch's default
     router: str = "affinity"
@@ -81,6 +85,19 @@ class ServeClusterConfig:
             raise ValueError(f"encoder_replicas must be >= 0, got {self.encoder_replicas}")
         if self.llm_num_cpus <= 0 or self.ingress_num_cpus <= 0 or self.encoder_num_cpus <= 0:
             raise ValueError("replica CPU shares must be positive")
+        if self.llm_num_gpus < 0 or (self.encoder_num_gpus is not None and self.encoder_num_gpus < 0):
+            raise ValueError("replica GPU counts must be >= 0")
+        if self.encoder_num_gpus == 0 and self.llm_num_gpus > 0:
+            # the engine config (device) is the LLM replicas': an encoder replica would look for a GPU
+            raise ValueError("encoder replicas run on the LLM replicas' device: with llm_num_gpus > 0 they "
+                             "need encoder_num_gpus > 0")
+
+    @property
+    def encoder_gpus(self) -> float:
+        """GPUs each encoder replica reserves (``encoder_num_gpus`` resolved)."""
+        if self.encoder_num_gpus is not None:
+            return self.encoder_num_gpus
+        return min(1.0, self.llm_num_gpus)
 
 
 def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: ServerSettings,
@@ -118,7 +135,7 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
     if cluster.encoder_replicas:
         encoders = serve.deployment(EncoderReplica, name=ENCODER_DEPLOYMENT).options(
             num_replicas=cluster.encoder_replicas, max_ongoing_requests=cluster.max_ongoing_requests,
-            ray_actor_options={"num_cpus": cluster.encoder_num_cpus, "num_gpus": cluster.llm_num_gpus},
+            ray_actor_options={"num_cpus": cluster.encoder_num_cpus, "num_gpus": cluster.encoder_gpus},
             request_router_config=RequestRouterConfig(
                 request_router_class="mm_pipeline.cluster.serving.encoder_router.ContentHashRouter"),
             health_check_period_s=2.0,

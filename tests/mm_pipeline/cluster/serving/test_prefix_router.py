@@ -1,7 +1,8 @@
 """The Serve-side routers without a cluster (Ray Serve's RequestRouter subclasses driven directly,
 replicas as stand-ins carrying what the router reads): the affinity router ranks the replica that
 was sent the prefix first, counts its own in-flight prefill as load, and forgets a replica that died;
-the encoder router sends one content key to one replica."""
+both LLM routers skip a replica whose engine stopped or that a resend names; the encoder router sends
+one content key to one replica."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # no
 from ray.serve.request_router import ReplicaID  # noqa: E402
 
 from mm_pipeline.cluster.serving.encoder_router import ContentHashRouter  # noqa: E402
-from mm_pipeline.cluster.serving.prefix_router import PrefixAffinityRouter  # noqa: E402
+from mm_pipeline.cluster.serving.prefix_router import PrefixAffinityRouter, RoundRobinRouter  # noqa: E402
 from mm_pipeline.cluster.serving.route_key import key_of_pieces  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="LLM", app_name="test")
 
 
-def replica(uid: str, load: int = 0) -> SimpleNamespace:
+def replica(uid: str, load: float = 0, **stats) -> SimpleNamespace:
     return SimpleNamespace(replica_id=ReplicaID(unique_id=uid, deployment_id=DEPLOYMENT),
-                           routing_stats={"load_tokens": load})
+                           routing_stats={"load_tokens": load, **stats})
 
 
 def request(rid: str, **kwargs) -> SimpleNamespace:
@@ -116,5 +117,34 @@ def test_a_request_reported_completed_before_routed_leaves_no_load():
         encoders.on_request_completed(owner.replica_id, "9")
         encoders.on_request_routed(call, owner.replica_id, None)
         assert encoders._inflight.get(owner.replica_id.unique_id) == 0
+
+    asyncio.run(run())
+
+
+def test_llm_routers_skip_a_stopped_or_avoided_replica():
+    """A replica whose engine died reported load 0 and held the best prefix match: the affinity
+    router sent it every request of that prefix, the resends included. It now reports itself
+    stopped (what LLMReplica.record_routing_stats says), and a resend names it in ``avoid``."""
+    async def ranked(router, reps, pending) -> list[str]:
+        return [rank[0].replica_id.unique_id for rank in await router.choose_replicas(reps, pending)]
+
+    async def run() -> None:
+        router = PrefixAffinityRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        key = key_of_pieces([("tokens", list(range(160)))])
+        a, b = replica("a"), replica("b")
+        router.policy.dispatched("a", key)  # the prefix is on a: a comes first while it serves
+        assert (await ranked(router, [a, b], request("1", route=key)))[0] == "a"
+        assert await ranked(router, [a, b], request("2", route=key, avoid=("a",))) == ["b"]
+        stopped = replica("a", load=float("inf"), engine_stopped=True)
+        assert await ranked(router, [stopped, b], request("3", route=key)) == ["b"]
+        assert await ranked(router, [stopped, b], None) == ["b"]  # stats calls too
+        # none left: every candidate, so the request fails fast (a 503) instead of waiting for ever
+        assert sorted(await ranked(router, [stopped], request("4", route=key, avoid=("a",)))) == ["a"]
+        rr = RoundRobinRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        rr.initialize_state()
+        for i in range(3):
+            assert await ranked(rr, [stopped, b], request(str(i))) == ["b"]
+            assert await ranked(rr, [a, b], request(str(i), avoid=("b",))) == ["a"]
 
     asyncio.run(run())

@@ -3,17 +3,23 @@ replica's output reaches an LLM replica through the shared encoder cache (the LL
 item and finds every unit), a typed media error travels as an item, uploaded bytes sent with a request
 are served to the planner and released after, and the load the router reads returns to zero. An
 encoder replica loads no text model, and the rows it writes equal those an LLM replica (the whole
-model) encodes itself."""
+model) encodes itself. A replica whose engine (or encoder) stopped fails Serve's health check, tells
+the router it is unusable and sends every request back to the ingress as ``EngineStopped``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import math
+import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.sampling import SamplingParams
+from mm_pipeline.cluster.serving import llm_replica as llm_replica_module
 from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.serving.llm_replica import LLMReplica, ReplicaFailure
 from mm_pipeline.cluster.serving.route_key import key_of_pieces
@@ -121,3 +127,58 @@ def test_encoder_replica_loads_no_text_model_and_writes_the_same_rows(replicas, 
     finally:
         alone_enc.shutdown()
         alone_llm.engine.shutdown()
+
+
+def test_a_replica_whose_engine_stopped_is_unhealthy_and_sends_requests_back(monkeypatch):
+    """A tensor-parallel rank died: the engine loop stopped for good but the replica (an actor) lived
+    on. It had no check_health, so Serve kept it; it reported load 0, so the affinity router
+    preferred it; and each request failed with a plain RuntimeError (HTTP 500, never resent)."""
+    replica = LLMReplica(str(DEMO_MODEL), OmniEngineConfig.from_kwargs(device="cpu", dtype="float32"))
+    try:
+        replica.check_health()  # a running engine is healthy
+        params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+        async def die_mid_request() -> tuple[object, list]:
+            gen = replica.generate("prompt", [5, 6, 7, 8], params, "long")
+            first = await gen.__anext__()
+
+            def rank_gone() -> None:
+                raise RankFailure("tensor/expert-parallel rank 1 (pid 4242) exited with code -9")
+            # the engine loop checks its ranks every iteration: the next one ends the engine
+            monkeypatch.setattr(replica.engine.runtime.llm, "check_health", rank_gone)
+            return first, [item async for item in gen]
+
+        first, rest = asyncio.run(die_mid_request())
+        assert not first.finished and replica.engine.runtime.loop.fatal is not None
+        stopped_type = llm_replica_module.EngineStopped
+        assert isinstance(rest[-1], ReplicaFailure) and isinstance(rest[-1].error, stopped_type), rest[-1:]
+        assert not any(getattr(d, "error", None) for d in rest[:-1])  # no error delta reaches the ingress
+        with pytest.raises(stopped_type):
+            replica.check_health()  # Serve replaces the replica
+        routing = replica.record_routing_stats()
+        assert routing["engine_stopped"] and math.isinf(routing["load_tokens"])
+        with pytest.raises(stopped_type):
+            replica.stats()  # the ingress's /health must not read its last snapshot as "ok"
+        later = asyncio.run(collect(replica.generate("prompt", [5, 6, 7], SamplingParams(max_tokens=2), "later")))
+        assert len(later) == 1 and isinstance(later[0].error, stopped_type)
+        sent = pickle.loads(pickle.dumps(later[0]))  # what reaches the ingress: still naming the replica
+        assert isinstance(sent.error, stopped_type) and sent.error.replica == "local"
+        assert replica.record_routing_stats()["load_tokens"] == math.inf and not replica._load
+    finally:
+        replica.engine.shutdown()
+
+
+def test_an_encoder_replica_without_its_encoder_is_unhealthy(replicas, monkeypatch):
+    """Its encoder threads gone, an encoder replica took every item its content keys hash to and
+    answered none: the ingress waited encoder_timeout_s (120 s) for each."""
+    enc, _ = replicas
+    enc.check_health()
+    monkeypatch.setattr(enc.runtime, "encoder_worker", SimpleNamespace(alive=False))
+    with pytest.raises(RuntimeError, match="encoder threads"):
+        enc.check_health()
+    with pytest.raises(RuntimeError, match="encoder threads"):
+        asyncio.run(asyncio.wait_for(enc.encode(image_part()), 5.0))  # at once, not after a timeout
+    monkeypatch.undo()
+    monkeypatch.setattr(enc.runtime.loop, "fatal", RankFailure("gone"))
+    with pytest.raises(RuntimeError, match="engine loop stopped"):
+        enc.check_health()

@@ -1,5 +1,6 @@
 """``mmserve serve --ray``: the engine config follows the replicas' resources, not the driver's machine;
-an encoder-tier call the ingress gives up on is cancelled on the encoder replica too."""
+an encoder replica reserves its own GPUs, not an LLM replica's; an encoder-tier call the ingress gives
+up on is cancelled on the encoder replica too; a local cluster without Ray's token auth is warned about."""
 
 from __future__ import annotations
 
@@ -60,3 +61,54 @@ def test_an_encoder_call_that_times_out_is_cancelled_on_the_encoder_replica():
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     asyncio.run(engine._encode_on_tier([{"role": "user", "content": [part]}], {}))
     assert Response.cancelled == 1 and engine.encoder_failures == 1
+
+
+def _deployments(app) -> dict[str, dict]:
+    """Each deployment of a bound Serve app (the ingress and what it was bound with): its actor options."""
+    from ray.serve.deployment import Application
+
+    out, todo = {}, [app]
+    while todo:
+        bound = todo.pop()._bound_deployment
+        out[bound.name] = bound.ray_actor_options
+        todo += [a for a in (*bound.init_args, *bound.init_kwargs.values()) if isinstance(a, Application)]
+    return out
+
+
+def test_encoder_replicas_reserve_their_own_gpus(tmp_path):
+    """Every encoder replica reserved ``llm_num_gpus``: 8 GPUs each behind TP-8 LLM replicas, for
+    encoders that run on one device -- most of a node held idle, or a tier that never schedules."""
+    from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, build_app
+    from mm_pipeline.runtime.config import OmniEngineConfig
+    from mm_pipeline.server.settings import ServerSettings
+
+    config = OmniEngineConfig.from_kwargs(device="cpu", dtype="float32", cache_dir=str(tmp_path))
+    cluster = ServeClusterConfig(llm_replicas=2, encoder_replicas=2, llm_num_gpus=8)
+    options = _deployments(build_app("samples/demo-model", config, ServerSettings(), cluster))
+    assert options["LLM"]["num_gpus"] == 8 and options["Encoder"]["num_gpus"] == 1
+    assert "num_gpus" not in options["Ingress"]
+    assert [ServeClusterConfig(llm_num_gpus=g).encoder_gpus for g in (0, 0.5, 1, 8)] == [0, 0.5, 1, 1]
+    assert ServeClusterConfig(llm_num_gpus=8, encoder_num_gpus=2).encoder_gpus == 2
+    with pytest.raises(ValueError, match="encoder_num_gpus"):
+        ServeClusterConfig(llm_num_gpus=1, encoder_num_gpus=0)  # the encoders would look for CUDA in vain
+
+
+def test_a_local_cluster_without_ray_auth_is_warned_about(monkeypatch, caplog):
+    """A local cluster's Ray ports listen on all interfaces (Ray has no loopback-only setting; the
+    old docstring promised one): with RAY_AUTH_MODE=disabled nothing guards them, so say so."""
+    import logging
+    from types import SimpleNamespace
+
+    import mm_pipeline.cluster.ray_runtime as ray_runtime
+
+    inits: list[dict] = []
+    fake = SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: inits.append(kw))
+    monkeypatch.setattr(ray_runtime, "import_ray", lambda: fake)
+    for mode, warned in (("disabled", True), ("token", False)):
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=ray_runtime.__name__):
+            ray_runtime.connect(ray_runtime.RayClusterConfig(num_cpus=2))
+        assert any("without authentication" in r.getMessage() for r in caplog.records) == warned, mode
+    # no loopback pretence: ray.init would turn 127.0.0.1 into the node's routable address anyway
+    assert all("_node_ip_address" not in kw and kw["include_dashboard"] is False for kw in inits)

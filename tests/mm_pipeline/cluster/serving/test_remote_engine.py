@@ -1,0 +1,207 @@
+"""The ingress's engine (mm_pipeline/cluster/serving/remote_engine.py) and the route key it builds,
+without a cluster (the DeploymentHandle is a stand-in):
+
+* a replica whose engine stopped answers with ``EngineStopped``: the request is resent, naming that
+  replica for the router to skip, and the client sees nothing;
+* the route key is built off the event loop (test_route_key.py: in linear time, from a bounded
+  prefix of the prompt);
+* ``stats()`` (what /health reads) stops serving an old snapshot once no replica has answered for
+  ``STATS_STALE_S`` (503), and a refresh that hangs times out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")  # RemoteEngine names Ray's error types
+
+from llm_core.engine.sampling import SamplingParams  # noqa: E402
+from mm_pipeline.cluster.serving import llm_replica, remote_engine  # noqa: E402
+from mm_pipeline.cluster.serving.llm_replica import ReplicaFailure  # noqa: E402
+from mm_pipeline.cluster.serving.remote_engine import RemoteEngine  # noqa: E402
+from mm_pipeline.errors import ServerBusy  # noqa: E402
+from tests.support.paths import DEMO_MODEL  # noqa: E402
+
+
+class _Stream:
+    """A streaming DeploymentResponseGenerator: yields its items, raises the exceptions among them."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = iter(items)
+        self.cancelled = False
+
+    def __aiter__(self) -> "_Stream":
+        return self
+
+    async def __anext__(self) -> Any:
+        await asyncio.sleep(0)
+        item = next(self.items, StopAsyncIteration)
+        if item is StopAsyncIteration:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Handle:
+    """The LLM deployment's handle: each ``generate`` call answers with the next script."""
+
+    def __init__(self, *scripts: list[Any]) -> None:
+        self.scripts = list(scripts)
+        self.calls: list[dict[str, Any]] = []
+
+    def options(self, **_: Any) -> "Handle":
+        return self
+
+    @property
+    def generate(self) -> "Handle":
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> _Stream:
+        self.calls.append(kwargs)
+        return _Stream(self.scripts.pop(0))
+
+
+def delta(finished: bool) -> SimpleNamespace:
+    return SimpleNamespace(finished=finished, new_text="x")
+
+
+async def collect(gen) -> list[Any]:
+    return [item async for item in gen]
+
+
+# ---- a replica whose engine stopped ---------------------------------------------------------------
+
+def test_a_stopped_engine_is_resent_to_another_replica():
+    """The replica's engine died (a TP rank): every request it got failed with a plain RuntimeError,
+    a 500 with no resend, and the router kept choosing it (load 0, best prefix match)."""
+    stopped = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped: rank 1 exited", "replica-0"))
+    handle = Handle([stopped], [delta(False), delta(True)])
+    engine = RemoteEngine(handle, None, "m")
+    out = asyncio.run(collect(engine.generate_prompt([1, 2, 3], SamplingParams(max_tokens=2))))
+    assert [d.finished for d in out] == [False, True] and engine.resends == 1
+    assert handle.calls[0]["avoid"] == () and handle.calls[1]["avoid"] == ("replica-0",)
+
+
+def test_a_stopped_engine_after_the_first_token_ends_with_a_503():
+    stopped = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped", "replica-0"))
+    engine = RemoteEngine(Handle([delta(False), stopped]), None, "m")
+    with pytest.raises(ServerBusy):  # a resend would repeat the text already sent
+        asyncio.run(collect(engine.generate_prompt([1, 2, 3], SamplingParams(max_tokens=2))))
+    assert engine.resends == 0
+
+
+# ---- the route key --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")
+def test_the_route_key_is_built_off_the_event_loop(monkeypatch):
+    """A 100k-character prompt held the ingress's loop ~0.7 s (tokenizing and hashing on it; 25 s at
+    500k characters): every other request, stream and /health of that ingress waited. The proof is
+    where the tokenizer runs (a thread that is not the loop's), not a timing."""
+    from llm_core.llm import load_tokenizer
+
+    handle = Handle([delta(True)], [delta(True)])
+    engine = RemoteEngine(handle, load_tokenizer(str(DEMO_MODEL)), "m")
+    text = "The quick brown fox jumps over the lazy dog, again and again. " * 1600
+    encode, threads = engine._encode, []
+
+    def recording(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_encode", recording)
+
+    async def work() -> int:
+        await collect(engine.generate([{"role": "user", "content": text}], SamplingParams(max_tokens=1)))
+        await collect(engine.generate_prompt(text, SamplingParams(max_tokens=1)))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(work())
+    assert threads and loop_thread not in threads, "the route key was tokenized on the event loop"
+    assert [len(c["route"].hashes) > 1000 for c in handle.calls] == [True, True]
+
+
+# ---- stats() and /health --------------------------------------------------------------------------
+
+class StatsHandle:
+    def __init__(self) -> None:
+        self.alive, self.hang = True, False
+        self.stats = self
+
+    def remote(self) -> Any:
+        async def call() -> Any:
+            if self.hang:
+                await asyncio.Event().wait()
+            if not self.alive:
+                import ray.exceptions
+
+                raise ray.exceptions.RayActorError()
+            return SimpleNamespace(to_dict=lambda: {"requests_in_flight": 0})
+        return call()
+
+
+@pytest.fixture
+def fast_stats(monkeypatch):
+    monkeypatch.setattr(remote_engine, "STATS_MAX_AGE_S", 0.05)
+    monkeypatch.setattr(remote_engine, "STATS_STALE_S", 0.5, raising=False)  # absent before the fix
+    monkeypatch.setattr(remote_engine, "STATS_TIMEOUT_S", 0.2, raising=False)
+
+
+def test_health_is_503_once_no_replica_answers(fast_stats):
+    """Every LLM replica gone: the failed refreshes were logged at DEBUG and /health served the last
+    snapshot as 200 "ok" for ever."""
+    from fastapi.testclient import TestClient
+
+    from mm_pipeline.server.app import create_app
+    from mm_pipeline.server.settings import ServerSettings
+
+    handle = StatsHandle()
+    engine = RemoteEngine(handle, None, "demo")
+    asyncio.run(engine.refresh_stats())
+
+    def poll_until(status: int) -> None:
+        deadline = time.monotonic() + 5.0
+        while (r := client.get("/health")).status_code != status:
+            assert time.monotonic() < deadline, f"/health still {r.status_code}: {r.json()}"
+            time.sleep(0.05)
+
+    with TestClient(create_app(engine, ServerSettings(model_name="demo"))) as client:
+        assert client.get("/health").status_code == 200
+        handle.alive = False
+        poll_until(503)
+        assert "RayActorError" in client.get("/health").json()["error"]
+        # the scrape still answers, without the engine's families (it was a 500 then)
+        scrape = client.get("/metrics")
+        assert scrape.status_code == 200 and "mmserve_engine_stats_available 0.0" in scrape.text
+        handle.alive = True  # Serve started new replicas
+        poll_until(200)
+        assert "mmserve_engine_stats_available 1.0" in client.get("/metrics").text
+
+
+def test_a_hung_stats_refresh_times_out(fast_stats):
+    """A refresh waited for ever on a replica that never answered: no later refresh could start."""
+    handle = StatsHandle()
+    engine = RemoteEngine(handle, None, "demo")
+
+    async def run() -> None:
+        await engine.refresh_stats()
+        handle.hang = True
+        await asyncio.sleep(0.06)
+        engine.stats()  # starts a refresh: it hangs
+        await asyncio.sleep(0.4)
+        assert engine._refreshing.done() and "TimeoutError" in (engine._stats_error or "")
+        await asyncio.sleep(0.2)
+        with pytest.raises(RuntimeError, match="no LLM replica has answered"):
+            engine.stats()
+        engine._refreshing.cancel()
+
+    asyncio.run(run())
