@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encoder replicas (the encoder tier: media routed by consistent hashing of its content; "
                         "needs --redis-url or a shared --encoder-cache-dir); 0: LLM replicas encode their own")
     r.add_argument("--encoder-cpus", type=float, default=1.0, help="Ray CPUs reserved per encoder replica")
+    r.add_argument("--encoder-gpus", type=float, default=None,
+                   help="Ray GPUs reserved per encoder replica (default: 1 when LLM replicas use GPUs, their share "
+                        "when it is under one, else 0)")
     r.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP app (the ingress)")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per LLM replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs reserved per LLM replica")

@@ -26,6 +26,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     try:
         cluster = ServeClusterConfig(
             llm_replicas=args.llm_replicas, encoder_replicas=args.encoder_replicas, encoder_num_cpus=args.encoder_cpus,
+            encoder_num_gpus=args.encoder_gpus,
             ingress_replicas=args.ingress_replicas, llm_num_cpus=args.replica_cpus,
             llm_num_gpus=args.replica_gpus, torch_threads=args.replica_threads, router=args.router,
             router_redis_url=args.router_redis_url or config.redis_url, match_weight=args.match_weight,

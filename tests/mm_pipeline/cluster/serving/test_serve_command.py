@@ -15,10 +15,12 @@ class _Started(Exception):
     pass
 
 
-@pytest.mark.parametrize(("gpus", "device"), [("1", "cuda"), ("0", "cpu")])
-def test_replica_gpus_decide_the_replicas_device(monkeypatch, gpus, device):
+@pytest.mark.parametrize(("gpus", "device", "encoder_flags", "encoder_gpus"),
+                         [("1", "cuda", [], 1.0), ("0", "cpu", [], 0.0), ("4", "cuda", ["--encoder-gpus", "0.5"], 0.5)])
+def test_replica_gpus_decide_the_replicas_device(monkeypatch, gpus, device, encoder_flags, encoder_gpus):
     """From a CPU-only head node, ``--replica-gpus 1`` reserved GPUs and ran every replica on CPU
-    in float32 (the device came from torch.cuda.is_available() on the driver)."""
+    in float32 (the device came from torch.cuda.is_available() on the driver). ``--encoder-gpus``
+    sets an encoder replica's own share."""
     import mm_pipeline.cluster.ray_runtime as ray_runtime
     import mm_pipeline.cluster.serving.serve_app as serve_app
     from mm_pipeline.cluster.ray_commands import serve_on_ray
@@ -26,16 +28,18 @@ def test_replica_gpus_decide_the_replicas_device(monkeypatch, gpus, device):
     seen = {}
 
     def start(model_dir, config, settings, cluster):
-        seen["config"] = config
+        seen["config"], seen["cluster"] = config, cluster
         raise _Started
 
     monkeypatch.setattr(ray_runtime, "connect", lambda cfg: None)
     monkeypatch.setattr(serve_app, "start", start)
     monkeypatch.setattr(serve_app, "stop", lambda cluster: None)
-    args = parse_args(["serve", "--model", "samples/demo-model", "--ray", "127.0.0.1:6379", "--replica-gpus", gpus])
+    args = parse_args(["serve", "--model", "samples/demo-model", "--ray", "127.0.0.1:6379", "--replica-gpus", gpus,
+                       *encoder_flags])
     with pytest.raises(_Started):
         serve_on_ray(args)
     assert seen["config"].device == device
+    assert seen["cluster"].encoder_gpus == encoder_gpus
     assert seen["config"].dtype == ("bfloat16" if device == "cuda" else "float32")
 
 
