@@ -134,7 +134,7 @@ def test_undecodable_sound_leaves_the_frames_and_the_switch_turns_sound_off(ckpt
     finally:
         off.shutdown()
 
-    def broken(self, item, control=None):
+    def broken(self, item, *args, **kwargs):
         raise UndecodableMediaError("the aac stream is damaged")
 
     monkeypatch.setattr(UnitProducer, "audio_inputs", broken)
