@@ -212,6 +212,17 @@ class Sinks:
         return len(self.rows) + len(self.errors)
 
 
+async def _start_video(planner: MediaPlanner) -> tuple:
+    """A 64-frame 320x240 video planned and started with nobody encoding; returns when its decode
+    settled (the budget full, or every group queued): (plan, sinks)."""
+    data = video_bytes(n_frames=64, size=(320, 240), fps=10)
+    plan = await planner.plan(await planner.ingestor.ingest(MediaSource(data=data)))
+    sinks = Sinks(len(plan.units))
+    planner.start(plan, sinks.sinks)
+    await _settle(planner.batcher)
+    return plan, sinks
+
+
 async def _settle(batcher: EncoderBatcher, timeout_s: float = 20.0) -> None:
     """Until the queue stops growing (production waits for the budget) or every unit is queued."""
     last, since, end = -1, time.monotonic(), time.monotonic() + timeout_s
@@ -245,11 +256,7 @@ def test_rows_waiting_for_the_encoder_stay_in_the_decode_budget(vision, pool):
     planner = _planner(vision, pool, budget)
 
     async def run():
-        data = video_bytes(n_frames=64, size=(320, 240), fps=10)
-        plan = await planner.plan(await planner.ingestor.ingest(MediaSource(data=data)))
-        sinks = Sinks(len(plan.units))
-        planner.start(plan, sinks.sinks)
-        await _settle(planner.batcher)
+        plan, sinks = await _start_video(planner)
         waiting = _pending_bytes(planner.batcher)
         in_use = planner.producer.budget.in_use
         queued = planner.batcher.stats()["pending"]
@@ -345,11 +352,7 @@ def test_request_that_leaves_mid_video_gives_back_every_hold(vision, pool):
     planner = _planner(vision, pool, budget)
 
     async def run():
-        data = video_bytes(n_frames=64, size=(320, 240), fps=10)
-        plan = await planner.plan(await planner.ingestor.ingest(MediaSource(data=data)))
-        sinks = Sinks(len(plan.units))
-        planner.start(plan, sinks.sinks)
-        await _settle(planner.batcher)
+        plan, sinks = await _start_video(planner)
         planner.detach(plan, sinks.sinks)
         end = time.monotonic() + 30
         while (planner.producer._tasks or planner.batcher.has_pending()) and time.monotonic() < end:
