@@ -94,6 +94,19 @@ def _ray_address(text: str) -> str:
                                      f"write inputs before --ray, or --ray=ADDRESS")
 
 
+def _mebibytes(text: str) -> float:
+    """A positive, finite number of MiB (``--read-ahead-mb``)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of MiB")
+    return value
+
+
 def _add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
     g = p.add_argument_group("ray", "run the job on Ray Data (pip install -e '.[ray]'); every machine needs "
                              "the model directory and the output location at the same path, and Redis (--redis-url) "
@@ -105,6 +118,10 @@ def _add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
     g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
     g.add_argument("--gpus-per-replica", type=float, default=0.0, help="Ray GPUs per replica (>0: device cuda)")
     g.add_argument("--batch-size", type=int, default=16, help="inputs per batch sent to a replica")
+    g.add_argument("--read-ahead-mb", type=_mebibytes, default=None, metavar="MB",
+                   help="inputs read ahead of each replica, in MiB: reads wait while the replicas are this far "
+                        "behind (the job's object-store limit is replicas x this; default: "
+                        + ("512, or twice --media-max-bytes when more" if formats else "64") + ")")
     if formats:
         g.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
                        help="output format with --ray (the rows of the JSONL output, as Parquet)")

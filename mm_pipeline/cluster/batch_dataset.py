@@ -9,10 +9,10 @@
     the output's lock (JobOutput.lock) held from the done keys to the merge
 
 The driver never holds the lines: the replicas get them from read tasks, which Ray Data runs as the
-replicas need more (its backpressure, with the job's byte limit: CHUNKS_IN_FLIGHT), so the lines
-in flight are a few chunks per replica, whatever the file's size.  What the driver keeps grows
-only with the keys, as the merge needs them (see job_output.py): the custom_ids, one small record
-per chunk, the result keys it has seen.
+replicas need more (its backpressure, with the job's byte limit: CHUNKS_IN_FLIGHT chunks a replica,
+or ``read_ahead_bytes``), so the lines in flight are a few chunks per replica, whatever the file's
+size.  What the driver keeps grows only with the keys, as the merge needs them (see
+job_output.py): the custom_ids, one small record per chunk, the result keys it has seen.
 Lines are parsed on the replicas (``parse_line``, never raises), so a broken line is an error line
 in the output, as without ``--ray``.  The input must not change while the job runs: the chunks are
 byte ranges of the file the plan read (a line that went missing is named by the merge).
@@ -40,8 +40,9 @@ from mm_pipeline.jobs.progress import Progress
 # leave one replica with the tail of the file while the others idle.
 CHUNK_BYTES = 4 << 20
 CHUNK_BATCHES = 64
-# Chunks read ahead of the replicas, per replica: the job's object-store limit is replicas x this x
-# CHUNK_BYTES (64 MB a replica), so reads wait while the replicas are behind.  Ray Data's own limit,
+# Chunks read ahead of the replicas, per replica, by default: the job's object-store limit is
+# replicas x this x CHUNK_BYTES (64 MB a replica; RayJobConfig.read_ahead_bytes, --read-ahead-mb,
+# sets another), so reads wait while the replicas are behind.  Ray Data's own limit,
 # a share of the object store, let the reads run far ahead: behind a slow replica, 146 MB of a
 # 150 MB file sat read and unanswered at once, and a 10 GB one would fill the store.  Sixteen chunks
 # keep several batches queued on every replica (Ray Data sends each a few blocks at a time).
@@ -155,7 +156,7 @@ def run_batch_on_ray(ray: Any, in_path: Path, spec: ReplicaSpec, config: RayJobC
         start = time.perf_counter()
         result = DistributedResult(replicas=[], results=0, duplicate_results=0, journaled=0)
         if plan.chunks:
-            configure_data(config, object_store_bytes=config.replicas * CHUNKS_IN_FLIGHT * CHUNK_BYTES)
+            configure_data(config, CHUNKS_IN_FLIGHT * CHUNK_BYTES)
             # a block per chunk, so each is its own read task: one task reading several would hand
             # Ray Data all their lines as one block (it joins a task's output up to 128 MB)
             ds = ray.data.from_items([asdict(c) for c in plan.chunks], override_num_blocks=len(plan.chunks))

@@ -7,6 +7,10 @@
       ─► driver: progress, summary, per-replica stats ─► JobOutput.merge (each input once)
     the output's lock (JobOutput.lock) held from the done keys to the merge
 
+The reads run ahead of the replicas by at most ``read_ahead_bytes`` of media per replica (the job's
+Ray Data object-store limit; ``--read-ahead-mb``, default :func:`default_read_ahead`): behind slow
+replicas, read tasks wait instead of reading the whole input into the object store.
+
 A file that cannot be read travels as an error (``read_error``) and becomes the same error row
 the single-process job writes; nothing in a batch can fail the job.  The replicas are the
 single-process job's code (``CaptionJob.caption_input``), so the rows are the same.
@@ -27,6 +31,23 @@ from mm_pipeline.jobs.caption import CaptionConfig, CaptionSummary
 from mm_pipeline.jobs.job_output import JobOutput
 from mm_pipeline.jobs.media_input import read_media_input
 from mm_pipeline.jobs.progress import Progress
+
+# Media read ahead of each replica by default (RayJobConfig.read_ahead_bytes; --read-ahead-mb).
+# Without a limit of the job's own, Ray Data's (half the object store) let the reads run ahead of
+# slow replicas until nearly the whole input sat in the object store (18 of 24 inputs in
+# test_jobs_on_ray; a directory of videos: up to half the store).  512 MiB is two batches of 16
+# inputs of 16 MiB (photos, short clips), thirty of 1 MiB photos: enough queued for the batches a
+# replica runs at once, read while it captions.  A batch of bigger media than fits still goes
+# through, alone (see configure_data); raise the limit, or lower --batch-size, to keep several
+# such batches in flight.
+READ_AHEAD_BYTES = 512 << 20
+
+
+def default_read_ahead(max_bytes: int | None) -> int:
+    """Bytes of media read ahead of each replica unless the job says: :data:`READ_AHEAD_BYTES`, or
+    two inputs at the engine's media byte limit (``max_bytes``) when that is more, so a replica
+    can caption one input at the limit while the next is read."""
+    return max(READ_AHEAD_BYTES, 2 * (max_bytes or 0))
 
 
 def read_batch(batch: dict[str, np.ndarray], max_bytes: int | None = None) -> dict[str, list]:
@@ -57,11 +78,12 @@ def run_caption_on_ray(ray: Any, inputs: list[str], spec: ReplicaSpec, caption: 
         progress = Progress(len(todo), progress_label)
         start = time.perf_counter()
         if todo:
-            configure_data(config)
+            configure_data(config, default_read_ahead(spec.engine_config.limits.max_bytes))
             # inputs keep the names the user gave (the rows' "input", as without --ray); the read
             # stage opens them by absolute path, valid on every machine that mounts the same paths
             ds = ray.data.from_items([{"input": p, "path": os.path.abspath(p)} for p in todo])
             # reads overlap captioning; they hold no Ray CPU, so they never wait behind the replicas
+            # for one, only for room under the job's object-store limit (read_ahead_bytes a replica)
             ds = ds.map_batches(read_batch, batch_size=config.batch_size, num_cpus=0,
                                 fn_kwargs={"max_bytes": spec.engine_config.limits.max_bytes},
                                 compute=ray.data.TaskPoolStrategy(size=config.read_tasks))

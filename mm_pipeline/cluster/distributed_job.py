@@ -15,6 +15,7 @@ reads the results.  The caption and batch jobs build their input datasets
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +34,12 @@ class RayJobConfig:
     # would otherwise starve the reads that feed them, and the job would wait forever. They are
     # capped in number instead (read_tasks at once).
     read_tasks: int = 4
+    # Bytes of inputs read ahead of each replica: the job's Ray Data object-store limit is
+    # replicas x this, so read tasks wait while the replicas are that far behind (None: the job's
+    # default, caption_dataset.default_read_ahead / batch_dataset's CHUNKS_IN_FLIGHT chunks).
+    # Without it only Ray Data's own limit, half the object store, held reads back: behind slow
+    # replicas, most of a big input sat read in the object store.
+    read_ahead_bytes: int | None = None
     start_timeout_s: int = 600  # every replica must be up by then (else the job fails naming the wait)
     ray_progress: bool = False  # Ray Data's own progress bars / logs besides the job's progress
 
@@ -42,6 +49,14 @@ class RayJobConfig:
         if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0 or self.read_tasks < 1:
             raise ValueError(f"cpus_per_replica must be > 0, gpus_per_replica >= 0 and read_tasks >= 1, got "
                              f"{self.cpus_per_replica}, {self.gpus_per_replica}, {self.read_tasks}")
+        r = self.read_ahead_bytes
+        if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1):
+            raise ValueError(f"read_ahead_bytes must be a whole number of bytes >= 1 per replica "
+                             f"(None: the job's default), got {r!r}")
+
+    def object_store_bytes(self, default_read_ahead_bytes: int) -> int:
+        """The job's object-store limit: ``read_ahead_bytes`` per replica, else the job's default."""
+        return self.replicas * int(self.read_ahead_bytes or default_read_ahead_bytes)
 
     @property
     def threads(self) -> int:
@@ -69,10 +84,12 @@ class DistributedResult:
         return out
 
 
-def configure_data(config: RayJobConfig, object_store_bytes: int | None = None) -> None:
+def configure_data(config: RayJobConfig, default_read_ahead_bytes: int) -> None:
     """Ray Data settings of this driver, before the job's datasets are built (they copy them).
-    ``object_store_bytes``: the most job data Ray Data may hold in the object store, inputs read
-    ahead of the replicas included (None: Ray Data's own limit, a share of the object store)."""
+    The most job data Ray Data may hold in the object store, inputs read ahead of the replicas
+    included, is ``config.object_store_bytes(default_read_ahead_bytes)`` (the job's default per
+    replica unless ``config.read_ahead_bytes`` gives one); Ray Data keeps its own limit, half the
+    object store, when that is smaller."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
@@ -81,12 +98,18 @@ def configure_data(config: RayJobConfig, object_store_bytes: int | None = None) 
     # leaving it to run at a fraction of its size unnoticed).
     ctx.wait_for_min_actors_s = config.start_timeout_s
     ctx.enable_progress_bars = config.ray_progress
-    # Ray Data's backpressure with a byte limit: a read task starts only while the job's objects fit
-    # (one still runs when a single block is bigger, so the job never stalls).  Set every time: the
-    # context is the process's, and a job must not inherit the last one's limit.
+    # Ray Data's backpressure with a byte limit: a read task starts only while the job's objects fit.
+    # A read block bigger than the whole limit still runs (Ray 2.60: each operator's reservation is
+    # at least one task's output, over the limit if need be, and when nothing runs one task may
+    # start whatever the limit), so the job never waits for good; it then has that block alone in
+    # flight.  (With a limit under about two read blocks, the read stage's end may wait up to 10 s,
+    # Ray Data's idle check, when the last batch is a partial one.)
+    # Ray Data learns a read's size from its first outputs: until then up to read_tasks reads start
+    # at once.  Set every time: the context is the process's, and a job must not inherit the last
+    # one's limit.
     limits = ctx.execution_options.resource_limits
     ctx.execution_options.resource_limits = limits.copy(
-        object_store_memory=float("inf") if object_store_bytes is None else object_store_bytes)
+        object_store_memory=config.object_store_bytes(default_read_ahead_bytes))
 
 
 def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any], config: RayJobConfig,

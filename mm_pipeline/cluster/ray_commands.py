@@ -54,18 +54,29 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             ray.shutdown()
 
 
+def job_config(args: argparse.Namespace) -> Any:
+    """``RayJobConfig`` of ``caption --ray`` / ``batch --ray`` from their flags (ValueError when one
+    is out of range)."""
+    import math
+
+    from mm_pipeline.cluster.distributed_job import RayJobConfig
+
+    read_ahead = None if args.read_ahead_mb is None else math.ceil(args.read_ahead_mb * (1 << 20))
+    return RayJobConfig(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+                        gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
+                        read_ahead_bytes=read_ahead,
+                        ray_progress=args.verbose)  # else ours is the one progress report
+
+
 def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt: str) -> tuple[Any, Any, Any, bool]:
     """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
     then the cluster joined or started (a local one: no dashboard, every core a Ray CPU)."""
-    from mm_pipeline.cluster.distributed_job import RayJobConfig
     from mm_pipeline.cluster.job_replica import ReplicaSpec
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, import_ray
     from mm_pipeline.jobs.job_output import JobOutput
 
     try:
-        config = RayJobConfig(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
-                              gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
-                              ray_progress=args.verbose)  # else ours is the one progress report
+        config = job_config(args)
         # --redis-url shares both caches: encoder outputs, and the KV L3 tier unless --kv-store names another
         engine = engine_config(args, device="cuda" if config.gpus_per_replica > 0 else "cpu")
         if engine.redis_url and not engine.engine.kv_store:

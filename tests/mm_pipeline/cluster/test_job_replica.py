@@ -104,7 +104,7 @@ def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypat
                                                TaskPoolStrategy=lambda size: None))
     for module in (caption_dataset, batch_dataset):
         monkeypatch.setattr(module, "run_replicas", run_replicas)
-        monkeypatch.setattr(module, "configure_data", lambda config, object_store_bytes=None: None)
+        monkeypatch.setattr(module, "configure_data", lambda config, default_read_ahead_bytes: None)
     engine = SimpleNamespace(limits=SimpleNamespace(max_bytes=None))
     config = RayJobConfig()
 

@@ -8,7 +8,9 @@ loopback; replicas at 0.5 CPU and one torch thread each) with a tiny omni checkp
 - a batch file (CRLF line ends, U+2028 inside strings) gives the single-process job's answers, and a
   re-run skips every custom_id;
 - a 16 MB batch file costs the driver its keys, not its lines (read tasks read them, under the
-  job's object-store window), and a run on an output missing three lines answers only those.
+  job's object-store window), and a run on an output missing three lines answers only those;
+- behind a slow (stand-in) replica, caption's read tasks stay within the job's read-ahead window,
+  and an input larger than the whole window still goes through.
 """
 
 from __future__ import annotations
@@ -243,3 +245,91 @@ def test_batch_on_ray_streams_its_input_and_resumes(ray_local, model_dir, tmp_pa
 
     window = DataContext.get_current().execution_options.resource_limits.object_store_memory
     assert window == config.replicas * CHUNKS_IN_FLIGHT * CHUNK_BYTES
+
+
+
+def _most_read_ahead(marks: Path) -> int:
+    """The most inputs read and not yet captioned at any moment, from the markers' timestamps
+    (``read-*``: the read stage read it, ``done-*``: the replica finished it)."""
+    events = sorted((float(m.read_text()), -1 if m.name.startswith("done-") else 1) for m in marks.iterdir())
+    ahead = most = 0
+    for _, step in events:  # at a tie a caption counts before a read
+        ahead += step
+        most = max(most, ahead)
+    return most
+
+
+def test_caption_on_ray_reads_no_further_ahead_of_a_slow_replica_than_its_window(ray_local, tmp_path, monkeypatch):
+    """``caption --ray`` gave Ray Data no byte limit of its own (Ray Data's is half the object
+    store): behind a slow replica its read tasks read nearly every input into the object store
+    before the replica had captioned a few.  The job's window, ``read_ahead_bytes`` per replica
+    (4 MiB here: four of the 1 MiB inputs), now holds them back, and an input larger than the whole
+    window still goes through.  The job is the real one but for its replica, a stand-in that loads
+    no model and takes 0.3 s a batch; the read stage marks each input it read."""
+    import asyncio
+
+    from ray.data import DataContext
+
+    from mm_pipeline.cli import build_parser, engine_config
+    from mm_pipeline.cluster import caption_dataset
+    from mm_pipeline.cluster.distributed_job import RayJobConfig
+    from mm_pipeline.cluster.job_replica import JobReplica, ReplicaSpec
+    from mm_pipeline.jobs.caption import CaptionConfig
+    from mm_pipeline.jobs.job_output import JobOutput
+
+    marks, folder = tmp_path / "marks", tmp_path / "media"
+    marks.mkdir()
+    folder.mkdir()
+    inputs = []
+    for i in range(24):  # PNGs by their magic bytes (nothing decodes them); input 9 is 6 MiB
+        path = folder / f"{i:03d}.png"
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes((6 if i == 9 else 1) << 20))
+        inputs.append(str(path))
+    read_batch = caption_dataset.read_batch
+
+    def read_and_mark(batch, max_bytes=None):
+        out = read_batch(batch, max_bytes)
+        for p in out["input"]:
+            (marks / f"read-{Path(p).name}").write_text(repr(time.time()))
+        return out
+
+    class SlowReplica(JobReplica):  # CaptionReplica's protocol, without its engine (or its imports)
+        def __init__(self, spec, caption):
+            super().__init__(spec)
+
+        def load_engine(self, spec):
+            return None
+
+        def cache_counters(self):
+            return {}
+
+        def keys(self, batch):
+            return [str(p) for p in batch["input"]]
+
+        async def answer(self, batch, i, n):
+            await asyncio.sleep(0.3)
+            (marks / f"done-{Path(str(batch['input'][i])).name}").write_text(repr(time.time()))
+            return {"input": str(batch["input"][i]), "error": batch["read_error"][i] or None,
+                    "bytes": len(batch["data"][i]), "completion_tokens": 0}
+
+        def outcome(self, row):
+            return row["error"], 0
+
+    monkeypatch.setattr(caption_dataset, "read_batch", read_and_mark)
+    monkeypatch.setattr(caption_dataset, "CaptionReplica", SlowReplica)
+    engine = engine_config(build_parser().parse_args(["caption", "x", *ENGINE]))
+    output = JobOutput(tmp_path / "out.jsonl", key="input")
+    spec = ReplicaSpec(model_dir="unused", engine_config=engine, output=output)
+    # 24 inputs, full batches of 2: a last batch of one would wait for the read stage's end, which
+    # Ray Data, its budget spent by a window this small, may hold back for 10 s (its idle check)
+    config = RayJobConfig(replicas=1, cpus_per_replica=0.5, batch_size=2, read_tasks=2, read_ahead_bytes=4 << 20)
+    summary, result = caption_dataset.run_caption_on_ray(ray_local, inputs, spec, CaptionConfig(), config)
+
+    rows = [json.loads(ln) for ln in output.path.read_text().splitlines()]
+    assert [r["input"] for r in rows] == inputs and summary.succeeded == len(inputs)  # each once, none failed
+    assert rows[9]["bytes"] == 8 + (6 << 20)  # the input larger than the window went through
+    assert DataContext.get_current().execution_options.resource_limits.object_store_memory == 4 << 20
+    most = _most_read_ahead(marks)
+    # at most the window (4 inputs) and the reads Ray Data starts before it knows their size
+    # (read_tasks blocks of 2); without the window, 18 of the 24 were read ahead at once
+    assert most <= 6, most

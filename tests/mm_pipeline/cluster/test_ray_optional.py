@@ -31,6 +31,8 @@ def test_a_plain_caption_run_does_not_import_ray(tmp_path):
     (["--ray", "more.png"], "is not a Ray address"),
     (["--ray", "--replicas", "0"], "replicas and batch_size must be >= 1"),
     (["--ray", "--cpus-per-replica", "0"], "cpus_per_replica must be > 0"),
+    (["--ray", "--read-ahead-mb", "0"], "'0' is not a positive number of MiB"),
+    (["--ray", "--read-ahead-mb", "inf"], "'inf' is not a positive number of MiB"),
     (["--format", "parquet"], "--format parquet needs --ray"),
 ])
 def test_ray_flags_are_checked_before_anything_starts(argv, message, capsys, monkeypatch):
@@ -58,6 +60,24 @@ def test_ray_options_come_from_a_config_file_too(tmp_path):
     assert parse_args(["caption", "x.png", "--config", str(cfg)]).ray == ""
     assert parse_args(["caption", "x.png", "--ray", "10.0.0.5:6379"]).ray == "10.0.0.5:6379"
     assert parse_args(["caption", "x.png"]).ray is None  # no --ray: the single-process job
+
+
+def test_read_ahead_comes_from_the_command_line_or_a_config_file_for_both_jobs(tmp_path):
+    """``--read-ahead-mb`` (MiB of inputs read ahead of each replica) reaches RayJobConfig for caption
+    and batch alike; without it the job's own default applies (None here)."""
+    from mm_pipeline.cli import parse_args
+    from mm_pipeline.cluster.ray_commands import job_config
+
+    caption = ["caption", "x.png", "--ray", "--replicas", "2"]
+    batch = ["batch", "-i", "in.jsonl", "-o", "out.jsonl", "--ray"]
+    assert job_config(parse_args([*caption, "--read-ahead-mb", "256"])).read_ahead_bytes == 256 << 20
+    assert job_config(parse_args([*batch, "--read-ahead-mb", "0.5"])).read_ahead_bytes == 1 << 19
+    assert job_config(parse_args(caption)).read_ahead_bytes is None
+    assert job_config(parse_args(batch)).read_ahead_bytes is None
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("ray: local\nread-ahead-mb: 64\n")
+    config = job_config(parse_args(["caption", "x.png", "--config", str(cfg)]))
+    assert config.read_ahead_bytes == 64 << 20 and config.object_store_bytes(1) == 64 << 20
 
 
 def test_the_ray_read_stage_refuses_a_file_over_the_byte_limit_before_reading_it(tmp_path):

@@ -4,6 +4,7 @@ they arrive (Ray Data stood in for by a list of result blocks), and the job's re
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -60,18 +61,38 @@ def test_batch_reports_are_folded_as_they_arrive(monkeypatch):
 
 
 def test_a_job_sets_its_read_window_and_the_next_one_does_not_inherit_it():
-    """Ray Data's own limit is a share of the object store: the reads of a big batch file ran ahead
-    of the replicas until most of it sat there.  The batch job gives a byte limit; the context is
-    the process's, so a job that gives none (caption) gets Ray Data's default back."""
+    """Ray Data's own limit is a share of the object store: the reads of a big batch file, or of a
+    directory of videos behind slow replicas, ran ahead until most of it sat there.  Every job
+    gives a byte limit, replicas x its read-ahead (RayJobConfig.read_ahead_bytes, else the job's
+    default); the context is the process's, so each job sets its own."""
     pytest.importorskip("ray")
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
     before = (ctx.execution_options.resource_limits, ctx.wait_for_min_actors_s, ctx.enable_progress_bars)
     try:
-        configure_data(RayJobConfig(replicas=3), object_store_bytes=3 * (64 << 20))
+        configure_data(RayJobConfig(replicas=3), 64 << 20)  # the job's default
         assert ctx.execution_options.resource_limits.object_store_memory == 3 * (64 << 20)
-        configure_data(RayJobConfig())
-        assert ctx.execution_options.resource_limits.object_store_memory == float("inf")
+        configure_data(RayJobConfig(replicas=2, read_ahead_bytes=5 << 20), 64 << 20)  # the config's
+        assert ctx.execution_options.resource_limits.object_store_memory == 2 * (5 << 20)
     finally:  # leave the process's context as the other tests found it
         ctx.execution_options.resource_limits, ctx.wait_for_min_actors_s, ctx.enable_progress_bars = before
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 4.0, True, "4"])
+def test_read_ahead_is_a_positive_whole_number_of_bytes(value):
+    message = f"read_ahead_bytes must be a whole number of bytes >= 1 per replica (None: the job's default), got {value!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RayJobConfig(read_ahead_bytes=value)
+
+
+def test_read_ahead_defaults_and_overrides():
+    from mm_pipeline.cluster.caption_dataset import READ_AHEAD_BYTES, default_read_ahead
+
+    assert RayJobConfig().read_ahead_bytes is None and RayJobConfig(read_ahead_bytes=1).read_ahead_bytes == 1
+    assert RayJobConfig(replicas=4).object_store_bytes(7) == 28
+    assert RayJobConfig(replicas=4, read_ahead_bytes=3).object_store_bytes(7) == 12
+    # caption: 512 MiB a replica, or two inputs at the media byte limit when that is more
+    assert READ_AHEAD_BYTES == 512 << 20
+    assert default_read_ahead(128 << 20) == default_read_ahead(None) == 512 << 20
+    assert default_read_ahead(1 << 30) == 2 << 30
