@@ -274,9 +274,11 @@ class OmniRuntime:
                             [[[(where[i], row) for i, row in unit] for unit in pieces] for pieces in spans_of_plan],
                             laid.boundaries)
 
-    async def tokenize(self, text: str) -> list[int]:
-        """Token ids of a plain text prompt (no chat template), on the worker pool."""
-        return await self.text_pool.run(self._encode_text, text)
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a plain text prompt (no chat template), on the worker pool. A prompt is
+        served as its text's tokens alone; ``add_special_tokens`` (``POST /tokenize``'s field) adds
+        what the tokenizer adds around a text (a BOS, for tokenizers that have one)."""
+        return await self.text_pool.run(self._encode_text, text, add_special_tokens)
 
     def open_media(self, prepared: PreparedChat, request_id: str,
                    on_progress: Callable[[], None] | None = None) -> MediaFeed:
@@ -314,9 +316,9 @@ class OmniRuntime:
         """Stop delivering a request's outputs (its consumer is gone)."""
         self.loop.detach(request_id)
 
-    def _encode_text(self, text: str) -> list[int]:
+    def _encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.model.layout.text_bound.check([text], self.max_model_len)
-        ids = list(self.model.tokenizer.encode(text, add_special_tokens=False))
+        ids = list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         self._check_context(len(ids))
         return ids
 

@@ -102,6 +102,41 @@ class OmniEngine:
             async for delta in self._deltas(outs, params):
                 yield delta
 
+    async def prompt_token_ids(self, *, messages: list[dict] | None = None, prompt: str | None = None,
+                               add_special_tokens: bool = False) -> list[int]:
+        """The prompt ``generate(messages)`` / ``generate_prompt(prompt)`` would prefill, without
+        running it (``POST /tokenize``). Give ``messages`` or ``prompt``.
+
+        A chat goes through the very preparation ``generate`` runs (``OmniRuntime.prepare_chat``):
+        the chat template with the messages' options, and each media item ingested and planned --
+        fetched, hashed and sized from the cache manifest or its metadata (an image's header, a
+        video's probe; an audio clip or a video's sound decoded to count its segments) -- so its
+        placeholders are expanded to the rows the encoders will fill. Nothing is encoded and no KV
+        is used; the plans are then dropped, as a request that fails after planning drops them
+        (decoded inputs and early decodes are released with them). Admitted like a request
+        (``max_queue``: 429 when full). The checks are a request's too: a prompt that leaves no
+        room in the context is a ``ContextLengthError``, bad media the same typed error.
+        ``add_special_tokens`` (text only): the tokenizer's own additions around the text (a prompt
+        is served without them)."""
+        if (messages is None) == (prompt is None):
+            raise ValueError("give exactly one of messages and prompt")
+        if prompt is not None and self.tokenizer is None:
+            raise InvalidMessageError("text prompt given but the model has no tokenizer")
+        chat = None if messages is None else parse_messages(messages)  # malformed messages fail first
+        self._admit()
+        try:
+            if chat is None:
+                return await self.runtime.tokenize(prompt, add_special_tokens=add_special_tokens)
+            return (await self.runtime.prepare_chat(chat)).token_ids
+        finally:
+            self._in_flight -= 1
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context one request can hold, prompt and output (the model's limit capped at
+        the Full KV pool): what a longer prompt is refused against."""
+        return self.runtime.max_model_len
+
     async def outputs(self, params: SamplingParams, *, chat: ChatRequest | None = None,
                       prompt: str | list[int] | None = None,
                       request_id: str | None = None,

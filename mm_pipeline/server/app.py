@@ -4,6 +4,7 @@
       /v1/chat/completions  /v1/completions       -> ChatService (streams: SSE ending in [DONE])
       /v1/files ...                                -> FilesStore (uploads streamed to disk)
       /v1/models  /health  /metrics
+      /tokenize  /detokenize  /version             -> vLLM's utility endpoints (tokenize_routes)
       /  /web/*                                    -> the upload page (web_routes)
 
 Nothing here blocks the event loop: generation is the engine's (its own thread), media work runs
@@ -43,6 +44,7 @@ from mm_pipeline.server.responses import FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
 from mm_pipeline.server.files.uploads import receive_upload
+from mm_pipeline.server.tokenize_routes import install_tokenize_routes
 from mm_pipeline.server.web_routes import install_web_routes
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -117,8 +119,9 @@ def _file_object(rec: FileRecord) -> FileObject:
 
 
 # Open without the API key: the liveness probe and the upload page with its static files (the
-# page's own calls go to /v1, which needs the key). Everything else -- /v1, /metrics and the schema
-# and docs pages (/openapi.json, /docs, /redoc) -- needs it when one is set.
+# page's own calls go to /v1, which needs the key). Everything else -- /v1, vLLM's /tokenize,
+# /detokenize and /version, /metrics and the schema and docs pages (/openapi.json, /docs, /redoc) --
+# needs it when one is set.
 _OPEN_PATHS = ("/health", "/")
 _OPEN_PREFIXES = ("/web/",)
 
@@ -230,6 +233,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics, routes=app.router.routes)
     install_web_routes(app)  # GET / : the upload page
+    install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
+        request, model, settings.max_request_bytes, settings.max_json_values))
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         info = AnswerInfo()  # filled before the body starts: its headers go out with a stream too

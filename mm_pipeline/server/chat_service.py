@@ -15,7 +15,7 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Union
 
 from llm_core.engine.sampling import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
@@ -24,13 +24,15 @@ from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
                                         merge_choices, start_all)
 from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 from mm_pipeline.server.reasoning import ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
 
 Observer = Callable[[float, "list[ChoiceState]"], None]
+# a request holding a chat: /v1/chat/completions, or /tokenize's chat form (its messages then set)
+ChatRequestFields = Union[ChatCompletionRequest, TokenizeRequest]
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
 _INLINE_PARTS = 256
 
 
-def _parts_over(req: ChatCompletionRequest, limit: int) -> bool:
+def _parts_over(req: ChatRequestFields, limit: int) -> bool:
     """Whether the messages hold more than ``limit`` messages and parts (counting stops there, so
     the count itself costs at most ``limit`` steps on the loop)."""
     if len(req.messages) > limit:
@@ -87,11 +89,18 @@ def _parts_over(req: ChatCompletionRequest, limit: int) -> bool:
     return False
 
 
-def _parsed_messages(req: ChatCompletionRequest) -> ParsedMessages:
+def _parsed_messages(req: ChatRequestFields) -> ParsedMessages:
     """The messages as the engine takes them (dicts), parsed once here: a malformed one is a 400
     now, and the engine's own ``parse_messages`` returns this parse (prompt/messages.py), which
     carries the request's chat-template options to the prompt layout."""
     return ParsedMessages([m.model_dump(exclude_none=True) for m in req.messages], req.template_options)
+
+
+async def parsed_messages(req: ChatRequestFields) -> ParsedMessages:
+    """``_parsed_messages``, on a thread for a long chat (``_INLINE_PARTS``); a 400 for a malformed one."""
+    if _parts_over(req, _INLINE_PARTS):
+        return await asyncio.to_thread(_parsed_messages, req)
+    return _parsed_messages(req)
 
 
 def _message(answer: ReasoningSplit) -> AssistantMessage:
@@ -195,11 +204,8 @@ class ChatService:
 
     async def _start_chat(self, req: ChatCompletionRequest, rid: str,
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
-        self._check_model(req.model)
-        if _parts_over(req, _INLINE_PARTS):
-            messages = await asyncio.to_thread(_parsed_messages, req)
-        else:
-            messages = _parsed_messages(req)
+        self.check_model(req.model)
+        messages = await parsed_messages(req)
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens),
                                                         request_id=f"{rid}-{i}"), self.config.reasoning)
                    for i in range(req.n)]
@@ -280,7 +286,7 @@ class ChatService:
         return events(), close
 
     async def _start_completion(self, req: CompletionRequest, rid: str):
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = req.prompts
         if len(prompts) > self.config.max_completion_prompts:
             raise InvalidInputError(f"prompt holds {len(prompts)} prompts; this server takes at most "
@@ -295,7 +301,8 @@ class ChatService:
         return choices, prompts
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
+        """A request naming another model than this server's is a 404 (None: this one)."""
         if model is not None and model != self.config.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")

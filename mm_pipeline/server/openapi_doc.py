@@ -1,11 +1,11 @@
 """The OpenAPI schema at ``/openapi.json``, with what the routes cannot tell FastAPI themselves.
 
-The completion routes read their JSON body by hand (``app.parse_body``: a size cap while reading,
-big bodies parsed off the event loop), so FastAPI sees no body model and the handlers return
-``Response`` objects, so it sees no response model either. This fills both in from the pydantic
-models of ``protocol.py`` -- the request bodies, the 200 answers (JSON, or SSE when streamed) and
-one error body for every 4xx / 5xx -- so clients and schema-driven tests (schemathesis, see
-tests/mm_pipeline/server/test_schema_fuzz.py) see the real contract.
+The completion routes (and /tokenize, /detokenize) read their JSON body by hand (``app.parse_body``:
+a size cap while reading, big bodies parsed off the event loop), so FastAPI sees no body model and
+the handlers return ``Response`` objects, so it sees no response model either. This fills both in
+from the pydantic models of ``protocol.py`` -- the request bodies, the 200 answers (JSON, or SSE
+when streamed) and one error body for every 4xx / 5xx -- so clients and schema-driven tests
+(schemathesis, see tests/mm_pipeline/server/test_schema_fuzz.py) see the real contract.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
-from mm_pipeline.server.responses import ChatCompletion, Completion, ErrorResponse, FileObject, ModelCard
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileObject,
+                                          ModelCard, TokenizeResponse, VersionResponse)
 
 _REF = "#/components/schemas/{model}"
 # OpenAPI before 3.2: the schema of an event-stream describes one event (sse.py: ``data:`` lines
@@ -32,6 +33,9 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/v1/files"): (None, FileObject, False),
     ("get", "/v1/files/{file_id}"): (None, FileObject, False),
     ("get", "/v1/models/{model_id}"): (None, ModelCard, False),
+    ("post", "/tokenize"): (TokenizeRequest, TokenizeResponse, False),
+    ("post", "/detokenize"): (DetokenizeRequest, DetokenizeResponse, False),
+    ("get", "/version"): (None, VersionResponse, False),
 }
 
 

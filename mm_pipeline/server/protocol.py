@@ -182,7 +182,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # chat only: what the prompt layout cannot do (README "Serving (OpenAI-compatible)"): a template of
 # the client's, RAG documents (the server passes none: ChatTemplate reserves the name), processor
 # arguments, echo. add_generation_prompt, continue_final_message and chat_template_kwargs are
-# ChatCompletionRequest fields (TemplateOptions)
+# fields (ChatTemplateFields -> TemplateOptions)
 _NOT_IMPLEMENTED_CHAT: dict[str, tuple[Any, ...]] = {
     "chat_template": (), "documents": (), "mm_processor_kwargs": ({},), "echo": (False,),
     "add_special_tokens": (False,),
@@ -246,25 +246,16 @@ class SamplingFields(_Loose):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: TokenCount | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's chat-template fields, with vLLM's defaults (prompt/template_options.py)
+class ChatTemplateFields(_Loose):
+    """vLLM's chat-template fields, with vLLM's defaults (prompt/template_options.py): shared by
+    /v1/chat/completions and the chat form of /tokenize, which template a chat alike."""
+
     add_generation_prompt: bool = Field(default=True, description="end the prompt with the assistant header")
     continue_final_message: bool = Field(default=False, description=(
         "the final message is an assistant message the model goes on writing (needs add_generation_prompt: false)"))
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
         "variables for the chat template (e.g. enable_thinking); a key it does not read, or one the server "
         "sets itself, is a 400"))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unsupported_chat(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _check_unsupported(values, _NOT_IMPLEMENTED_CHAT)
-        return values
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -275,13 +266,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(str(exc).removeprefix("chat_template_kwargs").lstrip(" .:")) from None
 
     @model_validator(mode="after")
-    def _logprob_pair(self) -> "ChatCompletionRequest":
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @model_validator(mode="after")
-    def _template_flags(self) -> "ChatCompletionRequest":
+    def _template_flags(self) -> "ChatTemplateFields":
         # continue_final_message with add_generation_prompt (true by default): a 400 here, as in vLLM
         try:
             self.template_options  # noqa: B018  (built for its checks)
@@ -293,6 +278,26 @@ class ChatCompletionRequest(SamplingFields):
     def template_options(self) -> TemplateOptions:
         """How the prompt layout templates this chat (its kwargs checked again: microseconds)."""
         return TemplateOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported_chat(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            _check_unsupported(values, _NOT_IMPLEMENTED_CHAT)
+        return values
+
+    @model_validator(mode="after")
+    def _logprob_pair(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:
@@ -334,3 +339,61 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+# ---- vLLM's utility endpoints (server/tokenize_routes.py) ---------------------------------------
+# the chat form of /tokenize: what /v1/chat/completions refuses, refused alike (its prompt must be the
+# one that endpoint runs), and vLLM's tools (no place for them in the template here either)
+_NOT_IMPLEMENTED_TOKENIZE_CHAT: dict[str, tuple[Any, ...]] = {
+    **{k: v for k, v in _NOT_IMPLEMENTED_CHAT.items() if k != "echo"},
+    "tools": ([],),
+}
+# chat-only fields that the text form would otherwise silently ignore: their values there
+_CHAT_ONLY = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": None}
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """``POST /tokenize`` in vLLM's two forms: ``prompt`` (a text, tokenized as is) or ``messages``
+    (a chat, templated as /v1/chat/completions templates it, with the same template fields)."""
+
+    model: str | None = None
+    prompt: str | None = Field(default=None, description="the text form: tokenized without a chat template")
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, description=(
+        "the chat form: the prompt ids /v1/chat/completions would run for these messages"))
+    add_special_tokens: bool | None = Field(default=None, description=(
+        "text form: add the tokenizer's special tokens around the text (default true, as vLLM); "
+        "chat form: false only (the template writes them)"))
+    return_token_strs: bool = Field(default=False, description="also answer each token as its string")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported_chat(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("messages") is not None:
+            _check_unsupported(values, _NOT_IMPLEMENTED_TOKENIZE_CHAT)
+        return values
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt (a text) and messages (a chat)")
+        if self.prompt is not None:
+            for name, value in _CHAT_ONLY.items():
+                given = getattr(self, name)
+                if given != value and not (name == "chat_template_kwargs" and given == {}):
+                    raise ValueError(f"{name} applies to the chat form (messages) only")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        """``add_special_tokens`` with its default for the form (text: true, chat: false)."""
+        if self.add_special_tokens is None:
+            return self.messages is None
+        return self.add_special_tokens
+
+
+class DetokenizeRequest(_Loose):
+    """``POST /detokenize``: token ids back to text (special tokens kept). Ids are checked against the
+    tokenizer's vocabulary and the count against the context limit by the route."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(strict=True)]] = Field(description="token ids (integers)")

@@ -159,3 +159,20 @@ class ErrorResponse(BaseModel):
     """Every error body (mm_pipeline/server/errors.py), documented in the OpenAPI schema."""
 
     error: ErrorDetail
+
+
+class TokenizeResponse(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): ``token_strs`` is null unless ``return_token_strs``."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -12,7 +12,8 @@ from mm_pipeline.server.reasoning import REASONING_PARSERS, ReasoningParserName
 class ServerSettings:
     """``files_dir``: where uploads are kept (None: a temporary directory removed at shutdown).
     ``api_key``: when set, every route but ``/health`` and the upload page (``/``, ``/web/*``) needs
-    ``Authorization: Bearer <api_key>``: ``/v1``, ``/metrics``, ``/openapi.json``, ``/docs``, ``/redoc``."""
+    ``Authorization: Bearer <api_key>``: ``/v1``, ``/tokenize``, ``/detokenize``, ``/version``, ``/metrics``,
+    ``/openapi.json``, ``/docs``, ``/redoc``."""
 
     model_name: str | None = None  # default: the engine's model_name
     api_key: str | None = None

@@ -127,6 +127,23 @@ class LLMReplica:
             self._load.pop(call, None)
             self.files.release(files)
 
+    async def prompt_token_ids(self, messages: Any = None, prompt: str | None = None, add_special_tokens: bool = False,
+                               files: dict[str, SharedFile] | None = None) -> list[int] | ReplicaFailure:
+        """``OmniEngine.prompt_token_ids`` (``POST /tokenize`` on the ingress): the chat template and
+        media planning live here. A typed error comes back as a :class:`ReplicaFailure`, as in
+        ``generate``; ``files``: the uploads the messages name, served while it runs."""
+        stopped = self._stopped()
+        if stopped is not None:
+            return ReplicaFailure(stopped)
+        self.files.hold(files)
+        try:
+            return await self.engine.prompt_token_ids(messages=messages, prompt=prompt,
+                                                      add_special_tokens=add_special_tokens)
+        except MMServeError as exc:
+            return ReplicaFailure(exc)
+        finally:
+            self.files.release(files)
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this for the request router (``RunningReplica.routing_stats``). A stopped
         engine has no load left, and 0 would make it every router's favourite: infinite instead."""

@@ -17,6 +17,8 @@ same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in 
   Retry-After before a response started; an error event in a started stream);
 * with an encoder tier, each media item is first encoded there (``_encode_on_tier``) into the
   shared encoder cache, where the LLM replica finds it;
+* ``prompt_token_ids`` (``POST /tokenize``) asks an LLM replica, where the chat template and the
+  media planner are; ``max_model_len`` is the replicas' context limit from their stats;
 * ``stats()`` is the last snapshot a replica reported, refreshed in the background, so ``/health``
   and ``/metrics`` never wait on a replica; a refresh waits at most ``STATS_TIMEOUT_S``, and once no
   replica has answered for ``STATS_STALE_S`` ``stats()`` raises (``/health`` answers 503) instead of
@@ -103,6 +105,33 @@ class RemoteEngine:
             key = await asyncio.to_thread(key_of_prompt, prompt, self._encode)
         async for d in self._stream("prompt", prompt, params, request_id, key, None):
             yield d
+
+    async def prompt_token_ids(self, *, messages: list[dict] | None = None, prompt: str | None = None,
+                               add_special_tokens: bool = False) -> list[int]:
+        """``POST /tokenize``: OmniEngine's answer from an LLM replica (the chat template and media
+        planning live there; no route key, so the least loaded one), with the files the messages
+        name. A replica gone or stopped is a 503 (retry), its typed errors raise here as in
+        ``generate``."""
+        files = await self._files(messages) if messages is not None else None
+        try:
+            got = await self.handle.prompt_token_ids.remote(messages=messages, prompt=prompt,
+                                                            add_special_tokens=add_special_tokens, files=files)
+        except self._replica_gone as exc:
+            raise ServerBusy(f"the LLM replica serving this request died ({type(exc).__name__}); "
+                             f"retry the request") from None
+        except self._task_error as exc:
+            raise InternalError(f"LLM replica failed: {exc}") from None
+        if isinstance(got, ReplicaFailure):
+            raise got.error
+        return got
+
+    @property
+    def max_model_len(self) -> int:
+        """The replicas' context limit (one config for all), from the last stats snapshot one reported
+        (the ingress waits for a first one before it serves)."""
+        if self._stats is None:
+            raise ServerBusy("no LLM replica has reported its stats yet")
+        return self._stats.llm.max_context_tokens
 
     def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]]) -> None:
         self._resolver = fn

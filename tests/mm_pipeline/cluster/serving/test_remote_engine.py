@@ -205,3 +205,59 @@ def test_a_hung_stats_refresh_times_out(fast_stats):
         engine._refreshing.cancel()
 
     asyncio.run(run())
+
+
+# ---- POST /tokenize on the ingress ------------------------------------------------------------------
+
+class TokenizeHandle:
+    """The LLM deployment's ``prompt_token_ids`` and ``stats``: answers ``answer`` (or raises it)."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer, self.calls = answer, []
+        self.prompt_token_ids = SimpleNamespace(remote=self._tokenize)
+        self.stats = SimpleNamespace(remote=self._stats)
+
+    async def _tokenize(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    async def _stats(self) -> Any:
+        return SimpleNamespace(llm=SimpleNamespace(max_context_tokens=1234), to_dict=lambda: {})
+
+
+def test_tokenize_asks_a_replica_and_raises_its_typed_errors():
+    """The chat template and the media planner live on the LLM replicas: the ingress's /tokenize
+    asks one, with the uploads the messages name, and answers its errors as one process would."""
+    from fastapi.testclient import TestClient
+
+    from mm_pipeline.errors import MediaNotFound
+    from mm_pipeline.server.app import create_app
+    from mm_pipeline.server.settings import ServerSettings
+
+    class Tokenizer:
+        def __len__(self) -> int:
+            return 100
+
+        def convert_ids_to_tokens(self, ids):
+            return [f"t{i}" for i in ids]
+
+    handle = TokenizeHandle([5, 6, 7])
+    engine = RemoteEngine(handle, Tokenizer(), "demo")
+    asyncio.run(engine.refresh_stats())
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(create_app(engine, ServerSettings(model_name="demo"))) as client:
+        r = client.post("/tokenize", json={"messages": messages, "return_token_strs": True})
+        assert r.json() == {"count": 3, "max_model_len": 1234, "tokens": [5, 6, 7], "token_strs": ["t5", "t6", "t7"]}
+        assert list(handle.calls[0]["messages"]) == messages and handle.calls[0]["prompt"] is None
+        client.post("/tokenize", json={"prompt": "hi"})
+        assert handle.calls[1]["prompt"] == "hi" and handle.calls[1]["add_special_tokens"] is True
+        handle.answer = ReplicaFailure(MediaNotFound("no uploaded file with id 'file-x'"))
+        assert client.post("/tokenize", json={"messages": messages}).status_code == 404
+        handle.answer = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped", "replica-0"))
+        assert client.post("/tokenize", json={"messages": messages}).status_code == 503
+        import ray.exceptions
+
+        handle.answer = ray.exceptions.RayActorError()
+        assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 503

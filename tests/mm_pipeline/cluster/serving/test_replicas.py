@@ -182,3 +182,20 @@ def test_an_encoder_replica_without_its_encoder_is_unhealthy(replicas, monkeypat
     monkeypatch.setattr(enc.runtime.loop, "fatal", RankFailure("gone"))
     with pytest.raises(RuntimeError, match="engine loop stopped"):
         enc.check_health()
+
+
+def test_prompt_token_ids_are_the_engines_and_files_are_released(replicas):
+    """POST /tokenize on the ingress asks a replica: the ids its engine would run, uploads served while
+    it plans them, typed errors as items."""
+    _, llm = replicas
+    png = (SAMPLE_MEDIA / "image_000001.png").read_bytes()
+    messages = [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-i"}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    ids = asyncio.run(llm.prompt_token_ids(messages=messages, files={"file-i": SharedFile(png, "i.png")}))
+    inline = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": "What is it?"}]}]
+    assert isinstance(ids, list) and ids == asyncio.run(llm.engine.prompt_token_ids(messages=inline))
+    assert len(llm.files) == 0
+    failed = asyncio.run(llm.prompt_token_ids(messages=messages))  # the file was not sent this time
+    assert isinstance(failed, ReplicaFailure) and isinstance(failed.error, MediaError)

@@ -4,6 +4,7 @@ thread each) behind our FastAPI app as the ingress, asked with the ``openai`` cl
 hands embeddings over through an encoder-cache directory all replicas see.
 
 * image, audio, video, an uploaded file and a stream give the answers of one process (greedy);
+* /tokenize (a chat with an image, a text), /detokenize and /version answer as one process;
 * a bad media item is the same 415 as one process (typed errors cross the replica boundary);
 * repeated media goes to the same encoder replica, which finds it cached; different media spread;
 * a conversation's turns land on one replica (each turn's cached tokens cover the previous prompt),
@@ -116,6 +117,24 @@ def test_openai_answers_equal_one_process(cluster_url, local_url):
                                            messages=[{"role": "user", "content": "Say something."}])
         texts.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_tokenize_equals_one_process(cluster_url, local_url):
+    """vLLM's /tokenize, /detokenize and /version are the ingress's too (the chat template and media
+    planning asked of an LLM replica): the same answers as one process."""
+    import httpx
+
+    bodies = [{"prompt": "Describe this image."},
+              {"messages": [{"role": "user", "content": [part("image"), {"type": "text", "text": "Describe it."}]}],
+               "return_token_strs": True}]
+    for body in bodies:
+        answers = [httpx.post(url + "/tokenize", json=body, timeout=120) for url in (cluster_url, local_url)]
+        assert answers[0].status_code == 200, answers[0].text
+        assert answers[0].json() == answers[1].json()
+    tokens = answers[0].json()["tokens"]
+    answers = [httpx.post(url + "/detokenize", json={"tokens": tokens}, timeout=60) for url in (cluster_url, local_url)]
+    assert answers[0].status_code == 200 and answers[0].json() == answers[1].json()
+    assert httpx.get(cluster_url + "/version").json() == httpx.get(local_url + "/version").json()
 
 
 def test_bad_media_is_the_same_client_error(cluster_url):
