@@ -71,12 +71,13 @@ class StopStringMatcher:
         self._pieces: list[str] = []  # the settled text, joined only when a stop string is found
         self._tail = ""  # the last ``_keep`` settled characters
 
-    def update(self, output_token_ids: list[int]) -> str | None:
+    def update(self, output_token_ids: list[int], search: bool = True) -> str | None:
         """Take the ids not seen yet; returns the output text cut before the first stop string once
-        one appears (None until then)."""
+        one appears (None until then). ``search`` False: take the text without looking for stop
+        strings (min_tokens); a later search still finds one that ends in the text it adds."""
         new = self.decoder.push(output_token_ids[len(self.decoder.ids):])
         window = self._tail + new + self.decoder.pending
-        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0] if search else []
         if hits:  # once per request: the whole text is joined only here
             settled = "".join(self._pieces)
             text = settled + new + self.decoder.pending

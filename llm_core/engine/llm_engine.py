@@ -147,6 +147,16 @@ class LLMEngine:
                                     f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         return None
 
+    def check_params(self, params: SamplingParams) -> RequestError | None:
+        """Why these sampling params cannot be served by this model (None if they can): a logit_bias
+        token id outside the vocabulary (``INVALID_INPUT``)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            return RequestError(ErrorKind.INVALID_INPUT,
+                                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return None
+
     def add_request(
         self,
         request_id: str,
@@ -172,7 +182,7 @@ class LLMEngine:
                       extra_keys=tuple(extra_keys),
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher)
-        problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
+        problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None) or self.check_params(params)
         with self._lock:
             if req.request_id in self._live:
                 raise ValueError(f"request id {req.request_id!r} is already in use")

@@ -118,7 +118,8 @@ class ModelRunner:
             logits = self.forward(entries, kv)
         if not sampling:
             return StepResult([], [])  # prefill chunks that stop short of the prompt's end
-        out, failed = self.sampler.sample_isolated(logits, params, [e.request.generator for e in sampling])
+        out, failed = self.sampler.sample_isolated(logits, params, [e.request.generator for e in sampling],
+                                                   [e.request for e in sampling])
         return StepResult([SampledToken(e, tok, lp, top) for i, (e, tok, lp, top)
                            in enumerate(zip(sampling, out.token_ids, out.logprobs, out.top_logprobs))
                            if i not in failed],

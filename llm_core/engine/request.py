@@ -93,6 +93,7 @@ class Request:
     error_kind: ErrorKind | None = None  # set with ``error``
     stop_text: str | None = None  # output text cut before a matched stop string
     generator: torch.Generator | None = None
+    _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -134,6 +135,13 @@ class Request:
             return self.num_tokens
         return max(0, frontier)
 
+    def prompt_ids_tensor(self) -> torch.Tensor:
+        """The prompt's ids as a CPU int64 tensor, made once (the sampler's repetition penalty reads
+        it every step)."""
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
+
     @property
     def num_live_swa_pages(self) -> int:
         return len(self.swa_pages) - self.swa_released_pages
@@ -150,16 +158,18 @@ class Request:
         """After a token was appended: the finish reason if the request must stop, else None.
 
         In this order: EOS (unless ignored) or a stop token id -> "stop"; a stop string in the output
-        text -> "stop" (``stop_text`` = the text before it); max_tokens or the context limit -> "length".
+        text (once more than ``min_tokens`` tokens are out) -> "stop" (``stop_text`` = the text before
+        it); max_tokens or the context limit -> "length".
         """
         last = self.output_token_ids[-1]
         p = self.params
         if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
-            return "stop"
+            return "stop"  # before min_tokens the sampler masks these ids, so they cannot come
         if p.stop:
             if self.stop_matcher is None:
                 raise ValueError("stop strings need a tokenizer; this engine has none")
-            cut = self.stop_matcher.update(self.output_token_ids)
+            # vLLM: stop strings are looked for once more than min_tokens tokens are out
+            cut = self.stop_matcher.update(self.output_token_ids, search=self.num_output_tokens > p.min_tokens)
             if cut is not None:
                 self.stop_text = cut
                 return "stop"

@@ -2,8 +2,22 @@
 
 The sampler turns one fp32 logits row per sampling request into a token id, the chosen token's
 logprob and, on request, the top-n logprobs. Logprobs are always those of the model's raw
-distribution (log_softmax of the logits, before temperature / top-k / top-p), so they do not depend
-on how a token was chosen.
+distribution (log_softmax of the logits, before any processing below), so they do not depend on how
+a token was chosen (vLLM's default ``raw_logprobs``).
+
+Logits processing, in vLLM's order (only rows whose params ask for it; ``Sampler.process``):
+
+    logit_bias      logits[t] += bias                                   (history-free)
+    min_tokens      while fewer than min_tokens tokens were generated: stop_token_ids and EOS (unless
+                    ignore_eos) -> -inf
+    repetition      tokens seen in prompt + output: logit > 0 divided by it, < 0 multiplied
+    frequency       logits[t] -= frequency_penalty * count of t in the output
+    presence        logits[t] -= presence_penalty * (t in the output)
+    -- greedy rows: argmax here --
+    temperature, then min_p (drop tokens with prob < min_p * max prob), then top-k / top-p, softmax.
+
+The history-dependent steps need the request's tokens (``history``: any object with
+``prompt_token_ids``, ``output_token_ids`` and ``eos_token_ids``, e.g. the engine's Request).
 
 Randomness: a request with a ``seed`` owns a ``torch.Generator`` and draws a vocab-sized noise row of
 its own for every token it emits (``noise_row``), so its tokens do not depend on what else is in the
@@ -14,17 +28,50 @@ batch -- nor on speculative decoding, whose verification emits each token from t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents no count; vLLM has none): bounds per-step work
 MAX_INT32 = 2**31 - 1  # bound of token counts, top_k and token ids: they become int tensors
 SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63 (torch.Generator.manual_seed takes an int64)
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _logit_bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """A logit_bias mapping (token id -> bias; ids as ints or as decimal strings, OpenAI's JSON form)
+    or iterable of pairs -> sorted (id, bias) pairs; a ValueError naming logit_bias otherwise."""
+    if value is None:
+        return ()
+    items = list(value.items()) if isinstance(value, Mapping) else list(value)
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {item!r}")
+        key, bias = item
+        tok = key
+        if isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit():
+            tok = int(key)
+        if not _is_int(tok) or not 0 <= tok <= MAX_INT32:
+            raise ValueError(f"logit_bias keys must be token ids (integers in [0, {MAX_INT32}]), got {key!r}")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
+        if tok in out:
+            raise ValueError(f"logit_bias has token id {tok} more than once")
+        out[tok] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM's sampling epsilon)
@@ -43,6 +90,17 @@ class SamplingParams:
       completed it stays in ``token_ids``. Needs a tokenizer.
     - ``stop_token_ids``: extra ids that end generation (kept in the output like EOS).
     - ``logprobs``: None = none; n >= 0 = the chosen token's logprob plus the top-n per token.
+    - ``min_p`` in [0, 1] (0 = off): after temperature, drop tokens whose probability is below
+      ``min_p`` times the largest (vLLM; random rows only, greedy is unchanged by it).
+    - ``min_tokens`` in [0, max_tokens]: until this many tokens are generated, ``stop_token_ids`` and
+      EOS (unless ``ignore_eos``) get logit -inf and stop strings are not looked for (vLLM).
+    - ``logit_bias``: token id -> bias in [-100, 100] added to the logits (OpenAI); a mapping (ids as
+      ints or decimal strings) or pairs, stored as sorted pairs; at most ``MAX_LOGIT_BIAS`` entries.
+      The engine refuses ids outside the model's vocabulary.
+    - ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI): subtracted once / once per
+      occurrence for each token already generated.
+    - ``repetition_penalty`` > 0 (vLLM / transformers; 1 = off): tokens in the prompt or output get
+      logit / penalty when positive, logit * penalty otherwise.
     """
 
     max_tokens: int = 16
@@ -55,6 +113,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] | Mapping | None = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # whether the logits are processed before sampling (logit_bias, min_tokens, a penalty): set once
+    # here so that the sampler's common path asks one attribute per row
+    processes_logits: bool = field(init=False, default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples so the object stays hashable.
@@ -82,6 +149,26 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {t!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        object.__setattr__(self, "processes_logits", bool(
+            self.logit_bias or self.min_tokens > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+            or self.repetition_penalty != 1))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -117,16 +204,27 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: Sequence[Any] | None = None,
     ) -> SamplerOutput:
-        """logits [R, V] (fp32) -> one token per row."""
+        """logits [R, V] (fp32) -> one token per row. ``histories``: per row, the request's tokens
+        (``prompt_token_ids``, ``output_token_ids``, ``eos_token_ids``), needed by rows with
+        min_tokens or a penalty (module docstring)."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(
                 f"sampler got logits {tuple(logits.shape)} for {len(params)} params / {len(generators)} generators"
             )
         if logits.dtype != torch.float32:  # .float() of fp32 logits would still be a dispatch
             logits = logits.float()
-        if all(p.greedy for p in params):  # the common serving case: one argmax, no index plumbing
-            return self._logprobs(logits, logits.argmax(dim=-1).tolist(), params)
+        raw = logits  # logprobs are the raw distribution's
+        if any(p.processes_logits for p in params):
+            rows, x = self._processed_rows(logits, params, histories)
+            if all(p.greedy for p in params):  # argmax of the processed rows, no copy of the others
+                ids = logits.argmax(dim=-1)
+                ids[torch.tensor(rows, device=logits.device)] = x.argmax(dim=-1)
+                return self._logprobs(raw, ids.tolist(), params)
+            logits = self._merged(logits, rows, x)
+        elif all(p.greedy for p in params):  # the common serving case: one argmax, no index plumbing
+            return self._logprobs(raw, logits.argmax(dim=-1).tolist(), params)
         rows = logits.shape[0]
         chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -139,20 +237,106 @@ class Sampler:
                 logits, random_rows, params, generators
             )
         token_ids = chosen.tolist()
-        return self._logprobs(logits, token_ids, params)
+        return self._logprobs(raw, token_ids, params)
+
+    @staticmethod
+    def process(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[Any] | None) -> torch.Tensor:
+        """[R, V] fp32 logits -> the logits with each row's logit_bias, min_tokens mask and penalties
+        applied (module docstring), vectorized over the rows that have any; the other rows (and the
+        input tensor) are left as they are. Row-wise: a row's result does not depend on the others."""
+        if not any(p.processes_logits for p in params):
+            return logits
+        return Sampler._merged(logits, *Sampler._processed_rows(logits, params, histories))
+
+    @staticmethod
+    def _merged(logits: torch.Tensor, rows: list[int], x: torch.Tensor) -> torch.Tensor:
+        """``logits`` with ``rows`` replaced by ``x`` (a new tensor; ``x`` itself when it is every row)."""
+        if len(rows) == logits.shape[0]:
+            return x
+        out = logits.clone()
+        out[torch.tensor(rows, device=logits.device)] = x
+        return out
+
+    @staticmethod
+    def _processed_rows(logits: torch.Tensor, params: list[SamplingParams],
+                        histories: Sequence[Any] | None) -> tuple[list[int], torch.Tensor]:
+        """The rows that process their logits (at least one) and their processed logits [len(rows), V]."""
+        rows = [i for i, p in enumerate(params) if p.processes_logits]
+        dev, vocab = logits.device, logits.shape[1]
+        ps = [params[i] for i in rows]
+        needs_history = [p.min_tokens > 0 or p.penalized for p in ps]
+        if any(needs_history) and (histories is None or len(histories) != len(params)):
+            raise ValueError("min_tokens and the penalties need each row's tokens (histories)")
+        hs = [histories[i] for i in rows] if histories is not None else [None] * len(rows)
+        x = logits[torch.tensor(rows, device=dev)]  # a copy: the input keeps its raw rows
+
+        # logit_bias: one scatter-add over every biased row
+        r_idx, t_idx, bias = [], [], []
+        for j, p in enumerate(ps):
+            for tok, b in p.logit_bias:
+                if tok >= vocab:
+                    raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})")
+                r_idx.append(j)
+                t_idx.append(tok)
+                bias.append(b)
+        if r_idx:
+            x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                         torch.tensor(bias, device=dev, dtype=x.dtype), accumulate=True)
+
+        # min_tokens: the stop ids of the rows still short of it -> -inf
+        r_idx, t_idx = [], []
+        for j, (p, h) in enumerate(zip(ps, hs)):
+            if p.min_tokens > 0 and len(h.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(h.eos_token_ids))
+                for tok in stops:
+                    if 0 <= tok < vocab:  # an id past the vocabulary cannot be sampled anyway
+                        r_idx.append(j)
+                        t_idx.append(tok)
+        if r_idx:
+            x[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+
+        # penalties, sparse: only the tokens a penalized row has seen change (O(its tokens), not O(V))
+        pen = [j for j, p in enumerate(ps) if p.penalized]
+        if pen:
+            keys, n_out = [], 0
+            for j in pen:  # output tokens first: their keys' positions give the counts below
+                out = torch.as_tensor(hs[j].output_token_ids, dtype=torch.long)
+                keys.append(out[(out >= 0) & (out < vocab)] + j * vocab)
+            n_out = sum(len(k) for k in keys)
+            for j in pen:
+                if ps[j].repetition_penalty != 1:
+                    h = hs[j]
+                    cached = getattr(h, "prompt_ids_tensor", None)  # the engine's Request keeps one
+                    prompt = cached() if callable(cached) else torch.as_tensor(h.prompt_token_ids, dtype=torch.long)
+                    keys.append(prompt[(prompt >= 0) & (prompt < vocab)] + j * vocab)  # media placeholders: no tokens
+            uniq, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+            if len(uniq):
+                counts = torch.zeros(len(uniq), dtype=torch.float32).index_add_(
+                    0, inverse[:n_out], torch.ones(n_out, dtype=torch.float32))
+                r, t = (uniq // vocab).to(dev), (uniq % vocab).to(dev)
+                per_row = lambda f: torch.tensor([f(p) for p in ps], dtype=torch.float32)[uniq // vocab]  # noqa: E731
+                rp = per_row(lambda p: p.repetition_penalty).to(dev, x.dtype)
+                fp = per_row(lambda p: p.frequency_penalty).to(dev, x.dtype)
+                pp = per_row(lambda p: p.presence_penalty).to(dev, x.dtype)
+                counts = counts.to(dev, x.dtype)
+                v = x[r, t]
+                v = torch.where(v > 0, v / rp, v * rp)  # rp 1 (a row without it) leaves v as it is
+                x[r, t] = v - fp * counts - pp * (counts > 0).to(x.dtype)
+        return rows, x
 
     @staticmethod
     def argmax_suffices(params: list[SamplingParams]) -> bool:
         """Whether this sampler would take each row's argmax and nothing else from the logits: every
-        row greedy and none asking for logprobs. The runner then asks the model for the ids alone
-        (``greedy_ids``) and never builds the logits."""
-        return all(p.greedy and p.logprobs is None for p in params)
+        row greedy, none asking for logprobs nor processing its logits. The runner then asks the
+        model for the ids alone (``greedy_ids``) and never builds the logits."""
+        return all(p.greedy and p.logprobs is None and not p.processes_logits for p in params)
 
     def sample_isolated(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: Sequence[Any] | None = None,
     ) -> tuple[SamplerOutput, dict[int, Exception]]:
         """Like ``__call__``, but a row that cannot be sampled fails alone: ``(output, {row: error})``,
         the failed rows holding token -1 in ``output``.
@@ -162,7 +346,7 @@ class Sampler:
         given them without the failing row (unseeded rows draw from the shared generator anyway)."""
         states = [None if g is None else g.get_state() for g in generators]
         try:
-            return self(logits, params, generators), {}
+            return self(logits, params, generators, histories), {}
         except Exception:  # noqa: BLE001 -- which row failed is found below, row by row
             pass
         for g, state in zip(generators, states):
@@ -172,7 +356,7 @@ class Sampler:
         failed: dict[int, Exception] = {}
         for i, (p, g) in enumerate(zip(params, generators)):
             try:
-                one = self(logits[i:i + 1], [p], [g])
+                one = self(logits[i:i + 1], [p], [g], None if histories is None else [histories[i]])
             except Exception as exc:  # noqa: BLE001 -- the error ends this row's request only
                 failed[i] = exc
                 continue
@@ -198,11 +382,17 @@ class Sampler:
 
     @staticmethod
     def probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """[R, V] fp32 logits -> the distributions the random rows draw from: temperature, then
-        top-k / top-p (``_filter``), then softmax. Row-wise, so a row's result does not depend on the
-        others (speculative verification uses it for a request's verify rows)."""
+        """[R, V] fp32 (processed) logits -> the distributions the random rows draw from:
+        temperature, then min_p, then top-k / top-p (``_filter``), then softmax. Row-wise, so a row's
+        result does not depend on the others (speculative verification uses it for a request's verify
+        rows)."""
         temps = torch.tensor([p.temperature for p in params], device=x.device, dtype=x.dtype)
         x = x / temps[:, None]
+        if any(p.min_p > 0 for p in params):
+            # vLLM's min_p: drop tokens whose probability is below min_p * the row's largest
+            probs = torch.softmax(x, dim=-1)
+            min_p = torch.tensor([p.min_p for p in params], device=x.device, dtype=x.dtype)[:, None]
+            x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
         if any(p.top_k > 1 or p.top_p < 1.0 for p in params):
             x = Sampler._filter(x, params)
         return torch.softmax(x, dim=-1)

@@ -64,6 +64,12 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens or 0,
+            logit_bias=req.logit_bias or (),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None

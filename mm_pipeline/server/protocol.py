@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator,
                       model_validator)
 
-from llm_core.engine.sampling import MAX_INT32, MAX_LOGPROBS, SEED_LIMIT
+from llm_core.engine.sampling import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
@@ -168,12 +168,11 @@ class StreamOptions(_Loose):
 # field -> the values that leave the answer as if the field were absent (None always does). Any other
 # value is a 400 naming the field: each would change the answer in a way this server does not do.
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),  # json_object / json_schema: no constrained decoding here
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     # vLLM's extensions (their no-op values are vLLM's defaults)
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "length_penalty": (1,),
+    "length_penalty": (1,),
     "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
@@ -212,6 +211,15 @@ class SamplingFields(_Loose):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
+    # OpenAI's penalties and logit_bias, vLLM's min_p / min_tokens / repetition_penalty (SamplingParams)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    # token id (a decimal string, as JSON keys are) -> bias; ids outside the vocabulary: the engine's 400
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -49,7 +49,13 @@ class SpeculativeRunner:
                         layout.sliding, layout.window if layout.window is not None else self.model.config.sliding_window)
 
     def num_draft_tokens(self, request, num_running: int, max_model_len: int) -> int:
-        """k for a decoding request this step (the scheduler caps it by budget and pages)."""
+        """k for a decoding request this step (the scheduler caps it by budget and pages). A request
+        whose logits are processed (logit_bias, min_tokens, penalties: ``SamplingParams.processes_logits``)
+        never drafts: its tokens come from plain rows, which see its tokens so far, so speculation
+        stays exact without re-deriving the penalties for each drafted position (min_p is part of the
+        verified distribution, ``Sampler.probs``, and drafts as usual)."""
+        if request.params.processes_logits:
+            return 0
         k = self.draft_length.choose(request, num_running)
         room = min(max_model_len - request.num_tokens, request.params.max_tokens - request.num_output_tokens - 1)
         return max(0, min(k, self.proposer.max_draft, room))
@@ -98,7 +104,8 @@ class SpeculativeRunner:
         if plain:
             idx = torch.tensor([rows_of[id(e)][-1] for e in plain], device=logits.device)
             out, bad = self.runner.sampler.sample_isolated(
-                logits[idx], [e.request.params for e in plain], [e.request.generator for e in plain])
+                logits[idx], [e.request.params for e in plain], [e.request.generator for e in plain],
+                [e.request for e in plain])
             for i, e in enumerate(plain):
                 if i in bad:
                     failed.append((e, bad[i]))

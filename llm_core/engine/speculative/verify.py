@@ -17,8 +17,10 @@ and a draft is accepted with probability p_i(d_{i+1}) -- the acceptance of stand
 against the MTP head's one-hot (argmax) proposal (Leviathan et al. 2023, Chen et al. 2023).
 
 p is the distribution the non-speculative sampler draws from (``Sampler.probs``: temperature, then
-top-k / top-p, then softmax), computed for all k + 1 rows at once; noise rows are drawn lazily, only
-as many as tokens are emitted.
+min_p, then top-k / top-p, then softmax), computed for all k + 1 rows at once; noise rows are drawn
+lazily, only as many as tokens are emitted. A request whose logits are processed before that
+(logit_bias, min_tokens, penalties) never drafts (``SpeculativeRunner.num_draft_tokens``), so its
+rows never reach this module.
 """
 
 from __future__ import annotations

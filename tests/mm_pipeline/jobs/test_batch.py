@@ -143,6 +143,30 @@ def test_batch_file_roundtrip(engine, tmp_path):
     assert len(out.read_text().splitlines()) == 8
 
 
+def test_batch_lines_take_penalties_logit_bias_min_p_and_min_tokens(engine, tmp_path):
+    sampling = {"repetition_penalty": 1.5, "presence_penalty": 1.0, "frequency_penalty": 0.5, "min_p": 0.1,
+                "min_tokens": 4, "logit_bias": {"5": -100, "9": 3}}
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, **sampling}
+    lines = [_line("pen", body, url="/v1/completions"),
+             _line("vocab", {**body, "logit_bias": {"100000000": 1}}, url="/v1/completions"),
+             _line("range", {**body, "presence_penalty": 3}, url="/v1/completions")]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    summary = asyncio.run(BatchJob(engine, concurrency=3).run(src, out))
+    assert (summary.total, summary.succeeded, summary.failed) == (3, 1, 2)
+    by_id = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    pen = by_id["pen"]
+    assert pen["status_code"] == 200 and pen["body"]["usage"]["completion_tokens"] == 4  # min_tokens = max_tokens
+    for cid, field in (("vocab", "logit_bias"), ("range", "presence_penalty")):
+        assert by_id[cid]["status_code"] == 400 and field in by_id[cid]["body"]["error"]["message"], by_id[cid]
+
+    from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+    from mm_pipeline.server.protocol import CompletionRequest
+
+    direct = asyncio.run(ChatService(engine, ServiceConfig(engine.model_name)).complete(CompletionRequest(**body)))
+    assert direct.choices[0].text == pen["body"]["choices"][0]["text"]
+
+
 def test_batch_resume_after_a_torn_line_and_bad_lines(engine, tmp_path):
     """A crash left a torn last line: the next row starts on a line of its own (it was glued onto
     it, so lost while reported done); a line that is not UTF-8 or too deep is an error row."""

@@ -70,8 +70,8 @@ def _post(app, **fields) -> Any:
     ("tool_choice", "required"),
     ("reasoning_effort", "low"),
     ("modalities", ["text", "audio"]),
-    ("min_p", 0.1),
-    ("repetition_penalty", 1.2),
+    ("length_penalty", 0.5),
+    ("use_beam_search", True),
     ("guided_json", {"type": "object"}),
     ("include_stop_str_in_output", True),
     ("echo", True),
@@ -92,6 +92,30 @@ def test_a_field_that_changes_the_answer_is_a_400_naming_it(app, field, value):
 ])
 def test_no_op_values_and_metadata_are_served(app, fields):
     assert _post(app, **fields).status_code == 200
+
+
+def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine(app):
+    fields = dict(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.05, min_tokens=3,
+                  logit_bias={"5": 10, "17": -100})
+    assert _post(app, max_tokens=8, **fields).status_code == 200
+    assert _post(app, presence_penalty=0, frequency_penalty=0, logit_bias={}, min_p=0, min_tokens=0,
+                 repetition_penalty=1).status_code == 200
+    got, default = app.engine.params
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty, got.min_p, got.min_tokens,
+            got.logit_bias) == (0.5, -1.0, 1.2, 0.05, 3, ((5, 10.0), (17, -100.0)))
+    assert not default.processes_logits and default.min_p == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0), ("min_p", 1.5),
+    ("min_tokens", -1), ("min_tokens", 9), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
+    ("logit_bias", {str(i): 1 for i in range(1025)}),
+])
+def test_bad_sampling_values_are_a_400_naming_the_field(app, field, value):
+    r = _post(app, max_tokens=8, **{field: value})
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+    assert app.engine.chats == []
 
 
 def test_skip_special_tokens_reaches_the_engine(app):
