@@ -5,19 +5,9 @@ logprob and, on request, the top-n logprobs. Logprobs are always those of the mo
 distribution (log_softmax of the logits, before any processing below), so they do not depend on how
 a token was chosen (vLLM's default ``raw_logprobs``).
 
-Logits processing, in vLLM's order (only rows whose params ask for it; ``Sampler.process``):
-
-    logit_bias      logits[t] += bias                                   (history-free)
-    min_tokens      while fewer than min_tokens tokens were generated: stop_token_ids and EOS (unless
-                    ignore_eos) -> -inf
-    repetition      tokens seen in prompt + output: logit > 0 divided by it, < 0 multiplied
-    frequency       logits[t] -= frequency_penalty * count of t in the output
-    presence        logits[t] -= presence_penalty * (t in the output)
-    -- greedy rows: argmax here --
-    temperature, then min_p (drop tokens with prob < min_p * max prob), then top-k / top-p, softmax.
-
-The history-dependent steps need the request's tokens (``history``: any object with
-``prompt_token_ids``, ``output_token_ids`` and ``eos_token_ids``, e.g. the engine's Request).
+Logits processing (logit_bias, min_tokens, presence / frequency / repetition penalties) runs first
+for the rows that ask for it (logits_processing.py); then greedy rows take the argmax, random rows
+temperature, min_p (drop tokens with prob < min_p * max prob), top-k / top-p and softmax.
 
 Randomness: a request with a ``seed`` owns a ``torch.Generator`` and draws a vocab-sized noise row of
 its own for every token it emits (``noise_row``), so its tokens do not depend on what else is in the
@@ -33,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from llm_core.engine.logits_processing import merged_rows, processed_rows
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents no count; vLLM has none): bounds per-step work
@@ -217,12 +209,12 @@ class Sampler:
             logits = logits.float()
         raw = logits  # logprobs are the raw distribution's
         if any(p.processes_logits for p in params):
-            rows, x = self._processed_rows(logits, params, histories)
+            rows, x = processed_rows(logits, params, histories)
             if all(p.greedy for p in params):  # argmax of the processed rows, no copy of the others
                 ids = logits.argmax(dim=-1)
                 ids[torch.tensor(rows, device=logits.device)] = x.argmax(dim=-1)
                 return self._logprobs(raw, ids.tolist(), params)
-            logits = self._merged(logits, rows, x)
+            logits = merged_rows(logits, rows, x)
         elif all(p.greedy for p in params):  # the common serving case: one argmax, no index plumbing
             return self._logprobs(raw, logits.argmax(dim=-1).tolist(), params)
         rows = logits.shape[0]
@@ -238,91 +230,6 @@ class Sampler:
             )
         token_ids = chosen.tolist()
         return self._logprobs(raw, token_ids, params)
-
-    @staticmethod
-    def process(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[Any] | None) -> torch.Tensor:
-        """[R, V] fp32 logits -> the logits with each row's logit_bias, min_tokens mask and penalties
-        applied (module docstring), vectorized over the rows that have any; the other rows (and the
-        input tensor) are left as they are. Row-wise: a row's result does not depend on the others."""
-        if not any(p.processes_logits for p in params):
-            return logits
-        return Sampler._merged(logits, *Sampler._processed_rows(logits, params, histories))
-
-    @staticmethod
-    def _merged(logits: torch.Tensor, rows: list[int], x: torch.Tensor) -> torch.Tensor:
-        """``logits`` with ``rows`` replaced by ``x`` (a new tensor; ``x`` itself when it is every row)."""
-        if len(rows) == logits.shape[0]:
-            return x
-        out = logits.clone()
-        out[torch.tensor(rows, device=logits.device)] = x
-        return out
-
-    @staticmethod
-    def _processed_rows(logits: torch.Tensor, params: list[SamplingParams],
-                        histories: Sequence[Any] | None) -> tuple[list[int], torch.Tensor]:
-        """The rows that process their logits (at least one) and their processed logits [len(rows), V]."""
-        rows = [i for i, p in enumerate(params) if p.processes_logits]
-        dev, vocab = logits.device, logits.shape[1]
-        ps = [params[i] for i in rows]
-        needs_history = [p.min_tokens > 0 or p.penalized for p in ps]
-        if any(needs_history) and (histories is None or len(histories) != len(params)):
-            raise ValueError("min_tokens and the penalties need each row's tokens (histories)")
-        hs = [histories[i] for i in rows] if histories is not None else [None] * len(rows)
-        x = logits[torch.tensor(rows, device=dev)]  # a copy: the input keeps its raw rows
-
-        # logit_bias: one scatter-add over every biased row
-        r_idx, t_idx, bias = [], [], []
-        for j, p in enumerate(ps):
-            for tok, b in p.logit_bias:
-                if tok >= vocab:
-                    raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})")
-                r_idx.append(j)
-                t_idx.append(tok)
-                bias.append(b)
-        if r_idx:
-            x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                         torch.tensor(bias, device=dev, dtype=x.dtype), accumulate=True)
-
-        # min_tokens: the stop ids of the rows still short of it -> -inf
-        r_idx, t_idx = [], []
-        for j, (p, h) in enumerate(zip(ps, hs)):
-            if p.min_tokens > 0 and len(h.output_token_ids) < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(h.eos_token_ids))
-                for tok in stops:
-                    if 0 <= tok < vocab:  # an id past the vocabulary cannot be sampled anyway
-                        r_idx.append(j)
-                        t_idx.append(tok)
-        if r_idx:
-            x[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
-
-        # penalties, sparse: only the tokens a penalized row has seen change (O(its tokens), not O(V))
-        pen = [j for j, p in enumerate(ps) if p.penalized]
-        if pen:
-            keys, n_out = [], 0
-            for j in pen:  # output tokens first: their keys' positions give the counts below
-                out = torch.as_tensor(hs[j].output_token_ids, dtype=torch.long)
-                keys.append(out[(out >= 0) & (out < vocab)] + j * vocab)
-            n_out = sum(len(k) for k in keys)
-            for j in pen:
-                if ps[j].repetition_penalty != 1:
-                    h = hs[j]
-                    cached = getattr(h, "prompt_ids_tensor", None)  # the engine's Request keeps one
-                    prompt = cached() if callable(cached) else torch.as_tensor(h.prompt_token_ids, dtype=torch.long)
-                    keys.append(prompt[(prompt >= 0) & (prompt < vocab)] + j * vocab)  # media placeholders: no tokens
-            uniq, inverse = torch.unique(torch.cat(keys), return_inverse=True)
-            if len(uniq):
-                counts = torch.zeros(len(uniq), dtype=torch.float32).index_add_(
-                    0, inverse[:n_out], torch.ones(n_out, dtype=torch.float32))
-                r, t = (uniq // vocab).to(dev), (uniq % vocab).to(dev)
-                per_row = lambda f: torch.tensor([f(p) for p in ps], dtype=torch.float32)[uniq // vocab]  # noqa: E731
-                rp = per_row(lambda p: p.repetition_penalty).to(dev, x.dtype)
-                fp = per_row(lambda p: p.frequency_penalty).to(dev, x.dtype)
-                pp = per_row(lambda p: p.presence_penalty).to(dev, x.dtype)
-                counts = counts.to(dev, x.dtype)
-                v = x[r, t]
-                v = torch.where(v > 0, v / rp, v * rp)  # rp 1 (a row without it) leaves v as it is
-                x[r, t] = v - fp * counts - pp * (counts > 0).to(x.dtype)
-        return rows, x
 
     @staticmethod
     def argmax_suffices(params: list[SamplingParams]) -> bool:

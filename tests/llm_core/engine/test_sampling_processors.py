@@ -1,4 +1,4 @@
-"""Logits processing in the sampler (sampling.py ``Sampler.process`` / ``Sampler.probs``): min_p,
+"""Logits processing in the sampler (logits_processing.py ``process_logits`` / ``Sampler.probs``): min_p,
 min_tokens, logit_bias, presence / frequency / repetition penalties -- validation naming the field,
 equivalence with transformers' logits processors, row independence, raw logprobs."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llm_core.engine.sampling import MAX_LOGIT_BIAS, Sampler, SamplingParams
+from llm_core.engine.logits_processing import process_logits
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
@@ -87,7 +88,7 @@ def test_min_p_sampling_stays_in_the_kept_set():
 @pytest.mark.parametrize("rp", [0.5, 1.3, 2.0])
 def test_repetition_penalty_equals_transformers_over_prompt_and_output(rp):
     x, hs = logits(2, 3), [hist(1), hist(2)]
-    ours = Sampler.process(x, [SamplingParams(repetition_penalty=rp)] * 2, hs)
+    ours = process_logits(x, [SamplingParams(repetition_penalty=rp)] * 2, hs)
     ids = torch.tensor([h.prompt_token_ids + h.output_token_ids for h in hs])
     torch.testing.assert_close(ours, RepetitionPenaltyLogitsProcessor(rp)(ids, x.clone()))
 
@@ -96,29 +97,29 @@ def test_min_tokens_equals_transformers_and_honours_ignore_eos():
     x = logits(1, 4)
     h = History([5, 6, 7], [9, 10])  # 2 tokens out
     p = SamplingParams(min_tokens=3, stop_token_ids=[11, 12])
-    ours = Sampler.process(x, [p], [h])
+    ours = process_logits(x, [p], [h])
     ref = MinNewTokensLengthLogitsProcessor(3, min_new_tokens=3, eos_token_id=[2, 11, 12])(
         torch.tensor([h.prompt_token_ids + h.output_token_ids]), x.clone())
     torch.testing.assert_close(ours, ref)
-    ignore = Sampler.process(x, [SamplingParams(min_tokens=3, stop_token_ids=[11], ignore_eos=True)], [h])
+    ignore = process_logits(x, [SamplingParams(min_tokens=3, stop_token_ids=[11], ignore_eos=True)], [h])
     assert ignore[0, 11] == float("-inf") and ignore[0, 2] == x[0, 2]  # EOS is no stop under ignore_eos
-    done = Sampler.process(x, [p], [History([5], [9, 10, 11])])  # 3 out: nothing masked any more
+    done = process_logits(x, [p], [History([5], [9, 10, 11])])  # 3 out: nothing masked any more
     torch.testing.assert_close(done, x)
 
 
 def test_logit_bias_equals_transformers_sequence_bias():
     x = logits(1, 5)
     bias = {3: 5.0, 17: -100.0, 40: 0.25}
-    ours = Sampler.process(x, [SamplingParams(logit_bias=bias)], None)  # history-free: no histories needed
+    ours = process_logits(x, [SamplingParams(logit_bias=bias)], None)  # history-free: no histories needed
     ref = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(torch.tensor([[1, 2]]), x.clone())
     torch.testing.assert_close(ours, ref)
     with pytest.raises(ValueError, match="logit_bias"):
-        Sampler.process(x, [SamplingParams(logit_bias={V: 1.0})], None)
+        process_logits(x, [SamplingParams(logit_bias={V: 1.0})], None)
 
 
 def test_presence_and_frequency_penalties_hand_computed():
     x, h = logits(1, 6), History([1, 1, 1, 4], [3, 3, 5, 3])
-    ours = Sampler.process(x, [SamplingParams(presence_penalty=0.5, frequency_penalty=-1.5)], [h])
+    ours = process_logits(x, [SamplingParams(presence_penalty=0.5, frequency_penalty=-1.5)], [h])
     ref = x.clone()
     for t, n in {3: 3, 5: 1}.items():
         ref[0, t] -= 0.5 + (-1.5) * n
@@ -129,7 +130,7 @@ def test_order_is_bias_then_penalties_as_vllm():
     x = torch.zeros(1, V)
     x[0, 3] = -1.0
     h = History([3], [])
-    out = Sampler.process(x, [SamplingParams(logit_bias={3: 3.0}, repetition_penalty=2.0)], [h])
+    out = process_logits(x, [SamplingParams(logit_bias={3: 3.0}, repetition_penalty=2.0)], [h])
     assert out[0, 3].item() == pytest.approx(1.0)  # (-1 + 3) / 2, not -1 * 2 + 3
 
 
@@ -139,12 +140,12 @@ def test_rows_are_processed_independently_and_other_rows_untouched():
     params = [SamplingParams(), SamplingParams(repetition_penalty=1.4, logit_bias={1: 2}),
               SamplingParams(temperature=0.0), SamplingParams(frequency_penalty=1.0, min_tokens=50, max_tokens=60)]
     before = x.clone()
-    batch = Sampler.process(x, params, hs)
+    batch = process_logits(x, params, hs)
     torch.testing.assert_close(x, before)  # the input keeps its raw rows
     for i in range(4):
-        torch.testing.assert_close(batch[i:i + 1], Sampler.process(x[i:i + 1], [params[i]], [hs[i]]))
+        torch.testing.assert_close(batch[i:i + 1], process_logits(x[i:i + 1], [params[i]], [hs[i]]))
     assert torch.equal(batch[0], x[0]) and torch.equal(batch[2], x[2])
-    assert Sampler.process(x, [SamplingParams()] * 4, None) is x  # nothing to do: the same tensor
+    assert process_logits(x, [SamplingParams()] * 4, None) is x  # nothing to do: the same tensor
 
 
 def test_greedy_follows_processed_logits_and_logprobs_stay_raw():
@@ -173,4 +174,4 @@ def test_seeded_rows_with_penalties_do_not_depend_on_batch_company():
 
 def test_history_dependent_rows_need_histories():
     with pytest.raises(ValueError, match="histories"):
-        Sampler.process(logits(1), [SamplingParams(repetition_penalty=1.2)], None)
+        process_logits(logits(1), [SamplingParams(repetition_penalty=1.2)], None)

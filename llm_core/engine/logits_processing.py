@@ -1,0 +1,112 @@
+"""Logits processing before sampling, in vLLM's order, for the rows whose ``SamplingParams`` ask
+for it (``processes_logits``); the sampler (sampling.py) calls ``process_logits`` and the other
+rows take its plain path:
+
+    logit_bias      logits[t] += bias                                   (history-free)
+    min_tokens      while fewer than min_tokens tokens were generated: stop_token_ids and EOS (unless
+                    ignore_eos) -> -inf
+    repetition      tokens seen in prompt + output: logit > 0 divided by it, < 0 multiplied
+    frequency       logits[t] -= frequency_penalty * count of t in the output
+    presence        logits[t] -= presence_penalty * (t in the output)
+
+then (sampling.py) greedy rows take the argmax; random rows: temperature, min_p, top-k / top-p.
+
+The history-dependent steps need the request's tokens (a ``history``: any object with
+``prompt_token_ids``, ``output_token_ids`` and ``eos_token_ids``, e.g. the engine's Request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from llm_core.engine.sampling import SamplingParams
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams],
+                   histories: Sequence[Any] | None) -> torch.Tensor:
+    """[R, V] fp32 logits -> the logits with each row's logit_bias, min_tokens mask and penalties
+    applied (module docstring), vectorized over the rows that have any; the other rows (and the
+    input tensor) are left as they are. Row-wise: a row's result does not depend on the others."""
+    if not any(p.processes_logits for p in params):
+        return logits
+    return merged_rows(logits, *processed_rows(logits, params, histories))
+
+
+def merged_rows(logits: torch.Tensor, rows: list[int], x: torch.Tensor) -> torch.Tensor:
+    """``logits`` with ``rows`` replaced by ``x`` (a new tensor; ``x`` itself when it is every row)."""
+    if len(rows) == logits.shape[0]:
+        return x
+    out = logits.clone()
+    out[torch.tensor(rows, device=logits.device)] = x
+    return out
+
+
+def processed_rows(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: Sequence[Any] | None) -> tuple[list[int], torch.Tensor]:
+    """The rows that process their logits (at least one) and their processed logits [len(rows), V]."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    dev, vocab = logits.device, logits.shape[1]
+    ps = [params[i] for i in rows]
+    needs_history = [p.min_tokens > 0 or p.penalized for p in ps]
+    if any(needs_history) and (histories is None or len(histories) != len(params)):
+        raise ValueError("min_tokens and the penalties need each row's tokens (histories)")
+    hs = [histories[i] for i in rows] if histories is not None else [None] * len(rows)
+    x = logits[torch.tensor(rows, device=dev)]  # a copy: the input keeps its raw rows
+
+    # logit_bias: one scatter-add over every biased row
+    r_idx, t_idx, bias = [], [], []
+    for j, p in enumerate(ps):
+        for tok, b in p.logit_bias:
+            if tok >= vocab:
+                raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})")
+            r_idx.append(j)
+            t_idx.append(tok)
+            bias.append(b)
+    if r_idx:
+        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                     torch.tensor(bias, device=dev, dtype=x.dtype), accumulate=True)
+
+    # min_tokens: the stop ids of the rows still short of it -> -inf
+    r_idx, t_idx = [], []
+    for j, (p, h) in enumerate(zip(ps, hs)):
+        if p.min_tokens > 0 and len(h.output_token_ids) < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(h.eos_token_ids))
+            for tok in stops:
+                if 0 <= tok < vocab:  # an id past the vocabulary cannot be sampled anyway
+                    r_idx.append(j)
+                    t_idx.append(tok)
+    if r_idx:
+        x[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+
+    # penalties, sparse: only the tokens a penalized row has seen change (O(its tokens), not O(V))
+    pen = [j for j, p in enumerate(ps) if p.penalized]
+    if pen:
+        keys, n_out = [], 0
+        for j in pen:  # output tokens first: their keys' positions give the counts below
+            out = torch.as_tensor(hs[j].output_token_ids, dtype=torch.long)
+            keys.append(out[(out >= 0) & (out < vocab)] + j * vocab)
+        n_out = sum(len(k) for k in keys)
+        for j in pen:
+            if ps[j].repetition_penalty != 1:
+                h = hs[j]
+                cached = getattr(h, "prompt_ids_tensor", None)  # the engine's Request keeps one
+                prompt = cached() if callable(cached) else torch.as_tensor(h.prompt_token_ids, dtype=torch.long)
+                keys.append(prompt[(prompt >= 0) & (prompt < vocab)] + j * vocab)  # media placeholders: no tokens
+        uniq, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+        if len(uniq):
+            counts = torch.zeros(len(uniq), dtype=torch.float32).index_add_(
+                0, inverse[:n_out], torch.ones(n_out, dtype=torch.float32))
+            r, t = (uniq // vocab).to(dev), (uniq % vocab).to(dev)
+            per_row = lambda f: torch.tensor([f(p) for p in ps], dtype=torch.float32)[uniq // vocab]  # noqa: E731
+            rp = per_row(lambda p: p.repetition_penalty).to(dev, x.dtype)
+            fp = per_row(lambda p: p.frequency_penalty).to(dev, x.dtype)
+            pp = per_row(lambda p: p.presence_penalty).to(dev, x.dtype)
+            counts = counts.to(dev, x.dtype)
+            v = x[r, t]
+            v = torch.where(v > 0, v / rp, v * rp)  # rp 1 (a row without it) leaves v as it is
+            x[r, t] = v - fp * counts - pp * (counts > 0).to(x.dtype)
+    return rows, x
