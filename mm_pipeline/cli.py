@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mm_pipeline.config_flags import add_config_flags
 
     add_config_flags(limits, server_limit_flags())
-    add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))  # --reasoning-parser {auto,qwen3,none}
+    # --reasoning-parser {auto,qwen3,none}, --tool-call-parser {auto,qwen3_coder,none}
+    add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
                              "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", type=_ray_address,
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mm_pipeline.jobs.batch import BatchConfig
     from mm_pipeline.jobs.caption import CaptionConfig
     from mm_pipeline.server.reasoning import REASONING_PARSERS
+    from mm_pipeline.server.tool_calls import TOOL_PARSERS
 
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--default-max-tokens", type=field_type(BatchConfig, "default_max_tokens"), default=512)
     b.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
                    help="chat answers' <think>...</think> in reasoning_content, as `serve --reasoning-parser`")
+    b.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="auto",
+                   help="chat answers' <tool_call> blocks in tool_calls, as `serve --tool-call-parser`")
     _add_ray_args(b, formats=False)
     return parser
 
@@ -300,7 +304,7 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
 # hand-written flags above: --served-model-name, --api-key, --files-dir, --max-upload-mb, ...)
 SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_prompts", "max_files",
                        "max_files_total_bytes")
-SERVER_ANSWER_FIELDS = ("reasoning_parser",)  # how answers are shaped
+SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser")  # how answers are shaped
 
 
 def server_flags(fields: Sequence[str]) -> list:
@@ -338,6 +342,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from mm_pipeline.server import create_app
     from mm_pipeline.server.reasoning import describe_reasoning, resolve_reasoning
+    from mm_pipeline.server.tool_calls import describe_tool_calls, resolve_tool_calls
 
     model_dir = resolve_model_dir(args.model)
     settings = server_settings(args, model_dir)
@@ -346,8 +351,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, settings)
         reasoning = resolve_reasoning(settings.reasoning_parser, engine.tokenizer)  # as create_app resolves it
+        tool_calls = resolve_tool_calls(settings.tool_call_parser, engine.tokenizer)
         lines = describe_engine(engine, model_dir) + [
             f"reasoning {describe_reasoning(settings.reasoning_parser, reasoning)}",
+            f"tools     {describe_tool_calls(settings.tool_call_parser, tool_calls)}",
             f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)",
             f"upload    page: http://{args.host}:{args.port}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)

@@ -64,14 +64,18 @@ class MultimodalLLM:
     def chat(self, conversations: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Answer each conversation (OpenAI-format messages); one conversation or a list of them.
         The keyword arguments are vLLM's ``LLM.chat`` ones, applied to every conversation, with the
         server's rules (prompt/template_options.py): e.g. ``chat_template_kwargs={"enable_thinking":
-        False}``; a key the model's template does not read fails that conversation, naming it."""
+        False}``; a key the model's template does not read fails that conversation, naming it.
+        ``tools``: OpenAI function definitions the template renders (as vLLM's ``LLM.chat(tools=...)``;
+        the answers are not parsed for calls here: mm_pipeline/server/tool_calls.py does that)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        options = TemplateOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        options = TemplateOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},
+                                  tuple(tools or ()))
         # malformed input raises here, before any work
         chats = [parse_messages(c, options) for c in conversations]
         params = self._params(sampling_params, len(chats))

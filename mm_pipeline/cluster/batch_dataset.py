@@ -144,7 +144,8 @@ def read_chunks(batch: dict[str, np.ndarray], path: str) -> dict[str, list]:
 
 def run_batch_on_ray(ray: Any, in_path: Path, spec: ReplicaSpec, config: RayJobConfig,
                      default_max_tokens: int = 512,
-                     reasoning_parser: str = "auto") -> tuple[BatchSummary, DistributedResult]:
+                     reasoning_parser: str = "auto",
+                     tool_call_parser: str = "auto") -> tuple[BatchSummary, DistributedResult]:
     """Answer ``in_path`` (resuming ``spec.output``) on the connected Ray cluster, then merge (under
     the output's lock, as ``run_caption_on_ray``)."""
     with spec.output.lock():
@@ -167,7 +168,8 @@ def run_batch_on_ray(ray: Any, in_path: Path, spec: ReplicaSpec, config: RayJobC
                                 compute=ray.data.TaskPoolStrategy(size=config.read_tasks))
             plan.chunks = []  # Ray holds them now
             result = run_replicas(ds, BatchReplica, {"spec": spec, "default_max_tokens": default_max_tokens,
-                                                         "reasoning_parser": reasoning_parser},
+                                                         "reasoning_parser": reasoning_parser,
+                                                         "tool_call_parser": tool_call_parser},
                                   config, on_result=lambda key, error, tokens: summary.add(key or None, error),
                                   progress=progress)
         progress.close()

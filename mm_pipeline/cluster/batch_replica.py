@@ -22,9 +22,11 @@ def line_of(raw: Any) -> str | bytes:
 class BatchReplica(JobReplica):
     """Batches of input lines (``number``, ``raw``: the line's bytes) -> OpenAI Batch output lines."""
 
-    def __init__(self, spec: ReplicaSpec, default_max_tokens: int, reasoning_parser: str = "auto") -> None:
+    def __init__(self, spec: ReplicaSpec, default_max_tokens: int, reasoning_parser: str = "auto",
+                 tool_call_parser: str = "auto") -> None:
         super().__init__(spec)
-        self.job = BatchJob(self.engine, default_max_tokens=default_max_tokens, reasoning_parser=reasoning_parser)
+        self.job = BatchJob(self.engine, default_max_tokens=default_max_tokens, reasoning_parser=reasoning_parser,
+                            tool_call_parser=tool_call_parser)
 
     def keys(self, batch: dict[str, np.ndarray]) -> list[str | None]:
         return [custom_id_of(line_of(raw)) for raw in batch["raw"]]

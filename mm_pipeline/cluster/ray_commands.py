@@ -130,4 +130,4 @@ def batch_on_ray(args: argparse.Namespace, model_dir: Path) -> int:
     ray, spec, config, owned = _ray_job(args, model_dir, args.output, "custom_id", "jsonl")
     return _report("batch", owned,
                    lambda: run_batch_on_ray(ray, Path(args.input), spec, config, args.default_max_tokens,
-                                            args.reasoning_parser))
+                                            args.reasoning_parser, args.tool_call_parser))

@@ -38,6 +38,7 @@ from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.reasoning import REASONING_PARSERS, resolve_reasoning
+from mm_pipeline.server.tool_calls import TOOL_PARSERS, resolve_tool_calls
 from mm_pipeline.server.errors import error_body, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -165,6 +166,7 @@ class BatchConfig:
     # as `mmserve serve --reasoning-parser` (server/reasoning.py): a batch line's chat answer is the
     # one the server would give for it
     reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"  # as `mmserve serve --tool-call-parser` (server/tool_calls.py)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -176,17 +178,22 @@ class BatchConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}; "
+                             f"got {self.tool_call_parser!r}")
 
 
 class BatchJob:
     """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
 
     def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int = 512,
-                 reasoning_parser: str = "auto") -> None:
-        config = BatchConfig(concurrency, default_max_tokens, reasoning_parser)
+                 reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> None:
+        config = BatchConfig(concurrency, default_max_tokens, reasoning_parser, tool_call_parser)
         reasoning = resolve_reasoning(config.reasoning_parser, getattr(engine, "tokenizer", None))
+        tool_calls = resolve_tool_calls(config.tool_call_parser, getattr(engine, "tokenizer", None))
         self.service = ChatService(engine, ServiceConfig(getattr(engine, "model_name", "mmserve"),
-                                                         config.default_max_tokens, reasoning=reasoning))
+                                                         config.default_max_tokens, reasoning=reasoning,
+                                                         tool_calls=tool_calls))
         self.concurrency = config.concurrency
 
     async def run(self, in_path: str | Path, out_path: str | Path, progress_stream=None) -> BatchSummary:

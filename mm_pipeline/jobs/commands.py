@@ -66,7 +66,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     engine = cli.load_engine(args, model_dir)  # through the module: tests lend their engine
     try:
         job = BatchJob(engine, concurrency=args.concurrency, default_max_tokens=args.default_max_tokens,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
         summary = asyncio.run(job.run(args.input, args.output))
     finally:
         engine.shutdown()

@@ -8,7 +8,7 @@ import inspect
 import itertools
 import re
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import jinja2
 import jinja2.meta
@@ -94,13 +94,18 @@ class ChatTemplate:
             raise InvalidMessageError(f"the chat template cannot render this chat: {str(exc)[:300]}") from None
 
     def token_ids(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+                  continue_final_message: bool = False, tools: Sequence[Mapping[str, Any]] = (),
+                  **template_kwargs: Any) -> list[int]:
         """The chat templated and tokenized; message text literal (class doc). ``continue_final_message``:
         transformers' own cut, after the final message's last text part (:func:`chat_messages` gives
-        the final message one); ``template_kwargs``: checked first (:meth:`check_kwargs`)."""
+        the final message one); ``template_kwargs``: checked first (:meth:`check_kwargs`); ``tools``:
+        function definitions for the template's ``tools`` (checked: :meth:`check_tools`)."""
         self.check_kwargs(template_kwargs)
+        self.check_tools(tools, messages)
         if continue_final_message:
             template_kwargs = {**template_kwargs, "continue_final_message": True}
+        if tools:
+            template_kwargs = {**template_kwargs, "tools": [dict(t) for t in tools]}
         text = self.render_text(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         texts = _message_texts(messages)
         if not self._spells_special(texts):
@@ -139,6 +144,17 @@ class ChatTemplate:
             if any(self._spells_special([s]) for s in template_strings(value)):
                 raise InvalidMessageError(f"chat_template_kwargs.{key} holds text that is, or could join into, a "
                                           f"special token of this model ({self._spelled(template_strings(value))})")
+
+    def check_tools(self, tools: Sequence[Mapping[str, Any]], messages: list[dict[str, Any]]) -> None:
+        """``InvalidMessageError`` (400) when the tool definitions, or the assistants' tool calls, hold
+        text that is or could join into a special token: the template writes them as it renders them
+        (unlike message text, they cannot be kept literal), so such text would become that token."""
+        for where, value in [("tools", list(tools))] + [(f"messages[{i}].tool_calls", m["tool_calls"])
+                                                        for i, m in enumerate(messages) if m.get("tool_calls")]:
+            strings = template_strings(value)
+            if any(self._spells_special([s]) for s in strings):
+                raise InvalidMessageError(f"{where} holds text that is, or could join into, a special token of this "
+                                          f"model ({self._spelled(strings)})")
 
     # ---- internals -------------------------------------------------------------------------
     def _spells_special(self, texts: list[str]) -> bool:
@@ -310,6 +326,8 @@ def chat_messages(chat: ChatRequest, kinds: Iterator[str], keep_empty: bool) -> 
         message: dict[str, Any] = {"role": turn.role, "content": content}
         if turn.reasoning is not None:
             message["reasoning_content"] = turn.reasoning
+        if turn.tool_calls:
+            message["tool_calls"] = [{**c, "function": dict(c["function"])} for c in turn.tool_calls]
         messages.append(message)
     if chat.options.continue_final_message and (not messages[-1]["content"]
                                                 or messages[-1]["content"][-1]["type"] != "text"):

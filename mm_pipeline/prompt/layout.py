@@ -392,5 +392,6 @@ class ChatLayout:
         self.text_bound.check(chat.texts, max_tokens, least)
         messages = chat_messages(chat, iter(s.kind for s in slots), keep_empty=not self.template.drops_empty_text)
         ids = self.template.token_ids(messages, add_generation_prompt=options.add_generation_prompt,
-                                      continue_final_message=options.continue_final_message, **options.kwargs)
+                                      continue_final_message=options.continue_final_message, tools=options.tools,
+                                      **options.kwargs)
         return self.prompt_layout.expand(ids, slots)

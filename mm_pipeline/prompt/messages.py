@@ -23,8 +23,14 @@ text; both given must agree) reaches the chat template as ``reasoning_content``,
 template renders as ``<think>...</think>``; its text is kept literal as the content is
 (prompt/chat_template.py). Message fields the prompt layout does not hand to the chat template are
 refused by name rather than dropped, since dropping them changes the prompt the client asked for
-(``UNRENDERED``): assistant ``tool_calls`` / ``function_call`` (the template has no place for them).
-Empty values are what leaving the field out renders, and are accepted.
+(``UNRENDERED``): the deprecated ``function_call`` (the template has no place for it). Empty values
+are what leaving the field out renders, and are accepted.
+
+An assistant message's ``tool_calls`` (OpenAI's ``[{"id", "type": "function", "function": {"name",
+"arguments": a JSON object as a string}}]``) reach the template as ``tool_calls`` with
+``arguments`` parsed into an object (as vLLM hands them to a template), which the MiMo template
+renders back as ``<tool_call><function=NAME><parameter=P>value</parameter>...``: at most
+MAX_TOOL_CALLS per message, names as OpenAI's, arguments a JSON object (``ChatTurn.tool_calls``).
 
 How the chat is templated (the generation prompt, continuing the final message,
 ``chat_template_kwargs``) is the request's ``TemplateOptions`` (prompt/template_options.py), carried
@@ -39,20 +45,22 @@ a request's messages are parsed once, here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes, parse_codes
 from mm_pipeline.media.types import MediaKind, MediaSource
-from mm_pipeline.prompt.template_options import DEFAULT_OPTIONS, TemplateOptions
+from mm_pipeline.prompt.template_options import (DEFAULT_OPTIONS, MAX_TOOLS_BYTES, TOOL_NAME, TemplateOptions,
+                                                  check_tools)
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # message field -> why it cannot be honoured (module doc)
 UNRENDERED = {
-    "tool_calls": "tool calls are not supported (the chat template does not render them)",
-    "function_call": "function calls are not supported (the chat template does not render them)",
+    "function_call": "function_call is not supported (the deprecated form of tool_calls; send tool_calls)",
 }
+MAX_TOOL_CALLS = 128  # per assistant message
 # an assistant's reasoning under its two names (vLLM's newer one last); the template reads the first
 REASONING_FIELDS = ("reasoning_content", "reasoning")
 _URL_PARTS = {"image_url": MediaKind.IMAGE, "video_url": MediaKind.VIDEO, "audio_url": MediaKind.AUDIO}
@@ -82,6 +90,9 @@ class ChatTurn:
     role: str
     parts: tuple[Part, ...]
     reasoning: str | None = None  # an assistant's reasoning_content (module doc)
+    # an assistant's tool calls as the template takes them: {"id"?, "type": "function",
+    # "function": {"name", "arguments": {...}}} (module doc)
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,11 +160,56 @@ def parse_messages(messages: Any, options: TemplateOptions | None = None) -> Cha
             if role != "assistant" or not isinstance(refusal, str):
                 raise InvalidMessageError(f"{where}.refusal must be a string, in an assistant message")
             parts += (refusal,)
-        turns.append(ChatTurn("system" if role == "developer" else role, parts, _reasoning(msg, where, role)))
+        turns.append(ChatTurn("system" if role == "developer" else role, parts, _reasoning(msg, where, role),
+                              _tool_calls(msg.get("tool_calls"), where, role)))
     if options.continue_final_message and turns[-1].role != "assistant":
         raise InvalidMessageError(f"continue_final_message needs the final message to be an assistant message to "
                                   f"continue; messages[{len(turns) - 1}] is a {messages[-1]['role']} message")
     return ChatRequest(tuple(turns), options)
+
+
+def _tool_calls(calls: Any, where: str, role: str) -> tuple[dict[str, Any], ...]:
+    """An assistant's ``tool_calls`` (module doc) as the template takes them; () when absent or empty."""
+    if not calls:
+        return ()
+    where = f"{where}.tool_calls"
+    if role != "assistant":
+        raise InvalidMessageError(f"{where}: only an assistant message carries tool calls")
+    if not isinstance(calls, (list, tuple)):
+        raise InvalidMessageError(f"{where} must be a list")
+    if len(calls) > MAX_TOOL_CALLS:
+        raise InvalidMessageError(f"{where} has {len(calls)} calls; at most {MAX_TOOL_CALLS} are taken")
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise InvalidMessageError(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                                      f'"arguments": ...}}}}')
+        name, args = fn.get("name"), fn.get("arguments")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise InvalidMessageError(f"{at}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {str(name)[:80]!r}")
+        if args is None or args == "":
+            args = {}
+        elif isinstance(args, str):
+            if len(args) > MAX_TOOLS_BYTES:
+                raise InvalidMessageError(f"{at}.function.arguments is longer than {MAX_TOOLS_BYTES} characters")
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise InvalidMessageError(f"{at}.function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise InvalidMessageError(f"{at}.function.arguments must be a JSON object (as a string)")
+        try:  # the same JSON-only, bounded walk as tool definitions (their checks, reused)
+            checked = check_tools([{"type": "function", "function": {"name": name, "parameters": args}}])[0]
+        except InvalidMessageError as exc:
+            raise InvalidMessageError(f"{at}.function.arguments: {str(exc).split(': ', 1)[-1]}") from None
+        entry: dict[str, Any] = {"type": "function",
+                                 "function": {"name": name, "arguments": checked["function"]["parameters"]}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return tuple(out)
 
 
 def _reasoning(msg: dict, where: str, role: str) -> str | None:

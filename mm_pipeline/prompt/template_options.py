@@ -13,7 +13,13 @@ here, before any template sees them:
     prompt, tools, documents, the tokenizer's special-token variables, apply_chat_template's own
     arguments, the Jinja globals): each would replace what the server rendered with
 
-Each is a 400 naming the key. What depends on the template is checked where it is known
+Each is a 400 naming the key.
+
+``tools`` (OpenAI's function definitions, rendered by the template into its system turn) are client
+data too: at most MAX_TOOLS of them in MAX_TOOLS_BYTES of compact JSON, nested at most
+MAX_TOOLS_DEPTH deep, each ``{"type": "function", "function": {"name", "description"?,
+"parameters"?}}`` with a name matching OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` (``check_tools``); they are
+carried on the options as ``tools`` and handed to the template as its ``tools`` variable. What depends on the template is checked where it is known
 (``ChatTemplate.check_kwargs``, prompt/chat_template.py): a key the template never reads is a 400
 too (vLLM drops such keys silently; here a field is honoured or refused), and so is a string value
 that spells one of the tokenizer's special tokens (message text is kept literal; a variable is
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -49,6 +56,11 @@ RESERVED_NAMES = frozenset({
 
 _SCALARS = (str, int, float, bool, type(None))
 
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 * 1024  # compact JSON, UTF-8: a large agent's tool set is tens of KiB
+MAX_TOOLS_DEPTH = 16  # JSON schemas nest deeper than template variables do
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+
 
 @dataclass(frozen=True)
 class TemplateOptions:
@@ -61,6 +73,7 @@ class TemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    tools: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -69,10 +82,11 @@ class TemplateOptions:
                 "starts a new assistant message, continue_final_message goes on with the last one "
                 "(add_generation_prompt defaults to true: send add_generation_prompt: false with it)")
         object.__setattr__(self, "kwargs", check_template_kwargs(self.kwargs))
+        object.__setattr__(self, "tools", check_tools(self.tools))
 
     @property
     def is_default(self) -> bool:
-        return self.add_generation_prompt and not self.continue_final_message and not self.kwargs
+        return self.add_generation_prompt and not self.continue_final_message and not self.kwargs and not self.tools
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -100,13 +114,57 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return out
 
 
-def _json_copy(value: Any, where: str, depth: int, budget: list[int]) -> Any:
+def check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+    """``tools`` bounded and shaped (module doc), as a tuple of new dicts; else
+    ``InvalidMessageError`` naming the place. A checked tuple is taken as it is."""
+    if tools is None:
+        return ()
+    if type(tools) is tuple and all(type(t) is _Checked for t in tools):
+        return tools
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidMessageError(f"tools must be a list of function definitions, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidMessageError(f"tools has {len(tools)} entries; at most {MAX_TOOLS} are taken")
+    budget = [MAX_TOOLS_BYTES]
+    out = []
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        tool = _json_copy(tool, where, 0, budget, MAX_TOOLS_DEPTH, "tools", MAX_TOOLS_BYTES)
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidMessageError(f'{where} must be {{"type": "function", "function": {{"name": ..., '
+                                      f'"description"?, "parameters"?}}}}')
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise InvalidMessageError(f"{where}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got "
+                                      f"{str(name)[:80]!r}")
+        if name in names:
+            raise InvalidMessageError(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise InvalidMessageError(f"{where}.function.description must be a string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidMessageError(f"{where}.function.parameters must be a JSON schema object")
+        out.append(_Checked(tool))
+    size = len(json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > MAX_TOOLS_BYTES:
+        raise InvalidMessageError(f"tools is {size} bytes of JSON; at most {MAX_TOOLS_BYTES} bytes are taken")
+    return tuple(out)
+
+
+class _Checked(dict):
+    """A tool definition ``check_tools`` made (so a second check is free)."""
+
+
+def _json_copy(value: Any, where: str, depth: int, budget: list[int], max_depth: int = MAX_KWARGS_DEPTH,
+               what: str = "chat_template_kwargs", max_bytes: int = MAX_KWARGS_BYTES) -> Any:
     """A copy of ``value`` made of JSON types only; the walk stops at ``MAX_KWARGS_DEPTH`` and once
     more values were seen than the byte bound can hold, so a huge or deep value costs little."""
     budget[0] -= 1
     if budget[0] < 0:
-        raise InvalidMessageError(f"chat_template_kwargs holds more than {MAX_KWARGS_BYTES} values; at most "
-                                  f"{MAX_KWARGS_BYTES} bytes of JSON are taken")
+        raise InvalidMessageError(f"{what} holds more than {max_bytes} values; at most {max_bytes} bytes of JSON "
+                                  f"are taken")
     if type(value) in _SCALARS:  # exact types: a str or int subclass may carry methods into the sandbox
         if type(value) is float and not math.isfinite(value):
             raise InvalidMessageError(f"{where} is {value}, not a JSON number")
@@ -114,15 +172,16 @@ def _json_copy(value: Any, where: str, depth: int, budget: list[int]) -> Any:
     if type(value) not in (list, dict):
         raise InvalidMessageError(f"{where} must be a JSON value (string, number, boolean, null, list or "
                                   f"object), got {type(value).__name__}")
-    if depth >= MAX_KWARGS_DEPTH:
-        raise InvalidMessageError(f"{where} nests lists / objects more than {MAX_KWARGS_DEPTH} deep")
+    if depth >= max_depth:
+        raise InvalidMessageError(f"{where} nests lists / objects more than {max_depth} deep")
     if type(value) is list:
-        return [_json_copy(v, f"{where}[{i}]", depth + 1, budget) for i, v in enumerate(value)]
+        return [_json_copy(v, f"{where}[{i}]", depth + 1, budget, max_depth, what, max_bytes)
+                for i, v in enumerate(value)]
     out = {}
     for k, v in value.items():
         if not isinstance(k, str):
             raise InvalidMessageError(f"{where} has a key that is not a string")
-        out[k] = _json_copy(v, f"{where}.{k}"[:200], depth + 1, budget)
+        out[k] = _json_copy(v, f"{where}.{k}"[:200], depth + 1, budget, max_depth, what, max_bytes)
     return out
 
 

@@ -40,6 +40,7 @@ from mm_pipeline.server.metrics import ServerMetrics
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.reasoning import resolve_reasoning
+from mm_pipeline.server.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
@@ -212,8 +213,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     # --reasoning-parser against this model's vocabulary (auto: on for a model with <think> tokens)
     reasoning = resolve_reasoning(settings.reasoning_parser, getattr(engine, "tokenizer", None))
+    # --tool-call-parser likewise (auto: on for a model that knows <tool_call>)
+    tool_calls = resolve_tool_calls(settings.tool_call_parser, getattr(engine, "tokenizer", None))
     service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens,
-                                                settings.max_completion_prompts, reasoning=reasoning), observe)
+                                                settings.max_completion_prompts, reasoning=reasoning,
+                                                tool_calls=tool_calls), observe)
     started = int(time.time())
 
     @asynccontextmanager

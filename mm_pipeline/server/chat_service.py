@@ -21,14 +21,16 @@ from llm_core.engine.sampling import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.prompt.messages import ParsedMessages
 from mm_pipeline.server.answer_info import AnswerInfo
-from mm_pipeline.server.choices import (ChoiceState, ChoiceStream, TokenStrings, close_all, collect_all,
-                                        merge_choices, start_all)
+from mm_pipeline.server.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
+                                        collect_all, merge_choices, start_all)
 from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
-from mm_pipeline.server.reasoning import ReasoningSplit, ThinkSyntax
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mm_pipeline.server.tokenize_protocol import TokenizeRequest
+from mm_pipeline.server.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
+from mm_pipeline.server.tool_calls import ToolCallSyntax
 
 Observer = Callable[[float, "list[ChoiceState]"], None]
 # a request holding a chat: /v1/chat/completions, or /tokenize's chat form (its messages then set)
@@ -43,6 +45,9 @@ class ServiceConfig:
     # ServerSettings.reasoning_parser resolved for the model (server/reasoning.py); None: off.
     # Chat answers only: a text completion is the raw continuation of a prompt, as in vLLM.
     reasoning: ThinkSyntax | None = None
+    # ServerSettings.tool_call_parser resolved for the model (server/tool_calls.py); None: off, and a
+    # chat request with tools is a 400 (nothing would turn the model's calls into tool_calls)
+    tool_calls: ToolCallSyntax | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -109,8 +114,16 @@ async def parsed_messages(req: ChatRequestFields) -> ParsedMessages:
     return _parsed_messages(req)
 
 
-def _message(answer: ReasoningSplit) -> AssistantMessage:
-    return AssistantMessage(content=answer.content, reasoning_content=answer.reasoning or None)
+def _message(answer: AnswerPart) -> AssistantMessage:
+    if not answer.calls:
+        return AssistantMessage(content=answer.content, reasoning_content=answer.reasoning or None)
+    return AssistantMessage(content=answer.content or None, reasoning_content=answer.reasoning or None,
+                            tool_calls=[c.as_openai() for c in answer.calls])
+
+
+def _finish_reason(reason: str | None, calls: int) -> str | None:
+    """vLLM's: an answer that made tool calls ends with "tool_calls" (whatever stopped it)."""
+    return "tool_calls" if calls and reason is not None else reason
 
 
 def _usage(states: list[ChoiceState]) -> Usage:
@@ -155,12 +168,13 @@ class ChatService:
         states = await collect_all(choices)
         self._finished(arrival, states)
         _check_finished(states)
+        answers = [c.answer() for c in choices]
         return ChatCompletion(
             id=rid, created=int(time.time()), model=self.config.model_name, usage=_usage(states),
-            choices=[ChatChoice(index=i, message=_message(c.answer()), finish_reason=s.finish_reason,
+            choices=[ChatChoice(index=i, message=_message(a), finish_reason=_finish_reason(s.finish_reason, len(a.calls)),
                                 logprobs=self.tokens.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs)
                                 if req.logprobs else None)
-                     for i, (c, s) in enumerate(zip(choices, states))])
+                     for i, (a, s) in enumerate(zip(answers, states))])
 
     async def chat_stream(self, req: ChatCompletionRequest,
                           info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
@@ -190,10 +204,17 @@ class ChatService:
                           if req.logprobs and d.new_token_ids else None)
                     if d.finished:
                         _check_finished([choices[index].state])
-                    part = choices[index].split(d)  # every delta, in order: the parser holds state
-                    if part.reasoning or part.content or lp is not None or d.finished:
-                        yield chunk(ChatChunkChoice(index=index, delta=Delta.of_text(part.reasoning, part.content),
-                                                    logprobs=lp, finish_reason=d.finish_reason if d.finished else None))
+                    choice = choices[index]
+                    part = choice.split(d)  # every delta, in order: the parsers hold state
+                    if part.reasoning or part.content or part.calls or lp is not None or d.finished:
+                        delta = Delta.of_text(part.reasoning, part.content)
+                        if part.calls:
+                            first = choice.calls_made - len(part.calls)
+                            delta.tool_calls = [{"index": first + k, **c.as_openai()}
+                                                for k, c in enumerate(part.calls)]
+                            delta.content = part.content or None
+                        reason = _finish_reason(d.finish_reason, choice.calls_made) if d.finished else None
+                        yield chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason))
                 states = [c.state for c in choices]
                 self._finished(arrival, states)
                 if req.include_usage:
@@ -211,9 +232,15 @@ class ChatService:
     async def _start_chat(self, req: ChatCompletionRequest, rid: str,
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
         self.check_model(req.model)
+        syntax = self.config.tool_calls
+        if req.tools and syntax is None:
+            raise InvalidInputError("tools need the server's tool-call parser, which is off (start it with "
+                                    "--tool-call-parser qwen3_coder, or auto for a model that knows <tool_call>)")
+        tools = tuple(req.tools or ())
+        parser = (lambda: syntax.parser(tools)) if syntax is not None and req.parse_tool_calls else None
         messages = await parsed_messages(req)
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens),
-                                                        request_id=f"{rid}-{i}"), self.config.reasoning)
+                                                        request_id=f"{rid}-{i}"), self.config.reasoning, parser)
                    for i in range(req.n)]
         await start_all(choices)
         if info is not None and choices:

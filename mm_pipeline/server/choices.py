@@ -11,6 +11,10 @@
              delta (split(), called by the consumer in the choice's order); both are one parser
              (server/reasoning.py), so they agree. The start state comes from the first delta's
              prompt ids: a prompt that opened <think> puts the output inside the thinking.
+    tool calls (chat only, ``tool_calls``: a parser factory for the request's tools): the content
+             the reasoning split leaves goes through one tool-call parser per choice the same way
+             (server/tool_calls.py), streamed or not; ``calls_made`` counts a choice's calls (the
+             index of its next streamed call; its finish_reason is "tool_calls" once it made any).
     close(): the one place a choice lets go of its engine stream — cancel a first-delta wait still
              running (the generator's ``finally`` runs: admission slot, KV pages and cache locks
              are released), then aclose() the iterator (the same for a suspended one). Called from
@@ -23,11 +27,21 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from mm_pipeline.errors import generation_error
 from mm_pipeline.server.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from mm_pipeline.server.tool_calls import ToolCall, ToolCallParser
+
+
+@dataclass(frozen=True)
+class AnswerPart:
+    """A piece of a chat answer: its thinking, its content and the tool calls parsed out of it."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass
@@ -66,7 +80,8 @@ class ChoiceState:
 class ChoiceStream:
     """One engine generation seen as an async iterator with a prefetched first delta."""
 
-    def __init__(self, index: int, stream: AsyncIterator[Any], reasoning: ThinkSyntax | None = None) -> None:
+    def __init__(self, index: int, stream: AsyncIterator[Any], reasoning: ThinkSyntax | None = None,
+                 tool_calls: Callable[[], ToolCallParser] | None = None) -> None:
         self.index = index
         self.state = ChoiceState()
         self._stream = stream
@@ -76,6 +91,9 @@ class ChoiceStream:
         self._reasoning = reasoning
         self._opened = False  # the prompt ends inside <think> (told by the first delta's prompt ids)
         self._parser: ReasoningParser | None = None  # split()'s, made on its first call
+        self._tool_calls = tool_calls
+        self._tool_parser: ToolCallParser | None = None  # split()'s, made on its first call
+        self.calls_made = 0
 
     async def start(self) -> None:
         """Wait for the first delta (raises what the engine raises for bad input)."""
@@ -117,24 +135,41 @@ class ChoiceStream:
             pass
         return self.state
 
-    def answer(self) -> ReasoningSplit:
-        """The text so far as (reasoning, content): a non-streamed answer, once collected."""
+    def answer(self) -> AnswerPart:
+        """The text so far as (reasoning, content, calls): a non-streamed answer, once collected."""
         if self._reasoning is None:
-            return ReasoningSplit(content=self.state.text)
-        return self._reasoning.parser(self._opened).parse(self.state.text)
+            split = ReasoningSplit(content=self.state.text)
+        else:
+            split = self._reasoning.parser(self._opened).parse(self.state.text)
+        if self._tool_calls is None:
+            return AnswerPart(split.reasoning, split.content)
+        found = self._tool_calls().parse(split.content)
+        self.calls_made = len(found.calls)
+        return AnswerPart(split.reasoning, found.content, found.calls)
 
-    def split(self, delta: Any) -> ReasoningSplit:
-        """``delta``'s text as (reasoning, content), for a streamed answer: call it once for each
-        delta of this choice, in their order (the parser keeps state across them); the finished
-        delta also releases what was held back (a possible tag's beginning). The engine ends every
-        stream with a finished delta, so nothing stays held."""
+    def split(self, delta: Any) -> AnswerPart:
+        """``delta``'s text as (reasoning, content, calls), for a streamed answer: call it once for
+        each delta of this choice, in their order (the parsers keep state across them); the finished
+        delta also releases what was held back (a possible tag's beginning, an unclosed call). The
+        engine ends every stream with a finished delta, so nothing stays held."""
         text = delta.new_text or ""
         if self._reasoning is None:
-            return ReasoningSplit(content=text)
-        if self._parser is None:
-            self._parser = self._reasoning.parser(self._opened)
-        part = self._parser.feed(text)
-        return part + self._parser.finish() if delta.finished else part
+            part = ReasoningSplit(content=text)
+        else:
+            if self._parser is None:
+                self._parser = self._reasoning.parser(self._opened)
+            part = self._parser.feed(text)
+            if delta.finished:
+                part += self._parser.finish()
+        if self._tool_calls is None:
+            return AnswerPart(part.reasoning, part.content)
+        if self._tool_parser is None:
+            self._tool_parser = self._tool_calls()
+        found = self._tool_parser.feed(part.content)
+        if delta.finished:
+            found += self._tool_parser.finish()
+        self.calls_made += len(found.calls)
+        return AnswerPart(part.reasoning, found.content, found.calls)
 
     async def close(self) -> None:
         """Release the engine stream (idempotent): see the module doc."""

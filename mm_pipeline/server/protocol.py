@@ -1,11 +1,13 @@
 """Request models of the OpenAI-compatible API (the subset mmserve serves; responses: responses.py).
 
 Requests validate what the engine needs. A field that would change the answer in a way we do not
-implement (penalties, tools, ``response_format`` json, ``best_of`` > ``n``, ``chat_template``...:
+implement (``functions``, ``response_format`` json, ``best_of`` > ``n``, ``chat_template``...:
 ``_NOT_IMPLEMENTED``) is rejected with a 400 that names it instead of being silently ignored,
 unless it holds its no-op value. vLLM's chat-template fields ``add_generation_prompt``,
 ``continue_final_message`` and ``chat_template_kwargs`` are honoured (``TemplateOptions``,
-prompt/template_options.py, carried to the prompt layout on the parsed chat). Other unknown fields
+prompt/template_options.py, carried to the prompt layout on the parsed chat), and so are ``tools``
+(rendered by the chat template, with the same bounds) and ``tool_choice`` ``"none"`` / ``"auto"``
+(``"required"`` and a named function need constrained decoding: a 400). Other unknown fields
 are ignored, as vLLM ignores them: metadata that does not change the answer (``user``,
 ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
 ``prediction``, ``parallel_tool_calls``, ``priority``...).
@@ -22,7 +24,7 @@ from llm_core.engine.sampling import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, SE
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
-from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs
+from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs, check_tools
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -145,8 +147,9 @@ class ChatMessage(_Loose):
     name: str | None = Field(default=None, description="accepted; the chat template does not render it")
     tool_call_id: str | None = Field(default=None, description="accepted; the chat template does not render it")
     refusal: str | None = Field(default=None, description="an assistant's refusal, rendered as text")
-    tool_calls: list[Any] | None = Field(default=None, description="rejected unless empty: not rendered")
-    function_call: Any = Field(default=None, description="rejected: not rendered")
+    tool_calls: list[Any] | None = Field(default=None, description="an assistant's tool calls, rendered by the "
+                                                                   "chat template")
+    function_call: Any = Field(default=None, description="rejected (deprecated): send tool_calls")
     reasoning_content: str | None = Field(default=None, description="an assistant's reasoning, rendered by the "
                                                                     "chat template (<think>...</think>)")
     reasoning: str | None = Field(default=None, description="vLLM's newer name for reasoning_content (the two "
@@ -168,7 +171,7 @@ class StreamOptions(_Loose):
 # field -> the values that leave the answer as if the field were absent (None always does). Any other
 # value is a 400 naming the field: each would change the answer in a way this server does not do.
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),  # json_object / json_schema: no constrained decoding here
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     # vLLM's extensions (their no-op values are vLLM's defaults)
@@ -182,6 +185,8 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # the client's, RAG documents (the server passes none: ChatTemplate reserves the name), processor
 # arguments, echo. add_generation_prompt, continue_final_message and chat_template_kwargs are
 # fields (ChatTemplateFields -> TemplateOptions)
+# text completions: no chat template to render tools with (chat: ChatTemplateFields.tools)
+_NOT_IMPLEMENTED_COMPLETION: dict[str, tuple[Any, ...]] = {"tools": ([],), "tool_choice": ("none", "auto")}
 _NOT_IMPLEMENTED_CHAT: dict[str, tuple[Any, ...]] = {
     "chat_template": (), "documents": (), "mm_processor_kwargs": ({},), "echo": (False,),
     "add_special_tokens": (False,),
@@ -265,6 +270,17 @@ class ChatTemplateFields(_Loose):
         "variables for the chat template (e.g. enable_thinking); a key it does not read, or one the server "
         "sets itself, is a 400"))
 
+    tools: list[Any] | None = Field(default=None, description=(
+        "OpenAI function definitions, rendered by the chat template (at most 128, 256 KiB of JSON)"))
+
+    @field_validator("tools")
+    @classmethod
+    def _bounded_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        try:
+            return None if v is None else list(check_tools(v))
+        except InvalidMessageError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _bounded_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -285,7 +301,8 @@ class ChatTemplateFields(_Loose):
     @property
     def template_options(self) -> TemplateOptions:
         """How the prompt layout templates this chat (its kwargs checked again: microseconds)."""
-        return TemplateOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+        return TemplateOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
+                               tuple(self.tools or ()))
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
@@ -293,6 +310,23 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: Literal["none", "auto"] | None = Field(default=None, description=(
+        "none: tools are rendered, the answer is not parsed for calls; auto (the default with tools): calls "
+        "are parsed into tool_calls"))
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto"):
+            return v
+        shown = repr(v) if len(repr(v)) <= 60 else f"{repr(v)[:57]}..."
+        raise ValueError(f"tool_choice {shown} is not supported by this server: \"required\" and a named function "
+                         f"need constrained decoding, which it does not do (accepted: 'none' or 'auto')")
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        """Whether the answer is parsed for tool calls: tools given and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="before")
     @classmethod
@@ -324,6 +358,13 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported_completion(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            _check_unsupported(values, _NOT_IMPLEMENTED_COMPLETION)
+        return values
+
     @model_validator(mode="after")
     def _checks(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
@@ -347,61 +388,3 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
-
-
-# ---- vLLM's utility endpoints (server/tokenize_routes.py) ---------------------------------------
-# the chat form of /tokenize: what /v1/chat/completions refuses, refused alike (its prompt must be the
-# one that endpoint runs), and vLLM's tools (no place for them in the template here either)
-_NOT_IMPLEMENTED_TOKENIZE_CHAT: dict[str, tuple[Any, ...]] = {
-    **{k: v for k, v in _NOT_IMPLEMENTED_CHAT.items() if k != "echo"},
-    "tools": ([],),
-}
-# chat-only fields that the text form would otherwise silently ignore: their values there
-_CHAT_ONLY = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": None}
-
-
-class TokenizeRequest(ChatTemplateFields):
-    """``POST /tokenize`` in vLLM's two forms: ``prompt`` (a text, tokenized as is) or ``messages``
-    (a chat, templated as /v1/chat/completions templates it, with the same template fields)."""
-
-    model: str | None = None
-    prompt: str | None = Field(default=None, description="the text form: tokenized without a chat template")
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, description=(
-        "the chat form: the prompt ids /v1/chat/completions would run for these messages"))
-    add_special_tokens: bool | None = Field(default=None, description=(
-        "text form: add the tokenizer's special tokens around the text (default true, as vLLM); "
-        "chat form: false only (the template writes them)"))
-    return_token_strs: bool = Field(default=False, description="also answer each token as its string")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unsupported_chat(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("messages") is not None:
-            _check_unsupported(values, _NOT_IMPLEMENTED_TOKENIZE_CHAT)
-        return values
-
-    @model_validator(mode="after")
-    def _one_form(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt (a text) and messages (a chat)")
-        if self.prompt is not None:
-            for name, value in _CHAT_ONLY.items():
-                given = getattr(self, name)
-                if given != value and not (name == "chat_template_kwargs" and given == {}):
-                    raise ValueError(f"{name} applies to the chat form (messages) only")
-        return self
-
-    @property
-    def special_tokens(self) -> bool:
-        """``add_special_tokens`` with its default for the form (text: true, chat: false)."""
-        if self.add_special_tokens is None:
-            return self.messages is None
-        return self.add_special_tokens
-
-
-class DetokenizeRequest(_Loose):
-    """``POST /detokenize``: token ids back to text (special tokens kept). Ids are checked against the
-    tokenizer's vocabulary and the count against the context limit by the route."""
-
-    model: str | None = None
-    tokens: list[Annotated[int, Field(strict=True)]] = Field(description="token ids (integers)")

@@ -39,10 +39,20 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""  # null only in an answer of tool calls without other text
     # the answer's thinking (server/reasoning.py, --reasoning-parser); null when it has none or the
     # parser is off, as vLLM answers
     reasoning_content: str | None = None
+    # the calls parsed out of the answer (server/tool_calls.py, --tool-call-parser): OpenAI's
+    # [{"id", "type": "function", "function": {"name", "arguments"}}]; the key only when there are any
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_no_calls(self, handler: Any) -> Any:
+        out = handler(self)
+        if isinstance(out, dict) and self.tool_calls is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -65,6 +75,9 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    # a streamed choice's calls (server/tool_calls.py), each whole when its </tool_call> arrives:
+    # [{"index", "id", "type": "function", "function": {"name", "arguments"}}]
+    tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def of_text(cls, reasoning: str, content: str) -> "Delta":
@@ -82,7 +95,7 @@ class Delta(BaseModel):
         # chunks are as before), one of thinking only no content key.
         out = handler(self)
         if isinstance(out, dict):
-            for key in ("role", "content", "reasoning_content"):
+            for key in ("role", "content", "reasoning_content", "tool_calls"):
                 if getattr(self, key) is None:
                     out.pop(key, None)
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mm_pipeline.server.reasoning import REASONING_PARSERS, ReasoningParserName
+from mm_pipeline.server.tool_calls import TOOL_PARSERS, ToolParserName
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class ServerSettings:
     # auto, not off, by default: a MiMo user expects the thinking apart from the answer, as SGLang
     # and vLLM serve MiMo-V2-Flash with --reasoning-parser qwen3; a model without the tag tokens
     # is left alone. create_app resolves it against the model's tokenizer (reasoning.py).
+    tool_call_parser: ToolParserName = "auto"
+    """Chat answers' <tool_call> blocks go to message.tool_calls (vLLM's qwen3_coder, MiMo's format);
+    auto: when the model's vocabulary or chat template knows <tool_call>; none: requests with tools are
+    refused."""
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
@@ -58,5 +63,8 @@ class ServerSettings:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}; "
+                             f"got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")

@@ -4,7 +4,8 @@ A scripted engine (no model) stands behind the app and records what reaches it: 
 the answer in a way the server does not implement are a 400 naming them, their no-op values are
 served; the roles the request model takes are the parser's; tool turns and refusals reach the
 chat template as it renders them (checked against ``apply_chat_template`` of the demo checkpoint);
-assistant tool calls are refused rather than dropped (reasoning and the chat-template fields:
+what cannot be rendered (``function_call``, tool calls on a non-assistant message) is refused
+rather than dropped (tools and tool calls: prompt/test_tools_template.py, test_tool_calls_server.py; reasoning and the chat-template fields:
 test_template_options.py). Streamed chunks have OpenAI's
 shape with and without ``include_usage``, and a long conversation is parsed off the event loop.
 """
@@ -140,7 +141,7 @@ def test_tool_turns_and_refusals_reach_the_template(app):
 
 
 @pytest.mark.parametrize("message,field", [
-    ({"role": "assistant", "content": None,
+    ({"role": "user", "content": "u",
       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
     ({"role": "assistant", "content": "a", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
     ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}, "refusal"),
@@ -233,3 +234,24 @@ def test_parsed_messages_keep_their_parse_but_not_in_a_pickle():
     copy = pickle.loads(pickle.dumps(msgs))
     assert type(copy) is tuple and copy == ({"role": "user", "content": "q"},)
     assert json.dumps(msgs) == '[{"role": "user", "content": "q"}]'
+
+
+def test_tools_and_assistant_tool_calls_reach_the_template(tmp_path):
+    engine = RecordingEngine()  # no tokenizer: auto would be off, so the parser is forced on
+    with TestClient(create_app(engine, ServerSettings(files_dir=str(tmp_path), tool_call_parser="qwen3_coder")),
+                    raise_server_exceptions=False) as app:
+        app.engine = engine
+        _tools_reach_the_template(app)
+
+
+def _tools_reach_the_template(app):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    r = _post(app, messages=messages, tools=tools, tool_choice="auto")
+    assert r.status_code == 200, r.text
+    chat = app.engine.chats[-1]
+    assert chat.options.tools == tuple(tools)
+    assert chat.turns[1].tool_calls == ({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},)

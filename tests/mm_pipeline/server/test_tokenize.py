@@ -121,6 +121,11 @@ def test_text_equals_the_prompt_a_completion_runs(server, submitted):
 # ---- chat form ----------------------------------------------------------------------------------------
 PAST = [USER, {"role": "assistant", "content": "Once.", "reasoning_content": "Keep it short."},
         {"role": "user", "content": "Another one."}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALLED = [USER, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
 
 
 @pytest.mark.parametrize("messages,fields", [
@@ -130,7 +135,8 @@ PAST = [USER, {"role": "assistant", "content": "Once.", "reasoning_content": "Ke
     ([USER, {"role": "assistant", "content": "Once upon"}],
      {"add_generation_prompt": False, "continue_final_message": True}),
     ([{"role": "system", "content": "Be brief."}, *PAST], {}),
-], ids=["default", "no-generation-prompt", "enable-thinking-false", "continue-final-message", "history"])
+    (CALLED, {"tools": TOOLS}),
+], ids=["default", "no-generation-prompt", "enable-thinking-false", "continue-final-message", "history", "tools"])
 def test_chat_is_the_prompt_the_engine_runs(server, tokenizer, submitted, messages, fields):
     answer = chat(server, messages, **fields)
     assert answer.status_code == 200, answer.text
@@ -141,6 +147,11 @@ def test_chat_is_the_prompt_the_engine_runs(server, tokenizer, submitted, messag
     assert body["count"] == len(body["tokens"]) == answer.json()["usage"]["prompt_tokens"]
     # and it is the template's prompt (test_template_options.py compares it with transformers)
     assert tokenizer.decode(body["tokens"]).startswith("<|im_start|>")
+    if "tools" in fields:  # rendered: the definitions, the call, the tool's answer
+        text = tokenizer.decode(body["tokens"])
+        assert "<tools>\n<function>\n<name>get_weather</name>" in text
+        assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>" in text
+        assert "<tool_response>rain</tool_response>" in text
 
 
 def test_template_fields_change_the_chat_ids(server):
@@ -235,6 +246,7 @@ def test_detokenize_refuses_what_is_not_a_token_id(server, engine, tokens, words
     ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, 400, ("add_generation_prompt", "chat form")),
     ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"enable_thinking": False}}, 400, ("chat_template_kwargs",)),
     ("/tokenize", {"messages": [USER], "add_special_tokens": True}, 400, ("add_special_tokens",)),
+    ("/tokenize", {"prompt": "a", "tools": TOOLS}, 400, ("tools", "chat form")),
     ("/tokenize", {"messages": [USER], "continue_final_message": True}, 400, ("continue_final_message",)),
     ("/tokenize", {"messages": [USER], "chat_template_kwargs": {"no_such_variable": 1}}, 400, ("no_such_variable",)),
     ("/tokenize", {"messages": [USER], "chat_template_kwargs": {"messages": []}}, 400, ("messages",)),
