@@ -16,7 +16,6 @@ import base64
 import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest

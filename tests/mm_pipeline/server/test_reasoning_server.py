@@ -17,10 +17,8 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from llm_core.llm import load_tokenizer
 from mm_pipeline.runtime.omni_engine import GenerationDelta
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
-from tests.support.paths import DEMO_MODEL
 
 # choice -> its deltas' texts; the last one comes with the finished delta
 THINKS = ["<thi", "nk>\nThe user", " asks 2+2.</th", "ink>", "\n\n", "It is", " 4."]  # both tags cut across deltas
@@ -64,11 +62,6 @@ class ThinkingEngine:
 
 
 GENERATION_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")

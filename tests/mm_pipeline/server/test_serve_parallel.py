@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from llm_core import LLM, SamplingParams
 from mm_pipeline.server.launch.server_process import ServerProcess

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from pathlib import Path
 
 import httpx
 import openai

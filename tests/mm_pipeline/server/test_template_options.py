@@ -12,7 +12,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from llm_core.llm import load_tokenizer
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
 from tests.support.paths import DEMO_MODEL
 
@@ -36,11 +35,6 @@ def server(tmp_path_factory):
             yield served
     finally:
         engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DEMO_MODEL)
 
 
 def chat(server, **fields) -> httpx.Response:

@@ -16,7 +16,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from llm_core.llm import load_tokenizer
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
 
@@ -45,11 +44,6 @@ def server(engine, tmp_path_factory):
     app = create_app(engine, ServerSettings(api_key=KEY, files_dir=str(tmp_path_factory.mktemp("files"))))
     with ServerThread(app) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DEMO_MODEL)
 
 
 @pytest.fixture

@@ -35,14 +35,6 @@ QUESTION = [{"role": "user", "content": "Weather in Paris and Rome?"}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from llm_core.llm import load_tokenizer
-    from tests.support.paths import DEMO_MODEL
-
-    return load_tokenizer(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
 def serve(tokenizer, tmp_path_factory):
     servers: list[ServerThread] = []
 
