@@ -13,6 +13,7 @@ import ast
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,16 +72,28 @@ def test_every_script_is_covered() -> None:
 CASES = [(s, False) for s in SCRIPTS] + [("pipeline.py", True)]
 
 
-@pytest.mark.parametrize(("script", "with_pythonpath"), CASES,
-                         ids=[f"{s}-{'PYTHONPATH' if p else 'no-PYTHONPATH'}" for s, p in CASES])
-def test_script_starts(script: str, with_pythonpath: bool, tmp_path: Path) -> None:
+def _start(script: str, with_pythonpath: bool, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if with_pythonpath:
         env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run(
-        [sys.executable, "-v", str(BENCH / script), "--help"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
+    return subprocess.run([sys.executable, "-v", str(BENCH / script), "--help"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory) -> dict[tuple[str, bool], Future]:
+    """Every case's ``--help`` run, two at a time: each is a torch import on one core, and the rest of
+    the suite leaves the second core idle meanwhile (the runs are independent processes)."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {case: pool.submit(_start, *case, tmp_path_factory.mktemp("start")) for case in CASES}
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize(("script", "with_pythonpath"), CASES,
+                         ids=[f"{s}-{'PYTHONPATH' if p else 'no-PYTHONPATH'}" for s, p in CASES])
+def test_script_starts(script: str, with_pythonpath: bool, started) -> None:
+    proc = started[(script, with_pythonpath)].result()
     log = proc.stderr.splitlines()
     errors = "\n".join(line for line in log if not line.startswith(("#", "import ", "  ")))
     assert proc.returncode == 0, f"{script} --help exited {proc.returncode}:\n{errors[-4000:]}"
