@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.media_feed import MediaFeed
 from mm_pipeline.runtime.timeline import StageTimeline
+from mm_pipeline.runtime.warm_start import freeze_startup_objects, import_request_path_modules
 from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
@@ -69,34 +69,6 @@ class PreparedChat:
     plans: list[MediaPlan]
     spans_of_plan: list[list[list[tuple[int, int]]]]  # per plan, per unit: (stream span, first row)
     checkpoints: tuple[int, ...] = ()
-
-
-# Modules the request path imports on first use, found by diffing ``sys.modules`` around the first
-# image + video request of a started runtime. An import runs with the GIL held (and the import
-# lock): numpy.ma alone (``np.unique`` of frame sampling imports it) held it ~90 ms on the 2-core
-# host, stalling the event loop of a fresh server under its first media burst. Imported at start
-# instead (tests/mm_pipeline/runtime/test_warm_start.py keeps the list complete).
-REQUEST_PATH_MODULES = ("numpy.ma", "PIL.BmpImagePlugin", "PIL.GifImagePlugin", "PIL.ImageChops",
-                        "PIL.ImageSequence", "PIL.JpegImagePlugin", "PIL.PngImagePlugin", "PIL.PpmImagePlugin",
-                        "av.subtitles.stream", "encodings.unicode_escape", "kernels.band_attention_ref",
-                        "kernels.paged_attention_cpu")
-
-
-def import_request_path_modules() -> None:
-    """Import ``REQUEST_PATH_MODULES`` now (before ``freeze_startup_objects``, so they are frozen too)."""
-    for name in REQUEST_PATH_MODULES:
-        importlib.import_module(name)
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (model, tokenizer, libraries: ~400k objects) out of the garbage
-    collector's reach. A full (generation 2) collection walks them all: measured 250 ms of CPU on
-    the 2-core host, with every Python thread stopped -- the event-loop stalls of ~100 ms under media
-    load were these collections. Frozen objects are never walked again; later garbage is still
-    collected. Collect first, so no garbage of the start-up is frozen with them; ``shutdown``
-    unfreezes (process-wide), so a stopped runtime's cycles can be collected."""
-    gc.collect()
-    gc.freeze()
 
 
 def _which_item(exc: MediaError, k: int, n: int) -> MediaError:
