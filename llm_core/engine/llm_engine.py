@@ -31,13 +31,13 @@ import time
 import torch
 
 from llm_core.engine.detokenizer import StopStringMatcher
-from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated
+from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, scratch_prefill
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import ScheduledRequest, Scheduler
+from llm_core.engine.scheduler import Scheduler
 from llm_core.engine.speculative import build_speculative
 from llm_core.engine.stats import EngineStats
 from llm_core.kvcache.prefix_cache import PrefixCache
@@ -296,24 +296,10 @@ class LLMEngine:
         on the stepping thread. False (nothing ran): no pages to spare, or the model spans ranks."""
         if num_tokens < 1:
             raise ValueError(f"probe_prefill needs num_tokens >= 1, got {num_tokens}")
-        num_tokens = min(num_tokens, self.max_model_len - 1)
-        pages = -(-num_tokens // self.config.page_size)
-        if (self.config.world_size > 1 or pages > self.pool.full.num_free
-                or (self.pool.has_swa and pages > self.pool.swa.num_free)):
+        if self.config.world_size > 1:
             return False
-        # distinct, non-trivial ids (a constant prompt could take shortcuts no real prompt takes)
-        ids = [(7 + 31 * i) % self.model_config.vocab_size for i in range(num_tokens)]
-        req = Request("probe", ids, SamplingParams(max_tokens=1, temperature=0.0), -1)
-        peaks = self.pool.full.peak_used, self.pool.swa.peak_used
-        req.full_pages = self.pool.full.allocate(pages)
-        req.swa_pages = self.pool.swa.allocate(pages) if self.pool.has_swa else [-1] * pages
-        try:
-            self._stepper.forward([ScheduledRequest(req, 0, num_tokens)], self.pool)
-        finally:
-            self.pool.full.free(req.full_pages)
-            self.pool.swa.free(req.swa_pages)
-            self.pool.full.peak_used, self.pool.swa.peak_used = peaks  # a probe is no use of the pools
-        return True
+        return scratch_prefill(self._stepper, self.pool, min(num_tokens, self.max_model_len - 1),
+                               self.config.page_size, self.model_config.vocab_size)
 
     def check_health(self) -> None:
         """Raise RankFailure when a rank of a tensor/expert-parallel model is gone (no-op otherwise)."""

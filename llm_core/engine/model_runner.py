@@ -33,7 +33,8 @@ from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.decode_batch_state import DecodeBatchState
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
-from llm_core.engine.sampling import Sampler
+from llm_core.engine.request import Request
+from llm_core.engine.sampling import Sampler, SamplingParams
 from llm_core.engine.scheduler import ScheduledRequest
 
 
@@ -203,3 +204,25 @@ def run_isolated(stepper, entries: list[ScheduledRequest], kv_buffers: Callable[
     except Exception as exc:  # noqa: BLE001 -- the others fail together: not one request's fault
         return StepResult([], failed + [(e, exc) for e in rest])
     return StepResult(result.sampled, failed + result.failed)
+
+
+def scratch_prefill(stepper, pool, num_tokens: int, page_size: int, vocab_size: int) -> bool:
+    """One prefill of ``num_tokens`` made-up tokens through ``stepper`` on pages borrowed from
+    ``pool`` and given back (``LLMEngine.probe_prefill``: thread counts are timed on it); the pools'
+    peak use is left as it was. False (nothing ran) when the pools cannot spare the pages."""
+    pages = -(-num_tokens // page_size)
+    if pages > pool.full.num_free or (pool.has_swa and pages > pool.swa.num_free):
+        return False
+    # distinct, non-trivial ids (a constant prompt could take shortcuts no real prompt takes)
+    ids = [(7 + 31 * i) % vocab_size for i in range(num_tokens)]
+    req = Request("probe", ids, SamplingParams(max_tokens=1, temperature=0.0), -1)
+    peaks = pool.full.peak_used, pool.swa.peak_used
+    req.full_pages = pool.full.allocate(pages)
+    req.swa_pages = pool.swa.allocate(pages) if pool.has_swa else [-1] * pages
+    try:
+        stepper.forward([ScheduledRequest(req, 0, num_tokens)], pool)
+    finally:
+        pool.full.free(req.full_pages)
+        pool.swa.free(req.swa_pages)
+        pool.full.peak_used, pool.swa.peak_used = peaks  # a probe is no use of the pools
+    return True
