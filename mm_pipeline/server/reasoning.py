@@ -106,7 +106,7 @@ class ReasoningParser:
                     reasoning.append(buf[:at])
                     buf, self._phase = buf[at + len(self.end):], _Phase.CLOSING
                 else:
-                    keep = _tag_prefix_at_end(buf, self.end)
+                    keep = tag_prefix_at_end(buf, self.end)
                     reasoning.append(buf[:len(buf) - keep])
                     self._held, buf = buf[len(buf) - keep:], ""
             elif self._phase is _Phase.CLOSING:
@@ -132,8 +132,9 @@ class ReasoningParser:
         return self.feed(text) + self.finish()
 
 
-def _tag_prefix_at_end(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of ``tag`` (0 if none)."""
+def tag_prefix_at_end(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of ``tag`` (0 if none): what a
+    streaming parser holds back because the next text may complete the tag (tool_calls.py too)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k

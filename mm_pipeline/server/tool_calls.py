@@ -59,6 +59,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
+from mm_pipeline.server.reasoning import tag_prefix_at_end
+
 ToolParserName = Literal["auto", "qwen3_coder", "none"]
 TOOL_PARSERS: tuple[str, ...] = typing.get_args(ToolParserName)
 
@@ -136,7 +138,7 @@ class ToolCallParser:
                     content.append(buf[:at])
                     buf, self._phase, self._searched = buf[at:], _Phase.CALL, len(START)
                 else:
-                    keep = _prefix_at_end(buf, START)
+                    keep = tag_prefix_at_end(buf, START)
                     content.append(buf[:len(buf) - keep])
                     self._held, buf = buf[len(buf) - keep:], ""
             elif self._phase is _Phase.CALL:
@@ -225,14 +227,6 @@ def convert_value(value: str, schema: Any) -> Any:
     if kind in ("object", "dict"):
         return parsed if isinstance(parsed, dict) else value
     return parsed if isinstance(parsed, list) else value
-
-
-def _prefix_at_end(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of ``tag`` (0 if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 @dataclass(frozen=True)
