@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist workers: two use both cores of the 2-core CI host (many tests are one Python thread);
+# tests/conftest.py keeps each file, and all Ray tests, on one worker. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install test test-fast demo bench clean-venv
 
@@ -16,10 +19,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/python -m mm_pipeline.demo

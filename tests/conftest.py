@@ -97,6 +97,21 @@ def ray_local() -> Iterator[object]:
         shutdown()
 
 
+# ---- pytest-xdist (`make test` runs two workers with --dist loadgroup) ---------------------------------
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """One xdist group per test file, so a file's module fixtures (checkpoints, servers) are built
+    once, on one worker; every file that uses the session's Ray cluster joins one "ray" group, so
+    the suite starts one local cluster (num_cpus=2), not one per worker. Without xdist the mark is
+    inert."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    for path, file_items in files.items():
+        group = "ray" if any("ray_local" in getattr(i, "fixturenames", ()) for i in file_items) else path
+        for item in file_items:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 # ---- Triton kernel tests: deselect, rather than skip, the side this process does not run ----------
 KERNEL_MARKERS = {
     "triton_kernel": "a Triton kernel test: runs in place on CUDA, else only in the TRITON_INTERPRET=1 child "
@@ -113,7 +128,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Kernel tests run either here or in the interpreter child, never both: the other side is
     deselected, so a CPU run reports no skips for tests the child ran (and a child failure still
-    fails the parent's ``test_under_interpreter``)."""
+    fails the parent's ``test_under_interpreter``). Every test is grouped for pytest-xdist first."""
+    _group_for_workers(items)
     if not any(item.get_closest_marker(name) for item in items for name in KERNEL_MARKERS):
         return
     from tests.kernels.test_kernels_support import RUNS_HERE  # imports torch: only when kernel tests were collected

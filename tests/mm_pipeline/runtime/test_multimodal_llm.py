@@ -101,10 +101,10 @@ def test_chat_takes_vllms_template_arguments(llm, media):
             messages, tokenize=True, return_dict=False, add_generation_prompt=kw.get("add_generation_prompt", True),
             continue_final_message=kw.get("continue_final_message", False), **kw.get("chat_template_kwargs", {}))
         assert out.prompt_token_ids == ref, kw
-    decodes = llm.engine.stats().media["images_decoded"]
+    decodes = llm.engine.stats().media.get("images_decoded", 0)  # absent until an image was decoded
     bad = llm.chat(convo({"type": "image_url", "image_url": {"url": str(media["image"]) + ".other"}}), GREEDY,
                    chat_template_kwargs={"thinking_budget": 5})[0]
     assert bad.finish_reason == "error" and "chat_template_kwargs.thinking_budget is not read" in bad.error
-    assert llm.engine.stats().media["images_decoded"] == decodes
+    assert llm.engine.stats().media.get("images_decoded", 0) == decodes
     with pytest.raises(InvalidMessageError, match="cannot both be true"):
         llm.chat(cont, GREEDY, continue_final_message=True)
