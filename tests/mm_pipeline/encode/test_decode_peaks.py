@@ -137,21 +137,26 @@ def test_audio_reservation_covers_the_decode_and_log_mel_peak(pool, monkeypatch,
     producer, reserved = _producer(pool, audio=cfg)
     item = MediaItem(MediaKind.AUDIO, "wav", audio_bytes(rate=cfg.sampling_rate, seconds=60.0, channels=1))
     producer.audio_inputs(item)  # warm: the mel transform's window and filter bank exist from here on
-    reserved.clear()
-    tracemalloc.start()
-    try:
-        with NewTensorPeak() as tensors:
-            mels = producer.audio_inputs(item)
-        _, arrays = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
     samples = 60 * cfg.sampling_rate
-    peak = max(arrays, tensors.peak)
-    assert len(reserved) == 1 and mels
-    if block_frames < 6001:  # the clip's frames: blocked, the intermediates are one block's
-        assert tensors.peak < 16 * samples
-    else:
-        assert tensors.peak > 36 * samples  # the whole clip's STFT intermediates, as measured
+    # tracemalloc counts every thread's allocations: a thread another test left (a Ray cluster's,
+    # under pytest-xdist) can only add to the peak, so the smallest of up to 3 runs is this code's
+    for _ in range(3):
+        reserved.clear()
+        tracemalloc.start()
+        try:
+            with NewTensorPeak() as tensors:
+                mels = producer.audio_inputs(item)
+            _, arrays = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        peak = max(arrays, tensors.peak)
+        assert len(reserved) == 1 and mels
+        if block_frames < 6001:  # the clip's frames: blocked, the intermediates are one block's
+            assert tensors.peak < 16 * samples
+        else:
+            assert tensors.peak > 36 * samples  # the whole clip's STFT intermediates, as measured
+        if reserved[0] >= peak:
+            break
     assert reserved[0] >= peak, f"reserved {reserved[0] / samples:.1f} B/sample, held {peak / samples:.1f}"
 
 
