@@ -6,6 +6,7 @@ The field docstrings are the help text of the generated CLI flags (mm_pipeline/c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -100,6 +101,11 @@ class EngineConfig:
     """On CPU: the weights and the KV pool on 2 MB transparent huge pages (kernels/huge_pages.py; fewer TLB misses when a step streams them)."""
     persistent_decode_batch: bool = True
     """Advance last decode step's inputs by one token when the step's requests are unchanged instead of rebuilding them (llm_core/engine/decode_batch_state.py)."""
+    # structured outputs (llm_core/engine/structured/): response_format json, vLLM's structured_outputs
+    structured_outputs_backend: Literal["xgrammar", "none"] = "xgrammar"
+    """Grammar library that holds outputs to a JSON schema / regex / choice / grammar (none: such requests are refused)."""
+    grammar_compile_timeout_s: float = 10.0
+    """Longest a constraint may take to compile (in a worker process, killed past it) before its request is refused."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -125,6 +131,10 @@ class EngineConfig:
         if self.swa_checkpoint_reserve_windows < 0:
             raise ValueError(f"swa_checkpoint_reserve_windows must be >= 0, got {self.swa_checkpoint_reserve_windows}")
         self._validate_parallel()
+        if self.structured_outputs_backend not in ("xgrammar", "none"):
+            raise ValueError(f"structured_outputs_backend must be xgrammar or none, got {self.structured_outputs_backend!r}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
             raise ValueError(f"decode_buckets must be batch sizes >= 1, got {self.decode_buckets}")
         if self.prefix_checkpoint_every is not None and (

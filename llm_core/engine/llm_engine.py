@@ -40,6 +40,9 @@ from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler
 from llm_core.engine.speculative import build_speculative
 from llm_core.engine.stats import EngineStats
+from llm_core.engine.structured.compiler import GrammarCompiler, GrammarError
+from llm_core.engine.structured.grammar_state import GrammarState
+from llm_core.engine.structured.params import StructuredOutputsParams
 from llm_core.kvcache.prefix_cache import PrefixCache
 from kernels import native
 
@@ -115,6 +118,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler_config, self.pool, layout.window, prefix_cache,
                                    self.config.queue, draft_tokens=drafts)
         self.prefix_cache = self.scheduler.prefix_cache
+        # structured outputs: grammars compiled (worker process, cached) from the tokenizer's vocabulary
+        self.grammars = None if self.config.structured_outputs_backend == "none" or tokenizer is None else \
+            GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                            timeout_s=self.config.grammar_compile_timeout_s)
         self.last_step_progressed = False
         self._lock = threading.Lock()
         self._pending_add: list[Request] = []
@@ -149,13 +156,25 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> RequestError | None:
         """Why these sampling params cannot be served by this model (None if they can): a logit_bias
-        token id outside the vocabulary (``INVALID_INPUT``)."""
+        token id outside the vocabulary, structured outputs on an engine without them
+        (``INVALID_INPUT``)."""
+        if params.structured_outputs is not None and self.grammars is None:
+            why = "no tokenizer" if self.tokenizer is None else "structured_outputs_backend none"
+            return RequestError(ErrorKind.INVALID_INPUT, f"structured outputs are off on this engine ({why})")
         vocab = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             return RequestError(ErrorKind.INVALID_INPUT,
                                 f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return None
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params`` now (any thread; cached, so ``add_request`` then finds it): a
+        ``GrammarError`` (a ValueError) when it cannot be served. Servers call it off their event
+        loop before admitting a request, so a miss never runs inside ``add_request``."""
+        if self.grammars is None:
+            raise GrammarError(self.check_params(SamplingParams(structured_outputs=params)).message)
+        self.grammars.compile(params)
 
     def add_request(
         self,
@@ -183,6 +202,12 @@ class LLMEngine:
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None) or self.check_params(params)
+        if problem is None and params.structured_outputs is not None:
+            try:
+                req.grammar = GrammarState(self.grammars.compile(params.structured_outputs), params.structured_outputs,
+                                           req.prompt_token_ids)
+            except GrammarError as exc:
+                problem = RequestError(ErrorKind.INVALID_INPUT, str(exc))
         with self._lock:
             if req.request_id in self._live:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -311,6 +336,8 @@ class LLMEngine:
         """Stop background work of the prefix-cache tiers (pending L3 writes are finished first) and
         the other ranks of a parallel model."""
         self.prefix_cache.close()
+        if self.grammars is not None:
+            self.grammars.close()
         closer = getattr(self.runner.model, "close", None)
         if closer is not None:
             closer()

@@ -8,11 +8,14 @@ rows take its plain path:
     repetition      tokens seen in prompt + output: logit > 0 divided by it, < 0 multiplied
     frequency       logits[t] -= frequency_penalty * count of t in the output
     presence        logits[t] -= presence_penalty * (t in the output)
+    structured      tokens the request's grammar cannot take next -> -inf (structured/grammar_state.py;
+                    its rows skip min_tokens' mask: the grammar decides when the output may end)
 
 then (sampling.py) greedy rows take the argmax; random rows: temperature, min_p, top-k / top-p.
 
 The history-dependent steps need the request's tokens (a ``history``: any object with
-``prompt_token_ids``, ``output_token_ids`` and ``eos_token_ids``, e.g. the engine's Request).
+``prompt_token_ids``, ``output_token_ids`` and ``eos_token_ids``, e.g. the engine's Request); a
+structured row needs its ``grammar`` (the Request's ``GrammarState``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from llm_core.engine.structured.grammar_state import mask_logits
 
 if TYPE_CHECKING:
     from llm_core.engine.sampling import SamplingParams
@@ -51,9 +56,9 @@ def processed_rows(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     dev, vocab = logits.device, logits.shape[1]
     ps = [params[i] for i in rows]
-    needs_history = [p.min_tokens > 0 or p.penalized for p in ps]
+    needs_history = [p.min_tokens > 0 or p.penalized or p.structured_outputs is not None for p in ps]
     if any(needs_history) and (histories is None or len(histories) != len(params)):
-        raise ValueError("min_tokens and the penalties need each row's tokens (histories)")
+        raise ValueError("min_tokens, the penalties and structured outputs need each row's request (histories)")
     hs = [histories[i] for i in rows] if histories is not None else [None] * len(rows)
     x = logits[torch.tensor(rows, device=dev)]  # a copy: the input keeps its raw rows
 
@@ -73,7 +78,7 @@ def processed_rows(logits: torch.Tensor, params: list[SamplingParams],
     # min_tokens: the stop ids of the rows still short of it -> -inf
     r_idx, t_idx = [], []
     for j, (p, h) in enumerate(zip(ps, hs)):
-        if p.min_tokens > 0 and len(h.output_token_ids) < p.min_tokens:
+        if p.min_tokens > 0 and p.structured_outputs is None and len(h.output_token_ids) < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(h.eos_token_ids))
             for tok in stops:
                 if 0 <= tok < vocab:  # an id past the vocabulary cannot be sampled anyway
@@ -109,4 +114,13 @@ def processed_rows(logits: torch.Tensor, params: list[SamplingParams],
             v = x[r, t]
             v = torch.where(v > 0, v / rp, v * rp)  # rp 1 (a row without it) leaves v as it is
             x[r, t] = v - fp * counts - pp * (counts > 0).to(x.dtype)
+
+    # structured outputs: the tokens each grammar cannot take next -> -inf (last: nothing above
+    # may make a masked token finite again)
+    constrained = [j for j, p in enumerate(ps) if p.structured_outputs is not None]
+    if constrained:
+        states = [getattr(hs[j], "grammar", None) for j in constrained]
+        if any(s is None for s in states):
+            raise ValueError("a structured_outputs row's request has no grammar state")
+        mask_logits(x, constrained, states)
     return rows, x

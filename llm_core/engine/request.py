@@ -26,6 +26,7 @@ from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.kvcache.page_keys import check_extra_keys
 from llm_core.engine.sampling import SamplingParams
+from llm_core.engine.structured.grammar_state import GrammarState
 
 
 @runtime_checkable
@@ -74,6 +75,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # for wait-time aware queue orders
     # incremental output text for ``params.stop`` (the engine makes one when it has a tokenizer)
     stop_matcher: StopStringMatcher | None = None
+    # where the output stands in its params.structured_outputs grammar (the engine makes one)
+    grammar: GrammarState | None = None
 
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
@@ -148,6 +151,10 @@ class Request:
 
     # ---- results ------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float | None, top: dict[int, float] | None) -> None:
+        """Append a sampled token (its grammar, if any, moves past it first: a token the grammar
+        rejects raises before the request holds it)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
@@ -157,14 +164,17 @@ class Request:
     def check_stop(self, max_model_len: int) -> str | None:
         """After a token was appended: the finish reason if the request must stop, else None.
 
-        In this order: EOS (unless ignored) or a stop token id -> "stop"; a stop string in the output
-        text (once more than ``min_tokens`` tokens are out) -> "stop" (``stop_text`` = the text before
-        it); max_tokens or the context limit -> "length".
+        In this order: EOS (unless ignored) or a stop token id -> "stop"; a structured-output grammar
+        that took its stop token -> "stop"; a stop string in the output text (once more than
+        ``min_tokens`` tokens are out) -> "stop" (``stop_text`` = the text before it); max_tokens or
+        the context limit -> "length".
         """
         last = self.output_token_ids[-1]
         p = self.params
         if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
             return "stop"  # before min_tokens the sampler masks these ids, so they cannot come
+        if self.grammar is not None and self.grammar.terminated:
+            return "stop"  # complete: it allows nothing more (ignore_eos or not)
         if p.stop:
             if self.stop_matcher is None:
                 raise ValueError("stop strings need a tokenizer; this engine has none")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from llm_core.engine.logits_processing import merged_rows, processed_rows
+from llm_core.engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents no count; vLLM has none): bounds per-step work
@@ -93,6 +94,9 @@ class SamplingParams:
       occurrence for each token already generated.
     - ``repetition_penalty`` > 0 (vLLM / transformers; 1 = off): tokens in the prompt or output get
       logit / penalty when positive, logit * penalty otherwise.
+    - ``structured_outputs``: the output follows a JSON schema, any JSON object, a regex, a choice
+      or a grammar (llm_core/engine/structured/); the grammar decides when the output may end, so
+      ``min_tokens`` does not mask its stop tokens. Needs an engine with a tokenizer.
     """
 
     max_tokens: int = 16
@@ -111,6 +115,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
     # whether the logits are processed before sampling (logit_bias, min_tokens, a penalty): set once
     # here so that the sampler's common path asks one attribute per row
     processes_logits: bool = field(init=False, default=False, repr=False, compare=False)
@@ -153,9 +158,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         object.__setattr__(self, "processes_logits", bool(
             self.logit_bias or self.min_tokens > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-            or self.repetition_penalty != 1))
+            or self.repetition_penalty != 1 or self.structured_outputs is not None))
 
     @property
     def penalized(self) -> bool:

@@ -30,6 +30,8 @@ import torch
 
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
+from llm_core.engine.structured.compiler import GrammarError
+from llm_core.engine.structured.params import StructuredOutputsParams
 from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
 from mm_pipeline.media.types import MediaItem
 from mm_pipeline.prompt.layout import LaidOutPrompt
@@ -42,7 +44,7 @@ from mm_pipeline.runtime.host_cpu import HostCpu
 from mm_pipeline.runtime.intra_op import set_local_threads, set_process_default
 from mm_pipeline.runtime.thread_choice import WARM_UP_MAX_ROWS, ProbedThreads, StepThreads, plan_threads, run_on_thread
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
-from mm_pipeline.errors import ContextLengthError, MediaError
+from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError
 from mm_pipeline.media.decode.backend import make_decode_backend
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.encode.plan import MediaPlan
@@ -131,6 +133,9 @@ class OmniRuntime:
         # text tokenization never queues behind media decodes (a slow or hostile file must not
         # stall text-only requests); its work is bounded by the context limit (TextBound)
         self.text_pool = WorkerPool(2, config.max_queue, config.decode_admit_timeout_s, name="omni-text")
+        # structured-output grammars compile on their own thread (the engine's compiler runs one at a
+        # time, each bounded by grammar_compile_timeout_s): a hostile schema never holds tokenization
+        self.grammar_pool = WorkerPool(1, config.max_queue, config.decode_admit_timeout_s, name="omni-grammar")
         self.decoder = make_decode_backend(config.decode_backend, config.decode_workers)
         self.ingestor = MediaIngestor(config.ingest_config, self.pool)
         self.pre = Preprocessor(model.image_config, model.audio_config, model.encoder_device, model.audio_codebooks)
@@ -245,6 +250,16 @@ class OmniRuntime:
         return PreparedChat(list(laid.token_ids), [spans[i] for i in order], plans,
                             [[[(where[i], row) for i, row in unit] for unit in pieces] for pieces in spans_of_plan],
                             laid.boundaries)
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a request's structured output constraint before it is admitted (cached; off the
+        event loop): an ``InvalidInputError`` (a 400) naming what is wrong with it."""
+        if self.llm is None:
+            raise InvalidInputError("an encoders-only runtime generates no text to constrain")
+        try:
+            await self.grammar_pool.run(self.llm.compile_grammar, params)
+        except GrammarError as exc:
+            raise InvalidInputError(str(exc)) from None
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a plain text prompt (no chat template), on the worker pool. A prompt is
@@ -376,6 +391,7 @@ class OmniRuntime:
         self.pool.shutdown(wait=False)
         self.decoder.shutdown()
         self.text_pool.shutdown(wait=False)
+        self.grammar_pool.shutdown(wait=False)
         self.cache.close()
         for tier in self.cache.tiers:
             tier.close()

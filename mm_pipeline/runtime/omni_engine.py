@@ -161,6 +161,8 @@ class OmniEngine:
         feed: MediaFeed | None = None
         checkpoints: tuple[int, ...] = ()
         try:
+            if params.structured_outputs is not None:  # a bad constraint fails before any media is read
+                await rt.compile_grammar(params.structured_outputs)
             if chat is not None:
                 prepared = await rt.prepare_chat(chat)
                 token_ids, checkpoints = prepared.token_ids, prepared.checkpoints

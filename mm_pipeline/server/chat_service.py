@@ -12,6 +12,7 @@ aborts its request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass
@@ -54,10 +55,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int) -> SamplingParams:
+def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int,
+                    reasoning: ThinkSyntax | None = None) -> SamplingParams:
     """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i (modulo
-    2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible."""
+    2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible.
+    ``reasoning`` (chat answers with a reasoning parser): a structured output constraint holds
+    after the model's thinking (``ReasoningGate``), as the parser splits the answer."""
     try:
+        constraint = req.structured_outputs_params
+        gate = None if reasoning is None else reasoning.gate
+        if constraint is not None and gate is not None:
+            constraint = dataclasses.replace(constraint, reasoning=gate)
         return SamplingParams(
             max_tokens=req.token_limit if req.token_limit is not None else default_max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -75,6 +83,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
@@ -239,7 +248,8 @@ class ChatService:
         tools = tuple(req.tools or ())
         parser = (lambda: syntax.parser(tools)) if syntax is not None and req.parse_tool_calls else None
         messages = await parsed_messages(req)
-        choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens),
+        choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
+                                                                                 self.config.reasoning),
                                                         request_id=f"{rid}-{i}"), self.config.reasoning, parser)
                    for i in range(req.n)]
         await start_all(choices)

@@ -1,13 +1,16 @@
 """Request models of the OpenAI-compatible API (the subset mmserve serves; responses: responses.py).
 
 Requests validate what the engine needs. A field that would change the answer in a way we do not
-implement (``functions``, ``response_format`` json, ``best_of`` > ``n``, ``chat_template``...:
+implement (``functions``, ``best_of`` > ``n``, ``chat_template``...:
 ``_NOT_IMPLEMENTED``) is rejected with a 400 that names it instead of being silently ignored,
 unless it holds its no-op value. vLLM's chat-template fields ``add_generation_prompt``,
 ``continue_final_message`` and ``chat_template_kwargs`` are honoured (``TemplateOptions``,
 prompt/template_options.py, carried to the prompt layout on the parsed chat), and so are ``tools``
 (rendered by the chat template, with the same bounds) and ``tool_choice`` ``"none"`` / ``"auto"``
-(``"required"`` and a named function need constrained decoding: a 400). Other unknown fields
+(``"required"`` and a named function: a 400). Structured outputs come as OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (json, regex,
+choice, grammar) or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``: one of them per request (``StructuredOutputsParams``). Other unknown fields
 are ignored, as vLLM ignores them: metadata that does not change the answer (``user``,
 ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
 ``prediction``, ``parallel_tool_calls``, ``priority``...).
@@ -21,6 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSeriali
                       model_validator)
 
 from llm_core.engine.sampling import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT
+from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
@@ -172,12 +176,11 @@ class StreamOptions(_Loose):
 # value is a 400 naming the field: each would change the answer in a way this server does not do.
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),  # json_object / json_schema: no constrained decoding here
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     # vLLM's extensions (their no-op values are vLLM's defaults)
     "length_penalty": (1,),
     "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
 }
@@ -200,6 +203,67 @@ def _check_unsupported(values: dict[str, Any], table: dict[str, tuple[Any, ...]]
             shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
             accepted = f"; accepted: {' or '.join(map(repr, no_op))}" if no_op else ""
             raise ValueError(f"{name} is not supported by this server (got {shown}{accepted})")
+
+
+# ---- structured outputs --------------------------------------------------------------------------
+class JsonSchemaFormat(_Loose):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced here, strict or not
+
+
+class ResponseFormat(_Loose):
+    """OpenAI's ``response_format``: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema")
+        return self
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's ``structured_outputs`` request field (an unknown key is a 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
+def _structured_outputs(values: "SamplingFields") -> StructuredOutputsParams | None:
+    """The request's one constraint (``response_format``, ``structured_outputs`` or a ``guided_*``
+    field), or None; a ValueError when it names more than one or the constraint is malformed."""
+    sources: dict[str, StructuredOutputsParams] = {}
+    fmt = values.response_format
+    if fmt is not None and fmt.type == "json_object":
+        sources["response_format"] = StructuredOutputsParams(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        sources["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+    so = values.structured_outputs
+    if so is not None:
+        sources["structured_outputs"] = StructuredOutputsParams(
+            json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar,
+            disable_any_whitespace=so.disable_any_whitespace)
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(values, name)
+        if value is not None:
+            sources[name] = StructuredOutputsParams(**{kind: tuple(value) if kind == "choice" else value})
+    if len(sources) > 1:
+        raise ValueError(f"give one structured output constraint, got {' and '.join(sources)}")
+    return next(iter(sources.values()), None)
 
 
 class SamplingFields(_Loose):
@@ -228,6 +292,13 @@ class SamplingFields(_Loose):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured outputs (one constraint per request; _structured_outputs)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
 
     # unsupported fields are looked for before the fields are validated: a 400 naming them, however
     # the rest of the request looks
@@ -249,6 +320,16 @@ class SamplingFields(_Loose):
         if any(len(s) > MAX_STOP_CHARS for s in items):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "SamplingFields":
+        self.structured_outputs_params  # noqa: B018  (built for its checks: a 400 naming the field)
+        return self
+
+    @property
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The engine's form of the request's structured output constraint (None: unconstrained)."""
+        return _structured_outputs(self)
 
     @property
     def stop_list(self) -> list[str]:

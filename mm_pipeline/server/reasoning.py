@@ -47,6 +47,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from llm_core.engine.structured.params import ReasoningGate
+
 ReasoningParserName = Literal["auto", "qwen3", "none"]
 REASONING_PARSERS: tuple[str, ...] = typing.get_args(ReasoningParserName)
 
@@ -171,22 +173,22 @@ class ThinkSyntax:
         special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
         return cls(start_id=int(start_id), end_id=int(end_id), special_ids=special)
 
+    @property
+    def gate(self) -> ReasoningGate | None:
+        """The tags as token ids for the engine (a structured-output grammar holds after the
+        thinking, llm_core/engine/structured/params.py), or None when they are not single tokens."""
+        if self.start_id is None or self.end_id is None:
+            return None
+        return ReasoningGate(self.start_id, self.end_id, self.special_ids)
+
     def prompt_opens_thinking(self, prompt_ids: Sequence[int] | None) -> bool:
         """Whether the prompt ends inside ``<think>``: its generation prompt (the tokens after its
         last special token, ``<|im_start|>`` of the assistant turn) holds a ``<think>`` no
-        ``</think>`` follows. Only that tail is read: a user's text spelling ``<think>`` ends before
-        a special token, and a template that closes it (``enable_thinking`` off: ``<think></think>``)
-        leaves the model outside."""
-        if not prompt_ids or self.start_id is None:
-            return False
-        for token in reversed(prompt_ids):
-            if token == self.end_id:
-                return False
-            if token == self.start_id:
-                return True
-            if token in self.special_ids:
-                return False
-        return False
+        ``</think>`` follows (``ReasoningGate.prompt_opens``, the engine's rule too). Only that tail
+        is read: a user's text spelling ``<think>`` ends before a special token, and a template that
+        closes it (``enable_thinking`` off: ``<think></think>``) leaves the model outside."""
+        gate = self.gate
+        return gate is not None and gate.prompt_opens(prompt_ids)
 
     def parser(self, opened: bool = False) -> ReasoningParser:
         """A parser for one answer; ``opened``: its prompt ended inside ``<think>``."""

@@ -64,8 +64,8 @@ def _post(app, **fields) -> Any:
 
 # ---- request fields ------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("structural_tag", {"type": "structural_tag"}),
+    ("guided_decoding_backend", "outlines"),
     ("chat_template", "{{ messages }}"),
     ("documents", [{"title": "t", "text": "x"}]),
     ("tool_choice", "required"),
@@ -73,7 +73,6 @@ def _post(app, **fields) -> Any:
     ("modalities", ["text", "audio"]),
     ("length_penalty", 0.5),
     ("use_beam_search", True),
-    ("guided_json", {"type": "object"}),
     ("include_stop_str_in_output", True),
     ("echo", True),
 ])

@@ -1,0 +1,195 @@
+"""Structured outputs through the OpenAI server (the demo checkpoint, in process): OpenAI's
+``response_format`` (json_object, json_schema), vLLM's ``structured_outputs`` and its older
+``guided_*`` fields reach the engine as one ``StructuredOutputsParams`` (chat answers with the
+reasoning gate, completions without), and the answers are in their language -- streamed or not,
+``n`` > 1, chat and completions. Each malformed constraint is a 400 naming it, a schema that compiles
+too slowly is a 400 at the time limit, and none of them holds a slot; ``--structured-outputs-backend
+none`` turns the feature off (a 400), from the command line or the config.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+from llm_core.engine.structured import StructuredOutputsParams
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from tests.support.paths import DEMO_MODEL
+
+pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
+              pytest.mark.usefixtures("one_thread")]
+
+USER = [{"role": "user", "content": "Describe the picture."}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "count"],
+          "properties": {"color": {"enum": ["red", "green", "blue"]},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+def conforms(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"color", "count"} and value["color"] in ("red", "green", "blue") and 0 <= value["count"] <= 9
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from mm_pipeline.runtime.config import OmniEngineConfig
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+
+    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(num_full_tokens=4096,
+                                                                                 num_swa_tokens=2048))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine, tmp_path_factory):
+    app = create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def handed(engine, monkeypatch):
+    """The SamplingParams of every request the engine is handed."""
+    got = []
+    submit = engine.runtime.submit
+
+    def recording(request_id, token_ids, params, *args, **kwargs):
+        got.append(params)
+        return submit(request_id, token_ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runtime, "submit", recording)
+    return got
+
+
+def chat(client, **body) -> dict:
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 40, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_every_request_form_reaches_the_engine_as_one_constraint(client, engine, handed):
+    forms = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA, "strict": True}}},
+         StructuredOutputsParams(json=SCHEMA)),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}},
+         StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, StructuredOutputsParams(regex="[0-9]{3}")),
+        ({"structured_outputs": {"choice": ["cat", "dog"]}}, StructuredOutputsParams(choice=("cat", "dog"))),
+        ({"structured_outputs": {"grammar": 'root ::= "x" | "y"'}}, StructuredOutputsParams(grammar='root ::= "x" | "y"')),
+        ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+        ({"guided_regex": "a+"}, StructuredOutputsParams(regex="a+")),
+        ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=("a", "b"))),
+        ({"guided_grammar": 'root ::= "z"'}, StructuredOutputsParams(grammar='root ::= "z"')),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for body, want in forms:
+        handed.clear()
+        chat(client, max_tokens=2, **body)
+        got = handed[0].structured_outputs
+        if want is None:
+            assert got is None
+            continue
+        # chat answers hold the constraint after the model's thinking (the demo model thinks in <think>)
+        assert got.reasoning is not None and got.reasoning.start_id == engine.tokenizer.convert_tokens_to_ids("<think>")
+        assert got.compile_key == want.compile_key, body
+    handed.clear()
+    r = client.post("/v1/completions", json={"prompt": "The answer is", "max_tokens": 2,
+                                             "structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.status_code == 200, r.text
+    assert handed[0].structured_outputs == StructuredOutputsParams(choice=("alpha", "beta"))  # no gate: raw text
+
+
+def test_answers_are_in_their_language(client):
+    for extra in (NO_THINKING, {}):
+        out = chat(client, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}, **extra)["choices"][0]
+        assert out["finish_reason"] == "stop" or extra == {}, out  # thinking may use up max_tokens
+        if out["finish_reason"] == "stop":
+            assert conforms(out["message"]["content"]), out
+    out = chat(client, structured_outputs={"choice": ["cat", "dog", "a \"bird\""]}, **NO_THINKING)["choices"][0]
+    assert out["finish_reason"] == "stop" and out["message"]["content"] in ("cat", "dog", 'a "bird"')
+    out = chat(client, structured_outputs={"regex": r"[a-c]{2}-\d"}, **NO_THINKING)["choices"][0]
+    assert out["finish_reason"] == "stop" and re.fullmatch(r"[a-c]{2}-\d", out["message"]["content"])
+    sampled = chat(client, guided_choice=["yes", "no"], n=3, temperature=1.2, seed=5, **NO_THINKING)["choices"]
+    assert len(sampled) == 3 and all(c["message"]["content"] in ("yes", "no") for c in sampled)
+    r = client.post("/v1/completions", json={"prompt": "The answer is", "max_tokens": 20, "temperature": 0,
+                                             "structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.json()["choices"][0]["text"] in ("alpha", "beta")
+
+
+def test_a_streamed_answer_is_the_answer(client):
+    body = {"messages": USER, "max_tokens": 40, "temperature": 0, **NO_THINKING,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}}
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    parts = []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    parts.append(c["delta"].get("content") or "")
+    assert "".join(parts) == whole and whole.lstrip().startswith("{")
+
+
+BAD = [
+    ({"structured_outputs": {"regex": "(ab"}}, "invalid structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "invalid structured_outputs.grammar"),
+    ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "invalid structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ({"structured_outputs": {}}, "exactly one"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"choice": []}}, "1 to 1024"),
+    ({"structured_outputs": {"regex": "a" * (64 * 1024 + 1)}}, "at most 65536"),
+    ({"guided_choice": [str(i) for i in range(1025)]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "give one structured output constraint"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "give one structured output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structural_tag": "{}"}, "structural_tag is not supported"),
+]
+
+
+def test_a_bad_constraint_is_a_400_naming_it_and_holds_nothing(client, engine):
+    for body, message in BAD:
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text[:300])
+    assert engine.requests_in_flight == 0
+    assert chat(client, structured_outputs={"choice": ["ok"]}, **NO_THINKING)["choices"][0]["message"]["content"] == "ok"
+
+
+def test_a_slow_schema_is_a_400_at_the_time_limit_and_others_go_on(client, engine, monkeypatch):
+    grammars = engine.runtime.llm.grammars
+    grammars.compile(StructuredOutputsParams(regex="warm"))  # the worker is up: its start is not timed here
+    monkeypatch.setattr(grammars, "timeout_s", 1.0)
+    hostile = {"type": "string", "pattern": "(a|b)*c{1,50000}"}  # minutes to compile
+    t0 = time.monotonic()
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4,
+                                                  "structured_outputs": {"json": hostile}})
+    assert r.status_code == 400 and "took longer than 1 s to compile" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 30
+    assert chat(client, max_tokens=3)["choices"][0]["finish_reason"] in ("stop", "length")  # unconstrained: fine
+    assert chat(client, structured_outputs={"choice": ["fine"]}, **NO_THINKING)["choices"][0]["message"]["content"] == "fine"
+    assert engine.requests_in_flight == 0
+
+
+def test_the_backend_can_be_turned_off(client, engine, monkeypatch):
+    from mm_pipeline.cli import build_parser
+    from mm_pipeline.config_flags import config_flags, config_values
+    from mm_pipeline.runtime.config import OmniEngineConfig
+
+    assert OmniEngineConfig().engine.structured_outputs_backend == "xgrammar"  # on by default
+    args = build_parser().parse_args(["serve", "--model", "m", "--structured-outputs-backend", "none",
+                                      "--grammar-compile-timeout-s", "3"])
+    cfg = OmniEngineConfig.from_kwargs(**config_values(args, config_flags())).engine
+    assert cfg.structured_outputs_backend == "none" and cfg.grammar_compile_timeout_s == 3
+    monkeypatch.setattr(engine.runtime.llm, "grammars", None)  # what an engine built with "none" holds
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4,
+                                                  "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and "structured outputs are off" in r.json()["error"]["message"]
+    assert engine.requests_in_flight == 0
