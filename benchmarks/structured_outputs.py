@@ -6,8 +6,8 @@ schema that would compile for minutes is answered.
 Model: a random tiny MiMo-V2 checkpoint (samples.checkpoints.tiny_text) with the demo checkpoint's
 tokenizer (its ids fit the model's 512), fp32 on CPU, one intra-op thread. For each batch size B,
 B prompts decode ``--gen`` tokens greedily, unconstrained (ignore_eos) and under each constraint:
-an unbounded regex (``[a-z ]+``: never complete, so every row runs to max_tokens) and a JSON schema
-(an array of strings: long-lived, though a row may complete early). Plain and constrained runs
+an unbounded regex (``[a-z ]+``) and a JSON schema (an object whose string needs 400 characters):
+neither can complete within the run, so every row decodes exactly ``--gen`` tokens. Plain and constrained runs
 alternate ``--repeats`` times, the fastest of each counts; the rate is generated tokens / seconds.
 
 Compile rows: the worker's start (spawn + import xgrammar), one schema's first compile (worker up)
@@ -39,8 +39,11 @@ from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
 EOS = 258  # the demo tokenizer's <|im_end|>
+# neither can complete within --gen tokens, so every row of every variant decodes max_tokens (a row
+# that completed early would shrink the batch and flatter the rate)
 CONSTRAINTS = {"regex": StructuredOutputsParams(regex="[a-z ]+"),
-               "json": StructuredOutputsParams(json={"type": "array", "items": {"type": "string"}})}
+               "json": StructuredOutputsParams(json={"type": "object", "required": ["text"], "properties": {
+                   "text": {"type": "string", "minLength": 400}}})}
 HOSTILE = StructuredOutputsParams(json={"type": "string", "pattern": "(a|b)*c{1,50000}"})
 
 
@@ -57,6 +60,8 @@ def decode_rates(llm: LLM, batch: int, gen: int, repeats: int) -> dict[str, floa
             t0 = time.perf_counter()
             outs = llm.generate(prompts, p)
             rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+            if any(len(o.token_ids) != p.max_tokens for o in outs):
+                raise SystemExit(f"{name}: a row ended before max_tokens; the rates would not compare")
             best[name] = max(best.get(name, 0.0), rate)
     return best
 
