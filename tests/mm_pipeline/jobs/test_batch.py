@@ -167,6 +167,28 @@ def test_batch_lines_take_penalties_logit_bias_min_p_and_min_tokens(engine, tmp_
     assert direct.choices[0].text == pen["body"]["choices"][0]["text"]
 
 
+def test_batch_lines_take_structured_outputs(engine, tmp_path):
+    """A line's response_format / structured_outputs hold its answer as the server's would; a bad
+    constraint is that line's 400 and the others go on."""
+    chat = {"messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 12, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    lines = [_line("choice", {**chat, "structured_outputs": {"choice": ["red", "blue"]}}),
+             _line("regex", {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0,
+                             "structured_outputs": {"regex": "[a-c]{2}"}}, url="/v1/completions"),
+             _line("bad", {**chat, "structured_outputs": {"regex": "(ab"}}),
+             _line("two", {**chat, "response_format": {"type": "json_object"}, "guided_regex": "a"})]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    summary = asyncio.run(BatchJob(engine, concurrency=4).run(src, out))
+    assert (summary.total, summary.succeeded, summary.failed) == (4, 2, 2)
+    by_id = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["choice"]["body"]["choices"][0]["message"]["content"] in ("red", "blue")
+    assert len(by_id["regex"]["body"]["choices"][0]["text"]) == 2
+    assert set(by_id["regex"]["body"]["choices"][0]["text"]) <= set("abc")
+    assert by_id["bad"]["status_code"] == 400 and "structured_outputs.regex" in by_id["bad"]["body"]["error"]["message"]
+    assert by_id["two"]["status_code"] == 400 and "one structured output" in by_id["two"]["body"]["error"]["message"]
+
+
 def test_batch_resume_after_a_torn_line_and_bad_lines(engine, tmp_path):
     """A crash left a torn last line: the next row starts on a line of its own (it was glued onto
     it, so lost while reported done); a line that is not UTF-8 or too deep is an error row."""

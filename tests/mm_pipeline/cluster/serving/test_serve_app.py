@@ -119,6 +119,27 @@ def test_openai_answers_equal_one_process(cluster_url, local_url):
     assert texts[0] == texts[1] and texts[0]
 
 
+def test_structured_outputs_equal_one_process(cluster_url, local_url):
+    """A constraint travels to the LLM replica with its request (compiled there): the same answer as
+    one process, and a bad one is the same 400."""
+    import httpx
+
+    body = {"model": "demo-model", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Pick a color."}],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                "type": "object", "required": ["color"], "additionalProperties": False,
+                "properties": {"color": {"enum": ["red", "green"]}}}}}}
+    answers = [httpx.post(url + "/v1/chat/completions", json=body, timeout=120) for url in (cluster_url, local_url)]
+    assert answers[0].status_code == 200, answers[0].text
+    contents = [a.json()["choices"][0]["message"]["content"] for a in answers]
+    assert contents[0] == contents[1] and contents[0].lstrip().startswith("{")
+    bad = {**body, "response_format": None, "structured_outputs": {"regex": "(ab"}}
+    answers = [httpx.post(url + "/v1/chat/completions", json=bad, timeout=120) for url in (cluster_url, local_url)]
+    assert [a.status_code for a in answers] == [400, 400]
+    assert answers[0].json()["error"]["message"] == answers[1].json()["error"]["message"]
+
+
 def test_tokenize_equals_one_process(cluster_url, local_url):
     """vLLM's /tokenize, /detokenize and /version are the ingress's too (the chat template and media
     planning asked of an LLM replica): the same answers as one process."""
