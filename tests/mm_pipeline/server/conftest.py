@@ -1,4 +1,5 @@
-"""The demo checkpoint's tokenizer, shared by the server tests that compare ids or script answers."""
+"""The demo checkpoint's tokenizer, shared by the server tests that compare ids or script answers, and
+the demo checkpoint served in process (one engine per test module that asks for it)."""
 
 from __future__ import annotations
 
@@ -11,3 +12,15 @@ from tests.support.paths import DEMO_MODEL
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    """An OmniEngine over the demo checkpoint (4096 Full / 2048 SWA KV tokens), shut down after the module."""
+    from mm_pipeline.runtime.config import OmniEngineConfig
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+
+    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(num_full_tokens=4096,
+                                                                                 num_swa_tokens=2048))
+    yield engine
+    engine.shutdown()

@@ -36,14 +36,8 @@ def conforms(text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from mm_pipeline.runtime.config import OmniEngineConfig
-    from mm_pipeline.runtime.omni_engine import OmniEngine
-
-    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(num_full_tokens=4096,
-                                                                                 num_swa_tokens=2048))
-    yield engine
-    engine.shutdown()
+def engine(demo_engine):
+    return demo_engine
 
 
 @pytest.fixture(scope="module")
