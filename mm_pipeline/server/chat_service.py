@@ -31,7 +31,7 @@ from mm_pipeline.server.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
-from mm_pipeline.server.tool_calls import ToolCallSyntax
+from mm_pipeline.server.tool_calls import ForcedCallParser, ToolCallSyntax
 
 Observer = Callable[[float, "list[ChoiceState]"], None]
 # a request holding a chat: /v1/chat/completions, or /tokenize's chat form (its messages then set)
@@ -242,11 +242,14 @@ class ChatService:
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
         self.check_model(req.model)
         syntax = self.config.tool_calls
-        if req.tools and syntax is None:
+        if req.parse_tool_calls and syntax is None:
             raise InvalidInputError("tools need the server's tool-call parser, which is off (start it with "
                                     "--tool-call-parser qwen3_coder, or auto for a model that knows <tool_call>)")
         tools = tuple(req.tools or ())
-        parser = (lambda: syntax.parser(tools)) if syntax is not None and req.parse_tool_calls else None
+        if req.forces_tool_calls:  # JSON a grammar forces (the request's constraint), read at the end
+            parser = lambda: ForcedCallParser(req.forced_function)  # noqa: E731
+        else:
+            parser = (lambda: syntax.parser(tools)) if syntax is not None and req.parse_tool_calls else None
         messages = await parsed_messages(req)
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
                                                                                  self.config.reasoning),

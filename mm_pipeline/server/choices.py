@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from mm_pipeline.errors import generation_error
 from mm_pipeline.server.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-from mm_pipeline.server.tool_calls import ToolCall, ToolCallParser
+from mm_pipeline.server.tool_calls import ForcedCallParser, ToolCall, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class ChoiceStream:
     """One engine generation seen as an async iterator with a prefetched first delta."""
 
     def __init__(self, index: int, stream: AsyncIterator[Any], reasoning: ThinkSyntax | None = None,
-                 tool_calls: Callable[[], ToolCallParser] | None = None) -> None:
+                 tool_calls: Callable[[], ToolCallParser | ForcedCallParser] | None = None) -> None:
         self.index = index
         self.state = ChoiceState()
         self._stream = stream
@@ -92,7 +92,7 @@ class ChoiceStream:
         self._opened = False  # the prompt ends inside <think> (told by the first delta's prompt ids)
         self._parser: ReasoningParser | None = None  # split()'s, made on its first call
         self._tool_calls = tool_calls
-        self._tool_parser: ToolCallParser | None = None  # split()'s, made on its first call
+        self._tool_parser: ToolCallParser | ForcedCallParser | None = None  # split()'s, made on its first call
         self.calls_made = 0
 
     async def start(self) -> None:

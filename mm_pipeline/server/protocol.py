@@ -6,8 +6,8 @@ implement (``functions``, ``best_of`` > ``n``, ``chat_template``...:
 unless it holds its no-op value. vLLM's chat-template fields ``add_generation_prompt``,
 ``continue_final_message`` and ``chat_template_kwargs`` are honoured (``TemplateOptions``,
 prompt/template_options.py, carried to the prompt layout on the parsed chat), and so are ``tools``
-(rendered by the chat template, with the same bounds) and ``tool_choice`` ``"none"`` / ``"auto"``
-(``"required"`` and a named function: a 400). Structured outputs come as OpenAI's
+(rendered by the chat template, with the same bounds) and ``tool_choice`` (``"none"``, ``"auto"``;
+``"required"`` and a named function force the calls as JSON under a grammar). Structured outputs come as OpenAI's
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (json, regex,
 choice, grammar) or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``: one of them per request (``StructuredOutputsParams``). Other unknown fields
@@ -29,6 +29,7 @@ from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
 from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs, check_tools
+from mm_pipeline.server.tool_calls import forced_call_schema
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -386,28 +387,63 @@ class ChatTemplateFields(_Loose):
                                tuple(self.tools or ()))
 
 
+class NamedFunction(_Loose):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Loose):
+    """OpenAI's ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: Literal["none", "auto"] | None = Field(default=None, description=(
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None, description=(
         "none: tools are rendered, the answer is not parsed for calls; auto (the default with tools): calls "
-        "are parsed into tool_calls"))
+        "are parsed into tool_calls; required or {\"type\": \"function\", \"function\": {\"name\": ...}}: "
+        "the answer is forced to be calls (JSON under a grammar, as vLLM does)"))
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        if v is None or v in ("none", "auto"):
-            return v
-        shown = repr(v) if len(repr(v)) <= 60 else f"{repr(v)[:57]}..."
-        raise ValueError(f"tool_choice {shown} is not supported by this server: \"required\" and a named function "
-                         f"need constrained decoding, which it does not do (accepted: 'none' or 'auto')")
+    @model_validator(mode="after")
+    def _forced_calls(self) -> "ChatCompletionRequest":
+        if self.tool_choice in (None, "none", "auto"):
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice \"required\" or a named function needs tools")
+        if _structured_outputs(self) is not None:
+            raise ValueError("give one structured output constraint, got tool_choice and a response format")
+        try:
+            self.structured_outputs_params  # noqa: B018  (the forced calls' schema, built for its checks)
+        except ValueError as exc:
+            raise ValueError(f"tool_choice: {exc}") from None
+        return self
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function a named tool_choice forces (None otherwise)."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """Whether tool_choice forces the answer to be calls ("required" or a named function)."""
+        return self.tool_choice == "required" or self.forced_function is not None
+
+    @property
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        if self.forces_tool_calls:  # compact JSON: arguments are read by a program, not a person
+            return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function),
+                                           disable_any_whitespace=True)
+        return _structured_outputs(self)
 
     @property
     def parse_tool_calls(self) -> bool:
-        """Whether the answer is parsed for tool calls: tools given and tool_choice not "none"."""
-        return bool(self.tools) and self.tool_choice != "none"
+        """Whether the answer is parsed for the model's own tool calls: tools given and tool_choice
+        "auto" (or absent)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="before")
     @classmethod

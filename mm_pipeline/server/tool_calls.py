@@ -43,6 +43,10 @@ What the parser decides:
   a stop string), is text: its raw characters are content, as vLLM answers an output it cannot parse.
   A call already made earlier in the answer stays a call (a stream sent it).
 
+``tool_choice`` ``"required"`` or a named function (vLLM's way): the answer is JSON a grammar forces
+(``forced_call_schema``: a named function's arguments, or an array of ``{"name", "parameters"}``),
+read by ``ForcedCallParser`` into the same ``tool_calls`` at the answer's end.
+
 Held back while streaming, so tag text is never sent as content: a suffix that may begin
 ``<tool_call>`` (at most 10 characters), a whole block until its ``</tool_call>``, and after a call
 the whitespace that may lead to the next. ``finish`` releases them as content: an unfinished tag or
@@ -227,6 +231,67 @@ def convert_value(value: str, schema: Any) -> Any:
     if kind in ("object", "dict"):
         return parsed if isinstance(parsed, dict) else value
     return parsed if isinstance(parsed, list) else value
+
+
+# ---- tool_choice "required" and a named function: JSON the grammar forces (vLLM's way) ---------------
+def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema (an object schema when it declares none)."""
+    params = tool["function"].get("parameters")
+    return dict(params) if isinstance(params, Mapping) and params else {"type": "object"}
+
+
+def forced_call_schema(tools: Sequence[Mapping[str, Any]], choice: str | None) -> dict[str, Any]:
+    """The JSON schema an answer must follow when ``tool_choice`` forces calls: a named function
+    (``choice``) -> its parameters object (the answer is the call's arguments); ``None``
+    ("required") -> a non-empty array of ``{"name": one of the tools, "parameters": its schema}``.
+    A ValueError names a function the tools do not declare."""
+    named = {t["function"]["name"]: t for t in tools}
+    if choice is not None:
+        if choice not in named:
+            raise ValueError(f"tool_choice names function {choice!r}, which tools do not declare")
+        return _parameters(named[choice])
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+         "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(tool)}}
+        for name, tool in named.items()]}}
+
+
+class ForcedCallParser:
+    """The parser of an answer whose calls a grammar forced (``forced_call_schema``): the whole
+    content is JSON, so it is held and read at ``finish`` -- a named function's arguments object,
+    or "required"'s array of calls. Content the grammar did not complete (cut by ``max_tokens`` or
+    a stop string) is text, as an unparsable answer is for ``ToolCallParser``. Same interface."""
+
+    def __init__(self, function: str | None) -> None:
+        self.function = function  # None: "required"
+        self._held = ""
+
+    @property
+    def held(self) -> str:
+        return self._held
+
+    def feed(self, text: str) -> ToolSplit:
+        self._held += text
+        return ToolSplit()
+
+    def finish(self) -> ToolSplit:
+        held, self._held = self._held, ""
+        try:
+            value = json.loads(held)
+        except ValueError:
+            return ToolSplit(content=held)
+        if self.function is not None:
+            if isinstance(value, dict):
+                return ToolSplit(calls=(ToolCall(self.function, json.dumps(value, ensure_ascii=False), new_call_id()),))
+        elif isinstance(value, list) and value and all(
+                isinstance(v, dict) and isinstance(v.get("name"), str) and isinstance(v.get("parameters"), dict)
+                for v in value):
+            return ToolSplit(calls=tuple(ToolCall(v["name"], json.dumps(v["parameters"], ensure_ascii=False),
+                                                  new_call_id()) for v in value))
+        return ToolSplit(content=held)
+
+    def parse(self, text: str) -> ToolSplit:
+        return self.feed(text) + self.finish()
 
 
 @dataclass(frozen=True)

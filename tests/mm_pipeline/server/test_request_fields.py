@@ -68,7 +68,7 @@ def _post(app, **fields) -> Any:
     ("guided_decoding_backend", "outlines"),
     ("chat_template", "{{ messages }}"),
     ("documents", [{"title": "t", "text": "x"}]),
-    ("tool_choice", "required"),
+    ("tool_choice", "sometimes"),
     ("reasoning_effort", "low"),
     ("modalities", ["text", "audio"]),
     ("length_penalty", 0.5),

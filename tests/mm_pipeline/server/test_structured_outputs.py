@@ -187,3 +187,58 @@ def test_the_backend_can_be_turned_off(client, engine, monkeypatch):
                                                   "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and "structured outputs are off" in r.json()["error"]["message"]
     assert engine.requests_in_flight == 0
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}]
+
+
+def test_tool_choice_required_or_named_forces_calls(client, handed):
+    """tool_choice "required" / a named function: the answer is JSON a grammar forces (vLLM's way),
+    turned into tool_calls whatever the model would have written (the parsing of every outcome:
+    test_tool_calls_server.py, on scripted answers)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    base = {"messages": USER, "max_tokens": 60, "temperature": 0, "tools": WEATHER, **NO_THINKING}
+    for stream in (False, True):
+        body = {**base, "tool_choice": named}
+        if not stream:
+            out = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            calls, finish = out["message"]["tool_calls"], out["finish_reason"]
+            assert out["message"]["content"] is None
+        else:
+            calls, finish = [], None
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            calls += c["delta"].get("tool_calls") or []
+                            finish = c["finish_reason"] or finish
+        assert finish == "tool_calls" and len(calls) == 1, stream
+        args = json.loads(calls[0]["function"]["arguments"])
+        assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+        assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+    assert handed[0].structured_outputs.kind == "json" and handed[0].structured_outputs.disable_any_whitespace
+    # "required": an array of calls; the demo model goes on adding calls until max_tokens, and an
+    # unfinished array is the answer's text, held to the grammar as far as it got
+    out = client.post("/v1/chat/completions", json={**base, "tool_choice": "required"}).json()["choices"][0]
+    if out["finish_reason"] == "tool_calls":
+        assert all(c["function"]["name"] in ("get_weather", "get_time") for c in out["message"]["tool_calls"])
+    else:
+        assert out["finish_reason"] == "length" and out["message"]["content"].startswith('[{"name": "get_')
+
+
+def test_forced_tool_choice_is_checked(client, engine):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    bad = [({"tool_choice": "required"}, "needs tools"),
+           ({"tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+           ({"tools": WEATHER, "tool_choice": named, "response_format": {"type": "json_object"}},
+            "one structured output constraint"),
+           ({"tools": WEATHER, "tool_choice": "sometimes"}, "tool_choice")]
+    for body, message in bad:
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text[:300])
+    assert engine.requests_in_flight == 0

@@ -1,7 +1,7 @@
 """``--tool-call-parser`` through the real server (uvicorn on 127.0.0.1, raw HTTP): a chat answer's
 ``<tool_call>`` blocks become ``message.tool_calls`` / ``delta.tool_calls``, streamed and not, each of
 ``n`` choices on its own, after the reasoning split; the request side's checks (tools with the parser
-off, tool_choice values).
+off, tool_choice values: "required" and a named function read the JSON a grammar forced).
 
 The engine is test_reasoning_server.py's scripted one (fixed texts cut into deltas so that the tags
 fall across them, tokenized by the demo model's tokenizer, in whose vocabulary ``<tool_call>`` is a
@@ -128,10 +128,28 @@ def test_tools_with_the_parser_off_are_a_400_naming_the_flag(serve):
     assert post(base, tools=[]).status_code == 200  # no tools: nothing to parse
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_tool_choice_that_needs_constrained_decoding_is_a_400(serve, choice):
-    r = post(serve([CALLS]), tools=TOOLS, tool_choice=choice)
-    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# what a grammar makes the model write for tool_choice named / "required" (thinking first), and one cut short
+FORCED_NAMED = ["<think>Paris.</think>\n\n", '{"city": "Par', 'is", "days": 2}']
+FORCED_REQUIRED = ['[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}, ',
+                   '{"name": "get_weather", "parameters": {"city": "Rome"}}]']
+FORCED_CUT = ['[{"name": "get_weather", "parame']
+
+
+@pytest.mark.parametrize("choice,script,expected", [
+    (NAMED, FORCED_NAMED, EXPECTED[:1]), ("required", FORCED_REQUIRED, EXPECTED)])
+def test_tool_choice_required_or_named_reads_the_forced_json_as_calls(serve, choice, script, expected):
+    """The answer a grammar forced (tests/mm_pipeline/server/test_structured_outputs.py runs the real
+    model) becomes tool_calls, streamed (whole, at the end) and not; the parser setting is not needed."""
+    for base in (serve([script]), serve([script], tool_call_parser="none")):
+        out = post(base, tools=TOOLS, tool_choice=choice).json()["choices"][0]
+        assert calls_of(out["message"]["tool_calls"]) == expected and out["finish_reason"] == "tool_calls"
+        assert out["message"]["content"] is None
+        got = streamed(chat_stream(base, messages=QUESTION, tools=TOOLS, tool_choice=choice), 0)
+        calls = [c for d in got["deltas"] for c in d.get("tool_calls") or []]
+        assert calls_of(calls) == expected and got["finish_reason"] == "tool_calls" and got["content"] == ""
+    cut = post(serve([FORCED_CUT]), tools=TOOLS, tool_choice="required").json()["choices"][0]
+    assert cut["message"]["content"] == FORCED_CUT[0] and "tool_calls" not in cut["message"]
 
 
 def test_bad_tools_are_a_400_naming_them(serve):
