@@ -89,11 +89,17 @@ def _kinds() -> list[Kind]:
         Kind("completion", "valid", lambda r, m: ("POST", "/v1/completions", AUTH,
                                                   {"prompt": [5, 6, 7, r.randint(8, 50)], "max_tokens": 6}), ok200),
         Kind("image", "valid", lambda r, m: ("POST", "/v1/chat/completions", AUTH, _image_chat(image)), ok200),
+        # structured outputs: distinct schemas (compiled in the worker process, then cached)
+        Kind("json-schema", "valid", lambda r, m: ("POST", "/v1/chat/completions", AUTH, _chat(
+            "pick", max_tokens=12, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer", "maximum": r.randint(1, 40)}}}}})), ok200),
         Kind("models", "valid", lambda r, m: ("GET", "/v1/models", AUTH, None), frozenset({200})),
         Kind("health", "valid", lambda r, m: ("GET", "/health", {}, None), frozenset({200})),
         Kind("bad-json", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH, b"{not json"), bad),
         Kind("no-messages", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH, {"messages": []}), bad),
         Kind("top-k-1e30", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH, _chat("x", top_k=1e30)), bad),
+        Kind("bad-regex", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH,
+                                                  _chat("x", structured_outputs={"regex": "(ab" * r.randint(1, 9)})), bad),
         Kind("seed-2^63", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH, _chat("x", seed=2**63)), bad),
         Kind("too-long", "broken", lambda r, m: ("POST", "/v1/completions", AUTH,
                                                  {"prompt": [5] * 200_000, "max_tokens": 2}), bad),

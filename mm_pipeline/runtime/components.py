@@ -30,7 +30,7 @@ import torch
 
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.structured.compiler import GrammarError
+from llm_core.engine.structured.compiler import GrammarBusyError, GrammarError
 from llm_core.engine.structured.params import StructuredOutputsParams
 from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
 from mm_pipeline.media.types import MediaItem
@@ -44,7 +44,7 @@ from mm_pipeline.runtime.host_cpu import HostCpu
 from mm_pipeline.runtime.intra_op import set_local_threads, set_process_default
 from mm_pipeline.runtime.thread_choice import WARM_UP_MAX_ROWS, ProbedThreads, StepThreads, plan_threads, run_on_thread
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
-from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError
+from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError, OverloadedError
 from mm_pipeline.media.decode.backend import make_decode_backend
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.encode.plan import MediaPlan
@@ -258,6 +258,8 @@ class OmniRuntime:
             raise InvalidInputError("an encoders-only runtime generates no text to constrain")
         try:
             await self.grammar_pool.run(self.llm.compile_grammar, params)
+        except GrammarBusyError as exc:  # other constraints held the compiler: the client may retry
+            raise OverloadedError(str(exc)) from None
         except GrammarError as exc:
             raise InvalidInputError(str(exc)) from None
 

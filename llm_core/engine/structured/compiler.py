@@ -42,6 +42,10 @@ class GrammarError(ValueError):
     """A constraint that cannot be served: invalid, over a bound, or too slow to compile (a 400)."""
 
 
+class GrammarBusyError(GrammarError):
+    """The compiler stayed busy with other constraints for the whole time limit: try again (a 429)."""
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer (module docstring)."""
 
@@ -105,8 +109,8 @@ class GrammarCompiler:
         kind, text, no_ws = key
         if not self._turn.acquire(timeout=self.timeout_s):
             self.counts["timeouts"] += 1
-            raise GrammarError(f"the grammar compiler is busy (other constraints are compiling); waited "
-                               f"{self.timeout_s:g} s")
+            raise GrammarBusyError(f"the grammar compiler is busy (other constraints are compiling); waited "
+                                   f"{self.timeout_s:g} s")
         try:
             proc = self._worker()  # its start (once) is not part of the compile's limit
             try:

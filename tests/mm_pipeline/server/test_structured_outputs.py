@@ -3,7 +3,8 @@
 ``guided_*`` fields reach the engine as one ``StructuredOutputsParams`` (chat answers with the
 reasoning gate, completions without), and the answers are in their language -- streamed or not,
 ``n`` > 1, chat and completions. Each malformed constraint is a 400 naming it, a schema that compiles
-too slowly is a 400 at the time limit, and none of them holds a slot; ``--structured-outputs-backend
+too slowly is a 400 at the time limit, and none of them holds a slot (one that waits out the limit behind other compiles is a 429);
+``--structured-outputs-backend
 none`` turns the feature off (a 400), from the command line or the config.
 """
 
@@ -169,6 +170,11 @@ def test_a_slow_schema_is_a_400_at_the_time_limit_and_others_go_on(client, engin
     assert time.monotonic() - t0 < 30
     assert chat(client, max_tokens=3)["choices"][0]["finish_reason"] in ("stop", "length")  # unconstrained: fine
     assert chat(client, structured_outputs={"choice": ["fine"]}, **NO_THINKING)["choices"][0]["message"]["content"] == "fine"
+    # a constraint that waits its whole limit for the compiler (another one holds it) is a 429: retry
+    with grammars._turn:
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4,
+                                                      "structured_outputs": {"choice": ["new", "one"]}})
+    assert r.status_code == 429 and "compiler is busy" in r.json()["error"]["message"] and r.headers["retry-after"]
     assert engine.requests_in_flight == 0
 
 
