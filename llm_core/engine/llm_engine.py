@@ -158,6 +158,12 @@ class LLMEngine:
         """Why these sampling params cannot be served by this model (None if they can): a logit_bias
         token id outside the vocabulary, structured outputs on an engine without them
         (``INVALID_INPUT``)."""
+        if params.bad_words and self.tokenizer is None:
+            return RequestError(ErrorKind.INVALID_INPUT, "bad_words need a tokenizer; this engine has none")
+        if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= self.model_config.vocab_size:
+            return RequestError(ErrorKind.INVALID_INPUT,
+                                f"allowed_token_ids holds {params.allowed_token_ids[-1]}, outside the vocabulary "
+                                f"[0, {self.model_config.vocab_size})")
         if params.structured_outputs is not None and self.grammars is None:
             why = "no tokenizer" if self.tokenizer is None else "structured_outputs_backend none"
             return RequestError(ErrorKind.INVALID_INPUT, f"structured outputs are off on this engine ({why})")
@@ -167,6 +173,17 @@ class LLMEngine:
             return RequestError(ErrorKind.INVALID_INPUT,
                                 f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return None
+
+    def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` as the token sequences that would write them: each word as written and after
+        a space (how it appears mid-text for most tokenizers), as vLLM tokenizes them."""
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(int(t) for t in self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        return tuple(seqs)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile ``params`` now (any thread; cached, so ``add_request`` then finds it): a
@@ -202,6 +219,8 @@ class LLMEngine:
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher)
         problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None) or self.check_params(params)
+        if problem is None and params.bad_words:
+            req.bad_word_ids = self.bad_word_ids(params.bad_words)
         if problem is None and params.structured_outputs is not None:
             try:
                 req.grammar = GrammarState(self.grammars.compile(params.structured_outputs), params.structured_outputs,

@@ -2,6 +2,9 @@
 for it (``processes_logits``); the sampler (sampling.py) calls ``process_logits`` and the other
 rows take its plain path:
 
+    allowed         allowed_token_ids: every other token -> -inf          (history-free)
+    bad words       a bad word's last token -> -inf where the output ends with the rest of it
+                    (the request's ``bad_word_ids``: the engine tokenizes ``bad_words``)
     logit_bias      logits[t] += bias                                   (history-free)
     min_tokens      while fewer than min_tokens tokens were generated: stop_token_ids and EOS (unless
                     ignore_eos) -> -inf
@@ -56,11 +59,37 @@ def processed_rows(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     dev, vocab = logits.device, logits.shape[1]
     ps = [params[i] for i in rows]
-    needs_history = [p.min_tokens > 0 or p.penalized or p.structured_outputs is not None for p in ps]
+    needs_history = [p.min_tokens > 0 or p.penalized or p.structured_outputs is not None or bool(p.bad_words)
+                     for p in ps]
     if any(needs_history) and (histories is None or len(histories) != len(params)):
         raise ValueError("min_tokens, the penalties and structured outputs need each row's request (histories)")
     hs = [histories[i] for i in rows] if histories is not None else [None] * len(rows)
     x = logits[torch.tensor(rows, device=dev)]  # a copy: the input keeps its raw rows
+
+    # allowed_token_ids: one -inf row per such row, its allowed ids 0, added
+    allowed = [j for j, p in enumerate(ps) if p.allowed_token_ids is not None]
+    if allowed:
+        r_idx, t_idx = [], []
+        for k, j in enumerate(allowed):
+            ids = [t for t in ps[j].allowed_token_ids if t < vocab]
+            r_idx += [k] * len(ids)
+            t_idx += ids
+        keep = torch.full((len(allowed), vocab), float("-inf"), device=dev, dtype=x.dtype)
+        keep[torch.tensor(r_idx, device=dev, dtype=torch.long), torch.tensor(t_idx, device=dev, dtype=torch.long)] = 0
+        x[torch.tensor(allowed, device=dev)] += keep
+
+    # bad words: the last token of each banned sequence whose other tokens end the output
+    r_idx, t_idx = [], []
+    for j, (p, h) in enumerate(zip(ps, hs)):
+        if p.bad_words:
+            out = h.output_token_ids
+            for seq in h.bad_word_ids:
+                head = len(seq) - 1
+                if seq[-1] < vocab and (head == 0 or (len(out) >= head and list(out[-head:]) == list(seq[:-1]))):
+                    r_idx.append(j)
+                    t_idx.append(seq[-1])
+    if r_idx:
+        x[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
 
     # logit_bias: one scatter-add over every biased row
     r_idx, t_idx, bias = [], [], []

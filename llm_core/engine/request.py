@@ -77,6 +77,8 @@ class Request:
     stop_matcher: StopStringMatcher | None = None
     # where the output stands in its params.structured_outputs grammar (the engine makes one)
     grammar: GrammarState | None = None
+    # params.bad_words as token sequences (the engine tokenizes them: as written and after a space)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)

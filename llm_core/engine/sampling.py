@@ -29,6 +29,9 @@ from llm_core.engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents no count; vLLM has none): bounds per-step work
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids entries (a whole vocabulary of up to 256 K tokens)
+MAX_BAD_WORDS = 64  # bad_words entries, each at most MAX_BAD_WORD_CHARS characters
+MAX_BAD_WORD_CHARS = 256
 MAX_INT32 = 2**31 - 1  # bound of token counts, top_k and token ids: they become int tensors
 SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63 (torch.Generator.manual_seed takes an int64)
 
@@ -94,6 +97,11 @@ class SamplingParams:
       occurrence for each token already generated.
     - ``repetition_penalty`` > 0 (vLLM / transformers; 1 = off): tokens in the prompt or output get
       logit / penalty when positive, logit * penalty otherwise.
+    - ``allowed_token_ids`` (vLLM): only these ids may be sampled (every other gets logit -inf);
+      at most ``MAX_ALLOWED_TOKEN_IDS``, non-empty; the engine refuses ids past its vocabulary.
+    - ``bad_words`` (vLLM): strings never generated: the engine tokenizes each (as it is and after a
+      space) and bans a sequence's last token whenever the output ends with the rest of it; at
+      most ``MAX_BAD_WORDS`` of at most ``MAX_BAD_WORD_CHARS`` characters. Needs a tokenizer.
     - ``structured_outputs``: the output follows a JSON schema, any JSON object, a regex, a choice
       or a grammar (llm_core/engine/structured/); the grammar decides when the output may end, so
       ``min_tokens`` does not mask its stop tokens. Needs an engine with a tokenizer.
@@ -115,6 +123,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
     # whether the logits are processed before sampling (logit_bias, min_tokens, a penalty): set once
     # here so that the sampler's common path asks one attribute per row
@@ -158,12 +168,26 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            if not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(ids)}")
+            if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in ids):
+                raise ValueError(f"allowed_token_ids must be integers in [0, {MAX_INT32}]")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        if len(words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w or len(w) > MAX_BAD_WORD_CHARS
+                                             for w in words):
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORDS} non-empty strings of at most "
+                             f"{MAX_BAD_WORD_CHARS} characters")
+        object.__setattr__(self, "bad_words", words)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
         object.__setattr__(self, "processes_logits", bool(
             self.logit_bias or self.min_tokens > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-            or self.repetition_penalty != 1 or self.structured_outputs is not None))
+            or self.repetition_penalty != 1 or self.structured_outputs is not None
+            or self.allowed_token_ids is not None or bool(self.bad_words)))
 
     @property
     def penalized(self) -> bool:

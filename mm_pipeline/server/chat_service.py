@@ -83,6 +83,8 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+            bad_words=tuple(req.bad_words or ()),
             structured_outputs=constraint,
         )
     except ValueError as exc:

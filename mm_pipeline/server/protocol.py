@@ -23,7 +23,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator,
                       model_validator)
 
-from llm_core.engine.sampling import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT
+from llm_core.engine.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_INT32,
+                                      MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT)
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
@@ -180,7 +181,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     # vLLM's extensions (their no-op values are vLLM's defaults)
     "length_penalty": (1,),
-    "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (),
+    "use_beam_search": (False,), "logits_processors": (),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
@@ -290,6 +291,10 @@ class SamplingFields(_Loose):
         default=None, max_length=MAX_LOGIT_BIAS)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    # vLLM's: only these ids / never these words (SamplingParams: ids past the vocabulary, the engine's 400)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

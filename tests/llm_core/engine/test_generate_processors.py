@@ -152,3 +152,63 @@ def test_fixed_shape_decode_steps_process_logits_as_the_plain_path(model):
     fixed = llm.generate(prompts, params)
     assert [o.token_ids for o in fixed] == [o.token_ids for o in plain]
     assert calls  # the fixed-shape path ran the decode steps
+
+
+class OnlyThese(LogitsProcessor):
+    """Hand-computed reference for allowed_token_ids: every other token -> -inf."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = sorted(allowed)
+
+    def __call__(self, input_ids, scores):
+        keep = torch.full_like(scores, float("-inf"))
+        keep[:, self.allowed] = 0
+        return scores + keep
+
+
+class WordTokenizer:
+    """encode() of the bad-words test: a word as written and after a space, as fixed ids."""
+
+    def __init__(self, table: dict[str, list[int]]) -> None:
+        self.table = table
+
+    def encode(self, text, add_special_tokens=False):
+        return self.table[text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_allowed_token_ids_and_bad_words_match_transformers(model, hf_model):
+    p = ids(105, 13)
+    free = engine(model).generate([p], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
+    allowed = {free[2], free[5], 77, 90}
+    out = engine(model).generate([p], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                     allowed_token_ids=sorted(allowed)))[0]
+    assert out.token_ids == hf_tokens(hf_model, p, 20, logits_processor=LogitsProcessorList([OnlyThese(allowed)]))
+    assert set(out.token_ids) <= allowed
+    # a one-token word as written, a two-token one after a space: transformers' bad_words_ids bans the same
+    words = WordTokenizer({"w": [free[1]], " w": [free[3], free[4]]})
+    out = engine(model, tokenizer=words).generate([p], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                                      bad_words=["w"]))[0]
+    assert out.token_ids == hf_tokens(hf_model, p, 20, bad_words_ids=[[free[1]], [free[3], free[4]]])
+    assert out.token_ids != free and free[1] not in out.token_ids
+    # sampled: still only the allowed ids
+    sampled = engine(model).generate([p], SamplingParams(max_tokens=30, temperature=1.5, seed=3, ignore_eos=True,
+                                                         allowed_token_ids=[7, 8, 9]))[0]
+    assert set(sampled.token_ids) <= {7, 8, 9}
+
+
+def test_allowed_ids_past_the_vocabulary_and_bad_words_without_a_tokenizer_fail_alone(model):
+    llm = engine(model)
+    outs = llm.generate([ids(106, 5)] * 3, [SamplingParams(max_tokens=3, allowed_token_ids=[5, 10**6]),
+                                            SamplingParams(max_tokens=3, bad_words=["x"]),
+                                            SamplingParams(max_tokens=3, temperature=0.0)])
+    assert outs[0].finish_reason == "error" and "allowed_token_ids" in outs[0].error
+    assert outs[0].error_kind == ErrorKind.INVALID_INPUT
+    assert outs[1].finish_reason == "error" and "bad_words need a tokenizer" in outs[1].error
+    assert outs[2].finish_reason == "length"
+    with pytest.raises(ValueError, match="allowed_token_ids must hold"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words must be"):
+        SamplingParams(bad_words=["x" * 257])

@@ -106,10 +106,18 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine(app):
     assert not default.processes_logits and default.min_p == 0
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_engine(app):
+    assert _post(app, max_tokens=8, allowed_token_ids=[9, 5, 5], bad_words=["no", "never"]).status_code == 200
+    got = app.engine.params[-1]
+    assert got.allowed_token_ids == (5, 9) and got.bad_words == ("no", "never") and got.processes_logits
+
+
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0), ("min_p", 1.5),
     ("min_tokens", -1), ("min_tokens", 9), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
     ("logit_bias", {str(i): 1 for i in range(1025)}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("bad_words", [""]), ("bad_words", ["x" * 257]),
+    ("bad_words", ["x"] * 65),
 ])
 def test_bad_sampling_values_are_a_400_naming_the_field(app, field, value):
     r = _post(app, max_tokens=8, **{field: value})
