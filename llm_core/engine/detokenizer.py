@@ -62,10 +62,12 @@ class StopStringMatcher:
     The pending part (a character still incomplete) is searched too, as a full decode would show it.
     """
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         if not stops:
             raise ValueError("a StopStringMatcher needs at least one stop string")
         self.stops = stops
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: cut after the stop string
         self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
         self._keep = max(len(s) for s in stops) - 1
         self._pieces: list[str] = []  # the settled text, joined only when a stop string is found
@@ -73,15 +75,17 @@ class StopStringMatcher:
 
     def update(self, output_token_ids: list[int], search: bool = True) -> str | None:
         """Take the ids not seen yet; returns the output text cut before the first stop string once
-        one appears (None until then). ``search`` False: take the text without looking for stop
-        strings (min_tokens); a later search still finds one that ends in the text it adds."""
+        one appears (after it with ``include_stop``; None until then). ``search`` False: take the text
+        without looking for stop strings (min_tokens); a later search still finds one that ends in
+        the text it adds."""
         new = self.decoder.push(output_token_ids[len(self.decoder.ids):])
         window = self._tail + new + self.decoder.pending
-        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0] if search else []
+        hits = [(i, len(s)) for i, s in ((window.find(s), s) for s in self.stops) if i >= 0] if search else []
         if hits:  # once per request: the whole text is joined only here
             settled = "".join(self._pieces)
             text = settled + new + self.decoder.pending
-            return text[:len(settled) - len(self._tail) + min(hits)]
+            at, length = min(hits, key=lambda h: (h[0], -h[1]))  # the first; of those starting there, the longest
+            return text[:len(settled) - len(self._tail) + at + (length if self.include_stop else 0)]
         if new:
             self._pieces.append(new)
             self._tail = (self._tail + new)[-self._keep:] if self._keep else ""

@@ -212,7 +212,8 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens) if params.stop else None
+        matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens,
+                                    params.include_stop_str_in_output) if params.stop else None
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
                       extra_keys=tuple(extra_keys),

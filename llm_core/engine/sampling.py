@@ -82,8 +82,9 @@ class SamplingParams:
       disables top-k; ``top_p == 1`` disables nucleus filtering.
     - ``max_tokens`` must be >= 1 (a request that may generate nothing is rejected, not silently
       finished).
-    - ``stop``: strings that end generation; the text is cut before the stop string, the token that
-      completed it stays in ``token_ids``. Needs a tokenizer.
+    - ``stop``: strings that end generation; the text is cut before the stop string (after it with
+      ``include_stop_str_in_output``, vLLM's), the token that completed it stays in ``token_ids``.
+      Needs a tokenizer.
     - ``stop_token_ids``: extra ids that end generation (kept in the output like EOS).
     - ``logprobs``: None = none; n >= 0 = the chosen token's logprob plus the top-n per token.
     - ``min_p`` in [0, 1] (0 = off): after temperature, drop tokens whose probability is below
@@ -117,6 +118,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | Mapping | None = ()

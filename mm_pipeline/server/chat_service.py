@@ -77,6 +77,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
             logit_bias=req.logit_bias or (),

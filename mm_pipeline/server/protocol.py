@@ -183,7 +183,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1,),
     "use_beam_search": (False,), "logits_processors": (),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
+"spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
 }
 # chat only: what the prompt layout cannot do (README "Serving (OpenAI-compatible)"): a template of
@@ -282,6 +282,7 @@ class SamplingFields(_Loose):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string it matched
     # OpenAI's penalties and logit_bias, vLLM's min_p / min_tokens / repetition_penalty (SamplingParams)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)

@@ -24,18 +24,20 @@ def encode(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def full_decode_stop(tok, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """The reference: decode the whole output after every token, cut at the first stop string."""
+def full_decode_stop(tok, ids: list[int], stops: tuple[str, ...], include: bool = False) -> tuple[int, str] | None:
+    """The reference: decode the whole output after every token, cut at the first stop string
+    (after it with ``include``: the longest of those starting there)."""
     for k in range(1, len(ids) + 1):
         text = tok.decode(ids[:k], skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
         if hits:
-            return k, text[:min(hits)]
+            at = min(i for i, _ in hits)
+            return k, text[:at + (max(n for i, n in hits if i == at) if include else 0)]
     return None
 
 
-def matcher_stop(tok, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
-    m = StopStringMatcher(tok, stops)
+def matcher_stop(tok, ids: list[int], stops: tuple[str, ...], include: bool = False) -> tuple[int, str] | None:
+    m = StopStringMatcher(tok, stops, include_stop=include)
     for k in range(1, len(ids) + 1):
         cut = m.update(ids[:k])
         if cut is not None:
@@ -75,6 +77,9 @@ def test_stop_strings_found_where_a_full_decode_finds_them(tok, stops):
     want = full_decode_stop(tok, ids, stops)
     assert want is not None
     assert matcher_stop(tok, ids, stops) == want
+    kept = matcher_stop(tok, ids, stops, include=True)  # include_stop_str_in_output
+    assert kept == full_decode_stop(tok, ids, stops, include=True) and kept[0] == want[0]
+    assert kept[1].startswith(want[1]) and kept[1][len(want[1]):] in stops
 
 
 def test_stop_strings_match_the_full_decode_on_random_byte_soup(tok):
@@ -87,6 +92,7 @@ def test_stop_strings_match_the_full_decode_on_random_byte_soup(tok):
         start = rng.randrange(len(text) - 3)
         stops = (text[start:start + rng.randint(1, 3)], "never")
         assert matcher_stop(tok, ids, stops) == full_decode_stop(tok, ids, stops), (trial, stops)
+        assert matcher_stop(tok, ids, stops, True) == full_decode_stop(tok, ids, stops, True), (trial, stops)
 
 
 def test_a_stop_completed_inside_a_token_is_found_at_that_token():

@@ -34,6 +34,11 @@ def test_stop_token_ids_and_stop_strings(model):
         [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_str]))[0]
     assert out.finish_reason == "stop" and out.text == text[:cut]
     assert out.token_ids == toks[: cut + 2]
+    # vLLM's include_stop_str_in_output: the same tokens, the text up to the end of the stop string
+    kept = engine(model, tokenizer=CharTokenizer()).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_str],
+                                 include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.text == text[:cut + 2] and kept.token_ids == out.token_ids
 
 
 class ByteTokenizer:

@@ -73,7 +73,6 @@ def _post(app, **fields) -> Any:
     ("modalities", ["text", "audio"]),
     ("length_penalty", 0.5),
     ("use_beam_search", True),
-    ("include_stop_str_in_output", True),
     ("echo", True),
 ])
 def test_a_field_that_changes_the_answer_is_a_400_naming_it(app, field, value):
@@ -110,6 +109,8 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(app):
     assert _post(app, max_tokens=8, allowed_token_ids=[9, 5, 5], bad_words=["no", "never"]).status_code == 200
     got = app.engine.params[-1]
     assert got.allowed_token_ids == (5, 9) and got.bad_words == ("no", "never") and got.processes_logits
+    assert _post(app, max_tokens=8, stop=["x"], include_stop_str_in_output=True).status_code == 200
+    assert app.engine.params[-1].include_stop_str_in_output
 
 
 @pytest.mark.parametrize("field,value", [
