@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mm_pipeline.config_flags import field_type
     from mm_pipeline.jobs.batch import BatchConfig
     from mm_pipeline.jobs.caption import CaptionConfig
-    from mm_pipeline.server.reasoning import REASONING_PARSERS
-    from mm_pipeline.server.tool_calls import TOOL_PARSERS
+    from mm_pipeline.prompt.reasoning import REASONING_PARSERS
+    from mm_pipeline.prompt.tool_calls import TOOL_PARSERS
 
     c = sub.add_parser("caption", help="caption media files, one JSONL line per input", allow_abbrev=False)
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
@@ -341,8 +341,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mm_pipeline.server import create_app
-    from mm_pipeline.server.reasoning import describe_reasoning, resolve_reasoning
-    from mm_pipeline.server.tool_calls import describe_tool_calls, resolve_tool_calls
+    from mm_pipeline.prompt.reasoning import describe_reasoning, resolve_reasoning
+    from mm_pipeline.prompt.tool_calls import describe_tool_calls, resolve_tool_calls
 
     model_dir = resolve_model_dir(args.model)
     settings = server_settings(args, model_dir)

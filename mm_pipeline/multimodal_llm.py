@@ -71,7 +71,7 @@ class MultimodalLLM:
         server's rules (prompt/template_options.py): e.g. ``chat_template_kwargs={"enable_thinking":
         False}``; a key the model's template does not read fails that conversation, naming it.
         ``tools``: OpenAI function definitions the template renders (as vLLM's ``LLM.chat(tools=...)``;
-        the answers are not parsed for calls here: mm_pipeline/server/tool_calls.py does that)."""
+        the answers are not parsed for calls here: mm_pipeline/prompt/tool_calls.py does that)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         options = TemplateOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},

@@ -37,8 +37,8 @@ from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
-from mm_pipeline.server.reasoning import REASONING_PARSERS, resolve_reasoning
-from mm_pipeline.server.tool_calls import TOOL_PARSERS, resolve_tool_calls
+from mm_pipeline.prompt.reasoning import REASONING_PARSERS, resolve_reasoning
+from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, resolve_tool_calls
 from mm_pipeline.server.errors import error_body, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -163,10 +163,10 @@ def custom_id_of(raw: str | bytes) -> str | None:
 class BatchConfig:
     concurrency: int = 32  # lines in flight (the engine batches them)
     default_max_tokens: int = 512  # of a request without max_tokens
-    # as `mmserve serve --reasoning-parser` (server/reasoning.py): a batch line's chat answer is the
+    # as `mmserve serve --reasoning-parser` (prompt/reasoning.py): a batch line's chat answer is the
     # one the server would give for it
     reasoning_parser: str = "auto"
-    tool_call_parser: str = "auto"  # as `mmserve serve --tool-call-parser` (server/tool_calls.py)
+    tool_call_parser: str = "auto"  # as `mmserve serve --tool-call-parser` (prompt/tool_calls.py)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

@@ -4,8 +4,8 @@
       /v1/chat/completions  /v1/completions       -> ChatService (streams: SSE ending in [DONE])
       /v1/files ...                                -> FilesStore (uploads streamed to disk)
       /v1/models  /health  /metrics
-      /tokenize  /detokenize  /version             -> vLLM's utility endpoints (tokenize_routes)
-      /  /web/*                                    -> the upload page (web_routes)
+      /tokenize  /detokenize  /version             -> vLLM's utility endpoints (tokenize/routes.py)
+      /  /web/*                                    -> the upload page (web/routes.py)
 
 Nothing here blocks the event loop: generation is the engine's (its own thread), media work runs
 in the engine's worker pool, disk I/O goes to threads.  A client that disconnects cancels its
@@ -39,14 +39,14 @@ from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord
 from mm_pipeline.server.metrics import ServerMetrics
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
-from mm_pipeline.server.reasoning import resolve_reasoning
-from mm_pipeline.server.tool_calls import resolve_tool_calls
+from mm_pipeline.prompt.reasoning import resolve_reasoning
+from mm_pipeline.prompt.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
 from mm_pipeline.server.files.uploads import receive_upload
-from mm_pipeline.server.tokenize_routes import install_tokenize_routes
-from mm_pipeline.server.web_routes import install_web_routes
+from mm_pipeline.server.tokenize.routes import install_tokenize_routes
+from mm_pipeline.server.web.routes import install_web_routes
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread

@@ -26,12 +26,12 @@ from mm_pipeline.server.choices import (AnswerPart, ChoiceState, ChoiceStream, T
                                         collect_all, merge_choices, start_all)
 from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mm_pipeline.server.tokenize_protocol import TokenizeRequest
-from mm_pipeline.server.reasoning import ThinkSyntax
+from mm_pipeline.server.tokenize.protocol import TokenizeRequest
+from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
-from mm_pipeline.server.tool_calls import ForcedCallParser, ToolCallSyntax
+from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
 Observer = Callable[[float, "list[ChoiceState]"], None]
 # a request holding a chat: /v1/chat/completions, or /tokenize's chat form (its messages then set)
@@ -43,10 +43,10 @@ class ServiceConfig:
     model_name: str
     default_max_tokens: int = 512
     max_completion_prompts: int = 16  # ServerSettings.max_completion_prompts
-    # ServerSettings.reasoning_parser resolved for the model (server/reasoning.py); None: off.
+    # ServerSettings.reasoning_parser resolved for the model (prompt/reasoning.py); None: off.
     # Chat answers only: a text completion is the raw continuation of a prompt, as in vLLM.
     reasoning: ThinkSyntax | None = None
-    # ServerSettings.tool_call_parser resolved for the model (server/tool_calls.py); None: off, and a
+    # ServerSettings.tool_call_parser resolved for the model (prompt/tool_calls.py); None: off, and a
     # chat request with tools is a 400 (nothing would turn the model's calls into tool_calls)
     tool_calls: ToolCallSyntax | None = None
 

@@ -9,11 +9,11 @@
     reasoning (chat only, ``reasoning=ThinkSyntax``): each choice parses its own text -- the answer
              that is not streamed splits the whole text once (answer()), a streamed one delta by
              delta (split(), called by the consumer in the choice's order); both are one parser
-             (server/reasoning.py), so they agree. The start state comes from the first delta's
+             (prompt/reasoning.py), so they agree. The start state comes from the first delta's
              prompt ids: a prompt that opened <think> puts the output inside the thinking.
     tool calls (chat only, ``tool_calls``: a parser factory for the request's tools): the content
              the reasoning split leaves goes through one tool-call parser per choice the same way
-             (server/tool_calls.py), streamed or not; ``calls_made`` counts a choice's calls (the
+             (prompt/tool_calls.py), streamed or not; ``calls_made`` counts a choice's calls (the
              index of its next streamed call; its finish_reason is "tool_calls" once it made any).
     close(): the one place a choice lets go of its engine stream — cancel a first-delta wait still
              running (the generator's ``finally`` runs: admission slot, KV pages and cache locks
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from mm_pipeline.errors import generation_error
-from mm_pipeline.server.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
+from mm_pipeline.prompt.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-from mm_pipeline.server.tool_calls import ForcedCallParser, ToolCall, ToolCallParser
+from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCall, ToolCallParser
 
 
 @dataclass(frozen=True)

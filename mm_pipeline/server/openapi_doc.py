@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
-from mm_pipeline.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileObject,
                                           ModelCard, TokenizeResponse, VersionResponse)
 

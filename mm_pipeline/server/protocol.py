@@ -30,7 +30,7 @@ from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
 from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs, check_tools
-from mm_pipeline.server.tool_calls import forced_call_schema
+from mm_pipeline.prompt.tool_calls import forced_call_schema
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.

@@ -40,10 +40,10 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = ""  # null only in an answer of tool calls without other text
-    # the answer's thinking (server/reasoning.py, --reasoning-parser); null when it has none or the
+    # the answer's thinking (prompt/reasoning.py, --reasoning-parser); null when it has none or the
     # parser is off, as vLLM answers
     reasoning_content: str | None = None
-    # the calls parsed out of the answer (server/tool_calls.py, --tool-call-parser): OpenAI's
+    # the calls parsed out of the answer (prompt/tool_calls.py, --tool-call-parser): OpenAI's
     # [{"id", "type": "function", "function": {"name", "arguments"}}]; the key only when there are any
     tool_calls: list[dict[str, Any]] | None = None
 
@@ -75,13 +75,13 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
-    # a streamed choice's calls (server/tool_calls.py), each whole when its </tool_call> arrives:
+    # a streamed choice's calls (prompt/tool_calls.py), each whole when its </tool_call> arrives:
     # [{"index", "id", "type": "function", "function": {"name", "arguments"}}]
     tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def of_text(cls, reasoning: str, content: str) -> "Delta":
-        """A chunk's text, thinking and answer (server/reasoning.py): a chunk of thinking only has
+        """A chunk's text, thinking and answer (prompt/reasoning.py): a chunk of thinking only has
         no ``content`` key, as vLLM's; any other has it, "" when empty (a chunk that carries only
         logprobs or the finish_reason), as before there was a reasoning parser."""
         if reasoning and not content:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mm_pipeline.server.reasoning import REASONING_PARSERS, ReasoningParserName
-from mm_pipeline.server.tool_calls import TOOL_PARSERS, ToolParserName
+from mm_pipeline.prompt.reasoning import REASONING_PARSERS, ReasoningParserName
+from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, ToolParserName
 
 
 @dataclass(frozen=True)

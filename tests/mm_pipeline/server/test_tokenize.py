@@ -1,4 +1,4 @@
-"""vLLM's utility endpoints (mm_pipeline/server/tokenize_routes.py) against the demo checkpoint served in
+"""vLLM's utility endpoints (mm_pipeline/server/tokenize/routes.py) against the demo checkpoint served in
 process, with an API key: ``POST /tokenize`` (text form: the tokenizer's ids; chat form: exactly the
 prompt ids the engine runs for the same /v1/chat/completions request -- template fields and media
 placeholders included -- and its ``usage.prompt_tokens``, with no encoder run), ``POST /detokenize``

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
-from mm_pipeline.server.web_routes import WEB_FILES
+from mm_pipeline.server.web.routes import WEB_FILES
 
 from tests.support.paths import DEMO_MODEL, REPO, SAMPLE_MEDIA
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from mm_pipeline.server.errors import APIError
 
-# file name -> media type; nothing else under web/ is served
+# file name -> media type; nothing else in this folder is served
 WEB_FILES = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
@@ -32,7 +32,7 @@ _HEADERS = {"Content-Security-Policy": _CSP, "Cache-Control": "no-cache", "X-Con
 
 def read_web_files() -> dict[str, bytes]:
     """The page's files from the installed package (read once, at app creation)."""
-    root = resources.files("mm_pipeline.server").joinpath("web")
+    root = resources.files("mm_pipeline.server.web")
     return {name: root.joinpath(name).read_bytes() for name in WEB_FILES}
 
 

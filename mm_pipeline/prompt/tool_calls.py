@@ -5,9 +5,9 @@
     ToolCallParser(tools).finish()         -> what it held back, released at the end
     ToolCallParser(tools).parse(text)      -> the same parser fed the whole text once
 
-It runs on the content, after the reasoning split (server/reasoning.py: thinking is never parsed for
+It runs on the content, after the reasoning split (prompt/reasoning.py: thinking is never parsed for
 calls). One implementation for both, so a streamed answer gives the calls and content of the
-non-streamed one however the text was cut into deltas (tests/mm_pipeline/server/test_tool_calls.py
+non-streamed one however the text was cut into deltas (tests/mm_pipeline/prompt/test_tool_calls.py
 checks it with hypothesis). A call, as the chat template teaches the model to write it::
 
     <tool_call>
@@ -63,7 +63,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
-from mm_pipeline.server.reasoning import tag_prefix_at_end
+from mm_pipeline.prompt.reasoning import tag_prefix_at_end
 
 ToolParserName = Literal["auto", "qwen3_coder", "none"]
 TOOL_PARSERS: tuple[str, ...] = typing.get_args(ToolParserName)

@@ -1,4 +1,4 @@
-"""The tool-call parser (mm_pipeline/server/tool_calls.py) on its own: the documented decisions,
+"""The tool-call parser (mm_pipeline/prompt/tool_calls.py) on its own: the documented decisions,
 streamed == not streamed for any text cut anywhere (hypothesis), what it holds back, the parameter
 types, and how ``--tool-call-parser`` is resolved for a model."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mm_pipeline.server.tool_calls import (END, START, ToolCallParser, ToolCallSyntax, ToolSplit, convert_value,
+from mm_pipeline.prompt.tool_calls import (END, START, ToolCallParser, ToolCallSyntax, ToolSplit, convert_value,
                                            resolve_tool_calls)
 from tests.support.paths import DEMO_MODEL
 

@@ -1,5 +1,5 @@
 """Request bodies of vLLM's utility endpoints ``POST /tokenize`` and ``POST /detokenize``
-(server/tokenize_routes.py), on the chat endpoint's models (protocol.py): the chat form of /tokenize
+(routes.py), on the chat endpoint's models (server/protocol.py): the chat form of /tokenize
 takes the same messages and template fields, refused alike."""
 
 from __future__ import annotations

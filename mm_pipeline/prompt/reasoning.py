@@ -7,7 +7,7 @@ MiMo-V2-Flash with).
     split_reasoning(text)            -> the same parser fed the whole text once (a non-streamed answer)
 
 One implementation for both, so a streamed answer concatenates to the non-streamed one however the
-text was cut into deltas (tests/mm_pipeline/server/test_reasoning.py checks it with hypothesis).
+text was cut into deltas (tests/mm_pipeline/prompt/test_reasoning.py checks it with hypothesis).
 
 What the parser decides (qwen3 semantics, where they can be streamed):
 

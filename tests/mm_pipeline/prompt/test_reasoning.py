@@ -1,4 +1,4 @@
-"""The reasoning parser (mm_pipeline/server/reasoning.py) on its own: the decisions of its table,
+"""The reasoning parser (mm_pipeline/prompt/reasoning.py) on its own: the decisions of its table,
 streamed == not streamed for any text cut anywhere (hypothesis), what it holds back, how it reads
 the vocabulary and the prompt, and the setting / flag that turn it on."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mm_pipeline import cli
-from mm_pipeline.server.reasoning import (ReasoningParser, ReasoningSplit, ThinkSyntax, resolve_reasoning,
+from mm_pipeline.prompt.reasoning import (ReasoningParser, ReasoningSplit, ThinkSyntax, resolve_reasoning,
                                           split_reasoning)
 from mm_pipeline.server.responses import Delta
 from mm_pipeline.server.settings import ServerSettings

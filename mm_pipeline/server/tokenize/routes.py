@@ -48,7 +48,7 @@ from pydantic import BaseModel
 
 from mm_pipeline.server.chat_service import ChatService, parsed_messages
 from mm_pipeline.server.errors import APIError
-from mm_pipeline.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from mm_pipeline.server.responses import DetokenizeResponse, TokenizeResponse, VersionResponse
 from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
 
