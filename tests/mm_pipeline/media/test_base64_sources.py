@@ -1,5 +1,5 @@
-"""Base64 payloads in ingest: decoded a piece at a time (no call holds the GIL for a whole payload
-of megabytes) with exactly the strict whole-text semantics, and bare payloads (``input_audio.data``,
+"""Base64 payloads in ingest: pybase64 first (SIMD, GIL released), else decoded a piece at a time
+(no call holds the GIL for a whole payload of megabytes), with exactly the strict whole-text semantics, and bare payloads (``input_audio.data``,
 ``file.file_data``) as sources of their own (``MediaSource.base64``)."""
 
 from __future__ import annotations
@@ -45,6 +45,40 @@ def test_base64_decoded_in_pieces_is_the_whole_strict_decode(text: str, piece: i
     except (binascii.Error, ValueError):
         pieces = None
     assert pieces == whole
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.one_of(st.text(alphabet="AQgw+/=*-_ \n", max_size=40),
+                      st.binary(max_size=30).map(lambda b: base64.b64encode(b).decode()),
+                      st.binary(max_size=30).map(lambda b: base64.urlsafe_b64encode(b).decode()),
+                      st.lists(st.binary(max_size=5).map(lambda b: base64.b64encode(b).decode()),
+                               max_size=6).map("".join),
+                      st.tuples(st.binary(max_size=12), st.integers(1, 6)).map(
+                          lambda bn: base64.b64encode(bn[0]).decode() + "=" * bn[1]),
+                      st.binary(max_size=60).map(lambda b: base64.encodebytes(b).decode()),
+                      st.text(max_size=12)))
+def test_the_fast_decoder_accepts_a_subset_of_the_strict_decode_with_its_bytes(text: str) -> None:
+    """pybase64's SIMD path (tried first) never accepts what the strict decode refuses nor gives
+    other bytes; what it refuses (line breaks, excess padding) still decodes by the strict path."""
+    import pybase64
+
+    from mm_pipeline.media.ingest import _strict_base64
+
+    try:
+        strict = binascii.a2b_base64("".join(text.split()), strict_mode=True) if text.isascii() else None
+    except (binascii.Error, ValueError):
+        strict = None
+    try:
+        fast = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        fast = None
+    if fast is not None:
+        assert fast == strict
+    try:
+        got = _strict_base64(text)
+    except InvalidMediaError:
+        got = None
+    assert got == strict
 
 
 def test_bare_base64_payloads_decode_like_data_urls_with_ids_of_their_own() -> None:
