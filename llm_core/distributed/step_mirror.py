@@ -73,6 +73,12 @@ class MirroredModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._mirror(LogitsOp(int(hidden.shape[0])), "logits", self.local.compute_logits, hidden)
 
+    def compute_logits_rows(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``compute_logits(hidden[start:stop])`` of the last forward's every-row output: every rank
+        takes the same rows of its own."""
+        return self._mirror(LogitsOp(stop - start, (start, stop)), "logits", self.local.compute_logits,
+                            hidden[start:stop])
+
     def greedy_ids(self, hidden: torch.Tensor) -> None:
         """Never: every rank runs ``compute_logits`` with rank 0, so the runner takes that path."""
         return None

@@ -55,9 +55,11 @@ class ForwardOp:
 
 @dataclass(frozen=True)
 class LogitsOp:
-    """``model.compute_logits(batch.logits_hidden(hidden))`` of the last forward."""
+    """``model.compute_logits(batch.logits_hidden(hidden))`` of the last forward; with ``span``
+    (start, stop): of its rows ``hidden[start:stop]`` instead (prompt logprobs, every row kept)."""
 
     rows: int
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

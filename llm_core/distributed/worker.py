@@ -105,7 +105,7 @@ def serve_steps(model, group: RankGroup) -> int:
                     hidden = model(to_device(op.input_ids, group.device), batch, pool,
                                    inputs_embeds=to_device(op.inputs_embeds, group.device))
                 elif isinstance(op, LogitsOp):
-                    rows = batch.logits_hidden(hidden)
+                    rows = batch.logits_hidden(hidden) if op.span is None else hidden[op.span[0]:op.span[1]]
                     if rows.shape[0] != op.rows:
                         raise RuntimeError(f"rank {group.rank}: {rows.shape[0]} logits rows, rank 0 asked {op.rows}")
                     model.compute_logits(rows)

@@ -219,7 +219,8 @@ class LLMEngine:
                       extra_keys=tuple(extra_keys),
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher)
-        problem = self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None) or self.check_params(params)
+        problem = (self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None) or self.check_params(params)
+                   or check_prompt_logprobs(len(req.prompt_token_ids), params))
         if problem is None and params.bad_words:
             req.bad_word_ids = self.bad_word_ids(params.bad_words)
         if problem is None and params.structured_outputs is not None:
@@ -302,6 +303,9 @@ class LLMEngine:
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
             self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
             outputs.append(self._final_output(e.request, []))
+        for e, found in result.prompt_logprobs:  # before the outputs of the step are built
+            if not e.request.finished:
+                e.request.add_prompt_logprobs(found.first, found.logprobs, found.ranks, found.top)
         if self.speculative is not None:
             outputs.extend(self._settle_speculative(batch, result))
             return outputs
@@ -442,3 +446,21 @@ class LLMEngine:
             return self._finish_output(req, new)
         except Exception as exc:  # noqa: BLE001 -- this request only
             return self._failed_output(req, exc)
+
+
+# prompt logprobs a request may ask for in all (prompt tokens x (1 + top-n)): each is a Python float
+# and dict entry held until the request ends, ~100 B apiece -- a 128k-token prompt at top-20 would
+# hold ~270 MB for one client
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 21
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams) -> RequestError | None:
+    """Why a request's prompt_logprobs cannot be served: more than ``MAX_PROMPT_LOGPROB_ENTRIES``."""
+    if params.prompt_logprobs is None:
+        return None
+    entries = num_prompt_tokens * (1 + params.prompt_logprobs)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        return RequestError(ErrorKind.INVALID_INPUT,
+                            f"prompt_logprobs={params.prompt_logprobs} over a prompt of {num_prompt_tokens} tokens "
+                            f"asks for {entries} logprobs; at most {MAX_PROMPT_LOGPROB_ENTRIES} per request")
+    return None

@@ -23,7 +23,7 @@ input preparation or forward raises to the engine, which finds the entries that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -33,6 +33,7 @@ from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.decode_batch_state import DecodeBatchState
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
+from llm_core.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, wanted_rows, wants_prompt_rows
 from llm_core.engine.request import Request
 from llm_core.engine.sampling import Sampler, SamplingParams
 from llm_core.engine.scheduler import ScheduledRequest
@@ -50,10 +51,12 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StepResult:
-    """A step's sampled tokens, and the entries whose own sampling failed (with the error)."""
+    """A step's sampled tokens, the entries whose own sampling failed (with the error), and the
+    prompt logprobs its prefill rows gave the requests that asked for them (prompt_logprobs.py)."""
 
     sampled: list[SampledToken]
     failed: list[tuple[ScheduledRequest, Exception]]
+    prompt_logprobs: list[tuple[ScheduledRequest, PromptLogprobs]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -108,7 +111,15 @@ class ModelRunner:
             self.before_step(sum(e.num_new_tokens for e in entries))
         sampling = [e for e in entries if e.samples]
         params = [e.request.params for e in sampling]
-        if sampling and Sampler.argmax_suffices(params) and not self._fixed_shape(entries):
+        prompt: list[tuple[ScheduledRequest, PromptLogprobs]] = []
+        if wants_prompt_rows(entries):
+            # prompt logprobs: the last layer runs every row, whose logits give them (a block at a time)
+            fb, hidden = self._hidden(entries, kv, every_row=True)
+            wanted = wanted_rows(entries, fb.query_start_loc.tolist())
+            found = compute_prompt_logprobs(lambda a, b: self.model.compute_logits_rows(hidden, a, b), wanted)
+            prompt = [(e, found[id(e)]) for e, *_ in wanted]
+            logits = self.model.compute_logits(fb.logits_hidden(hidden)) if sampling else None
+        elif sampling and Sampler.argmax_suffices(params) and not self._fixed_shape(entries):
             # greedy without logprobs: the ids straight from the LM head when the model can (no logits)
             hidden = self._sampling_hidden(entries, kv)
             ids = self.model.greedy_ids(hidden)
@@ -118,13 +129,13 @@ class ModelRunner:
         else:
             logits = self.forward(entries, kv)
         if not sampling:
-            return StepResult([], [])  # prefill chunks that stop short of the prompt's end
+            return StepResult([], [], prompt)  # prefill chunks that stop short of the prompt's end
         out, failed = self.sampler.sample_isolated(logits, params, [e.request.generator for e in sampling],
                                                    [e.request for e in sampling])
         return StepResult([SampledToken(e, tok, lp, top) for i, (e, tok, lp, top)
                            in enumerate(zip(sampling, out.token_ids, out.logprobs, out.top_logprobs))
                            if i not in failed],
-                          [(sampling[i], exc) for i, exc in failed.items()])
+                          [(sampling[i], exc) for i, exc in failed.items()], prompt)
 
     @torch.inference_mode()
     def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
@@ -145,19 +156,23 @@ class ModelRunner:
     def _sampling_hidden(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
         """Input preparation and the model's layers: the final-normed hidden rows of the sampling
         entries [S, hidden], the LM head's input."""
+        fb, hidden = self._hidden(entries, kv, every_row=self.every_row_hidden)
+        return fb.logits_hidden(hidden)
+
+    def _hidden(self, entries: list[ScheduledRequest], kv, every_row: bool):
+        """(ForwardBatch, the model's final-normed output): every row's hidden state with
+        ``every_row``, else the sampling rows' alone where the model can skip the others."""
         # logits_only: the last layer runs the sampling rows alone (a prompt chunk's one row of T)
         if self.decode_state is not None:
-            fb, input_ids = self.decode_state.build(entries, self.device, self.steps,
-                                                    logits_only=not self.every_row_hidden)
+            fb, input_ids = self.decode_state.build(entries, self.device, self.steps, logits_only=not every_row)
         else:
-            fb, input_ids = build_forward_batch(entries, self.page_size, self.device,
-                                                logits_only=not self.every_row_hidden)
+            fb, input_ids = build_forward_batch(entries, self.page_size, self.device, logits_only=not every_row)
         embeds = splice_embeds(entries, input_ids, self.model.embed)
         if embeds is None:
             hidden = self.model(input_ids, fb, kv)
         else:
             hidden = self.model(None, fb, kv, inputs_embeds=embeds)
-        return fb.logits_hidden(hidden)
+        return fb, hidden
 
 
 def run_isolated(stepper, entries: list[ScheduledRequest], kv_buffers: Callable[[], Any]) -> StepResult:

@@ -33,6 +33,11 @@ class RequestOutput:
     kind of failure it is; the pools are left as if the request never came) or "abort".
     ``logprobs``: the chosen token's logprob per generated token (None unless requested);
     ``top_logprobs``: per generated token, {token_id: logprob} of the top-n (n = params.logprobs).
+    ``prompt_logprobs`` (params.prompt_logprobs): per prompt token its logprob given the tokens
+    before it (None for the first), ``prompt_logprob_ranks`` its rank (1 = the likeliest; 0 for
+    the first) and ``prompt_top_logprobs`` the top-n; set once every prompt token has one (from the
+    output with the first token on), None before and when not asked for. Shared, not copied: do
+    not change them.
     ``text``: the final output text (cut before a matched stop string), set once the request finished
     on an engine with a tokenizer -- "" is real text (nothing before the stop string, no output, or a
     decode that failed); None means it was not decoded (still running, or no tokenizer), and a
@@ -49,6 +54,9 @@ class RequestOutput:
     text: str | None = None  # None: not decoded (see above)
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_logprob_ranks: list[int] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -84,6 +84,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: per prompt token so far (the first has none: None, rank 0, {})
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # tokens a prefix cache supplied at the last admission
     full_pages: list[int] = field(default_factory=list)
@@ -110,6 +114,8 @@ class Request:
             raise ValueError(f"checkpoints must lie in [1, {len(self.prompt_token_ids)}] (the prompt), "
                              f"got {self.checkpoints[0]}..{self.checkpoints[-1]}")
         self.generator = self.params.make_generator()
+        if self.params.prompt_logprobs is not None and self.prompt_token_ids:
+            self.prompt_logprobs, self.prompt_logprob_ranks, self.prompt_top_logprobs = [None], [0], [{}]
 
     # ---- progress -----------------------------------------------------------------------------
     @property
@@ -151,7 +157,29 @@ class Request:
     def num_live_swa_pages(self) -> int:
         return len(self.swa_pages) - self.swa_released_pages
 
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt tokens whose logprob the request holds (the first token counts: it has none)."""
+        return len(self.prompt_logprobs)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a prefix-cache hit may skip prompt positions: not while prompt logprobs are
+        still to be computed (the cache keeps KV, not the logits those positions give)."""
+        return self.params.prompt_logprobs is None or self.num_prompt_logprobs >= self.num_prompt_tokens
+
     # ---- results ------------------------------------------------------------------------------
+    def add_prompt_logprobs(self, first: int, logprobs, ranks, top) -> None:
+        """Prompt tokens ``first ..`` (a step's ``PromptLogprobs``); tokens already held -- the same
+        rows computed again after a preemption -- are skipped, so each token is held once."""
+        if first > self.num_prompt_logprobs:
+            raise RuntimeError(f"{self.request_id}: prompt logprobs from token {first}, but only "
+                               f"{self.num_prompt_logprobs} are held")
+        skip = self.num_prompt_logprobs - first
+        self.prompt_logprobs.extend(logprobs[skip:])
+        self.prompt_logprob_ranks.extend(ranks[skip:])
+        self.prompt_top_logprobs.extend(top[skip:])
+
     def append_token(self, token_id: int, logprob: float | None, top: dict[int, float] | None) -> None:
         """Append a sampled token (its grammar, if any, moves past it first: a token the grammar
         rejects raises before the request holds it)."""
@@ -200,12 +228,20 @@ class Request:
             new_token_ids=new,
             logprobs=list(self.output_logprobs) if want_lp else None,
             top_logprobs=list(self.output_top_logprobs) if want_lp else None,
+            # once all are in (they never change after): the same lists, not a copy per step
+            prompt_logprobs=self.prompt_logprobs if self._prompt_logprobs_done else None,
+            prompt_logprob_ranks=self.prompt_logprob_ranks if self._prompt_logprobs_done else None,
+            prompt_top_logprobs=self.prompt_top_logprobs if self._prompt_logprobs_done else None,
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=self.error,
             error_kind=self.error_kind,
             num_cached_tokens=num_cached_tokens,
         )
+
+    @property
+    def _prompt_logprobs_done(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs >= self.num_prompt_tokens
 
     def final_text(self, tokenizer) -> str | None:
         """The finished request's text (RequestOutput.text): None without a tokenizer, else its

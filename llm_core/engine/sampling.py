@@ -87,6 +87,9 @@ class SamplingParams:
       Needs a tokenizer.
     - ``stop_token_ids``: extra ids that end generation (kept in the output like EOS).
     - ``logprobs``: None = none; n >= 0 = the chosen token's logprob plus the top-n per token.
+    - ``prompt_logprobs`` (vLLM): None = none; n >= 0 = every prompt token's logprob given the tokens
+      before it, plus the top-n (the first token has none). The request then computes its whole
+      prompt (no prefix-cache hit, as in vLLM): the cache cannot give logits it never kept.
     - ``min_p`` in [0, 1] (0 = off): after temperature, drop tokens whose probability is below
       ``min_p`` times the largest (vLLM; random rows only, greedy is unchanged by it).
     - ``min_tokens`` in [0, max_tokens]: until this many tokens are generated, ``stop_token_ids`` and
@@ -117,6 +120,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_p: float = 0.0
@@ -158,6 +162,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {t!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -79,11 +79,14 @@ class SWARadixCache(PrefixCache):
             return 0
         keys = self._match_keys(request)
         found = self.tree.walk(keys)
-        p = window_safe_pages(found.swa_valid, found.pages, self.window, self.page_size)
+        # a request that must compute its whole prompt (prompt logprobs) is held at the root: its
+        # pages still go into the tree as they are computed, it takes none from it
+        reads = request.reads_prefix_cache
+        p = window_safe_pages(found.swa_valid, found.pages, self.window, self.page_size) if reads else 0
         kept = kept_window_ends(request.num_prompt_tokens, request.checkpoints, self.page_size)
         holder = self.locks.hold(request, self._cut(found, p), kept,
                                  window_first_page(p, self.window, self.page_size))
-        if self.tiers is not None:
+        if self.tiers is not None and reads:
             p = self.tiers.extend_match(self, request, holder, keys, p)
         self._hand_out(request, holder.tail, p)
         return p * self.page_size
@@ -96,13 +99,13 @@ class SWARadixCache(PrefixCache):
     def prefetch(self, request: Request) -> bool:
         """With an L3 tier: start fetching the pages L1 + L2 lack on the tier's fetch thread; False
         until they arrived or the load timed out (docs/kv_cache.md §8)."""
-        if self.tiers is None or not self._may_match(request):
+        if self.tiers is None or not self._may_match(request) or not request.reads_prefix_cache:
             return True
         return self.tiers.prefetch(self, request, self._match_keys(request))
 
     def peek(self, request: Request) -> int:
         """Tokens ``match`` would hand out from L1 now (no locks, no tree changes): queue ordering."""
-        if not self._may_match(request):
+        if not self._may_match(request) or not request.reads_prefix_cache:
             return 0
         found = self.tree.walk(self._match_keys(request))
         return window_safe_pages(found.swa_valid, found.pages, self.window, self.page_size) * self.page_size

@@ -161,6 +161,11 @@ class MiMoV2ForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return self.parallel.all_gather_tp_last(logits if logits.dtype == torch.float32 else logits.float())
 
+    def compute_logits_rows(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``compute_logits`` of rows ``[start, stop)`` of a forward's every-row output (prompt
+        logprobs: a block at a time; the parallel mirror names the rows to every rank)."""
+        return self.compute_logits(hidden[start:stop])
+
     def greedy_ids(self, hidden: torch.Tensor) -> list[int] | None:
         """The argmax token of each row's logits, ``compute_logits(hidden).argmax(-1)``, without writing
         the logits (kernels/native/greedy_head.c: the LM head's GEMM with a running argmax per row);

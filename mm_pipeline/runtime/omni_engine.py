@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 
 from llm_core.engine.detokenizer import IncrementalDetokenizer
 from llm_core.engine.outputs import RequestOutput
+from llm_core.engine.prompt_logprobs import PromptLogprobs
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidMessageError, OverloadedError
 from mm_pipeline.prompt.messages import ChatRequest, parse_messages
@@ -61,6 +62,9 @@ class GenerationDelta:
     # encoder units of this request's media found in the encoder cache when it was planned
     # (not encoded again); the same on every delta, so the first one already says it
     encoder_cache_hits: int = 0
+    # params.prompt_logprobs: prompt tokens 1.. (token 0 has none), on the first delta that has them
+    # (the one with the first token)
+    prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
 
 
 __all__ = ["GenerationDelta", "OmniEngine", "OmniEngineConfig"]
@@ -242,6 +246,7 @@ class OmniEngine:
         first_token_time: float | None = None
         sent = 0
         first = True
+        prompt_sent = False
         async for out in outs:
             new = out.new_token_ids
             if new and first_token_time is None:
@@ -257,9 +262,14 @@ class OmniEngine:
                 lps = out.logprobs[sent:sent + len(new)]
                 tops = [dict(d) for d in out.top_logprobs[sent:sent + len(new)]]
             sent += len(new)
+            prompt_lps = None
+            if out.prompt_logprobs is not None and not prompt_sent:
+                prompt_sent = True
+                prompt_lps = PromptLogprobs(1, tuple(out.prompt_logprobs[1:]), tuple(out.prompt_logprob_ranks[1:]),
+                                            tuple(out.prompt_top_logprobs[1:]))
             yield GenerationDelta(out.request_id, list(new), text, lps, tops, out.finished, out.finish_reason,
                                   len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
                                   first_token_time, out.error, out.error_kind,
-                                  out.prompt_token_ids if first else None)
+                                  out.prompt_token_ids if first else None, prompt_logprobs=prompt_lps)
             first = False
 

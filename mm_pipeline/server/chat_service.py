@@ -29,7 +29,8 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.tokenize.protocol import TokenizeRequest
 from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                          ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
+                                          ChatCompletionChunk, Completion, CompletionChoice, CompletionLogprobs,
+                                          Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
@@ -56,11 +57,13 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int,
-                    reasoning: ThinkSyntax | None = None) -> SamplingParams:
+                    reasoning: ThinkSyntax | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i (modulo
     2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible.
     ``reasoning`` (chat answers with a reasoning parser): a structured output constraint holds
-    after the model's thinking (``ReasoningGate``), as the parser splits the answer."""
+    after the model's thinking (``ReasoningGate``), as the parser splits the answer.
+    ``prompt_logprobs``: the engine's setting when the endpoint needs another than the request's
+    field (a completion's echo with logprobs scores its prompt)."""
     try:
         constraint = req.structured_outputs_params
         gate = None if reasoning is None else reasoning.gate
@@ -76,6 +79,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             min_p=req.min_p or 0.0,
@@ -147,6 +151,11 @@ def _usage(states: list[ChoiceState]) -> Usage:
     return u
 
 
+def _end_offset(lp: CompletionLogprobs) -> int:
+    """Where the text after ``lp``'s tokens starts (legacy format's running text_offset)."""
+    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+
+
 def _check_finished(states: list[ChoiceState]) -> None:
     """Raise the typed error of the first choice that failed (by its kind, see mm_pipeline/errors.py)."""
     for s in states:
@@ -181,8 +190,11 @@ class ChatService:
         self._finished(arrival, states)
         _check_finished(states)
         answers = [c.answer() for c in choices]
+        scored = states[0] if states and req.prompt_logprobs is not None else None
         return ChatCompletion(
             id=rid, created=int(time.time()), model=self.config.model_name, usage=_usage(states),
+            prompt_logprobs=None if scored is None else self.tokens.prompt_logprobs(
+                scored.prompt_token_ids or [], scored.prompt_logprobs, req.prompt_logprobs),
             choices=[ChatChoice(index=i, message=_message(a), finish_reason=_finish_reason(s.finish_reason, len(a.calls)),
                                 logprobs=self.tokens.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs)
                                 if req.logprobs else None)
@@ -281,10 +293,15 @@ class ChatService:
             usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
             echo = self._prompt_text(prompt) if req.echo else ""
             for j, s in enumerate(group):
-                lp = (self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=len(echo))
-                      if req.logprobs is not None else None)
-                out.append(CompletionChoice(index=p * req.n + j, text=echo + s.text, logprobs=lp,
-                                            finish_reason=s.finish_reason))
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._echoed_logprobs(req, s.prompt_token_ids, s.prompt_logprobs) if req.echo else None
+                    offset = len(echo) if lp is None else _end_offset(lp)
+                    lp = self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=offset, out=lp)
+                out.append(CompletionChoice(
+                    index=p * req.n + j, text=echo + s.text, logprobs=lp, finish_reason=s.finish_reason,
+                    prompt_logprobs=None if req.prompt_logprobs is None else self.tokens.prompt_logprobs(
+                        s.prompt_token_ids or [], s.prompt_logprobs, req.prompt_logprobs)))
         return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out, usage=usage)
 
     async def complete_stream(self, req: CompletionRequest,
@@ -298,14 +315,26 @@ class ChatService:
             # each choice's text_offset goes on across its chunks (after the echoed prompt), as
             # in the answer that is not streamed
             offsets = [0] * len(choices)
+            # echo with logprobs: the prompt's logprobs come with a choice's first delta, so its
+            # echo is sent then; without, at once
+            scores_echo = req.echo and req.logprobs is not None
+            echoed: set[int] = set()
             try:
-                if req.echo:
+                if req.echo and not scores_echo:
                     for c in choices:
                         text = self._prompt_text(prompts[c.index // req.n])
                         offsets[c.index] = len(text)
                         yield sse_event(Completion(id=rid, created=created, model=model,
                                                    choices=[CompletionChoice(index=c.index, text=text)]))
                 async for index, d in merge_choices(choices):
+                    if scores_echo and index not in echoed:
+                        echoed.add(index)
+                        state = choices[index].state  # (the delta's own fields first: it may not be absorbed yet)
+                        lp = self._echoed_logprobs(req, getattr(d, "prompt_token_ids", None) or state.prompt_token_ids,
+                                                   getattr(d, "prompt_logprobs", None) or state.prompt_logprobs)
+                        offsets[index] = _end_offset(lp) if lp is not None else 0
+                        yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
+                            index=index, text=self._prompt_text(prompts[index // req.n]), logprobs=lp)]))
                     if d.finished:
                         _check_finished([choices[index].state])
                     lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
@@ -340,11 +369,13 @@ class ChatService:
         if len(prompts) > self.config.max_completion_prompts:
             raise InvalidInputError(f"prompt holds {len(prompts)} prompts; this server takes at most "
                                     f"{self.config.max_completion_prompts} per request (max_completion_prompts)")
+        # echo with logprobs scores the prompt (vLLM: its prompt logprobs, the first token's None)
+        scored = max(req.logprobs, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
         choices = []
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 i = p * req.n + j
-                params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens)
+                params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored)
                 choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}")))
         await start_all(choices)
         return choices, prompts
@@ -355,6 +386,14 @@ class ChatService:
         if model is not None and model != self.config.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
+
+    def _echoed_logprobs(self, req: CompletionRequest, prompt_ids: list[int] | None,
+                         found: Any) -> CompletionLogprobs | None:
+        """An echoed prompt's logprobs (echo with logprobs), None when the engine gave none (the
+        request failed before its first token)."""
+        if found is None or prompt_ids is None:
+            return None
+        return self.tokens.echoed_prompt_logprobs(prompt_ids, found, req.logprobs)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

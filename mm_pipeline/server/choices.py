@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from mm_pipeline.errors import generation_error
 from mm_pipeline.prompt.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
-from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCall, ToolCallParser
 
 
@@ -60,6 +60,8 @@ class ChoiceState:
     first_token_at: float | None = None  # time.perf_counter() when the first token reached us
     error: str | None = None
     error_kind: str | None = None  # with finish_reason "error": the engine's ErrorKind
+    prompt_logprobs: Any = None  # llm_core PromptLogprobs of prompt tokens 1.. (prompt_logprobs asked)
+    prompt_token_ids: list[int] | None = None  # the prompt as the engine ran it (from the first delta)
 
     def absorb(self, delta: Any) -> None:
         if delta.new_token_ids and self.first_token_at is None:
@@ -72,6 +74,9 @@ class ChoiceState:
         self.completion_tokens = delta.completion_tokens or len(self.token_ids)
         self.cached_tokens = delta.cached_tokens or self.cached_tokens
         self.encoder_cache_hits = getattr(delta, "encoder_cache_hits", 0) or self.encoder_cache_hits
+        self.prompt_logprobs = getattr(delta, "prompt_logprobs", None) or self.prompt_logprobs
+        if getattr(delta, "prompt_token_ids", None) is not None:
+            self.prompt_token_ids = list(delta.prompt_token_ids)
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.error, self.error_kind = delta.error, delta.error_kind
@@ -291,9 +296,12 @@ class TokenStrings:
                               for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
         return ChatLogprobs(content=content)
 
-    def completion_logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int, float]],
-                            offset: int = 0) -> CompletionLogprobs:
-        out = CompletionLogprobs()
+    def completion_logprobs(self, ids: Sequence[int], lps: Sequence[float | None],
+                            tops: Sequence[dict[int, float] | None], offset: int = 0,
+                            out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """The legacy format's logprobs of ``ids`` (appended to ``out`` when given). A ``None``
+        logprob -- an echoed prompt's first token, which has none -- has None for its top too."""
+        out = CompletionLogprobs() if out is None else out
         for i, (tid, lp) in enumerate(zip(ids, lps)):
             s = self(tid)
             out.tokens.append(s)
@@ -303,7 +311,31 @@ class TokenStrings:
             by_text: dict[str, float] = {}
             for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
                 by_text.setdefault(self(t), v)
-            out.top_logprobs.append(by_text)
+            out.top_logprobs.append(None if lp is None else by_text)
             out.text_offset.append(offset)
             offset += len(s)
         return out
+
+    def echoed_prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int) -> CompletionLogprobs:
+        """An echoed prompt's logprobs in the legacy format, as vLLM gives them (echo with
+        logprobs=n): the first token's entries None, then each token's logprob and top-n."""
+        return self.completion_logprobs(prompt_ids, (None, *found.logprobs), ({}, *(_top(t, n) for t in found.top)))
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's ``prompt_logprobs`` answer (``prompt_logprobs=n``): None for the first prompt
+        token, then per token {token id: {logprob, rank, decoded_token}} of the token itself and
+        the top-n."""
+        out: list[dict[str, PromptLogprob] | None] = [None]
+        for tid, lp, rank, top in zip(prompt_ids[1:], found.logprobs, found.ranks, found.top):
+            entry = {str(tid): PromptLogprob(logprob=lp, rank=rank, decoded_token=self(tid))}
+            ordered = sorted(top.items(), key=lambda kv: -kv[1])[:n]
+            for k, (t, v) in enumerate(ordered):
+                entry.setdefault(str(t), PromptLogprob(logprob=v, rank=k + 1, decoded_token=self(t)))
+            out.append(entry)
+        return out
+
+
+def _top(top: dict[int, float], n: int) -> dict[int, float]:
+    """The ``n`` likeliest of a top map the engine computed for a larger n (the request's fields
+    may ask two sizes of one computation)."""
+    return top if len(top) <= n else dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])

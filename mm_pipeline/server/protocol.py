@@ -184,7 +184,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "logits_processors": (),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 "spaces_between_special_tokens": (True,),
-    "prompt_logprobs": (), "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
 }
 # chat only: what the prompt layout cannot do (README "Serving (OpenAI-compatible)"): a template of
 # the client's, RAG documents (the server passes none: ChatTemplate reserves the name), processor
@@ -297,6 +297,9 @@ class SamplingFields(_Loose):
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
         default=None, max_length=MAX_BAD_WORDS)
     n: int = Field(default=1, ge=1, le=MAX_N)
+    # vLLM's: each prompt token's logprob given the ones before it, with the top n (the prompt is
+    # computed whole: no prefix-cache hit); answered once, so not with stream
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (one constraint per request; _structured_outputs)
@@ -315,6 +318,12 @@ class SamplingFields(_Loose):
         if isinstance(values, dict):
             _check_unsupported(values, _NOT_IMPLEMENTED)
         return values
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "SamplingFields":
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        return self
 
     @field_validator("stop")
     @classmethod

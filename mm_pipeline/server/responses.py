@@ -37,6 +37,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs`` (keyed by token id): its logprob, its rank in the
+    row's distribution (1 = the likeliest) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+def _without_none_prompt_logprobs(out: Any, value: Any) -> Any:
+    """vLLM's ``prompt_logprobs`` key only when asked for: other answers keep OpenAI's shape."""
+    if isinstance(out, dict) and value is None:
+        out.pop("prompt_logprobs", None)
+    return out
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = ""  # null only in an answer of tool calls without other text
@@ -69,6 +85,12 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's: the prompt's logprobs (the same prompt for every choice), when asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_prompt_logprobs(self, handler: Any) -> Any:
+        return _without_none_prompt_logprobs(handler(self), self.prompt_logprobs)
 
 
 class Delta(BaseModel):
@@ -129,6 +151,12 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: this choice's prompt's logprobs, when asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_prompt_logprobs(self, handler: Any) -> Any:
+        return _without_none_prompt_logprobs(handler(self), self.prompt_logprobs)
 
 
 class Completion(BaseModel):

@@ -22,6 +22,7 @@ import torch
 
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.model_runner import ModelRunner, SampledToken, StepResult
+from llm_core.engine.prompt_logprobs import compute_prompt_logprobs, wanted_rows
 from llm_core.engine.sampling import Sampler
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.engine.speculative.adaptive import DraftLength
@@ -97,7 +98,7 @@ class SpeculativeRunner:
         return result
 
     def _run(self, entries: list[ScheduledRequest], kv, idle: set[int]) -> StepResult:
-        logits, drafts, rows_of, commit = self._forward(entries, kv, idle)
+        logits, drafts, rows_of, commit, prompt = self._forward(entries, kv, idle)
         sampled: list[SampledToken] = []
         failed: list[tuple[ScheduledRequest, Exception]] = []
         plain = [e for e in entries if e.samples and not e.num_draft_tokens]
@@ -120,7 +121,7 @@ class SpeculativeRunner:
                 sampled.extend(tokens)
             except Exception as exc:  # noqa: BLE001 -- ends this request only
                 failed.append((e, exc))
-        return StepResult(sampled, failed)
+        return StepResult(sampled, failed, prompt)
 
     def _verify(self, e: ScheduledRequest, logits: torch.Tensor, drafts: list[int]) -> list[SampledToken]:
         req, p = e.request, e.request.params
@@ -167,6 +168,10 @@ class SpeculativeRunner:
                 flat.append(qsl[b + 1] - 1)
         logits = model.compute_logits(hidden[torch.tensor(flat, dtype=torch.long, device=hidden.device)])
         first_row = {id(e): qsl[b] for b, e in enumerate(entries)}
+        # every row's hidden state is here (the MTP layer reads them all): prompt logprobs come free
+        wanted = wanted_rows(entries, qsl)
+        found = compute_prompt_logprobs(lambda a, b: model.compute_logits_rows(hidden, a, b), wanted) if wanted else {}
+        prompt = [(e, found[id(e)]) for e, *_ in wanted]
 
         def commit(e: ScheduledRequest, accepted: int) -> None:
             """Keep the request's tail: the hidden states of its last row that counts as computed."""
@@ -178,7 +183,7 @@ class SpeculativeRunner:
             # misses these positions anyway, and a tail of a stale position reads as zeros
             if not e.num_draft_tokens and id(e) not in idle:
                 commit(e, e.num_new_tokens - 1)
-        return logits, drafts, rows_of, commit
+        return logits, drafts, rows_of, commit, prompt
 
 
 def build_speculative(model: torch.nn.Module, runner: ModelRunner, *, tokens: int | None, mode: str,

@@ -63,7 +63,9 @@ def _run(llm: LLM):
     media = None
     while media is None:
         media = next((o for o in llm.engine.step() if o.finished), None)
-    return first + second + [media]
+    # prompt logprobs: every prompt row's logits, a block of rows at a time, named to every rank
+    scored = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    return first + second + [media] + scored
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,14 @@ def test_parallel_generation_equals_one_process(checkpoints, reference, layout, 
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids
         assert g.num_cached_tokens == w.num_cached_tokens
-        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) <= LOGPROB_TOL
-    assert got[-2].num_cached_tokens == 64  # prefix caching works across ranks
+        assert max((abs(a - b) for a, b in zip(g.logprobs or [], w.logprobs or [])), default=0) <= LOGPROB_TOL
+        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
+        if w.prompt_logprobs is not None:
+            assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(w.prompt_logprobs)
+            assert max(abs(a - b) for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])) <= LOGPROB_TOL
+            assert [sorted(t) for t in g.prompt_top_logprobs] == [sorted(t) for t in w.prompt_top_logprobs]
+    assert got[-1].prompt_logprobs is not None and got[-1].num_cached_tokens == 0
+    assert got[-3].num_cached_tokens == 64  # prefix caching works across ranks
     # each rank holds its share: the weights of its slice, its KV heads of both pools
     for r, rep in enumerate(reports):
         shard = load_model(checkpoints[layout], parallel=ParallelContext(tp, ep, r))

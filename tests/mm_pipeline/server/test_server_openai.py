@@ -181,7 +181,10 @@ def test_logprobs_chat_and_completions(served):
         for c in chunk.choices:
             streamed[c.index] += c.logprobs.text_offset if c.logprobs else []
     assert [streamed[c.index] for c in whole.choices] == [c.logprobs.text_offset for c in whole.choices]
-    assert whole.choices[0].logprobs.text_offset[0] == len("hello there")
+    # echo with logprobs scores the prompt too (vLLM's): its tokens lead, the first without a logprob
+    echoed = whole.choices[0].logprobs
+    assert echoed.text_offset[0] == 0 and echoed.token_logprobs[0] is None and echoed.top_logprobs[0] is None
+    assert len(echoed.tokens) == whole.usage.prompt_tokens + 4 and all(v <= 0 for v in echoed.token_logprobs[1:])
     text_prompt = served.client.completions.create(model=served.model, prompt=["hello", "world"], max_tokens=2,
                                                    temperature=0, n=2)
     assert [c.index for c in text_prompt.choices] == [0, 1, 2, 3]

@@ -1,0 +1,111 @@
+"""vLLM's ``prompt_logprobs`` and echo with logprobs (how lm-eval scores a text) through the OpenAI
+server (the demo checkpoint, in process): the prompt's logprobs agree with the logprob the same
+model gave a generated token (a prompt that ends with it scores it alike), echo puts them in the
+legacy format with the first token's None, streamed or not; a plain answer keeps OpenAI's shape;
+streaming with prompt_logprobs and out-of-range values are 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from tests.support.paths import DEMO_MODEL
+
+pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
+              pytest.mark.usefixtures("one_thread")]
+
+PROMPT = "A red square and a blue circle are"
+
+
+@pytest.fixture(scope="module")
+def client(demo_engine, tmp_path_factory):
+    app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+        yield c
+
+
+def complete(client, **body) -> dict:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_prompt_scores_a_token_as_generation_did(client, tokenizer):
+    """Greedy generation gives token t with logprob x; the prompt extended by t scores t at x."""
+    first = complete(client, max_tokens=1, logprobs=0, prompt_logprobs=2)
+    choice = first["choices"][0]
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == first["usage"]["prompt_tokens"] == len(ids) and scored[0] is None
+    for tid, entry in zip(ids[1:], scored[1:]):
+        mine = entry[str(tid)]  # the prompt's own token, with its rank, beside the top 2
+        assert mine["rank"] >= 1 and mine["decoded_token"] == tokenizer.decode([tid])
+        assert len(entry) in (2, 3) and min(e["rank"] for e in entry.values()) == 1
+        top = sorted(entry.values(), key=lambda e: e["rank"])
+        assert top[0]["logprob"] >= mine["logprob"]
+    text = choice["logprobs"]["tokens"][0]  # the generated token, as its text: back to its id
+    (token,) = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) == text]
+    again = client.post("/v1/completions", json={"prompt": ids + [token], "max_tokens": 1, "temperature": 0,
+                                                 "prompt_logprobs": 0}).json()
+    last = again["choices"][0]["prompt_logprobs"][-1][str(token)]
+    assert last["rank"] == 1  # greedy chose it
+    assert last["logprob"] == pytest.approx(choice["logprobs"]["token_logprobs"][0], abs=1e-4)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tokenizer):
+    body = {"echo": True, "logprobs": 1, "max_tokens": 2, "ignore_eos": True}
+    out = complete(client, **body)["choices"][0]
+    n = len(tokenizer.encode(PROMPT, add_special_tokens=False))
+    lp = out["logprobs"]
+    assert out["text"].startswith(PROMPT)
+    assert len(lp["tokens"]) == n + 2 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    scored = complete(client, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert lp["token_logprobs"][1:n] == pytest.approx([e[str(t)]["logprob"] for t, e in zip(ids[1:], scored[1:])],
+                                                      abs=1e-5)
+    # streamed: the echo chunk carries the prompt's logprobs, then the tokens' own follow
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "stream": True,
+                                                        **body}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for key in streamed:
+            streamed[key] += (c["choices"][0].get("logprobs") or {}).get(key, [])
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+
+
+def test_chat_answers_carry_the_prompt_logprobs_once(client):
+    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 2, "temperature": 0, "n": 2,
+            "prompt_logprobs": 1}
+    out = client.post("/v1/chat/completions", json=body).json()
+    assert len(out["prompt_logprobs"]) == out["usage"]["prompt_tokens"]  # one prompt for the n choices
+    assert out["prompt_logprobs"][0] is None and all(len(e) in (1, 2) for e in out["prompt_logprobs"][1:])
+
+
+def test_a_plain_answer_has_no_prompt_logprobs_key(client):
+    assert "prompt_logprobs" not in complete(client)["choices"][0]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in chat
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt_logprobs": 1, "stream": True}, "not available with stream"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+])
+def test_bad_prompt_logprobs_are_400s(client, body, needle):
+    for path, base in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = client.post(path, json={**base, "max_tokens": 1, **body})
+        assert r.status_code == 400 and needle in r.text, r.text
