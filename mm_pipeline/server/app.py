@@ -217,7 +217,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     tool_calls = resolve_tool_calls(settings.tool_call_parser, getattr(engine, "tokenizer", None))
     service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens,
                                                 settings.max_completion_prompts, reasoning=reasoning,
-                                                tool_calls=tool_calls), observe)
+                                                tool_calls=tool_calls,
+                                                tokens_as_ids=settings.return_tokens_as_token_ids), observe)
     started = int(time.time())
 
     @asynccontextmanager

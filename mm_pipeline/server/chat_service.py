@@ -50,6 +50,8 @@ class ServiceConfig:
     # ServerSettings.tool_call_parser resolved for the model (prompt/tool_calls.py); None: off, and a
     # chat request with tools is a 400 (nothing would turn the model's calls into tool_calls)
     tool_calls: ToolCallSyntax | None = None
+    # ServerSettings.return_tokens_as_token_ids: the default of the request field of that name
+    tokens_as_ids: bool = False
 
 
 def new_id(prefix: str) -> str:
@@ -196,7 +198,8 @@ class ChatService:
             prompt_logprobs=None if scored is None else self.tokens.prompt_logprobs(
                 scored.prompt_token_ids or [], scored.prompt_logprobs, req.prompt_logprobs),
             choices=[ChatChoice(index=i, message=_message(a), finish_reason=_finish_reason(s.finish_reason, len(a.calls)),
-                                logprobs=self.tokens.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs)
+                                logprobs=self.tokens.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs,
+                                                                   self._as_ids(req))
                                 if req.logprobs else None)
                      for i, (a, s) in enumerate(zip(answers, states))])
 
@@ -214,6 +217,7 @@ class ChatService:
         # set), the role in a choice's first delta only, and "usage" only with include_usage (null
         # in every chunk but the last, which carries it)
         leave_out = None if req.include_usage else {"usage"}
+        as_ids = self._as_ids(req)
 
         def chunk(choice: ChatChunkChoice) -> str:
             return sse_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
@@ -224,7 +228,8 @@ class ChatService:
                 for c in choices:  # OpenAI sends the role first, once per choice
                     yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
                 async for index, d in merge_choices(choices):
-                    lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [])
+                    lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [],
+                                                    as_ids)
                           if req.logprobs and d.new_token_ids else None)
                     if d.finished:
                         _check_finished([choices[index].state])
@@ -297,7 +302,8 @@ class ChatService:
                 if req.logprobs is not None:
                     lp = self._echoed_logprobs(req, s.prompt_token_ids, s.prompt_logprobs) if req.echo else None
                     offset = len(echo) if lp is None else _end_offset(lp)
-                    lp = self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=offset, out=lp)
+                    lp = self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=offset, out=lp,
+                                                         as_ids=self._as_ids(req))
                 out.append(CompletionChoice(
                     index=p * req.n + j, text=echo + s.text, logprobs=lp, finish_reason=s.finish_reason,
                     prompt_logprobs=None if req.prompt_logprobs is None else self.tokens.prompt_logprobs(
@@ -338,7 +344,8 @@ class ChatService:
                     if d.finished:
                         _check_finished([choices[index].state])
                     lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
-                                                          d.top_logprobs or [], offset=offsets[index])
+                                                          d.top_logprobs or [], offset=offsets[index],
+                                                          as_ids=self._as_ids(req))
                           if req.logprobs is not None and d.new_token_ids else None)
                     if lp is not None and lp.tokens:
                         offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
@@ -393,7 +400,12 @@ class ChatService:
         request failed before its first token)."""
         if found is None or prompt_ids is None:
             return None
-        return self.tokens.echoed_prompt_logprobs(prompt_ids, found, req.logprobs)
+        return self.tokens.echoed_prompt_logprobs(prompt_ids, found, req.logprobs, self._as_ids(req))
+
+    def _as_ids(self, req: SamplingFields) -> bool:
+        """Whether logprob entries name tokens as "token_id:<id>" (the request's field, else the server's)."""
+        own = req.return_tokens_as_token_ids
+        return self.config.tokens_as_ids if own is None else own
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

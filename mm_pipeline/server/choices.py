@@ -284,42 +284,48 @@ class TokenStrings:
             self._cache[token_id] = s
         return s
 
+    def label(self, token_id: int, as_ids: bool) -> str:
+        """A logprob entry's token: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_ids else self(token_id)
+
     def chat_logprobs(self, ids: Sequence[int], lps: Sequence[float],
-                      tops: Sequence[dict[int, float]]) -> ChatLogprobs:
+                      tops: Sequence[dict[int, float]], as_ids: bool = False) -> ChatLogprobs:
         content = []
         for i, (tid, lp) in enumerate(zip(ids, lps)):
             top = tops[i] if i < len(tops) and tops[i] else {}
-            s = self(tid)
+            s = self.label(tid, as_ids)
             content.append(TokenLogprob(
                 token=s, logprob=lp, bytes=list(s.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=self(t), logprob=v, bytes=list(self(t).encode("utf-8")))
+                top_logprobs=[TopLogprob(token=(ts := self.label(t, as_ids)), logprob=v, bytes=list(ts.encode("utf-8")))
                               for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
         return ChatLogprobs(content=content)
 
     def completion_logprobs(self, ids: Sequence[int], lps: Sequence[float | None],
                             tops: Sequence[dict[int, float] | None], offset: int = 0,
-                            out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                            out: CompletionLogprobs | None = None, as_ids: bool = False) -> CompletionLogprobs:
         """The legacy format's logprobs of ``ids`` (appended to ``out`` when given). A ``None``
         logprob -- an echoed prompt's first token, which has none -- has None for its top too."""
         out = CompletionLogprobs() if out is None else out
         for i, (tid, lp) in enumerate(zip(ids, lps)):
-            s = self(tid)
+            s = self.label(tid, as_ids)
             out.tokens.append(s)
             out.token_logprobs.append(lp)
             top = tops[i] if i < len(tops) and tops[i] else {}
             # the legacy format keys by text: tokens reading alike keep the most likely one's logprob
             by_text: dict[str, float] = {}
             for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
-                by_text.setdefault(self(t), v)
+                by_text.setdefault(self.label(t, as_ids), v)
             out.top_logprobs.append(None if lp is None else by_text)
             out.text_offset.append(offset)
             offset += len(s)
         return out
 
-    def echoed_prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int) -> CompletionLogprobs:
+    def echoed_prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int,
+                               as_ids: bool = False) -> CompletionLogprobs:
         """An echoed prompt's logprobs in the legacy format, as vLLM gives them (echo with
         logprobs=n): the first token's entries None, then each token's logprob and top-n."""
-        return self.completion_logprobs(prompt_ids, (None, *found.logprobs), ({}, *(_top(t, n) for t in found.top)))
+        return self.completion_logprobs(prompt_ids, (None, *found.logprobs), ({}, *(_top(t, n) for t in found.top)),
+                                        as_ids=as_ids)
 
     def prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int) -> list[dict[str, PromptLogprob] | None]:
         """vLLM's ``prompt_logprobs`` answer (``prompt_logprobs=n``): None for the first prompt

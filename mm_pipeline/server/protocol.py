@@ -184,7 +184,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "logits_processors": (),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 "spaces_between_special_tokens": (True,),
-    "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
+    "truncate_prompt_tokens": (),
 }
 # chat only: what the prompt layout cannot do (README "Serving (OpenAI-compatible)"): a template of
 # the client's, RAG documents (the server passes none: ChatTemplate reserves the name), processor
@@ -300,6 +300,9 @@ class SamplingFields(_Loose):
     # vLLM's: each prompt token's logprob given the ones before it, with the top n (the prompt is
     # computed whole: no prefix-cache hit); answered once, so not with stream
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: logprob entries name tokens "token_id:<id>" (None: the server's
+    # --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (one constraint per request; _structured_outputs)

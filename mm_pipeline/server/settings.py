@@ -46,6 +46,11 @@ class ServerSettings:
     auto: when the model's vocabulary or chat template knows <tool_call>; none: requests with tools are
     refused."""
 
+    return_tokens_as_token_ids: bool = False
+    """Logprob entries name their token as "token_id:<id>" instead of its text (vLLM's flag), so a
+    token that is no whole character -- a byte of a multi-byte one -- is still told apart; a
+    request's own return_tokens_as_token_ids wins."""
+
     def __post_init__(self) -> None:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
             raise ValueError(f"need 0 < max_upload_bytes <= max_files_total_bytes, got {self.max_upload_bytes}, "

@@ -1,5 +1,5 @@
-"""vLLM's ``prompt_logprobs`` and echo with logprobs (how lm-eval scores a text) through the OpenAI
-server (the demo checkpoint, in process): the prompt's logprobs agree with the logprob the same
+"""vLLM's ``prompt_logprobs``, echo with logprobs (how lm-eval scores a text) and
+``return_tokens_as_token_ids`` through the OpenAI server (the demo checkpoint, in process): the prompt's logprobs agree with the logprob the same
 model gave a generated token (a prompt that ends with it scores it alike), echo puts them in the
 legacy format with the first token's None, streamed or not; a plain answer keeps OpenAI's shape;
 streaming with prompt_logprobs and out-of-range values are 400s."""
@@ -109,3 +109,40 @@ def test_bad_prompt_logprobs_are_400s(client, body, needle):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
         r = client.post(path, json={**base, "max_tokens": 1, **body})
         assert r.status_code == 400 and needle in r.text, r.text
+
+
+def test_tokens_as_token_ids_name_each_logprob_entry_by_its_id(client, demo_engine, tokenizer, tmp_path):
+    """vLLM's return_tokens_as_token_ids: "token_id:<id>" wherever a logprob entry names a token
+    (chat content and tops, completion tokens and top keys, an echoed prompt), the same answer;
+    the server flag sets the default and a request's own field wins."""
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    plain = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    ids = client.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
+    content = ids["choices"][0]["logprobs"]["content"]
+    assert [tokenizer.decode([int(e["token"].split(":")[1])]) for e in content] == [e["token"] for e in plain]
+    for e in content:
+        assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
+        assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"]) and len(e["top_logprobs"]) == 2
+    echoed = complete(client, echo=True, logprobs=2, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert echoed["tokens"][:len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
+    assert all(k.startswith("token_id:") for top in echoed["top_logprobs"][1:] for k in top)
+    app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path), return_tokens_as_token_ids=True))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+        on = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+        off = c.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": False}).json()
+    assert [e["token"] for e in on] == [e["token"] for e in content]
+    assert [e["token"] for e in off["choices"][0]["logprobs"]["content"]] == [e["token"] for e in plain]
+
+
+def test_the_server_flag(tmp_path):
+    from mm_pipeline import cli
+
+    assert ServerSettings().return_tokens_as_token_ids is False
+    args = cli.parse_args(["serve", "--model", "m", "--return-tokens-as-token-ids"])
+    assert cli.server_settings(args, tmp_path).return_tokens_as_token_ids is True
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"return_tokens_as_token_ids": True}))
+    assert cli.server_settings(cli.parse_args(["serve", "--model", "m", "--config", str(path)]),
+                               tmp_path).return_tokens_as_token_ids is True
