@@ -174,6 +174,24 @@ class LLMEngine:
                                 f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return None
 
+    def _truncated(self, ids: list[int], params: SamplingParams, embeds: EmbeddingSource | None,
+                   extra_keys: tuple, checkpoints: tuple) -> tuple[list[int], tuple, tuple] | RequestError:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (-1: as many as the context
+        holds with room for one more), with its extra keys and checkpoints moved along (those before
+        the cut dropped); unchanged when it is no longer. A prompt with embedding rows (media) is
+        never cut: an error instead."""
+        k = params.truncate_prompt_tokens
+        limit = max(1, self.max_context_tokens - 1) if k == -1 else k
+        if k is None or len(ids) <= limit:
+            return ids, extra_keys, checkpoints
+        if embeds is not None:
+            return RequestError(ErrorKind.INVALID_INPUT,
+                                f"truncate_prompt_tokens={k} would cut a prompt of {len(ids)} tokens that holds "
+                                f"media; shorten the conversation instead")
+        cut = len(ids) - limit
+        keys = tuple((a - cut, b - cut, key) for a, b, key in extra_keys if a >= cut)
+        return ids[cut:], keys, tuple(c - cut for c in checkpoints if c > cut)
+
     def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as the token sequences that would write them: each word as written and after
         a space (how it appears mid-text for most tokenizers), as vLLM tokenizes them."""
@@ -214,13 +232,19 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens,
                                     params.include_stop_str_in_output) if params.stop else None
+        truncated = self._truncated(list(prompt_token_ids), params, embeds, tuple(extra_keys), tuple(checkpoints))
+        if isinstance(truncated, RequestError):
+            truncation_problem = truncated
+        else:
+            truncation_problem = None
+            prompt_token_ids, extra_keys, checkpoints = truncated
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
                       extra_keys=tuple(extra_keys),
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher)
-        problem = (self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None) or self.check_params(params)
-                   or check_prompt_logprobs(len(req.prompt_token_ids), params))
+        problem = (truncation_problem or self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
+                   or self.check_params(params) or check_prompt_logprobs(len(req.prompt_token_ids), params))
         if problem is None and params.bad_words:
             req.bad_word_ids = self.bad_word_ids(params.bad_words)
         if problem is None and params.structured_outputs is not None:

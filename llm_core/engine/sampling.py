@@ -90,6 +90,9 @@ class SamplingParams:
     - ``prompt_logprobs`` (vLLM): None = none; n >= 0 = every prompt token's logprob given the tokens
       before it, plus the top-n (the first token has none). The request then computes its whole
       prompt (no prefix-cache hit, as in vLLM): the cache cannot give logits it never kept.
+    - ``truncate_prompt_tokens`` (vLLM): None = off; k >= 1 keeps the prompt's last k tokens (left
+      truncation), -1 the last the context holds with room for one token. A prompt with media
+      (embedding rows) that would be cut is refused instead: a cut through an image is no prompt.
     - ``min_p`` in [0, 1] (0 = off): after temperature, drop tokens whose probability is below
       ``min_p`` times the largest (vLLM; random rows only, greedy is unchanged by it).
     - ``min_tokens`` in [0, max_tokens]: until this many tokens are generated, ``stop_token_ids`` and
@@ -121,6 +124,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_p: float = 0.0
@@ -166,6 +170,11 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
+                or not -1 <= self.truncate_prompt_tokens <= MAX_INT32):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an integer in [1, {MAX_INT32}], "
+                             f"got {self.truncate_prompt_tokens!r}")
         if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

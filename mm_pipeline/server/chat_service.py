@@ -82,6 +82,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             min_p=req.min_p or 0.0,
@@ -296,8 +297,8 @@ class ChatService:
             group = states[p * req.n:(p + 1) * req.n]
             part = _usage(group)
             usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
-            echo = self._prompt_text(prompt) if req.echo else ""
             for j, s in enumerate(group):
+                echo = self._echo_text(req, prompt, s.prompt_token_ids) if req.echo else ""
                 lp = None
                 if req.logprobs is not None:
                     lp = self._echoed_logprobs(req, s.prompt_token_ids, s.prompt_logprobs) if req.echo else None
@@ -322,8 +323,8 @@ class ChatService:
             # in the answer that is not streamed
             offsets = [0] * len(choices)
             # echo with logprobs: the prompt's logprobs come with a choice's first delta, so its
-            # echo is sent then; without, at once
-            scores_echo = req.echo and req.logprobs is not None
+            # echo is sent then (so is a truncated prompt's, known then too); otherwise at once
+            scores_echo = req.echo and (req.logprobs is not None or req.truncate_prompt_tokens is not None)
             echoed: set[int] = set()
             try:
                 if req.echo and not scores_echo:
@@ -336,11 +337,13 @@ class ChatService:
                     if scores_echo and index not in echoed:
                         echoed.add(index)
                         state = choices[index].state  # (the delta's own fields first: it may not be absorbed yet)
-                        lp = self._echoed_logprobs(req, getattr(d, "prompt_token_ids", None) or state.prompt_token_ids,
-                                                   getattr(d, "prompt_logprobs", None) or state.prompt_logprobs)
-                        offsets[index] = _end_offset(lp) if lp is not None else 0
+                        ids = getattr(d, "prompt_token_ids", None) or state.prompt_token_ids
+                        text = self._echo_text(req, prompts[index // req.n], ids)
+                        lp = None if req.logprobs is None else self._echoed_logprobs(
+                            req, ids, getattr(d, "prompt_logprobs", None) or state.prompt_logprobs)
+                        offsets[index] = _end_offset(lp) if lp is not None else len(text)
                         yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
-                            index=index, text=self._prompt_text(prompts[index // req.n]), logprobs=lp)]))
+                            index=index, text=text, logprobs=lp)]))
                     if d.finished:
                         _check_finished([choices[index].state])
                     lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
@@ -406,6 +409,19 @@ class ChatService:
         """Whether logprob entries name tokens as "token_id:<id>" (the request's field, else the server's)."""
         own = req.return_tokens_as_token_ids
         return self.config.tokens_as_ids if own is None else own
+
+    def _echo_text(self, req: CompletionRequest, prompt: str | list[int], ran: list[int] | None) -> str:
+        """The prompt an echo repeats: the one given, or under truncate_prompt_tokens the tokens
+        the engine ran (``ran``, when known)."""
+        k = req.truncate_prompt_tokens
+        if k is not None and ran is not None:
+            # a text prompt was cut when the engine ran as many tokens as the limit allows
+            limit = k if k > 0 else getattr(self.engine, "max_model_len", 0) - 1
+            cut = len(ran) < len(prompt) if not isinstance(prompt, str) else len(ran) >= limit
+            tok = getattr(self.engine, "tokenizer", None)
+            if cut and tok is not None:
+                return tok.decode(ran)
+        return self._prompt_text(prompt)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

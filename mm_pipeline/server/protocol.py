@@ -184,7 +184,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "logits_processors": (),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
 }
 # chat only: what the prompt layout cannot do (README "Serving (OpenAI-compatible)"): a template of
 # the client's, RAG documents (the server passes none: ChatTemplate reserves the name), processor
@@ -303,6 +302,9 @@ class SamplingFields(_Loose):
     # vLLM's: logprob entries name tokens "token_id:<id>" (None: the server's
     # --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); a prompt with
+    # media that would be cut is a 400
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (one constraint per request; _structured_outputs)
@@ -326,6 +328,8 @@ class SamplingFields(_Loose):
     def _prompt_logprobs_not_streamed(self) -> "SamplingFields":
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
         return self
 
     @field_validator("stop")

@@ -1,0 +1,62 @@
+"""vLLM's truncate_prompt_tokens through the OpenAI server (the demo checkpoint, in process): a
+completion keeps its prompt's last k tokens (usage and echo say so, streamed or not), a chat without
+media likewise; a chat whose cut would go through media is a 400 naming the field, as are 0 and -2."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from tests.support.media_samples import image_bytes
+from tests.support.paths import DEMO_MODEL
+
+pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
+              pytest.mark.usefixtures("one_thread")]
+
+PROMPT = "A red square and a blue circle are next to a green triangle"
+
+
+@pytest.fixture(scope="module")
+def client(demo_engine, tmp_path_factory):
+    app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+        yield c
+
+
+def test_a_completion_keeps_the_last_tokens(client, tokenizer):
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 4}
+    cut = client.post("/v1/completions", json={**body, "echo": True}).json()
+    alone = client.post("/v1/completions", json={"prompt": ids[-4:], "max_tokens": 3, "temperature": 0,
+                                                 "ignore_eos": True}).json()
+    assert cut["usage"]["prompt_tokens"] == 4
+    tail = tokenizer.decode(ids[-4:])
+    assert cut["choices"][0]["text"] == tail + alone["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == cut["choices"][0]["text"]
+    whole = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 100, "echo": True}).json()
+    assert whole["choices"][0]["text"].startswith(PROMPT)  # not cut: the prompt as given
+
+
+def test_a_chat_without_media_is_cut_and_with_media_refused(client):
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "temperature": 0}
+    full = client.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
+    cut = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 5}).json()
+    assert full > 5 and cut["usage"]["prompt_tokens"] == 5
+    url = "data:image/png;base64," + base64.b64encode(image_bytes("PNG")).decode()
+    media = {**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                               {"type": "text", "text": "What is it?"}]}]}
+    r = client.post("/v1/chat/completions", json={**media, "truncate_prompt_tokens": 5})
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
+    assert client.post("/v1/chat/completions", json={**media, "truncate_prompt_tokens": 100000}).status_code == 200
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5])
+def test_bad_values_are_400s(client, value):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": value})
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
