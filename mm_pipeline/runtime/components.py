@@ -263,11 +263,13 @@ class OmniRuntime:
         except GrammarError as exc:
             raise InvalidInputError(str(exc)) from None
 
-    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = False, keep_last: int | None = None) -> list[int]:
         """Token ids of a plain text prompt (no chat template), on the worker pool. A prompt is
         served as its text's tokens alone; ``add_special_tokens`` (``POST /tokenize``'s field) adds
-        what the tokenizer adds around a text (a BOS, for tokenizers that have one)."""
-        return await self.text_pool.run(self._encode_text, text, add_special_tokens)
+        what the tokenizer adds around a text (a BOS, for tokenizers that have one). ``keep_last``
+        (``truncate_prompt_tokens``; -1: what the context holds with room for one token): only
+        the text's last tokens, so a text longer than the context is cut rather than refused."""
+        return await self.text_pool.run(self._encode_text, text, add_special_tokens, keep_last)
 
     def open_media(self, prepared: PreparedChat, request_id: str,
                    on_progress: Callable[[], None] | None = None) -> MediaFeed:
@@ -305,7 +307,20 @@ class OmniRuntime:
         """Stop delivering a request's outputs (its consumer is gone)."""
         self.loop.detach(request_id)
 
-    def _encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def _encode_text(self, text: str, add_special_tokens: bool = False, keep_last: int | None = None) -> list[int]:
+        if keep_last is not None:
+            keep = self.max_model_len - 1 if keep_last == -1 else keep_last
+            # the tail that surely holds ``keep`` tokens and some to spare (a token covers at most
+            # max_token_chars characters), cut before a space as the pre-tokenizer would cut it; its
+            # first tokens may differ from the whole text's (they are dropped), the rest are the same
+            chars = (keep + 8) * self.model.layout.text_bound.max_token_chars
+            if len(text) > chars:
+                start = len(text) - chars
+                space = text.find(" ", start)
+                text = text[space if 0 <= space < start + chars // 2 else start:]
+            ids = list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))[-keep:]
+            self._check_context(len(ids))
+            return ids
         self.model.layout.text_bound.check([text], self.max_model_len)
         ids = list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         self._check_context(len(ids))

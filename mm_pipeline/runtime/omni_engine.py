@@ -187,7 +187,7 @@ class OmniEngine:
                     if feed.stream.error is not None:
                         raise feed.stream.error
             elif token_ids is None:  # a text prompt: tokenize off the event loop
-                token_ids = await rt.tokenize(prompt)
+                token_ids = await rt.tokenize(prompt, keep_last=params.truncate_prompt_tokens)
             stream = None if feed is None else feed.stream
             rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
                       checkpoints)

@@ -60,3 +60,15 @@ def test_a_chat_without_media_is_cut_and_with_media_refused(client):
 def test_bad_values_are_400s(client, value):
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": value})
     assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
+
+
+def test_a_text_longer_than_the_context_is_cut_not_refused(client, demo_engine, tokenizer):
+    """Only the text's tail is tokenized (bounded work), and its last tokens are those of the whole."""
+    text = (PROMPT + ". ") * 500
+    body = {"prompt": text, "max_tokens": 1, "temperature": 0}
+    assert client.post("/v1/completions", json=body).status_code == 400  # over the context
+    keep = demo_engine.max_model_len - 1
+    for k, n in ((-1, keep), (300, 300)):
+        out = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k, "echo": True}).json()
+        assert out["usage"]["prompt_tokens"] == n
+        assert out["choices"][0]["text"].startswith(tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[-n:]))
