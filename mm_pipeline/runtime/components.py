@@ -88,6 +88,11 @@ def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
     return tiers
 
 
+# A chat without media under truncate_prompt_tokens may render to this many times the context
+# before the engine cuts it: rendering tokenizes all of it, so the bound keeps that work bounded.
+TRUNCATABLE_CONTEXTS = 4
+
+
 class OmniRuntime:
     def __init__(self, model: OmniModel, config: OmniEngineConfig) -> None:
         config.check_checkpoint(model.image_config.temporal_patch_size)  # before anything is allocated
@@ -185,19 +190,30 @@ class OmniRuntime:
         return self.model.hidden_size
 
     # ---- requests ---------------------------------------------------------------------------
-    async def prepare_chat(self, chat: ChatRequest) -> PreparedChat:
+    async def prepare_chat(self, chat: ChatRequest, truncate: bool = False) -> PreparedChat:
         """Ingest and plan every media item (concurrently), then lay the prompt out.
+
+        ``truncate`` (the request has ``truncate_prompt_tokens``): a chat without media may render
+        to up to ``TRUNCATABLE_CONTEXTS`` times the context, which the engine then cuts to its last
+        tokens (a chat with media must fit: media is never cut).
 
         A chat with one media item takes one hop to the worker pool when it can: ingest, plan from
         the cache manifest and lay out in the same job (``_prepare_one_hop``). A repeat or a new
         question about cached media thus pays one hand-off instead of three (ingest, plan, layout:
         each a worker wake-up and a return to the loop, ~0.3 ms apiece on the 2-core host, measured
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
+        refs: list[MediaRef] = chat.media
+        if truncate and not refs:
+            bound = self.max_model_len * TRUNCATABLE_CONTEXTS
+            try:
+                return await self._prepare_text_chat(chat, bound)
+            except ContextLengthError as exc:
+                raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
+                                         f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
         # a chat of more messages than the context limit can hold fails first, before its media is
         # fetched or a part of it walked (O(1): each message's markup costs at least its special tokens)
         self.model.layout.check_markup(len(chat.turns), self.max_model_len, options=chat.options)
         self.model.layout.template.check_kwargs(chat.options.kwargs)  # a 400 before any media work
-        refs: list[MediaRef] = chat.media
         self.planner.check_request(refs)
         if len(refs) == 1:
             got = await self.pool.run(self._prepare_one_hop, chat, refs[0])
@@ -211,6 +227,14 @@ class OmniRuntime:
                                         self.max_model_len)  # template + BPE
         self._check_context(len(laid.token_ids))
         return self._prepared(laid, plans)
+
+    async def _prepare_text_chat(self, chat: ChatRequest, bound: int) -> PreparedChat:
+        """A chat without media laid out within ``bound`` tokens (prepare_chat's truncated path)."""
+        self.model.layout.check_markup(len(chat.turns), bound, options=chat.options)
+        self.model.layout.template.check_kwargs(chat.options.kwargs)
+        laid = await self.text_pool.run(self.model.layout.render, chat, [], bound)  # template + BPE
+        self._check_context(len(laid.token_ids), bound)
+        return self._prepared(laid, [])
 
     async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None) -> MediaPlan:
         """Media item ``k`` of ``n``: loaded (unless ``item`` is it, already ingested) and planned."""
@@ -326,12 +350,13 @@ class OmniRuntime:
         self._check_context(len(ids))
         return ids
 
-    def _check_context(self, num_tokens: int) -> None:
+    def _check_context(self, num_tokens: int, limit: int | None = None) -> None:
         # the engine checks too, but only once the request reaches it: failing here means no
         # media of a prompt that cannot fit is ever produced
-        if num_tokens + 1 > self.max_model_len:
+        limit = self.max_model_len if limit is None else limit
+        if num_tokens + 1 > limit:
             raise ContextLengthError(f"the prompt is {num_tokens} tokens; with one generated token it exceeds "
-                                     f"the context limit of {self.max_model_len} tokens")
+                                     f"the context limit of {limit} tokens")
 
     def record_timeline(self) -> StageTimeline:
         """Start recording when each stage runs (video decode chunks, encoder forwards, LLM steps)

@@ -168,7 +168,7 @@ class OmniEngine:
             if params.structured_outputs is not None:  # a bad constraint fails before any media is read
                 await rt.compile_grammar(params.structured_outputs)
             if chat is not None:
-                prepared = await rt.prepare_chat(chat)
+                prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None)
                 token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
                 if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
                     on_planned(sum(len(p.cached) for p in prepared.plans))

@@ -72,3 +72,16 @@ def test_a_text_longer_than_the_context_is_cut_not_refused(client, demo_engine, 
         out = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k, "echo": True}).json()
         assert out["usage"]["prompt_tokens"] == n
         assert out["choices"][0]["text"].startswith(tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[-n:]))
+
+
+def test_a_chat_longer_than_the_context_is_cut_up_to_a_bound(client, demo_engine):
+    """A chat without media may render to 4 contexts (components.TRUNCATABLE_CONTEXTS) before the
+    engine cuts it; past that it is refused, naming the bound."""
+    keep = demo_engine.max_model_len - 1
+    chat = {"messages": [{"role": "user", "content": (PROMPT + ". ") * 150}], "max_tokens": 1, "temperature": 0}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 400
+    out = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": -1}).json()
+    assert out["usage"]["prompt_tokens"] == keep
+    huge = {**chat, "messages": [{"role": "user", "content": (PROMPT + ". ") * 2000}], "truncate_prompt_tokens": -1}
+    r = client.post("/v1/chat/completions", json=huge)
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
