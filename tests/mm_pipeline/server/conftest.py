@@ -24,3 +24,15 @@ def demo_engine():
                                                                                  num_swa_tokens=2048))
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo_client(demo_engine, tmp_path_factory):
+    """An httpx client of the demo checkpoint served in process (default ServerSettings)."""
+    import httpx
+
+    from mm_pipeline.server import ServerSettings, ServerThread, create_app
+
+    app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+        yield c

@@ -20,22 +20,15 @@ pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), rea
 PROMPT = "A red square and a blue circle are"
 
 
-@pytest.fixture(scope="module")
-def client(demo_engine, tmp_path_factory):
-    app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
-    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
-        yield c
-
-
-def complete(client, **body) -> dict:
-    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, **body})
+def complete(demo_client, **body) -> dict:
+    r = demo_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, **body})
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def test_the_prompt_scores_a_token_as_generation_did(client, tokenizer):
+def test_the_prompt_scores_a_token_as_generation_did(demo_client, tokenizer):
     """Greedy generation gives token t with logprob x; the prompt extended by t scores t at x."""
-    first = complete(client, max_tokens=1, logprobs=0, prompt_logprobs=2)
+    first = complete(demo_client, max_tokens=1, logprobs=0, prompt_logprobs=2)
     choice = first["choices"][0]
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     scored = choice["prompt_logprobs"]
@@ -48,16 +41,16 @@ def test_the_prompt_scores_a_token_as_generation_did(client, tokenizer):
         assert top[0]["logprob"] >= mine["logprob"]
     text = choice["logprobs"]["tokens"][0]  # the generated token, as its text: back to its id
     (token,) = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) == text]
-    again = client.post("/v1/completions", json={"prompt": ids + [token], "max_tokens": 1, "temperature": 0,
+    again = demo_client.post("/v1/completions", json={"prompt": ids + [token], "max_tokens": 1, "temperature": 0,
                                                  "prompt_logprobs": 0}).json()
     last = again["choices"][0]["prompt_logprobs"][-1][str(token)]
     assert last["rank"] == 1  # greedy chose it
     assert last["logprob"] == pytest.approx(choice["logprobs"]["token_logprobs"][0], abs=1e-4)
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tokenizer):
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(demo_client, tokenizer):
     body = {"echo": True, "logprobs": 1, "max_tokens": 2, "ignore_eos": True}
-    out = complete(client, **body)["choices"][0]
+    out = complete(demo_client, **body)["choices"][0]
     n = len(tokenizer.encode(PROMPT, add_special_tokens=False))
     lp = out["logprobs"]
     assert out["text"].startswith(PROMPT)
@@ -65,12 +58,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tokeni
     assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
     assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    scored = complete(client, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
+    scored = complete(demo_client, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     assert lp["token_logprobs"][1:n] == pytest.approx([e[str(t)]["logprob"] for t, e in zip(ids[1:], scored[1:])],
                                                       abs=1e-5)
     # streamed: the echo chunk carries the prompt's logprobs, then the tokens' own follow
-    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "stream": True,
+    with demo_client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "stream": True,
                                                         **body}) as r:
         assert r.status_code == 200
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -84,17 +77,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tokeni
     assert streamed["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
 
 
-def test_chat_answers_carry_the_prompt_logprobs_once(client):
+def test_chat_answers_carry_the_prompt_logprobs_once(demo_client):
     body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 2, "temperature": 0, "n": 2,
             "prompt_logprobs": 1}
-    out = client.post("/v1/chat/completions", json=body).json()
+    out = demo_client.post("/v1/chat/completions", json=body).json()
     assert len(out["prompt_logprobs"]) == out["usage"]["prompt_tokens"]  # one prompt for the n choices
     assert out["prompt_logprobs"][0] is None and all(len(e) in (1, 2) for e in out["prompt_logprobs"][1:])
 
 
-def test_a_plain_answer_has_no_prompt_logprobs_key(client):
-    assert "prompt_logprobs" not in complete(client)["choices"][0]
-    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+def test_a_plain_answer_has_no_prompt_logprobs_key(demo_client):
+    assert "prompt_logprobs" not in complete(demo_client)["choices"][0]
+    chat = demo_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                      "max_tokens": 1}).json()
     assert "prompt_logprobs" not in chat
 
@@ -104,27 +97,27 @@ def test_a_plain_answer_has_no_prompt_logprobs_key(client):
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
-def test_bad_prompt_logprobs_are_400s(client, body, needle):
+def test_bad_prompt_logprobs_are_400s(demo_client, body, needle):
     for path, base in (("/v1/completions", {"prompt": PROMPT}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        r = client.post(path, json={**base, "max_tokens": 1, **body})
+        r = demo_client.post(path, json={**base, "max_tokens": 1, **body})
         assert r.status_code == 400 and needle in r.text, r.text
 
 
-def test_tokens_as_token_ids_name_each_logprob_entry_by_its_id(client, demo_engine, tokenizer, tmp_path):
+def test_tokens_as_token_ids_name_each_logprob_entry_by_its_id(demo_client, demo_engine, tokenizer, tmp_path):
     """vLLM's return_tokens_as_token_ids: "token_id:<id>" wherever a logprob entry names a token
     (chat content and tops, completion tokens and top keys, an echoed prompt), the same answer;
     the server flag sets the default and a request's own field wins."""
     chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 4, "temperature": 0,
             "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
-    plain = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
-    ids = client.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
+    plain = demo_client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    ids = demo_client.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
     content = ids["choices"][0]["logprobs"]["content"]
     assert [tokenizer.decode([int(e["token"].split(":")[1])]) for e in content] == [e["token"] for e in plain]
     for e in content:
         assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
         assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"]) and len(e["top_logprobs"]) == 2
-    echoed = complete(client, echo=True, logprobs=2, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    echoed = complete(demo_client, echo=True, logprobs=2, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     assert echoed["tokens"][:len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
     assert all(k.startswith("token_id:") for top in echoed["top_logprobs"][1:] for k in top)
