@@ -59,13 +59,15 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int,
-                    reasoning: ThinkSyntax | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    reasoning: ThinkSyntax | None = None, prompt_logprobs: int | None = None,
+                    scores_prompt: bool = True) -> SamplingParams:
     """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i (modulo
     2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible.
     ``reasoning`` (chat answers with a reasoning parser): a structured output constraint holds
     after the model's thinking (``ReasoningGate``), as the parser splits the answer.
     ``prompt_logprobs``: the engine's setting when the endpoint needs another than the request's
-    field (a completion's echo with logprobs scores its prompt)."""
+    field (a completion's echo with logprobs scores its prompt); ``scores_prompt`` False: none at
+    all (a later choice of the same prompt: the first one's serve every choice)."""
     try:
         constraint = req.structured_outputs_params
         gate = None if reasoning is None else reasoning.gate
@@ -81,7 +83,8 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            prompt_logprobs=None if not scores_prompt else req.prompt_logprobs if prompt_logprobs is None
+            else prompt_logprobs,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -272,8 +275,10 @@ class ChatService:
         else:
             parser = (lambda: syntax.parser(tools)) if syntax is not None and req.parse_tool_calls else None
         messages = await parsed_messages(req)
+        # the first choice alone scores the prompt (prompt_logprobs): the answer carries it once
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
-                                                                                 self.config.reasoning),
+                                                                                 self.config.reasoning,
+                                                                                 scores_prompt=i == 0),
                                                         request_id=f"{rid}-{i}"), self.config.reasoning, parser)
                    for i in range(req.n)]
         await start_all(choices)
@@ -297,18 +302,19 @@ class ChatService:
             group = states[p * req.n:(p + 1) * req.n]
             part = _usage(group)
             usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
+            first = group[0]  # the choice that scored the prompt, for all of them (_start_completion)
             for j, s in enumerate(group):
                 echo = self._echo_text(req, prompt, s.prompt_token_ids) if req.echo else ""
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._echoed_logprobs(req, s.prompt_token_ids, s.prompt_logprobs) if req.echo else None
+                    lp = self._echoed_logprobs(req, first.prompt_token_ids, first.prompt_logprobs) if req.echo else None
                     offset = len(echo) if lp is None else _end_offset(lp)
                     lp = self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=offset, out=lp,
                                                          as_ids=self._as_ids(req))
                 out.append(CompletionChoice(
                     index=p * req.n + j, text=echo + s.text, logprobs=lp, finish_reason=s.finish_reason,
                     prompt_logprobs=None if req.prompt_logprobs is None else self.tokens.prompt_logprobs(
-                        s.prompt_token_ids or [], s.prompt_logprobs, req.prompt_logprobs)))
+                        first.prompt_token_ids or [], first.prompt_logprobs, req.prompt_logprobs)))
         return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out, usage=usage)
 
     async def complete_stream(self, req: CompletionRequest,
@@ -385,7 +391,10 @@ class ChatService:
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 i = p * req.n + j
-                params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored)
+                # one choice per prompt scores it (the same prompt, the same numbers; n copies held n
+                # times the memory); streamed, each choice's echo takes its own first delta's
+                params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored,
+                                         scores_prompt=j == 0 or req.stream)
                 choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}")))
         await start_all(choices)
         return choices, prompts

@@ -139,3 +139,31 @@ def test_the_server_flag(tmp_path):
     path.write_text(json.dumps({"return_tokens_as_token_ids": True}))
     assert cli.server_settings(cli.parse_args(["serve", "--model", "m", "--config", str(path)]),
                                tmp_path).return_tokens_as_token_ids is True
+
+
+def test_one_choice_scores_the_prompt_for_all(demo_client, demo_engine, monkeypatch):
+    """n choices of one prompt: the first alone computes prompt logprobs (no n copies held), and every
+    choice of a completion carries them; chat answers carry them once."""
+    handed = []
+    submit = demo_engine.runtime.submit
+
+    def recording(request_id, token_ids, params, *args, **kwargs):
+        handed.append(params.prompt_logprobs)
+        return submit(request_id, token_ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(demo_engine.runtime, "submit", recording)
+    out = complete(demo_client, n=3, prompt_logprobs=1, temperature=1.0, seed=4)
+    assert sorted(handed, key=str) == [1, None, None]
+    first = out["choices"][0]["prompt_logprobs"]
+    assert first[0] is None and len(first) == out["usage"]["prompt_tokens"]
+    assert all(c["prompt_logprobs"] == first for c in out["choices"])
+    handed.clear()
+    echoed = complete(demo_client, n=2, echo=True, logprobs=1)
+    assert sorted(handed, key=str) == [1, None]
+    a, b = (c["logprobs"] for c in echoed["choices"])
+    n = echoed["usage"]["prompt_tokens"]
+    assert a["token_logprobs"][:n] == b["token_logprobs"][:n] and a["token_logprobs"][0] is None
+    handed.clear()
+    demo_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                   "max_tokens": 1, "prompt_logprobs": 0})
+    assert sorted(handed, key=str) == [0, None]
