@@ -35,7 +35,8 @@ from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, 
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
-from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints
+from llm_core.engine.prompt_logprobs import check_prompt_logprobs
+from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler
 from llm_core.engine.speculative import build_speculative
@@ -174,24 +175,6 @@ class LLMEngine:
                                 f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return None
 
-    def _truncated(self, ids: list[int], params: SamplingParams, embeds: EmbeddingSource | None,
-                   extra_keys: tuple, checkpoints: tuple) -> tuple[list[int], tuple, tuple] | RequestError:
-        """The prompt's last ``params.truncate_prompt_tokens`` tokens (-1: as many as the context
-        holds with room for one more), with its extra keys and checkpoints moved along (those before
-        the cut dropped); unchanged when it is no longer. A prompt with embedding rows (media) is
-        never cut: an error instead."""
-        k = params.truncate_prompt_tokens
-        limit = max(1, self.max_context_tokens - 1) if k == -1 else k
-        if k is None or len(ids) <= limit:
-            return ids, extra_keys, checkpoints
-        if embeds is not None:
-            return RequestError(ErrorKind.INVALID_INPUT,
-                                f"truncate_prompt_tokens={k} would cut a prompt of {len(ids)} tokens that holds "
-                                f"media; shorten the conversation instead")
-        cut = len(ids) - limit
-        keys = tuple((a - cut, b - cut, key) for a, b, key in extra_keys if a >= cut)
-        return ids[cut:], keys, tuple(c - cut for c in checkpoints if c > cut)
-
     def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as the token sequences that would write them: each word as written and after
         a space (how it appears mid-text for most tokenizers), as vLLM tokenizes them."""
@@ -232,12 +215,15 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens,
                                     params.include_stop_str_in_output) if params.stop else None
-        truncated = self._truncated(list(prompt_token_ids), params, embeds, tuple(extra_keys), tuple(checkpoints))
-        if isinstance(truncated, RequestError):
-            truncation_problem = truncated
-        else:
-            truncation_problem = None
-            prompt_token_ids, extra_keys, checkpoints = truncated
+        truncation_problem = None
+        if params.truncate_prompt_tokens is not None:
+            k = params.truncate_prompt_tokens  # -1: what the context holds with room for one token
+            try:
+                prompt_token_ids, extra_keys, checkpoints = truncate_prompt(
+                    list(prompt_token_ids), max(1, self.max_context_tokens - 1) if k == -1 else k,
+                    embeds is not None, tuple(extra_keys), tuple(checkpoints))
+            except ValueError as exc:
+                truncation_problem = RequestError(ErrorKind.INVALID_INPUT, f"truncate_prompt_tokens={k}: {exc}")
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
                       extra_keys=tuple(extra_keys),
@@ -470,21 +456,3 @@ class LLMEngine:
             return self._finish_output(req, new)
         except Exception as exc:  # noqa: BLE001 -- this request only
             return self._failed_output(req, exc)
-
-
-# prompt logprobs a request may ask for in all (prompt tokens x (1 + top-n)): each is a Python float
-# and dict entry held until the request ends, ~100 B apiece -- a 128k-token prompt at top-20 would
-# hold ~270 MB for one client
-MAX_PROMPT_LOGPROB_ENTRIES = 1 << 21
-
-
-def check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams) -> RequestError | None:
-    """Why a request's prompt_logprobs cannot be served: more than ``MAX_PROMPT_LOGPROB_ENTRIES``."""
-    if params.prompt_logprobs is None:
-        return None
-    entries = num_prompt_tokens * (1 + params.prompt_logprobs)
-    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-        return RequestError(ErrorKind.INVALID_INPUT,
-                            f"prompt_logprobs={params.prompt_logprobs} over a prompt of {num_prompt_tokens} tokens "
-                            f"asks for {entries} logprobs; at most {MAX_PROMPT_LOGPROB_ENTRIES} per request")
-    return None

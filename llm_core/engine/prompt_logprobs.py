@@ -22,8 +22,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from llm_core.engine.outputs import ErrorKind, RequestError
+
 # rows whose logits are held at once: 256 x a 152k vocabulary is ~150 MB of float32
 LOGITS_BLOCK_ROWS = 256
+# prompt logprobs a request may ask for in all (prompt tokens x (1 + top-n)): each is a Python float
+# and dict entry held until the request ends, ~100 B apiece -- a 128k-token prompt at top-20 would
+# hold ~270 MB for one client
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,18 @@ class PromptLogprobs:
     logprobs: tuple[float, ...]
     ranks: tuple[int, ...]
     top: tuple[dict[int, float], ...]
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, params) -> RequestError | None:
+    """Why a request's prompt_logprobs cannot be served: more than ``MAX_PROMPT_LOGPROB_ENTRIES``."""
+    if params.prompt_logprobs is None:
+        return None
+    entries = num_prompt_tokens * (1 + params.prompt_logprobs)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        return RequestError(ErrorKind.INVALID_INPUT,
+                            f"prompt_logprobs={params.prompt_logprobs} over a prompt of {num_prompt_tokens} tokens "
+                            f"asks for {entries} logprobs; at most {MAX_PROMPT_LOGPROB_ENTRIES} per request")
+    return None
 
 
 def prompt_rows(request, start: int, num_new: int) -> tuple[int, int] | None:

@@ -221,6 +221,8 @@ class Request:
         """This request's state as a RequestOutput (cumulative), ``new``: the tokens this step added;
         ``num_cached_tokens``: what the prefix cache supplied at first admission (the scheduler knows)."""
         want_lp = self.params.logprobs is not None
+        # once all are in (they never change after): the same lists, not a copy per step
+        scored = self.params.prompt_logprobs is not None and self.num_prompt_logprobs >= self.num_prompt_tokens
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -228,20 +230,15 @@ class Request:
             new_token_ids=new,
             logprobs=list(self.output_logprobs) if want_lp else None,
             top_logprobs=list(self.output_top_logprobs) if want_lp else None,
-            # once all are in (they never change after): the same lists, not a copy per step
-            prompt_logprobs=self.prompt_logprobs if self._prompt_logprobs_done else None,
-            prompt_logprob_ranks=self.prompt_logprob_ranks if self._prompt_logprobs_done else None,
-            prompt_top_logprobs=self.prompt_top_logprobs if self._prompt_logprobs_done else None,
+            prompt_logprobs=self.prompt_logprobs if scored else None,
+            prompt_logprob_ranks=self.prompt_logprob_ranks if scored else None,
+            prompt_top_logprobs=self.prompt_top_logprobs if scored else None,
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=self.error,
             error_kind=self.error_kind,
             num_cached_tokens=num_cached_tokens,
         )
-
-    @property
-    def _prompt_logprobs_done(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs >= self.num_prompt_tokens
 
     def final_text(self, tokenizer) -> str | None:
         """The finished request's text (RequestOutput.text): None without a tokenizer, else its
@@ -285,3 +282,16 @@ def cap_checkpoints(checkpoints: Sequence[int], limit: int) -> tuple[int, ...]:
         return ()
     return (ordered[0], *ordered[len(ordered) - limit + 1:])
 
+
+def truncate_prompt(ids: list[int], keep: int, has_embeds: bool, extra_keys: tuple,
+                    checkpoints: tuple) -> tuple[list[int], tuple, tuple]:
+    """``SamplingParams.truncate_prompt_tokens``: the prompt's last ``keep`` tokens, with its extra
+    keys and checkpoints moved along (those before the cut dropped); unchanged when it is no
+    longer. A prompt with embedding rows (media) is never cut: ValueError instead."""
+    if len(ids) <= keep:
+        return ids, extra_keys, checkpoints
+    if has_embeds:
+        raise ValueError(f"would cut a prompt of {len(ids)} tokens that holds media; shorten the conversation instead")
+    cut = len(ids) - keep
+    keys = tuple((a - cut, b - cut, key) for a, b, key in extra_keys if a >= cut)
+    return ids[cut:], keys, tuple(c - cut for c in checkpoints if c > cut)

@@ -334,6 +334,18 @@ class TextBound:
                                              f"limit of {max_tokens} leaves{rest} (stopped counting at {counted})")
 
 
+    def tail(self, text: str, tokens: int) -> str:
+        """The end of ``text`` that surely holds ``tokens`` tokens (a token covers at most
+        ``max_token_chars`` characters), cut before a space as a pre-tokenizer cuts: a text cut to
+        its last tokens (truncate_prompt_tokens) is tokenized this far, however long it is."""
+        chars = tokens * self.max_token_chars
+        if len(text) <= chars:
+            return text
+        start = len(text) - chars
+        space = text.find(" ", start)
+        return text[space if 0 <= space < start + chars // 2 else start:]
+
+
 def _pieces(text: str, size: int) -> Iterator[str]:
     """``text`` in pieces of about ``size`` characters, cut before a space where there is one."""
     start = 0

@@ -203,16 +203,20 @@ class OmniRuntime:
         each a worker wake-up and a return to the loop, ~0.3 ms apiece on the 2-core host, measured
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
         refs: list[MediaRef] = chat.media
-        if truncate and not refs:
-            bound = self.max_model_len * TRUNCATABLE_CONTEXTS
-            try:
-                return await self._prepare_text_chat(chat, bound)
-            except ContextLengthError as exc:
-                raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
-                                         f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
-        # a chat of more messages than the context limit can hold fails first, before its media is
-        # fetched or a part of it walked (O(1): each message's markup costs at least its special tokens)
-        self.model.layout.check_markup(len(chat.turns), self.max_model_len, options=chat.options)
+        if not truncate or refs:
+            return await self._prepare_chat(chat, refs, self.max_model_len)
+        bound = self.max_model_len * TRUNCATABLE_CONTEXTS
+        try:
+            return await self._prepare_chat(chat, refs, bound)
+        except ContextLengthError as exc:
+            raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
+                                     f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
+
+    async def _prepare_chat(self, chat: ChatRequest, refs: list[MediaRef], bound: int) -> PreparedChat:
+        """``prepare_chat`` within ``bound`` tokens (the context, or the truncatable bound)."""
+        # a chat of more messages than the bound can hold fails first, before its media is fetched
+        # or a part of it walked (O(1): each message's markup costs at least its special tokens)
+        self.model.layout.check_markup(len(chat.turns), bound, options=chat.options)
         self.model.layout.template.check_kwargs(chat.options.kwargs)  # a 400 before any media work
         self.planner.check_request(refs)
         if len(refs) == 1:
@@ -223,18 +227,9 @@ class OmniRuntime:
         else:
             plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r) for k, r in enumerate(refs))))
         self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
-        laid = await self.text_pool.run(self.model.layout.render, chat, plans,
-                                        self.max_model_len)  # template + BPE
-        self._check_context(len(laid.token_ids))
-        return self._prepared(laid, plans)
-
-    async def _prepare_text_chat(self, chat: ChatRequest, bound: int) -> PreparedChat:
-        """A chat without media laid out within ``bound`` tokens (prepare_chat's truncated path)."""
-        self.model.layout.check_markup(len(chat.turns), bound, options=chat.options)
-        self.model.layout.template.check_kwargs(chat.options.kwargs)
-        laid = await self.text_pool.run(self.model.layout.render, chat, [], bound)  # template + BPE
+        laid = await self.text_pool.run(self.model.layout.render, chat, plans, bound)  # template + BPE
         self._check_context(len(laid.token_ids), bound)
-        return self._prepared(laid, [])
+        return self._prepared(laid, plans)
 
     async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None) -> MediaPlan:
         """Media item ``k`` of ``n``: loaded (unless ``item`` is it, already ingested) and planned."""
@@ -332,21 +327,13 @@ class OmniRuntime:
         self.loop.detach(request_id)
 
     def _encode_text(self, text: str, add_special_tokens: bool = False, keep_last: int | None = None) -> list[int]:
-        if keep_last is not None:
-            keep = self.max_model_len - 1 if keep_last == -1 else keep_last
-            # the tail that surely holds ``keep`` tokens and some to spare (a token covers at most
-            # max_token_chars characters), cut before a space as the pre-tokenizer would cut it; its
-            # first tokens may differ from the whole text's (they are dropped), the rest are the same
-            chars = (keep + 8) * self.model.layout.text_bound.max_token_chars
-            if len(text) > chars:
-                start = len(text) - chars
-                space = text.find(" ", start)
-                text = text[space if 0 <= space < start + chars // 2 else start:]
-            ids = list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))[-keep:]
-            self._check_context(len(ids))
-            return ids
-        self.model.layout.text_bound.check([text], self.max_model_len)
+        keep = None if keep_last is None else self.max_model_len - 1 if keep_last == -1 else keep_last
+        if keep is None:
+            self.model.layout.text_bound.check([text], self.max_model_len)
+        else:  # its first tokens may differ from the whole text's (they are dropped), the rest are the same
+            text = self.model.layout.text_bound.tail(text, keep + 8)
         ids = list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = ids if keep is None else ids[-keep:]
         self._check_context(len(ids))
         return ids
 

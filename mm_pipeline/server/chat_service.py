@@ -29,8 +29,7 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.tokenize.protocol import TokenizeRequest
 from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                          ChatCompletionChunk, Completion, CompletionChoice, CompletionLogprobs,
-                                          Delta, Usage)
+                                          ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
 from mm_pipeline.server.sse import DONE, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
@@ -155,11 +154,6 @@ def _usage(states: list[ChoiceState]) -> Usage:
     for s in states:
         u.add(0, s.completion_tokens, 0)
     return u
-
-
-def _end_offset(lp: CompletionLogprobs) -> int:
-    """Where the text after ``lp``'s tokens starts (legacy format's running text_offset)."""
-    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
 
 
 def _check_finished(states: list[ChoiceState]) -> None:
@@ -307,8 +301,9 @@ class ChatService:
                 echo = self._echo_text(req, prompt, s.prompt_token_ids) if req.echo else ""
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._echoed_logprobs(req, first.prompt_token_ids, first.prompt_logprobs) if req.echo else None
-                    offset = len(echo) if lp is None else _end_offset(lp)
+                    lp = self.tokens.echoed_prompt_logprobs(first.prompt_token_ids, first.prompt_logprobs, req.logprobs,
+                                                            self._as_ids(req)) if req.echo else None
+                    offset = len(echo) if lp is None else lp.end_offset
                     lp = self.tokens.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, offset=offset, out=lp,
                                                          as_ids=self._as_ids(req))
                 out.append(CompletionChoice(
@@ -345,9 +340,10 @@ class ChatService:
                         state = choices[index].state  # (the delta's own fields first: it may not be absorbed yet)
                         ids = getattr(d, "prompt_token_ids", None) or state.prompt_token_ids
                         text = self._echo_text(req, prompts[index // req.n], ids)
-                        lp = None if req.logprobs is None else self._echoed_logprobs(
-                            req, ids, getattr(d, "prompt_logprobs", None) or state.prompt_logprobs)
-                        offsets[index] = _end_offset(lp) if lp is not None else len(text)
+                        lp = None if req.logprobs is None else self.tokens.echoed_prompt_logprobs(
+                            ids, getattr(d, "prompt_logprobs", None) or state.prompt_logprobs, req.logprobs,
+                            self._as_ids(req))
+                        offsets[index] = lp.end_offset if lp is not None else len(text)
                         yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
                             index=index, text=text, logprobs=lp)]))
                     if d.finished:
@@ -357,7 +353,7 @@ class ChatService:
                                                           as_ids=self._as_ids(req))
                           if req.logprobs is not None and d.new_token_ids else None)
                     if lp is not None and lp.tokens:
-                        offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+                        offsets[index] = lp.end_offset
                     if d.new_text or lp is not None or d.finished:
                         yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
                             index=index, text=d.new_text or "", logprobs=lp,
@@ -405,14 +401,6 @@ class ChatService:
         if model is not None and model != self.config.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
-
-    def _echoed_logprobs(self, req: CompletionRequest, prompt_ids: list[int] | None,
-                         found: Any) -> CompletionLogprobs | None:
-        """An echoed prompt's logprobs (echo with logprobs), None when the engine gave none (the
-        request failed before its first token)."""
-        if found is None or prompt_ids is None:
-            return None
-        return self.tokens.echoed_prompt_logprobs(prompt_ids, found, req.logprobs, self._as_ids(req))
 
     def _as_ids(self, req: SamplingFields) -> bool:
         """Whether logprob entries name tokens as "token_id:<id>" (the request's field, else the server's)."""

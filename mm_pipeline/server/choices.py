@@ -320,10 +320,13 @@ class TokenStrings:
             offset += len(s)
         return out
 
-    def echoed_prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int,
-                               as_ids: bool = False) -> CompletionLogprobs:
+    def echoed_prompt_logprobs(self, prompt_ids: Sequence[int] | None, found: Any, n: int,
+                               as_ids: bool = False) -> CompletionLogprobs | None:
         """An echoed prompt's logprobs in the legacy format, as vLLM gives them (echo with
-        logprobs=n): the first token's entries None, then each token's logprob and top-n."""
+        logprobs=n): the first token's entries None, then each token's logprob and top-n. None
+        when the engine gave none (the request failed before its first token)."""
+        if found is None or prompt_ids is None:
+            return None
         return self.completion_logprobs(prompt_ids, (None, *found.logprobs), ({}, *(_top(t, n) for t in found.top)),
                                         as_ids=as_ids)
 

@@ -145,6 +145,11 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
+    @property
+    def end_offset(self) -> int:
+        """Where the text after these tokens starts (the running text_offset goes on there)."""
+        return self.text_offset[-1] + len(self.tokens[-1]) if self.tokens else 0
+
 
 class CompletionChoice(BaseModel):
     index: int

@@ -170,9 +170,7 @@ def test_bad_values_are_refused():
 
 
 def test_too_many_prompt_logprobs_fail_that_request_alone(model, monkeypatch):
-    from llm_core.engine import llm_engine
-
-    monkeypatch.setattr(llm_engine, "MAX_PROMPT_LOGPROB_ENTRIES", 30)
+    monkeypatch.setattr(prompt_module, "MAX_PROMPT_LOGPROB_ENTRIES", 30)
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     eng = make_engine(model)
     out = run(eng, {"big": (ids(1, 20), sp), "ok": (ids(2, 10), sp)})  # 20 x 2 > 30 >= 10 x 2

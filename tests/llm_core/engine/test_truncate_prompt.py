@@ -66,9 +66,9 @@ def test_minus_one_keeps_what_the_context_holds(model):
 
 
 def test_checkpoints_move_with_the_cut(model):
-    eng = make_engine(model)
-    ids_, keys, points = eng._truncated(list(range(3, 23)), SamplingParams(truncate_prompt_tokens=8), None,
-                                        (), (4, 12, 16, 20))
+    from llm_core.engine.request import truncate_prompt
+
+    ids_, keys, points = truncate_prompt(list(range(3, 23)), 8, False, (), (4, 12, 16, 20))
     assert ids_ == list(range(15, 23)) and points == (4, 8) and keys == ()
 
 
