@@ -1,4 +1,5 @@
-"""Request models of the OpenAI-compatible API (the subset mmserve serves; responses: responses.py).
+"""Request models of the OpenAI-compatible API (the subset mmserve serves; a chat's messages and
+their parts: message_protocol.py; responses: responses.py).
 
 Requests validate what the engine needs. A field that would change the answer in a way we do not
 implement (``functions``, ``best_of`` > ``n``, ``chat_template``...:
@@ -18,19 +19,17 @@ are ignored, as vLLM ignores them: metadata that does not change the answer (``u
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llm_core.engine.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_INT32,
                                       MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT)
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.errors import InvalidMessageError
-from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
-from mm_pipeline.prompt.messages import ROLES
 from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs, check_tools
 from mm_pipeline.prompt.tool_calls import forced_call_schema
+from mm_pipeline.server.message_protocol import ChatMessage, _Loose
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -41,131 +40,6 @@ MAX_STOP_TOKEN_IDS = 64
 
 TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
-
-
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-# ---- chat content parts -------------------------------------------------------------------------
-class TextPart(_Loose):
-    type: Literal["text"]
-    text: str
-
-
-class URLRef(_Loose):
-    url: str = Field(min_length=1)
-    detail: str | None = None
-
-
-class ImagePart(_Loose):
-    type: Literal["image_url"]
-    image_url: URLRef
-
-
-class VideoPart(_Loose):
-    type: Literal["video_url"]
-    video_url: URLRef
-
-
-class AudioURLPart(_Loose):
-    type: Literal["audio_url"]
-    audio_url: URLRef
-
-
-class InputAudio(_Loose):
-    data: str = Field(min_length=1, description="base64 of the encoded audio")
-    format: str = Field(min_length=1, description="wav, mp3, flac, ogg... (the content is sniffed anyway)")
-
-
-class AudioPart(_Loose):
-    type: Literal["input_audio"]
-    input_audio: InputAudio
-
-
-def _to_codes(rows: list[list[int]]) -> AudioCodes:
-    # here, in the request parse (off the event loop for big bodies): the lists become 4 bytes a
-    # code once, and the message dump hands the engine this object, never the lists again
-    try:
-        return parse_codes(rows, "codes", ints_checked=True)  # CodeValue: strict ints
-    except InvalidMessageError as exc:
-        raise ValueError(str(exc).removeprefix("codes").lstrip()) from None
-
-
-def _codes_out(codes: AudioCodes, info: Any) -> Any:
-    return codes if info.mode == "python" else codes.codes.T.tolist()
-
-
-CodeValue = Annotated[int, Field(strict=True, ge=0, le=MAX_INT32)]  # strict: 1.0, "1" and true are refused
-CodeLists = Annotated[list[list[CodeValue]], Field(min_length=1, max_length=MAX_CODE_CHANNELS),
-                      AfterValidator(_to_codes), PlainSerializer(_codes_out)]
-
-
-class InputAudioCodes(_Loose):
-    codes: CodeLists = Field(description="one list of integer codes per RVQ stage, all of one length "
-                                         "(codes[c][t]: stage c at frame t, 25 frames per second)")
-    format: Literal["mimo_rvq"] = Field(default=CODES_FORMAT, description="the MiMo-V2.5 audio tokenizer's RVQ codes")
-
-
-class AudioCodesPart(_Loose):
-    """mmserve extension: pre-tokenized audio (media/audio_codes.py)."""
-
-    type: Literal["input_audio_codes"]
-    input_audio_codes: InputAudioCodes
-
-
-class FileRef(_Loose):
-    file_id: str | None = None
-    file_data: str | None = None
-    filename: str | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "FileRef":
-        if (self.file_id is None) == (self.file_data is None):
-            raise ValueError("a file part needs exactly one of file_id or file_data")
-        return self
-
-
-class FilePart(_Loose):
-    type: Literal["file"]
-    file: FileRef
-
-
-class RefusalPart(_Loose):
-    """In assistant messages (prompt/messages.py checks the role): rendered as text."""
-
-    type: Literal["refusal"]
-    refusal: str
-
-
-ContentPart = Annotated[
-    Union[TextPart, ImagePart, VideoPart, AudioURLPart, AudioPart, AudioCodesPart, FilePart, RefusalPart],
-    Field(discriminator="type")
-]
-
-
-class ChatMessage(_Loose):
-    # the roles and what each message field means are prompt/messages.py's (parse_messages): the
-    # fields it refuses (UNRENDERED: tool calls) or checks (reasoning) are declared here so that they
-    # reach it instead of being dropped by this model as unknown
-    role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[ContentPart] | None = None
-    name: str | None = Field(default=None, description="accepted; the chat template does not render it")
-    tool_call_id: str | None = Field(default=None, description="accepted; the chat template does not render it")
-    refusal: str | None = Field(default=None, description="an assistant's refusal, rendered as text")
-    tool_calls: list[Any] | None = Field(default=None, description="an assistant's tool calls, rendered by the "
-                                                                   "chat template")
-    function_call: Any = Field(default=None, description="rejected (deprecated): send tool_calls")
-    reasoning_content: str | None = Field(default=None, description="an assistant's reasoning, rendered by the "
-                                                                    "chat template (<think>...</think>)")
-    reasoning: str | None = Field(default=None, description="vLLM's newer name for reasoning_content (the two "
-                                                            "must agree when both are given)")
-
-    @model_validator(mode="after")
-    def _has_content(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
 
 
 class StreamOptions(_Loose):
