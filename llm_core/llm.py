@@ -105,8 +105,10 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (batched by the engine); outputs in prompt order."""
+        """Generate for every prompt (batched by the engine); outputs in prompt order. ``priority``:
+        one per prompt, lower first, under the ``priority`` queue policy (vLLM's argument)."""
         if isinstance(prompts, str) or (len(prompts) > 0 and _is_token_list(prompts)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -114,13 +116,19 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        for problem in filter(None, map(self.engine.check_priority, priorities)):
+            raise ValueError(problem.message)
         token_lists = [self._tokens(p) for p in prompts]  # validate everything before queueing
         ids = []
         try:
-            for tokens, p in zip(token_lists, params):
+            for tokens, p, rank in zip(token_lists, params, priorities):
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(rid, tokens, p)  # raises on bad params (e.g. stop without a tokenizer)
+                # raises on bad params (e.g. stop without a tokenizer)
+                self.engine.add_request(rid, tokens, p, priority=rank)
                 ids.append(rid)
         except Exception:
             # the prompts queued before it would run on, unseen, inside the next call: abort them and

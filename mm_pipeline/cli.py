@@ -55,7 +55,7 @@ def resolve_model_dir(arg: str | None) -> Path:
 # Spellings from before the flags were generated, kept working (field -> extra option strings).
 FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--allowed-local-media-path"],
                 "allowed_domains": ["--allowed-media-domain"], "allow_http": ["--allow-remote-media"],
-                "cache_dir": ["--encoder-cache-dir"]}
+                "cache_dir": ["--encoder-cache-dir"], "queue_policy": ["--scheduling-policy"]}
 # What the CLI does when a flag is left out, where it differs from the field's default.
 FLAG_NOTES = {"device": "default: cuda when available, else cpu",
               "compile_decode": "default: on for cuda, off for cpu",

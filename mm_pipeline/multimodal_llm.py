@@ -65,13 +65,14 @@ class MultimodalLLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Answer each conversation (OpenAI-format messages); one conversation or a list of them.
         The keyword arguments are vLLM's ``LLM.chat`` ones, applied to every conversation, with the
         server's rules (prompt/template_options.py): e.g. ``chat_template_kwargs={"enable_thinking":
         False}``; a key the model's template does not read fails that conversation, naming it.
         ``tools``: OpenAI function definitions the template renders (as vLLM's ``LLM.chat(tools=...)``;
-        the answers are not parsed for calls here: mm_pipeline/prompt/tool_calls.py does that)."""
+        the answers are not parsed for calls here: mm_pipeline/prompt/tool_calls.py does that).
+        ``priority``: one per conversation, lower first, under the ``priority`` queue policy."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         options = TemplateOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},
@@ -79,16 +80,17 @@ class MultimodalLLM:
         # malformed input raises here, before any work
         chats = [parse_messages(c, options) for c in conversations]
         params = self._params(sampling_params, len(chats))
-        return self._run([dict(chat=c, params=p) for c, p in zip(chats, params)])
+        return self._run([dict(chat=c, params=p) for c, p in zip(chats, params)], priority)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Plain completions of text or token-id prompts (no chat template)."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Plain completions of text or token-id prompts (no chat template); ``priority`` as in ``chat``."""
         if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
         params = self._params(sampling_params, len(prompts))
         return self._run([dict(prompt=list(p) if not isinstance(p, str) else p, params=sp)
-                          for p, sp in zip(prompts, params)])
+                          for p, sp in zip(prompts, params)], priority)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -110,7 +112,16 @@ class MultimodalLLM:
             raise ValueError(f"{len(params)} sampling params for {n} inputs")
         return params
 
-    def _run(self, jobs: list[dict[str, Any]]) -> list[RequestOutput]:
+    def _run(self, jobs: list[dict[str, Any]], priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if priority is not None:
+            if len(priority) != len(jobs):
+                raise ValueError(f"{len(priority)} priorities for {len(jobs)} inputs")
+            llm = self.engine.runtime.llm
+            for job, rank in zip(jobs, priority):
+                problem = llm.check_priority(rank) if llm is not None else None
+                if problem is not None:  # the whole call is wrong, not one conversation (as LLM.generate)
+                    raise ValueError(problem.message)
+                job["priority"] = rank
         ids = []
         for _ in jobs:
             ids.append(f"mmllm-{self._next_id}")
@@ -125,7 +136,7 @@ class MultimodalLLM:
         last: RequestOutput | None = None
         try:
             async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
-                                                    request_id=rid)) as outs:
+                                                    request_id=rid, priority=job.get("priority", 0))) as outs:
                 async for out in outs:
                     last = out
         except (MediaError, InvalidInputError, ServerBusy, ValueError) as exc:

@@ -65,7 +65,7 @@ class EngineConfig:
     kv_model_id: str | None = None
     """L3 key namespace (default: a fingerprint of the model's weights)."""
     queue_policy: str = "fcfs"
-    """Admission order: fcfs or fewest_uncached (prefix-cache aware)."""
+    """Admission order: fcfs, fewest_uncached (prefix-cache aware) or priority (each request's priority, lower first; may preempt)."""
     queue_wait_credit: float = 1000.0
     """fewest_uncached: tokens of priority a waiting request gains per second."""
     kv_store_bytes: int | None = 8 << 30

@@ -36,6 +36,7 @@ from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.prompt_logprobs import check_prompt_logprobs
+from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler
@@ -175,6 +176,19 @@ class LLMEngine:
                                 f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return None
 
+    def check_priority(self, priority: int) -> RequestError | None:
+        """Why a request cannot have this ``priority`` (None if it can): any int64 under the
+        ``priority`` queue policy, only 0 under the others (as vLLM refuses a priority its
+        scheduler would ignore, rather than serve it in another order than asked)."""
+        if type(priority) is not int or not -PRIORITY_LIMIT <= priority < PRIORITY_LIMIT:
+            return RequestError(ErrorKind.INVALID_INPUT,
+                                f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
+        if priority != 0 and not self.scheduler.queue_policy.uses_priority:
+            return RequestError(ErrorKind.INVALID_INPUT,
+                                f"priority {priority} given but priority scheduling is off: start the engine with "
+                                f"queue_policy 'priority' (--queue-policy priority)")
+        return None
+
     def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as the token sequences that would write them: each word as written and after
         a space (how it appears mid-text for most tokenizers), as vLLM tokenizes them."""
@@ -202,13 +216,15 @@ class LLMEngine:
         embeds: EmbeddingSource | None = None,
         extra_keys: tuple[tuple[int, int, bytes], ...] = (),
         checkpoints: tuple[int, ...] = (),
+        priority: int = 0,
     ) -> None:
         """Queue a request (thread-safe). A prompt the engine cannot serve does not raise: it comes
         back from the next step() as an output with finish_reason "error". ``extra_keys``: (start, end,
         content key) over prompt positions, mixed into the prefix-cache keys of those tokens.
         ``checkpoints``: prompt positions where the prefix cache keeps a window of SWA KV (the
         caller's boundaries, e.g. media and message ends; ``Request.checkpoints``), at most
-        ``prefix_checkpoints_per_request`` of them kept (``cap_checkpoints``)."""
+        ``prefix_checkpoints_per_request`` of them kept (``cap_checkpoints``). ``priority``: lower
+        is served first under the ``priority`` queue policy (``check_priority``)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -228,8 +244,8 @@ class LLMEngine:
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
                       extra_keys=tuple(extra_keys),
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
-                      stop_matcher=matcher)
-        problem = (truncation_problem or self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
+                      stop_matcher=matcher, priority=priority if type(priority) is int else 0)
+        problem = (truncation_problem or self.check_priority(priority) or self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
                    or self.check_params(params) or check_prompt_logprobs(len(req.prompt_token_ids), params))
         if problem is None and params.bad_words:
             req.bad_word_ids = self.bad_word_ids(params.bad_words)

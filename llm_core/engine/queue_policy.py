@@ -11,6 +11,17 @@ goes first, minus a wait-time credit so a long request is not starved by a strea
 
 Only the first ``lookahead`` waiting requests (in arrival order) are scored, which bounds the cost of
 the prefix-cache probes per step.
+
+``priority`` (vLLM's ``--scheduling-policy priority``): each request's ``priority`` decides, lower
+first, arrival order among equals. It orders the waiting queue and the running set alike, so a
+step's token budget and pages go to the most urgent requests first, the preemption victim is the
+least urgent youngest request, and a waiting request that finds no seat or no pages may preempt
+running requests of strictly lower priority (``preempts``; the scheduler does it, eviction of
+cached pages first). Requests of one priority are served as under ``fcfs``.
+
+    running  A(p=0)  B(p=5)  C(p=5, younger)       waiting  D(p=1)      pools full
+    fcfs:      D waits until a request finishes
+    priority:  C is preempted (its KV dropped, recomputed later), D is admitted; B then C resume
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ from typing import Callable, Sequence
 
 from llm_core.engine.request import Request
 
-POLICIES = ("fcfs", "fewest_uncached")
+POLICIES = ("fcfs", "fewest_uncached", "priority")
+PRIORITY_LIMIT = 2**63  # a priority is an int64, as in vLLM (-2**63 <= priority < 2**63)
 
 
 @dataclass(frozen=True)
@@ -37,11 +49,27 @@ class QueuePolicy:
         if self.lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
 
+    @property
+    def uses_priority(self) -> bool:
+        """Whether requests' ``priority`` counts (else every request must have priority 0)."""
+        return self.kind == "priority"
+
+    def rank(self, request: Request) -> tuple[int, int]:
+        """Sort key of the running set: most urgent first, so the last one is the preemption victim
+        (arrival order alone unless ``priority``)."""
+        return (request.priority if self.kind == "priority" else 0, request.arrival_seq)
+
+    def preempts(self, waiting: Request, running: Request) -> bool:
+        """Whether ``waiting`` may take the seat and pages of ``running`` when it finds none free."""
+        return self.kind == "priority" and running.priority > waiting.priority
+
     def order(self, waiting: Sequence[Request], cached_tokens: Callable[[Request], int],
               now: float) -> list[Request]:
         """``waiting`` (in arrival order) rearranged into admission order."""
         if self.kind == "fcfs" or len(waiting) < 2:
             return list(waiting)
+        if self.kind == "priority":  # the whole queue: a late urgent request must not sit past a lookahead
+            return sorted(waiting, key=self.rank)
         items = list(waiting)
         head, rest = items[:self.lookahead], items[self.lookahead:]
 

@@ -73,6 +73,8 @@ class Request:
     # ``EngineConfig.prefix_checkpoints_per_request`` of them (``cap_checkpoints``).
     checkpoints: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)  # for wait-time aware queue orders
+    # the ``priority`` queue policy's: lower is served first (0 under the other policies)
+    priority: int = 0
     # incremental output text for ``params.stop`` (the engine makes one when it has a tokenizer)
     stop_matcher: StopStringMatcher | None = None
     # where the output stands in its params.structured_outputs grammar (the engine makes one)

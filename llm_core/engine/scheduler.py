@@ -4,7 +4,10 @@ Every step each request gets ``min(ready - num_computed, chunk cap, budget left)
 fresh prompt (chunked prefill), a prefix-cache hit and a decode step share one code path. Running
 requests go first, oldest first; waiting ones are admitted while both pools have room for their
 first chunk (checking only one pool mis-admits). When a running request cannot get pages, the
-youngest running request is preempted (its KV dropped, recomputed later) instead of failing. A
+youngest running request is preempted (its KV dropped, recomputed later) instead of failing. Under
+the ``priority`` queue policy "oldest" and "youngest" read "most urgent" and "least urgent"
+(``QueuePolicy.rank``), and a waiting request that finds no seat or no pages preempts running
+requests of strictly lower priority, its chunk's pages evicted from the prefix cache first. A
 request that does not fit even alone ends with "error" (not counted as a preemption); the engine
 caps each request's context at the Full pool (``LLMEngine.max_context_tokens``), so only an SWA pool
 too small for one request's window and chunk gets there.
@@ -111,7 +114,7 @@ class Scheduler:
         self.window = window
         self.prefix_cache = prefix_cache or NoPrefixCache()
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # sorted by arrival_seq (oldest first)
+        self.running: list[Request] = []  # sorted by queue_policy.rank (oldest / most urgent first)
         self.num_preemptions = 0
         # Prompt tokens the prefix cache supplied at each request's first admission: what its outputs
         # report (cached_prompt_tokens). Request.num_cached_tokens is the last admission's hit, which
@@ -132,16 +135,41 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts; allocate their pages."""
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        policy = self.queue_policy
+        order = policy.order(self.waiting, self.prefix_cache.peek, time.monotonic())
+        # priority: running requests less urgent than the most urgent waiting one come after the
+        # admissions, so a long low-priority prefill cannot hold an urgent request out for its length
+        before = order[0] if policy.uses_priority and order else None
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens, before)
+        if batch.preempted:
+            return batch  # pools are tight: do not admit new work in the same step
+        budget = self._admit(order, batch, budget)
+        if before is not None:
+            self._schedule_running(batch, budget, None)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, before: Request | None) -> int:
+        """Schedule running requests without an entry yet, in rank order, up to the first one that
+        ``before`` (a waiting request) outranks (None: all). Returns the budget left."""
+        scheduled = {id(e.request) for e in batch.entries}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if id(req) in scheduled:
+                i += 1
+                continue
+            if before is not None and self.queue_policy.preempts(before, req):
+                break
             n = self._num_new(req, budget)
             if n == 0:
                 i += 1
                 continue
             k = self._drafts(req, n, budget)  # speculative: allocated here or not at all, never preempting
-            n = k + 1 if k else self._allocate_or_preempt(req, n, batch)
+            if k:
+                n = k + 1
+            else:
+                n, regained = self._allocate_or_preempt(req, n, batch)
+                budget += regained
             if n:
                 batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n, k))
                 budget -= n
@@ -149,12 +177,18 @@ class Scheduler:
             elif req.status is RequestStatus.RUNNING:
                 # Alone and still no room: it never will fit. Fail it instead of looping.
                 self._fail_unfittable(req, batch)
-        if batch.preempted:
-            return batch  # pools are tight: do not admit new work in the same step
-        order = self.queue_policy.order(self.waiting, self.prefix_cache.peek, time.monotonic())
+        return budget
+
+    def _admit(self, order: list[Request], batch: ScheduledBatch, budget: int) -> int:
+        """Admit waiting requests in ``order`` while seats, budget and pages last. Returns the budget left."""
+        policy = self.queue_policy
+        floor: tuple[int, int] | None = None  # rank of the most urgent request preempted here
         for req in order:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or (len(self.running) >= self.config.max_num_seqs
+                               and not policy.preempts(req, self.running[-1])):
                 break
+            if floor is not None and policy.rank(req) > floor:
+                break  # what a preemption freed is not for a request less urgent than its victim
             if not req.full_pages:
                 if not self.prefix_cache.prefetch(req):
                     req.status = RequestStatus.LOADING
@@ -165,7 +199,15 @@ class Scheduler:
             if n == 0:
                 self._unmatch(req)  # waiting requests hold no pages between steps
                 continue  # its embeddings are not ready yet; let younger ready requests pass
-            if not self._try_allocate(req, n):
+            if len(self.running) >= self.config.max_num_seqs:  # no seat: it outranks the last one (above)
+                floor = policy.rank(self.running[-1])
+                budget += self._preempt_scheduled(self.running[-1], batch)
+            fits = self._try_allocate(req, n)
+            while not fits and self.running and policy.preempts(req, self.running[-1]):
+                floor = policy.rank(self.running[-1])  # victims go least urgent first: the last is the floor
+                budget += self._preempt_scheduled(self.running[-1], batch)
+                fits = self._try_allocate(req, n)
+            if not fits:
                 # Alone in the pools, a smaller first chunk may still fit (a tight SWA pool).
                 n = self._fit(req, n) if self._pool_empty(but=req) else 0  # (its own matched pages aside)
                 if not (n and self._try_allocate(req, n)):
@@ -178,10 +220,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.prefix_cache.admitted(req)  # its lookup counts once, not once per step it waited
             self._first_hits.setdefault(req, min(req.num_cached_tokens, req.num_prompt_tokens))
-            bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
+            bisect.insort(self.running, req, key=policy.rank)
             batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
             budget -= n
-        return batch
+        return budget
 
     def after_step(self, batch: ScheduledBatch, computed_ends: dict[int, int] | None = None) -> None:
         """Advance progress of every scheduled request and release SWA pages behind its window.
@@ -282,26 +324,27 @@ class Scheduler:
         req.swa_peak_pages = max(req.swa_peak_pages, req.num_live_swa_pages if self.pool.has_swa else 0)
         return True
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> int:
+    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> tuple[int, int]:
         """Allocate for up to ``n`` new tokens of ``req``; returns how many got pages (0: ``req``
         itself was preempted, or it is alone and does not fit: it stays RUNNING for the caller to
-        fail). On shortage: release SWA slack, then shrink the chunk to what fits, then preempt the
-        youngest running request until at least one token fits."""
+        fail) and the budget regained from victims' entries of this step. On shortage: release SWA
+        slack, then shrink the chunk to what fits, then preempt the youngest (least urgent) running
+        request until at least one token fits."""
         if self._try_allocate(req, n):
-            return n
+            return n, 0
         self.release_all_behind_window()
+        regained = 0
         while True:
             self._make_room(req, n)  # cached pages go before the chunk shrinks or anyone is preempted
             fit = self._fit(req, n)
             if fit and self._try_allocate(req, fit):
-                return fit
+                return fit, regained
             victim = self.running[-1]
             if victim is req and self._alone(req):
-                return 0  # preempting it would free only its own pages: a failure, not a preemption
-            self._preempt(victim)
-            batch.preempted.append(victim)
+                return 0, regained  # preempting it would free only its own pages: a failure, not a preemption
+            regained += self._preempt_scheduled(victim, batch)
             if victim is req:
-                return 0
+                return 0, regained
 
     def _fit(self, req: Request, n: int) -> int:
         """The most of the next ``n`` tokens whose pages the free pools can hold now (0 if none)."""
@@ -334,6 +377,18 @@ class Scheduler:
         req.reset_for_recompute()
         self.waiting.appendleft(req)  # victims come youngest first, so the oldest ends up in front
         self.num_preemptions += 1
+
+    def _preempt_scheduled(self, victim: Request, batch: ScheduledBatch) -> int:
+        """Preempt ``victim`` in this step. Under the ``priority`` policy it may already hold an entry
+        of this step (a more urgent waiting request takes its place, or a less urgent running one
+        scheduled after the admissions needs its pages): the entry goes and its tokens' budget comes
+        back (returned). Its pages for that entry were never computed, so nothing of them is cached."""
+        entry = next((e for e in batch.entries if e.request is victim), None)
+        if entry is not None:
+            batch.entries.remove(entry)
+        self._preempt(victim)
+        batch.preempted.append(victim)
+        return entry.num_new_tokens if entry is not None else 0
 
     def _match_prefix(self, req: Request) -> None:
         k = self.prefix_cache.match(req, self.pool)

@@ -273,7 +273,8 @@ class ChatService:
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
                                                                                  self.config.reasoning,
                                                                                  scores_prompt=i == 0),
-                                                        request_id=f"{rid}-{i}"), self.config.reasoning, parser)
+                                                        request_id=f"{rid}-{i}", priority=req.priority),
+                                self.config.reasoning, parser)
                    for i in range(req.n)]
         await start_all(choices)
         if info is not None and choices:
@@ -391,7 +392,8 @@ class ChatService:
                 # times the memory); streamed, each choice's echo takes its own first delta's
                 params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored,
                                          scores_prompt=j == 0 or req.stream)
-                choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}")))
+                choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}",
+                                                                           priority=req.priority)))
         await start_all(choices)
         return choices, prompts
 

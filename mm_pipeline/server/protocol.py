@@ -14,7 +14,8 @@ choice, grammar) or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_c
 ``guided_grammar``: one of them per request (``StructuredOutputsParams``). Other unknown fields
 are ignored, as vLLM ignores them: metadata that does not change the answer (``user``,
 ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
-``prediction``, ``parallel_tool_calls``, ``priority``...).
+``prediction``, ``parallel_tool_calls``...). vLLM's ``priority`` is honoured under ``--queue-policy
+priority`` and must be 0 otherwise (a 400, as vLLM answers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.engine.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_INT32,
                                       MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT)
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
@@ -179,6 +181,9 @@ class SamplingFields(_Loose):
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); a prompt with
     # media that would be cut is a 400
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32)
+    # vLLM's: lower is served first under --queue-policy priority; any other value than 0 is a 400
+    # under the other policies (the engine's check_priority)
+    priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (one constraint per request; _structured_outputs)

@@ -75,6 +75,8 @@ def test_flags_round_trip_into_the_config(tmp_path):
                    "--encoder-cache-dir", str(tmp_path), "--allow-remote-media", "--allowed-media-domain", "x.org"])
     assert (old.engine.num_full_tokens, old.limits.max_bytes, old.cache_dir) == (2048, 1 << 20, str(tmp_path))
     assert (old.allow_http, old.allowed_domains) == (True, ("x.org",))
+    # vLLM's spelling of the priority policy
+    assert _config(["caption", str(tmp_path), "--scheduling-policy", "priority"]).engine.queue_policy == "priority"
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -90,20 +90,20 @@ class RemoteEngine:
 
     # ---- OmniEngine's API -----------------------------------------------------------------------
     async def generate(self, messages: list[dict], params: SamplingParams, *,
-                       request_id: str | None = None) -> AsyncIterator[Any]:
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[Any]:
         key = await asyncio.to_thread(key_of_messages, messages, self._encode)
         files = await self._files(messages)
         if self.encoders is not None:
             await self._encode_on_tier(messages, files)
-        async for d in self._stream("chat", messages, params, request_id, key, files):
+        async for d in self._stream("chat", messages, params, request_id, key, files, priority):
             yield d
 
     async def generate_prompt(self, prompt: str | list[int], params: SamplingParams, *,
-                              request_id: str | None = None) -> AsyncIterator[Any]:
+                              request_id: str | None = None, priority: int = 0) -> AsyncIterator[Any]:
         key = None
         if self.tokenizer is not None or not isinstance(prompt, str):
             key = await asyncio.to_thread(key_of_prompt, prompt, self._encode)
-        async for d in self._stream("prompt", prompt, params, request_id, key, None):
+        async for d in self._stream("prompt", prompt, params, request_id, key, None, priority):
             yield d
 
     async def prompt_token_ids(self, *, messages: list[dict] | None = None, prompt: str | None = None,
@@ -224,12 +224,13 @@ class RemoteEngine:
         return await response
 
     async def _stream(self, kind: str, payload: Any, params: SamplingParams, request_id: str | None,
-                      key: RouteKey | None, files: dict[str, SharedFile] | None) -> AsyncIterator[Any]:
+                      key: RouteKey | None, files: dict[str, SharedFile] | None,
+                      priority: int = 0) -> AsyncIterator[Any]:
         attempt = 0
         avoid: list[str] = []  # replicas whose engine stopped: the router skips them on a resend
         while True:
             gen = self.handle.options(stream=True).generate.remote(kind, payload, params, request_id, files,
-                                                                   route=key, avoid=tuple(avoid))
+                                                                   route=key, avoid=tuple(avoid), priority=priority)
             produced = finished = False
             try:
                 try:

@@ -40,7 +40,7 @@ class RecordingEngine(ScriptedEngine):
         self.params: list[Any] = []
         self.loop_thread: int | None = None
 
-    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None
+    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[Any]:
         self.loop_thread = threading.get_ident()
         self.chats.append(parse_messages(messages))  # as OmniEngine.generate does

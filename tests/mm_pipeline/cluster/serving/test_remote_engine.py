@@ -92,6 +92,15 @@ def test_a_stopped_engine_is_resent_to_another_replica():
     assert handle.calls[0]["avoid"] == () and handle.calls[1]["avoid"] == ("replica-0",)
 
 
+def test_the_priority_reaches_the_replica_on_every_send():
+    stopped = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped", "replica-0"))
+    handle = Handle([stopped], [delta(True)], [delta(True)])
+    engine = RemoteEngine(handle, None, "m")
+    asyncio.run(collect(engine.generate_prompt([1, 2, 3], SamplingParams(max_tokens=2), priority=-4)))
+    asyncio.run(collect(engine.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))))
+    assert [c["priority"] for c in handle.calls] == [-4, -4, 0]  # the resend keeps it; the default is 0
+
+
 def test_a_stopped_engine_after_the_first_token_ends_with_a_503():
     stopped = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped", "replica-0"))
     engine = RemoteEngine(Handle([delta(False), stopped]), None, "m")

@@ -1,0 +1,57 @@
+"""vLLM's ``priority`` request field through the OpenAI server (the demo checkpoint, in process):
+refused with a 400 naming the policy unless the server runs ``--queue-policy priority`` (as vLLM
+answers), honoured there with the same greedy answer at any priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.paths import DEMO_MODEL
+
+pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
+              pytest.mark.usefixtures("one_thread")]
+
+CHAT = {"messages": [{"role": "user", "content": "Name a shape."}], "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def priority_client(tmp_path_factory):
+    import httpx
+
+    from mm_pipeline.runtime.config import OmniEngineConfig
+    from mm_pipeline.runtime.omni_engine import OmniEngine
+    from mm_pipeline.server import ServerSettings, ServerThread, create_app
+
+    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(
+        num_full_tokens=4096, num_swa_tokens=2048, queue_policy="priority"))
+    app = create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
+    try:
+        with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+            yield c
+    finally:
+        engine.shutdown()
+
+
+def test_a_priority_under_fcfs_is_a_400_naming_the_policy(demo_client):
+    r = demo_client.post("/v1/chat/completions", json={**CHAT, "priority": 3})
+    assert r.status_code == 400 and "--queue-policy priority" in r.text, r.text
+    r = demo_client.post("/v1/completions", json={"prompt": "A red", "max_tokens": 2, "priority": -1})
+    assert r.status_code == 400 and "priority" in r.text, r.text
+    assert demo_client.post("/v1/chat/completions", json={**CHAT, "priority": 0}).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["high", 1.5, 2**63])
+def test_a_priority_that_is_not_an_int64_is_a_400(demo_client, value):
+    r = demo_client.post("/v1/chat/completions", json={**CHAT, "priority": value})
+    assert r.status_code == 400 and "priority" in r.text, r.text
+
+
+def test_priorities_are_served_under_the_priority_policy(priority_client, demo_client):
+    want = demo_client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
+    for rank in (-7, 0, 12):
+        r = priority_client.post("/v1/chat/completions", json={**CHAT, "priority": rank, "n": 2})
+        assert r.status_code == 200, r.text
+        assert [c["message"]["content"] for c in r.json()["choices"]] == [want, want]
+    r = priority_client.post("/v1/completions", json={"prompt": "A red", "max_tokens": 2, "priority": 5})
+    assert r.status_code == 200, r.text
