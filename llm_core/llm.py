@@ -23,6 +23,7 @@ from llm_core.engine.engine_config import EngineConfig
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
+from llm_core.kvcache.page_keys import check_cache_salt
 from llm_core.model.dtype import parse_dtype
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -106,9 +107,11 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (batched by the engine); outputs in prompt order. ``priority``:
-        one per prompt, lower first, under the ``priority`` queue policy (vLLM's argument)."""
+        one per prompt, lower first, under the ``priority`` queue policy (vLLM's argument).
+        ``cache_salt``: these prompts share prefix-cache KV only with prompts of the same salt."""
         if isinstance(prompts, str) or (len(prompts) > 0 and _is_token_list(prompts)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -121,6 +124,8 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         for problem in filter(None, map(self.engine.check_priority, priorities)):
             raise ValueError(problem.message)
+        if (salt_problem := check_cache_salt(cache_salt)) is not None:
+            raise ValueError(salt_problem)
         token_lists = [self._tokens(p) for p in prompts]  # validate everything before queueing
         ids = []
         try:
@@ -128,7 +133,7 @@ class LLM:
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
                 # raises on bad params (e.g. stop without a tokenizer)
-                self.engine.add_request(rid, tokens, p, priority=rank)
+                self.engine.add_request(rid, tokens, p, priority=rank, cache_salt=cache_salt)
                 ids.append(rid)
         except Exception:
             # the prompts queued before it would run on, unseen, inside the next call: abort them and

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.sampling import SamplingParams
+from llm_core.kvcache.page_keys import check_cache_salt
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.prompt.template_options import TemplateOptions
 from mm_pipeline.errors import InvalidInputError, MediaError, MMServeError, ServerBusy
@@ -65,14 +66,16 @@ class MultimodalLLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, priority: Sequence[int] | None = None,
+             cache_salt: str | None = None) -> list[RequestOutput]:
         """Answer each conversation (OpenAI-format messages); one conversation or a list of them.
         The keyword arguments are vLLM's ``LLM.chat`` ones, applied to every conversation, with the
         server's rules (prompt/template_options.py): e.g. ``chat_template_kwargs={"enable_thinking":
         False}``; a key the model's template does not read fails that conversation, naming it.
         ``tools``: OpenAI function definitions the template renders (as vLLM's ``LLM.chat(tools=...)``;
         the answers are not parsed for calls here: mm_pipeline/prompt/tool_calls.py does that).
-        ``priority``: one per conversation, lower first, under the ``priority`` queue policy."""
+        ``priority``: one per conversation, lower first, under the ``priority`` queue policy;
+        ``cache_salt``: they share prefix-cache KV only with requests of the same salt."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         options = TemplateOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {},
@@ -80,17 +83,18 @@ class MultimodalLLM:
         # malformed input raises here, before any work
         chats = [parse_messages(c, options) for c in conversations]
         params = self._params(sampling_params, len(chats))
-        return self._run([dict(chat=c, params=p) for c, p in zip(chats, params)], priority)
+        return self._run([dict(chat=c, params=p) for c, p in zip(chats, params)], priority, cache_salt)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Plain completions of text or token-id prompts (no chat template); ``priority`` as in ``chat``."""
+                 priority: Sequence[int] | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Plain completions of text or token-id prompts (no chat template); ``priority`` and
+        ``cache_salt`` as in ``chat``."""
         if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
         params = self._params(sampling_params, len(prompts))
         return self._run([dict(prompt=list(p) if not isinstance(p, str) else p, params=sp)
-                          for p, sp in zip(prompts, params)], priority)
+                          for p, sp in zip(prompts, params)], priority, cache_salt)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -112,7 +116,12 @@ class MultimodalLLM:
             raise ValueError(f"{len(params)} sampling params for {n} inputs")
         return params
 
-    def _run(self, jobs: list[dict[str, Any]], priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def _run(self, jobs: list[dict[str, Any]], priority: Sequence[int] | None = None,
+             cache_salt: str | None = None) -> list[RequestOutput]:
+        if (salt_problem := check_cache_salt(cache_salt)) is not None:
+            raise ValueError(salt_problem)
+        for job in jobs:
+            job["cache_salt"] = cache_salt
         if priority is not None:
             if len(priority) != len(jobs):
                 raise ValueError(f"{len(priority)} priorities for {len(jobs)} inputs")
@@ -136,7 +145,8 @@ class MultimodalLLM:
         last: RequestOutput | None = None
         try:
             async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
-                                                    request_id=rid, priority=job.get("priority", 0))) as outs:
+                                                    request_id=rid, priority=job.get("priority", 0),
+                                                    cache_salt=job.get("cache_salt"))) as outs:
                 async for out in outs:
                     last = out
         except (MediaError, InvalidInputError, ServerBusy, ValueError) as exc:

@@ -36,7 +36,6 @@ from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.prompt_logprobs import check_prompt_logprobs
-from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler
@@ -45,6 +44,7 @@ from llm_core.engine.stats import EngineStats
 from llm_core.engine.structured.compiler import GrammarCompiler, GrammarError
 from llm_core.engine.structured.grammar_state import GrammarState
 from llm_core.engine.structured.params import StructuredOutputsParams
+from llm_core.kvcache.page_keys import check_cache_salt, salted_extra_keys
 from llm_core.kvcache.prefix_cache import PrefixCache
 from kernels import native
 
@@ -177,17 +177,10 @@ class LLMEngine:
         return None
 
     def check_priority(self, priority: int) -> RequestError | None:
-        """Why a request cannot have this ``priority`` (None if it can): any int64 under the
-        ``priority`` queue policy, only 0 under the others (as vLLM refuses a priority its
-        scheduler would ignore, rather than serve it in another order than asked)."""
-        if type(priority) is not int or not -PRIORITY_LIMIT <= priority < PRIORITY_LIMIT:
-            return RequestError(ErrorKind.INVALID_INPUT,
-                                f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
-        if priority != 0 and not self.scheduler.queue_policy.uses_priority:
-            return RequestError(ErrorKind.INVALID_INPUT,
-                                f"priority {priority} given but priority scheduling is off: start the engine with "
-                                f"queue_policy 'priority' (--queue-policy priority)")
-        return None
+        """Why a request cannot have this ``priority`` under this engine's queue policy (None if it
+        can; ``QueuePolicy.check_priority``)."""
+        problem = self.scheduler.queue_policy.check_priority(priority)
+        return None if problem is None else RequestError(ErrorKind.INVALID_INPUT, problem)
 
     def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as the token sequences that would write them: each word as written and after
@@ -217,6 +210,7 @@ class LLMEngine:
         extra_keys: tuple[tuple[int, int, bytes], ...] = (),
         checkpoints: tuple[int, ...] = (),
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request (thread-safe). A prompt the engine cannot serve does not raise: it comes
         back from the next step() as an output with finish_reason "error". ``extra_keys``: (start, end,
@@ -224,7 +218,9 @@ class LLMEngine:
         ``checkpoints``: prompt positions where the prefix cache keeps a window of SWA KV (the
         caller's boundaries, e.g. media and message ends; ``Request.checkpoints``), at most
         ``prefix_checkpoints_per_request`` of them kept (``cap_checkpoints``). ``priority``: lower
-        is served first under the ``priority`` queue policy (``check_priority``)."""
+        is served first under the ``priority`` queue policy (``check_priority``). ``cache_salt``:
+        the request shares prefix-cache KV (every tier) only with requests of the same salt
+        (llm_core/kvcache/page_keys.py)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -240,12 +236,19 @@ class LLMEngine:
                     embeds is not None, tuple(extra_keys), tuple(checkpoints))
             except ValueError as exc:
                 truncation_problem = RequestError(ErrorKind.INVALID_INPUT, f"truncate_prompt_tokens={k}: {exc}")
+        salt_problem = check_cache_salt(cache_salt)
+        if cache_salt is not None and salt_problem is None and (embeds is None or extra_keys):
+            # after the cut, so the salt sits on the first token kept (with media but no content
+            # keys the cache is bypassed anyway: SWARadixCache._may_match)
+            extra_keys = salted_extra_keys(tuple(extra_keys), cache_salt, len(prompt_token_ids))
         req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
                       eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
                       extra_keys=tuple(extra_keys),
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher, priority=priority if type(priority) is int else 0)
-        problem = (truncation_problem or self.check_priority(priority) or self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
+        problem = (truncation_problem or self.check_priority(priority)
+                   or (RequestError(ErrorKind.INVALID_INPUT, salt_problem) if salt_problem else None)
+                   or self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
                    or self.check_params(params) or check_prompt_logprobs(len(req.prompt_token_ids), params))
         if problem is None and params.bad_words:
             req.bad_word_ids = self.bad_word_ids(params.bad_words)

@@ -54,6 +54,17 @@ class QueuePolicy:
         """Whether requests' ``priority`` counts (else every request must have priority 0)."""
         return self.kind == "priority"
 
+    def check_priority(self, priority: object) -> str | None:
+        """Why a request cannot have this ``priority`` (None if it can): any int64 under ``priority``,
+        only 0 under the other policies (as vLLM refuses a priority its scheduler would ignore,
+        rather than serve it in another order than asked)."""
+        if type(priority) is not int or not -PRIORITY_LIMIT <= priority < PRIORITY_LIMIT:
+            return f"priority must be an integer in [-2**63, 2**63), got {priority!r:.40}"
+        if priority != 0 and not self.uses_priority:
+            return (f"priority {priority} given but priority scheduling is off: start the engine with "
+                    f"queue_policy 'priority' (--queue-policy priority)")
+        return None
+
     def rank(self, request: Request) -> tuple[int, int]:
         """Sort key of the running set: most urgent first, so the last one is the preemption victim
         (arrival order alone unless ``priority``)."""

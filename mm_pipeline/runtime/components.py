@@ -308,17 +308,17 @@ class OmniRuntime:
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
                stream: EmbeddingStream | None, on_output: OutputSink, checkpoints: tuple[int, ...] = (),
-               priority: int = 0) -> None:
+               priority: int = 0, cache_salt: str | None = None) -> None:
         """Hand a request to the engine thread; each of its outputs goes to ``on_output`` (called on
         that thread). The stream's media hashes are mixed into the prefix-cache keys of their
         placeholder ranges: equal placeholder ids with other media never match. ``checkpoints``:
-        where the prefix cache keeps a window (``PreparedChat.checkpoints``); ``priority``: the
-        ``priority`` queue policy's rank (``LLMEngine.add_request``)."""
+        where the prefix cache keeps a window (``PreparedChat.checkpoints``); ``priority``,
+        ``cache_salt``: as ``LLMEngine.add_request`` takes them."""
         if stream is not None and not stream.spans:
             stream = None  # a chat without media is plain token ids; as such the prefix cache can match it
         extra_keys = () if stream is None else stream.extra_keys()
         self.loop.add_request(request_id, token_ids, params, stream, on_output, extra_keys=extra_keys,
-                              checkpoints=checkpoints, priority=priority)
+                              checkpoints=checkpoints, priority=priority, cache_salt=cache_salt)
 
     def abort(self, request_id: str) -> None:
         """End a request; its final output (finish_reason "abort") still reaches its sink."""

@@ -26,6 +26,7 @@ from llm_core.engine.detokenizer import IncrementalDetokenizer
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.prompt_logprobs import PromptLogprobs
 from llm_core.engine.sampling import SamplingParams
+from llm_core.kvcache.page_keys import check_cache_salt
 from mm_pipeline.errors import InvalidInputError, InvalidMessageError, OverloadedError
 from mm_pipeline.prompt.messages import ChatRequest, parse_messages
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -90,21 +91,26 @@ class OmniEngine:
 
     # ---- public API -------------------------------------------------------------------------
     async def generate(self, messages: list[dict], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[GenerationDelta]:
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream the answer to OpenAI-format chat ``messages`` (see chat_request for the parts).
-        ``priority``: lower first under the ``priority`` queue policy (``LLMEngine.check_priority``)."""
+        ``priority``: lower first under the ``priority`` queue policy (``LLMEngine.check_priority``);
+        ``cache_salt``: prefix-cache KV is shared only with requests of the same salt (the encoder
+        cache stays shared: it holds what media encodes to, which no prompt text reaches)."""
         chat = parse_messages(messages)  # malformed messages fail before admission
         hits: list[int] = []
         async with aclosing(self.outputs(params, chat=chat, request_id=request_id, on_planned=hits.append,
-                                         priority=priority)) as outs:
+                                         priority=priority, cache_salt=cache_salt)) as outs:
             async for delta in self._deltas(outs, params):
                 delta.encoder_cache_hits = sum(hits)
                 yield delta
 
     async def generate_prompt(self, prompt: str | list[int], params: SamplingParams, *,
-                              request_id: str | None = None, priority: int = 0) -> AsyncIterator[GenerationDelta]:
+                              request_id: str | None = None, priority: int = 0,
+                              cache_salt: str | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream a completion of a plain text or token-id prompt (no chat template, no media)."""
-        async with aclosing(self.outputs(params, prompt=prompt, request_id=request_id, priority=priority)) as outs:
+        async with aclosing(self.outputs(params, prompt=prompt, request_id=request_id, priority=priority,
+                                         cache_salt=cache_salt)) as outs:
             async for delta in self._deltas(outs, params):
                 yield delta
 
@@ -147,12 +153,12 @@ class OmniEngine:
                       prompt: str | list[int] | None = None,
                       request_id: str | None = None,
                       on_planned: Callable[[int], None] | None = None,
-                      priority: int = 0) -> AsyncIterator[RequestOutput]:
+                      priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative :class:`RequestOutput` after every step of one request (the
         offline API's view; ``generate`` turns these into deltas). Give ``chat`` or ``prompt``.
         ``on_planned(n)``: called once the chat's media is planned, with the number of encoder
-        units found in the encoder cache (before any output). ``priority``: see ``generate``; one the
-        engine would refuse fails here, before any media is read."""
+        units found in the encoder cache (before any output). ``priority``, ``cache_salt``: see
+        ``generate``; a value the engine would refuse fails here, before any media is read."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be llm_core.SamplingParams, got {type(params).__name__}")
         if (chat is None) == (prompt is None):
@@ -161,6 +167,8 @@ class OmniEngine:
             raise InvalidMessageError("text prompt given but the model has no tokenizer; pass token ids")
         if self.runtime.llm is not None and (problem := self.runtime.llm.check_priority(priority)) is not None:
             raise InvalidInputError(problem.message)
+        if (salt_problem := check_cache_salt(cache_salt)) is not None:
+            raise InvalidInputError(salt_problem)
         token_ids = None if prompt is None or isinstance(prompt, str) else [int(t) for t in prompt]
         self._admit()
         rid = request_id or f"omni-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -196,7 +204,7 @@ class OmniEngine:
                 token_ids = await rt.tokenize(prompt, keep_last=params.truncate_prompt_tokens)
             stream = None if feed is None else feed.stream
             rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-                      checkpoints, priority)
+                      checkpoints, priority, cache_salt)
             started = True
             if feed is not None and self.config.stream_embeddings:
                 feed.start()

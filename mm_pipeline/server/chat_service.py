@@ -273,7 +273,8 @@ class ChatService:
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
                                                                                  self.config.reasoning,
                                                                                  scores_prompt=i == 0),
-                                                        request_id=f"{rid}-{i}", priority=req.priority),
+                                                        request_id=f"{rid}-{i}", priority=req.priority,
+                                                        cache_salt=req.cache_salt),
                                 self.config.reasoning, parser)
                    for i in range(req.n)]
         await start_all(choices)
@@ -393,7 +394,8 @@ class ChatService:
                 params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored,
                                          scores_prompt=j == 0 or req.stream)
                 choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}",
-                                                                           priority=req.priority)))
+                                                                           priority=req.priority,
+                                                                           cache_salt=req.cache_salt)))
         await start_all(choices)
         return choices, prompts
 

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llm_core.engine.queue_policy import PRIORITY_LIMIT
+from llm_core.kvcache.page_keys import MAX_CACHE_SALT_CHARS
 from llm_core.engine.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_INT32,
                                       MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT)
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
@@ -184,6 +185,8 @@ class SamplingFields(_Loose):
     # vLLM's: lower is served first under --queue-policy priority; any other value than 0 is a 400
     # under the other policies (the engine's check_priority)
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
+    # vLLM's: the prefix cache shares KV only between requests of the same salt (a tenant's secret)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (one constraint per request; _structured_outputs)

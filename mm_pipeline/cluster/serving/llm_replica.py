@@ -84,12 +84,13 @@ class LLMReplica:
 
     async def generate(self, kind: str, payload: Any, params: SamplingParams, request_id: str,
                        files: dict[str, SharedFile] | None = None, route: Any = None,
-                       avoid: tuple[str, ...] = (), priority: int = 0) -> AsyncIterator[Any]:
+                       avoid: tuple[str, ...] = (), priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[Any]:
         """``kind`` "chat" (payload: messages) or "prompt" (text or token ids). ``route`` is the
         router's key (mm_pipeline/cluster/serving/prefix_router.py); until the first delta the load is
         its tokens not already sent here (the prefix cache holds the rest), the same measure as the
         router's own count (prompt - matched). ``avoid``: replicas the router must skip (read by the
-        router only). ``priority``: this replica's engine's (``OmniEngine.generate``)."""
+        router only). ``priority``, ``cache_salt``: this replica's engine's (``OmniEngine.generate``)."""
         stopped = self._stopped()
         if stopped is not None:  # Serve has not replaced this replica yet: send the request back
             yield ReplicaFailure(stopped)
@@ -102,8 +103,9 @@ class LLMReplica:
         self._load[call] = uncached + params.max_tokens
         self.files.hold(files)
         try:
-            gen = (self.engine.generate(payload, params, request_id=request_id, priority=priority) if kind == "chat"
-                   else self.engine.generate_prompt(payload, params, request_id=request_id, priority=priority))
+            opts = dict(request_id=request_id, priority=priority, cache_salt=cache_salt)
+            gen = (self.engine.generate(payload, params, **opts) if kind == "chat"
+                   else self.engine.generate_prompt(payload, params, **opts))
             try:
                 async for delta in gen:
                     stopped = self._stopped() if delta.finish_reason == "error" else None

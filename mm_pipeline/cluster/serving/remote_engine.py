@@ -90,20 +90,22 @@ class RemoteEngine:
 
     # ---- OmniEngine's API -----------------------------------------------------------------------
     async def generate(self, messages: list[dict], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[Any]:
-        key = await asyncio.to_thread(key_of_messages, messages, self._encode)
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[Any]:
+        key = await asyncio.to_thread(key_of_messages, messages, self._encode, salt=cache_salt)
         files = await self._files(messages)
         if self.encoders is not None:
             await self._encode_on_tier(messages, files)
-        async for d in self._stream("chat", messages, params, request_id, key, files, priority):
+        async for d in self._stream("chat", messages, params, request_id, key, files, priority, cache_salt):
             yield d
 
     async def generate_prompt(self, prompt: str | list[int], params: SamplingParams, *,
-                              request_id: str | None = None, priority: int = 0) -> AsyncIterator[Any]:
+                              request_id: str | None = None, priority: int = 0,
+                              cache_salt: str | None = None) -> AsyncIterator[Any]:
         key = None
         if self.tokenizer is not None or not isinstance(prompt, str):
-            key = await asyncio.to_thread(key_of_prompt, prompt, self._encode)
-        async for d in self._stream("prompt", prompt, params, request_id, key, None, priority):
+            key = await asyncio.to_thread(key_of_prompt, prompt, self._encode, salt=cache_salt)
+        async for d in self._stream("prompt", prompt, params, request_id, key, None, priority, cache_salt):
             yield d
 
     async def prompt_token_ids(self, *, messages: list[dict] | None = None, prompt: str | None = None,
@@ -225,12 +227,13 @@ class RemoteEngine:
 
     async def _stream(self, kind: str, payload: Any, params: SamplingParams, request_id: str | None,
                       key: RouteKey | None, files: dict[str, SharedFile] | None,
-                      priority: int = 0) -> AsyncIterator[Any]:
+                      priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Any]:
         attempt = 0
         avoid: list[str] = []  # replicas whose engine stopped: the router skips them on a resend
         while True:
             gen = self.handle.options(stream=True).generate.remote(kind, payload, params, request_id, files,
-                                                                   route=key, avoid=tuple(avoid), priority=priority)
+                                                                   route=key, avoid=tuple(avoid), priority=priority,
+                                                                   cache_salt=cache_salt)
             produced = finished = False
             try:
                 try:

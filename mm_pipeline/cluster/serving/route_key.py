@@ -61,14 +61,16 @@ def _block_tag(kind: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def key_of_pieces(pieces: Sequence[tuple[str, Any]], block_tokens: int = BLOCK_TOKENS,
-                  media_weight: int = MEDIA_WEIGHT) -> RouteKey:
+                  media_weight: int = MEDIA_WEIGHT, salt: str | None = None) -> RouteKey:
     """``pieces``: ``("tokens", [ids])`` or ``("media", content_key)`` in prompt order. Tokens run
     across pieces (a page spans a message boundary in the engine too); a media piece flushes the
     partial run before it, as a placeholder run starts at the media's position. Linear in the
-    tokens: full blocks are read by index, only the partial tail (< ``block_tokens``) is carried."""
+    tokens: full blocks are read by index, only the partial tail (< ``block_tokens``) is carried.
+    ``salt`` (a request's ``cache_salt``) seeds the chain: the replicas' caches share KV only
+    within one salt, so the router matches prefixes only within one too."""
     hashes: list[int] = []
     weights: list[int] = []
-    prev = 0
+    prev = 0 if salt is None else _h(0, b"s" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest())
     run: list[int] = []  # the partial block the next piece continues
 
     for kind, value in pieces:
@@ -138,11 +140,12 @@ def media_key(part: dict) -> str | None:
 
 def key_of_messages(messages: list[dict], encode: Callable[[str], list[int]],
                     block_tokens: int = BLOCK_TOKENS, media_weight: int = MEDIA_WEIGHT,
-                    max_tokens: int = MAX_KEY_TOKENS) -> RouteKey:
+                    max_tokens: int = MAX_KEY_TOKENS, salt: str | None = None) -> RouteKey:
     """The route key of OpenAI chat ``messages``: each message's role and text parts as tokens
     (``encode``: the model's tokenizer), its media parts as content keys; the first ``max_tokens``
     token-equivalents of them (a media part counts ``media_weight``), reading at most
-    ``MAX_CHARS_PER_TOKEN`` characters per token in all, however many messages there are."""
+    ``MAX_CHARS_PER_TOKEN`` characters per token in all, however many messages there are.
+    ``salt``: the request's ``cache_salt`` (``key_of_pieces``)."""
     pieces: list[tuple[str, Any]] = []
     left, chars_left = max_tokens, max_tokens * MAX_CHARS_PER_TOKEN
 
@@ -170,10 +173,11 @@ def key_of_messages(messages: list[dict], encode: Callable[[str], list[int]],
                 if key is not None:
                     pieces.append(("media", key))
                     left -= media_weight
-    return key_of_pieces(pieces, block_tokens, media_weight)
+    return key_of_pieces(pieces, block_tokens, media_weight, salt)
 
 
 def key_of_prompt(prompt: str | list[int], encode: Callable[[str], list[int]],
-                  block_tokens: int = BLOCK_TOKENS, max_tokens: int = MAX_KEY_TOKENS) -> RouteKey:
+                  block_tokens: int = BLOCK_TOKENS, max_tokens: int = MAX_KEY_TOKENS,
+                  salt: str | None = None) -> RouteKey:
     ids = encode_capped(prompt, encode, max_tokens)[0] if isinstance(prompt, str) else list(prompt[:max_tokens])
-    return key_of_pieces([("tokens", ids)], block_tokens)
+    return key_of_pieces([("tokens", ids)], block_tokens, salt=salt)

@@ -1,12 +1,15 @@
 """Prefix-cache keys (llm_core.kvcache.page_keys): a token's key is its id, or (id, content key)
-inside a media range, whatever window of positions is asked for; pages are consecutive runs."""
+inside a media range, whatever window of positions is asked for; pages are consecutive runs; a
+cache_salt changes the first token's key, the same way for the same salt."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_core.kvcache.page_keys import page_keys, token_keys
+from llm_core.kvcache.page_keys import (MAX_CACHE_SALT_CHARS, check_cache_salt, check_extra_keys, page_keys,
+                                        salted_extra_keys, token_keys)
 
 
 @st.composite
@@ -45,3 +48,33 @@ def test_page_keys_cut_the_token_keys_into_pages(prompt, page_size: int) -> None
         tuple(whole[i:i + page_size]) for i in range(0, pages * page_size, page_size)]
     if pages > 1:  # a window of pages is the same pages
         assert page_keys(ids, ranges, page_size, 1, pages) == page_keys(ids, ranges, page_size, 0, pages)[1:]
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts(), st.text(min_size=1, max_size=50), st.text(min_size=1, max_size=50))
+def test_a_salt_changes_the_first_keys_and_one_salt_keys_alike(prompt, salt, other) -> None:
+    ids, ranges, _, _ = prompt
+    salted = salted_extra_keys(ranges, salt, len(ids))
+    check_extra_keys(salted, len(ids))  # still sorted and non-overlapping
+    plain, keys = token_keys(ids, ranges, 0, len(ids)), token_keys(ids, salted, 0, len(ids))
+    _, first_end, _ = salted[0]  # the salt's own [0, 1), or the opening media range it rehashed
+    assert keys[0] != plain[0] and keys[first_end:] == plain[first_end:]
+    assert salted_extra_keys(ranges, salt, len(ids)) == salted  # deterministic: same salt, same keys
+    if other != salt:
+        assert token_keys(ids, salted_extra_keys(ranges, other, len(ids)), 0, 1) != keys[:1]
+    assert len(salted[0][2]) == 32  # the salt is hashed: 32 bytes in the keys whatever its length
+
+
+def test_a_prompt_that_opens_with_media_salts_the_media_key() -> None:
+    ranges = [(0, 4, b"img" * 8), (6, 8, b"aud" * 8)]
+    salted = salted_extra_keys(ranges, "tenant-a", 10)
+    assert [(lo, hi) for lo, hi, _ in salted] == [(0, 4), (6, 8)]
+    assert salted[0][2] != ranges[0][2] and salted[1] == ranges[1]
+
+
+@pytest.mark.parametrize("salt, problem", [(None, None), ("s", None), ("x" * MAX_CACHE_SALT_CHARS, None),
+                                           ("", "non-empty string"), (7, "non-empty string"),
+                                           ("x" * (MAX_CACHE_SALT_CHARS + 1), "at most")])
+def test_check_cache_salt(salt, problem) -> None:
+    got = check_cache_salt(salt)
+    assert got is None if problem is None else problem in got

@@ -44,7 +44,8 @@ class GatedEngine:
         self.mode = "raise"
         self.admitted = asyncio.Event()  # the failing choice is admitted (the cancel mode waits for it)
 
-    async def generate_prompt(self, prompt: Any, params: Any, *, request_id: str | None = None, priority: int = 0
+    async def generate_prompt(self, prompt: Any, params: Any, *, request_id: str | None = None,
+                              priority: int = 0, cache_salt: str | None = None
                               ) -> AsyncIterator[GenerationDelta]:
         index = int(str(request_id).rsplit("-", 1)[1])
         if self.mode == "overload" and index == self.fail_at:

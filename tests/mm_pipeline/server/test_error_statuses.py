@@ -54,12 +54,14 @@ class ScriptedEngine:
         self.raises: BaseException | None = None
         self.ends: tuple[str, str | None] = ("length", None)
 
-    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None, priority: int = 0
+    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None
                        ) -> AsyncIterator[GenerationDelta]:
         async for delta in self._script(request_id or "r"):
             yield delta
 
-    async def generate_prompt(self, prompt: Any, params: Any, *, request_id: str | None = None, priority: int = 0
+    async def generate_prompt(self, prompt: Any, params: Any, *, request_id: str | None = None,
+                              priority: int = 0, cache_salt: str | None = None
                               ) -> AsyncIterator[GenerationDelta]:
         async for delta in self._script(request_id or "r"):
             yield delta

@@ -38,7 +38,8 @@ class ThinkingEngine:
         self.scripts = scripts
         self.prompt_ids = encoder.encode(prompt, add_special_tokens=False)
 
-    async def generate(self, messages: Any, params: Any, *, request_id: str = "r-0", priority: int = 0) -> AsyncIterator[GenerationDelta]:
+    async def generate(self, messages: Any, params: Any, *, request_id: str = "r-0",
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[GenerationDelta]:
         script = self.scripts[int(request_id.rsplit("-", 1)[1]) % len(self.scripts)]
         done = 0
         for k, piece in enumerate(script):
@@ -52,7 +53,8 @@ class ThinkingEngine:
                                   len(self.prompt_ids), done, 0, time.time(),
                                   prompt_token_ids=list(self.prompt_ids) if k == 0 else None)
 
-    async def generate_prompt(self, prompt: Any, params: Any, *, request_id: str = "r-0", priority: int = 0
+    async def generate_prompt(self, prompt: Any, params: Any, *, request_id: str = "r-0",
+                              priority: int = 0, cache_salt: str | None = None
                               ) -> AsyncIterator[GenerationDelta]:
         async for delta in self.generate([], params, request_id=request_id):
             yield delta

@@ -40,7 +40,8 @@ class RecordingEngine(ScriptedEngine):
         self.params: list[Any] = []
         self.loop_thread: int | None = None
 
-    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None, priority: int = 0
+    async def generate(self, messages: list[dict], params: Any, *, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None
                        ) -> AsyncIterator[Any]:
         self.loop_thread = threading.get_ident()
         self.chats.append(parse_messages(messages))  # as OmniEngine.generate does

@@ -101,6 +101,16 @@ def test_the_priority_reaches_the_replica_on_every_send():
     assert [c["priority"] for c in handle.calls] == [-4, -4, 0]  # the resend keeps it; the default is 0
 
 
+def test_the_cache_salt_reaches_the_replica_and_seeds_the_route_key():
+    handle = Handle([delta(True)], [delta(True)])
+    engine = RemoteEngine(handle, None, "m")
+    asyncio.run(collect(engine.generate_prompt([1] * 40, SamplingParams(max_tokens=1), cache_salt="t-1")))
+    asyncio.run(collect(engine.generate_prompt([1] * 40, SamplingParams(max_tokens=1))))
+    assert [c["cache_salt"] for c in handle.calls] == ["t-1", None]
+    salted, plain = (c["route"] for c in handle.calls)
+    assert salted.weights == plain.weights and not set(salted.hashes) & set(plain.hashes)
+
+
 def test_a_stopped_engine_after_the_first_token_ends_with_a_503():
     stopped = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped", "replica-0"))
     engine = RemoteEngine(Handle([delta(False), stopped]), None, "m")

@@ -84,3 +84,12 @@ def test_the_key_reads_a_bounded_prefix_of_the_prompt(chars_per_token):
         assert build(Spy(chars_per_token, bound), big[:3_000_000] + "different from here on") == key
     short = "a short prompt, well under the cap " * 20  # tokenized whole, as before
     assert key_of_prompt(short, Spy(chars_per_token)) == key_of_pieces([("tokens", Spy(chars_per_token)(short))])
+
+
+def test_a_salt_seeds_the_chain_so_only_one_salt_shares_prefixes():
+    encode = lambda t: [ord(c) for c in t]  # noqa: E731
+    msgs = [{"role": "user", "content": "x" * 100}]
+    plain, a, a2, b = (key_of_messages(msgs, encode, salt=s) for s in (None, "a", "a", "b"))
+    assert a == a2 and a.weights == plain.weights
+    assert not set(a.hashes) & set(plain.hashes) and not set(a.hashes) & set(b.hashes)
+    assert key_of_prompt("x" * 100, encode, salt="a") != key_of_prompt("x" * 100, encode)
