@@ -303,8 +303,9 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
 # ServerSettings fields that are flags under their own names (the others have the older
 # hand-written flags above: --served-model-name, --api-key, --files-dir, --max-upload-mb, ...)
 SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_prompts", "max_files",
-                       "max_files_total_bytes")
-SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids")  # how answers are shaped
+                       "max_files_total_bytes", "max_audio_upload_bytes")
+SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids",  # how answers are shaped
+                        "transcription_prompt", "translation_prompt")
 
 
 def server_flags(fields: Sequence[str]) -> list:

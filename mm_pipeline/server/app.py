@@ -5,6 +5,7 @@
       /v1/files ...                                -> FilesStore (uploads streamed to disk)
       /v1/models  /health  /metrics
       /tokenize  /detokenize  /version             -> vLLM's utility endpoints (tokenize/routes.py)
+      /v1/audio/transcriptions  /v1/audio/translations -> OpenAI's audio API, as chats (audio/routes.py)
       /  /web/*                                    -> the upload page (web/routes.py)
 
 Nothing here blocks the event loop: generation is the engine's (its own thread), media work runs
@@ -43,12 +44,12 @@ from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileObject, ModelCard
 from mm_pipeline.server.settings import ServerSettings
-from mm_pipeline.server.sse import ClientDisconnected, until_disconnected
+from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_disconnected
 from mm_pipeline.server.files.uploads import receive_upload
 from mm_pipeline.server.tokenize.routes import install_tokenize_routes
+from mm_pipeline.server.audio.routes import install_audio_routes
 from mm_pipeline.server.web.routes import install_web_routes
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
 
 
@@ -240,6 +241,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_web_routes(app)  # GET / : the upload page
     install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
         request, model, settings.max_request_bytes, settings.max_json_values))
+    install_audio_routes(app, service, settings)  # /v1/audio/transcriptions, /v1/audio/translations
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         info = AnswerInfo()  # filled before the body starts: its headers go out with a stream too
@@ -250,7 +252,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             events, close = await until_disconnected(request, run_stream(body, info))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-        return StreamingResponse(events, media_type="text/event-stream", headers={**_SSE_HEADERS, **info.headers()},
+        return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **info.headers()},
                                  background=BackgroundTask(close))
 
     @app.post("/v1/chat/completions")

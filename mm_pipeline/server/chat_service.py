@@ -24,13 +24,13 @@ from mm_pipeline.prompt.messages import ParsedMessages
 from mm_pipeline.server.answer_info import AnswerInfo
 from mm_pipeline.server.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
                                         collect_all, merge_choices, start_all)
-from mm_pipeline.server.errors import APIError, log_rejection, to_api_error
+from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mm_pipeline.server.tokenize.protocol import TokenizeRequest
 from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
-from mm_pipeline.server.sse import DONE, sse_event
+from mm_pipeline.server.sse import DONE, error_event, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
 Observer = Callable[[float, "list[ChoiceState]"], None]
@@ -164,14 +164,6 @@ def _check_finished(states: list[ChoiceState]) -> None:
             raise error
 
 
-def _error_event(exc: Exception) -> str:
-    """A failure after the stream started can no longer change the HTTP status: it travels as one
-    event with the body the status would have had (its kind included)."""
-    err = to_api_error(exc)
-    log_rejection(err, "POST", "(stream already started)")
-    return sse_event(err.body())
-
-
 class ChatService:
     """OpenAI chat / text completions over an engine."""
 
@@ -206,55 +198,65 @@ class ChatService:
         """Start the request (errors raise here, before any byte is sent; ``info`` is filled) and
         return the SSE event iterator plus an idempotent ``close`` to call when the response ends
         for any reason."""
-        arrival = time.perf_counter()
-        rid = new_id("chatcmpl")
-        choices = await self._start_chat(req, rid, info)
-        created, model = int(time.time()), self.config.model_name
-
         # OpenAI's chunk shape, whatever the options: finish_reason and logprobs always (null until
         # set), the role in a choice's first delta only, and "usage" only with include_usage (null
         # in every chunk but the last, which carries it)
         leave_out = None if req.include_usage else {"usage"}
-        as_ids = self._as_ids(req)
-
-        def chunk(choice: ChatChunkChoice) -> str:
-            return sse_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
-                                                 usage=None).model_dump(exclude=leave_out))
+        chunks, close = await self.chat_chunks(req, info)
 
         async def events() -> AsyncIterator[str]:
             try:
-                for c in choices:  # OpenAI sends the role first, once per choice
-                    yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
-                async for index, d in merge_choices(choices):
-                    lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [],
-                                                    as_ids)
-                          if req.logprobs and d.new_token_ids else None)
-                    if d.finished:
-                        _check_finished([choices[index].state])
-                    choice = choices[index]
-                    part = choice.split(d)  # every delta, in order: the parsers hold state
-                    if part.reasoning or part.content or part.calls or lp is not None or d.finished:
-                        delta = Delta.of_text(part.reasoning, part.content)
-                        if part.calls:
-                            first = choice.calls_made - len(part.calls)
-                            delta.tool_calls = [{"index": first + k, **c.as_openai()}
-                                                for k, c in enumerate(part.calls)]
-                            delta.content = part.content or None
-                        reason = _finish_reason(d.finish_reason, choice.calls_made) if d.finished else None
-                        yield chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason))
-                states = [c.state for c in choices]
-                self._finished(arrival, states)
-                if req.include_usage:
-                    yield sse_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                                        usage=_usage(states)))
+                async for c in chunks:
+                    yield sse_event(c.model_dump(exclude=leave_out))
             except Exception as exc:
-                yield _error_event(exc)
+                yield error_event(exc)
             yield DONE
+
+        return events(), close
+
+    async def chat_chunks(self, req: ChatCompletionRequest,
+                          info: AnswerInfo | None = None) -> tuple[AsyncIterator[ChatCompletionChunk], Callable]:
+        """``chat_stream``'s chunks as objects (the audio API reshapes them): the role first, a
+        chunk per delta with text, tool calls, logprobs or an end, and with include_usage a last
+        one of usage alone. An error part-way raises from the iterator."""
+        arrival = time.perf_counter()
+        rid = new_id("chatcmpl")
+        choices = await self._start_chat(req, rid, info)
+        created, model = int(time.time()), self.config.model_name
+        as_ids = self._as_ids(req)
+
+        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=None)
+
+        async def chunks() -> AsyncIterator[ChatCompletionChunk]:
+            for c in choices:  # OpenAI sends the role first, once per choice
+                yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
+            async for index, d in merge_choices(choices):
+                lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [],
+                                                as_ids)
+                      if req.logprobs and d.new_token_ids else None)
+                if d.finished:
+                    _check_finished([choices[index].state])
+                choice = choices[index]
+                part = choice.split(d)  # every delta, in order: the parsers hold state
+                if part.reasoning or part.content or part.calls or lp is not None or d.finished:
+                    delta = Delta.of_text(part.reasoning, part.content)
+                    if part.calls:
+                        first = choice.calls_made - len(part.calls)
+                        delta.tool_calls = [{"index": first + k, **c.as_openai()}
+                                            for k, c in enumerate(part.calls)]
+                        delta.content = part.content or None
+                    reason = _finish_reason(d.finish_reason, choice.calls_made) if d.finished else None
+                    yield chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason))
+            states = [c.state for c in choices]
+            self._finished(arrival, states)
+            if req.include_usage:
+                yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=_usage(states))
 
         async def close() -> None:
             await close_all(choices)
 
-        return events(), close
+        return chunks(), close
 
     async def _start_chat(self, req: ChatCompletionRequest, rid: str,
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
@@ -369,7 +371,7 @@ class ChatService:
                         usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
                     yield sse_event(Completion(id=rid, created=created, model=model, choices=[], usage=usage))
             except Exception as exc:
-                yield _error_event(exc)
+                yield error_event(exc)
             yield DONE
 
         async def close() -> None:

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from mm_pipeline.server.audio.protocol import Transcription, form_schema
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileObject,
@@ -37,7 +38,11 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/tokenize"): (TokenizeRequest, TokenizeResponse, False),
     ("post", "/detokenize"): (DetokenizeRequest, DetokenizeResponse, False),
     ("get", "/version"): (None, VersionResponse, False),
+    ("post", "/v1/audio/transcriptions"): (None, Transcription, True),
+    ("post", "/v1/audio/translations"): (None, Transcription, True),
 }
+# routes whose body is a multipart form (server/audio/): the form's schema, and a text/plain answer too
+_FORMS = {("post", "/v1/audio/transcriptions"), ("post", "/v1/audio/translations")}
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -69,9 +74,13 @@ def build_schema(app: FastAPI) -> dict[str, Any]:
             if body is not None:
                 op["requestBody"] = {"required": True,
                                      "content": {"application/json": {"schema": ref(body, "validation")}}}
+            if (method, path) in _FORMS:
+                op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form_schema()}}}
             ok = op.setdefault("responses", {}).setdefault("200", {"description": "OK"})
             if answer is not None:
                 ok["content"] = {"application/json": {"schema": ref(answer, "serialization")}}
+            if (method, path) in _FORMS:
+                ok["content"]["text/plain"] = {"schema": {"type": "string"}}
             if streams:
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": _SSE_EVENT}
             op["responses"].pop("422", None)  # validation failures are 400 here (errors.py)

@@ -46,6 +46,15 @@ class ServerSettings:
     auto: when the model's vocabulary or chat template knows <tool_call>; none: requests with tools are
     refused."""
 
+    max_audio_upload_bytes: int = 25 << 20
+    """Largest audio file /v1/audio/transcriptions and /translations take (held in memory while it is
+    answered; OpenAI's own limit is 25 MB); more is 413."""
+    transcription_prompt: str = "Transcribe the speech in this audio word for word."
+    """What /v1/audio/transcriptions asks the model with the audio (then the request's language and
+    prompt, when given)."""
+    translation_prompt: str = "Translate the speech in this audio into English."
+    """What /v1/audio/translations asks the model with the audio (then the request's prompt)."""
+
     return_tokens_as_token_ids: bool = False
     """Logprob entries name their token as "token_id:<id>" instead of its text (vLLM's flag), so a
     token that is no whole character -- a byte of a multi-byte one -- is still told apart; a
@@ -55,6 +64,10 @@ class ServerSettings:
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
             raise ValueError(f"need 0 < max_upload_bytes <= max_files_total_bytes, got {self.max_upload_bytes}, "
                              f"{self.max_files_total_bytes}")
+        if self.max_audio_upload_bytes <= 0:
+            raise ValueError(f"max_audio_upload_bytes must be > 0, got {self.max_audio_upload_bytes}")
+        if not self.transcription_prompt.strip() or not self.translation_prompt.strip():
+            raise ValueError("transcription_prompt and translation_prompt must not be empty")
         if self.max_files < 1:
             raise ValueError(f"max_files must be >= 1, got {self.max_files}")
         if self.max_request_bytes < 1024:

@@ -19,9 +19,13 @@ from typing import Any, Awaitable, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from mm_pipeline.server.errors import log_rejection, to_api_error
+
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+# no caching, and no buffering in a proxy (nginx reads X-Accel-Buffering): each event goes out as made
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ClientDisconnected(Exception):
@@ -35,6 +39,14 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     else:
         text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     return f"data: {text}\n\n"
+
+
+def error_event(exc: Exception) -> str:
+    """A failure after the stream started can no longer change the HTTP status: it travels as one
+    event with the body the status would have had (its kind included)."""
+    err = to_api_error(exc)
+    log_rejection(err, "POST", "(stream already started)")
+    return sse_event(err.body())
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -222,6 +222,10 @@ def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
                        (["--max-completion-prompts", "0"], "--max-completion-prompts")]:
         err = _usage_error(["serve", "--model", "m", *argv], capsys)
         assert flag in err and "usage:" in err
+    audio = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-audio-upload-bytes", "8MiB",
+                                                "--transcription-prompt", "Write down what is said."]), tmp_path)
+    assert (audio.max_audio_upload_bytes, audio.transcription_prompt) == (8 << 20, "Write down what is said.")
+    assert defaults.max_audio_upload_bytes == 25 << 20
     with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # an upload larger than the whole store
         cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "2048",
                                             "--max-files-total-bytes", "1GiB"]), tmp_path)

@@ -1,11 +1,16 @@
 """``POST /v1/files``: a multipart body parsed as it arrives, the file part written straight into
 the ``FilesStore`` (never held whole in memory, never spooled twice), the size cap enforced while
 streaming so an oversized upload is cut off at the cap, not after it has been received.
+
+``receive_form`` parses the same way for a request that only needs its file while it runs (the
+audio API: server/audio/): the file part is kept in memory under its own, smaller cap, with the
+form's plain fields.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
@@ -21,11 +26,23 @@ _FLUSH_BYTES = 1 << 20  # disk writes go to a thread in chunks of about this siz
 _PURPOSES = {"user_data", "vision", "assistants", "batch", "fine-tune", "evals"}
 
 
-class _Parts:
-    """python-multipart callbacks -> (fields, one file part fed into an UploadWriter)."""
+@dataclass(frozen=True)
+class FormUpload:
+    """A multipart form read into memory (``receive_form``): its one file and its plain fields."""
 
-    def __init__(self, store: FilesStore) -> None:
+    data: bytes
+    filename: str
+    fields: dict[str, str]
+
+
+class _Parts:
+    """python-multipart callbacks -> (fields, one file part fed into an UploadWriter, or kept in
+    memory when there is no store)."""
+
+    def __init__(self, store: FilesStore | None, max_file_bytes: int) -> None:
         self.store = store
+        self.max_file_bytes = max_file_bytes
+        self.filename: str | None = None  # of the file part, once its headers are read
         self.fields: dict[str, str] = {}
         self.writer: UploadWriter | None = None
         self.pending: list[bytes] = []  # file bytes parsed but not yet written
@@ -69,19 +86,20 @@ class _Parts:
         if b"filename" in options:
             if self._name != "file":
                 raise APIError(400, f"unexpected file field {self._name!r} (use 'file')", param=self._name)
-            if self.writer is not None:
+            if self.filename is not None:
                 raise APIError(400, "only one file per upload", param="file")
             self._is_file = True
-            filename = options[b"filename"].decode("utf-8", "replace")
-            self.writer = self.store.begin_upload(filename, "user_data")
+            self.filename = options[b"filename"].decode("utf-8", "replace")
+            if self.store is not None:
+                self.writer = self.store.begin_upload(self.filename, "user_data")
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         chunk = bytes(data[start:end])
         if self._is_file:
             self.pending.append(chunk)
             self.pending_bytes += len(chunk)
-            if self.writer is not None and self.writer.nbytes + self.pending_bytes > self.store.max_file_bytes:
-                raise UploadTooLarge(f"file is larger than the {self.store.max_file_bytes}-byte upload limit")
+            if (self.writer.nbytes if self.writer is not None else 0) + self.pending_bytes > self.max_file_bytes:
+                raise UploadTooLarge(f"file is larger than the {self.max_file_bytes}-byte upload limit")
         else:
             self._buf += chunk
             if len(self._buf) > _FIELD_LIMIT:
@@ -99,34 +117,41 @@ class _Parts:
         return data
 
 
-async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
-    """Parse the upload request and commit its file; raises ``APIError`` (400 / 413 / 415)."""
+async def _parse(request: Request, parts: _Parts, what: str) -> None:
+    """Feed the request's multipart body to ``parts`` as it arrives, the body capped at the file's
+    cap plus room for headers and fields (a chunked body declares no length: counted as it comes).
+    With a store the file's bytes go to disk in chunks as they come; else they stay in ``pending``."""
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
-        raise APIError(415, "upload must be multipart/form-data with a 'file' part and a 'purpose' field")
+        raise APIError(415, f"{what} must be multipart/form-data with a 'file' part")
     boundary = params[b"boundary"]
     if not 1 <= len(boundary) <= _MAX_BOUNDARY:  # RFC 2046: 1 to 70 characters
         raise APIError(400, f"multipart boundary must be 1 to {_MAX_BOUNDARY} characters, got {len(boundary)}")
-    body_cap = store.max_file_bytes + _BODY_SLACK
+    body_cap = parts.max_file_bytes + _BODY_SLACK
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > body_cap:
-        raise APIError(413, f"upload of {declared} bytes is over the {store.max_file_bytes}-byte limit")
-    parts = _Parts(store)
+        raise UploadTooLarge(f"{what} of {declared} bytes is over the {parts.max_file_bytes}-byte limit")
     received = 0
+    parser = MultipartParser(boundary, parts.callbacks())
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > body_cap:
+            raise UploadTooLarge(f"{what} is over the {parts.max_file_bytes}-byte limit")
+        parser.write(chunk)
+        if parts.writer is not None and parts.pending_bytes >= _FLUSH_BYTES:
+            await asyncio.to_thread(parts.writer.write, parts.take_pending())
+    parser.finalize()
+    if not parts.ended:  # python-multipart's finalize does not check the closing boundary
+        raise APIError(400, f"{what} is truncated: the multipart body ends before its closing boundary")
+    if parts.filename is None:
+        raise APIError(400, f"{what} has no 'file' part", param="file")
+
+
+async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
+    """Parse the upload request and commit its file; raises ``APIError`` (400 / 413 / 415)."""
+    parts = _Parts(store, store.max_file_bytes)
     try:
-        parser = MultipartParser(boundary, parts.callbacks())
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > body_cap:  # a chunked body declares no length: counted as it comes
-                raise UploadTooLarge(f"upload is over the {store.max_file_bytes}-byte limit")
-            parser.write(chunk)
-            if parts.writer is not None and parts.pending_bytes >= _FLUSH_BYTES:
-                await asyncio.to_thread(parts.writer.write, parts.take_pending())
-        parser.finalize()
-        if not parts.ended:  # python-multipart's finalize does not check the closing boundary
-            raise APIError(400, "upload is truncated: the multipart body ends before its closing boundary")
-        if parts.writer is None:
-            raise APIError(400, "upload has no 'file' part", param="file")
+        await _parse(request, parts, "upload")
         if parts.pending:
             await asyncio.to_thread(parts.writer.write, parts.take_pending())
         purpose = parts.fields.get("purpose", "user_data") or "user_data"
@@ -141,3 +166,20 @@ async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
     finally:
         if parts.writer is not None:
             parts.writer.discard()  # no-op after a commit (the temp file was moved)
+
+
+async def receive_form(request: Request, max_file_bytes: int, what: str = "request") -> FormUpload:
+    """Parse a multipart form whose one file part (named 'file') is kept in memory, at most
+    ``max_file_bytes`` of it (413 past it, cut off as it streams); raises ``APIError`` (400 / 413
+    / 415). An empty file is a 400."""
+    parts = _Parts(None, max_file_bytes)
+    try:
+        await _parse(request, parts, what)
+    except UploadTooLarge as exc:
+        raise APIError(413, str(exc), param="file") from None
+    except ValueError as exc:  # python-multipart's parse errors
+        raise APIError(400, f"invalid {what}: {exc}") from None
+    data = parts.take_pending()
+    if not data:
+        raise APIError(400, f"the {what}'s file is empty", param="file")
+    return FormUpload(data, parts.filename or "", dict(parts.fields))
