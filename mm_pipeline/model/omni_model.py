@@ -117,14 +117,16 @@ class OmniModel:
     def load(cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
              dtype: str | torch.dtype = "float32", tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
              distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None,
-             audio_tokenizer_attention: str = "reference", with_text: bool = True) -> "OmniModel":
+             audio_tokenizer_attention: str = "reference", with_text: bool = True,
+             chat_template: str | None = None) -> "OmniModel":
         """The text model goes through ``load_text_model`` (one process, or one per tensor / expert
         parallel rank); the encoders stay whole (data-parallel, never tensor-parallel) on
         ``encoder_device`` (default: ``device``). ``audio_tokenizer_attention``: for the reference
         audio path, how its tokenizer attends ("reference" or "bidirectional",
         encoders.audio.mimo_config); ignored otherwise. ``with_text=False``: no text model (no
         ``model.*`` / ``lm_head.*`` weight is read; ``text`` is None), for a process that only
-        encodes media (an encoder replica, mm_pipeline/cluster/serving/encoder_replica.py)."""
+        encodes media (an encoder replica, mm_pipeline/cluster/serving/encoder_replica.py).
+        ``chat_template``: template text used instead of the tokenizer's own (``--chat-template``)."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
@@ -147,6 +149,8 @@ class OmniModel:
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise FileNotFoundError(f"{model_dir} has no tokenizer files; an omni model needs one")
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template  # before the layout measures the template (ChatLayout)
         text_device = next(text.parameters()).device if text is not None else torch.device(enc)
         return cls(name=model_dir.resolve().name, text=text, text_config=omni.text, device=text_device, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,

@@ -181,7 +181,7 @@ class OmniRuntime:
                                    expert_parallel_size=e.expert_parallel_size,
                                    distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
                                    audio_tokenizer_attention=config.audio_tokenizer_attention,
-                                   with_text=not encoders_only)
+                                   with_text=not encoders_only, chat_template=config.chat_template)
             return cls(model, config)
         return run_on_thread(build, "omni-load")
 

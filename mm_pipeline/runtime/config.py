@@ -29,6 +29,7 @@ from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
 from mm_pipeline.media.decode.video import shared_codec_threads
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
+from mm_pipeline.prompt.chat_template import load_chat_template
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # OmniEngineConfig's nested configs whose fields also have flat names "<prefix>_<field>" (from_kwargs,
@@ -67,6 +68,10 @@ class OmniEngineConfig:
     # the LLM engine: KV pools, chunking, scheduling, prefix cache and its KV tiers
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The LLM engine's config (its fields are flags under their own names)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the checkpoint's: a file, or the template inline (vLLM's --chat-template)."""
+    # held as the template's text (a path is read here), so a config sent to another process or
+    # machine -- a Ray replica -- carries the template itself, not a path that may not exist there
     # media ingest
     limits: MediaLimits = field(default_factory=MediaLimits)
     """Size, pixel, duration and frame limits of one media item (flags --media-*)."""
@@ -146,6 +151,8 @@ class OmniEngineConfig:
     """How long a media decode call may wait for a slot before HTTP 503 (none: no limit)."""
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
         if self.stream_min_tokens < 0:
             raise ValueError(f"stream_min_tokens must be >= 0, got {self.stream_min_tokens}")
         if self.max_queue < 1:
