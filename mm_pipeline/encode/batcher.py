@@ -11,7 +11,9 @@ one audio segment. Its life:
 
 Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
-reaches its token budget or its oldest job has waited ``max_wait_s``. ``run_due`` runs on the
+reaches its token budget or its oldest job has waited ``max_wait_s``. A batch takes jobs in
+(``priority``, arrival) order: the priority of the request that claimed the unit (the engine's
+``priority`` queue policy; 0 otherwise, so plain arrival order). ``run_due`` runs on the
 encoder worker's lanes (runtime/encoder_worker.py: one thread, or several side by side, each taking
 its share of the queue) or, with the worker off, on the engine thread between LLM steps; a job
 leaves the queue under the lock, so each is encoded by exactly one caller. Everything is
@@ -59,6 +61,7 @@ class EncoderJob:
     mel: torch.Tensor | None = None
     codes: torch.Tensor | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the claiming request's: lower is encoded first (module doc)
     # gives the decode budget back the bytes of this input (None: not counted there)
     release: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -220,11 +223,24 @@ class EncoderBatcher:
             if not due and sum(j.cost for j in q) < budget:
                 return []  # wait a little for more requests' work
             share = -(-len(q) // lanes)  # ceil: this lane's part of the queue
-            batch = [q.popleft()]  # always at least one, even if it alone exceeds the budget
-            used = batch[0].cost
-            while q and len(batch) < share and used + q[0].cost <= budget:
-                used += q[0].cost
-                batch.append(q.popleft())
+            # most urgent first; the sort is stable, so arrival order within one priority (the
+            # queue itself stays in arrival order: its head is the oldest job, what ``due`` reads)
+            order = sorted(q, key=lambda j: j.priority) if any(j.priority for j in q) else q
+            batch: list[EncoderJob] = []
+            used = 0
+            for job in order:  # always at least one, even if it alone exceeds the budget
+                if batch and (len(batch) >= share or used + job.cost > budget):
+                    break
+                batch.append(job)
+                used += job.cost
+            if order is q:
+                for _ in batch:
+                    q.popleft()
+            else:
+                taken = {id(j) for j in batch}
+                rest = [j for j in q if id(j) not in taken]
+                q.clear()
+                q.extend(rest)
             return batch
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:

@@ -45,6 +45,7 @@ class MediaPlan:
     decoded_bytes: int = 0  # estimated bytes its decode holds (the request's decoded-bytes budget)
     audio_units: int = 0  # a video with sound: its last ``audio_units`` units are sound segments
     audio_per_second: float = 0.0  # ... laid out by time at this many tokens per second
+    priority: int = 0  # the request's (one plan per request): its encoder jobs go in (priority, arrival) order
 
     def is_audio_unit(self, i: int) -> bool:
         """Is unit ``i`` an audio segment (of an audio item, or of a video's sound)?"""

@@ -184,6 +184,8 @@ class OmniEngine:
             if chat is not None:
                 prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None)
                 token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
+                for plan in prepared.plans:  # its encoder jobs are taken in the engine's priority order
+                    plan.priority = priority
                 if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
                     on_planned(sum(len(p.cached) for p in prepared.plans))
                 if self.config.stream_embeddings:

@@ -256,3 +256,21 @@ def test_a_unit_spoilt_by_its_batch_is_encoded_again_alone(towers):
     err = col.got["img2"][0]
     assert isinstance(err, RuntimeError) and "not finite" in str(err)
     assert b.stats()["failed_units"] == 1 and b.stats()["in_flight_units"] == 0
+
+
+def test_a_batch_takes_the_most_urgent_jobs_first_and_keeps_arrival_order_within_one(towers):
+    vision, _ = towers
+    v = vision_input(0, 64, 64)
+    b = EncoderBatcher(vision, None, BatcherConfig(vision_budget=2 * v.num_patches, max_wait_s=0.0))
+    col = Collector()
+    ranks = {"a": 5, "b": 0, "c": 5, "d": -1, "e": 0}
+    for k, rank in ranks.items():
+        b.attach(k, col.sink(k))
+        b.submit(EncoderJob(k, "image", vision=v, priority=rank))
+    order = []
+    while b.has_pending():
+        before = set(col.got)
+        assert b.run_due() <= 2  # the budget still splits the batches
+        order.append(set(col.got) - before)
+    assert order == [{"d", "b"}, {"e", "a"}, {"c"}]  # by (priority, arrival): d b | e a | c
+    assert b.stats()["pending"] == 0 and all(len(col.got[k]) == 1 for k in ranks)

@@ -4,8 +4,11 @@ answers), honoured there with the same greedy answer at any priority."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
+from tests.support.media_samples import image_bytes
 from tests.support.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
@@ -16,21 +19,25 @@ CHAT = {"messages": [{"role": "user", "content": "Name a shape."}], "max_tokens"
 
 
 @pytest.fixture(scope="module")
-def priority_client(tmp_path_factory):
-    import httpx
-
+def priority_engine():
     from mm_pipeline.runtime.config import OmniEngineConfig
     from mm_pipeline.runtime.omni_engine import OmniEngine
-    from mm_pipeline.server import ServerSettings, ServerThread, create_app
 
     engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(
         num_full_tokens=4096, num_swa_tokens=2048, queue_policy="priority"))
-    app = create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
-    try:
-        with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
-            yield c
-    finally:
-        engine.shutdown()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def priority_client(priority_engine, tmp_path_factory):
+    import httpx
+
+    from mm_pipeline.server import ServerSettings, ServerThread, create_app
+
+    app = create_app(priority_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+        yield c
 
 
 def test_a_priority_under_fcfs_is_a_400_naming_the_policy(demo_client):
@@ -55,3 +62,25 @@ def test_priorities_are_served_under_the_priority_policy(priority_client, demo_c
         assert [c["message"]["content"] for c in r.json()["choices"]] == [want, want]
     r = priority_client.post("/v1/completions", json={"prompt": "A red", "max_tokens": 2, "priority": 5})
     assert r.status_code == 200, r.text
+
+
+def test_the_priority_orders_the_encoder_jobs_too(priority_client, priority_engine):
+    """A media request's encoder jobs carry its priority (the batcher takes them in that order)."""
+    batcher = priority_engine.runtime.batcher
+    seen: list[int] = []
+    submit = batcher.submit
+
+    def spy(job) -> None:
+        seen.append(job.priority)
+        submit(job)
+
+    batcher.submit = spy
+    try:
+        url = "data:image/png;base64," + base64.b64encode(image_bytes("PNG", size=(72, 40))).decode()
+        r = priority_client.post("/v1/chat/completions", json={**CHAT, "priority": -4, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is it?"}]}]})
+        assert r.status_code == 200, r.text
+    finally:
+        del batcher.submit  # the class's method again
+    assert seen == [-4]
