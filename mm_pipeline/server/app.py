@@ -4,6 +4,7 @@
       /v1/chat/completions  /v1/completions       -> ChatService (streams: SSE ending in [DONE])
       /v1/files ...                                -> FilesStore (uploads streamed to disk)
       /v1/models  /health  /metrics
+      /ping  /invocations                          -> SageMaker's contract: /health, and a chat or completion
       /tokenize  /detokenize  /version             -> vLLM's utility endpoints (tokenize/routes.py)
       /v1/audio/transcriptions  /v1/audio/translations -> OpenAI's audio API, as chats (audio/routes.py)
       /  /web/*                                    -> the upload page (web/routes.py)
@@ -39,7 +40,7 @@ from mm_pipeline.server.errors import APIError, error_response, install_error_ha
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.metrics import ServerMetrics
 from mm_pipeline.server.openapi_doc import install_openapi
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
 from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileObject, ModelCard
@@ -124,7 +125,7 @@ def _file_object(rec: FileRecord) -> FileObject:
 # page's own calls go to /v1, which needs the key). Everything else -- /v1, vLLM's /tokenize,
 # /detokenize and /version, /metrics and the schema and docs pages (/openapi.json, /docs, /redoc) --
 # needs it when one is set.
-_OPEN_PATHS = ("/health", "/")
+_OPEN_PATHS = ("/health", "/ping", "/")
 _OPEN_PREFIXES = ("/web/",)
 
 
@@ -327,6 +328,19 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         if hasattr(stats, "to_dict"):
             body["stats"] = stats.to_dict()
         return JSONResponse(body)
+
+    # SageMaker's serving contract (vLLM serves it too): /ping is /health, and /invocations takes a
+    # chat or a completion body and answers as that route does
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        body = (await parse_body(request, Invocation, settings.max_request_bytes, settings.max_json_values)).root
+        if isinstance(body, ChatCompletionRequest):
+            return await respond(request, body, service.chat, service.chat_stream)
+        return await respond(request, body, service.complete, service.complete_stream)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:

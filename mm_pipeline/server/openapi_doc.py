@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from mm_pipeline.server.audio.protocol import Transcription, form_schema
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
 from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileObject,
                                           ModelCard, TokenizeResponse, VersionResponse)
@@ -38,6 +38,7 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/tokenize"): (TokenizeRequest, TokenizeResponse, False),
     ("post", "/detokenize"): (DetokenizeRequest, DetokenizeResponse, False),
     ("get", "/version"): (None, VersionResponse, False),
+    ("post", "/invocations"): (Invocation, None, True),
     ("post", "/v1/audio/transcriptions"): (None, Transcription, True),
     ("post", "/v1/audio/translations"): (None, Transcription, True),
 }

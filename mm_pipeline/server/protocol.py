@@ -20,9 +20,9 @@ priority`` and must be 0 otherwise (a 400, as vLLM answers).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, field_validator, model_validator
 
 from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.kvcache.page_keys import MAX_CACHE_SALT_CHARS
@@ -409,3 +409,18 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+def _invocation_kind(body: Any) -> str | None:
+    if isinstance(body, dict):
+        return "chat" if "messages" in body else "completion" if "prompt" in body else None
+    return None
+
+
+class Invocation(RootModel[Annotated[Union[Annotated[ChatCompletionRequest, Tag("chat")],
+                                          Annotated[CompletionRequest, Tag("completion")]],
+                                    Discriminator(_invocation_kind, custom_error_type="invocation",
+                                                  custom_error_message="an invocation is a chat request "
+                                                  "(messages) or a completion request (prompt)")]]):
+    """SageMaker's ``POST /invocations`` body: a chat or a completion request, told apart by its
+    ``messages`` or ``prompt`` (as vLLM's server tells them apart)."""
