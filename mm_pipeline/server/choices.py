@@ -330,10 +330,14 @@ class TokenStrings:
         return self.completion_logprobs(prompt_ids, (None, *found.logprobs), ({}, *(_top(t, n) for t in found.top)),
                                         as_ids=as_ids)
 
-    def prompt_logprobs(self, prompt_ids: Sequence[int], found: Any, n: int) -> list[dict[str, PromptLogprob] | None]:
+    def prompt_logprobs(self, prompt_ids: Sequence[int], found: Any,
+                        n: int) -> list[dict[str, PromptLogprob] | None] | None:
         """vLLM's ``prompt_logprobs`` answer (``prompt_logprobs=n``): None for the first prompt
         token, then per token {token id: {logprob, rank, decoded_token}} of the token itself and
-        the top-n."""
+        the top-n. None when the engine gave none (an engine or replica that does not compute
+        them: the answer says null rather than failing)."""
+        if found is None:
+            return None
         out: list[dict[str, PromptLogprob] | None] = [None]
         for tid, lp, rank, top in zip(prompt_ids[1:], found.logprobs, found.ranks, found.top):
             entry = {str(tid): PromptLogprob(logprob=lp, rank=rank, decoded_token=self(tid))}
