@@ -7,6 +7,7 @@ import pytest
 
 from llm_core.llm import load_tokenizer
 from tests.support.paths import DEMO_MODEL
+from tests.support.served import demo_engine_with, served_client
 
 
 @pytest.fixture(scope="module")
@@ -17,22 +18,12 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def demo_engine():
     """An OmniEngine over the demo checkpoint (4096 Full / 2048 SWA KV tokens), shut down after the module."""
-    from mm_pipeline.runtime.config import OmniEngineConfig
-    from mm_pipeline.runtime.omni_engine import OmniEngine
-
-    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(num_full_tokens=4096,
-                                                                                 num_swa_tokens=2048))
-    yield engine
-    engine.shutdown()
+    with demo_engine_with() as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def demo_client(demo_engine, tmp_path_factory):
     """An httpx client of the demo checkpoint served in process (default ServerSettings)."""
-    import httpx
-
-    from mm_pipeline.server import ServerSettings, ServerThread, create_app
-
-    app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
-    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+    with served_client(demo_engine, str(tmp_path_factory.mktemp("files"))) as c:
         yield c

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
+from tests.support.served import served_client
 
 pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
               pytest.mark.usefixtures("one_thread")]
@@ -104,12 +105,6 @@ def test_bad_files_and_bodies(demo_client, demo_engine, tmp_path_factory):
     assert 400 <= r.status_code < 500, r.text  # undecodable audio: the media pipeline's 4xx
     assert transcribe(demo_client).status_code == 200  # and the server goes on
 
-    import httpx
-
-    from mm_pipeline.server import ServerSettings, ServerThread, create_app
-
-    small = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("f")),
-                                                   max_audio_upload_bytes=4096))
-    with ServerThread(small) as served, httpx.Client(base_url=served.base_url, timeout=60) as c:
+    with served_client(demo_engine, str(tmp_path_factory.mktemp("f")), max_audio_upload_bytes=4096) as c:
         r = transcribe(c)
         assert r.status_code == 413 and "4096" in r.text, r.text

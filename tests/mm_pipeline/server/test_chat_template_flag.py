@@ -10,6 +10,7 @@ from mm_pipeline import cli
 from mm_pipeline.prompt.chat_template import MAX_TEMPLATE_BYTES, load_chat_template
 from mm_pipeline.runtime.config import OmniEngineConfig
 from tests.support.paths import DEMO_MODEL
+from tests.support.served import demo_engine_with
 
 pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
               pytest.mark.usefixtures("one_thread")]
@@ -43,15 +44,9 @@ def test_a_file_or_inline_template_is_read_and_checked(tmp_path):
 def test_the_template_replaces_the_checkpoints(demo_engine, tokenizer):
     import asyncio
 
-    from mm_pipeline.runtime.omni_engine import OmniEngine
-
-    custom = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(
-        num_full_tokens=4096, num_swa_tokens=2048, chat_template=custom_template()))
-    try:
+    with demo_engine_with(chat_template=custom_template()) as custom:
         plain = asyncio.run(demo_engine.prompt_token_ids(messages=CHAT))
         ids = asyncio.run(custom.prompt_token_ids(messages=CHAT))
         preface = tokenizer.encode(PREFACE.strip(), add_special_tokens=False)
         assert ids[:len(preface)] == preface and ids != plain
         assert tokenizer.decode(ids).startswith(PREFACE) and tokenizer.decode(ids).endswith(tokenizer.decode(plain))
-    finally:
-        custom.shutdown()

@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.media_samples import image_bytes
 from tests.support.paths import DEMO_MODEL
+from tests.support.served import demo_engine_with, served_client
 
 pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
               pytest.mark.usefixtures("one_thread")]
@@ -20,23 +21,13 @@ CHAT = {"messages": [{"role": "user", "content": "Name a shape."}], "max_tokens"
 
 @pytest.fixture(scope="module")
 def priority_engine():
-    from mm_pipeline.runtime.config import OmniEngineConfig
-    from mm_pipeline.runtime.omni_engine import OmniEngine
-
-    engine = OmniEngine.from_pretrained(DEMO_MODEL, OmniEngineConfig.from_kwargs(
-        num_full_tokens=4096, num_swa_tokens=2048, queue_policy="priority"))
-    yield engine
-    engine.shutdown()
+    with demo_engine_with(queue_policy="priority") as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def priority_client(priority_engine, tmp_path_factory):
-    import httpx
-
-    from mm_pipeline.server import ServerSettings, ServerThread, create_app
-
-    app = create_app(priority_engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("files"))))
-    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=120) as c:
+    with served_client(priority_engine, str(tmp_path_factory.mktemp("files"))) as c:
         yield c
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.support.paths import DEMO_MODEL
+from tests.support.served import served_client
 
 pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
               pytest.mark.usefixtures("one_thread")]
@@ -43,12 +44,7 @@ def test_a_body_that_is_neither_or_bad_is_a_400(demo_client, body, words):
 
 
 def test_ping_needs_no_key_and_invocations_do(demo_engine, tmp_path_factory):
-    import httpx
-
-    from mm_pipeline.server import ServerSettings, ServerThread, create_app
-
-    app = create_app(demo_engine, ServerSettings(api_key="sk-x", files_dir=str(tmp_path_factory.mktemp("f"))))
-    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=60) as c:
+    with served_client(demo_engine, str(tmp_path_factory.mktemp("f")), api_key="sk-x") as c:
         assert c.get("/ping").status_code == 200
         assert c.post("/invocations", json=TEXT).status_code == 401
         assert c.post("/invocations", json=TEXT, headers={"Authorization": "Bearer sk-x"}).status_code == 200
