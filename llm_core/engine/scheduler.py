@@ -136,14 +136,13 @@ class Scheduler:
         """Pick this step's requests and token counts; allocate their pages."""
         batch = ScheduledBatch()
         policy = self.queue_policy
-        order = policy.order(self.waiting, self.prefix_cache.peek, time.monotonic())
         # priority: running requests less urgent than the most urgent waiting one come after the
         # admissions, so a long low-priority prefill cannot hold an urgent request out for its length
-        before = order[0] if policy.uses_priority and order else None
+        before = min(self.waiting, key=policy.rank) if policy.uses_priority and self.waiting else None
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens, before)
         if batch.preempted:
             return batch  # pools are tight: do not admit new work in the same step
-        budget = self._admit(order, batch, budget)
+        budget = self._admit(policy.order(self.waiting, self.prefix_cache.peek, time.monotonic()), batch, budget)
         if before is not None:
             self._schedule_running(batch, budget, None)
         return batch
@@ -151,7 +150,7 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int, before: Request | None) -> int:
         """Schedule running requests without an entry yet, in rank order, up to the first one that
         ``before`` (a waiting request) outranks (None: all). Returns the budget left."""
-        scheduled = {id(e.request) for e in batch.entries}
+        scheduled = {id(e.request) for e in batch.entries}  # (empty but after the admissions)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
