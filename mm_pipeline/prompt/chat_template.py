@@ -8,7 +8,6 @@ import inspect
 import itertools
 import re
 import threading
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import jinja2
@@ -17,32 +16,6 @@ import jinja2.meta
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.prompt.messages import ChatRequest
 from mm_pipeline.prompt.template_options import RESERVED_NAMES, TemplateOptions, template_strings
-
-MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file is a few KiB; this bounds a wrong path's read
-
-
-def load_chat_template(value: str) -> str:
-    """vLLM's ``--chat-template`` value as template text: the contents of the file it names, or the
-    template itself when it is written inline (it holds ``{{`` or ``{%``). A ValueError names what is
-    wrong: no such file and no template markup, a file too big or not UTF-8, a Jinja syntax error."""
-    path = Path(value).expanduser() if "\n" not in value and len(value) < 4096 else None
-    if path is not None and path.is_file():
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise ValueError(f"chat template file {path} is over {MAX_TEMPLATE_BYTES} bytes")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"chat template file {path} is not UTF-8 text") from None
-    elif "{{" in value or "{%" in value:
-        text = value
-    else:
-        raise ValueError(f"chat template {value[:80]!r} is neither a file nor a Jinja template")
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from None
-    return text
-
 
 # the roles of a parsed chat (mm_pipeline/prompt/messages.py; "developer" arrives as "system")
 CHAT_ROLES = ("system", "user", "assistant", "tool")

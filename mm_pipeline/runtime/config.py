@@ -29,7 +29,7 @@ from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
 from mm_pipeline.media.decode.video import shared_codec_threads
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
-from mm_pipeline.prompt.chat_template import load_chat_template
+from mm_pipeline.prompt.template_source import load_chat_template
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # OmniEngineConfig's nested configs whose fields also have flat names "<prefix>_<field>" (from_kwargs,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mm_pipeline import cli
-from mm_pipeline.prompt.chat_template import MAX_TEMPLATE_BYTES, load_chat_template
+from mm_pipeline.prompt.template_source import MAX_TEMPLATE_BYTES, load_chat_template
 from mm_pipeline.runtime.config import OmniEngineConfig
 from tests.support.paths import DEMO_MODEL
 from tests.support.served import demo_engine_with
