@@ -118,19 +118,19 @@ class MultimodalLLM:
 
     def _run(self, jobs: list[dict[str, Any]], priority: Sequence[int] | None = None,
              cache_salt: str | None = None) -> list[RequestOutput]:
+        """``priority`` and ``cache_salt`` are checked for the whole call first (as LLM.generate:
+        a wrong one is the call's mistake, not one conversation's), then go with every job."""
+        ranks = [0] * len(jobs) if priority is None else list(priority)
+        if len(ranks) != len(jobs):
+            raise ValueError(f"{len(ranks)} priorities for {len(jobs)} inputs")
+        llm = self.engine.runtime.llm
+        problems = [p.message for p in map(llm.check_priority, ranks) if p is not None] if llm is not None else []
         if (salt_problem := check_cache_salt(cache_salt)) is not None:
-            raise ValueError(salt_problem)
-        for job in jobs:
-            job["cache_salt"] = cache_salt
-        if priority is not None:
-            if len(priority) != len(jobs):
-                raise ValueError(f"{len(priority)} priorities for {len(jobs)} inputs")
-            llm = self.engine.runtime.llm
-            for job, rank in zip(jobs, priority):
-                problem = llm.check_priority(rank) if llm is not None else None
-                if problem is not None:  # the whole call is wrong, not one conversation (as LLM.generate)
-                    raise ValueError(problem.message)
-                job["priority"] = rank
+            problems.append(salt_problem)
+        if problems:
+            raise ValueError(problems[0])
+        for job, rank in zip(jobs, ranks):
+            job.update(priority=rank, cache_salt=cache_salt)
         ids = []
         for _ in jobs:
             ids.append(f"mmllm-{self._next_id}")
@@ -145,8 +145,8 @@ class MultimodalLLM:
         last: RequestOutput | None = None
         try:
             async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
-                                                    request_id=rid, priority=job.get("priority", 0),
-                                                    cache_salt=job.get("cache_salt"))) as outs:
+                                                    request_id=rid, priority=job["priority"],
+                                                    cache_salt=job["cache_salt"])) as outs:
                 async for out in outs:
                     last = out
         except (MediaError, InvalidInputError, ServerBusy, ValueError) as exc:

@@ -108,3 +108,15 @@ def test_chat_takes_vllms_template_arguments(llm, media):
     assert llm.engine.stats().media.get("images_decoded", 0) == decodes
     with pytest.raises(InvalidMessageError, match="cannot both be true"):
         llm.chat(cont, GREEDY, continue_final_message=True)
+
+
+def test_priority_and_cache_salt_are_checked_for_the_whole_call(llm):
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(ValueError, match="priority scheduling is off"):
+        llm.chat([convo({"type": "text", "text": "hi"})], greedy, priority=[3])
+    with pytest.raises(ValueError, match="1 priorities for 2 inputs"):
+        llm.generate([[5, 6], [7, 8]], greedy, priority=[0])
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([[5, 6]], greedy, cache_salt="")
+    salted = llm.generate([[5, 6, 7, 8, 9]], greedy, priority=[0], cache_salt="tenant-a")
+    assert salted[0].finish_reason in ("length", "stop") and salted[0].error is None
