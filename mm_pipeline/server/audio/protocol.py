@@ -14,16 +14,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llm_core.engine.queue_policy import PRIORITY_LIMIT
-from llm_core.engine.sampling import MAX_INT32, SEED_LIMIT
-from llm_core.kvcache.page_keys import MAX_CACHE_SALT_CHARS
+from mm_pipeline.server.protocol import ChatCompletionRequest
 
 TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")
+# OpenAI's temperature and vLLM's sampling extras, passed on to the chat request (AudioForm)
+PASSED_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_completion_tokens", "priority", "cache_salt")
+DEFAULT_TEMPERATURE = 0.0  # OpenAI's default for transcriptions (a chat's is 1)
 MAX_PROMPT_CHARS = 4096  # a form field's own cap (server/files/uploads.py) bounds it too
 
 
 class AudioForm(BaseModel):
-    """One transcription or translation request, its file aside."""
+    """One transcription or translation request's own fields, its file aside. The sampling fields it
+    may carry (``PASSED_FIELDS``) go to the chat request as given and are typed and bounded there,
+    by the same definitions as on /v1/chat/completions (protocol.SamplingFields)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -33,16 +36,8 @@ class AudioForm(BaseModel):
     # OpenAI's: earlier text of the same recording, or words and style to follow
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     response_format: Literal["json", "text"] = "json"
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    # vLLM's sampling extras
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
-    seed: int | None = Field(default=None, ge=-SEED_LIMIT, lt=SEED_LIMIT)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     stream: bool = False
     stream_include_usage: bool = False
-    priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="before")
     @classmethod
@@ -80,9 +75,12 @@ class Transcription(BaseModel):
 
 
 def form_schema() -> dict[str, Any]:
-    """The multipart form as JSON schema (the OpenAPI document): the fields and the file."""
+    """The multipart form as JSON schema (the OpenAPI document): the file, the form's own fields and
+    the sampling fields it passes on, as the chat request defines them."""
     js = AudioForm.model_json_schema()
+    sampling = ChatCompletionRequest.model_json_schema()["properties"]
     js["properties"] = {"file": {"type": "string", "format": "binary", "description": "the audio (any container "
-                                 "the media pipeline reads: wav, mp3, flac, ogg, m4a, webm...)"}, **js["properties"]}
+                                 "the media pipeline reads: wav, mp3, flac, ogg, m4a, webm...)"}, **js["properties"],
+                        **{k: sampling[k] for k in PASSED_FIELDS}}
     js["required"] = ["file"]
     return js

@@ -3,8 +3,9 @@
 chat about the audio.
 
     multipart/form-data: file (required), model, language, prompt, response_format (json | text),
-                         temperature, top_p, top_k, seed, max_completion_tokens, stream,
-                         stream_include_usage, priority, cache_salt       (protocol.py)
+                         stream, stream_include_usage                      (protocol.py), and as on
+                         /v1/chat/completions: temperature (default 0 here), top_p, top_k, seed,
+                         max_completion_tokens, priority, cache_salt
     -> json:   {"text": "...", "usage": {"type": "tokens", "input_tokens", "output_tokens", "total_tokens"}}
        text:   the transcript as text/plain
        stream: SSE "transcription.chunk" events, vLLM's shape: {"choices": [{"delta": {"content": ...},
@@ -32,7 +33,8 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from mm_pipeline.server.answer_info import AnswerInfo
-from mm_pipeline.server.audio.protocol import AudioForm, Transcription, TranscriptionUsage, audio_format
+from mm_pipeline.server.audio.protocol import (DEFAULT_TEMPERATURE, PASSED_FIELDS, AudioForm, Transcription,
+                                              TranscriptionUsage, audio_format)
 from mm_pipeline.server.chat_service import ChatService
 from mm_pipeline.server.files.uploads import FormUpload, receive_form
 from mm_pipeline.server.protocol import ChatCompletionRequest
@@ -77,9 +79,8 @@ async def chat_request(upload: FormUpload, form: AudioForm, text: str) -> ChatCo
         "messages": [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": data, "format": audio_format(upload.filename)}},
             {"type": "text", "text": text}]}],
-        "temperature": form.temperature, "top_p": form.top_p, "top_k": form.top_k, "seed": form.seed,
-        "max_tokens": form.max_completion_tokens, "stream": form.stream, "priority": form.priority,
-        "cache_salt": form.cache_salt}
+        "temperature": DEFAULT_TEMPERATURE, **{k: upload.fields[k] for k in PASSED_FIELDS if k in upload.fields},
+        "stream": form.stream}
     if form.stream:
         body["stream_options"] = {"include_usage": form.stream_include_usage}
     try:
