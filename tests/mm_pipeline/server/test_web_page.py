@@ -225,12 +225,13 @@ def test_each_modality_uploads_previews_and_streams_its_caption(page):
         assert answer.get_attribute("data-state") == "done", answer.text
         assert answer.find_element(By.CSS_SELECTOR, ".text").text == LABELS[name]["caption"]
         assert card.find_element(By.CSS_SELECTOR, "progress").get_attribute("value") == "1"
-        # a short caption's tokens can all arrive in one read (no time after the first token: the
-        # page shows no rate, "–"); the longest caption (the video's 15 tokens) always has one
+        # a caption's tokens can all arrive in one read (no time after the first token: the page
+        # shows no rate, "–"); on a loaded machine even the video's 15 tokens did (CI at a4e717d,
+        # while the image's 3 and the audio's 4 had rates), so one of the three must show one
         assert re.fullmatch(r"\d+ ms", stat(answer, "ttft")) and re.fullmatch(r"[\d.]+|–", stat(answer, "tps"))
         rates.append(stat(answer, "tps"))
         assert re.fullmatch(r"\d+ of \d+", stat(answer, "cached")) and stat(answer, "encoder").isdigit()
-    assert re.fullmatch(r"[\d.]+", rates[names.index("video_000000.mp4")]), rates
+    assert any(re.fullmatch(r"[\d.]+", r) for r in rates), rates
     page.shot("captions")
 
 
