@@ -190,6 +190,25 @@ class ThinkSyntax:
         gate = self.gate
         return gate is not None and gate.prompt_opens(prompt_ids)
 
+    def reasoning_tokens(self, output_ids: Sequence[int], opened: bool = False) -> int:
+        """How many of an answer's tokens are its thinking: those strictly between ``<think>`` and
+        ``</think>`` (vLLM's count), the tags themselves not; ``opened``: the prompt ended inside
+        ``<think>``. As the parser decides: ``<think>`` counts only as the first token or after one
+        leading token (the whitespace a model may write first), and thinking cut short (no
+        ``</think>``) is thinking to the end. 0 when the tags are not single tokens (then the
+        thinking cannot be told apart by id)."""
+        if self.start_id is None or self.end_id is None:
+            return 0
+        ids = list(output_ids)
+        begin = 0
+        if not opened:
+            head = ids[:2]
+            if self.start_id not in head:
+                return 0
+            begin = head.index(self.start_id) + 1
+        end = ids.index(self.end_id, begin) if self.end_id in ids[begin:] else len(ids)
+        return end - begin
+
     def parser(self, opened: bool = False) -> ReasoningParser:
         """A parser for one answer; ``opened``: its prompt ended inside ``<think>``."""
         return ReasoningParser(self.start, self.end, in_reasoning=opened)

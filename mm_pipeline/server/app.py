@@ -49,6 +49,8 @@ from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_discon
 from mm_pipeline.server.files.uploads import receive_upload
 from mm_pipeline.server.tokenize.routes import install_tokenize_routes
 from mm_pipeline.server.audio.routes import install_audio_routes
+from mm_pipeline.server.responses_api.routes import install_responses_routes
+from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
 
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
@@ -243,6 +245,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
         request, model, settings.max_request_bytes, settings.max_json_values))
     install_audio_routes(app, service, settings)  # /v1/audio/transcriptions, /v1/audio/translations
+    install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes),  # /v1/responses
+                             lambda request, model: parse_body(request, model, settings.max_request_bytes,
+                                                               settings.max_json_values))
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         info = AnswerInfo()  # filled before the body starts: its headers go out with a stream too
@@ -331,7 +336,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     # SageMaker's serving contract (vLLM serves it too): /ping is /health, and /invocations takes a
     # chat or a completion body and answers as that route does
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
+    @app.post("/ping")  # a route per method: one operation id each in the OpenAPI schema
     async def ping() -> JSONResponse:
         return await health()
 

@@ -29,7 +29,8 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.tokenize.protocol import TokenizeRequest
 from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                          ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
+                                          ChatCompletionChunk, Completion, CompletionChoice, CompletionTokensDetails,
+                                          Delta, Usage)
 from mm_pipeline.server.sse import DONE, error_event, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
@@ -156,6 +157,15 @@ def _usage(states: list[ChoiceState]) -> Usage:
     return u
 
 
+def _chat_usage(choices: list[ChoiceStream], reasoning: ThinkSyntax | None) -> Usage:
+    """``_usage`` of a chat answer; with a reasoning parser, its thinking tokens too."""
+    u = _usage([c.state for c in choices])
+    if reasoning is not None:
+        u.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(c.reasoning_tokens()
+                                                                                   for c in choices))
+    return u
+
+
 def _check_finished(states: list[ChoiceState]) -> None:
     """Raise the typed error of the first choice that failed (by its kind, see mm_pipeline/errors.py)."""
     for s in states:
@@ -184,7 +194,8 @@ class ChatService:
         answers = [c.answer() for c in choices]
         scored = states[0] if states and req.prompt_logprobs is not None else None
         return ChatCompletion(
-            id=rid, created=int(time.time()), model=self.config.model_name, usage=_usage(states),
+            id=rid, created=int(time.time()), model=self.config.model_name,
+            usage=_chat_usage(choices, self.config.reasoning),
             prompt_logprobs=None if scored is None else self.tokens.prompt_logprobs(
                 scored.prompt_token_ids or [], scored.prompt_logprobs, req.prompt_logprobs),
             choices=[ChatChoice(index=i, message=_message(a), finish_reason=_finish_reason(s.finish_reason, len(a.calls)),
@@ -251,7 +262,8 @@ class ChatService:
             states = [c.state for c in choices]
             self._finished(arrival, states)
             if req.include_usage:
-                yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=_usage(states))
+                yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                          usage=_chat_usage(choices, self.config.reasoning))
 
         async def close() -> None:
             await close_all(choices)

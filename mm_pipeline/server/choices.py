@@ -152,6 +152,10 @@ class ChoiceStream:
         self.calls_made = len(found.calls)
         return AnswerPart(split.reasoning, found.content, found.calls)
 
+    def reasoning_tokens(self) -> int:
+        """How many of the tokens so far are thinking (0 without a reasoning parser)."""
+        return 0 if self._reasoning is None else self._reasoning.reasoning_tokens(self.state.token_ids, self._opened)
+
     def split(self, delta: Any) -> AnswerPart:
         """``delta``'s text as (reasoning, content, calls), for a streamed answer: call it once for
         each delta of this choice, in their order (the parsers keep state across them); the finished

@@ -18,6 +18,8 @@ from pydantic import BaseModel
 
 from mm_pipeline.server.audio.protocol import Transcription, form_schema
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
+from mm_pipeline.server.responses_api.output import ResponseObject
+from mm_pipeline.server.responses_api.protocol import ResponsesRequest
 from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileObject,
                                           ModelCard, TokenizeResponse, VersionResponse)
@@ -41,6 +43,8 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/invocations"): (Invocation, None, True),
     ("post", "/v1/audio/transcriptions"): (None, Transcription, True),
     ("post", "/v1/audio/translations"): (None, Transcription, True),
+    ("post", "/v1/responses"): (ResponsesRequest, ResponseObject, True),
+    ("get", "/v1/responses/{response_id}"): (None, ResponseObject, False),
 }
 # routes whose body is a multipart form (server/audio/): the form's schema, and a text/plain answer too
 _FORMS = {("post", "/v1/audio/transcriptions"), ("post", "/v1/audio/translations")}

@@ -74,13 +74,26 @@ _NOT_IMPLEMENTED_CHAT: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _check_unsupported(values: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+def check_unsupported(values: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
     for name, no_op in table.items():
         value = values.get(name)
         if value is not None and value not in no_op:
             shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
             accepted = f"; accepted: {' or '.join(map(repr, no_op))}" if no_op else ""
             raise ValueError(f"{name} is not supported by this server (got {shown}{accepted})")
+
+
+def refusing(table: dict[str, tuple[Any, ...]]) -> Any:
+    """A model's before-validator that refuses ``table``'s fields (``check_unsupported``): looked
+    for before the fields are validated, so the 400 names them however the rest of the body looks.
+    In a model body: ``_refuse = refusing(TABLE)``."""
+
+    def refuse(cls: type, values: Any) -> Any:
+        if isinstance(values, dict):
+            check_unsupported(values, table)
+        return values
+
+    return model_validator(mode="before")(classmethod(refuse))
 
 
 # ---- structured outputs --------------------------------------------------------------------------
@@ -197,14 +210,7 @@ class SamplingFields(_Loose):
     guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
     guided_grammar: str | None = None
 
-    # unsupported fields are looked for before the fields are validated: a 400 naming them, however
-    # the rest of the request looks
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unsupported(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _check_unsupported(values, _NOT_IMPLEMENTED)
-        return values
+    _reject_unsupported = refusing(_NOT_IMPLEMENTED)
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> "SamplingFields":
@@ -349,12 +355,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         "auto" (or absent)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unsupported_chat(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _check_unsupported(values, _NOT_IMPLEMENTED_CHAT)
-        return values
+    _reject_unsupported_chat = refusing(_NOT_IMPLEMENTED_CHAT)
 
     @model_validator(mode="after")
     def _logprob_pair(self) -> "ChatCompletionRequest":
@@ -379,12 +380,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unsupported_completion(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _check_unsupported(values, _NOT_IMPLEMENTED_COMPLETION)
-        return values
+    _reject_unsupported_completion = refusing(_NOT_IMPLEMENTED_COMPLETION)
 
     @model_validator(mode="after")
     def _checks(self) -> "CompletionRequest":

@@ -10,11 +10,25 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # chat answers with a reasoning parser on: how many completion tokens were thinking (OpenAI's
+    # field for reasoning models); the key only then
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_no_details(self, handler: Any) -> Any:
+        out = handler(self)
+        if isinstance(out, dict) and self.completion_tokens_details is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
     def add(self, prompt: int, completion: int, cached: int) -> None:
         self.prompt_tokens += prompt

@@ -55,6 +55,10 @@ class ServerSettings:
     translation_prompt: str = "Translate the speech in this audio into English."
     """What /v1/audio/translations asks the model with the audio (then the request's prompt)."""
 
+    responses_store_bytes: int = 256 << 20
+    """Bytes of stored responses (/v1/responses with store, OpenAI's default) kept in memory for
+    previous_response_id and GET /v1/responses/{id}, least recently used dropped first; 0 stores none."""
+
     return_tokens_as_token_ids: bool = False
     """Logprob entries name their token as "token_id:<id>" instead of its text (vLLM's flag), so a
     token that is no whole character -- a byte of a multi-byte one -- is still told apart; a
@@ -68,6 +72,8 @@ class ServerSettings:
             raise ValueError(f"max_audio_upload_bytes must be > 0, got {self.max_audio_upload_bytes}")
         if not self.transcription_prompt.strip() or not self.translation_prompt.strip():
             raise ValueError("transcription_prompt and translation_prompt must not be empty")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}")
         if self.max_files < 1:
             raise ValueError(f"max_files must be >= 1, got {self.max_files}")
         if self.max_request_bytes < 1024:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from mm_pipeline.server.message_protocol import ChatMessage, _Loose
-from mm_pipeline.server.protocol import _NOT_IMPLEMENTED_CHAT, ChatTemplateFields, _check_unsupported
+from mm_pipeline.server.protocol import _NOT_IMPLEMENTED_CHAT, ChatTemplateFields, check_unsupported
 
 # the chat form of /tokenize: what /v1/chat/completions refuses, refused alike (its prompt must be the
 # one that endpoint runs); tools are a template field, rendered as there
@@ -37,7 +37,7 @@ class TokenizeRequest(ChatTemplateFields):
     @classmethod
     def _reject_unsupported_chat(cls, values: Any) -> Any:
         if isinstance(values, dict) and values.get("messages") is not None:
-            _check_unsupported(values, _NOT_IMPLEMENTED_TOKENIZE_CHAT)
+            check_unsupported(values, _NOT_IMPLEMENTED_TOKENIZE_CHAT)
         return values
 
     @model_validator(mode="after")

@@ -181,3 +181,19 @@ def test_chunk_deltas_name_only_what_they_carry():
     assert Delta.of_text("", "").model_dump() == {"content": ""}  # logprobs / finish_reason only: as before
     assert Delta.of_text("a", "b").model_dump() == {"content": "b", "reasoning_content": "a"}
     assert Delta(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize("ids, opened, thinking", [
+    ([1, 5, 6, 7, 2, 9, 9], False, 3),   # <think> 5 6 7 </think> answer
+    ([0, 1, 5, 6, 2, 9], False, 2),      # one leading token (whitespace) before <think>
+    ([0, 0, 1, 5, 2, 9], False, 0),      # <think> later than that: text, as the parser reads it
+    ([5, 6, 2, 9], True, 2),             # the prompt opened <think>
+    ([1, 5, 6, 7], False, 3),            # cut short: thinking to the end
+    ([5, 6], True, 2),
+    ([9, 9, 9], False, 0),               # no thinking at all
+    ([2, 9], True, 0),                   # opened and closed at once
+])
+def test_reasoning_tokens_are_those_between_the_tags(ids, opened, thinking):
+    syntax = ThinkSyntax(start_id=1, end_id=2)
+    assert syntax.reasoning_tokens(ids, opened) == thinking
+    assert ThinkSyntax().reasoning_tokens(ids, opened) == 0  # tags that are no tokens: not countable by id

@@ -39,7 +39,7 @@ def _operations(schema) -> list:
 def test_the_schema_documents_the_completion_bodies(api_schema):
     """Without them the fuzzer would send empty bodies and test nothing but the 400 for them."""
     ops = {(op.method.upper(), op.path): op for op in _operations(api_schema)}
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         assert ops[("POST", path)].body, path
 
 

@@ -1,0 +1,159 @@
+"""A streamed response: the chat's chunks (ChatService.chat_chunks) as the Responses API's
+server-sent events, ``event: <type>`` and ``data: <json>`` with a ``sequence_number`` from 0.
+
+    response.created, response.in_progress                     the response, nothing answered yet
+    per output item, in order (output.py's items):
+      response.output_item.added
+        reasoning:     response.content_part.added, response.reasoning_text.delta ...,
+                       response.reasoning_text.done, response.content_part.done
+        message:       response.content_part.added, response.output_text.delta ... (logprobs when
+                       asked), response.output_text.done, response.content_part.done
+        function_call: response.function_call_arguments.delta (a call arrives whole when its
+                       </tool_call> does), response.function_call_arguments.done
+      response.output_item.done
+    response.completed | response.incomplete                   the whole response, usage included
+
+An error after the stream started (the HTTP status is sent) is an ``error`` event, then
+``response.failed`` with the response's ``error`` set. The items and text are the ones the same
+request gets without ``stream`` (one parse of the same deltas: choices.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from mm_pipeline.server.errors import to_api_error, log_rejection
+from mm_pipeline.server.responses import ChatCompletionChunk
+from mm_pipeline.server.responses_api.output import (FunctionCallOutput, OutputItem, OutputMessage, OutputText,
+                                                     ReasoningOutput, ReasoningText, ResponseError, ResponseObject)
+
+
+def named_event(payload: dict[str, Any]) -> str:
+    """One SSE event named by its payload's type (the Responses API names every event)."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class ResponseEvents:
+    """Turns one response's chat chunks into its events; ``response`` (output.py's, in progress)
+    is filled as they come and is whole once the stream ends."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self._seq = 0
+        self._open: ReasoningOutput | OutputMessage | None = None  # the item text goes to now
+        self._finish_reason: str | None = None
+
+    async def events(self, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+        yield self._event("response.created", response=self._snapshot())
+        yield self._event("response.in_progress", response=self._snapshot())
+        try:
+            async for chunk in chunks:
+                if not chunk.choices:  # the last chunk: usage (chat_body asks for it)
+                    if not any(isinstance(x, (OutputMessage, FunctionCallOutput)) for x in self.response.output):
+                        for e in self._add(OutputMessage(status="in_progress", content=[OutputText()]), "output_text"):
+                            yield e  # an empty answer is an empty message, as without stream
+                    for e in self._close():
+                        yield e
+                    self.response.finish(self._finish_reason, chunk.usage)
+                    kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
+                    yield self._event(kind, response=self._snapshot())
+                    continue
+                choice = chunk.choices[0]
+                delta = choice.delta
+                if choice.finish_reason is not None:
+                    self._finish_reason = choice.finish_reason
+                if delta.reasoning_content:
+                    for e in self._reasoning(delta.reasoning_content):
+                        yield e
+                if delta.content or choice.logprobs is not None and choice.logprobs.content:
+                    for e in self._text(delta.content or "", choice.logprobs.content if choice.logprobs else []):
+                        yield e
+                for call in delta.tool_calls or ():
+                    for e in self._call(FunctionCallOutput.of_chat(call)):
+                        yield e
+        except Exception as exc:
+            err = to_api_error(exc)
+            log_rejection(err, "POST", "/v1/responses (stream already started)")
+            code = err.code or err.kind or "server_error"
+            yield self._event("error", code=code, message=err.message, param=err.param)
+            self.response.status, self.response.error = "failed", ResponseError(code=code, message=err.message)
+            yield self._event("response.failed", response=self._snapshot())
+
+    # ---- items ----------------------------------------------------------------------------------
+    def _reasoning(self, text: str) -> list[str]:
+        out = []
+        if not isinstance(self._open, ReasoningOutput):
+            out += self._close()
+            out += self._add(ReasoningOutput(status="in_progress", content=[ReasoningText()]), "reasoning_text")
+        item = self._open
+        item.content[0].text += text
+        out.append(self._event("response.reasoning_text.delta", **self._at(item), content_index=0, delta=text))
+        return out
+
+    def _text(self, text: str, logprobs: list[Any]) -> list[str]:
+        out = []
+        if not isinstance(self._open, OutputMessage):
+            out += self._close()
+            out += self._add(OutputMessage(status="in_progress", content=[OutputText()]), "output_text")
+        part = self._open.content[0]
+        part.text += text
+        part.logprobs += logprobs
+        out.append(self._event("response.output_text.delta", **self._at(self._open), content_index=0, delta=text,
+                               logprobs=[lp.model_dump() for lp in logprobs]))
+        return out
+
+    def _call(self, call: FunctionCallOutput) -> list[str]:
+        out = self._close()
+        call.status = "in_progress"
+        arguments, call.arguments = call.arguments, ""
+        out += self._add(call, None)
+        call.arguments = arguments
+        out.append(self._event("response.function_call_arguments.delta", **self._at(call), delta=arguments))
+        out.append(self._event("response.function_call_arguments.done", **self._at(call), arguments=arguments))
+        call.status = "completed"
+        out.append(self._event("response.output_item.done", output_index=self._index(call), item=call.model_dump()))
+        return out
+
+    def _add(self, item: OutputItem, part: str | None) -> list[str]:
+        """Append ``item`` to the output and announce it (and its one content part, of kind ``part``)."""
+        self.response.output.append(item)
+        out = [self._event("response.output_item.added", output_index=self._index(item),
+                           item=item.model_dump() | ({"content": []} if part else {}))]
+        if part is not None:
+            self._open = item
+            empty = ReasoningText() if part == "reasoning_text" else OutputText()
+            out.append(self._event("response.content_part.added", **self._at(item), content_index=0,
+                                   part=empty.model_dump()))
+        return out
+
+    def _close(self) -> list[str]:
+        """End the item text was going to: its text's done, its part's done, its done."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        part = item.content[0]
+        if isinstance(item, ReasoningOutput):
+            out = [self._event("response.reasoning_text.done", **self._at(item), content_index=0, text=part.text)]
+        else:
+            out = [self._event("response.output_text.done", **self._at(item), content_index=0, text=part.text,
+                               logprobs=[lp.model_dump() for lp in part.logprobs])]
+        item.status = "incomplete" if self._finish_reason == "length" else "completed"  # as finish() sets it
+        out.append(self._event("response.content_part.done", **self._at(item), content_index=0, part=part.model_dump()))
+        out.append(self._event("response.output_item.done", output_index=self._index(item), item=item.model_dump()))
+        return out
+
+    # ---- events ---------------------------------------------------------------------------------
+    def _index(self, item: OutputItem) -> int:
+        return next(i for i, x in enumerate(self.response.output) if x is item)
+
+    def _at(self, item: OutputItem) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": self._index(item)}
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.response.model_dump()
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return named_event(payload)

@@ -1,0 +1,318 @@
+"""The body of ``POST /v1/responses`` (OpenAI's Responses API, what ``client.responses.create`` sends)
+and the chat it is answered as.
+
+    input:  a string (one user message) or a list of items:
+            message            {"role": user | system | developer | assistant, "content": str | [parts]}
+                               ("type": "message" optional); parts: input_text, input_image
+                               (image_url or file_id), input_file (file_id or file_data), input_audio;
+                               an assistant's: output_text, refusal; and every chat content part as
+                               /v1/chat/completions takes it (video_url, audio_url, input_audio_codes, file)
+            function_call      {"call_id", "name", "arguments"}  a call the model made earlier
+            function_call_output {"call_id", "output"}           its result
+            reasoning          {"content": [{"type": "reasoning_text", "text"}]} thinking of the next
+                               assistant turn (rendered as its reasoning_content)
+    instructions -> a system message first (not carried to a later response, as OpenAI does)
+    max_output_tokens, temperature, top_p, top_logprobs, tools (flat function tools), tool_choice,
+    parallel_tool_calls, text.format (text | json_object | json_schema), store, previous_response_id,
+    metadata, user, and vLLM's sampling extras (``PASSED_FIELDS``) as on /v1/chat/completions.
+
+Fields that would change the answer in a way this server does not do are a 400 naming them, not
+ignored: ``background`` (no background mode: a response is answered while the request is open),
+``conversation`` (no Conversations API: chain with ``previous_response_id``), ``prompt`` (no stored
+prompt templates), ``truncation: "auto"`` (a prompt over the context is a 400, as on chat), built-in
+tools (web search, file search, ...: only ``function`` tools run here), ``include`` values other than
+``message.output_text.logprobs``. ``reasoning`` (effort, summary), ``service_tier``,
+``prompt_cache_key`` and ``safety_identifier`` are accepted and echoed without effect: the prefix cache
+needs no key, and this model's thinking is not steered by an effort.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from llm_core.engine.sampling import MAX_LOGPROBS
+from mm_pipeline.prompt.template_options import MAX_TOOLS
+from mm_pipeline.server.protocol import JsonSchemaFormat, TokenCount, refusing
+
+# vLLM's sampling extras and this server's request fields, passed to the chat request as given
+# (typed and bounded there, by the same definitions as on /v1/chat/completions)
+PASSED_FIELDS = ("top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+                 "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids",
+                 "skip_special_tokens", "include_stop_str_in_output", "priority", "cache_salt", "chat_template_kwargs",
+                 "return_tokens_as_token_ids", "truncate_prompt_tokens", "structured_outputs")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 and values of 512 characters
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+
+_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "background": (False,), "conversation": (), "prompt": (), "truncation": ("disabled",), "max_tool_calls": (),
+}
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- input items ------------------------------------------------------------------------------------
+class MessageItem(_Loose):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    # the parts are checked where the chat request reads them (message_protocol.ContentPart), after
+    # the Responses spellings are turned into the chat's (chat_content)
+    content: str | list[dict[str, Any]]
+
+
+class FunctionCallItem(_Loose):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class FunctionCallOutputItem(_Loose):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str | list[dict[str, Any]]
+
+
+class ReasoningText(_Loose):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Loose):
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def _item_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("type", "message")  # an item without a type is a message (EasyInputMessage)
+    return getattr(value, "type", "message")
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
+                      Discriminator(_item_kind, custom_error_type="input_item",
+                                    custom_error_message="input items are messages, function_call, "
+                                                         "function_call_output or reasoning")]
+
+
+# ---- tools and formats --------------------------------------------------------------------------------
+class FunctionTool(_Loose):
+    """A Responses function tool: flat, where the chat nests it under ``function``."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        fn = {k: v for k, v in (("name", self.name), ("description", self.description),
+                                ("parameters", self.parameters), ("strict", self.strict)) if v is not None}
+        return {"type": "function", "function": fn}
+
+
+class NamedFunctionChoice(_Loose):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+
+
+class TextFormat(JsonSchemaFormat):
+    """``text.format``: the chat's ``response_format`` with the json_schema fields flattened in."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "TextFormat":
+        if self.type == "json_schema" and not self.schema_:
+            raise ValueError("text.format of type json_schema needs its schema")
+        return self
+
+    def echoed(self) -> dict[str, Any]:
+        """As the response object repeats it: the fields of its type only."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "name": self.name, "schema": self.schema_, "strict": self.strict,
+                **({"description": self.description} if self.description is not None else {})}
+
+    def as_chat(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema_,
+                                                       "strict": self.strict, "description": self.description}}
+
+
+class TextConfig(_Loose):
+    format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(_Loose):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# ---- the request ------------------------------------------------------------------------------------
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # PASSED_FIELDS are read from the extras; others are ignored
+
+    model: str | None = None
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA)
+    user: str | None = None
+    tools: list[FunctionTool] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig = Field(default_factory=TextConfig)
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = Field(default=None, max_length=8)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    _reject_unsupported = refusing(_NOT_IMPLEMENTED)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, v: Any) -> Any:
+        for tool in v if isinstance(v, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tools of type {kind!r} are not supported by this server: only function tools "
+                                 f"(the built-in ones run on OpenAI's side)")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (v or {}).items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise ValueError(f"metadata keys have at most {MAX_METADATA_KEY} characters and values at most "
+                                 f"{MAX_METADATA_VALUE}")
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def _known_include(cls, v: list[str] | None) -> list[str] | None:
+        for name in v or ():
+            if name != LOGPROBS_INCLUDE:
+                raise ValueError(f"include {name!r} is not supported by this server (accepted: {LOGPROBS_INCLUDE!r})")
+        return v
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text carries logprobs (``top_logprobs`` or the include asks for them)."""
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
+    def passed(self) -> dict[str, Any]:
+        """The chat fields this request passes on as given (``PASSED_FIELDS``)."""
+        extra = self.model_extra or {}
+        return {k: extra[k] for k in PASSED_FIELDS if k in extra}
+
+
+# ---- the chat a request is answered as -----------------------------------------------------------------
+def _chat_part(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """One content part in the chat's spelling (the chat's own parts pass as they are)."""
+    kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        if part.get("file_id") is not None:
+            return {"type": "file", "file": {"file_id": part["file_id"]}}
+        if part.get("image_url") is None:
+            raise ValueError(f"{at}: an input_image needs image_url or file_id")
+        return {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail")}}
+    if kind == "input_file":
+        if part.get("file_url") is not None:
+            raise ValueError(f"{at}: input_file by file_url is not supported; send file_id (POST /v1/files) or "
+                             f"file_data, or the media as an input_image / video_url / audio_url part")
+        ref = {k: part[k] for k in ("file_id", "file_data", "filename") if part.get(k) is not None}
+        return {"type": "file", "file": ref}
+    return part
+
+
+def chat_content(content: str | list[dict[str, Any]], at: str) -> str | list[dict[str, Any]]:
+    return content if isinstance(content, str) else [_chat_part(p, f"{at}.content.{i}") for i, p in enumerate(content)]
+
+
+def chat_messages(items: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as chat messages. A function_call joins the assistant message just before it (or
+    starts one), so text and calls of one turn stay one turn; a reasoning item's text becomes the
+    reasoning_content of the assistant turn that follows it. A ValueError names a bad item."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    thinking: str | None = None  # a reasoning item's text, for the next assistant turn
+
+    def new_turn(turn: dict[str, Any]) -> dict[str, Any]:
+        nonlocal thinking
+        if thinking is not None:
+            turn["reasoning_content"], thinking = thinking, None
+        out.append(turn)
+        return turn
+
+    for i, item in enumerate(items):
+        at = f"input.{i}"
+        if isinstance(item, MessageItem):
+            turn = {"role": item.role, "content": chat_content(item.content, at)}
+            if item.role == "assistant":
+                new_turn(turn)
+            else:
+                out.append(turn)
+        elif isinstance(item, FunctionCallItem):
+            joins = out and out[-1]["role"] == "assistant" and thinking is None
+            turn = out[-1] if joins else new_turn({"role": "assistant", "content": None})
+            turn.setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else chat_content(item.output, at)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        else:  # ReasoningItem
+            thinking = (thinking or "") + "".join(c.text for c in item.content or ())
+    return out
+
+
+def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The /v1/chat/completions body ``req`` is answered as, and its input as chat messages;
+    ``history``: the messages of the response it continues (``previous_response_id``), its answer
+    included. A ValueError names what cannot be answered."""
+    turn = chat_messages(req.input)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + turn
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
+                            **req.passed()}
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    for name in ("temperature", "top_p"):
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    if req.logprobs:
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
+    if req.tools:
+        body["tools"] = [t.as_chat() for t in req.tools]
+        choice = req.tool_choice
+        body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
+                               if isinstance(choice, NamedFunctionChoice) else choice)
+    elif req.tool_choice not in ("auto", "none"):
+        raise ValueError("tool_choice \"required\" or a named function needs tools")
+    response_format = req.text.format.as_chat()
+    if response_format is not None:
+        body["response_format"] = response_format
+    return body, turn

@@ -1,0 +1,278 @@
+"""OpenAI's Responses API (``/v1/responses``) served in process.
+
+On the demo checkpoint: a response is the chat answer to the same messages (text and an image,
+instructions first), streamed events put together are the response not streamed, a follow-up by
+``previous_response_id`` is the chat of the whole conversation (its prefix from the prefix cache),
+stored responses are read and deleted, the OpenAI SDK's ``responses.create`` / ``retrieve`` /
+``delete`` and its typed stream work, and bad requests are 4xx naming the problem.
+
+On test_reasoning_server.py's scripted engine (thinking and ``<tool_call>`` blocks on cue): the
+thinking becomes a reasoning item (its tokens counted), calls become function_call items, streamed
+and not alike."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from tests.mm_pipeline.server.test_reasoning_server import GENERATION_PROMPT, THINKS, ThinkingEngine
+from tests.mm_pipeline.server.test_tool_calls_server import CALLS, EXPECTED
+from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
+
+needs_demo = pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")
+GREEDY = {"max_output_tokens": 12, "temperature": 0}
+
+
+def chat(client, messages: list[dict], **fields) -> dict:
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def respond(client, **fields) -> dict:
+    r = client.post("/v1/responses", json={**GREEDY, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events_of(client_or_base, **fields) -> list[dict]:
+    """Every event of a streamed response, checked for the SSE shape: named by its type, numbered from 0."""
+    body = {**GREEDY, **fields, "stream": True}
+    if isinstance(client_or_base, str):
+        ctx = httpx.stream("POST", client_or_base + "/v1/responses", json=body, timeout=30)
+    else:
+        ctx = client_or_base.stream("POST", "/v1/responses", json=body)
+    with ctx as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in s.iter_lines() if line]
+    names, events = lines[0::2], [json.loads(x.removeprefix("data: ")) for x in lines[1::2]]
+    assert names == [f"event: {e['type']}" for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def without_ids(output: list[dict]) -> list[dict]:
+    """The items without their ids, and logprobs as their tokens (a prefix-cache hit moves the last digits)."""
+    out = []
+    for item in output:
+        item = {k: v for k, v in item.items() if k not in ("id", "call_id")}
+        if item["type"] == "message":
+            item["content"] = [{**c, "logprobs": [t["token"] for t in c["logprobs"]]} for c in item["content"]]
+        out.append(item)
+    return out
+
+
+def message_text(response: dict) -> str:
+    return "".join(c["text"] for item in response["output"] if item["type"] == "message" for c in item["content"])
+
+
+def check_stream_is_the_response(events: list[dict], whole: dict) -> dict:
+    """The streamed events agree with themselves and with the response not streamed; the last event's response."""
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds.count(kinds[-1]) == 1
+    final = events[-1]["response"]
+    assert kinds[-1] == ("response.incomplete" if whole["status"] == "incomplete" else "response.completed")
+    assert without_ids(final["output"]) == without_ids(whole["output"])
+    # the rest alike, usage too but the prefix-cache hits (the second request finds the first's prefix)
+    same = lambda r: {k: v for k, v in r.items() if k not in ("id", "created_at", "output", "usage")}  # noqa: E731
+    assert same(final) == same(whole)
+    assert {**final["usage"], "input_tokens_details": None} == {**whole["usage"], "input_tokens_details": None}
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["id"] for i in added] == [i["id"] for i in done] == [i["id"] for i in final["output"]]
+    assert done == final["output"]
+    for item in final["output"]:  # each item's deltas put together are its text
+        deltas = [e["delta"] for e in events if e.get("item_id") == item["id"] and e["type"].endswith(".delta")]
+        text = {"message": lambda i: i["content"][0]["text"], "reasoning": lambda i: i["content"][0]["text"],
+                "function_call": lambda i: i["arguments"]}[item["type"]](item)
+        assert "".join(deltas) == text
+    return final
+
+
+# ---- the demo checkpoint --------------------------------------------------------------------------------
+@needs_demo
+@pytest.mark.usefixtures("one_thread")
+class TestDemo:
+    def test_a_response_is_the_chat_answer(self, demo_client):
+        want = chat(demo_client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Red square?"}])
+        got = respond(demo_client, input="Red square?", instructions="Be brief.", metadata={"run": "1"})
+        assert got["object"] == "response" and got["id"].startswith("resp_") and got["status"] == "completed"
+        assert message_text(got) == want["choices"][0]["message"]["content"]
+        u, w = got["usage"], want["usage"]
+        assert (u["input_tokens"], u["output_tokens"], u["total_tokens"]) == (
+            w["prompt_tokens"], w["completion_tokens"], w["total_tokens"])
+        assert (got["instructions"], got["metadata"], got["max_output_tokens"], got["store"]) == (
+            "Be brief.", {"run": "1"}, 12, True)
+        assert got["text"] == {"format": {"type": "text"}} and got["tool_choice"] == "auto"
+
+    def test_an_image_input_is_the_chat_answer_to_the_image(self, demo_client):
+        url = "data:image/jpeg;base64," + base64.b64encode((SAMPLE_MEDIA / "image_000002.jpg").read_bytes()).decode()
+        want = chat(demo_client, [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe the image."}]}])
+        got = respond(demo_client, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url, "detail": "auto"},
+            {"type": "input_text", "text": "Describe the image."}]}])
+        assert message_text(got) == want["choices"][0]["message"]["content"] and message_text(got)
+        assert got["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+
+    def test_a_streamed_response_is_the_response(self, demo_client):
+        whole = respond(demo_client, input="Describe a blue circle.", top_logprobs=2)
+        events = events_of(demo_client, input="Describe a blue circle.", top_logprobs=2)
+        final = check_stream_is_the_response(events, whole)
+        logprobs = final["output"][-1]["content"][0]["logprobs"]
+        assert len(logprobs) == whole["usage"]["output_tokens"] and all(len(t["top_logprobs"]) == 2 for t in logprobs)
+        for got, want in zip(logprobs, whole["output"][-1]["content"][0]["logprobs"], strict=True):
+            assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+        # cut by max_output_tokens: incomplete, streamed and not
+        cut = respond(demo_client, input="Describe a blue circle.", max_output_tokens=1)
+        assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+        check_stream_is_the_response(events_of(demo_client, input="Describe a blue circle.", max_output_tokens=1), cut)
+
+    def test_a_follow_up_continues_the_stored_conversation(self, demo_client):
+        first = respond(demo_client, input="Name a shape.")
+        follow = respond(demo_client, input="And a colour?", previous_response_id=first["id"])
+        want = chat(demo_client, [{"role": "user", "content": "Name a shape."},
+                                  {"role": "assistant", "content": message_text(first)},
+                                  {"role": "user", "content": "And a colour?"}])
+        assert message_text(follow) == want["choices"][0]["message"]["content"]
+        assert follow["previous_response_id"] == first["id"]
+        assert follow["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+        assert follow["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix
+        # a streamed follow-up of the follow-up: its answer is stored when the stream ends
+        events = events_of(demo_client, input="Thanks.", previous_response_id=follow["id"])
+        third = events[-1]["response"]
+        assert demo_client.get(f"/v1/responses/{third['id']}").json() == third
+
+    def test_stored_responses_are_read_and_deleted(self, demo_client):
+        got = respond(demo_client, input="Hello.")
+        assert demo_client.get(f"/v1/responses/{got['id']}").json() == got
+        gone = demo_client.delete(f"/v1/responses/{got['id']}")
+        assert gone.status_code == 200 and gone.json() == {"id": got["id"], "object": "response.deleted", "deleted": True}
+        for r in (demo_client.get(f"/v1/responses/{got['id']}"), demo_client.delete(f"/v1/responses/{got['id']}")):
+            assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+        r = demo_client.post("/v1/responses", json={"input": "Hi", "previous_response_id": got["id"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        unstored = respond(demo_client, input="Hello.", store=False)
+        assert unstored["store"] is False and demo_client.get(f"/v1/responses/{unstored['id']}").status_code == 404
+
+    @pytest.mark.parametrize("fields, status, named", [
+        ({"input": "x", "background": True}, 400, "background"),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, 400, "file_search"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input items are"),
+        ({"input": "x", "model": "gpt-5"}, 404, "gpt-5"),
+        ({"input": "x", "tool_choice": "required"}, 400, "needs tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_url": "http://127.0.0.1/a"}]}]}, 400,
+         "file_url"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+         415, "not a supported image"),
+        ({"input": [{"role": "tool", "content": "x"}]}, 400, "role"),
+        ({"input": "x", "n": 2, "top_k": -5}, 400, "top_k"),
+    ])
+    def test_bad_requests_are_4xx_naming_the_problem(self, demo_client, fields, status, named):
+        r = demo_client.post("/v1/responses", json=fields)
+        assert r.status_code == status, r.text
+        assert named in r.json()["error"]["message"]
+        assert respond(demo_client, input="Still fine?")["status"] == "completed"  # nothing leaked or stuck
+
+    def test_the_openai_sdk_creates_streams_retrieves_and_deletes(self, demo_client):
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=str(demo_client.base_url).rstrip("/") + "/v1", api_key="none", max_retries=0)
+        got = client.responses.create(model="demo-model", input="Describe a red square.", **GREEDY)
+        assert got.output_text == message_text(respond(demo_client, input="Describe a red square.")) and got.output_text
+        assert got.usage.input_tokens > 0 and got.status == "completed"
+        stream = client.responses.create(model="demo-model", input="Describe a red square.", stream=True, **GREEDY)
+        kinds = [e.type for e in stream]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert client.responses.retrieve(got.id).output_text == got.output_text
+        client.responses.delete(got.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(got.id)
+
+    def test_openapi_documents_the_routes(self, demo_client):
+        paths = demo_client.get("/openapi.json").json()["paths"]
+        assert "requestBody" in paths["/v1/responses"]["post"] and "get" in paths["/v1/responses/{response_id}"]
+
+
+def test_a_store_of_zero_bytes_keeps_nothing(tmp_path):
+    engine = ThinkingEngine_for([["Fine."]])
+    with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path), responses_store_bytes=0))) as server:
+        r = httpx.post(server.base_url + "/v1/responses", json={"input": "Hi"}, timeout=30).json()
+        assert r["store"] is False and message_text(r) == "Fine."
+        assert httpx.get(server.base_url + f"/v1/responses/{r['id']}", timeout=30).status_code == 404
+
+
+# ---- thinking and tool calls (scripted engine) ------------------------------------------------------------
+_TOKENIZER: list[Any] = []
+
+
+def ThinkingEngine_for(scripts: list[list[str]]) -> ThinkingEngine:  # noqa: N802  (a factory of the class)
+    if not _TOKENIZER:
+        from llm_core.llm import load_tokenizer
+        _TOKENIZER.append(load_tokenizer(DEMO_MODEL))
+    tok = _TOKENIZER[0]
+    return ThinkingEngine(tok, scripts, GENERATION_PROMPT, tok)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    servers: list[ServerThread] = []
+
+    def start(scripts: list[list[str]]) -> str:
+        settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("f")))
+        server = ServerThread(create_app(ThinkingEngine_for(scripts), settings)).start()
+        servers.append(server)
+        return server.base_url
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                         "required": ["city"]}}]
+
+
+@needs_demo
+def test_thinking_is_a_reasoning_item_with_its_tokens_counted(scripted, tokenizer):
+    # the tags as the model writes them (single tokens), then THINKS' cut across deltas (no tag tokens)
+    thought = "\nThe user asks 2+2 and wants it short."
+    base = scripted([["<think>", thought, "</think>", "\n\nIt is", " 4."], THINKS])
+    whole = httpx.post(base + "/v1/responses", json={**GREEDY, "input": "What is 2+2?"}, timeout=30).json()
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
+    assert message_text(whole) == "It is 4."
+    thinking = len(tokenizer.encode(thought, add_special_tokens=False))
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking > 0
+    check_stream_is_the_response(events_of(base, input="What is 2+2?"), whole)
+    # the chat answer counts it too (OpenAI's completion_tokens_details), choice by choice
+    chat_usage = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q"}],
+                                                                  "n": 2}, timeout=30).json()["usage"]
+    assert chat_usage["completion_tokens_details"] == {"reasoning_tokens": thinking}  # THINKS' tags are no tokens
+
+
+@needs_demo
+def test_tool_calls_are_function_call_items(scripted):
+    base = scripted([CALLS])
+    whole = httpx.post(base + "/v1/responses", json={**GREEDY, "input": "Weather in Paris and Rome?", "tools": TOOLS},
+                       timeout=30).json()
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    calls = [i for i in whole["output"] if i["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == EXPECTED
+    assert all(c["call_id"].startswith("call_") and c["id"].startswith("fc_") for c in calls)
+    assert whole["status"] == "completed" and whole["tools"] == TOOLS
+    events = events_of(base, input="Weather in Paris and Rome?", tools=TOOLS)
+    check_stream_is_the_response(events, whole)
+    args = [e for e in events if e["type"].startswith("response.function_call_arguments")]
+    assert [e["type"].rsplit(".", 1)[1] for e in args] == ["delta", "done"] * 2
+    # the calls' results go back as input items: a valid conversation for the next turn
+    follow = httpx.post(base + "/v1/responses", json={"input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"}, *whole["output"],
+        *({"type": "function_call_output", "call_id": c["call_id"], "output": "sunny"} for c in calls)],
+        "tools": TOOLS}, timeout=30)
+    assert follow.status_code == 200, follow.text

@@ -1,0 +1,153 @@
+"""The Responses API's request side and store, without a server: input items become the chat the
+request is answered as (messages, tools, formats, sampling fields), fields this server cannot honour
+are refused by name, and the response store stays within its bytes, least recently used out first
+(hypothesis over random operation sequences)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from mm_pipeline.server.protocol import ChatCompletionRequest
+from mm_pipeline.server.responses_api.output import ResponseObject
+from mm_pipeline.server.responses_api.protocol import ResponsesRequest, chat_body, chat_messages
+from mm_pipeline.server.responses_api.store import ResponseStore, held_bytes
+
+
+def body_of(**fields):
+    body, turn = chat_body(ResponsesRequest.model_validate(fields), [])
+    ChatCompletionRequest.model_validate(body)  # what the route sends on is a valid chat request
+    return body, turn
+
+
+def test_a_string_input_is_one_user_message_and_instructions_come_first():
+    body, turn = body_of(input="Hi", instructions="Be brief.")
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert turn == [{"role": "user", "content": "Hi"}]  # what a later response continues: no instructions
+
+
+def test_parts_take_the_chat_spelling_and_chat_parts_pass_as_they_are():
+    video = {"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    body, _ = body_of(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is here?"}, {"type": "input_image", "image_url": "data:image/png;base64,AA",
+                                                         "detail": "low"},
+        {"type": "input_image", "file_id": "file-1"}, {"type": "input_file", "file_data": "AAAA", "filename": "a.mp4"},
+        video, audio]}])
+    assert body["messages"][0]["content"] == [
+        {"type": "text", "text": "What is here?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}},
+        {"type": "file", "file": {"file_id": "file-1"}}, {"type": "file", "file": {"file_data": "AAAA", "filename": "a.mp4"}},
+        video, audio]
+
+
+def test_calls_join_their_turn_and_reasoning_goes_to_the_next_assistant_turn():
+    items = [{"role": "user", "content": "Weather in Paris and Rome?"},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Two cities."}], "summary": []},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+             {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Rome"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+             {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Now one more."}]},
+             {"type": "function_call", "call_id": "c3", "name": "get_weather", "arguments": '{"city":"Oslo"}'}]
+    msgs = chat_messages(ResponsesRequest.model_validate({"input": items}).input)
+    call = lambda i, city: {"id": i, "type": "function", "function": {  # noqa: E731
+        "name": "get_weather", "arguments": f'{{"city":"{city}"}}'}}
+    assert msgs == [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "reasoning_content": "Two cities.",
+         "tool_calls": [call("c1", "Paris"), call("c2", "Rome")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sun"}, {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+        {"role": "assistant", "content": None, "reasoning_content": "Now one more.", "tool_calls": [call("c3", "Oslo")]}]
+
+
+def test_sampling_tools_and_formats_map_onto_the_chat_fields():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body, _ = body_of(input="x", max_output_tokens=7, temperature=0.5, top_p=0.9, top_logprobs=2, top_k=5, seed=3,
+                      priority=0, cache_salt="tenant", stream=True,
+                      tools=[{"type": "function", "name": "f", "parameters": schema, "strict": True}],
+                      tool_choice={"type": "function", "name": "f"})
+    assert (body["max_completion_tokens"], body["temperature"], body["top_p"]) == (7, 0.5, 0.9)
+    assert (body["logprobs"], body["top_logprobs"], body["top_k"], body["seed"]) == (True, 2, 5, 3)
+    assert body["cache_salt"] == "tenant" and body["stream_options"] == {"include_usage": True}
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    body, _ = body_of(input="x", text={"format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": schema, "strict": None, "description": None}}
+    assert body_of(input="x", text={"format": {"type": "json_object"}})[0]["response_format"] == {"type": "json_object"}
+    assert "response_format" not in body_of(input="x", text={"format": {"type": "text"}})[0]
+    assert body_of(input="x", include=["message.output_text.logprobs"])[0]["top_logprobs"] == 0
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
+    ({"truncation": "auto"}, "truncation"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"tools": [{"type": "web_search"}]}, "web_search"), ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input items are"), ({"input": []}, "input"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"), ({"metadata": {"k": "v" * 513}}, "metadata"),
+    ({"temperature": 3}, "temperature"), ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(fields, named):
+    with pytest.raises(ValidationError, match=named):
+        ResponsesRequest.model_validate({"input": "x", **fields})
+
+
+def test_a_forced_tool_choice_needs_tools_and_a_file_url_is_refused():
+    with pytest.raises(ValueError, match="needs tools"):
+        body_of(input="x", tool_choice="required")
+    with pytest.raises(ValueError, match="file_url"):
+        body_of(input=[{"role": "user", "content": [{"type": "input_file", "file_url": "https://x/a.pdf"}]}])
+    with pytest.raises(ValueError, match="image_url or file_id"):
+        body_of(input=[{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}])
+
+
+def stored(store: ResponseStore, text: str) -> str:
+    response = ResponseObject(model="m")
+    history = [{"role": "user", "content": text}]
+    size = store.fits(history)
+    if size is not None:
+        store.put(response, history, size)
+    return response.id
+
+
+@settings(max_examples=150, deadline=None)
+@given(budget=st.integers(0, 40_000),
+       ops=st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 20_000), st.integers(0, 30)),
+                    max_size=60))
+def test_the_store_stays_within_its_bytes_and_drops_the_least_recently_used(budget, ops):
+    store = ResponseStore(budget)
+    ids: list[str] = []
+    model: dict[str, int] = {}  # the store as it should be: id -> size, least recently used first
+    for op, n, pick in ops:
+        if op == "put":
+            size = store.fits([{"role": "user", "content": "x" * n}])
+            rid = stored(store, "x" * n)
+            ids.append(rid)
+            if size is not None:
+                while model and sum(model.values()) + size > budget:
+                    del model[next(iter(model))]  # the least recently used goes first
+                model[rid] = size
+        elif ids:
+            rid = ids[pick % len(ids)]
+            if op == "get":
+                assert (store.get(rid) is not None) == (rid in model)
+                if rid in model:
+                    model[rid] = model.pop(rid)  # now the most recently used
+            else:
+                assert store.delete(rid) == (rid in model)
+                model.pop(rid, None)
+        assert list(store._entries) == list(model)
+        assert store.bytes == sum(model.values()) <= budget
+    empty = ResponseStore(0)
+    stored(empty, "x")
+    assert not empty.enabled and len(empty) == 0
+
+
+def test_held_bytes_counts_the_strings_inline_media_holds():
+    small = held_bytes([{"role": "user", "content": "hi"}])
+    big = held_bytes([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "A" * 1_000_000}}]}])
+    assert small < 1000 and 1_000_000 < big < 1_001_000
