@@ -165,6 +165,24 @@ def test_an_engine_failure_is_answered_by_its_kind(scripted, ends, status, code,
         assert error["type"] == {400: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}[status]
 
 
+@pytest.mark.parametrize(("ends", "status", "code", "kind"), ENDED, ids=[f"{e[0]}-{e[1]}" for e, *_ in ENDED])
+def test_a_failed_response_is_its_status_or_error_and_failed_events(scripted, ends, status, code, kind):
+    """/v1/responses: the same status not streamed; streamed (the first token went out), an ``error``
+    event with the same code, then ``response.failed`` carrying it, and the response is not stored."""
+    scripted.engine.raises, scripted.engine.ends = None, ends
+    body = {"model": "scripted", "input": "hi", "max_output_tokens": 4}
+    r = scripted.post("/v1/responses", json=body)
+    assert r.status_code == status and r.json()["error"]["kind"] == kind
+    r = scripted.post("/v1/responses", json={**body, "stream": True})
+    assert r.status_code == 200
+    events = _sse_events(r.text)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == (code or kind) and events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": code or kind, "message": events[-2]["message"]}
+    assert scripted.get(f"/v1/responses/{failed['id']}").status_code == 404
+
+
 def test_a_body_that_does_not_validate_is_invalid_input(scripted):
     r = scripted.post("/v1/chat/completions", json={"model": "scripted", "messages": "hi", "temperature": 9})
     assert r.status_code == 400

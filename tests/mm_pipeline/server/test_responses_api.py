@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import httpx
@@ -192,6 +193,20 @@ class TestDemo:
         client.responses.delete(got.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(got.id)
+
+    def test_a_client_that_leaves_mid_stream_frees_its_request(self, demo_client, demo_engine):
+        body = {"input": "Describe a red square.", "max_output_tokens": 1900, "ignore_eos": True, "stream": True}
+        with demo_client.stream("POST", "/v1/responses", json=body) as s:
+            for line in s.iter_lines():
+                if "response.output_text.delta" in line:
+                    break  # hang up while it is being written
+        steps = demo_engine.stats().engine_loop["steps"]
+        deadline = time.monotonic() + 10
+        while demo_engine.requests_in_flight:
+            assert time.monotonic() < deadline, "the abandoned request was not aborted"
+            time.sleep(0.02)
+        assert demo_engine.stats().engine_loop["steps"] - steps < 1500  # aborted, not run to its 1,900 tokens
+        assert respond(demo_client, input="Still fine?")["status"] == "completed"
 
     def test_openapi_documents_the_routes(self, demo_client):
         paths = demo_client.get("/openapi.json").json()["paths"]
