@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(limits, server_limit_flags())
     # --reasoning-parser {auto,qwen3,none}, --tool-call-parser {auto,qwen3_coder,none}
     add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))
+    add_config_flags(s, server_flags(SERVER_LOG_FIELDS))  # --log-stats-interval-s
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no engine lines on the log (vLLM's flag; the same as --log-stats-interval-s 0)")
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
                              "(mm_pipeline/cluster/serving/serve_app.py); without --ray nothing here applies")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", type=_ray_address,
@@ -306,6 +309,7 @@ SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_p
                        "max_files_total_bytes", "max_audio_upload_bytes", "responses_store_bytes")
 SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids",  # how answers are shaped
                         "transcription_prompt", "translation_prompt")
+SERVER_LOG_FIELDS = ("log_stats_interval_s",)
 
 
 def server_flags(fields: Sequence[str]) -> list:
@@ -325,7 +329,10 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
 
     upload = int(args.max_upload_mb * (1 << 20))
     limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags()),
-              **config_values(args, server_flags(SERVER_ANSWER_FIELDS))}
+              **config_values(args, server_flags(SERVER_ANSWER_FIELDS)),
+              **config_values(args, server_flags(SERVER_LOG_FIELDS))}
+    if getattr(args, "disable_log_stats", False):
+        limits["log_stats_interval_s"] = 0.0
     try:
         return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
                               files_dir=args.files_dir, max_upload_bytes=upload,
@@ -359,6 +366,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)",
             f"upload    page: http://{args.host}:{args.port}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)
+        if settings.log_stats_interval_s:  # the engine lines show without -v, as vLLM's do
+            logging.getLogger("mmserve.stats").setLevel(logging.INFO)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10,
                                                log_level="info" if args.verbose else "warning"))
         # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their

@@ -133,6 +133,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._prefix_stats: dict[str, int] = {}
         self._prefix_stats_at = float("-inf")
+        self._generation_tokens = 0  # counter (stats): tokens handed to requests
         self._stats: EngineStats = self.publish_stats()
 
     # ---- public API -------------------------------------------------------------------------
@@ -315,7 +316,8 @@ class LLMEngine:
             self._prefix_stats, self._prefix_stats_at = self.prefix_cache.stats(), now
         self._stats = EngineStats.collect(self.pool, self.scheduler, self._prefix_stats, now,  # one swap
                                           max_model_len=self.max_model_len,
-                                          speculative=None if self.speculative is None else self.speculative.stats)
+                                          speculative=None if self.speculative is None else self.speculative.stats,
+                                          generation_tokens=self._generation_tokens)
         return self._stats
 
     @torch.inference_mode()  # schedule() copies KV pages to and from the host tier, not only the forward
@@ -457,6 +459,7 @@ class LLMEngine:
         return outputs, drained
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        self._generation_tokens += len(new)  # every token handed out passes here (speculative too)
         return req.output(new, self.scheduler.cached_prompt_tokens(req))
 
     def _finish_output(self, req: Request, new: list[int]) -> RequestOutput:

@@ -116,6 +116,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by queue_policy.rank (oldest / most urgent first)
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # counter: prompt tokens computed (prefilled) by steps; cache hits not
         # Prompt tokens the prefix cache supplied at each request's first admission: what its outputs
         # report (cached_prompt_tokens). Request.num_cached_tokens is the last admission's hit, which
         # the prefix cache counts in its stats; after a preemption that hit covers the request's own
@@ -237,6 +238,9 @@ class Scheduler:
             end = e.end if computed_ends is None else computed_ends.get(id(e), e.end)
             if not e.start < end <= e.end:
                 raise RuntimeError(f"{req.request_id}: computed end {end} outside its step [{e.start}, {e.end}]")
+            # a recompute after a preemption counts its prompt again (it was computed again), not the
+            # generated tokens it also recomputes
+            self.num_prompt_tokens += max(0, min(end, req.num_prompt_tokens) - e.start)
             req.num_computed_tokens = end
             if end < e.end:
                 self._rollback(req)

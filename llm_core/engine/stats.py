@@ -75,6 +75,8 @@ class EngineStats:
     prefix_cache: Mapping[str, int]
     taken_at: float  # time.monotonic() when built
     kv_l3_loading: int = 0  # waiting requests whose cached prefix is being read from L3 (not scheduled)
+    prompt_tokens: int = 0  # counter: prompt tokens computed by prefill (prefix-cache hits: prefix_cache_hit_tokens)
+    generation_tokens: int = 0  # counter: tokens generated (handed to requests)
     # speculative decoding (MTP), all zero / empty when it is off
     spec_draft_tokens: int = 0  # counter: draft tokens proposed
     spec_accepted_tokens: int = 0  # counter: draft tokens the target accepted
@@ -95,10 +97,11 @@ class EngineStats:
 
     @classmethod
     def collect(cls, pool, scheduler, prefix_stats: Mapping[str, int], now: float | None = None, *,
-                max_model_len: int, speculative=None) -> "EngineStats":
+                max_model_len: int, speculative=None, generation_tokens: int = 0) -> "EngineStats":
         """Read ``pool`` (a DualKVPool) and ``scheduler``; engine thread only. ``prefix_stats`` is
         the prefix cache's ``stats()`` dict (read by the caller, which decides how often);
-        ``speculative`` the SpecStats of a speculative engine."""
+        ``speculative`` the SpecStats of a speculative engine; ``generation_tokens`` the engine's
+        count of tokens it handed out."""
         rest = dict(prefix_stats)
         rest.pop("hit_tokens", None)  # the sum over the tiers
         hits = {t: rest.pop(f"hit_tokens_{t}") for t in _TIERS if f"hit_tokens_{t}" in rest}
@@ -118,6 +121,8 @@ class EngineStats:
             prefix_cache=frozen_map(rest),
             taken_at=time.monotonic() if now is None else now,
             kv_l3_loading=sum(1 for r in scheduler.waiting if r.status is RequestStatus.LOADING),
+            prompt_tokens=scheduler.num_prompt_tokens,
+            generation_tokens=generation_tokens,
             **({} if speculative is None else dict(
                 spec_draft_tokens=speculative.draft_tokens, spec_accepted_tokens=speculative.accepted_tokens,
                 spec_verify_steps=speculative.verify_steps,

@@ -38,7 +38,7 @@ from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
-from mm_pipeline.server.metrics import ServerMetrics
+from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
 from mm_pipeline.prompt.reasoning import resolve_reasoning
@@ -213,7 +213,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     def observe(arrival: float, states: list[ChoiceState]) -> None:
         end = time.perf_counter()
         for s in states:
-            metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens)
+            metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens, s.prompt_tokens,
+                                    s.finish_reason)
 
     # --reasoning-parser against this model's vocabulary (auto: on for a model with <think> tokens)
     reasoning = resolve_reasoning(settings.reasoning_parser, getattr(engine, "tokenizer", None))
@@ -225,13 +226,19 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                                                 tokens_as_ids=settings.return_tokens_as_token_ids), observe)
     started = int(time.time())
 
+    stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         metrics.lag_monitor.start()
+        if stats_log is not None:
+            stats_log.start()
         try:
             yield
         finally:
             await metrics.lag_monitor.stop()
+            if stats_log is not None:
+                await stats_log.stop()
             if temp_dir is not None:
                 shutil.rmtree(temp_dir, ignore_errors=True)
 

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+TOKEN_COUNT_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 PREFIX = "mmserve_"
 
 
@@ -96,6 +97,81 @@ class LoopLagMonitor:
                 self.max_gauge.set(self.max_lag_s)
 
 
+class StatsLogger:
+    """vLLM's periodic engine line, for an operator reading the log: every ``interval_s`` in which
+    the engine did anything (or holds requests), one INFO line on ``mmserve.stats`` with the
+    interval's prompt and generation throughput, the requests running and waiting, KV pool use,
+    the interval's prefix- and encoder-cache hit rates and preemptions. Quiet while idle. Reads the
+    published snapshots only (``/metrics`` has every number behind it)."""
+
+    def __init__(self, snapshot: Callable[[], Any], interval_s: float,
+                 logger: logging.Logger | None = None) -> None:
+        self.snapshot = snapshot
+        self.interval_s = interval_s
+        self.log = logger or logging.getLogger("mmserve.stats")
+        self._last: Any = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._last = self._read()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = self._read()
+            text = self.line(self._last, now)
+            if text is not None:
+                self.log.info("%s", text)
+            if now is not None:
+                self._last = now
+
+    def _read(self) -> Any:
+        try:
+            return self.snapshot()
+        except Exception as exc:  # noqa: BLE001 -- a Ray ingress whose replicas do not answer: skip a line
+            log.debug("engine stats unavailable for the stats line: %s", exc)
+            return None
+
+    @staticmethod
+    def line(before: Any, now: Any) -> str | None:
+        """The line for the interval between two snapshots (OmniStats or EngineStats), or None when
+        nothing ran in it and nothing is held."""
+        if before is None or now is None:
+            return None
+        omni = isinstance(now, OmniStats)
+        a, b = (before.llm, now.llm) if omni else (before, now)
+        seconds = max(b.taken_at - a.taken_at, 1e-9)
+        prompt, generated = b.prompt_tokens - a.prompt_tokens, b.generation_tokens - a.generation_tokens
+        if not (prompt or generated or b.running or b.queue_depth or (omni and now.requests_in_flight)):
+            return None
+        parts = [f"prompt {prompt / seconds:,.1f} tokens/s, generation {generated / seconds:,.1f} tokens/s",
+                 f"running {b.running}, waiting {b.queue_depth}" + (
+                     f", in flight {now.requests_in_flight}" if omni else ""),
+                 "KV " + ", ".join(f"{name} {100 * u.used_pages / max(u.total_pages, 1):.1f} %"
+                                   for name, u in b.kv_pool.items())]
+        queried = b.prefix_cache_query_tokens - a.prefix_cache_query_tokens
+        if queried:
+            hits = sum(b.prefix_cache_hit_tokens.values()) - sum(a.prefix_cache_hit_tokens.values())
+            parts.append(f"prefix cache hits {100 * hits / queried:.1f} % of {queried:,} tokens")
+        if omni:
+            hits = sum(now.encoder_cache_hits.values()) - sum(before.encoder_cache_hits.values())
+            looked = hits + now.encoder_cache_misses - before.encoder_cache_misses
+            if looked:
+                parts.append(f"encoder cache hits {100 * hits / looked:.1f} % of {looked:,} units")
+        if b.preemptions > a.preemptions:
+            parts.append(f"preemptions {b.preemptions - a.preemptions}")
+        return " | ".join(parts)
+
+
 class ServerMetrics:
     """Everything ``/metrics`` exposes, registered in ``self.registry``; ``scrape`` renders it."""
 
@@ -118,14 +194,25 @@ class ServerMetrics:
                                     multiprocess_mode="livesum")
         self.requests = Counter(PREFIX + "requests", "HTTP responses by route and status", ["endpoint", "status"],
                                 registry=r)
+        # per generation (each choice), as vLLM's request_success / request_*_tokens families
+        self.finished = Counter(PREFIX + "request_success", "Generations finished, by why they ended",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens of a generation",
+                                       buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Tokens a generation produced",
+                                           buckets=TOKEN_COUNT_BUCKETS, registry=r)
         if snapshot is not None:
             r.register(SnapshotCollector(snapshot))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def observe_request(self, arrival: float, first_token: float | None, end: float, completion_tokens: int) -> None:
+    def observe_request(self, arrival: float, first_token: float | None, end: float, completion_tokens: int,
+                        prompt_tokens: int = 0, finish_reason: str | None = None) -> None:
         """Record one finished generation (times from ``time.perf_counter``)."""
+        self.finished.labels(finished_reason=finish_reason or "unknown").inc()
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(completion_tokens)
         self.e2e.observe(end - arrival)
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
@@ -201,6 +288,9 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("queue_depth", "Requests waiting to be scheduled", s.queue_depth)
     yield _gauge("kv_l3_loading", "Waiting requests whose cached prefix is being read from L3", s.kv_l3_loading)
     yield _counter("preemptions", "Requests preempted for KV pages", s.preemptions)
+    yield _counter("prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits not included)",
+                   s.prompt_tokens)
+    yield _counter("generation_tokens", "Tokens generated", s.generation_tokens)
     yield _gauge("kv_page_size_tokens", "Tokens per KV page", s.kv_page_size)
     for field in ("total_pages", "used_pages", "free_pages", "peak_pages", "total_bytes"):
         yield _labelled(GaugeMetricFamily, f"kv_pool_{field}", f"KV pool {field.replace('_', ' ')}", "pool",

@@ -59,6 +59,10 @@ class ServerSettings:
     """Bytes of stored responses (/v1/responses with store, OpenAI's default) kept in memory for
     previous_response_id and GET /v1/responses/{id}, least recently used dropped first; 0 stores none."""
 
+    log_stats_interval_s: float = 10.0
+    """Seconds between the engine lines on the log (throughput, running / waiting, KV use, cache hit
+    rates; logger mmserve.stats), written while the engine works; 0: none (vLLM's --disable-log-stats)."""
+
     return_tokens_as_token_ids: bool = False
     """Logprob entries name their token as "token_id:<id>" instead of its text (vLLM's flag), so a
     token that is no whole character -- a byte of a multi-byte one -- is still told apart; a
@@ -72,6 +76,8 @@ class ServerSettings:
             raise ValueError(f"max_audio_upload_bytes must be > 0, got {self.max_audio_upload_bytes}")
         if not self.transcription_prompt.strip() or not self.translation_prompt.strip():
             raise ValueError("transcription_prompt and translation_prompt must not be empty")
+        if not self.log_stats_interval_s >= 0:
+            raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         if self.responses_store_bytes < 0:
             raise ValueError(f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}")
         if self.max_files < 1:

@@ -131,3 +131,23 @@ def test_a_request_waiting_for_its_media_is_one_prefix_query_not_one_per_step(mo
     engine.abort("m")
     engine.step()
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_token_counters_count_computed_prompt_and_generated_tokens(model, caching):
+    """prompt_tokens: what prefill computed (a prefix-cache hit is not computed); generation_tokens:
+    every token handed out. Exact when idle, whatever the chunking (a small step budget)."""
+    engine = LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=512, num_swa_tokens=256,
+                                           enable_prefix_caching=caching, max_num_batched_tokens=16))
+    prompts = [list(range(3, 40)), list(range(3, 40)), list(range(50, 61))]
+    outputs = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():  # one after another: the second finds the first's prefix
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    stats = engine.publish_stats()
+    hits = sum(stats.prefix_cache_hit_tokens.values())
+    assert (hits > 0) == caching
+    assert stats.prompt_tokens == sum(map(len, prompts)) - hits
+    assert stats.generation_tokens == sum(map(len, outputs.values())) == 3 + 4 + 5

@@ -105,6 +105,8 @@ def test_greedy_equals_plain_decoding_with_prefix_cache_and_chunks(model, mode):
     assert s.spec_accepted_tokens == sum(a * n for a, n in hist.items())
     assert hist[0] and hist[3] and (hist[1] or hist[2])  # every accepted length happens
     assert 0 < s.spec_acceptance_rate < 1 and s.to_dict()["spec_mean_accepted_tokens"] > 1
+    # several tokens a verify step, each counted once
+    assert s.generation_tokens == sum(len(o.token_ids) for o in out + out2) == 2 * len(prompts) * GREEDY.max_tokens
     eng.prefix_cache.check_integrity([])
     assert drained(eng)
 

@@ -10,6 +10,7 @@ Only whole pages are cached (docs/kv_cache.md §2), so "up to position N" means 
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import pytest
@@ -161,3 +162,17 @@ def test_default_pool_split_is_the_formula_and_the_server_starts_small(default_s
     startup = default_server.output
     assert f"SWA {swa_tokens:,} tokens" in startup and f"Full {full_tokens:,} tokens" in startup
     assert default_server.rss_at_start < 3 << 30, default_server.rss_at_start
+
+
+def test_the_default_server_logs_the_engine_line_while_it_works(default_server):
+    """vLLM's periodic stats line, on by default (--log-stats-interval-s 10) and shown without -v; the
+    token counters behind it are on /metrics."""
+    deadline = time.monotonic() + 30
+    while "mmserve.stats:" not in default_server.output:
+        assert time.monotonic() < deadline, default_server.output[-2000:]
+        chat(default_server, [{"role": "user", "content": "Count to twenty."}], max_tokens=64)  # keep it busy
+        time.sleep(0.5)
+    line = next(ln for ln in default_server.output.splitlines() if "mmserve.stats:" in ln)
+    assert "tokens/s" in line and "running" in line and "KV full" in line
+    assert metric(default_server, "mmserve_generation_tokens_total") > 0
+    assert metric(default_server, "mmserve_prompt_tokens_total") > 0

@@ -1,12 +1,15 @@
 """``/metrics`` through prometheus_client: histogram buckets and the quantile helper, an engine
-snapshot as labelled families, one registry per app, OpenMetrics on request, and the event-loop
-lag monitor noticing a blocked loop."""
+snapshot as labelled families, one registry per app, OpenMetrics on request, the event-loop
+lag monitor noticing a blocked loop, token counters and per-generation families, and the periodic
+engine line on the log (StatsLogger)."""
 
 from __future__ import annotations
 
-import pytest
 import asyncio
+import dataclasses
 import time
+
+import pytest
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llm_core.engine.stats import EngineStats, PoolUsage, frozen_map
 from mm_pipeline.runtime.stats import OmniStats
-from mm_pipeline.server.metrics import LoopLagMonitor, ServerMetrics, histogram_buckets, histogram_quantile
+from mm_pipeline.server.metrics import LoopLagMonitor, ServerMetrics, StatsLogger, histogram_buckets, histogram_quantile
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -126,3 +129,57 @@ def test_speculative_counters_and_accepted_length_histogram():
         == [2, 4, 6, 10, 10]
     assert got[("mmserve_spec_accepted_length_sum", ())] == 18
     assert snap.to_dict()["llm"]["spec_acceptance_rate"] == pytest.approx(0.6)
+
+
+def test_token_counters_and_per_generation_families():
+    got = samples(ServerMetrics(lambda: a_snapshot(prompt_tokens=120, generation_tokens=45)).scrape()[0].decode())
+    assert got[("mmserve_prompt_tokens_total", ())] == 120 and got[("mmserve_generation_tokens_total", ())] == 45
+    m = ServerMetrics()
+    m.observe_request(0.0, 0.1, 0.5, completion_tokens=7, prompt_tokens=30, finish_reason="length")
+    m.observe_request(0.0, 0.1, 0.5, completion_tokens=2, prompt_tokens=600, finish_reason="stop")
+    got = samples(m.scrape()[0].decode())
+    assert got[("mmserve_request_success_total", (("finished_reason", "length"),))] == 1
+    assert got[("mmserve_request_prompt_tokens_sum", ())] == 630
+    assert got[("mmserve_request_generation_tokens_bucket", (("le", "8.0"),))] == 2
+    assert got[("mmserve_request_prompt_tokens_bucket", (("le", "512.0"),))] == 1
+
+
+def later(snap: OmniStats, seconds: float, **llm_fields) -> OmniStats:
+    """``snap`` taken ``seconds`` later, with these LLM fields changed."""
+    llm = dataclasses.replace(snap.llm, taken_at=snap.llm.taken_at + seconds, **llm_fields)
+    return dataclasses.replace(snap, llm=llm, taken_at=snap.taken_at + seconds)
+
+
+def test_the_stats_line_is_the_interval_and_quiet_when_idle():
+    a = a_snapshot(prompt_tokens=1000, generation_tokens=50)
+    b = dataclasses.replace(later(a, 10.0, prompt_tokens=3000, generation_tokens=550, preemptions=5,
+                                  prefix_cache_hit_tokens=frozen_map({"l1": 564, "l3": 8}),
+                                  prefix_cache_query_tokens=1100),
+                            encoder_cache_hits=frozen_map({"memory": 10, "disk": 2}), encoder_cache_misses=4)
+    line = StatsLogger.line(a, b)
+    assert line == ("prompt 200.0 tokens/s, generation 50.0 tokens/s | running 3, waiting 1, in flight 4 | "
+                    "KV full 31.2 %, swa 25.0 % | prefix cache hits 50.0 % of 1,000 tokens | "
+                    "encoder cache hits 75.0 % of 4 units | preemptions 3")
+    # nothing computed, nothing held: no line; an LLM-only snapshot gets the LLM parts
+    idle = dataclasses.replace(later(a, 10.0, running=0, queue_depth=0), requests_in_flight=0)
+    quiet = dataclasses.replace(a, llm=dataclasses.replace(a.llm, running=0, queue_depth=0), requests_in_flight=0)
+    assert StatsLogger.line(quiet, idle) is None
+    assert StatsLogger.line(a.llm, b.llm).startswith("prompt 200.0 tokens/s, generation 50.0 tokens/s | "
+                                                     "running 3, waiting 1 | KV")
+    assert StatsLogger.line(None, b) is None
+
+
+def test_the_stats_logger_writes_a_line_per_busy_interval(caplog):
+    base = a_snapshot(prompt_tokens=0)  # then 10 prompt tokens every 0.05 s of snapshot time: 200 a second
+    snaps = iter([base] + [later(base, 0.05 * (i + 1), prompt_tokens=10 * (i + 1)) for i in range(100)])
+
+    async def run() -> None:
+        stats = StatsLogger(lambda: next(snaps), interval_s=0.01)
+        stats.start()
+        await asyncio.sleep(0.08)
+        await stats.stop()
+
+    with caplog.at_level("INFO", logger="mmserve.stats"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if r.name == "mmserve.stats"]
+    assert len(lines) >= 3 and all(line.startswith("prompt 200.0 tokens/s") for line in lines)
