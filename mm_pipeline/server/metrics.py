@@ -149,8 +149,10 @@ class StatsLogger:
             return None
         omni = isinstance(now, OmniStats)
         a, b = (before.llm, now.llm) if omni else (before, now)
-        seconds = max(b.taken_at - a.taken_at, 1e-9)
+        seconds = b.taken_at - a.taken_at
         prompt, generated = b.prompt_tokens - a.prompt_tokens, b.generation_tokens - a.generation_tokens
+        if seconds <= 0 or prompt < 0 or generated < 0:  # not the same engine's later snapshot: no rates
+            return None
         if not (prompt or generated or b.running or b.queue_depth or (omni and now.requests_in_flight)):
             return None
         parts = [f"prompt {prompt / seconds:,.1f} tokens/s, generation {generated / seconds:,.1f} tokens/s",

@@ -113,7 +113,9 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         raise ValueError("encoder replicas hand embeddings to the LLM replicas through the encoder cache: give "
                          "--redis-url, or --encoder-cache-dir on a file system every replica sees")
     model_dir = str(Path(model_dir).resolve())
-    settings = replace(settings, model_name=settings.model_name or Path(model_dir).name)
+    # the ingress sees one LLM replica's snapshot at a time (whichever answers), so an interval's
+    # differences would mix replicas: the periodic engine line is a single-engine server's
+    settings = replace(settings, model_name=settings.model_name or Path(model_dir).name, log_stats_interval_s=0.0)
 
     router_kwargs: dict[str, Any] = {}
     if cluster.router == "affinity":

@@ -167,6 +167,7 @@ def test_the_stats_line_is_the_interval_and_quiet_when_idle():
     assert StatsLogger.line(a.llm, b.llm).startswith("prompt 200.0 tokens/s, generation 50.0 tokens/s | "
                                                      "running 3, waiting 1 | KV")
     assert StatsLogger.line(None, b) is None
+    assert StatsLogger.line(b, a) is None  # counters going back: another engine's snapshot, no rates
 
 
 def test_the_stats_logger_writes_a_line_per_busy_interval(caplog):
