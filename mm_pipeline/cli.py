@@ -55,7 +55,8 @@ def resolve_model_dir(arg: str | None) -> Path:
 # Spellings from before the flags were generated, kept working (field -> extra option strings).
 FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--allowed-local-media-path"],
                 "allowed_domains": ["--allowed-media-domain"], "allow_http": ["--allow-remote-media"],
-                "cache_dir": ["--encoder-cache-dir"], "queue_policy": ["--scheduling-policy"]}
+                "cache_dir": ["--encoder-cache-dir"], "queue_policy": ["--scheduling-policy"],
+                "log_requests": ["--enable-log-requests"]}
 # What the CLI does when a flag is left out, where it differs from the field's default.
 FLAG_NOTES = {"device": "default: cuda when available, else cpu",
               "compile_decode": "default: on for cuda, off for cpu",
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(limits, server_limit_flags())
     # --reasoning-parser {auto,qwen3,none}, --tool-call-parser {auto,qwen3_coder,none}
     add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))
-    add_config_flags(s, server_flags(SERVER_LOG_FIELDS))  # --log-stats-interval-s
+    add_config_flags(s, server_flags(SERVER_LOG_FIELDS), FLAG_ALIASES)  # --log-stats-interval-s, --log-requests
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no engine lines on the log (vLLM's flag; the same as --log-stats-interval-s 0)")
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
@@ -309,7 +310,7 @@ SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_p
                        "max_files_total_bytes", "max_audio_upload_bytes", "responses_store_bytes")
 SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids",  # how answers are shaped
                         "transcription_prompt", "translation_prompt")
-SERVER_LOG_FIELDS = ("log_stats_interval_s",)
+SERVER_LOG_FIELDS = ("log_stats_interval_s", "log_requests")
 
 
 def server_flags(fields: Sequence[str]) -> list:
@@ -368,6 +369,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("\n".join(lines), file=sys.stderr, flush=True)
         if settings.log_stats_interval_s:  # the engine lines show without -v, as vLLM's do
             logging.getLogger("mmserve.stats").setLevel(logging.INFO)
+        if settings.log_requests:
+            logging.getLogger("mmserve.requests").setLevel(logging.INFO)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10,
                                                log_level="info" if args.verbose else "warning"))
         # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their

@@ -10,15 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENCODER_CACHE_HITS_HEADER = "X-Encoder-Cache-Hits"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass
 class AnswerInfo:
     """``encoder_cache_hits``: encoder units (an image, a video frame group, an audio segment) of
     the request's media taken from the encoder cache instead of being encoded for it; with ``n`` >
-    1 choices the first choice's count (the media is the same for all)."""
+    1 choices the first choice's count (the media is the same for all). ``request_id``: the
+    answer's id (its ``id`` field), sent as ``X-Request-Id`` so a proxy's log can name it."""
 
     encoder_cache_hits: int = 0
+    request_id: str | None = None
 
     def headers(self) -> dict[str, str]:
-        return {ENCODER_CACHE_HITS_HEADER: str(self.encoder_cache_hits)}
+        out = {ENCODER_CACHE_HITS_HEADER: str(self.encoder_cache_hits)}
+        if self.request_id is not None:
+            out[REQUEST_ID_HEADER] = self.request_id
+        return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import shutil
 import tempfile
@@ -28,19 +29,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from mm_pipeline.server.answer_info import AnswerInfo
+from mm_pipeline.server.answer_info import REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
+from mm_pipeline.server.protocol import (MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation,
+                                        RequestId)
 from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileObject, ModelCard
@@ -54,6 +56,21 @@ from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
 
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
+_REQUEST_ID = TypeAdapter(RequestId)  # an X-Request-Id header, checked as the request_id field is
+request_log = logging.getLogger("mmserve.requests")  # --enable-log-requests: a line per finished request
+
+
+def request_line(rid: str, arrival: float, end: float, states: list[ChoiceState]) -> str:
+    """One finished request for the log: its id, how its choices ended, tokens, first token and total
+    time (no prompt text: what users send stays out of the log)."""
+    first = [s.first_token_at for s in states if s.first_token_at is not None]
+    ends = ",".join(sorted({(s.finish_reason or "unknown") + (f" ({s.error_kind})" if s.error_kind else "")
+                            for s in states}))
+    head = states[0] if states else ChoiceState()
+    return (f"{rid}: {ends or 'no choice'}, prompt {head.prompt_tokens} tokens (cached {head.cached_tokens}), "
+            f"completion {sum(s.completion_tokens for s in states)} tokens, n {len(states)}, "
+            f"TTFT {f'{min(first) - arrival:.3f} s' if first else '-'}, total {end - arrival:.3f} s, "
+            f"encoder cache hits {head.encoder_cache_hits}")
 
 
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, max_values: int) -> Any:
@@ -210,11 +227,13 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     if hasattr(engine, "set_file_resolver"):
         engine.set_file_resolver(store.resolve)
 
-    def observe(arrival: float, states: list[ChoiceState]) -> None:
+    def observe(rid: str, arrival: float, states: list[ChoiceState]) -> None:
         end = time.perf_counter()
         for s in states:
             metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens, s.prompt_tokens,
                                     s.finish_reason)
+        if settings.log_requests:
+            request_log.info("%s", request_line(rid, arrival, end, states))
 
     # --reasoning-parser against this model's vocabulary (auto: on for a model with <think> tokens)
     reasoning = resolve_reasoning(settings.reasoning_parser, getattr(engine, "tokenizer", None))
@@ -257,6 +276,13 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                                                                settings.max_json_values))
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given is not None:  # the header wins over the body's request_id, as in vLLM
+            try:
+                body = body.model_copy(update={"request_id": _REQUEST_ID.validate_python(given)})
+            except ValidationError:
+                raise APIError(400, f"{REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
+                                    f"characters without spaces", param=REQUEST_ID_HEADER) from None
         info = AnswerInfo()  # filled before the body starts: its headers go out with a stream too
         try:
             if not body.stream:

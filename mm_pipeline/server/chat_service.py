@@ -34,7 +34,8 @@ from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChun
 from mm_pipeline.server.sse import DONE, error_event, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
-Observer = Callable[[float, "list[ChoiceState]"], None]
+# (request id, arrival time.perf_counter(), its choices' states) once a request's choices are done
+Observer = Callable[[str, float, "list[ChoiceState]"], None]
 # a request holding a chat: /v1/chat/completions, or /tokenize's chat form (its messages then set)
 ChatRequestFields = Union[ChatCompletionRequest, TokenizeRequest]
 
@@ -56,6 +57,17 @@ class ServiceConfig:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def request_ids(prefix: str, given: str | None) -> tuple[str, str]:
+    """(the answer's id, the base of its engine requests' ids). A client's id (``X-Request-Id`` or
+    the ``request_id`` field, vLLM's) names the answer, ``<prefix>-<given>``; its engine requests get
+    a random suffix as well, so two clients sending the same id never collide in the engine."""
+    if given is None:
+        rid = new_id(prefix)
+        return rid, rid
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{secrets.token_hex(4)}"
 
 
 def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int,
@@ -186,10 +198,12 @@ class ChatService:
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, info: AnswerInfo | None = None) -> ChatCompletion:
         arrival = time.perf_counter()
-        rid = new_id("chatcmpl")
-        choices = await self._start_chat(req, rid, info)
+        rid, base = request_ids("chatcmpl", req.request_id)
+        choices = await self._start_chat(req, base, info)
+        if info is not None:
+            info.request_id = rid
         states = await collect_all(choices)
-        self._finished(arrival, states)
+        self._finished(rid, arrival, states)
         _check_finished(states)
         answers = [c.answer() for c in choices]
         scored = states[0] if states and req.prompt_logprobs is not None else None
@@ -231,8 +245,10 @@ class ChatService:
         chunk per delta with text, tool calls, logprobs or an end, and with include_usage a last
         one of usage alone. An error part-way raises from the iterator."""
         arrival = time.perf_counter()
-        rid = new_id("chatcmpl")
-        choices = await self._start_chat(req, rid, info)
+        rid, base = request_ids("chatcmpl", req.request_id)
+        choices = await self._start_chat(req, base, info)
+        if info is not None:
+            info.request_id = rid
         created, model = int(time.time()), self.config.model_name
         as_ids = self._as_ids(req)
 
@@ -260,7 +276,7 @@ class ChatService:
                     reason = _finish_reason(d.finish_reason, choice.calls_made) if d.finished else None
                     yield chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason))
             states = [c.state for c in choices]
-            self._finished(arrival, states)
+            self._finished(rid, arrival, states)
             if req.include_usage:
                 yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                           usage=_chat_usage(choices, self.config.reasoning))
@@ -270,8 +286,9 @@ class ChatService:
 
         return chunks(), close
 
-    async def _start_chat(self, req: ChatCompletionRequest, rid: str,
+    async def _start_chat(self, req: ChatCompletionRequest, base: str,
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
+        """The request's choices, started; ``base``: their engine ids' (choice i is ``<base>-<i>``)."""
         self.check_model(req.model)
         syntax = self.config.tool_calls
         if req.parse_tool_calls and syntax is None:
@@ -287,7 +304,7 @@ class ChatService:
         choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
                                                                                  self.config.reasoning,
                                                                                  scores_prompt=i == 0),
-                                                        request_id=f"{rid}-{i}", priority=req.priority,
+                                                        request_id=f"{base}-{i}", priority=req.priority,
                                                         cache_salt=req.cache_salt),
                                 self.config.reasoning, parser)
                    for i in range(req.n)]
@@ -301,10 +318,12 @@ class ChatService:
         """``info`` is accepted so chat and text completions share one call shape; a text prompt
         has no media, so it stays at zero encoder-cache hits."""
         arrival = time.perf_counter()
-        rid = new_id("cmpl")
-        choices, prompts = await self._start_completion(req, rid)
+        rid, base = request_ids("cmpl", req.request_id)
+        choices, prompts = await self._start_completion(req, base)
+        if info is not None:
+            info.request_id = rid
         states = await collect_all(choices)
-        self._finished(arrival, states)
+        self._finished(rid, arrival, states)
         _check_finished(states)
         usage = Usage()
         out = []
@@ -331,8 +350,10 @@ class ChatService:
     async def complete_stream(self, req: CompletionRequest,
                               info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
         arrival = time.perf_counter()
-        rid = new_id("cmpl")
-        choices, prompts = await self._start_completion(req, rid)
+        rid, base = request_ids("cmpl", req.request_id)
+        choices, prompts = await self._start_completion(req, base)
+        if info is not None:
+            info.request_id = rid
         created, model = int(time.time()), self.config.model_name
 
         async def events() -> AsyncIterator[str]:
@@ -375,7 +396,7 @@ class ChatService:
                             index=index, text=d.new_text or "", logprobs=lp,
                             finish_reason=d.finish_reason if d.finished else None)]))
                 states = [c.state for c in choices]
-                self._finished(arrival, states)
+                self._finished(rid, arrival, states)
                 if req.include_usage:
                     usage = Usage()
                     for p in range(len(prompts)):
@@ -391,7 +412,7 @@ class ChatService:
 
         return events(), close
 
-    async def _start_completion(self, req: CompletionRequest, rid: str):
+    async def _start_completion(self, req: CompletionRequest, base: str):
         self.check_model(req.model)
         prompts = req.prompts
         if len(prompts) > self.config.max_completion_prompts:
@@ -407,7 +428,7 @@ class ChatService:
                 # times the memory); streamed, each choice's echo takes its own first delta's
                 params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored,
                                          scores_prompt=j == 0 or req.stream)
-                choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{rid}-{i}",
+                choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{base}-{i}",
                                                                            priority=req.priority,
                                                                            cache_salt=req.cache_salt)))
         await start_all(choices)
@@ -446,6 +467,6 @@ class ChatService:
             raise InvalidInputError("echo of a token-id prompt needs a tokenizer; this model has none")
         return tok.decode(prompt)
 
-    def _finished(self, arrival: float, states: list[ChoiceState]) -> None:
+    def _finished(self, rid: str, arrival: float, states: list[ChoiceState]) -> None:
         if self._observe is not None:
-            self._observe(arrival, states)
+            self._observe(rid, arrival, states)

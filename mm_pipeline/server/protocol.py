@@ -42,6 +42,10 @@ MAX_STOP_CHARS = 256  # characters of one stop sequence: each is matched against
 MAX_STOP_TOKEN_IDS = 64
 
 TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
+# a client's id for its request (vLLM's request_id field, or the X-Request-Id header): printable
+# ASCII without spaces, so it can go into a response header and a log line as it is
+MAX_REQUEST_ID_CHARS = 128
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[!-~]+$")]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
@@ -200,6 +204,8 @@ class SamplingFields(_Loose):
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     # vLLM's: the prefix cache shares KV only between requests of the same salt (a tenant's secret)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: the answer's id is <chatcmpl|cmpl>-<request_id> (an X-Request-Id header wins over it)
+    request_id: RequestId | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (one constraint per request; _structured_outputs)

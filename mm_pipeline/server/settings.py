@@ -63,6 +63,11 @@ class ServerSettings:
     """Seconds between the engine lines on the log (throughput, running / waiting, KV use, cache hit
     rates; logger mmserve.stats), written while the engine works; 0: none (vLLM's --disable-log-stats)."""
 
+    log_requests: bool = False
+    """A log line per finished request (logger mmserve.requests): its id, finish reasons, prompt,
+    cached and completion tokens, time to first token and total; no prompt or answer text. Off by
+    default, as vLLM's --enable-log-requests."""
+
     return_tokens_as_token_ids: bool = False
     """Logprob entries name their token as "token_id:<id>" instead of its text (vLLM's flag), so a
     token that is no whole character -- a byte of a multi-byte one -- is still told apart; a

@@ -83,10 +83,12 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
                 answer = await until_disconnected(request, service.chat(chat, info))
                 response_of_chat(response, answer)
                 keep()
+                info.request_id = response.id
                 return JSONResponse(response.model_dump(), headers=info.headers())
             chunks, close = await until_disconnected(request, service.chat_chunks(chat, info))
         except ClientDisconnected:
             return Response(status_code=499)
+        info.request_id = response.id
 
         async def events() -> AsyncIterator[str]:
             async for event in ResponseEvents(response).events(chunks):
