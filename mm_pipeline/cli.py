@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --reasoning-parser {auto,qwen3,none}, --tool-call-parser {auto,qwen3_coder,none}
     add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))
     add_config_flags(s, server_flags(SERVER_LOG_FIELDS), FLAG_ALIASES)  # --log-stats-interval-s, --log-requests
+    add_config_flags(s, server_flags(SERVER_CORS_FIELDS), FLAG_ALIASES)  # --allowed-origins, --allow-credentials
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no engine lines on the log (vLLM's flag; the same as --log-stats-interval-s 0)")
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
@@ -311,6 +312,7 @@ SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_p
 SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids",  # how answers are shaped
                         "transcription_prompt", "translation_prompt")
 SERVER_LOG_FIELDS = ("log_stats_interval_s", "log_requests")
+SERVER_CORS_FIELDS = ("allowed_origins", "allow_credentials")
 
 
 def server_flags(fields: Sequence[str]) -> list:
@@ -331,7 +333,8 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     upload = int(args.max_upload_mb * (1 << 20))
     limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags()),
               **config_values(args, server_flags(SERVER_ANSWER_FIELDS)),
-              **config_values(args, server_flags(SERVER_LOG_FIELDS))}
+              **config_values(args, server_flags(SERVER_LOG_FIELDS)),
+              **config_values(args, server_flags(SERVER_CORS_FIELDS))}
     if getattr(args, "disable_log_stats", False):
         limits["log_stats_interval_s"] = 0.0
     try:

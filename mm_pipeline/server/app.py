@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -34,7 +35,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from mm_pipeline.server.answer_info import REQUEST_ID_HEADER, AnswerInfo
+from mm_pipeline.server.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
@@ -267,6 +268,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_openapi(app)
 
     app.add_middleware(AuthAndCount, api_key=settings.api_key, metrics=metrics, routes=app.router.routes)
+    if settings.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=settings.allow_credentials,
+                           expose_headers=[REQUEST_ID_HEADER, ENCODER_CACHE_HITS_HEADER, "Retry-After"])
     install_web_routes(app)  # GET / : the upload page
     install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
         request, model, settings.max_request_bytes, settings.max_json_values))

@@ -59,6 +59,13 @@ class ServerSettings:
     """Bytes of stored responses (/v1/responses with store, OpenAI's default) kept in memory for
     previous_response_id and GET /v1/responses/{id}, least recently used dropped first; 0 stores none."""
 
+    allowed_origins: tuple[str, ...] = ()
+    """Web origins whose pages may call this server from a browser (CORS), e.g. https://app.example.com,
+    or * for any; repeat the flag for several. None by default (vLLM allows any): a server without an
+    API key would otherwise answer any page its user opens."""
+    allow_credentials: bool = False
+    """CORS: browsers may send cookies and the Authorization header along (not with origin *)."""
+
     log_stats_interval_s: float = 10.0
     """Seconds between the engine lines on the log (throughput, running / waiting, KV use, cache hit
     rates; logger mmserve.stats), written while the engine works; 0: none (vLLM's --disable-log-stats)."""
@@ -83,6 +90,8 @@ class ServerSettings:
             raise ValueError("transcription_prompt and translation_prompt must not be empty")
         if not self.log_stats_interval_s >= 0:
             raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials needs the origins named: browsers refuse credentials for origin *")
         if self.responses_store_bytes < 0:
             raise ValueError(f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}")
         if self.max_files < 1:
