@@ -350,15 +350,19 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     # ---- models, health, metrics --------------------------------------------------------------
+    def model_card() -> ModelCard:
+        return ModelCard(id=model_name, created=started, root=model_name,
+                         max_model_len=getattr(engine, "max_model_len", None))
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [ModelCard(id=model_name, created=started).model_dump()]})
+        return JSONResponse({"object": "list", "data": [model_card().model_dump()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
         if model_id != model_name:
             raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        return JSONResponse(ModelCard(id=model_name, created=started).model_dump())
+        return JSONResponse(model_card().model_dump())
 
     # Both read the engine's last published stats snapshot; neither touches engine state.
     @app.get("/health")

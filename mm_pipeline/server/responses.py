@@ -205,6 +205,11 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mmserve"
+    # vLLM's additions, which clients read to size their prompts: the served name again (no path of
+    # the server's) and the longest prompt + output one request can hold (null when unknown)
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
 
 
 class ErrorDetail(BaseModel):

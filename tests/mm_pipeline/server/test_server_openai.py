@@ -365,6 +365,8 @@ def test_models_health_metrics(served):
     # module on a worker, and the TTFT count below must not depend on which tests ran before it
     served.client.completions.create(model=served.model, prompt=[5, 6, 7], max_tokens=1, temperature=0)
     assert [m.id for m in served.client.models.list().data] == [served.model]
+    card = httpx.get(served.base_url + f"/v1/models/{served.model}").json()  # vLLM's fields clients size prompts by
+    assert card["max_model_len"] == served.engine.max_model_len > 0 and card["root"] == served.model
     health = httpx.get(served.base_url + "/health").json()
     assert health["status"] == "ok" and health["stats"]["llm"]["kv_pool"]["full"]["total_pages"] > 0
     text_ = httpx.get(served.base_url + "/metrics").text
