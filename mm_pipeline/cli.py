@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s, model_required=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes (default: the "
+                   "MMSERVE_API_KEY environment variable, which unlike a flag does not show in ps)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the dir name)")
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
     s.add_argument("--max-upload-mb", type=float, default=512.0)
@@ -311,6 +312,7 @@ SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_completion_p
                        "max_files_total_bytes", "max_audio_upload_bytes", "responses_store_bytes")
 SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids",  # how answers are shaped
                         "transcription_prompt", "translation_prompt")
+API_KEY_ENV = "MMSERVE_API_KEY"
 SERVER_LOG_FIELDS = ("log_stats_interval_s", "log_requests")
 SERVER_CORS_FIELDS = ("allowed_origins", "allow_credentials")
 
@@ -338,7 +340,10 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     if getattr(args, "disable_log_stats", False):
         limits["log_stats_interval_s"] = 0.0
     try:
-        return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
+        # the key from the environment when not given as a flag: a flag's value shows in `ps` to every
+        # user of the machine (vLLM reads VLLM_API_KEY the same way)
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=api_key,
                               files_dir=args.files_dir, max_upload_bytes=upload,
                               default_max_tokens=args.default_max_tokens, **limits)
     except ValueError as e:  # a combination no single flag could check (upload > total store)

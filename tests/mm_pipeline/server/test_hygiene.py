@@ -232,3 +232,14 @@ def test_the_value_bound_is_counted_as_the_body_arrives_whatever_its_pieces(piec
     with pytest.raises(APIError, match=f"up to {cap + 1} JSON values"):
         asyncio.run(parse_body(over, CompletionRequest, 1 << 20, cap))
     assert piece >= len(over.body) or over.sent < len(over.body)
+
+
+def test_the_key_comes_from_the_environment_when_no_flag_gives_it(tmp_path, monkeypatch):
+    """MMSERVE_API_KEY (vLLM reads VLLM_API_KEY alike): a flag's value shows in ps to every user."""
+    from mm_pipeline import cli
+    monkeypatch.setenv("MMSERVE_API_KEY", KEY)
+    assert cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key == KEY
+    assert cli.server_settings(cli.parse_args(["serve", "--model", "m", "--api-key", "sk-flag"]), tmp_path).api_key \
+        == "sk-flag"  # the flag wins
+    monkeypatch.setenv("MMSERVE_API_KEY", "")
+    assert cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key is None
