@@ -178,6 +178,16 @@ def _chat_usage(choices: list[ChoiceStream], reasoning: ThinkSyntax | None) -> U
     return u
 
 
+def _running_usage(choices: list[ChoiceStream], per_prompt: int) -> Usage:
+    """The usage so far of a streamed answer (continuous_usage_stats): each prompt once (choices come
+    in groups of ``per_prompt`` of one prompt), the tokens every choice generated up to now."""
+    u = Usage()
+    for first in choices[::per_prompt]:
+        u.add(first.prompt_tokens, 0, first.state.cached_tokens)
+    u.add(0, sum(c.state.completion_tokens for c in choices), 0)
+    return u
+
+
 def _check_finished(states: list[ChoiceState]) -> None:
     """Raise the typed error of the first choice that failed (by its kind, see mm_pipeline/errors.py)."""
     for s in states:
@@ -253,7 +263,8 @@ class ChatService:
         as_ids = self._as_ids(req)
 
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=None)
+            usage = _running_usage(choices, len(choices)) if req.continuous_usage else None
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage)
 
         async def chunks() -> AsyncIterator[ChatCompletionChunk]:
             for c in choices:  # OpenAI sends the role first, once per choice
@@ -356,6 +367,10 @@ class ChatService:
             info.request_id = rid
         created, model = int(time.time()), self.config.model_name
 
+        def event(choice: CompletionChoice) -> str:
+            usage = _running_usage(choices, req.n) if req.continuous_usage else None
+            return sse_event(Completion(id=rid, created=created, model=model, choices=[choice], usage=usage))
+
         async def events() -> AsyncIterator[str]:
             # each choice's text_offset goes on across its chunks (after the echoed prompt), as
             # in the answer that is not streamed
@@ -369,8 +384,7 @@ class ChatService:
                     for c in choices:
                         text = self._prompt_text(prompts[c.index // req.n])
                         offsets[c.index] = len(text)
-                        yield sse_event(Completion(id=rid, created=created, model=model,
-                                                   choices=[CompletionChoice(index=c.index, text=text)]))
+                        yield event(CompletionChoice(index=c.index, text=text))
                 async for index, d in merge_choices(choices):
                     if scores_echo and index not in echoed:
                         echoed.add(index)
@@ -381,8 +395,7 @@ class ChatService:
                             ids, getattr(d, "prompt_logprobs", None) or state.prompt_logprobs, req.logprobs,
                             self._as_ids(req))
                         offsets[index] = lp.end_offset if lp is not None else len(text)
-                        yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
-                            index=index, text=text, logprobs=lp)]))
+                        yield event(CompletionChoice(index=index, text=text, logprobs=lp))
                     if d.finished:
                         _check_finished([choices[index].state])
                     lp = (self.tokens.completion_logprobs(d.new_token_ids or [], d.logprobs or [],
@@ -392,9 +405,8 @@ class ChatService:
                     if lp is not None and lp.tokens:
                         offsets[index] = lp.end_offset
                     if d.new_text or lp is not None or d.finished:
-                        yield sse_event(Completion(id=rid, created=created, model=model, choices=[CompletionChoice(
-                            index=index, text=d.new_text or "", logprobs=lp,
-                            finish_reason=d.finish_reason if d.finished else None)]))
+                        yield event(CompletionChoice(index=index, text=d.new_text or "", logprobs=lp,
+                                                     finish_reason=d.finish_reason if d.finished else None))
                 states = [c.state for c in choices]
                 self._finished(rid, arrival, states)
                 if req.include_usage:

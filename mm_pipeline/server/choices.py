@@ -152,6 +152,11 @@ class ChoiceStream:
         self.calls_made = len(found.calls)
         return AnswerPart(split.reasoning, found.content, found.calls)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens, known from the first delta (before it is taken from the stream too)."""
+        return self.state.prompt_tokens or getattr(self._first, "prompt_tokens", 0) or 0
+
     def reasoning_tokens(self) -> int:
         """How many of the tokens so far are thinking (0 without a reasoning parser)."""
         return 0 if self._reasoning is None else self._reasoning.reasoning_tokens(self.state.token_ids, self._opened)

@@ -51,8 +51,9 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 class StreamOptions(_Loose):
     include_usage: bool = False
-    continuous_usage_stats: Literal[False] = Field(default=False, description="vLLM's usage in every chunk: "
-                                                                             "not supported")
+    continuous_usage_stats: bool = Field(default=False, description=(
+        "vLLM's: with include_usage, every chunk carries the usage so far (prompt, and completion tokens "
+        "generated up to that chunk)"))
 
 
 # field -> the values that leave the answer as if the field were absent (None always does). Any other
@@ -255,6 +256,11 @@ class SamplingFields(_Loose):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's ``continuous_usage_stats``, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatTemplateFields(_Loose):
