@@ -31,7 +31,8 @@ import numpy as np
 from mm_pipeline.cluster.batch_replica import BatchReplica
 from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig, configure_data, run_replicas
 from mm_pipeline.cluster.job_replica import ReplicaSpec
-from mm_pipeline.jobs.batch import BatchSummary, custom_id_of, decode_line
+from mm_pipeline.jobs.batch import BatchSummary
+from mm_pipeline.server.batches.lines import custom_id_of, decode_line
 from mm_pipeline.jobs.progress import Progress
 
 # A chunk is at most this many bytes of the file or CHUNK_BATCHES replica batches of lines: it is

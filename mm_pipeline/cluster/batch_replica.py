@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from mm_pipeline.cluster.job_replica import JobReplica, ReplicaSpec
-from mm_pipeline.jobs.batch import BatchJob, custom_id_of, decode_line, failure_message, parse_line
+from mm_pipeline.jobs.batch import BatchJob
+from mm_pipeline.server.batches.lines import custom_id_of, decode_line, failure_message, parse_line
 
 
 def line_of(raw: Any) -> str | bytes:

@@ -13,7 +13,7 @@ import pytest
 
 from mm_pipeline.cluster.batch_dataset import ChunkLimits, LineChunk, chunk_lines, plan_input, read_chunks
 from mm_pipeline.cluster.batch_replica import line_of
-from mm_pipeline.jobs.batch import custom_id_of, input_lines
+from mm_pipeline.server.batches.lines import custom_id_of, input_lines
 
 
 def _request(cid: str, pad: str = "") -> bytes:

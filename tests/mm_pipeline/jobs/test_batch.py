@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from mm_pipeline.jobs.batch import BatchConfig, BatchJob, custom_id_of, input_lines, parse_line
+from mm_pipeline.jobs.batch import BatchConfig, BatchJob
+from mm_pipeline.server.batches.lines import custom_id_of, input_lines, parse_line
 
 from tests.support.paths import SAMPLE_MEDIA as MEDIA  # noqa: E402
 
