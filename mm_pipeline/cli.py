@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(s, server_flags(SERVER_ANSWER_FIELDS))
     add_config_flags(s, server_flags(SERVER_LOG_FIELDS), FLAG_ALIASES)  # --log-stats-interval-s, --log-requests
     add_config_flags(s, server_flags(SERVER_CORS_FIELDS), FLAG_ALIASES)  # --allowed-origins, --allow-credentials
+    add_config_flags(s, server_flags(SERVER_BATCH_FIELDS))  # --batch-concurrency (/v1/batches)
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no engine lines on the log (vLLM's flag; the same as --log-stats-interval-s 0)")
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
@@ -315,6 +316,7 @@ SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_a
 API_KEY_ENV = "MMSERVE_API_KEY"
 SERVER_LOG_FIELDS = ("log_stats_interval_s", "log_requests")
 SERVER_CORS_FIELDS = ("allowed_origins", "allow_credentials")
+SERVER_BATCH_FIELDS = ("batch_concurrency",)
 
 
 def server_flags(fields: Sequence[str]) -> list:
@@ -336,7 +338,8 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags()),
               **config_values(args, server_flags(SERVER_ANSWER_FIELDS)),
               **config_values(args, server_flags(SERVER_LOG_FIELDS)),
-              **config_values(args, server_flags(SERVER_CORS_FIELDS))}
+              **config_values(args, server_flags(SERVER_CORS_FIELDS)),
+              **config_values(args, server_flags(SERVER_BATCH_FIELDS))}
     if getattr(args, "disable_log_stats", False):
         limits["log_stats_interval_s"] = 0.0
     try:

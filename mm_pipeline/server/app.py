@@ -52,6 +52,8 @@ from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_discon
 from mm_pipeline.server.files.uploads import receive_upload
 from mm_pipeline.server.tokenize.routes import install_tokenize_routes
 from mm_pipeline.server.audio.routes import install_audio_routes
+from mm_pipeline.server.batches.routes import install_batch_routes
+from mm_pipeline.server.batches.runner import BatchRunner
 from mm_pipeline.server.responses_api.routes import install_responses_routes
 from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
@@ -247,6 +249,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     started = int(time.time())
 
     stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None
+    batches = BatchRunner(service, store, settings.batch_concurrency)  # /v1/batches
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -256,6 +259,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await batches.close()
             await metrics.lag_monitor.stop()
             if stats_log is not None:
                 await stats_log.stop()
@@ -264,6 +268,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.engine, app.state.store, app.state.metrics, app.state.service = engine, store, metrics, service
+    app.state.batches = batches
     install_error_handlers(app)
     install_openapi(app)
 
@@ -279,6 +284,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes),  # /v1/responses
                              lambda request, model: parse_body(request, model, settings.max_request_bytes,
                                                                settings.max_json_values))
+    install_batch_routes(app, batches, lambda request, model: parse_body(request, model, settings.max_request_bytes,
+                                                                        settings.max_json_values))  # /v1/batches
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         given = request.headers.get(REQUEST_ID_HEADER)

@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from mm_pipeline.server.audio.protocol import Transcription, form_schema
+from mm_pipeline.server.batches.protocol import BatchCreate, BatchList, BatchObject
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
 from mm_pipeline.server.responses_api.output import ResponseObject
 from mm_pipeline.server.responses_api.protocol import ResponsesRequest
@@ -45,6 +46,10 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/v1/audio/translations"): (None, Transcription, True),
     ("post", "/v1/responses"): (ResponsesRequest, ResponseObject, True),
     ("get", "/v1/responses/{response_id}"): (None, ResponseObject, False),
+    ("post", "/v1/batches"): (BatchCreate, BatchObject, False),
+    ("get", "/v1/batches"): (None, BatchList, False),
+    ("get", "/v1/batches/{batch_id}"): (None, BatchObject, False),
+    ("post", "/v1/batches/{batch_id}/cancel"): (None, BatchObject, False),
 }
 # routes whose body is a multipart form (server/audio/): the form's schema, and a text/plain answer too
 _FORMS = {("post", "/v1/audio/transcriptions"), ("post", "/v1/audio/translations")}

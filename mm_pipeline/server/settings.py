@@ -66,6 +66,10 @@ class ServerSettings:
     allow_credentials: bool = False
     """CORS: browsers may send cookies and the Authorization header along (not with origin *)."""
 
+    batch_concurrency: int = 16
+    """Lines of a /v1/batches batch answered at once (batches run one after another); the engine
+    batches them with the interactive requests, which keep the rest of its seats."""
+
     log_stats_interval_s: float = 10.0
     """Seconds between the engine lines on the log (throughput, running / waiting, KV use, cache hit
     rates; logger mmserve.stats), written while the engine works; 0: none (vLLM's --disable-log-stats)."""
@@ -92,6 +96,8 @@ class ServerSettings:
             raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         if self.allow_credentials and "*" in self.allowed_origins:
             raise ValueError("allow_credentials needs the origins named: browsers refuse credentials for origin *")
+        if self.batch_concurrency < 1:
+            raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         if self.responses_store_bytes < 0:
             raise ValueError(f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}")
         if self.max_files < 1:

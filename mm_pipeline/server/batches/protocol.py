@@ -1,0 +1,85 @@
+"""The bodies of OpenAI's Batch API: what ``client.batches.create(...)`` sends, and the batch object
+every route answers with (``object: "batch"``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mm_pipeline.server.batches.lines import URLS
+
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                      "cancelled"]
+FINISHED = ("failed", "completed", "expired", "cancelled")
+WINDOW_S = 24 * 3600  # OpenAI's one completion window, "24h"
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(min_length=1, max_length=128)
+    endpoint: Literal[tuple(URLS)]  # type: ignore[valid-type]
+    completion_window: Literal["24h"]
+    metadata: dict[str, Any] | None = Field(default=None, max_length=16)
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError] = Field(default_factory=list)
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str = "24h"
+    status: BatchStatus = "validating"
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, Any] | None = None
+
+    def mark(self, status: BatchStatus) -> None:
+        """Enter ``status``, stamping its time (``<status>_at``)."""
+        self.status = status
+        stamp = f"{status}_at"
+        if stamp in type(self).model_fields:
+            setattr(self, stamp, int(time.time()))
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
