@@ -50,7 +50,8 @@ from mm_pipeline.media.decode.backend import DecodeBackend
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_image
 from mm_pipeline.media.decode.early import EarlyDecoders
-from mm_pipeline.media.content_hash import audio_segment_key, canonical_params, content_key, media_key, video_group_key
+from mm_pipeline.media.content_hash import (audio_segment_key, canonical_params, content_key, media_key,
+                                           salted_media_key, video_group_key)
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
@@ -124,7 +125,7 @@ class MediaPlanner:
             raise ContextLengthError(f"the request's media take {tokens} tokens, over the context limit of "
                                      f"{context} tokens")
 
-    def plan_warm(self, ref: MediaRef) -> tuple[MediaItem | None, MediaPlan | None]:
+    def plan_warm(self, ref: MediaRef, salt: str | None = None) -> tuple[MediaItem | None, MediaPlan | None]:
         """Worker thread: load and plan in one hop off the event loop (runtime/components.py). A
         source ``ingest_local`` takes (upload bytes, data URL, local file) is ingested; when the
         cache holds the item's manifest and no other request is planning the same media now, it
@@ -138,7 +139,7 @@ class MediaPlanner:
         item = self.ingestor.ingest_local(ref.source)
         if self._encoder_of(item) is None or item.content_key is None:
             return item, None  # plan() says why, or hashes the bytes
-        mkey = self._media_key(item.content_key, item)
+        mkey = self._media_key(item.content_key, item, salt)
         if mkey in self._planning:
             return item, None  # join that pass (it may be decoding: its inputs are shared)
         manifest = self._manifest(mkey)
@@ -147,13 +148,14 @@ class MediaPlanner:
         self._count(f"plans_one_hop.{item.kind.value}")
         return item, self._with_cached(self._plan_from_manifest(item, mkey, manifest))
 
-    async def plan(self, item: MediaItem) -> MediaPlan:
+    async def plan(self, item: MediaItem, salt: str | None = None) -> MediaPlan:
         """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
-        can give the sizes) plus the units the cache already holds."""
+        can give the sizes) plus the units the cache already holds. ``salt``: the request's
+        cache_salt (content_hash.salted_media_key), for ``plan_warm`` too."""
         if self._encoder_of(item) is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
         content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
-        mkey = self._media_key(content, item)
+        mkey = self._media_key(content, item, salt)
         control = self.producer.control(item)
         # every request that wanted this plan ended: its worker stops at the next frame
         plan, planned_here = await self._planning.run(
@@ -246,13 +248,13 @@ class MediaPlanner:
     def _encoder_of(self, item: MediaItem):
         return self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
 
-    def _media_key(self, content: str, item: MediaItem) -> str:
+    def _media_key(self, content: str, item: MediaItem, salt: str | None = None) -> str:
         # the params of a kind are fixed for the planner's life: their canonical JSON once per kind
         # (a dict of them, normalised and dumped, was ~0.1 ms of every request's hop)
         form = self._param_forms.get(item.kind)
         if form is None:
             form = self._param_forms[item.kind] = canonical_params(self._params(item.kind))
-        return media_key(content, item.kind, form, self.encoder_id)
+        return salted_media_key(media_key(content, item.kind, form, self.encoder_id), salt)
 
     def _manifest(self, mkey: str) -> torch.Tensor | None:
         """The cached manifest of ``mkey`` when it has the manifest's shape, else None (a missing or

@@ -7,6 +7,7 @@ covers everything that changes the encoder output:
 
     content_key = blake3( raw bytes )                      (plain: equals the upload store's hash)
     media_key  = blake3( "mmserve.media.v2" | kind | encoder_id | params | content_key )
+                 (a request with a cache_salt: blake3( "mmserve.media.salted.v1" | media_key | salt ))
     group_key  = blake3( "mmserve.video-group.v1" | media_key | sampling params | group index )
     segment_key= blake3( "mmserve.audio-segment.v1" | media_key | audio params | segment index )
 
@@ -126,6 +127,15 @@ def media_key(content: str, kind: MediaKind, params: Mapping[str, Any] | Any | b
         raise ValueError(f"media_key wants a content_key (64 hex digits), got {content[:16]!r}...")
     form = params if isinstance(params, bytes) else canonical_params(params)
     return _digest("mmserve.media.v2", kind.value.encode(), encoder_id.encode(), form, content.encode())
+
+
+def salted_media_key(mkey: str, salt: str | None) -> str:
+    """``mkey`` as a request with ``cache_salt`` keys it: every key derived from it (frame groups,
+    audio segments, the manifest) then differs per salt, so the encoder cache, its tiers and the
+    planning a request joins are shared only between requests of the same salt. None: ``mkey``."""
+    if salt is None:
+        return mkey
+    return _digest("mmserve.media.salted.v1", mkey.encode(), salt.encode("utf-8", "surrogatepass"))
 
 
 def video_group_key(media: str, sampling: Mapping[str, Any] | Any, group_index: int) -> str:

@@ -190,12 +190,13 @@ class OmniRuntime:
         return self.model.hidden_size
 
     # ---- requests ---------------------------------------------------------------------------
-    async def prepare_chat(self, chat: ChatRequest, truncate: bool = False) -> PreparedChat:
+    async def prepare_chat(self, chat: ChatRequest, truncate: bool = False, salt: str | None = None) -> PreparedChat:
         """Ingest and plan every media item (concurrently), then lay the prompt out.
 
         ``truncate`` (the request has ``truncate_prompt_tokens``): a chat without media may render
         to up to ``TRUNCATABLE_CONTEXTS`` times the context, which the engine then cuts to its last
-        tokens (a chat with media must fit: media is never cut).
+        tokens (a chat with media must fit: media is never cut). ``salt``: the request's cache_salt,
+        which keys its media apart from other salts' (encoder cache, planning shared between requests).
 
         A chat with one media item takes one hop to the worker pool when it can: ingest, plan from
         the cache manifest and lay out in the same job (``_prepare_one_hop``). A repeat or a new
@@ -204,15 +205,16 @@ class OmniRuntime:
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
         refs: list[MediaRef] = chat.media
         if not truncate or refs:
-            return await self._prepare_chat(chat, refs, self.max_model_len)
+            return await self._prepare_chat(chat, refs, self.max_model_len, salt)
         bound = self.max_model_len * TRUNCATABLE_CONTEXTS
         try:
-            return await self._prepare_chat(chat, refs, bound)
+            return await self._prepare_chat(chat, refs, bound, salt)
         except ContextLengthError as exc:
             raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
                                      f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
 
-    async def _prepare_chat(self, chat: ChatRequest, refs: list[MediaRef], bound: int) -> PreparedChat:
+    async def _prepare_chat(self, chat: ChatRequest, refs: list[MediaRef], bound: int,
+                            salt: str | None = None) -> PreparedChat:
         """``prepare_chat`` within ``bound`` tokens (the context, or the truncatable bound)."""
         # a chat of more messages than the bound can hold fails first, before its media is fetched
         # or a part of it walked (O(1): each message's markup costs at least its special tokens)
@@ -220,31 +222,34 @@ class OmniRuntime:
         self.model.layout.template.check_kwargs(chat.options.kwargs)  # a 400 before any media work
         self.planner.check_request(refs)
         if len(refs) == 1:
-            got = await self.pool.run(self._prepare_one_hop, chat, refs[0])
+            got = await self.pool.run(self._prepare_one_hop, chat, refs[0], salt)
             if isinstance(got, PreparedChat):
                 return got
-            plans = [await self._plan_item(0, 1, refs[0], got)]
+            plans = [await self._plan_item(0, 1, refs[0], got, salt)]
         else:
-            plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r) for k, r in enumerate(refs))))
+            plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r, salt=salt)
+                                                for k, r in enumerate(refs))))
         self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
         laid = await self.text_pool.run(self.model.layout.render, chat, plans, bound)  # template + BPE
         self._check_context(len(laid.token_ids), bound)
         return self._prepared(laid, plans)
 
-    async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None) -> MediaPlan:
+    async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None,
+                         salt: str | None = None) -> MediaPlan:
         """Media item ``k`` of ``n``: loaded (unless ``item`` is it, already ingested) and planned."""
         try:
-            return await self.planner.plan(item if item is not None else await self.planner.load(ref))
+            return await self.planner.plan(item if item is not None else await self.planner.load(ref), salt)
         except MediaError as exc:
             raise _which_item(exc, k, n) from exc
 
-    def _prepare_one_hop(self, chat: ChatRequest, ref: MediaRef) -> PreparedChat | MediaItem | None:
+    def _prepare_one_hop(self, chat: ChatRequest, ref: MediaRef, salt: str | None = None
+                         ) -> PreparedChat | MediaItem | None:
         """Worker thread: the chat's one media item ingested and, when its manifest is cached,
         planned and the prompt laid out (text tokenization runs here rather than on the text pool:
         this media request's own worker is already running). Else the ingested item (None: a
         source only ``planner.load`` takes) for the usual path."""
         try:
-            item, plan = self.planner.plan_warm(ref)
+            item, plan = self.planner.plan_warm(ref, salt)
         except MediaError as exc:
             raise _which_item(exc, 0, 1) from exc
         if plan is None:

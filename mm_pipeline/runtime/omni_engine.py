@@ -95,8 +95,8 @@ class OmniEngine:
                        cache_salt: str | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream the answer to OpenAI-format chat ``messages`` (see chat_request for the parts).
         ``priority``: lower first under the ``priority`` queue policy (``LLMEngine.check_priority``);
-        ``cache_salt``: prefix-cache KV is shared only with requests of the same salt (the encoder
-        cache stays shared: it holds what media encodes to, which no prompt text reaches)."""
+        ``cache_salt``: prefix-cache KV and encoder-cache entries (media keys salted,
+        content_hash.salted_media_key) are shared only with requests of the same salt."""
         chat = parse_messages(messages)  # malformed messages fail before admission
         hits: list[int] = []
         async with aclosing(self.outputs(params, chat=chat, request_id=request_id, on_planned=hits.append,
@@ -182,7 +182,8 @@ class OmniEngine:
             if params.structured_outputs is not None:  # a bad constraint fails before any media is read
                 await rt.compile_grammar(params.structured_outputs)
             if chat is not None:
-                prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None)
+                prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None,
+                                                 salt=cache_salt)
                 token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
                 for plan in prepared.plans:  # its encoder jobs are taken in the engine's priority order
                     plan.priority = priority

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from llm_core.storage import LocalDirStore, MemoryStore, RedisStore, encode_entry
 from mm_pipeline.media.content_hash import (audio_segment_key, canonical_params, content_key, media_key,
-                                              video_group_key)
+                                              salted_media_key, video_group_key)
 from mm_pipeline.encode.encoder_cache import EncoderCache, tensor_from_bytes, tensor_to_bytes
 from mm_pipeline.media.types import MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
@@ -61,6 +61,16 @@ def test_media_key_fields_cannot_be_shifted_into_each_other(a: bytes, b: bytes, 
     same = (a, pa) == (b, pb)
     assert (media_key(content_key(a), MediaKind.IMAGE, {"p": pa}, "e") == media_key(content_key(b), MediaKind.IMAGE, {"p": pb}, "e")) == same
     assert (media_key(content_key(a), MediaKind.IMAGE, {}, "e" + pa) == media_key(content_key(b), MediaKind.IMAGE, {}, "e" + pb)) == same
+
+
+@given(a=st.text(min_size=1, max_size=12), b=st.text(min_size=1, max_size=12))
+def test_a_salt_keys_media_apart_and_none_leaves_the_key(a: str, b: str) -> None:
+    """cache_salt: one media item, one key per salt (its frame groups too); no salt, the plain key."""
+    m = media_key(content_key(b"image"), MediaKind.IMAGE, {}, "vit")
+    assert salted_media_key(m, None) == m and salted_media_key(m, a) != m
+    assert (salted_media_key(m, a) == salted_media_key(m, b)) == (a == b)
+    sampling = VideoSamplingParams()
+    assert (video_group_key(salted_media_key(m, a), sampling, 0) == video_group_key(m, sampling, 0)) is False
 
 
 def test_group_and_segment_keys() -> None:

@@ -1,6 +1,7 @@
 """vLLM's ``cache_salt`` through the OpenAI server (the demo checkpoint, in process, prefix caching
 on by default): a repeated prompt reports cached tokens only under the salt it was first sent with,
-a chat with media included; the answer does not change; a bad salt is a 400."""
+a chat with media included, and its media hits the encoder cache only under that salt; the answer
+does not change; a bad salt is a 400."""
 
 from __future__ import annotations
 
@@ -40,6 +41,28 @@ def test_a_chat_with_media_is_salted_too(demo_client):
     assert cached(demo_client.post("/v1/chat/completions", json={**chat, "cache_salt": "s1-a8d2"})) == 0
     assert cached(demo_client.post("/v1/chat/completions", json={**chat, "cache_salt": "s2-0b4e"})) == 0
     assert cached(demo_client.post("/v1/chat/completions", json={**chat, "cache_salt": "s1-a8d2"})) > 0
+
+
+def test_the_encoder_cache_is_shared_only_under_one_salt(demo_client):
+    """A tenant cannot learn from encoder time either that another sent the same image: its media is
+    keyed apart (X-Encoder-Cache-Hits counts the units taken from the encoder cache)."""
+    url = "data:image/png;base64," + base64.b64encode(image_bytes("PNG", size=(96, 80))).decode()
+
+    def ask(salt=None):
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": "What is this?"}]}],
+                "max_tokens": 4, "temperature": 0, **({"cache_salt": salt} if salt else {})}
+        r = demo_client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return int(r.headers["X-Encoder-Cache-Hits"]), r.json()["choices"][0]["message"]["content"]
+
+    first = ask("enc-a-91c2")
+    assert first[0] == 0
+    assert ask("enc-b-5d07")[0] == 0  # another tenant: encoded for it, not a hit
+    assert ask()[0] == 0  # unsalted requests share among themselves, not with salted ones
+    assert ask()[0] > 0
+    again = ask("enc-a-91c2")
+    assert again[0] > 0 and again[1] == first[1]  # the same tenant hits; the answer is the same
 
 
 @pytest.mark.parametrize("salt", ["", 42, "x" * 2000])
