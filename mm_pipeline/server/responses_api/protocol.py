@@ -28,6 +28,7 @@ needs no key, and this model's thinking is not steered by an effort.
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -56,7 +57,11 @@ class _Loose(BaseModel):
 
 
 # ---- input items ------------------------------------------------------------------------------------
-class MessageItem(_Loose):
+class _Item(_Loose):
+    id: str | None = Field(default=None, max_length=256)  # an item an earlier response listed keeps its id
+
+
+class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     # the parts are checked where the chat request reads them (message_protocol.ContentPart), after
@@ -64,14 +69,14 @@ class MessageItem(_Loose):
     content: str | list[dict[str, Any]]
 
 
-class FunctionCallItem(_Loose):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=64)
     arguments: str
 
 
-class FunctionCallOutputItem(_Loose):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[dict[str, Any]]
@@ -82,7 +87,7 @@ class ReasoningText(_Loose):
     text: str
 
 
-class ReasoningItem(_Loose):
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
     content: list[ReasoningText] | None = None
     summary: list[dict[str, Any]] = Field(default_factory=list)
@@ -285,6 +290,27 @@ def chat_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:  # ReasoningItem
             thinking = (thinking or "") + "".join(c.text for c in item.content or ())
+    return out
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(items: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as ``GET /v1/responses/{id}/input_items`` lists it: every item with an id (its own,
+    or a new one), a message's text as a part (``input_text``; an assistant's ``output_text``)."""
+    if isinstance(items, str):
+        items = [MessageItem(role="user", content=items)]
+    out = []
+    for item in items:
+        d = item.model_dump(exclude_none=True)
+        d["id"] = d.get("id") or f"{_ITEM_ID_PREFIX[d['type']]}_{secrets.token_hex(12)}"
+        if isinstance(item, MessageItem):
+            if isinstance(item.content, str):
+                d["content"] = [{"type": "output_text" if item.role == "assistant" else "input_text",
+                                 "text": item.content}]
+            d.setdefault("status", "completed")
+        out.append(d)
     return out
 
 

@@ -1,5 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (what ``client.responses.create`` sends), streamed or
-not, ``GET /v1/responses/{id}`` and ``DELETE /v1/responses/{id}`` for stored responses.
+not, ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and ``DELETE
+/v1/responses/{id}`` for stored responses.
 
 A request becomes a chat (protocol.py: input items -> messages, instructions -> a system message
 first, the previous response's conversation before them) and is answered by the same ChatService as
@@ -7,16 +8,16 @@ first, the previous response's conversation before them) and is answered by the 
 reasoning and tool-call parsers, errors and disconnect handling. The answer is reshaped into output
 items (output.py; streamed: events.py). With ``store`` (the default) the response and its
 conversation are kept for ``previous_response_id`` and GET (store.py). Not served: background mode,
-``/cancel`` (nothing runs after its request closes), ``/input_items``, the Conversations API.
+``/cancel`` (nothing runs after its request closes), the Conversations API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -28,7 +29,7 @@ from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.responses_api.events import ResponseEvents
 from mm_pipeline.server.responses_api.output import ResponseObject, response_of_chat
-from mm_pipeline.server.responses_api.protocol import ResponsesRequest, chat_body
+from mm_pipeline.server.responses_api.protocol import ResponsesRequest, chat_body, listed_items
 from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_disconnected
 
@@ -69,13 +70,13 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
         def keep() -> None:
             if not response.store or response.status not in ("completed", "incomplete"):
                 return
-            kept = conversation + [response.answer_message()]
-            size = store.fits(kept)
+            kept, items = conversation + [response.answer_message()], listed_items(req.input)
+            size = store.fits(kept, items)
             if size is None:
                 log.info("response %s not stored: its conversation is larger than --responses-store-bytes (%d)",
                          response.id, store.max_bytes)
                 return
-            store.put(response, kept, size)
+            store.put(response, kept, size, items)
 
         info = AnswerInfo()
         try:
@@ -101,6 +102,18 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> JSONResponse:
         return JSONResponse(stored(response_id).response.model_dump())
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = Query(default=20, ge=1, le=100), after: str | None = None,
+                               order: Literal["asc", "desc"] = "desc") -> JSONResponse:
+        items = stored(response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [i["id"] for i in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:

@@ -1,7 +1,7 @@
 """Stored responses: what ``previous_response_id`` continues and ``GET /v1/responses/{id}`` returns.
 
 A response with ``store`` (OpenAI's default: true) is kept in memory with the conversation it ends
-(its input as chat messages, its answer last), least recently used dropped first once the entries
+(its input as chat messages, its answer last) and its input items (for ``/input_items``), least recently used dropped first once the entries
 pass ``responses_store_bytes`` (``--responses-store-bytes``, 256 MiB by default; 0 stores nothing).
 The bound is what keeps a long-running server's memory flat: an unbounded store grows with every
 request (the reason vLLM ships its store off by default). A follow-up whose previous response was
@@ -31,6 +31,7 @@ class StoredResponse:
     response: ResponseObject
     history: list[dict[str, Any]]  # the chat messages a follow-up continues: the input, then the answer
     size: int
+    input_items: list[dict[str, Any]]  # this request's input as GET .../input_items lists it
 
 
 def held_bytes(value: Any) -> int:
@@ -66,18 +67,19 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fits(self, history: list[dict[str, Any]]) -> int | None:
-        """The size an entry of ``history`` would have, or None when it can never fit."""
-        size = held_bytes(history) + _ENTRY_OVERHEAD
+    def fits(self, history: list[dict[str, Any]], input_items: list[dict[str, Any]] = ()) -> int | None:
+        """The size an entry of ``history`` and ``input_items`` would have, or None when it can never fit."""
+        size = held_bytes(history) + held_bytes(list(input_items)) + _ENTRY_OVERHEAD
         return size if size <= self.max_bytes else None
 
-    def put(self, response: ResponseObject, history: list[dict[str, Any]], size: int) -> None:
+    def put(self, response: ResponseObject, history: list[dict[str, Any]], size: int,
+            input_items: list[dict[str, Any]] = ()) -> None:
         """Keep ``response`` (``size`` from ``fits``), dropping the least recently used to make room."""
         self.delete(response.id)
         while self._entries and self.bytes + size > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)
             self.bytes -= dropped.size
-        self._entries[response.id] = StoredResponse(response, history, size)
+        self._entries[response.id] = StoredResponse(response, history, size, list(input_items))
         self.bytes += size
 
     def get(self, response_id: str) -> StoredResponse | None:

@@ -190,9 +190,34 @@ class TestDemo:
         kinds = [e.type for e in stream]
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
         assert client.responses.retrieve(got.id).output_text == got.output_text
+        (item,) = client.responses.input_items.list(got.id).data
+        assert item.type == "message" and item.content[0].text == "Describe a red square."
         client.responses.delete(got.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(got.id)
+
+    def test_input_items_list_the_request_input(self, demo_client):
+        items = [{"role": "system", "content": "Be brief."},
+                 {"type": "message", "id": "msg_mine", "role": "user",
+                  "content": [{"type": "input_text", "text": "Name a shape."}]},
+                 {"role": "assistant", "content": "A square."}, {"role": "user", "content": "Another?"}]
+        got = respond(demo_client, input=items)
+        listed = demo_client.get(f"/v1/responses/{got['id']}/input_items", params={"order": "asc"}).json()
+        data = listed["data"]
+        assert [i["role"] for i in data] == ["system", "user", "assistant", "user"] and data[1]["id"] == "msg_mine"
+        assert data[0]["content"] == [{"type": "input_text", "text": "Be brief."}]
+        assert data[2]["content"] == [{"type": "output_text", "text": "A square."}]
+        assert len({i["id"] for i in data}) == 4 and not listed["has_more"]
+        # newest first by default; pages by limit and after
+        desc = demo_client.get(f"/v1/responses/{got['id']}/input_items", params={"limit": 2}).json()
+        assert [i["id"] for i in desc["data"]] == [data[3]["id"], data[2]["id"]] and desc["has_more"]
+        rest = demo_client.get(f"/v1/responses/{got['id']}/input_items",
+                               params={"limit": 2, "after": desc["last_id"]}).json()
+        assert [i["id"] for i in rest["data"]] == [data[1]["id"], data[0]["id"]] and not rest["has_more"]
+        one = respond(demo_client, input="Hello.")
+        (only,) = demo_client.get(f"/v1/responses/{one['id']}/input_items").json()["data"]
+        assert only["role"] == "user" and only["content"] == [{"type": "input_text", "text": "Hello."}]
+        assert demo_client.get("/v1/responses/resp_nope/input_items").status_code == 404
 
     def test_a_client_that_leaves_mid_stream_frees_its_request(self, demo_client, demo_engine):
         body = {"input": "Describe a red square.", "max_output_tokens": 1900, "ignore_eos": True, "stream": True}
