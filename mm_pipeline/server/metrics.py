@@ -26,6 +26,7 @@ process, add a ``pid`` label to its families (or mirror them into ``livesum`` ga
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -65,15 +66,10 @@ def histogram_quantile(h: Histogram, q: float) -> float:
     return next(bound for bound, running in buckets if running >= q * total)
 
 
-class LoopLagMonitor:
-    """Measures how late the event loop wakes a sleeper: the time any callback blocked it."""
+class LoopTask:
+    """A coroutine (``_run``) the app's event loop runs from ``start`` to ``stop`` (the lifespan)."""
 
-    def __init__(self, histogram: Histogram, interval_s: float = 0.05, max_gauge: Gauge | None = None) -> None:
-        self.histogram = histogram
-        self.interval_s = interval_s
-        self.max_gauge = max_gauge
-        self.max_lag_s = 0.0  # a benchmark may reset it to measure one phase
-        self._task: asyncio.Task | None = None
+    _task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -81,10 +77,21 @@ class LoopLagMonitor:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class LoopLagMonitor(LoopTask):
+    """Measures how late the event loop wakes a sleeper: the time any callback blocked it."""
+
+    def __init__(self, histogram: Histogram, interval_s: float = 0.05, max_gauge: Gauge | None = None) -> None:
+        self.histogram = histogram
+        self.interval_s = interval_s
+        self.max_gauge = max_gauge
+        self.max_lag_s = 0.0  # a benchmark may reset it to measure one phase
 
     async def _run(self) -> None:
         while True:
@@ -97,7 +104,7 @@ class LoopLagMonitor:
                 self.max_gauge.set(self.max_lag_s)
 
 
-class StatsLogger:
+class StatsLogger(LoopTask):
     """vLLM's periodic engine line, for an operator reading the log: every ``interval_s`` in which
     the engine did anything (or holds requests), one INFO line on ``mmserve.stats`` with the
     interval's prompt and generation throughput, the requests running and waiting, KV pool use,
@@ -110,19 +117,10 @@ class StatsLogger:
         self.interval_s = interval_s
         self.log = logger or logging.getLogger("mmserve.stats")
         self._last: Any = None
-        self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._last = self._read()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        super().start()
 
     async def _run(self) -> None:
         while True:
