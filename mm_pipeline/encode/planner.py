@@ -93,17 +93,18 @@ class MediaPlanner:
         self._param_forms: dict[MediaKind, bytes] = {}  # kind -> canonical_params(self._params(kind))
 
     # ---- public API -------------------------------------------------------------------------
-    async def load(self, ref: MediaRef) -> MediaItem:
+    async def load(self, ref: MediaRef, salt: str | None = None) -> MediaItem:
         """Ingest one media reference (uploaded file ids through the resolver). Concurrent loads
-        of one file id (the n choices of one request) read it once and share the bytes."""
+        of one file id (the n choices of one request) read it once and share the bytes. ``salt``:
+        the request's cache_salt (ingest's memos are per salt)."""
         if ref.codes is not None:
             return await self.pool.run(self._codes_item, ref.codes)
         if ref.source is not None:
-            return await self.ingestor.ingest(ref.source)
+            return await self.ingestor.ingest(ref.source, salt)
         if self.file_resolver is None:
             raise MediaNotFound(f"file {ref.file_id!r}: this server has no file store")
-        key = f"{ref.file_id}\0{ref.kind.value if ref.kind is not None else ''}"
-        item, _ = await self._loading.run(key, lambda: self._load_file(ref))
+        key = f"{ref.file_id}\0{ref.kind.value if ref.kind is not None else ''}\0{salt or ''}"
+        item, _ = await self._loading.run(key, lambda: self._load_file(ref, salt))
         return item
 
     def check_request(self, refs: Sequence[MediaRef]) -> None:
@@ -136,7 +137,7 @@ class MediaPlanner:
         source only ``load`` takes (http(s), an uploaded file id, audio codes)."""
         if ref.source is None or not self.ingestor.ingests_locally(ref.source):
             return None, None
-        item = self.ingestor.ingest_local(ref.source)
+        item = self.ingestor.ingest_local(ref.source, salt)
         if self._encoder_of(item) is None or item.content_key is None:
             return item, None  # plan() says why, or hashes the bytes
         mkey = self._media_key(item.content_key, item, salt)
@@ -217,7 +218,7 @@ class MediaPlanner:
             self._counts[name] += n
 
     # ---- planning (worker thread) -----------------------------------------------------------
-    async def _load_file(self, ref: MediaRef) -> MediaItem:
+    async def _load_file(self, ref: MediaRef, salt: str | None = None) -> MediaItem:
         try:
             data, _name = await self.pool.run(self.file_resolver, ref.file_id)
         except KeyError:
@@ -225,7 +226,7 @@ class MediaPlanner:
         if isinstance(data, Path):
             data = await self.pool.run(self._read_upload, data, ref.file_id)
         return await self.ingestor.ingest(MediaSource(data=data if isinstance(data, bytes) else bytes(data),
-                                                      kind=ref.kind))
+                                                      kind=ref.kind), salt)
 
     def _codes_item(self, codes: AudioCodes) -> MediaItem:
         """Pre-tokenized audio as an audio item: checked against the model (every time: a

@@ -92,42 +92,45 @@ class MediaIngestor:
 
     # ---- public API -------------------------------------------------------------------------
 
-    async def ingest(self, source: MediaSource) -> MediaItem:
+    async def ingest(self, source: MediaSource, salt: str | None = None) -> MediaItem:
+        """``source`` loaded, hashed and sniffed. ``salt``: the request's cache_salt, which keeps
+        its memo entries (sniff answers, remembered sources) apart from other salts'."""
         if source.url is not None and _scheme(source.url) in ("http", "https"):
             data, key, early = await self.remote.fetch(source.url, source.kind, self.early_decode)
             try:
-                item = await self._off_loop(self._to_item, data, source.kind, short_url(source.url), key)
+                item = await self._off_loop(self._to_item, data, source.kind, short_url(source.url), key, salt)
             except BaseException:
                 if early is not None:
                     early.cancel()
                 raise
             return self._with_early(item, early)
-        return await self._off_loop(self.ingest_local, source)
+        return await self._off_loop(self.ingest_local, source, salt)
 
     def ingests_locally(self, source: MediaSource) -> bool:
         """Whether ``ingest_local`` takes ``source``: everything but an http(s) URL (fetched by
         ``ingest`` on the event loop)."""
         return source.url is None or _scheme(source.url) not in ("http", "https")
 
-    def ingest_local(self, source: MediaSource) -> MediaItem:
+    def ingest_local(self, source: MediaSource, salt: str | None = None) -> MediaItem:
         if source.data is not None:
-            return self._to_item(source.data, source.kind, "upload")
+            return self._to_item(source.data, source.kind, "upload", salt=salt)
         if source.path is not None:
-            return self._file_item(source.path, source.kind)
+            return self._file_item(source.path, source.kind, salt)
         if source.base64 is not None:
             payload = source.base64
             return self._remembered(self.data_url_ids(payload, "base64"), source.kind, "base64 data",
-                                    lambda: self._decode_base64(payload, "base64 payload"))
+                                    lambda: self._decode_base64(payload, "base64 payload"), salt=salt)
         url = source.url or ""
         scheme = _scheme(url)
         if scheme == "data":
-            return self._remembered(self.data_url_ids(url), source.kind, "data-url", lambda: self._parse_data_url(url))
+            return self._remembered(self.data_url_ids(url), source.kind, "data-url", lambda: self._parse_data_url(url),
+                                    salt=salt)
         if scheme == "file":
             parsed = urllib.parse.urlsplit(url)
             if parsed.netloc not in ("", "localhost"):
                 raise InvalidMediaError(f"file URL names a remote host {parsed.netloc!r}")
             path = urllib.request.url2pathname(parsed.path)
-            return self._file_item(path, source.kind)
+            return self._file_item(path, source.kind, salt)
         if scheme in ("http", "https"):
             raise InvalidMediaError("http(s) media must be loaded with the async ingest()")
         raise InvalidMediaError(f"unsupported media URL scheme {scheme!r} (use data:, file:, http(s):)")
@@ -137,15 +140,16 @@ class MediaIngestor:
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args) if self.pool is None else await self.pool.run(fn, *args)
 
-    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str, key: str | None = None) -> MediaItem:
+    def _to_item(self, data: bytes, declared: MediaKind | None, origin: str, key: str | None = None,
+                 salt: str | None = None) -> MediaItem:
         """``key``: the content key when it was computed while the bytes arrived (http fetch)."""
         self._check_size(len(data))
         key = key or content_key(data)  # first: nothing has looked inside the bytes yet
-        found = self.sniff_memo.get(key)
+        found = self.sniff_memo.get(key, salt)
         memo_hit = found is not None
         if found is None:
             found = sniff(data)
-            self.sniff_memo.put(key, found)
+            self.sniff_memo.put(key, found, salt)
         if declared is not None and declared not in found.kinds:
             raise UnsupportedMediaType(
                 f"{origin} content is {found.format} ({', '.join(sorted(k.value for k in found.kinds))}),"
@@ -174,13 +178,14 @@ class MediaIngestor:
         return item
 
     def _remembered(self, source_id: Any, declared: MediaKind | None, origin: str, load: Callable[[], bytes],
-                    verify: bool = False, loaded_id: Callable[[], Any] | None = None) -> MediaItem:
+                    verify: bool = False, loaded_id: Callable[[], Any] | None = None,
+                    salt: str | None = None) -> MediaItem:
         """A source hashed before (SourceMemo) whose sniff answer is memoised too: a DeferredMediaItem,
         nothing decoded, read or hashed now (``verify``: its deferred load re-hashes the bytes).
         Otherwise the bytes are loaded, hashed and sniffed, and the source remembered -- under
         ``source_id`` only if ``loaded_id()`` (the id of what ``load`` actually read) is that id."""
-        key = self.source_memo.get(source_id)
-        found = self.sniff_memo.get(key) if key is not None else None
+        key = self.source_memo.get(source_id, salt)
+        found = self.sniff_memo.get(key, salt) if key is not None else None
         if found is not None and (declared is None or declared in found.kinds):
             kind = declared or found.primary
             with self._counts_lock:
@@ -188,12 +193,12 @@ class MediaIngestor:
             deferred = (lambda: _same_content(load(), key, origin)) if verify else load
             return DeferredMediaItem(kind=kind, format=found.format, data=deferred, origin=origin, content_key=key)
         read_at = time.time()
-        item = self._to_item(load(), declared, origin)
+        item = self._to_item(load(), declared, origin, salt=salt)
         if loaded_id is None or loaded_id() == source_id:
-            self.source_memo.put(source_id, item.content_key, read_at)
+            self.source_memo.put(source_id, item.content_key, read_at, salt)
         return item
 
-    def _file_item(self, raw: str, declared: MediaKind | None) -> MediaItem:
+    def _file_item(self, raw: str, declared: MediaKind | None, salt: str | None = None) -> MediaItem:
         """A local file; its memo id comes from a stat after the path checks (not a regular file:
         no id, and the read refuses it). The read opens that very path (not ``raw`` resolved
         again: a symlink flipped in between would read another file) and the memo learns the
@@ -211,7 +216,8 @@ class MediaIngestor:
             data, after = self._read_file(real, raw)
             read.append(file_id(str(real), after))
             return data
-        return self._remembered(source_id, declared, "file", load, verify=True, loaded_id=lambda: read[-1])
+        return self._remembered(source_id, declared, "file", load, verify=True, loaded_id=lambda: read[-1],
+                                salt=salt)
 
     def _check_size(self, nbytes: int) -> None:
         _check_bytes(nbytes, self.config.limits.max_bytes)

@@ -314,26 +314,30 @@ def _probe(data: bytes) -> SniffResult:
 class SniffMemo:
     """Sniff answers by content key (blake3 of the bytes): a repeated container is not opened
     and probed again -- ingest hashes first, then asks here. Bounded LRU, thread-safe (ingest
-    runs on the media workers). Bytes decide the answer alone, so an entry never goes stale."""
+    runs on the media workers). Bytes decide the answer alone, so an entry never goes stale.
+    ``salt``: a request's cache_salt; answers are shared only within one salt (None is one too),
+    so a tenant cannot time whether another's request already brought the same bytes."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         if max_entries < 0:
             raise ValueError(f"SniffMemo max_entries must be >= 0, got {max_entries}")
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, SniffResult] = OrderedDict()
+        self._entries: OrderedDict[tuple[str | None, str], SniffResult] = OrderedDict()
 
-    def get(self, content_key: str) -> SniffResult | None:
+    def get(self, content_key: str, salt: str | None = None) -> SniffResult | None:
+        entry = (salt, content_key)
         with self._lock:
-            found = self._entries.get(content_key)
+            found = self._entries.get(entry)
             if found is not None:
-                self._entries.move_to_end(content_key)
+                self._entries.move_to_end(entry)
             return found
 
-    def put(self, content_key: str, result: SniffResult) -> None:
+    def put(self, content_key: str, result: SniffResult, salt: str | None = None) -> None:
+        entry = (salt, content_key)
         with self._lock:
-            self._entries[content_key] = result
-            self._entries.move_to_end(content_key)
+            self._entries[entry] = result
+            self._entries.move_to_end(entry)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 

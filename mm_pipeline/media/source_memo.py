@@ -18,6 +18,8 @@ Ingest turns a hit into a ``DeferredMediaItem``: the bytes are decoded or read o
 needs them (a unit missing from the encoder cache). A file's deferred read hashes what it reads and
 refuses content other than the remembered key's, so a stale entry can never put one content's
 embeddings under another's key. Bounded LRU, thread-safe (ingest runs on the media workers).
+Entries are kept per cache_salt (``salt``; None is one too): a hit skips hashing and the sniff, so
+a memo shared across salts would let one tenant time whether another sent the same source.
 """
 
 from __future__ import annotations
@@ -109,18 +111,20 @@ class SourceMemo:
         self.max_entries = max_entries
         self.racy_s = racy_s
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, str] = OrderedDict()
+        self._entries: OrderedDict[tuple[str | None, Hashable], str] = OrderedDict()
 
-    def get(self, source_id: Hashable | None) -> str | None:
+    def get(self, source_id: Hashable | None, salt: str | None = None) -> str | None:
         if source_id is None:
             return None
+        entry = (salt, source_id)
         with self._lock:
-            key = self._entries.get(source_id)
+            key = self._entries.get(entry)
             if key is not None:
-                self._entries.move_to_end(source_id)
+                self._entries.move_to_end(entry)
             return key
 
-    def put(self, source_id: Hashable | None, content_key: str, read_at: float | None = None) -> bool:
+    def put(self, source_id: Hashable | None, content_key: str, read_at: float | None = None,
+            salt: str | None = None) -> bool:
         """Remember ``content_key`` for ``source_id``; a file id only when its ctime is ``racy_s``
         older than ``read_at`` (``time.time()``, the clock of file timestamps, taken just before its bytes
         were read). Whether it did."""
@@ -130,9 +134,10 @@ class SourceMemo:
             ctime_s = source_id[-1] / 1e9
             if read_at is None or read_at - ctime_s < self.racy_s:
                 return False
+        entry = (salt, source_id)
         with self._lock:
-            self._entries[source_id] = content_key
-            self._entries.move_to_end(source_id)
+            self._entries[entry] = content_key
+            self._entries.move_to_end(entry)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         return True

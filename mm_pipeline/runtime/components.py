@@ -238,7 +238,7 @@ class OmniRuntime:
                          salt: str | None = None) -> MediaPlan:
         """Media item ``k`` of ``n``: loaded (unless ``item`` is it, already ingested) and planned."""
         try:
-            return await self.planner.plan(item if item is not None else await self.planner.load(ref), salt)
+            return await self.planner.plan(item if item is not None else await self.planner.load(ref, salt), salt)
         except MediaError as exc:
             raise _which_item(exc, k, n) from exc
 

@@ -163,3 +163,33 @@ def test_a_swap_between_the_stat_and_the_read_leaves_no_wrong_memo(tmp_path: Pat
     for path, data in ((v1, v1.read_bytes()), (target, target.read_bytes())):
         again = ing.ingest_local(MediaSource(path=str(path)))
         assert again.content_key == content_key(data) and again.data == data
+
+
+def test_memo_entries_are_kept_per_cache_salt(tmp_path: Path, monkeypatch) -> None:
+    """A hit skips hashing and the sniff, so it is shared only within one cache_salt: a tenant
+    cannot time whether another already sent the same data URL, file or bytes."""
+    import av
+
+    mp4 = video_bytes(n_frames=10)
+    (tmp_path / "clip.bin").write_bytes(mp4)
+    ing = MediaIngestor(IngestConfig(allowed_local_dirs=(str(tmp_path),)))
+    ing.source_memo = SourceMemo(racy_s=0.0)  # files written by this test are milliseconds old
+    sources = [MediaSource(url=durl(mp4)), MediaSource(path=str(tmp_path / "clip.bin")), MediaSource(data=mp4)]
+    for source in sources:
+        ing.ingest_local(source, salt="tenant-a")
+    probes = ing.counts["sniff_probes.video"]
+    assert probes == 1 and "source_memo_hits.video" not in ing.counts
+    opens = []
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: opens.append(1) or real_open(*a, **k))
+    for salt in ("tenant-b", None):  # another salt, and no salt, each start from nothing
+        items = [ing.ingest_local(source, salt=salt) for source in sources]
+        assert not any(isinstance(i, DeferredMediaItem) for i in items)
+        assert {i.content_key for i in items} == {content_key(mp4)}  # the content key itself is not salted
+    assert len(opens) == 2 and ing.counts["sniff_probes.video"] == probes + 2
+    assert "source_memo_hits.video" not in ing.counts
+    again = [ing.ingest_local(source, salt="tenant-a") for source in sources[:2]]
+    assert all(isinstance(i, DeferredMediaItem) for i in again) and len(opens) == 2
+    assert ing.counts["source_memo_hits.video"] == 2
+    assert ing.sniff_memo.get(content_key(mp4), "tenant-c") is None
+    assert ing.sniff_memo.get(content_key(mp4), "tenant-a") is not None

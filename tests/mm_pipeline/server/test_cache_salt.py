@@ -43,9 +43,10 @@ def test_a_chat_with_media_is_salted_too(demo_client):
     assert cached(demo_client.post("/v1/chat/completions", json={**chat, "cache_salt": "s1-a8d2"})) > 0
 
 
-def test_the_encoder_cache_is_shared_only_under_one_salt(demo_client):
+def test_the_encoder_cache_is_shared_only_under_one_salt(demo_client, demo_engine):
     """A tenant cannot learn from encoder time either that another sent the same image: its media is
-    keyed apart (X-Encoder-Cache-Hits counts the units taken from the encoder cache)."""
+    keyed apart (X-Encoder-Cache-Hits counts the units taken from the encoder cache), and so are
+    ingest's memos (a remembered data URL is neither decoded nor hashed again)."""
     url = "data:image/png;base64," + base64.b64encode(image_bytes("PNG", size=(96, 80))).decode()
 
     def ask(salt=None):
@@ -56,13 +57,19 @@ def test_the_encoder_cache_is_shared_only_under_one_salt(demo_client):
         assert r.status_code == 200, r.text
         return int(r.headers["X-Encoder-Cache-Hits"]), r.json()["choices"][0]["message"]["content"]
 
+    def memo_hits() -> int:
+        return demo_engine.stats().media.get("source_memo_hits.image", 0)
+
     first = ask("enc-a-91c2")
     assert first[0] == 0
+    hits = memo_hits()
     assert ask("enc-b-5d07")[0] == 0  # another tenant: encoded for it, not a hit
     assert ask()[0] == 0  # unsalted requests share among themselves, not with salted ones
-    assert ask()[0] > 0
+    assert memo_hits() == hits  # nor did ingest remember the data URL across salts
+    assert ask()[0] > 0 and memo_hits() == hits + 1
     again = ask("enc-a-91c2")
     assert again[0] > 0 and again[1] == first[1]  # the same tenant hits; the answer is the same
+    assert memo_hits() == hits + 2
 
 
 @pytest.mark.parametrize("salt", ["", 42, "x" * 2000])
