@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from llm_core.engine.engine_config import EngineConfig
+from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams
@@ -73,6 +74,9 @@ class LLM:
         from llm_core.distributed.launcher import load_text_model
 
         config = EngineConfig(**engine_kwargs)
+        # the checkpoint's generation_config.json (bad: an error now, before the weights load)
+        self.generation_defaults = GenerationDefaults.load(model_dir, config.generation_config,
+                                                           config.override_generation_config)
         model = load_text_model(model_dir, device=device, dtype=parse_dtype(dtype),
                                 tensor_parallel_size=config.tensor_parallel_size,
                                 expert_parallel_size=config.expert_parallel_size,
@@ -100,7 +104,13 @@ class LLM:
         """Wrap an existing engine (tests, benchmarks)."""
         llm = cls.__new__(cls)
         llm.engine, llm.tokenizer, llm._next_id = engine, engine.tokenizer, 0
+        llm.generation_defaults = GenerationDefaults.load(None, "none", engine.config.override_generation_config)
         return llm
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling ``generate`` uses without ``sampling_params`` -- the checkpoint's
+        generation_config.json defaults (``generation_config`` / ``override_generation_config``)."""
+        return self.generation_defaults.sampling_params()
 
     def generate(
         self,
@@ -114,7 +124,7 @@ class LLM:
         ``cache_salt``: these prompts share prefix-cache KV only with prompts of the same salt."""
         if isinstance(prompts, str) or (len(prompts) > 0 and _is_token_list(prompts)):
             prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

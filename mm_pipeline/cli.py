@@ -263,6 +263,7 @@ def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
 
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
+    from llm_core.engine.generation_config import GenerationConfigError
     from mm_pipeline.runtime.config import CheckpointMismatchError
     from mm_pipeline.runtime.omni_engine import OmniEngine
 
@@ -270,7 +271,9 @@ def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
     config = engine_config(args)
     try:
         return OmniEngine.from_pretrained(model_dir, config)
-    except CheckpointMismatchError as exc:  # a flag this checkpoint cannot run with (--video-frame-factor)
+    # a flag this checkpoint cannot run with (--video-frame-factor); a generation config that cannot
+    # be used (--generation-config naming a folder without one, the checkpoint's file with a bad value)
+    except (CheckpointMismatchError, GenerationConfigError) as exc:
         raise UsageError(str(exc)) from None
 
 

@@ -96,6 +96,11 @@ class MultimodalLLM:
         return self._run([dict(prompt=list(p) if not isinstance(p, str) else p, params=sp)
                           for p, sp in zip(prompts, params)], priority, cache_salt)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling a call without ``sampling_params`` uses -- the checkpoint's
+        generation_config.json defaults (``generation_config`` / ``override_generation_config``)."""
+        return self.engine.generation_defaults.sampling_params()
+
     def close(self) -> None:
         self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -108,9 +113,8 @@ class MultimodalLLM:
         self.close()
 
     # ---- internal helpers -------------------------------------------------------------------
-    @staticmethod
-    def _params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-        sp = sp if sp is not None else SamplingParams()
+    def _params(self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        sp = sp if sp is not None else self.get_default_sampling_params()
         params = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} inputs")

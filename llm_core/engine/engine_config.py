@@ -5,11 +5,13 @@ The field docstrings are the help text of the generated CLI flags (mm_pipeline/c
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from llm_core.engine.generation_config import parse_override
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.scheduler import SchedulerConfig
 from llm_core.kvcache.dual_pool import KVLayout, PoolSizing, default_kv_budget_bytes, swa_tokens_needed
@@ -106,6 +108,11 @@ class EngineConfig:
     """Grammar library that holds outputs to a JSON schema / regex / choice / grammar (none: such requests are refused)."""
     grammar_compile_timeout_s: float = 10.0
     """Longest a constraint may take to compile (in a worker process, killed past it) before its request is refused."""
+    # default sampling of requests that leave a field unset (llm_core/engine/generation_config.py)
+    generation_config: str = "auto"
+    """Sampling defaults: auto (the checkpoint's generation_config.json), vllm or none (built-in ones), or a folder holding a generation_config.json."""
+    override_generation_config: str | None = None
+    """JSON object of temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens laid over those defaults."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -133,6 +140,12 @@ class EngineConfig:
         self._validate_parallel()
         if self.structured_outputs_backend not in ("xgrammar", "none"):
             raise ValueError(f"structured_outputs_backend must be xgrammar or none, got {self.structured_outputs_backend!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be auto, vllm, none or a folder, got {self.generation_config!r}")
+        if self.override_generation_config is not None:
+            # checked now (a usage error at start-up); a mapping (a YAML config file's) is kept as JSON
+            object.__setattr__(self, "override_generation_config",
+                               json.dumps(parse_override(self.override_generation_config)))
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.structured.compiler import GrammarBusyError, GrammarError
@@ -94,10 +95,15 @@ TRUNCATABLE_CONTEXTS = 4
 
 
 class OmniRuntime:
-    def __init__(self, model: OmniModel, config: OmniEngineConfig) -> None:
+    def __init__(self, model: OmniModel, config: OmniEngineConfig,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         config.check_checkpoint(model.image_config.temporal_patch_size)  # before anything is allocated
         self.model = model
         self.config = config
+        # the sampling of a request that leaves a field unset (--generation-config; OmniRuntime.load
+        # reads the checkpoint's generation_config.json): applied where requests are built (server, jobs)
+        self.generation_defaults = generation_defaults or GenerationDefaults.load(
+            None, "none", config.engine.override_generation_config)
         self.llm = LLMEngine(model.text, config.engine, tokenizer=model.tokenizer) if model.text is not None else None
         # the context limit media budgets are checked against: the engine's, capped at its Full pool
         # (a chat over it fails here, before its media is decoded); without an LLM the configured or
@@ -173,6 +179,8 @@ class OmniRuntime:
         if (Path(model_dir) / "config.json").is_file():  # else OmniModel.load says what is missing
             # the settings against the checkpoint's config before minutes of weight loading
             config.check_checkpoint(OmniConfig.from_pretrained(model_dir).image_processing.temporal_patch_size)
+        # a bad generation config is a start-up error, before minutes of weight loading
+        defaults = GenerationDefaults.load(model_dir, e.generation_config, e.override_generation_config)
 
         def build() -> OmniRuntime:
             set_local_threads(threads)
@@ -182,7 +190,7 @@ class OmniRuntime:
                                    distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
                                    audio_tokenizer_attention=config.audio_tokenizer_attention,
                                    with_text=not encoders_only, chat_template=config.chat_template)
-            return cls(model, config)
+            return cls(model, config, defaults)
         return run_on_thread(build, "omni-load")
 
     @property

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from llm_core.engine.detokenizer import IncrementalDetokenizer
+from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.prompt_logprobs import PromptLogprobs
 from llm_core.engine.sampling import SamplingParams
@@ -142,6 +143,12 @@ class OmniEngine:
             return (await self.runtime.prepare_chat(chat)).token_ids
         finally:
             self._in_flight -= 1
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults of requests that leave a field unset (the checkpoint's
+        generation_config.json under --generation-config auto); the server and jobs apply them."""
+        return self.runtime.generation_defaults
 
     @property
     def max_model_len(self) -> int:

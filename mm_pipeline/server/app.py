@@ -61,6 +61,7 @@ from mm_pipeline.server.web.routes import install_web_routes
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
 _REQUEST_ID = TypeAdapter(RequestId)  # an X-Request-Id header, checked as the request_id field is
 request_log = logging.getLogger("mmserve.requests")  # --enable-log-requests: a line per finished request
+log = logging.getLogger(__name__)
 
 
 def request_line(rid: str, arrival: float, end: float, states: list[ChoiceState]) -> str:
@@ -246,6 +247,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                                                 settings.max_completion_prompts, reasoning=reasoning,
                                                 tool_calls=tool_calls,
                                                 tokens_as_ids=settings.return_tokens_as_token_ids), observe)
+    if service.defaults.given:  # as vLLM says it: a client that sends no temperature gets the model's
+        log.info("sampling defaults from the model's generation config: %s (a request's own values win; "
+                 "--generation-config vllm: the built-in defaults)", service.defaults.as_dict())
     started = int(time.time())
 
     stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Union
 
+from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.prompt.messages import ParsedMessages
@@ -53,6 +54,9 @@ class ServiceConfig:
     tool_calls: ToolCallSyntax | None = None
     # ServerSettings.return_tokens_as_token_ids: the default of the request field of that name
     tokens_as_ids: bool = False
+    # the sampling of a request that leaves a field unset, and the cap max_new_tokens puts on
+    # default_max_tokens; None: the engine's generation_defaults (its checkpoint's generation_config.json)
+    defaults: GenerationDefaults | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -72,24 +76,27 @@ def request_ids(prefix: str, given: str | None) -> tuple[str, str]:
 
 def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int,
                     reasoning: ThinkSyntax | None = None, prompt_logprobs: int | None = None,
-                    scores_prompt: bool = True) -> SamplingParams:
+                    scores_prompt: bool = True, defaults: GenerationDefaults = GenerationDefaults()
+                    ) -> SamplingParams:
     """Request fields -> engine params.  With ``n`` > 1 and a seed, choice i uses seed + i (modulo
     2**63, the engine's seed range) so the choices differ yet the whole answer is reproducible.
     ``reasoning`` (chat answers with a reasoning parser): a structured output constraint holds
     after the model's thinking (``ReasoningGate``), as the parser splits the answer.
     ``prompt_logprobs``: the engine's setting when the endpoint needs another than the request's
     field (a completion's echo with logprobs scores its prompt); ``scores_prompt`` False: none at
-    all (a later choice of the same prompt: the first one's serve every choice)."""
+    all (a later choice of the same prompt: the first one's serve every choice). ``defaults``: the
+    value of each sampling field the request leaves unset (the model's generation config)."""
     try:
         constraint = req.structured_outputs_params
         gate = None if reasoning is None else reasoning.gate
         if constraint is not None and gate is not None:
             constraint = dataclasses.replace(constraint, reasoning=gate)
         return SamplingParams(
-            max_tokens=req.token_limit if req.token_limit is not None else default_max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            max_tokens=req.token_limit if req.token_limit is not None else defaults.default_max_tokens(
+                default_max_tokens),
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            top_k=defaults.top_k if req.top_k is None else req.top_k,
             seed=None if req.seed is None else (req.seed + choice) % SEED_LIMIT,
             stop=tuple(req.stop_list),
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -100,12 +107,12 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            min_p=req.min_p or 0.0,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
             min_tokens=req.min_tokens or 0,
             logit_bias=req.logit_bias or (),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
             allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
             bad_words=tuple(req.bad_words or ()),
             structured_outputs=constraint,
@@ -202,6 +209,7 @@ class ChatService:
     def __init__(self, engine: Any, config: ServiceConfig, observe: Observer | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.defaults = config.defaults or getattr(engine, "generation_defaults", None) or GenerationDefaults()
         self.tokens = TokenStrings(getattr(engine, "tokenizer", None))
         self._observe = observe
 
@@ -312,8 +320,8 @@ class ChatService:
             parser = (lambda: syntax.parser(tools)) if syntax is not None and req.parse_tool_calls else None
         messages = await parsed_messages(req)
         # the first choice alone scores the prompt (prompt_logprobs): the answer carries it once
-        choices = [ChoiceStream(i, self.engine.generate(messages, sampling_params(req, req.logprobs_n, i, self.config.default_max_tokens,
-                                                                                 self.config.reasoning,
+        choices = [ChoiceStream(i, self.engine.generate(messages, self._sampling(req, req.logprobs_n, i,
+                                                                                 reasoning=self.config.reasoning,
                                                                                  scores_prompt=i == 0),
                                                         request_id=f"{base}-{i}", priority=req.priority,
                                                         cache_salt=req.cache_salt),
@@ -438,8 +446,7 @@ class ChatService:
                 i = p * req.n + j
                 # one choice per prompt scores it (the same prompt, the same numbers; n copies held n
                 # times the memory); streamed, each choice's echo takes its own first delta's
-                params = sampling_params(req, req.logprobs, j, self.config.default_max_tokens, prompt_logprobs=scored,
-                                         scores_prompt=j == 0 or req.stream)
+                params = self._sampling(req, req.logprobs, j, prompt_logprobs=scored, scores_prompt=j == 0 or req.stream)
                 choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{base}-{i}",
                                                                            priority=req.priority,
                                                                            cache_salt=req.cache_salt)))
@@ -447,6 +454,10 @@ class ChatService:
         return choices, prompts
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _sampling(self, req: SamplingFields, logprobs: int | None, choice: int, **kw: Any) -> SamplingParams:
+        """``sampling_params`` with this service's default max_tokens and generation defaults."""
+        return sampling_params(req, logprobs, choice, self.config.default_max_tokens, defaults=self.defaults, **kw)
+
     def check_model(self, model: str | None) -> None:
         """A request naming another model than this server's is a 404 (None: this one)."""
         if model is not None and model != self.config.model_name:

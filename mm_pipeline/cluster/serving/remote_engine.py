@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailure
 from mm_pipeline.cluster.serving.shared_files import SharedFile
@@ -73,9 +74,12 @@ def media_parts(messages: list[dict]) -> dict[str, dict]:
 
 class RemoteEngine:
     def __init__(self, handle: Any, tokenizer: Any, model_name: str, retries: int = 2, *,
-                 encoders: Any = None, encoder_timeout_s: float = 120.0) -> None:
+                 encoders: Any = None, encoder_timeout_s: float = 120.0,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         import ray.exceptions
 
+        # OmniEngine's: what the ingress's ChatService fills a request's unset sampling fields with
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.handle, self.tokenizer, self.model_name, self.retries = handle, tokenizer, model_name, retries
         self.encoders, self.encoder_timeout_s = encoders, encoder_timeout_s
         self.encoder_failures = 0  # encoder-tier calls that failed or timed out (the LLM replica encoded)

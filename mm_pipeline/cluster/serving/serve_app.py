@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from llm_core.engine.generation_config import GenerationDefaults
 from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.serving.llm_replica import LLMReplica
 from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
@@ -113,6 +114,10 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         raise ValueError("encoder replicas hand embeddings to the LLM replicas through the encoder cache: give "
                          "--redis-url, or --encoder-cache-dir on a file system every replica sees")
     model_dir = str(Path(model_dir).resolve())
+    e = engine_config.engine
+    # the ingress builds the requests' sampling: it applies the checkpoint's generation config (read
+    # here, so a bad one fails the start, not each ingress replica)
+    defaults = GenerationDefaults.load(model_dir, e.generation_config, e.override_generation_config)
     # the ingress sees one LLM replica's snapshot at a time (whichever answers), so an interval's
     # differences would mix replicas: the periodic engine line is a single-engine server's
     settings = replace(settings, model_name=settings.model_name or Path(model_dir).name, log_stats_interval_s=0.0)
@@ -150,7 +155,7 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         async def __init__(self, llm_handle: Any, encoder_handle: Any = None) -> None:
             self.engine = RemoteEngine(llm_handle, load_tokenizer(model_dir), settings.model_name,
                                        retries=cluster.retries, encoders=encoder_handle,
-                                       encoder_timeout_s=cluster.encoder_timeout_s)
+                                       encoder_timeout_s=cluster.encoder_timeout_s, generation_defaults=defaults)
             await self.engine.refresh_stats()  # fails the replica's start if no LLM replica answers
 
         def __serve_build_asgi_app__(self) -> Any:
