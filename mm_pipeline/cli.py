@@ -139,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s, model_required=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    tls = s.add_argument_group("TLS and proxies", "HTTPS with vLLM's flags (mm_pipeline/server/launch/listen.py); "
+                               "also with --ray (Ray Serve's proxy), except --ssl-cert-reqs")
+    tls.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the server's private key (PEM, unencrypted)")
+    tls.add_argument("--ssl-certfile", default=None, metavar="FILE", help="its certificate chain (PEM)")
+    tls.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA bundle client certificates must chain to")
+    tls.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                     help="client certificates: 0 not asked, 1 checked when sent, 2 required (mutual TLS)")
+    tls.add_argument("--root-path", default="", metavar="PATH",
+                     help="path prefix a reverse proxy serves the app under (e.g. /mmserve), for its links")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes (default: the "
                    "MMSERVE_API_KEY environment variable, which unlike a flag does not show in ps)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the dir name)")
@@ -307,7 +316,10 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
             f"context   {min(llm.max_model_len, full_tokens):,} tokens max per request "
             f"(model limit {llm.max_model_len:,}); prefix caching {caching}",
             *([f"threads   {threads} (intra-op; --llm-threads, --encoder-threads)"]
-              if (threads := engine.runtime.describe_threads()) else [])]
+              if (threads := engine.runtime.describe_threads()) else []),
+            *([f"sampling  defaults from the model's generation config: "
+               f"{', '.join(f'{k} {v}' for k, v in given.items())} (--generation-config vllm: built-in ones)"]
+              if (given := engine.generation_defaults.as_dict()) else [])]
 
 
 # ServerSettings fields that are flags under their own names (the others have the older
@@ -331,6 +343,20 @@ def server_flags(fields: Sequence[str]) -> list:
 
 def server_limit_flags() -> list:
     return server_flags(SERVER_LIMIT_FIELDS)
+
+
+def listen_of(args: argparse.Namespace) -> Any:
+    """Host, port, TLS and root path of ``serve`` (``Listen``), the certificate loaded: a usage error
+    names a flag that cannot be used, before the model loads."""
+    from mm_pipeline.server.launch.listen import Listen
+
+    try:
+        listen = Listen(args.host, args.port, args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
+                        args.ssl_cert_reqs, args.root_path)
+        listen.check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return listen
 
 
 def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
@@ -369,6 +395,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model_dir(args.model)
     settings = server_settings(args, model_dir)
+    listen = listen_of(args)
     engine = load_engine(args, model_dir)
     loop = engine.runtime.loop
     try:
@@ -378,14 +405,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lines = describe_engine(engine, model_dir) + [
             f"reasoning {describe_reasoning(settings.reasoning_parser, reasoning)}",
             f"tools     {describe_tool_calls(settings.tool_call_parser, tool_calls)}",
-            f"serving   {settings.model_name} on http://{args.host}:{args.port}/v1 (also /health, /metrics)",
-            f"upload    page: http://{args.host}:{args.port}/"]
+            f"serving   {settings.model_name} on {listen.base_url}/v1 (also /health, /metrics)",
+            f"upload    page: {listen.base_url}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)
         if settings.log_stats_interval_s:  # the engine lines show without -v, as vLLM's do
             logging.getLogger("mmserve.stats").setLevel(logging.INFO)
         if settings.log_requests:
             logging.getLogger("mmserve.requests").setLevel(logging.INFO)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10,
+        server = uvicorn.Server(uvicorn.Config(app, **listen.uvicorn_kwargs(), timeout_graceful_shutdown=10,
                                                log_level="info" if args.verbose else "warning"))
         # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their
         # error already): stop the server as Ctrl-C does, then exit 1 with the reason.

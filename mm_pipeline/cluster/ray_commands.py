@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from mm_pipeline.cli import UsageError, engine_config, resolve_model_dir, server_settings
+from mm_pipeline.cli import UsageError, engine_config, listen_of, resolve_model_dir, server_settings
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
@@ -30,7 +30,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             ingress_replicas=args.ingress_replicas, llm_num_cpus=args.replica_cpus,
             llm_num_gpus=args.replica_gpus, torch_threads=args.replica_threads, router=args.router,
             router_redis_url=args.router_redis_url or config.redis_url, match_weight=args.match_weight,
-            host=args.host, port=args.port)
+            listen=listen_of(args))
+        cluster.listen.ray_http_options()  # what Ray's proxy cannot do (--ssl-cert-reqs) fails here, before Ray starts
         if cluster.encoder_replicas and not (config.cache_dir or config.redis_url):
             raise ValueError("--encoder-replicas hands embeddings over through the encoder cache: give --redis-url, "
                              "or --encoder-cache-dir on a file system every replica sees")
@@ -40,7 +41,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     print(f"starting {cluster.llm_replicas} LLM replica(s) of {model_dir} on Ray Serve "
           f"({'local cluster' if not args.ray else args.ray}; router {cluster.router}) ...", file=sys.stderr, flush=True)
     start(model_dir, config, server_settings(args, model_dir), cluster)
-    print(f"serving   on http://{args.host}:{args.port}/v1 (also /health, /metrics); Ctrl-C stops",
+    print(f"serving   on {cluster.listen.base_url}/v1 (also /health, /metrics); Ctrl-C stops",
           file=sys.stderr, flush=True)
     try:
         while True:

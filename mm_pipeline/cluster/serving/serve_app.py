@@ -39,6 +39,7 @@ from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.serving.llm_replica import LLMReplica
 from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.server.launch.listen import Listen
 from mm_pipeline.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,7 @@ class ServeClusterConfig:
     routing_stats_period_s: float = 0.5
     max_ongoing_requests: int = 64  # per LLM replica, what Serve admits before queueing at the router
     retries: int = 2  # resends of a request whose replica died before its first token
-    host: str = "127.0.0.1"
-    port: int = 8000
+    listen: Listen = Listen()  # host, port, TLS and root path of Serve's HTTP proxy
     app_name: str = "mmserve"
 
     def __post_init__(self) -> None:
@@ -169,11 +169,11 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
 
 def start(model_dir: str | Path, engine_config: OmniEngineConfig, settings: ServerSettings,
           cluster: ServeClusterConfig, *, blocking: bool = False) -> Any:
-    """Start Serve's HTTP proxy on ``cluster.host:port`` and run the app (Ray must be connected:
+    """Start Serve's HTTP proxy on ``cluster.listen`` (host, port, TLS) and run the app (Ray must be connected:
     mm_pipeline/cluster/ray_runtime.py). Returns the ingress handle."""
     from ray import serve
 
-    serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    serve.start(http_options=cluster.listen.ray_http_options())
     return serve.run(build_app(model_dir, engine_config, settings, cluster), name=cluster.app_name,
                      route_prefix="/", blocking=blocking)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -25,9 +26,15 @@ class ServerProcess:
     """``python -m mm_pipeline.cli serve ARGS --port P``; ``start`` returns once ``/health`` answers
     (or raises with the process's output), ``stop`` interrupts it and waits (bounded)."""
 
-    def __init__(self, args: Sequence[str], start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 verify: str | bool = True) -> None:
+        """``verify``: how the readiness check trusts an HTTPS server (``--ssl-certfile`` in ``args``):
+        a CA bundle or certificate path (a self-signed test certificate), as httpx takes it."""
         self.port = free_port()
         self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        # a path as an SSL context: httpx deprecated verify=<path>
+        self.verify = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
+        self.scheme = "https" if "--ssl-certfile" in self.args else "http"
         self.start_timeout_s = start_timeout_s
         self.env = {**os.environ, **(env or {})}
         # output goes to a file, not a pipe: a chatty server never blocks on a full pipe
@@ -36,7 +43,7 @@ class ServerProcess:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def output(self) -> str:
@@ -49,7 +56,7 @@ class ServerProcess:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.base_url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -52,6 +52,10 @@ def test_the_server_answers_a_bare_request_with_the_models_sampling(greedy_check
         page_size=4, num_full_tokens=2048, num_swa_tokens=1024))
     try:
         assert engine.generation_defaults.as_dict() == {"temperature": 0.0, "max_new_tokens": 4}
+        from mm_pipeline.cli import describe_engine  # what `mmserve serve` prints at start-up
+
+        assert ("sampling  defaults from the model's generation config: temperature 0.0, max_new_tokens 4"
+                in "\n".join(describe_engine(engine, greedy_checkpoint)))
         with caplog.at_level("INFO", logger="mm_pipeline.server.app"), \
                 served_client(engine, str(tmp_path)) as client:
             chat = {"messages": [{"role": "user", "content": "Tell me about circles."}]}

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.server.launch.listen import Listen
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
 
 pytestmark = [pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing"),
@@ -60,13 +61,13 @@ def cluster_url(ray_local, tmp_path_factory, request):
     except pytest.skip.Exception:
         router_redis_url = None
     cluster = ServeClusterConfig(llm_replicas=2, encoder_replicas=2, llm_num_cpus=0.25, encoder_num_cpus=0.25,
-                                 ingress_num_cpus=0.25, torch_threads=1, port=_free_port(), routing_stats_period_s=0.2,
+                                 ingress_num_cpus=0.25, torch_threads=1, listen=Listen(port=_free_port()), routing_stats_period_s=0.2,
                                  router_redis_url=router_redis_url)
     settings = ServerSettings(files_dir=str(tmp_path_factory.mktemp("ray-files")))
     config = OmniEngineConfig.from_kwargs(cache_dir=str(tmp_path_factory.mktemp("encoder-cache")), **ENGINE)
     start(DEMO_MODEL, config, settings, cluster)
     try:
-        yield f"http://127.0.0.1:{cluster.port}"
+        yield cluster.listen.base_url
     finally:
         stop(cluster)
         serve.shutdown()

@@ -1,0 +1,102 @@
+"""Listen: where and how ``mmserve serve`` takes connections -- host, port, TLS, root path.
+
+TLS is vLLM's set of flags (``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs``,
+``--ssl-cert-reqs``), handed to uvicorn (single server) or to Ray Serve's HTTP proxy (``--ray``), so a
+server reachable beyond loopback need not send prompts, media and API keys in the clear. The
+certificate and key are loaded once here before the model is (a wrong path, a key that does not match
+its certificate, a password-protected key are usage errors naming the flag, not a traceback minutes
+later when uvicorn binds). ``--root-path`` is the path prefix a reverse proxy serves the app under
+(uvicorn's / Ray's ``root_path``): the OpenAPI page and its links then carry it.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED
+
+
+@dataclass(frozen=True)
+class Listen:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # CA bundle client certificates are checked against
+    ssl_cert_reqs: int = 0  # 0: no client certificate asked, 1: checked when sent, 2: required (mutual TLS)
+    root_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together (the key and its certificate)")
+        if self.ssl_cert_reqs not in CERT_REQS:
+            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+        if not self.tls and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
+            raise ValueError("--ssl-ca-certs / --ssl-cert-reqs need TLS on (--ssl-keyfile and --ssl-certfile)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 checks client certificates against --ssl-ca-certs: give it")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with '/' and not end with one (e.g. /mmserve), "
+                             f"got {self.root_path!r}")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    @property
+    def base_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}{self.root_path}"
+
+    def check(self) -> None:
+        """Load the certificate chain (and the CA bundle) as the server will: ValueError naming the
+        flag when one cannot be used. Cheap (milliseconds); call before loading the model."""
+        if not self.tls:
+            return
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            # a password-protected key would prompt on the terminal: refuse it instead of hanging a service
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, password=_no_password)
+        except (OSError, ssl.SSLError, ValueError, TypeError) as exc:
+            raise ValueError(f"--ssl-certfile {self.ssl_certfile} / --ssl-keyfile {self.ssl_keyfile}: "
+                             f"cannot be used ({_reason(exc)})") from None
+        if self.ssl_ca_certs is not None:
+            try:
+                context.load_verify_locations(self.ssl_ca_certs)
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                raise ValueError(f"--ssl-ca-certs {self.ssl_ca_certs}: cannot be used ({_reason(exc)})") from None
+
+    def uvicorn_kwargs(self) -> dict[str, Any]:
+        """``uvicorn.Config`` keywords (host, port, TLS, root path)."""
+        kw: dict[str, Any] = {"host": self.host, "port": self.port, "root_path": self.root_path}
+        if self.tls:
+            kw.update(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile, ssl_cert_reqs=self.ssl_cert_reqs)
+            if self.ssl_ca_certs is not None:
+                kw["ssl_ca_certs"] = self.ssl_ca_certs
+        return kw
+
+    def ray_http_options(self) -> dict[str, Any]:
+        """Ray Serve's ``http_options``. Its proxy takes a certificate and a CA bundle but has no
+        setting for asking clients for theirs, so ``ssl_cert_reqs`` > 0 is refused with ``--ray``."""
+        if self.ssl_cert_reqs:
+            raise ValueError("--ssl-cert-reqs with --ray: Ray Serve's proxy cannot ask for client certificates "
+                             "(terminate mutual TLS at a proxy in front of it)")
+        kw: dict[str, Any] = {"host": self.host, "port": self.port}
+        if self.root_path:
+            kw["root_path"] = self.root_path
+        if self.tls:
+            kw.update(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile)
+            if self.ssl_ca_certs is not None:
+                kw["ssl_ca_certs"] = self.ssl_ca_certs
+        return kw
+
+
+def _no_password() -> bytes:
+    raise ValueError("the key is encrypted; give an unencrypted key file (its permissions protect it)")
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc) or type(exc).__name__
