@@ -6,7 +6,8 @@ request was answered as (routes.py; streamed: events.py builds the same items as
                                                       the answer's text; left out when the answer is
                                                       only tool calls
             [function_call {call_id, name, arguments}] one per call the model made (--tool-call-parser)
-    status: completed; incomplete ({"reason": "max_output_tokens"}) when the token limit cut it
+    status: completed; incomplete ({"reason": "max_output_tokens"}) when the token limit cut it, and
+            so is the item it cut (response_of_chat); the others are completed
     usage:  input_tokens (cached_tokens: the prefix cache's hits), output_tokens (reasoning_tokens:
             the thinking's), total_tokens
 """
@@ -148,23 +149,24 @@ class ResponseObject(BaseModel):
                    prompt_cache_key=req.prompt_cache_key, safety_identifier=req.safety_identifier)
 
     def finish(self, finish_reason: str | None, usage: Usage) -> None:
-        """Set the end state: incomplete when the token limit cut the answer, else completed."""
+        """Set the end state: incomplete when the token limit cut the answer, else completed. The
+        items keep their own statuses (response_of_chat's, or as the stream announced them)."""
         self.usage = ResponseUsage.of_chat(usage)
         if finish_reason == "length":
             self.status, self.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
-        for item in self.output:
-            item.status = "incomplete" if self.status == "incomplete" else "completed"
 
     def answer_message(self) -> dict[str, Any]:
-        """The output as the chat's assistant message (a later response's history)."""
+        """The output as the chat's assistant message (a later response's history): the text of
+        every message item and the thinking of every reasoning item joined, in order, and the calls."""
         message: dict[str, Any] = {"role": "assistant", "content": None}
         for item in self.output:
             if isinstance(item, ReasoningOutput):
-                message["reasoning_content"] = "".join(c.text for c in item.content)
+                message["reasoning_content"] = message.get("reasoning_content", "") + "".join(
+                    c.text for c in item.content)
             elif isinstance(item, OutputMessage):
-                message["content"] = "".join(c.text for c in item.content)
+                message["content"] = (message["content"] or "") + "".join(c.text for c in item.content)
             else:
                 message.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
                     "name": item.name, "arguments": item.arguments}})
@@ -174,14 +176,20 @@ class ResponseObject(BaseModel):
 
 
 def response_of_chat(response: ResponseObject, chat: ChatCompletion) -> ResponseObject:
-    """Fill ``response`` (of_request's) with a non-streamed chat answer (one choice)."""
+    """Fill ``response`` (of_request's) with a non-streamed chat answer (one choice). When the token
+    limit cut it, the item it cut is ``incomplete``: the message (text runs to the end: events.py),
+    else the thinking; calls are whole or none."""
     choice = chat.choices[0]
     message = choice.message
+    cut = "incomplete" if choice.finish_reason == "length" else "completed"
     if message.reasoning_content:
-        response.output.append(ReasoningOutput(content=[ReasoningText(text=message.reasoning_content)]))
+        cut_thinking = not message.content and not message.tool_calls
+        response.output.append(ReasoningOutput(status=cut if cut_thinking else "completed",
+                                               content=[ReasoningText(text=message.reasoning_content)]))
     if message.content or not message.tool_calls:
         logprobs = choice.logprobs.content if choice.logprobs is not None else []
-        response.output.append(OutputMessage(content=[OutputText(text=message.content or "", logprobs=logprobs)]))
+        response.output.append(OutputMessage(status=cut, content=[OutputText(text=message.content or "",
+                                                                              logprobs=logprobs)]))
     response.output.extend(FunctionCallOutput.of_chat(c) for c in message.tool_calls or ())
     response.finish(choice.finish_reason, chat.usage)
     return response

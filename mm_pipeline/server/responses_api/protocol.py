@@ -256,11 +256,15 @@ def chat_content(content: str | list[dict[str, Any]], at: str) -> str | list[dic
     return content if isinstance(content, str) else [_chat_part(p, f"{at}.content.{i}") for i, p in enumerate(content)]
 
 
-def chat_messages(items: str | list[Any]) -> list[dict[str, Any]]:
+def chat_messages(items: str | list[Any], origins: list[int] | None = None) -> list[dict[str, Any]]:
     """The input as chat messages. A function_call joins the assistant message just before it (or
     starts one), so text and calls of one turn stay one turn; a reasoning item's text becomes the
-    reasoning_content of the assistant turn that follows it. A ValueError names a bad item."""
+    reasoning_content of the assistant turn that follows it. A ValueError names a bad item.
+    ``origins``, when given, gets for each message the index of the input item that started it
+    (so an error in a message can name the item: routes.py)."""
     if isinstance(items, str):
+        if origins is not None:
+            origins.append(0)
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
     thinking: str | None = None  # a reasoning item's text, for the next assistant turn
@@ -290,6 +294,8 @@ def chat_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:  # ReasoningItem
             thinking = (thinking or "") + "".join(c.text for c in item.content or ())
+        if origins is not None:
+            origins += [i] * (len(out) - len(origins))
     return out
 
 
@@ -314,11 +320,12 @@ def listed_items(items: str | list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
+              origins: list[int] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The /v1/chat/completions body ``req`` is answered as, and its input as chat messages;
     ``history``: the messages of the response it continues (``previous_response_id``), its answer
-    included. A ValueError names what cannot be answered."""
-    turn = chat_messages(req.input)
+    included; ``origins``: chat_messages'. A ValueError names what cannot be answered."""
+    turn = chat_messages(req.input, origins)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + turn
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             **req.passed()}

@@ -1,17 +1,20 @@
 """Stored responses: what ``previous_response_id`` continues and ``GET /v1/responses/{id}`` returns.
 
 A response with ``store`` (OpenAI's default: true) is kept in memory with the conversation it ends
-(its input as chat messages, its answer last) and its input items (for ``/input_items``), least recently used dropped first once the entries
-pass ``responses_store_bytes`` (``--responses-store-bytes``, 256 MiB by default; 0 stores nothing).
+(its input as chat messages, its answer last) and its input items (for ``/input_items``), least
+recently used dropped first once the entries pass ``responses_store_bytes``
+(``--responses-store-bytes``, 256 MiB by default; 0 stores nothing).
 The bound is what keeps a long-running server's memory flat: an unbounded store grows with every
 request (the reason vLLM ships its store off by default). A follow-up whose previous response was
 dropped is a 400 naming it; the client can resend the conversation as input instead.
 
-Sizes are the characters of the strings the entry holds (inline media as base64 dominates) plus a
-fixed overhead per value, counted without serialising it. A conversation continued many times holds
-its earlier messages once in memory (the entries share them) but each entry counts them again, so
-the bound errs on the safe side. One process's memory: behind several ingress replicas (Ray
-Serve), a follow-up finds its previous response only on the replica that answered it.
+An entry's size is the UTF-8 bytes of every string it holds plus a fixed overhead per value, the
+response object included (instructions, tools and their schemas, text.format, the output and its
+logprobs: a client controls all of them), counted without serialising it (inline media as base64
+dominates). A conversation continued many times holds its earlier messages once in memory (the
+entries share them) but each entry counts them again, so the bound errs on the safe side. One
+process's memory: behind several ingress replicas (Ray Serve), a follow-up finds its previous
+response only on the replica that answered it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from mm_pipeline.server.responses_api.output import ResponseObject
 
 _VALUE_OVERHEAD = 64  # bytes charged per value besides its characters (object headers, dict slots)
-_ENTRY_OVERHEAD = 4096  # the response object itself, its items and ids
+_ENTRY_OVERHEAD = 1024  # the entry, its place in the store and its id
 
 
 @dataclass(frozen=True)
@@ -34,20 +39,36 @@ class StoredResponse:
     input_items: list[dict[str, Any]]  # this request's input as GET .../input_items lists it
 
 
-def held_bytes(value: Any) -> int:
-    """The bytes charged for a JSON-like value (module doc), walked without recursion."""
-    total, stack = 0, [value]
+def held_bytes(value: Any, max_values: int | None = None) -> int | None:
+    """The bytes charged for a JSON-like value, pydantic models in it too (module doc), walked
+    without recursion; None when it holds more than ``max_values`` values (the walk stops there)."""
+    total, values, stack = 0, 0, [value]
+    limit = float("inf") if max_values is None else max_values
     while stack:
         v = stack.pop()
-        total += _VALUE_OVERHEAD
+        values += 1
+        if values > limit:
+            return None
         if isinstance(v, str):
-            total += len(v)
+            # isascii() is O(1) in CPython; other text counts its UTF-8 bytes, up to 4 a character
+            total += len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass"))
+        elif isinstance(v, BaseModel):
+            stack.extend(v.__dict__.values())
         elif isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
-    return total
+    return total + values * _VALUE_OVERHEAD
+
+
+def entry_bytes(response: ResponseObject, history: list[dict[str, Any]], input_items: list[dict[str, Any]] = (),
+                max_values: int | None = None) -> int | None:
+    """The size charged for the entry of ``response``, ``history`` and ``input_items``: everything
+    it holds (module doc); None when that is more than ``max_values`` values. Touches no store: a
+    big entry is sized on a thread (routes.py)."""
+    held = held_bytes((response, history, input_items), max_values)
+    return None if held is None else held + _ENTRY_OVERHEAD
 
 
 class ResponseStore:
@@ -67,14 +88,14 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fits(self, history: list[dict[str, Any]], input_items: list[dict[str, Any]] = ()) -> int | None:
-        """The size an entry of ``history`` and ``input_items`` would have, or None when it can never fit."""
-        size = held_bytes(history) + held_bytes(list(input_items)) + _ENTRY_OVERHEAD
-        return size if size <= self.max_bytes else None
+    def fits(self, size: int) -> bool:
+        """Whether an entry of ``size`` (entry_bytes) can be held at all."""
+        return size <= self.max_bytes
 
     def put(self, response: ResponseObject, history: list[dict[str, Any]], size: int,
             input_items: list[dict[str, Any]] = ()) -> None:
-        """Keep ``response`` (``size`` from ``fits``), dropping the least recently used to make room."""
+        """Keep ``response`` (``size``: entry_bytes, one that ``fits``), dropping the least recently
+        used to make room."""
         self.delete(response.id)
         while self._entries and self.bytes + size > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)

@@ -12,6 +12,7 @@ and not alike."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -21,6 +22,10 @@ import httpx
 import pytest
 
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                          ChatCompletionChunk, ChatLogprobs, Delta, TokenLogprob, TopLogprob, Usage)
+from mm_pipeline.server.responses_api.events import ResponseEvents
+from mm_pipeline.server.responses_api.output import ResponseObject, response_of_chat
 from tests.mm_pipeline.server.test_reasoning_server import GENERATION_PROMPT, THINKS, ThinkingEngine
 from tests.mm_pipeline.server.test_tool_calls_server import CALLS, EXPECTED
 from tests.support.paths import DEMO_MODEL, SAMPLE_MEDIA
@@ -246,6 +251,72 @@ def test_a_store_of_zero_bytes_keeps_nothing(tmp_path):
         assert httpx.get(server.base_url + f"/v1/responses/{r['id']}", timeout=30).status_code == 404
 
 
+
+def test_the_store_charges_a_response_and_its_conversation(tmp_path):
+    """The store's bound counts the whole response (instructions here): 16 KiB of instructions each,
+    a 64 KiB store keeps at most three of eight, not all."""
+    settings = ServerSettings(files_dir=str(tmp_path), responses_store_bytes=64 << 10)
+    with ServerThread(create_app(ThinkingEngine_for([["Fine."]]), settings)) as server:
+        ids = [httpx.post(server.base_url + "/v1/responses", json={"input": "Hi", "instructions": "i" * (16 << 10)},
+                          timeout=30).json()["id"] for _ in range(8)]
+        kept = [i for i in ids if httpx.get(server.base_url + f"/v1/responses/{i}", timeout=30).status_code == 200]
+        assert 0 < len(kept) <= 3 and kept == ids[-len(kept):]  # the most recent, within the bytes
+
+
+def test_a_long_conversation_is_turned_into_a_chat_and_stored_off_the_event_loop(tmp_path, monkeypatch):
+    """A one-item follow-up of a long stored conversation is long: its chat is built and validated,
+    and its entry sized, on a thread (the event loop serves every other request meanwhile)."""
+    from mm_pipeline.server.responses_api import routes
+
+    def on_loop() -> bool:
+        try:
+            return asyncio.get_running_loop() is not None
+        except RuntimeError:
+            return False
+
+    ran: list[tuple[str, bool]] = []
+
+    def watched(name: str, fn):
+        def run(*args):
+            ran.append((name, on_loop()))
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(routes, "_chat_request", watched("chat", routes._chat_request))
+    monkeypatch.setattr(routes, "_sized_entry", watched("size", routes._sized_entry))
+    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"m{k}"} for k in range(routes._INLINE_ITEMS)]
+    with ServerThread(create_app(ThinkingEngine_for([["Fine."]]), ServerSettings(files_dir=str(tmp_path)))) as server:
+        first = httpx.post(server.base_url + "/v1/responses", json={"input": turns[:3]}, timeout=30).json()
+        assert ran == [("chat", True), ("size", True)]  # short: inline
+        ran.clear()
+        # as many items as are validated inline; its entry (1,000s of values) is sized on a thread
+        long = httpx.post(server.base_url + "/v1/responses", json={"input": turns}, timeout=30).json()
+        assert ran == [("chat", True), ("size", True), ("size", False)]
+        ran.clear()
+        follow = httpx.post(server.base_url + "/v1/responses", json={"input": "And?", "previous_response_id": long["id"]},
+                            timeout=30)
+        assert follow.status_code == 200 and first["status"] == "completed"
+        assert ran == [("chat", False), ("size", False)]  # one item, but the history's too
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"role": "user", "content": [{"type": "input_text", "text": "Look:"}, {"type": "input_text", "text": 5}]},
+     "input.2.content.1"),
+    ({"type": "function_call_output", "call_id": "c1", "output": [{"type": "bogus"}]}, "input.2.output.0"),
+])
+def test_a_bad_input_part_is_named_by_its_input_item(scripted, bad, param):
+    """The chat request names its messages; the error names the Responses input item (instructions
+    and the stored conversation come before it in the chat)."""
+    base = scripted([["Fine."]])
+    first = httpx.post(base + "/v1/responses", json={"input": "Hi"}, timeout=30).json()
+    items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"role": "user", "content": "One more."}, bad]
+    r = httpx.post(base + "/v1/responses", json={"input": items, "instructions": "Be brief.",
+                                                 "previous_response_id": first["id"]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param + ":")
+
+
 # ---- thinking and tool calls (scripted engine) ------------------------------------------------------------
 _TOKENIZER: list[Any] = []
 
@@ -316,3 +387,74 @@ def test_tool_calls_are_function_call_items(scripted):
         *({"type": "function_call_output", "call_id": c["call_id"], "output": "sunny"} for c in calls)],
         "tools": TOOLS}, timeout=30)
     assert follow.status_code == 200, follow.text
+
+
+# ---- the stream against the response, chunk by chunk (no server) ----------------------------------------
+def _call(k: int) -> dict[str, Any]:
+    return {"index": k, "id": f"call_{k}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": f"C{k}"})}}
+
+
+THINK, TEXT, MARKUP, CALL = "think", "text", "markup", "call"  # what a token of a generation is
+
+
+def stream_and_whole(tokens: list[tuple[str, Any]], finish: str = "stop") -> tuple[list[dict], dict]:
+    """The events ResponseEvents makes of a generation's chunks, one token each as choices.py streams
+    them (a tag or call markup: logprobs and no text; a call whole at its last token), and the
+    response the same generation gets without stream."""
+    chunks, thinking, content, calls, logprobs = [], "", "", [], []
+    for k, (kind, value) in enumerate(tokens):
+        lp = [TokenLogprob(token=f"t{k}", logprob=-0.5, top_logprobs=[TopLogprob(token=f"t{k}", logprob=-0.5)])]
+        logprobs += lp
+        delta = (Delta(reasoning_content=value) if kind == THINK else Delta(content=value) if kind == TEXT
+                 else Delta(content="", tool_calls=[value] if kind == CALL else None))
+        thinking += value if kind == THINK else ""
+        content += value if kind == TEXT else ""
+        calls += [value] if kind == CALL else []
+        last = k == len(tokens) - 1
+        chunks.append(ChatCompletionChunk(id="c", created=0, model="m", choices=[ChatChunkChoice(
+            index=0, delta=delta, logprobs=ChatLogprobs(content=lp), finish_reason=finish if last else None)]))
+    usage = Usage(prompt_tokens=3, completion_tokens=len(tokens), total_tokens=3 + len(tokens))
+    chunks.append(ChatCompletionChunk(id="c", created=0, model="m", choices=[], usage=usage))
+
+    async def stream() -> list[str]:
+        async def each():
+            for c in chunks:
+                yield c
+        return [e async for e in ResponseEvents(ResponseObject(model="m", created_at=0)).events(each())]
+
+    events = [json.loads(e.split("\ndata: ", 1)[1]) for e in asyncio.run(stream())]
+    message = AssistantMessage(content=content or (None if calls else ""), reasoning_content=thinking or None,
+                               tool_calls=calls or None)
+    whole = response_of_chat(ResponseObject(model="m", created_at=0), ChatCompletion(
+        id="c", created=0, model="m", usage=usage, choices=[ChatChoice(
+            index=0, message=message, logprobs=ChatLogprobs(content=logprobs), finish_reason=finish)]))
+    return events, whole.model_dump()
+
+
+THOUGHT = [(MARKUP, "")] + [(THINK, f" w{k}") for k in range(300)] + [(MARKUP, "")]  # <think> ... </think>
+ANSWER = [(TEXT, "It is"), (TEXT, " 4.")]
+CALLING = [(MARKUP, "")] * 3 + [(CALL, _call(0))]  # <tool_call> ... </tool_call>
+DONE, CUT = "completed", "incomplete"
+
+
+@pytest.mark.parametrize("tokens, finish, items", [
+    # thinking tokens carry logprobs: one reasoning item, not one item per token; the message's logprobs
+    # are every token's, as without stream
+    (THOUGHT + ANSWER, "stop", [("reasoning", DONE), ("message", DONE)]),
+    # text after a call is still the message's, listed before the calls
+    ([(TEXT, "Checking.")] + CALLING + [(TEXT, " Done.")] + CALLING[:3] + [(CALL, _call(1))], "stop",
+     [("message", DONE), ("function_call", DONE), ("function_call", DONE)]),
+    (CALLING + [(TEXT, "Sent.")], "stop", [("message", DONE), ("function_call", DONE)]),
+    (THOUGHT + CALLING, "stop", [("reasoning", DONE), ("function_call", DONE)]),  # no text: no message
+    ([(MARKUP, "")], "stop", [("message", DONE)]),  # an empty answer is an empty message, its logprobs kept
+    # cut by max_output_tokens: the item cut is incomplete, the ones before it completed, announced so
+    (THOUGHT + ANSWER, "length", [("reasoning", DONE), ("message", CUT)]),
+    (THOUGHT[:50], "length", [("reasoning", CUT), ("message", CUT)]),  # cut mid-thought
+    (THOUGHT + CALLING + [(MARKUP, "")], "length", [("reasoning", DONE), ("function_call", DONE)]),
+])
+def test_the_stream_is_the_response_for_the_same_generation(tokens, finish, items):
+    events, whole = stream_and_whole(tokens, finish)
+    final = check_stream_is_the_response(events, whole)
+    assert [(i["type"], i["status"]) for i in final["output"]] == items
+    assert ResponseObject.model_validate(final).answer_message() == ResponseObject.model_validate(whole).answer_message()

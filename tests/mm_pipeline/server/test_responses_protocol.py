@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from mm_pipeline.server.protocol import ChatCompletionRequest
-from mm_pipeline.server.responses_api.output import ResponseObject
+from mm_pipeline.server.responses import TokenLogprob, TopLogprob
+from mm_pipeline.server.responses_api.output import (FunctionCallOutput, OutputMessage, OutputText, ReasoningOutput,
+                                                     ReasoningText, ResponseObject)
 from mm_pipeline.server.responses_api.protocol import ResponsesRequest, chat_body, chat_messages
-from mm_pipeline.server.responses_api.store import ResponseStore, held_bytes
+from mm_pipeline.server.responses_api.store import ResponseStore, entry_bytes, held_bytes
 
 
 def body_of(**fields):
@@ -105,13 +107,15 @@ def test_a_forced_tool_choice_needs_tools_and_a_file_url_is_refused():
         body_of(input=[{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}])
 
 
-def stored(store: ResponseStore, text: str) -> str:
+def stored(store: ResponseStore, text: str) -> tuple[str, int | None]:
+    """Store a response whose conversation is ``text``: its id, and its size when it fits."""
     response = ResponseObject(model="m")
     history = [{"role": "user", "content": text}]
-    size = store.fits(history)
-    if size is not None:
-        store.put(response, history, size)
-    return response.id
+    size = entry_bytes(response, history)
+    if not store.fits(size):
+        return response.id, None
+    store.put(response, history, size)
+    return response.id, size
 
 
 @settings(max_examples=150, deadline=None)
@@ -124,8 +128,7 @@ def test_the_store_stays_within_its_bytes_and_drops_the_least_recently_used(budg
     model: dict[str, int] = {}  # the store as it should be: id -> size, least recently used first
     for op, n, pick in ops:
         if op == "put":
-            size = store.fits([{"role": "user", "content": "x" * n}])
-            rid = stored(store, "x" * n)
+            rid, size = stored(store, "x" * n)
             ids.append(rid)
             if size is not None:
                 while model and sum(model.values()) + size > budget:
@@ -151,3 +154,44 @@ def test_held_bytes_counts_the_strings_inline_media_holds():
     small = held_bytes([{"role": "user", "content": "hi"}])
     big = held_bytes([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "A" * 1_000_000}}]}])
     assert small < 1000 and 1_000_000 < big < 1_001_000
+
+
+def test_held_bytes_counts_utf8_bytes_and_stops_counting_at_a_bound():
+    base = held_bytes("")
+    assert held_bytes("é" * 1000) - base == 2000 and held_bytes("日" * 1000) - base == 3000
+    assert held_bytes("😀" * 1000) - base == 4000 and held_bytes("\ud800") - base == 3  # a lone surrogate too
+    assert held_bytes([1] * 100, max_values=50) is None and held_bytes([1] * 100, max_values=101) == held_bytes([1] * 100)
+
+
+def test_an_entry_is_charged_for_its_whole_response():
+    """Instructions, tool schemas, text.format and output logprobs are a client's to grow: a store
+    that charged only the conversation held 20 responses of 1 MiB instructions in 1 MiB."""
+    history = [{"role": "user", "content": "Hi"}]
+    bare = entry_bytes(ResponseObject(model="m"), history)
+    schema = {"type": "object", "description": "d" * 50_000}
+    req = ResponsesRequest.model_validate({
+        "input": "Hi", "instructions": "i" * 100_000, "tools": [{"type": "function", "name": "f", "parameters": schema}],
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}})
+    response = ResponseObject.of_request(req, "m", store=True)
+    assert entry_bytes(response, history) - bare > 200_000
+    store = ResponseStore(1 << 20)
+    for k in range(20):
+        kept = response.model_copy(update={"id": f"resp_{k}"})
+        store.put(kept, history, entry_bytes(kept, history))
+    assert store.bytes <= store.max_bytes and len(store) == 5  # 200 KiB a response
+    tokens = [TokenLogprob(token="a", logprob=-1.0, bytes=[97], top_logprobs=[TopLogprob(token="b", logprob=-2.0)] * 5)]
+    response.output.append(OutputMessage(content=[OutputText(text="a" * 1000, logprobs=tokens * 1000)]))
+    assert entry_bytes(response, history) - entry_bytes(ResponseObject.of_request(req, "m", store=True), history) > (
+        1000 * 6 * 64)  # every token and its top entries
+
+
+def test_the_answer_message_joins_every_message_and_reasoning_item():
+    call = FunctionCallOutput(call_id="c1", name="f", arguments="{}")
+    response = ResponseObject(model="m", output=[
+        ReasoningOutput(content=[ReasoningText(text="Think. ")]), OutputMessage(content=[OutputText(text="Checking.")]),
+        call, ReasoningOutput(content=[ReasoningText(text="More.")]), OutputMessage(content=[OutputText(text=" Done.")])])
+    assert response.answer_message() == {
+        "role": "assistant", "content": "Checking. Done.", "reasoning_content": "Think. More.",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    only_calls = ResponseObject(model="m", output=[call]).answer_message()
+    assert only_calls["content"] is None and "reasoning_content" not in only_calls
