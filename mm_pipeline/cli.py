@@ -56,7 +56,7 @@ def resolve_model_dir(arg: str | None) -> Path:
 FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--allowed-local-media-path"],
                 "allowed_domains": ["--allowed-media-domain"], "allow_http": ["--allow-remote-media"],
                 "cache_dir": ["--encoder-cache-dir"], "queue_policy": ["--scheduling-policy"],
-                "log_requests": ["--enable-log-requests"]}
+                "log_requests": ["--enable-log-requests"], "media_max_items_per_kind": ["--limit-mm-per-prompt"]}
 # What the CLI does when a flag is left out, where it differs from the field's default.
 FLAG_NOTES = {"device": "default: cuda when available, else cpu",
               "compile_decode": "default: on for cuda, off for cpu",

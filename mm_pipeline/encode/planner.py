@@ -108,14 +108,21 @@ class MediaPlanner:
         return item
 
     def check_request(self, refs: Sequence[MediaRef]) -> None:
-        """Request-level limits known before anything is read: the number of media items."""
-        most = self.config.limits.max_media_items
-        if len(refs) > most:
-            raise InvalidInputError(f"the request has {len(refs)} media items, limit {most} (max_media_items)")
+        """Request-level limits known before anything is read: the number of media items, and of
+        each kind the parts name (--limit-mm-per-prompt; check_plans counts the sniffed kinds too)."""
+        limits = self.config.limits
+        if len(refs) > limits.max_media_items:
+            raise InvalidInputError(f"the request has {len(refs)} media items, limit {limits.max_media_items} "
+                                    f"(max_media_items)")
+        if (problem := limits.check_counts(Counter(r.kind.value for r in refs if r.kind is not None))) is not None:
+            raise InvalidInputError(problem)
 
     def check_plans(self, plans: Sequence[MediaPlan]) -> None:
         """Request-level limits known once every item is planned and before any is produced: the
         decoded bytes of the request, and media tokens alone over the model's context."""
+        # the kinds as ingest found them: a part that named none (an uploaded file) counts now
+        if (problem := self.config.limits.check_counts(Counter(p.kind.value for p in plans))) is not None:
+            raise InvalidInputError(problem)
         limit = self.config.limits.max_request_decoded_bytes
         total = sum(p.decoded_bytes for p in plans)
         if total > limit:

@@ -6,7 +6,9 @@ the fetch machinery."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class MediaLimits:
     """GIF/WebP: canvas pixels x frames composited (the canvas may grow)."""
     decode_timeout_s: float = 30.0
     """One media item's decode deadline in seconds, probe included (then HTTP 413)."""
+    max_items_per_kind: str | None = None
+    """JSON object of image, video, audio -> most items of that kind in one request (0: the kind is refused and its encoder not loaded; vLLM's --limit-mm-per-prompt)."""
+    # held as canonical JSON text (a mapping given is turned into it) so the config stays hashable and
+    # travels to Ray replicas as it is; ``per_kind`` is the parsed form. Flag --media-max-items-per-kind,
+    # also spelled as vLLM's --limit-mm-per-prompt
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_duration_s", "max_frames", "max_media_items",
@@ -38,6 +45,51 @@ class MediaLimits:
                      "decode_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MediaLimits.{name} must be positive, got {getattr(self, name)}")
+        if self.max_items_per_kind is not None:
+            object.__setattr__(self, "max_items_per_kind", json.dumps(_per_kind(self.max_items_per_kind), sort_keys=True))
+
+    @property
+    def per_kind(self) -> dict[str, int]:
+        """Kind name -> most items of it in one request (kinds not named: only max_media_items bounds them)."""
+        return {} if self.max_items_per_kind is None else json.loads(self.max_items_per_kind)
+
+    def allows(self, kind: str) -> bool:
+        """Whether a request may hold ``kind`` at all (not limited to 0)."""
+        return self.per_kind.get(kind, 1) > 0
+
+    def check_counts(self, counts: Mapping[str, int]) -> str | None:
+        """The problem with a request holding ``counts`` items per kind, or None: a kind over its
+        per-prompt limit, a disabled kind named as such."""
+        for kind, n in sorted(counts.items()):
+            most = self.per_kind.get(kind)
+            if most == 0 and n:
+                return f"{kind} input is disabled on this server (--limit-mm-per-prompt {kind}: 0)"
+            if most is not None and n > most:
+                return (f"the request has {n} {kind} items, limit {most} per request "
+                        f"(--limit-mm-per-prompt)")
+        return None
+
+
+MEDIA_KINDS = ("image", "video", "audio")
+
+
+def _per_kind(value: str | Mapping[str, int]) -> dict[str, int]:
+    """``max_items_per_kind`` checked: a JSON object (or mapping) of known kinds to counts >= 0."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f'--limit-mm-per-prompt must be a JSON object like {{"image": 4, "video": 1}}, got {value!r}')
+    out = {}
+    for kind, n in value.items():
+        if kind not in MEDIA_KINDS:
+            raise ValueError(f"--limit-mm-per-prompt: unknown kind {kind!r} (known: {', '.join(MEDIA_KINDS)})")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {kind} must be an integer >= 0, got {n!r}")
+        out[kind] = n
+    return out
 
 
 @dataclass(frozen=True)

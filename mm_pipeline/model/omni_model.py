@@ -118,7 +118,7 @@ class OmniModel:
              dtype: str | torch.dtype = "float32", tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
              distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None,
              audio_tokenizer_attention: str = "reference", with_text: bool = True,
-             chat_template: str | None = None) -> "OmniModel":
+             chat_template: str | None = None, with_vision: bool = True, with_audio: bool = True) -> "OmniModel":
         """The text model goes through ``load_text_model`` (one process, or one per tensor / expert
         parallel rank); the encoders stay whole (data-parallel, never tensor-parallel) on
         ``encoder_device`` (default: ``device``). ``audio_tokenizer_attention``: for the reference
@@ -126,7 +126,9 @@ class OmniModel:
         encoders.audio.mimo_config); ignored otherwise. ``with_text=False``: no text model (no
         ``model.*`` / ``lm_head.*`` weight is read; ``text`` is None), for a process that only
         encodes media (an encoder replica, mm_pipeline/cluster/serving/encoder_replica.py).
-        ``chat_template``: template text used instead of the tokenizer's own (``--chat-template``)."""
+        ``chat_template``: template text used instead of the tokenizer's own (``--chat-template``).
+        ``with_vision`` / ``with_audio`` False: that encoder is not loaded (a server that refuses the
+        modality, --limit-mm-per-prompt: its weights take no memory), as if the checkpoint had none."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
@@ -139,12 +141,12 @@ class OmniModel:
                                    distributed_timeout_s=distributed_timeout_s)
         enc = device if encoder_device is None else encoder_device
         vision = audio = None
-        if omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
+        if with_vision and omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):
             vision = load_vision_tower(omni.vision, model_dir, device=enc, dtype=dt)
-        if omni.audio_path == "reference":
+        if with_audio and omni.audio_path == "reference":
             audio = load_mimo_audio_encoder(omni.audio, omni.speech, model_dir, device=enc, dtype=dt,
                                             tokenizer_attention=audio_tokenizer_attention)
-        elif omni.audio is not None and _has_prefix(model_dir, AUDIO_PREFIX):
+        elif with_audio and omni.audio is not None and _has_prefix(model_dir, AUDIO_PREFIX):
             audio = load_audio_encoder(omni.audio, model_dir, device=enc, dtype=dt)
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:

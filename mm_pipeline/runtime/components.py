@@ -189,7 +189,8 @@ class OmniRuntime:
                                    expert_parallel_size=e.expert_parallel_size,
                                    distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
                                    audio_tokenizer_attention=config.audio_tokenizer_attention,
-                                   with_text=not encoders_only, chat_template=config.chat_template)
+                                   with_text=not encoders_only, chat_template=config.chat_template,
+                                   with_vision=config.needs_vision, with_audio=config.needs_audio)
             return cls(model, config, defaults)
         return run_on_thread(build, "omni-load")
 

@@ -230,6 +230,17 @@ class OmniEngineConfig:
                 f"multiple of the checkpoint's vision temporal_patch_size {temporal_patch_size}: frames are "
                 f"encoded in groups of {temporal_patch_size}")
 
+    @property
+    def needs_vision(self) -> bool:
+        """Whether requests may hold images or videos (--limit-mm-per-prompt): else the vision tower is not loaded."""
+        return self.limits.allows("image") or self.limits.allows("video")
+
+    @property
+    def needs_audio(self) -> bool:
+        """Whether requests may hold audio, an audio item or a video's sound track (--video-audio
+        not off): else the audio encoder is not loaded."""
+        return self.limits.allows("audio") or (self.limits.allows("video") and self.video_audio is not False)
+
     def planner_config(self, default_sampling: VideoSamplingParams, max_context_tokens: int | None = None,
                        default_video_audio: bool = True) -> PlannerConfig:
         video_audio = default_video_audio if self.video_audio is None else self.video_audio
