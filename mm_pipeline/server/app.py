@@ -40,6 +40,7 @@ from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
+from mm_pipeline.server.json_limits import json_values_bound, too_many_bytes, too_many_values
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import (MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation,
@@ -90,11 +91,11 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, m
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > max_bytes:
-            raise APIError(413, f"request body is over the {max_bytes}-byte limit")
+            raise APIError(413, too_many_bytes(max_bytes))
         # counted as it arrives, a piece at a time: over the whole body at the end, the three
         # passes held the GIL for ~80 ms at 100 MB in one go; and a body over the cap stops here
         if len(raw) > max_values:
-            values = _json_values_bound(raw) if values is None else values + _json_values_bound(chunk)
+            values = json_values_bound(raw) if values is None else values + json_values_bound(chunk)
             _check_values(values, max_values)
     try:
         if len(raw) > _INLINE_PARSE_BYTES:
@@ -105,26 +106,18 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, m
         raise RequestValidationError(exc.errors()) from None
 
 
-def _json_values_bound(raw: bytes | bytearray) -> int:
-    """An upper bound on the JSON values in ``raw``: every array item and object member but the
-    first follows a comma, the first a bracket (commas inside strings only make it looser). Adds
-    up over the pieces of a body."""
-    return raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-
-
 def _check_values(values: int, max_values: int) -> None:
-    if values > max_values:
-        raise APIError(413, f"request body holds up to {values} JSON values, over the limit of {max_values} "
-                            f"(max_json_values)")
+    if (problem := too_many_values(values, max_values)) is not None:
+        raise APIError(413, problem)
 
 
 def _validate(model: type[BaseModel], raw: bytes, max_values: int, values: int | None = None) -> Any:
-    """``values``: ``_json_values_bound(raw)`` when the caller counted it already."""
+    """``values``: ``json_values_bound(raw)`` when the caller counted it already."""
     # The parser builds every value before any field check runs, at ~100 bytes of memory a number
     # (an array of ints: ~20x the body), so the bound is checked first, ~1 ms a MB, before anything
     # is built. Every value takes at least a byte: a body no longer than the cap needs no count.
     if values is None:
-        values = _json_values_bound(raw) if len(raw) > max_values else 0
+        values = json_values_bound(raw) if len(raw) > max_values else 0
     _check_values(values, max_values)
     return model.model_validate_json(raw)
 
@@ -253,7 +246,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     started = int(time.time())
 
     stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None
-    batches = BatchRunner(service, store, settings.batch_concurrency)  # /v1/batches
+    batches = BatchRunner(service, store, settings.batch_concurrency, settings.json_limits)  # /v1/batches
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

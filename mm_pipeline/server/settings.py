@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from mm_pipeline.prompt.reasoning import REASONING_PARSERS, ReasoningParserName
 from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, ToolParserName
+from mm_pipeline.server.json_limits import JSONLimits
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,10 @@ class ServerSettings:
     """File ids the upload store keeps at once."""
     default_max_tokens: int = 512
     max_request_bytes: int = 256 << 20
-    """Largest JSON request body (base64 media inline counts); a larger one is 413."""
+    """Largest JSON request body (base64 media inline counts); a larger one is 413. Also the
+    longest line of a /v1/batches file (each line is a request): a longer one fails the batch."""
     max_json_values: int = 4_000_000
-    """Values (array items, object members) one JSON body may hold; more is 413."""
+    """Values (array items, object members) one JSON body, or batch file line, may hold; more is 413."""
     # It bounds the parser's memory (app._validate): an hour of pre-tokenized audio codes is
     # 20 x 90,000 = 1.8M values.
     max_completion_prompts: int = 16
@@ -118,3 +120,8 @@ class ServerSettings:
                              f"got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
+
+    @property
+    def json_limits(self) -> JSONLimits:
+        """What one request's JSON may be: a body, or a line of a batch file."""
+        return JSONLimits(self.max_request_bytes, self.max_json_values)

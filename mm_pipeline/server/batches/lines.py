@@ -16,7 +16,8 @@ OpenAI error body in ``response``; a line that is not a request at all (bad JSON
 custom_id, unsupported url) gets ``response: null`` and ``error: {code, message}``. The ``model``
 field of each body is ignored: the batch runs on the loaded model. Lines are decoded one at a time:
 a line that is not UTF-8, or JSON nested too deeply to parse, is an ``invalid_json`` error line like
-any other broken line.
+any other broken line. The server holds each line to its request limits (``JSONLimits``: a line is a
+request): a longer line is never read whole, one with too many JSON values is never parsed.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 from pydantic import ValidationError
 
-from mm_pipeline.errors import InvalidInputError
+from mm_pipeline.errors import InvalidInputError, OverloadedError
 from mm_pipeline.server.chat_service import ChatService
 from mm_pipeline.server.errors import error_body, to_api_error
+from mm_pipeline.server.json_limits import JSONLimits, too_many_bytes
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+ECHO_CHARS = 100  # of a value a line gave, quoted back in an error message
 
 
 def failure_message(rec: dict[str, Any]) -> str | None:
@@ -52,29 +55,55 @@ class BatchLine:
     problem: tuple[int | None, str, str] | None  # (HTTP status or None, code, message)
 
 
-def parse_line(number: int, raw: str | bytes) -> BatchLine:
-    """Validate one input line (``bytes``: a line that is not UTF-8, from ``input_lines``); never raises."""
+@dataclass(frozen=True)
+class LineTooLong:
+    """Stands for a line over ``max_bytes`` (``read_lines``): it was skipped, not read into memory."""
+
+    max_bytes: int
+
+
+def echo(value: Any) -> str:
+    """``repr(value)`` of something a line gave, cut to ECHO_CHARS: a message quotes it, and a
+    batch keeps its messages (a url of a megabyte must not become an error of a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS - 1] + "…"
+
+
+def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | None = None
+              ) -> tuple[Any, tuple[str, str] | None]:
+    """(the line's JSON value, None) or (None, (code, message)) for a line that is over ``limits``,
+    not UTF-8 or not JSON; never raises. The one parse of a line: validation and answering each
+    call it once."""
+    if isinstance(raw, LineTooLong):
+        return None, ("line_too_large", too_many_bytes(raw.max_bytes, f"line {number}"))
+    if limits is not None and (problem := limits.values_problem(raw, f"line {number}")) is not None:
+        return None, ("too_many_json_values", problem)
     try:
-        obj = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw), None
     except UnicodeDecodeError as exc:
-        return BatchLine(number, None, None, (None, "invalid_json",
-                                              f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})"))
+        return None, ("invalid_json", f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})")
     except RecursionError:
-        return BatchLine(number, None, None, (None, "invalid_json", f"line {number}: not JSON (nested too deeply)"))
+        return None, ("invalid_json", f"line {number}: not JSON (nested too deeply)")
     except ValueError as exc:  # JSONDecodeError, or an integer longer than int() takes
-        return BatchLine(number, None, None, (None, "invalid_json",
-                                              f"line {number}: not JSON ({getattr(exc, 'msg', exc)})"))
+        return None, ("invalid_json", f"line {number}: not JSON ({getattr(exc, 'msg', exc)})")
+
+
+def parse_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | None = None) -> BatchLine:
+    """Validate one input line (``bytes``: a line that is not UTF-8, from ``input_lines``); never raises."""
+    obj, problem = load_line(number, raw, limits)
+    if problem is not None:
+        return BatchLine(number, None, None, (None, *problem))
     if not isinstance(obj, dict):
         return BatchLine(number, None, None, (None, "invalid_request", f"line {number}: not a JSON object"))
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         return BatchLine(number, None, None, (None, "missing_custom_id", f"line {number}: no custom_id"))
     if str(obj.get("method", "POST")).upper() != "POST":
-        return BatchLine(number, cid, None, (None, "invalid_method", f"method {obj.get('method')!r} is not POST"))
+        return BatchLine(number, cid, None, (None, "invalid_method", f"method {echo(obj.get('method'))} is not POST"))
     model_cls = URLS.get(obj.get("url"))
     if model_cls is None:
         return BatchLine(number, cid, None, (None, "invalid_url",
-                                             f"url {obj.get('url')!r} is not one of {sorted(URLS)}"))
+                                             f"url {echo(obj.get('url'))} is not one of {sorted(URLS)}"))
     body = obj.get("body")
     if not isinstance(body, dict):
         return BatchLine(number, cid, None, (400, "invalid_request", "body must be a JSON object"))
@@ -96,7 +125,7 @@ def decode_line(line: bytes) -> str | bytes | None:
         raw: str | bytes = line.decode("utf-8")
     except UnicodeDecodeError:
         raw = line
-    return raw if raw.strip() else None
+    return None if not raw or raw.isspace() else raw  # as ``raw.strip()``, without copying a long line
 
 
 def input_lines(path: Path) -> Iterator[tuple[int, str | bytes, str | None]]:
@@ -108,8 +137,28 @@ def input_lines(path: Path) -> Iterator[tuple[int, str | bytes, str | None]]:
                 yield n, raw, custom_id_of(raw)
 
 
-def custom_id_of(raw: str | bytes) -> str | None:
-    if isinstance(raw, bytes):
+def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, str | bytes | LineTooLong]]:
+    """(line number, raw line) for the non-blank lines (``decode_line``), numbered as ``input_lines``
+    numbers them; a line over ``max_bytes`` (its newline not counted) is ``LineTooLong``, skipped a
+    piece at a time instead of held whole."""
+    with path.open("rb") as f:
+        n = 0
+        while line := f.readline(max_bytes + 2):  # + 2: room for the line's own \r\n
+            n += 1
+            if len(line) - _newline_bytes(line) > max_bytes:
+                while not line.endswith(b"\n") and (line := f.readline(1 << 20)):
+                    pass
+                yield n, LineTooLong(max_bytes)
+            elif (raw := decode_line(line)) is not None:
+                yield n, raw
+
+
+def _newline_bytes(line: bytes) -> int:
+    return 2 if line.endswith(b"\r\n") else 1 if line.endswith(b"\n") else 0
+
+
+def custom_id_of(raw: str | bytes | LineTooLong) -> str | None:
+    if not isinstance(raw, str):
         return None
     try:
         obj = json.loads(raw)
@@ -119,8 +168,17 @@ def custom_id_of(raw: str | bytes) -> str | None:
     return cid if isinstance(cid, str) and cid else None
 
 
-async def answer_line(service: ChatService, line: BatchLine) -> dict[str, Any]:
-    """The output line of one input line, answered by ``service`` as the server answers its route."""
+def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """The output line of a line that is not a request, or was never run: ``response`` null."""
+    return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+async def answer_line(service: ChatService, line: BatchLine,
+                      again: Callable[[OverloadedError], Awaitable[bool]] | None = None) -> dict[str, Any]:
+    """The output line of one input line, answered by ``service`` as the server answers its route.
+    ``again``: asked when the engine had no room for the line (``OverloadedError``); True sends it
+    again (after the wait it chose), False answers the overload (429 / 503) as the route would."""
     rec: dict[str, Any] = {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
                            "response": None, "error": None}
     if line.problem is not None:
@@ -132,13 +190,19 @@ async def answer_line(service: ChatService, line: BatchLine) -> dict[str, Any]:
             rec["response"] = {"status_code": status, "request_id": None,
                                "body": error_body(status, message, kind=InvalidInputError.kind)}
         return rec
-    try:
-        if isinstance(line.request, ChatCompletionRequest):
-            result = await service.chat(line.request)
-        else:
-            result = await service.complete(line.request)
-        rec["response"] = {"status_code": 200, "request_id": result.id, "body": result.model_dump()}
-    except Exception as exc:
-        err = to_api_error(exc)
+    while True:
+        try:
+            if isinstance(line.request, ChatCompletionRequest):
+                result = await service.chat(line.request)
+            else:
+                result = await service.complete(line.request)
+            rec["response"] = {"status_code": 200, "request_id": result.id, "body": result.model_dump()}
+            return rec
+        except OverloadedError as exc:
+            if again is not None and await again(exc):
+                continue
+            err = to_api_error(exc)
+        except Exception as exc:
+            err = to_api_error(exc)
         rec["response"] = {"status_code": err.status, "request_id": None, "body": err.body()}
-    return rec
+        return rec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mm_pipeline.server.batches.lines import URLS
 
@@ -14,6 +14,7 @@ BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "comp
                       "cancelled"]
 FINISHED = ("failed", "completed", "expired", "cancelled")
 WINDOW_S = 24 * 3600  # OpenAI's one completion window, "24h"
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
 
 
 class BatchCreate(BaseModel):
@@ -22,7 +23,20 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: Literal[tuple(URLS)]  # type: ignore[valid-type]
     completion_window: Literal["24h"]
-    metadata: dict[str, Any] | None = Field(default=None, max_length=16)
+    metadata: dict[str, Any] | None = Field(default=None, max_length=METADATA_PAIRS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_is_short_strings(cls, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI's rules, which bound what a kept batch holds: keys of at most 64 characters,
+        values strings of at most 512. Checked here rather than by the type, so a message names
+        the rule and never quotes a long key."""
+        for key, value in (metadata or {}).items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"keys are strings of at most {METADATA_KEY_CHARS} characters, one has {len(key)}")
+            if not isinstance(value, str) or len(value) > METADATA_VALUE_CHARS:
+                raise ValueError(f"the value of {key!r} must be a string of at most {METADATA_VALUE_CHARS} characters")
+        return metadata
 
 
 class BatchError(BaseModel):

@@ -4,7 +4,9 @@ server's file store and engine (runner.py):
     POST /v1/batches                 {"input_file_id", "endpoint", "completion_window": "24h", "metadata"}
     GET  /v1/batches?limit=&after=   newest first (limit 1-100, default 20)
     GET  /v1/batches/{id}
-    POST /v1/batches/{id}/cancel
+    POST /v1/batches/{id}/cancel     a waiting batch is cancelled at once, a running one cancelling until
+                                     its lines in flight are aborted; 409 once it is finalizing (every line
+                                     answered, its files being written: it completes) or has ended
 
 The input file is uploaded first (``POST /v1/files``, purpose ``batch``); the results are files of
 the same store (``GET /v1/files/{output_file_id}/content``)."""

@@ -1,23 +1,28 @@
 """The server's batches: an uploaded OpenAI batch file run through the live engine, beside the
 interactive traffic, its results written back to the file store.
 
-    POST /v1/batches ─► BatchRunner.create: the input file must be stored; the batch is queued
+    POST /v1/batches ─► BatchRunner.create: the input file must be stored, with purpose batch; the batch waits
     one worker, batches in creation order:
-      validating   the file read once on a thread: every line a JSON object with a custom_id (unique),
-                   method POST, the batch's endpoint as url; at most MAX_BATCH_LINES lines. Any of
-                   these wrong fails the batch (its errors name the lines), as OpenAI validates
-      in_progress  ``concurrency`` lines in flight (--batch-concurrency), each answered by the same
-                   ChatService as the route it names (lines.answer_line): a line whose body is bad,
-                   or whose media fails, is an error line, the others go on
+      validating   the file read once on a thread: every line within the server's request limits
+                   (max_request_bytes, max_json_values: a line is a request), a JSON object with a
+                   custom_id (unique), method POST, the batch's endpoint as url; at most
+                   MAX_BATCH_LINES lines. Any of these wrong fails the batch (its errors name the
+                   lines), as OpenAI validates
+      in_progress  ``concurrency`` lines in flight (--batch-concurrency), each read and parsed on a
+                   thread and answered by the same ChatService as the route it names
+                   (lines.answer_line): a line whose body is bad, or whose media fails, is an error
+                   line, the others go on; a line the engine has no room for (its 429 / 503) waits
+                   and is sent again, RETRY_FIRST_S doubling to RETRY_MAX_S, while the batch runs
       finalizing   the answered lines as a file (purpose batch_output): 200s in output_file_id, the
-                   rest in error_file_id, as OpenAI splits them
+                   rest in error_file_id, as OpenAI splits them; a cancel is refused from here (409)
       completed | cancelled (POST /cancel: no new line starts, the ones in flight are aborted, what
-                   was answered is kept) | expired (24 h after creation, OpenAI's window; answered
-                   lines kept) | failed
+                   was answered is kept; a batch still waiting ends at once) | expired (24 h after
+                   creation, OpenAI's window: answered lines kept, each line not run an error line
+                   ``batch_expired``; a batch whose last line finished is completed) | failed
 
-Batch lines are engine requests like any other: the same admission (a full queue makes a line wait
-for a slot, not fail), KV and caches; they keep the ``priority`` their bodies give, so under
-``--queue-policy priority`` a batch written with a high number yields to interactive traffic.
+Batch lines are engine requests like any other: the same admission, KV and caches; they keep the
+``priority`` their bodies give, so under ``--queue-policy priority`` a batch written with a high
+number yields to interactive traffic.
 
 Batches live in this process's memory (the files they read and write are the store's, on disk): a
 restart forgets them. At most MAX_PENDING_BATCHES wait or run at once (more is a 429), and the
@@ -34,14 +39,18 @@ import secrets
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
-from mm_pipeline.server.batches.lines import answer_line, failure_message, input_lines, parse_line
+from mm_pipeline.errors import OverloadedError
+from mm_pipeline.server.batches.lines import (BatchLine, LineTooLong, answer_line, custom_id_of, echo, error_line,
+                                              failure_message, load_line, parse_line, read_lines)
 from mm_pipeline.server.batches.protocol import (WINDOW_S, BatchCreate, BatchError, BatchErrors, BatchList,
                                                  BatchObject)
 from mm_pipeline.server.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore, UploadWriter
+from mm_pipeline.server.json_limits import JSONLimits
+from mm_pipeline.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +58,12 @@ MAX_BATCH_LINES = 50_000  # OpenAI's limit on one batch's requests
 MAX_PENDING_BATCHES = 100
 MAX_KEPT_BATCHES = 1000
 MAX_ERRORS_SHOWN = 100  # validation errors a failed batch lists
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # a line the engine has no room for waits this long, doubling
+
+RawLines = Iterator[tuple[int, str | bytes | LineTooLong]]
 
 
-def validate_file(path: Path, endpoint: str) -> tuple[int, list[BatchError]]:
+def validate_file(path: Path, endpoint: str, limits: JSONLimits) -> tuple[int, list[BatchError]]:
     """(lines, errors) of a batch file: its structure only (a body is checked when its line runs)."""
     count, errors, seen = 0, [], set()
 
@@ -59,50 +71,52 @@ def validate_file(path: Path, endpoint: str) -> tuple[int, list[BatchError]]:
         if len(errors) < MAX_ERRORS_SHOWN:
             errors.append(BatchError(code=code, message=message, line=n))
 
-    for n, raw, cid in input_lines(path):
+    for n, raw in read_lines(path, limits.max_bytes):
         count += 1
         if count > MAX_BATCH_LINES:
             problem(n, "too_many_requests", f"the file has more than {MAX_BATCH_LINES:,} requests")
             break
-        obj = _json_object(raw)
-        if obj is None:
+        obj, trouble = load_line(n, raw, limits)  # the line's one parse here
+        cid = obj.get("custom_id") if isinstance(obj, dict) else None
+        if trouble is not None:
+            problem(n, *trouble)
+        elif not isinstance(obj, dict):
             problem(n, "invalid_json", f"line {n} is not a JSON object")
-        elif cid is None:
+        elif not isinstance(cid, str) or not cid:
             problem(n, "missing_custom_id", f"line {n} has no custom_id")
         elif cid in seen:
-            problem(n, "duplicate_custom_id", f"line {n}: custom_id {cid!r} is used by an earlier line")
+            problem(n, "duplicate_custom_id", f"line {n}: custom_id {echo(cid)} is used by an earlier line")
         elif str(obj.get("method", "POST")).upper() != "POST":
-            problem(n, "invalid_method", f"line {n}: method {obj.get('method')!r} is not POST")
+            problem(n, "invalid_method", f"line {n}: method {echo(obj.get('method'))} is not POST")
         elif obj.get("url") != endpoint:
-            problem(n, "mismatched_url", f"line {n}: url {obj.get('url')!r} is not the batch's endpoint {endpoint}")
-        if cid is not None:
+            problem(n, "mismatched_url", f"line {n}: url {echo(obj.get('url'))} is not the batch's endpoint {endpoint}")
+        if isinstance(cid, str) and cid:
             seen.add(cid)
     if count == 0:
         problem(0, "empty_file", "the file has no requests")
     return count, errors
 
 
-def _json_object(raw: str | bytes) -> dict[str, Any] | None:
-    if isinstance(raw, bytes):
-        return None
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return obj if isinstance(obj, dict) else None
+class _NotRun(Exception):
+    """A line's wait for room in the engine ended because its batch stopped: it never ran."""
 
 
 class BatchRunner:
-    """The batches of one server: created from the routes, run by one worker task on the event loop."""
+    """The batches of one server: created from the routes, run by one worker task on the event loop.
 
-    def __init__(self, service: ChatService, files: FilesStore, concurrency: int) -> None:
+    A batch waits (``validating``, not yet the one running) in ``_batches``, which is in creation
+    order: the worker takes the oldest waiting one, so a cancelled or expired one is simply not
+    taken -- nothing else holds it."""
+
+    def __init__(self, service: ChatService, files: FilesStore, concurrency: int,
+                 limits: JSONLimits = ServerSettings().json_limits) -> None:
         if concurrency < 1:
             raise ValueError(f"batch_concurrency must be >= 1, got {concurrency}")
         self.service = service
         self.files = files
         self.concurrency = concurrency
+        self.limits = limits  # each line is held to a request's limits
         self._batches: OrderedDict[str, BatchObject] = OrderedDict()
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._cancelled: set[str] = set()
         self._worker: asyncio.Task | None = None
         self._running: str | None = None  # the batch the worker runs now
@@ -111,9 +125,13 @@ class BatchRunner:
     # ---- routes ----------------------------------------------------------------------------------
     def create(self, body: BatchCreate) -> BatchObject:
         try:
-            self.files.get(body.input_file_id)
+            rec = self.files.get(body.input_file_id)
         except FileNotFoundInStore:
             raise APIError(404, f"no file with id {body.input_file_id!r}", param="input_file_id") from None
+        if rec.purpose != "batch":
+            raise APIError(400, f"file {body.input_file_id!r} has purpose {rec.purpose!r}: a batch's input file is "
+                                f"uploaded with purpose 'batch'", param="input_file_id")
+        self._settle_waiting()
         if sum(not b.finished for b in self._batches.values()) >= MAX_PENDING_BATCHES:
             raise APIError(429, f"{MAX_PENDING_BATCHES} batches are waiting or running already; retry when one has "
                                 f"finished", retry_after=60)
@@ -122,7 +140,6 @@ class BatchRunner:
         batch.expires_at = batch.created_at + WINDOW_S
         self._batches[batch.id] = batch
         self._forget_old()
-        self._queue.put_nowait(batch.id)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._work())
         return batch
@@ -131,9 +148,11 @@ class BatchRunner:
         batch = self._batches.get(batch_id)
         if batch is None:
             raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id")
+        self._settle(batch)
         return batch
 
     def list(self, limit: int, after: str | None) -> BatchList:
+        self._settle_waiting()
         newest_first = list(reversed(self._batches.values()))
         if after is not None:
             ids = [b.id for b in newest_first]
@@ -143,12 +162,21 @@ class BatchRunner:
                          has_more=len(newest_first) > limit)
 
     def cancel(self, batch_id: str) -> BatchObject:
+        """Stop a batch. One still waiting is ``cancelled`` at once; a running one is ``cancelling``
+        until its lines in flight are aborted. Refused (409) once it is ``finalizing``: its lines
+        are all answered and its files are being written, so a cancel could only mislabel them."""
         batch = self.get(batch_id)
         if batch.finished or batch.status == "cancelling":
             raise APIError(409, f"batch {batch_id} is {batch.status}: there is nothing to cancel", param="batch_id")
+        if batch.status == "finalizing":
+            raise APIError(409, f"batch {batch_id} is finalizing: its lines are all answered and its files are being "
+                                f"written", param="batch_id")
+        waiting = self._waiting(batch)
         self._cancelled.add(batch_id)
         batch.mark("cancelling")
-        if self._running == batch_id:
+        if waiting:
+            batch.mark("cancelled")  # never started: nothing to stop, and it no longer counts as pending
+        elif self._running == batch_id:
             for task in self._in_flight:
                 task.cancel()  # their engine requests are aborted (collect_all closes the choices)
         return batch
@@ -167,16 +195,15 @@ class BatchRunner:
 
     # ---- the worker ------------------------------------------------------------------------------
     async def _work(self) -> None:
-        while True:
-            batch = self._batches.get(await self._queue.get())
-            if batch is None or batch.finished:
-                continue
+        while (batch := self._next_waiting()) is not None:
             self._running = batch.id
             try:
                 await self._run(batch)
             except Exception as exc:  # noqa: BLE001 -- a bug or a full store fails this batch, not the worker
                 log.exception("batch %s failed", batch.id)
-                batch.errors = BatchErrors(data=[BatchError(code="batch_failed", message=f"{type(exc).__name__}: {exc}")])
+                cause = _first_error(exc)
+                batch.errors = BatchErrors(data=[BatchError(code="batch_failed",
+                                                            message=f"{type(cause).__name__}: {cause}")])
                 batch.mark("failed")
             finally:
                 self._running = None
@@ -186,7 +213,7 @@ class BatchRunner:
         if self._stopped(batch):
             return self._end_unstarted(batch)
         path = self.files.path(batch.input_file_id)
-        total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint)
+        total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint, self.limits)
         if errors:
             batch.errors = BatchErrors(data=errors)
             return batch.mark("failed")
@@ -197,9 +224,14 @@ class BatchRunner:
         out = {"output": self.files.begin_upload(f"{batch.id}_output.jsonl", "batch_output"),
                "error": self.files.begin_upload(f"{batch.id}_error.jsonl", "batch_output")}
         try:
-            await self._answer_lines(batch, iter(input_lines(path)), out)
-            batch.mark("finalizing")
-            ids = await asyncio.to_thread(_commit, out)
+            # not closed here: a reader thread a failing TaskGroup left behind may still be in it
+            lines = read_lines(path, self.limits.max_bytes)
+            expired = await self._answer_lines(batch, lines, out)
+            if batch.id not in self._cancelled:  # the lines never read because the batch expired
+                expired += await asyncio.to_thread(self._expire_rest, batch, lines, out["error"])
+            if batch.status != "cancelling":
+                batch.mark("finalizing")
+            ids = await asyncio.to_thread(_commit, self.files, out)
         except BaseException:
             for w in out.values():
                 w.discard()
@@ -207,49 +239,109 @@ class BatchRunner:
         batch.output_file_id, batch.error_file_id = ids["output"], ids["error"]
         if batch.id in self._cancelled:
             batch.mark("cancelled")
-        elif time.time() >= (batch.expires_at or 0):
+        elif expired:
             batch.mark("expired")
-        else:
+        else:  # every line answered, even if the last just after expires_at
             batch.mark("completed")
 
-    async def _answer_lines(self, batch: BatchObject, lines: Iterator, out: dict[str, UploadWriter]) -> None:
+    async def _answer_lines(self, batch: BatchObject, lines: RawLines, out: dict[str, UploadWriter]) -> int:
+        """Answer lines until the file ends or the batch stops; the number of lines read but not
+        run because it expired (each written as a ``batch_expired`` error line)."""
         reading = asyncio.Lock()  # one reader of the file at a time (a generator is not shared safely)
+        expired = 0
 
-        async def next_line() -> tuple[int, Any, Any] | None:
-            async with reading:
-                return await asyncio.to_thread(next, lines, None)
+        def next_line() -> BatchLine | None:
+            item = next(lines, None)
+            return None if item is None else parse_line(*item, self.limits)
 
         async def one() -> None:
+            nonlocal expired
             while not self._stopped(batch):
-                item = await next_line()
-                if item is None:
+                async with reading:
+                    # read and parsed on a thread: a line may be as long as a request body
+                    line = await asyncio.to_thread(next_line)
+                if line is None:
                     return
-                n, raw, _ = item
-                task = asyncio.ensure_future(answer_line(self.service, parse_line(n, raw)))
-                self._in_flight.add(task)
                 try:
-                    rec = await task
-                except asyncio.CancelledError:
-                    if self._stopped(batch):
-                        return  # cancelled: the line is not answered
-                    raise
-                finally:
-                    self._in_flight.discard(task)
-                failed = failure_message(rec) is not None
-                out["error" if failed else "output"].write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
-                counts = batch.request_counts
-                counts.failed += failed
-                counts.completed += not failed
+                    rec = await self._answer(batch, line)
+                except _NotRun:
+                    if batch.id in self._cancelled:
+                        return
+                    rec, expired = _expired_line(line.custom_id), expired + 1
+                if rec is None:
+                    return  # cancelled: the line is not answered
+                _write(batch, out, rec)
 
         async with asyncio.TaskGroup() as group:  # one failing (a full store) stops the others
             for _ in range(self.concurrency):
                 group.create_task(one())
+        return expired
+
+    async def _answer(self, batch: BatchObject, line: BatchLine) -> dict[str, Any] | None:
+        """The output line of ``line``; None when a cancel aborted it in flight. ``_NotRun`` when the
+        batch stopped before the line ran: while it was read (checked again here, after the read), or
+        while it waited for room in the engine."""
+        if self._stopped(batch):
+            raise _NotRun
+        task = asyncio.ensure_future(answer_line(self.service, line, self._patience(batch)))
+        self._in_flight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if self._stopped(batch):
+                return None
+            raise
+        finally:
+            self._in_flight.discard(task)
+
+    def _patience(self, batch: BatchObject) -> Callable[[OverloadedError], Awaitable[bool]]:
+        """``answer_line``'s ``again`` for one line. The engine had no room (its admission's 429, a
+        saturated pool's 503): for a line of a batch, which nobody waits on interactively, that
+        means wait and send it again -- a pause doubling from RETRY_FIRST_S to RETRY_MAX_S, for as
+        long as the batch runs. A stop ends the wait: the line never ran (``_NotRun``)."""
+        delay = RETRY_FIRST_S
+
+        async def again(_: OverloadedError) -> bool:
+            nonlocal delay
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+            if self._stopped(batch):
+                raise _NotRun
+            return True
+
+        return again
+
+    def _expire_rest(self, batch: BatchObject, lines: RawLines, error: UploadWriter) -> int:
+        """On a thread, after the last line in flight: a ``batch_expired`` error line for each line
+        left unread (none when the file was read to its end)."""
+        count = 0
+        for _, raw in lines:
+            _write(batch, {"error": error}, _expired_line(custom_id_of(raw)))
+            count += 1
+        return count
 
     def _stopped(self, batch: BatchObject) -> bool:
         return batch.id in self._cancelled or time.time() >= (batch.expires_at or 0)
 
     def _end_unstarted(self, batch: BatchObject) -> None:
         batch.mark("cancelled" if batch.id in self._cancelled else "expired")
+
+    def _waiting(self, batch: BatchObject) -> bool:
+        """Created, not yet taken by the worker."""
+        return batch.status == "validating" and batch.id != self._running
+
+    def _settle(self, batch: BatchObject) -> None:
+        """A waiting batch past its window is ``expired`` when looked at, not when the worker reaches it."""
+        if self._waiting(batch) and time.time() >= (batch.expires_at or 0):
+            batch.mark("expired")
+
+    def _settle_waiting(self) -> None:
+        for batch in self._batches.values():
+            self._settle(batch)
+
+    def _next_waiting(self) -> BatchObject | None:
+        self._settle_waiting()
+        return next((b for b in self._batches.values() if self._waiting(b)), None)
 
     def _forget_old(self) -> None:
         finished = [b.id for b in self._batches.values() if b.finished]
@@ -258,13 +350,41 @@ class BatchRunner:
             self._cancelled.discard(batch_id)
 
 
-def _commit(out: dict[str, UploadWriter]) -> dict[str, str | None]:
-    """The written files' ids (None for one nothing was written to: it is not kept)."""
+def _write(batch: BatchObject, out: dict[str, UploadWriter], rec: dict[str, Any]) -> None:
+    """One output line: to the output file if it was answered (200), else to the error file."""
+    failed = failure_message(rec) is not None
+    out["error" if failed else "output"].write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+    counts = batch.request_counts
+    counts.failed += failed
+    counts.completed += not failed
+
+
+def _expired_line(custom_id: str | None) -> dict[str, Any]:
+    return error_line(custom_id, "batch_expired", "this request could not be executed before the completion "
+                                                  "window expired")
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The error inside a TaskGroup's ExceptionGroup (its first): what a failed batch names."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _commit(files: FilesStore, out: dict[str, UploadWriter]) -> dict[str, str | None]:
+    """The written files' ids (None for one nothing was written to: it is not kept). When one
+    cannot be committed (the store is full), the ones committed before it are deleted: the batch
+    fails naming no file, so a file left behind would be found by no one and count against the quota."""
     ids: dict[str, str | None] = {}
-    for name, writer in out.items():
-        if writer.nbytes:
-            ids[name] = writer.commit().id
-        else:
-            writer.discard()
-            ids[name] = None
+    try:
+        for name, writer in out.items():
+            if writer.nbytes:
+                ids[name] = writer.commit().id
+            else:
+                writer.discard()
+                ids[name] = None
+    except BaseException:
+        for file_id in filter(None, ids.values()):
+            files.delete(file_id)
+        raise
     return ids

@@ -93,12 +93,24 @@ def test_a_file_with_structural_errors_fails_naming_the_lines(demo_client, lines
     ({"input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, 404, "file-nope"),
     ({"input_file_id": "f", "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400, "endpoint"),
     ({"input_file_id": "f", "endpoint": "/v1/chat/completions", "completion_window": "1h"}, 400, "completion_window"),
+    ({"input_file_id": "f", "endpoint": "/v1/chat/completions", "completion_window": "24h",
+      "metadata": {"k" * 65: "v"}}, 400, "metadata"),
+    ({"input_file_id": "f", "endpoint": "/v1/chat/completions", "completion_window": "24h",
+      "metadata": {"k": "v" * 513}}, 400, "metadata"),
 ])
 def test_bad_creates_are_4xx_naming_the_field(demo_client, body, status, named):
     r = demo_client.post("/v1/batches", json=body)
-    assert r.status_code == status and named in r.text
+    assert r.status_code == status and named in r.json()["error"]["message"]
     assert demo_client.get("/v1/batches/batch_nope").status_code == 404
     assert demo_client.post("/v1/batches/batch_nope/cancel").status_code == 404
+
+
+def test_an_input_file_of_another_purpose_is_refused(demo_client):
+    data = (json.dumps(line("a", "x")) + "\n").encode()
+    r = demo_client.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "user_data"})
+    r = demo_client.post("/v1/batches", json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions",
+                                              "completion_window": "24h"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_file_id" and "batch" in r.text
 
 
 def test_cancel_stops_aborts_and_keeps_the_answered_lines(demo_client, demo_engine):
