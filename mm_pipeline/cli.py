@@ -153,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the dir name)")
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
     s.add_argument("--max-upload-mb", type=float, default=512.0)
-    s.add_argument("--default-max-tokens", type=int, default=512)
+    from mm_pipeline.config_flags import field_type
+    from mm_pipeline.server.settings import ServerSettings
+
+    s.add_argument("--default-max-tokens", type=field_type(ServerSettings, "default_max_tokens"), default=None,
+                   help="max_tokens of a request without one (default: the model's max_new_tokens from its "
+                        "generation_config.json, else 512)")
     limits = s.add_argument_group("request limits", "what one HTTP request or the upload store may hold "
                                   "(mm_pipeline/server/settings.py); beyond them the server answers 413")
     from mm_pipeline.config_flags import add_config_flags
@@ -216,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL (appended; resumable)")
     _add_engine_args(b, model_required=False)
     b.add_argument("--concurrency", type=field_type(BatchConfig, "concurrency"), default=32)
-    b.add_argument("--default-max-tokens", type=field_type(BatchConfig, "default_max_tokens"), default=512)
+    b.add_argument("--default-max-tokens", type=field_type(BatchConfig, "default_max_tokens"), default=None,
+                   help="max_tokens of a line without one (default: the model's max_new_tokens, else 512)")
     b.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
                    help="chat answers' <think>...</think> in reasoning_content, as `serve --reasoning-parser`")
     b.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="auto",

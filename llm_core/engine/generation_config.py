@@ -7,7 +7,7 @@ so a client that sends no ``temperature`` gets the model's, not 1.0. We do the s
 keys vLLM reads:
 
     temperature, top_p, top_k, min_p, repetition_penalty   -> the request's field of that name
-    max_new_tokens                                         -> caps the default max_tokens
+    max_new_tokens                                         -> the default max_tokens
 
 Only keys present in the file count (a key absent, or null, keeps the built-in default); every other
 key (``do_sample``, ``num_beams``, the special token ids) is ignored, as vLLM ignores it -- the engine
@@ -36,6 +36,10 @@ BUILTIN_SETTINGS = ("vllm", "none")  # no checkpoint defaults ("vllm": vLLM's sp
 _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 KEYS = tuple(_FIELDS)
+# a served request's max_tokens when neither it, the server (--default-max-tokens) nor the model's
+# generation config gives one (vLLM's default is the context's room; a chat server's answers are
+# bounded here so a client that forgets max_tokens does not hold a seat for a whole context)
+DEFAULT_MAX_TOKENS = 512
 MAX_OVERRIDE_CHARS = 4096
 
 
@@ -46,7 +50,8 @@ class GenerationConfigError(ValueError):
 @dataclass(frozen=True)
 class GenerationDefaults:
     """The default of each sampling field (built-in unless the generation config set it).
-    ``max_tokens``: None, or the cap ``max_new_tokens`` puts on a request's default max_tokens.
+    ``max_tokens``: None, or ``max_new_tokens``: a request's max_tokens when neither it nor the
+    server's own setting gives one.
     ``given``: the keys the generation config set (for the start-up log line), in file order."""
 
     temperature: float = 1.0
@@ -99,17 +104,20 @@ class GenerationDefaults:
         """The keys the generation config set, by their generation-config names (for logs)."""
         return {key: getattr(self, _FIELDS[key]) for key in self.given}
 
-    def sampling_params(self, max_tokens: int = 16) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
         """Default SamplingParams (vLLM's ``LLM.get_default_sampling_params``): these defaults, and
-        ``max_tokens`` capped by ``max_new_tokens`` (SamplingParams' own default: 16)."""
-        return SamplingParams(max_tokens=self.default_max_tokens(max_tokens), temperature=self.temperature,
+        ``max_new_tokens`` as max_tokens (else SamplingParams' own default, 16)."""
+        return SamplingParams(max_tokens=16 if self.max_tokens is None else self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty)
 
-    def default_max_tokens(self, default: int) -> int:
-        """A request's max_tokens when it gives none: ``default`` (the server's --default-max-tokens),
-        capped by the generation config's ``max_new_tokens``."""
-        return default if self.max_tokens is None else min(default, self.max_tokens)
+    def default_max_tokens(self, given: int | None = None) -> int:
+        """A served request's max_tokens when it gives none: ``given`` (the server's
+        --default-max-tokens) when set, else the generation config's ``max_new_tokens`` (as vLLM
+        takes it), else DEFAULT_MAX_TOKENS. The engine stops at the context's end in any case."""
+        if given is not None:
+            return given
+        return DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 def parse_override(text: str | Mapping[str, Any]) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def read_chunks(batch: dict[str, np.ndarray], path: str) -> dict[str, list]:
 
 
 def run_batch_on_ray(ray: Any, in_path: Path, spec: ReplicaSpec, config: RayJobConfig,
-                     default_max_tokens: int = 512,
+                     default_max_tokens: int | None = None,
                      reasoning_parser: str = "auto",
                      tool_call_parser: str = "auto") -> tuple[BatchSummary, DistributedResult]:
     """Answer ``in_path`` (resuming ``spec.output``) on the connected Ray cluster, then merge (under

@@ -23,7 +23,7 @@ def line_of(raw: Any) -> str | bytes:
 class BatchReplica(JobReplica):
     """Batches of input lines (``number``, ``raw``: the line's bytes) -> OpenAI Batch output lines."""
 
-    def __init__(self, spec: ReplicaSpec, default_max_tokens: int, reasoning_parser: str = "auto",
+    def __init__(self, spec: ReplicaSpec, default_max_tokens: int | None, reasoning_parser: str = "auto",
                  tool_call_parser: str = "auto") -> None:
         super().__init__(spec)
         self.job = BatchJob(self.engine, default_max_tokens=default_max_tokens, reasoning_parser=reasoning_parser,

@@ -40,7 +40,10 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     ray = connect(RayClusterConfig(address=args.ray or None))
     print(f"starting {cluster.llm_replicas} LLM replica(s) of {model_dir} on Ray Serve "
           f"({'local cluster' if not args.ray else args.ray}; router {cluster.router}) ...", file=sys.stderr, flush=True)
-    start(model_dir, config, server_settings(args, model_dir), cluster)
+    try:
+        start(model_dir, config, server_settings(args, model_dir), cluster)
+    except ValueError as exc:  # a running Serve's proxy with other HTTP options (TLS): said, not a traceback
+        raise UsageError(str(exc)) from None
     print(f"serving   on {cluster.listen.base_url}/v1 (also /health, /metrics); Ctrl-C stops",
           file=sys.stderr, flush=True)
     try:

@@ -110,11 +110,8 @@ class MediaPlanner:
     def check_request(self, refs: Sequence[MediaRef]) -> None:
         """Request-level limits known before anything is read: the number of media items, and of
         each kind the parts name (--limit-mm-per-prompt; check_plans counts the sniffed kinds too)."""
-        limits = self.config.limits
-        if len(refs) > limits.max_media_items:
-            raise InvalidInputError(f"the request has {len(refs)} media items, limit {limits.max_media_items} "
-                                    f"(max_media_items)")
-        if (problem := limits.check_counts(Counter(r.kind.value for r in refs if r.kind is not None))) is not None:
+        kinds = [None if r.kind is None else r.kind.value for r in refs]
+        if (problem := self.config.limits.check_items(kinds)) is not None:
             raise InvalidInputError(problem)
 
     def check_plans(self, plans: Sequence[MediaPlan]) -> None:
@@ -145,6 +142,7 @@ class MediaPlanner:
         if ref.source is None or not self.ingestor.ingests_locally(ref.source):
             return None, None
         item = self.ingestor.ingest_local(ref.source, salt)
+        self._check_kind(item)
         if self._encoder_of(item) is None or item.content_key is None:
             return item, None  # plan() says why, or hashes the bytes
         mkey = self._media_key(item.content_key, item, salt)
@@ -160,6 +158,7 @@ class MediaPlanner:
         """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
         can give the sizes) plus the units the cache already holds. ``salt``: the request's
         cache_salt (content_hash.salted_media_key), for ``plan_warm`` too."""
+        self._check_kind(item)
         if self._encoder_of(item) is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
         content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
@@ -219,6 +218,12 @@ class MediaPlanner:
         whose sound track's samples did."""
         with self._counts_lock:
             return {**self.ingestor.counts, **self._counts}
+
+    def _check_kind(self, item: MediaItem) -> None:
+        """A kind --limit-mm-per-prompt disables, found only by ingest (a ``file`` part names none):
+        refused as soon as the bytes are sniffed, before any planning, decode or cache write."""
+        if not self.config.limits.allows(item.kind.value):
+            raise InvalidInputError(self.config.limits.check_counts({item.kind.value: 1}))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:

@@ -59,7 +59,7 @@ class BatchSummary:
 @dataclass(frozen=True)
 class BatchConfig:
     concurrency: int = 32  # lines in flight (the engine batches them)
-    default_max_tokens: int = 512  # of a request without max_tokens
+    default_max_tokens: int | None = None  # of a request without max_tokens; None: the model's max_new_tokens, else 512
     # as `mmserve serve --reasoning-parser` (prompt/reasoning.py): a batch line's chat answer is the
     # one the server would give for it
     reasoning_parser: str = "auto"
@@ -69,7 +69,8 @@ class BatchConfig:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         try:  # the engine's rule, checked now: a bad default would fail every line without max_tokens
-            SamplingParams(max_tokens=self.default_max_tokens)
+            if self.default_max_tokens is not None:
+                SamplingParams(max_tokens=self.default_max_tokens)
         except ValueError as exc:
             raise ValueError(f"default_{exc}") from None  # "max_tokens must be ..." names the field
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -83,7 +84,7 @@ class BatchConfig:
 class BatchJob:
     """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
 
-    def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int = 512,
+    def __init__(self, engine: Any, concurrency: int = 32, default_max_tokens: int | None = None,
                  reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> None:
         config = BatchConfig(concurrency, default_max_tokens, reasoning_parser, tool_call_parser)
         reasoning = resolve_reasoning(config.reasoning_parser, getattr(engine, "tokenizer", None))

@@ -17,6 +17,7 @@ the encoders and the decode steps; the output order is completion order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import json
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import generation_error
 from mm_pipeline.jobs.media_input import MediaInput, error_text, read_media_input
@@ -171,6 +173,7 @@ class CaptionJob:
         self.engine = engine
         self.config = config or CaptionConfig()
         self._media: dict[str, bytes] = {}  # file id -> bytes, for the engine's file resolver
+        self._defaults = getattr(engine, "generation_defaults", None) or GenerationDefaults()
         # the engine's byte limit of one media item (--media-max-bytes): a bigger input is refused
         # before it is read, not read whole and then refused by the engine
         self._max_bytes = getattr(getattr(getattr(engine, "config", None), "limits", None), "max_bytes", None)
@@ -222,7 +225,10 @@ class CaptionJob:
             prompt = self.config.prompt or DEFAULT_PROMPTS[item.kind]
             messages = [{"role": "user", "content": [{"type": "file", "file": {"file_id": file_id}},
                                                      {"type": "text", "text": prompt}]}]
-            params = SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature)
+            # the job's own length and temperature (greedy by default: a caption is reproducible)
+            # over the model's generation config (top_p, top_k, min_p, repetition_penalty), as served
+            params = dataclasses.replace(self._defaults.sampling_params(), max_tokens=self.config.max_tokens,
+                                         temperature=self.config.temperature)
             text, first = "", None
             async for d in self.engine.generate(messages, params, request_id=f"caption-{n}-{os.getpid()}"):
                 if first is None and d.new_token_ids:

@@ -118,12 +118,12 @@ class MediaIngestor:
             return self._file_item(source.path, source.kind, salt)
         if source.base64 is not None:
             payload = source.base64
-            return self._remembered(self.data_url_ids(payload, "base64"), source.kind, "base64 data",
+            return self._remembered(self.data_url_ids(payload, "base64", salt), source.kind, "base64 data",
                                     lambda: self._decode_base64(payload, "base64 payload"), salt=salt)
         url = source.url or ""
         scheme = _scheme(url)
         if scheme == "data":
-            return self._remembered(self.data_url_ids(url), source.kind, "data-url", lambda: self._parse_data_url(url),
+            return self._remembered(self.data_url_ids(url, salt=salt), source.kind, "data-url", lambda: self._parse_data_url(url),
                                     salt=salt)
         if scheme == "file":
             parsed = urllib.parse.urlsplit(url)

@@ -7,8 +7,9 @@ the fetch machinery."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class MediaLimits:
     def allows(self, kind: str) -> bool:
         """Whether a request may hold ``kind`` at all (not limited to 0)."""
         return self.per_kind.get(kind, 1) > 0
+
+    def check_items(self, kinds: Sequence[str | None]) -> str | None:
+        """The problem with a request whose media items are of ``kinds`` (None: a part that names
+        none, known after ingest), or None: more items than max_media_items, a kind over its limit."""
+        if len(kinds) > self.max_media_items:
+            return f"the request has {len(kinds)} media items, limit {self.max_media_items} (max_media_items)"
+        return self.check_counts(Counter(k for k in kinds if k is not None))
 
     def check_counts(self, counts: Mapping[str, int]) -> str | None:
         """The problem with a request holding ``counts`` items per kind, or None: a kind over its

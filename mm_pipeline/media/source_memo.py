@@ -57,7 +57,9 @@ class DataUrlIds:
     to a kept one gets its id after one comparison -- 0.05 ms for the 2.4 MB text of a 12 s 720p
     clip, where blake3 over it takes 0.3 ms, on the path of every repeat and every new question
     about the same media. Kept texts are found by their length and ends (O(1)); only an exact
-    match counts, so two URLs that share them merely replace each other. Thread-safe."""
+    match counts, so two URLs that share them merely replace each other. Kept per cache_salt
+    (``salt``), as the memos are: the faster answer must not tell one tenant another's URL.
+    Thread-safe."""
 
     ENDS = 64  # characters of each end in the lookup key
 
@@ -66,12 +68,12 @@ class DataUrlIds:
             raise ValueError(f"DataUrlIds needs max_chars >= 0, got {max_chars}")
         self.max_chars = max_chars
         self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple[str, int, str, str], tuple[str, tuple[str, bytes]]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str | None, int, str, str], tuple[str, tuple[str, bytes]]] = OrderedDict()
         self._chars = 0
 
-    def __call__(self, url: str, scheme: str = "data") -> tuple[str, bytes] | None:
+    def __call__(self, url: str, scheme: str = "data", salt: str | None = None) -> tuple[str, bytes] | None:
         """``url``'s id (``data_url_id(url, scheme)``)."""
-        where = (scheme, len(url), url[:self.ENDS], url[-self.ENDS:])
+        where = (scheme, salt, len(url), url[:self.ENDS], url[-self.ENDS:])
         with self._lock:
             kept = self._kept.get(where)
         if kept is not None and (kept[0] is url or kept[0] == url):  # compared outside the lock

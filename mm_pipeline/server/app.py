@@ -146,7 +146,18 @@ _OPEN_PREFIXES = ("/web/",)
 
 
 def needs_key(path: str) -> bool:
+    """``path``: as the app routes it (``route_path``), not as it came: behind --root-path the open
+    paths are /prefix/health and so on, and a liveness probe must not need the key there either."""
     return path not in _OPEN_PATHS and not path.startswith(_OPEN_PREFIXES)
+
+
+def route_path(scope: dict) -> str:
+    """The request's path less the root path in front of it (uvicorn and Ray's proxy keep
+    ``--root-path`` in ``scope["path"]``), as Starlette's routing reads it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 def route_template(routes: list, scope: dict) -> str:
@@ -179,7 +190,7 @@ class AuthAndCount:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.key is not None and needs_key(scope["path"]) and not bearer_matches(scope["headers"], self.key):
+        if self.key is not None and needs_key(route_path(scope)) and not bearer_matches(scope["headers"], self.key):
             self.metrics.count_request(route_template(self.routes, scope), 401)
             err = APIError(401, "missing or invalid API key (Authorization: Bearer ...)")
             log_rejection(err, scope["method"], scope["path"])

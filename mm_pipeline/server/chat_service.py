@@ -44,7 +44,7 @@ ChatRequestFields = Union[ChatCompletionRequest, TokenizeRequest]
 @dataclass(frozen=True)
 class ServiceConfig:
     model_name: str
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None  # ServerSettings'; None: the model's max_new_tokens, else 512
     max_completion_prompts: int = 16  # ServerSettings.max_completion_prompts
     # ServerSettings.reasoning_parser resolved for the model (prompt/reasoning.py); None: off.
     # Chat answers only: a text completion is the raw continuation of a prompt, as in vLLM.
@@ -54,8 +54,8 @@ class ServiceConfig:
     tool_calls: ToolCallSyntax | None = None
     # ServerSettings.return_tokens_as_token_ids: the default of the request field of that name
     tokens_as_ids: bool = False
-    # the sampling of a request that leaves a field unset, and the cap max_new_tokens puts on
-    # default_max_tokens; None: the engine's generation_defaults (its checkpoint's generation_config.json)
+    # the sampling of a request that leaves a field unset, max_new_tokens the max_tokens when
+    # default_max_tokens is None; None: the engine's generation_defaults (its checkpoint's generation_config.json)
     defaults: GenerationDefaults | None = None
 
 
@@ -74,7 +74,7 @@ def request_ids(prefix: str, given: str | None) -> tuple[str, str]:
     return rid, f"{rid}-{secrets.token_hex(4)}"
 
 
-def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int,
+def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, default_max_tokens: int | None,
                     reasoning: ThinkSyntax | None = None, prompt_logprobs: int | None = None,
                     scores_prompt: bool = True, defaults: GenerationDefaults = GenerationDefaults()
                     ) -> SamplingParams:

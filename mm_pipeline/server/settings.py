@@ -25,7 +25,8 @@ class ServerSettings:
     """Bytes all uploads may hold together (every upload counts, duplicates of stored bytes too)."""
     max_files: int = 10_000
     """File ids the upload store keeps at once."""
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None
+    """max_tokens of a request without one; none: the model's max_new_tokens (generation_config.json), else 512."""
     max_request_bytes: int = 256 << 20
     """Largest JSON request body (base64 media inline counts); a larger one is 413. Also the
     longest line of a /v1/batches file (each line is a request): a longer one fails the batch."""
@@ -110,7 +111,7 @@ class ServerSettings:
             raise ValueError(f"max_json_values must be >= 1024, got {self.max_json_values}")
         if self.max_completion_prompts < 1:
             raise ValueError(f"max_completion_prompts must be >= 1, got {self.max_completion_prompts}")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "

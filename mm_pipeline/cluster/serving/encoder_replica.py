@@ -50,14 +50,16 @@ class EncoderReplica:
         self.runtime.start()
 
     async def encode(self, part: dict, files: dict[str, SharedFile] | None = None,
-                     media_key: str | None = None) -> EncodeReport:
+                     media_key: str | None = None, salt: str | None = None) -> EncodeReport:
         """Encode one media content part into the shared cache. ``media_key`` is the router's
-        (mm_pipeline/cluster/serving/encoder_router.py); the replica does not need it."""
+        (mm_pipeline/cluster/serving/encoder_router.py); the replica does not need it. ``salt``:
+        the request's cache_salt -- its units are written under its salted keys, where the LLM
+        replica looks for them and no other tenant can hit them."""
         self.check_health()
         rt = self.runtime
         self.files.hold(files)
         try:
-            prepared = await rt.prepare_chat(parse_messages([{"role": "user", "content": [part]}]))
+            prepared = await rt.prepare_chat(parse_messages([{"role": "user", "content": [part]}]), salt=salt)
             units = sum(len(p.units) for p in prepared.plans)
             hits = sum(len(p.cached) for p in prepared.plans)
             loop = asyncio.get_running_loop()

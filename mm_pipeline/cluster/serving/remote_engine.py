@@ -39,7 +39,9 @@ from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailure
 from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
-from mm_pipeline.errors import InternalError, ServerBusy
+from mm_pipeline.errors import InternalError, InvalidInputError, ServerBusy
+from mm_pipeline.media.ingest_config import MediaLimits
+from mm_pipeline.prompt.messages import parse_messages
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +77,15 @@ def media_parts(messages: list[dict]) -> dict[str, dict]:
 class RemoteEngine:
     def __init__(self, handle: Any, tokenizer: Any, model_name: str, retries: int = 2, *,
                  encoders: Any = None, encoder_timeout_s: float = 120.0,
-                 generation_defaults: GenerationDefaults | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None, limits: MediaLimits | None = None) -> None:
         import ray.exceptions
 
         # OmniEngine's: what the ingress's ChatService fills a request's unset sampling fields with
         self.generation_defaults = generation_defaults or GenerationDefaults()
+        # the replicas' media limits: with an encoder tier, media is encoded before any replica
+        # sees the request, so its counts are checked here first (a request of 500 images is a
+        # 400 before any is encoded, not after all are)
+        self.limits = limits or MediaLimits()
         self.handle, self.tokenizer, self.model_name, self.retries = handle, tokenizer, model_name, retries
         self.encoders, self.encoder_timeout_s = encoders, encoder_timeout_s
         self.encoder_failures = 0  # encoder-tier calls that failed or timed out (the LLM replica encoded)
@@ -99,7 +105,8 @@ class RemoteEngine:
         key = await asyncio.to_thread(key_of_messages, messages, self._encode, salt=cache_salt)
         files = await self._files(messages)
         if self.encoders is not None:
-            await self._encode_on_tier(messages, files)
+            await asyncio.to_thread(self._check_media, messages)
+            await self._encode_on_tier(messages, files, cache_salt)
         async for d in self._stream("chat", messages, params, request_id, key, files, priority, cache_salt):
             yield d
 
@@ -196,11 +203,21 @@ class RemoteEngine:
             out[fid] = SharedFile(bytes(data), name)
         return out
 
-    async def _encode_on_tier(self, messages: list[dict], files: dict[str, SharedFile]) -> None:
+    def _check_media(self, messages: list[dict]) -> None:
+        """The request's media items against the limits a replica holds them to (parsed as it parses
+        them: malformed messages fail here the same way)."""
+        chat = parse_messages(messages)
+        if (problem := self.limits.check_items([None if r.kind is None else r.kind.value
+                                                 for r in chat.media])) is not None:
+            raise InvalidInputError(problem)
+
+    async def _encode_on_tier(self, messages: list[dict], files: dict[str, SharedFile],
+                              salt: str | None = None) -> None:
         """Each distinct media item to the encoder replica its content key hashes to, all at once;
         the LLM replica then finds their units in the shared cache. Failures only cost speed: a
         unit the tier did not deliver is a miss the LLM replica encodes (bad media included, which
-        it reports with the usual typed error)."""
+        it reports with the usual typed error). ``salt``: the request's cache_salt, which keys the
+        units the tier writes as the LLM replica will look for them (per tenant)."""
         parts = await asyncio.to_thread(media_parts, messages)  # hashes data URLs: megabytes
         if not parts:
             return
@@ -208,7 +225,7 @@ class RemoteEngine:
         for key, part in parts.items():
             fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
             sent = {fid: files[fid]} if fid in files else None
-            responses.append(self.encoders.encode.remote(part, sent, media_key=key))
+            responses.append(self.encoders.encode.remote(part, sent, media_key=key, salt=salt))
             calls.append(asyncio.ensure_future(self._awaited(responses[-1])))
         try:
             done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)

@@ -155,7 +155,8 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         async def __init__(self, llm_handle: Any, encoder_handle: Any = None) -> None:
             self.engine = RemoteEngine(llm_handle, load_tokenizer(model_dir), settings.model_name,
                                        retries=cluster.retries, encoders=encoder_handle,
-                                       encoder_timeout_s=cluster.encoder_timeout_s, generation_defaults=defaults)
+                                       encoder_timeout_s=cluster.encoder_timeout_s, generation_defaults=defaults,
+                                       limits=engine_config.limits)
             await self.engine.refresh_stats()  # fails the replica's start if no LLM replica answers
 
         def __serve_build_asgi_app__(self) -> Any:
@@ -173,9 +174,24 @@ def start(model_dir: str | Path, engine_config: OmniEngineConfig, settings: Serv
     mm_pipeline/cluster/ray_runtime.py). Returns the ingress handle."""
     from ray import serve
 
-    serve.start(http_options=cluster.listen.ray_http_options())
+    wanted = cluster.listen.ray_http_options()
+    serve.start(http_options=wanted)
+    check_http_options(wanted)
     return serve.run(build_app(model_dir, engine_config, settings, cluster), name=cluster.app_name,
                      route_prefix="/", blocking=blocking)
+
+
+def check_http_options(wanted: dict[str, Any]) -> None:
+    """Serve already running (an earlier ``serve --ray`` on the cluster, KubeRay) keeps its proxy and
+    only logs that new HTTP options are ignored: a server asked for TLS would then answer plain HTTP
+    while we print an https:// URL. Refuse instead, naming what differs."""
+    from ray.serve.context import _get_global_client  # the running controller's view (no public getter)
+
+    running = _get_global_client().http_config
+    differ = sorted(k for k, v in wanted.items() if getattr(running, k, None) != v)
+    if differ:
+        raise ValueError(f"Ray Serve is already running with other HTTP options ({', '.join(differ)}); "
+                           f"stop it first (`serve shutdown`) or serve with its settings")
 
 
 def stop(cluster: ServeClusterConfig) -> None:

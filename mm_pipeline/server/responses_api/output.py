@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
+from llm_core.engine.generation_config import GenerationDefaults
 from mm_pipeline.server.responses import ChatCompletion, TokenLogprob, Usage
 from mm_pipeline.server.responses_api.protocol import ResponsesRequest
 
@@ -135,12 +136,15 @@ class ResponseObject(BaseModel):
     background: bool = False
 
     @classmethod
-    def of_request(cls, req: ResponsesRequest, model: str, store: bool) -> "ResponseObject":
-        """An in-progress response of ``req`` (nothing answered yet); ``store``: whether it will be kept."""
+    def of_request(cls, req: ResponsesRequest, model: str, store: bool,
+                   defaults: GenerationDefaults = GenerationDefaults()) -> "ResponseObject":
+        """An in-progress response of ``req`` (nothing answered yet); ``store``: whether it will be
+        kept; ``defaults``: the sampling a field left unset gets (echoed as used, as OpenAI does)."""
         choice = req.tool_choice
         text = {"format": req.text.format.echoed(), **req.text.model_dump(include={"verbosity"}, exclude_none=True)}
         return cls(model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
-                   previous_response_id=req.previous_response_id, temperature=req.temperature, top_p=req.top_p,
+                   previous_response_id=req.previous_response_id, temperature=defaults.temperature if req.temperature is None else req.temperature,
+                   top_p=defaults.top_p if req.top_p is None else req.top_p,
                    top_logprobs=req.top_logprobs, tools=[t.model_dump(exclude_none=True) for t in req.tools],
                    tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
                    parallel_tool_calls=req.parallel_tool_calls, text=text,

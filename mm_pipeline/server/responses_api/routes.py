@@ -71,7 +71,8 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
         # the chat holds the history too: a one-item follow-up of a long conversation is long
         long = len(history) + (len(req.input) if isinstance(req.input, list) else 1) > _INLINE_ITEMS
         chat, turn = await asyncio.to_thread(_chat_request, req, history) if long else _chat_request(req, history)
-        response = ResponseObject.of_request(req, service.config.model_name, store=req.store and store.enabled)
+        response = ResponseObject.of_request(req, service.config.model_name, store=req.store and store.enabled,
+                                             defaults=service.defaults)
         conversation = history + turn
 
         async def keep() -> None:

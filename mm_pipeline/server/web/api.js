@@ -42,7 +42,7 @@ export function describeError(status, bodyText) {
 export function upload(file, onProgress) {
   return new Promise((resolve, reject) => {
     const xhr = new XMLHttpRequest(); // fetch has no upload progress; XHR does
-    xhr.open("POST", "/v1/files");
+    xhr.open("POST", "v1/files");
     for (const [k, v] of Object.entries(authHeaders())) xhr.setRequestHeader(k, v);
     xhr.timeout = UPLOAD_TIMEOUT_MS;
     xhr.upload.onprogress = (e) => { if (e.lengthComputable && e.total) onProgress(e.loaded / e.total); };
@@ -62,13 +62,13 @@ export function upload(file, onProgress) {
 
 /** DELETE /v1/files/{id}; best effort (the page no longer needs the file). */
 export function forget(fileId) {
-  fetch(`/v1/files/${encodeURIComponent(fileId)}`, {method: "DELETE", headers: authHeaders()}).catch(() => {});
+  fetch(`v1/files/${encodeURIComponent(fileId)}`, {method: "DELETE", headers: authHeaders()}).catch(() => {});
 }
 
 /** The served model's id, or "" when the server does not tell (e.g. a key is needed). */
 export async function modelName() {
   try {
-    const r = await fetch("/v1/models", {headers: authHeaders()});
+    const r = await fetch("v1/models", {headers: authHeaders()});
     return r.ok ? ((await r.json()).data[0] || {}).id || "" : "";
   } catch (_) { return ""; }
 }
@@ -86,7 +86,7 @@ export async function ask(fileId, prompt, {maxTokens = null, onText = () => {}} 
   const sentAt = performance.now();
   let r;
   try {
-    r = await fetch("/v1/chat/completions", {
+    r = await fetch("v1/chat/completions", {
       method: "POST", headers: {"Content-Type": "application/json", ...authHeaders()}, body: JSON.stringify(body),
     });
   } catch (err) {

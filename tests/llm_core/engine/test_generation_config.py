@@ -1,7 +1,7 @@
 """The checkpoint's generation_config.json as the default sampling (vLLM's --generation-config auto):
 the six keys read, others and nulls ignored, each value judged by SamplingParams' own rule with the
 file named; vllm / none ignore the file, a folder gives another; the override lays JSON over it and
-refuses unknown keys; max_new_tokens caps the default max_tokens; LLM.generate without params uses
+refuses unknown keys; max_new_tokens is the default max_tokens; LLM.generate without params uses
 them (equal to passing them), and the checkpoint's own config wins over nothing else."""
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ def test_auto_reads_the_six_keys_and_ignores_the_rest(tmp_path) -> None:
                                                                                                 1.1, 64)
     assert d.as_dict() == {k: TUNED[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                   "max_new_tokens")}
-    assert d.sampling_params() == SamplingParams(max_tokens=16, temperature=0.6, top_p=0.95, top_k=20, min_p=0.05,
+    assert d.sampling_params() == SamplingParams(max_tokens=64, temperature=0.6, top_p=0.95, top_k=20, min_p=0.05,
                                                  repetition_penalty=1.1)
-    assert d.default_max_tokens(512) == 64 and d.default_max_tokens(32) == 32  # a cap, never a raise
+    # a served request's default: the server's own setting when given, else max_new_tokens, else 512
+    assert d.default_max_tokens() == 64 and d.default_max_tokens(1000) == 1000
+    assert GenerationDefaults().default_max_tokens() == 512 and GenerationDefaults().sampling_params().max_tokens == 16
     # no file, vllm / none: the built-in defaults
     assert GenerationDefaults.load(tmp_path / "absent") == GenerationDefaults()
     for setting in ("vllm", "none"):

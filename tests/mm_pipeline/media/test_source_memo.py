@@ -192,4 +192,12 @@ def test_memo_entries_are_kept_per_cache_salt(tmp_path: Path, monkeypatch) -> No
     assert all(isinstance(i, DeferredMediaItem) for i in again) and len(opens) == 2
     assert ing.counts["source_memo_hits.video"] == 2
     assert ing.sniff_memo.get(content_key(mp4), "tenant-c") is None
+    # the kept data-URL texts too: another salt's text is hashed, not recognised by comparison
+    hashed = []
+    monkeypatch.setattr("mm_pipeline.media.source_memo.data_url_id",
+                        lambda url, scheme="data": hashed.append(scheme) or ("data", b"x"))
+    ing.data_url_ids(durl(mp4), salt="tenant-a")
+    assert hashed == []
+    ing.data_url_ids(durl(mp4), salt="tenant-z")
+    assert hashed == ["data"]
     assert ing.sniff_memo.get(content_key(mp4), "tenant-a") is not None

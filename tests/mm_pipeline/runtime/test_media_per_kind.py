@@ -81,6 +81,14 @@ def test_limits_per_kind_and_disabled_encoders() -> None:
         png = "data:;base64," + base64.b64encode(image_bytes("PNG", size=(56, 40))).decode()
         with pytest.raises(InvalidInputError, match="2 image items, limit 1"):
             asyncio.run(_run(engine, _chat(_image(0), {"type": "file", "file": {"file_data": png}})))
+        # a disabled kind in a file part is refused once sniffed, before it is decoded or planned
+        before = engine.stats().media
+        wav_file = "data:;base64," + wav
+        with pytest.raises(InvalidInputError, match="audio input is disabled"):
+            asyncio.run(_run(engine, _chat({"type": "file", "file": {"file_data": wav_file}})))
+        after = engine.stats().media
+        assert after.get("audio_decoded", 0) == before.get("audio_decoded", 0)
+        assert after.get("manifest_misses.audio", 0) == before.get("manifest_misses.audio", 0)
     finally:
         engine.shutdown()
     # no images and no videos: no vision tower; no audio and no videos: no audio encoder

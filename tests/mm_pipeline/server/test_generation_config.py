@@ -6,6 +6,7 @@ a bad --generation-config is a usage error naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -29,10 +30,11 @@ FIELDS = {"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": 
 def test_a_request_field_wins_and_an_unset_one_takes_the_models(model_side, request_side) -> None:
     defaults = GenerationDefaults.from_mapping(model_side)
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **request_side)
-    p = sampling_params(req, None, 0, 512, defaults=defaults)
+    p = sampling_params(req, None, 0, None, defaults=defaults)  # no --default-max-tokens given
     for name in FIELDS:
         assert getattr(p, name) == request_side.get(name, model_side.get(name, getattr(SamplingParams(), name)))
-    assert p.max_tokens == request_side.get("max_tokens", min(512, model_side.get("max_new_tokens", 512)))
+    assert p.max_tokens == request_side.get("max_tokens", model_side.get("max_new_tokens", 512))
+    assert sampling_params(req, None, 0, 77, defaults=defaults).max_tokens == request_side.get("max_tokens", 77)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def greedy_checkpoint(tmp_path_factory):
 
     ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("gen") / "m")
     (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 4,
-                                                             "do_sample": False}))
+                                                             "repetition_penalty": 1.1, "do_sample": False}))
     return ckpt
 
 
@@ -51,10 +53,12 @@ def test_the_server_answers_a_bare_request_with_the_models_sampling(greedy_check
     engine = OmniEngine.from_pretrained(greedy_checkpoint, OmniEngineConfig.from_kwargs(
         page_size=4, num_full_tokens=2048, num_swa_tokens=1024))
     try:
-        assert engine.generation_defaults.as_dict() == {"temperature": 0.0, "max_new_tokens": 4}
+        assert engine.generation_defaults.as_dict() == {"temperature": 0.0, "max_new_tokens": 4,
+                                                        "repetition_penalty": 1.1}
         from mm_pipeline.cli import describe_engine  # what `mmserve serve` prints at start-up
 
-        assert ("sampling  defaults from the model's generation config: temperature 0.0, max_new_tokens 4"
+        assert ("sampling  defaults from the model's generation config: temperature 0.0, max_new_tokens 4, "
+                "repetition_penalty 1.1"
                 in "\n".join(describe_engine(engine, greedy_checkpoint)))
         with caplog.at_level("INFO", logger="mm_pipeline.server.app"), \
                 served_client(engine, str(tmp_path)) as client:
@@ -71,7 +75,20 @@ def test_the_server_answers_a_bare_request_with_the_models_sampling(greedy_check
             assert done["usage"]["completion_tokens"] == 4 and done["choices"][0]["finish_reason"] == "length"
             greedy = client.post("/v1/completions", json={**text, "temperature": 0, "max_tokens": 4}).json()
             assert done["choices"][0]["text"] == greedy["choices"][0]["text"]
+            # the Responses API answers as a chat and echoes the sampling it used
+            answer = client.post("/v1/responses", json={"input": "Tell me about circles."}).json()
+            assert (answer["temperature"], answer["top_p"]) == (0.0, 1.0)
+            assert answer["output"][-1]["content"][0]["text"] == explicit["choices"][0]["message"]["content"]
         assert "sampling defaults from the model's generation config" in caplog.text
+        # the caption job: its own length and greedy temperature over the model's other fields
+        from mm_pipeline.jobs.caption import CaptionJob
+        from tests.support.media_samples import image_bytes
+
+        (tmp_path / "cat.png").write_bytes(image_bytes("PNG"))
+        seen, generate = [], engine.generate
+        engine.generate = lambda messages, params, **kw: seen.append(params) or generate(messages, params, **kw)
+        assert asyncio.run(CaptionJob(engine).run([str(tmp_path / "cat.png")], tmp_path / "c.jsonl")).failed == 0
+        assert (seen[0].max_tokens, seen[0].temperature, seen[0].repetition_penalty) == (64, 0.0, 1.1)
     finally:
         engine.shutdown()
 
@@ -82,7 +99,8 @@ def test_offline_and_cli_settings(greedy_checkpoint, tmp_path, capsys) -> None:
 
     engine = dict(page_size=4, num_full_tokens=1024, num_swa_tokens=512)
     with MultimodalLLM(greedy_checkpoint, **engine) as llm:
-        assert llm.get_default_sampling_params() == SamplingParams(max_tokens=4, temperature=0.0)
+        assert llm.get_default_sampling_params() == SamplingParams(max_tokens=4, temperature=0.0,
+                                                                   repetition_penalty=1.1)
         out = llm.chat([{"role": "user", "content": "Hello"}])
         assert 1 <= len(out[0].token_ids) <= 4
     with MultimodalLLM(greedy_checkpoint, generation_config="vllm",

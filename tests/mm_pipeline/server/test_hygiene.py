@@ -54,6 +54,23 @@ def test_health_and_the_upload_page_stay_open(keyed, path):
     assert keyed.get(path).status_code == 200
 
 
+def test_behind_a_root_path_the_same_routes_are_open_and_keyed(tmp_path):
+    """--root-path: uvicorn and Ray's proxy keep the prefix in the request's path; the open routes
+    (a liveness probe, the page) stay open under it and the rest still needs the key."""
+    app = create_app(ScriptedEngine(), ServerSettings(api_key=KEY, files_dir=str(tmp_path)))
+    with TestClient(app, root_path="/mmserve", raise_server_exceptions=False) as client:
+        for path in ("/health", "/", "/web/app.js"):
+            assert client.get(path).status_code == 200, path
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers=AUTH).status_code == 200
+        # a path that only starts with the prefix's letters is not under it
+        assert client.get("/mmserveX/health").status_code in (401, 404)
+        # the page's own URLs are relative: behind the proxy they resolve under its prefix
+        page, api = client.get("/").text, client.get("/web/api.js").text
+        assert 'href="/' not in page and 'src="/' not in page
+        assert '"/v1/' not in api and '`/v1/' not in api and '"v1/chat/completions"' in api
+
+
 @pytest.mark.parametrize("value", [b"Bearer \xff\xfe\xe9", "Bearer sk-hygi\u00e9ne".encode("utf-8"), b"Bearer",
                                    b"Basic " + KEY.encode(), f"Bearer {KEY}x".encode()])
 def test_a_wrong_or_non_ascii_bearer_token_is_401(keyed, value):

@@ -116,3 +116,59 @@ def test_a_local_cluster_without_ray_auth_is_warned_about(monkeypatch, caplog):
         assert any("without authentication" in r.getMessage() for r in caplog.records) == warned, mode
     # no loopback pretence: ray.init would turn 127.0.0.1 into the node's routable address anyway
     assert all("_node_ip_address" not in kw and kw["include_dashboard"] is False for kw in inits)
+
+
+def test_the_ingress_checks_media_counts_before_the_encoder_tier_and_passes_the_salt():
+    """With an encoder tier the media is encoded before any LLM replica sees the request: its counts
+    are checked at the ingress first (a 400 before anything is encoded), and a salted request's
+    units are written under its salt (else they sat unsalted in the shared cache for anyone to hit)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from llm_core import SamplingParams
+    from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
+    from mm_pipeline.errors import InvalidInputError
+    from mm_pipeline.media.ingest_config import MediaLimits
+
+    calls = []
+
+    async def encoded():
+        return None
+
+    encoders = SimpleNamespace(encode=SimpleNamespace(remote=lambda *a, **kw: calls.append(kw) or encoded()))
+    engine = RemoteEngine(None, None, "m", encoders=encoders,
+                          limits=MediaLimits(max_items_per_kind='{"image": 1}'))
+    image = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,AAA{c}"}} for c in "AB"]
+
+    async def ask(parts, salt=None):
+        async for _ in engine.generate([{"role": "user", "content": parts}], SamplingParams(), cache_salt=salt):
+            pass
+
+    with pytest.raises(InvalidInputError, match="2 image items, limit 1"):
+        asyncio.run(ask(image))
+    assert calls == []  # nothing was sent to the tier
+    engine._stream = lambda *a, **kw: _empty()  # the LLM replica's part is not what this tests
+    asyncio.run(ask(image[:1], salt="tenant-9f"))
+    assert [c["salt"] for c in calls] == ["tenant-9f"]
+
+
+async def _empty():
+    return
+    yield
+
+
+def test_a_running_serve_with_other_http_options_is_refused(monkeypatch):
+    """Serve already running keeps its proxy and ignores new options with a log line: asked for
+    TLS, it would answer plain HTTP while we print https://. check_http_options refuses instead."""
+    from types import SimpleNamespace
+
+    import ray.serve.context
+    from ray.serve.config import HTTPOptions
+
+    from mm_pipeline.cluster.serving.serve_app import check_http_options
+
+    running = HTTPOptions(host="127.0.0.1", port=8000)
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: SimpleNamespace(http_config=running))
+    check_http_options({"host": "127.0.0.1", "port": 8000})
+    with pytest.raises(ValueError, match="already running with other HTTP options \\(ssl_certfile, ssl_keyfile\\)"):
+        check_http_options({"host": "127.0.0.1", "port": 8000, "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem"})
