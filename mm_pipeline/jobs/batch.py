@@ -19,7 +19,8 @@ from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
-from mm_pipeline.server.batches.lines import BatchLine, answer_line, failure_message, input_lines, parse_line
+from mm_pipeline.server.batches.lines import (BatchLine, answer_line, failure_message, input_lines, parse_line,
+                                              retry_overloaded)
 from mm_pipeline.server.chat_service import ChatService, ServiceConfig
 from mm_pipeline.prompt.reasoning import REASONING_PARSERS, resolve_reasoning
 from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, resolve_tool_calls
@@ -123,5 +124,7 @@ class BatchJob:
         return summary
 
     async def answer(self, line: BatchLine) -> dict[str, Any]:
-        """The output line of one input line (both batch paths: one process, or a Ray replica)."""
-        return await answer_line(self.service, line)
+        """The output line of one input line (both batch paths: one process, or a Ray replica). A
+        line the engine has no room for right now (this job's own lines fill its queue: n choices
+        each) waits and is sent again, as the server's /v1/batches does, not written as a 429."""
+        return await answer_line(self.service, line, retry_overloaded())

@@ -309,6 +309,7 @@ class ChatService:
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
         """The request's choices, started; ``base``: their engine ids' (choice i is ``<base>-<i>``)."""
         self.check_model(req.model)
+        self._check_slots(req.n)
         syntax = self.config.tool_calls
         if req.parse_tool_calls and syntax is None:
             raise InvalidInputError("tools need the server's tool-call parser, which is off (start it with "
@@ -438,6 +439,7 @@ class ChatService:
         if len(prompts) > self.config.max_completion_prompts:
             raise InvalidInputError(f"prompt holds {len(prompts)} prompts; this server takes at most "
                                     f"{self.config.max_completion_prompts} per request (max_completion_prompts)")
+        self._check_slots(len(prompts) * req.n)
         # echo with logprobs scores the prompt (vLLM: its prompt logprobs, the first token's None)
         scored = max(req.logprobs, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
         choices = []
@@ -457,6 +459,15 @@ class ChatService:
     def _sampling(self, req: SamplingFields, logprobs: int | None, choice: int, **kw: Any) -> SamplingParams:
         """``sampling_params`` with this service's default max_tokens and generation defaults."""
         return sampling_params(req, logprobs, choice, self.config.default_max_tokens, defaults=self.defaults, **kw)
+
+    def _check_slots(self, choices: int) -> None:
+        """Each choice takes one of the engine's ``max_queue`` admission slots: a request with more
+        choices than there are slots is refused as what it is (400), not as a 429 no retry can end
+        (a batch line would wait for room forever)."""
+        slots = getattr(getattr(self.engine, "config", None), "max_queue", None)
+        if isinstance(slots, int) and choices > slots:
+            raise InvalidInputError(f"the request has {choices} choices (prompts x n), more than the {slots} requests "
+                                    f"this server admits at once (--max-queue)")
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model than this server's is a 404 (None: this one)."""

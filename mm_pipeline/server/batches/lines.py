@@ -22,6 +22,7 @@ request): a longer line is never read whole, one with too many JSON values is ne
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from dataclasses import dataclass
@@ -172,6 +173,27 @@ def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]
     """The output line of a line that is not a request, or was never run: ``response`` null."""
     return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
+
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # a line the engine has no room for waits this long, doubling
+
+
+def retry_overloaded(before_retry: Callable[[], None] = lambda: None) -> Callable[[OverloadedError], Awaitable[bool]]:
+    """``answer_line``'s ``again`` for the lines of a batch, which nobody waits on interactively:
+    when the engine had no room (its admission's 429, a saturated pool's 503), wait -- RETRY_FIRST_S
+    doubling to RETRY_MAX_S -- and send the line again. ``before_retry`` runs after each wait and
+    may raise to end the waiting (the server's batch was cancelled or expired). A request that can
+    never fit (more choices than max_queue) is a 400 before admission, so this never spins on one."""
+    delay = RETRY_FIRST_S
+
+    async def again(_: OverloadedError) -> bool:
+        nonlocal delay
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, RETRY_MAX_S)
+        before_retry()
+        return True
+
+    return again
 
 
 async def answer_line(service: ChatService, line: BatchLine,

@@ -12,7 +12,7 @@ interactive traffic, its results written back to the file store.
                    thread and answered by the same ChatService as the route it names
                    (lines.answer_line): a line whose body is bad, or whose media fails, is an error
                    line, the others go on; a line the engine has no room for (its 429 / 503) waits
-                   and is sent again, RETRY_FIRST_S doubling to RETRY_MAX_S, while the batch runs
+                   and is sent again (lines.retry_overloaded), while the batch runs
       finalizing   the answered lines as a file (purpose batch_output): 200s in output_file_id, the
                    rest in error_file_id, as OpenAI splits them; a cancel is refused from here (409)
       completed | cancelled (POST /cancel: no new line starts, the ones in flight are aborted, what
@@ -43,7 +43,8 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from mm_pipeline.errors import OverloadedError
 from mm_pipeline.server.batches.lines import (BatchLine, LineTooLong, answer_line, custom_id_of, echo, error_line,
-                                              failure_message, load_line, parse_line, read_lines)
+                                              failure_message, load_line, parse_line, read_lines,
+                                              retry_overloaded)
 from mm_pipeline.server.batches.protocol import (WINDOW_S, BatchCreate, BatchError, BatchErrors, BatchList,
                                                  BatchObject)
 from mm_pipeline.server.chat_service import ChatService
@@ -58,7 +59,6 @@ MAX_BATCH_LINES = 50_000  # OpenAI's limit on one batch's requests
 MAX_PENDING_BATCHES = 100
 MAX_KEPT_BATCHES = 1000
 MAX_ERRORS_SHOWN = 100  # validation errors a failed batch lists
-RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # a line the engine has no room for waits this long, doubling
 
 RawLines = Iterator[tuple[int, str | bytes | LineTooLong]]
 
@@ -295,21 +295,13 @@ class BatchRunner:
             self._in_flight.discard(task)
 
     def _patience(self, batch: BatchObject) -> Callable[[OverloadedError], Awaitable[bool]]:
-        """``answer_line``'s ``again`` for one line. The engine had no room (its admission's 429, a
-        saturated pool's 503): for a line of a batch, which nobody waits on interactively, that
-        means wait and send it again -- a pause doubling from RETRY_FIRST_S to RETRY_MAX_S, for as
-        long as the batch runs. A stop ends the wait: the line never ran (``_NotRun``)."""
-        delay = RETRY_FIRST_S
-
-        async def again(_: OverloadedError) -> bool:
-            nonlocal delay
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, RETRY_MAX_S)
+        """``answer_line``'s ``again`` for one line: lines.retry_overloaded, for as long as the batch
+        runs. A stop ends the wait: the line never ran (``_NotRun``)."""
+        def still_running() -> None:
             if self._stopped(batch):
                 raise _NotRun
-            return True
 
-        return again
+        return retry_overloaded(still_running)
 
     def _expire_rest(self, batch: BatchObject, lines: RawLines, error: UploadWriter) -> int:
         """On a thread, after the last line in flight: a ``batch_expired`` error line for each line

@@ -82,6 +82,31 @@ def test_batch_config_checks_its_values():
         BatchJob(object(), concurrency=0)
 
 
+def test_a_line_the_engine_has_no_room_for_waits_and_is_sent_again(monkeypatch):
+    """The job's own lines fill its engine's queue (n choices each): such a line is retried after a
+    short wait, as /v1/batches does, instead of being written as a 429."""
+    from types import SimpleNamespace
+
+    from mm_pipeline.errors import OverloadedError
+    from mm_pipeline.server.batches import lines
+
+    monkeypatch.setattr(lines, "RETRY_FIRST_S", 0.001)
+    tries = []
+
+    async def chat(request):
+        tries.append(1)
+        if len(tries) < 3:
+            raise OverloadedError("full")
+        return SimpleNamespace(id="chatcmpl-1", model_dump=lambda: {"ok": True})
+
+    job = BatchJob(SimpleNamespace(model_name="m", tokenizer=None))
+    job.service = SimpleNamespace(chat=chat)
+    line = parse_line(1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": {"messages": [{"role": "user", "content": "hi"}]}}))
+    rec = asyncio.run(job.answer(line))
+    assert len(tries) == 3 and rec["response"]["status_code"] == 200 and rec["error"] is None
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint

@@ -129,12 +129,17 @@ def _wait_idle(engine, timeout_s: float = 10.0) -> None:
     assert engine.requests_in_flight == 0
 
 
-def test_more_choices_than_the_queue_is_429_and_leaves_nothing_admitted(served):
+def test_more_choices_than_the_queue_is_400_and_leaves_nothing_admitted(served):
+    """More choices than max_queue can never be admitted together: a 400 naming the limit (a 429
+    would have the client, or a batch line, retry forever), with no slot taken."""
     with httpx.Client(base_url=served.base_url, timeout=60) as client:
-        for _ in range(3):  # the 429 must not leave slots behind: the same request again gets 429, not worse
-            r = client.post("/v1/completions", json={"prompt": [[5, 6, 7]] * 6, "max_tokens": 4})
-            assert r.status_code == 429, r.text
-            _wait_idle(served.engine)
+        for body in ({"prompt": [[5, 6, 7]] * 6, "max_tokens": 4}, {"prompt": [5, 6, 7], "n": 5, "max_tokens": 4}):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 400 and "--max-queue" in r.json()["error"]["message"], r.text
+            assert served.engine.requests_in_flight == 0
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 5,
+                                                      "max_tokens": 2})
+        assert r.status_code == 400 and "5 choices" in r.json()["error"]["message"], r.text
         r = client.post("/v1/completions", json={"prompt": [[5, 6, 7]] * 4, "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 4

@@ -158,7 +158,7 @@ def test_an_input_file_must_have_purpose_batch(store):
 
 # ---- 3. under load a line waits -----------------------------------------------------------------------
 def test_a_line_the_engine_has_no_room_for_waits_and_is_sent_again(store, monkeypatch):
-    monkeypatch.setattr(batch_runner, "RETRY_FIRST_S", 0.001)
+    monkeypatch.setattr(batch_lines, "RETRY_FIRST_S", 0.001)
     refusals = {"a": 3, "b": 2}
 
     async def full(text):
@@ -177,7 +177,7 @@ def test_a_line_the_engine_has_no_room_for_waits_and_is_sent_again(store, monkey
 
 
 def test_a_line_waiting_for_room_when_the_batch_expires_is_batch_expired(store, monkeypatch):
-    monkeypatch.setattr(batch_runner, "RETRY_FIRST_S", 0.001)
+    monkeypatch.setattr(batch_lines, "RETRY_FIRST_S", 0.001)
 
     async def main():
         runner = BatchRunner(None, store, 1)
