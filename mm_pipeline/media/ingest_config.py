@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from mm_pipeline.media.types import MediaKind
+
 
 @dataclass(frozen=True)
 class MediaLimits:
@@ -78,7 +80,7 @@ class MediaLimits:
         return None
 
 
-MEDIA_KINDS = ("image", "video", "audio")
+MEDIA_KINDS = tuple(k.value for k in MediaKind)  # image, video, audio
 
 
 def _per_kind(value: str | Mapping[str, int]) -> dict[str, int]:
