@@ -3,18 +3,15 @@ interactive traffic, its results written back to the file store.
 
     POST /v1/batches ─► BatchRunner.create: the input file must be stored, with purpose batch; the batch waits
     one worker, batches in creation order:
-      validating   the file read once on a thread: every line within the server's request limits
-                   (max_request_bytes, max_json_values: a line is a request), a JSON object with a
-                   custom_id (unique), method POST, the batch's endpoint as url; at most
-                   MAX_BATCH_LINES lines. Any of these wrong fails the batch (its errors name the
-                   lines), as OpenAI validates
+      validating   the file's structure, read once on a thread (validation.py): any line wrong
+                   fails the batch (its errors name the lines), as OpenAI validates
       in_progress  ``concurrency`` lines in flight (--batch-concurrency), each read and parsed on a
                    thread and answered by the same ChatService as the route it names
                    (lines.answer_line): a line whose body is bad, or whose media fails, is an error
                    line, the others go on; a line the engine has no room for (its 429 / 503) waits
                    and is sent again (lines.retry_overloaded), while the batch runs
-      finalizing   the answered lines as a file (purpose batch_output): 200s in output_file_id, the
-                   rest in error_file_id, as OpenAI splits them; a cancel is refused from here (409)
+      finalizing   the answered lines as files (result_files.py, purpose batch_output): 200s in
+                   output_file_id, the rest in error_file_id; a cancel is refused from here (409)
       completed | cancelled (POST /cancel: no new line starts, the ones in flight are aborted, what
                    was answered is kept; a batch still waiting ends at once) | expired (24 h after
                    creation, OpenAI's window: answered lines kept, each line not run an error line
@@ -33,68 +30,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
 from mm_pipeline.errors import OverloadedError
-from mm_pipeline.server.batches.lines import (BatchLine, LineTooLong, answer_line, custom_id_of, echo, error_line,
-                                              failure_message, load_line, parse_line, read_lines,
-                                              retry_overloaded)
+from mm_pipeline.server.batches.lines import (BatchLine, LineTooLong, answer_line, custom_id_of, parse_line,
+                                              read_lines, retry_overloaded)
+from mm_pipeline.server.batches.result_files import ResultFiles
+from mm_pipeline.server.batches.validation import validate_file
 from mm_pipeline.server.batches.protocol import (WINDOW_S, BatchCreate, BatchError, BatchErrors, BatchList,
                                                  BatchObject)
 from mm_pipeline.server.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
-from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore, UploadWriter
+from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore
 from mm_pipeline.server.json_limits import JSONLimits
 from mm_pipeline.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH_LINES = 50_000  # OpenAI's limit on one batch's requests
 MAX_PENDING_BATCHES = 100
 MAX_KEPT_BATCHES = 1000
-MAX_ERRORS_SHOWN = 100  # validation errors a failed batch lists
 
 RawLines = Iterator[tuple[int, str | bytes | LineTooLong]]
-
-
-def validate_file(path: Path, endpoint: str, limits: JSONLimits) -> tuple[int, list[BatchError]]:
-    """(lines, errors) of a batch file: its structure only (a body is checked when its line runs)."""
-    count, errors, seen = 0, [], set()
-
-    def problem(n: int, code: str, message: str) -> None:
-        if len(errors) < MAX_ERRORS_SHOWN:
-            errors.append(BatchError(code=code, message=message, line=n))
-
-    for n, raw in read_lines(path, limits.max_bytes):
-        count += 1
-        if count > MAX_BATCH_LINES:
-            problem(n, "too_many_requests", f"the file has more than {MAX_BATCH_LINES:,} requests")
-            break
-        obj, trouble = load_line(n, raw, limits)  # the line's one parse here
-        cid = obj.get("custom_id") if isinstance(obj, dict) else None
-        if trouble is not None:
-            problem(n, *trouble)
-        elif not isinstance(obj, dict):
-            problem(n, "invalid_json", f"line {n} is not a JSON object")
-        elif not isinstance(cid, str) or not cid:
-            problem(n, "missing_custom_id", f"line {n} has no custom_id")
-        elif cid in seen:
-            problem(n, "duplicate_custom_id", f"line {n}: custom_id {echo(cid)} is used by an earlier line")
-        elif str(obj.get("method", "POST")).upper() != "POST":
-            problem(n, "invalid_method", f"line {n}: method {echo(obj.get('method'))} is not POST")
-        elif obj.get("url") != endpoint:
-            problem(n, "mismatched_url", f"line {n}: url {echo(obj.get('url'))} is not the batch's endpoint {endpoint}")
-        if isinstance(cid, str) and cid:
-            seen.add(cid)
-    if count == 0:
-        problem(0, "empty_file", "the file has no requests")
-    return count, errors
 
 
 class _NotRun(Exception):
@@ -221,20 +181,18 @@ class BatchRunner:
             return self._end_unstarted(batch)
         batch.request_counts.total = total
         batch.mark("in_progress")
-        out = {"output": self.files.begin_upload(f"{batch.id}_output.jsonl", "batch_output"),
-               "error": self.files.begin_upload(f"{batch.id}_error.jsonl", "batch_output")}
+        out = ResultFiles(self.files, batch)
         try:
             # not closed here: a reader thread a failing TaskGroup left behind may still be in it
             lines = read_lines(path, self.limits.max_bytes)
             expired = await self._answer_lines(batch, lines, out)
             if batch.id not in self._cancelled:  # the lines never read because the batch expired
-                expired += await asyncio.to_thread(self._expire_rest, batch, lines, out["error"])
+                expired += await asyncio.to_thread(self._expire_rest, lines, out)
             if batch.status != "cancelling":
                 batch.mark("finalizing")
-            ids = await asyncio.to_thread(_commit, self.files, out)
+            ids = await asyncio.to_thread(out.commit)
         except BaseException:
-            for w in out.values():
-                w.discard()
+            out.discard()
             raise
         batch.output_file_id, batch.error_file_id = ids["output"], ids["error"]
         if batch.id in self._cancelled:
@@ -244,7 +202,7 @@ class BatchRunner:
         else:  # every line answered, even if the last just after expires_at
             batch.mark("completed")
 
-    async def _answer_lines(self, batch: BatchObject, lines: RawLines, out: dict[str, UploadWriter]) -> int:
+    async def _answer_lines(self, batch: BatchObject, lines: RawLines, out: ResultFiles) -> int:
         """Answer lines until the file ends or the batch stops; the number of lines read but not
         run because it expired (each written as a ``batch_expired`` error line)."""
         reading = asyncio.Lock()  # one reader of the file at a time (a generator is not shared safely)
@@ -267,10 +225,12 @@ class BatchRunner:
                 except _NotRun:
                     if batch.id in self._cancelled:
                         return
-                    rec, expired = _expired_line(line.custom_id), expired + 1
+                    out.expired(line.custom_id)
+                    expired += 1
+                    continue
                 if rec is None:
                     return  # cancelled: the line is not answered
-                _write(batch, out, rec)
+                out.write(rec)
 
         async with asyncio.TaskGroup() as group:  # one failing (a full store) stops the others
             for _ in range(self.concurrency):
@@ -303,12 +263,13 @@ class BatchRunner:
 
         return retry_overloaded(still_running)
 
-    def _expire_rest(self, batch: BatchObject, lines: RawLines, error: UploadWriter) -> int:
+    @staticmethod
+    def _expire_rest(lines: RawLines, out: ResultFiles) -> int:
         """On a thread, after the last line in flight: a ``batch_expired`` error line for each line
         left unread (none when the file was read to its end)."""
         count = 0
         for _, raw in lines:
-            _write(batch, {"error": error}, _expired_line(custom_id_of(raw)))
+            out.expired(custom_id_of(raw))
             count += 1
         return count
 
@@ -342,41 +303,8 @@ class BatchRunner:
             self._cancelled.discard(batch_id)
 
 
-def _write(batch: BatchObject, out: dict[str, UploadWriter], rec: dict[str, Any]) -> None:
-    """One output line: to the output file if it was answered (200), else to the error file."""
-    failed = failure_message(rec) is not None
-    out["error" if failed else "output"].write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
-    counts = batch.request_counts
-    counts.failed += failed
-    counts.completed += not failed
-
-
-def _expired_line(custom_id: str | None) -> dict[str, Any]:
-    return error_line(custom_id, "batch_expired", "this request could not be executed before the completion "
-                                                  "window expired")
-
-
 def _first_error(exc: BaseException) -> BaseException:
     """The error inside a TaskGroup's ExceptionGroup (its first): what a failed batch names."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
-
-
-def _commit(files: FilesStore, out: dict[str, UploadWriter]) -> dict[str, str | None]:
-    """The written files' ids (None for one nothing was written to: it is not kept). When one
-    cannot be committed (the store is full), the ones committed before it are deleted: the batch
-    fails naming no file, so a file left behind would be found by no one and count against the quota."""
-    ids: dict[str, str | None] = {}
-    try:
-        for name, writer in out.items():
-            if writer.nbytes:
-                ids[name] = writer.commit().id
-            else:
-                writer.discard()
-                ids[name] = None
-    except BaseException:
-        for file_id in filter(None, ids.values()):
-            files.delete(file_id)
-        raise
-    return ids

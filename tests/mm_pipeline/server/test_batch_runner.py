@@ -19,7 +19,10 @@ from mm_pipeline.server.batches import lines as batch_lines
 from mm_pipeline.server.batches import runner as batch_runner
 from mm_pipeline.server.batches.lines import LineTooLong, read_lines
 from mm_pipeline.server.batches.protocol import BatchCreate
-from mm_pipeline.server.batches.runner import BatchRunner, validate_file
+from mm_pipeline.server.batches import validation
+from mm_pipeline.server.batches.result_files import ResultFiles
+from mm_pipeline.server.batches.runner import BatchRunner
+from mm_pipeline.server.batches.validation import validate_file
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FilesStore, UploadTooLarge, UploadWriter
 from mm_pipeline.server.json_limits import JSONLimits
@@ -138,7 +141,7 @@ def test_validation_errors_quote_a_line_briefly_and_are_bounded_in_number(store)
     huge = "u" * 100_000
     path = store.path(upload(store, [line(f"c{i}", url=huge) for i in range(150)]))
     _, errors = validate_file(path, URL, JSONLimits(1 << 20, 1 << 20))
-    assert len(errors) == batch_runner.MAX_ERRORS_SHOWN
+    assert len(errors) == validation.MAX_ERRORS_SHOWN
     assert all(len(e.message) < 250 for e in errors) and "…" in errors[0].message
 
     cid = "d" * 100_000
@@ -199,8 +202,8 @@ def test_a_line_waiting_for_room_when_the_batch_expires_is_batch_expired(store, 
 # ---- 4-6. cancel ----------------------------------------------------------------------------------------
 def test_a_cancel_while_finalizing_is_refused_and_the_batch_completes(store, monkeypatch):
     writing, go = threading.Event(), threading.Event()
-    commit = batch_runner._commit
-    monkeypatch.setattr(batch_runner, "_commit", lambda *a: writing.set() or go.wait(10) and commit(*a))
+    commit = ResultFiles.commit
+    monkeypatch.setattr(ResultFiles, "commit", lambda self: writing.set() or go.wait(10) and commit(self))
 
     async def main():
         runner = BatchRunner(FakeService(), store, 2)
@@ -221,10 +224,10 @@ def test_a_line_read_while_the_batch_is_cancelled_does_not_start(store, monkeypa
     reading_second, go = threading.Event(), threading.Event()
     read, passes = batch_runner.read_lines, []
 
-    def slow_second(path, max_bytes):  # the second pass over the file answers it (the first validates)
+    def slow_second(path, max_bytes):  # the runner's pass over the file (validation.py reads its own)
         passes.append(path)
         for n, raw in read(path, max_bytes):
-            if n == 2 and len(passes) == 2:
+            if n == 2 and len(passes) == 1:
                 reading_second.set()
                 go.wait(10)
             yield n, raw

@@ -1,0 +1,57 @@
+"""ResultFiles: a running batch's output and error files, written as its lines are answered and
+committed to the file store at the end (purpose batch_output), as OpenAI splits them: lines answered
+200 in the output file, the rest (error answers, lines never run) in the error file. The batch's
+request_counts follow every line written."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mm_pipeline.server.batches.lines import error_line, failure_message
+from mm_pipeline.server.batches.protocol import BatchObject
+from mm_pipeline.server.files.files_store import FilesStore
+
+
+class ResultFiles:
+    def __init__(self, files: FilesStore, batch: BatchObject) -> None:
+        self.files, self.batch = files, batch
+        self._out = {"output": files.begin_upload(f"{batch.id}_output.jsonl", "batch_output"),
+                     "error": files.begin_upload(f"{batch.id}_error.jsonl", "batch_output")}
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """One output line: to the output file if it was answered (200), else to the error file."""
+        failed = failure_message(rec) is not None
+        self._out["error" if failed else "output"].write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+        counts = self.batch.request_counts
+        counts.failed += failed
+        counts.completed += not failed
+
+    def expired(self, custom_id: str | None) -> None:
+        """The error line of a line never run because the batch's window ended (OpenAI's code)."""
+        self.write(error_line(custom_id, "batch_expired", "this request could not be executed before the "
+                                                          "completion window expired"))
+
+    def commit(self) -> dict[str, str | None]:
+        """The written files' ids (None for one nothing was written to: it is not kept). When one
+        cannot be committed (the store is full), the ones committed before it are deleted: the
+        batch fails naming no file, so a file left behind would be found by no one and count
+        against the quota. On a thread: it moves files."""
+        ids: dict[str, str | None] = {}
+        try:
+            for name, writer in self._out.items():
+                if writer.nbytes:
+                    ids[name] = writer.commit().id
+                else:
+                    writer.discard()
+                    ids[name] = None
+        except BaseException:
+            for file_id in filter(None, ids.values()):
+                self.files.delete(file_id)
+            raise
+        return ids
+
+    def discard(self) -> None:
+        """Drop what was written (the batch failed or the server is shutting down)."""
+        for writer in self._out.values():
+            writer.discard()
