@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="path prefix a reverse proxy serves the app under (e.g. /mmserve), for its links")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes (default: the "
                    "MMSERVE_API_KEY environment variable, which unlike a flag does not show in ps)")
-    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the dir name)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id(s) clients use (default: the dir name); with several, requests may name any "
+                        "and answers carry the first (vLLM's)")
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
     s.add_argument("--max-upload-mb", type=float, default=512.0)
     from mm_pipeline.config_flags import field_type
@@ -381,7 +383,8 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
         # the key from the environment when not given as a flag: a flag's value shows in `ps` to every
         # user of the machine (vLLM reads VLLM_API_KEY the same way)
         api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        return ServerSettings(model_name=args.served_model_name or model_dir.resolve().name, api_key=api_key,
+        names = args.served_model_name or [model_dir.resolve().name]
+        return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key,
                               files_dir=args.files_dir, max_upload_bytes=upload,
                               default_max_tokens=args.default_max_tokens, **limits)
     except ValueError as e:  # a combination no single flag could check (upload > total store)

@@ -313,6 +313,8 @@ def _as_argv(action: argparse.Action, key: Any, value: Any, path: str, parser: a
     if isinstance(value, list):
         if isinstance(action, argparse._AppendAction):
             return [t for v in value for t in (opt, _text(v))]
+        if action.nargs in ("+", "*") and value:  # --served-model-name a b
+            return [opt, *map(_text, value)]
         parser.error(f"config file {path}: {key!r} takes one value, got a list")
     if isinstance(value, dict):  # as JSON text, judged by the flag's own type (override_generation_config takes one)
         return [opt, json.dumps(value)]

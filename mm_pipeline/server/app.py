@@ -250,7 +250,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     service = ChatService(engine, ServiceConfig(model_name, settings.default_max_tokens,
                                                 settings.max_completion_prompts, reasoning=reasoning,
                                                 tool_calls=tool_calls,
-                                                tokens_as_ids=settings.return_tokens_as_token_ids), observe)
+                                                tokens_as_ids=settings.return_tokens_as_token_ids,
+                                                model_aliases=settings.model_aliases), observe)
     if service.defaults.given:  # as vLLM says it: a client that sends no temperature gets the model's
         log.info("sampling defaults from the model's generation config: %s (a request's own values win; "
                  "--generation-config vllm: the built-in defaults)", service.defaults.as_dict())
@@ -365,19 +366,21 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     # ---- models, health, metrics --------------------------------------------------------------
-    def model_card() -> ModelCard:
-        return ModelCard(id=model_name, created=started, root=model_name,
+    names = (model_name, *settings.model_aliases)  # as vLLM lists --served-model-name's names: each a card
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=started, root=model_name,
                          max_model_len=getattr(engine, "max_model_len", None))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card().model_dump()]})
+        return JSONResponse({"object": "list", "data": [model_card(n).model_dump() for n in names]})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
-        if model_id != model_name:
+        if model_id not in names:
             raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        return JSONResponse(model_card().model_dump())
+        return JSONResponse(model_card(model_id).model_dump())
 
     # Both read the engine's last published stats snapshot; neither touches engine state.
     @app.get("/health")

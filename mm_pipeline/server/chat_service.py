@@ -54,6 +54,7 @@ class ServiceConfig:
     tool_calls: ToolCallSyntax | None = None
     # ServerSettings.return_tokens_as_token_ids: the default of the request field of that name
     tokens_as_ids: bool = False
+    model_aliases: tuple[str, ...] = ()  # ServerSettings': other names a request may give the model
     # the sampling of a request that leaves a field unset, max_new_tokens the max_tokens when
     # default_max_tokens is None; None: the engine's generation_defaults (its checkpoint's generation_config.json)
     defaults: GenerationDefaults | None = None
@@ -470,8 +471,8 @@ class ChatService:
                                     f"this server admits at once (--max-queue)")
 
     def check_model(self, model: str | None) -> None:
-        """A request naming another model than this server's is a 404 (None: this one)."""
-        if model is not None and model != self.config.model_name:
+        """A request naming another model than this server's (its name or an alias) is a 404 (None: this one)."""
+        if model is not None and model != self.config.model_name and model not in self.config.model_aliases:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
 

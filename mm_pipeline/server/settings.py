@@ -18,6 +18,9 @@ class ServerSettings:
     ``/openapi.json``, ``/docs``, ``/redoc``."""
 
     model_name: str | None = None  # default: the engine's model_name
+    # other names requests may give the model (--served-model-name's later ones): answers and
+    # /v1/models name the first, model_name
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     files_dir: str | None = None
     max_upload_bytes: int = 512 << 20

@@ -260,3 +260,25 @@ def test_the_key_comes_from_the_environment_when_no_flag_gives_it(tmp_path, monk
         == "sk-flag"  # the flag wins
     monkeypatch.setenv("MMSERVE_API_KEY", "")
     assert cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key is None
+
+
+def test_several_served_model_names(tmp_path, capsys):
+    """vLLM's --served-model-name a b: requests may name either, answers and the first card carry
+    the first, /v1/models lists both; another name is still a 404. From the CLI and a --config list."""
+    from mm_pipeline import cli
+
+    args = cli.parse_args(["serve", "--model", "m", "--served-model-name", "mimo", "mimo-v2.5-omni"])
+    settings = cli.server_settings(args, tmp_path)
+    assert (settings.model_name, settings.model_aliases) == ("mimo", ("mimo-v2.5-omni",))
+    (tmp_path / "serve.yaml").write_text("served_model_name: [a, b]\n")
+    args = cli.parse_args(["serve", "--model", "m", "--config", str(tmp_path / "serve.yaml")])
+    assert cli.server_settings(args, tmp_path).model_aliases == ("b",)
+    app = create_app(ScriptedEngine(), ServerSettings(model_name="mimo", model_aliases=("mimo-v2.5-omni",),
+                                                      files_dir=str(tmp_path)))
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["mimo", "mimo-v2.5-omni"]
+        assert client.get("/v1/models/mimo-v2.5-omni").json()["root"] == "mimo"
+        for name in ("mimo", "mimo-v2.5-omni"):
+            r = client.post("/v1/chat/completions", json={**CHAT, "model": name})
+            assert r.status_code == 200 and r.json()["model"] == "mimo", r.text
+        assert client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4o"}).status_code == 404
