@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA bundle client certificates must chain to")
     tls.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
                      help="client certificates: 0 not asked, 1 checked when sent, 2 required (mutual TLS)")
+    tls.add_argument("--enable-ssl-refresh", action="store_true",
+                     help="reload the key and certificate files when they change (a renewal), without a restart")
     tls.add_argument("--root-path", default="", metavar="PATH",
                      help="path prefix a reverse proxy serves the app under (e.g. /mmserve), for its links")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes (default: the "
@@ -360,7 +362,7 @@ def listen_of(args: argparse.Namespace) -> Any:
 
     try:
         listen = Listen(args.host, args.port, args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
-                        args.ssl_cert_reqs, args.root_path)
+                        args.ssl_cert_reqs, args.root_path, args.enable_ssl_refresh)
         listen.check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -5,15 +5,24 @@ TLS is vLLM's set of flags (``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-ce
 server reachable beyond loopback need not send prompts, media and API keys in the clear. The
 certificate and key are loaded once here before the model is (a wrong path, a key that does not match
 its certificate, a password-protected key are usage errors naming the flag, not a traceback minutes
-later when uvicorn binds). ``--root-path`` is the path prefix a reverse proxy serves the app under
-(uvicorn's / Ray's ``root_path``): the OpenAPI page and its links then carry it.
+later when uvicorn binds). ``--enable-ssl-refresh`` (vLLM's) reloads them into the live context
+when the files change (a certificate renewed by cert-manager or certbot): new connections get the
+new certificate, open ones keep theirs, no restart. ``--root-path`` is the path prefix a reverse
+proxy serves the app under (uvicorn's / Ray's ``root_path``): the OpenAPI page and its links then
+carry it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+REFRESH_POLL_S = 2.0  # how often the files' stat is compared (a few syscalls)
 
 CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED
 
@@ -27,6 +36,7 @@ class Listen:
     ssl_ca_certs: str | None = None  # CA bundle client certificates are checked against
     ssl_cert_reqs: int = 0  # 0: no client certificate asked, 1: checked when sent, 2: required (mutual TLS)
     root_path: str = ""
+    ssl_refresh: bool = False  # reload the certificate files into the live context when they change
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -37,6 +47,8 @@ class Listen:
             raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
         if not self.tls and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
             raise ValueError("--ssl-ca-certs / --ssl-cert-reqs need TLS on (--ssl-keyfile and --ssl-certfile)")
+        if self.ssl_refresh and not self.tls:
+            raise ValueError("--enable-ssl-refresh needs TLS on (--ssl-keyfile and --ssl-certfile)")
         if self.ssl_cert_reqs and self.ssl_ca_certs is None:
             raise ValueError("--ssl-cert-reqs 1 or 2 checks client certificates against --ssl-ca-certs: give it")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
@@ -76,7 +88,15 @@ class Listen:
             kw.update(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile, ssl_cert_reqs=self.ssl_cert_reqs)
             if self.ssl_ca_certs is not None:
                 kw["ssl_ca_certs"] = self.ssl_ca_certs
+            if self.ssl_refresh:
+                kw["ssl_context_factory"] = self._refreshed_context
         return kw
+
+    def _refreshed_context(self, _config: Any, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        """uvicorn's ``ssl_context_factory``: its own context, watched for changes of the files."""
+        context = default()
+        CertificateRefresher(context, self).start()
+        return context
 
     def ray_http_options(self) -> dict[str, Any]:
         """Ray Serve's ``http_options``. Its proxy takes a certificate and a CA bundle but has no
@@ -84,6 +104,9 @@ class Listen:
         if self.ssl_cert_reqs:
             raise ValueError("--ssl-cert-reqs with --ray: Ray Serve's proxy cannot ask for client certificates "
                              "(terminate mutual TLS at a proxy in front of it)")
+        if self.ssl_refresh:
+            raise ValueError("--enable-ssl-refresh with --ray: Ray Serve's proxy loads its certificate once "
+                             "(restart the application to renew it)")
         kw: dict[str, Any] = {"host": self.host, "port": self.port}
         if self.root_path:
             kw["root_path"] = self.root_path
@@ -92,6 +115,51 @@ class Listen:
             if self.ssl_ca_certs is not None:
                 kw["ssl_ca_certs"] = self.ssl_ca_certs
         return kw
+
+
+class CertificateRefresher(threading.Thread):
+    """Polls the stat (inode, size, mtime) of the key, certificate and CA files every
+    REFRESH_POLL_S; on a change loads them into ``context``, which new handshakes then use. A load
+    that fails (a renewal caught half-written, a key not yet matching its certificate) keeps the
+    old certificate and is tried again at the next change or poll, with a warning. A daemon: it ends
+    with the process."""
+
+    def __init__(self, context: ssl.SSLContext, listen: Listen, poll_s: float | None = None) -> None:
+        super().__init__(name="mmserve-ssl-refresh", daemon=True)
+        self.context, self.listen = context, listen
+        self.poll_s = REFRESH_POLL_S if poll_s is None else poll_s
+        self.stopped = threading.Event()
+        self.reloads = 0  # certificates loaded since the start (tests, logs)
+        self._seen = self._stamp()
+        self._failed: tuple | None = None  # the stamp whose load failed: warned about once
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            stamp = self._stamp()
+            if stamp == self._seen:
+                continue
+            try:
+                self.context.load_cert_chain(self.listen.ssl_certfile, self.listen.ssl_keyfile, password=_no_password)
+                if self.listen.ssl_ca_certs is not None:
+                    self.context.load_verify_locations(self.listen.ssl_ca_certs)
+            except (OSError, ssl.SSLError, ValueError, TypeError) as exc:
+                if stamp != self._failed:
+                    log.warning("TLS certificate files changed but cannot be loaded yet (%s); keeping the old one",
+                                _reason(exc))
+                    self._failed = stamp
+                continue
+            self._seen, self.reloads = stamp, self.reloads + 1
+            log.info("TLS certificate reloaded from %s", self.listen.ssl_certfile)
+
+    def _stamp(self) -> tuple:
+        out = []
+        for path in (self.listen.ssl_keyfile, self.listen.ssl_certfile, self.listen.ssl_ca_certs):
+            try:
+                st = os.stat(path) if path is not None else None
+            except OSError:
+                st = None  # mid-rename: compared as a change, loaded once it is back
+            out.append(None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
 
 
 def _no_password() -> bytes:

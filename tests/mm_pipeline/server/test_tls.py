@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 import ssl
 
 import httpx
@@ -94,13 +95,92 @@ def test_cli_refuses_bad_tls_before_loading_the_model(pki, capsys) -> None:
     assert "cannot be used" in err and "loading" not in err  # before the model
 
 
+def _served_serial(port: int, ca: str, client: tuple[str, str] | None = None) -> int:
+    """The serial number of the certificate a TLS server on 127.0.0.1:``port`` presents now."""
+    ctx = ssl.create_default_context(cafile=ca)
+    if client is not None:
+        ctx.load_cert_chain(client[1], client[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+
+
+def _renew(pki, folder, stem: str) -> int:
+    """A new certificate for 127.0.0.1 from the same CA written over ``folder/stem.*``; its serial."""
+    import shutil
+
+    ca_key = serialization.load_pem_private_key(open(pki["ca"][:-4] + ".key", "rb").read(), None)
+    ca_cert = x509.load_pem_x509_certificate(open(pki["ca"], "rb").read())
+    key, cert = _issue("127.0.0.1", ca_key, ca_cert.subject)
+    tmp = folder / "renewed"
+    tmp.mkdir(exist_ok=True)
+    new_key, new_cert = _write(tmp, stem, key, cert)
+    shutil.move(new_key, folder / f"{stem}.key")  # renames, as certbot and cert-manager swap files
+    shutil.move(new_cert, folder / f"{stem}.pem")
+    return cert.serial_number
+
+
+def test_the_refresher_loads_a_renewed_certificate_and_keeps_the_old_one_on_a_bad_file(pki, tmp_path) -> None:
+    import shutil
+    import threading
+    import time
+
+    from mm_pipeline.server.launch.listen import CertificateRefresher
+
+    for ext in ("key", "pem"):
+        shutil.copy(pki["server"][0 if ext == "key" else 1], tmp_path / f"live.{ext}")
+    listen = Listen(ssl_keyfile=str(tmp_path / "live.key"), ssl_certfile=str(tmp_path / "live.pem"), ssl_refresh=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(listen.ssl_certfile, listen.ssl_keyfile)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def serve() -> None:  # one handshake per connection, with the live context
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            try:
+                with context.wrap_socket(conn, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError):
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    refresher = CertificateRefresher(context, listen, poll_s=0.05)
+    refresher.start()
+    try:
+        first = _served_serial(port, pki["ca"])
+        (tmp_path / "live.pem").write_text("-----BEGIN CERTIFICATE-----\nhalf written")  # a renewal caught mid-way
+        time.sleep(0.3)
+        assert refresher.reloads == 0 and _served_serial(port, pki["ca"]) == first  # the old one stays
+        renewed = _renew(pki, tmp_path, "live")
+        deadline = time.monotonic() + 10
+        while refresher.reloads == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refresher.reloads == 1 and _served_serial(port, pki["ca"]) == renewed != first
+    finally:
+        refresher.stopped.set()
+        server.close()
+    with pytest.raises(ValueError, match="needs TLS on"):
+        Listen(ssl_refresh=True)
+    with pytest.raises(ValueError, match="--enable-ssl-refresh with --ray"):
+        listen.ray_http_options()
+
+
 @pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")
-def test_serve_over_mutual_tls_with_a_root_path(pki) -> None:
+def test_serve_over_mutual_tls_with_a_root_path(pki, tmp_path) -> None:
+    import shutil
+    import time
+
     from mm_pipeline.server.launch.server_process import ServerProcess
 
-    key, cert = pki["server"]
+    shutil.copy(pki["server"][0], tmp_path / "live.key")  # renewed below, under the running server
+    shutil.copy(pki["server"][1], tmp_path / "live.pem")
+    key, cert = str(tmp_path / "live.key"), str(tmp_path / "live.pem")
     args = ["--model", str(DEMO_MODEL), "--device", "cpu", "--ssl-keyfile", key, "--ssl-certfile", cert,
-            "--ssl-ca-certs", pki["ca"], "--ssl-cert-reqs", "2", "--root-path", "/mmserve"]
+            "--ssl-ca-certs", pki["ca"], "--ssl-cert-reqs", "2", "--root-path", "/mmserve", "--enable-ssl-refresh"]
 
     def client_context(which: str | None) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=pki["ca"])
@@ -124,3 +204,11 @@ def test_serve_over_mutual_tls_with_a_root_path(pki) -> None:
             httpx.get(server.base_url + "/health", verify=ssl.create_default_context(), timeout=10)
         with pytest.raises(httpx.TransportError):  # plain HTTP on the TLS port
             httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10)
+        # --enable-ssl-refresh: a renewed certificate is served to new connections, no restart
+        first = _served_serial(server.port, pki["ca"], pki["client"])
+        renewed = _renew(pki, tmp_path, "live")
+        deadline = time.monotonic() + 20
+        while _served_serial(server.port, pki["ca"], pki["client"]) != renewed and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _served_serial(server.port, pki["ca"], pki["client"]) == renewed != first
+        assert httpx.get(server.base_url + "/health", verify=client_context("client"), timeout=10).status_code == 200
