@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(s, server_flags(SERVER_LOG_FIELDS), FLAG_ALIASES)  # --log-stats-interval-s, --log-requests
     add_config_flags(s, server_flags(SERVER_CORS_FIELDS), FLAG_ALIASES)  # --allowed-origins, --allow-credentials
     add_config_flags(s, server_flags(SERVER_BATCH_FIELDS))  # --batch-concurrency (/v1/batches)
+    add_config_flags(s, server_flags(SERVER_BACKGROUND_FIELDS))  # --max-background-responses (/v1/responses)
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no engine lines on the log (vLLM's flag; the same as --log-stats-interval-s 0)")
     r = s.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "
@@ -342,6 +343,7 @@ API_KEY_ENV = "MMSERVE_API_KEY"
 SERVER_LOG_FIELDS = ("log_stats_interval_s", "log_requests")
 SERVER_CORS_FIELDS = ("allowed_origins", "allow_credentials")
 SERVER_BATCH_FIELDS = ("batch_concurrency",)
+SERVER_BACKGROUND_FIELDS = ("max_background_responses",)
 
 
 def server_flags(fields: Sequence[str]) -> list:
@@ -378,7 +380,8 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
               **config_values(args, server_flags(SERVER_ANSWER_FIELDS)),
               **config_values(args, server_flags(SERVER_LOG_FIELDS)),
               **config_values(args, server_flags(SERVER_CORS_FIELDS)),
-              **config_values(args, server_flags(SERVER_BATCH_FIELDS))}
+              **config_values(args, server_flags(SERVER_BATCH_FIELDS)),
+              **config_values(args, server_flags(SERVER_BACKGROUND_FIELDS))}
     if getattr(args, "disable_log_stats", False):
         limits["log_stats_interval_s"] = 0.0
     try:

@@ -7,6 +7,7 @@
       /ping  /invocations                          -> SageMaker's contract: /health, and a chat or completion
       /tokenize  /detokenize  /version             -> vLLM's utility endpoints (tokenize/routes.py)
       /v1/audio/transcriptions  /v1/audio/translations -> OpenAI's audio API, as chats (audio/routes.py)
+      /v1/responses ...                            -> OpenAI's Responses API, as chats (responses_api/routes.py)
       /  /web/*                                    -> the upload page (web/routes.py)
 
 Nothing here blocks the event loop: generation is the engine's (its own thread), media work runs
@@ -55,6 +56,7 @@ from mm_pipeline.server.tokenize.routes import install_tokenize_routes
 from mm_pipeline.server.audio.routes import install_audio_routes
 from mm_pipeline.server.batches.routes import install_batch_routes
 from mm_pipeline.server.batches.runner import BatchRunner
+from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.routes import install_responses_routes
 from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
@@ -259,6 +261,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None
     batches = BatchRunner(service, store, settings.batch_concurrency, settings.json_limits)  # /v1/batches
+    background = BackgroundResponses(settings.max_background_responses)  # /v1/responses with background: true
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -268,6 +271,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await background.close()  # their engine requests aborted while the engine still runs
             await batches.close()
             await metrics.lag_monitor.stop()
             if stats_log is not None:
@@ -277,7 +281,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.engine, app.state.store, app.state.metrics, app.state.service = engine, store, metrics, service
-    app.state.batches = batches
+    app.state.batches, app.state.background_responses = batches, background
     install_error_handlers(app)
     install_openapi(app)
 
@@ -290,7 +294,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
         request, model, settings.max_request_bytes, settings.max_json_values))
     install_audio_routes(app, service, settings)  # /v1/audio/transcriptions, /v1/audio/translations
-    install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes),  # /v1/responses
+    install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes), background,  # /v1/responses
                              lambda request, model: parse_body(request, model, settings.max_request_bytes,
                                                                settings.max_json_values))
     install_batch_routes(app, batches, lambda request, model: parse_body(request, model, settings.max_request_bytes,

@@ -46,6 +46,7 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/v1/audio/translations"): (None, Transcription, True),
     ("post", "/v1/responses"): (ResponsesRequest, ResponseObject, True),
     ("get", "/v1/responses/{response_id}"): (None, ResponseObject, False),
+    ("post", "/v1/responses/{response_id}/cancel"): (None, ResponseObject, False),
     ("post", "/v1/batches"): (BatchCreate, BatchObject, False),
     ("get", "/v1/batches"): (None, BatchList, False),
     ("get", "/v1/batches/{batch_id}"): (None, BatchObject, False),

@@ -64,6 +64,9 @@ class ServerSettings:
     responses_store_bytes: int = 256 << 20
     """Bytes of stored responses (/v1/responses with store, OpenAI's default) kept in memory for
     previous_response_id and GET /v1/responses/{id}, least recently used dropped first; 0 stores none."""
+    max_background_responses: int = 64
+    """/v1/responses with background: true queued or running at once (each answered by a task of the
+    server's, polled by GET); one more is a 429 with Retry-After."""
 
     allowed_origins: tuple[str, ...] = ()
     """Web origins whose pages may call this server from a browser (CORS), e.g. https://app.example.com,
@@ -104,6 +107,8 @@ class ServerSettings:
             raise ValueError("allow_credentials needs the origins named: browsers refuse credentials for origin *")
         if self.batch_concurrency < 1:
             raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
+        if self.max_background_responses < 1:
+            raise ValueError(f"max_background_responses must be >= 1, got {self.max_background_responses}")
         if self.responses_store_bytes < 0:
             raise ValueError(f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}")
         if self.max_files < 1:

@@ -33,15 +33,24 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-from mm_pipeline.server.errors import to_api_error, log_rejection
+from mm_pipeline.server.errors import APIError, to_api_error, log_rejection
 from mm_pipeline.server.responses import ChatChunkChoice, ChatCompletionChunk, TokenLogprob, Usage
 from mm_pipeline.server.responses_api.output import (FunctionCallOutput, OutputItem, OutputMessage, OutputText,
-                                                     ReasoningOutput, ReasoningText, ResponseError, ResponseObject)
+                                                     ReasoningOutput, ReasoningText, ResponseObject)
 
 
 def named_event(payload: dict[str, Any]) -> str:
     """One SSE event named by its payload's type (the Responses API names every event)."""
     return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def record_failure(response: ResponseObject, exc: Exception, where: str) -> APIError:
+    """Fail ``response`` with what ``exc`` answers as an HTTP error (its code, or kind, and its
+    public message), once the HTTP status can no longer say it; one log line names ``where``."""
+    err = to_api_error(exc)
+    log_rejection(err, "POST", where)
+    response.fail(err.code or err.kind or "server_error", err.message)
+    return err
 
 
 class ResponseEvents:
@@ -69,11 +78,8 @@ class ResponseEvents:
                 for e in self._delta(chunk.choices[0]):
                     yield e
         except Exception as exc:
-            err = to_api_error(exc)
-            log_rejection(err, "POST", "/v1/responses (stream already started)")
-            code = err.code or err.kind or "server_error"
-            yield self._event("error", code=code, message=err.message, param=err.param)
-            self.response.status, self.response.error = "failed", ResponseError(code=code, message=err.message)
+            err = record_failure(self.response, exc, "/v1/responses (stream already started)")
+            yield self._event("error", code=self.response.error.code, message=err.message, param=err.param)
             yield self._event("response.failed", response=self._snapshot())
 
     def _delta(self, choice: ChatChunkChoice) -> list[str]:

@@ -7,7 +7,8 @@ request was answered as (routes.py; streamed: events.py builds the same items as
                                                       only tool calls
             [function_call {call_id, name, arguments}] one per call the model made (--tool-call-parser)
     status: completed; incomplete ({"reason": "max_output_tokens"}) when the token limit cut it, and
-            so is the item it cut (response_of_chat); the others are completed
+            so is the item it cut (response_of_chat); the others are completed. A background
+            response (background.py) is queued, then in_progress, and may end failed or cancelled
     usage:  input_tokens (cached_tokens: the prefix cache's hits), output_tokens (reasoning_tokens:
             the thinking's), total_tokens
 """
@@ -109,7 +110,7 @@ class ResponseObject(BaseModel):
     id: str = Field(default_factory=lambda: new_item_id("resp"))
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"] = "in_progress"
     error: ResponseError | None = None
     incomplete_details: dict[str, str] | None = None
     model: str
@@ -150,7 +151,8 @@ class ResponseObject(BaseModel):
                    parallel_tool_calls=req.parallel_tool_calls, text=text,
                    reasoning=None if req.reasoning is None else req.reasoning.model_dump(),
                    store=store, metadata=dict(req.metadata or {}), user=req.user, service_tier=req.service_tier,
-                   prompt_cache_key=req.prompt_cache_key, safety_identifier=req.safety_identifier)
+                   prompt_cache_key=req.prompt_cache_key, safety_identifier=req.safety_identifier,
+                   background=req.background, status="queued" if req.background else "in_progress")
 
     def finish(self, finish_reason: str | None, usage: Usage) -> None:
         """Set the end state: incomplete when the token limit cut the answer, else completed. The
@@ -160,6 +162,10 @@ class ResponseObject(BaseModel):
             self.status, self.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
+
+    def fail(self, code: str, message: str) -> None:
+        """Set the end state of an answer that failed after it started (nothing to answer with an HTTP error)."""
+        self.status, self.error = "failed", ResponseError(code=code, message=message)
 
     def answer_message(self) -> dict[str, Any]:
         """The output as the chat's assistant message (a later response's history): the text of

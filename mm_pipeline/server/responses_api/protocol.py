@@ -15,10 +15,11 @@ and the chat it is answered as.
     max_output_tokens, temperature, top_p, top_logprobs, tools (flat function tools), tool_choice,
     parallel_tool_calls, text.format (text | json_object | json_schema), store, previous_response_id,
     metadata, user, and vLLM's sampling extras (``PASSED_FIELDS``) as on /v1/chat/completions.
+    background -> answered by a task of the server's, read back by GET (background.py); it needs
+                  ``store`` and is not streamed (a 400 naming the combination, before anything runs)
 
 Fields that would change the answer in a way this server does not do are a 400 naming them, not
-ignored: ``background`` (no background mode: a response is answered while the request is open),
-``conversation`` (no Conversations API: chain with ``previous_response_id``), ``prompt`` (no stored
+ignored: ``conversation`` (no Conversations API: chain with ``previous_response_id``), ``prompt`` (no stored
 prompt templates), ``truncation: "auto"`` (a prompt over the context is a 400, as on chat), built-in
 tools (web search, file search, ...: only ``function`` tools run here), ``include`` values other than
 ``message.output_text.logprobs``. ``reasoning`` (effort, summary), ``service_tier``,
@@ -31,7 +32,8 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 from llm_core.engine.sampling import MAX_LOGPROBS
 from mm_pipeline.prompt.template_options import MAX_TOOLS
@@ -48,7 +50,7 @@ MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 and value
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "background": (False,), "conversation": (), "prompt": (), "truncation": ("disabled",), "max_tool_calls": (),
+    "conversation": (), "prompt": (), "truncation": ("disabled",), "max_tool_calls": (),
 }
 
 
@@ -190,8 +192,22 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    background: bool = False  # after store and stream: its check reads them
 
     _reject_unsupported = refusing(_NOT_IMPLEMENTED)
+
+    @field_validator("background")
+    @classmethod
+    def _background_is_stored_and_polled(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and not info.data.get("store", True):
+            # as OpenAI: a background response is only ever read back from the store
+            raise ValueError("a background response needs store: true (it is read back by GET /v1/responses/{id})")
+        if v and info.data.get("stream"):
+            # resuming a stream (GET ?stream=true&starting_after=N) is not served, so a background
+            # stream would be one the client cannot come back to: refused rather than half done
+            raise ValueError("background with stream is not served by this server (nor is resuming a stream): send "
+                             "background without stream and poll GET /v1/responses/{id}, or stream without background")
+        return v
 
     @field_validator("tools", mode="before")
     @classmethod

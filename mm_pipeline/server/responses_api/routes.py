@@ -1,14 +1,18 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (what ``client.responses.create`` sends), streamed or
-not, ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and ``DELETE
-/v1/responses/{id}`` for stored responses.
+not or in the background, ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and
+``DELETE /v1/responses/{id}`` for stored (and running background) responses, ``POST
+/v1/responses/{id}/cancel`` for background ones.
 
 A request becomes a chat (protocol.py: input items -> messages, instructions -> a system message
 first, the previous response's conversation before them) and is answered by the same ChatService as
 /v1/chat/completions: the same admission, limits, media pipeline, encoder and prefix caches,
 reasoning and tool-call parsers, errors and disconnect handling. The answer is reshaped into output
 items (output.py; streamed: events.py). With ``store`` (the default) the response and its
-conversation are kept for ``previous_response_id`` and GET (store.py). Not served: background mode,
-``/cancel`` (nothing runs after its request closes), the Conversations API.
+conversation are kept for ``previous_response_id`` and GET (store.py). With ``background`` the POST
+answers at once (``queued``) and a task of the server's answers the same chat, by the same
+``service.chat`` and ``response_of_chat`` as a foreground request (background.py). Not served:
+streaming a background response or resuming a stream (``GET ?stream=true``: a 400), the
+Conversations API.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from mm_pipeline.server.answer_info import AnswerInfo
+from mm_pipeline.errors import OverloadedError
+from mm_pipeline.server.answer_info import REQUEST_ID_HEADER, AnswerInfo
+from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.protocol import ChatCompletionRequest
+from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.events import ResponseEvents
 from mm_pipeline.server.responses_api.output import ResponseObject, response_of_chat
 from mm_pipeline.server.responses_api.protocol import (FunctionCallOutputItem, MessageItem, ResponsesRequest, chat_body,
                                                        listed_items)
-from mm_pipeline.server.responses_api.store import ResponseStore, entry_bytes
+from mm_pipeline.server.responses_api.store import ResponseStore, StoredResponse, entry_bytes
 from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_disconnected
 
 log = logging.getLogger(__name__)
@@ -44,30 +51,49 @@ _INLINE_ITEMS = 256
 _INLINE_VALUES = 1024
 
 
-def install_responses_routes(app: FastAPI, service: ChatService, store: ResponseStore, read_body: BodyReader) -> None:
+def install_responses_routes(app: FastAPI, service: ChatService, store: ResponseStore,
+                             background: BackgroundResponses, read_body: BodyReader) -> None:
     """Add the routes; ``service`` answers the chat each request becomes, ``store`` keeps responses,
-    ``read_body`` reads a JSON body under the server's size limits (app.parse_body)."""
+    ``background`` runs the background ones, ``read_body`` reads a JSON body under the server's size
+    limits (app.parse_body)."""
 
-    def stored(response_id: str):
+    def stored(response_id: str) -> StoredResponse:
         entry = store.get(response_id)
         if entry is None:
             raise APIError(404, f"no stored response with id {response_id!r}", param="response_id",
                            code="response_not_found")
         return entry
 
+    def current(response_id: str) -> ResponseObject:
+        """The response as it stands: a background one still running, else the stored one (404)."""
+        running = background.get(response_id)
+        return running.response if running is not None else stored(response_id).response
+
+    def previous_history(response_id: str) -> list[dict[str, Any]]:
+        """The conversation a follow-up of ``response_id`` continues, its answer last: a 400 naming
+        ``previous_response_id`` unless that response is stored and answered."""
+        previous = store.get(response_id)
+        if previous is None and (running := background.get(response_id)) is not None:
+            raise APIError(400, f"previous response {response_id!r} is {running.response.status}: continue it once "
+                                f"it has completed (poll GET /v1/responses/{response_id})",
+                           param="previous_response_id")
+        if previous is None:
+            raise APIError(400, f"previous response {response_id!r} is not stored here (never stored, deleted, or "
+                                f"dropped for room: --responses-store-bytes); send the conversation as input "
+                                f"instead", param="previous_response_id", code="previous_response_not_found")
+        if previous.response.status not in ("completed", "incomplete"):  # a background one that failed or stopped
+            raise APIError(400, f"previous response {response_id!r} is {previous.response.status}: it has no answer "
+                                f"to continue; send the conversation as input instead", param="previous_response_id")
+        return previous.history
+
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         req = await read_body(request, ResponsesRequest)
         service.check_model(req.model)
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            previous = store.get(req.previous_response_id)
-            if previous is None:
-                raise APIError(400, f"previous response {req.previous_response_id!r} is not stored here (never "
-                               f"stored, deleted, or dropped for room: --responses-store-bytes); send the "
-                               f"conversation as input instead", param="previous_response_id",
-                               code="previous_response_not_found")
-            history = previous.history
+        if req.background and not store.enabled:
+            raise APIError(400, "background responses are read back from the response store, which is off on this "
+                                "server (--responses-store-bytes 0)", param="background")
+        history = [] if req.previous_response_id is None else previous_history(req.previous_response_id)
         # the chat holds the history too: a one-item follow-up of a long conversation is long
         long = len(history) + (len(req.input) if isinstance(req.input, list) else 1) > _INLINE_ITEMS
         chat, turn = await asyncio.to_thread(_chat_request, req, history) if long else _chat_request(req, history)
@@ -75,17 +101,15 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
                                              defaults=service.defaults)
         conversation = history + turn
 
+        if req.background:  # answered by a task of the server's; listed now: GET .../input_items serves them meanwhile
+            items = await asyncio.to_thread(listed_items, req.input) if long else listed_items(req.input)
+            background.start(response, items, lambda: _answer(service, response, chat),
+                             lambda: _keep(store, response, conversation, req.input, long, items))
+            return JSONResponse(response.model_dump(), headers={REQUEST_ID_HEADER: response.id})
+
         async def keep() -> None:
-            if not response.store or response.status not in ("completed", "incomplete"):
-                return
-            kept = conversation + [response.answer_message()]
-            entry = None if long else _sized_entry(response, kept, req.input, _INLINE_VALUES)
-            items, size = entry or await asyncio.to_thread(_sized_entry, response, kept, req.input)
-            if not store.fits(size):
-                log.info("response %s not stored: it is larger than --responses-store-bytes (%d)",
-                         response.id, store.max_bytes)
-                return
-            store.put(response, kept, size, items)
+            if response.store and response.status in ("completed", "incomplete"):
+                await _keep(store, response, conversation, req.input, long)
 
         info = AnswerInfo()
         try:
@@ -109,13 +133,27 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
                                  background=BackgroundTask(close))
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
-        return JSONResponse(stored(response_id).response.model_dump())
+    async def get_response(response_id: str, stream: bool = False) -> JSONResponse:
+        if stream:
+            raise APIError(400, "stream=true (streaming a response's events again, from starting_after) is not served "
+                                "by this server: GET without stream returns the response as it stands", param="stream")
+        return JSONResponse(current(response_id).model_dump())
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> JSONResponse:
+        response = await background.cancel(response_id)
+        if response is None:  # not running: one that ended is returned as it is (OpenAI: cancelling twice is a no-op)
+            response = stored(response_id).response
+            if not response.background:
+                raise APIError(400, f"response {response_id!r} was not created with background: true; only a "
+                                    f"background response can be cancelled", param="response_id")
+        return JSONResponse(response.model_dump())
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, limit: int = Query(default=20, ge=1, le=100), after: str | None = None,
                                order: Literal["asc", "desc"] = "desc") -> JSONResponse:
-        items = stored(response_id).input_items
+        running = background.get(response_id)
+        items = running.input_items if running is not None else stored(response_id).input_items
         items = items if order == "asc" else items[::-1]
         if after is not None:
             ids = [i["id"] for i in items]
@@ -126,6 +164,7 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:
+        await background.cancel(response_id)  # a running one is stopped (and stored) first: nothing stores it later
         stored(response_id)
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -164,10 +203,50 @@ def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str 
     return ("input", i, field) if part is None else ("input", i, field, part)
 
 
+async def _answer(service: ChatService, response: ResponseObject, chat: ChatCompletionRequest) -> None:
+    """A background response's answer (background.py): the chat a foreground request gets, answered
+    the same way. Its POST was answered already, so there is nobody to tell a 429 to when the
+    engine has no room: it is queued again and asked again, as a batch line is."""
+    again = retry_overloaded()
+    while True:
+        response.status = "in_progress"
+        try:
+            answer = await service.chat(chat)
+            break
+        except OverloadedError as exc:
+            response.status = "queued"
+            await again(exc)
+    response_of_chat(response, answer)
+
+
+async def _keep(store: ResponseStore, response: ResponseObject, conversation: list[dict[str, Any]],
+                given: str | list[Any], long: bool, items: list[dict[str, Any]] | None = None) -> None:
+    """Store ``response`` with ``conversation`` (its answer added) and its input items (``items``
+    when listed already), sized on a thread when big (``long``, or more than _INLINE_VALUES values).
+    One larger than the whole store is not kept; a background one leaves a ``failed`` entry
+    saying so, since its client is polling for it."""
+    kept = conversation + [response.answer_message()]
+    entry = None if long else _sized_entry(response, kept, given, _INLINE_VALUES, items)
+    items, size = entry or await asyncio.to_thread(_sized_entry, response, kept, given, None, items)
+    if store.fits(size):
+        store.put(response, kept, size, items)
+        return
+    log.info("response %s not stored: it is larger than --responses-store-bytes (%d)", response.id, store.max_bytes)
+    if response.background:
+        # what a client may have made large (the output, and the settings echoed) is left out
+        left = response.model_copy(update={"output": [], "usage": None, "instructions": None, "tools": [], "text": {}})
+        left.fail("response_too_large", f"the response ended {response.status} but, with its conversation, is larger "
+                                        f"than this server's whole response store (--responses-store-bytes "
+                                        f"{store.max_bytes}), so it was not kept")
+        if store.fits(size := entry_bytes(left, [])):
+            store.put(left, [], size)
+
+
 def _sized_entry(response: ResponseObject, kept: list[dict[str, Any]], given: str | list[Any],
-                       max_values: int | None = None) -> tuple[list[dict[str, Any]], int] | None:
-    """The input items and the size (store.entry_bytes) of the entry that keeps ``response``; None
-    when it holds more than ``max_values`` values."""
-    items = listed_items(given)
+                 max_values: int | None = None,
+                 items: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], int] | None:
+    """The input items (``items``, else listed from ``given``) and the size (store.entry_bytes) of
+    the entry that keeps ``response``; None when it holds more than ``max_values`` values."""
+    items = listed_items(given) if items is None else items
     size = entry_bytes(response, kept, items, max_values)
     return None if size is None else (items, size)

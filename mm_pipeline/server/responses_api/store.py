@@ -14,7 +14,8 @@ logprobs: a client controls all of them), counted without serialising it (inline
 dominates). A conversation continued many times holds its earlier messages once in memory (the
 entries share them) but each entry counts them again, so the bound errs on the safe side. One
 process's memory: behind several ingress replicas (Ray Serve), a follow-up finds its previous
-response only on the replica that answered it.
+response only on the replica that answered it. A background response is held outside the store
+while it runs and joins it when it ends, in any state (background.py says why).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """The Responses API's request side and store, without a server: input items become the chat the
 request is answered as (messages, tools, formats, sampling fields), fields this server cannot honour
-are refused by name, and the response store stays within its bytes, least recently used out first
-(hypothesis over random operation sequences)."""
+are refused by name, the response store stays within its bytes, least recently used out first
+(hypothesis over random operation sequences), and the table of running background responses keeps
+every one until it is stored, a cancel before its task starts included."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +15,8 @@ from pydantic import ValidationError
 
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.responses import TokenLogprob, TopLogprob
+from mm_pipeline.server.errors import APIError
+from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.output import (FunctionCallOutput, OutputMessage, OutputText, ReasoningOutput,
                                                      ReasoningText, ResponseObject)
 from mm_pipeline.server.responses_api.protocol import ResponsesRequest, chat_body, chat_messages
@@ -86,7 +91,9 @@ def test_sampling_tools_and_formats_map_onto_the_chat_fields():
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True, "store": False}, "background.*needs store"),
+    ({"background": True, "stream": True}, "background with stream is not served"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"truncation": "auto"}, "truncation"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tools": [{"type": "web_search"}]}, "web_search"), ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input items are"), ({"input": []}, "input"),
@@ -195,3 +202,59 @@ def test_the_answer_message_joins_every_message_and_reasoning_item():
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     only_calls = ResponseObject(model="m", output=[call]).answer_message()
     assert only_calls["content"] is None and "reasoning_content" not in only_calls
+
+
+def test_a_background_request_is_queued_and_says_so():
+    req = ResponsesRequest.model_validate({"input": "Hi", "background": True})
+    response = ResponseObject.of_request(req, "m", store=True)
+    assert (response.status, response.background) == ("queued", True)
+    assert ResponseObject.of_request(ResponsesRequest.model_validate({"input": "Hi"}), "m", store=True).status == (
+        "in_progress")
+
+
+def test_background_responses_are_held_until_stored_whatever_ends_them():
+    """Each is in the table until its ``keep`` has run: answered, failed, cancelled before its task
+    took a step (a task cancelled then runs no line of its coroutine: the table would keep it
+    forever, unstored), cancelled while it runs, or stopped by close; past the limit a 429."""
+
+    async def scenario() -> dict[str, object]:
+        table, kept, gate = BackgroundResponses(limit=3), {}, asyncio.Event()
+
+        def start(name: str, answer) -> ResponseObject:
+            response = ResponseObject(model="m", status="queued", background=True, id=name)
+
+            async def keep() -> None:
+                assert table.get(name) is not None  # still findable while it is being stored
+                kept[name] = response.status
+
+            table.start(response, [], lambda: answer(response), keep)
+            return response
+
+        async def answers(response: ResponseObject) -> None:
+            response.status = "completed"
+
+        async def fails(response: ResponseObject) -> None:
+            raise RuntimeError("a bug")
+
+        async def waits(response: ResponseObject) -> None:
+            response.status = "in_progress"
+            await gate.wait()
+
+        start("early", waits)
+        assert (await table.cancel("early")).status == "cancelled"  # before its task's first step
+        start("done", answers), start("failed", fails), start("running", waits)
+        with pytest.raises(APIError) as over:
+            start("over", answers)
+        await asyncio.sleep(0.01)
+        assert (await table.cancel("running")).status == "cancelled" and await table.cancel("nope") is None
+        start("at_close", waits)
+        await asyncio.sleep(0.01)
+        await table.close()
+        with pytest.raises(APIError) as closed:
+            start("after", answers)
+        return {"kept": kept, "left": len(table), "over": over.value.status, "closed": closed.value.status}
+
+    got = asyncio.run(scenario())
+    assert got["kept"] == {"early": "cancelled", "done": "completed", "failed": "failed", "running": "cancelled",
+                           "at_close": "cancelled"}
+    assert (got["left"], got["over"], got["closed"]) == (0, 429, 503)
