@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-soak"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ANSWER_TIMEOUT_S = 60.0  # a request without an answer by then is lost
+RESPONSE_ENDS = ("event: response.completed", "event: response.incomplete")  # a Responses stream's last event
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class Kind:
     ok: frozenset[int]
     hang_up: bool = False
     stream: bool = False
+    # a complete stream holds one of ``stream_ends`` and no ``stream_error`` (chat: [DONE], no error
+    # object; the Responses API: its last named event, no error event -- its snapshots hold "error": null)
+    stream_ends: tuple[str, ...] = ("data: [DONE]",)
+    stream_error: str = '"error"'
 
 
 def _chat(text: str, **extra: Any) -> dict:
@@ -93,6 +98,16 @@ def _kinds() -> list[Kind]:
         Kind("json-schema", "valid", lambda r, m: ("POST", "/v1/chat/completions", AUTH, _chat(
             "pick", max_tokens=12, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
                 "type": "object", "properties": {"n": {"type": "integer", "maximum": r.randint(1, 40)}}}}})), ok200),
+        # the Responses API: answered, streamed as named events, in the background (the server's task
+        # outlives the request: the idle check at the end waits for them); stored, byte-bounded
+        Kind("responses", "valid", lambda r, m: ("POST", "/v1/responses", AUTH,
+                                                 {"input": f"say {r.randint(0, 99)}", "max_output_tokens": 8}), ok200),
+        Kind("responses-stream", "valid", lambda r, m: ("POST", "/v1/responses", AUTH,
+                                                        {"input": "count", "stream": True, "max_output_tokens": 8}),
+             ok200, stream=True, stream_ends=RESPONSE_ENDS, stream_error="event: error"),
+        Kind("responses-background", "valid", lambda r, m: ("POST", "/v1/responses", AUTH,
+                                                            {"input": "later", "background": True,
+                                                             "max_output_tokens": 8}), ok200),
         Kind("models", "valid", lambda r, m: ("GET", "/v1/models", AUTH, None), frozenset({200})),
         Kind("health", "valid", lambda r, m: ("GET", "/health", {}, None), frozenset({200})),
         Kind("bad-json", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH, b"{not json"), bad),
@@ -111,6 +126,11 @@ def _kinds() -> list[Kind]:
         Kind("nul-file-url", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH,
                                                      _image_chat("file:///tmp/a%00.png")),
              frozenset({400, 403, 429})),
+        Kind("responses-bad-input", "broken", lambda r, m: ("POST", "/v1/responses", AUTH,
+                                                           {"input": [{"type": "mystery", "n": r.randint(0, 9)}]}), bad),
+        Kind("responses-unknown-previous", "broken", lambda r, m: ("POST", "/v1/responses", AUTH,
+                                                                  {"input": "x", "previous_response_id": "resp_nope"}),
+             bad),
         Kind("unknown-model", "broken", lambda r, m: ("POST", "/v1/chat/completions", AUTH,
                                                       _chat("x", model="gpt-9")), frozenset({404})),
         Kind("300-prompts", "hostile", lambda r, m: ("POST", "/v1/completions", AUTH,
@@ -124,6 +144,9 @@ def _kinds() -> list[Kind]:
                                                        {"Authorization": b"Bearer \xff\xfe"}, None), frozenset({401})),
         Kind("hang-up-stream", "disconnect", lambda r, m: ("POST", "/v1/chat/completions", AUTH,
                                                            _chat("long", stream=True, max_tokens=64)),
+             ok200, hang_up=True, stream=True),
+        Kind("hang-up-responses", "disconnect", lambda r, m: ("POST", "/v1/responses", AUTH,
+                                                             {"input": "long", "stream": True, "max_output_tokens": 64}),
              ok200, hang_up=True, stream=True),
         Kind("hang-up-wait", "disconnect", lambda r, m: ("POST", "/v1/chat/completions", AUTH,
                                                          _chat("long", max_tokens=64)), ok200, hang_up=True),
@@ -163,8 +186,9 @@ async def _one(client: httpx.AsyncClient, kind: Kind, rng: random.Random, model:
             if kind.stream:
                 async with client.stream(method, path, **kwargs) as r:
                     text = (await r.aread()).decode()
-                    if r.status_code == 200 and ("data: [DONE]" not in text or '"error"' in text):
-                        tally.unexpected[(kind.name, "stream without [DONE] or with an error event")] += 1
+                    complete = any(end in text for end in kind.stream_ends) and kind.stream_error not in text
+                    if r.status_code == 200 and not complete:
+                        tally.unexpected[(kind.name, "stream without its end or with an error event")] += 1
             else:
                 r = await client.request(method, path, **kwargs)
     except (TimeoutError, httpx.TransportError) as exc:
