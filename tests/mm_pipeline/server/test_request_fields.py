@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from mm_pipeline.prompt.messages import ROLES, ChatTurn, ParsedMessages, parse_messages
 from mm_pipeline.server import ServerSettings, create_app
-from mm_pipeline.server import chat_service
+from mm_pipeline.server import request_params
 from mm_pipeline.server.protocol import ChatCompletionRequest, ChatMessage
 
 from tests.mm_pipeline.server.test_error_statuses import CHAT, ScriptedEngine, _sse_events
@@ -183,7 +183,7 @@ def test_tool_and_refusal_turns_render_as_the_chat_template_does():
     # what the template makes of a refusal: the text it is
     reference = [*messages[:3], {"role": "assistant", "content": [{"type": "text", "text": "no."}]}]
     req = ChatCompletionRequest(messages=messages)
-    ours = layout.render(chat_service._parsed_messages(req).chat, []).token_ids
+    ours = layout.render(request_params._parsed_messages(req).chat, []).token_ids
     expected = tok.apply_chat_template(reference, tokenize=False, add_generation_prompt=True)
     assert "<tool_response>42</tool_response>" in expected
     assert list(ours) == tok.encode(expected, add_special_tokens=False)
@@ -221,16 +221,16 @@ def test_stream_chunks_have_openais_shape(app, include_usage):
 
 
 # ---- parsing off the event loop -----------------------------------------------------------------
-@pytest.mark.parametrize("messages,off_loop", [(1, False), (chat_service._INLINE_PARTS + 1, True)])
+@pytest.mark.parametrize("messages,off_loop", [(1, False), (request_params._INLINE_PARTS + 1, True)])
 def test_a_long_conversation_is_parsed_off_the_event_loop(app, monkeypatch, messages, off_loop):
     parsed_on: list[int] = []
-    original = chat_service._parsed_messages
+    original = request_params._parsed_messages
 
     def parse(req):
         parsed_on.append(threading.get_ident())
         return original(req)
 
-    monkeypatch.setattr(chat_service, "_parsed_messages", parse)
+    monkeypatch.setattr(request_params, "_parsed_messages", parse)
     r = _post(app, messages=[{"role": "user", "content": "q"}] * messages)
     assert r.status_code == 200
     assert (parsed_on == [app.engine.loop_thread]) is not off_loop and len(parsed_on) == 1
