@@ -89,6 +89,17 @@ def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | 
         return None, ("invalid_json", f"line {number}: not JSON ({getattr(exc, 'msg', exc)})")
 
 
+def header_problem(number: int, obj: dict[str, Any]) -> tuple[str, str] | None:
+    """(code, message) when a line object breaks the rules every batch line obeys -- a custom_id,
+    method POST -- else None: the one statement of them, for validation and answering alike."""
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return "missing_custom_id", f"line {number} has no custom_id"
+    if str(obj.get("method", "POST")).upper() != "POST":
+        return "invalid_method", f"line {number}: method {echo(obj.get('method'))} is not POST"
+    return None
+
+
 def parse_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | None = None) -> BatchLine:
     """Validate one input line (``bytes``: a line that is not UTF-8, from ``input_lines``); never raises."""
     obj, problem = load_line(number, raw, limits)
@@ -96,11 +107,9 @@ def parse_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits |
         return BatchLine(number, None, None, (None, *problem))
     if not isinstance(obj, dict):
         return BatchLine(number, None, None, (None, "invalid_request", f"line {number}: not a JSON object"))
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return BatchLine(number, None, None, (None, "missing_custom_id", f"line {number}: no custom_id"))
-    if str(obj.get("method", "POST")).upper() != "POST":
-        return BatchLine(number, cid, None, (None, "invalid_method", f"method {echo(obj.get('method'))} is not POST"))
+    cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) and obj["custom_id"] else None
+    if (problem := header_problem(number, obj)) is not None:
+        return BatchLine(number, cid, None, (None, *problem))
     model_cls = URLS.get(obj.get("url"))
     if model_cls is None:
         return BatchLine(number, cid, None, (None, "invalid_url",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mm_pipeline.server.batches.lines import echo, load_line, read_lines
+from mm_pipeline.server.batches.lines import echo, header_problem, load_line, read_lines
 from mm_pipeline.server.batches.protocol import BatchError
 from mm_pipeline.server.json_limits import JSONLimits
 
@@ -34,12 +34,10 @@ def validate_file(path: Path, endpoint: str, limits: JSONLimits) -> tuple[int, l
             problem(n, *trouble)
         elif not isinstance(obj, dict):
             problem(n, "invalid_json", f"line {n} is not a JSON object")
-        elif not isinstance(cid, str) or not cid:
-            problem(n, "missing_custom_id", f"line {n} has no custom_id")
+        elif (broken := header_problem(n, obj)) is not None:
+            problem(n, *broken)
         elif cid in seen:
             problem(n, "duplicate_custom_id", f"line {n}: custom_id {echo(cid)} is used by an earlier line")
-        elif str(obj.get("method", "POST")).upper() != "POST":
-            problem(n, "invalid_method", f"line {n}: method {echo(obj.get('method'))} is not POST")
         elif obj.get("url") != endpoint:
             problem(n, "mismatched_url", f"line {n}: url {echo(obj.get('url'))} is not the batch's endpoint {endpoint}")
         if isinstance(cid, str) and cid:
