@@ -21,7 +21,7 @@ from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.batches.lines import (BatchLine, answer_line, failure_message, input_lines, parse_line,
                                               retry_overloaded)
-from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
 from mm_pipeline.prompt.reasoning import REASONING_PARSERS, resolve_reasoning
 from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, resolve_tool_calls
 

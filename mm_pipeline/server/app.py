@@ -36,9 +36,9 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from mm_pipeline.server.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
-from mm_pipeline.server.chat_service import ChatService, ServiceConfig
-from mm_pipeline.server.choices import ChoiceState
+from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
+from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
+from mm_pipeline.server.completions.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.json_limits import json_values_bound, too_many_bytes, too_many_values

@@ -32,10 +32,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from mm_pipeline.server.answer_info import AnswerInfo
+from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.audio.protocol import (DEFAULT_TEMPERATURE, PASSED_FIELDS, AudioForm, Transcription,
                                               TranscriptionUsage, audio_format)
-from mm_pipeline.server.chat_service import ChatService
+from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.files.uploads import FormUpload, receive_form
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.responses import ChatCompletionChunk

@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Iterator
 from pydantic import ValidationError
 
 from mm_pipeline.errors import InvalidInputError, OverloadedError
-from mm_pipeline.server.chat_service import ChatService
+from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import error_body, to_api_error
 from mm_pipeline.server.json_limits import JSONLimits, too_many_bytes
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest

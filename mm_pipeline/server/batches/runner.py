@@ -43,7 +43,7 @@ from mm_pipeline.server.batches.result_files import ResultFiles
 from mm_pipeline.server.batches.validation import validate_file
 from mm_pipeline.server.batches.protocol import (WINDOW_S, BatchCreate, BatchError, BatchErrors, BatchList,
                                                  BatchObject)
-from mm_pipeline.server.chat_service import ChatService
+from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore
 from mm_pipeline.server.json_limits import JSONLimits

@@ -28,9 +28,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from mm_pipeline.errors import OverloadedError
-from mm_pipeline.server.answer_info import REQUEST_ID_HEADER, AnswerInfo
+from mm_pipeline.server.completions.answer_info import REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.batches.lines import retry_overloaded
-from mm_pipeline.server.chat_service import ChatService
+from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.responses_api.background import BackgroundResponses

@@ -46,8 +46,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from mm_pipeline.server.chat_service import ChatService
-from mm_pipeline.server.request_params import parsed_messages
+from mm_pipeline.server.completions.chat_service import ChatService
+from mm_pipeline.server.completions.request_params import parsed_messages
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from mm_pipeline.server.responses import DetokenizeResponse, TokenizeResponse, VersionResponse

@@ -156,7 +156,7 @@ def test_batch_file_roundtrip(engine, tmp_path):
     assert broken["response"] is None and broken["error"]["code"] == "invalid_json"
 
     # greedy: the batch answer is what a direct call answers
-    from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+    from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
     from mm_pipeline.server.protocol import ChatCompletionRequest
 
     direct = asyncio.run(ChatService(engine, ServiceConfig(engine.model_name)).chat(ChatCompletionRequest(
@@ -186,7 +186,7 @@ def test_batch_lines_take_penalties_logit_bias_min_p_and_min_tokens(engine, tmp_
     for cid, field in (("vocab", "logit_bias"), ("range", "presence_penalty")):
         assert by_id[cid]["status_code"] == 400 and field in by_id[cid]["body"]["error"]["message"], by_id[cid]
 
-    from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+    from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
     from mm_pipeline.server.protocol import CompletionRequest
 
     direct = asyncio.run(ChatService(engine, ServiceConfig(engine.model_name)).complete(CompletionRequest(**body)))

@@ -61,7 +61,7 @@ class ByteTokenizer:
 
 
 def test_top_logprobs_of_tokens_that_read_alike_keep_every_entry():
-    from mm_pipeline.server.choices import TokenStrings
+    from mm_pipeline.server.completions.choices import TokenStrings
 
     eng = OmniEngine.__new__(OmniEngine)
     eng.tokenizer = ByteTokenizer()

@@ -21,7 +21,7 @@ import pytest
 
 from mm_pipeline.errors import InvalidInputError, OverloadedError
 from mm_pipeline.runtime.omni_engine import GenerationDelta
-from mm_pipeline.server.chat_service import ChatService, ServiceConfig
+from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.protocol import CompletionRequest
 
 from tests.support.served import served_tiny_omni

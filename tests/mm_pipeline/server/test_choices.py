@@ -10,7 +10,7 @@ import pytest
 
 from mm_pipeline.errors import InternalError, generation_error
 from mm_pipeline.runtime.omni_engine import GenerationDelta
-from mm_pipeline.server.choices import ChoiceStream, collect_all, start_all
+from mm_pipeline.server.completions.choices import ChoiceStream, collect_all, start_all
 
 
 class _Generations:

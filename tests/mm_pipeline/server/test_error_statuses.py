@@ -227,7 +227,8 @@ def test_the_same_message_under_different_kinds_gets_different_answers():
 
 
 @pytest.mark.parametrize("module", ["mm_pipeline/errors.py", "mm_pipeline/server/errors.py",
-                                    "mm_pipeline/server/chat_service.py", "mm_pipeline/server/choices.py",
+                                    "mm_pipeline/server/completions/chat_service.py",
+                                    "mm_pipeline/server/completions/choices.py",
                                     "mm_pipeline/jobs/caption.py", "mm_pipeline/jobs/batch.py",
                                     "mm_pipeline/server/batches/lines.py"])
 def test_error_classification_code_has_no_regex(module):

@@ -172,6 +172,6 @@ def test_one_choice_scores_the_prompt_for_all(demo_client, demo_engine, monkeypa
 def test_an_answer_without_prompt_logprobs_from_the_engine_says_null(tokenizer):
     """Found by the schema fuzz through /invocations (a scripted engine that computes none): a 500
     before; an engine or replica that gives none makes the field null, not a failed answer."""
-    from mm_pipeline.server.choices import TokenStrings
+    from mm_pipeline.server.completions.choices import TokenStrings
 
     assert TokenStrings(tokenizer).prompt_logprobs([5, 6, 7], None, 2) is None

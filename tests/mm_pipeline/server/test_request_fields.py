@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from mm_pipeline.prompt.messages import ROLES, ChatTurn, ParsedMessages, parse_messages
 from mm_pipeline.server import ServerSettings, create_app
-from mm_pipeline.server import request_params
+from mm_pipeline.server.completions import request_params
 from mm_pipeline.server.protocol import ChatCompletionRequest, ChatMessage
 
 from tests.mm_pipeline.server.test_error_statuses import CHAT, ScriptedEngine, _sse_events

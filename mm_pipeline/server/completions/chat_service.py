@@ -18,12 +18,12 @@ from typing import Any, AsyncIterator, Callable
 from llm_core.engine.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
-from mm_pipeline.server.answer_info import AnswerInfo
-from mm_pipeline.server.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
+from mm_pipeline.server.completions.answer_info import AnswerInfo
+from mm_pipeline.server.completions.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
                                         collect_all, merge_choices, start_all)
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mm_pipeline.server.request_params import parsed_messages, request_ids, sampling_params
+from mm_pipeline.server.completions.request_params import parsed_messages, request_ids, sampling_params
 from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                           ChatCompletionChunk, Completion, CompletionChoice, CompletionTokensDetails,

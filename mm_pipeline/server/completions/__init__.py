@@ -1,0 +1,4 @@
+"""Answering the chat and text completions endpoints (the routes live in server/app.py): a request's
+fields turned into the engine's parameters (request_params.py), its choices run and merged
+(choices.py), the answer built or streamed (chat_service.py), and the facts sent as response
+headers beside it (answer_info.py). The Batch and Responses APIs answer through the same service."""
