@@ -114,8 +114,10 @@ class OmniRuntime:
         self.cache = EncoderCache(build_tiers(config))
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
         self.encoder_worker: EncoderWorker | None = None
+        # requests take turns, and a spare thread starts a request's media calls at once while
+        # another request's video holds every decode worker (media/worker_pool.py)
         self.pool = WorkerPool(config.decode_workers, config.decode_queue, config.decode_admit_timeout_s,
-                               name="omni-media")
+                               name="omni-media", spare=config.decode_spare_workers)
         llm_threads, encoder_threads, self.probes = plan_threads(
             config.llm_threads, config.encoder_threads, self.llm, model.vision if config.encoder_worker else None,
             model.encoder_device, self.pool)

@@ -145,6 +145,8 @@ class OmniEngineConfig:
     """Where video chunks and image pixels decode: worker threads or worker processes (shared-memory hand-off)."""
     decoder_threads: int = 0
     """FFmpeg's own threads per video decoder, outside the GIL (0: the CPUs shared out among the decode workers, 1: none)."""
+    decode_spare_workers: int = 1
+    """Extra media worker threads that take only calls of requests with none running, so one request's long video never makes another's media wait for a worker (0: none)."""
     decode_queue: int = 256
     """Media decode calls admitted beyond the busy threads; further callers wait for a slot."""
     decode_admit_timeout_s: float | None = 30.0
@@ -161,9 +163,9 @@ class OmniEngineConfig:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
         if self.decoder_threads < 0:
             raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")
-        if self.decode_workers < 1 or self.decode_queue < 0:
-            raise ValueError(f"decode_workers must be >= 1 and decode_queue >= 0, got "
-                             f"{self.decode_workers}, {self.decode_queue}")
+        if self.decode_workers < 1 or self.decode_queue < 0 or self.decode_spare_workers < 0:
+            raise ValueError(f"decode_workers must be >= 1, decode_queue and decode_spare_workers >= 0, got "
+                             f"{self.decode_workers}, {self.decode_queue}, {self.decode_spare_workers}")
         if self.cache_memory_bytes < 0:
             raise ValueError(f"cache_memory_bytes must be >= 0, got {self.cache_memory_bytes}")
         parse_dtype(self.dtype)  # ValueError naming the accepted spellings

@@ -29,6 +29,7 @@ from llm_core.engine.prompt_logprobs import PromptLogprobs
 from llm_core.engine.sampling import SamplingParams
 from llm_core.kvcache.page_keys import check_cache_salt
 from mm_pipeline.errors import InvalidInputError, InvalidMessageError, OverloadedError
+from mm_pipeline.media.worker_pool import flow as pool_flow
 from mm_pipeline.prompt.messages import ChatRequest, parse_messages
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.components import OmniRuntime
@@ -138,9 +139,10 @@ class OmniEngine:
         chat = None if messages is None else parse_messages(messages)  # malformed messages fail first
         self._admit()
         try:
-            if chat is None:
-                return await self.runtime.tokenize(prompt, add_special_tokens=add_special_tokens)
-            return (await self.runtime.prepare_chat(chat)).token_ids
+            with pool_flow(f"tokenize-{next(self._ids)}"):  # its own turn in the pools, as a request's
+                if chat is None:
+                    return await self.runtime.tokenize(prompt, add_special_tokens=add_special_tokens)
+                return (await self.runtime.prepare_chat(chat)).token_ids
         finally:
             self._in_flight -= 1
 
@@ -186,38 +188,42 @@ class OmniEngine:
         feed: MediaFeed | None = None
         checkpoints: tuple[int, ...] = ()
         try:
-            if params.structured_outputs is not None:  # a bad constraint fails before any media is read
-                await rt.compile_grammar(params.structured_outputs)
-            if chat is not None:
-                prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None,
-                                                 salt=cache_salt)
-                token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
-                for plan in prepared.plans:  # its encoder jobs are taken in the engine's priority order
-                    plan.priority = priority
-                if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
-                    on_planned(sum(len(p.cached) for p in prepared.plans))
-                if self.config.stream_embeddings:
-                    feed = rt.open_media(prepared, rid)
-                    feed.deliver_cached()
-                    if feed.stream.error is not None:
-                        raise feed.stream.error
-                else:  # every unit is decoded and encoded before prefill starts
-                    progressed = asyncio.Event()
-                    feed = rt.open_media(prepared, rid, on_progress=lambda: loop.call_soon_threadsafe(progressed.set))
+            # the worker pools take turns between requests (media/worker_pool.py): this request's
+            # calls, and those of the tasks started here (its video's chunk decodes), are its flow
+            with pool_flow(rid):
+                if params.structured_outputs is not None:  # a bad constraint fails before any media is read
+                    await rt.compile_grammar(params.structured_outputs)
+                if chat is not None:
+                    prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None,
+                                                     salt=cache_salt)
+                    token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
+                    for plan in prepared.plans:  # its encoder jobs are taken in the engine's priority order
+                        plan.priority = priority
+                    if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
+                        on_planned(sum(len(p.cached) for p in prepared.plans))
+                    if self.config.stream_embeddings:
+                        feed = rt.open_media(prepared, rid)
+                        feed.deliver_cached()
+                        if feed.stream.error is not None:
+                            raise feed.stream.error
+                    else:  # every unit is decoded and encoded before prefill starts
+                        progressed = asyncio.Event()
+                        feed = rt.open_media(prepared, rid,
+                                             on_progress=lambda: loop.call_soon_threadsafe(progressed.set))
+                        feed.start()
+                        while not feed.stream.complete and feed.stream.error is None:
+                            await progressed.wait()
+                            progressed.clear()
+                        if feed.stream.error is not None:
+                            raise feed.stream.error
+                elif token_ids is None:  # a text prompt: tokenize off the event loop
+                    token_ids = await rt.tokenize(prompt, keep_last=params.truncate_prompt_tokens)
+                stream = None if feed is None else feed.stream
+                rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
+                          checkpoints, priority, cache_salt)
+                started = True
+                if feed is not None and self.config.stream_embeddings:
                     feed.start()
-                    while not feed.stream.complete and feed.stream.error is None:
-                        await progressed.wait()
-                        progressed.clear()
-                    if feed.stream.error is not None:
-                        raise feed.stream.error
-            elif token_ids is None:  # a text prompt: tokenize off the event loop
-                token_ids = await rt.tokenize(prompt, keep_last=params.truncate_prompt_tokens)
-            stream = None if feed is None else feed.stream
-            rt.submit(rid, token_ids, params, stream, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-                      checkpoints, priority, cache_salt)
-            started = True
-            if feed is not None and self.config.stream_embeddings:
-                feed.start()
             while True:
                 out = await queue.get()
                 if stream is not None and stream.error is not None and not out.token_ids:

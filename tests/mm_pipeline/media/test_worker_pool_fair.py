@@ -1,0 +1,167 @@
+"""The worker pool is fair between flows (requests): a free worker starts a call of the flow with the
+fewest calls running (among equals the one served longest ago), and a spare thread starts only a
+flow that has none running -- so a request's few calls never queue behind the dozens one long video
+queued before it. Liveness: every call runs (or is cancelled) whatever the interleaving."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mm_pipeline.media.worker_pool import WorkerPool, flow
+
+LIMIT_S = 30.0  # any wait here is a hang, not a slow machine
+
+
+def _checked(pool: WorkerPool, violations: list[str]) -> None:
+    """Check every start decision where it is made (under the pool's lock): never more than
+    ``max_workers + spare`` started, a spare start only for a flow with none running, and the
+    chosen flow one with the fewest calls running of those waiting."""
+    take = pool._take
+
+    def checked():
+        started, per_flow = pool._started, dict(pool._flow_started)
+        waiting = {k: per_flow.get(k, 0) for k in pool._ready}
+        call = take()
+        if call is None:
+            return None
+        if started >= pool.max_workers + pool.spare:
+            violations.append(f"started a call with {started} already started")
+        if started >= pool.max_workers and per_flow.get(call.flow, 0):
+            violations.append(f"spare start for flow {call.flow!r} with {per_flow[call.flow]} running")
+        if per_flow.get(call.flow, 0) != min(waiting.values()):
+            violations.append(f"flow {call.flow!r} ({per_flow.get(call.flow, 0)} running) chosen over {waiting}")
+        return call
+
+    pool._take = checked
+
+
+def test_a_newcomer_runs_before_the_queue_of_a_flow_that_had_its_turn() -> None:
+    pool = WorkerPool(1, 16)
+    gate, order = threading.Event(), []
+
+    def call(name: str) -> str:
+        order.append(name)
+        if name == "v1":
+            gate.wait(LIMIT_S)
+        return name
+
+    async def main() -> None:
+        with flow("video"):
+            video = [asyncio.create_task(pool.run(call, f"v{i}")) for i in range(1, 5)]
+        while order != ["v1"]:
+            await asyncio.sleep(0.001)
+        with flow("image"):
+            image = asyncio.create_task(pool.run(call, "i1"))
+        while pool.admitted < 5:
+            await asyncio.sleep(0.001)
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(*video, image), LIMIT_S) == ["v1", "v2", "v3", "v4", "i1"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        pool.shutdown()
+    # v1 ran alone; then the image (never served) before the video's queue, which then runs in order
+    assert order == ["v1", "i1", "v2", "v3", "v4"]
+    pool.check_integrity()
+
+
+def test_the_spare_thread_serves_a_newcomer_while_one_flow_holds_every_worker() -> None:
+    pool = WorkerPool(2, 16, spare=1)
+    violations: list[str] = []
+    _checked(pool, violations)
+    gate = threading.Event()
+
+    def chunk(i: int) -> int:  # stands for a video chunk decode
+        gate.wait(LIMIT_S)
+        return i
+
+    async def main() -> None:
+        with flow("video"):
+            video = [asyncio.create_task(pool.run(chunk, i)) for i in range(6)]
+        while pool.busy < 2 or pool.admitted < 6:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)
+        assert pool.busy == 2  # the video's 4 other chunks never take the spare
+        with flow("image"):  # its calls, one after another, each on the spare thread
+            for step in ("ingest", "plan", "decode"):
+                assert await asyncio.wait_for(pool.run(lambda s=step: s), LIMIT_S) == step
+        assert not any(t.done() for t in video)
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(*video), LIMIT_S) == list(range(6))
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        pool.shutdown()
+    assert violations == []
+    pool.check_integrity()
+    assert not pool._served_at and not pool._ready and not pool._flow_started
+
+
+def test_calls_outside_any_flow_share_one_fifo() -> None:
+    pool = WorkerPool(1, 16)
+    order: list[int] = []
+
+    async def main() -> None:
+        await asyncio.gather(*(pool.run(lambda i=i: order.append(i)) for i in range(8)))
+
+    asyncio.run(main())
+    pool.shutdown()
+    assert order == list(range(8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(workers=st.integers(1, 3), spare=st.integers(0, 2), pending=st.integers(0, 6),
+       calls=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.booleans()), min_size=1, max_size=24),
+       seed=st.integers(0, 2**16))
+def test_every_call_runs_once_and_every_start_is_fair(workers, spare, pending, calls, seed) -> None:
+    """Random flows (None among them), durations and cancellations: each call not cancelled returns
+    its own value, exactly once; every start decision obeys the rules; nothing is left counted."""
+    pool = WorkerPool(workers, pending, spare=spare)
+    violations: list[str] = []
+    _checked(pool, violations)
+    ran: list[int] = []
+    rng = random.Random(seed)
+
+    def work(i: int, ms: int) -> int:
+        ran.append(i)
+        time.sleep(ms / 1000)
+        pool.check_integrity()
+        return i
+
+    async def one(i: int, key: int, ms: int) -> int:
+        with flow(None if key == 0 else f"flow-{key}"):
+            return await pool.run(work, i, ms)
+
+    async def main() -> list:
+        tasks = []
+        for i, (key, ms, cancel) in enumerate(calls):
+            tasks.append((asyncio.create_task(one(i, key, ms)), cancel))
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)
+        for task, cancel in tasks:
+            if cancel:
+                task.cancel()
+        return await asyncio.wait_for(asyncio.gather(*(t for t, _ in tasks), return_exceptions=True), LIMIT_S)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        pool.shutdown()
+    for i, got in enumerate(results):
+        if not isinstance(got, asyncio.CancelledError):
+            assert got == i
+    assert sorted(ran) == sorted(set(ran))  # none ran twice
+    assert {i for i, got in enumerate(results) if not isinstance(got, BaseException)} <= set(ran)
+    assert violations == []
+    pool.check_integrity()
+    assert pool.admitted == 0 and not pool._ready and not pool._flow_started and not pool._served_at
