@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mm_pipeline.cluster.serving.llm_replica import replica_name
 from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
+from mm_pipeline.media.worker_pool import flow as pool_flow
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.runtime.components import OmniRuntime
 from mm_pipeline.runtime.config import OmniEngineConfig
@@ -58,15 +59,16 @@ class EncoderReplica:
         self.check_health()
         rt = self.runtime
         self.files.hold(files)
+        rid = f"enc-{uuid.uuid4().hex[:12]}"
         try:
-            prepared = await rt.prepare_chat(parse_messages([{"role": "user", "content": [part]}]), salt=salt)
-            units = sum(len(p.units) for p in prepared.plans)
-            hits = sum(len(p.cached) for p in prepared.plans)
-            loop = asyncio.get_running_loop()
-            progressed = asyncio.Event()
-            feed = rt.open_media(prepared, f"enc-{uuid.uuid4().hex[:12]}",
-                                 on_progress=lambda: loop.call_soon_threadsafe(progressed.set))
-            feed.start()
+            with pool_flow(rid):  # each encode takes its turn in the media workers (media/worker_pool.py)
+                prepared = await rt.prepare_chat(parse_messages([{"role": "user", "content": [part]}]), salt=salt)
+                units = sum(len(p.units) for p in prepared.plans)
+                hits = sum(len(p.cached) for p in prepared.plans)
+                loop = asyncio.get_running_loop()
+                progressed = asyncio.Event()
+                feed = rt.open_media(prepared, rid, on_progress=lambda: loop.call_soon_threadsafe(progressed.set))
+                feed.start()
             try:
                 while not feed.stream.complete and feed.stream.error is None:
                     await progressed.wait()
