@@ -6,7 +6,7 @@ server's file store and engine (runner.py):
     GET  /v1/batches/{id}
     POST /v1/batches/{id}/cancel     a waiting batch is cancelled at once, a running one cancelling until
                                      its lines in flight are aborted; 409 once it is finalizing (every line
-                                     answered, its files being written: it completes) or has ended
+                                     answered or expired, its files being written) or has ended
 
 The input file is uploaded first (``POST /v1/files``, purpose ``batch``); the results are files of
 the same store (``GET /v1/files/{output_file_id}/content``)."""

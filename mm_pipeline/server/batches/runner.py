@@ -13,9 +13,16 @@ interactive traffic, its results written back to the file store.
       finalizing   the answered lines as files (result_files.py, purpose batch_output): 200s in
                    output_file_id, the rest in error_file_id; a cancel is refused from here (409)
       completed | cancelled (POST /cancel: no new line starts, the ones in flight are aborted, what
-                   was answered is kept; a batch still waiting ends at once) | expired (24 h after
-                   creation, OpenAI's window: answered lines kept, each line not run an error line
-                   ``batch_expired``; a batch whose last line finished is completed) | failed
+                   was answered is kept; a batch still waiting ends at once, with no files) | expired
+                   (24 h after creation, OpenAI's window: answered lines kept, each line not run an error
+                   line ``batch_expired``, counted failed; a batch whose last line finished is completed)
+                   | failed
+
+A batch whose window closes before any of its lines ran -- while it waits, noticed by the worker or
+when a client looks at it, or while it is validated -- expires the same way: ``finalizing`` at once
+while its file is validated and each of its lines written ``batch_expired`` to its error file, on a
+thread, then ``expired`` (request_counts: every line total and failed). An invalid file fails it
+instead, naming the lines, as validation fails any batch: its lines are no requests to expire.
 
 Batch lines are engine requests like any other: the same admission, KV and caches; they keep the
 ``priority`` their bodies give, so under ``--queue-policy priority`` a batch written with a high
@@ -66,7 +73,8 @@ class BatchRunner:
 
     A batch waits (``validating``, not yet the one running) in ``_batches``, which is in creation
     order: the worker takes the oldest waiting one, so a cancelled or expired one is simply not
-    taken -- nothing else holds it."""
+    taken -- nothing else holds it but, while its error file is written, an expired one's task in
+    ``_expiring``."""
 
     def __init__(self, service: ChatService, files: FilesStore, concurrency: int,
                  limits: JSONLimits = ServerSettings().json_limits) -> None:
@@ -81,6 +89,10 @@ class BatchRunner:
         self._worker: asyncio.Task | None = None
         self._running: str | None = None  # the batch the worker runs now
         self._in_flight: set[asyncio.Task] = set()  # its lines being answered
+        self._expiring: dict[str, asyncio.Task] = {}  # batches expired waiting: their error files being written
+        # one written at a time: a burst of batches expiring together reads their files on one thread,
+        # not on every thread of the loop's executor, which the running batch reads its lines with
+        self._expiry_turn = asyncio.Lock()
 
     # ---- routes ----------------------------------------------------------------------------------
     def create(self, body: BatchCreate) -> BatchObject:
@@ -124,13 +136,14 @@ class BatchRunner:
     def cancel(self, batch_id: str) -> BatchObject:
         """Stop a batch. One still waiting is ``cancelled`` at once; a running one is ``cancelling``
         until its lines in flight are aborted. Refused (409) once it is ``finalizing``: its lines
-        are all answered and its files are being written, so a cancel could only mislabel them."""
+        are all answered or expired and its files are being written, so a cancel could only mislabel
+        them."""
         batch = self.get(batch_id)
         if batch.finished or batch.status == "cancelling":
             raise APIError(409, f"batch {batch_id} is {batch.status}: there is nothing to cancel", param="batch_id")
         if batch.status == "finalizing":
-            raise APIError(409, f"batch {batch_id} is finalizing: its lines are all answered and its files are being "
-                                f"written", param="batch_id")
+            raise APIError(409, f"batch {batch_id} is finalizing: its lines are all answered or expired and its files "
+                                f"are being written", param="batch_id")
         waiting = self._waiting(batch)
         self._cancelled.add(batch_id)
         batch.mark("cancelling")
@@ -142,11 +155,16 @@ class BatchRunner:
         return batch
 
     async def close(self) -> None:
-        """Stop the worker (the server is shutting down): the running batch fails, queued ones too."""
+        """Stop the worker and the expiries being written (the server is shutting down): the running
+        batch fails, queued and expiring ones too."""
         if self._worker is not None:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
+        expiring = list(self._expiring.values())
+        for task in expiring:
+            task.cancel()
+        await asyncio.gather(*expiring, return_exceptions=True)
         for batch in self._batches.values():
             if not batch.finished:
                 batch.errors = BatchErrors(data=[BatchError(code="server_shutdown",
@@ -160,25 +178,21 @@ class BatchRunner:
             try:
                 await self._run(batch)
             except Exception as exc:  # noqa: BLE001 -- a bug or a full store fails this batch, not the worker
-                log.exception("batch %s failed", batch.id)
-                cause = _first_error(exc)
-                batch.errors = BatchErrors(data=[BatchError(code="batch_failed",
-                                                            message=f"{type(cause).__name__}: {cause}")])
-                batch.mark("failed")
+                _fail(batch, exc)
             finally:
                 self._running = None
                 self._in_flight.clear()
 
     async def _run(self, batch: BatchObject) -> None:
         if self._stopped(batch):
-            return self._end_unstarted(batch)
+            return await self._end_unstarted(batch)
         path = self.files.path(batch.input_file_id)
         total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint, self.limits)
         if errors:
             batch.errors = BatchErrors(data=errors)
             return batch.mark("failed")
         if self._stopped(batch):
-            return self._end_unstarted(batch)
+            return await self._end_unstarted(batch, total)
         batch.request_counts.total = total
         batch.mark("in_progress")
         out = ResultFiles(self.files, batch)
@@ -265,8 +279,9 @@ class BatchRunner:
 
     @staticmethod
     def _expire_rest(lines: RawLines, out: ResultFiles) -> int:
-        """On a thread, after the last line in flight: a ``batch_expired`` error line for each line
-        left unread (none when the file was read to its end)."""
+        """On a thread: a ``batch_expired`` error line for each line left unread -- after the last line
+        in flight (none when the file was read to its end), or every line of a batch that expired
+        before it started."""
         count = 0
         for _, raw in lines:
             out.expired(custom_id_of(raw))
@@ -276,17 +291,59 @@ class BatchRunner:
     def _stopped(self, batch: BatchObject) -> bool:
         return batch.id in self._cancelled or time.time() >= (batch.expires_at or 0)
 
-    def _end_unstarted(self, batch: BatchObject) -> None:
-        batch.mark("cancelled" if batch.id in self._cancelled else "expired")
+    async def _end_unstarted(self, batch: BatchObject, total: int | None = None) -> None:
+        """The worker's batch stopped before any of its lines ran: ``cancelled`` (no files, as OpenAI
+        gives none), or expired (``_expire_unstarted``; ``total``: its lines, when it was validated)."""
+        if batch.id in self._cancelled:
+            return batch.mark("cancelled")
+        batch.mark("finalizing")
+        await self._expire_unstarted(batch, total)
+
+    async def _expire_unstarted(self, batch: BatchObject, total: int | None = None) -> None:
+        """End a ``finalizing`` batch whose window closed before any of its lines ran, as one that
+        expires mid-run ends: ``expired``, each line a ``batch_expired`` error line in its error file,
+        request_counts total and failed its lines. Its file is validated first unless ``total`` says
+        it was: an invalid one fails the batch naming its lines, as validation does, and has no error
+        file. The file is read a line at a time, on threads."""
+        path = self.files.path(batch.input_file_id)
+        if total is None:
+            total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint, self.limits)
+            if errors:
+                batch.errors = BatchErrors(data=errors)
+                return batch.mark("failed")
+        batch.request_counts.total = total
+        out = ResultFiles(self.files, batch)
+        try:
+            await asyncio.to_thread(self._expire_rest, read_lines(path, self.limits.max_bytes), out)
+            ids = await asyncio.to_thread(out.commit)
+        except BaseException:
+            out.discard()
+            raise
+        batch.output_file_id, batch.error_file_id = ids["output"], ids["error"]
+        batch.mark("expired")
+
+    async def _expire_waiting(self, batch: BatchObject) -> None:
+        """``_expire_unstarted`` for a batch ``_settle`` found expired, off the worker; one at a time."""
+        try:
+            async with self._expiry_turn:
+                await self._expire_unstarted(batch)
+        except Exception as exc:  # noqa: BLE001 -- a full store fails this batch, as it would in the worker
+            _fail(batch, exc)
+        finally:
+            self._expiring.pop(batch.id, None)
 
     def _waiting(self, batch: BatchObject) -> bool:
         """Created, not yet taken by the worker."""
         return batch.status == "validating" and batch.id != self._running
 
     def _settle(self, batch: BatchObject) -> None:
-        """A waiting batch past its window is ``expired`` when looked at, not when the worker reaches it."""
+        """A waiting batch past its window ends when looked at, not when the worker reaches it (which
+        may run another batch for hours): ``finalizing`` now, so it no longer waits and a cancel is
+        refused, then ``expired`` once a task has written its error file (``_expire_waiting``: on
+        the event loop, the file is read on a thread)."""
         if self._waiting(batch) and time.time() >= (batch.expires_at or 0):
-            batch.mark("expired")
+            batch.mark("finalizing")
+            self._expiring[batch.id] = asyncio.get_running_loop().create_task(self._expire_waiting(batch))
 
     def _settle_waiting(self) -> None:
         for batch in self._batches.values():
@@ -301,6 +358,14 @@ class BatchRunner:
         for batch_id in finished[:max(0, len(finished) - MAX_KEPT_BATCHES)]:
             del self._batches[batch_id]
             self._cancelled.discard(batch_id)
+
+
+def _fail(batch: BatchObject, exc: Exception) -> None:
+    """A batch ended by an error that is no line's (a bug, a full store): ``failed``, naming it."""
+    log.error("batch %s failed", batch.id, exc_info=exc)
+    cause = _first_error(exc)
+    batch.errors = BatchErrors(data=[BatchError(code="batch_failed", message=f"{type(cause).__name__}: {cause}")])
+    batch.mark("failed")
 
 
 def _first_error(exc: BaseException) -> BaseException:

@@ -1,8 +1,9 @@
 """The batch runner (``/v1/batches``, batches/runner.py) on a fake ChatService, without a model: a
 line is held to the server's request limits and parsed once, off the event loop; what a batch keeps
 is bounded (metadata, echoed values); a line the engine has no room for waits instead of failing;
-cancel and expiry end a batch at the right time with the right status; a failure names its cause
-and leaves no file behind."""
+cancel and expiry end a batch at the right time with the right status -- a batch that expires
+before it started has every line ``batch_expired`` in its error file, written off the loop; a
+failure names its cause and leaves no file behind."""
 
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def test_a_line_read_while_the_batch_is_cancelled_does_not_start(store, monkeypa
     assert batch.status == "cancelled" and svc.started == ["l0"] and batch.request_counts.completed == 1
 
 
-def test_a_waiting_batch_is_cancelled_or_expired_at_once_and_stops_counting(store, monkeypatch):
+def test_a_waiting_batch_is_cancelled_or_expires_at_once_and_stops_counting(store, monkeypatch):
     monkeypatch.setattr(batch_runner, "MAX_PENDING_BATCHES", 3)
 
     async def main():
@@ -263,8 +264,10 @@ def test_a_waiting_batch_is_cancelled_or_expired_at_once_and_stops_counting(stor
         await until(lambda: running.status == "in_progress")
         cancelled = runner.cancel(waiting.id)
         assert cancelled.status == "cancelled" and cancelled.cancelling_at and cancelled.cancelled_at
+        assert cancelled.output_file_id is None and cancelled.error_file_id is None  # OpenAI gives none
         late.expires_at = int(time.time()) - 1
-        assert runner.get(late.id).status == "expired"
+        assert runner.get(late.id).status == "finalizing"  # no longer waiting: its error file is being written
+        assert (await finished(runner, late.id)).status == "expired"
         runner.create(create_body(upload(store, [line("fits")])))  # two places freed: no 429
         last = runner.create(create_body(upload(store, [line("fits too")])))
         release.set()
@@ -342,6 +345,108 @@ def test_a_batch_whose_last_line_finished_after_expires_at_is_completed(store):
 
     batch = asyncio.run(main())
     assert batch.status == "completed" and batch.error_file_id is None and batch.request_counts.completed == 1
+
+
+def test_a_batch_expired_while_waiting_has_each_line_batch_expired_written_off_the_loop(store, monkeypatch):
+    threads, read = [], batch_runner.read_lines
+
+    def noted(path, max_bytes):  # the expiry's pass over the file (validation.py reads its own)
+        threads.append(threading.get_ident())
+        yield from read(path, max_bytes)
+
+    monkeypatch.setattr(batch_runner, "read_lines", noted)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def hold(text):
+            await release.wait()
+
+        svc = FakeService(hold)
+        runner = BatchRunner(svc, store, 1)
+        running = runner.create(create_body(upload(store, [line("run")])))
+        late = runner.create(create_body(upload(store, [line(f"l{i}") for i in range(3)])))
+        await until(lambda: running.status == "in_progress")
+        late.expires_at = int(time.time()) - 1  # noticed by a client, while the worker is busy
+        assert runner.get(late.id).status == "finalizing"
+        with pytest.raises(APIError) as refused:
+            runner.cancel(late.id)
+        ended = await finished(runner, late.id)
+        assert running.status == "in_progress"  # expired without the worker
+        release.set()
+        await finished(runner, running.id)
+        return svc, ended, refused.value, threading.get_ident()
+
+    svc, batch, refused, loop_thread = asyncio.run(main())
+    assert refused.status == 409 and svc.started == ["run"]
+    assert batch.status == "expired" and batch.expired_at and batch.in_progress_at is None
+    assert batch.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
+    assert batch.output_file_id is None
+    assert [(r["custom_id"], r["response"], r["error"]["code"]) for r in rows(store, batch.error_file_id)] == [
+        ("l0", None, "batch_expired"), ("l1", None, "batch_expired"), ("l2", None, "batch_expired")]
+    assert len(threads) == 2 and loop_thread not in threads  # the running batch's pass and the expiry's
+
+
+def test_a_batch_expired_while_validated_by_the_worker_has_each_line_batch_expired(store, monkeypatch):
+    validate, validated = batch_runner.validate_file, []
+
+    async def main():
+        runner = BatchRunner(FakeService(), store, 1)
+
+        def slow(path, endpoint, limits):  # the window closes while the file is validated
+            validated.append(path)
+            runner._batches[batch_id].expires_at = int(time.time()) - 1
+            return validate(path, endpoint, limits)
+
+        monkeypatch.setattr(batch_runner, "validate_file", slow)
+        batch_id = runner.create(create_body(upload(store, [line("a"), line("b")]))).id
+        return runner.service, await finished(runner, batch_id)
+
+    svc, batch = asyncio.run(main())
+    assert batch.status == "expired" and svc.started == [] and len(validated) == 1  # not validated again
+    assert batch.request_counts.model_dump() == {"total": 2, "completed": 0, "failed": 2}
+    assert [(r["custom_id"], r["error"]["code"]) for r in rows(store, batch.error_file_id)] == [
+        ("a", "batch_expired"), ("b", "batch_expired")]
+
+
+def test_a_batch_expired_before_it_started_with_an_invalid_file_fails_as_validation_does(store):
+    async def main():
+        runner = BatchRunner(FakeService(), store, 1)
+        bad = runner.create(create_body(upload(store, [line("a"), "not json", line("a")])))
+        bad.expires_at = int(time.time()) - 1
+        return await finished(runner, bad.id)
+
+    batch = asyncio.run(main())
+    assert batch.status == "failed" and batch.expired_at is None and batch.error_file_id is None
+    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "invalid_json"), (3, "duplicate_custom_id")]
+    assert [f.purpose for f in store.list()] == ["batch"]
+
+
+def test_a_shutdown_fails_a_batch_whose_expiry_is_being_written_and_leaves_no_file(store, monkeypatch):
+    reading, go = threading.Event(), threading.Event()
+    read = batch_runner.read_lines
+
+    def held(path, max_bytes):
+        reading.set()
+        go.wait(10)
+        yield from read(path, max_bytes)
+
+    monkeypatch.setattr(batch_runner, "read_lines", held)
+
+    async def main():
+        runner = BatchRunner(FakeService(), store, 1)
+        late = runner.create(create_body(upload(store, [line("a"), line("b")])))
+        late.expires_at = int(time.time()) - 1
+        runner.get(late.id)
+        await until(reading.is_set)
+        await runner.close()
+        go.set()  # the thread the expiry left behind writes into a discarded file: nothing is kept
+        return late
+
+    batch = asyncio.run(main())
+    assert batch.status == "failed" and batch.errors.data[0].code == "server_shutdown"
+    assert batch.error_file_id is None and [f.purpose for f in store.list()] == ["batch"]
+    store.check_integrity()
 
 
 def test_the_echo_of_a_value_is_cut_with_an_ellipsis():

@@ -1,8 +1,9 @@
 """OpenAI's Batch API (``/v1/batches``) on the demo checkpoint, served in process: an uploaded batch
 file's lines are answered as the chat route answers them (greedy answers equal), 200s in the output
 file and the rest in the error file; a file with structural errors fails with the lines named; a
-cancelled batch stops, aborts its lines in flight and keeps what was answered; an expired or shut-down
-one ends; interactive requests are served while a batch runs; the OpenAI SDK drives it all."""
+cancelled batch stops, aborts its lines in flight and keeps what was answered; an expired one ends with
+its lines not run ``batch_expired`` in its error file, a shut-down one fails; interactive requests are
+served while a batch runs; the OpenAI SDK drives it all."""
 
 from __future__ import annotations
 
@@ -142,8 +143,11 @@ def test_cancel_stops_aborts_and_keeps_the_answered_lines(demo_client, demo_engi
 
 def test_an_expired_batch_ends_without_running(demo_client, monkeypatch):
     monkeypatch.setattr(batch_runner, "WINDOW_S", 0)
-    batch = wait(demo_client, create(demo_client, upload(demo_client, [line("a", "x")]))["id"])
-    assert batch["status"] == "expired" and batch["expired_at"] and batch["request_counts"]["completed"] == 0
+    batch = wait(demo_client, create(demo_client, upload(demo_client, [line("a", "x"), line("b", "y")]))["id"])
+    assert batch["status"] == "expired" and batch["expired_at"] and batch["output_file_id"] is None
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    assert [(r["custom_id"], r["error"]["code"]) for r in jsonl(demo_client, batch["error_file_id"])] == [
+        ("a", "batch_expired"), ("b", "batch_expired")]
 
 
 def test_a_shutdown_fails_the_running_batch(demo_engine, tmp_path):
