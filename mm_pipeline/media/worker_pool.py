@@ -13,17 +13,19 @@ on the budget leaves its core to the encoder, whose progress is what frees the b
 
 Fair between requests. Calls carry the flow (a request) that made them (``flow(key)``: a context
 variable the request's tasks inherit). A free worker starts a queued call of the flow with the
-fewest calls running (among equals the one served longest ago; FIFO within a flow), and
-``spare`` extra threads start only calls of flows that have none running. A 60 s video queues dozens of chunk decodes at
-once (each ~30-70 ms); with one FIFO an image request sent just after it waited for all of them
-(430 ms to its first token where it takes 48 ms alone; demo-size model, 2 workers), and a fair
-order alone still makes each of its calls (ingest, plan, cache lookup, decode: one after another)
-wait for a chunk to end. With the spare thread its calls start at once (170-185 ms, the rest
-being its encode and prefill beside the video's): a newcomer never waits for a worker while
-another request holds them all, and a request with calls on every worker never takes the spare.
-The executor's own queue holds interchangeable "start what may start" tokens, one per admitted
-call, and a thread whose call ends goes on starting calls while one may start, so the choice is
-made when a worker frees up, not when a call is queued.
+fewest calls running; among equals, round-robin (the one served longest ago; a newcomer joins the
+end of the round, so a flow waits for at most one start of each other flow and none starves);
+FIFO within a flow. ``spare`` extra threads start only calls of flows that have none running.
+A 60 s video queues dozens of chunk decodes at once (each ~30-70 ms); with one FIFO an image
+request sent just after it waited for all of them (430 ms to its first token where it takes 48 ms
+alone; demo-size model, 2 workers), and a fair order alone still makes each of its calls (ingest,
+plan, cache lookup, decode: one after another) wait for a chunk to end. With the spare thread its
+calls start at once (~170-260 ms, the rest being its encode and prefill beside the video's): a
+newcomer never waits for a worker while another request holds them all, and a request with calls
+on every worker never takes the spare. The executor's queue holds interchangeable "start what may
+start" turns (at most one per thread), and a thread whose call ends goes on starting calls while
+one may start, so the choice is made when a worker frees up, not when a call is queued.
+``shutdown`` refuses new calls first, so none is queued behind the last thread.
 
 Threads, not processes: PyAV and PIL drop the GIL while decoding, and results (frame tensors)
 stay in-process without pickling; with ``decode_backend="process"`` a worker thread hands video
@@ -114,10 +116,17 @@ class WorkerPool:
         # admitted calls not started yet, per flow (a flow with none is not a key)
         self._ready: dict[Hashable | None, collections.deque[_Call]] = {}
         self._flow_started: collections.Counter[Hashable | None] = collections.Counter()
-        # when each flow with calls queued or started last had a call started (a tick count):
-        # among flows with as many calls running, the one served longest ago goes first
-        self._served_at: dict[Hashable | None, int] = {}
+        # each flow with calls queued or started: (tick, 1) of its last start, or (tick, 0) of its
+        # arrival when none started yet -- the tick counts starts. Among flows with as many calls
+        # running the lowest goes first: the one served longest ago, a newcomer after the flows
+        # that waited since before it came and before those served since (round-robin, every flow
+        # waiting at most one start of each other; no flow starves)
+        self._served_at: dict[Hashable | None, tuple[int, int]] = {}
         self._tick = 0
+        # ``_work`` turns submitted to the executor and not begun: one is submitted per queued call
+        # while turns and started calls leave a thread free, so at most one per thread waits there
+        self._tokens = 0
+        self._closed = False
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -125,13 +134,23 @@ class WorkerPool:
         """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
         await self._acquire()
         cf: Future[T] = Future()
+        call = _Call(_flow.get(), fn, args, kwargs, cf)
+        turn = False
         try:
             with self._lock:
-                key = _flow.get()
-                self._ready.setdefault(key, collections.deque()).append(_Call(key, fn, args, kwargs, cf))
-            self._executor.submit(self._work)
+                if self._closed:
+                    raise RuntimeError("cannot run calls on a worker pool that was shut down")
+                self._ready.setdefault(call.flow, collections.deque()).append(call)
+                self._served_at.setdefault(call.flow, (self._tick, 0))
+                turn = self._started + self._tokens < self.max_workers + self.spare
+                self._tokens += turn
+            if turn:  # else every thread runs a call or has a turn coming, and each goes on to this one
+                self._executor.submit(self._work)
         except BaseException:
-            cf.cancel()  # a queued call nobody runs: a worker skips it
+            with self._lock:
+                self._tokens -= turn
+                self._unqueue(call)
+            cf.cancel()
             self._release()
             raise
         # a cancelled caller cancels cf (wrap_future passes it on): a worker then skips the call
@@ -160,15 +179,15 @@ class WorkerPool:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; ``wait=False`` cancels the calls not started yet (their callers see
         CancelledError), ``wait=True`` runs them first."""
-        if not wait:
-            with self._lock:
-                queued = [call for calls in self._ready.values() for call in calls]
-                self._ready.clear()
-                for key in [k for k in self._served_at if k not in self._flow_started]:
-                    del self._served_at[key]
-            for call in queued:
-                call.future.cancel()
+        with self._lock:  # no call is queued from now on: one queued after the cancels below would hang
+            self._closed = True
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        with self._lock:  # wait=True ran them all; wait=False leaves those no thread had started
+            queued = [call for calls in self._ready.values() for call in calls]
+            for call in queued:
+                self._unqueue(call)
+        for call in queued:
+            call.future.cancel()
 
     def check_integrity(self) -> None:
         with self._lock:
@@ -180,17 +199,22 @@ class WorkerPool:
             if sum(self._flow_started.values()) != self._started or min(self._flow_started.values(), default=1) < 1:
                 raise AssertionError(f"per-flow started counts {dict(self._flow_started)} do not add up to "
                                      f"{self._started}")
+            if not 0 <= self._tokens <= self.max_workers + self.spare and not self._closed:
+                raise AssertionError(f"{self._tokens} turns waiting for {self.max_workers + self.spare} threads")
             if any(not calls for calls in self._ready.values()):
                 raise AssertionError("a flow with no queued call is still listed as ready")
-            if set(self._served_at) - set(self._ready) - set(self._flow_started):
-                raise AssertionError("a flow with nothing queued or running is still remembered")
+            if set(self._served_at) != set(self._ready) | set(self._flow_started):
+                raise AssertionError("the flows remembered are not those with calls queued or started")
 
     # ---- internal helpers -------------------------------------------------------------------
 
     def _work(self) -> None:
-        """On a worker thread (one turn per admitted call): start calls while one may start. A call
-        whose caller gave up is skipped. A turn that finds nothing it may start ends; the calls left
-        queued then wait for a running one to end, whose thread goes on here."""
+        """On a worker thread (a turn ``run`` submitted): start calls while one may start. A call
+        whose caller gave up is skipped. ``_take`` finds nothing only when calls are running (at
+        least ``max_workers``) or none is queued; the thread of each running call goes on here when
+        it ends, so no queued call is left without a thread to start it."""
+        with self._lock:
+            self._tokens -= 1
         while True:
             with self._lock:
                 call = self._take()
@@ -215,12 +239,12 @@ class WorkerPool:
 
     def _take(self) -> _Call | None:
         """Under ``_lock``: the next call a free thread may start (counted started), or None: of the
-        flows with calls queued, the one with the fewest calls running (a newcomer before a flow
-        holding workers), among equals the one served longest ago (a flow never served first, in
-        arrival order); on a spare thread only a flow with none running."""
+        flows with calls queued, one with the fewest calls running (a newcomer before a flow holding
+        workers), among those the lowest ``_served_at``; on a spare thread only a flow with none
+        running."""
         if not self._ready or self._started >= self.max_workers + self.spare:
             return None
-        best = min(self._ready, key=lambda k: (self._flow_started[k], self._served_at.get(k, -1)))
+        best = min(self._ready, key=lambda k: (self._flow_started[k], self._served_at[k]))
         if self._flow_started[best] and self._started >= self.max_workers:  # a spare thread: newcomers only
             return None
         calls = self._ready[best]
@@ -230,7 +254,7 @@ class WorkerPool:
         self._started += 1
         self._flow_started[best] += 1
         self._tick += 1
-        self._served_at[best] = self._tick
+        self._served_at[best] = (self._tick, 1)
         return call
 
     def _finished(self, call: _Call) -> None:
@@ -239,8 +263,23 @@ class WorkerPool:
         self._flow_started[call.flow] -= 1
         if not self._flow_started[call.flow]:
             del self._flow_started[call.flow]
-            if call.flow not in self._ready:  # nothing queued or running: the flow is forgotten
-                del self._served_at[call.flow]
+            self._forget_if_idle(call.flow)
+
+    def _unqueue(self, call: _Call) -> None:
+        """Under ``_lock``: ``call`` leaves the queue without starting (if it is still there)."""
+        calls = self._ready.get(call.flow)
+        if calls is None or call not in calls:
+            return
+        calls.remove(call)
+        if not calls:
+            del self._ready[call.flow]
+            self._forget_if_idle(call.flow)
+
+    def _forget_if_idle(self, key: Hashable | None) -> None:
+        """Under ``_lock``: a flow with nothing queued or started is forgotten (it comes back as a
+        newcomer: memory stays bounded by the calls admitted)."""
+        if key not in self._ready and key not in self._flow_started:
+            self._served_at.pop(key, None)
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         """On a worker thread: ``fn`` counted as running, the thread marked as this pool's worker

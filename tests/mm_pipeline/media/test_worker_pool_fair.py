@@ -10,6 +10,7 @@ import random
 import threading
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,3 +166,56 @@ def test_every_call_runs_once_and_every_start_is_fair(workers, spare, pending, c
     assert violations == []
     pool.check_integrity()
     assert pool.admitted == 0 and not pool._ready and not pool._flow_started and not pool._served_at
+
+
+def test_a_queued_flow_is_not_starved_by_requests_calling_one_at_a_time() -> None:
+    """Requests whose calls come one after another (ingest, plan, lookup, decode) leave the pool
+    between calls and come back as newcomers; the video with its queue still gets a start at least
+    once per round of them (it waits since before they came back)."""
+    pool = WorkerPool(1, 64)
+    starts: list[str] = []
+    lock = threading.Lock()
+
+    def work(name: str) -> None:
+        with lock:
+            starts.append(name)
+        time.sleep(0.002)
+
+    async def sequential(k: int) -> None:
+        for _ in range(12):
+            with flow(f"req-{k}"):
+                await pool.run(work, f"req-{k}")
+
+    async def main() -> None:
+        with flow("video"):
+            video = [asyncio.create_task(pool.run(work, "video")) for _ in range(6)]
+        await asyncio.wait_for(asyncio.gather(*video, *(sequential(k) for k in range(3))), LIMIT_S)
+
+    asyncio.run(main())
+    pool.shutdown()
+    video_at = [i for i, n in enumerate(starts) if n == "video"]
+    gaps = [b - a - 1 for a, b in zip(video_at, video_at[1:])]
+    assert len(video_at) == 6 and max(gaps) <= 3, starts  # at most one start of each other request between
+    assert video_at[-1] < len(starts) - 3  # the video finished while the requests still had calls to make
+    pool.check_integrity()
+
+
+def test_shutdown_without_waiting_cancels_the_queued_calls_and_refuses_new_ones() -> None:
+    pool = WorkerPool(1, 16, spare=1)
+    gate = threading.Event()
+
+    async def main() -> list:
+        with flow("video"):
+            held = asyncio.create_task(pool.run(gate.wait, LIMIT_S))
+            queued = [asyncio.create_task(pool.run(lambda: "never")) for _ in range(3)]
+        while pool.busy < 1 or pool.admitted < 4:
+            await asyncio.sleep(0.001)
+        threading.Timer(0.05, gate.set).start()  # the running call ends after the shutdown began
+        await asyncio.to_thread(pool.shutdown, False)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await pool.run(lambda: "late")
+        return await asyncio.wait_for(asyncio.gather(held, *queued, return_exceptions=True), LIMIT_S)
+
+    held, *queued = asyncio.run(main())
+    assert held is True and all(isinstance(q, asyncio.CancelledError) for q in queued)
+    assert pool.admitted == 0 and not pool._ready and not pool._served_at
