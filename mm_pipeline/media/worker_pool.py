@@ -90,7 +90,7 @@ class WorkerPool:
     """Thread pool with an admission limit, fair between flows (module doc).
 
     Invariants (under ``_lock``): ``0 <= _admitted <= capacity``; a waiter is only woken by handing
-    it a slot that stays counted in ``_admitted``; ``0 <= _blocked <= _running <= _started <=
+    it a slot that stays counted in ``_admitted``; ``0 <= _blocked <= _started <=
     max_workers + spare``, and ``_started`` calls beyond ``max_workers`` only of flows that had
     none running when they started."""
 
@@ -107,8 +107,7 @@ class WorkerPool:
                                             initializer=_one_intra_op_thread)
         self._lock = threading.Lock()
         self._admitted = 0
-        self._started = 0  # calls taken by a worker thread, not returned yet
-        self._running = 0  # of those, executing the function (not between take and call)
+        self._started = 0  # calls taken by a worker thread, not returned yet (what ``busy`` counts)
         self._blocked = 0  # of those, inside ``blocked()``: waiting, using no CPU
         self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
             collections.deque()
@@ -168,7 +167,7 @@ class WorkerPool:
         """Workers using a CPU now: running a call, not blocked (module doc). ``admitted`` counts
         a worker waiting for the decode budget too, and queued calls."""
         with self._lock:
-            return self._running - self._blocked
+            return self._started - self._blocked
 
     @property
     def waiting(self) -> int:
@@ -193,9 +192,9 @@ class WorkerPool:
         with self._lock:
             if not 0 <= self._admitted <= self.capacity:
                 raise AssertionError(f"admitted {self._admitted} outside [0, {self.capacity}]")
-            if not 0 <= self._blocked <= self._running <= self._started <= self.max_workers + self.spare:
-                raise AssertionError(f"{self._blocked} blocked of {self._running} running of {self._started} "
-                                     f"started calls (at most {self.max_workers} + {self.spare} spare)")
+            if not 0 <= self._blocked <= self._started <= self.max_workers + self.spare:
+                raise AssertionError(f"{self._blocked} blocked of {self._started} started calls (at most "
+                                     f"{self.max_workers} + {self.spare} spare)")
             if sum(self._flow_started.values()) != self._started or min(self._flow_started.values(), default=1) < 1:
                 raise AssertionError(f"per-flow started counts {dict(self._flow_started)} do not add up to "
                                      f"{self._started}")
@@ -213,10 +212,12 @@ class WorkerPool:
         whose caller gave up is skipped. ``_take`` finds nothing only when calls are running (at
         least ``max_workers``) or none is queued; the thread of each running call goes on here when
         it ends, so no queued call is left without a thread to start it."""
-        with self._lock:
-            self._tokens -= 1
+        begun = False
         while True:
             with self._lock:
+                if not begun:  # one lock round for the turn and its first call: a hop's fixed cost
+                    self._tokens -= 1
+                    begun = True
                 call = self._take()
                 if call is None:
                     return
@@ -244,7 +245,10 @@ class WorkerPool:
         running."""
         if not self._ready or self._started >= self.max_workers + self.spare:
             return None
-        best = min(self._ready, key=lambda k: (self._flow_started[k], self._served_at[k]))
+        if len(self._ready) == 1:  # the usual case: one flow waiting
+            best = next(iter(self._ready))
+        else:
+            best = min(self._ready, key=lambda k: (self._flow_started[k], self._served_at[k]))
         if self._flow_started[best] and self._started >= self.max_workers:  # a spare thread: newcomers only
             return None
         calls = self._ready[best]
@@ -282,17 +286,13 @@ class WorkerPool:
             self._served_at.pop(key, None)
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
-        """On a worker thread: ``fn`` counted as running, the thread marked as this pool's worker
-        (``blocked()`` finds the pool there)."""
-        with self._lock:
-            self._running += 1
+        """On a worker thread: ``fn`` with the thread marked as this pool's worker (``blocked()``
+        finds the pool there)."""
         _worker.pool = self
         try:
             return fn(*args, **kwargs)
         finally:
             _worker.pool = None
-            with self._lock:
-                self._running -= 1
 
     async def _acquire(self) -> None:
         loop = asyncio.get_running_loop()
