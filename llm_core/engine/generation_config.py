@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from llm_core.engine.sampling import SamplingParams
+from llm_core.json_setting import json_object_setting
 
 FILE_NAME = "generation_config.json"
 BUILTIN_SETTINGS = ("vllm", "none")  # no checkpoint defaults ("vllm": vLLM's spelling)
@@ -124,21 +125,8 @@ def parse_override(text: str | Mapping[str, Any]) -> dict[str, Any]:
     """``--override-generation-config``: a JSON object of generation-config keys (a mapping is taken
     as it is: a YAML config file gives one). Unknown keys are refused here (a typo would otherwise be
     silently ignored), values are checked by ``GenerationDefaults.from_mapping``."""
-    if isinstance(text, Mapping):
-        data = dict(text)
-    else:
-        if len(text) > MAX_OVERRIDE_CHARS:
-            raise GenerationConfigError(f"override_generation_config is over {MAX_OVERRIDE_CHARS} characters")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GenerationConfigError(f"override_generation_config is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GenerationConfigError(f"override_generation_config must be a JSON object, got {type(data).__name__}")
-    unknown = sorted(str(k) for k in data if k not in _FIELDS)
-    if unknown:
-        raise GenerationConfigError(f"override_generation_config: unknown key(s) {', '.join(unknown)} "
-                                    f"(known: {', '.join(KEYS)})")
+    data = json_object_setting(text, "override_generation_config", known=_FIELDS, max_chars=MAX_OVERRIDE_CHARS,
+                               error=GenerationConfigError)
     GenerationDefaults.from_mapping(data, "override_generation_config")  # checked now, not at load
     return data
 

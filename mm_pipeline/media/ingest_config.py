@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from llm_core.json_setting import json_object_setting
 from mm_pipeline.media.types import MediaKind
 
 
@@ -85,17 +86,10 @@ MEDIA_KINDS = tuple(k.value for k in MediaKind)  # image, video, audio
 
 def _per_kind(value: str | Mapping[str, int]) -> dict[str, int]:
     """``max_items_per_kind`` checked: a JSON object (or mapping) of known kinds to counts >= 0."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {exc}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f'--limit-mm-per-prompt must be a JSON object like {{"image": 4, "video": 1}}, got {value!r}')
+    value = json_object_setting(value, "--limit-mm-per-prompt", known=MEDIA_KINDS, noun="kind",
+                                example='{"image": 4, "video": 1}')
     out = {}
     for kind, n in value.items():
-        if kind not in MEDIA_KINDS:
-            raise ValueError(f"--limit-mm-per-prompt: unknown kind {kind!r} (known: {', '.join(MEDIA_KINDS)})")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"--limit-mm-per-prompt: {kind} must be an integer >= 0, got {n!r}")
         out[kind] = n
