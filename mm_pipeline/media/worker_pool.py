@@ -15,7 +15,9 @@ Fair between requests. Calls carry the flow (a request) that made them (``flow(k
 variable the request's tasks inherit). A free worker starts a queued call of the flow with the
 fewest calls running; among equals, round-robin (the one served longest ago; a newcomer joins the
 end of the round, so a flow waits for at most one start of each other flow and none starves);
-FIFO within a flow. ``spare`` extra threads start only calls of flows that have none running.
+FIFO within a flow; and before all that, a flow of more urgent priority first (the request's, under
+the engine's ``priority`` queue policy). ``spare`` extra threads start only calls of flows that have
+none running.
 A 60 s video queues dozens of chunk decodes at once (each ~30-70 ms); with one FIFO an image
 request sent just after it waited for all of them (430 ms to its first token where it takes 48 ms
 alone; demo-size model, 2 workers), and a fair order alone still makes each of its calls (ingest,
@@ -52,16 +54,20 @@ from mm_pipeline.errors import ServerBusy
 T = TypeVar("T")
 
 _worker = threading.local()  # .pool: the WorkerPool whose call this thread runs now (else unset/None)
-# the flow (request) on whose behalf the current task calls pools; None: the shared flow
-_flow: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("worker_pool_flow", default=None)
+# the flow (request) on whose behalf the current task calls pools, and its priority; None: the
+# shared flow (priority 0)
+_flow: contextvars.ContextVar[tuple[Hashable | None, int]] = contextvars.ContextVar("worker_pool_flow",
+                                                                                    default=(None, 0))
 
 
 @contextlib.contextmanager
-def flow(key: Hashable) -> Iterator[None]:
+def flow(key: Hashable, priority: int = 0) -> Iterator[None]:
     """Calls made in this block -- and by tasks created in it, which copy the context -- belong to
-    flow ``key`` (a request id): the pools take turns between flows (module doc). Enter and leave it
-    without an await-spanning ``yield`` in between (an async generator's context may change there)."""
-    token = _flow.set(key)
+    flow ``key`` (a request id): the pools take turns between flows (module doc), a lower
+    ``priority`` first (the request's, under the engine's ``priority`` queue policy). Enter and
+    leave it without an await-spanning ``yield`` in between (an async generator's context may
+    change there)."""
+    token = _flow.set((key, priority))
     try:
         yield
     finally:
@@ -69,10 +75,24 @@ def flow(key: Hashable) -> Iterator[None]:
 
 
 @dataclass(eq=False)
+class _FlowState:
+    """A flow with calls queued or started. ``rank``: (tick, 1) of its last start, or (tick, 0) of
+    its arrival when none started yet -- the tick counts starts. Among flows of one priority with as
+    many calls running the lowest rank goes first: the one served longest ago, a newcomer after the
+    flows that waited since before it came and before those served since (round-robin: a flow waits
+    for at most one start of each other flow of its priority; none starves)."""
+
+    priority: int
+    rank: tuple[int, int]
+    started: int = 0
+
+
+@dataclass(eq=False)
 class _Call:
     """An admitted call waiting for a worker: what to run and the future its caller awaits."""
 
     flow: Hashable | None
+    priority: int
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -114,13 +134,7 @@ class WorkerPool:
         )
         # admitted calls not started yet, per flow (a flow with none is not a key)
         self._ready: dict[Hashable | None, collections.deque[_Call]] = {}
-        self._flow_started: collections.Counter[Hashable | None] = collections.Counter()
-        # each flow with calls queued or started: (tick, 1) of its last start, or (tick, 0) of its
-        # arrival when none started yet -- the tick counts starts. Among flows with as many calls
-        # running the lowest goes first: the one served longest ago, a newcomer after the flows
-        # that waited since before it came and before those served since (round-robin, every flow
-        # waiting at most one start of each other; no flow starves)
-        self._served_at: dict[Hashable | None, tuple[int, int]] = {}
+        self._flows: dict[Hashable | None, _FlowState] = {}  # those with calls queued or started
         self._tick = 0
         # ``_work`` turns submitted to the executor and not begun: one is submitted per queued call
         # while turns and started calls leave a thread free, so at most one per thread waits there
@@ -133,14 +147,15 @@ class WorkerPool:
         """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
         await self._acquire()
         cf: Future[T] = Future()
-        call = _Call(_flow.get(), fn, args, kwargs, cf)
+        call = _Call(*_flow.get(), fn, args, kwargs, cf)
         turn = False
         try:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("cannot run calls on a worker pool that was shut down")
                 self._ready.setdefault(call.flow, collections.deque()).append(call)
-                self._served_at.setdefault(call.flow, (self._tick, 0))
+                if call.flow not in self._flows:  # (a flow keeps the priority it came with)
+                    self._flows[call.flow] = _FlowState(call.priority, (self._tick, 0))
                 turn = self._started + self._tokens < self.max_workers + self.spare
                 self._tokens += turn
             if turn:  # else every thread runs a call or has a turn coming, and each goes on to this one
@@ -195,14 +210,14 @@ class WorkerPool:
             if not 0 <= self._blocked <= self._started <= self.max_workers + self.spare:
                 raise AssertionError(f"{self._blocked} blocked of {self._started} started calls (at most "
                                      f"{self.max_workers} + {self.spare} spare)")
-            if sum(self._flow_started.values()) != self._started or min(self._flow_started.values(), default=1) < 1:
-                raise AssertionError(f"per-flow started counts {dict(self._flow_started)} do not add up to "
-                                     f"{self._started}")
+            per_flow = {k: f.started for k, f in self._flows.items()}
+            if sum(per_flow.values()) != self._started or min(per_flow.values(), default=0) < 0:
+                raise AssertionError(f"per-flow started counts {per_flow} do not add up to {self._started}")
             if not 0 <= self._tokens <= self.max_workers + self.spare and not self._closed:
                 raise AssertionError(f"{self._tokens} turns waiting for {self.max_workers + self.spare} threads")
             if any(not calls for calls in self._ready.values()):
                 raise AssertionError("a flow with no queued call is still listed as ready")
-            if set(self._served_at) != set(self._ready) | set(self._flow_started):
+            if set(self._flows) != set(self._ready) | {k for k, f in self._flows.items() if f.started}:
                 raise AssertionError("the flows remembered are not those with calls queued or started")
 
     # ---- internal helpers -------------------------------------------------------------------
@@ -240,34 +255,38 @@ class WorkerPool:
 
     def _take(self) -> _Call | None:
         """Under ``_lock``: the next call a free thread may start (counted started), or None: of the
-        flows with calls queued, one with the fewest calls running (a newcomer before a flow holding
-        workers), among those the lowest ``_served_at``; on a spare thread only a flow with none
-        running."""
+        flows with calls queued (on a spare thread: those with none running), one of the most urgent
+        priority, then with the fewest calls running (a newcomer before a flow holding workers), then
+        of the lowest rank (``_FlowState``)."""
         if not self._ready or self._started >= self.max_workers + self.spare:
             return None
+        flows = self._flows
+        spare = self._started >= self.max_workers  # a spare thread: flows with none running only
         if len(self._ready) == 1:  # the usual case: one flow waiting
             best = next(iter(self._ready))
         else:
-            best = min(self._ready, key=lambda k: (self._flow_started[k], self._served_at[k]))
-        if self._flow_started[best] and self._started >= self.max_workers:  # a spare thread: newcomers only
+            waiting = [k for k in self._ready if not flows[k].started] if spare else self._ready
+            if not waiting:
+                return None
+            best = min(waiting, key=lambda k: (flows[k].priority, flows[k].started, flows[k].rank))
+        state = flows[best]
+        if spare and state.started:
             return None
         calls = self._ready[best]
         call = calls.popleft()
         if not calls:
             del self._ready[best]
         self._started += 1
-        self._flow_started[best] += 1
+        state.started += 1
         self._tick += 1
-        self._served_at[best] = (self._tick, 1)
+        state.rank = (self._tick, 1)
         return call
 
     def _finished(self, call: _Call) -> None:
         """Under ``_lock``: ``call`` (started by ``_take``) returned or was skipped."""
         self._started -= 1
-        self._flow_started[call.flow] -= 1
-        if not self._flow_started[call.flow]:
-            del self._flow_started[call.flow]
-            self._forget_if_idle(call.flow)
+        self._flows[call.flow].started -= 1
+        self._forget_if_idle(call.flow)
 
     def _unqueue(self, call: _Call) -> None:
         """Under ``_lock``: ``call`` leaves the queue without starting (if it is still there)."""
@@ -282,8 +301,9 @@ class WorkerPool:
     def _forget_if_idle(self, key: Hashable | None) -> None:
         """Under ``_lock``: a flow with nothing queued or started is forgotten (it comes back as a
         newcomer: memory stays bounded by the calls admitted)."""
-        if key not in self._ready and key not in self._flow_started:
-            self._served_at.pop(key, None)
+        state = self._flows.get(key)
+        if state is not None and not state.started and key not in self._ready:
+            del self._flows[key]
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         """On a worker thread: ``fn`` with the thread marked as this pool's worker (``blocked()``

@@ -188,9 +188,9 @@ class OmniEngine:
         feed: MediaFeed | None = None
         checkpoints: tuple[int, ...] = ()
         try:
-            # the worker pools take turns between requests (media/worker_pool.py): this request's
-            # calls, and those of the tasks started here (its video's chunk decodes), are its flow
-            with pool_flow(rid):
+            # the worker pools take turns between requests, the more urgent first (media/worker_pool.py):
+            # this request's calls, and those of the tasks started here (its video's chunk decodes), are its flow
+            with pool_flow(rid, priority):
                 if params.structured_outputs is not None:  # a bad constraint fails before any media is read
                     await rt.compile_grammar(params.structured_outputs)
                 if chat is not None:

@@ -22,21 +22,24 @@ LIMIT_S = 30.0  # any wait here is a hang, not a slow machine
 def _checked(pool: WorkerPool, violations: list[str]) -> None:
     """Check every start decision where it is made (under the pool's lock): never more than
     ``max_workers + spare`` started, a spare start only for a flow with none running, and the
-    chosen flow one with the fewest calls running of those waiting."""
+    chosen flow one of the most urgent priority, then the fewest calls running, of those waiting
+    (on a spare thread: of those with none running)."""
     take = pool._take
 
     def checked():
-        started, per_flow = pool._started, dict(pool._flow_started)
-        waiting = {k: per_flow.get(k, 0) for k in pool._ready}
+        started = pool._started
+        state = {k: (f.priority, f.started) for k, f in pool._flows.items()}
         call = take()
         if call is None:
             return None
+        spare = started >= pool.max_workers
         if started >= pool.max_workers + pool.spare:
             violations.append(f"started a call with {started} already started")
-        if started >= pool.max_workers and per_flow.get(call.flow, 0):
-            violations.append(f"spare start for flow {call.flow!r} with {per_flow[call.flow]} running")
-        if per_flow.get(call.flow, 0) != min(waiting.values()):
-            violations.append(f"flow {call.flow!r} ({per_flow.get(call.flow, 0)} running) chosen over {waiting}")
+        if spare and state[call.flow][1]:
+            violations.append(f"spare start for flow {call.flow!r} with {state[call.flow][1]} running")
+        eligible = [state[k] for k in [*pool._ready, call.flow] if not (spare and state[k][1])]
+        if state[call.flow] != min(eligible):
+            violations.append(f"flow {call.flow!r} {state[call.flow]} chosen over {eligible}")
         return call
 
     pool._take = checked
@@ -105,7 +108,7 @@ def test_the_spare_thread_serves_a_newcomer_while_one_flow_holds_every_worker() 
         pool.shutdown()
     assert violations == []
     pool.check_integrity()
-    assert not pool._served_at and not pool._ready and not pool._flow_started
+    assert not pool._flows and not pool._ready
 
 
 def test_calls_outside_any_flow_share_one_fifo() -> None:
@@ -125,8 +128,9 @@ def test_calls_outside_any_flow_share_one_fifo() -> None:
        calls=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.booleans()), min_size=1, max_size=24),
        seed=st.integers(0, 2**16))
 def test_every_call_runs_once_and_every_start_is_fair(workers, spare, pending, calls, seed) -> None:
-    """Random flows (None among them), durations and cancellations: each call not cancelled returns
-    its own value, exactly once; every start decision obeys the rules; nothing is left counted."""
+    """Random flows (None among them) of two priorities, durations and cancellations: each call not
+    cancelled returns its own value, exactly once; every start decision obeys the rules; nothing is
+    left counted."""
     pool = WorkerPool(workers, pending, spare=spare)
     violations: list[str] = []
     _checked(pool, violations)
@@ -140,7 +144,7 @@ def test_every_call_runs_once_and_every_start_is_fair(workers, spare, pending, c
         return i
 
     async def one(i: int, key: int, ms: int) -> int:
-        with flow(None if key == 0 else f"flow-{key}"):
+        with flow(None if key == 0 else f"flow-{key}", priority=key % 2):  # one priority per flow
             return await pool.run(work, i, ms)
 
     async def main() -> list:
@@ -165,7 +169,7 @@ def test_every_call_runs_once_and_every_start_is_fair(workers, spare, pending, c
     assert {i for i, got in enumerate(results) if not isinstance(got, BaseException)} <= set(ran)
     assert violations == []
     pool.check_integrity()
-    assert pool.admitted == 0 and not pool._ready and not pool._flow_started and not pool._served_at
+    assert pool.admitted == 0 and not pool._ready and not pool._flows
 
 
 def test_a_queued_flow_is_not_starved_by_requests_calling_one_at_a_time() -> None:
@@ -218,4 +222,50 @@ def test_shutdown_without_waiting_cancels_the_queued_calls_and_refuses_new_ones(
 
     held, *queued = asyncio.run(main())
     assert held is True and all(isinstance(q, asyncio.CancelledError) for q in queued)
-    assert pool.admitted == 0 and not pool._ready and not pool._served_at
+    assert pool.admitted == 0 and not pool._ready and not pool._flows
+
+
+def test_a_more_urgent_flow_goes_first_and_a_less_urgent_newcomer_still_gets_the_spare() -> None:
+    """Under the engine's priority policy a request's priority orders its calls too: the batch line
+    (priority 10) that came first waits for the interactive request (0); and while an urgent request
+    holds every worker, a less urgent one with none running still starts on the spare thread."""
+    pool = WorkerPool(1, 16, spare=1)
+    gates = {"u-held": threading.Event(), "b-held": threading.Event()}
+    order: list[str] = []
+
+    def call(name: str) -> str:
+        order.append(name)
+        if name in gates:
+            gates[name].wait(LIMIT_S)
+        return name
+
+    async def main() -> None:
+        with flow("urgent", priority=0):
+            urgent = [asyncio.create_task(pool.run(call, "u-held")), asyncio.create_task(pool.run(call, "u2"))]
+        while order != ["u-held"]:
+            await asyncio.sleep(0.001)
+        with flow("batch-line", priority=10):  # none running: the spare thread takes it at once
+            assert await asyncio.wait_for(pool.run(call, "b-spare"), LIMIT_S) == "b-spare"
+            spare_held = asyncio.create_task(pool.run(call, "b-held"))  # holds the spare thread now
+        while order[-1] != "b-held":
+            await asyncio.sleep(0.001)
+        with flow("late-batch", priority=10):
+            late = asyncio.create_task(pool.run(call, "late"))
+        with flow("interactive", priority=0):
+            interactive = asyncio.create_task(pool.run(call, "i"))
+        while pool.admitted < 5:
+            await asyncio.sleep(0.001)
+        gates["u-held"].set()  # one thread frees up: the urgent flows first, the late batch line last
+        await asyncio.wait_for(asyncio.gather(*urgent, late, interactive), LIMIT_S)
+        gates["b-held"].set()
+        await asyncio.wait_for(spare_held, LIMIT_S)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for gate in gates.values():
+            gate.set()
+        pool.shutdown()
+    # u2's flow was served before i came (round-robin within priority 0); "late" came before i
+    assert order == ["u-held", "b-spare", "b-held", "u2", "i", "late"]
+    pool.check_integrity()
