@@ -184,3 +184,21 @@ def test_the_stats_logger_writes_a_line_per_busy_interval(caplog):
         asyncio.run(run())
     lines = [r.getMessage() for r in caplog.records if r.name == "mmserve.stats"]
     assert len(lines) >= 3 and all(line.startswith("prompt 200.0 tokens/s") for line in lines)
+
+
+def test_a_snapshot_the_stats_line_cannot_read_skips_the_line_and_the_logger_runs_on(caplog):
+    """A stand-in engine (tests, a custom backend) whose stats() is not an OmniStats / EngineStats:
+    no line, and the task lives on, so stopping it (the server's lifespan ending) raises nothing."""
+    base = a_snapshot(prompt_tokens=0)
+    snaps = iter([{}, {}, base] + [later(base, 0.05 * (i + 1), prompt_tokens=10 * (i + 1)) for i in range(100)])
+
+    async def run() -> None:
+        stats = StatsLogger(lambda: next(snaps), interval_s=0.01)
+        stats.start()
+        await asyncio.sleep(0.08)
+        assert not stats._task.done()
+        await stats.stop()
+
+    with caplog.at_level("INFO", logger="mmserve.stats"):
+        asyncio.run(run())
+    assert any(r.name == "mmserve.stats" for r in caplog.records)  # lines again once snapshots are readable
