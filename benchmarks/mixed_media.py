@@ -55,7 +55,7 @@ def _mode(engine, mode: str):
     spare = pool.spare
     pool.spare = spare if mode == "fair+spare" else 0
     if mode == "fifo":  # every request's calls in one flow: the pool's order is arrival order
-        omni_engine.pool_flow = lambda _key: contextlib.nullcontext()
+        omni_engine.pool_flow = lambda *_: contextlib.nullcontext()
     try:
         yield
     finally:
