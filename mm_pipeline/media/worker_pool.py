@@ -167,8 +167,13 @@ class WorkerPool:
             cf.cancel()
             self._release()
             raise
-        # a cancelled caller cancels cf (wrap_future passes it on): a worker then skips the call
-        cf.add_done_callback(lambda _: self._release())
+        def done(f: Future) -> None:
+            if f.cancelled():  # its caller gave up (wrap_future passes the cancel on): off the queue now,
+                with self._lock:  # its arguments (a request's media bytes) with it, not on its turn
+                    self._unqueue(call)
+            self._release()
+
+        cf.add_done_callback(done)
         return await asyncio.wrap_future(cf)
 
     @property
@@ -236,6 +241,19 @@ class WorkerPool:
                 call = self._take()
                 if call is None:
                     return
+                # the take filled the last regular worker while a flow with none running waits (a
+                # less urgent one, passed over by priority): a turn for the spare thread, which
+                # ``run`` submitted none for
+                more = (self._started >= self.max_workers and self.spare > 0
+                        and self._started + self._tokens < self.max_workers + self.spare
+                        and any(not self._flows[k].started for k in self._ready))
+                self._tokens += more
+            if more:
+                try:
+                    self._executor.submit(self._work)
+                except RuntimeError:  # shut down meanwhile: the running threads still go on to it
+                    with self._lock:
+                        self._tokens -= 1
             try:
                 if not call.future.set_running_or_notify_cancel():
                     continue
@@ -300,7 +318,8 @@ class WorkerPool:
 
     def _forget_if_idle(self, key: Hashable | None) -> None:
         """Under ``_lock``: a flow with nothing queued or started is forgotten (it comes back as a
-        newcomer: memory stays bounded by the calls admitted)."""
+        newcomer: memory stays bounded by the calls admitted, a cancelled call leaving the queue at
+        once)."""
         state = self._flows.get(key)
         if state is not None and not state.started and key not in self._ready:
             del self._flows[key]

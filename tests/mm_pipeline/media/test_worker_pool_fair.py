@@ -269,3 +269,78 @@ def test_a_more_urgent_flow_goes_first_and_a_less_urgent_newcomer_still_gets_the
     # u2's flow was served before i came (round-robin within priority 0); "late" came before i
     assert order == ["u-held", "b-spare", "b-held", "u2", "i", "late"]
     pool.check_integrity()
+
+
+def test_the_spare_thread_takes_a_less_urgent_request_passed_over_for_the_last_worker() -> None:
+    """A worker frees up and goes to the urgent request (priority), filling the regular workers while
+    a less urgent request with none running waits: that request starts on the spare thread then,
+    not once the urgent calls end."""
+    pool = WorkerPool(2, 16, spare=1)
+    gates = {"a0": threading.Event(), "n": threading.Event()}
+    order: list[str] = []
+
+    held_by = {"a0": gates["a0"], "n2": gates["n"], "n4": gates["n"]}
+
+    def call(name: str) -> str:
+        order.append(name)
+        if name in held_by:
+            held_by[name].wait(LIMIT_S)
+        return name
+
+    async def main() -> str:
+        with flow("batch", priority=1):
+            a0 = asyncio.create_task(pool.run(call, "a0"))
+        while order != ["a0"]:
+            await asyncio.sleep(0.001)
+        with flow("urgent", priority=0):
+            n2 = asyncio.create_task(pool.run(call, "n2"))
+        while pool.busy < 2:
+            await asyncio.sleep(0.001)
+        with flow("batch", priority=1):
+            a1 = asyncio.create_task(pool.run(call, "a1"))  # its flow has a0 running: not the spare's
+        with flow("urgent", priority=0):
+            n4 = asyncio.create_task(pool.run(call, "n4"))
+        while pool.admitted < 4:
+            await asyncio.sleep(0.001)
+        gates["a0"].set()  # a0's worker goes to n4 (more urgent); a1's flow has none running now
+        got = await asyncio.wait_for(a1, LIMIT_S)  # on the spare, while n2 and n4 still hold the workers
+        assert not n2.done() and not n4.done()
+        gates["n"].set()
+        await asyncio.wait_for(asyncio.gather(a0, n2, n4), LIMIT_S)
+        return got
+
+    try:
+        assert asyncio.run(main()) == "a1"
+    finally:
+        for gate in gates.values():
+            gate.set()
+        pool.shutdown()
+    pool.check_integrity()
+
+
+def test_a_cancelled_call_leaves_the_queue_at_once() -> None:
+    """Its arguments (a request's media bytes) are not held until its flow's turn comes round."""
+    pool = WorkerPool(1, 16)
+    gate = threading.Event()
+
+    async def main() -> None:
+        with flow("video"):
+            held = asyncio.create_task(pool.run(gate.wait, LIMIT_S))
+        while pool.busy < 1:
+            await asyncio.sleep(0.001)
+        with flow("gone"):
+            task = asyncio.create_task(pool.run(len, b"x" * (1 << 20)))
+        while "gone" not in pool._ready:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        assert "gone" not in pool._ready and "gone" not in pool._flows and pool.admitted == 1
+        gate.set()
+        assert await asyncio.wait_for(held, LIMIT_S) is True
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        pool.shutdown()
+    pool.check_integrity()
