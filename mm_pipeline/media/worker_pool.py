@@ -163,14 +163,16 @@ class WorkerPool:
         except BaseException:
             with self._lock:
                 self._tokens -= turn
-                self._unqueue(call)
+                self._unqueue(call.flow, cf)
             cf.cancel()
             self._release()
             raise
-        def done(f: Future) -> None:
+        key = call.flow
+
+        def done(f: Future) -> None:  # holds the flow, not the call: no cycle keeping f's result alive
             if f.cancelled():  # its caller gave up (wrap_future passes the cancel on): off the queue now,
                 with self._lock:  # its arguments (a request's media bytes) with it, not on its turn
-                    self._unqueue(call)
+                    self._unqueue(key, f)
             self._release()
 
         cf.add_done_callback(done)
@@ -204,7 +206,7 @@ class WorkerPool:
         with self._lock:  # wait=True ran them all; wait=False leaves those no thread had started
             queued = [call for calls in self._ready.values() for call in calls]
             for call in queued:
-                self._unqueue(call)
+                self._unqueue(call.flow, call.future)
         for call in queued:
             call.future.cancel()
 
@@ -306,15 +308,17 @@ class WorkerPool:
         self._flows[call.flow].started -= 1
         self._forget_if_idle(call.flow)
 
-    def _unqueue(self, call: _Call) -> None:
-        """Under ``_lock``: ``call`` leaves the queue without starting (if it is still there)."""
-        calls = self._ready.get(call.flow)
-        if calls is None or call not in calls:
+    def _unqueue(self, key: Hashable | None, future: Future) -> None:
+        """Under ``_lock``: the call of flow ``key`` with ``future`` leaves the queue without
+        starting (if it is still there)."""
+        calls = self._ready.get(key)
+        call = None if calls is None else next((c for c in calls if c.future is future), None)
+        if call is None:
             return
         calls.remove(call)
         if not calls:
-            del self._ready[call.flow]
-            self._forget_if_idle(call.flow)
+            del self._ready[key]
+            self._forget_if_idle(key)
 
     def _forget_if_idle(self, key: Hashable | None) -> None:
         """Under ``_lock``: a flow with nothing queued or started is forgotten (it comes back as a
