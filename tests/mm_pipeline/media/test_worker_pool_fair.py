@@ -344,4 +344,3 @@ def test_a_cancelled_call_leaves_the_queue_at_once() -> None:
         gate.set()
         pool.shutdown()
     pool.check_integrity()
-
