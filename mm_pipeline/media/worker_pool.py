@@ -18,15 +18,13 @@ end of the round, so a flow waits for at most one start of each other flow and n
 FIFO within a flow; and before all that, a flow of more urgent priority first (the request's, under
 the engine's ``priority`` queue policy). ``spare`` extra threads start only calls of flows that have
 none running.
-A 60 s video queues dozens of chunk decodes at once (each ~30-70 ms); with one FIFO an image
-request sent just after it waited for all of them (430 ms to its first token where it takes 48 ms
-alone; demo-size model, 2 workers), and a fair order alone still makes each of its calls (ingest,
-plan, cache lookup, decode: one after another) wait for a chunk to end. With the spare thread its
-calls start at once (~170-260 ms, the rest being its encode and prefill beside the video's): a
-newcomer never waits for a worker while another request holds them all, and a request with calls
-on every worker never takes the spare. The executor's queue holds interchangeable "start what may
-start" turns (at most one per thread), and a thread whose call ends goes on starting calls while
-one may start, so the choice is made when a worker frees up, not when a call is queued.
+
+Why: a long video queues dozens of chunk decodes at once; with one FIFO an image request sent
+just after it waited for all of them, once for each of its own calls (ingest, plan, cache lookup,
+decode); fair order alone still makes each of those wait for a chunk to end, hence the spare
+(README, "Requests take turns in the media workers", has the measurements). The executor's queue holds
+interchangeable "start what may start" turns (at most one per thread), and a thread whose call ends
+goes on starting calls while one may start, so the choice is made when a worker frees up.
 ``shutdown`` refuses new calls first, so none is queued behind the last thread.
 
 Threads, not processes: PyAV and PIL drop the GIL while decoding, and results (frame tensors)
