@@ -19,6 +19,33 @@ from mm_pipeline.media.worker_pool import WorkerPool, flow
 LIMIT_S = 30.0  # any wait here is a hang, not a slow machine
 
 
+class Calls:
+    """Pool calls that note the order they start in; a call whose name ``held`` maps to a gate waits
+    for it (a decode holding its worker)."""
+
+    def __init__(self, held: dict[str, threading.Event] | None = None) -> None:
+        self.held = held or {}
+        self.order: list[str] = []
+
+    def __call__(self, name: str) -> str:
+        self.order.append(name)
+        if name in self.held:
+            self.held[name].wait(LIMIT_S)
+        return name
+
+    def release(self) -> None:
+        for gate in self.held.values():
+            gate.set()
+
+
+async def until(condition, what: str = "the pool's threads to get there") -> None:
+    """Until ``condition()`` holds (a state the worker threads reach), failing after LIMIT_S."""
+    end = time.monotonic() + LIMIT_S
+    while not condition():
+        assert time.monotonic() < end, f"never: {what}"
+        await asyncio.sleep(0.001)
+
+
 def _checked(pool: WorkerPool, violations: list[str]) -> None:
     """Check every start decision where it is made (under the pool's lock): never more than
     ``max_workers + spare`` started, a spare start only for a flow with none running, and the
@@ -47,33 +74,25 @@ def _checked(pool: WorkerPool, violations: list[str]) -> None:
 
 def test_a_newcomer_runs_before_the_queue_of_a_flow_that_had_its_turn() -> None:
     pool = WorkerPool(1, 16)
-    gate, order = threading.Event(), []
-
-    def call(name: str) -> str:
-        order.append(name)
-        if name == "v1":
-            gate.wait(LIMIT_S)
-        return name
+    call = Calls({"v1": threading.Event()})
 
     async def main() -> None:
         with flow("video"):
             video = [asyncio.create_task(pool.run(call, f"v{i}")) for i in range(1, 5)]
-        while order != ["v1"]:
-            await asyncio.sleep(0.001)
+        await until(lambda: call.order == ["v1"])
         with flow("image"):
             image = asyncio.create_task(pool.run(call, "i1"))
-        while pool.admitted < 5:
-            await asyncio.sleep(0.001)
-        gate.set()
+        await until(lambda: pool.admitted >= 5)
+        call.release()
         assert await asyncio.wait_for(asyncio.gather(*video, image), LIMIT_S) == ["v1", "v2", "v3", "v4", "i1"]
 
     try:
         asyncio.run(main())
     finally:
-        gate.set()
+        call.release()
         pool.shutdown()
     # v1 ran alone; then the image (never served) before the video's queue, which then runs in order
-    assert order == ["v1", "i1", "v2", "v3", "v4"]
+    assert call.order == ["v1", "i1", "v2", "v3", "v4"]
     pool.check_integrity()
 
 
@@ -90,8 +109,7 @@ def test_the_spare_thread_serves_a_newcomer_while_one_flow_holds_every_worker() 
     async def main() -> None:
         with flow("video"):
             video = [asyncio.create_task(pool.run(chunk, i)) for i in range(6)]
-        while pool.busy < 2 or pool.admitted < 6:
-            await asyncio.sleep(0.001)
+        await until(lambda: pool.busy >= 2 and pool.admitted >= 6)
         await asyncio.sleep(0.02)
         assert pool.busy == 2  # the video's 4 other chunks never take the spare
         with flow("image"):  # its calls, one after another, each on the spare thread
@@ -212,8 +230,7 @@ def test_shutdown_without_waiting_cancels_the_queued_calls_and_refuses_new_ones(
         with flow("video"):
             held = asyncio.create_task(pool.run(gate.wait, LIMIT_S))
             queued = [asyncio.create_task(pool.run(lambda: "never")) for _ in range(3)]
-        while pool.busy < 1 or pool.admitted < 4:
-            await asyncio.sleep(0.001)
+        await until(lambda: pool.busy >= 1 and pool.admitted >= 4)
         threading.Timer(0.05, gate.set).start()  # the running call ends after the shutdown began
         await asyncio.to_thread(pool.shutdown, False)
         with pytest.raises(RuntimeError, match="shut down"):
@@ -230,44 +247,33 @@ def test_a_more_urgent_flow_goes_first_and_a_less_urgent_newcomer_still_gets_the
     (priority 10) that came first waits for the interactive request (0); and while an urgent request
     holds every worker, a less urgent one with none running still starts on the spare thread."""
     pool = WorkerPool(1, 16, spare=1)
-    gates = {"u-held": threading.Event(), "b-held": threading.Event()}
-    order: list[str] = []
-
-    def call(name: str) -> str:
-        order.append(name)
-        if name in gates:
-            gates[name].wait(LIMIT_S)
-        return name
+    call = Calls({"u-held": threading.Event(), "b-held": threading.Event()})
 
     async def main() -> None:
         with flow("urgent", priority=0):
             urgent = [asyncio.create_task(pool.run(call, "u-held")), asyncio.create_task(pool.run(call, "u2"))]
-        while order != ["u-held"]:
-            await asyncio.sleep(0.001)
+        await until(lambda: call.order == ["u-held"])
         with flow("batch-line", priority=10):  # none running: the spare thread takes it at once
             assert await asyncio.wait_for(pool.run(call, "b-spare"), LIMIT_S) == "b-spare"
             spare_held = asyncio.create_task(pool.run(call, "b-held"))  # holds the spare thread now
-        while order[-1] != "b-held":
-            await asyncio.sleep(0.001)
+        await until(lambda: call.order[-1] == "b-held")
         with flow("late-batch", priority=10):
             late = asyncio.create_task(pool.run(call, "late"))
         with flow("interactive", priority=0):
             interactive = asyncio.create_task(pool.run(call, "i"))
-        while pool.admitted < 5:
-            await asyncio.sleep(0.001)
-        gates["u-held"].set()  # one thread frees up: the urgent flows first, the late batch line last
+        await until(lambda: pool.admitted >= 5)
+        call.held["u-held"].set()  # one thread frees up: the urgent flows first, the late batch line last
         await asyncio.wait_for(asyncio.gather(*urgent, late, interactive), LIMIT_S)
-        gates["b-held"].set()
+        call.held["b-held"].set()
         await asyncio.wait_for(spare_held, LIMIT_S)
 
     try:
         asyncio.run(main())
     finally:
-        for gate in gates.values():
-            gate.set()
+        call.release()
         pool.shutdown()
     # u2's flow was served before i came (round-robin within priority 0); "late" came before i
-    assert order == ["u-held", "b-spare", "b-held", "u2", "i", "late"]
+    assert call.order == ["u-held", "b-spare", "b-held", "u2", "i", "late"]
     pool.check_integrity()
 
 
@@ -276,44 +282,32 @@ def test_the_spare_thread_takes_a_less_urgent_request_passed_over_for_the_last_w
     a less urgent request with none running waits: that request starts on the spare thread then,
     not once the urgent calls end."""
     pool = WorkerPool(2, 16, spare=1)
-    gates = {"a0": threading.Event(), "n": threading.Event()}
-    order: list[str] = []
-
-    held_by = {"a0": gates["a0"], "n2": gates["n"], "n4": gates["n"]}
-
-    def call(name: str) -> str:
-        order.append(name)
-        if name in held_by:
-            held_by[name].wait(LIMIT_S)
-        return name
+    urgent_gate = threading.Event()
+    call = Calls({"a0": threading.Event(), "n2": urgent_gate, "n4": urgent_gate})
 
     async def main() -> str:
         with flow("batch", priority=1):
             a0 = asyncio.create_task(pool.run(call, "a0"))
-        while order != ["a0"]:
-            await asyncio.sleep(0.001)
+        await until(lambda: call.order == ["a0"])
         with flow("urgent", priority=0):
             n2 = asyncio.create_task(pool.run(call, "n2"))
-        while pool.busy < 2:
-            await asyncio.sleep(0.001)
+        await until(lambda: pool.busy >= 2)
         with flow("batch", priority=1):
             a1 = asyncio.create_task(pool.run(call, "a1"))  # its flow has a0 running: not the spare's
         with flow("urgent", priority=0):
             n4 = asyncio.create_task(pool.run(call, "n4"))
-        while pool.admitted < 4:
-            await asyncio.sleep(0.001)
-        gates["a0"].set()  # a0's worker goes to n4 (more urgent); a1's flow has none running now
+        await until(lambda: pool.admitted >= 4)
+        call.held["a0"].set()  # a0's worker goes to n4 (more urgent); a1's flow has none running now
         got = await asyncio.wait_for(a1, LIMIT_S)  # on the spare, while n2 and n4 still hold the workers
         assert not n2.done() and not n4.done()
-        gates["n"].set()
+        urgent_gate.set()
         await asyncio.wait_for(asyncio.gather(a0, n2, n4), LIMIT_S)
         return got
 
     try:
         assert asyncio.run(main()) == "a1"
     finally:
-        for gate in gates.values():
-            gate.set()
+        call.release()
         pool.shutdown()
     pool.check_integrity()
 
@@ -326,12 +320,10 @@ def test_a_cancelled_call_leaves_the_queue_at_once() -> None:
     async def main() -> None:
         with flow("video"):
             held = asyncio.create_task(pool.run(gate.wait, LIMIT_S))
-        while pool.busy < 1:
-            await asyncio.sleep(0.001)
+        await until(lambda: pool.busy >= 1)
         with flow("gone"):
             task = asyncio.create_task(pool.run(len, b"x" * (1 << 20)))
-        while "gone" not in pool._ready:
-            await asyncio.sleep(0.001)
+        await until(lambda: "gone" in pool._ready)
         task.cancel()
         await asyncio.sleep(0.01)
         assert "gone" not in pool._ready and "gone" not in pool._flows and pool.admitted == 1
