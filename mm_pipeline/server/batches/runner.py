@@ -186,11 +186,10 @@ class BatchRunner:
     async def _run(self, batch: BatchObject) -> None:
         if self._stopped(batch):
             return await self._end_unstarted(batch)
+        total = await self._validated(batch)
+        if total is None:
+            return None
         path = self.files.path(batch.input_file_id)
-        total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint, self.limits)
-        if errors:
-            batch.errors = BatchErrors(data=errors)
-            return batch.mark("failed")
         if self._stopped(batch):
             return await self._end_unstarted(batch, total)
         batch.request_counts.total = total
@@ -215,6 +214,17 @@ class BatchRunner:
             batch.mark("expired")
         else:  # every line answered, even if the last just after expires_at
             batch.mark("completed")
+
+    async def _validated(self, batch: BatchObject) -> int | None:
+        """The number of lines of the batch's input file, checked on a thread; None when the file is
+        invalid: the batch is then ``failed``, naming its lines."""
+        path = self.files.path(batch.input_file_id)
+        total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint, self.limits)
+        if errors:
+            batch.errors = BatchErrors(data=errors)
+            batch.mark("failed")
+            return None
+        return total
 
     async def _answer_lines(self, batch: BatchObject, lines: RawLines, out: ResultFiles) -> int:
         """Answer lines until the file ends or the batch stops; the number of lines read but not
@@ -305,12 +315,9 @@ class BatchRunner:
         request_counts total and failed its lines. Its file is validated first unless ``total`` says
         it was: an invalid one fails the batch naming its lines, as validation does, and has no error
         file. The file is read a line at a time, on threads."""
+        if total is None and (total := await self._validated(batch)) is None:
+            return None
         path = self.files.path(batch.input_file_id)
-        if total is None:
-            total, errors = await asyncio.to_thread(validate_file, path, batch.endpoint, self.limits)
-            if errors:
-                batch.errors = BatchErrors(data=errors)
-                return batch.mark("failed")
         batch.request_counts.total = total
         out = ResultFiles(self.files, batch)
         try:
