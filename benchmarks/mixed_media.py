@@ -1,23 +1,28 @@
-"""An image request sent while a long video is being decoded: its time to first token, per pool order.
+"""An image request sent while a long video is being decoded: its time to first token, per queue order.
 
     .venv/bin/python benchmarks/mixed_media.py [--quick] [--repeat 3] [--json out.json]
 
 A fresh 60 s 720p H.264 clip (``--quick``: 40 s) is asked about; 300 ms later, while its chunk
-decodes fill the media worker pool, a fresh 640x480 image is asked about. Reported per mode (medians
-over ``--repeat`` rounds, the modes alternating within each round on one engine): the image's time
-to first token, the video's, and the image's alone (no video in flight) for reference.
+decodes fill the media worker pool and its frame groups the encoder queue, a fresh 640x480 image is
+asked about. Reported per mode (medians over ``--repeat`` rounds, the modes alternating within each
+round on one engine): the image's time to first token, the video's, and the image's alone (no video
+in flight) for reference.
 
-Modes (media/worker_pool.py):
-- ``fair+spare`` (the default): requests take turns in the pool and a spare thread starts the calls
-  of a request with none running;
-- ``fair``: turns only (``--decode-spare-workers 0``);
-- ``fifo``: one queue for every request's calls, no spare (the pool before flows): the image's
-  ingest, plan, cache lookup and decode each wait behind every chunk the video queued first.
+Modes: the media worker pool's order (media/worker_pool.py) and the encoder queue's
+(encode/batcher.py, ``--encoder-batch-order``):
+- ``fair`` (the default): requests take turns in the pool, a spare thread starts the calls of a
+  request with none running, and in the encoder queue (the image's unit batched apart from the
+  video's frame groups on this CPU encoder);
+- ``encoder arrival``: the pool as the default, the encoder queue in arrival order;
+- ``pool no spare``: the default without the spare thread (``--decode-spare-workers 0``);
+- ``fifo``: one queue for every request's calls in the pool, no spare, the encoder queue in
+  arrival order (before requests took turns): the image's ingest, plan, cache lookup and decode each
+  wait behind every chunk the video queued first, its unit behind the frame groups queued first.
 
-One engine serves all modes: the spare thread stays idle where ``pool.spare`` is 0, and ``fifo`` puts
-every call in one flow. Each trial's media are cold: a cache salt of its own keys the encoder cache,
-the ingest memos and the prefix cache apart. Model: ``pipeline.py``'s (ViT hidden 256, text hidden 256
-MoE), fp32, 2 decode workers.
+One engine serves all modes: the spare thread stays idle where ``pool.spare`` is 0, ``fifo`` puts
+every call in one flow, and the batcher's config is swapped. Each trial's media are cold: a cache
+salt of its own keys the encoder cache, the ingest memos and the prefix cache apart. Model:
+``pipeline.py``'s (ViT hidden 256, text hidden 256 MoE), fp32, 2 decode workers.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.pat
 
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -37,7 +43,7 @@ from pipeline import ONE_TOKEN, ask, build_model, data_part, engine_config
 
 import mm_pipeline.runtime.omni_engine as omni_engine
 
-MODES = ("fair+spare", "fair", "fifo")
+MODES = ("fair", "encoder arrival", "pool no spare", "fifo")
 IMAGE_SIZE = (640, 480)
 VIDEO_LEAD_S = 0.3  # the video's head start: its chunk decodes are queued and running by then
 
@@ -51,15 +57,17 @@ async def _ttft(engine, messages: list[dict], salt: str) -> float:
 
 @contextlib.contextmanager
 def _mode(engine, mode: str):
-    pool, flow = engine.runtime.pool, omni_engine.pool_flow
-    spare = pool.spare
-    pool.spare = spare if mode == "fair+spare" else 0
+    pool, flow, batcher = engine.runtime.pool, omni_engine.pool_flow, engine.runtime.batcher
+    spare, config = pool.spare, batcher.config
+    pool.spare = 0 if mode in ("pool no spare", "fifo") else spare
     if mode == "fifo":  # every request's calls in one flow: the pool's order is arrival order
         omni_engine.pool_flow = lambda *_: contextlib.nullcontext()
+    if mode in ("encoder arrival", "fifo"):
+        batcher.config = dataclasses.replace(config, order="arrival")
     try:
         yield
     finally:
-        pool.spare, omni_engine.pool_flow = spare, flow
+        pool.spare, omni_engine.pool_flow, batcher.config = spare, flow, config
 
 
 def trial(engine, video: dict, image: dict, salt: str) -> tuple[float, float]:
@@ -94,13 +102,14 @@ def run(quick: bool, repeat: int) -> tuple[dict, dict[str, str]]:
     runs: dict[str, str] = {}  # each mode's image ttft per round, for the table
     out: dict = {"video_seconds": seconds, "repeat": repeat, "image_alone_ttft_ms": statistics.median(alone) * 1e3}
     for mode, rows in got.items():
-        key = mode.replace("+", "_")
+        key = mode.replace(" ", "_")
         out[f"{key}_image_ttft_ms"] = statistics.median(i for i, _ in rows) * 1e3
         out[f"{key}_image_ttft_min_ms"] = min(i for i, _ in rows) * 1e3
         out[f"{key}_image_ttft_max_ms"] = max(i for i, _ in rows) * 1e3
         runs[mode] = " ".join(f"{i * 1e3:.0f}" for i, _ in rows)
         out[f"{key}_video_ttft_ms"] = statistics.median(v for _, v in rows) * 1e3
-    out["fifo_over_fair_spare_image"] = out["fifo_image_ttft_ms"] / out["fair_spare_image_ttft_ms"]
+    out["fifo_over_fair_image"] = out["fifo_image_ttft_ms"] / out["fair_image_ttft_ms"]
+    out["encoder_arrival_over_fair_image"] = out["encoder_arrival_image_ttft_ms"] / out["fair_image_ttft_ms"]
     return out, runs
 
 
@@ -111,12 +120,13 @@ def main() -> None:
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     out, runs = run(args.quick, args.repeat)
-    rows = [(mode, out[f"{mode.replace('+', '_')}_image_ttft_ms"], runs[mode],
-             out[f"{mode.replace('+', '_')}_video_ttft_ms"]) for mode in MODES]
+    rows = [(mode, out[f"{mode.replace(' ', '_')}_image_ttft_ms"], runs[mode],
+             out[f"{mode.replace(' ', '_')}_video_ttft_ms"]) for mode in MODES]
     rows.append(("image alone", out["image_alone_ttft_ms"], "", float("nan")))
     print_table(f"image behind a {out['video_seconds']} s 720p H.264 video, medians of {out['repeat']} (ms)",
-                ["pool order", "image ttft", "runs", "video ttft"], rows)
-    print(f"fifo / fair+spare (image ttft): {out['fifo_over_fair_spare_image']:.2f}x")
+                ["queue order", "image ttft", "runs", "video ttft"], rows)
+    print(f"image ttft: fifo / fair {out['fifo_over_fair_image']:.2f}x, encoder arrival / fair "
+          f"{out['encoder_arrival_over_fair_image']:.2f}x")
     write_json(args.json, out)
 
 

@@ -11,9 +11,20 @@ one audio segment. Its life:
 
 Pending work of all requests is grouped by encoder (the vision tower takes images and video frame
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
-reaches its token budget or its oldest job has waited ``max_wait_s``. A batch takes jobs in
-(``priority``, arrival) order: the priority of the request that claimed the unit (the engine's
-``priority`` queue policy; 0 otherwise, so plain arrival order). ``run_due`` runs on the
+reaches its token budget or its oldest job has waited ``max_wait_s``.
+
+Order (``BatcherConfig.order``). ``fair`` (the default): requests take turns. A job carries the flow
+(request) that claimed its unit and that request's priority (the engine's ``priority`` queue policy;
+0 otherwise); a batch takes jobs by priority, then by the round-robin rank of their flow
+(media/flows.py: the flow served longest ago first, a newcomer just before the flow served last), then in
+arrival order. And on a CPU encoder a batch holds either newcomers' jobs (flows not served yet)
+or served flows' jobs, never both (it ends at the first job of the other kind, so no flow passes
+one whose turn came first): there a forward's time grows with its rows, so an image
+batched with a running video's frame groups would wait for their rows too (an image sent while a
+60 s video encodes: README, "Overlap, measured"); newcomers still batch with each other, so a
+burst of small requests keeps its packed forwards. On CUDA a packed forward of a few more rows costs
+about what the newcomer's alone does, so batches mix. ``arrival``: (priority, arrival) order, one
+queue for every request. ``run_due`` runs on the
 encoder worker's lanes (runtime/encoder_worker.py: one thread, or several side by side, each taking
 its share of the queue) or, with the worker off, on the engine thread between LLM steps; a job
 leaves the queue under the lock, so each is encoded by exactly one caller. Everything is
@@ -36,14 +47,16 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
 from mm_pipeline.encode.preprocess import VisionInput
 from mm_pipeline.encode.single_flight import SingleFlight, Waiter
 from mm_pipeline.errors import UndecodableMediaError
+from mm_pipeline.media.flows import Turns
 
 log = logging.getLogger(__name__)
 UnitSink = Waiter[torch.Tensor]
@@ -61,6 +74,7 @@ class EncoderJob:
     mel: torch.Tensor | None = None
     codes: torch.Tensor | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    flow: Hashable | None = None  # the claiming request (None: the unit is a flow of its own)
     priority: int = 0  # the claiming request's: lower is encoded first (module doc)
     # gives the decode budget back the bytes of this input (None: not counted there)
     release: Callable[[], None] | None = field(default=None, repr=False)
@@ -87,16 +101,30 @@ class EncoderJob:
             return self.vision.num_patches
         return int((self.mel if self.mel is not None else self.codes).shape[0])  # type: ignore[union-attr]
 
+    @property
+    def turn_key(self) -> Hashable:
+        """Whose turn the job waits for: its flow, or the unit alone."""
+        return self.flow if self.flow is not None else ("unit", self.key)
+
 
 @dataclass(frozen=True)
 class BatcherConfig:
     vision_budget: int = 16384  # patch rows per vision forward
     audio_budget: int = 24000  # mel frames per audio forward
     max_wait_s: float = 0.005  # how long the oldest pending job may wait for company
+    order: Literal["fair", "arrival"] = "fair"  # module doc
 
     def __post_init__(self) -> None:
         if self.vision_budget < 1 or self.audio_budget < 1 or self.max_wait_s < 0:
             raise ValueError(f"BatcherConfig needs positive budgets and max_wait_s >= 0, got {self}")
+        if self.order not in ("fair", "arrival"):
+            raise ValueError(f"BatcherConfig order must be 'fair' or 'arrival', got {self.order!r}")
+
+
+# flows remembered per encoder queue between their visits (a video's frame groups arrive one by one
+# as they decode, and must find their flow served, not a newcomer again); past it the idle flows
+# served longest ago are forgotten
+REMEMBERED_FLOWS = 1024
 
 
 class EncoderBatcher:
@@ -119,6 +147,10 @@ class EncoderBatcher:
         self._units: SingleFlight[torch.Tensor] = SingleFlight()
         self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
         self._counts: Counter[str] = Counter()
+        # per encoder queue: the flows' round-robin ranks, and whether its encoder runs on the CPU,
+        # where newcomers batch apart (module doc)
+        self._turns = {"vision": Turns(), "audio": Turns()}
+        self._cpu = {name: _on_cpu(module) for name, module in (("vision", vision), ("audio", audio))}
 
     # ---- claims and sinks -------------------------------------------------------------------
     def attach(self, key: str, sink: UnitSink) -> bool:
@@ -149,6 +181,7 @@ class EncoderBatcher:
             raise ValueError(f"unit {job.key[:16]} was submitted without being claimed")
         with self._lock:
             self._pending[job.encoder].append(job)
+            self._turns[job.encoder].arrive(job.turn_key)
         if self.on_submit is not None:
             self.on_submit()
 
@@ -204,10 +237,12 @@ class EncoderBatcher:
 
     def check_integrity(self) -> None:
         with self._lock:
-            for q in self._pending.values():
+            for encoder, q in self._pending.items():
                 for job in q:
                     if job.key not in self._units:
                         raise AssertionError(f"pending job {job.key[:16]} has no claim")
+                    if job.turn_key not in self._turns[encoder]:
+                        raise AssertionError(f"pending job {job.key[:16]} has no turn in the {encoder} queue")
 
     # ---- internal helpers -------------------------------------------------------------------
     def _budget(self, encoder: str) -> int:
@@ -223,25 +258,43 @@ class EncoderBatcher:
             if not due and sum(j.cost for j in q) < budget:
                 return []  # wait a little for more requests' work
             share = -(-len(q) // lanes)  # ceil: this lane's part of the queue
-            # most urgent first; the sort is stable, so arrival order within one priority (the
-            # queue itself stays in arrival order: its head is the oldest job, what ``due`` reads)
-            order = sorted(q, key=lambda j: j.priority) if any(j.priority for j in q) else q
-            batch: list[EncoderJob] = []
-            used = 0
-            for job in order:  # always at least one, even if it alone exceeds the budget
-                if batch and (len(batch) >= share or used + job.cost > budget):
-                    break
-                batch.append(job)
-                used += job.cost
-            if order is q:
+            batch = self._fair_batch(encoder, q, share, budget) if self.config.order == "fair" else \
+                self._arrival_batch(q, share, budget)
+            taken = {id(j) for j in batch}
+            if len(taken) == len(q):
+                q.clear()
+            elif all(id(q[i]) in taken for i in range(len(batch))):  # the head of the queue
                 for _ in batch:
                     q.popleft()
-            else:
-                taken = {id(j) for j in batch}
+            else:  # the queue itself stays in arrival order: its head is the oldest job, what ``due`` reads
                 rest = [j for j in q if id(j) not in taken]
                 q.clear()
                 q.extend(rest)
+            turns = self._turns[encoder]
+            turns.serve(*{j.turn_key for j in batch})
+            if len(turns) > REMEMBERED_FLOWS:
+                turns.trim(REMEMBERED_FLOWS, {j.turn_key for j in q})
             return batch
+
+    def _arrival_batch(self, q: deque[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
+        """Under the lock: the ``arrival`` order's batch -- most urgent first; the sort is stable,
+        so arrival order within one priority."""
+        order = sorted(q, key=lambda j: j.priority) if any(j.priority for j in q) else q
+        return _fill(order, share, budget)
+
+    def _fair_batch(self, encoder: str, q: deque[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
+        """Under the lock: the ``fair`` order's batch (module doc): by priority, then the flow's
+        round-robin rank, then arrival (a stable sort of the arrival-ordered queue); on a CPU
+        encoder only the jobs up to the first whose flow is not a newcomer like the first job's, or
+        served like it."""
+        turns = self._turns[encoder]
+        if len(q) == 1:
+            return [q[0]]
+        order = sorted(q, key=lambda j: (j.priority, turns.rank(j.turn_key)))
+        if self._cpu[encoder]:  # up to the first job of the other kind: none passes a flow whose turn came first
+            served = turns.served(order[0].turn_key)
+            order = order[:next((i for i, j in enumerate(order) if turns.served(j.turn_key) != served), len(order))]
+        return _fill(order, share, budget)
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
         """Encode a batch taken off the queue, then give back the decode budget its inputs held
@@ -313,6 +366,26 @@ class EncoderBatcher:
             with self._lock:
                 self._counts["failed_units"] += 1
         self._units.finish(key, rows, error)
+
+
+def _fill(order: Sequence[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
+    """The first jobs of ``order`` while the batch holds fewer than ``share`` and fits ``budget``
+    (always at least one, even if it alone exceeds the budget)."""
+    batch: list[EncoderJob] = []
+    used = 0
+    for job in order:
+        if batch and (len(batch) >= share or used + job.cost > budget):
+            break
+        batch.append(job)
+        used += job.cost
+    return batch
+
+
+def _on_cpu(module: torch.nn.Module | None) -> bool:
+    """Does ``module`` (an encoder, or None) compute on the CPU? (one without parameters: yes)"""
+    params = getattr(module, "parameters", None)
+    param = None if params is None else next(params(), None)
+    return param is None or param.device.type == "cpu"
 
 
 def _release(jobs: Sequence[EncoderJob]) -> None:

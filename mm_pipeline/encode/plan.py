@@ -7,6 +7,7 @@ Both modules import these types from here, so neither imports the other's module
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,10 @@ class MediaPlan:
     decoded_bytes: int = 0  # estimated bytes its decode holds (the request's decoded-bytes budget)
     audio_units: int = 0  # a video with sound: its last ``audio_units`` units are sound segments
     audio_per_second: float = 0.0  # ... laid out by time at this many tokens per second
-    priority: int = 0  # the request's (one plan per request): its encoder jobs go in (priority, arrival) order
+    # the request's flow and priority (one plan per request; media/flows.py): its encoder jobs take
+    # their turns in the batcher's queue as the request's, the more urgent first
+    flow: Hashable | None = None
+    priority: int = 0
 
     def is_audio_unit(self, i: int) -> bool:
         """Is unit ``i`` an audio segment (of an audio item, or of a video's sound)?"""

@@ -369,11 +369,14 @@ class UnitProducer:
             return  # a repeated unit of this item (same key twice) was already submitted
         try:
             if not plan.is_audio_unit(i):
-                job = EncoderJob(key, plan.kind.value, vision=inp, release=release, priority=plan.priority)
+                job = EncoderJob(key, plan.kind.value, vision=inp, release=release,
+                                 flow=plan.flow, priority=plan.priority)
             elif plan.item.format == CODES_FORMAT:
-                job = EncoderJob(key, "audio", codes=inp, release=release, priority=plan.priority)
+                job = EncoderJob(key, "audio", codes=inp, release=release,
+                                 flow=plan.flow, priority=plan.priority)
             else:
-                job = EncoderJob(key, "audio", mel=inp, release=release, priority=plan.priority)
+                job = EncoderJob(key, "audio", mel=inp, release=release,
+                                 flow=plan.flow, priority=plan.priority)
             self.batcher.submit(job)  # the batcher releases the job's share once it is done with it
         except BaseException:
             if release is not None:

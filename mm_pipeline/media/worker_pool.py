@@ -11,10 +11,10 @@ unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long 
 waiting for room in the decode budget). The encoder's intra-op share follows it: a worker parked
 on the budget leaves its core to the encoder, whose progress is what frees the budget.
 
-Fair between requests. Calls carry the flow (a request) that made them (``flow(key)``: a context
-variable the request's tasks inherit). A free worker starts a queued call of the flow with the
-fewest calls running; among equals, round-robin (the one served longest ago; a newcomer joins the
-end of the round, so a flow waits for at most one start of each other flow and none starves);
+Fair between requests. Calls carry the flow (a request) that made them (``flows.flow(key)``: a
+context variable the request's tasks inherit). A free worker starts a queued call of the flow with
+the fewest calls running; among equals, round-robin (``flows.Turns``, a start being a service: the
+one served longest ago, a newcomer just before the one served last; none starves);
 FIFO within a flow; and before all that, a flow of more urgent priority first (the request's, under
 the engine's ``priority`` queue policy). ``spare`` extra threads start only calls of flows that have
 none running.
@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
 import threading
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,40 +47,16 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from mm_pipeline.errors import ServerBusy
+from mm_pipeline.media.flows import Turns, current_flow
 
 T = TypeVar("T")
 
 _worker = threading.local()  # .pool: the WorkerPool whose call this thread runs now (else unset/None)
-# the flow (request) on whose behalf the current task calls pools, and its priority; None: the
-# shared flow (priority 0)
-_flow: contextvars.ContextVar[tuple[Hashable | None, int]] = contextvars.ContextVar("worker_pool_flow",
-                                                                                    default=(None, 0))
-
-
-@contextlib.contextmanager
-def flow(key: Hashable, priority: int = 0) -> Iterator[None]:
-    """Calls made in this block -- and by tasks created in it, which copy the context -- belong to
-    flow ``key`` (a request id): the pools take turns between flows (module doc), a lower
-    ``priority`` first (the request's, under the engine's ``priority`` queue policy). Enter and
-    leave it without an await-spanning ``yield`` in between (an async generator's context may
-    change there)."""
-    token = _flow.set((key, priority))
-    try:
-        yield
-    finally:
-        _flow.reset(token)
-
-
 @dataclass(eq=False)
 class _FlowState:
-    """A flow with calls queued or started. ``rank``: (tick, 1) of its last start, or (tick, 0) of
-    its arrival when none started yet -- the tick counts starts. Among flows of one priority with as
-    many calls running the lowest rank goes first: the one served longest ago, a newcomer after the
-    flows that waited since before it came and before those served since (round-robin: a flow waits
-    for at most one start of each other flow of its priority; none starves)."""
+    """A flow with calls queued or started (its round-robin rank: ``WorkerPool._turns``)."""
 
     priority: int
-    rank: tuple[int, int]
     started: int = 0
 
 
@@ -133,7 +108,7 @@ class WorkerPool:
         # admitted calls not started yet, per flow (a flow with none is not a key)
         self._ready: dict[Hashable | None, collections.deque[_Call]] = {}
         self._flows: dict[Hashable | None, _FlowState] = {}  # those with calls queued or started
-        self._tick = 0
+        self._turns = Turns()  # their round-robin ranks (a start is a service)
         # ``_work`` turns submitted to the executor and not begun: one is submitted per queued call
         # while turns and started calls leave a thread free, so at most one per thread waits there
         self._tokens = 0
@@ -145,7 +120,7 @@ class WorkerPool:
         """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
         await self._acquire()
         cf: Future[T] = Future()
-        call = _Call(*_flow.get(), fn, args, kwargs, cf)
+        call = _Call(*current_flow(), fn, args, kwargs, cf)
         turn = False
         try:
             with self._lock:
@@ -153,7 +128,8 @@ class WorkerPool:
                     raise RuntimeError("cannot run calls on a worker pool that was shut down")
                 self._ready.setdefault(call.flow, collections.deque()).append(call)
                 if call.flow not in self._flows:  # (a flow keeps the priority it came with)
-                    self._flows[call.flow] = _FlowState(call.priority, (self._tick, 0))
+                    self._flows[call.flow] = _FlowState(call.priority)
+                    self._turns.arrive(call.flow)
                 turn = self._started + self._tokens < self.max_workers + self.spare
                 self._tokens += turn
             if turn:  # else every thread runs a call or has a turn coming, and each goes on to this one
@@ -224,6 +200,8 @@ class WorkerPool:
                 raise AssertionError("a flow with no queued call is still listed as ready")
             if set(self._flows) != set(self._ready) | {k for k, f in self._flows.items() if f.started}:
                 raise AssertionError("the flows remembered are not those with calls queued or started")
+            if len(self._turns) != len(self._flows) or any(k not in self._turns for k in self._flows):
+                raise AssertionError("the flows ranked are not those remembered")
 
     # ---- internal helpers -------------------------------------------------------------------
 
@@ -275,7 +253,7 @@ class WorkerPool:
         """Under ``_lock``: the next call a free thread may start (counted started), or None: of the
         flows with calls queued (on a spare thread: those with none running), one of the most urgent
         priority, then with the fewest calls running (a newcomer before a flow holding workers), then
-        of the lowest rank (``_FlowState``)."""
+        of the lowest round-robin rank (media/flows.py)."""
         if not self._ready or self._started >= self.max_workers + self.spare:
             return None
         flows = self._flows
@@ -286,7 +264,7 @@ class WorkerPool:
             waiting = [k for k in self._ready if not flows[k].started] if spare else self._ready
             if not waiting:
                 return None
-            best = min(waiting, key=lambda k: (flows[k].priority, flows[k].started, flows[k].rank))
+            best = min(waiting, key=lambda k: (flows[k].priority, flows[k].started, self._turns.rank(k)))
         state = flows[best]
         if spare and state.started:
             return None
@@ -296,8 +274,7 @@ class WorkerPool:
             del self._ready[best]
         self._started += 1
         state.started += 1
-        self._tick += 1
-        state.rank = (self._tick, 1)
+        self._turns.serve(best)
         return call
 
     def _finished(self, call: _Call) -> None:
@@ -325,6 +302,7 @@ class WorkerPool:
         state = self._flows.get(key)
         if state is not None and not state.started and key not in self._ready:
             del self._flows[key]
+            self._turns.forget(key)
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         """On a worker thread: ``fn`` with the thread marked as this pool's worker (``blocked()``

@@ -57,6 +57,7 @@ from mm_pipeline.runtime.warm_start import freeze_startup_objects, import_reques
 from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
+from mm_pipeline.media.flows import current_flow
 from mm_pipeline.media.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -216,13 +217,17 @@ class OmniRuntime:
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
         refs: list[MediaRef] = chat.media
         if not truncate or refs:
-            return await self._prepare_chat(chat, refs, self.max_model_len, salt)
-        bound = self.max_model_len * TRUNCATABLE_CONTEXTS
-        try:
-            return await self._prepare_chat(chat, refs, bound, salt)
-        except ContextLengthError as exc:
-            raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
-                                     f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
+            prepared = await self._prepare_chat(chat, refs, self.max_model_len, salt)
+        else:
+            bound = self.max_model_len * TRUNCATABLE_CONTEXTS
+            try:
+                prepared = await self._prepare_chat(chat, refs, bound, salt)
+            except ContextLengthError as exc:
+                raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
+                                         f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
+        for plan in prepared.plans:  # its encoder jobs take the request's turns (media/flows.py)
+            plan.flow, plan.priority = current_flow()
+        return prepared
 
     async def _prepare_chat(self, chat: ChatRequest, refs: list[MediaRef], bound: int,
                             salt: str | None = None) -> PreparedChat:

@@ -29,7 +29,7 @@ from llm_core.engine.prompt_logprobs import PromptLogprobs
 from llm_core.engine.sampling import SamplingParams
 from llm_core.kvcache.page_keys import check_cache_salt
 from mm_pipeline.errors import InvalidInputError, InvalidMessageError, OverloadedError
-from mm_pipeline.media.worker_pool import flow as pool_flow
+from mm_pipeline.media.flows import flow as pool_flow
 from mm_pipeline.prompt.messages import ChatRequest, parse_messages
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.components import OmniRuntime
@@ -188,8 +188,9 @@ class OmniEngine:
         feed: MediaFeed | None = None
         checkpoints: tuple[int, ...] = ()
         try:
-            # the worker pools take turns between requests, the more urgent first (media/worker_pool.py):
-            # this request's calls, and those of the tasks started here (its video's chunk decodes), are its flow
+            # the worker pools and the encoder queue take turns between requests, the more urgent first
+            # (media/flows.py): this request's calls, those of the tasks started here (its video's chunk
+            # decodes) and its encoder jobs are its flow
             with pool_flow(rid, priority):
                 if params.structured_outputs is not None:  # a bad constraint fails before any media is read
                     await rt.compile_grammar(params.structured_outputs)
@@ -197,8 +198,6 @@ class OmniEngine:
                     prepared = await rt.prepare_chat(chat, truncate=params.truncate_prompt_tokens is not None,
                                                      salt=cache_salt)
                     token_ids, checkpoints = prepared.token_ids, prepared.checkpoints
-                    for plan in prepared.plans:  # its encoder jobs are taken in the engine's priority order
-                        plan.priority = priority
                     if on_planned is not None:  # now: starting the feed hands plan.cached to the sinks and empties it
                         on_planned(sum(len(p.cached) for p in prepared.plans))
                     if self.config.stream_embeddings:

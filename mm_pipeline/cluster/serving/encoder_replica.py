@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mm_pipeline.cluster.serving.llm_replica import replica_name
 from mm_pipeline.cluster.serving.shared_files import ReplicaFiles, SharedFile
-from mm_pipeline.media.worker_pool import flow as pool_flow
+from mm_pipeline.media.flows import flow as pool_flow
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.runtime.components import OmniRuntime
 from mm_pipeline.runtime.config import OmniEngineConfig

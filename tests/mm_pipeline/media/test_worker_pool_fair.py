@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mm_pipeline.media.worker_pool import WorkerPool, flow
+from mm_pipeline.media.flows import flow
+from mm_pipeline.media.worker_pool import WorkerPool
 
 LIMIT_S = 30.0  # any wait here is a hang, not a slow machine
 
