@@ -16,15 +16,17 @@ reaches its token budget or its oldest job has waited ``max_wait_s``.
 Order (``BatcherConfig.order``). ``fair`` (the default): requests take turns. A job carries the flow
 (request) that claimed its unit and that request's priority (the engine's ``priority`` queue policy;
 0 otherwise); a batch takes jobs by priority, then by the round-robin rank of their flow
-(media/flows.py: the flow served longest ago first, a newcomer just before the flow served last), then in
-arrival order. And on a CPU encoder a batch holds either newcomers' jobs (flows not served yet)
-or served flows' jobs, never both (it ends at the first job of the other kind, so no flow passes
-one whose turn came first): there a forward's time grows with its rows, so an image
-batched with a running video's frame groups would wait for their rows too (an image sent while a
-60 s video encodes: README, "Overlap, measured"); newcomers still batch with each other, so a
-burst of small requests keeps its packed forwards. On CUDA a packed forward of a few more rows costs
-about what the newcomer's alone does, so batches mix. ``arrival``: (priority, arrival) order, one
-queue for every request. ``run_due`` runs on the
+(media/flows.py: the flow served longest ago first, a newcomer just before the flow served last),
+then -- among flows of one rank, such as newcomers that came while one forward ran -- the flow
+with the fewest queued rows first, then in arrival order. On a CPU encoder a forward's time grows
+with its rows, so an image packed with a video's frame groups waits for their rows too (an image
+sent while a 60 s video encodes: README, "Overlap, measured"). There a batch ends before the first
+job whose flow is of the other kind than the first job's -- a newcomer (not served yet) where that
+one is served, or the reverse -- or whose flow has more than twice the rows queued of the flows
+before it together: so no flow passes one whose turn came first, an image is not packed with a video
+already encoding nor with the groups of a new one, and a burst of like images still batches. On
+CUDA a packed forward of a few more rows costs about what the image's alone does, so batches mix.
+``arrival``: (priority, arrival) order, one queue for every request. ``run_due`` runs on the
 encoder worker's lanes (runtime/encoder_worker.py: one thread, or several side by side, each taking
 its share of the queue) or, with the worker off, on the engine thread between LLM steps; a job
 leaves the queue under the lock, so each is encoded by exactly one caller. Everything is
@@ -121,6 +123,10 @@ class BatcherConfig:
             raise ValueError(f"BatcherConfig order must be 'fair' or 'arrival', got {self.order!r}")
 
 
+# CPU: a flow joins a batch while its queued rows are at most this many times those of the flows
+# already in it (module doc): each join at most triples the forward the earlier flows wait for
+JOIN_RATIO = 2
+
 # flows remembered per encoder queue between their visits (a video's frame groups arrive one by one
 # as they decode, and must find their flow served, not a newcomer again); past it the idle flows
 # served longest ago are forgotten
@@ -143,7 +149,7 @@ class EncoderBatcher:
         # its CUDA stream here, so no consumer on another stream reads rows still being written
         self.before_deliver: Callable[[], None] | None = None
         self.on_forward_span: Callable[[float, float], None] | None = None  # (start, end): a stage timeline
-        self._lock = threading.Lock()  # guards _pending and _counts
+        self._lock = threading.Lock()  # guards _pending, _counts and _turns
         self._units: SingleFlight[torch.Tensor] = SingleFlight()
         self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
         self._counts: Counter[str] = Counter()
@@ -272,8 +278,8 @@ class EncoderBatcher:
                 q.extend(rest)
             turns = self._turns[encoder]
             turns.serve(*{j.turn_key for j in batch})
-            if len(turns) > REMEMBERED_FLOWS:
-                turns.trim(REMEMBERED_FLOWS, {j.turn_key for j in q})
+            if len(turns) > REMEMBERED_FLOWS:  # (the flows just served stay: a video between its groups)
+                turns.trim(REMEMBERED_FLOWS, {j.turn_key for j in q} | {j.turn_key for j in batch})
             return batch
 
     def _arrival_batch(self, q: deque[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
@@ -284,16 +290,19 @@ class EncoderBatcher:
 
     def _fair_batch(self, encoder: str, q: deque[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
         """Under the lock: the ``fair`` order's batch (module doc): by priority, then the flow's
-        round-robin rank, then arrival (a stable sort of the arrival-ordered queue); on a CPU
-        encoder only the jobs up to the first whose flow is not a newcomer like the first job's, or
-        served like it."""
+        round-robin rank, then (flows of one rank) its queued rows, fewest first, then arrival (a
+        stable sort of the arrival-ordered queue). On a CPU encoder only the jobs before the first
+        whose flow is of the other kind (newcomer / served) than the first job's, or holds more
+        than ``JOIN_RATIO`` times the queued rows of the flows before it together."""
         turns = self._turns[encoder]
         if len(q) == 1:
             return [q[0]]
-        order = sorted(q, key=lambda j: (j.priority, turns.rank(j.turn_key)))
-        if self._cpu[encoder]:  # up to the first job of the other kind: none passes a flow whose turn came first
-            served = turns.served(order[0].turn_key)
-            order = order[:next((i for i, j in enumerate(order) if turns.served(j.turn_key) != served), len(order))]
+        rows: Counter[Hashable] = Counter()
+        for job in q:
+            rows[job.turn_key] += job.cost
+        order = sorted(q, key=lambda j: (j.priority, turns.rank(j.turn_key), rows[j.turn_key]))
+        if self._cpu[encoder]:
+            order = order[:_cpu_cut(order, turns, rows)]
         return _fill(order, share, budget)
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
@@ -379,6 +388,26 @@ def _fill(order: Sequence[EncoderJob], share: int, budget: int) -> list[EncoderJ
         batch.append(job)
         used += job.cost
     return batch
+
+
+def _cpu_cut(order: Sequence[EncoderJob], turns: Turns, rows: Counter[Hashable]) -> int:
+    """Where a CPU batch of ``order`` ends: at the first job whose flow is a newcomer where the
+    first job's is served or the reverse (none passes a flow whose turn came first), or whose flow's
+    queued ``rows`` exceed ``JOIN_RATIO`` times those of the flows before it together (a new
+    video's frame groups do not make the image that came with it wait for their rows; a burst of
+    images of mixed sizes still batches)."""
+    served = turns.served(order[0].turn_key)
+    taken: set[Hashable] = set()
+    before = 0
+    for i, job in enumerate(order):
+        key = job.turn_key
+        if key in taken:
+            continue
+        if turns.served(key) != served or (taken and rows[key] > JOIN_RATIO * before):
+            return i
+        taken.add(key)
+        before += rows[key]
+    return len(order)
 
 
 def _on_cpu(module: torch.nn.Module | None) -> bool:

@@ -121,7 +121,7 @@ class OmniEngineConfig:
     encoder_max_wait_ms: float = 5.0
     """How long the oldest pending encoder job may wait for company, in milliseconds."""
     encoder_batch_order: Literal["fair", "arrival"] = "fair"
-    """Encoder queue order: fair (requests take turns, the more urgent priority first; on a CPU encoder a request's first units are batched apart from those of requests already encoding, so an image does not wait for a video's frame groups) or arrival (one queue in priority, then arrival order)."""
+    """Encoder queue order: fair (requests take turns, the more urgent priority first; on a CPU encoder a new request's units are batched apart from those of requests already encoding and from a new request with more rows queued, so an image does not wait for a video's frame groups) or arrival (one queue in priority, then arrival order)."""
     # The encoder on its own worker (a thread; on CUDA its own stream) so encoding of later frame
     # groups overlaps prefill of earlier ones; False runs encoder batches on the engine thread
     # between LLM steps (same tokens). runtime/encoder_worker.py.

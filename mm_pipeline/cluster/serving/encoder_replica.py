@@ -51,17 +51,20 @@ class EncoderReplica:
         self.runtime.start()
 
     async def encode(self, part: dict, files: dict[str, SharedFile] | None = None,
-                     media_key: str | None = None, salt: str | None = None) -> EncodeReport:
+                     media_key: str | None = None, salt: str | None = None, flow: str | None = None,
+                     priority: int = 0) -> EncodeReport:
         """Encode one media content part into the shared cache. ``media_key`` is the router's
         (mm_pipeline/cluster/serving/encoder_router.py); the replica does not need it. ``salt``:
         the request's cache_salt -- its units are written under its salted keys, where the LLM
-        replica looks for them and no other tenant can hit them."""
+        replica looks for them and no other tenant can hit them. ``flow``, ``priority``: the
+        request's (media/flows.py): its items take its turns in the media workers and the encoder
+        queue, at its priority (None: this encode is a flow of its own)."""
         self.check_health()
         rt = self.runtime
         self.files.hold(files)
         rid = f"enc-{uuid.uuid4().hex[:12]}"
         try:
-            with pool_flow(rid):  # each encode takes its turn in the media workers (media/worker_pool.py)
+            with pool_flow(flow or rid, priority):  # the request's turns (media workers, encoder queue)
                 prepared = await rt.prepare_chat(parse_messages([{"role": "user", "content": [part]}]), salt=salt)
                 units = sum(len(p.units) for p in prepared.plans)
                 hits = sum(len(p.cached) for p in prepared.plans)

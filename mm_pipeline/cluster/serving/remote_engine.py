@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -106,7 +107,9 @@ class RemoteEngine:
         files = await self._files(messages)
         if self.encoders is not None:
             await asyncio.to_thread(self._check_media, messages)
-            await self._encode_on_tier(messages, files, cache_salt)
+            # the request's items take one turn per round in the tier's queues, at its priority
+            await self._encode_on_tier(messages, files, cache_salt, flow=request_id or f"tier-{uuid.uuid4().hex}",
+                                       priority=priority)
         async for d in self._stream("chat", messages, params, request_id, key, files, priority, cache_salt):
             yield d
 
@@ -212,12 +215,14 @@ class RemoteEngine:
             raise InvalidInputError(problem)
 
     async def _encode_on_tier(self, messages: list[dict], files: dict[str, SharedFile],
-                              salt: str | None = None) -> None:
+                              salt: str | None = None, flow: str | None = None, priority: int = 0) -> None:
         """Each distinct media item to the encoder replica its content key hashes to, all at once;
         the LLM replica then finds their units in the shared cache. Failures only cost speed: a
         unit the tier did not deliver is a miss the LLM replica encodes (bad media included, which
         it reports with the usual typed error). ``salt``: the request's cache_salt, which keys the
-        units the tier writes as the LLM replica will look for them (per tenant)."""
+        units the tier writes as the LLM replica will look for them (per tenant). ``flow``,
+        ``priority``: the request's, which its items' work on the replicas is done as
+        (media/flows.py): one request, one turn per round, however many items it has."""
         parts = await asyncio.to_thread(media_parts, messages)  # hashes data URLs: megabytes
         if not parts:
             return
@@ -225,7 +230,8 @@ class RemoteEngine:
         for key, part in parts.items():
             fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
             sent = {fid: files[fid]} if fid in files else None
-            responses.append(self.encoders.encode.remote(part, sent, media_key=key, salt=salt))
+            responses.append(self.encoders.encode.remote(part, sent, media_key=key, salt=salt, flow=flow,
+                                                         priority=priority))
             calls.append(asyncio.ensure_future(self._awaited(responses[-1])))
         try:
             done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)

@@ -73,6 +73,27 @@ def test_a_newcomer_goes_first_and_apart_on_a_cpu_encoder(device, order, expect)
     assert all(len(got[k]) == 1 for k in ("v0", "v1", "v2", "v3", "img"))
 
 
+@pytest.mark.parametrize("device, expect", [
+    ("cpu", [["img"], ["w0", "w1", "w2", "w3"], ["v1", "v2"]]),
+    ("meta", [["img", "w0", "w1", "w2", "w3", "v1", "v2"]]),
+])
+def test_a_new_videos_groups_do_not_hold_up_an_image_that_came_with_them(device, expect):
+    """A new video and an image that came while one forward ran are both newcomers of one rank: the
+    image (fewer rows queued) goes first, and on a CPU encoder the video's groups do not join its
+    batch (they hold more rows than the image); then the new video, then the one served before."""
+    tower = Tower(device)
+    b = EncoderBatcher(tower, None, BatcherConfig(max_wait_s=0.0))
+    got: dict = {}
+    submit(b, tower, got, "v0", "video")
+    assert batches_of(tower, b) == [["v0"]]
+    for k in ("v1", "v2"):
+        submit(b, tower, got, k, "video")
+    for k in ("w0", "w1", "w2", "w3"):
+        submit(b, tower, got, k, "new-video")
+    submit(b, tower, got, "img", "image", rows=6)
+    assert batches_of(tower, b) == expect
+
+
 def test_newcomers_batch_with_each_other():
     """A burst of single-image requests keeps its packed forwards (CPU rule: newcomers together)."""
     tower = Tower()
@@ -81,9 +102,9 @@ def test_newcomers_batch_with_each_other():
     submit(b, tower, got, "v0", "video")
     assert batches_of(tower, b) == [["v0"]]
     submit(b, tower, got, "v1", "video")
-    for i in range(4):
-        submit(b, tower, got, f"img{i}", f"req{i}")
-    assert batches_of(tower, b) == [["img0", "img1", "img2", "img3"], ["v1"]]
+    for i, rows in enumerate((8, 3, 5, 2)):  # mixed sizes: each at most twice the smaller ones together
+        submit(b, tower, got, f"img{i}", f"req{i}", rows=rows)
+    assert batches_of(tower, b) == [["img3", "img1", "img2", "img0"], ["v1"]]  # fewest rows first
 
 
 def test_flows_take_turns_and_a_newcomer_joins_just_before_the_flow_served_last():
@@ -140,6 +161,25 @@ def test_the_memory_of_served_flows_is_bounded(monkeypatch):
     # the flows without jobs ended are forgotten, the encoding one while it has jobs waiting is kept
     submit(b, tower, got, "long1", "long")
     assert "long" in b._turns["vision"]
+
+
+def test_a_flow_just_served_is_remembered_past_the_bound(monkeypatch):
+    """Trimming keeps the flows with jobs queued and those of the batch just taken: a video between
+    two frame groups stays served, not a newcomer again."""
+    monkeypatch.setattr(batcher_module, "REMEMBERED_FLOWS", 8)
+    tower = Tower()
+    b = EncoderBatcher(tower, None, BatcherConfig(vision_budget=4, max_wait_s=0.0))  # one unit per forward
+    got: dict = {}
+    for i in range(5):  # five requests served and gone, remembered
+        submit(b, tower, got, f"old{i}", f"old{i}")
+        batches_of(tower, b)
+    submit(b, tower, got, "v-g0", "video")
+    for i in range(4):  # four requests waiting behind it
+        submit(b, tower, got, f"w{i}", f"w{i}", priority=1)
+    assert b.run_due() == 1 and tower.batches[-1] == ["v-g0"]
+    assert "video" in b._turns["vision"] and b._turns["vision"].served("video")
+    assert len(b._turns["vision"]) <= 8
+    b.check_integrity()
 
 
 def test_a_unit_without_a_flow_is_a_flow_of_its_own():

@@ -111,6 +111,34 @@ def test_the_cache_salt_reaches_the_replica_and_seeds_the_route_key():
     assert salted.weights == plain.weights and not set(salted.hashes) & set(plain.hashes)
 
 
+def test_an_encoder_tier_gets_one_flow_and_the_priority_per_request():
+    """With an encoder tier each media item is its own encode call; they all carry the request's
+    flow and priority, so a request of many items takes one turn per round on the replicas' queues
+    (media/flows.py) and an urgent request stays urgent there."""
+    calls: list[dict[str, Any]] = []
+
+    class Encoders:
+        @property
+        def encode(self) -> "Encoders":
+            return self
+
+        def remote(self, *args: Any, **kwargs: Any):
+            calls.append(kwargs)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(SimpleNamespace(units=1, hits=0, replica="e0"))
+            done.cancel = lambda: None
+            return done
+
+    engine = RemoteEngine(Handle([delta(True)], [delta(True)]), None, "m", encoders=Encoders())
+    items = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{k}AAA="}} for k in "ABC"]
+    messages = [{"role": "user", "content": [*items, {"type": "text", "text": "hi"}]}]
+    asyncio.run(collect(engine.generate(messages, SamplingParams(max_tokens=1), request_id="req-7", priority=-2)))
+    assert len(calls) == 3 and {(c["flow"], c["priority"]) for c in calls} == {("req-7", -2)}
+    calls.clear()
+    asyncio.run(collect(engine.generate(messages, SamplingParams(max_tokens=1))))  # no id: one of its own
+    assert len({c["flow"] for c in calls}) == 1 and calls[0]["flow"] and calls[0]["priority"] == 0
+
+
 def test_a_stopped_engine_after_the_first_token_ends_with_a_503():
     stopped = ReplicaFailure(llm_replica.EngineStopped("the LLM replica's engine stopped", "replica-0"))
     engine = RemoteEngine(Handle([delta(False), stopped]), None, "m")

@@ -62,6 +62,24 @@ def test_encoder_output_reaches_the_llm_replica(replicas):
     assert llm.record_routing_stats() == {"load_tokens": 0}
 
 
+def test_an_encode_takes_the_requests_turns(replicas):
+    """The request's flow and priority reach the replica's encoder jobs (media/flows.py)."""
+    enc, _ = replicas
+    batcher = enc.runtime.batcher
+    jobs = []
+
+    def spy(job):
+        jobs.append(job)
+        return submit(job)
+
+    submit, batcher.submit = batcher.submit, spy
+    try:
+        asyncio.run(enc.encode(image_part(), flow="req-9", priority=3, salt="turns"))
+    finally:
+        del batcher.submit  # the class's method again
+    assert jobs and {(j.flow, j.priority) for j in jobs} == {("req-9", 3)}
+
+
 def test_media_error_is_an_item_and_files_are_released(replicas):
     _, llm = replicas
     bad = [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-x"}}]}]
