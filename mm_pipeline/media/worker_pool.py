@@ -2,7 +2,7 @@
 
 ``await pool.run(fn, *args)`` runs ``fn`` on one of ``max_workers`` threads (``spare`` more for
 requests that have no call running, below).  At most
-``max_workers + max_pending`` calls are admitted at once; further callers wait (FIFO) for a slot,
+``max_workers + max_pending`` calls are admitted at once; further callers wait for a slot (the more urgent priority first, FIFO within one),
 so a burst of uploads queues on the event loop as cheap suspended coroutines instead of an
 unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long wait into
 ``ServerBusy`` (HTTP 503).
@@ -38,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import heapq
+import itertools
 import threading
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,9 +104,10 @@ class WorkerPool:
         self._admitted = 0
         self._started = 0  # calls taken by a worker thread, not returned yet (what ``busy`` counts)
         self._blocked = 0  # of those, inside ``blocked()``: waiting, using no CPU
-        self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
-            collections.deque()
-        )
+        # callers waiting for admission: a heap of (priority, arrival, loop, future), the more
+        # urgent first, FIFO within a priority
+        self._waiters: list[tuple[int, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
         # admitted calls not started yet, per flow (a flow with none is not a key)
         self._ready: dict[Hashable | None, collections.deque[_Call]] = {}
         self._flows: dict[Hashable | None, _FlowState] = {}  # those with calls queued or started
@@ -118,9 +121,10 @@ class WorkerPool:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
-        await self._acquire()
+        key, priority = current_flow()
+        await self._acquire(priority)
         cf: Future[T] = Future()
-        call = _Call(*current_flow(), fn, args, kwargs, cf)
+        call = _Call(key, priority, fn, args, kwargs, cf)
         turn = False
         try:
             with self._lock:
@@ -169,7 +173,7 @@ class WorkerPool:
     def waiting(self) -> int:
         """Callers suspended for admission."""
         with self._lock:
-            return sum(1 for _, fut in self._waiters if not fut.done())
+            return sum(1 for *_, fut in self._waiters if not fut.done())
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; ``wait=False`` cancels the calls not started yet (their callers see
@@ -313,20 +317,24 @@ class WorkerPool:
         finally:
             _worker.pool = None
 
-    async def _acquire(self) -> None:
+    async def _acquire(self, priority: int = 0) -> None:
+        """Wait for an admission slot; when none is free, the more urgent ``priority`` is admitted
+        first (the engine's ``priority`` queue policy), FIFO within one."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._admitted < self.capacity and not self._waiters:
                 self._admitted += 1
                 return
             fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append((loop, fut))
+            entry = (priority, next(self._arrivals), loop, fut)
+            heapq.heappush(self._waiters, entry)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.admit_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
             with self._lock:
                 try:
-                    self._waiters.remove((loop, fut))
+                    self._waiters.remove(entry)
+                    heapq.heapify(self._waiters)
                     queued = True
                 except ValueError:
                     queued = False  # a slot was handed to us (or is on its way) — give it back
@@ -343,7 +351,7 @@ class WorkerPool:
     def _release(self) -> None:
         with self._lock:
             if self._waiters:
-                loop, fut = self._waiters.popleft()  # the slot passes to this waiter
+                *_, loop, fut = heapq.heappop(self._waiters)  # the slot passes to this waiter
             else:
                 self._admitted -= 1
                 return

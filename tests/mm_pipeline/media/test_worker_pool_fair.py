@@ -337,3 +337,33 @@ def test_a_cancelled_call_leaves_the_queue_at_once() -> None:
         gate.set()
         pool.shutdown()
     pool.check_integrity()
+
+
+def test_admission_takes_the_more_urgent_caller_first_and_a_timed_out_one_leaves() -> None:
+    """With every slot taken, callers wait for admission: the more urgent priority first, FIFO
+    within one; a caller that gives up leaves the waiting line and takes no slot."""
+    pool = WorkerPool(1, 0, admit_timeout_s=LIMIT_S)  # one slot
+    call = Calls({"held": threading.Event()})
+
+    async def main() -> None:
+        with flow("first", 0):
+            held = asyncio.create_task(pool.run(call, "held"))
+        await until(lambda: call.order == ["held"])
+        waiting = []
+        for name, priority in (("late", 5), ("urgent", -1), ("gone", -2), ("normal", 0), ("later", 5)):
+            with flow(name, priority):
+                waiting.append(asyncio.create_task(pool.run(call, name)))
+            await until(lambda: pool.waiting == len(waiting), "the caller to wait for admission")
+        waiting[2].cancel()  # "gone" gives up while it waits
+        await until(lambda: pool.waiting == 4, "the cancelled caller to leave")
+        call.release()
+        await asyncio.wait_for(asyncio.gather(held, *waiting[:2], *waiting[3:]), LIMIT_S)
+
+    try:
+        asyncio.run(main())
+    finally:
+        call.release()
+        pool.shutdown()
+    assert call.order == ["held", "urgent", "normal", "late", "later"]
+    assert pool.admitted == 0 and pool.waiting == 0
+    pool.check_integrity()
