@@ -2,9 +2,9 @@
 
 ``await pool.run(fn, *args)`` runs ``fn`` on one of ``max_workers`` threads (``spare`` more for
 requests that have no call running, below).  At most
-``max_workers + max_pending`` calls are admitted at once; further callers wait for a slot (the more urgent priority first, FIFO within one),
-so a burst of uploads queues on the event loop as cheap suspended coroutines instead of an
-unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long wait into
+``max_workers + max_pending`` calls are admitted at once; further callers wait for a slot (the
+more urgent priority first, FIFO within one), so a burst of uploads queues on the event loop as
+cheap suspended coroutines instead of an unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long wait into
 ``ServerBusy`` (HTTP 503).
 
 ``busy``: the workers using a CPU now -- running a call and not inside ``blocked()`` (a decode
@@ -108,6 +108,11 @@ class WorkerPool:
         # urgent first, FIFO within a priority
         self._waiters: list[tuple[int, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
+        # arrivals of the entries still waiting: one whose caller gave up stays in the heap until
+        # popped (skipped then) or compacted -- no O(n) removal under the lock per departure
+        self._queued: set[int] = set()
+        # arrivals popped by ``_release`` whose ``_grant`` has not run on their loop yet
+        self._handing: set[int] = set()
         # admitted calls not started yet, per flow (a flow with none is not a key)
         self._ready: dict[Hashable | None, collections.deque[_Call]] = {}
         self._flows: dict[Hashable | None, _FlowState] = {}  # those with calls queued or started
@@ -173,7 +178,7 @@ class WorkerPool:
     def waiting(self) -> int:
         """Callers suspended for admission."""
         with self._lock:
-            return sum(1 for *_, fut in self._waiters if not fut.done())
+            return len(self._queued)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; ``wait=False`` cancels the calls not started yet (their callers see
@@ -206,6 +211,8 @@ class WorkerPool:
                 raise AssertionError("the flows remembered are not those with calls queued or started")
             if len(self._turns) != len(self._flows) or any(k not in self._turns for k in self._flows):
                 raise AssertionError("the flows ranked are not those remembered")
+            if not self._queued <= {e[1] for e in self._waiters} or self._queued & self._handing:
+                raise AssertionError("a waiter counted as queued is not in the waiting line, or also handed a slot")
 
     # ---- internal helpers -------------------------------------------------------------------
 
@@ -322,27 +329,27 @@ class WorkerPool:
         first (the engine's ``priority`` queue policy), FIFO within one."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._admitted < self.capacity and not self._waiters:
+            if self._admitted < self.capacity and not self._queued:
                 self._admitted += 1
                 return
             fut: asyncio.Future[None] = loop.create_future()
-            entry = (priority, next(self._arrivals), loop, fut)
-            heapq.heappush(self._waiters, entry)
+            arrival = next(self._arrivals)
+            heapq.heappush(self._waiters, (priority, arrival, loop, fut))
+            self._queued.add(arrival)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.admit_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
             with self._lock:
-                try:
-                    self._waiters.remove(entry)
-                    heapq.heapify(self._waiters)
-                    queued = True
-                except ValueError:
-                    queued = False  # a slot was handed to us (or is on its way) — give it back
+                queued = arrival in self._queued  # else a slot was handed to us (or is on its way)
+                if queued:
+                    self._queued.discard(arrival)  # its entry is skipped when popped
+                    if len(self._waiters) > 2 * len(self._queued) + 64:  # mostly departed: compact
+                        self._waiters = [e for e in self._waiters if e[1] in self._queued]
+                        heapq.heapify(self._waiters)
+                else:  # a slot was handed to us: on its way (its _grant then does nothing) or here
+                    self._handing.discard(arrival)
             if not queued:
-                if fut.done() and not fut.cancelled():
-                    self._release()
-                else:
-                    fut.cancel()  # _grant sees the cancellation and releases the slot
+                self._release()  # from here: not left to a _grant that a closing loop may drop
             if isinstance(exc, asyncio.TimeoutError):
                 raise ServerBusy(f"media worker pool saturated ({self.capacity} calls admitted) for "
                                  f"{self.admit_timeout_s} s") from None
@@ -350,21 +357,32 @@ class WorkerPool:
 
     def _release(self) -> None:
         with self._lock:
-            if self._waiters:
-                *_, loop, fut = heapq.heappop(self._waiters)  # the slot passes to this waiter
+            while self._queued:
+                _, arrival, loop, fut = heapq.heappop(self._waiters)
+                if arrival in self._queued:  # the slot passes to this waiter
+                    self._queued.discard(arrival)
+                    self._handing.add(arrival)
+                    break
             else:
+                self._waiters.clear()  # only departed entries left
                 self._admitted -= 1
                 return
         try:
-            loop.call_soon_threadsafe(self._grant, fut)
+            loop.call_soon_threadsafe(self._grant, fut, arrival)
         except RuntimeError:  # the waiter's loop is closed: nobody will take the slot
-            self._release()
+            with self._lock:  # (unless the waiter gave up meanwhile: it passed the slot on itself)
+                mine = arrival in self._handing
+                self._handing.discard(arrival)
+            if mine:
+                self._release()
 
-    def _grant(self, fut: asyncio.Future[None]) -> None:
-        if fut.done():  # cancelled or timed out after it left the queue
-            self._release()
-        else:
-            fut.set_result(None)
+    def _grant(self, fut: asyncio.Future[None], arrival: int) -> None:
+        """On the waiter's loop: hand it the slot, unless it gave up (and passed the slot on)."""
+        with self._lock:
+            if arrival not in self._handing:
+                return
+            self._handing.discard(arrival)
+        fut.set_result(None)  # not done: giving up discards ``arrival`` first, on this loop
 
 
 @contextlib.contextmanager

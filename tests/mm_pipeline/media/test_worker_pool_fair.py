@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mm_pipeline.errors import ServerBusy
 from mm_pipeline.media.flows import flow
 from mm_pipeline.media.worker_pool import WorkerPool
 
@@ -339,7 +340,7 @@ def test_a_cancelled_call_leaves_the_queue_at_once() -> None:
     pool.check_integrity()
 
 
-def test_admission_takes_the_more_urgent_caller_first_and_a_timed_out_one_leaves() -> None:
+def test_admission_takes_the_more_urgent_caller_first_and_a_cancelled_one_leaves() -> None:
     """With every slot taken, callers wait for admission: the more urgent priority first, FIFO
     within one; a caller that gives up leaves the waiting line and takes no slot."""
     pool = WorkerPool(1, 0, admit_timeout_s=LIMIT_S)  # one slot
@@ -366,4 +367,29 @@ def test_admission_takes_the_more_urgent_caller_first_and_a_timed_out_one_leaves
         pool.shutdown()
     assert call.order == ["held", "urgent", "normal", "late", "later"]
     assert pool.admitted == 0 and pool.waiting == 0
+    pool.check_integrity()
+
+
+def test_a_caller_that_times_out_waiting_for_admission_takes_no_slot() -> None:
+    """``admit_timeout_s``: the caller gets ServerBusy (a 503), leaves the waiting line, and the slot
+    it never got is not counted; the pool admits the next caller once the held one ends."""
+    pool = WorkerPool(1, 0, admit_timeout_s=0.05)
+    call = Calls({"held": threading.Event()})
+
+    async def main() -> None:
+        held = asyncio.create_task(pool.run(call, "held"))
+        await until(lambda: call.order == ["held"])
+        with pytest.raises(ServerBusy):
+            await pool.run(call, "too late")
+        assert pool.waiting == 0 and pool.admitted == 1
+        call.release()
+        await asyncio.wait_for(held, LIMIT_S)
+        assert await asyncio.wait_for(pool.run(call, "next"), LIMIT_S) == "next"
+
+    try:
+        asyncio.run(main())
+    finally:
+        call.release()
+        pool.shutdown()
+    assert call.order == ["held", "next"] and pool.admitted == 0 and pool.waiting == 0
     pool.check_integrity()
