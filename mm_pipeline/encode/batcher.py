@@ -13,20 +13,8 @@ Pending work of all requests is grouped by encoder (the vision tower takes image
 groups together, the audio encoder takes segments) and run as one packed forward once the batch
 reaches its token budget or its oldest job has waited ``max_wait_s``.
 
-Order (``BatcherConfig.order``). ``fair`` (the default): requests take turns. A job carries the flow
-(request) that claimed its unit and that request's priority (the engine's ``priority`` queue policy;
-0 otherwise); a batch takes jobs by priority, then by the round-robin rank of their flow
-(media/flows.py: the flow served longest ago first, a newcomer just before the flow served last),
-then -- among flows of one rank, such as newcomers that came while one forward ran -- the flow
-with the fewest queued rows first, then in arrival order. On a CPU encoder a forward's time grows
-with its rows, so an image packed with a video's frame groups waits for their rows too (an image
-sent while a 60 s video encodes: README, "Overlap, measured"). There a batch ends before the first
-job whose flow is of the other kind than the first job's -- a newcomer (not served yet) where that
-one is served, or the reverse -- or whose flow has more than twice the rows queued of the flows
-before it together: so no flow passes one whose turn came first, an image is not packed with a video
-already encoding nor with the groups of a new one, and a burst of like images still batches. On
-CUDA a packed forward of a few more rows costs about what the image's alone does, so batches mix.
-``arrival``: (priority, arrival) order, one queue for every request. ``run_due`` runs on the
+Which jobs a batch takes: encode/batch_order.py (``BatcherConfig.order``: requests take turns by
+default, or one queue in arrival order). ``run_due`` runs on the
 encoder worker's lanes (runtime/encoder_worker.py: one thread, or several side by side, each taking
 its share of the queue) or, with the worker off, on the engine thread between LLM steps; a job
 leaves the queue under the lock, so each is encoded by exactly one caller. Everything is
@@ -55,6 +43,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from mm_pipeline.encode.batch_order import arrival_batch, fair_batch
 from mm_pipeline.encode.preprocess import VisionInput
 from mm_pipeline.encode.single_flight import SingleFlight, Waiter
 from mm_pipeline.errors import UndecodableMediaError
@@ -114,7 +103,7 @@ class BatcherConfig:
     vision_budget: int = 16384  # patch rows per vision forward
     audio_budget: int = 24000  # mel frames per audio forward
     max_wait_s: float = 0.005  # how long the oldest pending job may wait for company
-    order: Literal["fair", "arrival"] = "fair"  # module doc
+    order: Literal["fair", "arrival"] = "fair"  # encode/batch_order.py
 
     def __post_init__(self) -> None:
         if self.vision_budget < 1 or self.audio_budget < 1 or self.max_wait_s < 0:
@@ -122,10 +111,6 @@ class BatcherConfig:
         if self.order not in ("fair", "arrival"):
             raise ValueError(f"BatcherConfig order must be 'fair' or 'arrival', got {self.order!r}")
 
-
-# CPU: a flow joins a batch while its queued rows are at most this many times those of the flows
-# already in it (module doc): each join at most triples the forward the earlier flows wait for
-JOIN_RATIO = 2
 
 # flows remembered per encoder queue between their visits (a video's frame groups arrive one by one
 # as they decode, and must find their flow served, not a newcomer again); past it the idle flows
@@ -154,7 +139,7 @@ class EncoderBatcher:
         self._pending: dict[str, deque[EncoderJob]] = {"vision": deque(), "audio": deque()}
         self._counts: Counter[str] = Counter()
         # per encoder queue: the flows' round-robin ranks, and whether its encoder runs on the CPU,
-        # where newcomers batch apart (module doc)
+        # where newcomers batch apart (encode/batch_order.py)
         self._turns = {"vision": Turns(), "audio": Turns()}
         self._cpu = {name: _on_cpu(module) for name, module in (("vision", vision), ("audio", audio))}
 
@@ -264,8 +249,8 @@ class EncoderBatcher:
             if not due and sum(j.cost for j in q) < budget:
                 return []  # wait a little for more requests' work
             share = -(-len(q) // lanes)  # ceil: this lane's part of the queue
-            batch = self._fair_batch(encoder, q, share, budget) if self.config.order == "fair" else \
-                self._arrival_batch(q, share, budget)
+            batch = fair_batch(q, self._turns[encoder], share, budget, self._cpu[encoder]) \
+                if self.config.order == "fair" else arrival_batch(q, share, budget)
             taken = {id(j) for j in batch}
             if len(taken) == len(q):
                 q.clear()
@@ -277,33 +262,11 @@ class EncoderBatcher:
                 q.clear()
                 q.extend(rest)
             turns = self._turns[encoder]
-            turns.serve(*{j.turn_key for j in batch})
+            served = {j.turn_key for j in batch}
+            turns.serve(*served)
             if len(turns) > REMEMBERED_FLOWS:  # (the flows just served stay: a video between its groups)
-                turns.trim(REMEMBERED_FLOWS, {j.turn_key for j in q} | {j.turn_key for j in batch})
+                turns.trim(REMEMBERED_FLOWS, {j.turn_key for j in q} | served)
             return batch
-
-    def _arrival_batch(self, q: deque[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
-        """Under the lock: the ``arrival`` order's batch -- most urgent first; the sort is stable,
-        so arrival order within one priority."""
-        order = sorted(q, key=lambda j: j.priority) if any(j.priority for j in q) else q
-        return _fill(order, share, budget)
-
-    def _fair_batch(self, encoder: str, q: deque[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
-        """Under the lock: the ``fair`` order's batch (module doc): by priority, then the flow's
-        round-robin rank, then (flows of one rank) its queued rows, fewest first, then arrival (a
-        stable sort of the arrival-ordered queue). On a CPU encoder only the jobs before the first
-        whose flow is of the other kind (newcomer / served) than the first job's, or holds more
-        than ``JOIN_RATIO`` times the queued rows of the flows before it together."""
-        turns = self._turns[encoder]
-        if len(q) == 1:
-            return [q[0]]
-        rows: Counter[Hashable] = Counter()
-        for job in q:
-            rows[job.turn_key] += job.cost
-        order = sorted(q, key=lambda j: (j.priority, turns.rank(j.turn_key), rows[j.turn_key]))
-        if self._cpu[encoder]:
-            order = order[:_cpu_cut(order, turns, rows)]
-        return _fill(order, share, budget)
 
     def _run(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
         """Encode a batch taken off the queue, then give back the decode budget its inputs held
@@ -375,39 +338,6 @@ class EncoderBatcher:
             with self._lock:
                 self._counts["failed_units"] += 1
         self._units.finish(key, rows, error)
-
-
-def _fill(order: Sequence[EncoderJob], share: int, budget: int) -> list[EncoderJob]:
-    """The first jobs of ``order`` while the batch holds fewer than ``share`` and fits ``budget``
-    (always at least one, even if it alone exceeds the budget)."""
-    batch: list[EncoderJob] = []
-    used = 0
-    for job in order:
-        if batch and (len(batch) >= share or used + job.cost > budget):
-            break
-        batch.append(job)
-        used += job.cost
-    return batch
-
-
-def _cpu_cut(order: Sequence[EncoderJob], turns: Turns, rows: Counter[Hashable]) -> int:
-    """Where a CPU batch of ``order`` ends: at the first job whose flow is a newcomer where the
-    first job's is served or the reverse (none passes a flow whose turn came first), or whose flow's
-    queued ``rows`` exceed ``JOIN_RATIO`` times those of the flows before it together (a new
-    video's frame groups do not make the image that came with it wait for their rows; a burst of
-    images of mixed sizes still batches)."""
-    served = turns.served(order[0].turn_key)
-    taken: set[Hashable] = set()
-    before = 0
-    for i, job in enumerate(order):
-        key = job.turn_key
-        if key in taken:
-            continue
-        if turns.served(key) != served or (taken and rows[key] > JOIN_RATIO * before):
-            return i
-        taken.add(key)
-        before += rows[key]
-    return len(order)
 
 
 def _on_cpu(module: torch.nn.Module | None) -> bool:
