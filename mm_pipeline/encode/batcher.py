@@ -44,6 +44,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from mm_pipeline.encode.batch_order import arrival_batch, fair_batch
+from mm_pipeline.encode.device_streams import read_by
 from mm_pipeline.encode.preprocess import VisionInput
 from mm_pipeline.encode.single_flight import SingleFlight, Waiter
 from mm_pipeline.errors import UndecodableMediaError
@@ -130,9 +131,10 @@ class EncoderBatcher:
         self.config = config
         self.on_encoded = on_encoded
         self.on_submit = on_submit
-        # called after a forward and before its rows are delivered: the encoder worker waits for
-        # its CUDA stream here, so no consumer on another stream reads rows still being written
-        self.before_deliver: Callable[[], None] | None = None
+        # called with a forward's rows before they are delivered: the encoder worker waits for its
+        # CUDA stream here, so no consumer on another stream reads rows still being written
+        # (encode/device_streams.py)
+        self.before_deliver: Callable[[Sequence[torch.Tensor]], None] | None = None
         self.on_forward_span: Callable[[float, float], None] | None = None  # (start, end): a stage timeline
         self._lock = threading.Lock()  # guards _pending, _counts and _turns
         self._units: SingleFlight[torch.Tensor] = SingleFlight()
@@ -279,13 +281,15 @@ class EncoderBatcher:
     def _forward(self, encoder: str, batch: Sequence[EncoderJob]) -> int:
         t0 = time.monotonic()
         try:
+            # a media worker's tensors, read on this thread's stream (CUDA: kept from reuse until it is done)
+            read_by(j.vision.rows if j.vision is not None else j.mel for j in batch)
             if encoder == "vision":
                 assert self.vision is not None
                 outs = self.vision.encode_items([(j.vision.rows, j.vision.grid) for j in batch])  # type: ignore[union-attr]
             else:
                 outs = self._encode_audio(batch)
             if self.before_deliver is not None:
-                self.before_deliver()
+                self.before_deliver(outs)
         except Exception as exc:  # a failed forward fails its own units only, never the engine
             if len(batch) > 1:  # which unit? each alone: the others of the batch are delivered
                 log.warning("a packed %s forward of %d units failed (%s); encoding them one by one",

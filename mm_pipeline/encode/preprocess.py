@@ -16,6 +16,10 @@ count), so a prompt can be laid out before any pixel is processed; the token cou
 (4x fewer bytes over the bus). The decoders already scaled them in uint8 (video frames to the
 video's size, large images to at most twice their target), so the float copy made here is of a
 frame near the target size, never of an 8192² source frame.
+
+On CUDA the media workers run that device work on a side stream and hand over finished tensors
+(encode/device_streams.py): the encoder's stream never reads half-normalised rows, and the
+preprocessing does not queue behind the LLM step on the default stream.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from encoders.config import AudioConfig, unit_tokens
 from encoders.image_processing import (MAX_ASPECT_RATIO, AspectRatioError, ImageProcessingConfig, normalize,
                                        normalize_rows, patchify, resize_frames, smart_resize)
 from encoders.audio.mel import LogMelSpectrogram
+from mm_pipeline.encode.device_streams import SideStream, read_by
 from mm_pipeline.errors import InvalidMediaError
 from mm_pipeline.media import audio_codes
 from mm_pipeline.media.audio_codes import AudioCodes
@@ -59,6 +64,7 @@ class Preprocessor:
         self.audio_config = audio_config
         self.audio_codebooks = audio_codebooks if audio_config is not None else None
         self.device = torch.device(device)
+        self.side = SideStream(self.device)  # CUDA: the media workers' stream (encode/device_streams.py)
         self._mel = LogMelSpectrogram(audio_config) if audio_config is not None else None
 
     # ---- sizes from metadata ----------------------------------------------------------------
@@ -93,9 +99,10 @@ class Preprocessor:
     def image(self, image: DecodedImage, size: tuple[int, int] | None = None) -> VisionInput:
         """``size``: the resized (h, w) planned from the source's header (the pixels may arrive
         already shrunk, see decode_image); default: from the pixels' own size."""
-        frames = self._frames_chw(image.pixels[None])
-        h, w = size or self.image_size(frames.shape[-2], frames.shape[-1])
-        rows, grid = self._patchify(frames, h, w)
+        with self.side.finished():
+            frames = self._frames_chw(image.pixels[None])
+            h, w = size or self.image_size(frames.shape[-2], frames.shape[-1])
+            rows, grid = self._patchify(frames, h, w)
         return VisionInput(rows, grid)
 
     def video_groups(self, frames: torch.Tensor, size: tuple[int, int]) -> list[VisionInput]:
@@ -105,7 +112,8 @@ class Preprocessor:
         if frames.dim() != 4 or frames.shape[0] == 0 or frames.shape[0] % tp:
             raise ValueError(f"video chunk must be [T, H, W, 3] with T a positive multiple of {tp}, "
                              f"got {tuple(frames.shape)}")
-        rows, (t, gh, gw) = self._patchify(self._frames_chw(frames), *size)
+        with self.side.finished():
+            rows, (t, gh, gw) = self._patchify(self._frames_chw(frames), *size)
         per = gh * gw
         return [VisionInput(rows[k * per:(k + 1) * per], (1, gh, gw)) for k in range(t)]
 
@@ -115,8 +123,22 @@ class Preprocessor:
         if audio.sample_rate != cfg.sampling_rate:
             raise ValueError(f"audio decoded at {audio.sample_rate} Hz; the encoder wants {cfg.sampling_rate} Hz")
         assert self._mel is not None
-        mel = self._mel(audio.samples.to(self.device), audio.sample_rate)
+        with self.side.finished():
+            mel = self._mel(audio.samples.to(self.device), audio.sample_rate)
         return split_segments(mel, cfg.segment_size)
+
+    def cached_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Encoder rows read back from the encoder cache's tiers (host memory) on the encoder's
+        device, where fresh ones arrive (CUDA): copied on the side stream by the calling media
+        worker, complete when returned, and kept from reuse until the device's default stream (the
+        LLM's prefill) is done with them. On the event loop the copy would wait behind the LLM step
+        queued on the default stream."""
+        if self.device.type != "cuda" or rows.device == self.device:
+            return rows
+        with self.side.finished():
+            out = rows.to(self.device, non_blocking=True)
+        read_by([out], torch.cuda.default_stream(self.device))
+        return out
 
     def check_codes(self, codes: AudioCodes, max_duration_s: float) -> None:
         """Pre-tokenized codes against this model (channels, codebook ranges, duration limit)."""

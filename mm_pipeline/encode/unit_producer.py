@@ -156,14 +156,15 @@ class UnitProducer:
         return info, sampling, self.pre.video_size(h, w, sampling.num_frames)
 
     def lookup(self, units: Sequence[UnitPlan]) -> dict[str, torch.Tensor]:
-        """Rows of the units the encoder cache holds (right size only), by key."""
+        """Rows of the units the encoder cache holds (right size only), by key, on the encoder's
+        device (a worker thread's copy: ``Preprocessor.cached_rows``)."""
         found: dict[str, torch.Tensor] = {}
         for unit in units:
             if unit.key in found:
                 continue
             rows = self.cache.get(unit.key)
             if rows is not None and rows.shape[0] == unit.num_tokens:
-                found[unit.key] = rows
+                found[unit.key] = self.pre.cached_rows(rows)
                 self._count("unit_hits")
         return found
 

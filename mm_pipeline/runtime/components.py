@@ -130,7 +130,7 @@ class OmniRuntime:
             self.encoder_worker = EncoderWorker(self.batcher, model.encoder_device, threads=encoder_threads,
                                                 lanes=config.encoder_lanes, spare=spare)
             if self.encoder_worker.device.type == "cuda":
-                self.batcher.before_deliver = self.encoder_worker.stream_sync
+                self.batcher.before_deliver = self.encoder_worker.deliver_ready
             self.batcher.on_submit = self.encoder_worker.wake
         cpu_llm = self.llm is not None and self.llm.device.type == "cpu"
         worker = self.encoder_worker

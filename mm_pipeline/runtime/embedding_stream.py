@@ -148,7 +148,9 @@ class EmbeddingStream:
             raise ValueError(f"unit {index} needs rows [{span.length}, {self.hidden_size}], "
                              f"got {tuple(rows.shape)}")
         if self._device is not None and rows.device != self._device:
-            rows = rows.to(self._device, non_blocking=True)  # ordered on the device's stream before use
+            # to the LLM's GPU without blocking: ordered before the prefill on that device's stream;
+            # to a CPU LLM a blocking copy (an asynchronous one would be read before it landed)
+            rows = rows.to(self._device, non_blocking=self._device.type == "cuda")
         with self._lock:
             if self._released:
                 return

@@ -38,7 +38,8 @@ has one lane (its one stream).
 
 CUDA: the encoder runs on its own stream; after a forward the worker waits for that stream (only
 this thread blocks) before the rows are delivered, so the LLM's stream never reads half-written rows
-while its prefill kernels keep running.
+while its prefill kernels keep running; the media workers hand it finished patch rows the same way
+(encode/device_streams.py has both rules and the allocator's).
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from mm_pipeline.encode.batcher import EncoderBatcher
+from mm_pipeline.encode.device_streams import read_by
 from mm_pipeline.runtime.intra_op import set_local_threads
 
 log = logging.getLogger(__name__)
@@ -140,10 +142,13 @@ class EncoderWorker:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
 
-    def stream_sync(self) -> None:
-        """Wait (this thread only) until the encoder stream's work is done (CUDA)."""
+    def deliver_ready(self, rows: Sequence[torch.Tensor]) -> None:
+        """CUDA, before a forward's rows are delivered: wait (this thread only) until the encoder
+        stream's work is done, and mark the rows as read by the device's default stream, where the
+        LLM's prefill reads them (encode/device_streams.py)."""
         if self._stream is not None:
             self._stream.synchronize()
+            read_by(rows, torch.cuda.default_stream(self.device))
 
     @property
     def alive(self) -> bool:
