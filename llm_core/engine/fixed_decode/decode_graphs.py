@@ -196,6 +196,9 @@ class DecodeGraphs:
         self._logits(static["ids"], sfb, kv)  # warm-up launch outside capture (Triton autotune/JIT)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: other threads of the process (an omni engine's media workers and encoder)
+        # keep allocating and synchronizing their own streams while this thread captures; in the
+        # default "global" mode any such call fails in that thread and invalidates this capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._logits(static["ids"], sfb, kv)
         return graph, static, out

@@ -165,6 +165,44 @@ def test_compiled_decode_step_gives_the_eager_tokens(tmp_path):
     assert llm.engine.runner.decode_graphs.compile_seconds > 0
 
 
+# ---- CUDA graphs (skipped without CUDA; .ci/gpu runs them) ----------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.ci/gpu runs it on a GPU machine)")
+def test_cuda_graph_steps_give_the_eager_tokens_beside_another_threads_cuda_work(tmp_path):
+    """float32 on CUDA: every bucket captured (at enable) while another thread allocates and
+    synchronizes on a stream of its own, as an omni engine's media workers do; the graphs stay on
+    (no fallback), that thread sees no error, and the tokens equal the eager fixed-shape steps'."""
+    import threading
+
+    model = load_model(build_tiny_hf_checkpoint(tmp_path / "hf"), dtype=torch.float32, device="cuda")
+    prompts = [ids(120 + i, n) for i, n in enumerate((9, 30, 17))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = engine(model, mode="eager").generate(prompts, params)
+    stop, errors = threading.Event(), []
+
+    def busy() -> None:
+        stream = torch.cuda.Stream()
+        try:
+            while not stop.is_set():
+                with torch.cuda.stream(stream):
+                    torch.empty(int(torch.randint(1 << 10, 1 << 24, ())), device="cuda").fill_(1.0)
+                stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 -- what the test asserts there is none of
+            errors.append(exc)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        llm = engine(model, mode="cudagraph")
+        graphs = llm.engine.runner.decode_graphs
+        assert graphs.mode == "cudagraph" and sorted(graphs._graphs) == list(graphs.buckets)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors
+
+
 # ---- the switch ---------------------------------------------------------------------------------
 
 def test_decode_mode_defaults_and_flags():
