@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from llm_core.engine.engine_config import EngineConfig
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.outputs import RequestOutput
 from llm_core.engine.sampling import SamplingParams

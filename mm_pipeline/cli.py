@@ -283,7 +283,7 @@ def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
 
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
-    from llm_core.engine.generation_config import GenerationConfigError
+    from llm_core.engine.sampling.generation_config import GenerationConfigError
     from mm_pipeline.runtime.config import CheckpointMismatchError
     from mm_pipeline.runtime.omni_engine import OmniEngine
 

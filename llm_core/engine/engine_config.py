@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from llm_core.engine.generation_config import parse_override
+from llm_core.engine.sampling.generation_config import parse_override
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.scheduler import SchedulerConfig
 from llm_core.kvcache.dual_pool import KVLayout, PoolSizing, default_kv_budget_bytes, swa_tokens_needed
@@ -108,7 +108,7 @@ class EngineConfig:
     """Grammar library that holds outputs to a JSON schema / regex / choice / grammar (none: such requests are refused)."""
     grammar_compile_timeout_s: float = 10.0
     """Longest a constraint may take to compile (in a worker process, killed past it) before its request is refused."""
-    # default sampling of requests that leave a field unset (llm_core/engine/generation_config.py)
+    # default sampling of requests that leave a field unset (llm_core/engine/sampling/generation_config.py)
     generation_config: str = "auto"
     """Sampling defaults: auto (the checkpoint's generation_config.json), vllm or none (built-in ones), or a folder holding a generation_config.json."""
     override_generation_config: str | None = None

@@ -35,7 +35,7 @@ from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, 
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
-from llm_core.engine.prompt_logprobs import check_prompt_logprobs
+from llm_core.engine.sampling.prompt_logprobs import check_prompt_logprobs
 from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler

@@ -33,7 +33,7 @@ from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.decode_batch_state import DecodeBatchState
 from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
-from llm_core.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, wanted_rows, wants_prompt_rows
+from llm_core.engine.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, wanted_rows, wants_prompt_rows
 from llm_core.engine.request import Request
 from llm_core.engine.sampling import Sampler, SamplingParams
 from llm_core.engine.scheduler import ScheduledRequest
@@ -52,7 +52,7 @@ class SampledToken:
 @dataclass(frozen=True)
 class StepResult:
     """A step's sampled tokens, the entries whose own sampling failed (with the error), and the
-    prompt logprobs its prefill rows gave the requests that asked for them (prompt_logprobs.py)."""
+    prompt logprobs its prefill rows gave the requests that asked for them (sampling/prompt_logprobs.py)."""
 
     sampled: list[SampledToken]
     failed: list[tuple[ScheduledRequest, Exception]]

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.structured.compiler import GrammarBusyError, GrammarError

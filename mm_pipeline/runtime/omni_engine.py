@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from llm_core.engine.detokenizer import IncrementalDetokenizer
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.outputs import RequestOutput
-from llm_core.engine.prompt_logprobs import PromptLogprobs
+from llm_core.engine.sampling.prompt_logprobs import PromptLogprobs
 from llm_core.engine.sampling import SamplingParams
 from llm_core.kvcache.page_keys import check_cache_salt
 from mm_pipeline.errors import InvalidInputError, InvalidMessageError, OverloadedError

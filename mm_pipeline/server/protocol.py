@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 
 from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.kvcache.page_keys import MAX_CACHE_SALT_CHARS
-from llm_core.engine.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_INT32,
+from llm_core.engine.sampling.params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_INT32,
                                       MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_LIMIT)
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.errors import InvalidMessageError

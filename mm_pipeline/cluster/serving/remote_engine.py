@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailure
 from mm_pipeline.cluster.serving.shared_files import SharedFile

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.serving.llm_replica import LLMReplica
 from mm_pipeline.cluster.serving.remote_engine import RemoteEngine

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidInputError, generation_error
 from mm_pipeline.server.completions.answer_info import AnswerInfo

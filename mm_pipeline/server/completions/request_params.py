@@ -11,8 +11,8 @@ import dataclasses
 import secrets
 from typing import Union
 
-from llm_core.engine.generation_config import GenerationDefaults
-from llm_core.engine.sampling import SEED_LIMIT, SamplingParams
+from llm_core.engine.sampling.generation_config import GenerationDefaults
+from llm_core.engine.sampling.params import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError
 from mm_pipeline.prompt.messages import ParsedMessages
 from mm_pipeline.prompt.reasoning import ThinkSyntax

@@ -21,7 +21,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from mm_pipeline.server.responses import ChatCompletion, TokenLogprob, Usage
 from mm_pipeline.server.responses_api.protocol import ResponsesRequest
 

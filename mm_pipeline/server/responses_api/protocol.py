@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
                       model_validator)
 
-from llm_core.engine.sampling import MAX_LOGPROBS
+from llm_core.engine.sampling.params import MAX_LOGPROBS
 from mm_pipeline.prompt.template_options import MAX_TOOLS
 from mm_pipeline.server.protocol import JsonSchemaFormat, TokenCount, refusing
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from llm_core import LLM, EngineConfig, SamplingParams
-from llm_core.engine.generation_config import GenerationConfigError, GenerationDefaults, parse_override
+from llm_core.engine.sampling.generation_config import GenerationConfigError, GenerationDefaults, parse_override
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
-from llm_core.engine import prompt_logprobs as prompt_module
+from llm_core.engine.sampling import prompt_logprobs as prompt_module
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 from tests.llm_core.engine.test_llm_generate import ckpt, hf_model, ids, model  # noqa: F401 -- fixtures

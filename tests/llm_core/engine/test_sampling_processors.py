@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from llm_core.engine.sampling import MAX_LOGIT_BIAS, Sampler, SamplingParams
-from llm_core.engine.logits_processing import process_logits
+from llm_core.engine.sampling import Sampler, SamplingParams
+from llm_core.engine.sampling.params import MAX_LOGIT_BIAS
+from llm_core.engine.sampling.logits_processing import process_logits
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402

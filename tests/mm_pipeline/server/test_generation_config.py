@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from llm_core import SamplingParams
-from llm_core.engine.generation_config import GenerationDefaults
+from llm_core.engine.sampling.generation_config import GenerationDefaults
 from mm_pipeline.server.completions.request_params import sampling_params
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from tests.support.served import served_client

@@ -1,5 +1,5 @@
 """Logits processing before sampling, in vLLM's order, for the rows whose ``SamplingParams`` ask
-for it (``processes_logits``); the sampler (sampling.py) calls ``process_logits`` and the other
+for it (``processes_logits``); the sampler (sampler.py) calls ``process_logits`` and the other
 rows take its plain path:
 
     allowed         allowed_token_ids: every other token -> -inf          (history-free)
@@ -14,7 +14,7 @@ rows take its plain path:
     structured      tokens the request's grammar cannot take next -> -inf (structured/grammar_state.py;
                     its rows skip min_tokens' mask: the grammar decides when the output may end)
 
-then (sampling.py) greedy rows take the argmax; random rows: temperature, min_p, top-k / top-p.
+then (sampler.py) greedy rows take the argmax; random rows: temperature, min_p, top-k / top-p.
 
 The history-dependent steps need the request's tokens (a ``history``: any object with
 ``prompt_token_ids``, ``output_token_ids`` and ``eos_token_ids``, e.g. the engine's Request); a
