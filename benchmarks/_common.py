@@ -108,9 +108,9 @@ THREADS = torch.get_num_threads()  # the process's count, read when the first be
 def fresh_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     """``fn(*args, **kw)`` on a short-lived thread at the process's intra-op count: the OpenMP team
     its torch ops start ends with it, so the benchmark's main thread holds none -- as in `mmserve
-    serve`, where the engine thread's team is the only one and spins (runtime/thread_choice.py)."""
-    from mm_pipeline.runtime.intra_op import set_local_threads
-    from mm_pipeline.runtime.thread_choice import run_on_thread
+    serve`, where the engine thread's team is the only one and spins (runtime/cpu_threads/thread_choice.py)."""
+    from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
+    from mm_pipeline.runtime.cpu_threads.thread_choice import run_on_thread
 
     def call() -> Any:
         set_local_threads(THREADS)
@@ -122,8 +122,8 @@ def new_engine(model_dir: Any, config: Any) -> Any:
     """An OmniEngine built and started on a short-lived thread at the process's intra-op count (it
     plans its threads from that count), the calling thread -- the one that runs the requests' event
     loop -- then at one, as `mmserve serve` runs its loop: the engine thread's team stays the only
-    one in the process (runtime/thread_choice.py)."""
-    from mm_pipeline.runtime.intra_op import set_local_threads
+    one in the process (runtime/cpu_threads/thread_choice.py)."""
+    from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
     from mm_pipeline.runtime.omni_engine import OmniEngine
 
     engine = fresh_thread(OmniEngine.from_pretrained, model_dir, config)

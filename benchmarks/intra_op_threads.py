@@ -4,7 +4,7 @@
 
 Two tables.
 
-1. OpenMP teams (the cause; runtime/thread_choice.py): 80 parallel ops (20 x a 376x256 by 256x1024
+1. OpenMP teams (the cause; runtime/cpu_threads/thread_choice.py): 80 parallel ops (20 x a 376x256 by 256x1024
    GEMM, silu, add, mul) on one thread at 1 and 2 intra-op threads, alone and while another thread
    of the process holds an idle team of 2 (libgomp then parks idle team threads instead of spinning:
    every op pays a wake-up), and while another thread has run at 1 thread (no team); and the CPU the

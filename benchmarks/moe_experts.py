@@ -28,8 +28,8 @@ from kernels import moe_cpu, native
 from kernels.moe_cpu import experts_cpu
 from kernels.moe_ref import route_ref
 from kernels.native.moe_experts import available, moe_experts
-from mm_pipeline.runtime.intra_op import set_local_threads
-from mm_pipeline.runtime.thread_choice import run_on_thread
+from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
+from mm_pipeline.runtime.cpu_threads.thread_choice import run_on_thread
 
 
 def stacks(num_experts: int, hidden: int, inter: int, used: set[int], gen: torch.Generator):

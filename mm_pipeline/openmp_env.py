@@ -6,7 +6,7 @@ host -- before it sleeps on a futex, so that the next region starts without a wa
 long step the next region is microseconds away and the spin pays. After the step it is a core taken
 from everything that runs next -- the event loop delivering the token, the next request's prompt
 layout on a worker, decode workers and encoder lanes -- on a host with two cores, half of it. The
-engine thread owns the one wide team (runtime/thread_choice.py) and uses it only for long steps, so
+engine thread owns the one wide team (runtime/cpu_threads/thread_choice.py) and uses it only for long steps, so
 those 10 ms follow every long step. With 20,000 spins the team stops after ~1 ms of a core
 (benchmarks/intra_op_threads.py measures both), long enough to bridge the gaps between the ops of a
 step (tens of microseconds), short enough to free the core right after it.

@@ -38,7 +38,7 @@ _lock = threading.Lock()
 def loaded_library(fragment: str) -> str | None:
     """The path of a shared object this process has mapped whose file name contains ``fragment``
     (``/proc/self/maps``; None when none is, or off Linux). Used to find torch's own OpenMP runtime
-    and MKL (here, and mm_pipeline/runtime/intra_op.py)."""
+    and MKL (here, and mm_pipeline/runtime/cpu_threads/intra_op.py)."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:

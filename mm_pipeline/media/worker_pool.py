@@ -77,7 +77,7 @@ class _Call:
 def _one_intra_op_thread() -> None:
     """A worker runs its torch ops (preprocessing, hashing) at one intra-op thread: the workers are
     the parallelism. At torch's setting each would start an OpenMP team of its own, more threads
-    than cores beside the engine and encoder threads (runtime/thread_choice.py)."""
+    than cores beside the engine and encoder threads (runtime/cpu_threads/thread_choice.py)."""
     torch.set_num_threads(1)
 
 

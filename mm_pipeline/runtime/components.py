@@ -41,9 +41,10 @@ from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpa
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads
-from mm_pipeline.runtime.host_cpu import HostCpu
-from mm_pipeline.runtime.intra_op import set_local_threads, set_process_default
-from mm_pipeline.runtime.thread_choice import WARM_UP_MAX_ROWS, ProbedThreads, StepThreads, plan_threads, run_on_thread
+from mm_pipeline.runtime.cpu_threads.host_cpu import HostCpu
+from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads, set_process_default
+from mm_pipeline.runtime.cpu_threads.thread_choice import (WARM_UP_MAX_ROWS, ProbedThreads, StepThreads, plan_threads,
+                                                       run_on_thread)
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError, OverloadedError
 from mm_pipeline.media.decode.backend import make_decode_backend

@@ -54,7 +54,7 @@ import torch
 
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.device_streams import read_by
-from mm_pipeline.runtime.intra_op import set_local_threads
+from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.request import EmbeddingSource
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.encode.batcher import EncoderBatcher
-from mm_pipeline.runtime.intra_op import set_local_threads
-from mm_pipeline.runtime.thread_choice import StepThreads
+from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
+from mm_pipeline.runtime.cpu_threads.thread_choice import StepThreads
 
 log = logging.getLogger(__name__)
 OutputSink = Callable[[RequestOutput], None]
@@ -51,7 +51,7 @@ class EngineLoop:
         self.batcher = batcher  # None: the encoder worker runs the batches
         self.idle_wait_s = idle_wait_s
         # this thread's intra-op threads (CPU), set once at its start: a count, or a callable asked
-        # then (runtime/thread_choice.py: measured on this thread); None: torch's setting
+        # then (runtime/cpu_threads/thread_choice.py: measured on this thread); None: torch's setting
         self.threads = threads
         self.threads_used: int | None = None  # the count set at start
         # with a policy, that count is the team a long step on free cores gets; other steps run at 1

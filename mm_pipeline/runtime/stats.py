@@ -37,7 +37,7 @@ class OmniStats:
     decode_pool_waiting: int  # media calls waiting for a worker slot
     taken_at: float  # time.monotonic() when built
     # gauge, label thread: engine, encoder -- the intra-op threads each runs at (those that set a
-    # count: configured or measured at start, runtime/thread_choice.py)
+    # count: configured or measured at start, runtime/cpu_threads/thread_choice.py)
     intra_op_threads: Mapping[str, int] = field(default_factory=lambda: frozen_map({}))
 
     @classmethod

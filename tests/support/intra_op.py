@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, TypeVar
 
-from mm_pipeline.runtime.intra_op import set_local_threads
+from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""LLMEngine.probe_prefill: a scratch prefill step to time (mm_pipeline/runtime/thread_choice.py)
+"""LLMEngine.probe_prefill: a scratch prefill step to time (mm_pipeline/runtime/cpu_threads/thread_choice.py)
 that leaves no trace -- the pools end as they were (peaks included), no request, counter or prefix
 -cache entry appears, and the tokens of requests before and after it are those of an engine that
 never probed."""

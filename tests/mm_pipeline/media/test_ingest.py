@@ -325,7 +325,7 @@ def test_the_connection_goes_to_the_address_that_was_checked() -> None:
     opened to exactly the checked address; a non-public answer never reaches a socket."""
     import httpcore
 
-    from mm_pipeline.media.public_hosts import PublicHostsTransport
+    from mm_pipeline.media.remote.public_hosts import PublicHostsTransport
 
     answers = iter([["93.184.216.34"], ["127.0.0.1"], ["93.184.216.34", "::ffff:10.0.0.1"]])
     resolved, connected = [], []

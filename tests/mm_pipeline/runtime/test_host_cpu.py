@@ -1,4 +1,4 @@
-"""Other processes' CPU use from /proc/stat (runtime/host_cpu.py), on fake counters and clocks."""
+"""Other processes' CPU use from /proc/stat (runtime/cpu_threads/host_cpu.py), on fake counters and clocks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import given, strategies as st
 
-from mm_pipeline.runtime.host_cpu import USER_HZ, HostCpu, busy_ticks
+from mm_pipeline.runtime.cpu_threads.host_cpu import USER_HZ, HostCpu, busy_ticks
 
 STAT = """cpu  900 0 90 5000 10 0 0 0 0 0
 cpu0 100 1 10 2000 5 2 3 4 0 0

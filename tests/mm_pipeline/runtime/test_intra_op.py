@@ -1,4 +1,4 @@
-"""Per-thread intra-op counts (runtime/intra_op.py): a thread's own count moves no other thread's."""
+"""Per-thread intra-op counts (runtime/cpu_threads/intra_op.py): a thread's own count moves no other thread's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from mm_pipeline.runtime.intra_op import _libraries, set_local_threads, set_process_default
+from mm_pipeline.runtime.cpu_threads.intra_op import _libraries, set_local_threads, set_process_default
 
 
 @pytest.fixture

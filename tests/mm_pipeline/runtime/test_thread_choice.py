@@ -1,4 +1,4 @@
-"""Intra-op thread counts chosen by measurement (mm_pipeline/runtime/thread_choice.py): the faster
+"""Intra-op thread counts chosen by measurement (mm_pipeline/runtime/cpu_threads/thread_choice.py): the faster
 count wins (more threads only by a margin), on the measuring thread and once; a probe that cannot
 run or fails keeps the fallback; the config and flags (``--llm-threads``, ``--encoder-threads``);
 the runtime's plan per setting; media worker threads run torch at one thread; and greedy tokens do
@@ -16,7 +16,7 @@ import torch
 from mm_pipeline import cli
 from mm_pipeline.media.worker_pool import WorkerPool
 from mm_pipeline.runtime.config import OmniEngineConfig
-from mm_pipeline.runtime.thread_choice import ProbedThreads, ProbeUnavailable, ThreadChoice, measure_threads
+from mm_pipeline.runtime.cpu_threads.thread_choice import ProbedThreads, ProbeUnavailable, ThreadChoice, measure_threads
 
 
 class FakeClock:
@@ -180,7 +180,7 @@ class FakeHostCpu:
 
 
 def test_a_long_step_on_free_cores_gets_the_team_and_anything_else_one_thread():
-    from mm_pipeline.runtime.thread_choice import StepThreads
+    from mm_pipeline.runtime.cpu_threads.thread_choice import StepThreads
 
     busy = [0]
     host = FakeHostCpu(0.0)
@@ -206,7 +206,7 @@ def test_a_long_step_on_free_cores_gets_the_team_and_anything_else_one_thread():
 def test_run_on_thread_returns_raises_and_its_team_ends_with_it():
     import os
 
-    from mm_pipeline.runtime.thread_choice import run_on_thread
+    from mm_pipeline.runtime.cpu_threads.thread_choice import run_on_thread
 
     assert run_on_thread(lambda: 41 + 1, "t") == 42
     with pytest.raises(KeyError, match="boom"):
@@ -241,7 +241,7 @@ def test_wide_steps_and_the_warm_up_leave_the_tokens_unchanged(tmp_path_factory,
     max_num_batched_tokens, and left the pools as they were."""
     from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
     from llm_core.engine.llm_engine import LLMEngine
-    from mm_pipeline.runtime import thread_choice
+    from mm_pipeline.runtime.cpu_threads import thread_choice
     from tests.mm_pipeline.runtime.test_encoder_worker import run_all
 
     ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")

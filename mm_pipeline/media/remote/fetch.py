@@ -28,7 +28,7 @@ from mm_pipeline.errors import InvalidMediaError, MediaAccessDenied, MediaFetchE
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
 from mm_pipeline.media.ingest_config import IngestConfig
-from mm_pipeline.media.public_hosts import PublicHostsTransport
+from mm_pipeline.media.remote.public_hosts import PublicHostsTransport
 from mm_pipeline.media.sniff import layout_and_need
 from mm_pipeline.media.types import MediaKind
 

@@ -1,7 +1,7 @@
 """How much of this process's CPUs other processes used lately (Linux ``/proc/stat``).
 
 The engine thread widens a long step to its whole OpenMP team only when no core of its CPU set is
-taken (runtime/thread_choice.py, ``StepThreads``): a team's threads meet at a barrier after every
+taken (runtime/cpu_threads/thread_choice.py, ``StepThreads``): a team's threads meet at a barrier after every
 op, so one partner that waits for a core held by another process stalls every op of the step. The
 process's own threads are known by count (busy decode workers, encoder lanes); other processes only
 through the kernel's per-CPU time:

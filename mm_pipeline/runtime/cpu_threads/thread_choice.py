@@ -45,8 +45,8 @@ from typing import Callable, Mapping
 import torch
 
 from mm_pipeline.runtime.encoder_worker import default_threads, free_cpu_threads, split_threads
-from mm_pipeline.runtime.host_cpu import HostCpu
-from mm_pipeline.runtime.intra_op import set_local_threads
+from mm_pipeline.runtime.cpu_threads.host_cpu import HostCpu
+from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
 
 log = logging.getLogger(__name__)
 
