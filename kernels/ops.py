@@ -13,6 +13,7 @@ Routing (``route``) stays in torch on every device: it is a few small elementwis
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from types import ModuleType
@@ -33,6 +34,19 @@ def force_triton(enabled: bool) -> None:
 
 def use_triton(t: torch.Tensor) -> bool:
     return _FORCE_TRITON or t.is_cuda
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` torch's current CUDA device for the body when it is not already (else nothing).
+
+    Triton launches its kernels on the current device, not on the tensors' (PyTorch's own ops follow
+    their tensors), and so do CUDA-graph capture and replay. A thread's current device is cuda:0
+    unless it set one: a model on cuda:1 (a single process's ``--device cuda:1``, an encoder on a GPU
+    of its own called from the engine thread, a KV tier's loader thread) would otherwise run there
+    with pointers into another GPU."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _kernels_for(t: torch.Tensor, name: str) -> ModuleType | None:
@@ -71,10 +85,11 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     """
     mod = _kernels_for(q, "paged_attention_triton")
     if mod is not None:
-        return mod.paged_attention_triton(
-            q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-            page_size=page_size, scale=scale, window=window, sinks=sinks,
-        )
+        with on_device(q.device):
+            return mod.paged_attention_triton(
+                q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                page_size=page_size, scale=scale, window=window, sinks=sinks,
+            )
     # Without Triton: decode rows as one padded batch, index work shared by the step's layers.
     from kernels.paged_attention_cpu import paged_attention_cpu
 
@@ -114,7 +129,8 @@ def store_kv(k_cache, v_cache, slot_mapping, k, v, *, all_valid=False) -> None:
     a compiled step cannot hold)."""
     mod = _kernels_for(k_cache, "kv_copy_triton")
     if mod is not None:
-        mod.store_kv_triton(k_cache, v_cache, slot_mapping, k, v)
+        with on_device(k_cache.device):
+            mod.store_kv_triton(k_cache, v_cache, slot_mapping, k, v)
     else:
         kv_copy_ref.store_kv_ref(k_cache, v_cache, slot_mapping, k, v, all_valid=all_valid)
 
@@ -126,7 +142,8 @@ def gather_slots(cache, slots, valid=None):
     """
     mod = _kernels_for(cache, "kv_copy_triton")
     if mod is not None:
-        return mod.gather_slots_triton(cache, slots, valid)
+        with on_device(cache.device):
+            return mod.gather_slots_triton(cache, slots, valid)
     return kv_copy_ref.gather_slots_ref(cache, slots, valid)
 
 
@@ -134,7 +151,8 @@ def scatter_slots(cache, slots, rows, valid=None) -> None:
     """``cache[slots] = rows`` for the rows ``valid`` marks (all when None); slots in [0, num_slots)."""
     mod = _kernels_for(cache, "kv_copy_triton")
     if mod is not None:
-        mod.scatter_slots_triton(cache, slots, rows, valid)
+        with on_device(cache.device):
+            mod.scatter_slots_triton(cache, slots, rows, valid)
     else:
         kv_copy_ref.scatter_slots_ref(cache, slots, rows, valid)
 
@@ -152,7 +170,8 @@ def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
     mod = _kernels_for(x, "moe_triton")
     if mod is not None:  # the Triton kernel reads rows with unit stride: weights a CPU runner
         # re-laid column-major (expert_weight_layout) go back to row-major (a no-op otherwise)
-        return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
+        with on_device(x.device):
+            return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
     # Without Triton: the C kernel while the experts see a few rows each, else two grouped matmuls
     # (kernels.moe_cpu; same math as the reference's loop).
     return _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
@@ -193,7 +212,8 @@ def band_attention(q, k, v, cu_seqlens, *, scale, window=None, sinks=None):
     ``window`` a token sees only keys within ±window positions; optional per-head sinks."""
     mod = _kernels_for(q, "band_attention_triton")
     if mod is not None:
-        return mod.band_attention_triton(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+        with on_device(q.device):
+            return mod.band_attention_triton(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
     from kernels import band_attention_ref
 
     return band_attention_ref.band_attention_ref(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)

@@ -110,7 +110,8 @@ class DecodeGraphs:
     # ---- internal helpers -------------------------------------------------------------------
     def _run(self, bucket: int, kv: _LayerKV) -> torch.Tensor:
         if self.mode == "cudagraph":
-            return self._replay(bucket, kv)
+            with ops.on_device(self.device):  # capture and replay use the current device's streams
+                return self._replay(bucket, kv)
         ids, fb, keys = self._inputs(bucket)
         if self._compiled is None:
             return self._logits(ids, fb, kv)
