@@ -154,6 +154,9 @@ class OmniModel:
         if chat_template is not None:
             tokenizer.chat_template = chat_template  # before the layout measures the template (ChatLayout)
         text_device = next(text.parameters()).device if text is not None else torch.device(enc)
+        for dev in {torch.device(enc), text_device}:
+            if dev.type == "cuda":  # the weights' copies and casts ran on this thread's default stream;
+                torch.cuda.synchronize(dev)  # the encoder's own stream would not wait for them
         return cls(name=model_dir.resolve().name, text=text, text_config=omni.text, device=text_device, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
                    layout=ChatLayout(omni.special, tokenizer, omni.use_video_timestamps),
