@@ -29,7 +29,7 @@ from kernels.paged_attention_triton import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])
 def band_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,

@@ -22,7 +22,7 @@ import triton.language as tl
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def store_kv_kernel(
     k_cache_ptr, v_cache_ptr, slot_ptr, k_ptr, v_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, num_slots,
@@ -45,7 +45,7 @@ def store_kv_kernel(
              mask=dv < V_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def copy_rows_kernel(
     src_ptr, dst_ptr, slot_ptr, valid_ptr, num_slots, row_len,
     GATHER: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr,

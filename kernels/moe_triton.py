@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels.paged_attention_triton import dot_precision
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries"])
 def moe_gate_up_kernel(
     x_ptr, w_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
     stride_xt, stride_we, stride_wn, stride_it, num_entries, num_experts, hidden, inter_size,
@@ -62,7 +62,7 @@ def moe_gate_up_kernel(
              hidden_act.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries"])
 def moe_down_kernel(
     inter_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
     stride_it, stride_we, stride_wn, stride_yt, num_entries, num_experts, hidden, inter_size,

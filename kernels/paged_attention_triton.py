@@ -74,7 +74,7 @@ def find_owner(starts_ptr, count, pid, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_requests", "num_tokens"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr, part_acc_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
@@ -169,7 +169,7 @@ def paged_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < V_DIM))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def combine_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_tokens,
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
