@@ -5,7 +5,7 @@ Hash first: once the bytes are held, their content key (blake3) is computed befo
 inside them; the sniff answer of a content key seen before comes from a memo, so a repeated
 container is never opened by PyAV again (and planning then finds its manifest by the same key).
 
-An http(s) body is fetched by ``media.remote_fetch`` (its own security rules: allow-list, public
+An http(s) body is fetched by ``media.remote.fetch`` (its own security rules: allow-list, public
 addresses only, redirects, deadline), hashed while it arrives and, for a streamable video or an
 audio item, decoded while it arrives by the early decoder set in ``early_decode``.
 

@@ -11,7 +11,7 @@ Security rules:
   * an allowed host must also resolve to public addresses only (no loopback, private, link-local
     or reserved range: a DNS name on the list pointed at 127.0.0.1 or 169.254.169.254 is refused)
     unless ``allow_private_hosts``; the check is made by the connection itself, which connects to
-    the very addresses it checked (``media.public_hosts``: no DNS-rebinding window).
+    the very addresses it checked (``media.remote.public_hosts``: no DNS-rebinding window).
 """
 
 from __future__ import annotations
