@@ -22,7 +22,7 @@ from _common import print_table
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import ProcessDecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.video import decode_range, probe_video
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_chunks import plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames

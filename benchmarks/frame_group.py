@@ -43,7 +43,7 @@ from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.media.decode.video import codec_threads, probe_video, shared_codec_threads
 from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.model.omni_model import OmniModel
 

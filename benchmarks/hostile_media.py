@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 from _common import base_parser, print_table, write_json
 
-from mm_pipeline.media.ingest import MediaLimits
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.server import ServerSettings, ServerThread, create_app

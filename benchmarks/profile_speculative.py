@@ -36,7 +36,6 @@ from __future__ import annotations
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
 import contextlib
-import time
 from collections import Counter
 from pathlib import Path
 

@@ -186,7 +186,7 @@ class AudioConfig:
         unknown = sorted({t for t in self.layer_types if t not in AUDIO_LAYER_TYPES})
         _require(not unknown, f"audio_config: unknown attention type(s) {unknown} (expected {AUDIO_LAYER_TYPES})")
         _require(self.kernel_size % 2 == 1, f"audio_config: kernel_size {self.kernel_size} must be odd")
-        _require(self.attention_window >= 0, f"audio_config: attention_window must be >= 0")
+        _require(self.attention_window >= 0, "audio_config: attention_window must be >= 0")
         _require(self.window_size <= self.n_fft, f"audio_config: window_size {self.window_size} > n_fft {self.n_fft}")
 
     @property

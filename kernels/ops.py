@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import attention_ref, kv_copy_ref, moe_ref
+from kernels import kv_copy_ref, moe_ref
 
 _FORCE_TRITON = False
 _TRITON_OK: bool | None = None  # None: not probed yet

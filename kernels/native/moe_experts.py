@@ -61,7 +61,7 @@ def moe_experts(
         return None
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3 or topk_ids.dim() != 2:
         return None
-    (tokens, hidden), (experts, two_inter, _), top_k = x.shape, w_gate_up.shape, topk_ids.shape[1]
+    (tokens, hidden), (experts, _, _), top_k = x.shape, w_gate_up.shape, topk_ids.shape[1]
     inter = w_down.shape[2]
     if (w_gate_up.shape != (experts, 2 * inter, hidden) or w_down.shape != (experts, hidden, inter)
             or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape):

@@ -44,7 +44,7 @@ from mm_pipeline.errors import (
     UnsupportedMediaType,
 )
 from mm_pipeline.media.content_hash import content_key
-from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
+from mm_pipeline.media.ingest_config import IngestConfig
 from mm_pipeline.media.remote.fetch import EarlyDecode, RemoteFetch, short_url
 from mm_pipeline.media.sniff import SniffMemo, sniff
 from mm_pipeline.media.types import DeferredMediaItem, MediaItem, MediaKind, MediaSource

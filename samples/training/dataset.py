@@ -30,7 +30,8 @@ from encoders.image_processing import ImageProcessingConfig
 from mm_pipeline.media.decode.audio import decode_audio, has_audio_stream
 from mm_pipeline.media.decode.image import decode_image
 from mm_pipeline.media.decode.video import decode_range, probe_video
-from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
+from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaKind, MediaSource
 from samples.checkpoints.tiny_omni import tiny_special_tokens
 from mm_pipeline.encode.preprocess import Preprocessor

@@ -298,7 +298,6 @@ def test_committed_samples_match_their_labels() -> None:
     """samples/media was written by the CLI (seed 8082, 3/2/4 items and 1 beeping video as MP4, 6 s
     videos): the labels still follow from the sampler, the files decode to the labelled sizes/rates,
     and the set stays small."""
-    from pathlib import Path
 
     from samples.synthetic.generate import ItemJob, label, sample_spec
 

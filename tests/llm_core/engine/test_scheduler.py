@@ -4,7 +4,6 @@ preemption, and page-ownership invariants under random workloads."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -231,7 +231,6 @@ def test_pool_admission_is_bounded_fifo_and_cancel_safe() -> None:
     release = asyncio.Event()
 
     async def scenario() -> None:
-        nonlocal peak
         loop = asyncio.get_running_loop()
 
         def job(i: int) -> int:

@@ -21,7 +21,8 @@ from mm_pipeline.media.decode.audio import decode_audio
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, MediaDecodeTimeout
 from mm_pipeline.media.decode.image import decode_animation_frames, decode_image, probe_animation, probe_image
 from mm_pipeline.media.decode.video import decode_range, probe_video
-from mm_pipeline.media.ingest import IngestConfig, MediaIngestor, MediaLimits
+from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
+from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.prompt.layout import TextBound
 from samples.synthetic.hostile_media import pixel_frames_gif

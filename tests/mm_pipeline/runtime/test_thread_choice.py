@@ -138,7 +138,6 @@ def test_tokens_do_not_depend_on_the_thread_counts(tmp_path_factory):
     ("auto", torch at 2 threads so both probes run): the same greedy tokens; the stats show the
     counts the threads run at."""
     from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
-    from mm_pipeline.runtime.encoder_worker import lane_threads
     from tests.mm_pipeline.runtime.test_encoder_worker import run_all
 
     ckpt = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "m")
