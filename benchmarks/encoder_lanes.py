@@ -35,7 +35,8 @@ from pathlib import Path
 
 from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
-from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
+from _bench_omni import ask, build_model, data_part, engine_config, ttft
+from mm_pipeline.runtime.omni_engine import OmniEngine
 
 VARIANTS = {"one_lane": {"encoder_lanes": 1}, "split": {"encoder_lanes": 1, "encoder_threads": 1},
             "lanes": {}, "lanes_llm_all": {"encoder_threads": 0}}

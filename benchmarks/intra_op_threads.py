@@ -41,7 +41,8 @@ import torch
 from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
 from llm_core import SamplingParams
-from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
+from _bench_omni import ask, build_model, data_part, engine_config, ttft
+from mm_pipeline.runtime.omni_engine import OmniEngine
 
 # the OpenMP settings of table 1's rows: the child's environment on top of this one's (without either
 # variable; the child's mm_pipeline import then sets mmserve's spin count unless the row sets its own)

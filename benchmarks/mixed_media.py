@@ -39,7 +39,7 @@ from pathlib import Path
 
 from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import make_h264, make_image
-from pipeline import ONE_TOKEN, ask, build_model, data_part, engine_config
+from _bench_omni import ONE_TOKEN, ask, build_model, data_part, engine_config
 
 import mm_pipeline.runtime.omni_engine as omni_engine
 

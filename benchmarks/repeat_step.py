@@ -28,7 +28,7 @@ from _common import base_parser, fresh_thread, new_engine, print_table, write_js
 from _pipeline_media import HD, make_video
 from llm_core.engine.model_runner import ModelRunner
 from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
-from pipeline import ask, build_model, data_part, engine_config, ttft
+from _bench_omni import ask, build_model, data_part, engine_config, ttft
 
 
 def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:

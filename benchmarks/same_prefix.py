@@ -37,7 +37,8 @@ import torch
 from _common import base_parser, new_engine, print_table, write_json
 from _pipeline_media import HD, make_video
 from llm_core.engine.model_runner import ModelRunner
-from pipeline import OmniEngine, ask, build_model, data_part, engine_config, ttft
+from _bench_omni import ask, build_model, data_part, engine_config, ttft
+from mm_pipeline.runtime.omni_engine import OmniEngine
 
 # (owner attribute path, method, label): the request path in the order it runs
 PARTS = (("runtime", "prepare_chat", "prepare_chat (event loop: hops included)"),
