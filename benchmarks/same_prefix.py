@@ -13,12 +13,14 @@ columns are the first same-prefix request's (end, thread CPU): the one ``pipelin
 resumes at the media's end (~30 rows) where the later ones resume at the previous one's last page
 (~16 rows).
 
-The second table answers why the first same-prefix request's step costs more than the later ones':
+The second table asks why the first same-prefix request's step costs more than the later ones':
 after the timed requests, one more same-prefix request's step is run again in place (same entries,
-same KV slots: it rewrites the values it wrote), alternating three conditions before each run: none
-(the previous run just ended: weights hot in the caches), 50 ms of busy-waiting on the engine thread
-(no memory touched: only time passes, in which other tenants of the host share the last-level
-cache), and a 256 MB buffer written (every cache level evicted).
+same KV slots: it rewrites the values it wrote), alternating conditions before each run: none (the
+previous run just ended), a busy-wait on the engine thread of 1 ms and of 50 ms (Python: no memory
+touched, only time passes), 50 ms then every weight and KV page read (the data a step reads put back
+in the caches), 256 MB written (every cache level evicted), and 1 ms of small matmuls (torch kept
+busy: its dispatcher and the engine thread's native code paths stay in use). Each decoder layer's
+forward is timed in these runs too: where in the step a condition's extra time goes.
 """
 
 from __future__ import annotations
@@ -86,8 +88,15 @@ def _wrap(obj, name: str, label: str, spans: list) -> None:
 
 
 # (JSON key, what ran just before the step)
-COLD_CONDITIONS = (("hot", "nothing (the previous run just ended)"), ("after_wait", "50 ms busy-wait"),
-                   ("after_flush", "256 MB written"))
+COLD_CONDITIONS = (("hot", "nothing (the previous run just ended)"), ("after_wait_1ms", "1 ms busy-wait"),
+                   ("after_wait", "50 ms busy-wait"), ("after_wait_reread", "50 ms busy-wait, weights + KV read"),
+                   ("after_flush", "256 MB written"), ("after_small_ops", "1 ms of 64 x 64 matmuls"))
+
+
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def rerun_step(engine: OmniEngine, part: dict, reruns: int) -> dict[str, float]:
@@ -95,25 +104,59 @@ def rerun_step(engine: OmniEngine, part: dict, reruns: int) -> dict[str, float]:
     found: dict[str, list[float]] = {}
     run_step = ModelRunner.run
     scratch = torch.empty(256 << 18)  # 256 MB of float32
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    model = engine.runtime.llm.runner.model
+    weights = [p for p in model.parameters()]
 
-    def before(condition: str) -> None:
-        if condition == "after_wait":
-            end = time.perf_counter() + 0.05
-            while time.perf_counter() < end:
-                pass
+    def before(condition: str, kv) -> None:
+        if condition == "after_wait_1ms":
+            _busy_wait(0.001)
+        elif condition in ("after_wait", "after_wait_reread"):
+            _busy_wait(0.05)
+        if condition == "after_wait_reread":  # everything the step reads, back in the caches
+            for w in weights:
+                w.sum()
+            for i in range(len(model.model.layers)):
+                for t in kv.layer(i):
+                    t.sum()
         elif condition == "after_flush":
             scratch.fill_(1.0)
+        elif condition == "after_small_ops":
+            end = time.perf_counter() + 0.001
+            while time.perf_counter() < end:
+                torch.mm(a, b)
+
+    layer_ms = [0.0] * len(model.model.layers)  # this run's wall time per decoder layer
+
+    def timed_layer(i: int, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                layer_ms[i] += (time.perf_counter() - t0) * 1e3
+        return call
 
     def measured(self, entries, kv):
         out = run_step(self, entries, kv)
         if not found:
             found["rows"] = [float(sum(e.num_new_tokens for e in entries))]
-            for _ in range(reruns + 1):  # the first round warms up and is dropped
-                for condition, _ in COLD_CONDITIONS:
-                    before(condition)
-                    t0 = time.perf_counter()
-                    run_step(self, entries, kv)
-                    found.setdefault(condition, []).append((time.perf_counter() - t0) * 1e3)
+            for i, layer in enumerate(model.model.layers):  # instance attributes: removed below
+                layer.forward = timed_layer(i, layer.forward)
+                layer.forward_logits_rows = timed_layer(i, layer.forward_logits_rows)
+            try:
+                for _ in range(reruns + 1):  # the first round warms up and is dropped
+                    for condition, _ in COLD_CONDITIONS:
+                        before(condition, kv)
+                        layer_ms[:] = [0.0] * len(layer_ms)
+                        t0 = time.perf_counter()
+                        run_step(self, entries, kv)
+                        found.setdefault(condition, []).append((time.perf_counter() - t0) * 1e3)
+                        for i, ms in enumerate(layer_ms):
+                            found.setdefault(f"{condition}_layer{i}", []).append(ms)
+            finally:
+                for layer in model.model.layers:
+                    del layer.forward, layer.forward_logits_rows
         return out
 
     ModelRunner.run = measured
@@ -122,8 +165,8 @@ def rerun_step(engine: OmniEngine, part: dict, reruns: int) -> dict[str, float]:
         asyncio.run(ttft(engine, ask(part, "Describe the video in detail! Keep it brief.")))
     finally:
         ModelRunner.run = run_step
-    return {"rerun_rows": found["rows"][0],
-            **{f"rerun_{key}_ms": statistics.median(found[key][1:]) for key, _ in COLD_CONDITIONS}}
+    return {"rerun_rows": found["rows"][0], "rerun_layers": float(len(layer_ms)),
+            **{f"rerun_{key}_ms": statistics.median(found[key][1:]) for key in found if key != "rows"}}
 
 
 def run(requests: int, reruns: int) -> dict[str, float]:
@@ -187,8 +230,9 @@ def main() -> None:
     if "rerun_rows" in out:
         print_table(f"a same-prefix step ({out['rerun_rows']:.0f} rows) run again in place, medians of "
                     f"{reruns} per condition",
-                    ["before the run", "step wall ms"],
-                    [(label, out[f"rerun_{key}_ms"]) for key, label in COLD_CONDITIONS])
+                    ["before the run", "step wall ms", *(f"layer {i}" for i in range(int(out["rerun_layers"])))],
+                    [(label, out[f"rerun_{key}_ms"], *(out[f"rerun_{key}_layer{i}_ms"] for i in range(int(out["rerun_layers"]))))
+                     for key, label in COLD_CONDITIONS])
     write_json(args.json, out)
 
 
