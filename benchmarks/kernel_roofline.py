@@ -1,6 +1,8 @@
 """Triton kernels vs their torch references and vs the roofline, at MiMo-V2.5 shapes (docs/model.md §1.1).
 
-    decode attention (SWA: 64 q / 8 kv heads, window 128, sinks; GA: 64 / 4, full context)
+    decode attention (SWA: 64 q / 8 kv heads, window 128, sinks; GA: 64 / 4, full context; one long
+        context with its lengths on the device, as a CUDA-graph step has them, with and without the
+        host-known bound that lets the kernel split its keys)
     prefill attention (GA and SWA, one long request, causal)
     fused MoE (hidden 4096, expert intermediate 2048, 256 experts, top-8; decode and prefill batches)
     KV store (8 kv heads x (192 + 128)), tier gather (masked) and scatter
@@ -74,6 +76,13 @@ def paged_case(batch: int, context: int, new: int, num_kv: int, window: int | No
                 page_size=PAGE, scale=HEAD_DIM**-0.5, window=window, sinks=sinks)
 
 
+def graph_case(batch: int, context: int, dev, gen, decode_keys: int | None) -> dict:
+    """A GA decode case whose lengths live on the device, as in a captured decode step."""
+    case = paged_case(batch, context, 1, 4, None, dev, gen)
+    case.update(query_start_loc=case["query_start_loc"].to(dev), seq_lens=case["seq_lens"].to(dev))
+    return case if decode_keys is None else {**case, "decode_keys": decode_keys}
+
+
 def attention_result(name: str, case: dict, quick: bool) -> Result:
     batch = case["seq_lens"].shape[0]
     context = int(case["seq_lens"][0])
@@ -86,9 +95,10 @@ def attention_result(name: str, case: dict, quick: bool) -> Result:
     bytes_moved = batch * (keys * num_kv * (HEAD_DIM + V_DIM) * 2 + new * 64 * (HEAD_DIM + V_DIM) * 2)
     flops = batch * pairs * 64 * 2 * (HEAD_DIM + V_DIM)
     out = ops.paged_attention(**case)
-    ref = attention_ref.paged_attention_ref(**case)
+    ref_case = {k: v for k, v in case.items() if k != "decode_keys"}
+    ref = attention_ref.paged_attention_ref(**ref_case)
     return Result(name, bench(lambda: ops.paged_attention(**case), quick),
-                  bench(lambda: attention_ref.paged_attention_ref(**case), quick), bytes_moved, flops,
+                  bench(lambda: attention_ref.paged_attention_ref(**ref_case), quick), bytes_moved, flops,
                   "memory" if new == 1 else "compute", (out.float() - ref.float()).abs().max().item())
 
 
@@ -162,6 +172,10 @@ def main() -> int:
         attention_result(f"decode SWA bs{batch} ctx4096", paged_case(batch, 4096, 1, 8, 128, dev, gen), quick),
         attention_result(f"decode GA bs{batch} ctx4096", paged_case(batch, 4096, 1, 4, None, dev, gen), quick),
         attention_result("decode GA bs1 ctx32768", paged_case(1, 32768, 1, 4, None, dev, gen), quick),
+        # as a CUDA-graph decode step calls it: lengths on the device, so without a host-known bound
+        # the keys are not split (what graphs did before), with one they are (decode_graphs.py)
+        attention_result("decode GA bs1 ctx32768 graph, no bound", graph_case(1, 32768, dev, gen, None), quick),
+        attention_result("decode GA bs1 ctx32768 graph, decode_keys", graph_case(1, 32768, dev, gen, 32768), quick),
         attention_result("prefill GA 1x2048", paged_case(1, 2048, 2048, 4, None, dev, gen), quick),
         attention_result("prefill SWA 1x2048", paged_case(1, 2048, 2048, 8, 128, dev, gen), quick),
         attention_result("extend GA 4x512 on ctx4096", paged_case(4, 4096, 512, 4, None, dev, gen), quick),

@@ -75,20 +75,22 @@ def _triton_module(name: str) -> ModuleType | None:
 
 
 def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, page_size, scale,
-                    window=None, sinks=None, plan=None, k_new=None, v_new=None):
+                    window=None, sinks=None, plan=None, k_new=None, v_new=None, decode_keys=None):
     """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
 
     Serves decode, extend and mixed batches; see :mod:`kernels.attention_ref` for the contract.
     ``plan``: what :func:`attention_plan` returned for this step, pool and window (None: built here).
     ``k_new`` / ``v_new``: this step's keys and values, already stored into the pool; the CPU path
     reads a fresh prompt chunk's keys from them instead of gathering them back (the result is the same).
+    ``decode_keys``: a decode step whose lengths live on the device (a CUDA graph) and the host-known
+    bound of its contexts, from which the Triton kernel picks its key splits (:func:`decode_splits`).
     """
     mod = _kernels_for(q, "paged_attention_triton")
     if mod is not None:
         with on_device(q.device):
             return mod.paged_attention_triton(
                 q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                page_size=page_size, scale=scale, window=window, sinks=sinks,
+                page_size=page_size, scale=scale, window=window, sinks=sinks, decode_keys=decode_keys,
             )
     # Without Triton: decode rows as one padded batch, index work shared by the step's layers.
     from kernels.paged_attention_cpu import paged_attention_cpu
@@ -97,6 +99,16 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         page_size=page_size, scale=scale, window=window, sinks=sinks, plan=plan, k_new=k_new, v_new=v_new,
     )
+
+
+def decode_splits(q, num_requests: int, num_kv_heads: int, window: int | None, keys: int) -> int:
+    """The key splits :func:`paged_attention` gives a decode step of ``num_requests`` requests on
+    ``q``'s device when called with ``decode_keys=keys`` (1 where the Triton kernel does not serve):
+    what a CUDA-graph decode step is captured with, so its runner keys its graphs by it."""
+    mod = _kernels_for(q, "paged_attention_triton")
+    if mod is None or not q.is_cuda:
+        return 1
+    return mod.device_splits(q.device, num_requests * num_kv_heads, keys, window)
 
 
 def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, window=None, keys=None):

@@ -246,6 +246,7 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     block_n: int = 64,
     num_splits: int | None = None,
+    decode_keys: int | None = None,
 ) -> torch.Tensor:
     """Causal (optionally windowed) attention of new tokens over a paged cache -> [T, Hq, Dv].
 
@@ -253,6 +254,13 @@ def paged_attention_triton(
     power of two >= 16) and ``num_splits`` (key-range splits merged by a second kernel; default:
     chosen for decode on CUDA so small batches with long contexts still fill the GPU) exist so tests
     can reach several tiles and splits on tiny contexts.
+
+    ``decode_keys``: the step is a decode step (one new token per request) whose lengths live on the
+    device -- a CUDA-graph decode step -- and no request has more than this many tokens. Reading
+    ``query_start_loc`` / ``seq_lens`` on the host would sync (and cannot be captured), so this bound
+    picks the decode tile and the key splits instead, and the host checks of the lengths are skipped.
+    The splits are then fixed for every replay of the graph; each request still cuts its own key
+    range into that many chunks in the kernel, so shorter contexts stay exact (some splits are empty).
     """
     check_attention_args(q, k_cache, v_cache, sinks)
     num_tokens, num_heads, head_dim = q.shape
@@ -279,8 +287,12 @@ def paged_attention_triton(
     if num_requests == 0 or num_tokens == 0:
         return out
 
+    if decode_keys is not None and decode_keys < 1:
+        raise ValueError(f"decode_keys must be positive or None, got {decode_keys}")
     max_new = num_tokens
-    if not query_start_loc.is_cuda:  # cheap host checks; on device they would force a sync
+    if decode_keys is not None:
+        max_new = 1  # the caller's word: one new token per request (the tile choice only; any batch is exact)
+    elif not query_start_loc.is_cuda:  # cheap host checks; on device they would force a sync
         qsl = query_start_loc.tolist()
         if qsl[0] != 0 or qsl[-1] > num_tokens or any(a > c for a, c in zip(qsl, qsl[1:])):
             raise ValueError(f"query_start_loc must rise from 0 to at most {num_tokens}, got {qsl}")
@@ -299,7 +311,7 @@ def paged_attention_triton(
     table = block_table.to(dev).contiguous()
     block_dv = max(16, triton.next_power_of_2(v_dim))
     if num_splits is None:
-        num_splits = auto_splits(q, seq_lens, window, num_requests * num_kv) if max_new == 1 else 1
+        num_splits = auto_splits(q, seq_lens, window, num_requests * num_kv, decode_keys) if max_new == 1 else 1
     part_acc = part_ml = out  # dummy pointers unless split
     if num_splits > 1:
         part_acc = torch.empty(num_splits, num_tokens, num_heads, block_dv, dtype=torch.float32, device=dev)
@@ -329,15 +341,27 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def auto_splits(q: torch.Tensor, seq_lens: torch.Tensor, window: int | None, programs: int) -> int:
-    """Key splits for a decode step: enough programs for ~2 waves of SMs, >= 256 keys per split.
-
-    Only on CUDA and only when ``seq_lens`` is on the host (reading it from the device would sync).
-    """
-    if not q.is_cuda or seq_lens.is_cuda:
+def auto_splits(q: torch.Tensor, seq_lens: torch.Tensor, window: int | None, programs: int,
+                decode_keys: int | None = None) -> int:
+    """Key splits for a decode step on CUDA (:func:`device_splits`); 1 elsewhere. The longest
+    context comes from ``seq_lens`` on the host, else from ``decode_keys`` (lengths on the device:
+    reading them would sync); with neither, 1."""
+    if not q.is_cuda:
         return 1
-    keys = int(seq_lens.max())
-    if window is not None:
-        keys = min(keys, window)
-    want = triton.cdiv(2 * _sm_count(q.device.index or 0), programs)
-    return max(1, min(want, triton.cdiv(keys, 256), 16))
+    if not seq_lens.is_cuda:
+        return device_splits(q.device, programs, int(seq_lens.max()), window)
+    return 1 if decode_keys is None else device_splits(q.device, programs, decode_keys, window)
+
+
+def device_splits(device: torch.device, programs: int, keys: int, window: int | None) -> int:
+    """:func:`split_count` on CUDA ``device`` for ``programs`` (request, KV head) programs whose
+    longest context is ``keys`` tokens, of which a sliding ``window`` reads the last ``window``."""
+    return split_count(_sm_count(device.index or 0), programs, keys if window is None else min(keys, window))
+
+
+def split_count(sm_count: int, programs: int, keys: int) -> int:
+    """Splits of each program's key range: enough programs for ~2 waves of ``sm_count`` SMs, at least
+    256 keys per split, at most 16 splits, rounded down to a power of two -- so a caller that captures
+    CUDA graphs per split count needs at most five per batch shape."""
+    want = min(triton.cdiv(2 * sm_count, max(1, programs)), triton.cdiv(max(1, keys), 256), 16)
+    return 1 << (max(1, want).bit_length() - 1)

@@ -42,6 +42,10 @@ class ForwardBatch:
     # True: logits_indices is exactly 0 .. T-1 (every row samples, e.g. an all-decode step), so
     # logits_hidden hands the hidden states over as they are instead of gathering every row.
     logits_every_row: bool = False
+    # A decode step whose lengths live on the device (a CUDA-graph step: reading them on the host
+    # would sync and cannot be captured) sets the host-known bound of its contexts here; the
+    # attention kernels pick their key splits from it (kernels.ops.decode_splits).
+    decode_keys: int | None = None
     # Per-step memo the model fills lazily with values derived only from the fields above (attention
     # index plans per pool and window, rotary tables per theta), so every layer of a kind reuses them.
     # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place.
@@ -68,7 +72,8 @@ class ForwardBatch:
                 seq_lens=self.seq_lens[requests], full_slot_mapping=self.full_slot_mapping[rows],
                 swa_slot_mapping=self.swa_slot_mapping[rows], full_block_table=self.full_block_table[on_device],
                 swa_block_table=self.swa_block_table[on_device], page_size=self.page_size,
-                logits_indices=torch.arange(rows.shape[0], device=rows.device), slots_all_valid=self.slots_all_valid)
+                logits_indices=torch.arange(rows.shape[0], device=rows.device), slots_all_valid=self.slots_all_valid,
+                decode_keys=self.decode_keys)
         return hit
 
     @property

@@ -172,3 +172,92 @@ def test_split_kv_decode_with_more_splits_than_tiles(with_sinks: bool) -> None:
     case = make_case(8, [40, 3], [1, 1], page_size=8, num_heads=4, num_kv=1, head_dim=16, v_dim=16,
                      window=None, with_sinks=with_sinks)
     check(case, block_n=16, num_splits=5)
+
+
+@kernel_test
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (None, True), (9, True)])
+def test_decode_keys_bound_with_many_empty_splits(window: int | None, with_sinks: bool) -> None:
+    """A CUDA-graph decode step's call (``decode_keys``: the host-known bound; lengths unread on the
+    host): 16 splits captured for the longest context serve requests of 40, 3 and 1 tokens -- most of
+    their splits are empty -- exactly, with the sink counted once and the window kept."""
+    case = make_case(9, [40, 3, 1], [1, 1, 1], page_size=4, num_heads=4, num_kv=2, head_dim=24, v_dim=16,
+                     window=window, with_sinks=with_sinks)
+    ref = paged_attention_ref(**case, scale=0.3)
+    dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out = paged_attention_triton(**dev, scale=0.3, block_n=16, num_splits=16, decode_keys=64).cpu()
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4)
+    with pytest.raises(ValueError, match="decode_keys"):
+        paged_attention_triton(**dev, scale=0.3, decode_keys=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sms=st.integers(1, 200), programs=st.integers(1, 4096), keys=st.integers(1, 1 << 20))
+def test_split_count_rule(sms: int, programs: int, keys: int) -> None:
+    """Key splits: a power of two in [1, 16], at least 256 keys a split (but one), no more programs
+    than ~2 waves of SMs need; more keys never fewer splits, more programs never more."""
+    from kernels.paged_attention_triton import split_count
+
+    n = split_count(sms, programs, keys)
+    assert 1 <= n <= 16 and n & (n - 1) == 0
+    assert n == 1 or (keys > 256 * (n - 1) and programs * n <= 2 * sms + programs)
+    assert split_count(sms, programs, keys * 2) >= n
+    assert split_count(sms, programs * 2, keys) <= n
+
+
+def test_long_context_decode_on_few_programs_splits() -> None:
+    """The rule's point: one request over 32k keys on a 132-SM GPU's 4 KV heads gets 16 splits; a
+    batch of 128 (512 programs: two waves already) and a 128-key window get none."""
+    from kernels.paged_attention_triton import split_count
+
+    assert split_count(132, 1 * 4, 32768) == 16
+    assert split_count(132, 128 * 4, 32768) == 1
+    assert split_count(132, 1 * 8, 128) == 1
+    assert split_count(132, 8 * 4, 4096) == 8  # min(cdiv(264, 32) = 9, 16, 16) -> 8
+
+
+def test_auto_splits_reads_host_lengths_else_the_decode_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which longest context the split rule reads: host lengths when it has them; with lengths on
+    the device (a captured step) the caller's bound, and without one no split (reading would sync)."""
+    from types import SimpleNamespace
+
+    import kernels.paged_attention_triton as pat
+
+    monkeypatch.setattr(pat, "_sm_count", lambda index: 132)
+    cuda_q = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    host_lens, device_lens = torch.tensor([5000, 20]), SimpleNamespace(is_cuda=True)
+    assert pat.auto_splits(cuda_q, host_lens, None, 4) == 16
+    assert pat.auto_splits(cuda_q, host_lens, 128, 4) == 1  # a 128-key window: nothing to split
+    assert pat.auto_splits(cuda_q, device_lens, None, 4) == 1
+    assert pat.auto_splits(cuda_q, device_lens, None, 4, decode_keys=4096) == 16
+    assert pat.auto_splits(cuda_q, device_lens, None, 4, decode_keys=300) == 2
+    assert pat.auto_splits(SimpleNamespace(is_cuda=False), host_lens, None, 4, decode_keys=4096) == 1
+
+
+@kernel_test
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="key splits are chosen for CUDA's SMs only")
+def test_device_lengths_split_by_the_decode_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel as a CUDA-graph decode step calls it (lengths on the device): without a bound it
+    cannot split, with ``decode_keys`` it launches the merge of as many splits as the rule gives,
+    and the result is the reference's."""
+    import kernels.paged_attention_triton as pat
+
+    merges: list[int] = []
+    real = pat.combine_splits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                merges.append(kwargs["NUM_SPLITS"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pat, "combine_splits_kernel", Spy())
+    case = make_case(10, [3000], [1], page_size=16, num_heads=16, num_kv=1, head_dim=64, v_dim=64,
+                     window=None, with_sinks=True)
+    ref = paged_attention_ref(**case, scale=0.125)
+    dev = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    torch.testing.assert_close(pat.paged_attention_triton(**dev, scale=0.125).cpu(), ref, atol=ATOL, rtol=1e-4)
+    assert merges == []
+    out = pat.paged_attention_triton(**dev, scale=0.125, decode_keys=4096)
+    assert merges == [pat.device_splits(dev["q"].device, 1, 4096, None)] and merges[0] > 1
+    torch.testing.assert_close(out.cpu(), ref, atol=ATOL, rtol=1e-4)

@@ -11,8 +11,20 @@ exact lengths:
     eager       the model on the fixed-shape inputs         none (the "enforce eager" reference)
     compile     torch.compile(inductor, dynamic=False)      one per (B, K) seen; the B at K_min are
                                                             compiled at start-up (warm_up)
-    cudagraph   torch.cuda.graph capture per B, replay      one per B (the Triton kernels take the
-                over static buffers (as nano-vllm / vLLM)   lengths as data: no K)
+    cudagraph   torch.cuda.graph capture per B, replay      one per (B, key splits) (the Triton
+                over static buffers (as nano-vllm / vLLM)   kernels take the lengths as data: no K)
+
+Key splits under CUDA graphs: a decode step's attention splits each (request, KV head) program's
+keys into chunks so a few requests with long contexts still fill the GPU (flash-decoding). The
+kernels choose the split count on the host from the longest context, which a captured step cannot
+read (its lengths are on the device). So the step tells them K (``ForwardBatch.decode_keys``) and
+each bucket is captured once per split count that K gives (``ops.decode_splits``: a power of two
+<= 16, so at most five graphs per bucket, sharing one memory pool); a step replays the graph of its
+own K's splits. The count is fixed per graph, not the chunks: every request cuts its own key range
+into that many in the kernel, so a shorter context under a graph of many splits stays exact. Every
+bucket's graphs for every K up to ``max_model_len`` are captured at start-up (padding rows only: the
+count depends on K, not on the rows), so no step pauses mid-serving for a capture or a kernel
+compile.
 
 What stays eager inside a compiled step: the experts (data-dependent sort / bincount; ``kernels.ops``
 marks them), so a compiled step is a few graphs per layer joined by eager expert calls. Sampling and
@@ -74,7 +86,13 @@ class DecodeGraphs:
         self.compile_seconds = 0.0
         self._compiled = torch.compile(self._logits, backend="inductor", dynamic=False) if mode == "compile" else None
         self._shapes: set[tuple[int, int]] = set()  # (bucket, keys) compiled so far
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        # (bucket, key splits per attention kind) -> (graph, static inputs, logits)
+        self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self._graph_pool = None  # one memory pool for every graph: they never run at once
+        # the (KV heads, window) of each attention kind: what the kernels' key splits depend on
+        self._attention_kinds = tuple(dict.fromkeys(
+            (layer.self_attn.spec.num_kv_heads, layer.self_attn.window) for layer in model.model.layers))
+        self._splits: dict[tuple[int, int], tuple[int, ...]] = {}  # (bucket, keys) -> key_splits
 
     # ---- public API -------------------------------------------------------------------------
     def note_step(self) -> None:
@@ -97,21 +115,31 @@ class DecodeGraphs:
         return logits[torch.tensor(rows, device=logits.device)]
 
     def warm_up(self, kv) -> float:
-        """Compile (or capture) every bucket at the narrowest key grid on padding rows only; returns
-        the seconds it took."""
+        """Compile every bucket at the narrowest key grid (CPU), or capture every bucket's graph of
+        each key-split count its contexts can need (CUDA), on padding rows only; returns the seconds
+        it took."""
         if self.mode == "eager":
             return 0.0
         t0 = time.perf_counter()
+        layers = _LayerKV(kv, self.num_layers)
         with torch.inference_mode():
             for b in self.buckets:
-                self._run(b, _LayerKV(kv, self.num_layers))
+                if self.mode != "cudagraph":
+                    self._run(b, layers)
+                    continue
+                first_width: dict[tuple[int, ...], int] = {}  # split count -> the narrowest width needing it
+                for keys in self._key_widths():
+                    first_width.setdefault(self.key_splits(b, keys), keys)
+                for keys in first_width.values():
+                    if self.mode == "cudagraph":  # not after a failed capture (then every step runs eagerly)
+                        self._run(b, layers, min_keys=keys)
         return time.perf_counter() - t0
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _run(self, bucket: int, kv: _LayerKV) -> torch.Tensor:
+    def _run(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS) -> torch.Tensor:
         if self.mode == "cudagraph":
             with ops.on_device(self.device):  # capture and replay use the current device's streams
-                return self._replay(bucket, kv)
+                return self._replay(bucket, kv, min_keys)
         ids, fb, keys = self._inputs(bucket)
         if self._compiled is None:
             return self._logits(ids, fb, kv)
@@ -128,9 +156,19 @@ class DecodeGraphs:
         hidden = self.model(None, fb, kv, inputs_embeds=self.model.model.embed_tokens(ids))
         return self.model.compute_logits(hidden)
 
-    def _inputs(self, bucket: int) -> tuple[torch.Tensor, ForwardBatch, int]:
+    def _key_widths(self) -> list[int]:
+        """The key widths a step can have: powers of two from MIN_KEYS, the last capped at max_keys."""
+        widths, k = [], MIN_KEYS
+        while True:
+            widths.append(min(k, self.max_keys))
+            if k >= self.max_keys:
+                return widths
+            k *= 2
+
+    def _inputs(self, bucket: int, min_keys: int = MIN_KEYS) -> tuple[torch.Tensor, ForwardBatch, int]:
         """The first ``bucket`` rows as (ids, ForwardBatch) with the attention plans of both pools
-        built here, once, at a power-of-two key width (masked past each row's keys)."""
+        built here, once, at a power-of-two key width (masked past each row's keys; at least
+        ``min_keys``: the start-up captures' widths)."""
         b, dev = self.batch, self.device
         full_slots, swa_slots = b.slot_mappings(bucket)
         seq_lens = torch.from_numpy(b.seq_lens[:bucket]).clone()
@@ -146,7 +184,7 @@ class DecodeGraphs:
             logits_indices=torch.arange(bucket, device=dev),
             slots_all_valid=True,
         )
-        keys = min(max(MIN_KEYS, 1 << (int(seq_lens.max()) - 1).bit_length()), self.max_keys)
+        keys = min(max(min_keys, 1 << (int(seq_lens.max()) - 1).bit_length()), self.max_keys)
         dtype = self.model.model.norm.weight.dtype
         q = torch.empty(0, dtype=dtype, device=dev)  # the plan reads q's dtype and device only
         plans, tables = {}, {}
@@ -163,18 +201,32 @@ class DecodeGraphs:
             attn.prime(fb, plans[pk], tables[rk], dtype)
         return torch.from_numpy(b.token_ids[:bucket]).to(dev), fb, keys
 
-    def _replay(self, bucket: int, kv: _LayerKV) -> torch.Tensor:
-        """CUDA: capture the bucket's eager step once over static input buffers, then copy this
-        step's inputs into them and replay. Falls back to eager when capture fails."""
-        ids, fb, _ = self._inputs(bucket)
-        if bucket not in self._graphs:
+    def key_splits(self, bucket: int, keys: int) -> tuple[int, ...]:
+        """The attention kernels' key splits, per attention kind, in a decode step of ``bucket`` rows
+        whose contexts are at most ``keys`` tokens (1 each off CUDA): what a graph is captured with."""
+        hit = self._splits.get((bucket, keys))
+        if hit is None:
+            q = torch.empty(0, device=self.device)  # the rule reads q's device only
+            hit = self._splits[(bucket, keys)] = tuple(
+                ops.decode_splits(q, bucket, kv_heads, window, keys) for kv_heads, window in self._attention_kinds)
+        return hit
+
+    def _replay(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS) -> torch.Tensor:
+        """CUDA: capture the bucket's eager step once per key-split count over static input buffers,
+        then copy this step's inputs into them and replay. Falls back to eager when capture fails."""
+        ids, fb, keys = self._inputs(bucket, min_keys)
+        key = (bucket, self.key_splits(bucket, keys))
+        if key not in self._graphs:
             try:
-                self._graphs[bucket] = self._capture(ids, fb, kv)
+                self._graphs[key] = self._capture(ids, fb, kv, keys)
             except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be captured: stay eager
-                log.warning("CUDA graph capture of decode bucket %d failed (%s); running it eagerly", bucket, exc)
+                log.warning("CUDA graph capture of decode bucket %d (key splits %s) failed (%s); running it "
+                            "eagerly", bucket, key[1], exc)
                 self.mode = "eager"
                 return self._logits(ids, fb, kv)
-        graph, static, out = self._graphs[bucket]
+            log.info("captured the CUDA graph of decode bucket %d for contexts up to %d tokens (key splits %s)",
+                     bucket, keys, key[1])
+        graph, static, out = self._graphs[key]
         static["ids"].copy_(ids, non_blocking=True)
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
             static[name].copy_(getattr(fb, name), non_blocking=True)
@@ -182,9 +234,9 @@ class DecodeGraphs:
         graph.replay()
         return out
 
-    def _capture(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV):
+    def _capture(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV, keys: int):
         # lengths on the device too: the Triton attention then reads them there (no host copy inside
-        # the capture; its host-side length checks and key splitting are skipped)
+        # the capture; its host-side length checks are skipped, and it splits keys by ``keys``)
         static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.to(self.device),
                   "qsl": fb.query_start_loc.to(self.device)}
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
@@ -193,13 +245,24 @@ class DecodeGraphs:
                            seq_lens=static["seq_lens"], full_slot_mapping=static["full_slot_mapping"],
                            swa_slot_mapping=static["swa_slot_mapping"], full_block_table=static["full_block_table"],
                            swa_block_table=static["swa_block_table"], page_size=self.page_size,
-                           logits_indices=fb.logits_indices, slots_all_valid=True)
+                           logits_indices=fb.logits_indices, slots_all_valid=True, decode_keys=keys)
         self._logits(static["ids"], sfb, kv)  # warm-up launch outside capture (Triton autotune/JIT)
         torch.cuda.synchronize(self.device)
+        # The warm-up filled sfb's step cache (rotary tables from the capture-time positions, ...):
+        # left there, the capture would find them and the graph would read those tensors -- stale
+        # positions, then freed memory -- on every replay instead of computing them from the static
+        # positions inside the graph.
+        sfb.step_cache.clear()
+        static["batch"] = sfb  # every tensor the graph reads stays alive with the graph
         graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
         # thread_local: other threads of the process (an omni engine's media workers and encoder)
         # keep allocating and synchronizing their own streams while this thread captures; in the
-        # default "global" mode any such call fails in that thread and invalidates this capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # default "global" mode any such call fails in that thread and invalidates this capture.
+        # One pool for all graphs (as vLLM): they replay one at a time on this thread's stream, so
+        # one graph's scratch may be another's output block -- safe because forward() gathers each
+        # replay's logits on that stream before any other graph replays.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out = self._logits(static["ids"], sfb, kv)
         return graph, static, out

@@ -82,6 +82,7 @@ class Attention(nn.Module):
             plan=self._plan(batch, q, table),
             k_new=k,
             v_new=v,
+            decode_keys=batch.decode_keys,
         )
         return out.reshape(t, spec.num_heads * spec.v_head_dim)
 
@@ -99,7 +100,8 @@ class Attention(nn.Module):
         table = sub.swa_block_table if self.is_sliding else sub.full_block_table
         out = ops.paged_attention(q, k_cache, v_cache, table, sub.query_start_loc, sub.seq_lens,
                                   page_size=sub.page_size, scale=self.scale, window=self.window,
-                                  sinks=self.attention_sink_bias, plan=self._plan(sub, q, table))
+                                  sinks=self.attention_sink_bias, plan=self._plan(sub, q, table),
+                                  decode_keys=sub.decode_keys)
         return out.reshape(rows.shape[0], spec.num_heads * spec.v_head_dim)
 
     def residual_out(self, attn: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,

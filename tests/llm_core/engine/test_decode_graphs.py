@@ -167,6 +167,67 @@ def test_compiled_decode_step_gives_the_eager_tokens(tmp_path):
 
 # ---- CUDA graphs (skipped without CUDA; .ci/gpu runs them) ----------------------------------------
 
+def test_graph_bookkeeping_with_cuda_stood_in(model, monkeypatch):
+    """The CUDA-graph runner's bookkeeping, on CPU with torch.cuda's graph calls stood in (their
+    replay computes nothing, so only what is captured when is checked, not tokens): start-up
+    captures each bucket once per key-split count the widths up to max_model_len give (a stand-in
+    rule here: the full kind splits 4 ways from 512 keys, 8 from 1024), each capture is told its
+    width, and each capture computes its rotary tables inside the graph rather than reading the
+    warm-up's (left in the step cache, a graph would replay the capture-time positions); a long
+    request then decodes without a capture mid-serving."""
+    from contextlib import contextmanager
+
+    from kernels import ops
+    from llm_core.model.layers.rope import PartialRotary
+
+    capturing, captured = [False], []
+    real_tables = PartialRotary.tables
+
+    def tables(self, positions, dtype):
+        if capturing[0]:
+            captured[-1]["rope"] += 1
+        return real_tables(self, positions, dtype)
+
+    @contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        capturing[0] = True
+        try:
+            yield
+        finally:
+            capturing[0] = False
+
+    def splits(q, num_requests, kv_heads, window, keys):
+        return 1 if window is not None or keys < 512 else (4 if keys < 1024 else 8)
+
+    monkeypatch.setattr(PartialRotary, "tables", tables)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(ops, "decode_splits", splits)
+    from llm_core.engine.fixed_decode import decode_graphs as dg
+
+    real_capture = dg.DecodeGraphs._capture
+
+    def capture(self, ids, fb, kv, keys):
+        captured.append({"bucket": ids.shape[0], "keys": keys, "rope": 0})
+        return real_capture(self, ids, fb, kv, keys)
+
+    monkeypatch.setattr(dg.DecodeGraphs, "_capture", capture)
+    llm = engine(model, mode="cudagraph", buckets=(1, 2))
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.mode == "cudagraph" and graphs.max_keys == 1024
+    kinds = graphs._attention_kinds
+    want = {(b, tuple(splits(None, b, kv, w, k) for kv, w in kinds)) for b in (1, 2) for k in (256, 512, 1024)}
+    assert set(graphs._graphs) == want and len(want) == 6
+    assert sorted((c["bucket"], c["keys"]) for c in captured) == [(b, k) for b in (1, 2) for k in (256, 512, 1024)]
+    assert all(c["rope"] > 0 for c in captured)
+    assert all(g[1]["batch"].decode_keys in (256, 512, 1024) for g in graphs._graphs.values())
+    n = len(captured)
+    out = llm.generate([ids(150, 700), ids(151, 5)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [4, 4] and len(captured) == n
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.ci/gpu runs it on a GPU machine)")
 def test_cuda_graph_steps_give_the_eager_tokens_beside_another_threads_cuda_work(tmp_path):
     """float32 on CUDA: every bucket captured (at enable) while another thread allocates and
@@ -195,12 +256,35 @@ def test_cuda_graph_steps_give_the_eager_tokens_beside_another_threads_cuda_work
     try:
         llm = engine(model, mode="cudagraph")
         graphs = llm.engine.runner.decode_graphs
-        assert graphs.mode == "cudagraph" and sorted(graphs._graphs) == list(graphs.buckets)
+        assert graphs.mode == "cudagraph" and {b for b, _ in graphs._graphs} == set(graphs.buckets)
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
     finally:
         stop.set()
         t.join(30)
     assert not errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.ci/gpu runs it on a GPU machine)")
+def test_cuda_graph_long_context_decode_splits_keys_and_gives_the_eager_tokens(tmp_path):
+    """Start-up captures the bucket once per key-split count its contexts can need (more than one
+    for the full-attention kind at long contexts: one request's few programs would leave the GPU
+    idle); a request with a long context then decodes under the graph of its context's splits,
+    beside a short request sharing the bucket, without a capture mid-serving, and the tokens equal
+    the eager fixed-shape steps' (which split on the host by the same rule)."""
+    model = load_model(build_tiny_hf_checkpoint(tmp_path / "hf", max_position_embeddings=4096),
+                       dtype=torch.float32, device="cuda")
+    prompts = [ids(140, 1500), ids(141, 7)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cfg = dict(max_chunk_tokens=512, max_num_batched_tokens=512, num_full_tokens=4096)
+    eager = engine(model, mode="eager", buckets=(2,), **cfg).generate(prompts, params)
+    assert [len(o.token_ids) for o in eager] == [6, 6]
+    llm = engine(model, mode="cudagraph", buckets=(2,), **cfg)
+    graphs = llm.engine.runner.decode_graphs
+    start_up = set(graphs._graphs)
+    long_splits = graphs.key_splits(2, 2048)  # 1500 + 6 tokens: the 2048-key width
+    assert max(long_splits) > 1 and (2, long_splits) in start_up and (2, graphs.key_splits(2, 256)) in start_up
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
+    assert graphs.mode == "cudagraph" and set(graphs._graphs) == start_up
 
 
 # ---- the switch ---------------------------------------------------------------------------------
