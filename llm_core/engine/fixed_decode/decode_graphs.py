@@ -185,6 +185,8 @@ class DecodeGraphs:
             slots_all_valid=True,
         )
         keys = min(max(min_keys, 1 << (int(seq_lens.max()) - 1).bit_length()), self.max_keys)
+        if self.mode == "cudagraph":  # a replay reads only the inputs (plans and tables are in the graph)
+            return torch.from_numpy(b.token_ids[:bucket]).to(dev), fb, keys
         dtype = self.model.model.norm.weight.dtype
         q = torch.empty(0, dtype=dtype, device=dev)  # the plan reads q's dtype and device only
         plans, tables = {}, {}
@@ -263,6 +265,14 @@ class DecodeGraphs:
         # One pool for all graphs (as vLLM): they replay one at a time on this thread's stream, so
         # one graph's scratch may be another's output block -- safe because forward() gathers each
         # replay's logits on that stream before any other graph replays.
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            out = self._logits(static["ids"], sfb, kv)
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                out = self._logits(static["ids"], sfb, kv)
+        except BaseException:
+            # a capture that failed can leave this thread on the capture's side stream (torch's
+            # graph context ends the capture before it restores the stream, and that end raises):
+            # the eager steps that follow must run on the stream they ran on before
+            torch.cuda.set_stream(stream)
+            raise
         return graph, static, out

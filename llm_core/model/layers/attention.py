@@ -150,8 +150,9 @@ class Attention(nn.Module):
             v.mul_(self.value_scale)
         self.rotary.apply_(qk, cos, sin)
         q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-        ops.store_kv(k_cache, v_cache, slots, k, v,
-                     all_valid=batch.slots_all_valid or self._slots_valid(batch, slots))
+        # the Triton store skips negative slots on the device: asking would only sync the host
+        all_valid = batch.slots_all_valid or (not ops.use_triton(k_cache) and self._slots_valid(batch, slots))
+        ops.store_kv(k_cache, v_cache, slots, k, v, all_valid=all_valid)
         return q, k, v
 
     def _native_front(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,

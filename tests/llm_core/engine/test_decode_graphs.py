@@ -174,7 +174,8 @@ def test_graph_bookkeeping_with_cuda_stood_in(model, monkeypatch):
     rule here: the full kind splits 4 ways from 512 keys, 8 from 1024), each capture is told its
     width, and each capture computes its rotary tables inside the graph rather than reading the
     warm-up's (left in the step cache, a graph would replay the capture-time positions); a long
-    request then decodes without a capture mid-serving."""
+    request then decodes without a capture mid-serving. A capture that fails puts the thread back on
+    its stream and the engine decodes eagerly."""
     from contextlib import contextmanager
 
     from kernels import ops
@@ -204,6 +205,9 @@ def test_graph_bookkeeping_with_cuda_stood_in(model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    streams: list[str] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "engine stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
     monkeypatch.setattr(ops, "decode_splits", splits)
     from llm_core.engine.fixed_decode import decode_graphs as dg
 
@@ -224,8 +228,19 @@ def test_graph_bookkeeping_with_cuda_stood_in(model, monkeypatch):
     assert all(c["rope"] > 0 for c in captured)
     assert all(g[1]["batch"].decode_keys in (256, 512, 1024) for g in graphs._graphs.values())
     n = len(captured)
-    out = llm.generate([ids(150, 700), ids(151, 5)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert [len(o.token_ids) for o in out] == [4, 4] and len(captured) == n
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate([ids(150, 700), ids(151, 5)], params)
+    assert [len(o.token_ids) for o in out] == [4, 4] and len(captured) == n and streams == []
+
+    @contextmanager
+    def failing_graph(g, pool=None, capture_error_mode="global"):
+        yield  # the capture ran, then ending it fails (an op the capture could not take)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
+    llm = engine(model, mode="cudagraph", buckets=(1, 2))  # a failed capture: back on the engine's stream, eager
+    assert llm.engine.runner.decode_graphs.mode == "eager" and streams == ["engine stream"]
+    assert [len(o.token_ids) for o in llm.generate([ids(152, 9)], params)] == [4]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.ci/gpu runs it on a GPU machine)")
