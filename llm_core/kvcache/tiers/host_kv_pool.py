@@ -6,7 +6,8 @@ One *row* holds one page of one kind over every layer of that kind, K then V per
     SWA row:   [ L1.K | L1.V | L2.K | L2.V | ... ]                             (sliding layers only)
 
 An entry = one Full row + optionally one SWA row (SWA KV exists only where the tree kept it). Rows live
-in two preallocated host tensors (pinned when the device pool is on CUDA, so copies can be async).
+in two preallocated host tensors (page-locked at their exact size when the device pool is on CUDA,
+so copies can be async: pinned_host.py).
 Eviction is LRU over entries; when only SWA rows run short, the LRU entries lose just their SWA row.
 Copies between L1 and rows, and a page's bytes in L3, are in page_format.py.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_core.kvcache.dual_pool import KVLayout
+from llm_core.kvcache.tiers.pinned_host import PinnedHostBuffer
 
 
 @dataclass
@@ -52,9 +54,11 @@ class HostKVPool:
         if n_full < 1:
             raise ValueError(f"host KV budget of {budget_bytes} bytes holds no page "
                              f"({self.full_elems * itemsize} bytes per Full row)")
-        pin = pin and torch.cuda.is_available()
-        self.full_data = torch.zeros(n_full, self.full_elems, dtype=dtype, pin_memory=pin)
-        self.swa_data = torch.zeros(n_swa, max(1, self.swa_elems), dtype=dtype, pin_memory=pin)
+        # page-locked at their exact sizes (pinned_host.py: torch's pin_memory would round each up
+        # to a power of two); the buffers own the registrations, so the pool holds them
+        self._buffers = (PinnedHostBuffer(n_full, self.full_elems, dtype, pin=pin),
+                         PinnedHostBuffer(n_swa, max(1, self.swa_elems), dtype, pin=pin))
+        self.full_data, self.swa_data = (b.tensor for b in self._buffers)
         self._free_full = list(range(n_full - 1, -1, -1))
         self._free_swa = list(range(n_swa - 1, -1, -1))
         self.entries: OrderedDict[bytes, HostEntry] = OrderedDict()

@@ -47,6 +47,52 @@ def test_host_pool_lru_and_swa_only_shortage():
         HostKVPool(LAYOUT, 2, torch.float32, 8)
 
 
+def test_host_pool_page_locks_its_rows_at_their_exact_size(monkeypatch):
+    """On CUDA the host rows are page-locked at exactly their bytes (torch's pin_memory would lock
+    the next power of two: 40 GB -> 64 GB), unlocked when the pool goes (before the memory is
+    freed), and a refused registration leaves a working pageable pool. The CUDA runtime is stood in
+    for (no GPU here): it records what it is asked."""
+    import gc
+
+    calls: list[tuple] = []
+
+    class Runtime:
+        refuse = False
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 2 if self.refuse else 0  # cudaErrorMemoryAllocation / cudaSuccess
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    runtime = Runtime()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    full_row = row_elements(LAYOUT, "full", 2) * 4
+    host = HostKVPool(LAYOUT, 2, torch.float32, 5 * full_row * 2, swa_fraction=0.5, pin=True)
+    sizes = {ptr: size for op, ptr, size, _ in (c for c in calls if c[0] == "register")}
+    assert sizes == {host.full_data.data_ptr(): host.full_data.numel() * 4,
+                     host.swa_data.data_ptr(): host.swa_data.numel() * 4}
+    assert host.num_full_rows == 5 and all(b.pinned for b in host._buffers)  # 5 rows: not a power of two
+    assert all(c[3] == 1 for c in calls)  # portable: locked for every CUDA context
+    host.put(b"k", torch.ones(host.full_elems), torch.ones(host.swa_elems))
+    assert torch.equal(host.full_data[host.get(b"k").full_row], torch.ones(host.full_elems))
+    del host
+    gc.collect()
+    assert sorted(c[1] for c in calls if c[0] == "unregister") == sorted(sizes)
+    calls.clear()
+    runtime.refuse = True
+    host = HostKVPool(LAYOUT, 2, torch.float32, 5 * full_row * 2, pin=True)
+    assert not any(b.pinned for b in host._buffers) and len(calls) == 2
+    host.put(b"k", torch.ones(host.full_elems), None)
+    del host
+    gc.collect()
+    assert [c[0] for c in calls] == ["register", "register"]  # nothing to undo
+    assert not HostKVPool(LAYOUT, 2, torch.float32, 5 * full_row * 2)._buffers[0].pinned  # pin=False
+
+
 def test_gather_and_scatter_move_only_valid_pages():
     pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
     for i in range(3):
