@@ -31,7 +31,7 @@ from _common import base_parser, print_table, write_json
 from torch.nn import functional as F
 
 from kernels import ops
-from kernels.moe_cpu import kernel_layout
+from kernels.cpu.moe import kernel_layout
 from kernels.native import decoder_layer, greedy_head, moe_experts
 from llm_core.model.layers.rope import PartialRotary
 

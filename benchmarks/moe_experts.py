@@ -1,7 +1,7 @@
 """One MoE layer's experts on CPU: the C kernel (kernels/native/moe_experts.c) vs the torch paths.
 
 For each row count (tokens of a step; each picks top-k experts) both run the same call of
-:func:`kernels.moe_cpu.experts_cpu`'s contract, alternating, CPU time of this thread (one intra-op
+:func:`kernels.cpu.moe.experts_cpu`'s contract, alternating, CPU time of this thread (one intra-op
 thread), medians of ``--repeats``. From 64 tokens the two also run on a thread at ``--threads``
 intra-op threads (default: torch's count; the engine thread's team during a long step, where the C
 kernel splits the experts' rows among the team and MKL splits each GEMM), wall time, medians. Weights come from memory as in a real step: the calls cycle over
@@ -24,8 +24,9 @@ import time
 import torch
 from _common import base_parser, print_table, write_json
 
-from kernels import moe_cpu, native
-from kernels.moe_cpu import experts_cpu
+from kernels import native
+from kernels.cpu import moe as moe_cpu
+from kernels.cpu.moe import experts_cpu
 from kernels.moe_ref import route_ref
 from kernels.native.moe_experts import available, moe_experts
 from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads

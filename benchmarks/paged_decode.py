@@ -1,6 +1,6 @@
 """Paged decode attention on CPU, one layer: the C kernel reading K/V in place from the pages
 (``kernels/native/paged_decode.c``) vs the torch path (key grid gathered from the pool + ATen's flash
-kernel, ``kernels/paged_attention_cpu.py``), side by side in one run, same plan inputs.
+kernel, ``kernels/cpu/paged_attention.py``), side by side in one run, same plan inputs.
 
 Shapes: the ``text_throughput.py`` model (8 / 2 heads (full), 8 / 4 (sliding), head dims 32 / 32,
 window 64, context 144 = prompt 128 + 16) and MiMo-V2.5 (``kv_capacity.py``'s config: full attention
@@ -24,7 +24,7 @@ import torch
 from _common import base_parser, print_table, write_json
 
 from kernels.native import build as native_build
-from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
 
 PAGE = 16
 # name -> (heads, kv heads, q/k dim, v dim, window or None, context)

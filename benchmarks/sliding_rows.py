@@ -1,6 +1,6 @@
 """Sliding-layer prefill attention: the flash band (query blocks over their own keys) vs every row as a
 C decode row, per window and head shape -- the measurement behind ``NATIVE_ANY_ROWS_WINDOW`` in
-kernels/paged_attention_cpu.py.
+kernels/cpu/paged_attention.py.
 
     .venv/bin/python benchmarks/sliding_rows.py            # the table (+ --json PATH)
     .venv/bin/python benchmarks/sliding_rows.py --quick    # without the MiMo-V2.5-size row
@@ -19,9 +19,9 @@ import time
 
 import torch
 
-import kernels.paged_attention_cpu as pac
+import kernels.cpu.paged_attention as pac
 from _common import base_parser, print_table, write_json
-from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
 
 PAGE = 16
 # (n, ctx, window, q heads, kv heads, q/k dim, v dim): the pipeline benchmark's model (8 / 8 heads of

@@ -1,5 +1,5 @@
 """Dispatch: CUDA tensors take the Triton kernels (when importable); CPU tensors take the CPU paths
-(paged attention: :mod:`kernels.paged_attention_cpu`; experts: :mod:`kernels.moe_cpu`, which hands
+(paged attention: :mod:`kernels.cpu.paged_attention`; experts: :mod:`kernels.cpu.moe`, which hands
 few-rows-per-expert calls to the C kernel :mod:`kernels.native.moe_experts`) and, for the
 KV copies and the vision band attention, the torch references. ``force_triton(True)`` sends every call
 to Triton (tests use it with TRITON_INTERPRET=1 to run the kernels on CPU tensors).
@@ -93,7 +93,7 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 page_size=page_size, scale=scale, window=window, sinks=sinks, decode_keys=decode_keys,
             )
     # Without Triton: decode rows as one padded batch, index work shared by the step's layers.
-    from kernels.paged_attention_cpu import paged_attention_cpu
+    from kernels.cpu.paged_attention import paged_attention_cpu
 
     return paged_attention_cpu(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
@@ -117,7 +117,7 @@ def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, wind
     decode key-grid width (default: the batch's widest visible span)."""
     if use_triton(q):
         return None
-    from kernels.paged_attention_cpu import AttentionPlan
+    from kernels.cpu.paged_attention import AttentionPlan
 
     return AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
                                dtype=q.dtype, keys=keys)
@@ -129,7 +129,7 @@ def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size,
     them) with contexts ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
     if use_triton(q):
         return [None] * seq_lens.shape[0]
-    from kernels.paged_attention_cpu import AttentionPlan
+    from kernels.cpu.paged_attention import AttentionPlan
 
     return AttentionPlan.decode_steps(block_table, seq_lens, active, rows, page_size=page_size, window=window,
                                       dtype=q.dtype)
@@ -185,13 +185,13 @@ def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
         with on_device(x.device):
             return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
     # Without Triton: the C kernel while the experts see a few rows each, else two grouped matmuls
-    # (kernels.moe_cpu; same math as the reference's loop).
+    # (kernels.cpu.moe; same math as the reference's loop).
     return _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 @torch.compiler.disable  # data-dependent shapes (sort, bincount, per-token expert ids): a compiled
 def _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids):  # decode step runs it eagerly between graphs
-    from kernels.moe_cpu import experts_cpu
+    from kernels.cpu.moe import experts_cpu
 
     return experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
 
@@ -202,7 +202,7 @@ def expert_weight_layout(w):
     a contiguous operand), unchanged for the Triton kernel."""
     if use_triton(w):
         return w
-    from kernels.moe_cpu import kernel_layout
+    from kernels.cpu.moe import kernel_layout
 
     return kernel_layout(w)
 

@@ -2,7 +2,7 @@
 
 :func:`moe_experts` takes the arguments of :func:`kernels.moe_ref.experts_ref` and returns the same
 values to fp32 rounding, or None when the C kernel cannot take the call (kernels off or not built,
-not fp32, not CPU, weights not in :func:`kernels.moe_cpu.kernel_layout`, odd strides); the caller then
+not fp32, not CPU, weights not in :func:`kernels.cpu.moe.kernel_layout`, odd strides); the caller then
 keeps its torch path. Expert ids outside [0, E) raise ValueError (the C code checks them before it
 reads a weight).
 

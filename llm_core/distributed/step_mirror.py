@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels import huge_pages as huge_page_memory
+from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import RankGroup

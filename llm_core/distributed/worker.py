@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from kernels import huge_pages as huge_page_memory
+from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_group import LaunchSpec, RankGroup
 from llm_core.distributed.step_ops import (EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, StopOp,

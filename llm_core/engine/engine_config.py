@@ -100,7 +100,7 @@ class EngineConfig:
     native_cpu_kernels: bool = True
     """On CPU: C kernels compiled for this machine on first use where they beat torch (kernels/native/); off: torch only."""
     huge_pages: bool = True
-    """On CPU: the weights and the KV pool on 2 MB transparent huge pages (kernels/huge_pages.py; fewer TLB misses when a step streams them)."""
+    """On CPU: the weights and the KV pool on 2 MB transparent huge pages (kernels/cpu/huge_pages.py; fewer TLB misses when a step streams them)."""
     persistent_decode_batch: bool = True
     """Advance last decode step's inputs by one token when the step's requests are unchanged instead of rebuilding them (llm_core/engine/decode_batch_state.py)."""
     # structured outputs (llm_core/engine/structured/): response_format json, vLLM's structured_outputs

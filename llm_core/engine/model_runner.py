@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels import huge_pages as huge_page_memory
+from kernels.cpu import huge_pages as huge_page_memory
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.decode_batch_state import DecodeBatchState
@@ -65,7 +65,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, page_size: int, seed: int = 0, huge_pages: bool = False,
                  persistent_decode_batch: bool = False) -> None:
         """``huge_pages``: move the CPU weights onto huge-page-advised memory once laid out
-        (kernels/huge_pages.py: a decode step streams them from memory; same values and strides).
+        (kernels/cpu/huge_pages.py: a decode step streams them from memory; same values and strides).
         ``persistent_decode_batch``: a decode step of last step's requests advances last step's
         inputs instead of rebuilding them (decode_batch_state.py; the same tensors)."""
         self.model = model

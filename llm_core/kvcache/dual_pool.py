@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import huge_pages as huge_page_memory
+from kernels.cpu import huge_pages as huge_page_memory
 from llm_core.model.config import layers_of_kind
 
 
@@ -196,7 +196,7 @@ class DualKVPool:
         huge_pages: bool = False,
     ) -> None:
         """``huge_pages``: on CPU, the K/V buffers live on huge-page-advised memory
-        (kernels/huge_pages.py: a decode step streams them from memory; fewer TLB misses)."""
+        (kernels/cpu/huge_pages.py: a decode step streams them from memory; fewer TLB misses)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_full_tokens < page_size:

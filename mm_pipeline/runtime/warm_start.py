@@ -15,7 +15,7 @@ import importlib
 REQUEST_PATH_MODULES = ("numpy.ma", "PIL.BmpImagePlugin", "PIL.GifImagePlugin", "PIL.ImageChops",
                         "PIL.ImageSequence", "PIL.JpegImagePlugin", "PIL.PngImagePlugin", "PIL.PpmImagePlugin",
                         "av.subtitles.stream", "encodings.unicode_escape", "kernels.band_attention_ref",
-                        "kernels.paged_attention_cpu")
+                        "kernels.cpu.paged_attention")
 
 
 def import_request_path_modules() -> None:

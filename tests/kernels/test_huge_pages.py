@@ -1,4 +1,4 @@
-"""Weights and KV pool on huge-page-advised memory (kernels/huge_pages.py, ``EngineConfig.huge_pages``):
+"""Weights and KV pool on huge-page-advised memory (kernels/cpu/huge_pages.py, ``EngineConfig.huge_pages``):
 only where the bytes live changes -- values, shapes, strides and sharing stay, and an engine with it
 on decodes the same tokens with bit-identical logprobs as one with it off."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import huge_pages
+from kernels.cpu import huge_pages
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
 

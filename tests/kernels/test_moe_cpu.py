@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.moe_cpu import experts_cpu
-from kernels import moe_cpu, native
+from kernels.cpu.moe import experts_cpu
+from kernels import native
+from kernels.cpu import moe as moe_cpu
 from kernels.moe_ref import experts_ref, route_ref
 
 
@@ -67,7 +68,7 @@ def test_no_tokens_gives_empty_output():
 def test_kernel_layout_keeps_values_and_results():
     """Column-major expert stacks (what the model runner installs on CPU): same shape and values,
     the grouped GEMMs read their transposes contiguously, and the experts give the reference result."""
-    from kernels.moe_cpu import kernel_layout
+    from kernels.cpu.moe import kernel_layout
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(24, 32, generator=g)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import moe_cpu, native
+from kernels import native
+from kernels.cpu import moe as moe_cpu
 from kernels.native.moe_experts import available, moe_experts, moe_route_experts
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.layers import attention as attention_layer

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import moe_cpu, native
-from kernels.moe_cpu import experts_cpu, kernel_layout
+from kernels import native
+from kernels.cpu import moe as moe_cpu
+from kernels.cpu.moe import experts_cpu, kernel_layout
 from kernels.moe_ref import experts_ref, route_ref
 from kernels.native.moe_experts import available, moe_experts, moe_route_experts
 from tests.support.intra_op import on_threads

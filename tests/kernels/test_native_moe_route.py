@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from kernels.moe_cpu import kernel_layout
+from kernels.cpu.moe import kernel_layout
 from kernels.moe_ref import experts_ref, route_ref
 from kernels.native.moe_experts import available, moe_route_experts
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kernels import native
 from kernels.attention_ref import paged_attention_ref
-from kernels.paged_attention_cpu import paged_attention_cpu
+from kernels.cpu.paged_attention import paged_attention_cpu
 
 PAGE = 4
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kernels.attention_ref import paged_attention_ref
 from kernels.native import build, paged_decode
-from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
 from tests.support.intra_op import on_threads
 
 pytestmark = pytest.mark.skipif(paged_decode._lib() is None, reason="no C compiler: the torch path serves")
@@ -90,8 +90,8 @@ def test_short_multi_row_requests_are_decode_rows_of_the_kernel_long_chunks_keep
     """An MTP verify step's 1 + k rows (<= NATIVE_SHORT_ROWS; NATIVE_SHORT_ROWS_SLIDING on a sliding
     layer whose window is over NATIVE_ANY_ROWS_WINDOW) become one kernel row per query, each with the
     context up to its own position; a longer chunk stays an extend on the flash kernel."""
-    import kernels.paged_attention_cpu as pac
-    from kernels.paged_attention_cpu import NATIVE_SHORT_ROWS, NATIVE_SHORT_ROWS_SLIDING
+    import kernels.cpu.paged_attention as pac
+    from kernels.cpu.paged_attention import NATIVE_SHORT_ROWS, NATIVE_SHORT_ROWS_SLIDING
 
     monkeypatch.setattr(pac, "NATIVE_ANY_ROWS_WINDOW", 0)  # window 5 counts as a large one here
     long = (NATIVE_SHORT_ROWS if window is None else NATIVE_SHORT_ROWS_SLIDING) + 4
@@ -110,7 +110,7 @@ def test_short_multi_row_requests_are_decode_rows_of_the_kernel_long_chunks_keep
 def test_small_window_sends_every_row_of_a_long_chunk_to_the_kernel(width, window):
     """A sliding layer with a window of at most NATIVE_ANY_ROWS_WINDOW: every row of a chunk of any
     length (a whole prompt, earlier context or none) is a kernel row; no extend, no flash band."""
-    from kernels.paged_attention_cpu import NATIVE_ANY_ROWS_WINDOW, NATIVE_SHORT_ROWS_SLIDING
+    from kernels.cpu.paged_attention import NATIVE_ANY_ROWS_WINDOW, NATIVE_SHORT_ROWS_SLIDING
 
     assert window <= NATIVE_ANY_ROWS_WINDOW
     long = NATIVE_SHORT_ROWS_SLIDING * 3 + 5

@@ -1,4 +1,4 @@
-"""Sliding-layer prefill chunks as query blocks over their own key band (kernels/sliding_prefill_cpu.py),
+"""Sliding-layer prefill chunks as query blocks over their own key band (kernels/cpu/sliding_prefill.py),
 or as C decode rows (up to NATIVE_SHORT_ROWS_SLIDING rows, any number with a small window), == the torch reference, for any block size,
 window, earlier context and batch mix."""
 
@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.paged_attention_cpu as paged_attention_cpu_module
-import kernels.sliding_prefill_cpu as sliding
+import kernels.cpu.paged_attention as paged_attention_cpu_module
+import kernels.cpu.sliding_prefill as sliding
 from kernels.attention_ref import paged_attention_ref
-from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
 from tests.kernels.test_paged_attention_cpu import PAGE, make_batch
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe_cpu import native_serves
+from kernels.cpu.moe import native_serves
 from kernels.native import fused_layer as native
 from kernels.native.decoder_layer import MAX_ROWS
 from llm_core.model.forward_batch import ForwardBatch

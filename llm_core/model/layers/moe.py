@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import ops
-from kernels.moe_cpu import native_serves
+from kernels.cpu.moe import native_serves
 from kernels.native.moe_experts import moe_route_experts
 from llm_core.distributed.expert_parallel import ExpertShard
 from llm_core.distributed.parallel_context import ParallelContext

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.attention_ref import paged_attention_ref
-from kernels.moe_cpu import experts_cpu
+from kernels.cpu.moe import experts_cpu
 from kernels.moe_ref import experts_ref, route_ref
-from kernels.paged_attention_cpu import AttentionPlan, paged_attention_cpu
+from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
 from llm_core.model.layers.rope import PartialRotary
 
 

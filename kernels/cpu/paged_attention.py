@@ -21,7 +21,7 @@ window), so it is built once and reused by every layer of that kind:
   hides none of them it runs the kernel's causal mode (no mask tensor; the kernel skips the blocks
   above the diagonal) -- what transformers' SDPA path does for a single-sequence prefill. A chunk
   longer than a block of a sliding layer runs as query blocks, each over the keys its rows can
-  reach (kernels/sliding_prefill_cpu.py): W keys per query, not the whole chunk -- or, with a small
+  reach (kernels/cpu/sliding_prefill.py): W keys per query, not the whole chunk -- or, with a small
   window and the C kernel built, as C decode rows (below, NATIVE_ANY_ROWS_WINDOW).
 
 Decode rows in fp32 go to the C kernel instead (kernels/native/paged_decode.c, when built and on):
@@ -44,7 +44,7 @@ import torch
 from torch.nn import functional as F
 
 from kernels.native import paged_decode
-from kernels.sliding_prefill_cpu import SlidingBand
+from kernels.cpu.sliding_prefill import SlidingBand
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # multi-token requests of at most this many query rows (an MTP verify step's 1 + k, a short chunk) go
@@ -63,7 +63,7 @@ NATIVE_SHORT_ROWS = 8
 # so full layers keep the lower limit)
 NATIVE_SHORT_ROWS_SLIDING = 64
 # A sliding layer whose window is at most this sends every row of any chunk to the C kernel: each row
-# reads its W keys in place, where the flash band (kernels/sliding_prefill_cpu.py) computes BLOCK + W - 1
+# reads its W keys in place, where the flash band (kernels/cpu/sliding_prefill.py) computes BLOCK + W - 1
 # logits per row at the flash call's fixed cost. Plan + 4 layers, one thread, CPU ms, band -> C rows
 # (benchmarks/sliding_rows.py): 376 fresh rows at W = 8 on the pipeline benchmark's heads (8 / 8 of 24)
 # 5.40 -> 2.02, on the demo model's (4 / 2 of 32) 1.83 -> 0.94; at W = 32 (the demo model) 4.79 -> 4.16
