@@ -27,7 +27,7 @@ def _slots(pages: list[int], page_size: int, device: torch.device) -> tuple[torc
     t = torch.tensor(pages, dtype=torch.long)
     valid = (t >= 0).repeat_interleave(page_size)
     slots = (t.clamp(min=0)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-    return slots.to(device), valid.to(device)
+    return slots.to(device, non_blocking=True), valid.to(device, non_blocking=True)  # fresh host tensors
 
 
 def gather_pages(pool: DualKVPool, kind: str, pages: list[int]) -> torch.Tensor:
@@ -43,25 +43,33 @@ def gather_pages(pool: DualKVPool, kind: str, pages: list[int]) -> torch.Tensor:
     return torch.cat(parts, dim=1).cpu()
 
 
-def scatter_layer(pool: DualKVPool, layer: int, pages: list[int], rows: torch.Tensor) -> None:
-    """Write layer ``layer``'s part of ``rows`` (rows of the layer's kind) into L1 ``pages``.
+def layer_columns(layout: KVLayout, page_size: int, layer: int) -> slice:
+    """The columns of a row of ``layer``'s kind that hold that layer: its K, then its V."""
+    kind = layout.layer_kinds[layer]
+    layers = layout.full_layers if kind == "full" else layout.swa_layers
+    spec = layout.full if kind == "full" else layout.sliding
+    per_layer = page_size * spec.elements_per_token()
+    start = layers.index(layer) * per_layer
+    return slice(start, start + per_layer)
 
-    Row layout (see the module docstring): the j-th layer of a kind starts at j * per_layer,
-    K first (ps*kvh*d), then V (ps*kvh*dv).
-    """
+
+def scatter_layer(pool: DualKVPool, layer: int, pages: list[int], part: torch.Tensor) -> None:
+    """Write ``part`` -- layer ``layer``'s columns (``layer_columns``) of rows of its kind, one per
+    page: [len(pages), per_layer] -- into L1 ``pages``. Only this layer's bytes go to the device."""
     kind = pool.layout.layer_kinds[layer]
-    layers = pool.layout.full_layers if kind == "full" else pool.layout.swa_layers
     spec = pool.layout.full if kind == "full" else pool.layout.sliding
     ps, n = pool.page_size, len(pages)
     k_cache, v_cache = pool.layer(layer)
     k_len = ps * spec.num_kv_heads * spec.head_dim
-    start = layers.index(layer) * ps * spec.elements_per_token()
-    rows = rows.to(k_cache.device, non_blocking=True)
+    if part.shape != (n, ps * spec.elements_per_token()):
+        raise ValueError(f"layer {layer}'s part of {n} rows must be [{n}, {ps * spec.elements_per_token()}], "
+                         f"got {tuple(part.shape)}")
+    part = part.to(k_cache.device, non_blocking=True)
     slots, valid = _slots(pages, ps, k_cache.device)
-    k = rows[:, start:start + k_len].reshape(n * ps, spec.num_kv_heads, spec.head_dim)
-    v = rows[:, start + k_len:start + ps * spec.elements_per_token()]
+    k = part[:, :k_len].reshape(n * ps, spec.num_kv_heads, spec.head_dim)
+    v = part[:, k_len:].reshape(n * ps, spec.num_kv_heads, spec.v_head_dim)
     ops.scatter_slots(k_cache, slots, k, valid)
-    ops.scatter_slots(v_cache, slots, v.reshape(n * ps, spec.num_kv_heads, spec.v_head_dim), valid)
+    ops.scatter_slots(v_cache, slots, v, valid)
 
 
 # ---- L3 value format and keys ----------------------------------------------------------------------

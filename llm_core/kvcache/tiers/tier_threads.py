@@ -11,6 +11,11 @@
 A failed load sets every event of its job (so no model step hangs) and marks the threads ``broken``:
 the waiting step raises, and the prefix cache stops handing out tree pages (docs/kv_cache.md §8).
 
+On CUDA the loader copies on a stream of its own (``CopyOrder``): layer i+1's rows cross while the
+model computes layer i, and neither thread waits for the GPU. The copies start after the work the
+engine had queued when it submitted the job (a step still running may read the pages being filled),
+and each layer's copies end in a CUDA event that the reading stream waits on, on the device.
+
 The write queue holds rows of evicted pages until the store has them; a store slower than eviction
 must not grow it without bound nor make the engine thread wait, so a write that would take it past
 ``write_queue_bytes`` is dropped (counted). Only a write the store confirmed calls ``on_written``: a
@@ -21,6 +26,7 @@ store cannot hang shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -31,7 +37,7 @@ from typing import Callable
 import torch
 
 from llm_core.kvcache.dual_pool import DualKVPool
-from llm_core.kvcache.tiers.page_format import encode_page, scatter_layer, store_key
+from llm_core.kvcache.tiers.page_format import encode_page, layer_columns, scatter_layer, store_key
 from llm_core.storage import KeyValueStore
 
 log = logging.getLogger(__name__)
@@ -41,18 +47,73 @@ WRITE_QUEUE_BYTES = 256 << 20  # rows waiting for the L3 writer at most; past it
 CLOSE_TIMEOUT_S = 5.0  # how long stop() waits for queued L3 writes before abandoning them
 
 
+class CopyOrder:
+    """Orders the loader's copies against the model's work on ``device`` (see the module doc). On
+    CPU there is nothing to order: a layer's rows are in place when its host event is set, and
+    every method is a no-op returning None."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream = None  # the loader's copy stream (made on the loader thread's first job)
+
+    def submitted(self):
+        """Engine thread, at submit: an event after the work queued so far on its stream."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copying(self, after):
+        """Loader thread: the context one job's copies run in -- the copy stream, once it has waited
+        (on the device) for ``after``."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_event(after)
+        return torch.cuda.stream(self._stream)
+
+    def landed(self):
+        """Loader thread, inside ``copying``: an event after the copies queued so far."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def wait(self, landed) -> None:
+        """A reading thread: its stream waits (on the device) for ``landed``."""
+        if landed is not None:
+            torch.cuda.current_stream(self.device).wait_event(landed)
+
+
 @dataclass
 class LoadJob:
-    """Copies into L1, grouped per layer; ``wait(i)`` returns once layer i is in place."""
+    """Copies into L1, grouped per layer; ``wait(i)`` returns once layer i is in place -- on CUDA,
+    once the caller's stream is ordered after its copies."""
 
     copies: LayerCopies
     events: list[threading.Event] = field(default_factory=list)
     error: BaseException | None = None
+    order: CopyOrder | None = None
+    submitted: object = None  # CopyOrder.submitted() at submit (CUDA)
+    landed: list = field(default_factory=list)  # per layer: CopyOrder.landed() once queued (CUDA)
 
     def wait(self, layer: int) -> None:
         self.events[layer].wait()
         if self.error is not None:
             raise RuntimeError(f"loading cached KV into layer {layer} failed: {self.error}") from self.error
+        if self.order is not None:
+            self.order.wait(self.landed[layer])
+
+    def settle(self) -> None:
+        """Wait for the whole job (the copy stream runs in order: its last event covers them all),
+        without raising: a failed job's error is reported by the step that waits on it."""
+        self.events[-1].wait()
+        if self.error is None and self.order is not None:
+            self.order.wait(self.landed[-1])
 
 
 class LayerwiseKV:
@@ -69,13 +130,16 @@ class LayerwiseKV:
 
 def add_layer_copies(copies: LayerCopies, pool: DualKVPool, kind: str, pages: list[int],
                      rows: list[torch.Tensor]) -> None:
-    """Add ``rows`` (one per page, of ``kind``) to every layer of that kind in ``copies``."""
+    """Add ``rows`` (one per page, of ``kind``) to every layer of that kind in ``copies``, each layer
+    getting its own columns of them: each layer's copy moves that layer's bytes alone (the whole
+    rows for every layer moved the page L times over)."""
     if not pages:
         return
     stacked = torch.stack(rows)
     for layer, k in enumerate(pool.layout.layer_kinds):
         if k == kind:
-            copies.setdefault(layer, []).append((pages, stacked))
+            part = stacked[:, layer_columns(pool.layout, pool.page_size, layer)]
+            copies.setdefault(layer, []).append((pages, part))
 
 
 class KVTierThreads:
@@ -97,6 +161,7 @@ class KVTierThreads:
         self.on_written = on_written
         self.write_queue_bytes, self.close_timeout_s = write_queue_bytes, close_timeout_s
         self.broken: BaseException | None = None
+        self.order = CopyOrder(pool.device)
         self.counters: Counter[str] = Counter()
         self._count_lock = threading.Lock()  # the engine thread (drops) and the writer both count
         self._jobs: list[LoadJob] = []  # submitted and not yet seen complete (engine thread only)
@@ -115,7 +180,9 @@ class KVTierThreads:
     # ---- loads (engine thread) ---------------------------------------------------------------
     def submit(self, copies: LayerCopies) -> LoadJob:
         """Queue copies into L1; the returned job's ``wait(i)`` blocks until layer i has landed."""
-        job = LoadJob(copies, [threading.Event() for _ in self.pool.layout.layer_kinds])
+        n = len(self.pool.layout.layer_kinds)
+        job = LoadJob(copies, [threading.Event() for _ in range(n)], order=self.order,
+                      submitted=self.order.submitted(), landed=[None] * n)
         self._jobs.append(job)
         self._loads.put(job)
         return job
@@ -126,13 +193,16 @@ class KVTierThreads:
         if failed is not None:
             self._jobs = [j for j in self._jobs if j.error is None]
             raise RuntimeError(f"loading cached KV failed: {failed}") from failed
+        for job in self._jobs:
+            if job.events[-1].is_set():  # done: order this step after its copies before forgetting it
+                job.settle()
         self._jobs = [j for j in self._jobs if not j.events[-1].is_set()]
         return LayerwiseKV(pool, self._jobs) if self._jobs else pool
 
     def wait_loads(self) -> None:
         """Block until every queued load has landed (before L1 pages are read for saving or freed)."""
         for job in self._jobs:
-            job.events[-1].wait()
+            job.settle()
 
     # ---- L3 writes (engine thread) -------------------------------------------------------------
     def put(self, h: bytes, full: torch.Tensor, swa: torch.Tensor | None) -> bool:
@@ -219,12 +289,12 @@ class KVTierThreads:
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
             try:
-                for layer, event in enumerate(job.events):
-                    for pages, rows in job.copies.get(layer, ()):
-                        scatter_layer(self.pool, layer, pages, rows)
-                    if self.pool.device.type == "cuda":
-                        torch.cuda.current_stream(self.pool.device).synchronize()
-                    event.set()
+                with self.order.copying(job.submitted):
+                    for layer, event in enumerate(job.events):
+                        for pages, part in job.copies.get(layer, ()):
+                            scatter_layer(self.pool, layer, pages, part)
+                        job.landed[layer] = self.order.landed()
+                        event.set()
             except BaseException as exc:  # the waiting model step reports it
                 job.error = self.broken = exc
                 for event in job.events:

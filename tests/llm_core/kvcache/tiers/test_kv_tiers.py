@@ -7,6 +7,7 @@ cannot hold up."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -16,9 +17,9 @@ from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
 from llm_core.kvcache.tiers.host_kv_pool import HostKVPool, row_elements
 from llm_core.kvcache.prefix_cache_factory import open_kv_store
 from llm_core.kvcache.tiers.kv_tiers import KVTiers
-from llm_core.kvcache.tiers.page_format import (chain_seed, decode_page, encode_page, gather_pages, page_hash,
-                                                scatter_layer)
-from llm_core.kvcache.tiers.tier_threads import KVTierThreads, LayerwiseKV, LoadJob
+from llm_core.kvcache.tiers.page_format import (chain_seed, decode_page, encode_page, gather_pages, layer_columns,
+                                                page_hash, scatter_layer)
+from llm_core.kvcache.tiers.tier_threads import KVTierThreads, LayerwiseKV, LoadJob, add_layer_copies
 from llm_core.storage import LocalDirStore, MemoryStore, RedisStore
 from tests.llm_core.kvcache.test_swa_radix_cache import BASES, Harness
 
@@ -93,6 +94,20 @@ def test_host_pool_page_locks_its_rows_at_their_exact_size(monkeypatch):
     assert not HostKVPool(LAYOUT, 2, torch.float32, 5 * full_row * 2)._buffers[0].pinned  # pin=False
 
 
+def test_each_layer_copy_carries_only_its_own_columns():
+    """A load's per-layer copies: each layer gets its columns of the stacked rows (K then V of that
+    layer), so what crosses to the device per layer is 1/L of a row, and together they tile the row."""
+    rows = [torch.arange(row_elements(LAYOUT, "sliding", 2), dtype=torch.float32) + 1000 * i for i in range(3)]
+    copies: dict = {}
+    add_layer_copies(copies, SimpleNamespace(layout=LAYOUT, page_size=2), "sliding", [7, 8, 9], rows)
+    swa_layers = [i for i, k in enumerate(LAYOUT.layer_kinds) if k == "sliding"]
+    assert sorted(copies) == swa_layers
+    per_layer = 2 * LAYOUT.sliding.elements_per_token()
+    parts = [copies[layer][0][1] for layer in swa_layers]
+    assert all(p.shape == (3, per_layer) for p in parts) and all(copies[i][0][0] == [7, 8, 9] for i in swa_layers)
+    assert torch.equal(torch.cat(parts, dim=1), torch.stack(rows))
+
+
 def test_gather_and_scatter_move_only_valid_pages():
     pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
     for i in range(3):
@@ -104,7 +119,10 @@ def test_gather_and_scatter_move_only_valid_pages():
     other = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
     for layer in range(3):
         kind = LAYOUT.layer_kinds[layer]
-        scatter_layer(other, layer, [5, 6] if kind == "full" else [4, -1], full if kind == "full" else swa)
+        rows = full if kind == "full" else swa
+        scatter_layer(other, layer, [5, 6] if kind == "full" else [4, -1], rows[:, layer_columns(LAYOUT, 2, layer)])
+    with pytest.raises(ValueError, match="layer 1's part"):
+        scatter_layer(other, 1, [4, -1], swa)  # whole rows: a layer takes its own columns only
     for layer in range(3):
         for src, dst in zip(pool.layer(layer), other.layer(layer)):
             if LAYOUT.layer_kinds[layer] == "full":
@@ -155,6 +173,85 @@ def test_layerwise_view_releases_each_layer_when_it_lands():
         got.append(time.monotonic())
     t.join()
     assert all(g >= s for g, s in zip(got, landed)) and got[0] < landed[2]  # layer 0 ran before layer 2 landed
+
+
+def test_cuda_loads_copy_on_their_own_stream_ordered_by_events(monkeypatch):
+    """The loader's CUDA protocol, with torch.cuda stood in (no GPU here; the copies themselves run
+    on the CPU pool): the copy stream waits for the engine's work queued at submit before copying;
+    each layer's copies end in an event recorded on the copy stream; a step reading layer i makes
+    its own stream wait for that layer's event (never a host sync); a finished job is settled on the
+    reading stream before it is forgotten, and wait_loads settles every job. The rows land."""
+    log: list[tuple] = []
+
+    class Event:
+        def __init__(self):
+            self.name = f"e{sum(1 for x in log if x[0] == 'record')}"
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.name))
+
+    class Stream:
+        def __init__(self, name="copy"):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.name))
+
+        def synchronize(self):
+            log.append(("sync", self.name))
+
+    engine_stream = Stream("engine")
+    current = [engine_stream]
+
+    class UseStream:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", UseStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    from llm_core.kvcache.tiers import tier_threads
+
+    copied_on: list[str] = []
+    real_scatter = tier_threads.scatter_layer
+
+    def scatter(pool, layer, pages, part):
+        copied_on.append(current[-1].name)
+        log.append(("copy", layer))
+        real_scatter(pool, layer, pages, part)
+
+    monkeypatch.setattr(tier_threads, "scatter_layer", scatter)
+    pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
+    threads = KVTierThreads(pool, None)
+    threads.order = tier_threads.CopyOrder(torch.device("cuda"))  # as a CUDA pool's would be
+    rows = [torch.randn(row_elements(LAYOUT, "full", 2))]
+    copies: dict = {}
+    add_layer_copies(copies, pool, "full", [3], rows)
+    job = threads.submit(copies)
+    assert log[0] == ("record", "e0", "engine")  # the engine's work so far
+    view = threads.kv_buffers(pool)
+    for i in range(3):
+        k, _ = view.layer(i)
+    job.events[-1].wait()
+    assert log[1] == ("wait", "copy", "e0")  # copies only after the engine's queued work
+    assert copied_on == ["copy"] and not any(x[0] == "sync" for x in log)
+    landed = [x for x in log if x[0] == "record" and x[2] == "copy"]
+    assert len(landed) == 3 and log.index(("copy", 0)) < log.index(landed[0])
+    for i in range(3):
+        assert ("wait", "engine", landed[i][1]) in log  # each layer read after its own event
+    full_layer = LAYOUT.layer_kinds.index("full")
+    cols = layer_columns(LAYOUT, 2, full_layer)
+    assert torch.equal(pool.layer(full_layer)[0][6:8].reshape(-1), rows[0][cols][: 2 * 2 * 3])
+    log.clear()
+    assert threads.kv_buffers(pool) is pool and log == [("wait", "engine", landed[-1][1])]  # settled, then forgotten
+    threads.stop()
 
 
 def tiers(host_pages: int | None, store) -> callable:
