@@ -306,8 +306,10 @@ def paged_attention_triton(
     block_q = max(1, (16 if max_new == 1 else 64) // block_g)
     block_d0, block_d1 = dim_blocks(head_dim)
     dev = q.device
-    qsl_dev = query_start_loc.to(device=dev, dtype=torch.int64)
-    lens_dev = seq_lens.to(device=dev, dtype=torch.int64)
+    # non-blocking: a plain copy from the host would synchronize the stream (twice a layer on every
+    # eager step); the lengths are fresh host tensors, which CUDA stages before the call returns
+    qsl_dev = query_start_loc.to(device=dev, dtype=torch.int64, non_blocking=True)
+    lens_dev = seq_lens.to(device=dev, dtype=torch.int64, non_blocking=True)
     table = block_table.to(dev).contiguous()
     block_dv = max(16, triton.next_power_of_2(v_dim))
     if num_splits is None:
