@@ -103,36 +103,44 @@ class SpeculativeRunner:
         failed: list[tuple[ScheduledRequest, Exception]] = []
         plain = [e for e in entries if e.samples and not e.num_draft_tokens]
         if plain:
-            idx = torch.tensor([rows_of[id(e)][-1] for e in plain], device=logits.device)
             out, bad = self.runner.sampler.sample_isolated(
-                logits[idx], [e.request.params for e in plain], [e.request.generator for e in plain],
+                _rows_on(logits, [rows_of[id(e)][-1] for e in plain]), [e.request.params for e in plain], [e.request.generator for e in plain],
                 [e.request for e in plain])
             for i, e in enumerate(plain):
                 if i in bad:
                     failed.append((e, bad[i]))
                 else:
                     sampled.append(SampledToken(e, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+        targets = _greedy_targets(entries, logits, rows_of)
         for e in entries:
             if not e.num_draft_tokens:
                 continue
             try:
-                tokens = self._verify(e, logits[torch.tensor(rows_of[id(e)], device=logits.device)], drafts[id(e)])
+                tokens = self._verify(e, logits, rows_of[id(e)], drafts[id(e)], targets.get(id(e)))
                 commit(e, len(tokens) - 1)
                 sampled.extend(tokens)
             except Exception as exc:  # noqa: BLE001 -- ends this request only
                 failed.append((e, exc))
         return StepResult(sampled, failed, prompt)
 
-    def _verify(self, e: ScheduledRequest, logits: torch.Tensor, drafts: list[int]) -> list[SampledToken]:
+    def _verify(self, e: ScheduledRequest, logits: torch.Tensor, rows: list[int], drafts: list[int],
+                target: list[int] | None) -> list[SampledToken]:
+        """The tokens request ``e`` emits from its verify ``rows`` of ``logits``; ``target``: their
+        argmax, read already for a greedy request (``_greedy_targets``)."""
         req, p = e.request, e.request.params
+        own = None  # this request's rows, gathered only when something reads them
         if p.greedy:
-            tokens = verify_greedy(logits, drafts)
+            tokens = verify_greedy(target, drafts)
         else:
-            tokens = verify_sampled(logits, drafts, p, req.generator, self.runner.sampler)
+            own = _rows_on(logits, rows)
+            tokens = verify_sampled(own, drafts, p, req.generator, self.runner.sampler)
         accepted = len(tokens) - 1
         self.stats.record(len(drafts), accepted)
         self.draft_length.update(req, len(drafts), accepted)
-        lp = Sampler._logprobs(logits[: len(tokens)], tokens, [p] * len(tokens))
+        if p.logprobs is not None and own is None:
+            own = _rows_on(logits, rows)
+        # without logprobs _logprobs reads no logits: the whole step's stand in, untouched
+        lp = Sampler._logprobs((logits if own is None else own)[: len(tokens)], tokens, [p] * len(tokens))
         return [SampledToken(e, t, lp.logprobs[i], lp.top_logprobs[i]) for i, t in enumerate(tokens)]
 
     def _idle(self, entries: list[ScheduledRequest]) -> set[int]:
@@ -198,3 +206,23 @@ def build_speculative(model: torch.nn.Module, runner: ModelRunner, *, tokens: in
     k = DEFAULT_DRAFT_TOKENS if tokens is None else tokens
     proposer = MTPProposer(model, head, mode=mode, max_draft=k, page_size=runner.page_size)
     return SpeculativeRunner(runner, proposer, DraftLength(proposer.max_draft, adaptive=adaptive))
+
+
+def _rows_on(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, the index sent to the logits' device without a blocking copy (a plain
+    ``torch.tensor(rows, device=...)`` synchronizes the stream)."""
+    return logits[torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)]
+
+
+def _greedy_targets(entries: list[ScheduledRequest], logits: torch.Tensor, rows_of: dict) -> dict[int, list[int]]:
+    """The argmax of every verify row of the step's greedy drafting requests, by ``id(entry)``: one
+    read to the host for all of them (two blocking copies per request before)."""
+    greedy = [e for e in entries if e.num_draft_tokens and e.request.params.greedy]
+    if not greedy:
+        return {}
+    flat = _rows_on(logits, [r for e in greedy for r in rows_of[id(e)]]).argmax(dim=-1).tolist()
+    out, at = {}, 0
+    for e in greedy:
+        n = len(rows_of[id(e)])
+        out[id(e)], at = flat[at:at + n], at + n
+    return out

@@ -35,9 +35,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return Sampler.probs(logits.float(), [params] * logits.shape[0])
 
 
-def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    """Tokens to emit (1..k+1) for greedy decoding: identical to decoding one token at a time."""
-    target = logits.argmax(dim=-1).tolist()
+def verify_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """Tokens to emit (1..k+1) for greedy decoding, given the argmax of each of the request's k + 1
+    verify rows (``target``; the runner reads every greedy request's at once): identical to
+    decoding one token at a time."""
     out: list[int] = []
     for i, d in enumerate(drafts):
         out.append(target[i])
