@@ -54,7 +54,7 @@ def build_prefix_cache(pool: DualKVPool, config, model: torch.nn.Module) -> SWAR
         host = None
         if config.kv_host_bytes:
             host = HostKVPool(pool.layout, pool.page_size, pool.dtype, config.kv_host_bytes,
-                              pin=pool.device.type == "cuda")
+                              pin_for=pool.device if pool.device.type == "cuda" else None)
         store = open_kv_store(config.kv_store, config.kv_store_bytes) if config.kv_store else None
         model_id = config.kv_model_id or weights_fingerprint(model)
         tiers = KVTiers(pool, host=host, store=store, model_id=model_id,

@@ -40,7 +40,8 @@ class HostKVPool:
     """Invariant (``check_integrity``): every row is either free or used by exactly one entry."""
 
     def __init__(self, layout: KVLayout, page_size: int, dtype: torch.dtype, budget_bytes: int, *,
-                 swa_fraction: float = 0.5, pin: bool = False) -> None:
+                 swa_fraction: float = 0.5, pin_for: torch.device | None = None) -> None:
+        """``pin_for``: the CUDA device the rows are copied to and from (page-locked for it), or None."""
         if budget_bytes <= 0:
             raise ValueError(f"host KV budget must be > 0 bytes, got {budget_bytes}")
         if not 0.0 <= swa_fraction < 1.0:
@@ -56,8 +57,8 @@ class HostKVPool:
                              f"({self.full_elems * itemsize} bytes per Full row)")
         # page-locked at their exact sizes (pinned_host.py: torch's pin_memory would round each up
         # to a power of two); the buffers own the registrations, so the pool holds them
-        self._buffers = (PinnedHostBuffer(n_full, self.full_elems, dtype, pin=pin),
-                         PinnedHostBuffer(n_swa, max(1, self.swa_elems), dtype, pin=pin))
+        self._buffers = (PinnedHostBuffer(n_full, self.full_elems, dtype, pin_for=pin_for),
+                         PinnedHostBuffer(n_swa, max(1, self.swa_elems), dtype, pin_for=pin_for))
         self.full_data, self.swa_data = (b.tensor for b in self._buffers)
         self._free_full = list(range(n_full - 1, -1, -1))
         self._free_swa = list(range(n_swa - 1, -1, -1))

@@ -242,9 +242,9 @@ class KVTiers:
     # ---- L1 -> L2 -> L3 -------------------------------------------------------------------------------
     def save(self, node: RadixNode) -> None:
         """Called before L1 frees ``node``'s pages: copy what the tiers lack (Full + valid SWA)."""
+        self.threads.wait_loads()  # first: a failed load's queued copies still land in these pages
         if node.hashes is None or self.broken is not None:  # after a failed load L1 may hold garbage
             return
-        self.threads.wait_loads()
         todo = [i for i, h in enumerate(node.hashes) if self._lacks(h, node.swa[i] >= 0)]
         if not todo:
             return

@@ -64,6 +64,8 @@ def scatter_layer(pool: DualKVPool, layer: int, pages: list[int], part: torch.Te
     if part.shape != (n, ps * spec.elements_per_token()):
         raise ValueError(f"layer {layer}'s part of {n} rows must be [{n}, {ps * spec.elements_per_token()}], "
                          f"got {tuple(part.shape)}")
+    if k_cache.is_cuda:  # staged in page-locked memory: an asynchronous copy, the loader never
+        part = part.pin_memory()  # waits on the copy stream (torch keeps the block until it is done)
     part = part.to(k_cache.device, non_blocking=True)
     slots, valid = _slots(pages, ps, k_cache.device)
     k = part[:, :k_len].reshape(n * ps, spec.num_kv_heads, spec.head_dim)

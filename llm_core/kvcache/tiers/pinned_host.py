@@ -8,7 +8,8 @@ registered with the CUDA driver instead (``cudaHostRegister``, as torch's own ch
 does): page-locked, so copies to and from the GPU are asynchronous DMA, at its exact size.
 
 The registration lives as long as the buffer object: it is undone when the object is collected
-(before its memory can be freed: the finalizer holds the tensor until it has unregistered it).
+(before its memory can be freed: the finalizer holds the tensor until it has unregistered it). Only
+the host KV pool, which lives as long as its engine, holds one.
 """
 
 from __future__ import annotations
@@ -24,23 +25,26 @@ _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA c
 
 
 class PinnedHostBuffer:
-    """A zeroed ``[rows, cols]`` host tensor (``tensor``), page-locked at its exact size when ``pin``
-    (and CUDA is there); ``pinned`` says whether the registration took. A failed registration
-    (the driver's locked-memory limit, say) leaves the tensor pageable with a warning: copies then
-    go through a staging buffer, slower but the same bytes."""
+    """A zeroed ``[rows, cols]`` host tensor (``tensor``), page-locked at its exact size for the CUDA
+    device ``pin_for`` (None: left pageable); ``pinned`` says whether it is.
 
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype, *, pin: bool) -> None:
+    A refused registration raises (with what to lower) rather than falling back: the refusal
+    stays as the CUDA runtime's last error on this thread, which torch's next kernel-launch check
+    would report as an unrelated failure."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, *, pin_for: torch.device | None) -> None:
         self.tensor = torch.zeros(rows, cols, dtype=dtype)
         self.pinned = False
         nbytes = self.tensor.numel() * self.tensor.element_size()
-        if not (pin and nbytes and torch.cuda.is_available()):
+        if pin_for is None or pin_for.type != "cuda" or not nbytes or not torch.cuda.is_available():
             return
         cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, _REGISTER_PORTABLE))
+        # on the pool's device: with cuda:0 current, the call would open a context on GPU 0
+        with torch.cuda.device(pin_for):
+            err = int(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, _REGISTER_PORTABLE))
         if err != 0:
-            log.warning("could not page-lock %d bytes of host KV memory (cudaError %d); the host tier's "
-                        "copies stay synchronous", nbytes, err)
-            return
+            raise RuntimeError(f"could not page-lock {nbytes} bytes of host memory for the host KV tier "
+                               f"(cudaError {err}): lower kv_host_bytes")
         self.pinned = True
         # holds the tensor: its memory cannot be freed before the unregister ran
         finalizer = weakref.finalize(self, _unregister, cudart, self.tensor)

@@ -73,11 +73,16 @@ class CopyOrder:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_event(after)
-        return torch.cuda.stream(self._stream)
+        ctx = contextlib.ExitStack()
+        # the pool's device current first: leaving the stream context restores the thread's
+        # device's stream, and with cuda:0 current a pool on cuda:1 would open a context on GPU 0
+        ctx.enter_context(torch.cuda.device(self.device))
+        ctx.enter_context(torch.cuda.stream(self._stream))
+        return ctx
 
     def landed(self):
-        """Loader thread, inside ``copying``: an event after the copies queued so far."""
-        if not self.cuda:
+        """Loader thread: an event after the copies queued so far (None before the first job)."""
+        if not self.cuda or self._stream is None:
             return None
         event = torch.cuda.Event()
         event.record(self._stream)
@@ -110,9 +115,10 @@ class LoadJob:
 
     def settle(self) -> None:
         """Wait for the whole job (the copy stream runs in order: its last event covers them all),
-        without raising: a failed job's error is reported by the step that waits on it."""
+        without raising: a failed job's error is reported by the step that waits on it. A failed
+        job is waited for too: the copies it queued before failing land in pages L1 may reuse."""
         self.events[-1].wait()
-        if self.error is None and self.order is not None:
+        if self.order is not None:
             self.order.wait(self.landed[-1])
 
 
@@ -189,14 +195,15 @@ class KVTierThreads:
 
     def kv_buffers(self, pool: DualKVPool):
         """The pool, or a ``LayerwiseKV`` view while loads are pending; raises if a load failed."""
-        failed = next((j.error for j in self._jobs if j.error is not None), None)
+        # finished jobs first, then their errors: a job that fails after this snapshot still has
+        # an event unset, stays, and is caught by the step's wait or the next call -- never dropped
+        done = [j for j in self._jobs if j.events[-1].is_set()]
+        for job in done:  # order this step after their copies (a failed job's too) before forgetting them
+            job.settle()
+        self._jobs = [j for j in self._jobs if not any(j is d for d in done)]
+        failed = next((j.error for j in done if j.error is not None), None)
         if failed is not None:
-            self._jobs = [j for j in self._jobs if j.error is None]
             raise RuntimeError(f"loading cached KV failed: {failed}") from failed
-        for job in self._jobs:
-            if job.events[-1].is_set():  # done: order this step after its copies before forgetting it
-                job.settle()
-        self._jobs = [j for j in self._jobs if not j.events[-1].is_set()]
         return LayerwiseKV(pool, self._jobs) if self._jobs else pool
 
     def wait_loads(self) -> None:
@@ -297,6 +304,8 @@ class KVTierThreads:
                         event.set()
             except BaseException as exc:  # the waiting model step reports it
                 job.error = self.broken = exc
+                after = self.order.landed()  # whatever the failed job queued before it failed
+                job.landed = [after if ev is None else ev for ev in job.landed]
                 for event in job.events:
                     event.set()
 
