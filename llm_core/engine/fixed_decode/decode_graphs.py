@@ -170,23 +170,29 @@ class DecodeGraphs:
         built here, once, at a power-of-two key width (masked past each row's keys; at least
         ``min_keys``: the start-up captures' widths)."""
         b, dev = self.batch, self.device
+        graph = self.mode == "cudagraph"
+        # a replay copies the inputs into its static buffers itself, without blocking; a plain
+        # .to(device) here would synchronize the stream once per tensor
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t if graph else t.to(dev)
+
         full_slots, swa_slots = b.slot_mappings(bucket)
         seq_lens = torch.from_numpy(b.seq_lens[:bucket]).clone()
         fb = ForwardBatch(
-            positions=torch.from_numpy(b.positions[:bucket]).to(dev),
+            positions=to(torch.from_numpy(b.positions[:bucket])),
             query_start_loc=torch.arange(bucket + 1),
             seq_lens=seq_lens,
-            full_slot_mapping=torch.from_numpy(full_slots).to(dev),
-            swa_slot_mapping=torch.from_numpy(swa_slots).to(dev),
-            full_block_table=torch.from_numpy(b.full_table[:bucket]).to(dev),
-            swa_block_table=torch.from_numpy(b.swa_table[:bucket]).to(dev),
+            full_slot_mapping=to(torch.from_numpy(full_slots)),
+            swa_slot_mapping=to(torch.from_numpy(swa_slots)),
+            full_block_table=to(torch.from_numpy(b.full_table[:bucket])),
+            swa_block_table=to(torch.from_numpy(b.swa_table[:bucket])),
             page_size=self.page_size,
             logits_indices=torch.arange(bucket, device=dev),
             slots_all_valid=True,
         )
         keys = min(max(min_keys, 1 << (int(seq_lens.max()) - 1).bit_length()), self.max_keys)
-        if self.mode == "cudagraph":  # a replay reads only the inputs (plans and tables are in the graph)
-            return torch.from_numpy(b.token_ids[:bucket]).to(dev), fb, keys
+        if graph:  # a replay reads only the inputs (plans and tables are in the graph)
+            return torch.from_numpy(b.token_ids[:bucket]), fb, keys
         dtype = self.model.model.norm.weight.dtype
         q = torch.empty(0, dtype=dtype, device=dev)  # the plan reads q's dtype and device only
         plans, tables = {}, {}
@@ -225,7 +231,7 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture of decode bucket %d (key splits %s) failed (%s); running it "
                             "eagerly", bucket, key[1], exc)
                 self.mode = "eager"
-                return self._logits(ids, fb, kv)
+                return self._run(bucket, kv, min_keys)  # its inputs built on the device this time
             log.info("captured the CUDA graph of decode bucket %d for contexts up to %d tokens (key splits %s)",
                      bucket, keys, key[1])
         graph, static, out = self._graphs[key]
@@ -239,10 +245,10 @@ class DecodeGraphs:
     def _capture(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV, keys: int):
         # lengths on the device too: the Triton attention then reads them there (no host copy inside
         # the capture; its host-side length checks are skipped, and it splits keys by ``keys``)
-        static = {"ids": ids.clone(), "seq_lens": fb.seq_lens.to(self.device),
+        static = {"ids": ids.to(self.device, copy=True), "seq_lens": fb.seq_lens.to(self.device, copy=True),
                   "qsl": fb.query_start_loc.to(self.device)}
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
-            static[name] = getattr(fb, name).clone()
+            static[name] = getattr(fb, name).to(self.device, copy=True)
         sfb = ForwardBatch(positions=static["positions"], query_start_loc=static["qsl"],
                            seq_lens=static["seq_lens"], full_slot_mapping=static["full_slot_mapping"],
                            swa_slot_mapping=static["swa_slot_mapping"], full_block_table=static["full_block_table"],
