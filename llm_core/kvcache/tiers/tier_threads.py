@@ -70,14 +70,18 @@ class CopyOrder:
         (on the device) for ``after``."""
         if not self.cuda:
             return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_event(after)
         ctx = contextlib.ExitStack()
-        # the pool's device current first: leaving the stream context restores the thread's
-        # device's stream, and with cuda:0 current a pool on cuda:1 would open a context on GPU 0
-        ctx.enter_context(torch.cuda.device(self.device))
-        ctx.enter_context(torch.cuda.stream(self._stream))
+        try:
+            # the pool's device current first: leaving the stream context restores the thread's
+            # device's stream, and with cuda:0 current a pool on cuda:1 would open a context on GPU 0
+            ctx.enter_context(torch.cuda.device(self.device))
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_event(after)
+            ctx.enter_context(torch.cuda.stream(self._stream))
+        except BaseException:
+            ctx.close()  # the loader thread's device as it was
+            raise
         return ctx
 
     def landed(self):
