@@ -28,10 +28,19 @@ def load_text_model(model_dir: str | Path, *, device: str | torch.device = "cpu"
     world = max(tensor_parallel_size, expert_parallel_size)
     if world == 1 and torchrun_rank() is None:
         return load_model(model_dir, device=device, dtype=dt)
-    spec = LaunchSpec(model_dir=str(model_dir), device=str(torch.device(device).type), dtype=str(dt).removeprefix("torch."),
+    dev = torch.device(device)
+    if dev.type == "cuda" and torchrun_rank() is None and torch.cuda.is_available():
+        first = dev.index or 0
+        if first + world > torch.cuda.device_count():
+            raise ValueError(f"{world} tensor/expert-parallel ranks from {dev} need GPUs {first}..{first + world - 1}; "
+                             f"this machine has {torch.cuda.device_count()}")
+    spec = LaunchSpec(model_dir=str(model_dir), device=str(dev), dtype=str(dt).removeprefix("torch."),
                       tp_size=tensor_parallel_size, ep_size=expert_parallel_size,
                       init_method="env://" if torchrun_rank() is not None else f"tcp://127.0.0.1:{free_port()}",
-                      timeout_s=distributed_timeout_s, threads=torch.get_num_threads())
+                      timeout_s=distributed_timeout_s,
+                      # CPU ranks compute with theirs; GPU ranks use CPU threads only while loading
+                      # (e.g. FP8 dequantisation), so they share the cores instead of each taking all
+                      threads=torch.get_num_threads() if dev.type != "cuda" else max(1, torch.get_num_threads() // world))
     rank = torchrun_rank()
     if rank not in (None, 0):
         from llm_core.distributed.worker import worker_main

@@ -63,9 +63,15 @@ class LaunchSpec:
         return "nccl" if self.device.startswith("cuda") else "gloo"
 
     def device_of(self, rank: int) -> torch.device:
+        """Rank ``rank``'s device: on CUDA the ``rank``-th GPU from the given one (``cuda:4`` puts a
+        world of 2 on GPUs 4 and 5), or under torchrun the ``LOCAL_RANK``-th -- only there: a
+        ``LOCAL_RANK`` some other launcher left in the environment would put every rank this
+        process spawns on one GPU."""
         if not self.device.startswith("cuda"):
             return torch.device(self.device)
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        base = torch.device(self.device).index or 0
+        local = int(os.environ.get("LOCAL_RANK", rank)) if torchrun_rank() is not None else rank
+        return torch.device("cuda", base + local)
 
 
 def torchrun_rank() -> int | None:
