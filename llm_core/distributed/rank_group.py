@@ -115,6 +115,9 @@ class RankGroup:
         rank. Under torchrun (env://) its agent watches the processes."""
         spec = self.spec
         timeout = timedelta(seconds=spec.timeout_s)
+        # NCCL bound to this rank's GPU: its communicator forms here, at start-up, not inside the
+        # first request's first collective (beside that request's kernel compiles, under its timeout)
+        bound = {"device_id": self.device} if spec.backend == "nccl" else {}
         if spec.init_method.startswith("tcp://"):
             host, port = spec.init_method.removeprefix("tcp://").rsplit(":", 1)
             store = dist.TCPStore(host, int(port), spec.world_size, is_master=self.rank == 0, timeout=timeout,
@@ -124,10 +127,10 @@ class RankGroup:
             else:
                 store.set(f"mmserve/joined/{self.rank}", "1")
             dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=self.rank,
-                                    timeout=timeout)
+                                    timeout=timeout, **bound)
         else:
             dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=spec.world_size,
-                                    rank=self.rank, timeout=timeout)
+                                    rank=self.rank, timeout=timeout, **bound)
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     def _await_ranks(self, store) -> None:
