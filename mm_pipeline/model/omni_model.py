@@ -11,7 +11,7 @@
 
 ``encoder_id`` names the encoder weights for content-hash keys: a digest of the config and of every
 shard's safetensors header and size (it changes whenever the checkpoint does, and costs no weight
-reads), so cache entries of another checkpoint can never be served.
+reads), with the compute dtype, so cache entries of another checkpoint or dtype are never served.
 """
 
 from __future__ import annotations
@@ -59,13 +59,14 @@ def encoder_id_of(model_dir: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def _encoder_id(model_dir: Path, omni: OmniConfig, tokenizer_attention: str) -> str:
-    """The weights' id, plus the reference tokenizer's attention reading when it is not the default
-    (it changes the audio rows, so cached rows of one reading never serve the other)."""
-    base = encoder_id_of(model_dir)
-    if omni.audio_path != "reference" or tokenizer_attention == "reference":
-        return base
-    return blake3.blake3(f"{base}:{tokenizer_attention}".encode()).hexdigest()[:32]
+def _encoder_id(model_dir: Path, omni: OmniConfig, tokenizer_attention: str, dtype: torch.dtype) -> str:
+    """The weights' id, plus what else changes the rows computed from them: the compute dtype (an
+    encoder cache shared by a float32 CPU run and bf16 GPU replicas must keep their rows apart) and
+    the reference tokenizer's attention reading when it is not the default."""
+    parts = [encoder_id_of(model_dir), str(dtype).removeprefix("torch.")]
+    if omni.audio_path == "reference" and tokenizer_attention != "reference":
+        parts.append(tokenizer_attention)
+    return blake3.blake3(":".join(parts).encode()).hexdigest()[:32]
 
 
 def _has_prefix(model_dir: Path, prefix: str) -> bool:
@@ -160,7 +161,7 @@ class OmniModel:
         return cls(name=model_dir.resolve().name, text=text, text_config=omni.text, device=text_device, vision=vision, audio=audio, tokenizer=tokenizer,
                    image_config=omni.image_processing, audio_config=omni.audio if audio is not None else None,
                    layout=ChatLayout(omni.special, tokenizer, omni.use_video_timestamps),
-                   video_sampling=omni.video, encoder_id=_encoder_id(model_dir, omni, audio_tokenizer_attention),
+                   video_sampling=omni.video, encoder_id=_encoder_id(model_dir, omni, audio_tokenizer_attention, dt),
                    video_audio=omni.video_audio)
 
 

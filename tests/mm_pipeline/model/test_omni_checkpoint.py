@@ -252,3 +252,8 @@ def test_omni_model_loads_with_any_dtype_spelling(ckpt):
     assert model.layout.prompt_layout.video_timestamps is True
     with pytest.raises(ValueError, match="unknown dtype"):
         OmniModel.load(ckpt, dtype="float8")
+    # encoder-cache keys name the compute dtype: bf16 rows (GPU replicas) never serve a float32 run
+    # sharing the cache, nor the reverse; the same checkpoint and dtype keep their key across loads
+    fp32 = OmniModel.load(ckpt, dtype="float32")
+    assert fp32.encoder_id != model.encoder_id
+    assert OmniModel.load(ckpt, dtype="bfloat16").encoder_id == model.encoder_id
