@@ -17,7 +17,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     """``serve --ray``: the same app as the ingress of a Ray Serve application (Ray imported here only)."""
     import time
 
-    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect
+    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, check_replica_gpus, connect
     from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
 
     model_dir = resolve_model_dir(args.model)
@@ -32,6 +32,11 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             router_redis_url=args.router_redis_url or config.redis_url, match_weight=args.match_weight,
             listen=listen_of(args))
         cluster.listen.ray_http_options()  # what Ray's proxy cannot do (--ssl-cert-reqs) fails here, before Ray starts
+        # the devices as a replica will see them, before a cluster starts
+        check_replica_gpus(config.device, config.engine.world_size, cluster.llm_num_gpus, "--replica-gpus",
+                           config.encoder_device)
+        if cluster.encoder_replicas:  # an encoder replica holds the towers alone, on one device
+            check_replica_gpus(config.encoder_device or config.device, 1, cluster.encoder_gpus, "--encoder-gpus")
         if cluster.encoder_replicas and not (config.cache_dir or config.redis_url):
             raise ValueError("--encoder-replicas hands embeddings over through the encoder cache: give --redis-url, "
                              "or --encoder-cache-dir on a file system every replica sees")
@@ -76,13 +81,15 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
     """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
     then the cluster joined or started (a local one: no dashboard, every core a Ray CPU)."""
     from mm_pipeline.cluster.job_replica import ReplicaSpec
-    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, connect, import_ray
+    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, check_replica_gpus, connect, import_ray
     from mm_pipeline.jobs.job_output import JobOutput
 
     try:
         config = job_config(args)
         # --redis-url shares both caches: encoder outputs, and the KV L3 tier unless --kv-store names another
         engine = engine_config(args, device="cuda" if config.gpus_per_replica > 0 else "cpu")
+        check_replica_gpus(engine.device, engine.engine.world_size, config.gpus_per_replica, "--gpus-per-replica",
+                           engine.encoder_device)
         if engine.redis_url and not engine.engine.kv_store:
             engine = dataclasses.replace(engine, engine=dataclasses.replace(engine.engine, kv_store=engine.redis_url))
         # replicas on other machines resolve these paths themselves: make them absolute here

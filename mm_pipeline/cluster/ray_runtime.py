@@ -69,3 +69,31 @@ def shutdown() -> None:
     ray = import_ray()
     if ray.is_initialized():
         ray.shutdown()
+
+
+def check_replica_gpus(device: str, world: int, gpus: float, flag: str, encoder_device: str | None = None) -> None:
+    """ValueError when an engine on ``device`` (``world`` tensor/expert-parallel ranks; encoders on
+    ``encoder_device``) cannot run in a Ray actor that reserved ``gpus`` GPUs (``flag``: the option
+    that sets them, for the message). Ray shows an actor only the GPUs it reserved, renumbered
+    cuda:0..N-1 (CUDA_VISIBLE_DEVICES), and an actor that reserved none every GPU of its node,
+    uncounted -- so devices are checked against the reservation, not the machine running mmserve."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        if gpus > 0:
+            raise ValueError(f"{flag} {gpus:g} reserves GPUs that replicas on {dev} would not use: give "
+                             f"--device cuda, or {flag} 0")
+        return
+    if gpus <= 0:
+        raise ValueError(f"--device {device} needs {flag} > 0: a Ray actor with no GPUs reserved sees every "
+                         "GPU of its node, uncounted, so every replica would take GPU 0")
+    visible = max(1, int(gpus))  # a fraction of a GPU is still cuda:0 inside the actor
+    if world > visible:
+        raise ValueError(f"{world} tensor/expert-parallel ranks per replica need {flag} {world} (one GPU each), "
+                         f"got {gpus:g}")
+    for what, d, count in (("--device", dev, world), ("--encoder-device", encoder_device, 1)):
+        d = None if d is None else torch.device(d)
+        if d is not None and d.type == "cuda" and (d.index or 0) + count > visible:
+            raise ValueError(f"{what} {d} is out of a replica's GPUs: Ray renumbers the {gpus:g} it reserved as "
+                             f"cuda:0..{visible - 1} inside it")

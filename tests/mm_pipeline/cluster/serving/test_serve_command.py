@@ -172,3 +172,40 @@ def test_a_running_serve_with_other_http_options_is_refused(monkeypatch):
     check_http_options({"host": "127.0.0.1", "port": 8000})
     with pytest.raises(ValueError, match="already running with other HTTP options \\(ssl_certfile, ssl_keyfile\\)"):
         check_http_options({"host": "127.0.0.1", "port": 8000, "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem"})
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--device", "cuda", "--replica-gpus", "0"], "needs --replica-gpus > 0"),
+    (["--device", "cpu", "--replica-gpus", "1"], "would not use"),
+    (["--replica-gpus", "1", "--tensor-parallel-size", "2"], "need --replica-gpus 2"),
+    (["--replica-gpus", "2", "--tensor-parallel-size", "2", "--device", "cuda:1"], r"cuda:0..1 inside it"),
+    (["--replica-gpus", "2", "--encoder-device", "cuda:2"], "--encoder-device cuda:2 is out of a replica's GPUs"),
+    (["--encoder-replicas", "1", "--encoder-gpus", "1", "--redis-url", "redis://127.0.0.1:1"], "--encoder-gpus 1"),
+    (["--replica-gpus", "1", "--encoder-replicas", "1", "--encoder-device", "cuda:1", "--redis-url",
+      "redis://127.0.0.1:1"], "out of a replica's GPUs"),
+])
+def test_devices_a_replica_cannot_have_are_refused_before_ray_starts(monkeypatch, flags, error):
+    """Ray shows an actor only the GPUs it reserved, as cuda:0..N-1, and one that reserved none every
+    GPU of its node, uncounted: a device past the reservation, ranks without a GPU each, GPUs
+    reserved for CPU replicas, or CUDA replicas without a reservation are usage errors here, before
+    any cluster starts -- not failures inside every replica that Serve keeps restarting."""
+    import mm_pipeline.cluster.ray_runtime as ray_runtime
+    from mm_pipeline.cli import UsageError
+    from mm_pipeline.cluster.ray_commands import serve_on_ray
+
+    def connect(cfg):
+        raise AssertionError("the cluster was joined before the devices were checked")
+
+    monkeypatch.setattr(ray_runtime, "connect", connect)
+    args = parse_args(["serve", "--model", "samples/demo-model", "--ray", "127.0.0.1:6379", *flags])
+    with pytest.raises(UsageError, match=error):
+        serve_on_ray(args)
+
+
+def test_replica_gpu_rule_accepts_what_fits():
+    from mm_pipeline.cluster.ray_runtime import check_replica_gpus
+
+    check_replica_gpus("cuda", 1, 0.5, "--replica-gpus")  # half a GPU is cuda:0 inside the actor
+    check_replica_gpus("cuda", 2, 2, "--replica-gpus", "cuda:1")  # TP 2 on both, encoders beside on the second
+    check_replica_gpus("cuda:1", 1, 2, "--replica-gpus")
+    check_replica_gpus("cpu", 1, 0, "--replica-gpus")
