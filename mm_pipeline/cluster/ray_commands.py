@@ -17,7 +17,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     """``serve --ray``: the same app as the ingress of a Ray Serve application (Ray imported here only)."""
     import time
 
-    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, check_replica_gpus, connect
+    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, check_replica_gpus, connect, share_gpu_memory
     from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
 
     model_dir = resolve_model_dir(args.model)
@@ -37,6 +37,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
                            config.encoder_device)
         if cluster.encoder_replicas:  # an encoder replica holds the towers alone, on one device
             check_replica_gpus(config.encoder_device or config.device, 1, cluster.encoder_gpus, "--encoder-gpus")
+        config = share_gpu_memory(config, cluster.llm_num_gpus)
         if cluster.encoder_replicas and not (config.cache_dir or config.redis_url):
             raise ValueError("--encoder-replicas hands embeddings over through the encoder cache: give --redis-url, "
                              "or --encoder-cache-dir on a file system every replica sees")
@@ -81,7 +82,8 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
     """(ray, ReplicaSpec, RayJobConfig, whether this call connected) for ``--ray``: configs checked,
     then the cluster joined or started (a local one: no dashboard, every core a Ray CPU)."""
     from mm_pipeline.cluster.job_replica import ReplicaSpec
-    from mm_pipeline.cluster.ray_runtime import RayClusterConfig, check_replica_gpus, connect, import_ray
+    from mm_pipeline.cluster.ray_runtime import (RayClusterConfig, check_replica_gpus, connect, import_ray,
+                                                     share_gpu_memory)
     from mm_pipeline.jobs.job_output import JobOutput
 
     try:
@@ -90,6 +92,7 @@ def _ray_job(args: argparse.Namespace, model_dir: Path, out: str, key: str, fmt:
         engine = engine_config(args, device="cuda" if config.gpus_per_replica > 0 else "cpu")
         check_replica_gpus(engine.device, engine.engine.world_size, config.gpus_per_replica, "--gpus-per-replica",
                            engine.encoder_device)
+        engine = share_gpu_memory(engine, config.gpus_per_replica)
         if engine.redis_url and not engine.engine.kv_store:
             engine = dataclasses.replace(engine, engine=dataclasses.replace(engine.engine, kv_store=engine.redis_url))
         # replicas on other machines resolve these paths themselves: make them absolute here

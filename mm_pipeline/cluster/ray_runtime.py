@@ -97,3 +97,16 @@ def check_replica_gpus(device: str, world: int, gpus: float, flag: str, encoder_
         if d is not None and d.type == "cuda" and (d.index or 0) + count > visible:
             raise ValueError(f"{what} {d} is out of a replica's GPUs: Ray renumbers the {gpus:g} it reserved as "
                              f"cuda:0..{visible - 1} inside it")
+
+
+def share_gpu_memory(config, gpus: float):
+    """``config`` (an OmniEngineConfig) for replicas that reserved ``gpus`` GPUs: under one GPU, the
+    KV pools' share of free memory (``memory_fraction``, used when no KV size is given) scaled by
+    the reservation. Replicas sharing a GPU each measure its free memory -- at the same moment, the
+    same figure -- so two at half a GPU and the default 0.5 would take all of it between them."""
+    import dataclasses
+
+    e = config.engine
+    if not 0 < gpus < 1 or e.kv_cache_bytes is not None or e.num_full_tokens is not None:
+        return config
+    return dataclasses.replace(config, engine=dataclasses.replace(e, memory_fraction=e.memory_fraction * gpus))

@@ -209,3 +209,31 @@ def test_replica_gpu_rule_accepts_what_fits():
     check_replica_gpus("cuda", 2, 2, "--replica-gpus", "cuda:1")  # TP 2 on both, encoders beside on the second
     check_replica_gpus("cuda:1", 1, 2, "--replica-gpus")
     check_replica_gpus("cpu", 1, 0, "--replica-gpus")
+
+
+@pytest.mark.parametrize(("flags", "fraction"), [
+    (["--replica-gpus", "0.5"], 0.25),  # two replicas on one GPU: a quarter of its free memory each
+    (["--replica-gpus", "0.5", "--memory-fraction", "0.8"], 0.4),
+    (["--replica-gpus", "1"], 0.5),  # a whole GPU: as given
+    (["--replica-gpus", "0.5", "--kv-cache-bytes", "1GiB"], 0.5),  # an explicit size is not a fraction
+])
+def test_replicas_sharing_a_gpu_share_its_memory(monkeypatch, flags, fraction):
+    """Replicas that reserved part of a GPU each measure its free memory -- at the same moment the
+    same figure -- so the KV pools' fraction of it is scaled by the reservation (0.5 x 0.5 each
+    instead of 0.5 each: all of it between two replicas, nothing left for their activations)."""
+    import mm_pipeline.cluster.ray_runtime as ray_runtime
+    import mm_pipeline.cluster.serving.serve_app as serve_app
+    from mm_pipeline.cluster.ray_commands import serve_on_ray
+
+    seen = {}
+
+    def start(model_dir, config, settings, cluster):
+        seen["config"] = config
+        raise _Started
+
+    monkeypatch.setattr(ray_runtime, "connect", lambda cfg: None)
+    monkeypatch.setattr(serve_app, "start", start)
+    monkeypatch.setattr(serve_app, "stop", lambda cluster: None)
+    with pytest.raises(_Started):
+        serve_on_ray(parse_args(["serve", "--model", "samples/demo-model", "--ray", "127.0.0.1:6379", *flags]))
+    assert seen["config"].engine.memory_fraction == pytest.approx(fraction)
