@@ -46,7 +46,7 @@ class LaunchSpec:
     """What every rank needs to join the group and load its shard."""
 
     model_dir: str
-    device: str  # "cpu" or "cuda" (rank r then uses cuda:r, or cuda:$LOCAL_RANK under torchrun)
+    device: str  # "cpu", or "cuda[:N]" (rank r then uses cuda:N+r, or cuda:N+$LOCAL_RANK under torchrun)
     dtype: str
     tp_size: int
     ep_size: int

@@ -48,7 +48,9 @@ class ForwardBatch:
     decode_keys: int | None = None
     # Per-step memo the model fills lazily with values derived only from the fields above (attention
     # index plans per pool and window, rotary tables per theta), so every layer of a kind reuses them.
-    # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place.
+    # Never invalidated: a ForwardBatch lives for one step and its tensors are not written in place --
+    # except a CUDA graph's captured batch, whose static tensors every replay rewrites: its capture
+    # starts from an empty cache, so the graph computes these values itself (decode_graphs.py).
     step_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def logits_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

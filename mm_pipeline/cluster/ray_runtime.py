@@ -79,22 +79,24 @@ def check_replica_gpus(device: str, world: int, gpus: float, flag: str, encoder_
     uncounted -- so devices are checked against the reservation, not the machine running mmserve."""
     import torch
 
-    dev = torch.device(device)
-    if dev.type != "cuda":
+    llm = torch.device(device)
+    enc = None if encoder_device is None else torch.device(encoder_device)
+    cuda = [(what, d, n) for what, d, n in (("--device", llm, world), ("--encoder-device", enc, 1))
+            if d is not None and d.type == "cuda"]
+    if not cuda:
         if gpus > 0:
-            raise ValueError(f"{flag} {gpus:g} reserves GPUs that replicas on {dev} would not use: give "
+            raise ValueError(f"{flag} {gpus:g} reserves GPUs that replicas on {llm} would not use: give "
                              f"--device cuda, or {flag} 0")
         return
     if gpus <= 0:
-        raise ValueError(f"--device {device} needs {flag} > 0: a Ray actor with no GPUs reserved sees every "
-                         "GPU of its node, uncounted, so every replica would take GPU 0")
+        raise ValueError(f"{cuda[0][0]} {cuda[0][1]} needs {flag} > 0: a Ray actor with no GPUs reserved sees "
+                         "every GPU of its node, uncounted, so every replica would take GPU 0")
     visible = max(1, int(gpus))  # a fraction of a GPU is still cuda:0 inside the actor
-    if world > visible:
+    if llm.type == "cuda" and world > visible:
         raise ValueError(f"{world} tensor/expert-parallel ranks per replica need {flag} {world} (one GPU each), "
                          f"got {gpus:g}")
-    for what, d, count in (("--device", dev, world), ("--encoder-device", encoder_device, 1)):
-        d = None if d is None else torch.device(d)
-        if d is not None and d.type == "cuda" and (d.index or 0) + count > visible:
+    for what, d, count in cuda:
+        if (d.index or 0) + count > visible:
             raise ValueError(f"{what} {d} is out of a replica's GPUs: Ray renumbers the {gpus:g} it reserved as "
                              f"cuda:0..{visible - 1} inside it")
 

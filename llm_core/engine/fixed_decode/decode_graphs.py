@@ -166,9 +166,10 @@ class DecodeGraphs:
             k *= 2
 
     def _inputs(self, bucket: int, min_keys: int = MIN_KEYS) -> tuple[torch.Tensor, ForwardBatch, int]:
-        """The first ``bucket`` rows as (ids, ForwardBatch) with the attention plans of both pools
-        built here, once, at a power-of-two key width (masked past each row's keys; at least
-        ``min_keys``: the start-up captures' widths)."""
+        """The first ``bucket`` rows as (ids, ForwardBatch, key width): the width a power of two (at
+        least ``min_keys``: the start-up captures' widths); eager and compiled steps get the tensors
+        on the device and the attention plans of both pools built here, once, at that width (masked
+        past each row's keys); a CUDA-graph replay gets them on the host, no plans (its graph has them)."""
         b, dev = self.batch, self.device
         graph = self.mode == "cudagraph"
         # a replay copies the inputs into its static buffers itself, without blocking; a plain

@@ -111,7 +111,10 @@ class SpeculativeRunner:
                     failed.append((e, bad[i]))
                 else:
                     sampled.append(SampledToken(e, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
-        targets = _greedy_targets(entries, logits, rows_of)
+        try:
+            targets = _greedy_targets(entries, logits, rows_of)
+        except Exception:  # noqa: BLE001 -- then each greedy request reads its own rows, failing alone
+            targets = {}
         for e in entries:
             if not e.num_draft_tokens:
                 continue
@@ -130,6 +133,9 @@ class SpeculativeRunner:
         req, p = e.request, e.request.params
         own = None  # this request's rows, gathered only when something reads them
         if p.greedy:
+            if target is None:  # the step's shared read failed (_run): this request's rows alone
+                own = _rows_on(logits, rows)
+                target = own.argmax(dim=-1).tolist()
             tokens = verify_greedy(target, drafts)
         else:
             own = _rows_on(logits, rows)

@@ -42,7 +42,7 @@ from llm_core.storage import KeyValueStore
 
 log = logging.getLogger(__name__)
 
-LayerCopies = dict[int, list[tuple[list[int], torch.Tensor]]]  # layer -> [(L1 pages, rows)]
+LayerCopies = dict[int, list[tuple[list[int], torch.Tensor]]]  # layer -> [(L1 pages, that layer's columns of their rows)]
 WRITE_QUEUE_BYTES = 256 << 20  # rows waiting for the L3 writer at most; past it writes are dropped
 CLOSE_TIMEOUT_S = 5.0  # how long stop() waits for queued L3 writes before abandoning them
 

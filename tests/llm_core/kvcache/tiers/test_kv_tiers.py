@@ -276,7 +276,7 @@ def test_cuda_loads_copy_on_their_own_stream_ordered_by_events(monkeypatch):
     assert threads.kv_buffers(pool) is pool and log == [("wait", "engine", landed[-1][1])]  # settled, then forgotten
 
     def fail_second(pool, layer, pages, part):
-        if layer > min(copies):
+        if layer > 0:  # layer 0 (no rows in this job) is done, the first sliding layer fails
             raise RuntimeError("disk gone")
         scatter(pool, layer, pages, part)
 

@@ -209,6 +209,9 @@ def test_replica_gpu_rule_accepts_what_fits():
     check_replica_gpus("cuda", 2, 2, "--replica-gpus", "cuda:1")  # TP 2 on both, encoders beside on the second
     check_replica_gpus("cuda:1", 1, 2, "--replica-gpus")
     check_replica_gpus("cpu", 1, 0, "--replica-gpus")
+    check_replica_gpus("cpu", 1, 1, "--replica-gpus", "cuda")  # the LLM on CPU, its encoders on the GPU
+    with pytest.raises(ValueError, match="--encoder-device cuda needs --replica-gpus > 0"):
+        check_replica_gpus("cpu", 1, 0, "--replica-gpus", "cuda")
 
 
 @pytest.mark.parametrize(("flags", "fraction"), [
