@@ -319,6 +319,8 @@ def _strict_base64(payload: str, what: str = "data URL payload") -> bytes:
     try:
         return _a2b_pieces(payload)
     except (binascii.Error, ValueError) as first:
+        if not payload.isascii():  # str.split() below would also drop Unicode spaces (U+0085, U+00A0, ...)
+            raise InvalidMediaError(f"{what} is not valid base64 (a character outside ASCII)") from first
         stripped = "".join(payload.split())
         if len(stripped) == len(payload):
             raise InvalidMediaError(f"{what} is not valid base64 ({first})") from first
