@@ -6,6 +6,7 @@ cannot hold up."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 import time
@@ -48,6 +49,16 @@ def test_host_pool_lru_and_swa_only_shortage():
         HostKVPool(LAYOUT, 2, torch.float32, 8)
 
 
+@contextlib.contextmanager
+def _current(stack: list, device):
+    """A stand-in for ``torch.cuda.device(device)``: ``device`` current (on ``stack``) in the body."""
+    stack.append(str(device))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def test_host_pool_page_locks_its_rows_at_their_exact_size(monkeypatch):
     """On CUDA the host rows are page-locked at exactly their bytes (torch's pin_memory would lock
     the next power of two: 40 GB -> 64 GB), with the pool's device current (not GPU 0), unlocked
@@ -69,20 +80,10 @@ def test_host_pool_page_locks_its_rows_at_their_exact_size(monkeypatch):
             calls.append(("unregister", ptr))
             return 0
 
-    class OnDevice:
-        def __init__(self, device):
-            self.device = str(device)
-
-        def __enter__(self):
-            current.append(self.device)
-
-        def __exit__(self, *exc):
-            current.pop()
-
     runtime = Runtime()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
-    monkeypatch.setattr(torch.cuda, "device", OnDevice)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: _current(current, device))
     full_row = row_elements(LAYOUT, "full", 2) * 4
     gpu1 = torch.device("cuda:1")
     host = HostKVPool(LAYOUT, 2, torch.float32, 5 * full_row * 2, swa_fraction=0.5, pin_for=gpu1)
@@ -224,18 +225,7 @@ def test_cuda_loads_copy_on_their_own_stream_ordered_by_events(monkeypatch):
             current.pop()
 
     devices = ["cuda:0"]  # the loader thread's current device
-
-    class OnDevice:
-        def __init__(self, device):
-            self.device = str(device)
-
-        def __enter__(self):
-            devices.append(self.device)
-
-        def __exit__(self, *exc):
-            devices.pop()
-
-    monkeypatch.setattr(torch.cuda, "device", OnDevice)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: _current(devices, device))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "stream", UseStream)
