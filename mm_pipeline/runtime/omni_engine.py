@@ -14,6 +14,7 @@ awaits queues fed with ``call_soon_threadsafe``. A media error surfaces before t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 import uuid
@@ -225,6 +226,12 @@ class OmniEngine:
                     feed.start()
             while True:
                 out = await queue.get()
+                # a consumer that fell behind (a slow client, a Ray stream) gets the steps since its
+                # last read as one output, not one per token: outputs are cumulative but for the
+                # step's new tokens, so the latest one with every queued step's new tokens is the same
+                while not out.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    out = dataclasses.replace(later, new_token_ids=out.new_token_ids + later.new_token_ids)
                 if stream is not None and stream.error is not None and not out.token_ids:
                     raise stream.error  # a media unit failed; the request was aborted because of it
                 yield out
