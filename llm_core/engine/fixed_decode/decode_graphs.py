@@ -188,7 +188,7 @@ class DecodeGraphs:
             full_block_table=to(torch.from_numpy(b.full_table[:bucket])),
             swa_block_table=to(torch.from_numpy(b.swa_table[:bucket])),
             page_size=self.page_size,
-            logits_indices=torch.arange(bucket, device=dev),
+            logits_indices=torch.arange(bucket, device=None if graph else dev),  # a replay reads none
             slots_all_valid=True,
         )
         keys = min(max(min_keys, 1 << (int(seq_lens.max()) - 1).bit_length()), self.max_keys)
@@ -254,7 +254,8 @@ class DecodeGraphs:
                            seq_lens=static["seq_lens"], full_slot_mapping=static["full_slot_mapping"],
                            swa_slot_mapping=static["swa_slot_mapping"], full_block_table=static["full_block_table"],
                            swa_block_table=static["swa_block_table"], page_size=self.page_size,
-                           logits_indices=fb.logits_indices, slots_all_valid=True, decode_keys=keys)
+                           logits_indices=fb.logits_indices.to(self.device), slots_all_valid=True,
+                           decode_keys=keys)
         self._logits(static["ids"], sfb, kv)  # warm-up launch outside capture (Triton autotune/JIT)
         torch.cuda.synchronize(self.device)
         # The warm-up filled sfb's step cache (rotary tables from the capture-time positions, ...):
