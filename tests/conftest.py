@@ -29,6 +29,18 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def native_kernels_switch_restored() -> Iterator[None]:
+    """Every test leaves the C kernels' process-wide switch as it found it: an engine built with
+    ``native_cpu_kernels=False`` turns it off for the whole process (as it must, see LLMEngine), and a
+    later test on the same xdist worker would otherwise find the kernels off."""
+    from kernels import native
+
+    before = native.enabled()
+    yield
+    native.set_enabled(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One intra-op thread for modules of tiny-model tests: a second thread only adds sync cost on
