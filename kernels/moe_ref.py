@@ -55,16 +55,18 @@ def experts_ref(
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x).
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows first, then up); w_down [E, H, I] -> [T, H].
-    Tokens are grouped by expert so each expert runs one matmul over its tokens.
+    Tokens are grouped by expert so each expert runs one matmul over its tokens. An id equal to E
+    (another rank's expert under expert parallelism) contributes nothing.
     """
     out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
     inter = w_down.shape[2]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
     token_of = order // topk_ids.shape[1]
-    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    num_experts = w_gate_up.shape[0]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):  # skipped ids (E) sort last
         if count == 0:
             continue
         rows = order[start : start + count]

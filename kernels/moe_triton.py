@@ -12,6 +12,10 @@ belongs to exactly one expert and one grouped-GEMM program can use a single weig
 Everything is computed on the device without a host sync: the padded length is bounded by
 ``N + min(E, N) * (BLOCK_M - 1)`` and blocks past the real end carry expert id E and exit at once.
 
+Skipped entries (``skipped=True``: ids equal to E mark another rank's expert under expert
+parallelism) sort into a bucket E of their own; the down kernel writes zeros for that bucket's rows
+(the combine then adds nothing for them) and blocks past it carry id E + 1.
+
     gate_up kernel: inter[entry] = silu(x[tok] @ Wg[e].T) * (x[tok] @ Wu[e].T)      [N, I]
     down kernel:    y[entry]     = w[entry] * inter[entry] @ Wd[e].T                [N, H]
     combine:        out[tok]     = sum_k y[tok * top_k + k]    (torch sum: deterministic, no atomics)
@@ -70,13 +74,17 @@ def moe_down_kernel(
 ):
     blk = tl.program_id(0)
     expert = tl.load(block_expert_ptr + blk).to(tl.int64)
-    if expert >= num_experts:
+    if expert > num_experts:
         return
     ids = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = ids < num_entries
     ids64 = ids.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    if expert == num_experts:  # skipped entries (or, without them, padding only): zero rows
+        tl.store(y_ptr + ids64[:, None] * stride_yt + cols[None, :], tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                 mask=row_ok[:, None] & col_ok[None, :])
+        return
     rk = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -129,11 +137,13 @@ def fused_experts_triton(
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    skipped: bool = False,
 ) -> torch.Tensor:
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) -> [T, H]; drop-in for ``moe_ref.experts_ref``.
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows first); w_down [E, H, I]; topk_weights [T, k] float;
-    topk_ids [T, k] int. Block sizes are powers of two >= 16 (tests shrink them to reach tails).
+    topk_ids [T, k] int, in [0, E) or, with ``skipped``, [0, E] (E: contributes nothing). Block sizes
+    are powers of two >= 16 (tests shrink them to reach tails).
     """
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"x must be [T, H], weights [E, 2I, H] and [E, H, I]; got {tuple(x.shape)}, "
@@ -169,7 +179,8 @@ def fused_experts_triton(
     x = x if x.stride(-1) == 1 else x.contiguous()
     # Few entries per expert (decode) waste most of a tall block on padding.
     block_m = block_m or (16 if num_entries <= 4 * num_experts else 64)
-    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
+    # with skipped entries: one more bucket (E) for them, so no block mixes them with an expert's rows
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts + skipped, block_m)
     num_blocks = block_expert.shape[0]
     precision = dot_precision(x.dtype)
     inter_act = x.new_empty(num_entries, inter)

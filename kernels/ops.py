@@ -177,23 +177,29 @@ def route(router_logits, correction_bias, *, top_k, n_group=1, topk_group=1, ren
     )
 
 
-def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids):
-    """Sum_k w_k * down_e(silu(gate_e x) * up_e x) over each token's chosen experts -> [T, H]."""
+def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, *, skipped: bool = False):
+    """Sum_k w_k * down_e(silu(gate_e x) * up_e x) over each token's chosen experts -> [T, H].
+
+    ``skipped``: some ids equal E (the stacked experts' count) -- expert parallelism's mark for
+    another rank's expert -- and contribute nothing. The Triton kernel sorts them into a bucket of
+    their own and writes zeros there, so a rank's share of a step needs no host read of which
+    entries are its own (a sync per MoE layer on a GPU); on CPU they are dropped before the kernels."""
     mod = _kernels_for(x, "moe_triton")
     if mod is not None:  # the Triton kernel reads rows with unit stride: weights a CPU runner
         # re-laid column-major (expert_weight_layout) go back to row-major (a no-op otherwise)
         with on_device(x.device):
-            return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids)
+            return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids,
+                                            skipped=skipped)
     # Without Triton: the C kernel while the experts see a few rows each, else two grouped matmuls
     # (kernels.cpu.moe; same math as the reference's loop).
-    return _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, skipped)
 
 
 @torch.compiler.disable  # data-dependent shapes (sort, bincount, per-token expert ids): a compiled
-def _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids):  # decode step runs it eagerly between graphs
-    from kernels.cpu.moe import experts_cpu
+def _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, skipped=False):  # decode step runs it eagerly
+    from kernels.cpu.moe import experts_cpu, experts_cpu_kept  # between graphs
 
-    return experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return (experts_cpu_kept if skipped else experts_cpu)(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def expert_weight_layout(w):

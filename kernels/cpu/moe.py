@@ -124,6 +124,20 @@ def experts_cpu(
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def experts_cpu_kept(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:
+    """``experts_cpu`` of the entries whose id is below E; the others (id E: another rank's expert
+    under expert parallelism) contribute nothing. They are dropped by a host-side select first: on a
+    CPU that read costs no device sync, and the kernels then see only this rank's rows."""
+    flat = topk_ids.reshape(-1)
+    rows = (flat < w_gate_up.shape[0]).nonzero().squeeze(1)
+    out = torch.zeros_like(x)
+    if rows.numel() == 0:
+        return out
+    token_of = rows // topk_ids.shape[1]
+    y = experts_cpu(x[token_of], w_gate_up, w_down, topk_weights.reshape(-1)[rows, None], flat[rows, None])
+    return out.index_add_(0, token_of, y.to(x.dtype))
+
+
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 

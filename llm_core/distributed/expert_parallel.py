@@ -5,9 +5,9 @@ Every rank sees every token (attention output is replicated), and routing is com
 from the same fp32 router and the same inputs, so each rank's choice equals one process's. A rank then
 runs only the (token, expert) assignments that land on its experts:
 
-    ids   [T, k]  global expert ids      local = lo <= id < hi
-    rows  = assignments with local experts, flattened:  x[token_of[rows]] -> experts (ids - lo) -> * w
-    out   = index_add over tokens, then all-reduce over the world (sum of every rank's share)
+    ids   [T, k]  global expert ids      local = id - lo where lo <= id < hi, else E_local (skipped)
+    out   = fused experts over the local ids (skipped entries add nothing; no host read of which
+            entries are local), then all-reduce over the world (sum of every rank's share)
 
 With moe_tp > 1 each rank holds I / moe_tp columns of gate/up and rows of down for its experts; the
 SiLU-gated product is elementwise in I, so the partial down projections also just sum.
@@ -40,12 +40,9 @@ class ExpertShard:
         return self.ctx.all_reduce_moe(out.to(x.dtype))
 
     def _local_share(self, x, w_gate_up, w_down, weights, ids) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        rows = ((flat >= self.lo) & (flat < self.hi)).nonzero().squeeze(1)
-        out = torch.zeros_like(x)
-        if rows.numel() == 0:
-            return out
-        token_of = rows // ids.shape[1]
-        y = ops.fused_experts(x[token_of], w_gate_up, w_down, weights.reshape(-1)[rows, None],
-                              (flat[rows] - self.lo)[:, None])
-        return out.index_add_(0, token_of, y.to(x.dtype))
+        """This rank's experts' part of every token's output: ids become local ones, other ranks'
+        experts the skipped id ``num_local`` (ops.fused_experts), all on the device -- selecting
+        this rank's entries with ``nonzero`` read their count back to the host in every MoE layer."""
+        local = ids - self.lo
+        local = local.masked_fill((local < 0) | (local >= self.num_local), self.num_local)
+        return ops.fused_experts(x, w_gate_up, w_down, weights, local, skipped=True)

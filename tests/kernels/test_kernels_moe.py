@@ -57,6 +57,38 @@ def test_many_tokens_on_one_expert_span_several_blocks_and_dispatch() -> None:
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
+def skip_some(seed: int, tokens: int, experts: int, top_k: int, share: float):
+    """MoE inputs whose entries are skipped (id E: another rank's expert) with probability ``share``,
+    and what they must give: the reference with those entries' weights zeroed instead."""
+    x, w_gate_up, w_down, weights, ids = make_moe(seed, tokens, 24, 20, experts, min(top_k, experts))
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed + 1)) < share
+    want = experts_ref(x, w_gate_up, w_down, weights.masked_fill(mask, 0.0), ids)
+    return (x, w_gate_up, w_down, weights, ids.masked_fill(mask, experts)), want
+
+
+@kernel_test
+@settings(max_examples=15, deadline=None)
+@given(tokens=st.integers(1, 40), experts=st.integers(1, 6), top_k=st.integers(1, 3),
+       share=st.sampled_from([0.0, 0.5, 1.0]), block_m=st.sampled_from([16, None]), seed=st.integers(0, 2**16))
+def test_skipped_entries_add_nothing_in_the_kernel(tokens, experts, top_k, share, block_m, seed) -> None:
+    """Expert parallelism's skipped ids sort into a bucket of their own whose rows the down kernel
+    zeroes (none, half and all of the entries skipped; several blocks per expert at 40 tokens)."""
+    args, want = skip_some(seed, tokens, experts, top_k, share)
+    out = fused_experts_triton(*(a.to(DEVICE) for a in args), block_m=block_m, block_n=16, block_k=16, skipped=True)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 40), experts=st.integers(1, 6), top_k=st.integers(1, 3),
+       share=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**16))
+def test_skipped_entries_add_nothing_on_cpu(tokens, experts, top_k, share, seed) -> None:
+    """The CPU paths (C kernel, one token, dense, grouped) take only this rank's entries; the
+    reference skips the others too."""
+    args, want = skip_some(seed, tokens, experts, top_k, share)
+    torch.testing.assert_close(experts_ref(*args), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.fused_experts(*args, skipped=True), want, atol=1e-5, rtol=1e-5)
+
+
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 30), experts=st.integers(1, 9), top_k=st.integers(1, 4), block_m=st.sampled_from([16, 64]),
        seed=st.integers(0, 2**16))
