@@ -137,12 +137,23 @@ class ParallelContext:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_tp_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate the tp ranks' slices along the last dim (vocab-parallel logits)."""
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (in place; the others pass a buffer of its shape and dtype)."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def gather_tp_last(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The tp ranks' slices concatenated along the last dim on rank 0, None on the others
+        (vocab-parallel logits: only rank 0 samples, so a gather, not an all-gather -- the other
+        ranks neither receive nor hold the [R, V] fp32 logits of a step)."""
         if self.tp_size == 1:
             return x
         import torch.distributed as dist
 
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        # tp spans the world (tp between 1 and W is refused), so tp rank 0 is global rank 0
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(x.contiguous(), parts, dst=0, group=self.group)
+        return None if parts is None else torch.cat(parts, dim=-1)

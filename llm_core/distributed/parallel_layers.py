@@ -3,7 +3,7 @@
     column-parallel  y_local = x W[rows of this rank]^T        output split, no communication
     row-parallel     y = all_reduce( x_local W[:, cols of this rank]^T )   one all-reduce
     vocab-parallel   embedding: rows [v0, v1) of the table; ids outside give 0, all-reduce sums
-                     LM head: logits of vocab [v0, v1), all-gathered into [T, V] for the sampler
+                     LM head: logits of vocab [v0, v1), gathered into [T, V] on rank 0 for the sampler
 
 A block (attention, MLP) is column-parallel in, row-parallel out, so it costs one all-reduce. With
 ``ParallelContext.single()`` the factories return plain ``nn.Linear`` / ``nn.Embedding`` with the full

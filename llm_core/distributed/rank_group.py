@@ -5,7 +5,7 @@ between them.
         ├─ spawns ranks 1..W-1 with torch.multiprocessing ("spawn"), or finds them already started
         │  by torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment: env:// rendezvous)
         ├─ default group  (NCCL on CUDA, gloo on CPU; timeout distributed_timeout_s): the model's
-        │  all-reduces and all-gathers
+        │  all-reduces and the logits' gather
         └─ control group  (always gloo, on the CPU): one message per model call from rank 0
            (step_ops.py); it waits as long as the server idles, so its timeout is long
 
@@ -98,6 +98,7 @@ class RankGroup:
         self._closed = False
         self.serving = False  # every rank loaded its shard (ready): only then may close() send StopOp
         self.broken: str | None = None  # rank 0: why the ranks may be out of step (see the module doc)
+        self._device_done = None  # rank 0 on CUDA: an event after its half of the last call (device_done)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         world = spec.world_size
@@ -181,6 +182,33 @@ class RankGroup:
         for tensor in (torch.tensor([data.numel()]), data):
             self.wait(dist.broadcast(tensor, src=0, group=self.control, async_op=True), name, self.spec.timeout_s)
 
+    def device_done(self, what: str, wait: bool) -> None:
+        """Rank 0 on CUDA, after its half of a call: mark where its stream is (an event after the
+        call's collectives), and with ``wait`` wait for it now (a call whose result the caller reads
+        at once: the logits). A collective on NCCL returns to the host before the other ranks arrive,
+        so a rank that dies mid-step would leave rank 0 in its next read of GPU data -- a wait that
+        watches nothing -- until NCCL's watchdog tears the process down after distributed_timeout_s;
+        this wait watches the ranks instead (RankFailure naming the rank) and bounds itself by that
+        timeout. Without ``wait`` the caller waits for it before its next message (``await_device``)."""
+        if self.device.type != "cuda":
+            return  # gloo's collectives are synchronous: a dead peer fails them at once
+        self._device_done = torch.cuda.Event()
+        self._device_done.record()
+        if wait:
+            self.await_device(what)
+
+    def await_device(self, what: str) -> None:
+        """Wait (spinning: a step's GPU work ends in milliseconds) for the last ``device_done`` mark,
+        watching the other ranks; a failure marks the group broken."""
+        done, self._device_done = self._device_done, None
+        if done is None:
+            return
+        try:
+            self.wait(_EventWork(done), what, self.spec.timeout_s, spin=True)
+        except RankFailure as exc:
+            self.broken = f"{what} failed"
+            raise exc
+
     def settle(self) -> None:
         """Rank 0: the call of the last message returned on rank 0, so every rank met its collectives."""
         self.broken = None
@@ -215,10 +243,10 @@ class RankGroup:
         self.serving = all(e is None for e in out)
         return out
 
-    def gather_reports(self, report: dict) -> list[dict]:
-        """Every rank's report, in rank order (all ranks call it)."""
+    def gather_objects(self, mine: object) -> list:
+        """Every rank's ``mine`` (a report, a memory budget), in rank order (all ranks call it)."""
         out: list = [None] * self.spec.world_size
-        dist.all_gather_object(out, report, group=self.control)
+        dist.all_gather_object(out, mine, group=self.control)
         return out
 
     def dead_rank(self) -> str | None:
@@ -228,20 +256,27 @@ class RankGroup:
                 return f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
-    def wait(self, work, what: str, timeout_s: float | None = None) -> None:
-        """Wait for an async collective of rank 0 while watching the other ranks' processes."""
+    def wait(self, work, what: str, timeout_s: float | None = None, spin: bool = False) -> None:
+        """Wait for an async collective of rank 0 (or, ``spin``, for its GPU stream: yield the GIL
+        between polls rather than nap, since a nap past the end of a step's GPU work adds to every
+        step) while watching the other ranks' processes (at most every ``POLL_S`` when spinning)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             delay = 0.0  # a step's messages complete in microseconds: back off from a spin, not a 5 ms nap
+            checked = float("-inf")
             while not work.is_completed():
-                dead = self.dead_rank()
-                if dead is not None:
-                    raise RankFailure(f"tensor/expert-parallel {dead} while rank 0 waited for {what}")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RankFailure(f"tensor/expert-parallel ranks did not answer within {timeout_s:g} s "
-                                      f"(distributed_timeout_s) while rank 0 waited for {what}")
+                now = time.monotonic()
+                if not spin or now - checked >= POLL_S:
+                    checked = now
+                    dead = self.dead_rank()
+                    if dead is not None:
+                        raise RankFailure(f"tensor/expert-parallel {dead} while rank 0 waited for {what}")
+                    if deadline is not None and now > deadline:
+                        raise RankFailure(f"tensor/expert-parallel ranks did not answer within {timeout_s:g} s "
+                                          f"(distributed_timeout_s) while rank 0 waited for {what}")
                 time.sleep(delay)
-                delay = min(POLL_S, 2 * delay + 5e-5)
+                if not spin:
+                    delay = min(POLL_S, 2 * delay + 5e-5)
             work.wait()
         except RankFailure:
             raise
@@ -281,7 +316,32 @@ class RankGroup:
                 orderly = False
         _end(self.processes, 10.0 if orderly else 0.0)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            if self.spec.backend == "nccl" and not orderly:
+                _abort_groups()
+            else:
+                dist.destroy_process_group()
+
+
+class _EventWork:
+    """A CUDA event seen as the work handle ``RankGroup.wait`` polls."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+def _abort_groups() -> None:
+    """Tear the NCCL groups down without waiting: rank 0's stream may hold collectives a gone rank
+    will never join, which ``destroy_process_group`` would wait on (NCCL's abort ends them)."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 -- the process is ending on a failure: destroy is what is left
+        dist.destroy_process_group()
 
 
 def _is_collective_error(exc: BaseException) -> bool:

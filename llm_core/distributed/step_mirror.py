@@ -6,7 +6,7 @@ first tells the other ranks to make the same call (step_ops.py) so that their co
 
     rank 0 (engine, scheduler, sampler)            ranks 1..W-1 (worker.py)
     runner.forward ─► MirroredModel.__call__ ─send ForwardOp─► model(batch, own KV share)
-                       local shard forward  ◄──── all-reduce per block, all-gather of logits ────►
+                       local shard forward  ◄──── all-reduce per block, logits gathered to rank 0 ►
     sampler on the gathered fp32 logits (rank 0 only)
 
 So one scheduler decides for all ranks and the step is broadcast; the engine and runner are unchanged.
@@ -28,8 +28,9 @@ from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import RankGroup
-from llm_core.distributed.step_ops import EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, to_cpu
+from llm_core.distributed.step_ops import BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, to_cpu
 from llm_core.distributed.worker import share_report
+from llm_core.kvcache.dual_pool import default_kv_budget_bytes
 
 
 class MirroredModel:
@@ -66,9 +67,15 @@ class MirroredModel:
         shape = (*input_ids.shape, config.hidden_size) if input_ids is not None else tuple(inputs_embeds.shape)
         if shape != (batch.num_tokens, config.hidden_size):  # the model's own check, as the ids' embedding
             raise ValueError(f"inputs have shape {shape}; expected [{batch.num_tokens}, {config.hidden_size}]")
-        op = ForwardOp(ForwardOp.batch_fields(batch), to_cpu(input_ids), to_cpu(inputs_embeds),
+        op = ForwardOp(ForwardOp.batch_fields(batch), to_cpu(input_ids), ForwardOp.embeds_of(inputs_embeds),
                        _kv_tokens(kv, config.layer_kinds))
-        return self._mirror(op, "forward", self.local, input_ids, batch, kv, inputs_embeds=inputs_embeds)
+
+        def forward() -> torch.Tensor:
+            if inputs_embeds is not None:  # to the workers from this device, right after the message
+                self.local.parallel.broadcast_from_first(inputs_embeds.contiguous())
+            return self.local(input_ids, batch, kv, inputs_embeds=inputs_embeds)
+
+        return self._mirror(op, "forward", forward)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._mirror(LogitsOp(int(hidden.shape[0])), "logits", self.local.compute_logits, hidden)
@@ -85,7 +92,15 @@ class MirroredModel:
 
     def reports(self, pool) -> list[dict]:
         """Every rank's weight / KV bytes and share, rank 0's from ``pool`` (the engine's pools)."""
-        return self._mirror(ReportOp(), "reports", self.group.gather_reports, share_report(0, self.local, pool))
+        return self._mirror(ReportOp(), "reports", self.group.gather_objects, share_report(0, self.local, pool))
+
+    def kv_budget_bytes(self, device: torch.device, memory_fraction: float) -> int:
+        """The default KV budget of the group: every rank allocates pools of rank 0's page counts
+        (``ForwardOp.kv_tokens``), so they are sized from the rank with the least free memory -- a
+        GPU shared with another process would otherwise run out of memory inside a step."""
+        budgets = self._mirror(BudgetOp(memory_fraction), "KV budget", self.group.gather_objects,
+                               default_kv_budget_bytes(device, memory_fraction))
+        return min(budgets)
 
     def check_health(self) -> None:
         """Raise RankFailure when a spawned rank has exited or the ranks are out of step (cheap: exit
@@ -101,6 +116,11 @@ class MirroredModel:
 
     def _mirror(self, op: object, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Send ``op``, then make rank 0's half of the call."""
+        if not isinstance(op, LogitsOp):
+            # on CUDA: the last call's collectives done first, watching the ranks (a long prefill's
+            # chunks have no logits to wait for: launching on behind a stuck collective would fill
+            # the launch queue and block there); the logits' own wait covers the forward before them
+            self.group.await_device(f"the collectives before {what}")
         self.group.send(op)
         try:
             out = fn(*args, **kwargs)
@@ -109,6 +129,9 @@ class MirroredModel:
         except BaseException as exc:  # Ctrl-C mid-call: still itself, and the group stays broken
             self.group.broken = f"{type(exc).__name__} during {what}"
             raise
+        # on CUDA the call's collectives may still be running: the logits are read at once, so wait
+        # for them now (watching the ranks); any other call's wait comes before the next message
+        self.group.device_done(what, wait=isinstance(op, LogitsOp))
         self.group.settle()
         return out
 

@@ -1,8 +1,9 @@
 """What rank 0 tells the other ranks each time it calls the model: one small typed message per call,
 broadcast over the control group (llm_core/distributed/step_mirror.py sends, worker.py obeys).
 
-Tensors travel on the CPU (pickled by ``broadcast_object_list``) and each rank moves them to its own
-device: a CUDA tensor pickles with rank 0's device index.
+The message's tensors (ids, the batch's fields) travel on the CPU, pickled, and each rank moves them
+to its own device (a CUDA tensor would pickle with rank 0's device index); a step's embeddings follow
+the message on the model's group instead (``ForwardOp``).
 """
 
 from __future__ import annotations
@@ -35,12 +36,29 @@ class EmbedOp:
 @dataclass(frozen=True)
 class ForwardOp:
     """``model(input_ids | inputs_embeds, batch, kv)``; ``kv_tokens`` = (Full, SWA) slots of rank 0's
-    pools, which every rank's own pools match (the scheduler's page ids are valid on every rank)."""
+    pools, which every rank's own pools match (the scheduler's page ids are valid on every rank).
+
+    The embeddings (a step's spliced media rows: ~64 MB per 8k bf16 rows) are not in the message:
+    ``embeds`` names their (shape, dtype) and rank 0 broadcasts them next on the model's group from
+    its device (NCCL on GPUs), where pickling them would copy them to the host and through TCP."""
 
     batch: dict
     input_ids: torch.Tensor | None
-    inputs_embeds: torch.Tensor | None
+    embeds: tuple[tuple[int, ...], str] | None
     kv_tokens: tuple[int, int]
+
+    @staticmethod
+    def embeds_of(inputs_embeds: torch.Tensor | None) -> tuple[tuple[int, ...], str] | None:
+        if inputs_embeds is None:
+            return None
+        return tuple(inputs_embeds.shape), str(inputs_embeds.dtype).removeprefix("torch.")
+
+    def empty_embeds(self, device: torch.device) -> torch.Tensor | None:
+        """The buffer a worker receives the broadcast embeddings into."""
+        if self.embeds is None:
+            return None
+        shape, dtype = self.embeds
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
 
     @staticmethod
     def batch_fields(fb: ForwardBatch) -> dict:
@@ -65,6 +83,14 @@ class LogitsOp:
 @dataclass(frozen=True)
 class ReportOp:
     """Every rank reports its weight and KV bytes and its share (all_gather_object)."""
+
+
+@dataclass(frozen=True)
+class BudgetOp:
+    """Every rank reports its default KV budget, ``memory_fraction`` of its own device's free memory
+    (all_gather_object): rank 0 sizes the pools every rank allocates from the smallest."""
+
+    memory_fraction: float
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 
 import torch
 
 from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
-from llm_core.distributed.rank_group import LaunchSpec, RankGroup
-from llm_core.distributed.step_ops import (EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, StopOp,
+from llm_core.distributed.rank_group import LaunchSpec, RankGroup, torchrun_rank
+from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, StopOp,
                                            to_device)
-from llm_core.kvcache.dual_pool import DualKVPool
+from llm_core.kvcache.dual_pool import DualKVPool, default_kv_budget_bytes
 from llm_core.model.dtype import parse_dtype
 
 log = logging.getLogger("mmserve.rank")
@@ -48,6 +50,8 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
     ends the process with its traceback (exit 1), which rank 0 watches for during the rendezvous."""
     if not logging.getLogger().handlers:  # a spawned process has no logging set up: errors must show
         logging.basicConfig(format=f"%(asctime)s mmserve rank {rank} %(levelname)s %(message)s")
+    if torchrun_rank() is None:  # spawned by rank 0 (torchrun's agent watches its own ranks)
+        exit_with_parent()
     torch.set_num_threads(spec.threads)
     group = RankGroup(spec, rank)
     code = 1
@@ -80,6 +84,28 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
     sys.exit(code)
 
 
+def exit_with_parent(poll_s: float = 1.0) -> threading.Thread:
+    """End this process when the one that spawned it (rank 0) is gone, killed without a chance to
+    stop its ranks: on gloo the next collective would fail, but a rank inside an NCCL collective
+    waits for NCCL's watchdog (distributed_timeout_s, ten minutes by default) holding its GPU.
+    A thread polling the parent pid is enough (an orphan is re-parented); the exit skips cleanup,
+    since the group it would tear down is already broken."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                log.error("rank 0 (pid %d) is gone; exiting", parent)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="mmserve-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve_steps(model, group: RankGroup) -> int:
     """Obey rank 0's messages until StopOp (0), or until a call fails here (1, after logging it)."""
     pool: DualKVPool | None = None
@@ -92,7 +118,9 @@ def serve_steps(model, group: RankGroup) -> int:
         try:
             with torch.inference_mode():
                 if isinstance(op, ReportOp):
-                    group.gather_reports(share_report(group.rank, model, pool))
+                    group.gather_objects(share_report(group.rank, model, pool))
+                elif isinstance(op, BudgetOp):
+                    group.gather_objects(default_kv_budget_bytes(group.device, op.memory_fraction))
                 elif isinstance(op, LayoutOp):
                     huge_pages = op.huge_pages
                     prepare_weights(model, op, group.device)
@@ -102,8 +130,10 @@ def serve_steps(model, group: RankGroup) -> int:
                     batch = op.forward_batch(group.device)
                     pool = _pool(pool, model, op.kv_tokens, batch.page_size, group.device, huge_pages)
                     hidden = None
-                    hidden = model(to_device(op.input_ids, group.device), batch, pool,
-                                   inputs_embeds=to_device(op.inputs_embeds, group.device))
+                    embeds = op.empty_embeds(group.device)
+                    if embeds is not None:  # rank 0 broadcasts them right after the message
+                        model.parallel.broadcast_from_first(embeds)
+                    hidden = model(to_device(op.input_ids, group.device), batch, pool, inputs_embeds=embeds)
                 elif isinstance(op, LogitsOp):
                     rows = batch.logits_hidden(hidden) if op.span is None else hidden[op.span[0]:op.span[1]]
                     if rows.shape[0] != op.rows:

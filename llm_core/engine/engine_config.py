@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -207,9 +207,11 @@ class EngineConfig:
 
 
 def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
-                max_model_len: int, prefix_caching: bool) -> PoolSizing:
+                max_model_len: int, prefix_caching: bool,
+                default_budget: Callable[[torch.device | str, float], int] = default_kv_budget_bytes) -> PoolSizing:
     """The pool sizes an engine with config ``c`` builds (see ``EngineConfig``; benchmarks/kv_capacity.py
-    reports them for real models): explicit sizes win, SWA gets its need, Full the rest of the budget."""
+    reports them for real models): explicit sizes win, SWA gets its need, Full the rest of the budget
+    (``default_budget(device, memory_fraction)``: this process's, or the smallest of a rank group's)."""
     swa = c.num_swa_tokens
     if swa is None:
         swa = swa_tokens_needed(
@@ -221,5 +223,5 @@ def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device
     if c.kv_cache_bytes is not None:
         return PoolSizing.from_bytes(layout, c.kv_cache_bytes, dtype=dtype, page_size=c.page_size, swa_tokens=swa)
     # the default budget: never more Full KV than max_num_seqs requests of max_model_len can use
-    return PoolSizing.from_bytes(layout, default_kv_budget_bytes(device, c.memory_fraction), dtype=dtype,
+    return PoolSizing.from_bytes(layout, default_budget(device, c.memory_fraction), dtype=dtype,
                                  page_size=c.page_size, swa_tokens=swa, max_full_tokens=c.max_num_seqs * max_model_len)

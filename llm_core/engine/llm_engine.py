@@ -33,7 +33,7 @@ import torch
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, scratch_prefill
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
-from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
+from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, default_kv_budget_bytes
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.sampling.prompt_logprobs import check_prompt_logprobs
 from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
@@ -101,7 +101,10 @@ class LLMEngine:
                                huge_pages=self.config.huge_pages,
                                **pool_sizing(self.config, layout, dtype=self.dtype, device=self.device,
                                              max_model_len=self.max_model_len,
-                                             prefix_caching=enable_prefix_caching).__dict__)
+                                             prefix_caching=enable_prefix_caching,
+                                             # a rank group's: the smallest rank's (step_mirror.py)
+                                             default_budget=getattr(model, "kv_budget_bytes",
+                                                                    default_kv_budget_bytes)).__dict__)
         # The longest prompt + output one request can hold: a lone request gets the whole Full pool
         # and no more (vLLM refuses to start with a pool below max_model_len; this engine caps the
         # context instead). A longer prompt is refused at add_request and generation that reaches

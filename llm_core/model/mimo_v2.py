@@ -157,9 +157,10 @@ class MiMoV2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for the rows the engine picked (batch.logits_indices); under
-        tensor parallelism each rank computes its vocabulary slice and the slices are gathered."""
+        tensor parallelism each rank computes its vocabulary slice and rank 0, the one that samples,
+        gathers them (the other ranks get None)."""
         logits = self.lm_head(hidden)
-        return self.parallel.all_gather_tp_last(logits if logits.dtype == torch.float32 else logits.float())
+        return self.parallel.gather_tp_last(logits if logits.dtype == torch.float32 else logits.float())
 
     def compute_logits_rows(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``compute_logits`` of rows ``[start, stop)`` of a forward's every-row output (prompt

@@ -127,15 +127,28 @@ TORCHRUN_SCRIPT = """
 import os, sys, torch
 torch.set_num_threads(1)
 from llm_core import LLM, SamplingParams
+from llm_core.engine.engine_config import pool_sizing
+from llm_core.kvcache import dual_pool
+SMALL = 40 << 20  # the SWA pool needs ~25 MB of it, rank 0 gives its Full pool ~40 MB
+if os.environ["RANK"] == "1":  # this rank has less memory to give the KV pools than rank 0
+    dual_pool.DEFAULT_CPU_KV_CACHE_BYTES = SMALL
 with LLM(sys.argv[1], tensor_parallel_size=2, distributed_timeout_s=60) as llm:
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))
     print("RANK", os.environ["RANK"], out[0].token_ids, flush=True)
+    engine = llm.engine
+    pool = engine.pool
+    want = pool_sizing(engine.config, pool.layout, dtype=engine.dtype, device=engine.device,
+                       max_model_len=engine.max_model_len, prefix_caching=True, default_budget=lambda d, f: SMALL)
+    print("POOL", pool.full.num_pages * pool.page_size, pool.swa.num_pages * pool.page_size,
+          "SIZED", want.num_full_tokens, want.num_swa_tokens,
+          "KV", [r["kv_bytes"] for r in engine.runner.model.reports(pool)], flush=True)
 """
 
 
 def test_torchrun_started_ranks(checkpoints, tmp_path):
     """Under torchrun nothing is spawned: rank 0 returns from LLM(...) and generates, rank 1 serves
-    rank 0's steps inside LLM(...) and exits when rank 0 closes."""
+    rank 0's steps inside LLM(...) and exits when rank 0 closes. Rank 1 has a smaller default KV
+    budget: both ranks' pools are sized from it (the old rank 0 sized them from its own)."""
     import subprocess
     import sys
 
@@ -150,3 +163,7 @@ def test_torchrun_started_ranks(checkpoints, tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"RANK 0 {want}" in run.stdout and "RANK 1" not in run.stdout
+    pool = next(line.split() for line in run.stdout.splitlines() if line.startswith("POOL"))
+    assert pool[1:3] == pool[4:6], pool  # rank 0's pools: rank 1's budget
+    kv = eval(" ".join(pool[7:]))
+    assert kv[0] == kv[1] <= 40 << 20, kv
