@@ -28,7 +28,8 @@ from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import RankGroup
-from llm_core.distributed.step_ops import BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, to_cpu
+from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, PoolOp, ReportOp,
+                                           to_cpu)
 from llm_core.distributed.worker import share_report
 from llm_core.kvcache.dual_pool import default_kv_budget_bytes
 
@@ -101,6 +102,12 @@ class MirroredModel:
         budgets = self._mirror(BudgetOp(memory_fraction), "KV budget", self.group.gather_objects,
                                default_kv_budget_bytes(device, memory_fraction))
         return min(budgets)
+
+    def allocate_kv(self, pool) -> None:
+        """The other ranks allocate their share of ``pool`` (rank 0's) now, not in the first request:
+        a rank that cannot stops the engine from starting, named (it exits; rank 0's gather fails)."""
+        self._mirror(PoolOp(_kv_tokens(pool, self.local.config.layer_kinds), pool.page_size), "KV pools",
+                     self.group.gather_objects, None)
 
     def check_health(self) -> None:
         """Raise RankFailure when a spawned rank has exited or the ranks are out of step (cheap: exit

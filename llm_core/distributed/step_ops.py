@@ -94,6 +94,16 @@ class BudgetOp:
 
 
 @dataclass(frozen=True)
+class PoolOp:
+    """Allocate this rank's share of the dual pool now, at start-up, with rank 0's page counts (an
+    allocation that fails then stops the server from starting instead of failing its first request);
+    every rank then reports back (all_gather_object), so rank 0 knows the pools exist."""
+
+    kv_tokens: tuple[int, int]
+    page_size: int
+
+
+@dataclass(frozen=True)
 class StopOp:
     """Leave the loop: the engine is closing."""
 

@@ -22,8 +22,8 @@ import torch
 from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_group import LaunchSpec, RankGroup, torchrun_rank
-from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, ReportOp, StopOp,
-                                           to_device)
+from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, PoolOp, ReportOp,
+                                           StopOp, to_device)
 from llm_core.kvcache.dual_pool import DualKVPool, default_kv_budget_bytes
 from llm_core.model.dtype import parse_dtype
 
@@ -121,6 +121,9 @@ def serve_steps(model, group: RankGroup) -> int:
                     group.gather_objects(share_report(group.rank, model, pool))
                 elif isinstance(op, BudgetOp):
                     group.gather_objects(default_kv_budget_bytes(group.device, op.memory_fraction))
+                elif isinstance(op, PoolOp):
+                    pool = _pool(pool, model, op.kv_tokens, op.page_size, group.device, huge_pages)
+                    group.gather_objects(None)
                 elif isinstance(op, LayoutOp):
                     huge_pages = op.huge_pages
                     prepare_weights(model, op, group.device)
@@ -157,7 +160,8 @@ def prepare_weights(model, op: LayoutOp, device: torch.device) -> None:
 
 
 def _pool(pool, model, kv_tokens: tuple[int, int], page_size: int, device, huge_pages: bool) -> DualKVPool:
-    """This rank's share of the dual pool, with rank 0's page counts (allocated once)."""
+    """This rank's share of the dual pool, with rank 0's page counts (allocated once: at start-up by
+    PoolOp; a ForwardOp's counts only ever match it, the check keeps a worker right if they did not)."""
     full, swa = kv_tokens
     if pool is not None and (pool.full.num_pages * page_size, pool.swa.num_pages * page_size) == (full, swa):
         return pool

@@ -105,6 +105,9 @@ class LLMEngine:
                                              # a rank group's: the smallest rank's (step_mirror.py)
                                              default_budget=getattr(model, "kv_budget_bytes",
                                                                     default_kv_budget_bytes)).__dict__)
+        allocate_kv = getattr(model, "allocate_kv", None)  # a rank group: the other ranks' shares, now
+        if allocate_kv is not None:
+            allocate_kv(self.pool)
         # The longest prompt + output one request can hold: a lone request gets the whole Full pool
         # and no more (vLLM refuses to start with a pool below max_model_len; this engine caps the
         # context instead). A longer prompt is refused at add_request and generation that reaches

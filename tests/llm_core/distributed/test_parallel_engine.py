@@ -81,6 +81,8 @@ def reference(checkpoints):
 def test_parallel_generation_equals_one_process(checkpoints, reference, layout, tp, ep):
     want, kv_bytes_one = reference[layout]
     with LLM(checkpoints[layout], tensor_parallel_size=tp, expert_parallel_size=ep, **ENGINE) as llm:
+        # every rank's KV pools exist before the first request (allocated at start-up)
+        assert len({r["kv_bytes"] for r in llm.engine.runner.model.reports(llm.engine.pool)}) == 1
         got = _run(llm)
         reports = llm.engine.runner.model.reports(llm.engine.pool)
     for w, g in zip(want, got):
