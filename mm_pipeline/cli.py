@@ -108,6 +108,17 @@ def _mebibytes(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> int:
+    """A whole, positive number of seconds (``--replica-start-timeout-s``; Ray Data takes whole ones)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds >= 1")
+    return value
+
+
 def _add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
     g = p.add_argument_group("ray", "run the job on Ray Data (pip install -e '.[ray]'); every machine needs "
                              "the model directory and the output location at the same path, and Redis (--redis-url) "
@@ -123,6 +134,9 @@ def _add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
                    help="inputs read ahead of each replica, in MiB: reads wait while the replicas are this far "
                         "behind (the job's object-store limit is replicas x this; default: "
                         + ("512, or twice --media-max-bytes when more" if formats else "64") + ")")
+    g.add_argument("--replica-start-timeout-s", type=_seconds, default=600, metavar="S",
+                   help="every replica must be up (its model loaded) within this many seconds, else the job "
+                        "fails naming the wait (work starts only when all are up)")
     if formats:
         g.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
                        help="output format with --ray (the rows of the JSONL output, as Parquet)")

@@ -46,6 +46,8 @@ class RayJobConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.batch_size < 1:
             raise ValueError(f"replicas and batch_size must be >= 1, got {self.replicas}, {self.batch_size}")
+        if self.start_timeout_s < 1:
+            raise ValueError(f"start_timeout_s must be >= 1 s, got {self.start_timeout_s}")
         if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0 or self.read_tasks < 1:
             raise ValueError(f"cpus_per_replica must be > 0, gpus_per_replica >= 0 and read_tasks >= 1, got "
                              f"{self.cpus_per_replica}, {self.gpus_per_replica}, {self.read_tasks}")

@@ -74,7 +74,7 @@ def job_config(args: argparse.Namespace) -> Any:
     read_ahead = None if args.read_ahead_mb is None else math.ceil(args.read_ahead_mb * (1 << 20))
     return RayJobConfig(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
                         gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
-                        read_ahead_bytes=read_ahead,
+                        read_ahead_bytes=read_ahead, start_timeout_s=args.replica_start_timeout_s,
                         ray_progress=args.verbose)  # else ours is the one progress report
 
 

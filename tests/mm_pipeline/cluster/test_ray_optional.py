@@ -33,6 +33,8 @@ def test_a_plain_caption_run_does_not_import_ray(tmp_path):
     (["--ray", "--cpus-per-replica", "0"], "cpus_per_replica must be > 0"),
     (["--ray", "--read-ahead-mb", "0"], "'0' is not a positive number of MiB"),
     (["--ray", "--read-ahead-mb", "inf"], "'inf' is not a positive number of MiB"),
+    (["--ray", "--replica-start-timeout-s", "0"], "'0' is not a whole number of seconds >= 1"),
+    (["--ray", "--replica-start-timeout-s", "1.5"], "'1.5' is not a whole number of seconds >= 1"),
     (["--format", "parquet"], "--format parquet needs --ray"),
 ])
 def test_ray_flags_are_checked_before_anything_starts(argv, message, capsys, monkeypatch):
@@ -74,6 +76,9 @@ def test_read_ahead_comes_from_the_command_line_or_a_config_file_for_both_jobs(t
     assert job_config(parse_args([*batch, "--read-ahead-mb", "0.5"])).read_ahead_bytes == 1 << 19
     assert job_config(parse_args(caption)).read_ahead_bytes is None
     assert job_config(parse_args(batch)).read_ahead_bytes is None
+    # how long the replicas may take to start (Ray Data's wait_for_min_actors_s)
+    assert job_config(parse_args(caption)).start_timeout_s == 600
+    assert job_config(parse_args([*batch, "--replica-start-timeout-s", "1800"])).start_timeout_s == 1800
     cfg = tmp_path / "job.yaml"
     cfg.write_text("ray: local\nread-ahead-mb: 64\n")
     config = job_config(parse_args(["caption", "x.png", "--config", str(cfg)]))
