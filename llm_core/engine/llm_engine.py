@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import threading
 import time
 
 import torch
 
+from llm_core.engine.admission import Admission
 from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, scratch_prefill
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
@@ -52,14 +52,6 @@ from kernels import native
 # requests run they are re-read at most this often; a step that leaves the engine idle re-reads them.
 PREFIX_STATS_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)
-
-
-def _is_token(t) -> bool:
-    try:
-        operator.index(t)
-    except TypeError:
-        return False
-    return not isinstance(t, bool)
 
 
 class LLMEngine:
@@ -130,6 +122,9 @@ class LLMEngine:
         self.grammars = None if self.config.structured_outputs_backend == "none" or tokenizer is None else \
             GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
                             timeout_s=self.config.grammar_compile_timeout_s)
+        self.admission = Admission(vocab_size=self.model_config.vocab_size, max_context_tokens=self.max_context_tokens,
+                                   max_model_len=self.max_model_len, tokenizer=tokenizer, grammars=self.grammars,
+                                   queue_policy=self.scheduler.queue_policy)
         self.last_step_progressed = False
         self._lock = threading.Lock()
         self._pending_add: list[Request] = []
@@ -143,70 +138,14 @@ class LLMEngine:
         self._stats: EngineStats = self.publish_stats()
 
     # ---- public API -------------------------------------------------------------------------
-    def check_prompt(self, prompt_token_ids: list[int], has_embeds: bool = False) -> RequestError | None:
-        """Why this prompt cannot be served (None if it can): too long for ``max_context_tokens``
-        (``CONTEXT_LENGTH``) or malformed (``INVALID_INPUT``). Placeholder ids may be out of the
-        vocabulary when an embedding source covers them."""
-        if len(prompt_token_ids) == 0:
-            return RequestError(ErrorKind.INVALID_INPUT, "empty prompt: at least one token is needed")
-        if len(prompt_token_ids) + 1 > self.max_context_tokens:
-            why = "" if self.max_context_tokens == self.max_model_len else (
-                f" (what the KV pool holds for one request; max_model_len is {self.max_model_len})")
-            return RequestError(ErrorKind.CONTEXT_LENGTH,
-                                f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
-                                f"the context limit of {self.max_context_tokens} tokens{why}")
-        if not has_embeds:
-            vocab = self.model_config.vocab_size
-            bad = [t for t in prompt_token_ids if not _is_token(t) or not 0 <= t < vocab]
-            if bad:
-                return RequestError(ErrorKind.INVALID_INPUT,
-                                    f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        return None
-
-    def check_params(self, params: SamplingParams) -> RequestError | None:
-        """Why these sampling params cannot be served by this model (None if they can): a logit_bias
-        token id outside the vocabulary, structured outputs on an engine without them
-        (``INVALID_INPUT``)."""
-        if params.bad_words and self.tokenizer is None:
-            return RequestError(ErrorKind.INVALID_INPUT, "bad_words need a tokenizer; this engine has none")
-        if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= self.model_config.vocab_size:
-            return RequestError(ErrorKind.INVALID_INPUT,
-                                f"allowed_token_ids holds {params.allowed_token_ids[-1]}, outside the vocabulary "
-                                f"[0, {self.model_config.vocab_size})")
-        if params.structured_outputs is not None and self.grammars is None:
-            why = "no tokenizer" if self.tokenizer is None else "structured_outputs_backend none"
-            return RequestError(ErrorKind.INVALID_INPUT, f"structured outputs are off on this engine ({why})")
-        vocab = self.model_config.vocab_size
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            return RequestError(ErrorKind.INVALID_INPUT,
-                                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return None
-
     def check_priority(self, priority: int) -> RequestError | None:
-        """Why a request cannot have this ``priority`` under this engine's queue policy (None if it
-        can; ``QueuePolicy.check_priority``)."""
-        problem = self.scheduler.queue_policy.check_priority(priority)
-        return None if problem is None else RequestError(ErrorKind.INVALID_INPUT, problem)
-
-    def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """``bad_words`` as the token sequences that would write them: each word as written and after
-        a space (how it appears mid-text for most tokenizers), as vLLM tokenizes them."""
-        seqs: dict[tuple[int, ...], None] = {}
-        for word in words:
-            for text in (word, " " + word.lstrip()):
-                ids = tuple(int(t) for t in self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    seqs[ids] = None
-        return tuple(seqs)
+        """Why a request cannot have this ``priority`` (None if it can; ``Admission.check_priority``)."""
+        return self.admission.check_priority(priority)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """Compile ``params`` now (any thread; cached, so ``add_request`` then finds it): a
-        ``GrammarError`` (a ValueError) when it cannot be served. Servers call it off their event
-        loop before admitting a request, so a miss never runs inside ``add_request``."""
-        if self.grammars is None:
-            raise GrammarError(self.check_params(SamplingParams(structured_outputs=params)).message)
-        self.grammars.compile(params)
+        """Compile ``params`` now (any thread; ``Admission.compile_grammar``): servers call it off
+        their event loop before admitting a request, so a miss never runs inside ``add_request``."""
+        self.admission.compile_grammar(params)
 
     def add_request(
         self,
@@ -253,12 +192,13 @@ class LLMEngine:
                       extra_keys=tuple(extra_keys),
                       checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
                       stop_matcher=matcher, priority=priority if type(priority) is int else 0)
-        problem = (truncation_problem or self.check_priority(priority)
+        checks = self.admission
+        problem = (truncation_problem or checks.check_priority(priority)
                    or (RequestError(ErrorKind.INVALID_INPUT, salt_problem) if salt_problem else None)
-                   or self.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
-                   or self.check_params(params) or check_prompt_logprobs(len(req.prompt_token_ids), params))
+                   or checks.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
+                   or checks.check_params(params) or check_prompt_logprobs(len(req.prompt_token_ids), params))
         if problem is None and params.bad_words:
-            req.bad_word_ids = self.bad_word_ids(params.bad_words)
+            req.bad_word_ids = checks.bad_word_ids(params.bad_words)
         if problem is None and params.structured_outputs is not None:
             try:
                 req.grammar = GrammarState(self.grammars.compile(params.structured_outputs), params.structured_outputs,
