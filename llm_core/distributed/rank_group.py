@@ -37,6 +37,7 @@ from llm_core.distributed.rank_failure import RankFailure
 # The control group's timeout: a worker waits on it for the next step while the server is idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 POLL_S = 0.005
+SPIN_S = 5e-5  # the nap between polls of rank 0's stream (a step's GPU work ends in milliseconds)
 # Each rank's load outcome in the ready handshake: a flag byte, then the error text (truncated)
 READY_BYTES = 4096
 
@@ -98,7 +99,7 @@ class RankGroup:
         self._closed = False
         self.serving = False  # every rank loaded its shard (ready): only then may close() send StopOp
         self.broken: str | None = None  # rank 0: why the ranks may be out of step (see the module doc)
-        self._device_done = None  # rank 0 on CUDA: an event after its half of the last call (device_done)
+        self.stopped = False  # ranks > 0: rank 0's StopOp arrived (a clean exit: close() destroys the groups)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         world = spec.world_size
@@ -182,32 +183,25 @@ class RankGroup:
         for tensor in (torch.tensor([data.numel()]), data):
             self.wait(dist.broadcast(tensor, src=0, group=self.control, async_op=True), name, self.spec.timeout_s)
 
-    def device_done(self, what: str, wait: bool) -> None:
-        """Rank 0 on CUDA, after its half of a call: mark where its stream is (an event after the
-        call's collectives), and with ``wait`` wait for it now (a call whose result the caller reads
-        at once: the logits). A collective on NCCL returns to the host before the other ranks arrive,
-        so a rank that dies mid-step would leave rank 0 in its next read of GPU data -- a wait that
-        watches nothing -- until NCCL's watchdog tears the process down after distributed_timeout_s;
-        this wait watches the ranks instead (RankFailure naming the rank) and bounds itself by that
-        timeout. Without ``wait`` the caller waits for it before its next message (``await_device``)."""
+    def device_done(self, what: str) -> None:
+        """Rank 0 on CUDA, after its half of a call that launched collectives: wait until its stream
+        has run them, watching the other ranks. A collective on NCCL returns to the host before the
+        other ranks arrive, so after a rank died mid-step rank 0 would block in its next read of GPU
+        data -- the sampler's, or the input copies of a long prompt's next chunk -- a wait that
+        watches nothing, until NCCL's watchdog tears the process down after distributed_timeout_s.
+        This wait names the dead rank (RankFailure) within a poll and is bounded by that timeout.
+        It costs a step the launch of its next call after the GPU drained (the LM head after the
+        forward), ~0.1 ms, against a hang."""
         if self.device.type != "cuda":
             return  # gloo's collectives are synchronous: a dead peer fails them at once
-        self._device_done = torch.cuda.Event()
-        self._device_done.record()
-        if wait:
-            self.await_device(what)
-
-    def await_device(self, what: str) -> None:
-        """Wait (spinning: a step's GPU work ends in milliseconds) for the last ``device_done`` mark,
-        watching the other ranks; a failure marks the group broken."""
-        done, self._device_done = self._device_done, None
-        if done is None:
-            return
+        done = torch.cuda.Event()
+        # this device's stream in this thread: the engine thread's current device may be another
+        done.record(torch.cuda.current_stream(self.device))
         try:
             self.wait(_EventWork(done), what, self.spec.timeout_s, spin=True)
-        except RankFailure as exc:
+        except RankFailure:
             self.broken = f"{what} failed"
-            raise exc
+            raise
 
     def settle(self) -> None:
         """Rank 0: the call of the last message returned on rank 0, so every rank met its collectives."""
@@ -215,11 +209,15 @@ class RankGroup:
 
     def receive(self) -> object:
         """Ranks > 0: the next message from rank 0 (blocks as long as rank 0 has nothing to say)."""
+        from llm_core.distributed.step_ops import StopOp
+
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.control)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.control)
-        return pickle.loads(data.numpy().tobytes())
+        op = pickle.loads(data.numpy().tobytes())
+        self.stopped = isinstance(op, StopOp)
+        return op
 
     def ready(self, error: str | None, timeout_s: float | None = None) -> list[str | None]:
         """The load handshake: every rank calls it once after loading, with None or its error text,
@@ -257,9 +255,10 @@ class RankGroup:
         return None
 
     def wait(self, work, what: str, timeout_s: float | None = None, spin: bool = False) -> None:
-        """Wait for an async collective of rank 0 (or, ``spin``, for its GPU stream: yield the GIL
-        between polls rather than nap, since a nap past the end of a step's GPU work adds to every
-        step) while watching the other ranks' processes (at most every ``POLL_S`` when spinning)."""
+        """Wait for an async collective of rank 0 (or, ``spin``, for its GPU stream: ``SPIN_S`` naps,
+        since a nap past the end of a step's GPU work adds to every step) while watching the other
+        ranks' processes (at most every ``POLL_S`` when spinning). Under torchrun there are none to
+        watch: its agent ends every rank when one dies."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             delay = 0.0  # a step's messages complete in microseconds: back off from a spin, not a 5 ms nap
@@ -274,9 +273,9 @@ class RankGroup:
                     if deadline is not None and now > deadline:
                         raise RankFailure(f"tensor/expert-parallel ranks did not answer within {timeout_s:g} s "
                                           f"(distributed_timeout_s) while rank 0 waited for {what}")
-                time.sleep(delay)
-                if not spin:
-                    delay = min(POLL_S, 2 * delay + 5e-5)
+                # spinning: short real naps (the GIL free for the server's threads), never a long one
+                time.sleep(SPIN_S if spin else delay)
+                delay = min(POLL_S, 2 * delay + 5e-5)
             work.wait()
         except RankFailure:
             raise
@@ -316,9 +315,11 @@ class RankGroup:
                 orderly = False
         _end(self.processes, 10.0 if orderly else 0.0)
         if dist.is_initialized():
-            if self.spec.backend == "nccl" and not orderly:
+            if self.spec.backend == "nccl" and not (orderly or self.stopped):
                 _abort_groups()
             else:
+                if self.device.type == "cuda":  # this rank's own collectives done before NCCL's teardown
+                    torch.cuda.synchronize(self.device)
                 dist.destroy_process_group()
 
 

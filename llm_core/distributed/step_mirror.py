@@ -123,11 +123,6 @@ class MirroredModel:
 
     def _mirror(self, op: object, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Send ``op``, then make rank 0's half of the call."""
-        if not isinstance(op, LogitsOp):
-            # on CUDA: the last call's collectives done first, watching the ranks (a long prefill's
-            # chunks have no logits to wait for: launching on behind a stuck collective would fill
-            # the launch queue and block there); the logits' own wait covers the forward before them
-            self.group.await_device(f"the collectives before {what}")
         self.group.send(op)
         try:
             out = fn(*args, **kwargs)
@@ -136,9 +131,8 @@ class MirroredModel:
         except BaseException as exc:  # Ctrl-C mid-call: still itself, and the group stays broken
             self.group.broken = f"{type(exc).__name__} during {what}"
             raise
-        # on CUDA the call's collectives may still be running: the logits are read at once, so wait
-        # for them now (watching the ranks); any other call's wait comes before the next message
-        self.group.device_done(what, wait=isinstance(op, LogitsOp))
+        if isinstance(op, (EmbedOp, ForwardOp, LogitsOp)):  # calls with NCCL collectives (on CUDA)
+            self.group.device_done(what)
         self.group.settle()
         return out
 

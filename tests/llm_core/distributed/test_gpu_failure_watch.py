@@ -26,11 +26,11 @@ class _Event:
     made: list["_Event"] = []
 
     def __init__(self) -> None:
-        self.queries, self.recorded = 0, False
+        self.queries, self.stream = 0, None
         _Event.made.append(self)
 
-    def record(self) -> None:
-        self.recorded = True
+    def record(self, stream=None) -> None:
+        self.stream = stream
 
     def query(self) -> bool:
         self.queries += 1
@@ -60,48 +60,50 @@ def _group(device: str, processes: list, timeout_s: float = 30.0) -> RankGroup:
     group.spec = LaunchSpec(model_dir="m", device=device, dtype="bfloat16", tp_size=2, ep_size=1,
                             init_method="tcp://127.0.0.1:1", timeout_s=timeout_s, threads=1)
     group.rank, group.processes, group.device = 0, processes, torch.device(device)
-    group._closed, group.serving, group.broken, group._device_done = False, True, None, None
+    group._closed, group.serving, group.broken, group.stopped = False, True, None, False
     return group
 
 
 @pytest.fixture
 def cuda_events(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     _Event.made.clear()
     yield _Event
     _Event.polls = None
 
 
-def test_rank0_waits_for_its_stream_after_the_logits(cuda_events):
-    """The logits' wait polls the event until the stream passed it; another call's mark is waited
-    for before the next message, not at once."""
-    group = _group("cuda:0", [_Proc(None)])
+def test_rank0_waits_for_its_stream_on_its_own_device(cuda_events):
+    """The wait polls an event recorded on the group's GPU's stream -- not the calling thread's
+    current device's (the server's engine thread has cuda:0 current; rank 0 may be on cuda:4) --
+    until the stream passed it."""
+    group = _group("cuda:4", [_Proc(None)])
     cuda_events.polls = 3
-    group.device_done("logits", wait=True)
-    assert cuda_events.made[0].recorded and cuda_events.made[0].queries == 5  # 4 polls, then wait()
-    group.device_done("forward", wait=False)
-    assert cuda_events.made[1].queries == 0 and group._device_done is cuda_events.made[1]
-    group.await_device("the last call")
-    assert group._device_done is None and group.broken is None
+    group.device_done("logits")
+    (event,) = cuda_events.made
+    assert event.stream == ("stream of", torch.device("cuda:4"))
+    assert event.queries == 5 and group.broken is None  # 4 polls, then wait()
 
 
-def test_mirrored_calls_wait_for_the_stream_where_it_matters(cuda_events, monkeypatch):
-    """A forward's mark is waited for before the next message (a long prefill's chunks must not
-    launch on behind a stuck collective), except before the logits: their own wait, right after
-    their call, covers the forward too (no bubble between a step's forward and its LM head)."""
+def test_every_call_with_collectives_waits_for_the_stream(cuda_events, monkeypatch):
+    """Embedding, forward and logits calls launch NCCL collectives: each is waited for before the
+    call returns (a long prompt's chunks have no logits, and the next chunk's input copies would
+    block, unwatched, behind a collective a dead rank never joins). Control-only calls do not."""
     from llm_core.distributed.step_mirror import MirroredModel
-    from llm_core.distributed.step_ops import LogitsOp, ReportOp
+    from llm_core.distributed.step_ops import EmbedOp, ForwardOp, LogitsOp, ReportOp
 
     group = _group("cuda:0", [_Proc(None)])
     cuda_events.polls = 0
     seen = []
-    monkeypatch.setattr(group, "send", lambda op: seen.append((type(op).__name__, [e.queries for e in _Event.made])))
+    monkeypatch.setattr(group, "send", lambda op: seen.append(type(op).__name__))
     model = MirroredModel(torch.nn.Linear(1, 1), group)
-    model._mirror(ReportOp(), "forward", lambda: None)  # stands for a forward: any call but the logits
-    model._mirror(LogitsOp(1), "logits", lambda: None)
-    model._mirror(ReportOp(), "forward", lambda: None)
-    model._mirror(ReportOp(), "forward", lambda: None)
-    assert seen == [("ReportOp", []), ("LogitsOp", [0]), ("ReportOp", [0, 2]), ("ReportOp", [0, 2, 2])]
+    calls = [EmbedOp(torch.zeros(1)), ForwardOp({}, None, None, (0, 0)), LogitsOp(1), ReportOp()]
+    waited = []
+    for op in calls:
+        model._mirror(op, type(op).__name__, lambda: None)
+        waited.append(len(cuda_events.made))
+    assert seen == ["EmbedOp", "ForwardOp", "LogitsOp", "ReportOp"] and waited == [1, 2, 3, 3]
+    assert all(e.queries == 2 for e in cuda_events.made)  # each polled until done before the call returned
 
 
 def test_a_rank_dead_inside_a_collective_fails_the_wait_at_once(cuda_events):
@@ -110,7 +112,7 @@ def test_a_rank_dead_inside_a_collective_fails_the_wait_at_once(cuda_events):
     group = _group("cuda:0", [_Proc(-9)])
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 1 \(pid 4242\) exited with code -9 while rank 0 waited for logits"):
-        group.device_done("logits", wait=True)
+        group.device_done("logits")
     assert time.monotonic() - start < 1.0
     assert group.broken == "logits failed"
 
@@ -119,30 +121,37 @@ def test_a_stuck_rank_fails_the_wait_after_the_timeout(cuda_events):
     group = _group("cuda:0", [_Proc(None)], timeout_s=0.2)
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"did not answer within 0.2 s"):
-        group.device_done("logits", wait=True)
+        group.device_done("logits")
     assert 0.2 <= time.monotonic() - start < 2.0
 
 
 def test_cpu_groups_record_nothing(cuda_events):
     group = _group("cpu", [_Proc(None)])
-    group.device_done("logits", wait=True)
-    assert cuda_events.made == [] and group._device_done is None
+    group.device_done("logits")
+    assert cuda_events.made == []
 
 
-@pytest.mark.parametrize("device,broken,ends", [("cuda:0", "forward failed", "abort"), ("cpu", "forward failed", "destroy"),
-                                                 ("cuda:0", None, "destroy")])
-def test_close_aborts_a_broken_nccl_group(monkeypatch, device, broken, ends):
-    """Out of step on NCCL, rank 0's stream may hold collectives that never finish: close() aborts
-    the groups; an orderly group (or gloo) is destroyed as before."""
+@pytest.mark.parametrize("device,rank,broken,stopped,want", [
+    ("cuda:0", 0, "forward failed", False, ["abort"]),  # rank 0, out of step
+    ("cpu", 0, "forward failed", False, ["destroy"]),  # gloo: destroy as before
+    ("cuda:0", 0, None, False, ["StopOp", "sync", "destroy"]),  # rank 0, orderly
+    ("cuda:1", 1, None, True, ["sync", "destroy"]),  # a worker told to stop: its collectives done first
+    ("cuda:1", 1, None, False, ["abort"]),  # a worker that lost rank 0
+])
+def test_close_aborts_nccl_groups_only_on_failure(monkeypatch, device, rank, broken, stopped, want):
+    """Out of step on NCCL, a rank's stream may hold collectives that never finish: close() aborts
+    the groups. A clean stop (rank 0 orderly, a worker after StopOp) lets its own collectives finish
+    and destroys them; gloo always destroys."""
     calls = []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group", lambda: calls.append("abort"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
     group = _group(device, [])
-    group.broken = broken
+    group.rank, group.broken, group.stopped = rank, broken, stopped
     monkeypatch.setattr(group, "send", lambda op: calls.append(type(op).__name__))
     group.close()
-    assert calls[-1] == ends and (calls == ["StopOp", "destroy"]) == (broken is None)
+    assert calls == want
 
 
 ORPHAN = textwrap.dedent("""
