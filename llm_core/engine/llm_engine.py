@@ -105,9 +105,8 @@ class LLMEngine:
         # context instead). A longer prompt is refused at add_request and generation that reaches
         # it ends with "length", as at max_model_len -- never a preemption or an "error" part-way.
         self.max_context_tokens = min(self.max_model_len, self.pool.full.num_pages * self.config.page_size)
-        # fixed-shape decode steps. Under MTP they serve the steps where no request drafts (the
-        # speculative runner's plain path); verify steps stay eager, and the adaptive draft length
-        # compares their measured cost with these cheaper plain steps (speculative/adaptive.py)
+        # fixed-shape decode steps; under MTP its plain and verify steps replay them too (the draft
+        # steps stay eager: docs/speculative.md)
         mode = self.config.decode_mode(self.device)
         self.decode_warmup_s = 0.0 if mode is None else self.runner.enable_decode_graphs(
             self.pool, buckets=self.config.decode_buckets, mode=mode, max_model_len=self.max_model_len)

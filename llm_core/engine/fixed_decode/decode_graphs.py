@@ -26,6 +26,10 @@ bucket's graphs for every K up to ``max_model_len`` are captured at start-up (pa
 count depends on K, not on the rows), so no step pauses mid-serving for a capture or a kernel
 compile.
 
+MTP verify steps replay the same graphs (``forward_rows``): each new token of a verify entry is a
+decode row of its own over its causal prefix (persistent_batch.VerifyRows), and the step returns the
+final-normed hidden states beside the logits, which the MTP extend reads.
+
 What stays eager inside a compiled step: the experts (data-dependent sort / bincount; ``kernels.ops``
 marks them), so a compiled step is a few graphs per layer joined by eager expert calls. Sampling and
 the input preparation stay outside the graphs. The CUDA-graph path has not been run on a GPU yet
@@ -41,7 +45,7 @@ import time
 import torch
 
 from kernels import ops
-from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
+from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch, VerifyRows, slot_mappings
 from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
@@ -79,9 +83,9 @@ class DecodeGraphs:
         self.num_layers = len(pool.layout.layer_kinds)
         self.max_keys = -(-max_model_len // self.page_size) * self.page_size
         # one page per pool that padded rows write and read, never a request's (PersistentDecodeBatch)
-        scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
-        self.batch = PersistentDecodeBatch(self.buckets[-1], self.max_keys // self.page_size + 1,
-                                           self.page_size, scratch)
+        self.scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
+        self.max_pages = self.max_keys // self.page_size + 1
+        self.batch = PersistentDecodeBatch(self.buckets[-1], self.max_pages, self.page_size, self.scratch)
         self.steps = 0  # the runner's step counter (every step, eager ones too: see note_step)
         self.compile_seconds = 0.0
         self._compiled = torch.compile(self._logits, backend="inductor", dynamic=False) if mode == "compile" else None
@@ -106,13 +110,31 @@ class DecodeGraphs:
             e.num_new_tokens == 1 and (e.request.embeds is None or e.start >= e.request.num_prompt_tokens)
             for e in entries)
 
+    def supports_rows(self, entries: list[ScheduledRequest]) -> bool:
+        """Whether ``forward_rows`` takes ``entries``: every entry past its prompt (decodes and MTP
+        verifies: no spliced embedding row, no prompt logprobs), their new tokens fitting a bucket."""
+        return sum(e.num_new_tokens for e in entries) <= self.buckets[-1] and all(
+            e.start >= e.request.num_prompt_tokens for e in entries)
+
     @torch.inference_mode()
     def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
         """Logits [n, V] of the entries (in entry order), one fixed-shape step of the smallest bucket."""
         rows = self.batch.update(entries, self.steps)
         bucket = self.buckets[bisect.bisect_left(self.buckets, len(entries))]
-        logits = self._run(bucket, _LayerKV(kv, self.num_layers))
+        logits, _ = self._run(bucket, _LayerKV(kv, self.num_layers))
         return logits[torch.tensor(rows, device=logits.device)]
+
+    @torch.inference_mode()
+    def forward_rows(self, entries: list[ScheduledRequest], kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [R, V], final-normed hidden states [R, hidden]) of every new token of ``entries``
+        (R of them, in entry order: the ragged layout's rows), one fixed-shape step of the smallest
+        bucket >= R with each token a decode row of its own (``VerifyRows``): an MTP verify step
+        replays the same graphs as plain decoding. The rows are copies: the next replay rewrites the
+        graph's output buffers, and the MTP head keeps tails of these hidden states."""
+        rows = VerifyRows(entries, self.buckets[bisect.bisect_left(self.buckets, sum(
+            e.num_new_tokens for e in entries))], self.max_pages, self.page_size, self.scratch)
+        logits, hidden = self._run(rows.token_ids.shape[0], _LayerKV(kv, self.num_layers), source=rows)
+        return logits[:rows.num_rows].clone(), hidden[:rows.num_rows].clone()
 
     def warm_up(self, kv) -> float:
         """Compile every bucket at the narrowest key grid (CPU), or capture every bucket's graph of
@@ -136,11 +158,14 @@ class DecodeGraphs:
         return time.perf_counter() - t0
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _run(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS) -> torch.Tensor:
+    def _run(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS, source=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden) of the first ``bucket`` rows of ``source`` (the persistent batch unless
+        given: a VerifyRows)."""
+        source = self.batch if source is None else source
         if self.mode == "cudagraph":
             with ops.on_device(self.device):  # capture and replay use the current device's streams
-                return self._replay(bucket, kv, min_keys)
-        ids, fb, keys = self._inputs(bucket)
+                return self._replay(bucket, kv, min_keys, source)
+        ids, fb, keys = self._inputs(bucket, source=source)
         if self._compiled is None:
             return self._logits(ids, fb, kv)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -152,9 +177,10 @@ class DecodeGraphs:
         self.compile_seconds += time.perf_counter() - t0
         return out
 
-    def _logits(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, fb: ForwardBatch, kv: _LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step: (logits, the final-normed hidden states they came from) of every row."""
         hidden = self.model(None, fb, kv, inputs_embeds=self.model.model.embed_tokens(ids))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
 
     def _key_widths(self) -> list[int]:
         """The key widths a step can have: powers of two from MIN_KEYS, the last capped at max_keys."""
@@ -165,19 +191,20 @@ class DecodeGraphs:
                 return widths
             k *= 2
 
-    def _inputs(self, bucket: int, min_keys: int = MIN_KEYS) -> tuple[torch.Tensor, ForwardBatch, int]:
-        """The first ``bucket`` rows as (ids, ForwardBatch, key width): the width a power of two (at
-        least ``min_keys``: the start-up captures' widths); eager and compiled steps get the tensors
-        on the device and the attention plans of both pools built here, once, at that width (masked
-        past each row's keys); a CUDA-graph replay gets them on the host, no plans (its graph has them)."""
-        b, dev = self.batch, self.device
+    def _inputs(self, bucket: int, min_keys: int = MIN_KEYS, source=None) -> tuple[torch.Tensor, ForwardBatch, int]:
+        """The first ``bucket`` rows of ``source`` (the persistent batch unless given) as (ids,
+        ForwardBatch, key width): the width a power of two (at least ``min_keys``: the start-up
+        captures' widths); eager and compiled steps get the tensors on the device and the attention
+        plans of both pools built here, once, at that width (masked past each row's keys); a
+        CUDA-graph replay gets them on the host, no plans (its graph has them)."""
+        b, dev = self.batch if source is None else source, self.device
         graph = self.mode == "cudagraph"
         # a replay copies the inputs into its static buffers itself, without blocking; a plain
         # .to(device) here would synchronize the stream once per tensor
         def to(t: torch.Tensor) -> torch.Tensor:
             return t if graph else t.to(dev)
 
-        full_slots, swa_slots = b.slot_mappings(bucket)
+        full_slots, swa_slots = slot_mappings(b, bucket)
         seq_lens = torch.from_numpy(b.seq_lens[:bucket]).clone()
         fb = ForwardBatch(
             positions=to(torch.from_numpy(b.positions[:bucket])),
@@ -220,10 +247,10 @@ class DecodeGraphs:
                 ops.decode_splits(q, bucket, kv_heads, window, keys) for kv_heads, window in self._attention_kinds)
         return hit
 
-    def _replay(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS) -> torch.Tensor:
+    def _replay(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS, source=None):
         """CUDA: capture the bucket's eager step once per key-split count over static input buffers,
         then copy this step's inputs into them and replay. Falls back to eager when capture fails."""
-        ids, fb, keys = self._inputs(bucket, min_keys)
+        ids, fb, keys = self._inputs(bucket, min_keys, source)
         key = (bucket, self.key_splits(bucket, keys))
         if key not in self._graphs:
             try:
@@ -232,7 +259,7 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture of decode bucket %d (key splits %s) failed (%s); running it "
                             "eagerly", bucket, key[1], exc)
                 self.mode = "eager"
-                return self._run(bucket, kv, min_keys)  # its inputs built on the device this time
+                return self._run(bucket, kv, min_keys, source)  # its inputs built on the device this time
             log.info("captured the CUDA graph of decode bucket %d for contexts up to %d tokens (key splits %s)",
                      bucket, keys, key[1])
         graph, static, out = self._graphs[key]

@@ -31,6 +31,55 @@ import numpy as np
 from llm_core.engine.scheduler import ScheduledRequest
 
 
+def slot_mappings(rows, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Full, SWA) slot of the new token of each of the first ``bucket`` rows of ``rows`` (a
+    PersistentDecodeBatch or VerifyRows: positions, page tables, page_size)."""
+    pos = rows.positions[:bucket]
+    r = np.arange(bucket)
+    page, offset = pos // rows.page_size, pos % rows.page_size
+    full = rows.full_table[r, page] * rows.page_size + offset
+    swa_page = rows.swa_table[r, page]
+    swa = np.where(swa_page >= 0, swa_page * rows.page_size + offset, -1)
+    return full, swa
+
+
+class VerifyRows:
+    """The rows of one step whose entries compute several new tokens each (MTP verify: 1 + k) as a
+    fixed-shape decode step: every new token is a row of its own -- its token, its position, its
+    request's page tables, and a length that ends at itself -- so the decode attention gives each
+    row the causal prefix a prefill of those tokens would (the step writes every row's K/V before any
+    row attends). Rows are in entry order (the ragged layout's order), padding rows after them as in
+    the persistent batch. Built whole each such step: the persistent batch keeps one row per request
+    and is left alone (a verify step's requests are rewritten there at their next plain step)."""
+
+    def __init__(self, entries: list[ScheduledRequest], bucket: int, max_pages: int, page_size: int,
+                 scratch_pages: tuple[int, int]) -> None:
+        self.page_size = page_size
+        self.token_ids = np.zeros(bucket, dtype=np.int64)
+        self.positions = np.zeros(bucket, dtype=np.int64)
+        self.seq_lens = np.ones(bucket, dtype=np.int64)
+        self.full_table = np.full((bucket, max_pages), -1, dtype=np.int64)
+        self.swa_table = np.full((bucket, max_pages), -1, dtype=np.int64)
+        self.full_table[:, 0], self.swa_table[:, 0] = scratch_pages
+        r = 0
+        for e in entries:
+            req, n = e.request, e.num_new_tokens
+            pages = len(req.full_pages)
+            if pages > max_pages:
+                raise ValueError(f"request {req.request_id} holds {pages} pages; the decode tables hold {max_pages}")
+            rows = slice(r, r + n)
+            self.token_ids[rows] = req.token_ids[e.start:e.end]
+            self.positions[rows] = np.arange(e.start, e.end)
+            self.seq_lens[rows] = np.arange(e.start + 1, e.end + 1)
+            self.full_table[rows, 0] = -1
+            self.full_table[rows, :pages] = req.full_pages
+            self.swa_table[rows, 0] = -1
+            if req.swa_pages:
+                self.swa_table[rows, :pages] = np.asarray(req.swa_pages, dtype=np.int64)
+            r += n
+        self.num_rows = r
+
+
 @dataclass
 class _Row:
     request_id: str
@@ -98,13 +147,7 @@ class PersistentDecodeBatch:
 
     def slot_mappings(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """(Full, SWA) slot of each of the first ``bucket`` rows' new token."""
-        pos = self.positions[:bucket]
-        r = np.arange(bucket)
-        page, offset = pos // self.page_size, pos % self.page_size
-        full = self.full_table[r, page] * self.page_size + offset
-        swa_page = self.swa_table[r, page]
-        swa = np.where(swa_page >= 0, swa_page * self.page_size + offset, -1)
-        return full, swa
+        return slot_mappings(self, bucket)
 
     def check_integrity(self) -> None:
         """Live rows are 0..n-1 and free rows hold the padding state (tests call it)."""

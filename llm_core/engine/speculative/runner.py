@@ -158,14 +158,20 @@ class SpeculativeRunner:
         model, proposer = self.model, self.proposer
         spec = [e for e in entries if e.num_draft_tokens]
         lengths = {id(e): len(e.request.token_ids) for e in spec}
+        graphs = self.runner.decode_graphs
+        fixed = graphs is not None and graphs.supports_rows(entries)
+        every_logit = None
         try:
             proposer.draft(spec, kv)
             drafts = {id(e): e.request.token_ids[e.start + 1:e.end] for e in spec}
             fb, ids = build_forward_batch(entries, self.runner.page_size, self.runner.device)
             embeds = splice_embeds(entries, ids, model.embed)
             if embeds is None:
-                embeds = model.embed(ids)
-            hidden = model(None, fb, kv, inputs_embeds=embeds)
+                embeds = model.embed(ids)  # the MTP extend's input (a fixed-shape step embeds its own)
+            if fixed:  # decodes and verifies only: each token a row of the bucket's graph (VerifyRows)
+                every_logit, hidden = graphs.forward_rows(entries, kv)
+            else:
+                hidden = model(None, fb, kv, inputs_embeds=embeds)
             outs = proposer.extend(entries, fb, embeds, hidden, kv, skip=idle)
         finally:
             for e in spec:
@@ -180,7 +186,8 @@ class SpeculativeRunner:
             elif e.samples:
                 rows_of[id(e)] = [len(flat)]
                 flat.append(qsl[b + 1] - 1)
-        logits = model.compute_logits(hidden[torch.tensor(flat, dtype=torch.long, device=hidden.device)])
+        picked = torch.tensor(flat, dtype=torch.long).to(hidden.device, non_blocking=True)
+        logits = model.compute_logits(hidden[picked]) if every_logit is None else every_logit[picked]
         first_row = {id(e): qsl[b] for b, e in enumerate(entries)}
         # every row's hidden state is here (the MTP layer reads them all): prompt logprobs come free
         wanted = wanted_rows(entries, qsl)

@@ -1,11 +1,17 @@
 """Fixed-shape decode steps under MTP speculation (llm_engine.py, fixed_decode/decode_graphs.py): the
 steps where no request drafts -- adaptive k at 0 for every request of the batch -- run through the
-fixed-shape graphs, verify steps stay eager, and the tokens equal plain decoding's. Random MTP layers
-almost never guess right, so the adaptive length drops every request to 0 after its first verify and
-then probes now and then: graph steps and verify steps (with their rollbacks) interleave, and the
-persistent batch must rewrite every row a verify step moved."""
+fixed-shape graphs as plain decoding does, and so do verify steps that fit a bucket, each new token a
+decode row of its own (``VerifyRows``); the tokens equal plain decoding's.
+
+Random MTP layers almost never guess right, so the adaptive length drops every request to 0 after
+its first verify and then probes now and then: plain graph steps and verify steps (with their
+rollbacks) interleave, and the persistent batch must rewrite every row a verify step moved. With an
+*oracle* draft (the plain continuation, some tokens corrupted) most steps verify, with every accepted
+length 0..k."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -30,20 +36,65 @@ def engine(model, **kw) -> LLMEngine:
     return LLMEngine(model, EngineConfig(**{**cfg, **kw}))
 
 
-def _count_graph_steps(eng: LLMEngine) -> list[int]:
+def _count_graph_steps(eng: LLMEngine, method: str = "forward") -> list[int]:
     graphs, calls = eng.runner.decode_graphs, []
-    real = graphs.forward
+    real = getattr(graphs, method)
 
-    def forward(entries, kv):
-        calls.append(len(entries))
+    def counted(entries, kv):
+        calls.append(sum(e.num_new_tokens for e in entries))
         return real(entries, kv)
 
-    graphs.forward = forward
+    setattr(graphs, method, counted)
     return calls
 
 
-def test_plain_steps_under_mtp_run_fixed_shape_and_equal_plain_decoding(tmp_path):
-    model = load_model(build_tiny_hf_checkpoint(tmp_path / "hf", mtp_layers=3), dtype=torch.float32)
+def _with_oracle(eng: LLMEngine, reference: dict[tuple, list[int]], corrupt: float, seed: int) -> None:
+    """Each draft replaced by the plain continuation, a token corrupted with probability ``corrupt``
+    (the real draft runs first: its KV writes and rows stay)."""
+    proposer, rng = eng.speculative.proposer, random.Random(seed)
+    real = proposer.draft
+
+    def draft(entries, kv):
+        real(entries, kv)
+        for e in entries:
+            ref, have = reference[tuple(e.request.prompt_token_ids)], e.request.num_output_tokens
+            for i in range(e.num_draft_tokens):
+                tok = ref[have + i] if have + i < len(ref) else 7
+                e.request.token_ids[e.start + 1 + i] = rng.randrange(3, 500) if rng.random() < corrupt else tok
+
+    proposer.draft = draft
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_hf_checkpoint(tmp_path_factory.mktemp("mtp") / "hf", mtp_layers=3), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("buckets", [(1, 2, 4), (4, 8, 16)])
+def test_verify_steps_run_fixed_shape_and_equal_plain_decoding(model, buckets):
+    """Oracle drafts: verify steps of 1 + k rows per request (k up to 3) replay the buckets (with
+    buckets up to 4, a batch's verify rows often exceed the largest: those steps stay eager), every
+    accepted length rolls back differently, and the tokens and logprobs equal plain decoding's."""
+    prompts = [ids(80 + i, n) for i, n in enumerate((6, 11, 3, 9))]
+    want = LLM.from_engine(engine(model, speculative_tokens=0)).generate(prompts, PARAMS)
+    eng = engine(model, speculative_tokens=3, speculative_adaptive=False)
+    eng.runner.enable_decode_graphs(eng.pool, buckets=buckets, mode="eager", max_model_len=eng.max_model_len)
+    _with_oracle(eng, {tuple(p): o.token_ids for p, o in zip(prompts, want)}, corrupt=0.3, seed=5)
+    verify_rows = _count_graph_steps(eng, "forward_rows")
+    got = LLM.from_engine(eng).generate(prompts, PARAMS)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    stats = eng.stats()
+    assert stats.spec_accepted_tokens > 20 and verify_rows and max(verify_rows) <= buckets[-1]
+    if buckets[-1] == 16:  # every verify step of the four requests fits: each replays
+        assert len(verify_rows) >= 10 and max(verify_rows) > len(prompts)
+    assert set(stats.spec_accepted_length) >= {"0", "3"}
+    eng.prefix_cache.clear()
+    assert eng.pool.full.num_used == 1 and eng.pool.swa.num_used == 1  # the scratch pages only
+
+
+def test_plain_steps_under_mtp_run_fixed_shape_and_equal_plain_decoding(model):
     prompts = [ids(60 + i, n) for i, n in enumerate((6, 11, 3))]
     want = LLM.from_engine(engine(model, speculative_tokens=0)).generate(prompts, PARAMS)
     eng = engine(model, speculative_tokens=3)
@@ -68,14 +119,16 @@ def test_graphs_are_on_under_mtp_where_the_device_has_them():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.ci/gpu runs it on a GPU machine)")
-def test_cuda_graph_plain_steps_under_mtp_equal_eager(tmp_path):
-    """On a GPU, by default: the MTP engine captures its buckets at start-up and its plain steps
-    replay them; the tokens equal an eager engine's (--enforce-eager)."""
+def test_cuda_graph_steps_under_mtp_equal_eager(tmp_path):
+    """On a GPU, by default: the MTP engine captures its buckets at start-up; its plain steps and
+    its verify steps (oracle drafts) replay them; the tokens equal an eager engine's (--enforce-eager)."""
     model = load_model(build_tiny_hf_checkpoint(tmp_path / "hf", mtp_layers=3), dtype=torch.float32, device="cuda")
     prompts = [ids(70 + i, n) for i, n in enumerate((6, 11, 3))]
-    eager = LLM.from_engine(engine(model, speculative_tokens=3)).generate(prompts, PARAMS)
-    eng = engine(model, speculative_tokens=3, compile_decode=None)
+    eager = LLM.from_engine(engine(model, speculative_tokens=0)).generate(prompts, PARAMS)
+    eng = engine(model, speculative_tokens=3, speculative_adaptive=False, compile_decode=None)
     assert eng.runner.decode_graphs is not None and eng.runner.decode_graphs.mode == "cudagraph"
-    graph_steps = _count_graph_steps(eng)
+    _with_oracle(eng, {tuple(p): o.token_ids for p, o in zip(prompts, eager)}, corrupt=0.3, seed=7)
+    verify_rows = _count_graph_steps(eng, "forward_rows")
     got = LLM.from_engine(eng).generate(prompts, PARAMS)
-    assert [o.token_ids for o in got] == [o.token_ids for o in eager] and graph_steps
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager] and verify_rows
+    assert eng.runner.decode_graphs.mode == "cudagraph"  # no capture fell back to eager
