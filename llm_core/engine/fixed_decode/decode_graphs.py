@@ -86,12 +86,13 @@ class DecodeGraphs:
         self.scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
         self.max_pages = self.max_keys // self.page_size + 1
         self.batch = PersistentDecodeBatch(self.buckets[-1], self.max_pages, self.page_size, self.scratch)
+        self.verify_rows = VerifyRows(self.buckets[-1], self.max_pages, self.page_size, self.scratch)
         self.steps = 0  # the runner's step counter (every step, eager ones too: see note_step)
         self.compile_seconds = 0.0
         self._compiled = torch.compile(self._logits, backend="inductor", dynamic=False) if mode == "compile" else None
         self._shapes: set[tuple[int, int]] = set()  # (bucket, keys) compiled so far
-        # (bucket, key splits per attention kind) -> (graph, static inputs, logits)
-        self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        # (bucket, key splits per attention kind) -> (graph, static inputs, (logits, hidden))
+        self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self._graph_pool = None  # one memory pool for every graph: they never run at once
         # the (KV heads, window) of each attention kind: what the kernels' key splits depend on
         self._attention_kinds = tuple(dict.fromkeys(
@@ -112,9 +113,11 @@ class DecodeGraphs:
 
     def supports_rows(self, entries: list[ScheduledRequest]) -> bool:
         """Whether ``forward_rows`` takes ``entries``: every entry past its prompt (decodes and MTP
-        verifies: no spliced embedding row, no prompt logprobs), their new tokens fitting a bucket."""
-        return sum(e.num_new_tokens for e in entries) <= self.buckets[-1] and all(
-            e.start >= e.request.num_prompt_tokens for e in entries)
+        verifies: no spliced embedding row, no prompt logprobs), their new tokens fitting a bucket.
+        Not under torch.compile (CPU): there a verify step's few rows run faster through the C
+        kernels' short-row path than through the compiled step's padded key grid."""
+        return (self.mode != "compile" and bool(entries) and sum(e.num_new_tokens for e in entries) <= self.buckets[-1]
+                and all(e.start >= e.request.num_prompt_tokens for e in entries))
 
     @torch.inference_mode()
     def forward(self, entries: list[ScheduledRequest], kv) -> torch.Tensor:
@@ -129,12 +132,13 @@ class DecodeGraphs:
         """(logits [R, V], final-normed hidden states [R, hidden]) of every new token of ``entries``
         (R of them, in entry order: the ragged layout's rows), one fixed-shape step of the smallest
         bucket >= R with each token a decode row of its own (``VerifyRows``): an MTP verify step
-        replays the same graphs as plain decoding. The rows are copies: the next replay rewrites the
-        graph's output buffers, and the MTP head keeps tails of these hidden states."""
-        rows = VerifyRows(entries, self.buckets[bisect.bisect_left(self.buckets, sum(
-            e.num_new_tokens for e in entries))], self.max_pages, self.page_size, self.scratch)
-        logits, hidden = self._run(rows.token_ids.shape[0], _LayerKV(kv, self.num_layers), source=rows)
-        return logits[:rows.num_rows].clone(), hidden[:rows.num_rows].clone()
+        replays the same graphs as plain decoding. The hidden states are a copy (the MTP head keeps
+        tails of them); the logits are a view valid until the next replay rewrites the graph's output
+        buffers -- the caller gathers its rows from them at once."""
+        n = self.verify_rows.fill(entries)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        logits, hidden = self._run(bucket, _LayerKV(kv, self.num_layers), source=self.verify_rows)
+        return logits[:n], hidden[:n].clone()
 
     def warm_up(self, kv) -> float:
         """Compile every bucket at the narrowest key grid (CPU), or capture every bucket's graph of
@@ -298,8 +302,9 @@ class DecodeGraphs:
         # keep allocating and synchronizing their own streams while this thread captures; in the
         # default "global" mode any such call fails in that thread and invalidates this capture.
         # One pool for all graphs (as vLLM): they replay one at a time on this thread's stream, so
-        # one graph's scratch may be another's output block -- safe because forward() gathers each
-        # replay's logits on that stream before any other graph replays.
+        # one graph's scratch may be another's output block -- safe because forward() and
+        # forward_rows() (and its caller) take each replay's outputs on that stream before any other
+        # graph replays.
         stream = torch.cuda.current_stream(self.device)
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):

@@ -49,35 +49,46 @@ class VerifyRows:
     request's page tables, and a length that ends at itself -- so the decode attention gives each
     row the causal prefix a prefill of those tokens would (the step writes every row's K/V before any
     row attends). Rows are in entry order (the ragged layout's order), padding rows after them as in
-    the persistent batch. Built whole each such step: the persistent batch keeps one row per request
-    and is left alone (a verify step's requests are rewritten there at their next plain step)."""
+    the persistent batch. One set of host tables, refilled each such step (only the rows and pages the
+    last fill wrote are reset); the persistent batch keeps one row per request and is left alone (a
+    verify step's requests are rewritten there at their next plain step)."""
 
-    def __init__(self, entries: list[ScheduledRequest], bucket: int, max_pages: int, page_size: int,
-                 scratch_pages: tuple[int, int]) -> None:
-        self.page_size = page_size
-        self.token_ids = np.zeros(bucket, dtype=np.int64)
-        self.positions = np.zeros(bucket, dtype=np.int64)
-        self.seq_lens = np.ones(bucket, dtype=np.int64)
-        self.full_table = np.full((bucket, max_pages), -1, dtype=np.int64)
-        self.swa_table = np.full((bucket, max_pages), -1, dtype=np.int64)
+    def __init__(self, max_rows: int, max_pages: int, page_size: int, scratch_pages: tuple[int, int]) -> None:
+        self.max_pages, self.page_size, self.scratch = max_pages, page_size, scratch_pages
+        self.token_ids = np.zeros(max_rows, dtype=np.int64)
+        self.positions = np.zeros(max_rows, dtype=np.int64)
+        self.seq_lens = np.ones(max_rows, dtype=np.int64)
+        self.full_table = np.full((max_rows, max_pages), -1, dtype=np.int64)
+        self.swa_table = np.full((max_rows, max_pages), -1, dtype=np.int64)
         self.full_table[:, 0], self.swa_table[:, 0] = scratch_pages
-        r = 0
+        self.num_rows = 0
+        self._dirty_pages = 0  # table columns the last fill wrote
+
+    def fill(self, entries: list[ScheduledRequest]) -> int:
+        """Write ``entries``' new tokens as rows 0..R-1 (every other row padding); returns R."""
+        n, pages = self.num_rows, self._dirty_pages
+        if n:  # back to padding: token 0 at position 0 of the scratch page
+            self.token_ids[:n], self.positions[:n], self.seq_lens[:n] = 0, 0, 1
+            self.full_table[:n, :pages], self.swa_table[:n, :pages] = -1, -1
+            self.full_table[:n, 0], self.swa_table[:n, 0] = self.scratch
+        r, widest = 0, 0
         for e in entries:
-            req, n = e.request, e.num_new_tokens
-            pages = len(req.full_pages)
-            if pages > max_pages:
-                raise ValueError(f"request {req.request_id} holds {pages} pages; the decode tables hold {max_pages}")
-            rows = slice(r, r + n)
+            req, k = e.request, e.num_new_tokens
+            held = len(req.full_pages)
+            if held > self.max_pages:
+                raise ValueError(f"request {req.request_id} holds {held} pages; the decode tables hold {self.max_pages}")
+            rows = slice(r, r + k)
             self.token_ids[rows] = req.token_ids[e.start:e.end]
             self.positions[rows] = np.arange(e.start, e.end)
             self.seq_lens[rows] = np.arange(e.start + 1, e.end + 1)
             self.full_table[rows, 0] = -1
-            self.full_table[rows, :pages] = req.full_pages
+            self.full_table[rows, :held] = req.full_pages
             self.swa_table[rows, 0] = -1
             if req.swa_pages:
-                self.swa_table[rows, :pages] = np.asarray(req.swa_pages, dtype=np.int64)
-            r += n
-        self.num_rows = r
+                self.swa_table[rows, :held] = np.asarray(req.swa_pages, dtype=np.int64)
+            r, widest = r + k, max(widest, held)
+        self.num_rows, self._dirty_pages = r, max(widest, 1)
+        return r
 
 
 @dataclass

@@ -167,7 +167,7 @@ class SpeculativeRunner:
             fb, ids = build_forward_batch(entries, self.runner.page_size, self.runner.device)
             embeds = splice_embeds(entries, ids, model.embed)
             if embeds is None:
-                embeds = model.embed(ids)  # the MTP extend's input (a fixed-shape step embeds its own)
+                embeds = model.embed(ids)  # the MTP extend's input (and the ids' vocabulary check)
             if fixed:  # decodes and verifies only: each token a row of the bucket's graph (VerifyRows)
                 every_logit, hidden = graphs.forward_rows(entries, kv)
             else:
@@ -187,6 +187,7 @@ class SpeculativeRunner:
                 rows_of[id(e)] = [len(flat)]
                 flat.append(qsl[b + 1] - 1)
         picked = torch.tensor(flat, dtype=torch.long).to(hidden.device, non_blocking=True)
+        # a fixed-shape step's logits are the graph's buffer: gathered here, before any other replay
         logits = model.compute_logits(hidden[picked]) if every_logit is None else every_logit[picked]
         first_row = {id(e): qsl[b] for b, e in enumerate(entries)}
         # every row's hidden state is here (the MTP layer reads them all): prompt logprobs come free

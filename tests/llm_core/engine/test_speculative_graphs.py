@@ -12,11 +12,15 @@ length 0..k."""
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_core.engine.fixed_decode.persistent_batch import VerifyRows
+from llm_core.engine.scheduler import ScheduledRequest
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -89,6 +93,7 @@ def test_verify_steps_run_fixed_shape_and_equal_plain_decoding(model, buckets):
     assert stats.spec_accepted_tokens > 20 and verify_rows and max(verify_rows) <= buckets[-1]
     if buckets[-1] == 16:  # every verify step of the four requests fits: each replays
         assert len(verify_rows) >= 10 and max(verify_rows) > len(prompts)
+        assert set(stats.spec_accepted_length) == {"0", "1", "2", "3"}
     assert set(stats.spec_accepted_length) >= {"0", "3"}
     eng.prefix_cache.clear()
     assert eng.pool.full.num_used == 1 and eng.pool.swa.num_used == 1  # the scratch pages only
@@ -132,3 +137,59 @@ def test_cuda_graph_steps_under_mtp_equal_eager(tmp_path):
     got = LLM.from_engine(eng).generate(prompts, PARAMS)
     assert [o.token_ids for o in got] == [o.token_ids for o in eager] and verify_rows
     assert eng.runner.decode_graphs.mode == "cudagraph"  # no capture fell back to eager
+
+
+def _entry(rid: str, tokens: list[int], start: int, full: list[int], swa: list[int]) -> ScheduledRequest:
+    req = SimpleNamespace(request_id=rid, token_ids=tokens, full_pages=full, swa_pages=swa, num_prompt_tokens=1)
+    return ScheduledRequest(req, start, len(tokens) - start)
+
+
+def test_verify_rows_are_causal_rows_and_refill_back_to_padding():
+    """Each new token a row ending at itself, over its request's tables (a released SWA page stays
+    -1); a smaller refill leaves every row it does not use in the padding state."""
+    rows = VerifyRows(8, 6, PAGE, scratch_pages=(90, 91))
+    a = _entry("a", list(range(10, 21)), 7, [3, 4, 5], [-1, 8, 9])  # 4 new tokens at positions 7..10
+    b = _entry("b", [1, 2, 3], 2, [6], [7])  # a plain decode
+    assert rows.fill([a, b]) == 5
+    assert rows.positions[:5].tolist() == [7, 8, 9, 10, 2] and rows.seq_lens[:5].tolist() == [8, 9, 10, 11, 3]
+    assert rows.token_ids[:5].tolist() == [17, 18, 19, 20, 3]
+    assert rows.full_table[3, :4].tolist() == [3, 4, 5, -1] and rows.swa_table[0, :3].tolist() == [-1, 8, 9]
+    assert rows.full_table[5, :2].tolist() == [90, -1]  # padding: the scratch page
+    assert rows.fill([b]) == 1
+    assert rows.positions[:3].tolist() == [2, 0, 0] and rows.seq_lens[:3].tolist() == [3, 1, 1]
+    assert (rows.full_table[1:, 1:] == -1).all() and (rows.full_table[1:, 0] == 90).all()
+    assert (rows.swa_table[1:, 0] == 91).all()
+
+
+def test_verify_replays_with_cuda_stood_in(model, monkeypatch):
+    """The CUDA-graph bookkeeping of verify steps on CPU, torch.cuda's graph calls stood in (a replay
+    computes nothing, so no tokens are checked): verify steps replay the graphs start-up captured --
+    no capture mid-serving -- after copying their rows into the static buffers: each verify token's
+    position and its own length (causal)."""
+    captures, replays = [], []
+
+    @contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        captures.append(g)
+        yield
+
+    class Graph:
+        def replay(self) -> None:
+            static = next(st for gr, st, _ in eng.runner.decode_graphs._graphs.values() if gr is self)
+            replays.append((static["positions"].tolist(), static["seq_lens"].tolist()))
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "engine stream")
+    eng = engine(model, speculative_tokens=3, speculative_adaptive=False)
+    eng.runner.enable_decode_graphs(eng.pool, buckets=(4, 8), mode="cudagraph", max_model_len=eng.max_model_len)
+    assert eng.runner.decode_graphs.mode == "cudagraph"
+    started = len(captures)
+    verify_rows = _count_graph_steps(eng, "forward_rows")
+    LLM.from_engine(eng).generate([ids(90, 6), ids(91, 9)], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert len(captures) == started and verify_rows and replays
+    # a verify replay of two requests at k = 3: rows 0..3 and 4..7, each row's length its position + 1
+    positions, lengths = next(r for r in replays if len(r[0]) == 8 and r[1][3] > 1)
+    assert lengths == [p + 1 for p in positions] and positions[1] == positions[0] + 1
