@@ -120,11 +120,11 @@ class LLMEngine:
                                    self.config.queue, draft_tokens=drafts)
         self.prefix_cache = self.scheduler.prefix_cache
         # structured outputs: grammars compiled (worker process, cached) from the tokenizer's vocabulary
-        self.grammars = None if self.config.structured_outputs_backend == "none" or tokenizer is None else \
+        grammars = None if self.config.structured_outputs_backend == "none" or tokenizer is None else \
             GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
                             timeout_s=self.config.grammar_compile_timeout_s)
         self.admission = Admission(vocab_size=self.model_config.vocab_size, max_context_tokens=self.max_context_tokens,
-                                   max_model_len=self.max_model_len, tokenizer=tokenizer, grammars=self.grammars,
+                                   max_model_len=self.max_model_len, tokenizer=tokenizer, grammars=grammars,
                                    queue_policy=self.scheduler.queue_policy)
         self.last_step_progressed = False
         self._lock = threading.Lock()
@@ -139,6 +139,16 @@ class LLMEngine:
         self._stats: EngineStats = self.publish_stats()
 
     # ---- public API -------------------------------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """The structured-output grammar compiler (None: such requests are refused); one owner, the
+        admission checks, which refuse those requests when it is None."""
+        return self.admission.grammars
+
+    @grammars.setter
+    def grammars(self, compiler: GrammarCompiler | None) -> None:
+        self.admission.grammars = compiler
+
     def check_priority(self, priority: int) -> RequestError | None:
         """Why a request cannot have this ``priority`` (None if it can; ``Admission.check_priority``)."""
         return self.admission.check_priority(priority)
