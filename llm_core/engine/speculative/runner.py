@@ -167,7 +167,10 @@ class SpeculativeRunner:
             fb, ids = build_forward_batch(entries, self.runner.page_size, self.runner.device)
             embeds = splice_embeds(entries, ids, model.embed)
             if embeds is None:
-                embeds = model.embed(ids)  # the MTP extend's input (and the ids' vocabulary check)
+                # the MTP extend's input. A step of decodes and verifies holds sampled and drafted
+                # (argmax) ids only, always in the vocabulary: no checked embed, whose host read of
+                # the ids' range would synchronize the stream once per step
+                embeds = model.model.embed_tokens(ids) if fixed else model.embed(ids)
             if fixed:  # decodes and verifies only: each token a row of the bucket's graph (VerifyRows)
                 every_logit, hidden = graphs.forward_rows(entries, kv)
             else:
