@@ -63,6 +63,19 @@ class EncoderCache:
         self._writer = threading.Thread(target=self._write_loop, name="encoder-cache-writer", daemon=True)
         self._writer.start()
 
+    @classmethod
+    def tiered(cls, memory_bytes: int, directory: str | None = None, disk_bytes: int | None = None,
+               redis_url: str | None = None) -> "EncoderCache":
+        """Memory LRU, then the local directory (survives restarts), then Redis, as given."""
+        from llm_core.storage import LocalDirStore, MemoryStore, RedisStore
+
+        tiers: list[KeyValueStore] = [MemoryStore(memory_bytes)]
+        if directory is not None:
+            tiers.append(LocalDirStore(directory, max_bytes=disk_bytes))
+        if redis_url is not None:
+            tiers.append(RedisStore.from_url(redis_url))
+        return cls(tiers)
+
     # ---- public API -------------------------------------------------------------------------
 
     def get(self, key: str) -> torch.Tensor | None:

@@ -33,7 +33,6 @@ from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.structured.compiler import GrammarBusyError, GrammarError
 from llm_core.engine.structured.params import StructuredOutputsParams
-from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
 from mm_pipeline.media.types import MediaItem
 from mm_pipeline.prompt.layout import LaidOutPrompt
 from mm_pipeline.prompt.messages import ChatRequest, MediaRef
@@ -43,8 +42,8 @@ from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads
 from mm_pipeline.runtime.cpu_threads.host_cpu import HostCpu
 from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads, set_process_default
-from mm_pipeline.runtime.cpu_threads.thread_choice import (WARM_UP_MAX_ROWS, ProbedThreads, StepThreads, plan_threads,
-                                                       run_on_thread)
+from mm_pipeline.runtime.cpu_threads.thread_report import describe_threads, thread_counts
+from mm_pipeline.runtime.cpu_threads.thread_choice import WARM_UP_MAX_ROWS, StepThreads, plan_threads, run_on_thread
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError, OverloadedError
 from mm_pipeline.media.decode.backend import make_decode_backend
@@ -81,16 +80,6 @@ def _which_item(exc: MediaError, k: int, n: int) -> MediaError:
     return type(exc)(f"media item {k + 1} of {n}: {exc}")
 
 
-def build_tiers(config: OmniEngineConfig) -> list[KeyValueStore]:
-    """Memory LRU, then the local directory (survives restarts), then Redis, as configured."""
-    tiers: list[KeyValueStore] = [MemoryStore(config.cache_memory_bytes)]
-    if config.cache_dir is not None:
-        tiers.append(LocalDirStore(config.cache_dir, max_bytes=config.cache_disk_bytes))
-    if config.redis_url is not None:
-        tiers.append(RedisStore.from_url(config.redis_url))
-    return tiers
-
-
 # A chat without media under truncate_prompt_tokens may render to this many times the context
 # before the engine cuts it: rendering tokenizes all of it, so the bound keeps that work bounded.
 TRUNCATABLE_CONTEXTS = 4
@@ -113,7 +102,8 @@ class OmniRuntime:
         self.max_model_len = (self.llm.max_context_tokens if self.llm is not None
                               else min(config.engine.max_model_len or model.text_config.max_position_embeddings,
                                       model.text_config.max_position_embeddings))
-        self.cache = EncoderCache(build_tiers(config))
+        self.cache = EncoderCache.tiered(config.cache_memory_bytes, config.cache_dir, config.cache_disk_bytes,
+                                         config.redis_url)
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)
         self.encoder_worker: EncoderWorker | None = None
         # requests take turns, and a spare thread starts a request's media calls at once while
@@ -163,15 +153,7 @@ class OmniRuntime:
 
     def thread_counts(self) -> dict[str, int]:
         """The intra-op threads the engine thread and the encoder worker run at (those that set one)."""
-        counts = {}
-        if self.loop.threads_used is not None:
-            counts["engine"] = self.loop.threads_used
-        worker = self.encoder_worker
-        if worker is not None and worker.threads_used is not None:
-            counts["encoder"] = worker.threads_used
-        elif worker is not None and isinstance(worker.threads, ProbedThreads) and worker.threads.choice is not None:
-            counts["encoder"] = worker.threads.choice.threads  # chosen; the worker sets it right after
-        return counts
+        return thread_counts(self.loop, self.encoder_worker)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: OmniEngineConfig, *, encoders_only: bool = False) -> "OmniRuntime":
@@ -405,27 +387,8 @@ class OmniRuntime:
             log.info("intra-op threads: %s", self.describe_threads())
 
     def describe_threads(self) -> str:
-        """The engine thread's and the encoder worker's intra-op threads and how they were chosen
-        (`mmserve serve` prints it at start), e.g. "engine thread 1 (measured in 0.29 s: 1: 20.7
-        ms, 2: 26.2 ms); encoder 1 (...)"."""
-        parts = []
-        engine_cpu = self.llm is None or self.llm.device.type == "cpu"
-        worker = self.encoder_worker
-        for name, threads in (("engine thread", self.loop.threads if engine_cpu else None),
-                              ("encoder", worker.threads if worker is not None and worker.device.type == "cpu" else None)):
-            if isinstance(threads, ProbedThreads) and threads.choice is not None:
-                parts.append(f"{name} {threads.choice.describe()}")
-            elif isinstance(threads, int):
-                parts.append(f"{name} {threads}")
-            elif callable(threads):
-                parts.append(f"{name} follows the decode workers")
-        steps = self.loop.step_threads
-        if parts and parts[0].startswith("engine thread") and steps is not None and steps.wide > 1:
-            parts[0] += f" for steps of >= {steps.min_rows} rows on free cores, 1 otherwise"
-        if worker is not None and worker.lanes > 1:  # the encoder's share is divided among its lanes
-            each = f" at {worker.threads_used} each" if worker.threads_used is not None else ""
-            parts.append(f"{worker.lanes} encoder lanes{each}")
-        return "; ".join(parts)
+        """How the engine thread's and the encoder's intra-op threads were chosen (thread_report.py)."""
+        return describe_threads(self.loop, self.encoder_worker, engine_cpu=self.llm is None or self.llm.device.type == "cpu")
 
     def shutdown(self) -> None:
         """Stop the engine thread (open requests end with "abort"), the workers and the cache
