@@ -1,6 +1,6 @@
 """Peak bytes a production holds while it decodes and preprocesses one input: what it reserves in
 the decode budget (derived from the intermediates, checked against measured peaks in
-tests/mm_pipeline/encode/test_decode_peaks.py)."""
+tests/mm_pipeline/encode/test_decode_peaks.py and test_decode_peak_rss.py)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,23 @@
-"""What a decode reserves in the decode budget covers what it then holds at its peak.
+"""What a decode reserves in the decode budget covers what it then holds at its peak, measured as
+tensors (the storages allocated during the call and alive at once: exact, but blind to a kernel's
+own temporaries) and numpy arrays (tracemalloc).
 
 Audio: the log-mel's centred STFT holds a block's windowed frames and their complex64 spectrum
 at once, then torch's ``abs`` of the spectrum a complex64 temporary beside it (in one block for a
 whole clip: ~44 B/sample with the waveform, where 12 B/sample were reserved; blocked, ~10 B/sample
 plus the block). Images: the preprocessor's float copy of the decoded
 pixels, then the normalised frame beside its temporal pad and the reordered rows (~60 B per
-target pixel), where 7 B per source pixel were reserved; the decode itself (PIL's image, an
-oriented copy, a converted copy, ``tobytes``) up to 20 B/px. Measured as tensors (the storages
-allocated during the call and alive at once: exact, but blind to a kernel's own temporaries),
-numpy arrays (tracemalloc) and, for PIL's memory and kernel temporaries, the peak RSS of a fresh
-process. The banded conversions ``to_rgb8`` now uses for 16-bit, 32-bit and float images give
-the same pixels as the whole-array ones did."""
+target pixel), where 7 B per source pixel were reserved. Video chunks: the decoded uint8 frames
+beside patchify's uint8 reorder and the float rows (~18 B per frame pixel), where 15 B/px were
+reserved. For PIL's memory and kernel temporaries, the peak RSS of a fresh process:
+test_decode_peak_rss.py; the banded conversions of ``to_rgb8``: test_banded_conversions.py."""
 
 from __future__ import annotations
 
 import gc
 import io
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import tracemalloc
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,13 +38,10 @@ from mm_pipeline.encode import decode_peaks
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.unit_producer import UnitProducer
-from mm_pipeline.media.decode import image as image_mod
 from mm_pipeline.media.decode.video import frame_decode_bytes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.worker_pool import WorkerPool
 from tests.support.media_samples import audio_bytes, video_bytes
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 class NewTensorPeak(TorchDispatchMode):
@@ -236,166 +227,3 @@ def test_video_chunk_reservation_is_the_frames_and_rows_peak(pool, groups, strea
     assert frames_and_rows - tensors.peak <= 3 * size[0] * size[1], (
         f"reserved {frames_and_rows / px:.2f} B/px, held {tensors.peak / px:.2f}")
 
-
-# ---- whole decodes, as a process's peak RSS -------------------------------------------------------
-_PEAK_RSS = textwrap.dedent("""
-    import gc, io, json, sys
-    sys.path.insert(0, sys.argv[1])
-    import torch
-    torch.set_num_threads(1)
-    from PIL import Image
-    from encoders.config import AudioConfig
-    from encoders.image_processing import ImageProcessingConfig
-    from llm_core.storage import MemoryStore
-    from mm_pipeline.encode.batcher import EncoderBatcher
-    from mm_pipeline.encode.encoder_cache import EncoderCache
-    from mm_pipeline.encode.plan import PlannerConfig
-    from mm_pipeline.encode.preprocess import Preprocessor
-    from mm_pipeline.encode.unit_producer import UnitProducer
-    from mm_pipeline.media.decode.image import probe_image
-    from mm_pipeline.media.types import MediaItem, MediaKind
-    from mm_pipeline.media.worker_pool import WorkerPool
-
-    def status(key):
-        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
-
-    def peak_of(fn):
-        gc.collect()
-        open("/proc/self/clear_refs", "w").write("5")  # the peak RSS from here
-        base = status("VmRSS")
-        result = fn()
-        return status("VmHWM") - base, result
-
-    pool = WorkerPool(1, 1)
-    out = []
-    for path, kind, fmt, max_pixels in json.loads(sys.argv[2]):
-        pre = Preprocessor(ImageProcessingConfig(max_pixels=max_pixels), AudioConfig())
-        producer = UnitProducer(pre, pool, EncoderBatcher(None, None), EncoderCache([MemoryStore(1 << 20)]),
-                                PlannerConfig(), lambda *a, **k: None)
-        reserved = []
-        real = producer.budget.reserve
-        producer.budget.reserve = lambda n, *a, **k: (reserved.append(int(n)), real(n, *a, **k))[1]
-        item = MediaItem(MediaKind.IMAGE if kind == "image" else MediaKind.AUDIO, fmt, open(path, "rb").read())
-        case = {"name": path}
-        if kind == "audio":
-            producer.audio_inputs(item)  # warm: the ops' first-call costs are not the item's
-            case["whole"], _ = peak_of(lambda: producer.audio_inputs(item))
-        else:
-            buf = io.BytesIO()
-            Image.new("RGB", (320, 200), (9, 9, 9)).save(buf, "PNG")
-            producer.image_input(MediaItem(MediaKind.IMAGE, "png", buf.getvalue()))  # warm
-            size = pre.image_size(*probe_image(item))
-            # the decode alone, as image_input runs it, then the whole of image_input
-            case["decode"], image = peak_of(lambda: producer.decoder.decode_image(item, producer.config.limits,
-                                                                                  target=size))
-            del image
-            try:  # the decode's own bound (the reservation is the larger of it and the preprocess's)
-                from mm_pipeline.media.decode.image import decode_image_peak
-                case["bound"] = decode_image_peak(*probe_image(item), size)[0]
-            except ImportError:
-                case["bound"] = None
-            case["whole"], _ = peak_of(lambda: producer.image_input(item))
-        case["reserved"] = reserved[-1]
-        out.append(case)
-    pool.shutdown()
-    print(json.dumps(out))
-""")
-# What a process's RSS holds beyond the decode's data: interpreter and PyAV / PIL objects, page
-# rounding (measured: under 1.5 MiB); a missing per-sample or per-pixel term is tens of MiB here
-_RSS_SLACK = 2 << 20
-
-
-def _peak_rss(cases: list[tuple[str, str, str, int]]) -> list[dict]:
-    # glibc's fixed mmap threshold: every large block goes back to the system when freed, so each
-    # measurement's RSS peak is its own (the dynamic one keeps freed blocks for the next one)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    run = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(ROOT), json.dumps(cases)],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def test_audio_reservation_covers_the_peak_rss(tmp_path):
-    """3 minutes of 24 kHz audio: what ``audio_inputs`` reserves against the peak RSS of running it
-    (the STFT, then ``abs`` of the spectrum through a complex temporary: ~44 B/sample in one block)."""
-    path = tmp_path / "three_minutes.wav"
-    path.write_bytes(audio_bytes(rate=24000, seconds=180.0, channels=1))
-    (case,) = _peak_rss([(str(path), "audio", "wav", 0)])
-    samples = 180 * 24000
-    assert case["whole"] <= case["reserved"] + _RSS_SLACK, (
-        f"audio_inputs held {case['whole'] / samples:.2f} B/sample, reserved {case['reserved'] / samples:.2f}")
-
-
-def test_image_reservation_covers_the_peak_rss(tmp_path):
-    """PIL's image, its EXIF-oriented copy, a mode conversion and ``tobytes`` (its chunks and
-    their join) are outside tensors and numpy: the peak RSS of ``decode_image`` alone against its
-    bound, and of the whole ``image_input`` against what it reserves. Shrunk sources (over twice
-    the target per side) decode in a fraction of the reservation a full-size preprocess needs."""
-    w, h = 1800, 1200
-    cases = [
-        ("rgba_rotated.png", "png", {"mode": "RGBA", "exif": _rotated(8)}, 8388608),
-        ("cmyk_rotated.jpg", "jpeg", {"mode": "CMYK", "format": "JPEG", "exif": _rotated(6)}, 8388608),
-        ("palette_alpha.png", "png", {"mode": "P", "transparency": 0}, 8388608),
-        ("rgb_shrunk.png", "png", {}, 200_000),
-        ("rgba_shrunk.png", "png", {"mode": "RGBA", "exif": _rotated(6)}, 200_000),
-    ]
-    files = []
-    for name, fmt, save, max_pixels in cases:
-        (tmp_path / name).write_bytes(_png((w, h), **save))
-        files.append((str(tmp_path / name), "image", fmt, max_pixels))
-    gray16 = np.broadcast_to(np.linspace(0, 65535, w)[None], (h, w)).astype(np.uint16)
-    Image.fromarray(gray16).save(tmp_path / "gray16.png")
-    Image.fromarray((gray16.astype(np.int32) * 3), "I").save(tmp_path / "int32.tiff")
-    Image.fromarray(gray16.astype(np.float32) / 65535).save(tmp_path / "float.tiff")
-    files += [(str(tmp_path / "gray16.png"), "image", "png", 8388608),
-              (str(tmp_path / "int32.tiff"), "image", "tiff", 8388608),
-              (str(tmp_path / "float.tiff"), "image", "tiff", 8388608)]
-    for case in _peak_rss(files):
-        name, px = Path(case["name"]).name, w * h
-        assert case["decode"] <= case["reserved"], (
-            f"{name}: decode held {case['decode'] / px:.1f} B/px, reserved {case['reserved'] / px:.1f}")
-        assert case["bound"] is None or case["decode"] <= case["bound"], (
-            f"{name}: decode held {case['decode'] / px:.1f} B/px, its bound {case['bound'] / px:.1f}")
-        assert case["whole"] <= case["reserved"] + _RSS_SLACK, (
-            f"{name}: image_input held {case['whole'] / px:.1f} B/px, reserved {case['reserved'] / px:.1f}")
-
-
-# ---- the banded conversions give the same pixels ------------------------------------------------------
-def _reference_gray(img: Image.Image) -> np.ndarray:
-    """to_rgb8's 16-bit / 32-bit / float rules as whole-array numpy (before the bands)."""
-    if img.mode == "F":
-        arr = np.asarray(img, dtype=np.float32)
-        if arr.size and np.nanmin(arr) >= 0.0 and np.nanmax(arr) <= 1.0:
-            arr = arr * 255.0
-        gray = np.clip(np.nan_to_num(arr), 0, 255).round().astype(np.uint8)
-    else:
-        gray = (np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
-    return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
-
-
-def _reference_on_white(rgba: np.ndarray) -> np.ndarray:
-    rgb, a = rgba[:, :, :3].astype(np.uint32), rgba[:, :, 3:4].astype(np.uint32)
-    return ((rgb * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
-
-
-@pytest.mark.parametrize("band", [None, 100])
-def test_banded_conversions_give_the_same_pixels(monkeypatch, band):
-    if band is not None:  # many bands of an odd number of rows
-        monkeypatch.setattr(image_mod, "_BAND_PIXELS", band, raising=False)
-    rng = np.random.default_rng(0)
-    h, w = 37, 53
-    floats = rng.uniform(-20, 300, (h, w)).astype(np.float32)
-    floats[3, 4], floats[5, 6], floats[7, 8] = np.nan, np.inf, -np.inf
-    unit = rng.uniform(0, 1, (h, w)).astype(np.float32)
-    unit[1, 1] = np.nan
-    grays = [Image.fromarray(rng.integers(0, 65536, (h, w), dtype=np.uint16)),
-             Image.fromarray(rng.integers(-70000, 140000, (h, w), dtype=np.int32), "I"),
-             Image.fromarray(floats, "F"), Image.fromarray(unit, "F")]
-    for img in grays:
-        np.testing.assert_array_equal(image_mod.to_rgb8(img), _reference_gray(img), err_msg=img.mode)
-    rgba = rng.integers(0, 256, (h, w, 4), dtype=np.uint8)
-    rgba[0, :, 3], rgba[1, :, 3] = 0, 255
-    for mode in ("RGBA", "LA", "PA"):
-        img = Image.fromarray(rgba, "RGBA") if mode == "RGBA" else Image.fromarray(rgba, "RGBA").convert(mode)
-        want = _reference_on_white(np.asarray(img.convert("RGBA")))
-        np.testing.assert_array_equal(image_mod.to_rgb8(img), want, err_msg=mode)

@@ -1,0 +1,88 @@
+"""OpenAI's Responses API (``/v1/responses``) served in process on test_reasoning_server.py's
+scripted engine: the response store and the conversations built from it. A store of zero bytes
+keeps nothing; the store's bound counts the whole response (instructions too); a long
+conversation is turned into a chat and stored off the event loop; a bad input part is named by
+its Responses input item, not by its chat message."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from mm_pipeline.server import ServerSettings, ServerThread, create_app
+from tests.support.responses_api import ThinkingEngine_for, message_text
+
+
+def test_a_store_of_zero_bytes_keeps_nothing(tmp_path):
+    engine = ThinkingEngine_for([["Fine."]])
+    with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path), responses_store_bytes=0))) as server:
+        r = httpx.post(server.base_url + "/v1/responses", json={"input": "Hi"}, timeout=30).json()
+        assert r["store"] is False and message_text(r) == "Fine."
+        assert httpx.get(server.base_url + f"/v1/responses/{r['id']}", timeout=30).status_code == 404
+
+
+def test_the_store_charges_a_response_and_its_conversation(tmp_path):
+    """The store's bound counts the whole response (instructions here): 16 KiB of instructions each,
+    a 64 KiB store keeps at most three of eight, not all."""
+    settings = ServerSettings(files_dir=str(tmp_path), responses_store_bytes=64 << 10)
+    with ServerThread(create_app(ThinkingEngine_for([["Fine."]]), settings)) as server:
+        ids = [httpx.post(server.base_url + "/v1/responses", json={"input": "Hi", "instructions": "i" * (16 << 10)},
+                          timeout=30).json()["id"] for _ in range(8)]
+        kept = [i for i in ids if httpx.get(server.base_url + f"/v1/responses/{i}", timeout=30).status_code == 200]
+        assert 0 < len(kept) <= 3 and kept == ids[-len(kept):]  # the most recent, within the bytes
+
+
+def test_a_long_conversation_is_turned_into_a_chat_and_stored_off_the_event_loop(tmp_path, monkeypatch):
+    """A one-item follow-up of a long stored conversation is long: its chat is built and validated,
+    and its entry sized, on a thread (the event loop serves every other request meanwhile)."""
+    from mm_pipeline.server.responses_api import routes
+
+    def on_loop() -> bool:
+        try:
+            return asyncio.get_running_loop() is not None
+        except RuntimeError:
+            return False
+
+    ran: list[tuple[str, bool]] = []
+
+    def watched(name: str, fn):
+        def run(*args):
+            ran.append((name, on_loop()))
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(routes, "_chat_request", watched("chat", routes._chat_request))
+    monkeypatch.setattr(routes, "_sized_entry", watched("size", routes._sized_entry))
+    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"m{k}"} for k in range(routes._INLINE_ITEMS)]
+    with ServerThread(create_app(ThinkingEngine_for([["Fine."]]), ServerSettings(files_dir=str(tmp_path)))) as server:
+        first = httpx.post(server.base_url + "/v1/responses", json={"input": turns[:3]}, timeout=30).json()
+        assert ran == [("chat", True), ("size", True)]  # short: inline
+        ran.clear()
+        # as many items as are validated inline; its entry (1,000s of values) is sized on a thread
+        long = httpx.post(server.base_url + "/v1/responses", json={"input": turns}, timeout=30).json()
+        assert ran == [("chat", True), ("size", True), ("size", False)]
+        ran.clear()
+        follow = httpx.post(server.base_url + "/v1/responses", json={"input": "And?", "previous_response_id": long["id"]},
+                            timeout=30)
+        assert follow.status_code == 200 and first["status"] == "completed"
+        assert ran == [("chat", False), ("size", False)]  # one item, but the history's too
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"role": "user", "content": [{"type": "input_text", "text": "Look:"}, {"type": "input_text", "text": 5}]},
+     "input.2.content.1"),
+    ({"type": "function_call_output", "call_id": "c1", "output": [{"type": "bogus"}]}, "input.2.output.0"),
+])
+def test_a_bad_input_part_is_named_by_its_input_item(scripted, bad, param):
+    """The chat request names its messages; the error names the Responses input item (instructions
+    and the stored conversation come before it in the chat)."""
+    base = scripted([["Fine."]])
+    first = httpx.post(base + "/v1/responses", json={"input": "Hi"}, timeout=30).json()
+    items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"role": "user", "content": "One more."}, bad]
+    r = httpx.post(base + "/v1/responses", json={"input": items, "instructions": "Be brief.",
+                                                 "previous_response_id": first["id"]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param + ":")
