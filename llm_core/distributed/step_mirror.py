@@ -28,8 +28,8 @@ from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import RankGroup
-from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, PoolOp, ReportOp,
-                                           to_cpu)
+from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, FixedStepOp, ForwardOp, GraphsOp, LayoutOp, LogitsOp,
+                                           PoolOp, ReportOp, to_cpu)
 from llm_core.distributed.worker import share_report
 from llm_core.kvcache.dual_pool import default_kv_budget_bytes
 
@@ -87,6 +87,27 @@ class MirroredModel:
         return self._mirror(LogitsOp(stop - start, (start, stop)), "logits", self.local.compute_logits,
                             hidden[start:stop])
 
+    def mirrored_decode_graphs(self, pool, *, buckets: tuple[int, ...], mode: str, max_model_len: int):
+        """Fixed-shape decode steps on every rank (DecodeGraphs over each rank's shard and KV share):
+        rank 0's are built over its local shard, the others build theirs from a GraphsOp, and all warm
+        up -- capture, on CUDA -- in the same order. Each step then goes out as a FixedStepOp with its
+        input rows, and every rank replays its own graph of that bucket, whose collectives meet."""
+        from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
+        from llm_core.engine.fixed_decode.persistent_batch import StepRows
+
+        if mode == "compile":
+            raise ValueError("torch.compile'd decode steps are not mirrored across tensor/expert-parallel ranks "
+                             "(CUDA graphs and the eager fixed-shape steps are)")
+
+        def mirror(bucket: int, rows, run):
+            return self._mirror(FixedStepOp(bucket, StepRows.of(rows, bucket)), "decode step", run)
+
+        graphs = DecodeGraphs(self.local, pool, buckets=buckets, mode=mode, max_model_len=max_model_len, mirror=mirror,
+                              agree=lambda ok: all(self.group.gather_objects(ok)))
+        self._mirror(GraphsOp(graphs.buckets, mode, max_model_len, graphs.scratch), "decode graphs",
+                     graphs.warm_up, pool)
+        return graphs
+
     def greedy_ids(self, hidden: torch.Tensor) -> None:
         """Never: every rank runs ``compute_logits`` with rank 0, so the runner takes that path."""
         return None
@@ -131,7 +152,7 @@ class MirroredModel:
         except BaseException as exc:  # Ctrl-C mid-call: still itself, and the group stays broken
             self.group.broken = f"{type(exc).__name__} during {what}"
             raise
-        if isinstance(op, (EmbedOp, ForwardOp, LogitsOp)):  # calls with NCCL collectives (on CUDA)
+        if isinstance(op, (EmbedOp, ForwardOp, LogitsOp, FixedStepOp, GraphsOp)):  # calls with NCCL collectives
             self.group.device_done(what)
         self.group.settle()
         return out

@@ -104,6 +104,27 @@ class PoolOp:
 
 
 @dataclass(frozen=True)
+class GraphsOp:
+    """Build this rank's fixed-shape decode steps (llm_core/engine/fixed_decode/decode_graphs.py)
+    over its shard and KV share with rank 0's buckets, mode and scratch pages, and warm them up --
+    capture them, on CUDA -- as rank 0 does, in the same order, so their collectives meet."""
+
+    buckets: tuple[int, ...]
+    mode: str
+    max_model_len: int
+    scratch: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class FixedStepOp:
+    """One fixed-shape decode step of ``bucket`` rows: rank 0's step inputs (``StepRows``), which
+    every rank copies into its own graph's buffers before it replays it."""
+
+    bucket: int
+    rows: object  # llm_core.engine.fixed_decode.persistent_batch.StepRows
+
+
+@dataclass(frozen=True)
 class StopOp:
     """Leave the loop: the engine is closing."""
 

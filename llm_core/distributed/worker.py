@@ -22,8 +22,8 @@ import torch
 from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_group import LaunchSpec, RankGroup, torchrun_rank
-from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, ForwardOp, LayoutOp, LogitsOp, PoolOp, ReportOp,
-                                           StopOp, to_device)
+from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, FixedStepOp, ForwardOp, GraphsOp, LayoutOp, LogitsOp,
+                                           PoolOp, ReportOp, StopOp, to_device)
 from llm_core.kvcache.dual_pool import DualKVPool, default_kv_budget_bytes
 from llm_core.model.dtype import parse_dtype
 
@@ -109,6 +109,7 @@ def exit_with_parent(poll_s: float = 1.0) -> threading.Thread:
 def serve_steps(model, group: RankGroup) -> int:
     """Obey rank 0's messages until StopOp (0), or until a call fails here (1, after logging it)."""
     pool: DualKVPool | None = None
+    graphs = None  # fixed-shape decode steps (GraphsOp), rank 0's buckets over this rank's share
     hidden, batch = None, None
     huge_pages = False
     while True:
@@ -124,6 +125,15 @@ def serve_steps(model, group: RankGroup) -> int:
                 elif isinstance(op, PoolOp):
                     pool = _pool(pool, model, op.kv_tokens, op.page_size, group.device, huge_pages)
                     group.gather_objects(None)
+                elif isinstance(op, GraphsOp):
+                    from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
+
+                    graphs = DecodeGraphs(model, pool, buckets=op.buckets, mode=op.mode,
+                                          max_model_len=op.max_model_len, scratch=op.scratch,
+                                          agree=lambda ok: all(group.gather_objects(ok)))
+                    graphs.warm_up(pool)
+                elif isinstance(op, FixedStepOp):
+                    graphs.step_rows(op.bucket, op.rows, pool)
                 elif isinstance(op, LayoutOp):
                     huge_pages = op.huge_pages
                     prepare_weights(model, op, group.device)

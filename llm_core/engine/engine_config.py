@@ -184,7 +184,7 @@ class EngineConfig:
         did not pay for its compile time (README, "Compiled decode steps")."""
         cuda = torch.device(device).type == "cuda"
         on = self.compile_decode if self.compile_decode is not None else cuda
-        if not on or self.world_size > 1:  # the ranks' mirrored model calls are not captured yet
+        if not on or (self.world_size > 1 and not cuda):  # torch.compile'd steps are not mirrored to ranks
             return None
         return "cudagraph" if cuda else "compile"
 

@@ -23,6 +23,7 @@ input preparation or forward raises to the engine, which finds the entries that 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -93,7 +94,13 @@ class ModelRunner:
     def enable_decode_graphs(self, pool, *, buckets: tuple[int, ...], mode: str, max_model_len: int) -> float:
         """Run decode-only steps as fixed-shape steps per batch bucket over ``pool`` (takes one
         scratch page of each of its pools); compiles / captures every bucket now and returns the
-        seconds that took."""
+        seconds that took. A tensor/expert-parallel model builds them on every rank
+        (``MirroredModel.mirrored_decode_graphs``)."""
+        mirrored = getattr(self.model, "mirrored_decode_graphs", None)
+        if mirrored is not None:
+            t0 = time.perf_counter()
+            self.decode_graphs = mirrored(pool, buckets=buckets, mode=mode, max_model_len=max_model_len)
+            return time.perf_counter() - t0
         self.decode_graphs = DecodeGraphs(self.model, pool, buckets=buckets, mode=mode, max_model_len=max_model_len)
         return self.decode_graphs.warm_up(pool)
 

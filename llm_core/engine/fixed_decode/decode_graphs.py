@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -73,17 +74,30 @@ class DecodeGraphs:
     """Runs decode-only steps of up to ``max(buckets)`` requests through fixed-shape graphs."""
 
     def __init__(self, model: torch.nn.Module, pool, *, buckets: tuple[int, ...], mode: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, scratch: tuple[int, int] | None = None,
+                 mirror: Callable[[int, object, Callable[[], tuple]], tuple] | None = None,
+                 agree: Callable[[bool], bool] | None = None) -> None:
+        """``model``: this process's model (a rank's shard). In a tensor-parallel group, on every
+        rank: ``scratch``, rank 0's scratch pages (the other ranks take no pages of their own), and
+        ``agree(ok)``, whether every rank's last capture succeeded (each rank's own outcome in: a
+        gather); on rank 0 ``mirror(bucket, rows, run)`` runs ``run``, the local step, after telling
+        the other ranks to make the same step on ``rows`` (step_mirror.py). A group's ranks must make
+        the same steps (their collectives meet), so one rank cannot fall back to eager steps alone:
+        after each start-up capture the ranks agree, and if any failed, all of them run eagerly."""
         if mode not in DECODE_MODES:
             raise ValueError(f"decode mode {mode!r}; expected one of {DECODE_MODES}")
-        self.model, self.mode = model, mode
+        self.model, self.mode, self.mirror, self.agree = model, mode, mirror, agree
+        self._capture_error: Exception | None = None  # a group's rank: its last capture's failure
+        self._warming = False  # in warm_up: where a group's captures happen
         self.buckets = tuple(sorted(set(buckets)))
         self.page_size = pool.page_size
         self.device = pool.device
         self.num_layers = len(pool.layout.layer_kinds)
         self.max_keys = -(-max_model_len // self.page_size) * self.page_size
         # one page per pool that padded rows write and read, never a request's (PersistentDecodeBatch)
-        self.scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
+        if scratch is None:  # one page per pool for padded rows, never a request's
+            scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
+        self.scratch = scratch
         self.max_pages = self.max_keys // self.page_size + 1
         self.batch = PersistentDecodeBatch(self.buckets[-1], self.max_pages, self.page_size, self.scratch)
         self.verify_rows = VerifyRows(self.buckets[-1], self.max_pages, self.page_size, self.scratch)
@@ -124,7 +138,7 @@ class DecodeGraphs:
         """Logits [n, V] of the entries (in entry order), one fixed-shape step of the smallest bucket."""
         rows = self.batch.update(entries, self.steps)
         bucket = self.buckets[bisect.bisect_left(self.buckets, len(entries))]
-        logits, _ = self._run(bucket, _LayerKV(kv, self.num_layers))
+        logits, _ = self._step(bucket, kv, self.batch)
         return logits[torch.tensor(rows, device=logits.device)]
 
     @torch.inference_mode()
@@ -137,8 +151,14 @@ class DecodeGraphs:
         buffers -- the caller gathers its rows from them at once."""
         n = self.verify_rows.fill(entries)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        logits, hidden = self._run(bucket, _LayerKV(kv, self.num_layers), source=self.verify_rows)
+        logits, hidden = self._step(bucket, kv, self.verify_rows)
         return logits[:n], hidden[:n].clone()
+
+    @torch.inference_mode()
+    def step_rows(self, bucket: int, rows, kv) -> None:
+        """A rank other than 0: rank 0's step of ``bucket`` ``rows`` (a StepRows) on this rank's
+        shard and KV share (its outputs are rank 0's: the logits are gathered there)."""
+        self._run(bucket, _LayerKV(kv, self.num_layers), source=rows.widened(self.max_pages))
 
     def warm_up(self, kv) -> float:
         """Compile every bucket at the narrowest key grid (CPU), or capture every bucket's graph of
@@ -148,20 +168,43 @@ class DecodeGraphs:
             return 0.0
         t0 = time.perf_counter()
         layers = _LayerKV(kv, self.num_layers)
-        with torch.inference_mode():
-            for b in self.buckets:
-                if self.mode != "cudagraph":
-                    self._run(b, layers)
-                    continue
-                first_width: dict[tuple[int, ...], int] = {}  # split count -> the narrowest width needing it
-                for keys in self._key_widths():
-                    first_width.setdefault(self.key_splits(b, keys), keys)
-                for keys in first_width.values():
-                    if self.mode == "cudagraph":  # not after a failed capture (then every step runs eagerly)
-                        self._run(b, layers, min_keys=keys)
+        self._warming = True
+        try:
+            with torch.inference_mode():
+                for b in self.buckets:
+                    if self.mode != "cudagraph":
+                        self._run(b, layers)
+                        continue
+                    first_width: dict[tuple[int, ...], int] = {}  # split count -> the narrowest width needing it
+                    for keys in self._key_widths():
+                        first_width.setdefault(self.key_splits(b, keys), keys)
+                    for keys in first_width.values():
+                        if self.mode == "cudagraph":  # not after a failed capture (then every step runs eagerly)
+                            self._run(b, layers, min_keys=keys)
+                            self._settle_group_capture()
+        finally:
+            self._warming = False
         return time.perf_counter() - t0
 
+    def _settle_group_capture(self) -> None:
+        """In a group, after a start-up capture: if any rank's failed, every rank runs eagerly."""
+        if self.agree is None:
+            return
+        failed, self._capture_error = self._capture_error, None
+        if not self.agree(failed is None):
+            log.warning("CUDA graph capture failed on %s; every rank decodes eagerly",
+                        f"this rank ({failed})" if failed is not None else "another rank")
+            self.mode = "eager"
+            self._graphs.clear()
+
     # ---- internal helpers -------------------------------------------------------------------
+    def _step(self, bucket: int, kv, source) -> tuple[torch.Tensor, torch.Tensor]:
+        """A serving step over ``source``'s first ``bucket`` rows (mirrored to a group's ranks)."""
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            return self._run(bucket, _LayerKV(kv, self.num_layers), source=source)
+
+        return run() if self.mirror is None else self.mirror(bucket, source, run)
+
     def _run(self, bucket: int, kv: _LayerKV, min_keys: int = MIN_KEYS, source=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of the first ``bucket`` rows of ``source`` (the persistent batch unless
         given: a VerifyRows)."""
@@ -260,6 +303,14 @@ class DecodeGraphs:
             try:
                 self._graphs[key] = self._capture(ids, fb, kv, keys)
             except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be captured: stay eager
+                if self.agree is not None:
+                    # a group's rank: running this step eagerly would make its collectives once more
+                    # than the other ranks; the ranks agree on eager steps after the capture instead
+                    if not self._warming:  # (mid-serving, where no capture is expected: an error)
+                        raise RuntimeError(f"CUDA graph capture of decode bucket {bucket} failed on this rank "
+                                           f"while serving ({exc})") from exc
+                    self._capture_error = exc
+                    return None
                 log.warning("CUDA graph capture of decode bucket %d (key splits %s) failed (%s); running it "
                             "eagerly", bucket, key[1], exc)
                 self.mode = "eager"

@@ -43,6 +43,34 @@ def slot_mappings(rows, bucket: int) -> tuple[np.ndarray, np.ndarray]:
     return full, swa
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """The first ``bucket`` rows of a fixed-shape step's inputs (a PersistentDecodeBatch's or a
+    VerifyRows'), as rank 0 sends them to the other ranks of a tensor-parallel group: the page
+    tables cut to the columns in use (a row's Full pages have no holes), padded back to the tables'
+    width on arrival so every rank's inputs have its graphs' shapes."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    seq_lens: np.ndarray
+    full_table: np.ndarray
+    swa_table: np.ndarray
+    page_size: int
+
+    @classmethod
+    def of(cls, rows, bucket: int) -> "StepRows":
+        width = max(1, int((rows.full_table[:bucket] >= 0).sum(axis=1).max()))
+        return cls(rows.token_ids[:bucket].copy(), rows.positions[:bucket].copy(), rows.seq_lens[:bucket].copy(),
+                   rows.full_table[:bucket, :width].copy(), rows.swa_table[:bucket, :width].copy(), rows.page_size)
+
+    def widened(self, max_pages: int) -> "StepRows":
+        """The same rows with tables ``max_pages`` wide (-1 past the columns sent)."""
+        full, swa = (np.full((len(self.token_ids), max_pages), -1, dtype=np.int64) for _ in range(2))
+        full[:, :self.full_table.shape[1]] = self.full_table
+        swa[:, :self.swa_table.shape[1]] = self.swa_table
+        return StepRows(self.token_ids, self.positions, self.seq_lens, full, swa, self.page_size)
+
+
 class VerifyRows:
     """The rows of one step whose entries compute several new tokens each (MTP verify: 1 + k) as a
     fixed-shape decode step: every new token is a row of its own -- its token, its position, its

@@ -104,6 +104,28 @@ def test_parallel_generation_equals_one_process(checkpoints, reference, layout, 
         assert rep["experts"] == (r * 8 // ep, (r + 1) * 8 // ep) if ep > 1 else rep["experts"] == (0, 8)
 
 
+@pytest.mark.parametrize("layout,tp,ep", [("hf", 2, 1), ("hub_fp8", 2, 2)])
+def test_fixed_shape_decode_steps_on_every_rank_equal_one_process(checkpoints, reference, layout, tp, ep):
+    """Fixed-shape decode steps (CUDA graphs on GPUs; here their eager stand-in, the same inputs,
+    padding and buckets) mirrored to the other rank: every rank builds its own over its shard and KV
+    share, each decode step goes out with its input rows and every rank runs that bucket's step; the
+    tokens equal one process's, logprobs within the all-reduce tolerance."""
+    want, _ = reference[layout]
+    with LLM(checkpoints[layout], tensor_parallel_size=tp, expert_parallel_size=ep, **ENGINE) as llm:
+        engine = llm.engine
+        engine.runner.enable_decode_graphs(engine.pool, buckets=(1, 2, 4), mode="eager",
+                                           max_model_len=engine.max_model_len)
+        graphs = engine.runner.decode_graphs
+        steps, mirror = [], graphs.mirror
+        graphs.mirror = lambda bucket, rows, run: steps.append(bucket) or mirror(bucket, rows, run)
+        got = llm.generate(PROMPTS, PARAMS)
+        engine.check_health()
+    assert steps and set(steps) <= {1, 2, 4}
+    for w, g in zip(want[:len(PROMPTS)], got):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) <= LOGPROB_TOL
+
+
 def test_a_dead_rank_ends_the_engine_with_an_error(checkpoints):
     """Rank 1 is killed while a long generation runs (mid-step: rank 0 sits in a collective or is
     sending the next step): generate raises RankFailure naming it within seconds, close() is quick."""
