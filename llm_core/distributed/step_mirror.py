@@ -20,6 +20,7 @@ run here, before the message, and fail only that request.
 
 from __future__ import annotations
 
+import atexit
 from typing import Any, Callable
 
 import torch
@@ -104,8 +105,10 @@ class MirroredModel:
 
         graphs = DecodeGraphs(self.local, pool, buckets=buckets, mode=mode, max_model_len=max_model_len, mirror=mirror,
                               agree=lambda ok: all(self.group.gather_objects(ok)))
-        self._mirror(GraphsOp(graphs.buckets, mode, max_model_len, graphs.scratch), "decode graphs",
-                     graphs.warm_up, pool)
+        self._graphs = graphs  # released before the group closes (close; at exit before the group's handler)
+        atexit.register(graphs.release)
+        self._mirror(GraphsOp(graphs.buckets, mode, max_model_len, graphs.scratch, graphs.split_table()),
+                     "decode graphs", graphs.warm_up, pool)
         return graphs
 
     def greedy_ids(self, hidden: torch.Tensor) -> None:
@@ -140,6 +143,9 @@ class MirroredModel:
             raise RankFailure(f"tensor/expert-parallel ranks out of step since {self.group.broken}")
 
     def close(self) -> None:
+        graphs = self.__dict__.pop("_graphs", None)
+        if graphs is not None:  # before NCCL's teardown, which waits for graphs holding its collectives
+            graphs.release()
         self.group.close()
 
     def _mirror(self, op: object, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

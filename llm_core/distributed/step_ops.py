@@ -113,6 +113,7 @@ class GraphsOp:
     mode: str
     max_model_len: int
     scratch: tuple[int, int]
+    splits: dict  # (bucket, key width) -> key splits: rank 0's, so every rank captures the same graphs
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,11 @@ class EngineConfig:
         did not pay for its compile time (README, "Compiled decode steps")."""
         cuda = torch.device(device).type == "cuda"
         on = self.compile_decode if self.compile_decode is not None else cuda
-        if not on or (self.world_size > 1 and not cuda):  # torch.compile'd steps are not mirrored to ranks
+        if self.world_size > 1:
+            # a rank group: CUDA graphs on every rank only when asked for (--compile-decode) until a
+            # multi-GPU run has checked them; torch.compile'd steps are not mirrored at all
+            return "cudagraph" if cuda and self.compile_decode is True else None
+        if not on:
             return None
         return "cudagraph" if cuda else "compile"
 

@@ -59,6 +59,10 @@ RECOMPILE_LIMIT = 256
 MIN_KEYS = 256  # the narrowest key grid: shorter contexts share it (and the graphs warm_up compiles)
 
 
+class CaptureFailed(RuntimeError):
+    """``torch.cuda.graph`` could not capture a step (its eager launch just before had run whole)."""
+
+
 class _LayerKV:
     """The step's (k_cache, v_cache) per layer, fetched once before the graph (a prefix-cache view
     may wait for tier loads in ``layer``; that wait must not sit inside a compiled region)."""
@@ -76,14 +80,16 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, pool, *, buckets: tuple[int, ...], mode: str,
                  max_model_len: int, scratch: tuple[int, int] | None = None,
                  mirror: Callable[[int, object, Callable[[], tuple]], tuple] | None = None,
-                 agree: Callable[[bool], bool] | None = None) -> None:
+                 agree: Callable[[bool], bool] | None = None,
+                 splits: dict[tuple[int, int], tuple[int, ...]] | None = None) -> None:
         """``model``: this process's model (a rank's shard). In a tensor-parallel group, on every
         rank: ``scratch``, rank 0's scratch pages (the other ranks take no pages of their own), and
         ``agree(ok)``, whether every rank's last capture succeeded (each rank's own outcome in: a
         gather); on rank 0 ``mirror(bucket, rows, run)`` runs ``run``, the local step, after telling
-        the other ranks to make the same step on ``rows`` (step_mirror.py). A group's ranks must make
-        the same steps (their collectives meet), so one rank cannot fall back to eager steps alone:
-        after each start-up capture the ranks agree, and if any failed, all of them run eagerly."""
+        the other ranks to make the same step on ``rows`` (step_mirror.py); ``splits``, rank 0's key
+        splits per (bucket, key width), so every rank captures the same graphs. A group's ranks must
+        make the same steps (their collectives meet), so one rank cannot fall back to eager steps
+        alone: after each start-up capture the ranks agree, and if any failed, all run eagerly."""
         if mode not in DECODE_MODES:
             raise ValueError(f"decode mode {mode!r}; expected one of {DECODE_MODES}")
         self.model, self.mode, self.mirror, self.agree = model, mode, mirror, agree
@@ -112,6 +118,8 @@ class DecodeGraphs:
         self._attention_kinds = tuple(dict.fromkeys(
             (layer.self_attn.spec.num_kv_heads, layer.self_attn.window) for layer in model.model.layers))
         self._splits: dict[tuple[int, int], tuple[int, ...]] = {}  # (bucket, keys) -> key_splits
+        if splits is not None:  # a group's rank: rank 0's (the same captures on every rank, whatever its SMs)
+            self._splits.update(splits)
 
     # ---- public API -------------------------------------------------------------------------
     def note_step(self) -> None:
@@ -229,6 +237,11 @@ class DecodeGraphs:
         hidden = self.model(None, fb, kv, inputs_embeds=self.model.model.embed_tokens(ids))
         return self.model.compute_logits(hidden), hidden
 
+    def split_table(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """Every (bucket, key width) a step can have and its key splits (what a group's other ranks
+        are given: ``splits``)."""
+        return {(b, k): self.key_splits(b, k) for b in self.buckets for k in self._key_widths()}
+
     def _key_widths(self) -> list[int]:
         """The key widths a step can have: powers of two from MIN_KEYS, the last capped at max_keys."""
         widths, k = [], MIN_KEYS
@@ -305,10 +318,11 @@ class DecodeGraphs:
             except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be captured: stay eager
                 if self.agree is not None:
                     # a group's rank: running this step eagerly would make its collectives once more
-                    # than the other ranks; the ranks agree on eager steps after the capture instead
-                    if not self._warming:  # (mid-serving, where no capture is expected: an error)
-                        raise RuntimeError(f"CUDA graph capture of decode bucket {bucket} failed on this rank "
-                                           f"while serving ({exc})") from exc
+                    # than the other ranks; the ranks agree on eager steps after the capture instead.
+                    # Only a failed capture is agreed on: an eager launch that failed part-way left
+                    # this rank's collectives out of step with the others', an error for the group
+                    if not isinstance(exc, CaptureFailed) or not self._warming:
+                        raise
                     self._capture_error = exc
                     return None
                 log.warning("CUDA graph capture of decode bucket %d (key splits %s) failed (%s); running it "
@@ -318,6 +332,11 @@ class DecodeGraphs:
             log.info("captured the CUDA graph of decode bucket %d for contexts up to %d tokens (key splits %s)",
                      bucket, keys, key[1])
         graph, static, out = self._graphs[key]
+        if self._warming and self.agree is not None:
+            # a group's start-up: no replay before the ranks agree the capture held on every rank
+            # (a rank whose capture failed replays nothing: the others' replayed collectives would
+            # then be a step ahead of it)
+            return out
         static["ids"].copy_(ids, non_blocking=True)
         for name in ("positions", "full_slot_mapping", "swa_slot_mapping", "full_block_table", "swa_block_table"):
             static[name].copy_(getattr(fb, name), non_blocking=True)
@@ -360,10 +379,22 @@ class DecodeGraphs:
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
                 out = self._logits(static["ids"], sfb, kv)
-        except BaseException:
+        except BaseException as exc:
             # a capture that failed can leave this thread on the capture's side stream (torch's
             # graph context ends the capture before it restores the stream, and that end raises):
             # the eager steps that follow must run on the stream they ran on before
             torch.cuda.set_stream(stream)
+            if isinstance(exc, Exception):  # the capture alone failed (the eager launch above ran whole)
+                raise CaptureFailed(str(exc)) from exc
             raise
         return graph, static, out
+
+    def release(self) -> None:
+        """Destroy the captured graphs (and their memory pool) now. In a rank group this must come
+        before the process group's destroy or abort: NCCL (>= 2.26) waits there until every graph
+        that captured one of its collectives is gone, so a graph still alive hangs the close."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._graph_pool = None
+        self.mode = "eager" if self.mode == "cudagraph" else self.mode

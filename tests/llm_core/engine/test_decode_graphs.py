@@ -243,33 +243,42 @@ def test_graph_bookkeeping_with_cuda_stood_in(model, monkeypatch):
     assert [len(o.token_ids) for o in llm.generate([ids(152, 9)], params)] == [4]
 
 
-@pytest.mark.parametrize("fails_here,others_ok", [(True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("fails_here,others_ok", [(True, True), (False, False), (False, True), ("launch", True)])
 def test_a_group_ranks_agree_on_eager_steps_when_a_capture_fails(model, monkeypatch, fails_here, others_ok):
     """A tensor-parallel rank (``agree`` given) whose start-up capture fails neither raises nor runs
     that step eagerly alone (its collectives would run once more than the other ranks'): the ranks
-    agree after each capture, and when any failed every rank clears its graphs and decodes eagerly
-    (torch.cuda's graph calls stood in: the capture of bucket 2 fails on this rank or another)."""
+    agree after each capture -- none replays before that, so a rank whose capture failed is never a
+    step behind -- and when any failed every rank clears its graphs and decodes eagerly. An eager
+    launch that fails part-way is the group's error, not agreed on. ``release`` drops the graphs
+    (before NCCL's teardown). torch.cuda's graph calls stood in: bucket 2 fails on this rank or another."""
     from contextlib import contextmanager
 
     from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 
+    replays = []
+
     @contextmanager
     def graph(g, pool=None, capture_error_mode="global"):
         yield
-        if fails_here and g.bucket == 2:
+        if fails_here is True and g.bucket == 2:
             raise RuntimeError("operation not permitted when stream is capturing")
 
     class Graph:
         bucket = None
 
         def replay(self) -> None:
-            pass
+            replays.append(self.bucket)
 
-    real_capture = DecodeGraphs._capture
+    real_capture, real_logits = DecodeGraphs._capture, DecodeGraphs._logits
 
     def capture(self, ids, fb, kv, keys):
         Graph.bucket = ids.shape[0]
         return real_capture(self, ids, fb, kv, keys)
+
+    def logits(self, ids, fb, kv):
+        if fails_here == "launch" and ids.shape[0] == 2:
+            raise RuntimeError("CUDA out of memory in the eager launch")
+        return real_logits(self, ids, fb, kv)
 
     monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: graph(g, **kw))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: Graph())
@@ -278,17 +287,25 @@ def test_a_group_ranks_agree_on_eager_steps_when_a_capture_fails(model, monkeypa
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "engine stream")
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(DecodeGraphs, "_logits", logits)
     eng = LLMEngine(model, EngineConfig(page_size=PAGE, num_full_tokens=2048, num_swa_tokens=512, compile_decode=False))
     agreed: list[bool] = []
     graphs = DecodeGraphs(model, eng.pool, buckets=(1, 2, 4), mode="cudagraph", max_model_len=eng.max_model_len,
                           agree=lambda ok: agreed.append(ok) or (ok and (others_ok or len(agreed) < 2)))
+    if fails_here == "launch":
+        with pytest.raises(RuntimeError, match="out of memory in the eager launch"):
+            graphs.warm_up(eng.pool)
+        assert agreed == [True] and not graphs._warming
+        return
     graphs.warm_up(eng.pool)
     failed = fails_here or not others_ok
     assert graphs.mode == ("eager" if failed else "cudagraph")
     assert (graphs._graphs == {}) == failed
     # this rank's outcome went into every agreement; none after the ranks fell back to eager steps
     assert agreed == ([True, False] if fails_here else [True, True] if not others_ok else [True] * len(agreed))
-    assert not graphs._warming
+    assert not graphs._warming and replays == []  # no replay at a group's start-up
+    graphs.release()
+    assert graphs._graphs == {} and graphs.mode == "eager"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.ci/gpu runs it on a GPU machine)")
@@ -357,8 +374,10 @@ def test_decode_mode_defaults_and_flags():
     assert EngineConfig().decode_mode("cuda") == "cudagraph"
     assert EngineConfig(compile_decode=True).decode_mode("cpu") == "compile"
     assert EngineConfig(compile_decode=False).decode_mode("cuda") is None
-    # tensor/expert parallelism: CUDA graphs on every rank (mirrored), no torch.compile'd steps
-    assert EngineConfig(tensor_parallel_size=2).decode_mode("cuda") == "cudagraph"
+    # tensor/expert parallelism: CUDA graphs on every rank (mirrored) only when asked for, until a
+    # multi-GPU run checked them; no torch.compile'd steps
+    assert EngineConfig(tensor_parallel_size=2).decode_mode("cuda") is None
+    assert EngineConfig(tensor_parallel_size=2, compile_decode=True).decode_mode("cuda") == "cudagraph"
     assert EngineConfig(tensor_parallel_size=2, compile_decode=True).decode_mode("cpu") is None
     with pytest.raises(ValueError, match="decode_buckets"):
         EngineConfig(decode_buckets=(0, 4))
