@@ -18,7 +18,6 @@ handler, which closes the engine streams (= abort, resources freed).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import shutil
@@ -33,15 +32,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.background import BackgroundTask
-from starlette.requests import ClientDisconnect
-from starlette.routing import Match
 
 from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.completions.choices import ChoiceState
-from mm_pipeline.server.errors import APIError, error_response, install_error_handlers, log_rejection, to_api_error
+from mm_pipeline.server.errors import APIError, install_error_handlers
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.json_limits import json_values_bound, too_many_bytes, too_many_values
+from mm_pipeline.server.access import AuthAndCount
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.protocol import (MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation,
@@ -137,91 +135,6 @@ def _validate_off_loop(model: type[BaseModel], raw: bytearray, max_values: int, 
 def _file_object(rec: FileRecord) -> FileObject:
     return FileObject(id=rec.id, bytes=rec.bytes, created_at=rec.created_at, filename=rec.filename,
                       purpose=rec.purpose, content_hash=rec.content_hash)
-
-
-# Open without the API key: the liveness probe and the upload page with its static files (the
-# page's own calls go to /v1, which needs the key). Everything else -- /v1, vLLM's /tokenize,
-# /detokenize and /version, /metrics and the schema and docs pages (/openapi.json, /docs, /redoc) --
-# needs it when one is set.
-_OPEN_PATHS = ("/health", "/ping", "/")
-_OPEN_PREFIXES = ("/web/",)
-
-
-def needs_key(path: str) -> bool:
-    """``path``: as the app routes it (``route_path``), not as it came: behind --root-path the open
-    paths are /prefix/health and so on, and a liveness probe must not need the key there either."""
-    return path not in _OPEN_PATHS and not path.startswith(_OPEN_PREFIXES)
-
-
-def route_path(scope: dict) -> str:
-    """The request's path less the root path in front of it (uvicorn and Ray's proxy keep
-    ``--root-path`` in ``scope["path"]``), as Starlette's routing reads it."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):] or "/"
-    return path
-
-
-def route_template(routes: list, scope: dict) -> str:
-    """The path template of the route ``scope`` would reach (``/v1/files/{file_id}``), or
-    ``"other"``: a metric label must not grow with the paths clients make up."""
-    for route in routes:
-        match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            return getattr(route, "path", "other")
-    return "other"
-
-
-def bearer_matches(headers: list[tuple[bytes, bytes]], key: bytes) -> bool:
-    """``Authorization: Bearer <key>``, compared as bytes (a header may hold any byte)."""
-    given = dict(headers).get(b"authorization", b"")
-    scheme, _, token = given.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
-
-
-class AuthAndCount:
-    """Pure ASGI middleware (streams and disconnects pass through untouched), the outermost of the
-    app's own: API-key check (``needs_key``), in-flight gauge, per-route status counts, and the
-    answer to an exception no handler took (a bug: one traceback, a 500, nothing re-raised)."""
-
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, routes: list) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
-        self.key = None if api_key is None else api_key.encode("utf-8")
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.key is not None and needs_key(route_path(scope)) and not bearer_matches(scope["headers"], self.key):
-            self.metrics.count_request(route_template(self.routes, scope), 401)
-            err = APIError(401, "missing or invalid API key (Authorization: Bearer ...)")
-            log_rejection(err, scope["method"], scope["path"])
-            await error_response(err)(scope, receive, send)
-            return
-        status = 500
-        started = False
-
-        async def send_and_note(message) -> None:
-            nonlocal status, started
-            if message["type"] == "http.response.start":
-                status, started = message["status"], True
-            await send(message)
-
-        self.metrics.http_in_flight.inc()
-        try:
-            await self.app(scope, receive, send_and_note)
-        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing to log
-            status = 499
-        except Exception as exc:  # noqa: BLE001 -- no handler took it: answer 500 here, once
-            err = to_api_error(exc)
-            log_rejection(err, scope["method"], scope["path"])
-            if not started:
-                status = err.status
-                await error_response(err)(scope, receive, send)
-        finally:
-            self.metrics.http_in_flight.dec()
-            route = scope.get("route")
-            self.metrics.count_request(getattr(route, "path", "other"), status)
 
 
 def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:

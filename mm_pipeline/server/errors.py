@@ -222,6 +222,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return reject(request, APIError(exc.status_code, str(exc.detail)))
 
-    # Any other exception (a bug) is answered by the app's outer middleware (app.py AuthAndCount):
+    # Any other exception (a bug) is answered by the app's outer middleware (access.py AuthAndCount):
     # a handler registered here for ``Exception`` would answer too, but Starlette then re-raises it
     # to the server, which logs a second traceback.

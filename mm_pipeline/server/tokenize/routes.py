@@ -33,7 +33,7 @@ A text prompt is served without the tokenizer's special tokens (/v1/completions)
 (true by default, as in vLLM) adds them here: with the MiMo and demo tokenizers (no BOS) nothing changes.
 The chat form takes ``add_special_tokens: false`` only, what /v1/chat/completions takes. The routes sit
 outside ``/v1`` as in vLLM, behind the API key like every route but /health and the upload page
-(app.needs_key).
+(access.needs_key).
 """
 
 from __future__ import annotations
