@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from llm_core.model.forward_batch import ForwardBatch
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 
 
 def page_table(rows: list[list[int]], width: int) -> torch.Tensor:

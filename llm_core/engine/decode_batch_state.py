@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from llm_core.engine.batch_builder import page_table, build_forward_batch, slot_values
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
 

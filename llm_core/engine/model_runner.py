@@ -37,7 +37,7 @@ from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
 from llm_core.engine.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, wanted_rows, wants_prompt_rows
 from llm_core.engine.request import Request
 from llm_core.engine.sampling import Sampler, SamplingParams
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 
 
 @dataclass(frozen=True)

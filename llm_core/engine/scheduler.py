@@ -26,7 +26,7 @@ import bisect
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from llm_core.kvcache.dual_pool import DualKVPool
@@ -34,6 +34,7 @@ from llm_core.engine.outputs import ErrorKind
 from llm_core.kvcache.prefix_cache import NoPrefixCache, PrefixCache
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import Request, RequestStatus
+from llm_core.engine.scheduled_batch import ScheduledBatch, ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -58,39 +59,6 @@ class SchedulerConfig:
     @property
     def chunk_cap(self) -> int:
         return self.max_chunk_tokens or self.max_num_batched_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # num_computed_tokens before this step
-    num_new_tokens: int
-    # Speculative decoding: the last num_draft_tokens of the new tokens are drafts the model runner
-    # proposes at step time (llm_core/engine/speculative/); pages are allocated for all of them.
-    num_draft_tokens: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so the step samples a new one."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    entries: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # finished with an error by the scheduler
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_new_tokens for e in self.entries)
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
 
 
 class Scheduler:

@@ -270,7 +270,7 @@ def check_against_engine(model_dir: Path, item: dict) -> float:
     from llm_core.engine.batch_builder import build_forward_batch
     from llm_core.engine.request import Request
     from llm_core.engine.sampling import SamplingParams
-    from llm_core.engine.scheduler import ScheduledRequest
+    from llm_core.engine.scheduled_batch import ScheduledRequest
     from llm_core.kvcache.dual_pool import DualKVPool, KVLayout
     from llm_core.model.loader import load_model
 

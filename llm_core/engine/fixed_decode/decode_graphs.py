@@ -47,7 +47,7 @@ import torch
 
 from kernels import ops
 from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch, VerifyRows, slot_mappings
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 
 
 def slot_mappings(rows, bucket: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels import ops
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.attention import Attention
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_core.engine.batch_builder import build_forward_batch
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.engine.speculative.draft_steps import DraftSteps
 from llm_core.engine.speculative.fused_draft import FusedDraft
 from llm_core.model.forward_batch import ForwardBatch

@@ -24,7 +24,7 @@ from llm_core.engine.batch_builder import build_forward_batch, splice_embeds
 from llm_core.engine.model_runner import ModelRunner, SampledToken, StepResult
 from llm_core.engine.sampling.prompt_logprobs import compute_prompt_logprobs, wanted_rows
 from llm_core.engine.sampling import Sampler
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.engine.speculative.adaptive import DraftLength
 from llm_core.engine.speculative.proposer import MTPProposer
 from llm_core.engine.speculative.stats import SpecStats

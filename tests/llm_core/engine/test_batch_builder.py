@@ -12,7 +12,7 @@ from llm_core.engine.batch_builder import (PYTHON_SLOTS_MAX_TOKENS, build_forwar
                                           splice_embeds, token_slots)
 from llm_core.engine.request import Request
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 
 
 @st.composite

@@ -14,7 +14,7 @@ from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine import decode_batch_state
 from llm_core.engine.batch_builder import build_forward_batch
 from llm_core.engine.request import Request
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 

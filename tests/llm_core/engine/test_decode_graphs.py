@@ -14,7 +14,7 @@ import torch
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
-from llm_core.engine.scheduler import ScheduledRequest
+from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import Request, RequestStatus
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import ScheduledBatch, Scheduler
+from llm_core.engine.scheduler import Scheduler
+from llm_core.engine.scheduled_batch import ScheduledBatch
 from tests.llm_core.engine.test_scheduler import check_invariants, make
 
 _seq = iter(range(10**9))

@@ -11,7 +11,8 @@ from llm_core.kvcache.dual_pool import DualKVPool, KVHeadSpec, KVLayout
 from llm_core.engine.outputs import ErrorKind
 from llm_core.engine.request import Request, RequestStatus
 from llm_core.engine.sampling import SamplingParams
-from llm_core.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llm_core.engine.scheduler import Scheduler, SchedulerConfig
+from llm_core.engine.scheduled_batch import ScheduledBatch
 
 LAYOUT = KVLayout(("full", "sliding", "sliding"), KVHeadSpec(1, 2, 2), KVHeadSpec(1, 2, 2), window=6)
 
