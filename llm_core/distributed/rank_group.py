@@ -241,6 +241,10 @@ class RankGroup:
         self.serving = all(e is None for e in out)
         return out
 
+    def all_agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok`` (all ranks call it; a gather on the control group)."""
+        return all(self.gather_objects(ok))
+
     def gather_objects(self, mine: object) -> list:
         """Every rank's ``mine`` (a report, a memory budget), in rank order (all ranks call it)."""
         out: list = [None] * self.spec.world_size

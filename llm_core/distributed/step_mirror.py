@@ -94,7 +94,7 @@ class MirroredModel:
         up -- capture, on CUDA -- in the same order. Each step then goes out as a FixedStepOp with its
         input rows, and every rank replays its own graph of that bucket, whose collectives meet."""
         from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
-        from llm_core.engine.fixed_decode.persistent_batch import StepRows
+        from llm_core.engine.fixed_decode.step_rows import StepRows
 
         if mode == "compile":
             raise ValueError("torch.compile'd decode steps are not mirrored across tensor/expert-parallel ranks "
@@ -104,7 +104,7 @@ class MirroredModel:
             return self._mirror(FixedStepOp(bucket, StepRows.of(rows, bucket)), "decode step", run)
 
         graphs = DecodeGraphs(self.local, pool, buckets=buckets, mode=mode, max_model_len=max_model_len, mirror=mirror,
-                              agree=lambda ok: all(self.group.gather_objects(ok)))
+                              agree=self.group.all_agree)
         self._graphs = graphs  # released before the group closes (close; at exit before the group's handler)
         atexit.register(graphs.release)
         self._mirror(GraphsOp(graphs.buckets, mode, max_model_len, graphs.scratch, graphs.split_table()),

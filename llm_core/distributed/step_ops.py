@@ -122,7 +122,7 @@ class FixedStepOp:
     every rank copies into its own graph's buffers before it replays it."""
 
     bucket: int
-    rows: object  # llm_core.engine.fixed_decode.persistent_batch.StepRows
+    rows: object  # llm_core.engine.fixed_decode.step_rows.StepRows
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def serve_steps(model, group: RankGroup) -> int:
 
                     graphs = DecodeGraphs(model, pool, buckets=op.buckets, mode=op.mode,
                                           max_model_len=op.max_model_len, scratch=op.scratch,
-                                          agree=lambda ok: all(group.gather_objects(ok)), splits=op.splits)
+                                          agree=group.all_agree, splits=op.splits)
                     graphs.warm_up(pool)
                 elif isinstance(op, FixedStepOp):
                     graphs.step_rows(op.bucket, op.rows, pool)

@@ -27,7 +27,7 @@ count depends on K, not on the rows), so no step pauses mid-serving for a captur
 compile.
 
 MTP verify steps replay the same graphs (``forward_rows``): each new token of a verify entry is a
-decode row of its own over its causal prefix (persistent_batch.VerifyRows), and the step returns the
+decode row of its own over its causal prefix (step_rows.VerifyRows), and the step returns the
 final-normed hidden states beside the logits, which the MTP extend reads.
 
 What stays eager inside a compiled step: the experts (data-dependent sort / bincount; ``kernels.ops``
@@ -46,7 +46,8 @@ from typing import Callable
 import torch
 
 from kernels import ops
-from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch, VerifyRows, slot_mappings
+from llm_core.engine.fixed_decode.persistent_batch import PersistentDecodeBatch
+from llm_core.engine.fixed_decode.step_rows import VerifyRows, slot_mappings
 from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.forward_batch import ForwardBatch
 
@@ -100,8 +101,7 @@ class DecodeGraphs:
         self.device = pool.device
         self.num_layers = len(pool.layout.layer_kinds)
         self.max_keys = -(-max_model_len // self.page_size) * self.page_size
-        # one page per pool that padded rows write and read, never a request's (PersistentDecodeBatch)
-        if scratch is None:  # one page per pool for padded rows, never a request's
+        if scratch is None:  # one page per pool that padded rows write and read, never a request's
             scratch = (pool.full.allocate(1)[0], pool.swa.allocate(1)[0] if pool.swa.num_pages else -1)
         self.scratch = scratch
         self.max_pages = self.max_keys // self.page_size + 1

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
-from llm_core.engine.fixed_decode.persistent_batch import VerifyRows
+from llm_core.engine.fixed_decode.step_rows import VerifyRows
 from llm_core.engine.scheduled_batch import ScheduledRequest
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
