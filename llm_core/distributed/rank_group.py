@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.distributed.rank_failure import RankFailure
+from llm_core.distributed.step_ops import StopOp
 
 # The control group's timeout: a worker waits on it for the next step while the server is idle.
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -209,8 +210,6 @@ class RankGroup:
 
     def receive(self) -> object:
         """Ranks > 0: the next message from rank 0 (blocks as long as rank 0 has nothing to say)."""
-        from llm_core.distributed.step_ops import StopOp
-
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.control)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -311,8 +310,6 @@ class RankGroup:
         self._closed = True
         orderly = self.rank == 0 and self.serving and self.broken is None and self.dead_rank() is None
         if orderly:
-            from llm_core.distributed.step_ops import StopOp
-
             try:
                 self.send(StopOp())
             except Exception:  # noqa: BLE001 -- a rank is gone or stuck: terminated below

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from llm_core.storage import KeyValueStore
+from llm_core.storage import KeyValueStore, LocalDirStore, MemoryStore, RedisStore
 
 _TENSOR_NAME = "embedding"
 
@@ -67,8 +67,6 @@ class EncoderCache:
     def tiered(cls, memory_bytes: int, directory: str | None = None, disk_bytes: int | None = None,
                redis_url: str | None = None) -> "EncoderCache":
         """Memory LRU, then the local directory (survives restarts), then Redis, as given."""
-        from llm_core.storage import LocalDirStore, MemoryStore, RedisStore
-
         tiers: list[KeyValueStore] = [MemoryStore(memory_bytes)]
         if directory is not None:
             tiers.append(LocalDirStore(directory, max_bytes=disk_bytes))
