@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, RootModel, Tag, field_validator, model_validator
 
 from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.kvcache.page_keys import MAX_CACHE_SALT_CHARS
@@ -32,6 +32,7 @@ from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsPara
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs, check_tools
 from mm_pipeline.prompt.tool_calls import forced_call_schema
+from mm_pipeline.server.completions.structured_formats import ResponseFormat, StructuredOutputsFields, structured_outputs_of
 from mm_pipeline.server.message_protocol import ChatMessage, _Loose
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
@@ -101,67 +102,6 @@ def refusing(table: dict[str, tuple[Any, ...]]) -> Any:
     return model_validator(mode="before")(classmethod(refuse))
 
 
-# ---- structured outputs --------------------------------------------------------------------------
-class JsonSchemaFormat(_Loose):
-    """OpenAI's ``response_format.json_schema``."""
-
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None  # the schema is always enforced here, strict or not
-
-
-class ResponseFormat(_Loose):
-    """OpenAI's ``response_format``: text (no constraint), json_object or json_schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs its json_schema")
-        return self
-
-
-class StructuredOutputsFields(BaseModel):
-    """vLLM's ``structured_outputs`` request field (an unknown key is a 400 naming it)."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
-    grammar: str | None = None
-    disable_any_whitespace: bool = False
-
-
-def _structured_outputs(values: "SamplingFields") -> StructuredOutputsParams | None:
-    """The request's one constraint (``response_format``, ``structured_outputs`` or a ``guided_*``
-    field), or None; a ValueError when it names more than one or the constraint is malformed."""
-    sources: dict[str, StructuredOutputsParams] = {}
-    fmt = values.response_format
-    if fmt is not None and fmt.type == "json_object":
-        sources["response_format"] = StructuredOutputsParams(json_object=True)
-    elif fmt is not None and fmt.type == "json_schema":
-        sources["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
-    so = values.structured_outputs
-    if so is not None:
-        sources["structured_outputs"] = StructuredOutputsParams(
-            json=so.json_, json_object=bool(so.json_object), regex=so.regex,
-            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar,
-            disable_any_whitespace=so.disable_any_whitespace)
-    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                       ("guided_grammar", "grammar")):
-        value = getattr(values, name)
-        if value is not None:
-            sources[name] = StructuredOutputsParams(**{kind: tuple(value) if kind == "choice" else value})
-    if len(sources) > 1:
-        raise ValueError(f"give one structured output constraint, got {' and '.join(sources)}")
-    return next(iter(sources.values()), None)
-
-
 class SamplingFields(_Loose):
     """Fields shared by chat and text completions."""
 
@@ -209,7 +149,7 @@ class SamplingFields(_Loose):
     request_id: RequestId | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # structured outputs (one constraint per request; _structured_outputs)
+    # structured outputs (one constraint per request; completions/structured_formats.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -247,7 +187,7 @@ class SamplingFields(_Loose):
     @property
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The engine's form of the request's structured output constraint (None: unconstrained)."""
-        return _structured_outputs(self)
+        return structured_outputs_of(self)
 
     @property
     def stop_list(self) -> list[str]:
@@ -336,7 +276,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
             return self
         if not self.tools:
             raise ValueError("tool_choice \"required\" or a named function needs tools")
-        if _structured_outputs(self) is not None:
+        if structured_outputs_of(self) is not None:
             raise ValueError("give one structured output constraint, got tool_choice and a response format")
         try:
             self.structured_outputs_params  # noqa: B018  (the forced calls' schema, built for its checks)
@@ -359,7 +299,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         if self.forces_tool_calls:  # compact JSON: arguments are read by a program, not a person
             return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function),
                                            disable_any_whitespace=True)
-        return _structured_outputs(self)
+        return structured_outputs_of(self)
 
     @property
     def parse_tool_calls(self) -> bool:
