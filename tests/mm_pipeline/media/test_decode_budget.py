@@ -24,7 +24,7 @@ from mm_pipeline.media.decode.video import decode_range, probe_video
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
-from mm_pipeline.prompt.layout import TextBound
+from mm_pipeline.prompt.text_bound import TextBound
 from samples.synthetic.hostile_media import pixel_frames_gif
 from tests.support.media_samples import animated_bytes, audio_bytes, frame_level, image_bytes, video_bytes
 
