@@ -114,7 +114,7 @@ def instrument(timer: StageTimer, phase: Phase) -> None:
     timer.wrap(proposer.MTPProposer, "extend", "extend")
     timer.wrap(runner.SpeculativeRunner, "_verify", "verify/sample")
     timer.wrap(Sampler, "sample_isolated", "verify/sample")
-    timer.wrap(llm_engine.LLMEngine, "_settle_speculative", "settle")
+    timer.wrap(llm_engine.LLMEngine, "_hand_out", "settle")
     timer.wrap(llm_engine.LLMEngine, "_step", "other")
     phase.wrap(proposer.MTPProposer, "draft", "draft")
     phase.wrap(proposer.MTPProposer, "extend", "extend")

@@ -8,9 +8,11 @@
         -> ModelRunner.run: input preparation, forward, logits of the sampling rows, Sampler
            (an exception ends only the request it came from with "error": the sampler isolates
            rows, a failing step is run again without the entries that fail alone)
-        -> Scheduler.after_step (progress, prefix-cache inserts, SWA release behind the window)
-        -> per sampled token: append it, then stop checks in Request.check_stop's order
-           (EOS / stop token id, stop string, length); a finished request gives its pages back
+        -> per entry, its sampled tokens (1; a speculative verify entry 1..k+1) appended in order,
+           the stop checks after each in Request.check_stop's order (EOS / stop token id, stop
+           string, length; a stop drops the rest)
+        -> Scheduler.after_step (progress, rollback of rejected drafts, prefix-cache inserts, SWA
+           release behind the window); then a stopped request gives its pages back
         -> outputs (a final text's decode that raises ends only its request with "error", text "")
     stats()              (any thread): the last EngineStats snapshot the engine thread published at
                          the end of a step (llm_core/engine/stats.py)
@@ -294,22 +296,7 @@ class LLMEngine:
         for e, found in result.prompt_logprobs:  # before the outputs of the step are built
             if not e.request.finished:
                 e.request.add_prompt_logprobs(found.first, found.logprobs, found.ranks, found.top)
-        if self.speculative is not None:
-            outputs.extend(self._settle_speculative(batch, result))
-            return outputs
-        self.scheduler.after_step(batch)  # skips the finished ones
-        for s in result.sampled:
-            req = s.entry.request
-            try:  # the stop check and the final text use the tokenizer: its error ends this request only
-                req.append_token(s.token_id, s.logprob, s.top_logprobs)
-                reason = req.check_stop(self.max_context_tokens)
-                if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    outputs.append(self._finish_output(req, [s.token_id]))
-                else:
-                    outputs.append(self._output(req, [s.token_id]))
-            except Exception as exc:  # noqa: BLE001 -- the other requests of the step go on
-                outputs.append(self._failed_output(req, exc))
+        outputs.extend(self._hand_out(batch, result))
         return outputs
 
     def _failed_output(self, req: Request, exc: Exception) -> RequestOutput:
@@ -355,17 +342,19 @@ class LLMEngine:
             closer()
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _settle_speculative(self, batch, result: StepResult) -> list[RequestOutput]:
-        """A speculative step's tokens: a verify entry brings 1..k+1 of them, appended in order with
-        the stop checks after each (a stop drops the rest); the scheduler then learns how far each
-        verify entry really computed and rolls its rejected KV back (both pools) before the prefix
-        cache and the SWA release see the request."""
+    def _hand_out(self, batch, result: StepResult) -> list[RequestOutput]:
+        """A step's tokens, plain or speculative alike: an entry brings 1 token (a verify entry
+        1..k+1), appended in order with the stop checks after each (a stop drops the rest); then the
+        scheduler learns how far each entry really computed (a verify entry's rejected KV is rolled
+        back in both pools before the prefix cache and the SWA release see the request), and only
+        then are stops finished and outputs built. An exception while a token is appended or
+        checked, or while a final text is decoded, ends that request only."""
         by_entry: dict[int, list] = {}
         for s in result.sampled:
             by_entry.setdefault(id(s.entry), []).append(s)
         ends: dict[int, int] = {}
         done: list[tuple[Request, list[int], str | None]] = []
-        failed: list[RequestOutput] = []
+        outputs: list[RequestOutput] = []
         for e in batch.entries:
             req, toks = e.request, by_entry.get(id(e))
             if req.finished or not toks:
@@ -380,13 +369,12 @@ class LLMEngine:
                     if reason is not None:
                         break
             except Exception as exc:  # noqa: BLE001 -- ends this request only (after_step skips it)
-                failed.append(self._failed_output(req, exc))
+                outputs.append(self._failed_output(req, exc))
                 continue
             if e.num_draft_tokens:
                 ends[id(e)] = e.start + len(new)  # the target verified every token it emits but the last
             done.append((req, new, reason))
         self.scheduler.after_step(batch, ends)
-        outputs = failed
         for req, new, reason in done:
             try:
                 if reason is not None:
