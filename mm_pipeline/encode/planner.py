@@ -29,6 +29,7 @@ production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.enc
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -249,13 +250,19 @@ class MediaPlanner:
         return MediaItem(MediaKind.AUDIO, CODES_FORMAT, data, origin="audio codes", content_key=content_key(data))
 
     def _read_upload(self, path: Path, file_id: str) -> bytes:
-        # the media cap before the read: an upload may be larger than media may be
+        # the media cap before the read: an upload may be larger than media may be. Opened once and
+        # sized through the open file: a DELETE /v1/files between the id's lookup and here is the
+        # same 404 as an id deleted earlier, not an error of the server
         limit = self.config.limits.max_bytes
-        size = path.stat().st_size
-        if size > limit:
-            raise MediaTooLarge(f"uploaded file {file_id!r} is {size} bytes, over the {limit}-byte media limit "
-                                f"(max_bytes)")
-        with path.open("rb") as f:
+        try:
+            f = path.open("rb")
+        except FileNotFoundError:
+            raise MediaNotFound(f"no uploaded file with id {file_id!r}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise MediaTooLarge(f"uploaded file {file_id!r} is {size} bytes, over the {limit}-byte media limit "
+                                    f"(max_bytes)")
             return f.read(limit + 1)
 
     def _encoder_of(self, item: MediaItem):

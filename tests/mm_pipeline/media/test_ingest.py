@@ -195,6 +195,21 @@ def test_byte_limit_on_every_source(tmp_path: Path) -> None:
         assert http_answer(type(info.value)).status == 413
 
 
+def test_line_breaks_do_not_count_against_the_byte_limit() -> None:
+    """A line-wrapped base64 payload whose bytes fit the limit is taken (its line breaks decode to
+    nothing); one byte more is still refused, wrapped or not."""
+    data = os.urandom(30_000)
+    text = base64.b64encode(data).decode()
+    wrapped = "\r\n".join(text[i:i + 76] for i in range(0, len(text), 76))
+    assert len(wrapped) * 3 // 4 > len(data) + 500  # the length alone would refuse it
+    fits = MediaIngestor(IngestConfig(limits=MediaLimits(max_bytes=len(data))))
+    assert fits._decode_base64(wrapped) == data
+    tight = MediaIngestor(IngestConfig(limits=MediaLimits(max_bytes=len(data) - 1)))
+    for payload in (text, wrapped):
+        with pytest.raises(MediaTooLarge):
+            tight.ingest_local(MediaSource(url="data:;base64," + payload))
+
+
 def test_media_source_needs_exactly_one_reference() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         MediaSource(data=PNG, url="data:,x")

@@ -231,3 +231,22 @@ def test_content_of_a_file_deleted_while_it_is_asked_for_is_a_404(server):
     assert r.status_code == 404 and rec.id in r.json()["error"]["message"]
     server.store.delete(rec.id)
     server.store.check_integrity()
+
+
+def test_upload_deleted_while_a_request_reads_it_is_not_found(tmp_path):
+    """A DELETE /v1/files between a request's lookup of the id and its read of the bytes: the same
+    404 (MediaNotFound) as an id deleted before, not a 500."""
+    import types
+
+    from mm_pipeline.encode.plan import PlannerConfig
+    from mm_pipeline.encode.planner import MediaPlanner
+    from mm_pipeline.errors import MediaNotFound
+    from mm_pipeline.server.errors import http_answer
+
+    store = FilesStore(tmp_path)
+    record = store.put_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100), "a.png")
+    path, _name = store.resolve(record.id)  # what the planner's lookup returns
+    store.delete(record.id)  # the owner deletes the file meanwhile
+    with pytest.raises(MediaNotFound, match=record.id):
+        MediaPlanner._read_upload(types.SimpleNamespace(config=PlannerConfig()), path, record.id)
+    assert http_answer(MediaNotFound).status == 404
