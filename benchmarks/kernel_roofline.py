@@ -31,6 +31,7 @@ import torch
 from _common import base_parser, print_table, write_json
 
 from kernels import attention_ref, kv_copy_ref, moe_ref, ops
+from kernels.block_fp8 import BlockFP8
 from kernels.band_attention_ref import band_attention_ref
 
 H200_HBM_TBPS = 4.8
@@ -102,21 +103,34 @@ def attention_result(name: str, case: dict, quick: bool) -> Result:
                   "memory" if new == 1 else "compute", (out.float() - ref.float()).abs().max().item())
 
 
-def moe_result(name: str, tokens: int, experts: int, dev, gen, quick: bool) -> Result:
+def moe_result(name: str, tokens: int, experts: int, dev, gen, quick: bool, fp8: bool = False) -> Result:
+    """The fused experts; ``fp8``: weights kept in block-FP8 (128 x 128, as MiMo-V2.5 stores them)
+    and read as stored, against the reference on the same weights dequantised to bf16."""
     x = torch.randn(tokens, HIDDEN, generator=gen).to(dev, torch.bfloat16)
     w_gate_up = (torch.randn(experts, 2 * MOE_INTER, HIDDEN, generator=gen) / 64).to(dev, torch.bfloat16)
     w_down = (torch.randn(experts, HIDDEN, MOE_INTER, generator=gen) / 45).to(dev, torch.bfloat16)
     logits = torch.randn(tokens, experts, generator=gen).to(dev)
     weights, ids = moe_ref.route_ref(logits, None, top_k=8)
     touched = int(torch.unique(ids).numel())
-    bytes_moved = touched * 3 * HIDDEN * MOE_INTER * 2 + tokens * HIDDEN * 4
+    bytes_moved = touched * 3 * HIDDEN * MOE_INTER * (1 if fp8 else 2) + tokens * HIDDEN * 4
     flops = tokens * 8 * 2 * 3 * HIDDEN * MOE_INTER
     args = (x, w_gate_up, w_down, weights, ids)
-    out, ref = ops.fused_experts(*args), moe_ref.experts_ref(*args)
-    return Result(name, bench(lambda: ops.fused_experts(*args), quick),
+    if fp8:
+        gu, dn = _quantize_per_expert(w_gate_up, 2), _quantize_per_expert(w_down, 1)
+        args = (x, gu.dequantize(torch.bfloat16), dn.dequantize(torch.bfloat16), weights, ids)
+    kernel_args = (x, gu, dn, weights, ids) if fp8 else args
+    out, ref = ops.fused_experts(*kernel_args), moe_ref.experts_ref(*args)
+    return Result(name, bench(lambda: ops.fused_experts(*kernel_args), quick),
                   bench(lambda: moe_ref.experts_ref(*args), quick),
                   bytes_moved, flops, "memory" if tokens * 8 < experts * 4 else "compute",
                   (out.float() - ref.float()).abs().max().item())
+
+
+def _quantize_per_expert(w: torch.Tensor, groups: int) -> BlockFP8:
+    """BlockFP8.quantize one expert at a time: the whole stack at once holds several fp32 copies of it
+    (256 experts of gate/up: ~17 GB each)."""
+    parts = [BlockFP8.quantize(w[e:e + 1], (128, 128), groups) for e in range(w.shape[0])]
+    return BlockFP8(torch.cat([p.values for p in parts]), torch.cat([p.scale_inv for p in parts]), (128, 128), groups)
 
 
 def kv_results(tokens: int, dev, gen, quick: bool) -> list[Result]:
@@ -182,7 +196,10 @@ def main() -> int:
     ]
     experts = 64 if quick else 256
     results += [moe_result(f"moe decode bs{batch} E{experts}", batch, experts, dev, gen, quick),
-                moe_result(f"moe prefill 4096 E{experts}", 4096, experts, dev, gen, quick)]
+                moe_result(f"moe prefill 4096 E{experts}", 4096, experts, dev, gen, quick),
+                # --fp8-experts (the CUDA default for an FP8 checkpoint): half the weight bytes
+                moe_result(f"moe decode bs{batch} E{experts} fp8", batch, experts, dev, gen, quick, fp8=True),
+                moe_result(f"moe prefill 4096 E{experts} fp8", 4096, experts, dev, gen, quick, fp8=True)]
     results += kv_results(4096 if quick else 16384, dev, gen, quick)
     results.append(band_result(4 if quick else 16, dev, gen, quick))
 

@@ -1,5 +1,5 @@
-"""Memory plan on paper: per-GPU bytes of MiMo-V2.5 at tensor- / expert-parallel choices on 8 x 141 GB
-GPUs (H200), and how many 128K-context requests each choice can hold at once.
+"""Memory plan on paper: per-GPU bytes of MiMo-V2.5 at tensor- / expert-parallel choices on 8 GPUs of
+141 GB (H200; ``--gpu-gb 80`` for H100s), and how many 128K-context requests each choice can hold at once.
 
 No weights are read. Each rank's model is built on the ``meta`` device with its ParallelContext
 (llm_core/distributed/), so the shapes are exactly what that rank would load; the KV geometry per rank
@@ -7,7 +7,10 @@ is ``MiMoV2ForCausalLM.kv_layout()`` (its own KV heads of each kind), as the eng
 
     weights   FP8 as stored: qkv, dense MLP and expert projections 1 byte + one fp32 scale per 128x128
               block; the rest bf16 (embeddings, LM head, o_proj, norms, sinks) and the router fp32.
-              bf16 as served today: mmserve dequantises FP8 blocks once at load (docs/model.md §2.1).
+              served: what mmserve holds on CUDA by default (``--fp8-experts``): the routed experts as
+              stored (the shard built with ``expert_fp8_block``, its parameters and block-factor
+              buffers counted as they are), every other FP8 weight dequantised to bf16 at load.
+              bf16: everything dequantised at load (``--no-fp8-experts``; docs/model.md §2.1).
     acts      one prefill step of ``--chunk`` tokens: residual + normed input, this rank's qkv and
               attention output, the MoE's gathered rows, gate/up, product and fp32 partial sums for its
               share of the (token, expert) pairs, and fp32 logits of ``--max-seqs`` rows (all-gathered).
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import _bench_bootstrap  # noqa: F401  (first: the repository root leads sys.path)
 
+from dataclasses import replace
+
 import torch
 from _common import base_parser, print_table, write_json
 from kv_capacity import MIMO_V25
@@ -41,10 +46,15 @@ FP8_SUFFIXES = ("qkv_proj.weight", "gate_proj.weight", "up_proj.weight", "down_p
 CHOICES = [(1, 1), (8, 1), (1, 8), (8, 8), (8, 2), (8, 4)]  # (tp, ep); world = max(tp, ep)
 
 
-def rank_weights(config: ModelConfig, ctx: ParallelContext) -> tuple[int, int, MiMoV2ForCausalLM]:
-    """(bytes as stored with FP8 blocks, bytes served in bf16) of one rank's shard, and the shard."""
+def rank_weights(config: ModelConfig, ctx: ParallelContext) -> tuple[int, int, int, MiMoV2ForCausalLM]:
+    """(bytes as stored with FP8 blocks, as served with FP8 experts, served all in bf16) of one rank's
+    shard, and the shard."""
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(config, ctx)
+        kept = MiMoV2ForCausalLM(replace(config, expert_fp8_block=(128, 128)), ctx).cast_(torch.bfloat16)
+    # parameters as the engine holds them (experts fp8, router fp32, the rest bf16) + the experts' block factors
+    served = sum(t.numel() * t.element_size() for t in kept.parameters()) + sum(
+        b.numel() * b.element_size() for n, b in kept.named_buffers() if n.endswith("_scale_inv"))
     fp8 = bf16 = 0
     for name, p in model.named_parameters():
         n = p.numel()
@@ -57,7 +67,7 @@ def rank_weights(config: ModelConfig, ctx: ParallelContext) -> tuple[int, int, M
         else:
             fp8 += 2 * n
             bf16 += 2 * n
-    return fp8, bf16, model
+    return fp8, served, bf16, model
 
 
 def _owner(model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -83,23 +93,21 @@ def request_kv_bytes(model: MiMoV2ForCausalLM, page: int = 16, release: int = 16
     return full, swa_tokens * layout.swa_bytes_per_token(torch.bfloat16)
 
 
-def plan(chunk: int, max_seqs: int, usable: float, overhead_gib: float) -> list[dict]:
+def plan(chunk: int, max_seqs: int, usable: float, overhead_gib: float, gpu_gb: float = GPU_BYTES / GB) -> list[dict]:
     config = ModelConfig.from_hf(MIMO_V25)
     rows = []
     for tp, ep in CHOICES:
         ctx = ParallelContext(tp, ep, rank=0)
-        fp8, bf16, model = rank_weights(config, ctx)
+        fp8, served, bf16, model = rank_weights(config, ctx)
         acts = activation_bytes(config, ctx, chunk, max_seqs)
         full_kv, swa_kv = request_kv_bytes(model)
         per_req = full_kv + swa_kv
         fixed = acts + overhead_gib * (1 << 30)
-        budget_fp8 = usable * GPU_BYTES - fp8 - fixed
-        budget_bf16 = usable * GPU_BYTES - bf16 - fixed
+        left = {k: usable * gpu_gb * GB - w - fixed for k, w in (("fp8", fp8), ("served", served), ("bf16", bf16))}
         rows.append({"tp": tp, "ep": ep, "gpus": ctx.world_size, "weights_fp8_gb": fp8 / GB,
-                     "weights_bf16_gb": bf16 / GB, "activations_gb": acts / GB,
+                     "weights_served_gb": served / GB, "weights_bf16_gb": bf16 / GB, "activations_gb": acts / GB,
                      "kv_per_128k_request_gb": per_req / GB,
-                     "requests_128k_fp8": max(0, int(budget_fp8 // per_req)),
-                     "requests_128k_bf16": max(0, int(budget_bf16 // per_req))})
+                     **{f"requests_128k_{k}": max(0, int(b // per_req)) for k, b in left.items()}})
     return rows
 
 
@@ -107,12 +115,13 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--chunk", type=int, default=16384, help="prefill tokens of one step (activations)")
     p.add_argument("--max-seqs", type=int, default=256, help="rows of logits in one step")
-    p.add_argument("--usable", type=float, default=0.9, help="share of the 141 GB the server may use")
+    p.add_argument("--usable", type=float, default=0.9, help="share of the GPU's memory the server may use")
+    p.add_argument("--gpu-gb", type=float, default=GPU_BYTES / GB, help="memory of one GPU in GB (H200 141, H100 80)")
     p.add_argument("--overhead-gib", type=float, default=4.0, help="CUDA context, NCCL, allocator slack")
     args = p.parse_args()
-    rows = plan(args.chunk, args.max_seqs, args.usable, args.overhead_gib)
+    rows = plan(args.chunk, args.max_seqs, args.usable, args.overhead_gib, args.gpu_gb)
     cols = list(rows[0])
-    print_table(f"MiMo-V2.5 per GPU of 141 GB (usable {args.usable:.0%}), {args.chunk}-token prefill step, "
+    print_table(f"MiMo-V2.5 per GPU of {args.gpu_gb:g} GB (usable {args.usable:.0%}), {args.chunk}-token prefill step, "
                 f"bf16 KV, 128K-context requests", cols, [[r[c] for c in cols] for r in rows])
     write_json(args.json, {f"tp{r['tp']}_ep{r['ep']}_{k}": v for r in rows for k, v in r.items()
                            if k not in ("tp", "ep")})

@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 from kernels import kv_copy_ref, moe_ref
+from kernels.block_fp8 import BlockFP8
 
 _FORCE_TRITON = False
 _TRITON_OK: bool | None = None  # None: not probed yet
@@ -183,22 +184,29 @@ def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, *, skipped: bool
     ``skipped``: some ids equal E (the stacked experts' count) -- expert parallelism's mark for
     another rank's expert -- and contribute nothing. The Triton kernel sorts them into a bucket of
     their own and writes zeros there, so a rank's share of a step needs no host read of which
-    entries are its own (a sync per MoE layer on a GPU); on CPU they are dropped before the kernels."""
+    entries are its own (a sync per MoE layer on a GPU); on CPU they are dropped before the kernels.
+    The weights may be ``BlockFP8`` stacks (kernels/block_fp8.py): the Triton kernel reads them as
+    stored; the CPU paths dequantise the whole stacks first (for checks, not speed)."""
     mod = _kernels_for(x, "moe_triton")
     if mod is not None:  # the Triton kernel reads rows with unit stride: weights a CPU runner
         # re-laid column-major (expert_weight_layout) go back to row-major (a no-op otherwise)
         with on_device(x.device):
-            return mod.fused_experts_triton(x, w_gate_up.contiguous(), w_down.contiguous(), topk_weights, topk_ids,
+            return mod.fused_experts_triton(x, _row_major(w_gate_up), _row_major(w_down), topk_weights, topk_ids,
                                             skipped=skipped)
     # Without Triton: the C kernel while the experts see a few rows each, else two grouped matmuls
     # (kernels.cpu.moe; same math as the reference's loop).
     return _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, skipped)
 
 
+def _row_major(w):
+    return w if isinstance(w, BlockFP8) else w.contiguous()
+
+
 @torch.compiler.disable  # data-dependent shapes (sort, bincount, per-token expert ids): a compiled
 def _experts_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, skipped=False):  # decode step runs it eagerly
     from kernels.cpu.moe import experts_cpu, experts_cpu_kept  # between graphs
 
+    w_gate_up, w_down = (w.dequantize(x.dtype) if isinstance(w, BlockFP8) else w for w in (w_gate_up, w_down))
     return (experts_cpu_kept if skipped else experts_cpu)(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 

@@ -80,7 +80,8 @@ class LLM:
         model = load_text_model(model_dir, device=device, dtype=parse_dtype(dtype),
                                 tensor_parallel_size=config.tensor_parallel_size,
                                 expert_parallel_size=config.expert_parallel_size,
-                                distributed_timeout_s=config.distributed_timeout_s)
+                                distributed_timeout_s=config.distributed_timeout_s,
+                                fp8_experts=config.fp8_experts)
         try:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
             self.engine = LLMEngine(model, config, tokenizer=self.tokenizer)

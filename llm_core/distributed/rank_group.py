@@ -55,6 +55,7 @@ class LaunchSpec:
     init_method: str  # tcp://127.0.0.1:PORT, or env:// under torchrun
     timeout_s: float
     threads: int  # torch intra-op threads per rank (CPU)
+    fp8_experts: bool | None = None  # load_model's: the routed experts kept in block-FP8
 
     @property
     def world_size(self) -> int:

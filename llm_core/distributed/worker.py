@@ -60,7 +60,8 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
         try:
             from llm_core.model.loader import load_model
 
-            model = load_model(spec.model_dir, device=group.device, dtype=parse_dtype(spec.dtype), parallel=group.ctx)
+            model = load_model(spec.model_dir, device=group.device, dtype=parse_dtype(spec.dtype), parallel=group.ctx,
+                               fp8_experts=spec.fp8_experts)
         except Exception as exc:  # noqa: BLE001 -- told to every rank in the handshake below
             log.error("loading this rank's shard failed", exc_info=True)
             error = f"{type(exc).__name__}: {exc}"

@@ -109,6 +109,9 @@ class ModelConfig:
     # attention-TP rank of the training setup: sglang reads it as the full-attention KV head count (4).
     fused_qkv_chunks: int = 1
     fp8: Fp8Spec | None = None
+    # A serving choice, not the checkpoint's: the routed experts kept as block-FP8 values with these
+    # (bn, bk) blocks instead of in the model's dtype (llm_core/model/loader.py sets it; None: not).
+    expert_fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "sliding_window", "max_position_embeddings"):

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+from kernels.block_fp8 import FP8_DTYPE, BlockFP8, dequantize_blocks  # noqa: F401  (FP8_DTYPE: the loader's name for it)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -30,16 +29,8 @@ def quantize_blockwise(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     """W [N, K] -> (fp8 [N, K], scale_inv fp32 [ceil(N/bn), ceil(K/bk)]) with amax/448 block scales."""
     if w.dim() != 2:
         raise ValueError(f"blockwise FP8 needs a 2-D weight, got shape {tuple(w.shape)}")
-    bn, bk = block
-    n, k = w.shape
-    rows, cols = _cdiv(n, bn), _cdiv(k, bk)
-    padded = w.float().new_zeros(rows * bn, cols * bk)
-    padded[:n, :k] = w.float()
-    blocks = padded.view(rows, bn, cols, bk)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12)
-    scale = amax / E4M3_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    return q.view(rows * bn, cols * bk)[:n, :k].to(FP8_DTYPE).contiguous(), scale.contiguous()
+    q = BlockFP8.quantize(w, block)
+    return q.values, q.scale_inv
 
 
 def dequantize_blockwise(
@@ -53,8 +44,7 @@ def dequantize_blockwise(
         raise ValueError(
             f"{name}: weight_scale_inv shape {tuple(scale_inv.shape)}, expected {expected} for {block} blocks"
         )
-    full = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-    return w.float() * full
+    return dequantize_blocks(w, scale_inv, block)
 
 
 def dequantize_row_chunks(

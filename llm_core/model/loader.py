@@ -8,7 +8,9 @@ tensor (read lazily through safetensors' mmap) is written straight into its slic
     ...self_attn.qkv_proj.weight   (hub, fused)        -> whole, rows permuted from the disk order
     ...mlp.experts.{e}.gate_proj / up_proj.weight      -> ...mlp.experts.gate_up_proj[e, :I] / [e, I:]
     ...mlp.experts.{e}.down_proj.weight                -> ...mlp.experts.down_proj[e]
-    X.weight + X.weight_scale_inv  (FP8 blocks)        -> dequantised (multiply) before placing
+    X.weight + X.weight_scale_inv  (FP8 blocks)        -> dequantised (multiply) before placing; with
+                                                          fp8_experts an expert's values and block
+                                                          factors are placed as stored (kernels/block_fp8.py)
     model.mtp.layers.{j}.*  (when the checkpoint has them) -> model.model.mtp (llm_core/model/mtp.py),
                                                           the same conversions as a sliding layer
     anything else                                      -> the parameter / buffer of the same name
@@ -25,7 +27,7 @@ its o_proj / down_proj columns, its vocabulary rows, its experts); only those ar
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,11 +39,13 @@ from llm_core.model.fp8 import FP8_DTYPE
 from llm_core.model.layers.fused_qkv import chunk_count, disk_rows_of_plain
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
 from llm_core.model.mtp import MTP_PREFIX, MTPHead, mtp_layer_count, sliding_layer_config
-from llm_core.model.tensor_slices import read_slice
+from llm_core.model.tensor_slices import read_fp8_blocks, read_slice
+from kernels.block_fp8 import BlockFP8
 
 # Tensors of other parts of a MiMo-V2.5 checkpoint (vision tower, audio stack): not ours.
 IGNORED_PREFIXES = ("visual.", "speech_embeddings.", "audio_encoder.")
 SCALE_SUFFIX = "_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)  # experts quantised at load from a float checkpoint (DeepSeek-V3 / MiMo blocks)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class Placement:
     rows: torch.Tensor | None = None
     cols: tuple[int, int] | None = None
     quant_chunks: int = 1  # FP8 scale row chunks (fused qkv only)
+    # an expert weight kept in block-FP8 (ModelConfig.expert_fp8_block): where its block factors go
+    scale_target: str | None = None
+    scale_index: tuple = ()
 
 
 def _rows(start: int, stop: int, ctx: ParallelContext) -> torch.Tensor | None:
@@ -124,15 +131,21 @@ def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks",
         plan[p + "mlp.gate.e_score_correction_bias"] = Placement(p + "mlp.gate.e_score_correction_bias")
         li = i1 - i0
         gate_up, down = p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"
+        fp8 = config.expert_fp8_block
+        sn = -(-li // fp8[0]) if fp8 else 0  # scale rows of the gate group (the up group's start after them)
+        gu_scale, down_scale = (p + "mlp.experts.gate_up_scale_inv", p + "mlp.experts.down_scale_inv") if fp8 else (None, None)
         for e in range(config.num_experts):
             names = [f"{p}mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
             if not e0 <= e < e1:
                 plan.update(dict.fromkeys(names))  # expected in the checkpoint, read by another rank
                 continue
             k = e - e0
-            plan[names[0]] = Placement(gate_up, (k, slice(0, li)), rows=_rows(i0, i1, ctx))
-            plan[names[1]] = Placement(gate_up, (k, slice(li, 2 * li)), rows=_rows(i0, i1, ctx))
-            plan[names[2]] = Placement(down, (k,), cols=None if ctx.world_size == 1 else (i0, i1))
+            plan[names[0]] = Placement(gate_up, (k, slice(0, li)), rows=_rows(i0, i1, ctx),
+                                       scale_target=gu_scale, scale_index=(k, slice(0, sn)))
+            plan[names[1]] = Placement(gate_up, (k, slice(li, 2 * li)), rows=_rows(i0, i1, ctx),
+                                       scale_target=gu_scale, scale_index=(k, slice(sn, 2 * sn)))
+            plan[names[2]] = Placement(down, (k,), cols=None if ctx.world_size == 1 else (i0, i1),
+                                       scale_target=down_scale, scale_index=(k,))
     return plan
 
 
@@ -223,6 +236,21 @@ def _read(reader: ShardReader, name: str, place: Placement, config: ModelConfig)
                       config.fp8.block_size if has_scale else None, place.quant_chunks)
 
 
+def _read_kept_fp8(reader: ShardReader, name: str, place: Placement,
+                   config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert weight kept in block-FP8: (values, block factors) as the checkpoint stores them when
+    it is FP8 in the same blocks and this rank's slice starts on a block edge; otherwise (a float
+    checkpoint, a slice that cuts blocks) read as floats and quantised here, on this rank's slice."""
+    block = config.expert_fp8_block
+    if config.fp8 is not None and config.fp8.block_size == block and name + SCALE_SUFFIX in reader:
+        rows = None if place.rows is None else (int(place.rows[0]), int(place.rows[-1]) + 1)
+        raw = read_fp8_blocks(reader.handle(name), name, rows, place.cols, reader.handle(name + SCALE_SUFFIX), block)
+        if raw is not None:
+            return raw
+    q = BlockFP8.quantize(_read(reader, name, place, config).float(), block)
+    return q.values, q.scale_inv
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -232,6 +260,7 @@ def load_model(
     ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
     parallel: ParallelContext | None = None,
     load_mtp: bool = True,
+    fp8_experts: bool | None = False,
 ) -> MiMoV2ForCausalLM:
     """Build the model from ``model_dir/config.json`` and load its safetensors weights.
 
@@ -242,9 +271,16 @@ def load_model(
     skips them); llm_core/engine/speculative/ drafts with them.
     ``parallel``: build and read only this rank's share (tensor / expert parallelism; default: all).
     The MTP layers are read in one process only: the draft step is not sharded across ranks yet.
+    ``fp8_experts``: keep the routed experts as block-FP8 values and block factors (the checkpoint's
+    when it is FP8, else quantised at load in 128 x 128 blocks) instead of in ``dtype``; None: when
+    the checkpoint is FP8 and ``device`` is CUDA (on CPU the stacks would be dequantised per call).
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
+    if fp8_experts is None:
+        fp8_experts = config.fp8 is not None and torch.device(device).type == "cuda"
+    if fp8_experts and "moe" in config.mlp_kinds:
+        config = replace(config, expert_fp8_block=config.fp8.block_size if config.fp8 else DEFAULT_FP8_BLOCK)
     plan = expected_tensors(config, qkv_row_order, parallel)
     with ShardReader(model_dir) as reader:
         present = {n for n in reader.names() if not n.startswith(ignore_prefixes)}
@@ -266,11 +302,17 @@ def load_model(
             for name, place in plan.items():
                 if place is None:
                     continue
-                tensor = _read(reader, name, place, config)
-                dest = targets[place.target].data[place.index]
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"{name}: shape {tuple(tensor.shape)} in the checkpoint, expected {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+                if place.scale_target is not None:
+                    values, scale = _read_kept_fp8(reader, name, place, config)
+                    _place(targets, place.target, place.index, values, name)
+                    _place(targets, place.scale_target, place.scale_index, scale, name + SCALE_SUFFIX)
+                    continue
+                _place(targets, place.target, place.index, _read(reader, name, place, config), name)
     return model.eval()
+
+
+def _place(targets: dict[str, torch.Tensor], target: str, index: tuple, tensor: torch.Tensor, name: str) -> None:
+    dest = targets[target].data[index]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint, expected {tuple(dest.shape)}")
+    dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))

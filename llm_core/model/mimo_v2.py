@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.block_fp8 import FP8_DTYPE
 from kernels.native import greedy_head
 from kernels.native.greedy_head import lm_head_argmax
 from llm_core.distributed.parallel_context import ParallelContext
@@ -186,12 +187,13 @@ class MiMoV2ForCausalLM(nn.Module):
         return KVLayout.from_specs(self.config, local("full"), local("sliding"))
 
     def cast_(self, dtype: torch.dtype) -> MiMoV2ForCausalLM:
-        """Cast floating tensors to ``dtype`` in place, except the router (kept fp32 like the checkpoint)."""
+        """Cast floating tensors to ``dtype`` in place, except the router (kept fp32 like the checkpoint)
+        and block-FP8 expert values (kept as stored)."""
         for module in self.modules():
             if getattr(module, "FP32", False):
                 continue
             for name, p in module.named_parameters(recurse=False):
-                if p.is_floating_point():
+                if p.is_floating_point() and p.dtype != FP8_DTYPE:
                     setattr(module, name, nn.Parameter(p.data.to(dtype), requires_grad=p.requires_grad))
         self.tie_weights_()
         return self

@@ -86,3 +86,22 @@ def _read_fp8(sl, ssl, name, row_runs, cols, block, chunks) -> torch.Tensor:
             deq = dequantize_blockwise(w, s, block, name=name)
             parts.append(deq[ra - br0 * bn: rb - br0 * bn, c0 - kc0: c1 - kc0])
     return torch.cat(parts)
+
+
+def read_fp8_blocks(handle, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None,
+                    scale_handle, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows [r0, r1) and columns [c0, c1) of an FP8 weight *as stored*: (fp8 values, their
+    weight_scale_inv rows and columns), for a weight kept in FP8 (no dequantisation). None when the
+    range does not start on a block edge (or ends inside a block short of the tensor's end): its
+    blocks' factors would then cover rows or columns of the neighbouring slice."""
+    sl, ssl = handle.get_slice(name), scale_handle.get_slice(name + "_scale_inv")
+    n, k = sl.get_shape()
+    bn, bk = block
+    if tuple(ssl.get_shape()) != (_cdiv(n, bn), _cdiv(k, bk)):
+        raise ValueError(f"{name}: weight_scale_inv shape {tuple(ssl.get_shape())}, expected "
+                         f"{(_cdiv(n, bn), _cdiv(k, bk))} for {block} blocks")
+    (r0, r1), (c0, c1) = rows or (0, n), cols or (0, k)
+    for lo, hi, size, b in ((r0, r1, n, bn), (c0, c1, k, bk)):
+        if lo % b or (hi % b and hi != size):
+            return None
+    return sl[r0:r1, c0:c1], ssl[r0 // bn:_cdiv(r1, bn), c0 // bk:_cdiv(c1, bk)]

@@ -173,7 +173,8 @@ class OmniRuntime:
             model = OmniModel.load(model_dir, device=config.device, dtype=config.dtype,
                                    tensor_parallel_size=e.tensor_parallel_size,
                                    expert_parallel_size=e.expert_parallel_size,
-                                   distributed_timeout_s=e.distributed_timeout_s, encoder_device=config.encoder_device,
+                                   distributed_timeout_s=e.distributed_timeout_s, fp8_experts=e.fp8_experts,
+                                   encoder_device=config.encoder_device,
                                    audio_tokenizer_attention=config.audio_tokenizer_attention,
                                    with_text=not encoders_only, chat_template=config.chat_template,
                                    with_vision=config.needs_vision, with_audio=config.needs_audio)

@@ -22,3 +22,9 @@ def test_memory_plan_table_and_json(tmp_path):
     # TP splits the KV heads (full: 4 heads over 8 ranks -> 1 each, replicated), EP alone does not
     assert plan["tp8_ep1_kv_per_128k_request_gb"] < plan["tp1_ep8_kv_per_128k_request_gb"] / 3
     assert plan["tp8_ep8_requests_128k_fp8"] > plan["tp1_ep8_requests_128k_fp8"] > 0
+    # served with the experts kept in FP8 (the CUDA default): within 7 % of the checkpoint's bytes
+    # (its qkv and dense MLPs in bf16, block factors of the experts) and about half of all-bf16
+    for k in ("tp8_ep8", "tp8_ep1", "tp1_ep8"):
+        assert plan[f"{k}_weights_fp8_gb"] < plan[f"{k}_weights_served_gb"] < 1.07 * plan[f"{k}_weights_fp8_gb"]
+        assert plan[f"{k}_weights_served_gb"] < 0.6 * plan[f"{k}_weights_bf16_gb"]
+    assert plan["tp8_ep8_requests_128k_served"] > 1.8 * plan["tp8_ep8_requests_128k_bf16"]

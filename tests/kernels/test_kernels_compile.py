@@ -28,7 +28,8 @@ ATTN_PTRS = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
              "block_table_ptr": "*i64", "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "cu_ptr": "*i64"}
 ATTN_SCALARS = {"scale_log2": "fp32"}
 MOE_PTRS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "inter_ptr": "*bf16", "y_ptr": "*fp32", "weights_ptr": "*fp32",
-            "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+            "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "s_ptr": "*bf16"}
+MOE_FP8_PTRS = {**MOE_PTRS, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}  # --fp8-experts: e4m3 weights, fp32 block factors
 KV_PTRS = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64",
            "src_ptr": "*bf16", "dst_ptr": "*bf16", "valid_ptr": "*u8"}
 
@@ -49,8 +50,13 @@ CASES = {
         GROUP=4, HEAD_DIM=64, V_DIM=64, BLOCK_Q=16, BLOCK_G=4, BLOCK_N=64, BLOCK_D0=64, BLOCK_D1=0,
         BLOCK_DV=64, HAS_WINDOW=True, HAS_SINKS=True, DOT_PRECISION="tf32")),
     "moe_gate_up": (moe.moe_gate_up_kernel, MOE_PTRS, dict(
-        TOP_K=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32")),
-    "moe_down": (moe.moe_down_kernel, MOE_PTRS, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32")),
+        TOP_K=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", HAS_SCALE=False)),
+    "moe_down": (moe.moe_down_kernel, MOE_PTRS, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32",
+                                                     HAS_SCALE=False)),
+    "moe_gate_up_fp8": (moe.moe_gate_up_kernel, MOE_FP8_PTRS, dict(
+        TOP_K=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", HAS_SCALE=True)),
+    "moe_down_fp8": (moe.moe_down_kernel, MOE_FP8_PTRS, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                                                             DOT_PRECISION="tf32", HAS_SCALE=True)),
     "store_kv": (kv.store_kv_kernel, KV_PTRS, dict(
         NUM_HEADS=8, HEAD_DIM=192, V_DIM=128, BLOCK_KD=256, BLOCK_VD=128)),
     "gather_valid": (kv.copy_rows_kernel, KV_PTRS, dict(GATHER=True, HAS_VALID=True, BLOCK=1024)),

@@ -54,3 +54,26 @@ def test_greedy_tokens_match_torch_path(tmp_path) -> None:
     for ref, got in zip(reference, triton_path):
         assert got.token_ids == ref.token_ids
         assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < 1e-3
+
+
+@kernel_test
+def test_fp8_experts_greedy_tokens_match_torch_path(tmp_path) -> None:
+    """The routed experts kept in block-FP8 (an FP8 hub checkpoint's as stored): the Triton expert
+    kernels read them as stored and give the tokens of the torch path, which dequantises them."""
+    from llm_core.model.loader import load_model
+    from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint, write_hub_layout
+
+    ckpt = write_hub_layout(build_tiny_hf_checkpoint(tmp_path / "tiny"), tmp_path / "hub", fp8=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (13, 5)]
+    ops.force_triton(False)
+    try:
+        reference = generate(load_model(ckpt, dtype=torch.float32, device="cpu", fp8_experts=True), prompts, 5)
+    finally:
+        ops.force_triton(IN_CHILD)
+    model = load_model(ckpt, dtype=torch.float32, device=DEVICE, fp8_experts=True)
+    assert model.model.layers[2].mlp.experts.fp8_block is not None
+    triton_path = generate(model, prompts, 5)
+    for ref, got in zip(reference, triton_path):
+        assert got.token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < 1e-3

@@ -35,9 +35,10 @@ class FusedDecode:
         self._consts: native.LayerConstants | None = None
         self._key: tuple[int, ...] | None = None
         self._slots = self._weight_slots()
-        # single rank only: a row-parallel o_proj / down_proj or an expert shard needs its collectives
+        # single rank only: a row-parallel o_proj / down_proj or an expert shard needs its collectives;
+        # the C experts read float weights, not block-FP8 ones
         self._eligible = type(attn.o_proj) is nn.Linear and (
-            (isinstance(mlp, SparseMoE) and mlp.placement.ctx.world_size == 1)
+            (isinstance(mlp, SparseMoE) and mlp.placement.ctx.world_size == 1 and mlp.experts.fp8_block is None)
             or (isinstance(mlp, DenseMLP) and type(mlp.down_proj) is nn.Linear))
 
     def __getstate__(self) -> dict:

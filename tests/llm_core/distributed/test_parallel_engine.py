@@ -104,6 +104,26 @@ def test_parallel_generation_equals_one_process(checkpoints, reference, layout, 
         assert rep["experts"] == (r * 8 // ep, (r + 1) * 8 // ep) if ep > 1 else rep["experts"] == (0, 8)
 
 
+def test_fp8_experts_on_every_rank_equal_one_process(checkpoints, reference):
+    """TP=2 + EP=2 with every rank's routed experts kept in block-FP8 as the checkpoint stores them
+    (``fp8_experts``; on CPU dequantised per call to the same values one process dequantises at
+    load): the same tokens, logprobs within the all-reduce tolerance, and each rank's expert stacks
+    at 1 byte a weight."""
+    want, _ = reference["hub_fp8"]
+    with LLM(checkpoints["hub_fp8"], tensor_parallel_size=2, expert_parallel_size=2, fp8_experts=True, **ENGINE) as llm:
+        got = llm.generate(PROMPTS, PARAMS)
+        reports = llm.engine.runner.model.reports(llm.engine.pool)
+    for w, g in zip(want[:len(PROMPTS)], got):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) <= LOGPROB_TOL
+    for r, rep in enumerate(reports):
+        kept = load_model(checkpoints["hub_fp8"], parallel=ParallelContext(2, 2, r), fp8_experts=True)
+        plain = load_model(checkpoints["hub_fp8"], parallel=ParallelContext(2, 2, r))
+        assert rep["weight_bytes"] == sum(p.numel() * p.element_size() for p in kept.parameters())
+        experts = [(a, b) for (n, a), b in zip(kept.named_parameters(), plain.parameters()) if ".experts." in n]
+        assert experts and all(a.element_size() == 1 and b.element_size() == 4 for a, b in experts)
+
+
 @pytest.mark.parametrize("layout,tp,ep", [("hf", 2, 1), ("hub_fp8", 2, 2)])
 def test_fixed_shape_decode_steps_on_every_rank_equal_one_process(checkpoints, reference, layout, tp, ep):
     """Fixed-shape decode steps (CUDA graphs on GPUs; here their eager stand-in, the same inputs,
