@@ -37,6 +37,7 @@ from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, 
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, default_kv_budget_bytes
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
+from llm_core.engine.sampling.logits_processing import NoTokenAllowed
 from llm_core.engine.sampling.prompt_logprobs import check_prompt_logprobs
 from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
 from llm_core.engine.sampling import SamplingParams
@@ -291,7 +292,10 @@ class LLMEngine:
         self.runner.begin_step()
         result = run_isolated(self._stepper, batch.entries, lambda: self.prefix_cache.kv_buffers(self.pool))
         for e, exc in result.failed:  # only these end; the others go on as if they had run alone
-            self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
+            if isinstance(exc, NoTokenAllowed):  # the request's constraints exclude every token: its own doing
+                self.scheduler.finish(e.request, "error", str(exc), ErrorKind.INVALID_INPUT)
+            else:
+                self.scheduler.finish(e.request, "error", f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
             outputs.append(self._final_output(e.request, []))
         for e, found in result.prompt_logprobs:  # before the outputs of the step are built
             if not e.request.finished:

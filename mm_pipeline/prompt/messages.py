@@ -198,12 +198,17 @@ def _tool_calls(calls: Any, where: str, role: str) -> tuple[dict[str, Any], ...]
                 args = json.loads(args)
             except ValueError:
                 raise InvalidMessageError(f"{at}.function.arguments is not valid JSON") from None
+            except RecursionError:  # ~1000 levels of [ or {: deeper than the parser's stack
+                raise InvalidMessageError(f"{at}.function.arguments nests too deeply") from None
         if not isinstance(args, dict):
             raise InvalidMessageError(f"{at}.function.arguments must be a JSON object (as a string)")
         try:  # the same JSON-only, bounded walk as tool definitions (their checks, reused)
             checked = check_tools([{"type": "function", "function": {"name": name, "parameters": args}}])[0]
-        except InvalidMessageError as exc:
-            raise InvalidMessageError(f"{at}.function.arguments: {str(exc).split(': ', 1)[-1]}") from None
+        except InvalidMessageError as exc:  # its path names the stand-in tool: put the arguments' in its place
+            stand_in = "tools[0].function.parameters"
+            msg = str(exc)
+            raise InvalidMessageError(msg.replace(stand_in, f"{at}.function.arguments", 1) if stand_in in msg
+                                      else f"{at}.function.arguments: {msg}") from None
         entry: dict[str, Any] = {"type": "function",
                                  "function": {"name": name, "arguments": checked["function"]["parameters"]}}
         if isinstance(call.get("id"), str):

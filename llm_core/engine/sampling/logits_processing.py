@@ -34,6 +34,12 @@ if TYPE_CHECKING:
     from llm_core.engine.sampling import SamplingParams
 
 
+class NoTokenAllowed(ValueError):
+    """A request's own constraints (structured_outputs, allowed_token_ids, bad_words, min_tokens)
+    leave no token it may take next: its error, not the server's (the engine ends it as invalid
+    input). Sampling such a row would take a token its constraints forbid."""
+
+
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],
                    histories: Sequence[Any] | None) -> torch.Tensor:
     """[R, V] fp32 logits -> the logits with each row's logit_bias, min_tokens mask and penalties
@@ -152,4 +158,25 @@ def processed_rows(logits: torch.Tensor, params: list[SamplingParams],
         if any(s is None for s in states):
             raise ValueError("a structured_outputs row's request has no grammar state")
         mask_logits(x, constrained, states)
+    _check_some_token_allowed(x, ps, hs)
     return rows, x
+
+
+def _check_some_token_allowed(x: torch.Tensor, ps: list[SamplingParams], hs: Sequence[Any]) -> None:
+    """Raise NoTokenAllowed when a row that masks tokens masked them all (only the masking rows
+    are read: a bias or a penalty leaves every logit finite)."""
+    masking = [j for j, p in enumerate(ps) if p.structured_outputs is not None or p.allowed_token_ids is not None
+               or p.bad_words or p.min_tokens > 0]
+    if not masking:
+        return
+    idx = torch.tensor(masking, device=x.device)
+    dead = torch.isneginf(x[idx]).all(dim=-1)
+    if bool(dead.any()):
+        j = masking[int(dead.nonzero()[0, 0])]
+        p, h = ps[j], hs[j]
+        names = [n for n, on in (("structured_outputs", p.structured_outputs is not None),
+                                 ("allowed_token_ids", p.allowed_token_ids is not None),
+                                 ("bad_words", bool(p.bad_words)), ("min_tokens", p.min_tokens > 0)) if on]
+        at = "" if h is None else f" at output token {len(h.output_token_ids)}"
+        raise NoTokenAllowed(f"no token can follow{at}: the request's {' and '.join(names)} leave every token "
+                             f"of the vocabulary excluded")

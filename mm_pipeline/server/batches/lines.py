@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 ECHO_CHARS = 100  # of a value a line gave, quoted back in an error message
+LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate's escape: paired or not, checked then
 
 
 def failure_message(rec: dict[str, Any]) -> str | None:
@@ -80,13 +82,28 @@ def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | 
     if limits is not None and (problem := limits.values_problem(raw, f"line {number}")) is not None:
         return None, ("too_many_json_values", problem)
     try:
-        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw), None
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        value = json.loads(text)
+        # a \ud800-style escape without its pair is valid JSON but not Unicode: json.loads keeps it as a
+        # lone surrogate, which no tokenizer and no UTF-8 output file takes (the HTTP parser refuses it)
+        if LONE_SURROGATE_ESCAPE.search(text) and not _encodable(value):
+            return None, ("invalid_json", f"line {number}: not valid Unicode (a \\uD800-\\uDFFF escape "
+                                          f"without its pair)")
+        return value, None
     except UnicodeDecodeError as exc:
         return None, ("invalid_json", f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})")
     except RecursionError:
         return None, ("invalid_json", f"line {number}: not JSON (nested too deeply)")
     except ValueError as exc:  # JSONDecodeError, or an integer longer than int() takes
         return None, ("invalid_json", f"line {number}: not JSON ({getattr(exc, 'msg', exc)})")
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def header_problem(number: int, obj: dict[str, Any]) -> tuple[str, str] | None:

@@ -22,7 +22,11 @@ class ResultFiles:
     def write(self, rec: dict[str, Any]) -> None:
         """One output line: to the output file if it was answered (200), else to the error file."""
         failed = failure_message(rec) is not None
-        self._out["error" if failed else "output"].write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+        try:
+            line = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
+        except UnicodeEncodeError:  # a lone surrogate (lines refuse them): escaped as its input had it
+            line = (json.dumps(rec) + "\n").encode()
+        self._out["error" if failed else "output"].write(line)
         counts = self.batch.request_counts
         counts.failed += failed
         counts.completed += not failed

@@ -212,3 +212,18 @@ def test_allowed_ids_past_the_vocabulary_and_bad_words_without_a_tokenizer_fail_
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="bad_words must be"):
         SamplingParams(bad_words=["x" * 257])
+
+
+def test_constraints_that_exclude_every_token_fail_that_request_alone_as_invalid_input(model):
+    """allowed_token_ids = [EOS] while min_tokens holds EOS back: no token may come next. The request
+    ends as invalid input naming its constraints (not an internal error after a forbidden token was
+    sampled), greedy or sampled; the batch's other requests go on with the tokens they get alone."""
+    llm = engine(model)
+    good = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([ids(140, 6)], good)[0]
+    for temperature in (0.0, 0.8):
+        dead = SamplingParams(max_tokens=4, temperature=temperature, allowed_token_ids=[EOS], min_tokens=2)
+        outs = llm.generate([ids(140, 6), ids(141, 6)], [good, dead])
+        assert outs[0].token_ids == alone.token_ids and outs[0].finish_reason == "length"
+        assert outs[1].finish_reason == "error" and outs[1].error_kind is ErrorKind.INVALID_INPUT
+        assert "allowed_token_ids and min_tokens" in outs[1].error and not outs[1].token_ids

@@ -98,6 +98,13 @@ def test_bad_tools_are_refused(tools, match):
     ({"type": "function", "function": {"name": "f", "arguments": "[1]"}}, "JSON object"),
     ({"type": "function", "function": {"name": "bad name", "arguments": "{}"}}, "name must match"),
     ({"type": "function"}, "must be"),
+    # deeper than json's parser stack: a 400, not a RecursionError (500)
+    ({"type": "function", "function": {"name": "f", "arguments": '{"a":' + "[" * 5000 + "]" * 5000 + "}"}},
+     r"messages\[1\]\.tool_calls\[0\]\.function\.arguments nests too deeply"),
+    ({"type": "function", "function": {"name": "f", "arguments": '{"a":' * 3000 + "1" + "}" * 3000}}, "nests too deeply"),
+    # deeper than the tools' limit: named by the call's own path, not the stand-in tool's
+    ({"type": "function", "function": {"name": "f", "arguments": '{"a":' + "[" * 40 + "]" * 40 + "}"}},
+     r"^messages\[1\]\.tool_calls\[0\]\.function\.arguments\.a"),
 ])
 def test_bad_tool_calls_are_refused(call, match):
     with pytest.raises(InvalidMessageError, match=match):

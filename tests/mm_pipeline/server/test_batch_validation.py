@@ -83,6 +83,27 @@ def test_validation_errors_quote_a_line_briefly_and_are_bounded_in_number(store)
     assert dup.code == "duplicate_custom_id" and len(dup.message) < 250 and dup.message.count("d") < 110
 
 
+def test_a_lone_surrogate_escape_is_a_line_error_and_a_pair_is_text(store):
+    """JSON lets a line escape half a UTF-16 pair (\\ud800); json.loads keeps it as a lone surrogate,
+    which no tokenizer and no UTF-8 result file takes. Such a line (its custom_id or its text) fails
+    validation naming it, before any line runs and before any answer could be lost; an escaped pair
+    (an emoji) is just text."""
+    lone_id = line("x").replace('"custom_id": "x"', '"custom_id": "\\ud800x"')
+    lone_text = line("y").replace('"content": "y"', '"content": "hi \\udfff there"')
+    pair = line("z").replace('"content": "z"', '"content": "\\ud83d\\ude00"')
+    path = store.path(upload(store, [line("a"), lone_id, lone_text, pair]))
+    _, errors = validate_file(path, URL, JSONLimits(1 << 20, 1 << 20))
+    assert [(e.line, e.code) for e in errors] == [(2, "invalid_json"), (3, "invalid_json")]
+    assert all("not valid Unicode" in e.message for e in errors)
+
+    async def main():
+        runner = BatchRunner(FakeService(), store, 1)
+        return await finished(runner, runner.create(create_body(upload(store, [line("a"), pair]))).id)
+
+    batch = asyncio.run(main())
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+
+
 def test_an_input_file_must_have_purpose_batch(store):
     async def main():
         BatchRunner(FakeService(), store, 1).create(create_body(upload(store, [line("a")], purpose="user_data")))

@@ -158,6 +158,22 @@ def test_a_bad_constraint_is_a_400_naming_it_and_holds_nothing(client, engine):
     assert chat(client, structured_outputs={"choice": ["ok"]}, **NO_THINKING)["choices"][0]["message"]["content"] == "ok"
 
 
+def test_a_constraint_no_token_can_satisfy_is_a_400(client, engine):
+    """A grammar that admits no token, or a constraint whose tokens allowed_token_ids / bad_words
+    exclude: the first step finds every token masked -- the request's error (400 naming it), not an
+    internal one after a forbidden token was sampled (500); streamed, the stream ends with it."""
+    for body, names in (({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
+                        ({"structured_outputs": {"choice": ["yes"]}, "allowed_token_ids": [5]},
+                         "structured_outputs and allowed_token_ids")):
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **NO_THINKING, **body})
+        assert r.status_code == 400, r.text[:300]
+        assert "no token can follow" in r.json()["error"]["message"] and names in r.json()["error"]["message"]
+        streamed = client.post("/v1/chat/completions",
+                               json={"messages": USER, "max_tokens": 4, "stream": True, **NO_THINKING, **body})
+        assert "no token can follow" in streamed.text and "internal" not in streamed.text
+    assert engine.requests_in_flight == 0
+
+
 def test_a_slow_schema_is_a_400_at_the_time_limit_and_others_go_on(client, engine, monkeypatch):
     grammars = engine.runtime.llm.grammars
     grammars.compile(StructuredOutputsParams(regex="warm"))  # the worker is up: its start is not timed here
