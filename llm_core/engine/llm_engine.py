@@ -32,22 +32,18 @@ import time
 import torch
 
 from llm_core.engine.admission import Admission
-from llm_core.engine.detokenizer import StopStringMatcher
 from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, scratch_prefill
 from llm_core.engine.engine_config import EngineConfig, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, default_kv_budget_bytes
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.sampling.logits_processing import NoTokenAllowed
-from llm_core.engine.sampling.prompt_logprobs import check_prompt_logprobs
-from llm_core.engine.request import EmbeddingSource, Request, cap_checkpoints, truncate_prompt
+from llm_core.engine.request import EmbeddingSource, Request
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.scheduler import Scheduler
 from llm_core.engine.speculative import build_speculative
 from llm_core.engine.stats import EngineStats
-from llm_core.engine.structured.compiler import GrammarCompiler, GrammarError
-from llm_core.engine.structured.grammar_state import GrammarState
+from llm_core.engine.structured.compiler import GrammarCompiler
 from llm_core.engine.structured.params import StructuredOutputsParams
-from llm_core.kvcache.page_keys import check_cache_salt, salted_extra_keys
 from llm_core.kvcache.prefix_cache import PrefixCache
 from kernels import native
 
@@ -128,7 +124,9 @@ class LLMEngine:
                             timeout_s=self.config.grammar_compile_timeout_s)
         self.admission = Admission(vocab_size=self.model_config.vocab_size, max_context_tokens=self.max_context_tokens,
                                    max_model_len=self.max_model_len, tokenizer=tokenizer, grammars=grammars,
-                                   queue_policy=self.scheduler.queue_policy)
+                                   queue_policy=self.scheduler.queue_policy,
+                                   eos_token_ids=tuple(self.model_config.eos_token_ids),
+                                   checkpoints_per_request=self.config.prefix_checkpoints_per_request)
         self.last_step_progressed = False
         self._lock = threading.Lock()
         self._pending_add: list[Request] = []
@@ -181,44 +179,9 @@ class LLMEngine:
         is served first under the ``priority`` queue policy (``check_priority``). ``cache_salt``:
         the request shares prefix-cache KV (every tier) only with requests of the same salt
         (llm_core/kvcache/page_keys.py)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
-        matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens,
-                                    params.include_stop_str_in_output) if params.stop else None
-        truncation_problem = None
-        if params.truncate_prompt_tokens is not None:
-            k = params.truncate_prompt_tokens  # -1: what the context holds with room for one token
-            try:
-                prompt_token_ids, extra_keys, checkpoints = truncate_prompt(
-                    list(prompt_token_ids), max(1, self.max_context_tokens - 1) if k == -1 else k,
-                    embeds is not None, tuple(extra_keys), tuple(checkpoints))
-            except ValueError as exc:
-                truncation_problem = RequestError(ErrorKind.INVALID_INPUT, f"truncate_prompt_tokens={k}: {exc}")
-        salt_problem = check_cache_salt(cache_salt)
-        if cache_salt is not None and salt_problem is None and (embeds is None or extra_keys):
-            # after the cut, so the salt sits on the first token kept (with media but no content
-            # keys the cache is bypassed anyway: SWARadixCache._may_match)
-            extra_keys = salted_extra_keys(tuple(extra_keys), cache_salt, len(prompt_token_ids))
-        req = Request(str(request_id), list(prompt_token_ids), params, next(self._arrivals),
-                      eos_token_ids=tuple(self.model_config.eos_token_ids), embeds=embeds,
-                      extra_keys=tuple(extra_keys),
-                      checkpoints=cap_checkpoints(checkpoints, self.config.prefix_checkpoints_per_request),
-                      stop_matcher=matcher, priority=priority if type(priority) is int else 0)
-        checks = self.admission
-        problem = (truncation_problem or checks.check_priority(priority)
-                   or (RequestError(ErrorKind.INVALID_INPUT, salt_problem) if salt_problem else None)
-                   or checks.check_prompt(req.prompt_token_ids, has_embeds=embeds is not None)
-                   or checks.check_params(params) or check_prompt_logprobs(len(req.prompt_token_ids), params))
-        if problem is None and params.bad_words:
-            req.bad_word_ids = checks.bad_word_ids(params.bad_words)
-        if problem is None and params.structured_outputs is not None:
-            try:
-                req.grammar = GrammarState(self.grammars.compile(params.structured_outputs), params.structured_outputs,
-                                           req.prompt_token_ids)
-            except GrammarError as exc:
-                problem = RequestError(ErrorKind.INVALID_INPUT, str(exc))
+        req, problem = self.admission.admit(str(request_id), prompt_token_ids, params, next(self._arrivals),
+                                            embeds=embeds, extra_keys=extra_keys, checkpoints=checkpoints,
+                                            priority=priority, cache_salt=cache_salt)
         with self._lock:
             if req.request_id in self._live:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
