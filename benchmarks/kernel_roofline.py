@@ -197,7 +197,7 @@ def main() -> int:
     experts = 64 if quick else 256
     results += [moe_result(f"moe decode bs{batch} E{experts}", batch, experts, dev, gen, quick),
                 moe_result(f"moe prefill 4096 E{experts}", 4096, experts, dev, gen, quick),
-                # --fp8-experts (the CUDA default for an FP8 checkpoint): half the weight bytes
+                # --fp8-experts (the default for an FP8 checkpoint on sm_89+): half the weight bytes
                 moe_result(f"moe decode bs{batch} E{experts} fp8", batch, experts, dev, gen, quick, fp8=True),
                 moe_result(f"moe prefill 4096 E{experts} fp8", 4096, experts, dev, gen, quick, fp8=True)]
     results += kv_results(4096 if quick else 16384, dev, gen, quick)

@@ -7,7 +7,7 @@ is ``MiMoV2ForCausalLM.kv_layout()`` (its own KV heads of each kind), as the eng
 
     weights   FP8 as stored: qkv, dense MLP and expert projections 1 byte + one fp32 scale per 128x128
               block; the rest bf16 (embeddings, LM head, o_proj, norms, sinks) and the router fp32.
-              served: what mmserve holds on CUDA by default (``--fp8-experts``): the routed experts as
+              served: what mmserve holds by default on sm_89+ GPUs (``--fp8-experts``): the routed experts as
               stored (the shard built with ``expert_fp8_block``, its parameters and block-factor
               buffers counted as they are), every other FP8 weight dequantised to bf16 at load.
               bf16: everything dequantised at load (``--no-fp8-experts``; docs/model.md §2.1).

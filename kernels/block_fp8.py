@@ -31,6 +31,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def gpu_reads_e4m3(device: torch.device | str) -> bool | None:
+    """Whether the Triton kernels can read e4m3 values on this CUDA device: compute capability 8.9
+    or newer (Ada, Hopper, Blackwell); Triton refuses the type on older GPUs (A100 sm_80, A10 sm_86).
+    None: not a CUDA device (the CPU paths dequantise instead)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def dequantize_blocks(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """values [..., N, K] * their per-block scale_inv [..., ceil(N/bn), ceil(K/bk)] -> ``dtype`` [..., N, K]."""
@@ -80,6 +90,8 @@ class BlockFP8:
                              f"{tuple(v.shape)} in {self.block} blocks ({self.groups} row groups)")
         if s.device != v.device:
             raise ValueError(f"{name}: scale_inv on {s.device}, values on {v.device}")
+        if s.stride(-1) != 1:  # the kernels step along a scale row by 1 (no stride of its own)
+            raise ValueError(f"{name}: scale_inv must be contiguous in its last dim")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The stack in ``dtype`` (every group dequantised with its own scale rows)."""

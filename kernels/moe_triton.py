@@ -157,7 +157,7 @@ def fused_experts_triton(
     *,
     block_m: int | None = None,
     block_n: int = 64,
-    block_k: int = 64,
+    block_k: int | None = None,
     skipped: bool = False,
 ) -> torch.Tensor:
     """Sum_k w_k * down_e(silu(gate_e x) * up_e x) -> [T, H]; drop-in for ``moe_ref.experts_ref``.
@@ -166,7 +166,10 @@ def fused_experts_triton(
     topk_ids [T, k] int, in [0, E) or, with ``skipped``, [0, E] (E: contributes nothing). Block sizes
     are powers of two >= 16 (tests shrink them to reach tails). The weights are both x's dtype or both
     ``BlockFP8`` (gate_up with its gate and up rows blocked as 2 groups); then ``block_k`` shrinks to
-    divide the FP8 blocks' bk.
+    divide the FP8 blocks' bk. ``block_k`` left out: 64, or with FP8 weights and few entries per
+    expert (decode) the blocks' bk up to 128 -- one scale load per weight tile; measured on an H100
+    (MiMo shapes, H 4096, I 2048, 32 experts): 16 tokens 0.54 -> 0.41 ms (bf16 0.66), 1 token
+    0.71 -> 0.53 ms (bf16 0.55); a 4096-token prefill is faster at 64 (7.4 vs 7.9 ms; bf16 6.3).
     """
     fp8 = isinstance(w_gate_up, BlockFP8)
     if fp8 != isinstance(w_down, BlockFP8):
@@ -177,7 +180,6 @@ def fused_experts_triton(
         if w_gate_up.groups != 2 or w_down.groups != 1:
             raise ValueError(f"block-FP8 w_gate_up needs 2 row groups (gate, up) and w_down 1, got "
                              f"{w_gate_up.groups} and {w_down.groups}")
-        block_k = math.gcd(block_k, w_gate_up.block[1], w_down.block[1])
     gu = w_gate_up.values if fp8 else w_gate_up
     dn = w_down.values if fp8 else w_down
     if x.dim() != 2 or gu.dim() != 3 or dn.dim() != 3:
@@ -204,17 +206,21 @@ def fused_experts_triton(
             raise ValueError(f"{name} dtype {t.dtype} != x dtype {x.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
-    for name, b in (("block_n", block_n), ("block_k", block_k), ("block_m", block_m or 16)):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {b}"
-                             + (" (block_k divides the FP8 blocks' bk)" if fp8 and name == "block_k" else ""))
     top_k = topk_ids.shape[1]
     num_entries = num_tokens * top_k
     if num_entries == 0:
         return x.new_zeros(num_tokens, hidden)
     x = x if x.stride(-1) == 1 else x.contiguous()
     # Few entries per expert (decode) waste most of a tall block on padding.
-    block_m = block_m or (16 if num_entries <= 4 * num_experts else 64)
+    few = num_entries <= 4 * num_experts
+    block_m = block_m or (16 if few else 64)
+    if fp8:  # a K tile within one scale column: block_k divides both stacks' bk
+        block_k = math.gcd(block_k or (128 if few else 64), w_gate_up.block[1], w_down.block[1])
+    block_k = block_k or 64
+    for name, b in (("block_n", block_n), ("block_k", block_k), ("block_m", block_m)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {b}"
+                             + (" (block_k divides the FP8 blocks' bk)" if fp8 and name == "block_k" else ""))
     # with skipped entries: one more bucket (E) for them, so no block mixes them with an expert's rows
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts + skipped, block_m)
     num_blocks = block_expert.shape[0]

@@ -62,7 +62,7 @@ FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--al
 # What the CLI does when a flag is left out, where it differs from the field's default.
 FLAG_NOTES = {"device": "default: cuda when available, else cpu",
               "compile_decode": "default: on for cuda, off for cpu",
-              "fp8_experts": "default: on for an FP8 checkpoint on cuda",
+              "fp8_experts": "default: on for an FP8 checkpoint on a GPU of compute capability 8.9+",
               "dtype": "default: bfloat16 on cuda, float32 on cpu",
               "allowed_local_dirs": "default: none", "allowed_domains": "default: none"}
 

@@ -86,7 +86,7 @@ class EngineConfig:
     distributed_timeout_s: float = 600.0
     """Seconds a model collective may wait for the other ranks before the engine fails (a rank gone)."""
     fp8_experts: bool | None = None
-    """Keep the routed experts as block-FP8 values and block factors, read as stored by the Triton expert kernels (half of bf16's bytes): an FP8 checkpoint's as stored, a float one's quantised at load in 128 x 128 blocks (none: on for an FP8 checkpoint on CUDA; on CPU they are dequantised per call, for checks)."""
+    """Keep the routed experts as block-FP8 values and block factors, read as stored by the Triton expert kernels (half of bf16's bytes): an FP8 checkpoint's as stored, a float one's quantised at load in 128 x 128 blocks (none: on for an FP8 checkpoint on a GPU of compute capability 8.9+, which Triton's e4m3 needs; on CPU they are dequantised per call, for checks)."""
     # speculative decoding with the checkpoint's MTP layers (llm_core/engine/speculative/, docs/speculative.md)
     speculative_tokens: int | None = None
     """MTP draft tokens verified per decode step (0: off; none: 3 when the checkpoint has MTP layers)."""

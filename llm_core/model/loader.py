@@ -40,7 +40,7 @@ from llm_core.model.layers.fused_qkv import chunk_count, disk_rows_of_plain
 from llm_core.model.mimo_v2 import MiMoV2ForCausalLM
 from llm_core.model.mtp import MTP_PREFIX, MTPHead, mtp_layer_count, sliding_layer_config
 from llm_core.model.tensor_slices import read_fp8_blocks, read_slice
-from kernels.block_fp8 import BlockFP8
+from kernels.block_fp8 import BlockFP8, gpu_reads_e4m3
 
 # Tensors of other parts of a MiMo-V2.5 checkpoint (vision tower, audio stack): not ours.
 IGNORED_PREFIXES = ("visual.", "speech_embeddings.", "audio_encoder.")
@@ -273,12 +273,18 @@ def load_model(
     The MTP layers are read in one process only: the draft step is not sharded across ranks yet.
     ``fp8_experts``: keep the routed experts as block-FP8 values and block factors (the checkpoint's
     when it is FP8, else quantised at load in 128 x 128 blocks) instead of in ``dtype``; None: when
-    the checkpoint is FP8 and ``device`` is CUDA (on CPU the stacks would be dequantised per call).
+    the checkpoint is FP8 and ``device`` is a GPU whose Triton kernels read e4m3 (sm_89+; on CPU the
+    stacks would be dequantised per call). True on an older GPU is a ValueError naming it.
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
+    reads_e4m3 = gpu_reads_e4m3(device)
     if fp8_experts is None:
-        fp8_experts = config.fp8 is not None and torch.device(device).type == "cuda"
+        fp8_experts = config.fp8 is not None and bool(reads_e4m3)
+    elif fp8_experts and reads_e4m3 is False:
+        raise ValueError(f"fp8_experts needs a GPU of compute capability 8.9 or newer (Ada, Hopper) to read e4m3 "
+                         f"weights; {device} has {'.'.join(map(str, torch.cuda.get_device_capability(device)))}: "
+                         f"leave it off (the experts are then dequantised at load)")
     if fp8_experts and "moe" in config.mlp_kinds:
         config = replace(config, expert_fp8_block=config.fp8.block_size if config.fp8 else DEFAULT_FP8_BLOCK)
     plan = expected_tensors(config, qkv_row_order, parallel)

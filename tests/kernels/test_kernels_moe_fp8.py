@@ -121,6 +121,8 @@ def test_fp8_wrapper_rejects_bad_inputs() -> None:
         fused_experts_triton(x, BlockFP8.quantize(gu.dequantize(), (16, 16)), dn, weights, ids)
     with pytest.raises(ValueError, match="float8"):
         fused_experts_triton(x, BlockFP8(gu.values.float(), gu.scale_inv, gu.block, 2), dn, weights, ids)
+    with pytest.raises(ValueError, match="contiguous in its last dim"):  # the kernels step along a scale row by 1
+        fused_experts_triton(x, BlockFP8(gu.values, gu.scale_inv.mT.contiguous().mT, gu.block, 2), dn, weights, ids)
     with pytest.raises(ValueError, match="power of two"):
         fused_experts_triton(x, BlockFP8.quantize(gu.dequantize(), (16, 8), 2), BlockFP8.quantize(dn.dequantize(), (16, 8)),
                              weights, ids)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kernels.block_fp8 import FP8_DTYPE, BlockFP8
+from kernels.block_fp8 import FP8_DTYPE, BlockFP8, gpu_reads_e4m3
 from llm_core.distributed.parallel_context import ParallelContext
 from llm_core.model.loader import DEFAULT_FP8_BLOCK, load_model
 from tests.llm_core.model.test_model_equivalence import Runner
@@ -97,3 +97,16 @@ def test_rank_shares(checkpoints, tp, ep):
         else:
             torch.testing.assert_close(gu, want_gu, atol=want_gu.abs().max().item() * 2**-4, rtol=0)
             torch.testing.assert_close(dn, want_dn, atol=want_dn.abs().max().item() * 2**-4, rtol=0)
+
+
+@pytest.mark.parametrize("capability, reads", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True),
+                                               ((10, 0), True)])
+def test_e4m3_needs_sm89_and_an_older_gpu_is_refused_by_name(checkpoints, monkeypatch, capability, reads):
+    """Triton reads e4m3 on Ada / Hopper and newer only: the default (None) keeps the experts in FP8
+    there and dequantises them at load on an A100 / A10 (as before FP8 experts); asking for them
+    there is an error naming the GPU, before any weight is read."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert gpu_reads_e4m3("cuda:0") is reads and gpu_reads_e4m3("cpu") is None
+    if not reads:
+        with pytest.raises(ValueError, match=r"compute capability 8\.9 or newer.*has " + ".".join(map(str, capability))):
+            load_model(checkpoints["hub_fp8"], device="cuda:0", fp8_experts=True)
