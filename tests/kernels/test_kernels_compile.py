@@ -57,6 +57,11 @@ CASES = {
         TOP_K=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", HAS_SCALE=True)),
     "moe_down_fp8": (moe.moe_down_kernel, MOE_FP8_PTRS, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
                                                              DOT_PRECISION="tf32", HAS_SCALE=True)),
+    # decode-sized FP8 calls: a whole 128-column scale block per K tile
+    "moe_gate_up_fp8_decode": (moe.moe_gate_up_kernel, MOE_FP8_PTRS, dict(
+        TOP_K=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32", HAS_SCALE=True)),
+    "moe_down_fp8_decode": (moe.moe_down_kernel, MOE_FP8_PTRS, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                                                    DOT_PRECISION="tf32", HAS_SCALE=True)),
     "store_kv": (kv.store_kv_kernel, KV_PTRS, dict(
         NUM_HEADS=8, HEAD_DIM=192, V_DIM=128, BLOCK_KD=256, BLOCK_VD=128)),
     "gather_valid": (kv.copy_rows_kernel, KV_PTRS, dict(GATHER=True, HAS_VALID=True, BLOCK=1024)),
