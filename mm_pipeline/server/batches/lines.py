@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,6 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 ECHO_CHARS = 100  # of a value a line gave, quoted back in an error message
-LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate's escape: paired or not, checked then
 
 
 def failure_message(rec: dict[str, Any]) -> str | None:
@@ -86,7 +84,7 @@ def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | 
         value = json.loads(text)
         # a \ud800-style escape without its pair is valid JSON but not Unicode: json.loads keeps it as a
         # lone surrogate, which no tokenizer and no UTF-8 output file takes (the HTTP parser refuses it)
-        if LONE_SURROGATE_ESCAPE.search(text) and not _encodable(value):
+        if ("\\ud" in text or "\\uD" in text) and not _encodable(value):  # a \\uDxxx escape: checked
             return None, ("invalid_json", f"line {number}: not valid Unicode (a \\uD800-\\uDFFF escape "
                                           f"without its pair)")
         return value, None
