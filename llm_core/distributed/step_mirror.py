@@ -30,7 +30,7 @@ from kernels import native
 from llm_core.distributed.rank_failure import RankFailure
 from llm_core.distributed.rank_group import RankGroup
 from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, FixedStepOp, ForwardOp, GraphsOp, LayoutOp, LogitsOp,
-                                           PoolOp, ReportOp, to_cpu)
+                                           MTPOp, PoolOp, ReportOp, tensor_meta, to_cpu)
 from llm_core.distributed.worker import share_report
 from llm_core.kvcache.dual_pool import default_kv_budget_bytes
 
@@ -69,7 +69,7 @@ class MirroredModel:
         shape = (*input_ids.shape, config.hidden_size) if input_ids is not None else tuple(inputs_embeds.shape)
         if shape != (batch.num_tokens, config.hidden_size):  # the model's own check, as the ids' embedding
             raise ValueError(f"inputs have shape {shape}; expected [{batch.num_tokens}, {config.hidden_size}]")
-        op = ForwardOp(ForwardOp.batch_fields(batch), to_cpu(input_ids), ForwardOp.embeds_of(inputs_embeds),
+        op = ForwardOp(ForwardOp.batch_fields(batch), to_cpu(input_ids), tensor_meta(inputs_embeds),
                        _kv_tokens(kv, config.layer_kinds))
 
         def forward() -> torch.Tensor:
@@ -81,6 +81,37 @@ class MirroredModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._mirror(LogitsOp(int(hidden.shape[0])), "logits", self.local.compute_logits, hidden)
+
+    def compute_logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``compute_logits(hidden[rows])`` of the last forward's output (a speculative step's verify
+        rows and plain rows): every rank takes the same rows of its own."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return self._mirror(LogitsOp(len(rows), index=index), "logits", self.local.compute_logits,
+                            hidden[index.to(hidden.device, non_blocking=True)])
+
+    def mtp_layer(self, layer: int, kv_layer: int, embeds: torch.Tensor, h_prev: torch.Tensor, batch, kv,
+                  write_only: bool = False) -> torch.Tensor | None:
+        """MTP layer ``layer`` on every rank (``MTPLayer.forward``, or ``write_kv`` when
+        ``write_only``), its K/V in pool layer ``kv_layer`` of each rank's share: the message, then
+        the two inputs broadcast from this device (the proposer keeps its tails on rank 0)."""
+        h_prev = h_prev if h_prev.dtype == embeds.dtype else h_prev.to(embeds.dtype)
+        op = MTPOp(layer, kv_layer, write_only, MTPOp.batch_fields(batch), _kv_tokens(kv, self.local.config.layer_kinds),
+                   tensor_meta(embeds), tensor_meta(h_prev))
+
+        def run() -> torch.Tensor | None:
+            self.local.parallel.broadcast_from_first(embeds.contiguous())
+            self.local.parallel.broadcast_from_first(h_prev.contiguous())
+            mtp = self.local.model.mtp.layers[layer]
+            k_cache, v_cache = kv.layer(kv_layer)
+            if write_only:
+                return mtp.write_kv(embeds, h_prev, batch, k_cache, v_cache)
+            return mtp(embeds, h_prev, batch, k_cache, v_cache)
+
+        return self._mirror(op, "MTP layer", run)
+
+    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` of every row of the last ``mtp_layer`` output (a draft step's rows)."""
+        return self._mirror(LogitsOp(int(out.shape[0]), mtp=True), "logits", self.local.compute_logits, out)
 
     def compute_logits_rows(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``compute_logits(hidden[start:stop])`` of the last forward's every-row output: every rank
@@ -129,8 +160,10 @@ class MirroredModel:
 
     def allocate_kv(self, pool) -> None:
         """The other ranks allocate their share of ``pool`` (rank 0's) now, not in the first request:
-        a rank that cannot stops the engine from starting, named (it exits; rank 0's gather fails)."""
-        self._mirror(PoolOp(_kv_tokens(pool, self.local.config.layer_kinds), pool.page_size), "KV pools",
+        a rank that cannot stops the engine from starting, named (it exits; rank 0's gather fails).
+        Their layouts take the layers rank 0's pool has past the model's (the MTP layers' KV)."""
+        extra = len(pool.layout.layer_kinds) - self.local.config.num_layers
+        self._mirror(PoolOp(_kv_tokens(pool, self.local.config.layer_kinds), pool.page_size, extra), "KV pools",
                      self.group.gather_objects, None)
 
     def check_health(self) -> None:
@@ -158,7 +191,7 @@ class MirroredModel:
         except BaseException as exc:  # Ctrl-C mid-call: still itself, and the group stays broken
             self.group.broken = f"{type(exc).__name__} during {what}"
             raise
-        if isinstance(op, (EmbedOp, ForwardOp, LogitsOp, FixedStepOp, GraphsOp)):  # calls with NCCL collectives
+        if isinstance(op, (EmbedOp, ForwardOp, MTPOp, LogitsOp, FixedStepOp, GraphsOp)):  # calls with NCCL collectives
             self.group.device_done(what)
         self.group.settle()
         return out

@@ -33,32 +33,8 @@ class EmbedOp:
     input_ids: torch.Tensor
 
 
-@dataclass(frozen=True)
-class ForwardOp:
-    """``model(input_ids | inputs_embeds, batch, kv)``; ``kv_tokens`` = (Full, SWA) slots of rank 0's
-    pools, which every rank's own pools match (the scheduler's page ids are valid on every rank).
-
-    The embeddings (a step's spliced media rows: ~64 MB per 8k bf16 rows) are not in the message:
-    ``embeds`` names their (shape, dtype) and rank 0 broadcasts them next on the model's group from
-    its device (NCCL on GPUs), where pickling them would copy them to the host and through TCP."""
-
-    batch: dict
-    input_ids: torch.Tensor | None
-    embeds: tuple[tuple[int, ...], str] | None
-    kv_tokens: tuple[int, int]
-
-    @staticmethod
-    def embeds_of(inputs_embeds: torch.Tensor | None) -> tuple[tuple[int, ...], str] | None:
-        if inputs_embeds is None:
-            return None
-        return tuple(inputs_embeds.shape), str(inputs_embeds.dtype).removeprefix("torch.")
-
-    def empty_embeds(self, device: torch.device) -> torch.Tensor | None:
-        """The buffer a worker receives the broadcast embeddings into."""
-        if self.embeds is None:
-            return None
-        shape, dtype = self.embeds
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+class _BatchFields:
+    """A message carrying a ForwardBatch as its fields (``batch``), rebuilt on each rank's device."""
 
     @staticmethod
     def batch_fields(fb: ForwardBatch) -> dict:
@@ -71,13 +47,66 @@ class ForwardOp:
         return ForwardBatch(**{k: _to(v, device) if on_device else v for k, (v, on_device) in self.batch.items()})
 
 
+def tensor_meta(t: torch.Tensor | None) -> tuple[tuple[int, ...], str] | None:
+    """(shape, dtype name) of a tensor that follows a message as a broadcast (None: none follows)."""
+    return None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def empty_like_meta(meta: tuple[tuple[int, ...], str] | None, device: torch.device) -> torch.Tensor | None:
+    """The buffer a worker receives a broadcast tensor of ``meta`` into."""
+    if meta is None:
+        return None
+    shape, dtype = meta
+    return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+
+
+@dataclass(frozen=True)
+class ForwardOp(_BatchFields):
+    """``model(input_ids | inputs_embeds, batch, kv)``; ``kv_tokens`` = (Full, SWA) slots of rank 0's
+    pools, which every rank's own pools match (the scheduler's page ids are valid on every rank).
+
+    The embeddings (a step's spliced media rows: ~64 MB per 8k bf16 rows) are not in the message:
+    ``embeds`` names their (shape, dtype) and rank 0 broadcasts them next on the model's group from
+    its device (NCCL on GPUs), where pickling them would copy them to the host and through TCP."""
+
+    batch: dict
+    input_ids: torch.Tensor | None
+    embeds: tuple[tuple[int, ...], str] | None
+    kv_tokens: tuple[int, int]
+
+    def empty_embeds(self, device: torch.device) -> torch.Tensor | None:
+        """The buffer a worker receives the broadcast embeddings into."""
+        return empty_like_meta(self.embeds, device)
+
+
+@dataclass(frozen=True)
+class MTPOp(_BatchFields):
+    """MTP layer ``layer`` over ``batch`` (llm_core/model/mtp.py), its K/V in pool layer
+    ``kv_layer``: the speculative draft's and extend's calls (llm_core/engine/speculative/). Its two
+    inputs -- the rows' embeddings and the previous level's hidden states, both from rank 0 (the
+    proposer keeps the tails there) -- follow the message as broadcasts on the model's group, as a
+    ForwardOp's embeddings do. ``write_only``: only the layer's K/V (``MTPLayer.write_kv``)."""
+
+    layer: int
+    kv_layer: int
+    write_only: bool
+    batch: dict
+    kv_tokens: tuple[int, int]
+    embeds: tuple[tuple[int, ...], str]
+    h_prev: tuple[tuple[int, ...], str]
+
+
 @dataclass(frozen=True)
 class LogitsOp:
     """``model.compute_logits(batch.logits_hidden(hidden))`` of the last forward; with ``span``
-    (start, stop): of its rows ``hidden[start:stop]`` instead (prompt logprobs, every row kept)."""
+    (start, stop): of its rows ``hidden[start:stop]`` instead (prompt logprobs, every row kept); with
+    ``index``: of the rows ``hidden[index]`` (a speculative step's verify rows); ``mtp``: of every
+    row of the last MTP layer's output instead (a draft step's)."""
 
     rows: int
     span: tuple[int, int] | None = None
+    index: torch.Tensor | None = None
+    mtp: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +130,7 @@ class PoolOp:
 
     kv_tokens: tuple[int, int]
     page_size: int
+    extra_sliding: int = 0  # sliding layers past the model's own: the MTP layers' KV (speculative decoding)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from kernels.cpu import huge_pages as huge_page_memory
 from kernels import native
 from llm_core.distributed.rank_group import LaunchSpec, RankGroup, torchrun_rank
 from llm_core.distributed.step_ops import (BudgetOp, EmbedOp, FixedStepOp, ForwardOp, GraphsOp, LayoutOp, LogitsOp,
-                                           PoolOp, ReportOp, StopOp, to_device)
+                                           MTPOp, PoolOp, ReportOp, StopOp, empty_like_meta, to_device)
 from llm_core.kvcache.dual_pool import DualKVPool, default_kv_budget_bytes
 from llm_core.model.dtype import parse_dtype
+from llm_core.model.mtp import mtp_kv_layout
 
 log = logging.getLogger("mmserve.rank")
 
@@ -112,7 +113,9 @@ def serve_steps(model, group: RankGroup) -> int:
     pool: DualKVPool | None = None
     graphs = None  # fixed-shape decode steps (GraphsOp), rank 0's buckets over this rank's share
     hidden, batch = None, None
+    mtp_out = None  # the last MTP layer call's output (a draft step's logits read it)
     huge_pages = False
+    extra_sliding = 0  # the MTP layers' KV layers past the model's own (PoolOp)
     while True:
         op = group.receive()
         if isinstance(op, StopOp):
@@ -126,7 +129,8 @@ def serve_steps(model, group: RankGroup) -> int:
                 elif isinstance(op, BudgetOp):
                     group.gather_objects(default_kv_budget_bytes(group.device, op.memory_fraction))
                 elif isinstance(op, PoolOp):
-                    pool = _pool(pool, model, op.kv_tokens, op.page_size, group.device, huge_pages)
+                    extra_sliding = op.extra_sliding
+                    pool = _pool(pool, model, op.kv_tokens, op.page_size, group.device, huge_pages, extra_sliding)
                     group.gather_objects(None)
                 elif isinstance(op, GraphsOp):
                     from llm_core.engine.fixed_decode.decode_graphs import DecodeGraphs
@@ -144,14 +148,17 @@ def serve_steps(model, group: RankGroup) -> int:
                     model.embed(to_device(op.input_ids, group.device))
                 elif isinstance(op, ForwardOp):
                     batch = op.forward_batch(group.device)
-                    pool = _pool(pool, model, op.kv_tokens, batch.page_size, group.device, huge_pages)
+                    pool = _pool(pool, model, op.kv_tokens, batch.page_size, group.device, huge_pages, extra_sliding)
                     hidden = None
                     embeds = op.empty_embeds(group.device)
                     if embeds is not None:  # rank 0 broadcasts them right after the message
                         model.parallel.broadcast_from_first(embeds)
                     hidden = model(to_device(op.input_ids, group.device), batch, pool, inputs_embeds=embeds)
+                elif isinstance(op, MTPOp):
+                    mtp_out = _mtp_layer(model, op, pool, group)
                 elif isinstance(op, LogitsOp):
-                    rows = batch.logits_hidden(hidden) if op.span is None else hidden[op.span[0]:op.span[1]]
+                    rows = (mtp_out if op.mtp else hidden[to_device(op.index, group.device)] if op.index is not None
+                            else hidden[op.span[0]:op.span[1]] if op.span is not None else batch.logits_hidden(hidden))
                     if rows.shape[0] != op.rows:
                         raise RuntimeError(f"rank {group.rank}: {rows.shape[0]} logits rows, rank 0 asked {op.rows}")
                     model.compute_logits(rows)
@@ -172,12 +179,28 @@ def prepare_weights(model, op: LayoutOp, device: torch.device) -> None:
         native.build_all()  # now, not in the first step (rank 0's collectives would wait for the compile)
 
 
-def _pool(pool, model, kv_tokens: tuple[int, int], page_size: int, device, huge_pages: bool) -> DualKVPool:
+def _mtp_layer(model, op: MTPOp, pool: DualKVPool, group: RankGroup) -> torch.Tensor | None:
+    """Rank 0's MTP layer call (MirroredModel.mtp_layer) over this rank's shard and KV share."""
+    batch = op.forward_batch(group.device)
+    embeds, h_prev = empty_like_meta(op.embeds, group.device), empty_like_meta(op.h_prev, group.device)
+    model.parallel.broadcast_from_first(embeds)  # rank 0 broadcasts both right after the message
+    model.parallel.broadcast_from_first(h_prev)
+    layer = model.model.mtp.layers[op.layer]
+    k_cache, v_cache = pool.layer(op.kv_layer)
+    if op.write_only:
+        return layer.write_kv(embeds, h_prev, batch, k_cache, v_cache)
+    return layer(embeds, h_prev, batch, k_cache, v_cache)
+
+
+def _pool(pool, model, kv_tokens: tuple[int, int], page_size: int, device, huge_pages: bool,
+          extra_sliding: int = 0) -> DualKVPool:
     """This rank's share of the dual pool, with rank 0's page counts (allocated once: at start-up by
-    PoolOp; a ForwardOp's counts only ever match it, the check keeps a worker right if they did not)."""
+    PoolOp; a ForwardOp's counts only ever match it, the check keeps a worker right if they did not)
+    and ``extra_sliding`` sliding layers past the model's own (the MTP layers' KV, as rank 0's)."""
     full, swa = kv_tokens
     if pool is not None and (pool.full.num_pages * page_size, pool.swa.num_pages * page_size) == (full, swa):
         return pool
     dtype = model.model.norm.weight.dtype
-    return DualKVPool(model.kv_layout(), num_full_tokens=full, num_swa_tokens=swa, page_size=page_size,
+    layout = mtp_kv_layout(model.kv_layout(), extra_sliding, model.config.sliding_window)
+    return DualKVPool(layout, num_full_tokens=full, num_swa_tokens=swa, page_size=page_size,
                       dtype=dtype, device=device, huge_pages=huge_pages)

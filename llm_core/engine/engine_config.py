@@ -175,10 +175,6 @@ class EngineConfig:
             # tier copies move pages of rank 0's pools only; each rank would need its own tiers
             raise ValueError("kv_host_bytes / kv_store (KV tiers) are not supported with tensor or expert "
                              "parallelism yet; leave them unset")
-        if self.world_size > 1 and self.speculative_tokens:
-            # the MTP draft step runs whole on one rank; sharding it across ranks is not built yet
-            raise ValueError("speculative_tokens (MTP) is not supported with tensor or expert parallelism "
-                             "yet; set it to 0 or leave it unset")
 
     def decode_mode(self, device: torch.device | str) -> str | None:
         """How decode steps run on ``device``: "compile" (CPU) / "cudagraph" (CUDA) when fixed-shape

@@ -149,20 +149,27 @@ def expected_tensors(config: ModelConfig, qkv_row_order: str = "tp4_chunks",
     return plan
 
 
-def expected_mtp_tensors(config: ModelConfig, num_layers: int, qkv_row_order: str = "tp4_chunks") -> dict[str, Placement]:
+def expected_mtp_tensors(config: ModelConfig, num_layers: int, qkv_row_order: str = "tp4_chunks",
+                         parallel: ParallelContext | None = None) -> dict[str, Placement]:
     """Every tensor of ``num_layers`` MTP layers (docs/model.md §2.2). Their attention is a sliding
-    layer's, so its qkv (fused or split, FP8 or not) is read exactly like a main sliding layer's; the
+    layer's, so its qkv (fused or split, FP8 or not) is read exactly like a main sliding layer's --
+    under tensor parallelism this rank's heads -- and their dense MLP like a main dense layer's; the
     split spelling (``q_proj`` / ``k_proj`` / ``v_proj``) is what an HF-layout checkpoint would use
     (transformers' mimo_v2_flash defines no MTP of its own)."""
+    ctx = parallel or ParallelContext.single()
     spec = sliding_layer_config(config).attn_spec(0)
+    d0, d1 = ctx.tp_range(config.intermediate_size, "intermediate_size")
     plan: dict[str, Placement] = {}
     for j in range(num_layers):
         p = f"{MTP_PREFIX}{j}."
         for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight",
-                     "pre_mlp_layernorm.weight", "final_layernorm.weight",
-                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                     "pre_mlp_layernorm.weight", "final_layernorm.weight"):
             plan[p + name] = Placement(p + name)
-        _attention_plan(plan, p, spec, "sliding", config, qkv_row_order, ParallelContext.single())
+        for name in ("gate_proj", "up_proj"):
+            plan[f"{p}mlp.{name}.weight"] = Placement(f"{p}mlp.{name}.weight", rows=_rows(d0, d1, ctx))
+        plan[f"{p}mlp.down_proj.weight"] = Placement(f"{p}mlp.down_proj.weight",
+                                                     cols=None if ctx.tp_size == 1 else (d0, d1))
+        _attention_plan(plan, p, spec, "sliding", config, qkv_row_order, ctx)
     return plan
 
 
@@ -270,7 +277,8 @@ def load_model(
     (``model.mtp.layers.{j}.*``) are loaded into ``model.model.mtp`` when present (``load_mtp=False``
     skips them); llm_core/engine/speculative/ drafts with them.
     ``parallel``: build and read only this rank's share (tensor / expert parallelism; default: all).
-    The MTP layers are read in one process only: the draft step is not sharded across ranks yet.
+    Under tensor parallelism the MTP layers are sharded like a sliding layer (their heads, their MLP
+    slice); the speculative draft and extend are mirrored to every rank (step_mirror.py).
     ``fp8_experts``: keep the routed experts as block-FP8 values and block factors (the checkpoint's
     when it is FP8, else quantised at load in 128 x 128 blocks) instead of in ``dtype``; None: when
     the checkpoint is FP8 and ``device`` is a GPU whose Triton kernels read e4m3 (sm_89+; on CPU the
@@ -290,16 +298,15 @@ def load_model(
     plan = expected_tensors(config, qkv_row_order, parallel)
     with ShardReader(model_dir) as reader:
         present = {n for n in reader.names() if not n.startswith(ignore_prefixes)}
-        load_mtp = load_mtp and (parallel is None or parallel.world_size == 1)
         num_mtp = mtp_layer_count(present) if load_mtp else 0
         if not load_mtp:
             present = {n for n in present if not n.startswith(MTP_PREFIX)}
-        plan |= expected_mtp_tensors(config, num_mtp, qkv_row_order)
+        plan |= expected_mtp_tensors(config, num_mtp, qkv_row_order, parallel)
         _check_names(plan, present, config)
         with torch.device("meta"):
             model = MiMoV2ForCausalLM(config, parallel)
             if num_mtp:
-                model.model.mtp = MTPHead(config, num_mtp)
+                model.model.mtp = MTPHead(config, num_mtp, parallel)
         model.cast_(dtype)
         model.to_empty(device=device)
         model.tie_weights_()  # to_empty() gives tied parameters separate storage again

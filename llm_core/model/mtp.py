@@ -28,6 +28,8 @@ import re
 import torch
 from torch import nn
 
+from llm_core.distributed.parallel_context import ParallelContext
+from llm_core.kvcache.dual_pool import KVLayout
 from llm_core.model.config import ModelConfig
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.model.layers.attention import Attention
@@ -53,18 +55,20 @@ def sliding_layer_config(config: ModelConfig) -> ModelConfig:
 
 
 class MTPLayer(nn.Module):
-    """``model.mtp.layers.{j}``: parameter names are the checkpoint's."""
+    """``model.mtp.layers.{j}``: parameter names are the checkpoint's. Under tensor parallelism
+    (``parallel``) its attention heads and MLP split like a main sliding layer's; ``eh_proj`` (and the
+    norms) stay whole on every rank: its input is the replicated residual stream."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = Attention(sliding_layer_config(config), 0)
+        self.self_attn = Attention(sliding_layer_config(config), 0, parallel)
         self.pre_mlp_layernorm = RMSNorm(h, eps)  # the post-attention norm of this decoder layer
-        self.mlp = DenseMLP(h, config.intermediate_size)
+        self.mlp = DenseMLP(h, config.intermediate_size, parallel)
         self.final_layernorm = RMSNorm(h, eps)
 
     def forward(self, embeds: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch,
@@ -92,11 +96,18 @@ class MTPLayer(nn.Module):
 class MTPHead(nn.Module):
     """``model.mtp``: the checkpoint's MTP layers (embeddings and LM head are the main model's)."""
 
-    def __init__(self, config: ModelConfig, num_layers: int) -> None:
+    def __init__(self, config: ModelConfig, num_layers: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"an MTP head needs at least one layer, got {num_layers}")
-        self.layers = nn.ModuleList(MTPLayer(config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MTPLayer(config, parallel) for _ in range(num_layers))
+
+
+def mtp_kv_layout(layout: KVLayout, num_layers: int, sliding_window: int) -> KVLayout:
+    """``layout`` plus ``num_layers`` sliding layers past the model's own: the MTP layers that keep
+    KV (their attention is a sliding layer's, so their KV lives in the SWA pool)."""
+    return KVLayout(layout.layer_kinds + ("sliding",) * num_layers, layout.full, layout.sliding,
+                    layout.window if layout.window is not None else sliding_window)
 
 
 def mtp_head_of(model: nn.Module) -> MTPHead | None:

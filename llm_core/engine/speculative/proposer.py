@@ -21,6 +21,12 @@ c = position of the pending token t_c, d_0 = t_c:
 
 Drafts are greedy (a one-hot proposal): verification then only asks whether the plain sampler,
 with its own noise row, would emit the draft (verify.py) -- exact, and a seed reproduces.
+
+**Across ranks** (tensor / expert parallelism: the model is rank 0's ``MirroredModel``): every MTP
+layer call, its logits and the draft tokens' embeddings go through the mirrored model
+(``mtp_layer``, ``mtp_logits``, ``embed``), so each rank runs its shard of the layer over its share
+of the KV; the proposer's state (the tails) stays on rank 0, which broadcasts each call's inputs.
+The folded-weight draft (fused_draft.py) is one process's only.
 """
 
 from __future__ import annotations
@@ -57,9 +63,11 @@ class MTPProposer:
         self.kv_base = model.config.num_layers  # MTP layer l uses pool layer kv_base + l
         self.hidden_size = model.config.hidden_size
         self._tails: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # rank 0 of a rank group: the MTP layers' calls mirrored to every rank (MirroredModel.mtp_layer)
+        self.mirrored = callable(getattr(model, "mtp_layer", None))
         # mode "first": the draft from folded weights (fused_draft.py); None: DraftSteps + the module
         self.fused = None
-        if mode == "first" and head.layers[0].self_attn.window is not None:
+        if mode == "first" and head.layers[0].self_attn.window is not None and not self.mirrored:
             self.fused = FusedDraft(head.layers[0], model.model.embed_tokens, model.lm_head, self.max_draft)
             with torch.inference_mode():
                 self.fused.refresh()  # fold now (~3 ms on the demo model), not in the first request's step
@@ -95,13 +103,32 @@ class MTPProposer:
             prev[1:] = src[:-1]
             for b, e in enumerate(entries):
                 prev[starts[b]] = self._tail(e.request, e.start - 1, l, src)
-            k_cache, v_cache = kv.layer(self.kv_base + l)
             if l == self.num_layers - 1:
-                self.head.layers[l].write_kv(embeds, prev, fb, k_cache, v_cache)
+                self._layer(l, embeds, prev, fb, kv, write_only=True)
                 break
-            src = self.head.layers[l](embeds, prev, fb, k_cache, v_cache)
+            src = self._layer(l, embeds, prev, fb, kv)
             outs.append(src)
         return outs
+
+    def _layer(self, l: int, embeds: torch.Tensor, h_prev: torch.Tensor, fb: ForwardBatch, kv,
+               write_only: bool = False) -> torch.Tensor | None:
+        """MTP layer ``l`` over ``fb``'s rows (its K/V in pool layer kv_base + l): here, or on every
+        rank of a group (``MirroredModel.mtp_layer``). ``write_only``: only its K/V."""
+        if self.mirrored:
+            return self.model.mtp_layer(l, self.kv_base + l, embeds, h_prev, fb, kv, write_only)
+        k_cache, v_cache = kv.layer(self.kv_base + l)
+        layer = self.head.layers[l]
+        if write_only:
+            return layer.write_kv(embeds, h_prev, fb, k_cache, v_cache)
+        return layer(embeds, h_prev, fb, k_cache, v_cache)
+
+    def _logits(self, out: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the last ``_layer`` output's ``rows`` (all when None). Across ranks every rank
+        computes its vocabulary slice of every row (``MirroredModel.mtp_logits``), then rank 0 picks."""
+        if self.mirrored:
+            logits = self.model.mtp_logits(out)
+            return logits if rows is None else logits[rows]
+        return self.model.compute_logits(out if rows is None else out[rows])
 
     def commit(self, request, position: int, row: int, hidden: torch.Tensor, outs: list[torch.Tensor]) -> None:
         """Keep the hidden states of ``row`` (the request's last computed position) for its next step.
@@ -149,10 +176,9 @@ class MTPProposer:
                     rows.append(prev[id(e)][-1:])
                 else:
                     rows.append(torch.cat([tail, prev[id(e)]]))
-            k_cache, v_cache = kv.layer(self.kv_base + layer)
-            out = self.head.layers[layer](embeds, torch.cat(rows), fb, k_cache, v_cache)
+            out = self._layer(layer, embeds, torch.cat(rows), fb, kv)
             ends = fb.query_start_loc.tolist()
-            tokens = self.model.compute_logits(out[torch.tensor(ends[1:], device=out.device) - 1]).argmax(-1).tolist()
+            tokens = self._logits(out, torch.tensor(ends[1:], device=out.device) - 1).argmax(-1).tolist()
             for b, e in enumerate(active):
                 prev[id(e)] = out[ends[b]:ends[b + 1]]
                 e.request.token_ids.append(int(tokens[b]))
@@ -179,11 +205,11 @@ class MTPProposer:
         drafted tokens stay on the device until the last step (one host read for the whole draft)."""
         fb0, ids = build_forward_batch([ScheduledRequest(e.request, e.start, 1) for e in entries], self.page_size,
                                        ids_device(self.model))
-        embed = self.model.model.embed_tokens  # sampled or argmax ids: always in the vocabulary
+        # sampled or argmax ids, always in the vocabulary: no checked embed (a host read) in one
+        # process; across ranks every rank embeds them (the mirrored, checked call)
+        embed = self.model.embed if self.mirrored else self.model.model.embed_tokens
         embeds = embed(ids)
-        layer = self.head.layers[0]
-        steps = DraftSteps(entries, fb0, layer.self_attn, embeds.dtype)
-        k_cache, v_cache = kv.layer(self.kv_base)
+        steps = DraftSteps(entries, fb0, self.head.layers[0].self_attn, embeds.dtype)
         h_prev = torch.stack([self._tail(e.request, e.start - 1, 0, embeds) for e in entries])
         drafted: list[torch.Tensor] = []
         for s in range(steps.num_steps):
@@ -191,8 +217,8 @@ class MTPProposer:
                 keep = steps.kept(s)
                 h_prev, tokens = (out, tokens) if keep is None else (out[keep], tokens[keep])
                 embeds = embed(tokens)
-            out = layer(embeds, h_prev, steps.batch(s), k_cache, v_cache)
-            tokens = self.model.compute_logits(out).argmax(-1)
+            out = self._layer(0, embeds, h_prev, steps.batch(s), kv)
+            tokens = self._logits(out).argmax(-1)
             drafted.append(tokens)
         tokens_in_order = iter(torch.cat(drafted).tolist())  # step-major, like steps.rows
         for rows in steps.rows:

@@ -30,7 +30,7 @@ from llm_core.engine.speculative.proposer import MTPProposer
 from llm_core.engine.speculative.stats import SpecStats
 from llm_core.engine.speculative.verify import verify_greedy, verify_sampled
 from llm_core.kvcache.dual_pool import KVLayout
-from llm_core.model.mtp import mtp_head_of
+from llm_core.model.mtp import mtp_head_of, mtp_kv_layout
 
 DEFAULT_DRAFT_TOKENS = 3  # MiMo-V2.5 ships 3 MTP layers; the demo head is trained for 3 steps
 
@@ -46,8 +46,7 @@ class SpeculativeRunner:
     # ---- what the engine and the scheduler ask ---------------------------------------------------
     def kv_layout(self, layout: KVLayout) -> KVLayout:
         """The target's layout plus one sliding layer per MTP layer that keeps KV (SWA pool)."""
-        return KVLayout(layout.layer_kinds + ("sliding",) * self.proposer.num_layers, layout.full,
-                        layout.sliding, layout.window if layout.window is not None else self.model.config.sliding_window)
+        return mtp_kv_layout(layout, self.proposer.num_layers, self.model.config.sliding_window)
 
     def num_draft_tokens(self, request, num_running: int, max_model_len: int) -> int:
         """k for a decoding request this step (the scheduler caps it by budget and pages). A request
@@ -159,7 +158,8 @@ class SpeculativeRunner:
         spec = [e for e in entries if e.num_draft_tokens]
         lengths = {id(e): len(e.request.token_ids) for e in spec}
         graphs = self.runner.decode_graphs
-        fixed = graphs is not None and graphs.supports_rows(entries)
+        # across ranks the verify rows are not mirrored as graph rows: such steps run eagerly there
+        fixed = graphs is not None and not proposer.mirrored and graphs.supports_rows(entries)
         every_logit = None
         try:
             proposer.draft(spec, kv)
@@ -189,9 +189,13 @@ class SpeculativeRunner:
             elif e.samples:
                 rows_of[id(e)] = [len(flat)]
                 flat.append(qsl[b + 1] - 1)
-        picked = torch.tensor(flat, dtype=torch.long).to(hidden.device, non_blocking=True)
         # a fixed-shape step's logits are the graph's buffer: gathered here, before any other replay
-        logits = model.compute_logits(hidden[picked]) if every_logit is None else every_logit[picked]
+        if every_logit is not None:
+            logits = every_logit[torch.tensor(flat, dtype=torch.long).to(hidden.device, non_blocking=True)]
+        elif proposer.mirrored:  # every rank takes the same rows of its own hidden states
+            logits = model.compute_logits_at(hidden, flat)
+        else:
+            logits = model.compute_logits(hidden[torch.tensor(flat, dtype=torch.long).to(hidden.device, non_blocking=True)])
         first_row = {id(e): qsl[b] for b, e in enumerate(entries)}
         # every row's hidden state is here (the MTP layer reads them all): prompt logprobs come free
         wanted = wanted_rows(entries, qsl)
