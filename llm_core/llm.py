@@ -81,7 +81,7 @@ class LLM:
                                 tensor_parallel_size=config.tensor_parallel_size,
                                 expert_parallel_size=config.expert_parallel_size,
                                 distributed_timeout_s=config.distributed_timeout_s,
-                                fp8_experts=config.fp8_experts)
+                                fp8_experts=config.fp8_experts, load_mtp=config.loads_mtp)
         try:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
             self.engine = LLMEngine(model, config, tokenizer=self.tokenizer)

@@ -20,16 +20,16 @@ from llm_core.distributed.rank_group import LaunchSpec, RankGroup, free_port, to
 def load_text_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | str = torch.float32, tensor_parallel_size: int = 1,
                     expert_parallel_size: int = 1, distributed_timeout_s: float = 600.0,
-                    fp8_experts: bool | None = None):
+                    fp8_experts: bool | None = None, load_mtp: bool = True):
     """The model for an engine: ``MiMoV2ForCausalLM`` in one process, else a ``MirroredModel``.
-    ``fp8_experts``: ``load_model``'s (every rank the same)."""
+    ``fp8_experts``, ``load_mtp``: ``load_model``'s (every rank the same; ``EngineConfig.loads_mtp``)."""
     from llm_core.model.dtype import parse_dtype
     from llm_core.model.loader import load_model
 
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     world = max(tensor_parallel_size, expert_parallel_size)
     if world == 1 and torchrun_rank() is None:
-        return load_model(model_dir, device=device, dtype=dt, fp8_experts=fp8_experts)
+        return load_model(model_dir, device=device, dtype=dt, fp8_experts=fp8_experts, load_mtp=load_mtp)
     dev = torch.device(device)
     if dev.type == "cuda" and torchrun_rank() is None and torch.cuda.is_available():
         first = dev.index or 0
@@ -39,7 +39,7 @@ def load_text_model(model_dir: str | Path, *, device: str | torch.device = "cpu"
     spec = LaunchSpec(model_dir=str(model_dir), device=str(dev), dtype=str(dt).removeprefix("torch."),
                       tp_size=tensor_parallel_size, ep_size=expert_parallel_size,
                       init_method="env://" if torchrun_rank() is not None else f"tcp://127.0.0.1:{free_port()}",
-                      timeout_s=distributed_timeout_s, fp8_experts=fp8_experts,
+                      timeout_s=distributed_timeout_s, fp8_experts=fp8_experts, load_mtp=load_mtp,
                       # CPU ranks compute with theirs; GPU ranks use CPU threads only while loading
                       # (e.g. FP8 dequantisation), so they share the cores instead of each taking all
                       threads=torch.get_num_threads() if dev.type != "cuda" else max(1, torch.get_num_threads() // world))
@@ -59,7 +59,7 @@ def _start_rank0(spec: LaunchSpec, load_model, dt):
     try:
         try:
             local = load_model(spec.model_dir, device=group.device, dtype=dt, parallel=group.ctx,
-                               fp8_experts=spec.fp8_experts)
+                               fp8_experts=spec.fp8_experts, load_mtp=spec.load_mtp)
         except Exception as exc:
             if not group.processes:
                 # torchrun's ranks are not ours to terminate: the handshake tells them to exit

@@ -56,6 +56,7 @@ class LaunchSpec:
     timeout_s: float
     threads: int  # torch intra-op threads per rank (CPU)
     fp8_experts: bool | None = None  # load_model's: the routed experts kept in block-FP8
+    load_mtp: bool = True  # load_model's: the MTP layers (not when speculative decoding is off)
 
     @property
     def world_size(self) -> int:

@@ -109,9 +109,14 @@ class MirroredModel:
 
         return self._mirror(op, "MTP layer", run)
 
-    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """``compute_logits`` of every row of the last ``mtp_layer`` output (a draft step's rows)."""
-        return self._mirror(LogitsOp(int(out.shape[0]), mtp=True), "logits", self.local.compute_logits, out)
+    def mtp_logits(self, out: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``compute_logits`` of the last ``mtp_layer`` output's ``rows`` (all when None: a draft
+        step's rows; a chain step's last row of each request)."""
+        if rows is None:
+            return self._mirror(LogitsOp(int(out.shape[0]), mtp=True), "logits", self.local.compute_logits, out)
+        index = rows.detach().cpu()
+        return self._mirror(LogitsOp(len(index), index=index, mtp=True), "logits", self.local.compute_logits,
+                            out[rows])
 
     def compute_logits_rows(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``compute_logits(hidden[start:stop])`` of the last forward's every-row output: every rank

@@ -100,8 +100,8 @@ class MTPOp(_BatchFields):
 class LogitsOp:
     """``model.compute_logits(batch.logits_hidden(hidden))`` of the last forward; with ``span``
     (start, stop): of its rows ``hidden[start:stop]`` instead (prompt logprobs, every row kept); with
-    ``index``: of the rows ``hidden[index]`` (a speculative step's verify rows); ``mtp``: of every
-    row of the last MTP layer's output instead (a draft step's)."""
+    ``index``: of the rows ``hidden[index]`` (a speculative step's verify rows); ``mtp``: of the last
+    MTP layer's output instead of the target's (a draft step's: every row, or ``index``)."""
 
     rows: int
     span: tuple[int, int] | None = None

@@ -62,7 +62,7 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
             from llm_core.model.loader import load_model
 
             model = load_model(spec.model_dir, device=group.device, dtype=parse_dtype(spec.dtype), parallel=group.ctx,
-                               fp8_experts=spec.fp8_experts)
+                               fp8_experts=spec.fp8_experts, load_mtp=spec.load_mtp)
         except Exception as exc:  # noqa: BLE001 -- told to every rank in the handshake below
             log.error("loading this rank's shard failed", exc_info=True)
             error = f"{type(exc).__name__}: {exc}"
@@ -157,8 +157,10 @@ def serve_steps(model, group: RankGroup) -> int:
                 elif isinstance(op, MTPOp):
                     mtp_out = _mtp_layer(model, op, pool, group)
                 elif isinstance(op, LogitsOp):
-                    rows = (mtp_out if op.mtp else hidden[to_device(op.index, group.device)] if op.index is not None
-                            else hidden[op.span[0]:op.span[1]] if op.span is not None else batch.logits_hidden(hidden))
+                    src = mtp_out if op.mtp else hidden  # a draft step's rows, or the target's
+                    rows = (src[to_device(op.index, group.device)] if op.index is not None
+                            else src[op.span[0]:op.span[1]] if op.span is not None
+                            else src if op.mtp else batch.logits_hidden(hidden))
                     if rows.shape[0] != op.rows:
                         raise RuntimeError(f"rank {group.rank}: {rows.shape[0]} logits rows, rank 0 asked {op.rows}")
                     model.compute_logits(rows)

@@ -89,7 +89,7 @@ class EngineConfig:
     """Keep the routed experts as block-FP8 values and block factors, read as stored by the Triton expert kernels (half of bf16's bytes): an FP8 checkpoint's as stored, a float one's quantised at load in 128 x 128 blocks (none: on for an FP8 checkpoint on a GPU of compute capability 8.9+, which Triton's e4m3 needs; on CPU they are dequantised per call, for checks)."""
     # speculative decoding with the checkpoint's MTP layers (llm_core/engine/speculative/, docs/speculative.md)
     speculative_tokens: int | None = None
-    """MTP draft tokens verified per decode step (0: off; none: 3 when the checkpoint has MTP layers)."""
+    """MTP draft tokens verified per decode step (0: off; none: 3 when the checkpoint has MTP layers, in one process; 0 under tensor / expert parallelism until a multi-GPU run has checked it)."""
     speculative_layers: str = "first"
     """Which MTP layer drafts step s: first (layer 0 every step, as vLLM / sglang) or chain (layer s)."""
     speculative_adaptive: bool = True
@@ -189,6 +189,21 @@ class EngineConfig:
         if not on:
             return None
         return "cudagraph" if cuda else "compile"
+
+    @property
+    def mtp_tokens(self) -> int | None:
+        """``speculative_tokens`` as the engine takes it: none (3 when the checkpoint has MTP layers)
+        becomes 0 for a rank group, where MTP is on only when asked for (``--speculative-tokens N``)
+        until a multi-GPU run has checked the mirrored draft (as for its decode graphs)."""
+        if self.speculative_tokens is None and self.world_size > 1:
+            return 0
+        return self.speculative_tokens
+
+    @property
+    def loads_mtp(self) -> bool:
+        """Whether the MTP layers are worth loading: not when speculative decoding is off (their
+        weights would only take KV memory)."""
+        return self.mtp_tokens != 0
 
     @property
     def checkpoint_every(self) -> int:

@@ -78,7 +78,7 @@ class LLMEngine:
         # this rank's KV heads (all of them in one process; a share under tensor parallelism)
         layout = model.kv_layout() if hasattr(model, "kv_layout") else KVLayout.from_model_config(self.model_config)
         # --- speculative decoding hook (llm_core/engine/speculative/): MTP layers keep SWA-pool KV
-        self.speculative = build_speculative(model, self.runner, tokens=self.config.speculative_tokens,
+        self.speculative = build_speculative(model, self.runner, tokens=self.config.mtp_tokens,
                                              mode=self.config.speculative_layers,
                                              adaptive=self.config.speculative_adaptive)
         if self.speculative is not None:

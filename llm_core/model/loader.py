@@ -157,9 +157,11 @@ def expected_mtp_tensors(config: ModelConfig, num_layers: int, qkv_row_order: st
     split spelling (``q_proj`` / ``k_proj`` / ``v_proj``) is what an HF-layout checkpoint would use
     (transformers' mimo_v2_flash defines no MTP of its own)."""
     ctx = parallel or ParallelContext.single()
+    plan: dict[str, Placement] = {}
+    if num_layers == 0:  # no MTP: intermediate_size need not split (a model without dense layers)
+        return plan
     spec = sliding_layer_config(config).attn_spec(0)
     d0, d1 = ctx.tp_range(config.intermediate_size, "intermediate_size")
-    plan: dict[str, Placement] = {}
     for j in range(num_layers):
         p = f"{MTP_PREFIX}{j}."
         for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight",

@@ -120,7 +120,7 @@ class OmniModel:
              distributed_timeout_s: float = 600.0, encoder_device: str | torch.device | None = None,
              audio_tokenizer_attention: str = "reference", with_text: bool = True,
              chat_template: str | None = None, with_vision: bool = True, with_audio: bool = True,
-             fp8_experts: bool | None = None) -> "OmniModel":
+             fp8_experts: bool | None = None, load_mtp: bool = True) -> "OmniModel":
         """The text model goes through ``load_text_model`` (one process, or one per tensor / expert
         parallel rank); the encoders stay whole (data-parallel, never tensor-parallel) on
         ``encoder_device`` (default: ``device``). ``audio_tokenizer_attention``: for the reference
@@ -131,7 +131,8 @@ class OmniModel:
         ``chat_template``: template text used instead of the tokenizer's own (``--chat-template``).
         ``with_vision`` / ``with_audio`` False: that encoder is not loaded (a server that refuses the
         modality, --limit-mm-per-prompt: its weights take no memory), as if the checkpoint had none.
-        ``fp8_experts``: the text model's routed experts kept in block-FP8 (``load_model``'s)."""
+        ``fp8_experts``: the text model's routed experts kept in block-FP8; ``load_mtp``: its MTP
+        layers loaded (both ``load_model``'s)."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}: not a model directory")
@@ -141,7 +142,8 @@ class OmniModel:
         if with_text:
             text = load_text_model(model_dir, device=device, dtype=dt, tensor_parallel_size=tensor_parallel_size,
                                    expert_parallel_size=expert_parallel_size,
-                                   distributed_timeout_s=distributed_timeout_s, fp8_experts=fp8_experts)
+                                   distributed_timeout_s=distributed_timeout_s, fp8_experts=fp8_experts,
+                                   load_mtp=load_mtp)
         enc = device if encoder_device is None else encoder_device
         vision = audio = None
         if with_vision and omni.vision is not None and _has_prefix(model_dir, VISION_PREFIX):

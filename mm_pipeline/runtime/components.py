@@ -174,6 +174,7 @@ class OmniRuntime:
                                    tensor_parallel_size=e.tensor_parallel_size,
                                    expert_parallel_size=e.expert_parallel_size,
                                    distributed_timeout_s=e.distributed_timeout_s, fp8_experts=e.fp8_experts,
+                                   load_mtp=e.loads_mtp,
                                    encoder_device=config.encoder_device,
                                    audio_tokenizer_attention=config.audio_tokenizer_attention,
                                    with_text=not encoders_only, chat_template=config.chat_template,

@@ -123,11 +123,10 @@ class MTPProposer:
         return layer(embeds, h_prev, fb, k_cache, v_cache)
 
     def _logits(self, out: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last ``_layer`` output's ``rows`` (all when None). Across ranks every rank
-        computes its vocabulary slice of every row (``MirroredModel.mtp_logits``), then rank 0 picks."""
+        """Logits of the last ``_layer`` output's ``rows`` (all when None); across ranks every rank
+        computes its vocabulary slice of the same rows (``MirroredModel.mtp_logits``)."""
         if self.mirrored:
-            logits = self.model.mtp_logits(out)
-            return logits if rows is None else logits[rows]
+            return self.model.mtp_logits(out, rows)
         return self.model.compute_logits(out if rows is None else out[rows])
 
     def commit(self, request, position: int, row: int, hidden: torch.Tensor, outs: list[torch.Tensor]) -> None:

@@ -97,3 +97,22 @@ def test_every_accepted_length_across_ranks_gives_plain_tokens(checkpoints):
     assert any(o.num_cached_tokens for o in again)
     hist = {int(a): n for a, n in stats.spec_accepted_length.items()}
     assert hist.get(0) and hist.get(3) and (hist.get(1) or hist.get(2))
+
+
+def test_off_by_default_across_ranks_and_then_not_loaded(checkpoints):
+    """With W > 1, MTP is on only when asked for (until a multi-GPU run has checked it), and when it
+    is off no rank loads the MTP layers (their weights would only take KV memory); in one process
+    the default stays on, and speculative_tokens=0 skips them there too."""
+    from llm_core.distributed.parallel_context import ParallelContext
+    from llm_core.model.loader import load_model
+
+    with LLM(checkpoints["hf"], **ENGINE, tensor_parallel_size=2) as llm:
+        assert llm.engine.speculative is None and not hasattr(llm.engine.runner.model.model, "mtp")
+        reports = llm.engine.runner.model.reports(llm.engine.pool)
+    for r, rep in enumerate(reports):
+        plain = load_model(checkpoints["hf"], parallel=ParallelContext(2, 1, r), load_mtp=False)
+        assert rep["weight_bytes"] == sum(p.numel() * p.element_size() for p in plain.parameters())
+    with LLM(checkpoints["hf"], **ENGINE) as llm:
+        assert llm.engine.speculative is not None
+    with LLM(checkpoints["hf"], **ENGINE, speculative_tokens=0) as llm:
+        assert llm.engine.speculative is None and not hasattr(llm.engine.runner.model.model, "mtp")

@@ -101,3 +101,26 @@ def test_shapes_that_do_not_split_are_refused(checkpoints):
         load_model(checkpoints["hf"], parallel=ParallelContext(tp_size=3, rank=0))
     with pytest.raises(ValueError, match="tp must be 1 or the world size"):
         ParallelContext(tp_size=2, ep_size=4, rank=0)
+
+
+def test_mtp_layers_shard_like_a_sliding_layer_and_none_need_no_split(checkpoints, tmp_path):
+    """A checkpoint's MTP layers under TP=2: each rank holds its heads and MLP slice (the tensors a
+    whole load holds, sliced); with no MTP layers the MTP plan asks nothing of intermediate_size
+    (a model without dense layers need not split it)."""
+    import dataclasses
+
+    from llm_core.model.loader import expected_mtp_tensors
+
+    ck = build_tiny_hf_checkpoint(tmp_path / "mtp", seed=3, mtp_layers=1)
+    whole = dict(load_model(ck).model.mtp.named_parameters())
+    for r in range(2):
+        got = dict(load_model(ck, parallel=ParallelContext(tp_size=2, rank=r)).model.mtp.named_parameters())
+        n = whole["layers.0.mlp.gate_proj.weight"].shape[0] // 2
+        assert torch.equal(got["layers.0.mlp.gate_proj.weight"], whole["layers.0.mlp.gate_proj.weight"][r * n:(r + 1) * n])
+        assert torch.equal(got["layers.0.mlp.down_proj.weight"], whole["layers.0.mlp.down_proj.weight"][:, r * n:(r + 1) * n])
+        assert torch.equal(got["layers.0.eh_proj.weight"], whole["layers.0.eh_proj.weight"])  # whole on every rank
+        assert got["layers.0.self_attn.qkv_proj.weight"].shape[0] == whole["layers.0.self_attn.qkv_proj.weight"].shape[0] // 2
+    config = dataclasses.replace(load_model(checkpoints["hf"]).config, intermediate_size=127)
+    assert expected_mtp_tensors(config, 0, parallel=ParallelContext(tp_size=2, rank=0)) == {}
+    with pytest.raises(ValueError, match="intermediate_size"):
+        expected_mtp_tensors(config, 1, parallel=ParallelContext(tp_size=2, rank=0))
