@@ -35,11 +35,13 @@ def share_report(rank: int, model, pool: DualKVPool | None) -> dict:
     """This rank's weight bytes, KV bytes and share, and how its weights were prepared (what tests
     and start-up logs check)."""
     params = list({id(p): p for p in model.parameters()}.values())
+    # block-FP8 experts' factors are buffers (kernels/block_fp8.py): weights too, by the bytes they take
+    scales = [b for n, b in model.named_buffers() if n.endswith("_scale_inv")]
     kv = 0 if pool is None else pool.full_bytes + pool.swa_bytes
     moe = [m for m in model.modules() if hasattr(m, "placement")]
     experts = (moe[0].placement.lo, moe[0].placement.hi) if moe else None
     layout = model.kv_layout()
-    return {"rank": rank, "weight_bytes": sum(p.numel() * p.element_size() for p in params), "kv_bytes": kv,
+    return {"rank": rank, "weight_bytes": sum(t.numel() * t.element_size() for t in params + scales), "kv_bytes": kv,
             "experts": experts, "kv_heads": (layout.full.num_kv_heads, layout.sliding.num_kv_heads),
             "native_cpu_kernels": native.enabled(),
             # weights re-laid column-major by use_kernel_layouts_ (the same count on every rank)

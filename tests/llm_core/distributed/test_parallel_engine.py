@@ -119,7 +119,8 @@ def test_fp8_experts_on_every_rank_equal_one_process(checkpoints, reference):
     for r, rep in enumerate(reports):
         kept = load_model(checkpoints["hub_fp8"], parallel=ParallelContext(2, 2, r), fp8_experts=True)
         plain = load_model(checkpoints["hub_fp8"], parallel=ParallelContext(2, 2, r))
-        assert rep["weight_bytes"] == sum(p.numel() * p.element_size() for p in kept.parameters())
+        assert rep["weight_bytes"] == sum(t.numel() * t.element_size() for t in kept.parameters()) + sum(
+            b.numel() * b.element_size() for n, b in kept.named_buffers() if n.endswith("_scale_inv"))
         experts = [(a, b) for (n, a), b in zip(kept.named_parameters(), plain.parameters()) if ".experts." in n]
         assert experts and all(a.element_size() == 1 and b.element_size() == 4 for a, b in experts)
 
