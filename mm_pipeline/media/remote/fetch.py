@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any, Callable
@@ -31,6 +32,8 @@ from mm_pipeline.media.ingest_config import IngestConfig
 from mm_pipeline.media.remote.public_hosts import PublicHostsTransport
 from mm_pipeline.media.sniff import layout_and_need
 from mm_pipeline.media.types import MediaKind
+
+log = logging.getLogger(__name__)
 
 _FIRST_LOOK = 1 << 16  # the bytes the layout is first looked for in (most files tell from their first 100)
 
@@ -66,8 +69,9 @@ class RemoteFetch:
             if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)):
                 raise MediaFetchTimeout(
                     f"fetching {short_url(url)} took longer than {self.config.fetch_timeout_s} s") from None
-            if isinstance(exc, httpx.HTTPError):
-                raise MediaFetchError(f"fetching {short_url(url)} failed ({type(exc).__name__})") from None
+            if isinstance(exc, httpx.HTTPError):  # the library's class name stays in the log
+                log.info("fetching %s failed: %s: %s", short_url(url), type(exc).__name__, exc)
+                raise MediaFetchError(f"fetching {short_url(url)} failed: {_why(exc)}") from None
             if isinstance(exc, (httpx.InvalidURL, OverflowError)):  # one httpx cannot connect to
                 raise InvalidMediaError(f"media URL {short_url(url)} is not a valid http(s) URL ({exc})") from None
             raise
@@ -176,3 +180,16 @@ def short_url(url: str) -> str:
     except ValueError:  # one urllib cannot split (a bad IPv6 literal): cut at its query
         return url.split("?", 1)[0][:200]
     return f"{parts.scheme}://{parts.netloc}{parts.path}"[:200]
+
+
+def _why(exc: httpx.HTTPError) -> str:
+    """What went wrong in words a client can act on, not httpx's class names (README, Limits)."""
+    if isinstance(exc, httpx.ConnectError):
+        return "could not connect to the host"
+    if isinstance(exc, httpx.TooManyRedirects):
+        return "too many redirects"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "the server closed the connection or broke the HTTP protocol"
+    if isinstance(exc, (httpx.NetworkError, httpx.ProxyError)):
+        return "the connection failed"
+    return "the request failed"

@@ -92,8 +92,10 @@ def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | 
         return None, ("invalid_json", f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})")
     except RecursionError:
         return None, ("invalid_json", f"line {number}: not JSON (nested too deeply)")
-    except ValueError as exc:  # JSONDecodeError, or an integer longer than int() takes
-        return None, ("invalid_json", f"line {number}: not JSON ({getattr(exc, 'msg', exc)})")
+    except json.JSONDecodeError as exc:
+        return None, ("invalid_json", f"line {number}: not JSON ({exc.msg})")
+    except ValueError:  # an integer longer than int() takes (its message advises a Python setting)
+        return None, ("invalid_json", f"line {number}: not JSON (a number with too many digits)")
 
 
 def _encodable(value: Any) -> bool:

@@ -301,6 +301,20 @@ def test_remote_fetch_refusals(http_base: str, path: str, error: type[MediaError
     assert http_answer(type(info.value)).status == status
 
 
+def test_fetch_failures_are_told_in_words_not_library_class_names(http_base: str) -> None:
+    """A refused connection and a redirect loop say what happened; httpx's exception class names
+    (ConnectError, TooManyRedirects) stay in the log."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    for url, words in ((f"http://127.0.0.1:{closed}/x.png", "could not connect"), (http_base + "/loop", "redirects")):
+        with pytest.raises(MediaFetchError) as info:
+            _ingest(_remote(), url)
+        assert words in str(info.value) and "Error" not in str(info.value) and "Too" not in str(info.value)
+
+
 def test_remote_fetch_off_by_default_and_domain_list(http_base: str) -> None:
     with pytest.raises(MediaAccessDenied, match="disabled"):
         _ingest(MediaIngestor(IngestConfig()), http_base + "/img.png")

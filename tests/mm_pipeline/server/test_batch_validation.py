@@ -104,6 +104,14 @@ def test_a_lone_surrogate_escape_is_a_line_error_and_a_pair_is_text(store):
     assert batch.status == "completed" and batch.request_counts.completed == 2
 
 
+def test_a_number_past_pythons_digit_limit_is_named_without_python_advice():
+    """json.loads refuses integers over 4300 digits with advice about a Python setting: the line's
+    error says what is wrong with the line instead."""
+    obj, (code, message) = batch_lines.load_line(3, '{"custom_id": "a", "n": ' + "1" * 5000 + "}")
+    assert obj is None and code == "invalid_json"
+    assert message == "line 3: not JSON (a number with too many digits)"
+
+
 def test_an_input_file_must_have_purpose_batch(store):
     async def main():
         BatchRunner(FakeService(), store, 1).create(create_body(upload(store, [line("a")], purpose="user_data")))
