@@ -82,6 +82,16 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     add_config_flags(g, config_flags(), FLAG_ALIASES, FLAG_NOTES)
     g.add_argument("--enforce-eager", dest="config__compile_decode", action="store_false", default=argparse.SUPPRESS,
                    help="the same as --no-compile-decode (vLLM's spelling)")
+    g.add_argument("--quantization", "-q", dest="config__fp8_experts", choices=["fp8"], action=_FP8Experts,
+                   default=argparse.SUPPRESS, help="fp8: the same as --fp8-experts (vLLM's spelling: the routed "
+                   "experts in block-FP8; activations stay bf16)")
+
+
+class _FP8Experts(argparse.Action):
+    """``--quantization fp8`` sets ``fp8_experts`` (the one FP8 mode mmserve serves)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, True)
 
 
 def build_parser() -> argparse.ArgumentParser:

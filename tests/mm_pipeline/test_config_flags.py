@@ -51,6 +51,12 @@ def test_every_field_of_every_config_has_a_flag_with_help(tmp_path):
         assert cli.parse_args(argv + ["--max-num-seqs", "3"]).config__max_num_seqs == 3
 
 
+def test_vllm_spellings_set_the_same_fields(tmp_path):
+    assert _config(["caption", str(tmp_path), "--quantization", "fp8"]).engine.fp8_experts is True
+    assert _config(["caption", str(tmp_path), "-q", "fp8", "--enforce-eager"]).engine.compile_decode is False
+    assert _config(["caption", str(tmp_path)]).engine.fp8_experts is None  # left out: the default rule
+
+
 def test_flags_round_trip_into_the_config(tmp_path):
     cfg = _config(["caption", str(tmp_path), "--device", "cpu", "--page-size", "8", "--num-swa-tokens", "256",
                    "--memory-fraction", "0.25", "--max-chunk-tokens", "64", "--swa-release-interval", "4",
