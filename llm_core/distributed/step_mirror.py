@@ -89,17 +89,27 @@ class MirroredModel:
         return self._mirror(LogitsOp(len(rows), index=index), "logits", self.local.compute_logits,
                             hidden[index.to(hidden.device, non_blocking=True)])
 
-    def mtp_layer(self, layer: int, kv_layer: int, embeds: torch.Tensor, h_prev: torch.Tensor, batch, kv,
-                  write_only: bool = False) -> torch.Tensor | None:
+    def mtp_layer(self, layer: int, kv_layer: int, embeds: torch.Tensor | None, h_prev: torch.Tensor, batch, kv,
+                  write_only: bool = False, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """MTP layer ``layer`` on every rank (``MTPLayer.forward``, or ``write_kv`` when
         ``write_only``), its K/V in pool layer ``kv_layer`` of each rank's share: the message, then
-        the two inputs broadcast from this device (the proposer keeps its tails on rank 0)."""
-        h_prev = h_prev if h_prev.dtype == embeds.dtype else h_prev.to(embeds.dtype)
+        its inputs broadcast from this device (the proposer keeps its tails on rank 0). Exactly one of
+        ``embeds`` and ``input_ids`` (a draft step's tokens, which every rank embeds itself)."""
+        if (embeds is None) == (input_ids is None):
+            raise ValueError("give exactly one of embeds and input_ids")
+        if input_ids is not None:
+            _check_ids(input_ids, self.local.config.vocab_size)
+        dtype = self.local.model.embed_tokens.weight.dtype
+        h_prev = h_prev if h_prev.dtype == dtype else h_prev.to(dtype)
         op = MTPOp(layer, kv_layer, write_only, MTPOp.batch_fields(batch), _kv_tokens(kv, self.local.config.layer_kinds),
-                   tensor_meta(embeds), tensor_meta(h_prev))
+                   tensor_meta(embeds), tensor_meta(h_prev), to_cpu(input_ids))
 
         def run() -> torch.Tensor | None:
-            self.local.parallel.broadcast_from_first(embeds.contiguous())
+            nonlocal embeds
+            if embeds is None:
+                embeds = self.local.embed(input_ids)
+            else:
+                self.local.parallel.broadcast_from_first(embeds.contiguous())
             self.local.parallel.broadcast_from_first(h_prev.contiguous())
             mtp = self.local.model.mtp.layers[layer]
             k_cache, v_cache = kv.layer(kv_layer)

@@ -82,18 +82,20 @@ class ForwardOp(_BatchFields):
 @dataclass(frozen=True)
 class MTPOp(_BatchFields):
     """MTP layer ``layer`` over ``batch`` (llm_core/model/mtp.py), its K/V in pool layer
-    ``kv_layer``: the speculative draft's and extend's calls (llm_core/engine/speculative/). Its two
-    inputs -- the rows' embeddings and the previous level's hidden states, both from rank 0 (the
-    proposer keeps the tails there) -- follow the message as broadcasts on the model's group, as a
-    ForwardOp's embeddings do. ``write_only``: only the layer's K/V (``MTPLayer.write_kv``)."""
+    ``kv_layer``: the speculative draft's and extend's calls (llm_core/engine/speculative/). Its
+    inputs follow the message as broadcasts on the model's group, as a ForwardOp's embeddings do: the
+    previous level's hidden states (rank 0 keeps the tails), and the rows' embeddings -- unless
+    ``input_ids`` are given (a draft step's tokens), which every rank embeds itself (one collective
+    instead of an embedding call and a broadcast). ``write_only``: only the layer's K/V."""
 
     layer: int
     kv_layer: int
     write_only: bool
     batch: dict
     kv_tokens: tuple[int, int]
-    embeds: tuple[tuple[int, ...], str]
+    embeds: tuple[tuple[int, ...], str] | None
     h_prev: tuple[tuple[int, ...], str]
+    input_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,12 @@ def prepare_weights(model, op: LayoutOp, device: torch.device) -> None:
 def _mtp_layer(model, op: MTPOp, pool: DualKVPool, group: RankGroup) -> torch.Tensor | None:
     """Rank 0's MTP layer call (MirroredModel.mtp_layer) over this rank's shard and KV share."""
     batch = op.forward_batch(group.device)
-    embeds, h_prev = empty_like_meta(op.embeds, group.device), empty_like_meta(op.h_prev, group.device)
-    model.parallel.broadcast_from_first(embeds)  # rank 0 broadcasts both right after the message
+    if op.input_ids is not None:  # a draft step's tokens: every rank embeds them (one collective)
+        embeds = model.embed(to_device(op.input_ids, group.device))
+    else:  # rank 0 broadcasts them right after the message, then h_prev
+        embeds = empty_like_meta(op.embeds, group.device)
+        model.parallel.broadcast_from_first(embeds)
+    h_prev = empty_like_meta(op.h_prev, group.device)
     model.parallel.broadcast_from_first(h_prev)
     layer = model.model.mtp.layers[op.layer]
     k_cache, v_cache = pool.layer(op.kv_layer)

@@ -23,9 +23,10 @@ Drafts are greedy (a one-hot proposal): verification then only asks whether the 
 with its own noise row, would emit the draft (verify.py) -- exact, and a seed reproduces.
 
 **Across ranks** (tensor / expert parallelism: the model is rank 0's ``MirroredModel``): every MTP
-layer call, its logits and the draft tokens' embeddings go through the mirrored model
-(``mtp_layer``, ``mtp_logits``, ``embed``), so each rank runs its shard of the layer over its share
-of the KV; the proposer's state (the tails) stays on rank 0, which broadcasts each call's inputs.
+layer call and its logits go through the mirrored model (``mtp_layer``, ``mtp_logits``), so each
+rank runs its shard of the layer over its share of the KV; the proposer's state (the tails) stays on
+rank 0, which broadcasts each call's inputs -- a draft step's tokens travel as ids instead, and
+every rank embeds them inside the call.
 The folded-weight draft (fused_draft.py) is one process's only.
 """
 
@@ -110,12 +111,14 @@ class MTPProposer:
             outs.append(src)
         return outs
 
-    def _layer(self, l: int, embeds: torch.Tensor, h_prev: torch.Tensor, fb: ForwardBatch, kv,
-               write_only: bool = False) -> torch.Tensor | None:
+    def _layer(self, l: int, embeds: torch.Tensor | None, h_prev: torch.Tensor, fb: ForwardBatch, kv,
+               write_only: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """MTP layer ``l`` over ``fb``'s rows (its K/V in pool layer kv_base + l): here, or on every
-        rank of a group (``MirroredModel.mtp_layer``). ``write_only``: only its K/V."""
+        rank of a group (``MirroredModel.mtp_layer``). ``write_only``: only its K/V. ``embeds`` None
+        (across ranks, a draft step): every rank embeds the rows' ``ids`` inside the call."""
         if self.mirrored:
-            return self.model.mtp_layer(l, self.kv_base + l, embeds, h_prev, fb, kv, write_only)
+            return self.model.mtp_layer(l, self.kv_base + l, embeds, h_prev, fb, kv, write_only,
+                                        input_ids=ids if embeds is None else None)
         k_cache, v_cache = kv.layer(self.kv_base + l)
         layer = self.head.layers[l]
         if write_only:
@@ -165,17 +168,18 @@ class MTPProposer:
             else:
                 sub = [ScheduledRequest(e.request, e.start, s + 1) for e in active]
             fb, ids = build_forward_batch(sub, self.page_size, ids_device(self.model))
-            embeds = self.model.embed(ids)
+            embeds = None if self.mirrored else self.model.embed(ids)  # across ranks: in the MTP call
+            like = self.head.layers[layer].eh_proj.weight  # the model's dtype and device
             rows = []
             for e in active:
-                tail = self._tail(e.request, e.start - 1, layer, embeds)[None]
+                tail = self._tail(e.request, e.start - 1, layer, like)[None]
                 if s == 0:
                     rows.append(tail)
                 elif self.mode == "first":
                     rows.append(prev[id(e)][-1:])
                 else:
                     rows.append(torch.cat([tail, prev[id(e)]]))
-            out = self._layer(layer, embeds, torch.cat(rows), fb, kv)
+            out = self._layer(layer, embeds, torch.cat(rows), fb, kv, ids=ids)
             ends = fb.query_start_loc.tolist()
             tokens = self._logits(out, torch.tensor(ends[1:], device=out.device) - 1).argmax(-1).tolist()
             for b, e in enumerate(active):
@@ -205,18 +209,21 @@ class MTPProposer:
         fb0, ids = build_forward_batch([ScheduledRequest(e.request, e.start, 1) for e in entries], self.page_size,
                                        ids_device(self.model))
         # sampled or argmax ids, always in the vocabulary: no checked embed (a host read) in one
-        # process; across ranks every rank embeds them (the mirrored, checked call)
-        embed = self.model.embed if self.mirrored else self.model.model.embed_tokens
+        # process; across ranks every rank embeds them inside the MTP call (the checked one)
+        def embed(t: torch.Tensor) -> torch.Tensor | None:
+            return None if self.mirrored else self.model.model.embed_tokens(t)
+
         embeds = embed(ids)
-        steps = DraftSteps(entries, fb0, self.head.layers[0].self_attn, embeds.dtype)
-        h_prev = torch.stack([self._tail(e.request, e.start - 1, 0, embeds) for e in entries])
+        like = self.head.layers[0].eh_proj.weight  # the model's dtype and device
+        steps = DraftSteps(entries, fb0, self.head.layers[0].self_attn, like.dtype)
+        h_prev = torch.stack([self._tail(e.request, e.start - 1, 0, like) for e in entries])
         drafted: list[torch.Tensor] = []
         for s in range(steps.num_steps):
             if s:
                 keep = steps.kept(s)
                 h_prev, tokens = (out, tokens) if keep is None else (out[keep], tokens[keep])
-                embeds = embed(tokens)
-            out = self._layer(0, embeds, h_prev, steps.batch(s), kv)
+                ids, embeds = tokens, embed(tokens)
+            out = self._layer(0, embeds, h_prev, steps.batch(s), kv, ids=ids)
             tokens = self._logits(out).argmax(-1)
             drafted.append(tokens)
         tokens_in_order = iter(torch.cat(drafted).tolist())  # step-major, like steps.rows
