@@ -29,6 +29,7 @@ production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.enc
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -52,7 +53,7 @@ from mm_pipeline.media.decode.image import image_decode_bytes, probe_image
 from mm_pipeline.media.decode.early import EarlyDecoders
 from mm_pipeline.media.content_hash import (audio_segment_key, canonical_params, content_key, media_key,
                                            salted_media_key, video_group_key)
-from mm_pipeline.media.ingest import MediaIngestor, read_regular_file
+from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from mm_pipeline.media.worker_pool import WorkerPool
@@ -249,13 +250,20 @@ class MediaPlanner:
         return MediaItem(MediaKind.AUDIO, CODES_FORMAT, data, origin="audio codes", content_key=content_key(data))
 
     def _read_upload(self, path: Path, file_id: str) -> bytes:
-        # the one safe read of a local media file: the media cap before the read (an upload may be
-        # larger than media may be), sized through the open file; a DELETE /v1/files between the
-        # id's lookup and here is the same 404 as an id deleted earlier
+        # the media cap before the read: an upload may be larger than media may be. Opened once and
+        # sized through the open file: a DELETE /v1/files between the id's lookup and here is the
+        # same 404 as an id deleted earlier, not an error of the server
+        limit = self.config.limits.max_bytes
         try:
-            return read_regular_file(path, self.config.limits.max_bytes, f"upload {file_id}")[0]
-        except MediaNotFound:
+            f = path.open("rb")
+        except FileNotFoundError:
             raise MediaNotFound(f"no uploaded file with id {file_id!r}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise MediaTooLarge(f"uploaded file {file_id!r} is {size} bytes, over the {limit}-byte media limit "
+                                    f"(max_bytes)")
+            return f.read(limit + 1)
 
     def _encoder_of(self, item: MediaItem):
         return self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
