@@ -4,7 +4,7 @@ time and peak memory by the number of codes, and the JSON value cap's refusal of
     .venv/bin/python benchmarks/request_parse.py --quick --json /tmp/request_parse.json
 
 Each case runs in a fresh process (so freed memory of one case cannot hide the next one's peak):
-the server's own body check (``app._validate``: the value count, then pydantic's parse, whose
+the server's own body check (``request_body._validate``: the value and object counts, then pydantic's parse, whose
 codes validator builds the int32 tensor) on a body of 20 stages x N frames of codes in 0..1023.
 Rows: accepted bodies under the default cap, then the same parse with the cap lifted (what the cap
 saves) and the refusal at the default cap. Times are medians of the repeats; peak RSS growth is
@@ -37,16 +37,20 @@ def body(frames: int) -> bytes:
 
 def one_case(frames: int, max_values: int, reps: int) -> dict:
     """Runs in the child: parse ``reps`` times, report median seconds and the first peak growth."""
-    from mm_pipeline.server.app import _validate
     from mm_pipeline.server.errors import APIError
+    from mm_pipeline.server.json_limits import JSONLimits
     from mm_pipeline.server.protocol import ChatCompletionRequest
+    from mm_pipeline.server.request_body import _validate
+    from mm_pipeline.server.settings import ServerSettings
     from samples.synthetic.hostile_media import measured
 
     raw = body(frames)
 
     def run():
         try:
-            return _validate(ChatCompletionRequest, raw, max_values), "accepted"
+            default = ServerSettings().json_limits
+            return _validate(ChatCompletionRequest, raw, JSONLimits(default.max_bytes, max_values,
+                                                                    default.max_objects)), "accepted"
         except APIError as exc:
             return None, f"{exc.status}"
 

@@ -28,9 +28,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.background import BackgroundTask
 
 from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
@@ -38,10 +37,10 @@ from mm_pipeline.server.completions.chat_service import ChatService, ServiceConf
 from mm_pipeline.server.completions.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, install_error_handlers
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
-from mm_pipeline.server.json_limits import json_values_bound, too_many_bytes, too_many_values
 from mm_pipeline.server.access import AuthAndCount
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
+from mm_pipeline.server.request_body import parse_body
 from mm_pipeline.server.protocol import (MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation,
                                         RequestId)
 from mm_pipeline.prompt.reasoning import resolve_reasoning
@@ -59,7 +58,6 @@ from mm_pipeline.server.responses_api.routes import install_responses_routes
 from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
 
-_INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
 _REQUEST_ID = TypeAdapter(RequestId)  # an X-Request-Id header, checked as the request_id field is
 request_log = logging.getLogger("mmserve.requests")  # --enable-log-requests: a line per finished request
 log = logging.getLogger(__name__)
@@ -76,60 +74,6 @@ def request_line(rid: str, arrival: float, end: float, states: list[ChoiceState]
             f"completion {sum(s.completion_tokens for s in states)} tokens, n {len(states)}, "
             f"TTFT {f'{min(first) - arrival:.3f} s' if first else '-'}, total {end - arrival:.3f} s, "
             f"encoder cache hits {head.encoder_cache_hits}")
-
-
-async def parse_body(request: Request, model: type[BaseModel], max_bytes: int, max_values: int) -> Any:
-    """Read and validate a JSON body.  A body carrying megabytes of base64 media would hold the
-    event loop for tens of milliseconds in the JSON parser, so big ones are parsed off the loop;
-    the parser still holds the GIL while it runs (~1 ms a MB, which the loop waits out), the
-    reason big media is better sent as an upload (/v1/files) or a URL."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit")
-    raw = bytearray()
-    values = None  # counted once the body is longer than max_values bytes (each value takes one)
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise APIError(413, too_many_bytes(max_bytes))
-        # counted as it arrives, a piece at a time: over the whole body at the end, the three
-        # passes held the GIL for ~80 ms at 100 MB in one go; and a body over the cap stops here
-        if len(raw) > max_values:
-            values = json_values_bound(raw) if values is None else values + json_values_bound(chunk)
-            _check_values(values, max_values)
-    try:
-        if len(raw) > _INLINE_PARSE_BYTES:
-            # the buffer itself goes to the thread: bytes(raw) is a copy, ~65 ms on the loop for 160 MB
-            return await asyncio.to_thread(_validate_off_loop, model, raw, max_values, values or 0)
-        return _validate(model, bytes(raw), max_values, values or 0)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-
-
-def _check_values(values: int, max_values: int) -> None:
-    if (problem := too_many_values(values, max_values)) is not None:
-        raise APIError(413, problem)
-
-
-def _validate(model: type[BaseModel], raw: bytes, max_values: int, values: int | None = None) -> Any:
-    """``values``: ``json_values_bound(raw)`` when the caller counted it already."""
-    # The parser builds every value before any field check runs, at ~100 bytes of memory a number
-    # (an array of ints: ~20x the body), so the bound is checked first, ~1 ms a MB, before anything
-    # is built. Every value takes at least a byte: a body no longer than the cap needs no count.
-    if values is None:
-        values = json_values_bound(raw) if len(raw) > max_values else 0
-    _check_values(values, max_values)
-    return model.model_validate_json(raw)
-
-
-def _validate_off_loop(model: type[BaseModel], raw: bytearray, max_values: int, values: int) -> Any:
-    """``_validate`` on a worker thread, of a copy of the receive buffer: pydantic parses a
-    bytearray ~2x slower than bytes (104 vs 53 ms at 100 MB, the GIL held throughout). The copy
-    holds the GIL too; the sleep between the two hands it to a thread waiting for it (the event
-    loop), which then waits out the longer of the two holds, not their sum."""
-    data = bytes(raw)
-    time.sleep(0)
-    return _validate(model, data, max_values, values)
 
 
 def _file_object(rec: FileRecord) -> FileObject:
@@ -205,13 +149,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                            expose_headers=[REQUEST_ID_HEADER, ENCODER_CACHE_HITS_HEADER, "Retry-After"])
     install_web_routes(app)  # GET / : the upload page
     install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
-        request, model, settings.max_request_bytes, settings.max_json_values))
+        request, model, settings.json_limits))
     install_audio_routes(app, service, settings)  # /v1/audio/transcriptions, /v1/audio/translations
     install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes), background,  # /v1/responses
-                             lambda request, model: parse_body(request, model, settings.max_request_bytes,
-                                                               settings.max_json_values))
-    install_batch_routes(app, batches, lambda request, model: parse_body(request, model, settings.max_request_bytes,
-                                                                        settings.max_json_values))  # /v1/batches
+                             lambda request, model: parse_body(request, model, settings.json_limits))
+    install_batch_routes(app, batches, lambda request, model: parse_body(request, model, settings.json_limits))  # /v1/batches
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         given = request.headers.get(REQUEST_ID_HEADER)
@@ -234,13 +176,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, settings.max_request_bytes,
-                                settings.max_json_values)
+        body = await parse_body(request, ChatCompletionRequest, settings.json_limits)
         return await respond(request, body, service.chat, service.chat_stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, settings.max_request_bytes, settings.max_json_values)
+        body = await parse_body(request, CompletionRequest, settings.json_limits)
         return await respond(request, body, service.complete, service.complete_stream)
 
     # ---- files ------------------------------------------------------------------------------
@@ -320,7 +261,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
-        body = (await parse_body(request, Invocation, settings.max_request_bytes, settings.max_json_values)).root
+        body = (await parse_body(request, Invocation, settings.json_limits)).root
         if isinstance(body, ChatCompletionRequest):
             return await respond(request, body, service.chat, service.chat_stream)
         return await respond(request, body, service.complete, service.complete_stream)

@@ -1,17 +1,25 @@
 """The bounds a JSON text the server parses is held to before the parser builds anything: its bytes
-(``max_request_bytes``) and its values (``max_json_values``). One owner for the rule and its wording:
-request bodies (app.parse_body, counted as they arrive) and the lines of a batch file
-(batches/lines.py, each line a request) both use it.
+(``max_request_bytes``), its values (``max_json_values``) and its objects (``max_json_objects``).
+One owner for the rule and its wording: request bodies (request_body.py, counted as they arrive)
+and the lines of a batch file (batches/lines.py, each line a request) both use it.
 
 The parser builds every value before any field check runs, at ~100 bytes of memory a number (an
 array of ints: ~20x the text), so the values are bounded on the raw text first (~1 ms a MB).
+Objects are bounded apart: each becomes a model (a chat message, a content part) of several Python
+objects, built with the GIL held and walked by the garbage collector's full collections, which stop
+every thread. A chat of 300k messages (19 MB, inside the other limits) stalled the event loop for
+~360 ms at a time and took 3 s to validate (benchmarks/body_validation.py); at 65,536 objects the
+longest stall is ~30-60 ms, and any real chat fits (a message with a part and a tool call is 4).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+
 _COUNT_WINDOW = 1 << 20  # characters counted while the GIL is held (JSONLimits.values_problem)
+_BRACE_OR_QUOTE = re.compile(rb'[{"]')
 
 
 @dataclass(frozen=True)
@@ -20,6 +28,7 @@ class JSONLimits:
 
     max_bytes: int
     max_values: int
+    max_objects: int = 65_536
 
     def values_problem(self, raw: bytes | str, what: str) -> str | None:
         """Why the whole text ``raw`` holds too many values to parse, or None. Every value takes at
@@ -32,13 +41,64 @@ class JSONLimits:
                      for start in range(0, len(raw), _COUNT_WINDOW))
         return too_many_values(values, self.max_values, what)
 
+    def objects_problem(self, raw: bytes | bytearray | str, what: str, braces: int | None = None) -> str | None:
+        """Why ``raw`` holds too many objects to validate, or None. ``braces``: ``raw``'s opening
+        braces when counted already (``json_counts``); only a text with more braces than the cap
+        is counted exactly (braces inside strings are not objects)."""
+        if braces is None:
+            braces = raw.count("{" if isinstance(raw, str) else b"{")  # type: ignore[arg-type]
+        if braces <= self.max_objects:
+            return None
+        text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+        if json_objects(text, self.max_objects + 1) <= self.max_objects:
+            return None
+        return f"{what} holds more than {self.max_objects} JSON objects (max_json_objects)"
+
 
 def json_values_bound(raw: bytes | bytearray | str, start: int = 0, end: int | None = None) -> int:
     """An upper bound on the JSON values in ``raw[start:end]``: every array item and object member
     but the first follows a comma, the first a bracket (commas inside strings only make it
     looser). Adds up over the pieces of a text."""
+    return json_counts(raw, start, end)[0]
+
+
+def json_counts(raw: bytes | bytearray | str, start: int = 0, end: int | None = None) -> tuple[int, int]:
+    """(``json_values_bound``, the braces: an upper bound on the objects) of ``raw[start:end]``,
+    in one pass per mark."""
     marks = (",", "[", "{") if isinstance(raw, str) else (b",", b"[", b"{")
-    return sum(raw.count(mark, start, end) for mark in marks)  # type: ignore[arg-type]
+    commas, arrays, objects = (raw.count(mark, start, end) for mark in marks)  # type: ignore[arg-type]
+    return commas + arrays + objects, objects
+
+
+def json_objects(raw: bytes, stop: int) -> int:
+    """The objects in ``raw`` (each opening brace outside a string), counted up to ``stop``. A raw
+    ``count(b"{")`` is an upper bound that braces inside strings inflate (a prompt holding source
+    code), so a text over the cap by that bound is counted exactly: strings skipped with ``find``
+    (a base64 payload costs a memchr), ~0.3 us a brace or string in a Python loop that lets other
+    threads take turns, and at most ``stop`` braces. A string that never ends ends the count (the
+    parser reports the text)."""
+    count, j = 0, 0
+    while count < stop:
+        m = _BRACE_OR_QUOTE.search(raw, j)
+        if m is None:
+            return count
+        at = m.start()
+        if raw[at] == 0x7B:  # {
+            count += 1
+            j = at + 1
+            continue
+        j = at + 1
+        while True:  # the closing quote: the next one not escaped (an odd run of backslashes before it)
+            j = raw.find(b'"', j)
+            if j < 0:
+                return count
+            k = j - 1
+            while raw[k] == 0x5C:  # \
+                k -= 1
+            j += 1
+            if (j - 2 - k) % 2 == 0:
+                break
+    return count
 
 
 def too_many_values(values: int, max_values: int, what: str = "request body") -> str | None:

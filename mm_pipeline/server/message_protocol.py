@@ -120,7 +120,8 @@ class ChatMessage(_Loose):
     # fields it refuses (UNRENDERED: tool calls) or checks (reasoning) are declared here so that they
     # reach it instead of being dropped by this model as unknown
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[ContentPart] | None = None
+    # fail_fast: a list of a million bad parts is one error (the first), not a million
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)] | None = None
     name: str | None = Field(default=None, description="accepted; the chat template does not render it")
     tool_call_id: str | None = Field(default=None, description="accepted; the chat template does not render it")
     refusal: str | None = Field(default=None, description="an assistant's refusal, rendered as text")

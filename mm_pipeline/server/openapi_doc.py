@@ -1,6 +1,6 @@
 """The OpenAPI schema at ``/openapi.json``, with what the routes cannot tell FastAPI themselves.
 
-The completion routes (and /tokenize, /detokenize) read their JSON body by hand (``app.parse_body``:
+The completion routes (and /tokenize, /detokenize) read their JSON body by hand (``request_body.parse_body``:
 a size cap while reading, big bodies parsed off the event loop), so FastAPI sees no body model and
 the handlers return ``Response`` objects, so it sees no response model either. This fills both in
 from the pydantic models of ``protocol.py`` -- the request bodies, the 200 answers (JSON, or SSE

@@ -261,7 +261,8 @@ class NamedToolChoice(_Loose):
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # fail_fast: a list of a million bad items is one error (the first), not a million
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -326,7 +327,9 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # fail_fast: a list of bad items is one error per form it could be, not one per item and form
+    prompt: (str | Annotated[list[str], Field(fail_fast=True)] | Annotated[list[TokenId], Field(fail_fast=True)]
+             | Annotated[list[list[TokenId]], Field(fail_fast=True)])
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)

@@ -35,6 +35,11 @@ class ServerSettings:
     longest line of a /v1/batches file (each line is a request): a longer one fails the batch."""
     max_json_values: int = 4_000_000
     """Values (array items, object members) one JSON body, or batch file line, may hold; more is 413."""
+    max_json_objects: int = 65_536
+    """JSON objects (messages, content parts, tool calls, ...) one body, or batch file line, may hold; more is 413."""
+    # Each becomes a model of several Python objects, built with the GIL held and walked by every
+    # full garbage collection with all threads stopped: at the default the event loop's longest
+    # stall stays near 50 ms (json_limits.py, benchmarks/body_validation.py).
     # It bounds the parser's memory (app._validate): an hour of pre-tokenized audio codes is
     # 20 x 90,000 = 1.8M values.
     max_completion_prompts: int = 16
@@ -117,6 +122,8 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_json_values < 1024:
             raise ValueError(f"max_json_values must be >= 1024, got {self.max_json_values}")
+        if self.max_json_objects < 1024:
+            raise ValueError(f"max_json_objects must be >= 1024, got {self.max_json_objects}")
         if self.max_completion_prompts < 1:
             raise ValueError(f"max_completion_prompts must be >= 1, got {self.max_completion_prompts}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -133,4 +140,4 @@ class ServerSettings:
     @property
     def json_limits(self) -> JSONLimits:
         """What one request's JSON may be: a body, or a line of a batch file."""
-        return JSONLimits(self.max_request_bytes, self.max_json_values)
+        return JSONLimits(self.max_request_bytes, self.max_json_values, self.max_json_objects)

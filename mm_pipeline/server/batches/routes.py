@@ -26,7 +26,7 @@ BodyReader = Callable[[Request, type[BaseModel]], Awaitable[Any]]
 
 
 def install_batch_routes(app: FastAPI, runner: BatchRunner, read_body: BodyReader) -> None:
-    """Add the four routes; ``read_body`` reads a JSON body under the server's size limits (app.parse_body)."""
+    """Add the four routes; ``read_body`` reads a JSON body under the server's size limits (request_body.parse_body)."""
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:

@@ -88,7 +88,7 @@ def sampling_params(req: SamplingFields, logprobs: int | None, choice: int, defa
 # The dump and parse of a request's messages cost ~1.5 us a message and ~0.7 us a content part
 # (measured on the 2-core host; ~5 us a message at 200 K of them): 256 take ~0.4 ms, about one
 # hand-off to a thread, but a million-message body held the event loop (and /health) for seconds.
-# Past this many they go to a thread, as app.parse_body does with big bodies.
+# Past this many they go to a thread, as request_body.parse_body does with big bodies.
 _INLINE_PARTS = 256
 
 

@@ -173,7 +173,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # PASSED_FIELDS are read from the extras; others are ignored
 
     model: str | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1, fail_fast=True)]
     instructions: str | None = None
     max_output_tokens: TokenCount | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)

@@ -55,7 +55,7 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
                              background: BackgroundResponses, read_body: BodyReader) -> None:
     """Add the routes; ``service`` answers the chat each request becomes, ``store`` keeps responses,
     ``background`` runs the background ones, ``read_body`` reads a JSON body under the server's size
-    limits (app.parse_body)."""
+    limits (request_body.parse_body)."""
 
     def stored(response_id: str) -> StoredResponse:
         entry = store.get(response_id)

@@ -26,7 +26,7 @@ class TokenizeRequest(ChatTemplateFields):
 
     model: str | None = None
     prompt: str | None = Field(default=None, description="the text form: tokenized without a chat template")
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, description=(
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, fail_fast=True, description=(
         "the chat form: the prompt ids /v1/chat/completions would run for these messages"))
     add_special_tokens: bool | None = Field(default=None, description=(
         "text form: add the tokenizer's special tokens around the text (default true, as vLLM); "

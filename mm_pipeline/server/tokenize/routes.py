@@ -72,7 +72,7 @@ async def _off_loop_if_long(ids: list[int], fn: Callable[[list[int]], Any]) -> A
 def install_tokenize_routes(app: FastAPI, engine: Any, service: ChatService, read_body: BodyReader) -> None:
     """Add the three routes over ``engine`` (OmniEngine's API: ``tokenizer``, ``max_model_len``,
     ``prompt_token_ids``); ``service`` checks the model name as the completion routes do,
-    ``read_body`` reads a JSON body under the server's size limits (app.parse_body)."""
+    ``read_body`` reads a JSON body under the server's size limits (request_body.parse_body)."""
     version = package_version()
 
     def tokenizer() -> Any:

@@ -200,15 +200,15 @@ def test_a_big_body_is_parsed_off_the_event_loop_without_a_copy_on_it(open_serve
     A small body is parsed on the loop, where nothing hands the GIL away."""
     import threading
 
-    from mm_pipeline.server import app as app_module
+    from mm_pipeline.server import request_body
 
     seen = []
-    off_loop, parse = app_module._validate_off_loop, app_module._validate
-    monkeypatch.setattr(app_module, "_validate_off_loop", lambda model, raw, *rest: seen.append(
+    off_loop, parse = request_body._validate_off_loop, request_body._validate
+    monkeypatch.setattr(request_body, "_validate_off_loop", lambda model, raw, *rest: seen.append(
         ("off", threading.get_ident(), type(raw))) or off_loop(model, raw, *rest))
-    monkeypatch.setattr(app_module, "_validate", lambda model, raw, *rest: seen.append(
+    monkeypatch.setattr(request_body, "_validate", lambda model, raw, *rest: seen.append(
         ("parse", threading.get_ident(), type(raw))) or parse(model, raw, *rest))
-    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (app_module._INLINE_PARSE_BYTES + 1)}]}
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (request_body._INLINE_PARSE_BYTES + 1)}]}
     assert open_server.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert open_server.post("/v1/chat/completions", json=big).status_code == 200
     (small, loop_thread, small_type), (off, off_thread, buffer_type), (parse_big, parse_thread, _) = seen
@@ -224,8 +224,10 @@ def test_the_value_bound_is_counted_as_the_body_arrives_whatever_its_pieces(piec
     count, one of cap values is parsed -- and a refused body is not read to its end."""
     import json
 
-    from mm_pipeline.server.app import APIError, parse_body
+    from mm_pipeline.server.errors import APIError
+    from mm_pipeline.server.json_limits import JSONLimits
     from mm_pipeline.server.protocol import CompletionRequest
+    from mm_pipeline.server.request_body import parse_body
 
     cap = 40
 
@@ -244,10 +246,11 @@ def test_the_value_bound_is_counted_as_the_body_arrives_whatever_its_pieces(piec
         return json.dumps({"model": "m", "prompt": list(range(ids)), "max_tokens": 1}).encode()
 
     fits = Arriving(body(cap - 3))
-    assert asyncio.run(parse_body(fits, CompletionRequest, 1 << 20, cap)).prompt == list(range(cap - 3))
+    limits = JSONLimits(1 << 20, cap)
+    assert asyncio.run(parse_body(fits, CompletionRequest, limits)).prompt == list(range(cap - 3))
     over = Arriving(body(cap - 2) + b" " * 4096)
     with pytest.raises(APIError, match=f"up to {cap + 1} JSON values"):
-        asyncio.run(parse_body(over, CompletionRequest, 1 << 20, cap))
+        asyncio.run(parse_body(over, CompletionRequest, limits))
     assert piece >= len(over.body) or over.sent < len(over.body)
 
 
