@@ -1,8 +1,9 @@
 """What validating a large JSON request body costs the event loop, with the object cap
 (``max_json_objects``, 65,536 by default) and without it, side by side in one run: chats of many
 messages or parts at the cap, bodies far over it (valid, one bad item, a million bad items), a
-prompt of source code whose braces sit inside strings (counted exactly: not objects), and a body of
-base64 media.
+prompt of source code whose braces sit inside strings (counted exactly: not objects), a string of
+16M escaped quotes and 70k braces (the exact count's worst text: escapes dropped a window at a
+time), and a body of base64 media.
 
     .venv/bin/python benchmarks/body_validation.py --json /tmp/body_validation.json
     .venv/bin/python benchmarks/body_validation.py --quick     # one repetition
@@ -52,6 +53,7 @@ def cases() -> dict[str, bytes]:
         "64k string messages": chat([{"role": "user", "content": "hi"}] * 64_000),
         "1 message, 64k parts": chat([{"role": "user", "content": [{"type": "text", "text": "hi"}] * 64_000}]),
         "8 MB of code in one message": chat([{"role": "user", "content": code}]),
+        "16M escaped quotes, 70k braces in a string": chat([{"role": "user", "content": "{" * 70_000 + '"' * 16_000_000}]),
         "300k messages": chat([TEXT_MESSAGE] * 300_000),
         "300k messages, #200000 bad": chat(bad),
         "1M empty messages": chat([{}] * 1_000_000),

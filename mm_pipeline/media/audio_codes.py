@@ -6,7 +6,7 @@
 ``codes[c][t]`` is RVQ stage ``c``'s code at frame ``t`` (25 frames per second): one list per stage,
 all of one length. Three checks, from cheap to checkpoint-specific:
 
-    value cap     (server, app._validate, before the JSON parse) bounds how many numbers a body
+    value cap     (server, request_body._validate, before the JSON parse) bounds how many numbers a body
                   may make the parser build (max_json_values)
     parse_codes   (protocol.py / messages.py, no model needed) integers in int32, a rectangle of
                   1..MAX_CODE_CHANNELS lists of >= 1 frame -> AudioCodes, stored [frames, channels]

@@ -191,8 +191,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         ctx = errors[0].get("ctx") or {}
         return f"request body is not valid JSON ({ctx.get('error', errors[0].get('msg'))})", None
     # a value that fits no branch of a union yields one error per branch: the deepest one is the
-    # branch the client meant (a list of parts, not a string)
-    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    # branch the client meant (a list of parts, not a string); among equally deep ones the one that
+    # got furthest (a long list stops at its first bad item, fail_fast: the branch that took more
+    # items, e.g. a prompt of id lists with a string at 1, not a list of strings failing at 0)
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), [p for p in e.get("loc", ()) if isinstance(p, int)]))
     param = ".".join(_clean_loc(first.get("loc", ()))) or None
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param

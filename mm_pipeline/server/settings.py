@@ -35,13 +35,13 @@ class ServerSettings:
     longest line of a /v1/batches file (each line is a request): a longer one fails the batch."""
     max_json_values: int = 4_000_000
     """Values (array items, object members) one JSON body, or batch file line, may hold; more is 413."""
+    # It bounds the parser's memory (request_body._validate): an hour of pre-tokenized audio codes is
+    # 20 x 90,000 = 1.8M values.
     max_json_objects: int = 65_536
     """JSON objects (messages, content parts, tool calls, ...) one body, or batch file line, may hold; more is 413."""
     # Each becomes a model of several Python objects, built with the GIL held and walked by every
     # full garbage collection with all threads stopped: at the default the event loop's longest
     # stall stays near 50 ms (json_limits.py, benchmarks/body_validation.py).
-    # It bounds the parser's memory (app._validate): an hour of pre-tokenized audio codes is
-    # 20 x 90,000 = 1.8M values.
     max_completion_prompts: int = 16
     """Prompts one /v1/completions request may list."""
     # Each prompt is admitted as its own engine request (times n), so a long list would take every

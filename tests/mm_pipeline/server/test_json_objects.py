@@ -36,14 +36,27 @@ def _dicts(value) -> int:
     return 0
 
 
-@settings(max_examples=300, deadline=None)
-@given(_JSON, st.booleans(), st.integers(min_value=1, max_value=8))
-def test_the_exact_count_is_the_objects_whatever_the_strings_hold(value, ascii_only, stop):
+@settings(max_examples=400, deadline=None)
+@given(_JSON, st.booleans(), st.integers(min_value=1, max_value=8), st.integers(min_value=1, max_value=9))
+def test_the_exact_count_is_the_objects_whatever_the_strings_hold(value, ascii_only, stop, window):
     """Braces, quotes and escaped quotes inside strings (keys too) are not objects; the count stops
-    at ``stop``."""
+    at ``stop``; the text is counted a window at a time and no window boundary changes the count
+    (one inside a run of backslashes, between a backslash and the quote it escapes)."""
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
     assert json_objects(raw, 10_000) == _dicts(value)
     assert json_objects(raw, stop) == min(_dicts(value), stop)
+    assert json_objects(raw, 10_000, window_bytes=window) == _dicts(value)
+
+
+def test_a_run_of_backslashes_across_a_window_boundary_keeps_its_parity():
+    """At the real window size (1 MB): a run of backslashes ending just before, at and across the
+    first window's end, before the closing quote (even runs) or an escaped one (odd runs)."""
+    window = 1 << 20
+    for run in range(window - 12, window - 4):
+        closes = b'{"a": "' + b"\\" * (2 * (run // 2)) + b'", "b": {}}'  # an even run: the quote closes
+        assert json_objects(closes, 10) == 2
+        escaped = b'{"a": "' + b"\\" * (2 * (run // 2) + 1) + b'"{{", "b": {}}'  # odd: the quote is text
+        assert json_objects(escaped, 10) == 2
 
 
 def test_a_text_over_the_cap_only_by_braces_in_strings_is_within_it():
