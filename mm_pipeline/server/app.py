@@ -217,6 +217,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> JSONResponse:
         record(file_id)
+        if (batch_id := batches.reading(file_id)) is not None:
+            raise APIError(409, f"file {file_id!r} is the input of batch {batch_id}, which has not ended: cancel "
+                                f"the batch or wait for it before deleting its input", param="file_id")
         try:
             await asyncio.to_thread(store.delete, file_id)
         except FileNotFoundInStore:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -184,7 +184,12 @@ def _clean_loc(loc) -> list[str]:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+    return validation_message(exc.errors())
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) of a request's pydantic errors, as a 400 names them: the route's body and a
+    batch line alike."""
     if not errors:
         return "invalid request", None
     if errors[0].get("type") == "json_invalid":

@@ -6,6 +6,10 @@ longer than ``max_json_values`` bytes its values and braces counted as they arri
 a byte, so a shorter body cannot hold too many), all before pydantic builds anything; then its
 objects against ``max_json_objects``.
 
+A body that stops arriving (no bytes for ``BODY_IDLE_S``) is answered 408 and its connection closed
+(``body_chunks``, uploads too): uvicorn has no body timeout, so a client that declared a length and
+went quiet held its connection and handler for good.
+
 Validated on the event loop only when that is short (at most 256 KiB and 512 braces: a few ms);
 otherwise on a worker thread, where pydantic still holds the GIL while it parses and builds, but
 hands it over at every Python validator (a chat message has one), so the loop interleaves. A body
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +32,20 @@ from mm_pipeline.server.json_limits import JSONLimits, json_counts, too_many_byt
 
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
 _INLINE_OBJECTS = 512  # and bodies of more objects (models at 3-18 us each, a few ms on the loop at most)
+BODY_IDLE_S = 60.0  # the longest wait for the next piece of a request body (a stall, not a slow link)
+
+
+async def body_chunks(request: Request, idle_s: float = BODY_IDLE_S) -> AsyncIterator[bytes]:
+    """``request.stream()``, with at most ``idle_s`` between two pieces: past it, 408."""
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(pieces.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stalled: no bytes arrived for {idle_s:g} s") from None
+        yield chunk
 
 
 async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimits) -> Any:
@@ -37,7 +55,7 @@ async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimit
         raise APIError(413, f"request body of {declared} bytes is over the {limits.max_bytes}-byte limit")
     raw = bytearray()
     counts = None  # (values, braces), counted once the body is longer than max_values bytes
-    async for chunk in request.stream():
+    async for chunk in body_chunks(request):
         raw += chunk
         if len(raw) > limits.max_bytes:
             raise APIError(413, too_many_bytes(limits.max_bytes))

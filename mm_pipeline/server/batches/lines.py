@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from mm_pipeline.errors import InvalidInputError, OverloadedError
 from mm_pipeline.server.completions.chat_service import ChatService
-from mm_pipeline.server.errors import error_body, to_api_error
+from mm_pipeline.server.errors import error_body, to_api_error, validation_message
 from mm_pipeline.server.json_limits import JSONLimits, too_many_bytes
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -139,11 +139,8 @@ def parse_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits |
     body = {**body, "model": None, "stream": False}
     try:
         return BatchLine(number, cid, model_cls.model_validate(body), None)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        return BatchLine(number, cid, None, (400, "invalid_request", f"{where}: {first.get('msg')}" if where
-                                             else str(first.get("msg"))))
+    except ValidationError as exc:  # named as the route names it (errors.validation_message)
+        return BatchLine(number, cid, None, (400, "invalid_request", validation_message(exc.errors())[0]))
 
 
 def decode_line(line: bytes) -> str | bytes | None:

@@ -52,7 +52,7 @@ from mm_pipeline.server.batches.protocol import (WINDOW_S, BatchCreate, BatchErr
                                                  BatchObject)
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
-from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore
+from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore, UploadTooLarge
 from mm_pipeline.server.json_limits import JSONLimits
 from mm_pipeline.server.settings import ServerSettings
 
@@ -115,6 +115,12 @@ class BatchRunner:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._work())
         return batch
+
+    def reading(self, file_id: str) -> str | None:
+        """The id of a batch not yet ended whose input is ``file_id`` (the files route refuses to
+        delete it: a batch whose input vanished between its validation and its reading failed with
+        the store's path in its error), else None."""
+        return next((b.id for b in self._batches.values() if b.input_file_id == file_id and not b.finished), None)
 
     def get(self, batch_id: str) -> BatchObject:
         batch = self._batches.get(batch_id)
@@ -371,7 +377,14 @@ def _fail(batch: BatchObject, exc: Exception) -> None:
     """A batch ended by an error that is no line's (a bug, a full store): ``failed``, naming it."""
     log.error("batch %s failed", batch.id, exc_info=exc)
     cause = _first_error(exc)
-    batch.errors = BatchErrors(data=[BatchError(code="batch_failed", message=f"{type(cause).__name__}: {cause}")])
+    # the client gets what happened, not the server's internals (paths, class names): those are logged
+    if isinstance(cause, UploadTooLarge):  # the store's own words: which limit the results passed
+        what = f"the results do not fit the file store: {cause}"
+    elif isinstance(cause, OSError):
+        what = f"the server could not store the results ({cause.strerror or 'storage error'})"
+    else:
+        what = f"an internal error ended the batch (logged as batch {batch.id})"
+    batch.errors = BatchErrors(data=[BatchError(code="batch_failed", message=what)])
     batch.mark("failed")
 
 

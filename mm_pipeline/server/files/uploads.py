@@ -10,6 +10,7 @@ form's plain fields.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -17,6 +18,7 @@ from starlette.requests import Request
 
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FileRecord, FilesStore, UploadTooLarge, UploadWriter
+from mm_pipeline.server.request_body import body_chunks
 
 _FIELD_LIMIT = 4096  # bytes of a plain form field (purpose)
 _MAX_FIELDS = 16  # plain form fields per upload (only 'purpose' is read): each is held in memory
@@ -24,6 +26,9 @@ _MAX_BOUNDARY = 70
 _BODY_SLACK = 64 * 1024  # multipart headers, boundaries and fields on top of the file's own bytes
 _FLUSH_BYTES = 1 << 20  # disk writes go to a thread in chunks of about this size
 _PURPOSES = {"user_data", "vision", "assistants", "batch", "fine-tune", "evals"}
+# python-multipart logs a WARNING for every malformed body ("Expected boundary character ..."):
+# any client could fill the log with them; the client's 400 says what was wrong
+logging.getLogger("python_multipart.multipart").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ async def _parse(request: Request, parts: _Parts, what: str) -> None:
         raise UploadTooLarge(f"{what} of {declared} bytes is over the {parts.max_file_bytes}-byte limit")
     received = 0
     parser = MultipartParser(boundary, parts.callbacks())
-    async for chunk in request.stream():
+    async for chunk in body_chunks(request):  # 408 when it stalls
         received += len(chunk)
         if received > body_cap:
             raise UploadTooLarge(f"{what} is over the {parts.max_file_bytes}-byte limit")

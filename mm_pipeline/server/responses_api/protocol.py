@@ -210,6 +210,18 @@ class ResponsesRequest(BaseModel):
                              "background without stream and poll GET /v1/responses/{id}, or stream without background")
         return v
 
+    @field_validator("input")
+    @classmethod
+    def _distinct_item_ids(cls, v: str | list[Any]) -> str | list[Any]:
+        # GET .../input_items pages by item id (``after``): a repeated one would send a client
+        # following the pages back to its first copy forever
+        first: dict[str, int] = {}
+        for i, item in enumerate(v if isinstance(v, list) else ()):
+            if item.id is not None and first.setdefault(item.id, i) != i:
+                raise ValueError(f"input items' ids must differ: item {i} repeats the id {item.id!r} of item "
+                                 f"{first[item.id]}")
+        return v
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, v: Any) -> Any:

@@ -151,7 +151,8 @@ def test_a_failure_names_the_error_not_the_task_group(tmp_path):
 
     batch = asyncio.run(main())
     assert batch.status == "failed"
-    assert batch.errors.data[0].message.startswith("UploadTooLarge: file is larger than the 1500-byte")
+    assert batch.errors.data[0].message.startswith("the results do not fit the file store: file is larger than "
+                                                   "the 1500-byte")
 
 
 def test_a_failed_commit_leaves_no_file_behind(store, monkeypatch):

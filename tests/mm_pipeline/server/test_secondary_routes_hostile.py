@@ -1,0 +1,136 @@
+"""What a hostile or careless client met on the secondary routes (batches, files, Responses, any
+body), each answered by name without internals: a batch's input file cannot vanish under it, a
+failed batch names no server path or class, a batch line's 400 names what the route's would, a
+Responses input cannot repeat an item id (its input_items pages by id), and a body that stops
+arriving is a 408 instead of a connection held for good."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mm_pipeline.server import ServerSettings, create_app
+from mm_pipeline.server.batches import runner as batch_runner
+from mm_pipeline.server.batches.lines import parse_line
+from mm_pipeline.server.batches.protocol import BatchObject
+from mm_pipeline.server.errors import APIError
+from mm_pipeline.server.files.files_store import FilesStore
+from mm_pipeline.server.files.uploads import receive_upload
+from mm_pipeline.server.json_limits import JSONLimits
+from mm_pipeline.server.protocol import ChatCompletionRequest
+from mm_pipeline.server.request_body import parse_body
+from tests.mm_pipeline.server.test_error_statuses import CHAT, ScriptedEngine
+from tests.support.batches import FakeService, create_body, finished, line, until, upload
+
+
+# ---- batches: the input file, a failure's words, a line's 400 ------------------------------------
+def test_a_batch_input_cannot_be_deleted_until_its_batch_ends(store):
+    """Deleted between the batch's validation and its reading, the input failed the batch with
+    ``FileNotFoundError: ... '/tmp/mmserve-files-.../blobs/...'`` in its error (and a traceback)."""
+    async def main():
+        service = FakeService()
+        gate = asyncio.Event()
+        service.hook = lambda text: gate.wait()
+        runner = batch_runner.BatchRunner(service, store, 1)
+        file_id = upload(store, [line("a"), line("b")])
+        batch = runner.create(create_body(file_id))
+        assert runner.reading(file_id) == batch.id
+        await until(lambda: batch.status == "in_progress")
+        assert runner.reading(file_id) == batch.id
+        gate.set()
+        assert (await finished(runner, batch.id)).status == "completed" and runner.reading(file_id) is None
+    asyncio.run(main())
+
+
+def test_the_files_route_refuses_to_delete_a_waiting_batchs_input(tmp_path, monkeypatch):
+    engine = ScriptedEngine()
+    with TestClient(create_app(engine, ServerSettings(files_dir=str(tmp_path))), raise_server_exceptions=False) as c:
+        body = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n"
+        file_id = c.post("/v1/files", files={"file": ("in.jsonl", body.encode())}, data={"purpose": "batch"}).json()["id"]
+        monkeypatch.setattr(batch_runner.BatchRunner, "_work", lambda self: asyncio.sleep(3600))  # it waits
+        batch = c.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"}).json()
+        r = c.delete(f"/v1/files/{file_id}")
+        assert r.status_code == 409 and batch["id"] in r.json()["error"]["message"]
+        assert c.post(f"/v1/batches/{batch['id']}/cancel").status_code == 200
+        assert c.delete(f"/v1/files/{file_id}").status_code == 200  # ended: its input may go
+
+
+@pytest.mark.parametrize("exc,says,hides", [
+    (FileNotFoundError(2, "No such file or directory", "/tmp/mmserve-files-x/blobs/abc"), "No such file or directory",
+     "/tmp/"),
+    (OSError(28, "No space left on device", "/srv/files/out.jsonl"), "No space left on device", "/srv/"),
+    (KeyError("internal_state"), "logged as batch", "KeyError"),
+])
+def test_a_failed_batch_names_what_happened_not_the_servers_internals(exc, says, hides):
+    batch = BatchObject(id="batch_x", endpoint="/v1/chat/completions", input_file_id="file-1")
+    batch_runner._fail(batch, exc)
+    message = batch.errors.data[0].message
+    assert batch.status == "failed" and says in message and hides not in message
+
+
+def test_a_batch_lines_400_names_the_problem_as_the_route_does(tmp_path):
+    """The line took pydantic's first error (a union branch's: ``prompt.str: Input should be a valid
+    string``) where the route names the deepest (``prompt.0.0: ... 2147483647``)."""
+    raw = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                      "body": {"prompt": [[10 ** 12]], "max_tokens": 1}})
+    answered = parse_line(1, raw).problem
+    engine = ScriptedEngine()
+    with TestClient(create_app(engine, ServerSettings(files_dir=str(tmp_path))), raise_server_exceptions=False) as c:
+        route = c.post("/v1/completions", json={"model": "m", "prompt": [[10 ** 12]], "max_tokens": 1})
+    assert route.status_code == 400 and answered[0] == 400
+    assert answered[2] == route.json()["error"]["message"]
+    assert answered[2].startswith("prompt.0.0: ") and "2147483647" in answered[2]
+
+
+# ---- Responses: item ids ------------------------------------------------------------------------
+def test_a_responses_input_may_not_repeat_an_item_id(tmp_path):
+    """GET .../input_items pages by item id: with a repeated one, ``after=<it>`` went back to its
+    first copy forever (the SDK's iterator listed 51 items of 3 before it was stopped)."""
+    engine = ScriptedEngine()
+    with TestClient(create_app(engine, ServerSettings(files_dir=str(tmp_path))), raise_server_exceptions=False) as c:
+        r = c.post("/v1/responses", json={"model": "m", "input": [
+            {"id": "dup", "role": "user", "content": "a"}, {"role": "user", "content": "b"},
+            {"id": "dup", "role": "user", "content": "c"}]})
+    assert r.status_code == 400
+    assert "item 2 repeats the id 'dup' of item 0" in r.json()["error"]["message"]
+
+
+# ---- any body: one that stops arriving ----------------------------------------------------------
+class Stalling:
+    """A request whose body sends one piece and then nothing (the client declared more)."""
+
+    def __init__(self, first: bytes, content_type: str = "application/json") -> None:
+        self.first, self.headers = first, {"content-type": content_type, "content-length": "100000"}
+
+    async def stream(self):
+        yield self.first
+        await asyncio.sleep(3600)
+        yield b""
+
+
+def test_a_json_body_that_stalls_is_a_408(monkeypatch):
+    from mm_pipeline.server import request_body
+
+    monkeypatch.setattr(request_body.body_chunks, "__defaults__", (0.2,))
+    with pytest.raises(APIError) as info:
+        asyncio.run(asyncio.wait_for(parse_body(Stalling(b'{"messages": ['), ChatCompletionRequest,
+                                                JSONLimits(1 << 20, 1 << 20)), 10))
+    assert info.value.status == 408 and "stalled" in info.value.message
+
+
+def test_an_upload_that_stalls_is_a_408_and_leaves_no_file(tmp_path, monkeypatch):
+    from mm_pipeline.server import request_body
+
+    monkeypatch.setattr(request_body.body_chunks, "__defaults__", (0.2,))
+    store = FilesStore(tmp_path / "files")
+    request = Stalling(b"--XX\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n\r\nabc",
+                       "multipart/form-data; boundary=XX")
+    with pytest.raises(APIError) as info:
+        asyncio.run(asyncio.wait_for(receive_upload(request, store), 10))
+    assert info.value.status == 408
+    assert store.list(None) == [] and not any(p.is_file() for p in (tmp_path / "files").rglob("*"))
