@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -56,6 +57,11 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
     """Add the routes; ``service`` answers the chat each request becomes, ``store`` keeps responses,
     ``background`` runs the background ones, ``read_body`` reads a JSON body under the server's size
     limits (request_body.parse_body)."""
+
+    # stored responses answered in the foreground now (streamed or not): a DELETE of one (its id is
+    # in the stream's first event) answered 404 and it was stored anyway. Weak: an entry goes with
+    # its request, however that ends (a stream never started included)
+    answering: weakref.WeakValueDictionary[str, _Answering] = weakref.WeakValueDictionary()
 
     def stored(response_id: str) -> StoredResponse:
         entry = store.get(response_id)
@@ -107,8 +113,12 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
                              lambda: _keep(store, response, conversation, req.input, long, items))
             return JSONResponse(response.model_dump(), headers={REQUEST_ID_HEADER: response.id})
 
+        this = _Answering()
+        if response.store:
+            answering[response.id] = this
+
         async def keep() -> None:
-            if response.store and response.status in ("completed", "incomplete"):
+            if response.store and response.status in ("completed", "incomplete") and not this.deleted:
                 await _keep(store, response, conversation, req.input, long)
 
         info = AnswerInfo()
@@ -165,9 +175,21 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:
         await background.cancel(response_id)  # a running one is stopped (and stored) first: nothing stores it later
+        if (now := answering.get(response_id)) is not None:  # answered in the foreground: not stored when it ends
+            now.deleted = True
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
         stored(response_id)
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+class _Answering:
+    """A stored response answered in the foreground now; ``deleted`` by a DELETE meanwhile."""
+
+    __slots__ = ("deleted", "__weakref__")
+
+    def __init__(self) -> None:
+        self.deleted = False
 
 
 def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest,

@@ -134,3 +134,37 @@ def test_an_upload_that_stalls_is_a_408_and_leaves_no_file(tmp_path, monkeypatch
         asyncio.run(asyncio.wait_for(receive_upload(request, store), 10))
     assert info.value.status == 408
     assert store.list(None) == [] and not any(p.is_file() for p in (tmp_path / "files").rglob("*"))
+
+
+def test_deleting_a_response_while_it_streams_keeps_it_out_of_the_store(tmp_path):
+    """Its id is in the stream's first event; a DELETE then answered 404 and the response was
+    stored anyway when the stream ended."""
+    import threading
+
+    import httpx
+
+    from mm_pipeline.server import ServerThread
+    from tests.mm_pipeline.server.test_error_statuses import GenerationDelta
+
+    gate = threading.Event()
+
+    class Gated(ScriptedEngine):
+        async def _script(self, rid):
+            yield GenerationDelta(rid, [7], "a", None, None, False, None, 3, 1, 0, 0.0)
+            await asyncio.to_thread(gate.wait, 30)
+            yield GenerationDelta(rid, [], "", None, None, True, "length", 3, 1, 0, 0.0)
+
+    app = create_app(Gated(), ServerSettings(files_dir=str(tmp_path)))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/responses", json={"model": "scripted", "input": "hi", "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: "))
+            rid = first["response"]["id"]
+            gone = c.delete(f"/v1/responses/{rid}")
+            assert gone.status_code == 200 and gone.json()["deleted"] is True
+            gate.set()
+            rest = list(lines)
+            assert any("response.incomplete" in ln or "response.completed" in ln for ln in rest), rest
+        assert c.get(f"/v1/responses/{rid}").status_code == 404
+        kept = c.post("/v1/responses", json={"model": "scripted", "input": "hi"}).json()  # others are kept
+        assert c.get(f"/v1/responses/{kept['id']}").status_code == 200
