@@ -23,6 +23,7 @@ import secrets
 import tempfile
 import threading
 import time
+import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -197,6 +198,8 @@ class FilesStore:
 
 
 def _clean_name(name: str) -> str:
-    """Keep the base name only (clients send paths), bounded in length."""
-    base = re.split(r"[\\/]", name or "")[-1].strip() or "upload"
+    """Keep the base name only (clients send paths), bounded in length, without control or format
+    characters (a bidi override, \\x01): it is echoed in every file object and listed by the page."""
+    printable = "".join(ch for ch in name or "" if unicodedata.category(ch) not in ("Cc", "Cf"))
+    base = re.split(r"[\\/]", printable)[-1].strip() or "upload"
     return base[:255]

@@ -88,13 +88,15 @@ class _Parts:
         if b"name" not in options:
             raise APIError(400, "multipart part without a name in Content-Disposition")
         self._name = options[b"name"].decode("utf-8", "replace")
-        if b"filename" in options:
+        # the part named 'file' is the file even with an empty or no filename (what httpx sends for
+        # ("", data)): read as a plain field it was refused as "too long"
+        if b"filename" in options or self._name == "file":
             if self._name != "file":
                 raise APIError(400, f"unexpected file field {self._name!r} (use 'file')", param=self._name)
             if self.filename is not None:
                 raise APIError(400, "only one file per upload", param="file")
             self._is_file = True
-            self.filename = options[b"filename"].decode("utf-8", "replace")
+            self.filename = options.get(b"filename", b"").decode("utf-8", "replace")
             if self.store is not None:
                 self.writer = self.store.begin_upload(self.filename, "user_data")
 

@@ -168,3 +168,20 @@ def test_deleting_a_response_while_it_streams_keeps_it_out_of_the_store(tmp_path
         assert c.get(f"/v1/responses/{rid}").status_code == 404
         kept = c.post("/v1/responses", json={"model": "scripted", "input": "hi"}).json()  # others are kept
         assert c.get(f"/v1/responses/{kept['id']}").status_code == 200
+
+
+# ---- uploads: the file part and its name ----------------------------------------------------------
+def test_an_upload_names_no_control_characters_and_an_empty_filename_is_still_the_file(tmp_path):
+    """A filename kept a bidi override and control characters (echoed in every file object); the
+    part named 'file' with an empty filename (httpx's ("", data)) was read as a plain field and
+    refused as "too long"."""
+    engine = ScriptedEngine()
+    with TestClient(create_app(engine, ServerSettings(files_dir=str(tmp_path))), raise_server_exceptions=False) as c:
+        name = "\u202e\x01gpj.jsonl\x7f".encode()  # raw in the header (httpx would percent-encode it)
+        body = (b"--XX\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nuser_data\r\n"
+                b"--XX\r\nContent-Disposition: form-data; name=\"file\"; filename=\"" + name + b"\"\r\n\r\n"
+                + b"x" * 5000 + b"\r\n--XX--\r\n")
+        r = c.post("/v1/files", content=body, headers={"content-type": "multipart/form-data; boundary=XX"})
+        assert r.status_code == 200 and r.json()["filename"] == "gpj.jsonl"
+        r = c.post("/v1/files", files={"file": ("", b"y" * 5000)}, data={"purpose": "user_data"})
+        assert r.status_code == 200 and r.json()["filename"] == "upload" and r.json()["bytes"] == 5000
