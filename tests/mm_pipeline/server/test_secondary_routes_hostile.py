@@ -22,7 +22,7 @@ from mm_pipeline.server.files.uploads import receive_upload
 from mm_pipeline.server.json_limits import JSONLimits
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.request_body import parse_body
-from tests.mm_pipeline.server.test_error_statuses import CHAT, ScriptedEngine
+from tests.mm_pipeline.server.test_error_statuses import ScriptedEngine
 from tests.support.batches import FakeService, create_body, finished, line, until, upload
 
 
