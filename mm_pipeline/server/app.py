@@ -148,12 +148,15 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                            allow_headers=["*"], allow_credentials=settings.allow_credentials,
                            expose_headers=[REQUEST_ID_HEADER, ENCODER_CACHE_HITS_HEADER, "Retry-After"])
     install_web_routes(app)  # GET / : the upload page
-    install_tokenize_routes(app, engine, service, lambda request, model: parse_body(
-        request, model, settings.json_limits))
+
+    def read_body(request: Request, model: Any) -> Any:  # a JSON body under the server's limits
+        return parse_body(request, model, settings.json_limits, settings.request_body_idle_s)
+
+    install_tokenize_routes(app, engine, service, read_body)
     install_audio_routes(app, service, settings)  # /v1/audio/transcriptions, /v1/audio/translations
-    install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes), background,  # /v1/responses
-                             lambda request, model: parse_body(request, model, settings.json_limits))
-    install_batch_routes(app, batches, lambda request, model: parse_body(request, model, settings.json_limits))  # /v1/batches
+    install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes), background,
+                             read_body)  # /v1/responses
+    install_batch_routes(app, batches, read_body)  # /v1/batches
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         given = request.headers.get(REQUEST_ID_HEADER)
@@ -176,12 +179,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, settings.json_limits)
+        body = await read_body(request, ChatCompletionRequest)
         return await respond(request, body, service.chat, service.chat_stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, settings.json_limits)
+        body = await read_body(request, CompletionRequest)
         return await respond(request, body, service.complete, service.complete_stream)
 
     # ---- files ------------------------------------------------------------------------------
@@ -193,7 +196,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/files")
     async def upload_file(request: Request) -> JSONResponse:
-        return JSONResponse(_file_object(await receive_upload(request, store)).model_dump())
+        return JSONResponse(_file_object(await receive_upload(request, store, settings.request_body_idle_s)).model_dump())
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None) -> JSONResponse:
@@ -264,7 +267,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
-        body = (await parse_body(request, Invocation, settings.json_limits)).root
+        body = (await read_body(request, Invocation)).root
         if isinstance(body, ChatCompletionRequest):
             return await respond(request, body, service.chat, service.chat_stream)
         return await respond(request, body, service.complete, service.complete_stream)

@@ -6,8 +6,8 @@ longer than ``max_json_values`` bytes its values and braces counted as they arri
 a byte, so a shorter body cannot hold too many), all before pydantic builds anything; then its
 objects against ``max_json_objects``.
 
-A body that stops arriving (no bytes for ``BODY_IDLE_S``) is answered 408 and its connection closed
-(``body_chunks``, uploads too): uvicorn has no body timeout, so a client that declared a length and
+A body that stops arriving (no bytes for ``request_body_idle_s``, 60 s by default) is answered 408
+and its connection closed (``body_chunks``, uploads too): uvicorn has no body timeout, so a client that declared a length and
 went quiet held its connection and handler for good.
 
 Validated on the event loop only when that is short (at most 256 KiB and 512 braces: a few ms);
@@ -32,10 +32,7 @@ from mm_pipeline.server.json_limits import JSONLimits, json_counts, too_many_byt
 
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
 _INLINE_OBJECTS = 512  # and bodies of more objects (models at 3-18 us each, a few ms on the loop at most)
-BODY_IDLE_S = 60.0  # the longest wait for the next piece of a request body (a stall, not a slow link)
-
-
-async def body_chunks(request: Request, idle_s: float = BODY_IDLE_S) -> AsyncIterator[bytes]:
+async def body_chunks(request: Request, idle_s: float) -> AsyncIterator[bytes]:
     """``request.stream()``, with at most ``idle_s`` between two pieces: past it, 408."""
     pieces = request.stream().__aiter__()
     while True:
@@ -48,14 +45,15 @@ async def body_chunks(request: Request, idle_s: float = BODY_IDLE_S) -> AsyncIte
         yield chunk
 
 
-async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimits) -> Any:
-    """Read and validate a JSON body: 413 over a limit, 422 (RequestValidationError) when invalid."""
+async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimits, idle_s: float = 60.0) -> Any:
+    """Read and validate a JSON body: 413 over a limit, 422 (RequestValidationError) when invalid,
+    408 when no bytes arrive for ``idle_s`` (``ServerSettings.request_body_idle_s``)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise APIError(413, f"request body of {declared} bytes is over the {limits.max_bytes}-byte limit")
     raw = bytearray()
     counts = None  # (values, braces), counted once the body is longer than max_values bytes
-    async for chunk in body_chunks(request):
+    async for chunk in body_chunks(request, idle_s):
         raw += chunk
         if len(raw) > limits.max_bytes:
             raise APIError(413, too_many_bytes(limits.max_bytes))

@@ -37,6 +37,10 @@ class ServerSettings:
     """Values (array items, object members) one JSON body, or batch file line, may hold; more is 413."""
     # It bounds the parser's memory (request_body._validate): an hour of pre-tokenized audio codes is
     # 20 x 90,000 = 1.8M values.
+    request_body_idle_s: float = 60.0
+    """Longest wait for the next piece of a request body (JSON or upload): past it, 408 and the connection closed."""
+    # uvicorn has no body timeout: a client that declared a length and went quiet held its
+    # connection and handler for good (request_body.body_chunks)
     max_json_objects: int = 65_536
     """JSON objects (messages, content parts, tool calls, ...) one body, or batch file line, may hold; more is 413."""
     # Each becomes a model of several Python objects, built with the GIL held and walked by every
@@ -122,6 +126,8 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_json_values < 1024:
             raise ValueError(f"max_json_values must be >= 1024, got {self.max_json_values}")
+        if not self.request_body_idle_s > 0:
+            raise ValueError(f"request_body_idle_s must be > 0, got {self.request_body_idle_s}")
         if self.max_json_objects < 1024:
             raise ValueError(f"max_json_objects must be >= 1024, got {self.max_json_objects}")
         if self.max_completion_prompts < 1:

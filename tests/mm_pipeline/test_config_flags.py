@@ -223,16 +223,18 @@ def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
     settings = cli.server_settings(args, tmp_path)
     assert (settings.max_json_values, settings.max_request_bytes, settings.max_files) == (5000, 2 << 20, 7)
     assert settings.max_json_objects == 4096 and settings.json_limits.max_objects == 4096
-    flagged = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-json-objects", "100000"]), tmp_path)
-    assert flagged.json_limits.max_objects == 100_000
+    flagged = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-json-objects", "100000",
+                                                  "--request-body-idle-s", "5"]), tmp_path)
+    assert flagged.json_limits.max_objects == 100_000 and flagged.request_body_idle_s == 5.0
     assert (settings.max_completion_prompts, settings.max_files_total_bytes) == (4, 1 << 30)
     assert settings.max_background_responses == 3
     defaults = cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path)
     assert (defaults.max_json_values, defaults.max_files_total_bytes) == (4_000_000, 8 << 30)
-    assert defaults.max_json_objects == 65_536
+    assert defaults.max_json_objects == 65_536 and defaults.request_body_idle_s == 60.0
     assert defaults.max_background_responses == 64
     for argv, flag in [(["--max-json-values", "10"], "--max-json-values"),
                        (["--max-json-objects", "10"], "--max-json-objects"),
+                       (["--request-body-idle-s", "0"], "--request-body-idle-s"),
                        (["--max-request-bytes", "lots"], "--max-request-bytes"),
                        (["--max-completion-prompts", "0"], "--max-completion-prompts"),
                        (["--max-background-responses", "0"], "--max-background-responses")]:

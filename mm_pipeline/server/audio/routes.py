@@ -91,7 +91,7 @@ async def chat_request(upload: FormUpload, form: AudioForm, text: str) -> ChatCo
 
 async def _answer(request: Request, service: ChatService, settings: ServerSettings, translate: bool) -> Response:
     what = "translation request" if translate else "transcription request"
-    upload = await receive_form(request, settings.max_audio_upload_bytes, what)
+    upload = await receive_form(request, settings.max_audio_upload_bytes, what, settings.request_body_idle_s)
     try:
         form = AudioForm.model_validate(upload.fields)
     except ValidationError as exc:

@@ -124,7 +124,7 @@ class _Parts:
         return data
 
 
-async def _parse(request: Request, parts: _Parts, what: str) -> None:
+async def _parse(request: Request, parts: _Parts, what: str, idle_s: float) -> None:
     """Feed the request's multipart body to ``parts`` as it arrives, the body capped at the file's
     cap plus room for headers and fields (a chunked body declares no length: counted as it comes).
     With a store the file's bytes go to disk in chunks as they come; else they stay in ``pending``."""
@@ -140,7 +140,7 @@ async def _parse(request: Request, parts: _Parts, what: str) -> None:
         raise UploadTooLarge(f"{what} of {declared} bytes is over the {parts.max_file_bytes}-byte limit")
     received = 0
     parser = MultipartParser(boundary, parts.callbacks())
-    async for chunk in body_chunks(request):  # 408 when it stalls
+    async for chunk in body_chunks(request, idle_s):  # 408 when it stalls
         received += len(chunk)
         if received > body_cap:
             raise UploadTooLarge(f"{what} is over the {parts.max_file_bytes}-byte limit")
@@ -154,11 +154,12 @@ async def _parse(request: Request, parts: _Parts, what: str) -> None:
         raise APIError(400, f"{what} has no 'file' part", param="file")
 
 
-async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
-    """Parse the upload request and commit its file; raises ``APIError`` (400 / 413 / 415)."""
+async def receive_upload(request: Request, store: FilesStore, idle_s: float = 60.0) -> FileRecord:
+    """Parse the upload request and commit its file; raises ``APIError`` (400 / 408 / 413 / 415);
+    ``idle_s``: the longest wait for the next piece of the body."""
     parts = _Parts(store, store.max_file_bytes)
     try:
-        await _parse(request, parts, "upload")
+        await _parse(request, parts, "upload", idle_s)
         if parts.pending:
             await asyncio.to_thread(parts.writer.write, parts.take_pending())
         purpose = parts.fields.get("purpose", "user_data") or "user_data"
@@ -175,13 +176,14 @@ async def receive_upload(request: Request, store: FilesStore) -> FileRecord:
             parts.writer.discard()  # no-op after a commit (the temp file was moved)
 
 
-async def receive_form(request: Request, max_file_bytes: int, what: str = "request") -> FormUpload:
+async def receive_form(request: Request, max_file_bytes: int, what: str = "request", idle_s: float = 60.0
+                       ) -> FormUpload:
     """Parse a multipart form whose one file part (named 'file') is kept in memory, at most
     ``max_file_bytes`` of it (413 past it, cut off as it streams); raises ``APIError`` (400 / 413
     / 415). An empty file is a 400."""
     parts = _Parts(None, max_file_bytes)
     try:
-        await _parse(request, parts, what)
+        await _parse(request, parts, what, idle_s)
     except UploadTooLarge as exc:
         raise APIError(413, str(exc), param="file") from None
     except ValueError as exc:  # python-multipart's parse errors

@@ -113,25 +113,19 @@ class Stalling:
         yield b""
 
 
-def test_a_json_body_that_stalls_is_a_408(monkeypatch):
-    from mm_pipeline.server import request_body
-
-    monkeypatch.setattr(request_body.body_chunks, "__defaults__", (0.2,))
+def test_a_json_body_that_stalls_is_a_408():
     with pytest.raises(APIError) as info:
         asyncio.run(asyncio.wait_for(parse_body(Stalling(b'{"messages": ['), ChatCompletionRequest,
-                                                JSONLimits(1 << 20, 1 << 20)), 10))
+                                                JSONLimits(1 << 20, 1 << 20), idle_s=0.2), 10))
     assert info.value.status == 408 and "stalled" in info.value.message
 
 
-def test_an_upload_that_stalls_is_a_408_and_leaves_no_file(tmp_path, monkeypatch):
-    from mm_pipeline.server import request_body
-
-    monkeypatch.setattr(request_body.body_chunks, "__defaults__", (0.2,))
+def test_an_upload_that_stalls_is_a_408_and_leaves_no_file(tmp_path):
     store = FilesStore(tmp_path / "files")
     request = Stalling(b"--XX\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n\r\nabc",
                        "multipart/form-data; boundary=XX")
     with pytest.raises(APIError) as info:
-        asyncio.run(asyncio.wait_for(receive_upload(request, store), 10))
+        asyncio.run(asyncio.wait_for(receive_upload(request, store, idle_s=0.2), 10))
     assert info.value.status == 408
     assert store.list(None) == [] and not any(p.is_file() for p in (tmp_path / "files").rglob("*"))
 
@@ -168,6 +162,27 @@ def test_deleting_a_response_while_it_streams_keeps_it_out_of_the_store(tmp_path
         assert c.get(f"/v1/responses/{rid}").status_code == 404
         kept = c.post("/v1/responses", json={"model": "scripted", "input": "hi"}).json()  # others are kept
         assert c.get(f"/v1/responses/{kept['id']}").status_code == 200
+
+
+def test_the_served_app_answers_a_stalled_body_408_after_the_setting(tmp_path):
+    """Through uvicorn (``request_body_idle_s``, ``--request-body-idle-s``): a client that declared
+    1,000 bytes and sent 10 gets a 408 and its connection closed."""
+    import socket
+    import time
+
+    from mm_pipeline.server import ServerThread
+
+    app = create_app(ScriptedEngine(), ServerSettings(files_dir=str(tmp_path), request_body_idle_s=0.5))
+    with ServerThread(app) as served:
+        host, port = served.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"messages\"")
+            t0, answer = time.monotonic(), b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer
+        assert time.monotonic() - t0 < 15
 
 
 # ---- uploads: the file part and its name ----------------------------------------------------------
