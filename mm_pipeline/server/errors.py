@@ -172,6 +172,8 @@ def error_response(err: APIError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
     if err.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if err.status == 408:  # RFC 9110: a server that times a request out closes the connection (the
+        headers["Connection"] = "close"  # rest of the body would otherwise hold it open)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 

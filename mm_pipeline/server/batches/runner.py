@@ -119,7 +119,8 @@ class BatchRunner:
     def reading(self, file_id: str) -> str | None:
         """The id of a batch not yet ended whose input is ``file_id`` (the files route refuses to
         delete it: a batch whose input vanished between its validation and its reading failed with
-        the store's path in its error), else None."""
+        the store's path in its error), else None. A waiting batch past its window is ended first."""
+        self._settle_waiting()
         return next((b.id for b in self._batches.values() if b.input_file_id == file_id and not b.finished), None)
 
     def get(self, batch_id: str) -> BatchObject:
@@ -374,16 +375,21 @@ class BatchRunner:
 
 
 def _fail(batch: BatchObject, exc: Exception) -> None:
-    """A batch ended by an error that is no line's (a bug, a full store): ``failed``, naming it."""
-    log.error("batch %s failed", batch.id, exc_info=exc)
+    """A batch ended by an error that is no line's (a bug, a full store, its input deleted as the
+    batch was created): ``failed``, naming it."""
     cause = _first_error(exc)
     # the client gets what happened, not the server's internals (paths, class names): those are logged
-    if isinstance(cause, UploadTooLarge):  # the store's own words: which limit the results passed
-        what = f"the results do not fit the file store: {cause}"
-    elif isinstance(cause, OSError):
-        what = f"the server could not store the results ({cause.strerror or 'storage error'})"
+    if isinstance(cause, (FileNotFoundInStore, FileNotFoundError)):  # deleted while the batch was created
+        log.info("batch %s failed: its input file %s is gone", batch.id, batch.input_file_id)
+        what = f"the input file {batch.input_file_id} was deleted before the batch read it"
     else:
-        what = f"an internal error ended the batch (logged as batch {batch.id})"
+        log.error("batch %s failed", batch.id, exc_info=exc)
+        if isinstance(cause, UploadTooLarge):  # the store's own words: which limit the results passed
+            what = f"the results do not fit the file store: {cause}"
+        elif isinstance(cause, OSError):
+            what = f"a storage error ended the batch ({cause.strerror or type(cause).__name__})"
+        else:
+            what = f"an internal error ended the batch (logged as batch {batch.id})"
     batch.errors = BatchErrors(data=[BatchError(code="batch_failed", message=what)])
     batch.mark("failed")
 

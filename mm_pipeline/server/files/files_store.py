@@ -197,9 +197,13 @@ class FilesStore:
         return rec
 
 
+_UNPRINTED = ("Cc", "Cf", "Zl", "Zp")  # controls, format characters (bidi overrides), line / paragraph separators
+_JOINERS = "\u200c\u200d"  # format characters that words and emoji are spelled with: kept
+
+
 def _clean_name(name: str) -> str:
     """Keep the base name only (clients send paths), bounded in length, without control or format
     characters (a bidi override, \\x01): it is echoed in every file object and listed by the page."""
-    printable = "".join(ch for ch in name or "" if unicodedata.category(ch) not in ("Cc", "Cf"))
+    printable = "".join(ch for ch in name or "" if ch in _JOINERS or unicodedata.category(ch) not in _UNPRINTED)
     base = re.split(r"[\\/]", printable)[-1].strip() or "upload"
     return base[:255]

@@ -217,7 +217,7 @@ class ResponsesRequest(BaseModel):
         # following the pages back to its first copy forever
         first: dict[str, int] = {}
         for i, item in enumerate(v if isinstance(v, list) else ()):
-            if item.id is not None and first.setdefault(item.id, i) != i:
+            if item.id and first.setdefault(item.id, i) != i:  # an empty id is given a fresh one (listed_items)
                 raise ValueError(f"input items' ids must differ: item {i} repeats the id {item.id!r} of item "
                                  f"{first[item.id]}")
         return v

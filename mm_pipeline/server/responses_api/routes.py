@@ -119,7 +119,7 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
 
         async def keep() -> None:
             if response.store and response.status in ("completed", "incomplete") and not this.deleted:
-                await _keep(store, response, conversation, req.input, long)
+                await _keep(store, response, conversation, req.input, long, wanted=lambda: not this.deleted)
 
         info = AnswerInfo()
         try:
@@ -175,8 +175,8 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:
         await background.cancel(response_id)  # a running one is stopped (and stored) first: nothing stores it later
-        if (now := answering.get(response_id)) is not None:  # answered in the foreground: not stored when it ends
-            now.deleted = True
+        if (now := answering.get(response_id)) is not None and not now.deleted:  # answered in the foreground now:
+            now.deleted = True  # not stored when it ends (a second DELETE finds nothing: 404)
             return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
         stored(response_id)
         store.delete(response_id)
@@ -242,14 +242,18 @@ async def _answer(service: ChatService, response: ResponseObject, chat: ChatComp
 
 
 async def _keep(store: ResponseStore, response: ResponseObject, conversation: list[dict[str, Any]],
-                given: str | list[Any], long: bool, items: list[dict[str, Any]] | None = None) -> None:
+                given: str | list[Any], long: bool, items: list[dict[str, Any]] | None = None, *,
+                wanted: Callable[[], bool] = lambda: True) -> None:
     """Store ``response`` with ``conversation`` (its answer added) and its input items (``items``
     when listed already), sized on a thread when big (``long``, or more than _INLINE_VALUES values).
     One larger than the whole store is not kept; a background one leaves a ``failed`` entry
-    saying so, since its client is polling for it."""
+    saying so, since its client is polling for it. ``wanted``: asked again after the sizing (a
+    DELETE may come while a big entry is sized), with no await between it and the put."""
     kept = conversation + [response.answer_message()]
     entry = None if long else _sized_entry(response, kept, given, _INLINE_VALUES, items)
     items, size = entry or await asyncio.to_thread(_sized_entry, response, kept, given, None, items)
+    if not wanted():
+        return
     if store.fits(size):
         store.put(response, kept, size, items)
         return

@@ -61,8 +61,8 @@ def test_the_files_route_refuses_to_delete_a_waiting_batchs_input(tmp_path, monk
 
 
 @pytest.mark.parametrize("exc,says,hides", [
-    (FileNotFoundError(2, "No such file or directory", "/tmp/mmserve-files-x/blobs/abc"), "No such file or directory",
-     "/tmp/"),
+    (FileNotFoundError(2, "No such file or directory", "/tmp/mmserve-files-x/blobs/abc"),
+     "the input file file-1 was deleted before the batch read it", "/tmp/"),
     (OSError(28, "No space left on device", "/srv/files/out.jsonl"), "No space left on device", "/srv/"),
     (KeyError("internal_state"), "logged as batch", "KeyError"),
 ])
@@ -71,6 +71,23 @@ def test_a_failed_batch_names_what_happened_not_the_servers_internals(exc, says,
     batch_runner._fail(batch, exc)
     message = batch.errors.data[0].message
     assert batch.status == "failed" and says in message and hides not in message
+
+
+def test_a_batch_created_as_its_input_is_deleted_fails_naming_that_without_a_traceback(store, caplog):
+    """The files route's 409 comes before its delete thread runs; a create landing while that
+    thread deletes (the store's delete done here directly) found the record, and the batch failed
+    as "an internal error" with a traceback logged."""
+    async def main():
+        runner = batch_runner.BatchRunner(FakeService(), store, 1)
+        file_id = upload(store, [line("a")])
+        batch = runner.create(create_body(file_id))
+        store.delete(file_id)  # before the worker's first turn
+        return await finished(runner, batch.id)
+
+    with caplog.at_level("INFO", logger="mm_pipeline.server.batches.runner"):
+        batch = asyncio.run(main())
+    assert batch.status == "failed" and "was deleted before the batch read it" in batch.errors.data[0].message
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
 
 
 def test_a_batch_lines_400_names_the_problem_as_the_route_does(tmp_path):
@@ -96,8 +113,11 @@ def test_a_responses_input_may_not_repeat_an_item_id(tmp_path):
         r = c.post("/v1/responses", json={"model": "m", "input": [
             {"id": "dup", "role": "user", "content": "a"}, {"role": "user", "content": "b"},
             {"id": "dup", "role": "user", "content": "c"}]})
+        empty = c.post("/v1/responses", json={"model": "scripted", "input": [  # an empty id is given a fresh one
+            {"id": "", "role": "user", "content": "a"}, {"id": "", "role": "user", "content": "b"}]})
     assert r.status_code == 400
     assert "item 2 repeats the id 'dup' of item 0" in r.json()["error"]["message"]
+    assert empty.status_code == 200
 
 
 # ---- any body: one that stops arriving ----------------------------------------------------------
@@ -182,6 +202,7 @@ def test_the_served_app_answers_a_stalled_body_408_after_the_setting(tmp_path):
             while chunk := sock.recv(65536):
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer
+        assert b"connection: close" in answer.lower()  # closed at once, not after keep-alive's 5 s
         assert time.monotonic() - t0 < 15
 
 
@@ -200,3 +221,44 @@ def test_an_upload_names_no_control_characters_and_an_empty_filename_is_still_th
         assert r.status_code == 200 and r.json()["filename"] == "gpj.jsonl"
         r = c.post("/v1/files", files={"file": ("", b"y" * 5000)}, data={"purpose": "user_data"})
         assert r.status_code == 200 and r.json()["filename"] == "upload" and r.json()["bytes"] == 5000
+
+
+def test_a_delete_while_a_big_answer_is_sized_for_the_store_keeps_it_out(tmp_path, monkeypatch):
+    """The stream's last event comes before the response is stored, and a big entry is sized on a
+    thread: a DELETE in that window answered "deleted" and the response was stored anyway."""
+    import threading
+
+    import httpx
+
+    from mm_pipeline.server import ServerThread
+    from mm_pipeline.server.responses_api import routes
+
+    sizing, release = threading.Event(), threading.Event()
+    sized = routes._sized_entry
+
+    def slow(*args, **kwargs):
+        sizing.set()
+        release.wait(30)
+        return sized(*args, **kwargs)
+
+    monkeypatch.setattr(routes, "_sized_entry", slow)
+    long_input = [{"role": "user", "content": f"m{i}"} for i in range(300)]  # sized on a thread
+    app = create_app(ScriptedEngine(), ServerSettings(files_dir=str(tmp_path)))
+    with ServerThread(app) as served, httpx.Client(base_url=served.base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/responses", json={"model": "scripted", "input": long_input, "stream": True}) as r:
+            lines = r.iter_lines()
+            rid = next(json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: "))["response"]["id"]
+            assert sizing.wait(30)
+            assert c.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+            release.set()
+            list(lines)
+        assert c.get(f"/v1/responses/{rid}").status_code == 404
+        assert c.delete(f"/v1/responses/{rid}").status_code == 404  # a second DELETE finds nothing
+
+
+def test_a_filename_keeps_the_joiners_words_are_spelled_with_and_loses_line_separators():
+    from mm_pipeline.server.files.files_store import _clean_name
+
+    assert _clean_name("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645.txt") == "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645.txt"
+    assert _clean_name("a\u2028b\u2029c.txt") == "abc.txt"
+    assert _clean_name("dir/\u202egpj.exe") == "gpj.exe"
