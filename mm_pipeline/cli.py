@@ -242,7 +242,8 @@ def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
 
 # ServerSettings fields that are flags under their own names (the others have the older
 # hand-written flags above: --served-model-name, --api-key, --files-dir, --max-upload-mb, ...)
-SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_json_objects", "request_body_idle_s", "max_completion_prompts", "max_files",
+SERVER_LIMIT_FIELDS = ("max_request_bytes", "max_json_values", "max_json_objects", "request_body_idle_s",
+                       "max_completion_prompts", "max_files",
                        "max_files_total_bytes", "max_audio_upload_bytes", "responses_store_bytes")
 SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids",  # how answers are shaped
                         "transcription_prompt", "translation_prompt")

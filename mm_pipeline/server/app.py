@@ -196,7 +196,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/files")
     async def upload_file(request: Request) -> JSONResponse:
-        return JSONResponse(_file_object(await receive_upload(request, store, settings.request_body_idle_s)).model_dump())
+        uploaded = await receive_upload(request, store, settings.request_body_idle_s)
+        return JSONResponse(_file_object(uploaded).model_dump())
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None) -> JSONResponse:

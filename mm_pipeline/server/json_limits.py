@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-_COUNT_WINDOW = 1 << 20  # characters counted while the GIL is held (JSONLimits.values_problem)
+_COUNT_WINDOW = 1 << 20  # characters counted while the GIL is held (JSONLimits.line_problem, json_objects)
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,24 @@ class JSONLimits:
     max_values: int
     max_objects: int = 65_536
 
-    def values_problem(self, raw: bytes | str, what: str) -> str | None:
-        """Why the whole text ``raw`` holds too many values to parse, or None. Every value takes at
-        least a byte: a text no longer than the cap needs no count. Counted a window at a time (no
-        copy: ``count`` takes bounds) so a thread counting megabytes hands the GIL back between
+    def line_problem(self, raw: bytes | str, what: str) -> tuple[str, str] | None:
+        """(code, message) when the whole text ``raw`` (a batch line) holds too many values or
+        objects to parse, or None. Every value takes at least a byte: a text no longer than the
+        value cap needs no value count, only its braces. Counted in one pass a window at a time
+        (no copy: ``count`` takes bounds) so a thread counting megabytes hands the GIL back between
         windows, ~0.5 ms each, instead of holding it ~100 ms for 60 MB."""
         if len(raw) <= self.max_values:
-            return None
-        values = sum(json_values_bound(raw, start, start + _COUNT_WINDOW)
-                     for start in range(0, len(raw), _COUNT_WINDOW))
-        return too_many_values(values, self.max_values, what)
+            braces = raw.count("{" if isinstance(raw, str) else b"{")  # type: ignore[arg-type]
+        else:
+            values = braces = 0
+            for start in range(0, len(raw), _COUNT_WINDOW):
+                more = json_counts(raw, start, start + _COUNT_WINDOW)
+                values, braces = values + more[0], braces + more[1]
+            if (problem := too_many_values(values, self.max_values, what)) is not None:
+                return "too_many_json_values", problem
+        if (problem := self.objects_problem(raw, what, braces)) is not None:
+            return "too_many_json_objects", problem
+        return None
 
     def objects_problem(self, raw: bytes | bytearray | str, what: str, braces: int | None = None) -> str | None:
         """Why ``raw`` holds too many objects to validate, or None. ``braces``: ``raw``'s opening
@@ -53,16 +61,11 @@ class JSONLimits:
         return f"{what} holds more than {self.max_objects} JSON objects (max_json_objects)"
 
 
-def json_values_bound(raw: bytes | bytearray | str, start: int = 0, end: int | None = None) -> int:
-    """An upper bound on the JSON values in ``raw[start:end]``: every array item and object member
-    but the first follows a comma, the first a bracket (commas inside strings only make it
-    looser). Adds up over the pieces of a text."""
-    return json_counts(raw, start, end)[0]
-
-
 def json_counts(raw: bytes | bytearray | str, start: int = 0, end: int | None = None) -> tuple[int, int]:
-    """(``json_values_bound``, the braces: an upper bound on the objects) of ``raw[start:end]``,
-    in one pass per mark."""
+    """(an upper bound on the JSON values, the braces: one on the objects) of ``raw[start:end]``, in
+    one pass per mark. Every array item and object member but the first follows a comma, the first a
+    bracket (commas and braces inside strings only make the bounds looser). Adds up over the pieces
+    of a text."""
     marks = (",", "[", "{") if isinstance(raw, str) else (b",", b"[", b"{")
     commas, arrays, objects = (raw.count(mark, start, end) for mark in marks)  # type: ignore[arg-type]
     return commas + arrays + objects, objects
@@ -97,7 +100,7 @@ def json_objects(raw: bytes, stop: int, window_bytes: int = _COUNT_WINDOW) -> in
 
 
 def too_many_values(values: int, max_values: int, what: str = "request body") -> str | None:
-    """The message refusing ``values`` (a ``json_values_bound``) over ``max_values``, or None."""
+    """The message refusing ``values`` (``json_counts``' bound) over ``max_values``, or None."""
     if values <= max_values:
         return None
     return f"{what} holds up to {values} JSON values, over the limit of {max_values} (max_json_values)"

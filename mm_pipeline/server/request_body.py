@@ -6,9 +6,9 @@ longer than ``max_json_values`` bytes its values and braces counted as they arri
 a byte, so a shorter body cannot hold too many), all before pydantic builds anything; then its
 objects against ``max_json_objects``.
 
-A body that stops arriving (no bytes for ``request_body_idle_s``, 60 s by default) is answered 408
-and its connection closed (``body_chunks``, uploads too): uvicorn has no body timeout, so a client that declared a length and
-went quiet held its connection and handler for good.
+A body that stops arriving (no bytes for ``request_body_idle_s``, ``BODY_IDLE_S`` by default) is
+answered 408 and its connection closed (``body_chunks``, uploads too): uvicorn has no body timeout,
+so a client that declared a length and went quiet held its connection and handler for good.
 
 Validated on the event loop only when that is short (at most 256 KiB and 512 braces: a few ms);
 otherwise on a worker thread, where pydantic still holds the GIL while it parses and builds, but
@@ -32,6 +32,7 @@ from mm_pipeline.server.json_limits import JSONLimits, json_counts, too_many_byt
 
 _INLINE_PARSE_BYTES = 256 * 1024  # larger bodies (base64 media) are parsed on a thread
 _INLINE_OBJECTS = 512  # and bodies of more objects (models at 3-18 us each, a few ms on the loop at most)
+BODY_IDLE_S = 60.0  # the default longest wait for the next piece of a body (ServerSettings.request_body_idle_s)
 async def body_chunks(request: Request, idle_s: float) -> AsyncIterator[bytes]:
     """``request.stream()``, with at most ``idle_s`` between two pieces: past it, 408."""
     pieces = request.stream().__aiter__()
@@ -45,7 +46,8 @@ async def body_chunks(request: Request, idle_s: float) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimits, idle_s: float = 60.0) -> Any:
+async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimits,
+                     idle_s: float = BODY_IDLE_S) -> Any:
     """Read and validate a JSON body: 413 over a limit, 422 (RequestValidationError) when invalid,
     408 when no bytes arrive for ``idle_s`` (``ServerSettings.request_body_idle_s``)."""
     declared = request.headers.get("content-length")
@@ -63,6 +65,7 @@ async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimit
             more = json_counts(raw if counts is None else chunk)
             counts = more if counts is None else (counts[0] + more[0], counts[1] + more[1])
             _check_values(counts[0], limits.max_values)
+    braces = None
     try:
         if len(raw) <= _INLINE_PARSE_BYTES:
             data = bytes(raw)
@@ -70,7 +73,7 @@ async def parse_body(request: Request, model: type[BaseModel], limits: JSONLimit
             if braces <= _INLINE_OBJECTS:
                 return _validate(model, data, limits, counts, braces)
         # the buffer itself goes to the thread: bytes(raw) is a copy, ~65 ms on the loop for 160 MB
-        return await asyncio.to_thread(_validate_off_loop, model, raw, limits, counts)
+        return await asyncio.to_thread(_validate_off_loop, model, raw, limits, counts, braces)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
 
@@ -98,11 +101,11 @@ def _validate(model: type[BaseModel], raw: bytes, limits: JSONLimits, counts: tu
 
 
 def _validate_off_loop(model: type[BaseModel], raw: bytearray, limits: JSONLimits,
-                       counts: tuple[int, int] | None) -> Any:
+                       counts: tuple[int, int] | None, braces: int | None = None) -> Any:
     """``_validate`` on a worker thread, of a copy of the receive buffer: pydantic parses a
     bytearray ~2x slower than bytes (104 vs 53 ms at 100 MB, the GIL held throughout). The copy
     holds the GIL too; the sleep between the two hands it to a thread waiting for it (the event
     loop), which then waits out the longer of the two holds, not their sum."""
     data = bytes(raw)
     time.sleep(0)
-    return _validate(model, data, limits, counts)
+    return _validate(model, data, limits, counts, braces)

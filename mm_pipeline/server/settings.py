@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mm_pipeline.prompt.reasoning import REASONING_PARSERS, ReasoningParserName
 from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, ToolParserName
 from mm_pipeline.server.json_limits import JSONLimits
+from mm_pipeline.server.request_body import BODY_IDLE_S
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ServerSettings:
     """Values (array items, object members) one JSON body, or batch file line, may hold; more is 413."""
     # It bounds the parser's memory (request_body._validate): an hour of pre-tokenized audio codes is
     # 20 x 90,000 = 1.8M values.
-    request_body_idle_s: float = 60.0
+    request_body_idle_s: float = BODY_IDLE_S
     """Longest wait for the next piece of a request body (JSON or upload): past it, 408 and the connection closed."""
     # uvicorn has no body timeout: a client that declared a length and went quiet held its
     # connection and handler for good (request_body.body_chunks)

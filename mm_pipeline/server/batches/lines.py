@@ -77,10 +77,8 @@ def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | 
     call it once."""
     if isinstance(raw, LineTooLong):
         return None, ("line_too_large", too_many_bytes(raw.max_bytes, f"line {number}"))
-    if limits is not None and (problem := limits.values_problem(raw, f"line {number}")) is not None:
-        return None, ("too_many_json_values", problem)
-    if limits is not None and (problem := limits.objects_problem(raw, f"line {number}")) is not None:
-        return None, ("too_many_json_objects", problem)
+    if limits is not None and (problem := limits.line_problem(raw, f"line {number}")) is not None:
+        return None, problem
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         value = json.loads(text)

@@ -117,9 +117,8 @@ class BatchRunner:
         return batch
 
     def reading(self, file_id: str) -> str | None:
-        """The id of a batch not yet ended whose input is ``file_id`` (the files route refuses to
-        delete it: a batch whose input vanished between its validation and its reading failed with
-        the store's path in its error), else None. A waiting batch past its window is ended first."""
+        """The id of a batch not yet ended (a waiting one past its window is ended first) whose
+        input is ``file_id``, which the files route then refuses to delete; else None."""
         self._settle_waiting()
         return next((b.id for b in self._batches.values() if b.input_file_id == file_id and not b.finished), None)
 
@@ -376,9 +375,8 @@ class BatchRunner:
 
 def _fail(batch: BatchObject, exc: Exception) -> None:
     """A batch ended by an error that is no line's (a bug, a full store, its input deleted as the
-    batch was created): ``failed``, naming it."""
+    batch was created): ``failed``, naming what happened (paths and class names go to the log)."""
     cause = _first_error(exc)
-    # the client gets what happened, not the server's internals (paths, class names): those are logged
     if isinstance(cause, (FileNotFoundInStore, FileNotFoundError)):  # deleted while the batch was created
         log.info("batch %s failed: its input file %s is gone", batch.id, batch.input_file_id)
         what = f"the input file {batch.input_file_id} was deleted before the batch read it"

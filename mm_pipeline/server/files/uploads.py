@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FileRecord, FilesStore, UploadTooLarge, UploadWriter
-from mm_pipeline.server.request_body import body_chunks
+from mm_pipeline.server.request_body import BODY_IDLE_S, body_chunks
 
 _FIELD_LIMIT = 4096  # bytes of a plain form field (purpose)
 _MAX_FIELDS = 16  # plain form fields per upload (only 'purpose' is read): each is held in memory
@@ -154,7 +154,7 @@ async def _parse(request: Request, parts: _Parts, what: str, idle_s: float) -> N
         raise APIError(400, f"{what} has no 'file' part", param="file")
 
 
-async def receive_upload(request: Request, store: FilesStore, idle_s: float = 60.0) -> FileRecord:
+async def receive_upload(request: Request, store: FilesStore, idle_s: float = BODY_IDLE_S) -> FileRecord:
     """Parse the upload request and commit its file; raises ``APIError`` (400 / 408 / 413 / 415);
     ``idle_s``: the longest wait for the next piece of the body."""
     parts = _Parts(store, store.max_file_bytes)
@@ -176,7 +176,7 @@ async def receive_upload(request: Request, store: FilesStore, idle_s: float = 60
             parts.writer.discard()  # no-op after a commit (the temp file was moved)
 
 
-async def receive_form(request: Request, max_file_bytes: int, what: str = "request", idle_s: float = 60.0
+async def receive_form(request: Request, max_file_bytes: int, what: str = "request", idle_s: float = BODY_IDLE_S
                        ) -> FormUpload:
     """Parse a multipart form whose one file part (named 'file') is kept in memory, at most
     ``max_file_bytes`` of it (413 past it, cut off as it streams); raises ``APIError`` (400 / 413
