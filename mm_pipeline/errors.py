@@ -44,8 +44,26 @@ class InvalidInputError(MMServeError):
     kind = ErrorKind.INVALID_INPUT.value
 
 
+class Where(tuple):
+    """Where in a request a problem is, as steps: ``Where(("messages", 1, "content", 0))``. Formatted
+    it is the request's own spelling, ``messages[1].content[0]``, which every message of an
+    ``InvalidMessageError`` naming it starts with."""
+
+    def then(self, *steps: str | int) -> "Where":
+        return Where((*self, *steps))
+
+    def __str__(self) -> str:
+        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if k else p for k, p in enumerate(self))
+
+
 class InvalidMessageError(InvalidInputError):
-    pass
+    """A chat message, content part or template option the server cannot take. ``loc`` (a
+    ``Where``; empty when the error names no place) is where its message says the problem is: a
+    400's ``param``, and what the Responses API renames to its input items."""
+
+    def __init__(self, message: str, *, loc: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.loc = Where(loc)
 
 
 class ContextLengthError(InvalidInputError):

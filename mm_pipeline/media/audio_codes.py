@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mm_pipeline.errors import InvalidMediaError, InvalidMessageError, MediaTooLarge
+from mm_pipeline.errors import InvalidMediaError, InvalidMessageError, MediaTooLarge, Where
 
 CODES_FORMAT = "mimo_rvq"
 MAX_CODE_CHANNELS = 64  # structural bound before the model is known (MiMo-V2.5 reads 20)
@@ -81,7 +81,7 @@ class AudioCodes:
         return cls(torch.from_numpy(values))
 
 
-def parse_codes(value: Any, where: str, *, ints_checked: bool = False) -> AudioCodes:
+def parse_codes(value: Any, where: Where, *, ints_checked: bool = False) -> AudioCodes:
     """``codes`` as a client sends them: one list of integers per RVQ stage ([channels][frames]), or
     (offline API) a 2-D integer tensor / array of that shape, or AudioCodes already parsed. Raises
     InvalidMessageError naming ``where`` for anything else; work is bounded by the input's size.
@@ -92,40 +92,41 @@ def parse_codes(value: Any, where: str, *, ints_checked: bool = False) -> AudioC
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return _from_array(torch.as_tensor(value), where)
     if not isinstance(value, (list, tuple)) or not value:
-        raise InvalidMessageError(f"{where} must be a non-empty list with one list of codes per RVQ stage")
+        raise InvalidMessageError(f"{where} must be a non-empty list with one list of codes per RVQ stage", loc=where)
     if len(value) > MAX_CODE_CHANNELS:
         raise InvalidMessageError(f"{where} has {len(value)} channels, more than any model reads "
-                                  f"({MAX_CODE_CHANNELS})")
+                                  f"({MAX_CODE_CHANNELS})", loc=where)
     rows = []
     for c, row in enumerate(value):
         if not isinstance(row, (list, tuple)) or not row:
-            raise InvalidMessageError(f"{where}[{c}] must be a non-empty list of integer codes")
+            raise InvalidMessageError(f"{where}[{c}] must be a non-empty list of integer codes", loc=where.then(c))
         if len(row) != len(value[0]):
             raise InvalidMessageError(f"{where} is ragged: channel 0 has {len(value[0])} frames, channel {c} "
-                                      f"has {len(row)}")
+                                      f"has {len(row)}", loc=where)
         types = {int} if ints_checked else set(map(type, row))  # C loops; array() takes True as 1
         if types != {int}:
             bad = next(t for t in types if t is not int)
-            raise InvalidMessageError(f"{where}[{c}] holds a {bad.__name__}; codes are integers")
+            raise InvalidMessageError(f"{where}[{c}] holds a {bad.__name__}; codes are integers", loc=where.then(c))
         try:
             rows.append(array("i", row))
         except OverflowError:
-            raise InvalidMessageError(f"{where}[{c}] holds a code outside the 32-bit range") from None
+            raise InvalidMessageError(f"{where}[{c}] holds a code outside the 32-bit range",
+                                      loc=where.then(c)) from None
     stacked = np.stack([np.frombuffer(r, dtype=np.int32) for r in rows])  # one copy, [channels, frames]
     return AudioCodes(torch.from_numpy(np.ascontiguousarray(stacked.T)))
 
 
-def _from_array(t: torch.Tensor, where: str) -> AudioCodes:
+def _from_array(t: torch.Tensor, where: Where) -> AudioCodes:
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
-        raise InvalidMessageError(f"{where} must be 2-D [channels, frames], got shape {tuple(t.shape)}")
+        raise InvalidMessageError(f"{where} must be 2-D [channels, frames], got shape {tuple(t.shape)}", loc=where)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise InvalidMessageError(f"{where} must hold integers, got {t.dtype}")
+        raise InvalidMessageError(f"{where} must hold integers, got {t.dtype}", loc=where)
     if t.shape[0] > MAX_CODE_CHANNELS:
         raise InvalidMessageError(f"{where} has {t.shape[0]} channels, more than any model reads "
-                                  f"({MAX_CODE_CHANNELS})")
+                                  f"({MAX_CODE_CHANNELS})", loc=where)
     t = t.detach().to("cpu")
     if int(t.min()) < -_INT32_MAX - 1 or int(t.max()) > _INT32_MAX:
-        raise InvalidMessageError(f"{where} holds a code outside the 32-bit range")
+        raise InvalidMessageError(f"{where} holds a code outside the 32-bit range", loc=where)
     return AudioCodes(t.to(torch.int32).T.contiguous())
 
 

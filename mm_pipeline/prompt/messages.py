@@ -49,7 +49,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from mm_pipeline.errors import InvalidMessageError
+from mm_pipeline.errors import InvalidMessageError, Where
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes, parse_codes
 from mm_pipeline.media.types import MediaKind, MediaSource
 from mm_pipeline.prompt.template_options import (DEFAULT_OPTIONS, MAX_TOOLS_BYTES, TOOL_NAME, TemplateOptions,
@@ -142,23 +142,24 @@ def parse_messages(messages: Any, options: TemplateOptions | None = None) -> Cha
         return messages.chat
     options = DEFAULT_OPTIONS if options is None else options
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidMessageError("messages must be a non-empty list of {role, content} objects")
+        raise InvalidMessageError("messages must be a non-empty list of {role, content} objects", loc=("messages",))
     turns = []
     for i, msg in enumerate(messages):
+        where = Where(("messages", i))
         if not isinstance(msg, dict):
-            raise InvalidMessageError(f"messages[{i}] must be an object, got {type(msg).__name__}")
+            raise InvalidMessageError(f"{where} must be an object, got {type(msg).__name__}", loc=where)
         role = msg.get("role")
         if role not in ROLES:
-            raise InvalidMessageError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        where = f"messages[{i}]"
+            raise InvalidMessageError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                                      loc=where.then("role"))
         for name, why in UNRENDERED.items():
             if msg.get(name):  # None, "" and [] render as the field left out
-                raise InvalidMessageError(f"{where}.{name}: {why}")
+                raise InvalidMessageError(f"{where}.{name}: {why}", loc=where)
         parts = _parts(msg.get("content"), where, role)
         refusal = msg.get("refusal")
         if refusal is not None:
             if role != "assistant" or not isinstance(refusal, str):
-                raise InvalidMessageError(f"{where}.refusal must be a string, in an assistant message")
+                raise InvalidMessageError(f"{where}.refusal must be a string, in an assistant message", loc=where)
             parts += (refusal,)
         turns.append(ChatTurn("system" if role == "developer" else role, parts, _reasoning(msg, where, role),
                               _tool_calls(msg.get("tool_calls"), where, role)))
@@ -168,47 +169,49 @@ def parse_messages(messages: Any, options: TemplateOptions | None = None) -> Cha
     return ChatRequest(tuple(turns), options)
 
 
-def _tool_calls(calls: Any, where: str, role: str) -> tuple[dict[str, Any], ...]:
+def _tool_calls(calls: Any, where: Where, role: str) -> tuple[dict[str, Any], ...]:
     """An assistant's ``tool_calls`` (module doc) as the template takes them; () when absent or empty."""
     if not calls:
         return ()
-    where = f"{where}.tool_calls"
+    where = where.then("tool_calls")
     if role != "assistant":
-        raise InvalidMessageError(f"{where}: only an assistant message carries tool calls")
+        raise InvalidMessageError(f"{where}: only an assistant message carries tool calls", loc=where)
     if not isinstance(calls, (list, tuple)):
-        raise InvalidMessageError(f"{where} must be a list")
+        raise InvalidMessageError(f"{where} must be a list", loc=where)
     if len(calls) > MAX_TOOL_CALLS:
-        raise InvalidMessageError(f"{where} has {len(calls)} calls; at most {MAX_TOOL_CALLS} are taken")
+        raise InvalidMessageError(f"{where} has {len(calls)} calls; at most {MAX_TOOL_CALLS} are taken", loc=where)
     out = []
     for i, call in enumerate(calls):
-        at = f"{where}[{i}]"
+        at = where.then(i)
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or call.get("type", "function") != "function":
             raise InvalidMessageError(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                                      f'"arguments": ...}}}}')
+                                      f'"arguments": ...}}}}', loc=at)
         name, args = fn.get("name"), fn.get("arguments")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise InvalidMessageError(f"{at}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {str(name)[:80]!r}")
+            raise InvalidMessageError(f"{at}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {str(name)[:80]!r}",
+                                      loc=at)
         if args is None or args == "":
             args = {}
         elif isinstance(args, str):
             if len(args) > MAX_TOOLS_BYTES:
-                raise InvalidMessageError(f"{at}.function.arguments is longer than {MAX_TOOLS_BYTES} characters")
+                raise InvalidMessageError(f"{at}.function.arguments is longer than {MAX_TOOLS_BYTES} characters",
+                                          loc=at)
             try:
                 args = json.loads(args)
             except ValueError:
-                raise InvalidMessageError(f"{at}.function.arguments is not valid JSON") from None
+                raise InvalidMessageError(f"{at}.function.arguments is not valid JSON", loc=at) from None
             except RecursionError:  # ~1000 levels of [ or {: deeper than the parser's stack
-                raise InvalidMessageError(f"{at}.function.arguments nests too deeply") from None
+                raise InvalidMessageError(f"{at}.function.arguments nests too deeply", loc=at) from None
         if not isinstance(args, dict):
-            raise InvalidMessageError(f"{at}.function.arguments must be a JSON object (as a string)")
+            raise InvalidMessageError(f"{at}.function.arguments must be a JSON object (as a string)", loc=at)
         try:  # the same JSON-only, bounded walk as tool definitions (their checks, reused)
             checked = check_tools([{"type": "function", "function": {"name": name, "parameters": args}}])[0]
         except InvalidMessageError as exc:  # its path names the stand-in tool: put the arguments' in its place
             stand_in = "tools[0].function.parameters"
             msg = str(exc)
             raise InvalidMessageError(msg.replace(stand_in, f"{at}.function.arguments", 1) if stand_in in msg
-                                      else f"{at}.function.arguments: {msg}") from None
+                                      else f"{at}.function.arguments: {msg}", loc=at) from None
         entry: dict[str, Any] = {"type": "function",
                                  "function": {"name": name, "arguments": checked["function"]["parameters"]}}
         if isinstance(call.get("id"), str):
@@ -217,93 +220,95 @@ def _tool_calls(calls: Any, where: str, role: str) -> tuple[dict[str, Any], ...]
     return tuple(out)
 
 
-def _reasoning(msg: dict, where: str, role: str) -> str | None:
+def _reasoning(msg: dict, where: Where, role: str) -> str | None:
     """The message's reasoning (module doc): None when absent or empty (what leaving it out renders)."""
     given = {name: msg[name] for name in REASONING_FIELDS if msg.get(name)}
     for name, value in given.items():
         if not isinstance(value, str):
-            raise InvalidMessageError(f"{where}.{name} must be a string")
+            raise InvalidMessageError(f"{where}.{name} must be a string", loc=where)
         if role != "assistant":
             raise InvalidMessageError(f"{where}.{name}: only an assistant message carries reasoning (the chat "
-                                      f"template renders it for assistant messages only)")
+                                      f"template renders it for assistant messages only)", loc=where)
     if len(set(given.values())) > 1:
         raise InvalidMessageError(f"{where}: reasoning and reasoning_content differ; they are two names for the same "
-                                  f"text (send one of them)")
+                                  f"text (send one of them)", loc=where)
     return next(iter(given.values()), None)
 
 
-def _parts(content: Any, where: str, role: str) -> tuple[Part, ...]:
+def _parts(content: Any, where: Where, role: str) -> tuple[Part, ...]:
     if content is None:
         return ()
     if isinstance(content, str):
         return (content,)
     if not isinstance(content, (list, tuple)):
-        raise InvalidMessageError(f"{where}.content must be a string or a list of parts")
+        raise InvalidMessageError(f"{where}.content must be a string or a list of parts", loc=where)
     out: list[Part] = []
     for j, part in enumerate(content):
-        out.append(_part(part, f"{where}.content[{j}]", role))
+        out.append(_part(part, where.then("content", j), role))
     return tuple(out)
 
 
-def _part(part: Any, where: str, role: str) -> Part:
+def _part(part: Any, where: Where, role: str) -> Part:
     if isinstance(part, str):
         return part
     if not isinstance(part, dict) or "type" not in part:
-        raise InvalidMessageError(f"{where} must be an object with a 'type'")
+        raise InvalidMessageError(f"{where} must be an object with a 'type'", loc=where)
     kind = part["type"]
     if kind == "text":
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidMessageError(f"{where}.text must be a string")
+            raise InvalidMessageError(f"{where}.text must be a string", loc=where)
         return text
     if kind == "refusal":  # OpenAI allows it in assistant messages only; the template takes it as text
         text = part.get("refusal")
         if role != "assistant" or not isinstance(text, str):
-            raise InvalidMessageError(f"{where}: a refusal part needs a string refusal, in an assistant message")
+            raise InvalidMessageError(f"{where}: a refusal part needs a string refusal, in an assistant message",
+                                      loc=where)
         return text
     if kind in _URL_PARTS:
         body = part.get(kind)
         url = body.get("url") if isinstance(body, dict) else body
-        return MediaRef(_URL_PARTS[kind], source=_source_from_url(url, _URL_PARTS[kind], f"{where}.{kind}.url"))
+        return MediaRef(_URL_PARTS[kind], source=_source_from_url(url, _URL_PARTS[kind], where.then(kind, "url")))
     if kind == "input_audio":
         body = part.get("input_audio")
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, str) or not data:
-            raise InvalidMessageError(f"{where}.input_audio.data must be a non-empty base64 string")
+            raise InvalidMessageError(f"{where}.input_audio.data must be a non-empty base64 string", loc=where)
         # the declared format is advisory: the content is sniffed; the payload is kept as it came
         # (no "data:;base64," + data: a copy of megabytes on the event loop, where this runs)
         return MediaRef(MediaKind.AUDIO, source=MediaSource(base64=data, kind=MediaKind.AUDIO))
     if kind == "file":
         body = part.get("file")
         if not isinstance(body, dict):
-            raise InvalidMessageError(f"{where}.file must be an object with file_id or file_data")
+            raise InvalidMessageError(f"{where}.file must be an object with file_id or file_data", loc=where)
         if isinstance(body.get("file_id"), str) and body["file_id"]:
             return MediaRef(None, file_id=body["file_id"])
         data = body.get("file_data")
         if isinstance(data, str) and data:
             source = MediaSource(url=data) if data.startswith("data:") else MediaSource(base64=data)
             return MediaRef(None, source=source)
-        raise InvalidMessageError(f"{where}.file needs a file_id or file_data")
+        raise InvalidMessageError(f"{where}.file needs a file_id or file_data", loc=where)
     if kind == "input_audio_codes":
         body = part.get(kind)
         if not isinstance(body, dict):
-            raise InvalidMessageError(f"{where}.{kind} must be an object with codes and format")
+            raise InvalidMessageError(f"{where}.{kind} must be an object with codes and format", loc=where)
         if body.get("format", CODES_FORMAT) != CODES_FORMAT:
-            raise InvalidMessageError(f"{where}.{kind}.format must be {CODES_FORMAT!r}, got {str(body['format'])[:40]!r}")
-        return MediaRef(MediaKind.AUDIO, codes=parse_codes(body.get("codes"), f"{where}.{kind}.codes"))
+            raise InvalidMessageError(f"{where}.{kind}.format must be {CODES_FORMAT!r}, got "
+                                      f"{str(body['format'])[:40]!r}", loc=where)
+        return MediaRef(MediaKind.AUDIO, codes=parse_codes(body.get("codes"), where.then(kind, "codes")))
     if kind in _PLAIN_PARTS:
         value = part.get(kind)
         media_kind = _PLAIN_PARTS[kind]
         if isinstance(value, (bytes, bytearray)):
             return MediaRef(media_kind, source=MediaSource(data=bytes(value), kind=media_kind))
-        return MediaRef(media_kind, source=_source_from_url(value, media_kind, f"{where}.{kind}"))
+        return MediaRef(media_kind, source=_source_from_url(value, media_kind, where.then(kind)))
     raise InvalidMessageError(f"{where} has unsupported type {str(kind)[:40]!r} (text, image_url, video_url, "
-                              f"audio_url, input_audio, input_audio_codes, file, refusal)")
+                              f"audio_url, input_audio, input_audio_codes, file, refusal)", loc=where)
 
 
-def _source_from_url(url: Any, kind: MediaKind, where: str) -> MediaSource:
+def _source_from_url(url: Any, kind: MediaKind, where: Where) -> MediaSource:
     if not isinstance(url, str) or not url:
-        raise InvalidMessageError(f"{where} must be a non-empty string")
+        raise InvalidMessageError(f"{where} must be a non-empty string", loc=where)
     if url.startswith("/"):
         return MediaSource(path=url, kind=kind)  # a local path (allowed directories only)
     # the scheme is looked for in the first 64 characters: splitting a data URL at its colon copied
@@ -312,5 +317,5 @@ def _source_from_url(url: Any, kind: MediaKind, where: str) -> MediaSource:
     scheme = url[:end].lower() if end >= 0 else ""
     if scheme not in ("data", "file", "http", "https"):
         raise InvalidMessageError(f"{where}: unsupported URL {url[:40]!r} (data:, file://, http(s)://, or an "
-                                  f"absolute path)")
+                                  f"absolute path)", loc=where)
     return MediaSource(url=url, kind=kind)

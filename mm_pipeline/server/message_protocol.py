@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
 from llm_core.engine.sampling.params import MAX_INT32
-from mm_pipeline.errors import InvalidMessageError
+from mm_pipeline.errors import InvalidMessageError, Where
 from mm_pipeline.media.audio_codes import CODES_FORMAT, MAX_CODE_CHANNELS, AudioCodes, parse_codes
 from mm_pipeline.prompt.messages import ROLES
 
@@ -58,7 +58,7 @@ def _to_codes(rows: list[list[int]]) -> AudioCodes:
     # here, in the request parse (off the event loop for big bodies): the lists become 4 bytes a
     # code once, and the message dump hands the engine this object, never the lists again
     try:
-        return parse_codes(rows, "codes", ints_checked=True)  # CodeValue: strict ints
+        return parse_codes(rows, Where(("codes",)), ints_checked=True)  # CodeValue: strict ints
     except InvalidMessageError as exc:
         raise ValueError(str(exc).removeprefix("codes").lstrip()) from None
 

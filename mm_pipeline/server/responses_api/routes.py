@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from mm_pipeline.errors import OverloadedError
+from mm_pipeline.errors import InvalidMessageError, OverloadedError, Where
 from mm_pipeline.server.completions.answer_info import REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
@@ -102,14 +102,15 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
         history = [] if req.previous_response_id is None else previous_history(req.previous_response_id)
         # the chat holds the history too: a one-item follow-up of a long conversation is long
         long = len(history) + (len(req.input) if isinstance(req.input, list) else 1) > _INLINE_ITEMS
-        chat, turn = await asyncio.to_thread(_chat_request, req, history) if long else _chat_request(req, history)
+        chat, turn, spelled = (await asyncio.to_thread(_chat_request, req, history) if long
+                               else _chat_request(req, history))
         response = ResponseObject.of_request(req, service.config.model_name, store=req.store and store.enabled,
                                              defaults=service.defaults)
         conversation = history + turn
 
         if req.background:  # answered by a task of the server's; listed now: GET .../input_items serves them meanwhile
             items = await asyncio.to_thread(listed_items, req.input) if long else listed_items(req.input)
-            background.start(response, items, lambda: _answer(service, response, chat),
+            background.start(response, items, lambda: _answer(service, response, chat, spelled),
                              lambda: _keep(store, response, conversation, req.input, long, items))
             return JSONResponse(response.model_dump(), headers={REQUEST_ID_HEADER: response.id})
 
@@ -132,6 +133,8 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
             chunks, close = await until_disconnected(request, service.chat_chunks(chat, info))
         except ClientDisconnected:
             return Response(status_code=499)
+        except InvalidMessageError as exc:  # named by the chat's messages: renamed by the request's input
+            raise spelled(exc) from exc.__cause__
         info.request_id = response.id
 
         async def events() -> AsyncIterator[str]:
@@ -192,21 +195,24 @@ class _Answering:
         self.deleted = False
 
 
-def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest,
-                                                                                 list[dict[str, Any]]]:
-    """The chat ``req`` is answered as (a 400 naming what cannot be, by its Responses name), and its
-    input as messages."""
+def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
+                  ) -> tuple[ChatCompletionRequest, list[dict[str, Any]], Callable[[InvalidMessageError],
+                                                                         InvalidMessageError]]:
+    """The chat ``req`` is answered as (a 400 naming what cannot be, by its Responses name), its
+    input as messages, and how to name an error of that chat's messages by the request's input
+    (``_input_spelled``)."""
     origins: list[int] = []
     try:
         body, turn = chat_body(req, history, origins)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
+    first = (1 if req.instructions else 0) + len(history)  # the input's messages come after these
     try:
-        return ChatCompletionRequest.model_validate(body), turn
+        chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        first = (1 if req.instructions else 0) + len(history)  # the input's messages come after these
         errors = [{**e, "loc": _input_loc(e["loc"], first, origins, req.input)} for e in exc.errors()]
         raise RequestValidationError(errors) from None
+    return chat, turn, lambda exc: _input_spelled(exc, first, origins, req.input)
 
 
 def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str | list[Any]) -> tuple[Any, ...]:
@@ -225,7 +231,24 @@ def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str 
     return ("input", i, field) if part is None else ("input", i, field, part)
 
 
-async def _answer(service: ChatService, response: ResponseObject, chat: ChatCompletionRequest) -> None:
+def _input_spelled(exc: InvalidMessageError, first: int, origins: list[int],
+                   items: str | list[Any]) -> InvalidMessageError:
+    """``exc`` (the chat parser's, ``messages[k].content[p].image_url.url: unsupported URL ...``) as
+    the request spells it: ``input[i].content[p]: unsupported URL ...``. The location is
+    ``_input_loc``'s; of the chat fields it leaves out, the last one stays in the sentence where
+    the sentence goes on from it (``input[3]: arguments must be ...``)."""
+    loc, text = exc.loc, str(exc)
+    to = Where(_input_loc(loc, first, origins, items))
+    if to == loc or not text.startswith(str(loc)):
+        return exc
+    rest, left = text[len(str(loc)):], [p for p in loc[len(to):] if isinstance(p, str)]
+    if left:
+        rest = ": " + (rest.removeprefix(":").lstrip() if rest.startswith(":") else left[-1] + rest)
+    return type(exc)(f"{to}{rest}", loc=to)
+
+
+async def _answer(service: ChatService, response: ResponseObject, chat: ChatCompletionRequest,
+                  spelled: Callable[[InvalidMessageError], InvalidMessageError]) -> None:
     """A background response's answer (background.py): the chat a foreground request gets, answered
     the same way. Its POST was answered already, so there is nobody to tell a 429 to when the
     engine has no room: it is queued again and asked again, as a batch line is."""
@@ -238,6 +261,8 @@ async def _answer(service: ChatService, response: ResponseObject, chat: ChatComp
         except OverloadedError as exc:
             response.status = "queued"
             await again(exc)
+        except InvalidMessageError as exc:
+            raise spelled(exc) from exc.__cause__
     response_of_chat(response, answer)
 
 

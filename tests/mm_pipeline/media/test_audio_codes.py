@@ -10,19 +10,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mm_pipeline.errors import InvalidMediaError, InvalidMessageError, MediaTooLarge
+from mm_pipeline.errors import InvalidMediaError, InvalidMessageError, MediaTooLarge, Where
 from mm_pipeline.media.audio_codes import AudioCodes, check_codes, code_segments, parse_codes
 from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.prompt.messages import parse_messages
 
 ROWS = [[1, 2, 3, 4, 5], [0, 0, 7, 7, 1], [3, 1, 4, 1, 5]]  # 3 channels x 5 frames
+X = Where(("x",))  # where the codes are, as an error names it
 
 
 def test_lists_tensors_and_arrays_give_the_same_codes():
     want = torch.tensor(ROWS, dtype=torch.int32).T
     for value in (ROWS, tuple(map(tuple, ROWS)), torch.tensor(ROWS), np.array(ROWS, dtype=np.int16),
-                  parse_codes(ROWS, "x")):
-        got = parse_codes(value, "x")
+                  parse_codes(ROWS, X)):
+        got = parse_codes(value, X)
         assert got.codes.dtype == torch.int32 and torch.equal(got.codes, want)
         assert (got.frames, got.channels) == (5, 3)
 
@@ -39,7 +40,7 @@ def test_lists_tensors_and_arrays_give_the_same_codes():
 ])
 def test_malformed_codes_name_the_place(value, needle):
     with pytest.raises(InvalidMessageError, match="^where") as err:
-        parse_codes(value, "where")
+        parse_codes(value, Where(("where",)))
     assert needle in str(err.value)
 
 
@@ -75,7 +76,7 @@ def test_bytes_that_are_not_codes_are_refused():
 
 
 def test_model_checks_name_channels_codebooks_and_duration():
-    codes = parse_codes(ROWS, "x")
+    codes = parse_codes(ROWS, X)
     check_codes(codes, (8, 8, 8), 25.0, 1.0)
     for books, seconds, error, needle in (
             (None, 1.0, InvalidMediaError, "reference audio path"),
@@ -85,7 +86,7 @@ def test_model_checks_name_channels_codebooks_and_duration():
         with pytest.raises(error) as err:
             check_codes(codes, books, 25.0, seconds)
         assert needle in str(err.value)
-    negative = parse_codes([[0, -1]], "x")
+    negative = parse_codes([[0, -1]], X)
     with pytest.raises(InvalidMediaError, match="channel 0 span \\[-1, 0\\]"):
         check_codes(negative, (4,), 25.0, 1.0)
 

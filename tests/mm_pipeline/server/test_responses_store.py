@@ -2,15 +2,17 @@
 scripted engine: the response store and the conversations built from it. A store of zero bytes
 keeps nothing; the store's bound counts the whole response (instructions too); a long
 conversation is turned into a chat and stored off the event loop; a bad input part is named by
-its Responses input item, not by its chat message."""
+its Responses input item, not by its chat message, whether validation or the chat parser refuses it."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
+from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
 from tests.support.responses_api import ThinkingEngine_for, message_text
 
@@ -86,3 +88,64 @@ def test_a_bad_input_part_is_named_by_its_input_item(scripted, bad, param):
                                                  "previous_response_id": first["id"]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"].startswith(param + ":")
+
+
+class ParsingEngine:
+    """The scripted engine behind the chat parser OmniEngine.generate runs first: a part the parser
+    refuses fails the request with the parser's error, named by the chat's messages."""
+
+    def __init__(self) -> None:
+        self.inner = ThinkingEngine_for([["Fine."]])
+        self.model_name, self.tokenizer = self.inner.model_name, self.inner.tokenizer
+
+    def generate(self, messages, params, **kw):
+        parse_messages(messages)
+        return self.inner.generate(messages, params, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("bad, param, message", [
+    ({"role": "user", "content": [{"type": "input_text", "text": "Look:"},
+                                  {"type": "input_image", "image_url": "ftp://host/a.png"}]},
+     "input.2.content.1", "input[2].content[1]: unsupported URL 'ftp://host/a.png'"),
+    ({"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": "gopher://x"}]},
+     "input.2.output.0", "input[2].output[0]: unsupported URL 'gopher://x'"),
+])
+@pytest.mark.parametrize("mode", ["plain", "stream", "background"])
+def test_a_part_the_chat_parser_refuses_is_named_by_its_input_item(tmp_path, bad, param, message, mode):
+    """What the chat parser refuses after validation (a URL scheme) is named as the request spells
+    it, in the message and the param, answered, streamed or in the background: not
+    ``messages[4].content[1].image_url.url``, a message the client never sent (instructions and the
+    stored conversation come before the input in the chat)."""
+    with ServerThread(create_app(ParsingEngine(), ServerSettings(files_dir=str(tmp_path)))) as server:
+        post = lambda body: httpx.post(server.base_url + "/v1/responses", json=body, timeout=30)  # noqa: E731
+        first = post({"input": "Hi"}).json()
+        items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                 {"role": "user", "content": "One more."}, bad]
+        r = post({"input": items, "instructions": "Be brief.", "previous_response_id": first["id"],
+                  "stream": mode == "stream", "background": mode == "background"})
+        if mode == "background":
+            rid = r.json()["id"]
+            for _ in range(200):
+                got = httpx.get(server.base_url + f"/v1/responses/{rid}", timeout=30).json()
+                if got["status"] not in ("queued", "in_progress"):
+                    break
+                time.sleep(0.01)
+            assert got["status"] == "failed" and got["error"]["message"].startswith(message), got
+            return
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and error["message"].startswith(message), r.text
+
+
+def test_the_chat_route_names_a_refused_part_in_param(tmp_path):
+    """/v1/chat/completions: the parser's error names the part in ``param`` too, dotted as a
+    validation error's."""
+    with ServerThread(create_app(ParsingEngine(), ServerSettings(files_dir=str(tmp_path)))) as server:
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={"messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://host/a.png"}}]}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages.1.content.0.image_url.url", r.text
+    assert error["message"].startswith("messages[1].content[0].image_url.url: unsupported URL")
