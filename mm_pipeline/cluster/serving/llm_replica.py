@@ -21,6 +21,7 @@ Uploaded files live on the ingress; it sends the bytes of the files a request na
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +34,29 @@ from mm_pipeline.errors import MMServeError, ServerBusy
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.stats import OmniStats
+from mm_pipeline.server.errors import public_message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ReplicaFailure:
     """A typed error the replica raised before the first delta (re-raised by the ingress), or
-    :class:`EngineStopped` at any point of the stream."""
+    :class:`EngineStopped` at any point of the stream. Built by :meth:`of`."""
 
     error: MMServeError
+
+    @classmethod
+    def of(cls, error: MMServeError) -> "ReplicaFailure":
+        """``error`` as it crosses to the ingress: its message already the sentence a client of one
+        process reads (``public_message``). That sentence leaves out a library's text (a codec's, PIL's)
+        by the error's ``__cause__``, which a pickle drops: the ingress would have sent it to the
+        client. The whole text stays in this replica's log."""
+        public = public_message(error)
+        if public != str(error):
+            log.info("request failed: %s: %s", type(error).__name__, error)
+            error.args = (public,)
+        return cls(error)
 
 
 class EngineStopped(ServerBusy):
@@ -93,7 +109,7 @@ class LLMReplica:
         router only). ``priority``, ``cache_salt``: this replica's engine's (``OmniEngine.generate``)."""
         stopped = self._stopped()
         if stopped is not None:  # Serve has not replaced this replica yet: send the request back
-            yield ReplicaFailure(stopped)
+            yield ReplicaFailure.of(stopped)
             return
         call = next(self._calls)
         uncached = 0
@@ -110,19 +126,19 @@ class LLMReplica:
                 async for delta in gen:
                     stopped = self._stopped() if delta.finish_reason == "error" else None
                     if stopped is not None:  # ended by the engine's death, not by this request
-                        yield ReplicaFailure(stopped)
+                        yield ReplicaFailure.of(stopped)
                         return
                     # tokens still to compute: the prompt is computed once the first delta exists,
                     # what is left is decode (a cached prefix must not count as work)
                     self._load[call] = max(0, params.max_tokens - delta.completion_tokens)
                     yield delta
             except MMServeError as exc:
-                yield ReplicaFailure(exc)
+                yield ReplicaFailure.of(exc)
             except RuntimeError:  # the engine refuses new requests once it stopped
                 stopped = self._stopped()
                 if stopped is None:
                     raise
-                yield ReplicaFailure(stopped)
+                yield ReplicaFailure.of(stopped)
             finally:
                 await gen.aclose()
         finally:
@@ -136,13 +152,13 @@ class LLMReplica:
         ``generate``; ``files``: the uploads the messages name, served while it runs."""
         stopped = self._stopped()
         if stopped is not None:
-            return ReplicaFailure(stopped)
+            return ReplicaFailure.of(stopped)
         self.files.hold(files)
         try:
             return await self.engine.prompt_token_ids(messages=messages, prompt=prompt,
                                                       add_special_tokens=add_special_tokens)
         except MMServeError as exc:
-            return ReplicaFailure(exc)
+            return ReplicaFailure.of(exc)
         finally:
             self.files.release(files)
 

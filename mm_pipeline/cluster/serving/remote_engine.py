@@ -29,11 +29,12 @@ same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
@@ -49,6 +50,29 @@ log = logging.getLogger(__name__)
 STATS_MAX_AGE_S = 1.0  # a snapshot older than this is refreshed in the background
 STATS_STALE_S = 10 * STATS_MAX_AGE_S  # no replica answered for this long: unhealthy
 STATS_TIMEOUT_S = 5.0  # a refresh that waits longer failed (a stuck replica must not pin it)
+
+T = TypeVar("T")
+
+
+def own_request(call: Callable[[], T]) -> T:
+    """``call()`` -- a ``DeploymentHandle`` call (``.remote(...)``) -- as a Serve request of its own.
+
+    Serve gives every handle call made while the ingress serves an HTTP request that request's
+    internal id, and a request router hands the replica it chose to the waiting call with that id
+    (``RequestRouter``'s exact matching; only a ``FIFOMixin`` router falls back to queue order). The
+    ``n`` choices of one request, or the encoder calls of its media items, then shared one id:
+    one call got its replica and the others were routed again and again for good -- the request
+    hung and the router spun on the ingress's event loop, stalling every other request. Our
+    routers count each replica's in-flight work by that id too. So each call gets a fresh id, in a
+    copy of the caller's context (the request id its logs carry stays)."""
+    return contextvars.copy_context().run(_with_own_id, call)
+
+
+def _with_own_id(call: Callable[[], T]) -> T:
+    from ray.serve import context  # only ever called with Ray installed (a handle call follows)
+
+    context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+    return call()
 
 
 def file_ids(messages: list[dict]) -> list[str]:
@@ -130,8 +154,8 @@ class RemoteEngine:
         ``generate``."""
         files = await self._files(messages) if messages is not None else None
         try:
-            got = await self.handle.prompt_token_ids.remote(messages=messages, prompt=prompt,
-                                                            add_special_tokens=add_special_tokens, files=files)
+            got = await own_request(lambda: self.handle.prompt_token_ids.remote(
+                messages=messages, prompt=prompt, add_special_tokens=add_special_tokens, files=files))
         except self._replica_gone as exc:
             raise ServerBusy(f"the LLM replica serving this request died ({type(exc).__name__}); "
                              f"retry the request") from None
@@ -164,7 +188,7 @@ class RemoteEngine:
         return self._stats
 
     async def refresh_stats(self) -> None:
-        self._stats = await self.handle.stats.remote()
+        self._stats = await own_request(self.handle.stats.remote)
         self._stats_at = time.monotonic()
 
     def shutdown(self) -> None:
@@ -230,8 +254,8 @@ class RemoteEngine:
         for key, part in parts.items():
             fid = (part.get("file") or {}).get("file_id") if part.get("type") == "file" else None
             sent = {fid: files[fid]} if fid in files else None
-            responses.append(self.encoders.encode.remote(part, sent, media_key=key, salt=salt, flow=flow,
-                                                         priority=priority))
+            responses.append(own_request(lambda: self.encoders.encode.remote(part, sent, media_key=key, salt=salt,
+                                                                             flow=flow, priority=priority)))
             calls.append(asyncio.ensure_future(self._awaited(responses[-1])))
         try:
             done, pending = await asyncio.wait(calls, timeout=self.encoder_timeout_s)
@@ -258,9 +282,9 @@ class RemoteEngine:
         attempt = 0
         avoid: list[str] = []  # replicas whose engine stopped: the router skips them on a resend
         while True:
-            gen = self.handle.options(stream=True).generate.remote(kind, payload, params, request_id, files,
-                                                                   route=key, avoid=tuple(avoid), priority=priority,
-                                                                   cache_salt=cache_salt)
+            gen = own_request(lambda: self.handle.options(stream=True).generate.remote(
+                kind, payload, params, request_id, files, route=key, avoid=tuple(avoid), priority=priority,
+                cache_salt=cache_salt))
             produced = finished = False
             try:
                 try:

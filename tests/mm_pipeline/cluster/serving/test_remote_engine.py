@@ -308,3 +308,50 @@ def test_tokenize_asks_a_replica_and_raises_its_typed_errors():
 
         handle.answer = ray.exceptions.RayActorError()
         assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 503
+
+
+def test_each_handle_call_is_a_serve_request_of_its_own():
+    """Serve's routers match a chosen replica to the waiting call by the request's internal id, which
+    handle calls inherit from the HTTP request the ingress serves: each call gets its own (the n
+    choices of one request were stuck sharing one), keeping the request id its logs carry, and the
+    caller's context is left as it was. test_serve_app.py shows it on a cluster."""
+    from ray.serve import context
+
+    seen = []
+
+    def call():
+        ctx = context._get_serve_request_context()
+        seen.append((ctx.request_id, ctx._internal_request_id))
+        return len(seen)
+
+    def in_request():
+        context._set_request_context(request_id="client-id", _internal_request_id="http-request")
+        assert [remote_engine.own_request(call) for _ in range(3)] == [1, 2, 3]
+        return context._get_serve_request_context()._internal_request_id
+
+    import contextvars
+
+    assert contextvars.copy_context().run(in_request) == "http-request"
+    assert [r for r, _ in seen] == ["client-id"] * 3
+    assert len({i for _, i in seen} | {"http-request"}) == 4
+
+
+def test_a_replica_failure_crosses_with_the_sentence_one_process_sends():
+    """A library's text (a codec's) is left out of the client's message by the error's cause, which
+    a pickle drops: the replica sends the message one process would, the type and fields kept."""
+    import pickle
+
+    from mm_pipeline.errors import OverloadedError, UndecodableMediaError
+    from mm_pipeline.server.errors import public_message
+
+    try:
+        try:
+            raise OSError("[Errno 1094995529] Invalid data found when processing input: '<none>'")
+        except OSError as cause:
+            raise UndecodableMediaError(f"media item 1 of 1: video cannot be read ({cause})") from cause
+    except UndecodableMediaError as err:
+        local = public_message(err)
+        crossed = pickle.loads(pickle.dumps(ReplicaFailure.of(err))).error
+    assert type(crossed) is UndecodableMediaError and str(crossed) == local == "media item 1 of 1: video cannot be read"
+    busy = pickle.loads(pickle.dumps(ReplicaFailure.of(OverloadedError("full", retry_after=3.0)))).error
+    assert str(busy) == "full" and busy.retry_after == 3.0

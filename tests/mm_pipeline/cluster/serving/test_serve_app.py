@@ -6,6 +6,7 @@ hands embeddings over through an encoder-cache directory all replicas see.
 * image, audio, video, an uploaded file and a stream give the answers of one process (greedy);
 * /tokenize (a chat with an image, a text), /detokenize and /version answer as one process;
 * a bad media item is the same 415 as one process (typed errors cross the replica boundary);
+* the calls of one request (``n`` choices, several media items) are each routed, not stuck;
 * repeated media goes to the same encoder replica, which finds it cached; different media spread;
 * a conversation's turns land on one replica (each turn's cached tokens cover the previous prompt),
   and a second question about the same video hits that replica's encoder cache;
@@ -159,10 +160,66 @@ def test_tokenize_equals_one_process(cluster_url, local_url):
     assert httpx.get(cluster_url + "/version").json() == httpx.get(local_url + "/version").json()
 
 
-def test_bad_media_is_the_same_client_error(cluster_url):
-    with pytest.raises(openai.APIStatusError) as err:
-        ask(client(cluster_url, max_retries=0), [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
-    assert err.value.status_code == 415
+def test_bad_media_is_the_same_client_error(cluster_url, local_url):
+    """The same status and the same message as one process: a codec's or PIL's own text is left out
+    of it there by the error's cause, which does not survive the pickle to the ingress (the replica
+    sends the client's sentence: ReplicaFailure.of)."""
+    png = (SAMPLE_MEDIA / "image_000001.png").read_bytes()
+    bad = {415: "data:image/png;base64,AAAA", 400: "data:image/png;base64," + base64.b64encode(png[:200]).decode()}
+    for status, url in bad.items():
+        errors = []
+        for url_of in (cluster_url, local_url):
+            with pytest.raises(openai.APIStatusError) as err:
+                ask(client(url_of, max_retries=0), [{"type": "image_url", "image_url": {"url": url}}])
+            errors.append((err.value.status_code, err.value.body["message"]))
+        assert errors[0] == errors[1] and errors[0][0] == status, errors
+
+
+def _fresh_image(seed: int) -> dict:
+    """An image no other test sends (nothing caches it yet), as a data-URL part."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_the_calls_of_one_request_are_each_routed(cluster_url, local_url):
+    """Every handle call the ingress makes for one HTTP request inherited that request's internal id,
+    and Serve's request routers hand a chosen replica to the waiting call with that id: the ``n``
+    choices of a request (or the encoder calls of its media items) shared it, one was routed and
+    the others were routed again for good -- the request hung and stalled the ingress. Each call
+    has its own id now: ``n`` = 2 answers as one process does (greedy: two equal choices), chat,
+    completions and a stream, and a request of two new images has both encoded on the tier."""
+    import httpx
+
+    remote, local = client(cluster_url, max_retries=0).with_options(timeout=60), client(local_url)
+    for prompt in ("hi", "Say something.", "Red square?"):
+        asked = dict(model="demo-model", n=2, max_tokens=4, temperature=0)
+        got, want = (c.chat.completions.create(messages=[{"role": "user", "content": prompt}], **asked)
+                     for c in (remote, local))
+        assert [x.message.content for x in got.choices] == [x.message.content for x in want.choices], prompt
+        got, want = (c.completions.create(prompt=prompt, **asked) for c in (remote, local))
+        assert [x.text for x in got.choices] == [x.text for x in want.choices], prompt
+    texts = ["", ""]
+    for chunk in remote.chat.completions.create(model="demo-model", n=2, max_tokens=4, temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": "Count."}]):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]
+    content = [_fresh_image(1), _fresh_image(2), {"type": "text", "text": "Compare the two images."}]
+    body = {"model": "demo-model", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": content}]}
+    got = httpx.post(cluster_url + "/v1/chat/completions", json=body, timeout=60)
+    want = httpx.post(local_url + "/v1/chat/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+    assert int(got.headers["x-encoder-cache-hits"]) >= 2  # both images came from the tier's encoders
 
 
 def test_repeated_media_goes_to_one_encoder_replica(cluster_url):
