@@ -39,6 +39,9 @@ class Holder:
     # (path page, SWA page) the request gave the tree, oldest first: the request drops these once
     # they fall behind its window (unless a checkpoint or another window keeps them)
     own_swa: deque[tuple[int, int]] = field(default_factory=deque)
+    # path pages whose Full KV the request computed again and reads from its own page while the
+    # node lists another copy, which another request read at insert (SWARadixCache._take_copy)
+    copies: list[int] = field(default_factory=list)
     # (tail, tail.end, swa_lo, tree splits) after the last window advance: while it holds, another
     # advance finds nothing to move (SWARadixCache._advance_window skips it)
     advanced: tuple | None = None
@@ -85,6 +88,9 @@ class LockTable:
 
     def holders(self) -> Iterator[Holder]:
         return iter(self._holders.values())
+
+    def held(self) -> Iterator[tuple[Request, Holder]]:
+        return iter(self._holders.items())
 
     # ---- locking ------------------------------------------------------------------------------
     def lock_path(self, holder: Holder, swa_from: int) -> None:

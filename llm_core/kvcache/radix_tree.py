@@ -101,6 +101,11 @@ class RadixTree:
         self._count(node, 1)
         return node
 
+    def set_full(self, node: RadixNode, i: int, page: int) -> None:
+        """Set ``node``'s i-th Full page to another copy of the same KV (the caller moves the references)."""
+        assert page >= 0, f"a node's Full page must be mapped, got {page}"
+        node.full[i] = page
+
     def set_swa(self, node: RadixNode, i: int, page: int) -> None:
         """Set ``node``'s i-th SWA page (-1: the tree holds none for it; the caller moves the reference)."""
         was_tombstone = node.is_tombstone

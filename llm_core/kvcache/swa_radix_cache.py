@@ -132,8 +132,10 @@ class SWARadixCache(PrefixCache):
         pool.swa.free(request.swa_pages)
 
     def make_room(self, pool: DualKVPool, full_pages: int, swa_pages: int) -> None:
-        """Called by the scheduler before an allocation would fail (before preempting anybody)."""
-        self.evict(full_pages * self.page_size, swa_pages * self.page_size)
+        """Called by the scheduler before an allocation would fail (before preempting anybody):
+        first the Full pages held twice (``_fold_copies``: nothing cached is lost), then eviction."""
+        folded = self._fold_copies() if full_pages else 0
+        self.evict(max(0, full_pages - folded) * self.page_size, swa_pages * self.page_size)
 
     def kv_buffers(self, pool: DualKVPool):
         """The pool, or a view whose ``layer(i)`` waits for pending tier loads of layer i."""
@@ -176,6 +178,14 @@ class SWARadixCache(PrefixCache):
         holder.tail = self._cut(found, pages)
         self.locks.lock_path(holder, swa_from)
         return holder.tail
+
+    def narrow_window(self, holder: Holder) -> None:
+        """Keep ``holder``'s SWA locks on its tail's last window only: a tier load that extended its
+        match had also locked the window of the shorter L1 match (its fallback had the load found no
+        room), whose SWA the request does not read; left locked it could not be evicted, and a lone
+        request with a small SWA pool failed."""
+        for node in self.locks.advance(holder):
+            self.eviction.push(node)
 
     def revive_swa(self, tail: RadixNode, page: int, swa_page: int) -> None:
         """Give the tombstoned path page ``page`` (on the path ending at ``tail``) the SWA page
@@ -220,6 +230,14 @@ class SWARadixCache(PrefixCache):
             for page in range(alloc.num_pages):
                 assert alloc.refcount(page) == refs[page], \
                     f"{name} page {page}: refcount {alloc.refcount(page)}, owners account for {refs[page]}"
+        for request, holder in self.locks.held():  # a request reads its path's pages, or knows its copies
+            copies = set(holder.copies)
+            for node in self.tree.path(holder.tail):
+                for i, page in enumerate(node.full):
+                    pos = node.start + i
+                    assert (request.full_pages[pos] == page) != (pos in copies), \
+                        f"request {request.request_id} path page {pos}: reads {request.full_pages[pos]}, the " \
+                        f"node lists {page}, {'listed' if pos in copies else 'not listed'} as its own copy"
 
     # ---- internal helpers: match ----------------------------------------------------------------
     def _check_pool(self, pool: DualKVPool) -> None:
@@ -290,17 +308,53 @@ class SWARadixCache(PrefixCache):
                 n += 1
             if n < len(child.keys):
                 child = self._split(child, n)
-            for i in range(n):  # revive tombstoned SWA with the request's fresh KV
-                s = request.swa_pages[child.start + i]
+            for i in range(n):
+                # pages the request computed again (it matched less: SWA behind a window was trimmed)
+                if not self._take_copy(child, i, request.full_pages[child.start + i]):
+                    holder.copies.append(child.start + i)
+                s = request.swa_pages[child.start + i]  # tombstoned SWA revives with its fresh KV
                 if child.swa[i] < 0 and s >= 0:
                     self.pool.swa.incref([s])
                     self.tree.set_swa(child, i, s)
                     holder.own_swa.append((child.start + i, s))
+                elif 0 <= s != child.swa[i] and self.pool.swa.refcount(child.swa[i]) == 1:
+                    # SWA held twice (the node's kept for a window; the request's in its own): the
+                    # node takes the request's copy, kept as the node's was (not the request's to trim)
+                    self.pool.swa.incref([s])
+                    self.pool.swa.free([child.swa[i]])
+                    self.tree.set_swa(child, i, s)
             self.locks.extend(holder, child)
             node, k = child, k + n
             self.eviction.touch(node)
             if self.tiers is not None:
                 self.tiers.backfill(node)
+
+    def _take_copy(self, node: RadixNode, i: int, page: int) -> bool:
+        """Whether ``node``'s i-th Full page is ``page`` (a running request's copy of the same KV) after
+        this: the node takes it when nobody but the tree reads the node's own copy, which then
+        returns to the pool. A prefix computed again (a request matched less than the tree holds)
+        is thus held once, and the request's Full lock on the node covers pages it reads; a copy
+        another request reads stays until ``_fold_copies``."""
+        old = node.full[i]
+        if old == page:
+            return True
+        if self.pool.full.refcount(old) != 1:
+            return False
+        self.pool.full.incref([page])
+        self.pool.full.free([old])
+        self.tree.set_full(node, i, page)
+        return True
+
+    def _fold_copies(self) -> int:
+        """Every page a running request reads its own copy of while the node lists another one
+        (``Holder.copies``): the node takes the request's copy once its own is the tree's alone.
+        Returns the pages this freed."""
+        before = self.pool.full.num_free
+        for request, holder in self.locks.held():
+            if holder.copies:
+                holder.copies = [p for p in holder.copies
+                                 if not self._take_copy(*holder.tail.locate(p), request.full_pages[p])]
+        return self.pool.full.num_free - before
 
     def _add_pages(self, request: Request, holder: Holder, keys: list[PageKey], upto: int,
                    hashes: list[bytes] | None) -> None:
@@ -310,9 +364,14 @@ class SWARadixCache(PrefixCache):
         self.pool.full.incref(full)
         self.pool.swa.incref([s for s in swa if s >= 0])
         holder.own_swa.extend((start + i, s) for i, s in enumerate(swa) if s >= 0)
-        # A new node per step (never growing the tail in place): the SWA lock is per node, and a tail
-        # grown over the whole request would pin all of its checkpoint windows while it runs.
-        self.graft(holder, keys, full, swa, hashes[start:upto] if hashes is not None else None)
+        # A new node per step (never growing the tail in place), and the step's pages behind the
+        # window a node of their own: the SWA lock is per node, and one node over a long chunk would
+        # pin every checkpoint window in it while the request's window overlaps its end (a lone
+        # request with a small SWA pool then found nothing to evict and failed).
+        cut = window_first_page(upto, self.window, self.page_size) - start if self.has_swa else 0
+        for a, b in ((0, cut), (cut, upto - start)) if 0 < cut < upto - start else ((0, upto - start),):
+            self.graft(holder, keys[a:b], full[a:b], swa[a:b],
+                       hashes[start + a:start + b] if hashes is not None else None)
 
     def _advance_window(self, holder: Holder) -> None:
         """Move the SWA locks to the tail's last window; drop the SWA pages this request gave the tree

@@ -16,8 +16,8 @@ that L1 holds and L2 lacks is back-filled at node merges and at prefill end; an 
 the L3 copies of the whole matched chain (one batched call, rate-limited) so hot prefixes do not
 age out of L3. docs/kv_cache.md §8 has the picture.
 
-The tiers change the tree only through the cache's tier interface (``rehold``, ``revive_swa``,
-``graft``, ``evict``) and read it through ``cache.tree``.
+The tiers change the tree only through the cache's tier interface (``rehold``, ``narrow_window``,
+``revive_swa``, ``graft``, ``evict``) and read it through ``cache.tree``.
 
 Without L2, what L3 holds is remembered per page (``_written``) so a page evicted again is not
 rewritten: a page counts as written only once the store confirmed the put (the writer thread
@@ -212,6 +212,7 @@ class KVTiers:
             self.counters[f"hit_tokens_{tier}"] += (min(m1, p2) - p) * self.ps
         self.counters["swa_pages_loaded"] += len(swa_pages)
         self._touch_l3(hashes[:p2])
+        cache.narrow_window(holder)  # the fallback's window is not read now: its SWA may be evicted
         return p2
 
     def _lookup(self, h: bytes, memo: dict) -> _TierPage | None:

@@ -75,8 +75,9 @@ def test_eviction_tombstones_idle_swa_instead_of_reporting_full():
     h = Harness(window=4, page=2, full_pages=256, swa_pages=20, checkpoint=4, budget=8, seqs=2)
     for n in (40, 44, 48):
         run(h, BASES[0][:n], max_tokens=2)
-    # 16 of 20 SWA pages hold cached windows; the two newcomers need about 2 x 7 pages at once
-    assert h.cache.stats()["tree_swa_pages"] == 16 and h.pool.swa.num_free == 4
+    # 16-18 of 20 SWA pages hold cached windows (eviction during the runs took only what each step
+    # needed); the two newcomers need about 2 x 7 pages at once
+    assert h.cache.stats()["tree_swa_pages"] >= 16 and h.pool.swa.num_free <= 4
     used_full = h.pool.full.num_used
     others = [h.add(BASES[1][:30], 8), h.add(BASES[2][:30], 8)]
     h.drain()
@@ -129,3 +130,59 @@ def test_fewest_uncached_serves_a_cached_request_first_on_the_engine_path():
     assert cached.status.value == "running" and fresh.status.value == "waiting"
     h.drain()
     assert cached.num_cached_tokens == 40 and fresh.finish_reason == "length"
+
+
+def test_a_long_chunk_does_not_pin_its_checkpoint_windows():
+    """A chunk longer than the SWA pool's spare room, with a checkpoint window every page or two: the
+    chunk's pages behind the window are a node of their own, which the request's SWA lock leaves,
+    so their checkpoint windows can be evicted for the request's next step. As one node they stayed
+    locked while the window overlapped its end, and a lone request failed ("does not fit in the KV
+    pools even alone") where the cache off finishes it."""
+    for checkpoint in (4, 8):
+        h = Harness(window=8, page=4, full_pages=64, swa_pages=8, checkpoint=checkpoint, budget=64)
+        r = run(h, BASES[0][:40], max_tokens=4)
+        assert r.finish_reason == "length", (checkpoint, r.finish_reason)
+        h.cache.clear()
+        assert h.pool.all_free()
+
+
+def test_a_prefix_computed_again_is_held_once():
+    """A request that computes a prefix the tree already holds (it matched nothing: the SWA behind
+    the first request's window was trimmed) puts its own Full pages on the tree's nodes and the tree
+    lets its copies go: the prefix takes its pages once. The tree used to keep its copies, locked by
+    the request that did not read them, and with a tight Full pool the lone request failed part-way."""
+    h = Harness(window=8, page=4, full_pages=16, swa_pages=64, budget=16)
+    first = BASES[1][:40]
+    run(h, first, max_tokens=1)
+    again = h.add(first[:20] + BASES[2][:4], 36)  # 24 + 36 tokens = 15 of the 16 Full pages
+    for _ in range(12):
+        h.step()
+        h.check()
+        tree_full, _ = h.cache.tree.check_integrity(True)
+        assert h.pool.full.num_used == len(tree_full | set(again.full_pages))
+        if again.num_computed_tokens >= 24:  # its prompt is on the tree: every page of it is its own
+            assert set(again.full_pages[:5]) <= tree_full
+    h.drain()
+    assert again.num_cached_tokens == 0 and again.finish_reason == "length"
+
+
+def test_a_window_computed_again_is_held_once():
+    """The same for SWA: a request that computes a prefix again (here it takes nothing from the
+    tree: prompt logprobs) gives a node its SWA page where the node kept its own for a window and
+    nobody else reads it; with a small SWA pool the two copies, both locked by the request, left
+    nothing to evict."""
+    h = Harness(window=4, page=4, full_pages=64, swa_pages=16, budget=20)
+    first = BASES[1][:21]
+    run(h, first, max_tokens=1)
+    kept = {n.start + i for n in h.cache.tree.nodes() for i, s in enumerate(n.swa) if s >= 0}
+    assert 4 in kept  # the window ending at the first prompt's last whole page (20 tokens)
+    again = Request("again", first[:20] + BASES[2][:6], SamplingParams(max_tokens=2, prompt_logprobs=1), 99)
+    h.requests.append(again)
+    h.sched.add(again)
+    h.step()  # 20 tokens: its window is the one the tree kept
+    h.check()
+    assert again.num_cached_tokens == 0 and again.num_computed_tokens == 20 and again.swa_pages[4] >= 0
+    node, i = h.cache.locks.get(again).tail.locate(4)
+    assert node.swa[i] == again.swa_pages[4] and h.pool.swa.num_used == 1  # the window is held once
+    h.drain()
+    assert again.finish_reason == "length"
