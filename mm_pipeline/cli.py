@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     # no abbreviations: with one flag per config field, a prefix would often match several
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     _add_engine_args(s, model_required=True)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     tls = s.add_argument_group("TLS and proxies", "HTTPS with vLLM's flags (mm_pipeline/server/launch/listen.py); "
                                "also with --ray (Ray Serve's proxy), except --ssl-cert-reqs")
     tls.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the server's private key (PEM, unencrypted)")
@@ -117,13 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reload the key and certificate files when they change (a renewal), without a restart")
     tls.add_argument("--root-path", default="", metavar="PATH",
                      help="path prefix a reverse proxy serves the app under (e.g. /mmserve), for its links")
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes (default: the "
-                   "MMSERVE_API_KEY environment variable, which unlike a flag does not show in ps)")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health, "
+                   "/ping and the upload page (default: the MMSERVE_API_KEY environment variable, which unlike a "
+                   "flag does not show in ps)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model id(s) clients use (default: the dir name); with several, requests may name any "
                         "and answers carry the first (vLLM's)")
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
-    s.add_argument("--max-upload-mb", type=float, default=512.0)
+    s.add_argument("--max-upload-mb", type=float, default=512.0,
+                   help="largest file /v1/files takes, in MiB (default: 512)")
     from mm_pipeline.config_flags import field_type
     from mm_pipeline.server.settings import ServerSettings
 
@@ -157,9 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("inputs", nargs="+", help="files, directories (recursive), globs, or .txt/.jsonl lists")
     _add_engine_args(c, model_required=False)
     c.add_argument("--prompt", default=None, help="default: 'Describe this image.' / video / audio")
-    c.add_argument("--out", default="captions.jsonl", help="output JSONL (appended; inputs in it are skipped)")
-    c.add_argument("--max-tokens", type=field_type(CaptionConfig, "max_tokens"), default=64)
-    c.add_argument("--temperature", type=field_type(CaptionConfig, "temperature"), default=0.0)
+    c.add_argument("--out", default="captions.jsonl",
+                   help="output JSONL (default: captions.jsonl here; appended: inputs in it are skipped)")
+    c.add_argument("--max-tokens", type=field_type(CaptionConfig, "max_tokens"), default=64,
+                   help="longest caption, in tokens (default: 64)")
+    c.add_argument("--temperature", type=field_type(CaptionConfig, "temperature"), default=0.0,
+                   help="sampling temperature (default: 0, greedy)")
     c.add_argument("--concurrency", type=field_type(CaptionConfig, "concurrency"), default=32,
                    help="inputs in flight (the engine batches them)")
     add_ray_args(c, formats=True)
@@ -279,9 +285,29 @@ def listen_of(args: argparse.Namespace) -> Any:
     return listen
 
 
+def check_request_defaults(args: argparse.Namespace, model_dir: Path) -> None:
+    """Usage error, before the model loads, when the sampling defaults (the checkpoint's generation
+    config, --generation-config, --override-generation-config) hold a value no request may ask for:
+    every request leaving that field unset would get it."""
+    from llm_core.engine.sampling.generation_config import GenerationConfigError, GenerationDefaults
+    from mm_pipeline.config_flags import config_flags, config_values
+    from mm_pipeline.server.protocol import defaults_problem
+
+    fields = config_values(args, config_flags())
+    try:
+        defaults = GenerationDefaults.load(model_dir, fields.get("generation_config") or "auto",
+                                           fields.get("override_generation_config"))
+    except GenerationConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if (problem := defaults_problem(defaults)) is not None:
+        raise UsageError(problem)
+
+
 def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     from mm_pipeline.config_flags import config_values
     from mm_pipeline.server import ServerSettings
+
+    check_request_defaults(args, model_dir)
 
     upload = int(args.max_upload_mb * (1 << 20))
     limits = {"max_files_total_bytes": max(8 << 30, upload), **config_values(args, server_limit_flags()),
@@ -327,7 +353,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lines = describe_engine(engine, model_dir) + [
             f"reasoning {describe_reasoning(settings.reasoning_parser, reasoning)}",
             f"tools     {describe_tool_calls(settings.tool_call_parser, tool_calls)}",
-            f"serving   {settings.model_name} on {listen.base_url}/v1 (also /health, /metrics)",
+            f"serving   {settings.model_name} on {listen.describe()}"
+            + ("; every route but /health, /ping and the upload page needs the API key" if settings.api_key else ""),
             f"upload    page: {listen.base_url}/"]
         print("\n".join(lines), file=sys.stderr, flush=True)
         if settings.log_stats_interval_s:  # the engine lines show without -v, as vLLM's do

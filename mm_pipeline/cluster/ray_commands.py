@@ -50,7 +50,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         start(model_dir, config, server_settings(args, model_dir), cluster)
     except ValueError as exc:  # a running Serve's proxy with other HTTP options (TLS): said, not a traceback
         raise UsageError(str(exc)) from None
-    print(f"serving   on {cluster.listen.base_url}/v1 (also /health, /metrics); Ctrl-C stops",
+    print(f"serving   on {cluster.listen.describe()}; Ctrl-C stops",
           file=sys.stderr, flush=True)
     try:
         while True:

@@ -1,5 +1,5 @@
 """What ``mmserve serve`` prints once the model is up: model, device, the KV pool split, the context
-one request can hold, prefix caching, the threads and the sampling defaults."""
+one request can hold, prefix caching, the threads, speculative decoding and the sampling defaults."""
 
 from __future__ import annotations
 
@@ -38,6 +38,17 @@ def describe_engine(engine: Any, model_dir: Path) -> list[str]:
             f"(model limit {llm.max_model_len:,}); prefix caching {caching}",
             *([f"threads   {threads} (intra-op; --llm-threads, --encoder-threads)"]
               if (threads := engine.runtime.describe_threads()) else []),
-            *([f"sampling  defaults from the model's generation config: "
-               f"{', '.join(f'{k} {v}' for k, v in given.items())} (--generation-config vllm: built-in ones)"]
-              if (given := engine.generation_defaults.as_dict()) else [])]
+            _decoding(llm),
+            *([f"sampling  defaults: {engine.generation_defaults.describe()} "
+               f"(--generation-config vllm: built-in ones)"] if engine.generation_defaults.given else [])]
+
+
+def _decoding(llm: Any) -> str:
+    """Whether MTP speculative decoding is on (the default where the checkpoint has MTP layers): it
+    changes speed, never tokens, and plain-text serving may be faster without it."""
+    spec = llm.speculative
+    if spec is None:
+        return "decoding  one token per step (speculative decoding off or no MTP layers: --speculative-tokens)"
+    how = "adaptive, per request" if spec.draft_length.adaptive else "fixed"
+    return (f"decoding  MTP speculative, up to {spec.proposer.max_draft} draft tokens ({how}; layers "
+            f"{spec.proposer.mode}); --speculative-tokens 0: off")

@@ -112,8 +112,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                                                 tokens_as_ids=settings.return_tokens_as_token_ids,
                                                 model_aliases=settings.model_aliases), observe)
     if service.defaults.given:  # as vLLM says it: a client that sends no temperature gets the model's
-        log.info("sampling defaults from the model's generation config: %s (a request's own values win; "
-                 "--generation-config vllm: the built-in defaults)", service.defaults.as_dict())
+        log.info("sampling defaults: %s (a request's own values win; --generation-config vllm: the built-in "
+                 "defaults)", service.defaults.describe())
     started = int(time.time())
 
     stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None

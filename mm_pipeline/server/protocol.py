@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, RootModel, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, RootModel, Tag, ValidationError, field_validator, model_validator
 
 from llm_core.engine.queue_policy import PRIORITY_LIMIT
 from llm_core.kvcache.page_keys import MAX_CACHE_SALT_CHARS
@@ -258,6 +258,24 @@ class NamedToolChoice(_Loose):
 
     type: Literal["function"]
     function: NamedFunction
+
+
+def defaults_problem(defaults: Any) -> str | None:
+    """Why a server cannot take these sampling defaults (a ``GenerationDefaults``: the checkpoint's
+    generation config and ``--override-generation-config``), or None: each must be a value a request
+    may ask for itself (``SamplingFields``' ranges), since a request that leaves the field unset gets
+    it. A ``temperature`` of 5 is a valid engine setting but no request may send it, so every request
+    without one was sampled at 5."""
+    given = {"max_tokens": defaults.max_tokens, "temperature": defaults.temperature, "top_p": defaults.top_p,
+             "top_k": defaults.top_k, "min_p": defaults.min_p, "repetition_penalty": defaults.repetition_penalty}
+    try:
+        SamplingFields.model_validate({k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = {"max_tokens": "max_new_tokens"}.get(str(first["loc"][0]), str(first["loc"][0]))
+        return (f"the sampling default {name} {first.get('input')!r} (from {defaults.origin_of(name)}) is not a "
+                f"value a request may send: {first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}")
+    return None
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):

@@ -62,12 +62,15 @@ class GenerationDefaults:
     repetition_penalty: float = 1.0
     max_tokens: int | None = None
     given: tuple[str, ...] = ()
+    # (key, where its value came from) for the given keys: the start-up line and errors name it
+    origins: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def load(cls, model_dir: str | Path | None, setting: str = "auto", override: str | None = None
              ) -> "GenerationDefaults":
         """The defaults ``setting`` and ``override`` give for the checkpoint at ``model_dir`` (module doc)."""
         values: dict[str, Any] = {}
+        origin = "the model's generation config"
         if setting == "auto":
             path = None if model_dir is None else Path(model_dir) / FILE_NAME
             if path is not None and path.is_file():
@@ -77,14 +80,19 @@ class GenerationDefaults:
             if not path.is_file():
                 raise GenerationConfigError(f"generation_config {setting!r}: no {FILE_NAME} there "
                                             f"(give auto, vllm, none or a folder holding one)")
-            values = _read(path)
+            values, origin = _read(path), str(path)
+        origins = {key: origin for key in values}
         if override is not None:
-            values.update(parse_override(override))
-        return cls.from_mapping(values)
+            overridden = parse_override(override)
+            values.update(overridden)
+            origins.update((key, "--override-generation-config") for key in overridden)
+        return cls.from_mapping(values, origins=origins)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], where: str = "generation config") -> "GenerationDefaults":
-        """Defaults from generation-config keys (others ignored, null values skipped), each checked."""
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "generation config",
+                     origins: Mapping[str, str] | None = None) -> "GenerationDefaults":
+        """Defaults from generation-config keys (others ignored, null values skipped), each checked;
+        ``origins``: where each key's value came from."""
         fields: dict[str, Any] = {}
         given = []
         for key, value in values.items():
@@ -99,7 +107,20 @@ class GenerationDefaults:
                 raise GenerationConfigError(f"{where}: {key}: {exc}") from None
             fields[name] = value
             given.append(key)
-        return cls(**fields, given=tuple(given))
+        return cls(**fields, given=tuple(given),
+                   origins=tuple((key, (origins or {}).get(key, where)) for key in given))
+
+    def describe(self) -> str:
+        """``temperature 0.6, top_p 0.95 from the model's generation config; max_new_tokens 64 from
+        --override-generation-config``: each value set, with where it came from (start-up lines)."""
+        by_origin: dict[str, list[str]] = {}
+        for key, value in self.as_dict().items():
+            by_origin.setdefault(self.origin_of(key), []).append(f"{key} {value}")
+        return "; ".join(f"{', '.join(keys)} from {origin}" for origin, keys in by_origin.items())
+
+    def origin_of(self, key: str) -> str:
+        """Where ``key``'s default came from (a generation-config key name)."""
+        return dict(self.origins).get(key, "built in")
 
     def as_dict(self) -> dict[str, Any]:
         """The keys the generation config set, by their generation-config names (for logs)."""

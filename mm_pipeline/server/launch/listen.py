@@ -61,7 +61,14 @@ class Listen:
 
     @property
     def base_url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}{self.root_path}"
+        """Where this server answers: the app at / (uvicorn and Ray Serve's proxy alike take the root
+        path as the prefix a reverse proxy in front strips before forwarding)."""
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    def describe(self) -> str:
+        """The start-up line's URL: where this server answers, and the proxy's path to it, if any."""
+        return f"{self.base_url}/v1 (also /health, /metrics)" + (
+            f"; through the reverse proxy: {self.root_path}/v1" if self.root_path else "")
 
     def check(self) -> None:
         """Load the certificate chain (and the CA bundle) as the server will: ValueError naming the

@@ -105,10 +105,12 @@ class ResponseEvents:
         """Close the open item with the finish reason's status, announce the calls, then the response."""
         out: list[str] = []
         if not self._calls and not any(isinstance(x, OutputMessage) for x in self.response.output):
+            thinking_cut = isinstance(self._open, ReasoningOutput) and self._end_status() == "incomplete"
             out += self._close(self._end_status())  # the thinking, when the answer was nothing else
-            out += self._add(OutputMessage(status="in_progress", content=[OutputText()]), "output_text")
-            if self._held:  # an empty answer is an empty message, as without stream, its tokens' logprobs too
-                out += self._text("", [])
+            if not thinking_cut:  # no message after thinking the limit cut (output.py), else an empty one
+                out += self._add(OutputMessage(status="in_progress", content=[OutputText()]), "output_text")
+                if self._held:  # an empty answer is an empty message, as without stream, its tokens' logprobs too
+                    out += self._text("", [])
         out += self._close(self._end_status())
         for call in self._calls:
             out += self._call(call)

@@ -188,15 +188,16 @@ class ResponseObject(BaseModel):
 def response_of_chat(response: ResponseObject, chat: ChatCompletion) -> ResponseObject:
     """Fill ``response`` (of_request's) with a non-streamed chat answer (one choice). When the token
     limit cut it, the item it cut is ``incomplete``: the message (text runs to the end: events.py),
-    else the thinking; calls are whole or none."""
+    else the thinking, and then no message follows it (as OpenAI answers); calls are whole or none."""
     choice = chat.choices[0]
     message = choice.message
     cut = "incomplete" if choice.finish_reason == "length" else "completed"
+    thinking_cut = bool(message.reasoning_content) and not message.content and not message.tool_calls \
+        and cut == "incomplete"
     if message.reasoning_content:
-        cut_thinking = not message.content and not message.tool_calls
-        response.output.append(ReasoningOutput(status=cut if cut_thinking else "completed",
+        response.output.append(ReasoningOutput(status="incomplete" if thinking_cut else "completed",
                                                content=[ReasoningText(text=message.reasoning_content)]))
-    if message.content or not message.tool_calls:
+    if message.content or not (message.tool_calls or thinking_cut):
         logprobs = choice.logprobs.content if choice.logprobs is not None else []
         response.output.append(OutputMessage(status=cut, content=[OutputText(text=message.content or "",
                                                                               logprobs=logprobs)]))

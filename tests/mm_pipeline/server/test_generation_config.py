@@ -57,9 +57,10 @@ def test_the_server_answers_a_bare_request_with_the_models_sampling(greedy_check
                                                         "repetition_penalty": 1.1}
         from mm_pipeline.cli import describe_engine  # what `mmserve serve` prints at start-up
 
-        assert ("sampling  defaults from the model's generation config: temperature 0.0, max_new_tokens 4, "
-                "repetition_penalty 1.1"
-                in "\n".join(describe_engine(engine, greedy_checkpoint)))
+        lines = "\n".join(describe_engine(engine, greedy_checkpoint))
+        assert ("sampling  defaults: temperature 0.0, max_new_tokens 4, repetition_penalty 1.1 from the "
+                "model's generation config" in lines)
+        assert "\ndecoding  " in lines  # whether MTP speculative decoding is on says so too
         with caplog.at_level("INFO", logger="mm_pipeline.server.app"), \
                 served_client(engine, str(tmp_path)) as client:
             chat = {"messages": [{"role": "user", "content": "Tell me about circles."}]}
@@ -79,7 +80,8 @@ def test_the_server_answers_a_bare_request_with_the_models_sampling(greedy_check
             answer = client.post("/v1/responses", json={"input": "Tell me about circles."}).json()
             assert (answer["temperature"], answer["top_p"]) == (0.0, 1.0)
             assert answer["output"][-1]["content"][0]["text"] == explicit["choices"][0]["message"]["content"]
-        assert "sampling defaults from the model's generation config" in caplog.text
+        assert "sampling defaults: temperature 0.0, max_new_tokens 4, repetition_penalty 1.1 from the model's " \
+               "generation config" in caplog.text
         # the caption job: its own length and greedy temperature over the model's other fields
         from mm_pipeline.jobs.caption import CaptionJob
         from tests.support.media_samples import image_bytes
@@ -106,6 +108,16 @@ def test_offline_and_cli_settings(greedy_checkpoint, tmp_path, capsys) -> None:
     with MultimodalLLM(greedy_checkpoint, generation_config="vllm",
                        override_generation_config='{"top_p": 0.5}', **engine) as llm:
         assert llm.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    with MultimodalLLM(greedy_checkpoint, override_generation_config='{"top_p": 0.5}', **engine) as llm:
+        assert llm.engine.generation_defaults.describe() == (
+            "temperature 0.0, max_new_tokens 4, repetition_penalty 1.1 from the model's generation config; "
+            "top_p 0.5 from --override-generation-config")  # each value says where it came from
+    # a default no request may send (requests take temperature <= 2) is a usage error before the
+    # model loads: every request leaving it unset would get it
+    assert cli.main(["serve", "--model", str(greedy_checkpoint), "--override-generation-config",
+                     '{"temperature": 5}', "--port", "70000"]) == 2  # (a bad port: never a live server)
+    assert ("the sampling default temperature 5 (from --override-generation-config) is not a value a request "
+            "may send" in capsys.readouterr().err)
     assert cli.main(["serve", "--model", str(greedy_checkpoint), "--generation-config", str(tmp_path / "none")]) == 2
     assert "no generation_config.json there" in capsys.readouterr().err
     # a --config file gives the override as a mapping (YAML), taken as its JSON text: parsed and

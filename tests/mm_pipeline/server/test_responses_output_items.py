@@ -125,7 +125,7 @@ DONE, CUT = "completed", "incomplete"
     ([(MARKUP, "")], "stop", [("message", DONE)]),  # an empty answer is an empty message, its logprobs kept
     # cut by max_output_tokens: the item cut is incomplete, the ones before it completed, announced so
     (THOUGHT + ANSWER, "length", [("reasoning", DONE), ("message", CUT)]),
-    (THOUGHT[:50], "length", [("reasoning", CUT), ("message", CUT)]),  # cut mid-thought
+    (THOUGHT[:50], "length", [("reasoning", CUT)]),  # cut mid-thought: no (empty) message after it
     (THOUGHT + CALLING + [(MARKUP, "")], "length", [("reasoning", DONE), ("function_call", DONE)]),
 ])
 def test_the_stream_is_the_response_for_the_same_generation(tokens, finish, items):

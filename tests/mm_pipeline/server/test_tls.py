@@ -78,7 +78,9 @@ def test_settings_are_checked(pki) -> None:
             Listen(**kw).check()
     tls = Listen(port=8443, ssl_keyfile=key, ssl_certfile=cert, root_path="/m")
     tls.check()
-    assert tls.base_url == "https://127.0.0.1:8443/m"
+    assert tls.base_url == "https://127.0.0.1:8443"  # the proxy in front strips /m
+    assert tls.describe() == ("https://127.0.0.1:8443/v1 (also /health, /metrics); "
+                              "through the reverse proxy: /m/v1")
     assert tls.uvicorn_kwargs()["ssl_certfile"] == cert and tls.ray_http_options()["root_path"] == "/m"
     with pytest.raises(ValueError, match="Ray Serve's proxy cannot ask for client certificates"):
         Listen(ssl_keyfile=key, ssl_certfile=cert, ssl_ca_certs=pki["ca"], ssl_cert_reqs=2).ray_http_options()
@@ -191,7 +193,9 @@ def test_serve_over_mutual_tls_with_a_root_path(pki, tmp_path) -> None:
     # the readiness check is a client too: it must present a certificate of the CA
     with ServerProcess(args, verify=client_context("client")) as server:
         assert server.base_url.startswith("https://")
-        assert "serving   demo-model on https://127.0.0.1" in server.output and "/mmserve/v1" in server.output
+        # where it answers (the proxy strips its prefix before forwarding), and the proxy's path
+        assert f"serving   demo-model on https://127.0.0.1:{server.port}/v1 " in server.output
+        assert "through the reverse proxy: /mmserve/v1" in server.output
         with httpx.Client(base_url=server.base_url, verify=client_context("client"), timeout=60) as c:
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}],
                                                      "max_tokens": 3, "temperature": 0})
