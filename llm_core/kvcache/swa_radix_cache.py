@@ -320,6 +320,7 @@ class SWARadixCache(PrefixCache):
                 elif 0 <= s != child.swa[i] and self.pool.swa.refcount(child.swa[i]) == 1:
                     # SWA held twice (the node's kept for a window; the request's in its own): the
                     # node takes the request's copy, kept as the node's was (not the request's to trim)
+                    self._settle_loads()
                     self.pool.swa.incref([s])
                     self.pool.swa.free([child.swa[i]])
                     self.tree.set_swa(child, i, s)
@@ -340,10 +341,17 @@ class SWARadixCache(PrefixCache):
             return True
         if self.pool.full.refcount(old) != 1:
             return False
+        self._settle_loads()
         self.pool.full.incref([page])
         self.pool.full.free([old])
         self.tree.set_full(node, i, page)
         return True
+
+    def _settle_loads(self) -> None:
+        """Before the tree frees one of its pages: a tier load still queued for it would land in the
+        page's next owner (as eviction waits before it saves and frees, tiers/kv_tiers.py)."""
+        if self.tiers is not None:
+            self.tiers.threads.wait_loads()
 
     def _fold_copies(self) -> int:
         """Every page a running request reads its own copy of while the node lists another one
