@@ -10,6 +10,7 @@
 
 Freeing drops the tree's reference through the pool allocators (a page a request still references
 stays allocated); tombstoning and deleting first save the node's pages to the tiers (L2/L3), if any.
+A node also lets a page go when a running request computed the same KV again (``take_copy``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,25 @@ class EvictionPolicy:
         self.pool.swa.free([s])
         self.tree.set_swa(node, i, -1)
         return freed
+
+    def take_copy(self, node: RadixNode, i: int, page: int, kind: str) -> bool:
+        """Whether ``node``'s i-th page of ``kind`` ("full" / "sliding") is ``page`` -- a running
+        request's copy of the same KV -- after this: the node takes it when nobody but the tree reads
+        the node's own copy, which then returns to the pool (after any tier load still queued for it,
+        which would land in its next owner). A prefix computed again is thus held once, and the
+        request's lock on the node covers pages it reads (docs/kv_cache.md §3)."""
+        pages, alloc = (node.full, self.pool.full) if kind == "full" else (node.swa, self.pool.swa)
+        old = pages[i]
+        if old == page:
+            return True
+        if alloc.refcount(old) != 1:
+            return False
+        if self.tiers is not None:
+            self.tiers.threads.wait_loads()
+        alloc.incref([page])
+        alloc.free([old])
+        (self.tree.set_full if kind == "full" else self.tree.set_swa)(node, i, page)
+        return True
 
     def delete_leaf(self, node: RadixNode) -> tuple[int, int]:
         """Delete an unlocked leaf, then the dead tail of an unlocked parent left as a leaf (see

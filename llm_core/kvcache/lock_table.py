@@ -40,7 +40,7 @@ class Holder:
     # they fall behind its window (unless a checkpoint or another window keeps them)
     own_swa: deque[tuple[int, int]] = field(default_factory=deque)
     # path pages whose Full KV the request computed again and reads from its own page while the
-    # node lists another copy, which another request read at insert (SWARadixCache._take_copy)
+    # node lists another copy, which another request read at insert (EvictionPolicy.take_copy)
     copies: list[int] = field(default_factory=list)
     # (tail, tail.end, swa_lo, tree splits) after the last window advance: while it holds, another
     # advance finds nothing to move (SWARadixCache._advance_window skips it)

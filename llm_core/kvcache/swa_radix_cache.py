@@ -309,49 +309,22 @@ class SWARadixCache(PrefixCache):
             if n < len(child.keys):
                 child = self._split(child, n)
             for i in range(n):
-                # pages the request computed again (it matched less: SWA behind a window was trimmed)
-                if not self._take_copy(child, i, request.full_pages[child.start + i]):
+                # pages the request computed again (it matched less: SWA behind a window was trimmed
+                # or prompt logprobs): held once where nobody else reads the node's copy
+                if not self.eviction.take_copy(child, i, request.full_pages[child.start + i], "full"):
                     holder.copies.append(child.start + i)
                 s = request.swa_pages[child.start + i]  # tombstoned SWA revives with its fresh KV
                 if child.swa[i] < 0 and s >= 0:
                     self.pool.swa.incref([s])
                     self.tree.set_swa(child, i, s)
                     holder.own_swa.append((child.start + i, s))
-                elif 0 <= s != child.swa[i] and self.pool.swa.refcount(child.swa[i]) == 1:
-                    # SWA held twice (the node's kept for a window; the request's in its own): the
-                    # node takes the request's copy, kept as the node's was (not the request's to trim)
-                    self._settle_loads()
-                    self.pool.swa.incref([s])
-                    self.pool.swa.free([child.swa[i]])
-                    self.tree.set_swa(child, i, s)
+                elif s >= 0:  # a window the node kept: its copy now, not the request's to trim
+                    self.eviction.take_copy(child, i, s, "sliding")
             self.locks.extend(holder, child)
             node, k = child, k + n
             self.eviction.touch(node)
             if self.tiers is not None:
                 self.tiers.backfill(node)
-
-    def _take_copy(self, node: RadixNode, i: int, page: int) -> bool:
-        """Whether ``node``'s i-th Full page is ``page`` (a running request's copy of the same KV) after
-        this: the node takes it when nobody but the tree reads the node's own copy, which then
-        returns to the pool. A prefix computed again (a request matched less than the tree holds)
-        is thus held once, and the request's Full lock on the node covers pages it reads; a copy
-        another request reads stays until ``_fold_copies``."""
-        old = node.full[i]
-        if old == page:
-            return True
-        if self.pool.full.refcount(old) != 1:
-            return False
-        self._settle_loads()
-        self.pool.full.incref([page])
-        self.pool.full.free([old])
-        self.tree.set_full(node, i, page)
-        return True
-
-    def _settle_loads(self) -> None:
-        """Before the tree frees one of its pages: a tier load still queued for it would land in the
-        page's next owner (as eviction waits before it saves and frees, tiers/kv_tiers.py)."""
-        if self.tiers is not None:
-            self.tiers.threads.wait_loads()
 
     def _fold_copies(self) -> int:
         """Every page a running request reads its own copy of while the node lists another one
@@ -361,7 +334,7 @@ class SWARadixCache(PrefixCache):
         for request, holder in self.locks.held():
             if holder.copies:
                 holder.copies = [p for p in holder.copies
-                                 if not self._take_copy(*holder.tail.locate(p), request.full_pages[p])]
+                                 if not self.eviction.take_copy(*holder.tail.locate(p), request.full_pages[p], "full")]
         return self.pool.full.num_free - before
 
     def _add_pages(self, request: Request, holder: Holder, keys: list[PageKey], upto: int,
