@@ -370,9 +370,8 @@ class ChatService:
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model than this server's (its name or an alias) is a 404 (None: this one)."""
-        if model is not None and model != self.config.model_name and model not in self.config.model_aliases:
-            served = ", ".join(repr(n) for n in (self.config.model_name, *self.config.model_aliases))
-            raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
+        if model is not None and model not in (names := (self.config.model_name, *self.config.model_aliases)):
+            raise APIError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
                            param="model", code="model_not_found")
 
     def _as_ids(self, req: SamplingFields) -> bool:

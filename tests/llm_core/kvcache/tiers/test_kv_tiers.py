@@ -384,22 +384,3 @@ def test_the_writer_reports_only_puts_the_store_kept():
     stats = threads.stats()
     assert (stats["l3_puts"], stats["l3_puts_failed"], stats["l3_write_queue_bytes"]) == (1, 1, 0)
     threads.stop()
-
-
-def test_a_match_extended_by_a_load_leaves_the_shorter_windows_swa_evictable():
-    """While a tier load extends a match, the shorter L1 match's window is SWA-locked too (the
-    fallback, should the load find no room); once the load is placed, the request reads only its
-    new window, so that lock goes. It used to stay until the request's first step ended: with one
-    SWA page left, the lone request could not evict the window it did not read and failed."""
-    h = Harness(tiers=tiers(16, None), window=8, page=16, full_pages=6, swa_pages=3, budget=8)
-    for n in (17, 35, 17):  # pages 0 and 1 with their windows on the tree
-        h.add(BASES[0][:n], 1)
-        h.drain()
-    h.cache.evict(16, 0)  # page 1 to L2; page 0 stays in L1 with its window
-    held = h.pool.swa.allocate(h.pool.swa.num_free - 1)  # one SWA page left: the one the load takes
-    h.external.append(SimpleNamespace(full_pages=[], swa_pages=held))
-    again = h.add(BASES[0][:35], 3)
-    h.drain()
-    assert again.finish_reason == "length" and again.num_cached_tokens == 32
-    assert h.cache.stats()["hit_tokens_l2"] == 16
-    h.cache.tiers.close()

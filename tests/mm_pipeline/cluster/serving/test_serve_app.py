@@ -175,17 +175,11 @@ def test_bad_media_is_the_same_client_error(cluster_url, local_url):
         assert errors[0] == errors[1] and errors[0][0] == status, errors
 
 
-def _fresh_image(seed: int) -> dict:
+def _fresh_image(k: int) -> dict:
     """An image no other test sends (nothing caches it yet), as a data-URL part."""
-    import io
+    from tests.support.media_samples import image_bytes
 
-    import numpy as np
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    url = "data:image/png;base64," + base64.b64encode(image_bytes("PNG", size=(61 + k, 47))).decode()
     return {"type": "image_url", "image_url": {"url": url}}
 
 
