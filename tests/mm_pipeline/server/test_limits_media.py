@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import threading
 import time
@@ -54,6 +55,15 @@ def _chat(served, content: list[dict] | str, timeout: float | httpx.Timeout = 12
     return httpx.post(served.base_url + "/v1/chat/completions", timeout=timeout, json={
         "model": served.engine.model_name, "max_tokens": 2,
         "messages": [{"role": "user", "content": content}], **body})
+
+
+def _encoded(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _post(served, path: str, body: bytes) -> httpx.Response:
+    return httpx.post(served.base_url + path, timeout=120, content=body,
+                      headers={"content-type": "application/json"})
 
 
 def _url(raw: bytes, mime: str) -> str:
@@ -101,11 +111,16 @@ def test_huge_video_frames_are_scaled_as_they_are_decoded(served, side, seconds)
 
 # ---- row 4: 50 MB of text -------------------------------------------------------------------------
 def test_huge_text_is_refused_before_it_is_tokenized(served):
+    # the 50 MB bodies are encoded before the clock starts: the time bound is the server's (read,
+    # parse, refuse), and the client's JSON encoding shares this process and its GIL (~0.25 s here,
+    # over 1 s on a loaded CI host)
     text = "ab " * (50 * (1 << 20) // 3)
-    r = _bounded(served, lambda: _chat(served, text), {400}, "context limit")
+    chat = _encoded({"model": served.engine.model_name, "max_tokens": 2,
+                     "messages": [{"role": "user", "content": text}]})
+    r = _bounded(served, lambda: _post(served, "/v1/chat/completions", chat), {400}, "context limit")
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    r = _bounded(served, lambda: httpx.post(served.base_url + "/v1/completions", timeout=120, json={
-        "model": served.engine.model_name, "prompt": text, "max_tokens": 2}), {400}, "context limit")
+    completion = _encoded({"model": served.engine.model_name, "prompt": text, "max_tokens": 2})
+    _bounded(served, lambda: _post(served, "/v1/completions", completion), {400}, "context limit")
 
 
 def test_text_just_over_the_context_is_counted_and_refused(served):
