@@ -34,16 +34,6 @@ from typing import ClassVar
 from llm_core.engine.outputs import ErrorKind
 
 
-class MMServeError(Exception):
-    """Base class: a failure a caller must hear about, classified by its type."""
-
-    kind: ClassVar[str] = ErrorKind.INTERNAL.value
-
-
-class InvalidInputError(MMServeError):
-    kind = ErrorKind.INVALID_INPUT.value
-
-
 class Where(tuple):
     """Where in a request a problem is, as steps: ``Where(("messages", 1, "content", 0))``. Formatted
     it is the request's own spelling, ``messages[1].content[0]``, which every message of an
@@ -56,14 +46,32 @@ class Where(tuple):
         return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if k else p for k, p in enumerate(self))
 
 
-class InvalidMessageError(InvalidInputError):
-    """A chat message, content part or template option the server cannot take. ``loc`` (a
-    ``Where``; empty when the error names no place) is where its message says the problem is: a
-    400's ``param``, and what the Responses API renames to its input items."""
+class MMServeError(Exception):
+    """Base class: a failure a caller must hear about, classified by its type. ``loc`` (a ``Where``;
+    empty when the error names no place) is the part of the request the message is about, which
+    the message then starts with: a 400's ``param``, and what the Responses API renames to its
+    input items (a message or content part the parser refused, a media item that failed)."""
 
-    def __init__(self, message: str, *, loc: tuple[str | int, ...] = ()) -> None:
-        super().__init__(message)
+    kind: ClassVar[str] = ErrorKind.INTERNAL.value
+
+    def __init__(self, *args: object, loc: tuple[str | int, ...] = ()) -> None:
+        super().__init__(*args)
         self.loc = Where(loc)
+
+    def located(self, message: str, loc: tuple[str | int, ...]) -> "MMServeError":
+        """This error again, as ``message`` about ``loc``: of its own class, or of the nearest base
+        class built from a message alone where its own constructor takes other arguments."""
+        cls = next(c for c in type(self).__mro__ if c.__init__ is MMServeError.__init__)
+        return cls(message, loc=loc)
+
+
+class InvalidInputError(MMServeError):
+    kind = ErrorKind.INVALID_INPUT.value
+
+
+class InvalidMessageError(InvalidInputError):
+    """A chat message, content part or template option the server cannot take (its ``loc``: where
+    the message says the problem is)."""
 
 
 class ContextLengthError(InvalidInputError):
@@ -110,7 +118,7 @@ class OverloadedError(MMServeError):
     kind = "overloaded"
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
+        super().__init__(message)  # about the server, never a place in the request
         self.retry_after = retry_after  # seconds a client should wait before trying again
 
 

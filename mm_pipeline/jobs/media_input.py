@@ -32,9 +32,10 @@ class MediaInput:
 
 
 def error_text(exc: BaseException) -> str:
-    """An input's ``error`` field: the error's type and message (an ``MMServeError`` also its kind)."""
+    """An input's ``error`` field: the error's type and message (an ``MMServeError`` also its kind,
+    and not the place in the job's own chat its message starts with: the line names the input)."""
     if isinstance(exc, MMServeError):
-        return f"{type(exc).__name__} ({exc.kind}): {exc}"
+        return f"{type(exc).__name__} ({exc.kind}): {str(exc).removeprefix(f'{exc.loc}: ') if exc.loc else exc}"
     if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {exc.strerror or exc}"
     return f"{type(exc).__name__}: {exc}"

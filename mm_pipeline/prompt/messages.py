@@ -76,6 +76,8 @@ class MediaRef:
     source: MediaSource | None = None
     file_id: str | None = None
     codes: AudioCodes | None = field(default=None, repr=False)
+    # the part it came from (``messages[1].content[0]``): the errors of its media name it
+    loc: Where = field(default=Where(), compare=False)
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.source, self.file_id, self.codes)) != 1:
@@ -268,7 +270,8 @@ def _part(part: Any, where: Where, role: str) -> Part:
     if kind in _URL_PARTS:
         body = part.get(kind)
         url = body.get("url") if isinstance(body, dict) else body
-        return MediaRef(_URL_PARTS[kind], source=_source_from_url(url, _URL_PARTS[kind], where.then(kind, "url")))
+        source = _source_from_url(url, _URL_PARTS[kind], where.then(kind, "url"))
+        return MediaRef(_URL_PARTS[kind], source=source, loc=where)
     if kind == "input_audio":
         body = part.get("input_audio")
         data = body.get("data") if isinstance(body, dict) else None
@@ -276,17 +279,17 @@ def _part(part: Any, where: Where, role: str) -> Part:
             raise InvalidMessageError(f"{where}.input_audio.data must be a non-empty base64 string", loc=where)
         # the declared format is advisory: the content is sniffed; the payload is kept as it came
         # (no "data:;base64," + data: a copy of megabytes on the event loop, where this runs)
-        return MediaRef(MediaKind.AUDIO, source=MediaSource(base64=data, kind=MediaKind.AUDIO))
+        return MediaRef(MediaKind.AUDIO, source=MediaSource(base64=data, kind=MediaKind.AUDIO), loc=where)
     if kind == "file":
         body = part.get("file")
         if not isinstance(body, dict):
             raise InvalidMessageError(f"{where}.file must be an object with file_id or file_data", loc=where)
         if isinstance(body.get("file_id"), str) and body["file_id"]:
-            return MediaRef(None, file_id=body["file_id"])
+            return MediaRef(None, file_id=body["file_id"], loc=where)
         data = body.get("file_data")
         if isinstance(data, str) and data:
             source = MediaSource(url=data) if data.startswith("data:") else MediaSource(base64=data)
-            return MediaRef(None, source=source)
+            return MediaRef(None, source=source, loc=where)
         raise InvalidMessageError(f"{where}.file needs a file_id or file_data", loc=where)
     if kind == "input_audio_codes":
         body = part.get(kind)
@@ -295,13 +298,14 @@ def _part(part: Any, where: Where, role: str) -> Part:
         if body.get("format", CODES_FORMAT) != CODES_FORMAT:
             raise InvalidMessageError(f"{where}.{kind}.format must be {CODES_FORMAT!r}, got "
                                       f"{str(body['format'])[:40]!r}", loc=where)
-        return MediaRef(MediaKind.AUDIO, codes=parse_codes(body.get("codes"), where.then(kind, "codes")))
+        codes = parse_codes(body.get("codes"), where.then(kind, "codes"))
+        return MediaRef(MediaKind.AUDIO, codes=codes, loc=where)
     if kind in _PLAIN_PARTS:
         value = part.get(kind)
         media_kind = _PLAIN_PARTS[kind]
         if isinstance(value, (bytes, bytearray)):
-            return MediaRef(media_kind, source=MediaSource(data=bytes(value), kind=media_kind))
-        return MediaRef(media_kind, source=_source_from_url(value, media_kind, where.then(kind)))
+            return MediaRef(media_kind, source=MediaSource(data=bytes(value), kind=media_kind), loc=where)
+        return MediaRef(media_kind, source=_source_from_url(value, media_kind, where.then(kind)), loc=where)
     raise InvalidMessageError(f"{where} has unsupported type {str(kind)[:40]!r} (text, image_url, video_url, "
                               f"audio_url, input_audio, input_audio_codes, file, refusal)", loc=where)
 

@@ -75,9 +75,12 @@ class PreparedChat:
     checkpoints: tuple[int, ...] = ()
 
 
-def _which_item(exc: MediaError, k: int, n: int) -> MediaError:
-    """``exc`` saying which media item of the request failed."""
-    return type(exc)(f"media item {k + 1} of {n}: {exc}")
+def _which_item(exc: MediaError, k: int, n: int, ref: MediaRef) -> MediaError:
+    """``exc`` saying which media item of the request failed: the part it came from (its ``loc``,
+    a 400's ``param``), or its number where the request gave no parts (the offline API's items)."""
+    if ref.loc:
+        return exc.located(f"{ref.loc}: {exc}", ref.loc)
+    return exc.located(f"media item {k + 1} of {n}: {exc}", ())
 
 
 # A chat without media under truncate_prompt_tokens may render to this many times the context
@@ -241,7 +244,7 @@ class OmniRuntime:
         try:
             return await self.planner.plan(item if item is not None else await self.planner.load(ref, salt), salt)
         except MediaError as exc:
-            raise _which_item(exc, k, n) from exc
+            raise _which_item(exc, k, n, ref) from exc
 
     def _prepare_one_hop(self, chat: ChatRequest, ref: MediaRef, salt: str | None = None
                          ) -> PreparedChat | MediaItem | None:
@@ -252,7 +255,7 @@ class OmniRuntime:
         try:
             item, plan = self.planner.plan_warm(ref, salt)
         except MediaError as exc:
-            raise _which_item(exc, 0, 1) from exc
+            raise _which_item(exc, 0, 1, ref) from exc
         if plan is None:
             return item
         self.planner.check_plans([plan])

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mm_pipeline.errors import (ContextLengthError, InternalError, InvalidInputError, InvalidMessageError,
+from mm_pipeline.errors import (ContextLengthError, InternalError, InvalidInputError,
                                 MediaAccessDenied, MediaError, MediaFetchTimeout, MediaNotFound, MediaTooLarge,
                                 MMServeError, OverloadedError, ServerBusy, UnsupportedMediaType)
 
@@ -150,8 +150,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, MMServeError):
         answer = http_answer(type(exc))
         retry = exc.retry_after if isinstance(exc, OverloadedError) else None
-        # a message or part names where it is: the param, dotted as a validation error's
-        param = (".".join(map(str, exc.loc)) or None) if isinstance(exc, InvalidMessageError) else None
+        # a message, part or media item names where it is: the param, dotted as a validation error's
+        param = ".".join(map(str, exc.loc)) or None
         return APIError(answer.status, public_message(exc), param=param, code=answer.code, retry_after=retry,
                         kind=exc.kind, detail=f"{type(exc).__name__}: {exc}")  # the whole text, for the log line
     log.exception("internal error", exc_info=exc)  # a bug: the one traceback

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from mm_pipeline.errors import InvalidMessageError, OverloadedError, Where
+from mm_pipeline.errors import MMServeError, OverloadedError, Where
 from mm_pipeline.server.completions.answer_info import REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
@@ -133,7 +133,7 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
             chunks, close = await until_disconnected(request, service.chat_chunks(chat, info))
         except ClientDisconnected:
             return Response(status_code=499)
-        except InvalidMessageError as exc:  # named by the chat's messages: renamed by the request's input
+        except MMServeError as exc:  # one naming the chat's messages: renamed by the request's input
             raise spelled(exc) from exc.__cause__
         info.request_id = response.id
 
@@ -196,8 +196,7 @@ class _Answering:
 
 
 def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
-                  ) -> tuple[ChatCompletionRequest, list[dict[str, Any]], Callable[[InvalidMessageError],
-                                                                         InvalidMessageError]]:
+                  ) -> tuple[ChatCompletionRequest, list[dict[str, Any]], Callable[[MMServeError], MMServeError]]:
     """The chat ``req`` is answered as (a 400 naming what cannot be, by its Responses name), its
     input as messages, and how to name an error of that chat's messages by the request's input
     (``_input_spelled``)."""
@@ -231,24 +230,24 @@ def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str 
     return ("input", i, field) if part is None else ("input", i, field, part)
 
 
-def _input_spelled(exc: InvalidMessageError, first: int, origins: list[int],
-                   items: str | list[Any]) -> InvalidMessageError:
-    """``exc`` (the chat parser's, ``messages[k].content[p].image_url.url: unsupported URL ...``) as
+def _input_spelled(exc: MMServeError, first: int, origins: list[int], items: str | list[Any]) -> MMServeError:
+    """``exc`` (the chat parser's, ``messages[k].content[p].image_url.url: unsupported URL ...``, or a
+    media item's, ``messages[k].content[p]: cannot decode ...``; any other as it is) as
     the request spells it: ``input[i].content[p]: unsupported URL ...``. The location is
     ``_input_loc``'s; of the chat fields it leaves out, the last one stays in the sentence where
     the sentence goes on from it (``input[3]: arguments must be ...``)."""
     loc, text = exc.loc, str(exc)
     to = Where(_input_loc(loc, first, origins, items))
-    if to == loc or not text.startswith(str(loc)):
+    if not loc or to == loc or not text.startswith(str(loc)):
         return exc
     rest, left = text[len(str(loc)):], [p for p in loc[len(to):] if isinstance(p, str)]
     if left:
         rest = ": " + (rest.removeprefix(":").lstrip() if rest.startswith(":") else left[-1] + rest)
-    return type(exc)(f"{to}{rest}", loc=to)
+    return exc.located(f"{to}{rest}", to)
 
 
 async def _answer(service: ChatService, response: ResponseObject, chat: ChatCompletionRequest,
-                  spelled: Callable[[InvalidMessageError], InvalidMessageError]) -> None:
+                  spelled: Callable[[MMServeError], MMServeError]) -> None:
     """A background response's answer (background.py): the chat a foreground request gets, answered
     the same way. Its POST was answered already, so there is nobody to tell a 429 to when the
     engine has no room: it is queued again and asked again, as a batch line is."""
@@ -261,7 +260,7 @@ async def _answer(service: ChatService, response: ResponseObject, chat: ChatComp
         except OverloadedError as exc:
             response.status = "queued"
             await again(exc)
-        except InvalidMessageError as exc:
+        except MMServeError as exc:
             raise spelled(exc) from exc.__cause__
     response_of_chat(response, answer)
 

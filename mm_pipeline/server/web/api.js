@@ -33,7 +33,12 @@ function authHeaders() {
 /** An error response in words: a hint for the status, then the message from OpenAI's error JSON. */
 export function describeError(status, bodyText) {
   let message = "";
-  try { message = JSON.parse(bodyText).error.message || ""; } catch (_) { /* not OpenAI's error JSON */ }
+  try {
+    const error = JSON.parse(bodyText).error;
+    message = error.message || "";
+    // a part of the page's own one-file chat ("messages[0].content[0]: ..."): the card names the file
+    if (error.param && message.startsWith("messages[")) message = message.replace(/^messages\[[^:]*: /, "");
+  } catch (_) { /* not OpenAI's error JSON */ }
   if (!message) message = (bodyText || "").trim().slice(0, 300) || "the server sent no details";
   return `${HINTS[status] || "Request failed"} (HTTP ${status}): ${message}`;
 }

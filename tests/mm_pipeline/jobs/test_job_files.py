@@ -15,8 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.jobs.caption import CaptionJob
-from mm_pipeline.jobs.media_input import read_media_input
+from mm_pipeline.jobs.media_input import error_text, read_media_input
 from mm_pipeline.jobs.resume import OutputFileError, done_keys, open_output
 from mm_pipeline.media.ingest_config import MediaLimits
 
@@ -118,6 +119,15 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     reader.join(4)
     assert not reader.is_alive(), "reading a FIFO blocked"
     assert got[0].data is None and "not a regular file" in got[0].error
+
+
+def test_an_input_error_leaves_out_its_place_in_the_jobs_own_chat():
+    """The engine names a media error by the chat part it came from; a caption line names its input
+    already, and its user never wrote that chat."""
+    failed = UndecodableMediaError("x").located("messages[0].content[0]: video cannot be read",
+                                                ("messages", 0, "content", 0))
+    assert error_text(failed) == "UndecodableMediaError (media): video cannot be read"
+    assert error_text(MediaTooLarge("media is 9 bytes")) == "MediaTooLarge (media): media is 9 bytes"
 
 
 def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path):

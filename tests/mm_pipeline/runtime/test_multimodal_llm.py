@@ -69,7 +69,7 @@ def test_broken_file_fails_only_its_conversation(llm, media):
                      convo({"type": "image_url", "image_url": {"url": str(media["image"])}}),
                      convo({"type": "image_url", "image_url": {"url": str(media["image"]) + ".missing"}})], GREEDY)
     assert outs[0].finish_reason == "error" and outs[0].error_kind == "media"
-    assert "media item 1 of 1: image from file cannot be read" in outs[0].error
+    assert "messages[0].content[0]: image from file cannot be read" in outs[0].error
     assert outs[1].finish_reason == "length" and outs[1].error_kind is None
     assert outs[2].finish_reason == "error" and "no such media file" in outs[2].error
     assert outs[2].error_kind == "media"

@@ -126,7 +126,7 @@ def test_a_planning_pass_in_flight_is_joined_not_bypassed(engine) -> None:
 def test_one_hop_errors_name_the_item_like_the_usual_path(engine) -> None:
     bad = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:;base64,@@@"}},
                                         {"type": "text", "text": "Describe."}]}]
-    with pytest.raises(InvalidMediaError, match="media item 1 of 1: data URL payload is not valid base64"):
+    with pytest.raises(InvalidMediaError, match=r"messages\[0\]\.content\[0\]: data URL payload is not valid base64"):
         prepare(engine, bad)
     # http(s) and file ids are not ingested in the hop: plan_warm leaves them to load()
     web = parse_messages([{"role": "user", "content": [{"type": "video_url",

@@ -285,6 +285,33 @@ def test_real_causes_get_their_status(served, body, status, code, kind):
     assert (r.json()["error"]["code"], r.json()["error"]["kind"]) == (code, kind)
 
 
+@pytest.mark.parametrize("route", ["chat", "responses"])
+@pytest.mark.parametrize("items", [1, 2], ids=["one-item", "two-items"])
+def test_a_media_error_names_the_part_its_item_came_from(served, route, items):
+    """In the message and in ``param``, as a refused part is named: a client of several images
+    learns which one failed (one item takes the one-hop prepare, two the usual path). The
+    Responses API names its own input item."""
+    from tests.support.media_samples import image_bytes
+
+    good = _data_url(image_bytes(size=(32, 32)))
+    broken = _data_url(b"\x89PNG\r\n\x1a\nbroken")
+    if route == "chat":
+        parts = [{"type": "text", "text": "what?"}] + [{"type": "image_url", "image_url": {"url": good}}] * (items - 1)
+        r = _post(served, "/v1/chat/completions", {"max_tokens": 2, "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": [*parts, {"type": "image_url", "image_url": {"url": broken}}]}]})
+        where, param = f"messages[2].content[{items}]", f"messages.2.content.{items}"
+    else:
+        parts = [{"type": "input_text", "text": "what?"}] + [{"type": "input_image", "image_url": good}] * (items - 1)
+        r = _post(served, "/v1/responses", {"max_output_tokens": 2, "instructions": "Be brief.", "input": [
+            {"role": "user", "content": "Hi"}, {"role": "user", "content": [
+                *parts, {"type": "input_image", "image_url": broken}]}]})
+        where, param = f"input[1].content[{items}]", f"input.1.content.{items}"
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["kind"] == "media" and error["param"] == param, r.text
+    assert error["message"].startswith(where + ": image") and "cannot be read" in error["message"], r.text
+
+
 def test_a_too_long_prompt_streamed_is_a_400_before_the_stream_starts(served):
     """The engine rejects it before any token: the status can still say so (no 200 + error event)."""
     r = _post(served, "/v1/completions", {"prompt": [3] * 300, "max_tokens": 2, "stream": True})

@@ -282,6 +282,7 @@ def test_errors_are_shown_in_words(page, tmp_path):
             box = answer.find_element(By.CSS_SELECTOR, ".error")
         errors[name] = box.text
     assert "(HTTP 400)" in errors["broken.png"] and "image from upload cannot be read" in errors["broken.png"]
+    assert "messages[" not in errors["broken.png"]  # the card names the file, not the page's own chat
     assert "(HTTP 415)" in errors["notes.txt"] and "not a supported image, audio or video" in errors["notes.txt"]
     assert "(HTTP 413)" in errors["big.wav"] and f"{UPLOAD_LIMIT}-byte upload limit" in errors["big.wav"]
     page.shot("errors")

@@ -348,10 +348,12 @@ def test_a_replica_failure_crosses_with_the_sentence_one_process_sends():
         try:
             raise OSError("[Errno 1094995529] Invalid data found when processing input: '<none>'")
         except OSError as cause:
-            raise UndecodableMediaError(f"media item 1 of 1: video cannot be read ({cause})") from cause
+            raise UndecodableMediaError(f"messages[0].content[1]: video cannot be read ({cause})",
+                                        loc=("messages", 0, "content", 1)) from cause
     except UndecodableMediaError as err:
         local = public_message(err)
         crossed = pickle.loads(pickle.dumps(ReplicaFailure.of(err))).error
-    assert type(crossed) is UndecodableMediaError and str(crossed) == local == "media item 1 of 1: video cannot be read"
+    assert type(crossed) is UndecodableMediaError and str(crossed) == local == "messages[0].content[1]: video cannot be read"
+    assert crossed.loc == ("messages", 0, "content", 1)  # the client's param
     busy = pickle.loads(pickle.dumps(ReplicaFailure.of(OverloadedError("full", retry_after=3.0)))).error
     assert str(busy) == "full" and busy.retry_after == 3.0
