@@ -45,7 +45,7 @@ from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads, set_proc
 from mm_pipeline.runtime.cpu_threads.thread_report import describe_threads, thread_counts
 from mm_pipeline.runtime.cpu_threads.thread_choice import WARM_UP_MAX_ROWS, StepThreads, plan_threads, run_on_thread
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
-from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError, OverloadedError
+from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError, OverloadedError, Where
 from mm_pipeline.media.decode.backend import make_decode_backend
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.encode.plan import MediaPlan
@@ -73,6 +73,7 @@ class PreparedChat:
     plans: list[MediaPlan]
     spans_of_plan: list[list[list[tuple[int, int]]]]  # per plan, per unit: (stream span, first row)
     checkpoints: tuple[int, ...] = ()
+    parts: tuple[Where, ...] = ()  # per plan, the content part its media came from (MediaRef.loc)
 
 
 def _which_item(exc: MediaError, k: int, n: int, ref: MediaRef) -> MediaError:
@@ -236,7 +237,7 @@ class OmniRuntime:
         self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
         laid = await self.text_pool.run(self.model.layout.render, chat, plans, bound)  # template + BPE
         self._check_context(len(laid.token_ids), bound)
-        return self._prepared(laid, plans)
+        return self._prepared(laid, plans, refs)
 
     async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None,
                          salt: str | None = None) -> MediaPlan:
@@ -261,10 +262,10 @@ class OmniRuntime:
         self.planner.check_plans([plan])
         laid = self.model.layout.render(chat, [plan], self.max_model_len)
         self._check_context(len(laid.token_ids))
-        return self._prepared(laid, [plan])
+        return self._prepared(laid, [plan], [ref])
 
     @staticmethod
-    def _prepared(laid: LaidOutPrompt, plans: list[MediaPlan]) -> PreparedChat:
+    def _prepared(laid: LaidOutPrompt, plans: list[MediaPlan], refs: list[MediaRef]) -> PreparedChat:
         # a unit fills one span, or (a video's sound segment) several spans, each from its own row
         spans, spans_of_plan = [], []
         for p, (plan, ranges) in enumerate(zip(plans, laid.unit_spans)):
@@ -277,7 +278,7 @@ class OmniRuntime:
         where = {old: new for new, old in enumerate(order)}
         return PreparedChat(list(laid.token_ids), [spans[i] for i in order], plans,
                             [[[(where[i], row) for i, row in unit] for unit in pieces] for pieces in spans_of_plan],
-                            laid.boundaries)
+                            laid.boundaries, tuple(ref.loc for ref in refs))
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a request's structured output constraint before it is admitted (cached; off the
@@ -313,7 +314,7 @@ class OmniRuntime:
                                  device=self.llm.device if self.llm is not None else self.model.device,
                                  min_advance=self.config.stream_min_tokens, encoder_busy=self.batcher.has_pending)
         return MediaFeed(stream, prepared.plans, prepared.spans_of_plan, self.planner,
-                         lambda: self.loop.abort(request_id))
+                         lambda: self.loop.abort(request_id), prepared.parts)
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
                stream: EmbeddingStream | None, on_output: OutputSink, checkpoints: tuple[int, ...] = (),

@@ -12,25 +12,28 @@ stream drops its rows.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from mm_pipeline.encode.batcher import UnitSink
 from mm_pipeline.encode.planner import MediaPlan, MediaPlanner
+from mm_pipeline.errors import MediaError, Where
 from mm_pipeline.runtime.embedding_stream import EmbeddingStream
 
 
 class MediaFeed:
     def __init__(self, stream: EmbeddingStream, plans: list[MediaPlan],
                  spans_of_plan: list[list[list[tuple[int, int]]]], planner: MediaPlanner,
-                 abort_request: Callable[[], None]) -> None:
+                 abort_request: Callable[[], None], parts: Sequence[Where] = ()) -> None:
         """``spans_of_plan[p][u]``: the (stream span index, first row) pieces unit ``u`` of
         ``plans[p]`` fills -- one piece for most units, several for a video's sound segment whose
-        rows are laid out in time slices; ``abort_request`` ends the request when a unit fails."""
+        rows are laid out in time slices; ``abort_request`` ends the request when a unit fails;
+        ``parts[p]``: the content part ``plans[p]``'s media came from, which its errors name."""
         self.stream = stream
         self._plans = plans
         self._planner = planner
         self._abort_request = abort_request
-        self._sinks = [[self._unit_sink(pieces) for pieces in units] for units in spans_of_plan]
+        parts = list(parts) + [Where()] * (len(plans) - len(parts))
+        self._sinks = [[self._unit_sink(pieces, part) for pieces in units] for units, part in zip(spans_of_plan, parts)]
 
     def deliver_cached(self) -> None:
         """Fill the spans of units found in the cache at planning, now: before the request is
@@ -49,8 +52,9 @@ class MediaFeed:
             self._planner.detach(plan, sinks)
         self.stream.release()
 
-    def _unit_sink(self, pieces: list[tuple[int, int]]) -> UnitSink:
-        """Deliver one unit's rows into its span(s); an error (or rows that do not fit) fails the request."""
+    def _unit_sink(self, pieces: list[tuple[int, int]], part: Where) -> UnitSink:
+        """Deliver one unit's rows into its span(s); an error (or rows that do not fit) fails the
+        request, named by ``part`` (a new error: the unit's is shared by every request waiting on it)."""
         def sink(rows, error) -> None:
             if error is None:
                 try:
@@ -65,6 +69,10 @@ class MediaFeed:
                     return
                 except Exception as exc:  # wrong-sized rows: fail this request, not the deliverer
                     error = exc
+            if part and isinstance(error, MediaError) and not error.loc:
+                located = error.located(f"{part}: {error}", part)
+                located.__cause__ = error  # public_message cleans the unit's sentence by it
+                error = located
             self.stream.fail(error)
             self._abort_request()  # its queue then gets the abort output; outputs() raises the error
         return sink

@@ -287,14 +287,17 @@ def test_real_causes_get_their_status(served, body, status, code, kind):
 
 @pytest.mark.parametrize("route", ["chat", "responses"])
 @pytest.mark.parametrize("items", [1, 2], ids=["one-item", "two-items"])
-def test_a_media_error_names_the_part_its_item_came_from(served, route, items):
+@pytest.mark.parametrize("when", ["planned", "decoded"])
+def test_a_media_error_names_the_part_its_item_came_from(served, route, items, when):
     """In the message and in ``param``, as a refused part is named: a client of several images
-    learns which one failed (one item takes the one-hop prepare, two the usual path). The
+    learns which one failed, whether its header is refused while it is planned or its pixels
+    while they are decoded (one item takes the one-hop prepare, two the usual path). The
     Responses API names its own input item."""
     from tests.support.media_samples import image_bytes
 
     good = _data_url(image_bytes(size=(32, 32)))
-    broken = _data_url(b"\x89PNG\r\n\x1a\nbroken")
+    png = image_bytes(size=(96, 96))  # a valid header, then pixels cut short: fails in the decode
+    broken = _data_url(b"\x89PNG\r\n\x1a\nbroken" if when == "planned" else png[:len(png) // 2])
     if route == "chat":
         parts = [{"type": "text", "text": "what?"}] + [{"type": "image_url", "image_url": {"url": good}}] * (items - 1)
         r = _post(served, "/v1/chat/completions", {"max_tokens": 2, "messages": [
@@ -309,7 +312,8 @@ def test_a_media_error_names_the_part_its_item_came_from(served, route, items):
         where, param = f"input[1].content[{items}]", f"input.1.content.{items}"
     error = r.json()["error"]
     assert r.status_code == 400 and error["kind"] == "media" and error["param"] == param, r.text
-    assert error["message"].startswith(where + ": image") and "cannot be read" in error["message"], r.text
+    said = "image from data-url cannot be read" if when == "planned" else "png image from data-url is damaged"
+    assert error["message"] == f"{where}: {said}", r.text  # PIL's own words stay in the log
 
 
 def test_a_too_long_prompt_streamed_is_a_400_before_the_stream_starts(served):

@@ -161,7 +161,7 @@ def test_tokenize_equals_one_process(cluster_url, local_url):
 
 
 def test_bad_media_is_the_same_client_error(cluster_url, local_url):
-    """The same status and the same message as one process: a codec's or PIL's own text is left out
+    """The same status, message and param as one process: a codec's or PIL's own text is left out
     of it there by the error's cause, which does not survive the pickle to the ingress (the replica
     sends the client's sentence: ReplicaFailure.of)."""
     png = (SAMPLE_MEDIA / "image_000001.png").read_bytes()
@@ -171,8 +171,9 @@ def test_bad_media_is_the_same_client_error(cluster_url, local_url):
         for url_of in (cluster_url, local_url):
             with pytest.raises(openai.APIStatusError) as err:
                 ask(client(url_of, max_retries=0), [{"type": "image_url", "image_url": {"url": url}}])
-            errors.append((err.value.status_code, err.value.body["message"]))
+            errors.append((err.value.status_code, err.value.body["message"], err.value.body["param"]))
         assert errors[0] == errors[1] and errors[0][0] == status, errors
+        assert errors[0][2] == "messages.0.content.0" and errors[0][1].startswith("messages[0].content[0]: ")
 
 
 def _fresh_image(k: int) -> dict:
