@@ -44,7 +44,7 @@ from mm_pipeline.runtime.omni_engine import OmniEngine
 
 # (owner attribute path, method, label): the request path in the order it runs
 PARTS = (("runtime", "prepare_chat", "prepare_chat (event loop: hops included)"),
-         ("runtime", "_prepare_one_hop", "  one hop: ingest + plan + layout (worker)"),
+         ("runtime.preparation", "_one_hop", "  one hop: ingest + plan + layout (worker)"),
          ("runtime.ingestor", "ingest_local", "  ingest (data-URL id, memo hit)"),
          ("runtime.planner", "_plan_sync", "  plan (worker, usual path)"),
          ("runtime.producer_lookup", "lookup", "  encoder-cache lookups"),

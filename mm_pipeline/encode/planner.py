@@ -132,7 +132,7 @@ class MediaPlanner:
                                      f"{context} tokens")
 
     def plan_warm(self, ref: MediaRef, salt: str | None = None) -> tuple[MediaItem | None, MediaPlan | None]:
-        """Worker thread: load and plan in one hop off the event loop (runtime/components.py). A
+        """Worker thread: load and plan in one hop off the event loop (runtime/chat_preparation.py). A
         source ``ingest_local`` takes (upload bytes, data URL, local file) is ingested; when the
         cache holds the item's manifest and no other request is planning the same media now, it
         is planned from that manifest too, exactly as ``plan`` would (a repeat, a new question

@@ -7,8 +7,8 @@
     WorkerPool ◄── MediaIngestor, MediaPlanner (decode, preprocess, plan units)
 
 ``prepare_chat`` turns a parsed chat into token ids with placeholder spans sized before any
-encoding (plans come from the cache manifest or media metadata) -- the one contract streaming
-needs. Everything that blocks runs on the worker pool; this object is used from the event loop.
+encoding (``ChatPreparation``, chat_preparation.py). Everything that blocks runs on the worker
+pools; this object is used from the event loop.
 OmniEngine asks it by intent (prepare_chat / tokenize / open_media / submit / abort / detach) and
 never reaches into the parts.
 
@@ -19,10 +19,8 @@ cache exactly as with the whole model (same planner, preprocessing, towers and c
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,10 +31,9 @@ from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.structured.compiler import GrammarBusyError, GrammarError
 from llm_core.engine.structured.params import StructuredOutputsParams
-from mm_pipeline.media.types import MediaItem
-from mm_pipeline.prompt.layout import LaidOutPrompt
-from mm_pipeline.prompt.messages import ChatRequest, MediaRef
-from mm_pipeline.runtime.embedding_stream import EmbeddingStream, PlaceholderSpan
+from mm_pipeline.prompt.messages import ChatRequest
+from mm_pipeline.runtime.chat_preparation import ChatPreparation, PreparedChat, check_context
+from mm_pipeline.runtime.embedding_stream import EmbeddingStream
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, free_cpu_threads
@@ -45,10 +42,9 @@ from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads, set_proc
 from mm_pipeline.runtime.cpu_threads.thread_report import describe_threads, thread_counts
 from mm_pipeline.runtime.cpu_threads.thread_choice import WARM_UP_MAX_ROWS, StepThreads, plan_threads, run_on_thread
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
-from mm_pipeline.errors import ContextLengthError, InvalidInputError, MediaError, OverloadedError, Where
+from mm_pipeline.errors import InvalidInputError, OverloadedError
 from mm_pipeline.media.decode.backend import make_decode_backend
 from mm_pipeline.media.ingest import MediaIngestor
-from mm_pipeline.encode.plan import MediaPlan
 from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.runtime.media_feed import MediaFeed
@@ -57,36 +53,9 @@ from mm_pipeline.runtime.warm_start import freeze_startup_objects, import_reques
 from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.model.omni_model import OmniModel
 from mm_pipeline.encode.preprocess import Preprocessor
-from mm_pipeline.media.flows import current_flow
 from mm_pipeline.media.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PreparedChat:
-    """A chat laid out: token ids, one span per unit (prompt order), per plan its span indices, and
-    the positions where the prefix cache keeps a window (media and message ends, prompt/layout.py)."""
-
-    token_ids: list[int]
-    spans: list[PlaceholderSpan]
-    plans: list[MediaPlan]
-    spans_of_plan: list[list[list[tuple[int, int]]]]  # per plan, per unit: (stream span, first row)
-    checkpoints: tuple[int, ...] = ()
-    parts: tuple[Where, ...] = ()  # per plan, the content part its media came from (MediaRef.loc)
-
-
-def _which_item(exc: MediaError, k: int, n: int, ref: MediaRef) -> MediaError:
-    """``exc`` saying which media item of the request failed: the part it came from (its ``loc``,
-    a 400's ``param``), or its number where the request gave no parts (the offline API's items)."""
-    if ref.loc:
-        return exc.located(f"{ref.loc}: {exc}", ref.loc)
-    return exc.located(f"media item {k + 1} of {n}: {exc}", ())
-
-
-# A chat without media under truncate_prompt_tokens may render to this many times the context
-# before the engine cuts it: rendering tokenizes all of it, so the bound keeps that work bounded.
-TRUNCATABLE_CONTEXTS = 4
 
 
 class OmniRuntime:
@@ -152,6 +121,7 @@ class OmniRuntime:
                                     config.planner_config(model.video_sampling, self.max_model_len,
                                                          default_video_audio=model.video_audio),
                                     self.decoder)
+        self.preparation = ChatPreparation(model.layout, self.planner, self.pool, self.text_pool, self.max_model_len)
         self._started = False
         self._closed = False
 
@@ -192,93 +162,8 @@ class OmniRuntime:
 
     # ---- requests ---------------------------------------------------------------------------
     async def prepare_chat(self, chat: ChatRequest, truncate: bool = False, salt: str | None = None) -> PreparedChat:
-        """Ingest and plan every media item (concurrently), then lay the prompt out.
-
-        ``truncate`` (the request has ``truncate_prompt_tokens``): a chat without media may render
-        to up to ``TRUNCATABLE_CONTEXTS`` times the context, which the engine then cuts to its last
-        tokens (a chat with media must fit: media is never cut). ``salt``: the request's cache_salt,
-        which keys its media apart from other salts' (encoder cache, planning shared between requests).
-
-        A chat with one media item takes one hop to the worker pool when it can: ingest, plan from
-        the cache manifest and lay out in the same job (``_prepare_one_hop``). A repeat or a new
-        question about cached media thus pays one hand-off instead of three (ingest, plan, layout:
-        each a worker wake-up and a return to the loop, ~0.3 ms apiece on the 2-core host, measured
-        in a same-prefix request of ~7 ms; README "Overlap, measured")."""
-        refs: list[MediaRef] = chat.media
-        if not truncate or refs:
-            prepared = await self._prepare_chat(chat, refs, self.max_model_len, salt)
-        else:
-            bound = self.max_model_len * TRUNCATABLE_CONTEXTS
-            try:
-                prepared = await self._prepare_chat(chat, refs, bound, salt)
-            except ContextLengthError as exc:
-                raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
-                                         f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
-        for plan in prepared.plans:  # its encoder jobs take the request's turns (media/flows.py)
-            plan.flow, plan.priority = current_flow()
-        return prepared
-
-    async def _prepare_chat(self, chat: ChatRequest, refs: list[MediaRef], bound: int,
-                            salt: str | None = None) -> PreparedChat:
-        """``prepare_chat`` within ``bound`` tokens (the context, or the truncatable bound)."""
-        # a chat of more messages than the bound can hold fails first, before its media is fetched
-        # or a part of it walked (O(1): each message's markup costs at least its special tokens)
-        self.model.layout.check_markup(len(chat.turns), bound, options=chat.options)
-        self.model.layout.template.check_kwargs(chat.options.kwargs)  # a 400 before any media work
-        self.planner.check_request(refs)
-        if len(refs) == 1:
-            got = await self.pool.run(self._prepare_one_hop, chat, refs[0], salt)
-            if isinstance(got, PreparedChat):
-                return got
-            plans = [await self._plan_item(0, 1, refs[0], got, salt)]
-        else:
-            plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r, salt=salt)
-                                                for k, r in enumerate(refs))))
-        self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
-        laid = await self.text_pool.run(self.model.layout.render, chat, plans, bound)  # template + BPE
-        self._check_context(len(laid.token_ids), bound)
-        return self._prepared(laid, plans, refs)
-
-    async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None,
-                         salt: str | None = None) -> MediaPlan:
-        """Media item ``k`` of ``n``: loaded (unless ``item`` is it, already ingested) and planned."""
-        try:
-            return await self.planner.plan(item if item is not None else await self.planner.load(ref, salt), salt)
-        except MediaError as exc:
-            raise _which_item(exc, k, n, ref) from exc
-
-    def _prepare_one_hop(self, chat: ChatRequest, ref: MediaRef, salt: str | None = None
-                         ) -> PreparedChat | MediaItem | None:
-        """Worker thread: the chat's one media item ingested and, when its manifest is cached,
-        planned and the prompt laid out (text tokenization runs here rather than on the text pool:
-        this media request's own worker is already running). Else the ingested item (None: a
-        source only ``planner.load`` takes) for the usual path."""
-        try:
-            item, plan = self.planner.plan_warm(ref, salt)
-        except MediaError as exc:
-            raise _which_item(exc, 0, 1, ref) from exc
-        if plan is None:
-            return item
-        self.planner.check_plans([plan])
-        laid = self.model.layout.render(chat, [plan], self.max_model_len)
-        self._check_context(len(laid.token_ids))
-        return self._prepared(laid, [plan], [ref])
-
-    @staticmethod
-    def _prepared(laid: LaidOutPrompt, plans: list[MediaPlan], refs: list[MediaRef]) -> PreparedChat:
-        # a unit fills one span, or (a video's sound segment) several spans, each from its own row
-        spans, spans_of_plan = [], []
-        for p, (plan, ranges) in enumerate(zip(plans, laid.unit_spans)):
-            pieces: list[list[tuple[int, int]]] = [[] for _ in plan.units]
-            for (start, end), (unit, row) in zip(ranges, laid.pieces(p)):
-                pieces[unit].append((len(spans), row))
-                spans.append(PlaceholderSpan(start, end, plan.units[unit].key))
-            spans_of_plan.append(pieces)
-        order = sorted(range(len(spans)), key=lambda i: spans[i].start)
-        where = {old: new for new, old in enumerate(order)}
-        return PreparedChat(list(laid.token_ids), [spans[i] for i in order], plans,
-                            [[[(where[i], row) for i, row in unit] for unit in pieces] for pieces in spans_of_plan],
-                            laid.boundaries, tuple(ref.loc for ref in refs))
+        """Ingest and plan every media item, then lay the prompt out (``ChatPreparation.prepare``)."""
+        return await self.preparation.prepare(chat, truncate, salt)
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a request's structured output constraint before it is admitted (cached; off the
@@ -346,16 +231,8 @@ class OmniRuntime:
             text = self.model.layout.text_bound.tail(text, keep + 8)
         ids = list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         ids = ids if keep is None else ids[-keep:]
-        self._check_context(len(ids))
+        check_context(len(ids), self.max_model_len)
         return ids
-
-    def _check_context(self, num_tokens: int, limit: int | None = None) -> None:
-        # the engine checks too, but only once the request reaches it: failing here means no
-        # media of a prompt that cannot fit is ever produced
-        limit = self.max_model_len if limit is None else limit
-        if num_tokens + 1 > limit:
-            raise ContextLengthError(f"the prompt is {num_tokens} tokens; with one generated token it exceeds "
-                                     f"the context limit of {limit} tokens")
 
     def record_timeline(self) -> StageTimeline:
         """Start recording when each stage runs (video decode chunks, encoder forwards, LLM steps)

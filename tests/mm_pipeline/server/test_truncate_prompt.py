@@ -66,7 +66,7 @@ def test_a_text_longer_than_the_context_is_cut_not_refused(demo_client, demo_eng
 
 
 def test_a_chat_longer_than_the_context_is_cut_up_to_a_bound(demo_client, demo_engine):
-    """A chat without media may render to 4 contexts (components.TRUNCATABLE_CONTEXTS) before the
+    """A chat without media may render to 4 contexts (chat_preparation.TRUNCATABLE_CONTEXTS) before the
     engine cuts it; past that it is refused, naming the bound."""
     keep = demo_engine.max_model_len - 1
     chat = {"messages": [{"role": "user", "content": (PROMPT + ". ") * 150}], "max_tokens": 1, "temperature": 0}
