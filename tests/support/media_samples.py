@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 
 import av
 import numpy as np
@@ -68,6 +69,16 @@ def audio_bytes(container: str = "wav", codec: str = "pcm_s16le", rate: int = 22
                 out.mux(stream.encode(resampled))
         out.mux(stream.encode(None))
     return buf.getvalue()
+
+
+def many_channels_wav(channels: int, tone: np.ndarray, rate: int = 16000) -> bytes:
+    """16-bit PCM WAV with ``tone`` on channel 0, silence on the others (no channel mask: any count)."""
+    pcm = np.zeros((len(tone), channels), dtype="<i2")
+    pcm[:, 0] = np.round(tone * 32767).astype("<i2")
+    body = pcm.tobytes()
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * 2 * channels, 2 * channels, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + len(body)) + b"WAVEfmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", len(body)) + body)
 
 
 def _to_format(frame: av.AudioFrame, fmt: str, layout: str, rate: int) -> list[av.AudioFrame]:

@@ -66,13 +66,16 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
             # PyAV's resampler takes only frames like its first (ValueError otherwise)
             if resampler is not None:
                 outs += _resample(resampler, None, item)
-            resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
+            # packed float ("flt"), not planar: PyAV's planar to_ndarray reads past FFmpeg's eight
+            # data pointers on a frame of 8+ channels (an ordinary 7.1 track) and crashed the process
+            resampler = av.AudioResampler(format="flt", layout=frame.layout.name, rate=sample_rate)
             setup = (frame.format.name, frame.layout.name, frame.sample_rate)
         if resampler is None:
             break
         for out in outs + _resample(resampler, frame, item):
-            planes = out.to_ndarray()  # [channels, samples] float32 (planar)
-            chunks.append(planes.mean(axis=0, dtype=np.float32))
+            # [1, samples * channels] float32, interleaved: one row per sample, its channels averaged
+            samples = out.to_ndarray().reshape(-1, len(out.layout.channels))
+            chunks.append(samples.mean(axis=1, dtype=np.float32))
             if not np.isfinite(chunks[-1]).all():
                 # float sample formats (float WAV, AIFF-C, CAF...) can carry NaN / Inf and the
                 # resampler passes them on; the encoder cannot make anything of them, so the
@@ -80,7 +83,7 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
                 raise UndecodableMediaError(
                     f"{item.format} audio from {item.origin} holds non-finite samples (NaN or Inf); "
                     f"send finite audio")
-            total += planes.shape[1]
+            total += samples.shape[0]
             if grow is not None:
                 grow(chunks[-1].nbytes)
         if total > max_samples:

@@ -10,7 +10,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from tests.support.media_samples import animated_bytes, audio_bytes, frame_level, image_bytes, video_bytes
+from tests.support.media_samples import (animated_bytes, audio_bytes, frame_level, image_bytes, many_channels_wav,
+                                         video_bytes)
 from PIL import Image
 
 from mm_pipeline.media.decode.audio import decode_audio
@@ -139,6 +140,26 @@ def test_audio_channels_are_averaged() -> None:
         out.mux(stream.encode(None))
     s = decode_audio(MediaItem(MediaKind.AUDIO, "wav", buf.getvalue()), 16000).samples.numpy()
     assert np.allclose(s, tone / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("channels", [6, 8, 9, 64])
+def test_audio_of_eight_and_more_channels_is_averaged_not_a_crash(tmp_path, channels: int) -> None:
+    """An ordinary 7.1 track (8 channels) crashed the process: PyAV's planar ``to_ndarray`` read past
+    FFmpeg's eight data pointers. Decoded in a child process, so a crash fails this test alone."""
+    import subprocess
+    import sys
+
+    tone = 0.8 * np.sin(np.arange(8000) * 2 * math.pi * 300 / 16000)
+    (tmp_path / "in.wav").write_bytes(many_channels_wav(channels, tone))
+    script = ("import sys, numpy as np; from mm_pipeline.media.decode.audio import decode_audio; "
+              "from mm_pipeline.media.types import MediaItem, MediaKind; "
+              "item = MediaItem(MediaKind.AUDIO, 'wav', open(sys.argv[1], 'rb').read()); "
+              "np.save(sys.argv[2], decode_audio(item, 16000).samples.numpy())")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.wav"), str(tmp_path / "out.npy")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    s = np.load(tmp_path / "out.npy")
+    assert s.shape == tone.shape and np.allclose(s, tone / channels, atol=1e-4)
 
 
 def test_audio_duration_limit_and_garbage() -> None:

@@ -9,13 +9,14 @@ import asyncio
 import base64
 
 import httpx
+import numpy as np
 import pytest
 
 from encoders.image_processing import AspectRatioError, ImageProcessingConfig, smart_resize
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.errors import ContextLengthError, InvalidMediaError
 from mm_pipeline.prompt.messages import parse_messages
-from tests.support.media_samples import image_bytes, video_bytes
+from tests.support.media_samples import image_bytes, many_channels_wav, video_bytes
 from tests.support.served import served_tiny_omni
 
 
@@ -64,6 +65,16 @@ def test_media_over_the_aspect_ratio_limit_is_a_media_error(served, part, what):
     error = r.json()["error"]
     assert error["kind"] == "media" and error["type"] == "invalid_request_error"
     assert what in error["message"] and "aspect ratio" in error["message"]
+
+
+def test_a_seven_one_soundtrack_is_answered_and_the_server_lives(served):
+    """8 channels (an ordinary 7.1 WAV) once crashed the server process inside PyAV."""
+    tone = 0.5 * np.sin(np.arange(8000) * 2 * np.pi * 300 / 16000)
+    wav = base64.b64encode(many_channels_wav(8, tone)).decode()
+    part = {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}
+    r = _chat(served, [{"role": "user", "content": [part, {"type": "text", "text": "what?"}]}])
+    assert r.status_code == 200, r.text
+    assert _chat(served, [{"role": "user", "content": "hi"}]).status_code == 200
 
 
 def test_the_aspect_ratio_is_refused_from_the_size_alone():
