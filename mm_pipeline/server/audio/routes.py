@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from mm_pipeline.errors import MMServeError
 from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.audio.protocol import (DEFAULT_TEMPERATURE, PASSED_FIELDS, AudioForm, Transcription,
                                               TranscriptionUsage, audio_format)
@@ -113,6 +114,8 @@ async def _answer(request: Request, service: ChatService, settings: ServerSettin
         chunks, close = await until_disconnected(request, service.chat_chunks(chat, info))
     except ClientDisconnected:
         return Response(status_code=499)
+    except MMServeError as exc:
+        raise _named_by_form(exc) from exc.__cause__
     return StreamingResponse(_events(chunks), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **info.headers()}, background=BackgroundTask(close))
 
@@ -132,5 +135,13 @@ async def _events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[s
                 yield sse_event({**head, "choices": [{"delta": {"content": content or ""},
                                                       "finish_reason": choice.finish_reason, "stop_reason": None}]})
     except Exception as exc:
-        yield error_event(exc)
+        yield error_event(_named_by_form(exc) if isinstance(exc, MMServeError) else exc)
     yield DONE
+
+
+def _named_by_form(exc: MMServeError) -> MMServeError:
+    """An error about the audio part of the chat a form is answered as (``messages[0].content[0]:
+    ...``), named as the client sent it: the form's ``file`` field."""
+    if exc.loc[:4] != ("messages", 0, "content", 0):
+        return exc
+    return exc.located("file" + str(exc).removeprefix(str(exc.loc)), ("file",))

@@ -103,6 +103,11 @@ def test_bad_files_and_bodies(demo_client, demo_engine, tmp_path_factory):
     assert r.status_code == 400 and "empty" in r.text, r.text
     r = demo_client.post("/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF....WAVEfmt " + b"\x00" * 64)})
     assert 400 <= r.status_code < 500, r.text  # undecodable audio: the media pipeline's 4xx
+    # named by the form's field, not by the chat the route answers it as
+    assert r.json()["error"]["param"] == "file" and r.json()["error"]["message"].startswith("file: "), r.text
+    r = demo_client.post("/v1/audio/transcriptions", files={"file": ("a.txt", b"plain text, not audio " * 8)})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "file", r.text
+    assert "messages[" not in r.text, r.text
     assert transcribe(demo_client).status_code == 200  # and the server goes on
 
     with served_client(demo_engine, str(tmp_path_factory.mktemp("f")), max_audio_upload_bytes=4096) as c:
