@@ -22,9 +22,10 @@ from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.lru_heap import LruHeap
 from llm_core.kvcache.radix_node import RadixNode
 from llm_core.kvcache.radix_tree import RadixTree
-from llm_core.kvcache.swa_window import window_safe_pages
+from llm_core.kvcache.swa_window import window_first_page, window_safe_pages
 
 if TYPE_CHECKING:
+    from llm_core.kvcache.lock_table import LockTable
     from llm_core.kvcache.tiers.kv_tiers import KVTiers
 
 
@@ -112,6 +113,29 @@ class EvictionPolicy:
         alloc.free([old])
         (self.tree.set_full if kind == "full" else self.tree.set_swa)(node, i, page)
         return True
+
+    def fold_copies(self, locks: LockTable) -> tuple[int, int]:
+        """Every page a running request reads its own copy of while the node lists another one: the
+        node takes the request's copy once its own is the tree's alone (``take_copy``). Full: the
+        pages ``Holder.copies`` lists. SWA: any page of the request's window, found by comparing (a
+        window the node kept and another request read when this one computed it again; a tombstone
+        another request revived with its own page): at most a window's pages a request. Returns the
+        (Full, SWA) pages this freed."""
+        before = self.pool.full.num_free, self.pool.swa.num_free
+        for request, holder in locks.held():
+            if holder.copies:
+                holder.copies = [p for p in holder.copies
+                                 if not self.take_copy(*holder.tail.locate(p), request.full_pages[p], "full")]
+            if self.has_swa:
+                want = window_first_page(holder.tail.end, self.window, self.page_size)
+                node = holder.tail
+                while node is not self.tree.root and node.end > want:
+                    for i in range(max(want - node.start, 0), len(node.swa)):
+                        mine = request.swa_pages[node.start + i]
+                        if mine >= 0 and node.swa[i] >= 0:
+                            self.take_copy(node, i, mine, "sliding")
+                    node = node.parent
+        return self.pool.full.num_free - before[0], self.pool.swa.num_free - before[1]
 
     def delete_leaf(self, node: RadixNode) -> tuple[int, int]:
         """Delete an unlocked leaf, then the dead tail of an unlocked parent left as a leaf (see

@@ -133,9 +133,9 @@ class SWARadixCache(PrefixCache):
 
     def make_room(self, pool: DualKVPool, full_pages: int, swa_pages: int) -> None:
         """Called by the scheduler before an allocation would fail (before preempting anybody):
-        first the Full pages held twice (``_fold_copies``: nothing cached is lost), then eviction."""
-        folded = self._fold_copies() if full_pages else 0
-        self.evict(max(0, full_pages - folded) * self.page_size, swa_pages * self.page_size)
+        first the pages held twice (``EvictionPolicy.fold_copies``: nothing cached is lost), then eviction."""
+        full, swa = self.eviction.fold_copies(self.locks) if full_pages or swa_pages else (0, 0)
+        self.evict(max(0, full_pages - full) * self.page_size, max(0, swa_pages - swa) * self.page_size)
 
     def kv_buffers(self, pool: DualKVPool):
         """The pool, or a view whose ``layer(i)`` waits for pending tier loads of layer i."""
@@ -318,24 +318,13 @@ class SWARadixCache(PrefixCache):
                     self.pool.swa.incref([s])
                     self.tree.set_swa(child, i, s)
                     holder.own_swa.append((child.start + i, s))
-                elif s >= 0:  # a window the node kept: its copy now, not the request's to trim
+                elif s >= 0:  # a window the node kept: its copy now if nobody else reads it (else folded later)
                     self.eviction.take_copy(child, i, s, "sliding")
             self.locks.extend(holder, child)
             node, k = child, k + n
             self.eviction.touch(node)
             if self.tiers is not None:
                 self.tiers.backfill(node)
-
-    def _fold_copies(self) -> int:
-        """Every page a running request reads its own copy of while the node lists another one
-        (``Holder.copies``): the node takes the request's copy once its own is the tree's alone.
-        Returns the pages this freed."""
-        before = self.pool.full.num_free
-        for request, holder in self.locks.held():
-            if holder.copies:
-                holder.copies = [p for p in holder.copies
-                                 if not self.eviction.take_copy(*holder.tail.locate(p), request.full_pages[p], "full")]
-        return self.pool.full.num_free - before
 
     def _add_pages(self, request: Request, holder: Holder, keys: list[PageKey], upto: int,
                    hashes: list[bytes] | None) -> None:
@@ -365,9 +354,10 @@ class SWARadixCache(PrefixCache):
         decode step walked ~6 path nodes per request for nothing, ~0.2 ms in Python)."""
         if holder.advanced == (holder.tail, holder.tail.end, holder.swa_lo, self.tree.splits):
             return
+        want = window_first_page(holder.tail.end, self.window, self.page_size)
+        self._cut_at_window(holder, want)
         for node in self.locks.advance(holder):
             self.eviction.push(node)
-        want = window_first_page(holder.tail.end, self.window, self.page_size)
         node = holder.tail
         for page, phys in reversed(holder.take_own_swa_before(want)):
             if keeps_swa(page, holder.kept_ends, self.checkpoint_every, self.window, self.page_size):
@@ -377,6 +367,19 @@ class SWARadixCache(PrefixCache):
                 self.eviction.free_swa_page(node, i)
                 self.counters["trimmed_swa_pages"] += 1
         holder.advanced = (holder.tail, holder.tail.end, holder.swa_lo, self.tree.splits)
+
+    def _cut_at_window(self, holder: Holder, want: int) -> None:
+        """Split the SWA-locked path node the window's first page ``want`` falls inside when its part
+        behind the window holds SWA (a window kept for later: the prompt's last, a checkpoint): the
+        lock is per node, and it kept that SWA, which this request no longer reads, from eviction
+        while the window crossed the node (a lone request with a small SWA pool then failed). A part
+        holding none is left whole: a long node is not cut page by page as the window moves."""
+        node = holder.tail
+        while node is not self.tree.root and node.start >= want:
+            node = node.parent
+        if node is not self.tree.root and want < node.end and node.end > holder.swa_lo and \
+                any(s >= 0 for s in node.swa[:want - node.start]):
+            self._split(node, want - node.start)
 
     def _unlock(self, holder: Holder) -> None:
         for node in self.locks.unlock(holder):

@@ -206,3 +206,36 @@ def test_a_match_extended_by_a_load_leaves_the_shorter_windows_swa_evictable():
     assert again.finish_reason == "length" and again.num_cached_tokens == 32
     assert h.cache.stats()["hit_tokens_l2"] == 16
     h.cache.tiers.close()
+
+
+def test_a_node_the_window_crosses_leaves_its_kept_windows_evictable():
+    """The request's SWA lock is per node: the node holding the prompt's kept windows (a checkpoint,
+    the prompt's last window) stayed locked whole while the request's window crossed it, and its SWA
+    behind the window, which nobody read, could not be evicted: a lone request with a small SWA pool
+    failed where the cache off finishes it. The node is now split where the window starts."""
+    prompt = [45, 45, 38, 19, 36, 35, 14, 36, 28, 19, 22]
+    h = Harness(window=8, page=1, full_pages=12, swa_pages=8, budget=23, chunk=5, interval=3, seqs=4)
+    r = h.add(prompt, 1, checkpoints=(2,))
+    h.drain()
+    assert r.finish_reason == "length", r.error
+    h.cache.clear()
+    assert h.pool.all_free()
+
+
+def test_a_window_computed_again_while_another_reads_it_is_folded_when_it_leaves():
+    """A request that computes a window again (prompt logprobs: it takes nothing from the tree) while
+    another request reads the node's copy cannot give the node its page then; it lists the page as
+    its own copy, and once the reader is gone, make_room folds it before evicting. Unlisted, the
+    node's copy stayed SWA-locked by the request that did not read it, and with a small SWA pool
+    the lone request failed part-way."""
+    first = BASES[1][:40]
+    h = Harness(window=8, page=2, full_pages=64, swa_pages=8, budget=64, chunk=4, interval=1, seqs=4)
+    run(h, first[:9], max_tokens=1)  # pages 0..3 and their windows on the tree
+    a = h.add(first[:8] + [5], 2)  # reads the tree's SWA of those pages
+    b = Request("b", first[:8] + [7], SamplingParams(max_tokens=6, prompt_logprobs=0), 99)
+    h.requests.append(b)
+    h.sched.add(b)
+    h.drain()
+    assert a.finish_reason == b.finish_reason == "length", b.error
+    h.cache.clear()
+    assert h.pool.all_free()
