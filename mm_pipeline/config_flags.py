@@ -84,10 +84,17 @@ class ConfigFlag:
         return value
 
     def check(self, value: Any) -> None:
-        """Build the field's dataclass with ``value`` (defaults elsewhere): its own validation runs."""
+        """Build the field's dataclass with ``value`` (defaults elsewhere): its own validation runs.
+        A problem that names another of its fields is a combination (``max_upload_bytes <=
+        max_files_total_bytes``), which the other flags given may well satisfy: it is left to the
+        build of the whole config from every flag (a usage error there), not refused here against
+        the other fields' defaults."""
         try:
             dataclasses.replace(_default_of(self.owner), **{self.name: (value,) if self.repeated else value})
         except (ValueError, TypeError) as exc:
+            named = set(re.split(r"\W+", str(exc)))
+            if any(f.name in named for f in dataclasses.fields(self.owner) if f.name != self.name):
+                return
             raise argparse.ArgumentTypeError(str(exc)) from None
 
 

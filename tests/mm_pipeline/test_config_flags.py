@@ -247,3 +247,11 @@ def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
     with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # an upload larger than the whole store
         cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "2048",
                                             "--max-files-total-bytes", "1GiB"]), tmp_path)
+    # a combination is checked on the whole settings, never one flag against the others' defaults:
+    # a store smaller than the default upload limit is fine with a smaller upload limit given too
+    small = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "8",
+                                                "--max-files-total-bytes", "256MiB"]), tmp_path)
+    assert (small.max_upload_bytes, small.max_files_total_bytes) == (8 << 20, 256 << 20)
+    with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # alone, with the 512 MiB default upload
+        cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-files-total-bytes", "256MiB"]), tmp_path)
+    assert "--max-audio-upload-bytes" in _usage_error(["serve", "--model", "m", "--max-audio-upload-bytes", "0"], capsys)
