@@ -13,6 +13,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
@@ -154,6 +155,13 @@ async def _parse(request: Request, parts: _Parts, what: str, idle_s: float) -> N
         raise APIError(400, f"{what} has no 'file' part", param="file")
 
 
+def _unparsable(what: str, exc: FormParserError) -> APIError:
+    """A body python-multipart cannot parse: its own words ("Expected boundary character 45, got
+    103 at index 2") go to the log line, not to the client (README "Limits and security")."""
+    return APIError(400, f"invalid {what}: the multipart/form-data body does not parse (a boundary, "
+                         f"part header or line ending out of place)", detail=f"python-multipart: {exc}")
+
+
 async def receive_upload(request: Request, store: FilesStore, idle_s: float = BODY_IDLE_S) -> FileRecord:
     """Parse the upload request and commit its file; raises ``APIError`` (400 / 408 / 413 / 415);
     ``idle_s``: the longest wait for the next piece of the body."""
@@ -169,7 +177,9 @@ async def receive_upload(request: Request, store: FilesStore, idle_s: float = BO
         return await asyncio.to_thread(parts.writer.commit)
     except UploadTooLarge as exc:
         raise APIError(413, str(exc), param="file") from None
-    except ValueError as exc:  # python-multipart's parse errors, an empty file
+    except FormParserError as exc:
+        raise _unparsable("upload", exc) from None
+    except ValueError as exc:  # ours: an empty file, a field over its limits
         raise APIError(400, f"invalid upload: {exc}") from None
     finally:
         if parts.writer is not None:
@@ -186,7 +196,9 @@ async def receive_form(request: Request, max_file_bytes: int, what: str = "reque
         await _parse(request, parts, what, idle_s)
     except UploadTooLarge as exc:
         raise APIError(413, str(exc), param="file") from None
-    except ValueError as exc:  # python-multipart's parse errors
+    except FormParserError as exc:
+        raise _unparsable(what, exc) from None
+    except ValueError as exc:  # ours: a field over its limits
         raise APIError(400, f"invalid {what}: {exc}") from None
     data = parts.take_pending()
     if not data:

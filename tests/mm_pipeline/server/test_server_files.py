@@ -200,6 +200,10 @@ def test_malformed_multipart_is_a_400_and_stores_nothing(server):
     for cut in (full[:full.index(b"whole")], _multipart(b"bb", b"no closing boundary", close=False)):
         r = _post_raw(server, cut, b"bb")
         assert r.status_code == 400 and "truncated" in r.json()["error"]["message"], r.text
+    for garbage in (b"garbage garbage", b"--bb\r\nfoo\r\n\r\n"):  # python-multipart's own words stay in the log
+        r = _post_raw(server, garbage, b"bb")
+        assert r.status_code == 400 and "does not parse" in r.json()["error"]["message"], r.text
+        assert "Expected" not in r.text and "index" not in r.text, r.text
     assert server.store.list() == before
     server.store.check_integrity()
 
