@@ -54,6 +54,7 @@ class BatchLine:
     custom_id: str | None
     request: ChatCompletionRequest | CompletionRequest | None
     problem: tuple[int | None, str, str] | None  # (HTTP status or None, code, message)
+    param: str | None = None  # the field a 400 problem names, as the route's answer names it
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,8 @@ def parse_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits |
     try:
         return BatchLine(number, cid, model_cls.model_validate(body), None)
     except ValidationError as exc:  # named as the route names it (errors.validation_message)
-        return BatchLine(number, cid, None, (400, "invalid_request", validation_message(exc.errors())[0]))
+        message, param = validation_message(exc.errors())
+        return BatchLine(number, cid, None, (400, "invalid_request", message), param)
 
 
 def decode_line(line: bytes) -> str | bytes | None:
@@ -233,7 +235,7 @@ async def answer_line(service: ChatService, line: BatchLine,
         else:
             # a body that does not validate: what the server answers for it (an invalid input)
             rec["response"] = {"status_code": status, "request_id": None,
-                               "body": error_body(status, message, kind=InvalidInputError.kind)}
+                               "body": error_body(status, message, param=line.param, kind=InvalidInputError.kind)}
         return rec
     while True:
         try:

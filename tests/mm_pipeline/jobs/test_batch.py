@@ -185,6 +185,7 @@ def test_batch_lines_take_penalties_logit_bias_min_p_and_min_tokens(engine, tmp_
     assert pen["status_code"] == 200 and pen["body"]["usage"]["completion_tokens"] == 4  # min_tokens = max_tokens
     for cid, field in (("vocab", "logit_bias"), ("range", "presence_penalty")):
         assert by_id[cid]["status_code"] == 400 and field in by_id[cid]["body"]["error"]["message"], by_id[cid]
+    assert by_id["range"]["body"]["error"]["param"] == "presence_penalty"  # as the route names it
 
     from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
     from mm_pipeline.server.protocol import CompletionRequest
