@@ -46,6 +46,16 @@ class Where(tuple):
         return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if k else p for k, p in enumerate(self))
 
 
+ECHO_CHARS = 100  # of a value a client sent, quoted back in an error message
+
+
+def echo(value: object) -> str:
+    """``repr(value)`` of something a client sent, cut to ECHO_CHARS: a message quotes it (an id of
+    100,000 characters must not come back whole, and a batch keeps its lines' messages)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS - 1] + "…"
+
+
 class MMServeError(Exception):
     """Base class: a failure a caller must hear about, classified by its type. ``loc`` (a ``Where``;
     empty when the error names no place) is the part of the request the message is about, which

@@ -45,7 +45,7 @@ from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.single_flight import SingleFlight
 from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.errors import (ContextLengthError, InvalidInputError, MediaError, MediaNotFound, MediaTooLarge,
-                                UndecodableMediaError, UnsupportedMediaType)
+                                UndecodableMediaError, UnsupportedMediaType, echo)
 from mm_pipeline.media.decode.audio import has_audio_stream
 from mm_pipeline.media.decode.backend import DecodeBackend
 from mm_pipeline.media.decode.budget import DecodeControl
@@ -103,7 +103,7 @@ class MediaPlanner:
         if ref.source is not None:
             return await self.ingestor.ingest(ref.source, salt)
         if self.file_resolver is None:
-            raise MediaNotFound(f"file {ref.file_id!r}: this server has no file store")
+            raise MediaNotFound(f"file {echo(ref.file_id)}: this server has no file store")
         key = f"{ref.file_id}\0{ref.kind.value if ref.kind is not None else ''}\0{salt or ''}"
         item, _ = await self._loading.run(key, lambda: self._load_file(ref, salt))
         return item
@@ -235,7 +235,7 @@ class MediaPlanner:
         try:
             data, _name = await self.pool.run(self.file_resolver, ref.file_id)
         except KeyError:
-            raise MediaNotFound(f"no uploaded file with id {ref.file_id!r}") from None
+            raise MediaNotFound(f"no uploaded file with id {echo(ref.file_id)}") from None
         if isinstance(data, Path):
             data = await self.pool.run(self._read_upload, data, ref.file_id)
         return await self.ingestor.ingest(MediaSource(data=data if isinstance(data, bytes) else bytes(data),
@@ -257,7 +257,7 @@ class MediaPlanner:
         try:
             f = path.open("rb")
         except FileNotFoundError:
-            raise MediaNotFound(f"no uploaded file with id {file_id!r}") from None
+            raise MediaNotFound(f"no uploaded file with id {echo(file_id)}") from None
         with f:
             size = os.fstat(f.fileno()).st_size
             if size > limit:

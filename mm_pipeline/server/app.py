@@ -32,6 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from pydantic import TypeAdapter, ValidationError
 from starlette.background import BackgroundTask
 
+from mm_pipeline.errors import echo
 from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.completions.choices import ChoiceState
@@ -192,7 +193,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         try:
             return store.get(file_id)
         except FileNotFoundInStore:
-            raise APIError(404, f"no file with id {file_id!r}", param="file_id") from None
+            raise APIError(404, f"no file with id {echo(file_id)}", param="file_id") from None
 
     @app.post("/v1/files")
     async def upload_file(request: Request) -> JSONResponse:
@@ -215,19 +216,19 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         try:  # stat here: a delete racing the download is a 404, not FileResponse's own stat failing (500)
             st = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
-            raise APIError(404, f"no file with id {file_id!r}", param="file_id") from None
+            raise APIError(404, f"no file with id {echo(file_id)}", param="file_id") from None
         return FileResponse(path, filename=rec.filename, media_type="application/octet-stream", stat_result=st)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> JSONResponse:
         record(file_id)
         if (batch_id := batches.reading(file_id)) is not None:
-            raise APIError(409, f"file {file_id!r} is the input of batch {batch_id}, which has not ended: cancel "
+            raise APIError(409, f"file {echo(file_id)} is the input of batch {batch_id}, which has not ended: cancel "
                                 f"the batch or wait for it before deleting its input", param="file_id")
         try:
             await asyncio.to_thread(store.delete, file_id)
         except FileNotFoundInStore:
-            raise APIError(404, f"no file with id {file_id!r}", param="file_id") from None
+            raise APIError(404, f"no file with id {echo(file_id)}", param="file_id") from None
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     # ---- models, health, metrics --------------------------------------------------------------
@@ -244,7 +245,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
         if model_id not in names:
-            raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"model {echo(model_id)} does not exist", param="model", code="model_not_found")
         return JSONResponse(model_card(model_id).model_dump())
 
     # Both read the engine's last published stats snapshot; neither touches engine state.

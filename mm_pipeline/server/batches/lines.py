@@ -31,14 +31,13 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from pydantic import ValidationError
 
-from mm_pipeline.errors import InvalidInputError, OverloadedError
+from mm_pipeline.errors import InvalidInputError, OverloadedError, echo
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import error_body, to_api_error, validation_message
 from mm_pipeline.server.json_limits import JSONLimits, too_many_bytes
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
-ECHO_CHARS = 100  # of a value a line gave, quoted back in an error message
 
 
 def failure_message(rec: dict[str, Any]) -> str | None:
@@ -62,13 +61,6 @@ class LineTooLong:
     """Stands for a line over ``max_bytes`` (``read_lines``): it was skipped, not read into memory."""
 
     max_bytes: int
-
-
-def echo(value: Any) -> str:
-    """``repr(value)`` of something a line gave, cut to ECHO_CHARS: a message quotes it, and a
-    batch keeps its messages (a url of a megabyte must not become an error of a megabyte)."""
-    text = repr(value)
-    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS - 1] + "…"
 
 
 def load_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits | None = None

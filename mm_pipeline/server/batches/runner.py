@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Iterator
 
-from mm_pipeline.errors import OverloadedError
+from mm_pipeline.errors import OverloadedError, echo
 from mm_pipeline.server.batches.lines import (BatchLine, LineTooLong, answer_line, custom_id_of, parse_line,
                                               read_lines, retry_overloaded)
 from mm_pipeline.server.batches.result_files import ResultFiles
@@ -99,9 +99,9 @@ class BatchRunner:
         try:
             rec = self.files.get(body.input_file_id)
         except FileNotFoundInStore:
-            raise APIError(404, f"no file with id {body.input_file_id!r}", param="input_file_id") from None
+            raise APIError(404, f"no file with id {echo(body.input_file_id)}", param="input_file_id") from None
         if rec.purpose != "batch":
-            raise APIError(400, f"file {body.input_file_id!r} has purpose {rec.purpose!r}: a batch's input file is "
+            raise APIError(400, f"file {echo(body.input_file_id)} has purpose {rec.purpose!r}: a batch's input file is "
                                 f"uploaded with purpose 'batch'", param="input_file_id")
         self._settle_waiting()
         if sum(not b.finished for b in self._batches.values()) >= MAX_PENDING_BATCHES:
@@ -125,7 +125,7 @@ class BatchRunner:
     def get(self, batch_id: str) -> BatchObject:
         batch = self._batches.get(batch_id)
         if batch is None:
-            raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id")
+            raise APIError(404, f"no batch with id {echo(batch_id)}", param="batch_id")
         self._settle(batch)
         return batch
 

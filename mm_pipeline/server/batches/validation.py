@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mm_pipeline.server.batches.lines import echo, header_problem, load_line, read_lines
+from mm_pipeline.errors import echo
+from mm_pipeline.server.batches.lines import header_problem, load_line, read_lines
 from mm_pipeline.server.batches.protocol import BatchError
 from mm_pipeline.server.json_limits import JSONLimits
 

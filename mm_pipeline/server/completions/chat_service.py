@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.errors import InvalidInputError, generation_error
+from mm_pipeline.errors import InvalidInputError, echo, generation_error
 from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.completions.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
                                         collect_all, merge_choices, start_all)
@@ -371,7 +371,7 @@ class ChatService:
     def check_model(self, model: str | None) -> None:
         """A request naming another model than this server's (its name or an alias) is a 404 (None: this one)."""
         if model is not None and model not in (names := (self.config.model_name, *self.config.model_aliases)):
-            raise APIError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
+            raise APIError(404, f"model {echo(model)} does not exist; this server serves {', '.join(map(repr, names))}",
                            param="model", code="model_not_found")
 
     def _as_ids(self, req: SamplingFields) -> bool:

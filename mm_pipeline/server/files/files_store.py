@@ -29,6 +29,8 @@ from pathlib import Path
 
 import blake3
 
+from mm_pipeline.errors import echo
+
 
 class UploadTooLarge(Exception):
     """The upload passed the per-file cap or would overfill the store."""
@@ -120,7 +122,7 @@ class FilesStore:
         with self._lock:
             rec = self._records.get(file_id)
         if rec is None:
-            raise FileNotFoundInStore(f"no file with id {file_id!r}")
+            raise FileNotFoundInStore(f"no file with id {echo(file_id)}")
         return rec
 
     def list(self, purpose: str | None = None) -> list[FileRecord]:
@@ -135,7 +137,7 @@ class FilesStore:
         with self._lock:
             rec = self._records.pop(file_id, None)
             if rec is None:
-                raise FileNotFoundInStore(f"no file with id {file_id!r}")
+                raise FileNotFoundInStore(f"no file with id {echo(file_id)}")
             (self.root / "meta" / f"{file_id}.json").unlink(missing_ok=True)
             if not any(r.content_hash == rec.content_hash for r in self._records.values()):
                 self._blob(rec.content_hash).unlink(missing_ok=True)

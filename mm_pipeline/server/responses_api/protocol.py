@@ -36,6 +36,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       model_validator)
 
 from llm_core.engine.sampling.params import MAX_LOGPROBS
+from mm_pipeline.errors import echo
 from mm_pipeline.prompt.template_options import MAX_TOOLS
 from mm_pipeline.server.completions.structured_formats import JsonSchemaFormat
 from mm_pipeline.server.protocol import TokenCount, refusing
@@ -218,7 +219,7 @@ class ResponsesRequest(BaseModel):
         first: dict[str, int] = {}
         for i, item in enumerate(v if isinstance(v, list) else ()):
             if item.id and first.setdefault(item.id, i) != i:  # an empty id is given a fresh one (listed_items)
-                raise ValueError(f"input items' ids must differ: item {i} repeats the id {item.id!r} of item "
+                raise ValueError(f"input items' ids must differ: item {i} repeats the id {echo(item.id)} of item "
                                  f"{first[item.id]}")
         return v
 

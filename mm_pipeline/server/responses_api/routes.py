@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from mm_pipeline.errors import MMServeError, OverloadedError, Where
+from mm_pipeline.errors import MMServeError, OverloadedError, Where, echo
 from mm_pipeline.server.completions.answer_info import REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
@@ -66,7 +66,7 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
     def stored(response_id: str) -> StoredResponse:
         entry = store.get(response_id)
         if entry is None:
-            raise APIError(404, f"no stored response with id {response_id!r}", param="response_id",
+            raise APIError(404, f"no stored response with id {echo(response_id)}", param="response_id",
                            code="response_not_found")
         return entry
 
@@ -80,15 +80,15 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
         ``previous_response_id`` unless that response is stored and answered."""
         previous = store.get(response_id)
         if previous is None and (running := background.get(response_id)) is not None:
-            raise APIError(400, f"previous response {response_id!r} is {running.response.status}: continue it once "
+            raise APIError(400, f"previous response {echo(response_id)} is {running.response.status}: continue it once "
                                 f"it has completed (poll GET /v1/responses/{response_id})",
                            param="previous_response_id")
         if previous is None:
-            raise APIError(400, f"previous response {response_id!r} is not stored here (never stored, deleted, or "
+            raise APIError(400, f"previous response {echo(response_id)} is not stored here (never stored, deleted, or "
                                 f"dropped for room: --responses-store-bytes); send the conversation as input "
                                 f"instead", param="previous_response_id", code="previous_response_not_found")
         if previous.response.status not in ("completed", "incomplete"):  # a background one that failed or stopped
-            raise APIError(400, f"previous response {response_id!r} is {previous.response.status}: it has no answer "
+            raise APIError(400, f"previous response {echo(response_id)} is {previous.response.status}: it has no answer "
                                 f"to continue; send the conversation as input instead", param="previous_response_id")
         return previous.history
 
@@ -158,7 +158,7 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
         if response is None:  # not running: one that ended is returned as it is (OpenAI: cancelling twice is a no-op)
             response = stored(response_id).response
             if not response.background:
-                raise APIError(400, f"response {response_id!r} was not created with background: true; only a "
+                raise APIError(400, f"response {echo(response_id)} was not created with background: true; only a "
                                     f"background response can be cancelled", param="response_id")
         return JSONResponse(response.model_dump())
 

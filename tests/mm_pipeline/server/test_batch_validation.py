@@ -11,6 +11,7 @@ import threading
 import pytest
 from pydantic import ValidationError
 
+from mm_pipeline.errors import ECHO_CHARS, echo
 from mm_pipeline.server.batches import lines as batch_lines
 from mm_pipeline.server.batches.lines import LineTooLong, read_lines
 from mm_pipeline.server.batches import validation
@@ -122,6 +123,6 @@ def test_an_input_file_must_have_purpose_batch(store):
 
 
 def test_the_echo_of_a_value_is_cut_with_an_ellipsis():
-    assert batch_lines.echo("short") == "'short'"
-    cut = batch_lines.echo("x" * 1000)
-    assert len(cut) == batch_lines.ECHO_CHARS and cut.endswith("…")
+    assert echo("short") == "'short'"
+    cut = echo("x" * 1000)
+    assert len(cut) == ECHO_CHARS and cut.endswith("…")

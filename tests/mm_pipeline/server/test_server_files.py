@@ -226,6 +226,15 @@ def test_form_fields_and_chunked_bodies_are_bounded(server):
     server.store.check_integrity()
 
 
+def test_an_unknown_id_is_quoted_back_cut_short(server):
+    """A 404 quotes the id it did not find, cut to 100 characters: an id of 5,000 came back whole."""
+    auth = {"Authorization": "Bearer sk-test"}
+    for path in ("/v1/files/", "/v1/files/{}/content", "/v1/batches/"):
+        url = server.base_url + (path.format("f" * 5000) if "{}" in path else path + "f" * 5000)
+        r = httpx.get(url, headers=auth) if "batches" in path or "content" in path else httpx.delete(url, headers=auth)
+        assert r.status_code == 404 and len(r.json()["error"]["message"]) < 200, (path, r.status_code, len(r.text))
+
+
 def test_content_of_a_file_deleted_while_it_is_asked_for_is_a_404(server):
     """The record was found, then a concurrent delete removed the blob before the download read it:
     a 404 (FileResponse's own stat raised RuntimeError, a 500)."""
