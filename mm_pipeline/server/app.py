@@ -24,9 +24,9 @@ import shutil
 import tempfile
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
@@ -46,7 +46,7 @@ from mm_pipeline.server.protocol import (MAX_REQUEST_ID_CHARS, ChatCompletionReq
                                         RequestId)
 from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls
-from mm_pipeline.server.responses import FileObject, ModelCard
+from mm_pipeline.server.responses import FileList, FileObject, ModelCard, cursor_page
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_disconnected
 from mm_pipeline.server.files.uploads import receive_upload
@@ -201,9 +201,13 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         return JSONResponse(_file_object(uploaded).model_dump())
 
     @app.get("/v1/files")
-    async def list_files(purpose: str | None = None) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_file_object(r).model_dump() for r in store.list(purpose)],
-                             "has_more": False})
+    async def list_files(purpose: str | None = None, limit: int = Query(default=10_000, ge=1, le=10_000),
+                         order: Literal["asc", "desc"] = "desc", after: str | None = None) -> JSONResponse:
+        """OpenAI's list: newest first by default, ``limit`` a page (1-10,000), ``after`` a file id."""
+        records = store.list(purpose)
+        page = cursor_page(records if order == "asc" else records[::-1], lambda r: r.id, limit, after)
+        page["data"] = [_file_object(r) for r in page["data"]]
+        return JSONResponse(FileList(**page).model_dump())
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> JSONResponse:

@@ -183,7 +183,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _clean_loc(loc) -> list[str]:
-    """Field path without pydantic's union-branch markers (``list[...]``, ``str``)."""
+    """Field path without pydantic's union-branch markers (``list[...]``, ``str``) and without
+    FastAPI's part of the request it names first (``query.limit`` is the client's ``limit``)."""
+    if loc and loc[0] in ("query", "path", "header"):
+        loc = loc[1:]
     return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -198,6 +198,29 @@ class FileObject(BaseModel):
     # mmserve extension: blake3 hex of the bytes, the key the media caches use (and the field
     # `mmserve caption` rows carry), so a client can tell two uploads of one file apart from two files
     content_hash: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+T = TypeVar("T")
+
+
+def cursor_page(items: Sequence[T], id_of: Callable[[T], str], limit: int, after: str | None) -> dict[str, Any]:
+    """OpenAI's cursor pagination over ``items`` (in the order the list answers): the ``limit``
+    items after the one whose id is ``after`` (none: from the first; an id not in the list: an
+    empty page), as a list object's ``data``, ``first_id``, ``last_id`` and ``has_more``."""
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if id_of(item) == after), len(items))
+    page = list(items[start:start + limit])
+    return {"data": page, "first_id": id_of(page[0]) if page else None, "last_id": id_of(page[-1]) if page else None,
+            "has_more": start + limit < len(items)}
 
 
 class ModelCard(BaseModel):

@@ -54,6 +54,7 @@ from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore, UploadTooLarge
 from mm_pipeline.server.json_limits import JSONLimits
+from mm_pipeline.server.responses import cursor_page
 from mm_pipeline.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -131,13 +132,7 @@ class BatchRunner:
 
     def list(self, limit: int, after: str | None) -> BatchList:
         self._settle_waiting()
-        newest_first = list(reversed(self._batches.values()))
-        if after is not None:
-            ids = [b.id for b in newest_first]
-            newest_first = newest_first[ids.index(after) + 1:] if after in ids else []
-        page = newest_first[:limit]
-        return BatchList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                         has_more=len(newest_first) > limit)
+        return BatchList(**cursor_page(list(reversed(self._batches.values())), lambda b: b.id, limit, after))
 
     def cancel(self, batch_id: str) -> BatchObject:
         """Stop a batch. One still waiting is ``cancelled`` at once; a running one is ``cancelling``

@@ -128,7 +128,8 @@ class FilesStore:
     def list(self, purpose: str | None = None) -> list[FileRecord]:
         with self._lock:
             recs = list(self._records.values())
-        return sorted((r for r in recs if purpose is None or r.purpose == purpose), key=lambda r: (r.created_at, r.id))
+        # oldest first; in one second (created_at's unit) as they were stored: the sort is stable
+        return sorted((r for r in recs if purpose is None or r.purpose == purpose), key=lambda r: r.created_at)
 
     def path(self, file_id: str) -> Path:
         return self._blob(self.get(file_id).content_hash)

@@ -226,6 +226,30 @@ def test_form_fields_and_chunked_bodies_are_bounded(server):
     server.store.check_integrity()
 
 
+def test_the_file_list_pages_as_openais(server):
+    """Newest first by default, ``limit`` / ``after`` / ``order`` as OpenAI's list takes them (every
+    file came back at once, oldest first, whatever was asked); bad values are a 400 naming them."""
+    auth = {"Authorization": "Bearer sk-test"}
+    ids = [_client(server).files.create(file=(f"p{i}.bin", b"page %d" % i), purpose="assistants").id for i in range(3)]
+    listed = lambda **q: httpx.get(server.base_url + "/v1/files", params={"purpose": "assistants", **q},  # noqa: E731
+                                   headers=auth).json()
+    everything = listed()
+    assert [f["id"] for f in everything["data"]] == ids[::-1] and everything["has_more"] is False
+    first = listed(limit=2)
+    assert [f["id"] for f in first["data"]] == ids[:0:-1] and first["has_more"] is True
+    assert (first["first_id"], first["last_id"]) == (ids[2], ids[1])
+    rest = listed(limit=2, after=first["last_id"])
+    assert [f["id"] for f in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    assert [f["id"] for f in listed(order="asc")["data"]] == ids
+    for bad in ({"limit": 0}, {"limit": 10_001}, {"limit": "abc"}, {"order": "bogus"}):
+        r = httpx.get(server.base_url + "/v1/files", params=bad, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), (bad, r.text)
+    c = _client(server)  # the SDK's cursor walks every page
+    assert {f.id for f in c.files.list(purpose="assistants", limit=1)} == set(ids)
+    for i in ids:
+        c.files.delete(i)
+
+
 def test_an_unknown_id_is_quoted_back_cut_short(server):
     """A 404 quotes the id it did not find, cut to 100 characters: an id of 5,000 came back whole."""
     auth = {"Authorization": "Bearer sk-test"}
