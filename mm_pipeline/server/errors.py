@@ -187,7 +187,11 @@ def _clean_loc(loc) -> list[str]:
     FastAPI's part of the request it names first (``query.limit`` is the client's ``limit``)."""
     if loc and loc[0] in ("query", "path", "header"):
         loc = loc[1:]
-    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    kept = [p for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    # a content part's tag, then its field of the same name (OpenAI's parts: {"type": "file", "file":
+    # ...}): pydantic's tagged union names both, the client wrote one (content.0.file, not .file.file)
+    return [str(p) for i, p in enumerate(kept)
+            if not (i >= 2 and p == kept[i - 1] and isinstance(kept[i - 2], int))]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -383,3 +383,16 @@ def test_a_model_step_that_raises_is_500_and_a_concurrent_request_is_served(serv
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
     again = _post(served, "/v1/completions", {"prompt": POISON, "max_tokens": 2})
     assert again.status_code == 200  # the engine kept serving; the same prompt works without the fault
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"type": "file", "file": {}}, "messages.0.content.0.file"),
+    ({"type": "image_url", "image_url": {"url": 5}}, "messages.0.content.0.image_url.url"),
+    ({"type": "text", "text": 5}, "messages.0.content.0.text"),
+])
+def test_a_part_that_does_not_validate_is_named_once(scripted, part, param):
+    """Pydantic's tagged union names a part's tag and then its field of the same name
+    (content.0.file.file); the client wrote it once."""
+    r = scripted.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param + ":"), r.text
