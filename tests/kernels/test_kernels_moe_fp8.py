@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tests.kernels.test_kernels_moe import make_moe
 from tests.kernels.test_kernels_support import DEVICE, interpreter_rerun, kernel_test, run_under_interpreter
@@ -81,14 +81,18 @@ def test_fp8_kernel_with_bf16_activations() -> None:
 @settings(max_examples=20, deadline=None)
 @given(tokens=st.integers(1, 30), experts=st.integers(1, 5), top_k=st.integers(1, 3), skipped=st.booleans(),
        seed=st.integers(0, 2**16))
+@example(tokens=28, experts=1, top_k=1, skipped=False, seed=9069)  # outputs up to 135: 1.5e-5 apart, one ulp
 def test_fp8_on_cpu_paths(tokens, experts, top_k, skipped, seed) -> None:
-    """The CPU paths dequantise and run the float experts: the same as the reference."""
+    """The CPU paths dequantise and run the float experts: the same as the reference, up to fp32
+    rounding of another summation order (a few ulps of the largest output; a wrong block factor is
+    off by its whole scale)."""
     (x, gu, dn, weights, ids), want = fp8_moe(seed, tokens, 24, 20, experts, min(top_k, experts), (16, 16))
     if skipped:
         ids = ids.masked_fill(torch.zeros_like(ids, dtype=torch.bool).index_fill_(0, torch.tensor([0]), True), experts)
         want = experts_ref(x, gu.dequantize(), dn.dequantize(), weights.masked_fill(ids == experts, 0.0),
                            ids.clamp_max(experts - 1))
-    torch.testing.assert_close(ops.fused_experts(x, gu, dn, weights, ids, skipped=skipped), want, atol=1e-5, rtol=1e-5)
+    atol = max(1e-5, 8 * torch.finfo(torch.float32).eps * want.abs().max().item())
+    torch.testing.assert_close(ops.fused_experts(x, gu, dn, weights, ids, skipped=skipped), want, atol=atol, rtol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
