@@ -63,6 +63,7 @@ class MMServeError(Exception):
     input items (a message or content part the parser refused, a media item that failed)."""
 
     kind: ClassVar[str] = ErrorKind.INTERNAL.value
+    loc: Where = Where()  # (the class's too: an error rebuilt without __init__, as a copy may be, has one)
 
     def __init__(self, *args: object, loc: tuple[str | int, ...] = ()) -> None:
         super().__init__(*args)
