@@ -211,15 +211,22 @@ def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
     except ValidationError as exc:
         errors = [{**e, "loc": _input_loc(e["loc"], first, origins, req.input)} for e in exc.errors()]
         raise RequestValidationError(errors) from None
-    return chat, turn, lambda exc: _input_spelled(exc, first, origins, req.input)
+    return chat, turn, lambda exc: _input_spelled(exc, first, origins, req.input, len(history))
 
 
-def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str | list[Any]) -> tuple[Any, ...]:
+def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str | list[Any],
+               history: int = 0) -> tuple[Any, ...]:
     """A chat error's location as the request spells it: ``messages.k.content.p`` (k counted from the
-    instructions and the history) is ``input.i.content.p``, i the item message k came from (the
-    part's own fields are the chat's spelling, so the part is named); other fields as they are."""
-    if len(loc) < 2 or loc[0] != "messages" or not isinstance(loc[1], int) or not 0 <= loc[1] - first < len(origins):
-        return loc  # the instructions and the history are valid: they were answered before
+    instructions and the ``history`` messages before ``first``) is ``input.i.content.p``, i the item
+    message k came from (the part's own fields are the chat's spelling, so the part is named); a
+    message of the stored conversation is the request's ``previous_response_id`` (its media can
+    fail now: an uploaded file since deleted); other fields as they are."""
+    if len(loc) < 2 or loc[0] != "messages" or not isinstance(loc[1], int):
+        return loc
+    if first - history <= loc[1] < first:
+        return ("previous_response_id",)
+    if not 0 <= loc[1] - first < len(origins):
+        return loc  # the instructions are valid: the request's own text
     if isinstance(items, str):
         return ("input",)
     i = origins[loc[1] - first]
@@ -230,14 +237,15 @@ def _input_loc(loc: tuple[Any, ...], first: int, origins: list[int], items: str 
     return ("input", i, field) if part is None else ("input", i, field, part)
 
 
-def _input_spelled(exc: MMServeError, first: int, origins: list[int], items: str | list[Any]) -> MMServeError:
+def _input_spelled(exc: MMServeError, first: int, origins: list[int], items: str | list[Any],
+                   history: int = 0) -> MMServeError:
     """``exc`` (the chat parser's, ``messages[k].content[p].image_url.url: unsupported URL ...``, or a
     media item's, ``messages[k].content[p]: cannot decode ...``; any other as it is) as
     the request spells it: ``input[i].content[p]: unsupported URL ...``. The location is
     ``_input_loc``'s; of the chat fields it leaves out, the last one stays in the sentence where
     the sentence goes on from it (``input[3]: arguments must be ...``)."""
     loc, text = exc.loc, str(exc)
-    to = Where(_input_loc(loc, first, origins, items))
+    to = Where(_input_loc(loc, first, origins, items, history))
     if not loc or to == loc or not text.startswith(str(loc)):
         return exc
     rest, left = text[len(str(loc)):], [p for p in loc[len(to):] if isinstance(p, str)]

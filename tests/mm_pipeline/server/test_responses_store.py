@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from mm_pipeline.errors import MediaNotFound
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.server import ServerSettings, ServerThread, create_app
 from tests.support.responses_api import ThinkingEngine_for, message_text
@@ -137,6 +138,44 @@ def test_a_part_the_chat_parser_refuses_is_named_by_its_input_item(tmp_path, bad
             return
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param and error["message"].startswith(message), r.text
+
+
+class DeletedFileEngine(ParsingEngine):
+    """Fails a chat whose file part names an id in ``gone`` as the planner does for an upload since
+    deleted: a media error named by the part (its ``loc``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gone: set[str] = set()
+
+    def generate(self, messages, params, **kw):
+        for ref in parse_messages(messages).media:
+            if ref.file_id in self.gone:
+                raise MediaNotFound(f"{ref.loc}: no uploaded file with id {ref.file_id!r}", loc=ref.loc)
+        return self.inner.generate(messages, params, **kw)
+
+
+def test_a_file_of_the_stored_conversation_since_deleted_is_named_by_previous_response_id(tmp_path):
+    """The stored conversation is not the request's input: a part of it that fails now is the
+    request's previous_response_id, not a chat message the client never sent; a part of the new
+    input is still its input item."""
+    engine = DeletedFileEngine()
+    with ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path)))) as server:
+        post = lambda body: httpx.post(server.base_url + "/v1/responses", json=body, timeout=30)  # noqa: E731
+        look = lambda file_id: [{"role": "user", "content": [  # noqa: E731
+            {"type": "input_text", "text": "Look:"}, {"type": "input_file", "file_id": file_id}]}]
+        first = post({"input": look("file-old"), "instructions": "Be brief."}).json()
+        engine.gone.add("file-old")
+        r = post({"input": "And now?", "previous_response_id": first["id"], "instructions": "Be brief."})
+        error = r.json()["error"]
+        assert r.status_code == 404 and error["param"] == "previous_response_id", r.text
+        assert error["message"] == "previous_response_id: no uploaded file with id 'file-old'", r.text
+        engine.gone.add("file-new")
+        r = post({"input": look("file-new"), "previous_response_id": first["id"]})
+        assert r.json()["error"]["param"] == "previous_response_id"  # the stored one fails first
+        engine.gone.discard("file-old")
+        r = post({"input": look("file-new"), "previous_response_id": first["id"]})
+        assert r.json()["error"]["param"] == "input.0.content.1", r.text
 
 
 def test_the_chat_route_names_a_refused_part_in_param(tmp_path):
