@@ -114,28 +114,29 @@ class EvictionPolicy:
         (self.tree.set_full if kind == "full" else self.tree.set_swa)(node, i, page)
         return True
 
-    def fold_copies(self, locks: LockTable) -> tuple[int, int]:
+    def fold_copies(self, locks: LockTable, swa: bool = True) -> tuple[int, int, bool]:
         """Every page a running request reads its own copy of while the node lists another one: the
         node takes the request's copy once its own is the tree's alone (``take_copy``). Full: the
-        pages ``Holder.copies`` lists. SWA: any page of the request's window, found by comparing (a
-        window the node kept and another request read when this one computed it again; a tombstone
-        another request revived with its own page): at most a window's pages a request. Returns the
-        (Full, SWA) pages this freed."""
-        before = self.pool.full.num_free, self.pool.swa.num_free
+        pages ``Holder.copies`` lists. SWA (``swa``: when such a copy may exist): any page of the
+        request's window, found by comparing (a window the node kept and another request read when
+        this one computed it again; a tombstone another request revived with its own page): at most
+        a window's pages a request. Returns the (Full, SWA) pages this freed and whether an SWA page
+        is still held twice (its node's copy read by another request)."""
+        before, left = (self.pool.full.num_free, self.pool.swa.num_free), False
         for request, holder in locks.held():
             if holder.copies:
                 holder.copies = [p for p in holder.copies
                                  if not self.take_copy(*holder.tail.locate(p), request.full_pages[p], "full")]
-            if self.has_swa:
+            if swa and self.has_swa:
                 want = window_first_page(holder.tail.end, self.window, self.page_size)
                 node = holder.tail
                 while node is not self.tree.root and node.end > want:
                     for i in range(max(want - node.start, 0), len(node.swa)):
                         mine = request.swa_pages[node.start + i]
-                        if mine >= 0 and node.swa[i] >= 0:
-                            self.take_copy(node, i, mine, "sliding")
+                        if mine >= 0 and node.swa[i] >= 0 and not self.take_copy(node, i, mine, "sliding"):
+                            left = True
                     node = node.parent
-        return self.pool.full.num_free - before[0], self.pool.swa.num_free - before[1]
+        return self.pool.full.num_free - before[0], self.pool.swa.num_free - before[1], left
 
     def delete_leaf(self, node: RadixNode) -> tuple[int, int]:
         """Delete an unlocked leaf, then the dead tail of an unlocked parent left as a leaf (see

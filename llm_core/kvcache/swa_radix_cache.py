@@ -64,6 +64,10 @@ class SWARadixCache(PrefixCache):
         self.locks = LockTable(self.tree.root, self.window, ps)
         self.eviction = EvictionPolicy(self.tree, pool, tiers)
         self.counters: Counter[str] = Counter()  # queries, query/hit tokens, trimmed SWA pages
+        # an SWA page may be held twice (a request reads its own copy, the node lists another):
+        # set where one is made (_insert, revive_swa), cleared by the fold that finds none left, so
+        # make_room compares windows only while there may be something to fold
+        self._swa_doubles = False
         self.tiers = tiers
         if tiers is not None:
             tiers.attach(self)
@@ -134,7 +138,9 @@ class SWARadixCache(PrefixCache):
     def make_room(self, pool: DualKVPool, full_pages: int, swa_pages: int) -> None:
         """Called by the scheduler before an allocation would fail (before preempting anybody):
         first the pages held twice (``EvictionPolicy.fold_copies``: nothing cached is lost), then eviction."""
-        full, swa = self.eviction.fold_copies(self.locks) if full_pages or swa_pages else (0, 0)
+        full = swa = 0
+        if full_pages or swa_pages:
+            full, swa, self._swa_doubles = self.eviction.fold_copies(self.locks, self._swa_doubles)
         self.evict(max(0, full_pages - full) * self.page_size, max(0, swa_pages - swa) * self.page_size)
 
     def kv_buffers(self, pool: DualKVPool):
@@ -193,6 +199,7 @@ class SWARadixCache(PrefixCache):
         node, i = tail.locate(page)
         assert node.swa[i] < 0, f"path page {page} of {node} still has its SWA page"
         self.tree.set_swa(node, i, swa_page)
+        self._swa_doubles = True  # a request that computed the page itself may read its own copy
         self.eviction.push(node)
 
     def graft(self, holder: Holder, keys: list[PageKey], full: list[int], swa: list[int],
@@ -318,8 +325,9 @@ class SWARadixCache(PrefixCache):
                     self.pool.swa.incref([s])
                     self.tree.set_swa(child, i, s)
                     holder.own_swa.append((child.start + i, s))
-                elif s >= 0:  # a window the node kept: its copy now if nobody else reads it (else folded later)
-                    self.eviction.take_copy(child, i, s, "sliding")
+                    self._swa_doubles = True  # another request may read its own copy of the page
+                elif s >= 0 and not self.eviction.take_copy(child, i, s, "sliding"):
+                    self._swa_doubles = True  # a window the node kept, another request reads: folded later
             self.locks.extend(holder, child)
             node, k = child, k + n
             self.eviction.touch(node)
