@@ -22,8 +22,8 @@ from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.responses_api.output import ResponseObject
 from mm_pipeline.server.responses_api.protocol import ResponsesRequest
 from mm_pipeline.server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileObject,
-                                          ModelCard, TokenizeResponse, VersionResponse)
+from mm_pipeline.server.responses import (ChatCompletion, Completion, DetokenizeResponse, ErrorResponse, FileList,
+                                          FileObject, ModelCard, TokenizeResponse, VersionResponse)
 
 _REF = "#/components/schemas/{model}"
 # OpenAPI before 3.2: the schema of an event-stream describes one event (sse.py: ``data:`` lines
@@ -36,6 +36,7 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | N
     ("post", "/v1/chat/completions"): (ChatCompletionRequest, ChatCompletion, True),
     ("post", "/v1/completions"): (CompletionRequest, Completion, True),
     ("post", "/v1/files"): (None, FileObject, False),
+    ("get", "/v1/files"): (None, FileList, False),
     ("get", "/v1/files/{file_id}"): (None, FileObject, False),
     ("get", "/v1/models/{model_id}"): (None, ModelCard, False),
     ("post", "/tokenize"): (TokenizeRequest, TokenizeResponse, False),

@@ -200,12 +200,17 @@ class FileObject(BaseModel):
     content_hash: str | None = None
 
 
-class FileList(BaseModel):
+class ListPage(BaseModel):
+    """OpenAI's list object around one page of ``data`` (``cursor_page`` fills it)."""
+
     object: Literal["list"] = "list"
-    data: list[FileObject]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+class FileList(ListPage):
+    data: list[FileObject]
 
 
 T = TypeVar("T")

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mm_pipeline.server.batches.lines import URLS
+from mm_pipeline.server.responses import ListPage
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
@@ -91,9 +92,5 @@ class BatchObject(BaseModel):
         return self.status in FINISHED
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
+class BatchList(ListPage):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
