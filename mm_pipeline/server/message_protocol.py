@@ -4,7 +4,7 @@ prompt/messages.py. The request bodies around them: protocol.py."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
@@ -26,12 +26,21 @@ class TextPart(_Loose):
 
 class URLRef(_Loose):
     url: str = Field(min_length=1)
-    detail: str | None = None
+
+
+# OpenAI's image detail, accepted as its values only: the model's processor sizes every image by
+# its own pixel budget, whichever is asked (README "Serving")
+ImageDetail = Literal["auto", "low", "high"]
+IMAGE_DETAILS: tuple[str, ...] = get_args(ImageDetail)
+
+
+class ImageURL(URLRef):
+    detail: ImageDetail | None = None
 
 
 class ImagePart(_Loose):
     type: Literal["image_url"]
-    image_url: URLRef
+    image_url: ImageURL
 
 
 class VideoPart(_Loose):

@@ -36,8 +36,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       model_validator)
 
 from llm_core.engine.sampling.params import MAX_LOGPROBS
-from mm_pipeline.errors import echo
+from mm_pipeline.errors import InvalidMessageError, Where, echo
 from mm_pipeline.prompt.template_options import MAX_TOOLS
+from mm_pipeline.server.message_protocol import IMAGE_DETAILS
 from mm_pipeline.server.completions.structured_formats import JsonSchemaFormat
 from mm_pipeline.server.protocol import TokenCount, refusing
 
@@ -262,34 +263,40 @@ class ResponsesRequest(BaseModel):
 
 
 # ---- the chat a request is answered as -----------------------------------------------------------------
-def _chat_part(part: dict[str, Any], at: str) -> dict[str, Any]:
-    """One content part in the chat's spelling (the chat's own parts pass as they are)."""
+def _chat_part(part: dict[str, Any], at: Where) -> dict[str, Any]:
+    """One content part in the chat's spelling (the chat's own parts pass as they are); one the
+    chat cannot take is an ``InvalidMessageError`` at ``at``."""
     kind = part.get("type")
     if kind in ("input_text", "output_text"):
         return {"type": "text", "text": part.get("text")}
     if kind == "input_image":
+        if part.get("detail") is not None and part["detail"] not in IMAGE_DETAILS:
+            raise InvalidMessageError(f"{at}.detail: an input_image's detail is one of "
+                                      f"{', '.join(IMAGE_DETAILS)}, not {echo(part['detail'])}", loc=at.then("detail"))
+        if (part.get("file_id") is None) == (part.get("image_url") is None):
+            raise InvalidMessageError(f"{at}: an input_image needs exactly one of image_url or file_id", loc=at)
         if part.get("file_id") is not None:
             return {"type": "file", "file": {"file_id": part["file_id"]}}
-        if part.get("image_url") is None:
-            raise ValueError(f"{at}: an input_image needs image_url or file_id")
         return {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail")}}
     if kind == "input_file":
         if part.get("file_url") is not None:
-            raise ValueError(f"{at}: input_file by file_url is not supported; send file_id (POST /v1/files) or "
-                             f"file_data, or the media as an input_image / video_url / audio_url part")
+            raise InvalidMessageError(f"{at}: input_file by file_url is not supported; send file_id (POST /v1/files) "
+                                      f"or file_data, or the media as an input_image / video_url / audio_url part",
+                                      loc=at)
         ref = {k: part[k] for k in ("file_id", "file_data", "filename") if part.get(k) is not None}
         return {"type": "file", "file": ref}
     return part
 
 
-def chat_content(content: str | list[dict[str, Any]], at: str) -> str | list[dict[str, Any]]:
-    return content if isinstance(content, str) else [_chat_part(p, f"{at}.content.{i}") for i, p in enumerate(content)]
+def chat_content(content: str | list[dict[str, Any]], at: Where) -> str | list[dict[str, Any]]:
+    """``content`` (at ``at``: an item's content or output) in the chat's spelling."""
+    return content if isinstance(content, str) else [_chat_part(p, at.then(i)) for i, p in enumerate(content)]
 
 
 def chat_messages(items: str | list[Any], origins: list[int] | None = None) -> list[dict[str, Any]]:
     """The input as chat messages. A function_call joins the assistant message just before it (or
     starts one), so text and calls of one turn stay one turn; a reasoning item's text becomes the
-    reasoning_content of the assistant turn that follows it. A ValueError names a bad item.
+    reasoning_content of the assistant turn that follows it. An InvalidMessageError names a bad part.
     ``origins``, when given, gets for each message the index of the input item that started it
     (so an error in a message can name the item: routes.py)."""
     if isinstance(items, str):
@@ -307,9 +314,9 @@ def chat_messages(items: str | list[Any], origins: list[int] | None = None) -> l
         return turn
 
     for i, item in enumerate(items):
-        at = f"input.{i}"
+        at = Where(("input", i))
         if isinstance(item, MessageItem):
-            turn = {"role": item.role, "content": chat_content(item.content, at)}
+            turn = {"role": item.role, "content": chat_content(item.content, at.then("content"))}
             if item.role == "assistant":
                 new_turn(turn)
             else:
@@ -320,7 +327,7 @@ def chat_messages(items: str | list[Any], origins: list[int] | None = None) -> l
             turn.setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
         elif isinstance(item, FunctionCallOutputItem):
-            output = item.output if isinstance(item.output, str) else chat_content(item.output, at)
+            output = item.output if isinstance(item.output, str) else chat_content(item.output, at.then("output"))
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:  # ReasoningItem
             thinking = (thinking or "") + "".join(c.text for c in item.content or ())
@@ -354,7 +361,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
               origins: list[int] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The /v1/chat/completions body ``req`` is answered as, and its input as chat messages;
     ``history``: the messages of the response it continues (``previous_response_id``), its answer
-    included; ``origins``: chat_messages'. A ValueError names what cannot be answered."""
+    included; ``origins``: chat_messages'. A ValueError names what cannot be answered (an
+    InvalidMessageError: a content part, where it is)."""
     turn = chat_messages(req.input, origins)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + turn
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,

@@ -28,11 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from mm_pipeline.errors import MMServeError, OverloadedError, Where, echo
+from mm_pipeline.errors import InvalidMessageError, MMServeError, OverloadedError, Where, echo
 from mm_pipeline.server.completions.answer_info import REQUEST_ID_HEADER, AnswerInfo
 from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
-from mm_pipeline.server.errors import APIError
+from mm_pipeline.server.errors import APIError, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.events import ResponseEvents
@@ -203,6 +203,8 @@ def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
     origins: list[int] = []
     try:
         body, turn = chat_body(req, history, origins)
+    except InvalidMessageError as exc:  # a part of the input: the param names it
+        raise to_api_error(exc) from None
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     first = (1 if req.instructions else 0) + len(history)  # the input's messages come after these

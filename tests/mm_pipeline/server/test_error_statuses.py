@@ -389,6 +389,7 @@ def test_a_model_step_that_raises_is_500_and_a_concurrent_request_is_served(serv
     ({"type": "file", "file": {}}, "messages.0.content.0.file"),
     ({"type": "image_url", "image_url": {"url": 5}}, "messages.0.content.0.image_url.url"),
     ({"type": "text", "text": 5}, "messages.0.content.0.text"),
+    ({"type": "image_url", "image_url": {"url": "data:,", "detail": "bogus"}}, "messages.0.content.0.image_url.detail"),
 ])
 def test_a_part_that_does_not_validate_is_named_once(scripted, part, param):
     """Pydantic's tagged union names a part's tag and then its field of the same name

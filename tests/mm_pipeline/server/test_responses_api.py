@@ -119,6 +119,18 @@ class TestDemo:
         assert named in r.json()["error"]["message"]
         assert respond(demo_client, input="Still fine?")["status"] == "completed"  # nothing leaked or stuck
 
+    @pytest.mark.parametrize("part, param", [
+        ({"type": "input_file", "file_url": "http://127.0.0.1/a"}, "input.0.content.1"),
+        ({"type": "input_image", "image_url": "data:,", "file_id": "file-1"}, "input.0.content.1"),
+        ({"type": "input_image", "file_id": "file-1", "detail": "bogus"}, "input.0.content.1.detail"),
+        ({"type": "input_image", "image_url": "data:,", "detail": "bogus"}, "input.0.content.1.detail"),
+    ])
+    def test_a_part_the_chat_cannot_take_is_a_400_naming_it(self, demo_client, part, param):
+        r = demo_client.post("/v1/responses", json={"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "Look:"}, part]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(param.replace(".0", "[0]").replace(".1", "[1]") + ":"), r.text
+
     def test_the_openai_sdk_creates_streams_retrieves_and_deletes(self, demo_client):
         openai = pytest.importorskip("openai")
         client = openai.OpenAI(base_url=str(demo_client.base_url).rstrip("/") + "/v1", api_key="none", max_retries=0)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.responses import TokenLogprob, TopLogprob
 from mm_pipeline.server.errors import APIError
@@ -108,10 +109,24 @@ def test_what_cannot_be_honoured_is_refused_by_name(fields, named):
 def test_a_forced_tool_choice_needs_tools_and_a_file_url_is_refused():
     with pytest.raises(ValueError, match="needs tools"):
         body_of(input="x", tool_choice="required")
-    with pytest.raises(ValueError, match="file_url"):
-        body_of(input=[{"role": "user", "content": [{"type": "input_file", "file_url": "https://x/a.pdf"}]}])
-    with pytest.raises(ValueError, match="image_url or file_id"):
-        body_of(input=[{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}])
+
+
+@pytest.mark.parametrize("part, loc, named", [
+    ({"type": "input_file", "file_url": "https://x/a.pdf"}, ("input", 1, "content", 2), "file_url"),
+    ({"type": "input_image", "detail": "auto"}, ("input", 1, "content", 2), "exactly one of image_url or file_id"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,AA", "file_id": "file-1"}, ("input", 1, "content", 2),
+     "exactly one of image_url or file_id"),
+    ({"type": "input_image", "file_id": "file-1", "detail": "bogus"}, ("input", 1, "content", 2, "detail"),
+     "detail is one of auto, low, high, not 'bogus'"),
+])
+def test_a_part_the_chat_cannot_take_is_refused_where_it_is(part, loc, named):
+    with pytest.raises(InvalidMessageError) as got:
+        body_of(input=[{"role": "user", "content": "Hi."}, {"role": "user", "content": [
+            {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}, part]}])
+    assert got.value.loc == loc and str(got.value).startswith(f"{got.value.loc}: ") and named in str(got.value)
+    for detail in ("auto", "low", "high"):  # OpenAI's values pass, by file and by URL
+        body_of(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-1", "detail": detail}]}])
+        body_of(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,", "detail": detail}]}])
 
 
 def stored(store: ResponseStore, text: str) -> tuple[str, int | None]:
