@@ -46,7 +46,8 @@ class AudioForm(BaseModel):
             if values.get("response_format") in TIMESTAMPED_FORMATS:
                 raise ValueError(f"response_format {values['response_format']!r} needs timestamps, which this "
                                  f"model does not give: use json or text")
-            if values.get("timestamp_granularities[]") or values.get("timestamp_granularities"):
+            # present at all (an empty value too: OpenAI's values are word and segment, none of which is given)
+            if "timestamp_granularities[]" in values or "timestamp_granularities" in values:
                 raise ValueError("timestamp_granularities needs word or segment timestamps, which this model "
                                  "does not give")
         return values

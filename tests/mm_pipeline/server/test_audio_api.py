@@ -84,6 +84,7 @@ def test_the_openai_sdk_transcribes(demo_client):
     ({"response_format": "srt"}, 400, "timestamps"),
     ({"response_format": "verbose_json"}, 400, "timestamps"),
     ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities"),
+    ({"timestamp_granularities[]": ""}, 400, "timestamp_granularities"),
     ({"temperature": "hot"}, 400, "temperature"),
     ({"language": "english please"}, 400, "language"),
     ({"model": "some-other-model"}, 404, "some-other-model"),
