@@ -103,6 +103,8 @@ class Request:
     error: str | None = None
     error_kind: ErrorKind | None = None  # set with ``error``
     stop_text: str | None = None  # output text cut before a matched stop string
+    # ended by EOS or a stop token id: that token is not text (vLLM), unless include_stop_str_in_output
+    stop_token_ended: bool = False
     generator: torch.Generator | None = None
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -204,6 +206,7 @@ class Request:
         last = self.output_token_ids[-1]
         p = self.params
         if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
+            self.stop_token_ended = True
             return "stop"  # before min_tokens the sampler masks these ids, so they cannot come
         if self.grammar is not None and self.grammar.terminated:
             return "stop"  # complete: it allows nothing more (ignore_eos or not)
@@ -244,15 +247,17 @@ class Request:
 
     def final_text(self, tokenizer) -> str | None:
         """The finished request's text (RequestOutput.text): None without a tokenizer, else its
-        output cut before the stop string it matched, or all of its output ("" when there is none).
+        output cut before the stop string it matched, or all of its output but the EOS or stop token
+        id that ended it (kept with ``include_stop_str_in_output``; "" when there is none).
         The decode may raise: the engine ends only this request then."""
         if tokenizer is None:
             return None
         if self.stop_text is not None:
             return self.stop_text
-        if not self.output_token_ids:
-            return ""
-        return tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        ids = self.output_token_ids
+        if self.stop_token_ended and not self.params.include_stop_str_in_output:
+            ids = ids[:-1]  # as vLLM: the EOS or stop token id that ended it stays in token_ids only
+        return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens) if ids else ""
 
     def reset_for_recompute(self) -> None:
         """Preempted: all KV is dropped; every token (prompt and generated) is computed again."""

@@ -73,7 +73,8 @@ class SamplingParams:
     - ``stop``: strings that end generation; the text is cut before the stop string (after it with
       ``include_stop_str_in_output``, vLLM's), the token that completed it stays in ``token_ids``.
       Needs a tokenizer.
-    - ``stop_token_ids``: extra ids that end generation (kept in the output like EOS).
+    - ``stop_token_ids``: extra ids that end generation. Like EOS, the one that ended it stays in
+      ``token_ids`` but not in the text (in it too with ``include_stop_str_in_output``), as in vLLM.
     - ``logprobs``: None = none; n >= 0 = the chosen token's logprob plus the top-n per token.
     - ``prompt_logprobs`` (vLLM): None = none; n >= 0 = every prompt token's logprob given the tokens
       before it, plus the top-n (the first token has none). The request then computes its whole

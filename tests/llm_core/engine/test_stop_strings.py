@@ -41,6 +41,31 @@ def test_stop_token_ids_and_stop_strings(model):
     assert kept.finish_reason == "stop" and kept.text == text[:cut + 2] and kept.token_ids == out.token_ids
 
 
+def test_the_token_that_ends_generation_is_not_text(model):
+    """As in vLLM: a stop token id (or EOS) that ends the output stays in token_ids, not in the text,
+    unless include_stop_str_in_output keeps it; a stop token that comes before a stop string is
+    completed ends it the same way (the stop string is never left in the text)."""
+    prompt = ids(72, 12)
+    tok = CharTokenizer()
+    toks = engine(model).generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
+    end = toks[6]
+    k = toks.index(end) + 1
+    for extra in ({}, {"stop": [tok.decode([end])]}, {"stop": [tok.decode(toks[k - 2:k])]}):
+        out = engine(model, tokenizer=tok).generate(
+            [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[end], **extra))[0]
+        assert out.finish_reason == "stop" and out.token_ids == toks[:k]
+        assert out.text == tok.decode(toks[:k - 1]), extra
+    kept = engine(model, tokenizer=tok).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[end],
+                                 include_stop_str_in_output=True))[0]
+    assert kept.token_ids == toks[:k] and kept.text == tok.decode(toks[:k])
+    # EOS: the model's own end token, whatever skip_special_tokens says
+    with_eos = engine(model, tokenizer=tok)
+    with_eos.engine.admission.eos_token_ids = (end,)
+    eos = with_eos.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, skip_special_tokens=False))[0]
+    assert eos.finish_reason == "stop" and eos.token_ids == toks[:k] and eos.text == tok.decode(toks[:k - 1])
+
+
 class ByteTokenizer:
     """Token t decodes to one UTF-8 byte of a text with 2- and 3-byte characters (replacement
     characters where bytes do not form one): multi-byte characters split over tokens."""
