@@ -190,22 +190,21 @@ class ThinkSyntax:
         gate = self.gate
         return gate is not None and gate.prompt_opens(prompt_ids)
 
-    def reasoning_tokens(self, output_ids: Sequence[int], opened: bool = False) -> int:
+    def reasoning_tokens(self, output_ids: Sequence[int], text: str, opened: bool = False) -> int:
         """How many of an answer's tokens are its thinking: those strictly between ``<think>`` and
-        ``</think>`` (vLLM's count), the tags themselves not; ``opened``: the prompt ended inside
-        ``<think>``. As the parser decides: ``<think>`` counts only as the first token or after one
-        leading token (the whitespace a model may write first), and thinking cut short (no
-        ``</think>``) is thinking to the end. 0 when the tags are not single tokens (then the
-        thinking cannot be told apart by id)."""
+        ``</think>`` (vLLM's count), the tags themselves not; ``text``: the answer's text so far;
+        ``opened``: the prompt ended inside ``<think>``. As the parser decides: the answer opens its
+        thinking only when its text starts with ``<think>`` after whitespace (anything else first
+        and the tag is content), and thinking cut short (no ``</think>``) is thinking to the end. 0
+        when the tags are not single tokens (then the thinking cannot be told apart by id)."""
         if self.start_id is None or self.end_id is None:
             return 0
         ids = list(output_ids)
         begin = 0
         if not opened:
-            head = ids[:2]
-            if self.start_id not in head:
+            if self.start_id not in ids or not text.lstrip().startswith(self.start):
                 return 0
-            begin = head.index(self.start_id) + 1
+            begin = ids.index(self.start_id) + 1
         end = ids.index(self.end_id, begin) if self.end_id in ids[begin:] else len(ids)
         return end - begin
 

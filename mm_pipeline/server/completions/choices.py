@@ -159,7 +159,9 @@ class ChoiceStream:
 
     def reasoning_tokens(self) -> int:
         """How many of the tokens so far are thinking (0 without a reasoning parser)."""
-        return 0 if self._reasoning is None else self._reasoning.reasoning_tokens(self.state.token_ids, self._opened)
+        if self._reasoning is None:
+            return 0
+        return self._reasoning.reasoning_tokens(self.state.token_ids, self.state.text, self._opened)
 
     def split(self, delta: Any) -> AnswerPart:
         """``delta``'s text as (reasoning, content, calls), for a streamed answer: call it once for

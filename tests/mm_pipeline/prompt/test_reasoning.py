@@ -183,10 +183,14 @@ def test_chunk_deltas_name_only_what_they_carry():
     assert Delta(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
 
 
+TEXTS = {0: " ", 1: "<think>", 2: "</think>", 5: "a", 6: "b", 7: "c", 8: "beeps", 9: "x"}  # by id
+
+
 @pytest.mark.parametrize("ids, opened, thinking", [
     ([1, 5, 6, 7, 2, 9, 9], False, 3),   # <think> 5 6 7 </think> answer
-    ([0, 1, 5, 6, 2, 9], False, 2),      # one leading token (whitespace) before <think>
-    ([0, 0, 1, 5, 2, 9], False, 0),      # <think> later than that: text, as the parser reads it
+    ([0, 1, 5, 6, 2, 9], False, 2),      # leading whitespace before <think>
+    ([0, 0, 1, 5, 2, 9], False, 1),      # more of it: the parser still opens
+    ([8, 1, 5, 6, 2, 9], False, 0),      # a word before <think>: the tag is content, as the parser reads it
     ([5, 6, 2, 9], True, 2),             # the prompt opened <think>
     ([1, 5, 6, 7], False, 3),            # cut short: thinking to the end
     ([5, 6], True, 2),
@@ -195,5 +199,8 @@ def test_chunk_deltas_name_only_what_they_carry():
 ])
 def test_reasoning_tokens_are_those_between_the_tags(ids, opened, thinking):
     syntax = ThinkSyntax(start_id=1, end_id=2)
-    assert syntax.reasoning_tokens(ids, opened) == thinking
-    assert ThinkSyntax().reasoning_tokens(ids, opened) == 0  # tags that are no tokens: not countable by id
+    text = "".join(TEXTS[i] for i in ids)
+    assert syntax.reasoning_tokens(ids, text, opened) == thinking
+    split = syntax.parser(opened).parse(text)  # the count follows the parser: thinking iff it found some
+    assert (thinking > 0) == bool(split.reasoning)
+    assert ThinkSyntax().reasoning_tokens(ids, text, opened) == 0  # tags that are no tokens: not countable by id
