@@ -163,6 +163,8 @@ class SamplingFields(_Loose):
     def _prompt_logprobs_not_streamed(self) -> "SamplingFields":
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's 400 too
+            raise ValueError("stream_options is only allowed with stream: true")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
         return self

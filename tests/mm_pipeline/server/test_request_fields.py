@@ -119,7 +119,7 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(app):
     ("min_tokens", -1), ("min_tokens", 9), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
     ("logit_bias", {str(i): 1 for i in range(1025)}),
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("bad_words", [""]), ("bad_words", ["x" * 257]),
-    ("bad_words", ["x"] * 65),
+    ("bad_words", ["x"] * 65), ("stream_options", {"include_usage": True}),  # the last one: without stream
 ])
 def test_bad_sampling_values_are_a_400_naming_the_field(app, field, value):
     r = _post(app, max_tokens=8, **{field: value})
