@@ -47,7 +47,8 @@ def _canonical_schema(schema: Any) -> str:
     if not isinstance(schema, (Mapping, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        # key order kept: a schema's properties are generated in the order it lists them (OpenAI's rule)
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"structured_outputs.json cannot be written as JSON: {exc}") from None
 

@@ -129,6 +129,16 @@ def test_every_kind_greedy_and_sampled_stays_in_its_language(llm):
         assert accepted(StructuredOutputsParams(json_object=True), out.text)
 
 
+def test_properties_come_in_the_order_the_schema_lists_them(llm):
+    """OpenAI's rule (a "reasoning" property listed before "answer" is written first): the schema is
+    compiled as given, never with its keys sorted."""
+    props = {"zeta": {"enum": ["z"]}, "alpha": {"enum": ["a"]}, "mid": {"type": "integer", "minimum": 0, "maximum": 9}}
+    spec = StructuredOutputsParams(json={"type": "object", "additionalProperties": False, "required": list(props),
+                                         "properties": props}, disable_any_whitespace=True)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec))[0]
+    assert out.finish_reason == "stop" and list(json.loads(out.text)) == ["zeta", "alpha", "mid"], out.text
+
+
 def test_an_unconstrained_row_of_the_batch_gets_its_solo_tokens(llm):
     free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     solo = llm.generate([PROMPT[::-1]], free)[0].token_ids
