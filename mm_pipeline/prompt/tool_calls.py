@@ -240,20 +240,52 @@ def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
     return dict(params) if isinstance(params, Mapping) and params else {"type": "object"}
 
 
-def forced_call_schema(tools: Sequence[Mapping[str, Any]], choice: str | None) -> dict[str, Any]:
+def forced_call_schema(tools: Sequence[Mapping[str, Any]], choice: str | None,
+                       parallel: bool = True) -> dict[str, Any]:
     """The JSON schema an answer must follow when ``tool_choice`` forces calls: a named function
     (``choice``) -> its parameters object (the answer is the call's arguments); ``None``
-    ("required") -> a non-empty array of ``{"name": one of the tools, "parameters": its schema}``.
-    A ValueError names a function the tools do not declare."""
+    ("required") -> a non-empty array of ``{"name": one of the tools, "parameters": its schema}``,
+    of one call only unless ``parallel`` (``parallel_tool_calls``). In the array each tool's
+    schema lives under the root's ``$defs`` with its own references re-rooted there, so a schema
+    with ``$defs`` / ``$ref`` (what pydantic and the OpenAI SDK write for nested models and enums)
+    still resolves. A ValueError names a function the tools do not declare."""
     named = {t["function"]["name"]: t for t in tools}
     if choice is not None:
         if choice not in named:
             raise ValueError(f"tool_choice names function {choice!r}, which tools do not declare")
         return _parameters(named[choice])
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+    defs = {f"tool_{k}": _rerooted(_parameters(tool), f"#/$defs/tool_{k}") for k, tool in enumerate(named.values())}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-         "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(tool)}}
-        for name, tool in named.items()]}}
+         "properties": {"name": {"type": "string", "enum": [name]}, "parameters": {"$ref": f"#/$defs/tool_{k}"}}}
+        for k, name in enumerate(named)]}, "$defs": defs}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # data, not schemas: left as written
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` (a schema, or a part of one) with each local reference (``#``, ``#/...``) made
+    relative to ``root``, the place the schema now has in a larger one."""
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    if not isinstance(node, Mapping):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):  # names -> schemas (a property may be named "enum")
+            out[key] = {name: _rerooted(sub, root) for name, sub in value.items()}
+        elif key in _VALUE_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rerooted(value, root)
+    return out
 
 
 class ForcedCallParser:

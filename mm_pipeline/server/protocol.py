@@ -14,7 +14,7 @@ choice, grammar) or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_c
 ``guided_grammar``: one of them per request (``StructuredOutputsParams``). Other unknown fields
 are ignored, as vLLM ignores them: metadata that does not change the answer (``user``,
 ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
-``prediction``, ``parallel_tool_calls``...). vLLM's ``priority`` is honoured under ``--queue-policy
+``prediction``...). vLLM's ``priority`` is honoured under ``--queue-policy
 priority`` and must be 0 otherwise (a 400, as vLLM answers).
 """
 
@@ -290,6 +290,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         "none: tools are rendered, the answer is not parsed for calls; auto (the default with tools): calls "
         "are parsed into tool_calls; required or {\"type\": \"function\", \"function\": {\"name\": ...}}: "
         "the answer is forced to be calls (JSON under a grammar, as vLLM does)"))
+    parallel_tool_calls: bool = Field(default=True, description=(
+        "false: at most one call per answer (required: the grammar allows one; auto: the first parsed call)"))
 
     @model_validator(mode="after")
     def _forced_calls(self) -> "ChatCompletionRequest":
@@ -318,7 +320,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     @property
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         if self.forces_tool_calls:  # compact JSON: arguments are read by a program, not a person
-            return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function),
+            return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function,
+                                                                   self.parallel_tool_calls),
                                            disable_any_whitespace=True)
         return structured_outputs_of(self)
 

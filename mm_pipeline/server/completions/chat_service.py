@@ -62,8 +62,10 @@ def _message(answer: AnswerPart) -> AssistantMessage:
 
 
 def _finish_reason(reason: str | None, calls: int) -> str | None:
-    """vLLM's: an answer that made tool calls ends with "tool_calls" (whatever stopped it)."""
-    return "tool_calls" if calls and reason is not None else reason
+    """An answer that made tool calls and ended by itself ends with "tool_calls"; one cut short
+    (max_tokens: "length") says so, as OpenAI's does (vLLM says "tool_calls" whatever stopped it):
+    its later calls may be missing."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _usage(states: list[ChoiceState]) -> Usage:
@@ -225,7 +227,7 @@ class ChatService:
                                                                                  scores_prompt=i == 0),
                                                         request_id=f"{base}-{i}", priority=req.priority,
                                                         cache_salt=req.cache_salt),
-                                self.config.reasoning, parser)
+                                self.config.reasoning, parser, None if req.parallel_tool_calls else 1)
                    for i in range(req.n)]
         await start_all(choices)
         if info is not None and choices:

@@ -86,7 +86,8 @@ class ChoiceStream:
     """One engine generation seen as an async iterator with a prefetched first delta."""
 
     def __init__(self, index: int, stream: AsyncIterator[Any], reasoning: ThinkSyntax | None = None,
-                 tool_calls: Callable[[], ToolCallParser | ForcedCallParser] | None = None) -> None:
+                 tool_calls: Callable[[], ToolCallParser | ForcedCallParser] | None = None,
+                 max_calls: int | None = None) -> None:
         self.index = index
         self.state = ChoiceState()
         self._stream = stream
@@ -99,6 +100,7 @@ class ChoiceStream:
         self._tool_calls = tool_calls
         self._tool_parser: ToolCallParser | ForcedCallParser | None = None  # split()'s, made on its first call
         self.calls_made = 0
+        self.max_calls = max_calls  # parallel_tool_calls false: 1 (the calls after the first are dropped)
 
     async def start(self) -> None:
         """Wait for the first delta (raises what the engine raises for bad input)."""
@@ -149,8 +151,9 @@ class ChoiceStream:
         if self._tool_calls is None:
             return AnswerPart(split.reasoning, split.content)
         found = self._tool_calls().parse(split.content)
-        self.calls_made = len(found.calls)
-        return AnswerPart(split.reasoning, found.content, found.calls)
+        calls = found.calls if self.max_calls is None else found.calls[:self.max_calls]
+        self.calls_made = len(calls)
+        return AnswerPart(split.reasoning, found.content, calls)
 
     @property
     def prompt_tokens(self) -> int:
@@ -184,8 +187,9 @@ class ChoiceStream:
         found = self._tool_parser.feed(part.content)
         if delta.finished:
             found += self._tool_parser.finish()
-        self.calls_made += len(found.calls)
-        return AnswerPart(part.reasoning, found.content, found.calls)
+        calls = found.calls if self.max_calls is None else found.calls[:max(0, self.max_calls - self.calls_made)]
+        self.calls_made += len(calls)
+        return AnswerPart(part.reasoning, found.content, calls)
 
     async def close(self) -> None:
         """Release the engine stream (idempotent): see the module doc."""

@@ -378,6 +378,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.tools:
         body["tools"] = [t.as_chat() for t in req.tools]
+        body["parallel_tool_calls"] = req.parallel_tool_calls
         choice = req.tool_choice
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
                                if isinstance(choice, NamedFunctionChoice) else choice)

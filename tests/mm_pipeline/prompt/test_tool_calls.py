@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mm_pipeline.prompt.tool_calls import (END, START, ToolCallParser, ToolCallSyntax, ToolSplit, convert_value,
+                                           forced_call_schema,
                                            resolve_tool_calls)
 from tests.support.paths import DEMO_MODEL
 
@@ -172,3 +173,45 @@ def test_the_setting_and_its_flags(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.parse_args(["serve", "--model", "m", "--tool-call-parser", "hermes"])
     assert exit_.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# what pydantic writes for nested models and enums ($defs, definitions), a recursive schema ("#"), a
+# pointer into itself, and a property named like a keyword whose value holds a reference
+NODE = {"type": "object", "properties": {"label": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                                         "same": {"$ref": "#/properties/label"}}, "required": ["label"]}
+UNITS = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}}, "definitions": {"Day": {"type": "integer", "minimum": 1}},
+         "properties": {"unit": {"$ref": "#/$defs/Unit"}, "enum": {"$ref": "#/definitions/Day"},
+                        "tag": {"const": {"$ref": "#/not/a/ref"}}}, "required": ["unit"]}
+
+
+def test_required_calls_keep_each_tools_references():
+    """tool_choice "required": each tool's schema moves under the array's $defs and its references
+    follow it, so the array schema accepts and refuses what each tool's own schema does (checked with
+    jsonschema), and xgrammar compiles it."""
+    import jsonschema
+    import xgrammar as xgr
+
+    schema = forced_call_schema([_tool("tree", NODE), _tool("weather", UNITS)], None)
+    xgr.Grammar.from_json_schema(json.dumps(schema))
+    good = [[{"name": "tree", "parameters": {"label": "a", "kids": [{"label": "b", "kids": []}], "same": "x"}}],
+            [{"name": "weather", "parameters": {"unit": "c", "enum": 3, "tag": {"$ref": "#/not/a/ref"}}},
+             {"name": "tree", "parameters": {"label": "r"}}]]
+    bad = [[], [{"name": "tree", "parameters": {"label": "a", "kids": [{"kids": []}]}}],  # a kid without its label
+           [{"name": "tree", "parameters": {"label": "a", "same": 5}}],
+           [{"name": "weather", "parameters": {"unit": "k"}}], [{"name": "weather", "parameters": {"unit": "c", "enum": 0}}],
+           [{"name": "weather", "parameters": {"unit": "c", "tag": {"$ref": "#/$defs/tool_1/not/a/ref"}}}]]
+    own = {"tree": jsonschema.Draft202012Validator(NODE), "weather": jsonschema.Draft202012Validator(UNITS)}
+    for call in (c for calls in good + bad for c in calls):  # one call: the array's verdict is its tool's
+        assert jsonschema.Draft202012Validator(schema).is_valid([call]) == own[call["name"]].is_valid(call["parameters"])
+    for calls in good:
+        jsonschema.validate(calls, schema)
+    for calls in bad:
+        assert not jsonschema.Draft202012Validator(schema).is_valid(calls), calls
+    one = forced_call_schema([_tool("tree", NODE)], None, parallel=False)
+    assert jsonschema.Draft202012Validator(one).is_valid(good[0])
+    assert not jsonschema.Draft202012Validator(one).is_valid(good[0] * 2)  # parallel_tool_calls false: one call
+    assert forced_call_schema([_tool("tree", NODE)], "tree") == NODE  # a named function: its schema as written

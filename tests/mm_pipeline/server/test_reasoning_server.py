@@ -29,13 +29,16 @@ RAW = {name: "".join(script) for name, script in (("thinks", THINKS), ("plain", 
 
 class ThinkingEngine:
     """OmniEngine's generate API over fixed answers: choice i of a request writes ``scripts[i]``,
-    tokenized by ``encoder``; ``tokenizer`` is what the server sees (it decides ``auto`` by it)."""
+    tokenized by ``encoder``, and ends with ``finish``; ``tokenizer`` is what the server sees (it
+    decides ``auto`` by it)."""
 
     model_name = "thinker"
 
-    def __init__(self, encoder: Any, scripts: list[list[str]], prompt: str, tokenizer: Any) -> None:
+    def __init__(self, encoder: Any, scripts: list[list[str]], prompt: str, tokenizer: Any,
+                 finish: str = "stop") -> None:
         self.encoder, self.tokenizer = encoder, tokenizer
         self.scripts = scripts
+        self.finish = finish  # the finish_reason every answer ends with
         self.prompt_ids = encoder.encode(prompt, add_special_tokens=False)
 
     async def generate(self, messages: Any, params: Any, *, request_id: str = "r-0",
@@ -49,7 +52,7 @@ class ThinkingEngine:
             lps = [-0.5] * len(ids) if params.logprobs is not None else None
             tops = [{i: -0.5} for i in ids] if params.logprobs is not None else None
             last = k == len(script) - 1
-            yield GenerationDelta(request_id, ids, piece, lps, tops, last, "stop" if last else None,
+            yield GenerationDelta(request_id, ids, piece, lps, tops, last, self.finish if last else None,
                                   len(self.prompt_ids), done, 0, time.time(),
                                   prompt_token_ids=list(self.prompt_ids) if k == 0 else None)
 

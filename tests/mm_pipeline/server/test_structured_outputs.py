@@ -251,6 +251,17 @@ def test_tool_choice_required_or_named_forces_calls(client, handed):
         assert all(c["function"]["name"] in ("get_weather", "get_time") for c in out["message"]["tool_calls"])
     else:
         assert out["finish_reason"] == "length" and out["message"]["content"].startswith('[{"name": "get_')
+    # parallel_tool_calls false: the array closes after one call; a tool whose parameters hold $defs /
+    # $ref (pydantic's, the OpenAI SDK's pydantic_function_tool) still resolves inside the array
+    with_defs = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+        "$defs": {"Unit": {"enum": ["c", "f"]}}, "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                                 "unit": {"$ref": "#/$defs/Unit"}}}}}]
+    out = client.post("/v1/chat/completions", json={**base, "tools": with_defs, "tool_choice": "required",
+                                                    "parallel_tool_calls": False, "max_tokens": 120}).json()["choices"][0]
+    assert out["finish_reason"] == "tool_calls" and len(out["message"]["tool_calls"]) == 1, out
+    args = json.loads(out["message"]["tool_calls"][0]["function"]["arguments"])
+    assert args["city"] in ("Paris", "Rome") and args["unit"] in ("c", "f"), args
 
 
 def test_forced_tool_choice_is_checked(client, engine):

@@ -38,8 +38,8 @@ QUESTION = [{"role": "user", "content": "Weather in Paris and Rome?"}]
 def serve(tokenizer, tmp_path_factory):
     servers: list[ServerThread] = []
 
-    def start(scripts: list[list[str]], **settings: Any) -> str:
-        engine = ThinkingEngine(tokenizer, scripts, GENERATION_PROMPT, tokenizer)
+    def start(scripts: list[list[str]], finish: str = "stop", **settings: Any) -> str:
+        engine = ThinkingEngine(tokenizer, scripts, GENERATION_PROMPT, tokenizer, finish)
         server = ServerThread(create_app(engine, ServerSettings(files_dir=str(tmp_path_factory.mktemp("f")),
                                                                 **settings))).start()
         servers.append(server)
@@ -104,6 +104,22 @@ def test_each_of_n_choices_parses_its_own_calls(serve):
     assert calls_of(streamed_calls(chunks, 0)) == EXPECTED and streamed_calls(chunks, 1) == []
     assert streamed(chunks, 1)["content"] == "".join(PLAIN) and streamed(chunks, 1)["finish_reason"] == "stop"
     assert streamed(chunks, 0)["finish_reason"] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(serve):
+    base = serve([CALLS])
+    message = post(base, tools=TOOLS, parallel_tool_calls=False).json()["choices"][0]["message"]
+    assert calls_of(message["tool_calls"]) == EXPECTED[:1] and message["content"] == "Let me check.\n"
+    chunks = chat_stream(base, messages=QUESTION, tools=TOOLS, parallel_tool_calls=False)
+    assert calls_of(streamed_calls(chunks, 0)) == EXPECTED[:1] and streamed(chunks, 0)["finish_reason"] == "tool_calls"
+
+
+def test_an_answer_with_calls_that_max_tokens_cut_ends_with_length(serve):
+    """OpenAI's rule (vLLM says "tool_calls"): the client must know later calls may be missing."""
+    base = serve([CALLS[:5]], finish="length")  # the first call, then the second one's opening tag
+    out = post(base, tools=TOOLS).json()["choices"][0]
+    assert calls_of(out["message"]["tool_calls"]) == EXPECTED[:1] and out["finish_reason"] == "length"
+    assert streamed(chat_stream(base, messages=QUESTION, tools=TOOLS), 0)["finish_reason"] == "length"
 
 
 def test_an_unclosed_call_is_text(serve):
