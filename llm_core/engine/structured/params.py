@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from llm_core.engine.structured.schema_support import unenforced_keyword
+
 # Bounds: the constraint's text is compiled once per distinct value (in a worker process with a time
 # limit, compiler.py) and kept in a cache; these keep one request from asking for megabytes of it.
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, all choices together
@@ -46,6 +48,9 @@ def _canonical_schema(schema: Any) -> str:
             raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
     if not isinstance(schema, (Mapping, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
+    problem = unenforced_keyword(schema)
+    if problem is not None:  # a 200 whose answer breaks its own schema is worse than a 400
+        raise ValueError(f"structured_outputs.json cannot be held to: {problem}")
     try:
         # key order kept: a schema's properties are generated in the order it lists them (OpenAI's rule)
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)

@@ -147,6 +147,12 @@ BAD = [
     ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structural_tag": "{}"}, "structural_tag is not supported"),
+    # keywords the grammar would not hold the answer to (llm_core/engine/structured/schema_support.py)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}}}}, "uniqueItems at #: unique items"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"n": {"type": "integer", "not": {"enum": [4]}}}}}},
+     "not at #/properties/n"),
+    ({"guided_json": {"$ref": "http://127.0.0.1:1/x.json"}}, "only local $ref pointers"),
 ]
 
 
