@@ -357,6 +357,20 @@ def listed_items(items: str | list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _check_call_outputs(items: str | list[Any], messages: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers a call of the conversation (this input's function_call
+    items or the stored response's): an InvalidMessageError names the first that does not, as
+    OpenAI refuses it (the template would otherwise render an answer to a call never made)."""
+    if isinstance(items, str):
+        return
+    made = {call.get("id") for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or ()}
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallOutputItem) and item.call_id not in made:
+            at = Where(("input", i, "call_id"))
+            raise InvalidMessageError(f"{at}: no function_call with call_id {echo(item.call_id)} in this input or "
+                                      f"the response it continues (previous_response_id)", loc=at)
+
+
 def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
               origins: list[int] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The /v1/chat/completions body ``req`` is answered as, and its input as chat messages;
@@ -364,6 +378,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]],
     included; ``origins``: chat_messages'. A ValueError names what cannot be answered (an
     InvalidMessageError: a content part, where it is)."""
     turn = chat_messages(req.input, origins)
+    _check_call_outputs(req.input, history + turn)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + turn
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             **req.passed()}

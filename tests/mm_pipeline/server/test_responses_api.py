@@ -112,6 +112,8 @@ class TestDemo:
          415, "not a supported image"),
         ({"input": [{"role": "tool", "content": "x"}]}, 400, "role"),
         ({"input": "x", "n": 2, "top_k": -5}, 400, "top_k"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, 400,
+         "input[0].call_id: no function_call with call_id 'nope'"),
     ])
     def test_bad_requests_are_4xx_naming_the_problem(self, demo_client, fields, status, named):
         r = demo_client.post("/v1/responses", json=fields)

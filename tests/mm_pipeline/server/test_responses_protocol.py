@@ -273,3 +273,16 @@ def test_background_responses_are_held_until_stored_whatever_ends_them():
     assert got["kept"] == {"early": "cancelled", "done": "completed", "failed": "failed", "running": "cancelled",
                            "at_close": "cancelled"}
     assert (got["left"], got["over"], got["closed"]) == (0, 429, 503)
+
+
+def test_a_function_call_output_answers_a_call_of_the_conversation():
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    body_of(input=[{"role": "user", "content": "Weather?"}, call, answer])  # the call in this input
+    stored = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    chat_body(ResponsesRequest.model_validate({"input": [answer]}), stored)  # the stored response's call
+    for items, history in (([answer], []), ([call, {**answer, "call_id": "call_2"}], stored)):
+        with pytest.raises(InvalidMessageError) as got:
+            chat_body(ResponsesRequest.model_validate({"input": items}), history)
+        assert got.value.loc == ("input", len(items) - 1, "call_id") and "no function_call" in str(got.value)
