@@ -174,8 +174,9 @@ class OmniRuntime:
             await self.grammar_pool.run(self.llm.compile_grammar, params)
         except GrammarBusyError as exc:  # other constraints held the compiler: the client may retry
             raise OverloadedError(str(exc)) from None
-        except GrammarError as exc:
-            raise InvalidInputError(str(exc)) from None
+        except GrammarError as exc:  # param: the request field the constraint came from, when known
+            where = () if params.source is None else tuple(int(p) if p.isdigit() else p for p in params.source.split("."))
+            raise InvalidInputError(str(exc), loc=where) from None
 
     async def tokenize(self, text: str, add_special_tokens: bool = False, keep_last: int | None = None) -> list[int]:
         """Token ids of a plain text prompt (no chat template), on the worker pool. A prompt is

@@ -322,8 +322,16 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         if self.forces_tool_calls:  # compact JSON: arguments are read by a program, not a person
             return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function,
                                                                    self.parallel_tool_calls),
-                                           disable_any_whitespace=True)
+                                           disable_any_whitespace=True, source=self._forced_source)
         return structured_outputs_of(self)
+
+    @property
+    def _forced_source(self) -> str:
+        """Where the forced calls' schema comes from: the named function's parameters, or the tools."""
+        names = [t.get("function", {}).get("name") for t in self.tools or ()]
+        if self.forced_function in names:
+            return f"tools.{names.index(self.forced_function)}.function.parameters"
+        return "tools"
 
     @property
     def parse_tool_calls(self) -> bool:

@@ -87,7 +87,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.counts["cache_hits"] += 1
                 return hit
-        compiled = self._compile(key)
+        compiled = self._compile(key, params.name)
         with self._cache_lock:
             if key not in self._cache:
                 self._cache[key] = compiled
@@ -103,7 +103,7 @@ class GrammarCompiler:
             self._stop_worker()
 
     # ---- internal helpers ---------------------------------------------------------------------
-    def _compile(self, key: tuple[str, str, bool]):
+    def _compile(self, key: tuple[str, str, bool], name: str):
         import xgrammar as xgr
 
         kind, text, no_ws = key
@@ -124,9 +124,9 @@ class GrammarCompiler:
                 self._stop_worker()
                 if timed_out:
                     self.counts["timeouts"] += 1
-                    raise GrammarError(f"structured_outputs.{kind} took longer than {self.timeout_s:g} s to compile; "
+                    raise GrammarError(f"{name} took longer than {self.timeout_s:g} s to compile; "
                                        f"simplify it (e.g. smaller repetition counts)")
-                raise GrammarError(f"the grammar compiler failed on this structured_outputs.{kind} "
+                raise GrammarError(f"the grammar compiler failed on this {name} "
                                    f"(worker exit code {proc.returncode})")
             self.counts["compiles"] += 1
         finally:
@@ -134,7 +134,7 @@ class GrammarCompiler:
         answer = json.loads(line)
         if "error" in answer:
             self.counts["rejected"] += 1
-            raise GrammarError(f"invalid structured_outputs.{kind}: {answer['error']}")
+            raise GrammarError(f"invalid {name}: {answer['error']}")
         return xgr.CompiledGrammar.deserialize_json(answer["grammar"], self.tokenizer_info())
 
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> str | None:

@@ -39,23 +39,23 @@ MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def _canonical_schema(schema: Any) -> str:
+def _canonical_schema(schema: Any, name: str = "structured_outputs.json") -> str:
     """A JSON schema (a mapping, or its JSON text) -> canonical JSON text; a ValueError naming the problem."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as exc:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(schema, (Mapping, bool)):
-        raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
+        raise ValueError(f"{name} must be a JSON schema (an object), got {type(schema).__name__}")
     problem = unenforced_keyword(schema)
     if problem is not None:  # a 200 whose answer breaks its own schema is worse than a 400
-        raise ValueError(f"structured_outputs.json cannot be held to: {problem}")
+        raise ValueError(f"{name} cannot be held to: {problem}")
     try:
         # key order kept: a schema's properties are generated in the order it lists them (OpenAI's rule)
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"structured_outputs.json cannot be written as JSON: {exc}") from None
+        raise ValueError(f"{name} cannot be written as JSON: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     disable_any_whitespace: bool = False
     reasoning: ReasoningGate | None = field(default=None, compare=True)
+    # the request field the constraint came from, dotted ("response_format.json_schema.schema",
+    # "tools"): named in its errors (None: structured_outputs.<kind>); no part of its identity
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if (getattr(self, k) not in (None, False))]
@@ -118,7 +121,7 @@ class StructuredOutputsParams:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
         if self.json is not None:
-            object.__setattr__(self, "json", _canonical_schema(self.json))
+            object.__setattr__(self, "json", _canonical_schema(self.json, self.source or "structured_outputs.json"))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -135,6 +138,11 @@ class StructuredOutputsParams:
         if len(self.text) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"structured_outputs.{self.kind} is {len(self.text)} characters; at most "
                              f"{MAX_CONSTRAINT_CHARS} are accepted")
+
+    @property
+    def name(self) -> str:
+        """What its errors call it: its ``source``, or ``structured_outputs.<kind>``."""
+        return self.source or f"structured_outputs.{self.kind}"
 
     @property
     def kind(self) -> str:

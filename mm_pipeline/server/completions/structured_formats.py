@@ -5,6 +5,8 @@ engine's ``StructuredOutputsParams`` (protocol.py holds the request models that 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,18 +58,20 @@ def structured_outputs_of(values: Any) -> StructuredOutputsParams | None:
     if fmt is not None and fmt.type == "json_object":
         sources["response_format"] = StructuredOutputsParams(json_object=True)
     elif fmt is not None and fmt.type == "json_schema":
-        sources["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        sources["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_,
+                                                             source="response_format.json_schema.schema")
     so = values.structured_outputs
     if so is not None:
-        sources["structured_outputs"] = StructuredOutputsParams(
+        given = StructuredOutputsParams(
             json=so.json_, json_object=bool(so.json_object), regex=so.regex,
             choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar,
             disable_any_whitespace=so.disable_any_whitespace)
+        sources["structured_outputs"] = dataclasses.replace(given, source=f"structured_outputs.{given.kind}")
     for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                        ("guided_grammar", "grammar")):
         value = getattr(values, name)
         if value is not None:
-            sources[name] = StructuredOutputsParams(**{kind: tuple(value) if kind == "choice" else value})
+            sources[name] = StructuredOutputsParams(**{kind: tuple(value) if kind == "choice" else value}, source=name)
     if len(sources) > 1:
         raise ValueError(f"give one structured output constraint, got {' and '.join(sources)}")
     return next(iter(sources.values()), None)

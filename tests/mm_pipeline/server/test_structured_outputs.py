@@ -281,3 +281,19 @@ def test_forced_tool_choice_is_checked(client, engine):
         r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text[:300])
     assert engine.requests_in_flight == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [*WEATHER, {"type": "function", "function": {"name": "bad", "parameters": {"type": "banana"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "bad"}}}, "tools.2.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad", "parameters": {"type": "banana"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"type": "banana"}}}, "structured_outputs.json"),
+    ({"guided_regex": "(ab"}, "guided_regex"),
+])
+def test_a_constraint_that_does_not_compile_names_the_field_it_came_from(client, body, param):
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+    assert r.json()["error"]["message"].startswith(f"invalid {param}: "), r.text[:300]
