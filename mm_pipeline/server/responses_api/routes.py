@@ -34,11 +34,11 @@ from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest
+from mm_pipeline.server.responses_api.as_chat import chat_body
 from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.events import ResponseEvents
 from mm_pipeline.server.responses_api.output import ResponseObject, response_of_chat
-from mm_pipeline.server.responses_api.protocol import (FunctionCallOutputItem, MessageItem, ResponsesRequest, chat_body,
-                                                       listed_items)
+from mm_pipeline.server.responses_api.protocol import FunctionCallOutputItem, MessageItem, ResponsesRequest, listed_items
 from mm_pipeline.server.responses_api.store import ResponseStore, StoredResponse, entry_bytes
 from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_disconnected
 

@@ -20,7 +20,8 @@ from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.output import (FunctionCallOutput, OutputMessage, OutputText, ReasoningOutput,
                                                      ReasoningText, ResponseObject)
-from mm_pipeline.server.responses_api.protocol import ResponsesRequest, chat_body, chat_messages
+from mm_pipeline.server.responses_api.as_chat import chat_body, chat_messages
+from mm_pipeline.server.responses_api.protocol import ResponsesRequest
 from mm_pipeline.server.responses_api.store import ResponseStore, entry_bytes, held_bytes
 
 
