@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,7 +60,8 @@ def resolve_model_dir(arg: str | None) -> Path:
 FLAG_ALIASES = {"num_full_tokens": ["--kv-tokens"], "allowed_local_dirs": ["--allowed-local-media-path"],
                 "allowed_domains": ["--allowed-media-domain"], "allow_http": ["--allow-remote-media"],
                 "cache_dir": ["--encoder-cache-dir"], "queue_policy": ["--scheduling-policy"],
-                "log_requests": ["--enable-log-requests"], "media_max_items_per_kind": ["--limit-mm-per-prompt"]}
+                "log_requests": ["--enable-log-requests"], "media_max_items_per_kind": ["--limit-mm-per-prompt"],
+                "shutdown_timeout_s": ["--shutdown-timeout"]}
 # What the CLI does when a flag is left out, where it differs from the field's default.
 FLAG_NOTES = {"device": "default: cuda when available, else cpu",
               "compile_decode": "default: on for cuda, off for cpu",
@@ -144,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(s, server_flags(SERVER_CORS_FIELDS), FLAG_ALIASES)  # --allowed-origins, --allow-credentials
     add_config_flags(s, server_flags(SERVER_BATCH_FIELDS))  # --batch-concurrency (/v1/batches)
     add_config_flags(s, server_flags(SERVER_BACKGROUND_FIELDS))  # --max-background-responses (/v1/responses)
+    add_config_flags(s, server_flags(SERVER_SHUTDOWN_FIELDS), FLAG_ALIASES)  # --shutdown-timeout-s
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no engine lines on the log (vLLM's flag; the same as --log-stats-interval-s 0)")
     add_serve_ray_args(s)
@@ -255,6 +258,7 @@ SERVER_ANSWER_FIELDS = ("reasoning_parser", "tool_call_parser", "return_tokens_a
                         "transcription_prompt", "translation_prompt")
 API_KEY_ENV = "MMSERVE_API_KEY"
 SERVER_LOG_FIELDS = ("log_stats_interval_s", "log_requests")
+SERVER_SHUTDOWN_FIELDS = ("shutdown_timeout_s",)
 SERVER_CORS_FIELDS = ("allowed_origins", "allow_credentials")
 SERVER_BATCH_FIELDS = ("batch_concurrency",)
 SERVER_BACKGROUND_FIELDS = ("max_background_responses",)
@@ -315,7 +319,8 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
               **config_values(args, server_flags(SERVER_LOG_FIELDS)),
               **config_values(args, server_flags(SERVER_CORS_FIELDS)),
               **config_values(args, server_flags(SERVER_BATCH_FIELDS)),
-              **config_values(args, server_flags(SERVER_BACKGROUND_FIELDS))}
+              **config_values(args, server_flags(SERVER_BACKGROUND_FIELDS)),
+              **config_values(args, server_flags(SERVER_SHUTDOWN_FIELDS))}
     if getattr(args, "disable_log_stats", False):
         limits["log_stats_interval_s"] = 0.0
     try:
@@ -338,6 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mm_pipeline.server import create_app
+    from mm_pipeline.server.launch.runner import DrainingServer
     from mm_pipeline.prompt.reasoning import describe_reasoning, resolve_reasoning
     from mm_pipeline.prompt.tool_calls import describe_tool_calls, resolve_tool_calls
 
@@ -361,11 +367,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logging.getLogger("mmserve.stats").setLevel(logging.INFO)
         if settings.log_requests:
             logging.getLogger("mmserve.requests").setLevel(logging.INFO)
-        server = uvicorn.Server(uvicorn.Config(app, **listen.uvicorn_kwargs(), timeout_graceful_shutdown=10,
-                                               log_level="info" if args.verbose else "warning"))
+        server = DrainingServer(uvicorn.Config(app, **listen.uvicorn_kwargs(),
+                                               log_level="info" if args.verbose else "warning"),
+                                settings.shutdown_timeout_s, engine.end_requests)
         # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their
         # error already): stop the server as Ctrl-C does, then exit 1 with the reason.
         loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
+        # uvicorn re-raises the signal it shut down on once it is done: SIGTERM's default action would
+        # kill the process there (exit 143) before the engine shuts down (a tensor-parallel rank then
+        # sees rank 0 vanish), so SIGTERM raises KeyboardInterrupt as SIGINT does: both drain, exit 0
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too

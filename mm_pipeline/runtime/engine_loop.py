@@ -32,6 +32,7 @@ from llm_core.distributed.rank_failure import RankFailure
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.request import EmbeddingSource
+from mm_pipeline.errors import ServerBusy
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.encode.batcher import EncoderBatcher
 from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
@@ -67,6 +68,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._sinks: dict[str, OutputSink] = {}
         self._stop = False
+        self._closing = False  # end_all was called: the server is going away, new requests are refused
         self.counts = {"steps": 0, "idle_waits": 0, "encoder_units": 0, "loop_errors": 0, "sink_errors": 0}
         # Builds and publishes the owner's stats snapshot; called on this thread after every
         # iteration (set before start()).
@@ -94,6 +96,8 @@ class EngineLoop:
         if self.llm is None:
             raise RuntimeError("an encoders-only runtime has no LLM and takes no requests")
         with self._lock:
+            if self._closing:  # one still preparing its media when end_all ran must not start now
+                raise ServerBusy("the server is shutting down; retry on another replica or later")
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = sink
@@ -113,6 +117,19 @@ class EngineLoop:
                 return
         self.llm.abort(request_id)
         self._wake.set()
+
+    def end_all(self) -> int:
+        """Abort every open request and refuse new ones (``ServerBusy``): a server shutting down
+        ends what is still running at the end of its grace period. Each sink gets its final output
+        (finish_reason "abort"), which its handler answers as any abort: a 503, or a stream's error
+        event. The thread keeps running (``stop`` ends it). Returns how many were aborted."""
+        with self._lock:
+            self._closing = True
+            request_ids = list(self._sinks)
+        for request_id in request_ids:
+            self.llm.abort(request_id)
+        self._wake.set()
+        return len(request_ids)
 
     def detach(self, request_id: str) -> None:
         """Stop delivering outputs of ``request_id`` (its consumer is gone)."""

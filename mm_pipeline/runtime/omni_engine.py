@@ -262,6 +262,11 @@ class OmniEngine:
         no engine or cache structure."""
         return self._stats
 
+    def end_requests(self) -> int:
+        """Abort every request in flight and refuse new ones (``ServerBusy``, a 503): what a server
+        whose shutdown grace period ran out does instead of cancelling its handlers. Any thread."""
+        return self.runtime.loop.end_all()
+
     def shutdown(self) -> None:
         self.runtime.shutdown()
 

@@ -103,7 +103,13 @@ class ServerSettings:
     token that is no whole character -- a byte of a multi-byte one -- is still told apart; a
     request's own return_tokens_as_token_ids wins."""
 
+    shutdown_timeout_s: float = 10.0
+    """Seconds a stopping server (SIGTERM, SIGINT) lets requests in flight finish; then those still
+    running are aborted (503, or a stream's error event then [DONE]) and the server exits."""
+
     def __post_init__(self) -> None:
+        if not 0 <= self.shutdown_timeout_s < float("inf"):
+            raise ValueError(f"shutdown_timeout_s must be a number of seconds >= 0, got {self.shutdown_timeout_s}")
         if self.max_upload_bytes <= 0 or self.max_files_total_bytes < self.max_upload_bytes:
             raise ValueError(f"need 0 < max_upload_bytes <= max_files_total_bytes, got {self.max_upload_bytes}, "
                              f"{self.max_files_total_bytes}")

@@ -6,12 +6,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 import threading
 import time
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+# After the grace period the handlers answer their aborted requests by themselves (milliseconds);
+# uvicorn cancels whatever is left this much later, a last resort (a traceback and a bare 500 each)
+ENDING_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,3 +65,30 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown (SIGINT, SIGTERM) lets requests in flight finish for
+    ``grace_s``, then ends the ones still running through ``end_requests`` (the engine aborts
+    them; each handler answers its client as for any abort: a JSON 503, a stream's error event
+    and [DONE]). uvicorn's own timeout would cancel the handlers' tasks instead: a bare plain-text
+    500 or a stream cut without [DONE], and a CancelledError traceback per request in the log."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float, end_requests: Callable[[], int]) -> None:
+        config.timeout_graceful_shutdown = grace_s + ENDING_S  # the backstop only
+        super().__init__(config)
+        self.grace_s = grace_s
+        self.end_requests = end_requests
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace_s, self._end_requests)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            timer.cancel()
+
+    def _end_requests(self) -> None:
+        ended = self.end_requests()
+        if ended:
+            log.warning("shutdown: %d request(s) still running after %g s aborted (answered 503)",
+                        ended, self.grace_s)
