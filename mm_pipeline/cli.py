@@ -70,6 +70,18 @@ FLAG_NOTES = {"device": "default: cuda when available, else cpu",
               "allowed_local_dirs": "default: none", "allowed_domains": "default: none"}
 
 
+def mebibytes(text: str) -> float:
+    """An argparse ``type`` for the sizes in MiB (--max-upload-mb, --max-media-mb): a finite number
+    > 0, so the bytes they become are a size (nan and inf are floats too, but no byte count)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not 0 < value < float("inf"):  # also false for nan
+        raise argparse.ArgumentTypeError(f"must be a number of MiB > 0, got {text!r}")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     """``--model``, ``--config FILE`` and one flag per config field (mm_pipeline/config_flags.py)."""
     from mm_pipeline.config_flags import add_config_file_flag, add_config_flags, config_flags
@@ -80,7 +92,7 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     g.add_argument("--model", required=model_required, default=None, help="checkpoint directory"
                    + ("" if model_required else f" (default: ${MODEL_ENV}, else the repository's samples/demo-model/)"))
     add_config_file_flag(g)
-    g.add_argument("--max-media-mb", type=float, default=None,
+    g.add_argument("--max-media-mb", type=mebibytes, default=None,
                    help="size limit of one media item in MiB (the same as --media-max-bytes)")
     add_config_flags(g, config_flags(), FLAG_ALIASES, FLAG_NOTES)
     g.add_argument("--enforce-eager", dest="config__compile_decode", action="store_false", default=argparse.SUPPRESS,
@@ -127,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id(s) clients use (default: the dir name); with several, requests may name any "
                         "and answers carry the first (vLLM's)")
     s.add_argument("--files-dir", default=None, help="keep uploads here (default: a temp dir, removed at exit)")
-    s.add_argument("--max-upload-mb", type=float, default=512.0,
+    s.add_argument("--max-upload-mb", type=mebibytes, default=512.0,
                    help="largest file /v1/files takes, in MiB (default: 512)")
     from mm_pipeline.config_flags import field_type
     from mm_pipeline.server.settings import ServerSettings
@@ -235,7 +247,11 @@ def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
 
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
+    from llm_core.distributed.parallel_context import ParallelSplitError
     from llm_core.engine.sampling.generation_config import GenerationConfigError
+    from llm_core.kvcache.dual_pool import KVPoolSizeError
+    from llm_core.model.config import ModelConfigError
+    from llm_core.model.loader import MissingWeightsError
     from mm_pipeline.runtime.config import CheckpointMismatchError
     from mm_pipeline.runtime.omni_engine import OmniEngine
 
@@ -247,6 +263,16 @@ def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
     # be used (--generation-config naming a folder without one, the checkpoint's file with a bad value)
     except (CheckpointMismatchError, GenerationConfigError) as exc:
         raise UsageError(str(exc)) from None
+    # the checkpoint the user named cannot be loaded: its config.json, its weights
+    except (ModelConfigError, MissingWeightsError) as exc:
+        raise UsageError(f"--model {model_dir}: {exc}") from None
+    # settings known to fit this model only once its shapes are read (each named as the flag)
+    except ParallelSplitError as exc:
+        raise UsageError(f"--tensor-parallel-size {config.engine.tensor_parallel_size} / --expert-parallel-size "
+                         f"{config.engine.expert_parallel_size} do not fit this model: {exc}") from None
+    except KVPoolSizeError as exc:
+        raise UsageError(f"the KV pools (--kv-cache-bytes, --memory-fraction, --num-swa-tokens, --page-size) "
+                         f"do not fit this model: {exc}") from None
 
 
 # ServerSettings fields that are flags under their own names (the others have the older

@@ -33,6 +33,11 @@ import torch
 from llm_core.model.config import AttentionSpec
 
 
+class ParallelSplitError(ValueError):
+    """A model dimension (vocabulary, heads, an intermediate size) that does not split evenly over
+    the ranks: the parallel sizes asked for do not fit this checkpoint."""
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """One rank's heads of one attention kind: q heads [q_start, q_start + num_heads), KV heads
@@ -94,7 +99,7 @@ class ParallelContext:
     def split(self, n: int, parts: int, index: int, what: str) -> tuple[int, int]:
         """[start, stop) of part ``index`` of ``n`` items in ``parts`` equal contiguous parts."""
         if n % parts:
-            raise ValueError(f"{what}: {n} does not split into {parts} equal parts")
+            raise ParallelSplitError(f"{what}: {n} does not split into {parts} equal parts")
         size = n // parts
         return index * size, (index + 1) * size
 

@@ -117,6 +117,15 @@ class EngineConfig:
     """JSON object of temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens laid over those defaults."""
 
     def __post_init__(self) -> None:
+        # before anything divides by it (the SWA pool's size is rounded up to whole pages)
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        # a pool holds whole pages, at least one (a model without sliding layers has no SWA pool: 0)
+        if self.num_full_tokens is not None and self.num_full_tokens < self.page_size:
+            raise ValueError(f"num_full_tokens must be at least one page ({self.page_size} tokens), "
+                             f"got {self.num_full_tokens}")
+        if self.num_swa_tokens is not None and self.num_swa_tokens < 0:
+            raise ValueError(f"num_swa_tokens must be >= 0, got {self.num_swa_tokens}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.max_model_len is not None and self.max_model_len < 2:

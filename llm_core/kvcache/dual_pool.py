@@ -27,6 +27,12 @@ from kernels.cpu import huge_pages as huge_page_memory
 from llm_core.model.config import layers_of_kind
 
 
+class KVPoolSizeError(ValueError):
+    """Pool sizes this model's layout cannot have -- a byte budget (kv_cache_bytes, memory_fraction's
+    share) too small for one Full page beside the SWA pool, no SWA page for a model with sliding
+    layers: known only once the layout is (a setting, not a bug)."""
+
+
 class PoolExhausted(RuntimeError):
     """Raised by :meth:`PageAllocator.allocate` when fewer pages are free than asked for."""
 
@@ -202,7 +208,7 @@ class DualKVPool:
         if num_full_tokens < page_size:
             raise ValueError(f"Full pool needs at least one page ({page_size} tokens), got {num_full_tokens}")
         if layout.swa_layers and num_swa_tokens < page_size:
-            raise ValueError(f"SWA pool needs at least one page ({page_size} tokens), got {num_swa_tokens}")
+            raise KVPoolSizeError(f"SWA pool needs at least one page ({page_size} tokens), got {num_swa_tokens}")
         self.layout = layout
         self.page_size = page_size
         self.dtype = dtype
@@ -316,7 +322,7 @@ class PoolSizing:
                 full_tokens = min(full_tokens, _round_up(max_full_tokens, page_size))
             full_tokens = full_tokens // page_size * page_size
         if full_tokens < page_size:
-            raise ValueError(
+            raise KVPoolSizeError(
                 f"KV budget of {budget_bytes} bytes is too small: the SWA pool alone needs "
                 f"{swa_tokens * swa_per_tok} bytes and the Full pool one page of {page_size} tokens"
             )

@@ -31,6 +31,22 @@ def layers_of_kind(layer_kinds: tuple[str, ...], kind: str) -> tuple[int, ...]:
     return tuple(i for i, k in enumerate(layer_kinds) if k == kind)
 
 
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json that cannot be used (not JSON, a required field missing or
+    unsupported): a problem of the checkpoint the user named, not of this code."""
+
+
+def read_config_json(model_dir: str | Path, parse):
+    """``parse(dict)`` of ``model_dir/config.json``; its problems as ``ModelConfigError`` naming the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    try:
+        return parse(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ModelConfigError(f"{path} cannot be used: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """Head geometry and position encoding of one attention kind (full or sliding)."""
@@ -179,7 +195,4 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {model_dir}")
-        return cls.from_hf(json.loads(path.read_text()))
+        return read_config_json(model_dir, cls.from_hf)

@@ -175,13 +175,17 @@ def expected_mtp_tensors(config: ModelConfig, num_layers: int, qkv_row_order: st
     return plan
 
 
+class MissingWeightsError(FileNotFoundError):
+    """A checkpoint directory without weight files (``*.safetensors``)."""
+
+
 class ShardReader:
     """All ``*.safetensors`` files of a directory as one lazy name -> tensor mapping (mmap)."""
 
     def __init__(self, model_dir: Path) -> None:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+            raise MissingWeightsError(f"no *.safetensors files in {model_dir}")
         self._stack = ExitStack()
         self._file_of: dict[str, object] = {}
         for path in files:

@@ -24,7 +24,7 @@ from typing import Any
 from encoders.audio.mimo_config import SpeechInputConfig
 from encoders.config import AudioConfig, VisionConfig
 from encoders.image_processing import ImageProcessingConfig
-from llm_core.model.config import ModelConfig
+from llm_core.model.config import ModelConfig, read_config_json
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
 
@@ -179,7 +179,4 @@ class OmniConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "OmniConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {model_dir}")
-        return cls.from_hf(json.loads(path.read_text()))
+        return read_config_json(model_dir, cls.from_hf)

@@ -155,6 +155,13 @@ class OmniEngineConfig:
     """How long a media decode call may wait for a slot before HTTP 503 (none: no limit)."""
 
     def __post_init__(self) -> None:
+        for name in ("device", "encoder_device"):  # checked now, not as torch's error once the model loads
+            value = getattr(self, name)
+            try:
+                if value is not None:
+                    torch.device(value)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"{name} must be a device such as cpu, cuda or cuda:1, got {value!r}") from None
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
         if self.stream_min_tokens < 0:

@@ -1,0 +1,59 @@
+"""Bad command-line values are usage errors (exit 2) naming the flag, never a traceback: the ones
+argparse checks through the config dataclasses, and the ones known only once the checkpoint is read
+(its config.json, its weights, shapes the parallel sizes or the KV budget must fit). ``mmserve serve``
+in a child process, as a user runs it; every case fails before anything listens."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import DEMO_MODEL
+
+pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")
+
+
+def _checkpoint(tmp_path, kind: str) -> str:
+    """A model directory broken one way: config.json not JSON, lacking fields, or no weights."""
+    path = tmp_path / kind
+    path.mkdir()
+    if kind == "no-weights":
+        for f in DEMO_MODEL.glob("*.json"):
+            shutil.copy(f, path)
+    else:
+        (path / "config.json").write_text("{not json" if kind == "bad-json" else "{}")
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--page-size", "0"], "--page-size"),
+    (["--page-size", "-1"], "--page-size"),
+    (["--num-full-tokens", "-1"], "--num-full-tokens"),
+    (["--num-swa-tokens", "-1"], "--num-swa-tokens"),
+    (["--device", "bogus"], "--device"),
+    (["--max-upload-mb", "nan"], "--max-upload-mb"),
+    (["--max-upload-mb", "inf"], "--max-upload-mb"),
+    (["--max-upload-mb", "-1"], "--max-upload-mb"),
+    (["--max-media-mb", "inf"], "--max-media-mb"),
+    (["--max-media-mb", "-3"], "--max-media-mb"),
+    # known once the checkpoint is read
+    (["--kv-cache-bytes", "1"], "--kv-cache-bytes"),
+    (["--num-swa-tokens", "0"], "--num-swa-tokens"),  # the demo model has sliding layers
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),  # its vocabulary of 512 does not split in 3
+    ("bad-json", "--model"),
+    ("no-fields", "--model"),
+    ("no-weights", "--model"),
+])
+def test_bad_values_exit_2_naming_the_flag(argv, flag, tmp_path):
+    if isinstance(argv, str):
+        argv = ["--model", _checkpoint(tmp_path, argv)]
+    else:
+        argv = ["--model", str(DEMO_MODEL), *argv]
+    proc = subprocess.run([sys.executable, "-m", "mm_pipeline.cli", "serve", "--device", "cpu", *argv],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "MMSERVE_API_KEY": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
