@@ -376,7 +376,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model)
     settings = server_settings(args, model_dir)
     listen = listen_of(args)
-    engine = load_engine(args, model_dir)
+    try:
+        sock, listen = listen.bind()  # before the model loads: a port in use is a usage error now
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        engine = load_engine(args, model_dir)
+    except BaseException:
+        sock.close()
+        raise
     loop = engine.runtime.loop
     try:
         app = create_app(engine, settings)
@@ -404,7 +412,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # sees rank 0 vanish), so SIGTERM raises KeyboardInterrupt as SIGINT does: both drain, exit 0
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            server.run()
+            server.run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too
             pass
     finally:

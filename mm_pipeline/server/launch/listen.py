@@ -14,8 +14,10 @@ carry it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import socket
 import ssl
 import threading
 from dataclasses import dataclass
@@ -39,6 +41,8 @@ class Listen:
     ssl_refresh: bool = False  # reload the certificate files into the live context when they change
 
     def __post_init__(self) -> None:
+        if not self.host.strip():  # the resolver takes "" as every interface: say 0.0.0.0 for that
+            raise ValueError("--host must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
@@ -87,6 +91,26 @@ class Listen:
                 context.load_verify_locations(self.ssl_ca_certs)
             except (OSError, ssl.SSLError, ValueError) as exc:
                 raise ValueError(f"--ssl-ca-certs {self.ssl_ca_certs}: cannot be used ({_reason(exc)})") from None
+
+    def bind(self) -> tuple[socket.socket, "Listen"]:
+        """The server's socket, bound now -- before the model loads, so a port in use or a host that
+        does not resolve is a ValueError naming the flag, not uvicorn exiting minutes later -- and
+        this Listen with the port bound (``--port 0``: the one the system chose), for the start-up
+        line. uvicorn listens on it (``Server.run(sockets=[sock])``)."""
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as exc:
+            raise ValueError(f"--host {self.host}: not an address of this machine ({exc.strerror})") from None
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind: no wait after a restart
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            sock.close()
+            raise ValueError(f"--port {self.port} / --host {self.host}: cannot listen there "
+                             f"({exc.strerror or exc})") from None
+        return sock, dataclasses.replace(self, port=sock.getsockname()[1])
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         """``uvicorn.Config`` keywords (host, port, TLS, root path)."""
