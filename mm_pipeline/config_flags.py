@@ -308,6 +308,8 @@ def _options_by_key(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
 
 
 def _as_argv(action: argparse.Action, key: Any, value: Any, path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The entry as command-line tokens. One value is written ``--opt=value``: argparse would take a
+    separate token starting with ``-`` (``api_key: "-secret"``, ``prompt: "-terse"``) for an option."""
     opt = action.option_strings[0]
     if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
         if not isinstance(value, bool):
@@ -319,13 +321,13 @@ def _as_argv(action: argparse.Action, key: Any, value: Any, path: str, parser: a
         return [opt + "="] if value else []              # spelled "--ray=": no positional can follow as its value
     if isinstance(value, list):
         if isinstance(action, argparse._AppendAction):
-            return [t for v in value for t in (opt, _text(v))]
+            return [f"{opt}={_text(v)}" for v in value]
         if action.nargs in ("+", "*") and value:  # --served-model-name a b
             return [opt, *map(_text, value)]
         parser.error(f"config file {path}: {key!r} takes one value, got a list")
     if isinstance(value, dict):  # as JSON text, judged by the flag's own type (override_generation_config takes one)
-        return [opt, json.dumps(value)]
-    return [opt, _text(value)]
+        return [f"{opt}={json.dumps(value)}"]
+    return [f"{opt}={_text(value)}"]
 
 
 def _text(value: Any) -> str:

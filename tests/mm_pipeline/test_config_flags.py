@@ -255,3 +255,14 @@ def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
     with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # alone, with the 512 MiB default upload
         cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-files-total-bytes", "256MiB"]), tmp_path)
     assert "--max-audio-upload-bytes" in _usage_error(["serve", "--model", "m", "--max-audio-upload-bytes", "0"], capsys)
+
+
+def test_config_file_values_starting_with_a_dash(tmp_path):
+    """A value starting with ``-`` is the option's value, not taken for an option ("expected one
+    argument" before): a key, a prompt, an entry of a repeated option."""
+    path = tmp_path / "dash.yaml"
+    path.write_text('api_key: "-secret123"\nallowed_origins: ["-odd"]\nmax_num_seqs: 4\n')
+    args = cli.parse_args(["serve", "--model", "m", "--config", str(path)])
+    assert (args.api_key, args.config__allowed_origins, args.config__max_num_seqs) == ("-secret123", ["-odd"], 4)
+    path.write_text('prompt: "-terse"\n')
+    assert cli.parse_args(["caption", "x.png", "--config", str(path)]).prompt == "-terse"
