@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="auto",
                    help="chat answers' <tool_call> blocks in tool_calls, as `serve --tool-call-parser`")
     add_ray_args(b, formats=False)
+    for command in (s, c, b):  # also after the command (`mmserve serve ... -v`); SUPPRESS keeps a -v given before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="info-level logs (as `mmserve -v COMMAND`)")
     return parser
 
 

@@ -266,3 +266,10 @@ def test_config_file_values_starting_with_a_dash(tmp_path):
     assert (args.api_key, args.config__allowed_origins, args.config__max_num_seqs) == ("-secret123", ["-odd"], 4)
     path.write_text('prompt: "-terse"\n')
     assert cli.parse_args(["caption", "x.png", "--config", str(path)]).prompt == "-terse"
+
+
+@pytest.mark.parametrize("argv", [["-v", "serve", "--model", "m"], ["serve", "--model", "m", "-v"],
+                                  ["caption", "x.png", "--verbose"], ["batch", "-i", "a", "-o", "b", "-v"]])
+def test_verbose_before_or_after_the_command(argv):
+    assert cli.parse_args(argv).verbose is True
+    assert cli.parse_args([a for a in argv if a not in ("-v", "--verbose")]).verbose is False
