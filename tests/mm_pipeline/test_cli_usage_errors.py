@@ -1,7 +1,7 @@
 """Bad command-line values are usage errors (exit 2) naming the flag, never a traceback: the ones
 argparse checks through the config dataclasses, and the ones known only once the checkpoint is read
 (its config.json, its weights, shapes the parallel sizes or the KV budget must fit). ``mmserve serve``
-in a child process, as a user runs it; every case fails before anything listens."""
+as a user runs it; every case fails before anything listens."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from mm_pipeline import cli
 from tests.support.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="samples/demo-model missing")
@@ -40,7 +41,17 @@ def _checkpoint(tmp_path, kind: str) -> str:
     (["--max-upload-mb", "-1"], "--max-upload-mb"),
     (["--max-media-mb", "inf"], "--max-media-mb"),
     (["--max-media-mb", "-3"], "--max-media-mb"),
-    # known once the checkpoint is read
+])
+def test_bad_values_exit_2_naming_the_flag_before_anything_loads(argv, flag, capsys, monkeypatch):
+    """Refused as argparse reads them (in process: nothing is loaded or bound before)."""
+    monkeypatch.setenv("MMSERVE_API_KEY", "")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", str(DEMO_MODEL), "--host", "127.0.0.1", "--port", "0", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and flag in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, flag", [
     (["--kv-cache-bytes", "1"], "--kv-cache-bytes"),
     (["--num-swa-tokens", "0"], "--num-swa-tokens"),  # the demo model has sliding layers
     (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),  # its vocabulary of 512 does not split in 3
@@ -48,12 +59,14 @@ def _checkpoint(tmp_path, kind: str) -> str:
     ("no-fields", "--model"),
     ("no-weights", "--model"),
 ])
-def test_bad_values_exit_2_naming_the_flag(argv, flag, tmp_path):
+def test_values_known_once_the_checkpoint_is_read_exit_2_naming_the_flag(argv, flag, tmp_path):
+    """``mmserve serve`` in a child process, as a user runs it (the model loads there)."""
     if isinstance(argv, str):
         argv = ["--model", _checkpoint(tmp_path, argv)]
     else:
         argv = ["--model", str(DEMO_MODEL), *argv]
-    proc = subprocess.run([sys.executable, "-m", "mm_pipeline.cli", "serve", "--device", "cpu", *argv],
+    proc = subprocess.run([sys.executable, "-m", "mm_pipeline.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
+                           "--port", "0", *argv],  # port 0: tests running side by side never share one
                           capture_output=True, text=True, timeout=120, env={**os.environ, "MMSERVE_API_KEY": ""})
     assert proc.returncode == 2, proc.stderr
     assert flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
