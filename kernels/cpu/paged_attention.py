@@ -296,7 +296,9 @@ def _attend(q, k, v, mask, *, scale, sinks):
     # out [B, Hq, Q, w], lse [B, Hq, Q]
     if sinks is not None:  # in place on the kernel's own outputs: fewer dispatches, the same values
         gate = lse.sub_(sinks.view(1, -1, 1)).sigmoid_().unsqueeze(-1)
-        out = out.mul_(gate) if out.dtype == gate.dtype else out * gate
+        # the gate is fp32 (from the kernel's fp32 lse): a bf16/fp16 output takes it in fp32 and
+        # goes back to its own dtype, or the next projection (bf16 weights) meets an fp32 input
+        out = out.mul_(gate) if out.dtype == gate.dtype else (out * gate).to(out.dtype)
     return (out if out.shape[-1] == dv else out[..., :dv]).transpose(1, 2)
 
 

@@ -55,6 +55,21 @@ def test_matches_reference(reqs, heads, window, sinks, release, seed):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_half_precision_step_stays_in_its_dtype(dtype, sinks):
+    """bf16/fp16 in, the same dtype out, with or without sinks (the sink gate is fp32: its product
+    was fp32, and a bf16 model's next projection failed on it); values as the fp32 reference's."""
+    new_counts, ctx_lens = [1, 5, 3], [7, 9, 3]  # decode, extend over a context, fresh extend
+    q, k, v, table, qsl, lens = make_batch(3, new_counts, ctx_lens, 4, 2, None, False)
+    s = torch.randn(4) if sinks else None
+    kw = dict(page_size=PAGE, scale=8**-0.5, window=None, sinks=s)
+    got = paged_attention_cpu(q.to(dtype), k.to(dtype), v.to(dtype), table, qsl, lens, **kw)
+    ref = paged_attention_ref(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), table, qsl, lens, **kw)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_reading_a_released_page_raises():
     q, k, v, table, qsl, lens = make_batch(0, [1], [12], 2, 2, None, False)
     table[0, 0] = -1
