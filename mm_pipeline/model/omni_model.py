@@ -9,13 +9,15 @@
                  └─ processor_config       ─► ImageProcessingConfig, video sampling, token ids, prompt layout
     tokenizer files                        ─► transformers AutoTokenizer
 
-``encoder_id`` names the encoder weights for content-hash keys: a digest of the config and of every
-shard's safetensors header and size (it changes whenever the checkpoint does, and costs no weight
-reads), with the compute dtype, so cache entries of another checkpoint or dtype are never served.
+``encoder_id`` names the encoder weights for content-hash keys: a digest of the config, of every
+shard's safetensors header and size, and of every byte of the encoders' tensors (a fine-tune of a
+tower changes no header), with the compute dtype, so cache entries of another checkpoint or dtype
+are never served.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from encoders.config import AudioConfig
 from encoders.image_processing import ImageProcessingConfig
 from encoders.vision.tower import VisionTransformer
 from encoders.audio.mimo_audio import MimoAudioEncoder
-from encoders.weights import (AUDIO_PREFIX, TOKENIZER_DIR, VISION_PREFIX, load_audio_encoder,
+from encoders.weights import (AUDIO_PREFIX, SPEECH_PREFIX, TOKENIZER_DIR, VISION_PREFIX, load_audio_encoder,
                               load_mimo_audio_encoder, load_vision_tower)
 from llm_core.llm import load_tokenizer
 from llm_core.model.dtype import parse_dtype
@@ -40,23 +42,51 @@ from mm_pipeline.model.config import OmniConfig
 from mm_pipeline.prompt.layout import ChatLayout
 
 
+ENCODER_PREFIXES = (VISION_PREFIX, AUDIO_PREFIX, SPEECH_PREFIX)  # the towers' tensors in the main shards
+_READ = 16 << 20  # bytes hashed per read
+
+
 def encoder_id_of(model_dir: Path) -> str:
-    """Digest of config.json plus each shard's name, size and safetensors header (tensor names,
-    dtypes, shapes, offsets) -- stable across restarts, different for any other checkpoint."""
-    h = blake3.blake3()
+    """Digest of config.json, each shard's name, size and safetensors header, and every byte of the
+    encoders' tensors (``ENCODER_PREFIXES``, and the whole audio tokenizer): stable across restarts,
+    different for any other checkpoint -- a fine-tune of the vision tower has the same names, shapes
+    and sizes, and must not be served the base model's cached rows. The text model's bytes are not
+    read here (its KV entries carry its own fingerprint); the encoders' are read once more at start
+    (a fraction of a second per GB, mostly from the page cache the load just filled)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update((model_dir / "config.json").read_bytes())
     tokenizer_config = model_dir / TOKENIZER_DIR / "config.json"
     if tokenizer_config.is_file():  # the reference audio path's tokenizer is part of the encoder
         h.update(tokenizer_config.read_bytes())
-    shards = sorted(model_dir.glob("*.safetensors")) + sorted((model_dir / TOKENIZER_DIR).glob("*.safetensors"))
-    for shard in shards:
+    main = sorted(model_dir.glob("*.safetensors"))
+    for shard in main + sorted((model_dir / TOKENIZER_DIR).glob("*.safetensors")):
         with shard.open("rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = f.read(min(n, 64 << 20))
-        h.update(shard.name.encode())
-        h.update(shard.stat().st_size.to_bytes(8, "little"))
-        h.update(header)
+            h.update(shard.name.encode())
+            h.update(shard.stat().st_size.to_bytes(8, "little"))
+            h.update(header)
+            for start, end in _encoder_ranges(header, every=shard not in main):
+                f.seek(8 + n + start)
+                while start < end:
+                    chunk = f.read(min(_READ, end - start))
+                    if not chunk:
+                        raise ValueError(f"{shard} ends inside a tensor its header declares")
+                    h.update(chunk)
+                    start += len(chunk)
     return h.hexdigest()[:32]
+
+
+def _encoder_ranges(header: bytes, every: bool) -> list[tuple[int, int]]:
+    """Byte ranges (from the data start, in file order) of a shard's encoder tensors; ``every``: all
+    of them (an audio tokenizer shard)."""
+    try:
+        entries = json.loads(header)
+    except ValueError:
+        return []  # the loader reports a broken header, by its own rules
+    return sorted(tuple(v["data_offsets"]) for k, v in entries.items()
+                  if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+                  and (every or k.startswith(ENCODER_PREFIXES)))
 
 
 def _encoder_id(model_dir: Path, omni: OmniConfig, tokenizer_attention: str, dtype: torch.dtype) -> str:

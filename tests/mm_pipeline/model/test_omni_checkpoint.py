@@ -257,3 +257,32 @@ def test_omni_model_loads_with_any_dtype_spelling(ckpt):
     fp32 = OmniModel.load(ckpt, dtype="float32")
     assert fp32.encoder_id != model.encoder_id
     assert OmniModel.load(ckpt, dtype="bfloat16").encoder_id == model.encoder_id
+
+
+def test_the_encoder_id_covers_every_byte_of_the_towers(ckpt, tmp_path):
+    """A fine-tune of one tower element (same names, shapes, dtypes and file sizes: headers equal)
+    gets another encoder id, so a shared encoder cache (disk, Redis) or KV store never serves it the
+    base model's rows; a change to the text model alone does not move it (its KV carries its own
+    fingerprint)."""
+    import shutil
+
+    from mm_pipeline.model.omni_model import encoder_id_of
+
+    base = encoder_id_of(ckpt)
+    assert encoder_id_of(ckpt) == base
+    found = []
+    for prefix in ("visual.", "audio_encoder.", "model."):
+        other = tmp_path / prefix.rstrip(".")
+        shutil.copytree(ckpt, other)
+        for shard in sorted(other.glob("*.safetensors")):
+            raw = bytearray(shard.read_bytes())
+            n = int.from_bytes(raw[:8], "little")
+            header = json.loads(raw[8:8 + n])
+            names = sorted(k for k in header if k.startswith(prefix))
+            if names:  # one byte of one tensor, in place: the header and the file size stay the same
+                raw[8 + n + header[names[-1]]["data_offsets"][0]] ^= 0x40
+                shard.write_bytes(bytes(raw))
+                break
+        found.append(encoder_id_of(other))
+    vision, audio, text = found
+    assert len({base, vision, audio}) == 3 and text == base
