@@ -243,10 +243,25 @@ def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:
         fields.setdefault("media_max_bytes", int(args.max_media_mb * (1 << 20)))
     if fields.get("allow_http") and not fields.get("allowed_domains"):
         raise UsageError("--allow-http (--allow-remote-media) needs at least one --allowed-domains")
+    _check_dir(fields.get("cache_dir"), "--cache-dir (--encoder-cache-dir)")
+    if "://" not in (fields.get("kv_store") or "://"):  # a directory, not a redis:// URL
+        _check_dir(fields["kv_store"], "--kv-store")
     try:
         return OmniEngineConfig.from_kwargs(**fields)
     except ValueError as exc:  # a combination of fields; each value alone was checked by argparse
         raise UsageError(str(exc)) from None
+
+
+def _check_dir(path: str | None, flag: str) -> None:
+    """A cache directory flag names a directory, or a place one can be made (the store makes it at
+    load): a file there, or under a file, is a usage error now rather than a traceback after loading."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise UsageError(f"{flag} {path}: {p} is not a directory")
 
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:

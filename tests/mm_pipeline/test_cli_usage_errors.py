@@ -70,3 +70,13 @@ def test_values_known_once_the_checkpoint_is_read_exit_2_naming_the_flag(argv, f
                           capture_output=True, text=True, timeout=120, env={**os.environ, "MMSERVE_API_KEY": ""})
     assert proc.returncode == 2, proc.stderr
     assert flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--cache-dir", "--encoder-cache-dir", "--kv-store"])
+def test_a_cache_directory_that_is_a_file_exits_2_before_loading(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MMSERVE_API_KEY", "")
+    (tmp_path / "afile").write_text("x")
+    for where in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        code = cli.main(["serve", "--model", str(DEMO_MODEL), "--host", "127.0.0.1", "--port", "0", flag, str(where)])
+        err = capsys.readouterr().err
+        assert code == 2 and "is not a directory" in err and flag.lstrip("-") in err and "Traceback" not in err, err
