@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from mm_pipeline.cluster.ray_flags import add_ray_args, add_serve_ray_args
-from mm_pipeline.runtime.startup_summary import describe_engine
 
 # The committed demo model, found from this package's location (not the working directory), so
 # ``mmserve caption FILE`` works from anywhere; MODEL_ENV overrides it.
@@ -379,74 +377,13 @@ def server_settings(args: argparse.Namespace, model_dir: Path) -> Any:
         raise UsageError(str(e)) from None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    if args.ray is not None:
-        from mm_pipeline.cluster.ray_commands import serve_on_ray  # Ray is imported only with --ray
-
-        return serve_on_ray(args)
-    import uvicorn
-
-    from mm_pipeline.server import create_app
-    from mm_pipeline.server.launch.runner import DrainingServer
-    from mm_pipeline.prompt.reasoning import describe_reasoning, resolve_reasoning
-    from mm_pipeline.prompt.tool_calls import describe_tool_calls, resolve_tool_calls
-
-    model_dir = resolve_model_dir(args.model)
-    settings = server_settings(args, model_dir)
-    listen = listen_of(args)
-    try:
-        sock, listen = listen.bind()  # before the model loads: a port in use is a usage error now
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        engine = load_engine(args, model_dir)
-    except BaseException:
-        sock.close()
-        raise
-    loop = engine.runtime.loop
-    try:
-        app = create_app(engine, settings)
-        reasoning = resolve_reasoning(settings.reasoning_parser, engine.tokenizer)  # as create_app resolves it
-        tool_calls = resolve_tool_calls(settings.tool_call_parser, engine.tokenizer)
-        lines = describe_engine(engine, model_dir) + [
-            f"reasoning {describe_reasoning(settings.reasoning_parser, reasoning)}",
-            f"tools     {describe_tool_calls(settings.tool_call_parser, tool_calls)}",
-            f"serving   {settings.model_name} on {listen.describe()}"
-            + ("; every route but /health, /ping and the upload page needs the API key" if settings.api_key else ""),
-            f"upload    page: {listen.base_url}/"]
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        if settings.log_stats_interval_s:  # the engine lines show without -v, as vLLM's do
-            logging.getLogger("mmserve.stats").setLevel(logging.INFO)
-        if settings.log_requests:
-            logging.getLogger("mmserve.requests").setLevel(logging.INFO)
-        server = DrainingServer(uvicorn.Config(app, **listen.uvicorn_kwargs(),
-                                               log_level="info" if args.verbose else "warning"),
-                                settings.shutdown_timeout_s, engine.end_requests)
-        # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their
-        # error already): stop the server as Ctrl-C does, then exit 1 with the reason.
-        loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
-        # uvicorn re-raises the signal it shut down on once it is done: SIGTERM's default action would
-        # kill the process there (exit 143) before the engine shuts down (a tensor-parallel rank then
-        # sees rank 0 vanish), so SIGTERM raises KeyboardInterrupt as SIGINT does: both drain, exit 0
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too
-            pass
-    finally:
-        engine.shutdown()
-    if loop.fatal is not None:
-        print(f"mmserve: the engine stopped: {loop.fatal}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mm_pipeline.jobs.commands import cmd_batch, cmd_caption
     from mm_pipeline.jobs.resume import OutputFileError
+    from mm_pipeline.server.launch.serve_command import cmd_serve
 
     commands = {"serve": cmd_serve, "caption": cmd_caption, "batch": cmd_batch}
     try:
@@ -460,4 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m mm_pipeline.cli``: run the importable module's main, not this __main__ copy's, so
+    # the commands (which import mm_pipeline.cli) raise the UsageError main catches (exit 2, not 1)
+    from mm_pipeline.cli import main as _main
+
+    sys.exit(_main())
