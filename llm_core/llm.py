@@ -14,9 +14,11 @@ is the output text with a tokenizer, None without one (not decoded).
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from llm_core.engine.engine_config import EngineConfig
@@ -123,8 +125,7 @@ class LLM:
         """Generate for every prompt (batched by the engine); outputs in prompt order. ``priority``:
         one per prompt, lower first, under the ``priority`` queue policy (vLLM's argument).
         ``cache_salt``: these prompts share prefix-cache KV only with prompts of the same salt."""
-        if isinstance(prompts, str) or (len(prompts) > 0 and _is_token_list(prompts)):
-            prompts = [prompts]
+        prompts = as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -137,7 +138,7 @@ class LLM:
             raise ValueError(problem.message)
         if (salt_problem := check_cache_salt(cache_salt)) is not None:
             raise ValueError(salt_problem)
-        token_lists = [self._tokens(p) for p in prompts]  # validate everything before queueing
+        token_lists = [self._tokens(p) for p in prompts]  # tokenize everything before queueing
         ids = []
         try:
             for tokens, p, rank in zip(token_lists, params, priorities):
@@ -166,15 +167,49 @@ class LLM:
                     left.discard(out.request_id)
         return final
 
-    def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompt given but the model directory has no tokenizer; pass token ids")
             return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, torch.Tensor):
-            return [int(t) for t in prompt.tolist()]
-        return list(prompt)
+        return prompt
 
 
-def _is_token_list(x) -> bool:
-    return not isinstance(x, str) and all(isinstance(t, int) for t in x)
+_ACCEPTED = "a string or token ids (a list of ints, a 1-D integer tensor or NumPy array)"
+
+
+def as_prompt_list(prompts) -> list[str | list[int]]:
+    """``generate``'s prompts as a list of strings and token-id lists of Python ints: one prompt (a
+    string, token ids of any accepted form) or a sequence of them. Anything else is a TypeError naming
+    what was given, raised before any prompt is queued (a tensor's elements are 0-d tensors, not
+    ints: without this a bare tensor was read as a list of one-token prompts)."""
+    if not isinstance(prompts, (Sequence, torch.Tensor, np.ndarray)):
+        raise TypeError(f"prompts must be {_ACCEPTED}, or a list of them; got {type(prompts).__name__}")
+    if isinstance(prompts, str) or (len(prompts) > 0 and _token_ids(prompts) is not None):
+        prompts = [prompts]  # one prompt (an empty list is no prompts)
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        tokens = p if isinstance(p, str) else _token_ids(p)
+        if tokens is None:
+            raise TypeError(f"prompt {i} must be {_ACCEPTED}; got {_describe(p)}")
+        out.append(tokens)
+    return out
+
+
+def _token_ids(x) -> list[int] | None:
+    """``x`` as one token-id prompt (Python ints), or None when it is not one. An empty list is one
+    (the engine reports it as an empty prompt, as any prompt it cannot serve)."""
+    if isinstance(x, torch.Tensor):
+        is_int = not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+        return [int(t) for t in x.tolist()] if x.ndim == 1 and is_int else None
+    if isinstance(x, np.ndarray):
+        return [int(t) for t in x.tolist()] if x.ndim == 1 and np.issubdtype(x.dtype, np.integer) else None
+    if isinstance(x, Sequence) and not isinstance(x, str) and all(isinstance(t, numbers.Integral) for t in x):
+        return [int(t) for t in x]  # NumPy integers too
+    return None
+
+
+def _describe(x) -> str:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return f"a {x.ndim}-D {type(x).__name__} of {x.dtype}"
+    return type(x).__name__

@@ -347,3 +347,30 @@ def test_a_prefix_hit_does_not_make_a_tight_pool_refuse_what_fits_without_it(mod
         assert out.finish_reason == "length", out.error
         answers.append(out.token_ids)
     assert answers[0] == answers[1]
+
+
+def test_tensor_and_numpy_prompts_are_token_ids_and_non_prompts_are_named(model):
+    """A 1-D integer tensor / NumPy array or a list of NumPy integers is one token-id prompt (as a
+    list of ints); a value that is no prompt is a TypeError naming it, before anything is queued."""
+    import numpy as np
+
+    llm = engine(model)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = ids(70, 9)
+    ref = llm.generate([prompt], greedy)[0].token_ids
+    for one in (torch.tensor(prompt), np.array(prompt), [np.int64(t) for t in prompt], tuple(prompt)):
+        outs = llm.generate(one, greedy)
+        assert len(outs) == 1 and outs[0].prompt_token_ids == prompt and outs[0].token_ids == ref, type(one)
+    outs = llm.generate([torch.tensor(prompt), np.array(prompt, dtype=np.int32), prompt], greedy)
+    assert [o.token_ids for o in outs] == [ref] * 3
+    assert llm.generate([], greedy) == []
+    bad = [([None], r"prompt 0 must be a string or token ids .*; got NoneType"),
+           ([prompt, [5, "a"]], "prompt 1 must be .*; got list"),
+           (torch.tensor([[5, 6], [7, 8]]).float(), "prompt 0 must be .*; got a 1-D Tensor of torch.float32"),
+           (np.array([1.5, 2.5]), "prompt 0 must be .*; got float64"),
+           (None, "prompts must be a string or token ids .*, or a list of them; got NoneType"),
+           (5, "got int")]
+    for prompts, message in bad:
+        with pytest.raises(TypeError, match=message):
+            llm.generate(prompts, greedy)
+    assert not llm.engine.has_unfinished()
