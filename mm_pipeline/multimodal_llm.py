@@ -12,7 +12,8 @@
     outs[0].text, outs[0].token_ids, outs[0].finish_reason
 
 All conversations run concurrently through one OmniEngine (so the engine batches their encoder work
-and their LLM steps). Outputs are llm_core ``RequestOutput`` objects in input order; a conversation
+and their LLM steps), up to its ``max_queue`` at a time: a call takes any number of them, the rest
+start as earlier ones finish. Outputs are llm_core ``RequestOutput`` objects in input order; a conversation
 whose media is broken comes back with ``finish_reason == "error"``, ``.error`` saying why and
 ``.error_kind`` ("media", or an ``llm_core.ErrorKind``); the others still finish. Local paths are
 allowed anywhere by default (this is the caller's own machine); pass ``allowed_local_dirs`` to
@@ -30,6 +31,7 @@ from typing import Any, Sequence
 from llm_core.engine.outputs import ErrorKind, RequestOutput
 from llm_core.engine.sampling import SamplingParams
 from llm_core.kvcache.page_keys import check_cache_salt
+from llm_core.llm import as_prompt_list
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.prompt.template_options import TemplateOptions
 from mm_pipeline.errors import InvalidInputError, MediaError, MMServeError, ServerBusy
@@ -55,6 +57,9 @@ class MultimodalLLM:
         self._thread = threading.Thread(target=self._loop.run_forever, name="multimodal-llm-loop", daemon=True)
         self._thread.start()
         self._next_id = 0
+        # this object's requests in the engine at once: never more than it admits (max_queue), so a
+        # call with more inputs waits for its own earlier ones instead of failing as overloaded
+        self._slots = asyncio.Semaphore(engine.config.max_queue)
 
     @classmethod
     def from_engine(cls, engine: OmniEngine) -> "MultimodalLLM":
@@ -90,11 +95,9 @@ class MultimodalLLM:
                  priority: Sequence[int] | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
         """Plain completions of text or token-id prompts (no chat template); ``priority`` and
         ``cache_salt`` as in ``chat``."""
-        if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = as_prompt_list(prompts)  # LLM.generate's prompt forms (a 1-D tensor is one prompt)
         params = self._params(sampling_params, len(prompts))
-        return self._run([dict(prompt=list(p) if not isinstance(p, str) else p, params=sp)
-                          for p, sp in zip(prompts, params)], priority, cache_salt)
+        return self._run([dict(prompt=p, params=sp) for p, sp in zip(prompts, params)], priority, cache_salt)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the sampling a call without ``sampling_params`` uses -- the checkpoint's
@@ -140,22 +143,38 @@ class MultimodalLLM:
             ids.append(f"mmllm-{self._next_id}")
             self._next_id += 1
 
-        async def all_jobs() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(self._one(rid, job) for rid, job in zip(ids, jobs))))
+        call = asyncio.run_coroutine_threadsafe(self._all(ids, jobs), self._loop)
+        try:
+            return call.result()
+        except BaseException:
+            call.cancel()  # interrupted here (Ctrl-C): end its jobs too (_all cleans up)
+            raise
 
-        return asyncio.run_coroutine_threadsafe(all_jobs(), self._loop).result()
+    async def _all(self, ids: list[str], jobs: list[dict[str, Any]]) -> list[RequestOutput]:
+        """Every job's output in order. When one raises, the call fails: the others are cancelled and
+        awaited first (gather alone leaves them running, unseen, holding engine slots the next call
+        would be refused for), so the engine is left as before the call."""
+        tasks = [asyncio.ensure_future(self._one(rid, job)) for rid, job in zip(ids, jobs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _one(self, rid: str, job: dict[str, Any]) -> RequestOutput:
         last: RequestOutput | None = None
         try:
-            async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
-                                                    request_id=rid, priority=job["priority"],
-                                                    cache_salt=job["cache_salt"])) as outs:
-                async for out in outs:
-                    last = out
+            async with self._slots:
+                async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
+                                                        request_id=rid, priority=job["priority"],
+                                                        cache_salt=job["cache_salt"])) as outs:
+                    async for out in outs:
+                        last = out
         except (MediaError, InvalidInputError, ServerBusy, ValueError) as exc:
-            # this conversation fails, the others go on (admission overload still raises: the
-            # caller sent more conversations at once than max_queue)
+            # this conversation fails, the others go on (admission overload still raises: with
+            # _slots it means someone else shares the engine and filled it)
             kind = exc.kind if isinstance(exc, MMServeError) else ErrorKind.INVALID_INPUT.value
             return RequestOutput(request_id=rid, prompt_token_ids=[], finished=True, finish_reason="error", text="",
                                  error=f"{type(exc).__name__}: {exc}", error_kind=kind)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from llm_core import LLM, RequestOutput, SamplingParams
 from tests.support.media_samples import audio_bytes, image_bytes, video_bytes
@@ -83,6 +84,10 @@ def test_generate_matches_text_only_llm(llm, ckpt):
     ref = LLM(ckpt, **ENGINE).generate(prompts, GREEDY)
     assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
     assert [o.prompt_token_ids for o in ours] == [r.prompt_token_ids for r in ref]
+    # LLM.generate's prompt forms: a 1-D tensor is one token-id prompt
+    assert [o.token_ids for o in llm.generate(torch.tensor(prompts[1]), GREEDY)] == [ours[1].token_ids]
+    with pytest.raises(TypeError, match="prompt 0 must be a string or token ids"):
+        llm.generate([None], GREEDY)
 
 
 def test_chat_takes_vllms_template_arguments(llm, media):
@@ -120,3 +125,27 @@ def test_priority_and_cache_salt_are_checked_for_the_whole_call(llm):
         llm.generate([[5, 6]], greedy, cache_salt="")
     salted = llm.generate([[5, 6, 7, 8, 9]], greedy, priority=[0], cache_salt="tenant-a")
     assert salted[0].finish_reason in ("length", "stop") and salted[0].error is None
+
+
+def test_a_call_takes_more_inputs_than_max_queue(ckpt):
+    """More inputs than the engine admits at once (max_queue) all run, the rest as earlier ones
+    finish: the same answers as one by one, and the engine idle after."""
+    prompts = [[5 + i, 17, 99, 3 * i + 1, 250] for i in range(7)]
+    with MultimodalLLM(ckpt, max_queue=2, **ENGINE) as small:
+        alone = [small.generate([p], GREEDY)[0].token_ids for p in prompts]
+        outs = small.generate(prompts, GREEDY)
+        assert [o.finish_reason for o in outs] == ["length"] * 7, [o.error for o in outs]
+        assert [o.token_ids for o in outs] == alone
+        chats = small.chat([convo({"type": "text", "text": f"hi {i}"}) for i in range(5)], GREEDY)
+        assert [o.finish_reason for o in chats] == ["length"] * 5, [o.error for o in chats]
+        assert small.engine.requests_in_flight == 0
+
+
+def test_a_call_that_raises_leaves_the_engine_idle(llm):
+    """A job that raises fails the call; its siblings are ended, not left running unseen."""
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with pytest.raises(TypeError, match="params must be llm_core.SamplingParams"):
+        llm.generate([[5, 6, 7]] * 4 + [[8, 9]], [long] * 4 + ["not params"])
+    assert llm.engine.requests_in_flight == 0
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
+
