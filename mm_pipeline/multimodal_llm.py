@@ -17,7 +17,7 @@ start as earlier ones finish. Outputs are llm_core ``RequestOutput`` objects in 
 whose media is broken comes back with ``finish_reason == "error"``, ``.error`` saying why and
 ``.error_kind`` ("media", or an ``llm_core.ErrorKind``); the others still finish. Local paths are
 allowed anywhere by default (this is the caller's own machine); pass ``allowed_local_dirs`` to
-restrict them.
+restrict them. A call after ``close()`` raises ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class MultimodalLLM:
         self._thread = threading.Thread(target=self._loop.run_forever, name="multimodal-llm-loop", daemon=True)
         self._thread.start()
         self._next_id = 0
+        self._closed = False
         # this object's requests in the engine at once: never more than it admits (max_queue), so a
         # call with more inputs waits for its own earlier ones instead of failing as overloaded
         self._slots = asyncio.Semaphore(engine.config.max_queue)
@@ -105,6 +106,10 @@ class MultimodalLLM:
         return self.engine.generation_defaults.sampling_params()
 
     def close(self) -> None:
+        """Stop the engine and the event loop; idempotent. Later calls raise RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
@@ -127,6 +132,8 @@ class MultimodalLLM:
              cache_salt: str | None = None) -> list[RequestOutput]:
         """``priority`` and ``cache_salt`` are checked for the whole call first (as LLM.generate:
         a wrong one is the call's mistake, not one conversation's), then go with every job."""
+        if self._closed:  # the loop is stopped: a job sent to it would never run, nor the call return
+            raise RuntimeError("MultimodalLLM is closed")
         ranks = [0] * len(jobs) if priority is None else list(priority)
         if len(ranks) != len(jobs):
             raise ValueError(f"{len(ranks)} priorities for {len(jobs)} inputs")

@@ -3,6 +3,7 @@ plain generate == llm_core.LLM.generate on the same checkpoint."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,22 @@ def test_a_call_that_raises_leaves_the_engine_idle(llm):
     assert llm.engine.requests_in_flight == 0
     assert llm.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
 
+
+def test_a_call_after_close_raises(ckpt):
+    m = MultimodalLLM(ckpt, **ENGINE)
+    m.close()
+    m.close()  # idempotent
+    result: dict[str, BaseException | None] = {}
+
+    def call() -> None:
+        try:
+            m.generate([[5, 6]], GREEDY)
+            result["raised"] = None
+        except BaseException as exc:  # noqa: BLE001 -- the test reads it
+            result["raised"] = exc
+
+    worker = threading.Thread(target=call, daemon=True)  # a regression hangs: fail, do not hang the run
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "a call after close() hangs"
+    assert isinstance(result["raised"], RuntimeError) and "MultimodalLLM is closed" in str(result["raised"])
