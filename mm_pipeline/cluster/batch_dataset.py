@@ -81,7 +81,8 @@ class InputPlan:
 def plan_input(path: Path, done: Container[str], limits: ChunkLimits = ChunkLimits()) -> InputPlan:
     """One pass over ``path``, a line at a time: a line with a custom_id in ``done`` is skipped (it
     ends the chunk before it), every other non-blank line falls in a chunk, in file order.  Lines
-    without a custom_id (broken ones) cannot be told done: they run again, as without ``--ray``."""
+    without a custom_id (broken ones) are not told done here: they run again (without ``--ray`` their
+    error rows' ``error.line`` keeps them from it)."""
     plan = InputPlan()
     start = first = lines = end = 0  # the open chunk: its range so far and pending lines (0: none open)
     offset = 0

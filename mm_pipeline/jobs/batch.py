@@ -2,8 +2,10 @@
 
 The lines' format -- input, output, the errors a line gets -- is the server's
 (mm_pipeline/server/batches/lines.py, which ``/v1/batches`` reads too). Lines already in the output
-(by custom_id) are skipped, so an interrupted run resumes; a broken line gets its error line and the
-rest of the file runs.
+are skipped, so an interrupted run resumes: a line by its custom_id, a line without one (not JSON, no
+custom_id) by its line number, which its error row names (``error.line``). A broken line gets its
+error line and the rest of the file runs. Lines that share a custom_id are refused before any runs
+(as ``/v1/batches`` validation refuses them): one row could not tell which of them is done.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.jobs.resume import done_keys, open_output
+from mm_pipeline.jobs.resume import iter_rows, open_output
 from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.batches.lines import (BatchLine, answer_line, failure_message, input_lines, parse_line,
                                               retry_overloaded)
+from mm_pipeline.server.batches.validation import CustomIds
 from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
 from mm_pipeline.prompt.reasoning import REASONING_PARSERS, resolve_reasoning
 from mm_pipeline.prompt.tool_calls import TOOL_PARSERS, resolve_tool_calls
@@ -82,6 +85,24 @@ class BatchConfig:
                              f"got {self.tool_call_parser!r}")
 
 
+class DuplicateCustomIdError(ValueError):
+    """Two lines of a batch file share a custom_id (the message names it and both lines)."""
+
+
+def done_lines(out_path: Path) -> tuple[set[str], set[int]]:
+    """What the output ``out_path`` already answers: the custom_ids of its rows, and the input line
+    numbers (``error.line``) of its rows without one.  Streamed: memory for the keys, not the rows."""
+    ids: set[str] = set()
+    numbers: set[int] = set()
+    for row in iter_rows(out_path):
+        cid, error = row.get("custom_id"), row.get("error")
+        if isinstance(cid, str):
+            ids.add(cid)
+        elif cid is None and isinstance(error, dict) and type(error.get("line")) is int:
+            numbers.add(error["line"])
+    return ids, numbers
+
+
 class BatchJob:
     """Runs an OpenAI batch file through a ``ChatService`` over the engine."""
 
@@ -98,15 +119,23 @@ class BatchJob:
     async def run(self, in_path: str | Path, out_path: str | Path, progress_stream=None) -> BatchSummary:
         in_path, out_path = Path(in_path), Path(out_path)
         with open_output(out_path) as out:  # locked for the run: done lines are read under the lock
-            done = done_keys(out_path, "custom_id")
+            done_ids, done_numbers = done_lines(out_path)
+
+            def done(n: int, cid: str | None) -> bool:
+                return cid in done_ids if cid is not None else n in done_numbers
+
             total = skipped = 0
-            for line in input_lines(in_path):  # a cheap first pass for the progress total
+            ids = CustomIds()
+            for n, _, cid in input_lines(in_path):  # a cheap first pass: duplicates, the progress total
+                if (dup := ids.duplicate(n, cid)) is not None:
+                    raise DuplicateCustomIdError(dup)
                 total += 1
-                skipped += int(line[2] is not None and line[2] in done)
+                skipped += int(done(n, cid))
+            del ids
             summary = BatchSummary(total=total, skipped=skipped)
             progress = Progress(total - skipped, "batch", stream=progress_stream)
             # lines are parsed as workers take them: only `concurrency` request bodies live at once
-            pending = (parse_line(n, raw) for n, raw, cid in input_lines(in_path) if cid is None or cid not in done)
+            pending = (parse_line(n, raw) for n, raw, cid in input_lines(in_path) if not done(n, cid))
             start = time.perf_counter()
 
             async def worker() -> None:

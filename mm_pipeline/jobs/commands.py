@@ -16,6 +16,7 @@ from mm_pipeline.jobs.batch import BatchJob
 from mm_pipeline.jobs.caption import CaptionConfig, CaptionJob, already_done, discover_inputs
 from mm_pipeline.jobs.progress import Progress
 from mm_pipeline.jobs.resume import check_output
+from mm_pipeline.server.batches.validation import duplicate_custom_id
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
@@ -57,6 +58,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
     # checked for --ray too: its merge would replace the input with the answers
     if Path(args.output).exists() and Path(args.output).samefile(args.input):
         raise UsageError("the output is the input file: its answers would be read as requests")
+    # checked for --ray too: the output keeps one row per custom_id, so a resumed run would take the
+    # second line for done (its answer lost); refused as /v1/batches validation refuses it
+    if (dup := duplicate_custom_id(Path(args.input))) is not None:
+        raise UsageError(f"batch input {args.input}: {dup}; each line needs its own custom_id")
     model_dir = resolve_model_dir(args.model)
     if args.ray is not None:
         from mm_pipeline.cluster.ray_commands import batch_on_ray

@@ -13,8 +13,10 @@ Output line::
 
 A request the server would answer with an HTTP error (bad media, bad field) gets that status and the
 OpenAI error body in ``response``; a line that is not a request at all (bad JSON, missing
-custom_id, unsupported url) gets ``response: null`` and ``error: {code, message}``. The ``model``
-field of each body is ignored: the batch runs on the loaded model. Lines are decoded one at a time:
+custom_id, unsupported url) gets ``response: null`` and ``error: {code, message, line}`` (``line``:
+the input line's number, as OpenAI's batch errors name a line; a row without a custom_id is known
+by it, so a resumed ``mmserve batch`` does not write it again). The ``model`` field of each body is
+ignored: the batch runs on the loaded model. Lines are decoded one at a time:
 a line that is not UTF-8, or JSON nested too deeply to parse, is an ``invalid_json`` error line like
 any other broken line. The server holds each line to its request limits (``JSONLimits``: a line is a
 request): a longer line is never read whole, one with too many JSON values is never parsed.
@@ -223,7 +225,7 @@ async def answer_line(service: ChatService, line: BatchLine,
     if line.problem is not None:
         status, code, message = line.problem
         if status is None:
-            rec["error"] = {"code": code, "message": message}
+            rec["error"] = {"code": code, "message": message, "line": line.number}
         else:
             # a body that does not validate: what the server answers for it (an invalid input)
             rec["response"] = {"status_code": status, "request_id": None,

@@ -3,7 +3,9 @@
 Proves: valid chat and completion lines answer 200 with the same body the server would give
 (greedy: same text as a direct ChatService call); HTTP-level failures (bad media, bad fields) carry
 their status and OpenAI error body in ``response``; lines that are not requests (bad JSON, no
-custom_id, unsupported url) get ``response: null`` and ``error``; a re-run skips done custom_ids.
+custom_id, unsupported url) get ``response: null`` and ``error`` (naming the line); a re-run skips
+done lines, by custom_id or, for a line without one, by its line number; lines sharing a custom_id
+are refused before any runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from mm_pipeline.jobs.batch import BatchConfig, BatchJob
 from mm_pipeline.server.batches.lines import custom_id_of, input_lines, parse_line
 
+from tests.support.batches import FakeService
 from tests.support.paths import SAMPLE_MEDIA as MEDIA  # noqa: E402
 
 
@@ -107,6 +110,101 @@ def test_a_line_the_engine_has_no_room_for_waits_and_is_sent_again(monkeypatch):
     assert len(tries) == 3 and rec["response"]["status_code"] == 200 and rec["error"] is None
 
 
+# ---- resuming: each input line gets exactly one row (a fake ChatService, no model) ----------------------
+def _fake_job(hook=None) -> tuple[BatchJob, FakeService]:
+    from types import SimpleNamespace
+
+    job = BatchJob(SimpleNamespace(model_name="m", tokenizer=None), concurrency=1)
+    job.service = FakeService(hook)
+    return job, job.service
+
+
+def _mixed_batch(path) -> None:
+    """Good lines a, b, c, d (1, 3, 5, 7); line 2 has no custom_id, line 4 is not JSON, blank line 6 is none."""
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    path.write_text("\n".join([_line("a", body), json.dumps({"method": "POST", "body": body}), _line("b", body),
+                               "{not json", _line("c", body), "", _line("d", body)]) + "\n")
+
+
+def _rows_per_line(out) -> dict:
+    """How many rows each input line has: by custom_id, or by ``error.line`` for a row without one (a
+    torn row is none)."""
+    from mm_pipeline.jobs.resume import iter_rows
+
+    counts: dict = {}
+    for rec in iter_rows(out):
+        key = rec["custom_id"] if rec["custom_id"] is not None else rec["error"].get("line")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_a_rerun_writes_no_row_again_lines_without_a_custom_id_included(tmp_path):
+    """A line without a custom_id (none, or not JSON) is known by its line number, which its error row
+    names (error.line): a second run finds every line done and leaves the output as it was."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _mixed_batch(src)
+    job, service = _fake_job()
+    first = asyncio.run(job.run(src, out))
+    assert (first.total, first.succeeded, first.failed) == (6, 4, 2)
+    written = out.read_bytes()
+    again = asyncio.run(job.run(src, out))
+    assert (again.skipped, again.succeeded, again.failed) == (6, 0, 0)
+    assert out.read_bytes() == written and len(service.started) == 4
+    assert len(written.splitlines()) == 6
+    assert _rows_per_line(out) == {"a": 1, 2: 1, "b": 1, 4: 1, "c": 1, "d": 1}
+    errors = {r["error"]["code"]: r["error"] for r in map(json.loads, written.decode().splitlines()) if r["error"]}
+    assert errors["missing_custom_id"]["line"] == 2 and errors["invalid_json"]["line"] == 4
+
+
+def test_an_interrupted_run_resumed_gives_each_line_exactly_one_row(tmp_path):
+    """Stopped while answering line 5 (rows for lines 1-4 written, a torn row after them): the resumed
+    run writes lines 5 and 7 only, the error rows of lines 2 and 4 are not written again."""
+    class Stop(BaseException):
+        pass
+
+    async def stop_at_c(text: str) -> None:
+        if len(service.started) == 3:
+            raise Stop
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _mixed_batch(src)
+    job, service = _fake_job(stop_at_c)
+    with pytest.raises(Stop):
+        asyncio.run(job.run(src, out))
+    assert len(out.read_text().splitlines()) == 4  # lines 1-4
+    with out.open("a") as f:
+        f.write('{"id": "batch_req_x", "custom_id": "c", "respo')  # the row being written when it stopped
+    job, service = _fake_job()
+    resumed = asyncio.run(job.run(src, out))
+    torn, *rows = out.read_text().splitlines()[4:]  # the torn row, then the resumed run's
+    assert torn.endswith('"respo') and [json.loads(r)["custom_id"] for r in rows] == ["c", "d"]
+    assert (resumed.total, resumed.skipped, resumed.succeeded, resumed.failed) == (6, 4, 2, 0)
+    assert _rows_per_line(out) == {"a": 1, 2: 1, "b": 1, 4: 1, "c": 1, "d": 1}
+
+
+def test_lines_sharing_a_custom_id_are_refused_before_any_line_runs(tmp_path, capsys, monkeypatch):
+    """As /v1/batches validation refuses them: the output keeps one row per custom_id, so a resumed
+    run would take the second line for done and lose its answer. A usage error (exit 2) naming the id
+    and both lines, before the model loads; BatchJob.run refuses the file before it answers a line."""
+    from mm_pipeline import cli
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([_line("a", body), _line("dup", body), "{not json", _line("dup", body)]) + "\n")
+    monkeypatch.setattr(cli, "load_engine", lambda *a: pytest.fail("the model must not load"))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert cli.main(["batch", "-i", str(src), "-o", str(out), "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "line 4: custom_id 'dup' is used by an earlier line (line 2)" in err
+    assert not out.exists() or out.read_text() == ""
+    job, service = _fake_job()
+    with pytest.raises(ValueError, match=r"line 4: custom_id 'dup' .*\(line 2\)"):
+        asyncio.run(job.run(src, out))
+    assert service.started == [] and out.read_text() == ""
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from samples.checkpoints.tiny_omni import build_tiny_omni_checkpoint
@@ -163,10 +261,11 @@ def test_batch_file_roundtrip(engine, tmp_path):
         messages=_image_msg("image_000001.png"), max_tokens=5, temperature=0)))
     assert direct.choices[0].message.content == img["body"]["choices"][0]["message"]["content"]
 
-    # re-run: finished custom_ids are skipped; the unnamed broken line is reported again
+    # re-run: every line is done, the broken one without a custom_id by its line (error.line)
+    assert broken["error"]["line"] == 6
     again = asyncio.run(BatchJob(engine).run(src, out))
-    assert again.skipped == 6 and again.failed == 1
-    assert len(out.read_text().splitlines()) == 8
+    assert again.skipped == 7 and again.failed == 0
+    assert len(out.read_text().splitlines()) == 7
 
 
 def test_batch_lines_take_penalties_logit_bias_min_p_and_min_tokens(engine, tmp_path):
@@ -231,7 +330,7 @@ def test_batch_resume_after_a_torn_line_and_bad_lines(engine, tmp_path):
     assert sorted(r["error"]["message"] for r in recs if r["error"]) == ["line 3: not JSON (nested too deeply)",
                                                                          "line 4: not UTF-8 (invalid start byte at byte 15)"]
     again = asyncio.run(BatchJob(engine).run(src, out))
-    assert again.skipped == 2 and again.succeeded == 0  # a and b are done
+    assert again.skipped == 4 and again.succeeded == again.failed == 0  # a, b and the lines 3 and 4 are done
 
 
 def test_batch_cli(engine, tmp_path, capsys, monkeypatch):

@@ -82,6 +82,7 @@ def test_validation_errors_quote_a_line_briefly_and_are_bounded_in_number(store)
     path = store.path(upload(store, [line(cid), line(cid)]))
     (dup,) = validate_file(path, URL, JSONLimits(1 << 20, 1 << 20))[1]
     assert dup.code == "duplicate_custom_id" and len(dup.message) < 250 and dup.message.count("d") < 110
+    assert dup.line == 2 and dup.message.endswith("is used by an earlier line (line 1)")
 
 
 def test_a_lone_surrogate_escape_is_a_line_error_and_a_pair_is_text(store):
