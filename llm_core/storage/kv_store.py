@@ -29,9 +29,10 @@ class KeyValueStore(ABC):
     @abstractmethod
     def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
         """Store ``value`` under ``key`` (replacing any old value); ``False`` when it was dropped.
-        With ``keep_existing`` a key that already holds a value keeps it (counted ``kept``, and
-        ``True``: the key holds a value for it) -- for values fixed by their key where the one
-        stored may carry more, e.g. a KV page with its SWA row against one without."""
+        With ``keep_existing`` a key that already holds a value that reads back whole keeps it
+        (counted ``kept``, and ``True``: the key holds a value for it) -- for values fixed by their
+        key where the one stored may carry more, e.g. a KV page with its SWA row against one
+        without; a damaged value there is replaced, as without ``keep_existing``."""
 
     @abstractmethod
     def delete(self, key: str) -> bool:

@@ -9,9 +9,12 @@ Writes go to a temp file in the target directory and are moved into place with `
 which is atomic: a reader sees the old entry, the new one, or none — never half of one.  With
 ``fsync=True`` the data is flushed before the rename, so entries also survive power loss.  Damaged
 or truncated files (disk errors, a crash without fsync) fail the checksum, read as a miss and are
-deleted.  With ``max_bytes`` the least recently used files are evicted: every read and ``touch``
-moves an entry to the back of the index and sets its file's mtime, so at startup the index is
-rebuilt from the directory in the same order (recency survives a restart).
+deleted (on a read-only filesystem, where they cannot be, they still read as a miss).  A put with
+``keep_existing`` keeps only an entry that reads back whole: a damaged one is replaced.  A root
+deleted while the store runs is made again by the next put.  With ``max_bytes`` the least recently
+used files are evicted: every read and ``touch`` moves an entry to the back of the index and sets its
+file's mtime, so at startup the index is rebuilt from the directory in the same order (recency
+survives a restart).
 
 Several processes may share one directory (replicas on one node, a restarted server beside a
 draining one). Each keeps its own index, so with ``max_bytes`` each rescans the directory after
@@ -97,7 +100,7 @@ class LocalDirStore(KeyValueStore):
         self._check_key(key)
         self._check_value(value)
         path = self._path(key)
-        if keep_existing and self._keep(path):
+        if keep_existing and self._keep(path, key):
             return True
         raw = encode_entry(key, bytes(value))
         if self.max_bytes is not None and len(raw) > self.max_bytes:
@@ -105,8 +108,7 @@ class LocalDirStore(KeyValueStore):
             return False
         kept = False
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+            fd, tmp = self._temp_file(path.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(raw)
@@ -135,7 +137,7 @@ class LocalDirStore(KeyValueStore):
             self._count("dropped")
             return False
         if kept:
-            return self._keep(path) or self.put(key, value, keep_existing=True)
+            return self._keep(path, key) or self.put(key, value, keep_existing=True)
         self._count("puts")
         self._count("evictions", len(victims))
         return True
@@ -232,14 +234,41 @@ class LocalDirStore(KeyValueStore):
             victims.append(path)
         return victims
 
-    def _keep(self, path: Path) -> bool:
-        """``keep_existing``: when ``path`` holds an entry, mark it used (index order, mtime), count
-        it kept and keep it."""
+    def _temp_file(self, shard: Path) -> tuple[int, str]:
+        """A new temp file in ``shard``; the shard is made when missing, and with it the root when
+        that was deleted while the store ran (its entries went with it: the index forgets them)."""
         try:
-            size = path.stat().st_size
+            return tempfile.mkstemp(prefix=_TMP_PREFIX, dir=shard)
+        except FileNotFoundError:
+            pass
+        root_gone = not self.root.is_dir()
+        shard.mkdir(parents=True, exist_ok=True)
+        if root_gone:
+            with self._lock:
+                self._rescan()
+            self._count("root_recreated")
+        return tempfile.mkstemp(prefix=_TMP_PREFIX, dir=shard)
+
+    def _keep(self, path: Path, key: str) -> bool:
+        """``keep_existing``: when ``path`` holds an entry that reads back whole, mark it used (index
+        order, mtime), count it kept and keep it. A damaged one is removed and the put replaces it:
+        reads stop at a chain's first missing page, so a damaged page further down is never read
+        (hence never removed) by a ``get``, and an existence check alone kept it for good. Reading
+        the entry costs less than the write it saves, and only puts that find an entry pay it."""
+        try:
+            raw = path.read_bytes()
         except FileNotFoundError:
             return False
-        self._touch(path, size)
+        except OSError:  # unreadable: write over it (a put that fails too is counted dropped)
+            self._count("errors")
+            return False
+        try:
+            decode_entry(raw, key)
+        except CorruptEntry:
+            self._remove(path)
+            self._count("corrupt")
+            return False
+        self._touch(path, len(raw))
         self._count("kept")
         return True
 
@@ -260,9 +289,15 @@ class LocalDirStore(KeyValueStore):
             self._bytes -= self._index.pop(path, 0)
 
     def _remove(self, path: Path) -> bool:
+        """Forget and unlink ``path``; ``False`` when nothing was removed (gone already, or the
+        filesystem refused: read-only, permissions -- counted in ``errors``; a store never raises,
+        and a damaged entry left behind still reads as a miss)."""
         self._forget(path)
         try:
             path.unlink()
             return True
         except FileNotFoundError:
+            return False
+        except OSError:
+            self._count("errors")
             return False

@@ -143,14 +143,17 @@ class RedisStore(KeyValueStore):
         self._check_value(value)
         raw = encode_entry(key, bytes(value))
         if keep_existing:
-            return self._put_unless_present(self.prefix + key, raw)
+            return self._put_unless_present(key, raw)
         ok = self._call(lambda c: c.set(self.prefix + key, raw, ex=self.ttl_s))
         self._count("puts" if ok else "dropped")
         return bool(ok)
 
-    def _put_unless_present(self, name: str, raw: bytes) -> bool:
+    def _put_unless_present(self, key: str, raw: bytes) -> bool:
         """``SET NX`` (atomic against every client of the server); a key already there gets its
-        expiry refreshed in the same round trip, as a plain put would."""
+        expiry refreshed in the same round trip, as a plain put would. A value already there is kept
+        only when it reads back whole (``_replace_if_damaged``)."""
+        name = self.prefix + key
+
         def op(c: redis.Redis):
             pipe = c.pipeline(transaction=False)
             pipe.set(name, raw, ex=self.ttl_s, nx=True)
@@ -159,11 +162,37 @@ class RedisStore(KeyValueStore):
             return pipe.execute()
 
         done = self._call(op)
+        if done is not None and not done[0]:  # a value is there
+            done = self._call(lambda c: self._replace_if_damaged(c, key, raw))
         if done is None:
             self._count("dropped")
             return False
         self._count("puts" if done[0] else "kept")
         return True
+
+    def _replace_if_damaged(self, c: redis.Redis, key: str, raw: bytes) -> list[bool]:
+        """``[True]`` after replacing the value under ``key`` by ``raw`` when it is damaged (or gone
+        meanwhile), ``[False]`` when it is whole and kept. A chain read stops at its first missing
+        page, so a damaged page further down is never read (hence never deleted) by a ``get``, and
+        ``SET NX`` alone would keep it for good. Only puts that find a value pay this read; ``WATCH``
+        makes the replace fail, keeping the newer value, if another client wrote the key since."""
+        name = self.prefix + key
+        with c.pipeline() as pipe:
+            try:
+                pipe.watch(name)
+                old = pipe.get(name)
+                if old is not None:
+                    try:
+                        decode_entry(old, key)
+                        return [False]
+                    except CorruptEntry:
+                        self._count("corrupt")
+                pipe.multi()
+                pipe.set(name, raw, ex=self.ttl_s)
+                pipe.execute()
+                return [True]
+            except redis.WatchError:  # another client wrote (or deleted) it meanwhile: that stands
+                return [False]
 
     def touch(self, keys: list[str]) -> int:
         """One round trip for the whole list: with ``ttl_s`` a pipeline of ``EXPIRE`` (the keys

@@ -176,7 +176,8 @@ class L3Prefetcher:
                         break
                     raw = self.store.get(store_key(h))
                     page = self.decode(raw) if raw is not None else None
-                    if raw is not None and page is None:
+                    if raw is not None and page is None:  # whole for the store, not a page of this model
+                        self.store.delete(store_key(h))  # so the page's next save replaces it
                         with self._count_lock:
                             self.counters["l3_rejected"] += 1
                     job.pages[h] = page

@@ -335,7 +335,9 @@ class KVTierThreads:
         assert self.store is not None
         # A page without its SWA row never replaces one stored with it (another engine, or this one
         # before L2 forgot the page, saved it while its window was still held): the content is fixed
-        # by the hash, so the entry there is at least as good.
+        # by the hash, so the entry there is at least as good -- when it reads back whole: the store
+        # replaces a damaged one (a chain read stops at its first missing page, so the damaged pages
+        # after it are never read, hence never removed, by a match; this put is where they are).
         if not self.store.put(store_key(h), encode_page(full, swa), keep_existing=swa is None):
             self._count("l3_puts_failed")
             return

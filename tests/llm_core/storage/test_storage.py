@@ -3,7 +3,9 @@ checksummed entry format."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -281,3 +283,65 @@ def test_keep_existing_never_replaces_a_stored_value(store: KeyValueStore) -> No
     assert store.stats.get("kept") == 1
     assert store.put("page", b"replaced")  # a plain put still replaces
     assert store.get("page") == b"replaced"
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_keep_existing_replaces_a_damaged_value(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A KV chain read stops at its first missing page, so a damaged page further down is never read
+    (and removed) by a ``get``: the next ``keep_existing`` put of that page is where it must go, or
+    the page misses for good."""
+    if kind == "disk":
+        store: KeyValueStore = LocalDirStore(tmp_path)
+        store.put("page", b"with its window")
+        (path,) = _entry_files(tmp_path)
+        raw = path.read_bytes()
+        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    else:
+        import redis
+
+        port = request.getfixturevalue("redis_server")
+        store = RedisStore(port=port, prefix=f"t-{uuid.uuid4().hex}:")
+        client = redis.Redis(port=port)
+        client.set(store.prefix + "page", b"garbage")
+        client.close()
+    assert store.put("page", b"without", keep_existing=True)
+    assert store.get("page") == b"without"
+    assert store.stats["corrupt"] == 1 and store.stats.get("kept", 0) == 0
+    assert store.put("page", b"other", keep_existing=True)  # whole now: kept
+    assert store.get("page") == b"without" and store.stats["kept"] == 1
+    store.check_integrity()
+    store.close()
+
+
+def test_disk_a_root_deleted_while_running_is_made_again(tmp_path: Path) -> None:
+    s = LocalDirStore(tmp_path / "kv", max_bytes=1 << 20)
+    assert s.put("old", b"v" * 100)
+    shutil.rmtree(tmp_path / "kv")  # an operator cleaning the cache dir under a running server
+    assert s.get("old") is None
+    assert s.put("new", b"w" * 100)
+    assert s.get("new") == b"w" * 100
+    assert len(s) == 1 and s.nbytes == len(encode_entry("new", b"w" * 100))  # the lost entries forgotten
+    s.check_integrity()
+
+
+def test_disk_a_damaged_entry_on_a_read_only_filesystem_is_a_miss(tmp_path: Path, monkeypatch) -> None:
+    """The store cannot remove (nor write) anything: a damaged entry still reads as a miss, and every
+    call returns -- the KeyValueStore contract says a store never raises."""
+    s = LocalDirStore(tmp_path)
+    s.put("k", b"v" * 100)
+    (path,) = _entry_files(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setattr(os, "replace", read_only)
+    assert s.get("k") is None
+    assert s.stats["corrupt"] == 1 and s.stats["errors"] == 1
+    assert path.exists()
+    assert not s.put("k", b"v" * 100, keep_existing=True)  # counted dropped, not raised
+    assert not s.put("other", b"x")
+    assert not s.delete("k")
+    assert s.get("k") is None

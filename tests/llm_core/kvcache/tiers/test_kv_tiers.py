@@ -193,6 +193,51 @@ def test_restart_with_the_same_directory_hits_l3_and_damage_is_a_miss(tmp_path):
     third.cache.close()
 
 
+
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+def test_damaged_l3_entries_are_replaced_by_the_next_save_and_the_repeat_hits(kind, tmp_path, request):
+    """Every L3 entry damaged: the run that finds them recomputes and saves its pages, and the next
+    repeat hits as after a healthy restart. A page saved without its SWA row used to keep whatever
+    was there (existence only), and a chain read stops at its first missing page, so the damaged
+    pages further down were never read, removed nor replaced: their hits stayed lost. No checkpoints,
+    so the pages behind each prompt's last window lose their SWA and are saved without it."""
+    prompts = [BASES[i][:n] for i, n in enumerate([40, 38, 36])]
+    run = lambda: harness(tiers(None, open_store()), checkpoint=0)  # noqa: E731
+    if kind == "dir":
+        open_store = lambda: LocalDirStore(tmp_path)  # noqa: E731
+    else:
+        import redis
+
+        port, prefix = request.getfixturevalue("redis_server"), f"dmg-{tmp_path.name}:"
+        open_store = lambda: RedisStore(port=port, prefix=prefix)  # noqa: E731
+    first = run()
+    replay(first, prompts)
+    first.cache.close()  # writes the tree down
+    healthy = run()
+    want = [r.num_cached_tokens for r in replay(healthy, prompts)]
+    healthy.cache.close()
+    assert sum(want) > 0
+    if kind == "dir":
+        files = sorted(tmp_path.glob("??/*.entry"))
+        for f in files:
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 1
+            f.write_bytes(bytes(data))
+    else:
+        client = redis.Redis(port=port)
+        files = client.keys(prefix + "*")
+        for key in files:
+            client.set(key, b"garbage")
+    assert len(files) > 10
+    damaged = run()
+    assert [r.num_cached_tokens for r in replay(damaged, prompts)] == [0, 0, 0]
+    damaged.cache.close()  # saves every page again: the damaged entries are replaced
+    again = run()
+    assert [r.num_cached_tokens for r in replay(again, prompts)] == want
+    again.cache.close()
+    if kind == "redis":
+        client.close()
+
 def test_redis_down_is_a_miss_and_redis_up_shares(redis_server):
     down = harness(tiers(None, RedisStore(port=1, timeout_s=0.05, retry_after_s=60)))
     replay(down, PROMPTS[:4])

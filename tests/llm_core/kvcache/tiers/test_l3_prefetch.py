@@ -209,6 +209,20 @@ def test_staging_evicts_other_jobs_pages_first_and_stops_before_its_own():
     prefetcher.stop()
 
 
+
+def test_a_value_that_is_no_page_is_removed_so_the_next_save_replaces_it():
+    """Whole for the store (its checksum holds) but not a page of this model: a miss, and removed --
+    a save without the SWA row keeps what is there, so left in place it would miss for good."""
+    store = MemoryStore(1 << 20)
+    h = _pages(1, b"x")[0]
+    store.put(store_key(h), b"no page")
+    prefetcher = L3Prefetcher(store, lambda raw: None, timeout_s=30.0, num_threads=1)
+    request = _Request()
+    prefetcher.start(request, [(h, True)])
+    prefetcher._jobs[request].done.wait(10)
+    assert prefetcher.counters["l3_rejected"] == 1 and store.get(store_key(h)) is None
+    prefetcher.stop()
+
 # ---- a page saved without its SWA row never replaces one stored with it --------------------------
 def test_a_page_saved_without_its_swa_row_keeps_the_stored_one_with_it(model, tmp_path):
     """Engine A serves X and stores X's last window with SWA rows. Engine B serves X + more (it did
