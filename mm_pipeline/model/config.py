@@ -16,7 +16,6 @@ so they fit its small vocabulary.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
