@@ -264,6 +264,7 @@ def _check_dir(path: str | None, flag: str) -> None:
 
 def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
     from llm_core.distributed.parallel_context import ParallelSplitError
+    from llm_core.engine.engine_config import ContextLimitError
     from llm_core.engine.sampling.generation_config import GenerationConfigError
     from llm_core.kvcache.dual_pool import KVPoolSizeError
     from llm_core.model.config import ModelConfigError
@@ -286,6 +287,8 @@ def load_engine(args: argparse.Namespace, model_dir: Path) -> Any:
     except ParallelSplitError as exc:
         raise UsageError(f"--tensor-parallel-size {config.engine.tensor_parallel_size} / --expert-parallel-size "
                          f"{config.engine.expert_parallel_size} do not fit this model: {exc}") from None
+    except ContextLimitError as exc:
+        raise UsageError(f"--max-model-len: {exc}") from None
     except KVPoolSizeError as exc:
         raise UsageError(f"the KV pools (--kv-cache-bytes, --memory-fraction, --num-swa-tokens, --page-size) "
                          f"do not fit this model: {exc}") from None

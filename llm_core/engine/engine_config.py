@@ -232,6 +232,20 @@ class EngineConfig:
         )
 
 
+class ContextLimitError(ValueError):
+    """``max_model_len`` past the model's own limit (vLLM refuses it too: positions past the ones
+    the model was built for give it inputs it never saw)."""
+
+
+def context_limit(configured: int | None, model_limit: int) -> int:
+    """The context limit an engine runs with: ``max_model_len`` when set (at most the model's
+    ``max_position_embeddings``, else a ``ContextLimitError``), the model's own otherwise."""
+    if configured is not None and configured > model_limit:
+        raise ContextLimitError(f"max_model_len {configured} is more than this model's limit of {model_limit} "
+                                f"tokens (its max_position_embeddings)")
+    return configured or model_limit
+
+
 def pool_sizing(c: EngineConfig, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
                 max_model_len: int, prefix_caching: bool,
                 default_budget: Callable[[torch.device | str, float], int] = default_kv_budget_bytes) -> PoolSizing:

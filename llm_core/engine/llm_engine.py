@@ -33,7 +33,7 @@ import torch
 
 from llm_core.engine.admission import Admission
 from llm_core.engine.model_runner import ModelRunner, StepResult, run_isolated, scratch_prefill
-from llm_core.engine.engine_config import EngineConfig, pool_sizing
+from llm_core.engine.engine_config import EngineConfig, context_limit, pool_sizing
 from llm_core.kvcache.dual_pool import DualKVPool, KVLayout, default_kv_budget_bytes
 from llm_core.engine.outputs import ErrorKind, RequestError, RequestOutput
 from llm_core.engine.sampling.logits_processing import NoTokenAllowed
@@ -84,8 +84,7 @@ class LLMEngine:
         if self.speculative is not None:
             layout = self.speculative.kv_layout(layout)
         self._stepper = self.speculative or self.runner
-        self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = context_limit(self.config.max_model_len, self.model_config.max_position_embeddings)
         if enable_prefix_caching is None:
             enable_prefix_caching = self.config.enable_prefix_caching
         self.pool = DualKVPool(layout, page_size=self.config.page_size, dtype=self.dtype, device=self.device,

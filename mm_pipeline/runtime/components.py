@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from llm_core.engine.sampling.generation_config import GenerationDefaults
+from llm_core.engine.engine_config import context_limit
 from llm_core.engine.llm_engine import LLMEngine
 from llm_core.engine.sampling import SamplingParams
 from llm_core.engine.structured.compiler import GrammarBusyError, GrammarError
@@ -73,8 +74,7 @@ class OmniRuntime:
         # (a chat over it fails here, before its media is decoded); without an LLM the configured or
         # model limit
         self.max_model_len = (self.llm.max_context_tokens if self.llm is not None
-                              else min(config.engine.max_model_len or model.text_config.max_position_embeddings,
-                                      model.text_config.max_position_embeddings))
+                              else context_limit(config.engine.max_model_len, model.text_config.max_position_embeddings))
         self.cache = EncoderCache.tiered(config.cache_memory_bytes, config.cache_dir, config.cache_disk_bytes,
                                          config.redis_url)
         self.batcher = EncoderBatcher(model.vision, model.audio, config.batcher_config, on_encoded=self.cache.put)

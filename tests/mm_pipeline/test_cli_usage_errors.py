@@ -55,6 +55,7 @@ def test_bad_values_exit_2_naming_the_flag_before_anything_loads(argv, flag, cap
     (["--kv-cache-bytes", "1"], "--kv-cache-bytes"),
     (["--num-swa-tokens", "0"], "--num-swa-tokens"),  # the demo model has sliding layers
     (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),  # its vocabulary of 512 does not split in 3
+    (["--max-model-len", "99999999"], "--max-model-len"),  # past its max_position_embeddings (vLLM refuses it too)
     ("bad-json", "--model"),
     ("no-fields", "--model"),
     ("no-weights", "--model"),

@@ -125,6 +125,18 @@ def test_preemption_under_tiny_pool_gives_identical_tokens(model):
     assert drained(tight.engine)
 
 
+def test_a_context_past_the_models_positions_is_refused(model):
+    """As vLLM: max_model_len above max_position_embeddings is an error naming both, not silently
+    lowered; at the limit or below it is taken as given."""
+    from llm_core.engine.engine_config import ContextLimitError
+
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ContextLimitError, match=f"max_model_len {limit + 1} .* limit of {limit} tokens"):
+        engine(model, max_model_len=limit + 1)
+    assert engine(model, max_model_len=limit).engine.max_model_len == limit
+    assert engine(model).engine.max_model_len == limit
+
+
 def test_bad_requests_error_alone_and_others_finish(model):
     llm = engine(model, max_model_len=64)
     good = ids(60, 10)
