@@ -55,7 +55,7 @@ def test_the_server_answers_a_bare_request_with_the_models_sampling(greedy_check
     try:
         assert engine.generation_defaults.as_dict() == {"temperature": 0.0, "max_new_tokens": 4,
                                                         "repetition_penalty": 1.1}
-        from mm_pipeline.cli import describe_engine  # what `mmserve serve` prints at start-up
+        from mm_pipeline.runtime.startup_summary import describe_engine  # what `mmserve serve` prints at start-up
 
         lines = "\n".join(describe_engine(engine, greedy_checkpoint))
         assert ("sampling  defaults: temperature 0.0, max_new_tokens 4, repetition_penalty 1.1 from the "
