@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +53,10 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     print(f"serving   on {cluster.listen.describe()}; Ctrl-C stops",
           file=sys.stderr, flush=True)
+    # SIGTERM (a container stop) stops the deployment as Ctrl-C does: its default action would end
+    # this driver at once, leaving a local cluster and its replicas behind. Ray Serve drains each
+    # replica by its own graceful_shutdown_timeout_s (--shutdown-timeout-s is the one-process server's)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         while True:
             time.sleep(3600)

@@ -122,7 +122,9 @@ class BatchJob:
             done_ids, done_numbers = done_lines(out_path)
 
             def done(n: int, cid: str | None) -> bool:
-                return cid in done_ids if cid is not None else n in done_numbers
+                # by its line number too when it has an id: a line whose id this quick read finds but
+                # the full parse refuses (a lone surrogate escape) got an error row without the id
+                return n in done_numbers or (cid is not None and cid in done_ids)
 
             total = skipped = 0
             ids = CustomIds()

@@ -20,6 +20,7 @@ priority`` and must be 0 otherwise (a 400, as vLLM answers).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, RootModel, Tag, ValidationError, field_validator, model_validator
@@ -320,9 +321,12 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     @property
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         if self.forces_tool_calls:  # compact JSON: arguments are read by a program, not a person
-            return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function,
-                                                                   self.parallel_tool_calls),
-                                           disable_any_whitespace=True, source=self._forced_source)
+            try:
+                return StructuredOutputsParams(json=forced_call_schema(self.tools or (), self.forced_function,
+                                                                       self.parallel_tool_calls),
+                                               disable_any_whitespace=True, source=self._forced_source)
+            except ValueError as exc:  # a place in "required"'s array schema, named in the tool's own
+                raise ValueError(re.sub(r"#/\$defs/tool_(\d+)", r"tools[\1].function.parameters#", str(exc))) from None
         return structured_outputs_of(self)
 
     @property

@@ -125,19 +125,19 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+                raise ValueError(f"{self.source or f'structured_outputs.{name}'} must be a non-empty string")
         if self.choice is not None:
+            field_name = self.source or "structured_outputs.choice"
             if isinstance(self.choice, str) or not isinstance(self.choice, Sequence):
-                raise ValueError("structured_outputs.choice must be a list of strings")
+                raise ValueError(f"{field_name} must be a list of strings")
             choice = tuple(self.choice)
             if not choice or len(choice) > MAX_CHOICES:
-                raise ValueError(f"structured_outputs.choice must hold 1 to {MAX_CHOICES} strings, got {len(choice)}")
+                raise ValueError(f"{field_name} must hold 1 to {MAX_CHOICES} strings, got {len(choice)}")
             if any(not isinstance(c, str) or not c for c in choice):
-                raise ValueError("structured_outputs.choice must hold non-empty strings")
+                raise ValueError(f"{field_name} must hold non-empty strings")
             object.__setattr__(self, "choice", choice)
         if len(self.text) > MAX_CONSTRAINT_CHARS:
-            raise ValueError(f"structured_outputs.{self.kind} is {len(self.text)} characters; at most "
-                             f"{MAX_CONSTRAINT_CHARS} are accepted")
+            raise ValueError(f"{self.name} is {len(self.text)} characters; at most {MAX_CONSTRAINT_CHARS} are accepted")
 
     @property
     def name(self) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 REFRESH_POLL_S = 2.0  # how often the files' stat is compared (a few syscalls)
+LISTEN_BACKLOG = 2048  # uvicorn's default backlog
 
 CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED
 
@@ -106,6 +107,11 @@ class Listen:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind: no wait after a restart
         try:
             sock.bind(address)
+            # listening now, not when uvicorn starts: two sockets with SO_REUSEADDR may both bind one
+            # port while neither listens, so a second server started beside this one would load its
+            # model and only then fail inside uvicorn; a listening socket makes its bind fail here.
+            # Connections made while the model loads wait in the backlog.
+            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise ValueError(f"--port {self.port} / --host {self.host}: cannot listen there "

@@ -86,6 +86,8 @@ class DrainingServer(uvicorn.Server):
             await super().shutdown(sockets=sockets)
         finally:
             timer.cancel()
+            if self.force_exit:  # a second Ctrl-C: uvicorn stops waiting; what still runs is ended now
+                self._end_requests()
 
     def _end_requests(self) -> None:
         ended = self.end_requests()

@@ -70,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; uvicorn.run swallows it too
             pass
     finally:
+        sock.close()  # a no-op after uvicorn closed it; not so when the app or the server failed to start
         engine.shutdown()
     if loop.fatal is not None:
         print(f"mmserve: the engine stopped: {loop.fatal}", file=sys.stderr, flush=True)

@@ -156,6 +156,19 @@ def test_a_rerun_writes_no_row_again_lines_without_a_custom_id_included(tmp_path
     assert errors["missing_custom_id"]["line"] == 2 and errors["invalid_json"]["line"] == 4
 
 
+def test_a_line_with_an_id_its_parse_refuses_is_written_once_across_reruns(tmp_path):
+    """A lone surrogate escape: the quick read that finds ids sees "a", the full parse refuses the line
+    and its error row has no id (error.line): a rerun knows it by that number."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(_line("a", {"messages": [{"role": "user", "content": "\ud800"}]}) + "\n"
+                   + _line("b", {"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    job, _ = _fake_job()
+    asyncio.run(job.run(src, out))
+    written = out.read_bytes()
+    again = asyncio.run(job.run(src, out))
+    assert again.skipped == 2 and out.read_bytes() == written and len(written.splitlines()) == 2
+
+
 def test_an_interrupted_run_resumed_gives_each_line_exactly_one_row(tmp_path):
     """Stopped while answering line 5 (rows for lines 1-4 written, a torn row after them): the resumed
     run writes lines 5 and 7 only, the error rows of lines 2 and 4 are not written again."""

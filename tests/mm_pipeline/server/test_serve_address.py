@@ -58,3 +58,17 @@ def test_port_0_prints_the_port_bound():
         finally:
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=30) == 0
+
+
+def test_a_port_bound_by_a_server_still_loading_is_refused_to_a_second():
+    """Two servers started side by side: the first holds the port while its model loads (its socket
+    listens at once), so the second's bind fails before it loads anything. With SO_REUSEADDR and no
+    listen() both binds succeeded, and the second failed only inside uvicorn, after loading."""
+    from mm_pipeline.server.launch.listen import Listen
+
+    first, bound = Listen(host="127.0.0.1", port=0).bind()
+    try:
+        with pytest.raises(ValueError, match=f"--port {bound.port} / --host 127.0.0.1: cannot listen there"):
+            Listen(host="127.0.0.1", port=bound.port).bind()
+    finally:
+        first.close()

@@ -153,6 +153,13 @@ BAD = [
     ({"structured_outputs": {"json": {"type": "object", "properties": {"n": {"type": "integer", "not": {"enum": [4]}}}}}},
      "not at #/properties/n"),
     ({"guided_json": {"$ref": "http://127.0.0.1:1/x.json"}}, "only local $ref pointers"),
+    # named by the field the client sent, a forced call's schema by its tool
+    ({"tools": [{"type": "function", "function": {"name": "g"}}, {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"y": {"not": {}}}}}}], "tool_choice": "required"},
+     "tools cannot be held to: not at tools[1].function.parameters#/properties/y"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "description": "a" * 70000}}}}, "response_format.json_schema.schema is 70"),
+    ({"guided_choice": []}, "guided_choice must hold 1 to 1024"),
 ]
 
 
