@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mm_pipeline.server.launch.http_protocol import protocol_kwargs
+
 log = logging.getLogger(__name__)
 REFRESH_POLL_S = 2.0  # how often the files' stat is compared (a few syscalls)
 LISTEN_BACKLOG = 2048  # uvicorn's default backlog
@@ -120,7 +122,8 @@ class Listen:
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         """``uvicorn.Config`` keywords (host, port, TLS, root path)."""
-        kw: dict[str, Any] = {"host": self.host, "port": self.port, "root_path": self.root_path}
+        kw: dict[str, Any] = {"host": self.host, "port": self.port, "root_path": self.root_path,
+                              **protocol_kwargs()}  # a bounded request head (http_protocol.py)
         if self.tls:
             kw.update(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile, ssl_cert_reqs=self.ssl_cert_reqs)
             if self.ssl_ca_certs is not None:

@@ -16,6 +16,8 @@ from typing import Callable
 import uvicorn
 from fastapi import FastAPI
 
+from mm_pipeline.server.launch.http_protocol import protocol_kwargs
+
 log = logging.getLogger(__name__)
 # After the grace period the handlers answer their aborted requests by themselves (milliseconds);
 # uvicorn cancels whatever is left this much later, a last resort (a traceback and a bare 500 each)
@@ -37,7 +39,7 @@ class ServerThread:
         self.port = port or free_port(host)
         self.start_timeout_s = start_timeout_s
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, **protocol_kwargs())
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="mmserve-uvicorn", daemon=True)
 
