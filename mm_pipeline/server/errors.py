@@ -41,6 +41,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     408: "timeout_error",
     409: "conflict_error",
     413: "request_too_large",
@@ -238,7 +239,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return reject(request, APIError(exc.status_code, str(exc.detail)))
+        answer = reject(request, APIError(exc.status_code, str(exc.detail)))
+        for name, value in (exc.headers or {}).items():  # Starlette's own: a 405's Allow (RFC 9110)
+            answer.headers.setdefault(name, value)
+        return answer
 
     # Any other exception (a bug) is answered by the app's outer middleware (access.py AuthAndCount):
     # a handler registered here for ``Exception`` would answer too, but Starlette then re-raises it

@@ -397,3 +397,10 @@ def test_a_part_that_does_not_validate_is_named_once(scripted, part, param):
     r = scripted.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"].startswith(param + ":"), r.text
+
+
+def test_a_wrong_method_is_a_405_naming_the_allowed_ones(scripted):
+    """RFC 9110: a 405 carries Allow (Starlette's header was dropped when the error was rebuilt)."""
+    r = scripted.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    assert r.json()["error"]["type"] == "invalid_request_error"
