@@ -93,5 +93,7 @@ class AuthAndCount:
                 await error_response(err)(scope, receive, send)
         finally:
             self.metrics.http_in_flight.dec()
-            route = scope.get("route")
-            self.metrics.count_request(getattr(route, "path", "other"), status)
+            # FastAPI's routes put themselves in the scope; Starlette's plain ones (/docs,
+            # /openapi.json) do not, and are found by their template as a 401 is
+            route = getattr(scope.get("route"), "path", None) or route_template(self.routes, scope)
+            self.metrics.count_request(route, status)

@@ -369,7 +369,9 @@ def test_models_health_metrics(served):
     assert card["max_model_len"] == served.engine.max_model_len > 0 and card["root"] == served.model
     health = httpx.get(served.base_url + "/health").json()
     assert health["status"] == "ok" and health["stats"]["llm"]["kv_pool"]["full"]["total_pages"] > 0
+    assert httpx.get(served.base_url + "/openapi.json").status_code == 200  # Starlette's own route: its template
     text_ = httpx.get(served.base_url + "/metrics").text
+    assert 'mmserve_requests_total{endpoint="/openapi.json",status="200"}' in text_
     for name in ("mmserve_time_to_first_token_seconds_count", "mmserve_time_per_output_token_seconds_bucket",
                  'mmserve_kv_pool_free_pages{pool="full"}', 'mmserve_kv_pool_free_pages{pool="swa"}',
                  "mmserve_queue_depth", "mmserve_running", "mmserve_event_loop_lag_seconds_bucket",
