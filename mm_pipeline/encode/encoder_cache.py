@@ -76,8 +76,11 @@ class EncoderCache:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def get(self, key: str) -> torch.Tensor | None:
-        """Look ``key`` up tier by tier; a hit is copied into the tiers above it."""
+    def get(self, key: str, manifest: bool = False) -> torch.Tensor | None:
+        """Look ``key`` up tier by tier; a hit is copied into the tiers above it. ``manifest``: a
+        media item's manifest (its units' sizes), counted apart (``manifest_hits`` /
+        ``manifest_misses``) so that ``hits`` and ``misses`` count encoder units, as the
+        X-Encoder-Cache-Hits header and the stats line do."""
         skey = self.namespace + key
         for i, tier in enumerate(self.tiers):
             blob = tier.get(skey)
@@ -89,11 +92,11 @@ class EncoderCache:
                 tier.delete(skey)  # intact entry, foreign content: drop it, keep looking
                 self._count("bad_values")
                 continue
-            self._count(f"hits.{self.tier_names[i]}")
+            self._count("manifest_hits" if manifest else f"hits.{self.tier_names[i]}")
             if i > 0:
                 self._store(skey, blob, self.tiers[:i])
             return tensor
-        self._count("misses")
+        self._count("manifest_misses" if manifest else "misses")
         return None
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
@@ -105,12 +108,13 @@ class EncoderCache:
         self._writes.join()
 
     def stats(self) -> dict[str, object]:
-        """``hits`` per tier name, ``misses``, ``bad_values``, ``pending_writes``."""
+        """``hits`` per tier name and ``misses`` (encoder units), ``manifest_hits`` /
+        ``manifest_misses``, ``bad_values``, ``pending_writes``."""
         with self._lock:
             c = dict(self._counts)
         return {
             "hits": {n: c.get(f"hits.{n}", 0) for n in self.tier_names},
-            **{k: c.get(k, 0) for k in ("misses", "bad_values")},
+            **{k: c.get(k, 0) for k in ("misses", "manifest_hits", "manifest_misses", "bad_values")},
             "pending_writes": self._writes.unfinished_tasks,
         }
 

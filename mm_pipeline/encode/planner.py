@@ -279,7 +279,7 @@ class MediaPlanner:
     def _manifest(self, mkey: str) -> torch.Tensor | None:
         """The cached manifest of ``mkey`` when it has the manifest's shape, else None (a missing or
         malformed entry: the media is planned from its bytes and the manifest written again)."""
-        manifest = self.cache.get(_manifest_key(mkey))
+        manifest = self.cache.get(_manifest_key(mkey), manifest=True)
         if manifest is not None and manifest.ndim == 2 and manifest.shape[1] == 4 and manifest.shape[0] > 0:
             return manifest
         return None
