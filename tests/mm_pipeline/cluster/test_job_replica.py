@@ -35,7 +35,10 @@ class FakeReplica(JobReplica):
 
     async def answer(self, batch, i, n):
         name = str(batch["input"][i])
-        await asyncio.sleep(0.01 * i)  # inputs finish in order: a, then b, then c
+        # inputs finish in order: a, then b, then c; one after the input that dies waits far longer
+        # (cancelled when the batch dies), so a loaded host cannot let it finish in the same loop pass
+        after_death = self.dies_at is not None and i > list(batch["input"]).index(self.dies_at)
+        await asyncio.sleep(5.0 if after_death else 0.01 * i)
         if name == self.dies_at:
             raise ProcessDied(name)
         self.answered.append(name)
