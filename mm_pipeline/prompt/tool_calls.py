@@ -63,6 +63,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
+from llm_core.engine.structured.schema_support import SCHEMA_MAPS, VALUE_KEYWORDS
 from mm_pipeline.prompt.reasoning import tag_prefix_at_end
 
 ToolParserName = Literal["auto", "qwen3_coder", "none"]
@@ -264,8 +265,10 @@ def forced_call_schema(tools: Sequence[Mapping[str, Any]], choice: str | None,
     return schema
 
 
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # data, not schemas: left as written
+def in_tool_terms(text: str) -> str:
+    """``text`` (an error about "required"'s array schema) with each place under a tool's schema
+    (``#/$defs/tool_k/...``) named as the request has it (``tools[k].function.parameters#/...``)."""
+    return re.sub(r"#/\$defs/tool_(\d+)", r"tools[\1].function.parameters#", text)
 
 
 def _rerooted(node: Any, root: str) -> Any:
@@ -279,9 +282,9 @@ def _rerooted(node: Any, root: str) -> Any:
     for key, value in node.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = root + value[1:]
-        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):  # names -> schemas (a property may be named "enum")
+        elif key in SCHEMA_MAPS and isinstance(value, Mapping):  # names -> schemas (a property may be named "enum")
             out[key] = {name: _rerooted(sub, root) for name, sub in value.items()}
-        elif key in _VALUE_KEYWORDS:
+        elif key in VALUE_KEYWORDS:
             out[key] = value
         else:
             out[key] = _rerooted(value, root)

@@ -20,7 +20,6 @@ priority`` and must be 0 otherwise (a 400, as vLLM answers).
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, RootModel, Tag, ValidationError, field_validator, model_validator
@@ -32,7 +31,7 @@ from llm_core.engine.sampling.params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.errors import InvalidMessageError
 from mm_pipeline.prompt.template_options import TemplateOptions, check_template_kwargs, check_tools
-from mm_pipeline.prompt.tool_calls import forced_call_schema
+from mm_pipeline.prompt.tool_calls import forced_call_schema, in_tool_terms
 from mm_pipeline.server.completions.structured_formats import ResponseFormat, StructuredOutputsFields, structured_outputs_of
 from mm_pipeline.server.message_protocol import ChatMessage, _Loose
 
@@ -326,7 +325,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
                                                                        self.parallel_tool_calls),
                                                disable_any_whitespace=True, source=self._forced_source)
             except ValueError as exc:  # a place in "required"'s array schema, named in the tool's own
-                raise ValueError(re.sub(r"#/\$defs/tool_(\d+)", r"tools[\1].function.parameters#", str(exc))) from None
+                raise ValueError(in_tool_terms(str(exc))) from None
         return structured_outputs_of(self)
 
     @property

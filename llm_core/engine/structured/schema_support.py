@@ -27,8 +27,9 @@ UNENFORCED: dict[str, str] = {
     "maxContains": "contains is not enforced",
     "$recursiveRef": "only local $ref pointers are resolved", "$dynamicRef": "only local $ref pointers are resolved",
 }
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_VALUES = frozenset({"enum", "const", "default", "examples"})  # data, not schemas
+# how a schema walk tells schemas from data (here, and where tool schemas are re-rooted: prompt/tool_calls.py)
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # names -> schemas
+VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # data, not schemas
 
 
 def unenforced_keyword(schema: Any) -> str | None:
@@ -47,9 +48,9 @@ def unenforced_keyword(schema: Any) -> str | None:
             problem = _problem(key, value)
             if problem is not None:
                 return f"{key} at {at}: {problem}"
-            if key in _SCHEMA_MAPS and isinstance(value, Mapping):  # names -> schemas (a property may be named "not")
+            if key in SCHEMA_MAPS and isinstance(value, Mapping):  # names -> schemas (a property may be named "not")
                 stack.extend((sub, f"{where}/{_escaped(name)}") for name, sub in value.items())
-            elif key not in _VALUES:
+            elif key not in VALUE_KEYWORDS:
                 stack.append((value, where))
     return None
 
