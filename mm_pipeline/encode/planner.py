@@ -14,7 +14,8 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
                                                        its sound track (if any, video_audio on):
                                                        decoded as audio, segments after the groups
                  sizes: encoders.config.unit_tokens of the grids / mel frames (= encoder output rows)
-                 then every unit key is looked up in the cache tiers
+                 then every unit key is looked up in the cache tiers (not with layout_only: the
+                 sizes alone, what /tokenize needs, read no cached rows)
     plan_warm(ref)  worker thread: load + plan in one job when the manifest is cached and nobody
                  is planning the same media (a repeat, a new question); else the usual two steps
     start(plan, sinks)  cached unit ─► its sink now (or earlier: deliver_cached)
@@ -131,7 +132,8 @@ class MediaPlanner:
             raise ContextLengthError(f"the request's media take {tokens} tokens, over the context limit of "
                                      f"{context} tokens")
 
-    def plan_warm(self, ref: MediaRef, salt: str | None = None) -> tuple[MediaItem | None, MediaPlan | None]:
+    def plan_warm(self, ref: MediaRef, salt: str | None = None, *, layout_only: bool = False
+                  ) -> tuple[MediaItem | None, MediaPlan | None]:
         """Worker thread: load and plan in one hop off the event loop (runtime/chat_preparation.py). A
         source ``ingest_local`` takes (upload bytes, data URL, local file) is ingested; when the
         cache holds the item's manifest and no other request is planning the same media now, it
@@ -139,7 +141,8 @@ class MediaPlanner:
         about the same media). ``(item, plan)``; plan None: ``plan(item)`` plans it as usual (a
         manifest miss opens the media, and concurrent cold plans share one pass there -- the
         manifest is then read a second time, a dict lookup in the memory tier); (None, None): a
-        source only ``load`` takes (http(s), an uploaded file id, audio codes)."""
+        source only ``load`` takes (http(s), an uploaded file id, audio codes). ``layout_only``: as
+        ``plan`` takes it."""
         if ref.source is None or not self.ingestor.ingests_locally(ref.source):
             return None, None
         item = self.ingestor.ingest_local(ref.source, salt)
@@ -153,12 +156,14 @@ class MediaPlanner:
         if manifest is None:
             return item, None
         self._count(f"plans_one_hop.{item.kind.value}")
-        return item, self._with_cached(self._plan_from_manifest(item, mkey, manifest))
+        return item, self._with_cached(self._plan_from_manifest(item, mkey, manifest), layout_only)
 
-    async def plan(self, item: MediaItem, salt: str | None = None) -> MediaPlan:
+    async def plan(self, item: MediaItem, salt: str | None = None, *, layout_only: bool = False) -> MediaPlan:
         """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
         can give the sizes) plus the units the cache already holds. ``salt``: the request's
-        cache_salt (content_hash.salted_media_key), for ``plan_warm`` too."""
+        cache_salt (content_hash.salted_media_key), for ``plan_warm`` too. ``layout_only``: a plan
+        to size the prompt, never started (/tokenize): the cache's rows are not read (``cached``
+        stays empty; a plan started anyway finds them when its units are claimed)."""
         self._check_kind(item)
         if self._encoder_of(item) is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
@@ -167,7 +172,7 @@ class MediaPlanner:
         control = self.producer.control(item)
         # every request that wanted this plan ended: its worker stops at the next frame
         plan, planned_here = await self._planning.run(
-            mkey, lambda: self.pool.run(self._plan_sync, item, mkey, control), abandon=control.cancel)
+            mkey, lambda: self.pool.run(self._plan_sync, item, mkey, control, layout_only), abandon=control.cancel)
         if planned_here:
             return plan
         # another request planned the same media meanwhile: share its layout and its preprocessed
@@ -298,13 +303,17 @@ class MediaPlanner:
                          audio_per_second=self._sound_rate() if sound else 0.0,
                          decoded_bytes=int(manifest[0, 3]))
 
-    def _with_cached(self, plan: MediaPlan) -> MediaPlan:
-        """``plan`` with the rows of its units the cache holds now."""
+    def _with_cached(self, plan: MediaPlan, layout_only: bool) -> MediaPlan:
+        """``plan`` with the rows of its units the cache holds now; ``layout_only``: as it is (the
+        rows of a long video are megabytes to read and deserialize, for a count)."""
+        if layout_only:
+            return plan
         found = self.producer.lookup(plan.units)
         plan.cached.update({i: found[u.key] for i, u in enumerate(plan.units) if u.key in found})
         return plan
 
-    def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None) -> MediaPlan:
+    def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None,
+                   layout_only: bool = False) -> MediaPlan:
         manifest = self._manifest(mkey)
         if manifest is not None:
             plan = self._plan_from_manifest(item, mkey, manifest)
@@ -316,7 +325,7 @@ class MediaPlanner:
             table = torch.tensor([[u.num_tokens, t, float(i >= groups), plan.decoded_bytes] for i, (u, t) in
                                   enumerate(zip(plan.units, stamps))], dtype=torch.float64)
             self.cache.put(_manifest_key(mkey), table)
-        return self._with_cached(plan)
+        return self._with_cached(plan, layout_only)
 
     def _plan_from_media(self, item: MediaItem, mkey: str, control: DecodeControl | None) -> MediaPlan:
         if item.kind is MediaKind.IMAGE:

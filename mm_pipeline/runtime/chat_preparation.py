@@ -71,13 +71,16 @@ class ChatPreparation:
         self.text_pool = text_pool  # template + BPE of chats with several media items
         self.max_model_len = max_model_len
 
-    async def prepare(self, chat: ChatRequest, truncate: bool = False, salt: str | None = None) -> PreparedChat:
+    async def prepare(self, chat: ChatRequest, truncate: bool = False, salt: str | None = None, *,
+                      layout_only: bool = False) -> PreparedChat:
         """Ingest and plan every media item (concurrently), then lay the prompt out.
 
         ``truncate`` (the request has ``truncate_prompt_tokens``): a chat without media may render
         to up to ``TRUNCATABLE_CONTEXTS`` times the context, which the engine then cuts to its last
         tokens (a chat with media must fit: media is never cut). ``salt``: the request's cache_salt,
         which keys its media apart from other salts' (encoder cache, planning shared between requests).
+        ``layout_only``: the token ids are all that is wanted (``POST /tokenize``): the plans read
+        the cache's manifests only, never its rows (``MediaPlanner.plan``), and are not to be started.
 
         A chat with one media item takes one hop to the worker pool when it can: ingest, plan from
         the cache manifest and lay out in the same job (``_one_hop``). A repeat or a new question
@@ -86,11 +89,11 @@ class ChatPreparation:
         in a same-prefix request of ~7 ms; README "Overlap, measured")."""
         refs: list[MediaRef] = chat.media
         if not truncate or refs:
-            prepared = await self._within(chat, refs, self.max_model_len, salt)
+            prepared = await self._within(chat, refs, self.max_model_len, salt, layout_only)
         else:
             bound = self.max_model_len * TRUNCATABLE_CONTEXTS
             try:
-                prepared = await self._within(chat, refs, bound, salt)
+                prepared = await self._within(chat, refs, bound, salt, layout_only)
             except ContextLengthError as exc:
                 raise ContextLengthError(f"{exc}: truncate_prompt_tokens cuts a chat of at most "
                                          f"{TRUNCATABLE_CONTEXTS}x the context ({bound} tokens)") from None
@@ -98,8 +101,8 @@ class ChatPreparation:
             plan.flow, plan.priority = current_flow()
         return prepared
 
-    async def _within(self, chat: ChatRequest, refs: list[MediaRef], bound: int,
-                      salt: str | None = None) -> PreparedChat:
+    async def _within(self, chat: ChatRequest, refs: list[MediaRef], bound: int, salt: str | None,
+                      layout_only: bool) -> PreparedChat:
         """``prepare`` within ``bound`` tokens (the context, or the truncatable bound)."""
         # a chat of more messages than the bound can hold fails first, before its media is fetched
         # or a part of it walked (O(1): each message's markup costs at least its special tokens)
@@ -107,33 +110,35 @@ class ChatPreparation:
         self.layout.template.check_kwargs(chat.options.kwargs)  # a 400 before any media work
         self.planner.check_request(refs)
         if len(refs) == 1:
-            got = await self.pool.run(self._one_hop, chat, refs[0], salt)
+            got = await self.pool.run(self._one_hop, chat, refs[0], salt, layout_only)
             if isinstance(got, PreparedChat):
                 return got
-            plans = [await self._plan_item(0, 1, refs[0], got, salt)]
+            plans = [await self._plan_item(0, 1, refs[0], got, salt, layout_only)]
         else:
-            plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r, salt=salt)
+            plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r, None, salt, layout_only)
                                                 for k, r in enumerate(refs))))
         self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
         laid = await self.text_pool.run(self.layout.render, chat, plans, bound)  # template + BPE
         check_context(len(laid.token_ids), bound)
         return self._prepared(laid, plans, refs)
 
-    async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None = None,
-                         salt: str | None = None) -> MediaPlan:
+    async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None, salt: str | None,
+                         layout_only: bool) -> MediaPlan:
         """Media item ``k`` of ``n``: loaded (unless ``item`` is it, already ingested) and planned."""
         try:
-            return await self.planner.plan(item if item is not None else await self.planner.load(ref, salt), salt)
+            item = item if item is not None else await self.planner.load(ref, salt)
+            return await self.planner.plan(item, salt, layout_only=layout_only)
         except MediaError as exc:
             raise _which_item(exc, k, n, ref) from exc
 
-    def _one_hop(self, chat: ChatRequest, ref: MediaRef, salt: str | None = None) -> PreparedChat | MediaItem | None:
+    def _one_hop(self, chat: ChatRequest, ref: MediaRef, salt: str | None,
+                 layout_only: bool) -> PreparedChat | MediaItem | None:
         """Worker thread: the chat's one media item ingested and, when its manifest is cached,
         planned and the prompt laid out (text tokenization runs here rather than on the text pool:
         this media request's own worker is already running). Else the ingested item (None: a
         source only ``planner.load`` takes) for the usual path."""
         try:
-            item, plan = self.planner.plan_warm(ref, salt)
+            item, plan = self.planner.plan_warm(ref, salt, layout_only=layout_only)
         except MediaError as exc:
             raise _which_item(exc, 0, 1, ref) from exc
         if plan is None:

@@ -161,9 +161,11 @@ class OmniRuntime:
         return self.model.hidden_size
 
     # ---- requests ---------------------------------------------------------------------------
-    async def prepare_chat(self, chat: ChatRequest, truncate: bool = False, salt: str | None = None) -> PreparedChat:
-        """Ingest and plan every media item, then lay the prompt out (``ChatPreparation.prepare``)."""
-        return await self.preparation.prepare(chat, truncate, salt)
+    async def prepare_chat(self, chat: ChatRequest, truncate: bool = False, salt: str | None = None, *,
+                           layout_only: bool = False) -> PreparedChat:
+        """Ingest and plan every media item, then lay the prompt out (``ChatPreparation.prepare``;
+        ``layout_only``: for its token ids alone, no cached rows read)."""
+        return await self.preparation.prepare(chat, truncate, salt, layout_only=layout_only)
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a request's structured output constraint before it is admitted (cached; off the

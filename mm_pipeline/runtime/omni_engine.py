@@ -127,10 +127,12 @@ class OmniEngine:
         fetched, hashed and sized from the cache manifest or its metadata (an image's header, a
         video's probe; an audio clip or a video's sound decoded to count its segments) -- so its
         placeholders are expanded to the rows the encoders will fill. Nothing is encoded and no KV
-        is used; the plans are then dropped, as a request that fails after planning drops them
-        (decoded inputs and early decodes are released with them). Admitted like a request
-        (``max_queue``: 429 when full). The checks are a request's too: a prompt that leaves no
-        room in the context is a ``ContextLengthError``, bad media the same typed error.
+        is used; cached media is sized from its manifest alone (``layout_only``: its encoder rows,
+        megabytes for a long video, are neither read nor counted as cache hits). The plans are then
+        dropped, as a request that fails after planning drops them (decoded inputs and early
+        decodes are released with them). Admitted like a request (``max_queue``: 429 when full).
+        The checks are a request's too: a prompt that leaves no room in the context is a
+        ``ContextLengthError``, bad media the same typed error.
         ``add_special_tokens`` (text only): the tokenizer's own additions around the text (a prompt
         is served without them)."""
         if (messages is None) == (prompt is None):
@@ -143,7 +145,7 @@ class OmniEngine:
             with pool_flow(f"tokenize-{next(self._ids)}"):  # its own turn in the pools, as a request's
                 if chat is None:
                     return await self.runtime.tokenize(prompt, add_special_tokens=add_special_tokens)
-                return (await self.runtime.prepare_chat(chat)).token_ids
+                return (await self.runtime.prepare_chat(chat, layout_only=True)).token_ids
         finally:
             self._in_flight -= 1
 

@@ -20,7 +20,9 @@ output streams into it), so ``prepare_chat`` gives the expanded ids without runn
 does do the planning half of a request: the media is fetched or read, hashed and sized from the
 encoder cache's manifest or its metadata (an image's header, a video's probe; an audio clip or a
 video's sound track decoded to count its segments), under the same limits and with the same errors
-(400 / 403 / 404 / 413 / 415) as a chat request; the plans are then dropped. Answering a 400 for
+(400 / 403 / 404 / 413 / 415) as a chat request; the plans are then dropped. Cached media costs its
+manifest only: the plans are layout-only (``MediaPlanner.plan``), so the encoder rows a chat request
+would take from the cache are not read, and the cache's hit counters count none. Answering a 400 for
 media instead would leave a vLLM user no way to count a multimodal prompt, the one whose size is
 hard to guess.
 

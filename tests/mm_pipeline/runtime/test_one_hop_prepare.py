@@ -54,7 +54,7 @@ def counts(engine: OmniEngine) -> dict[str, int]:
 def prepare(engine: OmniEngine, messages, *, one_hop: bool = True):
     rt = engine.runtime
     if not one_hop:  # the usual path: plan_warm declines every item
-        rt.planner.plan_warm = lambda ref, salt=None: (None, None)
+        rt.planner.plan_warm = lambda ref, salt=None, **_: (None, None)
     try:
         return asyncio.run(rt.prepare_chat(parse_messages(messages)))
     finally:

@@ -171,6 +171,33 @@ def test_media_placeholders_are_expanded_as_the_engine_expands_them(server, engi
     assert tokenizer.decode(tokens).count(pads) > 1  # expanded: one pad per row the encoder fills
 
 
+@pytest.mark.parametrize("kinds", [("image",), ("video",), ("image", "video")],
+                         ids=["image-one-hop", "video-one-hop", "image-and-video"])
+def test_cached_media_is_tokenized_from_its_manifest_alone(server, engine, submitted, monkeypatch, kinds):
+    """Once a chat has been served its media's rows are in the encoder cache; /tokenize of the same
+    chat sizes the media from the manifests alone: the same ids, and no row read (megabytes for a
+    long video) nor counted as an encoder-cache hit. One item takes the one-hop path
+    (plan_warm), two the usual one (plan)."""
+    messages = [{"role": "user", "content": [*map(media_part, kinds), {"type": "text", "text": "Describe it."}]}]
+    answer = chat(server, messages)
+    assert answer.status_code == 200, answer.text
+    cache, planner = engine.runtime.cache, engine.runtime.planner
+    lookups: list[int] = []
+    lookup = planner.producer.lookup
+    monkeypatch.setattr(planner.producer, "lookup", lambda units: lookups.append(len(units)) or lookup(units))
+    before, unit_hits = cache.stats(), planner.counts.get("unit_hits", 0)
+    r = post(server, "/tokenize", {"messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == submitted[0] and len(submitted) == 1
+    after = cache.stats()
+    assert lookups == [] and planner.counts.get("unit_hits", 0) == unit_hits, "tokenize read cached rows"
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+    assert after["manifest_hits"] == before["manifest_hits"] + len(kinds)  # sized from the manifests
+    # the same chat again reads the rows (the checks above can fail), and runs the same ids
+    assert chat(server, messages).status_code == 200 and submitted[1] == submitted[0]
+    assert lookups and sum(cache.stats()["hits"].values()) > sum(after["hits"].values())
+
+
 @pytest.mark.parametrize("name", ["audio_000001.flac", "video_000001.webm"])
 def test_tokenizing_media_leaves_nothing_held(server, engine, name):
     """Planning decodes an audio clip (its log-mels counted in the decode budget until encoded or
