@@ -24,7 +24,8 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
 
 Concurrent plans of one media key share one planning pass and its decoded inputs (a SingleFlight,
 the mechanism the batcher's unit claims use too). Plans are the types of mm_pipeline.encode.plan;
-production (decode, preprocess, submit; video chunk by chunk) is mm_pipeline.encode.unit_producer.
+the media and unit keys and the manifest are mm_pipeline.encode.cached_layout's; production
+(decode, preprocess, submit; video chunk by chunk) is mm_pipeline.encode.unit_producer.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import os
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from mm_pipeline.encode.batcher import EncoderBatcher, UnitSink
+from mm_pipeline.encode.cached_layout import CachedLayout
 from mm_pipeline.encode.encoder_cache import EncoderCache
 from mm_pipeline.encode.held_inputs import HeldInputs
 from mm_pipeline.encode.plan import MediaPlan, PlannerConfig, UnitPlan
@@ -52,8 +54,7 @@ from mm_pipeline.media.decode.backend import DecodeBackend
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_image
 from mm_pipeline.media.decode.early import EarlyDecoders
-from mm_pipeline.media.content_hash import (audio_segment_key, canonical_params, content_key, media_key,
-                                           salted_media_key, video_group_key)
+from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
@@ -75,8 +76,10 @@ class MediaPlanner:
         self.batcher = batcher
         self.pool = pool
         self.ingestor = ingestor
-        self.encoder_id = encoder_id
         self.config = config
+        # the media's and units' keys and their manifests in the cache
+        self.cached_layout = CachedLayout(cache, preprocessor.image_config, preprocessor.audio_config,
+                                          config.video_sampling, encoder_id, self._hears_videos())
         self.file_resolver: FileResolver | None = None
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # worker threads count concurrently
@@ -92,7 +95,6 @@ class MediaPlanner:
         self._planning: SingleFlight[MediaPlan] = SingleFlight(lambda: MediaError("planning was cancelled"))
         # file id -> the read in progress: the choices of one request share one copy of the bytes
         self._loading: SingleFlight[MediaItem] = SingleFlight(lambda: MediaError("loading the file was cancelled"))
-        self._param_forms: dict[MediaKind, bytes] = {}  # kind -> canonical_params(self._params(kind))
 
     # ---- public API -------------------------------------------------------------------------
     async def load(self, ref: MediaRef, salt: str | None = None) -> MediaItem:
@@ -149,14 +151,15 @@ class MediaPlanner:
         self._check_kind(item)
         if self._encoder_of(item) is None or item.content_key is None:
             return item, None  # plan() says why, or hashes the bytes
-        mkey = self._media_key(item.content_key, item, salt)
+        mkey = self.cached_layout.media_key(item.content_key, item.kind, salt)
         if mkey in self._planning:
             return item, None  # join that pass (it may be decoding: its inputs are shared)
-        manifest = self._manifest(mkey)
-        if manifest is None:
+        plan = self.cached_layout.read(item, mkey)
+        if plan is None:
             return item, None
+        self._count(f"manifest_hits.{item.kind.value}")
         self._count(f"plans_one_hop.{item.kind.value}")
-        return item, self._with_cached(self._plan_from_manifest(item, mkey, manifest), layout_only)
+        return item, self._with_cached(plan, layout_only)
 
     async def plan(self, item: MediaItem, salt: str | None = None, *, layout_only: bool = False) -> MediaPlan:
         """Unit keys and sizes of ``item`` (decoding only when neither the cache nor metadata
@@ -168,7 +171,7 @@ class MediaPlanner:
         if self._encoder_of(item) is None:
             raise UnsupportedMediaType(f"this model has no encoder for {item.kind.value} input")
         content = item.content_key or await self.pool.run(content_key, item.data)  # ingest hashed it already
-        mkey = self._media_key(content, item, salt)
+        mkey = self.cached_layout.media_key(content, item.kind, salt)
         control = self.producer.control(item)
         # every request that wanted this plan ended: its worker stops at the next frame
         plan, planned_here = await self._planning.run(
@@ -273,36 +276,6 @@ class MediaPlanner:
     def _encoder_of(self, item: MediaItem):
         return self.batcher.audio if item.kind is MediaKind.AUDIO else self.batcher.vision
 
-    def _media_key(self, content: str, item: MediaItem, salt: str | None = None) -> str:
-        # the params of a kind are fixed for the planner's life: their canonical JSON once per kind
-        # (a dict of them, normalised and dumped, was ~0.1 ms of every request's hop)
-        form = self._param_forms.get(item.kind)
-        if form is None:
-            form = self._param_forms[item.kind] = canonical_params(self._params(item.kind))
-        return salted_media_key(media_key(content, item.kind, form, self.encoder_id), salt)
-
-    def _manifest(self, mkey: str) -> torch.Tensor | None:
-        """The cached manifest of ``mkey`` when it has the manifest's shape, else None (a missing or
-        malformed entry: the media is planned from its bytes and the manifest written again)."""
-        manifest = self.cache.get(_manifest_key(mkey), manifest=True)
-        if manifest is not None and manifest.ndim == 2 and manifest.shape[1] == 4 and manifest.shape[0] > 0:
-            return manifest
-        return None
-
-    def _plan_from_manifest(self, item: MediaItem, mkey: str, manifest: torch.Tensor) -> MediaPlan:
-        # columns: tokens, timestamp (video groups), 1 for a video's sound segment, decoded bytes
-        # (the item's, in every row): the plan without opening the media at all
-        self._count(f"manifest_hits.{item.kind.value}")
-        sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag]
-        groups = manifest.shape[0] - len(sound)
-        units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i) if i < groups else
-                               self._sound_key(mkey, i - groups), int(n))
-                      for i, n in enumerate(manifest[:, 0].tolist()))
-        stamps = tuple(manifest[:groups, 1].tolist()) if item.kind is MediaKind.VIDEO else ()
-        return MediaPlan(item, mkey, units, stamps, audio_units=len(sound),
-                         audio_per_second=self._sound_rate() if sound else 0.0,
-                         decoded_bytes=int(manifest[0, 3]))
-
     def _with_cached(self, plan: MediaPlan, layout_only: bool) -> MediaPlan:
         """``plan`` with the rows of its units the cache holds now; ``layout_only``: as it is (the
         rows of a long video are megabytes to read and deserialize, for a count)."""
@@ -314,17 +287,13 @@ class MediaPlanner:
 
     def _plan_sync(self, item: MediaItem, mkey: str, control: DecodeControl | None = None,
                    layout_only: bool = False) -> MediaPlan:
-        manifest = self._manifest(mkey)
-        if manifest is not None:
-            plan = self._plan_from_manifest(item, mkey, manifest)
+        plan = self.cached_layout.read(item, mkey)
+        if plan is not None:
+            self._count(f"manifest_hits.{item.kind.value}")
         else:
             self._count(f"manifest_misses.{item.kind.value}")
             plan = self._plan_from_media(item, mkey, control)
-            groups = len(plan.units) - plan.audio_units
-            stamps = list(plan.timestamps or [0.0] * groups) + [0.0] * plan.audio_units
-            table = torch.tensor([[u.num_tokens, t, float(i >= groups), plan.decoded_bytes] for i, (u, t) in
-                                  enumerate(zip(plan.units, stamps))], dtype=torch.float64)
-            self.cache.put(_manifest_key(mkey), table)
+            self.cached_layout.write(plan)
         return self._with_cached(plan, layout_only)
 
     def _plan_from_media(self, item: MediaItem, mkey: str, control: DecodeControl | None) -> MediaPlan:
@@ -344,7 +313,8 @@ class MediaPlanner:
             sizes = self.pre.unit_tokens(rule, (sum(int(m.shape[0]) for m in mels),))
             if len(sizes) != len(mels):
                 raise AssertionError(f"{len(mels)} mel segments but the token rule cuts {len(sizes)}")
-            units = tuple(UnitPlan(self._unit_key(item.kind, mkey, i), n) for i, n in enumerate(sizes))
+            keys = self.cached_layout
+            units = tuple(UnitPlan(keys.unit_key(item.kind, mkey, i), n) for i, n in enumerate(sizes))
             return MediaPlan(item, mkey, units, inputs=dict(enumerate(mels)), held=held,
                              decoded_bytes=sum(m.numel() * m.element_size() for m in mels))
         if item.kind is MediaKind.VIDEO:
@@ -354,7 +324,8 @@ class MediaPlanner:
     def _plan_video(self, item: MediaItem, mkey: str, control: DecodeControl | None) -> MediaPlan:
         info, sampling, size = self.producer.probe_video(item, control)
         sizes = self.pre.unit_tokens("video", self.pre.video_grid(size, sampling.num_frames))
-        units = tuple(UnitPlan(self._unit_key(item.kind, mkey, g), n) for g, n in enumerate(sizes))
+        keys = self.cached_layout
+        units = tuple(UnitPlan(keys.unit_key(item.kind, mkey, g), n) for g, n in enumerate(sizes))
         stamps = sampling.timestamps[::self.pre.image_config.temporal_patch_size]  # a group's first frame
         plan = MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size),
                          decoded_bytes=self.producer.chunk_bytes(item, info, sampling.num_frames, size))
@@ -363,7 +334,7 @@ class MediaPlanner:
         if mels:
             plan.held = held
             sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))
-            plan.units += tuple(UnitPlan(self._sound_key(mkey, i), n) for i, n in enumerate(sizes))
+            plan.units += tuple(UnitPlan(keys.sound_key(mkey, i), n) for i, n in enumerate(sizes))
             plan.inputs.update({len(units) + i: m for i, m in enumerate(mels)})
             plan.audio_units, plan.audio_per_second = len(mels), self._sound_rate()
             plan.decoded_bytes += sum(m.numel() * m.element_size() for m in mels)
@@ -392,29 +363,3 @@ class MediaPlanner:
     def _sound_rate(self) -> float:
         assert self.pre.audio_config is not None
         return self.pre.audio_config.tokens_per_second
-
-    def _sound_key(self, mkey: str, i: int) -> str:
-        return audio_segment_key(mkey, self.pre.audio_config, i)
-
-    # ---- keys -------------------------------------------------------------------------------
-    def _params(self, kind: MediaKind) -> dict[str, Any]:
-        """Everything besides the bytes and the weights that changes this kind's encoder output (the
-        config objects themselves: canonical_params reads them as their asdict and remembers that)."""
-        img = self.pre.image_config
-        if kind is MediaKind.IMAGE:
-            return {"image": img}
-        if kind is MediaKind.VIDEO:
-            return {"image": img, "sampling": self.config.video_sampling,
-                    "sound": self.pre.audio_config if self._hears_videos() else None}
-        return {"audio": self.pre.audio_config}
-
-    def _unit_key(self, kind: MediaKind, mkey: str, i: int) -> str:
-        if kind is MediaKind.IMAGE:
-            return mkey
-        if kind is MediaKind.VIDEO:
-            return video_group_key(mkey, self.config.video_sampling, i)
-        return audio_segment_key(mkey, self.pre.audio_config, i)
-
-
-def _manifest_key(mkey: str) -> str:
-    return f"manifest:{mkey}"

@@ -14,7 +14,7 @@ import torch
 from tests.support.media_samples import video_bytes
 
 from llm_core import SamplingParams
-from mm_pipeline.encode.planner import _manifest_key
+from mm_pipeline.encode.cached_layout import _manifest_key
 from mm_pipeline.errors import InvalidMediaError
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.runtime.omni_engine import OmniEngine, OmniEngineConfig
