@@ -1,6 +1,7 @@
-"""The app's outermost middleware (pure ASGI): the API key (``--api-key``: ``Authorization: Bearer``)
-for every route but the open ones, the in-flight gauge and per-route status counts of /metrics,
-and the answer to an exception no handler took."""
+"""The app's middleware around its routes (pure ASGI; only request_id.py's and CORS are outside it):
+the API key (``--api-key``: ``Authorization: Bearer``) for every route but the open ones, the
+in-flight gauge and per-route status counts of /metrics, and the answer to an exception no handler
+took."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.routing import Match
 
 from mm_pipeline.server.errors import APIError, error_response, log_rejection, to_api_error
 from mm_pipeline.server.metrics import ServerMetrics
+from mm_pipeline.server.request_id import request_id_of
 
 # Open without the API key: the liveness probe and the upload page with its static files (the
 # page's own calls go to /v1, which needs the key). Everything else -- /v1, vLLM's /tokenize,
@@ -53,9 +55,10 @@ def bearer_matches(headers: list[tuple[bytes, bytes]], key: bytes) -> bool:
 
 
 class AuthAndCount:
-    """Pure ASGI middleware (streams and disconnects pass through untouched), the outermost of the
-    app's own: API-key check (``needs_key``), in-flight gauge, per-route status counts, and the
-    answer to an exception no handler took (a bug: one traceback, a 500, nothing re-raised)."""
+    """Pure ASGI middleware (streams and disconnects pass through untouched), inside the request
+    id's (request_id.py: its answers carry the id too) and CORS: API-key check (``needs_key``),
+    in-flight gauge, per-route status counts, and the answer to an exception no handler took (a
+    bug: one traceback, a 500, nothing re-raised)."""
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics, routes: list) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -68,7 +71,7 @@ class AuthAndCount:
         if self.key is not None and needs_key(route_path(scope)) and not bearer_matches(scope["headers"], self.key):
             self.metrics.count_request(route_template(self.routes, scope), 401)
             err = APIError(401, "missing or invalid API key (Authorization: Bearer ...)")
-            log_rejection(err, scope["method"], scope["path"])
+            log_rejection(err, scope["method"], scope["path"], request_id_of(scope))
             await error_response(err)(scope, receive, send)
             return
         status = 500
@@ -87,7 +90,7 @@ class AuthAndCount:
             status = 499
         except Exception as exc:  # noqa: BLE001 -- no handler took it: answer 500 here, once
             err = to_api_error(exc)
-            log_rejection(err, scope["method"], scope["path"])
+            log_rejection(err, scope["method"], scope["path"], request_id_of(scope))
             if not started:
                 status = err.status
                 await error_response(err)(scope, receive, send)

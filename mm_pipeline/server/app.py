@@ -29,11 +29,10 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from pydantic import TypeAdapter, ValidationError
 from starlette.background import BackgroundTask
 
 from mm_pipeline.errors import echo
-from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, REQUEST_ID_HEADER, AnswerInfo
+from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, AnswerInfo
 from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
 from mm_pipeline.server.completions.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, install_error_handlers
@@ -42,8 +41,8 @@ from mm_pipeline.server.access import AuthAndCount
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.request_body import parse_body
-from mm_pipeline.server.protocol import (MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation,
-                                        RequestId)
+from mm_pipeline.server.protocol import MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation
+from mm_pipeline.server.request_id import REQUEST_ID_HEADER, RequestIdHeader, name_request, valid_request_id
 from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileList, FileObject, ModelCard, cursor_page
@@ -59,7 +58,6 @@ from mm_pipeline.server.responses_api.routes import install_responses_routes
 from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
 
-_REQUEST_ID = TypeAdapter(RequestId)  # an X-Request-Id header, checked as the request_id field is
 request_log = logging.getLogger("mmserve.requests")  # --enable-log-requests: a line per finished request
 log = logging.getLogger(__name__)
 
@@ -148,6 +146,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=settings.allow_credentials,
                            expose_headers=[REQUEST_ID_HEADER, ENCODER_CACHE_HITS_HEADER, "Retry-After"])
+    # the outermost: every answer names a request id, the 401, a CORS preflight and a bug's 500 included
+    app.add_middleware(RequestIdHeader)
     install_web_routes(app)  # GET / : the upload page
 
     def read_body(request: Request, model: Any) -> Any:  # a JSON body under the server's limits
@@ -162,11 +162,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     async def respond(request: Request, body: Any, run, run_stream) -> Response:
         given = request.headers.get(REQUEST_ID_HEADER)
         if given is not None:  # the header wins over the body's request_id, as in vLLM
-            try:
-                body = body.model_copy(update={"request_id": _REQUEST_ID.validate_python(given)})
-            except ValidationError:
+            if not valid_request_id(given):
                 raise APIError(400, f"{REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
-                                    f"characters without spaces", param=REQUEST_ID_HEADER) from None
+                                    f"characters without spaces", param=REQUEST_ID_HEADER)
+            body = body.model_copy(update={"request_id": given})
+        elif body.request_id is not None:  # an error answer carries the body's id, as it would the header's
+            name_request(request, body.request_id)
         info = AnswerInfo()  # filled before the body starts: its headers go out with a stream too
         try:
             if not body.stream:

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mm_pipeline.errors import (ContextLengthError, InternalError, InvalidInputError,
                                 MediaAccessDenied, MediaError, MediaFetchTimeout, MediaNotFound, MediaTooLarge,
                                 MMServeError, OverloadedError, ServerBusy, UnsupportedMediaType)
+from mm_pipeline.server.request_id import request_id_of
 
 log = logging.getLogger("mmserve.server")
 
@@ -160,13 +161,15 @@ def to_api_error(exc: BaseException) -> APIError:
                     detail="traceback above")
 
 
-def log_rejection(err: APIError, method: str, path: str) -> None:
-    """One line per rejected request: status, route, what the client read, and the detail it did
-    not read. Overload and client errors are routine (no traceback); server errors are warnings."""
+def log_rejection(err: APIError, method: str, path: str, request_id: str | None = None) -> None:
+    """One line per rejected request: its id (the answer's ``X-Request-Id``, request_id.py), status,
+    route, what the client read, and the detail it did not read. Overload and client errors are
+    routine (no traceback); server errors are warnings."""
     level = logging.WARNING if err.status >= 500 else logging.INFO
     detail = f" [{err.detail}]" if err.detail and err.detail != err.message else ""
+    named = f"{request_id}: " if request_id else ""  # printable ASCII without spaces, or uuid hex
     # the path as a repr: a client's %0a must not start a line of its own in the log
-    log.log(level, "%s %r -> %d %s%s", method, path[:200], err.status, err.message, detail)
+    log.log(level, "%s%s %r -> %d %s%s", named, method, path[:200], err.status, err.message, detail)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -221,7 +224,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Make every error leave the app in OpenAI's shape."""
 
     def reject(request: Request, err: APIError) -> JSONResponse:
-        log_rejection(err, request.method, request.url.path)
+        log_rejection(err, request.method, request.url.path, request_id_of(request.scope))
         return error_response(err)
 
     @app.exception_handler(APIError)

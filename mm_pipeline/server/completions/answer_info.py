@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mm_pipeline.server.request_id import REQUEST_ID_HEADER
+
 ENCODER_CACHE_HITS_HEADER = "X-Encoder-Cache-Hits"
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass
@@ -18,7 +19,8 @@ class AnswerInfo:
     """``encoder_cache_hits``: encoder units (an image, a video frame group, an audio segment) of
     the request's media taken from the encoder cache instead of being encoded for it; with ``n`` >
     1 choices the first choice's count (the media is the same for all). ``request_id``: the
-    answer's id (its ``id`` field), sent as ``X-Request-Id`` so a proxy's log can name it."""
+    answer's id (its ``id`` field), sent as ``X-Request-Id`` so a proxy's log can name it (an answer
+    without it gets the client's or a fresh id: request_id.py)."""
 
     encoder_cache_hits: int = 0
     request_id: str | None = None

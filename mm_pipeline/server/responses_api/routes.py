@@ -29,11 +29,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from mm_pipeline.errors import InvalidMessageError, MMServeError, OverloadedError, Where, echo
-from mm_pipeline.server.completions.answer_info import REQUEST_ID_HEADER, AnswerInfo
+from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest
+from mm_pipeline.server.request_id import REQUEST_ID_HEADER
 from mm_pipeline.server.responses_api.as_chat import chat_body
 from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.events import ResponseEvents
