@@ -13,8 +13,10 @@
 
 All conversations run concurrently through one OmniEngine (so the engine batches their encoder work
 and their LLM steps), up to its ``max_queue`` at a time: a call takes any number of them, the rest
-start as earlier ones finish. Outputs are llm_core ``RequestOutput`` objects in input order; a conversation
-whose media is broken comes back with ``finish_reason == "error"``, ``.error`` saying why and
+start as earlier ones finish -- the more urgent first when the call gives priorities (the engine's
+``priority`` queue policy: lower first, arrival order among equals; FIFO otherwise). Outputs are
+llm_core ``RequestOutput`` objects in input order; a conversation whose media is broken comes back
+with ``finish_reason == "error"``, ``.error`` saying why and
 ``.error_kind`` ("media", or an ``llm_core.ErrorKind``); the others still finish. Local paths are
 allowed anywhere by default (this is the caller's own machine); pass ``allowed_local_dirs`` to
 restrict them. A call after ``close()`` raises ``RuntimeError``.
@@ -35,6 +37,7 @@ from llm_core.llm import as_prompt_list
 from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.prompt.template_options import TemplateOptions
 from mm_pipeline.errors import InvalidInputError, MediaError, MMServeError, ServerBusy
+from mm_pipeline.priority_slots import PrioritySlots
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
 
@@ -59,8 +62,9 @@ class MultimodalLLM:
         self._next_id = 0
         self._closed = False
         # this object's requests in the engine at once: never more than it admits (max_queue), so a
-        # call with more inputs waits for its own earlier ones instead of failing as overloaded
-        self._slots = asyncio.Semaphore(engine.config.max_queue)
+        # call with more inputs waits for its own earlier ones instead of failing as overloaded; a
+        # freed slot goes to the most urgent waiter, as the engine's queue orders them
+        self._slots = PrioritySlots(engine.config.max_queue)
 
     @classmethod
     def from_engine(cls, engine: OmniEngine) -> "MultimodalLLM":
@@ -160,8 +164,11 @@ class MultimodalLLM:
     async def _all(self, ids: list[str], jobs: list[dict[str, Any]]) -> list[RequestOutput]:
         """Every job's output in order. When one raises, the call fails: the others are cancelled and
         awaited first (gather alone leaves them running, unseen, holding engine slots the next call
-        would be refused for), so the engine is left as before the call."""
-        tasks = [asyncio.ensure_future(self._one(rid, job)) for rid, job in zip(ids, jobs)]
+        would be refused for), so the engine is left as before the call. The jobs start (and ask
+        for slots) the most urgent first, so the free slots go to them too."""
+        starts = sorted(range(len(jobs)), key=lambda i: jobs[i]["priority"])  # stable: input order among equals
+        started = {i: asyncio.ensure_future(self._one(ids[i], jobs[i])) for i in starts}
+        tasks = [started[i] for i in range(len(jobs))]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -173,7 +180,7 @@ class MultimodalLLM:
     async def _one(self, rid: str, job: dict[str, Any]) -> RequestOutput:
         last: RequestOutput | None = None
         try:
-            async with self._slots:
+            async with self._slots.slot(job["priority"]):
                 async with aclosing(self.engine.outputs(job["params"], chat=job.get("chat"), prompt=job.get("prompt"),
                                                         request_id=rid, priority=job["priority"],
                                                         cache_salt=job["cache_salt"])) as outs:

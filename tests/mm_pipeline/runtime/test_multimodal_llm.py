@@ -3,7 +3,10 @@ plain generate == llm_core.LLM.generate on the same checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -169,3 +172,64 @@ def test_a_call_after_close_raises(ckpt):
     worker.join(30)
     assert not worker.is_alive(), "a call after close() hangs"
     assert isinstance(result["raised"], RuntimeError) and "MultimodalLLM is closed" in str(result["raised"])
+
+
+def _record_admissions(m: MultimodalLLM, hold: str | None = None) -> tuple[list[str], threading.Event]:
+    """Request ids in the order they got one of ``m``'s slots (entered the engine); the request
+    ``hold`` keeps its slot, before any work, until the returned event is set."""
+    admitted: list[str] = []
+    release = threading.Event()
+    real = m.engine.outputs
+
+    async def recording(params, **kw):
+        admitted.append(kw["request_id"])
+        while kw["request_id"] == hold and not release.is_set():
+            await asyncio.sleep(0.005)
+        async with aclosing(real(params, **kw)) as outs:
+            async for out in outs:
+                yield out
+
+    m.engine.outputs = recording
+    return admitted, release
+
+
+def _loop_tasks(m: MultimodalLLM, coro_name: str) -> int:
+    """Tasks of ``m``'s event loop running ``coro_name``, once every task already scheduled has run
+    its first step (a round trip through the loop after them)."""
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), m._loop).result(10)
+    return sum(t.get_coro().__qualname__.endswith(coro_name) for t in asyncio.all_tasks(m._loop))
+
+
+def test_waiting_inputs_get_slots_by_priority(ckpt):
+    """More inputs than slots (max_queue 1) under the priority policy: a freed slot goes to the most
+    urgent waiting input (lower first, arrival order among equals), within a call and across calls;
+    FIFO without priorities. (The slots were a FIFO semaphore: priorities were ignored there.)"""
+    prompts = [[5 + i, 17, 99, 3 * i + 1, 250] for i in range(6)]
+    with MultimodalLLM(ckpt, max_queue=1, queue_policy="priority", **ENGINE) as m:
+        admitted, _ = _record_admissions(m)
+        outs = m.generate(prompts, GREEDY, priority=[5, 5, 0, 3, 0, 9])
+        assert [o.finish_reason for o in outs] == ["length"] * 6  # in input order, as always
+        assert [int(r.split("-")[1]) for r in admitted] == [2, 4, 3, 0, 1, 5]
+        admitted.clear()
+        m.generate(prompts[:4], GREEDY)  # no priorities: FIFO
+        assert [int(r.split("-")[1]) for r in admitted] == [6, 7, 8, 9]
+
+        # an urgent call that comes while a less urgent one's inputs wait goes before them
+        admitted, release = _record_admissions(m, hold="mmllm-10")
+        first = threading.Thread(target=m.generate, args=(prompts[:4], GREEDY), kwargs={"priority": [5] * 4},
+                                 daemon=True)
+        first.start()
+        deadline = time.monotonic() + 30
+        while _loop_tasks(m, "_one") < 4 and time.monotonic() < deadline:  # mmllm-10 holds the slot, 11-13 wait
+            time.sleep(0.01)
+        urgent = threading.Thread(target=m.generate, args=(prompts[4:5], GREEDY), kwargs={"priority": [0]},
+                                  daemon=True)
+        urgent.start()
+        while _loop_tasks(m, "_one") < 5 and time.monotonic() < deadline:  # mmllm-14 waits too
+            time.sleep(0.01)
+        release.set()
+        first.join(60)
+        urgent.join(60)
+        assert not first.is_alive() and not urgent.is_alive()
+        assert admitted == ["mmllm-10", "mmllm-14", "mmllm-11", "mmllm-12", "mmllm-13"]
+        assert m.engine.requests_in_flight == 0
