@@ -19,12 +19,15 @@ llm_core ``RequestOutput`` objects in input order; a conversation whose media is
 with ``finish_reason == "error"``, ``.error`` saying why and
 ``.error_kind`` ("media", or an ``llm_core.ErrorKind``); the others still finish. Local paths are
 allowed anywhere by default (this is the caller's own machine); pass ``allowed_local_dirs`` to
-restrict them. A call after ``close()`` raises ``RuntimeError``.
+restrict them. ``close()`` may come from any thread: a call running then raises ``RuntimeError``
+(its unfinished conversations aborted, none returned as if complete), and so does a call after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import threading
 from contextlib import aclosing
 from pathlib import Path
@@ -42,6 +45,10 @@ from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
 
 Conversation = list[dict[str, Any]]
+log = logging.getLogger("mmserve.offline")
+# how long close() waits for the running calls to end (their requests aborted) before it shuts the
+# engine down anyway
+CLOSE_GRACE_S = 10.0
 
 
 class MultimodalLLM:
@@ -59,8 +66,11 @@ class MultimodalLLM:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="multimodal-llm-loop", daemon=True)
         self._thread.start()
+        # guards _closed, _next_id and _calls: calls and close() may come from several threads
+        self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
+        self._calls: set[concurrent.futures.Future] = set()  # the calls running now (their _all)
         # this object's requests in the engine at once: never more than it admits (max_queue), so a
         # call with more inputs waits for its own earlier ones instead of failing as overloaded; a
         # freed slot goes to the most urgent waiter, as the engine's queue orders them
@@ -110,13 +120,32 @@ class MultimodalLLM:
         return self.engine.generation_defaults.sampling_params()
 
     def close(self) -> None:
-        """Stop the engine and the event loop; idempotent. Later calls raise RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop the engine and the event loop; idempotent, from any thread. Calls running in other
+        threads end first: their requests are aborted and each raises RuntimeError. Returns once the
+        engine and the loop thread are stopped. Later calls raise RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # the calls first, while the engine runs: their requests are aborted and detached as a
+        # cancelled call's are (shutting the engine down under them would end them with "abort"
+        # outputs that look finished)
+        ending = asyncio.run_coroutine_threadsafe(self._end_calls(), self._loop)
+        try:
+            ending.result(CLOSE_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            log.warning("calls still running %.0f s after close(); shutting the engine down under them", CLOSE_GRACE_S)
         self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        self._thread.join(CLOSE_GRACE_S)
+        with self._lock:
+            stuck = list(self._calls)
+        for call in stuck:  # one that ignored its cancel: the stopped loop will never finish it
+            call.cancel()
+        if self._thread.is_alive():  # a callback blocks the loop: leave it (a daemon thread)
+            log.warning("the MultimodalLLM event loop did not stop within %.0f s", CLOSE_GRACE_S)
+        else:
+            self._loop.close()
 
     def __enter__(self) -> "MultimodalLLM":
         return self
@@ -136,8 +165,6 @@ class MultimodalLLM:
              cache_salt: str | None = None) -> list[RequestOutput]:
         """``priority`` and ``cache_salt`` are checked for the whole call first (as LLM.generate:
         a wrong one is the call's mistake, not one conversation's), then go with every job."""
-        if self._closed:  # the loop is stopped: a job sent to it would never run, nor the call return
-            raise RuntimeError("MultimodalLLM is closed")
         ranks = [0] * len(jobs) if priority is None else list(priority)
         if len(ranks) != len(jobs):
             raise ValueError(f"{len(ranks)} priorities for {len(jobs)} inputs")
@@ -149,17 +176,36 @@ class MultimodalLLM:
             raise ValueError(problems[0])
         for job, rank in zip(jobs, ranks):
             job.update(priority=rank, cache_salt=cache_salt)
-        ids = []
-        for _ in jobs:
-            ids.append(f"mmllm-{self._next_id}")
-            self._next_id += 1
-
-        call = asyncio.run_coroutine_threadsafe(self._all(ids, jobs), self._loop)
+        # checked and submitted under the lock: a call submitted before close() is one close() ends
+        # (its task exists before close's own runs on the loop); one after it never reaches the loop
+        with self._lock:
+            if self._closed:  # the loop is stopped: a job sent to it would never run, nor the call return
+                raise RuntimeError("MultimodalLLM is closed")
+            ids = [f"mmllm-{self._next_id + i}" for i in range(len(jobs))]
+            self._next_id += len(jobs)
+            call = asyncio.run_coroutine_threadsafe(self._all(ids, jobs), self._loop)
+            self._calls.add(call)
         try:
             return call.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise RuntimeError("MultimodalLLM was closed while this call was running; "
+                                   "its unfinished inputs were aborted") from None
+            raise
         except BaseException:
             call.cancel()  # interrupted here (Ctrl-C): end its jobs too (_all cleans up)
             raise
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+    async def _end_calls(self) -> None:
+        """Cancel every other task of this object's loop (the calls' and what they started) and
+        wait for them: each call's requests are aborted and its slots freed."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _all(self, ids: list[str], jobs: list[dict[str, Any]]) -> list[RequestOutput]:
         """Every job's output in order. When one raises, the call fails: the others are cancelled and

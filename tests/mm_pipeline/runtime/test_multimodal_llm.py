@@ -233,3 +233,44 @@ def test_waiting_inputs_get_slots_by_priority(ckpt):
         assert not first.is_alive() and not urgent.is_alive()
         assert admitted == ["mmllm-10", "mmllm-14", "mmllm-11", "mmllm-12", "mmllm-13"]
         assert m.engine.requests_in_flight == 0
+
+
+def test_close_from_another_thread_ends_the_running_call(ckpt):
+    """close() while a call runs in another thread: the call raises RuntimeError promptly (no
+    output of an unfinished input comes back as if complete), close() returns with the engine shut
+    down and every thread it started gone; a second close() does nothing. (The call hung for good:
+    close() stopped the loop its jobs ran on.)"""
+    before = set(threading.enumerate())
+    m = MultimodalLLM(ckpt, max_queue=2, **ENGINE)
+    admitted, _ = _record_admissions(m)
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    result: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            result["outs"] = m.generate([[5 + i, 17, 99] for i in range(8)], long)
+        except BaseException as exc:  # noqa: BLE001 -- the test reads it
+            result["raised"] = exc
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while len(admitted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(admitted) == 2, "the call did not start"
+    t0 = time.monotonic()
+    m.close()
+    assert time.monotonic() - t0 < 20
+    caller.join(10)
+    assert not caller.is_alive(), "the running call hangs after close()"
+    assert "outs" not in result
+    assert isinstance(result["raised"], RuntimeError) and "closed while this call was running" in str(result["raised"])
+    assert m.engine.requests_in_flight == 0
+    deadline = time.monotonic() + 10
+    while (left := [t.name for t in set(threading.enumerate()) - before - {caller} if t.is_alive()]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads left running after close(): {left}"
+    m.close()  # a no-op
+    with pytest.raises(RuntimeError, match="MultimodalLLM is closed"):
+        m.generate([[5, 6]], GREEDY)
