@@ -81,6 +81,7 @@ class MediaPlanner:
         self.cached_layout = CachedLayout(cache, preprocessor.image_config, preprocessor.audio_config,
                                           config.video_sampling, encoder_id, self._hears_videos())
         self.file_resolver: FileResolver | None = None
+        self.local_files = False  # the resolver's names are local paths, which media errors name (caption job)
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # worker threads count concurrently
         self.producer = UnitProducer(preprocessor, pool, batcher, cache, config, self._count, decoder)
@@ -241,13 +242,14 @@ class MediaPlanner:
     # ---- planning (worker thread) -----------------------------------------------------------
     async def _load_file(self, ref: MediaRef, salt: str | None = None) -> MediaItem:
         try:
-            data, _name = await self.pool.run(self.file_resolver, ref.file_id)
+            data, name = await self.pool.run(self.file_resolver, ref.file_id)
         except KeyError:
             raise MediaNotFound(f"no uploaded file with id {echo(ref.file_id)}") from None
         if isinstance(data, Path):
             data = await self.pool.run(self._read_upload, data, ref.file_id)
+        origin = f"local file {name!r}" if self.local_files and name else None  # None: "upload"
         return await self.ingestor.ingest(MediaSource(data=data if isinstance(data, bytes) else bytes(data),
-                                                      kind=ref.kind), salt)
+                                                      kind=ref.kind, origin=origin), salt)
 
     def _codes_item(self, codes: AudioCodes) -> MediaItem:
         """Pre-tokenized audio as an audio item: checked against the model (every time: a

@@ -172,12 +172,14 @@ class CaptionJob:
     def __init__(self, engine: Any, config: CaptionConfig | None = None) -> None:
         self.engine = engine
         self.config = config or CaptionConfig()
-        self._media: dict[str, bytes] = {}  # file id -> bytes, for the engine's file resolver
+        self._media: dict[str, tuple[bytes, str]] = {}  # file id -> (bytes, path), for the engine's file resolver
         self._defaults = getattr(engine, "generation_defaults", None) or GenerationDefaults()
         # the engine's byte limit of one media item (--media-max-bytes): a bigger input is refused
         # before it is read, not read whole and then refused by the engine
         self._max_bytes = getattr(getattr(getattr(engine, "config", None), "limits", None), "max_bytes", None)
-        engine.set_file_resolver(self._resolve)
+        # the engine reads an input's bytes as a file part; its errors name the input's path (a
+        # corrupt image is "image from local file '/data/a.jpg' cannot be read", not "from upload")
+        engine.set_file_resolver(self._resolve, local_files=True)
 
     async def run(self, inputs: list[str], out_path: str | Path, progress: Progress | None = None,
                   on_record: Callable[[dict], None] | None = None) -> CaptionSummary:
@@ -221,7 +223,7 @@ class CaptionJob:
             return rec
         file_id = f"caption-{n}"
         try:
-            self._media[file_id] = item.data
+            self._media[file_id] = (item.data, item.path)
             prompt = self.config.prompt or DEFAULT_PROMPTS[item.kind]
             messages = [{"role": "user", "content": [{"type": "file", "file": {"file_id": file_id}},
                                                      {"type": "text", "text": prompt}]}]
@@ -251,7 +253,7 @@ class CaptionJob:
 
     def _resolve(self, file_id: str) -> tuple[bytes, str | None]:
         try:
-            return self._media[file_id], None
+            return self._media[file_id]
         except KeyError:
             raise KeyError(f"caption job has no media for file id {file_id!r}") from None
 

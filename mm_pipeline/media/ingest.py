@@ -113,7 +113,7 @@ class MediaIngestor:
 
     def ingest_local(self, source: MediaSource, salt: str | None = None) -> MediaItem:
         if source.data is not None:
-            return self._to_item(source.data, source.kind, "upload", salt=salt)
+            return self._to_item(source.data, source.kind, source.origin or "upload", salt=salt)
         if source.path is not None:
             return self._file_item(source.path, source.kind, salt)
         if source.base64 is not None:

@@ -30,13 +30,15 @@ class MediaSource:
     ``input_audio`` part's ``data``, a ``file`` part's ``file_data``; decoded as a data URL's payload
     is, on a worker -- prefixing it to make a data URL copied its megabytes on the event loop,
     ~90 ms for a body at the 256 MB cap).  ``kind`` is what the request declared (e.g. an
-    ``image_url`` part); ``None`` accepts whatever the content sniffs as."""
+    ``image_url`` part); ``None`` accepts whatever the content sniffs as.  ``origin``: how error
+    messages name where ``data`` came from (the item's ``MediaItem.origin``; None: "upload")."""
 
     data: bytes | None = field(default=None, repr=False)
     url: str | None = None
     path: str | None = None
     kind: MediaKind | None = None
     base64: str | None = field(default=None, repr=False)
+    origin: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("data", "url", "path", "base64") if getattr(self, name) is not None]

@@ -247,10 +247,14 @@ class OmniEngine:
             if feed is not None:
                 feed.close()
 
-    def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]]) -> None:
+    def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]], *,
+                          local_files: bool = False) -> None:
         """``fn(file_id) -> (bytes or path, filename)`` for ``{"type": "file"}`` content parts;
-        an unknown id must raise ``KeyError``."""
+        an unknown id must raise ``KeyError``. ``local_files``: the ids stand for the caller's own
+        local files and ``filename`` is the file's path (the caption job): a media error then names
+        that path (``image from local file '/data/a.jpg' cannot be read``), not an upload."""
         self.runtime.planner.file_resolver = fn
+        self.runtime.planner.local_files = local_files
 
     @property
     def requests_in_flight(self) -> int:

@@ -147,6 +147,30 @@ def test_caption_folder_with_broken_files_and_resume(model_dir, tmp_path, capsys
     assert again["caption"] == recs["image_000001.png"]["caption"]  # greedy: same caption as the first run
 
 
+def test_caption_names_a_corrupt_local_image_by_its_path(model_dir, tmp_path, capsys):
+    """A local image whose content does not decode: the row's error (and the summary) names the
+    file's path and that it does not decode as an image, as the job's other local-file errors name
+    theirs (the engine called it an upload: "image from upload cannot be read")."""
+    from mm_pipeline.cli import main
+
+    corrupt = tmp_path / "in" / "corrupt.jpg"
+    corrupt.parent.mkdir()
+    corrupt.write_bytes(b"\xff\xd8\xff\xe0broken")  # a JPEG's magic, then nothing an image decoder reads
+    truncated = tmp_path / "in" / "truncated.png"
+    truncated.write_bytes((MEDIA / "image_000001.png").read_bytes()[:200])
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", str(corrupt.parent), "--model", str(model_dir), "--out", str(out), "--max-tokens", "4",
+                 "--device", "cpu", "--kv-tokens", "4096"]) == 0
+    rows = {Path(r["input"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["corrupt.jpg"]["modality"] == "image" and rows["corrupt.jpg"]["caption"] is None
+    assert rows["corrupt.jpg"]["error"].startswith(
+        f"UndecodableMediaError (media): image from local file {str(corrupt)!r} cannot be read (")
+    assert rows["truncated.png"]["error"].startswith(
+        f"UndecodableMediaError (media): png image from local file {str(truncated)!r} is damaged (")
+    err = capsys.readouterr().err
+    assert "upload" not in err and f"local file {str(corrupt)!r}" in err
+
+
 def test_caption_usage_errors_come_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """A bad setting fails every input (and a resumed job would skip them all), a directory or a
     busy file cannot take the rows: each is exit 2 with a message, and the model never loads."""

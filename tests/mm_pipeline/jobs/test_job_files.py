@@ -147,7 +147,7 @@ class _NoModel:
 
     config = SimpleNamespace(limits=MediaLimits(max_bytes=1000))
 
-    def set_file_resolver(self, fn) -> None:
+    def set_file_resolver(self, fn, *, local_files: bool = False) -> None:
         pass
 
     def stats(self) -> None:
