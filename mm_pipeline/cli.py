@@ -340,7 +340,7 @@ def check_request_defaults(args: argparse.Namespace, model_dir: Path) -> None:
     every request leaving that field unset would get it."""
     from llm_core.engine.sampling.generation_config import GenerationConfigError, GenerationDefaults
     from mm_pipeline.config_flags import config_flags, config_values
-    from mm_pipeline.server.protocol import defaults_problem
+    from mm_pipeline.server.completions.sampling_fields import defaults_problem
 
     fields = config_values(args, config_flags())
     try:

@@ -41,7 +41,8 @@ from mm_pipeline.server.access import AuthAndCount
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.request_body import parse_body
-from mm_pipeline.server.protocol import MAX_REQUEST_ID_CHARS, ChatCompletionRequest, CompletionRequest, Invocation
+from mm_pipeline.server.completions.sampling_fields import MAX_REQUEST_ID_CHARS
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
 from mm_pipeline.server.request_id import REQUEST_ID_HEADER, RequestIdHeader, name_request, valid_request_id
 from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls

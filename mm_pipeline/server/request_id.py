@@ -23,7 +23,7 @@ import uuid
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
-from mm_pipeline.server.protocol import RequestId
+from mm_pipeline.server.completions.sampling_fields import RequestId
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _HEADER_KEY = REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
@@ -33,7 +33,7 @@ _VALID = TypeAdapter(RequestId)  # a header is checked as the request_id field i
 
 def valid_request_id(value: str) -> bool:
     """Whether ``value`` may name a request: 1 to 128 printable ASCII characters without spaces
-    (``protocol.RequestId``), so it can go into a header and a log line as it is."""
+    (``sampling_fields.RequestId``), so it can go into a header and a log line as it is."""
     try:
         _VALID.validate_python(value)
     except ValidationError:

@@ -22,7 +22,8 @@ from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.completions.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
                                         collect_all, merge_choices, start_all)
 from mm_pipeline.server.errors import APIError
-from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mm_pipeline.server.completions.sampling_fields import SamplingFields
+from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.completions.request_params import parsed_messages, request_ids, sampling_params
 from mm_pipeline.prompt.reasoning import ThinkSyntax
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,

@@ -16,7 +16,8 @@ from llm_core.engine.sampling.params import SEED_LIMIT, SamplingParams
 from mm_pipeline.errors import InvalidInputError
 from mm_pipeline.prompt.messages import ParsedMessages
 from mm_pipeline.prompt.reasoning import ThinkSyntax
-from mm_pipeline.server.protocol import ChatCompletionRequest, SamplingFields
+from mm_pipeline.server.completions.sampling_fields import SamplingFields
+from mm_pipeline.server.protocol import ChatCompletionRequest
 from mm_pipeline.server.tokenize.protocol import TokenizeRequest
 
 # a request holding a chat: /v1/chat/completions, or /tokenize's chat form (its messages then set)

@@ -1,7 +1,7 @@
 """How a chat or completion request asks for structured outputs, as the three APIs spell it:
 OpenAI's ``response_format`` (json_object, json_schema), vLLM's ``structured_outputs`` (json, regex,
 choice, grammar) and vLLM's older ``guided_*`` fields; one of them per request, turned into the
-engine's ``StructuredOutputsParams`` (protocol.py holds the request models that carry them)."""
+engine's ``StructuredOutputsParams`` (sampling_fields.py holds the request fields that carry them)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class StructuredOutputsFields(BaseModel):
 
 
 def structured_outputs_of(values: Any) -> StructuredOutputsParams | None:
-    """The one constraint of a request (protocol.SamplingFields: ``response_format``,
+    """The one constraint of a request (sampling_fields.SamplingFields: ``response_format``,
     ``structured_outputs`` or a ``guided_*`` field), or None; a ValueError when it names more than one or the constraint is malformed."""
     sources: dict[str, StructuredOutputsParams] = {}
     fmt = values.response_format

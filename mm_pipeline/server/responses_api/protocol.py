@@ -38,8 +38,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from llm_core.engine.sampling.params import MAX_LOGPROBS
 from mm_pipeline.errors import echo
 from mm_pipeline.prompt.template_options import MAX_TOOLS
+from mm_pipeline.server.completions.sampling_fields import TokenCount, refusing
 from mm_pipeline.server.completions.structured_formats import JsonSchemaFormat
-from mm_pipeline.server.protocol import TokenCount, refusing
 
 # vLLM's sampling extras and this server's request fields, passed to the chat request as given
 # (typed and bounded there, by the same definitions as on /v1/chat/completions)

@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
+from mm_pipeline.server.completions.sampling_fields import check_unsupported
 from mm_pipeline.server.message_protocol import ChatMessage, _Loose
-from mm_pipeline.server.protocol import _NOT_IMPLEMENTED_CHAT, ChatTemplateFields, check_unsupported
+from mm_pipeline.server.protocol import _NOT_IMPLEMENTED_CHAT, ChatTemplateFields
 
 # the chat form of /tokenize: what /v1/chat/completions refuses, refused alike (its prompt must be the
 # one that endpoint runs); tools are a template field, rendered as there

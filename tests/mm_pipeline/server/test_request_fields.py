@@ -1,4 +1,5 @@
-"""Every chat request field is honoured or refused by name (protocol.py, prompt/messages.py).
+"""Every chat request field is honoured or refused by name (protocol.py, completions/sampling_fields.py,
+prompt/messages.py).
 
 A scripted engine (no model) stands behind the app and records what reaches it: fields that change
 the answer in a way the server does not implement are a 400 naming them, their no-op values are

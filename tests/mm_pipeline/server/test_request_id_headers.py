@@ -20,7 +20,7 @@ PROMPT = {"model": "scripted", "prompt": [1, 2, 3], "max_tokens": 4}
 
 
 def valid_request_id(value: str) -> bool:
-    """What a client may send as its id (protocol.RequestId), so a fresh one is one too."""
+    """What a client may send as its id (sampling_fields.RequestId), so a fresh one is one too."""
     return re.fullmatch(r"[!-~]{1,128}", value) is not None
 
 
