@@ -26,9 +26,9 @@ from mm_pipeline.server.completions.sampling_fields import SamplingFields
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from mm_pipeline.server.completions.request_params import parsed_messages, request_ids, sampling_params
 from mm_pipeline.prompt.reasoning import ThinkSyntax
+from mm_pipeline.server.completions.token_usage import chat_usage, prompts_usage, running_usage
 from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                          ChatCompletionChunk, Completion, CompletionChoice, CompletionTokensDetails,
-                                          Delta, Usage)
+                                          ChatCompletionChunk, Completion, CompletionChoice, Delta)
 from mm_pipeline.server.sse import DONE, error_event, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
 
@@ -69,34 +69,6 @@ def _finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _usage(states: list[ChoiceState]) -> Usage:
-    u = Usage()
-    if states:  # the prompt is counted once however many choices share it
-        u.add(states[0].prompt_tokens, 0, states[0].cached_tokens)
-    for s in states:
-        u.add(0, s.completion_tokens, 0)
-    return u
-
-
-def _chat_usage(choices: list[ChoiceStream], reasoning: ThinkSyntax | None) -> Usage:
-    """``_usage`` of a chat answer; with a reasoning parser, its thinking tokens too."""
-    u = _usage([c.state for c in choices])
-    if reasoning is not None:
-        u.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(c.reasoning_tokens()
-                                                                                   for c in choices))
-    return u
-
-
-def _running_usage(choices: list[ChoiceStream], per_prompt: int) -> Usage:
-    """The usage so far of a streamed answer (continuous_usage_stats): each prompt once (choices come
-    in groups of ``per_prompt`` of one prompt), the tokens every choice generated up to now."""
-    u = Usage()
-    for first in choices[::per_prompt]:
-        u.add(first.prompt_tokens, 0, first.state.cached_tokens)
-    u.add(0, sum(c.state.completion_tokens for c in choices), 0)
-    return u
-
-
 def _check_finished(states: list[ChoiceState]) -> None:
     """Raise the typed error of the first choice that failed (by its kind, see mm_pipeline/errors.py)."""
     for s in states:
@@ -129,7 +101,7 @@ class ChatService:
         scored = states[0] if states and req.prompt_logprobs is not None else None
         return ChatCompletion(
             id=rid, created=int(time.time()), model=self.config.model_name,
-            usage=_chat_usage(choices, self.config.reasoning),
+            usage=chat_usage(choices, self.config.reasoning),
             prompt_logprobs=None if scored is None else self.tokens.prompt_logprobs(
                 scored.prompt_token_ids or [], scored.prompt_logprobs, req.prompt_logprobs),
             choices=[ChatChoice(index=i, message=_message(a), finish_reason=_finish_reason(s.finish_reason, len(a.calls)),
@@ -173,7 +145,7 @@ class ChatService:
         as_ids = self._as_ids(req)
 
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            usage = _running_usage(choices, len(choices)) if req.continuous_usage else None
+            usage = running_usage(choices, len(choices)) if req.continuous_usage else None
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage)
 
         async def chunks() -> AsyncIterator[ChatCompletionChunk]:
@@ -200,7 +172,7 @@ class ChatService:
             self._finished(rid, arrival, states)
             if req.include_usage:
                 yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                          usage=_chat_usage(choices, self.config.reasoning))
+                                          usage=chat_usage(choices, self.config.reasoning))
 
         async def close() -> None:
             await close_all(choices)
@@ -247,12 +219,9 @@ class ChatService:
         states = await collect_all(choices)
         self._finished(rid, arrival, states)
         _check_finished(states)
-        usage = Usage()
         out = []
         for p, prompt in enumerate(prompts):
             group = states[p * req.n:(p + 1) * req.n]
-            part = _usage(group)
-            usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
             first = group[0]  # the choice that scored the prompt, for all of them (_start_completion)
             for j, s in enumerate(group):
                 echo = self._echo_text(req, prompt, s.prompt_token_ids) if req.echo else ""
@@ -267,7 +236,8 @@ class ChatService:
                     index=p * req.n + j, text=echo + s.text, logprobs=lp, finish_reason=s.finish_reason,
                     prompt_logprobs=None if req.prompt_logprobs is None else self.tokens.prompt_logprobs(
                         first.prompt_token_ids or [], first.prompt_logprobs, req.prompt_logprobs)))
-        return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out, usage=usage)
+        return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out,
+                          usage=prompts_usage(states, req.n))
 
     async def complete_stream(self, req: CompletionRequest,
                               info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
@@ -279,7 +249,7 @@ class ChatService:
         created, model = int(time.time()), self.config.model_name
 
         def event(choice: CompletionChoice) -> str:
-            usage = _running_usage(choices, req.n) if req.continuous_usage else None
+            usage = running_usage(choices, req.n) if req.continuous_usage else None
             return sse_event(Completion(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
         async def events() -> AsyncIterator[str]:
@@ -321,11 +291,8 @@ class ChatService:
                 states = [c.state for c in choices]
                 self._finished(rid, arrival, states)
                 if req.include_usage:
-                    usage = Usage()
-                    for p in range(len(prompts)):
-                        part = _usage(states[p * req.n:(p + 1) * req.n])
-                        usage.add(part.prompt_tokens, part.completion_tokens, part.prompt_tokens_details.cached_tokens)
-                    yield sse_event(Completion(id=rid, created=created, model=model, choices=[], usage=usage))
+                    yield sse_event(Completion(id=rid, created=created, model=model, choices=[],
+                                               usage=prompts_usage(states, req.n)))
             except Exception as exc:
                 yield error_event(exc)
             yield DONE
