@@ -26,7 +26,7 @@ MAX_PROMPT_CHARS = 4096  # a form field's own cap (server/files/uploads.py) boun
 class AudioForm(BaseModel):
     """One transcription or translation request's own fields, its file aside. The sampling fields it
     may carry (``PASSED_FIELDS``) go to the chat request as given and are typed and bounded there,
-    by the same definitions as on /v1/chat/completions (protocol.SamplingFields)."""
+    by the same definitions as on /v1/chat/completions (completions/sampling_fields.SamplingFields)."""
 
     model_config = ConfigDict(extra="ignore")
 
