@@ -52,6 +52,7 @@ from mm_pipeline.server.sse import SSE_HEADERS, ClientDisconnected, until_discon
 from mm_pipeline.server.files.uploads import receive_upload
 from mm_pipeline.server.tokenize.routes import install_tokenize_routes
 from mm_pipeline.server.audio.routes import install_audio_routes
+from mm_pipeline.server.background_drain import BackgroundDrain
 from mm_pipeline.server.batches.routes import install_batch_routes
 from mm_pipeline.server.batches.runner import BatchRunner
 from mm_pipeline.server.responses_api.background import BackgroundResponses
@@ -118,7 +119,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     stats_log = StatsLogger(engine.stats, settings.log_stats_interval_s) if settings.log_stats_interval_s else None
     batches = BatchRunner(service, store, settings.batch_concurrency, settings.json_limits)  # /v1/batches
+    responses = ResponseStore(settings.responses_store_bytes)  # /v1/responses with store
     background = BackgroundResponses(settings.max_background_responses)  # /v1/responses with background: true
+    drain = BackgroundDrain([background, batches])  # what a shutdown does to them (mmserve serve: DrainingServer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -128,8 +131,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            await background.close()  # their engine requests aborted while the engine still runs
-            await batches.close()
+            await drain.finish()  # run on through a drain's grace period, then ended while the engine still runs
             await metrics.lag_monitor.stop()
             if stats_log is not None:
                 await stats_log.stop()
@@ -138,7 +140,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.engine, app.state.store, app.state.metrics, app.state.service = engine, store, metrics, service
-    app.state.batches, app.state.background_responses = batches, background
+    app.state.batches, app.state.background_responses, app.state.drain = batches, background, drain
+    app.state.responses = responses
     install_error_handlers(app)
     install_openapi(app)
 
@@ -156,8 +159,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     install_tokenize_routes(app, engine, service, read_body)
     install_audio_routes(app, service, settings)  # /v1/audio/transcriptions, /v1/audio/translations
-    install_responses_routes(app, service, ResponseStore(settings.responses_store_bytes), background,
-                             read_body)  # /v1/responses
+    install_responses_routes(app, service, responses, background, read_body)  # /v1/responses
     install_batch_routes(app, batches, read_body)  # /v1/batches
 
     async def respond(request: Request, body: Any, run, run_stream) -> Response:

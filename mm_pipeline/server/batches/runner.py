@@ -28,9 +28,15 @@ Batch lines are engine requests like any other: the same admission, KV and cache
 ``priority`` their bodies give, so under ``--queue-policy priority`` a batch written with a high
 number yields to interactive traffic.
 
-Batches live in this process's memory (the files they read and write are the store's, on disk): a
-restart forgets them. At most MAX_PENDING_BATCHES wait or run at once (more is a 429), and the
-newest MAX_KEPT_BATCHES finished ones are kept for GET.
+A server's shutdown (background_drain.py): from its drain's start a create is a 503 and no waiting
+batch starts, the running one goes on through the grace period, and ``close`` ends what is left
+then: the running batch is cancelled as POST /cancel cancels it -- its lines in flight aborted, the
+answered ones kept in its files (one finalizing finishes writing them) -- its ``errors`` naming
+``server_shutdown``; the waiting ones are cancelled likewise, with no files (they never ran).
+
+Batches live in this process's memory (the files they read and write are the store's, on disk, so a
+shut-down batch's answered lines outlive it): a restart forgets them. At most MAX_PENDING_BATCHES
+wait or run at once (more is a 429), and the newest MAX_KEPT_BATCHES finished ones are kept for GET.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_BATCHES = 100
 MAX_KEPT_BATCHES = 1000
+CLOSE_PATIENCE_S = 5.0  # close waits this long for the running batch to stop and write its files
 
 RawLines = Iterator[tuple[int, str | bytes | LineTooLong]]
 
@@ -94,9 +101,13 @@ class BatchRunner:
         # one written at a time: a burst of batches expiring together reads their files on one thread,
         # not on every thread of the loop's executor, which the running batch reads its lines with
         self._expiry_turn = asyncio.Lock()
+        self._closing = False  # the server is shutting down: no batch is created or started
 
     # ---- routes ----------------------------------------------------------------------------------
     def create(self, body: BatchCreate) -> BatchObject:
+        if self._closing:
+            raise APIError(503, "the server is shutting down: it starts no batch; retry on another replica or later",
+                           retry_after=1, kind=OverloadedError.kind)
         try:
             rec = self.files.get(body.input_file_id)
         except FileNotFoundInStore:
@@ -145,21 +156,35 @@ class BatchRunner:
         if batch.status == "finalizing":
             raise APIError(409, f"batch {batch_id} is finalizing: its lines are all answered or expired and its files "
                                 f"are being written", param="batch_id")
-        waiting = self._waiting(batch)
-        self._cancelled.add(batch_id)
-        batch.mark("cancelling")
-        if waiting:
-            batch.mark("cancelled")  # never started: nothing to stop, and it no longer counts as pending
-        elif self._running == batch_id:
-            for task in self._in_flight:
-                task.cancel()  # their engine requests are aborted (collect_all closes the choices)
+        self._stop(batch)
         return batch
 
+    # ---- a server's shutdown (background_drain.py) -----------------------------------------------
+    def stop_taking(self) -> None:
+        """From now on a create is a 503 and the worker starts no waiting batch; the running one goes on."""
+        self._closing = True
+
+    @property
+    def busy(self) -> bool:
+        """A batch runs, or an expired one's error file is being written."""
+        return (self._worker is not None and not self._worker.done()) or bool(self._expiring)
+
     async def close(self) -> None:
-        """Stop the worker and the expiries being written (the server is shutting down): the running
-        batch fails, queued and expiring ones too."""
+        """End every batch (module doc): the running one cancelled, its answered lines kept, and
+        waited for (CLOSE_PATIENCE_S at most: past that its worker is cancelled, and it fails); the
+        waiting ones cancelled; the expiries being written stopped, failing their batches."""
+        self._closing = True
+        shut_down = BatchErrors(data=[BatchError(code="server_shutdown",
+                                                 message="the server shut down before the batch ended")])
+        ending = [b for b in self._batches.values() if not b.finished and b.status not in ("cancelling", "finalizing")]
+        for batch in ending:
+            batch.errors = shut_down
+            self._stop(batch)
+        if ending:
+            log.warning("shutdown: %d batch(es) still waiting or running cancelled", len(ending))
         if self._worker is not None:
-            self._worker.cancel()
+            await asyncio.wait([self._worker], timeout=CLOSE_PATIENCE_S)
+            self._worker.cancel()  # (a no-op once it ended)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
         expiring = list(self._expiring.values())
@@ -167,9 +192,8 @@ class BatchRunner:
             task.cancel()
         await asyncio.gather(*expiring, return_exceptions=True)
         for batch in self._batches.values():
-            if not batch.finished:
-                batch.errors = BatchErrors(data=[BatchError(code="server_shutdown",
-                                                            message="the server shut down before the batch ended")])
+            if not batch.finished:  # its worker or expiry was cancelled: its files are not written
+                batch.errors = shut_down
                 batch.mark("failed")
 
     # ---- the worker ------------------------------------------------------------------------------
@@ -299,6 +323,19 @@ class BatchRunner:
             count += 1
         return count
 
+    def _stop(self, batch: BatchObject) -> None:
+        """Cancel a waiting or running batch: a waiting one is ``cancelled`` at once; the running one is
+        ``cancelling`` while the lines in flight are aborted, then ``cancelled`` with the answered lines'
+        files (``_run``)."""
+        waiting = self._waiting(batch)
+        self._cancelled.add(batch.id)
+        batch.mark("cancelling")
+        if waiting:
+            batch.mark("cancelled")  # never started: nothing to stop, and it no longer counts as pending
+        elif self._running == batch.id:
+            for task in self._in_flight:
+                task.cancel()  # their engine requests are aborted (collect_all closes the choices)
+
     def _stopped(self, batch: BatchObject) -> bool:
         return batch.id in self._cancelled or time.time() >= (batch.expires_at or 0)
 
@@ -358,6 +395,8 @@ class BatchRunner:
             self._settle(batch)
 
     def _next_waiting(self) -> BatchObject | None:
+        if self._closing:
+            return None
         self._settle_waiting()
         return next((b for b in self._batches.values() if self._waiting(b)), None)
 

@@ -11,11 +11,13 @@ import logging
 import socket
 import threading
 import time
+from types import FrameType
 from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
 
+from mm_pipeline.server.background_drain import BackgroundDrain
 from mm_pipeline.server.launch.http_protocol import protocol_kwargs
 
 log = logging.getLogger(__name__)
@@ -74,15 +76,26 @@ class DrainingServer(uvicorn.Server):
     ``grace_s``, then ends the ones still running through ``end_requests`` (the engine aborts
     them; each handler answers its client as for any abort: a JSON 503, a stream's error event
     and [DONE]). uvicorn's own timeout would cancel the handlers' tasks instead: a bare plain-text
-    500 or a stream cut without [DONE], and a CancelledError traceback per request in the log."""
+    500 or a stream cut without [DONE], and a CancelledError traceback per request in the log.
+    ``drain``: the app's work with no request open (background responses, batches), told when the
+    drain begins and hurried by a second Ctrl-C; the app's lifespan ends it (background_drain.py)."""
 
-    def __init__(self, config: uvicorn.Config, grace_s: float, end_requests: Callable[[], int]) -> None:
+    def __init__(self, config: uvicorn.Config, grace_s: float, end_requests: Callable[[], int],
+                 drain: BackgroundDrain | None = None) -> None:
         config.timeout_graceful_shutdown = grace_s + ENDING_S  # the backstop only
         super().__init__(config)
         self.grace_s = grace_s
         self.end_requests = end_requests
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self.force_exit and self.drain is not None:  # a second Ctrl-C: the background work is not waited for
+            self.drain.hurry()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.drain is not None:  # before the listener closes: a background submission from now on is a 503
+            self.drain.begin(self.grace_s)
         timer = asyncio.get_running_loop().call_later(self.grace_s, self._end_requests)
         try:
             await super().shutdown(sockets=sockets)
@@ -94,5 +107,5 @@ class DrainingServer(uvicorn.Server):
     def _end_requests(self) -> None:
         ended = self.end_requests()
         if ended:
-            log.warning("shutdown: %d request(s) still running after %g s aborted (answered 503)",
-                        ended, self.grace_s)
+            log.warning("shutdown: %d engine request(s) still running after %g s aborted (HTTP requests answered "
+                        "503; background responses and batches end recorded as shut down)", ended, self.grace_s)

@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logging.getLogger("mmserve.requests").setLevel(logging.INFO)
         server = DrainingServer(uvicorn.Config(app, **listen.uvicorn_kwargs(),
                                                log_level="info" if args.verbose else "warning"),
-                                settings.shutdown_timeout_s, engine.end_requests)
+                                settings.shutdown_timeout_s, engine.end_requests, app.state.drain)
         # A dead tensor/expert-parallel rank ends the engine (RankFailure; open requests have their
         # error already): stop the server as Ctrl-C does, then exit 1 with the reason.
         loop.on_fatal = lambda exc: setattr(server, "should_exit", True)

@@ -2,8 +2,8 @@
 file's lines are answered as the chat route answers them (greedy answers equal), 200s in the output
 file and the rest in the error file; a file with structural errors fails with the lines named; a
 cancelled batch stops, aborts its lines in flight and keeps what was answered; an expired one ends with
-its lines not run ``batch_expired`` in its error file, a shut-down one fails; interactive requests are
-served while a batch runs; the OpenAI SDK drives it all."""
+its lines not run ``batch_expired`` in its error file, a shut-down one is cancelled with its answered
+lines kept; interactive requests are served while a batch runs; the OpenAI SDK drives it all."""
 
 from __future__ import annotations
 
@@ -150,16 +150,22 @@ def test_an_expired_batch_ends_without_running(demo_client, monkeypatch):
         ("a", "batch_expired"), ("b", "batch_expired")]
 
 
-def test_a_shutdown_fails_the_running_batch(demo_engine, tmp_path):
+def test_a_shutdown_cancels_the_running_batch_and_keeps_its_answered_lines(demo_engine, tmp_path):
     app = create_app(demo_engine, ServerSettings(files_dir=str(tmp_path)))
     with ServerThread(app) as server:
-        fid = upload(httpx.Client(base_url=server.base_url, timeout=60),
-                     [line(f"r{i}", "Story.", max_tokens=1500, ignore_eos=True) for i in range(8)])
         with httpx.Client(base_url=server.base_url, timeout=60) as c:
+            fid = upload(c, [line("short", "Hi.", max_tokens=2)] + [
+                line(f"r{i}", "Story.", max_tokens=1500, ignore_eos=True) for i in range(8)])
             batch = create(c, fid)
-            wait(c, batch["id"], until=("in_progress",))
+            deadline = time.monotonic() + 30
+            while c.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
     ended = app.state.batches.get(batch["id"])
-    assert ended.status == "failed" and ended.errors.data[0].code == "server_shutdown"
+    assert ended.status == "cancelled" and ended.errors.data[0].code == "server_shutdown" and ended.cancelled_at
+    assert ended.request_counts.completed == 1 and ended.request_counts.total == 9
+    kept = app.state.store.path(ended.output_file_id).read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in kept] == ["short"]
     deadline = time.monotonic() + 10
     while demo_engine.requests_in_flight:
         assert time.monotonic() < deadline
