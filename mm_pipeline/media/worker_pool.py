@@ -3,9 +3,9 @@
 ``await pool.run(fn, *args)`` runs ``fn`` on one of ``max_workers`` threads (``spare`` more for
 requests that have no call running, below).  At most
 ``max_workers + max_pending`` calls are admitted at once; further callers wait for a slot (the
-more urgent priority first, FIFO within one), so a burst of uploads queues on the event loop as
-cheap suspended coroutines instead of an unbounded executor backlog of decoded frames.  ``admit_timeout_s`` turns a long wait into
-``ServerBusy`` (HTTP 503).
+more urgent priority first, FIFO within one: ``flows.Admission``), so a burst of uploads queues on
+the event loop as cheap suspended coroutines instead of an unbounded executor backlog of decoded
+frames.  ``admit_timeout_s`` turns a long wait into ``ServerBusy`` (HTTP 503).
 
 ``busy``: the workers using a CPU now -- running a call and not inside ``blocked()`` (a decode
 waiting for room in the decode budget). The encoder's intra-op share follows it: a worker parked
@@ -38,8 +38,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import heapq
-import itertools
 import threading
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +47,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from mm_pipeline.errors import ServerBusy
-from mm_pipeline.media.flows import Turns, current_flow
+from mm_pipeline.media.flows import Admission, Turns, current_flow
 
 T = TypeVar("T")
 
@@ -84,10 +82,10 @@ def _one_intra_op_thread() -> None:
 class WorkerPool:
     """Thread pool with an admission limit, fair between flows (module doc).
 
-    Invariants (under ``_lock``): ``0 <= _admitted <= capacity``; a waiter is only woken by handing
-    it a slot that stays counted in ``_admitted``; ``0 <= _blocked <= _started <=
-    max_workers + spare``, and ``_started`` calls beyond ``max_workers`` only of flows that had
-    none running when they started."""
+    Invariants (under ``_lock``): ``0 <= _blocked <= _started <= max_workers + spare``, and
+    ``_started`` calls beyond ``max_workers`` only of flows that had none running when they
+    started. Admission keeps its own (``flows.Admission``): a call holds its slot from before it is
+    queued until it returned or was dropped."""
 
     def __init__(self, max_workers: int = 2, max_pending: int = 16, admit_timeout_s: float | None = None,
                  name: str = "media", spare: int = 0) -> None:
@@ -100,19 +98,11 @@ class WorkerPool:
         self.admit_timeout_s = admit_timeout_s
         self._executor = ThreadPoolExecutor(max_workers + spare, thread_name_prefix=f"{name}-worker",
                                             initializer=_one_intra_op_thread)
+        # its own lock: no step of the pool changes admission and the queues together
+        self._admission = Admission(self.capacity, admit_timeout_s)
         self._lock = threading.Lock()
-        self._admitted = 0
         self._started = 0  # calls taken by a worker thread, not returned yet (what ``busy`` counts)
         self._blocked = 0  # of those, inside ``blocked()``: waiting, using no CPU
-        # callers waiting for admission: a heap of (priority, arrival, loop, future), the more
-        # urgent first, FIFO within a priority
-        self._waiters: list[tuple[int, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._arrivals = itertools.count()
-        # arrivals of the entries still waiting: one whose caller gave up stays in the heap until
-        # popped (skipped then) or compacted -- no O(n) removal under the lock per departure
-        self._queued: set[int] = set()
-        # arrivals popped by ``_release`` whose ``_grant`` has not run on their loop yet
-        self._handing: set[int] = set()
         # admitted calls not started yet, per flow (a flow with none is not a key)
         self._ready: dict[Hashable | None, collections.deque[_Call]] = {}
         self._flows: dict[Hashable | None, _FlowState] = {}  # those with calls queued or started
@@ -127,7 +117,11 @@ class WorkerPool:
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on a worker thread; wait for admission first."""
         key, priority = current_flow()
-        await self._acquire(priority)
+        try:
+            await self._admission.acquire(priority)
+        except asyncio.TimeoutError:
+            raise ServerBusy(f"media worker pool saturated ({self.capacity} calls admitted) for "
+                             f"{self.admit_timeout_s} s") from None
         cf: Future[T] = Future()
         call = _Call(key, priority, fn, args, kwargs, cf)
         turn = False
@@ -148,7 +142,7 @@ class WorkerPool:
                 self._tokens -= turn
                 self._unqueue(call.flow, cf)
             cf.cancel()
-            self._release()
+            self._admission.release()
             raise
         key = call.flow
 
@@ -156,7 +150,7 @@ class WorkerPool:
             if f.cancelled():  # its caller gave up (wrap_future passes the cancel on): off the queue now,
                 with self._lock:  # its arguments (a request's media bytes) with it, not on its turn
                     self._unqueue(key, f)
-            self._release()
+            self._admission.release()
 
         cf.add_done_callback(done)
         return await asyncio.wrap_future(cf)
@@ -164,8 +158,7 @@ class WorkerPool:
     @property
     def admitted(self) -> int:
         """Calls running or queued for a worker."""
-        with self._lock:
-            return self._admitted
+        return self._admission.admitted
 
     @property
     def busy(self) -> int:
@@ -177,8 +170,7 @@ class WorkerPool:
     @property
     def waiting(self) -> int:
         """Callers suspended for admission."""
-        with self._lock:
-            return len(self._queued)
+        return self._admission.waiting
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; ``wait=False`` cancels the calls not started yet (their callers see
@@ -194,9 +186,8 @@ class WorkerPool:
             call.future.cancel()
 
     def check_integrity(self) -> None:
+        self._admission.check_integrity()
         with self._lock:
-            if not 0 <= self._admitted <= self.capacity:
-                raise AssertionError(f"admitted {self._admitted} outside [0, {self.capacity}]")
             if not 0 <= self._blocked <= self._started <= self.max_workers + self.spare:
                 raise AssertionError(f"{self._blocked} blocked of {self._started} started calls (at most "
                                      f"{self.max_workers} + {self.spare} spare)")
@@ -211,8 +202,6 @@ class WorkerPool:
                 raise AssertionError("the flows remembered are not those with calls queued or started")
             if len(self._turns) != len(self._flows) or any(k not in self._turns for k in self._flows):
                 raise AssertionError("the flows ranked are not those remembered")
-            if not self._queued <= {e[1] for e in self._waiters} or self._queued & self._handing:
-                raise AssertionError("a waiter counted as queued is not in the waiting line, or also handed a slot")
 
     # ---- internal helpers -------------------------------------------------------------------
 
@@ -323,66 +312,6 @@ class WorkerPool:
             return fn(*args, **kwargs)
         finally:
             _worker.pool = None
-
-    async def _acquire(self, priority: int = 0) -> None:
-        """Wait for an admission slot; when none is free, the more urgent ``priority`` is admitted
-        first (the engine's ``priority`` queue policy), FIFO within one."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._admitted < self.capacity and not self._queued:
-                self._admitted += 1
-                return
-            fut: asyncio.Future[None] = loop.create_future()
-            arrival = next(self._arrivals)
-            heapq.heappush(self._waiters, (priority, arrival, loop, fut))
-            self._queued.add(arrival)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), self.admit_timeout_s)
-        except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
-            with self._lock:
-                queued = arrival in self._queued  # else a slot was handed to us (or is on its way)
-                if queued:
-                    self._queued.discard(arrival)  # its entry is skipped when popped
-                    if len(self._waiters) > 2 * len(self._queued) + 64:  # mostly departed: compact
-                        self._waiters = [e for e in self._waiters if e[1] in self._queued]
-                        heapq.heapify(self._waiters)
-                else:  # a slot was handed to us: on its way (its _grant then does nothing) or here
-                    self._handing.discard(arrival)
-            if not queued:
-                self._release()  # from here: not left to a _grant that a closing loop may drop
-            if isinstance(exc, asyncio.TimeoutError):
-                raise ServerBusy(f"media worker pool saturated ({self.capacity} calls admitted) for "
-                                 f"{self.admit_timeout_s} s") from None
-            raise
-
-    def _release(self) -> None:
-        with self._lock:
-            while self._queued:
-                _, arrival, loop, fut = heapq.heappop(self._waiters)
-                if arrival in self._queued:  # the slot passes to this waiter
-                    self._queued.discard(arrival)
-                    self._handing.add(arrival)
-                    break
-            else:
-                self._waiters.clear()  # only departed entries left
-                self._admitted -= 1
-                return
-        try:
-            loop.call_soon_threadsafe(self._grant, fut, arrival)
-        except RuntimeError:  # the waiter's loop is closed: nobody will take the slot
-            with self._lock:  # (unless the waiter gave up meanwhile: it passed the slot on itself)
-                mine = arrival in self._handing
-                self._handing.discard(arrival)
-            if mine:
-                self._release()
-
-    def _grant(self, fut: asyncio.Future[None], arrival: int) -> None:
-        """On the waiter's loop: hand it the slot, unless it gave up (and passed the slot on)."""
-        with self._lock:
-            if arrival not in self._handing:
-                return
-            self._handing.discard(arrival)
-        fut.set_result(None)  # not done: giving up discards ``arrival`` first, on this loop
 
 
 @contextlib.contextmanager
