@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from mm_pipeline.cli import UsageError, engine_config, listen_of, resolve_model_dir, server_settings
+from mm_pipeline.cli import UsageError, engine_config, resolve_model_dir
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
@@ -20,6 +20,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
 
     from mm_pipeline.cluster.ray_runtime import RayClusterConfig, check_replica_gpus, connect, share_gpu_memory
     from mm_pipeline.cluster.serving.serve_app import ServeClusterConfig, start, stop
+    from mm_pipeline.server.launch.serve_settings import listen_of, server_settings
 
     model_dir = resolve_model_dir(args.model)
     # the replicas run where their GPUs are: the device follows --replica-gpus, not this (driver) machine

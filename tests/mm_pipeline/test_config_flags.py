@@ -17,6 +17,7 @@ from mm_pipeline.config_flags import add_config_flags, config_flags, config_valu
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.server.launch.serve_settings import server_settings
 
 NESTED = {"engine", "limits", "video_sampling"}
 
@@ -220,15 +221,15 @@ def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
     args = cli.parse_args(["serve", "--model", "m", "--config", str(path), "--max-files", "7",
                            "--max-completion-prompts", "4", "--max-files-total-bytes", "1GiB",
                            "--max-background-responses", "3"])
-    settings = cli.server_settings(args, tmp_path)
+    settings = server_settings(args, tmp_path)
     assert (settings.max_json_values, settings.max_request_bytes, settings.max_files) == (5000, 2 << 20, 7)
     assert settings.max_json_objects == 4096 and settings.json_limits.max_objects == 4096
-    flagged = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-json-objects", "100000",
+    flagged = server_settings(cli.parse_args(["serve", "--model", "m", "--max-json-objects", "100000",
                                                   "--request-body-idle-s", "5"]), tmp_path)
     assert flagged.json_limits.max_objects == 100_000 and flagged.request_body_idle_s == 5.0
     assert (settings.max_completion_prompts, settings.max_files_total_bytes) == (4, 1 << 30)
     assert settings.max_background_responses == 3
-    defaults = cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path)
+    defaults = server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path)
     assert (defaults.max_json_values, defaults.max_files_total_bytes) == (4_000_000, 8 << 30)
     assert defaults.max_json_objects == 65_536 and defaults.request_body_idle_s == 60.0
     assert defaults.max_background_responses == 64
@@ -240,20 +241,20 @@ def test_server_request_limits_are_flags_and_config_keys(tmp_path, capsys):
                        (["--max-background-responses", "0"], "--max-background-responses")]:
         err = _usage_error(["serve", "--model", "m", *argv], capsys)
         assert flag in err and "usage:" in err
-    audio = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-audio-upload-bytes", "8MiB",
+    audio = server_settings(cli.parse_args(["serve", "--model", "m", "--max-audio-upload-bytes", "8MiB",
                                                 "--transcription-prompt", "Write down what is said."]), tmp_path)
     assert (audio.max_audio_upload_bytes, audio.transcription_prompt) == (8 << 20, "Write down what is said.")
     assert defaults.max_audio_upload_bytes == 25 << 20
     with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # an upload larger than the whole store
-        cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "2048",
+        server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "2048",
                                             "--max-files-total-bytes", "1GiB"]), tmp_path)
     # a combination is checked on the whole settings, never one flag against the others' defaults:
     # a store smaller than the default upload limit is fine with a smaller upload limit given too
-    small = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "8",
+    small = server_settings(cli.parse_args(["serve", "--model", "m", "--max-upload-mb", "8",
                                                 "--max-files-total-bytes", "256MiB"]), tmp_path)
     assert (small.max_upload_bytes, small.max_files_total_bytes) == (8 << 20, 256 << 20)
     with pytest.raises(cli.UsageError, match="max_upload_bytes"):  # alone, with the 512 MiB default upload
-        cli.server_settings(cli.parse_args(["serve", "--model", "m", "--max-files-total-bytes", "256MiB"]), tmp_path)
+        server_settings(cli.parse_args(["serve", "--model", "m", "--max-files-total-bytes", "256MiB"]), tmp_path)
     assert "--max-audio-upload-bytes" in _usage_error(["serve", "--model", "m", "--max-audio-upload-bytes", "0"], capsys)
 
 

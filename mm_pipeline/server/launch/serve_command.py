@@ -1,7 +1,8 @@
 """``mmserve serve`` in one process: the listening socket bound first (a port in use is a usage
 error before the model loads), the engine loaded, the app served by uvicorn until SIGINT / SIGTERM,
 which drain and exit 0 after the engine shut down (``DrainingServer``). ``--ray`` hands the command
-to Ray Serve (mm_pipeline/cluster/). The flags and settings are cli.py's."""
+to Ray Serve (mm_pipeline/cluster/). The flags are cli.py's; the settings they become,
+serve_settings.py's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import signal
 import sys
 
 from mm_pipeline import cli
-from mm_pipeline.cli import UsageError, listen_of, resolve_model_dir, server_settings
+from mm_pipeline.cli import UsageError, resolve_model_dir
 from mm_pipeline.runtime.startup_summary import describe_engine
+from mm_pipeline.server.launch.serve_settings import listen_of, server_settings
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

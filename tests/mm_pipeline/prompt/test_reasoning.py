@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mm_pipeline import cli
 from mm_pipeline.prompt.reasoning import (ReasoningParser, ReasoningSplit, ThinkSyntax, resolve_reasoning,
                                           split_reasoning)
+from mm_pipeline.server.launch.serve_settings import server_settings
 from mm_pipeline.server.responses import Delta
 from mm_pipeline.server.settings import ServerSettings
 from tests.support.paths import DEMO_MODEL
@@ -163,11 +164,11 @@ def test_the_setting_and_its_flag(tmp_path, capsys):
     assert ServerSettings().reasoning_parser == "auto"
     with pytest.raises(ValueError, match="reasoning_parser must be one of auto, qwen3, none; got 'on'"):
         ServerSettings(reasoning_parser="on")  # type: ignore[arg-type]
-    parsed = cli.server_settings(cli.parse_args(["serve", "--model", "m", "--reasoning-parser", "none"]), tmp_path)
+    parsed = server_settings(cli.parse_args(["serve", "--model", "m", "--reasoning-parser", "none"]), tmp_path)
     assert parsed.reasoning_parser == "none"
     path = tmp_path / "serve.json"
     path.write_text(json.dumps({"reasoning_parser": "qwen3"}))
-    assert cli.server_settings(cli.parse_args(["serve", "--model", "m", "--config", str(path)]),
+    assert server_settings(cli.parse_args(["serve", "--model", "m", "--config", str(path)]),
                                tmp_path).reasoning_parser == "qwen3"
     with pytest.raises(SystemExit) as exit_:
         cli.parse_args(["serve", "--model", "m", "--reasoning-parser", "deepseek_r1"])

@@ -158,6 +158,7 @@ def test_auto_is_on_when_the_model_knows_tool_call():
 
 def test_the_setting_and_its_flags(tmp_path, capsys):
     from mm_pipeline import cli
+    from mm_pipeline.server.launch.serve_settings import server_settings
     from mm_pipeline.jobs.batch import BatchConfig
     from mm_pipeline.server.settings import ServerSettings
 
@@ -167,7 +168,7 @@ def test_the_setting_and_its_flags(tmp_path, capsys):
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         BatchConfig(tool_call_parser="on")
     args = cli.parse_args(["serve", "--model", "m", "--tool-call-parser", "none"])
-    assert cli.server_settings(args, tmp_path).tool_call_parser == "none"
+    assert server_settings(args, tmp_path).tool_call_parser == "none"
     assert cli.parse_args(["batch", "-i", "a", "-o", "b", "--tool-call-parser", "qwen3_coder"]).tool_call_parser == (
         "qwen3_coder")
     with pytest.raises(SystemExit) as exit_:

@@ -58,10 +58,11 @@ def test_any_origin_and_credentials(tmp_path):
 
 def test_the_flags(tmp_path):
     from mm_pipeline import cli
+    from mm_pipeline.server.launch.serve_settings import server_settings
     args = cli.parse_args(["serve", "--model", "m", "--allowed-origins", APP_ORIGIN, "--allowed-origins",
                            "http://localhost:3000", "--allow-credentials"])
-    settings = cli.server_settings(args, tmp_path)
+    settings = server_settings(args, tmp_path)
     assert settings.allowed_origins == (APP_ORIGIN, "http://localhost:3000") and settings.allow_credentials
     with pytest.raises(cli.UsageError, match="allow_credentials"):
-        cli.server_settings(cli.parse_args(["serve", "--model", "m", "--allowed-origins", "*", "--allow-credentials"]),
+        server_settings(cli.parse_args(["serve", "--model", "m", "--allowed-origins", "*", "--allow-credentials"]),
                             tmp_path)

@@ -257,25 +257,27 @@ def test_the_value_bound_is_counted_as_the_body_arrives_whatever_its_pieces(piec
 def test_the_key_comes_from_the_environment_when_no_flag_gives_it(tmp_path, monkeypatch):
     """MMSERVE_API_KEY (vLLM reads VLLM_API_KEY alike): a flag's value shows in ps to every user."""
     from mm_pipeline import cli
+    from mm_pipeline.server.launch.serve_settings import server_settings
     monkeypatch.setenv("MMSERVE_API_KEY", KEY)
-    assert cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key == KEY
-    assert cli.server_settings(cli.parse_args(["serve", "--model", "m", "--api-key", "sk-flag"]), tmp_path).api_key \
+    assert server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key == KEY
+    assert server_settings(cli.parse_args(["serve", "--model", "m", "--api-key", "sk-flag"]), tmp_path).api_key \
         == "sk-flag"  # the flag wins
     monkeypatch.setenv("MMSERVE_API_KEY", "")
-    assert cli.server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key is None
+    assert server_settings(cli.parse_args(["serve", "--model", "m"]), tmp_path).api_key is None
 
 
 def test_several_served_model_names(tmp_path, capsys):
     """vLLM's --served-model-name a b: requests may name either, answers and the first card carry
     the first, /v1/models lists both; another name is still a 404. From the CLI and a --config list."""
     from mm_pipeline import cli
+    from mm_pipeline.server.launch.serve_settings import server_settings
 
     args = cli.parse_args(["serve", "--model", "m", "--served-model-name", "mimo", "mimo-v2.5-omni"])
-    settings = cli.server_settings(args, tmp_path)
+    settings = server_settings(args, tmp_path)
     assert (settings.model_name, settings.model_aliases) == ("mimo", ("mimo-v2.5-omni",))
     (tmp_path / "serve.yaml").write_text("served_model_name: [a, b]\n")
     args = cli.parse_args(["serve", "--model", "m", "--config", str(tmp_path / "serve.yaml")])
-    assert cli.server_settings(args, tmp_path).model_aliases == ("b",)
+    assert server_settings(args, tmp_path).model_aliases == ("b",)
     app = create_app(ScriptedEngine(), ServerSettings(model_name="mimo", model_aliases=("mimo-v2.5-omni",),
                                                       files_dir=str(tmp_path)))
     with TestClient(app) as client:

@@ -131,13 +131,14 @@ def test_tokens_as_token_ids_name_each_logprob_entry_by_its_id(demo_client, demo
 
 def test_the_server_flag(tmp_path):
     from mm_pipeline import cli
+    from mm_pipeline.server.launch.serve_settings import server_settings
 
     assert ServerSettings().return_tokens_as_token_ids is False
     args = cli.parse_args(["serve", "--model", "m", "--return-tokens-as-token-ids"])
-    assert cli.server_settings(args, tmp_path).return_tokens_as_token_ids is True
+    assert server_settings(args, tmp_path).return_tokens_as_token_ids is True
     path = tmp_path / "serve.json"
     path.write_text(json.dumps({"return_tokens_as_token_ids": True}))
-    assert cli.server_settings(cli.parse_args(["serve", "--model", "m", "--config", str(path)]),
+    assert server_settings(cli.parse_args(["serve", "--model", "m", "--config", str(path)]),
                                tmp_path).return_tokens_as_token_ids is True
 
 
