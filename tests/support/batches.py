@@ -1,8 +1,9 @@
 """A fake ChatService and batch input files for the batch runner tests (``/v1/batches``,
-batches/runner.py, without a model): ``FakeService`` answers a chat with its first message's text,
-``line`` / ``upload`` write a batch's input file, ``finished`` waits for a batch to end and ``rows``
-reads a result file. The ``store`` fixture (a FilesStore under tmp_path) is in
-tests/mm_pipeline/server/conftest.py."""
+batches/runner.py, without a model) and the ``mmserve batch`` job's (tests/mm_pipeline/jobs/):
+``FakeService`` answers a chat with its first message's text, ``line`` / ``upload`` write a batch's
+input file (``request_line``: a line with the body given; ``DEEP_LINE``: one nested too deeply to
+parse), ``finished`` waits for a batch to end and ``rows`` reads a result file. The ``store``
+fixture (a FilesStore under tmp_path) is in tests/mm_pipeline/server/conftest.py."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ class FakeService:
 def line(cid: str, url: str = URL, **extra) -> str:
     return json.dumps({"custom_id": cid, "method": "POST", "url": url,
                        "body": {"messages": [{"role": "user", "content": cid}], **extra}})
+
+
+def request_line(cid, body, url=URL) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+# a line whose body is nested past any JSON parser's depth: its custom_id cannot be read either
+DEEP_LINE = '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
 
 
 def upload(store: FilesStore, rows: list[str], purpose: str = "batch") -> str:

@@ -1,0 +1,155 @@
+"""L3 writes: the keep-alive touching a matched chain in one batched call; a page counts as written
+only once the store kept it (a dropped or lost one is written again), the write queue's byte bound,
+and a close that a hung store cannot hold up. The harness and the tiers it runs over are
+test_kv_tiers.py's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from llm_core.kvcache.dual_pool import DualKVPool
+from llm_core.kvcache.tiers.tier_threads import KVTierThreads
+from llm_core.storage import MemoryStore
+from tests.llm_core.kvcache.test_swa_radix_cache import BASES
+from tests.llm_core.kvcache.tiers.test_kv_tiers import LAYOUT, harness, replay, tiers
+
+
+class TouchLog(MemoryStore):
+    """A MemoryStore that records every batched ``touch``."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 24)
+        self.calls: list[list[str]] = []
+
+    def touch(self, keys: list[str]) -> int:
+        self.calls.append(list(keys))
+        return super().touch(keys)
+
+
+def test_keep_alive_touches_every_page_of_the_matched_chain_in_one_call():
+    from llm_core.kvcache.tiers.page_format import store_key
+
+    store = TouchLog()
+    h = harness(tiers(None, store), full_pages=40, swa_pages=24)
+    first, again = replay(h, [BASES[0][:30], BASES[0][:30]])
+    assert again.num_cached_tokens >= 20
+    h.cache.tiers.flush()  # the writer thread has run every queued touch
+    chain = [store_key(x) for x in h.cache.tiers.page_hashes(again, again.num_cached_tokens // 2)]
+    assert chain in store.calls  # the whole chain, the first page included, in one batch
+    assert h.cache.stats()["l3_touched_pages"] >= len(chain)
+    h.cache.close()
+
+
+# a page counts as written only once kept; a bounded queue; a bounded close
+class Refusing(MemoryStore):
+    """A MemoryStore that drops every put while ``refuse`` is set (Redis down or at maxmemory)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 24)
+        self.refuse = False
+
+    def put(self, key: str, value: bytes, **kw) -> bool:
+        if self.refuse:
+            self._count("dropped")
+            return False
+        return super().put(key, value, **kw)
+
+
+@pytest.mark.parametrize("how", ["the store drops it", "the write queue is full"])
+def test_a_dropped_l3_write_is_written_at_the_pages_next_eviction(how):
+    store = Refusing()
+    h = harness(tiers(None, store), full_pages=40, swa_pages=24)
+    replay(h, [BASES[0][:30]])
+    t = h.cache.tiers
+    if how == "the store drops it":
+        store.refuse = True
+    else:
+        t.threads.write_queue_bytes = 0
+    h.cache.evict(0, 2)  # tombstones a node's SWA: its pages are saved (Full + SWA) first
+    t.flush()
+    stats = h.cache.stats()
+    assert stats["pages_saved"] > 0 and store.keys() == []
+    assert stats.get("l3_puts", 0) == 0  # only puts the store kept count
+    counted = "l3_puts_failed" if how == "the store drops it" else "l3_puts_dropped"
+    assert stats.get(counted, 0) == stats["pages_saved"]
+    store.refuse, t.threads.write_queue_bytes = False, 1 << 20
+    h.cache.clear()  # now the Full pages go: the dropped ones are not believed to be in L3
+    t.flush()
+    assert len(store.keys()) == h.cache.stats()["l3_puts"] == 16  # every page of the 30-token prompt + output
+    h.cache.close()
+
+
+def test_a_page_l3_lost_is_written_again_after_a_match_misses_it():
+    from llm_core.kvcache.tiers.page_format import store_key
+
+    store = MemoryStore(1 << 24)
+    h = harness(tiers(None, store), full_pages=40, swa_pages=24)
+    first = replay(h, [BASES[0][:30]])[0]
+    h.cache.clear()
+    h.cache.tiers.flush()
+    chain = {store_key(x) for x in h.cache.tiers.page_hashes(first, 14)}  # the pages a match looks up
+    assert chain <= set(store.keys())
+    for key in store.keys():  # Redis restarted, flushed, or aged the pages out
+        store.delete(key)
+    again = replay(h, [BASES[0][:30]])[0]
+    assert again.num_cached_tokens == 0
+    h.cache.clear()  # the match missed them: written again, not taken for still in L3
+    h.cache.tiers.flush()
+    assert chain <= set(store.keys())
+    h.cache.close()
+
+
+class Hung(MemoryStore):
+    """A MemoryStore whose puts wait for ``gate``: a store slower than eviction, or a hung one."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 24)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def put(self, key: str, value: bytes, **kw) -> bool:
+        self.entered.set()
+        self.gate.wait()
+        return super().put(key, value, **kw)
+
+
+def test_the_l3_write_queue_is_bounded_in_bytes_and_close_does_not_wait_for_a_hung_store(caplog):
+    pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
+    store, written = Hung(), []
+    threads = KVTierThreads(pool, store, on_written=lambda h, with_swa: written.append(h),
+                            write_queue_bytes=1000, close_timeout_s=0.3)
+    row = torch.zeros(100)  # 400 bytes
+    started = time.monotonic()
+    queued = [threads.put(bytes([i]), row, None) for i in range(5)]
+    assert time.monotonic() - started < 0.5  # the engine thread never waits for the store
+    assert queued == [True, True, False, False, False]  # the third would take the queue past 1000 bytes
+    assert not threads.touch([bytes(32)] * 8)  # 256 bytes more do not fit either
+    stats = threads.stats()
+    assert (stats["l3_puts_dropped"], stats["l3_touches_dropped"], stats["l3_write_queue_bytes"]) == (3, 1, 800)
+    assert store.entered.wait(5) and not threads.join_writes(0.05)  # the writer is stuck in the first put
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="llm_core.kvcache.tiers.tier_threads"):
+        threads.stop()  # the first put hangs in the store; the second is abandoned
+    assert time.monotonic() - started < 3
+    assert threads.stats()["l3_writes_abandoned"] == 1 and "abandoned 1" in caplog.text
+    assert written == [] and threads.stats().get("l3_puts", 0) == 0
+    store.gate.set()  # lets the stuck writer thread finish (it is a daemon either way)
+
+
+def test_the_writer_reports_only_puts_the_store_kept():
+    pool = DualKVPool(LAYOUT, num_full_tokens=16, num_swa_tokens=16, page_size=2)
+    store, written = Refusing(), []
+    threads = KVTierThreads(pool, store, on_written=lambda h, with_swa: written.append((h, with_swa)))
+    row = torch.zeros(10)
+    threads.put(b"a", row, row)
+    threads.join_writes()
+    store.refuse = True
+    threads.put(b"b", row, None)
+    threads.join_writes()
+    assert written == [(b"a", True)]
+    stats = threads.stats()
+    assert (stats["l3_puts"], stats["l3_puts_failed"], stats["l3_write_queue_bytes"]) == (1, 1, 0)
+    threads.stop()
