@@ -323,6 +323,11 @@ def _as_argv(action: argparse.Action, key: Any, value: Any, path: str, parser: a
         if isinstance(action, argparse._AppendAction):
             return [f"{opt}={_text(v)}" for v in value]
         if action.nargs in ("+", "*") and value:  # --served-model-name a b
+            # separate tokens (no "--opt=" for several values): one starting with "-" would be read as
+            # an option, as on the command line, and argparse's message would not name the file
+            dashed = next((v for v in value if _text(v).startswith("-")), None)
+            if dashed is not None:
+                parser.error(f"config file {path}: {key!r} values cannot start with '-', got {dashed!r}")
             return [opt, *map(_text, value)]
         parser.error(f"config file {path}: {key!r} takes one value, got a list")
     if isinstance(value, dict):  # as JSON text, judged by the flag's own type (override_generation_config takes one)

@@ -269,6 +269,17 @@ def test_config_file_values_starting_with_a_dash(tmp_path):
     assert cli.parse_args(["caption", "x.png", "--config", str(path)]).prompt == "-terse"
 
 
+def test_config_file_many_valued_entry_starting_with_a_dash_names_the_file(tmp_path, capsys):
+    """--served-model-name takes several tokens, so "-x" cannot ride as ``--opt=value``: the file's
+    key is named rather than argparse's "expected at least one argument" for the flag."""
+    path = tmp_path / "names.yaml"
+    path.write_text('served_model_name: ["ok", "-x"]\n')
+    err = _usage_error(["serve", "--model", "m", "--config", str(path)], capsys)
+    assert f"config file {path}" in err and "'served_model_name' values cannot start with '-'" in err
+    path.write_text('served_model_name: ["a", "b"]\n')
+    assert cli.parse_args(["serve", "--model", "m", "--config", str(path)]).served_model_name == ["a", "b"]
+
+
 @pytest.mark.parametrize("argv", [["-v", "serve", "--model", "m"], ["serve", "--model", "m", "-v"],
                                   ["caption", "x.png", "--verbose"], ["batch", "-i", "a", "-o", "b", "-v"]])
 def test_verbose_before_or_after_the_command(argv):
