@@ -37,12 +37,44 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0].split("%", 1)[0] for info in infos))
 
 
+# IPv6 forms that carry an IPv4 address a gateway or tunnel may deliver to (each judged below)
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix: the last 32 bits
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use prefix (refused: below)
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (RFC 4291 2.5.5.1)
+_SITE_LOCAL = ipaddress.IPv6Network("fec0::/10")  # deprecated (RFC 3879), still routed inside some sites
+
+
 def is_public(address: str) -> bool:
-    """A global unicast address (an IPv4-mapped IPv6 address is judged as its IPv4 address)."""
+    """A global unicast address. An IPv6 address embedding an IPv4 address is judged by that
+    IPv4 address too: IPv4-mapped (as the IPv4 address alone), NAT64 64:ff9b::/96, 6to4
+    2002::/16, Teredo 2001::/32 (its server and client) and IPv4-compatible ::a.b.c.d. A NAT64
+    gateway, a 6to4 relay or a tunnel on the server's network delivers such an address to its
+    IPv4 host, and Python's ``is_global`` (3.11) calls 64:ff9b::7f00:1 and 2002:a9fe:a9fe::1
+    global. The local-use NAT64 prefix 64:ff9b:1::/48 and site-local fec0::/10 are refused
+    outright: both reach only the local network's own translator or sites, and where a local-use
+    prefix embeds its IPv4 address depends on the prefix length that network picked (RFC 6052 2.2),
+    so there is no one IPv4 address to judge."""
     ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_public(str(ip.ipv4_mapped))
+        if ip in _NAT64_LOCAL or ip in _SITE_LOCAL:
+            return False
+        embedded = _embedded_ipv4(ip)
+        if embedded and not all(is_public(str(v4)) for v4 in embedded):
+            return False
     return ip.is_global and not ip.is_multicast
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses ``ip`` carries (``is_public``'s list), or none."""
+    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+        return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
+    if ip.sixtofour is not None:
+        return [ip.sixtofour]
+    if ip.teredo is not None:
+        return list(ip.teredo)
+    return []
 
 
 class PublicAddressBackend(httpcore.AsyncNetworkBackend):
