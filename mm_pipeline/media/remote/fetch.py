@@ -8,6 +8,9 @@ from its end first (``media.index_from_end``).
 Security rules:
   * remote fetch off by default; when on, only http(s) to hosts on ``allowed_domains`` (exact host or
     a subdomain), every redirect hop re-checked, a total deadline and a streamed size cap;
+  * the body is asked for and read unencoded (``Accept-Encoding: identity``, raw bytes): a
+    response with a Content-Encoding is refused (``_check_encoding``), so the size cap counts the
+    very bytes that arrive and no decompressor runs on the event loop;
   * an allowed host must also resolve to public addresses only (no loopback, private, link-local
     or reserved range: a DNS name on the list pointed at 127.0.0.1 or 169.254.169.254 is refused)
     unless ``allow_private_hosts``; the check is made by the connection itself, which connects to
@@ -25,7 +28,8 @@ from typing import Any, Callable
 
 import httpx
 
-from mm_pipeline.errors import InvalidMediaError, MediaAccessDenied, MediaFetchError, MediaFetchTimeout, MediaTooLarge
+from mm_pipeline.errors import (InvalidMediaError, MediaAccessDenied, MediaFetchError, MediaFetchTimeout, MediaTooLarge,
+                                echo)
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.index_from_end import IndexFromEnd, fetch_range
 from mm_pipeline.media.ingest_config import IngestConfig
@@ -86,7 +90,7 @@ class RemoteFetch:
                                      timeout=self.config.fetch_timeout_s, trust_env=False) as client:
             for _ in range(self.config.max_redirects + 1):
                 self._check_host(url)
-                async with client.stream("GET", url) as response:
+                async with client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as response:
                     if response.is_redirect:
                         location = response.headers.get("location", "")
                         try:
@@ -96,16 +100,15 @@ class RemoteFetch:
                         continue
                     if response.status_code >= 400:
                         raise MediaFetchError(f"{short_url(url)} answered HTTP {response.status_code}")
+                    _check_encoding(response, url)
                     declared = response.headers.get("content-length")
                     if declared is not None and declared.isdigit() and int(declared) > limit:
                         raise MediaTooLarge(f"{short_url(url)} is {declared} bytes, limit {limit}")
-                    # the body's size as it will reach us: Content-Length counts encoded bytes
-                    size = (int(declared) if declared is not None and declared.isdigit()
-                            and response.headers.get("content-encoding", "identity") == "identity" else None)
+                    size = int(declared) if declared is not None and declared.isdigit() else None
                     # a host that says it has no ranges is not asked for the end (one that does
                     # not say may still have them: asked, as a browser does)
                     ranges = response.headers.get("accept-ranges", "").strip().lower() != "none"
-                    return await self._receive(response.aiter_bytes(), url, kind, early_decode, size,
+                    return await self._receive(response.aiter_raw(), url, kind, early_decode, size,
                                                functools.partial(fetch_range, client, url) if ranges else None,
                                                started)
         raise MediaFetchError(f"more than {self.config.max_redirects} redirects fetching media")
@@ -171,6 +174,21 @@ class RemoteFetch:
                       for d in (d.lower().strip(".") for d in self.config.allowed_domains))
         if not allowed:
             raise MediaAccessDenied(f"host {host!r} is not on the media domain allow-list")
+
+
+def _check_encoding(response: httpx.Response, url: str) -> None:
+    """Refuse a body sent with a content encoding although none was accepted.
+
+    httpx would decode it chunk by chunk with no bound on what one chunk becomes: a body of
+    ``Content-Encoding: gzip, gzip`` a few KiB long inflates to hundreds of MiB in one bytes
+    object, on the event loop, before the size cap sees it. Decoding one gzip layer ourselves
+    with a bounded ``decompressobj`` was the alternative; refused instead, because media formats
+    are compressed already (gzip gains a server nothing), a server that honours
+    ``Accept-Encoding: identity`` never sends one, and no decompression then runs on the loop."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise MediaFetchError(f"{short_url(url)} sent its body with Content-Encoding {echo(encoding)}; media is "
+                              f"fetched unencoded (Accept-Encoding: identity)")
 
 
 def short_url(url: str) -> str:

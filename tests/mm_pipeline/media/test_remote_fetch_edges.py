@@ -1,14 +1,20 @@
-"""Remote fetch at its edges: URLs no client can fetch are a 400, not a 500, and an early decode
-started on a body is stopped (its share of the decode budget given back) however the fetch ends."""
+"""Remote fetch at its edges: URLs no client can fetch are a 400, not a 500, an early decode
+started on a body is stopped (its share of the decode budget given back) however the fetch ends,
+and a content-encoded body (a decompression bomb) is refused before anything is inflated."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
+import socket
+import threading
+import tracemalloc
+import zlib
 
 import httpx
 import pytest
 
-from mm_pipeline.errors import InvalidMediaError, MediaFetchTimeout
+from mm_pipeline.errors import InvalidMediaError, MediaFetchError, MediaFetchTimeout
 from mm_pipeline.media.decode.early import EarlyDecoders
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.media.ingest import MediaIngestor
@@ -86,3 +92,59 @@ def test_an_early_decode_is_stopped_when_the_fetch_ends_after_its_body(end: str)
     assert started and started[0] is not None
     started[0].join(10)
     assert started[0].control.cancelled and decoders.budget.early_in_use == 0
+
+
+def _serve_once(head: bytes, body: bytes) -> tuple[int, list[bytes]]:
+    """A one-shot HTTP server on 127.0.0.1 answering ``head`` + ``body``; the requests it got."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                requests.append(conn.recv(65536))
+                conn.sendall(head + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                conn.settimeout(2)
+                try:
+                    conn.recv(1)  # until the client hangs up
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], requests
+
+
+def _gzip(chunks: int, layers: int) -> bytes:
+    """``chunks`` MiB of zeros gzipped ``layers`` times, without ever holding the zeros whole."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    data = b"".join(packer.compress(bytes(1 << 20)) for _ in range(chunks)) + packer.flush()
+    for _ in range(layers - 1):
+        data = gzip.compress(data, 9)
+    return data
+
+
+@pytest.mark.parametrize("encoding", ["gzip, gzip", "gzip"])
+def test_a_content_encoded_body_is_refused_before_anything_is_inflated(encoding: str) -> None:
+    """A few KiB of ``Content-Encoding: gzip, gzip`` inflate to 32 MiB: httpx decoded each raw
+    chunk whole, with no bound, before the 64 KiB size cap saw it (the audit inflated 300 MiB into
+    one bytes object on the event loop). Now identity is asked for, the raw bytes are read and an
+    encoded answer is a 400 at once; nothing is inflated."""
+    body = _gzip(32, layers=encoding.count("gzip"))
+    assert len(body) < 64 << 10
+    port, requests = _serve_once(b"HTTP/1.1 200 OK\r\nContent-Type: video/mp4\r\n"
+                                 + f"Content-Encoding: {encoding}\r\n".encode(), body)
+    ingestor = MediaIngestor(IngestConfig(allow_remote=True, allowed_domains=("127.0.0.1",), allow_private_hosts=True,
+                                          fetch_timeout_s=5.0, limits=MediaLimits(max_bytes=64 << 10)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(MediaFetchError, match="Content-Encoding") as info:
+            asyncio.run(ingestor.ingest(MediaSource(url=f"http://127.0.0.1:{port}/v.mp4", kind=MediaKind.VIDEO)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert http_answer(type(info.value)).status == 400
+    assert peak < 8 << 20, f"{peak >> 20} MiB allocated fetching a {len(body)}-byte body"
+    assert b"accept-encoding: identity" in requests[0].lower()
