@@ -127,3 +127,25 @@ class FrameCounter:
 
     def check(self) -> None:
         self.frames += 1
+
+
+def tiny_flac(rate: int, block: int = 65535, frames: int = 2, value: int = 0) -> bytes:
+    """A FLAC of ``frames`` blocks of ``block`` constant 8-bit mono samples at ``rate`` Hz, written
+    by hand (FFmpeg's encoder takes no such rate) and a few dozen bytes long: its STREAMINFO
+    declares no total, so no duration is known before decoding."""
+    def crc(data: bytes, bits: int, poly: int) -> int:
+        c, top, mask = 0, 1 << (bits - 1), (1 << bits) - 1
+        for byte in data:
+            c ^= byte << (bits - 8)
+            for _ in range(8):
+                c = ((c << 1) ^ poly) & mask if c & top else (c << 1) & mask
+        return c
+
+    info = struct.pack(">HH", block, block) + bytes(6)  # block sizes; frame sizes unknown
+    info += ((rate << 44) | (7 << 36)).to_bytes(8, "big") + bytes(16)  # rate, mono, 8 bits, 0 samples; no MD5
+    out = bytearray(b"fLaC\x80\x00\x00\x22" + info)
+    for i in range(frames):  # frame number < 128: one byte of its UTF-8-like coding
+        head = bytes([0xFF, 0xF8, 0x70, 0x00, i]) + struct.pack(">H", block - 1)  # rate, bits from STREAMINFO
+        frame = head + bytes([crc(head, 8, 0x07), 0x00, value & 0xFF])  # one CONSTANT subframe
+        out += frame + struct.pack(">H", crc(frame, 16, 0x8005))
+    return bytes(out)

@@ -14,12 +14,18 @@ import av
 import numpy as np
 import torch
 
-from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge, UndecodableMediaError
+from mm_pipeline.errors import ContextLengthError, MediaError, MediaTooLarge, UndecodableMediaError, UnsupportedMediaType
 from mm_pipeline.media.decode.budget import DecodeControl, check
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedAudio, MediaItem
 from mm_pipeline.media.sniff import open_av
 
+# The lowest input sample rate decoded. One decoded frame is resampled in one call, and its output
+# is allocated whole (then copied by to_ndarray and the channel mean) before any limit can look at
+# it: a FLAC block holds up to 65,535 samples, which at 10 Hz resample to 157 M samples at 24 kHz
+# (GBs from a 78-byte file). At 1 kHz one frame resamples to at most 65,535 x 24 = 1.6 M samples
+# (6 MiB); no speech or music is recorded below 1 kHz (telephony, the lowest in use, is 8 kHz).
+MIN_INPUT_RATE = 1000
 
 def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaLimits(),
                  control: DecodeControl | None = None, context_samples: int | None = None) -> DecodedAudio:
@@ -30,7 +36,9 @@ def decode_audio(item: MediaItem, sample_rate: int, limits: MediaLimits = MediaL
     ``ContextLengthError`` as soon as more than ``context_samples`` are decoded (the most the
     model's context can hold: counted as decoded, never trusting a header's duration, so an hour
     of silence stops after the first seconds past the limit), ``UndecodableMediaError`` too for a
-    float stream holding NaN / Inf samples."""
+    float stream holding NaN / Inf samples, ``UnsupportedMediaType`` for audio sampled below
+    ``MIN_INPUT_RATE``. Both length limits are checked on each frame's resampled size before it is
+    resampled, so no frame's output is ever allocated past them."""
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     try:
@@ -47,7 +55,6 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
     (``media.decode.early_audio``, which checks the header of the whole bytes itself, and is told
     of each resampled chunk's bytes through ``grow``, which may raise to stop). Raises
     ``av.FFmpegError`` as PyAV does."""
-    max_samples = int(limits.max_duration_s * sample_rate)
     chunks: list[np.ndarray] = []
     total = 0
     if not container.streams.audio:
@@ -66,12 +73,18 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
             # PyAV's resampler takes only frames like its first (ValueError otherwise)
             if resampler is not None:
                 outs += _resample(resampler, None, item)
+            _check_input_rate(frame.sample_rate, item)
             # packed float ("flt"), not planar: PyAV's planar to_ndarray reads past FFmpeg's eight
             # data pointers on a frame of 8+ channels (an ordinary 7.1 track) and crashed the process
             resampler = av.AudioResampler(format="flt", layout=frame.layout.name, rate=sample_rate)
             setup = (frame.format.name, frame.layout.name, frame.sample_rate)
         if resampler is None:
             break
+        if frame is not None:
+            # the samples resampling this frame makes, checked before they exist (MIN_INPUT_RATE
+            # says why); the resampler holds back its filter delay, so the total after it is at most this
+            _check_length(total + -(-frame.samples * sample_rate // frame.sample_rate), item, sample_rate, limits,
+                          context_samples)
         for out in outs + _resample(resampler, frame, item):
             # [1, samples * channels] float32, interleaved: one row per sample, its channels averaged
             samples = out.to_ndarray().reshape(-1, len(out.layout.channels))
@@ -86,16 +99,29 @@ def decode_audio_from(container: av.container.InputContainer, item: MediaItem, s
             total += samples.shape[0]
             if grow is not None:
                 grow(chunks[-1].nbytes)
-        if total > max_samples:
-            raise MediaTooLarge(f"audio lasts over {limits.max_duration_s} s (decoded)")
-        if context_samples is not None and total > context_samples:
-            raise ContextLengthError(
-                f"audio from {item.origin} is longer than the model's context holds "
-                f"(over {context_samples / sample_rate:.1f} s decoded); send a shorter clip")
+        _check_length(total, item, sample_rate, limits, context_samples)
     if total == 0:
         raise UndecodableMediaError(f"{item.format} from {item.origin} holds no audio samples")
     samples = torch.from_numpy(np.concatenate(chunks).astype(np.float32, copy=False))
     return DecodedAudio(samples, sample_rate, item.format)
+
+
+def _check_input_rate(rate: int, item: MediaItem) -> None:
+    if rate < MIN_INPUT_RATE:
+        raise UnsupportedMediaType(f"{item.format} audio from {item.origin} is sampled at {rate} Hz; audio below "
+                                   f"{MIN_INPUT_RATE} Hz is not decoded")
+
+
+def _check_length(samples: int, item: MediaItem, sample_rate: int, limits: MediaLimits,
+                  context_samples: int | None) -> None:
+    """``samples`` at ``sample_rate`` Hz (decoded, or about to be) against ``max_duration_s`` and
+    the model's context."""
+    if samples > int(limits.max_duration_s * sample_rate):
+        raise MediaTooLarge(f"audio lasts over {limits.max_duration_s} s (decoded)")
+    if context_samples is not None and samples > context_samples:
+        raise ContextLengthError(
+            f"audio from {item.origin} is longer than the model's context holds "
+            f"(over {context_samples / sample_rate:.1f} s decoded); send a shorter clip")
 
 
 def _resample(resampler: av.AudioResampler, frame: av.AudioFrame | None, item: MediaItem) -> list[av.AudioFrame]:
