@@ -115,12 +115,27 @@ class ChatPreparation:
                 return got
             plans = [await self._plan_item(0, 1, refs[0], got, salt, layout_only)]
         else:
-            plans = list(await asyncio.gather(*(self._plan_item(k, len(refs), r, None, salt, layout_only)
-                                                for k, r in enumerate(refs))))
+            plans = await self._plan_all(refs, salt, layout_only)
         self.planner.check_plans(plans)  # request budgets, before any pixel is decoded
         laid = await self.text_pool.run(self.layout.render, chat, plans, bound)  # template + BPE
         check_context(len(laid.token_ids), bound)
         return self._prepared(laid, plans, refs)
+
+    async def _plan_all(self, refs: list[MediaRef], salt: str | None, layout_only: bool) -> list[MediaPlan]:
+        """Every item loaded and planned concurrently. When one fails, the others are cancelled and
+        awaited before the error goes out: ``gather`` alone left them running, so a request
+        answered 400 kept up to 31 decodes on the media workers that nobody would use. A cancelled
+        item leaves its planning pass (``MediaPlanner.plan``'s SingleFlight), which stops that
+        decode only when no other request waits for the same media."""
+        tasks = [asyncio.ensure_future(self._plan_item(k, len(refs), r, None, salt, layout_only))
+                 for k, r in enumerate(refs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None, salt: str | None,
                          layout_only: bool) -> MediaPlan:
