@@ -34,12 +34,12 @@ from starlette.background import BackgroundTask
 from mm_pipeline.errors import echo
 from mm_pipeline.server.completions.answer_info import ENCODER_CACHE_HITS_HEADER, AnswerInfo
 from mm_pipeline.server.completions.chat_service import ChatService, ServiceConfig
-from mm_pipeline.server.completions.choices import ChoiceState
 from mm_pipeline.server.errors import APIError, install_error_handlers
 from mm_pipeline.server.files.files_store import FileNotFoundInStore, FileRecord, FilesStore
 from mm_pipeline.server.access import AuthAndCount
 from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
+from mm_pipeline.server.request_observer import RequestObserver
 from mm_pipeline.server.request_body import parse_body
 from mm_pipeline.server.completions.sampling_fields import MAX_REQUEST_ID_CHARS
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
@@ -60,21 +60,7 @@ from mm_pipeline.server.responses_api.routes import install_responses_routes
 from mm_pipeline.server.responses_api.store import ResponseStore
 from mm_pipeline.server.web.routes import install_web_routes
 
-request_log = logging.getLogger("mmserve.requests")  # --enable-log-requests: a line per finished request
 log = logging.getLogger(__name__)
-
-
-def request_line(rid: str, arrival: float, end: float, states: list[ChoiceState]) -> str:
-    """One finished request for the log: its id, how its choices ended, tokens, first token and total
-    time (no prompt text: what users send stays out of the log)."""
-    first = [s.first_token_at for s in states if s.first_token_at is not None]
-    ends = ",".join(sorted({(s.finish_reason or "unknown") + (f" ({s.error_kind})" if s.error_kind else "")
-                            for s in states}))
-    head = states[0] if states else ChoiceState()
-    return (f"{rid}: {ends or 'no choice'}, prompt {head.prompt_tokens} tokens (cached {head.cached_tokens}), "
-            f"completion {sum(s.completion_tokens for s in states)} tokens, n {len(states)}, "
-            f"TTFT {f'{min(first) - arrival:.3f} s' if first else '-'}, total {end - arrival:.3f} s, "
-            f"encoder cache hits {head.encoder_cache_hits}")
 
 
 def _file_object(rec: FileRecord) -> FileObject:
@@ -95,14 +81,6 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     if hasattr(engine, "set_file_resolver"):
         engine.set_file_resolver(store.resolve)
 
-    def observe(rid: str, arrival: float, states: list[ChoiceState]) -> None:
-        end = time.perf_counter()
-        for s in states:
-            metrics.observe_request(arrival, s.first_token_at, end, s.completion_tokens, s.prompt_tokens,
-                                    s.finish_reason)
-        if settings.log_requests:
-            request_log.info("%s", request_line(rid, arrival, end, states))
-
     # --reasoning-parser against this model's vocabulary (auto: on for a model with <think> tokens)
     reasoning = resolve_reasoning(settings.reasoning_parser, getattr(engine, "tokenizer", None))
     # --tool-call-parser likewise (auto: on for a model that knows <tool_call>)
@@ -111,7 +89,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
                                                 settings.max_completion_prompts, reasoning=reasoning,
                                                 tool_calls=tool_calls,
                                                 tokens_as_ids=settings.return_tokens_as_token_ids,
-                                                model_aliases=settings.model_aliases), observe)
+                                                model_aliases=settings.model_aliases),
+                          RequestObserver(metrics, settings.log_requests))  # metrics, --enable-log-requests
     if service.defaults.given:  # as vLLM says it: a client that sends no temperature gets the model's
         log.info("sampling defaults: %s (a request's own values win; --generation-config vllm: the built-in "
                  "defaults)", service.defaults.describe())

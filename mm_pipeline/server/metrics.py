@@ -1,9 +1,13 @@
 """``/metrics`` through prometheus_client: one registry per app, scraped with its exposition.
 
-Measured here (the HTTP side sees what the client sees):
-  * ``mmserve_time_to_first_token_seconds``   histogram, request arrival -> first token sent
-  * ``mmserve_time_per_output_token_seconds`` histogram, (last - first token) / (tokens - 1)
-  * ``mmserve_e2e_request_latency_seconds``   histogram
+Measured here (the HTTP side sees what the client sees), per generation (each of a request's
+choices), for every request however it ended (server/request_observer.py):
+  * ``mmserve_time_to_first_token_seconds``   histogram, request arrival -> first token, when it comes
+  * ``mmserve_inter_token_latency_seconds``   histogram, every gap between a generation's tokens
+  * ``mmserve_request_time_per_output_token_seconds`` histogram, (last - first token) / (tokens - 1)
+  * ``mmserve_e2e_request_latency_seconds``   histogram, request arrival -> the generation's end
+  * ``mmserve_request_success_total{finished_reason}`` counter ("abort": cut short), and the
+    ``mmserve_request_{prompt,generation}_tokens`` histograms
   * ``mmserve_requests_total{endpoint,status}`` counter, ``mmserve_http_requests_in_flight`` gauge
   * ``mmserve_event_loop_lag_seconds``        histogram (+ ``_max`` gauge) from ``LoopLagMonitor``
 Engine state is the engine's last published snapshot (mm_pipeline/runtime/stats.py), turned into
@@ -184,11 +188,15 @@ class ServerMetrics:
         """``snapshot`` returns the engine's last published stats (``OmniEngine.stats``)."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to first generated token",
+        # per generation (each choice of a request), as vLLM's families of these names
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to a generation's first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time between output tokens of a request",
-                              buckets=TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to last token",
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between successive tokens of a generation",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.request_tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                                      "Mean time between the output tokens of a generation", buckets=TOKEN_BUCKETS,
+                                      registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to a generation's end",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.loop_lag = Histogram(PREFIX + "event_loop_lag_seconds", "Event loop wake-up delay", buckets=LAG_BUCKETS,
                                   registry=r)
@@ -199,7 +207,6 @@ class ServerMetrics:
                                     multiprocess_mode="livesum")
         self.requests = Counter(PREFIX + "requests", "HTTP responses by route and status", ["endpoint", "status"],
                                 registry=r)
-        # per generation (each choice), as vLLM's request_success / request_*_tokens families
         self.finished = Counter(PREFIX + "request_success", "Generations finished, by why they ended",
                                 ["finished_reason"], registry=r)
         self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens of a generation",
@@ -212,17 +219,31 @@ class ServerMetrics:
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def observe_request(self, arrival: float, first_token: float | None, end: float, completion_tokens: int,
-                        prompt_tokens: int = 0, finish_reason: str | None = None) -> None:
-        """Record one finished generation (times from ``time.perf_counter``)."""
-        self.finished.labels(finished_reason=finish_reason or "unknown").inc()
+    def observe_tokens(self, arrival: float, previous: float | None, now: float, count: int) -> None:
+        """``count`` tokens of one generation came at ``now`` (times from ``time.perf_counter``): its
+        first ones (``previous`` None) give its time to first token, later ones the gap since its
+        ``previous`` tokens. Tokens that come together (a speculative step's accepted drafts) are
+        gaps of zero after the first: the histogram counts every gap between a generation's tokens
+        (tokens - 1 of them) and sums to last - first token time, the per-request mean's numerator.
+        (vLLM v1 observes one interval per engine step instead; with a token a step they agree.)"""
+        if previous is None:
+            self.ttft.observe(now - arrival)
+        else:
+            self.itl.observe(now - previous)
+        for _ in range(count - 1):
+            self.itl.observe(0.0)
+
+    def observe_request(self, arrival: float, end: float, finish_reason: str, prompt_tokens: int,
+                        completion_tokens: int, first_token: float | None = None,
+                        last_token: float | None = None) -> None:
+        """Record one ended generation: ``end`` is its own (a request's n choices end apart), times
+        from ``time.perf_counter``; its time to first token was observed when the token came."""
+        self.finished.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(completion_tokens)
         self.e2e.observe(end - arrival)
-        if first_token is not None:
-            self.ttft.observe(first_token - arrival)
-            if completion_tokens > 1:
-                self.tpot.observe((end - first_token) / (completion_tokens - 1))
+        if first_token is not None and last_token is not None and completion_tokens > 1:
+            self.request_tpot.observe((last_token - first_token) / (completion_tokens - 1))
 
     def scrape(self, accept: str | None = None) -> tuple[bytes, str]:
         """``(body, content type)`` in the format the ``Accept`` header asks for (Prometheus text

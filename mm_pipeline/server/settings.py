@@ -94,9 +94,10 @@ class ServerSettings:
     rates; logger mmserve.stats), written while the engine works; 0: none (vLLM's --disable-log-stats)."""
 
     log_requests: bool = False
-    """A log line per finished request (logger mmserve.requests): its id, finish reasons, prompt,
-    cached and completion tokens, time to first token and total; no prompt or answer text. Off by
-    default, as vLLM's --enable-log-requests."""
+    """A log line per request however it ended (logger mmserve.requests): its id, finish reasons
+    ("abort": cut short), prompt, cached and completion tokens as its usage counts them, n and the
+    number of prompts, time to first token and total; no prompt or answer text. Off by default, as
+    vLLM's --enable-log-requests."""
 
     return_tokens_as_token_ids: bool = False
     """Logprob entries name their token as "token_id:<id>" instead of its text (vLLM's flag), so a

@@ -7,10 +7,14 @@ async iterators of ``GenerationDelta``; bad media, malformed messages and overlo
 ``mm_pipeline.errors`` error before the first delta; a request that fails later ends with a delta
 carrying its ``error_kind``, which becomes the same typed error here; closing an iterator early
 aborts its request.
+
+Each request started is observed once however it ends -- done, failed, aborted, or its client gone
+-- by the service's ``Observer`` (the app's metrics and request log): request_watch.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -21,6 +25,7 @@ from mm_pipeline.errors import InvalidInputError, echo, generation_error
 from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.completions.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
                                         collect_all, merge_choices, start_all)
+from mm_pipeline.server.completions.request_watch import Observer, RequestWatch
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.completions.sampling_fields import SamplingFields
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,10 +36,6 @@ from mm_pipeline.server.responses import (AssistantMessage, ChatChoice, ChatChun
                                           ChatCompletionChunk, Completion, CompletionChoice, Delta)
 from mm_pipeline.server.sse import DONE, error_event, sse_event
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCallSyntax
-
-# (request id, arrival time.perf_counter(), its choices' states) once a request's choices are done
-Observer = Callable[[str, float, "list[ChoiceState]"], None]
-
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -77,25 +78,45 @@ def _check_finished(states: list[ChoiceState]) -> None:
             raise error
 
 
+async def _start(choices: list[ChoiceStream], watch: RequestWatch) -> None:
+    """``start_all``; a client that leaves meanwhile (the request cancelled while it waits for its
+    first delta) ends the request in the metrics too. One the engine refuses (it raises) is no
+    generation: request_watch.py."""
+    try:
+        await start_all(choices)
+    except asyncio.CancelledError:
+        watch.end(choices)
+        raise
+
+
+async def _collect(choices: list[ChoiceStream], watch: RequestWatch) -> list[ChoiceState]:
+    """``collect_all``, the request observed however it ends: done, a choice failed, or cancelled
+    there because the client left (the app answers 499 then)."""
+    try:
+        return await collect_all(choices)
+    finally:
+        watch.end(choices)
+
+
 class ChatService:
     """OpenAI chat / text completions over an engine."""
 
-    def __init__(self, engine: Any, config: ServiceConfig, observe: Observer | None = None) -> None:
+    def __init__(self, engine: Any, config: ServiceConfig, observer: Observer | None = None) -> None:
         self.engine = engine
         self.config = config
         self.defaults = config.defaults or getattr(engine, "generation_defaults", None) or GenerationDefaults()
         self.tokens = TokenStrings(getattr(engine, "tokenizer", None))
-        self._observe = observe
+        self._observer = observer  # the metrics and the request log (request_watch.py)
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, info: AnswerInfo | None = None) -> ChatCompletion:
         arrival = time.perf_counter()
         rid, base = request_ids("chatcmpl", req.request_id)
-        choices = await self._start_chat(req, base, info)
+        watch = RequestWatch(rid, arrival, req.n, self._observer)
+        choices = await self._start_chat(req, base, watch, info)
         if info is not None:
             info.request_id = rid
-        states = await collect_all(choices)
-        self._finished(rid, arrival, states)
+        states = await _collect(choices, watch)
         _check_finished(states)
         answers = [c.answer() for c in choices]
         scored = states[0] if states and req.prompt_logprobs is not None else None
@@ -138,7 +159,8 @@ class ChatService:
         one of usage alone. An error part-way raises from the iterator."""
         arrival = time.perf_counter()
         rid, base = request_ids("chatcmpl", req.request_id)
-        choices = await self._start_chat(req, base, info)
+        watch = RequestWatch(rid, arrival, req.n, self._observer)
+        choices = await self._start_chat(req, base, watch, info)
         if info is not None:
             info.request_id = rid
         created, model = int(time.time()), self.config.model_name
@@ -149,37 +171,39 @@ class ChatService:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage)
 
         async def chunks() -> AsyncIterator[ChatCompletionChunk]:
-            for c in choices:  # OpenAI sends the role first, once per choice
-                yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
-            async for index, d in merge_choices(choices):
-                lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [],
-                                                as_ids)
-                      if req.logprobs and d.new_token_ids else None)
-                if d.finished:
-                    _check_finished([choices[index].state])
-                choice = choices[index]
-                part = choice.split(d)  # every delta, in order: the parsers hold state
-                if part.reasoning or part.content or part.calls or lp is not None or d.finished:
-                    delta = Delta.of_text(part.reasoning, part.content)
-                    if part.calls:
-                        first = choice.calls_made - len(part.calls)
-                        delta.tool_calls = [{"index": first + k, **c.as_openai()}
-                                            for k, c in enumerate(part.calls)]
-                        delta.content = part.content or None
-                    reason = _finish_reason(d.finish_reason, choice.calls_made) if d.finished else None
-                    yield chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason))
-            states = [c.state for c in choices]
-            self._finished(rid, arrival, states)
-            if req.include_usage:
-                yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                          usage=chat_usage(choices, self.config.reasoning))
+            try:
+                for c in choices:  # OpenAI sends the role first, once per choice
+                    yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
+                async for index, d in merge_choices(choices):
+                    lp = (self.tokens.chat_logprobs(d.new_token_ids or [], d.logprobs or [], d.top_logprobs or [],
+                                                    as_ids)
+                          if req.logprobs and d.new_token_ids else None)
+                    if d.finished:
+                        _check_finished([choices[index].state])
+                    choice = choices[index]
+                    part = choice.split(d)  # every delta, in order: the parsers hold state
+                    if part.reasoning or part.content or part.calls or lp is not None or d.finished:
+                        delta = Delta.of_text(part.reasoning, part.content)
+                        if part.calls:
+                            first = choice.calls_made - len(part.calls)
+                            delta.tool_calls = [{"index": first + k, **c.as_openai()}
+                                                for k, c in enumerate(part.calls)]
+                            delta.content = part.content or None
+                        reason = _finish_reason(d.finish_reason, choice.calls_made) if d.finished else None
+                        yield chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason))
+                if req.include_usage:
+                    yield ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=chat_usage(choices, self.config.reasoning))
+            finally:  # every end: done, an error or abort raised above, the client gone (request_watch.py)
+                watch.end(choices)
 
         async def close() -> None:
             await close_all(choices)
+            watch.end(choices)  # a client gone while a chunk was sent: chunks() may never resume
 
         return chunks(), close
 
-    async def _start_chat(self, req: ChatCompletionRequest, base: str,
+    async def _start_chat(self, req: ChatCompletionRequest, base: str, watch: RequestWatch,
                           info: AnswerInfo | None = None) -> list[ChoiceStream]:
         """The request's choices, started; ``base``: their engine ids' (choice i is ``<base>-<i>``)."""
         self.check_model(req.model)
@@ -200,9 +224,10 @@ class ChatService:
                                                                                  scores_prompt=i == 0),
                                                         request_id=f"{base}-{i}", priority=req.priority,
                                                         cache_salt=req.cache_salt),
-                                self.config.reasoning, parser, None if req.parallel_tool_calls else 1)
+                                self.config.reasoning, parser, None if req.parallel_tool_calls else 1,
+                                on_tokens=watch.tokens)
                    for i in range(req.n)]
-        await start_all(choices)
+        await _start(choices, watch)
         if info is not None and choices:
             info.encoder_cache_hits = choices[0].state.encoder_cache_hits
         return choices
@@ -213,11 +238,11 @@ class ChatService:
         has no media, so it stays at zero encoder-cache hits."""
         arrival = time.perf_counter()
         rid, base = request_ids("cmpl", req.request_id)
-        choices, prompts = await self._start_completion(req, base)
+        watch = RequestWatch(rid, arrival, req.n, self._observer)
+        choices, prompts = await self._start_completion(req, base, watch)
         if info is not None:
             info.request_id = rid
-        states = await collect_all(choices)
-        self._finished(rid, arrival, states)
+        states = await _collect(choices, watch)
         _check_finished(states)
         out = []
         for p, prompt in enumerate(prompts):
@@ -243,7 +268,8 @@ class ChatService:
                               info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
         arrival = time.perf_counter()
         rid, base = request_ids("cmpl", req.request_id)
-        choices, prompts = await self._start_completion(req, base)
+        watch = RequestWatch(rid, arrival, req.n, self._observer)
+        choices, prompts = await self._start_completion(req, base, watch)
         if info is not None:
             info.request_id = rid
         created, model = int(time.time()), self.config.model_name
@@ -288,21 +314,22 @@ class ChatService:
                     if d.new_text or lp is not None or d.finished:
                         yield event(CompletionChoice(index=index, text=d.new_text or "", logprobs=lp,
                                                      finish_reason=d.finish_reason if d.finished else None))
-                states = [c.state for c in choices]
-                self._finished(rid, arrival, states)
                 if req.include_usage:
                     yield sse_event(Completion(id=rid, created=created, model=model, choices=[],
-                                               usage=prompts_usage(states, req.n)))
+                                               usage=prompts_usage([c.state for c in choices], req.n)))
             except Exception as exc:
                 yield error_event(exc)
+            finally:  # every end: done, an error or abort, the client gone (request_watch.py)
+                watch.end(choices)
             yield DONE
 
         async def close() -> None:
             await close_all(choices)
+            watch.end(choices)  # a client gone while an event was sent: events() may never resume
 
         return events(), close
 
-    async def _start_completion(self, req: CompletionRequest, base: str):
+    async def _start_completion(self, req: CompletionRequest, base: str, watch: RequestWatch):
         self.check_model(req.model)
         prompts = req.prompts
         if len(prompts) > self.config.max_completion_prompts:
@@ -320,8 +347,9 @@ class ChatService:
                 params = self._sampling(req, req.logprobs, j, prompt_logprobs=scored, scores_prompt=j == 0 or req.stream)
                 choices.append(ChoiceStream(i, self.engine.generate_prompt(prompt, params, request_id=f"{base}-{i}",
                                                                            priority=req.priority,
-                                                                           cache_salt=req.cache_salt)))
-        await start_all(choices)
+                                                                           cache_salt=req.cache_salt),
+                                           on_tokens=watch.tokens))
+        await _start(choices, watch)
         return choices, prompts
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -369,7 +397,3 @@ class ChatService:
         if tok is None:
             raise InvalidInputError("echo of a token-id prompt needs a tokenizer; this model has none")
         return tok.decode(prompt)
-
-    def _finished(self, rid: str, arrival: float, states: list[ChoiceState]) -> None:
-        if self._observe is not None:
-            self._observe(rid, arrival, states)

@@ -15,6 +15,8 @@
              the reasoning split leaves goes through one tool-call parser per choice the same way
              (prompt/tool_calls.py), streamed or not; ``calls_made`` counts a choice's calls (the
              index of its next streamed call; its finish_reason is "tool_calls" once it made any).
+    on_tokens(previous, now, count): told each time a choice absorbs tokens (the request's metrics:
+             RequestWatch); ``previous`` is when its tokens before these came, None for its first.
     close(): the one place a choice lets go of its engine stream — cancel a first-delta wait still
              running (the generator's ``finally`` runs: admission slot, KV pages and cache locks
              are released), then aclose() the iterator (the same for a suspended one). Called from
@@ -33,6 +35,10 @@ from mm_pipeline.errors import generation_error
 from mm_pipeline.prompt.reasoning import ReasoningParser, ReasoningSplit, ThinkSyntax
 from mm_pipeline.server.responses import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 from mm_pipeline.prompt.tool_calls import ForcedCallParser, ToolCall, ToolCallParser
+
+
+# (when the choice's previous tokens came, None for its first; when these came; how many), time.perf_counter()
+TokenHook = Callable[[float | None, float, int], None]
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,22 @@ class ChoiceState:
     cached_tokens: int = 0
     encoder_cache_hits: int = 0  # encoder units taken from the cache (known from the first delta)
     first_token_at: float | None = None  # time.perf_counter() when the first token reached us
+    last_token_at: float | None = None  # ... when the latest tokens did
+    finished_at: float | None = None  # ... when the finished delta did: this choice's own end (n choices end apart)
     error: str | None = None
     error_kind: str | None = None  # with finish_reason "error": the engine's ErrorKind
     prompt_logprobs: Any = None  # llm_core PromptLogprobs of prompt tokens 1.. (prompt_logprobs asked)
     prompt_token_ids: list[int] | None = None  # the prompt as the engine ran it (from the first delta)
 
     def absorb(self, delta: Any) -> None:
-        if delta.new_token_ids and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+        if delta.new_token_ids or delta.finished:
+            now = time.perf_counter()
+            if delta.new_token_ids:
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self.last_token_at = now
+            if delta.finished:
+                self.finished_at = now
         self.text += delta.new_text or ""
         self.token_ids += list(delta.new_token_ids or ())
         self.logprobs += list(delta.logprobs or ())
@@ -87,8 +101,9 @@ class ChoiceStream:
 
     def __init__(self, index: int, stream: AsyncIterator[Any], reasoning: ThinkSyntax | None = None,
                  tool_calls: Callable[[], ToolCallParser | ForcedCallParser] | None = None,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None, on_tokens: TokenHook | None = None) -> None:
         self.index = index
+        self.on_tokens = on_tokens
         self.state = ChoiceState()
         self._stream = stream
         self._first: Any | None = None
@@ -122,7 +137,7 @@ class ChoiceStream:
     async def deltas(self) -> AsyncIterator[Any]:
         if self._first is not None:
             first, self._first = self._first, None
-            self.state.absorb(first)
+            self._absorb(first)
             yield first
             if first.finished:
                 self._done = True
@@ -132,7 +147,7 @@ class ChoiceStream:
             except StopAsyncIteration:
                 self._done = True
                 return
-            self.state.absorb(delta)
+            self._absorb(delta)
             yield delta
             if delta.finished:
                 self._done = True
@@ -201,6 +216,12 @@ class ChoiceStream:
         aclose = getattr(self._stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+    def _absorb(self, delta: Any) -> None:
+        previous = self.state.last_token_at
+        self.state.absorb(delta)
+        if delta.new_token_ids and self.on_tokens is not None:
+            self.on_tokens(previous, self.state.last_token_at, len(delta.new_token_ids))
 
     async def _first_delta(self) -> Any:
         return await self._stream.__anext__()

@@ -98,11 +98,13 @@ def test_each_app_has_its_own_registry_and_openmetrics_on_request():
 
 def test_ttft_tpot_and_lag_monitor():
     m = ServerMetrics()
-    m.observe_request(arrival=0.0, first_token=0.2, end=1.2, completion_tokens=11)  # TPOT 0.1 s
-    m.observe_request(arrival=0.0, first_token=None, end=0.5, completion_tokens=0)
-    count = {h: histogram_buckets(h)[-1][1] for h in (m.ttft, m.tpot, m.e2e)}
-    assert count == {m.ttft: 1, m.tpot: 1, m.e2e: 2}
-    assert histogram_quantile(m.tpot, 1.0) == 0.1
+    m.observe_tokens(arrival=0.0, previous=None, now=0.2, count=1)  # the first token: TTFT
+    m.observe_request(arrival=0.0, end=1.3, finish_reason="length", prompt_tokens=5, completion_tokens=11,
+                      first_token=0.2, last_token=1.2)  # TPOT 0.1 s
+    m.observe_request(arrival=0.0, end=0.5, finish_reason="abort", prompt_tokens=5, completion_tokens=0)
+    count = {h: histogram_buckets(h)[-1][1] for h in (m.ttft, m.request_tpot, m.e2e)}
+    assert count == {m.ttft: 1, m.request_tpot: 1, m.e2e: 2}
+    assert histogram_quantile(m.request_tpot, 1.0) == 0.1
 
     async def blocked_loop() -> float:
         mon = LoopLagMonitor(Histogram("lag", "t", buckets=(0.01, 0.1, 1.0), registry=None), interval_s=0.01)
@@ -135,8 +137,8 @@ def test_token_counters_and_per_generation_families():
     got = samples(ServerMetrics(lambda: a_snapshot(prompt_tokens=120, generation_tokens=45)).scrape()[0].decode())
     assert got[("mmserve_prompt_tokens_total", ())] == 120 and got[("mmserve_generation_tokens_total", ())] == 45
     m = ServerMetrics()
-    m.observe_request(0.0, 0.1, 0.5, completion_tokens=7, prompt_tokens=30, finish_reason="length")
-    m.observe_request(0.0, 0.1, 0.5, completion_tokens=2, prompt_tokens=600, finish_reason="stop")
+    m.observe_request(0.0, 0.5, "length", prompt_tokens=30, completion_tokens=7, first_token=0.1, last_token=0.5)
+    m.observe_request(0.0, 0.5, "stop", prompt_tokens=600, completion_tokens=2, first_token=0.1, last_token=0.5)
     got = samples(m.scrape()[0].decode())
     assert got[("mmserve_request_success_total", (("finished_reason", "length"),))] == 1
     assert got[("mmserve_request_prompt_tokens_sum", ())] == 630

@@ -372,7 +372,7 @@ def test_models_health_metrics(served):
     assert httpx.get(served.base_url + "/openapi.json").status_code == 200  # Starlette's own route: its template
     text_ = httpx.get(served.base_url + "/metrics").text
     assert 'mmserve_requests_total{endpoint="/openapi.json",status="200"}' in text_
-    for name in ("mmserve_time_to_first_token_seconds_count", "mmserve_time_per_output_token_seconds_bucket",
+    for name in ("mmserve_time_to_first_token_seconds_count", "mmserve_request_time_per_output_token_seconds_bucket",
                  'mmserve_kv_pool_free_pages{pool="full"}', 'mmserve_kv_pool_free_pages{pool="swa"}',
                  "mmserve_queue_depth", "mmserve_running", "mmserve_event_loop_lag_seconds_bucket",
                  'mmserve_encoder_cache_hits_total{tier=', 'mmserve_requests_total{endpoint="/health",status="200"}'):
