@@ -155,7 +155,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             if not body.stream:
                 result = await until_disconnected(request, run(body, info))
                 return JSONResponse(result.model_dump(exclude_none=False), headers=info.headers())
-            events, close = await until_disconnected(request, run_stream(body, info))
+            events, close = await until_disconnected(request, run_stream(body, info, request.url.path))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **info.headers()},

@@ -41,11 +41,15 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
-def error_event(exc: Exception) -> str:
+def error_event(exc: Exception, route: str | None = None, request_id: str | None = None) -> str:
     """A failure after the stream started can no longer change the HTTP status: it travels as one
-    event with the body the status would have had (its kind included)."""
+    event with the body the status would have had (its kind included). Its log line is the other
+    error lines' (errors.log_rejection), naming the request's id (the stream's ``X-Request-Id``) and
+    ``route``, which says the stream had started: ``chatcmpl-7f3a: POST '/v1/chat/completions
+    (stream already started)' -> 503 ...``."""
     err = to_api_error(exc)
-    log_rejection(err, "POST", "(stream already started)")
+    log_rejection(err, "POST", f"{route} (stream already started)" if route else "(stream already started)",
+                  request_id)
     return sse_event(err.body())
 
 

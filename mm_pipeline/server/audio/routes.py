@@ -116,12 +116,14 @@ async def _answer(request: Request, service: ChatService, settings: ServerSettin
         return Response(status_code=499)
     except MMServeError as exc:
         raise _named_by_form(exc) from exc.__cause__
-    return StreamingResponse(_events(chunks), media_type="text/event-stream",
+    return StreamingResponse(_events(chunks, request.url.path, info.request_id), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **info.headers()}, background=BackgroundTask(close))
 
 
-async def _events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
-    """The chat's chunks as vLLM's transcription chunks: text deltas and the end, then usage."""
+async def _events(chunks: AsyncIterator[ChatCompletionChunk], route: str, request_id: str | None
+                  ) -> AsyncIterator[str]:
+    """The chat's chunks as vLLM's transcription chunks: text deltas and the end, then usage; an
+    error's log line names ``route`` and ``request_id``."""
     try:
         async for c in chunks:
             head = {"id": c.id, "object": "transcription.chunk", "created": c.created, "model": c.model}
@@ -135,7 +137,7 @@ async def _events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[s
                 yield sse_event({**head, "choices": [{"delta": {"content": content or ""},
                                                       "finish_reason": choice.finish_reason, "stop_reason": None}]})
     except Exception as exc:
-        yield error_event(_named_by_form(exc) if isinstance(exc, MMServeError) else exc)
+        yield error_event(_named_by_form(exc) if isinstance(exc, MMServeError) else exc, route, request_id)
     yield DONE
 
 

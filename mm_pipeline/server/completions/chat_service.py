@@ -131,15 +131,17 @@ class ChatService:
                                 if req.logprobs else None)
                      for i, (a, s) in enumerate(zip(answers, states))])
 
-    async def chat_stream(self, req: ChatCompletionRequest,
-                          info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
+    async def chat_stream(self, req: ChatCompletionRequest, info: AnswerInfo | None = None,
+                          route: str | None = None) -> tuple[AsyncIterator[str], Callable]:
         """Start the request (errors raise here, before any byte is sent; ``info`` is filled) and
         return the SSE event iterator plus an idempotent ``close`` to call when the response ends
-        for any reason."""
+        for any reason. ``route``: the path the request came by, for the log line of an error the
+        stream carries."""
         # OpenAI's chunk shape, whatever the options: finish_reason and logprobs always (null until
         # set), the role in a choice's first delta only, and "usage" only with include_usage (null
         # in every chunk but the last, which carries it)
         leave_out = None if req.include_usage else {"usage"}
+        info = info if info is not None else AnswerInfo()
         chunks, close = await self.chat_chunks(req, info)
 
         async def events() -> AsyncIterator[str]:
@@ -147,7 +149,7 @@ class ChatService:
                 async for c in chunks:
                     yield sse_event(c.model_dump(exclude=leave_out))
             except Exception as exc:
-                yield error_event(exc)
+                yield error_event(exc, route, info.request_id)
             yield DONE
 
         return events(), close
@@ -264,8 +266,9 @@ class ChatService:
         return Completion(id=rid, created=int(time.time()), model=self.config.model_name, choices=out,
                           usage=prompts_usage(states, req.n))
 
-    async def complete_stream(self, req: CompletionRequest,
-                              info: AnswerInfo | None = None) -> tuple[AsyncIterator[str], Callable]:
+    async def complete_stream(self, req: CompletionRequest, info: AnswerInfo | None = None,
+                              route: str | None = None) -> tuple[AsyncIterator[str], Callable]:
+        """As ``chat_stream``, for a text completion."""
         arrival = time.perf_counter()
         rid, base = request_ids("cmpl", req.request_id)
         watch = RequestWatch(rid, arrival, req.n, self._observer)
@@ -318,7 +321,7 @@ class ChatService:
                     yield sse_event(Completion(id=rid, created=created, model=model, choices=[],
                                                usage=prompts_usage([c.state for c in choices], req.n)))
             except Exception as exc:
-                yield error_event(exc)
+                yield error_event(exc, route, rid)
             finally:  # every end: done, an error or abort, the client gone (request_watch.py)
                 watch.end(choices)
             yield DONE

@@ -151,7 +151,7 @@ class BackgroundResponses:
                 response.fail("server_error", SHUT_DOWN)
         except Exception as exc:  # noqa: BLE001 -- the response records it; nobody is left to answer it to
             if response.status in _RUNNING:  # else _stop's end state stands
-                record_failure(response, exc, f"/v1/responses (background {response.id})")
+                record_failure(response, exc, "/v1/responses (background)")
         try:
             await running.keep()
         except Exception:  # noqa: BLE001 -- a bug storing it: one traceback, and the task ends cleanly

@@ -46,9 +46,10 @@ def named_event(payload: dict[str, Any]) -> str:
 
 def record_failure(response: ResponseObject, exc: Exception, where: str) -> APIError:
     """Fail ``response`` with what ``exc`` answers as an HTTP error (its code, or kind, and its
-    public message), once the HTTP status can no longer say it; one log line names ``where``."""
+    public message), once the HTTP status can no longer say it; one log line names ``where`` and
+    the response's id (its ``X-Request-Id``), as the other error lines do."""
     err = to_api_error(exc)
-    log_rejection(err, "POST", where)
+    log_rejection(err, "POST", where, response.id)
     response.fail(err.code or err.kind or "server_error", err.message)
     return err
 

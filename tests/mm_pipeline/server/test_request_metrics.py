@@ -2,7 +2,7 @@
 is observed once however it ends -- a client leaving a stream or a request not streamed, an engine
 ending a stream in error or abort, a normal end (never twice) --; its time to first token when the
 token comes; every gap between a choice's tokens; each of n choices its own end; the request log
-line of a multi-prompt completion.
+line of a multi-prompt completion; a mid-stream error's log line naming the request.
 
 The engine is scripted (no model): each choice writes a number of tokens, ``per_delta`` at a time
 after ``gap_s``, then ends as told (or never, until it is closed).
@@ -144,16 +144,21 @@ def test_a_client_that_abandons_a_request_not_streamed_is_one_abort_with_its_fir
 @pytest.mark.parametrize("route,body", [("/v1/chat/completions", CHAT),
                                         ("/v1/completions", {"model": "paced", "prompt": "hi", "max_tokens": 64})])
 @pytest.mark.parametrize("end,status", [(("abort", None), 503), (("error", "internal"), 500)])
-def test_a_stream_the_engine_ends_in_error_is_counted(served, route, body, end, status):
+def test_a_stream_the_engine_ends_in_error_is_counted_and_its_log_line_names_it(served, caplog, route, body, end,
+                                                                                 status):
     served.engine.script = Script(tokens=(3,), end=end)
     before = scrape(served)
-    with httpx.stream("POST", served.base_url + route, json={**body, "stream": True}) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    with caplog.at_level(logging.INFO, logger="mmserve.server"):
+        with httpx.stream("POST", served.base_url + route, json={**body, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            rid = r.headers["x-request-id"]
     assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
     after = settle(served, before, lambda m: grown(before, m, "mmserve_request_success_total", finished_reason=end[0]))
     assert grown(before, after, "mmserve_request_success_total", finished_reason=end[0]) == 1
     assert grown(before, after, "mmserve_time_to_first_token_seconds_count") == 1
     assert grown(before, after, "mmserve_e2e_request_latency_seconds_count") == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "mmserve.server"]
+    assert any(m.startswith(f"{rid}: POST '{route} (stream already started)' -> {status} ") for m in logged), logged
 
 
 def test_normal_requests_are_counted_once_and_every_gap_between_tokens_is_observed(served):
