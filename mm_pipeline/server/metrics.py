@@ -13,7 +13,9 @@ choices), for every request however it ended (server/request_observer.py):
 Engine state is the engine's last published snapshot (mm_pipeline/runtime/stats.py), turned into
 metric families at scrape time by :class:`SnapshotCollector`: queue depth, running requests, KV pool
 pages, tokens and bytes per pool (the split), the context one request can hold, prefix / encoder
-cache hits per tier, decode pool, engine-loop counters.
+cache hits per tier, decode pool, engine-loop counters. A counter is a counter family (exposed
+with ``_total``), a current value a gauge, in the count maps too (``_counts``: the keys named in
+``*_GAUGES`` are gauges, every other key counts up).
 
 The registry is the app's own (``CollectorRegistry``), not prometheus_client's global one, so
 several apps in one process (tests, benchmarks) do not clash.
@@ -38,8 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
-                                            UnknownMetricFamily)
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from llm_core.engine.stats import EngineStats
 from mm_pipeline.runtime.stats import OmniStats
@@ -51,6 +52,11 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 TOKEN_COUNT_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 PREFIX = "mmserve_"
+# the keys of the engine's count maps that are current values (gauges); every other key counts up
+PREFIX_CACHE_GAUGES = frozenset({"tree_nodes", "tree_full_pages", "tree_swa_pages", "tree_tombstones", "l2_entries",
+                                 "l3_write_queue_bytes", "l3_loads_in_flight"})
+ENCODER_CACHE_GAUGES = frozenset({"pending_writes"})
+ENCODER_GAUGES = frozenset({"pending", "in_flight_units"})
 
 
 def histogram_buckets(h: Histogram) -> list[tuple[float, float]]:
@@ -293,9 +299,10 @@ def _labelled(family: type, name: str, doc: str, label: str, values: Mapping[str
     return m
 
 
-def _counts(group: str, doc: str, counts: Mapping[str, int], family: type = UnknownMetricFamily) -> Iterator[Metric]:
-    """A counter map kept under its owner's key names: ``name`` -> ``<group>_<name>``, and
-    ``name.kind`` -> ``<group>_<name>{kind="kind"}`` (one family per name)."""
+def _counts(group: str, doc: str, counts: Mapping[str, int], gauges: frozenset[str] = frozenset()) -> Iterator[Metric]:
+    """A count map kept under its owner's key names: ``name`` -> ``<group>_<name>``, and
+    ``name.kind`` -> ``<group>_<name>{kind="kind"}`` (one family per name); a name in ``gauges``
+    is a gauge, any other a counter (exposed as ``<group>_<name>_total``)."""
     by_name: dict[str, dict[str, float]] = {}
     for key, v in counts.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -303,6 +310,7 @@ def _counts(group: str, doc: str, counts: Mapping[str, int], family: type = Unkn
             by_name.setdefault(name, {})[kind] = v
     for name, values in sorted(by_name.items()):
         full = f"{group}_{name}"
+        family = GaugeMetricFamily if name in gauges else CounterMetricFamily
         if set(values) == {""}:
             yield family(PREFIX + full, doc, value=values[""])
         else:
@@ -331,7 +339,7 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
                    s.prefix_cache_query_tokens)
     yield _labelled(CounterMetricFamily, "prefix_cache_evicted_pages", "KV pages evicted from the prefix cache",
                     "pool", s.prefix_cache_evicted_pages)
-    yield from _counts("prefix_cache", "Prefix cache count", s.prefix_cache)
+    yield from _counts("prefix_cache", "Prefix cache count", s.prefix_cache, PREFIX_CACHE_GAUGES)
     yield from _spec_families(s)
 
 
@@ -360,12 +368,12 @@ def _omni_families(s: OmniStats) -> Iterator[Metric]:
     yield _gauge("requests_in_flight_limit", "Admitted requests beyond which new ones get 429",
                  s.requests_in_flight_limit)
     yield _gauge("engine_loop_requests", "Requests the engine loop delivers outputs to", s.engine_loop_requests)
-    yield from _counts("engine_loop", "Engine loop count", s.engine_loop, CounterMetricFamily)
+    yield from _counts("engine_loop", "Engine loop count", s.engine_loop)
     yield _labelled(CounterMetricFamily, "encoder_cache_hits", "Encoder cache hits", "tier", s.encoder_cache_hits)
     yield _counter("encoder_cache_misses", "Encoder cache misses", s.encoder_cache_misses)
-    yield from _counts("encoder_cache", "Encoder cache count", s.encoder_cache)
-    yield from _counts("encoder", "Encoder batcher count", s.encoder)
-    yield from _counts("media", "Media work count", s.media, CounterMetricFamily)
+    yield from _counts("encoder_cache", "Encoder cache count", s.encoder_cache, ENCODER_CACHE_GAUGES)
+    yield from _counts("encoder", "Encoder batcher count", s.encoder, ENCODER_GAUGES)
+    yield from _counts("media", "Media work count", s.media)
     yield _gauge("decode_pool_admitted", "Media calls running or queued on the decode workers",
                  s.decode_pool_admitted)
     yield _gauge("decode_pool_waiting", "Media calls waiting for a decode worker slot", s.decode_pool_waiting)

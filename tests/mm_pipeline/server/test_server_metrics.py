@@ -75,7 +75,7 @@ def test_snapshot_becomes_labelled_families():
         ("mmserve_prefix_cache_hit_tokens_total", (("tier", "l3"),)): 8,
         ("mmserve_prefix_cache_evicted_pages_total", (("pool", "swa"),)): 4, ("mmserve_prefix_cache_tree_nodes", ()): 9,
         ("mmserve_encoder_cache_hits_total", (("tier", "disk"),)): 2, ("mmserve_encoder_cache_misses_total", ()): 3,
-        ("mmserve_encoder_encoded", (("kind", "video"),)): 4, ("mmserve_media_images_decoded_total", ()): 2,
+        ("mmserve_encoder_encoded_total", (("kind", "video"),)): 4, ("mmserve_media_images_decoded_total", ()): 2,
         ("mmserve_engine_loop_steps_total", ()): 9, ("mmserve_requests_in_flight", ()): 4,
     }.items():
         assert got[(name, labels)] == value, (name, labels)
@@ -83,6 +83,25 @@ def test_snapshot_becomes_labelled_families():
     # an engine that only reports an LLM snapshot still gets its families; anything else, none
     assert ("mmserve_running", ()) in samples(ServerMetrics(lambda: a_snapshot().llm).scrape()[0].decode())
     assert not any(n.startswith("mmserve_running") for n, _ in samples(ServerMetrics(dict).scrape()[0].decode()))
+
+
+def test_every_count_is_a_typed_counter_with_total_and_every_current_value_a_gauge():
+    snap = dataclasses.replace(
+        a_snapshot(prefix_cache=frozen_map({"queries": 5, "trimmed_swa_pages": 2, "tree_nodes": 9, "l2_entries": 3})),
+        encoder_cache=frozen_map({"manifest_hits": 1, "manifest_misses": 2, "pending_writes": 0}),
+        encoder=frozen_map({"claims": 3, "forwards.vision": 2, "encoded.video": 4, "pending": 1, "in_flight_units": 2}))
+    families = {f.name: f for f in text_string_to_metric_families(ServerMetrics(lambda: snap).scrape()[0].decode())}
+    assert not [n for n, f in families.items() if f.type not in ("counter", "gauge", "histogram")]
+    for f in families.values():  # a counter's sample is <name>_total (its _created aside)
+        assert f.type != "counter" or all(s.name in (f.name + "_total", f.name + "_created") for s in f.samples), f
+    counters = {"prefix_cache_queries": 5, "prefix_cache_trimmed_swa_pages": 2, "encoder_cache_manifest_hits": 1,
+                "encoder_cache_manifest_misses": 2, "encoder_claims": 3, "encoder_forwards": 2, "encoder_encoded": 4}
+    for name, value in counters.items():
+        assert families["mmserve_" + name].type == "counter", name
+        assert sum(s.value for s in families["mmserve_" + name].samples) == value, name
+    for name in ("prefix_cache_tree_nodes", "prefix_cache_l2_entries", "encoder_cache_pending_writes",
+                 "encoder_pending", "encoder_in_flight_units", "running", "kv_pool_used_pages"):
+        assert families["mmserve_" + name].type == "gauge", name
 
 
 def test_each_app_has_its_own_registry_and_openmetrics_on_request():
