@@ -72,12 +72,12 @@ class CachedLayout:
         return audio_segment_key(mkey, self.audio, i)
 
     # ---- manifests --------------------------------------------------------------------------
-    def read(self, item: MediaItem, mkey: str) -> MediaPlan | None:
+    def read(self, item: MediaItem, mkey: str, *, count_miss: bool = True) -> MediaPlan | None:
         """``item``'s plan from its cached manifest: keys, sizes, timestamps and decoded bytes,
         without opening the media (no cached rows: the planner looks those up). None when the cache
         holds no manifest of that shape (missing or malformed: planned from the bytes and written
-        again)."""
-        manifest = self.cache.get(_manifest_key(mkey), manifest=True)
+        again). ``count_miss`` off: a miss is not counted (a read the planning pass repeats)."""
+        manifest = self.cache.get(_manifest_key(mkey), manifest=True, count_miss=count_miss)
         if manifest is None or manifest.ndim != 2 or manifest.shape[1] != 4 or manifest.shape[0] == 0:
             return None
         sound = [i for i, flag in enumerate(manifest[:, 2].tolist()) if flag]

@@ -76,11 +76,16 @@ class EncoderCache:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def get(self, key: str, manifest: bool = False) -> torch.Tensor | None:
+    def get(self, key: str, manifest: bool = False, *, count_hit: bool = True,
+            count_miss: bool = True) -> torch.Tensor | None:
         """Look ``key`` up tier by tier; a hit is copied into the tiers above it. ``manifest``: a
         media item's manifest (its units' sizes), counted apart (``manifest_hits`` /
         ``manifest_misses``) so that ``hits`` and ``misses`` count encoder units, as the
-        X-Encoder-Cache-Hits header and the stats line do."""
+        X-Encoder-Cache-Hits header and the stats line do.
+
+        A request's unit or manifest is counted by one lookup only: the planner decides which
+        (planner.py, "Counting lookups") and reads again with ``count_hit`` / ``count_miss``
+        off, so that ``hits + misses`` is the units requests asked for, not the reads made."""
         skey = self.namespace + key
         for i, tier in enumerate(self.tiers):
             blob = tier.get(skey)
@@ -92,11 +97,13 @@ class EncoderCache:
                 tier.delete(skey)  # intact entry, foreign content: drop it, keep looking
                 self._count("bad_values")
                 continue
-            self._count("manifest_hits" if manifest else f"hits.{self.tier_names[i]}")
+            if count_hit:
+                self._count("manifest_hits" if manifest else f"hits.{self.tier_names[i]}")
             if i > 0:
                 self._store(skey, blob, self.tiers[:i])
             return tensor
-        self._count("manifest_misses" if manifest else "misses")
+        if count_miss:
+            self._count("manifest_misses" if manifest else "misses")
         return None
 
     def put(self, key: str, tensor: torch.Tensor) -> None:

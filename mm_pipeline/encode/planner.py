@@ -22,6 +22,21 @@ r"""Media item -> encoder units: layout sizes first, then cache hits, joins or p
                         unit in flight for another request ─► join it (single flight)
                         else claim it ─► a producer task: decode ─► preprocess ─► batcher.submit
 
+Counting lookups: the encoder cache's hits / misses (units) and manifest_hits / manifest_misses
+count each request's lookups once, however often its plan reads the cache:
+
+    manifest    plan_warm's read counts its hit; its miss is not counted, the planning pass
+                (_plan_sync) reads again and that read counts, hit or miss
+    units       the planning lookup (_with_cached) counts, hit or miss: X-Encoder-Cache-Hits is its
+                hits. The producer's re-check before decoding (unit_producer._produce) counts
+                nothing there: a unit another request cached between this request's planning and
+                its claim was a miss when looked up and stays one, as a unit joined while another
+                request encodes it does; the re-check's finds are the count unit_hits_at_claim
+
+A request that joins another's planning pass (plan_joins) reads nothing itself and is not counted
+again. So a cold item then its repeat move hits and misses by its units once each, and the
+manifest counts as the per-kind manifest_hits / manifest_misses below do.
+
 Concurrent plans of one media key share one planning pass and its decoded inputs (a SingleFlight,
 the mechanism the batcher's unit claims use too). Plans are the types of mm_pipeline.encode.plan;
 the media and unit keys and the manifest are mm_pipeline.encode.cached_layout's; production
@@ -143,7 +158,8 @@ class MediaPlanner:
         is planned from that manifest too, exactly as ``plan`` would (a repeat, a new question
         about the same media). ``(item, plan)``; plan None: ``plan(item)`` plans it as usual (a
         manifest miss opens the media, and concurrent cold plans share one pass there -- the
-        manifest is then read a second time, a dict lookup in the memory tier); (None, None): a
+        manifest is then read a second time, a dict lookup in the memory tier, and that read is
+        the one the cache counts: this one counts only a hit); (None, None): a
         source only ``load`` takes (http(s), an uploaded file id, audio codes). ``layout_only``: as
         ``plan`` takes it."""
         if ref.source is None or not self.ingestor.ingests_locally(ref.source):
@@ -155,7 +171,7 @@ class MediaPlanner:
         mkey = self.cached_layout.media_key(item.content_key, item.kind, salt)
         if mkey in self._planning:
             return item, None  # join that pass (it may be decoding: its inputs are shared)
-        plan = self.cached_layout.read(item, mkey)
+        plan = self.cached_layout.read(item, mkey, count_miss=False)  # the planning pass counts a miss
         if plan is None:
             return item, None
         self._count(f"manifest_hits.{item.kind.value}")
@@ -216,7 +232,9 @@ class MediaPlanner:
         """Work done: probes, images_decoded, audio_decoded, audio_codes (pre-tokenized items
         loaded), video_chunks_decoded, video_containers_opened (the chunks of a video share open containers:
         media.decode.video_chunks.VideoContainers), unit_hits (units found in the encoder cache), plan_joins,
-        productions_restarted (units dropped as unwanted just as a request joined them, produced again);
+        unit_hits_at_claim (units another request cached between a request's planning and its claim,
+        found by the producer's re-check), productions_restarted (units dropped as unwanted just as a
+        request joined them, produced again);
         per modality (``name.kind``) manifest_hits and manifest_misses, and the ingestor's
         content_hashes, sniff_probes, sniff_memo_hits, early_decodes; plans_one_hop (planned from the
         manifest in ``plan_warm``, in the hop that ingested them); early_frames_used /

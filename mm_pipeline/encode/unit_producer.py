@@ -155,17 +155,22 @@ class UnitProducer:
         sampling = sample_frames(total, fps, self.config.video_sampling)
         return info, sampling, self.pre.video_size(h, w, sampling.num_frames)
 
-    def lookup(self, units: Sequence[UnitPlan]) -> dict[str, torch.Tensor]:
+    def lookup(self, units: Sequence[UnitPlan], count: bool = True) -> dict[str, torch.Tensor]:
         """Rows of the units the encoder cache holds (right size only), by key, on the encoder's
-        device (a worker thread's copy: ``Preprocessor.cached_rows``)."""
+        device (a worker thread's copy: ``Preprocessor.cached_rows``). ``count``: the planning
+        lookup, counted in the cache's hits / misses and ``unit_hits``; off: the re-check before
+        producing (``_produce``), whose finds are ``unit_hits_at_claim`` (planner.py, "Counting
+        lookups")."""
         found: dict[str, torch.Tensor] = {}
+        looked: set[str] = set()
         for unit in units:
-            if unit.key in found:
+            if unit.key in looked:  # a unit repeated in one item is one lookup
                 continue
-            rows = self.cache.get(unit.key)
+            looked.add(unit.key)
+            rows = self.cache.get(unit.key, count_hit=count, count_miss=count)
             if rows is not None and rows.shape[0] == unit.num_tokens:
                 found[unit.key] = self.pre.cached_rows(rows)
-                self._count("unit_hits")
+                self._count("unit_hits" if count else "unit_hits_at_claim")
         return found
 
     # ---- production (event loop) ------------------------------------------------------------
@@ -184,8 +189,9 @@ class UnitProducer:
         control = self.control(plan.item, wanted=lambda: any(self.batcher.wanted(k) for k in keys))
         try:
             # A unit may have been encoded (cached, then delivered) between this request's cache
-            # lookup and its claim: look once more before decoding anything.
-            found = await self.pool.run(self.lookup, [plan.units[i] for i in claimed])
+            # lookup and its claim: look once more before decoding anything. Not counted: the
+            # planning lookup counted these units already (a miss then, like a join in flight)
+            found = await self.pool.run(self.lookup, [plan.units[i] for i in claimed], False)
             for key, rows in found.items():
                 self.batcher.complete(key, rows)
                 open_keys.discard(key)
