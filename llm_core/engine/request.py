@@ -92,6 +92,10 @@ class Request:
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # tokens a prefix cache supplied at the last admission
+    # the most tokens this request has ever had: computed, or supplied by its first admission's
+    # prefix hit. A preemption drops its KV but not this mark: what a recompute computes below it is
+    # recomputed work, past it (and within the prompt) prompt tokens counted for the first time
+    num_computed_high: int = 0
     full_pages: list[int] = field(default_factory=list)
     swa_pages: list[int] = field(default_factory=list)
     swa_released_pages: int = 0  # swa_pages[:swa_released_pages] are all -1
@@ -260,7 +264,8 @@ class Request:
         return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens) if ids else ""
 
     def reset_for_recompute(self) -> None:
-        """Preempted: all KV is dropped; every token (prompt and generated) is computed again."""
+        """Preempted: all KV is dropped; every token (prompt and generated) is computed again
+        (``num_computed_high`` stays: what was computed once)."""
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.full_pages = []

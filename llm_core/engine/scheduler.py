@@ -84,7 +84,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by queue_policy.rank (oldest / most urgent first)
         self.num_preemptions = 0
-        self.num_prompt_tokens = 0  # counter: prompt tokens computed (prefilled) by steps; cache hits not
+        # counters, each request's tokens once, as vLLM counts them (its recompute after a preemption
+        # is not a new prompt): prompt tokens prefilled, the first admission's prefix hit not
+        # (Request.num_computed_high); and the tokens recomputed after preemptions (prompt and
+        # generated, below that mark), the preemptions' cost
+        self.num_prompt_tokens = 0
+        self.num_recomputed_tokens = 0
         # Prompt tokens the prefix cache supplied at each request's first admission: what its outputs
         # report (cached_prompt_tokens). Request.num_cached_tokens is the last admission's hit, which
         # the prefix cache counts in its stats; after a preemption that hit covers the request's own
@@ -186,8 +191,13 @@ class Scheduler:
                     break  # keep arrival order: do not let a smaller younger request jump the queue
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
-            self.prefix_cache.admitted(req)  # its lookup counts once, not once per step it waited
+            # its lookup counts once, not once per step it waited (a re-admission after a
+            # preemption apart: the prefix cache tells them by Request.num_preemptions)
+            self.prefix_cache.admitted(req)
             self._first_hits.setdefault(req, min(req.num_cached_tokens, req.num_prompt_tokens))
+            if req.num_preemptions == 0:
+                req.num_computed_high = req.num_computed_tokens  # the hit: not prompt work to count
+            self._count_progress(req, req.num_computed_tokens)  # a re-admission's hit past the mark
             bisect.insort(self.running, req, key=policy.rank)
             batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
             budget -= n
@@ -206,9 +216,8 @@ class Scheduler:
             end = e.end if computed_ends is None else computed_ends.get(id(e), e.end)
             if not e.start < end <= e.end:
                 raise RuntimeError(f"{req.request_id}: computed end {end} outside its step [{e.start}, {e.end}]")
-            # a recompute after a preemption counts its prompt again (it was computed again), not the
-            # generated tokens it also recomputes
-            self.num_prompt_tokens += max(0, min(end, req.num_prompt_tokens) - e.start)
+            self.num_recomputed_tokens += max(0, min(end, req.num_computed_high) - e.start)
+            self._count_progress(req, end)
             req.num_computed_tokens = end
             if end < e.end:
                 self._rollback(req)
@@ -238,6 +247,20 @@ class Scheduler:
             self._release_behind_window(req)
 
     # ---- internal helpers -------------------------------------------------------------------
+    def _count_progress(self, req: Request, end: int) -> None:
+        """``req`` has its tokens up to ``end``: count the prompt tokens past its mark, move the mark.
+
+            prompt P = 10 tokens, 4 of them a prefix hit at its first admission:
+            first admission   mark 4; steps compute 4..13 (3 generated): prompt tokens 6 (= P - hit),
+                              mark 13; then it is preempted
+            re-admission      a hit of 8 (its own pages, cached when it was preempted); steps
+                              compute 8..13 again: recomputed tokens 5, no prompt token (below 13)"""
+        high = req.num_computed_high
+        if end > high:
+            p = req.num_prompt_tokens
+            self.num_prompt_tokens += max(0, min(end, p) - min(high, p))
+            req.num_computed_high = end
+
     def _drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens for ``req`` this step, with pages for 1 + k tokens allocated (0: none, nothing
         allocated). Only a decoding request drafts: its one new token is its last sampled one."""

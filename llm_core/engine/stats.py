@@ -75,7 +75,11 @@ class EngineStats:
     prefix_cache: Mapping[str, int]
     taken_at: float  # time.monotonic() when built
     kv_l3_loading: int = 0  # waiting requests whose cached prefix is being read from L3 (not scheduled)
-    prompt_tokens: int = 0  # counter: prompt tokens computed by prefill (prefix-cache hits: prefix_cache_hit_tokens)
+    # counter: prompt tokens computed by prefill, each request's once (prefix-cache hits at its first
+    # admission: prefix_cache_hit_tokens; its recompute after a preemption: recomputed_tokens)
+    prompt_tokens: int = 0
+    # counter: tokens (prompt and generated) computed again after preemptions
+    recomputed_tokens: int = 0
     generation_tokens: int = 0  # counter: tokens generated (handed to requests)
     # speculative decoding (MTP), all zero / empty when it is off
     spec_draft_tokens: int = 0  # counter: draft tokens proposed
@@ -122,6 +126,7 @@ class EngineStats:
             taken_at=time.monotonic() if now is None else now,
             kv_l3_loading=sum(1 for r in scheduler.waiting if r.status is RequestStatus.LOADING),
             prompt_tokens=scheduler.num_prompt_tokens,
+            recomputed_tokens=scheduler.num_recomputed_tokens,
             generation_tokens=generation_tokens,
             **({} if speculative is None else dict(
                 spec_draft_tokens=speculative.draft_tokens, spec_accepted_tokens=speculative.accepted_tokens,

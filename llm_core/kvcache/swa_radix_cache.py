@@ -96,9 +96,14 @@ class SWARadixCache(PrefixCache):
         return p * self.page_size
 
     def admitted(self, request: Request) -> None:
-        self.counters["queries"] += 1
-        self.counters["query_tokens"] += request.num_tokens
-        self.counters["hit_tokens"] += request.num_cached_tokens
+        """Count the lookup: a request's first admission in queries / query_tokens (its prompt) /
+        hit_tokens; a re-admission after a preemption apart (preempted_*: it looks up its
+        generated tokens too, and finds its own pages), as vLLM's PrefixCacheStats does, so the
+        hit rate stays the prompts'."""
+        tag = "preempted_" if request.num_preemptions else ""
+        self.counters[f"{tag}queries"] += 1
+        self.counters[f"{tag}query_tokens"] += request.num_tokens
+        self.counters[f"{tag}hit_tokens"] += request.num_cached_tokens
 
     def prefetch(self, request: Request) -> bool:
         """With an L3 tier: start fetching the pages L1 + L2 lack on the tier's fetch thread; False

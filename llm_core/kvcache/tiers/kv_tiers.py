@@ -175,10 +175,11 @@ class KVTiers:
         if p2 == p:
             self._touch_l3(hashes[:p])
             return p
-        return self._materialize(cache, holder, keys, hashes, in_l1, found, memo, p, p2)
+        return self._materialize(cache, holder, keys, hashes, in_l1, found, memo, p, p2, request.num_preemptions > 0)
 
     def _materialize(self, cache: SWARadixCache, holder: Holder, keys: list[PageKey], hashes: list[bytes],
-                     in_l1: TreeMatch, found: dict[int, _TierPage], memo: dict, p: int, p2: int) -> int:
+                     in_l1: TreeMatch, found: dict[int, _TierPage], memo: dict, p: int, p2: int,
+                     preempted: bool = False) -> int:
         valid = in_l1.swa_valid
         m1, first = len(valid), window_first_page(p2, self.window, self.ps)
         # SWA-lock the L1 match's window too: if loading finds no room we fall back to it
@@ -205,11 +206,13 @@ class KVTiers:
         swa_src = [found[j].swa if j >= m1 else memo[hashes[j]].swa for j in swa_pages]
         add_layer_copies(copies, self.pool, "sliding", list(swa_pages.values()), swa_src)
         self.threads.submit(copies)
+        # per tier, as the cache's hit_tokens (SWARadixCache.admitted): a re-match after a preemption apart
+        tag = "preempted_" if preempted else ""
         for j in range(m1, p2):
-            self.counters[f"hit_tokens_{found[j].tier}"] += self.ps
+            self.counters[f"{tag}hit_tokens_{found[j].tier}"] += self.ps
         if min(m1, p2) > p:  # L1 Full pages made usable by SWA windows from the tiers
             tier = (found.get(p2 - 1) or memo[hashes[p2 - 1]]).tier if p2 - 1 in swa_pages else "l2"
-            self.counters[f"hit_tokens_{tier}"] += (min(m1, p2) - p) * self.ps
+            self.counters[f"{tag}hit_tokens_{tier}"] += (min(m1, p2) - p) * self.ps
         self.counters["swa_pages_loaded"] += len(swa_pages)
         self._touch_l3(hashes[:p2])
         cache.narrow_window(holder)  # the fallback's window is not read now: its SWA may be evicted

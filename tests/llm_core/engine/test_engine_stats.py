@@ -151,3 +151,37 @@ def test_token_counters_count_computed_prompt_and_generated_tokens(model, cachin
     assert (hits > 0) == caching
     assert stats.prompt_tokens == sum(map(len, prompts)) - hits
     assert stats.generation_tokens == sum(map(len, outputs.values())) == 3 + 4 + 5
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemptions_count_each_prompt_and_prefix_lookup_once(model, caching):
+    """A preempted request is recomputed; its prompt tokens and its prefix-cache lookup still count
+    once (its first admission), as vLLM counts them: the recompute is recomputed_tokens, its new
+    lookup preempted_* (it used to add its prompt to prompt_tokens again, and its whole sequence to
+    the queries and its own pages to the hits)."""
+    engine = LLMEngine(model, EngineConfig(page_size=4, num_full_tokens=200, num_swa_tokens=200,
+                                           enable_prefix_caching=caching, max_num_batched_tokens=16,
+                                           max_chunk_tokens=5))
+    shared = list(range(3, 23))
+    prompts = [shared + [100 + i] * 3 for i in range(5)] + [list(range(200 + 9 * i, 209 + 9 * i)) for i in range(3)]
+    outs = {}
+    for i, p in enumerate(prompts):  # all at once: they outgrow the pools and preempt each other
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    s = engine.publish_stats()
+    assert s.preemptions > 0 and all(o.finish_reason == "length" for o in outs.values())
+    hits = sum(s.prefix_cache_hit_tokens.values())
+    # the hits are the first admissions' (what each usage reports as cached)
+    assert hits == sum(o.num_cached_tokens for o in outs.values())
+    assert s.prompt_tokens == sum(map(len, prompts)) - hits
+    assert s.recomputed_tokens > 0
+    if caching:
+        assert hits > 0  # the shared prefix, once the first request computed it
+        assert s.prefix_cache["queries"] == len(prompts)
+        assert s.prefix_cache_query_tokens == sum(map(len, prompts))
+        assert s.prefix_cache["preempted_queries"] == s.preemptions  # every victim came back once
+    else:
+        assert s.prefix_cache_query_tokens == 0 and hits == 0
