@@ -185,6 +185,11 @@ class LLMReplica:
             raise stopped
         return self.engine.stats()
 
+    def replica_stats(self) -> tuple[str, OmniStats]:
+        """``stats()`` with this replica's Serve id: what the ingress's broadcast gathers from every
+        replica (replica_metrics.py labels each one's metrics with it)."""
+        return replica_name(), self.stats()
+
     def describe(self) -> dict[str, Any]:
         return {"model_name": self.engine.model_name}
 

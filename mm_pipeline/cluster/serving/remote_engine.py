@@ -19,11 +19,13 @@ same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in 
   shared encoder cache, where the LLM replica finds it;
 * ``prompt_token_ids`` (``POST /tokenize``) asks an LLM replica, where the chat template and the
   media planner are; ``max_model_len`` is the replicas' context limit from their stats;
-* ``stats()`` is the last snapshot a replica reported, refreshed in the background, so ``/health``
-  and ``/metrics`` never wait on a replica; a refresh waits at most ``STATS_TIMEOUT_S``, and once no
-  replica has answered for ``STATS_STALE_S`` ``stats()`` raises (``/health`` answers 503) instead of
-  serving an old snapshot of replicas that may all be gone. Not on the first failed refresh: with
-  several replicas one may fail while Serve replaces it, and /health must not flap meanwhile.
+* ``stats()`` is every LLM replica's last snapshot (:class:`ReplicaStats`: one Serve broadcast asks
+  them all, replica_metrics.py), refreshed in the background, so ``/health`` and ``/metrics`` never
+  wait on a replica; a replica that fails its answer (dying, its engine stopped) is left out of that
+  refresh. A refresh waits at most ``STATS_TIMEOUT_S``, and once no replica has answered for
+  ``STATS_STALE_S`` ``stats()`` raises (``/health`` answers 503) instead of serving old snapshots of
+  replicas that may all be gone. Not on the first failed refresh: while Serve replaces a replica
+  that stopped answering, /health must not flap.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailure
+from mm_pipeline.cluster.serving.replica_metrics import ReplicaStats
 from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
 from mm_pipeline.errors import InternalError, InvalidInputError, ServerBusy
@@ -117,7 +120,7 @@ class RemoteEngine:
         self._replica_gone = (ray.exceptions.RayActorError,)
         self._task_error = ray.exceptions.RayTaskError
         self._resolver: Callable[[str], tuple[bytes | Path, str | None]] | None = None
-        self._stats: Any = None
+        self._stats: ReplicaStats | None = None
         self._stats_at = 0.0
         self._stats_error: str | None = None  # why the last refresh failed; None once one succeeds
         self._refreshing: asyncio.Task | None = None
@@ -167,16 +170,16 @@ class RemoteEngine:
 
     @property
     def max_model_len(self) -> int:
-        """The replicas' context limit (one config for all), from the last stats snapshot one reported
-        (the ingress waits for a first one before it serves)."""
+        """The replicas' context limit (one config for all), from their last stats snapshots (the
+        ingress waits for a first one before it serves)."""
         if self._stats is None:
             raise ServerBusy("no LLM replica has reported its stats yet")
-        return self._stats.llm.max_context_tokens
+        return self._stats.max_context_tokens
 
     def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]]) -> None:
         self._resolver = fn
 
-    def stats(self) -> Any:
+    def stats(self) -> ReplicaStats:
         age = time.monotonic() - self._stats_at
         if age > STATS_MAX_AGE_S:
             self._refresh_soon()
@@ -187,8 +190,23 @@ class RemoteEngine:
                                f"(last error: {self._stats_error or 'none yet, still waiting'})")
         return self._stats
 
+    async def wait_for_replicas(self) -> None:
+        """The ingress's start: wait until an LLM replica answers, then take the snapshots. A routed
+        call first: it waits while Serve starts the replicas (the ingress may be up before them),
+        where a broadcast to none raises at once and failed the ingress's start."""
+        await own_request(self.handle.stats.remote)
+        await self.refresh_stats()
+
     async def refresh_stats(self) -> None:
-        self._stats = await own_request(self.handle.stats.remote)
+        """Ask every LLM replica for its snapshot (``LLMReplica.replica_stats``). Serve's broadcast,
+        not a routed call: one routed call reached whichever replica the router picked, and the
+        ingress's /metrics then jumped between replicas' counters. A replica whose answer fails is
+        left out; none answering fails the refresh (its first error)."""
+        answers = await self.handle.broadcast("replica_stats").results_async(return_exceptions=True)
+        got = dict(a for a in answers if not isinstance(a, BaseException))
+        if not got:
+            raise next((a for a in answers if isinstance(a, BaseException)), RuntimeError("no LLM replica answered"))
+        self._stats = ReplicaStats(got, time.monotonic())
         self._stats_at = time.monotonic()
 
     def shutdown(self) -> None:

@@ -108,7 +108,7 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
     from ray.serve.config import RequestRouterConfig
 
     from llm_core.llm import load_tokenizer
-    from mm_pipeline.server.app import create_app
+    from mm_pipeline.cluster.serving.replica_metrics import create_ingress_app
 
     if cluster.encoder_replicas and not (engine_config.cache_dir or engine_config.redis_url):
         raise ValueError("encoder replicas hand embeddings to the LLM replicas through the encoder cache: give "
@@ -118,8 +118,8 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
     # the ingress builds the requests' sampling: it applies the checkpoint's generation config (read
     # here, so a bad one fails the start, not each ingress replica)
     defaults = GenerationDefaults.load(model_dir, e.generation_config, e.override_generation_config)
-    # the ingress sees one LLM replica's snapshot at a time (whichever answers), so an interval's
-    # differences would mix replicas: the periodic engine line is a single-engine server's
+    # the ingress holds every LLM replica's snapshot (replica_metrics.py), not one engine's: the
+    # periodic engine line is a single-engine server's (each replica's numbers: the ingress's /metrics)
     settings = replace(settings, model_name=settings.model_name or Path(model_dir).name, log_stats_interval_s=0.0)
 
     router_kwargs: dict[str, Any] = {}
@@ -157,10 +157,10 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
                                        retries=cluster.retries, encoders=encoder_handle,
                                        encoder_timeout_s=cluster.encoder_timeout_s, generation_defaults=defaults,
                                        limits=engine_config.limits)
-            await self.engine.refresh_stats()  # fails the replica's start if no LLM replica answers
+            await self.engine.wait_for_replicas()  # fails the replica's start if no LLM replica answers
 
         def __serve_build_asgi_app__(self) -> Any:
-            return create_app(self.engine, settings)
+            return create_ingress_app(self.engine, settings)  # create_app + the replicas' engine metrics
 
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=cluster.ingress_replicas, max_ongoing_requests=1024,

@@ -180,20 +180,23 @@ def test_the_route_key_is_built_off_the_event_loop(monkeypatch):
 # ---- stats() and /health --------------------------------------------------------------------------
 
 class StatsHandle:
+    """The LLM deployment's ``broadcast("replica_stats")``: one replica, alive, gone or hanging."""
+
     def __init__(self) -> None:
         self.alive, self.hang = True, False
-        self.stats = self
 
-    def remote(self) -> Any:
-        async def call() -> Any:
+    def broadcast(self, method: str) -> Any:
+        assert method == "replica_stats"
+
+        async def results_async(**kwargs: Any) -> list[Any]:
             if self.hang:
                 await asyncio.Event().wait()
             if not self.alive:
                 import ray.exceptions
 
-                raise ray.exceptions.RayActorError()
-            return SimpleNamespace(to_dict=lambda: {"requests_in_flight": 0})
-        return call()
+                return [ray.exceptions.RayActorError()]
+            return [("replica-0", SimpleNamespace(to_dict=lambda: {"requests_in_flight": 0}))]
+        return SimpleNamespace(results_async=results_async)
 
 
 @pytest.fixture
@@ -257,12 +260,11 @@ def test_a_hung_stats_refresh_times_out(fast_stats):
 # ---- POST /tokenize on the ingress ------------------------------------------------------------------
 
 class TokenizeHandle:
-    """The LLM deployment's ``prompt_token_ids`` and ``stats``: answers ``answer`` (or raises it)."""
+    """The LLM deployment's ``prompt_token_ids`` (answers ``answer``, or raises it) and its stats broadcast."""
 
     def __init__(self, answer: Any) -> None:
         self.answer, self.calls = answer, []
         self.prompt_token_ids = SimpleNamespace(remote=self._tokenize)
-        self.stats = SimpleNamespace(remote=self._stats)
 
     async def _tokenize(self, **kwargs: Any) -> Any:
         self.calls.append(kwargs)
@@ -270,8 +272,10 @@ class TokenizeHandle:
             raise self.answer
         return self.answer
 
-    async def _stats(self) -> Any:
-        return SimpleNamespace(llm=SimpleNamespace(max_context_tokens=1234), to_dict=lambda: {})
+    def broadcast(self, method: str) -> Any:
+        async def results_async(**kwargs: Any) -> list[Any]:
+            return [("replica-0", SimpleNamespace(llm=SimpleNamespace(max_context_tokens=1234), to_dict=lambda: {}))]
+        return SimpleNamespace(results_async=results_async)
 
 
 def test_tokenize_asks_a_replica_and_raises_its_typed_errors():

@@ -154,6 +154,8 @@ def test_a_replica_whose_engine_stopped_is_unhealthy_and_sends_requests_back(mon
     replica = LLMReplica(str(DEMO_MODEL), OmniEngineConfig.from_kwargs(device="cpu", dtype="float32"))
     try:
         replica.check_health()  # a running engine is healthy
+        name, snapshot = replica.replica_stats()  # what the ingress's stats broadcast gathers
+        assert name == "local" and snapshot.llm.max_context_tokens > 0
         params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
 
         async def die_mid_request() -> tuple[object, list]:
@@ -177,6 +179,8 @@ def test_a_replica_whose_engine_stopped_is_unhealthy_and_sends_requests_back(mon
         assert routing["engine_stopped"] and math.isinf(routing["load_tokens"])
         with pytest.raises(stopped_type):
             replica.stats()  # the ingress's /health must not read its last snapshot as "ok"
+        with pytest.raises(stopped_type):
+            replica.replica_stats()  # left out of the ingress's snapshots
         later = asyncio.run(collect(replica.generate("prompt", [5, 6, 7], SamplingParams(max_tokens=2), "later")))
         assert len(later) == 1 and isinstance(later[0].error, stopped_type)
         sent = pickle.loads(pickle.dumps(later[0]))  # what reaches the ingress: still naming the replica

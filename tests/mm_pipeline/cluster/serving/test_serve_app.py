@@ -10,6 +10,7 @@ hands embeddings over through an encoder-cache directory all replicas see.
 * repeated media goes to the same encoder replica, which finds it cached; different media spread;
 * a conversation's turns land on one replica (each turn's cached tokens cover the previous prompt),
   and a second question about the same video hits that replica's encoder cache;
+* /metrics has a series per LLM replica (each engine family labelled with its replica);
 * killing an LLM replica under load loses no request and hangs none; Serve starts a new one.
 """
 
@@ -262,6 +263,26 @@ def test_conversation_and_repeated_media_stay_on_one_replica(cluster_url, reques
 
         port = request.getfixturevalue("redis_server")
         assert any(True for _ in redis.Redis(port=port).scan_iter("mmserve:router:b:*", count=1000))
+
+
+def test_metrics_have_a_series_per_llm_replica(cluster_url):
+    """The ingress's /metrics has every LLM replica's engine counters, each labelled with its replica
+    (Serve's broadcast); it used to export whichever replica answered its stats call, unlabelled, so
+    the counters jumped between replicas' values."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + 30  # refreshed at most every second
+    while True:
+        text = httpx.get(cluster_url + "/metrics", timeout=10).text
+        labels = [s.labels for f in text_string_to_metric_families(text) if f.name == "mmserve_generation_tokens"
+                  for s in f.samples]
+        if len(labels) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    replicas = {lab.get("replica") for lab in labels}
+    assert len(labels) == 2 and None not in replicas and len(replicas) == 2, labels
+    assert sorted(httpx.get(cluster_url + "/health", timeout=10).json()["stats"]["replicas"]) == sorted(replicas)
 
 
 def test_replica_killed_under_load_loses_nothing(cluster_url, ray_local):
