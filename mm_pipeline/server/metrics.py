@@ -325,6 +325,8 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield _counter("prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits not included)",
                    s.prompt_tokens)
     yield _counter("generation_tokens", "Tokens generated", s.generation_tokens)
+    yield _counter("recomputed_tokens", "Tokens computed again after preemptions (not prompt_tokens)",
+                   s.recomputed_tokens)
     yield _gauge("kv_page_size_tokens", "Tokens per KV page", s.kv_page_size)
     for field in ("total_pages", "used_pages", "free_pages", "peak_pages", "total_bytes"):
         yield _labelled(GaugeMetricFamily, f"kv_pool_{field}", f"KV pool {field.replace('_', ' ')}", "pool",

@@ -153,8 +153,10 @@ def test_speculative_counters_and_accepted_length_histogram():
 
 
 def test_token_counters_and_per_generation_families():
-    got = samples(ServerMetrics(lambda: a_snapshot(prompt_tokens=120, generation_tokens=45)).scrape()[0].decode())
+    got = samples(ServerMetrics(lambda: a_snapshot(prompt_tokens=120, generation_tokens=45,
+                                                   recomputed_tokens=33)).scrape()[0].decode())
     assert got[("mmserve_prompt_tokens_total", ())] == 120 and got[("mmserve_generation_tokens_total", ())] == 45
+    assert got[("mmserve_recomputed_tokens_total", ())] == 33  # apart from the prompt tokens (preemptions)
     m = ServerMetrics()
     m.observe_request(0.0, 0.5, "length", prompt_tokens=30, completion_tokens=7, first_token=0.1, last_token=0.5)
     m.observe_request(0.0, 0.5, "stop", prompt_tokens=600, completion_tokens=2, first_token=0.1, last_token=0.5)
