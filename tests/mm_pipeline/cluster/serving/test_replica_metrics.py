@@ -99,7 +99,7 @@ def test_each_replica_has_its_own_series_and_no_counter_goes_backwards(monkeypat
 
 def _ingress_own(name: str) -> bool:
     """The ingress's own families (HTTP requests, latencies, its event loop), not an engine's."""
-    own = ("mmserve_requests", "mmserve_request_", "mmserve_time_", "mmserve_e2e_", "mmserve_event_loop_",
+    own = ("mmserve_requests", "mmserve_request_", "mmserve_time_", "mmserve_e2e_", "mmserve_inter_token_", "mmserve_event_loop_",
            "mmserve_http_")
     return name.startswith(own)
 
