@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal, TextIO
 
 from mm_pipeline.jobs.resume import done_keys as jsonl_done_keys
-from mm_pipeline.jobs.resume import iter_lines, iter_rows, open_output, parse_row
+from mm_pipeline.jobs.resume import check_format, iter_lines, iter_rows, open_output, parse_row
 from mm_pipeline.jobs.shard_journal import SHARD_GLOB
 
 OutputFormat = Literal["jsonl", "parquet"]
@@ -56,10 +56,9 @@ class JobOutput:
     def __post_init__(self) -> None:
         if self.format not in ("jsonl", "parquet"):
             raise ValueError(f"output format must be jsonl or parquet, got {self.format!r}")
-        if self.format == "parquet" and self.path.exists() and self.path.stat().st_size:
-            with self.path.open("rb") as f:
-                if f.read(4) != b"PAR1":  # appending Parquet rows to a JSONL file would lose them
-                    raise ValueError(f"{self.path} exists and is not a Parquet file")
+        # the merge replaces the file with its rows and ours: a file in the other format would
+        # be read as no rows and lost (OutputFileError, a ValueError: a usage error)
+        check_format(self.path, self.format)
 
     @property
     def parts_dir(self) -> Path:
@@ -76,7 +75,13 @@ class JobOutput:
         the lock a single-process job holds, so two jobs writing one output fail the second with the
         same ``OutputFileError``.  Nothing is written through it: the merge replaces the file whole,
         the new file locked before it takes the name (see ``merge``)."""
-        return open_output(self.path, end_torn_line=False)
+        held = open_output(self.path, end_torn_line=False)
+        try:
+            check_format(self.path, self.format)  # again under the lock: the file may have changed
+        except ValueError:
+            held.close()
+            raise
+        return held
 
     def done_keys(self) -> set[str]:
         """Keys with a row in the final file or in any shard."""

@@ -31,13 +31,37 @@ _SKIP_CHUNK = 64 << 10  # how much of a skipped line is held at once
 
 
 class OutputFileError(ValueError):
-    """The output file cannot take a job's rows: a directory, not creatable, or another job's."""
+    """The output file cannot take a job's rows: a directory, not creatable, another job's, or in
+    the other format (``check_format``)."""
+
+
+PARQUET_MAGIC = b"PAR1"
+
+
+def check_format(out_path: Path, fmt: str) -> None:
+    """Raise ``OutputFileError`` when the existing ``out_path`` is not in ``fmt`` ("jsonl" or
+    "parquet"): the one check for every job.  A JSONL job would read a Parquet file's rows as none
+    and (``--ray``'s merge) replace them, or append lines to it; a Parquet merge would replace a
+    JSONL file's rows.  An empty or missing file takes either."""
+    try:
+        with out_path.open("rb") as f:
+            head = f.read(len(PARQUET_MAGIC))
+    except (FileNotFoundError, IsADirectoryError):
+        return  # open_output says what is wrong with a directory
+    if not head:
+        return
+    if fmt == "parquet" and head != PARQUET_MAGIC:
+        raise OutputFileError(f"{out_path} exists and is not a Parquet file; give another output "
+                              f"(or leave --format parquet out to add JSONL rows to it)")
+    if fmt != "parquet" and head == PARQUET_MAGIC:
+        raise OutputFileError(f"{out_path} is a Parquet file; give --format parquet with --ray to add "
+                              f"rows to it, or another output")
 
 
 def open_output(out_path: Path, end_torn_line: bool = True) -> TextIO:
     """``out_path`` open to append rows, locked until it is closed: its parent directory created, a
-    torn last line ended.  Raises ``OutputFileError`` (before any row is written).
-    ``end_torn_line=False``: the file is only locked, never written through this handle (a ``--ray``
+    torn last line ended.  Raises ``OutputFileError`` (before any row is written), also for a Parquet
+    file, which JSONL rows must not be appended to (``check_format``).  ``end_torn_line=False``: the file is only locked, never written through this handle (a ``--ray``
     job replaces it whole when it merges, and a Parquet file must not get a newline appended)."""
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +77,12 @@ def open_output(out_path: Path, end_torn_line: bool = True) -> TextIO:
         out.close()
         raise OutputFileError(f"{out_path} is being written by another job (it holds the file's lock); "
                               f"let that one finish or write to another file") from None
+    if end_torn_line:
+        try:
+            check_format(out_path, "jsonl")
+        except OutputFileError:
+            out.close()
+            raise
     size = os.fstat(out.fileno()).st_size
     if end_torn_line and size and os.pread(out.fileno(), 1, size - 1) != b"\n":
         out.write("\n")  # a torn last line: start ours on a fresh line

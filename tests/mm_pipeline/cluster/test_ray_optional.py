@@ -51,6 +51,23 @@ def test_ray_flags_are_checked_before_anything_starts(argv, message, capsys, mon
     assert rc == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("ray", [[], ["--ray"]])
+def test_a_jsonl_caption_job_refuses_a_parquet_output(ray, tmp_path, capsys, monkeypatch):
+    """``caption --ray`` without ``--format parquet`` replaced a Parquet output's rows with its own:
+    refused (and without --ray too) before a model loads or a cluster starts."""
+    from mm_pipeline.cli import main
+    from tests.support.paths import DEMO_MODEL
+
+    if not (DEMO_MODEL / "config.json").is_file():
+        pytest.skip("needs the demo model directory (only its config is read)")
+    monkeypatch.setattr("mm_pipeline.cli.load_engine", lambda *a: pytest.fail("the engine must not load"))
+    out = tmp_path / "c.parquet"
+    out.write_bytes(b"PAR1" + bytes(8) + b"PAR1")
+    rc = main(["caption", str(SAMPLE_MEDIA / "image_000001.png"), "--model", str(DEMO_MODEL), "--out", str(out), *ray])
+    assert rc == 2 and "is a Parquet file; give --format parquet" in capsys.readouterr().err
+    assert out.read_bytes() == b"PAR1" + bytes(8) + b"PAR1"
+
+
 def test_ray_options_come_from_a_config_file_too(tmp_path):
     from mm_pipeline.cli import parse_args
 

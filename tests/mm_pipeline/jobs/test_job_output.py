@@ -71,6 +71,34 @@ def test_parquet_refuses_to_replace_a_jsonl_file(tmp_path):
         JobOutput(tmp_path / "o.csv", key="input", format="csv")  # type: ignore[arg-type]
 
 
+def test_a_jsonl_job_refuses_a_parquet_output(tmp_path):
+    """A JSONL job (``caption --ray`` without ``--format parquet``) read a Parquet output as no rows
+    and its merge replaced them with the new rows only; the single-process job appended JSON lines
+    to it.  Both are refused, by the one check (``resume.check_format``)."""
+    from mm_pipeline.jobs.resume import OutputFileError, check_output, open_output
+
+    out = tmp_path / "o.parquet"
+    first = JobOutput(out, key="input", format="parquet")
+    ShardJournal(first.shard_path("r1")).append(_row("a"))
+    first.merge(["a"])
+    before = out.read_bytes()
+    with pytest.raises(OutputFileError, match="is a Parquet file; give --format parquet"):
+        JobOutput(out, key="input")
+    with pytest.raises(OutputFileError, match="is a Parquet file"):
+        check_output(out)
+    with pytest.raises(OutputFileError, match="is a Parquet file"):
+        open_output(out)
+    assert out.read_bytes() == before  # nothing appended, nothing replaced
+    # the file turned Parquet after the check: the lock (taken before the done keys) says so too
+    jsonl = tmp_path / "o.jsonl"
+    later = JobOutput(jsonl, key="input")
+    jsonl.write_bytes(before)
+    with pytest.raises(OutputFileError, match="is a Parquet file"):
+        later.lock()
+    open_output(jsonl, end_torn_line=False).close()  # the refused lock was let go
+    assert [r["input"] for r in JobOutput(out, key="input", format="parquet").final_rows()] == ["a"]
+
+
 def test_replica_stats_busy_time_restarts_and_cache():
     r = ReplicaStats("abc")
     r.add_batch(node="n1", pid=1, start=0.0, end=2.0, items=4, failed=1, cache={"encoder_cache_hits.redis": 3})
