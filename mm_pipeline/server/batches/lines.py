@@ -119,7 +119,7 @@ def parse_line(number: int, raw: str | bytes | LineTooLong, limits: JSONLimits |
         return BatchLine(number, None, None, (None, *problem))
     if not isinstance(obj, dict):
         return BatchLine(number, None, None, (None, "invalid_request", f"line {number}: not a JSON object"))
-    cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) and obj["custom_id"] else None
+    cid = _id_in(obj)
     if (problem := header_problem(number, obj)) is not None:
         return BatchLine(number, cid, None, (None, *problem))
     model_cls = URLS.get(obj.get("url"))
@@ -178,12 +178,15 @@ def _newline_bytes(line: bytes) -> int:
 
 
 def custom_id_of(raw: str | bytes | LineTooLong) -> str | None:
-    if not isinstance(raw, str):
-        return None
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError):  # parse_line makes the line's error row
-        return None
+    """The custom_id ``parse_line`` gives the line's output row, or None where that row has none (a
+    line ``load_line`` refuses -- not JSON, not UTF-8, a lone surrogate escape -- or no custom_id):
+    the same check, so a job never expects a row under an id its answer drops."""
+    obj, problem = load_line(0, raw)
+    return None if problem is not None else _id_in(obj)  # parse_line makes the line's error row
+
+
+def _id_in(obj: Any) -> str | None:
+    """The custom_id of a loaded line (``parse_line`` and ``custom_id_of`` alike)."""
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
     return cid if isinstance(cid, str) and cid else None
 
