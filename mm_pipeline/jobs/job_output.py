@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal, TextIO
 
 from mm_pipeline.jobs.resume import done_keys as jsonl_done_keys
-from mm_pipeline.jobs.resume import check_format, iter_lines, iter_rows, open_output, parse_row
+from mm_pipeline.jobs.resume import check_format, iter_lines, iter_rows, open_output, parse_row, row_bytes
 from mm_pipeline.jobs.shard_journal import SHARD_GLOB
 
 OutputFormat = Literal["jsonl", "parquet"]
@@ -197,8 +196,7 @@ class JobOutput:
         if self.format == "jsonl":
             with tmp.open("wb") as f:
                 for row in rows():
-                    # backslashreplace: a lone surrogate (a name that is not UTF-8) as open_output writes it
-                    f.write(json.dumps(row, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n")
+                    f.write(row_bytes(row))
                     n += 1
             return n
         import pyarrow as pa

@@ -90,6 +90,13 @@ def open_output(out_path: Path, end_torn_line: bool = True) -> TextIO:
     return out
 
 
+def row_bytes(row: dict) -> bytes:
+    """One output line, as every writer writes a row (``open_output``'s file, a shard, the merge):
+    raw UTF-8 (``ensure_ascii=False``), a lone surrogate (a file name that is not UTF-8) as its JSON
+    ``\\u`` escape (backslashreplace), which ``parse_row`` reads back to the same string."""
+    return json.dumps(row, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n"
+
+
 def check_output(out_path: Path) -> None:
     """What ``open_output`` checks, done before a model loads (it creates the file when missing)."""
     open_output(out_path).close()

@@ -15,12 +15,11 @@ filesystem path.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
-from mm_pipeline.jobs.resume import iter_lines, parse_row
+from mm_pipeline.jobs.resume import iter_lines, parse_row, row_bytes
 
 SHARD_GLOB = "shard-*.jsonl"
 
@@ -37,7 +36,7 @@ class ShardJournal:
             self._f.write(b"\n")
 
     def append(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+        self._f.write(row_bytes(row))  # as the final file's rows: a non-UTF-8 name does not end the replica
         self._f.flush()  # visible to other processes (and surviving this one's death) at once
 
     def sync(self) -> None:

@@ -99,6 +99,25 @@ def test_a_jsonl_job_refuses_a_parquet_output(tmp_path):
     assert [r["input"] for r in JobOutput(out, key="input", format="parquet").final_rows()] == ["a"]
 
 
+def test_a_name_that_is_not_utf8_is_journaled_and_merged_under_its_own_key(tmp_path):
+    """A shard encoded rows strictly: a file name that is not UTF-8 (a lone surrogate in Python)
+    ended the replica at its row.  Every writer now writes a row as ``resume.row_bytes`` does, and
+    the row reads back under the same key (the index, resume and the merge all find it)."""
+    import os
+
+    name = os.fsdecode(b"caf\xe9.jpg")  # 'caf\udce9.jpg'
+    out = JobOutput(tmp_path / "o.jsonl", key="input")
+    journal = ShardJournal(out.shard_path("r1"))
+    journal.append(_row(name))
+    journal.append(_row("ok.png"))
+    index = ShardIndex(out.parts_dir, "input")
+    index.refresh()
+    assert set(index.rows) == {name, "ok.png"} and out.done_keys() == {name, "ok.png"}
+    assert out.merge([name, "ok.png"]).rows == 2
+    assert [r["input"] for r in out.final_rows()] == [name, "ok.png"]
+    assert b"caf\\udce9.jpg" in out.path.read_bytes()  # its JSON escape, as the plain job writes it
+
+
 def test_replica_stats_busy_time_restarts_and_cache():
     r = ReplicaStats("abc")
     r.add_batch(node="n1", pid=1, start=0.0, end=2.0, items=4, failed=1, cache={"encoder_cache_hits.redis": 3})
