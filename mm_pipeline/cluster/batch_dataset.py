@@ -1,7 +1,7 @@
 """``mmserve batch --ray``: an OpenAI Batch file answered by replicas on Ray Data, the file streamed.
 
-    input file ─► driver, one pass a line at a time (plan_input): counts, the custom_ids the merge
-                  checks, and the byte ranges ("chunks") of the lines still to answer
+    input file ─► driver, one pass a line at a time (plan_input): counts, the keys the merge checks
+                  (custom_ids; line numbers of lines without one), and the byte ranges ("chunks") of the lines still to answer
       ─► ray.data.from_items(chunks, a block each)                     three numbers per chunk
       ─► map_batches(read_chunks)   IO tasks, no Ray CPU: a chunk's lines read from the file
       ─► map_batches(BatchReplica)  actors, one engine each, lines journaled to shards
@@ -12,7 +12,7 @@ The driver never holds the lines: the replicas get them from read tasks, which R
 replicas need more (its backpressure, with the job's byte limit: CHUNKS_IN_FLIGHT chunks a replica,
 or ``read_ahead_bytes``), so the lines in flight are a few chunks per replica, whatever the file's
 size.  What the driver keeps grows only with the keys, as the merge needs them (see
-job_output.py): the custom_ids, one small record per chunk, the result keys it has seen.
+job_output.py): the lines' keys, one small record per chunk, the result keys it has seen.
 Lines are parsed on the replicas (``parse_line``, never raises), so a broken line is an error line
 in the output, as without ``--ray``.  The input must not change while the job runs: the chunks are
 byte ranges of the file the plan read (a line that went missing is named by the merge).
@@ -32,8 +32,9 @@ from mm_pipeline.cluster.batch_replica import BatchReplica
 from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig, configure_data, run_replicas
 from mm_pipeline.cluster.job_replica import ReplicaSpec
 from mm_pipeline.jobs.batch import BatchSummary
-from mm_pipeline.server.batches.lines import custom_id_of, decode_line
+from mm_pipeline.server.batches.lines import decode_line, line_key
 from mm_pipeline.jobs.progress import Progress
+from mm_pipeline.jobs.resume import RowKey
 
 # A chunk is at most this many bytes of the file or CHUNK_BATCHES replica batches of lines: it is
 # one read task and one block, so this bounds the lines one read holds and what a replica is
@@ -73,16 +74,17 @@ class LineChunk:
 @dataclass
 class InputPlan:
     total: int = 0  # non-blank lines
-    skipped: int = 0  # of them, lines whose custom_id already has an output row
-    expected: list[str] = field(default_factory=list)  # every custom_id, in file order (the merge's order)
+    skipped: int = 0  # of them, lines that already have an output row
+    # every line's key (its custom_id, else its line number: resume.row_key), in file order (the merge's)
+    expected: list[RowKey] = field(default_factory=list)
     chunks: list[LineChunk] = field(default_factory=list)  # the lines to answer, every one in one chunk
 
 
-def plan_input(path: Path, done: Container[str], limits: ChunkLimits = ChunkLimits()) -> InputPlan:
-    """One pass over ``path``, a line at a time: a line with a custom_id in ``done`` is skipped (it
-    ends the chunk before it), every other non-blank line falls in a chunk, in file order.  Lines
-    without a custom_id (broken ones) are not told done here: they run again (without ``--ray`` their
-    error rows' ``error.line`` keeps them from it)."""
+def plan_input(path: Path, done: Container[RowKey], limits: ChunkLimits = ChunkLimits()) -> InputPlan:
+    """One pass over ``path``, a line at a time: a line whose key is in ``done`` is skipped (it ends
+    the chunk before it), every other non-blank line falls in a chunk, in file order.  A line's key
+    is its custom_id, or for a line without one (broken: its row is an error naming the line) its
+    line number, as ``batch`` without ``--ray`` knows it (``line_key``)."""
     plan = InputPlan()
     start = first = lines = end = 0  # the open chunk: its range so far and pending lines (0: none open)
     offset = 0
@@ -100,13 +102,12 @@ def plan_input(path: Path, done: Container[str], limits: ChunkLimits = ChunkLimi
             if raw is None:
                 continue  # blank: inside a chunk the reader passes over it too
             plan.total += 1
-            cid = custom_id_of(raw)
-            if cid is not None:
-                plan.expected.append(cid)
-                if cid in done:
-                    plan.skipped += 1
-                    close()
-                    continue
+            key = line_key(n, raw)
+            plan.expected.append(key)
+            if key in done:
+                plan.skipped += 1
+                close()
+                continue
             if lines and offset - start > limits.bytes:
                 close()  # this line would take the chunk past its bytes: it starts the next one
             if not lines:

@@ -10,7 +10,8 @@ import numpy as np
 
 from mm_pipeline.cluster.job_replica import JobReplica, ReplicaSpec
 from mm_pipeline.jobs.batch import BatchJob
-from mm_pipeline.server.batches.lines import custom_id_of, decode_line, failure_message, parse_line
+from mm_pipeline.jobs.resume import RowKey
+from mm_pipeline.server.batches.lines import decode_line, failure_message, line_key, parse_line
 
 
 def line_of(raw: Any) -> str | bytes:
@@ -29,8 +30,9 @@ class BatchReplica(JobReplica):
         self.job = BatchJob(self.engine, default_max_tokens=default_max_tokens, reasoning_parser=reasoning_parser,
                             tool_call_parser=tool_call_parser)
 
-    def keys(self, batch: dict[str, np.ndarray]) -> list[str | None]:
-        return [custom_id_of(line_of(raw)) for raw in batch["raw"]]
+    def keys(self, batch: dict[str, np.ndarray]) -> list[RowKey | None]:
+        # as the plan keys the lines: a retried batch skips a journaled line without a custom_id too
+        return [line_key(int(n), line_of(raw)) for n, raw in zip(batch["number"], batch["raw"])]
 
     async def answer(self, batch: dict[str, np.ndarray], i: int, n: int) -> dict[str, Any]:
         return await self.job.answer(parse_line(int(batch["number"][i]), line_of(batch["raw"][i])))

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mm_pipeline.jobs.job_output import JobOutput
+from mm_pipeline.jobs.resume import RowKey
 from mm_pipeline.jobs.shard_journal import ShardIndex, ShardJournal
 
 # the result columns every replica returns (besides nothing else: the rows are in the shards)
@@ -81,8 +82,9 @@ class JobReplica(ABC):
 
     # ---- subclass interface -----------------------------------------------------------------
     @abstractmethod
-    def keys(self, batch: dict[str, np.ndarray]) -> list[str | None]:
-        """The key of each input of ``batch`` (None: an input that cannot be deduplicated)."""
+    def keys(self, batch: dict[str, np.ndarray]) -> list[RowKey | None]:
+        """The key of each input of ``batch``, as ``resume.row_key`` reads it from the input's row
+        (None: an input that cannot be deduplicated)."""
 
     @abstractmethod
     async def answer(self, batch: dict[str, np.ndarray], i: int, n: int) -> dict[str, Any]:
@@ -115,7 +117,8 @@ class JobReplica(ABC):
         self.journal.sync()
         end = time.time()
         cache = json.dumps(self.cache_counters())
-        return {"key": [k or "" for k in keys],
+        # the result's key column is text: a line number (a batch line without a custom_id) is ""
+        return {"key": [k if isinstance(k, str) else "" for k in keys],
                 "error": [r[0] or "" for r in results],
                 "tokens": [r[1] for r in results],
                 "journaled": [r[2] for r in results],

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_core.engine.sampling import SamplingParams
-from mm_pipeline.jobs.resume import iter_rows, open_output
+from mm_pipeline.jobs.resume import done_keys, open_output
 from mm_pipeline.jobs.progress import FAILURES_SHOWN, Progress
 from mm_pipeline.jobs.replica_stats import ReplicaStats
 from mm_pipeline.server.batches.lines import (BatchLine, answer_line, failure_message, input_lines, parse_line,
@@ -94,12 +94,8 @@ def done_lines(out_path: Path) -> tuple[set[str], set[int]]:
     numbers (``error.line``) of its rows without one.  Streamed: memory for the keys, not the rows."""
     ids: set[str] = set()
     numbers: set[int] = set()
-    for row in iter_rows(out_path):
-        cid, error = row.get("custom_id"), row.get("error")
-        if isinstance(cid, str):
-            ids.add(cid)
-        elif cid is None and isinstance(error, dict) and type(error.get("line")) is int:
-            numbers.add(error["line"])
+    for k in done_keys(out_path, "custom_id"):  # resume.row_key: the rule --ray keys rows by too
+        (ids if isinstance(k, str) else numbers).add(k)
     return ids, numbers
 
 

@@ -8,8 +8,9 @@ Resume reads both (``done_keys``): rows of an earlier finished run in the final 
 an interrupted run still in the shards.  ``merge`` is the exactly-once check: it takes the final
 file's rows, then the shards' rows, keeps the first row of each key (a later copy is counted in
 ``duplicates``), refuses to finish while an expected key has no row (the parts stay for a re-run),
-and replaces the final file atomically.  Rows without a key (batch lines with no custom_id) cannot
-be deduplicated and are all kept, as the single-process batch job keeps them.
+and replaces the final file atomically.  A row's key is ``resume.row_key``: its key field, or for a
+batch line without a custom_id the input line number its error names, as the single-process batch
+job knows it; rows naming no input at all are all kept.
 
 Everything here streams rows (``resume.iter_lines``): a job's driver holds its keys (and where each
 new row lies in its shard), never its rows.  The merge reads the keys first, then writes the rows,
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal, TextIO
 
-from mm_pipeline.jobs.resume import done_keys as jsonl_done_keys
-from mm_pipeline.jobs.resume import check_format, iter_lines, iter_rows, open_output, parse_row, row_bytes
+from mm_pipeline.jobs.resume import RowKey, done_keys as jsonl_done_keys
+from mm_pipeline.jobs.resume import check_format, iter_lines, iter_rows, open_output, parse_row, row_bytes, row_key
 from mm_pipeline.jobs.shard_journal import SHARD_GLOB
 
 OutputFormat = Literal["jsonl", "parquet"]
@@ -82,40 +83,40 @@ class JobOutput:
             raise
         return held
 
-    def done_keys(self) -> set[str]:
+    def done_keys(self) -> set[RowKey]:
         """Keys with a row in the final file or in any shard."""
-        done = {k for k in self._final_keys() if isinstance(k, str)}
+        done = {k for k in self._final_keys() if k is not None}
         for shard in self.shard_paths():
             done |= jsonl_done_keys(shard, self.key)
         return done
 
-    def merge(self, expected: Iterable[str]) -> MergeReport:
+    def merge(self, expected: Iterable[RowKey]) -> MergeReport:
         """Final rows + shard rows -> the final file, each key once, new rows in ``expected``'s order.
         Raises ``IncompleteJobError`` naming the keys of ``expected`` that have no row."""
         order = {k: i for i, k in enumerate(expected)}
         shards = self.shard_paths()
         # pass 1, keys only: which final rows stay, and where the first shard row of each new key is
-        old: set[str] = set()
+        old: set[RowKey] = set()
         old_rows = duplicates = 0
         for k in self._final_keys():
-            if isinstance(k, str):
+            if k is not None:
                 if k in old:
                     duplicates += 1
                     continue
                 old.add(k)
             old_rows += 1
-        first: dict[str, tuple[int, int]] = {}  # key -> (shard number, offset of its line)
+        first: dict[RowKey, tuple[int, int]] = {}  # key -> (shard number, offset of its line)
         for i, shard in enumerate(shards):
             for offset, row in _shard_rows(shard):
-                k = row.get(self.key)
-                if isinstance(k, str):
+                k = row_key(row, self.key)
+                if k is not None:
                     if k in old or k in first:
                         duplicates += 1
                     else:
                         first[k] = (i, offset)
         missing = [k for k in order if k not in old and k not in first]
         if missing:
-            raise IncompleteJobError(f"{len(missing)} inputs have no output row (first: {missing[0]!r}); "
+            raise IncompleteJobError(f"{len(missing)} inputs have no output row (first: {_named(missing[0])}); "
                                      f"the rows so far stay in {self.parts_dir}: run the job again to finish")
         # pass 2: the rows, streamed into a new file that then takes the final file's name
         rows = self._write(lambda: self._merged_rows(shards, order, first))
@@ -140,28 +141,29 @@ class JobOutput:
                 yield from batch.to_pylist()
 
     # ---- the merge's pieces -------------------------------------------------------------------
-    def _final_keys(self) -> Iterator[object]:
-        """The key of each final row (None or a non-string where it has none)."""
+    def _final_keys(self) -> Iterator[RowKey | None]:
+        """The ``row_key`` of each final row (None where it has none).  Parquet: the key column (only
+        caption writes Parquet, and its rows all name their input)."""
         if self.format == "jsonl":
-            yield from (row.get(self.key) for row in iter_rows(self.path))
+            yield from (row_key(row, self.key) for row in iter_rows(self.path))
         elif self._has_parquet():
             import pyarrow.parquet as pq
 
             for batch in pq.ParquetFile(self.path).iter_batches(batch_size=_CHUNK * 8, columns=[self.key]):
-                yield from batch.column(0).to_pylist()
+                yield from (k if isinstance(k, str) else None for k in batch.column(0).to_pylist())
 
     def _has_parquet(self) -> bool:
         # empty: created by ``lock`` before any merge wrote it
         return self.path.exists() and self.path.stat().st_size > 0
 
-    def _merged_rows(self, shards: list[Path], order: dict[str, int],
-                     first: dict[str, tuple[int, int]]) -> Iterator[dict]:
+    def _merged_rows(self, shards: list[Path], order: dict[RowKey, int],
+                     first: dict[RowKey, tuple[int, int]]) -> Iterator[dict]:
         """The merged file's rows: the final file's (first of each key), then the new keys' rows in
-        ``order``, then shard rows of no expected key (keyless ones, all kept) in shard order."""
-        seen: set[str] = set()
+        ``order``, then shard rows of no expected key (those naming no input, all kept) in shard order."""
+        seen: set[RowKey] = set()
         for row in self.final_rows():
-            k = row.get(self.key)
-            if isinstance(k, str):
+            k = row_key(row, self.key)
+            if k is not None:
                 if k in seen:
                     continue
                 seen.add(k)
@@ -179,8 +181,8 @@ class JobOutput:
                 for offset, line in iter_lines(f):
                     if (row := parse_row(line)) is None:
                         continue
-                    k = row.get(self.key)
-                    if not isinstance(k, str) or (k not in order and first.get(k) == (i, offset)):
+                    k = row_key(row, self.key)
+                    if k is None or (k not in order and first.get(k) == (i, offset)):
                         yield row
 
     def _tmp_path(self) -> Path:
@@ -225,6 +227,10 @@ def _chunks(rows: Iterator[dict]) -> Iterator[list[dict]]:
             chunk = []
     if chunk:
         yield chunk
+
+
+def _named(key: RowKey) -> str:
+    return f"line {key}" if isinstance(key, int) else repr(key)
 
 
 def _shard_rows(path: Path) -> Iterator[tuple[int, dict]]:

@@ -19,7 +19,7 @@ import fcntl
 import json
 import os
 from pathlib import Path
-from typing import BinaryIO, Iterator, TextIO
+from typing import BinaryIO, Iterator, TextIO, Union
 
 # The longest line taken for one of our rows.  A caption row is a few KB (a path, a caption of
 # --max-tokens tokens, an error message).  A batch row is a whole completion: about 1 KB per token
@@ -146,7 +146,24 @@ def iter_rows(path: Path, max_bytes: int = MAX_ROW_BYTES) -> Iterator[dict]:
                 yield row
 
 
-def done_keys(out_path: Path, key: str, max_bytes: int = MAX_ROW_BYTES) -> set[str]:
-    """The string values of ``key`` over every well-formed JSON object line of ``out_path`` (empty
-    when the file does not exist).  Streamed: memory for the keys, not the file."""
-    return {row[key] for row in iter_rows(out_path, max_bytes) if isinstance(row.get(key), str)}
+RowKey = Union[str, int]  # an input's name (its ``key`` field), or the input line number of a keyless row
+
+
+def row_key(row: dict, key: str) -> RowKey | None:
+    """What names the input of an output row: its ``key`` field when a string, else, for a row whose
+    ``key`` is null, the input line number its error names (``error.line``: a batch line without a
+    custom_id, as OpenAI's batch errors name a line); None for a row that names no input.  The one
+    rule for resume, shards and the merge, with and without ``--ray``."""
+    k = row.get(key)
+    if isinstance(k, str):
+        return k
+    error = row.get("error")
+    if k is None and isinstance(error, dict) and type(error.get("line")) is int:
+        return error["line"]
+    return None
+
+
+def done_keys(out_path: Path, key: str, max_bytes: int = MAX_ROW_BYTES) -> set[RowKey]:
+    """The ``row_key`` of every well-formed JSON object line of ``out_path`` that has one (empty when
+    the file does not exist).  Streamed: memory for the keys, not the file."""
+    return {k for row in iter_rows(out_path, max_bytes) if (k := row_key(row, key)) is not None}

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from mm_pipeline.jobs.resume import iter_lines, parse_row, row_bytes
+from mm_pipeline.jobs.resume import RowKey, iter_lines, parse_row, row_bytes, row_key
 
 SHARD_GLOB = "shard-*.jsonl"
 
@@ -63,7 +63,7 @@ class ShardIndex:
         self.parts_dir = parts_dir
         self.key = key
         self.outcome = outcome
-        self.rows: dict[str, Any] = {}
+        self.rows: dict[RowKey, Any] = {}  # resume.row_key -> outcome
         self._offsets: dict[Path, int] = {}
 
     def refresh(self) -> None:
@@ -79,5 +79,5 @@ class ShardIndex:
                     # (a line over MAX_ROW_BYTES is None: not a row, passed over like a torn one)
                     self._offsets[path] = f.tell()
                     row = parse_row(line)
-                    if row is not None and isinstance(row.get(self.key), str):
-                        self.rows.setdefault(row[self.key], self.outcome(row))
+                    if row is not None and (k := row_key(row, self.key)) is not None:
+                        self.rows.setdefault(k, self.outcome(row))

@@ -185,6 +185,14 @@ def custom_id_of(raw: str | bytes | LineTooLong) -> str | None:
     return None if problem is not None else _id_in(obj)  # parse_line makes the line's error row
 
 
+def line_key(number: int, raw: str | bytes | LineTooLong) -> str | int:
+    """What names input line ``number`` in the output, as its row names it (``jobs.resume.row_key``):
+    its custom_id, else (no custom_id, or a line ``parse_line`` refuses) its line number, which the
+    row's ``error.line`` carries.  Both batch paths skip done lines by it."""
+    cid = custom_id_of(raw)
+    return cid if cid is not None else number
+
+
 def _id_in(obj: Any) -> str | None:
     """The custom_id of a loaded line (``parse_line`` and ``custom_id_of`` alike)."""
     cid = obj.get("custom_id") if isinstance(obj, dict) else None

@@ -182,11 +182,11 @@ def test_batch_on_ray_answers_like_the_single_process_job(ray_local, model_dir, 
     ref, ray_out = answers(tmp_path / "ref.jsonl"), answers(tmp_path / "ray.jsonl")
     assert ray_out == ref and ref["a"][0] == 200 and ref["b"][0] == 415 and ref[None][2] == "invalid_json"
     assert ref["d\u2028e"][0] == 200
-    # a re-run resumes: every custom_id is done (the one with U+2028 included); the line without one
-    # cannot be told done and runs again, as without --ray
+    # a re-run resumes: every custom_id is done (the one with U+2028 included), and the line without
+    # one by its line number (its row's error.line), as without --ray
     assert main([*common, "-o", str(tmp_path / "ray.jsonl"), *ray]) == 0
     err = capsys.readouterr().err
-    assert "0 succeeded, 1 failed of 1 requests" in err and "4 already in the output were skipped" in err, err
+    assert "0 succeeded, 0 failed of 0 requests" in err and "5 already in the output were skipped" in err, err
     assert answers(tmp_path / "ray.jsonl") == ref
 
 

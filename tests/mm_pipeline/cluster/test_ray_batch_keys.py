@@ -119,3 +119,31 @@ def test_a_line_with_a_lone_surrogate_escape_finishes(tmp_path, ray_batch):
     assert set(_rows(out)) == {("x", None), (None, 2), ("z", None)}
     assert [json.loads(ln)["error"]["code"] for ln in out.read_text().splitlines()
             if json.loads(ln)["error"]] == ["invalid_json"]
+
+
+def test_lines_without_a_custom_id_are_answered_once_in_input_order(tmp_path, ray_batch):
+    """``batch --ray`` ran a line without a custom_id again on every rerun (the plan skipped only by
+    id), adding its error row each time, after the rows of the other lines.  It is now known by its
+    line number (``error.line``), as ``batch`` knows it."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([_request("x"), "this is not json", _request(None), _request("z")]) + "\n")
+    want = [("x", None), (None, 2), (None, 3), ("z", None)]
+    summary, _ = ray_batch(src, out)
+    assert (summary.succeeded, summary.failed) == (2, 2)
+    assert _rows(out) == want
+    for _ in range(2):
+        summary, result = ray_batch(src, out)
+        assert (summary.skipped, result.merge.new_rows) == (4, 0)
+        assert _rows(out) == want
+    assert _Replica.answered == [1, 2, 3, 4]
+
+
+def test_a_retried_batch_does_not_answer_a_keyless_line_again(tmp_path, ray_batch):
+    """The replica dies after answering lines 1-3 (the batch of 2-3 half done): the retried batch
+    found line 2's row under no key and answered it again, and the merge kept both rows."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(["not json", _request("b"), "{}", _request(None), _request("e")]) + "\n")
+    _Replica.dies_after = 3
+    ray_batch(src, out)
+    assert sorted(_Replica.answered) == [1, 2, 3, 4, 5]  # each once, though line 4 died once
+    assert _rows(out) == [(None, 1), ("b", None), (None, 3), (None, 4), ("e", None)]
