@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from mm_pipeline.cluster.ray_flags import add_ray_args, add_serve_ray_args
+from mm_pipeline.cluster.ray_flags import add_ray_args, add_serve_ray_args, misplaced_flags
 
 # The committed demo model, found from this package's location (not the working directory), so
 # ``mmserve caption FILE`` works from anywhere; MODEL_ENV overrides it.
@@ -223,7 +223,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     at = next((i + 1 for i, tok in enumerate(argv) if tok in sub.choices), None)
     if path and at is not None:
         argv = argv[:at] + config_file_args(path, sub.choices[argv[at - 1]], argv[at:]) + argv[at:]
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    command = sub.choices[args.command]
+    if (problem := misplaced_flags(args, command)) is not None:
+        command.error(problem)  # exit 2 with the usage, as argparse's own errors
+    return args
 
 
 def engine_config(args: argparse.Namespace, device: str | None = None) -> Any:

@@ -68,6 +68,34 @@ def add_ray_args(p: argparse.ArgumentParser, formats: bool) -> None:
                        help="output format with --ray (the rows of the JSONL output, as Parquet)")
 
 
+# Flags that only one of the two paths reads: given to the other, they were silently ignored.
+# ``--format parquet`` without --ray is refused by the caption command itself (jobs/commands.py).
+RAY_ONLY = {
+    "caption": ("replicas", "cpus_per_replica", "gpus_per_replica", "batch_size", "read_ahead_mb",
+                "replica_start_timeout_s"),
+    "serve": ("llm_replicas", "encoder_replicas", "encoder_cpus", "encoder_gpus", "ingress_replicas",
+              "replica_cpus", "replica_gpus", "replica_threads", "router", "router_redis_url", "match_weight"),
+}
+RAY_ONLY["batch"] = RAY_ONLY["caption"]
+NOT_WITH_RAY = {"caption": ("concurrency",), "batch": ("concurrency",)}  # a replica takes --batch-size inputs
+
+
+def misplaced_flags(args: argparse.Namespace, command: argparse.ArgumentParser) -> str | None:
+    """The usage error for flags of ``command`` (its subparser) that this run would ignore: a Ray
+    flag without ``--ray``, or ``--concurrency`` with it; None when there are none.  Only values
+    other than the flag's default count (what the command line or a config file gave)."""
+    with_ray = getattr(args, "ray", None) is not None
+    dests = (NOT_WITH_RAY if with_ray else RAY_ONLY).get(args.command, ())
+    given = [a.option_strings[-1] for a in command._actions
+             if a.dest in dests and getattr(args, a.dest, a.default) != a.default]
+    if not given:
+        return None
+    if with_ray:
+        return (f"{', '.join(given)} applies only without --ray: a --ray job's replicas each take --batch-size "
+                f"inputs at a time")
+    return f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --ray (without it, nothing reads them)"
+
+
 def add_serve_ray_args(p: argparse.ArgumentParser) -> None:
     """The ``ray`` group of ``serve``: Ray Serve replicas behind the app as the ingress."""
     r = p.add_argument_group("ray", "serve on Ray Serve: LLM replicas behind this app as the ingress "

@@ -68,6 +68,36 @@ def test_a_jsonl_caption_job_refuses_a_parquet_output(ray, tmp_path, capsys, mon
     assert out.read_bytes() == b"PAR1" + bytes(8) + b"PAR1"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["caption", "x.png", "--replicas", "2"], "--replicas needs --ray"),
+    (["caption", "x.png", "--batch-size", "4", "--gpus-per-replica", "1"], "--gpus-per-replica, --batch-size need --ray"),
+    (["caption", "x.png", "--ray", "--concurrency", "4"], "--concurrency applies only without --ray"),
+    (["batch", "-i", "a", "-o", "b", "--read-ahead-mb", "8"], "--read-ahead-mb needs --ray"),
+    (["batch", "-i", "a", "-o", "b", "--replica-start-timeout-s", "60"], "--replica-start-timeout-s needs --ray"),
+    (["batch", "-i", "a", "-o", "b", "--ray", "--concurrency", "4"], "--concurrency applies only without --ray"),
+    (["serve", "--model", "m", "--llm-replicas", "4"], "--llm-replicas needs --ray"),
+    (["serve", "--model", "m", "--router", "pow2"], "--router needs --ray"),
+])
+def test_a_flag_the_run_would_ignore_is_a_usage_error(argv, message, capsys):
+    """Ray-only flags without --ray, and --concurrency with it, were accepted and ignored."""
+    from mm_pipeline.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["caption", "x.png", "--concurrency", "4"], ["caption", "x.png", "--ray", "--replicas", "2"],
+    ["caption", "x.png", "--replicas", "1"],  # a default value changes nothing: not refused
+    ["batch", "-i", "a", "-o", "b", "--ray", "--batch-size", "4"], ["serve", "--model", "m", "--ray", "--router", "pow2"],
+])
+def test_flags_the_run_reads_are_taken(argv):
+    from mm_pipeline.cli import parse_args
+
+    assert parse_args(argv).command == argv[0]
+
+
 def test_ray_options_come_from_a_config_file_too(tmp_path):
     from mm_pipeline.cli import parse_args
 
