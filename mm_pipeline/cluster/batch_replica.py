@@ -11,7 +11,8 @@ import numpy as np
 from mm_pipeline.cluster.job_replica import JobReplica, ReplicaSpec
 from mm_pipeline.jobs.batch import BatchJob
 from mm_pipeline.jobs.resume import RowKey
-from mm_pipeline.server.batches.lines import decode_line, failure_message, line_key, parse_line
+from mm_pipeline.server.batches.lines import (custom_id_of, decode_line, error_line, failure_message, line_key,
+                                              parse_line)
 
 
 def line_of(raw: Any) -> str | bytes:
@@ -36,6 +37,12 @@ class BatchReplica(JobReplica):
 
     async def answer(self, batch: dict[str, np.ndarray], i: int, n: int) -> dict[str, Any]:
         return await self.job.answer(parse_line(int(batch["number"][i]), line_of(batch["raw"][i])))
+
+    def crashed(self, batch: dict[str, np.ndarray], i: int, message: str) -> dict[str, Any]:
+        number = int(batch["number"][i])
+        row = error_line(custom_id_of(line_of(batch["raw"][i])), "replica_crashed", f"line {number}: {message}")
+        row["error"]["line"] = number  # as every error row of a line: a line without a custom_id is known by it
+        return row
 
     def outcome(self, row: dict[str, Any]) -> tuple[str | None, int]:
         body = (row.get("response") or {}).get("body") or {}

@@ -32,5 +32,12 @@ class CaptionReplica(JobReplica):
                           read_s=float(batch["read_s"][i]), error=error)
         return await self.job.caption_input(n, item)
 
+    def crashed(self, batch: dict[str, np.ndarray], i: int, message: str) -> dict[str, Any]:
+        kind = batch["kind"][i]
+        return {"input": str(batch["input"][i]), "modality": MediaKind(kind).value if kind else None,
+                "caption": None, "error": f"ReplicaCrashed: {message}",
+                "content_hash": batch["content_hash"][i] or None, "prompt_tokens": 0, "completion_tokens": 0,
+                "timings": {}}
+
     def outcome(self, row: dict[str, Any]) -> tuple[str | None, int]:
         return row.get("error"), int(row.get("completion_tokens") or 0)

@@ -13,7 +13,12 @@ Exactly once, per batch:
 
 When the process dies mid-batch, Ray restarts the actor (``max_restarts``) and retries the batch
 (``max_task_retries``); the new incarnation keeps the actor id, hence the same shard file, and
-redoes only inputs without a journaled row.  The driver never receives the rows themselves: the
+redoes only inputs without a journaled row.
+
+An input that kills its process (an OOM kill, a segfault in a decoder) would be retried forever:
+each input is logged as started (``StartCounts``) before it runs, an input started before without
+a row runs alone (so a death names it), and one started ``CRASH_LIMIT`` times without a row gets an
+error row (``crashed``) instead of another try.  The driver never receives the rows themselves: the
 merge reads them from the shards, so object-store traffic is the small result rows.
 """
 
@@ -31,8 +36,10 @@ import numpy as np
 
 from mm_pipeline.jobs.job_output import JobOutput
 from mm_pipeline.jobs.resume import RowKey
-from mm_pipeline.jobs.shard_journal import ShardIndex, ShardJournal
+from mm_pipeline.jobs.shard_journal import ShardIndex, ShardJournal, StartCounts
 
+# starts of one input without a row (each one a process death) before it gets an error row instead
+CRASH_LIMIT = 2
 # the result columns every replica returns (besides nothing else: the rows are in the shards)
 RESULT_COLUMNS = ("key", "error", "tokens", "journaled", "replica", "node", "pid", "batch_start",
                   "batch_end", "cache")
@@ -64,6 +71,8 @@ class JobReplica(ABC):
         # the actor id survives restarts, so a restarted replica appends to its predecessor's shard
         self.journal = ShardJournal(spec.output.shard_path(self.replica_id))
         self.index = ShardIndex(spec.output.parts_dir, spec.output.key, self.outcome)
+        self.started = ShardJournal(spec.output.started_path(self.replica_id))
+        self.starts = StartCounts(spec.output.parts_dir)
         self._n = 0
 
     def identity(self) -> tuple[str, str]:
@@ -94,25 +103,40 @@ class JobReplica(ABC):
     def outcome(self, row: dict[str, Any]) -> tuple[str | None, int]:
         """(error message or None, completion tokens) of an output row."""
 
+    @abstractmethod
+    def crashed(self, batch: dict[str, np.ndarray], i: int, message: str) -> dict[str, Any]:
+        """The error row of input ``i``, which took the replica's process down ``CRASH_LIMIT`` times."""
+
     # ---- the batch protocol -----------------------------------------------------------------
     async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         start = time.time()
         self.index.refresh()
+        self.starts.refresh()
         keys = self.keys(batch)
         results: list[tuple[str | None, int, bool] | None] = [None] * len(keys)  # error, tokens, journaled
-        todo = []
+        todo, suspects = [], []
         for i, key in enumerate(keys):
+            starts = self.starts.counts.get(key, 0) if key is not None else 0
             if key is not None and key in self.index.rows:
                 results[i] = (*self.index.rows[key], True)  # a retried batch: done before the death
+            elif starts >= CRASH_LIMIT:
+                row = self.crashed(batch, i, f"the replica's process died {starts} times while answering this "
+                                             f"input (killed for memory, or a crash in native code); not retried")
+                self.journal.append(row)
+                results[i] = (*self.outcome(row), False)
             else:
-                todo.append(i)
+                (suspects if starts else todo).append(i)
 
         async def run(i: int) -> None:
             self._n += 1
+            if keys[i] is not None:
+                self.started.append({"started": keys[i]})  # before it runs: a death now counts against it
             row = await self.answer(batch, i, self._n)
             self.journal.append(row)  # before anything else can fail: this input is done
             results[i] = (*self.outcome(row), False)
 
+        for i in suspects:  # in flight when a process died: one at a time, so a death names its input
+            await run(i)
         await asyncio.gather(*(run(i) for i in todo))
         self.journal.sync()
         end = time.time()

@@ -67,6 +67,10 @@ class JobOutput:
     def shard_path(self, name: str) -> Path:
         return self.parts_dir / f"shard-{name}.jsonl"
 
+    def started_path(self, name: str) -> Path:
+        """The replica's log of inputs it started (``shard_journal.StartCounts``); not a shard."""
+        return self.parts_dir / f"started-{name}.jsonl"
+
     def shard_paths(self) -> list[Path]:
         return sorted(self.parts_dir.glob(SHARD_GLOB)) if self.parts_dir.is_dir() else []
 

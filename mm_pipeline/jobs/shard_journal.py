@@ -3,6 +3,7 @@ every row all replicas have journaled so far.
 
     captions.jsonl.parts/
         shard-<replica id>.jsonl     one row per finished input, flushed as it finishes
+        started-<replica id>.jsonl   {"started": key} as each input starts (``StartCounts``)
 
 A replica appends a row the moment its input finishes, so when its process dies mid-batch the
 finished rows survive and Ray's retry of the batch (on the restarted replica, or any other) finds
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from mm_pipeline.jobs.resume import RowKey, iter_lines, parse_row, row_bytes, row_key
 
 SHARD_GLOB = "shard-*.jsonl"
+STARTED_GLOB = "started-*.jsonl"
 
 
 class ShardJournal:
@@ -54,6 +56,30 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+class _Tail:
+    """The rows appended to the files ``parts_dir/<glob>`` since the last ``new_rows``."""
+
+    def __init__(self, parts_dir: Path, glob: str) -> None:
+        self.parts_dir = parts_dir
+        self.glob = glob
+        self._offsets: dict[Path, int] = {}
+
+    def new_rows(self) -> Iterator[dict]:
+        if not self.parts_dir.is_dir():
+            return
+        for path in sorted(self.parts_dir.glob(self.glob)):
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                # a line at a time (resume.iter_lines): memory for the index, not for the shards
+                for _, line in iter_lines(f):
+                    if line is not None and not line.endswith(b"\n"):
+                        break  # a line still being written waits for the next refresh
+                    # (a line over MAX_ROW_BYTES is None: not a row, passed over like a torn one)
+                    self._offsets[path] = f.tell()
+                    if (row := parse_row(line)) is not None:
+                        yield row
+
+
 class ShardIndex:
     """``key -> outcome`` of every row in the shards of ``parts_dir``; ``refresh`` reads what was
     appended since the last call.  ``outcome`` maps a row to what the index keeps (a small value:
@@ -64,20 +90,24 @@ class ShardIndex:
         self.key = key
         self.outcome = outcome
         self.rows: dict[RowKey, Any] = {}  # resume.row_key -> outcome
-        self._offsets: dict[Path, int] = {}
+        self._tail = _Tail(parts_dir, SHARD_GLOB)
 
     def refresh(self) -> None:
-        if not self.parts_dir.is_dir():
-            return
-        for path in sorted(self.parts_dir.glob(SHARD_GLOB)):
-            with path.open("rb") as f:
-                f.seek(self._offsets.get(path, 0))
-                # a line at a time (resume.iter_lines): memory for the index, not for the shards
-                for _, line in iter_lines(f):
-                    if line is not None and not line.endswith(b"\n"):
-                        break  # a line still being written waits for the next refresh
-                    # (a line over MAX_ROW_BYTES is None: not a row, passed over like a torn one)
-                    self._offsets[path] = f.tell()
-                    row = parse_row(line)
-                    if row is not None and (k := row_key(row, self.key)) is not None:
-                        self.rows.setdefault(k, self.outcome(row))
+        for row in self._tail.new_rows():
+            if (k := row_key(row, self.key)) is not None:
+                self.rows.setdefault(k, self.outcome(row))
+
+
+class StartCounts:
+    """How many times each input was started, by every replica and every incarnation of one: the
+    ``{"started": key}`` markers a replica journals (``ShardJournal``) before it answers an input.
+    An input started more often than it has rows took its replica's process down with it."""
+
+    def __init__(self, parts_dir: Path) -> None:
+        self.counts: dict[RowKey, int] = {}
+        self._tail = _Tail(parts_dir, STARTED_GLOB)
+
+    def refresh(self) -> None:
+        for row in self._tail.new_rows():
+            if isinstance(k := row.get("started"), (str, int)):
+                self.counts[k] = self.counts.get(k, 0) + 1

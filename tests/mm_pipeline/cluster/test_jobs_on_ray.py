@@ -315,6 +315,9 @@ def test_caption_on_ray_reads_no_further_ahead_of_a_slow_replica_than_its_window
         def outcome(self, row):
             return row["error"], 0
 
+        def crashed(self, batch, i, message):
+            return {"input": str(batch["input"][i]), "error": message, "completion_tokens": 0}
+
     monkeypatch.setattr(caption_dataset, "read_batch", read_and_mark)
     monkeypatch.setattr(caption_dataset, "CaptionReplica", SlowReplica)
     engine = engine_config(build_parser().parse_args(["caption", "x", *ENGINE]))

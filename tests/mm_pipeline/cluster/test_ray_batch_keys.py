@@ -34,6 +34,7 @@ class _Service:
 class _Replica(BatchReplica):
     answered: list[int] = []  # line numbers answered, over every replica of a run
     dies_after: int | None = None  # answers before the process "dies" (then the batch is retried)
+    poison: int | None = None  # the line number whose answer kills the process, every time
 
     def identity(self) -> tuple[str, str]:
         return "actor-1", "node-a"
@@ -48,6 +49,8 @@ class _Replica(BatchReplica):
     async def _answer(self, line):
         if _Replica.dies_after is not None and len(_Replica.answered) >= _Replica.dies_after:
             _Replica.dies_after = None
+            raise ReplicaDied(line.number)
+        if line.number == _Replica.poison:
             raise ReplicaDied(line.number)
         _Replica.answered.append(line.number)
         return await answer_line(_Service(), line)
@@ -72,11 +75,14 @@ def _run_replicas(ds, replica_cls, kwargs, config, on_result, progress=None):
         part = ds[i:i + config.batch_size]
         batch = {"number": np.array([r["number"] for r in part]),
                  "raw": np.array([r["raw"] for r in part], dtype=object)}
-        try:
-            out = asyncio.run(replica(batch))
-        except ReplicaDied:
-            replica = _Replica(**kwargs)
-            out = asyncio.run(replica(batch))
+        for _ in range(10):  # Ray's retries: bounded here, so a job that would retry forever fails
+            try:
+                out = asyncio.run(replica(batch))
+                break
+            except ReplicaDied:
+                replica = _Replica(**kwargs)
+        else:
+            raise AssertionError("the batch was retried 10 times")
         for key, error, tokens in zip(out["key"], out["error"], out["tokens"]):
             on_result(key, error or None, tokens)
     return DistributedResult(replicas=[], results=len(ds), duplicate_results=0, journaled=0)
@@ -87,6 +93,7 @@ def ray_batch(monkeypatch):
     monkeypatch.setattr(batch_dataset, "run_replicas", _run_replicas)
     monkeypatch.setattr(batch_dataset, "configure_data", lambda *a: None)
     monkeypatch.setattr(_Replica, "answered", [])
+    monkeypatch.setattr(_Replica, "poison", None)
     ray = SimpleNamespace(data=SimpleNamespace(from_items=_Dataset.from_items, TaskPoolStrategy=lambda size: None))
 
     def run(src: Path, out: Path, batch_size: int = 2):
@@ -147,3 +154,20 @@ def test_a_retried_batch_does_not_answer_a_keyless_line_again(tmp_path, ray_batc
     ray_batch(src, out)
     assert sorted(_Replica.answered) == [1, 2, 3, 4, 5]  # each once, though line 4 died once
     assert _rows(out) == [(None, 1), ("b", None), (None, 3), (None, 4), ("e", None)]
+
+
+def test_a_line_that_kills_its_replica_every_time_gets_an_error_row(tmp_path, ray_batch):
+    """Its batch was retried forever; now the line's second death gives it a replica_crashed row,
+    named by custom_id or (without one) by its line number, and the job finishes."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([_request("a"), _request(None), _request("c"), _request("d")]) + "\n")
+    for poison, codes in ((2, [None, "replica_crashed", None, None]),
+                          (3, [None, "missing_custom_id", "replica_crashed", None])):
+        _Replica.poison = poison
+        out = tmp_path / f"out{poison}.jsonl"
+        summary, result = ray_batch(src, out)
+        rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+        assert [(r["error"] or {}).get("code") for r in rows] == codes
+        assert _rows(out) == [("a", None), (None, 2), ("c", 3) if poison == 3 else ("c", None), ("d", None)]
+        assert "died 2 times" in rows[poison - 1]["error"]["message"]
+        assert (summary.failed, result.merge.rows) == (4 - codes.count(None), 4)
