@@ -9,7 +9,8 @@ same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in 
   and call the LLM deployment with it as ``route=``; the deployment's request router picks the
   replica;
 * uploaded files the messages name are read here and sent with the request (they live on the
-  ingress's disk, which a replica on another node cannot see);
+  ingress's disk, which a replica on another node cannot see) -- after the request's media item
+  count and each file's size are checked against the replicas' limits, as a single process does;
 * a replica that dies or is unreachable before it produced a token, or whose engine stopped
   (:class:`EngineStopped`): the request is sent again (``retries`` times; the router has dropped a
   dead replica by then, and is told to skip a stopped one), so the client sees nothing; after the
@@ -44,7 +45,7 @@ from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailur
 from mm_pipeline.cluster.serving.replica_metrics import ReplicaStats
 from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
-from mm_pipeline.errors import InternalError, InvalidInputError, ServerBusy
+from mm_pipeline.errors import InternalError, InvalidInputError, MediaTooLarge, ServerBusy
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.prompt.messages import parse_messages
 
@@ -110,9 +111,9 @@ class RemoteEngine:
 
         # OmniEngine's: what the ingress's ChatService fills a request's unset sampling fields with
         self.generation_defaults = generation_defaults or GenerationDefaults()
-        # the replicas' media limits: with an encoder tier, media is encoded before any replica
-        # sees the request, so its counts are checked here first (a request of 500 images is a
-        # 400 before any is encoded, not after all are)
+        # the replicas' media limits: uploads are read and sent, and with an encoder tier media is
+        # encoded, before any replica sees the request, so its item counts and file sizes are checked
+        # here first (a request of 500 images is a 400 before any is read or encoded)
         self.limits = limits or MediaLimits()
         self.handle, self.tokenizer, self.model_name, self.retries = handle, tokenizer, model_name, retries
         self.encoders, self.encoder_timeout_s = encoders, encoder_timeout_s
@@ -133,7 +134,6 @@ class RemoteEngine:
         key = await asyncio.to_thread(key_of_messages, messages, self._encode, salt=cache_salt)
         files = await self._files(messages)
         if self.encoders is not None:
-            await asyncio.to_thread(self._check_media, messages)
             # the request's items take one turn per round in the tier's queues, at its priority
             await self._encode_on_tier(messages, files, cache_salt, flow=request_id or f"tier-{uuid.uuid4().hex}",
                                        priority=priority)
@@ -235,18 +235,49 @@ class RemoteEngine:
             self._refreshing = loop.create_task(refresh())
 
     async def _files(self, messages: list[dict]) -> dict[str, SharedFile]:
+        """The uploaded files ``messages`` name, read to go with the request -- after what a
+        single-process server checks before it reads any: the media items against the limits (400),
+        then each file's size on disk against ``max_bytes`` (413). Read first, 40 uploads of 150 MiB
+        were 6 GiB in this process before a replica refused the request."""
+        await asyncio.to_thread(self._check_media, messages)
         out: dict[str, SharedFile] = {}
         if self._resolver is None:
             return out
-        for fid in set(file_ids(messages)):
+        found: dict[str, tuple[bytes | Path, str | None]] = {}
+        for fid in dict.fromkeys(file_ids(messages)):
             try:
-                data, name = self._resolver(fid)
+                found[fid] = self._resolver(fid)
             except KeyError:
                 continue  # the replica's resolver says "not found" with the usual error
+        for fid, (data, _) in found.items():
+            try:
+                size = data.stat().st_size if isinstance(data, Path) else len(data)
+            except FileNotFoundError:
+                continue  # deleted meanwhile: the replica says "not found"
+            self._check_size(fid, size)
+        for fid, (data, name) in found.items():
             if isinstance(data, Path):
-                data = await asyncio.to_thread(data.read_bytes)
+                data = await asyncio.to_thread(self._read_upload, fid, data)
+                if data is None:
+                    continue
             out[fid] = SharedFile(bytes(data), name)
         return out
+
+    def _check_size(self, fid: str, size: int) -> None:
+        if size > self.limits.max_bytes:
+            raise MediaTooLarge(f"uploaded file {fid!r} is {size} bytes, over the {self.limits.max_bytes}-byte "
+                                f"media limit (max_bytes)")
+
+    def _read_upload(self, fid: str, path: Path) -> bytes | None:
+        """At most ``max_bytes`` + 1 of ``path`` (it may have been replaced since it was sized);
+        None once it is gone."""
+        try:
+            with path.open("rb") as f:
+                data = f.read(self.limits.max_bytes + 1)
+        except FileNotFoundError:
+            return None
+        self._check_size(fid, len(data))
+        return data
 
     def _check_media(self, messages: list[dict]) -> None:
         """The request's media items against the limits a replica holds them to (parsed as it parses
