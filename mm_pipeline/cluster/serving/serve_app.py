@@ -38,6 +38,7 @@ from llm_core.engine.sampling.generation_config import GenerationDefaults
 from mm_pipeline.cluster.serving.encoder_replica import EncoderReplica
 from mm_pipeline.cluster.serving.llm_replica import LLMReplica
 from mm_pipeline.cluster.serving.remote_engine import RemoteEngine
+from mm_pipeline.cluster.serving.request_id_headers import IngressRequestId, proxy_env
 from mm_pipeline.runtime.config import OmniEngineConfig
 from mm_pipeline.server.launch.listen import Listen
 from mm_pipeline.server.settings import ServerSettings
@@ -108,7 +109,6 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
     from ray.serve.config import RequestRouterConfig
 
     from llm_core.llm import load_tokenizer
-    from mm_pipeline.cluster.serving.replica_metrics import create_ingress_app
 
     if cluster.encoder_replicas and not (engine_config.cache_dir or engine_config.redis_url):
         raise ValueError("encoder replicas hand embeddings to the LLM replicas through the encoder cache: give "
@@ -160,12 +160,23 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
             await self.engine.wait_for_replicas()  # fails the replica's start if no LLM replica answers
 
         def __serve_build_asgi_app__(self) -> Any:
-            return create_ingress_app(self.engine, settings)  # create_app + the replicas' engine metrics
+            return ingress_app(self.engine, settings)
 
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=cluster.ingress_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": cluster.ingress_num_cpus})
     return ingress.bind(llm.bind(model_dir, engine_config, cluster.torch_threads), encoders)
+
+
+def ingress_app(engine: Any, settings: ServerSettings) -> Any:
+    """The ingress's ASGI app: ours with the replicas' engine metrics (replica_metrics.py), reading the
+    client's request id as Serve's proxy passed it on (request_id_headers.py), not the id the proxy
+    made up."""
+    from mm_pipeline.cluster.serving.replica_metrics import create_ingress_app
+
+    app = create_ingress_app(engine, settings)
+    app.add_middleware(IngressRequestId)  # the outermost, outside RequestIdHeader
+    return app
 
 
 def start(model_dir: str | Path, engine_config: OmniEngineConfig, settings: ServerSettings,
@@ -175,7 +186,8 @@ def start(model_dir: str | Path, engine_config: OmniEngineConfig, settings: Serv
     from ray import serve
 
     wanted = cluster.listen.ray_http_options()
-    serve.start(http_options=wanted)
+    # the proxies inherit the controller's environment: ours wraps their request-id middleware
+    serve.start(http_options=wanted, controller_options={"runtime_env": {"env_vars": proxy_env()}})
     check_http_options(wanted)
     return serve.run(build_app(model_dir, engine_config, settings, cluster), name=cluster.app_name,
                      route_prefix="/", blocking=blocking)
