@@ -45,29 +45,44 @@ def serve_on_ray(args: argparse.Namespace) -> int:
                              "or --encoder-cache-dir on a file system every replica sees")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    # SIGTERM (a container stop) stops the deployment as Ctrl-C does: its default action would end
+    # this driver at once, leaving a local cluster and its replicas behind -- or, while it starts, an
+    # app deploying on a cluster it joined. Ray Serve drains each replica by its own
+    # graceful_shutdown_timeout_s (--shutdown-timeout-s is the one-process server's)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     ray = connect(RayClusterConfig(address=args.ray or None))
+    # again: joining installs Ray's core worker's own SIGTERM handler, which logs the signal and
+    # aborts the driver (exit -6) after ours ran, before the app is deleted
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(f"starting {cluster.llm_replicas} LLM replica(s) of {model_dir} on Ray Serve "
           f"({'local cluster' if not args.ray else args.ray}; router {cluster.router}) ...", file=sys.stderr, flush=True)
+    deployed = True  # from here the app may be on the cluster, until start() says it refused to run it
+    serving = False
     try:
-        start(model_dir, config, server_settings(args, model_dir), cluster)
-    except ValueError as exc:  # a running Serve's proxy with other HTTP options (TLS): said, not a traceback
-        raise UsageError(str(exc)) from None
-    print(f"serving   on {cluster.listen.describe()}; Ctrl-C stops",
-          file=sys.stderr, flush=True)
-    # SIGTERM (a container stop) stops the deployment as Ctrl-C does: its default action would end
-    # this driver at once, leaving a local cluster and its replicas behind. Ray Serve drains each
-    # replica by its own graceful_shutdown_timeout_s (--shutdown-timeout-s is the one-process server's)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
+        try:
+            start(model_dir, config, server_settings(args, model_dir), cluster)
+        except ValueError as exc:  # a running Serve's proxy with other HTTP options (TLS): said, not a traceback
+            deployed = False  # refused before serve.run: an app of that name there is not ours to delete
+            raise UsageError(str(exc)) from None
+        print(f"serving   on {cluster.listen.describe()}; Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        serving = True
         while True:
             time.sleep(3600)
-    finally:
-        stop(cluster)
-        if not args.ray:
-            from ray import serve
+    finally:  # whatever ended it, a Ctrl-C while the app deploys included: the app is deleted
+        try:
+            if deployed:
+                stop(cluster)
+        except Exception as exc:  # noqa: BLE001 - Serve never started: nothing to delete
+            if serving:
+                raise
+            print(f"mmserve: could not delete the app {cluster.app_name!r}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            if not args.ray:
+                from ray import serve
 
-            serve.shutdown()
-            ray.shutdown()
+                serve.shutdown()
+                ray.shutdown()
 
 
 def job_config(args: argparse.Namespace) -> Any:

@@ -1,0 +1,71 @@
+"""``mmserve serve --ray ADDRESS`` (mm_pipeline/cluster/ray_commands.py) from start to stop, with
+stand-ins for joining the cluster and for Serve's start and stop: a Ctrl-C or SIGTERM while the app
+deploys deletes it (it was left deploying on the cluster), with SIGTERM's handler in place from
+before the deploy; an app Serve refused to run is not deleted (one of that name there is not ours)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from mm_pipeline.cli import UsageError, parse_args
+
+pytest.importorskip("ray")
+
+
+@pytest.fixture
+def serve_stubs(monkeypatch):
+    """The calls serve_on_ray makes, recorded; ``behaviour["start"]`` is what start() does."""
+    import mm_pipeline.cluster.ray_runtime as ray_runtime
+    import mm_pipeline.cluster.serving.serve_app as serve_app
+
+    calls: list[str] = []
+    behaviour = {}
+
+    def start(model_dir, config, settings, cluster):
+        calls.append(f"start (SIGTERM raises: {signal.getsignal(signal.SIGTERM) is signal.default_int_handler})")
+        behaviour["start"]()
+
+    def connect(cfg):  # ray.init installs its core worker's own SIGTERM handler
+        calls.append("connect")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    monkeypatch.setattr(ray_runtime, "connect", connect)
+    monkeypatch.setattr(serve_app, "start", start)
+    monkeypatch.setattr(serve_app, "stop", lambda cluster: calls.append(f"stop {cluster.app_name}"))
+    before = signal.getsignal(signal.SIGTERM)
+    yield calls, behaviour
+    signal.signal(signal.SIGTERM, before)
+
+
+def serve_args():
+    return parse_args(["serve", "--model", "samples/demo-model", "--ray", "127.0.0.1:6379"])
+
+
+def test_an_interrupt_while_the_app_deploys_deletes_it(serve_stubs):
+    from mm_pipeline.cluster.ray_commands import serve_on_ray
+
+    calls, behaviour = serve_stubs
+
+    def interrupted():
+        raise KeyboardInterrupt  # Ctrl-C, or SIGTERM through its handler, inside serve.run
+
+    behaviour["start"] = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        serve_on_ray(serve_args())
+    assert calls == ["connect", "start (SIGTERM raises: True)", "stop mmserve"]
+
+
+def test_an_app_serve_refused_to_run_is_not_deleted(serve_stubs):
+    from mm_pipeline.cluster.ray_commands import serve_on_ray
+
+    calls, behaviour = serve_stubs
+
+    def refused():
+        raise ValueError("Ray Serve is already running with other HTTP options (ssl_keyfile)")
+
+    behaviour["start"] = refused
+    with pytest.raises(UsageError, match="already running"):
+        serve_on_ray(serve_args())
+    assert calls == ["connect", "start (SIGTERM raises: True)"]
