@@ -37,7 +37,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
@@ -48,6 +48,9 @@ from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key
 from mm_pipeline.errors import InternalError, InvalidInputError, MediaTooLarge, ServerBusy
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.prompt.messages import parse_messages
+
+if TYPE_CHECKING:
+    from mm_pipeline.runtime.config import OmniEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +109,14 @@ def media_parts(messages: list[dict]) -> dict[str, dict]:
 class RemoteEngine:
     def __init__(self, handle: Any, tokenizer: Any, model_name: str, retries: int = 2, *,
                  encoders: Any = None, encoder_timeout_s: float = 120.0,
-                 generation_defaults: GenerationDefaults | None = None, limits: MediaLimits | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None, limits: MediaLimits | None = None,
+                 config: OmniEngineConfig | None = None) -> None:
         import ray.exceptions
+
+        # OmniEngine's: the replicas' engine config (one for all), for what the ingress's ChatService
+        # reads of it: max_queue, so a request of more choices than a replica admits is a 400, not a
+        # 429 no retry ends (a batch line's retries never would)
+        self.config = config
 
         # OmniEngine's: what the ingress's ChatService fills a request's unset sampling fields with
         self.generation_defaults = generation_defaults or GenerationDefaults()

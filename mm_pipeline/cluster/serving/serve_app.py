@@ -156,7 +156,7 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
             self.engine = RemoteEngine(llm_handle, load_tokenizer(model_dir), settings.model_name,
                                        retries=cluster.retries, encoders=encoder_handle,
                                        encoder_timeout_s=cluster.encoder_timeout_s, generation_defaults=defaults,
-                                       limits=engine_config.limits)
+                                       limits=engine_config.limits, config=engine_config)
             await self.engine.wait_for_replicas()  # fails the replica's start if no LLM replica answers
 
         def __serve_build_asgi_app__(self) -> Any:
