@@ -67,8 +67,11 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         print(f"serving   on {cluster.listen.describe()}; Ctrl-C stops",
               file=sys.stderr, flush=True)
         serving = True
-        while True:
-            time.sleep(3600)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the app drains and is deleted below, then
+            pass  # exit 0, as a one-process server does after its drain (an error deleting it is not 0)
     finally:  # whatever ended it, a Ctrl-C while the app deploys included: the app is deleted
         try:
             if deployed:
@@ -83,6 +86,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
 
                 serve.shutdown()
                 ray.shutdown()
+    return 0
 
 
 def job_config(args: argparse.Namespace) -> Any:

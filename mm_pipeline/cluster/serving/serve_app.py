@@ -153,6 +153,8 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         """Our FastAPI app over a RemoteEngine to the LLM deployment (and the encoder tier)."""
 
         async def __init__(self, llm_handle: Any, encoder_handle: Any = None) -> None:
+            if settings.log_requests:
+                log_requests_here()
             self.engine = RemoteEngine(llm_handle, load_tokenizer(model_dir), settings.model_name,
                                        retries=cluster.retries, encoders=encoder_handle,
                                        encoder_timeout_s=cluster.encoder_timeout_s, generation_defaults=defaults,
@@ -166,6 +168,20 @@ def build_app(model_dir: str | Path, engine_config: OmniEngineConfig, settings: 
         num_replicas=cluster.ingress_replicas, max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": cluster.ingress_num_cpus})
     return ingress.bind(llm.bind(model_dir, engine_config, cluster.torch_threads), encoders)
+
+
+def log_requests_here() -> None:
+    """``--enable-log-requests`` in this (ingress replica's) process: ``serve`` raises the
+    ``mmserve.requests`` logger to INFO in the driver, which serves no request under ``--ray``; here
+    the root logger has no handler of mmserve's (Python's last resort shows warnings only), so the
+    logger gets its own, on the replica's stderr -- its log file, which Ray streams to the driver."""
+    logger = logging.getLogger("mmserve.requests")
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))  # main()'s
+        logger.addHandler(handler)
+        logger.propagate = False  # a root handler Ray may have set would print each line twice
 
 
 def ingress_app(engine: Any, settings: ServerSettings) -> Any:
