@@ -92,7 +92,8 @@ def test_an_interrupt_while_serving_deletes_the_app_and_exits_0(serve_stubs, mon
 
 
 class StatsHandle:
-    """The LLM deployment as the ingress's constructor asks it (one stats call)."""
+    """The LLM deployment as the ingress's constructor asks it: one routed stats call (a replica is
+    up), then the stats broadcast to every replica (one here)."""
 
     @property
     def stats(self) -> "StatsHandle":
@@ -102,6 +103,11 @@ class StatsHandle:
         async def snapshot() -> object:
             return SimpleNamespace()
         return snapshot()
+
+    def broadcast(self, method: str) -> SimpleNamespace:
+        async def results_async(return_exceptions: bool = False) -> list:
+            return [("replica-a", SimpleNamespace())]
+        return SimpleNamespace(results_async=results_async)
 
 
 @pytest.mark.parametrize("on", [True, False])
