@@ -2,25 +2,26 @@
 file name, URL suffix or declared MIME type, which clients get wrong or forge.
 
 Containers that can hold either audio or video (MP4, Matroska/WebM, Ogg, AVI...) are probed for
-their streams.  ``open_av`` is the one way the media stages open bytes with PyAV: nested protocol
-opens are disabled, so a crafted playlist cannot make FFmpeg read local files or the network.
+their streams, opened as every media stage opens bytes with PyAV (``av_container.open_av``: no
+nested protocol opens).
 """
 
 from __future__ import annotations
 
-import io
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import av
 
-from mm_pipeline.errors import InvalidMediaError, UndecodableMediaError, UnsupportedMediaType
+from mm_pipeline.errors import InvalidMediaError, UnsupportedMediaType
+from mm_pipeline.media import av_container
+from mm_pipeline.media.av_container import open_av, video_stream
 from mm_pipeline.media.types import MediaKind
 
 IMAGE, VIDEO, AUDIO = MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO
+open_av_stream = av_container.open_av_stream  # (the audio decoders import both openers from here)
 
 # FFmpeg demuxers we accept after a probe.  Everything else (image2 pipes, tty, playlists, concat
 # lists, raw elementary streams without timestamps) is refused with 415.
@@ -45,7 +46,6 @@ _PROBE_FORMATS = {
     "ac3": "ac3",
     "eac3": "eac3",
 }
-_AV_OPTIONS = {"protocol_whitelist": "none"}
 _HEAD_LIMIT = 1 << 20  # top-level MP4 boxes before moov/mdat past this: not worth streaming
 # Top-level MP4 boxes walked before an answer, at most. Real files have a handful before their
 # moov / mdat / moof (ftyp, free, wide, uuid, sidx); a file of 8-byte boxes would otherwise make
@@ -73,24 +73,6 @@ class SniffResult:
     def __post_init__(self) -> None:
         if self.primary not in self.kinds:
             raise ValueError(f"SniffResult: primary {self.primary} not in kinds {set(self.kinds)}")
-
-
-def open_av(data: bytes, format: str | None = None) -> av.container.InputContainer:
-    """Open encoded bytes with PyAV, with nested protocol opens disabled."""
-    try:
-        return av.open(io.BytesIO(data), mode="r", format=format, options=dict(_AV_OPTIONS))
-    except UnicodeDecodeError as exc:  # PyAV decodes container metadata as UTF-8 while opening
-        raise UndecodableMediaError(f"media container metadata is not valid UTF-8 ({exc.reason})") from None
-
-
-def open_av_stream(fileobj: BinaryIO) -> av.container.InputContainer:
-    """``open_av`` for bytes still arriving (``ArrivingReader``). ``ignidx``: the MP4 demuxer
-    stops reading top-level boxes at the first ``mdat``/``moof`` instead of walking every fragment
-    before the first packet (which would wait for the last byte)."""
-    try:
-        return av.open(fileobj, mode="r", options={**_AV_OPTIONS, "fflags": "+ignidx"})
-    except UnicodeDecodeError as exc:
-        raise UndecodableMediaError(f"media container metadata is not valid UTF-8 ({exc.reason})") from None
 
 
 def streamable_layout(head: bytes) -> str | None:
@@ -286,16 +268,12 @@ def _sniff_plain_audio(head: bytes) -> SniffResult | None:
 
 def _probe(data: bytes) -> SniffResult:
     """Ask FFmpeg which demuxer and streams the bytes hold (containers that may be audio or video,
-    and formats without a magic we check)."""
+    and formats without a magic we check). A video stream counts when the media stages would
+    decode it (``av_container.video_stream``)."""
     try:
         with open_av(data) as container:
             fmt = _PROBE_FORMATS.get(container.format.name)
-            videos = [
-                s
-                for s in container.streams.video
-                if not s.disposition & av.stream.Disposition.attached_pic  # cover art is no video
-                and s.codec_context is not None and s.codec_context.width > 0  # None: no decoder for it
-            ]
+            video = video_stream(container) is not None
             audios = [s for s in container.streams.audio
                       if s.codec_context is not None and s.codec_context.sample_rate > 0]
             name = container.format.name
@@ -305,10 +283,10 @@ def _probe(data: bytes) -> SniffResult:
         raise UnsupportedMediaType(f"container format {name!r} is not accepted")
     if fmt == "matroska" and b"webm" in data[:64]:
         fmt = "webm"  # the EBML header's DocType says which Matroska profile this is
-    kinds = ({VIDEO} if videos else set()) | ({AUDIO} if audios else set())
+    kinds = ({VIDEO} if video else set()) | ({AUDIO} if audios else set())
     if not kinds:
         raise UnsupportedMediaType(f"{fmt} container holds no decodable audio or video stream")
-    return SniffResult(fmt, VIDEO if videos else AUDIO, frozenset(kinds), probed=True)
+    return SniffResult(fmt, VIDEO if video else AUDIO, frozenset(kinds), probed=True)
 
 
 class SniffMemo:

@@ -54,7 +54,8 @@ from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.early_packets import KeyframeSkip, PresentationRanks
 from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.sniff import fragments_duration, open_av_stream
+from mm_pipeline.media.av_container import open_av_stream, video_stream
+from mm_pipeline.media.sniff import fragments_duration
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
@@ -91,6 +92,7 @@ class EarlyVideoDecode:
         self.frames_decoded = 0  # frames that came out of the decoder (unkept non-reference ones are not decoded)
         self.skip = KeyframeSkip()  # span tails dropped undecoded (``skip.skipped``), when it applies
         self.prediction = ""  # how the frame count was known: index / duration / fragments ("": not known)
+        self.stream_index: int | None = None  # the stream decoded (av_container.video_stream), once opened
         self._on_end = on_end
         self._cond = threading.Condition()
         self._frames: dict[int, av.VideoFrame] = {}
@@ -174,8 +176,11 @@ class EarlyVideoDecode:
     def _run(self) -> None:
         try:
             with open_av_stream(self.body.reader()) as container:
-                if container.streams.video:
-                    self._decode(container, container.streams.video[0])
+                stream = video_stream(container)  # probe_video's choice: production takes frames by pts
+                if stream is not None:
+                    with self._cond:
+                        self.stream_index = stream.index
+                    self._decode(container, stream)
         except BaseException as exc:  # a body that failed, a damaged stream, cancel, deadline
             self._error = exc
         finally:
@@ -376,8 +381,9 @@ def chunks_for_early(early: EarlyVideoDecode, info: VideoInfo, indices: Sequence
     those whose seek point it has reached (a decoder of their own would redo what it is doing);
     the others decode from their keyframes in parallel. From here on it keeps the exact frames
     (``retarget``) and stops after the last frame it serves (cancelled when it serves none)."""
-    if early.ended and not early.prediction:
-        early.cancel_frames()  # it never decoded (no frame count up front): decode as after arrival
+    if (early.ended and not early.prediction) or early.stream_index not in (None, info.stream):
+        # it never decoded (no frame count up front), or another stream than the probe walked
+        early.cancel_frames()  # (the same choice on the same bytes: not expected): decode as after arrival
         return set()
     early.retarget([info.pts[t] for t in indices])
     done, last = early.ended, early.last_pts

@@ -38,7 +38,7 @@ from mm_pipeline.media.decode.image import decode_animation_frames, probe_animat
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.types import DecodedVideo, MediaItem
-from mm_pipeline.media.sniff import open_av
+from mm_pipeline.media.av_container import open_av, unusable_video, video_stream
 from mm_pipeline.media.decode.video_sampling import FrameSampling, VideoSamplingParams, sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 
@@ -56,6 +56,7 @@ class VideoInfo:
     pts: tuple[int, ...]  # pts of frame k (ascending) in ``time_base``
     keyframes: tuple[int, ...]  # frame indices where a decoder may start
     time_base: Fraction
+    stream: int = 0  # the stream's index in its container (av_container.video_stream's choice)
 
     @property
     def total_frames(self) -> int:
@@ -68,12 +69,13 @@ class VideoInfo:
 
 def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
                 control: DecodeControl | None = None) -> VideoInfo:
-    """One demux pass over the first video stream; enforces pixel, frame and duration limits."""
+    """One demux pass over the video stream the media stages decode (``av_container.video_stream``:
+    the first with a decoder and a size, not cover art); enforces pixel, frame and duration limits."""
     try:
         with open_av(item.data) as container:
-            if not container.streams.video:
-                raise UndecodableMediaError(f"{item.format} from {item.origin} has no video stream")
-            stream = container.streams.video[0]
+            stream = video_stream(container)
+            if stream is None:
+                raise unusable_video(container, f"{item.format} from {item.origin}")
             w, h = stream.codec_context.width, stream.codec_context.height
             if w * h > limits.max_pixels:
                 raise MediaTooLarge(f"video frames are {w}x{h} = {w * h} pixels, limit {limits.max_pixels}")
@@ -89,7 +91,7 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
                 if len(packets) > limits.max_frames:
                     raise MediaTooLarge(f"video has over {limits.max_frames} frames")
             rate = stream.average_rate or stream.guessed_rate
-            time_base = stream.time_base
+            time_base, index = stream.time_base, stream.index
     except av.FFmpegError as exc:
         raise UndecodableMediaError(f"{item.format} video from {item.origin} does not demux ({exc})") from exc
     if not packets:
@@ -98,7 +100,7 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
     pts = tuple(p for p, _ in packets)
     fps = float(rate) if rate else _fps_from_pts(pts, time_base)
     keyframes = tuple(k for k, (_, key) in enumerate(packets) if key) or (0,)
-    info = VideoInfo(w, h, fps, pts, keyframes if keyframes[0] == 0 else (0, *keyframes), time_base)
+    info = VideoInfo(w, h, fps, pts, keyframes if keyframes[0] == 0 else (0, *keyframes), time_base, index)
     if info.duration_s > limits.max_duration_s:
         raise MediaTooLarge(f"video lasts {info.duration_s:.1f} s, limit {limits.max_duration_s} s")
     return info
@@ -179,7 +181,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
 
     try:
         with (containers.lend() if containers is not None else _opened(item)) as (container, fresh):
-            stream = container.streams.video[0]
+            stream = container.streams[info.stream]  # the one probe_video walked
             used = codec_threads(threads, info.height * info.width)
             if used > 1 and fresh:
                 stream.thread_type = "AUTO"

@@ -60,7 +60,7 @@ from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl
 from mm_pipeline.media.decode.image import decode_animation_frames
 from mm_pipeline.media.decode.video import VideoInfo, decode_range
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.sniff import open_av
+from mm_pipeline.media.av_container import open_av
 from mm_pipeline.media.types import MediaItem
 
 

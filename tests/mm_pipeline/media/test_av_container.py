@@ -1,0 +1,106 @@
+"""Opening media with PyAV (media.av_container): which video stream every stage decodes.
+
+What is proven: a container whose first video track has no decoder here is decoded from the next
+track that has one -- by the sniff, the probe, the decode and the decode of arriving bytes alike --
+and one with no decodable video track is a 400 (415 at the sniff), never an AttributeError (500).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from mm_pipeline.errors import UndecodableMediaError, UnsupportedMediaType
+from mm_pipeline.media.arriving_bytes import ArrivingBytes
+from mm_pipeline.media.decode.early import EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.video import VideoDecoder, decode_range, probe_video
+from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
+from mm_pipeline.media.sniff import sniff
+from mm_pipeline.media.types import MediaItem, MediaKind
+from tests.support.arriving import early_chunks_match_whole, feed
+
+SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
+_CODEC_ID = b"V_MPEG4/ISO/ASP"
+
+
+def two_track_mkv(unknown: int) -> bytes:
+    """A Matroska file of two MPEG-4 video tracks, 64x48, 20 frames at 10 fps: track 0's frames
+    are grey level 40, track 1's level 200; the CodecID of the first ``unknown`` tracks is
+    rewritten to one no FFmpeg decoder takes (the auditor's patched file)."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:
+        streams = [out.add_stream("mpeg4", rate=10) for _ in range(2)]
+        for s in streams:
+            s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for k in range(20):
+            for s, level in zip(streams, (40, 200)):
+                frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), level, np.uint8), format="rgb24")
+                frame.pts = k
+                for p in s.encode(frame):
+                    out.mux(p)
+        for s in streams:
+            for p in s.encode():
+                out.mux(p)
+    data = buf.getvalue()
+    at = 0
+    for _ in range(unknown):
+        at = data.index(_CODEC_ID, at)
+        data = data[:at] + b"V_MPEG4/ISO/XYZ" + data[at + len(_CODEC_ID):]
+    return data
+
+
+def test_a_first_track_without_a_decoder_is_passed_over() -> None:
+    """Track 0's codec is unknown here, track 1 decodes: the sniff counts a video, the probe and
+    every decode take track 1 (its level-200 frames); before, the probe read track 0's missing
+    codec context (AttributeError: a 500)."""
+    data = two_track_mkv(unknown=1)
+    found = sniff(data)
+    assert found.primary is MediaKind.VIDEO
+    item = MediaItem(MediaKind.VIDEO, found.format, data)
+    info = probe_video(item)
+    assert info.stream == 1 and (info.width, info.height) == (64, 48) and info.total_frames == 20
+    frames = decode_range(item, info, [0, 10, 19])
+    assert frames.shape == (3, 48, 64, 3) and abs(float(frames.float().mean()) - 200) < 8
+    video = VideoDecoder(SAMPLING).decode_sync(item)
+    assert abs(float(video.frames.float().mean()) - 200) < 8
+
+
+def test_no_decodable_video_track_is_a_400() -> None:
+    """Both tracks unknown: the sniff finds nothing it can serve (415) and the probe of the bytes
+    as a video is an UndecodableMediaError (400) naming why."""
+    data = two_track_mkv(unknown=2)
+    with pytest.raises(UnsupportedMediaType, match="no decodable"):
+        sniff(data)
+    with pytest.raises(UndecodableMediaError, match="no decoder"):
+        probe_video(MediaItem(MediaKind.VIDEO, "matroska", data))
+
+
+def test_an_arriving_file_is_decoded_early_from_the_probed_track() -> None:
+    """The decode of arriving bytes chooses the stream as the probe does: its frames are track 1's,
+    taken by production and equal to the whole-bytes decode (before, it tried track 0 and kept
+    nothing)."""
+    data = two_track_mkv(unknown=1)
+    body = ArrivingBytes(1 << 24, stall_s=5.0)
+    sender = feed(body, data, chunk=512)
+    while body.received == 0:
+        time.sleep(0.001)
+    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0)
+    early.start()
+    sender.join()
+    assert early.join(10.0)
+    item = MediaItem(MediaKind.VIDEO, "matroska", data)
+    info = probe_video(item)
+    assert early.stream_index == info.stream == 1
+    sampled = sample_frames(info.total_frames, info.video_fps, SAMPLING)
+    tp, size = 2, (24, 32)
+    chunks = plan_chunks(list(range(sampled.num_frames // tp)), sampled.indices, info.keyframes, tp, 2)
+    assert chunks_for_early(early, info, sampled.indices, chunks, tp) == set(range(len(chunks)))
+    assert early_chunks_match_whole(early, item, info, sampled.indices, chunks, tp, size) > 0
+    whole = decode_range(item, info, sorted(set(sampled.indices)), size=size)
+    assert abs(float(whole.float().mean()) - 200) < 8 and not torch.equal(whole, torch.zeros_like(whole))
