@@ -265,7 +265,8 @@ class UnitProducer:
         # the chunks reuse each other's open containers (an H.264 open probes ~10 ms of frames), an
         # idle one holding its decoder's frames in the budget
         containers = None if info is None else VideoContainers(
-            plan.item, self.budget, frame_decode_bytes((info.height, info.width), self.config.decoder_threads))
+            plan.item, self.budget, frame_decode_bytes((info.height, info.width), self.config.decoder_threads),
+            info.max_pixels)
         loop = asyncio.get_running_loop()
 
         async def one(groups: list[int], use_early: bool) -> None:

@@ -148,7 +148,7 @@ class MediaIngestor:
         found = self.sniff_memo.get(key, salt)
         memo_hit = found is not None
         if found is None:
-            found = sniff(data)
+            found = sniff(data, self.config.limits.max_pixels)
             self.sniff_memo.put(key, found, salt)
         if declared is not None and declared not in found.kinds:
             raise UnsupportedMediaType(

@@ -3,7 +3,7 @@ file name, URL suffix or declared MIME type, which clients get wrong or forge.
 
 Containers that can hold either audio or video (MP4, Matroska/WebM, Ogg, AVI...) are probed for
 their streams, opened as every media stage opens bytes with PyAV (``av_container.open_av``: no
-nested protocol opens).
+nested protocol opens, no frame over the pixel limit decoded by FFmpeg's stream probe).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import av
 
 from mm_pipeline.errors import InvalidMediaError, UnsupportedMediaType
 from mm_pipeline.media import av_container
-from mm_pipeline.media.av_container import open_av, video_stream
+from mm_pipeline.media.av_container import DEFAULT_MAX_PIXELS, open_av, oversized_video, sizeless_video, video_stream
 from mm_pipeline.media.types import MediaKind
 
 IMAGE, VIDEO, AUDIO = MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO
@@ -214,8 +214,9 @@ def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]
         pos += size
 
 
-def sniff(data: bytes) -> SniffResult:
-    """Detect the media type of ``data``.
+def sniff(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> SniffResult:
+    """Detect the media type of ``data``; ``max_pixels``: the pixel limit (``MediaLimits``) a
+    container is opened with (``av_container.open_av``).
 
     Raises ``InvalidMediaError`` (400) for empty input, ``UnsupportedMediaType`` (415) when neither
     the magic bytes nor a probe find a supported image, audio or video."""
@@ -228,7 +229,7 @@ def sniff(data: bytes) -> SniffResult:
     audio = _sniff_plain_audio(head)
     if audio is not None:
         return audio
-    return _probe(data)
+    return _probe(data, max_pixels)
 
 
 def _sniff_image(head: bytes) -> SniffResult | None:
@@ -266,16 +267,21 @@ def _sniff_plain_audio(head: bytes) -> SniffResult | None:
     return None
 
 
-def _probe(data: bytes) -> SniffResult:
+def _probe(data: bytes, max_pixels: int) -> SniffResult:
     """Ask FFmpeg which demuxer and streams the bytes hold (containers that may be audio or video,
     and formats without a magic we check). A video stream counts when the media stages would
-    decode it (``av_container.video_stream``)."""
+    decode it (``av_container.video_stream``), or when its size read 0 under ``max_pixels``
+    and either its header states one over the limit or no audio stream could serve instead: the
+    probe of the video then refuses it with the pixel limit's 413 (a file whose only readable
+    stream is its audio stays an audio)."""
     try:
-        with open_av(data) as container:
+        with open_av(data, max_pixels=max_pixels) as container:
             fmt = _PROBE_FORMATS.get(container.format.name)
-            video = video_stream(container) is not None
             audios = [s for s in container.streams.audio
                       if s.codec_context is not None and s.codec_context.sample_rate > 0]
+            video = video_stream(container) is not None or (
+                bool(sizeless_video(container))
+                and (not audios or oversized_video(data, container, max_pixels) is not None))
             name = container.format.name
     except (av.FFmpegError, UnicodeDecodeError, ValueError) as exc:
         raise UnsupportedMediaType(f"content is not a supported image, audio or video ({exc})") from exc

@@ -61,6 +61,37 @@ def resizing_webm(big: int = 4096, n_frames: int = 8, small: int = 64, pix_fmt: 
     return buf.getvalue()
 
 
+def png_frame_mov(side: int = 12000, with_audio: bool = False) -> bytes:
+    """A MOV of one video frame: a side x side RGBA 16-bit PNG of zeros (8 B per decoded pixel;
+    12000²: 1.1 GB decoded from a 2.2 MB file; 3000²: 72 MB from 70 KB), whose size only the
+    frame itself carries -- FFmpeg's stream probe decodes it inside the open to learn it.
+    ``with_audio``: a second stream, one second of 8 kHz silence (an audio item's container)."""
+    from fractions import Fraction
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    z = zlib.compressobj(9)
+    row = bytes(1 + side * 8)  # filter byte, then RGBA at 16 bits
+    idat = b"".join(z.compress(row) for _ in range(side)) + z.flush()
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 16, 6, 0, 0, 0))
+           + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mov") as out:
+        video = out.add_stream("png", rate=1)
+        video.width, video.height, video.pix_fmt = side, side, "rgba64be"
+        sound = out.add_stream("pcm_s16le", rate=8000, layout="mono") if with_audio else None
+        packet = av.Packet(png)
+        packet.stream, packet.pts, packet.dts, packet.time_base = video, 0, 0, Fraction(1, 1)
+        out.mux(packet)
+        if sound is not None:
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 8000), np.int16), format="s16", layout="mono")
+            frame.sample_rate, frame.pts = 8000, 0
+            out.mux(sound.encode(frame))
+            out.mux(sound.encode(None))
+    return buf.getvalue()
+
+
 def tiny_boxes_mp4(video: bytes, nbytes: int = 1 << 20) -> bytes:
     """``video`` (an MP4) with ``nbytes`` of 8-byte empty ``free`` boxes after its ``ftyp``: a head a
     reader walking the boxes to find the layout would walk 131,072 times for 1 MiB (the chunk

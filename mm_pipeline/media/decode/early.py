@@ -54,7 +54,7 @@ from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.early_packets import KeyframeSkip, PresentationRanks
 from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.av_container import open_av_stream, video_stream
+from mm_pipeline.media.av_container import open_av_stream, sizeless_video, video_stream
 from mm_pipeline.media.sniff import fragments_duration
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
@@ -175,8 +175,10 @@ class EarlyVideoDecode:
     # ---- the decoder thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with open_av_stream(self.body.reader()) as container:
+            with open_av_stream(self.body.reader(), self.limits.max_pixels) as container:
                 stream = video_stream(container)  # probe_video's choice: production takes frames by pts
+                # none, but one whose size read 0: over max_pixels (FFmpeg refused it in the open) or damaged
+                self.over_limits = stream is None and bool(sizeless_video(container))
                 if stream is not None:
                     with self._cond:
                         self.stream_index = stream.index

@@ -57,6 +57,9 @@ class VideoInfo:
     keyframes: tuple[int, ...]  # frame indices where a decoder may start
     time_base: Fraction
     stream: int = 0  # the stream's index in its container (av_container.video_stream's choice)
+    # the pixel limit it was probed under: every later open of the item passes it to FFmpeg
+    # (av_container.open_av), so the stream probe inside the open sees the streams as the probe did
+    max_pixels: int = MediaLimits().max_pixels
 
     @property
     def total_frames(self) -> int:
@@ -72,10 +75,11 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
     """One demux pass over the video stream the media stages decode (``av_container.video_stream``:
     the first with a decoder and a size, not cover art); enforces pixel, frame and duration limits."""
     try:
-        with open_av(item.data) as container:
+        with open_av(item.data, max_pixels=limits.max_pixels, timeout_s=remaining_s(control)) as container:
+            check(control)
             stream = video_stream(container)
             if stream is None:
-                raise unusable_video(container, f"{item.format} from {item.origin}")
+                raise unusable_video(item.data, container, limits.max_pixels, f"{item.format} from {item.origin}")
             w, h = stream.codec_context.width, stream.codec_context.height
             if w * h > limits.max_pixels:
                 raise MediaTooLarge(f"video frames are {w}x{h} = {w * h} pixels, limit {limits.max_pixels}")
@@ -93,6 +97,7 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
             rate = stream.average_rate or stream.guessed_rate
             time_base, index = stream.time_base, stream.index
     except av.FFmpegError as exc:
+        check(control)  # (an open cut short by the deadline)
         raise UndecodableMediaError(f"{item.format} video from {item.origin} does not demux ({exc})") from exc
     if not packets:
         raise UndecodableMediaError(f"{item.format} video from {item.origin} has no frames")
@@ -100,10 +105,17 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
     pts = tuple(p for p, _ in packets)
     fps = float(rate) if rate else _fps_from_pts(pts, time_base)
     keyframes = tuple(k for k, (_, key) in enumerate(packets) if key) or (0,)
-    info = VideoInfo(w, h, fps, pts, keyframes if keyframes[0] == 0 else (0, *keyframes), time_base, index)
+    info = VideoInfo(w, h, fps, pts, keyframes if keyframes[0] == 0 else (0, *keyframes), time_base, index,
+                     limits.max_pixels)
     if info.duration_s > limits.max_duration_s:
         raise MediaTooLarge(f"video lasts {info.duration_s:.1f} s, limit {limits.max_duration_s} s")
     return info
+
+
+def remaining_s(control: DecodeControl | None) -> float | None:
+    """Seconds left of ``control``'s deadline, for an open (``open_av``'s ``timeout_s``); None
+    without one (a control that only counts frames, as tests pass, has none either)."""
+    return getattr(control, "remaining_s", None)
 
 
 def _fps_from_pts(pts: tuple[int, ...], time_base: Fraction | None) -> float:
@@ -180,7 +192,11 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
         return wanted is None or len(out) == until
 
     try:
-        with (containers.lend() if containers is not None else _opened(item)) as (container, fresh):
+        opened = containers.lend(control) if containers is not None else _opened(item, info, control)
+        with opened as (container, fresh):
+            if info.stream >= len(container.streams):  # an open the deadline cut short (streams found while probing)
+                check(control)
+                raise UndecodableMediaError(f"{item.format} video from {item.origin} lost its video stream")
             stream = container.streams[info.stream]  # the one probe_video walked
             used = codec_threads(threads, info.height * info.width)
             if used > 1 and fresh:
@@ -197,6 +213,7 @@ def decode_range(item: MediaItem, info: VideoInfo, targets: Sequence[int], seek:
                     container.seek(info.pts[start], stream=stream, backward=True, any_frame=False)
                     walk(container, stream, start, until, None)
     except av.FFmpegError as exc:
+        check(control)
         raise UndecodableMediaError(f"{item.format} video from {item.origin} does not decode ({exc})") from exc
     if prev is None:
         raise UndecodableMediaError(f"{item.format} video from {item.origin} decoded no frame")
@@ -236,9 +253,10 @@ def hevc_single_sublayer(extradata: bytes | None) -> bool:
 
 
 @contextmanager
-def _opened(item: MediaItem) -> Iterator[tuple[av.container.InputContainer, bool]]:
+def _opened(item: MediaItem, info: VideoInfo,
+            control: DecodeControl | None) -> Iterator[tuple[av.container.InputContainer, bool]]:
     """A container of ``item`` of its own (``VideoContainers.lend``'s shape), closed after."""
-    with open_av(item.data) as container:
+    with open_av(item.data, max_pixels=info.max_pixels, timeout_s=remaining_s(control)) as container:
         yield container, True
 
 

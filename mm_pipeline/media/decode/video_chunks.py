@@ -58,9 +58,9 @@ import torch
 
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl
 from mm_pipeline.media.decode.image import decode_animation_frames
-from mm_pipeline.media.decode.video import VideoInfo, decode_range
+from mm_pipeline.media.decode.video import VideoInfo, decode_range, remaining_s
 from mm_pipeline.media.ingest_config import MediaLimits
-from mm_pipeline.media.av_container import open_av
+from mm_pipeline.media.av_container import DEFAULT_MAX_PIXELS, open_av
 from mm_pipeline.media.types import MediaItem
 
 
@@ -146,8 +146,10 @@ class VideoContainers:
     setting (it is fixed when a container's decoder opens). ``budget``/``idle_bytes``: an idle
     container holds ``idle_bytes`` of ``budget`` (its decoder's frames) or is closed."""
 
-    def __init__(self, item: MediaItem, budget: DecodeBudget | None = None, idle_bytes: int = 0) -> None:
+    def __init__(self, item: MediaItem, budget: DecodeBudget | None = None, idle_bytes: int = 0,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self.item = item
+        self.max_pixels = max_pixels  # what the containers are opened with (VideoInfo.max_pixels)
         self.budget = budget
         self.idle_bytes = idle_bytes
         self.opened = 0  # containers opened so far (the counter video_containers_opened)
@@ -158,16 +160,17 @@ class VideoContainers:
             budget.add_idle_holder(self)  # a waiting reservation closes the idle ones (module doc)
 
     @contextmanager
-    def lend(self) -> Iterator[tuple[av.container.InputContainer, bool]]:
+    def lend(self, control: DecodeControl | None = None) -> Iterator[tuple[av.container.InputContainer, bool]]:
         """``(container, fresh)``: fresh is True when just opened (not positioned by an earlier
-        decode). A decode that raised closes its container rather than handing it on."""
+        decode; the open counts against ``control``'s deadline). A decode that raised closes its
+        container rather than handing it on."""
         with self._lock:  # (after close: a container of its own, closed after, as without this)
             container = self._free.pop() if self._free else None
         if container is not None and self.budget is not None:
             self.budget.release_early(self.idle_bytes)
         fresh = container is None
         if container is None:
-            container = open_av(self.item.data)
+            container = open_av(self.item.data, max_pixels=self.max_pixels, timeout_s=remaining_s(control))
             with self._lock:
                 self.opened += 1
         done = False
