@@ -265,7 +265,7 @@ class UnitProducer:
         # the chunks reuse each other's open containers (an H.264 open probes ~10 ms of frames), an
         # idle one holding its decoder's frames in the budget
         containers = None if info is None else VideoContainers(
-            plan.item, self.budget, frame_decode_bytes((info.height, info.width), self.config.decoder_threads),
+            plan.item, self.budget, frame_decode_bytes(info, self.config.decoder_threads),
             info.max_pixels)
         loop = asyncio.get_running_loop()
 
@@ -358,7 +358,7 @@ class UnitProducer:
         if info is None:  # animation: the RGBA canvas and its converted copy
             h, w = probe_image(item, self.config.limits)
             return out + 8 * h * w
-        return out + frame_decode_bytes((info.height, info.width), self.config.decoder_threads)
+        return out + frame_decode_bytes(info, self.config.decoder_threads)
 
     def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None,
                        held: HeldInputs | None = None) -> dict[int, Any]:

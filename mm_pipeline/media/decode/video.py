@@ -34,6 +34,8 @@ import torch
 from av.video.reformatter import VideoReformatter
 
 from mm_pipeline.media.decode.budget import DecodeControl, check, check_frame_size
+from mm_pipeline.media.decode.decoder_memory import (MAX_DPB, decoder_pictures, dpb_pictures, frame_bytes,
+                                                     picture_bytes)
 from mm_pipeline.media.decode.image import decode_animation_frames, probe_animation
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
 from mm_pipeline.media.ingest_config import MediaLimits
@@ -60,6 +62,10 @@ class VideoInfo:
     # the pixel limit it was probed under: every later open of the item passes it to FFmpeg
     # (av_container.open_av), so the stream probe inside the open sees the streams as the probe did
     max_pixels: int = MediaLimits().max_pixels
+    # what its decoder holds (decoder_memory): pictures kept for reference and reordering, and the
+    # bytes of one (its pixel format's planes and side tables); 0: not known, counted at the widest
+    dpb: int = MAX_DPB
+    picture_bytes: int = 0
 
     @property
     def total_frames(self) -> int:
@@ -96,6 +102,9 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
                     raise MediaTooLarge(f"video has over {limits.max_frames} frames")
             rate = stream.average_rate or stream.guessed_rate
             time_base, index = stream.time_base, stream.index
+            cc = stream.codec_context  # what the stream probe found: pixel format, reorder delay
+            dpb = dpb_pictures(cc.name, cc.extradata, cc.reorder_depth)
+            picture = picture_bytes(cc.name, frame_bytes(cc.format.name if cc.format else None, w, h), w * h)
     except av.FFmpegError as exc:
         check(control)  # (an open cut short by the deadline)
         raise UndecodableMediaError(f"{item.format} video from {item.origin} does not demux ({exc})") from exc
@@ -106,7 +115,7 @@ def probe_video(item: MediaItem, limits: MediaLimits = MediaLimits(),
     fps = float(rate) if rate else _fps_from_pts(pts, time_base)
     keyframes = tuple(k for k, (_, key) in enumerate(packets) if key) or (0,)
     info = VideoInfo(w, h, fps, pts, keyframes if keyframes[0] == 0 else (0, *keyframes), time_base, index,
-                     limits.max_pixels)
+                     limits.max_pixels, dpb, picture)
     if info.duration_s > limits.max_duration_s:
         raise MediaTooLarge(f"video lasts {info.duration_s:.1f} s, limit {limits.max_duration_s} s")
     return info
@@ -336,12 +345,14 @@ def shared_codec_threads(workers: int) -> int:
     return max(1, cpus // workers)
 
 
-def frame_decode_bytes(info_or_size: tuple[int, int], threads: int = 1) -> int:
-    """Peak bytes a decoder holds for frames of (h, w): a few planar YUV frames (references,
-    the frame being built) plus one per extra codec thread (``threads`` as ``decode_range`` takes
-    it) -- the in-flight budget's estimate for one video decoder."""
-    h, w = info_or_size
-    return (4 + codec_threads(threads, h * w) - 1) * h * w * 3 // 2
+def frame_decode_bytes(info: VideoInfo, threads: int = 1) -> int:
+    """Peak bytes a decoder of ``info``'s stream holds (``threads`` as ``decode_range`` takes it)
+    -- the in-flight budget's estimate for one video decoder: its reference and reorder pictures,
+    the one being built, the last output one, two more per extra codec thread, each of the
+    stream's own pixel format (``decoder_memory``)."""
+    pixels = info.height * info.width
+    picture = info.picture_bytes or picture_bytes("", frame_bytes(None, info.width, info.height), pixels)
+    return decoder_pictures(info.dpb, codec_threads(threads, pixels)) * picture
 
 
 def split_ranges(targets: Sequence[int], info: VideoInfo, num_ranges: int) -> list[list[int]]:

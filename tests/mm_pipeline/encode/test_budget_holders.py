@@ -60,7 +60,7 @@ def test_a_chunk_needing_the_bytes_of_its_videos_idle_container_goes_on(pool):
     item = MediaItem(MediaKind.VIDEO, "mp4", video_bytes("mp4", "mpeg4", fps=10, n_frames=80, size=(320, 240), gop=10))
     info, sampling, size = producer.probe_video(item)
     tp = producer.pre.image_config.temporal_patch_size
-    idle = frame_decode_bytes((info.height, info.width), producer.config.decoder_threads)
+    idle = frame_decode_bytes(info, producer.config.decoder_threads)
     large = producer.chunk_bytes(item, info, 3 * tp, size)
     producer.budget = DecodeBudget(large + idle // 2)
     containers = VideoContainers(item, producer.budget, idle)

@@ -220,7 +220,7 @@ def test_video_chunk_reservation_is_the_frames_and_rows_peak(pool, groups, strea
     with NewTensorPeak() as tensors:
         made = chunk()
     assert made == groups and len(reserved) == 1
-    frames_and_rows = reserved[0] - frame_decode_bytes((info.height, info.width), producer.config.decoder_threads)
+    frames_and_rows = reserved[0] - frame_decode_bytes(info, producer.config.decoder_threads)
     px = groups * tp * size[0] * size[1]
     assert frames_and_rows >= tensors.peak, f"reserved {frames_and_rows / px:.2f} B/px, held {tensors.peak / px:.2f}"
     # the bound is the peak (within one frame's RGB conversion), not a guess above it

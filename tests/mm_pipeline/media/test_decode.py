@@ -5,6 +5,7 @@ sound: test_decode_image_audio.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -160,9 +161,13 @@ def test_codec_threads_are_bounded_and_budgeted() -> None:
     assert codec_threads(1, 1280 * 720) == 1 and codec_threads(3, 1280 * 720) == 3
     assert 2 <= codec_threads(0, 1280 * 720) <= 16  # FFmpeg's automatic count: CPUs + 1, capped
     assert codec_threads(0, THREADED_MAX_PIXELS + 1) == 1  # a hostile 8192² stream gets one decoder thread
-    # every extra codec thread holds a frame of its own: the in-flight budget counts it
-    assert frame_decode_bytes((720, 1280), 3) == frame_decode_bytes((720, 1280)) + 2 * 720 * 1280 * 3 // 2
-    assert frame_decode_bytes((8192, 8192), 0) == frame_decode_bytes((8192, 8192), 1)
+    # every extra codec thread holds pictures of its own (two, measured): the in-flight budget counts them
+    hd = probe_video(_video("mp4", "mpeg4", size=(1280, 720)))
+    picture = hd.picture_bytes
+    assert picture == 1280 * 720 * 5 // 2  # 8-bit 4:2:0 planes (1.5 B/px) and 1 B/px of tables
+    assert frame_decode_bytes(hd, 3) == frame_decode_bytes(hd) + 2 * 2 * picture
+    huge = dataclasses.replace(hd, width=8192, height=8192)
+    assert frame_decode_bytes(huge, 0) == frame_decode_bytes(huge, 1)
 
 
 def test_animated_gif_and_webp_as_video() -> None:
