@@ -69,6 +69,7 @@ from mm_pipeline.media.decode.backend import DecodeBackend
 from mm_pipeline.media.decode.budget import DecodeControl
 from mm_pipeline.media.decode.image import image_decode_bytes, probe_image
 from mm_pipeline.media.decode.early import EarlyDecoders
+from mm_pipeline.media.decode.video import VideoInfo
 from mm_pipeline.media.content_hash import content_key
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
@@ -350,7 +351,7 @@ class MediaPlanner:
         plan = MediaPlan(item, mkey, units, tuple(stamps), video=(info, sampling, size),
                          decoded_bytes=self.producer.chunk_bytes(item, info, sampling.num_frames, size))
         held = HeldInputs(until_dropped=True)
-        mels = self._sound_of(item, control, held, len(units)) if self._hears_videos() and info is not None else []
+        mels = self._sound_of(item, control, held, len(units)) if self._hears_videos() and isinstance(info, VideoInfo) else []
         if mels:
             plan.held = held
             sizes = self.pre.unit_tokens("audio", (sum(int(m.shape[0]) for m in mels),))

@@ -29,8 +29,9 @@ import torch
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, DecodeControl, check
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
-from mm_pipeline.media.decode.image import decode_image_peak, probe_animation, probe_image
-from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
+from mm_pipeline.media.decode.image import (AnimationInfo, animation_decode_bytes, decode_image_peak, probe_animation,
+                                            probe_image)
+from mm_pipeline.media.decode.video import VideoInfo, frame_decode_bytes, probe_video
 from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
 from mm_pipeline.media.decode.early_audio import early_audio_of
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
@@ -142,13 +143,13 @@ class UnitProducer:
         return lo
 
     def probe_video(self, item: MediaItem, control: DecodeControl | None = None
-                    ) -> tuple[Any, Any, tuple[int, int]]:
-        """(probe info or None for a GIF/WebP, FrameSampling, resized frame size) -- a demux pass,
-        no decoding."""
+                    ) -> tuple[VideoInfo | AnimationInfo, Any, tuple[int, int]]:
+        """(probe info: a VideoInfo, or an AnimationInfo for a GIF/WebP; FrameSampling; resized
+        frame size) -- a demux pass (a walk over an animation's frames), no decoding."""
         self._count("probes")
         if item.format in _ANIMATIONS:
-            anim = probe_animation(item, self.config.limits, control)
-            info, total, fps, h, w = None, anim.num_frames, anim.fps, anim.height, anim.width
+            info = probe_animation(item, self.config.limits, control)
+            total, fps, h, w = info.num_frames, info.fps, info.height, info.width
         else:
             info = probe_video(item, self.config.limits, control)
             total, fps, h, w = info.total_frames, info.video_fps, info.height, info.width
@@ -254,8 +255,9 @@ class UnitProducer:
         info, sampling, size = plan.video
         tp = self.pre.image_config.temporal_patch_size
         # decoded while the bytes arrived (media.decode.early): those chunks take its frames
-        early = plan.item.early if info is not None else None
-        if info is None:  # GIF/WebP: PIL walks frames forward only, so one pass composites each once
+        video = isinstance(info, VideoInfo)
+        early = plan.item.early if video else None
+        if not video:  # GIF/WebP: PIL walks frames forward only, so one pass composites each once
             chunks = [list(claimed)]
         else:  # a decoder that hands groups on as they decode can take whole GOPs: nothing decoded twice
             streams = self.decoder.streams_groups and early is None
@@ -264,7 +266,7 @@ class UnitProducer:
         from_early = chunks_for_early(early, info, sampling.indices, chunks, tp) if early is not None else set()
         # the chunks reuse each other's open containers (an H.264 open probes ~10 ms of frames), an
         # idle one holding its decoder's frames in the budget
-        containers = None if info is None else VideoContainers(
+        containers = None if not video else VideoContainers(
             plan.item, self.budget, frame_decode_bytes(info, self.config.decoder_threads),
             info.max_pixels)
         loop = asyncio.get_running_loop()
@@ -355,9 +357,8 @@ class UnitProducer:
         reorder and float rows (``video_chunk_bytes``; ``streamed``: groups handed on as they
         decode, ``repeats``: frames of a padded tail)."""
         out = video_chunk_bytes(num_frames, size, self.pre.image_config, streamed, repeats)
-        if info is None:  # animation: the RGBA canvas and its converted copy
-            h, w = probe_image(item, self.config.limits)
-            return out + 8 * h * w
+        if isinstance(info, AnimationInfo):  # PIL's compositing, on the largest canvas the frames make
+            return out + animation_decode_bytes(item.format, info.height, info.width)
         return out + frame_decode_bytes(info, self.config.decoder_threads)
 
     def _decode_inputs(self, item: MediaItem, control: DecodeControl | None = None,

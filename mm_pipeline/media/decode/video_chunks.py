@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl
-from mm_pipeline.media.decode.image import decode_animation_frames
+from mm_pipeline.media.decode.image import AnimationInfo, decode_animation_frames
 from mm_pipeline.media.decode.video import VideoInfo, decode_range, remaining_s
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.av_container import DEFAULT_MAX_PIXELS, open_av
@@ -88,20 +88,21 @@ def plan_chunks(groups: Sequence[int], indices: Sequence[int], keyframes: Sequen
     return chunks
 
 
-def decode_chunk(item: MediaItem, info: VideoInfo | None, indices: Sequence[int], groups: Sequence[int], tp: int,
+def decode_chunk(item: MediaItem, info: VideoInfo | AnimationInfo | None, indices: Sequence[int],
+                 groups: Sequence[int], tp: int,
                  limits: MediaLimits, size: tuple[int, int] | None = None,
                  control: DecodeControl | None = None, threads: int = 1,
                  on_group: Callable[[int, torch.Tensor], None] | None = None,
                  containers: VideoContainers | None = None) -> torch.Tensor:
-    """Frames [len(groups) * tp, H, W, 3] uint8 of ``groups`` in order (``info`` None: a GIF/WebP
-    animation, decoded with PIL), scaled to ``size`` (h, w) as they are decoded; ``threads``: the
+    """Frames [len(groups) * tp, H, W, 3] uint8 of ``groups`` in order (``info`` not a VideoInfo --
+    an AnimationInfo, or None: a GIF/WebP animation, decoded with PIL), scaled to ``size`` (h, w) as they are decoded; ``threads``: the
     codec's own threads per decoder (decode_range). ``on_group(g, frames)``: called on this thread
     for each group in order with its [tp, H, W, 3] frames -- for a video as soon as the group's last
     frame is decoded, while the chunk's later groups still decode. ``containers``: the video's open
     containers to borrow from (``VideoContainers``)."""
     wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
     targets = sorted(set(wanted))  # a padded tail repeats its last frame
-    if info is None:
+    if not isinstance(info, VideoInfo):
         frames = decode_animation_frames(item, targets, limits, size, control)
         relay = None
     else:
