@@ -40,7 +40,8 @@ from encoders.image_processing import normalize, patchify
 from encoders.vision.geometry_cache import GeometryCache
 from kernels import band_attention_ref
 from mm_pipeline.encode.preprocess import Preprocessor
-from mm_pipeline.media.decode.video import codec_threads, probe_video, shared_codec_threads
+from mm_pipeline.media.decode.decoder_memory import codec_threads, shared_codec_threads
+from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest_config import MediaLimits

@@ -31,8 +31,8 @@ from mm_pipeline.media.decode.budget import DecodeBudget, DecodeCancelled, Decod
 from mm_pipeline.media.decode.backend import DecodeBackend, ThreadDecodeBackend
 from mm_pipeline.media.decode.image import (AnimationInfo, animation_decode_bytes, decode_image_peak, probe_animation,
                                             probe_image)
-from mm_pipeline.media.decode.video import VideoInfo, frame_decode_bytes, probe_video
-from mm_pipeline.media.decode.early import chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.decoder_memory import frame_decode_bytes
+from mm_pipeline.media.decode.video import VideoInfo, probe_video
 from mm_pipeline.media.decode.early_audio import early_audio_of
 from mm_pipeline.encode.batcher import EncoderBatcher, EncoderJob
 from mm_pipeline.encode.decode_peaks import audio_bytes, preprocess_image_bytes, video_chunk_bytes
@@ -43,7 +43,7 @@ from mm_pipeline.errors import MediaError, UnsupportedMediaType
 from mm_pipeline.media.audio_codes import CODES_FORMAT, AudioCodes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.encode.preprocess import Preprocessor, VisionInput
-from mm_pipeline.media.decode.video_chunks import VideoContainers, plan_chunks
+from mm_pipeline.media.decode.video_chunks import VideoContainers, chunks_for_early, decode_chunk_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import sample_frames
 from mm_pipeline.media.worker_pool import WorkerPool
 

@@ -26,7 +26,7 @@ from llm_core.storage import RedisAddress
 from mm_pipeline.encode.batcher import BatcherConfig
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.media.decode.backend import BACKENDS as DECODE_BACKENDS
-from mm_pipeline.media.decode.video import shared_codec_threads
+from mm_pipeline.media.decode.decoder_memory import shared_codec_threads
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.prompt.template_source import load_chat_template
@@ -261,6 +261,6 @@ class OmniEngineConfig:
 
     @property
     def resolved_decoder_threads(self) -> int:
-        """``decoder_threads``, with 0 resolved to the CPUs per decode worker (media/decode/video.py
+        """``decoder_threads``, with 0 resolved to the CPUs per decode worker (media/decode/decoder_memory.py
         ``shared_codec_threads``: 1, i.e. none, with two workers on two CPUs)."""
         return self.decoder_threads or shared_codec_threads(self.decode_workers)

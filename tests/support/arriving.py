@@ -16,9 +16,9 @@ import av
 import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early, decode_chunk_early
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode
 from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.decode.video_chunks import decode_chunk, plan_chunks
+from mm_pipeline.media.decode.video_chunks import chunks_for_early, decode_chunk, decode_chunk_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits

@@ -1,5 +1,6 @@
 """What one video decoder holds at its peak, from the stream's parameters -- the decode budget's
-estimate for it (``video.frame_decode_bytes``), known before any frame is decoded.
+estimate for it (``frame_decode_bytes``), known before any frame is decoded -- and the codec
+threads it runs (``codec_threads``), each of which holds pictures of its own.
 
     bytes    = pictures x (a frame in the stream's own pixel format + its side tables, 1-2 B/px)
     pictures = the stream's reference and reorder pictures (its DPB, below)
@@ -26,7 +27,13 @@ MPEG-4 part 2 3.6 (6). Four codec threads added 0.5-1.9 pictures per extra threa
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import av
+
+if TYPE_CHECKING:  # video imports this module (VideoInfo carries the stream's dpb and picture bytes)
+    from mm_pipeline.media.decode.video import VideoInfo
 
 MAX_DPB = 16  # reference/reorder pictures a stream may declare (H.264, HEVC: FFmpeg refuses more)
 # per-picture tables beside the planes (motion vectors and the like), bytes per pixel; FFmpeg's
@@ -79,6 +86,50 @@ def decoder_pictures(dpb: int, threads: int) -> int:
 def picture_bytes(codec: str, frame: int, pixels: int) -> int:
     """One picture a ``codec`` decoder holds: ``frame`` bytes of planes and its side tables."""
     return frame + _SIDE_BYTES_PER_PIXEL.get(codec, _SIDE_BYTES_DEFAULT) * pixels
+
+
+def frame_decode_bytes(info: VideoInfo, threads: int = 1) -> int:
+    """Peak bytes a decoder of ``info``'s stream holds (``threads`` as ``decode_range`` takes it)
+    -- the in-flight budget's estimate for one video decoder: its reference and reorder pictures,
+    the one being built, the last output one, two more per extra codec thread, each of the
+    stream's own pixel format (module doc)."""
+    pixels = info.height * info.width
+    picture = info.picture_bytes or picture_bytes("", frame_bytes(None, info.width, info.height), pixels)
+    return decoder_pictures(info.dpb, codec_threads(threads, pixels)) * picture
+
+
+# ---- codec threads ------------------------------------------------------------------------------
+# Codec threads only up to 4K UHD frames: each frame thread holds frames of its own, and a hostile
+# 8192² stream must not multiply its decoder's memory by the thread count.
+THREADED_MAX_PIXELS = 3840 * 2160
+_MAX_AUTO_THREADS = 16  # FFmpeg's own cap on automatic thread counts
+
+
+def codec_threads(threads: int, pixels: int) -> int:
+    """The codec threads one decoder of ``pixels``-sized frames uses for a ``threads`` setting (0:
+    FFmpeg's automatic count, CPUs + 1; 1: none); 1 above ``THREADED_MAX_PIXELS``."""
+    if threads < 0:
+        raise ValueError(f"codec threads must be >= 0, got {threads}")
+    if pixels > THREADED_MAX_PIXELS:
+        return 1
+    if threads == 0:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(cpus + 1, _MAX_AUTO_THREADS)
+    return threads
+
+
+def shared_codec_threads(workers: int) -> int:
+    """Codec threads per decoder when ``workers`` decoders run at once (the runtime's setting for
+    ``decoder_threads`` 0): the CPUs shared out among them, at least 1 (= none). A streamed video
+    keeps every decode worker busy with a chunk, so on a host with no more CPUs than workers the
+    parallelism is already there and frame threads only add work: each chunk's decoder starts,
+    flushes and runs ahead of its last frame with them (30 one-group chunks of a 60 s 720p clip,
+    two workers: 1.48 s of CPU with FFmpeg's automatic count vs 0.94 s with none; README
+    "pipeline")."""
+    if workers < 1:
+        raise ValueError(f"decode workers must be >= 1, got {workers}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // workers)
 
 
 # ---- parameter sets -----------------------------------------------------------------------------

@@ -10,9 +10,9 @@ decoder needs it up front: exactly from an MP4 sample table (``moov`` before ``m
 Segment duration of Matroska/WebM; from a fragmented MP4's ``mehd`` or leading multi-reference
 ``sidx`` (``sniff.fragments_duration``) -- the last two as duration x frame rate, kept for a few
 counts around it. It keeps the frames of that sampling; production takes a kept frame by its pts
-and decodes the targets not kept, so the frames are the whole-bytes path's whatever the
-prediction was (a wrong one costs time, never correctness; the decoder stops past the last frame
-the prediction keeps).
+and decodes the targets not kept (``video_chunks.chunks_for_early``, ``decode_chunk_early``), so
+the frames are the whole-bytes path's whatever the prediction was (a wrong one costs time, never
+correctness; the decoder stops past the last frame the prediction keeps).
 Like ``decode_range`` it skips the unkept frames no other frame is predicted from (``skips_nonref``;
 which are kept is known by presentation rank among the pts demuxed so far, ``PresentationRanks``,
 or by pts once production said which it wants, ``retarget``) and, while frames come in order, the
@@ -45,18 +45,17 @@ from collections.abc import Sequence
 from typing import Callable
 
 import av
-import numpy as np
-import torch
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl, check, check_frame_size, frame_nbytes
 from mm_pipeline.media.decode.early_audio import EarlyAudioDecode, audio_reading
 from mm_pipeline.media.decode.early_packets import KeyframeSkip, PresentationRanks
-from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, codec_threads, decode_range, skips_nonref
+from mm_pipeline.media.decode.decoder_memory import codec_threads
+from mm_pipeline.media.decode.video import skips_nonref
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.av_container import open_av_stream, sizeless_video, video_stream
 from mm_pipeline.media.sniff import fragments_duration
-from mm_pipeline.media.types import MediaItem, MediaKind
+from mm_pipeline.media.types import MediaKind
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 
 _SLACK = {"index": 0, "duration": 2, "fragments": 2}  # frame counts kept either side of the prediction
@@ -295,29 +294,6 @@ class EarlyVideoDecode:
         return out
 
 
-def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo, indices: Sequence[int],
-                       groups: Sequence[int], tp: int, size: tuple[int, int], control: DecodeControl | None,
-                       threads: int = 1) -> tuple[torch.Tensor, int]:
-    """``video_chunks.decode_chunk`` with the early decoder's frames: (frames, how many targets
-    came from it). Targets it did not keep are decoded from their keyframe as before."""
-    wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
-    targets = sorted(set(wanted))
-    h, w = size
-    kept = early.frames_until([info.pts[t] for t in targets], control)
-    rows: dict[int, np.ndarray] = {}
-    rgb = FrameToRgb(h, w)  # as decode_range converts
-    for t in targets:
-        frame = kept.get(info.pts[t])
-        if frame is not None:
-            rows[t] = rgb(frame)
-    missing = [t for t in targets if t not in rows]
-    if missing:
-        decoded = decode_range(item, info, missing, size=size, control=control, threads=threads)
-        rows.update({t: decoded[k].numpy() for k, t in enumerate(missing)})
-    frames = torch.from_numpy(np.stack([rows[t] for t in wanted]))
-    return frames, len(targets) - len(missing)
-
-
 class EarlyDecoders:
     """Starts the early decodes of one runtime (``MediaIngestor.early_decode``): a video whose
     header gives its frame count (and its sound track, with ``video_sound``), or an audio item
@@ -375,30 +351,3 @@ class EarlyDecoders:
                                  self.budget, (True, False), origin, on_end=self._slots.release)
         sound.start()
         return sound
-
-
-def chunks_for_early(early: EarlyVideoDecode, info: VideoInfo, indices: Sequence[int],
-                     chunks: Sequence[Sequence[int]], tp: int) -> set[int]:
-    """Which ``chunks`` (positions) take the early decoder's frames: all once it has ended, else
-    those whose seek point it has reached (a decoder of their own would redo what it is doing);
-    the others decode from their keyframes in parallel. From here on it keeps the exact frames
-    (``retarget``) and stops after the last frame it serves (cancelled when it serves none)."""
-    if (early.ended and not early.prediction) or early.stream_index not in (None, info.stream):
-        # it never decoded (no frame count up front), or another stream than the probe walked
-        early.cancel_frames()  # (the same choice on the same bytes: not expected): decode as after arrival
-        return set()
-    early.retarget([info.pts[t] for t in indices])
-    done, last = early.ended, early.last_pts
-    chosen: set[int] = set()
-    need = -1
-    for c, groups in enumerate(chunks):
-        first = indices[groups[0] * tp]
-        seek = max((k for k in info.keyframes if k <= first), default=0)
-        if done or (last is not None and info.pts[seek] <= last):
-            chosen.add(c)
-            need = max(need, info.pts[indices[groups[-1] * tp + tp - 1]])
-    if chosen:
-        early.stop_after(need)
-    else:
-        early.cancel_frames()
-    return chosen

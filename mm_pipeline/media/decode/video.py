@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch
 from av.video.reformatter import VideoReformatter
 
 from mm_pipeline.media.decode.budget import DecodeControl, check, check_frame_size
-from mm_pipeline.media.decode.decoder_memory import (MAX_DPB, decoder_pictures, dpb_pictures, frame_bytes,
+from mm_pipeline.media.decode.decoder_memory import (MAX_DPB, codec_threads, dpb_pictures, frame_bytes,
                                                      picture_bytes)
 from mm_pipeline.media.decode.image import decode_animation_frames, probe_animation
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError
@@ -310,49 +309,6 @@ class FrameToRgb:
 
     def __call__(self, frame: av.VideoFrame) -> np.ndarray:
         return self._scaler.reformat(frame, format="rgb24", width=self.w, height=self.h, threads=1).to_ndarray()
-
-
-# Codec threads only up to 4K UHD frames: each frame thread holds frames of its own, and a hostile
-# 8192² stream must not multiply its decoder's memory by the thread count.
-THREADED_MAX_PIXELS = 3840 * 2160
-_MAX_AUTO_THREADS = 16  # FFmpeg's own cap on automatic thread counts
-
-
-def codec_threads(threads: int, pixels: int) -> int:
-    """The codec threads one decoder of ``pixels``-sized frames uses for a ``threads`` setting (0:
-    FFmpeg's automatic count, CPUs + 1; 1: none); 1 above ``THREADED_MAX_PIXELS``."""
-    if threads < 0:
-        raise ValueError(f"codec threads must be >= 0, got {threads}")
-    if pixels > THREADED_MAX_PIXELS:
-        return 1
-    if threads == 0:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return min(cpus + 1, _MAX_AUTO_THREADS)
-    return threads
-
-
-def shared_codec_threads(workers: int) -> int:
-    """Codec threads per decoder when ``workers`` decoders run at once (the runtime's setting for
-    ``decoder_threads`` 0): the CPUs shared out among them, at least 1 (= none). A streamed video
-    keeps every decode worker busy with a chunk, so on a host with no more CPUs than workers the
-    parallelism is already there and frame threads only add work: each chunk's decoder starts,
-    flushes and runs ahead of its last frame with them (30 one-group chunks of a 60 s 720p clip,
-    two workers: 1.48 s of CPU with FFmpeg's automatic count vs 0.94 s with none; README
-    "pipeline")."""
-    if workers < 1:
-        raise ValueError(f"decode workers must be >= 1, got {workers}")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // workers)
-
-
-def frame_decode_bytes(info: VideoInfo, threads: int = 1) -> int:
-    """Peak bytes a decoder of ``info``'s stream holds (``threads`` as ``decode_range`` takes it)
-    -- the in-flight budget's estimate for one video decoder: its reference and reorder pictures,
-    the one being built, the last output one, two more per extra codec thread, each of the
-    stream's own pixel format (``decoder_memory``)."""
-    pixels = info.height * info.width
-    picture = info.picture_bytes or picture_bytes("", frame_bytes(None, info.width, info.height), pixels)
-    return decoder_pictures(info.dpb, codec_threads(threads, pixels)) * picture
 
 
 def split_ranges(targets: Sequence[int], info: VideoInfo, num_ranges: int) -> list[list[int]]:

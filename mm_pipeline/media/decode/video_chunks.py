@@ -1,4 +1,5 @@
-r"""Which source frames each streaming chunk of a video decodes; the open containers its chunks share.
+r"""Which source frames each streaming chunk of a video decodes; the open containers its chunks share;
+which chunks take the frames a decoder kept while the bytes arrived.
 
 A chunk is a run of consecutive frame groups (``tp`` sampled frames each). It is decoded by its own
 decoder that seeks to the last keyframe at or before its first frame, so chunks decode in parallel
@@ -42,6 +43,10 @@ outside the budget. A reservation that must wait has the idle ones closed (``rel
 next chunk of the same video may need their bytes, and reserves before it can borrow one. The owner
 (the video's production) calls ``close`` when the video is done, whatever happened; a container
 lent at that moment is closed when it comes back.
+
+A video decoded while its bytes arrived (``early.EarlyVideoDecode``) hands its kept frames to the
+chunks whose seek point it has reached (``chunks_for_early``); such a chunk takes them by pts and
+decodes the targets not kept from their keyframe as above (``decode_chunk_early``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import av
 import numpy as np
@@ -58,10 +63,13 @@ import torch
 
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl
 from mm_pipeline.media.decode.image import AnimationInfo, decode_animation_frames
-from mm_pipeline.media.decode.video import VideoInfo, decode_range, remaining_s
+from mm_pipeline.media.decode.video import FrameToRgb, VideoInfo, decode_range, remaining_s
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.av_container import DEFAULT_MAX_PIXELS, open_av
 from mm_pipeline.media.types import MediaItem
+
+if TYPE_CHECKING:  # annotations only: the chunks call an early decode's methods, never start one
+    from mm_pipeline.media.decode.early import EarlyVideoDecode
 
 
 def plan_chunks(groups: Sequence[int], indices: Sequence[int], keyframes: Sequence[int], tp: int,
@@ -140,6 +148,57 @@ class _GroupRelay:
         while self._pending and max(self._pending[0][1]) < len(self._rows):
             g, rows = self._pending.pop(0)
             self._on_group(g, torch.from_numpy(np.stack([self._rows[r] for r in rows])))
+
+
+# ---- chunks served by an early decoder (module doc) ----------------------------------------------
+def chunks_for_early(early: EarlyVideoDecode, info: VideoInfo, indices: Sequence[int],
+                     chunks: Sequence[Sequence[int]], tp: int) -> set[int]:
+    """Which ``chunks`` (positions) take the early decoder's frames: all once it has ended, else
+    those whose seek point it has reached (a decoder of their own would redo what it is doing);
+    the others decode from their keyframes in parallel. From here on it keeps the exact frames
+    (``retarget``) and stops after the last frame it serves (cancelled when it serves none)."""
+    if (early.ended and not early.prediction) or early.stream_index not in (None, info.stream):
+        # it never decoded (no frame count up front), or another stream than the probe walked
+        early.cancel_frames()  # (the same choice on the same bytes: not expected): decode as after arrival
+        return set()
+    early.retarget([info.pts[t] for t in indices])
+    done, last = early.ended, early.last_pts
+    chosen: set[int] = set()
+    need = -1
+    for c, groups in enumerate(chunks):
+        first = indices[groups[0] * tp]
+        seek = max((k for k in info.keyframes if k <= first), default=0)
+        if done or (last is not None and info.pts[seek] <= last):
+            chosen.add(c)
+            need = max(need, info.pts[indices[groups[-1] * tp + tp - 1]])
+    if chosen:
+        early.stop_after(need)
+    else:
+        early.cancel_frames()
+    return chosen
+
+
+def decode_chunk_early(early: EarlyVideoDecode, item: MediaItem, info: VideoInfo, indices: Sequence[int],
+                       groups: Sequence[int], tp: int, size: tuple[int, int], control: DecodeControl | None,
+                       threads: int = 1) -> tuple[torch.Tensor, int]:
+    """``decode_chunk`` with the early decoder's frames: (frames, how many targets
+    came from it). Targets it did not keep are decoded from their keyframe as before."""
+    wanted = [indices[g * tp + j] for g in groups for j in range(tp)]
+    targets = sorted(set(wanted))
+    h, w = size
+    kept = early.frames_until([info.pts[t] for t in targets], control)
+    rows: dict[int, np.ndarray] = {}
+    rgb = FrameToRgb(h, w)  # as decode_range converts
+    for t in targets:
+        frame = kept.get(info.pts[t])
+        if frame is not None:
+            rows[t] = rgb(frame)
+    missing = [t for t in targets if t not in rows]
+    if missing:
+        decoded = decode_range(item, info, missing, size=size, control=control, threads=threads)
+        rows.update({t: decoded[k].numpy() for k, t in enumerate(missing)})
+    frames = torch.from_numpy(np.stack([rows[t] for t in wanted]))
+    return frames, len(targets) - len(missing)
 
 
 class VideoContainers:

@@ -22,7 +22,7 @@ from mm_pipeline.encode.planner import MediaPlanner
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.media.decode.budget import DecodeBudget, DecodeControl
-from mm_pipeline.media.decode.video import frame_decode_bytes
+from mm_pipeline.media.decode.decoder_memory import frame_decode_bytes
 from mm_pipeline.media.decode.video_chunks import VideoContainers
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 from mm_pipeline.media.ingest import IngestConfig, MediaIngestor

@@ -38,7 +38,7 @@ from mm_pipeline.encode import decode_peaks
 from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.unit_producer import UnitProducer
-from mm_pipeline.media.decode.video import frame_decode_bytes
+from mm_pipeline.media.decode.decoder_memory import frame_decode_bytes
 from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.worker_pool import WorkerPool
 from tests.support.media_samples import audio_bytes, video_bytes

@@ -23,9 +23,9 @@ from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError, Unsupported
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
 from mm_pipeline.media.decode.budget import DecodeControl, MediaDecodeTimeout
-from mm_pipeline.media.decode.early import EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.early import EarlyVideoDecode
 from mm_pipeline.media.decode.video import VideoDecoder, decode_range, probe_video
-from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest import MediaIngestor
 from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits

@@ -156,7 +156,7 @@ def test_codec_threads_decode_the_same_frames(container: str, codec: str) -> Non
 
 
 def test_codec_threads_are_bounded_and_budgeted() -> None:
-    from mm_pipeline.media.decode.video import THREADED_MAX_PIXELS, codec_threads, frame_decode_bytes
+    from mm_pipeline.media.decode.decoder_memory import THREADED_MAX_PIXELS, codec_threads, frame_decode_bytes
 
     assert codec_threads(1, 1280 * 720) == 1 and codec_threads(3, 1280 * 720) == 3
     assert 2 <= codec_threads(0, 1280 * 720) <= 16  # FFmpeg's automatic count: CPUs + 1, capped

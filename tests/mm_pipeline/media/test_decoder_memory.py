@@ -30,8 +30,9 @@ from mm_pipeline.encode.plan import PlannerConfig
 from mm_pipeline.encode.preprocess import Preprocessor
 from mm_pipeline.encode.unit_producer import UnitProducer
 from mm_pipeline.media.decode.decoder_memory import (MAX_DPB, decoder_pictures, dpb_pictures, frame_bytes,
-                                                     h264_max_refs, hevc_max_dec_pictures, picture_bytes)
-from mm_pipeline.media.decode.video import frame_decode_bytes, probe_video
+                                                     frame_decode_bytes, h264_max_refs, hevc_max_dec_pictures,
+                                                     picture_bytes)
+from mm_pipeline.media.decode.video import probe_video
 from mm_pipeline.media.types import MediaItem, MediaKind
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -22,12 +22,12 @@ from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.errors import MediaTooLarge
 from mm_pipeline.media.decode.budget import DecodeBudget
 from mm_pipeline.media.decode.video import decode_range, probe_video
-from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import (MAX_INDEX_BYTES, fragments_duration, index_after_samples, layout_and_need,
                                      streamable_layout)
 from mm_pipeline.media.types import MediaItem, MediaKind
-from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from tests.support.arriving import (early_chunks_match_whole, early_covers_whole, feed, ingest_throttled,
                                     layout_clips)

@@ -19,9 +19,9 @@ import pytest
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.budget import DecodeBudget
-from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.early import EarlyDecoders, EarlyVideoDecode
 from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.ingest_config import MediaLimits
 from mm_pipeline.media.sniff import fragments_duration, streamable_layout

@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mm_pipeline.media.arriving_bytes import ArrivingBytes
-from mm_pipeline.media.decode.early import EarlyVideoDecode, chunks_for_early
+from mm_pipeline.media.decode.early import EarlyVideoDecode
 from mm_pipeline.media.decode.early_packets import KeyframeSkip
 from mm_pipeline.media.decode.video import probe_video
-from mm_pipeline.media.decode.video_chunks import plan_chunks
+from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.throttled_http import remux_layout

@@ -72,7 +72,7 @@ def test_decoder_threads_zero_shares_the_cpus_among_the_decode_workers(monkeypat
     already runs a decode worker); an explicit count is kept, and it is what the planner gets."""
     import os
 
-    from mm_pipeline.media.decode.video import shared_codec_threads
+    from mm_pipeline.media.decode.decoder_memory import shared_codec_threads
     from mm_pipeline.media.decode.video_sampling import VideoSamplingParams
 
     for cpus, workers, want in ((2, 2, 1), (2, 1, 2), (16, 2, 8), (3, 4, 1)):
