@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +34,7 @@ from llm_core.kvcache.prefix_cache import NoPrefixCache, PrefixCache
 from llm_core.engine.queue_policy import QueuePolicy
 from llm_core.engine.request import Request, RequestStatus
 from llm_core.engine.scheduled_batch import ScheduledBatch, ScheduledRequest
+from llm_core.engine.stats import TokenCounters
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by queue_policy.rank (oldest / most urgent first)
         self.num_preemptions = 0
-        # counters, each request's tokens once, as vLLM counts them (its recompute after a preemption
-        # is not a new prompt): prompt tokens prefilled, the first admission's prefix hit not
-        # (Request.num_computed_high); and the tokens recomputed after preemptions (prompt and
-        # generated, below that mark), the preemptions' cost
-        self.num_prompt_tokens = 0
-        self.num_recomputed_tokens = 0
-        # Prompt tokens the prefix cache supplied at each request's first admission: what its outputs
-        # report (cached_prompt_tokens). Request.num_cached_tokens is the last admission's hit, which
-        # the prefix cache counts in its stats; after a preemption that hit covers the request's own
-        # generated tokens too and would report more cached tokens than the prompt has.
-        self._first_hits: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        self.counters = TokenCounters()  # prompt / recomputed tokens, first prefix hits (cached_prompt_tokens)
 
     # ---- public API -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -102,9 +92,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def cached_prompt_tokens(self, request: Request) -> int:
-        """Prompt tokens the prefix cache supplied when ``request`` was first admitted (vLLM's
-        ``num_cached_tokens``; 0 before that): at most the prompt, and kept over preemptions."""
-        return self._first_hits.get(request, 0)
+        return self.counters.cached_prompt_tokens(request)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.counters.num_prompt_tokens
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        return self.counters.num_recomputed_tokens
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts; allocate their pages."""
@@ -194,10 +190,7 @@ class Scheduler:
             # its lookup counts once, not once per step it waited (a re-admission after a
             # preemption apart: the prefix cache tells them by Request.num_preemptions)
             self.prefix_cache.admitted(req)
-            self._first_hits.setdefault(req, min(req.num_cached_tokens, req.num_prompt_tokens))
-            if req.num_preemptions == 0:
-                req.num_computed_high = req.num_computed_tokens  # the hit: not prompt work to count
-            self._count_progress(req, req.num_computed_tokens)  # a re-admission's hit past the mark
+            self.counters.admitted(req)
             bisect.insort(self.running, req, key=policy.rank)
             batch.entries.append(ScheduledRequest(req, req.num_computed_tokens, n))
             budget -= n
@@ -216,8 +209,7 @@ class Scheduler:
             end = e.end if computed_ends is None else computed_ends.get(id(e), e.end)
             if not e.start < end <= e.end:
                 raise RuntimeError(f"{req.request_id}: computed end {end} outside its step [{e.start}, {e.end}]")
-            self.num_recomputed_tokens += max(0, min(end, req.num_computed_high) - e.start)
-            self._count_progress(req, end)
+            self.counters.computed(req, e.start, end)
             req.num_computed_tokens = end
             if end < e.end:
                 self._rollback(req)
@@ -247,20 +239,6 @@ class Scheduler:
             self._release_behind_window(req)
 
     # ---- internal helpers -------------------------------------------------------------------
-    def _count_progress(self, req: Request, end: int) -> None:
-        """``req`` has its tokens up to ``end``: count the prompt tokens past its mark, move the mark.
-
-            prompt P = 10 tokens, 4 of them a prefix hit at its first admission:
-            first admission   mark 4; steps compute 4..13 (3 generated): prompt tokens 6 (= P - hit),
-                              mark 13; then it is preempted
-            re-admission      a hit of 8 (its own pages, cached when it was preempted); steps
-                              compute 8..13 again: recomputed tokens 5, no prompt token (below 13)"""
-        high = req.num_computed_high
-        if end > high:
-            p = req.num_prompt_tokens
-            self.num_prompt_tokens += max(0, min(end, p) - min(high, p))
-            req.num_computed_high = end
-
     def _drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens for ``req`` this step, with pages for 1 + k tokens allocated (0: none, nothing
         allocated). Only a decoding request drafts: its one new token is its last sampled one."""

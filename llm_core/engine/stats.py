@@ -1,4 +1,5 @@
-"""EngineStats: an immutable snapshot of the LLM engine, built on the engine thread.
+"""EngineStats: an immutable snapshot of the LLM engine, built on the engine thread; and the
+scheduler's TokenCounters it reads.
 
 The engine thread owns the KV pools, the scheduler's queues and the prefix cache; no other thread
 may read them while it runs (the radix cache's node dict changes under an iterating reader). So
@@ -15,11 +16,12 @@ Field names are the names the server exposes to Prometheus (``mmserve_`` + name;
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from llm_core.engine.request import RequestStatus
+from llm_core.engine.request import Request, RequestStatus
 
 _TIERS = ("l1", "l2", "l3")  # the prefix cache's tiers: device pool, host memory, KV store
 _POOLS = ("full", "swa")
@@ -137,3 +139,52 @@ class EngineStats:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts (for JSON: ``/health``, benchmark reports)."""
         return as_plain(self)
+
+
+class TokenCounters:
+    """The scheduler's token counters (``Scheduler.counters``; engine thread only).
+
+    Each request's tokens count once, as vLLM counts them (its recompute after a preemption is not
+    a new prompt): ``num_prompt_tokens``, prompt tokens prefilled, the first admission's prefix hit
+    not (Request.num_computed_high); and ``num_recomputed_tokens``, the tokens recomputed after
+    preemptions (prompt and generated, below that mark), the preemptions' cost."""
+
+    def __init__(self) -> None:
+        self.num_prompt_tokens = 0
+        self.num_recomputed_tokens = 0
+        # Prompt tokens the prefix cache supplied at each request's first admission: what its outputs
+        # report (cached_prompt_tokens). Request.num_cached_tokens is the last admission's hit, which
+        # the prefix cache counts in its stats; after a preemption that hit covers the request's own
+        # generated tokens too and would report more cached tokens than the prompt has.
+        self._first_hits: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+
+    def cached_prompt_tokens(self, request: Request) -> int:
+        """Prompt tokens the prefix cache supplied when ``request`` was first admitted (vLLM's
+        ``num_cached_tokens``; 0 before that): at most the prompt, and kept over preemptions."""
+        return self._first_hits.get(request, 0)
+
+    def admitted(self, req: Request) -> None:
+        """``req`` was just admitted, its prefix hit (``num_computed_tokens``) matched."""
+        self._first_hits.setdefault(req, min(req.num_cached_tokens, req.num_prompt_tokens))
+        if req.num_preemptions == 0:
+            req.num_computed_high = req.num_computed_tokens  # the hit: not prompt work to count
+        self._count_progress(req, req.num_computed_tokens)  # a re-admission's hit past the mark
+
+    def computed(self, req: Request, start: int, end: int) -> None:
+        """A step computed ``req``'s tokens ``[start, end)``."""
+        self.num_recomputed_tokens += max(0, min(end, req.num_computed_high) - start)
+        self._count_progress(req, end)
+
+    def _count_progress(self, req: Request, end: int) -> None:
+        """``req`` has its tokens up to ``end``: count the prompt tokens past its mark, move the mark.
+
+            prompt P = 10 tokens, 4 of them a prefix hit at its first admission:
+            first admission   mark 4; steps compute 4..13 (3 generated): prompt tokens 6 (= P - hit),
+                              mark 13; then it is preempted
+            re-admission      a hit of 8 (its own pages, cached when it was preempted); steps
+                              compute 8..13 again: recomputed tokens 5, no prompt token (below 13)"""
+        high = req.num_computed_high
+        if end > high:
+            p = req.num_prompt_tokens
+            self.num_prompt_tokens += max(0, min(end, p) - min(high, p))
+            req.num_computed_high = end
