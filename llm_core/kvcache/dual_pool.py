@@ -19,6 +19,7 @@ and works on the ``meta`` device, which is how capacity is planned without alloc
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,13 @@ class PageAllocator:
         for p, r in enumerate(self._refs):
             if r < 0 or (r == 0) != (p in free):
                 raise AssertionError(f"{self.name} pool: page {p} refcount {r}, on free list: {p in free}")
+
+    def check_refs(self, refs: Counter[int]) -> None:
+        """Raise AssertionError unless every page's reference count is ``refs[page]``, what its owners
+        (a prefix cache's tree and the requests) account for (``SWARadixCache.check_integrity``)."""
+        for page in range(self.num_pages):
+            assert self.refcount(page) == refs[page], \
+                f"{self.name} page {page}: refcount {self.refcount(page)}, owners account for {refs[page]}"
 
 
 class DualKVPool:

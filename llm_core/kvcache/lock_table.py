@@ -170,3 +170,17 @@ class LockTable:
             full_lock, swa_lock = expect[node.nid]
             assert (node.full_lock, node.swa_lock) == (full_lock, swa_lock), \
                 f"{node}: locks {node.full_lock}/{node.swa_lock}, holders account for {full_lock}/{swa_lock}"
+
+    def check_reads(self) -> None:
+        """Raise AssertionError unless every holder's request reads each Full page on its path, or
+        lists the page as its own copy (``Holder.copies``), never both."""
+        for request, holder in self.held():
+            copies = set(holder.copies)
+            node = holder.tail
+            while node is not self.root:
+                for i, page in enumerate(node.full):
+                    pos = node.start + i
+                    assert (request.full_pages[pos] == page) != (pos in copies), \
+                        f"request {request.request_id} path page {pos}: reads {request.full_pages[pos]}, the " \
+                        f"node lists {page}, {'listed' if pos in copies else 'not listed'} as its own copy"
+                node = node.parent

@@ -238,18 +238,9 @@ class SWARadixCache(PrefixCache):
         for r in requests:
             full_refs.update(r.full_pages)
             swa_refs.update(s for s in r.swa_pages if s >= 0)
-        for name, alloc, refs in (("Full", self.pool.full, full_refs), ("SWA", self.pool.swa, swa_refs)):
-            for page in range(alloc.num_pages):
-                assert alloc.refcount(page) == refs[page], \
-                    f"{name} page {page}: refcount {alloc.refcount(page)}, owners account for {refs[page]}"
-        for request, holder in self.locks.held():  # a request reads its path's pages, or knows its copies
-            copies = set(holder.copies)
-            for node in self.tree.path(holder.tail):
-                for i, page in enumerate(node.full):
-                    pos = node.start + i
-                    assert (request.full_pages[pos] == page) != (pos in copies), \
-                        f"request {request.request_id} path page {pos}: reads {request.full_pages[pos]}, the " \
-                        f"node lists {page}, {'listed' if pos in copies else 'not listed'} as its own copy"
+        self.pool.full.check_refs(full_refs)
+        self.pool.swa.check_refs(swa_refs)
+        self.locks.check_reads()
 
     # ---- internal helpers: match ----------------------------------------------------------------
     def _check_pool(self, pool: DualKVPool) -> None:
