@@ -208,6 +208,11 @@ def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]
 RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # a line the engine has no room for waits this long, doubling
 
 
+class LineNotRun(Exception):
+    """A line's wait for room in the engine ended because its batch stopped: it never ran (what the
+    runner's ``before_retry`` raises)."""
+
+
 def retry_overloaded(before_retry: Callable[[], None] = lambda: None) -> Callable[[OverloadedError], Awaitable[bool]]:
     """``answer_line``'s ``again`` for the lines of a batch, which nobody waits on interactively:
     when the engine had no room (its admission's 429, a saturated pool's 503), wait -- RETRY_FIRST_S

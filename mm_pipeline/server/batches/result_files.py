@@ -6,9 +6,9 @@ request_counts follow every line written."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterator
 
-from mm_pipeline.server.batches.lines import error_line, failure_message
+from mm_pipeline.server.batches.lines import LineTooLong, custom_id_of, error_line, failure_message
 from mm_pipeline.server.batches.protocol import BatchObject
 from mm_pipeline.server.files.files_store import FilesStore
 
@@ -35,6 +35,16 @@ class ResultFiles:
         """The error line of a line never run because the batch's window ended (OpenAI's code)."""
         self.write(error_line(custom_id, "batch_expired", "this request could not be executed before the "
                                                           "completion window expired"))
+
+    def expire_rest(self, lines: Iterator[tuple[int, str | bytes | LineTooLong]]) -> int:
+        """On a thread: a ``batch_expired`` error line for each line left unread -- after the last line
+        in flight (none when the file was read to its end), or every line of a batch that expired
+        before it started."""
+        count = 0
+        for _, raw in lines:
+            self.expired(custom_id_of(raw))
+            count += 1
+        return count
 
     def commit(self) -> dict[str, str | None]:
         """The written files' ids (None for one nothing was written to: it is not kept). When one

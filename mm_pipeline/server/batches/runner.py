@@ -50,15 +50,16 @@ from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Iterator
 
 from mm_pipeline.errors import OverloadedError, echo
-from mm_pipeline.server.batches.lines import (BatchLine, LineTooLong, answer_line, custom_id_of, parse_line,
-                                              read_lines, retry_overloaded)
+from mm_pipeline.server.batches.failure import fail_batch
+from mm_pipeline.server.batches.lines import (BatchLine, LineNotRun, LineTooLong, answer_line, parse_line, read_lines,
+                                              retry_overloaded)
 from mm_pipeline.server.batches.result_files import ResultFiles
 from mm_pipeline.server.batches.validation import validate_file
 from mm_pipeline.server.batches.protocol import (WINDOW_S, BatchCreate, BatchError, BatchErrors, BatchList,
                                                  BatchObject)
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError
-from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore, UploadTooLarge
+from mm_pipeline.server.files.files_store import FileNotFoundInStore, FilesStore
 from mm_pipeline.server.json_limits import JSONLimits
 from mm_pipeline.server.responses import cursor_page
 from mm_pipeline.server.settings import ServerSettings
@@ -70,10 +71,6 @@ MAX_KEPT_BATCHES = 1000
 CLOSE_PATIENCE_S = 5.0  # close waits this long for the running batch to stop and write its files
 
 RawLines = Iterator[tuple[int, str | bytes | LineTooLong]]
-
-
-class _NotRun(Exception):
-    """A line's wait for room in the engine ended because its batch stopped: it never ran."""
 
 
 class BatchRunner:
@@ -203,7 +200,7 @@ class BatchRunner:
             try:
                 await self._run(batch)
             except Exception as exc:  # noqa: BLE001 -- a bug or a full store fails this batch, not the worker
-                _fail(batch, exc)
+                fail_batch(batch, exc)
             finally:
                 self._running = None
                 self._in_flight.clear()
@@ -225,7 +222,7 @@ class BatchRunner:
             lines = read_lines(path, self.limits.max_bytes)
             expired = await self._answer_lines(batch, lines, out)
             if batch.id not in self._cancelled:  # the lines never read because the batch expired
-                expired += await asyncio.to_thread(self._expire_rest, lines, out)
+                expired += await asyncio.to_thread(out.expire_rest, lines)
             if batch.status != "cancelling":
                 batch.mark("finalizing")
             ids = await asyncio.to_thread(out.commit)
@@ -271,7 +268,7 @@ class BatchRunner:
                     return
                 try:
                     rec = await self._answer(batch, line)
-                except _NotRun:
+                except LineNotRun:
                     if batch.id in self._cancelled:
                         return
                     out.expired(line.custom_id)
@@ -287,11 +284,11 @@ class BatchRunner:
         return expired
 
     async def _answer(self, batch: BatchObject, line: BatchLine) -> dict[str, Any] | None:
-        """The output line of ``line``; None when a cancel aborted it in flight. ``_NotRun`` when the
+        """The output line of ``line``; None when a cancel aborted it in flight. ``LineNotRun`` when the
         batch stopped before the line ran: while it was read (checked again here, after the read), or
         while it waited for room in the engine."""
         if self._stopped(batch):
-            raise _NotRun
+            raise LineNotRun
         task = asyncio.ensure_future(answer_line(self.service, line, self._patience(batch)))
         self._in_flight.add(task)
         try:
@@ -305,23 +302,12 @@ class BatchRunner:
 
     def _patience(self, batch: BatchObject) -> Callable[[OverloadedError], Awaitable[bool]]:
         """``answer_line``'s ``again`` for one line: lines.retry_overloaded, for as long as the batch
-        runs. A stop ends the wait: the line never ran (``_NotRun``)."""
+        runs. A stop ends the wait: the line never ran (``LineNotRun``)."""
         def still_running() -> None:
             if self._stopped(batch):
-                raise _NotRun
+                raise LineNotRun
 
         return retry_overloaded(still_running)
-
-    @staticmethod
-    def _expire_rest(lines: RawLines, out: ResultFiles) -> int:
-        """On a thread: a ``batch_expired`` error line for each line left unread -- after the last line
-        in flight (none when the file was read to its end), or every line of a batch that expired
-        before it started."""
-        count = 0
-        for _, raw in lines:
-            out.expired(custom_id_of(raw))
-            count += 1
-        return count
 
     def _stop(self, batch: BatchObject) -> None:
         """Cancel a waiting or running batch: a waiting one is ``cancelled`` at once; the running one is
@@ -359,7 +345,7 @@ class BatchRunner:
         batch.request_counts.total = total
         out = ResultFiles(self.files, batch)
         try:
-            await asyncio.to_thread(self._expire_rest, read_lines(path, self.limits.max_bytes), out)
+            await asyncio.to_thread(out.expire_rest, read_lines(path, self.limits.max_bytes))
             ids = await asyncio.to_thread(out.commit)
         except BaseException:
             out.discard()
@@ -373,7 +359,7 @@ class BatchRunner:
             async with self._expiry_turn:
                 await self._expire_unstarted(batch)
         except Exception as exc:  # noqa: BLE001 -- a full store fails this batch, as it would in the worker
-            _fail(batch, exc)
+            fail_batch(batch, exc)
         finally:
             self._expiring.pop(batch.id, None)
 
@@ -406,28 +392,3 @@ class BatchRunner:
             del self._batches[batch_id]
             self._cancelled.discard(batch_id)
 
-
-def _fail(batch: BatchObject, exc: Exception) -> None:
-    """A batch ended by an error that is no line's (a bug, a full store, its input deleted as the
-    batch was created): ``failed``, naming what happened (paths and class names go to the log)."""
-    cause = _first_error(exc)
-    if isinstance(cause, (FileNotFoundInStore, FileNotFoundError)):  # deleted while the batch was created
-        log.info("batch %s failed: its input file %s is gone", batch.id, batch.input_file_id)
-        what = f"the input file {batch.input_file_id} was deleted before the batch read it"
-    else:
-        log.error("batch %s failed", batch.id, exc_info=exc)
-        if isinstance(cause, UploadTooLarge):  # the store's own words: which limit the results passed
-            what = f"the results do not fit the file store: {cause}"
-        elif isinstance(cause, OSError):
-            what = f"a storage error ended the batch ({cause.strerror or type(cause).__name__})"
-        else:
-            what = f"an internal error ended the batch (logged as batch {batch.id})"
-    batch.errors = BatchErrors(data=[BatchError(code="batch_failed", message=what)])
-    batch.mark("failed")
-
-
-def _first_error(exc: BaseException) -> BaseException:
-    """The error inside a TaskGroup's ExceptionGroup (its first): what a failed batch names."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc

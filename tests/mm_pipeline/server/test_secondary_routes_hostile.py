@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from mm_pipeline.server import ServerSettings, create_app
 from mm_pipeline.server.batches import runner as batch_runner
+from mm_pipeline.server.batches.failure import fail_batch
 from mm_pipeline.server.batches.lines import parse_line
 from mm_pipeline.server.batches.protocol import BatchObject
 from mm_pipeline.server.errors import APIError
@@ -68,7 +69,7 @@ def test_the_files_route_refuses_to_delete_a_waiting_batchs_input(tmp_path, monk
 ])
 def test_a_failed_batch_names_what_happened_not_the_servers_internals(exc, says, hides):
     batch = BatchObject(id="batch_x", endpoint="/v1/chat/completions", input_file_id="file-1")
-    batch_runner._fail(batch, exc)
+    fail_batch(batch, exc)
     message = batch.errors.data[0].message
     assert batch.status == "failed" and says in message and hides not in message
 
