@@ -83,8 +83,9 @@ def test_a_failed_item_stops_its_siblings_but_not_media_another_request_waits_fo
         await _until(lambda: x in running, "A's decode of X did not start")
         with pytest.raises(UndecodableMediaError, match=r"content\[3\].*does not decode"):
             await asyncio.wait_for(rt.prepare_chat(_chat(x, y, z, w)), LIMIT_S)
-        # at once, not when the siblings' decodes end: Y and Z stopped, X goes on for A
-        await _until(lambda: rt.pool.admitted == 1, f"{rt.pool.admitted} media calls still admitted", 2.0)
+        # not when the siblings' decodes end (they wait on the gate, never set yet): Y and Z stopped,
+        # X goes on for A (10 s: a loaded host's thread wake-ups, far from the old code's "never")
+        await _until(lambda: rt.pool.admitted == 1, f"{rt.pool.admitted} media calls still admitted", 10.0)
         assert list(running) == [x] and not running[x].cancelled  # type: ignore[attr-defined]
         gate.set()
         prepared = await asyncio.wait_for(a, LIMIT_S)
