@@ -41,6 +41,7 @@ from mm_pipeline.prompt.messages import parse_messages
 from mm_pipeline.prompt.template_options import TemplateOptions
 from mm_pipeline.errors import InvalidInputError, MediaError, MMServeError, ServerBusy
 from mm_pipeline.priority_slots import PrioritySlots
+from mm_pipeline.runtime.chat_preparation import gather_or_cancel
 from mm_pipeline.runtime.omni_engine import OmniEngine
 from mm_pipeline.runtime.config import OmniEngineConfig
 
@@ -214,14 +215,7 @@ class MultimodalLLM:
         for slots) the most urgent first, so the free slots go to them too."""
         starts = sorted(range(len(jobs)), key=lambda i: jobs[i]["priority"])  # stable: input order among equals
         started = {i: asyncio.ensure_future(self._one(ids[i], jobs[i])) for i in starts}
-        tasks = [started[i] for i in range(len(jobs))]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_or_cancel([started[i] for i in range(len(jobs))])
 
     async def _one(self, rid: str, job: dict[str, Any]) -> RequestOutput:
         last: RequestOutput | None = None

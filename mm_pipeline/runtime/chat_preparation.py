@@ -127,15 +127,9 @@ class ChatPreparation:
         answered 400 kept up to 31 decodes on the media workers that nobody would use. A cancelled
         item leaves its planning pass (``MediaPlanner.plan``'s SingleFlight), which stops that
         decode only when no other request waits for the same media."""
-        tasks = [asyncio.ensure_future(self._plan_item(k, len(refs), r, None, salt, layout_only))
-                 for k, r in enumerate(refs)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_or_cancel([asyncio.ensure_future(self._plan_item(k, len(refs), r, None, salt,
+                                                                             layout_only))
+                                       for k, r in enumerate(refs)])
 
     async def _plan_item(self, k: int, n: int, ref: MediaRef, item: MediaItem | None, salt: str | None,
                          layout_only: bool) -> MediaPlan:
@@ -178,3 +172,17 @@ class ChatPreparation:
         return PreparedChat(list(laid.token_ids), [spans[i] for i in order], plans,
                             [[[(where[i], row) for i, row in unit] for unit in pieces] for pieces in spans_of_plan],
                             laid.boundaries, tuple(ref.loc for ref in refs))
+
+
+async def gather_or_cancel(tasks: list[asyncio.Future]) -> list:
+    """Every task's result in order; when one raises, the others are cancelled and awaited before
+    its exception goes out as it is. ``asyncio.gather`` alone leaves them running, unseen, holding
+    what they hold (media workers, engine slots); ``TaskGroup`` would wrap the error in an
+    ExceptionGroup the callers' handlers do not catch."""
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
