@@ -13,6 +13,7 @@ import pytest
 
 from mm_pipeline.cluster.job_replica import RESULT_COLUMNS, JobReplica, ReplicaSpec
 from mm_pipeline.jobs.job_output import JobOutput
+from tests.support.ray_data import InProcessDataset
 
 
 class ProcessDied(Exception):
@@ -113,19 +114,6 @@ def test_an_input_that_kills_its_replica_gets_an_error_row_instead_of_endless_re
     assert output.merge(["a", "poison", "c", "d"]).rows == 4
 
 
-class _Dataset(list):
-    """Stands for a Ray dataset: the items the job hands to Ray Data, through its read stage."""
-
-    @classmethod
-    def from_items(cls, items: list[dict], override_num_blocks: int | None = None) -> "_Dataset":
-        return cls(items)
-
-    def map_batches(self, fn, *args, fn_kwargs=None, **kwargs) -> "_Dataset":
-        columns = {k: np.array([item[k] for item in self], dtype=object) for k in self[0]}
-        out = fn(columns, **(fn_kwargs or {}))
-        return _Dataset(dict(zip(out, row)) for row in zip(*out.values()))
-
-
 def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypatch):
     """``--ray`` jobs took no lock: two of them (or one and a single-process job) on one output each
     ran nearly every input again and merged over each other.  Ray Data is replaced by a stand-in
@@ -147,7 +135,7 @@ def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypat
             on_result(key, None, 0)
         return DistributedResult(replicas=[], results=len(ds), duplicate_results=0, journaled=0)
 
-    ray = SimpleNamespace(data=SimpleNamespace(from_items=_Dataset.from_items,
+    ray = SimpleNamespace(data=SimpleNamespace(from_items=InProcessDataset.from_items,
                                                TaskPoolStrategy=lambda size: None))
     for module in (caption_dataset, batch_dataset):
         monkeypatch.setattr(module, "run_replicas", run_replicas)

@@ -18,6 +18,7 @@ from mm_pipeline.cluster.distributed_job import DistributedResult, RayJobConfig
 from mm_pipeline.cluster.job_replica import ReplicaSpec
 from mm_pipeline.jobs.job_output import JobOutput
 from mm_pipeline.server.batches.lines import answer_line
+from tests.support.ray_data import InProcessDataset
 
 
 class ReplicaDied(Exception):
@@ -56,17 +57,6 @@ class _Replica(BatchReplica):
         return await answer_line(_Service(), line)
 
 
-class _Dataset(list):
-    @classmethod
-    def from_items(cls, items: list[dict], override_num_blocks: int | None = None) -> "_Dataset":
-        return cls(items)
-
-    def map_batches(self, fn, *args, fn_kwargs=None, **kwargs) -> "_Dataset":
-        columns = {k: np.array([item[k] for item in self], dtype=object) for k in self[0]}
-        out = fn(columns, **(fn_kwargs or {}))
-        return _Dataset(dict(zip(out, row)) for row in zip(*out.values()))
-
-
 def _run_replicas(ds, replica_cls, kwargs, config, on_result, progress=None):
     """Ray Data's part: batches to a replica; a batch whose replica died goes to a new one (Ray's
     restart keeps the actor id, hence the shard)."""
@@ -94,7 +84,7 @@ def ray_batch(monkeypatch):
     monkeypatch.setattr(batch_dataset, "configure_data", lambda *a: None)
     monkeypatch.setattr(_Replica, "answered", [])
     monkeypatch.setattr(_Replica, "poison", None)
-    ray = SimpleNamespace(data=SimpleNamespace(from_items=_Dataset.from_items, TaskPoolStrategy=lambda size: None))
+    ray = SimpleNamespace(data=SimpleNamespace(from_items=InProcessDataset.from_items, TaskPoolStrategy=lambda size: None))
 
     def run(src: Path, out: Path, batch_size: int = 2):
         spec = ReplicaSpec(model_dir="unused", engine_config=None, output=JobOutput(out, key="custom_id"))
