@@ -14,7 +14,6 @@ Each request started is observed once however it ends -- done, failed, aborted, 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -24,7 +23,7 @@ from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.errors import InvalidInputError, echo, generation_error
 from mm_pipeline.server.completions.answer_info import AnswerInfo
 from mm_pipeline.server.completions.choices import (AnswerPart, ChoiceState, ChoiceStream, TokenStrings, close_all,
-                                        collect_all, merge_choices, start_all)
+                                        merge_choices)
 from mm_pipeline.server.completions.request_watch import Observer, RequestWatch
 from mm_pipeline.server.errors import APIError
 from mm_pipeline.server.completions.sampling_fields import SamplingFields
@@ -78,26 +77,6 @@ def _check_finished(states: list[ChoiceState]) -> None:
             raise error
 
 
-async def _start(choices: list[ChoiceStream], watch: RequestWatch) -> None:
-    """``start_all``; a client that leaves meanwhile (the request cancelled while it waits for its
-    first delta) ends the request in the metrics too. One the engine refuses (it raises) is no
-    generation: request_watch.py."""
-    try:
-        await start_all(choices)
-    except asyncio.CancelledError:
-        watch.end(choices)
-        raise
-
-
-async def _collect(choices: list[ChoiceStream], watch: RequestWatch) -> list[ChoiceState]:
-    """``collect_all``, the request observed however it ends: done, a choice failed, or cancelled
-    there because the client left (the app answers 499 then)."""
-    try:
-        return await collect_all(choices)
-    finally:
-        watch.end(choices)
-
-
 class ChatService:
     """OpenAI chat / text completions over an engine."""
 
@@ -116,7 +95,7 @@ class ChatService:
         choices = await self._start_chat(req, base, watch, info)
         if info is not None:
             info.request_id = rid
-        states = await _collect(choices, watch)
+        states = await watch.collect(choices)
         _check_finished(states)
         answers = [c.answer() for c in choices]
         scored = states[0] if states and req.prompt_logprobs is not None else None
@@ -229,7 +208,7 @@ class ChatService:
                                 self.config.reasoning, parser, None if req.parallel_tool_calls else 1,
                                 on_tokens=watch.tokens)
                    for i in range(req.n)]
-        await _start(choices, watch)
+        await watch.start(choices)
         if info is not None and choices:
             info.encoder_cache_hits = choices[0].state.encoder_cache_hits
         return choices
@@ -244,7 +223,7 @@ class ChatService:
         choices, prompts = await self._start_completion(req, base, watch)
         if info is not None:
             info.request_id = rid
-        states = await _collect(choices, watch)
+        states = await watch.collect(choices)
         _check_finished(states)
         out = []
         for p, prompt in enumerate(prompts):
@@ -352,7 +331,7 @@ class ChatService:
                                                                            priority=req.priority,
                                                                            cache_salt=req.cache_salt),
                                            on_tokens=watch.tokens))
-        await _start(choices, watch)
+        await watch.start(choices)
         return choices, prompts
 
     # ---- helpers ----------------------------------------------------------------------------

@@ -19,10 +19,11 @@ status is counted by ``mmserve_requests_total`` only.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol, Sequence
 
-from mm_pipeline.server.completions.choices import ChoiceState, ChoiceStream
+from mm_pipeline.server.completions.choices import ChoiceState, ChoiceStream, collect_all, start_all
 
 ABORTED = "abort"  # what a choice that did not finish ended as (vLLM's finished_reason label)
 
@@ -56,3 +57,21 @@ class RequestWatch:
         self._ended = True
         self._observer.finished(self.rid, self.arrival, time.perf_counter(), [c.state for c in choices],
                                 self.per_prompt)
+
+    async def start(self, choices: list[ChoiceStream]) -> None:
+        """``start_all``; a client that leaves meanwhile (the request cancelled while it waits for its
+        first delta) ends the request in the metrics too. One the engine refuses (it raises) is no
+        generation (module doc)."""
+        try:
+            await start_all(choices)
+        except asyncio.CancelledError:
+            self.end(choices)
+            raise
+
+    async def collect(self, choices: list[ChoiceStream]) -> list[ChoiceState]:
+        """``collect_all``, the request observed however it ends: done, a choice failed, or cancelled
+        there because the client left (the app answers 499 then)."""
+        try:
+            return await collect_all(choices)
+        finally:
+            self.end(choices)
