@@ -61,6 +61,10 @@ class PrioritySlots:
         except asyncio.CancelledError:
             if fut.cancelled():  # still queued: its entry is skipped when popped
                 self._waiting -= 1
+                # A slot released between the cancel and this line skipped the dead entry and went
+                # to the free ones while this waiter still counted, so a newer caller queued behind
+                # it (the fast path saw a waiter): hand the free slots to the live waiters now.
+                self._hand_free_slots()
             else:  # a slot was handed over just before the cancel: pass it on
                 self.release()
             raise
@@ -74,3 +78,12 @@ class PrioritySlots:
                 fut.set_result(None)
                 return
         self._free += 1
+
+    # ---- internal helpers -------------------------------------------------------------------
+    def _hand_free_slots(self) -> None:
+        while self._free > 0 and self._heap:
+            _, _, fut = heapq.heappop(self._heap)
+            if not fut.done():  # a done entry is a cancelled waiter, which counts itself out
+                self._free -= 1
+                self._waiting -= 1
+                fut.set_result(None)
