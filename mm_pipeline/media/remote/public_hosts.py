@@ -41,13 +41,15 @@ async def system_resolver(host: str, port: int) -> list[str]:
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix: the last 32 bits
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use prefix (refused: below)
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (RFC 4291 2.5.5.1)
+_IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT ::ffff:0:a.b.c.d (RFC 2765 2.1)
 _SITE_LOCAL = ipaddress.IPv6Network("fec0::/10")  # deprecated (RFC 3879), still routed inside some sites
 
 
 def is_public(address: str) -> bool:
     """A global unicast address. An IPv6 address embedding an IPv4 address is judged by that
     IPv4 address too: IPv4-mapped (as the IPv4 address alone), NAT64 64:ff9b::/96, 6to4
-    2002::/16, Teredo 2001::/32 (its server and client) and IPv4-compatible ::a.b.c.d. A NAT64
+    2002::/16, Teredo 2001::/32 (its server and client), IPv4-compatible ::a.b.c.d and SIIT's
+    IPv4-translated ::ffff:0:a.b.c.d (which ``ipv4_mapped`` does not see). A NAT64
     gateway, a 6to4 relay or a tunnel on the server's network delivers such an address to its
     IPv4 host, and Python's ``is_global`` (3.11) calls 64:ff9b::7f00:1 and 2002:a9fe:a9fe::1
     global. The local-use NAT64 prefix 64:ff9b:1::/48 and site-local fec0::/10 are refused
@@ -68,7 +70,7 @@ def is_public(address: str) -> bool:
 
 def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     """The IPv4 addresses ``ip`` carries (``is_public``'s list), or none."""
-    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+    if ip in _NAT64 or ip in _IPV4_COMPATIBLE or ip in _IPV4_TRANSLATED:
         return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
     if ip.sixtofour is not None:
         return [ip.sixtofour]
