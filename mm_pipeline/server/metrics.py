@@ -228,16 +228,21 @@ class ServerMetrics:
     def observe_tokens(self, arrival: float, previous: float | None, now: float, count: int) -> None:
         """``count`` tokens of one generation came at ``now`` (times from ``time.perf_counter``): its
         first ones (``previous`` None) give its time to first token, later ones the gap since its
-        ``previous`` tokens. Tokens that come together (a speculative step's accepted drafts) are
-        gaps of zero after the first: the histogram counts every gap between a generation's tokens
-        (tokens - 1 of them) and sums to last - first token time, the per-request mean's numerator.
-        (vLLM v1 observes one interval per engine step instead; with a token a step they agree.)"""
+        ``previous`` tokens, shared evenly among them. Several tokens come in one output when a
+        consumer fell behind (``OmniEngine.outputs`` hands it the queued steps as one) or a
+        speculative step accepted drafts: their times apart are not known here, and counting them
+        as gaps of zero made the median read 0 under load, when the metric matters most. Sharing
+        keeps what is known: the histogram counts tokens - 1 gaps per generation and sums to last -
+        first token time, the per-request mean's numerator. Tokens that come with the first have no
+        earlier time to share: gaps of zero. (vLLM v1 observes one interval per engine step instead;
+        with a token a step and a consumer that keeps up they agree.)"""
         if previous is None:
             self.ttft.observe(now - arrival)
-        else:
-            self.itl.observe(now - previous)
-        for _ in range(count - 1):
-            self.itl.observe(0.0)
+            for _ in range(count - 1):
+                self.itl.observe(0.0)
+            return
+        for _ in range(count):
+            self.itl.observe((now - previous) / count)
 
     def observe_request(self, arrival: float, end: float, finish_reason: str, prompt_tokens: int,
                         completion_tokens: int, first_token: float | None = None,
