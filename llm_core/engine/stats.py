@@ -145,8 +145,11 @@ class TokenCounters:
     """The scheduler's token counters (``Scheduler.counters``; engine thread only).
 
     Each request's tokens count once, as vLLM counts them (its recompute after a preemption is not
-    a new prompt): ``num_prompt_tokens``, prompt tokens prefilled, the first admission's prefix hit
-    not (Request.num_computed_high); and ``num_recomputed_tokens``, the tokens recomputed after
+    a new prompt): ``num_prompt_tokens``, each request's prompt less its first admission's prefix
+    hit (Request.num_computed_high), counted as prefill passes it -- what its usage reports as prompt
+    minus cached tokens, with the hit counter adding up to the prompt: a re-admission's hit past the
+    mark (another request cached the rest of the prompt meanwhile) counts, as the first admission's
+    hit did not cover it; and ``num_recomputed_tokens``, the tokens recomputed after
     preemptions (prompt and generated, below that mark), the preemptions' cost."""
 
     def __init__(self) -> None:

@@ -327,7 +327,7 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("queue_depth", "Requests waiting to be scheduled", s.queue_depth)
     yield _gauge("kv_l3_loading", "Waiting requests whose cached prefix is being read from L3", s.kv_l3_loading)
     yield _counter("preemptions", "Requests preempted for KV pages", s.preemptions)
-    yield _counter("prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits not included)",
+    yield _counter("prompt_tokens", "Prompt tokens not supplied by the prefix cache at each request's first admission (usage's prompt - cached)",
                    s.prompt_tokens)
     yield _counter("generation_tokens", "Tokens generated", s.generation_tokens)
     yield _counter("recomputed_tokens", "Tokens computed again after preemptions (not prompt_tokens)",

@@ -12,7 +12,7 @@ import torch
 
 from llm_core import EngineConfig, LLMEngine, SamplingParams
 from llm_core.engine import llm_engine
-from llm_core.engine.stats import EngineStats
+from llm_core.engine.stats import EngineStats, TokenCounters
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
@@ -185,3 +185,21 @@ def test_preemptions_count_each_prompt_and_prefix_lookup_once(model, caching):
         assert s.prefix_cache["preempted_queries"] == s.preemptions  # every victim came back once
     else:
         assert s.prefix_cache_query_tokens == 0 and hits == 0
+
+
+def test_a_readmission_hit_past_the_mark_is_prompt_work_the_first_hit_did_not_cover():
+    """prompt_tokens + the first admission's hit = the prompt, however a preemption falls: a request
+    preempted after 512 of its 4,000 prompt tokens whose re-admission finds 3,968 of them cached
+    (another request computed them meanwhile) still counts 4,000 - 0, none of it recomputed."""
+    class Req:  # the fields TokenCounters reads (weak-referenceable, as a Request is)
+        num_prompt_tokens, num_cached_tokens, num_computed_tokens = 4000, 0, 0
+        num_preemptions, num_computed_high = 0, 0
+
+    counters, req = TokenCounters(), Req()
+    counters.admitted(req)
+    counters.computed(req, 0, 512)
+    req.num_preemptions, req.num_computed_tokens, req.num_cached_tokens = 1, 3968, 3968
+    counters.admitted(req)
+    counters.computed(req, 3968, 4000)
+    assert (counters.num_prompt_tokens, counters.num_recomputed_tokens) == (4000, 0)
+    assert counters.cached_prompt_tokens(req) == 0  # usage: the first admission's hit
