@@ -12,7 +12,9 @@ A decoder keeps every picture a later one may predict from, and those waiting to
 order. How many, the stream says: H.264 its SPS's ``max_num_ref_frames`` plus the reorder delay
 FFmpeg settled on (``has_b_frames``), HEVC its SPS's ``sps_max_dec_pic_buffering`` (which holds
 both); other codecs have a fixed number of reference slots (``_CODEC_REFS``); each bounded by the
-16 the standards and FFmpeg allow. A picture is its planes at the stream's pixel format (a 10-bit
+16 the standards and FFmpeg allow; the largest over every SPS the header carries, since a slice may
+name any of them. (An SPS sent later inside the packets is not read: one that raises the count
+over the header's is bounded only by the pixel limit.) A picture is its planes at the stream's pixel format (a 10-bit
 4:4:4 frame is 4x an 8-bit 4:2:0 one) and its tables (motion vectors, reference indices,
 macroblock types: ~1 B/px; HEVC's decoder, counted at 2 B/px, holds more). Before, the estimate
 was 4 frames of 8-bit 4:2:0 whatever the stream: a 16 KB H.264 High 4:4:4 10-bit file of 16
@@ -28,13 +30,16 @@ MPEG-4 part 2 3.6 (6). Four codec threads added 0.5-1.9 pictures per extra threa
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import av
 
 if TYPE_CHECKING:  # video imports this module (VideoInfo carries the stream's dpb and picture bytes)
     from mm_pipeline.media.decode.video import VideoInfo
 
+# SPSs read from one stream's parameter sets: H.264 allows 32 ids, HEVC 16 (a hostile record may
+# declare thousands; each parse is cheap but not free)
+_MAX_SPS = 32
 MAX_DPB = 16  # reference/reorder pictures a stream may declare (H.264, HEVC: FFmpeg refuses more)
 # per-picture tables beside the planes (motion vectors and the like), bytes per pixel; FFmpeg's
 # HEVC decoder keeps a motion field of 4x4 blocks per picture and frame-sized tables of its own
@@ -134,11 +139,13 @@ def shared_codec_threads(workers: int) -> int:
 
 # ---- parameter sets -----------------------------------------------------------------------------
 def h264_max_refs(extradata: bytes | None) -> int | None:
-    """``max_num_ref_frames`` of the first SPS in H.264 ``extradata`` (an ``avcC`` record, as MP4
-    and Matroska carry, or Annex B start codes); None when there is none or it does not parse."""
-    sps = _first_nal(extradata, h264=True)
-    if sps is None:
-        return None
+    """The largest ``max_num_ref_frames`` of the SPSs in H.264 ``extradata`` (an ``avcC`` record,
+    as MP4 and Matroska carry, or Annex B start codes): the decoder takes whichever a slice names,
+    so a small first one must not hide a large second one; None when none parses."""
+    return _largest(_h264_refs(sps) for sps in _sps_units(extradata, h264=True))
+
+
+def _h264_refs(sps: bytes) -> int | None:
     try:
         r = _Bits(_unescape(sps[1:]))
         profile = r.u(8)
@@ -168,11 +175,12 @@ def h264_max_refs(extradata: bytes | None) -> int | None:
 
 
 def hevc_max_dec_pictures(extradata: bytes | None) -> int | None:
-    """``sps_max_dec_pic_buffering`` (of the highest sub-layer) of the first SPS in HEVC
-    ``extradata`` (an ``hvcC`` record or Annex B); None when there is none or it does not parse."""
-    sps = _first_nal(extradata, h264=False)
-    if sps is None:
-        return None
+    """The largest ``sps_max_dec_pic_buffering`` (of the highest sub-layer) of the SPSs in HEVC
+    ``extradata`` (an ``hvcC`` record or Annex B); None when none parses."""
+    return _largest(_hevc_pictures(sps) for sps in _sps_units(extradata, h264=False))
+
+
+def _hevc_pictures(sps: bytes) -> int | None:
     try:
         r = _Bits(_unescape(sps[2:]))
         r.u(4)  # sps_video_parameter_set_id
@@ -200,33 +208,45 @@ def hevc_max_dec_pictures(extradata: bytes | None) -> int | None:
         return None
 
 
-def _first_nal(extradata: bytes | None, h264: bool) -> bytes | None:
-    """The first SPS NAL unit of ``extradata`` (``avcC``/``hvcC`` or Annex B)."""
+def _largest(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _sps_units(extradata: bytes | None, h264: bool) -> list[bytes]:
+    """Every SPS NAL unit of ``extradata`` (``avcC``/``hvcC`` or Annex B), at most ``_MAX_SPS``."""
     if not extradata or len(extradata) < 8:
-        return None
+        return []
+    found: list[bytes] = []
     if extradata[0] == 1:  # a decoder configuration record
         if h264:
-            count, pos = extradata[5] & 0x1F, 6
-            if count:
+            pos = 6
+            for _ in range(extradata[5] & 0x1F):
                 size = int.from_bytes(extradata[pos:pos + 2], "big")
-                return extradata[pos + 2:pos + 2 + size] or None
-            return None
+                if size:
+                    found.append(extradata[pos + 2:pos + 2 + size])
+                pos += 2 + size
+            return [sps for sps in found if sps][:_MAX_SPS]
         if len(extradata) < 23:
-            return None
+            return []
         pos = 23
         for _ in range(extradata[22]):
+            if pos + 3 > len(extradata):  # a record cut short: what it held so far
+                break
             kind, count = extradata[pos] & 0x3F, int.from_bytes(extradata[pos + 1:pos + 3], "big")
             pos += 3
             for _ in range(count):
                 size = int.from_bytes(extradata[pos:pos + 2], "big")
-                if kind == 33:
-                    return extradata[pos + 2:pos + 2 + size] or None
+                if kind == 33 and size:
+                    found.append(extradata[pos + 2:pos + 2 + size])
                 pos += 2 + size
-        return None
+            if pos >= len(extradata) or len(found) >= _MAX_SPS:
+                break
+        return [sps for sps in found if sps][:_MAX_SPS]
     for nal in extradata.split(b"\x00\x00\x01")[1:]:  # Annex B
         if nal and ((nal[0] & 0x1F) == 7 if h264 else (nal[0] >> 1) & 0x3F == 33):
-            return nal
-    return None
+            found.append(nal)
+    return found[:_MAX_SPS]
 
 
 def _unescape(nal: bytes) -> bytes:

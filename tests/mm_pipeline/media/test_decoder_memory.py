@@ -72,6 +72,25 @@ def test_h264_reference_count_is_read_from_the_sps(refs: int) -> None:
     assert h264_max_refs(b"\x00\x00\x00\x01" + record) == refs
 
 
+def test_every_sps_of_the_parameter_sets_counts_not_only_the_first() -> None:
+    """A decoder takes whichever SPS a slice names: a record whose first SPS declares 1 reference
+    and whose second declares 16 is counted at 16 (the first alone under-reserved ~5x)."""
+    def sps_of(refs: int) -> bytes:
+        extradata = _extradata(encoded("libx264", 64, "yuv420p", f"ref={refs}:bframes=0:keyint=24", n=4))[1]
+        return extradata[8:8 + int.from_bytes(extradata[6:8], "big")]
+
+    small, large = sps_of(1), sps_of(16)
+    record = bytes([1, small[1], small[2], small[3], 0xFF, 0xE0 | 2])
+    record += b"".join(len(sps).to_bytes(2, "big") + sps for sps in (small, large)) + b"\x00"
+    assert h264_max_refs(record) == 16
+    assert h264_max_refs(b"".join(b"\x00\x00\x00\x01" + sps for sps in (small, large))) == 16  # Annex B
+    assert dpb_pictures("h264", record, 0) == 16
+    # an hvcC record that declares more arrays than it holds: what it held, no IndexError
+    _, hevc, _ = _extradata(encoded("libx265", 64, "yuv420p", "log-level=none:ref=3:bframes=0:keyint=24", n=4))
+    cut = hevc[:22] + bytes([200]) + hevc[23:]
+    assert hevc_max_dec_pictures(cut) == hevc_max_dec_pictures(hevc)
+
+
 def test_hevc_picture_buffer_is_read_from_the_sps() -> None:
     name, extradata, reorder = _extradata(encoded("libx265", 64, "yuv420p", "log-level=none:ref=3:bframes=2:keyint=24"))
     pictures = hevc_max_dec_pictures(extradata)
