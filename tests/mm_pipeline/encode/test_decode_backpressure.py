@@ -355,7 +355,13 @@ def test_request_that_leaves_mid_video_gives_back_every_hold(vision, pool):
         plan, sinks = await _start_video(planner)
         planner.detach(plan, sinks.sinks)
         end = time.monotonic() + 30
-        while (planner.producer._tasks or planner.batcher.has_pending()) and time.monotonic() < end:
+
+        def outstanding() -> bool:  # a forward may still run (has_pending: waiting ones only) and
+            # hold its rows' share until it ends: wait for the budget too, not just the queues
+            return bool(planner.producer._tasks or planner.batcher.has_pending()
+                        or planner.batcher.stats()["in_flight_units"] or planner.producer.budget.in_use)
+
+        while outstanding() and time.monotonic() < end:
             planner.batcher.run_due(force=True)
             await asyncio.sleep(0.01)
         return plan
