@@ -129,11 +129,13 @@ def run_replicas(ds: Any, replica_cls: type, constructor_kwargs: dict[str, Any],
         compute=ActorPoolStrategy(size=config.replicas), num_cpus=config.cpus_per_replica,
         num_gpus=config.gpus_per_replica or None,
         # a dead replica is restarted and its unfinished batches retried there (the journal makes
-        # the retry redo only what has no row yet).  Each death is charged to the inputs in flight,
-        # and one charged CRASH_LIMIT times gets an error row (job_replica.py), so a batch needs at
-        # most CRASH_LIMIT tries per input of its own and of the batches beside it on the replica
-        # (Ray Data runs up to 4 at once): past that, the job fails instead of retrying for good
-        max_restarts=-1, max_task_retries=CRASH_LIMIT * config.batch_size * 4 + 1)
+        # the retry redo only what has no row yet).  An input in flight at a death runs alone after
+        # it, and one the process died under CRASH_LIMIT times while alone gets an error row
+        # (job_replica.py), so an input costs at most 1 + CRASH_LIMIT deaths (its first start, side
+        # by side, and its starts alone) and a batch needs at most that many tries per input of its
+        # own and of the batches beside it on the replica (Ray Data runs up to 4 at once): past
+        # that, the job fails instead of retrying for good
+        max_restarts=-1, max_task_retries=(1 + CRASH_LIMIT) * config.batch_size * 4 + 1)
     # A replica batch's report rides on each of its rows.  It is folded into that replica's stats
     # block by block as results arrive: per batch the driver keeps only its timeline span, not a
     # record with its decoded cache counters until the end (~1 KB each; a 10M-line job has 600K

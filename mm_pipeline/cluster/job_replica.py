@@ -8,18 +8,34 @@ Exactly once, per batch:
 
     refresh the ShardIndex (rows every replica journaled so far)
     inputs already journaled -> their outcome from the index (a retried batch after a death)
-    the others, concurrently -> engine -> row -> ShardJournal.append (flushed) as each finishes
+    the others, concurrently (a suspect alone) -> engine -> row -> ShardJournal.append (flushed)
+        as each finishes
     -> one small result row per input (key, error, tokens) plus this batch's report
 
 When the process dies mid-batch, Ray restarts the actor (``max_restarts``) and retries the batch
 (``max_task_retries``); the new incarnation keeps the actor id, hence the same shard file, and
 redoes only inputs without a journaled row.
 
-An input that kills its process (an OOM kill, a segfault in a decoder) would be retried forever:
-each input is logged as started (``StartCounts``) before it runs, an input started before without
-a row runs alone (so a death names it), and one started ``CRASH_LIMIT`` times without a row gets an
-error row (``crashed``) instead of another try.  The driver never receives the rows themselves: the
-merge reads them from the shards, so object-store traffic is the small result rows.
+An input that kills its process (an OOM kill, a segfault in a decoder) would be retried forever.
+Each input is logged as started (``StartCounts``) before it runs, but a death alone names no input:
+the inputs of several batches were in flight.  So an input started before without a row (in flight
+at a death) runs alone, with nothing else of any batch running in the process (``AloneGate``), and
+its start says so; a death while it runs is its own.  One that the process died under
+``CRASH_LIMIT`` times while alone gets an error row (``crashed``) instead of another try:
+
+    first start      side by side      a death names nobody; every input in flight is a suspect
+    suspect          alone             a death is charged to it; after CRASH_LIMIT, its error row
+
+An ordinary input is never charged for a death it did not cause: it runs side by side only at its
+first start, and dies alone only of itself.  An input that kills the process costs at most
+1 + CRASH_LIMIT deaths: its first start, side by side, and CRASH_LIMIT alone.  (A death that is
+not the lone input's -- its machine lost, the kernel's OOM killer picking this process for another
+one's memory -- is charged to it too: the limit leaves room for CRASH_LIMIT - 1 of those.)  A
+marker without ``alone``, as replicas before it wrote, counts as a start side by side: a job
+interrupted before it and resumed charges nobody for its old deaths.
+
+The driver never receives the rows themselves: the merge reads them from the shards, so
+object-store traffic is the small result rows.
 """
 
 from __future__ import annotations
@@ -34,11 +50,13 @@ from typing import Any
 
 import numpy as np
 
+from mm_pipeline.cluster.alone_gate import AloneGate
 from mm_pipeline.jobs.job_output import JobOutput
 from mm_pipeline.jobs.resume import RowKey
 from mm_pipeline.jobs.shard_journal import ShardIndex, ShardJournal, StartCounts
 
-# starts of one input without a row (each one a process death) before it gets an error row instead
+# deaths of the process while one input ran alone in it (each one that input's) before it gets an
+# error row instead of another try
 CRASH_LIMIT = 2
 # the result columns every replica returns (besides nothing else: the rows are in the shards)
 RESULT_COLUMNS = ("key", "error", "tokens", "journaled", "replica", "node", "pid", "batch_start",
@@ -73,6 +91,7 @@ class JobReplica(ABC):
         self.index = ShardIndex(spec.output.parts_dir, spec.output.key, self.outcome)
         self.started = ShardJournal(spec.output.started_path(self.replica_id))
         self.starts = StartCounts(spec.output.parts_dir)
+        self.gate = AloneGate()  # the inputs of every batch on this replica
         self._n = 0
 
     def identity(self) -> tuple[str, str]:
@@ -105,39 +124,40 @@ class JobReplica(ABC):
 
     @abstractmethod
     def crashed(self, batch: dict[str, np.ndarray], i: int, message: str) -> dict[str, Any]:
-        """The error row of input ``i``, which took the replica's process down ``CRASH_LIMIT`` times."""
+        """The error row of input ``i``, which took the replica's process down ``CRASH_LIMIT`` times
+        while it ran alone."""
 
     # ---- the batch protocol -----------------------------------------------------------------
     async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         start = time.time()
+        self.starts.refresh()  # before the rows: a start counted here whose row came since is seen done
         self.index.refresh()
-        self.starts.refresh()
         keys = self.keys(batch)
         results: list[tuple[str | None, int, bool] | None] = [None] * len(keys)  # error, tokens, journaled
-        todo, suspects = [], []
+        todo: list[tuple[int, bool]] = []  # (input, runs alone)
         for i, key in enumerate(keys):
-            starts = self.starts.counts.get(key, 0) if key is not None else 0
-            if key is not None and key in self.index.rows:
+            if key is None:
+                todo.append((i, False))
+            elif key in self.index.rows:
                 results[i] = (*self.index.rows[key], True)  # a retried batch: done before the death
-            elif starts >= CRASH_LIMIT:
-                row = self.crashed(batch, i, f"the replica's process died {starts} times while answering this "
-                                             f"input (killed for memory, or a crash in native code); not retried")
+            elif (deaths := self.starts.alone.get(key, 0)) >= CRASH_LIMIT:
+                row = self.crashed(batch, i, f"the replica's process died {deaths} times while answering this input "
+                                             f"alone (killed for memory, or a crash in native code); not retried")
                 self.journal.append(row)
                 results[i] = (*self.outcome(row), False)
-            else:
-                (suspects if starts else todo).append(i)
+            else:  # alone when it was in flight at a death (started, no row): a death now names it
+                todo.append((i, key in self.starts.counts))
 
-        async def run(i: int) -> None:
-            self._n += 1
-            if keys[i] is not None:
-                self.started.append({"started": keys[i]})  # before it runs: a death now counts against it
-            row = await self.answer(batch, i, self._n)
-            self.journal.append(row)  # before anything else can fail: this input is done
+        async def run(i: int, alone: bool) -> None:
+            async with self.gate.alone() if alone else self.gate.ordinary():
+                self._n += 1
+                if keys[i] is not None:  # before it runs: a death now makes it a suspect, or names it
+                    self.started.append({"started": keys[i], "alone": True} if alone else {"started": keys[i]})
+                row = await self.answer(batch, i, self._n)
+                self.journal.append(row)  # before anything else can fail: this input is done
             results[i] = (*self.outcome(row), False)
 
-        for i in suspects:  # in flight when a process died: one at a time, so a death names its input
-            await run(i)
-        await asyncio.gather(*(run(i) for i in todo))
+        await asyncio.gather(*(run(i, alone) for i, alone in todo))
         self.journal.sync()
         end = time.time()
         cache = json.dumps(self.cache_counters())

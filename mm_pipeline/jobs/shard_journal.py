@@ -3,7 +3,8 @@ every row all replicas have journaled so far.
 
     captions.jsonl.parts/
         shard-<replica id>.jsonl     one row per finished input, flushed as it finishes
-        started-<replica id>.jsonl   {"started": key} as each input starts (``StartCounts``)
+        started-<replica id>.jsonl   {"started": key} as each input starts, with "alone": true
+                                     when nothing else ran in the process (``StartCounts``)
 
 A replica appends a row the moment its input finishes, so when its process dies mid-batch the
 finished rows survive and Ray's retry of the batch (on the restarted replica, or any other) finds
@@ -101,13 +102,19 @@ class ShardIndex:
 class StartCounts:
     """How many times each input was started, by every replica and every incarnation of one: the
     ``{"started": key}`` markers a replica journals (``ShardJournal``) before it answers an input.
-    An input started more often than it has rows took its replica's process down with it."""
+    An input started more often than it has rows was in flight when its replica's process died;
+    ``alone`` counts the starts marked ``"alone": true``, when it was the only input running in the
+    process, so each such death was its own.  (A marker without the field, as replicas before it
+    wrote, counts as a start beside others.)"""
 
     def __init__(self, parts_dir: Path) -> None:
         self.counts: dict[RowKey, int] = {}
+        self.alone: dict[RowKey, int] = {}
         self._tail = _Tail(parts_dir, STARTED_GLOB)
 
     def refresh(self) -> None:
         for row in self._tail.new_rows():
             if isinstance(k := row.get("started"), (str, int)):
                 self.counts[k] = self.counts.get(k, 0) + 1
+                if row.get("alone") is True:
+                    self.alone[k] = self.alone.get(k, 0) + 1

@@ -73,47 +73,6 @@ def test_a_retried_batch_redoes_only_unfinished_inputs(tmp_path, retried_on):
     assert output.merge(["a", "b", "c"]).duplicates == 0
 
 
-class KilledBy(FakeReplica):
-    """Its process dies whenever it answers the poison input (an OOM kill, a segfault), as Ray
-    restarts it and retries the batch; the other inputs of the batch are answered."""
-
-    async def answer(self, batch, i, n):
-        name = str(batch["input"][i])
-        await asyncio.sleep(0.01 * i)
-        self.answered.append(name)
-        if name == self.dies_at:
-            raise ProcessDied(name)
-        return {"input": name, "caption": f"cap {name}", "error": None, "completion_tokens": 3}
-
-
-def test_an_input_that_kills_its_replica_gets_an_error_row_instead_of_endless_retries(tmp_path):
-    """Ray restarted the replica and retried the batch forever: nothing recorded which input was in
-    flight.  Each start is journaled; an input started before runs alone, and one that took the
-    process down CRASH_LIMIT times gets an error row naming the crash."""
-    from mm_pipeline.cluster.job_replica import CRASH_LIMIT
-
-    output = JobOutput(tmp_path / "out.jsonl", key="input")
-    spec = ReplicaSpec(model_dir="unused", engine_config=None, output=output)
-    batch = {"input": np.array(["a", "poison", "c", "d"], dtype=object)}
-    answered, deaths = [], 0
-    while deaths < 10:  # Ray's retries of the batch, each on a restarted replica
-        replica = KilledBy(spec, "actor-1", dies_at="poison")
-        try:
-            result = asyncio.run(replica(batch))
-            answered += replica.answered
-            break
-        except ProcessDied:
-            answered += replica.answered
-            deaths += 1
-    assert deaths == CRASH_LIMIT  # then its error row, not another try
-    assert answered.count("poison") == CRASH_LIMIT and sorted(set(answered)) == ["a", "c", "d", "poison"]
-    assert "died 2 times while answering this input" in result["error"][1]
-    assert [bool(e) for e in result["error"]] == [False, True, False, False]
-    rows = {r["input"]: r for r in (json.loads(ln) for s in output.shard_paths() for ln in s.read_text().splitlines())}
-    assert set(rows) == {"a", "poison", "c", "d"} and rows["poison"]["caption"] is None
-    assert output.merge(["a", "poison", "c", "d"]).rows == 4
-
-
 def test_ray_jobs_hold_the_outputs_lock_from_resume_to_merge(tmp_path, monkeypatch):
     """``--ray`` jobs took no lock: two of them (or one and a single-process job) on one output each
     ran nearly every input again and merged over each other.  Ray Data is replaced by a stand-in
