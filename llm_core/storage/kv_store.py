@@ -11,7 +11,8 @@ MAX_KEY_CHARS = 1024
 
 class KeyValueStore(ABC):
     """A key → bytes store.  Thread-safe.  ``get`` returns ``None`` for a missing, damaged or
-    unreachable entry (damaged entries are removed); ``put`` may drop a value (budget, backend down)
+    unreachable entry (a damaged entry is removed -- that entry, not a value a put stored since it was
+    read: that one is returned); ``put`` may drop a value (budget, backend down)
     — a cache tier is allowed to forget, never to return wrong bytes."""
 
     name: str = "store"

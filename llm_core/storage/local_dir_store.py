@@ -9,7 +9,8 @@ Writes go to a temp file in the target directory and are moved into place with `
 which is atomic: a reader sees the old entry, the new one, or none — never half of one.  With
 ``fsync=True`` the data is flushed before the rename, so entries also survive power loss.  Damaged
 or truncated files (disk errors, a crash without fsync) fail the checksum, read as a miss and are
-deleted (on a read-only filesystem, where they cannot be, they still read as a miss).  A put with
+deleted (on a read-only filesystem, where they cannot be, they still read as a miss) -- the file read,
+not the name: an entry a put wrote meanwhile is read instead.  A put with
 ``keep_existing`` keeps only an entry that reads back whole: a damaged one is replaced.  A root
 deleted while the store runs is made again by the next put.  With ``max_bytes`` the least recently
 used files are evicted: every read and ``touch`` moves an entry to the back of the index and sets its
@@ -74,27 +75,9 @@ class LocalDirStore(KeyValueStore):
 
     def get(self, key: str) -> bytes | None:
         self._check_key(key)
-        path = self._path(key)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            self._forget(path)
-            self._count("misses")
-            return None
-        except OSError:
-            self._count("errors")
-            self._count("misses")
-            return None
-        try:
-            value = decode_entry(raw, key)
-        except CorruptEntry:
-            self._remove(path)
-            self._count("corrupt")
-            self._count("misses")
-            return None
-        self._touch(path, len(raw))
-        self._count("hits")
-        return value
+        found = self._read_whole(self._path(key), key)
+        self._count("hits" if found is not None else "misses")
+        return found
 
     def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
         self._check_key(key)
@@ -250,27 +233,73 @@ class LocalDirStore(KeyValueStore):
         return tempfile.mkstemp(prefix=_TMP_PREFIX, dir=shard)
 
     def _keep(self, path: Path, key: str) -> bool:
-        """``keep_existing``: when ``path`` holds an entry that reads back whole, mark it used (index
-        order, mtime), count it kept and keep it. A damaged one is removed and the put replaces it:
-        reads stop at a chain's first missing page, so a damaged page further down is never read
-        (hence never removed) by a ``get``, and an existence check alone kept it for good. Reading
-        the entry costs less than the write it saves, and only puts that find an entry pay it."""
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
+        """``keep_existing``: when ``path`` holds an entry that reads back whole, keep it (counted
+        kept). A damaged one is removed and the put replaces it: reads stop at a chain's first
+        missing page, so a damaged page further down is never read (hence never removed) by a
+        ``get``, and an existence check alone kept it for good. Reading the entry costs less than the
+        write it saves, and only puts that find an entry pay it."""
+        if self._read_whole(path, key) is None:
             return False
-        except OSError:  # unreadable: write over it (a put that fails too is counted dropped)
-            self._count("errors")
-            return False
-        try:
-            decode_entry(raw, key)
-        except CorruptEntry:
-            self._remove(path)
-            self._count("corrupt")
-            return False
-        self._touch(path, len(raw))
         self._count("kept")
         return True
+
+    def _read_whole(self, path: Path, key: str) -> bytes | None:
+        """The value of the entry at ``path``, marked used (index order, mtime); None when it is
+        missing, unreadable or damaged (counted ``corrupt`` and removed). A put may replace a damaged
+        entry between its read and its removal (the KV writer saving the page a fetch found
+        damaged): the removal spares a file that is no longer the one read, and that one is read
+        instead, once -- removing by name would delete the new entry, its page lost from L3 although
+        the writer counted it written."""
+        for _ in range(2):
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                self._forget(path)
+                return None
+            except OSError:  # unreadable: a miss (a put writes over it)
+                self._count("errors")
+                return None
+            with f:  # held open until the removal below: the file's inode cannot be reused meanwhile
+                try:
+                    raw = f.read()
+                except OSError:
+                    self._count("errors")
+                    return None
+                try:
+                    value = decode_entry(raw, key)
+                except CorruptEntry:
+                    self._count("corrupt")
+                    if self._remove_unless_replaced(path, os.fstat(f.fileno())):
+                        continue
+                    return None
+            self._touch(path, len(raw))
+            return value
+        return None
+
+    def _remove_unless_replaced(self, path: Path, read: os.stat_result) -> bool:
+        """Remove the damaged file ``read`` (its ``fstat``) unless ``path`` names another file now:
+        then ``True`` (a put replaced it since it was read). Checked and unlinked under the lock this
+        process's renames hold; a process sharing the directory could still land in between: rare,
+        and its entry is lost from L3, never served wrong."""
+        with self._lock:
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                self._bytes -= self._index.pop(path, 0)
+                return False
+            except OSError:
+                self._count("errors")
+                return False
+            if (now.st_dev, now.st_ino) != (read.st_dev, read.st_ino):
+                return True
+            self._bytes -= self._index.pop(path, 0)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:  # read-only filesystem, permissions: it still reads as a miss
+                self._count("errors")
+        return False
 
     def _touch(self, path: Path, size: int) -> None:
         with self._lock:

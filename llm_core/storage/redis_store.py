@@ -131,11 +131,9 @@ class RedisStore(KeyValueStore):
         try:
             value = decode_entry(raw, key)
         except CorruptEntry:
-            self._call(lambda c: c.delete(self.prefix + key))
             self._count("corrupt")
-            self._count("misses")
-            return None
-        self._count("hits")
+            value = self._call(lambda c: self._delete_unless_replaced(c, key, raw))
+        self._count("hits" if value is not None else "misses")
         return value
 
     def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
@@ -193,6 +191,33 @@ class RedisStore(KeyValueStore):
                 return [True]
             except redis.WatchError:  # another client wrote (or deleted) it meanwhile: that stands
                 return [False]
+
+    def _delete_unless_replaced(self, c: redis.Redis, key: str, damaged: bytes) -> bytes | None:
+        """Delete ``key`` if it still holds ``damaged`` (the bytes just read), and return None. A put
+        may replace a damaged value between its read and its deletion (the KV writer saving the page
+        a fetch found damaged): that value stays, and is returned when it reads back whole --
+        deleting by name would drop it, its page lost from L3 although the writer counted it
+        written. ``WATCH`` makes the delete fail if a put lands between the check and the delete.
+        Only reads of a damaged value pay this."""
+        name = self.prefix + key
+        with c.pipeline() as pipe:
+            try:
+                pipe.watch(name)
+                now = pipe.get(name)
+                if now == damaged:
+                    pipe.multi()
+                    pipe.delete(name)
+                    pipe.execute()
+                    return None
+            except redis.WatchError:  # written meanwhile: that value stands (read it next time)
+                return None
+        if now is None:
+            return None
+        try:
+            return decode_entry(now, key)
+        except CorruptEntry:  # damaged too: left to the next read or keep_existing put
+            self._count("corrupt")
+            return None
 
     def touch(self, keys: list[str]) -> int:
         """One round trip for the whole list: with ``ttl_s`` a pipeline of ``EXPIRE`` (the keys

@@ -54,18 +54,17 @@ def test_disk_a_starting_process_keeps_another_ones_writes(tmp_path: Path) -> No
 def test_disk_a_read_racing_an_eviction_leaves_no_phantom_entry(tmp_path: Path, monkeypatch) -> None:
     """The writer thread evicts (unlinks) a file between a reader's read and its recency update:
     the index must not list the file again."""
+    from llm_core.storage import local_dir_store
+
     s = LocalDirStore(tmp_path, max_bytes=10_000)
     s.put("k", bytes(100))
-    target = s._path("k")
-    real_read = Path.read_bytes
+    real_decode = local_dir_store.decode_entry
 
-    def read_then_evicted(self: Path) -> bytes:
-        raw = real_read(self)
-        if self == target:
-            s.delete("k")  # what an eviction on another thread does meanwhile
-        return raw
+    def read_then_evicted(raw: bytes, key: str) -> bytes:  # the store checks the bytes it has read
+        s.delete("k")  # what an eviction on another thread does meanwhile
+        return real_decode(raw, key)
 
-    monkeypatch.setattr(Path, "read_bytes", read_then_evicted)
+    monkeypatch.setattr(local_dir_store, "decode_entry", read_then_evicted)
     assert s.get("k") == bytes(100)  # the bytes read are still a valid answer
     assert len(s) == 0 and s.nbytes == 0
     s.check_integrity()

@@ -313,6 +313,47 @@ def test_keep_existing_replaces_a_damaged_value(kind: str, tmp_path: Path, reque
     store.close()
 
 
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_a_get_spares_the_value_a_put_stored_after_it_read_a_damaged_one(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch) -> None:
+    """A put replaces a damaged value between a ``get``'s read and its verdict (the KV writer saving
+    the page a fetch found damaged). The get used to remove the key's entry -- the new one, lost
+    although the put had returned True -- and missed; it now returns the new value, which stays."""
+    from llm_core.storage import local_dir_store, redis_store
+
+    if kind == "disk":
+        store: KeyValueStore = LocalDirStore(tmp_path)
+        store.put("page", b"old")
+        (path,) = _entry_files(tmp_path)
+        raw = path.read_bytes()
+        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+        module = local_dir_store
+    else:
+        import redis
+
+        port = request.getfixturevalue("redis_server")
+        store = RedisStore(port=port, prefix=f"t-{uuid.uuid4().hex}:")
+        client = redis.Redis(port=port)
+        client.set(store.prefix + "page", b"garbage")
+        client.close()
+        module = redis_store
+    real, crossed = module.decode_entry, []
+
+    def decode(raw: bytes, key: str) -> bytes:
+        if not crossed:  # the get has the damaged bytes: the put lands now
+            crossed.append(True)
+            assert store.put("page", b"new", keep_existing=True)  # replaces the damaged one
+        return real(raw, key)
+
+    monkeypatch.setattr(module, "decode_entry", decode)
+    assert store.get("page") == b"new"
+    monkeypatch.setattr(module, "decode_entry", real)
+    assert store.get("page") == b"new"
+    assert store.stats["corrupt"] == 2 and store.stats["hits"] == 2  # the put's check and the get's
+    store.check_integrity()
+    store.close()
+
+
 def test_disk_a_root_deleted_while_running_is_made_again(tmp_path: Path) -> None:
     s = LocalDirStore(tmp_path / "kv", max_bytes=1 << 20)
     assert s.put("old", b"v" * 100)

@@ -1,6 +1,7 @@
 """L3 writes: the keep-alive touching a matched chain in one batched call; a page counts as written
 only once the store kept it (a dropped or lost one is written again), the write queue's byte bound,
-and a close that a hung store cannot hold up. The harness and the tiers it runs over are
+a close that a hung store cannot hold up, and a page's save landing while a fetch reads its damaged
+copy (the new copy stays and is used). The harness and the tiers it runs over are
 test_kv_tiers.py's."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 from llm_core.kvcache.dual_pool import DualKVPool
 from llm_core.kvcache.tiers.tier_threads import KVTierThreads
-from llm_core.storage import MemoryStore
+from llm_core.storage import DelayedStore, KeyValueStore, LocalDirStore, MemoryStore, RedisStore
+from llm_core.storage import local_dir_store, redis_store
 from tests.llm_core.kvcache.test_swa_radix_cache import BASES
 from tests.llm_core.kvcache.tiers.test_kv_tiers import LAYOUT, harness, replay, tiers
 
@@ -153,3 +155,94 @@ def test_the_writer_reports_only_puts_the_store_kept():
     stats = threads.stats()
     assert (stats["l3_puts"], stats["l3_puts_failed"], stats["l3_write_queue_bytes"]) == (1, 1, 0)
     threads.stop()
+
+
+# a read of a damaged page crossing that page's queued save
+class SaveCrossesRead(DelayedStore):
+    """``inner`` whose put of ``target`` waits (``entered``) until a read of ``target``'s damaged
+    entry has its bytes (``read``), then sets ``written``; with ``gate_decode`` that read waits for
+    ``written`` before it checks them: the save lands between a read and its verdict."""
+
+    def __init__(self, inner: KeyValueStore) -> None:
+        super().__init__(inner, 0.0)
+        self.target: str | None = None
+        self.entered, self.read, self.written = threading.Event(), threading.Event(), threading.Event()
+        self.keys: list[str] = []  # every put, in order
+
+    def put(self, key: str, value: bytes, *, keep_existing: bool = False) -> bool:
+        self.keys.append(key)
+        if key != self.target:
+            return super().put(key, value, keep_existing=keep_existing)
+        self.entered.set()
+        assert self.read.wait(10)
+        try:
+            return super().put(key, value, keep_existing=keep_existing)
+        finally:
+            self.written.set()
+
+    def gate_decode(self, module, monkeypatch) -> None:
+        real = module.decode_entry
+
+        def decode(raw: bytes, key: str) -> bytes:
+            if key == self.target and self.entered.is_set() and not self.read.is_set():  # the fetch's read
+                self.read.set()
+                assert self.written.wait(10)
+            return real(raw, key)
+
+        monkeypatch.setattr(module, "decode_entry", decode)
+
+
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+def test_a_fetch_of_a_damaged_page_keeps_the_copy_its_queued_save_wrote_meanwhile(kind, tmp_path, request,
+                                                                                  monkeypatch):
+    """L3 entries damaged; a request recomputes the prompt and its pages' saves queue up; the next
+    request's chain read gets a damaged page's bytes just before that page's save replaces it. The
+    store used to remove the damaged entry by name once the bytes failed their check -- the new one:
+    that request missed from there although the good copy was in L3, and so did every other engine
+    on the store (and this one after a restart; the writer had counted the page written)."""
+    from llm_core.kvcache.tiers.page_format import store_key
+
+    prompt = BASES[0][:30]
+    if kind == "dir":
+        module, open_store = local_dir_store, lambda: LocalDirStore(tmp_path)  # noqa: E731
+    else:
+        import redis
+
+        port, prefix = request.getfixturevalue("redis_server"), f"cross-{tmp_path.name}:"
+        module, open_store = redis_store, lambda: RedisStore(port=port, prefix=prefix)  # noqa: E731
+    first = harness(tiers(None, open_store()))
+    replay(first, [prompt])
+    first.cache.close()  # writes the tree down
+    healthy = harness(tiers(None, open_store()))
+    want = replay(healthy, [prompt])[0].num_cached_tokens
+    healthy.cache.close()
+    if kind == "dir":
+        for f in tmp_path.glob("??/*.entry"):
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 1
+            f.write_bytes(bytes(data))
+    else:
+        client = redis.Redis(port=port)
+        for key in client.keys(prefix + "*"):
+            client.set(key, b"garbage")
+        client.close()
+    store = SaveCrossesRead(open_store())
+    h = harness(tiers(None, store))
+    r1 = replay(h, [prompt])[0]
+    assert r1.num_cached_tokens == 0
+    h.cache.tiers.flush()
+    chain = [store_key(x) for x in h.cache.tiers.page_hashes(r1, want // 2)]
+    j = next(i for i, k in enumerate(chain) if k not in store.keys)  # the first page still damaged in L3
+    assert j > 0
+    store.target = chain[j]
+    store.gate_decode(module, monkeypatch)
+    h.cache.clear()  # saves every page: the writer stops in page j's put until a fetch has its bytes
+    assert store.entered.wait(10)
+    r2 = replay(h, [prompt])[0]
+    assert store.written.is_set()
+    assert r2.num_cached_tokens >= (j + 1) * 2  # page j came from its new copy (it stopped before j)
+    h.cache.tiers.flush()
+    replica = harness(tiers(None, open_store()))  # another engine on the store
+    assert replay(replica, [prompt])[0].num_cached_tokens == want  # it lost page j
+    replica.cache.close()
+    h.cache.close()
