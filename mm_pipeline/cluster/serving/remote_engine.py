@@ -23,7 +23,9 @@ same app -- every endpoint, SSE, uploads, metrics, errors -- with generation in 
 * ``stats()`` is every LLM replica's last snapshot (:class:`ReplicaStats`: one Serve broadcast asks
   them all, replica_metrics.py), refreshed in the background, so ``/health`` and ``/metrics`` never
   wait on a replica; a replica that fails its answer (dying, its engine stopped) is left out of that
-  refresh. A refresh waits at most ``STATS_TIMEOUT_S``, and once no replica has answered for
+  refresh. A refresh waits at most ``STATS_TIMEOUT_S``, each replica's answer used as it arrives
+  (replica_snapshots.py): one that has not answered by then keeps its last snapshot, marked late,
+  for up to ``STATS_STALE_S``, and is named in a log line. Once no replica has answered for
   ``STATS_STALE_S`` ``stats()`` raises (``/health`` answers 503) instead of serving old snapshots of
   replicas that may all be gone. Not on the first failed refresh: while Serve replaces a replica
   that stopped answering, /health must not flap.
@@ -43,6 +45,7 @@ from llm_core.engine.sampling.generation_config import GenerationDefaults
 from llm_core.engine.sampling import SamplingParams
 from mm_pipeline.cluster.serving.llm_replica import EngineStopped, ReplicaFailure
 from mm_pipeline.cluster.serving.replica_metrics import ReplicaStats
+from mm_pipeline.cluster.serving.replica_snapshots import ReplicaSnapshots, gather_answers
 from mm_pipeline.cluster.serving.shared_files import SharedFile
 from mm_pipeline.cluster.serving.route_key import RouteKey, key_of_messages, key_of_prompt, media_key
 from mm_pipeline.errors import InternalError, InvalidInputError, MediaTooLarge, ServerBusy
@@ -55,8 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATS_MAX_AGE_S = 1.0  # a snapshot older than this is refreshed in the background
-STATS_STALE_S = 10 * STATS_MAX_AGE_S  # no replica answered for this long: unhealthy
-STATS_TIMEOUT_S = 5.0  # a refresh that waits longer failed (a stuck replica must not pin it)
+STATS_STALE_S = 10 * STATS_MAX_AGE_S  # no replica answered for this long: unhealthy (one replica: left out)
+STATS_TIMEOUT_S = 5.0  # a refresh's deadline: a replica not answered by then is silent (it must not pin it)
 
 T = TypeVar("T")
 
@@ -130,8 +133,7 @@ class RemoteEngine:
         self._replica_gone = (ray.exceptions.RayActorError,)
         self._task_error = ray.exceptions.RayTaskError
         self._resolver: Callable[[str], tuple[bytes | Path, str | None]] | None = None
-        self._stats: ReplicaStats | None = None
-        self._stats_at = 0.0
+        self._snapshots = ReplicaSnapshots()  # every replica's last answer; .view is what stats() serves
         self._stats_error: str | None = None  # why the last refresh failed; None once one succeeds
         self._refreshing: asyncio.Task | None = None
         self.resends = 0  # requests sent again after their replica died (tests read it)
@@ -181,23 +183,24 @@ class RemoteEngine:
     def max_model_len(self) -> int:
         """The replicas' context limit (one config for all), from their last stats snapshots (the
         ingress waits for a first one before it serves)."""
-        if self._stats is None:
+        if self._snapshots.view is None:
             raise ServerBusy("no LLM replica has reported its stats yet")
-        return self._stats.max_context_tokens
+        return self._snapshots.view.max_context_tokens
 
     def set_file_resolver(self, fn: Callable[[str], tuple[bytes | Path, str | None]]) -> None:
         self._resolver = fn
 
     def stats(self) -> ReplicaStats:
-        age = time.monotonic() - self._stats_at
+        age = time.monotonic() - self._snapshots.last_answer_at
         if age > STATS_MAX_AGE_S:
             self._refresh_soon()
-        if self._stats is None:
+        view = self._snapshots.view
+        if view is None:
             raise RuntimeError("no LLM replica has reported its stats yet")
         if age > STATS_STALE_S:
             raise RuntimeError(f"no LLM replica has answered for {age:.0f} s "
                                f"(last error: {self._stats_error or 'none yet, still waiting'})")
-        return self._stats
+        return view
 
     async def wait_for_replicas(self) -> None:
         """The ingress's start: wait until an LLM replica answers, then take the snapshots. A routed
@@ -209,14 +212,21 @@ class RemoteEngine:
     async def refresh_stats(self) -> None:
         """Ask every LLM replica for its snapshot (``LLMReplica.replica_stats``). Serve's broadcast,
         not a routed call: one routed call reached whichever replica the router picked, and the
-        ingress's /metrics then jumped between replicas' counters. A replica whose answer fails is
-        left out; none answering fails the refresh (its first error)."""
-        answers = await self.handle.broadcast("replica_stats").results_async(return_exceptions=True)
-        got = dict(a for a in answers if not isinstance(a, BaseException))
-        if not got:
-            raise next((a for a in answers if isinstance(a, BaseException)), RuntimeError("no LLM replica answered"))
-        self._stats = ReplicaStats(got, time.monotonic())
-        self._stats_at = time.monotonic()
+        ingress's /metrics then jumped between replicas' counters. Each answer is used as it arrives,
+        until ``STATS_TIMEOUT_S``; a replica whose answer fails is left out, one silent by then keeps
+        its last snapshot a while (replica_snapshots.py). None answering fails the refresh: a
+        ``TimeoutError`` naming the silent replicas, else the first error."""
+        started = time.monotonic()
+        tally = await gather_answers(self.handle.broadcast("replica_stats"), STATS_TIMEOUT_S, self._snapshots.answer)
+        self._snapshots.end_round(started, tally, STATS_STALE_S)
+        if tally.answered:
+            return
+        if tally.silent:
+            named = self._snapshots.silence()
+            failed = f"; {len(tally.errors)} failed, first: {type(tally.errors[0]).__name__}" if tally.errors else ""
+            raise TimeoutError(f"no LLM replica answered within {STATS_TIMEOUT_S:g} s: {tally.silent} silent"
+                               f"{': ' + named if named else ''}{failed}")
+        raise tally.errors[0] if tally.errors else RuntimeError("no LLM replica answered")
 
     def shutdown(self) -> None:
         """The replicas belong to Ray Serve (``serve.delete`` stops them), not to this proxy."""
@@ -233,7 +243,7 @@ class RemoteEngine:
         if self._refreshing is None or self._refreshing.done():
             async def refresh() -> None:
                 try:
-                    await asyncio.wait_for(self.refresh_stats(), STATS_TIMEOUT_S)
+                    await self.refresh_stats()  # bounded by STATS_TIMEOUT_S itself
                     self._stats_error = None
                 except Exception as exc:  # noqa: BLE001 - a replica restarting: the snapshot ages (stats())
                     first = self._stats_error is None

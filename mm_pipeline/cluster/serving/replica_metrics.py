@@ -12,14 +12,25 @@ replica's counters without saying which: they jumped between replicas' values fr
 (10000, 300, 10000), which Prometheus reads as counter resets. A series per replica keeps every
 counter monotonic; ``sum by`` (without ``replica``) gives the cluster. A replica replaced by Serve
 starts a new series under its new id.
+
+A replica that did not answer the last refresh by its deadline (replica_snapshots.py) keeps its
+last snapshot for a while: its series go on with those values, and three gauges say so, on the
+ingress's clock (the snapshots' own ``stats_age_seconds`` is the replica's clock against the
+ingress's, which only agree on one host):
+
+    mmserve_replica_answered{replica}             1: answered the last refresh; 0: kept from an earlier one
+    mmserve_replica_answer_age_seconds{replica}   since its snapshot reached the ingress
+    mmserve_replicas_unanswered                   replicas the last refresh asked that did not answer by its
+                                                  deadline (one never heard from has no series to say it)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from mm_pipeline.server.metrics import PREFIX, SnapshotCollector
 
@@ -29,20 +40,34 @@ _AVAILABLE = PREFIX + "engine_stats_available"  # the server's own collector rep
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """The last snapshot of each LLM replica that answered a refresh (``OmniStats`` by Serve's
-    replica id), and when the refresh ended (``time.monotonic()``)."""
+    """The last snapshot of each LLM replica (``OmniStats`` by Serve's replica id) and when this view
+    was built (``time.monotonic()``). ``answered_at``: when each snapshot reached the ingress (its
+    clock); ``late``: the replicas whose snapshot is kept from an earlier refresh (they did not
+    answer the last one by its deadline); ``unanswered``: how many replicas the last refresh asked
+    did not answer by its deadline."""
 
     replicas: Mapping[str, Any]
     taken_at: float
+    answered_at: Mapping[str, float] = field(default_factory=dict)
+    late: frozenset[str] = frozenset()
+    unanswered: int = 0
 
     @property
     def max_context_tokens(self) -> int:
         """The longest prompt + output one request can hold on any replica (one config for all)."""
         return min(s.llm.max_context_tokens for s in self.replicas.values())
 
+    def answer_age_s(self, name: str, now: float | None = None) -> float:
+        """Seconds since replica ``name``'s snapshot reached the ingress."""
+        return (time.monotonic() if now is None else now) - self.answered_at.get(name, self.taken_at)
+
     def to_dict(self) -> dict[str, Any]:
-        """What ``/health`` returns: each replica's snapshot as a single engine's ``/health`` has it."""
-        return {"replicas": {name: s.to_dict() for name, s in sorted(self.replicas.items())}}
+        """What ``/health`` returns: each replica's snapshot as a single engine's ``/health`` has it,
+        and the replicas kept from an earlier refresh with the seconds since each answered."""
+        now = time.monotonic()
+        return {"replicas": {name: s.to_dict() for name, s in sorted(self.replicas.items())},
+                "late": {name: round(self.answer_age_s(name, now), 3) for name in sorted(self.late)},
+                "unanswered": self.unanswered}
 
 
 class ReplicaMetrics:
@@ -73,6 +98,24 @@ class ReplicaMetrics:
                                                          family.unit)
                 out.samples.extend(s._replace(labels={**s.labels, REPLICA_LABEL: name}) for s in family.samples)
         yield from families.values()
+        yield from _answer_families(stats)
+
+
+def _answer_families(stats: ReplicaStats) -> Iterator[Metric]:
+    """Which replicas answered the last refresh, and how old each one's snapshot is."""
+    now = time.monotonic()
+    answered = GaugeMetricFamily(PREFIX + "replica_answered", "1 when the LLM replica answered the ingress's last "
+                                 "stats refresh, 0 when its snapshot is kept from an earlier one",
+                                 labels=[REPLICA_LABEL])
+    age = GaugeMetricFamily(PREFIX + "replica_answer_age_seconds", "Seconds since the LLM replica's stats snapshot "
+                            "reached the ingress (the ingress's clock)", labels=[REPLICA_LABEL])
+    for name in sorted(stats.replicas):
+        answered.add_metric([name], 0 if name in stats.late else 1)
+        age.add_metric([name], stats.answer_age_s(name, now))
+    yield answered
+    yield age
+    yield GaugeMetricFamily(PREFIX + "replicas_unanswered", "LLM replicas the ingress's last stats refresh asked "
+                            "that did not answer by its deadline", value=stats.unanswered)
 
 
 def create_ingress_app(engine: Any, settings: Any) -> Any:

@@ -27,6 +27,7 @@ from mm_pipeline.cluster.serving.llm_replica import ReplicaFailure  # noqa: E402
 from mm_pipeline.cluster.serving.remote_engine import RemoteEngine  # noqa: E402
 from mm_pipeline.errors import ServerBusy  # noqa: E402
 from tests.support.paths import DEMO_MODEL  # noqa: E402
+from tests.support.serve_broadcast import SILENT, Broadcast  # noqa: E402
 
 
 class _Stream:
@@ -185,18 +186,15 @@ class StatsHandle:
     def __init__(self) -> None:
         self.alive, self.hang = True, False
 
-    def broadcast(self, method: str) -> Any:
+    def broadcast(self, method: str) -> Broadcast:
+        import ray.exceptions
+
         assert method == "replica_stats"
-
-        async def results_async(**kwargs: Any) -> list[Any]:
-            if self.hang:
-                await asyncio.Event().wait()
-            if not self.alive:
-                import ray.exceptions
-
-                return [ray.exceptions.RayActorError()]
-            return [("replica-0", SimpleNamespace(to_dict=lambda: {"requests_in_flight": 0}))]
-        return SimpleNamespace(results_async=results_async)
+        if self.hang:
+            return Broadcast([SILENT])
+        if not self.alive:
+            return Broadcast([ray.exceptions.RayActorError()])
+        return Broadcast([("replica-0", SimpleNamespace(to_dict=lambda: {"requests_in_flight": 0}))])
 
 
 @pytest.fixture
@@ -272,10 +270,9 @@ class TokenizeHandle:
             raise self.answer
         return self.answer
 
-    def broadcast(self, method: str) -> Any:
-        async def results_async(**kwargs: Any) -> list[Any]:
-            return [("replica-0", SimpleNamespace(llm=SimpleNamespace(max_context_tokens=1234), to_dict=lambda: {}))]
-        return SimpleNamespace(results_async=results_async)
+    def broadcast(self, method: str) -> Broadcast:
+        snapshot = SimpleNamespace(llm=SimpleNamespace(max_context_tokens=1234), to_dict=lambda: {})
+        return Broadcast([("replica-0", snapshot)])
 
 
 def test_tokenize_asks_a_replica_and_raises_its_typed_errors():

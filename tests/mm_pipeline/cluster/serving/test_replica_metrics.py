@@ -19,18 +19,10 @@ pytest.importorskip("ray")  # RemoteEngine names Ray's error types
 from mm_pipeline.cluster.serving.remote_engine import RemoteEngine  # noqa: E402
 from mm_pipeline.server.settings import ServerSettings  # noqa: E402
 from tests.mm_pipeline.server.test_server_metrics import a_snapshot, samples  # noqa: E402
+from tests.support.serve_broadcast import Broadcast  # noqa: E402
 
 REPLICAS = {"replica-a": a_snapshot(generation_tokens=10_000, prompt_tokens=50_000, preemptions=7, running=2),
             "replica-b": a_snapshot(generation_tokens=300, prompt_tokens=900, preemptions=0, running=1)}
-
-
-class Broadcast:
-    def __init__(self, answers: list[Any]) -> None:
-        self.answers = answers
-
-    async def results_async(self, *, timeout_s: float | None = None, return_exceptions: bool = False) -> list[Any]:
-        assert return_exceptions  # one failing replica must not hide the others
-        return self.answers
 
 
 class TwoReplicas:
@@ -98,9 +90,10 @@ def test_each_replica_has_its_own_series_and_no_counter_goes_backwards(monkeypat
 
 
 def _ingress_own(name: str) -> bool:
-    """The ingress's own families (HTTP requests, latencies, its event loop), not an engine's."""
+    """The ingress's own families (HTTP requests, latencies, its event loop, its stats refresh), not an
+    engine's."""
     own = ("mmserve_requests", "mmserve_request_", "mmserve_time_", "mmserve_e2e_", "mmserve_inter_token_", "mmserve_event_loop_",
-           "mmserve_http_")
+           "mmserve_http_", "mmserve_replicas_unanswered")
     return name.startswith(own)
 
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from mm_pipeline.cli import UsageError, parse_args
+from tests.support.serve_broadcast import Broadcast
 
 pytest.importorskip("ray")
 
@@ -104,10 +105,8 @@ class StatsHandle:
             return SimpleNamespace()
         return snapshot()
 
-    def broadcast(self, method: str) -> SimpleNamespace:
-        async def results_async(return_exceptions: bool = False) -> list:
-            return [("replica-a", SimpleNamespace())]
-        return SimpleNamespace(results_async=results_async)
+    def broadcast(self, method: str) -> Broadcast:
+        return Broadcast([("replica-a", SimpleNamespace())])
 
 
 @pytest.mark.parametrize("on", [True, False])
