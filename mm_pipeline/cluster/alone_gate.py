@@ -19,6 +19,7 @@ event loop, no lock: every check and change of the counts happens between two aw
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
@@ -29,6 +30,9 @@ class AloneGate:
         self._suspects = 0  # suspects waiting or running
         self._alone = False  # a suspect is running
         self._waiters: list[asyncio.Future] = []
+        # suspects waiting, in arrival order: only the first may start (a wake-up wakes every
+        # waiter, and one arriving between a wake-up and the woken suspect's turn would go first)
+        self._queue: deque[object] = deque()
 
     @asynccontextmanager
     async def ordinary(self) -> AsyncIterator[None]:
@@ -43,8 +47,13 @@ class AloneGate:
     @asynccontextmanager
     async def alone(self) -> AsyncIterator[None]:
         self._suspects += 1
+        turn = object()
+        self._queue.append(turn)
         try:
-            await self._until(lambda: not self._alone and not self._ordinary)
+            try:
+                await self._until(lambda: self._queue[0] is turn and not self._alone and not self._ordinary)
+            finally:  # started, or cancelled while waiting: either way no longer in the line
+                self._queue.remove(turn)
             self._alone = True
             try:
                 yield

@@ -50,3 +50,38 @@ def test_a_cancelled_suspect_lets_the_others_go():
         return log
 
     assert asyncio.run(scene()) == ["+a", "+c", "-c", "-a"]
+
+
+def test_suspects_run_in_the_order_they_came():
+    """s3 arrives in the loop turn s1 ends, before the woken s2 has run: it still goes after s2
+    (a wake-up wakes every waiter; the line decides). A cancelled suspect at the head of the line
+    lets the next one go."""
+    async def scene() -> list[str]:
+        gate, log = AloneGate(), []
+        s1_done = asyncio.Event()
+
+        async def held(name: str) -> None:
+            async with gate.alone():
+                log.append(name)
+                if name == "s1":
+                    await s1_done.wait()
+
+        t1 = asyncio.create_task(held("s1"))
+        await asyncio.sleep(0)
+        t2 = asyncio.create_task(held("s2"))
+        await asyncio.sleep(0)
+        s1_done.set()
+        t3 = asyncio.create_task(held("s3"))
+        await asyncio.wait_for(asyncio.gather(t1, t2, t3), 5)
+        # the head of the line cancelled while it waits
+        blocker = asyncio.create_task(_hold(gate, "x", False, 10, log))
+        await asyncio.sleep(0)
+        head, after = asyncio.create_task(held("cancelled")), None
+        await asyncio.sleep(0)
+        after = asyncio.create_task(held("s4"))
+        await asyncio.sleep(0)
+        head.cancel()
+        await asyncio.wait_for(asyncio.gather(blocker, after), 5)
+        return log
+
+    assert asyncio.run(scene()) == ["s1", "s2", "s3", "+x", "-x", "s4"]
