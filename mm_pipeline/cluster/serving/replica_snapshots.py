@@ -63,16 +63,25 @@ async def gather_answers(response: Any, timeout_s: float, on_answer: Callable[[A
     results = await asyncio.wait_for(fetch(), timeout_s)
     waits = {asyncio.ensure_future(r.get_async()): r for r in results}
     tally, pending = Tally(asked=len(results)), set(waits)
+
+    def take(done: set[asyncio.Future]) -> None:
+        for t in done:
+            if t.cancelled():  # Serve's answer to a request cancelled on the replica
+                tally.errors.append(RuntimeError("the replica cancelled its answer"))
+            elif (exc := t.exception()) is not None:
+                tally.errors.append(exc)
+            else:
+                _use(t.result(), on_answer, tally)
+
     try:
         while pending and (left := deadline - time.monotonic()) > 0:
             done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t.cancelled():  # Serve's answer to a request cancelled on the replica
-                    tally.errors.append(RuntimeError("the replica cancelled its answer"))
-                elif (exc := t.exception()) is not None:
-                    tally.errors.append(exc)
-                else:
-                    _use(t.result(), on_answer, tally)
+            take(done)
+        # an answer that came between the last wait and the deadline's check is an answer, not a
+        # silence (and a failure read here is not left for asyncio's "never retrieved" log line)
+        done = {t for t in pending if t.done()}
+        take(done)
+        pending -= done
     finally:  # the deadline, or the refresh itself cancelled
         for t in pending:
             t.cancel()
