@@ -43,7 +43,8 @@ from mm_pipeline.server.request_observer import RequestObserver
 from mm_pipeline.server.request_body import parse_body
 from mm_pipeline.server.completions.sampling_fields import MAX_REQUEST_ID_CHARS
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
-from mm_pipeline.server.request_id import REQUEST_ID_HEADER, RequestIdHeader, name_request, valid_request_id
+from mm_pipeline.server.request_id import (REQUEST_ID_HEADER, RequestIdHeader, name_failed_answer, name_request,
+                                           valid_request_id)
 from mm_pipeline.prompt.reasoning import resolve_reasoning
 from mm_pipeline.prompt.tool_calls import resolve_tool_calls
 from mm_pipeline.server.responses import FileList, FileObject, ModelCard, cursor_page
@@ -158,6 +159,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             events, close = await until_disconnected(request, run_stream(body, info, request.url.path))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        except Exception:
+            name_failed_answer(request, info.request_id)  # set once the answer began (None: refused at its start)
+            raise
         return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **info.headers()},
                                  background=BackgroundTask(close))
 

@@ -39,6 +39,7 @@ from mm_pipeline.server.audio.protocol import (DEFAULT_TEMPERATURE, PASSED_FIELD
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.files.uploads import FormUpload, receive_form
 from mm_pipeline.server.protocol import ChatCompletionRequest
+from mm_pipeline.server.request_id import name_failed_answer
 from mm_pipeline.server.responses import ChatCompletionChunk
 from mm_pipeline.server.settings import ServerSettings
 from mm_pipeline.server.sse import DONE, SSE_HEADERS, ClientDisconnected, error_event, sse_event, until_disconnected
@@ -114,8 +115,11 @@ async def _answer(request: Request, service: ChatService, settings: ServerSettin
         chunks, close = await until_disconnected(request, service.chat_chunks(chat, info))
     except ClientDisconnected:
         return Response(status_code=499)
-    except MMServeError as exc:
-        raise _named_by_form(exc) from exc.__cause__
+    except Exception as exc:
+        name_failed_answer(request, info.request_id)  # set once the answer began (None: refused at its start)
+        if isinstance(exc, MMServeError):
+            raise _named_by_form(exc) from exc.__cause__
+        raise
     return StreamingResponse(_events(chunks, request.url.path, info.request_id), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **info.headers()}, background=BackgroundTask(close))
 

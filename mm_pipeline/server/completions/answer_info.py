@@ -20,7 +20,8 @@ class AnswerInfo:
     the request's media taken from the encoder cache instead of being encoded for it; with ``n`` >
     1 choices the first choice's count (the media is the same for all). ``request_id``: the
     answer's id (its ``id`` field), sent as ``X-Request-Id`` so a proxy's log can name it (an answer
-    without it gets the client's or a fresh id: request_id.py)."""
+    without it, an error, gets the client's id, the answer's where it began, or a fresh one:
+    request_id.py)."""
 
     encoder_cache_hits: int = 0
     request_id: str | None = None

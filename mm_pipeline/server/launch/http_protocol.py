@@ -7,13 +7,23 @@ connection (uvicorn's h11 protocol has a bound, h11_max_incomplete_event_size, b
 Python). Here the bytes a head takes are counted as they arrive; past ``max_head_bytes`` the
 connection is answered 431 and closed (nginx answers a head past its buffers alike; vLLM added
 h11 limits for the same attack). What the parser holds is thus at most the bound plus one read.
-Without httptools, uvicorn's h11 protocol with the same bound serves instead (``protocol_kwargs``).
+Without httptools, uvicorn's h11 protocol with the same bound serves instead, answering the same
+431 (uvicorn's own answer to it is the plain 400 of a malformed request).
+
+The 431 comes before the app, so before its ``X-Request-Id`` middleware (request_id.py): it names
+a fresh id of its own in that header and in its log line, so the two can be matched. Not the
+client's: its header may lie past the cut, and one read whole on one path would not be on the other.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from mm_pipeline.server.request_id import REQUEST_ID_HEADER, new_request_id
 
 MAX_HEAD_BYTES = 64 << 10  # request line + headers; browsers and SDKs send a few KB (cookies: up to ~16 KB)
 
@@ -23,18 +33,73 @@ except ImportError:  # httptools not installed: h11 (below)
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 
-def protocol_kwargs(max_head_bytes: int = MAX_HEAD_BYTES) -> dict[str, Any]:
-    """``uvicorn.Config`` keywords for a bounded request head."""
-    if HttpToolsProtocol is None:
-        return {"http": "h11", "h11_max_incomplete_event_size": max_head_bytes}
-    return {"http": type("BoundedHttpTools", (BoundedHttpToolsProtocol,), {"max_head_bytes": max_head_bytes})}
+def protocol_kwargs(max_head_bytes: int = MAX_HEAD_BYTES, use_h11: bool = HttpToolsProtocol is None
+                    ) -> dict[str, Any]:
+    """``uvicorn.Config`` keywords for a bounded request head: uvicorn's httptools protocol where
+    httptools is installed, else (or with ``use_h11``) its h11 one."""
+    base = BoundedH11Protocol if use_h11 else BoundedHttpToolsProtocol
+    return {"http": type(base.__name__, (base,), {"max_head_bytes": max_head_bytes})}
+
+
+class HeadRefusal:
+    """The 431 both protocols answer a head over ``max_head_bytes`` with (a uvicorn protocol's
+    ``logger``, ``client`` and ``transport``), then the connection is closed."""
+
+    max_head_bytes = MAX_HEAD_BYTES
+    logger: Any
+    client: tuple[str, int] | None
+    transport: Any
+
+    def _send_431(self) -> None:
+        rid = new_request_id()
+        body = json.dumps({"error": {"message": f"the request's headers are over {self.max_head_bytes} bytes",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "request_header_fields_too_large"}}).encode()
+        self.logger.warning("%s: request head over %d bytes from %s: answered 431", rid, self.max_head_bytes,
+                            "%s:%d" % self.client if self.client else "a client")
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\n"
+                             + REQUEST_ID_HEADER.lower().encode() + b": " + rid.encode() + b"\r\n"
+                             b"connection: close\r\n\r\n" + body)
+        self.transport.close()
+
+
+class _BoundedConnection(h11.Connection):
+    """h11's connection (its receive buffer bounded: ``max_incomplete_event_size``) that notes a
+    request head over the bound (``head_too_big``) instead of raising: uvicorn answers whatever
+    h11 raises with the 400 of a malformed request. Past a head (a chunked body's line too long)
+    it raises as before."""
+
+    head_too_big = False
+
+    def next_event(self) -> Any:
+        reading_head = self.their_state is h11.IDLE
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as exc:
+            if not (reading_head and exc.error_status_hint == 431):
+                raise
+            self.head_too_big = True
+            return h11.NEED_DATA  # uvicorn stops reading events; handle_events answers
+
+
+class BoundedH11Protocol(HeadRefusal, H11Protocol):
+    """uvicorn's h11 protocol; a request head over ``max_head_bytes`` is a 431."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = _BoundedConnection(h11.SERVER, self.max_head_bytes)  # in place of uvicorn's own, unused yet
+
+    def handle_events(self) -> None:
+        # as data comes, and as a response ends (a pipelined request's head, read then)
+        super().handle_events()
+        if self.conn.head_too_big and not self.transport.is_closing():
+            self._send_431()
 
 
 if HttpToolsProtocol is not None:
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    class BoundedHttpToolsProtocol(HeadRefusal, HttpToolsProtocol):
         """uvicorn's httptools protocol; a request head over ``max_head_bytes`` is a 431."""
-
-        max_head_bytes = MAX_HEAD_BYTES
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -60,13 +125,3 @@ if HttpToolsProtocol is not None:
             self._head_bytes += len(data)
             if self._head_bytes > self.max_head_bytes:
                 self._send_431()
-
-        def _send_431(self) -> None:
-            body = json.dumps({"error": {"message": f"the request's headers are over {self.max_head_bytes} bytes",
-                                         "type": "invalid_request_error", "param": None,
-                                         "code": "request_header_fields_too_large"}}).encode()
-            self.logger.warning("request head over %d bytes from %s: answered 431", self.max_head_bytes,
-                                "%s:%d" % self.client if self.client else "a client")
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                                 b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
-            self.transport.close()

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from types import FrameType
-from typing import Callable
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -36,12 +36,13 @@ class ServerThread:
     """uvicorn serving ``app`` on ``host:port`` (a free port by default) in a daemon thread."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, protocol: dict[str, Any] | None = None) -> None:
+        """``protocol``: uvicorn's HTTP protocol keywords (None: the server's, ``protocol_kwargs()``)."""
         self.host = host
         self.port = port or free_port(host)
         self.start_timeout_s = start_timeout_s
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5, **protocol_kwargs())
+                                timeout_graceful_shutdown=5, **(protocol or protocol_kwargs()))
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="mmserve-uvicorn", daemon=True)
 

@@ -34,7 +34,7 @@ from mm_pipeline.server.batches.lines import retry_overloaded
 from mm_pipeline.server.completions.chat_service import ChatService
 from mm_pipeline.server.errors import APIError, to_api_error
 from mm_pipeline.server.protocol import ChatCompletionRequest
-from mm_pipeline.server.request_id import REQUEST_ID_HEADER
+from mm_pipeline.server.request_id import REQUEST_ID_HEADER, name_failed_answer
 from mm_pipeline.server.responses_api.as_chat import chat_body
 from mm_pipeline.server.responses_api.background import BackgroundResponses
 from mm_pipeline.server.responses_api.events import ResponseEvents
@@ -134,8 +134,12 @@ def install_responses_routes(app: FastAPI, service: ChatService, store: Response
             chunks, close = await until_disconnected(request, service.chat_chunks(chat, info))
         except ClientDisconnected:
             return Response(status_code=499)
-        except MMServeError as exc:  # one naming the chat's messages: renamed by the request's input
-            raise spelled(exc) from exc.__cause__
+        except Exception as exc:
+            # the chat began (its id in info) and failed: the error names the response it was answering
+            name_failed_answer(request, None if info.request_id is None else response.id)
+            if isinstance(exc, MMServeError):  # one naming the chat's messages: renamed by the request's input
+                raise spelled(exc) from exc.__cause__
+            raise
         info.request_id = response.id
 
         async def events() -> AsyncIterator[str]:

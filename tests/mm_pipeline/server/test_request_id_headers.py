@@ -1,7 +1,8 @@
 """Every HTTP answer carries ``X-Request-Id`` (request_id.py), not only a completion: an error above
 all, so a proxy or a client can match it with the server's log line. The answer's id where an answer
-was made (unchanged), else the client's own id (a valid header, or the body's ``request_id``), else a
-fresh one; an invalid client id is never echoed. A scripted engine (no model) behind the whole app."""
+was made (unchanged), else the client's own id (a valid header, or the body's ``request_id``), else the
+answer's id where the answer began and then failed (as the request log names it), else a fresh one; an
+invalid client id is never echoed. A scripted engine (no model) behind the whole app."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+from llm_core.engine.outputs import ErrorKind
 from mm_pipeline.errors import ContextLengthError
 from mm_pipeline.server import ServerSettings, create_app
 from tests.mm_pipeline.server.test_error_statuses import ScriptedEngine
+from tests.support.paths import SAMPLE_MEDIA
 
 CHAT = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 PROMPT = {"model": "scripted", "prompt": [1, 2, 3], "max_tokens": 4}
+RESPONSE = {"model": "scripted", "input": "hi", "max_output_tokens": 4}
+CLIP = SAMPLE_MEDIA / "audio_000003.wav"  # a transcription's upload (the scripted engine hears nothing)
 
 
 def valid_request_id(value: str) -> bool:
@@ -134,3 +139,54 @@ def test_the_error_log_line_names_the_answers_request_id(client, caplog):
     assert named.headers["X-Request-Id"] == "trace-log"
     assert [line.split(": ", 1)[0] for line in lines] == ["trace-log", fresh.headers["X-Request-Id"]], lines
     assert "'/v1/chat/completions' -> 400" in lines[0] and "'/v1/models/nope' -> 404" in lines[1]
+
+
+class FailsMidway(ScriptedEngine):
+    """One token, then a bug raises out of the request's stream (no handler takes it: a 500)."""
+
+    async def _script(self, rid: str):
+        async for delta in super()._script(rid):
+            yield delta
+            raise RuntimeError("a bug after the first token")
+
+
+@pytest.mark.parametrize(("url", "sent", "answer"), [
+    ("/v1/chat/completions", {"json": CHAT}, "chatcmpl-"), ("/v1/completions", {"json": PROMPT}, "cmpl-"),
+    ("/invocations", {"json": CHAT}, "chatcmpl-"), ("/v1/responses", {"json": RESPONSE}, "resp_"),
+    ("/v1/audio/transcriptions", {"files": {"file": (CLIP.name, CLIP.read_bytes())}, "data": {"model": "scripted"}},
+     "chatcmpl-")], ids=["chat", "completions", "invocations", "responses", "transcriptions"])
+def test_an_answer_that_fails_after_it_began_names_its_own_id(tmp_path, caplog, url, sent, answer):
+    """The route had named the answer (the request log names it) when the engine failed: a client
+    that sent no id reads that id in the error's header, and the error's log line names it too."""
+    caplog.set_level(logging.INFO, logger="mmserve")
+    for engine, ends, status in ((ScriptedEngine(), ("error", ErrorKind.INTERNAL), 500),
+                                 (ScriptedEngine(), ("abort", None), 503),
+                                 (ScriptedEngine(), ("error", ErrorKind.INVALID_INPUT), 400),
+                                 (FailsMidway(), ("length", None), 500)):
+        engine.ends = ends
+        caplog.clear()
+        app = create_app(engine, ServerSettings(files_dir=str(tmp_path), model_name="scripted", log_requests=True))
+        with TestClient(app, raise_server_exceptions=False) as c:
+            r = c.post(url, **sent)
+        rid = r.headers["X-Request-Id"]
+        assert r.status_code == status and rid.startswith(answer) and valid_request_id(rid), (ends, r.headers)
+        errors = [rec.getMessage() for rec in caplog.records if rec.name == "mmserve.server"]
+        assert [line.split(": ", 1)[0] for line in errors if " -> " in line] == [rid], errors
+        if answer != "resp_":  # a response's chat is logged by the chat's own id
+            ended = [rec.getMessage() for rec in caplog.records if rec.name == "mmserve.requests"]
+            assert [line.split(": ", 1)[0] for line in ended] == [rid], ended
+
+
+def test_a_failed_answer_keeps_the_clients_id_and_a_refused_one_has_no_answer_id(client):
+    fails(client, None)
+    client.app.state.engine.ends = ("error", ErrorKind.INTERNAL)  # failed after the answer began
+    r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "trace-9"})
+    assert r.status_code == 500 and r.headers["X-Request-Id"] == "trace-9"  # as the client named it
+    r = client.post("/v1/completions", json={**PROMPT, "request_id": "from-body"})
+    assert r.status_code == 500 and r.headers["X-Request-Id"] == "from-body"
+    r = client.post("/v1/responses", json=RESPONSE, headers={"X-Request-Id": "trace-9"})
+    assert r.status_code == 500 and r.headers["X-Request-Id"] == "trace-9"
+    fails(client, ContextLengthError("too long"))  # refused at its start: no answer began, a fresh id
+    for url, body in (("/v1/chat/completions", CHAT), ("/v1/completions", PROMPT), ("/v1/responses", RESPONSE)):
+        r = client.post(url, json=body)
+        assert r.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", r.headers["X-Request-Id"]), (url, r.headers)
