@@ -341,7 +341,11 @@ def test_cli_serve_subprocess(model_dir):
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                # read its output only once it has ended: a read of a running server's pipe waits
+                # for an end that never comes, and the test hung instead of failing
+                proc.kill()
+                pytest.fail(f"mmserve serve not up in 60 s (exit {proc.wait()}): {proc.communicate()[0]}")
             time.sleep(0.2)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-cli", max_retries=0)
         r = c.chat.completions.create(model=model_dir.name, messages=user(text("hi")), max_tokens=3)
@@ -349,8 +353,9 @@ def test_cli_serve_subprocess(model_dir):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0).models.list()
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
     # start-up says what a user needs, and transformers says nothing about our model type
     startup = proc.stdout.read()
     for line in (f"model     tiny-omni ({model_dir})", "device    cpu, float32", "KV pools  Full 2,048 tokens (",
