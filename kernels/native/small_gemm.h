@@ -13,6 +13,17 @@
 #include <stdint.h>
 #include <string.h>
 
+/* c + x * b with one rounding where the CPU has a fused multiply-add, as the register tiles compute
+ * it (their FMA instructions), so the stream and the tiles agree bit for bit. The kernels build with
+ * -ffp-contract=fast, which fuses ``c + x * b`` too; fmaf keeps the agreement without that flag
+ * (-std=c11 alone keeps the multiply and the add apart). GCC and Clang lower it inline and vectorize. */
+#if defined(__FMA__)
+#include <math.h>
+#define MUL_ADD(x, b, c) fmaf((x), (b), (c))
+#else
+#define MUL_ADD(x, b, c) ((c) + (x) * (b))
+#endif
+
 #ifndef WIDE
 #define WIDE 1024 /* outputs at least this wide read 4 rows of W^T per pass, narrower ones 2 */
 #endif
@@ -52,7 +63,7 @@ static void pass2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, 
     for (int64_t r = 0; r < m; r++) {
         const float x0 = a[k * lda + r], x1 = a[(k + 1) * lda + r];
         float *restrict cr = c + r * n;
-        for (int64_t j = 0; j < n; j++) cr[j] = (cr[j] + x0 * b0[j]) + x1 * b1[j];
+        for (int64_t j = 0; j < n; j++) cr[j] = MUL_ADD(x1, b1[j], MUL_ADD(x0, b0[j], cr[j]));
     }
 }
 
@@ -62,7 +73,8 @@ static void pass4(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, 
         const float x0 = a[k * lda + r], x1 = a[(k + 1) * lda + r], x2 = a[(k + 2) * lda + r],
                     x3 = a[(k + 3) * lda + r];
         float *restrict cr = c + r * n;
-        for (int64_t j = 0; j < n; j++) cr[j] = (((cr[j] + x0 * b0[j]) + x1 * b1[j]) + x2 * b2[j]) + x3 * b3[j];
+        for (int64_t j = 0; j < n; j++)
+            cr[j] = MUL_ADD(x3, b3[j], MUL_ADD(x2, b2[j], MUL_ADD(x1, b1[j], MUL_ADD(x0, b0[j], cr[j]))));
     }
 }
 
@@ -105,7 +117,7 @@ static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, int
         for (int64_t r = 0; r < m; r++) {
             const float xr = a[k * lda + r];
             float *restrict cr = c + r * n;
-            for (int64_t j = 0; j < n; j++) cr[j] += xr * bk[j];
+            for (int64_t j = 0; j < n; j++) cr[j] = MUL_ADD(xr, bk[j], cr[j]);
         }
     }
 }
@@ -118,11 +130,13 @@ static void gemm_small_m(int64_t m, int64_t n, int64_t kdim, const float *a, int
  * attention front, 32 rows x 384 x 256, one thread, warm (C harness): 145 us there, MKL 73 us,
  * here 61 us (benchmarks/decoder_layer.py measures the layer calls). Same order of operations per output as
  * gemm_small_m (k ascending, one multiply-add each, from zero), so the two agree bit for bit and a
- * row's result does not depend on the rows beside it. Without AVX-512 it is gemm_small_m. */
-#if defined(__AVX512F__)
+ * row's result does not depend on the rows beside it. AVX2 + FMA without AVX-512: the 8-lane tiles
+ * below; neither: gemm_small_m. */
+#if defined(__AVX512F__) && !defined(SMALL_GEMM_AVX2) /* the AVX2 form: -DSMALL_GEMM_AVX2 (tests) */
 #include <immintrin.h>
 
 #define TILE_MR 6
+#define STREAM_ROWS 4 /* gemm_rows: at most this many rows take the stream */
 #ifndef TILE_PF
 #define TILE_PF 8 /* rows of b ahead that the first row tile asks for (into L2) */
 #endif
@@ -203,7 +217,102 @@ static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA (AMD Zen 2 / 3, Intel before AVX-512): 16 vector registers of 8 floats, so 6 rows x 16
+ * columns of c (12 accumulators, 2 weight vectors, 1 broadcast) over 16-column stripes of b, one
+ * cache line per k: a stripe (kdim lines) stays in L1 for its row tiles. 4 rows x 24 columns (12
+ * accumulators + 3 weight vectors + 1 broadcast: all 16 registers) ran 143 vs 82 us (32 x 384 x 256,
+ * warm). The accumulators are named variables: as an array GCC stored them to the stack every k (10
+ * instead of 7 cycles per k). An edge tile's missing rows repeat its last row of a (computed, not
+ * stored: a row edge costs a full tile); the last stripe's missing columns are masked loads and
+ * stores, used only there. The first row tile of each 64-column group asks for the group's 4 lines
+ * TILE_PF rows ahead (one line per stripe instead: wide outputs from memory 12 x 8192 x 256 2.04 vs
+ * 1.76 ms for the stream, 9 x 1024 x 256 192 vs 158 us; grouped 1.71-1.76 ms and 155-163 us). C
+ * harness, one thread, EPYC (Zen 3, 2.45 GHz), gemm_rows, main's stream -> these tiles, warm / from
+ * memory (64 MB of weights cycled): 32 x 384 x 256 (attention front) 200 -> 87 / 218 -> 101 us, 32 x
+ * 512 x 256 264 -> 130 / 279 -> 136, 32 x 256 x 512 251 -> 140 / 253 -> 154; up to 8 rows the stream
+ * stays (STREAM_ROWS: 6 x 1024 x 256 from memory 122 vs 144 us tiles, 8 x 4096 x 256 627 vs 638).
+ * The layer calls, 32 rows (benchmarks/decoder_layer.py --quick, medians of 3 alternating with main):
+ * attention front 162 -> 111 us, out 121 -> 84, dense MLP 725 -> 458. */
+#include <immintrin.h>
+
+#define TILE_MR 6
+#define STREAM_ROWS 8
+#ifndef TILE_PF
+#define TILE_PF 8 /* rows of b ahead that the first row tile asks for (into L2) */
+#endif
+
+/* one rounding, as gemm_small_m's MUL_ADD */
+static inline __m256 mul_add(__m256 x, __m256 b, __m256 acc) { return _mm256_fmadd_ps(x, b, acc); }
+
+static inline __attribute__((always_inline)) void tile6(int64_t kdim, const float *a, int64_t lda, const float *b,
+                                                        int64_t n, int64_t j0, float *c, int64_t ldc, int64_t pf,
+                                                        int masked, int64_t mr, __m256i m0, __m256i m1) {
+    /* an edge tile's missing rows repeat its last row (no read past a), their results are not stored */
+    const int64_t r1 = 1 < mr ? 1 : mr - 1, r2 = 2 < mr ? 2 : mr - 1, r3 = 3 < mr ? 3 : mr - 1,
+                  r4 = 4 < mr ? 4 : mr - 1, r5 = 5 < mr ? 5 : mr - 1;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < kdim; k++) {
+        const float *bk = b + k * n + j0;
+        if (pf) /* the 4 lines of the 64 columns from j0 (a group's first stripe asks for the group) */
+            for (int v = 0; v < 4; v++) __builtin_prefetch(bk + pf * n + 16 * v, 0, 2);
+        const __m256 b0 = masked ? _mm256_maskload_ps(bk, m0) : _mm256_loadu_ps(bk),
+                     b1 = masked ? _mm256_maskload_ps(bk + 8, m1) : _mm256_loadu_ps(bk + 8);
+        const float *ak = a + k * lda;
+        __m256 x = _mm256_broadcast_ss(ak);
+        c00 = mul_add(x, b0, c00), c01 = mul_add(x, b1, c01);
+        x = _mm256_broadcast_ss(ak + r1);
+        c10 = mul_add(x, b0, c10), c11 = mul_add(x, b1, c11);
+        x = _mm256_broadcast_ss(ak + r2);
+        c20 = mul_add(x, b0, c20), c21 = mul_add(x, b1, c21);
+        x = _mm256_broadcast_ss(ak + r3);
+        c30 = mul_add(x, b0, c30), c31 = mul_add(x, b1, c31);
+        x = _mm256_broadcast_ss(ak + r4);
+        c40 = mul_add(x, b0, c40), c41 = mul_add(x, b1, c41);
+        x = _mm256_broadcast_ss(ak + r5);
+        c50 = mul_add(x, b0, c50), c51 = mul_add(x, b1, c51);
+    }
+    const __m256 rows[TILE_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int64_t r = 0; r < mr; r++) {
+        float *cr = c + r * ldc + j0;
+        if (masked) _mm256_maskstore_ps(cr, m0, rows[r][0]), _mm256_maskstore_ps(cr + 8, m1, rows[r][1]);
+        else _mm256_storeu_ps(cr, rows[r][0]), _mm256_storeu_ps(cr + 8, rows[r][1]);
+    }
+}
+
+/* the full tile and a row edge: plain loads and stores */
+static void tile_rows(int64_t mr, int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n, int64_t j0,
+                      float *c, int64_t ldc, int64_t pf) {
+    const __m256i all = _mm256_set1_epi32(-1);
+    if (mr == TILE_MR) tile6(kdim, a, lda, b, n, j0, c, ldc, pf, 0, TILE_MR, all, all); /* mr constant */
+    else tile6(kdim, a, lda, b, n, j0, c, ldc, pf, 0, mr, all, all);
+}
+
+/* a column edge (fewer than 16 columns left): masked loads and stores, only there (a masked load
+ * costs more than a plain one) */
+static void tile_cols(int64_t mr, int64_t cols, int64_t kdim, const float *a, int64_t lda, const float *b, int64_t n,
+                      int64_t j0, float *c, int64_t ldc, int64_t pf) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), lane),
+                  m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols - 8), lane);
+    tile6(kdim, a, lda, b, n, j0, c, ldc, pf, 1, mr, m0, m1);
+}
+
+static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
+                       int64_t ldc) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t cols = n - j0 < 16 ? n - j0 : 16;
+        for (int64_t r0 = 0; r0 < m; r0 += TILE_MR) {
+            const int64_t mr = m - r0 < TILE_MR ? m - r0 : TILE_MR;
+            const int64_t pf = r0 == 0 && j0 % 64 == 0 ? TILE_PF : 0; /* the first rows' walk brings the group in */
+            if (cols == 16) tile_rows(mr, kdim, a + r0, lda, b, n, j0, c + r0 * ldc, ldc, pf);
+            else tile_cols(mr, cols, kdim, a + r0, lda, b, n, j0, c + r0 * ldc, ldc, pf);
+        }
+    }
+}
 #else
+#define STREAM_ROWS 4
 static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
                        int64_t ldc) {
     if (ldc == n) {
@@ -216,11 +325,12 @@ static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64
 
 /* c [m][n] = a^T b by whichever of the two is faster for m rows of c: the stream (gemm_small_m)
  * while c stays small in L1, register tiles past that. Both give the same bits (same order of
- * multiply-adds), so the switch cannot change a row's result. Measured from memory (C harness, one
- * thread, 256 KB weights cycled through 64 MB, n = 256): m = 4: 20 vs 51 us, 8: 22 vs 36, 16: 42 vs
- * 51, 24: 53 vs 52, 32: 68 vs 63; n = 384, m = 32: 178 vs 95. */
+ * multiply-adds), so the switch cannot change a row's result. Up to STREAM_ROWS rows the stream
+ * serves whatever n is. AVX-512 tiles, measured from memory (C harness, one thread, 256 KB weights
+ * cycled through 64 MB, n = 256): m = 4: 20 vs 51 us, 8: 22 vs 36, 16: 42 vs 51, 24: 53 vs 52, 32:
+ * 68 vs 63; n = 384, m = 32: 178 vs 95. */
 static void gemm_rows(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c) {
-    if (m <= 4 || m * n <= 4096) gemm_small_m(m, n, kdim, a, lda, b, c);
+    if (m <= STREAM_ROWS || m * n <= 4096) gemm_small_m(m, n, kdim, a, lda, b, c);
     else gemm_tiles(m, n, kdim, a, lda, b, c, n);
 }
 

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from kernels import native, ops
 from kernels.kv_copy_ref import store_kv_ref
+from kernels.native import decoder_layer
 from kernels.native.decoder_layer import (add_rms_norm, attention_front, attention_out, available, dense_mlp,
                                           rope_store)
 from llm_core.model.layers.rope import PartialRotary
@@ -45,6 +46,32 @@ def front_ref(x, nw, w, cos, sin, slots, hq, hkv, d, dv, rot, value_scale, k_cac
     PartialRotary(rot, 10_000.0).apply_(qk, cos, sin)
     store_kv_ref(k_cache, v_cache, slots, qk[:, hq:], v)
     return qkv
+
+
+@pytest.fixture(params=["host tiles", "AVX2 tiles"])
+def tile_form(request, monkeypatch):
+    """The host's register tiles, and the 8-lane AVX2 tiles that AVX2-only CPUs build (-DSMALL_GEMM_AVX2
+    makes an AVX-512 host build them too; on an AVX2-only host the two are the same)."""
+    if request.param == "AVX2 tiles":
+        monkeypatch.setattr(decoder_layer, "_FLAGS", decoder_layer._FLAGS + ("-DSMALL_GEMM_AVX2",))
+    return request.param
+
+
+@pytest.mark.parametrize("t", [9, 17, 32])
+def test_tile_edges_give_a_row_the_same_bits_alone_and_in_a_batch(tile_form, t):
+    """Widths off the tiles' columns (900 = 56 x 16 + 4, 245 = 15 x 16 + 5: masked loads and stores) and
+    row counts off their 6 rows (9 = 6 + 3, 17 = 12 + 5, 32 = 30 + 2): each row of the batch (register tiles)
+    equals the row alone (the stream) bit for bit, and torch to rounding."""
+    g = torch.Generator().manual_seed(t)
+    hidden, inter = 245, 900
+    h = torch.randn(t, hidden, generator=g)
+    w_gate, w_up = (ops.linear_weight_layout(torch.randn(inter, hidden, generator=g) * hidden**-0.5) for _ in range(2))
+    w_down = ops.linear_weight_layout(torch.randn(hidden, inter, generator=g) * inter**-0.5)
+    batched = dense_mlp(h, w_gate, w_up, w_down)
+    want = F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    torch.testing.assert_close(batched, want, rtol=1e-5, atol=1e-5)
+    for r in range(t):
+        assert torch.equal(dense_mlp(h[r : r + 1], w_gate, w_up, w_down)[0], batched[r])
 
 
 @settings(max_examples=40, deadline=None)
