@@ -25,9 +25,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = 25  # per operation
 
 
-@pytest.fixture(scope="module")
-def api_schema(tmp_path_factory):
-    app = create_app(ScriptedEngine(), ServerSettings(api_key=KEY, files_dir=str(tmp_path_factory.mktemp("files")),
+@pytest.fixture
+def api_schema(tmp_path):
+    # An app per test: schemathesis' pytest plugin ends every ASGI lifespan it started when a test
+    # ends (pytest_runtest_teardown), and an app's lifespan runs once -- its end closes the batch
+    # runner and the background responses for good (server/background_drain.py), so a second test
+    # on the same app got "the server is shutting down" 503s.
+    app = create_app(ScriptedEngine(), ServerSettings(api_key=KEY, files_dir=str(tmp_path / "files"),
                                                       model_name="scripted"))
     return schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
 
