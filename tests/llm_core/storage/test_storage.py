@@ -285,25 +285,32 @@ def test_keep_existing_never_replaces_a_stored_value(store: KeyValueStore) -> No
     assert store.get("page") == b"replaced"
 
 
+def _store_with_a_damaged_page(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> KeyValueStore:
+    """A store of ``kind`` whose entry "page" does not read back whole (a flipped bit on disk,
+    bytes that are no entry in Redis)."""
+    if kind == "disk":
+        store = LocalDirStore(tmp_path)
+        store.put("page", b"old")
+        (path,) = _entry_files(tmp_path)
+        raw = path.read_bytes()
+        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+        return store
+    import redis
+
+    port = request.getfixturevalue("redis_server")
+    store = RedisStore(port=port, prefix=f"t-{uuid.uuid4().hex}:")
+    client = redis.Redis(port=port)
+    client.set(store.prefix + "page", b"garbage")
+    client.close()
+    return store
+
+
 @pytest.mark.parametrize("kind", ["disk", "redis"])
 def test_keep_existing_replaces_a_damaged_value(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """A KV chain read stops at its first missing page, so a damaged page further down is never read
     (and removed) by a ``get``: the next ``keep_existing`` put of that page is where it must go, or
     the page misses for good."""
-    if kind == "disk":
-        store: KeyValueStore = LocalDirStore(tmp_path)
-        store.put("page", b"with its window")
-        (path,) = _entry_files(tmp_path)
-        raw = path.read_bytes()
-        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
-    else:
-        import redis
-
-        port = request.getfixturevalue("redis_server")
-        store = RedisStore(port=port, prefix=f"t-{uuid.uuid4().hex}:")
-        client = redis.Redis(port=port)
-        client.set(store.prefix + "page", b"garbage")
-        client.close()
+    store = _store_with_a_damaged_page(kind, tmp_path, request)
     assert store.put("page", b"without", keep_existing=True)
     assert store.get("page") == b"without"
     assert store.stats["corrupt"] == 1 and store.stats.get("kept", 0) == 0
@@ -321,22 +328,8 @@ def test_a_get_spares_the_value_a_put_stored_after_it_read_a_damaged_one(
     although the put had returned True -- and missed; it now returns the new value, which stays."""
     from llm_core.storage import local_dir_store, redis_store
 
-    if kind == "disk":
-        store: KeyValueStore = LocalDirStore(tmp_path)
-        store.put("page", b"old")
-        (path,) = _entry_files(tmp_path)
-        raw = path.read_bytes()
-        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
-        module = local_dir_store
-    else:
-        import redis
-
-        port = request.getfixturevalue("redis_server")
-        store = RedisStore(port=port, prefix=f"t-{uuid.uuid4().hex}:")
-        client = redis.Redis(port=port)
-        client.set(store.prefix + "page", b"garbage")
-        client.close()
-        module = redis_store
+    store = _store_with_a_damaged_page(kind, tmp_path, request)
+    module = local_dir_store if kind == "disk" else redis_store
     real, crossed = module.decode_entry, []
 
     def decode(raw: bytes, key: str) -> bytes:
