@@ -50,6 +50,19 @@ def feed(body: ArrivingBytes, data: bytes, chunk: int = 2048, pause_s: float = 0
     return thread
 
 
+def start_early(data: bytes, layout: str, sampling: VideoSamplingParams, threads: int = 1,
+                **feed_kw) -> tuple[EarlyVideoDecode, ArrivingBytes, threading.Thread]:
+    """An early video decode of ``data`` in ``layout`` started once its first bytes arrived from a
+    ``feed`` sender (``feed_kw``): the decode, its body and the sender (join it to wait for the end)."""
+    body = ArrivingBytes(1 << 24, stall_s=5.0)
+    sender = feed(body, data, **feed_kw)
+    while body.received == 0:
+        time.sleep(0.001)
+    early = EarlyVideoDecode(body, layout, sampling, max_kept_bytes=1 << 26, timeout_s=30.0, threads=threads)
+    early.start()
+    return early, body, sender
+
+
 def remux(data: bytes, fmt: str, movflags: str, kind: str = "video") -> bytes:
     """The first ``kind`` stream of ``data`` copied (no re-encode) into a ``fmt`` file muxed with
     ``movflags`` (e.g. "frag_keyframe+empty_moov")."""

@@ -20,10 +20,8 @@ import pytest
 import torch
 
 from mm_pipeline.errors import MediaTooLarge, UndecodableMediaError, UnsupportedMediaType
-from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.audio import decode_audio, header_seconds
 from mm_pipeline.media.decode.budget import DecodeControl, MediaDecodeTimeout
-from mm_pipeline.media.decode.early import EarlyVideoDecode
 from mm_pipeline.media.decode.video import VideoDecoder, decode_range, probe_video
 from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
@@ -32,7 +30,7 @@ from mm_pipeline.media.ingest_config import IngestConfig, MediaLimits
 from mm_pipeline.media.sniff import sniff
 from mm_pipeline.media.types import MediaItem, MediaKind, MediaSource
 from samples.synthetic.hostile_media import measured, png_frame_mov
-from tests.support.arriving import early_chunks_match_whole, feed
+from tests.support.arriving import early_chunks_match_whole, start_early
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
 _CODEC_ID = b"V_MPEG4/ISO/ASP"
@@ -146,12 +144,7 @@ def test_an_arriving_file_is_decoded_early_from_the_probed_track() -> None:
     taken by production and equal to the whole-bytes decode (before, it tried track 0 and kept
     nothing)."""
     data = two_track_mkv(unknown=1)
-    body = ArrivingBytes(1 << 24, stall_s=5.0)
-    sender = feed(body, data, chunk=512)
-    while body.received == 0:
-        time.sleep(0.001)
-    early = EarlyVideoDecode(body, "matroska", SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0)
-    early.start()
+    early, _, sender = start_early(data, "matroska", SAMPLING, chunk=512)
     sender.join()
     assert early.join(10.0)
     item = MediaItem(MediaKind.VIDEO, "matroska", data)

@@ -11,8 +11,6 @@ the decoder thread; a cancelled decode drops its frames.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -30,7 +28,7 @@ from mm_pipeline.media.types import MediaItem, MediaKind
 from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from tests.support.arriving import (early_chunks_match_whole, early_covers_whole, feed, ingest_throttled,
-                                    layout_clips)
+                                    layout_clips, start_early)
 from tests.support.mp4_boxes import box_at, with_bigger_index, with_box_before_samples
 from samples.synthetic.hostile_media import resizing_webm, tiny_boxes_mp4
 from tests.support.media_samples import image_bytes
@@ -119,16 +117,6 @@ def test_an_index_of_megabytes_is_read_once_and_decoded_while_arriving(monkeypat
 
 
 # ---- early decode --------------------------------------------------------------------------------
-def _early(data: bytes, layout: str, **feed_kw) -> tuple[EarlyVideoDecode, ArrivingBytes, threading.Thread]:
-    body = ArrivingBytes(1 << 24, stall_s=5.0)
-    sender = feed(body, data, **feed_kw)
-    while body.received == 0:
-        time.sleep(0.001)
-    early = EarlyVideoDecode(body, layout, SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0)
-    early.start()
-    return early, body, sender
-
-
 @pytest.mark.parametrize("limit", [{}, {"max_pixels": 96 * 64 - 1}, {"max_frames": 119}, {"max_duration_s": 11.0}])
 def test_over_a_header_limit_nothing_is_decoded(clips, limit: dict) -> None:
     """A header over ``probe_video``'s limits (pixels, frames, duration: 96x64, 120 frames, 12 s
@@ -145,7 +133,7 @@ def test_over_a_header_limit_nothing_is_decoded(clips, limit: dict) -> None:
 @pytest.mark.parametrize("layout", ["index", "matroska", "fragments"])
 def test_early_frames_equal_whole_decode(clips, layout: str) -> None:
     data = clips[layout]
-    early, body, sender = _early(data, layout, pause_s=0.02)  # the decoder keeps up with the sender
+    early, body, sender = start_early(data, layout, SAMPLING, pause_s=0.02)  # the decoder keeps up with the sender
     sender.join()
     item = MediaItem(MediaKind.VIDEO, "mp4", data, early=early)
     info = probe_video(item)
@@ -166,7 +154,7 @@ def test_early_frames_equal_whole_decode(clips, layout: str) -> None:
 
 def test_body_failing_mid_way_ends_the_decoder(clips) -> None:
     data = clips["index"]
-    early, body, sender = _early(data, "index", stop_at=len(data) // 2)
+    early, body, sender = start_early(data, "index", SAMPLING, stop_at=len(data) // 2)
     sender.join()
     assert early.join(5.0) and early.ended
     stalled = ArrivingBytes(1 << 24, stall_s=0.3)

@@ -10,14 +10,12 @@ stream with B-frames (out of order from its first GOP) drops nothing and is deco
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mm_pipeline.media.arriving_bytes import ArrivingBytes
 from mm_pipeline.media.decode.early import EarlyVideoDecode
 from mm_pipeline.media.decode.early_packets import KeyframeSkip
 from mm_pipeline.media.decode.video import probe_video
@@ -25,7 +23,7 @@ from mm_pipeline.media.decode.video_chunks import chunks_for_early, plan_chunks
 from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_frames
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.throttled_http import remux_layout
-from tests.support.arriving import early_chunks_match_whole, feed
+from tests.support.arriving import early_chunks_match_whole, start_early
 from tests.support.media_samples import video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -109,12 +107,7 @@ def clips() -> dict[str, bytes]:
 
 
 def _early(data: bytes) -> tuple[EarlyVideoDecode, MediaItem]:
-    body = ArrivingBytes(1 << 24, stall_s=5.0)
-    sender = feed(body, data, pause_s=0.002)
-    while body.received == 0:
-        time.sleep(0.001)
-    early = EarlyVideoDecode(body, "index", SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0)
-    early.start()
+    early, _, sender = start_early(data, "index", SAMPLING, pause_s=0.002)
     sender.join()
     return early, MediaItem(MediaKind.VIDEO, "mp4", data, early=early)
 

@@ -6,7 +6,6 @@ named them (by pts), and every sampled frame is still kept and equals the whole-
 from __future__ import annotations
 
 import io
-import threading
 import time
 
 import av
@@ -23,7 +22,7 @@ from mm_pipeline.media.decode.video_sampling import VideoSamplingParams, sample_
 from mm_pipeline.media.sniff import open_av
 from mm_pipeline.media.types import MediaItem, MediaKind
 from samples.synthetic.throttled_http import remux_layout
-from tests.support.arriving import early_chunks_match_whole, feed
+from tests.support.arriving import early_chunks_match_whole, start_early
 from tests.support.media_samples import video_bytes
 
 SAMPLING = VideoSamplingParams(fps=2.0, min_frames=4, max_frames=64)
@@ -40,17 +39,6 @@ def clips() -> dict[tuple[str, str], bytes]:
         for layout in ("index", "matroska"):
             out[codec, layout] = remux_layout(base, layout)
     return out
-
-
-def _start(data: bytes, layout: str, threads: int = 1,
-           **feed_kw) -> tuple[EarlyVideoDecode, ArrivingBytes, threading.Thread]:
-    body = ArrivingBytes(1 << 24, stall_s=5.0)
-    sender = feed(body, data, **feed_kw)
-    while body.received == 0:
-        time.sleep(0.001)
-    early = EarlyVideoDecode(body, layout, SAMPLING, max_kept_bytes=1 << 26, timeout_s=30.0, threads=threads)
-    early.start()
-    return early, body, sender
 
 
 def _plan(item: MediaItem):
@@ -70,7 +58,7 @@ def test_predicted_frames_are_kept_while_unkept_nonreference_frames_are_dropped(
     decode, and fewer frames came out of the decoder than the video has before its last target --
     with FFmpeg's frame threads too (``threads`` 0: each packet's setting travels with it)."""
     data = clips[codec, layout]
-    early, body, sender = _start(data, layout, threads, pause_s=0.004)
+    early, body, sender = start_early(data, layout, SAMPLING, threads, pause_s=0.004)
     sender.join()
     item = MediaItem(MediaKind.VIDEO, "mp4", data, early=early)
     info, indices, chunks, tp = _plan(item)
