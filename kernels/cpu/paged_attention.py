@@ -54,7 +54,12 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 # per row where one flash call reads them once, but the flash call's fixed cost (gather, mask, a
 # padded head size) is larger up to 8 rows: demo-model shapes, plan + 3 layers per pool, 4 rows over
 # 400 keys 0.22 vs 0.35 ms full attention, 0.10 vs 0.31 ms windowed; 8 rows over 2000 keys 1.05 vs
-# 1.15 ms full (docs/speculative.md). Longer chunks keep the flash kernel
+# 1.15 ms full (docs/speculative.md). The kernel now takes a request's rows as one group that reads
+# the keys once for all of them (paged_decode.c attend_group, each row's bits unchanged): MTP at batch
+# 1 on the demo model 1.37x -> 1.64x over plain decode (speculative.py --quick, one run each). Longer
+# chunks keep the flash kernel: at 29 rows over ~1,100 keys (the pipeline benchmark's same-prefix
+# step, 8 heads of 24) the group's dot products (a horizontal sum per 4 keys, the decode rows' own
+# order, kept for their bits) lose to flash, 1.74 vs 1.14 ms at one thread, 0.99 vs 0.90 at two
 NATIVE_SHORT_ROWS = 8
 # The same for a sliding layer, whose rows each read at most W keys: up to 64 rows (a question after a
 # prefix-cache hit). CPU ms per layer, flash -> C rows, 27 rows after 393 cached tokens: W = 8, demo

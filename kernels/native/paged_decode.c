@@ -199,31 +199,51 @@ static inline void ahead_lines(Ahead *a) {
     }
 }
 
+/* acc[:dv] += p[0] v0 + p[1] v1 + p[2] v2 + p[3] v3 */
+static inline void accumulate4(const float *p, const float *v0, const float *v1, const float *v2, const float *v3,
+                               float *a, long dv) {
+    const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+    long d = 0; /* explicit vectors: a loop the compiler vectorizes itself checks a against v0-v3
+                 * for overlap on every call, which at dv = 32 costs more than the FMAs */
+    for (; d + VL <= dv; d += VL)
+        store(a + d, load(a + d) + p0 * load(v0 + d) + p1 * load(v1 + d) + p2 * load(v2 + d) + p3 * load(v3 + d));
+    for (; d < dv; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+}
+
 /* One block of n (<= BLOCK, padded to a multiple of 4 by repeating the last slot) keys for the g
- * query heads of KV head h: logits, online-softmax update of m / l / acc, acc += p V. */
+ * queries of KV head h: logits, online-softmax update of m / l / acc, acc += p V.
+ *
+ * ``lims`` (NULL: every query sees all n): query j sees the block's first lims[j] keys only (a row
+ * of a group, attend_group). It then computes exactly what it would in a block of lims[j] keys of
+ * its own -- the same logits, the same max and sum over the same keys, the keys past its end
+ * weighing 0 against the V rows a block of its own repeats (its last key's), and no 4-key step
+ * wholly past its end -- so a row's output does not depend on the rows grouped with it. */
 static void attend_block(const float *qs, long g, const float *k_cache, const float *v_cache, long hkv, long h,
-                         long dqk, long dv, const long *slots, long n, float *logits, float *acc, float *m,
-                         float *l, Ahead *ahead, Ahead *block_ahead) {
+                         long dqk, long dv, const long *slots, long n, const long *lims, float *logits, float *acc,
+                         float *m, float *l, Ahead *ahead, Ahead *block_ahead) {
     long n4 = (n + 3) / 4 * 4;
     for (long t = 0; t < n4; t += 4) { /* four K rows, every query head of the group */
         const float *k0 = k_cache + (slots[t] * hkv + h) * dqk, *k1 = k_cache + (slots[t + 1] * hkv + h) * dqk;
         const float *k2 = k_cache + (slots[t + 2] * hkv + h) * dqk, *k3 = k_cache + (slots[t + 3] * hkv + h) * dqk;
-        for (long j = 0; j < g; j++) dot4(qs + j * dqk, k0, k1, k2, k3, dqk, logits + j * BLOCK + t);
+        for (long j = 0; j < g; j++)
+            if (!lims || lims[j] > t) dot4(qs + j * dqk, k0, k1, k2, k3, dqk, logits + j * BLOCK + t);
         ahead_lines(ahead);
         ahead_lines(block_ahead);
     }
     for (long j = 0; j < g; j++) {
+        const long nj = lims ? lims[j] : n, nj4 = (nj + 3) / 4 * 4;
+        if (nj <= 0) continue; /* past this query's keys: nothing to add */
         float *s = logits + j * BLOCK;
         float mb = m[j];
 #pragma omp simd reduction(max : mb)
-        for (long t = 0; t < n; t++) mb = s[t] > mb ? s[t] : mb;
+        for (long t = 0; t < nj; t++) mb = s[t] > mb ? s[t] : mb;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (long t = 0; t < n; t++) {
+        for (long t = 0; t < nj; t++) {
             s[t] = exp_nonpositive(s[t] - mb);
             sum += s[t];
         }
-        for (long t = n; t < n4; t++) s[t] = 0.0f; /* the repeated keys weigh nothing */
+        for (long t = nj; t < nj4; t++) s[t] = 0.0f; /* the repeated keys weigh nothing */
         if (mb != m[j]) { /* a new running max: rescale what was summed under the old one */
             float alpha = exp_nonpositive(m[j] - mb); /* m = -inf (first block): 0 */
             l[j] *= alpha;
@@ -238,15 +258,15 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
         const float *v0 = v_cache + (slots[t] * hkv + h) * dv, *v1 = v_cache + (slots[t + 1] * hkv + h) * dv;
         const float *v2 = v_cache + (slots[t + 2] * hkv + h) * dv, *v3 = v_cache + (slots[t + 3] * hkv + h) * dv;
         for (long j = 0; j < g; j++) {
-            const float *p = logits + j * BLOCK + t;
-            float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-            float *a = acc + j * dv;
-            long d = 0; /* explicit vectors: a loop the compiler vectorizes itself checks a against v0-v3
-                         * for overlap on every call, which at dv = 32 costs more than the FMAs */
-            for (; d + VL <= dv; d += VL)
-                store(a + d, load(a + d) + p0 * load(v0 + d) + p1 * load(v1 + d) + p2 * load(v2 + d) +
-                                 p3 * load(v3 + d));
-            for (; d < dv; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            if (lims && lims[j] <= t) continue;
+            if (lims && lims[j] < t + 4) { /* this query's last keys: past them, its last key's row */
+                const float *rows[4] = {v0, v1, v2, v3};
+                const long e = lims[j] - 1 - t;
+                accumulate4(logits + j * BLOCK + t, rows[0], rows[1 < e ? 1 : e], rows[2 < e ? 2 : e], rows[3 < e ? 3 : e],
+                            acc + j * dv, dv);
+                continue;
+            }
+            accumulate4(logits + j * BLOCK + t, v0, v1, v2, v3, acc + j * dv, dv);
         }
         ahead_lines(ahead);
         ahead_lines(block_ahead);
@@ -305,7 +325,7 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
         }
 #endif
         for (long h = 0; h < hkv; h++)
-            attend_block(qs + h * g * dqk, g, k_cache, v_cache, hkv, h, dqk, dv, slots, n, logits,
+            attend_block(qs + h * g * dqk, g, k_cache, v_cache, hkv, h, dqk, dv, slots, n, NULL, logits,
                          acc + h * g * dv, m + h * g, l + h * g, ahead, block_ahead);
     }
     for (long j = 0; j < hq; j++) {
@@ -318,6 +338,109 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
         for (long d = 0; d < dv; d++) o[d] = a[d] * inv;
     }
     return 0;
+}
+
+/* Rows of one request sharing their first visible key (an MTP verify step's 1 + k rows, a short prefill
+ * chunk over full attention: row r has context len0 + r, keys [first, len0 + r)). Each row alone
+ * reads every key of the context again, and beside a small head that read is the cost (29 rows over
+ * ~1,100 keys, 8 heads of 24: ~1.1 MB of K/V per row); here the keys go by once, block by block, for
+ * all R x g queries of each KV head, each query masked to its own keys (attend_block's ``lims``),
+ * so every row's output is the one it computes alone, bit for bit. */
+#ifndef GROUP_MAX /* rows per group (-DGROUP_MAX=1: none, for A/B runs); attend_group's scratch is */
+#define GROUP_MAX 64 /* R x hq x (dqk + dv + 2) + R x g x BLOCK floats */
+#endif
+
+/* How many rows from i on (at most hi - i, GROUP_MAX) form a group with row i: consecutive lengths,
+ * the same first visible key (no window, or a window none of them has filled) and the same pages. */
+static long group_rows(const long *table, long table_cols, const long *seq_lens, const long *req, long i, long hi,
+                       long window, long page_size) {
+    const long len0 = seq_lens[req[i]];
+    if (window > 0 && len0 > window) return 1; /* each row's window starts on its own key */
+    const long *p0 = table + req[i] * table_cols;
+    long r = 1;
+    while (i + r < hi && r < GROUP_MAX) {
+        const long len = seq_lens[req[i + r]];
+        if (len != len0 + r || (window > 0 && len > window)) break;
+        const long *pr = table + req[i + r] * table_cols;
+        if (pr != p0 && memcmp(pr, p0, (size_t)((len - 1) / page_size + 1) * sizeof(long))) break;
+        r++;
+    }
+    return r;
+}
+
+/* The group of rows [i, i + R) (group_rows): q rows q_row[i + r], outputs as decode_range's. Returns
+ * 0, -1 out of memory, or 1 with error[0] = the first row a single-row walk would find failing and
+ * error[1] its position (the lowest released / outside page: row 0 reaches it unless it lies past
+ * row 0's keys, then the first row whose keys include it). */
+static long attend_group(const float *q, long q_stride, const long *q_row, long R, const float *k_cache,
+                         const float *v_cache, const long *pages, long page_size, long num_pages, long len0, long hq,
+                         long hkv, long dqk, long dv, const float *sinks, float scale, float *out, long out_stride,
+                         long *error) {
+    const long g = hq / hkv, G = R * g, end = len0 + R - 1; /* keys [0, end): the last row's */
+    float *scratch = malloc((size_t)(hkv * G * (dqk + dv + 2) + G * BLOCK) * sizeof(float));
+    long *lims = malloc((size_t)G * sizeof(long));
+    if (!scratch || !lims) {
+        free(scratch);
+        free(lims);
+        return -1;
+    }
+    float *qs = scratch, *acc = qs + hkv * G * dqk, *m = acc + hkv * G * dv, *l = m + hkv * G, *logits = l + hkv * G;
+    for (long h = 0; h < hkv; h++) /* KV head h's queries: row r's heads h g .. h g + g - 1 at r g + j */
+        for (long r = 0; r < R; r++)
+            for (long j = 0; j < g; j++) {
+                const float *src = q + q_row[r] * q_stride + (h * g + j) * dqk;
+                float *dst = qs + (h * G + r * g + j) * dqk;
+                for (long e = 0; e < dqk; e++) dst[e] = src[e] * scale;
+            }
+    for (long j = 0; j < hkv * G; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(hkv * G * dv) * sizeof(float));
+    long slots[BLOCK], status = 0;
+    long page_idx = 0, offset = 0;
+    for (long start = 0; start < end && !status; start += BLOCK) {
+        const long n = end - start < BLOCK ? end - start : BLOCK;
+        for (long t = 0; t < n; t++) {
+            const long page = pages[page_idx];
+            if (page < 0 || page >= num_pages) { /* position start + t: row 0's, or the first row's that has it */
+                const long pos = start + t;
+                error[0] = pos < len0 ? 0 : pos - len0 + 1;
+                error[1] = pos;
+                status = 1;
+                break;
+            }
+            slots[t] = page * page_size + offset;
+            if (++offset == page_size) {
+                offset = 0;
+                page_idx++;
+            }
+        }
+        if (status) break;
+        for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1];
+        for (long r = 0; r < R; r++) {
+            const long seen = len0 + r - start, lim = seen < n ? (seen > 0 ? seen : 0) : n;
+            for (long j = 0; j < g; j++) lims[r * g + j] = lim;
+        }
+        for (long h = 0; h < hkv; h++)
+            attend_block(qs + h * G * dqk, G, k_cache, v_cache, hkv, h, dqk, dv, slots, n, lims, logits,
+                         acc + h * G * dv, m + h * G, l + h * G, NULL, NULL);
+    }
+    for (long h = 0; h < hkv && !status; h++) /* as attend_request's end, per row */
+        for (long r = 0; r < R; r++)
+            for (long j = 0; j < g; j++) {
+                const long x = h * G + r * g + j, head = h * g + j;
+                float denom = l[x];
+                if (sinks) denom += expf(sinks[head] - m[x]);
+                float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+                float *o = out + q_row[r] * out_stride + head * dv;
+                const float *a = acc + x * dv;
+#pragma omp simd
+                for (long d = 0; d < dv; d++) o[d] = a[d] * inv;
+            }
+    free(scratch);
+    free(lims);
+    return status;
 }
 
 /* Rows [lo, hi) of paged_decode_attention, one after the other with their own scratch (the
@@ -335,6 +458,28 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
     long status = 0;
     int whole = 0; /* this request's K/V asked for whole while the one before computed */
     for (long i = lo; i < hi; i++) {
+        const long r = group_rows(table, table_cols, seq_lens, req, i, hi, window, page_size);
+        if (r > 1) {
+            if (i + r < hi) { /* the next row's first keys while the group computes */
+                const long nlen = seq_lens[req[i + r]], nfirst = window > 0 && nlen > window ? nlen - window : 0;
+                prefetch_positions(k_cache, v_cache, table + req[i + r] * table_cols, page_size, num_pages, nfirst,
+                                   nfirst + BLOCK < nlen ? nfirst + BLOCK : nlen, hkv * dqk, hkv * dv);
+            }
+            long e[2] = {0, 0};
+            long st = attend_group(q, q_stride, q_row + i, r, k_cache, v_cache, table + req[i] * table_cols, page_size,
+                                   num_pages, seq_lens[req[i]], hq, hkv, dqk, dv, sinks, scale, out, out_stride, e);
+            if (st) {
+                status = st;
+                if (st > 0) {
+                    error[0] = i + e[0];
+                    error[1] = e[1];
+                }
+                break;
+            }
+            whole = 0;
+            i += r - 1;
+            continue;
+        }
         long len = seq_lens[req[i]];
         long first = window > 0 && len > window ? len - window : 0;
         const long *pages = table + req[i] * table_cols;
@@ -388,15 +533,17 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
  * context is longer than the block table's row (error[0] = row i, error[1] = position; nothing
  * further is read); -1 when the scratch memory cannot be allocated.
  * Built with OpenMP (the runtime torch loaded: kernels/native/build.py), a call of at least
- * PARALLEL_ROWS rows on a thread whose OpenMP count is above one (the engine thread's wide prefill
- * step) splits the rows into one contiguous range per team thread: every row is computed exactly
- * as alone, so the output is the same bit for bit; a failing row reported is the lowest of the
- * ranges' first failures. */
+ * PARALLEL_ROWS rows, or of at least SPLIT_MACS multiply-adds (team.h), on a thread whose OpenMP
+ * count is above one (the engine thread's wide step) splits the rows into one contiguous range per
+ * team thread: every row is computed exactly as alone, so the output is the same bit for bit; a
+ * failing row reported is the lowest of the ranges' first failures. Rows of one request that share
+ * their keys go as one group (attend_group), within a range. */
 long paged_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
                             long num_slots, const long *table, long table_cols, const long *seq_lens,
                             const long *req, const long *q_row, long num_rows, const float *sinks, float *out,
                             long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
                             float scale, long *error) {
+    long keys = 0; /* visible keys summed over the rows: the call's work */
     for (long i = 0; i < num_rows; i++) { /* every length first: the prefetches below trust them */
         long len = seq_lens[req[i]];
         if (len > table_cols * page_size) {
@@ -404,9 +551,10 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
             error[1] = len - 1;
             return 2;
         }
+        keys += window > 0 && len > window ? window : len;
     }
 #ifdef _OPENMP
-    if (split_on_team(num_rows)) {
+    if (split_on_team(num_rows) || split_work_on_team(keys * hq * (dqk + dv))) {
         long status = 0, bad_row = num_rows, bad_pos = 0;
 #pragma omp parallel
         {

@@ -263,3 +263,100 @@ def test_a_wide_thread_splits_the_rows_with_the_same_bits(rows, window, seed):
     (one, err1), (two, err2) = on(1), on(2)
     assert torch.equal(one, two)
     assert err1 is not None and err1 == err2
+
+
+# ---- rows of one request as a group (attend_group) --------------------------------------------------------------
+
+_BUILD = paged_decode._lib  # the builder itself (the width fixture patches _lib with its flags bound)
+
+
+def _ungrouped_lib(width):
+    """The kernel built with no groups (-DGROUP_MAX=1), at the test's vector width: every row walks
+    its keys alone."""
+    lanes = ("-DPAGED_DECODE_VL8",) if width == "8 lanes" else ()
+    lib = _BUILD(paged_decode.FLAGS + paged_decode.openmp_flags() + lanes + ("-DGROUP_MAX=1",))
+    assert lib is not None and lib is not paged_decode._lib()  # really two builds
+    return lib
+
+
+def _rows_plan(table, qsl, lens, page, window):
+    """Every row of every request a kernel row with its own causal length: what AttentionPlan.build
+    makes of short multi-token requests (an MTP verify step, a question after a prefix hit)."""
+    requests, row_lens = [], []
+    bounds = qsl.tolist()
+    for b, n in enumerate(lens.tolist()):
+        rows = bounds[b + 1] - bounds[b]
+        requests += [b] * rows
+        row_lens += range(n - rows + 1, n + 1)
+    return paged_decode.DecodeRows.build(table.index_select(0, torch.tensor(requests)), torch.tensor(row_lens),
+                                         list(range(len(requests))), list(range(len(requests))),
+                                         num_tokens=len(requests), page_size=page, window=window)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=KEEP_FIXTURE)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 120)), min_size=1, max_size=4),
+       st.sampled_from([(4, 4), (4, 2), (6, 1), (8, 8)]), st.sampled_from([(8, 6), (24, 16), (3, 5)]),
+       st.sampled_from([1, 4, 16]), st.one_of(st.none(), st.integers(1, 200)), st.booleans(), st.integers(0, 10_000))
+def test_rows_of_one_request_go_as_a_group_with_the_bits_of_each_row_alone(width, reqs, heads, dims, page, window,
+                                                                          sinks, seed):
+    """Rows of one request sharing their first key (no window, or a window none of them has filled)
+    read the keys once for all of them, each query masked to its own keys: the output is the
+    ungrouped build's bit for bit, decode rows of other requests beside them, and the reference's."""
+    new_counts = [n for n, _ in reqs]
+    ctx_lens = [n + extra for n, extra in reqs]
+    q, k, v, table, qsl, lens = pool(seed, new_counts, ctx_lens, heads[0], heads[1], dims, page, window, True)
+    rows = _rows_plan(table, qsl, lens, page, window)
+    s = torch.randn(heads[0]) * 2 if sinks else None
+    grouped = paged_decode.decode_attention(q, k, v, rows, scale=0.3, sinks=s)
+    lib = _ungrouped_lib(width)
+    with mock.patch.object(paged_decode, "_lib", lambda flags=None: lib):
+        alone = paged_decode.decode_attention(q, k, v, rows, scale=0.3, sinks=s)
+    assert grouped is not None and alone is not None
+    assert torch.equal(grouped, alone)
+    ref = paged_attention_ref(q, k, v, table, qsl, lens, page_size=page, scale=0.3, window=window, sinks=s)
+    torch.testing.assert_close(grouped, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("broken_at", [3, 21, 26])
+def test_a_group_reports_the_row_a_single_row_walk_fails_on_first(width, broken_at):
+    """A released page under a group: the error names the row (request) and position the ungrouped
+    walk names -- row 0 at the lowest bad position when row 0 sees it, else the first row whose keys
+    reach it (the group's newest page is seen by its later rows only)."""
+    q, k, v, table, qsl, lens = pool(4, [1, 9], [30, 28], 4, 2, (8, 6), 4, None, False)
+    broken = table.clone()
+    broken[1, broken_at // 4] = -1
+    rows = _rows_plan(broken, qsl, lens, 4, None)
+    lib = _ungrouped_lib(width)
+    errors = []
+    for use in (paged_decode._lib(), lib):
+        with mock.patch.object(paged_decode, "_lib", lambda flags=None, use=use: use):
+            with pytest.raises(RuntimeError, match="whose page was released") as err:
+                paged_decode.decode_attention(q, k, v, rows, scale=0.3, sinks=None)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(9, 40), st.integers(300, 1200), st.integers(0, 10_000))
+def test_a_short_call_with_enough_work_splits_on_a_wide_thread_with_the_same_bits(rows, ctx, seed):
+    """Fewer rows than PARALLEL_ROWS whose keys make enough work (team.h SPLIT_MACS: a question after a
+    prefix-cache hit over a long full-attention context) split among a wide thread's team: the
+    one-thread output bit for bit."""
+    q, k, v, table, qsl, lens = pool(seed, [rows, 1], [ctx + rows, 50], 8, 8, (24, 16), 16, None, False)
+    plan = _rows_plan(table, qsl, lens, 16, None)
+    sinks = torch.randn(8)
+
+    def run():
+        return paged_decode.decode_attention(q, k, v, plan, scale=0.2, sinks=sinks)
+
+    assert torch.equal(on_threads(1, run), on_threads(2, run))
+
+
+def test_decode_rows_of_other_requests_with_consecutive_lengths_never_group(width):
+    """Three one-row requests of lengths 20, 21, 22 look like one request's rows but read other pages:
+    each attends over its own keys."""
+    q, k, v, table, qsl, lens = pool(9, [1, 1, 1], [20, 21, 22], 4, 2, (8, 6), 4, None, False)
+    rows = _rows_plan(table, qsl, lens, 4, None)
+    got = paged_decode.decode_attention(q, k, v, rows, scale=0.3, sinks=None)
+    ref = paged_attention_ref(q, k, v, table, qsl, lens, page_size=4, scale=0.3)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
