@@ -1,4 +1,4 @@
-"""The repeat request's prefill step at one intra-op thread and at all of them, alternating.
+"""The repeat and same-prefix requests' prefill steps at one intra-op thread and at all of them, alternating.
 
     .venv/bin/python benchmarks/repeat_step.py --quick --json /tmp/repeat_step.json
 
@@ -9,6 +9,9 @@ about. This script builds the same model, sends the same cold and repeat request
 engine, then runs the repeat request's step again in place (same entries, same KV slots: the step
 rewrites the values it wrote) at 1 and at N threads in turn, and reports per count the median wall,
 the engine thread's CPU and the process's CPU over the wall (cores used), with the load average.
+Then the same for the step of a same-prefix request (``pipeline.py``'s ``same_prefix_ttft_ratio``:
+the same video and question with another ending, ~30 rows after the prefix-cache hit), whose C
+kernels split on the team by their work (kernels/native/team.h ``split_work_on_team``).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from _bench_omni import ask, build_model, data_part, engine_config, ttft
 
 
 def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
-    """Run the repeat request through a fresh engine; during its step (on the engine thread, while
-    the request still holds its pages) run that step again ``pairs`` times per thread count."""
-    found: dict[str, object] = {}
+    """Run the repeat request, then a same-prefix request, through a fresh engine; during each one's
+    step (on the engine thread, while the request still holds its pages) run that step again
+    ``pairs`` times per thread count."""
+    found: dict[str, dict] = {}
+    wanted: list[str] = []
     run = ModelRunner.run
 
-    def alternate(self, entries, kv) -> None:
+    def alternate(self, entries, kv) -> dict:
         base = torch.get_num_threads()
         times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in threads}
         policy, self.before_step = self.before_step, None  # the counts below, not the engine's per-step choice
@@ -51,12 +56,12 @@ def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
         finally:
             set_local_threads(base)
             self.before_step = policy
-        found.update(times=times, rows=sum(e.num_new_tokens for e in entries))
+        return {"times": times, "rows": sum(e.num_new_tokens for e in entries)}
 
-    def measured(self, entries, kv):  # the repeat's one step: the only step after the cold request
+    def measured(self, entries, kv):  # the request's one step: the only step after the one before
         out = run(self, entries, kv)
-        if found.pop("wanted", False):
-            alternate(self, entries, kv)
+        if wanted:
+            found[wanted.pop()] = alternate(self, entries, kv)
         return out
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,20 +72,24 @@ def rerun_step(threads: tuple[int, ...], pairs: int) -> dict[str, float]:
         try:
             part = data_part("video", make_video(12, **HD, seed=200))
             asyncio.run(ttft(engine, ask(part, "Describe the video in detail.")))
-            found["wanted"] = True
+            wanted.append("repeat")
             asyncio.run(ttft(engine, [{"role": "user", "content": [
                 {"type": "text", "text": "Question 0: how many squares are there?"}, part]}]))
+            wanted.append("same_prefix")  # diverges after "detail", as pipeline.py's first same-prefix request
+            asyncio.run(ttft(engine, ask(part, "Describe the video in detail! Keep it brief.")))
         finally:
             ModelRunner.run = run
             engine.shutdown()
-    if "times" not in found:
-        raise RuntimeError("the repeat request ran no model step")
-    out = {"step_rows": float(found["rows"]), "load_start": load0, "load_end": os.getloadavg()[0],
-           "pairs": float(pairs)}
-    for n, t in found["times"].items():
-        wall, cpu, proc = (statistics.median(x[i] for x in t[1:]) for i in range(3))
-        out.update({f"threads_{n}_wall_ms": wall * 1e3, f"threads_{n}_thread_cpu_ms": cpu * 1e3,
-                    f"threads_{n}_cores": proc / wall})
+    if set(found) != {"repeat", "same_prefix"}:
+        raise RuntimeError(f"the requests ran no model step ({sorted(found)} measured)")
+    out = {"load_start": load0, "load_end": os.getloadavg()[0], "pairs": float(pairs)}
+    for name, got in found.items():
+        prefix = "" if name == "repeat" else "same_prefix_"
+        out[f"{prefix}step_rows"] = float(got["rows"])
+        for n, t in got["times"].items():
+            wall, cpu, proc = (statistics.median(x[i] for x in t[1:]) for i in range(3))
+            out.update({f"{prefix}threads_{n}_wall_ms": wall * 1e3, f"{prefix}threads_{n}_thread_cpu_ms": cpu * 1e3,
+                        f"{prefix}threads_{n}_cores": proc / wall})
     return out
 
 
@@ -94,11 +103,12 @@ def main() -> None:
         parser.error("--threads must be >= 1")
     threads = (1,) if n == 1 else (1, n)
     res = rerun_step(threads, pairs=10 if args.quick else 30)
-    print_table(f"repeat request's step ({res['step_rows']:.0f} rows), medians of {res['pairs']:.0f} alternating "
-                f"runs, load {res['load_start']:.2f} -> {res['load_end']:.2f}",
-                ["intra-op threads", "wall ms", "engine thread CPU ms", "cores used"],
-                [(t, res[f"threads_{t}_wall_ms"], res[f"threads_{t}_thread_cpu_ms"], res[f"threads_{t}_cores"])
-                 for t in threads])
+    for prefix, what in (("", "repeat request's step"), ("same_prefix_", "same-prefix request's step")):
+        print_table(f"{what} ({res[prefix + 'step_rows']:.0f} rows), medians of {res['pairs']:.0f} alternating "
+                    f"runs, load {res['load_start']:.2f} -> {res['load_end']:.2f}",
+                    ["intra-op threads", "wall ms", "engine thread CPU ms", "cores used"],
+                    [(t, res[f"{prefix}threads_{t}_wall_ms"], res[f"{prefix}threads_{t}_thread_cpu_ms"],
+                      res[f"{prefix}threads_{t}_cores"]) for t in threads])
     write_json(args.json, res)
 
 

@@ -157,7 +157,7 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, 
     free(fill);
 
     int rc = 0;
-    if (split_on_team(T) && R * H * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
+    if ((split_on_team(T) || split_work_on_team(R * 3 * I * H)) && R * H * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
         rc = experts_split(x, T, H, I, E, K, w_gate_up, w_down, topk_w, topk_ids, start, order, out);
     } else {
         /* one work item's scratch (as a split call's thread has): its rows' x transposed [H][m],

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
+
 /* c + x * b with one rounding where the CPU has a fused multiply-add, as the register tiles compute
  * it (their FMA instructions), so the stream and the tiles agree bit for bit. The kernels build with
  * -ffp-contract=fast, which fuses ``c + x * b`` too; fmaf keeps the agreement without that flag
@@ -201,12 +203,12 @@ static void tile_full(int64_t kdim, const float *a, int64_t lda, const float *b,
 }
 
 static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
-                       int64_t ldc) {
-    for (int64_t j0 = 0; j0 < n; j0 += 64) {
-        const int64_t cols = n - j0 < 64 ? n - j0 : 64;
+                       int64_t ldc, int64_t j_lo, int64_t j_hi) {
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += 64) {
+        const int64_t cols = j_hi - j0 < 64 ? j_hi - j0 : 64;
         const int64_t nv = (cols + 15) / 16;
         const __mmask16 last = (__mmask16)((1u << (cols - 16 * (nv - 1))) - 1u);
-        const float *next = j0 + 64 < n ? b + j0 + 64 : NULL;
+        const float *next = j0 + 64 < j_hi ? b + j0 + 64 : NULL;
         for (int64_t r0 = 0, t = 0; r0 < m; r0 += TILE_MR, t++) {
             const int64_t mr = m - r0 < TILE_MR ? m - r0 : TILE_MR;
             const int64_t pf = r0 == 0 ? TILE_PF : 0; /* the first rows' walk brings the stripe in */
@@ -300,9 +302,9 @@ static void tile_cols(int64_t mr, int64_t cols, int64_t kdim, const float *a, in
 }
 
 static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
-                       int64_t ldc) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t cols = n - j0 < 16 ? n - j0 : 16;
+                       int64_t ldc, int64_t j_lo, int64_t j_hi) {
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += 16) {
+        const int64_t cols = j_hi - j0 < 16 ? j_hi - j0 : 16;
         for (int64_t r0 = 0; r0 < m; r0 += TILE_MR) {
             const int64_t mr = m - r0 < TILE_MR ? m - r0 : TILE_MR;
             const int64_t pf = r0 == 0 && j0 % 64 == 0 ? TILE_PF : 0; /* the first rows' walk brings the group in */
@@ -313,8 +315,10 @@ static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64
 }
 #else
 #define STREAM_ROWS 4
+#define NO_TILES 1
 static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c,
-                       int64_t ldc) {
+                       int64_t ldc, int64_t j_lo, int64_t j_hi) {
+    (void)j_lo, (void)j_hi; /* never split: called with the whole width */
     if (ldc == n) {
         gemm_small_m(m, n, kdim, a, lda, b, c);
         return;
@@ -328,10 +332,29 @@ static void gemm_tiles(int64_t m, int64_t n, int64_t kdim, const float *a, int64
  * multiply-adds), so the switch cannot change a row's result. Up to STREAM_ROWS rows the stream
  * serves whatever n is. AVX-512 tiles, measured from memory (C harness, one thread, 256 KB weights
  * cycled through 64 MB, n = 256): m = 4: 20 vs 51 us, 8: 22 vs 36, 16: 42 vs 51, 24: 53 vs 52, 32:
- * 68 vs 63; n = 384, m = 32: 178 vs 95. */
+ * 68 vs 63; n = 384, m = 32: 178 vs 95.
+ *
+ * On a wide thread a call with enough work (team.h split_work_on_team) splits the tiles' 64-column
+ * groups among the team: each output column is computed by one thread exactly as the serial walk
+ * computes it, so the bits do not change; the stream (a few rows) stays serial. */
 static void gemm_rows(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t lda, const float *b, float *c) {
-    if (m <= STREAM_ROWS || m * n <= 4096) gemm_small_m(m, n, kdim, a, lda, b, c);
-    else gemm_tiles(m, n, kdim, a, lda, b, c, n);
+    if (m <= STREAM_ROWS || m * n <= 4096) {
+        gemm_small_m(m, n, kdim, a, lda, b, c);
+        return;
+    }
+#if defined(_OPENMP) && !defined(NO_TILES)
+    if (split_work_on_team(m * n * kdim)) {
+        const int64_t groups = (n + 63) / 64;
+#pragma omp parallel
+        {
+            const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t lo = groups * me / nt * 64, hi0 = groups * (me + 1) / nt * 64, hi = hi0 < n ? hi0 : n;
+            if (lo < hi) gemm_tiles(m, n, kdim, a, lda, b, c, n, lo, hi);
+        }
+        return;
+    }
+#endif
+    gemm_tiles(m, n, kdim, a, lda, b, c, n, 0, n);
 }
 
 #endif

@@ -130,7 +130,7 @@ class OmniEngineConfig:
     encoder_threads: int | str | None = "auto"
     """CPU intra-op threads of the encoder worker: auto (one per lane beside a CPU LLM with llm_threads auto, whose engine thread owns the process's one wide OpenMP team; otherwise measured at start: 1 or every CPU, whichever runs a frame group through the vision tower faster), N (with llm_threads auto the engine thread keeps the rest), 0 (the CPUs the busy decode workers leave, re-read per batch) or none (torch's setting)."""
     llm_threads: int | str | None = "auto"
-    """CPU intra-op threads of the engine thread (LLM steps): auto (measured at start: 1 or every CPU, whichever runs a prefill probe faster; the winner runs steps of 128 rows or more while no decode worker, encoder lane or other process holds a core, other steps run at 1), N (every step), or none (torch's setting)."""
+    """CPU intra-op threads of the engine thread (LLM steps): auto (measured at start: 1 or every CPU, whichever runs a prefill probe faster; the winner runs steps of 16 rows or more while no decode worker, encoder lane or other process holds a core, other steps run at 1), N (every step), or none (torch's setting)."""
     encoder_lanes: int = 2
     """Encoder worker threads running batches side by side on a CPU encoder, each taking its share of the queue, lanes beyond the first only while the decode workers leave them a CPU; the encoder's intra-op share (encoder_threads; auto: measured on the first lane) is divided among them: the frame groups left when decoding ends encode on every core at once (1: one encoder thread; a CUDA encoder has one, its own stream)."""
     warm_up: bool = True

@@ -257,3 +257,33 @@ def test_a_wide_thread_splits_a_long_glue_call_with_the_same_bits(t, with_delta,
 
     for one, two in zip(on_threads(1, glue), on_threads(2, glue)):
         assert torch.equal(one.nan_to_num(), two.nan_to_num()) and torch.equal(one.isnan(), two.isnan())
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(9, 64), st.sampled_from([(256, 8, 8, 24, 16, 512), (200, 4, 2, 36, 20, 333)]),
+       st.integers(0, 10_000))
+def test_a_wide_thread_splits_a_short_call_by_columns_with_the_same_bits(t, shape, seed):
+    """A short step's projections (fewer rows than PARALLEL_ROWS, at least SPLIT_MACS multiply-adds) on a
+    thread at 2 intra-op threads: each team thread takes whole 64-column groups of the output
+    (small_gemm.h gemm_rows), a width that is not a multiple of 64 included, so every output is the
+    one-thread call's bit for bit (and torch's to rounding)."""
+    hidden, hq, hkv, d, dv, inter = shape
+    rot = d // 2
+    x, nw, w, cos, sin, slots = front_case(t, hidden, hq, hkv, d, dv, rot, seed=seed, slots_pool=128)
+    g = torch.Generator().manual_seed(seed + 1)
+    wo = ops.linear_weight_layout(torch.randn(hidden, hq * dv, generator=g) * (hq * dv) ** -0.5)
+    attn = torch.randn(t, hq * dv, generator=g)
+    wg, wu = (ops.linear_weight_layout(torch.randn(inter, hidden, generator=g) * hidden**-0.5) for _ in range(2))
+    wd = ops.linear_weight_layout(torch.randn(hidden, inter, generator=g) * inter**-0.5)
+
+    def calls():
+        pools = (torch.zeros(128, hkv, d), torch.zeros(128, hkv, dv))
+        q = attention_front(x, nw, 1e-6, w, num_heads=hq, num_kv_heads=hkv, head_dim=d, v_head_dim=dv, cos=cos,
+                            signed_sin=sin, value_scale=0.5, k_cache=pools[0], v_cache=pools[1], slots=slots)
+        return (q, *pools, *attention_out(attn, wo, x, nw, 1e-6), dense_mlp(x, wg, wu, wd, residual=x))
+
+    one, two = on_threads(1, calls), on_threads(2, calls)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(one[-1], x + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd),
+                               rtol=1e-4, atol=1e-4)

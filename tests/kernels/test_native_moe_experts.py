@@ -138,3 +138,20 @@ def test_a_wide_thread_splits_a_long_call_with_the_same_bits(tokens, experts, sk
     assert (routed_one is None) == (routed_two is None)
     if routed_one is not None:
         assert torch.equal(routed_one, routed_two)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 63), st.sampled_from([(8, 2), (16, 4)]), st.floats(0.0, 3.0), st.integers(0, 10_000))
+def test_a_short_call_with_enough_work_splits_on_a_wide_thread_with_the_same_bits(tokens, experts, skew, seed):
+    """Fewer tokens than PARALLEL_ROWS whose experts' work reaches team.h's SPLIT_MACS (a question after a
+    prefix-cache hit: ~30 tokens, hidden 256) split among a wide thread's team as a long call does: one
+    thread's output bit for bit."""
+    num_experts, top_k = experts
+    x, w_gate_up, w_down, weights, ids = case(tokens, 256, 128, num_experts, top_k, seed=seed, skew=skew)
+
+    def run():
+        return moe_experts(x, w_gate_up, w_down, weights, ids)
+
+    one, two = on_threads(1, run), on_threads(2, run)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, experts_ref(x, w_gate_up, w_down, weights, ids), rtol=1e-4, atol=1e-4)

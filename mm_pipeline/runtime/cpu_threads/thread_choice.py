@@ -55,9 +55,14 @@ ROUNDS = 4  # timed runs per count at most (each after an untimed one at the sam
 BUDGET_S = 0.5  # ... or fewer once a probe has taken this long (at least one round)
 BARRIER_TIMEOUT_S = 30.0  # how long a probe waits for the others to start their teams
 PROBE_ROWS = 256  # the LLM probe's prompt: one streamed prefill step (stream_min_tokens' default)
-# A step of fewer rows runs at one thread: a decode batch's ops are too small for a barrier per op
-# to pay (the probe's 256 rows gained 1.3-1.5x at 2 threads; a 32-row decode step loses).
-WIDE_MIN_ROWS = 128
+# A step of fewer rows runs at one thread: a decode batch of a few requests is too small for a
+# barrier per op to pay. From 16 rows the C kernels split by their work (kernels/native/team.h
+# split_work_on_team), so a short prefill -- the ~30 rows of a question after a prefix-cache hit --
+# uses both cores: that step 4.86 -> 3.88 ms on the 2-core host (benchmarks/repeat_step.py); decode
+# at batch 16 is unchanged (2,052 vs 2,021 tok/s, text_throughput.py --quick at 1 vs 2 threads) and
+# batch 32 gains (2,812 -> 3,746). (128 before the kernels split short calls: their torch ops alone
+# did not pay for a team.)
+WIDE_MIN_ROWS = 16
 # The engine thread's warm-up step (EngineLoop.warm_up_rows): max_num_batched_tokens rows, at most
 # this many -- a streamed prefill step's and a cached-media repeat's size; a 2048-row scratch step
 # took ~0.5 s of every start of a tiny test model, for steps that long prompts alone reach.

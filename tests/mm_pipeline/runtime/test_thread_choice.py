@@ -202,6 +202,18 @@ def test_a_long_step_on_free_cores_gets_the_team_and_anything_else_one_thread():
         StepThreads(0, lambda: 0)
 
 
+def test_by_default_a_short_prefill_step_on_free_cores_gets_the_team_a_small_decode_step_one_thread():
+    """The default row limit (WIDE_MIN_ROWS): the ~30 rows of a question after a prefix-cache hit run on
+    the team (its C kernels split by their work: kernels/native/team.h); a decode step of a few
+    requests stays at one thread, whose ops are too small for a barrier each."""
+    from mm_pipeline.runtime.cpu_threads.thread_choice import WIDE_MIN_ROWS, StepThreads
+
+    steps = StepThreads(2, lambda: 0, FakeHostCpu(0.0))
+    steps.wide = 2
+    assert steps.min_rows == WIDE_MIN_ROWS == 16
+    assert steps(29) == 2 and steps(16) == 2 and steps(8) == 1 and steps(15) == 1
+
+
 def test_run_on_thread_returns_raises_and_its_team_ends_with_it():
     import os
 
