@@ -287,8 +287,10 @@ def _attend(q, k, v, mask, *, scale, sinks):
     dv = v.shape[-1]
     d = q.shape[-1]
     if dv != d:  # the flash kernel wants one head size: zero columns change neither q.k nor p@v
+        # (only the narrower tensors: a pad of nothing is still a copy, ~1 MB of gathered keys over a
+        # long context)
         width = max(d, dv)
-        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     if _FLASH is not None:
         out, lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask is None,
                           attn_mask=mask, scale=scale)
