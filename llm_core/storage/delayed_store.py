@@ -28,6 +28,9 @@ class DelayedStore(KeyValueStore):
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)
 
+    def delete_unless_changed(self, key: str, value: bytes) -> bool:
+        return self.inner.delete_unless_changed(key, value)
+
     def touch(self, keys: list[str]) -> int:
         return self.inner.touch(keys)
 

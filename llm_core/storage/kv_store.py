@@ -39,6 +39,14 @@ class KeyValueStore(ABC):
     def delete(self, key: str) -> bool:
         """Remove ``key``; ``True`` when something was removed."""
 
+    @abstractmethod
+    def delete_unless_changed(self, key: str, value: bytes) -> bool:
+        """Remove ``key`` only while it still holds ``value`` (what a ``get`` of it just returned);
+        ``True`` when it was removed. A reader that finds a value it cannot use (an L3 page of
+        another model) removes it so that the next save replaces it; a put may land between that
+        read and the removal (this process's writer, another process sharing the store), and
+        removing by name would then drop the new, good value."""
+
     def touch(self, keys: list[str]) -> int:
         """Refresh the recency (and any expiry) of every key in one batched call, so the store
         ages them out last; returns how many exist. This default reads each value back; stores

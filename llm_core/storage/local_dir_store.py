@@ -144,6 +144,33 @@ class LocalDirStore(KeyValueStore):
         self._check_key(key)
         return self._remove(self._path(key))
 
+    def delete_unless_changed(self, key: str, value: bytes) -> bool:
+        """The file is read, compared and, while ``_path(key)`` still names that file (its inode),
+        removed under this process's rename lock: a put's rename in between keeps the new entry. A
+        process sharing the directory could still land between the check and the unlink: rare, and
+        its entry is lost from L3, never served wrong."""
+        self._check_key(key)
+        path = self._path(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            self._forget(path)
+            return False
+        except OSError:
+            self._count("errors")
+            return False
+        with f:  # held open until the removal: the file's inode cannot be reused meanwhile
+            try:
+                now = decode_entry(f.read(), key)
+            except CorruptEntry:
+                now = None
+            except OSError:
+                self._count("errors")
+                return False
+            if now != value:
+                return False
+            return not self._remove_unless_replaced(path, os.fstat(f.fileno()))
+
     @property
     def nbytes(self) -> int:
         with self._lock:

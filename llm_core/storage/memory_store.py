@@ -82,6 +82,16 @@ class MemoryStore(KeyValueStore):
                 self._bytes -= len(old)
         return old is not None
 
+    def delete_unless_changed(self, key: str, value: bytes) -> bool:
+        self._check_key(key)
+        with self._lock:
+            old = self._items.get(key)
+            if old is None or old != value:
+                return False
+            del self._items[key]
+            self._bytes -= len(old)
+        return True
+
     def keys(self) -> list[str]:
         """Keys from least to most recently used."""
         with self._lock:

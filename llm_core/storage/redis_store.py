@@ -242,6 +242,31 @@ class RedisStore(KeyValueStore):
         self._check_key(key)
         return bool(self._call(lambda c: c.delete(self.prefix + key)))
 
+    def delete_unless_changed(self, key: str, value: bytes) -> bool:
+        """Under ``WATCH``: the key is deleted only if it still holds ``value`` and nothing writes it
+        between the check and the delete."""
+        self._check_key(key)
+        name = self.prefix + key
+
+        def run(c: redis.Redis) -> bool:
+            with c.pipeline() as pipe:
+                try:
+                    pipe.watch(name)
+                    raw = pipe.get(name)
+                    try:
+                        now = None if raw is None else decode_entry(raw, key)
+                    except CorruptEntry:
+                        now = None
+                    if now != value:
+                        return False
+                    pipe.multi()
+                    pipe.delete(name)
+                    return bool(pipe.execute()[0])
+                except redis.WatchError:  # written meanwhile: that value stands
+                    return False
+
+        return bool(self._call(run))
+
     @property
     def available(self) -> bool:
         """False while backing off after failing to reach Redis (a command error does not count)."""

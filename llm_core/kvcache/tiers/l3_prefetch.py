@@ -177,7 +177,9 @@ class L3Prefetcher:
                     raw = self.store.get(store_key(h))
                     page = self.decode(raw) if raw is not None else None
                     if raw is not None and page is None:  # whole for the store, not a page of this model
-                        self.store.delete(store_key(h))  # so the page's next save replaces it
+                        # removed so that the page's next save replaces it -- unless a save already did
+                        # since the read (this process's writer, another process): that one stays
+                        self.store.delete_unless_changed(store_key(h), raw)
                         with self._count_lock:
                             self.counters["l3_rejected"] += 1
                     job.pages[h] = page

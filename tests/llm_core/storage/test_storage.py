@@ -83,6 +83,18 @@ def test_store_round_trip_overwrite_delete(store: KeyValueStore) -> None:
     assert store.stats["hits"] == 3
 
 
+def test_delete_unless_changed_removes_only_the_value_read(store: KeyValueStore) -> None:
+    """The value a get returned is removed; a value put since (or a missing key) stays as it is."""
+    assert store.put("k", b"read")
+    assert store.delete_unless_changed("k", b"read") and store.get("k") is None
+    assert not store.delete_unless_changed("k", b"read")  # gone: nothing to remove
+    assert store.put("k", b"read") and store.put("k", b"saved since")
+    assert not store.delete_unless_changed("k", b"read")
+    assert store.get("k") == b"saved since"
+    with pytest.raises(ValueError):
+        store.delete_unless_changed("", b"x")
+
+
 def test_store_rejects_bad_keys_and_values(store: KeyValueStore) -> None:
     with pytest.raises(ValueError, match="key"):
         store.get("")

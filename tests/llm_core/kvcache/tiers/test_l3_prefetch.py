@@ -223,6 +223,31 @@ def test_a_value_that_is_no_page_is_removed_so_the_next_save_replaces_it():
     assert prefetcher.counters["l3_rejected"] == 1 and store.get(store_key(h)) is None
     prefetcher.stop()
 
+def test_a_save_landing_after_the_read_of_a_value_that_is_no_page_is_kept():
+    """The fetch reads a value that is no page of this model; before it removes it, the page's save
+    lands (this process's writer, or another process sharing L3). The removal spares that save:
+    removing by name dropped the good page, lost from L3 although its writer counted it written."""
+    h = _pages(1, b"x")[0]
+    good = b"page" * 8
+
+    class SaveAfterRead(MemoryStore):
+        def get(self, key: str) -> bytes | None:
+            value = super().get(key)
+            if value == b"no page":
+                self.put(key, good)  # the save, between the fetch's read and its verdict
+            return value
+
+    store = SaveAfterRead(1 << 20)
+    store.put(store_key(h), b"no page")
+    prefetcher = L3Prefetcher(store, lambda raw: raw if raw == good else None, timeout_s=30.0, num_threads=1)
+    request = _Request()
+    prefetcher.start(request, [(h, True)])
+    prefetcher._jobs[request].done.wait(10)
+    assert prefetcher.counters["l3_rejected"] == 1
+    assert store.get(store_key(h)) == good
+    prefetcher.stop()
+
+
 # ---- a page saved without its SWA row never replaces one stored with it --------------------------
 def test_a_page_saved_without_its_swa_row_keeps_the_stored_one_with_it(model, tmp_path):
     """Engine A serves X and stores X's last window with SWA rows. Engine B serves X + more (it did
