@@ -217,7 +217,10 @@ class RemoteEngine:
         its last snapshot a while (replica_snapshots.py). None answering fails the refresh: a
         ``TimeoutError`` naming the silent replicas, else the first error."""
         started = time.monotonic()
-        tally = await gather_answers(self.handle.broadcast("replica_stats"), STATS_TIMEOUT_S, self._snapshots.answer)
+        # a round that waits only for the replicas silent in the last one ends one refresh period in
+        # (replica_snapshots.gather_answers): the others' snapshots then stay that fresh
+        tally = await gather_answers(self.handle.broadcast("replica_stats"), STATS_TIMEOUT_S, self._snapshots.answer,
+                                     expect_silent=self._snapshots.unanswered, settle_s=STATS_MAX_AGE_S)
         self._snapshots.end_round(started, tally, STATS_STALE_S)
         if tally.answered:
             return

@@ -7,6 +7,9 @@ answer used as it arrives.
           a failure        (dying, its engine stopped) the replica is left out
           none by then     "silent": its request is cancelled, its last snapshot is kept, marked
                            late with when it last answered, for up to STATS_STALE_S; then left out
+          only the silent  a round after one with s silent replicas: once all but s have answered,
+          left             it waits ``settle_s`` (the refresh period) from its start, not the
+                           deadline, so the others' snapshots stay as fresh as without a silence
         ReplicaSnapshots.end_round: the view stats() serves (ReplicaStats), named in a log line
 
 Serve's public collection, ``DeploymentBroadcastResponse.results_async(timeout_s=...)``, is all or
@@ -52,11 +55,21 @@ class Tally:
     silent: int = 0
 
 
-async def gather_answers(response: Any, timeout_s: float, on_answer: Callable[[Any], None]) -> Tally:
+async def gather_answers(response: Any, timeout_s: float, on_answer: Callable[[Any], None], *,
+                         expect_silent: int = 0, settle_s: float = 0.0) -> Tally:
     """Await each replica's result of ``response`` (a ``DeploymentBroadcastResponse``) on its own until
     ``timeout_s``: ``on_answer(value)`` as each answer arrives; the results still out at the
-    deadline are cancelled (on the replica too: a stuck one must not queue a request per refresh)."""
-    deadline = time.monotonic() + timeout_s
+    deadline are cancelled (on the replica too: a stuck one must not queue a request per refresh).
+
+    ``expect_silent``: how many replicas were silent in the round before. Once no more than that many
+    results are out, the round ends ``settle_s`` after it began instead: a hung replica held every
+    round to the full deadline, and the healthy replicas' snapshots were then asked for once per
+    ``timeout_s`` (5 s) instead of once per refresh period. It still gets ``settle_s`` to answer
+    each round, and a round where it does ends as soon as every replica has answered. (A result
+    names no replica before it answers, so the count is all there is to go by.)"""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    settle = start + min(settle_s, timeout_s)
     fetch = getattr(response, "_fetch_replica_results_async", None)
     if fetch is None:
         return await _all_or_nothing(response, timeout_s, on_answer)
@@ -74,7 +87,7 @@ async def gather_answers(response: Any, timeout_s: float, on_answer: Callable[[A
                 _use(t.result(), on_answer, tally)
 
     try:
-        while pending and (left := deadline - time.monotonic()) > 0:
+        while pending and (left := (settle if len(pending) <= expect_silent else deadline) - time.monotonic()) > 0:
             done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             take(done)
         # an answer that came between the last wait and the deadline's check is an answer, not a
@@ -143,6 +156,11 @@ class ReplicaSnapshots:
         self._late: frozenset[str] = frozenset()
         self._unanswered = 0
         self._logged: tuple[int, frozenset[str]] = (0, frozenset())  # the silence last logged at WARNING
+
+    @property
+    def unanswered(self) -> int:
+        """Replicas silent at the last round's deadline (its ``Tally.silent``)."""
+        return self._unanswered
 
     def answer(self, got: Any) -> None:
         """One replica's answer (``LLMReplica.replica_stats``: its id and its snapshot), at once."""

@@ -132,6 +132,45 @@ def test_a_silent_replica_keeps_its_last_snapshot_and_the_others_stay_current(mo
     asyncio.run(run())
 
 
+def test_rounds_after_a_silence_end_one_period_in_so_the_other_snapshots_stay_fresh(monkeypatch):
+    """A hung replica held every refresh to its deadline (STATS_TIMEOUT_S, 5 s): the healthy replicas'
+    snapshots were asked for once per deadline instead of once per STATS_MAX_AGE_S. The round after a
+    silence ends one period in once only as many replicas as were silent are still out; when the
+    silent one answers again, the round ends as soon as every replica has."""
+    period = 0.05
+    monkeypatch.setattr(remote_engine, "STATS_MAX_AGE_S", period)
+    handle = Replicas(["replica-a", "replica-b", "replica-c"])
+    engine = RemoteEngine(handle, None, "demo")
+
+    async def timed_refresh() -> float:
+        start = time.monotonic()
+        await refresh(engine)
+        return time.monotonic() - start
+
+    async def run() -> None:
+        assert await timed_refresh() < period  # every replica answers: no wait
+        handle.silent = {"replica-b"}
+        assert await timed_refresh() >= DEADLINE_S  # a new silence: the full deadline, as before
+        for _ in range(3):
+            took = await timed_refresh()
+            assert period <= took < DEADLINE_S - 0.05  # one period, not the deadline
+            stats = engine.stats()
+            assert stats.late == {"replica-b"} and stats.unanswered == 1
+            assert stats.replicas["replica-a"].llm.generation_tokens == len(handle.sent)  # current
+        assert all(r.cancelled for r in (b.replica_results[1] for b in handle.sent[1:]))  # nothing left queued
+        handle.silent = set()
+        handle.slow = {"replica-b": period / 5}  # answers again, within the period
+        assert await timed_refresh() < period
+        stats = engine.stats()
+        assert stats.late == frozenset() and stats.unanswered == 0
+        assert {s.llm.generation_tokens for s in stats.replicas.values()} == {len(handle.sent)}
+        handle.slow = {}
+        handle.silent = {"replica-a", "replica-c"}  # a wider silence than the last round's: the deadline
+        assert await timed_refresh() >= DEADLINE_S
+
+    asyncio.run(run())
+
+
 def test_only_no_replica_answering_makes_the_stats_stale_naming_the_silent_ones():
     handle = Replicas(["replica-a", "replica-b"])
     engine = RemoteEngine(handle, None, "demo")
