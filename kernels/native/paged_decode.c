@@ -554,7 +554,7 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
         keys += window > 0 && len > window ? window : len;
     }
 #ifdef _OPENMP
-    if (split_on_team(num_rows) || split_work_on_team(keys * hq * (dqk + dv))) {
+    if (split_on_team(num_rows) || (num_rows > 1 && split_work_on_team(keys * hq * (dqk + dv)))) { /* one row: nothing to share */
         long status = 0, bad_row = num_rows, bad_pos = 0;
 #pragma omp parallel
         {
