@@ -28,26 +28,15 @@ from __future__ import annotations
 
 import uuid
 
-from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
-from mm_pipeline.server.completions.sampling_fields import RequestId
+from mm_pipeline.server.request_id_rule import valid_request_id
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _HEADER_KEY = REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 _STATE_KEY = "request_id"  # the request's id in scope["state"] (``request.state.request_id``)
 _CLIENTS_KEY = "request_id_is_clients"  # whether the client named it (header or body), in scope["state"]
-_VALID = TypeAdapter(RequestId)  # a header is checked as the request_id field is
-
-
-def valid_request_id(value: str) -> bool:
-    """Whether ``value`` may name a request: 1 to 128 printable ASCII characters without spaces
-    (``sampling_fields.RequestId``), so it can go into a header and a log line as it is."""
-    try:
-        _VALID.validate_python(value)
-    except ValidationError:
-        return False
-    return True
+# a header is checked by the rule the request_id field follows (request_id_rule.py)
 
 
 def request_id_of(scope: dict) -> str | None:

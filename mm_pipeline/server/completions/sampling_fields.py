@@ -23,6 +23,7 @@ from llm_core.engine.sampling.params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.server.completions.structured_formats import ResponseFormat, StructuredOutputsFields, structured_outputs_of
 from mm_pipeline.server.message_protocol import _Loose
+from mm_pipeline.server.request_id_rule import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.
@@ -34,8 +35,7 @@ MAX_STOP_TOKEN_IDS = 64
 TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
 # a client's id for its request (vLLM's request_id field, or the X-Request-Id header): printable
 # ASCII without spaces, so it can go into a response header and a log line as it is
-MAX_REQUEST_ID_CHARS = 128
-RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[!-~]+$")]
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 

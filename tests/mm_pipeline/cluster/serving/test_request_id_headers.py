@@ -82,3 +82,17 @@ def test_the_proxys_own_headers_cannot_be_forged(client):
     r = client.post("/v1/chat/completions", json={**CHAT, "request_id": "from-body"},
                     headers={"x-mmserve-proxied": "1", "x-mmserve-client-request-id": "forged"})
     assert one_id(r) == "chatcmpl-from-body"
+
+
+def test_the_proxy_module_imports_neither_torch_nor_the_server_app():
+    """Ray Serve's proxies import this module at their start (the proxy callback). It imported the
+    whole server (torch, the engine): ~4 s of a proxy's start on an idle box, and on a busy one past
+    Serve's three 5 s readiness checks, after which the controller killed the proxy and ``serve
+    --ray`` failed to start (seen in CI)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mm_pipeline.cluster.serving.request_id_headers as m; m.proxy_middlewares(); "
+            "print(sorted(n for n in ('torch', 'mm_pipeline.server.app', 'llm_core') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
