@@ -273,6 +273,35 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
     }
 }
 
+/* The slots of a block's n logical positions, walking a block-table row from (``*page_idx``,
+ * ``*offset``) on (no division per key), padded to a multiple of 4 by repeating the last one (a
+ * written row). Returns -1, or t of the first position on a released page or one outside the pool
+ * (the walk stops there, nothing of it read). */
+static inline long block_slots(const long *pages, long *page_idx, long *offset, long n, long page_size,
+                               long num_pages, long *slots) {
+    for (long t = 0; t < n; t++) {
+        const long page = pages[*page_idx];
+        if (page < 0 || page >= num_pages) return t;
+        slots[t] = page * page_size + *offset;
+        if (++*offset == page_size) {
+            *offset = 0;
+            ++*page_idx;
+        }
+    }
+    for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1];
+    return -1;
+}
+
+/* One query's output from its online-softmax state: acc / (l + e^(sink - m)), the sink (NULL: none)
+ * joining the denominator only; no visible key gives zeros, as the reference. */
+static inline void finish_query(const float *acc, float l, float m, const float *sink, float *out, long dv) {
+    float denom = l;
+    if (sink) denom += expf(*sink - m);
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+#pragma omp simd
+    for (long d = 0; d < dv; d++) out[d] = acc[d] * inv;
+}
+
 /* One request: keys [first, len) through its block-table row ``pages``; q [hq, dqk] (scaled), out
  * [hq, dv]. Returns 0, or pos + 1 for the first visible position on a released page or one outside
  * the pool (nothing of it read). */
@@ -290,16 +319,8 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
     long page_idx = first / page_size, offset = first % page_size; /* walk pages: no division per key */
     for (long start = first; start < len; start += BLOCK) {
         long n = len - start < BLOCK ? len - start : BLOCK;
-        for (long t = 0; t < n; t++) {
-            long page = pages[page_idx];
-            if (page < 0 || page >= num_pages) return start + t + 1; /* released / outside the pool */
-            slots[t] = page * page_size + offset;
-            if (++offset == page_size) {
-                offset = 0;
-                page_idx++;
-            }
-        }
-        for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1]; /* a written row */
+        const long bad = block_slots(pages, &page_idx, &offset, n, page_size, num_pages, slots);
+        if (bad >= 0) return start + bad + 1; /* released / outside the pool */
 #ifdef PAGED_DECODE_BURST_AHEAD
         Ahead *block_ahead = NULL;
         (void)whole;
@@ -328,15 +349,7 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
             attend_block(qs + h * g * dqk, g, k_cache, v_cache, hkv, h, dqk, dv, slots, n, NULL, logits,
                          acc + h * g * dv, m + h * g, l + h * g, ahead, block_ahead);
     }
-    for (long j = 0; j < hq; j++) {
-        float denom = l[j];
-        if (sinks) denom += expf(sinks[j] - m[j]);
-        float inv = denom > 0.0f ? 1.0f / denom : 0.0f; /* no visible key: zeros, as the reference */
-        float *o = out + j * dv;
-        const float *a = acc + j * dv;
-#pragma omp simd
-        for (long d = 0; d < dv; d++) o[d] = a[d] * inv;
-    }
+    for (long j = 0; j < hq; j++) finish_query(acc + j * dv, l[j], m[j], sinks ? sinks + j : NULL, out + j * dv, dv);
     return 0;
 }
 
@@ -401,23 +414,14 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
     long page_idx = 0, offset = 0;
     for (long start = 0; start < end && !status; start += BLOCK) {
         const long n = end - start < BLOCK ? end - start : BLOCK;
-        for (long t = 0; t < n; t++) {
-            const long page = pages[page_idx];
-            if (page < 0 || page >= num_pages) { /* position start + t: row 0's, or the first row's that has it */
-                const long pos = start + t;
-                error[0] = pos < len0 ? 0 : pos - len0 + 1;
-                error[1] = pos;
-                status = 1;
-                break;
-            }
-            slots[t] = page * page_size + offset;
-            if (++offset == page_size) {
-                offset = 0;
-                page_idx++;
-            }
+        const long bad = block_slots(pages, &page_idx, &offset, n, page_size, num_pages, slots);
+        if (bad >= 0) { /* position start + bad: row 0's, or the first row's that has it */
+            const long pos = start + bad;
+            error[0] = pos < len0 ? 0 : pos - len0 + 1;
+            error[1] = pos;
+            status = 1;
+            break;
         }
-        if (status) break;
-        for (long t = n; t < (n + 3) / 4 * 4; t++) slots[t] = slots[n - 1];
         for (long r = 0; r < R; r++) {
             const long seen = len0 + r - start, lim = seen < n ? (seen > 0 ? seen : 0) : n;
             for (long j = 0; j < g; j++) lims[r * g + j] = lim;
@@ -430,13 +434,8 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
         for (long r = 0; r < R; r++)
             for (long j = 0; j < g; j++) {
                 const long x = h * G + r * g + j, head = h * g + j;
-                float denom = l[x];
-                if (sinks) denom += expf(sinks[head] - m[x]);
-                float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-                float *o = out + q_row[r] * out_stride + head * dv;
-                const float *a = acc + x * dv;
-#pragma omp simd
-                for (long d = 0; d < dv; d++) o[d] = a[d] * inv;
+                finish_query(acc + x * dv, l[x], m[x], sinks ? sinks + head : NULL, out + q_row[r] * out_stride + head * dv,
+                             dv);
             }
     free(scratch);
     free(lims);
