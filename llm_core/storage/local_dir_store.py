@@ -32,6 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 
@@ -151,25 +152,12 @@ class LocalDirStore(KeyValueStore):
         its entry is lost from L3, never served wrong."""
         self._check_key(key)
         path = self._path(key)
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            self._forget(path)
+        opened = self._open_entry(path, key)
+        if opened is None:
             return False
-        except OSError:
-            self._count("errors")
-            return False
+        f, now, _ = opened
         with f:  # held open until the removal: the file's inode cannot be reused meanwhile
-            try:
-                now = decode_entry(f.read(), key)
-            except CorruptEntry:
-                now = None
-            except OSError:
-                self._count("errors")
-                return False
-            if now != value:
-                return False
-            return not self._remove_unless_replaced(path, os.fstat(f.fileno()))
+            return now == value and not self._remove_unless_replaced(path, os.fstat(f.fileno()))
 
     @property
     def nbytes(self) -> int:
@@ -278,30 +266,42 @@ class LocalDirStore(KeyValueStore):
         instead, once -- removing by name would delete the new entry, its page lost from L3 although
         the writer counted it written."""
         for _ in range(2):
-            try:
-                f = open(path, "rb")
-            except FileNotFoundError:
-                self._forget(path)
+            opened = self._open_entry(path, key)
+            if opened is None:
                 return None
-            except OSError:  # unreadable: a miss (a put writes over it)
-                self._count("errors")
-                return None
+            f, value, size = opened
             with f:  # held open until the removal below: the file's inode cannot be reused meanwhile
-                try:
-                    raw = f.read()
-                except OSError:
-                    self._count("errors")
-                    return None
-                try:
-                    value = decode_entry(raw, key)
-                except CorruptEntry:
+                if value is None:
                     self._count("corrupt")
                     if self._remove_unless_replaced(path, os.fstat(f.fileno())):
                         continue
                     return None
-            self._touch(path, len(raw))
+            self._touch(path, size)
             return value
         return None
+
+    def _open_entry(self, path: Path, key: str) -> tuple[BinaryIO, bytes | None, int] | None:
+        """The entry at ``path`` read: (the file, still open so that its inode is not reused while
+        the caller decides; its value, None when damaged; its size), or None when it is missing or
+        unreadable (counted ``errors``: a miss, a put writes over it)."""
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            self._forget(path)
+            return None
+        except OSError:
+            self._count("errors")
+            return None
+        try:
+            raw = f.read()
+        except OSError:
+            f.close()
+            self._count("errors")
+            return None
+        try:
+            return f, decode_entry(raw, key), len(raw)
+        except CorruptEntry:
+            return f, None, len(raw)
 
     def _remove_unless_replaced(self, path: Path, read: os.stat_result) -> bool:
         """Remove the damaged file ``read`` (its ``fstat``) unless ``path`` names another file now:

@@ -199,25 +199,31 @@ class RedisStore(KeyValueStore):
         deleting by name would drop it, its page lost from L3 although the writer counted it
         written. ``WATCH`` makes the delete fail if a put lands between the check and the delete.
         Only reads of a damaged value pay this."""
-        name = self.prefix + key
-        with c.pipeline() as pipe:
-            try:
-                pipe.watch(name)
-                now = pipe.get(name)
-                if now == damaged:
-                    pipe.multi()
-                    pipe.delete(name)
-                    pipe.execute()
-                    return None
-            except redis.WatchError:  # written meanwhile: that value stands (read it next time)
-                return None
-        if now is None:
+        _, now = self._delete_while(c, self.prefix + key, lambda raw: raw == damaged)
+        if now is None:  # deleted, gone, or written meanwhile (read it next time)
             return None
         try:
             return decode_entry(now, key)
         except CorruptEntry:  # damaged too: left to the next read or keep_existing put
             self._count("corrupt")
             return None
+
+    @staticmethod
+    def _delete_while(c: redis.Redis, name: str, holds: Callable[[bytes | None], bool]) -> tuple[bool, bytes | None]:
+        """Delete ``name`` if ``holds`` its bytes, under ``WATCH``: a put landing between the check and
+        the delete makes the delete fail, and that value stands. Returns (deleted, the bytes it
+        holds when not deleted; None when deleted, missing or written meanwhile)."""
+        with c.pipeline() as pipe:
+            try:
+                pipe.watch(name)
+                now = pipe.get(name)
+                if not holds(now):
+                    return False, now
+                pipe.multi()
+                pipe.delete(name)
+                return bool(pipe.execute()[0]), None
+            except redis.WatchError:  # written meanwhile: that value stands
+                return False, None
 
     def touch(self, keys: list[str]) -> int:
         """One round trip for the whole list: with ``ttl_s`` a pipeline of ``EXPIRE`` (the keys
@@ -246,26 +252,14 @@ class RedisStore(KeyValueStore):
         """Under ``WATCH``: the key is deleted only if it still holds ``value`` and nothing writes it
         between the check and the delete."""
         self._check_key(key)
-        name = self.prefix + key
 
-        def run(c: redis.Redis) -> bool:
-            with c.pipeline() as pipe:
-                try:
-                    pipe.watch(name)
-                    raw = pipe.get(name)
-                    try:
-                        now = None if raw is None else decode_entry(raw, key)
-                    except CorruptEntry:
-                        now = None
-                    if now != value:
-                        return False
-                    pipe.multi()
-                    pipe.delete(name)
-                    return bool(pipe.execute()[0])
-                except redis.WatchError:  # written meanwhile: that value stands
-                    return False
+        def holds_value(raw: bytes | None) -> bool:
+            try:
+                return raw is not None and decode_entry(raw, key) == value
+            except CorruptEntry:
+                return False
 
-        return bool(self._call(run))
+        return bool(self._call(lambda c: self._delete_while(c, self.prefix + key, holds_value)[0]))
 
     @property
     def available(self) -> bool:

@@ -30,13 +30,12 @@ import uuid
 
 from starlette.requests import Request
 
-from mm_pipeline.server.request_id_rule import valid_request_id
+from mm_pipeline.server.request_id_rule import valid_request_id  # a header is checked as the request_id field is
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _HEADER_KEY = REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 _STATE_KEY = "request_id"  # the request's id in scope["state"] (``request.state.request_id``)
 _CLIENTS_KEY = "request_id_is_clients"  # whether the client named it (header or body), in scope["state"]
-# a header is checked by the rule the request_id field follows (request_id_rule.py)
 
 
 def request_id_of(scope: dict) -> str | None:
