@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over an ``OmniEngine``: ``create_app(engine, ServerSettings(...))``.
 
 The names below load on first use (PEP 562): importing one of this package's light modules
-(``request_id_rule``, which Ray Serve's proxies import at their start) must not import the app,
+(``request_id``, which Ray Serve's proxies import at their start) must not import the app,
 and with it torch and the engine."""
 
 from __future__ import annotations

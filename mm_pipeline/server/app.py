@@ -41,7 +41,7 @@ from mm_pipeline.server.metrics import ServerMetrics, StatsLogger
 from mm_pipeline.server.openapi_doc import install_openapi
 from mm_pipeline.server.request_observer import RequestObserver
 from mm_pipeline.server.request_body import parse_body
-from mm_pipeline.server.request_id_rule import MAX_REQUEST_ID_CHARS
+from mm_pipeline.server.request_id import MAX_REQUEST_ID_CHARS
 from mm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest, Invocation
 from mm_pipeline.server.request_id import (REQUEST_ID_HEADER, RequestIdHeader, name_failed_answer, name_request,
                                            valid_request_id)

@@ -26,16 +26,31 @@ lie past the cut).
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from starlette.requests import Request
 
-from mm_pipeline.server.request_id_rule import valid_request_id  # a header is checked as the request_id field is
+# What may name a request (the X-Request-Id header, the body's request_id field): 1 to 128 printable
+# ASCII characters without spaces, so it can go into a header and a log line as it is. This module
+# stays light (no pydantic model, no engine): Ray Serve's proxies import it at their start through
+# cluster/serving/request_id_headers.py, and when the rule lived beside the request models it pulled
+# torch and the whole server in -- ~4 s of a proxy's start on an idle box, past Serve's readiness
+# checks (three of 5 s) on a busy one, which then killed the proxy and failed serve --ray's start.
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID_PATTERN = r"^[!-~]+$"  # the field's (pydantic's regex: $ is the very end)
+_ID_CHARS = re.compile(r"[!-~]+")  # the same, matched whole (Python's $ would let a trailing newline by)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _HEADER_KEY = REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 _STATE_KEY = "request_id"  # the request's id in scope["state"] (``request.state.request_id``)
 _CLIENTS_KEY = "request_id_is_clients"  # whether the client named it (header or body), in scope["state"]
+
+
+def valid_request_id(value: object) -> bool:
+    """Whether ``value`` may name a request (a str of 1 to MAX_REQUEST_ID_CHARS printable ASCII
+    characters, no space): the request_id field's rule, for a header."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_CHARS and _ID_CHARS.fullmatch(value) is not None
 
 
 def request_id_of(scope: dict) -> str | None:

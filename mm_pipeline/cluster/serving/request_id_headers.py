@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mm_pipeline.server.request_id_rule import valid_request_id  # light: the proxies import this module
+from mm_pipeline.server.request_id import valid_request_id  # light: the proxies import this module
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "mm_pipeline.cluster.serving.request_id_headers.proxy_middlewares"

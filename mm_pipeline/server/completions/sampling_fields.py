@@ -23,7 +23,7 @@ from llm_core.engine.sampling.params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD
 from llm_core.engine.structured.params import MAX_CHOICES, StructuredOutputsParams
 from mm_pipeline.server.completions.structured_formats import ResponseFormat, StructuredOutputsFields, structured_outputs_of
 from mm_pipeline.server.message_protocol import _Loose
-from mm_pipeline.server.request_id_rule import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
+from mm_pipeline.server.request_id import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 
 # Every sampling field is bounded here, so a value the engine cannot turn into a tensor or a
 # generator seed is a 400 naming the field, never an exception inside a shared model step.

@@ -88,13 +88,13 @@ def test_enable_log_requests_writes_a_line_per_request(demo_engine, tmp_path, ca
        | st.text(alphabet=st.sampled_from("ab~!\n\r\t \x7f\x00"), max_size=8)
        | st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=120, max_size=140))
 def test_the_light_request_id_rule_agrees_with_the_request_id_field(value):
-    """request_id_rule.valid_request_id (no pydantic, no server: Ray's proxies import it) gives the
+    """request_id.valid_request_id (no pydantic, no server: Ray's proxies import it) gives the
     verdict of the body's ``request_id`` field on every string -- a trailing newline included, which
     Python's ``$`` would have let by."""
     from pydantic import TypeAdapter, ValidationError
 
     from mm_pipeline.server.completions.sampling_fields import RequestId
-    from mm_pipeline.server.request_id_rule import valid_request_id
+    from mm_pipeline.server.request_id import valid_request_id
 
     try:
         TypeAdapter(RequestId).validate_python(value)
