@@ -112,16 +112,17 @@ def decode_splits(q, num_requests: int, num_kv_heads: int, window: int | None, k
     return mod.device_splits(q.device, num_requests * num_kv_heads, keys, window)
 
 
-def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, window=None, keys=None):
+def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, window=None, keys=None, head_dim=None):
     """The per-step index work of :func:`paged_attention` for one pool and window, to pass as ``plan``
     to every layer of that kind (None where the device's kernel needs none). ``keys``: a fixed
-    decode key-grid width (default: the batch's widest visible span)."""
+    decode key-grid width (default: the batch's widest visible span). ``head_dim``: the layers'
+    query/key head size (where the C kernel's chunk path pays; None: unknown, not taken)."""
     if use_triton(q):
         return None
     from kernels.cpu.paged_attention import AttentionPlan
 
     return AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
-                               dtype=q.dtype, keys=keys)
+                               dtype=q.dtype, keys=keys, head_dim=head_dim)
 
 
 def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size, window=None):

@@ -57,9 +57,10 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 # 1.15 ms full (docs/speculative.md). The kernel now takes a request's rows as one group that reads
 # the keys once for all of them (paged_decode.c attend_group, each row's bits unchanged): MTP at batch
 # 1 on the demo model 1.37x -> 1.64x over plain decode (speculative.py --quick, one run each). Longer
-# chunks keep the flash kernel: at 29 rows over ~1,100 keys (the pipeline benchmark's same-prefix
-# step, 8 heads of 24) the group's dot products (a horizontal sum per 4 keys, the decode rows' own
-# order, kept for their bits) lose to flash, 1.74 vs 1.14 ms at one thread, 0.99 vs 0.90 at two
+# chunks of a full layer keep the flash kernel where the chunk path below does not pay: at 29 rows
+# over ~1,100 keys (the pipeline benchmark's same-prefix step, 8 heads of 24) the group's dot products
+# (a horizontal sum per 4 keys, the decode rows' own order, kept for their bits) lose to flash, 1.74
+# vs 1.14 ms at one thread, 0.99 vs 0.90 at two
 NATIVE_SHORT_ROWS = 8
 # The same for a sliding layer, whose rows each read at most W keys: up to 64 rows (a question after a
 # prefix-cache hit). CPU ms per layer, flash -> C rows, 27 rows after 393 cached tokens: W = 8, demo
@@ -75,6 +76,23 @@ NATIVE_SHORT_ROWS_SLIDING = 64
 # and 2.31 -> 1.36; 120 rows after 300 at W = 32 1.08 -> 0.51. At W = 128 the band wins (8.30 -> 14.12,
 # 4.08 -> 4.61), so larger windows keep the row limit above.
 NATIVE_ANY_ROWS_WINDOW = 32
+# At head dims up to NATIVE_CHUNK_HEAD_DIM the C kernel also takes a full layer's chunk of up to
+# NATIVE_CHUNK_ROWS rows, and its runs of more than NATIVE_SHORT_ROWS rows (on a full layer, or a
+# sliding one of at least NATIVE_ANY_ROWS_WINDOW keys) go through the kernel's chunk path
+# (paged_decode.c attend_chunk: each block's keys transposed once for all the rows' queries; a row's
+# bits its own whatever the thread split, not the single-row walk's). Every row of such a step is then
+# a kernel row, so a short step's layers run as one C call each (llm_core/model/layers/fused_decode.py).
+# benchmarks/chunk_rows.py (plan + one layer, wall ms per call, medians; flash / C rows / chunk at one
+# thread | at two), on the AVX2 EPYC: the same-prefix step's full layer (29 rows after 1,088, 8 / 4
+# heads of 24 / 16) 1.11 / 1.80 / 0.96 | 0.77 / 1.02 / 0.57; 376 fresh rows there 2.76 / 4.15 / 2.32 |
+# 1.93 / 3.20 / 1.79; the demo model's heads (4 / 2 of 32) 0.69 / 1.08 / 0.61 | 0.80 / 0.73 / 0.50;
+# a sliding layer at W = 32, 376 fresh rows 1.05 / 1.03 / 0.74 | 1.12 / 0.90 / 0.72, and at W = 128,
+# 27 rows after 393: 0.42 / 0.53 / 0.26 | 0.71 / 0.55 / 0.35. Flash reuses each key over more
+# queries per register tile and wins at larger heads (8 / 4 of 128: 3.66 vs 4.57 at one thread;
+# MiMo-V2.5's 64 / 4 of 192 over 2,000 keys: 57.5 vs 65.1, 27.8 vs 30.9 at two), and at W = 8 a
+# row's eight dot products cost what a block of 32 logits does (376 rows: 1.04 vs 1.19, 0.77 vs 0.78).
+NATIVE_CHUNK_ROWS = 64
+NATIVE_CHUNK_HEAD_DIM = 32
 
 
 @dataclass(frozen=True)
@@ -119,13 +137,15 @@ class AttentionPlan:
         window: int | None,
         dtype: torch.dtype = torch.float32,
         keys: int | None = None,
+        head_dim: int | None = None,
     ) -> AttentionPlan:
         """Plan for the batch; raises RuntimeError when a visible key's page was released (with the
         C decode kernel: a decode row's page, when the kernel reaches it in the first layer's call).
 
         ``keys``: width of the decode key grid (default: the widest visible span of the batch). A
         fixed width keeps the plan's shapes independent of the lengths (a compiled decode step per
-        batch bucket); the extra columns are masked padding."""
+        batch bucket); the extra columns are masked padding. ``head_dim``: the query/key head size
+        (None: unknown, no chunk path)."""
         device = block_table.device
         # the batch's shape (which requests decode, where each starts) read once into Python ints:
         # per-request decisions on tensors would cost a dispatch and a host read each
@@ -136,11 +156,15 @@ class AttentionPlan:
         kmax = 0
         native = None
         short = []
+        chunks = head_dim is not None and head_dim <= NATIVE_CHUNK_HEAD_DIM
         if keys is None and paged_decode.available(dtype, device):
-            limit = (NATIVE_SHORT_ROWS if window is None else num_tokens if window <= NATIVE_ANY_ROWS_WINDOW
-                     else NATIVE_SHORT_ROWS_SLIDING)
+            limit = ((NATIVE_CHUNK_ROWS if chunks else NATIVE_SHORT_ROWS) if window is None
+                     else num_tokens if window <= NATIVE_ANY_ROWS_WINDOW else NATIVE_SHORT_ROWS_SLIDING)
             short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= limit]
         if short:
+            # a window under NATIVE_ANY_ROWS_WINDOW keys: a row's few dot products cost less than a block
+            # of logits (376 fresh rows at W = 8: the same time either way)
+            chunk_after = NATIVE_SHORT_ROWS if chunks and (window is None or window >= NATIVE_ANY_ROWS_WINDOW) else 0
             # query row i of an n-row request is a decode row whose context ends at its own position
             # (length L - n + 1 + i): the C kernel's causal and window limits per row are exactly the
             # extend mask's, and the new tokens' K/V are in the pool before attention runs
@@ -153,7 +177,7 @@ class AttentionPlan:
             table = block_table.index_select(0, torch.tensor(requests, device=device))
             native = paged_decode.DecodeRows.build(table, torch.tensor(row_lens), list(range(len(rows_list))),
                                                    rows_list, num_tokens=num_tokens, page_size=page_size,
-                                                   window=window)
+                                                   window=window, chunk_after=chunk_after)
             rows = torch.tensor(rows_list, device=device)
             decode = decode + short  # none of them is an extend below
         elif decode:
@@ -343,7 +367,7 @@ def paged_attention_cpu(
     """
     if plan is None:
         plan = AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
-                                   dtype=q.dtype)
+                                   dtype=q.dtype, head_dim=q.shape[-1])
     if plan.num_tokens != q.shape[0]:
         raise ValueError(f"attention plan covers {plan.num_tokens} tokens, q has {q.shape[0]}")
     if plan.all_decode:

@@ -23,14 +23,15 @@
 enum { L_FRONT, L_ATTN, L_OUT, L_MLP, L_MOE, L_H, L_HQ, L_HKV, L_D, L_DV, L_R, L_NORM_IN, L_WQKV, L_SINKS,
        L_WO, L_NORM_POST, L_I, L_E, L_K, L_W1, L_W2, L_W3, L_BIAS, L_NGROUP, L_TOPKGROUP, L_RENORM, L_COUNT };
 enum { F_EPS_IN, F_VSCALE, F_SCALE, F_EPS_POST, F_ROUTED, F_COUNT };
-enum { S_T, S_COS, S_SIN, S_SLOTS, S_TABLE, S_TABLE_COLS, S_LENS, S_REQS, S_ROWS, S_PAGE, S_WINDOW, S_COUNT };
+enum { S_T, S_COS, S_SIN, S_SLOTS, S_TABLE, S_TABLE_COLS, S_LENS, S_REQS, S_ROWS, S_PAGE, S_WINDOW, S_CHUNK_AFTER,
+       S_COUNT };
 
 typedef int (*front_fn)(const float *, int64_t, int64_t, const float *, float, const float *, int64_t, int64_t,
                         int64_t, int64_t, int64_t, const float *, const float *, float, float *, float *, int64_t,
                         const int64_t *, float *);
 typedef long (*attn_fn)(const float *, long, const float *, const float *, long, const long *, long, const long *,
                         const long *, const long *, long, const float *, float *, long, long, long, long, long, long,
-                        long, float, long *);
+                        long, float, long, long *);
 typedef int (*out_fn)(const float *, int64_t, int64_t, const float *, const float *, int64_t, const float *, float,
                       float *, float *);
 typedef int (*moe_fn)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, const float *,
@@ -63,7 +64,8 @@ int decode_layer_f32(const int64_t *layer, const float *f, const int64_t *step, 
     /* every row decodes, in order (the plan's all_decode): row i is request reqs[i], query row rows[i] */
     long st = ((attn_fn)P(layer, L_ATTN))(qkv, N, k_cache, v_cache, num_slots, P(step, S_TABLE), step[S_TABLE_COLS],
                                           P(step, S_LENS), P(step, S_REQS), P(step, S_ROWS), T, P(layer, L_SINKS),
-                                          attn, A, Hq, Hkv, D, Dv, step[S_PAGE], step[S_WINDOW], f[F_SCALE], error);
+                                          attn, A, Hq, Hkv, D, Dv, step[S_PAGE], step[S_WINDOW], f[F_SCALE], step[S_CHUNK_AFTER],
+                                          error);
     if (st) {
         rc = st < 0 ? -2 : 10 + (int)st;
         goto done;

@@ -28,7 +28,7 @@ _SIGNATURES = {"decode_layer_f32": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _
 # Field order of the ``layer`` / ``f`` / ``step`` arrays: the enums of fused_layer.c.
 _LAYER = ("front attn out mlp moe h hq hkv d dv r norm_in wqkv sinks wo norm_post i e k w1 w2 w3 bias ngroup "
           "topkgroup renorm").split()
-_STEP = "t cos sin slots table table_cols lens reqs rows page window".split()
+_STEP = "t cos sin slots table table_cols lens reqs rows page window chunk_after".split()
 _F32 = torch.float32
 
 
@@ -150,7 +150,7 @@ def step_metadata(decode: paged_decode.DecodeRows, cos: torch.Tensor, signed_sin
     table, lens, reqs, rows = decode.pointers
     values = dict(t=t, cos=cos.data_ptr(), sin=signed_sin.data_ptr(), slots=slots.data_ptr(), table=table,
                   table_cols=decode.table.shape[1], lens=lens, reqs=reqs, rows=rows, page=decode.page_size,
-                  window=decode.window or 0)
+                  window=decode.window or 0, chunk_after=decode.chunk_after)
     return (ctypes.c_int64 * len(_STEP))(*(values[name] for name in _STEP))
 
 

@@ -45,26 +45,43 @@ static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
 /* e^x for x <= 0 to ~2 ulp, written so the compiler vectorizes a loop of it (libm's expf is a
  * scalar call per logit, which at one query per request is most of the arithmetic). x = n ln2 + r,
  * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n through the exponent bits. Below
- * -87.3 (e^x under FLT_MIN) the result is 0, as for a masked key. */
+ * -87.3 (e^x under FLT_MIN) the result is 0, as for a masked key. EXP_STEPS is the arithmetic for a
+ * float or a vector xc (x clamped to -87.3): n rounded to nearest through the float adder (1.5 *
+ * 2^23 pushes the fraction out: no libm call, so the loop vectorizes; |x log2 e| < 2^22 here), r
+ * against ln2 in a high part (exact product for |n| < 2^10) and a low one, then the polynomial. */
+#define EXP_STEPS(xc, n, p)                                                                                   \
+    n = ((xc) * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                           \
+    p = ((xc) - n * 0.693145751953125f) - n * 1.428606765330187045e-06f; /* r */                             \
+    p = (((((((1.0f / 720.0f) * p + 1.0f / 120.0f) * p + 1.0f / 24.0f) * p + 1.0f / 6.0f) * p + 0.5f) * p +  \
+           1.0f) * p + 1.0f)
 static inline float exp_nonpositive(float x) {
     const float lo = -87.3f;
-    float xc = x < lo ? lo : x;
-    /* round to nearest through the float adder: 1.5 * 2^23 pushes the fraction out (no libm call,
-     * so the loop vectorizes; |x log2 e| < 2^22 here) */
-    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = xc - n * 0.693145751953125f;   /* ln2, high part (exact product for |n| < 2^10) */
-    r = r - n * 1.428606765330187045e-06f;   /* ln2, low part */
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float xc = x < lo ? lo : x, n, p;
+    EXP_STEPS(xc, n, p);
     union { float f; int32_t i; } scale;
     scale.i = ((int32_t)n + 127) << 23;
     float y = p * scale.f;
     return x < lo ? 0.0f : y;
+}
+
+/* exp_nonpositive on a vector, lane by lane (GCC's C has no vector ?:, so the selects are through
+ * masks): the chunk path's logits, a block of them per query. */
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+static inline vi lane_index(void) {
+#if VL == 16
+    return (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    return (vi){0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+}
+static inline vf exp_nonpositive_v(vf x) {
+    const vf lo = (vf){0} + -87.3f;
+    const vi under = x < lo;
+    const vf xc = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    vf n, p;
+    EXP_STEPS(xc, n, p);
+    const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)scale) & ~under);
 }
 
 /* The lane sums of a0 .. a3 -> out[0 .. 3]: pairs of vectors folded into one by halves, then the
@@ -363,21 +380,31 @@ static long attend_request(const float *qs, const float *k_cache, const float *v
 #define GROUP_MAX 64 /* R x hq x (dqk + dv + 2) + R x g x BLOCK floats */
 #endif
 
-/* How many rows from i on (at most hi - i, GROUP_MAX) form a group with row i: consecutive lengths,
- * the same first visible key (no window, or a window none of them has filled) and the same pages. */
-static long group_rows(const long *table, long table_cols, const long *seq_lens, const long *req, long i, long hi,
-                       long window, long page_size) {
+/* How many rows from i on (at most hi - i) are one request's run: consecutive lengths over the same
+ * pages (a multi-token request's rows; decode rows of other requests read other pages). */
+static long run_rows(const long *table, long table_cols, const long *seq_lens, const long *req, long i, long hi,
+                     long page_size) {
     const long len0 = seq_lens[req[i]];
-    if (window > 0 && len0 > window) return 1; /* each row's window starts on its own key */
     const long *p0 = table + req[i] * table_cols;
     long r = 1;
-    while (i + r < hi && r < GROUP_MAX) {
+    while (i + r < hi) {
         const long len = seq_lens[req[i + r]];
-        if (len != len0 + r || (window > 0 && len > window)) break;
+        if (len != len0 + r) break;
         const long *pr = table + req[i + r] * table_cols;
         if (pr != p0 && memcmp(pr, p0, (size_t)((len - 1) / page_size + 1) * sizeof(long))) break;
         r++;
     }
+    return r;
+}
+
+/* How many rows from i on (at most hi - i, GROUP_MAX) form a group with row i: a run's rows with the
+ * same first visible key (no window, or a window none of them has filled). */
+static long group_rows(const long *table, long table_cols, const long *seq_lens, const long *req, long i, long hi,
+                       long window, long page_size) {
+    const long len0 = seq_lens[req[i]];
+    if (window > 0 && len0 > window) return 1; /* each row's window starts on its own key */
+    long r = run_rows(table, table_cols, seq_lens, req, i, hi - i < GROUP_MAX ? hi : i + GROUP_MAX, page_size);
+    if (window > 0 && r > window - len0 + 1) r = window - len0 + 1; /* rows up to length window */
     return r;
 }
 
@@ -442,13 +469,187 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
     return status;
 }
 
+/* A run of one request's rows longer than the call's chunk_after (a prefill chunk: a question after a
+ * prefix-cache hit over a long full-attention context) goes through its keys as a chunk: the keys of
+ * a block transposed once per KV head and its V rows copied side by side, each query's logits then a
+ * BLOCK-wide sum of dqk vector FMAs (no horizontal sums), its online-softmax update on whole vectors,
+ * and p V with the block's keys over four partial sums (independent FMA chains). The rows' bits are
+ * not those of single rows (another summation order: shorter runs -- an MTP verify step's 1 + k
+ * rows -- keep attend_group, whose are), but each query's are its own: blocks lie at absolute
+ * multiples of BLOCK and a query takes only its own keys of each, so a row computes the same whatever
+ * rows or thread ranges it goes with. Where it pays (head sizes, windows): kernels/cpu/paged_attention.py
+ * NATIVE_CHUNK_HEAD_DIM. */
+#define CHUNK_ROWS 32 /* rows per pass over their keys: their queries' state (R x hq x (dqk + dv + 2)) stays in L2 */
+#define KEY_VECS (BLOCK / VL)
+#if VL == 16
+#define DEPTH_SPLIT 4 /* independent accumulator sets over the head dims: 8 FMA chains at either width */
+#else
+#define DEPTH_SPLIT 2
+#endif
+
+/* first visible key of a row of context len */
+static inline long key_first(long len, long window) { return window > 0 && len > window ? len - window : 0; }
+
+/* One query against one block: logits of all BLOCK keys (kt: the block's keys for this KV head,
+ * [dqk][BLOCK]), then over its keys [tlo, thi) of the block the online-softmax update of m / l / acc
+ * and acc += p V (vrow[t]: key t's V row). */
+static void chunk_query(const float *qv, const float *kt, const float *const *vrow, long dqk, long dv, long tlo,
+                        long thi, float *s, float *acc, float *m, float *l) {
+    vf c[DEPTH_SPLIT][KEY_VECS];
+    for (int p = 0; p < DEPTH_SPLIT; p++)
+        for (int u = 0; u < KEY_VECS; u++) c[p][u] = (vf){0};
+    long d = 0;
+    for (; d + DEPTH_SPLIT <= dqk; d += DEPTH_SPLIT)
+        for (int p = 0; p < DEPTH_SPLIT; p++) {
+            const float qd = qv[d + p];
+            for (int u = 0; u < KEY_VECS; u++) c[p][u] += qd * load(kt + (d + p) * BLOCK + u * VL);
+        }
+    for (; d < dqk; d++)
+        for (int u = 0; u < KEY_VECS; u++) c[0][u] += qv[d] * load(kt + d * BLOCK + u * VL);
+    /* the logits of its keys; the block's other places -inf, so they weigh e^-inf = 0 */
+    vf x[KEY_VECS], top = (vf){0} - INFINITY;
+    for (int u = 0; u < KEY_VECS; u++) {
+        vf sum = c[0][u];
+        for (int p = 1; p < DEPTH_SPLIT; p++) sum += c[p][u];
+        const vi at = lane_index() + u * VL, mine = (at >= (int)tlo) & (at < (int)thi);
+        x[u] = (vf)(((vi)sum & mine) | ((vi)((vf){0} - INFINITY) & ~mine));
+        const vi above = top > x[u];
+        top = (vf)(((vi)top & above) | ((vi)x[u] & ~above));
+    }
+    float mb = *m;
+    for (int t = 0; t < VL; t++) mb = top[t] > mb ? top[t] : mb;
+    vf total = (vf){0};
+    for (int u = 0; u < KEY_VECS; u++) {
+        const vf p = exp_nonpositive_v(x[u] - mb);
+        store(s + u * VL, p);
+        total += p;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < VL; t++) sum += total[t];
+    if (mb != *m) { /* a new running max: rescale what was summed under the old one */
+        const float alpha = exp_nonpositive(*m - mb); /* m = -inf (first block): 0 */
+        *l *= alpha;
+#pragma omp simd
+        for (long e = 0; e < dv; e++) acc[e] *= alpha;
+        *m = mb;
+    }
+    *l += sum;
+    long e = 0;
+    for (; e + 2 * VL <= dv; e += 2 * VL) { /* two vectors of acc, four partial sums over the keys */
+        vf a[4][2];
+        for (int p = 0; p < 4; p++) a[p][0] = a[p][1] = (vf){0};
+        long t = tlo;
+        for (; t + 4 <= thi; t += 4)
+            for (int p = 0; p < 4; p++) {
+                a[p][0] += s[t + p] * load(vrow[t + p] + e);
+                a[p][1] += s[t + p] * load(vrow[t + p] + e + VL);
+            }
+        for (; t < thi; t++) {
+            a[0][0] += s[t] * load(vrow[t] + e);
+            a[0][1] += s[t] * load(vrow[t] + e + VL);
+        }
+        store(acc + e, load(acc + e) + ((a[0][0] + a[1][0]) + (a[2][0] + a[3][0])));
+        store(acc + e + VL, load(acc + e + VL) + ((a[0][1] + a[1][1]) + (a[2][1] + a[3][1])));
+    }
+    for (; e + VL <= dv; e += VL) {
+        vf a[4];
+        for (int p = 0; p < 4; p++) a[p] = (vf){0};
+        long t = tlo;
+        for (; t + 4 <= thi; t += 4)
+            for (int p = 0; p < 4; p++) a[p] += s[t + p] * load(vrow[t + p] + e);
+        for (; t < thi; t++) a[0] += s[t] * load(vrow[t] + e);
+        store(acc + e, load(acc + e) + ((a[0] + a[1]) + (a[2] + a[3])));
+    }
+    for (; e < dv; e++) {
+        float a = 0.0f;
+        for (long t = tlo; t < thi; t++) a += s[t] * vrow[t][e];
+        acc[e] += a;
+    }
+}
+
+/* The run of rows [0, R) of one request (row r: context len0 + r, keys [key_first(len0 + r), len0 + r)),
+ * CHUNK_ROWS at a time: q rows q_row[r], outputs as decode_range's. Returns 0, -1 out of memory, or 1
+ * with error[0] = the first row a single-row walk would find failing and error[1] its position (the
+ * lowest released / outside page of the pass's keys: the first row whose keys include it). */
+static long attend_chunk(const float *q, long q_stride, const long *q_row, long R, const float *k_cache,
+                         const float *v_cache, const long *pages, long page_size, long num_pages, long len0,
+                         long window, long hq, long hkv, long dqk, long dv, const float *sinks, float scale,
+                         float *out, long out_stride, long *error) {
+    const long g = hq / hkv, per = (R < CHUNK_ROWS ? R : CHUNK_ROWS) * hq; /* queries of a pass */
+    float *scratch = malloc((size_t)(per * (dqk + dv + 2) + (dqk + dv + 1) * BLOCK) * sizeof(float));
+    if (!scratch) return -1;
+    float *qs = scratch, *acc = qs + per * dqk, *m = acc + per * dv, *l = m + per, *kt = l + per, *vb = kt + dqk * BLOCK;
+    float *s = vb + dv * BLOCK;
+    const float *vrow[BLOCK];
+    long slots[BLOCK], status = 0;
+    for (long a = 0; a < R && !status; a += CHUNK_ROWS) {
+        const long b = a + CHUNK_ROWS < R ? a + CHUNK_ROWS : R, n = (b - a) * hq;
+        for (long r = a; r < b; r++) { /* query (r, head) at (r - a) hq + head */
+            const float *src = q + q_row[r] * q_stride;
+            float *dst = qs + (r - a) * hq * dqk;
+            for (long e = 0; e < hq * dqk; e++) dst[e] = src[e] * scale;
+        }
+        for (long x = 0; x < n; x++) {
+            m[x] = -INFINITY;
+            l[x] = 0.0f;
+        }
+        memset(acc, 0, (size_t)(n * dv) * sizeof(float));
+        const long lo = key_first(len0 + a, window), hi = len0 + b - 1; /* the pass's keys [lo, hi) */
+        for (long start = lo / BLOCK * BLOCK; start < hi && !status; start += BLOCK) {
+            const long klo = start > lo ? start : lo, khi = start + BLOCK < hi ? start + BLOCK : hi;
+            for (long pos = klo; pos < khi; pos++) {
+                const long page = pages[pos / page_size];
+                if (page < 0 || page >= num_pages) { /* the first row whose keys include it */
+                    error[0] = pos - len0 + 1 > a ? pos - len0 + 1 : a;
+                    error[1] = pos;
+                    status = 1;
+                    break;
+                }
+                slots[pos - start] = page * page_size + pos % page_size;
+            }
+            if (status) break;
+            /* the block's other places hold one of its keys: read, never taken */
+            for (long t = 0; t < klo - start; t++) slots[t] = slots[klo - start];
+            for (long t = khi - start; t < BLOCK; t++) slots[t] = slots[khi - start - 1];
+            for (long h = 0; h < hkv; h++) {
+                /* the block's K transposed and its V rows side by side, read by every query of the pass:
+                 * in the pool one head's rows lie hkv x dv floats apart, and at large heads (64 x 128)
+                 * that stride maps a block's V rows onto a few L1 sets, so each query fetched them again */
+                for (long t = 0; t < BLOCK; t++) {
+                    const float *k = k_cache + (slots[t] * hkv + h) * dqk;
+                    for (long e = 0; e < dqk; e++) kt[e * BLOCK + t] = k[e];
+                    memcpy(vb + t * dv, v_cache + (slots[t] * hkv + h) * dv, (size_t)dv * sizeof(float));
+                    vrow[t] = vb + t * dv;
+                }
+                for (long r = a; r < b; r++) {
+                    const long len = len0 + r, first = key_first(len, window);
+                    const long tlo = (first > klo ? first : klo) - start, thi = (len < khi ? len : khi) - start;
+                    if (tlo >= thi) continue; /* none of its keys in this block */
+                    for (long j = 0; j < g; j++) {
+                        const long x = (r - a) * hq + h * g + j;
+                        chunk_query(qs + x * dqk, kt, vrow, dqk, dv, tlo, thi, s, acc + x * dv, m + x, l + x);
+                    }
+                }
+            }
+        }
+        for (long r = a; r < b && !status; r++)
+            for (long head = 0; head < hq; head++) {
+                const long x = (r - a) * hq + head;
+                finish_query(acc + x * dv, l[x], m[x], sinks ? sinks + head : NULL,
+                             out + q_row[r] * out_stride + head * dv, dv);
+            }
+    }
+    free(scratch);
+    return status;
+}
+
 /* Rows [lo, hi) of paged_decode_attention, one after the other with their own scratch (the
  * prefetches chain from row to row); same statuses, error[0] a row index of the whole call. */
 static long decode_range(const float *q, long q_stride, const float *k_cache, const float *v_cache,
                          long num_slots, const long *table, long table_cols, const long *seq_lens,
                          const long *req, const long *q_row, long lo, long hi, const float *sinks, float *out,
                          long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
-                         float scale, long *error) {
+                         float scale, const long *run_end, long *error) {
     long g = hq / hkv;
     long num_pages = num_slots / page_size;
     float *scratch = malloc((size_t)(g * BLOCK + hq * (dv + dqk + 2)) * sizeof(float));
@@ -457,16 +658,22 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
     long status = 0;
     int whole = 0; /* this request's K/V asked for whole while the one before computed */
     for (long i = lo; i < hi; i++) {
-        const long r = group_rows(table, table_cols, seq_lens, req, i, hi, window, page_size);
-        if (r > 1) {
-            if (i + r < hi) { /* the next row's first keys while the group computes */
-                const long nlen = seq_lens[req[i + r]], nfirst = window > 0 && nlen > window ? nlen - window : 0;
+        /* a chunk's rows (mark_chunks) up to the range's end, or a group of rows sharing their keys */
+        const int chunk = run_end && run_end[i];
+        const long r = chunk ? (run_end[i] < hi ? run_end[i] : hi) - i
+                             : group_rows(table, table_cols, seq_lens, req, i, hi, window, page_size);
+        if (chunk || r > 1) {
+            if (!chunk && i + r < hi) { /* the next row's first keys while the group computes */
+                const long nlen = seq_lens[req[i + r]], nfirst = key_first(nlen, window);
                 prefetch_positions(k_cache, v_cache, table + req[i + r] * table_cols, page_size, num_pages, nfirst,
                                    nfirst + BLOCK < nlen ? nfirst + BLOCK : nlen, hkv * dqk, hkv * dv);
             }
             long e[2] = {0, 0};
-            long st = attend_group(q, q_stride, q_row + i, r, k_cache, v_cache, table + req[i] * table_cols, page_size,
-                                   num_pages, seq_lens[req[i]], hq, hkv, dqk, dv, sinks, scale, out, out_stride, e);
+            const long *pages = table + req[i] * table_cols, len0 = seq_lens[req[i]];
+            const long st = chunk ? attend_chunk(q, q_stride, q_row + i, r, k_cache, v_cache, pages, page_size, num_pages,
+                                                 len0, window, hq, hkv, dqk, dv, sinks, scale, out, out_stride, e)
+                                  : attend_group(q, q_stride, q_row + i, r, k_cache, v_cache, pages, page_size, num_pages,
+                                                 len0, hq, hkv, dqk, dv, sinks, scale, out, out_stride, e);
             if (st) {
                 status = st;
                 if (st > 0) {
@@ -480,7 +687,7 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
             continue;
         }
         long len = seq_lens[req[i]];
-        long first = window > 0 && len > window ? len - window : 0;
+        long first = key_first(len, window);
         const long *pages = table + req[i] * table_cols;
         if (i == lo)
             prefetch_positions(k_cache, v_cache, pages, page_size, num_pages, first,
@@ -492,7 +699,7 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
         if (i + 1 < hi) {
             next_pages = table + req[i + 1] * table_cols;
             next_len = seq_lens[req[i + 1]];
-            next_first = window > 0 && next_len > window ? next_len - window : 0;
+            next_first = key_first(next_len, window);
             if ((next_len - next_first) * hkv * (dqk + dv) * (long)sizeof(float) <= WHOLE_AHEAD) {
                 /* a short context: all of the next request's rows, a whole request of compute ahead
                  * of their use (a block ahead left the K/V of a decode step waiting on memory) */
@@ -525,6 +732,25 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
     return status;
 }
 
+/* run_end[i] = the end of row i's run (run_rows) when the run goes as a chunk (attend_chunk: more
+ * than chunk_after rows; chunk_after 0: none does), else 0. Decided over the whole call, so a row
+ * takes the same path whichever thread's range it falls in. NULL when no run qualifies (or out of
+ * memory: the rows then walk as single rows and groups, the same results to fp32 rounding). */
+static long *mark_chunks(const long *table, long table_cols, const long *seq_lens, const long *req, long num_rows,
+                         long page_size, long chunk_after) {
+    if (chunk_after <= 0 || num_rows <= chunk_after) return NULL;
+    long *run_end = NULL;
+    for (long i = 0; i < num_rows;) {
+        const long r = run_rows(table, table_cols, seq_lens, req, i, num_rows, page_size);
+        if (r > chunk_after) {
+            if (!run_end && !(run_end = calloc((size_t)num_rows, sizeof(long)))) return NULL;
+            for (long x = i; x < i + r; x++) run_end[x] = i + r;
+        }
+        i += r;
+    }
+    return run_end;
+}
+
 /* All decode rows of one layer. Row i: request req[i] (its block-table row and seq_lens entry),
  * query q[q_row[i]] ([hq, dqk] at q + q_row[i] * q_stride), output out[q_row[i]] ([hq, dv] at
  * out + q_row[i] * out_stride). window <= 0: no window. sinks: [hq] or NULL.
@@ -536,12 +762,13 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
  * count is above one (the engine thread's wide step) splits the rows into one contiguous range per
  * team thread: every row is computed exactly as alone, so the output is the same bit for bit; a
  * failing row reported is the lowest of the ranges' first failures. Rows of one request that share
- * their keys go as one group (attend_group), within a range. */
+ * their keys go as one group (attend_group), within a range; a run of more than chunk_after rows
+ * (0: none) as a chunk (attend_chunk), whose rows keep their bits whatever the split. */
 long paged_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
                             long num_slots, const long *table, long table_cols, const long *seq_lens,
                             const long *req, const long *q_row, long num_rows, const float *sinks, float *out,
                             long out_stride, long hq, long hkv, long dqk, long dv, long page_size, long window,
-                            float scale, long *error) {
+                            float scale, long chunk_after, long *error) {
     long keys = 0; /* visible keys summed over the rows: the call's work */
     for (long i = 0; i < num_rows; i++) { /* every length first: the prefetches below trust them */
         long len = seq_lens[req[i]];
@@ -552,15 +779,17 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
         }
         keys += window > 0 && len > window ? window : len;
     }
+    long *run_end = mark_chunks(table, table_cols, seq_lens, req, num_rows, page_size, chunk_after);
+    long status = 0;
 #ifdef _OPENMP
     if (split_on_team(num_rows) || (num_rows > 1 && split_work_on_team(keys * hq * (dqk + dv)))) { /* one row: nothing to share */
-        long status = 0, bad_row = num_rows, bad_pos = 0;
+        long bad_row = num_rows, bad_pos = 0;
 #pragma omp parallel
         {
             long nt = omp_get_num_threads(), me = omp_get_thread_num(), e[2] = {0, 0};
             long st = decode_range(q, q_stride, k_cache, v_cache, num_slots, table, table_cols, seq_lens, req, q_row,
                                    num_rows * me / nt, num_rows * (me + 1) / nt, sinks, out, out_stride, hq, hkv,
-                                   dqk, dv, page_size, window, scale, e);
+                                   dqk, dv, page_size, window, scale, run_end, e);
             if (st) {
 #pragma omp critical(paged_decode_status)
                 {
@@ -577,9 +806,12 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
             error[0] = bad_row;
             error[1] = bad_pos;
         }
+        free(run_end);
         return status;
     }
 #endif
-    return decode_range(q, q_stride, k_cache, v_cache, num_slots, table, table_cols, seq_lens, req, q_row, 0,
-                        num_rows, sinks, out, out_stride, hq, hkv, dqk, dv, page_size, window, scale, error);
+    status = decode_range(q, q_stride, k_cache, v_cache, num_slots, table, table_cols, seq_lens, req, q_row, 0,
+                          num_rows, sinks, out, out_stride, hq, hkv, dqk, dv, page_size, window, scale, run_end, error);
+    free(run_end);
+    return status;
 }

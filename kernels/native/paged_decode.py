@@ -20,7 +20,7 @@ from kernels.native.build import library, openmp_flags
 
 _P = ctypes.c_void_p
 _L = ctypes.c_long
-_ARGTYPES = [_P, _L, _P, _P, _L, _P, _L, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P]
+_ARGTYPES = [_P, _L, _P, _P, _L, _P, _L, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _L, _P]
 _SIGNATURES = {"paged_decode_attention": (_ARGTYPES, ctypes.c_long)}
 
 
@@ -51,6 +51,9 @@ class DecodeRows:
     num_tokens: int  # query rows of the step (rows index into them)
     page_size: int
     window: int | None
+    # a run of one request's rows longer than this goes through the kernel's chunk path (paged_decode.c
+    # attend_chunk: not single-row bits, each row's own whatever the split); 0: none does
+    chunk_after: int = 0
 
     @functools.cached_property
     def pointers(self) -> tuple[int, int, int, int]:
@@ -60,7 +63,7 @@ class DecodeRows:
 
     @staticmethod
     def build(table: torch.Tensor, seq_lens: torch.Tensor, requests: list[int], rows: list[int], *,
-              num_tokens: int, page_size: int, window: int | None) -> DecodeRows:
+              num_tokens: int, page_size: int, window: int | None, chunk_after: int = 0) -> DecodeRows:
         if table.dim() != 2 or seq_lens.dim() != 1:
             raise ValueError(f"block table {tuple(table.shape)} / seq_lens {tuple(seq_lens.shape)}: expected 2-D / 1-D")
         if len(requests) != len(rows):
@@ -74,10 +77,12 @@ class DecodeRows:
             raise ValueError(f"window must be >= 1 or None, got {window}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if chunk_after < 0:
+            raise ValueError(f"chunk_after must be >= 0, got {chunk_after}")
         return DecodeRows(table.to(device="cpu", dtype=torch.long).contiguous(),
                           seq_lens.to(device="cpu", dtype=torch.long).contiguous(),
                           torch.tensor(requests, dtype=torch.long), torch.tensor(rows, dtype=torch.long),
-                          num_tokens, page_size, window)
+                          num_tokens, page_size, window, chunk_after)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeRows, *,
@@ -102,7 +107,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     status = lib.paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table,
         decode.table.shape[1], lens, requests, rows, decode.rows.shape[0], None if sinks is None else sinks.data_ptr(),
-        out.data_ptr(), hq * dv, hq, hkv, dqk, dv, decode.page_size, decode.window or 0, scale, error)
+        out.data_ptr(), hq * dv, hq, hkv, dqk, dv, decode.page_size, decode.window or 0, scale, decode.chunk_after, error)
     if status:
         _raise(status, decode, int(error[0]), int(error[1]), k_cache.shape[0])
     return out

@@ -360,3 +360,108 @@ def test_decode_rows_of_other_requests_with_consecutive_lengths_never_group(widt
     got = paged_decode.decode_attention(q, k, v, rows, scale=0.3, sinks=None)
     ref = paged_attention_ref(q, k, v, table, qsl, lens, page_size=4, scale=0.3)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+
+# ---- a request's run of rows as a chunk (attend_chunk) ------------------------------------------------------------
+
+def _chunk_plan(table, qsl, lens, page, window, *, chunk_after=8, last=None):
+    """_rows_plan with runs of more than ``chunk_after`` rows through the chunk path (0: none); ``last``:
+    only the last ``last`` rows of request 0 (the same rows with the same lengths, in a shorter run)."""
+    requests, row_lens, q_rows = [], [], []
+    bounds = qsl.tolist()
+    for b, n in enumerate(lens.tolist()):
+        rows = bounds[b + 1] - bounds[b]
+        keep = range(rows - last, rows) if b == 0 and last is not None else range(rows)
+        requests += [b] * len(keep)
+        row_lens += [n - rows + 1 + i for i in keep]
+        q_rows += [bounds[b] + i for i in keep]
+    return paged_decode.DecodeRows.build(table.index_select(0, torch.tensor(requests)), torch.tensor(row_lens),
+                                         list(range(len(requests))), q_rows, num_tokens=int(bounds[-1]),
+                                         page_size=page, window=window, chunk_after=chunk_after)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=KEEP_FIXTURE)
+@given(st.integers(9, 80), st.integers(0, 300), st.lists(st.integers(1, 40), max_size=3),
+       st.sampled_from([(8, 4), (4, 2), (6, 1), (8, 8)]), st.sampled_from([(24, 16), (8, 6), (32, 32), (3, 5), (40, 20)]),
+       st.sampled_from([1, 4, 16]), st.one_of(st.none(), st.integers(1, 200)), st.booleans(), st.integers(0, 10_000))
+def test_a_chunk_of_rows_matches_the_reference(width, rows, ctx, decodes, heads, dims, page, window, sinks, seed):
+    """A request's run of more rows than chunk_after (a question after a prefix-cache hit, a prompt's
+    chunk) through the chunk path: the reference's output to fp32 rounding, with or without a window
+    (pages behind it released), decode rows of other requests beside it, head sizes that are not a
+    multiple of the vector width."""
+    q, k, v, table, qsl, lens = pool(seed, [rows] + [1] * len(decodes), [ctx + rows] + [d + 1 for d in decodes],
+                                     heads[0], heads[1], dims, page, window, True)
+    s = torch.randn(heads[0]) * 2 if sinks else None
+    got = paged_decode.decode_attention(q, k, v, _chunk_plan(table, qsl, lens, page, window), scale=0.3, sinks=s)
+    ref = paged_attention_ref(q, k, v, table, qsl, lens, page_size=page, scale=0.3, window=window, sinks=s)
+    assert got is not None
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(20, 90), st.integers(0, 400), st.integers(9, 19), st.one_of(st.none(), st.integers(32, 100)),
+       st.integers(0, 10_000))
+def test_a_chunk_row_computes_the_same_bits_in_any_run_and_thread_split(rows, ctx, last, window, seed):
+    """A row of a chunk computes the same bits whatever it goes with: the whole run on one thread, on
+    a wide thread's team (the rows split into ranges), or only the run's last rows -- its blocks of keys
+    lie at absolute positions and it takes only its own keys of each."""
+    q, k, v, table, qsl, lens = pool(seed, [rows], [ctx + rows], 8, 4, (24, 16), 16, window, True)
+    sinks = torch.randn(8)
+
+    def run(plan):
+        return lambda: paged_decode.decode_attention(q, k, v, plan, scale=0.2, sinks=sinks)
+
+    whole = _chunk_plan(table, qsl, lens, 16, window)
+    one = on_threads(1, run(whole))
+    assert torch.equal(one, on_threads(2, run(whole)))
+    tail = on_threads(1, run(_chunk_plan(table, qsl, lens, 16, window, last=last)))
+    assert torch.equal(tail[rows - last:], one[rows - last:])
+    # and not the single-row walk's bits (another summation order), which the same rows keep at chunk_after 0
+    alone = on_threads(1, run(_chunk_plan(table, qsl, lens, 16, window, chunk_after=0)))
+    torch.testing.assert_close(one, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("broken_at", [3, 21, 40, 47])
+@pytest.mark.parametrize("window", [None, 36])
+def test_a_chunk_reports_the_row_and_position_a_single_row_walk_does(width, broken_at, window):
+    """A released page under a chunk: the error names the request and position the single-row walk
+    names -- the lowest bad position the chunk's rows see, from the first row whose keys reach it."""
+    q, k, v, table, qsl, lens = pool(4, [1, 20], [30, 48], 4, 2, (8, 6), 4, None, False)
+    broken = table.clone()
+    broken[1, broken_at // 4] = -1
+    errors, raise_ = [], paged_decode._raise
+
+    def seen(status, decode, row, pos, num_slots):
+        errors.append((status, row, pos))
+        raise_(status, decode, row, pos, num_slots)
+
+    with mock.patch.object(paged_decode, "_raise", seen):
+        for chunk_after in (8, 0):
+            with pytest.raises(RuntimeError, match="whose page was released"):
+                paged_decode.decode_attention(q, k, v, _chunk_plan(broken, qsl, lens, 4, window, chunk_after=chunk_after),
+                                              scale=0.3, sinks=None)
+    assert errors[0] == errors[1] and errors[0][1] >= 1  # a row of the chunk (row 0 is the decode row)
+
+
+def test_the_plan_sends_short_chunks_of_small_heads_to_the_chunk_path():
+    """AttentionPlan.build: at head dims up to NATIVE_CHUNK_HEAD_DIM a full layer's chunk of up to
+    NATIVE_CHUNK_ROWS rows is kernel rows whose runs past NATIVE_SHORT_ROWS go as chunks (every row
+    native: the fused layer can take the step); larger heads keep the flash kernel past NATIVE_SHORT_ROWS;
+    a window under NATIVE_ANY_ROWS_WINDOW keys keeps single rows."""
+    from kernels.cpu.paged_attention import (NATIVE_ANY_ROWS_WINDOW, NATIVE_CHUNK_HEAD_DIM, NATIVE_CHUNK_ROWS,
+                                             NATIVE_SHORT_ROWS)
+
+    def plan(rows, head_dim, window=None):
+        _, _, _, table, qsl, lens = pool(1, [rows, 1], [1000 + rows, 40], 8, 4, (24, 16), 16, None, False)
+        return AttentionPlan.build(table, qsl, lens, page_size=16, window=window, head_dim=head_dim)
+
+    small = plan(29, NATIVE_CHUNK_HEAD_DIM)
+    assert small.native_every_row and not small.extends and small.native.chunk_after == NATIVE_SHORT_ROWS
+    assert plan(NATIVE_CHUNK_ROWS, 24).native_every_row
+    assert len(plan(NATIVE_CHUNK_ROWS + 1, 24).extends) == 1
+    large = plan(29, NATIVE_CHUNK_HEAD_DIM + 1)
+    assert len(large.extends) == 1 and not large.native_every_row
+    assert plan(29, None).extends  # head size unknown: no chunk path
+    assert plan(29, 24, window=NATIVE_ANY_ROWS_WINDOW).native.chunk_after == NATIVE_SHORT_ROWS
+    assert plan(29, 24, window=NATIVE_ANY_ROWS_WINDOW - 1).native.chunk_after == 0

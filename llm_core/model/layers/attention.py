@@ -209,7 +209,8 @@ class Attention(nn.Module):
         key = ("attn", self.is_sliding, self.window, q.dtype)
         if key not in batch.step_cache:
             batch.step_cache[key] = ops.attention_plan(q, table, batch.query_start_loc, batch.seq_lens,
-                                                       page_size=batch.page_size, window=self.window)
+                                                       page_size=batch.page_size, window=self.window,
+                                                       head_dim=self.spec.head_dim)
         return batch.step_cache[key]
 
     def extra_repr(self) -> str:
