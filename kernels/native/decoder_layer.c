@@ -86,7 +86,8 @@ int attention_out_f32(const float *attn, int64_t T, int64_t A, const float *wo_t
 }
 
 /* h [T][H]; wg_t, wu_t [H][I] and wd_t [I][H] (kernel layout); residual [T][H] or NULL; out [T][H]
- * is overwritten. silu(g) = g / (1 + e^-g), as torch computes it. Return 0, -2 out of memory. */
+ * is overwritten. silu(g) = g / (1 + e^-g), as torch computes it (row_ops.h silu_mul_row). Return 0, -2
+ * out of memory. */
 int dense_mlp_f32(const float *h, int64_t T, int64_t H, int64_t I, const float *wg_t, const float *wu_t,
                   const float *wd_t, const float *residual, float *out) {
     if (T == 0) return 0;
@@ -96,11 +97,10 @@ int dense_mlp_f32(const float *h, int64_t T, int64_t H, int64_t I, const float *
     for (int64_t t = 0; t < T; t++) norm_row(h + t * H, H, NULL, 0.0f, ht + t, T); /* transpose only */
     gemm_rows(T, I, H, ht, T, wg_t, g);
     gemm_rows(T, I, H, ht, T, wu_t, u);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i++) {
-            const float gi = g[t * I + i];
-            st[i * T + t] = gi / (1.0f + expf(-gi)) * u[t * I + i];
-        }
+    for (int64_t t = 0; t < T; t++) { /* silu(gate) * up in place, then transposed */
+        silu_mul_row(g + t * I, u + t * I, I, g + t * I);
+        for (int64_t i = 0; i < I; i++) st[i * T + t] = g[t * I + i];
+    }
     gemm_rows(T, H, I, st, T, wd_t, out);
     free(ht);
     if (residual)

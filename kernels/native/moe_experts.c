@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "row_ops.h"
 #include "small_gemm.h"
 #include "team.h"
 
@@ -45,9 +46,10 @@ static void expert_rows(const float *x, const int64_t *rows, int64_t m, int64_t 
         for (int64_t k = 0; k < H; k++) xt[k * m + r] = xr[k];
     }
     gemm_rows(m, 2 * I, H, xt, m, w_gate_up, gu);
-    for (int64_t r = 0; r < m; r++) {
-        const float *g = gu + r * 2 * I, *u = g + I;
-        for (int64_t i = 0; i < I; i++) ht[i * m + r] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t r = 0; r < m; r++) { /* silu(gate) * up over the gate half, then transposed */
+        float *g = gu + r * 2 * I;
+        silu_mul_row(g, g + I, I, g);
+        for (int64_t i = 0; i < I; i++) ht[i * m + r] = g[i];
     }
     gemm_rows(m, H, I, ht, m, w_down, y);
     for (int64_t r = 0; r < m; r++) { /* scale here, add in the combine: two roundings like torch's y * w, index_add_ */

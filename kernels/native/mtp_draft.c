@@ -142,11 +142,11 @@ int mtp_draft_f32(const DraftShape *shape, const DraftWeights *w, const float *h
         for (int64_t i = 0; i < B * H; i++) x[i] += c[i];
         for (int64_t b = 0; b < B; b++) rms_row(x + b * H, H, w->norm_mlp, eps, t + b, B);
         gemm_rows(B, 2 * I, H, t, B, w->w_gu, c);
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < I; i++) {
-                const float g = c[b * 2 * I + i];
-                t[i * B + b] = g / (1.0f + expf(-g)) * c[b * 2 * I + I + i];
-            }
+        for (int64_t b = 0; b < B; b++) {
+            float *g = c + b * 2 * I; /* silu(gate) * up over the gate half, then transposed */
+            silu_mul_row(g, g + I, I, g);
+            for (int64_t i = 0; i < I; i++) t[i * B + b] = g[i];
+        }
         gemm_rows(B, H, I, t, B, w->w_down, c);
         for (int64_t i = 0; i < B * H; i++) x[i] += c[i];
         for (int64_t b = 0; b < B; b++) rms_row(x + b * H, H, w->norm_final, eps, t + b, B); /* h, transposed */

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "row_ops.h"
 #include "team.h"
 
 #define BLOCK 32 /* keys per online-softmax update (a multiple of 4): the logits of a block stay in L1 */
@@ -42,27 +43,9 @@ typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4), may_a
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
 
-/* e^x for x <= 0 to ~2 ulp, written so the compiler vectorizes a loop of it (libm's expf is a
- * scalar call per logit, which at one query per request is most of the arithmetic). x = n ln2 + r,
- * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n through the exponent bits. Below
- * -87.3 (e^x under FLT_MIN) the result is 0, as for a masked key. EXP_STEPS is the arithmetic for a
- * float or a vector xc (x clamped to -87.3): n rounded to nearest through the float adder (1.5 *
- * 2^23 pushes the fraction out: no libm call, so the loop vectorizes; |x log2 e| < 2^22 here), r
- * against ln2 in a high part (exact product for |n| < 2^10) and a low one, then the polynomial. */
-#define EXP_STEPS(xc, n, p)                                                                                   \
-    n = ((xc) * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                           \
-    p = ((xc) - n * 0.693145751953125f) - n * 1.428606765330187045e-06f; /* r */                             \
-    p = (((((((1.0f / 720.0f) * p + 1.0f / 120.0f) * p + 1.0f / 24.0f) * p + 1.0f / 6.0f) * p + 0.5f) * p +  \
-           1.0f) * p + 1.0f)
-static inline float exp_nonpositive(float x) {
-    const float lo = -87.3f;
-    float xc = x < lo ? lo : x, n, p;
-    EXP_STEPS(xc, n, p);
-    union { float f; int32_t i; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    float y = p * scale.f;
-    return x < lo ? 0.0f : y;
-}
+/* e^x of a logit (x <= 0; row_ops.h exp_approx): libm's expf is a scalar call per logit, which at one
+ * query per request is most of the arithmetic. */
+static inline float exp_nonpositive(float x) { return exp_approx(x); }
 
 /* exp_nonpositive on a vector, lane by lane (GCC's C has no vector ?:, so the selects are through
  * masks): the chunk path's logits, a block of them per query. */
@@ -75,7 +58,7 @@ static inline vi lane_index(void) {
 #endif
 }
 static inline vf exp_nonpositive_v(vf x) {
-    const vf lo = (vf){0} + -87.3f;
+    const vf lo = (vf){0} + EXP_LO;
     const vi under = x < lo;
     const vf xc = (vf)(((vi)x & ~under) | ((vi)lo & under));
     vf n, p;
@@ -732,6 +715,22 @@ static long decode_range(const float *q, long q_stride, const float *k_cache, co
     return status;
 }
 
+/* The first row of share ``part`` of ``parts``: a split call's rows go to the team's threads at equal
+ * shares of their visible keys (``keys``: all of them), not of their count -- a causal chunk's later
+ * rows see more keys than its first, a long context's decode row more than a short one's. */
+static long share_start(const long *seq_lens, const long *req, long num_rows, long window, long keys, long part,
+                        long parts) {
+    if (part >= parts) return num_rows;
+    const long want = keys * part / parts;
+    long seen = 0;
+    for (long i = 0; i < num_rows; i++) {
+        if (seen >= want) return i;
+        const long len = seq_lens[req[i]];
+        seen += len - key_first(len, window);
+    }
+    return num_rows;
+}
+
 /* run_end[i] = the end of row i's run (run_rows) when the run goes as a chunk (attend_chunk: more
  * than chunk_after rows; chunk_after 0: none does), else 0. Decided over the whole call, so a row
  * takes the same path whichever thread's range it falls in. NULL when no run qualifies (or out of
@@ -760,10 +759,11 @@ static long *mark_chunks(const long *table, long table_cols, const long *seq_len
  * Built with OpenMP (the runtime torch loaded: kernels/native/build.py), a call of at least
  * PARALLEL_ROWS rows, or of at least SPLIT_MACS multiply-adds (team.h), on a thread whose OpenMP
  * count is above one (the engine thread's wide step) splits the rows into one contiguous range per
- * team thread: every row is computed exactly as alone, so the output is the same bit for bit; a
- * failing row reported is the lowest of the ranges' first failures. Rows of one request that share
- * their keys go as one group (attend_group), within a range; a run of more than chunk_after rows
- * (0: none) as a chunk (attend_chunk), whose rows keep their bits whatever the split. */
+ * team thread, at equal shares of their keys (share_start): every row is computed exactly as alone,
+ * so the output is the same bit for bit; a failing row reported is the lowest of the ranges' first
+ * failures. Rows of one request that share their keys go as one group (attend_group), within a range;
+ * a run of more than chunk_after rows (0: none) as a chunk (attend_chunk), whose rows keep their bits
+ * whatever the split. */
 long paged_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
                             long num_slots, const long *table, long table_cols, const long *seq_lens,
                             const long *req, const long *q_row, long num_rows, const float *sinks, float *out,
@@ -777,7 +777,7 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
             error[1] = len - 1;
             return 2;
         }
-        keys += window > 0 && len > window ? window : len;
+        keys += len - key_first(len, window);
     }
     long *run_end = mark_chunks(table, table_cols, seq_lens, req, num_rows, page_size, chunk_after);
     long status = 0;
@@ -788,7 +788,8 @@ long paged_decode_attention(const float *q, long q_stride, const float *k_cache,
         {
             long nt = omp_get_num_threads(), me = omp_get_thread_num(), e[2] = {0, 0};
             long st = decode_range(q, q_stride, k_cache, v_cache, num_slots, table, table_cols, seq_lens, req, q_row,
-                                   num_rows * me / nt, num_rows * (me + 1) / nt, sinks, out, out_stride, hq, hkv,
+                                   share_start(seq_lens, req, num_rows, window, keys, me, nt),
+                                   share_start(seq_lens, req, num_rows, window, keys, me + 1, nt), sinks, out, out_stride, hq, hkv,
                                    dqk, dv, page_size, window, scale, run_end, e);
             if (st) {
 #pragma omp critical(paged_decode_status)

@@ -168,6 +168,20 @@ def test_out_matches_torch(t, dims, seed):
     assert attention_out(attn.double(), w_o, x, nw, 1e-6) is None
 
 
+def test_the_silu_in_c_matches_torch_over_the_whole_float_range():
+    """The C SiLU (row_ops.h silu_mul_row: a vectorized exp of its own, no libm call) against torch's on
+    gate values from -200 to 200, the exp's clamps at -87.3 and 88 and both sides of them included:
+    identity weights make the dense MLP's output exactly silu(h) * h."""
+    edges = torch.tensor([-200.0, -100.0, -88.5, -88.0, -87.5, -87.3, -87.0, -1e-30, 0.0, 1e-30, 87.0, 88.0, 88.5, 100.0])
+    h = torch.cat([torch.linspace(-200, 200, 4004), edges, -edges]).view(-1, 32)  # 4,032 values
+    eye = ops.linear_weight_layout(torch.eye(32))
+    got = dense_mlp(h, eye, eye, eye)
+    want = F.silu(h) * h
+    # past -88 the C exp of -g is inf (silu 0) where torch's sigmoid still underflows to ~1e-39: a few 1e-35
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-34)
+    assert torch.equal(got.signbit(), want.signbit())
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([(256, 512), (24, 40), (7, 9)]), st.booleans(), st.integers(0, 10_000))
 def test_dense_mlp_matches_torch(t, dims, with_residual, seed):
