@@ -93,6 +93,13 @@ NATIVE_ANY_ROWS_WINDOW = 32
 # row's eight dot products cost what a block of 32 logits does (376 rows: 1.04 vs 1.19, 0.77 vs 0.78).
 NATIVE_CHUNK_ROWS = 64
 NATIVE_CHUNK_HEAD_DIM = 32
+# ... and a longer chunk of a full layer whose rows see at most this many keys (a fresh prompt's chunk,
+# one after a short context): the team's threads split the rows at equal shares of their keys
+# (paged_decode.c share_start), so a causal chunk's later rows no longer load one thread. Wall ms,
+# flash / chunk at one thread | two, 8 / 4 heads of 24: 376 fresh rows 2.73 / 2.33 | 2.06 / 1.26, 512
+# fresh 5.12 / 3.90 | 3.50 / 2.12; past it flash catches up (512 rows after 2,048: 25.6 / 29.9 | 16.3
+# / 14.8; 4 / 2 of 32, 256 after 4,096: 12.5 / 15.1 | 8.1 / 8.2).
+NATIVE_CHUNK_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,10 @@ class AttentionPlan:
         if keys is None and paged_decode.available(dtype, device):
             limit = ((NATIVE_CHUNK_ROWS if chunks else NATIVE_SHORT_ROWS) if window is None
                      else num_tokens if window <= NATIVE_ANY_ROWS_WINDOW else NATIVE_SHORT_ROWS_SLIDING)
-            short = [b for b in range(num_requests) if 1 < qsl[b + 1] - qsl[b] <= limit]
+            # a full layer's longer chunk too when its keys are few (a fresh prompt's chunk): NATIVE_CHUNK_KEYS
+            keys_limit = NATIVE_CHUNK_KEYS if chunks and window is None else 0
+            short = [b for b in range(num_requests)
+                     if 1 < qsl[b + 1] - qsl[b] and (qsl[b + 1] - qsl[b] <= limit or lens[b] <= keys_limit)]
         if short:
             # a window under NATIVE_ANY_ROWS_WINDOW keys: a row's few dot products cost less than a block
             # of logits (376 fresh rows at W = 8: the same time either way)

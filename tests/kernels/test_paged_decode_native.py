@@ -446,20 +446,25 @@ def test_a_chunk_reports_the_row_and_position_a_single_row_walk_does(width, brok
 
 def test_the_plan_sends_short_chunks_of_small_heads_to_the_chunk_path():
     """AttentionPlan.build: at head dims up to NATIVE_CHUNK_HEAD_DIM a full layer's chunk of up to
-    NATIVE_CHUNK_ROWS rows is kernel rows whose runs past NATIVE_SHORT_ROWS go as chunks (every row
-    native: the fused layer can take the step); larger heads keep the flash kernel past NATIVE_SHORT_ROWS;
-    a window under NATIVE_ANY_ROWS_WINDOW keys keeps single rows."""
-    from kernels.cpu.paged_attention import (NATIVE_ANY_ROWS_WINDOW, NATIVE_CHUNK_HEAD_DIM, NATIVE_CHUNK_ROWS,
-                                             NATIVE_SHORT_ROWS)
+    NATIVE_CHUNK_ROWS rows, or of any length over at most NATIVE_CHUNK_KEYS keys, is kernel rows whose
+    runs past NATIVE_SHORT_ROWS go as chunks (every row native: the fused layer can take the step);
+    larger heads keep the flash kernel past NATIVE_SHORT_ROWS; a window under NATIVE_ANY_ROWS_WINDOW
+    keys keeps single rows."""
+    from kernels.cpu.paged_attention import (NATIVE_ANY_ROWS_WINDOW, NATIVE_CHUNK_HEAD_DIM, NATIVE_CHUNK_KEYS,
+                                             NATIVE_CHUNK_ROWS, NATIVE_SHORT_ROWS)
 
-    def plan(rows, head_dim, window=None):
-        _, _, _, table, qsl, lens = pool(1, [rows, 1], [1000 + rows, 40], 8, 4, (24, 16), 16, None, False)
+    def plan(rows, head_dim, window=None, ctx=1000):
+        _, _, _, table, qsl, lens = pool(1, [rows, 1], [ctx + rows, 40], 8, 4, (24, 16), 16, None, False)
         return AttentionPlan.build(table, qsl, lens, page_size=16, window=window, head_dim=head_dim)
 
     small = plan(29, NATIVE_CHUNK_HEAD_DIM)
     assert small.native_every_row and not small.extends and small.native.chunk_after == NATIVE_SHORT_ROWS
     assert plan(NATIVE_CHUNK_ROWS, 24).native_every_row
     assert len(plan(NATIVE_CHUNK_ROWS + 1, 24).extends) == 1
+    fresh = plan(NATIVE_CHUNK_KEYS, 24, ctx=0)  # a fresh prompt's chunk: its keys are its rows
+    assert fresh.native_every_row and fresh.native.chunk_after == NATIVE_SHORT_ROWS
+    assert len(plan(NATIVE_CHUNK_KEYS - 10, 24, ctx=11).extends) == 1  # one key past the limit
+    assert len(plan(NATIVE_CHUNK_KEYS, 64, ctx=0).extends) == 1
     large = plan(29, NATIVE_CHUNK_HEAD_DIM + 1)
     assert len(large.extends) == 1 and not large.native_every_row
     assert plan(29, None).extends  # head size unknown: no chunk path
