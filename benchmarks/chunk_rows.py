@@ -1,8 +1,8 @@
 """A request's run of query rows over its keys -- a question after a prefix-cache hit, a prompt's chunk
 -- three ways: ATen's flash kernel (the band on a sliding layer), the C kernel's single rows (each row
 walks its keys), and the C kernel's chunk path (paged_decode.c attend_chunk: each block of keys
-transposed once for every row's queries). The measurement behind ``NATIVE_CHUNK_HEAD_DIM`` and
-``NATIVE_CHUNK_ROWS`` in kernels/cpu/paged_attention.py.
+transposed once for every row's queries). The measurement behind ``NATIVE_CHUNK_HEAD_DIM``,
+``NATIVE_CHUNK_ROWS`` and ``NATIVE_CHUNK_KEYS`` in kernels/cpu/paged_attention.py.
 
     .venv/bin/python benchmarks/chunk_rows.py            # the table (+ --json PATH)
     .venv/bin/python benchmarks/chunk_rows.py --quick    # without the MiMo-V2.5-size rows
@@ -33,11 +33,13 @@ PAGE = 16
 # heads of 24 / 16; its same-prefix step is the first row), the demo model's heads (4 / 2 of 32), larger
 # heads, sliding layers at W = 8, 32, 128
 SHAPES = [(29, 1088, None, 8, 4, 24, 16), (16, 1088, None, 8, 4, 24, 16), (64, 1088, None, 8, 4, 24, 16),
-          (376, 0, None, 8, 4, 24, 16), (29, 1088, None, 4, 2, 32, 32), (29, 1088, None, 8, 4, 64, 64),
+          (376, 0, None, 8, 4, 24, 16), (512, 0, None, 8, 4, 24, 16), (512, 2048, None, 8, 4, 24, 16),
+          (256, 4096, None, 4, 2, 32, 32), (29, 1088, None, 4, 2, 32, 32), (29, 1088, None, 8, 4, 64, 64),
           (29, 1088, None, 16, 4, 64, 64), (29, 1088, None, 8, 4, 128, 128),
           (376, 0, 8, 8, 8, 24, 16), (376, 0, 32, 4, 2, 32, 32), (120, 300, 32, 4, 2, 32, 32),
           (27, 393, 128, 8, 8, 24, 16), (64, 393, 128, 4, 2, 32, 32)]
-MIMO = [(29, 2000, None, 64, 4, 192, 128), (64, 2000, 128, 64, 8, 192, 128)]  # MiMo-V2.5's layers
+MIMO = [(29, 2000, None, 64, 4, 192, 128), (64, 2000, None, 64, 4, 192, 128), (512, 0, None, 64, 4, 192, 128),
+        (64, 2000, 128, 64, 8, 192, 128)]  # MiMo-V2.5's layers
 
 
 @contextlib.contextmanager

@@ -84,21 +84,24 @@ NATIVE_ANY_ROWS_WINDOW = 32
 # a kernel row, so a short step's layers run as one C call each (llm_core/model/layers/fused_decode.py).
 # benchmarks/chunk_rows.py (plan + one layer, wall ms per call, medians; flash / C rows / chunk at one
 # thread | at two), on the AVX2 EPYC: the same-prefix step's full layer (29 rows after 1,088, 8 / 4
-# heads of 24 / 16) 1.11 / 1.80 / 0.96 | 0.77 / 1.02 / 0.57; 376 fresh rows there 2.76 / 4.15 / 2.32 |
-# 1.93 / 3.20 / 1.79; the demo model's heads (4 / 2 of 32) 0.69 / 1.08 / 0.61 | 0.80 / 0.73 / 0.50;
-# a sliding layer at W = 32, 376 fresh rows 1.05 / 1.03 / 0.74 | 1.12 / 0.90 / 0.72, and at W = 128,
-# 27 rows after 393: 0.42 / 0.53 / 0.26 | 0.71 / 0.55 / 0.35. Flash reuses each key over more
-# queries per register tile and wins at larger heads (8 / 4 of 128: 3.66 vs 4.57 at one thread;
-# MiMo-V2.5's 64 / 4 of 192 over 2,000 keys: 57.5 vs 65.1, 27.8 vs 30.9 at two), and at W = 8 a
-# row's eight dot products cost what a block of 32 logits does (376 rows: 1.04 vs 1.19, 0.77 vs 0.78).
+# heads of 24 / 16) 1.07 / 1.24 / 0.88 | 0.76 / 0.73 / 0.56; the demo model's heads (4 / 2 of 32)
+# 0.67 / 0.81 / 0.56 | 0.81 / 0.55 / 0.48; MiMo-V2.5's full layer (64 / 4 heads of 192 / 128), 29
+# rows after 2,000: 54.0 / 57.4 / 41.8 | 26.3 / 29.4 / 21.7, 64 rows after 2,000: 98.8 / 128.6 / 92.6
+# | 56.4 / 65.9 / 56.0; its sliding layer (64 / 8, W = 128), 64 rows after 2,000: 12.1 / 14.1 / 9.3 |
+# 7.2 / 7.1 / 4.9; 8 / 4 of 128: 2.88 / 3.49 / 2.67 | 1.98 / 1.97 / 1.89. Two heads of a KV head's
+# group share every K and V load, which is what lets it keep up at large groups (16 / 4 of 64 is
+# within noise either way: 2.84 vs 3.09, 2.01 vs 1.80). At W = 8 a row's eight dot products cost
+# what a block of 32 logits does (376 rows: 0.79 vs 0.77, 0.66 vs 0.68), so small windows keep rows.
+# Larger heads than MiMo-V2.5's 192 were not measured, and keep flash past NATIVE_SHORT_ROWS.
 NATIVE_CHUNK_ROWS = 64
-NATIVE_CHUNK_HEAD_DIM = 32
+NATIVE_CHUNK_HEAD_DIM = 192
 # ... and a longer chunk of a full layer whose rows see at most this many keys (a fresh prompt's chunk,
 # one after a short context): the team's threads split the rows at equal shares of their keys
-# (paged_decode.c share_start), so a causal chunk's later rows no longer load one thread. Wall ms,
-# flash / chunk at one thread | two, 8 / 4 heads of 24: 376 fresh rows 2.73 / 2.33 | 2.06 / 1.26, 512
-# fresh 5.12 / 3.90 | 3.50 / 2.12; past it flash catches up (512 rows after 2,048: 25.6 / 29.9 | 16.3
-# / 14.8; 4 / 2 of 32, 256 after 4,096: 12.5 / 15.1 | 8.1 / 8.2).
+# (paged_decode.c share_start), so a causal chunk's later rows no longer load one thread. Flash / chunk
+# at one thread | two, 8 / 4 heads of 24: 376 fresh rows 2.65 / 1.96 | 1.86 / 1.24, 512 fresh 4.68 /
+# 3.80 | 2.90 / 2.14; MiMo-V2.5's full layer, 512 fresh rows 173 / 122 | 99.6 / 64.0. Past it the two
+# come level (512 rows after 2,048: 25.3 / 24.3 | 13.5 / 12.5; 4 / 2 of 32, 256 after 4,096: 12.4 /
+# 14.1 | 6.8 / 7.4).
 NATIVE_CHUNK_KEYS = 1024
 
 

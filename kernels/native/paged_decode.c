@@ -473,81 +473,114 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
 /* first visible key of a row of context len */
 static inline long key_first(long len, long window) { return window > 0 && len > window ? len - window : 0; }
 
-/* One query against one block: logits of all BLOCK keys (kt: the block's keys for this KV head,
- * [dqk][BLOCK]), then over its keys [tlo, thi) of the block the online-softmax update of m / l / acc
- * and acc += p V (vrow[t]: key t's V row). */
-static void chunk_query(const float *qv, const float *kt, const float *const *vrow, long dqk, long dv, long tlo,
-                        long thi, float *s, float *acc, float *m, float *l) {
-    vf c[DEPTH_SPLIT][KEY_VECS];
-    for (int p = 0; p < DEPTH_SPLIT; p++)
-        for (int u = 0; u < KEY_VECS; u++) c[p][u] = (vf){0};
+/* nq (1 or 2) queries of one row against one block: the logits of all BLOCK keys (kt: the block's keys
+ * for this KV head, [dqk][BLOCK]), then over the row's keys [tlo, tlo + ...) -- [tlo, thi) -- of the
+ * block each query's online-softmax update of m / l / acc and acc += p V (vrow[t]: key t's V row). Two
+ * queries (two heads of one KV head's group) share every K and V load; their sums split over half as
+ * many partial chains, so a head's bits depend on nq, which depends only on the head's place in its
+ * group (attend_chunk), never on the rows or threads beside it. */
+static inline __attribute__((always_inline)) void chunk_queries(const int nq, const float *const *qv, const float *kt,
+                                                                 const float *const *vrow, long dqk, long dv, long tlo,
+                                                                 long thi, float *s, float *const *acc, float *m,
+                                                                 float *l) {
+    const int depth = DEPTH_SPLIT / nq, parts = 4 / nq; /* 8 FMA chains either way */
+    vf c[2][DEPTH_SPLIT][KEY_VECS];
+    for (int q = 0; q < nq; q++)
+        for (int p = 0; p < depth; p++)
+            for (int u = 0; u < KEY_VECS; u++) c[q][p][u] = (vf){0};
     long d = 0;
-    for (; d + DEPTH_SPLIT <= dqk; d += DEPTH_SPLIT)
-        for (int p = 0; p < DEPTH_SPLIT; p++) {
-            const float qd = qv[d + p];
-            for (int u = 0; u < KEY_VECS; u++) c[p][u] += qd * load(kt + (d + p) * BLOCK + u * VL);
-        }
-    for (; d < dqk; d++)
-        for (int u = 0; u < KEY_VECS; u++) c[0][u] += qv[d] * load(kt + d * BLOCK + u * VL);
-    /* the logits of its keys; the block's other places -inf, so they weigh e^-inf = 0 */
-    vf x[KEY_VECS], top = (vf){0} - INFINITY;
-    for (int u = 0; u < KEY_VECS; u++) {
-        vf sum = c[0][u];
-        for (int p = 1; p < DEPTH_SPLIT; p++) sum += c[p][u];
-        const vi at = lane_index() + u * VL, mine = (at >= (int)tlo) & (at < (int)thi);
-        x[u] = (vf)(((vi)sum & mine) | ((vi)((vf){0} - INFINITY) & ~mine));
-        const vi above = top > x[u];
-        top = (vf)(((vi)top & above) | ((vi)x[u] & ~above));
-    }
-    float mb = *m;
-    for (int t = 0; t < VL; t++) mb = top[t] > mb ? top[t] : mb;
-    vf total = (vf){0};
-    for (int u = 0; u < KEY_VECS; u++) {
-        const vf p = exp_nonpositive_v(x[u] - mb);
-        store(s + u * VL, p);
-        total += p;
-    }
-    float sum = 0.0f;
-    for (int t = 0; t < VL; t++) sum += total[t];
-    if (mb != *m) { /* a new running max: rescale what was summed under the old one */
-        const float alpha = exp_nonpositive(*m - mb); /* m = -inf (first block): 0 */
-        *l *= alpha;
-#pragma omp simd
-        for (long e = 0; e < dv; e++) acc[e] *= alpha;
-        *m = mb;
-    }
-    *l += sum;
-    long e = 0;
-    for (; e + 2 * VL <= dv; e += 2 * VL) { /* two vectors of acc, four partial sums over the keys */
-        vf a[4][2];
-        for (int p = 0; p < 4; p++) a[p][0] = a[p][1] = (vf){0};
-        long t = tlo;
-        for (; t + 4 <= thi; t += 4)
-            for (int p = 0; p < 4; p++) {
-                a[p][0] += s[t + p] * load(vrow[t + p] + e);
-                a[p][1] += s[t + p] * load(vrow[t + p] + e + VL);
+    for (; d + depth <= dqk; d += depth)
+        for (int p = 0; p < depth; p++)
+            for (int u = 0; u < KEY_VECS; u++) {
+                const vf k = load(kt + (d + p) * BLOCK + u * VL);
+                for (int q = 0; q < nq; q++) c[q][p][u] += qv[q][d + p] * k;
             }
-        for (; t < thi; t++) {
-            a[0][0] += s[t] * load(vrow[t] + e);
-            a[0][1] += s[t] * load(vrow[t] + e + VL);
+    for (; d < dqk; d++)
+        for (int u = 0; u < KEY_VECS; u++) {
+            const vf k = load(kt + d * BLOCK + u * VL);
+            for (int q = 0; q < nq; q++) c[q][0][u] += qv[q][d] * k;
         }
-        store(acc + e, load(acc + e) + ((a[0][0] + a[1][0]) + (a[2][0] + a[3][0])));
-        store(acc + e + VL, load(acc + e + VL) + ((a[0][1] + a[1][1]) + (a[2][1] + a[3][1])));
+    for (int q = 0; q < nq; q++) {
+        /* the logits of its keys; the block's other places -inf, so they weigh e^-inf = 0 */
+        vf x[KEY_VECS], top = (vf){0} - INFINITY;
+        for (int u = 0; u < KEY_VECS; u++) {
+            vf sum = c[q][0][u];
+            for (int p = 1; p < depth; p++) sum += c[q][p][u];
+            const vi at = lane_index() + u * VL, mine = (at >= (int)tlo) & (at < (int)thi);
+            x[u] = (vf)(((vi)sum & mine) | ((vi)((vf){0} - INFINITY) & ~mine));
+            const vi above = top > x[u];
+            top = (vf)(((vi)top & above) | ((vi)x[u] & ~above));
+        }
+        float mb = m[q];
+        for (int t = 0; t < VL; t++) mb = top[t] > mb ? top[t] : mb;
+        vf total = (vf){0};
+        for (int u = 0; u < KEY_VECS; u++) {
+            const vf p = exp_nonpositive_v(x[u] - mb);
+            store(s + q * BLOCK + u * VL, p);
+            total += p;
+        }
+        float sum = 0.0f;
+        for (int t = 0; t < VL; t++) sum += total[t];
+        if (mb != m[q]) { /* a new running max: rescale what was summed under the old one */
+            const float alpha = exp_nonpositive(m[q] - mb); /* m = -inf (first block): 0 */
+            l[q] *= alpha;
+            float *a = acc[q];
+#pragma omp simd
+            for (long e = 0; e < dv; e++) a[e] *= alpha;
+            m[q] = mb;
+        }
+        l[q] += sum;
+    }
+    long e = 0;
+    for (; e + 2 * VL <= dv; e += 2 * VL) { /* two vectors of each acc, partial sums over the keys */
+        vf a[2][4][2];
+        for (int q = 0; q < nq; q++)
+            for (int p = 0; p < parts; p++) a[q][p][0] = a[q][p][1] = (vf){0};
+        long t = tlo;
+        for (; t + parts <= thi; t += parts)
+            for (int p = 0; p < parts; p++) {
+                const vf v0 = load(vrow[t + p] + e), v1 = load(vrow[t + p] + e + VL);
+                for (int q = 0; q < nq; q++) {
+                    a[q][p][0] += s[q * BLOCK + t + p] * v0;
+                    a[q][p][1] += s[q * BLOCK + t + p] * v1;
+                }
+            }
+        for (; t < thi; t++)
+            for (int q = 0; q < nq; q++) {
+                a[q][0][0] += s[q * BLOCK + t] * load(vrow[t] + e);
+                a[q][0][1] += s[q * BLOCK + t] * load(vrow[t] + e + VL);
+            }
+        for (int q = 0; q < nq; q++)
+            for (int w = 0; w < 2; w++) {
+                vf sum = a[q][0][w];
+                for (int p = 1; p < parts; p++) sum += a[q][p][w];
+                store(acc[q] + e + w * VL, load(acc[q] + e + w * VL) + sum);
+            }
     }
     for (; e + VL <= dv; e += VL) {
-        vf a[4];
-        for (int p = 0; p < 4; p++) a[p] = (vf){0};
+        vf a[2][4];
+        for (int q = 0; q < nq; q++)
+            for (int p = 0; p < parts; p++) a[q][p] = (vf){0};
         long t = tlo;
-        for (; t + 4 <= thi; t += 4)
-            for (int p = 0; p < 4; p++) a[p] += s[t + p] * load(vrow[t + p] + e);
-        for (; t < thi; t++) a[0] += s[t] * load(vrow[t] + e);
-        store(acc + e, load(acc + e) + ((a[0] + a[1]) + (a[2] + a[3])));
+        for (; t + parts <= thi; t += parts)
+            for (int p = 0; p < parts; p++) {
+                const vf v0 = load(vrow[t + p] + e);
+                for (int q = 0; q < nq; q++) a[q][p] += s[q * BLOCK + t + p] * v0;
+            }
+        for (; t < thi; t++)
+            for (int q = 0; q < nq; q++) a[q][0] += s[q * BLOCK + t] * load(vrow[t] + e);
+        for (int q = 0; q < nq; q++) {
+            vf sum = a[q][0];
+            for (int p = 1; p < parts; p++) sum += a[q][p];
+            store(acc[q] + e, load(acc[q] + e) + sum);
+        }
     }
-    for (; e < dv; e++) {
-        float a = 0.0f;
-        for (long t = tlo; t < thi; t++) a += s[t] * vrow[t][e];
-        acc[e] += a;
-    }
+    for (; e < dv; e++)
+        for (int q = 0; q < nq; q++) {
+            float a = 0.0f;
+            for (long t = tlo; t < thi; t++) a += s[q * BLOCK + t] * vrow[t][e];
+            acc[q][e] += a;
+        }
 }
 
 /* The run of rows [0, R) of one request (row r: context len0 + r, keys [key_first(len0 + r), len0 + r)),
@@ -559,10 +592,10 @@ static long attend_chunk(const float *q, long q_stride, const long *q_row, long 
                          long window, long hq, long hkv, long dqk, long dv, const float *sinks, float scale,
                          float *out, long out_stride, long *error) {
     const long g = hq / hkv, per = (R < CHUNK_ROWS ? R : CHUNK_ROWS) * hq; /* queries of a pass */
-    float *scratch = malloc((size_t)(per * (dqk + dv + 2) + (dqk + dv + 1) * BLOCK) * sizeof(float));
+    float *scratch = malloc((size_t)(per * (dqk + dv + 2) + (dqk + dv + 2) * BLOCK) * sizeof(float));
     if (!scratch) return -1;
     float *qs = scratch, *acc = qs + per * dqk, *m = acc + per * dv, *l = m + per, *kt = l + per, *vb = kt + dqk * BLOCK;
-    float *s = vb + dv * BLOCK;
+    float *s = vb + dv * BLOCK; /* two queries' p of a block */
     const float *vrow[BLOCK];
     long slots[BLOCK], status = 0;
     for (long a = 0; a < R && !status; a += CHUNK_ROWS) {
@@ -608,9 +641,12 @@ static long attend_chunk(const float *q, long q_stride, const long *q_row, long 
                     const long len = len0 + r, first = key_first(len, window);
                     const long tlo = (first > klo ? first : klo) - start, thi = (len < khi ? len : khi) - start;
                     if (tlo >= thi) continue; /* none of its keys in this block */
-                    for (long j = 0; j < g; j++) {
+                    for (long j = 0; j < g; j += 2) { /* the group's heads in pairs (an odd last one alone) */
                         const long x = (r - a) * hq + h * g + j;
-                        chunk_query(qs + x * dqk, kt, vrow, dqk, dv, tlo, thi, s, acc + x * dv, m + x, l + x);
+                        const float *qv[2] = {qs + x * dqk, qs + (x + 1) * dqk};
+                        float *ac[2] = {acc + x * dv, acc + (x + 1) * dv};
+                        if (j + 1 < g) chunk_queries(2, qv, kt, vrow, dqk, dv, tlo, thi, s, ac, m + x, l + x);
+                        else chunk_queries(1, qv, kt, vrow, dqk, dv, tlo, thi, s, ac, m + x, l + x);
                     }
                 }
             }

@@ -383,13 +383,15 @@ def _chunk_plan(table, qsl, lens, page, window, *, chunk_after=8, last=None):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=KEEP_FIXTURE)
 @given(st.integers(9, 80), st.integers(0, 300), st.lists(st.integers(1, 40), max_size=3),
-       st.sampled_from([(8, 4), (4, 2), (6, 1), (8, 8)]), st.sampled_from([(24, 16), (8, 6), (32, 32), (3, 5), (40, 20)]),
+       st.sampled_from([(8, 4), (4, 2), (6, 1), (8, 8), (12, 4)]),
+       st.sampled_from([(24, 16), (8, 6), (32, 32), (3, 5), (40, 20), (192, 128)]),
        st.sampled_from([1, 4, 16]), st.one_of(st.none(), st.integers(1, 200)), st.booleans(), st.integers(0, 10_000))
 def test_a_chunk_of_rows_matches_the_reference(width, rows, ctx, decodes, heads, dims, page, window, sinks, seed):
     """A request's run of more rows than chunk_after (a question after a prefix-cache hit, a prompt's
     chunk) through the chunk path: the reference's output to fp32 rounding, with or without a window
     (pages behind it released), decode rows of other requests beside it, head sizes that are not a
-    multiple of the vector width."""
+    multiple of the vector width and MiMo-V2.5's, KV groups of one head, of pairs and of an odd count
+    (the last head alone)."""
     q, k, v, table, qsl, lens = pool(seed, [rows] + [1] * len(decodes), [ctx + rows] + [d + 1 for d in decodes],
                                      heads[0], heads[1], dims, page, window, True)
     s = torch.randn(heads[0]) * 2 if sinks else None
@@ -444,11 +446,11 @@ def test_a_chunk_reports_the_row_and_position_a_single_row_walk_does(width, brok
     assert errors[0] == errors[1] and errors[0][1] >= 1  # a row of the chunk (row 0 is the decode row)
 
 
-def test_the_plan_sends_short_chunks_of_small_heads_to_the_chunk_path():
+def test_the_plan_sends_short_and_fresh_chunks_to_the_chunk_path():
     """AttentionPlan.build: at head dims up to NATIVE_CHUNK_HEAD_DIM a full layer's chunk of up to
     NATIVE_CHUNK_ROWS rows, or of any length over at most NATIVE_CHUNK_KEYS keys, is kernel rows whose
     runs past NATIVE_SHORT_ROWS go as chunks (every row native: the fused layer can take the step);
-    larger heads keep the flash kernel past NATIVE_SHORT_ROWS; a window under NATIVE_ANY_ROWS_WINDOW
+    larger heads (not measured) keep the flash kernel past NATIVE_SHORT_ROWS; a window under NATIVE_ANY_ROWS_WINDOW
     keys keeps single rows."""
     from kernels.cpu.paged_attention import (NATIVE_ANY_ROWS_WINDOW, NATIVE_CHUNK_HEAD_DIM, NATIVE_CHUNK_KEYS,
                                              NATIVE_CHUNK_ROWS, NATIVE_SHORT_ROWS)
@@ -464,7 +466,7 @@ def test_the_plan_sends_short_chunks_of_small_heads_to_the_chunk_path():
     fresh = plan(NATIVE_CHUNK_KEYS, 24, ctx=0)  # a fresh prompt's chunk: its keys are its rows
     assert fresh.native_every_row and fresh.native.chunk_after == NATIVE_SHORT_ROWS
     assert len(plan(NATIVE_CHUNK_KEYS - 10, 24, ctx=11).extends) == 1  # one key past the limit
-    assert len(plan(NATIVE_CHUNK_KEYS, 64, ctx=0).extends) == 1
+    assert len(plan(NATIVE_CHUNK_KEYS, NATIVE_CHUNK_HEAD_DIM + 1, ctx=0).extends) == 1
     large = plan(29, NATIVE_CHUNK_HEAD_DIM + 1)
     assert len(large.extends) == 1 and not large.native_every_row
     assert plan(29, None).extends  # head size unknown: no chunk path
