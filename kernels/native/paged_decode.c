@@ -455,8 +455,8 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
 /* A run of one request's rows longer than the call's chunk_after (a prefill chunk: a question after a
  * prefix-cache hit over a long full-attention context) goes through its keys as a chunk: the keys of
  * a block transposed once per KV head and its V rows copied side by side, each query's logits then a
- * BLOCK-wide sum of dqk vector FMAs (no horizontal sums), its online-softmax update on whole vectors,
- * and p V with the block's keys over four partial sums (independent FMA chains). The rows' bits are
+ * BLOCK-wide sum of dqk vector FMAs (no horizontal sums; two heads of a group sharing each load), its
+ * online-softmax update on whole vectors, and p V over partial sums (independent FMA chains). The rows' bits are
  * not those of single rows (another summation order: shorter runs -- an MTP verify step's 1 + k
  * rows -- keep attend_group, whose are), but each query's are its own: blocks lie at absolute
  * multiples of BLOCK and a query takes only its own keys of each, so a row computes the same whatever
@@ -474,8 +474,8 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
 static inline long key_first(long len, long window) { return window > 0 && len > window ? len - window : 0; }
 
 /* nq (1 or 2) queries of one row against one block: the logits of all BLOCK keys (kt: the block's keys
- * for this KV head, [dqk][BLOCK]), then over the row's keys [tlo, tlo + ...) -- [tlo, thi) -- of the
- * block each query's online-softmax update of m / l / acc and acc += p V (vrow[t]: key t's V row). Two
+ * for this KV head, [dqk][BLOCK]), then over the row's keys [tlo, thi) of the block each query's
+ * online-softmax update of m / l / acc and acc += p V (vrow[t]: key t's V row). Two
  * queries (two heads of one KV head's group) share every K and V load; their sums split over half as
  * many partial chains, so a head's bits depend on nq, which depends only on the head's place in its
  * group (attend_chunk), never on the rows or threads beside it. */
