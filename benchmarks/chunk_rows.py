@@ -2,7 +2,7 @@
 -- three ways: ATen's flash kernel (the band on a sliding layer), the C kernel's single rows (each row
 walks its keys), and the C kernel's chunk path (paged_decode.c attend_chunk: each block of keys
 transposed once for every row's queries). The measurement behind ``NATIVE_CHUNK_HEAD_DIM``,
-``NATIVE_CHUNK_ROWS`` and ``NATIVE_CHUNK_KEYS`` in kernels/cpu/paged_attention.py.
+``NATIVE_CHUNK_ROWS`` and ``NATIVE_CHUNK_KEYS`` in kernels/cpu/attention_plan.py.
 
     .venv/bin/python benchmarks/chunk_rows.py            # the table (+ --json PATH)
     .venv/bin/python benchmarks/chunk_rows.py --quick    # without the MiMo-V2.5-size rows
@@ -23,9 +23,10 @@ import time
 
 import torch
 
-import kernels.cpu.paged_attention as pac
+import kernels.cpu.attention_plan as pac
 from _common import base_parser, fresh_thread, print_table, write_json
-from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
+from kernels.cpu.attention_plan import AttentionPlan
+from kernels.cpu.paged_attention import paged_attention_cpu
 from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads
 
 PAGE = 16

@@ -24,7 +24,8 @@ import torch
 from _common import base_parser, print_table, write_json
 
 from kernels.native import build as native_build
-from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
+from kernels.cpu.attention_plan import AttentionPlan
+from kernels.cpu.paged_attention import paged_attention_cpu
 
 PAGE = 16
 # name -> (heads, kv heads, q/k dim, v dim, window or None, context)

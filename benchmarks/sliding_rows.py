@@ -1,6 +1,6 @@
 """Sliding-layer prefill attention: the flash band (query blocks over their own keys) vs every row as a
 C decode row, per window and head shape -- the measurement behind ``NATIVE_ANY_ROWS_WINDOW`` in
-kernels/cpu/paged_attention.py.
+kernels/cpu/attention_plan.py.
 
     .venv/bin/python benchmarks/sliding_rows.py            # the table (+ --json PATH)
     .venv/bin/python benchmarks/sliding_rows.py --quick    # without the MiMo-V2.5-size row
@@ -19,9 +19,10 @@ import time
 
 import torch
 
-import kernels.cpu.paged_attention as pac
+import kernels.cpu.attention_plan as pac
 from _common import base_parser, print_table, write_json
-from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
+from kernels.cpu.attention_plan import AttentionPlan
+from kernels.cpu.paged_attention import paged_attention_cpu
 
 PAGE = 16
 # (n, ctx, window, q heads, kv heads, q/k dim, v dim): the pipeline benchmark's model (8 / 8 heads of

@@ -119,7 +119,7 @@ def attention_plan(q, block_table, query_start_loc, seq_lens, *, page_size, wind
     query/key head size (where the C kernel's chunk path pays; None: unknown, not taken)."""
     if use_triton(q):
         return None
-    from kernels.cpu.paged_attention import AttentionPlan
+    from kernels.cpu.attention_plan import AttentionPlan
 
     return AttentionPlan.build(block_table, query_start_loc, seq_lens, page_size=page_size, window=window,
                                dtype=q.dtype, keys=keys, head_dim=head_dim)
@@ -131,7 +131,7 @@ def attention_decode_plans(q, block_table, seq_lens, active, rows, *, page_size,
     them) with contexts ``seq_lens[s]`` ([S, B]); None per step where the device's kernel needs no plan."""
     if use_triton(q):
         return [None] * seq_lens.shape[0]
-    from kernels.cpu.paged_attention import AttentionPlan
+    from kernels.cpu.attention_plan import AttentionPlan
 
     return AttentionPlan.decode_steps(block_table, seq_lens, active, rows, page_size=page_size, window=window,
                                       dtype=q.dtype)

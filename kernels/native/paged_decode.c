@@ -460,7 +460,7 @@ static long attend_group(const float *q, long q_stride, const long *q_row, long 
  * not those of single rows (another summation order: shorter runs -- an MTP verify step's 1 + k
  * rows -- keep attend_group, whose are), but each query's are its own: blocks lie at absolute
  * multiples of BLOCK and a query takes only its own keys of each, so a row computes the same whatever
- * rows or thread ranges it goes with. Where it pays (head sizes, windows): kernels/cpu/paged_attention.py
+ * rows or thread ranges it goes with. Where it pays (head sizes, windows): kernels/cpu/attention_plan.py
  * NATIVE_CHUNK_HEAD_DIM. */
 #define CHUNK_ROWS 32 /* rows per pass over their keys: their queries' state (R x hq x (dqk + dv + 2)) stays in L2 */
 #define KEY_VECS (BLOCK / VL)

@@ -9,10 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.cpu.paged_attention as paged_attention_cpu_module
+import kernels.cpu.attention_plan as attention_plan_module
 import kernels.cpu.sliding_prefill as sliding
 from kernels.attention_ref import paged_attention_ref
-from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
+from kernels.cpu.attention_plan import AttentionPlan
+from kernels.cpu.paged_attention import paged_attention_cpu
 from tests.kernels.test_paged_attention_cpu import PAGE, make_batch
 
 
@@ -44,8 +45,8 @@ def test_blocks_match_the_reference(block, reqs, window, sinks, own_keys, c_rows
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sliding, "BLOCK", block)
         if not c_rows:  # chunks stay extends, whatever the window
-            mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 1)
-            mp.setattr(paged_attention_cpu_module, "NATIVE_ANY_ROWS_WINDOW", 0)
+            mp.setattr(attention_plan_module, "NATIVE_SHORT_ROWS_SLIDING", 1)
+            mp.setattr(attention_plan_module, "NATIVE_ANY_ROWS_WINDOW", 0)
         plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=window)
         if not c_rows:
             assert any(e.band is not None for e in plan.extends) == any(n > block for n in new_counts)
@@ -58,8 +59,8 @@ def test_long_sliding_chunks_take_the_band_and_short_ones_do_not():
     keys); a short chunk, or a full-attention layer, keeps one call."""
     q, k, v, table, qsl, lens = make_batch(0, [80, 20], [90, 20], 4, 2, 8, False)
     with pytest.MonkeyPatch.context() as mp:  # 20 rows: not C decode rows here, a short flash chunk
-        mp.setattr(paged_attention_cpu_module, "NATIVE_SHORT_ROWS_SLIDING", 8)
-        mp.setattr(paged_attention_cpu_module, "NATIVE_ANY_ROWS_WINDOW", 0)  # W = 8: else all C rows
+        mp.setattr(attention_plan_module, "NATIVE_SHORT_ROWS_SLIDING", 8)
+        mp.setattr(attention_plan_module, "NATIVE_ANY_ROWS_WINDOW", 0)  # W = 8: else all C rows
         plan = AttentionPlan.build(table, qsl, lens, page_size=PAGE, window=8)
     long, short = plan.extends
     assert long.band is not None and short.band is None

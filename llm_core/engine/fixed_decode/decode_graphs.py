@@ -4,7 +4,7 @@ A decode-only step of n requests runs as a step of B rows, B the smallest bucket
 persistent batch, persistent_batch.py; the rest is padding). Every tensor of the step then has a
 shape fixed by B alone -- ids, positions, slot maps [B], page tables [B, max_pages] -- and, on
 CPU, the attention key grids [B, K] with K a power of two >= the longest context (masked padding
-past each row's own keys, kernels/cpu/paged_attention.py), so a step's graph never depends on the
+past each row's own keys, kernels/cpu/attention_plan.py), so a step's graph never depends on the
 exact lengths:
 
     mode        what runs                                   graphs

@@ -263,7 +263,7 @@ def test_kv_only_extend_stores_what_the_full_layer_stores(model, monkeypatch, mo
 @pytest.mark.parametrize("mode", ["first", "chain"])
 def test_lone_request_verify_rows_through_the_c_kernel_equal_flash(model, monkeypatch, mode):
     """Batch 1: a verify step's 1 + k rows go to the C decode kernel, one decode row per query
-    (kernels/cpu/paged_attention.py; inside the one-call layer, kernels/native/fused_layer.c, or the
+    (kernels/cpu/attention_plan.py; inside the one-call layer, kernels/native/fused_layer.c, or the
     layer's own attention call); the tokens equal the flash path's (kernels off) and plain decoding's."""
     from kernels.native import build, fused_layer, paged_decode
 

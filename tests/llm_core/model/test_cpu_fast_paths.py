@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from kernels.attention_ref import paged_attention_ref
 from kernels.cpu.moe import experts_cpu
 from kernels.moe_ref import experts_ref, route_ref
-from kernels.cpu.paged_attention import AttentionPlan, paged_attention_cpu
+from kernels.cpu.attention_plan import AttentionPlan
+from kernels.cpu.paged_attention import paged_attention_cpu
 from llm_core.model.layers.rope import PartialRotary
 
 
