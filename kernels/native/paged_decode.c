@@ -43,12 +43,10 @@ typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4), may_a
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
 
-/* e^x of a logit (x <= 0; row_ops.h exp_approx): libm's expf is a scalar call per logit, which at one
- * query per request is most of the arithmetic. */
-static inline float exp_nonpositive(float x) { return exp_approx(x); }
-
-/* exp_nonpositive on a vector, lane by lane (GCC's C has no vector ?:, so the selects are through
- * masks): the chunk path's logits, a block of them per query. */
+/* The logits' e^x (x <= 0) through row_ops.h exp_approx: libm's expf is a scalar call per logit, which
+ * at one query per request is most of the arithmetic. exp_nonpositive_v: the same on a vector, lane by
+ * lane (GCC's C has no vector ?:, so the selects are through masks), for the chunk path's logits, a
+ * block of them per query. */
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 static inline vi lane_index(void) {
 #if VL == 16
@@ -240,12 +238,12 @@ static void attend_block(const float *qs, long g, const float *k_cache, const fl
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (long t = 0; t < nj; t++) {
-            s[t] = exp_nonpositive(s[t] - mb);
+            s[t] = exp_approx(s[t] - mb);
             sum += s[t];
         }
         for (long t = nj; t < nj4; t++) s[t] = 0.0f; /* the repeated keys weigh nothing */
         if (mb != m[j]) { /* a new running max: rescale what was summed under the old one */
-            float alpha = exp_nonpositive(m[j] - mb); /* m = -inf (first block): 0 */
+            float alpha = exp_approx(m[j] - mb); /* m = -inf (first block): 0 */
             l[j] *= alpha;
             float *a = acc + j * dv;
 #pragma omp simd
@@ -522,7 +520,7 @@ static inline __attribute__((always_inline)) void chunk_queries(const int nq, co
         float sum = 0.0f;
         for (int t = 0; t < VL; t++) sum += total[t];
         if (mb != m[q]) { /* a new running max: rescale what was summed under the old one */
-            const float alpha = exp_nonpositive(m[q] - mb); /* m = -inf (first block): 0 */
+            const float alpha = exp_approx(m[q] - mb); /* m = -inf (first block): 0 */
             l[q] *= alpha;
             float *a = acc[q];
 #pragma omp simd
