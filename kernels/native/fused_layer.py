@@ -28,7 +28,7 @@ _SIGNATURES = {"decode_layer_f32": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _
 # Field order of the ``layer`` / ``f`` / ``step`` arrays: the enums of fused_layer.c.
 _LAYER = ("front attn out mlp moe h hq hkv d dv r norm_in wqkv sinks wo norm_post i e k w1 w2 w3 bias ngroup "
           "topkgroup renorm").split()
-_STEP = "t cos sin slots table table_cols lens reqs rows page window chunk_after".split()
+_STEP = "t cos sin slots table table_cols lens reqs rows page window chunk_after at pick".split()
 _F32 = torch.float32
 
 
@@ -137,31 +137,47 @@ def layer_constants(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim:
 
 
 def step_metadata(decode: paged_decode.DecodeRows, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  slots: torch.Tensor) -> ctypes.Array | None:
-    """The step's decode metadata for one pool (every row a decode row, in order), or None when the
-    rotary tables or slots are not what the C front reads. The tables must be those of the layers'
-    rotary setup: the caller keys this on it."""
-    t = decode.num_tokens
+                  slots: torch.Tensor, pick: torch.Tensor | None = None) -> ctypes.Array | None:
+    """The step's decode metadata for one pool, or None when the rotary tables or slots are not what
+    the C front reads. The tables must be those of the layers' rotary setup: the caller keys this on it.
+
+    ``pick`` None: every row of the step is a decode row, in order (``decode`` covers them all).
+    ``pick`` [R] int64: the layer's output is wanted for those rows of the step alone (a short
+    prefill's logits rows, strictly increasing); the front (cos, sin, slots) covers all of the
+    step's rows and ``decode`` the R picked rows as decode rows of their own (``logits_batch``).
+    None too for a ``pick`` that is not such rows (the C call would read outside x): the torch path,
+    which takes rows in any order, serves or raises."""
+    t = cos.shape[0] if pick is not None else decode.num_tokens
     if (cos.dtype is not _F32 or signed_sin.dtype is not _F32 or not cos.is_cpu or cos.dim() != 3
             or cos.shape[:2] != (t, 1) or signed_sin.shape != cos.shape or not cos.is_contiguous()
             or not signed_sin.is_contiguous() or slots.dtype is not torch.int64 or not slots.is_cpu
-            or slots.shape != (t,) or not slots.is_contiguous() or decode.rows.shape != (t,)):
+            or slots.shape != (t,) or not slots.is_contiguous() or decode.rows.shape != (decode.num_tokens,)):
         return None
+    picked = 0
+    if pick is not None:
+        if pick.dtype is not torch.int64 or not pick.is_cpu or pick.shape != (decode.num_tokens,) or not pick.is_contiguous():
+            return None
+        rows = pick.tolist()
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not (0 <= rows[0] and rows[-1] < t)):
+            return None
+        picked = pick.data_ptr()
     table, lens, reqs, rows = decode.pointers
     values = dict(t=t, cos=cos.data_ptr(), sin=signed_sin.data_ptr(), slots=slots.data_ptr(), table=table,
                   table_cols=decode.table.shape[1], lens=lens, reqs=reqs, rows=rows, page=decode.page_size,
-                  window=decode.window or 0, chunk_after=decode.chunk_after)
+                  window=decode.window or 0, chunk_after=decode.chunk_after, at=decode.num_tokens, pick=picked)
     return (ctypes.c_int64 * len(_STEP))(*(values[name] for name in _STEP))
 
 
 def decode_layer(consts: LayerConstants, step: ctypes.Array, x: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, decode: paged_decode.DecodeRows
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(x1, h, out) of the layer for x [T, H]: x1 = x + attention, h = its post-attention norm, out =
-    x1 + mlp(h) — or out None when the router's choice is ambiguous (the caller routes h in torch,
-    as SparseMoE does then). None when a tensor is not what the kernels read. Raises as the chained
-    wrappers raise (a slot outside the pool, a released or out-of-pool page, no memory)."""
-    t = decode.num_tokens
+    """(x1, h, out) of the layer for x [T, H] (T: the step's rows, ``step_metadata``): x1 = x +
+    attention, h = its post-attention norm, out = x1 + mlp(h), each [R, H] for the R rows of
+    ``decode`` (all T, or the picked ones) — or out None when the router's choice is ambiguous (the
+    caller routes h in torch, as SparseMoE does then). None when a tensor is not what the kernels
+    read. Raises as the chained wrappers raise (a slot outside the pool, a released or out-of-pool
+    page, no memory)."""
+    t, r = step[0], decode.num_tokens  # step[0]: S_T, the front's rows
     if (x.dtype is not _F32 or not x.is_cpu or x.shape != (t, consts.hidden) or not x.is_contiguous()
             or k_cache.dtype is not _F32 or v_cache.dtype is not _F32 or not k_cache.is_cpu or not v_cache.is_cpu
             or k_cache.dim() != 3 or v_cache.dim() != 3 or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
@@ -170,7 +186,7 @@ def decode_layer(consts: LayerConstants, step: ctypes.Array, x: torch.Tensor,
     slots, hkv, d = k_cache.shape
     if hkv != ints[7] or d != ints[8] or v_cache.shape != (slots, hkv, ints[9]) or slots % decode.page_size:
         return None
-    xho = torch.empty(3, t, consts.hidden)
+    xho = torch.empty(3, r, consts.hidden)
     error = (ctypes.c_long * 2)()
     rc = _lib().decode_layer_f32(consts.ints, consts.floats, step, x.data_ptr(), k_cache.data_ptr(),
                                  v_cache.data_ptr(), slots, xho.data_ptr(), error)

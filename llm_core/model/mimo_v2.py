@@ -70,6 +70,9 @@ class DecoderLayer(nn.Module):
         """The last layer under ``batch.logits_only``: every row's K/V into the pool, then the rest of
         the layer for the logits rows alone -> [R, hidden] (the other rows' outputs feed nothing)."""
         rows = batch.logits_indices
+        fused = self.fused_decode.run_rows(x, batch, k_cache, v_cache, rows)
+        if fused is not None:
+            return fused
         attn = self.self_attn.attend_rows(x, batch, k_cache, v_cache, rows, norm=self.input_layernorm)
         if rows.shape[0] == 0:  # a prompt chunk that samples nothing: only its K/V was needed
             return x[:0]

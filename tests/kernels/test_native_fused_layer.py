@@ -1,7 +1,10 @@
 """A decoder layer of an all-decode step in one C call (kernels/native/fused_layer.c) decodes the same
 tokens with the same logprobs, bit for bit, as the layer run part by part (each part its own C call),
 at batch 1 and 8 on the tiny model (dense and MoE layers, full and sliding, sinks); it served the
-decode steps' layers; a routing tie still defers to the torch router; a slot outside the pool raises."""
+decode steps' layers; a routing tie still defers to the torch router; a slot outside the pool raises.
+So does the last layer of a short prefill step, whose output only its logits rows need (the same call
+with picked rows: FusedDecode.run_rows), with one prompt or several in a step; picked rows out of
+order or outside the step leave the step to the part-by-part path."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(fused_layer._lib() is None, reason="no C compiler: the torch path serves")]
 
 
-def _generate(ckpt, prompts, *, tie_router: bool = False):
+def _generate(ckpt, prompts, *, tie_router: bool = False, max_tokens: int = 12):
     cfg = EngineConfig(page_size=4, num_full_tokens=4096, num_swa_tokens=2048, max_num_seqs=8,
                        max_num_batched_tokens=256)
     model = load_model(ckpt, dtype=torch.float32)
@@ -28,7 +31,7 @@ def _generate(ckpt, prompts, *, tie_router: bool = False):
                 m.gate.weight.data.zero_()
                 m.gate.e_score_correction_bias.zero_()
     llm = LLM.from_engine(LLMEngine(model, cfg))
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
     return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
 
 
@@ -66,6 +69,40 @@ def test_same_tokens_and_logprobs_as_the_layer_part_by_part(ckpt, monkeypatch, b
         assert lps == rlps  # bit for bit: the same kernels on the same inputs
 
 
+@pytest.mark.parametrize("lengths", [(23,), (7, 12, 20)])
+def test_a_short_prefills_logits_rows_as_one_call_give_the_same_bits(ckpt, monkeypatch, lengths):
+    monkeypatch.setattr(build, "_enabled", build.enabled())
+    picked = []
+    real_rows = FusedDecode.run_rows
+
+    def counted(self, x, batch, k_cache, v_cache, rows):
+        out = real_rows(self, x, batch, k_cache, v_cache, rows)
+        if out is not None:
+            picked.append((x.shape[0], rows.tolist()))
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run_rows", counted)
+    g = torch.Generator().manual_seed(sum(lengths))
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    # one generated token: the prefill step's logits alone (the decode steps would not pick rows)
+    fused = _generate(ckpt, prompts, max_tokens=1)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    assert (sum(lengths), ends.tolist()) in picked  # the whole prompt step, its last rows picked
+    monkeypatch.setattr(FusedDecode, "run_rows", lambda self, *a, **k: None)
+    parts = _generate(ckpt, prompts, max_tokens=1)
+    assert fused == parts  # tokens and logprobs, bit for bit
+
+
+def test_picked_rows_out_of_order_or_outside_the_step_are_not_packed():
+    decode = type("Rows", (), {"num_tokens": 2, "rows": torch.arange(2), "table": torch.zeros(2, 1, dtype=torch.long),
+                               "pointers": (0, 0, 0, 0), "page_size": 4, "window": None, "chunk_after": 0})()
+    cos = torch.zeros(5, 1, 4)
+    slots = torch.arange(5)
+    assert fused_layer.step_metadata(decode, cos, cos, slots, torch.tensor([1, 4])) is not None
+    for bad in ([4, 1], [2, 2], [-1, 3], [3, 5]):
+        assert fused_layer.step_metadata(decode, cos, cos, slots, torch.tensor(bad)) is None, bad
+
+
 def test_a_slot_outside_the_pool_raises_before_writing(ckpt, monkeypatch):
     monkeypatch.setattr(build, "_enabled", build.enabled())
     calls = []
@@ -73,7 +110,7 @@ def test_a_slot_outside_the_pool_raises_before_writing(ckpt, monkeypatch):
 
     def bad_slots(consts, step, x, k_cache, v_cache, decode):
         step = type(step)(*step)
-        slots = torch.full((decode.num_tokens,), k_cache.shape[0], dtype=torch.int64)
+        slots = torch.full((step[0],), k_cache.shape[0], dtype=torch.int64)  # the front's rows (S_T)
         step[fused_layer._STEP.index("slots")] = slots.data_ptr()
         before = k_cache.clone()
         with pytest.raises(ValueError, match="outside the pool"):

@@ -1,14 +1,14 @@
 """An engine with the C decode attention (``native_cpu_kernels``, the default) decodes the same tokens,
 with logprobs to fp32 rounding, as one with it off, at batch 1 and 8 on the tiny model (full and sliding
 layers, sinks, q/k dim 24 != v dim 16, contexts past the window and across pages), and the kernel served
-every decode step's attention."""
+every decode step's attention (in its own call or inside a decoder layer's one call, fused_layer.c)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.native import build, paged_decode
+from kernels.native import build, fused_layer, paged_decode
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.loader import load_model
 
@@ -28,14 +28,16 @@ def _generate(ckpt, prompts: list[list[int]], native: bool):
 def test_tokens_identical_with_the_c_kernel_on_and_off(ckpt, monkeypatch, batch):
     monkeypatch.setattr(build, "_enabled", build.enabled())  # the engines flip the process switch: restore it
     calls = []
-    real = paged_decode.decode_attention
 
-    def counted(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
+    def counted(real):
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            calls.append(out is not None)
+            return out
+        return call
 
-    monkeypatch.setattr(paged_decode, "decode_attention", counted)
+    monkeypatch.setattr(paged_decode, "decode_attention", counted(paged_decode.decode_attention))
+    monkeypatch.setattr(fused_layer, "decode_layer", counted(fused_layer.decode_layer))
     g = torch.Generator().manual_seed(batch)
     lengths = torch.randint(5, 30, (batch,), generator=g).tolist()
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]

@@ -9,6 +9,11 @@ so tokens and logprobs are unchanged. Anywhere else (a longer prefill chunk, mor
 rows, tensor / expert parallelism, bf16, CUDA, a compiled step, the kernels off)
 :meth:`FusedDecode.run` returns None and the layer runs part by part. An ambiguous routing choice
 still defers to the torch router, as SparseMoE does.
+
+:meth:`FusedDecode.run_rows` is the same call for the last layer of a short prefill step
+(``DecoderLayer.forward_logits_rows``: every row's K/V, the output of the logits rows alone), whose
+logits rows attend as decode rows of ``ForwardBatch.logits_batch``: the front over all of the
+step's rows, the rest over the logits rows, as the part-by-part path runs them.
 """
 
 from __future__ import annotations
@@ -73,14 +78,42 @@ class FusedDecode:
         x1, h, out = got
         return out if out is not None else x1 + mlp._torch(h)
 
-    def _step(self, batch: ForwardBatch, decode, dtype: torch.dtype):
-        """The step's packed metadata for this layer's pool, window and rotary setup (once per step)."""
+    def run_rows(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor | None:
+        """x + attention + mlp of x's ``rows`` (the step's logits rows) after every row's K/V went into
+        the pool, or None where the part-by-part path serves (``forward_logits_rows``)."""
+        t, r = x.shape[0], rows.shape[0]
+        if not self._eligible or r == 0 or t > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
+            return None
+        mlp = self.mlp
+        if isinstance(mlp, SparseMoE) and not native_serves(r, mlp.top_k, x.shape[-1]):
+            return None
+        attn, sub = self.attn, batch.logits_batch()
+        plan = attn._plan(sub, x, sub.swa_block_table if attn.is_sliding else sub.full_block_table)
+        if plan is None or not plan.native_every_row:
+            return None
+        consts = self._constants()
+        if consts is None:
+            return None
+        step = self._step(batch, plan.native, x.dtype, pick=rows)
+        if step is None:
+            return None
+        got = native.decode_layer(consts, step, x, k_cache, v_cache, plan.native)
+        if got is None:
+            return None
+        x1, h, out = got
+        return out if out is not None else x1 + mlp._torch(h)
+
+    def _step(self, batch: ForwardBatch, decode, dtype: torch.dtype, pick: torch.Tensor | None = None):
+        """The step's packed metadata for this layer's pool, window and rotary setup (once per step);
+        ``pick``: the rows whose output is wanted (``run_rows``), None for all."""
         attn = self.attn
-        key = ("fused_decode", attn.is_sliding, attn.window, attn.rotary.rotary_dim, attn.rotary.theta, dtype)
+        key = ("fused_decode", attn.is_sliding, attn.window, attn.rotary.rotary_dim, attn.rotary.theta, dtype,
+               pick is not None)
         if key not in batch.step_cache:
             cos, sin = attn._rotary_tables(batch, dtype)
             slots = batch.swa_slot_mapping if attn.is_sliding else batch.full_slot_mapping
-            batch.step_cache[key] = native.step_metadata(decode, cos, sin, slots)
+            batch.step_cache[key] = native.step_metadata(decode, cos, sin, slots, pick)
         return batch.step_cache[key]
 
     def _weight_slots(self) -> list[tuple[dict, str]]:
