@@ -41,7 +41,8 @@ from mm_pipeline.runtime.encoder_worker import EncoderWorker, default_threads, f
 from mm_pipeline.runtime.cpu_threads.host_cpu import HostCpu
 from mm_pipeline.runtime.cpu_threads.intra_op import set_local_threads, set_process_default
 from mm_pipeline.runtime.cpu_threads.thread_report import describe_threads, thread_counts
-from mm_pipeline.runtime.cpu_threads.thread_choice import WARM_UP_MAX_ROWS, StepThreads, plan_threads, run_on_thread
+from mm_pipeline.runtime.cpu_threads.thread_choice import (WARM_UP_MAX_ROWS, WIDE_MIN_ROWS, StepThreads, llm_probe,
+                                                          plan_threads, run_on_thread)
 from mm_pipeline.runtime.engine_loop import EngineLoop, OutputSink
 from mm_pipeline.errors import InvalidInputError, OverloadedError
 from mm_pipeline.media.decode.backend import make_decode_backend
@@ -100,8 +101,11 @@ class OmniRuntime:
         worker = self.encoder_worker
         step_threads = None
         if cpu_llm and config.llm_threads == "auto":  # the team only for long steps on free cores
+            measured = config.llm_team_min_rows == "auto"
+            llm = self.llm
             step_threads = StepThreads(default_threads(), lambda: decoding() + (worker.busy_lanes if worker else 0),
-                                       HostCpu())
+                                       HostCpu(), min_rows=WIDE_MIN_ROWS if measured else config.llm_team_min_rows,
+                                       short_probe=(lambda rows: llm_probe(llm, rows)) if measured else None)
         self.loop = EngineLoop(self.llm, None if worker is not None else self.batcher, threads=llm_threads,
                                step_threads=step_threads,
                                warm_up_rows=min(config.engine.max_num_batched_tokens, WARM_UP_MAX_ROWS)

@@ -130,7 +130,9 @@ class OmniEngineConfig:
     encoder_threads: int | str | None = "auto"
     """CPU intra-op threads of the encoder worker: auto (one per lane beside a CPU LLM with llm_threads auto, whose engine thread owns the process's one wide OpenMP team; otherwise measured at start: 1 or every CPU, whichever runs a frame group through the vision tower faster), N (with llm_threads auto the engine thread keeps the rest), 0 (the CPUs the busy decode workers leave, re-read per batch) or none (torch's setting)."""
     llm_threads: int | str | None = "auto"
-    """CPU intra-op threads of the engine thread (LLM steps): auto (measured at start: 1 or every CPU, whichever runs a prefill probe faster; the winner runs steps of 16 rows or more while no decode worker, encoder lane or other process holds a core, other steps run at 1), N (every step), or none (torch's setting)."""
+    """CPU intra-op threads of the engine thread (LLM steps): auto (measured at start: 1 or every CPU, whichever runs a prefill probe faster; the winner runs steps of llm_team_min_rows rows or more while no decode worker, encoder lane or other process holds a core, other steps run at 1), N (every step), or none (torch's setting)."""
+    llm_team_min_rows: int | str = "auto"
+    """With llm_threads auto: the fewest rows of a step that runs on the engine thread's team of every CPU: auto (measured at start: scratch prefills of 128 and 32 rows at 1 thread and on the team; from 16 rows when the team wins at both, from 128 when only there, else from 256, where the team won the llm_threads probe) or N."""
     encoder_lanes: int = 2
     """Encoder worker threads running batches side by side on a CPU encoder, each taking its share of the queue, lanes beyond the first only while the decode workers leave them a CPU; the encoder's intra-op share (encoder_threads; auto: measured on the first lane) is divided among them: the frame groups left when decoding ends encode on every core at once (1: one encoder thread; a CUDA encoder has one, its own stream)."""
     warm_up: bool = True
@@ -186,6 +188,11 @@ class OmniEngineConfig:
         # the command line spells a count as text ("2"); the field holds the int
         object.__setattr__(self, "encoder_threads", _thread_count("encoder_threads", self.encoder_threads, 0))
         object.__setattr__(self, "llm_threads", _thread_count("llm_threads", self.llm_threads, 1))
+        rows = self.llm_team_min_rows
+        if isinstance(rows, str) and rows.strip().isdigit():
+            object.__setattr__(self, "llm_team_min_rows", rows := int(rows))
+        if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"llm_team_min_rows must be auto or an integer >= 1, got {rows!r}")
         if self.encoder_lanes < 1:
             raise ValueError(f"encoder_lanes must be >= 1, got {self.encoder_lanes}")
         if self.groups_per_chunk < 1:

@@ -193,7 +193,7 @@ class EngineLoop:
         self.threads_used = self.threads() if callable(self.threads) else self.threads
         set_local_threads(self.threads_used)
         if self.step_threads is not None and self.llm is not None and self.threads_used > 1:
-            self.step_threads.wide = self.threads_used
+            self.step_threads.start(self.threads_used)  # measures its min_rows when asked to
             self.llm.runner.before_step = self.step_threads.apply
             set_local_threads(1)
 

@@ -29,9 +29,10 @@ it: ``run_on_thread``), the media and text workers run at one thread, and the en
 (its measured count) is the only one: its threads spin between ops and a long step on free cores
 scales (the repeat request's 376-row step: 29 -> 20 ms on 2 cores, against 26 -> 29 ms with the
 teams parked). A spinning team is fast only while its threads have cores, so the count is chosen
-per step (``StepThreads``): the team for a step of at least ``WIDE_MIN_ROWS`` rows while the
-process's other CPU work (busy decode workers, encoder lanes) and other processes (host_cpu.py)
-leave the cores free; one thread otherwise (a decode step, a prefill beside a video decode).
+per step (``StepThreads``): the team for a step of at least ``min_rows`` rows (measured at start,
+``measure_min_rows``, or configured) while the process's other CPU work (busy decode workers,
+encoder lanes) and other processes (host_cpu.py) leave the cores free; one thread otherwise (a
+short step, a prefill beside a video decode).
 """
 
 from __future__ import annotations
@@ -58,11 +59,25 @@ PROBE_ROWS = 256  # the LLM probe's prompt: one streamed prefill step (stream_mi
 # A step of fewer rows runs at one thread: a decode batch of a few requests is too small for a
 # barrier per op to pay. From 16 rows the C kernels split by their work (kernels/native/team.h
 # split_work_on_team), so a short prefill -- the ~30 rows of a question after a prefix-cache hit --
-# uses both cores: that step 4.86 -> 3.88 ms on the 2-core host (benchmarks/repeat_step.py); decode
-# at batch 16 is unchanged (2,052 vs 2,021 tok/s, text_throughput.py --quick at 1 vs 2 threads) and
-# batch 32 gains (2,812 -> 3,746). (128 before the kernels split short calls: their torch ops alone
-# did not pay for a team.)
+# can use both cores: that step ran 4.86 -> 3.88 ms on a 2-core host (benchmarks/repeat_step.py, in
+# place) and decode at batch 32 2,812 -> 3,746 tokens/s. (128 before the kernels split short calls:
+# their torch ops alone did not pay for a team.)
 WIDE_MIN_ROWS = 16
+# Whether it does is the host's, so with --llm-team-min-rows auto the engine thread measures it at its
+# start, once its team won the long probe (StepThreads.start -> measure_min_rows): a scratch prefill
+# of each size here at one thread and on the team, as measure_threads times counts, the larger size
+# first. The team from WIDE_MIN_ROWS rows when it wins at the smallest size; from the smallest size
+# it wins at when that is a larger one; else only from PROBE_ROWS rows, where it won. On the 2-core
+# AVX2 EPYC (wave 2 session 44) it lost at both (32 rows 4.0 vs 4.3 ms, 128 rows 11.2 vs 12.0, one
+# thread vs two): steps of fewer rows keep one thread, which took the same-prefix request's 24-row
+# step 4.66 -> 4.08 ms and its TTFT 6.89 -> 6.37 ms (medians of 48 each, alternating in one process),
+# and decode batches of 16 / 32 requests 2,486 -> 2,674 / 3,615 -> 3,731 tokens/s. In place, steps
+# back to back, the 29-row step still ran faster on the team (3.91 vs 3.03 ms): after the idle time
+# between requests the team's second thread wakes cold, which the probe's back-to-back runs and
+# the request path share.
+SHORT_PROBE_ROWS = (32, 128)
+SHORT_PROBE_ROUNDS = 3  # timed runs per count and size at most ...
+SHORT_PROBE_BUDGET_S = 0.1  # ... or fewer once a size has taken this long: ~0.1-0.15 s of every start of a CPU LLM
 # The engine thread's warm-up step (EngineLoop.warm_up_rows): max_num_batched_tokens rows, at most
 # this many -- a streamed prefill step's and a cached-media repeat's size; a 2048-row scratch step
 # took ~0.5 s of every start of a tiny test model, for steps that long prompts alone reach.
@@ -190,6 +205,9 @@ class ProbedThreads:
 class StepThreads:
     """The engine thread's intra-op count per step (CPU): ``wide`` (its team, measured or configured
     at its start) for a step of at least ``min_rows`` rows while the cores are free, else one.
+    ``short_probe`` (rows -> a scratch prefill of that many rows): ``min_rows`` is measured at the
+    engine thread's start instead (:meth:`start`, :func:`measure_min_rows` on ``clock``);
+    ``short_choices`` keeps what each size measured.
 
     Free: ``cpus`` minus the CPUs this process's other work holds (``busy()``: busy decode workers
     and encoder lanes) minus other processes' recent use (``host``, rounded) leaves ``wide``; a step
@@ -197,15 +215,44 @@ class StepThreads:
     barrier). Counts ``wide_steps`` and ``narrowed_steps`` (long steps kept at one thread)."""
 
     def __init__(self, cpus: int, busy: Callable[[], int], host: HostCpu | None = None,
-                 min_rows: int = WIDE_MIN_ROWS) -> None:
+                 min_rows: int = WIDE_MIN_ROWS,
+                 short_probe: Callable[[int], Callable[[], object]] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if cpus < 1 or min_rows < 1:
             raise ValueError(f"StepThreads needs cpus >= 1 and min_rows >= 1, got {cpus}, {min_rows}")
         self.cpus = cpus
         self.busy = busy
         self.host = host
         self.min_rows = min_rows
-        self.wide = 1  # set by the engine thread at its start (EngineLoop)
+        self.short_probe, self.clock = short_probe, clock
+        self.short_choices: dict[int, ThreadChoice] = {}
+        self.wide = 1  # set by the engine thread at its start (EngineLoop -> start)
         self.counts = {"wide_steps": 0, "narrowed_steps": 0}
+
+    def start(self, wide: int) -> None:
+        """On the engine thread, at its start, once its team count ``wide`` is known: with a short
+        probe and a team, measure ``min_rows`` (:func:`measure_min_rows`; a probe that cannot run or
+        fails keeps the configured value). Leaves the thread's count to the caller."""
+        self.wide = wide
+        if self.short_probe is None or wide <= 1:
+            return
+        try:
+            with torch.inference_mode():
+                self.min_rows, self.short_choices = measure_min_rows(self.short_probe, wide, clock=self.clock)
+        except ProbeUnavailable as exc:
+            log.info("the engine thread keeps its team from %d rows: %s", self.min_rows, exc)
+        except Exception:  # a probe must never stop the engine thread
+            log.exception("measuring the engine thread's short steps failed; the team serves from %d rows",
+                          self.min_rows)
+
+    def describe(self) -> str:
+        """How ``min_rows`` was reached, for the start-up line: "" (configured), or per size measured
+        its fastest run per count."""
+        if not self.short_choices:
+            return ""
+        return "measured: " + "; ".join(
+            f"{rows} rows " + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in sorted(c.best_ms.items()))
+            for rows, c in sorted(self.short_choices.items()))
 
     def apply(self, rows: int) -> None:
         """Set the calling (engine) thread's count for a step of ``rows`` rows: ModelRunner's
@@ -223,6 +270,27 @@ class StepThreads:
             return 1
         self.counts["wide_steps"] += 1
         return self.wide
+
+
+def measure_min_rows(probe: Callable[[int], Callable[[], object]], wide: int,
+                     sizes: tuple[int, ...] = SHORT_PROBE_ROWS, longest: int = PROBE_ROWS,
+                     rounds: int = SHORT_PROBE_ROUNDS, budget_s: float = SHORT_PROBE_BUDGET_S,
+                     clock: Callable[[], float] = time.perf_counter) -> tuple[int, dict[int, ThreadChoice]]:
+    """(the fewest rows of a step the team of ``wide`` serves, what each size measured): each of
+    ``sizes`` (ascending) timed as :func:`measure_threads` times counts, at one and ``wide``, the
+    largest first; once one thread wins a size the smaller ones are not timed. The team serves from
+    WIDE_MIN_ROWS rows when it won at every size, from the smallest size it won at otherwise, and
+    from ``longest`` (the long probe's rows, where it won) when it won at none."""
+    if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+        raise ValueError(f"sizes must be distinct, ascending and >= 1, got {sizes}")
+    choices: dict[int, ThreadChoice] = {}
+    least = longest
+    for rows in reversed(sizes):
+        choices[rows] = choice = measure_threads(probe(rows), (1, wide), rounds=rounds, budget_s=budget_s, clock=clock)
+        if choice.threads == 1:
+            break
+        least = rows
+    return (WIDE_MIN_ROWS if least == sizes[0] else least), choices
 
 
 def run_on_thread(fn: Callable[[], object], name: str) -> object:

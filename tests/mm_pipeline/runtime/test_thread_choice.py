@@ -108,6 +108,11 @@ def test_config_values_and_flags():
     cfg = cli.engine_config(cli.parse_args(["serve", "--model", "m", "--llm-threads", "none", "--encoder-threads", "0"]))
     assert cfg.llm_threads is None and cfg.encoder_threads == 0
     assert OmniEngineConfig(llm_threads="3").llm_threads == 3  # the digits of a count are that count
+    assert OmniEngineConfig().llm_team_min_rows == "auto"
+    assert cli.engine_config(cli.parse_args(["serve", "--model", "m", "--llm-team-min-rows", "64"])).llm_team_min_rows == 64
+    for bad in (0, "some", True, 1.5):
+        with pytest.raises(ValueError, match="llm_team_min_rows"):
+            OmniEngineConfig(llm_team_min_rows=bad)
     for bad in ({"llm_threads": 0}, {"llm_threads": "many"}, {"encoder_threads": -1}, {"encoder_threads": 1.5},
                 {"llm_threads": True}):
         with pytest.raises(ValueError, match="threads must be auto, none or an integer"):
@@ -202,16 +207,70 @@ def test_a_long_step_on_free_cores_gets_the_team_and_anything_else_one_thread():
         StepThreads(0, lambda: 0)
 
 
-def test_by_default_a_short_prefill_step_on_free_cores_gets_the_team_a_small_decode_step_one_thread():
-    """The default row limit (WIDE_MIN_ROWS): the ~30 rows of a question after a prefix-cache hit run on
-    the team (its C kernels split by their work: kernels/native/team.h); a decode step of a few
-    requests stays at one thread, whose ops are too small for a barrier each."""
+class RowsClock:
+    """Time that passes only while a probe runs: ``cost[rows][n]`` per scratch step of ``rows`` rows at
+    n intra-op threads; ``probed`` lists the sizes asked for."""
+
+    def __init__(self, cost: dict[int, dict[int, float]]) -> None:
+        self.cost, self.now, self.probed = cost, 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def probe(self, rows: int):
+        self.probed.append(rows)
+
+        def work() -> None:
+            self.now += self.cost[rows][torch.get_num_threads()]
+        return work
+
+
+@pytest.mark.parametrize("cost,min_rows,probed", [
+    ({128: {1: 11.0, 2: 7.0}, 32: {1: 4.0, 2: 3.0}}, 16, [128, 32]),  # the team wins short steps too
+    ({128: {1: 11.0, 2: 7.0}, 32: {1: 4.0, 2: 4.1}}, 128, [128, 32]),  # only from 128 rows
+    ({128: {1: 11.2, 2: 12.0}, 32: {1: 4.0, 2: 3.0}}, 256, [128]),  # the 2-core EPYC: not below the long probe
+    ({128: {1: 11.0, 2: 10.6}, 32: {1: 4.0, 2: 3.0}}, 256, [128]),  # 4 % faster is not enough (PREFER_FEWER)
+])
+def test_the_rows_from_which_a_step_takes_the_team_are_measured(cost, min_rows, probed):
+    """measure_min_rows: the larger short size first, each at 1 and the team as measure_threads times
+    counts; one thread winning a size ends it (the smaller sizes are not timed)."""
+    from mm_pipeline.runtime.cpu_threads.thread_choice import PROBE_ROWS, measure_min_rows
+
+    clock = RowsClock(cost)
+    (got, choices), _ = on_a_thread(lambda: measure_min_rows(clock.probe, 2, clock=clock))
+    assert got == min_rows and clock.probed == probed and sorted(choices) == sorted(probed)
+    assert PROBE_ROWS == 256
+    with pytest.raises(ValueError, match="ascending"):
+        measure_min_rows(clock.probe, 2, sizes=(128, 32))
+
+
+def test_the_engine_thread_measures_its_short_steps_at_start_only_when_asked_and_keeps_the_value_on_failure(caplog):
     from mm_pipeline.runtime.cpu_threads.thread_choice import WIDE_MIN_ROWS, StepThreads
 
-    steps = StepThreads(2, lambda: 0, FakeHostCpu(0.0))
-    steps.wide = 2
-    assert steps.min_rows == WIDE_MIN_ROWS == 16
-    assert steps(29) == 2 and steps(16) == 2 and steps(8) == 1 and steps(15) == 1
+    clock = RowsClock({128: {1: 11.2, 2: 12.0}, 32: {1: 4.0, 2: 3.0}})
+    steps = StepThreads(2, lambda: 0, FakeHostCpu(0.0), short_probe=clock.probe, clock=clock)
+    assert steps.min_rows == WIDE_MIN_ROWS == 16  # until measured
+    steps.start(1)  # no team: nothing to measure
+    assert clock.probed == [] and steps.min_rows == 16
+    on_a_thread(lambda: steps.start(2))
+    assert steps.wide == 2 and steps.min_rows == 256 and clock.probed == [128]
+    assert steps(255) == 1 and steps(256) == 2  # a 29-row prefill and a decode batch of 64 stay at one thread
+    assert steps.describe().startswith("measured: 128 rows 1: ")
+    fixed = StepThreads(2, lambda: 0, FakeHostCpu(0.0), min_rows=64)
+    fixed.start(2)
+    assert fixed.min_rows == 64 and fixed.describe() == ""
+
+    def unavailable(rows):
+        raise ProbeUnavailable("no pages")
+
+    def broken(rows):
+        return lambda: 1 / 0
+
+    for probe in (unavailable, broken):
+        kept = StepThreads(2, lambda: 0, None, min_rows=48, short_probe=probe)
+        on_a_thread(lambda: kept.start(2))
+        assert kept.min_rows == 48 and kept.wide == 2
+    assert "measuring the engine thread's short steps failed" in caplog.text
 
 
 def test_run_on_thread_returns_raises_and_its_team_ends_with_it():
@@ -281,7 +340,9 @@ def test_wide_steps_and_the_warm_up_leave_the_tokens_unchanged(tmp_path_factory,
             assert stats.engine_loop["wide_steps"] > 0 and stats.intra_op_threads["engine"] == 2
             assert warmed[0] == 64  # run_all's max_num_batched_tokens (under WARM_UP_MAX_ROWS), before the probe's runs
             assert engine.runtime.llm.pool.full.num_free == engine.runtime.llm.pool.full.num_pages or stats.llm
-            assert "for steps of >= 1 rows on free cores" in engine.runtime.describe_threads()
+            # the short steps measured too (both won by the team here): the start-up line says how
+            assert ("for steps of >= 1 rows (measured: 32 rows 1: 2.0 ms, 2: 1.0 ms; 128 rows 1: 2.0 ms, 2: 1.0 ms) "
+                    "on free cores") in engine.runtime.describe_threads()
         finally:
             engine.shutdown()
     finally:
