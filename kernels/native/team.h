@@ -1,9 +1,9 @@
 /* Whether a C kernel call splits its work among the calling thread's OpenMP team: one owner for the
  * rule the kernels built with OpenMP share (decoder_layer.c, moe_experts.c, paged_decode.c).
  *
- * The engine thread runs a step of WIDE_MIN_ROWS rows or more on its wide team while the cores are
- * free, and every other step, and every other thread, at one (mm_pipeline/runtime/cpu_threads/
- * thread_choice.py), so "this thread's OpenMP count is above one" says "a step on free cores". A
+ * The engine thread runs a step of its min_rows or more (measured at start: 16 where short steps pay
+ * for the team, up to 256 where they do not) on its wide team while the cores are free, and every
+ * other step, and every other thread, at one (mm_pipeline/runtime/cpu_threads/thread_choice.py), so "this thread's OpenMP count is above one" says "a step on free cores". A
  * call splits there when it has PARALLEL_ROWS rows (split_on_team: the kernel splits its rows), or
  * fewer rows with at least SPLIT_MACS multiply-adds (split_work_on_team: a short prefill step's
  * projections split by output columns, its experts by work items, its attention rows by range);
