@@ -72,9 +72,9 @@ WIDE_MIN_ROWS = 16
 # thread vs two): steps of fewer rows keep one thread, which took the same-prefix request's 24-row
 # step 4.66 -> 4.08 ms and its TTFT 6.89 -> 6.37 ms (medians of 48 each, alternating in one process),
 # and decode batches of 16 / 32 requests 2,486 -> 2,674 / 3,615 -> 3,731 tokens/s. In place, steps
-# back to back, the 29-row step still ran faster on the team (3.91 vs 3.03 ms): after the idle time
-# between requests the team's second thread wakes cold, which the probe's back-to-back runs and
-# the request path share.
+# back to back, the 29-row step still ran faster on the team (3.91 vs 3.03 ms), its second thread
+# already running and its caches warm; a request's step starts it after the idle time between
+# requests, and the probe's position-0 prefills found one thread faster as the request path did.
 SHORT_PROBE_ROWS = (32, 128)
 SHORT_PROBE_ROUNDS = 3  # timed runs per count and size at most ...
 SHORT_PROBE_BUDGET_S = 0.1  # ... or fewer once a size has taken this long: ~0.1-0.15 s of every start of a CPU LLM
