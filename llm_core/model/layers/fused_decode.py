@@ -53,15 +53,31 @@ class FusedDecode:
     def run(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor | None:
         """x + attention + mlp of x's rows, or None where the part-by-part path serves."""
+        return self._serve(x, batch, k_cache, v_cache)
+
+    def run_rows(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor | None:
+        """x + attention + mlp of x's ``rows`` (the step's logits rows) after every row's K/V went into
+        the pool, or None where the part-by-part path serves (``forward_logits_rows``)."""
+        if rows.shape[0] == 0:
+            return None
+        return self._serve(x, batch, k_cache, v_cache, pick=rows)
+
+    def _serve(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               pick: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The one call for every row of x (``pick`` None: each a decode row of ``batch``) or for the
+        ``pick`` rows alone (each a decode row of ``batch.logits_batch()``), or None."""
         t = x.shape[0]
+        r = t if pick is None else pick.shape[0]
         if not self._eligible or t > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
             return None
         mlp = self.mlp
-        if isinstance(mlp, SparseMoE) and not native_serves(t, mlp.top_k, x.shape[-1]):
+        if isinstance(mlp, SparseMoE) and not native_serves(r, mlp.top_k, x.shape[-1]):
             return None
         attn = self.attn
-        table = batch.swa_block_table if attn.is_sliding else batch.full_block_table
-        plan = attn._plan(batch, x, table)
+        rows_batch = batch if pick is None else batch.logits_batch()
+        table = rows_batch.swa_block_table if attn.is_sliding else rows_batch.full_block_table
+        plan = attn._plan(rows_batch, x, table)
         # every row a C decode row: an all-decode step, or decodes with short multi-token requests
         # (an MTP verify step's 1 + k rows, each a decode row with its own causal length)
         if plan is None or not plan.native_every_row:
@@ -69,33 +85,7 @@ class FusedDecode:
         consts = self._constants()
         if consts is None:
             return None
-        step = self._step(batch, plan.native, x.dtype)
-        if step is None:
-            return None
-        got = native.decode_layer(consts, step, x, k_cache, v_cache, plan.native)
-        if got is None:
-            return None
-        x1, h, out = got
-        return out if out is not None else x1 + mlp._torch(h)
-
-    def run_rows(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 rows: torch.Tensor) -> torch.Tensor | None:
-        """x + attention + mlp of x's ``rows`` (the step's logits rows) after every row's K/V went into
-        the pool, or None where the part-by-part path serves (``forward_logits_rows``)."""
-        t, r = x.shape[0], rows.shape[0]
-        if not self._eligible or r == 0 or t > MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
-            return None
-        mlp = self.mlp
-        if isinstance(mlp, SparseMoE) and not native_serves(r, mlp.top_k, x.shape[-1]):
-            return None
-        attn, sub = self.attn, batch.logits_batch()
-        plan = attn._plan(sub, x, sub.swa_block_table if attn.is_sliding else sub.full_block_table)
-        if plan is None or not plan.native_every_row:
-            return None
-        consts = self._constants()
-        if consts is None:
-            return None
-        step = self._step(batch, plan.native, x.dtype, pick=rows)
+        step = self._step(batch, plan.native, x.dtype, pick)
         if step is None:
             return None
         got = native.decode_layer(consts, step, x, k_cache, v_cache, plan.native)
