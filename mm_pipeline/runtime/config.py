@@ -40,14 +40,14 @@ _FLAT_NESTED = {f"{prefix}_{f.name}": (group, f.name)
                 for group, (prefix, part) in NESTED_CONFIGS.items() for f in dataclasses.fields(part)}
 
 
-def _thread_count(name: str, value: int | str | None, least: int) -> int | str | None:
-    """An intra-op thread setting: "auto", None, or a count >= ``least`` (int, or its digits)."""
-    if value is None or value == "auto":
+def _thread_count(name: str, value: int | str | None, least: int, none: bool = True) -> int | str | None:
+    """An intra-op thread setting: "auto", None (where ``none``), or a count >= ``least`` (int, or its digits)."""
+    if value == "auto" or (value is None and none):
         return value
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be auto, none or an integer >= {least}, got {value!r}")
+        raise ValueError(f"{name} must be auto{', none' if none else ''} or an integer >= {least}, got {value!r}")
     return value
 
 
@@ -188,11 +188,8 @@ class OmniEngineConfig:
         # the command line spells a count as text ("2"); the field holds the int
         object.__setattr__(self, "encoder_threads", _thread_count("encoder_threads", self.encoder_threads, 0))
         object.__setattr__(self, "llm_threads", _thread_count("llm_threads", self.llm_threads, 1))
-        rows = self.llm_team_min_rows
-        if isinstance(rows, str) and rows.strip().isdigit():
-            object.__setattr__(self, "llm_team_min_rows", rows := int(rows))
-        if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise ValueError(f"llm_team_min_rows must be auto or an integer >= 1, got {rows!r}")
+        object.__setattr__(self, "llm_team_min_rows",
+                           _thread_count("llm_team_min_rows", self.llm_team_min_rows, 1, none=False))
         if self.encoder_lanes < 1:
             raise ValueError(f"encoder_lanes must be >= 1, got {self.encoder_lanes}")
         if self.groups_per_chunk < 1:
