@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kernels.host_index import long_tensor
 from kernels.native.build import library, openmp_flags
 
 _P = ctypes.c_void_p
@@ -62,7 +64,7 @@ class DecodeRows:
         return (self.table.data_ptr(), self.seq_lens.data_ptr(), self.requests.data_ptr(), self.rows.data_ptr())
 
     @staticmethod
-    def build(table: torch.Tensor, seq_lens: torch.Tensor, requests: list[int], rows: list[int], *,
+    def build(table: torch.Tensor, seq_lens: torch.Tensor, requests: Sequence[int], rows: Sequence[int], *,
               num_tokens: int, page_size: int, window: int | None, chunk_after: int = 0) -> DecodeRows:
         if table.dim() != 2 or seq_lens.dim() != 1:
             raise ValueError(f"block table {tuple(table.shape)} / seq_lens {tuple(seq_lens.shape)}: expected 2-D / 1-D")
@@ -81,7 +83,7 @@ class DecodeRows:
             raise ValueError(f"chunk_after must be >= 0, got {chunk_after}")
         return DecodeRows(table.to(device="cpu", dtype=torch.long).contiguous(),
                           seq_lens.to(device="cpu", dtype=torch.long).contiguous(),
-                          torch.tensor(requests, dtype=torch.long), torch.tensor(rows, dtype=torch.long),
+                          long_tensor(requests), long_tensor(rows),
                           num_tokens, page_size, window, chunk_after)
 
 

@@ -16,13 +16,14 @@ from typing import Callable
 
 import torch
 
+from kernels.host_index import long_tensor
 from llm_core.model.forward_batch import ForwardBatch
 from llm_core.engine.scheduled_batch import ScheduledRequest
 
 
 def page_table(rows: list[list[int]], width: int) -> torch.Tensor:
     """Page lists as one [rows, width] table, padded with -1 (no page)."""
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+    return long_tensor([r + [-1] * (width - len(r)) for r in rows])
 
 
 # Up to this many new tokens a step's slots are worked out in Python ints (a few per token), beyond it
@@ -51,7 +52,7 @@ def slot_values(entries: list[ScheduledRequest], page_size: int) -> tuple[list[i
 
 def token_slots(entries: list[ScheduledRequest], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`slot_values` as tensors (the caller keeps this to short steps: PYTHON_SLOTS_MAX_TOKENS)."""
-    return tuple(torch.tensor(v, dtype=torch.long) for v in slot_values(entries, page_size))
+    return tuple(long_tensor(v) for v in slot_values(entries, page_size))
 
 
 def chunk_slots(entries: list[ScheduledRequest], counts: list[int], full_table: torch.Tensor,
@@ -96,19 +97,19 @@ def build_forward_batch(
     sample_rows = [qsl[b + 1] - 1 for b, e in enumerate(entries) if e.samples]
     batch = ForwardBatch(
         positions=positions.to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.long),
-        seq_lens=torch.tensor([e.end for e in entries], dtype=torch.long),
+        query_start_loc=long_tensor(qsl),
+        seq_lens=long_tensor([e.end for e in entries]),
         full_slot_mapping=full_slots.to(device),
         swa_slot_mapping=swa_slots.to(device),
         full_block_table=full_table.to(device),
         swa_block_table=swa_table.to(device),
         page_size=page_size,
-        logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        logits_indices=long_tensor(sample_rows).to(device),
         logits_only=logits_only and len(sample_rows) < len(ids),
         # one sampling row per flat row, ascending: they are 0 .. T-1
         logits_every_row=len(sample_rows) == len(ids),
     )
-    return batch, torch.tensor(ids, dtype=torch.long, device=device)
+    return batch, long_tensor(ids).to(device)
 
 
 def splice_embeds(
