@@ -191,6 +191,62 @@ def test_layout_boundaries_are_after_each_media_item_and_message():
     assert ids[out.boundaries[-1] - 1] == sp.im_end and ids[2] == sp.im_end
 
 
+def _expand_token_by_token(layout: PromptLayout, ids: list[int], media: list[MediaSlots]):
+    """The layout's expansion as a walk over every token (what ``PromptLayout.expand`` did before it
+    jumped from mark to mark): (tokens, spans, boundaries), or the ValueError's text."""
+    sp = layout.special
+    out, spans, ends, k, i = [], [], [], 0, 0
+    placeholder = {"image": (sp.vision_start, sp.image_pad, sp.vision_end),
+                   "video": (sp.vision_start, sp.video_pad, sp.vision_end),
+                   "audio": (sp.audio_start, sp.audio_pad, sp.audio_end)}
+    while i < len(ids):
+        if ids[i] not in (sp.vision_start, sp.audio_start):
+            out.append(ids[i])
+            if ids[i] == sp.im_end:
+                ends.append(len(out))
+            i += 1
+            continue
+        kinds = [kind for kind, (start, pad, _) in placeholder.items()
+                 if start == ids[i] and i + 1 < len(ids) and ids[i + 1] == pad]
+        j = i + 1
+        while kinds and j < len(ids) and ids[j] == ids[i + 1]:
+            j += 1
+        if not kinds or j >= len(ids) or ids[j] != placeholder[kinds[0]][2]:
+            return "malformed"
+        if k >= len(media) or media[k].kind != kinds[0]:
+            return "media"
+        fresh = PromptLayout(sp, lambda t: [ord(c) for c in t]).expand([ids[i], ids[i + 1], ids[j]], [media[k]])
+        spans.append(tuple((a + len(out), b + len(out)) for a, b in fresh.unit_spans[0]))
+        out.extend(fresh.token_ids)
+        ends.append(len(out))
+        k, i = k + 1, j + 1
+    return "media" if k != len(media) else (tuple(out), tuple(spans), tuple(ends))
+
+
+@settings(max_examples=80, deadline=None)
+@given(pieces=st.lists(st.one_of(st.sampled_from(["text", "im_end", "image", "video", "audio", "bad"]),
+                                 st.integers(0, 40)), max_size=12),
+       media=st.lists(slot_strategy, max_size=3))
+def test_layout_expansion_equals_a_token_by_token_walk(pieces, media):
+    """Jumping between placeholder starts and message ends gives the tokens, spans and boundaries (or
+    the error) of walking every token, for prompts of text, message ends, well-formed placeholders,
+    broken ones (a start with no end) and media lists that do or do not match them."""
+    sp = tiny_special_tokens()
+    layout = PromptLayout(sp, lambda s: [ord(c) for c in s])
+    shape = {"image": [sp.vision_start, sp.image_pad, sp.image_pad, sp.vision_end],
+             "video": [sp.vision_start, sp.video_pad, sp.vision_end],
+             "audio": [sp.audio_start, sp.audio_pad, sp.audio_end], "im_end": [sp.im_end],
+             "bad": [sp.vision_start, sp.image_pad, 3], "text": [5, 6]}
+    ids = [t for p in pieces for t in ([p] if isinstance(p, int) else shape[p])]
+    want = _expand_token_by_token(layout, ids, media)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match="malformed|media|placeholder"):
+            layout.expand(ids, media)
+        return
+    got = layout.expand(ids, media)
+    assert (got.token_ids, got.unit_spans, got.boundaries) == want
+
+
 def test_checkpoint_video_sampling_and_timestamps(ckpt):
     raw = json.loads((ckpt / "config.json").read_text())
     cfg = OmniConfig.from_hf(raw)
