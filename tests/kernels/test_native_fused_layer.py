@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu.attention_plan import AttentionPlan
 from kernels.native import build, fused_layer
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model.layers.fused_decode import FusedDecode
@@ -82,12 +83,21 @@ def test_a_short_prefills_logits_rows_as_one_call_give_the_same_bits(ckpt, monke
         return out
 
     monkeypatch.setattr(FusedDecode, "run_rows", counted)
+    derived = []  # the logits rows' plans taken from the step's plan (no logits batch built for them)
+    real_picked = AttentionPlan.picked
+
+    def picked_plan(self, rows):
+        derived.append(real_picked(self, rows))
+        return derived[-1]
+
+    monkeypatch.setattr(AttentionPlan, "picked", picked_plan)
     g = torch.Generator().manual_seed(sum(lengths))
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
     # one generated token: the prefill step's logits alone (the decode steps would not pick rows)
     fused = _generate(ckpt, prompts, max_tokens=1)
     ends = torch.tensor(lengths).cumsum(0) - 1
     assert (sum(lengths), ends.tolist()) in picked  # the whole prompt step, its last rows picked
+    assert any(plan is not None for plan in derived)
     monkeypatch.setattr(FusedDecode, "run_rows", lambda self, *a, **k: None)
     parts = _generate(ckpt, prompts, max_tokens=1)
     assert fused == parts  # tokens and logprobs, bit for bit

@@ -201,3 +201,43 @@ def test_the_plan_sends_short_and_fresh_chunks_to_the_chunk_path():
     assert plan(29, None).extends  # head size unknown: no chunk path
     assert plan(29, 24, window=NATIVE_ANY_ROWS_WINDOW).native.chunk_after == NATIVE_SHORT_ROWS
     assert plan(29, 24, window=NATIVE_ANY_ROWS_WINDOW - 1).native.chunk_after == 0
+
+
+# ---- the logits rows' plan taken from the step's plan (AttentionPlan.picked) ------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 90), st.booleans()), min_size=1, max_size=5),
+       window=st.sampled_from([None, 8, 32, 128]), seed=st.integers(0, 2**16))
+def test_picked_rows_plan_is_the_logits_batch_plan(requests, window, seed):
+    """``picked(rows)`` of a step's plan -- for the last row of each request that samples -- equals
+    ``build`` over the logits batch (ForwardBatch.logits_batch: those requests' table rows and
+    lengths, one new row each), field by field; None where the step's plan has rows outside the
+    kernel (a long chunk of a full layer past the kernel's limits)."""
+    page = 16
+    g = torch.Generator().manual_seed(seed)
+    lens = [n + ctx for n, ctx, _ in requests]
+    width = max(-(-L // page) for L in lens)
+    table = torch.randperm(len(requests) * width, generator=g).reshape(len(requests), width)
+    qsl = [0]
+    for n, _, _ in requests:
+        qsl.append(qsl[-1] + n)
+    plan = AttentionPlan.build(table, torch.tensor(qsl), torch.tensor(lens), page_size=page, window=window, head_dim=24)
+    sampling = [b for b, (*_, samples) in enumerate(requests) if samples] or [0]
+    rows = torch.tensor([qsl[b + 1] - 1 for b in sampling])
+    got = plan.picked(rows)
+    if not plan.native_every_row:
+        assert got is None
+        return
+    want = AttentionPlan.build(table[sampling], torch.arange(len(sampling) + 1), torch.tensor(lens)[sampling],
+                               page_size=page, window=window, head_dim=24)
+    assert (got.num_tokens, got.all_decode, got.native_every_row, got.extends) == (
+        want.num_tokens, want.all_decode, want.native_every_row, want.extends)
+    assert got.decode_slots is want.decode_slots is None and got.decode_mask is want.decode_mask is None
+    assert torch.equal(got.decode_rows, want.decode_rows)
+    a, b = got.native, want.native
+    assert (a.num_tokens, a.page_size, a.window, a.chunk_after) == (b.num_tokens, b.page_size, b.window, b.chunk_after)
+    # the kernel reads request i's table row and length through requests[i]: compare what each row sees
+    for i in range(len(sampling)):
+        ra, rb = int(a.requests[i]), int(b.requests[i])
+        assert int(a.rows[i]) == int(b.rows[i])
+        assert torch.equal(a.table[ra], b.table[rb]) and int(a.seq_lens[ra]) == int(b.seq_lens[rb])

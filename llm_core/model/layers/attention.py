@@ -213,5 +213,19 @@ class Attention(nn.Module):
                                                        head_dim=self.spec.head_dim)
         return batch.step_cache[key]
 
+    def _rows_plan(self, batch: ForwardBatch, q: torch.Tensor, rows: torch.Tensor):
+        """The plan of the logits rows ``rows`` as decode rows of ``batch.logits_batch()`` (built once):
+        picked from this step's plan of the same pool when an earlier layer built one that holds them
+        as kernel rows (``AttentionPlan.picked``), else built from that batch."""
+        key = ("attn_rows", self.is_sliding, self.window, q.dtype)
+        if key not in batch.step_cache:
+            step = batch.step_cache.get(("attn", self.is_sliding, self.window, q.dtype))
+            hit = None if step is None else step.picked(rows)
+            if hit is None:
+                sub = batch.logits_batch()
+                hit = self._plan(sub, q, sub.swa_block_table if self.is_sliding else sub.full_block_table)
+            batch.step_cache[key] = hit
+        return batch.step_cache[key]
+
     def extra_repr(self) -> str:
         return f"window={self.window}, sinks={self.spec.has_sinks}, value_scale={self.value_scale}"

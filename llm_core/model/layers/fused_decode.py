@@ -75,9 +75,10 @@ class FusedDecode:
         if isinstance(mlp, SparseMoE) and not native_serves(r, mlp.top_k, x.shape[-1]):
             return None
         attn = self.attn
-        rows_batch = batch if pick is None else batch.logits_batch()
-        table = rows_batch.swa_block_table if attn.is_sliding else rows_batch.full_block_table
-        plan = attn._plan(rows_batch, x, table)
+        if pick is None:
+            plan = attn._plan(batch, x, batch.swa_block_table if attn.is_sliding else batch.full_block_table)
+        else:  # the logits rows' plan, without building their batch where this step's plan holds them
+            plan = attn._rows_plan(batch, x, pick)
         # every row a C decode row: an all-decode step, or decodes with short multi-token requests
         # (an MTP verify step's 1 + k rows, each a decode row with its own causal length)
         if plan is None or not plan.native_every_row:
