@@ -21,4 +21,3 @@ def long_tensor(values: Sequence[int] | Sequence[Sequence[int]] | np.ndarray) ->
     if isinstance(values, range):  # (an empty one may step away from its stop: arange refuses that)
         return torch.arange(values.start, values.stop, values.step) if values else torch.empty(0, dtype=torch.long)
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
-
