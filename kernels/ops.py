@@ -80,7 +80,9 @@ def paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
     """Causal (optionally windowed, with sinks) attention of new tokens over a paged pool -> [T, Hq, Dv].
 
     Serves decode, extend and mixed batches; see :mod:`kernels.attention_ref` for the contract.
-    ``plan``: what :func:`attention_plan` returned for this step, pool and window (None: built here).
+    ``plan``: what :func:`attention_plan` returned for this step, pool and window (None: built here);
+    the CPU path then reads nothing else of the batch (``block_table``, ``query_start_loc`` and
+    ``seq_lens`` may be None: a step's logits rows attend through a plan picked from the step's).
     ``k_new`` / ``v_new``: this step's keys and values, already stored into the pool; the CPU path
     reads a fresh prompt chunk's keys from them instead of gathering them back (the result is the same).
     ``decode_keys``: a decode step whose lengths live on the device (a CUDA graph) and the host-known

@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         if fused is not None:
             return fused
         attn = self.self_attn.attend(x, batch, k_cache, v_cache, norm=self.input_layernorm)
-        x, h = self.self_attn.residual_out(attn, x, batch, self.post_attention_layernorm)
+        x, h = self.self_attn.residual_out(attn, x, self.post_attention_layernorm)
         return self.mlp(h, residual=x)
 
     def forward_logits_rows(
@@ -76,8 +76,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn.attend_rows(x, batch, k_cache, v_cache, rows, norm=self.input_layernorm)
         if rows.shape[0] == 0:  # a prompt chunk that samples nothing: only its K/V was needed
             return x[:0]
-        sub = batch.logits_batch()
-        x, h = self.self_attn.residual_out(attn, x.index_select(0, rows), sub, self.post_attention_layernorm)
+        x, h = self.self_attn.residual_out(attn, x.index_select(0, rows), self.post_attention_layernorm)
         return self.mlp(h, residual=x)
 
 

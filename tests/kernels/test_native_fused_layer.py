@@ -36,6 +36,20 @@ def _generate(ckpt, prompts, *, tie_router: bool = False, max_tokens: int = 12):
     return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
 
 
+def _record_picked(monkeypatch) -> list:
+    """The logits rows' plans taken from the step's plan (AttentionPlan.picked; None: not taken), as the
+    engine asks for them."""
+    derived = []
+    real_picked = AttentionPlan.picked
+
+    def picked_plan(self, rows):
+        derived.append(real_picked(self, rows))
+        return derived[-1]
+
+    monkeypatch.setattr(AttentionPlan, "picked", picked_plan)
+    return derived
+
+
 def _prompts(batch):
     g = torch.Generator().manual_seed(batch)
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in torch.randint(5, 30, (batch,), generator=g)]
@@ -83,14 +97,7 @@ def test_a_short_prefills_logits_rows_as_one_call_give_the_same_bits(ckpt, monke
         return out
 
     monkeypatch.setattr(FusedDecode, "run_rows", counted)
-    derived = []  # the logits rows' plans taken from the step's plan (no logits batch built for them)
-    real_picked = AttentionPlan.picked
-
-    def picked_plan(self, rows):
-        derived.append(real_picked(self, rows))
-        return derived[-1]
-
-    monkeypatch.setattr(AttentionPlan, "picked", picked_plan)
+    derived = _record_picked(monkeypatch)
     g = torch.Generator().manual_seed(sum(lengths))
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
     # one generated token: the prefill step's logits alone (the decode steps would not pick rows)
@@ -101,6 +108,21 @@ def test_a_short_prefills_logits_rows_as_one_call_give_the_same_bits(ckpt, monke
     monkeypatch.setattr(FusedDecode, "run_rows", lambda self, *a, **k: None)
     parts = _generate(ckpt, prompts, max_tokens=1)
     assert fused == parts  # tokens and logprobs, bit for bit
+
+
+@pytest.mark.parametrize("lengths", [(90,), (70, 15, 40)])
+def test_a_long_prefills_logits_rows_attend_through_the_picked_plan_with_the_same_bits(ckpt, monkeypatch, lengths):
+    """Past the one-call layer's rows the last layer runs part by part (Attention.attend_rows): its
+    logits rows attend through the plan picked from the step's plan, and give the bits they give
+    through a plan built over ForwardBatch.logits_batch() (AttentionPlan.picked switched off)."""
+    monkeypatch.setattr(build, "_enabled", build.enabled())
+    derived = _record_picked(monkeypatch)
+    g = torch.Generator().manual_seed(sum(lengths))
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    picked = _generate(ckpt, prompts, max_tokens=1)
+    assert any(plan is not None for plan in derived)
+    monkeypatch.setattr(AttentionPlan, "picked", lambda self, rows: None)
+    assert picked == _generate(ckpt, prompts, max_tokens=1)  # tokens and logprobs, bit for bit
 
 
 def test_picked_rows_out_of_order_or_outside_the_step_are_not_packed():

@@ -95,20 +95,23 @@ class Attention(nn.Module):
         q, _, _ = self.write_kv(x, batch, k_cache, v_cache, norm)
         if rows.shape[0] == 0:
             return q.new_empty(0, spec.num_heads * spec.v_head_dim)
-        sub = batch.logits_batch()
+        plan = self._rows_plan(batch, q, rows)
         q = q.index_select(0, rows)
-        table = sub.swa_block_table if self.is_sliding else sub.full_block_table
-        out = ops.paged_attention(q, k_cache, v_cache, table, sub.query_start_loc, sub.seq_lens,
-                                  page_size=sub.page_size, scale=self.scale, window=self.window,
-                                  sinks=self.attention_sink_bias, plan=self._plan(sub, q, table),
-                                  decode_keys=sub.decode_keys)
+        if plan is not None:  # the CPU path reads the plan alone: no logits batch where the step's plan held the rows
+            out = ops.paged_attention(q, k_cache, v_cache, None, None, None, page_size=batch.page_size, scale=self.scale,
+                                      window=self.window, sinks=self.attention_sink_bias, plan=plan)
+        else:  # a kernel that takes no plan (Triton) reads the logits batch's tables and lengths
+            sub = batch.logits_batch()
+            table = sub.swa_block_table if self.is_sliding else sub.full_block_table
+            out = ops.paged_attention(q, k_cache, v_cache, table, sub.query_start_loc, sub.seq_lens,
+                                      page_size=sub.page_size, scale=self.scale, window=self.window,
+                                      sinks=self.attention_sink_bias, decode_keys=sub.decode_keys)
         return out.reshape(rows.shape[0], spec.num_heads * spec.v_head_dim)
 
-    def residual_out(self, attn: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
-                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def residual_out(self, attn: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + o_proj(attn), norm of that): the residual add and the post-attention norm, in one C call
         (kernels/native/decoder_layer.c) where the C front serves, else in torch."""
-        if type(self.o_proj) is nn.Linear and self._native_rows(batch, x):  # not under tensor parallelism:
+        if type(self.o_proj) is nn.Linear and self._native_rows(x):  # not under tensor parallelism:
             # a row-parallel o_proj sums its ranks' partial outputs, which the C call would skip
             fused = attention_out(attn, self.o_proj.weight, x, norm.weight, norm.eps)
             if fused is not None:
@@ -160,7 +163,7 @@ class Attention(nn.Module):
         """The [T, N] projection from the C front (norm, QKV, RoPE, value scale, KV store in one call),
         or None where the torch path serves: more than MAX_ROWS rows, a compiled step (the C
         call would split its graph), bf16, CUDA or the kernels off."""
-        if not self._native_rows(batch, x):
+        if not self._native_rows(x):
             return None
         spec = self.spec
         cos, sin = self._rotary_tables(batch, x.dtype)
@@ -169,7 +172,7 @@ class Attention(nn.Module):
                                head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, cos=cos, signed_sin=sin,
                                value_scale=self.value_scale, k_cache=k_cache, v_cache=v_cache, slots=slots)
 
-    def _native_rows(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
+    def _native_rows(self, x: torch.Tensor) -> bool:
         """Whether the C layer glue may serve x's rows (see _native_front). Any step of at most
         MAX_ROWS rows, decode or prefill: the glue does not depend on how attention runs, and a
         short prefill (a question after a prefix-cache hit) is the same few rows of GEMM, norm and
