@@ -199,7 +199,8 @@ class AttentionPlan:
                 table = block_table if every else block_table[torch.tensor(decode, device=device)]
                 slots, kmax, mask = decode_grid(table, [lens[b] for b in decode], page_size=page_size,
                                                  window=window, keys=keys, dtype=dtype)
-            rows = torch.arange(len(decode), device=device) if every else long_tensor(rows_list).to(device)
+            rows = (torch.arange(len(decode), device=device) if every
+                    else native.rows if native is not None else long_tensor(rows_list).to(device))
         extends = []
         served = set(decode)
         for b in range(num_requests):

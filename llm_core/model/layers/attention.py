@@ -67,7 +67,7 @@ class Attention(nn.Module):
         spec = self.spec
         t = x.shape[0]
         q, k, v = self.write_kv(x, batch, k_cache, v_cache, norm)
-        table = batch.swa_block_table if self.is_sliding else batch.full_block_table
+        table = self._table(batch)
         out = ops.paged_attention(
             q,
             k_cache,
@@ -79,7 +79,7 @@ class Attention(nn.Module):
             scale=self.scale,
             window=self.window,
             sinks=self.attention_sink_bias,
-            plan=self._plan(batch, q, table),
+            plan=self._plan(batch, q),
             k_new=k,
             v_new=v,
             decode_keys=batch.decode_keys,
@@ -98,12 +98,11 @@ class Attention(nn.Module):
         plan = self._rows_plan(batch, q, rows)
         q = q.index_select(0, rows)
         if plan is not None:  # the CPU path reads the plan alone: no logits batch where the step's plan held the rows
-            out = ops.paged_attention(q, k_cache, v_cache, None, None, None, page_size=batch.page_size, scale=self.scale,
-                                      window=self.window, sinks=self.attention_sink_bias, plan=plan)
+            out = ops.paged_attention(q, k_cache, v_cache, None, None, None, page_size=batch.page_size,
+                                      scale=self.scale, window=self.window, sinks=self.attention_sink_bias, plan=plan)
         else:  # a kernel that takes no plan (Triton) reads the logits batch's tables and lengths
             sub = batch.logits_batch()
-            table = sub.swa_block_table if self.is_sliding else sub.full_block_table
-            out = ops.paged_attention(q, k_cache, v_cache, table, sub.query_start_loc, sub.seq_lens,
+            out = ops.paged_attention(q, k_cache, v_cache, self._table(sub), sub.query_start_loc, sub.seq_lens,
                                       page_size=sub.page_size, scale=self.scale, window=self.window,
                                       sinks=self.attention_sink_bias, decode_keys=sub.decode_keys)
         return out.reshape(rows.shape[0], spec.num_heads * spec.v_head_dim)
@@ -207,11 +206,15 @@ class Attention(nn.Module):
             hit = batch.step_cache[key] = bool((slots >= 0).all())
         return hit
 
-    def _plan(self, batch: ForwardBatch, q: torch.Tensor, table: torch.Tensor):
+    def _table(self, batch: ForwardBatch) -> torch.Tensor:
+        """``batch``'s block table of this layer's pool."""
+        return batch.swa_block_table if self.is_sliding else batch.full_block_table
+
+    def _plan(self, batch: ForwardBatch, q: torch.Tensor):
         """The attention index plan of this step for this layer's pool and window (built once)."""
         key = ("attn", self.is_sliding, self.window, q.dtype)
         if key not in batch.step_cache:
-            batch.step_cache[key] = ops.attention_plan(q, table, batch.query_start_loc, batch.seq_lens,
+            batch.step_cache[key] = ops.attention_plan(q, self._table(batch), batch.query_start_loc, batch.seq_lens,
                                                        page_size=batch.page_size, window=self.window,
                                                        head_dim=self.spec.head_dim)
         return batch.step_cache[key]
@@ -225,8 +228,7 @@ class Attention(nn.Module):
             step = batch.step_cache.get(("attn", self.is_sliding, self.window, q.dtype))
             hit = None if step is None else step.picked(rows)
             if hit is None:
-                sub = batch.logits_batch()
-                hit = self._plan(sub, q, sub.swa_block_table if self.is_sliding else sub.full_block_table)
+                hit = self._plan(batch.logits_batch(), q)
             batch.step_cache[key] = hit
         return batch.step_cache[key]
 

@@ -76,7 +76,7 @@ class FusedDecode:
             return None
         attn = self.attn
         if pick is None:
-            plan = attn._plan(batch, x, batch.swa_block_table if attn.is_sliding else batch.full_block_table)
+            plan = attn._plan(batch, x)
         else:  # the logits rows' plan, without building their batch where this step's plan holds them
             plan = attn._rows_plan(batch, x, pick)
         # every row a C decode row: an all-decode step, or decodes with short multi-token requests
