@@ -8,7 +8,19 @@ medians and every pair's own ratio, and beside each wall time the CPU seconds it
 server process's (``/proc/<pid>/stat``: every thread, from just before the request is sent to its
 first token) and PyAV's (this process's ``process_time``). On a 2-core host the TTFT cannot go
 below the request's CPU / 2, so the CPU columns say whether a change did less work or only got
-luckier with the load.
+luckier with the load. The same window's busy time of the whole host (``/proc/stat``: the server,
+this client sending the body and reading the stream, anything else) gives the cores that sat idle;
+streaming can only move the prefill's work into idle cores (its work is the same: the CPU columns),
+so ``served_stream_gain_bound`` -- the no-stream TTFT over the streamed request's CPU floor -- is the
+most any order of that work could gain on this host.
+
+A tighter ceiling comes from the engine's stage timeline, which the server's process does not expose:
+the same default-flag demo engine in this process, a cold clip of the same length per variant
+(``engine_waits``). ``--no-stream-embeddings`` decodes and encodes chunk by chunk as streaming does;
+only its prefill waits for the last embedding, so streaming can shorten nothing but the wait from the
+last encoder forward to the first token:
+
+    best streamed TTFT = no-stream TTFT - no-stream wait + streamed wait   (decode and encode no later)
 
     served_ttft_{streamed,no_stream}_s       median TTFT, streaming on / --no-stream-embeddings
     served_cpu_{streamed,no_stream}_s        median server-process CPU seconds of that request
@@ -17,11 +29,22 @@ luckier with the load.
     served_pair_ratio_median                 median of the per-pair ratios (streamed / its own PyAV)
     served_cpu_over_pyav                     median streamed server CPU / median PyAV CPU
     served_stream_gain                       median no-stream TTFT / median streamed TTFT     [> 1]
+    served_idle_{streamed,no_stream}_s       median idle core-seconds of the host, send to first token
+                                             (cores x TTFT - the host's busy CPU seconds)
+    served_ttft_floor_s                      median streamed server CPU / the host's cores: the TTFT
+                                             that work cannot beat here, however it is scheduled
+    served_stream_gain_bound                 median no-stream TTFT / served_ttft_floor_s
+    served_engine_ttft_{streamed,no_stream}_s   in-process demo engine: median TTFT
+    served_engine_wait_{streamed,no_stream}_s   its median wait from the last encoder forward to the
+                                                first token
+    served_stream_gain_ceiling               no-stream engine TTFT / the best streamed TTFT above
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,11 +52,21 @@ from typing import Callable
 import httpx
 import numpy as np
 
-from _common import first_token_s
+from _bench_omni import ask, data_part, ttft
+from _common import first_token_s, new_engine
 from _pipeline_media import HD, make_h264, make_video, process_cpu_s, pyav_decode_all_cpu
+from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline.runtime.cpu_threads.host_cpu import USER_HZ, busy_ticks
 
 DEMO = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
 VARIANTS = (("streamed", ()), ("no_stream", ("--no-stream-embeddings",)))
+CPUS = frozenset(os.sched_getaffinity(0))  # the server inherits this process's CPU set
+
+
+def host_busy_s() -> float:
+    """Busy CPU seconds of this process's CPUs so far, every process's (/proc/stat, tick resolution)."""
+    with open("/proc/stat") as f:
+        return busy_ticks(f.read(), CPUS) / USER_HZ
 
 
 def _video_body(video: bytes, text: str) -> dict:
@@ -51,11 +84,13 @@ def warm_up(server, body: dict, warm: dict) -> None:
     time.sleep(0.2)  # the warm-up's tail (its last step, logs) ends off the clock
 
 
-def served_request(server, body: dict) -> tuple[float, float]:
-    """(TTFT s, server CPU s from just before sending to the first token) of ``body``."""
-    cpu0 = process_cpu_s(server.proc.pid)
+def served_request(server, body: dict) -> tuple[float, float, float]:
+    """(TTFT s, server CPU s, idle core-seconds of the host) of ``body``, from just before sending
+    to the first token."""
+    cpu0, busy0 = process_cpu_s(server.proc.pid), host_busy_s()
     ttft = first_token_s(server.base_url, body)
-    return ttft, process_cpu_s(server.proc.pid) - cpu0
+    cpu, busy = process_cpu_s(server.proc.pid) - cpu0, host_busy_s() - busy0
+    return ttft, cpu, max(0.0, len(CPUS) * ttft - busy)
 
 
 def bench_served(seconds: int, reps: int, server_factory: Callable[[list[str]], object] | None = None,
@@ -73,21 +108,59 @@ def bench_served(seconds: int, reps: int, server_factory: Callable[[list[str]], 
     warm_clip = clip(2, 301)
     warm = _video_body(warm_clip, "Warm up.")
     pyav_decode_all_cpu(warm_clip)  # this process's first decode pays PyAV's own set-up
-    runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in VARIANTS}
+    runs: dict[str, list[tuple[float, float, float, float, float]]] = {name: [] for name, _ in VARIANTS}
     for r in range(reps):
         for name, flags in VARIANTS:
             with make(["--model", str(DEMO), *flags]) as server:
                 warm_up(server, body, warm)
                 pyav_wall, pyav_cpu = pyav_decode_all_cpu(video)  # this pair's baseline, right before
-                ttft, cpu = served_request(server, body)
-            runs[name].append((ttft, cpu, pyav_wall, pyav_cpu))
-            print(f"{label}round {r + 1}/{reps} {name}: TTFT {ttft:.3f} s (server CPU {cpu:.2f} s), "
-                  f"PyAV {pyav_wall:.3f} s (CPU {pyav_cpu:.2f} s), ratio {ttft / pyav_wall:.2f}", flush=True)
-    return summarize(runs)
+                ttft, cpu, idle = served_request(server, body)
+            runs[name].append((ttft, cpu, pyav_wall, pyav_cpu, idle))
+            print(f"{label}round {r + 1}/{reps} {name}: TTFT {ttft:.3f} s (server CPU {cpu:.2f} s, host idle "
+                  f"{idle:.2f} core-s), PyAV {pyav_wall:.3f} s (CPU {pyav_cpu:.2f} s), ratio {ttft / pyav_wall:.2f}",
+                  flush=True)
+    out = summarize(runs)
+    if server_factory is None:  # the engine of this checkout (a factory may serve another one)
+        out |= engine_waits(clip, seconds, reps)
+    return out
 
 
-def summarize(runs: dict[str, list[tuple[float, float, float, float]]]) -> dict[str, float]:
-    """The keys in the module doc from per-variant (TTFT, server CPU, PyAV wall, PyAV CPU) rows."""
+def engine_waits(clip: Callable[[int, int], bytes], seconds: int, reps: int) -> dict[str, float]:
+    """The ``served_engine_*`` keys and ``served_stream_gain_ceiling`` (module doc): per variant a
+    default-flag demo engine in this process, warmed up, then ``reps`` cold clips of ``seconds``
+    (``clip(seconds, seed)``) with the stage timeline on."""
+    out: dict[str, float] = {}
+    for name, stream in (("streamed", True), ("no_stream", False)):
+        engine = new_engine(DEMO, OmniEngineConfig.from_kwargs(stream_embeddings=stream))
+        firsts, waits = [], []
+        try:
+            asyncio.run(ttft(engine, ask(data_part("video", clip(2, 301)), "Warm up.")))
+            for r in range(reps):
+                # the base64 before the timeline's clock starts: ttft's own clock starts after it
+                messages = ask(data_part("video", clip(seconds, 500 + r)), "What happens in this video?")
+                time.sleep(0.2)  # the warm-up's or the last request's tail, off the clock
+                timeline = engine.runtime.record_timeline()
+                t0 = time.monotonic()
+                first = asyncio.run(ttft(engine, messages))
+                summary = timeline.summary(t0, t0 + first)
+                firsts.append(first)
+                waits.append(first - summary["encode_last"])
+                print(f"engine round {r + 1}/{reps} {name}: TTFT {first:.3f} s, {waits[-1] * 1e3:.0f} ms after the "
+                      f"last encoder forward ({summary['prefill_spans']:.0f} steps, {summary['prefill_busy'] * 1e3:.0f} "
+                      f"ms busy before the first token)", flush=True)
+        finally:
+            engine.shutdown()
+        out[f"served_engine_ttft_{name}_s"] = float(np.median(firsts))
+        out[f"served_engine_wait_{name}_s"] = float(np.median(waits))
+    best = out["served_engine_ttft_no_stream_s"] - out["served_engine_wait_no_stream_s"] + out["served_engine_wait_streamed_s"]
+    out["served_stream_gain_ceiling"] = out["served_engine_ttft_no_stream_s"] / best
+    return out
+
+
+def summarize(runs: dict[str, list[tuple[float, float, float, float, float]]], cores: int = len(CPUS)
+              ) -> dict[str, float]:
+    """The keys in the module doc from per-variant (TTFT, server CPU, PyAV wall, PyAV CPU, host idle
+    core-seconds) rows; ``cores``: the host's CPUs the server may use."""
     med = lambda rows, i: float(np.median([row[i] for row in rows]))  # noqa: E731
     pyav = [row for rows in runs.values() for row in rows]  # every pair's baseline
     s, n = runs["streamed"], runs["no_stream"]
@@ -95,11 +168,14 @@ def summarize(runs: dict[str, list[tuple[float, float, float, float]]]) -> dict[
            "served_cpu_streamed_s": med(s, 1), "served_cpu_no_stream_s": med(n, 1),
            "served_pyav_all_frames_s": med(pyav, 2), "served_pyav_all_frames_cpu_s": med(pyav, 3)}
     out["served_ttft_over_pyav"] = out["served_ttft_streamed_s"] / out["served_pyav_all_frames_s"]
-    out["served_pair_ratio_median"] = float(np.median([t / p for t, _, p, _ in s]))
+    out["served_pair_ratio_median"] = float(np.median([t / p for t, _, p, *_ in s]))
     out["served_cpu_over_pyav"] = out["served_cpu_streamed_s"] / out["served_pyav_all_frames_cpu_s"]
     out["served_stream_gain"] = out["served_ttft_no_stream_s"] / out["served_ttft_streamed_s"]
-    for k, (t, _, p, _) in enumerate(s):
+    out["served_idle_streamed_s"], out["served_idle_no_stream_s"] = med(s, 4), med(n, 4)
+    out["served_ttft_floor_s"] = out["served_cpu_streamed_s"] / cores
+    out["served_stream_gain_bound"] = out["served_ttft_no_stream_s"] / out["served_ttft_floor_s"]
+    for k, (t, _, p, _, _) in enumerate(s):
         out[f"served_pair_{k + 1}_ratio"] = t / p
-    for k, (t, _, p, _) in enumerate(n):
+    for k, (t, _, p, _, _) in enumerate(n):
         out[f"served_pair_{k + 1}_no_stream_ratio"] = t / p
     return out
