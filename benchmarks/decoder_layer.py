@@ -137,7 +137,8 @@ def main() -> None:
              "MoE": (moe_torch, moe_c)}
     results = [case(part, fns, rows, layers, repeats, gen) for part, fns in parts.items()
                for rows in ((1, 32) if args.quick else (1, 8, 32, 64))]
-    if greedy_head.available():  # AVX-512 builds only; from 2 rows (one row stays on MKL's GEMV)
+    if greedy_head.available():  # from 2 rows (one row stays on MKL's GEMV); 9+ rows ask for it only on
+        # AVX-512 builds (greedy_head.pays), shown everywhere
         heads = [{"head": ops.linear_weight_layout(torch.randn(VOCAB, H, generator=gen) * H**-0.5)} for _ in range(4)]
         results += [case("LM head", (head_torch, head_c), rows, heads, repeats, gen)
                     for rows in ((8, 32) if args.quick else (2, 8, 32, 64)) if rows <= greedy_head.MAX_ROWS]

@@ -171,13 +171,15 @@ class MiMoV2ForCausalLM(nn.Module):
         return self.compute_logits(hidden[start:stop])
 
     def greedy_ids(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax token of each row's logits, ``compute_logits(hidden).argmax(-1)``, without writing
-        the logits (kernels/native/greedy_head.c: the LM head's GEMM with a running argmax per row);
+        """The argmax token of each row's logits, ``compute_logits(hidden).argmax(-1)``, without handing
+        logits to the sampler (kernels/native/greedy_head.c: the LM head's GEMM with a running argmax per
+        row on AVX-512, its GEMM then a scan elsewhere);
         None when that kernel cannot serve the call (kernels off, not fp32 CPU, a tied or row-major
-        head, a NaN logit), for a single row (MKL's GEMV is as fast: ``greedy_head.MIN_ROWS``) or when
-        the vocabulary is split across tensor-parallel ranks. The runner asks for it only when every
-        sampling row is greedy without logprobs."""
-        if self.parallel.tp_size != 1 or hidden.shape[0] < greedy_head.MIN_ROWS:
+        head, a NaN logit), for as many rows as MKL's GEMM + argmax serves as fast (one row: its GEMV;
+        on a build without AVX-512 more than 8: ``greedy_head.pays``) or when the vocabulary is split
+        across tensor-parallel ranks. The runner asks for it only when every sampling row is greedy
+        without logprobs."""
+        if self.parallel.tp_size != 1 or not greedy_head.pays(hidden.shape[0]):
             return None
         return lm_head_argmax(hidden, self.lm_head.weight)
 

@@ -11,13 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import native, ops
+from kernels.native import greedy_head
 from kernels.native.greedy_head import MAX_ROWS, MIN_ROWS, available, lm_head_argmax
 from llm_core import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_core.model import mimo_v2
 from llm_core.model.loader import load_model
 from samples.checkpoints.tiny_text import build_tiny_hf_checkpoint
 
-pytestmark = pytest.mark.skipif(not available(), reason="no C compiler, native kernels off or no AVX-512")
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or native kernels off")
 
 
 def head(n, k, generator, *, integer=False):
@@ -162,3 +163,32 @@ def test_a_random_row_in_the_step_keeps_the_sampler(tiny_model, monkeypatch):
                                                                   ignore_eos=True)])
     assert n_alone == 6 and not calls  # the three requests share every step, so none is all-greedy
     assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_rows_past_what_the_build_serves_faster_keep_the_torch_path(tiny_model, monkeypatch):
+    """A build without AVX-512 is faster than MKL's GEMM + argmax only while its GEMM streams the head
+    (greedy_head_fast_rows: 8 on AVX2); past that the model computes the logits. Here the build's
+    bound is 3 and five greedy requests decode together: steps of 2-3 sampling rows take the kernel,
+    steps of 4-5 the logits, and the tokens are those of the logits alone."""
+    lib = greedy_head._lib()
+    monkeypatch.setattr(lib, "greedy_head_fast_rows", lambda: 3)
+    assert [greedy_head.pays(r) for r in range(1, 6)] == [False, True, True, False, False]
+    rows = []
+    monkeypatch.setattr(mimo_v2, "lm_head_argmax", lambda h, w: rows.append(h.shape[0]) or lm_head_argmax(h, w))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in (5, 9, 14, 21, 30)]
+    ref = _generate(tiny_model, prompts, SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True))
+    assert not rows
+    fused = _generate(tiny_model, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert rows and all(MIN_ROWS <= r <= 3 for r in rows)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in ref]
+
+
+def test_every_build_serves_faster_from_two_rows():
+    """What the model asks the kernel for: from MIN_ROWS rows to the build's bound (AVX-512: every call
+    up to MAX_ROWS; AVX2 and others: the rows small_gemm.h streams, at least MIN_ROWS)."""
+    fast = greedy_head._lib().greedy_head_fast_rows()
+    assert fast >= MIN_ROWS
+    assert not greedy_head.pays(MIN_ROWS - 1) and greedy_head.pays(MIN_ROWS)
+    assert greedy_head.pays(min(fast, MAX_ROWS)) and not greedy_head.pays(min(fast, MAX_ROWS) + 1)
