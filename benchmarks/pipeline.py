@@ -50,8 +50,10 @@ Keys (goals on the 2-core CPU host in brackets):
                              (the decode before it is the same work either way); stream_tail_ratio:
                              streamed tail / --no-stream-embeddings tail
   served_*                   --served: TTFT and server-process CPU through `mmserve serve`, each
-                             request paired with a plain-PyAV decode timed just before it
-                             (benchmarks/_served_ttft.py)
+                             request paired with a plain-PyAV decode timed just before it, the
+                             host's idle core-seconds; then the same demo engine in-process with
+                             its stage timeline: served_stream_gain_ceiling, the most streaming
+                             can gain over --no-stream-embeddings (benchmarks/_served_ttft.py)
 
 Setup: a small omni checkpoint (ViT hidden 256 x 4 blocks, MoE text model hidden 256) with real-size
 pixel budgets; videos are 720p 30 fps MPEG-4 with a keyframe every 2 s, sampled at 1 frame/s (the
@@ -327,7 +329,9 @@ def main() -> None:
                         help="run everything N times; report the median of each key and its spread (min, max)")
     parser.add_argument("--served", action="store_true",
                         help="only the served check: a fresh 720p video through `mmserve serve` (demo model), "
-                             "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s)")
+                             "streaming on vs --no-stream-embeddings, vs plain PyAV (60 s clip; --quick: 20 s); "
+                             "then the same engine in-process with its stage timeline (the ceiling on "
+                             "streaming's gain)")
     parser.add_argument("--h264", action="store_true", help="with --served: H.264 clips with B-frames, not MPEG-4")
     for part, text in ONLY.items():
         parser.add_argument(f"--{part}-only", action="store_true", help=text)
