@@ -55,7 +55,7 @@ import numpy as np
 from _bench_omni import ask, data_part, ttft
 from _common import first_token_s, new_engine
 from _pipeline_media import HD, make_h264, make_video, process_cpu_s, pyav_decode_all_cpu
-from mm_pipeline.runtime.config import OmniEngineConfig
+from mm_pipeline import cli
 from mm_pipeline.runtime.cpu_threads.host_cpu import USER_HZ, busy_ticks
 
 DEMO = Path(__file__).resolve().parents[1] / "samples" / "demo-model"
@@ -126,12 +126,14 @@ def bench_served(seconds: int, reps: int, server_factory: Callable[[list[str]], 
 
 
 def engine_waits(clip: Callable[[int, int], bytes], seconds: int, reps: int) -> dict[str, float]:
-    """The ``served_engine_*`` keys and ``served_stream_gain_ceiling`` (module doc): per variant a
-    default-flag demo engine in this process, warmed up, then ``reps`` cold clips of ``seconds``
+    """The ``served_engine_*`` keys and ``served_stream_gain_ceiling`` (module doc): per variant the
+    demo engine the served check's server runs (its flags through `mmserve serve`'s parser: on CUDA
+    where the machine has it), in this process, warmed up, then ``reps`` cold clips of ``seconds``
     (``clip(seconds, seed)``) with the stage timeline on."""
     out: dict[str, float] = {}
-    for name, stream in (("streamed", True), ("no_stream", False)):
-        engine = new_engine(DEMO, OmniEngineConfig.from_kwargs(stream_embeddings=stream))
+    for name, flags in VARIANTS:
+        config = cli.engine_config(cli.build_parser().parse_args(["serve", "--model", str(DEMO), *flags]))
+        engine = new_engine(DEMO, config)
         firsts, waits = [], []
         try:
             asyncio.run(ttft(engine, ask(data_part("video", clip(2, 301)), "Warm up.")))
