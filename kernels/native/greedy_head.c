@@ -137,8 +137,6 @@ static int finish(const Running *s, int64_t m, int64_t n, int64_t *ids, float *a
     return status;
 }
 
-int greedy_head_supported(void) { return 1; }
-
 /* the most rows for which this build beats MKL's GEMM + torch.argmax: every call it takes (the
  * wrapper's MAX_ROWS; 32 rows 1.70 vs 2.68 ms) */
 int greedy_head_fast_rows(void) { return 1 << 30; }
@@ -233,8 +231,6 @@ int lm_head_argmax_f32(const float *h, int64_t m, int64_t kdim, const float *wt,
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
-
-int greedy_head_supported(void) { return 1; }
 
 /* the most rows for which this build beats MKL's GEMM + torch.argmax: those gemm_rows streams */
 int greedy_head_fast_rows(void) { return STREAM_ROWS; }

@@ -30,12 +30,11 @@ _NAME = "greedy_head"
 _FLAGS = ("-ffp-contract=fast",)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {"lm_head_argmax_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr], ctypes.c_int),
-               "greedy_head_supported": ([], ctypes.c_int), "greedy_head_fast_rows": ([], ctypes.c_int)}
+               "greedy_head_fast_rows": ([], ctypes.c_int)}
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = library(_NAME, flags=_FLAGS, signatures=_SIGNATURES)
-    return lib if lib is not None and lib.greedy_head_supported() else None
+    return library(_NAME, flags=_FLAGS, signatures=_SIGNATURES)
 
 
 def available() -> bool:

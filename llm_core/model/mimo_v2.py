@@ -179,7 +179,8 @@ class MiMoV2ForCausalLM(nn.Module):
         on a build without AVX-512 more than 8: ``greedy_head.pays``) or when the vocabulary is split
         across tensor-parallel ranks. The runner asks for it only when every sampling row is greedy
         without logprobs."""
-        if self.parallel.tp_size != 1 or not greedy_head.pays(hidden.shape[0]):
+        # (a CUDA step never asks pays: it would build the CPU kernel for nothing)
+        if self.parallel.tp_size != 1 or not hidden.is_cpu or not greedy_head.pays(hidden.shape[0]):
             return None
         return lm_head_argmax(hidden, self.lm_head.weight)
 
